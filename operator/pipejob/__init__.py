@@ -1,0 +1,1 @@
+"""pipejob: Kubernetes-native RPC pipeline-parallel and hybrid DDP+RPC training."""

@@ -1,0 +1,191 @@
+"""A small declarative schema: one table per job kind drives defaulting, validation
+(with field paths) and the CRD's OpenAPI schema, so the model and the CRDs cannot drift."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a spec. `type` is an OpenAPI type: integer, number, string, boolean,
+    object or array."""
+
+    type: str
+    description: str
+    default: Any = None
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    enum: tuple[Any, ...] | None = None
+    pattern: str | None = None
+    max_length: int | None = None
+    fields: dict[str, Field] | None = None  # object with known properties
+    values: Field | None = None  # object used as a map: every value has this schema
+    items: Field | None = None  # array items
+    free_form: bool = False  # a Kubernetes object we pass through (resources, affinity, ...)
+    required: tuple[str, ...] = ()
+    rules: tuple[Rule, ...] = ()
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A cross-field rule, written once as CEL (enforced by the API server) and once as
+    Python (enforced by `pipejob run` and the operator) over the same defaulted object."""
+
+    cel: str
+    message: str
+    path: str  # the field the rule is about, relative to the object it sits on
+    check: Callable[[dict[str, Any]], bool] = field(compare=False)
+
+
+@dataclass(frozen=True)
+class SpecError:
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+_TYPE_NAMES = {
+    "integer": "an integer",
+    "number": "a number",
+    "string": "a string",
+    "boolean": "true or false",
+    "object": "a mapping",
+    "array": "a list",
+}
+
+
+def _type_ok(kind: str, value: Any) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "object":
+        return isinstance(value, dict)
+    if kind == "array":
+        return isinstance(value, list)
+    raise ValueError(f"unknown schema type {kind}")
+
+
+def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
+    """Return `value` with defaults filled in; append every problem found to `errors`."""
+    if not _type_ok(schema.type, value):
+        errors.append(SpecError(path, f"must be {_TYPE_NAMES[schema.type]}, got {value!r}"))
+        return value
+    if schema.type == "number":
+        value = float(value)
+    if schema.enum is not None and value not in schema.enum:
+        choices = ", ".join(str(c) for c in schema.enum)
+        errors.append(SpecError(path, f"must be one of {choices}; got {value!r}"))
+    if schema.minimum is not None:
+        if schema.exclusive_minimum and value <= schema.minimum:
+            errors.append(SpecError(path, f"must be > {schema.minimum:g}, got {value}"))
+        elif value < schema.minimum:
+            errors.append(SpecError(path, f"must be >= {schema.minimum:g}, got {value}"))
+    if schema.maximum is not None and value > schema.maximum:
+        errors.append(SpecError(path, f"must be <= {schema.maximum:g}, got {value}"))
+    if schema.pattern is not None and not re.fullmatch(schema.pattern, value):
+        errors.append(SpecError(path, f"must match {schema.pattern}, got {value!r}"))
+    if schema.max_length is not None and len(value) > schema.max_length:
+        errors.append(SpecError(path, f"must be at most {schema.max_length} characters"))
+    if schema.type == "array" and schema.items is not None:
+        value = [apply(schema.items, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+    if schema.type == "object" and not schema.free_form:
+        value = _apply_object(schema, value, path, errors)
+    return value
+
+
+def _apply_object(schema: Field, value: dict, path: str, errors: list[SpecError]) -> dict:
+    if schema.values is not None:
+        return {k: apply(schema.values, v, f"{path}.{k}", errors) for k, v in value.items()}
+    known = schema.fields or {}
+    out: dict[str, Any] = {}
+    for key in value:
+        if key not in known:
+            hint = _closest(key, known)
+            errors.append(SpecError(f"{path}.{key}", "unknown field" + hint))
+    for key, sub in known.items():
+        if key in value and value[key] is not None:
+            out[key] = apply(sub, value[key], f"{path}.{key}", errors)
+        elif sub.default is not None:
+            out[key] = apply(sub, _copy(sub.default), f"{path}.{key}", errors)
+        elif sub.type == "object" and sub.fields and _has_defaults(sub):
+            out[key] = _apply_object(sub, {}, f"{path}.{key}", errors)
+        elif key in schema.required:
+            errors.append(SpecError(f"{path}.{key}", "is required"))
+    if not errors_under(errors, path):
+        for rule in schema.rules:
+            if not rule.check(out):
+                errors.append(SpecError(f"{path}.{rule.path}", rule.message))
+    return out
+
+
+def errors_under(errors: list[SpecError], path: str) -> bool:
+    return any(e.path == path or e.path.startswith(path + ".") for e in errors)
+
+
+def _has_defaults(schema: Field) -> bool:
+    return any(
+        f.default is not None or (f.type == "object" and f.fields and _has_defaults(f))
+        for f in (schema.fields or {}).values()
+    )
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _closest(key: str, known: dict[str, Field]) -> str:
+    import difflib
+
+    match = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else f" (known: {', '.join(known)})"
+
+
+def openapi(schema: Field) -> dict[str, Any]:
+    """The OpenAPI v3 (structural) schema of a field, as a CRD wants it."""
+    out: dict[str, Any] = {"type": schema.type, "description": schema.description}
+    if schema.default is not None:
+        out["default"] = schema.default
+    if schema.minimum is not None:
+        num = int(schema.minimum) if schema.type == "integer" else schema.minimum
+        out["minimum"] = num
+        if schema.exclusive_minimum:
+            out["exclusiveMinimum"] = True
+    if schema.maximum is not None:
+        out["maximum"] = int(schema.maximum) if schema.type == "integer" else schema.maximum
+    if schema.enum is not None:
+        out["enum"] = list(schema.enum)
+    if schema.pattern is not None:
+        out["pattern"] = f"^{schema.pattern}$"
+    if schema.max_length is not None:
+        out["maxLength"] = schema.max_length
+    if schema.items is not None:
+        out["items"] = openapi(schema.items)
+    if schema.free_form:
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    if schema.values is not None:
+        out["additionalProperties"] = openapi(schema.values)
+    if schema.fields:
+        out["properties"] = {k: openapi(v) for k, v in schema.fields.items()}
+    if schema.required:
+        out["required"] = list(schema.required)
+    if schema.rules:
+        out["x-kubernetes-validations"] = [
+            {"rule": r.cel, "message": r.message, "fieldPath": f".{r.path}"} for r in schema.rules
+        ]
+    return out

@@ -1,0 +1,49 @@
+"""Entry point of every pod: `python -m pipejob.trainer`. Configured only by the env contract."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+import warnings
+
+from pipejob.trainer.world import ContractError, Env, RendezvousError, log, read_env
+
+
+def run(env: Env) -> dict | None:
+    """Run this process's role; the master returns the run's summary."""
+    if env.kind == "PipelineJob":
+        from pipejob.trainer import pipeline
+
+        return pipeline.run(env)
+    if env.kind == "HybridJob":
+        from pipejob.trainer import hybrid
+
+        return hybrid.run(env)
+    raise ContractError(f"unknown job kind {env.kind!r}")
+
+
+def main() -> int:
+    # gloo's deprecation chatter at shutdown says nothing useful to a user.
+    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+    try:
+        env = read_env()
+    except ContractError as e:
+        log(None, f"error: {e}")
+        return 2
+    try:
+        summary = run(env)
+    except RendezvousError as e:
+        log(env, f"error: {e}")
+        return 3
+    except Exception:
+        log(env, "error: training failed:\n" + traceback.format_exc())
+        return 1
+    if summary is not None and env.summary_file:
+        with open(env.summary_file, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

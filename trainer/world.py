@@ -68,7 +68,7 @@ def _int(environ: dict[str, str], name: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ContractError(f"environment variable {name} must be an integer, got {value!r}")
+        raise ContractError(f"{name} must be an integer, got {value!r}") from None
 
 
 def read_env(environ: dict[str, str] | None = None) -> Env:
@@ -113,8 +113,9 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
 
 
 def log(env: Env | None, message: str) -> None:
-    who = env.rpc_name if env else "pipejob"
-    print(f"[{who}] {message}", file=sys.stderr if env is None else sys.stdout, flush=True)
+    """One line of output. No name prefix: a pod's log is its own, and the local runner
+    prefixes each line with the process's RPC name."""
+    print(message, file=sys.stderr if env is None else sys.stdout, flush=True)
 
 
 def wait_reachable(host: str, port: int, deadline: float, what: str, env: Env) -> None:

@@ -1,1 +1,80 @@
-def main(): print("hi")
+"""The `pipejob` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipejob import spec
+from pipejob.plan import plan_world
+
+
+def _load_or_exit(path: str) -> spec.Job:
+    try:
+        return spec.load(path)
+    except spec.InvalidSpec as e:
+        print(f"pipejob: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pipejob.runner import run_job
+
+    return run_job(_load_or_exit(args.file), grace=args.grace)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    failed = False
+    for path in args.files:
+        try:
+            job = spec.load(path)
+        except spec.InvalidSpec as e:
+            print(f"pipejob: {e}", file=sys.stderr)
+            failed = True
+        else:
+            print(f"{path}: valid {job.kind} {job.name!r}")
+    return 2 if failed else 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    job = _load_or_exit(args.file)
+    print(f"{'rank':>4}  {'rpc name':<10} {'role':<8} {'gpus':>4}  {'ddp':<5} address")
+    for p in plan_world(job, lambda m: f"{job.name}-{m.label}.{job.name}"):
+        ddp = f"{p.ddp_rank}/{p.ddp_world_size}" if p.ddp_rank is not None else "-"
+        print(f"{p.rank:>4}  {p.rpc_name:<10} {p.role:<8} {p.gpus:>4}  {ddp:<5} {p.address}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipejob",
+        description="Run PyTorch RPC pipeline-parallel and hybrid DDP+RPC jobs, "
+        "locally or on Kubernetes.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a job manifest as local processes")
+    run.add_argument("file", help="PipelineJob or HybridJob manifest (YAML)")
+    run.add_argument(
+        "--grace", type=float, default=10.0,
+        help="seconds a process gets to exit after SIGTERM before SIGKILL (default 10)",
+    )  # fmt: skip
+    run.set_defaults(func=cmd_run)
+
+    validate = sub.add_parser("validate", help="check manifests; print every error")
+    validate.add_argument("files", nargs="+", metavar="FILE")
+    validate.set_defaults(func=cmd_validate)
+
+    plan = sub.add_parser("plan", help="print the world plan: ranks, roles, addresses")
+    plan.add_argument("file")
+    plan.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

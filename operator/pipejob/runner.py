@@ -1,0 +1,178 @@
+"""The embedded default: run a job's world plan as local processes on loopback.
+
+Each process gets exactly the env a pod would get (plus the caller's environment, for PATH
+and friends). The runner streams their output with role prefixes, and treats the world as
+Kubernetes would under pipejob: the master's exit decides; any other process dying stops
+everything, since an RPC world cannot re-admit a member."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TextIO
+
+from pipejob.plan import TRAINER_MODULE, Ports, Process, plan_world
+from pipejob.spec import Job
+
+LOOPBACK = "127.0.0.1"
+POLL_SECONDS = 0.1
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct ports the kernel says are free now (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind((LOOPBACK, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass
+class Running:
+    process: Process
+    popen: subprocess.Popen
+    pump: threading.Thread
+
+    @property
+    def name(self) -> str:
+        return self.process.rpc_name
+
+
+class World:
+    """The started processes of one job and their output."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+        self.lock = threading.Lock()
+        self.members: list[Running] = []
+
+    def say(self, message: str) -> None:
+        with self.lock:
+            self.out.write(f"pipejob: {message}\n")
+            self.out.flush()
+
+    def _pump(self, stream: Iterable[str], prefix: str) -> None:
+        for line in stream:
+            text = line.rstrip("\n")
+            with self.lock:
+                self.out.write(f"{prefix} | {text}\n")
+                self.out.flush()
+
+    def start(self, processes: list[Process]) -> None:
+        width = max(len(p.rpc_name) for p in processes)
+        for p in processes:
+            popen = subprocess.Popen(
+                [sys.executable, *TRAINER_MODULE],
+                env=os.environ | p.env | {"PYTHONUNBUFFERED": "1"},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,  # its own process group: stop it and its children
+            )
+            pump = threading.Thread(
+                target=self._pump, args=(popen.stdout, p.rpc_name.ljust(width)), daemon=True
+            )
+            pump.start()
+            self.members.append(Running(p, popen, pump))
+            self.say(f"started {p.rpc_name} (rank {p.rank}, pid {popen.pid})")
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM every process group still alive, SIGKILL after `grace` seconds."""
+        alive = [m for m in self.members if m.popen.poll() is None]
+        for m in alive:
+            _signal_group(m.popen, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for m in alive:
+            try:
+                m.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(m.popen, signal.SIGKILL)
+                m.popen.wait()
+        for m in self.members:
+            _signal_group(m.popen, signal.SIGKILL)  # stray children of exited processes
+            m.pump.join(timeout=2)
+
+    def watch(self, grace: float) -> int:
+        """Wait for the master to finish or any member to fail; return the job's exit code."""
+        master = self.members[0]
+        while True:
+            for m in self.members:
+                code = m.popen.poll()
+                if code is None or (code == 0 and m is not master):
+                    continue  # others may exit 0 while the world shuts down
+                if m is master and code == 0:
+                    return self._finish(grace)
+                p = m.process
+                self.say(f"{m.name} (role {p.role}, rank {p.rank}) failed: {describe_exit(code)}")
+                self.say("stopping the other processes")
+                self.stop(grace)
+                return code if m is master and code > 0 else 1
+            time.sleep(POLL_SECONDS)
+
+    def _finish(self, grace: float) -> int:
+        # Workers leave rpc.shutdown() right after the master: give them `grace` to do so.
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(m.popen.poll() is None for m in self.members):
+            time.sleep(POLL_SECONDS)
+        lingering = [m.name for m in self.members if m.popen.poll() is None]
+        if lingering:
+            self.say(f"stopping processes still running after the master: {', '.join(lingering)}")
+        self.stop(grace)
+        return 0
+
+
+def _signal_group(popen: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_job(job: Job, grace: float = 10.0, out: TextIO = sys.stdout) -> int:
+    """Run `job` locally; return the master's exit code (non-zero if any member failed)."""
+    rpc_port, ddp_port = free_ports(2)
+    processes = plan_world(job, lambda m: LOOPBACK, Ports(rpc=rpc_port, ddp=ddp_port))
+    world = World(out)
+    world.say(
+        f"running {job.kind} {job.name!r} as {len(processes)} local processes"
+        f" ({', '.join(p.rpc_name for p in processes)}); rendezvous {LOOPBACK}:{rpc_port}"
+    )
+    # Stop the world on Ctrl-C or SIGTERM, too: nothing may outlive the runner.
+    previous = signal.signal(signal.SIGTERM, lambda *_: _raise_interrupt())
+    try:
+        world.start(processes)
+        code = world.watch(grace)
+    except KeyboardInterrupt:
+        world.say("interrupted; stopping every process")
+        world.stop(grace)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    world.say(f"{job.kind} {job.name!r} " + ("succeeded" if code == 0 else "failed"))
+    return code
+
+
+def _raise_interrupt() -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,112 @@
+"""The world plan, checked exhaustively over job shapes."""
+
+import json
+import re
+
+import pytest
+
+from pipejob import contract as c
+from pipejob import spec
+from pipejob.plan import Ports, members, plan_world
+
+COMMON_ENV = {
+    c.MASTER_ADDR, c.MASTER_PORT, c.RANK, c.WORLD_SIZE, c.KIND, c.JOB, c.ROLE, c.ROLE_INDEX,
+    c.RPC_NAME, c.WORLD, c.SPEC, c.GPUS, c.RENDEZVOUS_TIMEOUT,
+}  # fmt: skip
+DDP_ENV = {c.DDP_ADDR, c.DDP_PORT, c.DDP_RANK, c.DDP_WORLD_SIZE, c.DDP_BACKEND}
+DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def job(kind, **fields):
+    return spec.parse({
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": kind,
+        "metadata": {"name": "j" * spec.MAX_JOB_NAME},  # the longest name allowed
+        "spec": fields,
+    })  # fmt: skip
+
+
+def k8s_address(j):
+    return lambda m: f"{j.name}-{m.label}.{j.name}"
+
+
+SHAPES = [
+    *(("PipelineJob", {"stages": s, "gpusPerStage": g}) for s in (2, 3, 8, 64) for g in (0, 2)),
+    *(("HybridJob", {"trainers": t, "gpusPerTrainer": g}) for t in (1, 2, 5, 256) for g in (0, 1)),
+]
+
+
+@pytest.mark.parametrize(("kind", "fields"), SHAPES, ids=lambda v: str(v))
+def test_world_invariants(kind, fields):
+    j = job(kind, **fields)
+    ports = Ports(rpc=29500, ddp=29501)
+    world = plan_world(j, k8s_address(j), ports)
+
+    # ranks dense and unique, master at 0, world size agreed by everyone
+    assert [p.rank for p in world] == list(range(len(world)))
+    assert world[0].role == "master"
+    assert all(p.world_size == len(world) for p in world)
+    assert len({p.rpc_name for p in world}) == len(world)
+    assert [p.rpc_name for p in world] == [m.rpc_name for m in members(j)]
+
+    # pod names are DNS labels, addresses are the pods' DNS names
+    for p in world:
+        assert DNS_LABEL.fullmatch(f"{j.name}-{p.member.label}"), p.member.label
+
+    trainers = [p for p in world if p.role == "trainer"]
+    for p in world:
+        env = p.env
+        expected = COMMON_ENV | (DDP_ENV if p.role == "trainer" else set())
+        assert set(env) == expected, p.rpc_name
+        assert all(isinstance(v, str) and v for v in env.values())
+        assert env[c.RANK] == str(p.rank) and env[c.RPC_NAME] == p.rpc_name
+        assert env[c.MASTER_ADDR] == world[0].address
+        assert env[c.WORLD].split(",") == [q.rpc_name for q in world]
+        assert json.loads(env[c.SPEC]) == j.spec
+        # ports distinct: the DDP group never shares the RPC rendezvous
+        assert env[c.MASTER_PORT] == "29500"
+        if p.role == "trainer":
+            assert env[c.DDP_PORT] == "29501" != env[c.MASTER_PORT]
+            assert env[c.DDP_ADDR] == trainers[0].address
+            assert env[c.DDP_BACKEND] == ("nccl" if p.gpus else "gloo")
+
+    # the DDP group holds exactly the trainers, ranked densely
+    ddp = [p for p in world if p.ddp_rank is not None]
+    assert ddp == trainers
+    assert sorted(p.ddp_rank for p in ddp) == list(range(len(trainers)))
+    assert all(p.ddp_world_size == len(trainers) for p in ddp)
+
+    # GPUs only where the spec asks for them
+    gpu_role = "stage" if kind == "PipelineJob" else "trainer"
+    per_role = fields.get("gpusPerStage", fields.get("gpusPerTrainer"))
+    for p in world:
+        assert p.gpus == (per_role if p.role == gpu_role else 0)
+
+
+def test_roles_and_counts():
+    pj = plan_world(job("PipelineJob", stages=3), lambda m: "127.0.0.1")
+    assert [p.rpc_name for p in pj] == ["master", "stage0", "stage1", "stage2"]
+    hj = plan_world(job("HybridJob", trainers=2), lambda m: "127.0.0.1")
+    assert [(p.rpc_name, p.rank) for p in hj] == [
+        ("master", 0), ("ps", 1), ("trainer0", 2), ("trainer1", 3)
+    ]  # fmt: skip
+
+
+def test_addresses_are_an_input():
+    j = job("HybridJob", trainers=3)
+    table = {m.label: f"host-{i}" for i, m in enumerate(members(j))}
+    world = plan_world(j, lambda m: table[m.label])
+    assert [p.address for p in world] == list(table.values())
+    assert {p.env[c.MASTER_ADDR] for p in world} == {"host-0"}
+    assert {p.env[c.DDP_ADDR] for p in world if p.role == "trainer"} == {table["trainer-0"]}
+
+
+def test_same_ports_refused():
+    with pytest.raises(ValueError, match="must differ"):
+        plan_world(job("HybridJob"), lambda m: "127.0.0.1", Ports(rpc=1234, ddp=1234))
+
+
+def test_plan_is_pure():
+    j = job("PipelineJob", stages=4)
+    first = plan_world(j, k8s_address(j))
+    assert first == plan_world(j, k8s_address(j))

@@ -1,0 +1,60 @@
+# syntax=docker/dockerfile:1
+# Two images from one file (docs/images.md):
+#   docker build --target operator -t pipejob/operator:0.1.0 .   # kopf operator, no torch
+#   docker build --target trainer  -t pipejob/trainer:0.1.0  .   # torch + torchvision (CUDA)
+#
+# The base is pinned by tag. Pin it by digest too when you publish images:
+#   docker buildx imagetools inspect python:3.11.14-slim-bookworm
+# and build with --build-arg PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:<digest>.
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS base
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+LABEL org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.vendor="pipejob" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}"
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# A fixed numeric uid, so Kubernetes can verify runAsNonRoot without reading /etc/passwd.
+RUN groupadd --gid 10001 pipejob \
+ && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin pipejob
+WORKDIR /src
+# Only the project metadata: the dependency layers below are rebuilt when pyproject.toml
+# changes, not when the code does. Empty package folders let pip resolve `.[extra]`.
+COPY pyproject.toml ./
+RUN mkdir -p operator/pipejob trainer \
+ && touch README.md operator/pipejob/__init__.py trainer/__init__.py
+
+FROM base AS operator
+LABEL org.opencontainers.image.title="pipejob-operator" \
+      org.opencontainers.image.description="pipejob Kubernetes operator (kopf), no torch"
+# The versions are pinned where they are declared: the extras in pyproject.toml.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".[operator]" && pip uninstall --yes pipejob
+COPY README.md ./
+COPY operator/ operator/
+COPY trainer/ trainer/
+RUN pip install --no-cache-dir --no-deps . && rm -rf /src/*
+WORKDIR /home/pipejob
+USER 10001:10001
+EXPOSE 8080
+ENTRYPOINT ["pipejob", "operator"]
+
+FROM base AS trainer
+LABEL org.opencontainers.image.title="pipejob-trainer" \
+      org.opencontainers.image.description="pipejob trainer: torch + torchvision with CUDA"
+# torch and torchvision wheels from PyPI bundle the CUDA runtime (nvidia-* wheels); the
+# node's NVIDIA driver is all a GPU pod needs besides. The biggest layer, so it goes first.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".[trainer]" && pip uninstall --yes pipejob
+COPY README.md ./
+COPY operator/ operator/
+COPY trainer/ trainer/
+RUN pip install --no-cache-dir --no-deps . && rm -rf /src/*
+WORKDIR /home/pipejob
+USER 10001:10001
+ENTRYPOINT ["python", "-m", "pipejob.trainer"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipejob import spec
+from pipejob import cli_operator, spec
 from pipejob.plan import plan_world
 
 
@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the world plan: ranks, roles, addresses")
     plan.add_argument("file")
     plan.set_defaults(func=cmd_plan)
+
+    cli_operator.add_subcommands(sub)  # operator, render, crds
     return parser
 
 

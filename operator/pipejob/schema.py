@@ -161,6 +161,8 @@ def openapi(schema: Field) -> dict[str, Any]:
     out: dict[str, Any] = {"type": schema.type, "description": schema.description}
     if schema.default is not None:
         out["default"] = schema.default
+    elif schema.type == "object" and schema.fields and _has_defaults(schema):
+        out["default"] = {}  # the API server then fills nested defaults in, as `apply` does
     if schema.minimum is not None:
         num = int(schema.minimum) if schema.type == "integer" else schema.minimum
         out["minimum"] = num

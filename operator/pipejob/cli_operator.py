@@ -1,0 +1,115 @@
+"""The cluster side of the `pipejob` command: `operator`, `render` and `crds`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import yaml
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    import kopf
+
+    from pipejob import controller
+
+    level = getattr(logging, args.log_level.upper())
+    kopf.configure(debug=level <= logging.DEBUG, quiet=level >= logging.WARNING)
+    logging.getLogger().setLevel(level)
+    health = f"http://{args.health_host}:{args.health_port}/healthz" if args.health_port else None
+    controller.run(
+        namespaces=args.namespaces or [],
+        all_namespaces=args.all_namespaces,
+        health=health,
+        peering=args.peering,
+    )
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from pipejob import kube, spec
+
+    try:
+        job = spec.load(args.file)
+        errors = kube.check(job)
+        if errors:
+            raise spec.InvalidSpec(errors, args.file)
+    except spec.InvalidSpec as e:
+        print(f"pipejob: {e}", file=sys.stderr)
+        return 2
+    namespace = args.namespace or job.namespace or "default"
+    objects = kube.render(job, namespace, args.image)
+    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, width=100))
+    return 0
+
+
+def cmd_crds(args: argparse.Namespace) -> int:
+    from pipejob import crd
+
+    if args.output_dir:
+        for path in crd.write(args.output_dir):
+            print(f"wrote {path}")
+    else:
+        sys.stdout.write("---\n".join(crd.generated().values()))
+    return 0
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    op = sub.add_parser(
+        "operator",
+        help="run the Kubernetes operator (kubeconfig or in-cluster service account)",
+        description="Run the pipejob operator: it watches PipelineJobs and HybridJobs and "
+        "makes, tracks, restarts and cleans up their pods. Credentials come from the "
+        "in-cluster service account or the kubeconfig ($KUBECONFIG). The default trainer "
+        "image is $PIPEJOB_TRAINER_IMAGE; $PIPEJOB_RESYNC_SECONDS sets how often every job "
+        "is looked at again (default 10).",
+    )
+    where = op.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "-n", "--namespace", action="append", dest="namespaces", metavar="NAMESPACE",
+        help="serve this namespace (repeatable)",
+    )  # fmt: skip
+    where.add_argument("-A", "--all-namespaces", action="store_true", help="serve all namespaces")
+    op.add_argument(
+        "--health-port", type=int, metavar="PORT",
+        help="serve the liveness endpoint /healthz on this port",
+    )  # fmt: skip
+    op.add_argument(
+        "--health-host", default="0.0.0.0", metavar="ADDRESS",
+        help="address of the liveness endpoint (default 0.0.0.0)",
+    )  # fmt: skip
+    op.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
+    peers = op.add_mutually_exclusive_group()
+    peers.add_argument(
+        "--standalone", dest="peering", action="store_const", const=None,
+        help="run as the only operator, without kopf peering (the default)",
+    )  # fmt: skip
+    peers.add_argument(
+        "--peering", metavar="NAME",
+        help="join the kopf peering object NAME: of several replicas only one is active",
+    )  # fmt: skip
+    op.set_defaults(func=cmd_operator)
+
+    render = sub.add_parser(
+        "render",
+        help="print the Service and Pods the operator would create for a manifest",
+        description="Print, as multi-document YAML, the headless Service and the Pods the "
+        "operator creates for a job (for review, or `kubectl apply --dry-run=client -f -`).",
+    )
+    render.add_argument("file", help="PipelineJob or HybridJob manifest (YAML)")
+    render.add_argument(
+        "-n", "--namespace",
+        help="namespace of the objects (default: the manifest's, else default)",
+    )  # fmt: skip
+    render.add_argument("--image", help="trainer image (default: $PIPEJOB_TRAINER_IMAGE)")
+    render.set_defaults(func=cmd_render)
+
+    crds = sub.add_parser(
+        "crds",
+        help="print the CustomResourceDefinitions (or write them with --output-dir)",
+    )
+    crds.add_argument("-o", "--output-dir", metavar="DIR", help="write one file per CRD here")
+    crds.set_defaults(func=cmd_crds)

@@ -1,0 +1,166 @@
+"""Every Kubernetes API call the operator makes itself (kopf adds its watches, listed in
+rbac.py). One method per call, plain dicts in and out, over the `kubernetes` client's
+connection (configured by the kopf login handler from the kubeconfig or the pod's account)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import client
+
+from pipejob.spec import GROUP, VERSION
+from pipejob.status import timestamp
+
+REPORTER = "pipejob-operator"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, method: str, path: str, body: str):
+        self.status = status
+        super().__init__(f"{method} {path}: HTTP {status}: {body[:500]}")
+
+
+def _job_path(plural: str, namespace: str, name: str) -> str:
+    return f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{plural}/{name}"
+
+
+def merge_patch(old: dict, new: dict) -> dict:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`."""
+    patch: dict[str, Any] = {k: None for k in old if k not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            sub = merge_patch(before, value)
+            if sub:
+                patch[key] = sub
+        elif value != before or key not in old:
+            patch[key] = value
+    return patch
+
+
+class Cluster:
+    def __init__(self, api: client.ApiClient | None = None):
+        self.api = api or client.ApiClient()
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: dict | None = None,
+        content_type: str = "application/json",
+    ) -> dict:
+        params = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query,
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self.api.call_api(*params, _request_timeout=30)
+        data = response.read()
+        if not 200 <= response.status < 300:
+            raise ApiError(response.status, method, path, data.decode("utf-8", "replace"))
+        return json.loads(data) if data else {}
+
+    def get_job(self, plural: str, namespace: str, name: str) -> dict | None:
+        """GET the job; None once it is gone."""
+        try:
+            return self._call("GET", _job_path(plural, namespace, name))
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list_pods(self, namespace: str, job: str) -> list[dict]:
+        """LIST the pods labelled with the job (every restart, every owner)."""
+        from pipejob.kube import JOB_LABEL
+
+        found = self._call(
+            "GET", f"/api/v1/namespaces/{namespace}/pods",
+            query={"labelSelector": f"{JOB_LABEL}={job}"},
+        )  # fmt: skip
+        items = found.get("items") or []
+        # The selector is the server's job; checking it again costs nothing and keeps a
+        # server that ignores it from handing us other jobs' pods.
+        return [p for p in items if (p["metadata"].get("labels") or {}).get(JOB_LABEL) == job]
+
+    def create(self, obj: dict) -> bool:
+        """CREATE a Pod or Service; False if one of that name exists already."""
+        meta = obj["metadata"]
+        plural = {"Pod": "pods", "Service": "services"}[obj["kind"]]
+        try:
+            self._call("POST", f"/api/v1/namespaces/{meta['namespace']}/{plural}", obj)
+        except ApiError as e:
+            if e.status == 409:
+                return False
+            raise
+        return True
+
+    def delete_pod(self, pod: dict) -> None:
+        """DELETE the pod observed, not a newer one of the same name; gone already is fine."""
+        meta = pod["metadata"]
+        body = {"kind": "DeleteOptions", "apiVersion": "v1"}
+        if meta.get("uid"):
+            body["preconditions"] = {"uid": meta["uid"]}
+        try:
+            self._call("DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                       body)  # fmt: skip
+        except ApiError as e:
+            if e.status not in (404, 409):
+                raise
+
+    def patch_status(self, plural: str, job: dict, status: dict) -> None:
+        """PATCH the job's status subresource from what it was to `status`."""
+        meta = job["metadata"]
+        patch = merge_patch(job.get("status") or {}, status)
+        if patch:
+            self._call(
+                "PATCH", _job_path(plural, meta["namespace"], meta["name"]) + "/status",
+                {"status": patch}, content_type="application/merge-patch+json",
+            )  # fmt: skip
+
+    def delete_job(self, plural: str, job: dict) -> None:
+        """DELETE the job (its pods and Service follow by their ownerReferences)."""
+        meta = job["metadata"]
+        body = {
+            "kind": "DeleteOptions",
+            "apiVersion": "v1",
+            "propagationPolicy": "Background",
+            "preconditions": {"uid": meta["uid"]},
+        }
+        try:
+            self._call("DELETE", _job_path(plural, meta["namespace"], meta["name"]), body)
+        except ApiError as e:
+            if e.status not in (404, 409):
+                raise
+
+    def post_event(self, job: dict, type: str, reason: str, message: str) -> None:
+        """CREATE an Event about the job (what `kubectl describe` shows)."""
+        meta = job["metadata"]
+        now = datetime.now(UTC)
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": job.get("apiVersion"),
+                "kind": job.get("kind"),
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "type": type,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": REPORTER},
+            "reportingComponent": REPORTER,
+            "reportingInstance": REPORTER,
+            "firstTimestamp": timestamp(now),
+            "lastTimestamp": timestamp(now),
+            "count": 1,
+        }
+        self._call("POST", f"/api/v1/namespaces/{meta['namespace']}/events", event)

@@ -1,0 +1,179 @@
+"""The kopf wiring, thin on purpose: every trigger -- a job's watch event, an event of one of
+its pods, a periodic resync -- runs the same reconcile of that job: read the job and its
+pods, `reconcile.decide`, apply the actions. Nothing is remembered between reconciles but a
+per-job lock, so a killed and restarted operator simply converges again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from pipejob import kube, reconcile
+from pipejob.cluster import Cluster
+from pipejob.crd import PLURALS
+from pipejob.spec import API_VERSION, GROUP, VERSION
+
+RESYNC_ENV = "PIPEJOB_RESYNC_SECONDS"
+DEFAULT_RESYNC = 10.0  # deadlines, TTLs and missed events are seen within this
+
+REGISTRY = kopf.OperatorRegistry()
+
+Key = tuple[str, str, str]  # (plural, namespace, name)
+
+
+class Reconciler:
+    """Runs reconciles, one at a time per job; triggers that arrive while one runs are
+    folded into a single follow-up (it observes afresh, so it sees them all)."""
+
+    def __init__(self, cluster: Cluster, image: str):
+        self.cluster = cluster
+        self.image = image
+        self.jobs: set[Key] = set()  # the jobs kopf has shown us, for the resync
+        self._guard = threading.Lock()
+        self._locks: dict[Key, threading.Lock] = {}
+        self._queued: set[Key] = set()
+
+    def kick(self, key: Key, logger: Any) -> None:
+        with self._guard:
+            if key in self._queued:
+                return
+            self._queued.add(key)
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            with self._guard:
+                self._queued.discard(key)
+            self._reconcile(key, logger)
+
+    def track(self, key: Key) -> None:
+        with self._guard:
+            self.jobs.add(key)
+
+    def forget(self, key: Key) -> None:
+        with self._guard:
+            self.jobs.discard(key)
+            self._locks.pop(key, None)
+
+    def _reconcile(self, key: Key, logger: Any) -> None:
+        plural, namespace, name = key
+        job = self.cluster.get_job(plural, namespace, name)
+        if job is None or job["metadata"].get("deletionTimestamp"):
+            self.forget(key)  # garbage collection removes what it made
+            return
+        pods = self.cluster.list_pods(namespace, name)
+        acts = reconcile.decide(job, pods, datetime.now(UTC), self.image)
+        # Pods before status (a world counts as created once its pods exist), status before
+        # deletes (a restart is recorded before its world goes), so a crash between any two
+        # steps is repaired by the next reconcile.
+        if acts.service is not None:
+            self.cluster.create(acts.service)
+        for pod in acts.create:
+            self.cluster.create(pod)
+        old = job.get("status") or {}
+        if acts.status != old:
+            self.cluster.patch_status(plural, job, acts.status)
+            if acts.status.get("phase") != old.get("phase"):
+                logger.info(f"{namespace}/{name}: {old.get('phase')} -> {acts.status['phase']}")
+        for pod in acts.delete:
+            self.cluster.delete_pod(pod)
+        if acts.delete:
+            logger.info(f"{namespace}/{name}: deleted pods "
+                        + ", ".join(p["metadata"]["name"] for p in acts.delete))  # fmt: skip
+        for event in acts.events:
+            logger.log(logging.WARNING if event.type == reconcile.WARNING else logging.INFO,
+                       f"{namespace}/{name}: {event.reason}: {event.message}")  # fmt: skip
+            self.cluster.post_event(job, event.type, event.reason, event.message)
+        if acts.delete_job:
+            logger.info(f"{namespace}/{name}: ttlSecondsAfterFinished passed: deleting the job")
+            self.cluster.delete_job(plural, job)
+            self.forget(key)
+
+
+def resync_seconds() -> float:
+    value = os.environ.get(RESYNC_ENV)
+    return float(value) if value else DEFAULT_RESYNC
+
+
+@kopf.on.login(registry=REGISTRY)
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    # Configures the `kubernetes` client (kubeconfig or the pod's service account) and hands
+    # kopf the same credentials: one login for kopf's watches and our calls.
+    return kopf.login_via_client(**kwargs)
+
+
+@kopf.on.startup(registry=REGISTRY)
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Any, **_: Any):
+    # Serve exactly the namespaces asked for; no CRD or Namespace watching (least privilege).
+    settings.scanning.disabled = True
+    settings.posting.level = logging.WARNING  # kopf's own Events: only its errors
+    memo.reconciler = Reconciler(Cluster(), kube.trainer_image())
+    memo.resync = asyncio.create_task(_resync(memo.reconciler, resync_seconds(), logger))
+    logger.info(f"trainer image {memo.reconciler.image}; resync every {resync_seconds()}s")
+
+
+@kopf.on.cleanup(registry=REGISTRY)
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    task = getattr(memo, "resync", None)
+    if task is not None:
+        task.cancel()
+
+
+@kopf.on.probe(id="jobs", registry=REGISTRY)
+def probe(memo: kopf.Memo, **_: Any) -> int:
+    return len(memo.reconciler.jobs)
+
+
+async def _resync(reconciler: Reconciler, interval: float, logger: Any) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        for key in sorted(reconciler.jobs):
+            try:
+                await asyncio.to_thread(reconciler.kick, key, logger)
+            except Exception as e:  # the next round tries again; the operator keeps going
+                logger.error(f"reconcile of {key[1]}/{key[2]} failed: {e}")
+
+
+def on_job(event: dict, resource: Any, namespace: str, name: str, memo: kopf.Memo,
+           logger: Any, **_: Any) -> None:  # fmt: skip
+    key = (resource.plural, namespace, name)
+    if event.get("type") == "DELETED":
+        memo.reconciler.forget(key)
+        return
+    memo.reconciler.track(key)
+    memo.reconciler.kick(key, logger)
+
+
+for _plural in PLURALS.values():
+    kopf.on.event(GROUP, VERSION, _plural, id=f"{_plural}", registry=REGISTRY)(on_job)
+
+
+@kopf.on.event("v1", "pods", labels={kube.JOB_LABEL: kopf.PRESENT}, registry=REGISTRY)
+def on_pod(body: dict, namespace: str, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    """A pod of a job changed or went: reconcile the job that owns it."""
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("apiVersion") == API_VERSION:
+            plural = PLURALS.get(ref.get("kind"))
+            if plural is not None:
+                memo.reconciler.kick((plural, namespace, ref["name"]), logger)
+
+
+def run(
+    namespaces: list[str],
+    all_namespaces: bool,
+    health: str | None,
+    peering: str | None,
+) -> None:
+    """Run the operator until interrupted (SIGINT/SIGTERM)."""
+    kopf.run(
+        registry=REGISTRY,
+        clusterwide=all_namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=health,
+        standalone=peering is None,
+        peering_name=peering,
+    )

@@ -1,0 +1,243 @@
+"""Plain-dict Kubernetes objects of a job: its headless Service and one Pod per process of the
+world plan. Pure: the controller creates what these return, `pipejob render` prints it."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+from pipejob import contract
+from pipejob.plan import TRAINER_MODULE, Member, Ports, Process, members, plan_world
+from pipejob.schema import SpecError
+from pipejob.spec import API_VERSION, Job
+
+JOB_LABEL = "pipejob.dev/job"
+ROLE_LABEL = "pipejob.dev/role"
+INDEX_LABEL = "pipejob.dev/index"
+RESTART_LABEL = "pipejob.dev/restart"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "pipejob"}
+
+CONTAINER = "trainer"
+GPU = "nvidia.com/gpu"
+
+IMAGE_ENV = "PIPEJOB_TRAINER_IMAGE"
+DEFAULT_IMAGE = "ghcr.io/pipejob/trainer:0.1.0"
+
+PORTS = Ports()
+
+# Restricted Pod Security Standard: what the trainer needs and nothing more.
+POD_SECURITY = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {
+    "runAsNonRoot": True,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+# Template fields copied to the pod spec as they are, when given.
+_POD_FIELDS = (
+    "nodeSelector",
+    "tolerations",
+    "affinity",
+    "volumes",
+    "serviceAccountName",
+    "schedulerName",
+    "priorityClassName",
+)
+
+
+def trainer_image() -> str:
+    """The operator's default trainer image; a job's spec.template.image overrides it."""
+    return os.environ.get(IMAGE_ENV) or DEFAULT_IMAGE
+
+
+def pod_name(job_name: str, member: Member) -> str:
+    return f"{job_name}-{member.label}"
+
+
+def addresser(job: Job):
+    """A member's DNS name: `<pod>.<service>` (hostname + subdomain of the headless Service)."""
+    return lambda member: f"{pod_name(job.name, member)}.{job.name}"
+
+
+def owner_reference(job_obj: dict) -> dict:
+    """The job as the controller owner of what it makes: deleting the job deletes them."""
+    meta = job_obj["metadata"]
+    return {
+        "apiVersion": job_obj.get("apiVersion", API_VERSION),
+        "kind": job_obj["kind"],
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(job: Job, name: str, namespace: str, owner: dict | None, labels: dict) -> dict:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "labels": {JOB_LABEL: job.name, **labels, **MANAGED_BY},
+    }
+    if owner is not None:
+        meta["ownerReferences"] = [owner]
+    return meta
+
+
+def service(job: Job, namespace: str, owner: dict | None = None) -> dict:
+    """The headless Service that gives every pod of the job its DNS name, ready or not."""
+    ports = [{"name": "rpc", "port": PORTS.rpc, "targetPort": PORTS.rpc}]
+    if job.kind == "HybridJob":
+        ports.append({"name": "ddp", "port": PORTS.ddp, "targetPort": PORTS.ddp})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, job.name, namespace, owner, {}),
+        "spec": {
+            "clusterIP": "None",
+            # Workers must resolve the master before it is ready: the rendezvous needs it.
+            "publishNotReadyAddresses": True,
+            "selector": {JOB_LABEL: job.name},
+            "ports": ports,
+        },
+    }
+
+
+def _resources(template: dict, gpus: int) -> dict:
+    """Template resources with the GPU count of the role (and only that) as nvidia.com/gpu."""
+    resources = copy.deepcopy(template.get("resources") or {})
+    for key in ("requests", "limits"):
+        section = {k: v for k, v in (resources.get(key) or {}).items() if k != GPU}
+        if gpus > 0:
+            section[GPU] = gpus
+        if section:
+            resources[key] = section
+        else:
+            resources.pop(key, None)
+    return resources
+
+
+def pod(
+    job: Job,
+    process: Process,
+    restart: int,
+    namespace: str,
+    owner: dict | None = None,
+    image: str | None = None,
+) -> dict:
+    """The Pod of one process of the world plan, in world `restart` (0 for the first)."""
+    template = job.spec.get("template") or {}
+    name = pod_name(job.name, process.member)
+    env = [{"name": k, "value": v} for k, v in process.env.items()]
+    env += copy.deepcopy(template.get("env") or [])
+    ports = [{"name": "rpc", "containerPort": PORTS.rpc}]
+    if process.ddp_rank is not None:
+        ports.append({"name": "ddp", "containerPort": PORTS.ddp})
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": template.get("image") or image or trainer_image(),
+        "command": ["python", *TRAINER_MODULE],
+        "env": env,
+        "ports": ports,
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY),
+        # A failed trainer's last log lines become its termination message, so the job's
+        # status can say why it failed.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if template.get("imagePullPolicy"):
+        container["imagePullPolicy"] = template["imagePullPolicy"]
+    resources = _resources(template, process.gpus)
+    if resources:
+        container["resources"] = resources
+    if template.get("volumeMounts"):
+        container["volumeMounts"] = copy.deepcopy(template["volumeMounts"])
+    spec: dict[str, Any] = {
+        "hostname": name,
+        "subdomain": job.name,
+        "restartPolicy": "Never",  # the operator restarts the whole world, never one pod
+        "enableServiceLinks": False,
+        # Training pods never talk to the Kubernetes API unless the user gives them an account.
+        "automountServiceAccountToken": bool(template.get("serviceAccountName")),
+        "securityContext": copy.deepcopy(POD_SECURITY),
+        "containers": [container],
+    }
+    for key in _POD_FIELDS:
+        if template.get(key):
+            spec[key] = copy.deepcopy(template[key])
+    labels = {
+        ROLE_LABEL: process.role,
+        INDEX_LABEL: str(process.member.index),
+        RESTART_LABEL: str(restart),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _metadata(job, name, namespace, owner, labels),
+        "spec": spec,
+    }
+
+
+def world(
+    job: Job,
+    restart: int,
+    namespace: str,
+    owner: dict | None = None,
+    image: str | None = None,
+) -> list[dict]:
+    """Every Pod of the job, in RPC rank order (master first)."""
+    return [pod(job, p, restart, namespace, owner, image) for p in plan_world(job, addresser(job))]
+
+
+def render(job: Job, namespace: str, image: str | None = None) -> list[dict]:
+    """The Service and Pods the operator creates for `job`, without owner references (there
+    is no job object yet), for review and `kubectl apply --dry-run`."""
+    return [service(job, namespace), *world(job, 0, namespace, None, image)]
+
+
+def check(job: Job) -> list[SpecError]:
+    """What the schema lets through but no pod can run with."""
+    errors = []
+    reserved = set(contract.DOCS)
+    for i, entry in enumerate((job.spec.get("template") or {}).get("env") or []):
+        path = f"spec.template.env[{i}]"
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name:
+            errors.append(SpecError(f"{path}.name", "is required"))
+        elif name in reserved:
+            errors.append(SpecError(f"{path}.name", f"{name} is set by pipejob (the env contract)"))
+    mounts = (job.spec.get("template") or {}).get("volumeMounts") or []
+    volumes = {
+        v.get("name")
+        for v in (job.spec.get("template") or {}).get("volumes") or []
+        if isinstance(v, dict)
+    }
+    for i, mount in enumerate(mounts):
+        name = mount.get("name") if isinstance(mount, dict) else None
+        if name not in volumes:
+            errors.append(
+                SpecError(
+                    f"spec.template.volumeMounts[{i}].name",
+                    f"no volume {name!r} in spec.template.volumes",
+                )
+            )
+    return errors
+
+
+def role_of(pod_obj: dict) -> str:
+    return pod_obj["metadata"].get("labels", {}).get(ROLE_LABEL, "unknown")
+
+
+def restart_of(pod_obj: dict) -> int | None:
+    value = pod_obj["metadata"].get("labels", {}).get(RESTART_LABEL)
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def who(pod_obj: dict) -> str:
+    """How a user names a pod's process: "master 0", "stage 1", "trainer 0"."""
+    labels = pod_obj["metadata"].get("labels", {})
+    return f"{labels.get(ROLE_LABEL, '?')} {labels.get(INDEX_LABEL, '?')}"
+
+
+def world_size(job: Job) -> int:
+    return len(members(job))

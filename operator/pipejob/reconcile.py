@@ -1,0 +1,216 @@
+"""The operator's one decision: from what is observed (the job object and its pods) to what
+to do (status, pods to create or delete, events). Pure and level-based: it reads no memory
+of earlier calls, so the operator can be restarted at any moment and converges again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from pipejob import kube
+from pipejob import status as st
+from pipejob.spec import InvalidSpec, Job, parse
+
+NORMAL, WARNING = "Normal", "Warning"
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Actions:
+    status: dict  # the job's whole new status
+    service: dict | None = None  # create (if absent) before the pods
+    create: list[dict] = field(default_factory=list)  # pods
+    delete: list[dict] = field(default_factory=list)  # pods, as observed (name and uid)
+    events: list[Event] = field(default_factory=list)
+    delete_job: bool = False  # ttlSecondsAfterFinished passed
+
+
+def owned(pod: dict, uid: str | None) -> bool:
+    return any(
+        ref.get("controller") and ref.get("uid") == uid
+        for ref in pod["metadata"].get("ownerReferences") or []
+    )
+
+
+def decide(job_obj: dict, pods: list[dict], now: datetime, image: str) -> Actions:
+    """What to do about `job_obj` given `pods` (every pod labelled with its name)."""
+    meta = job_obj["metadata"]
+    old = job_obj.get("status") or {}
+    ours = [p for p in pods if owned(p, meta.get("uid"))]
+    restart = int(old.get("restarts") or 0)
+    current = [p for p in ours if kube.restart_of(p) == restart]
+    new = dict(old, restarts=restart, roles=st.role_counts(current, kube.role_of))
+    new["observedGeneration"] = meta.get("generation") or old.get("observedGeneration") or 0
+    acts = Actions(status=new)
+    live = [p for p in ours if not st.deleting(p)]
+
+    if old.get("phase") in st.FINISHED and not _retry_invalid(old, meta):
+        # Finished pods stay for `kubectl logs` until the job goes; running ones are stopped
+        # (after the master exits, the others would wait in rpc.shutdown forever).
+        acts.delete = [p for p in live if not st.terminated(p)]
+        ttl = (job_obj.get("spec") or {}).get("ttlSecondsAfterFinished")
+        done = st.parse_time(old.get("completionTime"))
+        acts.delete_job = isinstance(ttl, int) and done is not None and now >= done + _s(ttl)
+        return acts
+
+    try:
+        job = parse(job_obj, f"{job_obj.get('kind')} {meta.get('name')}")
+        errors = kube.check(job)
+        if errors:
+            raise InvalidSpec(errors)
+    except InvalidSpec as e:
+        message = "; ".join(str(err) for err in e.errors)
+        acts.delete = [p for p in live if not st.terminated(p)]
+        return _transition(acts, old, st.FAILED, "InvalidSpec", message, now)
+
+    if job.spec["suspend"]:
+        acts.delete = live
+        acts.status.pop("startTime", None)  # the deadline restarts with the job, as for Jobs
+        acts.status["conditions"] = _created(acts.status, False, "Suspended", "pods removed", now)
+        return _transition(
+            acts, old, st.SUSPENDED, "Suspended", "spec.suspend is true: pods removed", now
+        )
+
+    start = st.parse_time(old.get("startTime")) or now
+    acts.status["startTime"] = st.timestamp(start)
+    acts.delete = [p for p in live if kube.restart_of(p) != restart]  # an older world
+    by_name = {p["metadata"]["name"]: p for p in current}
+    planned = kube.world(job, restart, meta.get("namespace") or "default",
+                         kube.owner_reference(job_obj), image)  # fmt: skip
+    master = by_name.get(planned[0]["metadata"]["name"])
+
+    if master is not None and st.pod_phase(master) == "Succeeded":
+        acts.delete = [p for p in live if not st.terminated(p)]
+        return _transition(
+            acts, old, st.SUCCEEDED, "MasterSucceeded",
+            f"the master (pod {master['metadata']['name']}) exited 0", now,
+        )  # fmt: skip
+
+    deadline = job.spec.get("activeDeadlineSeconds")
+    if deadline is not None and now >= start + _s(deadline):
+        acts.delete = [p for p in live if not st.terminated(p)]
+        return _transition(
+            acts, old, st.FAILED, "DeadlineExceeded",
+            f"the job was active longer than activeDeadlineSeconds ({deadline}s)", now,
+        )  # fmt: skip
+
+    failure = _first_failure(planned, by_name, created=st.is_true(old, st.CREATED))
+    if failure is not None:
+        return _fail(acts, job, old, failure, live, now)
+
+    # Create what is missing; a name still held by any pod (an older world being deleted,
+    # or another owner's pod) waits until it is free.
+    taken = {p["metadata"]["name"] for p in pods}
+    acts.create = [p for p in planned if p["metadata"]["name"] not in taken]
+    if acts.create:
+        acts.service = kube.service(job, meta.get("namespace") or "default",
+                                    kube.owner_reference(job_obj))  # fmt: skip
+        acts.events.append(Event(NORMAL, "CreatedPods", _created_message(acts.create, restart)))
+    present = [p for p in planned if p["metadata"]["name"] in by_name]
+    if len(present) + len(acts.create) == len(planned):
+        if not st.is_true(old, st.CREATED):
+            acts.status["conditions"] = _created(
+                acts.status, True, "PodsCreated",
+                f"the Service and {len(planned)} pods of restart {restart} exist", now,
+            )  # fmt: skip
+
+    running = sum(1 for p in current if st.pod_phase(p) == "Running" and not st.deleting(p))
+    if running == len(planned):
+        return _transition(
+            acts, old, st.RUNNING, "AllPodsRunning", f"all {running} pods are running", now
+        )
+    if restart > 0:
+        return _transition(
+            acts, old, st.RESTARTING, "Restarting",
+            f"restart {restart}: {running}/{len(planned)} pods running", now,
+        )  # fmt: skip
+    return _transition(
+        acts, old, st.PENDING, "PodsPending", f"{running}/{len(planned)} pods running", now
+    )
+
+
+def _s(seconds: int) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+def _retry_invalid(old: dict, meta: dict) -> bool:
+    """A job that failed on an invalid spec is looked at again once its spec is edited."""
+    failed = st.condition(old, st.FAILED) or {}
+    edited = meta.get("generation") != old.get("observedGeneration")
+    return old.get("phase") == st.FAILED and failed.get("reason") == "InvalidSpec" and edited
+
+
+def _first_failure(planned: list[dict], by_name: dict, created: bool) -> st.Failure | None:
+    """The failure that broke the current world: the first pod to fail (its peers fail
+    after it, for losing it), else a pod deleted or evicted while the world ran."""
+    failures = []
+    for rank, planned_pod in enumerate(planned):
+        name = planned_pod["metadata"]["name"]
+        observed = by_name.get(name)
+        who = kube.who(planned_pod)
+        # A pod deleted while no world stood (suspend) is no failure; it is going anyway.
+        if observed is not None and (created or not st.deleting(observed)):
+            failure = st.pod_failure(observed, who)
+            if failure is not None:
+                failures.append((failure.at or "~", rank, failure))
+                continue
+        if created and (observed is None or st.deleting(observed)):
+            failures.append(("~", rank, st.Failure(
+                "PodDeleted", f"{who} (pod {name}) was deleted while the job was running"
+            )))  # fmt: skip
+    return min(failures, key=lambda f: f[:2])[2] if failures else None
+
+
+def _fail(
+    acts: Actions, job: Job, old: dict, failure: st.Failure, live: list[dict], now: datetime
+) -> Actions:
+    """Restart the whole world (an RPC world cannot re-admit a member), or give up."""
+    restart = acts.status["restarts"]
+    limit = job.spec["backoffLimit"]
+    if restart >= limit:
+        acts.delete = [p for p in live if not st.terminated(p)]
+        return _transition(
+            acts, old, st.FAILED, "BackoffLimitExceeded",
+            f"{failure.message}; no restarts left (backoffLimit {limit})", now,
+        )  # fmt: skip
+    acts.delete = live
+    acts.status["restarts"] = restart + 1
+    acts.status["conditions"] = _created(
+        acts.status, False, failure.reason, "the world is being recreated", now
+    )
+    message = f"{failure.message}; restarting the world ({restart + 1}/{limit})"
+    acts.events.append(Event(WARNING, failure.reason, message))
+    return _transition(acts, old, st.RESTARTING, failure.reason, message, now, event=False)
+
+
+def _transition(
+    acts: Actions,
+    old: dict,
+    phase: str,
+    reason: str,
+    message: str,
+    now: datetime,
+    event: bool = True,
+) -> Actions:
+    """Put the status in `phase`; an Event tells when the phase changes."""
+    acts.status = st.with_phase(acts.status, phase, reason, message, now)
+    if event and old.get("phase") != phase:
+        kind = WARNING if phase in (st.FAILED, st.RESTARTING) else NORMAL
+        acts.events.append(Event(kind, reason, message))
+    return acts
+
+
+def _created(status: dict, true: bool, reason: str, message: str, now: datetime) -> list[dict]:
+    return st.set_condition(list(status.get("conditions") or []), st.CREATED, true, reason,
+                            message, now)  # fmt: skip
+
+
+def _created_message(pods: list[dict], restart: int) -> str:
+    names = ", ".join(p["metadata"]["name"] for p in pods)
+    return f"created pods {names}" + (f" (restart {restart})" if restart else "")

@@ -1,0 +1,168 @@
+"""The CRDs are generated from the spec tables: the committed files are current, every field
+is documented, the schema defaults and CEL rules agree with the Python model."""
+
+import copy
+from pathlib import Path
+
+import celpy
+import pytest
+import yaml
+
+from pipejob import cli, crd, spec
+from pipejob.schema import SpecError, apply
+
+pytestmark = pytest.mark.timeout(60)
+
+CRD_DIR = Path(__file__).resolve().parents[1] / "crds"
+
+
+def version(kind):
+    (v,) = crd.crd(kind)["spec"]["versions"]
+    return v
+
+
+def root(kind):
+    return version(kind)["schema"]["openAPIV3Schema"]
+
+
+def walk(schema, path):
+    yield path, schema
+    for key, sub in (schema.get("properties") or {}).items():
+        yield from walk(sub, f"{path}.{key}")
+    if "items" in schema:
+        yield from walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from walk(schema["additionalProperties"], f"{path}.*")
+
+
+def test_committed_crds_are_the_generated_ones():
+    """If this fails, run `pipejob crds -o crds` and commit the result."""
+    generated = crd.generated()
+    assert sorted(p.name for p in CRD_DIR.glob("*.yaml")) == sorted(generated)
+    for name, text in generated.items():
+        assert (CRD_DIR / name).read_text() == text, f"crds/{name} is stale"
+
+
+@pytest.mark.parametrize("kind", spec.KINDS)
+def test_every_field_is_typed_and_documented(kind):
+    for path, node in walk(root(kind), kind):
+        assert node.get("type"), f"{path} has no type (structural schemas need one)"
+        if not path.endswith(".metadata"):
+            assert node.get("description"), f"{path} has no description for kubectl explain"
+
+
+@pytest.mark.parametrize("kind", spec.KINDS)
+def test_names_version_subresource_and_columns(kind):
+    doc = crd.crd(kind)
+    names = doc["spec"]["names"]
+    assert doc["apiVersion"] == "apiextensions.k8s.io/v1"
+    assert doc["metadata"]["name"] == f"{names['plural']}.pipejob.dev"
+    assert doc["spec"]["group"] == "pipejob.dev" and doc["spec"]["scope"] == "Namespaced"
+    assert names["kind"] == kind
+    assert names["shortNames"] == [{"PipelineJob": "pj", "HybridJob": "hj"}[kind]]
+    assert names["categories"] == ["pipejob"]
+    v = version(kind)
+    assert v["name"] == "v1alpha1" and v["served"] and v["storage"]
+    assert v["subresources"] == {"status": {}}
+    columns = [c["name"] for c in v["additionalPrinterColumns"] if not c.get("priority")]
+    assert columns == ["Phase", "Progress", "Restarts", "Age"]
+    status = root(kind)["properties"]["status"]["properties"]
+    for field in ("phase", "conditions", "roles", "startTime", "completionTime", "restarts",
+                  "observedGeneration", "progress", "training"):  # fmt: skip
+        assert field in status, field
+    assert status["training"]["x-kubernetes-preserve-unknown-fields"] is True
+
+
+def test_validations_the_schema_can_express():
+    props = root("PipelineJob")["properties"]["spec"]["properties"]
+    assert props["stages"]["minimum"] == 2 and props["stages"]["default"] == 2
+    assert "resnet50" in props["model"]["enum"]
+    assert props["optimizer"]["properties"]["lr"]["exclusiveMinimum"] is True
+    assert props["template"]["properties"]["imagePullPolicy"]["enum"] == [
+        "Always", "IfNotPresent", "Never"]  # fmt: skip
+    assert "default" not in root("HybridJob")["properties"]["spec"]["properties"]["backend"]
+
+
+def k8s_default(schema, value):
+    """Structural defaulting as the API server does it."""
+    if schema.get("type") == "object" and isinstance(value, dict):
+        for key, sub in (schema.get("properties") or {}).items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = k8s_default(sub, value[key])
+    if schema.get("type") == "array" and isinstance(value, list):
+        value = [k8s_default(schema["items"], v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("kind", "given"),
+    [
+        ("PipelineJob", None),
+        ("PipelineJob", {"stages": 4, "optimizer": {"name": "adam"}}),
+        ("HybridJob", {}),
+        ("HybridJob", {"embedding": {"dim": 4}, "gpusPerTrainer": 1}),
+    ],
+)
+def test_schema_defaults_equal_the_models(kind, given):
+    schema = root(kind)
+    obj = {"apiVersion": spec.API_VERSION, "kind": kind, "metadata": {"name": "x"}}
+    if given is not None:
+        obj["spec"] = copy.deepcopy(given)
+    by_server = k8s_default(schema, copy.deepcopy(obj))["spec"]
+    by_model = dict(spec.parse(obj).spec)
+    by_model.pop("backend", None)  # HybridJob: chosen from the GPUs after defaulting
+    assert by_server == by_model
+
+
+def cel(rule: str, value) -> bool:
+    env = celpy.Environment()
+    return bool(env.program(env.compile(rule)).evaluate({"self": celpy.json_to_cel(value)}))
+
+
+CASES = {
+    "PipelineJob": [{}, {"batchSize": 30, "microBatches": 4}, {"batchSize": 64,
+                                                               "microBatches": 8}],
+    "HybridJob": [{}, {"backend": "nccl"}, {"backend": "nccl", "gpusPerTrainer": 2},
+                  {"backend": "gloo"}, {"trainers": 4, "batchSize": 50, "datasetSize": 199},
+                  {"trainers": 4, "batchSize": 50, "datasetSize": 200}],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", spec.KINDS)
+def test_cel_rules_agree_with_the_python_checks(kind):
+    table = spec.SPECS[kind]
+    rules = root(kind)["properties"]["spec"]["x-kubernetes-validations"]
+    assert [r["rule"] for r in rules] == [r.cel for r in table.rules]
+    assert [r["fieldPath"] for r in rules] == [f".{r.path}" for r in table.rules]
+    outcomes = set()
+    for case in CASES[kind]:
+        errors: list[SpecError] = []
+        defaulted = apply(table, case, "spec", errors)
+        for rule in table.rules:
+            expected = rule.check(defaulted)
+            assert cel(rule.cel, defaulted) == expected, (rule.cel, case)
+            outcomes.add(expected)
+    assert outcomes == {True, False}  # the cases exercise both sides of the rules
+
+
+@pytest.mark.parametrize("name", ["ok", "a-b-1", "Bad", "1abc", "a_b", "x" * 40, "x" * 41, "a-"])
+def test_name_rules_agree_with_the_model(name):
+    rules = root("PipelineJob")["x-kubernetes-validations"]
+    by_cel = all(cel(r["rule"], {"metadata": {"name": name}}) for r in rules)
+    obj = {"apiVersion": spec.API_VERSION, "kind": "PipelineJob", "metadata": {"name": name}}
+    try:
+        spec.parse(obj)
+        by_model = True
+    except spec.InvalidSpec:
+        by_model = False
+    assert by_cel == by_model
+
+
+def test_crds_command_prints_or_writes_them(tmp_path, capsys):
+    assert cli.main(["crds"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["spec"]["names"]["kind"] for d in docs] == list(spec.KINDS)
+    assert cli.main(["crds", "--output-dir", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(crd.generated())

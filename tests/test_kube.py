@@ -1,0 +1,207 @@
+"""The plain-dict Service and Pods of a job (kube.py) and `pipejob render`."""
+
+import pytest
+import yaml
+
+from pipejob import cli, contract, kube, spec
+from pipejob.plan import plan_world
+
+pytestmark = pytest.mark.timeout(30)
+
+UID = "6f1c2c1e-0000-4000-8000-000000000001"
+
+
+def manifest(kind="PipelineJob", name="pj", **fields):
+    return {
+        "apiVersion": spec.API_VERSION,
+        "kind": kind,
+        "metadata": {"name": name, "namespace": "team", "uid": UID},
+        "spec": fields,
+    }
+
+
+def world(kind="PipelineJob", restart=0, image=None, **fields):
+    obj = manifest(kind, **fields)
+    job = spec.parse(obj)
+    return job, kube.world(job, restart, "team", kube.owner_reference(obj), image)
+
+
+def env_of(pod):
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_one_pod_per_process_named_role_index_with_dns_identity():
+    job, pods = world(stages=3)
+    names = [p["metadata"]["name"] for p in pods]
+    assert names == ["pj-master-0", "pj-stage-0", "pj-stage-1", "pj-stage-2"]
+    for pod in pods:
+        assert pod["spec"]["hostname"] == pod["metadata"]["name"]
+        assert pod["spec"]["subdomain"] == "pj"  # the headless Service
+        assert pod["spec"]["restartPolicy"] == "Never"
+        assert env_of(pod)[contract.MASTER_ADDR] == "pj-master-0.pj"
+    ranks = [env_of(p)[contract.RANK] for p in pods]
+    assert ranks == ["0", "1", "2", "3"]
+
+
+def test_env_is_the_plan_env_plus_template_env():
+    job, pods = world(template={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]})
+    planned = plan_world(job, kube.addresser(job))
+    for pod, process in zip(pods, planned, strict=True):
+        env = pod["spec"]["containers"][0]["env"]
+        assert env[: len(process.env)] == [{"name": k, "value": v} for k, v in process.env.items()]
+        assert env[-1] == {"name": "NCCL_DEBUG", "value": "INFO"}
+
+
+def test_container_runs_the_trainer_and_exposes_the_rendezvous_ports():
+    _, pods = world("HybridJob", trainers=2)
+    by_role = {kube.role_of(p): p["spec"]["containers"][0] for p in pods}
+    assert by_role["master"]["command"] == ["python", "-m", "pipejob.trainer"]
+    assert by_role["master"]["ports"] == [{"name": "rpc", "containerPort": 29500}]
+    assert {"name": "ddp", "containerPort": 29501} in by_role["trainer"]["ports"]
+    trainer_env = {e["name"]: e["value"] for e in by_role["trainer"]["env"]}
+    assert trainer_env[contract.DDP_ADDR] == "pj-trainer-0.pj"
+
+
+def test_labels_owner_and_restart_generation():
+    _, pods = world(restart=2)
+    pod = pods[1]
+    labels = pod["metadata"]["labels"]
+    assert labels[kube.JOB_LABEL] == "pj"
+    assert labels[kube.ROLE_LABEL] == "stage"
+    assert labels[kube.INDEX_LABEL] == "0"
+    assert labels[kube.RESTART_LABEL] == "2"
+    assert kube.restart_of(pod) == 2
+    (owner,) = pod["metadata"]["ownerReferences"]
+    assert owner == {
+        "apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob", "name": "pj", "uid": UID,
+        "controller": True, "blockOwnerDeletion": True,
+    }  # fmt: skip
+    assert pod["metadata"]["namespace"] == "team"
+
+
+def test_restricted_security_context_by_default():
+    _, pods = world()
+    for pod in pods:
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert pod["spec"]["automountServiceAccountToken"] is False
+        sc = pod["spec"]["containers"][0]["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["runAsNonRoot"] is True
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_gpus_per_role_become_nvidia_gpu_requests_and_limits():
+    template = {"resources": {"limits": {"cpu": "4", "nvidia.com/gpu": 8},
+                              "requests": {"memory": "8Gi"}}}  # fmt: skip
+    _, pods = world(gpusPerStage=2, template=template)
+    master, stage = (p["spec"]["containers"][0]["resources"] for p in pods[:2])
+    assert master == {"limits": {"cpu": "4"}, "requests": {"memory": "8Gi"}}
+    assert stage == {
+        "limits": {"cpu": "4", "nvidia.com/gpu": 2},
+        "requests": {"memory": "8Gi", "nvidia.com/gpu": 2},
+    }
+    _, cpu_pods = world()
+    assert "resources" not in cpu_pods[1]["spec"]["containers"][0]
+
+
+def test_hybrid_gpus_go_to_trainers_only():
+    _, pods = world("HybridJob", trainers=2, gpusPerTrainer=1)
+    gpus = {p["metadata"]["name"]: p["spec"]["containers"][0].get("resources", {})
+            .get("limits", {}).get("nvidia.com/gpu") for p in pods}  # fmt: skip
+    assert gpus == {"pj-master-0": None, "pj-ps-0": None, "pj-trainer-0": 1, "pj-trainer-1": 1}
+
+
+def test_template_overrides():
+    template = {
+        "image": "registry.example/trainer:dev",
+        "imagePullPolicy": "Always",
+        "nodeSelector": {"pool": "gpu"},
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {"nodeAffinity": {}},
+        "volumes": [{"name": "data", "emptyDir": {}}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "serviceAccountName": "trainer",
+        "schedulerName": "volcano",
+        "priorityClassName": "high",
+    }
+    _, pods = world(template=template)
+    pod_spec = pods[0]["spec"]
+    container = pod_spec["containers"][0]
+    assert container["image"] == "registry.example/trainer:dev"
+    assert container["imagePullPolicy"] == "Always"
+    assert container["volumeMounts"] == template["volumeMounts"]
+    for key in ("nodeSelector", "tolerations", "affinity", "volumes", "serviceAccountName",
+                "schedulerName", "priorityClassName"):  # fmt: skip
+        assert pod_spec[key] == template[key], key
+    assert pod_spec["automountServiceAccountToken"] is True  # the user asked for an account
+
+
+def test_template_objects_are_copied_not_shared():
+    _, pods = world(template={"volumes": [{"name": "v", "emptyDir": {}}]})
+    pods[0]["spec"]["volumes"][0]["name"] = "changed"
+    assert pods[1]["spec"]["volumes"][0]["name"] == "v"
+
+
+def test_default_image_comes_from_the_operator_environment(monkeypatch):
+    monkeypatch.delenv(kube.IMAGE_ENV, raising=False)
+    assert world()[1][0]["spec"]["containers"][0]["image"] == kube.DEFAULT_IMAGE
+    monkeypatch.setenv(kube.IMAGE_ENV, "mirror.local/trainer:1")
+    assert world()[1][0]["spec"]["containers"][0]["image"] == "mirror.local/trainer:1"
+    assert world(image="given:2")[1][0]["spec"]["containers"][0]["image"] == "given:2"
+
+
+def test_headless_service_publishes_not_ready_addresses():
+    obj = manifest("HybridJob")
+    svc = kube.service(spec.parse(obj), "team", kube.owner_reference(obj))
+    assert svc["metadata"]["name"] == "pj"
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {kube.JOB_LABEL: "pj"}
+    assert [p["port"] for p in svc["spec"]["ports"]] == [29500, 29501]
+    assert svc["metadata"]["ownerReferences"][0]["uid"] == UID
+
+
+@pytest.mark.parametrize(
+    ("template", "path", "words"),
+    [
+        ({"env": [{"name": "MASTER_ADDR", "value": "x"}]}, "spec.template.env[0].name",
+         "set by pipejob"),
+        ({"env": [{"value": "x"}]}, "spec.template.env[0].name", "is required"),
+        ({"volumeMounts": [{"name": "data", "mountPath": "/d"}]},
+         "spec.template.volumeMounts[0].name", "no volume 'data'"),
+    ],
+)  # fmt: skip
+def test_check_names_what_no_pod_could_run_with(template, path, words):
+    (error,) = kube.check(spec.parse(manifest(template=template)))
+    assert error.path == path
+    assert words in error.reason
+
+
+def test_check_passes_a_good_template():
+    template = {"env": [{"name": "A", "value": "1"}], "volumes": [{"name": "d", "emptyDir": {}}],
+                "volumeMounts": [{"name": "d", "mountPath": "/d"}]}  # fmt: skip
+    assert kube.check(spec.parse(manifest(template=template))) == []
+
+
+def test_render_prints_service_and_pods_without_owners(tmp_path, capsys):
+    path = tmp_path / "job.yaml"
+    body = manifest(stages=2)
+    del body["metadata"]["uid"], body["metadata"]["namespace"]
+    path.write_text(yaml.safe_dump(body))
+    assert cli.main(["render", str(path), "--namespace", "ml", "--image", "t:1"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in docs] == ["Service", "Pod", "Pod", "Pod"]
+    for doc in docs:
+        assert doc["metadata"]["namespace"] == "ml"
+        assert "ownerReferences" not in doc["metadata"]
+    assert docs[1]["spec"]["containers"][0]["image"] == "t:1"
+
+
+def test_render_refuses_a_bad_manifest_naming_the_field(tmp_path, capsys):
+    path = tmp_path / "job.yaml"
+    body = manifest(template={"env": [{"name": "RANK", "value": "3"}]})
+    path.write_text(yaml.safe_dump(body))
+    assert cli.main(["render", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "spec.template.env[0].name" in err and "RANK" in err

@@ -1,0 +1,86 @@
+"""The HybridJob's synthetic data: seeded bags of embedding ids, and a disjoint partition of them.
+
+Pure Python (no torch) so every piece is unit-testable and identical in every process: a sample
+is a function of (seed, index) alone, and the partition of a shuffled index list by DDP rank
+(seed 001's partitioner idea) is a function of (size, parts, seed) alone.
+
+The task is learnable on purpose, so a falling loss shows training works: every bag draws all its
+ids from one class's rows of the table (row r belongs to class r mod classes), and its label is
+that class."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SyntheticBags:
+    size: int  # samples in the dataset
+    num_embeddings: int  # rows of the table the ids index
+    classes: int  # labels the dense layer predicts
+    bag_size: int  # most ids in one bag
+    seed: int
+
+    def __post_init__(self) -> None:
+        for name in ("size", "num_embeddings", "classes", "bag_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def used_classes(self) -> int:
+        """Classes that own at least one row (all of them unless the table is tiny)."""
+        return min(self.classes, self.num_embeddings)
+
+    def sample(self, i: int) -> tuple[list[int], int]:
+        """Sample i: (the bag's embedding ids, its label)."""
+        if not 0 <= i < self.size:
+            raise IndexError(f"sample {i} outside a dataset of {self.size}")
+        # A str seed is hashed with sha512: the same in every process and Python run.
+        rng = random.Random(f"pipejob-bag:{self.seed}:{i}")
+        k = self.used_classes
+        label = rng.randrange(k)
+        rows_of_label = (self.num_embeddings - label + k - 1) // k  # rows r with r % k == label
+        length = rng.randint(1, self.bag_size)
+        ids = [label + k * rng.randrange(rows_of_label) for _ in range(length)]
+        return ids, label
+
+
+def partitions(size: int, parts: int, seed: int) -> list[list[int]]:
+    """Split sample indices 0..size-1, shuffled by seed, into `parts` disjoint parts that cover
+    them all, sizes differing by at most one. Part k belongs to DDP rank k."""
+    if parts < 1 or size < parts:
+        raise ValueError(f"cannot split {size} samples into {parts} non-empty parts")
+    indices = list(range(size))
+    random.Random(seed).shuffle(indices)
+    base, extra = divmod(size, parts)
+    bounds = [k * base + min(k, extra) for k in range(parts + 1)]
+    return [indices[bounds[k] : bounds[k + 1]] for k in range(parts)]
+
+
+@dataclass(frozen=True)
+class Batch:
+    sample_ids: list[int]
+    ids: list[int]  # the bags' embedding ids, concatenated
+    offsets: list[int]  # where each bag starts in `ids` (EmbeddingBag's layout)
+    labels: list[int]
+
+
+def batches(data: SyntheticBags, part: list[int], batch_size: int) -> Iterator[Batch]:
+    """Batches of `batch_size` samples from `part`, cycling through it forever in order."""
+    if not part:
+        raise ValueError("cannot draw batches from an empty partition")
+    position = 0
+    while True:
+        chosen = [part[(position + j) % len(part)] for j in range(batch_size)]
+        position = (position + batch_size) % len(part)
+        ids: list[int] = []
+        offsets: list[int] = []
+        labels: list[int] = []
+        for i in chosen:
+            bag, label = data.sample(i)
+            offsets.append(len(ids))
+            ids.extend(bag)
+            labels.append(label)
+        yield Batch(chosen, ids, offsets, labels)

@@ -1,0 +1,1 @@
+from harness.fixtures import cluster, crds, kubelet, operator  # noqa: F401  (tests/harness)

@@ -1,0 +1,452 @@
+"""The API server of the tests: kmock's KubernetesEmulator plus the apiserver behaviour that the
+operator, the kubelet and kubectl rely on and kmock lacks.
+
+kmock already gives: an aiohttp server on loopback, request parsing into resource/namespace/
+name/subresource, discovery of its bundled builtin resources (and of declared ones), an object
+store with history, fetch, Kubernetes `Status` errors. On top of that, this module adds:
+
+- metadata stamping: uid, creationTimestamp, resourceVersion (one global counter), generation,
+  generateName;
+- writes with apiserver semantics: merge patch (strategic merge is treated as merge), JSON patch
+  whose failed `test` is a 422, resourceVersion preconditions (409), PUT, no-op writes that
+  change nothing, the `status` subresource isolated from the main resource;
+- deletion: finalizers, graceful deletion of pods bound to a node (the kubelet finishes it),
+  ownerReference garbage collection (background; also of dependents whose owner is gone),
+  deletecollection;
+- lists and watches with label and field selectors and list kinds; watches that replay from a
+  resourceVersion (kmock's lose the events between its snapshot and its stream) and honour
+  timeoutSeconds;
+- CRDs: creating one serves its resource (discovery, status subresource, short names,
+  categories, printer columns) and marks it Established;
+- pods/binding; server-side tables for `kubectl get`; OpenAPI v3 of the CRDs for kubectl.
+
+Not emulated (a real cluster checks these): schema/CEL validation and schema defaulting,
+admission, RBAC, namespaces' existence, strategic-merge list semantics, server-side apply."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import secrets
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import jsonpointer
+import kmock
+
+from harness import openapi, tables
+from harness.selectors import SelectorError, field_selector, label_selector
+
+CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+PODS = kmock.resource("", "v1", "pods")
+CRD_VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
+MERGE_PATCHES = {
+    "application/merge-patch+json",
+    "application/strategic-merge-patch+json",  # lists replace rather than merge: good enough
+    "application/json",
+}
+
+Key = tuple[kmock.resource, str | None, str]
+Obj = dict[str, Any]
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch; never mutates its arguments."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def error(status: int, reason: str, message: str) -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=status, reason=reason, message=message, details={})
+
+
+@attrs.define(kw_only=True)
+class ApiServer(kmock.KubernetesEmulator):
+    _revisions: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _revision: int = attrs.field(default=0, init=False)
+    _history: dict[kmock.resource, list[tuple[int, Obj]]] = attrs.field(
+        factory=lambda: defaultdict(list), init=False
+    )
+    _columns: dict[kmock.resource, list[Obj]] = attrs.field(factory=dict, init=False)
+    _schemas: dict[kmock.resource, Obj] = attrs.field(factory=dict, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.resources.load_bundled()  # builtin kinds as served by a recent k3s
+
+    # --- dispatch ---------------------------------------------------------------------------
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        if res is None or res.plural is None:  # discovery, /version, openapi
+            if request.url.path.startswith("/openapi/"):
+                return aiohttp.web.json_response(openapi.serve(request.url.path, self._schemas))
+            return await super(kmock.KubernetesEmulator, self)._handle(request)
+        method = request.method
+        if method == "POST" and request.subresource == "binding":
+            return await self._locked(self._bind, request)
+        if method == "POST" and request.name is None:
+            return await self._locked(self._create, request, status=201)
+        if method in ("PATCH", "PUT") and request.name is not None:
+            return await self._locked(self._update, request)
+        if method == "DELETE":
+            return await self._locked(self._delete_request, request)
+        if method == "GET":  # list, watch, fetch: kmock's fallbacks, overridden below
+            self._info(res)
+            return await super(kmock.KubernetesEmulator, self)._handle(request)
+        raise error(405, "MethodNotAllowed", f"{method} is not supported on {request.url.path}")
+
+    async def _locked(self, fn: Any, request: kmock.Request, status: int = 200) -> Any:
+        async with self._lock:
+            result = await fn(request)
+        return aiohttp.web.json_response(result, status=status)
+
+    # --- the store --------------------------------------------------------------------------
+
+    def _info(self, res: kmock.resource) -> kmock.ResourceInfo:
+        if res not in self.resources:
+            raise error(404, "NotFound", f"the server could not find the requested resource {res}")
+        return self.resources[res]
+
+    def _live(self, key: Key) -> Obj | None:
+        if key in self._objects and not self._objects[key].deleted:
+            return self._objects[key].raw
+        return None
+
+    def _live_items(self, res: kmock.resource, namespace: str | None) -> list[Obj]:
+        return [
+            obj.raw
+            for (r, ns, _), obj in self._objects.items()
+            if r == res and (namespace is None or ns == namespace) and not obj.deleted
+        ]
+
+    async def _publish(self, key: Key, kind: str, obj: Obj) -> Obj:
+        """Store a new version (or the removal) with the next resourceVersion and announce it."""
+        rv = next(self._revisions)
+        self._revision = rv
+        obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(rv)}}
+        if kind == "DELETED":
+            self._objects[key].delete()
+        elif key in self._objects:
+            self._objects[key].create(obj)  # appends a version: a whole-object replacement
+        else:
+            self._objects[key] = obj
+        event = {"type": kind, "object": obj}
+        self._history[key[0]].append((rv, event))
+        await self._buses[key[0]].put(event)
+        if key[0] == CRDS:
+            self._serve_crd(obj, served=kind != "DELETED")
+        return obj
+
+    # --- create -----------------------------------------------------------------------------
+
+    async def _create(self, request: kmock.Request) -> Obj:
+        res = request.resource
+        info = self._info(res)
+        if not isinstance(request.data, dict):
+            raise error(400, "BadRequest", "the body must be a JSON object")
+        obj = copy.deepcopy(request.data)
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + secrets.token_hex(3)[:5]
+        if not meta.get("name"):
+            raise error(422, "Invalid", "metadata.name: Required value: name or generateName")
+        namespace = request.namespace if info.namespaced else None
+        if info.namespaced and not namespace:
+            raise error(400, "BadRequest", f"{res.plural} are namespaced: POST to a namespace")
+        if meta.get("namespace", namespace) != namespace:
+            raise error(400, "BadRequest", "the namespace of the body does not match the URL")
+        key = (res, namespace, meta["name"])
+        if self._live(key) is not None:
+            raise error(409, "AlreadyExists", f'{res.plural} "{meta["name"]}" already exists')
+        obj.setdefault("apiVersion", f"{res.group}/{res.version}".lstrip("/"))
+        obj.setdefault("kind", info.kind)
+        if namespace:
+            meta["namespace"] = namespace
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=now(), generation=1)
+        for field in ("deletionTimestamp", "deletionGracePeriodSeconds", "resourceVersion"):
+            meta.pop(field, None)
+        if "status" in info.subresources:
+            obj.pop("status", None)  # the status is written through /status only
+        if res == PODS:
+            obj.setdefault("spec", {}).setdefault("restartPolicy", "Always")
+            obj["spec"].setdefault("terminationGracePeriodSeconds", 30)
+            obj["status"] = {"phase": "Pending"}
+        if res == CRDS:
+            obj["status"] = _crd_status(obj)
+        obj = await self._publish(key, "ADDED", obj)
+        if not self._owners_alive(obj):  # the garbage collector removes orphans at once
+            await self._delete(key, grace=None)
+        return obj
+
+    def _owners_alive(self, obj: Obj) -> bool:
+        owners = {ref.get("uid") for ref in obj["metadata"].get("ownerReferences") or []}
+        if not owners:
+            return True
+        return any(
+            not o.deleted and o.raw["metadata"].get("uid") in owners for o in self._objects.values()
+        )
+
+    async def _bind(self, request: kmock.Request) -> Obj:
+        key = (request.resource, request.namespace, request.name)
+        pod = self._live(key)
+        if pod is None:
+            raise error(404, "NotFound", f'pods "{request.name}" not found')
+        if pod.get("spec", {}).get("nodeName"):
+            raise error(409, "Conflict", f"pod {request.name} is already assigned to a node")
+        node = (request.data or {}).get("target", {}).get("name")
+        await self._publish(key, "MODIFIED", merge_patch(pod, {"spec": {"nodeName": node}}))
+        return {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
+
+    # --- update -----------------------------------------------------------------------------
+
+    async def _update(self, request: kmock.Request) -> Obj:
+        res, sub = request.resource, request.subresource
+        info = self._info(res)
+        key = (res, request.namespace if info.namespaced else None, request.name)
+        old = self._live(key)
+        if old is None:
+            raise error(404, "NotFound", f'{res.plural} "{request.name}" not found')
+        if sub not in (None, "status") or (sub == "status" and "status" not in info.subresources):
+            raise error(404, "NotFound", f"the subresource {sub!r} is not served here")
+        new = self._apply(request, old)
+        rv = new.get("metadata", {}).get("resourceVersion")
+        if rv and rv != old["metadata"]["resourceVersion"]:
+            raise error(409, "Conflict", "the object has been modified; please apply your"
+                        " changes to the latest version and try again")  # fmt: skip
+        if sub == "status":
+            new = {**old, "status": new.get("status")}
+        elif "status" in info.subresources:
+            new = {**new, "status": old.get("status")}
+        new = {k: v for k, v in new.items() if v is not None}
+        keep = ("uid", "name", "namespace", "creationTimestamp", "generation",
+                "resourceVersion", "deletionTimestamp", "deletionGracePeriodSeconds")  # fmt: skip
+        new["metadata"] = {
+            **{k: v for k, v in new.get("metadata", {}).items() if k not in keep},
+            **{k: old["metadata"][k] for k in keep if k in old["metadata"]},
+        }
+        if new == old:
+            return old  # a no-op write changes nothing, not even the resourceVersion
+        if _spec_of(new) != _spec_of(old):
+            new["metadata"]["generation"] = old["metadata"].get("generation", 0) + 1
+        new = await self._publish(key, "MODIFIED", new)
+        if _releasable(new):  # the last finalizer is gone: complete the deletion
+            return await self._remove(key, new)
+        return new
+
+    def _apply(self, request: kmock.Request, old: Obj) -> Obj:
+        content_type = request.headers.get("Content-Type", "").split(";")[0].strip()
+        body = request.data
+        if request.method == "PUT":
+            new = copy.deepcopy(body)
+        elif content_type == "application/json-patch+json" and isinstance(body, list):
+            try:
+                new = jsonpatch.apply_patch(old, body)
+            except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as e:
+                raise error(422, "Invalid", f"the JSON patch cannot be applied: {e}") from None
+        elif content_type in MERGE_PATCHES:
+            new = merge_patch(old, body)
+        else:
+            raise error(415, "UnsupportedMediaType", f"patch type {content_type!r} not supported")
+        if not isinstance(new, dict):
+            raise error(400, "BadRequest", "the result of the write is not an object")
+        return new
+
+    # --- delete -----------------------------------------------------------------------------
+
+    async def _delete_request(self, request: kmock.Request) -> Obj:
+        info = self._info(request.resource)
+        namespace = request.namespace if info.namespaced else None
+        options = request.data if isinstance(request.data, dict) else {}
+        grace = request.params.get("gracePeriodSeconds", options.get("gracePeriodSeconds"))
+        grace = None if grace is None else int(grace)
+        orphan = "Orphan" in (request.params.get("propagationPolicy"),
+                              options.get("propagationPolicy"))  # fmt: skip
+        if request.name is not None:
+            key = (request.resource, namespace, request.name)
+            self._check_preconditions(key, options.get("preconditions") or {})
+            return await self._delete(key, grace, orphan)
+        matches = self._selector(request)
+        deleted = [
+            await self._delete(
+                (request.resource, namespace, obj["metadata"]["name"]), grace, orphan
+            )
+            for obj in self._live_items(request.resource, namespace)
+            if matches(obj)
+        ]
+        return {"apiVersion": "v1", "kind": f"{info.kind}List", "items": deleted,
+                "metadata": {"resourceVersion": str(self._revision)}}  # fmt: skip
+
+    def _check_preconditions(self, key: Key, preconditions: dict) -> None:
+        obj = self._live(key)
+        for field in ("uid", "resourceVersion"):
+            wanted = preconditions.get(field)
+            if obj and wanted and wanted != obj["metadata"][field]:
+                actual = obj["metadata"][field]
+                raise error(409, "Conflict", f"Precondition failed: {field} {wanted} != {actual}")
+
+    async def _delete(self, key: Key, grace: int | None, orphan: bool = False) -> Obj:
+        obj = self._live(key)
+        if obj is None:
+            raise error(404, "NotFound", f'{key[0].plural} "{key[2]}" not found')
+        meta = obj["metadata"]
+        graceful = key[0] == PODS and obj.get("spec", {}).get("nodeName") and grace != 0
+        if graceful or meta.get("finalizers"):
+            if meta.get("deletionTimestamp") and (graceful or grace != 0):
+                return obj  # already terminating
+            if graceful:  # the kubelet stops the containers, then deletes with grace 0
+                grace = (
+                    obj["spec"].get("terminationGracePeriodSeconds", 30) if grace is None else grace
+                )
+            patch = {"deletionTimestamp": meta.get("deletionTimestamp") or now(),
+                     "deletionGracePeriodSeconds": grace or 0}  # fmt: skip
+            obj = await self._publish(key, "MODIFIED", merge_patch(obj, {"metadata": patch}))
+            if not _releasable(obj):
+                return obj
+        return await self._remove(key, obj, orphan)
+
+    async def _remove(self, key: Key, obj: Obj, orphan: bool = False) -> Obj:
+        obj = await self._publish(key, "DELETED", obj)
+        if not orphan:  # the garbage collector: dependents go with their owner
+            uid = obj["metadata"]["uid"]
+            for dependent_key in list(self._objects.keys()):
+                dependent = self._live(dependent_key)  # (an earlier dependent may have taken it)
+                refs = (dependent or {}).get("metadata", {}).get("ownerReferences") or []
+                if any(ref.get("uid") == uid for ref in refs):
+                    await self._delete(dependent_key, grace=None)
+        return obj
+
+    # --- read: kmock's list/watch/fetch fallbacks, with selectors, kinds and tables ------------
+
+    def _selector(self, request: kmock.Request) -> Any:
+        try:
+            labels = label_selector(request.params.get("labelSelector"))
+            fields = field_selector(request.params.get("fieldSelector"))
+        except SelectorError as e:
+            raise error(400, "BadRequest", str(e)) from None
+        name = request.name
+        return lambda o: labels(o) and fields(o) and (name is None or o["metadata"]["name"] == name)
+
+    async def _serve_list(self, request: kmock.Request) -> Obj:
+        info = self._info(request.resource)
+        matches = self._selector(request)
+        items = [o for o in self._live_items(request.resource, request.namespace) if matches(o)]
+        if tables.wants_table(request.headers.get("Accept")):
+            columns = self._columns.get(request.resource)
+            return tables.table(items, columns, str(self._revision))
+        return {"apiVersion": f"{request.resource.group}/{request.resource.version}".lstrip("/"),
+                "kind": f"{info.kind}List", "items": items,
+                "metadata": {"resourceVersion": str(self._revision)}}  # fmt: skip
+
+    async def _serve_fetch(self, request: kmock.Request) -> Obj:
+        info = self._info(request.resource)
+        key = (request.resource, request.namespace if info.namespaced else None, request.name)
+        obj = self._live(key)
+        if obj is None:
+            raise error(404, "NotFound", f'{request.resource.plural} "{request.name}" not found')
+        if tables.wants_table(request.headers.get("Accept")):
+            return tables.table([obj], self._columns.get(request.resource), str(self._revision))
+        return obj
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        yield b""  # send the headers now: a watch may stay silent for long
+        res, namespace = request.resource, request.namespace
+        matches = self._selector(request)
+        since = request.params.get("resourceVersion", "")
+        timeout = float(request.params.get("timeoutSeconds") or 0) or None
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        bus = self._buses[res]
+        async with self._lock:  # nothing may happen between the replay and the live stream
+            mark = await bus.mark()
+            if since.isdigit() and int(since) > 0:
+                replay = [e for rv, e in self._history[res] if rv > int(since)]
+            else:
+                replay = [{"type": "ADDED", "object": o} for o in self._live_items(res, None)]
+        try:
+            stream = aiter(bus.stream(since=mark))
+            while True:
+                if replay:
+                    event = replay.pop(0)
+                else:
+                    left = (
+                        None if deadline is None else deadline - asyncio.get_running_loop().time()
+                    )
+                    try:
+                        event = await asyncio.wait_for(anext(stream), left)
+                    except (TimeoutError, StopAsyncIteration):
+                        return
+                obj = event["object"]
+                if (namespace is None or obj["metadata"].get("namespace") == namespace) and matches(
+                    obj
+                ):
+                    yield event
+        finally:
+            await bus.unmark(mark)
+
+    # --- CRDs -------------------------------------------------------------------------------
+
+    def _serve_crd(self, crd: Obj, served: bool) -> None:
+        spec = crd["spec"]
+        names = spec["names"]
+        for version in spec["versions"]:
+            res = kmock.resource(spec["group"], version["name"], names["plural"])
+            if not (served and version.get("served", True)):
+                self.resources.pop(res, None)
+                continue
+            self.resources[res] = kmock.ResourceInfo(
+                namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                kind=names["kind"],
+                singular=names.get("singular") or names["kind"].lower(),
+                verbs=CRD_VERBS,
+                shortnames=names.get("shortNames", []),
+                categories=names.get("categories", []),
+                subresources={"status"} if "status" in version.get("subresources", {}) else set(),
+            )
+            self._columns[res] = version.get("additionalPrinterColumns") or []
+            self._schemas[res] = {"kind": names["kind"], **version.get("schema", {})}
+
+
+def _spec_of(obj: Obj) -> Obj:
+    """What a change of bumps metadata.generation: everything but metadata and status."""
+    return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
+
+
+def _releasable(obj: Obj) -> bool:
+    """Marked for deletion, no finalizer left, and no kubelet still to confirm it."""
+    meta = obj["metadata"]
+    return bool(
+        meta.get("deletionTimestamp")
+        and not meta.get("finalizers")
+        and not meta.get("deletionGracePeriodSeconds")
+    )
+
+
+def _crd_status(crd: Obj) -> Obj:
+    condition = {"status": "True", "lastTransitionTime": now()}
+    storage = [v["name"] for v in crd["spec"]["versions"] if v.get("storage")]
+    return {
+        "acceptedNames": crd["spec"]["names"],
+        "storedVersions": storage,
+        "conditions": [
+            {"type": "NamesAccepted", "reason": "NoConflicts", **condition},
+            {"type": "Established", "reason": "InitialNamesAccepted", **condition},
+        ],
+    }

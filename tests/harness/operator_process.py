@@ -1,0 +1,77 @@
+"""The unmodified operator, `pipejob operator`, as a process pointed at the emulator."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+PIPEJOB = Path(sys.executable).parent / "pipejob"
+
+
+class OperatorProcess:
+    """Start, stop or kill -9 the operator; `logs()` is what it printed (all its runs)."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path, resync_seconds: float = 2.0):
+        self.kubeconfig = kubeconfig
+        self.namespace = namespace
+        self.log = Path(log)
+        self.resync_seconds = resync_seconds
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> OperatorProcess:
+        with socket.socket() as s:  # a free port for its liveness endpoint
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PIPEJOB_RESYNC_SECONDS": str(self.resync_seconds),
+        }
+        argv = [str(PIPEJOB), "operator", "-n", self.namespace, "--log-level", "debug",
+                "--health-host", "127.0.0.1", "--health-port", str(port)]  # fmt: skip
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while not self._healthy(port):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the operator did not come up:\n{self.logs()[-3000:]}")
+            time.sleep(0.2)
+        return self
+
+    def _healthy(self, port: int) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """kill -9: no cleanup, no goodbye, as when its pod is lost."""
+        self._signal(signal.SIGKILL)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop gracefully (SIGTERM), or kill it after `timeout`."""
+        self._signal(signal.SIGTERM, timeout)
+
+    def _signal(self, sig: int, timeout: float = 5.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, sig)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(5)
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""

@@ -1,0 +1,77 @@
+"""Label and field selectors, as the apiserver applies them to lists and watches."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+# A label selector requirement: `k`, `!k`, `k=v`, `k==v`, `k!=v`, `k in (a,b)`, `k notin (a)`.
+_REQUIREMENT = re.compile(
+    r"\s*(?:(?P<absent>!)\s*(?P<akey>[^\s,!=()]+)"
+    r"|(?P<key>[^\s,!=()]+)\s*(?:(?P<op>==|=|!=)\s*(?P<value>[^\s,!=()]*)"
+    r"|\s+(?P<setop>in|notin)\s*\((?P<values>[^)]*)\))?)\s*(?:,|$)"
+)
+
+Predicate = Callable[[Mapping[str, Any]], bool]
+
+
+class SelectorError(ValueError):
+    pass
+
+
+def label_selector(text: str | None) -> Predicate:
+    """A predicate over an object's labels; an empty selector matches everything."""
+    checks: list[Callable[[Mapping[str, str]], bool]] = []
+    pos, text = 0, (text or "").strip()
+    while pos < len(text):
+        m = _REQUIREMENT.match(text, pos)
+        if not m or m.end() == pos:
+            raise SelectorError(f"unable to parse requirement: {text[pos:]!r}")
+        pos = m.end()
+        if m["absent"]:
+            checks.append(lambda labels, k=m["akey"]: k not in labels)
+        elif m["op"] in ("=", "=="):
+            checks.append(lambda labels, k=m["key"], v=m["value"]: labels.get(k) == v)
+        elif m["op"] == "!=":
+            checks.append(lambda labels, k=m["key"], v=m["value"]: labels.get(k) != v)
+        elif m["setop"]:
+            values = {v.strip() for v in m["values"].split(",")}
+            if m["setop"] == "in":
+                checks.append(lambda labels, k=m["key"], vs=values: labels.get(k) in vs)
+            else:
+                checks.append(lambda labels, k=m["key"], vs=values: labels.get(k) not in vs)
+        else:
+            checks.append(lambda labels, k=m["key"]: k in labels)
+
+    def matches(obj: Mapping[str, Any]) -> bool:
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        return all(check(labels) for check in checks)
+
+    return matches
+
+
+def field_selector(text: str | None) -> Predicate:
+    """A predicate over dotted field paths: `metadata.name=x,status.phase!=Failed`."""
+    checks: list[Predicate] = []
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        m = re.fullmatch(r"([\w.]+)\s*(==|=|!=)\s*(.*)", part)
+        if not m:
+            raise SelectorError(f"unable to parse field requirement: {part!r}")
+        path, op, value = m.groups()
+        equal = op != "!="
+        checks.append(lambda obj, p=path, v=value, eq=equal: (_field(obj, p) == v) == eq)
+    return lambda obj: all(check(obj) for check in checks)
+
+
+def _field(obj: Mapping[str, Any], path: str) -> str:
+    value: Any = obj
+    for key in path.split("."):
+        value = value.get(key) if isinstance(value, Mapping) else None
+    return "" if value is None else str(value)
+
+
+def selects(selector: Mapping[str, str] | None, obj: Mapping[str, Any]) -> bool:
+    """A Service's equality-based `spec.selector` against an object's labels."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())

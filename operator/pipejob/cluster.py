@@ -5,6 +5,7 @@ connection (configured by the kopf login handler from the kubeconfig or the pod'
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -42,7 +43,15 @@ def merge_patch(old: dict, new: dict) -> dict:
 
 class Cluster:
     def __init__(self, api: client.ApiClient | None = None):
-        self.api = api or client.ApiClient()
+        self._api = api
+
+    @property
+    def api(self) -> client.ApiClient:
+        # Made on first use: kopf runs the startup handlers (which make this object) before
+        # its login handler configures the client; a client made earlier has no host.
+        if self._api is None:
+            self._api = client.ApiClient()
+        return self._api
 
     def _call(
         self,
@@ -145,7 +154,11 @@ class Cluster:
         event = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            # Named as client-go names Events: the object's name and a nanosecond stamp.
+            "metadata": {
+                "name": f"{meta['name']}.{time.time_ns():x}",
+                "namespace": meta["namespace"],
+            },
             "involvedObject": {
                 "apiVersion": job.get("apiVersion"),
                 "kind": job.get("kind"),

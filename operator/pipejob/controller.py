@@ -15,7 +15,7 @@ from typing import Any
 import kopf
 
 from pipejob import kube, reconcile
-from pipejob.cluster import Cluster
+from pipejob.cluster import ApiError, Cluster
 from pipejob.crd import PLURALS
 from pipejob.spec import API_VERSION, GROUP, VERSION
 
@@ -23,6 +23,9 @@ RESYNC_ENV = "PIPEJOB_RESYNC_SECONDS"
 DEFAULT_RESYNC = 10.0  # deadlines, TTLs and missed events are seen within this
 
 REGISTRY = kopf.OperatorRegistry()
+# Our own logger, not kopf's per-object one: kopf would also post its records as Events,
+# doubling the Events the reconcile posts itself.
+log = logging.getLogger("pipejob.operator")
 
 Key = tuple[str, str, str]  # (plural, namespace, name)
 
@@ -39,7 +42,7 @@ class Reconciler:
         self._locks: dict[Key, threading.Lock] = {}
         self._queued: set[Key] = set()
 
-    def kick(self, key: Key, logger: Any) -> None:
+    def kick(self, key: Key) -> None:
         with self._guard:
             if key in self._queued:
                 return
@@ -48,7 +51,7 @@ class Reconciler:
         with lock:
             with self._guard:
                 self._queued.discard(key)
-            self._reconcile(key, logger)
+            self._reconcile(key)
 
     def track(self, key: Key) -> None:
         with self._guard:
@@ -56,10 +59,9 @@ class Reconciler:
 
     def forget(self, key: Key) -> None:
         with self._guard:
-            self.jobs.discard(key)
-            self._locks.pop(key, None)
+            self.jobs.discard(key)  # its lock stays: a reconcile may hold it right now
 
-    def _reconcile(self, key: Key, logger: Any) -> None:
+    def _reconcile(self, key: Key) -> None:
         plural, namespace, name = key
         job = self.cluster.get_job(plural, namespace, name)
         if job is None or job["metadata"].get("deletionTimestamp"):
@@ -78,18 +80,21 @@ class Reconciler:
         if acts.status != old:
             self.cluster.patch_status(plural, job, acts.status)
             if acts.status.get("phase") != old.get("phase"):
-                logger.info(f"{namespace}/{name}: {old.get('phase')} -> {acts.status['phase']}")
+                log.info(f"{namespace}/{name}: {old.get('phase')} -> {acts.status['phase']}")
         for pod in acts.delete:
             self.cluster.delete_pod(pod)
         if acts.delete:
-            logger.info(f"{namespace}/{name}: deleted pods "
-                        + ", ".join(p["metadata"]["name"] for p in acts.delete))  # fmt: skip
+            names = ", ".join(p["metadata"]["name"] for p in acts.delete)
+            log.info(f"{namespace}/{name}: deleted pods {names}")
         for event in acts.events:
-            logger.log(logging.WARNING if event.type == reconcile.WARNING else logging.INFO,
-                       f"{namespace}/{name}: {event.reason}: {event.message}")  # fmt: skip
-            self.cluster.post_event(job, event.type, event.reason, event.message)
+            level = logging.WARNING if event.type == reconcile.WARNING else logging.INFO
+            log.log(level, f"{namespace}/{name}: {event.reason}: {event.message}")
+            try:
+                self.cluster.post_event(job, event.type, event.reason, event.message)
+            except ApiError as e:  # Events inform; they must not stop the reconcile
+                log.warning(f"{namespace}/{name}: could not post an Event: {e}")
         if acts.delete_job:
-            logger.info(f"{namespace}/{name}: ttlSecondsAfterFinished passed: deleting the job")
+            log.info(f"{namespace}/{name}: ttlSecondsAfterFinished passed: deleting the job")
             self.cluster.delete_job(plural, job)
             self.forget(key)
 
@@ -107,13 +112,13 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 @kopf.on.startup(registry=REGISTRY)
-async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Any, **_: Any):
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # Serve exactly the namespaces asked for; no CRD or Namespace watching (least privilege).
     settings.scanning.disabled = True
     settings.posting.level = logging.WARNING  # kopf's own Events: only its errors
     memo.reconciler = Reconciler(Cluster(), kube.trainer_image())
-    memo.resync = asyncio.create_task(_resync(memo.reconciler, resync_seconds(), logger))
-    logger.info(f"trainer image {memo.reconciler.image}; resync every {resync_seconds()}s")
+    memo.resync = asyncio.create_task(_resync(memo.reconciler, resync_seconds()))
+    log.info(f"trainer image {memo.reconciler.image}; resync every {resync_seconds()}s")
 
 
 @kopf.on.cleanup(registry=REGISTRY)
@@ -128,24 +133,23 @@ def probe(memo: kopf.Memo, **_: Any) -> int:
     return len(memo.reconciler.jobs)
 
 
-async def _resync(reconciler: Reconciler, interval: float, logger: Any) -> None:
+async def _resync(reconciler: Reconciler, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
         for key in sorted(reconciler.jobs):
             try:
-                await asyncio.to_thread(reconciler.kick, key, logger)
+                await asyncio.to_thread(reconciler.kick, key)
             except Exception as e:  # the next round tries again; the operator keeps going
-                logger.error(f"reconcile of {key[1]}/{key[2]} failed: {e}")
+                log.error(f"reconcile of {key[1]}/{key[2]} failed: {e}")
 
 
-def on_job(event: dict, resource: Any, namespace: str, name: str, memo: kopf.Memo,
-           logger: Any, **_: Any) -> None:  # fmt: skip
+def on_job(event: dict, resource: Any, namespace: str, name: str, memo: kopf.Memo, **_: Any):
     key = (resource.plural, namespace, name)
     if event.get("type") == "DELETED":
         memo.reconciler.forget(key)
         return
     memo.reconciler.track(key)
-    memo.reconciler.kick(key, logger)
+    memo.reconciler.kick(key)
 
 
 for _plural in PLURALS.values():
@@ -153,13 +157,13 @@ for _plural in PLURALS.values():
 
 
 @kopf.on.event("v1", "pods", labels={kube.JOB_LABEL: kopf.PRESENT}, registry=REGISTRY)
-def on_pod(body: dict, namespace: str, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+def on_pod(body: dict, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     """A pod of a job changed or went: reconcile the job that owns it."""
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("controller") and ref.get("apiVersion") == API_VERSION:
             plural = PLURALS.get(ref.get("kind"))
             if plural is not None:
-                memo.reconciler.kick((plural, namespace, ref["name"]), logger)
+                memo.reconciler.kick((plural, namespace, ref["name"]))
 
 
 def run(

@@ -126,9 +126,11 @@ def decide(job_obj: dict, pods: list[dict], now: datetime, image: str) -> Action
             acts, old, st.RUNNING, "AllPodsRunning", f"all {running} pods are running", now
         )
     if restart > 0:
+        # Until the new world runs, the Restarting condition keeps saying what broke the old.
+        cause = st.condition(old, st.RESTARTING) or {}
         return _transition(
-            acts, old, st.RESTARTING, "Restarting",
-            f"restart {restart}: {running}/{len(planned)} pods running", now,
+            acts, old, st.RESTARTING, cause.get("reason") or "Restarting",
+            cause.get("message") or f"restart {restart}", now,
         )  # fmt: skip
     return _transition(
         acts, old, st.PENDING, "PodsPending", f"{running}/{len(planned)} pods running", now

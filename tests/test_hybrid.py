@@ -70,7 +70,7 @@ def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_p
     for step in (10, 20, 30, 40):
         assert re.search(rf"^master\s*\| step {step}/40 +loss [\d.]+ +[\d,]+ samples/s$",
                          output, re.M), output  # fmt: skip
-    assert re.search(r"^master\s*\| done: 40 steps x 2 trainers x 8 bags", output, re.M), output
+    assert re.search(r"^master\s*\| done: 40 steps x 8 bags on 2 trainer", output, re.M), output
     assert summary["trainers"] == 2 and summary["steps"] == 40
     assert summary["samples_per_second"] > 0
 

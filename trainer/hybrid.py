@@ -145,8 +145,8 @@ def _train_world(env: Env) -> dict[str, Any]:
         ps, _make_table, args=(emb["numEmbeddings"], emb["dim"], emb["mode"], spec["seed"])
     )
     before = rpc.rpc_sync(ps, _table_weight, args=(table,))
-    world.log(env, f"training {spec['steps']} steps on {len(trainers)} trainers"
-                   f" x {spec['batchSize']} bags; EmbeddingBag {emb['numEmbeddings']}x{emb['dim']}"
+    world.log(env, f"training {spec['steps']} steps x {spec['batchSize']} bags on"
+                   f" {', '.join(trainers)}; EmbeddingBag {emb['numEmbeddings']}x{emb['dim']}"
                    f" ({emb['mode']}) on {ps}")  # fmt: skip
     _PROGRESS = Progress(env, trainers)
     # A training loop may run for hours: no RPC timeout (0) on it. A trainer that dies fails
@@ -194,7 +194,7 @@ def summarize(env: Env, results: dict[str, dict[str, Any]], before: torch.Tensor
 
 def print_summary(env: Env, s: dict[str, Any]) -> None:
     lines = [
-        f"done: {s['steps']} steps x {s['trainers']} trainers x {s['batch_size']} bags"
+        f"done: {s['steps']} steps x {s['batch_size']} bags on {s['trainers']} trainer(s)"
         f" in {s['seconds']:.2f}s, {s['samples_per_second']:,.0f} samples/s",
         f"loss {s['loss_first']:.4f} -> {s['loss_final']:.4f} (mean over trainers)",
         f"dense replicas: max |difference| across trainers {s['dense_max_abs_diff']:.3g}",

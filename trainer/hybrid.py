@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
 from typing import Any
@@ -152,11 +153,22 @@ def _train_world(env: Env) -> dict[str, Any]:
     # A training loop may run for hours: no RPC timeout (0) on it. A trainer that dies fails
     # its future when its connection breaks.
     futures = [rpc.rpc_async(t, _train, args=(table,), timeout=0) for t in trainers]
-    results = dict(zip(trainers, (f.wait() for f in futures), strict=True))
+    results = dict(zip(trainers, _wait_all(futures), strict=True))
     after = rpc.rpc_sync(ps, _table_weight, args=(table,))
     summary = summarize(env, results, before, after)
     print_summary(env, summary)
     return summary
+
+
+def _wait_all(futures: list[torch.futures.Future]) -> list[Any]:
+    """All results, but raise the first failure as soon as it arrives: the other trainers
+    may be stuck in an allreduce waiting for the one that failed."""
+    finished: queue.SimpleQueue[torch.futures.Future] = queue.SimpleQueue()
+    for future in futures:
+        future.add_done_callback(finished.put)
+    for _ in futures:
+        finished.get().wait()
+    return [future.wait() for future in futures]
 
 
 def summarize(env: Env, results: dict[str, dict[str, Any]], before: torch.Tensor,

@@ -79,6 +79,14 @@ def test_labels_owner_and_restart_generation():
     assert pod["metadata"]["namespace"] == "team"
 
 
+def test_pods_carry_the_digest_of_the_spec_they_were_made_from():
+    job, pods = world(stages=2)
+    assert {kube.spec_hash_of(p) for p in pods} == {kube.spec_hash(job)}
+    steering = spec.parse(manifest(stages=2, backoffLimit=9, suspend=True))
+    assert kube.spec_hash(steering) == kube.spec_hash(job)
+    assert kube.spec_hash(spec.parse(manifest(stages=3))) != kube.spec_hash(job)
+
+
 def test_restricted_security_context_by_default():
     _, pods = world()
     for pod in pods:

@@ -10,7 +10,7 @@ import pytest
 from pipejob import kube, reconcile
 from pipejob import status as st
 from pipejob.schema import apply
-from pipejob.spec import API_VERSION
+from pipejob.spec import API_VERSION, parse
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -321,3 +321,40 @@ def test_pods_of_an_older_world_are_deleted():
     acts = sim.reconcile()
     assert [p["metadata"]["name"] for p in acts.delete] == ["j-stage-9"]
     assert sim.status["phase"] == "Running"
+
+
+def test_an_edited_spec_recreates_the_world_without_counting_a_restart():
+    sim = started(stages=2)
+    sim.job["spec"]["stages"] = 3
+    sim.job["metadata"]["generation"] = 2
+    acts = sim.reconcile()
+    assert len(acts.delete) == 3 and sim.names() == []
+    assert sim.events() == [("Normal", "SpecChanged")]
+    assert sim.status["phase"] == "Pending" and sim.status["restarts"] == 0
+    sim.reconcile()
+    assert sim.names() == ["j-master-0", "j-stage-0", "j-stage-1", "j-stage-2"]
+    assert {kube.spec_hash_of(p) for p in sim.pods.values()} == {kube.spec_hash(parse(sim.job))}
+    sim.run_all()
+    assert sim.status["phase"] == "Running"
+
+
+def test_editing_run_controls_keeps_the_world():
+    sim = started(stages=2)
+    sim.job["spec"].update(backoffLimit=5, activeDeadlineSeconds=3600, ttlSecondsAfterFinished=9)
+    acts = sim.reconcile()
+    assert acts.delete == [] and acts.create == [] and sim.status["phase"] == "Running"
+
+
+def test_restarting_says_what_broke_until_the_new_world_runs():
+    sim = started(stages=2)
+    sim.set_phase("j-stage-1", "Failed", 1)
+    sim.reconcile()
+    sim.reconcile()  # the new world is created
+    restarting = st.condition(sim.status, "Restarting")
+    assert sim.status["phase"] == "Restarting" and restarting["reason"] == "PodFailed"
+    assert "pod j-stage-1" in restarting["message"]
+    sim.run_all()
+    sim.job["spec"]["seed"] = 7  # a later re-creation is no restart
+    sim.reconcile()
+    sim.reconcile()
+    assert sim.status["phase"] == "Pending" and sim.status["restarts"] == 1

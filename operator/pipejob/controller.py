@@ -161,9 +161,10 @@ def on_pod(body: dict, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     """A pod of a job changed or went: reconcile the job that owns it."""
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("controller") and ref.get("apiVersion") == API_VERSION:
-            plural = PLURALS.get(ref.get("kind"))
-            if plural is not None:
-                memo.reconciler.kick((plural, namespace, ref["name"]))
+            plural = PLURALS.get(ref.get("kind"), "")
+            key = (plural, namespace, ref["name"])
+            if key in memo.reconciler.jobs:  # else the job's own event comes, or it is gone
+                memo.reconciler.kick(key)
 
 
 def run(

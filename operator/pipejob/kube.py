@@ -4,6 +4,8 @@ world plan. Pure: the controller creates what these return, `pipejob render` pri
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import os
 from typing import Any
 
@@ -16,6 +18,7 @@ JOB_LABEL = "pipejob.dev/job"
 ROLE_LABEL = "pipejob.dev/role"
 INDEX_LABEL = "pipejob.dev/index"
 RESTART_LABEL = "pipejob.dev/restart"
+SPEC_HASH = "pipejob.dev/spec-hash"  # annotation: the spec a pod was made from
 MANAGED_BY = {"app.kubernetes.io/managed-by": "pipejob"}
 
 CONTAINER = "trainer"
@@ -45,6 +48,21 @@ _POD_FIELDS = (
     "schedulerName",
     "priorityClassName",
 )
+
+
+# Fields that steer the job, not its pods: changing them never recreates the world.
+RUN_CONTROL = ("suspend", "backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished")
+
+
+def spec_hash(job: Job) -> str:
+    """A digest of everything in the spec that the pods are made from."""
+    world_spec = {k: v for k, v in job.spec.items() if k not in RUN_CONTROL}
+    text = json.dumps(world_spec, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def spec_hash_of(pod_obj: dict) -> str | None:
+    return (pod_obj["metadata"].get("annotations") or {}).get(SPEC_HASH)
 
 
 def trainer_image() -> str:
@@ -170,12 +188,9 @@ def pod(
         INDEX_LABEL: str(process.member.index),
         RESTART_LABEL: str(restart),
     }
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": _metadata(job, name, namespace, owner, labels),
-        "spec": spec,
-    }
+    meta = _metadata(job, name, namespace, owner, labels)
+    meta["annotations"] = {SPEC_HASH: spec_hash(job)}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
 def world(

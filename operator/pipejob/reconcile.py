@@ -100,6 +100,16 @@ def decide(job_obj: dict, pods: list[dict], now: datetime, image: str) -> Action
             f"the job was active longer than activeDeadlineSeconds ({deadline}s)", now,
         )  # fmt: skip
 
+    # An edited spec makes a new world (an RPC world cannot change shape while it runs); that
+    # is no failure, so it costs no restart.
+    digest = kube.spec_hash(job)
+    if any(kube.spec_hash_of(p) != digest for p in current if not st.deleting(p)):
+        acts.delete = live
+        message = f"the spec changed (generation {meta.get('generation')}): recreating the world"
+        acts.status["conditions"] = _created(acts.status, False, "SpecChanged", message, now)
+        acts.events.append(Event(NORMAL, "SpecChanged", message))
+        return _transition(acts, old, st.PENDING, "SpecChanged", message, now, event=False)
+
     failure = _first_failure(planned, by_name, created=st.is_true(old, st.CREATED))
     if failure is not None:
         return _fail(acts, job, old, failure, live, now)
@@ -125,7 +135,7 @@ def decide(job_obj: dict, pods: list[dict], now: datetime, image: str) -> Action
         return _transition(
             acts, old, st.RUNNING, "AllPodsRunning", f"all {running} pods are running", now
         )
-    if restart > 0:
+    if old.get("phase") == st.RESTARTING:
         # Until the new world runs, the Restarting condition keeps saying what broke the old.
         cause = st.condition(old, st.RESTARTING) or {}
         return _transition(

@@ -49,8 +49,13 @@ LABEL org.opencontainers.image.title="pipejob-trainer" \
       org.opencontainers.image.description="pipejob trainer: torch + torchvision with CUDA"
 # torch and torchvision wheels from PyPI bundle the CUDA runtime (nvidia-* wheels); the
 # node's NVIDIA driver is all a GPU pod needs besides. The biggest layer, so it goes first.
+# TORCH_INDEX_URL may name an extra index with smaller CPU-only builds of the same pinned
+# versions (the kind suite uses one); empty, the image is CUDA-capable.
+ARG TORCH_INDEX_URL=""
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[trainer]" && pip uninstall --yes pipejob
+RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} \
+        ".[trainer]" \
+ && pip uninstall --yes pipejob
 COPY README.md ./
 COPY operator/ operator/
 COPY trainer/ trainer/

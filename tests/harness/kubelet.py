@@ -54,6 +54,7 @@ class PodRun:
     kill_at: float | None = None  # graceful deletion: when SIGTERM becomes SIGKILL
     evicted: str | None = None
     done: bool = False  # a terminal phase has been reported
+    deleted: bool = False  # the pod is gone from the API (kept here for its logs)
     fqdn_published: bool = False
 
     @property
@@ -127,6 +128,7 @@ class Kubelet:
     # --- what tests use ---------------------------------------------------------------------
 
     def runs(self, namespace: str | None = None) -> list[PodRun]:
+        """Every pod this node took, in order, deleted ones included."""
         with self._lock:
             return [r for r in self._runs.values() if namespace in (None, r.namespace)]
 
@@ -179,9 +181,9 @@ class Kubelet:
             run = self._runs.get(meta["uid"])
         if kind == "DELETED":
             if run is not None:
+                run.deleted = True
+                run.restart_at = None
                 self._signal(run, signal.SIGKILL)
-                with self._lock:
-                    del self._runs[meta["uid"]]
             return
         if spec.get("nodeName") not in (None, "", self.node):
             return
@@ -339,6 +341,8 @@ class Kubelet:
         last_dns = 0.0
         while not self._stopping.wait(0.1):
             for run in self.runs():
+                if run.deleted:
+                    continue
                 try:
                     self._tend(run, dns=time.monotonic() - last_dns > 0.5)
                 except (ApiError, OSError) as e:

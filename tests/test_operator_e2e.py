@@ -1,0 +1,109 @@
+"""End to end, as close to a cluster as this machine gets: the unmodified operator, the real
+CRDs, the API server emulator and the process-kubelet, which runs the operator's own pod specs
+as real trainer processes (real torch RPC and DDP over per-pod loopback addresses and DNS).
+
+The examples run with smaller sizes for CPU speed (fewer steps, tiny images); everything else
+is the example as a user applies it."""
+
+from __future__ import annotations
+
+import pytest
+from harness import jobs
+from harness.client import Api
+from harness.kubelet import Kubelet
+
+pytestmark = pytest.mark.timeout(240)
+
+NS = "default"
+# The examples, cut down for 2 CPU cores.
+PIPELINE = ("resnet50-pipeline.yaml", {"stages": 2, "imageSize": 32, "batchSize": 4,
+            "microBatches": 2, "numClasses": 10, "steps": 3, "logEvery": 1})  # fmt: skip
+HYBRID = ("hybrid.yaml", {"steps": 10, "datasetSize": 512, "logEvery": 1})
+
+
+def start(api: Api, example: tuple[str, dict], **spec) -> dict:
+    return jobs.create(api, jobs.example(example[0], **(example[1] | spec)))
+
+
+def name_of(job: dict) -> str:
+    return job["metadata"]["name"]
+
+
+def wait_log(api: Api, kubelet: Kubelet, pod: str, text: str, timeout: float) -> None:
+    api.wait(f"{text!r} in the log of {pod}", lambda: text in kubelet.logs(NS, pod), timeout)
+
+
+def all_stopped(api: Api, kubelet: Kubelet) -> None:
+    api.wait("every pod process to be gone", lambda: not kubelet.running(), 30)
+
+
+def pod_uids(kubelet: Kubelet, job: str) -> list[str]:
+    """Every pod of the job the node ever ran."""
+    return [r.pod["metadata"]["uid"] for r in kubelet.runs(NS) if r.name.startswith(f"{job}-")]
+
+
+@pytest.mark.parametrize("example", [PIPELINE, HYBRID], ids=["pipeline", "hybrid"])
+def test_an_example_trains_to_success(cluster, kubelet, operator, example):
+    api = cluster.api
+    job = start(api, example)
+    name, kind, steps = name_of(job), job["kind"], example[1]["steps"]
+    done = jobs.wait_phase(api, kind, name, "Succeeded", timeout=180)
+    assert done["status"]["restarts"] == 0
+    master = api.get("v1/pods", f"{name}-master-0", NS)
+    assert master["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+    assert f"step {steps}/{steps}" in kubelet.logs(NS, f"{name}-master-0")
+    all_stopped(api, kubelet)  # the rest of the world is stopped, not left in rpc.shutdown
+
+
+def test_a_stage_killed_mid_run_restarts_the_world_which_then_succeeds(cluster, kubelet, operator):
+    api = cluster.api
+    name = name_of(start(api, PIPELINE, steps=8))
+    wait_log(api, kubelet, f"{name}-master-0", "step 2/8", timeout=120)
+    first_world = pod_uids(kubelet, name)
+    kubelet.kill(NS, f"{name}-stage-1")  # as an OOM kill would
+    done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=180)
+    assert done["status"]["restarts"] == 1
+    second_world = [uid for uid in pod_uids(kubelet, name) if uid not in first_world]
+    assert len(first_world) == len(second_world) == 3  # the whole world, once
+    events = [e["message"] for e in api.list("v1/events", NS) if e["type"] == "Warning"]
+    assert any(f"stage 1 (pod {name}-stage-1) failed with exit code 137" in m for m in events)
+    all_stopped(api, kubelet)
+
+
+def test_a_job_whose_pods_always_fail_fails_after_the_backoff_limit(cluster, kubelet, operator):
+    api = cluster.api
+    # A broken image, as far as the process is concerned: its Python cannot even start.
+    broken = {"template": {"env": [{"name": "PYTHONHOME", "value": "/nonexistent"}]}}
+    name = name_of(start(api, HYBRID, backoffLimit=1, **broken))
+    failed = jobs.wait_phase(api, "HybridJob", name, "Failed", timeout=120)
+    assert failed["status"]["restarts"] == 1
+    reason = next(c for c in failed["status"]["conditions"] if c["type"] == "Failed")
+    assert reason["reason"] == "BackoffLimitExceeded"
+    assert "failed with exit code 1" in reason["message"] and "backoffLimit 1" in reason["message"]
+    worlds = {r.pod["metadata"]["labels"]["pipejob.dev/restart"] for r in kubelet.runs(NS)}
+    assert worlds == {"0", "1"}  # the first world and its one restart ran, no more
+    all_stopped(api, kubelet)
+
+
+def test_deleting_a_running_job_leaves_no_pod_service_or_process(cluster, kubelet, operator):
+    api = cluster.api
+    name = name_of(start(api, HYBRID, steps=100000, logEvery=100))
+    wait_log(api, kubelet, f"{name}-master-0", "step 100/", timeout=90)  # training
+    api.delete(jobs.resource("HybridJob"), name, NS)
+    api.wait("no pods", lambda: jobs.pods(api, name) == [], 30)
+    assert api.find("v1/services", name, NS) is None
+    all_stopped(api, kubelet)
+
+
+def test_the_operator_killed_and_restarted_mid_job_makes_no_duplicates(cluster, kubelet, operator):
+    api = cluster.api
+    name = name_of(start(api, HYBRID, steps=150, logEvery=10))
+    jobs.wait_phase(api, "HybridJob", name, "Running", timeout=60)
+    world = pod_uids(kubelet, name)
+    operator.kill()
+    wait_log(api, kubelet, f"{name}-master-0", "step 10/150", timeout=60)  # training goes on
+    operator.start()
+    done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=120)
+    assert done["status"]["restarts"] == 0
+    assert pod_uids(kubelet, name) == world  # the same four pods, none made again
+    all_stopped(api, kubelet)

@@ -1,0 +1,195 @@
+"""The unmodified operator (`pipejob operator`, kopf) against the API server emulator over HTTP,
+with the real CRDs from crds/. No kubelet here: the tests play it at the boundary, writing pod
+statuses through the API as a kubelet would."""
+
+from __future__ import annotations
+
+import pytest
+from harness import jobs
+from harness.client import Api
+
+pytestmark = pytest.mark.timeout(60)
+
+NS = "default"
+PODS = "v1/pods"
+JOB = "pj"
+WORLD = [f"{JOB}-master-0", f"{JOB}-stage-0", f"{JOB}-stage-1"]
+
+
+def pipeline(name: str = JOB, **spec) -> dict:
+    return {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "PipelineJob",
+        "metadata": {"name": name},
+        "spec": {"model": "resnet18", "stages": 2, "steps": 3, **spec},
+    }
+
+
+def world(api: Api, restart: int = 0, job: str = JOB) -> list[dict]:
+    """The job's pods of that restart, once all of them exist."""
+    return api.wait(
+        f"the pods of restart {restart}",
+        lambda: (lambda ps: ps if jobs.names(ps) == WORLD else None)([
+            p for p in jobs.pods(api, job)
+            if p["metadata"]["labels"]["pipejob.dev/restart"] == str(restart)
+        ]),
+        20,
+    )  # fmt: skip
+
+
+def set_pod(api: Api, name: str, phase: str, exit_code: int | None = None) -> None:
+    """Report a pod's phase (and its container's exit) as the kubelet would."""
+    status: dict = {"phase": phase}
+    if exit_code is not None:
+        status["containerStatuses"] = [{"name": "trainer", "state": {"terminated": {
+            "exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
+            "finishedAt": "2030-01-01T00:00:00Z"}}}]  # fmt: skip
+    api.patch(PODS, name, {"status": status}, NS, subresource="status")
+
+
+def phase(api: Api, *phases: str, name: str = JOB) -> dict:
+    return jobs.wait_phase(api, "PipelineJob", name, phases, timeout=20)
+
+
+def condition(job: dict, kind: str) -> dict:
+    return next(c for c in job["status"]["conditions"] if c["type"] == kind)
+
+
+def test_a_job_gets_its_headless_service_and_one_pod_per_process(cluster, operator):
+    api = cluster.api
+    job = jobs.create(api, pipeline())
+    pods = {p["metadata"]["name"]: p for p in world(api)}
+    owner = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob", "name": JOB,
+             "uid": job["metadata"]["uid"], "controller": True,
+             "blockOwnerDeletion": True}  # fmt: skip
+
+    service = api.get("v1/services", JOB, NS)
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    assert service["spec"]["selector"] == {"pipejob.dev/job": JOB}
+    assert service["metadata"]["ownerReferences"] == [owner]
+
+    for rank, name in enumerate(WORLD):
+        pod = pods[name]
+        spec, container = pod["spec"], pod["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        role, index = name.split("-")[1:]
+        assert (spec["hostname"], spec["subdomain"]) == (name, JOB)  # its DNS name: name.pj
+        assert spec["restartPolicy"] == "Never"  # the operator restarts worlds, not pods
+        assert container["command"] == ["python", "-m", "pipejob.trainer"]
+        assert env["MASTER_ADDR"] == f"{JOB}-master-0.{JOB}" and env["WORLD_SIZE"] == "3"
+        assert (env["RANK"], env["PIPEJOB_ROLE"], env["PIPEJOB_ROLE_INDEX"]) == (
+            str(rank), role, index)  # fmt: skip
+        labels = {"pipejob.dev/job": JOB, "pipejob.dev/role": role, "pipejob.dev/index": index,
+                  "pipejob.dev/restart": "0"}  # fmt: skip
+        assert labels.items() <= pod["metadata"]["labels"].items()
+        assert pod["metadata"]["ownerReferences"] == [owner]
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert pod["status"] == {"phase": "Pending"}
+
+    pending = phase(api, "Pending")
+    assert condition(pending, "Created")["status"] == "True"
+    assert pending["status"]["restarts"] == 0
+    uid = job["metadata"]["uid"]
+    events = api.wait("an Event about the job", lambda: [
+        e for e in api.list("v1/events", NS)
+        if e["involvedObject"].get("uid") == uid and e["reason"] == "CreatedPods"], 10)  # fmt: skip
+    assert all(name in events[0]["message"] for name in WORLD)
+
+
+def test_status_follows_the_pods_to_success(cluster, operator):
+    api = cluster.api
+    jobs.create(api, pipeline())
+    for pod in world(api):
+        set_pod(api, pod["metadata"]["name"], "Running")
+    running = phase(api, "Running")
+    assert running["status"]["roles"]["stage"]["running"] == 2
+    set_pod(api, f"{JOB}-master-0", "Succeeded", exit_code=0)
+    done = phase(api, "Succeeded")
+    assert done["status"]["completionTime"] and condition(done, "Succeeded")["status"] == "True"
+    # The stages would wait in rpc.shutdown forever: the operator removes them.
+    api.wait("the stages gone", lambda: jobs.names(jobs.pods(api, JOB)) == [f"{JOB}-master-0"], 20)
+
+
+def test_a_failed_pod_restarts_the_world_until_the_backoff_limit(cluster, operator):
+    api = cluster.api
+    jobs.create(api, pipeline(backoffLimit=1))
+    first = {p["metadata"]["name"]: p["metadata"]["uid"] for p in world(api)}
+    set_pod(api, f"{JOB}-stage-1", "Failed", exit_code=1)
+    restarting = phase(api, "Restarting")
+    assert restarting["status"]["restarts"] == 1
+    second = {p["metadata"]["name"]: p["metadata"]["uid"] for p in world(api, restart=1)}
+    assert not set(first.values()) & set(second.values())  # a whole new world
+    warned = [e for e in api.list("v1/events", NS) if e["type"] == "Warning"]
+    assert any("stage 1" in e["message"] and "exit code 1" in e["message"] for e in warned)
+
+    set_pod(api, f"{JOB}-stage-0", "Failed", exit_code=1)
+    failed = phase(api, "Failed")
+    reason = condition(failed, "Failed")
+    assert reason["reason"] == "BackoffLimitExceeded" and failed["status"]["restarts"] == 1
+    assert f"stage 0 (pod {JOB}-stage-0) failed with exit code 1" in reason["message"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        # A field the schema lets through but no pod could run with.
+        ({"template": {"env": [{"name": "RANK", "value": "1"}]}}, "spec.template.env[0].name"),
+        # The CRD's CEL rule would refuse this at the apiserver; the emulator does not enforce
+        # schemas, so this shows the operator's own check behind it.
+        ({"batchSize": 10, "microBatches": 4}, "spec.microBatches"),
+    ],
+)
+def test_an_invalid_spec_fails_with_the_field_path_and_no_pods(cluster, operator, spec, field):
+    api = cluster.api
+    jobs.create(api, pipeline(**spec))
+    failed = phase(api, "Failed")
+    reason = condition(failed, "Failed")
+    assert reason["reason"] == "InvalidSpec" and field in reason["message"]
+    assert jobs.pods(api, JOB) == [] and api.find("v1/services", JOB, NS) is None
+
+
+def test_suspend_removes_the_world_and_resume_brings_it_back(cluster, operator):
+    api = cluster.api
+    jobs.create(api, pipeline())
+    world(api)
+    api.patch(jobs.resource("PipelineJob"), JOB, {"spec": {"suspend": True}}, NS)
+    phase(api, "Suspended")
+    api.wait("no pods", lambda: jobs.pods(api, JOB) == [], 20)
+    api.patch(jobs.resource("PipelineJob"), JOB, {"spec": {"suspend": False}}, NS)
+    world(api)
+    assert phase(api, "Pending")["status"]["restarts"] == 0
+
+
+def test_deleting_a_job_deletes_what_it_made_and_nothing_else(cluster, operator):
+    api = cluster.api
+    jobs.create(api, pipeline())
+    world(api)
+    api.create(PODS, {"metadata": {"name": "bystander", "labels": {"pipejob.dev/job": JOB}},
+                      "spec": {"containers": [{"name": "c", "image": "x"}]}}, NS)  # fmt: skip
+    api.delete(jobs.resource("PipelineJob"), JOB, NS)
+    assert jobs.names(jobs.pods(api, JOB)) == ["bystander"]
+    assert api.find("v1/services", JOB, NS) is None
+
+
+def test_deadline_and_ttl(cluster, operator):
+    api = cluster.api
+    jobs.create(api, pipeline("late", activeDeadlineSeconds=1, ttlSecondsAfterFinished=2))
+    failed = jobs.wait_phase(api, "PipelineJob", "late", "Failed", timeout=20)
+    assert condition(failed, "Failed")["reason"] == "DeadlineExceeded"
+    api.wait("the job deleted after its TTL",
+             lambda: jobs.get(api, "PipelineJob", "late") is None, 20)  # fmt: skip
+    assert jobs.pods(api, "late") == []
+
+
+def test_a_restarted_operator_converges_on_what_it_observes(cluster, operator):
+    api = cluster.api
+    jobs.create(api, pipeline())
+    uids = {p["metadata"]["uid"] for p in world(api)}
+    phase(api, "Pending")
+    operator.kill()
+    for name in WORLD:  # the world moves on while no operator watches
+        set_pod(api, name, "Running")
+    operator.start()
+    running = phase(api, "Running")
+    assert running["status"]["restarts"] == 0
+    assert {p["metadata"]["uid"] for p in jobs.pods(api, JOB)} == uids  # nothing re-made

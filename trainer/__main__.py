@@ -23,9 +23,21 @@ def run(env: Env) -> dict | None:
     raise ContractError(f"unknown job kind {env.kind!r}")
 
 
+def _quiet(showwarning):
+    """torch forces its TorchScript-optimizer deprecation warning on (simplefilter "always"
+    around the warn), so no filter can drop it; torch is pinned and users cannot act on it."""
+
+    def show(message, category, *args, **kwargs):
+        if "`TorchScript` support for functional optimizers" not in str(message):
+            showwarning(message, category, *args, **kwargs)
+
+    return show
+
+
 def main() -> int:
     # gloo's deprecation chatter at shutdown says nothing useful to a user.
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+    warnings.showwarning = _quiet(warnings.showwarning)
     try:
         env = read_env()
     except ContractError as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipejob import cli_operator, spec
+from pipejob import cli_operator, kube, spec
 from pipejob.plan import plan_world
 
 
@@ -39,7 +39,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     job = _load_or_exit(args.file)
     print(f"{'rank':>4}  {'rpc name':<10} {'role':<8} {'gpus':>4}  {'ddp':<5} address")
-    for p in plan_world(job, lambda m: f"{job.name}-{m.label}.{job.name}"):
+    for p in plan_world(job, kube.addresser(job)):
         ddp = f"{p.ddp_rank}/{p.ddp_world_size}" if p.ddp_rank is not None else "-"
         print(f"{p.rank:>4}  {p.rpc_name:<10} {p.role:<8} {p.gpus:>4}  {ddp:<5} {p.address}")
     return 0

@@ -221,6 +221,24 @@ def test_custom_render(renders: dict[str, Path]) -> None:
     assert env[kube.IMAGE_ENV] == CUSTOM_VALUES["trainerImage"]
 
 
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"logLevel": "verbose"}, "at '/logLevel': value must be one of"),
+        ({"watchNamespaces": ["Team_A"]}, "at '/watchNamespaces/0': 'Team_A' does not match"),
+        ({"replicas": 0}, "at '/replicas'"),
+        ({"replicaz": 2}, "additional properties 'replicaz' not allowed"),
+    ],
+)
+def test_bad_values_are_refused_with_the_field(values: dict, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(json.dumps(values))
+    proc = run([tool("helm"), "template", "pipejob", str(CHART), "--values", str(path)],
+               check=False)  # fmt: skip
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+
+
 def test_operator_accepts_the_charts_arguments(renders: dict[str, Path]) -> None:
     """The Deployment's args parse with the real `pipejob operator` command line."""
     from pipejob.cli import build_parser

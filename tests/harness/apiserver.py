@@ -18,7 +18,8 @@ store with history, fetch, Kubernetes `Status` errors. On top of that, this modu
   timeoutSeconds;
 - CRDs: creating one serves its resource (discovery, status subresource, short names,
   categories, printer columns) and marks it Established;
-- pods/binding; server-side tables for `kubectl get`; OpenAPI v3 of the CRDs for kubectl.
+- pods/binding; server-side tables for `kubectl get`; OpenAPI v3 and strict field validation
+  of custom resources for `kubectl apply` and `kubectl explain`.
 
 Not emulated (a real cluster checks these): schema/CEL validation and schema defaulting,
 admission, RBAC, namespaces' existence, strategic-merge list semantics, server-side apply."""
@@ -101,7 +102,8 @@ class ApiServer(kmock.KubernetesEmulator):
         res = request.resource
         if res is None or res.plural is None:  # discovery, /version, openapi
             if request.url.path.startswith("/openapi/"):
-                return aiohttp.web.json_response(openapi.serve(request.url.path, self._schemas))
+                doc = openapi.serve(request.url.path, self.resources, self._schemas)
+                return aiohttp.web.json_response(doc)
             return await super(kmock.KubernetesEmulator, self)._handle(request)
         method = request.method
         if method == "POST" and request.subresource == "binding":
@@ -178,6 +180,7 @@ class ApiServer(kmock.KubernetesEmulator):
         if meta.get("namespace", namespace) != namespace:
             raise error(400, "BadRequest", "the namespace of the body does not match the URL")
         key = (res, namespace, meta["name"])
+        self._validate(request, obj)
         if self._live(key) is not None:
             raise error(409, "AlreadyExists", f'{res.plural} "{meta["name"]}" already exists')
         obj.setdefault("apiVersion", f"{res.group}/{res.version}".lstrip("/"))
@@ -199,6 +202,16 @@ class ApiServer(kmock.KubernetesEmulator):
         if not self._owners_alive(obj):  # the garbage collector removes orphans at once
             await self._delete(key, grace=None)
         return obj
+
+    def _validate(self, request: kmock.Request, obj: Obj) -> None:
+        """`fieldValidation=Strict` (kubectl's default): a custom resource's fields must all
+        be in its CRD's schema. Types, formats and CEL rules are not checked."""
+        schema = self._schemas.get(request.resource)
+        if request.params.get("fieldValidation") == "Strict" and schema:
+            unknown = openapi.unknown_fields(obj, schema)
+            if unknown:
+                fields = ", ".join(f'unknown field "{f}"' for f in unknown)
+                raise error(400, "BadRequest", f"strict decoding error: {fields}")
 
     def _owners_alive(self, obj: Obj) -> bool:
         owners = {ref.get("uid") for ref in obj["metadata"].get("ownerReferences") or []}
@@ -231,6 +244,7 @@ class ApiServer(kmock.KubernetesEmulator):
         if sub not in (None, "status") or (sub == "status" and "status" not in info.subresources):
             raise error(404, "NotFound", f"the subresource {sub!r} is not served here")
         new = self._apply(request, old)
+        self._validate(request, new)
         rv = new.get("metadata", {}).get("resourceVersion")
         if rv and rv != old["metadata"]["resourceVersion"]:
             raise error(409, "Conflict", "the object has been modified; please apply your"
@@ -404,6 +418,17 @@ class ApiServer(kmock.KubernetesEmulator):
         finally:
             await bus.unmark(mark)
 
+    async def _serve_version(self, request: kmock.Request) -> Obj:
+        """kmock's resource list, fixed: the core group version is `v1` (kmock says `/v1`, which
+        kubectl drops), and subresources have no short names or categories (kubectl would
+        resolve `pj` or `pipejob` to `pipelinejobs/status`)."""
+        listing = await super()._serve_version(request)
+        listing["groupVersion"] = listing["groupVersion"].lstrip("/")
+        for entry in listing["resources"]:
+            if "/" in entry["name"]:
+                entry.update(shortNames=[], categories=[], verbs=["get", "patch", "update"])
+        return listing
+
     # --- CRDs -------------------------------------------------------------------------------
 
     def _serve_crd(self, crd: Obj, served: bool) -> None:
@@ -424,7 +449,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 subresources={"status"} if "status" in version.get("subresources", {}) else set(),
             )
             self._columns[res] = version.get("additionalPrinterColumns") or []
-            self._schemas[res] = {"kind": names["kind"], **version.get("schema", {})}
+            self._schemas[res] = version.get("schema", {}).get("openAPIV3Schema", {})
 
 
 def _spec_of(obj: Obj) -> Obj:

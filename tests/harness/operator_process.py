@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,13 +35,16 @@ class OperatorProcess:
             "KUBECONFIG": str(self.kubeconfig),
             "PIPEJOB_RESYNC_SECONDS": str(self.resync_seconds),
         }
-        argv = [str(PIPEJOB), "operator", "-n", self.namespace, "--log-level", "debug",
+        # Dies with the tests, even when they are killed: no operator outlives its cluster.
+        guard = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
+        argv = [*guard, str(PIPEJOB), "operator", "-n", self.namespace, "--log-level", "debug",
                 "--health-host", "127.0.0.1", "--health-port", str(port)]  # fmt: skip
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
+        atexit.register(self.kill)
         deadline = time.monotonic() + timeout
         while not self._healthy(port):
             if self.process.poll() is not None or time.monotonic() > deadline:

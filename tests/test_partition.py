@@ -1,0 +1,133 @@
+"""Cutting torchvision models into layers, and balancing layers across stages."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from pipejob.spec import PIPELINE_MODELS
+from pipejob.trainer.layers import build_model, cut, sequential
+from pipejob.trainer.partition import measure_costs, min_max_partition
+
+# One model per torchvision family the trainer cuts, with an input size it can take.
+FAMILIES = {
+    "resnet18": 32,
+    "resnext50_32x4d": 32,
+    "vgg11_bn": 32,
+    "alexnet": 64,
+    "mobilenet_v2": 32,
+    "mobilenet_v3_small": 32,
+    "efficientnet_b0": 32,
+    "convnext_tiny": 32,
+}
+
+
+def brute_force(costs: list[float], parts: int) -> float:
+    """The smallest largest stage cost over every contiguous split."""
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)))
+    return best
+
+
+def test_partition_is_the_exact_min_max_split():
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        parts = rng.randint(1, n)
+        costs = [rng.choice([0.0, rng.random(), rng.randint(1, 5)]) for _ in range(n)]
+        ranges = min_max_partition(costs, parts)
+        assert len(ranges) == parts
+        assert all(len(r) > 0 for r in ranges), ranges
+        assert [i for r in ranges for i in r] == list(range(n))  # contiguous, in order, all
+        worst = max(sum(costs[i] for i in r) for r in ranges)
+        assert worst == pytest.approx(brute_force(costs, parts)), (costs, parts, ranges)
+
+
+def test_partition_examples():
+    assert min_max_partition([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
+    assert min_max_partition([5, 1, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 6)]
+    assert min_max_partition([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [
+        range(0, 5),
+        range(5, 7),
+        range(7, 9),
+    ]
+    assert min_max_partition([3.0], 1) == [range(0, 1)]
+
+
+def test_partition_refuses_what_it_cannot_split():
+    with pytest.raises(ValueError, match="cannot split 3 layers into 4 non-empty stages"):
+        min_max_partition([1, 1, 1], 4)
+    with pytest.raises(ValueError, match="at least one part"):
+        min_max_partition([1, 1], 0)
+    with pytest.raises(ValueError, match="negative"):
+        min_max_partition([1, -1], 2)
+
+
+@pytest.mark.parametrize("name", PIPELINE_MODELS)
+def test_every_pipeline_model_can_be_cut(name):
+    with torch.device("meta"):  # structure only: no memory, no initialisation cost
+        model = build_model(name, 10)
+    layers = cut(model)
+    names = [n for n, _ in layers]
+    assert len(names) == len(set(names)) >= 10
+    model_params = {id(p) for p in model.parameters()}
+    cut_params = [id(p) for _, m in layers for p in m.parameters()]
+    # Every parameter of the model is in exactly one layer.
+    assert sorted(cut_params) == sorted(model_params)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cut_model_computes_what_the_model_computes(name):
+    torch.manual_seed(0)
+    model = build_model(name, 10).eval()  # eval: dropout off, BatchNorm deterministic
+    x = torch.randn(2, 3, FAMILIES[name], FAMILIES[name])
+    with torch.no_grad():
+        expected = model(x)
+        got = sequential(cut(model))(x)
+    assert got.shape == (2, 10)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_sequential_keeps_layer_names_in_parameter_names():
+    torch.manual_seed(0)
+    layers = cut(build_model("resnet18", 10))
+    names = [n for n, _ in sequential(layers).named_parameters()]
+    assert names[0] == "conv1.weight"
+    assert "layer1_0.conv1.weight" in names
+    assert names[-1] == "fc.bias"
+
+
+def test_measured_costs_leave_the_model_untouched():
+    torch.manual_seed(0)
+    layers = cut(build_model("resnet18", 10))
+    before = {k: v.clone() for k, v in sequential(layers).state_dict().items()}
+    costs = measure_costs(layers, torch.randn(2, 3, 32, 32), repeats=2)
+    assert len(costs) == len(layers)
+    assert all(c > 0 for c in costs)
+    # The residual blocks cost more than the flatten between avgpool and fc.
+    by_name = dict(zip((n for n, _ in layers), costs, strict=True))
+    assert by_name["layer1.0"] > by_name["flatten"]
+    after = sequential(layers).state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key  # BatchNorm statistics included
+    assert all(p.grad is None for _, m in layers for p in m.parameters())
+
+
+def test_a_layer_that_cannot_take_the_input_is_named():
+    torch.manual_seed(0)
+    layers = cut(build_model("alexnet", 10))
+    with pytest.raises(ValueError, match=r"layer features\.\S+ cannot process an input"):
+        measure_costs(layers, torch.randn(1, 3, 32, 32), repeats=1)
+
+
+def test_cut_refuses_models_it_does_not_know():
+    with pytest.raises(ValueError, match="cannot cut Linear into pipeline layers"):
+        cut(nn.Linear(2, 2))

@@ -1,0 +1,300 @@
+"""PipelineJob trainer: real RPC worlds on loopback, and the pure pieces they are built from."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+import yaml
+from torch import nn
+
+from pipejob import plan, spec
+from pipejob.runner import LOOPBACK, free_ports
+from pipejob.trainer import pipeline, world
+from pipejob.trainer.layers import build_model, cut, sequential
+
+SMALL = {
+    "model": "resnet18",
+    "batchSize": 8,
+    "imageSize": 32,
+    "numClasses": 10,
+    "rendezvousTimeoutSeconds": 60,
+}
+
+
+def manifest(name: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "PipelineJob",
+        "metadata": {"name": name},
+        "spec": SMALL | fields,
+    }
+
+
+def pipejob_run(tmp_path: Path, job: dict[str, Any], timeout: float) -> tuple[int, str, dict]:
+    """`pipejob run` on a manifest; its exit code, output and the master's summary."""
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    summary = tmp_path / "summary.json"
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "pipejob.cli", "run", str(path), "--grace", "5"],
+        env=os.environ | {"PIPEJOB_SUMMARY_FILE": str(summary)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out, _ = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        popen.terminate()  # the runner stops its whole world on SIGTERM
+        out, _ = popen.communicate(timeout=30)
+        pytest.fail(f"pipejob run did not finish within {timeout}s; output:\n{out}")
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait()
+    return popen.returncode, out, json.loads(summary.read_text()) if summary.exists() else {}
+
+
+def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
+    s = job["spec"]
+    assert summary["kind"] == "PipelineJob"
+    assert summary["steps"] == s["steps"] == len(summary["losses"])
+    assert all(math.isfinite(loss) for loss in summary["losses"])
+    assert math.isfinite(summary["finalLoss"])
+    assert summary["samplesPerSecond"] > 0
+    # The stages hold the whole cut model, in order, each a non-empty run of layers.
+    with torch.device("meta"):
+        names = [n for n, _ in cut(build_model(s["model"], s["numClasses"]))]
+    stages = summary["partition"]
+    assert [st["stage"] for st in stages] == [f"stage{i}" for i in range(s["stages"])]
+    assert [n for st in stages for n in st["layers"]] == names
+    assert all(st["layers"] for st in stages)
+    assert sum(st["costShare"] for st in stages) == pytest.approx(1, abs=1e-3)
+    for st in stages:
+        assert st["forwardSeconds"] > 0 and st["backwardSeconds"] > 0, st
+        assert 0 <= st["idleFraction"] < 1, st
+    p, m = s["stages"], s["microBatches"]
+    assert summary["bubble"]["gpipeIdeal"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-4)
+    assert 0 < summary["bubble"]["measured"] < 1
+
+
+# ------------------------------------------------------------------ real training worlds
+
+
+@pytest.mark.timeout(200)
+def test_two_stage_pipeline_trains(tmp_path):
+    job = manifest(
+        "two-stages",
+        stages=2,
+        microBatches=2,
+        steps=3,
+        optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9},
+    )
+    code, out, summary = pipejob_run(tmp_path, job, timeout=180)
+    assert code == 0, out
+    for step in (1, 2, 3):
+        assert f"step {step}/3  loss " in out
+    assert "summary:" in out and "GPipe ideal" in out
+    check_summary(summary, job)
+
+
+@pytest.mark.timeout(200)
+def test_three_stage_pipeline_trains(tmp_path):
+    job = manifest(
+        "three-stages",
+        stages=3,
+        microBatches=4,
+        steps=2,
+        logEvery=2,
+        optimizer={"name": "adam", "lr": 0.001, "weightDecay": 0.01},
+    )
+    code, out, summary = pipejob_run(tmp_path, job, timeout=180)
+    assert code == 0, out
+    assert "step 2/2  loss " in out and "step 1/2" not in out  # logEvery
+    assert "started stage2" in out
+    check_summary(summary, job)
+
+
+def _stage_gradients(stage: rpc.RRef, context_id: int) -> dict[str, torch.Tensor]:
+    """Runs on a stage: the gradients its shard got in one distributed backward."""
+    grads = dist_autograd.get_gradients(context_id)
+    return {name: grads.get(p) for name, p in stage.local_value().layers.named_parameters()}
+
+
+def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
+    """One process of a real pipeline world. Stages run the trainer's own stage role; the
+    master runs one step with the trainer's building blocks and saves every gradient."""
+    os.environ.update(envs[rank])
+    env = world.read_env()
+    if env.role != "master":
+        pipeline.run(env)
+        return
+    world.join_rpc(env)
+    try:
+        s = env.spec
+        shards = pipeline.build_shards(s)
+        pipe = pipeline.Pipeline(env.names("stage"), shards)
+        images, labels = pipeline.SyntheticImages(s).batch()
+        with dist_autograd.context() as context_id:
+            loss = pipeline.forward_backward(
+                pipe, images, labels, s["microBatches"], 0, context_id
+            )
+            grads: dict[str, torch.Tensor] = {}
+            for stage in pipe.stages:
+                grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))
+        stages = [[name for name, _ in shards.of(i)] for i in range(len(pipe.stages))]
+        torch.save({"loss": loss.item(), "grads": grads, "stages": stages}, out)
+    finally:
+        rpc.shutdown()
+
+
+@pytest.mark.timeout(200)
+def test_pipeline_gradients_equal_single_process_gradients(tmp_path):
+    job = spec.parse(manifest("gradients", stages=3, microBatches=4, steps=1))
+    rpc_port, ddp_port = free_ports(2)
+    processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
+    out = tmp_path / "pipeline.pt"
+    context = mp.start_processes(
+        _gradient_world,
+        args=([p.env for p in processes], str(out)),
+        nprocs=len(processes),
+        join=False,
+        start_method="spawn",
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the pipeline world did not finish in 150 s"
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    got = torch.load(out)
+    assert len(got["stages"]) == 3 and all(got["stages"])
+
+    # The same model, seed and micro-batches in one process. BatchNorm normalises each
+    # micro-batch by its own statistics, so the reference runs them one at a time too.
+    s = job.spec
+    torch.manual_seed(s["seed"])
+    model = sequential(cut(build_model(s["model"], s["numClasses"])))
+    images, labels = pipeline.SyntheticImages(s).batch()
+    outputs = torch.cat([model(x) for x in images.tensor_split(s["microBatches"])])
+    loss = F.cross_entropy(outputs, labels)
+    loss.backward()
+
+    assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    params = dict(model.named_parameters())
+    assert sorted(got["grads"]) == sorted(params)
+    for name, p in params.items():
+        assert got["grads"][name] is not None, f"{name} got no gradient in the pipeline"
+        # Float tolerance relative to the gradient's scale: the micro-batches' contributions
+        # are summed in another order across processes than in one autograd graph.
+        scale = p.grad.abs().max().item()
+        torch.testing.assert_close(
+            got["grads"][name], p.grad, rtol=1e-3, atol=1e-4 * scale, msg=lambda m: f"{name}: {m}"
+        )
+        assert (got["grads"][name] - p.grad).norm() <= 1e-4 * p.grad.norm(), name
+
+
+# ------------------------------------------------------------------ pure pieces
+
+
+def test_stage_devices_map_neighbours_gpu_to_gpu():
+    names = ["stage0", "stage1", "stage2"]
+    assert pipeline.stage_devices(1, names, gpus=0) == (None, None)
+    assert pipeline.stage_devices(0, names, gpus=1) == ({"stage1": {0: 0}}, [0])
+    assert pipeline.stage_devices(1, names, gpus=1) == (
+        {"stage0": {0: 0}, "stage2": {0: 0}},
+        [0],
+    )
+    assert pipeline.stage_devices(2, names, gpus=2) == ({"stage1": {0: 0}}, [0])
+
+
+def test_busy_seconds_is_the_union_of_intervals():
+    assert pipeline.busy_seconds([]) == 0
+    assert pipeline.busy_seconds([(0, 1), (2, 3)]) == 2
+    assert pipeline.busy_seconds([(0, 2), (1, 3), (1.5, 2.5)]) == 3
+    assert pipeline.busy_seconds([(5, 6), (0, 10)]) == 10
+
+
+def test_step_seconds_counts_overlapping_backwards_once():
+    events = [
+        {"forward": [0, 1], "backward": [4, 7]},
+        {"forward": [1, 2], "backward": [5, 8]},
+    ]
+    assert pipeline.step_seconds(events) == (2, 4, 6)
+
+
+def test_gpipe_bubble():
+    assert pipeline.gpipe_bubble(2, 1) == 0.5
+    assert pipeline.gpipe_bubble(2, 4) == pytest.approx(0.2)
+    assert pipeline.gpipe_bubble(4, 8) == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize(
+    "opt, cls, kwargs",
+    [
+        ({"name": "sgd", "lr": 0.1, "momentum": 0.9, "weightDecay": 0.0}, torch.optim.SGD,
+         {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}),
+        ({"name": "rmsprop", "lr": 0.1, "momentum": 0.5, "weightDecay": 0.1},
+         torch.optim.RMSprop, {"lr": 0.1, "momentum": 0.5, "weight_decay": 0.1}),
+        ({"name": "adam", "lr": 0.01, "momentum": 0.0, "weightDecay": 0.0}, torch.optim.Adam,
+         {"lr": 0.01, "weight_decay": 0.0}),
+        ({"name": "adamw", "lr": 0.01, "momentum": 0.0, "weightDecay": 0.1}, torch.optim.AdamW,
+         {"lr": 0.01, "weight_decay": 0.1}),
+    ],
+)  # fmt: skip
+def test_optimizer_args(opt, cls, kwargs):
+    assert pipeline.optimizer_args({"optimizer": opt}) == (cls, kwargs)
+
+
+def test_synthetic_images_are_seeded_and_coloured_by_class():
+    s = {"seed": 3, "batchSize": 64, "imageSize": 32, "numClasses": 4}
+    a, b = pipeline.SyntheticImages(s), pipeline.SyntheticImages(s)
+    (xa, ya), (xb, yb) = a.batch(), b.batch()
+    assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert not torch.equal(a.batch()[0], xa)  # a new batch each step
+    assert xa.shape == (64, 3, 32, 32) and ya.shape == (64,)
+    # The class is in the colour: each image's mean colour is close to its class's colour.
+    means = xa.mean(dim=(2, 3))
+    nearest = torch.cdist(means, a.colours.flatten(1)).argmin(dim=1)
+    assert (nearest == ya).float().mean() > 0.9
+
+
+def test_stage_times_forward_and_backward_of_each_micro_batch():
+    """The stage's timing hooks, in one process: a stage in the middle of a pipeline (its
+    input comes with a gradient function) and one at the start (a plain input)."""
+    torch.manual_seed(0)
+    layers = [("a", nn.Linear(8, 8)), ("relu", nn.ReLU(inplace=True)), ("b", nn.Linear(8, 2))]
+    for middle in (True, False):
+        stage = pipeline.Stage(layers, last=True, device="cpu")
+        for step in range(2):
+            for mb in range(2):
+                x = torch.randn(4, 8, requires_grad=middle)
+                y = stage.forward(x * 2 if middle else x, step, mb)
+                start = time.perf_counter()
+                y.sum().backward()
+                end = time.perf_counter()
+                # Backward happened within this window, and was recorded in it.
+                (key, events), *_ = [(k, v) for k, v in stage._events.items() if k == (step, mb)]
+                b0, b1 = events["backward"]
+                assert start <= b0 <= b1 <= end
+        times = stage.timings()
+        assert sorted(times) == [0, 1]
+        for forward, backward, busy in times.values():
+            assert forward > 0 and backward > 0
+            assert busy == pytest.approx(forward + backward)  # no overlap when sequential

@@ -1,0 +1,471 @@
+"""PipelineJob: the master drives micro-batches through model shards on the stage workers.
+
+The master builds the model, cuts it into layers, balances them across the stages by measured
+cost and creates one `Stage` per stage worker with `rpc.remote`. Each step splits the batch
+into micro-batches; for every micro-batch the master chains RRefs, so stage i+1 fetches its
+input from stage i (activations never pass through the master) and only the last stage's
+output returns. The loss is computed on the master, `dist_autograd` runs the backward across
+the stages and `DistributedOptimizer` steps every shard's parameters where they live (GPipe:
+all forwards of a step, then all backwards).
+
+Stage workers only serve: they join the RPC world and wait in `rpc.shutdown()` until the
+master is done. Threads follow torch's defaults (and so OMP_NUM_THREADS when it is set)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+from torch.distributed.optim import DistributedOptimizer
+from torch.distributed.rpc import RRef
+
+from pipejob.trainer import world
+from pipejob.trainer.layers import Layer, build_model, cut, sequential
+from pipejob.trainer.partition import measure_costs, min_max_partition
+from pipejob.trainer.world import Env
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "rmsprop": torch.optim.RMSprop,
+}
+WITH_MOMENTUM = ("sgd", "rmsprop")
+
+
+def _hide_optimizer_notice() -> None:
+    """DistributedOptimizer steps through TorchScript and says on every stage that this is
+    deprecated, forcing the warning past any filter; users can do nothing about it."""
+    show = warnings.showwarning
+
+    def showwarning(message, category, *args, **kwargs):
+        if "support for functional optimizers is deprecated" not in str(message):
+            show(message, category, *args, **kwargs)
+
+    warnings.showwarning = showwarning
+
+
+# ---------------------------------------------------------------------------- stage side
+
+
+class Stage:
+    """One shard of the model, held by a stage worker and called by the master over RPC.
+
+    It records when it computes, forward and backward, per micro-batch, and keeps per-step
+    totals, so the master can report per-stage time and the pipeline's bubble."""
+
+    def __init__(self, layers: list[Layer], last: bool, device: str):
+        self.device = torch.device(device)
+        self.layers = sequential(layers).to(self.device)
+        self.last = last
+        # One forward at a time: micro-batches would otherwise fight over the same cores
+        # and race on BatchNorm's running statistics.
+        self._compute = threading.Lock()
+        self._record = threading.Lock()
+        # [start, end] of "forward" and "backward" per (step, micro-batch) of open steps,
+        # folded into per-step totals once a later step starts.
+        self._events: dict[tuple[int, int], dict[str, list[float]]] = defaultdict(dict)
+        self._totals: dict[int, tuple[float, float, float]] = {}
+
+    def parameter_rrefs(self) -> list[RRef]:
+        return [RRef(p) for p in self.layers.parameters()]
+
+    def forward(self, x: torch.Tensor | RRef, step: int, micro_batch: int) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            x = x.to_here()  # an RRef: fetched from the previous stage, straight to this one
+        received = x
+        x = x.to(self.device)
+        with self._compute:
+            start = time.perf_counter()
+            y = self.layers(x)
+            if self.device.type == "cuda":  # so the time is the kernels', not their launch's
+                torch.cuda.synchronize(self.device)
+            end = time.perf_counter()
+        with self._record:
+            self._fold(before=step)
+            self._events[step, micro_batch]["forward"] = [start, end]
+        self._time_backward((step, micro_batch), y, received)
+        # The master is CPU-only: the last stage hands back CPU tensors.
+        return y.cpu() if self.last else y
+
+    def _time_backward(self, key: tuple[int, int], y: torch.Tensor, received: torch.Tensor):
+        """Backward through this shard starts when the gradient of `y` arrives and ends when
+        the autograd nodes nearest the shard's input have run."""
+        if y.grad_fn is None:
+            return
+        y.grad_fn.register_prehook(lambda grads: self._note(key, "start"))
+        for node in input_nodes(y.grad_fn, received.grad_fn):
+            node.register_hook(lambda grads_in, grads_out: self._note(key, "end"))
+
+    def _note(self, key: tuple[int, int], what: str) -> None:
+        now = time.perf_counter()
+        with self._record:
+            backward = self._events[key].setdefault("backward", [now, now])
+            if what == "start":
+                backward[0] = now
+            else:
+                backward[1] = max(backward[1], now)
+
+    def _fold(self, before: float) -> None:
+        for step in sorted({s for s, _ in self._events if s < before}):
+            events = [self._events.pop(k) for k in list(self._events) if k[0] == step]
+            self._totals[step] = step_seconds(events)
+
+    def timings(self) -> dict[int, tuple[float, float, float]]:
+        """Per step: seconds this stage spent in forward, in backward, and busy at all."""
+        with self._record:
+            self._fold(before=float("inf"))
+            return dict(self._totals)
+
+
+def input_nodes(root: Any, stop: Any) -> list[Any]:
+    """The nodes of `root`'s autograd graph nearest the shard's input: those with no further
+    node of the shard behind them (only parameters, the input, or the `stop` node that
+    carries the gradient on to the previous stage)."""
+    found, seen, todo = [], {root}, [root]
+    while todo:
+        node = todo.pop()
+        inner = [f for f, _ in node.next_functions if f is not None and f is not stop]
+        inner = [f for f in inner if type(f).__name__ != "AccumulateGrad"]
+        if not inner:
+            found.append(node)
+        for f in inner:
+            if f not in seen:
+                seen.add(f)
+                todo.append(f)
+    return found
+
+
+def stage_devices(
+    index: int, stages: list[str], gpus: int
+) -> tuple[dict[str, dict[int, int]] | None, list[int] | None]:
+    """RPC device maps and devices of stage `index`: with GPUs, its shard lives on cuda:0 and
+    activations and gradients go GPU to GPU between neighbouring stages. The master stays
+    CPU, so it needs no map."""
+    if gpus <= 0:
+        return None, None
+    neighbours = [stages[j] for j in (index - 1, index + 1) if 0 <= j < len(stages)]
+    return {name: {0: 0} for name in neighbours}, [0]
+
+
+# ---------------------------------------------------------------------------- master side
+
+
+@dataclass(frozen=True)
+class Shards:
+    """The model cut into layers and balanced into contiguous per-stage ranges."""
+
+    layers: list[Layer]
+    ranges: list[range]
+    costs: list[float]  # measured seconds of forward + backward per layer, one micro-batch
+
+    def of(self, stage: int) -> list[Layer]:
+        return [self.layers[i] for i in self.ranges[stage]]
+
+
+def build_shards(spec: dict[str, Any]) -> Shards:
+    """Build the seeded model and split it across spec['stages'] by measured layer cost."""
+    torch.manual_seed(spec["seed"])
+    layers = cut(build_model(spec["model"], spec["numClasses"]))
+    micro = spec["batchSize"] // spec["microBatches"]
+    sample = torch.randn(micro, 3, spec["imageSize"], spec["imageSize"])
+    try:
+        costs = measure_costs(layers, sample)
+        ranges = min_max_partition(costs, spec["stages"])
+    except ValueError as e:
+        raise ValueError(
+            f"spec: model {spec['model']} at imageSize {spec['imageSize']} with"
+            f" {spec['stages']} stages: {e}"
+        ) from None
+    return Shards(layers, ranges, costs)
+
+
+def on_stage(stage: RRef, method: str, *args: Any) -> Any:
+    """Runs on the stage's worker: call a method of the Stage object held there."""
+    return getattr(stage.local_value(), method)(*args)
+
+
+class Pipeline:
+    """The master's handle on the remote shards: creates them and runs micro-batches.
+
+    Calls go through `on_stage` rather than RRef proxies (`rref.rpc_async().forward`): a
+    proxy's first call is sent from a callback thread once it has fetched the RRef's type,
+    outside the distributed autograd context, which silently drops that micro-batch's
+    gradients."""
+
+    def __init__(self, stage_names: list[str], shards: Shards, device: str = "cpu"):
+        last = len(stage_names) - 1
+        self.names = stage_names
+        self.stages = [
+            rpc.remote(name, Stage, args=(shards.of(i), i == last, device))
+            for i, name in enumerate(stage_names)
+        ]
+
+    def forward(self, images: torch.Tensor, micro_batches: int, step: int) -> torch.Tensor:
+        """All micro-batches' forwards, in flight together; the last stage's outputs."""
+        *middle, last = zip(self.names, self.stages, strict=True)
+        outputs = []
+        for mb, x in enumerate(images.tensor_split(micro_batches)):
+            ref: torch.Tensor | RRef = x.clone()  # a view would ship the whole batch's storage
+            for name, stage in middle:
+                ref = rpc.remote(name, on_stage, args=(stage, "forward", ref, step, mb))
+            name, stage = last
+            outputs.append(rpc.rpc_async(name, on_stage, args=(stage, "forward", ref, step, mb)))
+        return torch.cat(torch.futures.wait_all(outputs))
+
+    def parameter_rrefs(self) -> list[RRef]:
+        return [p for params in self._each("parameter_rrefs") for p in params]
+
+    def timings(self) -> list[dict[int, tuple[float, float, float]]]:
+        return self._each("timings")
+
+    def _each(self, method: str) -> list[Any]:
+        return [
+            rpc.rpc_sync(name, on_stage, args=(stage, method))
+            for name, stage in zip(self.names, self.stages, strict=True)
+        ]
+
+
+def optimizer_args(spec: dict[str, Any]) -> tuple[type[torch.optim.Optimizer], dict[str, float]]:
+    """The torch.optim class and keyword arguments the spec's `optimizer` asks for."""
+    opt = spec["optimizer"]
+    kwargs = {"lr": opt["lr"], "weight_decay": opt["weightDecay"]}
+    if opt["name"] in WITH_MOMENTUM:
+        kwargs["momentum"] = opt["momentum"]
+    return OPTIMIZERS[opt["name"]], kwargs
+
+
+def make_optimizer(pipeline: Pipeline, spec: dict[str, Any]) -> DistributedOptimizer:
+    """One optimizer per stage, stepping each shard's parameters where they live."""
+    cls, kwargs = optimizer_args(spec)
+    return DistributedOptimizer(cls, pipeline.parameter_rrefs(), **kwargs)
+
+
+class SyntheticImages:
+    """Seeded random images whose class shifts their colour: deterministic, and learnable."""
+
+    def __init__(self, spec: dict[str, Any]):
+        self.generator = torch.Generator().manual_seed(spec["seed"])
+        self.size = (spec["batchSize"], 3, spec["imageSize"], spec["imageSize"])
+        self.colours = torch.randn(spec["numClasses"], 3, 1, 1, generator=self.generator)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = torch.randint(len(self.colours), self.size[:1], generator=self.generator)
+        images = torch.randn(self.size, generator=self.generator) + self.colours[labels]
+        return images, labels
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    pipeline_seconds: float  # forwards and backwards, all micro-batches
+    optimizer_seconds: float
+
+
+def forward_backward(
+    pipeline: Pipeline,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    micro_batches: int,
+    step: int,
+    context_id: int,
+) -> torch.Tensor:
+    """Every micro-batch forward, one loss over the whole batch (the mean over its samples,
+    as without a pipeline), then the backward across the stages. Returns the loss."""
+    outputs = pipeline.forward(images, micro_batches, step)
+    loss = F.cross_entropy(outputs, labels)
+    dist_autograd.backward(context_id, [loss])
+    return loss
+
+
+def train_step(
+    pipeline: Pipeline,
+    optimizer: DistributedOptimizer,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    micro_batches: int,
+    step: int,
+) -> StepResult:
+    """One GPipe step: forwards, backwards, then every stage's optimizer step."""
+    with dist_autograd.context() as context_id:
+        start = time.perf_counter()
+        loss = forward_backward(pipeline, images, labels, micro_batches, step, context_id)
+        middle = time.perf_counter()
+        optimizer.step(context_id)
+    return StepResult(loss.item(), middle - start, time.perf_counter() - middle)
+
+
+def run(env: Env) -> dict[str, Any] | None:
+    _hide_optimizer_notice()
+    if env.role == "master":
+        return run_master(env)
+    devices = stage_devices(env.role_index, env.names("stage"), env.gpus)
+    world.join_rpc(env, *devices)
+    rpc.shutdown()  # serves the master until it is done
+    return None
+
+
+def run_master(env: Env) -> dict[str, Any]:
+    world.join_rpc(env)
+    try:
+        summary = train(env)
+    except BaseException:
+        rpc.shutdown(graceful=False)  # a failed world cannot finish together
+        raise
+    rpc.shutdown()
+    return summary
+
+
+def train(env: Env) -> dict[str, Any]:
+    spec = env.spec
+    m, steps, size = spec["microBatches"], spec["steps"], spec["imageSize"]
+    micro = spec["batchSize"] // m
+    world.log(env, f"{spec['model']}: measuring layer costs, micro-batch {micro} at {size}x{size}")
+    shards = build_shards(spec)
+    names = env.names("stage")
+    for i, name in enumerate(names):
+        layers = [n for n, _ in shards.of(i)]
+        world.log(env, f"{name}: {describe(layers)}, {share(shards, i):.0%} of measured cost")
+    device = "cuda:0" if spec["gpusPerStage"] > 0 else "cpu"
+    pipeline = Pipeline(names, shards, device)
+    optimizer = make_optimizer(pipeline, spec)
+    data = SyntheticImages(spec)
+    results: list[StepResult] = []
+    started = time.perf_counter()
+    for step in range(steps):
+        images, labels = data.batch()
+        result = train_step(pipeline, optimizer, images, labels, m, step)
+        results.append(result)
+        if (step + 1) % spec["logEvery"] == 0 or step + 1 == steps:
+            seconds = result.pipeline_seconds + result.optimizer_seconds
+            rate = spec["batchSize"] / seconds
+            world.log(env, f"step {step + 1}/{steps}  loss {result.loss:.4f}  {rate:.1f} samples/s")
+    summary = summarise(spec, names, shards, results, pipeline.timings())
+    summary["wallSeconds"] = round(time.perf_counter() - started, 3)
+    world.log(env, "summary:\n" + render(summary))
+    return summary
+
+
+# ---------------------------------------------------------------------------- summary
+
+
+def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals: time a stage was computing."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def step_seconds(events: list[dict[str, list[float]]]) -> tuple[float, float, float]:
+    """One stage's forward, backward and busy seconds in one step, from its micro-batches'
+    [start, end] intervals. Backwards of micro-batches interleave in the autograd engine, so
+    these are lengths of unions, not sums."""
+    forward = [tuple(e["forward"]) for e in events if "forward" in e]
+    backward = [tuple(e["backward"]) for e in events if "backward" in e]
+    return busy_seconds(forward), busy_seconds(backward), busy_seconds(forward + backward)
+
+
+def gpipe_bubble(stages: int, micro_batches: int) -> float:
+    """Idle fraction of a balanced GPipe pipeline: (p - 1) / (m + p - 1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def share(shards: Shards, stage: int) -> float:
+    return sum(shards.costs[i] for i in shards.ranges[stage]) / sum(shards.costs)
+
+
+def describe(layers: list[str]) -> str:
+    if len(layers) == 1:
+        return layers[0]
+    return f"{layers[0]} .. {layers[-1]} ({len(layers)} layers)"
+
+
+def summarise(
+    spec: dict[str, Any],
+    names: list[str],
+    shards: Shards,
+    results: list[StepResult],
+    timings: list[dict[int, tuple[float, float, float]]],
+) -> dict[str, Any]:
+    """The run's summary. Rates and times leave out the first step (warm-up: lazy
+    allocations, optimizer state) unless it is the only one."""
+    warmup = 1 if len(results) > 1 else 0
+    measured = results[warmup:]
+    steps = range(warmup, len(results))
+    seconds = sum(r.pipeline_seconds + r.optimizer_seconds for r in measured)
+    pipeline_wall = sum(r.pipeline_seconds for r in measured)
+    per_stage, busy_total = [], 0.0
+    for i, (name, per_step) in enumerate(zip(names, timings, strict=True)):
+        forward, backward, busy = (sum(per_step[s][k] for s in steps) for k in range(3))
+        busy_total += busy
+        per_stage.append(
+            {
+                "stage": name,
+                "layers": [n for n, _ in shards.of(i)],
+                "costShare": round(share(shards, i), 4),
+                "forwardSeconds": round(forward / len(measured), 4),
+                "backwardSeconds": round(backward / len(measured), 4),
+                "idleFraction": round(1 - busy / pipeline_wall, 4),
+            }
+        )
+    p, m = spec["stages"], spec["microBatches"]
+    return {
+        "kind": "PipelineJob",
+        "model": spec["model"],
+        "stages": p,
+        "microBatches": m,
+        "batchSize": spec["batchSize"],
+        "imageSize": spec["imageSize"],
+        "steps": len(results),
+        "warmupStepsExcluded": warmup,
+        "losses": [round(r.loss, 6) for r in results],
+        "finalLoss": results[-1].loss,
+        "samplesPerSecond": round(spec["batchSize"] * len(measured) / seconds, 3),
+        "secondsPerStep": round(seconds / len(measured), 4),
+        "optimizerSecondsPerStep": round(
+            sum(r.optimizer_seconds for r in measured) / len(measured), 4
+        ),
+        "partition": per_stage,
+        "bubble": {
+            "measured": round(1 - busy_total / (p * pipeline_wall), 4),
+            "gpipeIdeal": round(gpipe_bubble(p, m), 4),
+        },
+    }
+
+
+def render(summary: dict[str, Any]) -> str:
+    s = summary
+    lines = [
+        f"  {s['model']}: {s['stages']} stages, {s['microBatches']} micro-batches of"
+        f" {s['batchSize'] // s['microBatches']}, {s['imageSize']}x{s['imageSize']} images,"
+        f" {s['steps']} steps",
+        f"  final loss {s['finalLoss']:.4f}; {s['samplesPerSecond']:.1f} samples/s,"
+        f" {s['secondsPerStep']:.3f} s/step"
+        + (" (step 1 is warm-up, left out)" if s["warmupStepsExcluded"] else ""),
+        f"  {'stage':<8} {'layers':<38} {'cost':>5} {'fwd s/step':>10} {'bwd s/step':>10}"
+        f" {'idle':>5}",
+    ]
+    for st in s["partition"]:
+        lines.append(
+            f"  {st['stage']:<8} {describe(st['layers']):<38} {st['costShare']:>5.0%}"
+            f" {st['forwardSeconds']:>10.3f} {st['backwardSeconds']:>10.3f}"
+            f" {st['idleFraction']:>5.0%}"
+        )
+    b = s["bubble"]
+    lines.append(
+        f"  bubble {b['measured']:.0%} measured (idle share of stage time during forward and"
+        f" backward), GPipe ideal (p-1)/(m+p-1) = {b['gpipeIdeal']:.0%}"
+    )
+    return "\n".join(lines)

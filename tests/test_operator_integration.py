@@ -25,16 +25,9 @@ def pipeline(name: str = JOB, **spec) -> dict:
     }
 
 
-def world(api: Api, restart: int = 0, job: str = JOB) -> list[dict]:
+def world(api: Api, restart: int = 0) -> list[dict]:
     """The job's pods of that restart, once all of them exist."""
-    return api.wait(
-        f"the pods of restart {restart}",
-        lambda: (lambda ps: ps if jobs.names(ps) == WORLD else None)([
-            p for p in jobs.pods(api, job)
-            if p["metadata"]["labels"]["pipejob.dev/restart"] == str(restart)
-        ]),
-        20,
-    )  # fmt: skip
+    return jobs.wait_pods(api, JOB, WORLD, timeout=20, restart=restart)
 
 
 def set_pod(api: Api, name: str, phase: str, exit_code: int | None = None) -> None:
@@ -71,7 +64,7 @@ def test_a_job_gets_its_headless_service_and_one_pod_per_process(cluster, operat
     for rank, name in enumerate(WORLD):
         pod = pods[name]
         spec, container = pod["spec"], pod["spec"]["containers"][0]
-        env = {e["name"]: e.get("value") for e in container["env"]}
+        env = jobs.env(pod)
         role, index = name.split("-")[1:]
         assert (spec["hostname"], spec["subdomain"]) == (name, JOB)  # its DNS name: name.pj
         assert spec["restartPolicy"] == "Never"  # the operator restarts worlds, not pods
@@ -94,6 +87,25 @@ def test_a_job_gets_its_headless_service_and_one_pod_per_process(cluster, operat
         e for e in api.list("v1/events", NS)
         if e["involvedObject"].get("uid") == uid and e["reason"] == "CreatedPods"], 10)  # fmt: skip
     assert all(name in events[0]["message"] for name in WORLD)
+
+
+def test_a_hybrid_jobs_trainers_meet_for_ddp_on_trainer_0(cluster, operator):
+    api = cluster.api
+    manifest = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
+                "metadata": {"name": "hj"}, "spec": {"trainers": 2}}  # fmt: skip
+    jobs.create(api, manifest)
+    names = ["hj-master-0", "hj-ps-0", "hj-trainer-0", "hj-trainer-1"]
+    env = {p["metadata"]["name"]: jobs.env(p) for p in jobs.wait_pods(api, "hj", names, 20)}
+    for k in (0, 1):
+        trainer = env[f"hj-trainer-{k}"]
+        assert trainer["PIPEJOB_DDP_ADDR"] == "hj-trainer-0.hj"
+        assert trainer["PIPEJOB_DDP_RANK"] == str(k) and trainer["PIPEJOB_DDP_WORLD_SIZE"] == "2"
+        assert trainer["PIPEJOB_DDP_PORT"] != trainer["MASTER_PORT"]
+        assert trainer["RANK"] == str(k + 2)
+    assert "PIPEJOB_DDP_ADDR" not in env["hj-ps-0"] and env["hj-ps-0"]["RANK"] == "1"
+    ports = {p["name"]: p["port"] for p in api.get("v1/services", "hj", NS)["spec"]["ports"]}
+    assert ports == {"rpc": int(env["hj-master-0"]["MASTER_PORT"]),
+                     "ddp": int(env["hj-trainer-0"]["PIPEJOB_DDP_PORT"])}  # fmt: skip
 
 
 def test_status_follows_the_pods_to_success(cluster, operator):

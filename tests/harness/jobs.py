@@ -10,7 +10,7 @@ import yaml
 
 from harness.client import Api
 from pipejob.crd import PLURALS
-from pipejob.kube import JOB_LABEL
+from pipejob.kube import JOB_LABEL, RESTART_LABEL
 from pipejob.spec import API_VERSION
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -43,6 +43,23 @@ def get(api: Api, kind: str, name: str, namespace: str = "default") -> dict | No
 
 def pods(api: Api, job: str, namespace: str = "default") -> list[dict]:
     return api.list("v1/pods", namespace, labelSelector=f"{JOB_LABEL}={job}")
+
+
+def wait_pods(api: Api, job: str, names_: list[str], timeout: float, restart: int | None = None,
+              namespace: str = "default") -> list[dict]:  # fmt: skip
+    """The job's pods (of that restart) once they are exactly `names_`."""
+
+    def check() -> list[dict] | None:
+        found = pods(api, job, namespace)
+        if restart is not None:
+            found = [p for p in found if p["metadata"]["labels"].get(RESTART_LABEL) == str(restart)]
+        return found if names(found) == sorted(names_) else None
+
+    return api.wait(f"pods {', '.join(names_)}", check, timeout)
+
+
+def env(pod: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env", [])}
 
 
 def names(objects: list[dict]) -> list[str]:

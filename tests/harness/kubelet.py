@@ -117,7 +117,10 @@ class Kubelet:
             self._signal(run, signal.SIGKILL)
         for run in runs:
             if run.process is not None:
-                run.process.wait(5)
+                try:
+                    run.process.wait(5)
+                except subprocess.TimeoutExpired:
+                    self._say(f"pid {run.process.pid} of pod {run.name} did not die")
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(5)
@@ -168,6 +171,8 @@ class Kubelet:
         while not self._stopping.is_set():
             try:
                 self._watch = self.api.watch(PODS)
+                if self._stopping.is_set():  # stop() came while this watch was being made
+                    self._watch.close()
                 for event in self._watch:
                     if event.get("type") in ("ADDED", "MODIFIED", "DELETED"):
                         self._on_pod(event["type"], event["object"])
@@ -423,8 +428,7 @@ class Kubelet:
                 raise
 
     def _say(self, message: str) -> None:
-        if not self._stopping.is_set():
-            print(f"[process-kubelet] {message}", file=sys.stderr, flush=True)
+        print(f"[process-kubelet] {message}", file=sys.stderr, flush=True)
 
 
 def _log_tail(log: Path) -> str:

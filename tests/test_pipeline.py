@@ -149,9 +149,7 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         pipe = pipeline.Pipeline(env.names("stage"), shards)
         images, labels = pipeline.SyntheticImages(s).batch()
         with dist_autograd.context() as context_id:
-            loss = pipeline.forward_backward(
-                pipe, images, labels, s["microBatches"], 0, context_id
-            )
+            loss = pipeline.forward_backward(pipe, images, labels, s["microBatches"], 0, context_id)
             grads: dict[str, torch.Tensor] = {}
             for stage in pipe.stages:
                 grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))
@@ -159,6 +157,17 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         torch.save({"loss": loss.item(), "grads": grads, "stages": stages}, out)
     finally:
         rpc.shutdown()
+
+
+def assert_gradient_close(name: str, grad: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal within float tolerance relative to the gradient's scale: the micro-batches'
+    contributions are summed in another order across processes than in one graph."""
+    scale = expected.abs().max().item()
+    try:
+        torch.testing.assert_close(grad, expected, rtol=1e-3, atol=1e-4 * scale)
+    except AssertionError as e:
+        raise AssertionError(f"gradient of {name}: {e}") from None
+    assert (grad - expected).norm() <= 1e-4 * expected.norm(), name
 
 
 @pytest.mark.timeout(200)
@@ -201,13 +210,7 @@ def test_pipeline_gradients_equal_single_process_gradients(tmp_path):
     assert sorted(got["grads"]) == sorted(params)
     for name, p in params.items():
         assert got["grads"][name] is not None, f"{name} got no gradient in the pipeline"
-        # Float tolerance relative to the gradient's scale: the micro-batches' contributions
-        # are summed in another order across processes than in one autograd graph.
-        scale = p.grad.abs().max().item()
-        torch.testing.assert_close(
-            got["grads"][name], p.grad, rtol=1e-3, atol=1e-4 * scale, msg=lambda m: f"{name}: {m}"
-        )
-        assert (got["grads"][name] - p.grad).norm() <= 1e-4 * p.grad.norm(), name
+        assert_gradient_close(name, got["grads"][name], p.grad)
 
 
 # ------------------------------------------------------------------ pure pieces

@@ -11,7 +11,8 @@ from pipejob.plan import Ports, members, plan_world
 
 COMMON_ENV = {
     c.MASTER_ADDR, c.MASTER_PORT, c.RANK, c.WORLD_SIZE, c.KIND, c.JOB, c.ROLE, c.ROLE_INDEX,
-    c.RPC_NAME, c.WORLD, c.SPEC, c.GPUS, c.RENDEZVOUS_TIMEOUT,
+    c.RPC_NAME, c.WORLD, c.SPEC, c.GPUS, c.RENDEZVOUS_TIMEOUT, c.ADDRESSES, c.PREFLIGHT_PORT,
+    c.MONITOR_PORT,
 }  # fmt: skip
 DDP_ENV = {c.DDP_ADDR, c.DDP_PORT, c.DDP_RANK, c.DDP_WORLD_SIZE, c.DDP_BACKEND}
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -39,7 +40,7 @@ SHAPES = [
 @pytest.mark.parametrize(("kind", "fields"), SHAPES, ids=lambda v: str(v))
 def test_world_invariants(kind, fields):
     j = job(kind, **fields)
-    ports = Ports(rpc=29500, ddp=29501)
+    ports = Ports(rpc=29500, ddp=29501, preflight=29502, monitor=29503)
     world = plan_world(j, k8s_address(j), ports)
 
     # ranks dense and unique, master at 0, world size agreed by everyone
@@ -62,6 +63,9 @@ def test_world_invariants(kind, fields):
         assert env[c.RANK] == str(p.rank) and env[c.RPC_NAME] == p.rpc_name
         assert env[c.MASTER_ADDR] == world[0].address
         assert env[c.WORLD].split(",") == [q.rpc_name for q in world]
+        assert env[c.ADDRESSES].split(",") == [q.address for q in world]
+        ports_used = [env[c.MASTER_PORT], env[c.PREFLIGHT_PORT], env[c.MONITOR_PORT]]
+        assert len(set(ports_used + [env.get(c.DDP_PORT)])) == 4
         assert json.loads(env[c.SPEC]) == j.spec
         # ports distinct: the DDP group never shares the RPC rendezvous
         assert env[c.MASTER_PORT] == "29500"
@@ -104,6 +108,8 @@ def test_addresses_are_an_input():
 def test_same_ports_refused():
     with pytest.raises(ValueError, match="must differ"):
         plan_world(job("HybridJob"), lambda m: "127.0.0.1", Ports(rpc=1234, ddp=1234))
+    with pytest.raises(ValueError, match="must differ"):
+        plan_world(job("HybridJob"), lambda m: "127.0.0.1", Ports(monitor=29500))
 
 
 def test_plan_is_pure():

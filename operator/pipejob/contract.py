@@ -13,6 +13,9 @@ ROLE = "PIPEJOB_ROLE"
 ROLE_INDEX = "PIPEJOB_ROLE_INDEX"
 RPC_NAME = "PIPEJOB_RPC_NAME"
 WORLD = "PIPEJOB_WORLD"
+ADDRESSES = "PIPEJOB_ADDRESSES"
+PREFLIGHT_PORT = "PIPEJOB_PREFLIGHT_PORT"
+MONITOR_PORT = "PIPEJOB_MONITOR_PORT"
 SPEC = "PIPEJOB_SPEC"
 GPUS = "PIPEJOB_GPUS"
 RENDEZVOUS_TIMEOUT = "PIPEJOB_RENDEZVOUS_TIMEOUT"
@@ -37,6 +40,9 @@ DOCS: dict[str, str] = {
     ROLE_INDEX: "Index of this process within its role (stage i, trainer k).",
     RPC_NAME: "This process's RPC worker name (master, stage0, ps, trainer1, ...).",
     WORLD: "Comma-separated RPC names of the whole world, in rank order.",
+    ADDRESSES: "Comma-separated addresses of the whole world, in rank order (for messages).",
+    PREFLIGHT_PORT: "Port of the whole world's gloo group for the preflight check (master).",
+    MONITOR_PORT: "Port of the master's HTTP endpoint: /progress (JSON) and /metrics.",
     SPEC: "The job's validated, defaulted spec as JSON.",
     GPUS: "GPUs this process may use; 0 means CPU (and gloo).",
     RENDEZVOUS_TIMEOUT: "Seconds to wait for the RPC world and DDP group to form.",

@@ -18,6 +18,11 @@ TRAINER_MODULE = ("-m", "pipejob.trainer")
 class Ports:
     rpc: int = 29500  # the RPC world's rendezvous on the master
     ddp: int = 29501  # HybridJob: the trainers' DDP group, on trainer 0
+    preflight: int = 29502  # the whole world's gloo group for the preflight check, on the master
+    monitor: int = 29503  # the master's HTTP endpoint: /progress (JSON) and /metrics
+
+    def distinct(self) -> bool:
+        return len({self.rpc, self.ddp, self.preflight, self.monitor}) == 4
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,8 @@ def gpus_for(job: Job, member: Member) -> int:
 
 def plan_world(job: Job, address: Addresser, ports: Ports = Ports()) -> list[Process]:
     """Every process of the job with its rank, GPUs, address and complete env."""
-    if ports.rpc == ports.ddp:
-        raise ValueError("the RPC and DDP rendezvous ports must differ")
+    if not ports.distinct():
+        raise ValueError(f"the job's ports must differ, got {ports}")
     world = members(job)
     master_addr = address(world[0])
     trainers = [m for m in world if m.role == "trainer"]
@@ -92,6 +97,9 @@ def plan_world(job: Job, address: Addresser, ports: Ports = Ports()) -> list[Pro
         c.KIND: job.kind,
         c.JOB: job.name,
         c.WORLD: ",".join(m.rpc_name for m in world),
+        c.ADDRESSES: ",".join(address(m) for m in world),
+        c.PREFLIGHT_PORT: str(ports.preflight),
+        c.MONITOR_PORT: str(ports.monitor),
         c.SPEC: job.spec_json,
         c.RENDEZVOUS_TIMEOUT: str(job.spec["rendezvousTimeoutSeconds"]),
     }

@@ -154,12 +154,13 @@ def _signal_group(popen: subprocess.Popen, sig: signal.Signals) -> None:
 
 def run_job(job: Job, grace: float = 10.0, out: TextIO = sys.stdout) -> int:
     """Run `job` locally; return the master's exit code (non-zero if any member failed)."""
-    rpc_port, ddp_port = free_ports(2)
-    processes = plan_world(job, lambda m: LOOPBACK, Ports(rpc=rpc_port, ddp=ddp_port))
+    ports = Ports(*free_ports(4))
+    processes = plan_world(job, lambda m: LOOPBACK, ports)
     world = World(out)
     world.say(
         f"running {job.kind} {job.name!r} as {len(processes)} local processes"
-        f" ({', '.join(p.rpc_name for p in processes)}); rendezvous {LOOPBACK}:{rpc_port}"
+        f" ({', '.join(p.rpc_name for p in processes)}); rendezvous {LOOPBACK}:{ports.rpc},"
+        f" progress http://{LOOPBACK}:{ports.monitor}/progress"
     )
     # Stop the world on Ctrl-C or SIGTERM, too: nothing may outlive the runner.
     previous = signal.signal(signal.SIGTERM, lambda *_: _raise_interrupt())

@@ -29,6 +29,9 @@ class Field:
     free_form: bool = False  # a Kubernetes object we pass through (resources, affinity, ...)
     required: tuple[str, ...] = ()
     rules: tuple[Rule, ...] = ()
+    # An opt-in section (checkpoint, profile): absent unless written; its defaults apply
+    # only inside it. Other objects with defaults are filled in even when left out.
+    section: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def _apply_object(schema: Field, value: dict, path: str, errors: list[SpecError]
             out[key] = apply(sub, value[key], f"{path}.{key}", errors)
         elif sub.default is not None:
             out[key] = apply(sub, _copy(sub.default), f"{path}.{key}", errors)
-        elif sub.type == "object" and sub.fields and _has_defaults(sub):
+        elif _filled_in(sub):
             out[key] = _apply_object(sub, {}, f"{path}.{key}", errors)
         elif key in schema.required:
             errors.append(SpecError(f"{path}.{key}", "is required"))
@@ -134,10 +137,12 @@ def errors_under(errors: list[SpecError], path: str) -> bool:
     return any(e.path == path or e.path.startswith(path + ".") for e in errors)
 
 
-def _has_defaults(schema: Field) -> bool:
-    return any(
-        f.default is not None or (f.type == "object" and f.fields and _has_defaults(f))
-        for f in (schema.fields or {}).values()
+def _filled_in(schema: Field) -> bool:
+    """An object left out that still gets its defaults (as `{}` with defaults inside)."""
+    return (
+        schema.type == "object"
+        and not schema.section
+        and any(f.default is not None or _filled_in(f) for f in (schema.fields or {}).values())
     )
 
 
@@ -161,7 +166,7 @@ def openapi(schema: Field) -> dict[str, Any]:
     out: dict[str, Any] = {"type": schema.type, "description": schema.description}
     if schema.default is not None:
         out["default"] = schema.default
-    elif schema.type == "object" and schema.fields and _has_defaults(schema):
+    elif _filled_in(schema):
         out["default"] = {}  # the API server then fills nested defaults in, as `apply` does
     if schema.minimum is not None:
         num = int(schema.minimum) if schema.type == "integer" else schema.minimum

@@ -100,7 +100,55 @@ COMMON: dict[str, Field] = {
     "ttlSecondsAfterFinished": _int("Delete the job this long after it finished."),
     "suspend": Field("boolean", "Remove the job's pods while true.", default=False),
     "template": TEMPLATE,
+    "checkpoint": Field(
+        "object",
+        "Save the world every few steps and resume from the newest complete checkpoint.",
+        fields={
+            "path": Field("string", "Directory shared by every process of the job."),
+            "everySteps": _int("Checkpoint every this many steps.", default=10, minimum=1),
+            "volume": Field(
+                "string", "Name of a volume in template.volumes; the operator mounts it at"
+                " `path` in every pod. Omit it when the template already mounts `path`.",
+                pattern=DNS_LABEL,
+            ),
+        },
+        required=("path",),
+        section=True,
+    ),
+    "profile": Field(
+        "object",
+        "Run the torch profiler around chosen steps; one Chrome trace per process.",
+        fields={
+            "steps": Field("array", "Steps (1-based) to profile.",
+                           items=_int("A step to profile.", minimum=1), default=[2]),
+            "path": Field("string", "Directory for the traces (default: <checkpoint.path>/"
+                          "profiles)."),
+            "rowLimit": _int("Rows of the logged key_averages table.", default=15, minimum=1),
+        },
+        section=True,
+    ),
+    "preflight": Field(
+        "object",
+        "A communication check of the whole world before training.",
+        fields={
+            "enabled": Field("boolean", "Run the check.", default=True),
+            "timeoutSeconds": _int("Deadline for every peer to take part.", default=60,
+                                   minimum=1),
+            "megabytes": Field("number", "Payload of the bandwidth test per link.", default=4.0,
+                               minimum=0, exclusive_minimum=True, maximum=1024),
+        },
+    ),
 }  # fmt: skip
+
+# Cross-field rules every kind shares.
+COMMON_RULES = (
+    Rule(
+        "!has(self.profile) || has(self.profile.path) || has(self.checkpoint)",
+        "profile needs profile.path or a checkpoint.path to write its traces under",
+        "profile",
+        lambda s: "profile" not in s or "path" in s["profile"] or "checkpoint" in s,
+    ),
+)
 
 PIPELINE_SPEC = Field(
     "object",
@@ -129,6 +177,7 @@ PIPELINE_SPEC = Field(
             "microBatches",
             lambda s: s["batchSize"] % s["microBatches"] == 0,
         ),
+        *COMMON_RULES,
     ),
 )  # fmt: skip
 
@@ -177,6 +226,7 @@ HYBRID_SPEC = Field(
             "datasetSize",
             lambda s: s["datasetSize"] >= s["trainers"] * s["batchSize"],
         ),
+        *COMMON_RULES,
     ),
 )  # fmt: skip
 

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${PIPEJOB_VENV:-$HOME/.cache/pipejob/venv}
-TORCH="torch==2.13.0 torchvision==0.28.0"
+TORCH=(torch==2.13.0 torchvision==0.28.0)
 
 python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
   || { echo "setup: pipejob needs Python 3.11 as python3" >&2; exit 1; }
@@ -24,8 +24,8 @@ assert torch.__version__.split("+")[0] == "2.13.0"
 assert torchvision.__version__.split("+")[0] == "0.28.0"
 PY
 then
-  echo "setup: installing $TORCH from the registry (first time only, about a minute)"
-  PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= "$VENV/bin/pip" install --quiet $TORCH
+  echo "setup: installing ${TORCH[*]} from the registry (first time only, about a minute)"
+  PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS="" "$VENV/bin/pip" install --quiet "${TORCH[@]}"
 fi
 
 # Reinstall the project only when its metadata or location changed.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import threading
 from datetime import UTC, datetime
 from typing import Any
@@ -181,4 +182,7 @@ def run(
         liveness_endpoint=health,
         standalone=peering is None,
         peering_name=peering,
+        # kopf pauses every replica whose priority ties with a peer's: a random one per
+        # replica makes exactly one active, and another takes over when it goes.
+        priority=random.randint(1, 2**31 - 1) if peering else 0,
     )

@@ -56,8 +56,14 @@ def test_container_runs_the_trainer_and_exposes_the_rendezvous_ports():
     _, pods = world("HybridJob", trainers=2)
     by_role = {kube.role_of(p): p["spec"]["containers"][0] for p in pods}
     assert by_role["master"]["command"] == ["python", "-m", "pipejob.trainer"]
-    assert by_role["master"]["ports"] == [{"name": "rpc", "containerPort": 29500}]
-    assert {"name": "ddp", "containerPort": 29501} in by_role["trainer"]["ports"]
+    assert by_role["master"]["ports"] == [
+        {"name": "rpc", "containerPort": 29500},
+        {"name": "preflight", "containerPort": 29502},  # the preflight group's store
+        {"name": "monitor", "containerPort": 29503},  # /progress and /metrics
+    ]
+    assert by_role["ps"]["ports"] == [{"name": "rpc", "containerPort": 29500}]
+    assert by_role["trainer"]["ports"] == [{"name": "rpc", "containerPort": 29500},
+                                           {"name": "ddp", "containerPort": 29501}]  # fmt: skip
     trainer_env = {e["name"]: e["value"] for e in by_role["trainer"]["env"]}
     assert trainer_env[contract.DDP_ADDR] == "pj-trainer-0.pj"
 
@@ -166,7 +172,10 @@ def test_headless_service_publishes_not_ready_addresses():
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == {kube.JOB_LABEL: "pj"}
-    assert [p["port"] for p in svc["spec"]["ports"]] == [29500, 29501]
+    assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [
+        ("rpc", 29500), ("ddp", 29501), ("preflight", 29502), ("monitor", 29503)]  # fmt: skip
+    pipeline = kube.service(spec.parse(manifest()), "team")
+    assert [p["name"] for p in pipeline["spec"]["ports"]] == ["rpc", "preflight", "monitor"]
     assert svc["metadata"]["ownerReferences"][0]["uid"] == UID
 
 
@@ -182,6 +191,57 @@ def test_headless_service_publishes_not_ready_addresses():
 )  # fmt: skip
 def test_check_names_what_no_pod_could_run_with(template, path, words):
     (error,) = kube.check(spec.parse(manifest(template=template)))
+    assert error.path == path
+    assert words in error.reason
+
+
+def test_a_failed_trainer_says_why_in_its_termination_message():
+    _, pods = world()
+    for pod in pods:
+        assert pod["spec"]["containers"][0]["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+CHECKPOINT_TEMPLATE = {
+    "volumes": [{"name": "data", "emptyDir": {}}, {"name": "ckpt", "persistentVolumeClaim":
+                {"claimName": "ckpt"}}],
+    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+}  # fmt: skip
+
+
+def test_the_checkpoint_volume_is_mounted_at_the_checkpoint_path_in_every_pod():
+    checkpoint = {"path": "/ckpt/run1", "volume": "ckpt"}
+    for kind in ("PipelineJob", "HybridJob"):
+        job, pods = world(kind, checkpoint=checkpoint, template=CHECKPOINT_TEMPLATE)
+        assert kube.check(job) == []
+        assert len(pods) == kube.world_size(job)
+        for pod in pods:
+            assert pod["spec"]["containers"][0]["volumeMounts"] == [
+                {"name": "data", "mountPath": "/data"},  # the template's own, first
+                {"name": "ckpt", "mountPath": "/ckpt/run1"},
+            ]
+            assert pod["spec"]["volumes"] == CHECKPOINT_TEMPLATE["volumes"]
+    # Without a volume the template is expected to mount the path itself: nothing is added.
+    _, pods = world(checkpoint={"path": "/data/ckpt"}, template=CHECKPOINT_TEMPLATE)
+    assert pods[0]["spec"]["containers"][0]["volumeMounts"] == [
+        {"name": "data", "mountPath": "/data"}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "template", "path", "words"),
+    [
+        ({"path": "/ckpt", "volume": "ckpt"}, {}, "spec.checkpoint.volume",
+         "no volume 'ckpt' in spec.template.volumes"),
+        ({"path": "/ckpt", "volume": "nope"}, CHECKPOINT_TEMPLATE, "spec.checkpoint.volume",
+         "no volume 'nope'"),
+        ({"path": "ckpt", "volume": "ckpt"}, CHECKPOINT_TEMPLATE, "spec.checkpoint.path",
+         "must be an absolute path"),
+        ({"path": "/data/", "volume": "ckpt"}, CHECKPOINT_TEMPLATE, "spec.checkpoint.volume",
+         "spec.template.volumeMounts[0] mounts '/data/' already"),
+    ],
+)  # fmt: skip
+def test_check_refuses_a_checkpoint_volume_no_pod_could_mount(checkpoint, template, path, words):
+    job = spec.parse(manifest(checkpoint=checkpoint, template=template))
+    (error,) = kube.check(job)
     assert error.path == path
     assert words in error.reason
 

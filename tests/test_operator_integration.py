@@ -104,8 +104,11 @@ def test_a_hybrid_jobs_trainers_meet_for_ddp_on_trainer_0(cluster, operator):
         assert trainer["RANK"] == str(k + 2)
     assert "PIPEJOB_DDP_ADDR" not in env["hj-ps-0"] and env["hj-ps-0"]["RANK"] == "1"
     ports = {p["name"]: p["port"] for p in api.get("v1/services", "hj", NS)["spec"]["ports"]}
-    assert ports == {"rpc": int(env["hj-master-0"]["MASTER_PORT"]),
-                     "ddp": int(env["hj-trainer-0"]["PIPEJOB_DDP_PORT"])}  # fmt: skip
+    master = env["hj-master-0"]
+    assert ports == {"rpc": int(master["MASTER_PORT"]),
+                     "ddp": int(env["hj-trainer-0"]["PIPEJOB_DDP_PORT"]),
+                     "preflight": int(master["PIPEJOB_PREFLIGHT_PORT"]),
+                     "monitor": int(master["PIPEJOB_MONITOR_PORT"])}  # fmt: skip
 
 
 def test_status_follows_the_pods_to_success(cluster, operator):

@@ -55,6 +55,7 @@ CUSTOM_VALUES: dict[str, Any] = {
     "tolerations": [
         {"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}
     ],
+    "metrics": {"enabled": False},
 }
 
 # Every security check must pass on the operator's Deployment and every rendered pod:
@@ -181,7 +182,13 @@ def test_default_render(renders: dict[str, Path]) -> None:
     (container,) = pod["containers"]
     assert container["image"] == "ghcr.io/pipejob/operator:0.1.0"
     assert container["args"] == ["--all-namespaces", "--standalone", "--log-level=info",
-                                 "--health-port=8080"]  # fmt: skip
+                                 "--health-port=8080", "--metrics-port=8081"]  # fmt: skip
+    assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in container["ports"]
+    (service,) = by_kind(docs, "Service")
+    assert [(p["name"], p["port"]) for p in service["spec"]["ports"]] == [
+        ("health", 8080), ("metrics", 8081)]  # fmt: skip
+    (policy,) = by_kind(docs, "NetworkPolicy")
+    assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == ["health", "metrics"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env[kube.IMAGE_ENV] == "ghcr.io/pipejob/trainer:0.1.0"
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
@@ -216,7 +223,10 @@ def test_custom_render(renders: dict[str, Path]) -> None:
     assert container["imagePullPolicy"] == "Always"
     assert container["args"] == ["--namespace=ml-team", "--namespace=research",
                                  "--peering=ml-operators", "--log-level=debug",
-                                 "--health-port=8080"]  # fmt: skip
+                                 "--health-port=8080", "--metrics-port=0"]  # fmt: skip
+    assert [p["name"] for p in container["ports"]] == ["health"]  # metrics disabled
+    (service,) = by_kind(docs, "Service")
+    assert [p["name"] for p in service["spec"]["ports"]] == ["health"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env[kube.IMAGE_ENV] == CUSTOM_VALUES["trainerImage"]
 
@@ -249,6 +259,7 @@ def test_operator_accepts_the_charts_arguments(renders: dict[str, Path]) -> None
         args = build_parser().parse_args(["operator", *container["args"]])
         assert args.command == "operator"
         assert args.health_port == 8080
+        assert args.metrics_port == (8081 if name == "default" else 0)
 
 
 # --- schemas ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import sys
 import yaml
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+METRICS_PORT = 8081  # next to the chart's health port 8080
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
@@ -22,12 +23,17 @@ def cmd_operator(args: argparse.Namespace) -> int:
     if level > logging.DEBUG:  # "Handler 'on_pod' succeeded" on every pod change says little
         logging.getLogger("kopf.objects").setLevel(max(level, logging.WARNING))
     health = f"http://{args.health_host}:{args.health_port}/healthz" if args.health_port else None
-    controller.run(
-        namespaces=args.namespaces or [],
-        all_namespaces=args.all_namespaces,
-        health=health,
-        peering=args.peering,
-    )
+    try:
+        controller.run(
+            namespaces=args.namespaces or [],
+            all_namespaces=args.all_namespaces,
+            health=health,
+            peering=args.peering,
+            metrics=(args.metrics_host, args.metrics_port) if args.metrics_port else None,
+        )
+    except OSError as e:  # the metrics port is taken: say so, not a traceback
+        print(f"pipejob operator: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -67,7 +73,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "makes, tracks, restarts and cleans up their pods. Credentials come from the "
         "in-cluster service account or the kubeconfig ($KUBECONFIG). The default trainer "
         "image is $PIPEJOB_TRAINER_IMAGE; $PIPEJOB_RESYNC_SECONDS sets how often every job "
-        "is looked at again (default 10).",
+        "is looked at again (default 10); $PIPEJOB_PROGRESS_SECONDS how often the progress of "
+        "a running job is read from its master's monitor port (default 3; 0: never).",
     )
     where = op.add_mutually_exclusive_group(required=True)
     where.add_argument(
@@ -82,6 +89,14 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     op.add_argument(
         "--health-host", default="0.0.0.0", metavar="ADDRESS",
         help="address of the liveness endpoint (default 0.0.0.0)",
+    )  # fmt: skip
+    op.add_argument(
+        "--metrics-port", type=int, default=METRICS_PORT, metavar="PORT",
+        help=f"serve Prometheus metrics on /metrics at this port (default {METRICS_PORT}; 0: off)",
+    )  # fmt: skip
+    op.add_argument(
+        "--metrics-host", default="0.0.0.0", metavar="ADDRESS",
+        help="address of the metrics endpoint (default 0.0.0.0)",
     )  # fmt: skip
     op.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
     peers = op.add_mutually_exclusive_group()

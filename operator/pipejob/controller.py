@@ -1,7 +1,12 @@
 """The kopf wiring, thin on purpose: every trigger -- a job's watch event, an event of one of
 its pods, a periodic resync -- runs the same reconcile of that job: read the job and its
 pods, `reconcile.decide`, apply the actions. Nothing is remembered between reconciles but a
-per-job lock, so a killed and restarted operator simply converges again."""
+per-job lock (and, to schedule progress polls, which jobs had a running master), so a killed
+and restarted operator simply converges again.
+
+Progress is polled only by the timers (every few seconds for jobs whose master runs, and on
+each resync), never by watch events: the status the poll writes triggers a watch event, and
+that reconcile must not poll again."""
 
 from __future__ import annotations
 
@@ -10,20 +15,26 @@ import logging
 import os
 import random
 import threading
+import time
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
-from pipejob import kube, reconcile
+from pipejob import kube, progress, reconcile
 from pipejob.cluster import ApiError, Cluster
 from pipejob.crd import PLURALS
+from pipejob.metrics import OperatorMetrics
 from pipejob.spec import API_VERSION, GROUP, VERSION
 
 RESYNC_ENV = "PIPEJOB_RESYNC_SECONDS"
 DEFAULT_RESYNC = 10.0  # deadlines, TTLs and missed events are seen within this
+PROGRESS_ENV = "PIPEJOB_PROGRESS_SECONDS"
+DEFAULT_PROGRESS = 3.0  # how live status.progress is while a master runs; 0: never poll
 
+KINDS = {plural: kind for kind, plural in PLURALS.items()}
 REGISTRY = kopf.OperatorRegistry()
+METRICS = OperatorMetrics()
 # Our own logger, not kopf's per-object one: kopf would also post its records as Events,
 # doubling the Events the reconcile posts itself.
 log = logging.getLogger("pipejob.operator")
@@ -35,24 +46,33 @@ class Reconciler:
     """Runs reconciles, one at a time per job; triggers that arrive while one runs are
     folded into a single follow-up (it observes afresh, so it sees them all)."""
 
-    def __init__(self, cluster: Cluster, image: str):
+    def __init__(self, cluster: Cluster, image: str, metrics: OperatorMetrics = METRICS):
         self.cluster = cluster
         self.image = image
+        self.metrics = metrics
         self.jobs: set[Key] = set()  # the jobs kopf has shown us, for the resync
+        self.training: set[Key] = set()  # jobs whose master ran at their last reconcile
         self._guard = threading.Lock()
         self._locks: dict[Key, threading.Lock] = {}
-        self._queued: set[Key] = set()
+        self._queued: dict[Key, bool] = {}  # job -> whether its queued reconcile polls
 
-    def kick(self, key: Key) -> None:
+    def kick(self, key: Key, poll: bool = False) -> None:
+        """Reconcile the job; with `poll`, read its master's progress too."""
         with self._guard:
             if key in self._queued:
+                self._queued[key] |= poll
                 return
-            self._queued.add(key)
+            self._queued[key] = poll
             lock = self._locks.setdefault(key, threading.Lock())
         with lock:
             with self._guard:
-                self._queued.discard(key)
-            self._reconcile(key)
+                poll = self._queued.pop(key)
+            started = time.perf_counter()
+            try:
+                self._reconcile(key, poll)
+            finally:
+                seconds = time.perf_counter() - started
+                self.metrics.reconcile_seconds.labels(KINDS.get(key[0], key[0])).observe(seconds)
 
     def track(self, key: Key) -> None:
         with self._guard:
@@ -61,15 +81,31 @@ class Reconciler:
     def forget(self, key: Key) -> None:
         with self._guard:
             self.jobs.discard(key)  # its lock stays: a reconcile may hold it right now
+            self.training.discard(key)
+        self.metrics.forget(key)
 
-    def _reconcile(self, key: Key) -> None:
+    def _poll(self, address: str) -> dict | None:
+        started = time.perf_counter()
+        report = progress.fetch(address)
+        result = "none" if report is None else "ok"
+        self.metrics.poll_seconds.labels(result).observe(time.perf_counter() - started)
+        return report
+
+    def _reconcile(self, key: Key, poll: bool = False) -> None:
         plural, namespace, name = key
         job = self.cluster.get_job(plural, namespace, name)
         if job is None or job["metadata"].get("deletionTimestamp"):
             self.forget(key)  # garbage collection removes what it made
             return
         pods = self.cluster.list_pods(namespace, name)
-        acts = reconcile.decide(job, pods, datetime.now(UTC), self.image)
+        address = progress.url(pods, int((job.get("status") or {}).get("restarts") or 0))
+        with self._guard:
+            if address is not None and key in self.jobs:
+                self.training.add(key)
+            else:
+                self.training.discard(key)
+        report = self._poll(address) if poll and address is not None else None
+        acts = reconcile.decide(job, pods, datetime.now(UTC), self.image, report)
         # Pods before status (a world counts as created once its pods exist), status before
         # deletes (a restart is recorded before its world goes), so a crash between any two
         # steps is repaired by the next reconcile.
@@ -82,6 +118,7 @@ class Reconciler:
             self.cluster.patch_status(plural, job, acts.status)
             if acts.status.get("phase") != old.get("phase"):
                 log.info(f"{namespace}/{name}: {old.get('phase')} -> {acts.status['phase']}")
+        self.metrics.observe(key, job.get("kind") or KINDS.get(plural, plural), old, acts.status)
         for pod in acts.delete:
             self.cluster.delete_pod(pod)
         if acts.delete:
@@ -100,9 +137,17 @@ class Reconciler:
             self.forget(key)
 
 
+def _seconds(env: str, default: float) -> float:
+    value = os.environ.get(env)
+    return float(value) if value else default
+
+
 def resync_seconds() -> float:
-    value = os.environ.get(RESYNC_ENV)
-    return float(value) if value else DEFAULT_RESYNC
+    return _seconds(RESYNC_ENV, DEFAULT_RESYNC)
+
+
+def progress_seconds() -> float:
+    return _seconds(PROGRESS_ENV, DEFAULT_PROGRESS)
 
 
 @kopf.on.login(registry=REGISTRY)
@@ -118,14 +163,16 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.scanning.disabled = True
     settings.posting.level = logging.WARNING  # kopf's own Events: only its errors
     memo.reconciler = Reconciler(Cluster(), kube.trainer_image())
-    memo.resync = asyncio.create_task(_resync(memo.reconciler, resync_seconds()))
-    log.info(f"trainer image {memo.reconciler.image}; resync every {resync_seconds()}s")
+    memo.timers = [asyncio.create_task(_resync(memo.reconciler, resync_seconds()))]
+    if progress_seconds() > 0:
+        memo.timers.append(asyncio.create_task(_poll(memo.reconciler, progress_seconds())))
+    log.info(f"trainer image {memo.reconciler.image}; resync every {resync_seconds()}s;"
+             f" progress of running jobs every {progress_seconds() or 'never '}s")  # fmt: skip
 
 
 @kopf.on.cleanup(registry=REGISTRY)
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    task = getattr(memo, "resync", None)
-    if task is not None:
+    for task in getattr(memo, "timers", []):
         task.cancel()
 
 
@@ -135,13 +182,29 @@ def probe(memo: kopf.Memo, **_: Any) -> int:
 
 
 async def _resync(reconciler: Reconciler, interval: float) -> None:
+    """Every job, every `interval`: deadlines, TTLs, missed events (and progress)."""
     while True:
         await asyncio.sleep(interval)
-        for key in sorted(reconciler.jobs):
-            try:
-                await asyncio.to_thread(reconciler.kick, key)
-            except Exception as e:  # the next round tries again; the operator keeps going
-                log.error(f"reconcile of {key[1]}/{key[2]} failed: {e}")
+        await _round(reconciler, sorted(reconciler.jobs))
+
+
+async def _poll(reconciler: Reconciler, interval: float) -> None:
+    """The jobs whose master runs, every `interval`: their live progress."""
+    while True:
+        await asyncio.sleep(interval)
+        await _round(reconciler, sorted(reconciler.training))
+
+
+async def _round(reconciler: Reconciler, keys: list[Key]) -> None:
+    """Reconcile (and poll) `keys` side by side: a master slow to answer delays only its job."""
+
+    def one(key: Key) -> None:
+        try:
+            reconciler.kick(key, poll=True)
+        except Exception as e:  # the next round tries again; the operator keeps going
+            log.error(f"reconcile of {key[1]}/{key[2]} failed: {e}")
+
+    await asyncio.gather(*(asyncio.to_thread(one, key) for key in keys))
 
 
 def on_job(event: dict, resource: Any, namespace: str, name: str, memo: kopf.Memo, **_: Any):
@@ -173,8 +236,14 @@ def run(
     all_namespaces: bool,
     health: str | None,
     peering: str | None,
+    metrics: tuple[str, int] | None = None,
 ) -> None:
-    """Run the operator until interrupted (SIGINT/SIGTERM)."""
+    """Run the operator until interrupted (SIGINT/SIGTERM); serve /metrics on `metrics`
+    (host, port) if given."""
+    if metrics is not None:
+        host, port = metrics
+        METRICS.serve(port, host)
+        log.info(f"metrics on http://{host}:{port}/metrics")
     kopf.run(
         registry=REGISTRY,
         clusterwide=all_namespaces,

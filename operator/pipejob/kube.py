@@ -7,6 +7,7 @@ import copy
 import hashlib
 import json
 import os
+import posixpath
 from typing import Any
 
 from pipejob import contract
@@ -105,9 +106,10 @@ def _metadata(job: Job, name: str, namespace: str, owner: dict | None, labels: d
 
 def service(job: Job, namespace: str, owner: dict | None = None) -> dict:
     """The headless Service that gives every pod of the job its DNS name, ready or not."""
-    ports = [{"name": "rpc", "port": PORTS.rpc, "targetPort": PORTS.rpc}]
+    names = ["rpc", "preflight", "monitor"]
     if job.kind == "HybridJob":
-        ports.append({"name": "ddp", "port": PORTS.ddp, "targetPort": PORTS.ddp})
+        names.insert(1, "ddp")
+    ports = [{"name": n, "port": getattr(PORTS, n), "targetPort": getattr(PORTS, n)} for n in names]
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -152,6 +154,9 @@ def pod(
     ports = [{"name": "rpc", "containerPort": PORTS.rpc}]
     if process.ddp_rank is not None:
         ports.append({"name": "ddp", "containerPort": PORTS.ddp})
+    if process.rank == 0:  # the master holds the preflight group's store and serves /progress
+        ports += [{"name": "preflight", "containerPort": PORTS.preflight},
+                  {"name": "monitor", "containerPort": PORTS.monitor}]  # fmt: skip
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": template.get("image") or image or trainer_image(),
@@ -159,8 +164,8 @@ def pod(
         "env": env,
         "ports": ports,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY),
-        # A failed trainer's last log lines become its termination message, so the job's
-        # status can say why it failed.
+        # A failed trainer writes its one-line reason to the termination message (else its
+        # last log lines become it), so the job's status can say why it failed.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if template.get("imagePullPolicy"):
@@ -168,8 +173,12 @@ def pod(
     resources = _resources(template, process.gpus)
     if resources:
         container["resources"] = resources
-    if template.get("volumeMounts"):
-        container["volumeMounts"] = copy.deepcopy(template["volumeMounts"])
+    mounts = copy.deepcopy(template.get("volumeMounts") or [])
+    checkpoint = job.spec.get("checkpoint") or {}
+    if checkpoint.get("volume"):  # every process of the job reads and writes the checkpoint
+        mounts.append({"name": checkpoint["volume"], "mountPath": checkpoint["path"]})
+    if mounts:
+        container["volumeMounts"] = mounts
     spec: dict[str, Any] = {
         "hostname": name,
         "subdomain": job.name,
@@ -236,7 +245,25 @@ def check(job: Job) -> list[SpecError]:
                     f"no volume {name!r} in spec.template.volumes",
                 )
             )
-    return errors
+    return errors + _check_checkpoint(job.spec.get("checkpoint") or {}, mounts, volumes)
+
+
+def _check_checkpoint(checkpoint: dict, mounts: list, volumes: set) -> list[SpecError]:
+    """The checkpoint volume must exist and mount where no template mount already is."""
+    name, path = checkpoint.get("volume"), checkpoint.get("path") or ""
+    if not name:
+        return []
+    if name not in volumes:
+        return [SpecError("spec.checkpoint.volume", f"no volume {name!r} in spec.template.volumes")]
+    if not posixpath.isabs(path):
+        why = f"must be an absolute path to mount volume {name!r} at, got {path!r}"
+        return [SpecError("spec.checkpoint.path", why)]
+    for i, mount in enumerate(mounts):
+        there = mount.get("mountPath") if isinstance(mount, dict) else None
+        if there and posixpath.normpath(there) == posixpath.normpath(path):
+            why = f"spec.template.volumeMounts[{i}] mounts {path!r} already; omit the volume"
+            return [SpecError("spec.checkpoint.volume", why)]
+    return []
 
 
 def role_of(pod_obj: dict) -> str:

@@ -38,8 +38,12 @@ def owned(pod: dict, uid: str | None) -> bool:
     )
 
 
-def decide(job_obj: dict, pods: list[dict], now: datetime, image: str) -> Actions:
-    """What to do about `job_obj` given `pods` (every pod labelled with its name)."""
+def decide(
+    job_obj: dict, pods: list[dict], now: datetime, image: str, progress: dict | None = None
+) -> Actions:
+    """What to do about `job_obj` given `pods` (every pod labelled with its name) and, when
+    the caller polled it, the `progress` its current world's master reported (progress.parse);
+    without one the last reported figures stay."""
     meta = job_obj["metadata"]
     old = job_obj.get("status") or {}
     ours = [p for p in pods if owned(p, meta.get("uid"))]
@@ -82,6 +86,12 @@ def decide(job_obj: dict, pods: list[dict], now: datetime, image: str) -> Action
             acts, old, st.SUSPENDED, "Suspended", "spec.suspend is true: pods removed", now
         )
 
+    if progress is not None:
+        acts.status = st.with_report(acts.status, progress, now)
+    preflight = st.preflight_failure(current)
+    if preflight is not None:
+        acts.status = st.with_preflight(acts.status, False, preflight, now)
+
     start = st.parse_time(old.get("startTime")) or now
     acts.status["startTime"] = st.timestamp(start)
     acts.delete = [p for p in live if kube.restart_of(p) != restart]  # an older world
@@ -92,6 +102,11 @@ def decide(job_obj: dict, pods: list[dict], now: datetime, image: str) -> Action
 
     if master is not None and st.pod_phase(master) == "Succeeded":
         acts.delete = [p for p in live if not st.terminated(p)]
+        # The master exits 0 only after the last step: progress shows it, polled or not.
+        steps = job.spec["steps"]
+        done = {**(acts.status.get("training") or {}), "phase": "finished", "step": steps,
+                "steps": steps}  # fmt: skip
+        acts.status = st.with_training(acts.status, done, now)
         return _transition(
             acts, old, st.SUCCEEDED, "MasterSucceeded",
             f"the master (pod {master['metadata']['name']}) exited 0", now,

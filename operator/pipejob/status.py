@@ -21,10 +21,17 @@ PHASES = (PENDING, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
 FINISHED = (SUCCEEDED, FAILED)
 
 # Conditions: one per phase but Pending (a job is pending until told otherwise), plus
-# Created, which says whether every pod of the current world has been created.
+# Created, which says whether every pod of the current world has been created, and
+# Preflight, the outcome of the world's communication check before training.
 CREATED = "Created"
+PREFLIGHT = "Preflight"
 PHASE_CONDITIONS = (RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
-CONDITIONS = (CREATED, *PHASE_CONDITIONS)
+CONDITIONS = (CREATED, *PHASE_CONDITIONS, PREFLIGHT)
+
+# What the master's /progress says it is doing (trainer/monitor.py).
+TRAINER_PHASES = ("starting", "preflight", "training", "finished", "failed")
+# A failed process's termination message starts with this when the preflight check failed.
+PREFLIGHT_PREFIX = "preflight:"
 
 # A terminated container's message (its log tail, see kube.py) is cut to this in reasons.
 MAX_MESSAGE = 300
@@ -66,7 +73,8 @@ STATUS = Field(
         ),
         "conditions": Field(
             "array",
-            "Created, Running, Restarting, Suspended, Succeeded and Failed, each with why.",
+            "Created, Running, Restarting, Suspended, Succeeded, Failed and Preflight, each"
+            " with why.",
             items=Field(
                 "object",
                 "One condition of the job.",
@@ -87,14 +95,26 @@ STATUS = Field(
         ),
         "training": Field(
             "object",
-            "Live training figures reported by the master (step, loss, samples/s, ...).",
+            "Live training figures, polled from the master's /progress while the job runs.",
             free_form=True,
             fields={
+                "phase": Field(
+                    "string",
+                    "What the master is doing: starting, preflight, training, finished or failed.",
+                ),
                 "step": Field("integer", "Last finished step.", minimum=0),
                 "steps": Field("integer", "Steps the job runs in total.", minimum=0),
                 "loss": Field("number", "Loss of the last finished step."),
                 "samplesPerSecond": Field("number", "Training throughput."),
-                "updateTime": Field("string", "When these figures were reported (RFC 3339)."),
+                "bubble": Field(
+                    "number",
+                    "PipelineJob: measured share of time the stages sat idle.",
+                ),
+                "resumedFromStep": Field(
+                    "integer", "The checkpoint step the current world resumed from.", minimum=0
+                ),
+                "message": Field("string", "The master's last word on its state."),
+                "updateTime": Field("string", "When these figures last changed (RFC 3339)."),
             },
         ),
     },
@@ -224,6 +244,54 @@ def set_condition(
             }
         )
     return out
+
+
+def with_preflight(status: dict, ok: bool, message: str, now: datetime) -> dict:
+    reason = "PreflightPassed" if ok else "PreflightFailed"
+    conditions = set_condition(list(status.get("conditions") or []), PREFLIGHT, ok, reason,
+                               message or reason, now)  # fmt: skip
+    return dict(status, conditions=conditions)
+
+
+# --- training progress -----------------------------------------------------------------
+
+# status.training fields, as the master's /progress names them.
+TRAINING = ("phase", "step", "steps", "loss", "samplesPerSecond", "bubble", "resumedFromStep",
+            "message")  # fmt: skip
+
+
+def with_training(status: dict, figures: dict, now: datetime) -> dict:
+    """`status` showing `figures` (fields of TRAINING; None means unknown): status.progress as
+    step/steps for `kubectl get`, status.training with the rest; updateTime moves only when a
+    figure does, so an unchanged report writes nothing."""
+    training = {k: figures[k] for k in TRAINING if figures.get(k) is not None}
+    old = status.get("training") or {}
+    if training == {k: v for k, v in old.items() if k != "updateTime"}:
+        training = old
+    else:
+        training["updateTime"] = timestamp(now)
+    out = dict(status, training=training)
+    if "step" in training and "steps" in training:
+        out["progress"] = f"{training['step']}/{training['steps']}"
+    return out
+
+
+def with_report(status: dict, report: dict, now: datetime) -> dict:
+    """`status` with what the master's /progress reported (see progress.parse)."""
+    out = with_training(status, report, now)
+    preflight = report.get("preflight")
+    if preflight is not None:
+        out = with_preflight(out, preflight["ok"], preflight["message"], now)
+    return out
+
+
+def preflight_failure(pods: Iterable[dict]) -> str | None:
+    """The termination message of the first failed pod whose preflight check failed."""
+    for pod in pods:
+        message = (_trainer_state(pod).get("message") or "").strip()
+        if pod_phase(pod) == "Failed" and message.startswith(PREFLIGHT_PREFIX):
+            return _tail(message)
+    return None
 
 
 def with_phase(status: dict, phase: str, reason: str, message: str, now: datetime) -> dict:

@@ -13,32 +13,44 @@ import time
 import urllib.request
 from pathlib import Path
 
+from harness.network import PodNetwork
+
 PIPEJOB = Path(sys.executable).parent / "pipejob"
 
 
 class OperatorProcess:
-    """Start, stop or kill -9 the operator; `logs()` is what it printed (all its runs)."""
+    """Start, stop or kill -9 the operator; `logs()` is what it printed (all its runs).
 
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path, resync_seconds: float = 2.0):
+    With a `network`, it runs in the pod network (as its pod would on a cluster: it reaches
+    the pods' addresses, e.g. a master's /progress); the API server must be forwarded into it
+    (PodNetwork.forward), and its endpoints are reached with `get`."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path, resync_seconds: float = 2.0,
+                 network: PodNetwork | None = None, progress_seconds: float = 1.0):  # fmt: skip
         self.kubeconfig = kubeconfig
         self.namespace = namespace
         self.log = Path(log)
         self.resync_seconds = resync_seconds
+        self.progress_seconds = progress_seconds
+        self.network = network
         self.process: subprocess.Popen | None = None
+        self.metrics_url = ""
 
     def start(self, timeout: float = 30.0) -> OperatorProcess:
-        with socket.socket() as s:  # a free port for its liveness endpoint
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port, metrics_port = _free_port(), _free_port()  # liveness and metrics endpoints
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         env = {
             **os.environ,
             "KUBECONFIG": str(self.kubeconfig),
             "PIPEJOB_RESYNC_SECONDS": str(self.resync_seconds),
+            "PIPEJOB_PROGRESS_SECONDS": str(self.progress_seconds),
         }
         # Dies with the tests, even when they are killed: no operator outlives its cluster.
         guard = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
-        argv = [*guard, str(PIPEJOB), "operator", "-n", self.namespace, "--log-level", "debug",
-                "--health-host", "127.0.0.1", "--health-port", str(port)]  # fmt: skip
+        argv = [str(PIPEJOB), "operator", "-n", self.namespace, "--log-level", "debug",
+                "--health-host", "127.0.0.1", "--health-port", str(port),
+                "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)]  # fmt: skip
+        argv = [*guard, *(self.network.enter(argv) if self.network else argv)]
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -55,10 +67,17 @@ class OperatorProcess:
 
     def _healthy(self, port: int) -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
-                return r.status == 200
+            self.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
+            return True
         except OSError:
             return False
+
+    def get(self, url: str, timeout: float = 5.0) -> bytes:
+        """GET one of the operator's endpoints (from its network)."""
+        if self.network is not None:
+            return self.network.get(url, timeout)
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read()
 
     def kill(self) -> None:
         """kill -9: no cleanup, no goodbye, as when its pod is lost."""
@@ -80,3 +99,9 @@ class OperatorProcess:
 
     def logs(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -4,6 +4,7 @@ the unmodified operator against the API server emulator polling a stand-in maste
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import threading
@@ -17,7 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipejob import kube
 from pipejob import status as st
+from pipejob.controller import Reconciler
 from pipejob.metrics import OperatorMetrics
+from pipejob.spec import parse
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -200,3 +203,58 @@ def test_the_operator_polls_progress_into_status_and_counts_the_job(cluster, ope
     assert value(page, "pipejob_operator_reconcile_duration_seconds_count", kind=PIPE) >= 3
     assert value(page, "pipejob_operator_progress_poll_duration_seconds_count", result="ok") >= 2
     assert Master.polls >= 2
+
+
+class Api:
+    """The cluster as cluster.Cluster presents it, in memory: one job and its pods."""
+
+    def __init__(self, job: dict, pods: list[dict]):
+        self.job, self.pods, self.patches = job, pods, 0
+
+    def get_job(self, plural: str, namespace: str, name: str) -> dict:
+        return copy.deepcopy(self.job)
+
+    def list_pods(self, namespace: str, job: str) -> list[dict]:
+        return copy.deepcopy(self.pods)
+
+    def patch_status(self, plural: str, job: dict, status: dict) -> None:
+        self.patches += 1
+        self.job["status"] = status
+
+    def create(self, obj: dict) -> bool:
+        return False
+
+    def delete_pod(self, pod: dict) -> None:
+        pass
+
+    def post_event(self, *args) -> None:
+        pass
+
+
+def test_only_timer_reconciles_poll_and_each_is_measured(master):
+    """A watch event's reconcile never polls: the status a poll writes is a watch event."""
+    manifest = {"apiVersion": "pipejob.dev/v1alpha1", "kind": PIPE,
+                "metadata": {"name": "pj", "namespace": NS, "uid": "u", "generation": 1},
+                "spec": {"stages": 2, "steps": 5}}  # fmt: skip
+    pods = kube.world(parse(manifest), 0, NS, kube.owner_reference(manifest), "img")
+    for i, pod in enumerate(pods):
+        pod["metadata"]["uid"] = f"p{i}"
+        pod["status"] = {"phase": "Running", "podIP": master if i == 0 else "127.0.0.9"}
+    api, metrics = Api(manifest, pods), OperatorMetrics()
+    reconciler = Reconciler(api, "img", metrics)
+    key = ("pipelinejobs", NS, "pj")
+    reconciler.track(key)
+    Master.report = report(1)
+
+    reconciler.kick(key)  # e.g. a pod event
+    assert Master.polls == 0 and "progress" not in api.job["status"]
+    assert reconciler.training == {key}  # its master runs: the progress timer will poll it
+    reconciler.kick(key, poll=True)
+    assert Master.polls == 1 and api.job["status"]["progress"] == "1/5"
+    patches = api.patches
+    reconciler.kick(key, poll=True)  # the same report: nothing to write
+    assert Master.polls == 2 and api.patches == patches
+    get = metrics.registry.get_sample_value
+    assert get("pipejob_operator_progress_poll_duration_seconds_count", {"result": "ok"}) == 2
+    assert get("pipejob_operator_reconcile_duration_seconds_count", {"kind": PIPE}) == 3
+    assert metrics.phases()[PIPE, st.RUNNING] == 1

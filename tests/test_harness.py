@@ -269,6 +269,30 @@ def test_pod_dns_names_resolve_to_pod_addresses_inside_pods_only(cluster, kubele
 
 
 @pytest.mark.timeout(60)
+def test_the_pod_network_is_private_and_bridged_only_where_asked(cluster, kubelet):
+    api, network = cluster.api, kubelet.network
+    server = ("import http.server, socket; http.server.HTTPServer((socket.gethostname(), 8000),"
+              " http.server.SimpleHTTPRequestHandler).serve_forever()")  # fmt: skip
+    api.create(PODS, pod("web", server), NS)
+    ip = api.wait("the pod's address", lambda: status(cluster, "web").get("podIP"), 20)
+
+    def fetch() -> bytes | None:
+        try:
+            return network.get(f"http://{ip}:8000/")  # from inside, as the operator's pod would
+        except OSError:
+            return None
+
+    assert b"Directory listing" in api.wait("the pod serving", fetch, 20)
+    with pytest.raises(OSError):  # from the machine's own network there is nothing there
+        socket.create_connection((ip, 8000), timeout=2).close()
+    network.forward(cluster.port)  # the API server, where a kubeconfig points, for pods
+    client = f"import urllib.request; print(urllib.request.urlopen('{cluster.url}/version').read())"
+    api.create(PODS, pod("client", client), NS)
+    assert finished(cluster, "client")["phase"] == "Succeeded"
+    assert "gitVersion" in kubelet.logs(NS, "client")
+
+
+@pytest.mark.timeout(60)
 def test_env_field_refs_and_expansion(cluster, kubelet):
     env = [{"name": "A", "value": "x"}, {"name": "B", "value": "$(A)-$$(A)"},
            {"name": "A", "value": "later wins"},

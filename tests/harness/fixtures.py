@@ -45,9 +45,16 @@ def crds(cluster: Cluster) -> list[dict]:
 
 
 @pytest.fixture
-def operator(cluster: Cluster, crds: list[dict], tmp_path: Path) -> Iterator[OperatorProcess]:
-    """`pipejob operator` serving the cluster's namespace."""
-    op = OperatorProcess(cluster.kubeconfig, cluster.namespace, tmp_path / "operator.log")
+def operator(request: pytest.FixtureRequest, cluster: Cluster, crds: list[dict],
+             tmp_path: Path) -> Iterator[OperatorProcess]:  # fmt: skip
+    """`pipejob operator` serving the cluster's namespace. With a kubelet in the test, it runs
+    in the pod network, as its own pod would (it reads the masters' /progress there)."""
+    network = None
+    if "kubelet" in request.fixturenames:
+        network = request.getfixturevalue("kubelet").network
+        network.forward(cluster.port)  # the API server, at the kubeconfig's address
+    op = OperatorProcess(cluster.kubeconfig, cluster.namespace, tmp_path / "operator.log",
+                         network=network)  # fmt: skip
     op.start()
     try:
         yield op

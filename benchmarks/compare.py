@@ -1,0 +1,389 @@
+"""pipejob's PipelineJob side by side with what users compare it with, in one run, on one
+batch, image size, model split and thread budget:
+
+  pipejob   the PipelineJob through the local runner (`pipejob run`), its threads and
+            transports chosen by pipejob.trainer.tuning; rate from the master's summary
+  baseline  the tutorial's RPC pipeline, written faithfully (baseline_pipeline.py)
+  gpipe     torch.distributed.pipelining ScheduleGPipe, 2 processes over gloo
+  1f1b      torch.distributed.pipelining Schedule1F1B, 2 processes over gloo
+  single-t1 the whole model in one process on one thread
+  single-tN the whole model in one process on all N cores
+
+ResNet-50 (1000 classes), batch 48, 64x64 images, SGD; every multi-process system runs one
+intra-op thread per process unless pipejob's tuning decides otherwise. Each system runs at
+every micro-batch count of --micro-batches, --repeats times, the repeats interleaved so drift
+in the machine's load hits every system alike; each is then reported at its best count by
+median. Besides samples/s it prints per-process CPU use, page faults and the busiest threads
+per batch, read from /proc between the marks each system prints around its measured batches.
+It measures; it asserts nothing.
+
+    python benchmarks/compare.py                 # about 15 minutes on 2 idle cores
+    python benchmarks/compare.py --quick         # one repeat of m=2,4: a smoke test
+    python benchmarks/compare.py --systems pipejob,baseline --pipejob-env PIPEJOB_TUNING=off
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from _common import (
+    Counters,
+    Workers,
+    free_port,
+    load_average,
+    machine,
+    python,
+    spread,
+    thread_env,
+    threads_summary,
+)
+
+SYSTEMS = ("pipejob", "baseline", "gpipe", "1f1b", "single-t1", "single-tN")
+STEP_LINE = re.compile(r"^master\s*\| .*\bstep (\d+)/(\d+)")
+STARTED_LINE = re.compile(r"started (\S+) \(rank \d+, pid (\d+)\)")
+
+
+@dataclass
+class Run:
+    """One measured configuration: a system at a micro-batch count, in one repeat."""
+
+    system: str
+    m: int
+    rate: float  # samples/s
+    load: str
+    wall: float = 0.0  # seconds between the marks
+    batches: int = 0
+    processes: dict[str, Counters] = field(default_factory=dict)
+    bubble: float | None = None  # pipejob's own measure, when it has one
+
+
+@dataclass
+class Config:
+    batch: int
+    image: int
+    counts: list[int]
+    warmup: int
+    batches: int
+    pipejob_env: dict[str, str]
+    timeout: float
+    verbose: bool
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def echo(verbose: bool):
+    def show(name: str, line: str) -> None:
+        if verbose or "error" in line.lower() or "Traceback" in line:
+            say(f"    {name}: {line}")
+
+    return show
+
+
+# ---------------------------------------------------------------------------- the systems
+
+
+class PipejobWorkers(Workers):
+    """`pipejob run` as one child: marks come from the master's step lines, and the runner's
+    trainer processes (named in its "started" lines) are sampled too."""
+
+    def __init__(self, steps: int, warmup: int, m: int, echo_line):
+        super().__init__(echo_line)
+        self.steps, self.warmup, self.m = steps, warmup, m
+
+    def on_line(self, name: str, line: str) -> None:
+        started = STARTED_LINE.search(line)
+        if started:
+            self.watch_pid(started.group(1), int(started.group(2)))
+        step = STEP_LINE.match(line)
+        if step and int(step.group(1)) == self.warmup:
+            self.marks[f"m{self.m}-start"] = self.snapshot()
+        elif step and int(step.group(1)) == self.steps:
+            self.marks[f"m{self.m}-end"] = self.snapshot()
+        super().on_line(name, line)
+
+    def close(self, grace: float = 0.0) -> None:
+        for popen in self.procs.values():  # the runner stops its world on SIGTERM
+            if popen.poll() is None:
+                popen.terminate()
+                try:
+                    popen.wait(30)
+                except Exception:
+                    pass
+        for name, pid in self.pids.items():  # anything of it still alive goes by its pid
+            if name not in self.procs:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+        super().close(grace)
+
+
+def pipejob_manifest(cfg: Config, m: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "PipelineJob",
+        "metadata": {"name": f"compare-m{m}"},
+        "spec": {
+            "model": "resnet50", "stages": 2, "microBatches": m, "batchSize": cfg.batch,
+            "imageSize": cfg.image, "numClasses": 1000, "steps": cfg.warmup + cfg.batches,
+            "logEvery": 1, "optimizer": {"name": "sgd", "lr": 0.05}, "seed": 0,
+        },
+    }  # fmt: skip
+
+
+def run_pipejob(cfg: Config, tmp: Path) -> list[Run]:
+    runs = []
+    for m in cfg.counts:
+        path, summary_file = tmp / f"pipejob-m{m}.yaml", tmp / f"pipejob-m{m}.json"
+        path.write_text(yaml.safe_dump(pipejob_manifest(cfg, m)))
+        summary_file.unlink(missing_ok=True)
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
+                                                                 "MKL_NUM_THREADS")}  # fmt: skip
+        env |= cfg.pipejob_env | {"PIPEJOB_SUMMARY_FILE": str(summary_file)}
+        steps = cfg.warmup + cfg.batches
+        with PipejobWorkers(steps, cfg.warmup, m, echo(cfg.verbose)) as w:
+            w.start("runner", [sys.executable, "-m", "pipejob.cli", "run", str(path)], env)
+            codes = w.wait(cfg.timeout)
+            if codes["runner"] != 0 or not summary_file.exists():
+                raise RuntimeError(f"pipejob m={m} failed ({codes}):\n{w.tail()}")
+            summary = json.loads(summary_file.read_text())
+            wall, deltas = w.between(f"m{m}-start", f"m{m}-end")
+            rate, bubble = summary["samplesPerSecond"], summary["bubble"]["measured"]
+            runs.append(Run("pipejob", m, rate, load_average(), wall, cfg.batches,
+                            _named(deltas), bubble))  # fmt: skip
+    return runs
+
+
+def _named(deltas: dict[str, Counters]) -> dict[str, Counters]:
+    """pipejob's processes by role (the runner itself is left out)."""
+    return {n: d for n, d in deltas.items() if n != "runner"}
+
+
+def run_world(cfg: Config, system: str, argvs: dict[str, list[str]], names: dict[str, str],
+              env: dict[str, str]) -> list[Run]:  # fmt: skip
+    """Start one process per argv, wait for the first (it leads), collect its results."""
+    runs = []
+    with Workers(echo(cfg.verbose)) as w:
+        for name, argv in argvs.items():
+            w.start(name, argv, env)
+        lead = next(iter(argvs))
+        codes = w.wait(cfg.timeout, main=lead)
+        if codes[lead] != 0:
+            raise RuntimeError(f"{system} failed ({codes}):\n{w.tail()}")
+        for r in w.results:
+            key = f"{r['system']}-m{r['m']}" if r["system"] in ("gpipe", "1f1b") else None
+            key = key or (f"m{r['m']}" if r["system"] == "baseline" else r["system"])
+            wall, deltas = w.between(f"{key}-start", f"{key}-end")
+            processes = {names[n]: d for n, d in deltas.items()}
+            runs.append(Run(_system_name(r), r["m"], r["samples_per_second"], load_average(),
+                            wall, len(r["batch_seconds"]), processes))  # fmt: skip
+    return runs
+
+
+def _system_name(r: dict[str, Any]) -> str:
+    if r["system"].startswith("single-"):
+        return "single-t1" if r["threads"] == 1 else "single-tN"
+    return r["system"]
+
+
+def common_args(cfg: Config) -> list[str]:
+    return ["--batch", str(cfg.batch), "--image", str(cfg.image), "--warmup", str(cfg.warmup),
+            "--batches", str(cfg.batches)]  # fmt: skip
+
+
+def run_baseline(cfg: Config) -> list[Run]:
+    port, counts = str(free_port()), ",".join(map(str, cfg.counts))
+    argvs = {
+        f"rank{r}": python("baseline_pipeline.py", "--rank", str(r), "--port", port,
+                           "--micro-batches", counts, *common_args(cfg))
+        for r in range(3)
+    }  # fmt: skip
+    names = {"rank0": "master", "rank1": "stage0", "rank2": "stage1"}
+    return run_world(cfg, "baseline", argvs, names, thread_env(1))
+
+
+def run_pipelining(cfg: Config, schedules: list[str]) -> list[Run]:
+    port, counts = str(free_port()), ",".join(map(str, cfg.counts))
+    argvs = {
+        f"rank{r}": python("references.py", "pipelining", "--rank", str(r), "--port", port,
+                           "--schedules", ",".join(schedules), "--micro-batches", counts,
+                           *common_args(cfg))
+        for r in range(2)
+    }  # fmt: skip
+    names = {"rank0": "stage0", "rank1": "stage1"}
+    return run_world(cfg, "pipelining", argvs, names, thread_env(1))
+
+
+def run_single(cfg: Config, threads: int) -> list[Run]:
+    argvs = {"single": python("references.py", "single", *common_args(cfg))}
+    return run_world(cfg, "single", argvs, {"single": "single"}, thread_env(threads))
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+def best(runs: list[Run]) -> dict[str, tuple[int, list[Run]]]:
+    """Per system: its best micro-batch count by median rate, and that count's runs."""
+    by: dict[str, dict[int, list[Run]]] = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        by[r.system][r.m].append(r)
+    chosen = {}
+    for system, counts in by.items():
+        m = max(counts, key=lambda k: spread([r.rate for r in counts[k]])[1])
+        chosen[system] = (m, counts[m])
+    return chosen
+
+
+def median_rate(runs: list[Run]) -> float:
+    return spread([r.rate for r in runs])[1]
+
+
+def report(runs: list[Run], cpus: int) -> str:
+    lines = ["", "samples/s by micro-batch count: median [min-max] over repeats"]
+    by: dict[str, dict[int, list[Run]]] = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        by[r.system][r.m].append(r)
+    for system in (s for s in SYSTEMS if s in by):
+        cells = [f"m={m}: {_spread(by[system][m])}" for m in sorted(by[system])]
+        lines.append(f"  {system:<10} " + "   ".join(cells))
+    chosen = best(runs)
+    single = chosen.get("single-t1")
+    lines += ["", "at each system's best count:",
+              f"  {'system':<10} {'m':>2} {'samples/s':>20} {'s/batch':>7} {'vs 1 thread':>11}"
+              f" {'lost':>5} {'bubble':>6}  per process: CPU/wall, page faults/batch,"
+              " busiest threads CPU-s/batch"]  # fmt: skip
+    for system in (s for s in SYSTEMS if s in chosen):
+        m, rs = chosen[system]
+        rate = median_rate(rs)
+        speedup = rate / median_rate(single[1]) if single else float("nan")
+        processes = 1 if system.startswith("single") else 2
+        lost = 1 - speedup / min(processes, cpus) if single else float("nan")
+        bubbles = [r.bubble for r in rs if r.bubble is not None]
+        bubble = f"{spread(bubbles)[1]:>6.0%}" if bubbles else f"{'-':>6}"
+        lines.append(f"  {system:<10} {m:>2} {_spread(rs):>20} {48 / rate:>7.2f}"
+                     f" {speedup:>10.2f}x {lost:>5.0%} {bubble}")  # fmt: skip
+        lines += _processes(rs)
+    lines += ["", "ratios (targets of issue 6):"]
+    rate = {s: median_rate(rs) for s, (_, rs) in chosen.items()}
+
+    def ratio(a: str, b: str, target: float | None = None, label: str | None = None) -> None:
+        if a in rate and b in rate:
+            goal = f"   target >= {target}x: {'met' if rate[a] / rate[b] >= target else 'missed'}"
+            lines.append(f"  {label or f'{a} / {b}':<34} {rate[a] / rate[b]:>5.2f}x"
+                         + (goal if target else ""))  # fmt: skip
+
+    ratio("pipejob", "baseline", 1.3)
+    if "gpipe" in rate or "1f1b" in rate:
+        better = max((s for s in ("gpipe", "1f1b") if s in rate), key=rate.get)
+        ratio("pipejob", better, 1.2, f"pipejob / better of GPipe, 1F1B ({better})")
+    ratio("pipejob", "single-t1", 1.5)
+    ratio("single-tN", "single-t1", None, f"single-tN / single-t1 (the {cpus}-core limit)")
+    ratio("baseline", "single-t1")
+    for s in ("gpipe", "1f1b"):
+        ratio(s, "single-t1")
+    lines += ["", "lost = 1 - (speed-up over one thread) / (cores it can use); bubble = pipejob's"
+              " own measure (idle share of stage time in forward and backward)."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _spread(runs: list[Run]) -> str:
+    lo, mid, hi = spread([r.rate for r in runs])
+    return f"{mid:.1f} [{lo:.1f}-{hi:.1f}]"
+
+
+def _processes(runs: list[Run]) -> list[str]:
+    """Per process of the median run: CPU/wall, faults and busiest threads per batch."""
+    run = sorted(runs, key=lambda r: r.rate)[len(runs) // 2]
+    out = []
+    for name, d in sorted(run.processes.items()):
+        faults = d.minflt / run.batches
+        out.append(f"      {name:<8} CPU/wall {d.cpu / run.wall:4.2f}  faults/batch {faults:>7.0f}"
+                   f"  {threads_summary(d, run.batches)}")  # fmt: skip
+    out.append(f"      ({run.load} at the end of this run)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--micro-batches", default="1,2,4,8")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batches", type=int, default=4, help="measured batches per run")
+    ap.add_argument("--warmup", type=int, default=1, help="batches left out per run")
+    ap.add_argument("--batch", type=int, default=48)
+    ap.add_argument("--image", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="one repeat, m=2,4, 2 batches")
+    ap.add_argument("--pipejob-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment of the pipejob run (e.g. PIPEJOB_TUNING=off)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per world")
+    ap.add_argument("--json", type=Path, help="also write every run here")
+    ap.add_argument("--verbose", action="store_true", help="relay every process's output")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.repeats, args.micro_batches, args.batches = 1, "2,4", 2
+    systems = [s.strip() for s in args.systems.split(",")]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {SYSTEMS}")
+    cfg = Config(args.batch, args.image, [int(m) for m in args.micro_batches.split(",")],
+                 args.warmup, args.batches,
+                 dict(kv.split("=", 1) for kv in args.pipejob_env), args.timeout,
+                 args.verbose)  # fmt: skip
+    cpus = os.cpu_count() or 1
+    say(f"compare: ResNet-50, batch {cfg.batch}, {cfg.image}x{cfg.image}, micro-batches"
+        f" {cfg.counts}, {args.repeats} repeat(s) of {cfg.batches} measured batches after"
+        f" {cfg.warmup} warm-up; {machine()}; {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
+    if cfg.pipejob_env:
+        say(f"pipejob env: {cfg.pipejob_env}")
+    runs: list[Run] = []
+    started = time.monotonic()
+    schedules = [s for s in ("gpipe", "1f1b") if s in systems]
+    with tempfile.TemporaryDirectory(prefix="pipejob-compare-") as tmp:
+        for repeat in range(1, args.repeats + 1):
+            jobs: list[tuple[str, Any]] = []
+            if "pipejob" in systems:
+                jobs.append(("pipejob", lambda: run_pipejob(cfg, Path(tmp))))
+            if "baseline" in systems:
+                jobs.append(("baseline", lambda: run_baseline(cfg)))
+            if schedules:
+                jobs.append(("+".join(schedules), lambda: run_pipelining(cfg, schedules)))
+            if "single-t1" in systems:
+                jobs.append(("single-t1", lambda: run_single(cfg, 1)))
+            if "single-tN" in systems:
+                jobs.append((f"single-t{cpus}", lambda: run_single(cfg, cpus)))
+            for label, job in jobs:
+                t0 = time.monotonic()
+                say(f"[{time.monotonic() - started:5.0f}s] repeat {repeat}/{args.repeats}:"
+                    f" {label} ...")  # fmt: skip
+                new = job()
+                runs += new
+                rates = ", ".join(f"{r.system} m={r.m} {r.rate:.1f}" for r in new)
+                say(f"          {rates} samples/s ({time.monotonic() - t0:.0f}s; {load_average()})")
+    say(report(runs, cpus))
+    say(f"\ntotal {time.monotonic() - started:.0f}s; {machine()}")
+    if args.json:
+        args.json.write_text(json.dumps([_jsonable(r) for r in runs], indent=1))
+    return 0
+
+
+def _jsonable(r: Run) -> dict[str, Any]:
+    d = dict(r.__dict__)
+    d["processes"] = {n: c.__dict__ for n, c in r.processes.items()}
+    return d
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Per-process performance settings, decided from the env contract and the host, applied at
+trainer start before torch loads.
+
+Each lever is measured (benchmarks/compare.py and the issue-6 note):
+- threads: intra-op threads of a compute role = its CPUs divided among the compute processes
+  that share its host (the local runner puts the whole world on one host; a pod with a CPU
+  limit gets its quota, which torch's default ignores). A light role (the pipeline master)
+  sharing a host with compute roles gets one. Set through OMP_NUM_THREADS before torch
+  loads: OpenMP reads it once, and it is the only bound that reaches the threads torch does
+  not initialise itself (the RPC agent's workers run the stages' forwards).
+- allocator: glibc's per-thread malloc arenas hand memory back and fault it in again on
+  every micro-batch; one arena keeps it (`mallopt`, which takes effect for arenas made
+  later, so it runs before any thread allocates).
+- transport: TensorPipe's shared-memory transport runs a reactor thread that busy-polls,
+  taking CPU from the compute on a CPU-bound host; CPU-only processes use the uv (TCP)
+  transport instead. Processes with GPUs keep torch's defaults (the CUDA channels).
+
+A variable the user set (OMP_NUM_THREADS, MALLOC_ARENA_MAX) always wins. PIPEJOB_TUNING
+picks levers: unset or "on" for all, "off" for none, or a comma-separated list of levers."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import platform
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipejob import contract as c
+
+TUNING = "PIPEJOB_TUNING"
+LEVERS = ("threads", "allocator", "transport")
+# Roles whose processes do the model's arithmetic; the others mostly wait on RPCs.
+COMPUTE_ROLES = {"PipelineJob": ("stage",), "HybridJob": ("trainer", "ps")}
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+ARENA_VARIABLE = "MALLOC_ARENA_MAX"
+M_ARENA_MAX = -8  # glibc's mallopt parameter number
+CPU_TRANSPORTS = ["uv"]
+CPU_CHANNELS = ["basic"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    threads: int | None = None  # intra-op threads; None: torch's default
+    arena_max: int | None = None  # glibc malloc arenas; None: glibc's default
+    transports: list[str] | None = None  # TensorPipe transports; None: torch's default
+    channels: list[str] | None = None  # TensorPipe channels; None: torch's default
+
+    def describe(self) -> str:
+        parts = [
+            f"{self.threads} intra-op thread(s)" if self.threads else None,
+            f"{self.arena_max} malloc arena(s)" if self.arena_max else None,
+            f"TensorPipe {'+'.join(self.transports)}/{'+'.join(self.channels or ['default'])}"
+            if self.transports
+            else None,
+        ]
+        return ", ".join(p for p in parts if p) or "torch's defaults"
+
+
+# ---------------------------------------------------------------------------- pure decisions
+
+
+def levers(value: str | None) -> set[str]:
+    """The levers PIPEJOB_TUNING enables; an unknown name is an error naming the variable."""
+    if value is None or value.strip() in ("", "on"):
+        return set(LEVERS)
+    if value.strip() == "off":
+        return set()
+    chosen = {v.strip() for v in value.split(",") if v.strip()}
+    unknown = chosen - set(LEVERS)
+    if unknown:
+        raise ValueError(
+            f"{TUNING}={value!r}: unknown lever(s) {', '.join(sorted(unknown))};"
+            f" use on, off or a comma-separated list of {', '.join(LEVERS)}"
+        )
+    return chosen
+
+
+def cgroup_cpus(cpu_max: str | None) -> float | None:
+    """CPUs granted by a cgroup v2 `cpu.max` ("<quota> <period>" or "max <period>")."""
+    if not cpu_max:
+        return None
+    quota, _, period = cpu_max.strip().partition(" ")
+    if quota == "max" or not period:
+        return None
+    return int(quota) / int(period)
+
+
+def same_host(a: str, b: str) -> bool:
+    """Whether two addresses of the world name the same machine: equal, or both loopback."""
+    return a == b or (_loopback(a) and _loopback(b))
+
+
+def _loopback(address: str) -> bool:
+    return address == "localhost" or address.startswith("127.")
+
+
+def role_of(rpc_name: str) -> str:
+    return rpc_name.rstrip("0123456789")
+
+
+def colocated_compute(kind: str, world: Sequence[str], addresses: Sequence[str], rank: int) -> int:
+    """Compute processes of the world on this process's host (with this one, if it computes).
+    Without addresses every process is taken to have a host of its own."""
+    roles = COMPUTE_ROLES.get(kind, ())
+    if len(addresses) != len(world):
+        return 1 if role_of(world[rank]) in roles else 0
+    mine = addresses[rank]
+    return sum(
+        1
+        for name, address in zip(world, addresses, strict=True)
+        if role_of(name) in roles and same_host(address, mine)
+    )
+
+
+def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
+           enabled: set[str]) -> Settings:  # fmt: skip
+    """The settings of one process: its job kind and role, its GPUs, the CPUs it may use and
+    how many compute processes share them."""
+    threads = arena = None
+    if "threads" in enabled:
+        if role in COMPUTE_ROLES.get(kind, ()):
+            threads = max(1, math.floor(cpus / max(1, colocated)))
+        elif colocated > 0:
+            threads = 1  # a light role leaves the shared cores to the compute roles
+        else:
+            threads = max(1, math.floor(cpus))
+    if "allocator" in enabled:
+        arena = 1
+    return Settings(threads, arena, *transport(gpus, enabled))
+
+
+def transport(gpus: int, enabled: set[str]) -> tuple[list[str] | None, list[str] | None]:
+    """TensorPipe transports and channels: uv and basic for CPU-only processes, torch's
+    defaults (None) when the process has GPUs or the lever is off."""
+    if "transport" in enabled and gpus == 0:
+        return list(CPU_TRANSPORTS), list(CPU_CHANNELS)
+    return None, None
+
+
+# ---------------------------------------------------------------------------- the host
+
+
+def available_cpus() -> float:
+    """CPUs this process may use: its affinity, bounded by its cgroup's quota."""
+    cpus: float = len(os.sched_getaffinity(0))
+    try:
+        quota = cgroup_cpus(Path("/sys/fs/cgroup/cpu.max").read_text())
+    except OSError:
+        quota = None
+    return min(cpus, quota) if quota else cpus
+
+
+def for_process(kind: str, role: str, rank: int, world: Sequence[str], gpus: int,
+                environ: Mapping[str, str]) -> Settings:  # fmt: skip
+    addresses = [a for a in environ.get(c.ADDRESSES, "").split(",") if a]
+    colocated = colocated_compute(kind, world, addresses, rank)
+    return decide(kind, role, gpus, available_cpus(), colocated, levers(environ.get(TUNING)))
+
+
+# ---------------------------------------------------------------------------- applying
+
+
+def apply(settings: Settings, environ: dict[str, str] | None = None) -> Settings:
+    """Apply the settings to this process; must run before torch is imported. Variables the
+    user set win. Returns what was applied."""
+    environ = os.environ if environ is None else environ
+    threads = settings.threads
+    if threads is not None:
+        if any(environ.get(v) for v in THREAD_VARIABLES):
+            threads = None  # the user's (or the runner's) choice stands
+        else:
+            for variable in THREAD_VARIABLES:
+                environ[variable] = str(threads)
+            if "torch" in sys.modules:  # too late for OpenMP's start-up: bound what we can
+                sys.modules["torch"].set_num_threads(threads)
+    arena = settings.arena_max
+    if arena is not None:
+        if environ.get(ARENA_VARIABLE) or not _set_arena_max(arena):
+            arena = None
+    return Settings(threads, arena, settings.transports, settings.channels)
+
+
+def _set_arena_max(arenas: int) -> bool:
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(M_ARENA_MAX, arenas))
+
+
+def rpc_backend_kwargs(gpus: int, environ: Mapping[str, str] | None = None) -> dict[str, list]:
+    """TensorPipeRpcBackendOptions keyword arguments for the transport lever."""
+    environ = os.environ if environ is None else environ
+    transports, channels = transport(gpus, levers(environ.get(TUNING)))
+    if transports is None:
+        return {}
+    return {"_transports": transports, "_channels": channels}

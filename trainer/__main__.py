@@ -8,32 +8,12 @@ import sys
 import traceback
 import warnings
 
-from pipejob.trainer import monitor, tuning
-from pipejob.trainer.world import (
-    ContractError,
-    Env,
-    PreflightError,
-    RendezvousError,
-    log,
-    read_env,
-    write_termination_message,
-)
+from pipejob.trainer import tuning
+from pipejob.trainer.world import ContractError, Env, RendezvousError, log, read_env
 
 
 def run(env: Env) -> dict | None:
-    """Check the world's network, then run this process's role; the master returns the
-    run's summary."""
-    from pipejob.trainer import preflight  # imports torch: only after tuning.apply
-
-    board = monitor.board()
-    board.phase("preflight")
-    try:
-        report = preflight.check(env)
-    except PreflightError as e:
-        board.preflight(False, str(e))
-        raise
-    if report is not None:
-        board.preflight(True, report.summary)
+    """Run this process's role; the master returns the run's summary."""
     if env.kind == "PipelineJob":
         from pipejob.trainer import pipeline
 
@@ -67,33 +47,21 @@ def main() -> int:
             tuning.for_process(env.kind, env.role, env.rank, env.world, env.gpus, os.environ)
         )
     except (ContractError, ValueError) as e:
-        return fail(None, f"error: {e}", f"bad environment: {e}", 2)
+        log(None, f"error: {e}")
+        return 2
     log(env, f"performance settings: {settings.describe()}")
     try:
-        if env.rank == 0:  # early, so the operator sees the job even during rendezvous
-            monitor.serve(env.spec["steps"], env.monitor_port)
         summary = run(env)
-    except PreflightError as e:
-        return fail(env, f"error: {e}", str(e), 4)
     except RendezvousError as e:
-        return fail(env, f"error: {e}", str(e), 3)
-    except Exception as e:
-        reason = f"training failed: {type(e).__name__}: {e}"
-        return fail(env, "error: training failed:\n" + traceback.format_exc(), reason, 1)
-    monitor.board().phase("finished")
+        log(env, f"error: {e}")
+        return 3
+    except Exception:
+        log(env, "error: training failed:\n" + traceback.format_exc())
+        return 1
     if summary is not None and env.summary_file:
         with open(env.summary_file, "w") as f:
             json.dump(summary, f, indent=2)
     return 0
-
-
-def fail(env: Env | None, output: str, reason: str, code: int) -> int:
-    """Say why this process fails: in its log, in its termination message (the job's status
-    shows it) and, on the master, in /progress."""
-    log(env, output)
-    write_termination_message(reason)
-    monitor.board().phase("failed", reason)
-    return code
 
 
 if __name__ == "__main__":

@@ -113,10 +113,13 @@ def test_two_stage_pipeline_trains(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_three_stage_pipeline_trains(tmp_path):
+    # More micro-batches than a stage has RPC threads (16): waiting for inputs must not
+    # take them all.
     job = manifest(
         "three-stages",
         stages=3,
-        microBatches=4,
+        batchSize=40,
+        microBatches=20,
         steps=2,
         logEvery=2,
         optimizer={"name": "adam", "lr": 0.001, "weightDecay": 0.01},

@@ -48,11 +48,12 @@ def min_max_partition(costs: Sequence[float], parts: int) -> list[range]:
 
 def measure_costs(layers: list[Layer], sample: torch.Tensor, repeats: int = 3) -> list[float]:
     """Seconds each layer takes for forward + backward on `sample` (a micro-batch), the
-    minimum over `repeats` runs. Runs on a copy so the model's BatchNorm statistics and
-    gradients stay untouched."""
+    minimum over `repeats` runs after one untimed warm-up run (first calls set up kernels
+    and memory). Runs on a copy so the model's BatchNorm statistics and gradients stay
+    untouched."""
     layers = copy.deepcopy(layers)
     costs = [float("inf")] * len(layers)
-    for _ in range(repeats):
+    for run in range(repeats + 1):
         x = sample
         for i, (name, layer) in enumerate(layers):
             # Only the model's input needs no gradient; every later layer computes one for
@@ -67,6 +68,7 @@ def measure_costs(layers: list[Layer], sample: torch.Tensor, repeats: int = 3) -
                 raise ValueError(
                     f"layer {name} cannot process an input of shape {tuple(x.shape)}: {e}"
                 ) from None
-            costs[i] = min(costs[i], time.perf_counter() - start)
+            if run > 0:
+                costs[i] = min(costs[i], time.perf_counter() - start)
             x = y
     return costs

@@ -13,6 +13,7 @@ master is done. Threads follow torch's defaults (and so OMP_NUM_THREADS when it 
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import warnings
@@ -40,6 +41,8 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "rmsprop": torch.optim.RMSprop,
 }
 WITH_MOMENTUM = ("sgd", "rmsprop")
+# Micro-batches a stage holds at once; fewer than the RPC worker threads of world.join_rpc.
+IN_FLIGHT = 4
 
 
 def _hide_optimizer_notice() -> None:
@@ -211,16 +214,44 @@ class Pipeline:
         ]
 
     def forward(self, images: torch.Tensor, micro_batches: int, step: int) -> torch.Tensor:
-        """All micro-batches' forwards, in flight together; the last stage's outputs."""
-        *middle, last = zip(self.names, self.stages, strict=True)
-        outputs = []
-        for mb, x in enumerate(images.tensor_split(micro_batches)):
-            ref: torch.Tensor | RRef = x.clone()  # a view would ship the whole batch's storage
-            for name, stage in middle:
-                ref = rpc.remote(name, on_stage, args=(stage, "forward", ref, step, mb))
-            name, stage = last
-            outputs.append(rpc.rpc_async(name, on_stage, args=(stage, "forward", ref, step, mb)))
-        return torch.cat(torch.futures.wait_all(outputs))
+        """All micro-batches' forwards, pipelined; the last stage's outputs, in order.
+
+        Stage k gets micro-batch i's input as stage k-1's RRef and fetches it from there. A
+        stage holds at most IN_FLIGHT micro-batches at a time: each waits for its input on
+        one of the stage's RPC threads, and once every thread waits, none is left to
+        complete the fetches they wait for. Completions only post to a queue; every call is
+        issued from this thread, inside the distributed autograd context."""
+        last = len(self.stages) - 1
+        inputs = [x.clone() for x in images.tensor_split(micro_batches)]  # views ship it all
+        refs: dict[tuple[int, int], RRef] = {}
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+
+        def launch(k: int, mb: int) -> None:
+            args = (self.stages[k], "forward", inputs[mb] if k == 0 else refs[k - 1, mb], step, mb)
+            if k == last:
+                future = rpc.rpc_async(self.names[k], on_stage, args=args)
+            else:
+                refs[k, mb] = rpc.remote(self.names[k], on_stage, args=args)
+                future = refs[k, mb]._get_future()  # done once the stage has computed it
+            future.then(lambda f: finished.put((k, mb, f)))
+
+        for k in range(last + 1):
+            for mb in range(min(IN_FLIGHT, micro_batches)):
+                launch(k, mb)
+        outputs: dict[int, torch.Tensor] = {}
+        for _ in range((last + 1) * micro_batches):
+            try:
+                k, mb, future = finished.get(timeout=world.RPC_TIMEOUT_SECONDS)
+            except queue.Empty:
+                raise TimeoutError(
+                    f"no stage finished a forward within {world.RPC_TIMEOUT_SECONDS:g}s"
+                ) from None
+            value = future.wait()  # raises if the stage failed
+            if k == last:
+                outputs[mb] = value
+            if mb + IN_FLIGHT < micro_batches:
+                launch(k, mb + IN_FLIGHT)
+        return torch.cat([outputs[mb] for mb in range(micro_batches)])
 
     def parameter_rrefs(self) -> list[RRef]:
         return [p for params in self._each("parameter_rrefs") for p in params]

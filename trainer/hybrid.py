@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -26,7 +27,7 @@ from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from pipejob.trainer import data, world
+from pipejob.trainer import checkpoint, data, monitor, profiling, world
 from pipejob.trainer.world import Env
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -87,19 +88,43 @@ def _parameter_rrefs(table: rpc.RRef) -> list[rpc.RRef]:
     return [rpc.RRef(p) for p in table.local_value().parameters()]
 
 
+# Each trainer's DistributedOptimizer has a local optimizer here for the table (its own
+# momentum, ...), by trainer; and the states a resumed world restores into them.
+_TABLE_OPTIMIZERS: dict[str, Any] = {}
+_RESTORED_OPTIMIZERS: dict[str, Any] = {}
+
+
+def _register_optimizer(table: rpc.RRef, trainer: str, optimizer: rpc.RRef) -> None:
+    local = optimizer.local_value()
+    _TABLE_OPTIMIZERS[trainer] = local
+    if trainer in _RESTORED_OPTIMIZERS:
+        checkpoint.load_optimizer_state(local, table.local_value(),
+                                        _RESTORED_OPTIMIZERS.pop(trainer))  # fmt: skip
+
+
+def _save_table(table: rpc.RRef, directory: str) -> dict[str, Any]:
+    """The table and every trainer's optimizer state for it, saved by the ps itself."""
+    return checkpoint.save_module(directory, "ps.pt", table.local_value(), _TABLE_OPTIMIZERS)
+
+
+def _load_table(table: rpc.RRef, directory: str, entry: dict[str, Any]) -> None:
+    state = checkpoint.load_module(directory, entry, table.local_value(), {})
+    _RESTORED_OPTIMIZERS.update(state["optimizers"])  # applied as the trainers register
+
+
 # ---- master ----
 
 
 class Progress:
     """Prints one line per logged step once every trainer has reported it."""
 
-    def __init__(self, env: Env, trainers: list[str]):
-        self.env, self.trainers = env, trainers
+    def __init__(self, env: Env, trainers: list[str], first: int = 0):
+        self.env, self.trainers, self.first = env, trainers, first
         self.steps, self.batch = env.spec["steps"], env.spec["batchSize"]
         self.lock = threading.Lock()
         self.pending: dict[int, dict[str, float]] = {}
         self.created = time.perf_counter()
-        self.last_step, self.last_time = 0, self.created
+        self.last_step, self.last_time = first, self.created
 
     def report(self, trainer: str, step: int, loss: float) -> None:
         with self.lock:
@@ -109,7 +134,7 @@ class Progress:
                 return
             del self.pending[step]
             now = time.perf_counter()
-            if step == 0:  # every trainer is set up and about to take its first step
+            if step == self.first:  # every trainer is set up and about to take a step
                 world.log(self.env, f"trainers ready after {now - self.created:.1f}s of setup")
             elif step > self.last_step:
                 samples = len(self.trainers) * self.batch * (step - self.last_step)
@@ -117,6 +142,9 @@ class Progress:
                 mean = sum(losses.values()) / len(losses)
                 world.log(self.env, f"step {step}/{self.steps}  loss {mean:.4f}"
                                     f"  {rate:,.0f} samples/s")  # fmt: skip
+                steps = step - self.last_step
+                monitor.board().step(step, mean, (now - self.last_time) / steps,
+                                     samples // steps)  # fmt: skip
             else:
                 return
             self.last_step, self.last_time = step, now
@@ -145,19 +173,58 @@ def _train_world(env: Env) -> dict[str, Any]:
     table = rpc.remote(
         ps, _make_table, args=(emb["numEmbeddings"], emb["dim"], emb["mode"], spec["seed"])
     )
+    found = checkpoint.latest_for(env)
+    resume = None if found is None else _resume(env, found, table)
+    first = 0 if resume is None else resume["step"]
+    if first >= spec["steps"]:
+        world.log(env, f"the checkpoint of step {first} completes all {spec['steps']} steps:"
+                       " nothing left to train")  # fmt: skip
+        return {"kind": env.kind, "job": env.job, "steps": 0, "resumedFromStep": first}
     before = rpc.rpc_sync(ps, _table_weight, args=(table,))
     world.log(env, f"training {spec['steps']} steps x {spec['batchSize']} bags on"
                    f" {', '.join(trainers)}; EmbeddingBag {emb['numEmbeddings']}x{emb['dim']}"
                    f" ({emb['mode']}) on {ps}")  # fmt: skip
-    _PROGRESS = Progress(env, trainers)
+    _PROGRESS = Progress(env, trainers, first)
+    monitor.board().phase("training")
     # A training loop may run for hours: no RPC timeout (0) on it. A trainer that dies fails
     # its future when its connection breaks.
-    futures = [rpc.rpc_async(t, _train, args=(table,), timeout=0) for t in trainers]
+    futures = [rpc.rpc_async(t, _train, args=(table, resume), timeout=0) for t in trainers]
     results = dict(zip(trainers, _wait_all(futures), strict=True))
     after = rpc.rpc_sync(ps, _table_weight, args=(table,))
     summary = summarize(env, results, before, after)
+    summary["resumedFromStep"] = None if resume is None else first
     print_summary(env, summary)
     return summary
+
+
+def _resume(env: Env, found: checkpoint.Checkpoint, table: rpc.RRef) -> dict[str, Any]:
+    """Load the table (and its optimizers' states) on the ps and the master's RNG state;
+    what the trainers need to resume."""
+    checkpoint.fits(found, env, trainerCount=len(env.names("trainer")))
+    directory = str(found.directory)
+    rpc.rpc_sync(table.owner(), _load_table, args=(table, directory, found.entry("ps.pt")))
+    checkpoint.set_rng_state(found.load("master.pt")["rng"])
+    world.log(env, f"resumed from step {found.step} ({directory})")
+    monitor.board().resumed(found.step)
+    return {"step": found.step, "directory": directory, "dense": found.entry("dense.pt")}
+
+
+def _write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> None:
+    """Runs on the master (called by DDP rank 0): complete the checkpoint of `step`."""
+    env = _ENV
+    assert env is not None
+    root = env.spec["checkpoint"]["path"]
+    start = time.perf_counter()
+    own = checkpoint.save_part(checkpoint.step_dir(root, step), "master.pt",
+                               {"rng": checkpoint.rng_state()})  # fmt: skip
+    files = [own, *files]
+    checkpoint.write_manifest(root, step, files, kind=env.kind, job=env.job,
+                              trainerCount=len(env.names("trainer")))  # fmt: skip
+    checkpoint.prune(root)
+    size = sum(f["bytes"] for f in files) / 1e6
+    seconds += time.perf_counter() - start
+    world.log(env, f"checkpoint of step {step}: {len(files)} files, {size:.1f} MB in"
+                   f" {seconds:.2f}s ({checkpoint.step_dir(root, step)})")  # fmt: skip
 
 
 def _wait_all(futures: list[torch.futures.Future]) -> list[Any]:
@@ -237,8 +304,12 @@ class HybridModel(nn.Module):
         super().__init__()
         self.table, self.dense, self.device = table, dense, device
 
-    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        bags = self.table.rpc_sync().forward(ids, offsets)
+    def forward(
+        self, ids: torch.Tensor, offsets: torch.Tensor,
+        rpc_calls: profiling.RpcCalls = contextlib.nullcontext,
+    ) -> torch.Tensor:  # fmt: skip
+        with rpc_calls():  # the lookup is an RPC; DDP's forward may hold collectives
+            bags = self.table.rpc_sync().forward(ids, offsets)
         return self.dense(bags.to(self.device))
 
 
@@ -251,14 +322,19 @@ def _device(env: Env) -> torch.device:
     return torch.device("cuda", env.ddp_rank % torch.cuda.device_count())
 
 
-def _train(table: rpc.RRef) -> dict[str, Any]:
-    """One trainer's whole loop; the master calls it over RPC and gets its results."""
+def _train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One trainer's whole loop; the master calls it over RPC and gets its results. With
+    `resume` (see `_resume`) it continues after the checkpoint's step."""
     env = _ENV
     assert env is not None and env.ddp_rank is not None and env.ddp_world_size is not None
     spec, seed = env.spec, env.spec["seed"]
     device = _device(env)
     torch.manual_seed(seed)  # DDP broadcasts rank 0's dense weights; seeding makes runs repeat
     linear = nn.Linear(spec["embedding"]["dim"], spec["dense"]["outFeatures"]).to(device)
+    restored = None
+    if resume is not None:  # before DDP, which starts from rank 0's weights: the saved ones
+        restored = checkpoint.load_part(resume["directory"], resume["dense"])
+        linear.load_state_dict(restored["model"])
     dense = DistributedDataParallel(
         linear, device_ids=[device.index] if device.type == "cuda" else None
     )
@@ -269,6 +345,13 @@ def _train(table: rpc.RRef) -> dict[str, Any]:
     params += [rpc.RRef(p) for p in model.parameters()]
     optimizer_class, kwargs = optimizer_args(spec["optimizer"])
     optimizer = DistributedOptimizer(optimizer_class, params, **kwargs)
+    local = checkpoint.local_optimizers(optimizer)
+    ps = table.owner().name
+    rpc.rpc_sync(ps, _register_optimizer, args=(table, env.rpc_name, local[ps]))
+    dense_optimizer = local[env.rpc_name]
+    if restored is not None:
+        checkpoint.load_optimizer_state(dense_optimizer.local_value(), linear,
+                                        restored["optimizers"]["dense"])  # fmt: skip
 
     dataset = data.SyntheticBags(
         size=spec["datasetSize"],
@@ -279,18 +362,26 @@ def _train(table: rpc.RRef) -> dict[str, Any]:
     )
     part = data.partitions(spec["datasetSize"], env.ddp_world_size, seed)[env.ddp_rank]
     batches = data.batches(dataset, part, spec["batchSize"])
+    first = 0 if resume is None else resume["step"]
+    for _ in range(first):  # the batches of the steps before the checkpoint
+        next(batches)
     read: set[int] = set()
 
     steps, every = spec["steps"], spec["logEvery"]
-    report = rpc.rpc_async("master", _report, args=(env.rpc_name, 0, math.nan))
+    profile = profiling.settings(spec)
+    servers = [ps, "master"] if env.ddp_rank == 0 else []  # profiled along with the trainers
+    report = rpc.rpc_async("master", _report, args=(env.rpc_name, first, math.nan))
     loss_first = math.nan
     start = time.perf_counter()
-    for step in range(1, steps + 1):
+    for step in range(first + 1, steps + 1):
         batch = next(batches)
         read.update(batch.sample_ids)
-        loss = _step(model, optimizer, batch, device)
-        if step == 1:
+        with profiling.window(env, profile, step, servers, sync=dist.barrier) as rpc_calls:
+            loss = _step(model, optimizer, batch, device, rpc_calls)
+        if step == first + 1:
             loss_first = loss.item()
+        if checkpoint.due(spec, step):
+            _checkpoint(env, step, table, linear, dense_optimizer)
         if step % every == 0 or step == steps:
             report.wait()  # at most one report in flight; surfaces a failed one
             report = rpc.rpc_async("master", _report, args=(env.rpc_name, step, loss.item()))
@@ -300,10 +391,10 @@ def _train(table: rpc.RRef) -> dict[str, Any]:
 
     return {
         "ddp_rank": env.ddp_rank,
-        "steps": steps,
+        "steps": steps - first,
         "batch_size": spec["batchSize"],
         "seconds": seconds,
-        "samples_per_second": steps * spec["batchSize"] / seconds,
+        "samples_per_second": (steps - first) * spec["batchSize"] / seconds,
         "loss_first": loss_first,
         "loss_final": loss.item(),
         "dense_change_norm": torch.cat(moved).norm().item(),
@@ -314,12 +405,32 @@ def _train(table: rpc.RRef) -> dict[str, Any]:
     }
 
 
+def _checkpoint(env: Env, step: int, table: rpc.RRef, linear: nn.Module,
+                optimizer: rpc.RRef) -> None:  # fmt: skip
+    """Once every trainer has finished `step`: DDP rank 0 saves the dense layer (the same on
+    every rank) with its optimizer state and has the ps save the table; the master writes
+    the manifest. The others wait, so nobody changes the table while it is saved."""
+    dist.barrier()
+    if env.ddp_rank == 0:
+        start = time.perf_counter()
+        directory = str(checkpoint.step_dir(env.spec["checkpoint"]["path"], step))
+        saving = rpc.rpc_async(table.owner(), _save_table, args=(table, directory))
+        dense = checkpoint.save_module(directory, "dense.pt", linear,
+                                       {"dense": optimizer.local_value()})  # fmt: skip
+        files = [saving.wait(), dense]
+        rpc.rpc_sync("master", _write_manifest, args=(step, files, time.perf_counter() - start))
+    dist.barrier()
+
+
 def _step(model: HybridModel, optimizer: DistributedOptimizer, batch: data.Batch,
-          device: torch.device) -> torch.Tensor:  # fmt: skip
+          device: torch.device,
+          rpc_calls: profiling.RpcCalls = contextlib.nullcontext) -> torch.Tensor:  # fmt: skip
+    """One step; `rpc_calls` wraps its RPCs (the lookup, the optimizer), not DDP's parts."""
     ids, offsets = torch.tensor(batch.ids), torch.tensor(batch.offsets)
     labels = torch.tensor(batch.labels, device=device)
     with dist_autograd.context() as context:
-        loss = F.cross_entropy(model(ids, offsets), labels)
+        loss = F.cross_entropy(model(ids, offsets, rpc_calls), labels)
         dist_autograd.backward(context, [loss])
-        optimizer.step(context)
+        with rpc_calls():
+            optimizer.step(context)
     return loss

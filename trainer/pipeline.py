@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
-from pipejob.trainer import world
+from pipejob.trainer import checkpoint, monitor, profiling, world
 from pipejob.trainer.layers import Layer, build_model, cut, sequential
 from pipejob.trainer.partition import measure_costs, min_max_partition
 from pipejob.trainer.world import Env
@@ -129,6 +129,16 @@ class Stage:
             self._fold(before=float("inf"))
             return dict(self._totals)
 
+    def save(self, optimizer: RRef | None, directory: str, name: str) -> dict[str, Any]:
+        """Checkpoint this shard and its local optimizer's state; the manifest entry."""
+        optimizers = {} if optimizer is None else {"optimizer": optimizer.local_value()}
+        return checkpoint.save_module(directory, name, self.layers, optimizers)
+
+    def load(self, optimizer: RRef | None, directory: str, entry: dict[str, Any]) -> None:
+        optimizers = {} if optimizer is None else {"optimizer": optimizer.local_value()}
+        state = checkpoint.load_module(directory, entry, self.layers, optimizers)
+        checkpoint.set_rng_state(state["rng"])  # e.g. dropout masks continue as they would
+
 
 def input_nodes(root: Any, stop: Any) -> list[Any]:
     """The nodes of `root`'s autograd graph nearest the shard's input: those with no further
@@ -175,10 +185,15 @@ class Shards:
         return [self.layers[i] for i in self.ranges[stage]]
 
 
-def build_shards(spec: dict[str, Any]) -> Shards:
-    """Build the seeded model and split it across spec['stages'] by measured layer cost."""
+def build_shards(
+    spec: dict[str, Any], saved: tuple[list[range], list[float]] | None = None
+) -> Shards:
+    """Build the seeded model and split it across spec['stages'] by measured layer cost, or
+    by `saved` (ranges, costs): a checkpoint's partition, which its shards fit."""
     torch.manual_seed(spec["seed"])
     layers = cut(build_model(spec["model"], spec["numClasses"]))
+    if saved is not None:
+        return Shards(layers, *saved)
     micro = spec["batchSize"] // spec["microBatches"]
     sample = torch.randn(micro, 3, spec["imageSize"], spec["imageSize"])
     try:
@@ -360,8 +375,12 @@ def train(env: Env) -> dict[str, Any]:
     spec = env.spec
     m, steps, size = spec["microBatches"], spec["steps"], spec["imageSize"]
     micro = spec["batchSize"] // m
-    world.log(env, f"{spec['model']}: measuring layer costs, micro-batch {micro} at {size}x{size}")
-    shards = build_shards(spec)
+    board = monitor.board()
+    found = checkpoint.latest_for(env)
+    if found is None:
+        world.log(env, f"{spec['model']}: measuring layer costs, micro-batch {micro} at"
+                       f" {size}x{size}")  # fmt: skip
+    shards = build_shards(spec, found and saved_partition(env, found))
     names = env.names("stage")
     for i, name in enumerate(names):
         layers = [n for n, _ in shards.of(i)]
@@ -370,20 +389,111 @@ def train(env: Env) -> dict[str, Any]:
     pipeline = Pipeline(names, shards, device)
     optimizer = make_optimizer(pipeline, spec)
     data = SyntheticImages(spec)
+    first = 0 if found is None else resume(env, found, pipeline, optimizer, data, shards)
+    profile = profiling.settings(spec)
     results: list[StepResult] = []
     started = time.perf_counter()
-    for step in range(steps):
+    board.phase("training")
+    for step in range(first, steps):
         images, labels = data.batch()
-        result = train_step(pipeline, optimizer, images, labels, m, step)
+        with profiling.window(env, profile, step + 1, names) as rpc_calls, rpc_calls():
+            result = train_step(pipeline, optimizer, images, labels, m, step)
         results.append(result)
+        seconds = result.pipeline_seconds + result.optimizer_seconds
+        board.step(step + 1, result.loss, seconds, spec["batchSize"])
+        if checkpoint.due(spec, step + 1):
+            save_checkpoint(env, step + 1, pipeline, optimizer, data, shards)
         if (step + 1) % spec["logEvery"] == 0 or step + 1 == steps:
-            seconds = result.pipeline_seconds + result.optimizer_seconds
             rate = spec["batchSize"] / seconds
             world.log(env, f"step {step + 1}/{steps}  loss {result.loss:.4f}  {rate:.1f} samples/s")
-    summary = summarise(spec, names, shards, results, pipeline.timings())
+            board.stages(*stage_report(names, pipeline.timings(), step, result))
+    if not results:
+        world.log(env, f"the checkpoint of step {first} completes all {steps} steps: nothing"
+                       " left to train")  # fmt: skip
+        return {"kind": "PipelineJob", "steps": 0, "resumedFromStep": first}
+    summary = summarise(spec, names, shards, results, pipeline.timings(), first)
+    summary["resumedFromStep"] = None if found is None else first
     summary["wallSeconds"] = round(time.perf_counter() - started, 3)
     world.log(env, "summary:\n" + render(summary))
     return summary
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(env: Env, step: int, pipeline: Pipeline, optimizer: DistributedOptimizer,
+                    data: SyntheticImages, shards: Shards) -> None:  # fmt: skip
+    """Each stage saves its shard and its optimizer's state, the master its RNG states and
+    the partition; the master's manifest, written last, makes the step count."""
+    root = env.spec["checkpoint"]["path"]
+    directory = str(checkpoint.step_dir(root, step))
+    start = time.perf_counter()
+    local = checkpoint.local_optimizers(optimizer)
+    saving = [
+        rpc.rpc_async(name, on_stage, args=(stage, "save", local.get(name), directory,
+                                            f"{name}.pt"))  # fmt: skip
+        for name, stage in zip(pipeline.names, pipeline.stages, strict=True)
+    ]
+    master = {"rng": checkpoint.rng_state(), "data": data.generator.get_state()}
+    files = [checkpoint.save_part(directory, "master.pt", master), *torch.futures.wait_all(saving)]
+    checkpoint.write_manifest(
+        root, step, files, kind=env.kind, job=env.job, model=env.spec["model"],
+        stageCount=len(shards.ranges),
+        stages=[[n for n, _ in shards.of(i)] for i in range(len(shards.ranges))],
+        ranges=[[r.start, r.stop] for r in shards.ranges], costs=shards.costs,
+    )  # fmt: skip
+    checkpoint.prune(root)
+    size = sum(f["bytes"] for f in files) / 1e6
+    world.log(env, f"checkpoint of step {step}: {len(files)} files, {size:.1f} MB in"
+                   f" {time.perf_counter() - start:.2f}s ({directory})")  # fmt: skip
+
+
+def saved_partition(env: Env, found: checkpoint.Checkpoint) -> tuple[list[range], list[float]]:
+    """The checkpoint's split of the layers: its shards fit no other (costs are measured)."""
+    checkpoint.fits(found, env, model=env.spec["model"], stageCount=env.spec["stages"])
+    return [range(a, b) for a, b in found.manifest["ranges"]], found.manifest["costs"]
+
+
+def resume(
+    env: Env,
+    found: checkpoint.Checkpoint,
+    pipeline: Pipeline,
+    optimizer: DistributedOptimizer,
+    data: SyntheticImages,
+    shards: Shards,
+) -> int:
+    """Load every stage's shard and optimizer state and the master's RNG states; the step
+    the checkpoint was taken after."""
+    layers = [[n for n, _ in shards.of(i)] for i in range(len(shards.ranges))]
+    if layers != found.manifest["stages"]:
+        raise checkpoint.CheckpointError(
+            f"{found.directory} was written for other layers than {env.spec['model']}'s;"
+            " give this job another checkpoint.path"
+        )
+    local = checkpoint.local_optimizers(optimizer)
+    directory = str(found.directory)
+    loading = []
+    for name, stage in zip(pipeline.names, pipeline.stages, strict=True):
+        args = (stage, "load", local.get(name), directory, found.entry(f"{name}.pt"))
+        loading.append(rpc.rpc_async(name, on_stage, args=args))
+    master = found.load("master.pt")
+    checkpoint.set_rng_state(master["rng"])
+    data.generator.set_state(master["data"])
+    torch.futures.wait_all(loading)
+    world.log(env, f"resumed from step {found.step} ({found.directory})")
+    monitor.board().resumed(found.step)
+    return found.step
+
+
+def stage_report(
+    names: list[str], timings: list[dict[int, tuple[float, float, float]]], step: int,
+    result: StepResult,
+) -> tuple[float, dict[str, tuple[float, float]]]:  # fmt: skip
+    """One step's measured bubble and each stage's (forward, backward) seconds."""
+    per_stage = [t.get(step, (0.0, 0.0, 0.0)) for t in timings]
+    busy = sum(b for _, _, b in per_stage)
+    bubble = max(0.0, 1 - busy / (len(per_stage) * result.pipeline_seconds))
+    return bubble, {n: (f, b) for n, (f, b, _) in zip(names, per_stage, strict=True)}
 
 
 # ---------------------------------------------------------------------------- summary
@@ -429,12 +539,14 @@ def summarise(
     shards: Shards,
     results: list[StepResult],
     timings: list[dict[int, tuple[float, float, float]]],
+    first: int = 0,
 ) -> dict[str, Any]:
-    """The run's summary. Rates and times leave out the first step (warm-up: lazy
-    allocations, optimizer state) unless it is the only one."""
+    """The run's summary; `results` are of steps first, first + 1, ... Rates and times leave
+    out the first step (warm-up: lazy allocations, optimizer state) unless it is the only
+    one."""
     warmup = 1 if len(results) > 1 else 0
     measured = results[warmup:]
-    steps = range(warmup, len(results))
+    steps = range(first + warmup, first + len(results))
     seconds = sum(r.pipeline_seconds + r.optimizer_seconds for r in measured)
     pipeline_wall = sum(r.pipeline_seconds for r in measured)
     per_stage, busy_total = [], 0.0

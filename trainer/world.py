@@ -30,6 +30,14 @@ class RendezvousError(RuntimeError):
     """A rendezvous endpoint stayed unreachable until the deadline."""
 
 
+class PreflightError(RuntimeError):
+    """The world failed its communication check; the message starts with "preflight:" (the
+    operator's cue for the Preflight condition)."""
+
+    def __init__(self, message: str):
+        super().__init__(message if message.startswith("preflight:") else f"preflight: {message}")
+
+
 @dataclass(frozen=True)
 class Env:
     kind: str
@@ -42,6 +50,9 @@ class Env:
     world: tuple[str, ...]  # RPC names in rank order
     master_addr: str
     master_port: int
+    addresses: tuple[str, ...]  # where each rank is reached, in rank order (for messages)
+    preflight_port: int
+    monitor_port: int
     spec: dict[str, Any]
     gpus: int
     rendezvous_timeout: float
@@ -99,6 +110,9 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         world=tuple(_get(environ, c.WORLD).split(",")),
         master_addr=_get(environ, c.MASTER_ADDR),
         master_port=_int(environ, c.MASTER_PORT),
+        addresses=tuple(_get(environ, c.ADDRESSES).split(",")),
+        preflight_port=_int(environ, c.PREFLIGHT_PORT),
+        monitor_port=_int(environ, c.MONITOR_PORT),
         spec=spec,
         gpus=_int(environ, c.GPUS),
         rendezvous_timeout=float(_int(environ, c.RENDEZVOUS_TIMEOUT)),
@@ -110,7 +124,35 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
             f"{c.WORLD}={','.join(env.world)} does not agree with "
             f"{c.WORLD_SIZE}={env.world_size}, {c.RANK}={env.rank}, {c.RPC_NAME}={env.rpc_name}"
         )
+    if len(env.addresses) != env.world_size:
+        raise ContractError(
+            f"{c.ADDRESSES} names {len(env.addresses)} addresses for a world of {env.world_size}"
+        )
     return env
+
+
+def describe(env: Env, rank: int) -> str:
+    """A peer as messages name it: "rank 2 (stage1, role stage, address 10.0.0.7)"."""
+    name = env.world[rank]
+    return f"rank {rank} ({name}, role {name.rstrip('0123456789')}, address {env.addresses[rank]})"
+
+
+# Kubernetes shows this file's content as the container's termination message.
+TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_LOG_ENV = "PIPEJOB_TERMINATION_LOG"  # overrides the path (e.g. in tests)
+
+
+def write_termination_message(message: str) -> None:
+    """The one-line reason a process failed, where Kubernetes (or a test) looks for it. The
+    default file counts only if it exists: outside a pod there is nothing to write."""
+    path = os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG
+    if path == TERMINATION_LOG and not os.path.exists(path):
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(" ".join(message.split())[:4000] + "\n")
+    except OSError as e:
+        log(None, f"could not write the termination message to {path}: {e}")
 
 
 def log(env: Env | None, message: str) -> None:

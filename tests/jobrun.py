@@ -1,0 +1,123 @@
+"""`pipejob run` of a manifest in the background, for tests that watch a world as it runs.
+
+Lines of output arrive as they are printed, the pids the runner reports are at hand (to kill
+a member on purpose), and leaving the `with` block stops everything that is still running,
+whatever the test did."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+STARTED = re.compile(r"^pipejob: started (\w+) \(rank \d+, pid (\d+)\)$", re.M)
+
+
+class JobRun:
+    def __init__(self, manifest: dict[str, Any], directory: Path, name: str = "job"):
+        path = directory / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(manifest))
+        self.summary_file = directory / f"{name}.summary.json"
+        self.summary_file.unlink(missing_ok=True)
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "pipejob.cli", "run", str(path), "--grace", "5"],
+            env=os.environ | {"PIPEJOB_SUMMARY_FILE": str(self.summary_file)},
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self._new: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self._new.put(line.rstrip("\n"))
+        self._new.put(None)
+
+    def _take(self, timeout: float) -> bool:
+        """Move newly printed lines to `lines`; False once the output has ended."""
+        try:
+            line = self._new.get(timeout=timeout)
+        except queue.Empty:
+            return True
+        while line is not None:
+            self.lines.append(line)
+            try:
+                line = self._new.get_nowait()
+            except queue.Empty:
+                return True
+        self._new.put(None)  # keep the end marker for later calls
+        return False
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        """The first output line matching `pattern`, waiting up to `timeout` seconds for it."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            for line in self.lines[seen:]:
+                if match := re.search(pattern, line):
+                    return match
+            seen = len(self.lines)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no line matching {pattern!r} within {timeout}s:\n"
+                                     + self.output)  # fmt: skip
+            if not self._take(min(left, 0.5)) and seen == len(self.lines):
+                raise AssertionError(f"the run ended without a line matching {pattern!r}:\n"
+                                     + self.output)  # fmt: skip
+
+    def pid(self, name: str) -> int:
+        pids = {m[1]: int(m[2]) for m in STARTED.finditer(self.output)}
+        return pids[name]
+
+    def finish(self, timeout: float) -> int:
+        """The runner's exit code once it ended (it stops its world first)."""
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"pipejob run did not end within {timeout}s:\n"
+                                 + self.output) from None  # fmt: skip
+        self._drain()
+        return self.popen.returncode
+
+    def _drain(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self._take(0.2) and time.monotonic() < deadline:
+            pass
+
+    def summary(self) -> dict[str, Any]:
+        return json.loads(self.summary_file.read_text())
+
+    def __enter__(self) -> JobRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)  # the runner stops its world on SIGTERM
+            try:
+                self.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._drain()
+        for match in STARTED.finditer(self.output):  # nothing may outlive the test
+            try:
+                os.killpg(int(match[2]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -1,0 +1,128 @@
+"""Profiles: a profiled step of real worlds gives one valid Chrome trace per process, with the
+driver's RPC calls and the ops they ran remotely."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobrun import JobRun
+
+from pipejob.trainer import profiling
+
+
+def trace(path: Path) -> list[dict[str, Any]]:
+    """The events of a Chrome trace file, checked to be one."""
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    assert events and all("ph" in e and "pid" in e for e in events), path
+    for e in events:
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and isinstance(e["ts"], int | float), e
+    return events
+
+
+def names(events: list[dict[str, Any]]) -> set[str]:
+    return {e["name"] for e in events if e["ph"] == "X"}
+
+
+def assert_rpc_lanes_within_the_step(events: list[dict[str, Any]]) -> None:
+    """The RPC events sit in their own lanes, inside the time the step's ops span."""
+    ops = [e for e in events if e["ph"] == "X" and e.get("cat") != "rpc"]
+    rpcs = [e for e in events if e["ph"] == "X" and e.get("cat") == "rpc"]
+    assert rpcs and all(e["tid"] >= profiling.RPC_LANE for e in rpcs)
+    start, end = min(e["ts"] for e in ops), max(e["ts"] + e["dur"] for e in ops)
+    slack = 5_000  # us: the two profilers' clocks are matched through the wall clock
+    assert all(start - slack <= e["ts"] <= end + slack for e in rpcs)
+
+
+@pytest.mark.timeout(240)
+def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
+    job = {
+        "apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob",
+        "metadata": {"name": "profiled"},
+        "spec": {"model": "resnet18", "stages": 2, "microBatches": 2, "batchSize": 8,
+                 "imageSize": 32, "numClasses": 10, "steps": 2, "rendezvousTimeoutSeconds": 60,
+                 "preflight": {"megabytes": 0.5}, "checkpoint": {"path": str(tmp_path / "ck")},
+                 "profile": {"steps": [2], "rowLimit": 7}},
+    }  # fmt: skip
+    with JobRun(job, tmp_path) as run:
+        assert run.finish(200) == 0, run.output
+        output = run.output
+    directory = tmp_path / "ck" / "profiles"  # the default: under the checkpoint path
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "master-step2.json", "stage0-step2.json", "stage1-step2.json"
+    ]  # fmt: skip
+
+    master = trace(directory / "master-step2.json")
+    rpc = names(master)
+    assert "rpc_remote#on_stage(master -> stage0)" in rpc
+    assert "rpc_async#on_stage(master -> stage1)" in rpc
+    assert any(n.startswith("rpc_remote#on_stage(master -> stage0)#remote_op: aten::conv")
+               for n in rpc)  # fmt: skip
+    assert any(re.match(r"rpc_async#.*_script_local_optimizer_step\(master -> stage1\)"
+                        r"#remote_op: ", n) for n in rpc)  # fmt: skip
+    assert_rpc_lanes_within_the_step(master)
+
+    for stage in ("stage0", "stage1"):
+        ops = names(trace(directory / f"{stage}-step2.json"))
+        assert "aten::convolution" in ops and "aten::convolution_backward" in ops, stage
+        # Distributed autograd's RPC nodes: gradients sent back to the previous process.
+        assert "torch::distributed::autograd::SendRpcBackward" in ops, stage
+    assert "to_here#(stage1)->(stage0)" in names(trace(directory / "stage1-step2.json"))
+
+    # Each process logs its key_averages table, the master also its RPC table.
+    for name in ("master", "stage0", "stage1"):
+        assert re.search(rf"^{name}\s*\| profile of step 2, all threads \(", output, re.M), name
+        assert re.search(rf"^master\s*\| profile: wrote .*/{name}-step2.json", output, re.M)
+    assert re.search(r"^master\s*\| RPC calls \(1 of 1\) and the ops they ran remotely",
+                     output, re.M)  # fmt: skip
+    table = re.search(r"^master\s*\| RPC calls \(1 of 1\).*\n((?:master.*\n)+?)master\s*\| Self",
+                      output + "\n", re.M)  # fmt: skip
+    assert table is not None
+    rows = [line for line in table[1].splitlines() if "#" in line]
+    assert len(rows) == 7  # rowLimit
+
+
+@pytest.mark.timeout(200)
+def test_a_profiled_hybrid_step_traces_every_process(tmp_path: Path) -> None:
+    job = {
+        "apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
+        "metadata": {"name": "profiled-hybrid"},
+        "spec": {"trainers": 2, "embedding": {"numEmbeddings": 64, "dim": 8},
+                 "dense": {"outFeatures": 4}, "steps": 3, "batchSize": 8, "bagSize": 4,
+                 "datasetSize": 64, "rendezvousTimeoutSeconds": 60,
+                 "preflight": {"megabytes": 0.5},
+                 "profile": {"steps": [2], "path": str(tmp_path / "traces")}},
+    }  # fmt: skip
+    with JobRun(job, tmp_path) as run:
+        assert run.finish(150) == 0, run.output
+    directory = tmp_path / "traces"
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "master-step2.json", "ps-step2.json", "trainer0-step2.json", "trainer1-step2.json"
+    ]  # fmt: skip
+    for k in (0, 1):
+        events = trace(directory / f"trainer{k}-step2.json")
+        ops = names(events)
+        # The lookup on the parameter server, and its optimizer step there.
+        assert f"rpc_sync#_local_invoke(trainer{k} -> ps)#remote_op: aten::embedding_bag" in ops
+        assert any(re.match(rf"rpc_async#.*_local_optimizer_step\(trainer{k} -> ps\)#remote_op",
+                            n) for n in ops)  # fmt: skip
+        assert "DistributedDataParallel.forward" in ops  # the whole step, not just the RPCs
+        assert_rpc_lanes_within_the_step(events)
+    ps = names(trace(directory / "ps-step2.json"))
+    assert "aten::embedding_bag" in ps and "EmbeddingBagBackward0" in ps
+    trace(directory / "master-step2.json")  # it only listens for reports; still a trace
+
+
+def test_settings_default_to_the_checkpoint_path() -> None:
+    spec = {"checkpoint": {"path": "/ck"}, "profile": {"steps": [2, 5], "rowLimit": 9}}
+    s = profiling.settings(spec)
+    assert s == profiling.Settings(frozenset({2, 5}), Path("/ck/profiles"), 9)
+    assert profiling.settings({"profile": {"steps": [1], "path": "/p", "rowLimit": 3}}).path \
+        == Path("/p")  # fmt: skip
+    assert profiling.settings({}) is None
+    assert profiling.trace_path("/p", "stage1", 5) == Path("/p/stage1-step5.json")

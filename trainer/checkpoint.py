@@ -1,0 +1,327 @@
+"""Checkpoints that a crash can never leave half-used.
+
+Layout: `<path>/step-00000010/` holds one file per part of the world (a stage's shard, the
+parameter server's table, ...) and `manifest.json`, which the master writes last and which
+lists every file of that step with its size and SHA-256. A step counts only when its
+manifest exists and every file it lists matches; resuming picks the newest such step and
+says why it passed over any newer one.
+
+Every file is written atomically: a temporary file in the same directory, fsync, rename,
+fsync of the directory. A crash leaves the old file or the new one, never a mix, and a
+step directory without its manifest is simply not a checkpoint.
+
+Optimizer state: DistributedOptimizer keeps one local optimizer per worker, reachable through
+its `remote_optimizers` RRefs (owned by the worker that holds the parameters). By default
+that is a `_ScriptLocalOptimizer`, a TorchScript module whose functional optimizer keeps
+`state: Dict[Tensor, Dict[str, Tensor]]` (momentum buffers, Adam's moments and step). Reading
+`module.optim` from Python returns a copy of that TorchScript object whose tensors are the
+live ones, so saving reads it; restoring sets the state on such a copy and assigns the copy
+back to the module. Without TorchScript it is a `_LocalOptimizer` around a torch.optim
+optimizer, whose `state` is used directly. Either way the state is stored by parameter name,
+so it does not depend on object identities or orders."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from torch import nn
+from torch.distributed.optim.optimizer import _LocalOptimizer
+
+from pipejob.trainer import world
+from pipejob.trainer.world import Env
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+KEEP = 2  # complete checkpoints kept; older step directories are removed
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, or does not fit this job."""
+
+
+def due(spec: dict[str, Any], step: int) -> bool:
+    """Whether to checkpoint after `step` (1-based): every checkpoint.everySteps steps, and
+    always after the last one."""
+    every = (spec.get("checkpoint") or {}).get("everySteps")
+    return every is not None and (step % every == 0 or step == spec["steps"])
+
+
+def latest_for(env: Env) -> Checkpoint | None:
+    """The newest complete checkpoint of a job whose spec asks for checkpoints."""
+    if "checkpoint" not in env.spec:
+        return None
+    return latest(env.spec["checkpoint"]["path"], lambda message: world.log(env, message))
+
+
+def fits(found: Checkpoint, env: Env, **expected: Any) -> None:
+    """Refuse a checkpoint of another kind of job or shape (e.g. other stage counts)."""
+    wanted = {"kind": env.kind, **expected}
+    differs = {k: found.manifest.get(k) for k, v in wanted.items() if found.manifest.get(k) != v}
+    if differs:
+        have = ", ".join(f"{k} {v}" for k, v in differs.items())
+        want = ", ".join(f"{k} {wanted[k]}" for k in differs)
+        raise CheckpointError(
+            f"{found.directory} holds a checkpoint of {have}, not {want}; give this job"
+            " another checkpoint.path"
+        )
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def _step_of(path: Path) -> int | None:
+    name = path.name
+    if path.is_dir() and name.startswith("step-") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write `path` so that readers see the old content or the new, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_part(directory: str | Path, name: str, state: Any) -> dict[str, Any]:
+    """torch.save `state` as `directory/name`, atomically; its manifest entry."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getbuffer()
+    write_atomic(Path(directory) / name, lambda f: f.write(data))
+    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def load_part(directory: str | Path, entry: dict[str, Any]) -> Any:
+    """torch.load a part after checking it is exactly what the manifest says."""
+    path = Path(directory) / entry["name"]
+    problem = _mismatch(path, entry)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
+    return torch.load(path, weights_only=False)
+
+
+def _mismatch(path: Path, entry: dict[str, Any], checksum: bool = True) -> str | None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    if size != entry["bytes"]:
+        return f"{size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"
+    if checksum:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() != entry["sha256"]:
+            return "its SHA-256 differs from the manifest's"
+    return None
+
+
+# ---------------------------------------------------------------------------- manifests
+
+
+def write_manifest(root: str | Path, step: int, files: list[dict[str, Any]],
+                   **meta: Any) -> Path:  # fmt: skip
+    """Complete the checkpoint of `step`: every file must be there, as its writer said.
+
+    The files were written by other processes; checking their sizes here also catches a
+    checkpoint path that is not shared between the job's pods."""
+    directory = step_dir(root, step)
+    for entry in files:
+        problem = _mismatch(directory / entry["name"], entry, checksum=False)
+        if problem:
+            raise CheckpointError(
+                f"checkpoint of step {step}: {entry['name']}: {problem}, as the master sees"
+                f" it in {directory}; checkpoint.path must be one directory shared by every"
+                f" process of the job (e.g. a ReadWriteMany volume)"
+            )
+    manifest = {"format": FORMAT, "step": step, "time": time.time(), "files": files, **meta}
+    body = json.dumps(manifest, indent=1).encode()
+    write_atomic(directory / MANIFEST, lambda f: f.write(body))
+    return directory
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    directory: Path
+    manifest: dict[str, Any]
+
+    def entry(self, name: str) -> dict[str, Any]:
+        for entry in self.manifest["files"]:
+            if entry["name"] == name:
+                return entry
+        raise CheckpointError(f"{self.directory / MANIFEST} lists no file {name}")
+
+    def load(self, name: str) -> Any:
+        return load_part(self.directory, self.entry(name))
+
+
+def verify(directory: Path) -> Checkpoint | str:
+    """The checkpoint in `directory`, or why it is not a complete one."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest (its writing never finished)"
+    except (OSError, ValueError) as e:
+        return f"unreadable manifest: {e}"
+    if manifest.get("format") != FORMAT or manifest.get("step") != _step_of(directory):
+        return "the manifest does not belong to this directory"
+    for entry in manifest["files"]:
+        problem = _mismatch(directory / entry["name"], entry)
+        if problem:
+            return f"{entry['name']}: {problem}"
+    return Checkpoint(manifest["step"], directory, manifest)
+
+
+def latest(root: str | Path, log: Callable[[str], None] = lambda _: None) -> Checkpoint | None:
+    """The newest complete checkpoint under `root`; `log` hears why newer ones were passed."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    steps = sorted((s, p) for p in root.iterdir() if (s := _step_of(p)) is not None)
+    for _, directory in reversed(steps):
+        found = verify(directory)
+        if isinstance(found, Checkpoint):
+            return found
+        log(f"checkpoint {directory} is not used: {found}")
+    return None
+
+
+def prune(root: str | Path, keep: int = KEEP) -> None:
+    """Keep the `keep` newest complete checkpoints; remove older step directories and
+    unfinished ones older than the newest checkpoint."""
+    root = Path(root)
+    steps = sorted((s, p) for p in root.iterdir() if (s := _step_of(p)) is not None)
+    complete = [s for s, p in steps if (p / MANIFEST).exists()]
+    if not complete:
+        return
+    kept = complete[-keep:]
+    for step, directory in steps:
+        if step < kept[0] or (step < kept[-1] and step not in kept):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- state
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def optimizer_state(local: Any, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """The state of one of DistributedOptimizer's local optimizers (the object an entry of
+    `remote_optimizers` refers to, on its owner), by name of `module`'s parameters."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    if isinstance(local, _LocalOptimizer):
+        state = local.optim.state
+        params = [p for group in local.optim.param_groups for p in group["params"]]
+    else:
+        functional = local.optim  # a copy of the TorchScript object, sharing its tensors
+        state, params = functional.state, functional.param_group["params"]
+    return {
+        names[id(p)]: {k: _copy(v) for k, v in state[p].items()}
+        for p in params
+        if p in state and state[p]
+    }
+
+
+def load_optimizer_state(local: Any, module: nn.Module,
+                         saved: dict[str, dict[str, torch.Tensor]]) -> None:  # fmt: skip
+    """Give a fresh local optimizer the state `optimizer_state` saved."""
+    params = dict(module.named_parameters())
+    unknown = sorted(set(saved) - set(params))
+    if unknown:
+        raise CheckpointError(f"optimizer state for parameters this model lacks: {unknown[:5]}")
+    state = {params[n]: {k: _copy(v, params[n].device) for k, v in s.items()}
+             for n, s in saved.items()}  # fmt: skip
+    if isinstance(local, _LocalOptimizer):
+        local.optim.state.update(state)
+        return
+    functional = local.optim
+    functional.state = state
+    local.optim = functional  # reads return copies: write the updated object back
+
+
+def local_optimizers(optimizer: Any) -> dict[str, Any]:
+    """A DistributedOptimizer's local optimizers (RRefs), by the name of the worker owning
+    each; pass one to that worker to save or restore its state there."""
+    return {rref.owner().name: rref for rref in optimizer.remote_optimizers}
+
+
+def _copy(value: Any, device: torch.device | None = None) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        return value.to(device, copy=True) if device is not None else value.clone()
+    return value
+
+
+def save_module(directory: str | Path, name: str, module: nn.Module,
+                optimizers: dict[str, Any], **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """Save a module's weights and buffers, its local optimizers' state (keyed, e.g. by the
+    trainer that created each) and this process's RNG state; the manifest entry."""
+    state = {
+        "model": {k: v.detach().cpu() for k, v in module.state_dict().items()},
+        "optimizers": {key: optimizer_state(o, module) for key, o in optimizers.items()},
+        "rng": rng_state(),
+        **extra,
+    }
+    return save_part(directory, name, state)
+
+
+def load_module(directory: str | Path, entry: dict[str, Any], module: nn.Module,
+                optimizers: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """Load what `save_module` saved into `module` and the given local optimizers; returns
+    the saved state (for the optimizers of keys not given here, and extras)."""
+    state = load_part(directory, entry)
+    try:
+        module.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise CheckpointError(f"{Path(directory) / entry['name']} does not fit: {e}") from None
+    for key, local in optimizers.items():
+        load_optimizer_state(local, module, state["optimizers"].get(key, {}))
+    return state

@@ -1,0 +1,167 @@
+"""The master's live progress: GET /progress (JSON) and GET /metrics (Prometheus text).
+
+The operator polls /progress of the master pod and copies it into the job's status; anyone
+may scrape /metrics. Pods need no Kubernetes API rights for either. The server runs in a
+daemon thread and only reads a snapshot under a lock, so it never holds up training."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+
+PHASES = ("starting", "preflight", "training", "finished", "failed")
+
+
+class Board:
+    """What the master knows about the run, as /progress reports it and /metrics exports it."""
+
+    def __init__(self, steps: int):
+        self._lock = threading.Lock()
+        self._progress: dict[str, Any] = {
+            "phase": "starting",
+            "step": 0,
+            "steps": steps,
+            "loss": None,
+            "samplesPerSecond": None,
+            "bubble": None,
+            "resumedFromStep": None,
+            "preflight": None,
+            "message": None,
+        }
+        self.registry = CollectorRegistry()
+        gauge = lambda name, doc, *labels: Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
+        self._step = gauge("pipejob_step", "Training steps completed.")
+        self._steps = gauge("pipejob_steps", "Training steps the job runs in all.")
+        self._loss = gauge("pipejob_loss", "Loss of the last completed step.")
+        self._rate = gauge("pipejob_samples_per_second", "Samples per second of the last step.")
+        self._seconds = gauge("pipejob_step_seconds", "Wall seconds of the last step.")
+        self._bubble = gauge(
+            "pipejob_bubble_ratio", "Idle share of stage time in the last measured step."
+        )
+        self._forward = gauge(
+            "pipejob_stage_forward_seconds", "Seconds a stage computed forwards in a step.", "stage"
+        )
+        self._backward = gauge(
+            "pipejob_stage_backward_seconds", "Seconds a stage computed backwards in a step.",
+            "stage",
+        )  # fmt: skip
+        self._steps.set(steps)
+
+    def progress(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._progress)
+
+    def phase(self, phase: str, message: str | None = None) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}")
+        with self._lock:
+            self._progress["phase"] = phase
+            if message is not None:
+                self._progress["message"] = message
+
+    def preflight(self, ok: bool, message: str) -> None:
+        with self._lock:
+            self._progress["preflight"] = {"ok": ok, "message": message}
+
+    def resumed(self, step: int) -> None:
+        with self._lock:
+            self._progress["resumedFromStep"] = step
+            self._progress["step"] = step
+        self._step.set(step)
+
+    def step(self, step: int, loss: float, seconds: float, samples: int) -> None:
+        """A completed step: `samples` trained in `seconds` of wall time."""
+        rate = samples / seconds if seconds > 0 else None
+        with self._lock:
+            self._progress.update(step=step, loss=_finite(loss), samplesPerSecond=rate)
+        self._step.set(step)
+        if _finite(loss) is not None:
+            self._loss.set(loss)
+        self._seconds.set(seconds)
+        if rate is not None:
+            self._rate.set(rate)
+
+    def stages(self, bubble: float, times: dict[str, tuple[float, float]]) -> None:
+        """The pipeline's measured bubble and each stage's (forward, backward) seconds."""
+        with self._lock:
+            self._progress["bubble"] = bubble
+        self._bubble.set(bubble)
+        for stage, (forward, backward) in times.items():
+            self._forward.labels(stage=stage).set(forward)
+            self._backward.labels(stage=stage).set(backward)
+
+    def metrics(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+class _Handler(BaseHTTPRequestHandler):
+    board: Board
+
+    def do_GET(self) -> None:  # noqa: N802 (the http.server API)
+        path = self.path.split("?", 1)[0]
+        if path == "/progress":
+            self._send(200, "application/json", json.dumps(self.board.progress()).encode())
+        elif path == "/metrics":
+            self._send(200, CONTENT_TYPE_LATEST, self.board.metrics())
+        else:
+            self._send(404, "text/plain", b"not found: try /progress or /metrics\n")
+
+    def _send(self, code: int, content_type: str, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a poll every few seconds is not news
+
+
+class Server:
+    """The board's HTTP endpoint, in a daemon thread."""
+
+    def __init__(self, board: Board, port: int, host: str = "0.0.0.0"):
+        handler = type("Handler", (_Handler,), {"board": board})
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), handler)
+        except OSError as e:
+            raise OSError(f"cannot serve /progress and /metrics on port {port}: {e}") from None
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, name="pipejob-monitor", daemon=True
+        )
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+# This process's board. Only the master serves it; other processes' updates go nowhere.
+_board: Board | None = None
+
+
+def serve(steps: int, port: int) -> Board:
+    """Create this process's board and serve it on `port` (the master does, first thing)."""
+    global _board
+    _board = Board(steps)
+    Server(_board, port)
+    return _board
+
+
+def board() -> Board:
+    """This process's board; an unserved one if `serve` was not called (e.g. in tests)."""
+    global _board
+    if _board is None:
+        _board = Board(0)
+    return _board

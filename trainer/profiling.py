@@ -1,0 +1,177 @@
+"""Profiles of chosen steps: one Chrome trace per process per step, and key_averages tables.
+
+Every process of the world profiles the step with Kineto (`torch.profiler`) across all its
+threads: a stage's or the parameter server's work runs on RPC and autograd threads, which a
+thread-local profiler would miss. The driver of the step (the pipeline master, each hybrid
+trainer) starts and stops the others over RPC.
+
+RPC calls and their remote ops (seed 004) are seen only by the autograd profiler in its
+legacy form: its RPCs carry profiling to the callee, which sends its ops back as
+`rpc_async#f(a -> b)#remote_op: aten::...` events (Kineto profiles just the caller). So the
+driver also runs that profiler around the parts of the step that make RPCs (`rpc_calls`), and
+its RPC events join the trace as lanes of their own. (It cannot cover a HybridJob's backward:
+it fails on collectives, like DDP's allreduce, that end on another thread than they began.)
+
+Traces go to `<profile.path>/<rpc name>-step<N>.json`; open them in https://ui.perfetto.dev
+or chrome://tracing."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.autograd.profiler_legacy import profile as rpc_aware_profile
+
+from pipejob.trainer import world
+from pipejob.trainer.world import Env
+
+SORT_BY = "self_cpu_time_total"
+RPC_LANE = 1_000_000  # thread ids of the RPC lanes: RPC_LANE + node id of the callee
+
+
+@dataclass(frozen=True)
+class Settings:
+    steps: frozenset[int]  # 1-based
+    path: Path
+    row_limit: int
+
+
+def settings(spec: dict[str, Any]) -> Settings | None:
+    """What spec.profile asks for; None when it is absent."""
+    profile = spec.get("profile")
+    if profile is None:
+        return None
+    path = profile.get("path") or str(Path(spec["checkpoint"]["path"]) / "profiles")
+    return Settings(frozenset(profile["steps"]), Path(path), profile["rowLimit"])
+
+
+def trace_path(directory: str | Path, name: str, step: int) -> Path:
+    return Path(directory) / f"{name}-step{step}.json"
+
+
+class _Window:
+    """One process's profile of one step: Kineto on every thread, plus the RPC-aware
+    profiles of the parts that make RPCs."""
+
+    def __init__(self, step: int, directory: str, row_limit: int):
+        self.step, self.directory, self.row_limit = step, directory, row_limit
+        if not torch.cuda.is_available():  # else Kineto logs a GPU-count "ERROR" on CPUs
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+        self.kineto = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU],
+            experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True),
+        )
+        self.rpc_profiles: list[tuple[float, Any]] = []  # (wall clock at start, profile)
+        self.kineto.start()
+
+    @contextmanager
+    def rpc_calls(self) -> Iterator[None]:
+        started = time.time()
+        with rpc_aware_profile() as profile:
+            yield
+        self.rpc_profiles.append((started, profile))
+
+    def finish(self, name: str) -> tuple[str, int]:
+        """Stop, write the trace, log the tables; (file, bytes)."""
+        self.kineto.stop()
+        path = trace_path(self.directory, name, self.step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self.kineto.export_chrome_trace(str(tmp))
+        if self.rpc_profiles:
+            _add_rpc_lanes(tmp, self.rpc_profiles)
+        os.replace(tmp, path)  # a reader never sees a partial trace
+        table = self.kineto.key_averages().table(sort_by=SORT_BY, row_limit=self.row_limit)
+        lines = [f"profile of step {self.step}, all threads ({path}):", table]
+        for i, (_, profile) in enumerate(self.rpc_profiles, 1):
+            table = profile.key_averages().table(
+                sort_by=SORT_BY, row_limit=self.row_limit, max_name_column_width=100
+            )
+            lines += [f"RPC calls ({i} of {len(self.rpc_profiles)}) and the ops they ran"
+                      " remotely (Node ID: rank):", table]  # fmt: skip
+        print("\n".join(lines), flush=True)
+        return str(path), path.stat().st_size
+
+
+def _add_rpc_lanes(path: Path, profiles: list[tuple[float, Any]]) -> None:
+    """Add the RPC events (`rpc_...#...`, and the remote ops under them) of RPC-aware
+    profiles to a Kineto trace, one lane per callee, placed by the wall clock."""
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    base = trace.get("baseTimeNanoseconds", 0) / 1000  # Kineto's ts + base: wall clock in us
+    pid, lanes = os.getpid(), set()
+    for started, profile in profiles:
+        for e in profile.function_events:
+            if "#" not in e.name:
+                continue  # a local op: Kineto has it already
+            lanes.add(e.node_id)
+            events.append({
+                "ph": "X", "cat": "rpc", "name": e.name, "pid": pid, "tid": RPC_LANE + e.node_id,
+                "ts": started * 1e6 + e.time_range.start - base,
+                "dur": e.time_range.elapsed_us(), "args": {"node id (rank)": e.node_id},
+            })  # fmt: skip
+    for node in lanes:
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": RPC_LANE + node,
+                       "args": {"name": f"RPC events, ops on rank {node}"}})  # fmt: skip
+    path.write_text(json.dumps(trace))
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+_serving: _Window | None = None
+
+
+def start(step: int, directory: str, row_limit: int) -> None:
+    """Runs on a serving process (over RPC): profile every thread until `stop`."""
+    global _serving
+    if _serving is not None:
+        raise RuntimeError(f"a profile of step {_serving.step} is still running")
+    _serving = _Window(step, directory, row_limit)
+
+
+def stop() -> tuple[str, int]:
+    """Runs on a serving process (over RPC): end the profile, write and log it."""
+    global _serving
+    if _serving is None:
+        raise RuntimeError("no profile is running")
+    window, _serving = _serving, None
+    return window.finish(rpc.get_worker_info().name)
+
+
+# ---------------------------------------------------------------------------- drivers
+
+
+RpcCalls = Callable[[], AbstractContextManager[None]]
+
+
+@contextmanager
+def window(env: Env, settings: Settings | None, step: int, servers: list[str] = (),
+           sync: Callable[[], None] = lambda: None) -> Iterator[RpcCalls]:  # fmt: skip
+    """Profile step `step` (1-based) here and on `servers` if the spec chose it. Yields
+    `rpc_calls`: wrap the parts of the step that make RPCs in `with rpc_calls():`.
+
+    `sync` runs after the servers' profiles started and before they stop, e.g. a barrier
+    among hybrid trainers, so the servers' windows cover every driver's step."""
+    if settings is None or step not in settings.steps:
+        yield nullcontext
+        return
+    args = (step, str(settings.path), settings.row_limit)
+    for name in servers:
+        rpc.rpc_sync(name, start, args=args)
+    sync()
+    own = _Window(*args)
+    yield own.rpc_calls
+    written = [own.finish(env.rpc_name)]
+    sync()
+    written += [rpc.rpc_sync(name, stop) for name in servers]
+    for file, size in written:
+        world.log(env, f"profile: wrote {file} ({size / 1e6:.1f} MB)")

@@ -365,3 +365,17 @@ def test_restarting_says_what_broke_until_the_new_world_runs():
     sim.reconcile()
     sim.reconcile()
     assert sim.status["phase"] == "Pending" and sim.status["restarts"] == 1
+
+
+def test_workers_finishing_before_the_master_keep_the_job_running():
+    sim = Sim(stages=2)
+    sim.reconcile()
+    sim.run_all()
+    assert sim.status["phase"] == st.RUNNING
+    sim.set_phase("j-stage-0", "Succeeded", exit_code=0)
+    sim.set_phase("j-stage-1", "Succeeded", exit_code=0)
+    sim.reconcile()
+    assert sim.status["phase"] == st.RUNNING and sim.events() == []
+    sim.set_phase("j-master-0", "Succeeded", exit_code=0)
+    sim.reconcile()
+    assert sim.status["phase"] == st.SUCCEEDED

@@ -150,7 +150,13 @@ def decide(
                 f"the Service and {len(planned)} pods of restart {restart} exist", now,
             )  # fmt: skip
 
-    running = sum(1 for p in current if st.pod_phase(p) == "Running" and not st.deleting(p))
+    # Workers leave rpc.shutdown() and exit 0 a moment before the master: that is the world
+    # finishing, not pods going missing.
+    running = sum(
+        1 for p in current
+        if not st.deleting(p)
+        and (st.pod_phase(p) == "Running" or (st.pod_phase(p) == "Succeeded" and p is not master))
+    )  # fmt: skip
     if running == len(planned):
         return _transition(
             acts, old, st.RUNNING, "AllPodsRunning", f"all {running} pods are running", now

@@ -102,3 +102,15 @@ def test_status_schema_accepts_what_with_phase_writes_and_rejects_strays():
     assert errors == []
     apply(st.STATUS, {"phase": "Done", "restart": 1}, "status", errors)
     assert {e.path for e in errors} == {"status.phase", "status.restart"}
+
+
+def test_a_killed_pod_is_named_killed_by_its_signal():
+    pod = {
+        "metadata": {"name": "j-stage-1"},
+        "status": {"phase": "Failed", "containerStatuses": [{"state": {"terminated": {
+            "exitCode": 137, "reason": "Error", "message": "step 3/10 loss 2.1"}}}]},
+    }  # fmt: skip
+    failure = st.pod_failure(pod, "stage 1")
+    assert failure.message == (
+        "stage 1 (pod j-stage-1) failed with exit code 137 (Error, killed by SIGKILL)"
+    )

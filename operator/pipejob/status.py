@@ -4,6 +4,7 @@ Nothing here talks to Kubernetes; everything takes and returns plain dicts."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -187,12 +188,23 @@ def pod_failure(pod: dict, who: str) -> Failure | None:
     state = _trainer_state(pod)
     code = state.get("exitCode")
     message = f"{who} (pod {name}) failed with exit code {code if code is not None else '?'}"
-    if state.get("reason"):
-        message += f" ({state['reason']})"
+    killed = _signal_name(code)
+    if state.get("reason") or killed:
+        message += f" ({', '.join(filter(None, (state.get('reason'), killed)))})"
     detail = (state.get("message") or status.get("message") or "").strip()
-    if detail:
+    if detail and not killed:  # a killed process's last lines are not its error
         message += ": " + _tail(detail)
     return Failure("PodFailed", message, state.get("finishedAt") or "")
+
+
+def _signal_name(code: int | None) -> str | None:
+    """Exit codes above 128 are a signal's: 137 is "killed by SIGKILL"."""
+    if code is None or not 128 < code < 128 + 65:
+        return None
+    try:
+        return f"killed by {signal.Signals(code - 128).name}"
+    except ValueError:
+        return f"killed by signal {code - 128}"
 
 
 def _tail(text: str) -> str:

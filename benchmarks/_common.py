@@ -241,9 +241,12 @@ def python(script: str, *args: str) -> list[str]:
 
 def thread_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a worker that should use `threads` intra-op threads in every one of
-    its threads (OpenMP reads OMP_NUM_THREADS once, when torch loads it)."""
+    its threads (OpenMP reads OMP_NUM_THREADS once, when torch loads it). A team of several
+    threads sleeps while it waits: spinning on a shared host costs several times the time."""
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
+    if threads > 1:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     env.update(extra or {})
     return env
 

@@ -66,6 +66,7 @@ class Run:
     batches: int = 0
     processes: dict[str, Counters] = field(default_factory=dict)
     bubble: float | None = None  # pipejob's own measure, when it has one
+    batch: int = 48
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Config:
     warmup: int
     batches: int
     pipejob_env: dict[str, str]
+    variants: dict[str, dict[str, str]]  # pipejob under other environments: label -> env
     timeout: float
     verbose: bool
 
@@ -86,7 +88,7 @@ def say(message: str) -> None:
 
 def echo(verbose: bool):
     def show(name: str, line: str) -> None:
-        if verbose or "error" in line.lower() or "Traceback" in line:
+        if verbose or "error:" in line or "Traceback" in line:
             say(f"    {name}: {line}")
 
     return show
@@ -144,7 +146,8 @@ def pipejob_manifest(cfg: Config, m: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run_pipejob(cfg: Config, tmp: Path) -> list[Run]:
+def run_pipejob(cfg: Config, tmp: Path, system: str = "pipejob",
+                extra: dict[str, str] | None = None) -> list[Run]:  # fmt: skip
     runs = []
     for m in cfg.counts:
         path, summary_file = tmp / f"pipejob-m{m}.yaml", tmp / f"pipejob-m{m}.json"
@@ -152,18 +155,18 @@ def run_pipejob(cfg: Config, tmp: Path) -> list[Run]:
         summary_file.unlink(missing_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
                                                                  "MKL_NUM_THREADS")}  # fmt: skip
-        env |= cfg.pipejob_env | {"PIPEJOB_SUMMARY_FILE": str(summary_file)}
+        env |= cfg.pipejob_env | (extra or {}) | {"PIPEJOB_SUMMARY_FILE": str(summary_file)}
         steps = cfg.warmup + cfg.batches
         with PipejobWorkers(steps, cfg.warmup, m, echo(cfg.verbose)) as w:
             w.start("runner", [sys.executable, "-m", "pipejob.cli", "run", str(path)], env)
             codes = w.wait(cfg.timeout)
             if codes["runner"] != 0 or not summary_file.exists():
-                raise RuntimeError(f"pipejob m={m} failed ({codes}):\n{w.tail()}")
+                raise RuntimeError(f"{system} m={m} failed ({codes}):\n{w.tail()}")
             summary = json.loads(summary_file.read_text())
             wall, deltas = w.between(f"m{m}-start", f"m{m}-end")
             rate, bubble = summary["samplesPerSecond"], summary["bubble"]["measured"]
-            runs.append(Run("pipejob", m, rate, load_average(), wall, cfg.batches,
-                            _named(deltas), bubble))  # fmt: skip
+            runs.append(Run(system, m, rate, load_average(), wall, cfg.batches,
+                            _named(deltas), bubble, cfg.batch))  # fmt: skip
     return runs
 
 
@@ -189,7 +192,7 @@ def run_world(cfg: Config, system: str, argvs: dict[str, list[str]], names: dict
             wall, deltas = w.between(f"{key}-start", f"{key}-end")
             processes = {names[n]: d for n, d in deltas.items()}
             runs.append(Run(_system_name(r), r["m"], r["samples_per_second"], load_average(),
-                            wall, len(r["batch_seconds"]), processes))  # fmt: skip
+                            wall, len(r["batch_seconds"]), processes, batch=cfg.batch))  # fmt: skip
     return runs
 
 
@@ -256,16 +259,16 @@ def report(runs: list[Run], cpus: int) -> str:
     by: dict[str, dict[int, list[Run]]] = defaultdict(lambda: defaultdict(list))
     for r in runs:
         by[r.system][r.m].append(r)
-    for system in (s for s in SYSTEMS if s in by):
+    for system in by:
         cells = [f"m={m}: {_spread(by[system][m])}" for m in sorted(by[system])]
-        lines.append(f"  {system:<10} " + "   ".join(cells))
+        lines.append(f"  {system:<20} " + "   ".join(cells))
     chosen = best(runs)
     single = chosen.get("single-t1")
     lines += ["", "at each system's best count:",
-              f"  {'system':<10} {'m':>2} {'samples/s':>20} {'s/batch':>7} {'vs 1 thread':>11}"
-              f" {'lost':>5} {'bubble':>6}  per process: CPU/wall, page faults/batch,"
-              " busiest threads CPU-s/batch"]  # fmt: skip
-    for system in (s for s in SYSTEMS if s in chosen):
+              f"  {'system':<20} {'m':>2} {'samples/s':>20} {'s/batch':>7} {'vs 1 thread':>11}"
+              f" {'lost':>5} {'bubble':>6} {'per CPU-s':>9}",
+              "      per process: CPU/wall, page faults/batch, busiest threads CPU-s/batch"]
+    for system in chosen:
         m, rs = chosen[system]
         rate = median_rate(rs)
         speedup = rate / median_rate(single[1]) if single else float("nan")
@@ -273,18 +276,22 @@ def report(runs: list[Run], cpus: int) -> str:
         lost = 1 - speedup / min(processes, cpus) if single else float("nan")
         bubbles = [r.bubble for r in rs if r.bubble is not None]
         bubble = f"{spread(bubbles)[1]:>6.0%}" if bubbles else f"{'-':>6}"
-        lines.append(f"  {system:<10} {m:>2} {_spread(rs):>20} {48 / rate:>7.2f}"
-                     f" {speedup:>10.2f}x {lost:>5.0%} {bubble}")  # fmt: skip
+        per_cpu = spread([r.batch * r.batches / sum(d.cpu for d in r.processes.values())
+                          for r in rs])[1]  # fmt: skip
+        lines.append(f"  {system:<20} {m:>2} {_spread(rs):>20} {rs[0].batch / rate:>7.2f}"
+                     f" {speedup:>10.2f}x {lost:>5.0%} {bubble} {per_cpu:>9.1f}")  # fmt: skip
         lines += _processes(rs)
     lines += ["", "ratios (targets of issue 6):"]
     rate = {s: median_rate(rs) for s, (_, rs) in chosen.items()}
 
     def ratio(a: str, b: str, target: float | None = None, label: str | None = None) -> None:
         if a in rate and b in rate:
-            goal = f"   target >= {target}x: {'met' if rate[a] / rate[b] >= target else 'missed'}"
-            lines.append(f"  {label or f'{a} / {b}':<34} {rate[a] / rate[b]:>5.2f}x"
-                         + (goal if target else ""))  # fmt: skip
+            r = rate[a] / rate[b]
+            goal = f"   target >= {target}x: {'met' if r >= target else 'missed'}" if target else ""
+            lines.append(f"  {label or f'{a} / {b}':<44} {r:>5.2f}x{goal}")
 
+    for variant in (s for s in rate if s.startswith("pipejob:")):
+        ratio("pipejob", variant, None, f"pipejob / {variant} (a lever's gain)")
     ratio("pipejob", "baseline", 1.3)
     if "gpipe" in rate or "1f1b" in rate:
         better = max((s for s in ("gpipe", "1f1b") if s in rate), key=rate.get)
@@ -295,7 +302,8 @@ def report(runs: list[Run], cpus: int) -> str:
     for s in ("gpipe", "1f1b"):
         ratio(s, "single-t1")
     lines += ["", "lost = 1 - (speed-up over one thread) / (cores it can use); bubble = pipejob's"
-              " own measure (idle share of stage time in forward and backward)."]  # fmt: skip
+              " own measure (idle share of stage time in forward and backward); per CPU-s ="
+              " samples per CPU-second of all its processes (robust to other load)."]
     return "\n".join(lines)
 
 
@@ -328,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one repeat, m=2,4, 2 batches")
     ap.add_argument("--pipejob-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment of the pipejob run (e.g. PIPEJOB_TUNING=off)")
+    ap.add_argument("--pipejob-variant", action="append", default=[], metavar="LABEL:KEY=VALUE",
+                    help="also run pipejob with this environment, reported as pipejob:LABEL"
+                    " (e.g. off:PIPEJOB_TUNING=off); interleaved with the others")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per world")
     ap.add_argument("--json", type=Path, help="also write every run here")
     ap.add_argument("--verbose", action="store_true", help="relay every process's output")
@@ -340,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {SYSTEMS}")
     cfg = Config(args.batch, args.image, [int(m) for m in args.micro_batches.split(",")],
                  args.warmup, args.batches,
-                 dict(kv.split("=", 1) for kv in args.pipejob_env), args.timeout,
-                 args.verbose)  # fmt: skip
+                 dict(kv.split("=", 1) for kv in args.pipejob_env), variants(args.pipejob_variant),
+                 args.timeout, args.verbose)  # fmt: skip
     cpus = os.cpu_count() or 1
     say(f"compare: ResNet-50, batch {cfg.batch}, {cfg.image}x{cfg.image}, micro-batches"
         f" {cfg.counts}, {args.repeats} repeat(s) of {cfg.batches} measured batches after"
@@ -356,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
             jobs: list[tuple[str, Any]] = []
             if "pipejob" in systems:
                 jobs.append(("pipejob", lambda: run_pipejob(cfg, Path(tmp))))
+            for label, extra in cfg.variants.items():
+                jobs.append((f"pipejob:{label}",
+                             lambda label=label, extra=extra: run_pipejob(
+                                 cfg, Path(tmp), f"pipejob:{label}", extra)))  # fmt: skip
             if "baseline" in systems:
                 jobs.append(("baseline", lambda: run_baseline(cfg)))
             if schedules:
@@ -372,11 +387,22 @@ def main(argv: list[str] | None = None) -> int:
                 runs += new
                 rates = ", ".join(f"{r.system} m={r.m} {r.rate:.1f}" for r in new)
                 say(f"          {rates} samples/s ({time.monotonic() - t0:.0f}s; {load_average()})")
-    say(report(runs, cpus))
-    say(f"\ntotal {time.monotonic() - started:.0f}s; {machine()}")
     if args.json:
         args.json.write_text(json.dumps([_jsonable(r) for r in runs], indent=1))
+    say(report(runs, cpus))
+    say(f"\ntotal {time.monotonic() - started:.0f}s; {machine()}")
     return 0
+
+
+def variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """"off:PIPEJOB_TUNING=off" -> {"off": {"PIPEJOB_TUNING": "off"}} (KEY=VALUE may repeat,
+    comma-free: "a:K=V" per flag; the same label twice merges)."""
+    out: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        label, _, assignment = spec.partition(":")
+        key, _, value = assignment.partition("=")
+        out.setdefault(label, {})[key] = value
+    return out
 
 
 def _jsonable(r: Run) -> dict[str, Any]:

@@ -277,36 +277,50 @@ def lock() -> None:
 
 
 def balance_rank(args: argparse.Namespace) -> None:
-    """One process on one thread, as each stage of the 2-core pipeline gets."""
+    """One process on one thread, as each stage of the 2-core pipeline gets. CPU time of this
+    thread (robust to other load): forward + backward of each half of the tutorial's split
+    for a whole batch of 48 run as 48/micro micro-batches; and pipejob's own cut (its
+    wall-clock cost measurement) at each size."""
     import torch
 
     from pipejob.trainer.layers import build_model, cut
     from pipejob.trainer.partition import measure_costs, min_max_partition
 
     torch.manual_seed(0)
+    first, second = tutorial_split()
     layers = cut(build_model("resnet50", 1000))
     names = [n for n, _ in layers]
-    split = names.index("layer3.0")
     rows = []
     for micro in (48, 24, 12, 6, 3):
+        halves = []
+        for half, shape in ((first, (micro, 3, IMAGE, IMAGE)), (second, (micro, 512, 8, 8))):
+            best = float("inf")
+            for _ in range(args.repeats):
+                start = time.thread_time()
+                for _ in range(BATCH // micro):
+                    x = torch.randn(shape, requires_grad=half is second)
+                    half(x).sum().backward()
+                best = min(best, time.thread_time() - start)
+            halves.append(best)
         costs = measure_costs(layers, torch.randn(micro, 3, IMAGE, IMAGE), repeats=args.repeats)
         cut_at = min_max_partition(costs, 2)[1].start
-        rows.append({"micro": micro, "first": sum(costs[:split]), "second": sum(costs[split:]),
+        rows.append({"micro": micro, "first": halves[0], "second": halves[1],
                      "cut": names[cut_at], "cut_share": sum(costs[:cut_at]) / sum(costs),
                      "load": load_average()})  # fmt: skip
     result({"threads": torch.get_num_threads(), "rows": rows})
 
 
 def balance() -> None:
-    [res] = world("balance", ["--repeats", "3"], thread_env(1), ranks=1)
-    say(f"balance: {res['threads']} thread, forward+backward seconds per micro-batch (min of 3);"
-        " tutorial split conv1..layer2 | layer3..fc")  # fmt: skip
-    say(f"  {'micro':>5} {'first':>7} {'second':>7} {'2nd/1st':>7} {'per sample':>10}"
+    [res] = world("balance", ["--repeats", "2"], thread_env(1), ranks=1)
+    say(f"balance: {res['threads']} thread; CPU-seconds of forward+backward for a batch of"
+        f" {BATCH} run as micro-batches (min of 2); tutorial split conv1..layer2 | layer3..fc")
+    say(f"  {'micro':>5} {'first':>7} {'second':>7} {'2nd/1st':>7} {'sum':>6} {'vs 48':>6}"
         "  pipejob's cut at this size (share before it)")  # fmt: skip
+    base = res["rows"][0]["first"] + res["rows"][0]["second"]
     for r in res["rows"]:
         total = r["first"] + r["second"]
         say(f"  {r['micro']:>5} {r['first']:>7.3f} {r['second']:>7.3f}"
-            f" {r['second'] / r['first']:>7.2f} {total / r['micro'] * 1000:>8.1f}ms"
+            f" {r['second'] / r['first']:>7.2f} {total:>6.2f} {total / base:>6.2f}"
             f"  {r['cut']} ({r['cut_share']:.0%}); {r['load']}")  # fmt: skip
 
 

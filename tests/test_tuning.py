@@ -68,6 +68,13 @@ def test_compute_roles_share_the_cpus_of_their_host():
     assert decide("PipelineJob", "stage", 0, 3.5, 1, ALL).threads == 3  # a fractional quota
 
 
+def test_openmp_threads_sleep_while_waiting_only_on_shared_cores():
+    assert decide("PipelineJob", "stage", 0, 2, 2, ALL).passive_wait
+    assert decide("PipelineJob", "master", 0, 2, 2, ALL).passive_wait
+    assert not decide("PipelineJob", "stage", 0, 8, 1, ALL).passive_wait  # a host of its own
+    assert not decide("PipelineJob", "stage", 0, 2, 2, {"allocator"}).passive_wait
+
+
 def test_a_light_role_leaves_shared_cores_to_the_compute_roles():
     assert decide("PipelineJob", "master", 0, 16, 2, ALL).threads == 1
     assert decide("PipelineJob", "master", 0, 16, 0, ALL).threads == 16  # a host of its own
@@ -84,6 +91,8 @@ def test_levers_that_are_off_leave_torch_defaults():
     assert decide("PipelineJob", "stage", 0, 2, 2, set()) == Settings()
     s = decide("HybridJob", "trainer", 0, 2, 3, {"allocator"})
     assert s == Settings(arena_max=1)
+    s = decide("HybridJob", "ps", 0, 4, 3, {"threads"})
+    assert s == Settings(threads=1, passive_wait=True)
 
 
 def test_rpc_backend_kwargs_follow_the_transport_lever():
@@ -94,9 +103,12 @@ def test_rpc_backend_kwargs_follow_the_transport_lever():
 
 def test_apply_sets_thread_variables_unless_the_user_did():
     environ: dict[str, str] = {}
-    applied = tuning.apply(Settings(threads=3), environ)
-    assert environ == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}
-    assert applied.threads == 3
+    applied = tuning.apply(Settings(threads=3, passive_wait=True), environ)
+    assert environ == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert applied.threads == 3 and applied.passive_wait
+    environ = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert not tuning.apply(Settings(passive_wait=True), environ).passive_wait
+    assert environ == {"OMP_WAIT_POLICY": "ACTIVE"}
     environ = {"OMP_NUM_THREADS": "7"}
     applied = tuning.apply(Settings(threads=3), environ)
     assert environ == {"OMP_NUM_THREADS": "7"} and applied.threads is None
@@ -128,5 +140,6 @@ print(json.dumps({"main": torch.get_num_threads(), **seen, "arena": applied.aren
 
 def test_describe_names_what_is_set():
     assert tuning.Settings().describe() == "torch's defaults"
-    text = Settings(1, 1, ["uv"], ["basic"]).describe()
-    assert text == "1 intra-op thread(s), 1 malloc arena(s), TensorPipe uv/basic"
+    text = Settings(1, True, 1, ["uv"], ["basic"]).describe()
+    assert text == ("1 intra-op thread(s), passive OpenMP waits, 1 malloc arena(s),"
+                    " TensorPipe uv/basic")

@@ -7,7 +7,10 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   limit gets its quota, which torch's default ignores). A light role (the pipeline master)
   sharing a host with compute roles gets one. Set through OMP_NUM_THREADS before torch
   loads: OpenMP reads it once, and it is the only bound that reaches the threads torch does
-  not initialise itself (the RPC agent's workers run the stages' forwards).
+  not initialise itself (the RPC agent's workers run the stages' forwards). Where compute
+  processes share cores, OpenMP's threads also sleep rather than spin while they wait
+  (OMP_WAIT_POLICY=PASSIVE): a spinning team whose other thread was preempted burns its core
+  (3.4x the CPU and 3.3x the time per batch measured for a 2-thread process on a shared host).
 - allocator: glibc's per-thread malloc arenas hand memory back and fault it in again on
   every micro-batch; one arena keeps it (`mallopt`, which takes effect for arenas made
   later, so it runs before any thread allocates).
@@ -36,6 +39,7 @@ LEVERS = ("threads", "allocator", "transport")
 # Roles whose processes do the model's arithmetic; the others mostly wait on RPCs.
 COMPUTE_ROLES = {"PipelineJob": ("stage",), "HybridJob": ("trainer", "ps")}
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+WAIT_VARIABLE = "OMP_WAIT_POLICY"
 ARENA_VARIABLE = "MALLOC_ARENA_MAX"
 M_ARENA_MAX = -8  # glibc's mallopt parameter number
 CPU_TRANSPORTS = ["uv"]
@@ -45,6 +49,7 @@ CPU_CHANNELS = ["basic"]
 @dataclass(frozen=True)
 class Settings:
     threads: int | None = None  # intra-op threads; None: torch's default
+    passive_wait: bool = False  # OpenMP threads sleep while they wait (cores are shared)
     arena_max: int | None = None  # glibc malloc arenas; None: glibc's default
     transports: list[str] | None = None  # TensorPipe transports; None: torch's default
     channels: list[str] | None = None  # TensorPipe channels; None: torch's default
@@ -52,6 +57,7 @@ class Settings:
     def describe(self) -> str:
         parts = [
             f"{self.threads} intra-op thread(s)" if self.threads else None,
+            "passive OpenMP waits" if self.passive_wait else None,
             f"{self.arena_max} malloc arena(s)" if self.arena_max else None,
             f"TensorPipe {'+'.join(self.transports)}/{'+'.join(self.channels or ['default'])}"
             if self.transports
@@ -121,6 +127,7 @@ def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
     """The settings of one process: its job kind and role, its GPUs, the CPUs it may use and
     how many compute processes share them."""
     threads = arena = None
+    passive = "threads" in enabled and colocated > 1
     if "threads" in enabled:
         if role in COMPUTE_ROLES.get(kind, ()):
             threads = max(1, math.floor(cpus / max(1, colocated)))
@@ -130,7 +137,7 @@ def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
             threads = max(1, math.floor(cpus))
     if "allocator" in enabled:
         arena = 1
-    return Settings(threads, arena, *transport(gpus, enabled))
+    return Settings(threads, passive, arena, *transport(gpus, enabled))
 
 
 def transport(gpus: int, enabled: set[str]) -> tuple[list[str] | None, list[str] | None]:
@@ -177,11 +184,14 @@ def apply(settings: Settings, environ: dict[str, str] | None = None) -> Settings
                 environ[variable] = str(threads)
             if "torch" in sys.modules:  # too late for OpenMP's start-up: bound what we can
                 sys.modules["torch"].set_num_threads(threads)
+    passive = settings.passive_wait and not environ.get(WAIT_VARIABLE)
+    if passive:
+        environ[WAIT_VARIABLE] = "PASSIVE"
     arena = settings.arena_max
     if arena is not None:
         if environ.get(ARENA_VARIABLE) or not _set_arena_max(arena):
             arena = None
-    return Settings(threads, arena, settings.transports, settings.channels)
+    return Settings(threads, passive, arena, settings.transports, settings.channels)
 
 
 def _set_arena_max(arenas: int) -> bool:

@@ -264,7 +264,7 @@ def optimizer_state(local: Any, module: nn.Module) -> dict[str, dict[str, torch.
         functional = local.optim  # a copy of the TorchScript object, sharing its tensors
         state, params = functional.state, functional.param_group["params"]
     return {
-        names[id(p)]: {k: _copy(v) for k, v in state[p].items()}
+        names[id(p)]: {k: _copy(v, torch.device("cpu")) for k, v in state[p].items()}
         for p in params
         if p in state and state[p]
     }
@@ -277,7 +277,9 @@ def load_optimizer_state(local: Any, module: nn.Module,
     unknown = sorted(set(saved) - set(params))
     if unknown:
         raise CheckpointError(f"optimizer state for parameters this model lacks: {unknown[:5]}")
-    state = {params[n]: {k: _copy(v, params[n].device) for k, v in s.items()}
+    # As torch.optim's load_state_dict does: "step" counters stay on the CPU.
+    state = {params[n]: {k: _copy(v, torch.device("cpu") if k == "step" else params[n].device)
+                         for k, v in s.items()}
              for n, s in saved.items()}  # fmt: skip
     if isinstance(local, _LocalOptimizer):
         local.optim.state.update(state)
@@ -293,10 +295,10 @@ def local_optimizers(optimizer: Any) -> dict[str, Any]:
     return {rref.owner().name: rref for rref in optimizer.remote_optimizers}
 
 
-def _copy(value: Any, device: torch.device | None = None) -> Any:
+def _copy(value: Any, device: torch.device) -> Any:
+    """A tensor's copy on `device` (checkpoints hold CPU tensors); other values as they are."""
     if isinstance(value, torch.Tensor):
-        value = value.detach()
-        return value.to(device, copy=True) if device is not None else value.clone()
+        return value.detach().to(device, copy=True)
     return value
 
 

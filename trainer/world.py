@@ -139,7 +139,7 @@ def describe(env: Env, rank: int) -> str:
 
 # Kubernetes shows this file's content as the container's termination message.
 TERMINATION_LOG = "/dev/termination-log"
-TERMINATION_LOG_ENV = "PIPEJOB_TERMINATION_LOG"  # overrides the path (e.g. in tests)
+TERMINATION_LOG_ENV = c.TERMINATION_LOG  # overrides the path (e.g. in tests)
 
 
 def write_termination_message(message: str) -> None:

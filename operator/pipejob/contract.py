@@ -28,6 +28,7 @@ DDP_BACKEND = "PIPEJOB_DDP_BACKEND"
 
 # Optional, set by whoever runs the world rather than by the plan.
 SUMMARY_FILE = "PIPEJOB_SUMMARY_FILE"
+TERMINATION_LOG = "PIPEJOB_TERMINATION_LOG"
 
 DOCS: dict[str, str] = {
     MASTER_ADDR: "Address of the master: the RPC rendezvous (TCP store) host.",
@@ -52,4 +53,6 @@ DOCS: dict[str, str] = {
     DDP_WORLD_SIZE: "HybridJob trainers: size of the DDP process group.",
     DDP_BACKEND: "HybridJob trainers: gloo or nccl.",
     SUMMARY_FILE: "Optional: the master writes its end-of-run summary here as JSON.",
+    TERMINATION_LOG: "Optional: where a failing process writes its one-line reason"
+    " (default /dev/termination-log, Kubernetes' termination message).",
 }

@@ -11,9 +11,11 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   processes share cores, OpenMP's threads also sleep rather than spin while they wait
   (OMP_WAIT_POLICY=PASSIVE): a spinning team whose other thread was preempted burns its core
   (3.4x the CPU and 3.3x the time per batch measured for a 2-thread process on a shared host).
-- allocator: glibc's per-thread malloc arenas hand memory back and fault it in again on
-  every micro-batch; one arena keeps it (`mallopt`, which takes effect for arenas made
-  later, so it runs before any thread allocates).
+- allocator: glibc hands freed activation memory back to the kernel and faults it in again
+  on every micro-batch, the more so with one arena per thread. One arena, a trim threshold
+  of 1 GiB and a fixed mmap threshold of 32 MiB keep it in the process (a stage's page faults
+  per batch: 86k -> 36k with one arena -> 9k with the thresholds). Set with `mallopt`, which
+  only shapes arenas made later, so it runs before any other thread allocates.
 - transport: TensorPipe's shared-memory transport runs a reactor thread that busy-polls,
   taking CPU from the compute on a CPU-bound host; CPU-only processes use the uv (TCP)
   transport instead. Processes with GPUs keep torch's defaults (the CUDA channels).
@@ -40,8 +42,11 @@ LEVERS = ("threads", "allocator", "transport")
 COMPUTE_ROLES = {"PipelineJob": ("stage",), "HybridJob": ("trainer", "ps")}
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 WAIT_VARIABLE = "OMP_WAIT_POLICY"
-ARENA_VARIABLE = "MALLOC_ARENA_MAX"
-M_ARENA_MAX = -8  # glibc's mallopt parameter number
+ARENA_VARIABLE = "MALLOC_ARENA_MAX"  # the user's (glibc's own variable) wins
+# glibc's mallopt parameters, and the values of the allocator lever.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+TRIM_THRESHOLD = 1 << 30  # free memory kept at the heap's top before it is given back
+MMAP_THRESHOLD = 32 << 20  # glibc's largest; blocks above it are mapped (and unmapped) alone
 CPU_TRANSPORTS = ["uv"]
 CPU_CHANNELS = ["basic"]
 
@@ -58,7 +63,7 @@ class Settings:
         parts = [
             f"{self.threads} intra-op thread(s)" if self.threads else None,
             "passive OpenMP waits" if self.passive_wait else None,
-            f"{self.arena_max} malloc arena(s)" if self.arena_max else None,
+            f"{self.arena_max} malloc arena(s) keeping freed memory" if self.arena_max else None,
             f"TensorPipe {'+'.join(self.transports)}/{'+'.join(self.channels or ['default'])}"
             if self.transports
             else None,
@@ -189,16 +194,18 @@ def apply(settings: Settings, environ: dict[str, str] | None = None) -> Settings
         environ[WAIT_VARIABLE] = "PASSIVE"
     arena = settings.arena_max
     if arena is not None:
-        if environ.get(ARENA_VARIABLE) or not _set_arena_max(arena):
+        if environ.get(ARENA_VARIABLE) or not _keep_memory(arena):
             arena = None
     return Settings(threads, passive, arena, settings.transports, settings.channels)
 
 
-def _set_arena_max(arenas: int) -> bool:
+def _keep_memory(arenas: int) -> bool:
     if platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
-    return bool(libc.mallopt(M_ARENA_MAX, arenas))
+    settings = ((M_ARENA_MAX, arenas), (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+                (M_MMAP_THRESHOLD, MMAP_THRESHOLD))  # fmt: skip
+    return all([bool(libc.mallopt(parameter, value)) for parameter, value in settings])
 
 
 def rpc_backend_kwargs(gpus: int, environ: Mapping[str, str] | None = None) -> dict[str, list]:

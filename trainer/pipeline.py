@@ -9,7 +9,8 @@ the stages and `DistributedOptimizer` steps every shard's parameters where they 
 all forwards of a step, then all backwards).
 
 Stage workers only serve: they join the RPC world and wait in `rpc.shutdown()` until the
-master is done. Threads follow torch's defaults (and so OMP_NUM_THREADS when it is set)."""
+master is done. Each process computes with the threads it was started with (OMP_NUM_THREADS,
+which trainer/tuning.py sets per role before torch loads)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from pipejob import plan, spec
 from pipejob.runner import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, world
 from pipejob.trainer.layers import build_model, cut, sequential
+from pipejob.trainer.optim import optimizer_args
 
 SMALL = {
     "model": "resnet18",
@@ -265,7 +266,7 @@ def test_gpipe_bubble():
     ],
 )  # fmt: skip
 def test_optimizer_args(opt, cls, kwargs):
-    assert pipeline.optimizer_args({"optimizer": opt}) == (cls, kwargs)
+    assert optimizer_args(opt) == (cls, kwargs)
 
 
 def test_synthetic_images_are_seeded_and_coloured_by_class():

@@ -28,14 +28,8 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from pipejob.trainer import checkpoint, data, monitor, profiling, world
+from pipejob.trainer.optim import optimizer_args
 from pipejob.trainer.world import Env
-
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "rmsprop": torch.optim.RMSprop,
-}
 
 # This process's env, for the trainer loop the master starts over RPC.
 _ENV: Env | None = None
@@ -61,14 +55,6 @@ def run(env: Env) -> dict[str, Any] | None:
         rpc.shutdown()
         return None
     raise world.ContractError(f"HybridJob has no role {env.role!r}")
-
-
-def optimizer_args(spec: dict[str, Any]) -> tuple[type[torch.optim.Optimizer], dict[str, float]]:
-    """The torch optimizer and its keyword arguments for the spec's `optimizer` section."""
-    kwargs = {"lr": spec["lr"], "weight_decay": spec["weightDecay"]}
-    if spec["name"] in ("sgd", "rmsprop"):
-        kwargs["momentum"] = spec["momentum"]
-    return OPTIMIZERS[spec["name"]], kwargs
 
 
 # ---- parameter server side (called over RPC) ----

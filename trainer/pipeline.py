@@ -17,7 +17,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,30 +31,12 @@ from torch.distributed.rpc import RRef
 
 from pipejob.trainer import checkpoint, monitor, profiling, world
 from pipejob.trainer.layers import Layer, build_model, cut, sequential
+from pipejob.trainer.optim import optimizer_args
 from pipejob.trainer.partition import measure_costs, min_max_partition
 from pipejob.trainer.world import Env
 
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "rmsprop": torch.optim.RMSprop,
-}
-WITH_MOMENTUM = ("sgd", "rmsprop")
 # Micro-batches a stage holds at once; fewer than the RPC worker threads of world.join_rpc.
 IN_FLIGHT = 4
-
-
-def _hide_optimizer_notice() -> None:
-    """DistributedOptimizer steps through TorchScript and says on every stage that this is
-    deprecated, forcing the warning past any filter; users can do nothing about it."""
-    show = warnings.showwarning
-
-    def showwarning(message, category, *args, **kwargs):
-        if "support for functional optimizers is deprecated" not in str(message):
-            show(message, category, *args, **kwargs)
-
-    warnings.showwarning = showwarning
 
 
 # ---------------------------------------------------------------------------- stage side
@@ -282,18 +263,9 @@ class Pipeline:
         ]
 
 
-def optimizer_args(spec: dict[str, Any]) -> tuple[type[torch.optim.Optimizer], dict[str, float]]:
-    """The torch.optim class and keyword arguments the spec's `optimizer` asks for."""
-    opt = spec["optimizer"]
-    kwargs = {"lr": opt["lr"], "weight_decay": opt["weightDecay"]}
-    if opt["name"] in WITH_MOMENTUM:
-        kwargs["momentum"] = opt["momentum"]
-    return OPTIMIZERS[opt["name"]], kwargs
-
-
 def make_optimizer(pipeline: Pipeline, spec: dict[str, Any]) -> DistributedOptimizer:
     """One optimizer per stage, stepping each shard's parameters where they live."""
-    cls, kwargs = optimizer_args(spec)
+    cls, kwargs = optimizer_args(spec["optimizer"])
     return DistributedOptimizer(cls, pipeline.parameter_rrefs(), **kwargs)
 
 
@@ -352,7 +324,6 @@ def train_step(
 
 
 def run(env: Env) -> dict[str, Any] | None:
-    _hide_optimizer_notice()
     if env.role == "master":
         return run_master(env)
     devices = stage_devices(env.role_index, env.names("stage"), env.gpus)

@@ -61,11 +61,13 @@ def test_colocated_compute_counts_the_compute_roles_on_this_host():
     assert tuning.colocated_compute("PipelineJob", PIPELINE_WORLD, [], 0) == 0
 
 
-def test_compute_roles_share_the_cpus_of_their_host():
-    assert decide("PipelineJob", "stage", 0, 2, 2, ALL).threads == 1
-    assert decide("PipelineJob", "stage", 0, 8, 2, ALL).threads == 4
-    assert decide("PipelineJob", "stage", 0, 2, 4, ALL).threads == 1  # never below one
+def test_compute_roles_oversubscribe_their_share_of_the_host_twice():
+    assert decide("PipelineJob", "stage", 0, 2, 2, ALL).threads == 2
+    assert decide("PipelineJob", "stage", 0, 16, 8, ALL).threads == 4
+    assert decide("PipelineJob", "stage", 0, 8, 2, ALL).threads == 8  # never above the host
+    assert decide("PipelineJob", "stage", 0, 2, 8, ALL).threads == 1  # never below one
     assert decide("PipelineJob", "stage", 0, 3.5, 1, ALL).threads == 3  # a fractional quota
+    assert decide("HybridJob", "trainer", 0, 2, 3, ALL).threads == 1
 
 
 def test_openmp_threads_sleep_while_waiting_only_on_shared_cores():
@@ -92,7 +94,7 @@ def test_levers_that_are_off_leave_torch_defaults():
     s = decide("HybridJob", "trainer", 0, 2, 3, {"allocator"})
     assert s == Settings(arena_max=1)
     s = decide("HybridJob", "ps", 0, 4, 3, {"threads"})
-    assert s == Settings(threads=1, passive_wait=True)
+    assert s == Settings(threads=2, passive_wait=True)
 
 
 def test_rpc_backend_kwargs_follow_the_transport_lever():

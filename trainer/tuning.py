@@ -2,10 +2,13 @@
 trainer start before torch loads.
 
 Each lever is measured (benchmarks/compare.py and the issue-6 note):
-- threads: intra-op threads of a compute role = its CPUs divided among the compute processes
-  that share its host (the local runner puts the whole world on one host; a pod with a CPU
-  limit gets its quota, which torch's default ignores). A light role (the pipeline master)
-  sharing a host with compute roles gets one. Set through OMP_NUM_THREADS before torch
+- threads: intra-op threads of a compute role = twice its share of its host's CPUs (the
+  compute processes of the world on its host split them; the local runner puts the whole
+  world on one host), at most all of them. Oversubscribing on purpose lets a stage that is
+  busy use the cores of one that waits in the pipeline's bubble (2 stages on 2 cores, m=2:
+  58 samples/s with 2 threads each against 35 with 1). A pod with a CPU limit counts its
+  quota, which torch's default ignores. A light role (the pipeline master) sharing a host
+  with compute roles gets one thread. Set through OMP_NUM_THREADS before torch
   loads: OpenMP reads it once, and it is the only bound that reaches the threads torch does
   not initialise itself (the RPC agent's workers run the stages' forwards). Where compute
   processes share cores, OpenMP's threads also sleep rather than spin while they wait
@@ -42,6 +45,7 @@ LEVERS = ("threads", "allocator", "transport")
 COMPUTE_ROLES = {"PipelineJob": ("stage",), "HybridJob": ("trainer", "ps")}
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 WAIT_VARIABLE = "OMP_WAIT_POLICY"
+OVERSUBSCRIBE = 2  # compute threads per core of a process's share (measured for 2 stages)
 ARENA_VARIABLE = "MALLOC_ARENA_MAX"  # the user's (glibc's own variable) wins
 # glibc's mallopt parameters, and the values of the allocator lever.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
@@ -135,7 +139,8 @@ def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
     passive = "threads" in enabled and colocated > 1
     if "threads" in enabled:
         if role in COMPUTE_ROLES.get(kind, ()):
-            threads = max(1, math.floor(cpus / max(1, colocated)))
+            share = OVERSUBSCRIBE * cpus / max(1, colocated)
+            threads = max(1, math.floor(min(cpus, share)))
         elif colocated > 0:
             threads = 1  # a light role leaves the shared cores to the compute roles
         else:

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from jobrun import JobRun
 
+from jobrun import JobRun
 from pipejob.trainer import checkpoint
 
 # ------------------------------------------------------------------ files and manifests

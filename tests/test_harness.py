@@ -10,6 +10,7 @@ import sys
 import threading
 
 import pytest
+
 from harness.client import JSON_PATCH, TABLE, ApiError
 from harness.cluster import Cluster
 from harness.kubelet import Kubelet

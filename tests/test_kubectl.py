@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from harness import jobs
 from harness.operator_process import OperatorProcess
 

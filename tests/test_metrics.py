@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from harness import jobs
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import jobs
 from pipejob import kube
 from pipejob import status as st
 from pipejob.controller import Reconciler

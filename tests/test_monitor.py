@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobrun import JobRun
 from prometheus_client.parser import text_string_to_metric_families
 
+from jobrun import JobRun
 from pipejob.trainer import monitor
 
 PROGRESS_KEYS = {"phase", "step", "steps", "loss", "samplesPerSecond", "bubble",

@@ -8,6 +8,7 @@ is the example as a user applies it."""
 from __future__ import annotations
 
 import pytest
+
 from harness import jobs
 from harness.client import Api
 from harness.kubelet import Kubelet

@@ -5,6 +5,7 @@ statuses through the API as a kubelet would."""
 from __future__ import annotations
 
 import pytest
+
 from harness import jobs
 from harness.client import Api
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from harness import jobs
-from harness.client import Api
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import jobs
+from harness.client import Api
 from pipejob import kube
 
 pytestmark = pytest.mark.timeout(240)

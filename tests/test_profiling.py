@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobrun import JobRun
 
+from jobrun import JobRun
 from pipejob.trainer import profiling
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from jobrun import STARTED, JobRun
 
 PIPEJOB = [sys.executable, "-m", "pipejob.cli"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import aiohttp.web
 import yaml
+
 from harness.apiserver import ApiServer
 from harness.client import Api
 

@@ -10,8 +10,8 @@ batch, image size, model split and thread budget:
   single-tN the whole model in one process on all N cores
 
 ResNet-50 (1000 classes), batch 48, 64x64 images, SGD; the baseline and pipelining processes
-run --stage-threads intra-op threads each (default 1), pipejob what its tuning decides. Each system runs at
-every micro-batch count of --micro-batches, --repeats times, the repeats interleaved so drift
+run --stage-threads intra-op threads each (default 1), pipejob what its tuning decides. Each
+system runs at every micro-batch count of --micro-batches, --repeats times, interleaved so drift
 in the machine's load hits every system alike; each is then reported at its best count by
 median. Besides samples/s it prints per-process CPU use, page faults and the busiest threads
 per batch, read from /proc between the marks each system prints around its measured batches.

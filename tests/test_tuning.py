@@ -82,11 +82,14 @@ def test_a_light_role_leaves_shared_cores_to_the_compute_roles():
     assert decide("PipelineJob", "master", 0, 16, 0, ALL).threads == 16  # a host of its own
 
 
-def test_cpu_only_processes_avoid_the_shared_memory_transport():
-    s = decide("PipelineJob", "stage", 0, 2, 2, ALL)
-    assert (s.transports, s.channels) == (["uv"], ["basic"])
+def test_cpu_only_pipelines_avoid_the_shared_memory_transport():
+    for role in ("master", "stage"):
+        s = decide("PipelineJob", role, 0, 2, 2, ALL)
+        assert (s.transports, s.channels) == (["uv"], ["basic"])
     gpu = decide("PipelineJob", "stage", 1, 2, 2, ALL)
     assert (gpu.transports, gpu.channels) == (None, None)  # torch's CUDA-aware defaults
+    hybrid = decide("HybridJob", "trainer", 0, 2, 3, ALL)  # latency-bound: shm's polling helps
+    assert (hybrid.transports, hybrid.channels) == (None, None)
 
 
 def test_levers_that_are_off_leave_torch_defaults():
@@ -98,9 +101,11 @@ def test_levers_that_are_off_leave_torch_defaults():
 
 
 def test_rpc_backend_kwargs_follow_the_transport_lever():
-    assert tuning.rpc_backend_kwargs(0, {}) == {"_transports": ["uv"], "_channels": ["basic"]}
-    assert tuning.rpc_backend_kwargs(0, {tuning.TUNING: "threads"}) == {}
-    assert tuning.rpc_backend_kwargs(2, {}) == {}
+    uv = {"_transports": ["uv"], "_channels": ["basic"]}
+    assert tuning.rpc_backend_kwargs("PipelineJob", 0, {}) == uv
+    assert tuning.rpc_backend_kwargs("PipelineJob", 0, {tuning.TUNING: "threads"}) == {}
+    assert tuning.rpc_backend_kwargs("PipelineJob", 2, {}) == {}
+    assert tuning.rpc_backend_kwargs("HybridJob", 0, {}) == {}
 
 
 def test_apply_sets_thread_variables_unless_the_user_did():

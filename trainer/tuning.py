@@ -19,9 +19,12 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   of 1 GiB and a fixed mmap threshold of 32 MiB keep it in the process (a stage's page faults
   per batch: 86k -> 36k with one arena -> 9k with the thresholds). Set with `mallopt`, which
   only shapes arenas made later, so it runs before any other thread allocates.
-- transport: TensorPipe's shared-memory transport runs a reactor thread that busy-polls,
-  taking CPU from the compute on a CPU-bound host; CPU-only processes use the uv (TCP)
-  transport instead. Processes with GPUs keep torch's defaults (the CUDA channels).
+- transport: TensorPipe's shared-memory transport runs a reactor thread that busy-polls
+  (0.2-0.4 CPU-s per second per process, idle or not), taking CPU from the stages of a
+  CPU-bound pipeline; a PipelineJob's CPU-only processes use the uv (TCP) transport instead.
+  A HybridJob is bound by the latency of its many small RPCs, which the polling shortens
+  (uv: 0.82x the iterations/s of shm on a lightly loaded host), and processes with GPUs need
+  the CUDA channels: both keep torch's defaults.
 
 A variable the user set (OMP_NUM_THREADS, MALLOC_ARENA_MAX) always wins. PIPEJOB_TUNING
 picks levers: unset or "on" for all, "off" for none, or a comma-separated list of levers."""
@@ -147,13 +150,13 @@ def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
             threads = max(1, math.floor(cpus))
     if "allocator" in enabled:
         arena = 1
-    return Settings(threads, passive, arena, *transport(gpus, enabled))
+    return Settings(threads, passive, arena, *transport(kind, gpus, enabled))
 
 
-def transport(gpus: int, enabled: set[str]) -> tuple[list[str] | None, list[str] | None]:
-    """TensorPipe transports and channels: uv and basic for CPU-only processes, torch's
-    defaults (None) when the process has GPUs or the lever is off."""
-    if "transport" in enabled and gpus == 0:
+def transport(kind: str, gpus: int, enabled: set[str]) -> tuple[list[str] | None, list[str] | None]:
+    """TensorPipe transports and channels: uv and basic for a PipelineJob's CPU-only
+    processes; torch's defaults (None) otherwise, or when the lever is off."""
+    if "transport" in enabled and kind == "PipelineJob" and gpus == 0:
         return list(CPU_TRANSPORTS), list(CPU_CHANNELS)
     return None, None
 
@@ -213,10 +216,11 @@ def _keep_memory(arenas: int) -> bool:
     return all([bool(libc.mallopt(parameter, value)) for parameter, value in settings])
 
 
-def rpc_backend_kwargs(gpus: int, environ: Mapping[str, str] | None = None) -> dict[str, list]:
+def rpc_backend_kwargs(kind: str, gpus: int,
+                       environ: Mapping[str, str] | None = None) -> dict[str, list]:  # fmt: skip
     """TensorPipeRpcBackendOptions keyword arguments for the transport lever."""
     environ = os.environ if environ is None else environ
-    transports, channels = transport(gpus, levers(environ.get(TUNING)))
+    transports, channels = transport(kind, gpus, levers(environ.get(TUNING)))
     if transports is None:
         return {}
     return {"_transports": transports, "_channels": channels}

@@ -6,8 +6,8 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   compute processes of the world on its host split them; the local runner puts the whole
   world on one host), at most all of them. Oversubscribing on purpose lets a stage that is
   busy use the cores of one that waits in the pipeline's bubble (2 stages on 2 cores, m=2:
-  58 samples/s with 2 threads each against 35 with 1). A pod with a CPU limit counts its
-  quota, which torch's default ignores. A light role (the pipeline master) sharing a host
+  60 samples/s with 2 threads each against 55 with 1, load 2-3). A pod with a CPU limit
+  counts its quota, which torch's default ignores. A light role (the pipeline master) sharing a host
   with compute roles gets one thread. Set through OMP_NUM_THREADS before torch
   loads: OpenMP reads it once, and it is the only bound that reaches the threads torch does
   not initialise itself (the RPC agent's workers run the stages' forwards). Where compute
@@ -20,13 +20,15 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   per batch: 86k -> 36k with one arena -> 9k with the thresholds). Set with `mallopt`, which
   only shapes arenas made later, so it runs before any other thread allocates.
 - transport: TensorPipe's shared-memory transport runs a reactor thread that busy-polls
-  (0.2-0.4 CPU-s per second per process, idle or not), taking CPU from the stages of a
+  in every process (0.1-0.25 CPU-s per second when idle, 0.2-0.4 per batch when training),
+  taking CPU from the stages of a
   CPU-bound pipeline; a PipelineJob's CPU-only processes use the uv (TCP) transport instead.
   A HybridJob is bound by the latency of its many small RPCs, which the polling shortens
   (uv: 0.82x the iterations/s of shm on a lightly loaded host), and processes with GPUs need
   the CUDA channels: both keep torch's defaults.
 
-A variable the user set (OMP_NUM_THREADS, MALLOC_ARENA_MAX) always wins. PIPEJOB_TUNING
+A variable the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, MALLOC_ARENA_MAX)
+always wins. PIPEJOB_TUNING
 picks levers: unset or "on" for all, "off" for none, or a comma-separated list of levers."""
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   the CUDA channels: both keep torch's defaults.
 
 A variable the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, MALLOC_ARENA_MAX)
-always wins. PIPEJOB_TUNING
-picks levers: unset or "on" for all, "off" for none, or a comma-separated list of levers."""
+always wins. PIPEJOB_TUNING picks levers: unset or "on" for all, "off" for none, or a
+comma-separated list of levers."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from pathlib import Path
 
 from pipejob import contract as c
 
-TUNING = "PIPEJOB_TUNING"
+TUNING = c.TUNING
 LEVERS = ("threads", "allocator", "transport")
 # Roles whose processes do the model's arithmetic; the others mostly wait on RPCs.
 COMPUTE_ROLES = {"PipelineJob": ("stage",), "HybridJob": ("trainer", "ps")}

@@ -126,11 +126,16 @@ class Cluster:
         """PATCH the job's status subresource from what it was to `status`."""
         meta = job["metadata"]
         patch = merge_patch(job.get("status") or {}, status)
-        if patch:
+        if not patch:
+            return
+        try:
             self._call(
                 "PATCH", _job_path(plural, meta["namespace"], meta["name"]) + "/status",
                 {"status": patch}, content_type="application/merge-patch+json",
             )  # fmt: skip
+        except ApiError as e:
+            if e.status != 404:  # the job was deleted while we looked at it: nothing to say
+                raise
 
     def delete_job(self, plural: str, job: dict) -> None:
         """DELETE the job (its pods and Service follow by their ownerReferences)."""

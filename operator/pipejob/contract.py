@@ -29,6 +29,7 @@ DDP_BACKEND = "PIPEJOB_DDP_BACKEND"
 # Optional, set by whoever runs the world rather than by the plan.
 SUMMARY_FILE = "PIPEJOB_SUMMARY_FILE"
 TERMINATION_LOG = "PIPEJOB_TERMINATION_LOG"
+TUNING = "PIPEJOB_TUNING"
 
 DOCS: dict[str, str] = {
     MASTER_ADDR: "Address of the master: the RPC rendezvous (TCP store) host.",
@@ -55,4 +56,6 @@ DOCS: dict[str, str] = {
     SUMMARY_FILE: "Optional: the master writes its end-of-run summary here as JSON.",
     TERMINATION_LOG: "Optional: where a failing process writes its one-line reason"
     " (default /dev/termination-log, Kubernetes' termination message).",
+    TUNING: "Optional: performance levers (threads, allocator, transport): unset or on for"
+    " all, off for none, or a comma-separated list. Variables the user sets always win.",
 }

@@ -282,3 +282,32 @@ def one_hot(batch: int, num_classes: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     indices = torch.randint(0, num_classes, (batch, 1), generator=g)
     return torch.zeros(batch, num_classes).scatter_(1, indices, 1)
+
+
+STARTED_LINE = re.compile(r"started (\S+) \(rank \d+, pid (\d+)\)")
+
+
+class RunnerWorkers(Workers):
+    """`pipejob run` as the one worker: follows the pids it reports, stops its world."""
+
+    def on_line(self, name: str, line: str) -> None:
+        started = STARTED_LINE.search(line)
+        if started:
+            self.watch_pid(started.group(1), int(started.group(2)))
+        super().on_line(name, line)
+
+    def close(self, grace: float = 0.0) -> None:
+        for popen in self.procs.values():  # the runner stops its world on SIGTERM
+            if popen.poll() is None:
+                popen.terminate()
+                try:
+                    popen.wait(30)
+                except subprocess.TimeoutExpired:
+                    pass
+        for name, pid in self.pids.items():  # anything of it still alive goes by its pid
+            if name not in self.procs:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+        super().close(grace)

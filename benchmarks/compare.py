@@ -39,6 +39,7 @@ from typing import Any
 import yaml
 from _common import (
     Counters,
+    RunnerWorkers,
     Workers,
     free_port,
     load_average,
@@ -51,7 +52,6 @@ from _common import (
 
 SYSTEMS = ("pipejob", "baseline", "gpipe", "1f1b", "single-t1", "single-tN")
 STEP_LINE = re.compile(r"^master\s*\| .*\bstep (\d+)/(\d+)")
-STARTED_LINE = re.compile(r"started (\S+) \(rank \d+, pid (\d+)\)")
 
 
 @dataclass
@@ -98,7 +98,7 @@ def echo(verbose: bool):
 # ---------------------------------------------------------------------------- the systems
 
 
-class PipejobWorkers(Workers):
+class PipejobWorkers(RunnerWorkers):
     """`pipejob run` as one child: marks come from the master's step lines, and the runner's
     trainer processes (named in its "started" lines) are sampled too."""
 
@@ -107,31 +107,12 @@ class PipejobWorkers(Workers):
         self.steps, self.warmup, self.m = steps, warmup, m
 
     def on_line(self, name: str, line: str) -> None:
-        started = STARTED_LINE.search(line)
-        if started:
-            self.watch_pid(started.group(1), int(started.group(2)))
         step = STEP_LINE.match(line)
         if step and int(step.group(1)) == self.warmup:
             self.marks[f"m{self.m}-start"] = self.snapshot()
         elif step and int(step.group(1)) == self.steps:
             self.marks[f"m{self.m}-end"] = self.snapshot()
         super().on_line(name, line)
-
-    def close(self, grace: float = 0.0) -> None:
-        for popen in self.procs.values():  # the runner stops its world on SIGTERM
-            if popen.poll() is None:
-                popen.terminate()
-                try:
-                    popen.wait(30)
-                except Exception:
-                    pass
-        for name, pid in self.pids.items():  # anything of it still alive goes by its pid
-            if name not in self.procs:
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
-        super().close(grace)
 
 
 def pipejob_manifest(cfg: Config, m: int) -> dict[str, Any]:

@@ -26,39 +26,32 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from _common import Counters, Workers, free_port, load_average, machine, python, spread
+from _common import (
+    Counters,
+    RunnerWorkers,
+    Workers,
+    free_port,
+    load_average,
+    machine,
+    python,
+    spread,
+)
 
 READY_LINE = re.compile(r"^master\s*\| trainers ready")
 DONE_LINE = re.compile(r"^master\s*\| done:")
-STARTED_LINE = re.compile(r"started (\S+) \(rank \d+, pid (\d+)\)")
 
 
 def say(message: str) -> None:
     print(message, flush=True)
 
 
-class PipejobWorkers(Workers):
+class PipejobWorkers(RunnerWorkers):
     def on_line(self, name: str, line: str) -> None:
-        started = STARTED_LINE.search(line)
-        if started:
-            self.watch_pid(started.group(1), int(started.group(2)))
         if READY_LINE.match(line):
             self.marks["start"] = self.snapshot()
         elif DONE_LINE.match(line):
             self.marks["end"] = self.snapshot()
         super().on_line(name, line)
-
-    def close(self, grace: float = 0.0) -> None:
-        for popen in self.procs.values():  # the runner stops its world on SIGTERM
-            if popen.poll() is None:
-                popen.terminate()
-        for name, pid in self.pids.items():
-            if name not in self.procs:
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
-        super().close(grace)
 
 
 def manifest(iterations: int) -> dict[str, Any]:

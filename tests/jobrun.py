@@ -121,3 +121,13 @@ class JobRun:
                 os.killpg(int(match[2]), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def run_to_end(
+    manifest: dict[str, Any], directory: Path, timeout: float
+) -> tuple[int, str, dict[str, Any] | None]:
+    """`pipejob run` to its end: exit code, output, and the master's summary (None if none)."""
+    with JobRun(manifest, directory) as run:
+        code = run.finish(timeout)
+    summary = run.summary() if run.summary_file.exists() else None
+    return code, run.output, summary

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
+from jobrun import run_to_end
 from pipejob.trainer.data import partitions
-
-PIPEJOB = [sys.executable, "-m", "pipejob.cli"]
 
 TINY = {
     "apiVersion": "pipejob.dev/v1alpha1",
@@ -33,35 +26,9 @@ TINY = {
 }  # fmt: skip
 
 
-def run_job(manifest: dict, tmp_path: Path, timeout: float) -> tuple[int, str, dict | None]:
-    """`pipejob run` with a summary file; stops every process it started even on a timeout."""
-    path, summary = tmp_path / "job.yaml", tmp_path / "summary.json"
-    path.write_text(yaml.safe_dump(manifest))
-    runner = subprocess.Popen(
-        [*PIPEJOB, "run", str(path), "--grace", "5"],
-        env=os.environ | {"PIPEJOB_SUMMARY_FILE": str(summary)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        output, _ = runner.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        runner.send_signal(signal.SIGTERM)  # the runner stops its world on SIGTERM
-        try:
-            output, _ = runner.communicate(timeout=30)
-        finally:
-            runner.kill()
-            for pid in re.findall(r"started \w+ \(rank \d+, pid (\d+)\)", output or ""):
-                try:
-                    os.killpg(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        raise AssertionError(f"pipejob run did not finish in {timeout}s:\n{output}") from None
-    return runner.returncode, output, json.loads(summary.read_text()) if summary.exists() else None
-
-
 @pytest.mark.timeout(200)
 def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_path: Path) -> None:
-    code, output, summary = run_job(TINY, tmp_path, timeout=170)
+    code, output, summary = run_to_end(TINY, tmp_path, timeout=170)
     assert code == 0, output
     assert summary is not None, output
     spec = TINY["spec"]

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,9 +13,9 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-import yaml
 from torch import nn
 
+from jobrun import run_to_end
 from pipejob import plan, spec
 from pipejob.runner import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, world
@@ -42,31 +38,6 @@ def manifest(name: str, **fields: Any) -> dict[str, Any]:
         "metadata": {"name": name},
         "spec": SMALL | fields,
     }
-
-
-def pipejob_run(tmp_path: Path, job: dict[str, Any], timeout: float) -> tuple[int, str, dict]:
-    """`pipejob run` on a manifest; its exit code, output and the master's summary."""
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    summary = tmp_path / "summary.json"
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "pipejob.cli", "run", str(path), "--grace", "5"],
-        env=os.environ | {"PIPEJOB_SUMMARY_FILE": str(summary)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        out, _ = popen.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        popen.terminate()  # the runner stops its whole world on SIGTERM
-        out, _ = popen.communicate(timeout=30)
-        pytest.fail(f"pipejob run did not finish within {timeout}s; output:\n{out}")
-    finally:
-        if popen.poll() is None:
-            popen.kill()
-            popen.wait()
-    return popen.returncode, out, json.loads(summary.read_text()) if summary.exists() else {}
 
 
 def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
@@ -104,7 +75,7 @@ def test_two_stage_pipeline_trains(tmp_path):
         steps=3,
         optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9},
     )
-    code, out, summary = pipejob_run(tmp_path, job, timeout=180)
+    code, out, summary = run_to_end(job, tmp_path, timeout=180)
     assert code == 0, out
     for step in (1, 2, 3):
         assert f"step {step}/3  loss " in out
@@ -125,7 +96,7 @@ def test_three_stage_pipeline_trains(tmp_path):
         logEvery=2,
         optimizer={"name": "adam", "lr": 0.001, "weightDecay": 0.01},
     )
-    code, out, summary = pipejob_run(tmp_path, job, timeout=180)
+    code, out, summary = run_to_end(job, tmp_path, timeout=180)
     assert code == 0, out
     assert "step 2/2  loss " in out and "step 1/2" not in out  # logEvery
     assert "started stage2" in out

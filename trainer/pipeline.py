@@ -232,9 +232,20 @@ class Pipeline:
                 future = refs[k, mb]._get_future()  # done once the stage has computed it
             future.then(lambda f: finished.put((k, mb, f)))
 
-        for k in range(last + 1):
-            for mb in range(min(IN_FLIGHT, micro_batches)):
-                launch(k, mb)
+        launched = [0] * (last + 1)  # micro-batches launched on each stage, in order
+        busy = [0] * (last + 1)
+
+        def fill() -> None:
+            # Completions arrive in any order (stage k may report micro-batch i before stage
+            # k-1 does): launch only once the input's RRef exists and the stage has a slot.
+            for k in range(last + 1):
+                while (launched[k] < micro_batches and busy[k] < IN_FLIGHT
+                       and (k == 0 or launched[k] < launched[k - 1])):  # fmt: skip
+                    launch(k, launched[k])
+                    launched[k] += 1
+                    busy[k] += 1
+
+        fill()
         outputs: dict[int, torch.Tensor] = {}
         for _ in range((last + 1) * micro_batches):
             try:
@@ -246,8 +257,8 @@ class Pipeline:
             value = future.wait()  # raises if the stage failed
             if k == last:
                 outputs[mb] = value
-            if mb + IN_FLIGHT < micro_batches:
-                launch(k, mb + IN_FLIGHT)
+            busy[k] -= 1
+            fill()
         return torch.cat([outputs[mb] for mb in range(micro_batches)])
 
     def parameter_rrefs(self) -> list[RRef]:

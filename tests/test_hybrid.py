@@ -6,9 +6,16 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from jobrun import run_to_end
-from pipejob.trainer.data import partitions
+from pipejob import spec as specs
+from pipejob.trainer import checkpoint
+from pipejob.trainer.data import SyntheticBags, partitions
+from pipejob.trainer.data import batches as data_batches
+from pipejob.trainer.optim import optimizer_args
 
 TINY = {
     "apiVersion": "pipejob.dev/v1alpha1",
@@ -61,3 +68,56 @@ def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_p
     for name, part in zip(["trainer0", "trainer1"], expected, strict=True):
         assert trainers[name]["partition_size"] == len(part)
         assert trainers[name]["samples_read"] == len(part)
+
+
+REFERENCE = TINY | {"spec": TINY["spec"] | {
+    "trainers": 1, "steps": 12, "embedding": {"numEmbeddings": 64, "dim": 8, "mode": "max"},
+    "optimizer": {"name": "adam", "lr": 0.05, "weightDecay": 0.01}}}  # fmt: skip
+
+
+def reference_weights(spec: dict) -> dict[str, torch.Tensor]:
+    """The same training in one process with plain autograd: the table's and the dense
+    layer's optimizers stepped after each backward, as DistributedOptimizer would."""
+    emb, seed = spec["embedding"], spec["seed"]
+    table = nn.EmbeddingBag(emb["numEmbeddings"], emb["dim"], mode=emb["mode"])
+    nn.init.normal_(table.weight, generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    linear = nn.Linear(emb["dim"], spec["dense"]["outFeatures"])
+    optimizer_class, kwargs = optimizer_args(spec["optimizer"])
+    optimizers = [optimizer_class(m.parameters(), **kwargs) for m in (table, linear)]
+    dataset = SyntheticBags(size=spec["datasetSize"], num_embeddings=emb["numEmbeddings"],
+                            classes=spec["dense"]["outFeatures"], bag_size=spec["bagSize"],
+                            seed=seed)  # fmt: skip
+    batches = data_batches(dataset, partitions(spec["datasetSize"], 1, seed)[0],
+                           spec["batchSize"])  # fmt: skip
+    for _ in range(spec["steps"]):
+        batch = next(batches)
+        bags = table(torch.tensor(batch.ids), torch.tensor(batch.offsets))
+        F.cross_entropy(linear(bags), torch.tensor(batch.labels)).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"table": table.weight.detach(), **{k: v.detach() for k, v in
+                                               linear.state_dict().items()}}  # fmt: skip
+
+
+@pytest.mark.timeout(200)
+def test_the_table_stepped_in_the_backward_matches_a_single_process_reference(
+    tmp_path: Path,
+) -> None:
+    """The ps steps the table as the lookup's gradient arrives and the trainer steps the
+    dense layer on the context's gradients: with one trainer (a deterministic world) that
+    must train exactly like plain autograd with one optimizer step after each backward."""
+    spec = specs.parse(REFERENCE).spec  # defaulted
+    steps = spec["steps"]
+    manifest = REFERENCE | {"spec": REFERENCE["spec"] | {
+        "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": steps}}}  # fmt: skip
+    code, output, summary = run_to_end(manifest, tmp_path, timeout=170)
+    assert code == 0, output
+    found = checkpoint.latest(tmp_path / "ckpt")
+    assert found is not None and found.step == steps, output
+    got = {"table": found.load("ps.pt")["model"]["weight"], **found.load("dense.pt")["model"]}
+    expected = reference_weights(spec)
+    assert sorted(got) == sorted(expected)
+    for name, weight in expected.items():
+        torch.testing.assert_close(got[name], weight, rtol=1e-5, atol=1e-6, msg=name)

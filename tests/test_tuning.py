@@ -88,8 +88,11 @@ def test_cpu_only_pipelines_avoid_the_shared_memory_transport():
         assert (s.transports, s.channels) == (["uv"], ["basic"])
     gpu = decide("PipelineJob", "stage", 1, 2, 2, ALL)
     assert (gpu.transports, gpu.channels) == (None, None)  # torch's CUDA-aware defaults
-    hybrid = decide("HybridJob", "trainer", 0, 2, 3, ALL)  # latency-bound: shm's polling helps
-    assert (hybrid.transports, hybrid.channels) == (None, None)
+    for role in ("trainer", "ps"):  # latency-bound: shm's polling helps
+        hybrid = decide("HybridJob", role, 0, 2, 3, ALL)
+        assert (hybrid.transports, hybrid.channels) == (None, None)
+    master = decide("HybridJob", "master", 0, 2, 3, ALL)  # waits: no polling
+    assert (master.transports, master.channels) == (["uv"], ["basic"])
 
 
 def test_levers_that_are_off_leave_torch_defaults():
@@ -102,10 +105,11 @@ def test_levers_that_are_off_leave_torch_defaults():
 
 def test_rpc_backend_kwargs_follow_the_transport_lever():
     uv = {"_transports": ["uv"], "_channels": ["basic"]}
-    assert tuning.rpc_backend_kwargs("PipelineJob", 0, {}) == uv
-    assert tuning.rpc_backend_kwargs("PipelineJob", 0, {tuning.TUNING: "threads"}) == {}
-    assert tuning.rpc_backend_kwargs("PipelineJob", 2, {}) == {}
-    assert tuning.rpc_backend_kwargs("HybridJob", 0, {}) == {}
+    assert tuning.rpc_backend_kwargs("PipelineJob", "stage", 0, {}) == uv
+    assert tuning.rpc_backend_kwargs("PipelineJob", "stage", 0, {tuning.TUNING: "threads"}) == {}
+    assert tuning.rpc_backend_kwargs("PipelineJob", "stage", 2, {}) == {}
+    assert tuning.rpc_backend_kwargs("HybridJob", "trainer", 0, {}) == {}
+    assert tuning.rpc_backend_kwargs("HybridJob", "master", 0, {}) == uv
 
 
 def test_apply_sets_thread_variables_unless_the_user_did():

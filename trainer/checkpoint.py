@@ -254,12 +254,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def optimizer_state(local: Any, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-    """The state of one of DistributedOptimizer's local optimizers (the object an entry of
-    `remote_optimizers` refers to, on its owner), by name of `module`'s parameters."""
+    """The state of a torch.optim optimizer or of one of DistributedOptimizer's local
+    optimizers (the object an entry of `remote_optimizers` refers to, on its owner), by name
+    of `module`'s parameters."""
     names = {id(p): n for n, p in module.named_parameters()}
-    if isinstance(local, _LocalOptimizer):
-        state = local.optim.state
-        params = [p for group in local.optim.param_groups for p in group["params"]]
+    if isinstance(local, _LocalOptimizer | torch.optim.Optimizer):
+        optim = local.optim if isinstance(local, _LocalOptimizer) else local
+        state = optim.state
+        params = [p for group in optim.param_groups for p in group["params"]]
     else:
         functional = local.optim  # a copy of the TorchScript object, sharing its tensors
         state, params = functional.state, functional.param_group["params"]
@@ -281,6 +283,9 @@ def load_optimizer_state(local: Any, module: nn.Module,
     state = {params[n]: {k: _copy(v, torch.device("cpu") if k == "step" else params[n].device)
                          for k, v in s.items()}
              for n, s in saved.items()}  # fmt: skip
+    if isinstance(local, torch.optim.Optimizer):
+        local.state.update(state)
+        return
     if isinstance(local, _LocalOptimizer):
         local.optim.state.update(state)
         return

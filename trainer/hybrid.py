@@ -2,12 +2,20 @@
 
 - master: creates the table on the ps (`rpc.remote`), starts every trainer's loop
   (`rpc_async`, passing the table's RRef), prints progress, and returns the run's summary.
-- ps: holds the table and answers lookups, backward passes and optimizer steps over RPC.
+- ps: holds the table and, for each trainer, the optimizer that steps the table with that
+  trainer's gradients; answers lookups and backward passes over RPC.
 - trainerK: forms the DDP group with the other trainers (its own port), then joins RPC and waits
-  for the master's call. Its loop looks bags up over RPC, runs the DDP-replicated nn.Linear,
-  backpropagates with distributed autograd and steps every parameter (the remote table's and
-  the local dense ones) with one DistributedOptimizer. It reads only its own partition of the
-  synthetic data (see `data`)."""
+  for the master's call. Its loop looks bags up over RPC, runs the DDP-replicated nn.Linear and
+  backpropagates with distributed autograd; then it steps the dense layer with its local
+  optimizer on the context's gradients. It reads only its own partition of the synthetic data
+  (see `data`).
+
+Two round trips per step, where the tutorial's design (a DistributedOptimizer over the table's
+and the dense parameters) takes four: the lookup, the backward, and the optimizer's step as an
+RPC to the ps and one to the trainer itself. Here the ps steps the table as the lookup's
+gradient arrives, inside the backward (`Table.lookup`): when `dist_autograd.backward` returns,
+the table is updated, exactly as after a DistributedOptimizer step (the same torch.optim class,
+one per trainer, applied to the same gradient), and the next lookup sees it."""
 
 from __future__ import annotations
 
@@ -24,7 +32,6 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.optim import DistributedOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from pipejob.trainer import checkpoint, data, monitor, profiling, world
@@ -60,42 +67,71 @@ def run(env: Env) -> dict[str, Any] | None:
 # ---- parameter server side (called over RPC) ----
 
 
-def _make_table(num_embeddings: int, dim: int, mode: str, seed: int) -> nn.EmbeddingBag:
-    table = nn.EmbeddingBag(num_embeddings, dim, mode=mode)
-    nn.init.normal_(table.weight, generator=torch.Generator().manual_seed(seed))
-    return table
+class Table:
+    """The ps's EmbeddingBag and one optimizer per trainer (its own momentum, ...), each
+    applied to the table as that trainer's gradient for a lookup arrives."""
+
+    def __init__(self, spec: dict[str, Any], trainers: list[str]):
+        emb = spec["embedding"]
+        self.module = nn.EmbeddingBag(emb["numEmbeddings"], emb["dim"], mode=emb["mode"])
+        nn.init.normal_(self.module.weight, generator=torch.Generator().manual_seed(spec["seed"]))
+        optimizer_class, kwargs = optimizer_args(spec["optimizer"])
+        self.optimizers = {t: optimizer_class(self.module.parameters(), **kwargs)
+                           for t in trainers}  # fmt: skip
+        self.lock = threading.Lock()  # one update at a time; lookups read between them
+
+    def lookup(self, trainer: str, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return _StepOnBackward.apply(self.module.weight, ids, offsets, self, trainer)
+
+    def step(self, trainer: str, grad: torch.Tensor) -> None:
+        weight = self.module.weight
+        with self.lock:
+            weight.grad = grad
+            self.optimizers[trainer].step()
+            weight.grad = None
+
+
+class _StepOnBackward(torch.autograd.Function):
+    """The bags of a lookup; their gradient, when the backward brings it to the ps, becomes
+    the table's and steps the trainer's optimizer instead of waiting in the dist-autograd
+    context for an optimizer RPC."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+                table: Table, trainer: str) -> torch.Tensor:  # fmt: skip
+        with torch.enable_grad():  # a graph of its own, from a leaf that shares the weight
+            leaf = weight.detach().requires_grad_()
+            bags = F.embedding_bag(ids, leaf, offsets, mode=table.module.mode)
+        ctx.graph, ctx.table, ctx.trainer = (leaf, bags), table, trainer
+        return bags.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        leaf, bags = ctx.graph
+        (table_grad,) = torch.autograd.grad(bags, leaf, grad)
+        ctx.table.step(ctx.trainer, table_grad)
+        return None, None, None, None, None
+
+
+def _lookup(table: rpc.RRef, trainer: str, ids: torch.Tensor,
+            offsets: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    return table.local_value().lookup(trainer, ids, offsets)
 
 
 def _table_weight(table: rpc.RRef) -> torch.Tensor:
-    return table.local_value().weight.detach().clone()
-
-
-def _parameter_rrefs(table: rpc.RRef) -> list[rpc.RRef]:
-    return [rpc.RRef(p) for p in table.local_value().parameters()]
-
-
-# Each trainer's DistributedOptimizer has a local optimizer here for the table (its own
-# momentum, ...), by trainer; and the states a resumed world restores into them.
-_TABLE_OPTIMIZERS: dict[str, Any] = {}
-_RESTORED_OPTIMIZERS: dict[str, Any] = {}
-
-
-def _register_optimizer(table: rpc.RRef, trainer: str, optimizer: rpc.RRef) -> None:
-    local = optimizer.local_value()
-    _TABLE_OPTIMIZERS[trainer] = local
-    if trainer in _RESTORED_OPTIMIZERS:
-        checkpoint.load_optimizer_state(local, table.local_value(),
-                                        _RESTORED_OPTIMIZERS.pop(trainer))  # fmt: skip
+    return table.local_value().module.weight.detach().clone()
 
 
 def _save_table(table: rpc.RRef, directory: str) -> dict[str, Any]:
     """The table and every trainer's optimizer state for it, saved by the ps itself."""
-    return checkpoint.save_module(directory, "ps.pt", table.local_value(), _TABLE_OPTIMIZERS)
+    t = table.local_value()
+    with t.lock:
+        return checkpoint.save_module(directory, "ps.pt", t.module, t.optimizers)
 
 
 def _load_table(table: rpc.RRef, directory: str, entry: dict[str, Any]) -> None:
-    state = checkpoint.load_module(directory, entry, table.local_value(), {})
-    _RESTORED_OPTIMIZERS.update(state["optimizers"])  # applied as the trainers register
+    t = table.local_value()
+    checkpoint.load_module(directory, entry, t.module, t.optimizers)
 
 
 # ---- master ----
@@ -156,9 +192,7 @@ def _train_world(env: Env) -> dict[str, Any]:
     global _PROGRESS
     spec, emb = env.spec, env.spec["embedding"]
     [ps], trainers = env.names("ps"), env.names("trainer")
-    table = rpc.remote(
-        ps, _make_table, args=(emb["numEmbeddings"], emb["dim"], emb["mode"], spec["seed"])
-    )
+    table = rpc.remote(ps, Table, args=(spec, trainers))
     found = checkpoint.latest_for(env)
     resume = None if found is None else _resume(env, found, table)
     first = 0 if resume is None else resume["step"]
@@ -286,17 +320,39 @@ def print_summary(env: Env, s: dict[str, Any]) -> None:
 class HybridModel(nn.Module):
     """Sparse part: the remote EmbeddingBag, looked up over RPC. Dense part: DDP nn.Linear."""
 
-    def __init__(self, table: rpc.RRef, dense: nn.Module, device: torch.device):
+    def __init__(self, table: rpc.RRef, trainer: str, dense: nn.Module, device: torch.device):
         super().__init__()
-        self.table, self.dense, self.device = table, dense, device
+        self.table, self.trainer, self.dense, self.device = table, trainer, dense, device
 
-    def forward(
-        self, ids: torch.Tensor, offsets: torch.Tensor,
-        rpc_calls: profiling.RpcCalls = contextlib.nullcontext,
-    ) -> torch.Tensor:  # fmt: skip
-        with rpc_calls():  # the lookup is an RPC; DDP's forward may hold collectives
-            bags = self.table.rpc_sync().forward(ids, offsets)
+    def lookup(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.futures.Future:
+        """The bags, over RPC; inside a dist-autograd context, so the backward reaches the ps."""
+        return rpc.rpc_async(self.table.owner(), _lookup,
+                             args=(self.table, self.trainer, ids, offsets))  # fmt: skip
+
+    def forward(self, bags: torch.Tensor) -> torch.Tensor:
         return self.dense(bags.to(self.device))
+
+
+class DenseStep:
+    """The dense layer's optimizer step on a step's dist-autograd gradients, deferred until
+    the next step's lookup is in flight (it needs no dense weights), so the two overlap."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.grads: dict[torch.Tensor, torch.Tensor] | None = None
+
+    def defer(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+        self.grads = grads
+
+    def flush(self) -> None:
+        """Take the deferred step, if any: before the dense forward, a checkpoint, the end."""
+        if self.grads is None:
+            return
+        for p in self.params:
+            p.grad = self.grads.get(p)
+        self.optimizer.step()
+        self.grads = None
 
 
 def _device(env: Env) -> torch.device:
@@ -324,20 +380,14 @@ def _train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, A
     dense = DistributedDataParallel(
         linear, device_ids=[device.index] if device.type == "cuda" else None
     )
-    model = HybridModel(table, dense, device)
+    model = HybridModel(table, env.rpc_name, dense, device)
     initial = [p.detach().clone() for p in linear.parameters()]
-
-    params = rpc.rpc_sync(table.owner(), _parameter_rrefs, args=(table,))
-    params += [rpc.RRef(p) for p in model.parameters()]
     optimizer_class, kwargs = optimizer_args(spec["optimizer"])
-    optimizer = DistributedOptimizer(optimizer_class, params, **kwargs)
-    local = checkpoint.local_optimizers(optimizer)
-    ps = table.owner().name
-    rpc.rpc_sync(ps, _register_optimizer, args=(table, env.rpc_name, local[ps]))
-    dense_optimizer = local[env.rpc_name]
+    optimizer = optimizer_class(linear.parameters(), **kwargs)  # the ps steps the table
     if restored is not None:
-        checkpoint.load_optimizer_state(dense_optimizer.local_value(), linear,
-                                        restored["optimizers"]["dense"])  # fmt: skip
+        checkpoint.load_optimizer_state(optimizer, linear, restored["optimizers"]["dense"])
+    dense_step = DenseStep(optimizer)
+    ps = table.owner().name
 
     dataset = data.SyntheticBags(
         size=spec["datasetSize"],
@@ -363,14 +413,16 @@ def _train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, A
         batch = next(batches)
         read.update(batch.sample_ids)
         with profiling.window(env, profile, step, servers, sync=dist.barrier) as rpc_calls:
-            loss = _step(model, optimizer, batch, device, rpc_calls)
+            loss = _step(model, dense_step, batch, device, rpc_calls)
         if step == first + 1:
             loss_first = loss.item()
         if checkpoint.due(spec, step):
-            _checkpoint(env, step, table, linear, dense_optimizer)
+            dense_step.flush()
+            _checkpoint(env, step, table, linear, optimizer)
         if step % every == 0 or step == steps:
             report.wait()  # at most one report in flight; surfaces a failed one
             report = rpc.rpc_async("master", _report, args=(env.rpc_name, step, loss.item()))
+    dense_step.flush()
     seconds = time.perf_counter() - start
     report.wait()
     moved = [(p.detach() - q).flatten() for p, q in zip(linear.parameters(), initial, strict=True)]
@@ -392,7 +444,7 @@ def _train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, A
 
 
 def _checkpoint(env: Env, step: int, table: rpc.RRef, linear: nn.Module,
-                optimizer: rpc.RRef) -> None:  # fmt: skip
+                optimizer: torch.optim.Optimizer) -> None:  # fmt: skip
     """Once every trainer has finished `step`: DDP rank 0 saves the dense layer (the same on
     every rank) with its optimizer state and has the ps save the table; the master writes
     the manifest. The others wait, so nobody changes the table while it is saved."""
@@ -402,21 +454,26 @@ def _checkpoint(env: Env, step: int, table: rpc.RRef, linear: nn.Module,
         directory = str(checkpoint.step_dir(env.spec["checkpoint"]["path"], step))
         saving = rpc.rpc_async(table.owner(), _save_table, args=(table, directory))
         dense = checkpoint.save_module(directory, "dense.pt", linear,
-                                       {"dense": optimizer.local_value()})  # fmt: skip
+                                       {"dense": optimizer})  # fmt: skip
         files = [saving.wait(), dense]
         rpc.rpc_sync("master", _write_manifest, args=(step, files, time.perf_counter() - start))
     dist.barrier()
 
 
-def _step(model: HybridModel, optimizer: DistributedOptimizer, batch: data.Batch,
-          device: torch.device,
+def _step(model: HybridModel, dense_step: DenseStep, batch: data.Batch, device: torch.device,
           rpc_calls: profiling.RpcCalls = contextlib.nullcontext) -> torch.Tensor:  # fmt: skip
-    """One step; `rpc_calls` wraps its RPCs (the lookup, the optimizer), not DDP's parts."""
+    """One step; `rpc_calls` wraps its RPCs (the lookup), not DDP's parts. The backward
+    steps the table on the ps; the dense layer's step (on gradients DDP averaged across the
+    trainers during the backward) is deferred to overlap the next lookup."""
     ids, offsets = torch.tensor(batch.ids), torch.tensor(batch.offsets)
     labels = torch.tensor(batch.labels, device=device)
     with dist_autograd.context() as context:
-        loss = F.cross_entropy(model(ids, offsets, rpc_calls), labels)
-        dist_autograd.backward(context, [loss])
         with rpc_calls():
-            optimizer.step(context)
+            lookup = model.lookup(ids, offsets)
+        dense_step.flush()  # the previous step's, while the lookup is in flight
+        with rpc_calls():
+            bags = lookup.wait()
+        loss = F.cross_entropy(model(bags), labels)
+        dist_autograd.backward(context, [loss])
+        dense_step.defer(dist_autograd.get_gradients(context))
     return loss

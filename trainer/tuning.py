@@ -24,8 +24,10 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   taking CPU from the stages of a
   CPU-bound pipeline; a PipelineJob's CPU-only processes use the uv (TCP) transport instead.
   A HybridJob is bound by the latency of its many small RPCs, which the polling shortens
-  (uv: 0.82x the iterations/s of shm on a lightly loaded host), and processes with GPUs need
-  the CUDA channels: both keep torch's defaults.
+  (uv: 0.82x the iterations/s of shm on a lightly loaded host): its ps and trainers keep
+  torch's defaults, but its master, which only starts the trainers and takes their reports,
+  uses uv and stops polling (its CPU per iteration 1.1 -> 0.1 ms). Processes with GPUs
+  need the CUDA channels: torch's defaults.
 
 A variable the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, MALLOC_ARENA_MAX)
 always wins. PIPEJOB_TUNING picks levers: unset or "on" for all, "off" for none, or a
@@ -152,13 +154,16 @@ def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
             threads = max(1, math.floor(cpus))
     if "allocator" in enabled:
         arena = 1
-    return Settings(threads, passive, arena, *transport(kind, gpus, enabled))
+    return Settings(threads, passive, arena, *transport(kind, role, gpus, enabled))
 
 
-def transport(kind: str, gpus: int, enabled: set[str]) -> tuple[list[str] | None, list[str] | None]:
+def transport(kind: str, role: str, gpus: int,
+              enabled: set[str]) -> tuple[list[str] | None, list[str] | None]:  # fmt: skip
     """TensorPipe transports and channels: uv and basic for a PipelineJob's CPU-only
-    processes; torch's defaults (None) otherwise, or when the lever is off."""
-    if "transport" in enabled and kind == "PipelineJob" and gpus == 0:
+    processes and a HybridJob's master; torch's defaults (None) otherwise, or when the lever
+    is off."""
+    polling_pays = kind == "HybridJob" and role != "master"
+    if "transport" in enabled and gpus == 0 and not polling_pays:
         return list(CPU_TRANSPORTS), list(CPU_CHANNELS)
     return None, None
 
@@ -218,11 +223,11 @@ def _keep_memory(arenas: int) -> bool:
     return all([bool(libc.mallopt(parameter, value)) for parameter, value in settings])
 
 
-def rpc_backend_kwargs(kind: str, gpus: int,
+def rpc_backend_kwargs(kind: str, role: str, gpus: int,
                        environ: Mapping[str, str] | None = None) -> dict[str, list]:  # fmt: skip
     """TensorPipeRpcBackendOptions keyword arguments for the transport lever."""
     environ = os.environ if environ is None else environ
-    transports, channels = transport(kind, gpus, levers(environ.get(TUNING)))
+    transports, channels = transport(kind, role, gpus, levers(environ.get(TUNING)))
     if transports is None:
         return {}
     return {"_transports": transports, "_channels": channels}

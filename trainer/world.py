@@ -203,7 +203,7 @@ def backend_options(env: Env, timeout: float, device_maps: dict[str, dict[int, i
         num_worker_threads=16,
         rpc_timeout=timeout,
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
-        **tuning.rpc_backend_kwargs(env.kind, env.gpus),  # no busy-polling on CPU pipelines
+        **tuning.rpc_backend_kwargs(env.kind, env.role, env.gpus),  # busy-polling where it pays
     )
     for peer, mapping in (device_maps or {}).items():
         options.set_device_map(peer, mapping)

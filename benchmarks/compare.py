@@ -3,6 +3,8 @@ batch, image size, model split and thread budget:
 
   pipejob   the PipelineJob through the local runner (`pipejob run`), its threads and
             transports chosen by pipejob.trainer.tuning; rate from the master's summary
+  pipejob-auto  the same with `microBatches: auto`: reported with the count it chose,
+            beside pipejob at its best fixed count
   baseline  the tutorial's RPC pipeline, written faithfully (baseline_pipeline.py)
   gpipe     torch.distributed.pipelining ScheduleGPipe, 2 processes over gloo
   1f1b      torch.distributed.pipelining Schedule1F1B, 2 processes over gloo
@@ -20,6 +22,7 @@ It measures; it asserts nothing.
     python benchmarks/compare.py                 # about 15 minutes on 2 idle cores
     python benchmarks/compare.py --quick         # one repeat of m=2,4: a smoke test
     python benchmarks/compare.py --systems pipejob,baseline --pipejob-env PIPEJOB_TUNING=off
+    python benchmarks/compare.py --systems pipejob,pipejob-auto --quick   # auto's choice
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from _common import (
     threads_summary,
 )
 
-SYSTEMS = ("pipejob", "baseline", "gpipe", "1f1b", "single-t1", "single-tN")
+SYSTEMS = ("pipejob", "pipejob-auto", "baseline", "gpipe", "1f1b", "single-t1", "single-tN")
+AUTO = "auto"
 STEP_LINE = re.compile(r"^master\s*\| .*\bstep (\d+)/(\d+)")
 
 
@@ -59,7 +63,7 @@ class Run:
     """One measured configuration: a system at a micro-batch count, in one repeat."""
 
     system: str
-    m: int
+    m: int | str  # or "auto"
     rate: float  # samples/s
     load: str
     wall: float = 0.0  # seconds between the marks
@@ -67,6 +71,7 @@ class Run:
     processes: dict[str, Counters] = field(default_factory=dict)
     bubble: float | None = None  # pipejob's own measure, when it has one
     batch: int = 48
+    chosen: int | None = None  # the count `microBatches: auto` chose
 
 
 @dataclass
@@ -102,7 +107,7 @@ class PipejobWorkers(RunnerWorkers):
     """`pipejob run` as one child: marks come from the master's step lines, and the runner's
     trainer processes (named in its "started" lines) are sampled too."""
 
-    def __init__(self, steps: int, warmup: int, m: int, echo_line):
+    def __init__(self, steps: int, warmup: int, m: int | str, echo_line):
         super().__init__(echo_line)
         self.steps, self.warmup, self.m = steps, warmup, m
 
@@ -115,7 +120,7 @@ class PipejobWorkers(RunnerWorkers):
         super().on_line(name, line)
 
 
-def pipejob_manifest(cfg: Config, m: int) -> dict[str, Any]:
+def pipejob_manifest(cfg: Config, m: int | str) -> dict[str, Any]:
     return {
         "apiVersion": "pipejob.dev/v1alpha1",
         "kind": "PipelineJob",
@@ -131,7 +136,7 @@ def pipejob_manifest(cfg: Config, m: int) -> dict[str, Any]:
 def run_pipejob(cfg: Config, tmp: Path, system: str = "pipejob",
                 extra: dict[str, str] | None = None) -> list[Run]:  # fmt: skip
     runs = []
-    for m in cfg.counts:
+    for m in [AUTO] if system == "pipejob-auto" else cfg.counts:
         path, summary_file = tmp / f"pipejob-m{m}.yaml", tmp / f"pipejob-m{m}.json"
         path.write_text(yaml.safe_dump(pipejob_manifest(cfg, m)))
         summary_file.unlink(missing_ok=True)
@@ -147,8 +152,8 @@ def run_pipejob(cfg: Config, tmp: Path, system: str = "pipejob",
             summary = json.loads(summary_file.read_text())
             wall, deltas = w.between(f"m{m}-start", f"m{m}-end")
             rate, bubble = summary["samplesPerSecond"], summary["bubble"]["measured"]
-            runs.append(Run(system, m, rate, load_average(), wall, cfg.batches,
-                            _named(deltas), bubble, cfg.batch))  # fmt: skip
+            runs.append(Run(system, m, rate, load_average(), wall, cfg.batches, _named(deltas),
+                            bubble, cfg.batch, summary["microBatches"]))  # fmt: skip
     return runs
 
 
@@ -242,7 +247,8 @@ def report(runs: list[Run], cpus: int) -> str:
     for r in runs:
         by[r.system][r.m].append(r)
     for system in by:
-        cells = [f"m={m}: {_spread(by[system][m])}" for m in sorted(by[system])]
+        cells = [f"m={m}: {_spread(by[system][m])}" + _chose(by[system][m])
+                 for m in sorted(by[system], key=str)]  # fmt: skip
         lines.append(f"  {system:<20} " + "   ".join(cells))
     chosen = best(runs)
     single = chosen.get("single-t1")
@@ -260,6 +266,7 @@ def report(runs: list[Run], cpus: int) -> str:
         bubble = f"{spread(bubbles)[1]:>6.0%}" if bubbles else f"{'-':>6}"
         per_cpu = spread([r.batch * r.batches / sum(d.cpu for d in r.processes.values())
                           for r in rs])[1]  # fmt: skip
+        m = "/".join(sorted({str(r.chosen) for r in rs})) if m == AUTO else m
         lines.append(f"  {system:<20} {m:>2} {_spread(rs):>20} {rs[0].batch / rate:>7.2f}"
                      f" {speedup:>10.2f}x {lost:>5.0%} {bubble} {per_cpu:>9.1f}")  # fmt: skip
         lines += _processes(rs)
@@ -274,6 +281,9 @@ def report(runs: list[Run], cpus: int) -> str:
 
     for variant in (s for s in rate if s.startswith("pipejob:")):
         ratio("pipejob", variant, None, f"pipejob / {variant} (a lever's gain)")
+    if "pipejob" in chosen:
+        ratio("pipejob-auto", "pipejob", None,
+              f"pipejob-auto / pipejob at its best m ({chosen['pipejob'][0]})")
     ratio("pipejob", "baseline", 1.3)
     if "gpipe" in rate or "1f1b" in rate:
         better = max((s for s in ("gpipe", "1f1b") if s in rate), key=rate.get)
@@ -287,6 +297,13 @@ def report(runs: list[Run], cpus: int) -> str:
               " own measure (idle share of stage time in forward and backward); per CPU-s ="
               " samples per CPU-second of all its processes (robust to other load)."]
     return "\n".join(lines)
+
+
+def _chose(runs: list[Run]) -> str:
+    """What `microBatches: auto` chose in each of these runs."""
+    if runs[0].m != AUTO:
+        return ""
+    return f" (chose {', '.join(str(r.chosen) for r in runs)})"
 
 
 def _spread(runs: list[Run]) -> str:
@@ -353,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
             jobs: list[tuple[str, Any]] = []
             if "pipejob" in systems:
                 jobs.append(("pipejob", lambda: run_pipejob(cfg, Path(tmp))))
+            if "pipejob-auto" in systems:
+                jobs.append(("pipejob-auto",
+                             lambda: run_pipejob(cfg, Path(tmp), "pipejob-auto")))  # fmt: skip
             for label, extra in cfg.variants.items():
                 jobs.append((f"pipejob:{label}",
                              lambda label=label, extra=extra: run_pipejob(
@@ -371,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                     f" {label} ...")  # fmt: skip
                 new = job()
                 runs += new
-                rates = ", ".join(f"{r.system} m={r.m} {r.rate:.1f}" for r in new)
+                rates = ", ".join(f"{r.system} m={r.m}{_chose([r])} {r.rate:.1f}" for r in new)
                 say(f"          {rates} samples/s ({time.monotonic() - t0:.0f}s; {load_average()})")
     if args.json:
         args.json.write_text(json.dumps([_jsonable(r) for r in runs], indent=1))

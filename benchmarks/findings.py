@@ -302,7 +302,8 @@ def balance_rank(args: argparse.Namespace) -> None:
                     half(x).sum().backward()
                 best = min(best, time.thread_time() - start)
             halves.append(best)
-        costs = measure_costs(layers, torch.randn(micro, 3, IMAGE, IMAGE), repeats=args.repeats)
+        costs = measure_costs(layers, torch.randn(micro, 3, IMAGE, IMAGE),
+                              repeats=args.repeats).seconds
         cut_at = min_max_partition(costs, 2)[1].start
         rows.append({"micro": micro, "first": halves[0], "second": halves[1],
                      "cut": names[cut_at], "cut_share": sum(costs[:cut_at]) / sum(costs),

@@ -1,11 +1,13 @@
-"""Pipeline speed-up from micro-batching: the example PipelineJob at 1, 2, 4 and 8 micro-batches.
+"""Pipeline speed-up from micro-batching: the example PipelineJob at 1, 2, 4 and 8 micro-batches,
+and with `microBatches: auto`.
 
 Each configuration runs through the local runner (`pipejob run`, real processes on loopback)
-and is measured by the master's own summary. Prints samples/s, the speed-up over one
-micro-batch beside the GPipe ideal p*m/(m+p-1), and the measured bubble beside the ideal
-(p-1)/(m+p-1). It measures; it asserts nothing about time.
+and is measured by the master's own summary. Prints samples/s, the speed-up over the first
+count beside the GPipe ideal p*m/(m+p-1), and the measured bubble beside the ideal
+(p-1)/(m+p-1); for auto, the count it chose and how it compares with the best fixed count.
+It measures; it asserts nothing about time.
 
-    python benchmarks/pipeline.py                      # the example as it is
+    python benchmarks/pipeline.py                      # the example: 1, 2, 4, 8 and auto
     python benchmarks/pipeline.py --steps 20 --micro-batches 1,2,4,8,16
 """
 
@@ -24,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from pipejob.spec import InvalidSpec, parse
+from pipejob.spec import AUTO, InvalidSpec, parse
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "resnet50-pipeline.yaml"
 OVERRIDES = {  # flag -> spec field
@@ -53,7 +55,7 @@ def run_one(manifest: dict[str, Any], workdir: Path, timeout: float) -> dict[str
     try:
         for line in popen.stdout:
             lines.append(line)
-            if "master | step" in line or "master | stage" in line:
+            if any(f"master | {what}" in line for what in ("step", "stage", "microBatches")):
                 print(f"  m={m}: {line.split('| ', 1)[1].strip()}", flush=True)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"m={m} took longer than {timeout:g}s")
@@ -75,19 +77,27 @@ def table(results: list[dict[str, Any]]) -> str:
         f" {'bubble':>7} {'ideal bubble':>13}"
     ]
     for r in results:
-        m = r["microBatches"]
+        m = r["microBatches"]  # for auto: the count it chose
+        label = f"auto: {m}" if r["microBatchesRequested"] == AUTO else str(m)
         rows.append(
-            f"{m:>13} {r['samplesPerSecond']:>10.1f} {r['samplesPerSecond'] / base:>8.2f}x"
+            f"{label:>13} {r['samplesPerSecond']:>10.1f} {r['samplesPerSecond'] / base:>8.2f}x"
             f" {p * m / (m + p - 1):>11.2f}x {r['bubble']['measured']:>7.0%}"
             f" {r['bubble']['gpipeIdeal']:>13.0%}"
         )
+    fixed = [r for r in results if r["microBatchesRequested"] != AUTO]
+    for r in (r for r in results if r["microBatchesRequested"] == AUTO and fixed):
+        best = max(fixed, key=lambda f: f["samplesPerSecond"])
+        ratio = r["samplesPerSecond"] / best["samplesPerSecond"]
+        rows.append(f"auto chose {r['microBatches']}; the best fixed count was"
+                    f" {best['microBatches']}: auto runs at {ratio:.2f}x its rate")  # fmt: skip
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--manifest", type=Path, default=EXAMPLE, help="PipelineJob to start from")
-    ap.add_argument("--micro-batches", default="1,2,4,8", help="comma-separated counts")
+    ap.add_argument("--micro-batches", default="1,2,4,8,auto",
+                    help="comma-separated counts; auto: let the trainer choose")
     ap.add_argument("--model")
     ap.add_argument("--stages", type=int)
     ap.add_argument("--batch-size", type=int)
@@ -98,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = yaml.safe_load(args.manifest.read_text())
     base["spec"].update({f: getattr(args, a) for a, f in OVERRIDES.items() if getattr(args, a)})
-    counts = [int(m) for m in args.micro_batches.split(",")]
+    counts = [m if m == AUTO else int(m) for m in args.micro_batches.split(",")]
     manifests = []
     for m in counts:
         manifest = copy.deepcopy(base)

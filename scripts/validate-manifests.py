@@ -34,9 +34,9 @@ _COPIED = ("type", "enum", "minimum", "maximum", "pattern", "maxLength", "minLen
 
 def json_schema(s: dict[str, Any]) -> dict[str, Any]:
     """A CRD's structural OpenAPI v3 schema as a JSON Schema (draft 2020-12)."""
-    if s.get("x-kubernetes-int-or-string"):
-        return {"anyOf": [{"type": "integer"}, {"type": "string"}]}
     out = {k: s[k] for k in _COPIED if k in s}
+    if s.get("x-kubernetes-int-or-string"):  # minimum bounds its integers, pattern its strings
+        return out | {"anyOf": [{"type": "integer"}, {"type": "string"}]}
     if s.get("exclusiveMinimum") is True:  # OpenAPI 3.0's boolean form
         out["exclusiveMinimum"] = out.pop("minimum")
     if s.get("exclusiveMaximum") is True:

@@ -16,7 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.mark.timeout(300)
 def test_compare_measures_every_system_it_is_asked_for():
-    systems = ["pipejob", "baseline", "gpipe", "single-t1"]
+    systems = ["pipejob", "pipejob-auto", "baseline", "gpipe", "single-t1"]
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "compare.py"), "--systems", ",".join(systems),
          "--micro-batches", "2", "--batches", "1", "--repeats", "1", "--batch", "4",
@@ -28,6 +28,10 @@ def test_compare_measures_every_system_it_is_asked_for():
         rate = re.search(rf"^  {re.escape(system)}\s+\d+\s+([\d.]+) \[", out.stdout, re.M)
         assert rate and float(rate.group(1)) > 0, f"{system} not reported:\n{out.stdout}"
     assert re.search(r"pipejob / baseline\s+[\d.]+x", out.stdout)
+    # auto is reported with the count it chose (of 1 and 2 for a batch of 4).
+    assert re.search(r"^  pipejob-auto\s+m=auto: [\d.]+ \[[\d.-]+\] \(chose [12]\)$", out.stdout,
+                     re.M), out.stdout  # fmt: skip
+    assert re.search(r"pipejob-auto / pipejob at its best m \(2\)\s+[\d.]+x", out.stdout)
     assert re.search(r"stage1\s+CPU/wall [\d.]+\s+faults/batch", out.stdout)
 
 

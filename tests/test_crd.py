@@ -45,7 +45,10 @@ def test_committed_crds_are_the_generated_ones():
 @pytest.mark.parametrize("kind", spec.KINDS)
 def test_every_field_is_typed_and_documented(kind):
     for path, node in walk(root(kind), kind):
-        assert node.get("type"), f"{path} has no type (structural schemas need one)"
+        if node.get("x-kubernetes-int-or-string"):  # the one structural schema without a type
+            assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
+        else:
+            assert node.get("type"), f"{path} has no type (structural schemas need one)"
         if not path.endswith(".metadata"):
             assert node.get("description"), f"{path} has no description for kubectl explain"
 
@@ -75,6 +78,9 @@ def test_names_version_subresource_and_columns(kind):
 def test_validations_the_schema_can_express():
     props = root("PipelineJob")["properties"]["spec"]["properties"]
     assert props["stages"]["minimum"] == 2 and props["stages"]["default"] == 2
+    micro = props["microBatches"]  # a positive integer or "auto"
+    assert micro["x-kubernetes-int-or-string"] is True and "type" not in micro
+    assert (micro["minimum"], micro["pattern"], micro["default"]) == (1, "^auto$", 4)
     assert "resnet50" in props["model"]["enum"]
     assert props["optimizer"]["properties"]["lr"]["exclusiveMinimum"] is True
     assert props["template"]["properties"]["imagePullPolicy"]["enum"] == [
@@ -100,6 +106,7 @@ def k8s_default(schema, value):
     [
         ("PipelineJob", None),
         ("PipelineJob", {"stages": 4, "optimizer": {"name": "adam"}}),
+        ("PipelineJob", {"microBatches": "auto"}),
         ("HybridJob", {}),
         ("HybridJob", {"embedding": {"dim": 4}, "gpusPerTrainer": 1}),
     ],
@@ -124,7 +131,9 @@ def cel(rule: str, value) -> bool:
 
 CASES = {
     "PipelineJob": [{}, {"batchSize": 30, "microBatches": 4}, {"batchSize": 64,
-                                                               "microBatches": 8}],
+                                                               "microBatches": 8},
+                    {"batchSize": 30, "microBatches": "auto"}, {"microBatches": "auto"},
+                    {"batchSize": 32, "microBatches": 3}],
     "HybridJob": [{}, {"backend": "nccl"}, {"backend": "nccl", "gpusPerTrainer": 2},
                   {"backend": "gloo"}, {"trainers": 4, "batchSize": 50, "datasetSize": 199},
                   {"trainers": 4, "batchSize": 50, "datasetSize": 200}],

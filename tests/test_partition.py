@@ -11,7 +11,16 @@ from torch import nn
 
 from pipejob.spec import PIPELINE_MODELS
 from pipejob.trainer.layers import build_model, cut, sequential
-from pipejob.trainer.partition import measure_costs, min_max_partition
+from pipejob.trainer.partition import (
+    Host,
+    LayerCosts,
+    fastest,
+    intra_op_threads,
+    measure_costs,
+    micro_batch_counts,
+    min_max_partition,
+    predict,
+)
 
 # One model per torchvision family the trainer cuts, with an input size it can take.
 FAMILIES = {
@@ -109,9 +118,11 @@ def test_measured_costs_leave_the_model_untouched():
     torch.manual_seed(0)
     layers = cut(build_model("resnet18", 10))
     before = {k: v.clone() for k, v in sequential(layers).state_dict().items()}
-    costs = measure_costs(layers, torch.randn(2, 3, 32, 32), repeats=2)
-    assert len(costs) == len(layers)
+    measured = measure_costs(layers, torch.randn(2, 3, 32, 32), repeats=2)
+    costs = measured.seconds
+    assert len(costs) == len(measured.cpu_seconds) == len(layers)
     assert all(c > 0 for c in costs)
+    assert sum(measured.cpu_seconds) > 0
     # The residual blocks cost more than the flatten between avgpool and fc.
     by_name = dict(zip((n for n, _ in layers), costs, strict=True))
     assert by_name["layer1.0"] > by_name["flatten"]
@@ -131,3 +142,82 @@ def test_a_layer_that_cannot_take_the_input_is_named():
 def test_cut_refuses_models_it_does_not_know():
     with pytest.raises(ValueError, match="cannot cut Linear into pipeline layers"):
         cut(nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------ microBatches: auto
+
+
+@pytest.mark.parametrize(
+    ("batch", "counts"),
+    [(48, [1, 2, 4, 8, 16]), (32, [1, 2, 4, 8, 16]), (64, [1, 2, 4, 8, 16, 32]), (30, [1, 2]),
+     (15, [1]), (4, [1, 2]), (2, [1]), (1, [1])],
+)  # fmt: skip
+def test_auto_tries_powers_of_two_with_micro_batches_of_two_or_more(batch, counts):
+    assert micro_batch_counts(batch) == counts
+
+
+def uniform(per_layer: list[float]) -> LayerCosts:
+    """Costs of a layer that keeps its threads busy: CPU time equals wall-clock time."""
+    return LayerCosts(per_layer, per_layer)
+
+
+def test_auto_picks_the_count_with_the_shortest_predicted_step():
+    """Each of 4 layers costs 1 (per call) + 1 per sample: on 2 stages with cores of their
+    own, a step of m micro-batches of 16 / m takes (m + 1) * 2 * (1 + 16 / m) =
+    2 (m + 17 + 16 / m), shortest at m = 4 (50): fewer micro-batches leave a larger bubble,
+    more pay the per-call cost more often."""
+    batch, counts = 16, micro_batch_counts(16)
+    costs = {m: uniform([1 + batch / m] * 4) for m in counts}
+    predictions = [predict(costs[m], 2, m, batch) for m in counts]
+    assert [p.step_seconds for p in predictions] == [68, 54, 50, 54]  # m = 1, 2, 4, 8
+    chosen = fastest(predictions)
+    assert (chosen.micro_batches, chosen.micro_batch_size) == (4, 4)
+    assert chosen.ranges == [range(0, 2), range(2, 4)] and chosen.pipeline_seconds == 50
+    assert chosen.samples_per_second == pytest.approx(16 / 50)
+    # Two cores for both stages do not slow them: their bound 2m + 32 < 2 (m + 17 + 16 / m).
+    two = [predict(costs[m], 2, m, batch, [Host((0, 1), 2)]) for m in counts]
+    assert fastest(two).micro_batches == 4
+    # On one core they compute one at a time: pipelining gains nothing and every extra
+    # micro-batch costs CPU time (4m + 64), so one micro-batch is fastest.
+    one = [predict(costs[m], 2, m, batch, [Host((0, 1), 1)]) for m in counts]
+    assert [p.cores_seconds for p in one] == [68, 72, 80, 96]
+    assert [p.step_seconds for p in one] == [68, 72, 80, 96]
+    assert fastest(one).micro_batches == 1
+
+
+def test_the_cores_bound_counts_only_the_stages_sharing_a_host():
+    costs = LayerCosts([1, 1, 1, 1], [2, 2, 2, 2])  # two threads busy per layer
+    alone = predict(costs, 2, 2, 8, [Host((0,), 4), Host((1,), 4)])
+    assert (alone.pipeline_seconds, alone.cores_seconds) == (6, 2)  # 2 * (2 + 2) / 4
+    shared = predict(costs, 2, 2, 8, [Host((0, 1), 2)])
+    assert (shared.pipeline_seconds, shared.cores_seconds) == (6, 8)  # 2 * 8 / 2
+    assert shared.step_seconds == 8
+
+
+def test_each_count_is_split_by_its_own_costs():
+    """The last layer degrades at small micro-batches (as ResNet's late blocks do): at one
+    micro-batch the split is 2 + 2 layers; at 4, the last layer gets a stage of its own."""
+    big = predict(uniform([4, 4, 4, 4]), 2, 1, 8)
+    small = predict(uniform([1, 1, 1, 3]), 2, 4, 8)
+    assert big.ranges == [range(0, 2), range(2, 4)]
+    assert small.ranges == [range(0, 3), range(3, 4)]
+    assert (big.step_seconds, small.step_seconds) == (16, 15)
+    assert fastest([big, small]) is small
+
+
+def test_a_tie_goes_to_fewer_micro_batches():
+    a, b = predict(uniform([3, 3]), 2, 1, 4), predict(uniform([2, 2]), 2, 2, 4)  # 2*3 == 3*2
+    assert a.step_seconds == b.step_seconds
+    assert fastest([b, a]) is a
+
+
+def test_costs_are_measured_with_the_threads_asked_for():
+    before = torch.get_num_threads()
+    with intra_op_threads(before + 1):
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), intra_op_threads(before + 2):
+        raise RuntimeError("measurement failed")
+    assert torch.get_num_threads() == before  # restored on failure too
+    with intra_op_threads(None):
+        assert torch.get_num_threads() == before

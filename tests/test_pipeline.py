@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import re
+import threading
 import time
 from typing import Any
 
@@ -15,7 +18,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from jobrun import run_to_end
+from jobrun import JobRun, run_to_end
 from pipejob import plan, spec
 from pipejob.runner import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, world
@@ -58,7 +61,10 @@ def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
     for st in stages:
         assert st["forwardSeconds"] > 0 and st["backwardSeconds"] > 0, st
         assert 0 <= st["idleFraction"] < 1, st
-    p, m = s["stages"], s["microBatches"]
+    p, m = s["stages"], summary["microBatches"]
+    assert summary["microBatchesRequested"] == s["microBatches"]
+    if s["microBatches"] != "auto":
+        assert m == s["microBatches"] and summary["microBatchCandidates"] == []
     assert summary["bubble"]["gpipeIdeal"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-4)
     assert 0 < summary["bubble"]["measured"] < 1
 
@@ -101,6 +107,46 @@ def test_three_stage_pipeline_trains(tmp_path):
     assert "step 2/2  loss " in out and "step 1/2" not in out  # logEvery
     assert "started stage2" in out
     check_summary(summary, job)
+
+
+@pytest.mark.timeout(200)
+def test_auto_micro_batches_are_chosen_once_and_kept_on_resume(tmp_path):
+    """microBatches auto measures every candidate count, runs the one with the shortest
+    predicted step and keeps it in the checkpoint: a resumed run uses it again, and a resume
+    with another explicit count is refused."""
+    job = manifest("auto", stages=2, microBatches="auto", steps=2, logEvery=2,
+                   checkpoint={"path": str(tmp_path / "checkpoints"), "everySteps": 1},
+                   preflight={"megabytes": 0.5})  # fmt: skip
+    code, out, summary = run_to_end(job, tmp_path, timeout=150)
+    assert code == 0, out
+    check_summary(summary, job)
+    candidates = summary["microBatchCandidates"]
+    assert [c["microBatches"] for c in candidates] == [1, 2, 4]  # batch 8: micro-batches >= 2
+    assert [c["microBatchSize"] for c in candidates] == [8, 4, 2]
+    best = min(candidates, key=lambda c: c["predictedStepSeconds"])
+    m = summary["microBatches"]
+    assert m == best["microBatches"]
+    for c in candidates:
+        assert c["predictedStepSeconds"] == max(c["pipelineBoundSeconds"], c["coresBoundSeconds"])
+        assert c["predictedSamplesPerSecond"] == pytest.approx(
+            8 / c["predictedStepSeconds"], rel=1e-2)  # fmt: skip
+    assert f"microBatches auto chose {m} (micro-batches of {8 // m}):" in out
+    # m, micro-batch size, the two bounds, the prediction and its samples/s.
+    assert re.search(rf"^master\s*\|\s+{m}\s+{8 // m}(\s+[\d.]+){{4}}  <- chosen$", out, re.M)
+    assert f"microBatches auto chose {m} of 1, 2, 4: predicted" in out  # in the summary
+
+    longer = manifest("auto", **(job["spec"] | {"steps": 3}))
+    code, out, summary = run_to_end(longer, tmp_path, timeout=150)
+    assert code == 0, out
+    assert "resumed from step 2" in out and "measuring layer costs" not in out
+    assert f"microBatches auto resumes with the checkpoint's {m} (micro-batches of" in out
+    assert summary["microBatches"] == m and summary["microBatchCandidates"] == candidates
+
+    other = 1 if m != 1 else 2
+    with JobRun(manifest("auto", **(job["spec"] | {"microBatches": other, "steps": 4})),
+                tmp_path, "other") as run:  # fmt: skip
+        assert run.finish(120) != 0, run.output
+        assert f"holds a checkpoint of microBatches {m}, not microBatches {other}" in run.output
 
 
 def _stage_gradients(stage: rpc.RRef, context_id: int) -> dict[str, torch.Tensor]:
@@ -276,3 +322,91 @@ def test_stage_times_forward_and_backward_of_each_micro_batch():
         for forward, backward, busy in times.values():
             assert forward > 0 and backward > 0
             assert busy == pytest.approx(forward + backward)  # no overlap when sequential
+
+
+# ------------------------------------------------------------------ forwards in order
+
+
+def _arrive(turnstile: pipeline.Turnstile, step: int, index: int, passed: list, fail=False):
+    with turnstile.turn(step, index):
+        passed.append((step, index))
+        if fail:
+            raise RuntimeError(f"micro-batch {index} failed")
+
+
+def _start(target, *args) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait_until_blocked(threads: list[threading.Thread], passed: list, expected: int) -> None:
+    """Let the threads reach the turnstile: none of them can pass it yet."""
+    for _ in range(20):
+        time.sleep(0.01)
+        assert len(passed) == expected and all(t.is_alive() for t in threads)
+
+
+@pytest.mark.timeout(30)
+def test_turnstile_lets_micro_batches_through_in_order():
+    turnstile, passed = pipeline.Turnstile(timeout=20), []
+    # Micro-batches 3, 2 and 1 arrive first and wait (a lock would let 3 in first).
+    early = [_start(_arrive, turnstile, 0, i, passed) for i in (3, 2, 1)]
+    _wait_until_blocked(early, passed, 0)
+    _start(_arrive, turnstile, 0, 0, passed).join(20)
+    for t in early:
+        t.join(20)
+    # The next step (its forwards start once the last step's have ended) starts at 0 again.
+    for t in [_start(_arrive, turnstile, 1, i, passed) for i in (1, 0)]:
+        t.join(20)
+    assert passed == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_micro_batch_passes_its_turn_on():
+    turnstile, passed, errors = pipeline.Turnstile(timeout=20), [], []
+
+    def failing():
+        try:
+            _arrive(turnstile, 0, 0, passed, fail=True)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    waiting = [_start(_arrive, turnstile, 0, 1, passed)]
+    _wait_until_blocked(waiting, passed, 0)
+    _start(failing).join(20)
+    waiting[0].join(20)
+    assert errors == ["micro-batch 0 failed"] and passed == [(0, 0), (0, 1)]
+
+
+def test_a_turn_that_never_comes_is_an_error_not_a_hang():
+    turnstile = pipeline.Turnstile(timeout=0.2)
+    with pytest.raises(TimeoutError, match=r"micro-batch 2 of step 0 waited 0.2s for its turn"):
+        with turnstile.turn(0, 2):
+            pass
+    with turnstile.turn(0, 0):  # the error left the turnstile as it was
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_stage_runs_forwards_in_micro_batch_order_whatever_their_arrival():
+    """Forwards reach a stage's RPC threads out of order; it computes them in order."""
+    torch.manual_seed(0)
+    stage = pipeline.Stage([("a", nn.Linear(8, 8)), ("b", nn.Linear(8, 2))], last=True,
+                           device="cpu")  # fmt: skip
+    done: list[int] = []
+
+    def call(mb: int) -> None:
+        stage.forward(torch.randn(4, 8), 0, mb)
+        done.append(mb)
+
+    threads = [_start(call, mb) for mb in (3, 1, 2)]
+    _wait_until_blocked(threads, done, 0)
+    threads.append(_start(call, 0))
+    for t in threads:
+        t.join(30)
+    assert sorted(done) == [0, 1, 2, 3]
+    # One at a time, in order: each forward ended before the next one started.
+    intervals = [stage._events[0, mb]["forward"] for mb in range(4)]
+    for (_, end), (start, _) in itertools.pairwise(intervals):
+        assert end <= start, intervals

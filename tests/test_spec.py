@@ -46,6 +46,13 @@ def test_hybrid_backend_follows_gpus(gpus, backend):
     assert spec.parse(hybrid(gpusPerTrainer=gpus)).spec["backend"] == backend
 
 
+def test_micro_batches_is_a_count_or_auto():
+    assert spec.parse(_with(pipeline(), "spec.microBatches", _DELETE)).spec["microBatches"] == 4
+    assert spec.parse(pipeline(microBatches=8)).spec["microBatches"] == 8
+    # auto picks a count that divides the batch itself: any batch size is accepted.
+    assert spec.parse(pipeline(microBatches="auto", batchSize=30)).spec["microBatches"] == "auto"
+
+
 def test_explicit_gloo_with_gpus_is_kept():
     assert spec.parse(hybrid(gpusPerTrainer=2, backend="gloo")).spec["backend"] == "gloo"
 
@@ -77,6 +84,13 @@ MISTAKES = [
     (pipeline(stages=True), "spec.stages", "must be an integer"),
     (pipeline(microBatchs=4), "spec.microBatchs", "did you mean 'microBatches'"),
     (pipeline(batchSize=30, microBatches=4), "spec.microBatches", "divisible by microBatches"),
+    (pipeline(batchSize=32, microBatches=3), "spec.microBatches", "divisible by microBatches"),
+    (pipeline(microBatches=0), "spec.microBatches", "must be >= 1, got 0"),
+    (pipeline(microBatches="Auto"), "spec.microBatches",
+     "must be an integer or a string matching auto, got 'Auto'"),
+    (pipeline(microBatches="4"), "spec.microBatches", "an integer is written without quotes"),
+    (pipeline(microBatches=2.5), "spec.microBatches", "must be an integer or a string, got 2.5"),
+    (pipeline(microBatches=True), "spec.microBatches", "must be an integer or a string"),
     (pipeline(model="resnet9000"), "spec.model", "must be one of"),
     (pipeline(imageSize=16), "spec.imageSize", ">= 32"),
     (pipeline(gpusPerStage=-1), "spec.gpusPerStage", ">= 0"),

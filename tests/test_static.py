@@ -308,6 +308,26 @@ metadata: {name: cel-rule}
 spec: {batchSize: 30}
 ---
 apiVersion: pipejob.dev/v1alpha1
+kind: PipelineJob
+metadata: {name: micro-batches-word}
+spec: {microBatches: Auto}
+---
+apiVersion: pipejob.dev/v1alpha1
+kind: PipelineJob
+metadata: {name: micro-batches-quoted}
+spec: {microBatches: "4"}
+---
+apiVersion: pipejob.dev/v1alpha1
+kind: PipelineJob
+metadata: {name: micro-batches-zero}
+spec: {microBatches: 0}
+---
+apiVersion: pipejob.dev/v1alpha1
+kind: PipelineJob
+metadata: {name: micro-batches-auto}
+spec: {microBatches: auto, batchSize: 30}
+---
+apiVersion: pipejob.dev/v1alpha1
 kind: HybridJob
 metadata: {name: nccl-without-gpus}
 spec: {backend: nccl}
@@ -337,6 +357,10 @@ def test_schema_validation_rejects_bad_manifests(tmp_path: Path) -> None:
     assert "spec.stages: 1 is less than the minimum of 2" in results["unknown-field"]
     assert results["cel-rule"] == ["spec.microBatches: batchSize must be divisible by "
                                    "microBatches"]  # fmt: skip
+    assert results["micro-batches-word"] == ["spec.microBatches: 'Auto' does not match '^auto$'"]
+    assert results["micro-batches-quoted"] == ["spec.microBatches: '4' does not match '^auto$'"]
+    assert results["micro-batches-zero"] == ["spec.microBatches: 0 is less than the minimum of 1"]
+    assert results["micro-batches-auto"] == []  # valid: auto needs no divisible batch
     assert results["nccl-without-gpus"] == ["spec.backend: backend nccl needs gpusPerTrainer > 0"]
     assert "at most 40 characters" in results["a-name-much-too-long-for-the-pods-of-this-job"][0]
     assert "privileged" in results["bad-pod"][0]

@@ -1,13 +1,19 @@
-"""Balance layers across pipeline stages: measure what each layer costs, then split exactly.
+"""Balance layers across pipeline stages: measure what each layer costs, then split exactly;
+and predict which micro-batch count gives the shortest step.
 
 A pipeline runs at the pace of its slowest stage, so the split minimises the largest stage
-cost over all contiguous splits (an exact dynamic program, not a heuristic)."""
+cost over all contiguous splits (an exact dynamic program, not a heuristic). Costs depend on
+the micro-batch size (small micro-batches use the cores less well), so each candidate count
+is measured and split on its own, and its step predicted from the pipeline's schedule and
+from the cores its stages share (`predict`)."""
 
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -46,13 +52,22 @@ def min_max_partition(costs: Sequence[float], parts: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def measure_costs(layers: list[Layer], sample: torch.Tensor, repeats: int = 3) -> list[float]:
-    """Seconds each layer takes for forward + backward on `sample` (a micro-batch), the
+@dataclass(frozen=True)
+class LayerCosts:
+    """Forward + backward of one micro-batch, per layer."""
+
+    seconds: list[float]  # wall-clock: how long a stage computing alone takes
+    cpu_seconds: list[float]  # CPU time of all threads: what it takes from shared cores
+
+
+def measure_costs(layers: list[Layer], sample: torch.Tensor, repeats: int = 3) -> LayerCosts:
+    """What each layer costs for forward + backward on `sample` (a micro-batch), the
     minimum over `repeats` runs after one untimed warm-up run (first calls set up kernels
     and memory). Runs on a copy so the model's BatchNorm statistics and gradients stay
     untouched."""
     layers = copy.deepcopy(layers)
     costs = [float("inf")] * len(layers)
+    cpu = [float("inf")] * len(layers)
     for run in range(repeats + 1):
         x = sample
         for i, (name, layer) in enumerate(layers):
@@ -60,7 +75,7 @@ def measure_costs(layers: list[Layer], sample: torch.Tensor, repeats: int = 3) -
             # its input, as it will in training. The clone lets in-place layers (ReLU) run.
             x = x.detach().requires_grad_(i > 0)
             x = x.clone() if i > 0 else x
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             try:
                 y = layer(x)
                 y.backward(torch.ones_like(y))
@@ -70,5 +85,85 @@ def measure_costs(layers: list[Layer], sample: torch.Tensor, repeats: int = 3) -
                 ) from None
             if run > 0:
                 costs[i] = min(costs[i], time.perf_counter() - start)
+                cpu[i] = min(cpu[i], time.process_time() - start_cpu)
             x = y
-    return costs
+    return LayerCosts(costs, cpu)
+
+
+@contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """Compute with `threads` intra-op threads inside the block (None: as it is), then with
+    as many as before: costs measured for the stages must use the stages' thread count."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def micro_batch_counts(batch: int) -> list[int]:
+    """The micro-batch counts `microBatches: auto` considers: 1 and the powers of two that
+    divide the batch and leave micro-batches of at least 2 samples (training BatchNorm needs
+    two). Doubling spans the range in log2(batch) measurements, whose work adds up to less
+    than two batches; finer steps move the predicted step less than its measurement noise."""
+    counts = [1]
+    while batch % (2 * counts[-1]) == 0 and batch // (2 * counts[-1]) >= 2:
+        counts.append(2 * counts[-1])
+    return counts
+
+
+@dataclass(frozen=True)
+class Host:
+    """Stages whose processes share one machine's cores, and how many cores that is."""
+
+    stages: tuple[int, ...]
+    cpus: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A micro-batch count's balanced split and its predicted step time."""
+
+    micro_batches: int
+    micro_batch_size: int
+    ranges: list[range]
+    pipeline_seconds: float  # GPipe's schedule, every stage computing at its own pace
+    cores_seconds: float  # the stages' CPU time over the cores of the host they share
+
+    @property
+    def step_seconds(self) -> float:
+        """Of the whole batch's forwards and backwards: the tighter of the two bounds."""
+        return max(self.pipeline_seconds, self.cores_seconds)
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.micro_batches * self.micro_batch_size / self.step_seconds
+
+
+def predict(costs: LayerCosts, stages: int, micro_batches: int, batch: int,
+            hosts: Sequence[Host] = ()) -> Prediction:  # fmt: skip
+    """Split `costs` (per layer, one micro-batch of batch // micro_batches) over `stages` by
+    wall-clock time and predict the step from two lower bounds:
+    - the schedule: GPipe with a flush every step takes m + p - 1 slots of the slowest stage,
+      m of them its own work and p - 1 the pipeline's fill and drain;
+    - the cores: stages sharing a host compute at once only as far as its cores go, so the
+      host needs at least their CPU time over its cores. It is what makes small micro-batches
+      lose where stages share cores: a stage idle in the bubble lends the others its cores,
+      while small micro-batches cost more CPU time per sample."""
+    ranges = min_max_partition(costs.seconds, stages)
+    slowest = max(sum(costs.seconds[i] for i in r) for r in ranges)
+    crowded = (
+        micro_batches * sum(costs.cpu_seconds[i] for k in host.stages for i in ranges[k])
+        / host.cpus
+        for host in hosts
+    )  # fmt: skip
+    pipelined = (micro_batches + stages - 1) * slowest
+    return Prediction(micro_batches, batch // micro_batches, ranges, pipelined,
+                      max(crowded, default=0.0))  # fmt: skip
+
+
+def fastest(predictions: Sequence[Prediction]) -> Prediction:
+    """The shortest predicted step; on a tie the fewer micro-batches (less per-call overhead)."""
+    return min(predictions, key=lambda p: (p.step_seconds, p.micro_batches))

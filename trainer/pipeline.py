@@ -17,9 +17,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,10 +30,20 @@ import torch.nn.functional as F
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
-from pipejob.trainer import checkpoint, monitor, profiling, world
+from pipejob.spec import AUTO
+from pipejob.trainer import checkpoint, monitor, profiling, tuning, world
 from pipejob.trainer.layers import Layer, build_model, cut, sequential
 from pipejob.trainer.optim import optimizer_args
-from pipejob.trainer.partition import measure_costs, min_max_partition
+from pipejob.trainer.partition import (
+    Host,
+    LayerCosts,
+    Prediction,
+    fastest,
+    intra_op_threads,
+    measure_costs,
+    micro_batch_counts,
+    predict,
+)
 from pipejob.trainer.world import Env
 
 # Micro-batches a stage holds at once; fewer than the RPC worker threads of world.join_rpc.
@@ -40,6 +51,49 @@ IN_FLIGHT = 4
 
 
 # ---------------------------------------------------------------------------- stage side
+
+
+class Turnstile:
+    """Lets callers through one at a time in micro-batch order: (step, 0), (step, 1), ...; a
+    later step starts again at 0 (the master begins a step's forwards once the last step's
+    have all ended). A step's forwards reach a stage's RPC threads in any order; run as they
+    came, stage k could hold back micro-batch 0, which stage k + 1 needs first.
+
+    Every caller must take its turn, even one that failed before computing (it then passes
+    the turn on at once), so a failure never leaves the micro-batches after it waiting. The
+    master launches each stage's micro-batches in order, so the one whose turn it is has
+    always been sent; a turn that does not come within `timeout` is an error, not a hang."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._changed = threading.Condition()
+        self._step, self._next = -1, 0  # the last step seen, and its next micro-batch
+
+    def _due(self, step: int, index: int) -> bool:
+        if step == self._step:
+            return index == self._next
+        return step > self._step and index == 0
+
+    @contextmanager
+    def turn(self, step: int, index: int) -> Iterator[None]:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._due(step, index), self.timeout):
+                raise TimeoutError(
+                    f"micro-batch {index} of step {step} waited {self.timeout:g}s for its turn"
+                    f" (the stage last ran micro-batch {self._next - 1} of step {self._step})"
+                )
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._step, self._next = step, index + 1
+                self._changed.notify_all()
+
+
+def compute_resources() -> tuple[int, float]:
+    """Runs on a stage: the intra-op threads its forwards and backwards compute with, and the
+    CPUs it may use."""
+    return torch.get_num_threads(), tuning.available_cpus()
 
 
 class Stage:
@@ -52,9 +106,9 @@ class Stage:
         self.device = torch.device(device)
         self.layers = sequential(layers).to(self.device)
         self.last = last
-        # One forward at a time: micro-batches would otherwise fight over the same cores
-        # and race on BatchNorm's running statistics.
-        self._compute = threading.Lock()
+        # One forward at a time, in micro-batch order: micro-batches would otherwise fight
+        # over the same cores and race on BatchNorm's running statistics.
+        self._order = Turnstile(world.RPC_TIMEOUT_SECONDS)
         self._record = threading.Lock()
         # [start, end] of "forward" and "backward" per (step, micro-batch) of open steps,
         # folded into per-step totals once a later step starts.
@@ -65,11 +119,17 @@ class Stage:
         return [RRef(p) for p in self.layers.parameters()]
 
     def forward(self, x: torch.Tensor | RRef, step: int, micro_batch: int) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):
-            x = x.to_here()  # an RRef: fetched from the previous stage, straight to this one
-        received = x
-        x = x.to(self.device)
-        with self._compute:
+        failed = None
+        try:  # fetching waits for no turn: later inputs arrive while this stage computes
+            if not isinstance(x, torch.Tensor):
+                x = x.to_here()  # an RRef: fetched from the previous stage, straight to this one
+            received = x
+            x = x.to(self.device)
+        except Exception as e:
+            failed = e
+        with self._order.turn(step, micro_batch):
+            if failed is not None:
+                raise failed
             start = time.perf_counter()
             y = self.layers(x)
             if self.device.type == "cuda":  # so the time is the kernels', not their launch's
@@ -156,37 +216,113 @@ def stage_devices(
 
 
 @dataclass(frozen=True)
+class Partition:
+    """How the model is split and micro-batched: what a checkpoint keeps, since its shards
+    fit no other split (costs are measured, so a new measurement may cut elsewhere)."""
+
+    ranges: list[range]
+    costs: list[float]  # measured seconds of forward + backward per layer, one micro-batch
+    micro_batches: int  # the count the costs were measured for, and the run uses
+    # With `microBatches: auto`: every candidate's prediction (see `candidate_table`).
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Shards:
     """The model cut into layers and balanced into contiguous per-stage ranges."""
 
     layers: list[Layer]
-    ranges: list[range]
-    costs: list[float]  # measured seconds of forward + backward per layer, one micro-batch
+    partition: Partition
+
+    @property
+    def ranges(self) -> list[range]:
+        return self.partition.ranges
+
+    @property
+    def costs(self) -> list[float]:
+        return self.partition.costs
 
     def of(self, stage: int) -> list[Layer]:
         return [self.layers[i] for i in self.ranges[stage]]
 
 
 def build_shards(
-    spec: dict[str, Any], saved: tuple[list[range], list[float]] | None = None
+    spec: dict[str, Any],
+    saved: Partition | None = None,
+    threads: int | None = None,
+    hosts: list[Host] | None = None,
+    progress: Callable[[str], None] = lambda message: None,
 ) -> Shards:
-    """Build the seeded model and split it across spec['stages'] by measured layer cost, or
-    by `saved` (ranges, costs): a checkpoint's partition, which its shards fit."""
+    """Build the seeded model and split it across spec['stages'] by layer costs measured
+    with `threads` intra-op threads (those of the stages), or by `saved`: a checkpoint's
+    partition. With `microBatches: auto`, costs are measured at every candidate count's
+    micro-batch size and the count with the shortest predicted step (given the `hosts`
+    whose cores stages share) is used."""
     torch.manual_seed(spec["seed"])
     layers = cut(build_model(spec["model"], spec["numClasses"]))
     if saved is not None:
-        return Shards(layers, *saved)
-    micro = spec["batchSize"] // spec["microBatches"]
-    sample = torch.randn(micro, 3, spec["imageSize"], spec["imageSize"])
+        return Shards(layers, saved)
+    auto = spec["microBatches"] == AUTO
+    batch, size = spec["batchSize"], spec["imageSize"]
+    counts = micro_batch_counts(batch) if auto else [spec["microBatches"]]
+    measured: dict[int, tuple[Prediction, LayerCosts]] = {}
     try:
-        costs = measure_costs(layers, sample)
-        ranges = min_max_partition(costs, spec["stages"])
+        with intra_op_threads(threads):
+            for m in counts:
+                progress(f"  micro-batch {batch // m} ({m} per batch)")
+                costs = measure_costs(layers, torch.randn(batch // m, 3, size, size))
+                measured[m] = predict(costs, spec["stages"], m, batch, hosts or []), costs
     except ValueError as e:
         raise ValueError(
-            f"spec: model {spec['model']} at imageSize {spec['imageSize']} with"
-            f" {spec['stages']} stages: {e}"
+            f"spec: model {spec['model']} at imageSize {size} with {spec['stages']} stages: {e}"
         ) from None
-    return Shards(layers, ranges, costs)
+    chosen, costs = measured[fastest([p for p, _ in measured.values()]).micro_batches]
+    table = [candidate(p) for p, _ in measured.values()] if auto else []
+    return Shards(layers, Partition(chosen.ranges, costs.seconds, chosen.micro_batches, table))
+
+
+def candidate(p: Prediction) -> dict[str, Any]:
+    """One row of `microBatches: auto`'s table, as the summary and the checkpoint keep it."""
+    return {
+        "microBatches": p.micro_batches,
+        "microBatchSize": p.micro_batch_size,
+        "pipelineBoundSeconds": round(p.pipeline_seconds, 4),
+        "coresBoundSeconds": round(p.cores_seconds, 4),
+        "predictedStepSeconds": round(p.step_seconds, 4),
+        "predictedSamplesPerSecond": round(p.samples_per_second, 2),
+    }
+
+
+def candidate_table(candidates: list[dict[str, Any]], chosen: int) -> str:
+    """Per candidate: both bounds of the step (see partition.predict), the prediction."""
+    lines = [f"  {'m':>3} {'micro':>5} {'pipeline s':>10} {'cores s':>7} {'predicted s/step':>16}"
+             f" {'samples/s':>9}"]  # fmt: skip
+    for c in candidates:
+        mark = "  <- chosen" if c["microBatches"] == chosen else ""
+        lines.append(f"  {c['microBatches']:>3} {c['microBatchSize']:>5}"
+                     f" {c['pipelineBoundSeconds']:>10.3f} {c['coresBoundSeconds']:>7.3f}"
+                     f" {c['predictedStepSeconds']:>16.3f}"
+                     f" {c['predictedSamplesPerSecond']:>9.1f}{mark}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def stage_resources(env: Env) -> tuple[int, list[Host]]:
+    """The intra-op threads the stages compute with (each decided by its own tuning, or by
+    the user; the count most of them use, ties to the smaller), and the stages that share a
+    host's cores (by address, as tuning counts them) with the CPUs they may use."""
+    names = env.names("stage")
+    reports = [rpc.rpc_sync(name, compute_resources) for name in names]
+    counts = Counter(threads for threads, _ in reports)
+    address = dict(zip(env.world, env.addresses, strict=True))
+    groups: list[list[int]] = []
+    for k, name in enumerate(names):
+        group = [g for g in groups if tuning.same_host(address[names[g[0]]], address[name])]
+        if group:
+            group[0].append(k)
+        else:
+            groups.append([k])
+    hosts = [Host(tuple(g), min(reports[k][1] for k in g)) for g in groups]
+    return min(counts, key=lambda n: (-counts[n], n)), hosts
 
 
 def on_stage(stage: RRef, method: str, *args: Any) -> Any:
@@ -214,10 +350,12 @@ class Pipeline:
         """All micro-batches' forwards, pipelined; the last stage's outputs, in order.
 
         Stage k gets micro-batch i's input as stage k-1's RRef and fetches it from there. A
-        stage holds at most IN_FLIGHT micro-batches at a time: each waits for its input on
-        one of the stage's RPC threads, and once every thread waits, none is left to
-        complete the fetches they wait for. Completions only post to a queue; every call is
-        issued from this thread, inside the distributed autograd context."""
+        stage holds at most IN_FLIGHT micro-batches at a time: each waits for its input, then
+        for its turn (the stage computes them in order), on one of the stage's RPC threads,
+        and once every thread waits, none is left to complete the fetches they wait for. Each
+        stage's micro-batches are launched in order, so the one whose turn it is is always
+        among those it holds. Completions only post to a queue; every call is issued from
+        this thread, inside the distributed autograd context."""
         last = len(self.stages) - 1
         inputs = [x.clone() for x in images.tensor_split(micro_batches)]  # views ship it all
         refs: dict[tuple[int, int], RRef] = {}
@@ -356,15 +494,28 @@ def run_master(env: Env) -> dict[str, Any]:
 
 def train(env: Env) -> dict[str, Any]:
     spec = env.spec
-    m, steps, size = spec["microBatches"], spec["steps"], spec["imageSize"]
-    micro = spec["batchSize"] // m
+    steps, size = spec["steps"], spec["imageSize"]
     board = monitor.board()
+    names = env.names("stage")
     found = checkpoint.latest_for(env)
     if found is None:
-        world.log(env, f"{spec['model']}: measuring layer costs, micro-batch {micro} at"
-                       f" {size}x{size}")  # fmt: skip
-    shards = build_shards(spec, found and saved_partition(env, found))
-    names = env.names("stage")
+        threads, hosts = stage_resources(env)
+        shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share {h.cpus:g} CPU(s)"
+                           for h in hosts if len(h.stages) > 1)  # fmt: skip
+        world.log(env, f"{spec['model']}: measuring layer costs at {size}x{size} with"
+                       f" {threads} intra-op thread(s), as the stages compute"
+                       + (f" ({shared})" if shared else ""))  # fmt: skip
+        if spec["gpusPerStage"] > 0:
+            hosts = []  # the stages compute on their GPUs, not on the cores they share
+        shards = build_shards(spec, None, threads, hosts, lambda message: world.log(env, message))
+    else:
+        shards = build_shards(spec, saved_partition(env, found))
+    m, candidates = shards.partition.micro_batches, shards.partition.candidates
+    if spec["microBatches"] == AUTO:
+        how = "chose" if found is None else "resumes with the checkpoint's"
+        table = ":\n" + candidate_table(candidates, m) if candidates else ""
+        world.log(env, f"microBatches auto {how} {m} (micro-batches of"
+                       f" {spec['batchSize'] // m}){table}")  # fmt: skip
     for i, name in enumerate(names):
         layers = [n for n, _ in shards.of(i)]
         world.log(env, f"{name}: {describe(layers)}, {share(shards, i):.0%} of measured cost")
@@ -424,6 +575,8 @@ def save_checkpoint(env: Env, step: int, pipeline: Pipeline, optimizer: Distribu
         stageCount=len(shards.ranges),
         stages=[[n for n, _ in shards.of(i)] for i in range(len(shards.ranges))],
         ranges=[[r.start, r.stop] for r in shards.ranges], costs=shards.costs,
+        microBatches=shards.partition.micro_batches,
+        microBatchCandidates=shards.partition.candidates,
     )  # fmt: skip
     checkpoint.prune(root)
     size = sum(f["bytes"] for f in files) / 1e6
@@ -431,10 +584,21 @@ def save_checkpoint(env: Env, step: int, pipeline: Pipeline, optimizer: Distribu
                    f" {time.perf_counter() - start:.2f}s ({directory})")  # fmt: skip
 
 
-def saved_partition(env: Env, found: checkpoint.Checkpoint) -> tuple[list[range], list[float]]:
-    """The checkpoint's split of the layers: its shards fit no other (costs are measured)."""
-    checkpoint.fits(found, env, model=env.spec["model"], stageCount=env.spec["stages"])
-    return [range(a, b) for a, b in found.manifest["ranges"]], found.manifest["costs"]
+def saved_partition(env: Env, found: checkpoint.Checkpoint) -> Partition:
+    """The checkpoint's split of the layers and micro-batch count: its shards fit no other
+    split, and the run continues with the count it was trained with (`auto` takes the
+    checkpoint's; another explicit count is refused)."""
+    requested, manifest = env.spec["microBatches"], found.manifest
+    recorded = manifest.get("microBatches")  # None: written before the count was kept
+    if requested == AUTO and recorded is None:
+        raise checkpoint.CheckpointError(
+            f"{found.directory} does not record its micro-batch count, which microBatches"
+            " auto would reuse; set spec.microBatches to the count it was trained with"
+        )
+    same = {} if requested == AUTO or recorded is None else {"microBatches": requested}
+    checkpoint.fits(found, env, model=env.spec["model"], stageCount=env.spec["stages"], **same)
+    return Partition([range(a, b) for a, b in manifest["ranges"]], manifest["costs"],
+                     recorded or requested, manifest.get("microBatchCandidates", []))  # fmt: skip
 
 
 def resume(
@@ -546,12 +710,14 @@ def summarise(
                 "idleFraction": round(1 - busy / pipeline_wall, 4),
             }
         )
-    p, m = spec["stages"], spec["microBatches"]
+    p, m = spec["stages"], shards.partition.micro_batches
     return {
         "kind": "PipelineJob",
         "model": spec["model"],
         "stages": p,
         "microBatches": m,
+        "microBatchesRequested": spec["microBatches"],  # a count, or "auto"
+        "microBatchCandidates": shards.partition.candidates,  # auto's predictions
         "batchSize": spec["batchSize"],
         "imageSize": spec["imageSize"],
         "steps": len(results),
@@ -571,6 +737,18 @@ def summarise(
     }
 
 
+def auto_line(s: dict[str, Any]) -> list[str]:
+    """How `microBatches: auto`'s prediction for its choice compares with the run."""
+    chosen = [c for c in s["microBatchCandidates"] if c["microBatches"] == s["microBatches"]]
+    if s["microBatchesRequested"] != AUTO or not chosen:
+        return []
+    measured = s["secondsPerStep"] - s["optimizerSecondsPerStep"]
+    return [f"  microBatches auto chose {s['microBatches']} of"
+            f" {', '.join(str(c['microBatches']) for c in s['microBatchCandidates'])}:"
+            f" predicted {chosen[0]['predictedStepSeconds']:.3f} s of forwards and backwards"
+            f" per step, measured {measured:.3f}"]  # fmt: skip
+
+
 def render(summary: dict[str, Any]) -> str:
     s = summary
     lines = [
@@ -580,6 +758,7 @@ def render(summary: dict[str, Any]) -> str:
         f"  final loss {s['finalLoss']:.4f}; {s['samplesPerSecond']:.1f} samples/s,"
         f" {s['secondsPerStep']:.3f} s/step"
         + (" (step 1 is warm-up, left out)" if s["warmupStepsExcluded"] else ""),
+        *auto_line(s),
         f"  {'stage':<8} {'layers':<38} {'cost':>5} {'fwd s/step':>10} {'bwd s/step':>10}"
         f" {'idle':>5}",
     ]

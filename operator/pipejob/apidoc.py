@@ -42,6 +42,8 @@ def _code(value: Any) -> str:
 
 
 def _type(schema: dict[str, Any]) -> str:
+    if schema.get("x-kubernetes-int-or-string"):
+        return "integer or string"
     kind = schema.get("type", "object")
     if kind == "array":
         return f"[]{_type(schema.get('items', {}))}"
@@ -54,13 +56,16 @@ def _validation(schema: dict[str, Any]) -> str:
     parts = []
     if "enum" in schema:
         parts.append("one of " + ", ".join(_code(v) for v in schema["enum"]))
+    # An int-or-string field's bounds apply to its integers and its pattern to its strings.
+    either = schema.get("x-kubernetes-int-or-string")
+    numbers, strings = ("an integer ", "a string ") if either else ("", "")
     if "minimum" in schema:
         op = ">" if schema.get("exclusiveMinimum") else ">="
-        parts.append(f"{op} {schema['minimum']}")
+        parts.append(f"{numbers}{op} {schema['minimum']}")
     if "maximum" in schema:
-        parts.append(f"<= {schema['maximum']}")
+        parts.append(f"{numbers}<= {schema['maximum']}")
     if "pattern" in schema:
-        parts.append(f"matches `{schema['pattern']}`")
+        parts.append(f"{strings}matches `{schema['pattern']}`")
     if "maxLength" in schema:
         parts.append(f"at most {schema['maxLength']} characters")
     if schema.get("x-kubernetes-preserve-unknown-fields"):

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
 @dataclass(frozen=True)
 class Field:
     """One field of a spec. `type` is an OpenAPI type: integer, number, string, boolean,
-    object or array."""
+    object or array; or int-or-string (Kubernetes' x-kubernetes-int-or-string), whose
+    minimum and maximum bound its integers and whose pattern its strings, as in OpenAPI."""
 
     type: str
     description: str
@@ -61,6 +62,7 @@ _TYPE_NAMES = {
     "boolean": "true or false",
     "object": "a mapping",
     "array": "a list",
+    "int-or-string": "an integer or a string",
 }
 
 
@@ -77,6 +79,8 @@ def _type_ok(kind: str, value: Any) -> bool:
         return isinstance(value, dict)
     if kind == "array":
         return isinstance(value, list)
+    if kind == "int-or-string":
+        return _type_ok("integer", value) or isinstance(value, str)
     raise ValueError(f"unknown schema type {kind}")
 
 
@@ -85,6 +89,8 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
     if not _type_ok(schema.type, value):
         errors.append(SpecError(path, f"must be {_TYPE_NAMES[schema.type]}, got {value!r}"))
         return value
+    if schema.type == "int-or-string":
+        return _int_or_string(schema, value, path, errors)
     if schema.type == "number":
         value = float(value)
     if schema.enum is not None and value not in schema.enum:
@@ -105,6 +111,19 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
         value = [apply(schema.items, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
     if schema.type == "object" and not schema.free_form:
         value = _apply_object(schema, value, path, errors)
+    return value
+
+
+def _int_or_string(schema: Field, value: int | str, path: str, errors: list[SpecError]) -> Any:
+    """An integer is checked as an integer field; a string against the pattern, and the
+    message says both forms are allowed."""
+    if isinstance(value, int):
+        return apply(replace(schema, type="integer", pattern=None), value, path, errors)
+    if schema.pattern is not None and not re.fullmatch(schema.pattern, value):
+        hint = " (an integer is written without quotes)" if value.strip().isdigit() else ""
+        errors.append(SpecError(
+            path, f"must be an integer or a string matching {schema.pattern}, got {value!r}{hint}"
+        ))  # fmt: skip
     return value
 
 
@@ -164,17 +183,21 @@ def _closest(key: str, known: dict[str, Field]) -> str:
 def openapi(schema: Field) -> dict[str, Any]:
     """The OpenAPI v3 (structural) schema of a field, as a CRD wants it."""
     out: dict[str, Any] = {"type": schema.type, "description": schema.description}
+    if schema.type == "int-or-string":  # no type: either, as a structural schema says it
+        del out["type"]
+        out["x-kubernetes-int-or-string"] = True
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
     if schema.default is not None:
         out["default"] = schema.default
     elif _filled_in(schema):
         out["default"] = {}  # the API server then fills nested defaults in, as `apply` does
     if schema.minimum is not None:
-        num = int(schema.minimum) if schema.type == "integer" else schema.minimum
+        num = schema.minimum if schema.type == "number" else int(schema.minimum)
         out["minimum"] = num
         if schema.exclusive_minimum:
             out["exclusiveMinimum"] = True
     if schema.maximum is not None:
-        out["maximum"] = int(schema.maximum) if schema.type == "integer" else schema.maximum
+        out["maximum"] = schema.maximum if schema.type == "number" else int(schema.maximum)
     if schema.enum is not None:
         out["enum"] = list(schema.enum)
     if schema.pattern is not None:

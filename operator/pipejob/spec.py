@@ -29,6 +29,7 @@ PIPELINE_MODELS = (
 )  # fmt: skip
 
 DNS_LABEL = r"[a-z]([-a-z0-9]*[a-z0-9])?"
+AUTO = "auto"  # PipelineJob.spec.microBatches: the trainer chooses the count
 # Pod names are "<job>-<role>-<index>" and must stay valid DNS labels (63 characters).
 MAX_JOB_NAME = 40
 
@@ -159,7 +160,13 @@ PIPELINE_SPEC = Field(
             default="resnet50", enum=PIPELINE_MODELS,
         ),
         "stages": _int("Pipeline stages, one pod each.", default=2, minimum=2, maximum=64),
-        "microBatches": _int("Micro-batches each batch is split into.", default=4, minimum=1),
+        "microBatches": Field(
+            "int-or-string",
+            "Micro-batches each batch is split into, or `auto`: the master measures the"
+            " model's layers at each candidate count (powers of two dividing batchSize, with"
+            " micro-batches of at least 2) and runs the one with the shortest predicted step.",
+            default=4, minimum=1, pattern=AUTO,
+        ),
         "batchSize": _int("Images per batch (per step).", default=32, minimum=1),
         "imageSize": _int(
             "Height and width of the square input images.", default=224, minimum=32, maximum=1024
@@ -172,10 +179,10 @@ PIPELINE_SPEC = Field(
     },
     rules=(
         Rule(
-            "self.batchSize % self.microBatches == 0",
+            "type(self.microBatches) == string || self.batchSize % self.microBatches == 0",
             "batchSize must be divisible by microBatches",
             "microBatches",
-            lambda s: s["batchSize"] % s["microBatches"] == 0,
+            lambda s: s["microBatches"] == AUTO or s["batchSize"] % s["microBatches"] == 0,
         ),
         *COMMON_RULES,
     ),

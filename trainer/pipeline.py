@@ -1,12 +1,14 @@
 """PipelineJob: the master drives micro-batches through model shards on the stage workers.
 
-The master builds the model, cuts it into layers, balances them across the stages by measured
-cost and creates one `Stage` per stage worker with `rpc.remote`. Each step splits the batch
-into micro-batches; for every micro-batch the master chains RRefs, so stage i+1 fetches its
-input from stage i (activations never pass through the master) and only the last stage's
-output returns. The loss is computed on the master, `dist_autograd` runs the backward across
-the stages and `DistributedOptimizer` steps every shard's parameters where they live (GPipe:
-all forwards of a step, then all backwards).
+The master builds the model, cuts it into layers, balances them across the stages by cost
+measured with the stages' thread count and creates one `Stage` per stage worker with
+`rpc.remote`. With `microBatches: auto` it first measures every candidate micro-batch size and
+runs the count with the shortest predicted step (partition.predict). Each step splits the
+batch into micro-batches; for every micro-batch the master chains RRefs, so stage i+1 fetches
+its input from stage i (activations never pass through the master), each stage computes them
+in order, and only the last stage's output returns. The loss is computed on the master,
+`dist_autograd` runs the backward across the stages and `DistributedOptimizer` steps every
+shard's parameters where they live (GPipe: all forwards of a step, then all backwards).
 
 Stage workers only serve: they join the RPC world and wait in `rpc.shutdown()` until the
 master is done. Each process computes with the threads it was started with (OMP_NUM_THREADS,

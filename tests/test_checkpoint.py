@@ -217,17 +217,27 @@ def final_state(root: Path, steps: int) -> dict[str, Any]:
     return {entry["name"]: found.load(entry["name"]) for entry in found.manifest["files"]}
 
 
+def by_parameter(state: dict[str, Any]) -> dict[str, Any]:
+    """A pipeline's final state by parameter name, whichever stage holds it: each run measures
+    its own layer costs, and two runs may cut the model in different places."""
+    merged: dict[str, Any] = {"model": {}, "optimizers": {"optimizer": {}}}
+    for name, part in state.items():
+        if name.startswith("stage"):
+            merged["model"] |= part["model"]
+            merged["optimizers"]["optimizer"] |= part["optimizers"]["optimizer"]
+    return {"stages": merged, "master.pt": state["master.pt"]}
+
+
 def assert_states_close(got: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Model weights and optimizer state equal within float tolerance: micro-batches' gradient
-    contributions add up in arrival order. BatchNorm's running statistics are left out: the
-    stage folds micro-batches into them in arrival order too, and EMAs do not commute."""
+    """Model weights, BatchNorm statistics and optimizer state equal within float tolerance:
+    micro-batches' gradient contributions add up in arrival order (each stage runs forwards,
+    which update BatchNorm's statistics, in micro-batch order)."""
     assert sorted(got) == sorted(expected)
     for name in expected:
         if "model" not in expected[name]:
             continue
+        assert sorted(got[name]["model"]) == sorted(expected[name]["model"])
         for key, value in expected[name]["model"].items():
-            if "running_" in key or "num_batches" in key:
-                continue
             torch.testing.assert_close(got[name]["model"][key], value, rtol=1e-4, atol=1e-6,
                                        msg=lambda m, k=key, n=name: f"{n} {k}: {m}")  # fmt: skip
         for owner, state in expected[name]["optimizers"].items():
@@ -263,8 +273,8 @@ def test_a_pipeline_world_killed_after_a_step_resumes_and_matches(tmp_path: Path
     assert trained == list(range(newest.step + 1, steps + 1)), output
     assert summary["resumedFromStep"] == newest.step
     assert summary["steps"] == steps - newest.step == len(summary["losses"])
-    assert_states_close(final_state(tmp_path / "broken", steps),
-                        final_state(tmp_path / "straight", steps))  # fmt: skip
+    assert_states_close(by_parameter(final_state(tmp_path / "broken", steps)),
+                        by_parameter(final_state(tmp_path / "straight", steps)))  # fmt: skip
 
 
 HYBRID = {

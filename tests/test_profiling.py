@@ -3,6 +3,7 @@ driver's RPC calls and the ops they ran remotely."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -88,34 +89,42 @@ def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(200)
-def test_a_profiled_hybrid_step_traces_every_process(tmp_path: Path) -> None:
+def test_profiled_hybrid_steps_trace_every_process(tmp_path: Path) -> None:
     job = {
         "apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
         "metadata": {"name": "profiled-hybrid"},
         "spec": {"trainers": 2, "embedding": {"numEmbeddings": 64, "dim": 8},
-                 "dense": {"outFeatures": 4}, "steps": 3, "batchSize": 8, "bagSize": 4,
+                 "dense": {"outFeatures": 4}, "steps": 4, "batchSize": 8, "bagSize": 4,
                  "datasetSize": 64, "rendezvousTimeoutSeconds": 60,
                  "preflight": {"megabytes": 0.5},
-                 "profile": {"steps": [2], "path": str(tmp_path / "traces")}},
+                 "profile": {"steps": [2, 3], "path": str(tmp_path / "traces")}},
     }  # fmt: skip
     with JobRun(job, tmp_path) as run:
         assert run.finish(150) == 0, run.output
     directory = tmp_path / "traces"
-    assert sorted(p.name for p in directory.iterdir()) == [
-        "master-step2.json", "ps-step2.json", "trainer0-step2.json", "trainer1-step2.json"
-    ]  # fmt: skip
-    for k in (0, 1):
-        events = trace(directory / f"trainer{k}-step2.json")
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        f"{name}-step{step}.json" for name in ("master", "ps", "trainer0", "trainer1")
+        for step in (2, 3))  # fmt: skip
+    remote_ops = []
+    for k, step in itertools.product((0, 1), (2, 3)):
+        events = trace(directory / f"trainer{k}-step{step}.json")
         ops = names(events)
-        # The lookup on the parameter server, and its optimizer step there.
-        assert f"rpc_sync#_local_invoke(trainer{k} -> ps)#remote_op: aten::embedding_bag" in ops
-        assert any(re.match(rf"rpc_async#.*_local_optimizer_step\(trainer{k} -> ps\)#remote_op",
-                            n) for n in ops)  # fmt: skip
+        # The lookup on the parameter server, and the dense layer's local optimizer step.
+        assert f"rpc_async#_lookup(trainer{k} -> ps)" in ops
+        remote_ops.append(f"rpc_async#_lookup(trainer{k} -> ps)#remote_op: aten::embedding_bag"
+                          in ops)  # fmt: skip
+        assert "Optimizer.step#SGD.step" in ops
         assert "DistributedDataParallel.forward" in ops  # the whole step, not just the RPCs
         assert_rpc_lanes_within_the_step(events)
-    ps = names(trace(directory / "ps-step2.json"))
-    assert "aten::embedding_bag" in ps and "EmbeddingBagBackward0" in ps
-    trace(directory / "master-step2.json")  # it only listens for reports; still a trace
+    # torch sometimes leaves a lookup's remote ops out while the ps profiles too (see the
+    # user guide); they must come back at all.
+    assert any(remote_ops)
+    for step in (2, 3):
+        ps = names(trace(directory / f"ps-step{step}.json"))
+        assert "aten::embedding_bag" in ps and "EmbeddingBagBackward0" in ps
+        # The table's step runs on the ps, inside the backward that brings its gradient.
+        assert "Optimizer.step#SGD.step" in ps
+        trace(directory / f"master-step{step}.json")  # it only takes reports; still a trace
 
 
 def test_settings_default_to_the_checkpoint_path() -> None:

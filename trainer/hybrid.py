@@ -20,6 +20,7 @@ one per trainer, applied to the same gradient), and the next lookup sees it."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import queue
 import threading
@@ -81,7 +82,12 @@ class Table:
         self.lock = threading.Lock()  # one update at a time; lookups read between them
 
     def lookup(self, trainer: str, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return _StepOnBackward.apply(self.module.weight, ids, offsets, self, trainer)
+        """The bags, from a leaf that shares the table's weight: when the backward brings
+        the leaf its gradient, the hook steps the trainer's optimizer with it, instead of
+        the gradient waiting in the dist-autograd context for an optimizer RPC."""
+        leaf = self.module.weight.detach().requires_grad_()
+        leaf.register_hook(functools.partial(self.step, trainer))
+        return F.embedding_bag(ids, leaf, offsets, mode=self.module.mode)
 
     def step(self, trainer: str, grad: torch.Tensor) -> None:
         weight = self.module.weight
@@ -89,28 +95,6 @@ class Table:
             weight.grad = grad
             self.optimizers[trainer].step()
             weight.grad = None
-
-
-class _StepOnBackward(torch.autograd.Function):
-    """The bags of a lookup; their gradient, when the backward brings it to the ps, becomes
-    the table's and steps the trainer's optimizer instead of waiting in the dist-autograd
-    context for an optimizer RPC."""
-
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
-                table: Table, trainer: str) -> torch.Tensor:  # fmt: skip
-        with torch.enable_grad():  # a graph of its own, from a leaf that shares the weight
-            leaf = weight.detach().requires_grad_()
-            bags = F.embedding_bag(ids, leaf, offsets, mode=table.module.mode)
-        ctx.graph, ctx.table, ctx.trainer = (leaf, bags), table, trainer
-        return bags.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
-        leaf, bags = ctx.graph
-        (table_grad,) = torch.autograd.grad(bags, leaf, grad)
-        ctx.table.step(ctx.trainer, table_grad)
-        return None, None, None, None, None
 
 
 def _lookup(table: rpc.RRef, trainer: str, ids: torch.Tensor,
@@ -468,10 +452,9 @@ def _step(model: HybridModel, dense_step: DenseStep, batch: data.Batch, device: 
     ids, offsets = torch.tensor(batch.ids), torch.tensor(batch.offsets)
     labels = torch.tensor(batch.labels, device=device)
     with dist_autograd.context() as context:
-        with rpc_calls():
+        with rpc_calls():  # open until the reply: it brings the remote ops' profile
             lookup = model.lookup(ids, offsets)
-        dense_step.flush()  # the previous step's, while the lookup is in flight
-        with rpc_calls():
+            dense_step.flush()  # the previous step's, while the lookup is in flight
             bags = lookup.wait()
         loss = F.cross_entropy(model(bags), labels)
         dist_autograd.backward(context, [loss])

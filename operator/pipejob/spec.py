@@ -40,7 +40,9 @@ def _int(description: str, default: int | None = None, minimum: int | None = 0, 
 
 OPTIMIZER = Field(
     "object",
-    "The optimizer every parameter is stepped with (through DistributedOptimizer).",
+    "The optimizer every parameter is stepped with: a PipelineJob's through"
+    " DistributedOptimizer; a HybridJob's table by one per trainer on the parameter server,"
+    " its dense layer by each trainer's own.",
     fields={
         "name": Field(
             "string", "Optimizer from torch.optim.", default="sgd",

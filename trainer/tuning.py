@@ -26,7 +26,7 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   A HybridJob is bound by the latency of its many small RPCs, which the polling shortens
   (uv: 0.82x the iterations/s of shm on a lightly loaded host): its ps and trainers keep
   torch's defaults, but its master, which only starts the trainers and takes their reports,
-  uses uv and stops polling (its CPU per iteration 1.1 -> 0.1 ms). Processes with GPUs
+  uses uv and stops polling (its CPU per iteration 1.1-1.9 ms -> under 0.1). Processes with GPUs
   need the CUDA channels: torch's defaults.
 
 A variable the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, MALLOC_ARENA_MAX)

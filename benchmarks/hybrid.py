@@ -2,14 +2,16 @@
 iterations per second per trainer.
 
 Both run the tutorial's sizes: 2 trainers, EmbeddingBag(100, 16, sum) on a parameter server,
-nn.Linear(16, 8) under DDP (gloo), SGD lr 0.05 through DistributedOptimizer, bags of 1-10 ids
-and about 6 bags per iteration (pipejob: batchSize 6, bagSize 10). pipejob runs through the
-local runner with its tuning; the baseline with torch's defaults, as the tutorial. Repeats are
+nn.Linear(16, 8) under DDP (gloo), SGD lr 0.05, bags of 1-10 ids and about 6 bags per
+iteration (pipejob: batchSize 6, bagSize 10). The baseline steps with a DistributedOptimizer
+after the backward: RPCs for the lookup, the backward, the step on the ps and one to itself;
+pipejob's ps steps the table during the backward: two RPCs. pipejob runs through the local
+runner with its tuning; the baseline with torch's defaults, as the tutorial. Repeats are
 interleaved. Besides the rate it prints CPU-seconds per iteration of every process (read from
 /proc between the marks around the training loops) and where a baseline iteration goes.
 It measures; it asserts nothing.
 
-    python benchmarks/hybrid.py                    # 3 repeats of 300 iterations
+    python benchmarks/hybrid.py                    # 5 repeats of 1000 iterations (2-3 min)
     python benchmarks/hybrid.py --quick
 """
 
@@ -109,8 +111,8 @@ def cpu_line(processes: dict[str, Counters], iterations: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iterations", type=int, default=300)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--iterations", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="one repeat of 60 iterations")
     ap.add_argument("--pipejob-env", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--timeout", type=float, default=600)

@@ -235,6 +235,24 @@ def result(payload: dict[str, Any]) -> None:
     print(f"{RESULT}{json.dumps(payload)}", flush=True)
 
 
+def timed_batches(step: Callable[[Any], None], name: str, batch: int, image: int,
+                  warmup: int, batches: int) -> list[float]:  # fmt: skip
+    """Seconds of `step` on each of `batches` random image batches after `warmup` ones, with
+    marks `<name>-start` and `<name>-end` around the measured ones."""
+    import torch
+
+    seconds = []
+    for i in range(warmup + batches):
+        if i == warmup:
+            mark(f"{name}-start")
+        inputs = torch.randn(batch, 3, image, image)
+        start = time.perf_counter()
+        step(inputs)
+        seconds.append(time.perf_counter() - start)
+    mark(f"{name}-end")
+    return seconds[warmup:]
+
+
 def python(script: str, *args: str) -> list[str]:
     return [sys.executable, str(HERE / script), *args]
 

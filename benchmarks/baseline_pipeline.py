@@ -26,14 +26,13 @@ import argparse
 import math
 import os
 import threading
-import time
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.nn as nn
 import torch.optim as optim
-from _common import mark, one_hot, result
+from _common import one_hot, result, timed_batches
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 from torchvision.models.resnet import Bottleneck
@@ -155,19 +154,14 @@ def run_master(micro_batches: list[int], batch: int, image: int, warmup: int, ba
         # m micro-batches: the split *size* that gives m of them.
         model = DistResNet50(math.ceil(batch / m), ["worker1", "worker2"])
         opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=0.05)
-        seconds = []
-        for i in range(warmup + batches):
-            if i == warmup:
-                mark(f"m{m}-start")
-            inputs = torch.randn(batch, 3, image, image)
-            start = time.perf_counter()
+
+        def step(inputs: torch.Tensor, model=model, opt=opt) -> None:
             with dist_autograd.context() as context_id:
                 outputs = model(inputs)
                 dist_autograd.backward(context_id, [loss_fn(outputs, labels)])
                 opt.step(context_id)
-            seconds.append(time.perf_counter() - start)
-        mark(f"m{m}-end")
-        measured = seconds[warmup:]
+
+        measured = timed_batches(step, f"m{m}", batch, image, warmup, batches)
         result({"system": "baseline", "m": m, "batch_seconds": measured,
                 "samples_per_second": batch * len(measured) / sum(measured)})  # fmt: skip
 

@@ -15,30 +15,14 @@ measured batches of each configuration and one `@@result` line per configuration
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _common import mark, one_hot, result, tutorial_split
+from _common import one_hot, result, timed_batches, tutorial_split
 from torch import nn
 
 NUM_CLASSES = 1000
 SCHEDULES = ("gpipe", "1f1b")
-
-
-def timed_batches(step: Callable[[torch.Tensor], None], name: str, batch: int, image: int,
-                  warmup: int, batches: int) -> list[float]:  # fmt: skip
-    seconds = []
-    for i in range(warmup + batches):
-        if i == warmup:
-            mark(f"{name}-start")
-        inputs = torch.randn(batch, 3, image, image)
-        start = time.perf_counter()
-        step(inputs)
-        seconds.append(time.perf_counter() - start)
-    mark(f"{name}-end")
-    return seconds[warmup:]
 
 
 def run_single(args: argparse.Namespace) -> None:

@@ -5,17 +5,15 @@ the unmodified operator against the API server emulator polling a stand-in maste
 from __future__ import annotations
 
 import copy
-import json
 import random
-import threading
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness import jobs
+from harness.standin import StandInMaster
 from pipejob import kube
 from pipejob import status as st
 from pipejob.controller import Reconciler
@@ -114,42 +112,20 @@ def test_a_taken_port_is_a_clear_error():
 # --- the operator, a stand-in master ------------------------------------------------------
 
 
-class Master(BaseHTTPRequestHandler):
-    """A master's monitor endpoint: /progress answers the current `report`."""
-
-    report: dict = {}
-    polls = 0
-
-    def do_GET(self):
-        Master.polls += 1
-        body = json.dumps(Master.report).encode()
-        self.send_response(200 if self.path == "/progress" else 404)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
-def master() -> Iterator[str]:
+def master() -> Iterator[StandInMaster]:
     """A stand-in master on its own loopback address (the pod's IP) at the monitor port."""
-    Master.report, Master.polls = {}, 0
     for _ in range(20):
         ip = f"127.{random.randint(200, 250)}.{random.randint(0, 255)}.{random.randint(1, 254)}"
         try:
-            httpd = ThreadingHTTPServer((ip, kube.PORTS.monitor), Master)
+            standin = StandInMaster(ip, kube.PORTS.monitor)
             break
         except OSError:  # taken by another test run: another address
             continue
     else:
         pytest.fail("no free loopback address for the stand-in master")
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
-    yield ip
-    httpd.shutdown()
-    httpd.server_close()
+    yield standin
+    standin.close()
 
 
 def report(step: int, steps: int = 5, **more) -> dict:
@@ -170,15 +146,15 @@ def test_the_operator_polls_progress_into_status_and_counts_the_job(cluster, ope
     jobs.create(api, manifest)
     world = ["pj-master-0", "pj-stage-0", "pj-stage-1"]
     jobs.wait_pods(api, "pj", world, timeout=20)
-    Master.report = report(2)
+    master.answer(report(2))
     for i, name in enumerate(world):  # as the kubelet reports them: running, with their IPs
-        set_pod(api, name, {"phase": "Running", "podIP": master if i == 0 else "127.0.0.9"})
+        set_pod(api, name, {"phase": "Running", "podIP": master.host if i == 0 else "127.0.0.9"})
 
     def progress() -> str | None:
         return (jobs.get(api, PIPE, "pj") or {}).get("status", {}).get("progress")
 
     api.wait("progress 2/5", lambda: progress() == "2/5", 20)
-    Master.report = report(4)
+    master.answer(report(4))
     api.wait("progress 4/5", lambda: progress() == "4/5", 20)
     job = jobs.get(api, PIPE, "pj")
     training = job["status"]["training"]
@@ -202,7 +178,7 @@ def test_the_operator_polls_progress_into_status_and_counts_the_job(cluster, ope
     assert value(page, "pipejob_operator_jobs", kind=PIPE, phase="Running") == 0
     assert value(page, "pipejob_operator_reconcile_duration_seconds_count", kind=PIPE) >= 3
     assert value(page, "pipejob_operator_progress_poll_duration_seconds_count", result="ok") >= 2
-    assert Master.polls >= 2
+    assert master.polls >= 2
 
 
 class Api:
@@ -239,21 +215,21 @@ def test_only_timer_reconciles_poll_and_each_is_measured(master):
     pods = kube.world(parse(manifest), 0, NS, kube.owner_reference(manifest), "img")
     for i, pod in enumerate(pods):
         pod["metadata"]["uid"] = f"p{i}"
-        pod["status"] = {"phase": "Running", "podIP": master if i == 0 else "127.0.0.9"}
+        pod["status"] = {"phase": "Running", "podIP": master.host if i == 0 else "127.0.0.9"}
     api, metrics = Api(manifest, pods), OperatorMetrics()
     reconciler = Reconciler(api, "img", metrics)
     key = ("pipelinejobs", NS, "pj")
     reconciler.track(key)
-    Master.report = report(1)
+    master.answer(report(1))
 
     reconciler.kick(key)  # e.g. a pod event
-    assert Master.polls == 0 and "progress" not in api.job["status"]
+    assert master.polls == 0 and "progress" not in api.job["status"]
     assert reconciler.training == {key}  # its master runs: the progress timer will poll it
     reconciler.kick(key, poll=True)
-    assert Master.polls == 1 and api.job["status"]["progress"] == "1/5"
+    assert master.polls == 1 and api.job["status"]["progress"] == "1/5"
     patches = api.patches
     reconciler.kick(key, poll=True)  # the same report: nothing to write
-    assert Master.polls == 2 and api.patches == patches
+    assert master.polls == 2 and api.patches == patches
     get = metrics.registry.get_sample_value
     assert get("pipejob_operator_progress_poll_duration_seconds_count", {"result": "ok"}) == 2
     assert get("pipejob_operator_reconcile_duration_seconds_count", {"kind": PIPE}) == 3

@@ -6,15 +6,12 @@ by tests/test_operator_progress_e2e.py): the boundary here is HTTP, not the trai
 
 from __future__ import annotations
 
-import json
-import threading
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from harness.standin import StandInMaster
 from pipejob import kube, progress, reconcile
 from pipejob import status as st
 from pipejob.schema import apply
@@ -96,39 +93,16 @@ def test_the_url_is_the_running_master_of_the_current_world():
 # --- fetch over HTTP --------------------------------------------------------------------
 
 
-class StandIn(BaseHTTPRequestHandler):
-    """A master's monitor endpoint: answers /progress with `reply` after `delay` seconds."""
-
-    reply: tuple[int, bytes] = (200, b"{}")
-    delay = 0.0
-
-    def do_GET(self):
-        time.sleep(self.delay)
-        status, body = self.reply
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
-def master() -> Iterator[str]:
-    StandIn.reply, StandIn.delay = (200, json.dumps(REPORT).encode()), 0.0
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_port}/progress"
-    httpd.shutdown()
-    httpd.server_close()
+def master() -> Iterator[StandInMaster]:
+    standin = StandInMaster()
+    standin.answer(REPORT)
+    yield standin
+    standin.close()
 
 
 def test_fetch_reads_and_parses_the_report(master):
-    assert progress.fetch(master) == progress.parse(REPORT)
+    assert progress.fetch(master.url) == progress.parse(REPORT)
 
 
 @pytest.mark.parametrize(
@@ -136,19 +110,19 @@ def test_fetch_reads_and_parses_the_report(master):
               (200, b"\xff\xfe"), (200, b"[" * (progress.MAX_BYTES + 1))],
 )  # fmt: skip
 def test_a_bad_answer_is_no_report(master, reply):
-    StandIn.reply = reply
-    assert progress.fetch(master) is None
+    master.reply = reply
+    assert progress.fetch(master.url) is None
 
 
 def test_a_slow_master_is_no_report_after_the_timeout(master):
-    StandIn.delay = 2.0  # then it answers a good report: None means fetch gave up first
-    assert progress.fetch(master, timeout=0.3) is None
+    master.delay = 2.0  # then it answers a good report: None means fetch gave up first
+    assert progress.fetch(master.url, timeout=0.3) is None
 
 
 def test_nobody_listening_is_no_report():
-    with ThreadingHTTPServer(("127.0.0.1", 0), StandIn) as httpd:
-        port = httpd.server_port  # free once closed
-    assert progress.fetch(f"http://127.0.0.1:{port}/progress") is None
+    standin = StandInMaster()
+    standin.close()  # its port is free once closed
+    assert progress.fetch(standin.url) is None
 
 
 # --- status -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pipejob import spec as specs
 from pipejob.trainer import checkpoint
 from pipejob.trainer.data import SyntheticBags, partitions
 from pipejob.trainer.data import batches as data_batches
+from pipejob.trainer.hybrid import Table
 from pipejob.trainer.optim import optimizer_args
 
 TINY = {
@@ -79,8 +80,7 @@ def reference_weights(spec: dict) -> dict[str, torch.Tensor]:
     """The same training in one process with plain autograd: the table's and the dense
     layer's optimizers stepped after each backward, as DistributedOptimizer would."""
     emb, seed = spec["embedding"], spec["seed"]
-    table = nn.EmbeddingBag(emb["numEmbeddings"], emb["dim"], mode=emb["mode"])
-    nn.init.normal_(table.weight, generator=torch.Generator().manual_seed(seed))
+    table = Table(spec, trainers=[]).module  # the ps's seeded table; trained here, not there
     torch.manual_seed(seed)
     linear = nn.Linear(emb["dim"], spec["dense"]["outFeatures"])
     optimizer_class, kwargs = optimizer_args(spec["optimizer"])

@@ -370,6 +370,17 @@ def test_stopping_the_kubelet_leaves_no_process(cluster, tmp_path):
     cluster.api.wait("no process left", lambda: not any(map(alive, [pid, *children])), 5)
 
 
+@pytest.mark.timeout(60)
+def test_a_container_ends_with_its_main_process(cluster, kubelet):
+    code = ("import subprocess, sys;"
+            f"child = subprocess.Popen([{sys.executable!r}, '-c', 'import time; time.sleep(60)']);"
+            "open('child', 'w').write(str(child.pid))")  # fmt: skip
+    cluster.api.create(PODS, pod("orphaning", code), NS)
+    assert finished(cluster, "orphaning")["phase"] == "Succeeded"
+    child = int((kubelet.run(NS, "orphaning").dir / "child").read_text())
+    cluster.api.wait("the orphan killed", lambda: not alive(child), 5)
+
+
 def _children(pid: int) -> list[int]:
     """Every process in the process group led by `pid`, but the leader."""
     found = []

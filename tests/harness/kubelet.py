@@ -7,6 +7,8 @@ Succeeded/Failed, podIP, startTime, conditions, containerStatuses with the exit 
 honours restartPolicy (restarting in place, with restartCount), graceful deletion (SIGTERM,
 then SIGKILL after the grace period, capped, then the final delete), and refuses pods that ask
 for GPUs or node labels it has not (they stay Pending, Unschedulable, as on a real node).
+A container is its process group: when the main process ends, whatever it left running is
+killed, as a real container's end kills everything in it.
 
 Only one container per pod; images are ignored (`python` is the interpreter running the
 tests); volumes, probes, init containers, security contexts and envFrom are not emulated.
@@ -15,6 +17,7 @@ Tests can crash a pod's process (`kill`) or evict the pod (`evict`)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import signal
@@ -67,7 +70,29 @@ class PodRun:
 
     @property
     def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        """The main process has not exited (looked at without reaping it: see `reap`)."""
+        if not self.unreaped:
+            return False
+        try:
+            flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+            return os.waitid(os.P_PID, self.process.pid, flags) is None
+        except ChildProcessError:  # reaped by another thread meanwhile
+            return False
+
+    @property
+    def unreaped(self) -> bool:
+        """Until reaped, the main process's pid, and so its group's id, cannot be reused."""
+        return self.process is not None and self.process.returncode is None
+
+    def reap(self) -> int | None:
+        """The exit code once the main process has exited. The rest of its process group is
+        killed first, as a container ends as a whole (and a `--pdeathsig` leader can die
+        without the kubelet's kill reaching its children)."""
+        if self.running:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        return self.process.wait()
 
     @property
     def log(self) -> Path:
@@ -335,11 +360,9 @@ class Kubelet:
         })  # fmt: skip
 
     def _signal(self, run: PodRun, sig: int) -> None:
-        if run.running:
-            try:
+        if run.unreaped:  # the group may outlive its leader
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(run.process.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def _monitor(self) -> None:
         """Reap exits, escalate graceful kills, restart containers, publish late DNS names."""
@@ -356,7 +379,7 @@ class Kubelet:
 
     def _tend(self, run: PodRun, dns: bool) -> None:
         if run.process is not None and not run.done and run.restart_at is None:
-            code = run.process.poll()
+            code = run.reap()
             if code is not None:
                 self._exited(run, 128 - code if code < 0 else code)
         if run.kill_at is not None and time.monotonic() > run.kill_at:

@@ -12,6 +12,7 @@ run: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: lint
 	$(VENV)/bin/pytest

@@ -252,10 +252,13 @@ def report(runs: list[Run], cpus: int) -> str:
         lines.append(f"  {system:<20} " + "   ".join(cells))
     chosen = best(runs)
     single = chosen.get("single-t1")
-    lines += ["", "at each system's best count:",
-              f"  {'system':<20} {'m':>2} {'samples/s':>20} {'s/batch':>7} {'vs 1 thread':>11}"
-              f" {'lost':>5} {'bubble':>6} {'per CPU-s':>9}",
-              "      per process: CPU/wall, page faults/batch, busiest threads CPU-s/batch"]
+    lines += [
+        "",
+        "at each system's best count:",
+        f"  {'system':<20} {'m':>2} {'samples/s':>20} {'s/batch':>7} {'vs 1 thread':>11}"
+        f" {'lost':>5} {'bubble':>6} {'per CPU-s':>9}",
+        "      per process: CPU/wall, page faults/batch, busiest threads CPU-s/batch",
+    ]
     for system in chosen:
         m, rs = chosen[system]
         rate = median_rate(rs)
@@ -282,8 +285,12 @@ def report(runs: list[Run], cpus: int) -> str:
     for variant in (s for s in rate if s.startswith("pipejob:")):
         ratio("pipejob", variant, None, f"pipejob / {variant} (a lever's gain)")
     if "pipejob" in chosen:
-        ratio("pipejob-auto", "pipejob", None,
-              f"pipejob-auto / pipejob at its best m ({chosen['pipejob'][0]})")
+        ratio(
+            "pipejob-auto",
+            "pipejob",
+            None,
+            f"pipejob-auto / pipejob at its best m ({chosen['pipejob'][0]})",
+        )
     ratio("pipejob", "baseline", 1.3)
     if "gpipe" in rate or "1f1b" in rate:
         better = max((s for s in ("gpipe", "1f1b") if s in rate), key=rate.get)
@@ -293,9 +300,12 @@ def report(runs: list[Run], cpus: int) -> str:
     ratio("baseline", "single-t1")
     for s in ("gpipe", "1f1b"):
         ratio(s, "single-t1")
-    lines += ["", "lost = 1 - (speed-up over one thread) / (cores it can use); bubble = pipejob's"
-              " own measure (idle share of stage time in forward and backward); per CPU-s ="
-              " samples per CPU-second of all its processes (robust to other load)."]
+    lines += [
+        "",
+        "lost = 1 - (speed-up over one thread) / (cores it can use); bubble = pipejob's"
+        " own measure (idle share of stage time in forward and backward); per CPU-s ="
+        " samples per CPU-second of all its processes (robust to other load).",
+    ]
     return "\n".join(lines)
 
 
@@ -333,14 +343,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--image", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="one repeat, m=2,4, 2 batches")
-    ap.add_argument("--pipejob-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra environment of the pipejob run (e.g. PIPEJOB_TUNING=off)")
-    ap.add_argument("--pipejob-variant", action="append", default=[], metavar="LABEL:KEY=VALUE",
-                    help="also run pipejob with this environment, reported as pipejob:LABEL"
-                    " (e.g. off:PIPEJOB_TUNING=off); interleaved with the others")
-    ap.add_argument("--stage-threads", type=int, default=1,
-                    help="threads of each baseline and torch.distributed.pipelining process"
-                    " (default 1; with more, their OpenMP teams wait passively)")
+    ap.add_argument(
+        "--pipejob-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment of the pipejob run (e.g. PIPEJOB_TUNING=off)",
+    )
+    ap.add_argument(
+        "--pipejob-variant",
+        action="append",
+        default=[],
+        metavar="LABEL:KEY=VALUE",
+        help="also run pipejob with this environment, reported as pipejob:LABEL"
+        " (e.g. off:PIPEJOB_TUNING=off); interleaved with the others",
+    )
+    ap.add_argument(
+        "--stage-threads",
+        type=int,
+        default=1,
+        help="threads of each baseline and torch.distributed.pipelining process"
+        " (default 1; with more, their OpenMP teams wait passively)",
+    )
     ap.add_argument("--timeout", type=float, default=900, help="seconds per world")
     ap.add_argument("--json", type=Path, help="also write every run here")
     ap.add_argument("--verbose", action="store_true", help="relay every process's output")
@@ -401,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def variants(specs: list[str]) -> dict[str, dict[str, str]]:
-    """"off:PIPEJOB_TUNING=off" -> {"off": {"PIPEJOB_TUNING": "off"}} (KEY=VALUE may repeat,
+    """ "off:PIPEJOB_TUNING=off" -> {"off": {"PIPEJOB_TUNING": "off"}} (KEY=VALUE may repeat,
     comma-free: "a:K=V" per flag; the same label twice merges)."""
     out: dict[str, dict[str, str]] = {}
     for spec in specs:

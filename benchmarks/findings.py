@@ -203,9 +203,11 @@ def threads() -> None:
         names = ", ".join(f"{n} {s:.2f}" for n, s in busiest if s > 0.005)
         counts = ", ".join(f"{n} x{c}" for n, c in sorted(res["counts"].items()))
         omp = ", ".join(f"{k} {v}" for k, v in res["omp"].items())
-        say(f"  {label:<26} OpenMP team size in the forward's and backward's threads: {omp}\n"
+        say(
+            f"  {label:<26} OpenMP team size in the forward's and backward's threads: {omp}\n"
             f"  {'':<26} {res['wall']:.2f} s/step wall, {res['cpu']:.2f} CPU-s/step ({names})\n"
-            f"  {'':<26} threads that ever ran: {counts}; {load_average()}")
+            f"  {'':<26} threads that ever ran: {counts}; {load_average()}"
+        )
 
 
 # ---------------------------------------------------------------------------- lock
@@ -302,8 +304,9 @@ def balance_rank(args: argparse.Namespace) -> None:
                     half(x).sum().backward()
                 best = min(best, time.thread_time() - start)
             halves.append(best)
-        costs = measure_costs(layers, torch.randn(micro, 3, IMAGE, IMAGE),
-                              repeats=args.repeats).seconds
+        costs = measure_costs(
+            layers, torch.randn(micro, 3, IMAGE, IMAGE), repeats=args.repeats
+        ).seconds
         cut_at = min_max_partition(costs, 2)[1].start
         rows.append({"micro": micro, "first": halves[0], "second": halves[1],
                      "cut": names[cut_at], "cut_share": sum(costs[:cut_at]) / sum(costs),
@@ -313,8 +316,10 @@ def balance_rank(args: argparse.Namespace) -> None:
 
 def balance() -> None:
     [res] = world("balance", ["--repeats", "2"], thread_env(1), ranks=1)
-    say(f"balance: {res['threads']} thread; CPU-seconds of forward+backward for a batch of"
-        f" {BATCH} run as micro-batches (min of 2); tutorial split conv1..layer2 | layer3..fc")
+    say(
+        f"balance: {res['threads']} thread; CPU-seconds of forward+backward for a batch of"
+        f" {BATCH} run as micro-batches (min of 2); tutorial split conv1..layer2 | layer3..fc"
+    )
     say(f"  {'micro':>5} {'first':>7} {'second':>7} {'2nd/1st':>7} {'sum':>6} {'vs 48':>6}"
         "  pipejob's cut at this size (share before it)")  # fmt: skip
     base = res["rows"][0]["first"] + res["rows"][0]["second"]

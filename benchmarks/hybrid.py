@@ -120,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.iterations = 1, 60
     extra = dict(kv.split("=", 1) for kv in args.pipejob_env)
-    say(f"hybrid: 2 trainers, EmbeddingBag(100, 16) on a ps, Linear(16, 8) under DDP,"
+    say(
+        f"hybrid: 2 trainers, EmbeddingBag(100, 16) on a ps, Linear(16, 8) under DDP,"
         f" {args.iterations} iterations x {args.repeats} repeat(s); {machine()};"
-        f" {time.strftime('%Y-%m-%d %H:%M')}" + (f"; pipejob env {extra}" if extra else ""))
+        f" {time.strftime('%Y-%m-%d %H:%M')}" + (f"; pipejob env {extra}" if extra else "")
+    )
     results: dict[str, list[dict]] = {"pipejob": [], "baseline": []}
     with tempfile.TemporaryDirectory(prefix="pipejob-hybrid-") as tmp:
         for repeat in range(1, args.repeats + 1):
@@ -135,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                 r["load"] = load_average()
                 results[system].append(r)
                 rates = ", ".join(f"{x:.0f}" for x in r["rates"])
-                say(f"  repeat {repeat}: {system:<8} {rates} iterations/s per trainer"
-                    f" ({time.monotonic() - t0:.0f}s with start-up; {r['load']})")
+                say(
+                    f"  repeat {repeat}: {system:<8} {rates} iterations/s per trainer"
+                    f" ({time.monotonic() - t0:.0f}s with start-up; {r['load']})"
+                )
     say("\niterations/s per trainer (mean of the trainers): median [min-max] over repeats")
     median = {}
     for system, rs in results.items():
@@ -147,11 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         say(f"  {system:<8} {mid:7.1f} [{lo:.1f}-{hi:.1f}]   CPU-ms per iteration:"
             f" {cpu_line(mid_run['processes'], args.iterations)}")  # fmt: skip
     ratio = median["pipejob"] / median["baseline"]
-    say(f"\n  pipejob / baseline {ratio:.2f}x   target >= 1.2x:"
-        f" {'met' if ratio >= 1.2 else 'missed'}")
+    say(
+        f"\n  pipejob / baseline {ratio:.2f}x   target >= 1.2x:"
+        f" {'met' if ratio >= 1.2 else 'missed'}"
+    )
     phases = [p for r in results["baseline"] for p in r["phases"]]
-    say("  where a baseline iteration goes (ms, median over trainers and repeats): "
-        + ", ".join(f"{k} {spread([p[k] for p in phases])[1] * 1000:.2f}" for k in phases[0]))
+    say(
+        "  where a baseline iteration goes (ms, median over trainers and repeats): "
+        + ", ".join(f"{k} {spread([p[k] for p in phases])[1] * 1000:.2f}" for k in phases[0])
+    )
     say(f"  ({load_average()})")
     return 0
 

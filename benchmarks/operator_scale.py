@@ -211,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resync", type=float, default=10.0, help="PIPEJOB_RESYNC_SECONDS")
     ap.add_argument("--timeout", type=float, default=120)
     ap.add_argument("--keep-log", type=Path, help="copy the operator's log here")
-    ap.add_argument("--kmock-request-log", action="store_true",
-                    help="keep kmock's request log (the harness as the tests use it)")
+    ap.add_argument(
+        "--kmock-request-log",
+        action="store_true",
+        help="keep kmock's request log (the harness as the tests use it)",
+    )
     args = ap.parse_args(argv)
     if not args.kmock_request_log:
         harness.cluster.ApiServer = LeanApiServer
@@ -238,17 +241,21 @@ def main(argv: list[str] | None = None) -> int:
                 rss, peak = operator.memory()
                 lo, mid, hi = spread(lat)
                 rows.append((stages, mid, percentile(lat, 0.99), lo, hi, cpu))
-                say(f"  {stages:>2}-stage ({stages + 1} pods) x{args.jobs}: p50 {mid:.3f}s"
+                say(
+                    f"  {stages:>2}-stage ({stages + 1} pods) x{args.jobs}: p50 {mid:.3f}s"
                     f" p99 {percentile(lat, 0.99):.3f}s (min {lo:.3f}, max {hi:.3f});"
-                    f" operator {cpu * 1000:.0f} CPU-ms/job, RSS {rss:.0f} MB; {load_average()}")
+                    f" operator {cpu * 1000:.0f} CPU-ms/job, RSS {rss:.0f} MB; {load_average()}"
+                )
             cpu, own = operator.cpu_seconds(), time.process_time()
             converge, each = burst(c.api, watch, args.burst, args.timeout)
             cpu, own = operator.cpu_seconds() - cpu, time.process_time() - own
             say(f"  burst CPU: operator {cpu:.1f}s, API server emulator (this process) {own:.1f}s")
             rss, peak = operator.memory()
-            say(f"  burst of {args.burst}: all {3 * args.burst} pods after {converge:.2f}s;"
+            say(
+                f"  burst of {args.burst}: all {3 * args.burst} pods after {converge:.2f}s;"
                 f" per job p50 {spread(each)[1]:.2f}s p99 {percentile(each, 0.99):.2f}s;"
-                f" RSS {rss:.0f} MB (peak {peak:.0f} MB); {load_average()}")
+                f" RSS {rss:.0f} MB (peak {peak:.0f} MB); {load_average()}"
+            )
         finally:
             watch.close()
             operator.stop()
@@ -257,14 +264,20 @@ def main(argv: list[str] | None = None) -> int:
     say("\nagainst the targets of issue 6:")
     two = next((r for r in rows if r[0] == 2), None)
     if two:
-        say(f"  CR -> all pods, 2-stage p50  {two[1]:6.3f} s   target < 0.5 s:"
-            f" {'met' if two[1] < 0.5 else 'missed'}")
+        say(
+            f"  CR -> all pods, 2-stage p50  {two[1]:6.3f} s   target < 0.5 s:"
+            f" {'met' if two[1] < 0.5 else 'missed'}"
+        )
     for stages, mid, p99, *_ in rows:
         say(f"  {stages:>2}-stage: p50 {mid:.3f} s, p99 {p99:.3f} s")
-    say(f"  {args.burst} jobs x 3 pods converge {converge:6.2f} s   target < 10 s:"
-        f" {'met' if converge < 10 else 'missed'}")
-    say(f"  operator RSS peak          {peak:6.0f} MB  target < 150 MB:"
-        f" {'met' if peak < 150 else 'missed'}")
+    say(
+        f"  {args.burst} jobs x 3 pods converge {converge:6.2f} s   target < 10 s:"
+        f" {'met' if converge < 10 else 'missed'}"
+    )
+    say(
+        f"  operator RSS peak          {peak:6.0f} MB  target < 150 MB:"
+        f" {'met' if peak < 150 else 'missed'}"
+    )
     say(f"  ({load_average()})")
     return 0
 

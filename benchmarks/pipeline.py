@@ -96,8 +96,11 @@ def table(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--manifest", type=Path, default=EXAMPLE, help="PipelineJob to start from")
-    ap.add_argument("--micro-batches", default="1,2,4,8,auto",
-                    help="comma-separated counts; auto: let the trainer choose")
+    ap.add_argument(
+        "--micro-batches",
+        default="1,2,4,8,auto",
+        help="comma-separated counts; auto: let the trainer choose",
+    )
     ap.add_argument("--model")
     ap.add_argument("--stages", type=int)
     ap.add_argument("--batch-size", type=int)

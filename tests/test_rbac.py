@@ -92,4 +92,3 @@ def test_no_secrets_no_wildcards_no_escalation(tmp_path: Path) -> None:
                     assert verb not in ("escalate", "bind", "impersonate")
             if doc["kind"] in ("RoleBinding", "ClusterRoleBinding"):
                 assert doc["roleRef"]["name"] not in ("cluster-admin", "admin", "edit")
-

@@ -152,5 +152,7 @@ print(json.dumps({"main": torch.get_num_threads(), **seen, "arena": applied.aren
 def test_describe_names_what_is_set():
     assert tuning.Settings().describe() == "torch's defaults"
     text = Settings(1, True, 1, ["uv"], ["basic"]).describe()
-    assert text == ("1 intra-op thread(s), passive OpenMP waits, 1 malloc arena(s) keeping"
-                    " freed memory, TensorPipe uv/basic")
+    assert text == (
+        "1 intra-op thread(s), passive OpenMP waits, 1 malloc arena(s) keeping"
+        " freed memory, TensorPipe uv/basic"
+    )

@@ -566,8 +566,9 @@ def save_checkpoint(env: Env, step: int, pipeline: Pipeline, optimizer: Distribu
     start = time.perf_counter()
     local = checkpoint.local_optimizers(optimizer)
     saving = [
-        rpc.rpc_async(name, on_stage, args=(stage, "save", local.get(name), directory,
-                                            f"{name}.pt"))  # fmt: skip
+        rpc.rpc_async(
+            name, on_stage, args=(stage, "save", local.get(name), directory, f"{name}.pt")
+        )  # fmt: skip
         for name, stage in zip(pipeline.names, pipeline.stages, strict=True)
     ]
     master = {"rng": checkpoint.rng_state(), "data": data.generator.get_state()}

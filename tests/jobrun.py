@@ -22,6 +22,25 @@ import yaml
 
 STARTED = re.compile(r"^pipejob: started (\w+) \(rank \d+, pid (\d+)\)$", re.M)
 
+# A pipeline small enough for 2 CPU cores; each test adds the fields it depends on.
+SMALL_PIPELINE = {
+    "model": "resnet18",
+    "batchSize": 8,
+    "imageSize": 32,
+    "numClasses": 10,
+    "rendezvousTimeoutSeconds": 60,
+}
+
+
+def pipeline_job(name: str, **fields: Any) -> dict[str, Any]:
+    """A PipelineJob manifest: the small pipeline with `fields` over it."""
+    return {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "PipelineJob",
+        "metadata": {"name": name},
+        "spec": SMALL_PIPELINE | fields,
+    }
+
 
 class JobRun:
     def __init__(self, manifest: dict[str, Any], directory: Path, name: str = "job"):

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from jobrun import JobRun
+from jobrun import JobRun, pipeline_job
 from pipejob.trainer import checkpoint
 
 # ------------------------------------------------------------------ files and manifests
@@ -193,17 +193,9 @@ def test_distributed_optimizer_state_survives_a_checkpoint(tmp_path: Path) -> No
 
 # ------------------------------------------------------------------ worlds that resume
 
-PIPELINE = {
-    "apiVersion": "pipejob.dev/v1alpha1",
-    "kind": "PipelineJob",
-    "metadata": {"name": "resume"},
-    "spec": {
-        "model": "resnet18", "stages": 2, "microBatches": 2, "batchSize": 8, "imageSize": 32,
-        "numClasses": 10, "steps": 8, "seed": 1, "rendezvousTimeoutSeconds": 60,
-        "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-        "preflight": {"megabytes": 0.5},
-    },
-}  # fmt: skip
+PIPELINE = pipeline_job("resume", stages=2, microBatches=2, steps=8, seed=1,
+                        optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9},
+                        preflight={"megabytes": 0.5})  # fmt: skip
 
 
 def with_checkpoint(manifest: dict[str, Any], path: Path, every: int) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobrun import JobRun
+from jobrun import JobRun, pipeline_job
 from pipejob.trainer import monitor
 
 PROGRESS_KEYS = {"phase", "step", "steps", "loss", "samplesPerSecond", "bubble",
@@ -117,13 +117,8 @@ class Poller:
 
 @pytest.mark.timeout(240)
 def test_a_running_pipeline_master_reports_progress_and_metrics(tmp_path: Path) -> None:
-    job = {
-        "apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob",
-        "metadata": {"name": "watched"},
-        "spec": {"model": "resnet18", "stages": 2, "microBatches": 2, "batchSize": 8,
-                 "imageSize": 32, "numClasses": 10, "steps": 6, "rendezvousTimeoutSeconds": 60,
-                 "preflight": {"megabytes": 0.5}},
-    }  # fmt: skip
+    job = pipeline_job("watched", stages=2, microBatches=2, steps=6,
+                       preflight={"megabytes": 0.5})  # fmt: skip
     with JobRun(job, tmp_path) as run:
         url = run.wait_for(r"progress (http://127\.0\.0\.1:\d+)/progress", timeout=30)[1]
         poller = Poller(url)

@@ -18,29 +18,12 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from jobrun import JobRun, run_to_end
+from jobrun import JobRun, pipeline_job, run_to_end
 from pipejob import plan, spec
 from pipejob.runner import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, world
 from pipejob.trainer.layers import build_model, cut, sequential
 from pipejob.trainer.optim import optimizer_args
-
-SMALL = {
-    "model": "resnet18",
-    "batchSize": 8,
-    "imageSize": 32,
-    "numClasses": 10,
-    "rendezvousTimeoutSeconds": 60,
-}
-
-
-def manifest(name: str, **fields: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "pipejob.dev/v1alpha1",
-        "kind": "PipelineJob",
-        "metadata": {"name": name},
-        "spec": SMALL | fields,
-    }
 
 
 def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
@@ -74,7 +57,7 @@ def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(200)
 def test_two_stage_pipeline_trains(tmp_path):
-    job = manifest(
+    job = pipeline_job(
         "two-stages",
         stages=2,
         microBatches=2,
@@ -93,7 +76,7 @@ def test_two_stage_pipeline_trains(tmp_path):
 def test_three_stage_pipeline_trains(tmp_path):
     # More micro-batches than a stage has RPC threads (16): waiting for inputs must not
     # take them all.
-    job = manifest(
+    job = pipeline_job(
         "three-stages",
         stages=3,
         batchSize=40,
@@ -114,7 +97,7 @@ def test_auto_micro_batches_are_chosen_once_and_kept_on_resume(tmp_path):
     """microBatches auto measures every candidate count, runs the one with the shortest
     predicted step and keeps it in the checkpoint: a resumed run uses it again, and a resume
     with another explicit count is refused."""
-    job = manifest("auto", stages=2, microBatches="auto", steps=2, logEvery=2,
+    job = pipeline_job("auto", stages=2, microBatches="auto", steps=2, logEvery=2,
                    checkpoint={"path": str(tmp_path / "checkpoints"), "everySteps": 1},
                    preflight={"megabytes": 0.5})  # fmt: skip
     code, out, summary = run_to_end(job, tmp_path, timeout=150)
@@ -135,7 +118,7 @@ def test_auto_micro_batches_are_chosen_once_and_kept_on_resume(tmp_path):
     assert re.search(rf"^master\s*\|\s+{m}\s+{8 // m}(\s+[\d.]+){{4}}  <- chosen$", out, re.M)
     assert f"microBatches auto chose {m} of 1, 2, 4: predicted" in out  # in the summary
 
-    longer = manifest("auto", **(job["spec"] | {"steps": 3}))
+    longer = pipeline_job("auto", **(job["spec"] | {"steps": 3}))
     code, out, summary = run_to_end(longer, tmp_path, timeout=150)
     assert code == 0, out
     assert "resumed from step 2" in out and "measuring layer costs" not in out
@@ -143,7 +126,7 @@ def test_auto_micro_batches_are_chosen_once_and_kept_on_resume(tmp_path):
     assert summary["microBatches"] == m and summary["microBatchCandidates"] == candidates
 
     other = 1 if m != 1 else 2
-    with JobRun(manifest("auto", **(job["spec"] | {"microBatches": other, "steps": 4})),
+    with JobRun(pipeline_job("auto", **(job["spec"] | {"microBatches": other, "steps": 4})),
                 tmp_path, "other") as run:  # fmt: skip
         assert run.finish(120) != 0, run.output
         assert f"holds a checkpoint of microBatches {m}, not microBatches {other}" in run.output
@@ -193,7 +176,7 @@ def assert_gradient_close(name: str, grad: torch.Tensor, expected: torch.Tensor)
 
 @pytest.mark.timeout(200)
 def test_pipeline_gradients_equal_single_process_gradients(tmp_path):
-    job = spec.parse(manifest("gradients", stages=3, microBatches=4, steps=1))
+    job = spec.parse(pipeline_job("gradients", stages=3, microBatches=4, steps=1))
     rpc_port, ddp_port = free_ports(2)
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
     out = tmp_path / "pipeline.pt"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from jobrun import JobRun
+from jobrun import JobRun, pipeline_job
 from pipejob.trainer import profiling
 
 
@@ -42,14 +42,9 @@ def assert_rpc_lanes_within_the_step(events: list[dict[str, Any]]) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
-    job = {
-        "apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob",
-        "metadata": {"name": "profiled"},
-        "spec": {"model": "resnet18", "stages": 2, "microBatches": 2, "batchSize": 8,
-                 "imageSize": 32, "numClasses": 10, "steps": 2, "rendezvousTimeoutSeconds": 60,
-                 "preflight": {"megabytes": 0.5}, "checkpoint": {"path": str(tmp_path / "ck")},
-                 "profile": {"steps": [2], "rowLimit": 7}},
-    }  # fmt: skip
+    job = pipeline_job("profiled", stages=2, microBatches=2, steps=2,
+                       preflight={"megabytes": 0.5}, checkpoint={"path": str(tmp_path / "ck")},
+                       profile={"steps": [2], "rowLimit": 7})  # fmt: skip
     with JobRun(job, tmp_path) as run:
         assert run.finish(200) == 0, run.output
         output = run.output

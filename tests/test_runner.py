@@ -11,19 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobrun import STARTED, JobRun
+from jobrun import STARTED, JobRun, pipeline_job
 
 PIPEJOB = [sys.executable, "-m", "pipejob.cli"]
 
-LONG_PIPELINE = {
-    "apiVersion": "pipejob.dev/v1alpha1",
-    "kind": "PipelineJob",
-    "metadata": {"name": "long"},
-    "spec": {
-        "model": "resnet18", "stages": 2, "microBatches": 2, "batchSize": 4, "imageSize": 32,
-        "numClasses": 10, "steps": 100000, "rendezvousTimeoutSeconds": 60,
-    },
-}  # fmt: skip
+LONG_PIPELINE = pipeline_job("long", stages=2, microBatches=2, batchSize=4, steps=100000)
 
 
 def pids(run: JobRun) -> dict[str, int]:

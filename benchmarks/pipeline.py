@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from pipejob.spec import AUTO, InvalidSpec, parse
+from pipejob.core.spec import AUTO, InvalidSpec, parse
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "resnet50-pipeline.yaml"
 OVERRIDES = {  # flag -> spec field

@@ -125,7 +125,7 @@ def _optimizer_world(out: str) -> None:
     import torch.distributed.rpc as rpc
     from torch.distributed.optim import DistributedOptimizer
 
-    from pipejob.runner import LOOPBACK, free_ports
+    from pipejob.runner.local import LOOPBACK, free_ports
 
     os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_ports(1)[0]))
     rpc.init_rpc("solo", rank=0, world_size=1)

@@ -9,8 +9,8 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from kubernetes import client
 
-from pipejob import rbac
-from pipejob.cluster import ApiError, Cluster, merge_patch
+from pipejob.operator import rbac
+from pipejob.operator.cluster import ApiError, Cluster, merge_patch
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipejob import cli, crd, spec
-from pipejob.schema import SpecError, apply
+from pipejob.cli import main as cli
+from pipejob.core import spec
+from pipejob.core.schema import SpecError, apply
+from pipejob.operator import crd
 
 pytestmark = pytest.mark.timeout(60)
 

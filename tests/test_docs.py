@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipejob import apidoc, contract
+from pipejob.core import contract
+from pipejob.operator import apidoc
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -19,7 +20,7 @@ DOCS = ROOT / "docs"
 def test_api_reference_is_current() -> None:
     committed = (DOCS / "api-reference.md").read_text()
     assert committed == apidoc.render(), (
-        "docs/api-reference.md is stale: python -m pipejob.apidoc > docs/api-reference.md"
+        "docs/api-reference.md is stale: python -m pipejob.operator.apidoc > docs/api-reference.md"
     )
 
 

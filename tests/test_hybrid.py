@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jobrun import run_to_end
-from pipejob import spec as specs
+from pipejob.core import spec as specs
 from pipejob.trainer import checkpoint
 from pipejob.trainer.data import SyntheticBags, partitions
 from pipejob.trainer.data import batches as data_batches

@@ -3,8 +3,10 @@
 import pytest
 import yaml
 
-from pipejob import cli, contract, kube, spec
-from pipejob.plan import plan_world
+from pipejob.cli import main as cli
+from pipejob.core import contract, spec
+from pipejob.core.plan import plan_world
+from pipejob.operator import kube
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,11 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness import jobs
 from harness.standin import StandInMaster
-from pipejob import kube
-from pipejob import status as st
-from pipejob.controller import Reconciler
-from pipejob.metrics import OperatorMetrics
-from pipejob.spec import parse
+from pipejob.core.spec import parse
+from pipejob.operator import kube
+from pipejob.operator import status as st
+from pipejob.operator.controller import Reconciler
+from pipejob.operator.metrics import OperatorMetrics
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness import jobs
 from harness.client import Api
-from pipejob import kube
+from pipejob.operator import kube
 
 pytestmark = pytest.mark.timeout(240)
 

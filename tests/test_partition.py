@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipejob.spec import PIPELINE_MODELS
+from pipejob.core.spec import PIPELINE_MODELS
 from pipejob.trainer.layers import build_model, cut, sequential
 from pipejob.trainer.partition import (
     Host,

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from jobrun import JobRun, pipeline_job, run_to_end
-from pipejob import plan, spec
-from pipejob.runner import LOOPBACK, free_ports
+from pipejob.core import plan, spec
+from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, world
 from pipejob.trainer.layers import build_model, cut, sequential
 from pipejob.trainer.optim import optimizer_args

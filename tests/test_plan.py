@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from pipejob import contract as c
-from pipejob import spec
-from pipejob.plan import Ports, members, plan_world
+from pipejob.core import contract as c
+from pipejob.core import spec
+from pipejob.core.plan import Ports, members, plan_world
 
 COMMON_ENV = {
     c.MASTER_ADDR, c.MASTER_PORT, c.RANK, c.WORLD_SIZE, c.KIND, c.JOB, c.ROLE, c.ROLE_INDEX,

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipejob import plan, spec
-from pipejob.runner import LOOPBACK, free_ports
+from pipejob.core import plan, spec
+from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import preflight, world
 
 TIMEOUT = 8  # preflight.timeoutSeconds of these worlds

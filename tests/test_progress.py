@@ -12,10 +12,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from harness.standin import StandInMaster
-from pipejob import kube, progress, reconcile
-from pipejob import status as st
-from pipejob.schema import apply
-from pipejob.spec import API_VERSION, parse
+from pipejob.core.schema import apply
+from pipejob.core.spec import API_VERSION, parse
+from pipejob.operator import kube, progress, reconcile
+from pipejob.operator import status as st
 
 pytestmark = pytest.mark.timeout(30)
 

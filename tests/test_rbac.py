@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from static_tools import NAMESPACE, documents, helm_template
 
-from pipejob import rbac
+from pipejob.operator import rbac
 
 pytestmark = pytest.mark.timeout(60)
 

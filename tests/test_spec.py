@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from pipejob import spec
+from pipejob.core import spec
 
 
 def pipeline(**overrides):

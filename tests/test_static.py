@@ -26,7 +26,8 @@ from static_tools import (
     tools_python,
 )
 
-from pipejob import kube, spec
+from pipejob.core import spec
+from pipejob.operator import kube
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -251,7 +252,7 @@ def test_bad_values_are_refused_with_the_field(values: dict, message: str, tmp_p
 
 def test_operator_accepts_the_charts_arguments(renders: dict[str, Path]) -> None:
     """The Deployment's args parse with the real `pipejob operator` command line."""
-    from pipejob.cli import build_parser
+    from pipejob.cli.main import build_parser
 
     for name in ("default", "custom"):
         container = _deployment(documents(renders[name].read_text()))["spec"]["template"][

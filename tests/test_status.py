@@ -4,8 +4,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from pipejob import status as st
-from pipejob.schema import apply
+from pipejob.core.schema import apply
+from pipejob.operator import status as st
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,9 +9,9 @@ from typing import Any
 import yaml
 
 from harness.client import Api
-from pipejob.crd import PLURALS
-from pipejob.kube import JOB_LABEL, RESTART_LABEL
-from pipejob.spec import API_VERSION
+from pipejob.core.spec import API_VERSION
+from pipejob.operator.crd import PLURALS
+from pipejob.operator.kube import JOB_LABEL, RESTART_LABEL
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CRD_RESOURCE = "apiextensions.k8s.io/v1/customresourcedefinitions"

@@ -15,7 +15,7 @@ METRICS_PORT = 8081  # next to the chart's health port 8080
 def cmd_operator(args: argparse.Namespace) -> int:
     import kopf
 
-    from pipejob import controller
+    from pipejob.operator import controller
 
     level = getattr(logging, args.log_level.upper())
     kopf.configure(debug=level <= logging.DEBUG, quiet=level >= logging.WARNING)
@@ -38,7 +38,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from pipejob import kube, spec
+    from pipejob.core import spec
+    from pipejob.operator import kube
 
     try:
         job = spec.load(args.file)
@@ -55,7 +56,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_crds(args: argparse.Namespace) -> int:
-    from pipejob import crd
+    from pipejob.operator import crd
 
     if args.output_dir:
         for path in crd.write(args.output_dir):

@@ -12,8 +12,8 @@ import math
 import urllib.request
 from typing import Any
 
-from pipejob import kube
-from pipejob import status as st
+from pipejob.operator import kube
+from pipejob.operator import status as st
 
 TIMEOUT = 1.0  # seconds; a slow or gone master must not hold its job's reconcile for long
 MAX_BYTES = 64 * 1024  # a report is a few hundred bytes

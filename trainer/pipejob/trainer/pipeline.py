@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
-from pipejob.spec import AUTO
+from pipejob.core.spec import AUTO
 from pipejob.trainer import checkpoint, monitor, profiling, tuning, world
 from pipejob.trainer.layers import Layer, build_model, cut, sequential
 from pipejob.trainer.optim import optimizer_args

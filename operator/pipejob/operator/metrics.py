@@ -12,8 +12,8 @@ from collections.abc import Hashable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from pipejob import spec
-from pipejob import status as st
+from pipejob.core import spec
+from pipejob.operator import status as st
 
 PREFIX = "pipejob_operator"
 

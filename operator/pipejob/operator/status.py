@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from pipejob.schema import Field
+from pipejob.core.schema import Field
 
 PENDING = "Pending"
 RUNNING = "Running"

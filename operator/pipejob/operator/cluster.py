@@ -11,8 +11,8 @@ from typing import Any
 
 from kubernetes import client
 
-from pipejob.spec import GROUP, VERSION
-from pipejob.status import timestamp
+from pipejob.core.spec import GROUP, VERSION
+from pipejob.operator.status import timestamp
 
 REPORTER = "pipejob-operator"
 
@@ -86,7 +86,7 @@ class Cluster:
 
     def list_pods(self, namespace: str, job: str) -> list[dict]:
         """LIST the pods labelled with the job (every restart, every owner)."""
-        from pipejob.kube import JOB_LABEL
+        from pipejob.operator.kube import JOB_LABEL
 
         found = self._call(
             "GET", f"/api/v1/namespaces/{namespace}/pods",

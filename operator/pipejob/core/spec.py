@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from pipejob.schema import Field, Rule, SpecError, apply
+from pipejob.core.schema import Field, Rule, SpecError, apply
 
 GROUP = "pipejob.dev"
 VERSION = "v1alpha1"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipejob import cli_operator, kube, spec
-from pipejob.plan import plan_world
+from pipejob.cli import cluster
+from pipejob.core import spec
+from pipejob.core.plan import plan_world
+from pipejob.operator import kube
 
 
 def _load_or_exit(path: str) -> spec.Job:
@@ -18,7 +20,7 @@ def _load_or_exit(path: str) -> spec.Job:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pipejob.runner import run_job
+    from pipejob.runner.local import run_job
 
     return run_job(_load_or_exit(args.file), grace=args.grace)
 
@@ -69,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("file")
     plan.set_defaults(func=cmd_plan)
 
-    cli_operator.add_subcommands(sub)  # operator, render, crds
+    cluster.add_subcommands(sub)  # operator, render, crds
     return parser
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipejob.crd import PLURALS
-from pipejob.spec import GROUP
+from pipejob.core.spec import GROUP
+from pipejob.operator.crd import PLURALS
 
 _JOBS = tuple(PLURALS.values())
 

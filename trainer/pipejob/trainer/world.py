@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from pipejob import contract as c
+from pipejob.core import contract as c
 from pipejob.trainer import tuning
 
 # The RPC timeout for ordinary calls once the world has formed.

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import yaml
 
-from pipejob import spec
-from pipejob.schema import openapi
-from pipejob.status import STATUS
+from pipejob.core import spec
+from pipejob.core.schema import openapi
+from pipejob.operator.status import STATUS
 
 PLURALS = {"PipelineJob": "pipelinejobs", "HybridJob": "hybridjobs"}
 SHORT_NAMES = {"PipelineJob": "pj", "HybridJob": "hj"}

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipejob import contract as c
+from pipejob.core import contract as c
 
 TUNING = c.TUNING
 LEVERS = ("threads", "allocator", "transport")

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from pipejob import kube
-from pipejob import status as st
-from pipejob.spec import InvalidSpec, Job, parse
+from pipejob.core.spec import InvalidSpec, Job, parse
+from pipejob.operator import kube
+from pipejob.operator import status as st
 
 NORMAL, WARNING = "Normal", "Warning"
 

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TextIO
 
-from pipejob.plan import TRAINER_MODULE, Ports, Process, plan_world
-from pipejob.spec import Job
+from pipejob.core.plan import TRAINER_MODULE, Ports, Process, plan_world
+from pipejob.core.spec import Job
 
 LOOPBACK = "127.0.0.1"
 POLL_SECONDS = 0.1

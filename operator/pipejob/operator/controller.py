@@ -21,11 +21,11 @@ from typing import Any
 
 import kopf
 
-from pipejob import kube, progress, reconcile
-from pipejob.cluster import ApiError, Cluster
-from pipejob.crd import PLURALS
-from pipejob.metrics import OperatorMetrics
-from pipejob.spec import API_VERSION, GROUP, VERSION
+from pipejob.core.spec import API_VERSION, GROUP, VERSION
+from pipejob.operator import kube, progress, reconcile
+from pipejob.operator.cluster import ApiError, Cluster
+from pipejob.operator.crd import PLURALS
+from pipejob.operator.metrics import OperatorMetrics
 
 RESYNC_ENV = "PIPEJOB_RESYNC_SECONDS"
 DEFAULT_RESYNC = 10.0  # deadlines, TTLs and missed events are seen within this

@@ -10,10 +10,10 @@ import os
 import posixpath
 from typing import Any
 
-from pipejob import contract
-from pipejob.plan import TRAINER_MODULE, Member, Ports, Process, members, plan_world
-from pipejob.schema import SpecError
-from pipejob.spec import API_VERSION, Job
+from pipejob.core import contract
+from pipejob.core.plan import TRAINER_MODULE, Member, Ports, Process, members, plan_world
+from pipejob.core.schema import SpecError
+from pipejob.core.spec import API_VERSION, Job
 
 JOB_LABEL = "pipejob.dev/job"
 ROLE_LABEL = "pipejob.dev/role"

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipejob import contract as c
-from pipejob.spec import Job
+from pipejob.core import contract as c
+from pipejob.core.spec import Job
 
 # Each process runs the trainer; the renderer supplies the interpreter.
 TRAINER_MODULE = ("-m", "pipejob.trainer")

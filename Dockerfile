@@ -24,10 +24,19 @@ RUN groupadd --gid 10001 pipejob \
  && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin pipejob
 WORKDIR /src
 # Only the project metadata: the dependency layers below are rebuilt when pyproject.toml
-# changes, not when the code does. Empty package folders let pip resolve `.[extra]`.
+# changes, not when the code does. pip resolves `.[extra]` from a placeholder project: an
+# empty README.md and an empty __init__.py in the folder of every package pyproject.toml
+# lists ([tool.setuptools] packages, placed by its package-dir), read from pyproject.toml so
+# that a new package needs no change here.
 COPY pyproject.toml ./
-RUN mkdir -p operator/pipejob trainer \
- && touch README.md operator/pipejob/__init__.py trainer/__init__.py
+RUN touch README.md \
+ && python -c 'import pathlib, tomllib; \
+config = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]; \
+dirs = {"": ".", **config.get("package-dir", {})}; \
+root = lambda name: max((d for d in dirs if d in ("", name) or name.startswith(d + ".")), key=len); \
+folder = lambda name: pathlib.Path(dirs[root(name)], *filter(None, name[len(root(name)):].split("."))); \
+[(folder(n).mkdir(parents=True, exist_ok=True), (folder(n) / "__init__.py").touch()) \
+ for n in config["packages"]]'
 
 FROM base AS operator
 LABEL org.opencontainers.image.title="pipejob-operator" \
@@ -35,9 +44,10 @@ LABEL org.opencontainers.image.title="pipejob-operator" \
 # The versions are pinned where they are declared: the extras in pyproject.toml.
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ".[operator]" && pip uninstall --yes pipejob
+# Only the torch-free code (operator/: pipejob.core, .operator, .runner, .cli). The trainer's
+# packages stay the empty placeholders of the base stage: no trainer code in this image.
 COPY README.md ./
 COPY operator/ operator/
-COPY trainer/ trainer/
 RUN pip install --no-cache-dir --no-deps . && rm -rf /src/*
 WORKDIR /home/pipejob
 USER 10001:10001

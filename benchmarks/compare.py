@@ -2,7 +2,7 @@
 batch, image size, model split and thread budget:
 
   pipejob   the PipelineJob through the local runner (`pipejob run`), its threads and
-            transports chosen by pipejob.trainer.tuning; rate from the master's summary
+            transports chosen by pipejob.trainer.runtime.tuning; rate from the master's summary
   pipejob-auto  the same with `microBatches: auto`: reported with the count it chose,
             beside pipejob at its best fixed count
   baseline  the tutorial's RPC pipeline, written faithfully (baseline_pipeline.py)

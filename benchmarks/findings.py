@@ -285,8 +285,8 @@ def balance_rank(args: argparse.Namespace) -> None:
     wall-clock cost measurement) at each size."""
     import torch
 
-    from pipejob.trainer.layers import build_model, cut
-    from pipejob.trainer.partition import measure_costs, min_max_partition
+    from pipejob.trainer.pipeline.partition import measure_costs, min_max_partition
+    from pipejob.trainer.workloads.torchvision import build_model, cut
 
     torch.manual_seed(0)
     first, second = tutorial_split()

@@ -82,7 +82,7 @@ def run_pipejob(iterations: int, tmp: Path, extra: dict[str, str], timeout: floa
             raise RuntimeError(f"pipejob HybridJob failed ({codes}):\n{w.tail()}")
         summary = json.loads(summary_file.read_text())
         wall, deltas = w.between("start", "end")
-    rates = [t["steps"] / t["seconds"] for t in summary["per_trainer"].values()]
+    rates = [t["steps"] / t["seconds"] for t in summary["perTrainer"].values()]
     return {"rates": rates, "wall": wall, "processes": {n: d for n, d in deltas.items()
                                                         if n != "runner"}}  # fmt: skip
 

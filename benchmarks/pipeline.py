@@ -26,7 +26,8 @@ from typing import Any
 
 import yaml
 
-from pipejob.core.spec import AUTO, InvalidSpec, parse
+from pipejob.core.kinds.pipeline import AUTO
+from pipejob.core.spec import InvalidSpec, parse
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "resnet50-pipeline.yaml"
 OVERRIDES = {  # flag -> spec field

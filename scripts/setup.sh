@@ -1,44 +1,108 @@
 #!/usr/bin/env bash
 # Idempotent set-up of the one virtual environment every run reuses (outside the clone, so
-# fresh clones and CI runs on the same machine reuse it).
+# fresh clones and CI runs on the same machine reuse it). What it installs depends on the
+# mode (the Makefile passes it):
+#   run   pipejob editable with the trainer extra: torch + torchvision, pyyaml, prometheus-client
+#         (all `pipejob run` imports; the operator extra, kopf and kubernetes, is not needed)
+#   lint  pipejob editable with the dev extra (ruff), no torch
+#   test  pipejob editable with the operator, trainer and dev extras, and the static-check
+#         tools (scripts/install-tools.sh); the default
+# Quick and silent but for one line when everything is there: a step prints a line only when
+# it installs something. pip's output goes to a log that is shown only when pip fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+MODE=${1:-test}
+case "$MODE" in
+  run) EXTRAS=trainer TOOLS=no ;;
+  lint) EXTRAS=dev TOOLS=no ;;
+  test) EXTRAS=operator,trainer,dev TOOLS=yes ;;
+  *) echo "usage: scripts/setup.sh [run|lint|test]" >&2; exit 2 ;;
+esac
 VENV=${PIPEJOB_VENV:-$HOME/.cache/pipejob/venv}
 TORCH=(torch==2.13.0 torchvision==0.28.0)
+
+say() { echo "setup: $*"; }
+
+# pip_quietly PIP ARGS...: run pip with its output in a log; on failure show the log's end
+# (without this machine's "Location ... is ignored" noise from its pip config's local
+# indexes). The log has pip's normal verbosity, so the error comes with its context.
+pip_quietly() {
+  local log status=0
+  log=$(mktemp)
+  "$@" --disable-pip-version-check >"$log" 2>&1 || status=$?
+  if [ "$status" -ne 0 ]; then
+    echo "setup: pip failed (exit $status); the end of its log:" >&2
+    grep -v "^WARNING: Location '" "$log" | tail -n 40 >&2
+  else
+    # pip reports a broken dependency set with ERROR lines and exit status 0: keep those.
+    grep "^ERROR:" "$log" >&2 || true
+  fi
+  rm -f "$log"
+  return "$status"
+}
+
+has() { [[ ",$2," == *",$1,"* ]]; }  # has EXTRA LIST: LIST (comma-separated) names EXTRA
 
 python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
   || { echo "setup: pipejob needs Python 3.11 as python3" >&2; exit 1; }
 
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "setup: creating $VENV"
+  say "creating $VENV"
   python3 -m venv "$VENV"
 fi
 
-# This machine's pip config points at a local CPU-only torch wheel that has no matching
-# torchvision (torchvision from the registry then fails with "operator torchvision::nms does
-# not exist"). Ignore that config for the torch pair so both come from the registry together.
-if ! "$VENV/bin/python" - <<'PY' 2>/dev/null
-import torch, torchvision
-assert torch.__version__.split("+")[0] == "2.13.0"
-assert torchvision.__version__.split("+")[0] == "0.28.0"
+# This machine's pip config points at a local CPU-only torch wheel (2.13.0+cpu) that has no
+# matching torchvision (torchvision from the registry then fails with "operator
+# torchvision::nms does not exist"). Ignore that config for the torch pair so both come from
+# the registry together. The pair is fine when both have the pinned versions with the same
+# local label (none from the registry); reading their metadata is quick, importing torch not.
+if has trainer "$EXTRAS" && ! "$VENV/bin/python" - <<'PY' 2>/dev/null
+from importlib.metadata import version
+torch, vision = version("torch").partition("+"), version("torchvision").partition("+")
+assert (torch[0], vision[0], torch[2]) == ("2.13.0", "0.28.0", vision[2])
 PY
 then
-  echo "setup: installing ${TORCH[*]} from the registry (first time only, about a minute)"
-  PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS="" "$VENV/bin/pip" install --quiet "${TORCH[@]}"
+  say "installing ${TORCH[*]} from the registry (first time only, about a minute, ~5 GB)"
+  PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS="" pip_quietly "$VENV/bin/pip" install "${TORCH[@]}"
+  "$VENV/bin/python" -c 'import torch, torchvision' \
+    || { echo "setup: torch and torchvision do not import together" >&2; exit 1; }
 fi
 
-# Reinstall the project only when its metadata or location changed.
-stamp="$VENV/.pipejob-$(cat pyproject.toml <(pwd) | sha256sum | cut -c1-16)"
-if [ ! -e "$stamp" ]; then
-  echo "setup: installing pipejob (editable) with its operator, trainer and dev extras"
-  "$VENV/bin/pip" install --quiet -e ".[operator,trainer,dev]" 2>&1 | grep -v "^WARNING: Location" || true
-  "$VENV/bin/python" -c 'import pipejob.trainer, kopf, torchvision' \
-    || { echo "setup: install failed" >&2; exit 1; }
-  rm -f "$VENV"/.pipejob-*
-  touch "$stamp"
+# Reinstall the project only when its metadata or location changed, or when this mode needs
+# an extra the last install did not have. The stamp holds "KEY EXTRAS".
+key=$(cat pyproject.toml <(pwd) | sha256sum | cut -c1-16)
+stamp="$VENV/.pipejob-setup"
+stamped_key="" stamped_extras=""
+if [ -f "$stamp" ]; then
+  read -r stamped_key stamped_extras <"$stamp" || true
+fi
+union=$EXTRAS
+if [ "$stamped_key" = "$key" ]; then  # keep what is installed and current in the stamp
+  union+=",$stamped_extras"
+fi
+wanted=""
+for extra in operator trainer dev; do
+  if has "$extra" "$union"; then wanted+="${wanted:+,}$extra"; fi
+done
+covered=yes
+for extra in ${EXTRAS//,/ }; do
+  if [ "$stamped_key" != "$key" ] || ! has "$extra" "$stamped_extras"; then covered=no; fi
+done
+if [ "$covered" = no ]; then
+  say "installing pipejob (editable) with the extras $wanted"
+  pip_quietly "$VENV/bin/pip" install -e ".[$wanted]"
+  imports=pipejob.cli.main
+  has operator "$wanted" && imports+=",kopf,kubernetes"
+  has trainer "$wanted" && imports+=",pipejob.trainer,torch,torchvision"
+  has dev "$wanted" && imports+=",pytest,kmock,ruff"
+  "$VENV/bin/python" -c "import $imports" \
+    || { echo "setup: install failed: cannot import $imports" >&2; exit 1; }
+  rm -f "$VENV"/.pipejob-*  # this stamp and those of older set-ups
+  echo "$key $wanted" >"$stamp"
 fi
 
-if [ -x scripts/install-tools.sh ]; then
+if [ "$TOOLS" = yes ]; then
   scripts/install-tools.sh
 fi
+say "ready ($MODE: venv $VENV)"

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from jobrun import JobRun, pipeline_job
-from pipejob.trainer import checkpoint
+from pipejob.core.spec import parse
+from pipejob.trainer.runtime import checkpoint
 
 # ------------------------------------------------------------------ files and manifests
 
@@ -109,9 +110,10 @@ def test_prune_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None:
 
 
 def test_due_every_n_steps_and_at_the_last() -> None:
-    spec = {"steps": 7, "checkpoint": {"path": "/x", "everySteps": 3}}
-    assert [s for s in range(1, 8) if checkpoint.due(spec, s)] == [3, 6, 7]
-    assert not any(checkpoint.due({"steps": 7}, s) for s in range(1, 8))
+    every = parse(pipeline_job("c", steps=7, checkpoint={"path": "/x", "everySteps": 3}))
+    assert [s for s in range(1, 8) if checkpoint.due(every.settings, s)] == [3, 6, 7]
+    never = parse(pipeline_job("c", steps=7)).settings
+    assert not any(checkpoint.due(never, s) for s in range(1, 8))
 
 
 # ------------------------------------------------------------------ optimizer state
@@ -304,7 +306,7 @@ def test_a_hybrid_world_resumes_table_dense_layer_and_momentum(tmp_path: Path) -
                      re.M), output  # fmt: skip
     assert re.search(r"^master\s*\| resumed from step 4 \(", output, re.M), output
     assert summary["resumedFromStep"] == 4
-    assert summary["per_trainer"]["trainer0"]["steps"] == 4
+    assert summary["perTrainer"]["trainer0"]["steps"] == 4
     got, expected = final_state(tmp_path / "broken", 8), final_state(tmp_path / "straight", 8)
     assert sorted(got) == ["dense.pt", "master.pt", "ps.pt"]
     # The table's momentum is kept per trainer that steps it.

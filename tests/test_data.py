@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pipejob.trainer.data import SyntheticBags, batches, partitions
+from pipejob.trainer.workloads.synthetic import SyntheticBags, batches, partitions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,7 +67,7 @@ def test_samples_are_a_function_of_seed_and_index() -> None:
 def test_samples_and_partitions_are_the_same_in_another_process() -> None:
     """Every trainer computes them itself: string hashing must not make them differ."""
     code = (
-        "from pipejob.trainer.data import SyntheticBags, partitions\n"
+        "from pipejob.trainer.workloads.synthetic import SyntheticBags, partitions\n"
         "d = SyntheticBags(size=50, num_embeddings=30, classes=3, bag_size=4, seed=9)\n"
         "print([d.sample(i) for i in range(50)], partitions(50, 3, 9))\n"
     )

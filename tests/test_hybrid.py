@@ -12,11 +12,12 @@ from torch import nn
 
 from jobrun import run_to_end
 from pipejob.core import spec as specs
-from pipejob.trainer import checkpoint
-from pipejob.trainer.data import SyntheticBags, partitions
-from pipejob.trainer.data import batches as data_batches
-from pipejob.trainer.hybrid import Table
-from pipejob.trainer.optim import optimizer_args
+from pipejob.core.kinds.hybrid import HybridSpec
+from pipejob.trainer.hybrid.ps import Table
+from pipejob.trainer.runtime import checkpoint
+from pipejob.trainer.runtime.optim import optimizer_args
+from pipejob.trainer.workloads.synthetic import SyntheticBags, partitions
+from pipejob.trainer.workloads.synthetic import batches as data_batches
 
 TINY = {
     "apiVersion": "pipejob.dev/v1alpha1",
@@ -47,28 +48,28 @@ def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_p
                          output, re.M), output  # fmt: skip
     assert re.search(r"^master\s*\| done: 40 steps x 8 bags on 2 trainer", output, re.M), output
     assert summary["trainers"] == 2 and summary["steps"] == 40
-    assert summary["samples_per_second"] > 0
+    assert summary["samplesPerSecond"] > 0
 
     # DDP kept the dense replicas identical, and they did train.
-    assert summary["dense_max_abs_diff"] == 0.0
-    trainers = summary["per_trainer"]
+    assert summary["denseMaxAbsDiff"] == 0.0
+    trainers = summary["perTrainer"]
     assert list(trainers) == ["trainer0", "trainer1"]
-    assert all(t["dense_change_norm"] > 0 for t in trainers.values())
+    assert all(t["denseChangeNorm"] > 0 for t in trainers.values())
 
     # Distributed autograd and the optimizer reached the parameter server's table.
-    assert summary["embedding_change_norm"] > 0
+    assert summary["embeddingChangeNorm"] > 0
 
     # The task is learnable: the loss falls.
-    assert summary["loss_final"] < 0.7 * summary["loss_first"], summary
+    assert summary["finalLoss"] < 0.7 * summary["firstLoss"], summary
 
     # Each trainer read exactly its own partition, and no sample was read twice.
-    assert summary["partition_overlap"] == 0
+    assert summary["partitionOverlap"] == 0
     expected = partitions(spec["datasetSize"], 2, spec["seed"])
     assert not set(expected[0]) & set(expected[1])
     assert sorted(expected[0] + expected[1]) == list(range(spec["datasetSize"]))
     for name, part in zip(["trainer0", "trainer1"], expected, strict=True):
-        assert trainers[name]["partition_size"] == len(part)
-        assert trainers[name]["samples_read"] == len(part)
+        assert trainers[name]["partitionSize"] == len(part)
+        assert trainers[name]["samplesRead"] == len(part)
 
 
 REFERENCE = TINY | {"spec": TINY["spec"] | {
@@ -76,21 +77,21 @@ REFERENCE = TINY | {"spec": TINY["spec"] | {
     "optimizer": {"name": "adam", "lr": 0.05, "weightDecay": 0.01}}}  # fmt: skip
 
 
-def reference_weights(spec: dict) -> dict[str, torch.Tensor]:
+def reference_weights(spec: HybridSpec) -> dict[str, torch.Tensor]:
     """The same training in one process with plain autograd: the table's and the dense
     layer's optimizers stepped after each backward, as DistributedOptimizer would."""
-    emb, seed = spec["embedding"], spec["seed"]
+    emb, seed = spec.embedding, spec.seed
     table = Table(spec, trainers=[]).module  # the ps's seeded table; trained here, not there
     torch.manual_seed(seed)
-    linear = nn.Linear(emb["dim"], spec["dense"]["outFeatures"])
-    optimizer_class, kwargs = optimizer_args(spec["optimizer"])
+    linear = nn.Linear(emb.dim, spec.dense.out_features)
+    optimizer_class, kwargs = optimizer_args(spec.optimizer)
     optimizers = [optimizer_class(m.parameters(), **kwargs) for m in (table, linear)]
-    dataset = SyntheticBags(size=spec["datasetSize"], num_embeddings=emb["numEmbeddings"],
-                            classes=spec["dense"]["outFeatures"], bag_size=spec["bagSize"],
+    dataset = SyntheticBags(size=spec.dataset_size, num_embeddings=emb.num_embeddings,
+                            classes=spec.dense.out_features, bag_size=spec.bag_size,
                             seed=seed)  # fmt: skip
-    batches = data_batches(dataset, partitions(spec["datasetSize"], 1, seed)[0],
-                           spec["batchSize"])  # fmt: skip
-    for _ in range(spec["steps"]):
+    batches = data_batches(dataset, partitions(spec.dataset_size, 1, seed)[0],
+                           spec.batch_size)  # fmt: skip
+    for _ in range(spec.steps):
         batch = next(batches)
         bags = table(torch.tensor(batch.ids), torch.tensor(batch.offsets))
         F.cross_entropy(linear(bags), torch.tensor(batch.labels)).backward()
@@ -108,8 +109,8 @@ def test_the_table_stepped_in_the_backward_matches_a_single_process_reference(
     """The ps steps the table as the lookup's gradient arrives and the trainer steps the
     dense layer on the context's gradients: with one trainer (a deterministic world) that
     must train exactly like plain autograd with one optimizer step after each backward."""
-    spec = specs.parse(REFERENCE).spec  # defaulted
-    steps = spec["steps"]
+    spec = specs.parse(REFERENCE).settings  # defaulted
+    steps = spec.steps
     manifest = REFERENCE | {"spec": REFERENCE["spec"] | {
         "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": steps}}}  # fmt: skip
     code, output, summary = run_to_end(manifest, tmp_path, timeout=170)

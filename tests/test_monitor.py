@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobrun import JobRun, pipeline_job
-from pipejob.trainer import monitor
+from pipejob.trainer.runtime import monitor
 
 PROGRESS_KEYS = {"phase", "step", "steps", "loss", "samplesPerSecond", "bubble",
                  "resumedFromStep", "preflight", "message"}  # fmt: skip

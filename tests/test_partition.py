@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipejob.core.spec import PIPELINE_MODELS
-from pipejob.trainer.layers import build_model, cut, sequential
-from pipejob.trainer.partition import (
+from pipejob.core.kinds.pipeline import PIPELINE_MODELS
+from pipejob.trainer.pipeline.partition import (
     Host,
     LayerCosts,
     fastest,
@@ -21,6 +20,7 @@ from pipejob.trainer.partition import (
     min_max_partition,
     predict,
 )
+from pipejob.trainer.workloads.torchvision import build_model, cut, sequential
 
 # One model per torchvision family the trainer cuts, with an input size it can take.
 FAMILIES = {

@@ -20,10 +20,24 @@ from torch import nn
 
 from jobrun import JobRun, pipeline_job, run_to_end
 from pipejob.core import plan, spec
+from pipejob.core.common import Optimizer, from_spec
 from pipejob.runner.local import LOOPBACK, free_ports
-from pipejob.trainer import pipeline, world
-from pipejob.trainer.layers import build_model, cut, sequential
-from pipejob.trainer.optim import optimizer_args
+from pipejob.trainer import pipeline
+from pipejob.trainer.pipeline.schedule import Pipeline, forward_backward
+from pipejob.trainer.pipeline.shards import build_shards
+from pipejob.trainer.pipeline.stage import (
+    Stage,
+    Turnstile,
+    busy_seconds,
+    stage_devices,
+    step_seconds,
+)
+from pipejob.trainer.pipeline.summary import gpipe_bubble
+from pipejob.trainer.runtime import rendezvous, world
+from pipejob.trainer.runtime.optim import optimizer_args
+from pipejob.trainer.workloads import pipeline_data
+from pipejob.trainer.workloads.synthetic import SyntheticImages
+from pipejob.trainer.workloads.torchvision import build_model, cut, sequential
 
 
 def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
@@ -146,14 +160,15 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     if env.role != "master":
         pipeline.run(env)
         return
-    world.join_rpc(env)
+    rendezvous.join_rpc(env)
     try:
         s = env.spec
-        shards = pipeline.build_shards(s)
-        pipe = pipeline.Pipeline(env.names("stage"), shards)
-        images, labels = pipeline.SyntheticImages(s).batch()
+        shards = build_shards(s)
+        pipe = Pipeline(env.names("stage"), shards)
+        images, labels = pipeline_data(s).batch()
         with dist_autograd.context() as context_id:
-            loss = pipeline.forward_backward(pipe, images, labels, s["microBatches"], 0, context_id)
+            loss = forward_backward(pipe, images, labels, s.micro_batches, 0, context_id,
+                                    F.cross_entropy)  # fmt: skip
             grads: dict[str, torch.Tensor] = {}
             for stage in pipe.stages:
                 grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))
@@ -201,11 +216,11 @@ def test_pipeline_gradients_equal_single_process_gradients(tmp_path):
 
     # The same model, seed and micro-batches in one process. BatchNorm normalises each
     # micro-batch by its own statistics, so the reference runs them one at a time too.
-    s = job.spec
-    torch.manual_seed(s["seed"])
-    model = sequential(cut(build_model(s["model"], s["numClasses"])))
-    images, labels = pipeline.SyntheticImages(s).batch()
-    outputs = torch.cat([model(x) for x in images.tensor_split(s["microBatches"])])
+    s = job.settings
+    torch.manual_seed(s.seed)
+    model = sequential(cut(build_model(s.model, s.num_classes)))
+    images, labels = pipeline_data(s).batch()
+    outputs = torch.cat([model(x) for x in images.tensor_split(s.micro_batches)])
     loss = F.cross_entropy(outputs, labels)
     loss.backward()
 
@@ -222,20 +237,20 @@ def test_pipeline_gradients_equal_single_process_gradients(tmp_path):
 
 def test_stage_devices_map_neighbours_gpu_to_gpu():
     names = ["stage0", "stage1", "stage2"]
-    assert pipeline.stage_devices(1, names, gpus=0) == (None, None)
-    assert pipeline.stage_devices(0, names, gpus=1) == ({"stage1": {0: 0}}, [0])
-    assert pipeline.stage_devices(1, names, gpus=1) == (
+    assert stage_devices(1, names, gpus=0) == (None, None)
+    assert stage_devices(0, names, gpus=1) == ({"stage1": {0: 0}}, [0])
+    assert stage_devices(1, names, gpus=1) == (
         {"stage0": {0: 0}, "stage2": {0: 0}},
         [0],
     )
-    assert pipeline.stage_devices(2, names, gpus=2) == ({"stage1": {0: 0}}, [0])
+    assert stage_devices(2, names, gpus=2) == ({"stage1": {0: 0}}, [0])
 
 
 def test_busy_seconds_is_the_union_of_intervals():
-    assert pipeline.busy_seconds([]) == 0
-    assert pipeline.busy_seconds([(0, 1), (2, 3)]) == 2
-    assert pipeline.busy_seconds([(0, 2), (1, 3), (1.5, 2.5)]) == 3
-    assert pipeline.busy_seconds([(5, 6), (0, 10)]) == 10
+    assert busy_seconds([]) == 0
+    assert busy_seconds([(0, 1), (2, 3)]) == 2
+    assert busy_seconds([(0, 2), (1, 3), (1.5, 2.5)]) == 3
+    assert busy_seconds([(5, 6), (0, 10)]) == 10
 
 
 def test_step_seconds_counts_overlapping_backwards_once():
@@ -243,13 +258,13 @@ def test_step_seconds_counts_overlapping_backwards_once():
         {"forward": [0, 1], "backward": [4, 7]},
         {"forward": [1, 2], "backward": [5, 8]},
     ]
-    assert pipeline.step_seconds(events) == (2, 4, 6)
+    assert step_seconds(events) == (2, 4, 6)
 
 
 def test_gpipe_bubble():
-    assert pipeline.gpipe_bubble(2, 1) == 0.5
-    assert pipeline.gpipe_bubble(2, 4) == pytest.approx(0.2)
-    assert pipeline.gpipe_bubble(4, 8) == pytest.approx(3 / 11)
+    assert gpipe_bubble(2, 1) == 0.5
+    assert gpipe_bubble(2, 4) == pytest.approx(0.2)
+    assert gpipe_bubble(4, 8) == pytest.approx(3 / 11)
 
 
 @pytest.mark.parametrize(
@@ -266,12 +281,11 @@ def test_gpipe_bubble():
     ],
 )  # fmt: skip
 def test_optimizer_args(opt, cls, kwargs):
-    assert optimizer_args(opt) == (cls, kwargs)
+    assert optimizer_args(from_spec(Optimizer, opt)) == (cls, kwargs)
 
 
 def test_synthetic_images_are_seeded_and_coloured_by_class():
-    s = {"seed": 3, "batchSize": 64, "imageSize": 32, "numClasses": 4}
-    a, b = pipeline.SyntheticImages(s), pipeline.SyntheticImages(s)
+    a, b = SyntheticImages(3, 64, 32, 4), SyntheticImages(3, 64, 32, 4)
     (xa, ya), (xb, yb) = a.batch(), b.batch()
     assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert not torch.equal(a.batch()[0], xa)  # a new batch each step
@@ -288,7 +302,7 @@ def test_stage_times_forward_and_backward_of_each_micro_batch():
     torch.manual_seed(0)
     layers = [("a", nn.Linear(8, 8)), ("relu", nn.ReLU(inplace=True)), ("b", nn.Linear(8, 2))]
     for middle in (True, False):
-        stage = pipeline.Stage(layers, last=True, device="cpu")
+        stage = Stage(layers, last=True, device="cpu")
         for step in range(2):
             for mb in range(2):
                 x = torch.randn(4, 8, requires_grad=middle)
@@ -310,7 +324,7 @@ def test_stage_times_forward_and_backward_of_each_micro_batch():
 # ------------------------------------------------------------------ forwards in order
 
 
-def _arrive(turnstile: pipeline.Turnstile, step: int, index: int, passed: list, fail=False):
+def _arrive(turnstile: Turnstile, step: int, index: int, passed: list, fail=False):
     with turnstile.turn(step, index):
         passed.append((step, index))
         if fail:
@@ -332,7 +346,7 @@ def _wait_until_blocked(threads: list[threading.Thread], passed: list, expected:
 
 @pytest.mark.timeout(30)
 def test_turnstile_lets_micro_batches_through_in_order():
-    turnstile, passed = pipeline.Turnstile(timeout=20), []
+    turnstile, passed = Turnstile(timeout=20), []
     # Micro-batches 3, 2 and 1 arrive first and wait (a lock would let 3 in first).
     early = [_start(_arrive, turnstile, 0, i, passed) for i in (3, 2, 1)]
     _wait_until_blocked(early, passed, 0)
@@ -347,7 +361,7 @@ def test_turnstile_lets_micro_batches_through_in_order():
 
 @pytest.mark.timeout(30)
 def test_a_failed_micro_batch_passes_its_turn_on():
-    turnstile, passed, errors = pipeline.Turnstile(timeout=20), [], []
+    turnstile, passed, errors = Turnstile(timeout=20), [], []
 
     def failing():
         try:
@@ -363,7 +377,7 @@ def test_a_failed_micro_batch_passes_its_turn_on():
 
 
 def test_a_turn_that_never_comes_is_an_error_not_a_hang():
-    turnstile = pipeline.Turnstile(timeout=0.2)
+    turnstile = Turnstile(timeout=0.2)
     with pytest.raises(TimeoutError, match=r"micro-batch 2 of step 0 waited 0.2s for its turn"):
         with turnstile.turn(0, 2):
             pass
@@ -375,7 +389,7 @@ def test_a_turn_that_never_comes_is_an_error_not_a_hang():
 def test_stage_runs_forwards_in_micro_batch_order_whatever_their_arrival():
     """Forwards reach a stage's RPC threads out of order; it computes them in order."""
     torch.manual_seed(0)
-    stage = pipeline.Stage([("a", nn.Linear(8, 8)), ("b", nn.Linear(8, 2))], last=True,
+    stage = Stage([("a", nn.Linear(8, 8)), ("b", nn.Linear(8, 2))], last=True,
                            device="cpu")  # fmt: skip
     done: list[int] = []
 

@@ -11,8 +11,8 @@ from pipejob.core.plan import Ports, members, plan_world
 
 COMMON_ENV = {
     c.MASTER_ADDR, c.MASTER_PORT, c.RANK, c.WORLD_SIZE, c.KIND, c.JOB, c.ROLE, c.ROLE_INDEX,
-    c.RPC_NAME, c.WORLD, c.SPEC, c.GPUS, c.RENDEZVOUS_TIMEOUT, c.ADDRESSES, c.PREFLIGHT_PORT,
-    c.MONITOR_PORT,
+    c.RPC_NAME, c.WORLD, c.ROLES, c.SPEC, c.GPUS, c.RENDEZVOUS_TIMEOUT, c.ADDRESSES,
+    c.PREFLIGHT_PORT, c.MONITOR_PORT,
 }  # fmt: skip
 DDP_ENV = {c.DDP_ADDR, c.DDP_PORT, c.DDP_RANK, c.DDP_WORLD_SIZE, c.DDP_BACKEND}
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -75,10 +75,10 @@ def test_world_invariants(kind, fields):
             assert env[c.DDP_BACKEND] == ("nccl" if p.gpus else "gloo")
 
     # the DDP group holds exactly the trainers, ranked densely
-    ddp = [p for p in world if p.ddp_rank is not None]
+    ddp = [p for p in world if p.seat is not None]
     assert ddp == trainers
-    assert sorted(p.ddp_rank for p in ddp) == list(range(len(trainers)))
-    assert all(p.ddp_world_size == len(trainers) for p in ddp)
+    assert sorted(p.seat.rank for p in ddp) == list(range(len(trainers)))
+    assert all(p.seat.size == len(trainers) for p in ddp)
 
     # GPUs only where the spec asks for them
     gpu_role = "stage" if kind == "PipelineJob" else "trainer"

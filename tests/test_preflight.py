@@ -20,7 +20,7 @@ import torch
 
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
-from pipejob.trainer import preflight, world
+from pipejob.trainer.runtime import preflight, world
 
 TIMEOUT = 8  # preflight.timeoutSeconds of these worlds
 SLACK = 60  # process start-up (importing torch on a busy machine) and teardown
@@ -105,7 +105,7 @@ def _wrong_peer(environ: dict[str, str], contribution: float) -> None:
     all_reduce; it takes part in the ring honestly."""
     os.environ.update(environ)
     env = world.read_env()
-    timeout = env.spec["preflight"]["timeoutSeconds"]
+    timeout = env.spec.preflight.timeout_seconds
     deadline = time.monotonic() + timeout
     store = preflight._store(env, deadline, timeout)
     store.set(f"checkin/{env.rank}", "{}")
@@ -114,7 +114,7 @@ def _wrong_peer(environ: dict[str, str], contribution: float) -> None:
     wrong = torch.zeros(env.world_size, dtype=torch.float64)
     wrong[env.rank] = contribution
     group.allreduce([wrong]).wait()
-    preflight._ring(env, group, env.spec["preflight"]["megabytes"])
+    preflight._ring(env, group, env.spec.preflight.megabytes)
     group.shutdown()
     store.set(f"result/{env.rank}", json.dumps({"problems": [], "link": None}))
     try:

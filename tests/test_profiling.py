@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from jobrun import JobRun, pipeline_job
-from pipejob.trainer import profiling
+from pipejob.core.spec import parse
+from pipejob.trainer.runtime import profiling
 
 
 def trace(path: Path) -> list[dict[str, Any]]:
@@ -105,8 +106,8 @@ def test_profiled_hybrid_steps_trace_every_process(tmp_path: Path) -> None:
         events = trace(directory / f"trainer{k}-step{step}.json")
         ops = names(events)
         # The lookup on the parameter server, and the dense layer's local optimizer step.
-        assert f"rpc_async#_lookup(trainer{k} -> ps)" in ops
-        remote_ops.append(f"rpc_async#_lookup(trainer{k} -> ps)#remote_op: aten::embedding_bag"
+        assert f"rpc_async#lookup(trainer{k} -> ps)" in ops
+        remote_ops.append(f"rpc_async#lookup(trainer{k} -> ps)#remote_op: aten::embedding_bag"
                           in ops)  # fmt: skip
         assert "Optimizer.step#SGD.step" in ops
         assert "DistributedDataParallel.forward" in ops  # the whole step, not just the RPCs
@@ -123,10 +124,11 @@ def test_profiled_hybrid_steps_trace_every_process(tmp_path: Path) -> None:
 
 
 def test_settings_default_to_the_checkpoint_path() -> None:
-    spec = {"checkpoint": {"path": "/ck"}, "profile": {"steps": [2, 5], "rowLimit": 9}}
-    s = profiling.settings(spec)
+    def settings(**fields: Any) -> Any:
+        return profiling.settings(parse(pipeline_job("p", **fields)).settings)
+
+    s = settings(checkpoint={"path": "/ck"}, profile={"steps": [2, 5], "rowLimit": 9})
     assert s == profiling.Settings(frozenset({2, 5}), Path("/ck/profiles"), 9)
-    assert profiling.settings({"profile": {"steps": [1], "path": "/p", "rowLimit": 3}}).path \
-        == Path("/p")  # fmt: skip
-    assert profiling.settings({}) is None
+    assert settings(profile={"steps": [1], "path": "/p", "rowLimit": 3}).path == Path("/p")
+    assert settings() is None
     assert profiling.trace_path("/p", "stage1", 5) == Path("/p/stage1-step5.json")

@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from harness.standin import StandInMaster
+from pipejob.core.contract import MAX_MESSAGE, PreflightResult, Progress
 from pipejob.core.schema import apply
 from pipejob.core.spec import API_VERSION, parse
 from pipejob.operator import kube, progress, reconcile
@@ -31,12 +32,12 @@ REPORT = {
 
 
 def test_a_report_keeps_the_fields_the_status_shows():
-    assert progress.parse(REPORT) == {
-        "phase": "training", "step": 3, "steps": 20, "loss": 2.25, "samplesPerSecond": 41.5,
-        "bubble": 0.31, "preflight": {"ok": True, "message": "3 links ok"},
-    }  # fmt: skip
-    resumed = progress.parse(REPORT | {"resumedFromStep": 10, "step": 12, "loss": 1})
-    assert resumed["resumedFromStep"] == 10 and resumed["loss"] == 1.0
+    assert Progress.parse(REPORT) == Progress(
+        phase="training", step=3, steps=20, loss=2.25, samplesPerSecond=41.5, bubble=0.31,
+        preflight=PreflightResult(True, "3 links ok"),
+    )  # fmt: skip
+    resumed = Progress.parse(REPORT | {"resumedFromStep": 10, "step": 12, "loss": 1})
+    assert resumed.resumedFromStep == 10 and resumed.loss == 1.0
 
 
 @pytest.mark.parametrize(
@@ -46,15 +47,15 @@ def test_a_report_keeps_the_fields_the_status_shows():
 )  # fmt: skip
 def test_something_else_than_a_report_is_refused(data):
     with pytest.raises(ValueError):
-        progress.parse(data)
+        Progress.parse(data)
 
 
 def test_unknown_or_ill_typed_figures_count_as_absent():
     odd = {"step": 1, "steps": 2, "phase": "dancing", "loss": float("nan"), "bubble": "high",
            "samplesPerSecond": True, "resumedFromStep": -3, "preflight": {"ok": "yes"},
            "message": "x" * 1000}  # fmt: skip
-    report = progress.parse(odd)
-    assert report == {"step": 1, "steps": 2, "message": "x" * st.MAX_MESSAGE}
+    report = Progress.parse(odd)
+    assert report == Progress(step=1, steps=2, message="x" * MAX_MESSAGE)
 
 
 # --- which pod --------------------------------------------------------------------------
@@ -102,7 +103,7 @@ def master() -> Iterator[StandInMaster]:
 
 
 def test_fetch_reads_and_parses_the_report(master):
-    assert progress.fetch(master.url) == progress.parse(REPORT)
+    assert progress.fetch(master.url) == Progress.parse(REPORT)
 
 
 @pytest.mark.parametrize(
@@ -147,7 +148,7 @@ def running(**spec) -> tuple[dict, list[dict]]:
 
 def test_a_report_becomes_progress_and_training_figures():
     manifest, pods = running()
-    status = decide(manifest, pods, progress.parse(REPORT), seconds=2).status
+    status = decide(manifest, pods, Progress.parse(REPORT), seconds=2).status
     assert status["progress"] == "3/20"
     assert status["training"] == {
         "phase": "training", "step": 3, "steps": 20, "loss": 2.25, "samplesPerSecond": 41.5,
@@ -161,22 +162,22 @@ def test_a_report_becomes_progress_and_training_figures():
 
 def test_the_same_report_again_changes_nothing_so_nothing_is_written():
     manifest, pods = running()
-    manifest["status"] = decide(manifest, pods, progress.parse(REPORT), seconds=2).status
-    again = decide(manifest, pods, progress.parse(REPORT), seconds=9)
+    manifest["status"] = decide(manifest, pods, Progress.parse(REPORT), seconds=2).status
+    again = decide(manifest, pods, Progress.parse(REPORT), seconds=9)
     assert again.status == manifest["status"]  # no status patch, no watch event, no loop
     assert again.create == again.delete == again.events == []
 
 
 def test_without_a_report_the_last_figures_stay():
     manifest, pods = running()
-    manifest["status"] = decide(manifest, pods, progress.parse(REPORT), seconds=2).status
+    manifest["status"] = decide(manifest, pods, Progress.parse(REPORT), seconds=2).status
     later = decide(manifest, pods, None, seconds=5).status
     assert later["progress"] == "3/20" and later["training"] == manifest["status"]["training"]
 
 
 def test_a_resumed_world_reports_where_it_resumed():
     manifest, pods = running()
-    report = progress.parse(REPORT | {"step": 7, "resumedFromStep": 5, "preflight": None})
+    report = Progress.parse(REPORT | {"step": 7, "resumedFromStep": 5, "preflight": None})
     status = decide(manifest, pods, report).status
     assert status["progress"] == "7/20"
     assert status["training"]["resumedFromStep"] == 5
@@ -185,7 +186,7 @@ def test_a_resumed_world_reports_where_it_resumed():
 
 def test_success_shows_every_step_done_even_between_polls():
     manifest, pods = running()
-    manifest["status"] = decide(manifest, pods, progress.parse(REPORT), seconds=2).status
+    manifest["status"] = decide(manifest, pods, Progress.parse(REPORT), seconds=2).status
     pods[0]["status"] = {"phase": "Succeeded", "containerStatuses": [
         {"name": "trainer", "state": {"terminated": {"exitCode": 0}}}]}  # fmt: skip
     status = decide(manifest, pods, None, seconds=3).status
@@ -198,7 +199,7 @@ def test_success_shows_every_step_done_even_between_polls():
 def test_a_failed_preflight_reported_by_the_master_is_a_false_condition():
     manifest, pods = running()
     why = "stage 1 (rank 2, j-stage-1.j) did not join within 60s"
-    report = progress.parse(REPORT | {"phase": "failed", "step": 0,
+    report = Progress.parse(REPORT | {"phase": "failed", "step": 0,
                                       "preflight": {"ok": False, "message": why}})  # fmt: skip
     status = decide(manifest, pods, report).status
     preflight = st.condition(status, st.PREFLIGHT)

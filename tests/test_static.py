@@ -27,6 +27,7 @@ from static_tools import (
 )
 
 from pipejob.core import spec
+from pipejob.core.kinds import KINDS
 from pipejob.operator import kube
 
 pytestmark = pytest.mark.timeout(180)
@@ -113,7 +114,7 @@ def by_kind(docs: list[dict], kind: str) -> list[dict]:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_is_a_valid_job(path: Path) -> None:
     job = spec.load(path)
-    assert job.kind in spec.KINDS
+    assert job.kind in KINDS
     assert kube.check(job) == [], "the operator would refuse it"
 
 
@@ -123,7 +124,7 @@ def test_every_kind_has_a_cpu_and_a_gpu_example() -> None:
     for path in EXAMPLES:
         job = spec.load(path)
         seen.add((job.kind, job.spec[gpu_field[job.kind]] > 0))
-    assert seen >= {(kind, gpu) for kind in spec.KINDS for gpu in (False, True)}
+    assert seen >= {(kind, gpu) for kind in KINDS for gpu in (False, True)}
 
 
 def test_gpu_examples_ask_for_gpus_and_nccl(pod_renders: dict[str, Path]) -> None:
@@ -291,7 +292,7 @@ def test_manifests_match_kubernetes_and_crd_schemas(
     expected = sum(len(documents(f.read_text())) for f in files)
     assert len(results) == expected, "every document is validated"
     for r in results:
-        if r["kind"] in (*spec.KINDS, "KopfPeering", "ClusterKopfPeering"):
+        if r["kind"] in (*KINDS, "KopfPeering", "ClusterKopfPeering"):
             assert r["schema"] == f"CRD {r['kind']}"
         else:
             assert r["schema"] == "Kubernetes " + ", ".join(KUBERNETES_VERSIONS)

@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from pipejob.trainer import tuning
-from pipejob.trainer.tuning import Settings, decide
+from pipejob.trainer.runtime import tuning
+from pipejob.trainer.runtime.tuning import Settings, decide
 
 pytestmark = pytest.mark.timeout(60)
 
 ALL = set(tuning.LEVERS)
-PIPELINE_WORLD = ["master", "stage0", "stage1"]
+PIPELINE_WORLD = ["master", "stage", "stage"]  # roles in rank order
 
 
 def test_levers_from_the_environment_variable():
@@ -54,7 +54,7 @@ def test_colocated_compute_counts_the_compute_roles_on_this_host():
     pods = ["j-master-0.j", "j-stage-0.j", "j-stage-1.j"]
     assert tuning.colocated_compute("PipelineJob", PIPELINE_WORLD, pods, 1) == 1
     assert tuning.colocated_compute("PipelineJob", PIPELINE_WORLD, pods, 0) == 0
-    hybrid = ["master", "ps", "trainer0", "trainer1"]
+    hybrid = ["master", "ps", "trainer", "trainer"]
     assert tuning.colocated_compute("HybridJob", hybrid, ["127.0.0.1"] * 4, 2) == 3
     # Without addresses every process is on its own host.
     assert tuning.colocated_compute("PipelineJob", PIPELINE_WORLD, [], 2) == 1
@@ -132,7 +132,7 @@ def test_settings_reach_torch_when_applied_before_it_loads():
     count in every thread, including ones torch starts itself."""
     code = """
 import json, sys, threading
-from pipejob.trainer import tuning
+from pipejob.trainer.runtime import tuning
 applied = tuning.apply(tuning.Settings(threads=1, arena_max=1))
 import torch
 seen = {}

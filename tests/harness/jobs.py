@@ -9,8 +9,8 @@ from typing import Any
 import yaml
 
 from harness.client import Api
+from pipejob.core.kinds import KINDS
 from pipejob.core.spec import API_VERSION
-from pipejob.operator.crd import PLURALS
 from pipejob.operator.kube import JOB_LABEL, RESTART_LABEL
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -19,7 +19,7 @@ FINISHED = ("Succeeded", "Failed")
 
 
 def resource(kind: str) -> str:
-    return f"{API_VERSION}/{PLURALS[kind]}"
+    return f"{API_VERSION}/{KINDS[kind].plural}"
 
 
 def apply_crd(api: Api, crd: dict) -> dict:

@@ -42,7 +42,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     job = _load_or_exit(args.file)
     print(f"{'rank':>4}  {'rpc name':<10} {'role':<8} {'gpus':>4}  {'ddp':<5} address")
     for p in plan_world(job, kube.addresser(job)):
-        ddp = f"{p.ddp_rank}/{p.ddp_world_size}" if p.ddp_rank is not None else "-"
+        ddp = f"{p.seat.rank}/{p.seat.size}" if p.seat is not None else "-"
         print(f"{p.rank:>4}  {p.rpc_name:<10} {p.role:<8} {p.gpus:>4}  {ddp:<5} {p.address}")
     return 0
 

@@ -1,6 +1,15 @@
-"""The env contract between the world plan and the trainer: every variable, in one place.
+"""Everything that crosses a process boundary between pipejob's parts, in one place: the env
+the world plan gives each process, the exit codes and termination messages a failing trainer
+leaves, and the master's /progress report the operator reads.
 
-Standard torch names where they exist (the RPC world); the rest is prefixed PIPEJOB_."""
+Env: standard torch names where they exist (the RPC world); the rest is prefixed PIPEJOB_."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from enum import IntEnum
+from typing import Any
 
 MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
@@ -13,6 +22,7 @@ ROLE = "PIPEJOB_ROLE"
 ROLE_INDEX = "PIPEJOB_ROLE_INDEX"
 RPC_NAME = "PIPEJOB_RPC_NAME"
 WORLD = "PIPEJOB_WORLD"
+ROLES = "PIPEJOB_ROLES"
 ADDRESSES = "PIPEJOB_ADDRESSES"
 PREFLIGHT_PORT = "PIPEJOB_PREFLIGHT_PORT"
 MONITOR_PORT = "PIPEJOB_MONITOR_PORT"
@@ -42,6 +52,7 @@ DOCS: dict[str, str] = {
     ROLE_INDEX: "Index of this process within its role (stage i, trainer k).",
     RPC_NAME: "This process's RPC worker name (master, stage0, ps, trainer1, ...).",
     WORLD: "Comma-separated RPC names of the whole world, in rank order.",
+    ROLES: "Comma-separated roles of the whole world, in rank order.",
     ADDRESSES: "Comma-separated addresses of the whole world, in rank order (for messages).",
     PREFLIGHT_PORT: "Port of the whole world's gloo group for the preflight check (master).",
     MONITOR_PORT: "Port of the master's HTTP endpoint: /progress (JSON) and /metrics.",
@@ -59,3 +70,94 @@ DOCS: dict[str, str] = {
     TUNING: "Optional: performance levers (threads, allocator, transport): unset or on for"
     " all, off for none, or a comma-separated list. Variables the user sets always win.",
 }
+
+
+# --- how a trainer process ends --------------------------------------------------------
+
+
+class ExitCode(IntEnum):
+    SUCCEEDED = 0
+    TRAINING_FAILED = 1  # an exception while training
+    BAD_ENVIRONMENT = 2  # the env does not hold what the plan promises
+    RENDEZVOUS_FAILED = 3  # the RPC world or a group did not form in time
+    PREFLIGHT_FAILED = 4  # the world failed its communication check
+
+
+# A failing process writes one line to its termination message (Kubernetes shows it in the
+# pod's status); when the preflight check failed, the line starts with this.
+PREFLIGHT_PREFIX = "preflight:"
+# Longest message the operator copies from a report or a termination message into status.
+MAX_MESSAGE = 300
+
+
+# --- the master's GET /progress --------------------------------------------------------
+
+# What the master is doing, in order.
+PHASES = ("starting", "preflight", "training", "finished", "failed")
+
+
+@dataclass(frozen=True)
+class PreflightResult:
+    ok: bool
+    message: str
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The master's report, as JSON with these names (camelCase, as the job's status)."""
+
+    step: int
+    steps: int
+    phase: str | None = None
+    loss: float | None = None
+    samplesPerSecond: float | None = None  # noqa: N815 (the JSON's name)
+    bubble: float | None = None  # PipelineJob: idle share of stage time
+    resumedFromStep: int | None = None  # noqa: N815
+    message: str | None = None
+    preflight: PreflightResult | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def figures(self) -> dict[str, Any]:
+        """The fields the job's status.training shows (all but preflight), None left out."""
+        return {k: v for k, v in self.to_json().items() if k != "preflight" and v is not None}
+
+    @classmethod
+    def parse(cls, data: Any) -> Progress:
+        """A report read from JSON, checked: anything but a report raises ValueError; an
+        unknown phase or a figure of the wrong type counts as absent."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a report is a JSON object, got {type(data).__name__}")
+        step, steps = data.get("step"), data.get("steps")
+        if not _count(step) or not _count(steps):
+            raise ValueError(f"a report has whole numbers step and steps, got {step!r}, {steps!r}")
+        figures = {k: float(data[k]) for k in ("loss", "samplesPerSecond", "bubble")
+                   if _number(data.get(k))}  # fmt: skip
+        message = data.get("message")
+        preflight = data.get("preflight")
+        if isinstance(preflight, dict) and isinstance(preflight.get("ok"), bool):
+            text = preflight.get("message")
+            text = text[:MAX_MESSAGE] if isinstance(text, str) else ""
+            preflight = PreflightResult(preflight["ok"], text)
+        else:
+            preflight = None
+        return cls(
+            step=step,
+            steps=steps,
+            phase=data["phase"] if data.get("phase") in PHASES else None,
+            resumedFromStep=data["resumedFromStep"]
+            if _count(data.get("resumedFromStep"))
+            else None,
+            message=message[:MAX_MESSAGE] if isinstance(message, str) and message else None,
+            preflight=preflight,
+            **figures,
+        )
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -15,20 +15,21 @@ from typing import Any
 
 import yaml
 
-from pipejob.core import contract, spec
+from pipejob.core import contract
+from pipejob.core.kinds import KINDS
 
 ROOT = Path(__file__).resolve().parents[3]  # operator/pipejob/operator/apidoc.py
 CRD_DIR = ROOT / "crds"
 
 
 def load_crds(crd_dir: Path = CRD_DIR) -> list[dict[str, Any]]:
-    """Every CustomResourceDefinition in `crd_dir`, ours in the order of spec.KINDS."""
+    """Every CustomResourceDefinition in `crd_dir`, ours in the order of the registry of kinds."""
     crds = []
     for path in sorted(crd_dir.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc and doc.get("kind") == "CustomResourceDefinition":
                 crds.append(doc)
-    order = {kind: i for i, kind in enumerate(spec.KINDS)}
+    order = {kind: i for i, kind in enumerate(KINDS)}
     return sorted(crds, key=lambda c: order.get(c["spec"]["names"]["kind"], len(order)))
 
 

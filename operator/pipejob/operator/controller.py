@@ -21,10 +21,10 @@ from typing import Any
 
 import kopf
 
+from pipejob.core.kinds import KINDS, by_plural
 from pipejob.core.spec import API_VERSION, GROUP, VERSION
 from pipejob.operator import kube, progress, reconcile
 from pipejob.operator.cluster import ApiError, Cluster
-from pipejob.operator.crd import PLURALS
 from pipejob.operator.metrics import OperatorMetrics
 
 RESYNC_ENV = "PIPEJOB_RESYNC_SECONDS"
@@ -32,7 +32,6 @@ DEFAULT_RESYNC = 10.0  # deadlines, TTLs and missed events are seen within this
 PROGRESS_ENV = "PIPEJOB_PROGRESS_SECONDS"
 DEFAULT_PROGRESS = 3.0  # how live status.progress is while a master runs; 0: never poll
 
-KINDS = {plural: kind for kind, plural in PLURALS.items()}
 REGISTRY = kopf.OperatorRegistry()
 METRICS = OperatorMetrics()
 # Our own logger, not kopf's per-object one: kopf would also post its records as Events,
@@ -72,7 +71,7 @@ class Reconciler:
                 self._reconcile(key, poll)
             finally:
                 seconds = time.perf_counter() - started
-                self.metrics.reconcile_seconds.labels(KINDS.get(key[0], key[0])).observe(seconds)
+                self.metrics.reconcile_seconds.labels(_kind_name(key[0])).observe(seconds)
 
     def track(self, key: Key) -> None:
         with self._guard:
@@ -118,7 +117,7 @@ class Reconciler:
             self.cluster.patch_status(plural, job, acts.status)
             if acts.status.get("phase") != old.get("phase"):
                 log.info(f"{namespace}/{name}: {old.get('phase')} -> {acts.status['phase']}")
-        self.metrics.observe(key, job.get("kind") or KINDS.get(plural, plural), old, acts.status)
+        self.metrics.observe(key, job.get("kind") or _kind_name(plural), old, acts.status)
         for pod in acts.delete:
             self.cluster.delete_pod(pod)
         if acts.delete:
@@ -135,6 +134,11 @@ class Reconciler:
             log.info(f"{namespace}/{name}: ttlSecondsAfterFinished passed: deleting the job")
             self.cluster.delete_job(plural, job)
             self.forget(key)
+
+
+def _kind_name(plural: str) -> str:
+    kind = by_plural(plural)
+    return kind.name if kind else plural
 
 
 def _seconds(env: str, default: float) -> float:
@@ -216,8 +220,8 @@ def on_job(event: dict, resource: Any, namespace: str, name: str, memo: kopf.Mem
     memo.reconciler.kick(key)
 
 
-for _plural in PLURALS.values():
-    kopf.on.event(GROUP, VERSION, _plural, id=f"{_plural}", registry=REGISTRY)(on_job)
+for _kind in KINDS.values():
+    kopf.on.event(GROUP, VERSION, _kind.plural, id=_kind.plural, registry=REGISTRY)(on_job)
 
 
 @kopf.on.event("v1", "pods", labels={kube.JOB_LABEL: kopf.PRESENT}, registry=REGISTRY)
@@ -225,7 +229,7 @@ def on_pod(body: dict, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     """A pod of a job changed or went: reconcile the job that owns it."""
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("controller") and ref.get("apiVersion") == API_VERSION:
-            plural = PLURALS.get(ref.get("kind"), "")
+            plural = KINDS[ref["kind"]].plural if ref.get("kind") in KINDS else ""
             key = (plural, namespace, ref["name"])
             if key in memo.reconciler.jobs:  # else the job's own event comes, or it is gone
                 memo.reconciler.kick(key)

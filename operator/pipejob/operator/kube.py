@@ -107,7 +107,7 @@ def _metadata(job: Job, name: str, namespace: str, owner: dict | None, labels: d
 def service(job: Job, namespace: str, owner: dict | None = None) -> dict:
     """The headless Service that gives every pod of the job its DNS name, ready or not."""
     names = ["rpc", "preflight", "monitor"]
-    if job.kind == "HybridJob":
+    if job.definition.groups:
         names.insert(1, "ddp")
     ports = [{"name": n, "port": getattr(PORTS, n), "targetPort": getattr(PORTS, n)} for n in names]
     return {
@@ -152,7 +152,7 @@ def pod(
     env = [{"name": k, "value": v} for k, v in process.env.items()]
     env += copy.deepcopy(template.get("env") or [])
     ports = [{"name": "rpc", "containerPort": PORTS.rpc}]
-    if process.ddp_rank is not None:
+    if process.seat is not None:
         ports.append({"name": "ddp", "containerPort": PORTS.ddp})
     if process.rank == 0:  # the master holds the preflight group's store and serves /progress
         ports += [{"name": "preflight", "containerPort": PORTS.preflight},

@@ -12,7 +12,7 @@ from collections.abc import Hashable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from pipejob.core import spec
+from pipejob.core.kinds import KINDS
 from pipejob.operator import status as st
 
 PREFIX = "pipejob_operator"
@@ -40,7 +40,7 @@ class OperatorMetrics:
             ["result"], registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
         )  # fmt: skip
-        for kind in spec.KINDS:  # every series exists from the start, at zero
+        for kind in KINDS:  # every series exists from the start, at zero
             for metric in (self.created, self.succeeded, self.failed, self.restarted,
                            self.reconcile_seconds):  # fmt: skip
                 metric.labels(kind)
@@ -73,7 +73,7 @@ class OperatorMetrics:
 
     def phases(self) -> dict[tuple[str, str], int]:
         """{(kind, phase): jobs}, every pair present (zero when none)."""
-        counts = {(k, p): 0 for k in spec.KINDS for p in st.PHASES}
+        counts = {(k, p): 0 for k in KINDS for p in st.PHASES}
         with self._lock:
             for pair in self._phases.values():
                 counts[pair] = counts.get(pair, 0) + 1

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import urllib.request
-from typing import Any
 
+from pipejob.core.contract import Progress
 from pipejob.operator import kube
 from pipejob.operator import status as st
 
@@ -39,7 +38,7 @@ def url(pods: list[dict], restart: int) -> str | None:
     return None
 
 
-def fetch(address: str, timeout: float = TIMEOUT) -> dict | None:
+def fetch(address: str, timeout: float = TIMEOUT) -> Progress | None:
     """GET `address` and parse the report; None when unreachable, slow or not a report."""
     try:
         with _opener.open(address, timeout=timeout) as response:
@@ -51,41 +50,7 @@ def fetch(address: str, timeout: float = TIMEOUT) -> dict | None:
         log.debug(f"no progress from {address}: the report is over {MAX_BYTES} bytes")
         return None
     try:
-        return parse(json.loads(body))
+        return Progress.parse(json.loads(body))
     except (ValueError, UnicodeDecodeError) as e:
         log.debug(f"no progress from {address}: {e}")
         return None
-
-
-def parse(data: Any) -> dict:
-    """The fields of a /progress report the status shows, checked: a report that says
-    something other than the trainer's JSON (see CONTEXT: GET /progress) raises ValueError;
-    an unknown phase or a figure of the wrong type counts as absent."""
-    if not isinstance(data, dict):
-        raise ValueError(f"a report is a JSON object, got {type(data).__name__}")
-    step, steps = data.get("step"), data.get("steps")
-    if not _count(step) or not _count(steps):
-        raise ValueError(f"a report has whole numbers step and steps, got {step!r}, {steps!r}")
-    report: dict[str, Any] = {"step": step, "steps": steps}
-    if data.get("phase") in st.TRAINER_PHASES:
-        report["phase"] = data["phase"]
-    for key in ("loss", "samplesPerSecond", "bubble"):
-        value = data.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            report[key] = float(value)
-    if _count(data.get("resumedFromStep")):
-        report["resumedFromStep"] = data["resumedFromStep"]
-    if isinstance(data.get("message"), str) and data["message"]:
-        report["message"] = data["message"][: st.MAX_MESSAGE]
-    preflight = data.get("preflight")
-    if isinstance(preflight, dict) and isinstance(preflight.get("ok"), bool):
-        message = preflight.get("message")
-        report["preflight"] = {
-            "ok": preflight["ok"],
-            "message": message[: st.MAX_MESSAGE] if isinstance(message, str) else "",
-        }
-    return report
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

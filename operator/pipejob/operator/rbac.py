@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipejob.core.kinds import KINDS
 from pipejob.core.spec import GROUP
-from pipejob.operator.crd import PLURALS
 
-_JOBS = tuple(PLURALS.values())
+_JOBS = tuple(kind.plural for kind in KINDS.values())
 
 
 @dataclass(frozen=True)

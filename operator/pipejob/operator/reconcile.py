@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from pipejob.core.contract import Progress
 from pipejob.core.spec import InvalidSpec, Job, parse
 from pipejob.operator import kube
 from pipejob.operator import status as st
@@ -39,10 +40,10 @@ def owned(pod: dict, uid: str | None) -> bool:
 
 
 def decide(
-    job_obj: dict, pods: list[dict], now: datetime, image: str, progress: dict | None = None
+    job_obj: dict, pods: list[dict], now: datetime, image: str, progress: Progress | None = None
 ) -> Actions:
     """What to do about `job_obj` given `pods` (every pod labelled with its name) and, when
-    the caller polled it, the `progress` its current world's master reported (progress.parse);
+    the caller polled it, the `progress` its current world's master reported;
     without one the last reported figures stay."""
     meta = job_obj["metadata"]
     old = job_obj.get("status") or {}

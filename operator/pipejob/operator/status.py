@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from pipejob.core.contract import MAX_MESSAGE, PREFLIGHT_PREFIX, Progress
 from pipejob.core.schema import Field
 
 PENDING = "Pending"
@@ -29,13 +30,6 @@ PREFLIGHT = "Preflight"
 PHASE_CONDITIONS = (RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
 CONDITIONS = (CREATED, *PHASE_CONDITIONS, PREFLIGHT)
 
-# What the master's /progress says it is doing (trainer/monitor.py).
-TRAINER_PHASES = ("starting", "preflight", "training", "finished", "failed")
-# A failed process's termination message starts with this when the preflight check failed.
-PREFLIGHT_PREFIX = "preflight:"
-
-# A terminated container's message (its log tail, see kube.py) is cut to this in reasons.
-MAX_MESSAGE = 300
 
 _COUNT = Field("integer", "Pods in this state.", minimum=0)
 
@@ -267,16 +261,12 @@ def with_preflight(status: dict, ok: bool, message: str, now: datetime) -> dict:
 
 # --- training progress -----------------------------------------------------------------
 
-# status.training fields, as the master's /progress names them.
-TRAINING = ("phase", "step", "steps", "loss", "samplesPerSecond", "bubble", "resumedFromStep",
-            "message")  # fmt: skip
-
 
 def with_training(status: dict, figures: dict, now: datetime) -> dict:
-    """`status` showing `figures` (fields of TRAINING; None means unknown): status.progress as
-    step/steps for `kubectl get`, status.training with the rest; updateTime moves only when a
-    figure does, so an unchanged report writes nothing."""
-    training = {k: figures[k] for k in TRAINING if figures.get(k) is not None}
+    """`status` showing `figures` (fields of contract.Progress but preflight; None means
+    unknown): status.progress as step/steps for `kubectl get`, status.training with the rest;
+    updateTime moves only when a figure does, so an unchanged report writes nothing."""
+    training = {k: v for k, v in figures.items() if v is not None and k != "preflight"}
     old = status.get("training") or {}
     if training == {k: v for k, v in old.items() if k != "updateTime"}:
         training = old
@@ -288,12 +278,11 @@ def with_training(status: dict, figures: dict, now: datetime) -> dict:
     return out
 
 
-def with_report(status: dict, report: dict, now: datetime) -> dict:
-    """`status` with what the master's /progress reported (see progress.parse)."""
-    out = with_training(status, report, now)
-    preflight = report.get("preflight")
-    if preflight is not None:
-        out = with_preflight(out, preflight["ok"], preflight["message"], now)
+def with_report(status: dict, report: Progress, now: datetime) -> dict:
+    """`status` with what the master's /progress reported."""
+    out = with_training(status, report.figures(), now)
+    if report.preflight is not None:
+        out = with_preflight(out, report.preflight.ok, report.preflight.message, now)
     return out
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 import traceback
 import warnings
 
-from pipejob.trainer import monitor, tuning
-from pipejob.trainer.world import (
+from pipejob.core.contract import ExitCode
+from pipejob.trainer.runtime import monitor, tuning
+from pipejob.trainer.runtime.world import (
     ContractError,
     Env,
     PreflightError,
@@ -23,7 +25,7 @@ from pipejob.trainer.world import (
 def run(env: Env) -> dict | None:
     """Check the world's network, then run this process's role; the master returns the
     run's summary."""
-    from pipejob.trainer import preflight  # imports torch: only after tuning.apply
+    from pipejob.trainer.runtime import preflight  # imports torch: only after tuning.apply
 
     board = monitor.board()
     board.phase("preflight")
@@ -34,15 +36,7 @@ def run(env: Env) -> dict | None:
         raise
     if report is not None:
         board.preflight(True, report.summary)
-    if env.kind == "PipelineJob":
-        from pipejob.trainer import pipeline
-
-        return pipeline.run(env)
-    if env.kind == "HybridJob":
-        from pipejob.trainer import hybrid
-
-        return hybrid.run(env)
-    raise ContractError(f"unknown job kind {env.kind!r}")
+    return importlib.import_module(env.definition.trainer).run(env)
 
 
 def _quiet(showwarning):
@@ -64,30 +58,31 @@ def main() -> int:
         env = read_env()
         # Before torch loads: OpenMP and malloc read their settings once.
         settings = tuning.apply(
-            tuning.for_process(env.kind, env.role, env.rank, env.world, env.gpus, os.environ)
+            tuning.for_process(env.kind, env.role, env.rank, env.roles, env.gpus, os.environ)
         )
     except (ContractError, ValueError) as e:
-        return fail(None, f"error: {e}", f"bad environment: {e}", 2)
+        return fail(None, f"error: {e}", f"bad environment: {e}", ExitCode.BAD_ENVIRONMENT)
     log(env, f"performance settings: {settings.describe()}")
     try:
         if env.rank == 0:  # early, so the operator sees the job even during rendezvous
-            monitor.serve(env.spec["steps"], env.monitor_port)
+            monitor.serve(env.spec.steps, env.monitor_port)
         summary = run(env)
     except PreflightError as e:
-        return fail(env, f"error: {e}", str(e), 4)
+        return fail(env, f"error: {e}", str(e), ExitCode.PREFLIGHT_FAILED)
     except RendezvousError as e:
-        return fail(env, f"error: {e}", str(e), 3)
+        return fail(env, f"error: {e}", str(e), ExitCode.RENDEZVOUS_FAILED)
     except Exception as e:
         reason = f"training failed: {type(e).__name__}: {e}"
-        return fail(env, "error: training failed:\n" + traceback.format_exc(), reason, 1)
+        trace = "error: training failed:\n" + traceback.format_exc()
+        return fail(env, trace, reason, ExitCode.TRAINING_FAILED)
     monitor.board().phase("finished")
     if summary is not None and env.summary_file:
         with open(env.summary_file, "w") as f:
             json.dump(summary, f, indent=2)
-    return 0
+    return ExitCode.SUCCEEDED
 
 
-def fail(env: Env | None, output: str, reason: str, code: int) -> int:
+def fail(env: Env | None, output: str, reason: str, code: ExitCode) -> int:
     """Say why this process fails: in its log, in its termination message (the job's status
     shows it) and, on the master, in /progress."""
     log(env, output)

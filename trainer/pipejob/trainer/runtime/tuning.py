@@ -22,12 +22,12 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
 - transport: TensorPipe's shared-memory transport runs a reactor thread that busy-polls
   in every process (0.1-0.25 CPU-s per second when idle, 0.2-0.4 per batch when training),
   taking CPU from the stages of a
-  CPU-bound pipeline; a PipelineJob's CPU-only processes use the uv (TCP) transport instead.
-  A HybridJob is bound by the latency of its many small RPCs, which the polling shortens
-  (uv: 0.82x the iterations/s of shm on a lightly loaded host): its ps and trainers keep
-  torch's defaults, but its master, which only starts the trainers and takes their reports,
-  uses uv and stops polling (its CPU per iteration 1.1-1.9 ms -> under 0.1). Processes with GPUs
-  need the CUDA channels: torch's defaults.
+  CPU-bound pipeline; CPU-only processes use the uv (TCP) transport instead. Roles bound by
+  the latency of many small RPCs (a HybridJob's ps and trainers: `Role.latency_bound`), which
+  the polling shortens (uv: 0.82x the iterations/s of shm on a lightly loaded host), keep
+  torch's defaults; a HybridJob's master, which only starts the trainers and takes their
+  reports, uses uv and stops polling (its CPU per iteration 1.1-1.9 ms -> under 0.1).
+  Processes with GPUs need the CUDA channels: torch's defaults.
 
 A variable the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, MALLOC_ARENA_MAX)
 always wins. PIPEJOB_TUNING picks levers: unset or "on" for all, "off" for none, or a
@@ -45,11 +45,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipejob.core import contract as c
+from pipejob.core.kinds import KINDS
 
 TUNING = c.TUNING
 LEVERS = ("threads", "allocator", "transport")
-# Roles whose processes do the model's arithmetic; the others mostly wait on RPCs.
-COMPUTE_ROLES = {"PipelineJob": ("stage",), "HybridJob": ("trainer", "ps")}
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 WAIT_VARIABLE = "OMP_WAIT_POLICY"
 OVERSUBSCRIBE = 2  # compute threads per core of a process's share (measured for 2 stages)
@@ -120,21 +119,22 @@ def _loopback(address: str) -> bool:
     return address == "localhost" or address.startswith("127.")
 
 
-def role_of(rpc_name: str) -> str:
-    return rpc_name.rstrip("0123456789")
+def computes(kind: str, role: str) -> bool:
+    """Whether the role does the model's arithmetic; the others mostly wait on RPCs."""
+    return KINDS[kind].role(role).computes
 
 
-def colocated_compute(kind: str, world: Sequence[str], addresses: Sequence[str], rank: int) -> int:
-    """Compute processes of the world on this process's host (with this one, if it computes).
-    Without addresses every process is taken to have a host of its own."""
-    roles = COMPUTE_ROLES.get(kind, ())
-    if len(addresses) != len(world):
-        return 1 if role_of(world[rank]) in roles else 0
+def colocated_compute(kind: str, roles: Sequence[str], addresses: Sequence[str], rank: int) -> int:
+    """Compute processes of the world (`roles` in rank order) on this process's host (with
+    this one, if it computes). Without addresses every process is taken to have a host of
+    its own."""
+    if len(addresses) != len(roles):
+        return 1 if computes(kind, roles[rank]) else 0
     mine = addresses[rank]
     return sum(
         1
-        for name, address in zip(world, addresses, strict=True)
-        if role_of(name) in roles and same_host(address, mine)
+        for role, address in zip(roles, addresses, strict=True)
+        if computes(kind, role) and same_host(address, mine)
     )
 
 
@@ -145,7 +145,7 @@ def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
     threads = arena = None
     passive = "threads" in enabled and colocated > 1
     if "threads" in enabled:
-        if role in COMPUTE_ROLES.get(kind, ()):
+        if computes(kind, role):
             share = OVERSUBSCRIBE * cpus / max(1, colocated)
             threads = max(1, math.floor(min(cpus, share)))
         elif colocated > 0:
@@ -162,7 +162,7 @@ def transport(kind: str, role: str, gpus: int,
     """TensorPipe transports and channels: uv and basic for a PipelineJob's CPU-only
     processes and a HybridJob's master; torch's defaults (None) otherwise, or when the lever
     is off."""
-    polling_pays = kind == "HybridJob" and role != "master"
+    polling_pays = KINDS[kind].role(role).latency_bound
     if "transport" in enabled and gpus == 0 and not polling_pays:
         return list(CPU_TRANSPORTS), list(CPU_CHANNELS)
     return None, None
@@ -181,10 +181,10 @@ def available_cpus() -> float:
     return min(cpus, quota) if quota else cpus
 
 
-def for_process(kind: str, role: str, rank: int, world: Sequence[str], gpus: int,
+def for_process(kind: str, role: str, rank: int, roles: Sequence[str], gpus: int,
                 environ: Mapping[str, str]) -> Settings:  # fmt: skip
     addresses = [a for a in environ.get(c.ADDRESSES, "").split(",") if a]
-    colocated = colocated_compute(kind, world, addresses, rank)
+    colocated = colocated_compute(kind, roles, addresses, rank)
     return decide(kind, role, gpus, available_cpus(), colocated, levers(environ.get(TUNING)))
 
 

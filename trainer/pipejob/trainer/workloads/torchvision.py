@@ -1,4 +1,4 @@
-"""Cut a torchvision classification model into an ordered list of named layers.
+"""A torchvision classification model by name, cut into an ordered list of named layers.
 
 Running the layers one after another computes exactly what the model's own forward does;
 a pipeline stage then holds any contiguous run of them. Layers are as fine as the model's

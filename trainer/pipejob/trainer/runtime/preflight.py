@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipejob.trainer import world
-from pipejob.trainer.world import Env, PreflightError
+from pipejob.trainer.runtime import rendezvous, world
+from pipejob.trainer.runtime.world import Env, PreflightError
 
 LATENCY_ROUNDS = 20  # small ping-pongs per link, after WARMUP_ROUNDS
 WARMUP_ROUNDS = 3
@@ -55,11 +55,10 @@ class Report:
 
 def check(env: Env) -> Report | None:
     """Run the check if the spec asks for it (the default); raise PreflightError on failure."""
-    settings = env.spec.get("preflight") or {}
-    if not settings.get("enabled", True):
+    settings = env.spec.preflight
+    if not settings.enabled:
         return None
-    timeout = float(settings.get("timeoutSeconds", 60))
-    megabytes = float(settings.get("megabytes", 4.0))
+    timeout, megabytes = float(settings.timeout_seconds), settings.megabytes
     started = time.monotonic()
     deadline = started + timeout
     store = _store(env, deadline, timeout)
@@ -198,7 +197,7 @@ def _store(env: Env, deadline: float, timeout: float) -> dist.TCPStore:
     unreachable = (f"{world.describe(env, env.rank)} could not reach {world.describe(env, 0)}"
                    f" at {env.master_addr}:{env.preflight_port} within {timeout:g}s")  # fmt: skip
     try:
-        world.wait_reachable(env.master_addr, env.preflight_port, deadline,
+        rendezvous.wait_reachable(env.master_addr, env.preflight_port, deadline,
                              "the master's preflight store", env)  # fmt: skip
     except world.RendezvousError:
         raise PreflightError(unreachable) from None

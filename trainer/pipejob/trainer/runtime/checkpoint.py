@@ -40,8 +40,9 @@ import torch
 from torch import nn
 from torch.distributed.optim.optimizer import _LocalOptimizer
 
-from pipejob.trainer import world
-from pipejob.trainer.world import Env
+from pipejob.core.common import CommonSpec
+from pipejob.trainer.runtime import world
+from pipejob.trainer.runtime.world import Env
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -52,18 +53,19 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, or does not fit this job."""
 
 
-def due(spec: dict[str, Any], step: int) -> bool:
+def due(spec: CommonSpec, step: int) -> bool:
     """Whether to checkpoint after `step` (1-based): every checkpoint.everySteps steps, and
     always after the last one."""
-    every = (spec.get("checkpoint") or {}).get("everySteps")
-    return every is not None and (step % every == 0 or step == spec["steps"])
+    if spec.checkpoint is None:
+        return False
+    return step % spec.checkpoint.every_steps == 0 or step == spec.steps
 
 
 def latest_for(env: Env) -> Checkpoint | None:
     """The newest complete checkpoint of a job whose spec asks for checkpoints."""
-    if "checkpoint" not in env.spec:
+    if env.spec.checkpoint is None:
         return None
-    return latest(env.spec["checkpoint"]["path"], lambda message: world.log(env, message))
+    return latest(env.spec.checkpoint.path, lambda message: world.log(env, message))
 
 
 def fits(found: Checkpoint, env: Env, **expected: Any) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipejob.trainer.layers import Layer
+from pipejob.trainer.workloads.torchvision import Layer
 
 
 def min_max_partition(costs: Sequence[float], parts: int) -> list[range]:

@@ -30,8 +30,9 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.autograd.profiler_legacy import profile as rpc_aware_profile
 
-from pipejob.trainer import world
-from pipejob.trainer.world import Env
+from pipejob.core.common import CommonSpec
+from pipejob.trainer.runtime import world
+from pipejob.trainer.runtime.world import Env
 
 SORT_BY = "self_cpu_time_total"
 RPC_LANE = 1_000_000  # thread ids of the RPC lanes: RPC_LANE + node id of the callee
@@ -44,13 +45,14 @@ class Settings:
     row_limit: int
 
 
-def settings(spec: dict[str, Any]) -> Settings | None:
+def settings(spec: CommonSpec) -> Settings | None:
     """What spec.profile asks for; None when it is absent."""
-    profile = spec.get("profile")
+    profile = spec.profile
     if profile is None:
         return None
-    path = profile.get("path") or str(Path(spec["checkpoint"]["path"]) / "profiles")
-    return Settings(frozenset(profile["steps"]), Path(path), profile["rowLimit"])
+    assert profile.path or spec.checkpoint, "the spec's rules require one of them"
+    path = profile.path or str(Path(spec.checkpoint.path) / "profiles")
+    return Settings(frozenset(profile.steps), Path(path), profile.row_limit)
 
 
 def trace_path(directory: str | Path, name: str, step: int) -> Path:

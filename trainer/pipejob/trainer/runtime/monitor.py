@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import math
 import threading
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
-PHASES = ("starting", "preflight", "training", "finished", "failed")
+from pipejob.core.contract import PHASES, PreflightResult, Progress
 
 
 class Board:
@@ -22,17 +23,7 @@ class Board:
 
     def __init__(self, steps: int):
         self._lock = threading.Lock()
-        self._progress: dict[str, Any] = {
-            "phase": "starting",
-            "step": 0,
-            "steps": steps,
-            "loss": None,
-            "samplesPerSecond": None,
-            "bubble": None,
-            "resumedFromStep": None,
-            "preflight": None,
-            "message": None,
-        }
+        self._progress = Progress(step=0, steps=steps, phase="starting")
         self.registry = CollectorRegistry()
         gauge = lambda name, doc, *labels: Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
         self._step = gauge("pipejob_step", "Training steps completed.")
@@ -54,31 +45,30 @@ class Board:
 
     def progress(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self._progress)
+            return self._progress.to_json()
 
     def phase(self, phase: str, message: str | None = None) -> None:
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}")
         with self._lock:
-            self._progress["phase"] = phase
-            if message is not None:
-                self._progress["message"] = message
+            self._progress = replace(self._progress, phase=phase,
+                                     message=message or self._progress.message)  # fmt: skip
 
     def preflight(self, ok: bool, message: str) -> None:
         with self._lock:
-            self._progress["preflight"] = {"ok": ok, "message": message}
+            self._progress = replace(self._progress, preflight=PreflightResult(ok, message))
 
     def resumed(self, step: int) -> None:
         with self._lock:
-            self._progress["resumedFromStep"] = step
-            self._progress["step"] = step
+            self._progress = replace(self._progress, resumedFromStep=step, step=step)
         self._step.set(step)
 
     def step(self, step: int, loss: float, seconds: float, samples: int) -> None:
         """A completed step: `samples` trained in `seconds` of wall time."""
         rate = samples / seconds if seconds > 0 else None
         with self._lock:
-            self._progress.update(step=step, loss=_finite(loss), samplesPerSecond=rate)
+            self._progress = replace(self._progress, step=step, loss=_finite(loss),
+                                     samplesPerSecond=rate)  # fmt: skip
         self._step.set(step)
         if _finite(loss) is not None:
             self._loss.set(loss)
@@ -89,7 +79,7 @@ class Board:
     def stages(self, bubble: float, times: dict[str, tuple[float, float]]) -> None:
         """The pipeline's measured bubble and each stage's (forward, backward) seconds."""
         with self._lock:
-            self._progress["bubble"] = bubble
+            self._progress = replace(self._progress, bubble=bubble)
         self._bubble.set(bubble)
         for stage, (forward, backward) in times.items():
             self._forward.labels(stage=stage).set(forward)

@@ -17,7 +17,7 @@ WITH_MOMENTUM = ("sgd", "rmsprop")
 
 def optimizer_args(opt: dict[str, Any]) -> tuple[type[torch.optim.Optimizer], dict[str, float]]:
     """The torch.optim class and keyword arguments for an `optimizer` section."""
-    kwargs = {"lr": opt["lr"], "weight_decay": opt["weightDecay"]}
-    if opt["name"] in WITH_MOMENTUM:
-        kwargs["momentum"] = opt["momentum"]
-    return OPTIMIZERS[opt["name"]], kwargs
+    kwargs = {"lr": opt.lr, "weight_decay": opt.weight_decay}
+    if opt.name in WITH_MOMENTUM:
+        kwargs["momentum"] = opt.momentum
+    return OPTIMIZERS[opt.name], kwargs

@@ -1,6 +1,6 @@
-"""The HybridJob's synthetic data: seeded bags of embedding ids, and a disjoint partition of them.
+"""Synthetic data, seeded and learnable: images for a PipelineJob, bags for a HybridJob.
 
-Pure Python (no torch) so every piece is unit-testable and identical in every process: a sample
+Bags are pure Python so every piece is unit-testable and identical in every process: a sample
 is a function of (seed, index) alone, and the partition of a shuffled index list by DDP rank
 (seed 001's partitioner idea) is a function of (size, parts, seed) alone.
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -84,3 +86,18 @@ def batches(data: SyntheticBags, part: list[int], batch_size: int) -> Iterator[B
             ids.extend(bag)
             labels.append(label)
         yield Batch(chosen, ids, offsets, labels)
+
+
+class SyntheticImages:
+    """Seeded random images whose class shifts their colour: deterministic, and learnable.
+    `generator` is the whole state a checkpoint keeps."""
+
+    def __init__(self, seed: int, batch_size: int, image_size: int, classes: int):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.size = (batch_size, 3, image_size, image_size)
+        self.colours = torch.randn(classes, 3, 1, 1, generator=self.generator)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = torch.randint(len(self.colours), self.size[:1], generator=self.generator)
+        images = torch.randn(self.size, generator=self.generator) + self.colours[labels]
+        return images, labels

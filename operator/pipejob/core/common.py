@@ -1,0 +1,217 @@
+"""What every kind's spec has (steps, seed, optimizer, restarts, pod template, checkpoint,
+profile, preflight): its table, and the typed objects the trainer reads a spec through.
+
+`from_spec` turns a defaulted spec (camelCase, as in the manifest) into those dataclasses:
+field `weight_decay` reads key `weightDecay`. tests/test_kinds.py checks every dataclass
+against its table, so the two cannot drift."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pipejob.core.schema import Field, Rule
+
+DNS_LABEL = r"[a-z]([-a-z0-9]*[a-z0-9])?"
+
+
+def integer(description: str, default: int | None = None, minimum: int | None = 0, **kw) -> Field:
+    return Field("integer", description, default=default, minimum=minimum, **kw)
+
+
+OPTIMIZER = Field(
+    "object",
+    "The optimizer every parameter is stepped with: a PipelineJob's through"
+    " DistributedOptimizer; a HybridJob's table by one per trainer on the parameter server,"
+    " its dense layer by each trainer's own.",
+    fields={
+        "name": Field(
+            "string", "Optimizer from torch.optim.", default="sgd",
+            enum=("sgd", "adam", "adamw", "rmsprop"),
+        ),
+        "lr": Field("number", "Learning rate.", default=0.05, minimum=0, exclusive_minimum=True),
+        "momentum": Field(
+            "number", "Momentum (sgd and rmsprop only).", default=0.0, minimum=0, maximum=1
+        ),
+        "weightDecay": Field("number", "L2 weight decay.", default=0.0, minimum=0),
+    },
+)  # fmt: skip
+
+_ANY = Field("object", "A Kubernetes object, passed through as written.", free_form=True)
+_LIST = Field("array", "A list of Kubernetes objects, passed through as written.", items=_ANY)
+
+TEMPLATE = Field(
+    "object",
+    "Overrides for every pod of the job: the operator's defaults apply where this is silent.",
+    fields={
+        "image": Field("string", "Trainer container image."),
+        "imagePullPolicy": Field(
+            "string", "Image pull policy.", enum=("Always", "IfNotPresent", "Never")
+        ),
+        "resources": Field(
+            "object", "Container resources; GPU counts come from the spec's GPU fields.",
+            free_form=True,
+        ),
+        "nodeSelector": Field(
+            "object", "Node labels the pods must match.",
+            values=Field("string", "Label value."),
+        ),
+        "tolerations": _LIST,
+        "affinity": _ANY,
+        "volumes": _LIST,
+        "volumeMounts": _LIST,
+        "env": _LIST,
+        "serviceAccountName": Field("string", "Service account of the pods."),
+        "schedulerName": Field("string", "Scheduler of the pods (e.g. volcano)."),
+        "priorityClassName": Field("string", "Priority class of the pods."),
+    },
+)  # fmt: skip
+
+# Fields every kind has: how long to wait, how to restart, and when to clean up.
+COMMON: dict[str, Field] = {
+    "steps": integer("Training steps (batches) to run.", default=10, minimum=1),
+    "seed": integer("Seed of model initialisation and synthetic data.", default=0),
+    "optimizer": OPTIMIZER,
+    "logEvery": integer("Print progress every this many steps.", default=1, minimum=1),
+    "rendezvousTimeoutSeconds": integer(
+        "How long each process waits for the RPC world (and DDP group) to form.",
+        default=300, minimum=1,
+    ),
+    "backoffLimit": integer("Whole-world restarts allowed before the job fails.", default=3),
+    "activeDeadlineSeconds": integer(
+        "Fail the job (DeadlineExceeded) once it has been running this long.", minimum=1
+    ),
+    "ttlSecondsAfterFinished": integer("Delete the job this long after it finished."),
+    "suspend": Field("boolean", "Remove the job's pods while true.", default=False),
+    "template": TEMPLATE,
+    "checkpoint": Field(
+        "object",
+        "Save the world every few steps and resume from the newest complete checkpoint.",
+        fields={
+            "path": Field("string", "Directory shared by every process of the job."),
+            "everySteps": integer("Checkpoint every this many steps.", default=10, minimum=1),
+            "volume": Field(
+                "string", "Name of a volume in template.volumes; the operator mounts it at"
+                " `path` in every pod. Omit it when the template already mounts `path`.",
+                pattern=DNS_LABEL,
+            ),
+        },
+        required=("path",),
+        section=True,
+    ),
+    "profile": Field(
+        "object",
+        "Run the torch profiler around chosen steps; one Chrome trace per process.",
+        fields={
+            "steps": Field("array", "Steps (1-based) to profile.",
+                           items=integer("A step to profile.", minimum=1), default=[2]),
+            "path": Field("string", "Directory for the traces (default: <checkpoint.path>/"
+                          "profiles)."),
+            "rowLimit": integer("Rows of the logged key_averages table.", default=15, minimum=1),
+        },
+        section=True,
+    ),
+    "preflight": Field(
+        "object",
+        "A communication check of the whole world before training.",
+        fields={
+            "enabled": Field("boolean", "Run the check.", default=True),
+            "timeoutSeconds": integer("Deadline for every peer to take part.", default=60,
+                                   minimum=1),
+            "megabytes": Field("number", "Payload of the bandwidth test per link.", default=4.0,
+                               minimum=0, exclusive_minimum=True, maximum=1024),
+        },
+    ),
+}  # fmt: skip
+
+# Cross-field rules every kind shares.
+COMMON_RULES = (
+    Rule(
+        "!has(self.profile) || has(self.profile.path) || has(self.checkpoint)",
+        "profile needs profile.path or a checkpoint.path to write its traces under",
+        "profile",
+        lambda s: "profile" not in s or "path" in s["profile"] or "checkpoint" in s,
+    ),
+)
+
+# Spec fields only the operator reads (they shape pods or steer the job, not training).
+OPERATOR_ONLY = ("template", "backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished",
+                 "suspend", "checkpoint.volume")  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Optimizer:
+    name: str
+    lr: float
+    momentum: float
+    weight_decay: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    path: str
+    every_steps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    steps: tuple[int, ...]
+    row_limit: int
+    path: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preflight:
+    enabled: bool
+    timeout_seconds: int
+    megabytes: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommonSpec:
+    """The fields of COMMON the trainer reads."""
+
+    steps: int
+    seed: int
+    optimizer: Optimizer
+    log_every: int
+    rendezvous_timeout_seconds: int
+    preflight: Preflight
+    checkpoint: Checkpoint | None = None
+    profile: Profile | None = None
+
+
+T = TypeVar("T")
+
+
+def key(name: str) -> str:
+    """The spec key of a dataclass field: weight_decay -> weightDecay."""
+    first, *rest = name.split("_")
+    return first + "".join(part.title() for part in rest)
+
+
+def from_spec(cls: type[T], data: dict[str, Any]) -> T:
+    """`cls` (a dataclass above or a kind's) filled from a defaulted spec section."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if key(f.name) in data:
+            values[f.name] = _value(hints[f.name], data[key(f.name)])
+    return cls(**values)
+
+
+def _value(hint: Any, value: Any) -> Any:
+    if isinstance(hint, types.UnionType) and type(None) in hint.__args__:
+        others = [a for a in hint.__args__ if a is not type(None)]
+        hint = others[0] if len(others) == 1 else hint
+    if dataclasses.is_dataclass(hint):
+        return from_spec(hint, value)
+    if typing.get_origin(hint) is tuple:
+        (item, _) = typing.get_args(hint)
+        return tuple(_value(item, v) for v in value)
+    if hint is float:
+        return float(value)
+    return value

@@ -1,0 +1,64 @@
+"""What a job kind is: its Kubernetes names, its spec table, the roles of its world and the
+groups they form, and the trainer module that runs its roles. Each kind declares one `Kind`
+(core/kinds/); the CRDs, the world plan, the operator, the runner and the trainer read it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pipejob.core.schema import Field
+
+Spec = dict[str, Any]  # a defaulted, validated spec as in the manifest (camelCase)
+
+
+@dataclass(frozen=True)
+class Role:
+    """Processes of one kind of work in a world, e.g. the stages of a pipeline."""
+
+    name: str  # master | stage | ps | trainer
+    count: Callable[[Spec], int] | None = None  # how many; None: exactly one
+    gpus: str | None = None  # the spec field with the GPUs of each of its pods
+    computes: bool = False  # does the model's arithmetic (gets the cores, see tuning)
+    # Bound by the latency of many small RPCs: keeps TensorPipe's busy-polling transport.
+    latency_bound: bool = False
+
+    def members(self, spec: Spec) -> int:
+        return 1 if self.count is None else self.count(spec)
+
+    def rpc_name(self, index: int) -> str:
+        """The RPC worker name: the role's name for a single member, else with its index."""
+        return self.name if self.count is None else f"{self.name}{index}"
+
+
+@dataclass(frozen=True)
+class Group:
+    """A collective process group (DDP) that the members of one role form beside the RPC
+    world, with a rendezvous of its own on its rank 0."""
+
+    name: str
+    role: str
+    backend: Callable[[Spec], str]  # gloo or nccl
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str  # PipelineJob
+    plural: str  # pipelinejobs
+    short_name: str  # pj
+    description: str  # the CRD's
+    spec: Field  # the spec table: defaults, validation, the CRD's schema
+    settings: type  # the typed spec the trainer reads (core/common.py: from_spec)
+    roles: tuple[Role, ...]  # in RPC rank order; the first is the master, rank 0
+    trainer: str  # module whose `run(env)` runs every role of this kind in a pod
+    groups: tuple[Group, ...] = ()
+    columns: tuple[dict[str, Any], ...] = ()  # `kubectl get -o wide` columns of its own
+    # Fill-ins that depend on other fields, after the table's defaults.
+    complete: Callable[[Spec], Spec] = lambda spec: spec
+
+    def role(self, name: str) -> Role:
+        for role in self.roles:
+            if role.name == name:
+                return role
+        raise KeyError(f"{self.name} has no role {name!r}")

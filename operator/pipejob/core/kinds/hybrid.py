@@ -1,0 +1,117 @@
+"""HybridJob: an EmbeddingBag on a parameter server over RPC, DDP dense layers on trainer
+pods, driven by a master. Everything pipejob knows of the kind is declared here, once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
+from pipejob.core.kind import Group, Kind, Role, Spec
+from pipejob.core.schema import Field, Rule
+
+HYBRID_SPEC = Field(
+    "object",
+    "A hybrid job: an EmbeddingBag on a parameter server over RPC, DDP dense layers on trainers.",
+    fields={
+        "trainers": integer("Trainer pods; they form the DDP group.", default=2, minimum=1,
+                         maximum=256),
+        "embedding": Field(
+            "object", "The EmbeddingBag held by the parameter server.",
+            fields={
+                "numEmbeddings": integer("Rows of the table.", default=100, minimum=1),
+                "dim": integer("Width of an embedding.", default=16, minimum=1),
+                "mode": Field("string", "How a bag is reduced.", default="sum",
+                              enum=("sum", "mean", "max")),
+            },
+        ),
+        "dense": Field(
+            "object", "The DDP-replicated dense layer on every trainer.",
+            fields={"outFeatures": integer("Output classes.", default=8, minimum=2)},
+        ),
+        "batchSize": integer("Bags per trainer step.", default=32, minimum=1),
+        "bagSize": integer("Most indices in one bag.", default=10, minimum=1),
+        "datasetSize": integer("Synthetic samples, split disjointly across trainers.",
+                            default=10000, minimum=1),
+        "gpusPerTrainer": integer(
+            "GPUs per trainer pod (nvidia.com/gpu); 0 runs on CPU.", default=0, maximum=16
+        ),
+        "backend": Field(
+            "string", "DDP backend of the trainers: gloo without GPUs (the default), nccl with.",
+            enum=("gloo", "nccl"),
+        ),
+        **COMMON,
+    },
+    rules=(
+        Rule(
+            "!has(self.backend) || self.backend != 'nccl' || self.gpusPerTrainer > 0",
+            "backend nccl needs gpusPerTrainer > 0",
+            "backend",
+            lambda s: s.get("backend") != "nccl" or s["gpusPerTrainer"] > 0,
+        ),
+        Rule(
+            "self.datasetSize >= self.trainers * self.batchSize",
+            "datasetSize must hold at least one batch per trainer (trainers * batchSize)",
+            "datasetSize",
+            lambda s: s["datasetSize"] >= s["trainers"] * s["batchSize"],
+        ),
+        *COMMON_RULES,
+    ),
+)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Embedding:
+    num_embeddings: int
+    dim: int
+    mode: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dense:
+    out_features: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridSpec(CommonSpec):
+    trainers: int
+    embedding: Embedding
+    dense: Dense
+    batch_size: int
+    bag_size: int
+    dataset_size: int
+    gpus_per_trainer: int
+    backend: str
+
+
+def _complete(spec: Spec) -> Spec:
+    """The DDP backend follows the GPUs unless the user chose it."""
+    if "backend" not in spec:
+        spec["backend"] = "nccl" if spec["gpusPerTrainer"] > 0 else "gloo"
+    return spec
+
+
+HYBRID_JOB = Kind(
+    name="HybridJob",
+    plural="hybridjobs",
+    short_name="hj",
+    description="Hybrid DDP + RPC training: a parameter server holds an EmbeddingBag, "
+    "trainer pods form a DDP group for the dense layers, a master drives them. The operator "
+    "makes one pod per process and restarts the whole world when any pod fails.",
+    spec=HYBRID_SPEC,
+    settings=HybridSpec,
+    roles=(
+        Role("master"),
+        Role("ps", computes=True, latency_bound=True),
+        Role(
+            "trainer",
+            count=lambda spec: spec["trainers"],
+            gpus="gpusPerTrainer",
+            computes=True,
+            latency_bound=True,
+        ),
+    ),  # fmt: skip
+    groups=(Group("ddp", "trainer", backend=lambda spec: spec["backend"]),),
+    trainer="pipejob.trainer.hybrid",
+    columns=({"name": "Trainers", "type": "integer", "jsonPath": ".spec.trainers", "priority": 1},),
+    complete=_complete,
+)

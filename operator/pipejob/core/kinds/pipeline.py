@@ -1,0 +1,91 @@
+"""PipelineJob: a master drives micro-batches through a chain of stage pods (RPC pipeline
+parallelism). Everything pipejob knows of the kind is declared here, once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
+from pipejob.core.kind import Kind, Role
+from pipejob.core.schema import Field, Rule
+
+# Models whose torchvision structure the trainer knows how to cut into sequential layers.
+PIPELINE_MODELS = (
+    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+    "resnext50_32x4d", "resnext101_32x8d", "wide_resnet50_2", "wide_resnet101_2",
+    "vgg11", "vgg13", "vgg16", "vgg19", "vgg11_bn", "vgg13_bn", "vgg16_bn", "vgg19_bn",
+    "alexnet", "mobilenet_v2", "mobilenet_v3_small", "mobilenet_v3_large",
+    "efficientnet_b0", "efficientnet_b1", "convnext_tiny",
+)  # fmt: skip
+
+AUTO = "auto"  # spec.microBatches: the master chooses the count
+
+
+PIPELINE_SPEC = Field(
+    "object",
+    "A pipeline-parallel job: a master drives micro-batches through `stages` RPC workers.",
+    fields={
+        "model": Field(
+            "string", "torchvision classification model to train, cut into stages.",
+            default="resnet50", enum=PIPELINE_MODELS,
+        ),
+        "stages": integer("Pipeline stages, one pod each.", default=2, minimum=2, maximum=64),
+        "microBatches": Field(
+            "int-or-string",
+            "Micro-batches each batch is split into, or `auto`: the master measures the"
+            " model's layers at each candidate count (powers of two dividing batchSize, with"
+            " micro-batches of at least 2) and runs the one with the shortest predicted step.",
+            default=4, minimum=1, pattern=AUTO,
+        ),
+        "batchSize": integer("Images per batch (per step).", default=32, minimum=1),
+        "imageSize": integer(
+            "Height and width of the square input images.", default=224, minimum=32, maximum=1024
+        ),
+        "numClasses": integer("Classes of the classifier head.", default=1000, minimum=2),
+        "gpusPerStage": integer(
+            "GPUs per stage pod (nvidia.com/gpu); 0 runs on CPU.", default=0, maximum=16
+        ),
+        **COMMON,
+    },
+    rules=(
+        Rule(
+            "type(self.microBatches) == string || self.batchSize % self.microBatches == 0",
+            "batchSize must be divisible by microBatches",
+            "microBatches",
+            lambda s: s["microBatches"] == AUTO or s["batchSize"] % s["microBatches"] == 0,
+        ),
+        *COMMON_RULES,
+    ),
+)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSpec(CommonSpec):
+    model: str
+    stages: int
+    micro_batches: int | str  # a count, or AUTO
+    batch_size: int
+    image_size: int
+    num_classes: int
+    gpus_per_stage: int
+
+
+PIPELINE_JOB = Kind(
+    name="PipelineJob",
+    plural="pipelinejobs",
+    short_name="pj",
+    description="PyTorch RPC pipeline-parallel training: a master drives micro-batches "
+    "through a chain of stage pods. The operator makes one pod per process and restarts the "
+    "whole world when any pod fails.",
+    spec=PIPELINE_SPEC,
+    settings=PipelineSpec,
+    roles=(
+        Role("master"),
+        Role("stage", count=lambda spec: spec["stages"], gpus="gpusPerStage", computes=True),
+    ),
+    trainer="pipejob.trainer.pipeline",
+    columns=(
+        {"name": "Model", "type": "string", "jsonPath": ".spec.model", "priority": 1},
+        {"name": "Stages", "type": "integer", "jsonPath": ".spec.stages", "priority": 1},
+    ),
+)

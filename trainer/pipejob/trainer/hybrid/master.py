@@ -1,0 +1,133 @@
+"""The HybridJob master: creates the table on the ps, starts every trainer's loop over RPC,
+prints their progress, completes checkpoints, and returns the run's summary."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from pipejob.core.kinds.hybrid import HybridSpec
+from pipejob.trainer.hybrid import trainer
+from pipejob.trainer.hybrid.ps import Table, load_table, table_weight
+from pipejob.trainer.hybrid.summary import render, summarize
+from pipejob.trainer.runtime import checkpoint, master, monitor, world
+from pipejob.trainer.runtime.world import Env
+
+# ---- master ----
+
+
+class Reports:
+    """Prints one line per logged step once every trainer has reported it."""
+
+    def __init__(self, env: Env, trainers: list[str], first: int = 0):
+        self.env, self.trainers, self.first = env, trainers, first
+        self.steps, self.batch = env.spec.steps, env.spec.batch_size
+        self.lock = threading.Lock()
+        self.pending: dict[int, dict[str, float]] = {}
+        self.created = time.perf_counter()
+        self.last_step, self.last_time = first, self.created
+
+    def report(self, trainer: str, step: int, loss: float) -> None:
+        with self.lock:
+            losses = self.pending.setdefault(step, {})
+            losses[trainer] = loss
+            if len(losses) < len(self.trainers):
+                return
+            del self.pending[step]
+            now = time.perf_counter()
+            if step == self.first:  # every trainer is set up and about to take a step
+                world.log(self.env, f"trainers ready after {now - self.created:.1f}s of setup")
+            elif step > self.last_step:
+                samples = len(self.trainers) * self.batch * (step - self.last_step)
+                rate = samples / max(now - self.last_time, 1e-9)
+                mean = sum(losses.values()) / len(losses)
+                world.log(self.env, f"step {step}/{self.steps}  loss {mean:.4f}"
+                                    f"  {rate:,.0f} samples/s")  # fmt: skip
+                steps = step - self.last_step
+                monitor.board().step(step, mean, (now - self.last_time) / steps,
+                                     samples // steps)  # fmt: skip
+            else:
+                return
+            self.last_step, self.last_time = step, now
+
+
+# The master's reports board, fed by the trainers over RPC.
+_REPORTS: Reports | None = None
+
+
+def report(trainer: str, step: int, loss: float) -> None:
+    """Runs on the master: a trainer finished `step` with `loss`."""
+    assert _REPORTS is not None, "progress report reached a process that is not the master"
+    _REPORTS.report(trainer, step, loss)
+
+
+def train(env: Env) -> dict[str, Any]:
+    global _REPORTS
+    spec: HybridSpec = env.spec
+    emb = spec.embedding
+    [ps], trainers = env.names("ps"), env.names("trainer")
+    table = rpc.remote(ps, Table, args=(spec, trainers))
+    found = checkpoint.latest_for(env)
+    resume = None if found is None else _resume(env, found, table)
+    first = 0 if resume is None else resume["step"]
+    if first >= spec.steps:
+        return master.nothing_left(env, first)
+    before = rpc.rpc_sync(ps, table_weight, args=(table,))
+    world.log(env, f"training {spec.steps} steps x {spec.batch_size} bags on"
+                   f" {', '.join(trainers)}; EmbeddingBag {emb.num_embeddings}x{emb.dim}"
+                   f" ({emb.mode}) on {ps}")  # fmt: skip
+    _REPORTS = Reports(env, trainers, first)
+    monitor.board().phase("training")
+    # A training loop may run for hours: no RPC timeout (0) on it. A trainer that dies fails
+    # its future when its connection breaks.
+    futures = [rpc.rpc_async(t, trainer.train, args=(table, resume), timeout=0)
+               for t in trainers]  # fmt: skip
+    results = dict(zip(trainers, _wait_all(futures), strict=True))
+    after = rpc.rpc_sync(ps, table_weight, args=(table,))
+    summary = summarize(env, results, before, after, first)
+    for line in render(summary):
+        world.log(env, line)
+    return summary
+
+
+def _resume(env: Env, found: checkpoint.Checkpoint, table: rpc.RRef) -> dict[str, Any]:
+    """Load the table (and its optimizers' states) on the ps and the master's RNG state;
+    what the trainers need to resume."""
+    checkpoint.fits(found, env, trainerCount=len(env.names("trainer")))
+    directory = str(found.directory)
+    rpc.rpc_sync(table.owner(), load_table, args=(table, directory, found.entry("ps.pt")))
+    checkpoint.set_rng_state(found.load("master.pt")["rng"])
+    world.log(env, f"resumed from step {found.step} ({directory})")
+    monitor.board().resumed(found.step)
+    return {"step": found.step, "directory": directory, "dense": found.entry("dense.pt")}
+
+
+def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> None:
+    """Runs on the master (called by DDP rank 0): complete the checkpoint of `step`."""
+    env = world.current()
+    root = env.spec.checkpoint.path
+    start = time.perf_counter()
+    own = checkpoint.save_part(checkpoint.step_dir(root, step), "master.pt",
+                               {"rng": checkpoint.rng_state()})  # fmt: skip
+    files = [own, *files]
+    checkpoint.write_manifest(root, step, files, kind=env.kind, job=env.job,
+                              trainerCount=len(env.names("trainer")))  # fmt: skip
+    checkpoint.prune(root)
+    seconds += time.perf_counter() - start
+    master.checkpoint_written(env, step, files, seconds, checkpoint.step_dir(root, step))
+
+
+def _wait_all(futures: list[torch.futures.Future]) -> list[Any]:
+    """All results, but raise the first failure as soon as it arrives: the other trainers
+    may be stuck in an allreduce waiting for the one that failed."""
+    finished: queue.SimpleQueue[torch.futures.Future] = queue.SimpleQueue()
+    for future in futures:
+        future.add_done_callback(finished.put)
+    for _ in futures:
+        finished.get().wait()
+    return [future.wait() for future in futures]

@@ -1,0 +1,67 @@
+"""A HybridJob run's summary: losses, rates, and checks that the trainers' dense replicas
+agree and read disjoint data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipejob.trainer.runtime import master
+from pipejob.trainer.runtime.world import Env
+
+
+def summarize(env: Env, results: dict[str, dict[str, Any]], before: torch.Tensor,
+              after: torch.Tensor, first: int) -> dict[str, Any]:  # fmt: skip
+    """The run's summary from each trainer's results (trainer.train), the table before and
+    after, and the step the run resumed from."""
+    names = list(results)
+    reference = results[names[0]]["dense"]
+    dense_diff = max(
+        (w - reference[k]).abs().max().item()
+        for r in results.values()
+        for k, w in r["dense"].items()
+    )
+    read = [set(r["read"].tolist()) for r in results.values()]
+    overlap = sum(len(s) for s in read) - len(set().union(*read))
+    per_trainer = {
+        name: {k: v for k, v in r.items() if k not in ("dense", "read")}
+        for name, r in results.items()
+    }
+    seconds = max(r["seconds"] for r in results.values())
+    samples = sum(r["steps"] * r["batchSize"] for r in results.values())
+    return master.summary(
+        env, env.spec.steps - first, first,
+        trainers=len(names),
+        batchSize=env.spec.batch_size,
+        seconds=seconds,
+        samplesPerSecond=samples / seconds,
+        firstLoss=sum(r["firstLoss"] for r in results.values()) / len(names),
+        finalLoss=sum(r["finalLoss"] for r in results.values()) / len(names),
+        denseMaxAbsDiff=dense_diff,
+        embeddingNormBefore=before.norm().item(),
+        embeddingChangeNorm=(after - before).norm().item(),
+        partitionOverlap=overlap,
+        perTrainer=per_trainer,
+    )  # fmt: skip
+
+
+def render(s: dict[str, Any]) -> list[str]:
+    lines = [
+        f"done: {s['steps']} steps x {s['batchSize']} bags on {s['trainers']} trainer(s)"
+        f" in {s['seconds']:.2f}s, {s['samplesPerSecond']:,.0f} samples/s",
+        f"loss {s['firstLoss']:.4f} -> {s['finalLoss']:.4f} (mean over trainers)",
+        f"dense replicas: max |difference| across trainers {s['denseMaxAbsDiff']:.3g}",
+        f"parameter server embedding: changed by {s['embeddingChangeNorm']:.4g}"
+        f" (norm of after - before; norm before {s['embeddingNormBefore']:.4g})",
+        f"data: samples read by more than one trainer: {s['partitionOverlap']}",
+        f"{'trainer':<10} {'ddp':>3} {'loss first -> final':>20} {'samples/s':>10}"
+        f" {'partition':>9} {'read':>7} {'dense moved':>11}",
+    ]
+    for name, t in s["perTrainer"].items():
+        lines.append(
+            f"{name:<10} {t['ddpRank']:>3} {t['firstLoss']:>9.4f} -> {t['finalLoss']:<7.4f}"
+            f" {t['samplesPerSecond']:>10,.0f} {t['partitionSize']:>9} {t['samplesRead']:>7}"
+            f" {t['denseChangeNorm']:>11.4g}"
+        )
+    return lines

@@ -1,0 +1,25 @@
+"""PipelineJob: the master drives micro-batches through model shards on the stage workers.
+
+- train.py: the master's loop (model, partition, steps, checkpoints, summary);
+- shards.py + partition.py: the model cut into layers, balanced by measured cost, and
+  `microBatches: auto`'s choice;
+- schedule.py: one step, micro-batches pipelined through the stages over RPC;
+- stage.py: a stage worker's shard, computing micro-batches in order;
+- summary.py: the run's summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipejob.trainer.runtime import master
+from pipejob.trainer.runtime.world import Env
+
+
+def run(env: Env) -> dict[str, Any] | None:
+    """Run this process's role of a PipelineJob; the master returns the summary."""
+    from pipejob.trainer.pipeline import stage, train
+
+    if env.role == "master":
+        return master.drive(env, train.train)
+    master.serve(env, *stage.stage_devices(env.role_index, env.names("stage"), env.gpus))
+    return None

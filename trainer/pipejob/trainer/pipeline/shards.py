@@ -1,0 +1,147 @@
+"""The model cut into layers and balanced across the stages by measured cost; with
+`microBatches: auto`, the micro-batch count with the shortest predicted step (partition.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed.rpc as rpc
+
+from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
+from pipejob.trainer import workloads
+from pipejob.trainer.pipeline.partition import (
+    Host,
+    LayerCosts,
+    Prediction,
+    fastest,
+    intra_op_threads,
+    measure_costs,
+    micro_batch_counts,
+    predict,
+)  # fmt: skip
+from pipejob.trainer.pipeline.stage import compute_resources
+from pipejob.trainer.runtime import tuning
+from pipejob.trainer.runtime.world import Env
+from pipejob.trainer.workloads.torchvision import Layer
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How the model is split and micro-batched: what a checkpoint keeps, since its shards
+    fit no other split (costs are measured, so a new measurement may cut elsewhere)."""
+
+    ranges: list[range]
+    costs: list[float]  # measured seconds of forward + backward per layer, one micro-batch
+    micro_batches: int  # the count the costs were measured for, and the run uses
+    # With `microBatches: auto`: every candidate's prediction (see `candidate_table`).
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Shards:
+    """The model cut into layers and balanced into contiguous per-stage ranges."""
+
+    layers: list[Layer]
+    partition: Partition
+
+    @property
+    def ranges(self) -> list[range]:
+        return self.partition.ranges
+
+    @property
+    def costs(self) -> list[float]:
+        return self.partition.costs
+
+    def of(self, stage: int) -> list[Layer]:
+        return [self.layers[i] for i in self.ranges[stage]]
+
+
+def build_shards(
+    spec: PipelineSpec,
+    saved: Partition | None = None,
+    threads: int | None = None,
+    hosts: list[Host] | None = None,
+    progress: Callable[[str], None] = lambda message: None,
+) -> Shards:
+    """Build the seeded model and split it across spec.stages by layer costs measured
+    with `threads` intra-op threads (those of the stages), or by `saved`: a checkpoint's
+    partition. With `microBatches: auto`, costs are measured at every candidate count's
+    micro-batch size and the count with the shortest predicted step (given the `hosts`
+    whose cores stages share) is used."""
+    layers = workloads.pipeline_layers(spec)
+    if saved is not None:
+        return Shards(layers, saved)
+    auto = spec.micro_batches == AUTO
+    batch, size = spec.batch_size, spec.image_size
+    counts = micro_batch_counts(batch) if auto else [spec.micro_batches]
+    measured: dict[int, tuple[Prediction, LayerCosts]] = {}
+    try:
+        with intra_op_threads(threads):
+            for m in counts:
+                progress(f"  micro-batch {batch // m} ({m} per batch)")
+                costs = measure_costs(layers, workloads.sample_input(spec, batch // m))
+                measured[m] = predict(costs, spec.stages, m, batch, hosts or []), costs
+    except ValueError as e:
+        raise ValueError(
+            f"spec: model {spec.model} at imageSize {size} with {spec.stages} stages: {e}"
+        ) from None
+    chosen, costs = measured[fastest([p for p, _ in measured.values()]).micro_batches]
+    table = [candidate(p) for p, _ in measured.values()] if auto else []
+    return Shards(layers, Partition(chosen.ranges, costs.seconds, chosen.micro_batches, table))
+
+
+def candidate(p: Prediction) -> dict[str, Any]:
+    """One row of `microBatches: auto`'s table, as the summary and the checkpoint keep it."""
+    return {
+        "microBatches": p.micro_batches,
+        "microBatchSize": p.micro_batch_size,
+        "pipelineBoundSeconds": round(p.pipeline_seconds, 4),
+        "coresBoundSeconds": round(p.cores_seconds, 4),
+        "predictedStepSeconds": round(p.step_seconds, 4),
+        "predictedSamplesPerSecond": round(p.samples_per_second, 2),
+    }
+
+
+def candidate_table(candidates: list[dict[str, Any]], chosen: int) -> str:
+    """Per candidate: both bounds of the step (see partition.predict), the prediction."""
+    lines = [f"  {'m':>3} {'micro':>5} {'pipeline s':>10} {'cores s':>7} {'predicted s/step':>16}"
+             f" {'samples/s':>9}"]  # fmt: skip
+    for c in candidates:
+        mark = "  <- chosen" if c["microBatches"] == chosen else ""
+        lines.append(f"  {c['microBatches']:>3} {c['microBatchSize']:>5}"
+                     f" {c['pipelineBoundSeconds']:>10.3f} {c['coresBoundSeconds']:>7.3f}"
+                     f" {c['predictedStepSeconds']:>16.3f}"
+                     f" {c['predictedSamplesPerSecond']:>9.1f}{mark}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def stage_resources(env: Env) -> tuple[int, list[Host]]:
+    """The intra-op threads the stages compute with (each decided by its own tuning, or by
+    the user; the count most of them use, ties to the smaller), and the stages that share a
+    host's cores (by address, as tuning counts them) with the CPUs they may use."""
+    names = env.names("stage")
+    reports = [rpc.rpc_sync(name, compute_resources) for name in names]
+    counts = Counter(threads for threads, _ in reports)
+    address = dict(zip(env.world, env.addresses, strict=True))
+    groups: list[list[int]] = []
+    for k, name in enumerate(names):
+        group = [g for g in groups if tuning.same_host(address[names[g[0]]], address[name])]
+        if group:
+            group[0].append(k)
+        else:
+            groups.append([k])
+    hosts = [Host(tuple(g), min(reports[k][1] for k in g)) for g in groups]
+    return min(counts, key=lambda n: (-counts[n], n)), hosts
+
+
+def share(shards: Shards, stage: int) -> float:
+    return sum(shards.costs[i] for i in shards.ranges[stage]) / sum(shards.costs)
+
+
+def describe(layers: list[str]) -> str:
+    if len(layers) == 1:
+        return layers[0]
+    return f"{layers[0]} .. {layers[-1]} ({len(layers)} layers)"

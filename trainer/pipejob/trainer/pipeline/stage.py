@@ -1,0 +1,204 @@
+"""The stage side of a PipelineJob: a shard of the model on a stage worker, called by the
+master over RPC; it computes micro-batches in order and times its forwards and backwards.
+
+Stage workers only serve: they join the RPC world and wait in `rpc.shutdown()` until the
+master is done. Each process computes with the threads it was started with (OMP_NUM_THREADS,
+which runtime/tuning.py sets per role before torch loads)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.rpc import RRef
+
+from pipejob.trainer.runtime import checkpoint, rendezvous, tuning
+from pipejob.trainer.workloads.torchvision import Layer, sequential
+
+
+class Turnstile:
+    """Lets callers through one at a time in micro-batch order: (step, 0), (step, 1), ...; a
+    later step starts again at 0 (the master begins a step's forwards once the last step's
+    have all ended). A step's forwards reach a stage's RPC threads in any order; run as they
+    came, stage k could hold back micro-batch 0, which stage k + 1 needs first.
+
+    Every caller must take its turn, even one that failed before computing (it then passes
+    the turn on at once), so a failure never leaves the micro-batches after it waiting. The
+    master launches each stage's micro-batches in order, so the one whose turn it is has
+    always been sent; a turn that does not come within `timeout` is an error, not a hang."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._changed = threading.Condition()
+        self._step, self._next = -1, 0  # the last step seen, and its next micro-batch
+
+    def _due(self, step: int, index: int) -> bool:
+        if step == self._step:
+            return index == self._next
+        return step > self._step and index == 0
+
+    @contextmanager
+    def turn(self, step: int, index: int) -> Iterator[None]:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._due(step, index), self.timeout):
+                raise TimeoutError(
+                    f"micro-batch {index} of step {step} waited {self.timeout:g}s for its turn"
+                    f" (the stage last ran micro-batch {self._next - 1} of step {self._step})"
+                )
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._step, self._next = step, index + 1
+                self._changed.notify_all()
+
+
+def compute_resources() -> tuple[int, float]:
+    """Runs on a stage: the intra-op threads its forwards and backwards compute with, and the
+    CPUs it may use."""
+    return torch.get_num_threads(), tuning.available_cpus()
+
+
+class Stage:
+    """One shard of the model, held by a stage worker and called by the master over RPC.
+
+    It records when it computes, forward and backward, per micro-batch, and keeps per-step
+    totals, so the master can report per-stage time and the pipeline's bubble."""
+
+    def __init__(self, layers: list[Layer], last: bool, device: str):
+        self.device = torch.device(device)
+        self.layers = sequential(layers).to(self.device)
+        self.last = last
+        # One forward at a time, in micro-batch order: micro-batches would otherwise fight
+        # over the same cores and race on BatchNorm's running statistics.
+        self._order = Turnstile(rendezvous.RPC_TIMEOUT_SECONDS)
+        self._record = threading.Lock()
+        # [start, end] of "forward" and "backward" per (step, micro-batch) of open steps,
+        # folded into per-step totals once a later step starts.
+        self._events: dict[tuple[int, int], dict[str, list[float]]] = defaultdict(dict)
+        self._totals: dict[int, tuple[float, float, float]] = {}
+
+    def parameter_rrefs(self) -> list[RRef]:
+        return [RRef(p) for p in self.layers.parameters()]
+
+    def forward(self, x: torch.Tensor | RRef, step: int, micro_batch: int) -> torch.Tensor:
+        failed = None
+        try:  # fetching waits for no turn: later inputs arrive while this stage computes
+            if not isinstance(x, torch.Tensor):
+                x = x.to_here()  # an RRef: fetched from the previous stage, straight to this one
+            received = x
+            x = x.to(self.device)
+        except Exception as e:
+            failed = e
+        with self._order.turn(step, micro_batch):
+            if failed is not None:
+                raise failed
+            start = time.perf_counter()
+            y = self.layers(x)
+            if self.device.type == "cuda":  # so the time is the kernels', not their launch's
+                torch.cuda.synchronize(self.device)
+            end = time.perf_counter()
+        with self._record:
+            self._fold(before=step)
+            self._events[step, micro_batch]["forward"] = [start, end]
+        self._time_backward((step, micro_batch), y, received)
+        # The master is CPU-only: the last stage hands back CPU tensors.
+        return y.cpu() if self.last else y
+
+    def _time_backward(self, key: tuple[int, int], y: torch.Tensor, received: torch.Tensor):
+        """Backward through this shard starts when the gradient of `y` arrives and ends when
+        the autograd nodes nearest the shard's input have run."""
+        if y.grad_fn is None:
+            return
+        y.grad_fn.register_prehook(lambda grads: self._note(key, "start"))
+        for node in input_nodes(y.grad_fn, received.grad_fn):
+            node.register_hook(lambda grads_in, grads_out: self._note(key, "end"))
+
+    def _note(self, key: tuple[int, int], what: str) -> None:
+        now = time.perf_counter()
+        with self._record:
+            backward = self._events[key].setdefault("backward", [now, now])
+            if what == "start":
+                backward[0] = now
+            else:
+                backward[1] = max(backward[1], now)
+
+    def _fold(self, before: float) -> None:
+        for step in sorted({s for s, _ in self._events if s < before}):
+            events = [self._events.pop(k) for k in list(self._events) if k[0] == step]
+            self._totals[step] = step_seconds(events)
+
+    def timings(self) -> dict[int, tuple[float, float, float]]:
+        """Per step: seconds this stage spent in forward, in backward, and busy at all."""
+        with self._record:
+            self._fold(before=float("inf"))
+            return dict(self._totals)
+
+    def save(self, optimizer: RRef | None, directory: str, name: str) -> dict[str, Any]:
+        """Checkpoint this shard and its local optimizer's state; the manifest entry."""
+        optimizers = {} if optimizer is None else {"optimizer": optimizer.local_value()}
+        return checkpoint.save_module(directory, name, self.layers, optimizers)
+
+    def load(self, optimizer: RRef | None, directory: str, entry: dict[str, Any]) -> None:
+        optimizers = {} if optimizer is None else {"optimizer": optimizer.local_value()}
+        state = checkpoint.load_module(directory, entry, self.layers, optimizers)
+        checkpoint.set_rng_state(state["rng"])  # e.g. dropout masks continue as they would
+
+
+def input_nodes(root: Any, stop: Any) -> list[Any]:
+    """The nodes of `root`'s autograd graph nearest the shard's input: those with no further
+    node of the shard behind them (only parameters, the input, or the `stop` node that
+    carries the gradient on to the previous stage)."""
+    found, seen, todo = [], {root}, [root]
+    while todo:
+        node = todo.pop()
+        inner = [f for f, _ in node.next_functions if f is not None and f is not stop]
+        inner = [f for f in inner if type(f).__name__ != "AccumulateGrad"]
+        if not inner:
+            found.append(node)
+        for f in inner:
+            if f not in seen:
+                seen.add(f)
+                todo.append(f)
+    return found
+
+
+def stage_devices(
+    index: int, stages: list[str], gpus: int
+) -> tuple[dict[str, dict[int, int]] | None, list[int] | None]:
+    """RPC device maps and devices of stage `index`: with GPUs, its shard lives on cuda:0 and
+    activations and gradients go GPU to GPU between neighbouring stages. The master stays
+    CPU, so it needs no map."""
+    if gpus <= 0:
+        return None, None
+    neighbours = [stages[j] for j in (index - 1, index + 1) if 0 <= j < len(stages)]
+    return {name: {0: 0} for name in neighbours}, [0]
+
+
+def on_stage(stage: RRef, method: str, *args: Any) -> Any:
+    """Runs on the stage's worker: call a method of the Stage object held there."""
+    return getattr(stage.local_value(), method)(*args)
+
+
+def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals: time a stage was computing."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def step_seconds(events: list[dict[str, list[float]]]) -> tuple[float, float, float]:
+    """One stage's forward, backward and busy seconds in one step, from its micro-batches'
+    [start, end] intervals. Backwards of micro-batches interleave in the autograd engine, so
+    these are lengths of unions, not sums."""
+    forward = [tuple(e["forward"]) for e in events if "forward" in e]
+    backward = [tuple(e["backward"]) for e in events if "backward" in e]
+    return busy_seconds(forward), busy_seconds(backward), busy_seconds(forward + backward)

@@ -1,0 +1,125 @@
+"""A PipelineJob run's summary: per-stage times, the measured bubble against GPipe's, and
+`microBatches: auto`'s prediction against the run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
+from pipejob.trainer.pipeline.schedule import StepResult
+from pipejob.trainer.pipeline.shards import Shards, describe, share
+from pipejob.trainer.runtime import master
+from pipejob.trainer.runtime.world import Env
+
+
+def stage_report(
+    names: list[str], timings: list[dict[int, tuple[float, float, float]]], step: int,
+    result: StepResult,
+) -> tuple[float, dict[str, tuple[float, float]]]:  # fmt: skip
+    """One step's measured bubble and each stage's (forward, backward) seconds."""
+    per_stage = [t.get(step, (0.0, 0.0, 0.0)) for t in timings]
+    busy = sum(b for _, _, b in per_stage)
+    bubble = max(0.0, 1 - busy / (len(per_stage) * result.pipeline_seconds))
+    return bubble, {n: (f, b) for n, (f, b, _) in zip(names, per_stage, strict=True)}
+
+
+def gpipe_bubble(stages: int, micro_batches: int) -> float:
+    """Idle fraction of a balanced GPipe pipeline: (p - 1) / (m + p - 1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def summarize(
+    env: Env,
+    names: list[str],
+    shards: Shards,
+    results: list[StepResult],
+    timings: list[dict[int, tuple[float, float, float]]],
+    first: int = 0,
+) -> dict[str, Any]:
+    """The run's summary; `results` are of steps first, first + 1, ... Rates and times leave
+    out the first step (warm-up: lazy allocations, optimizer state) unless it is the only
+    one."""
+    spec: PipelineSpec = env.spec
+    warmup = 1 if len(results) > 1 else 0
+    measured = results[warmup:]
+    steps = range(first + warmup, first + len(results))
+    seconds = sum(r.pipeline_seconds + r.optimizer_seconds for r in measured)
+    pipeline_wall = sum(r.pipeline_seconds for r in measured)
+    per_stage, busy_total = [], 0.0
+    for i, (name, per_step) in enumerate(zip(names, timings, strict=True)):
+        forward, backward, busy = (sum(per_step[s][k] for s in steps) for k in range(3))
+        busy_total += busy
+        per_stage.append(
+            {
+                "stage": name,
+                "layers": [n for n, _ in shards.of(i)],
+                "costShare": round(share(shards, i), 4),
+                "forwardSeconds": round(forward / len(measured), 4),
+                "backwardSeconds": round(backward / len(measured), 4),
+                "idleFraction": round(1 - busy / pipeline_wall, 4),
+            }
+        )
+    p, m = spec.stages, shards.partition.micro_batches
+    return master.summary(
+        env, len(results), first,
+        model=spec.model,
+        stages=p,
+        microBatches=m,
+        microBatchesRequested=spec.micro_batches,  # a count, or "auto"
+        microBatchCandidates=shards.partition.candidates,  # auto's predictions
+        batchSize=spec.batch_size,
+        imageSize=spec.image_size,
+        warmupStepsExcluded=warmup,
+        losses=[round(r.loss, 6) for r in results],
+        firstLoss=results[0].loss,
+        finalLoss=results[-1].loss,
+        samplesPerSecond=round(spec.batch_size * len(measured) / seconds, 3),
+        secondsPerStep=round(seconds / len(measured), 4),
+        optimizerSecondsPerStep=round(
+            sum(r.optimizer_seconds for r in measured) / len(measured), 4
+        ),
+        partition=per_stage,
+        bubble={
+            "measured": round(1 - busy_total / (p * pipeline_wall), 4),
+            "gpipeIdeal": round(gpipe_bubble(p, m), 4),
+        },
+    )  # fmt: skip
+
+
+def auto_line(s: dict[str, Any]) -> list[str]:
+    """How `microBatches: auto`'s prediction for its choice compares with the run."""
+    chosen = [c for c in s["microBatchCandidates"] if c["microBatches"] == s["microBatches"]]
+    if s["microBatchesRequested"] != AUTO or not chosen:
+        return []
+    measured = s["secondsPerStep"] - s["optimizerSecondsPerStep"]
+    return [f"  microBatches auto chose {s['microBatches']} of"
+            f" {', '.join(str(c['microBatches']) for c in s['microBatchCandidates'])}:"
+            f" predicted {chosen[0]['predictedStepSeconds']:.3f} s of forwards and backwards"
+            f" per step, measured {measured:.3f}"]  # fmt: skip
+
+
+def render(summary: dict[str, Any]) -> str:
+    s = summary
+    lines = [
+        f"  {s['model']}: {s['stages']} stages, {s['microBatches']} micro-batches of"
+        f" {s['batchSize'] // s['microBatches']}, {s['imageSize']}x{s['imageSize']} images,"
+        f" {s['steps']} steps",
+        f"  final loss {s['finalLoss']:.4f}; {s['samplesPerSecond']:.1f} samples/s,"
+        f" {s['secondsPerStep']:.3f} s/step"
+        + (" (step 1 is warm-up, left out)" if s["warmupStepsExcluded"] else ""),
+        *auto_line(s),
+        f"  {'stage':<8} {'layers':<38} {'cost':>5} {'fwd s/step':>10} {'bwd s/step':>10}"
+        f" {'idle':>5}",
+    ]
+    for st in s["partition"]:
+        lines.append(
+            f"  {st['stage']:<8} {describe(st['layers']):<38} {st['costShare']:>5.0%}"
+            f" {st['forwardSeconds']:>10.3f} {st['backwardSeconds']:>10.3f}"
+            f" {st['idleFraction']:>5.0%}"
+        )
+    b = s["bubble"]
+    lines.append(
+        f"  bubble {b['measured']:.0%} measured (idle share of stage time during forward and"
+        f" backward), GPipe ideal (p-1)/(m+p-1) = {b['gpipeIdeal']:.0%}"
+    )
+    return "\n".join(lines)

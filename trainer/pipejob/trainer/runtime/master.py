@@ -1,0 +1,59 @@
+"""What every kind's master does around its training, and every other role around its
+serving: join the RPC world, run, and leave it together (or not at all, after a failure).
+Also the lines and summary fields both kinds' masters share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pipejob.trainer.runtime import rendezvous, world
+from pipejob.trainer.runtime.world import Env
+
+Summary = dict[str, Any]
+
+
+def drive(env: Env, train: Callable[[Env], Summary]) -> Summary:
+    """The master's life: join the RPC world, train, then shut the world down; a failed
+    world cannot finish together, so after a failure it leaves at once."""
+    import torch.distributed.rpc as rpc
+
+    rendezvous.join_rpc(env)
+    try:
+        result = train(env)
+    except BaseException:
+        rpc.shutdown(graceful=False)
+        raise
+    rpc.shutdown()
+    return result
+
+
+def serve(env: Env, device_maps: dict[str, dict[int, int]] | None = None,
+          devices: list[int] | None = None) -> None:  # fmt: skip
+    """Any other role's life: join the RPC world and serve the master's calls until it is
+    done (rpc.shutdown waits for the whole world)."""
+    import torch.distributed.rpc as rpc
+
+    rendezvous.join_rpc(env, device_maps, devices)
+    rpc.shutdown()
+
+
+def summary(env: Env, steps: int, first: int, **figures: Any) -> Summary:
+    """A run's summary: the fields every kind has, then the kind's own (camelCase, as JSON).
+    `first` is the step the run resumed from (0 for a fresh one)."""
+    return {"kind": env.kind, "job": env.job, "steps": steps,
+            "resumedFromStep": first or None, **figures}  # fmt: skip
+
+
+def nothing_left(env: Env, first: int) -> Summary:
+    """A resumed run whose checkpoint already holds every step."""
+    world.log(env, f"the checkpoint of step {first} completes all {env.spec.steps} steps:"
+                   " nothing left to train")  # fmt: skip
+    return summary(env, 0, first)
+
+
+def checkpoint_written(env: Env, step: int, files: list[dict[str, Any]], seconds: float,
+                       directory: Any) -> None:  # fmt: skip
+    size = sum(f["bytes"] for f in files) / 1e6
+    world.log(env, f"checkpoint of step {step}: {len(files)} files, {size:.1f} MB in"
+                   f" {seconds:.2f}s ({directory})")  # fmt: skip

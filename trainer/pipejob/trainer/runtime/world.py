@@ -1,0 +1,172 @@
+"""This process's place in the world, read from the env contract, and how it speaks: its log
+lines and, when it fails, its termination message."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from pipejob.core import contract as c
+from pipejob.core.common import CommonSpec, from_spec
+from pipejob.core.kind import Kind
+from pipejob.core.kinds import KINDS
+
+
+class ContractError(RuntimeError):
+    """The environment does not hold what the world plan promises."""
+
+
+class RendezvousError(RuntimeError):
+    """A rendezvous endpoint stayed unreachable until the deadline."""
+
+
+class PreflightError(RuntimeError):
+    """The world failed its communication check; the message starts with "preflight:" (the
+    operator's cue for the Preflight condition)."""
+
+    def __init__(self, message: str):
+        prefix = c.PREFLIGHT_PREFIX
+        super().__init__(message if message.startswith(prefix) else f"{prefix} {message}")
+
+
+@dataclass(frozen=True)
+class Env:
+    kind: str
+    job: str
+    role: str
+    role_index: int
+    rpc_name: str
+    rank: int
+    world_size: int
+    world: tuple[str, ...]  # RPC names in rank order
+    roles: tuple[str, ...]  # roles in rank order
+    master_addr: str
+    master_port: int
+    addresses: tuple[str, ...]  # where each rank is reached, in rank order (for messages)
+    preflight_port: int
+    monitor_port: int
+    spec: Any  # the kind's typed spec (core/kinds/), a CommonSpec
+    gpus: int
+    rendezvous_timeout: float
+    ddp_addr: str | None = None
+    ddp_port: int | None = None
+    ddp_rank: int | None = None
+    ddp_world_size: int | None = None
+    ddp_backend: str | None = None
+    summary_file: str | None = None
+
+    @property
+    def definition(self) -> Kind:
+        return KINDS[self.kind]
+
+    def names(self, role: str) -> list[str]:
+        """RPC names of the world's members with this role, in rank order."""
+        return [n for n, r in zip(self.world, self.roles, strict=True) if r == role]
+
+
+def _get(environ: dict[str, str], name: str) -> str:
+    value = environ.get(name)
+    if value is None or value == "":
+        raise ContractError(f"environment variable {name} is not set ({c.DOCS[name]})")
+    return value
+
+
+def _int(environ: dict[str, str], name: str) -> int:
+    value = _get(environ, name)
+    try:
+        return int(value)
+    except ValueError:
+        raise ContractError(f"{name} must be an integer, got {value!r}") from None
+
+
+def read_env(environ: dict[str, str] | None = None) -> Env:
+    environ = dict(os.environ if environ is None else environ)
+    kind = _get(environ, c.KIND)
+    if kind not in KINDS:
+        raise ContractError(f"{c.KIND}={kind!r} is not a job kind ({', '.join(KINDS)})")
+    try:
+        spec: CommonSpec = from_spec(KINDS[kind].settings, json.loads(_get(environ, c.SPEC)))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ContractError(f"environment variable {c.SPEC} is not the job's spec: {e}") from None
+    role = _get(environ, c.ROLE)
+    ddp: dict[str, Any] = {}
+    if role == "trainer":
+        ddp = {
+            "ddp_addr": _get(environ, c.DDP_ADDR),
+            "ddp_port": _int(environ, c.DDP_PORT),
+            "ddp_rank": _int(environ, c.DDP_RANK),
+            "ddp_world_size": _int(environ, c.DDP_WORLD_SIZE),
+            "ddp_backend": _get(environ, c.DDP_BACKEND),
+        }
+    env = Env(
+        kind=kind,
+        job=_get(environ, c.JOB),
+        role=role,
+        role_index=_int(environ, c.ROLE_INDEX),
+        rpc_name=_get(environ, c.RPC_NAME),
+        rank=_int(environ, c.RANK),
+        world_size=_int(environ, c.WORLD_SIZE),
+        world=tuple(_get(environ, c.WORLD).split(",")),
+        roles=tuple(_get(environ, c.ROLES).split(",")),
+        master_addr=_get(environ, c.MASTER_ADDR),
+        master_port=_int(environ, c.MASTER_PORT),
+        addresses=tuple(_get(environ, c.ADDRESSES).split(",")),
+        preflight_port=_int(environ, c.PREFLIGHT_PORT),
+        monitor_port=_int(environ, c.MONITOR_PORT),
+        spec=spec,
+        gpus=_int(environ, c.GPUS),
+        rendezvous_timeout=float(_int(environ, c.RENDEZVOUS_TIMEOUT)),
+        summary_file=environ.get(c.SUMMARY_FILE) or None,
+        **ddp,
+    )
+    if (len(env.world) != env.world_size or env.world[env.rank] != env.rpc_name
+            or len(env.roles) != env.world_size or env.roles[env.rank] != env.role):  # fmt: skip
+        raise ContractError(
+            f"{c.WORLD}={','.join(env.world)} and {c.ROLES}={','.join(env.roles)} do not agree"
+            f" with {c.WORLD_SIZE}={env.world_size}, {c.RANK}={env.rank},"
+            f" {c.RPC_NAME}={env.rpc_name}, {c.ROLE}={env.role}"
+        )
+    if len(env.addresses) != env.world_size:
+        raise ContractError(
+            f"{c.ADDRESSES} names {len(env.addresses)} addresses for a world of {env.world_size}"
+        )
+    return env
+
+
+@functools.cache
+def current() -> Env:
+    """This process's env, read once: for the functions other processes call over RPC."""
+    return read_env()
+
+
+def describe(env: Env, rank: int) -> str:
+    """A peer as messages name it: "rank 2 (stage1, role stage, address 10.0.0.7)"."""
+    return f"rank {rank} ({env.world[rank]}, role {env.roles[rank]}, address {env.addresses[rank]})"
+
+
+# Kubernetes shows this file's content as the container's termination message.
+TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_LOG_ENV = c.TERMINATION_LOG  # overrides the path (e.g. in tests)
+
+
+def write_termination_message(message: str) -> None:
+    """The one-line reason a process failed, where Kubernetes (or a test) looks for it. The
+    default file counts only if it exists: outside a pod there is nothing to write."""
+    path = os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG
+    if path == TERMINATION_LOG and not os.path.exists(path):
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(" ".join(message.split())[:4000] + "\n")
+    except OSError as e:
+        log(None, f"could not write the termination message to {path}: {e}")
+
+
+def log(env: Env | None, message: str) -> None:
+    """One line of output. No name prefix: a pod's log is its own, and the local runner
+    prefixes each line with the process's RPC name."""
+    print(message, file=sys.stderr if env is None else sys.stdout, flush=True)

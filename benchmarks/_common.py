@@ -329,3 +329,23 @@ class RunnerWorkers(Workers):
                 except ProcessLookupError:
                     pass
         super().close(grace)
+
+
+STEP_LINE = re.compile(r"^master\s*\| .*\bstep (\d+)/(\d+)")
+
+
+class PipejobWorkers(RunnerWorkers):
+    """`pipejob run` as one child: marks come from the master's step lines, and the runner's
+    trainer processes (named in its "started" lines) are sampled too."""
+
+    def __init__(self, steps: int, warmup: int, m: int | str, echo_line):
+        super().__init__(echo_line)
+        self.steps, self.warmup, self.m = steps, warmup, m
+
+    def on_line(self, name: str, line: str) -> None:
+        step = STEP_LINE.match(line)
+        if step and int(step.group(1)) == self.warmup:
+            self.marks[f"m{self.m}-start"] = self.snapshot()
+        elif step and int(step.group(1)) == self.steps:
+            self.marks[f"m{self.m}-end"] = self.snapshot()
+        super().on_line(name, line)

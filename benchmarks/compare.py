@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ from typing import Any
 import yaml
 from _common import (
     Counters,
-    RunnerWorkers,
+    PipejobWorkers,
     Workers,
     free_port,
     load_average,
@@ -55,7 +54,6 @@ from _common import (
 
 SYSTEMS = ("pipejob", "pipejob-auto", "baseline", "gpipe", "1f1b", "single-t1", "single-tN")
 AUTO = "auto"
-STEP_LINE = re.compile(r"^master\s*\| .*\bstep (\d+)/(\d+)")
 
 
 @dataclass
@@ -101,23 +99,6 @@ def echo(verbose: bool):
 
 
 # ---------------------------------------------------------------------------- the systems
-
-
-class PipejobWorkers(RunnerWorkers):
-    """`pipejob run` as one child: marks come from the master's step lines, and the runner's
-    trainer processes (named in its "started" lines) are sampled too."""
-
-    def __init__(self, steps: int, warmup: int, m: int | str, echo_line):
-        super().__init__(echo_line)
-        self.steps, self.warmup, self.m = steps, warmup, m
-
-    def on_line(self, name: str, line: str) -> None:
-        step = STEP_LINE.match(line)
-        if step and int(step.group(1)) == self.warmup:
-            self.marks[f"m{self.m}-start"] = self.snapshot()
-        elif step and int(step.group(1)) == self.steps:
-            self.marks[f"m{self.m}-end"] = self.snapshot()
-        super().on_line(name, line)
 
 
 def pipejob_manifest(cfg: Config, m: int | str) -> dict[str, Any]:

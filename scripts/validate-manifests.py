@@ -95,6 +95,28 @@ def cel_errors(s: dict[str, Any], value: Any, path: str) -> list[str]:
     return errors
 
 
+def list_map_errors(s: dict[str, Any], value: Any, path: str) -> list[str]:
+    """Entries of x-kubernetes-list-type: map lists that share their keys (the API server
+    refuses them; JSON Schema cannot say it)."""
+    errors = []
+    if isinstance(value, list):
+        keys = s.get("x-kubernetes-list-map-keys") or []
+        if s.get("x-kubernetes-list-type") == "map" and keys:
+            seen = set()
+            for i, item in enumerate(value):
+                key = json.dumps([item.get(k) for k in keys]) if isinstance(item, dict) else None
+                if key in seen:
+                    errors.append(f"{path}[{i}]: duplicate entry with keys {key}")
+                seen.add(key)
+        for i, item in enumerate(value):
+            errors += list_map_errors(s.get("items") or {}, item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, sub in (s.get("properties") or {}).items():
+            if key in value:
+                errors += list_map_errors(sub, value[key], f"{path}.{key}")
+    return errors
+
+
 def load_crds(dirs: list[Path]) -> dict[tuple[str, str], dict[str, Any]]:
     """{(apiVersion, kind): openAPIV3Schema} of every served version of every CRD in dirs."""
     schemas = {}
@@ -127,7 +149,7 @@ def validate_custom(doc: dict[str, Any], schema: dict[str, Any]) -> list[str]:
         for e in sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
     ]
     if not errors:  # CEL rules assume a structurally valid, defaulted object
-        errors = cel_errors(schema, defaulted(schema, doc), "")
+        errors = list_map_errors(schema, doc, "") + cel_errors(schema, defaulted(schema, doc), "")
     return errors
 
 

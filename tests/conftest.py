@@ -1,1 +1,9 @@
-from harness.fixtures import cluster, crds, kubelet, operator  # noqa: F401  (tests/harness)
+from harness.fixtures import (  # noqa: F401  (tests/harness)
+    cluster,
+    coscheduling,
+    crds,
+    kubelet,
+    kueue,
+    operator,
+    volcano,
+)

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-STARTED = re.compile(r"^pipejob: started (\w+) \(rank \d+, pid (\d+)\)$", re.M)
+STARTED = re.compile(r"^pipejob: started (\S+) \(rank \d+, pid (\d+)\)$", re.M)
 
 # A pipeline small enough for 2 CPU cores; each test adds the fields it depends on.
 SMALL_PIPELINE = {

@@ -46,3 +46,17 @@ def test_hybrid_compares_pipejob_with_the_tutorial_baseline():
     assert re.search(r"pipejob / baseline [\d.]+x", out.stdout)
     for system in ("pipejob", "baseline"):
         assert re.search(rf"^  {system}\s+[\d.]+ \[", out.stdout, re.M), out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_replicas_compares_one_pipeline_with_two():
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "replicas.py"), "--quick", "--batch", "4",
+         "--image", "32", "--timeout", "200"],
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for replicas in (1, 2):
+        assert re.search(rf"^ +{replicas} +[\d.]+ \[", out.stdout, re.M), out.stdout
+    assert re.search(r"2 replicas / 1: [\d.]+x the samples per CPU-second", out.stdout)
+    assert "replicas differed by at most 0\n" in out.stdout, out.stdout

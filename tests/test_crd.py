@@ -47,12 +47,17 @@ def test_committed_crds_are_the_generated_ones():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_field_is_typed_and_documented(kind):
+    # Inside the embedded Kubernetes schemas (core/k8s.py) `kubectl explain` says too little:
+    # their descriptions are left out to keep the CRD small; the fields are Kubernetes' own.
+    embedded = ("template.resources.", "template.affinity.", "template.env[].",
+                "template.volumes[].", "template.volumeMounts[].",
+                "template.tolerations[].")  # fmt: skip
     for path, node in walk(root(kind), kind):
         if node.get("x-kubernetes-int-or-string"):  # the one structural schema without a type
             assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
-        else:
+        elif not node.get("x-kubernetes-preserve-unknown-fields"):
             assert node.get("type"), f"{path} has no type (structural schemas need one)"
-        if not path.endswith(".metadata"):
+        if not path.endswith(".metadata") and not any(e in path for e in embedded):
             assert node.get("description"), f"{path} has no description for kubectl explain"
 
 
@@ -137,7 +142,7 @@ CASES = {
                                                                "microBatches": 8},
                     {"batchSize": 30, "microBatches": "auto"}, {"microBatches": "auto"},
                     {"batchSize": 32, "microBatches": 3}],
-    "HybridJob": [{}, {"backend": "nccl"}, {"backend": "nccl", "gpusPerTrainer": 2},
+    "HybridJob": [{}, {"backend": "nccl"}, {"backend": "nccl", "gpusPerTrainer": 1},
                   {"backend": "gloo"}, {"trainers": 4, "batchSize": 50, "datasetSize": 199},
                   {"trainers": 4, "batchSize": 50, "datasetSize": 200}],
 }  # fmt: skip

@@ -108,14 +108,13 @@ def test_restricted_security_context_by_default():
 
 
 def test_gpus_per_role_become_nvidia_gpu_requests_and_limits():
-    template = {"resources": {"limits": {"cpu": "4", "nvidia.com/gpu": 8},
-                              "requests": {"memory": "8Gi"}}}  # fmt: skip
-    _, pods = world(gpusPerStage=2, template=template)
+    template = {"resources": {"limits": {"cpu": "4"}, "requests": {"memory": "8Gi"}}}
+    _, pods = world(gpusPerStage=1, template=template)
     master, stage = (p["spec"]["containers"][0]["resources"] for p in pods[:2])
     assert master == {"limits": {"cpu": "4"}, "requests": {"memory": "8Gi"}}
     assert stage == {
-        "limits": {"cpu": "4", "nvidia.com/gpu": 2},
-        "requests": {"memory": "8Gi", "nvidia.com/gpu": 2},
+        "limits": {"cpu": "4", "nvidia.com/gpu": 1},
+        "requests": {"memory": "8Gi", "nvidia.com/gpu": 1},
     }
     _, cpu_pods = world()
     assert "resources" not in cpu_pods[1]["spec"]["containers"][0]
@@ -191,8 +190,10 @@ def test_headless_service_publishes_not_ready_addresses():
          "spec.template.volumeMounts[0].name", "no volume 'data'"),
     ],
 )  # fmt: skip
-def test_check_names_what_no_pod_could_run_with(template, path, words):
-    (error,) = kube.check(spec.parse(manifest(template=template)))
+def test_parse_names_what_no_pod_could_run_with(template, path, words):
+    with pytest.raises(spec.InvalidSpec) as refused:
+        spec.parse(manifest(template=template))
+    (error,) = refused.value.errors
     assert error.path == path
     assert words in error.reason
 
@@ -214,7 +215,6 @@ def test_the_checkpoint_volume_is_mounted_at_the_checkpoint_path_in_every_pod():
     checkpoint = {"path": "/ckpt/run1", "volume": "ckpt"}
     for kind in ("PipelineJob", "HybridJob"):
         job, pods = world(kind, checkpoint=checkpoint, template=CHECKPOINT_TEMPLATE)
-        assert kube.check(job) == []
         assert len(pods) == kube.world_size(job)
         for pod in pods:
             assert pod["spec"]["containers"][0]["volumeMounts"] == [
@@ -241,17 +241,18 @@ def test_the_checkpoint_volume_is_mounted_at_the_checkpoint_path_in_every_pod():
          "spec.template.volumeMounts[0] mounts '/data/' already"),
     ],
 )  # fmt: skip
-def test_check_refuses_a_checkpoint_volume_no_pod_could_mount(checkpoint, template, path, words):
-    job = spec.parse(manifest(checkpoint=checkpoint, template=template))
-    (error,) = kube.check(job)
+def test_parse_refuses_a_checkpoint_volume_no_pod_could_mount(checkpoint, template, path, words):
+    with pytest.raises(spec.InvalidSpec) as refused:
+        spec.parse(manifest(checkpoint=checkpoint, template=template))
+    (error,) = refused.value.errors
     assert error.path == path
     assert words in error.reason
 
 
-def test_check_passes_a_good_template():
+def test_parse_passes_a_good_template():
     template = {"env": [{"name": "A", "value": "1"}], "volumes": [{"name": "d", "emptyDir": {}}],
                 "volumeMounts": [{"name": "d", "mountPath": "/d"}]}  # fmt: skip
-    assert kube.check(spec.parse(manifest(template=template))) == []
+    assert spec.parse(manifest(template=template)).spec["template"] == template
 
 
 def test_render_prints_service_and_pods_without_owners(tmp_path, capsys):
@@ -275,3 +276,32 @@ def test_render_refuses_a_bad_manifest_naming_the_field(tmp_path, capsys):
     assert cli.main(["render", str(path)]) == 2
     err = capsys.readouterr().err
     assert "spec.template.env[0].name" in err and "RANK" in err
+
+
+def test_a_replicated_pipeline_renders_every_replica_and_its_groups():
+    job, pods = world(stages=2, replicas=2)
+    names = [p["metadata"]["name"] for p in pods]
+    assert names == ["pj-master-0", "pj-r0-stage-0", "pj-r0-stage-1", "pj-r1-stage-0",
+                     "pj-r1-stage-1"]  # fmt: skip
+    for pod in pods[1:]:
+        labels = pod["metadata"]["labels"]
+        replica, index = int(labels[kube.REPLICA_LABEL]), int(labels[kube.INDEX_LABEL])
+        assert pod["spec"]["hostname"] == pod["metadata"]["name"]
+        assert kube.who(pod) == f"stage {index} of replica {replica}"
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        # stage i of every replica: group dp<i>, rendezvous on replica 0's stage i
+        assert env[contract.DDP_GROUP] == f"dp{index}"
+        assert env[contract.DDP_ADDR] == f"pj-r0-stage-{index}.pj"
+        assert env[contract.DDP_RANK] == str(replica)
+        ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+        assert ports["ddp"] == kube.PORTS.group(index)  # dp0 on 29501, dp1 on 29511
+    assert kube.REPLICA_LABEL not in pods[0]["metadata"]["labels"]
+    service = kube.service(job, "team")
+    assert "ddp" in {p["name"] for p in service["spec"]["ports"]}
+    # one pipeline: pods, labels and the Service as before replicas existed
+    _, single = world(stages=2)
+    assert [p["metadata"]["name"] for p in single] == ["pj-master-0", "pj-stage-0", "pj-stage-1"]
+    assert all(kube.REPLICA_LABEL not in p["metadata"]["labels"] for p in single)
+    assert "ddp" not in {
+        p["name"] for p in kube.service(spec.parse(manifest()), "t")["spec"]["ports"]
+    }

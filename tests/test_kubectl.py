@@ -85,9 +85,15 @@ def test_apply_crds_and_examples_then_get_shows_the_printer_columns(cluster, kub
         everything = kubectl("get", "pipejob").stdout  # the category: both kinds
         assert "pipelinejob.pipejob.dev/" in everything and "hybridjob.pipejob.dev/" in everything
 
-        name = manifests("PipelineJob")[0]["metadata"]["name"]
+        plain = [m for m in manifests("PipelineJob") if "scheduling" not in m["spec"]]
+        name = plain[0]["metadata"]["name"]
         described = kubectl("describe", "pipelinejob", name).stdout
         assert "CreatedPods" in described and f"{name}-master-0" in described  # its Events
+        # No PodGroup CRD here: a coscheduling job makes no pods and says why.
+        gang = [m for m in manifests("PipelineJob")
+                if m["spec"].get("scheduling", {}).get("provider") == "coscheduling"]  # fmt: skip
+        described = kubectl("describe", "pipelinejob", gang[0]["metadata"]["name"]).stdout
+        assert "PodGroupRefused" in described and "CreatedPods" not in described
 
         assert "unchanged" in kubectl("apply", "-f", str(REPO / "examples")).stdout
         kubectl("delete", "-f", str(REPO / "examples"))

@@ -78,6 +78,24 @@ def test_a_stage_killed_mid_run_restarts_the_world_which_then_succeeds(cluster, 
     all_stopped(api, kubelet)
 
 
+def test_a_killed_stage_of_replica_1_restarts_the_replicated_world(cluster, kubelet, operator):
+    api = cluster.api
+    name = name_of(start(api, PIPELINE, steps=6, replicas=2))
+    wait_log(api, kubelet, f"{name}-master-0", "step 2/6", timeout=150)
+    first_world = pod_uids(kubelet, name)
+    assert len(first_world) == 5  # the master and 2 replicas of 2 stages
+    kubelet.kill(NS, f"{name}-r1-stage-0")
+    done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=200)
+    assert done["status"]["restarts"] == 1 and done["status"]["replicas"] == 2
+    assert len([uid for uid in pod_uids(kubelet, name) if uid not in first_world]) == 5
+    events = [e["message"] for e in api.list("v1/events", NS) if e["type"] == "Warning"]
+    assert any(f"stage 0 of replica 1 (pod {name}-r1-stage-0) failed with exit code 137" in m
+               for m in events), events  # fmt: skip
+    log = kubelet.logs(NS, f"{name}-master-0")
+    assert "2 replicas (all-reduce" in log and "largest difference between replicas 0)" in log
+    all_stopped(api, kubelet)
+
+
 def test_a_job_whose_pods_always_fail_fails_after_the_backoff_limit(cluster, kubelet, operator):
     api = cluster.api
     # A broken image, as far as the process is concerned: its Python cannot even start.

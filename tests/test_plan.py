@@ -12,9 +12,9 @@ from pipejob.core.plan import Ports, members, plan_world
 COMMON_ENV = {
     c.MASTER_ADDR, c.MASTER_PORT, c.RANK, c.WORLD_SIZE, c.KIND, c.JOB, c.ROLE, c.ROLE_INDEX,
     c.RPC_NAME, c.WORLD, c.ROLES, c.SPEC, c.GPUS, c.RENDEZVOUS_TIMEOUT, c.ADDRESSES,
-    c.PREFLIGHT_PORT, c.MONITOR_PORT,
+    c.PREFLIGHT_PORT, c.MONITOR_PORT, c.REPLICA,
 }  # fmt: skip
-DDP_ENV = {c.DDP_ADDR, c.DDP_PORT, c.DDP_RANK, c.DDP_WORLD_SIZE, c.DDP_BACKEND}
+DDP_ENV = {c.DDP_GROUP, c.DDP_ADDR, c.DDP_PORT, c.DDP_RANK, c.DDP_WORLD_SIZE, c.DDP_BACKEND}
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
@@ -32,7 +32,13 @@ def k8s_address(j):
 
 
 SHAPES = [
-    *(("PipelineJob", {"stages": s, "gpusPerStage": g}) for s in (2, 3, 8, 64) for g in (0, 2)),
+    # resnet152 has the most layers to cut (57): the most stages a pipeline can have.
+    *(
+        ("PipelineJob", {"model": "resnet152", "stages": s, "gpusPerStage": g})
+        for s in (2, 3, 8, 57)
+        for g in (0, 1)
+    ),
+    *(("PipelineJob", {"stages": s, "replicas": r}) for s in (2, 3, 7) for r in (2, 3, 4)),
     *(("HybridJob", {"trainers": t, "gpusPerTrainer": g}) for t in (1, 2, 5, 256) for g in (0, 1)),
 ]
 
@@ -57,7 +63,10 @@ def test_world_invariants(kind, fields):
     trainers = [p for p in world if p.role == "trainer"]
     for p in world:
         env = p.env
-        expected = COMMON_ENV | (DDP_ENV if p.role == "trainer" else set())
+        replicated = fields.get("replicas", 1) > 1
+        grouped = p.role == "trainer" or (p.role == "stage" and replicated)
+        every = {c.GROUPS} if kind == "HybridJob" or replicated else set()  # the world's groups
+        expected = COMMON_ENV | every | (DDP_ENV if grouped else set())
         assert set(env) == expected, p.rpc_name
         assert all(isinstance(v, str) and v for v in env.values())
         assert env[c.RANK] == str(p.rank) and env[c.RPC_NAME] == p.rpc_name
@@ -74,15 +83,16 @@ def test_world_invariants(kind, fields):
             assert env[c.DDP_ADDR] == trainers[0].address
             assert env[c.DDP_BACKEND] == ("nccl" if p.gpus else "gloo")
 
-    # the DDP group holds exactly the trainers, ranked densely
-    ddp = [p for p in world if p.seat is not None]
-    assert ddp == trainers
-    assert sorted(p.seat.rank for p in ddp) == list(range(len(trainers)))
-    assert all(p.seat.size == len(trainers) for p in ddp)
+    # the DDP group holds exactly the trainers, ranked densely (replicated stages: below)
+    if kind == "HybridJob":
+        ddp = [p for p in world if p.seat is not None]
+        assert ddp == trainers
+        assert sorted(p.seat.rank for p in ddp) == list(range(len(trainers)))
+        assert all(p.seat.size == len(trainers) for p in ddp)
 
     # GPUs only where the spec asks for them
     gpu_role = "stage" if kind == "PipelineJob" else "trainer"
-    per_role = fields.get("gpusPerStage", fields.get("gpusPerTrainer"))
+    per_role = j.spec.get("gpusPerStage", j.spec.get("gpusPerTrainer"))
     for p in world:
         assert p.gpus == (per_role if p.role == gpu_role else 0)
 
@@ -116,3 +126,53 @@ def test_plan_is_pure():
     j = job("PipelineJob", stages=4)
     first = plan_world(j, k8s_address(j))
     assert first == plan_world(j, k8s_address(j))
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+@pytest.mark.parametrize("stages", [2, 3, 5])
+def test_replicas_form_one_group_per_stage(stages, replicas):
+    j = job("PipelineJob", stages=stages, replicas=replicas)
+    group_ports = tuple(30000 + g for g in range(stages))
+    world = plan_world(j, k8s_address(j), Ports(groups=group_ports))
+    stage_procs = [p for p in world if p.role == "stage"]
+    assert len(world) == 1 + stages * replicas
+
+    # Replica by replica, stage by stage, each member knowing both.
+    assert [(p.member.replica, p.member.index) for p in stage_procs] == [
+        (r, i) for r in range(replicas) for i in range(stages)
+    ]
+    for p in stage_procs:
+        assert p.env[c.REPLICA] == str(p.member.replica)
+        assert p.env[c.ROLE_INDEX] == str(p.member.index)
+    names = [p.rpc_name for p in stage_procs]
+    if replicas == 1:
+        assert names == [f"stage{i}" for i in range(stages)]
+        assert all(p.seat is None for p in world)  # one pipeline: no group, no port
+        return
+    assert names == [f"r{r}-stage{i}" for r in range(replicas) for i in range(stages)]
+    assert [p.member.label for p in stage_procs][:2] == ["r0-stage-0", "r0-stage-1"]
+
+    # Stage i of every replica forms group dp<i>: ranks are replicas, the rendezvous on
+    # replica 0's stage i, at the group's own port.
+    for i in range(stages):
+        members_i = [p for p in stage_procs if p.member.index == i]
+        seats = [p.seat for p in members_i]
+        assert {s.group for s in seats} == {f"dp{i}"}
+        assert [s.rank for s in seats] == list(range(replicas))
+        assert {s.size for s in seats} == {replicas}
+        assert {s.address for s in seats} == {members_i[0].address}
+        assert {s.port for s in seats} == {group_ports[i]}
+        assert {p.env[c.DDP_PORT] for p in members_i} == {str(group_ports[i])}
+    assert world[0].seat is None  # the master drives; it is in no group
+    layout = ";".join(f"dp{i}=" + ",".join(str(1 + r * stages + i) for r in range(replicas))
+                      for i in range(stages))  # fmt: skip
+    assert {p.env[c.GROUPS] for p in world} == {layout}
+    # By default every group has a port of its own, none of the world's others.
+    default = plan_world(j, k8s_address(j))
+    ports = sorted({p.seat.port for p in default if p.seat is not None})
+    assert ports == [29501, *range(29511, 29510 + stages)]
+
+
+def test_group_ports_must_differ_from_the_others():
+    with pytest.raises(ValueError, match="must differ"):
+        plan_world(job("PipelineJob", replicas=2), lambda m: "127.0.0.1", Ports(groups=(29500,)))

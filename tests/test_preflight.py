@@ -102,7 +102,7 @@ def test_a_peer_that_never_comes_up_is_named_within_the_deadline(tmp_path: Path)
 
 def _wrong_peer(environ: dict[str, str], contribution: float) -> None:
     """A member that follows the preflight protocol but adds a wrong value in the
-    all_reduce; it takes part in the ring honestly."""
+    all_reduce; it takes part in the links honestly."""
     os.environ.update(environ)
     env = world.read_env()
     timeout = env.spec.preflight.timeout_seconds
@@ -114,9 +114,9 @@ def _wrong_peer(environ: dict[str, str], contribution: float) -> None:
     wrong = torch.zeros(env.world_size, dtype=torch.float64)
     wrong[env.rank] = contribution
     group.allreduce([wrong]).wait()
-    preflight._ring(env, group, env.spec.preflight.megabytes)
+    preflight._links(env, group, env.spec.preflight.megabytes)
     group.shutdown()
-    store.set(f"result/{env.rank}", json.dumps({"problems": [], "link": None}))
+    store.set(f"result/{env.rank}", json.dumps({"problems": [], "links": []}))
     try:
         preflight._verdict(env, store, "final", deadline, timeout)
     except world.PreflightError:
@@ -167,3 +167,20 @@ def test_payloads_differ_by_sender_and_round() -> None:
     assert torch.equal(a, preflight.payload(0, 0, 1000))
     assert not torch.equal(a, preflight.payload(1, 0, 1000))
     assert not torch.equal(a, preflight.payload(0, 1, 1000))
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "spokes"),
+    [
+        ("PipelineJob", {"stages": 2}, []),  # one pipeline: the ring is every link there is
+        ("PipelineJob", {"stages": 2, "replicas": 3}, [(1, 3), (1, 5), (2, 4), (2, 6)]),
+        ("HybridJob", {"trainers": 3}, [(2, 4)]),  # trainer0 -> trainer1 is in the ring
+    ],
+)
+def test_the_check_covers_the_ring_and_every_group(kind, fields, spokes) -> None:
+    job = spec.parse({"apiVersion": "pipejob.dev/v1alpha1", "kind": kind,
+                      "metadata": {"name": "links"}, "spec": fields})  # fmt: skip
+    processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(groups=(40001, 40002)))
+    env = world.read_env(processes[0].env)
+    n = len(processes)
+    assert preflight.pairs(env) == [(r, (r + 1) % n) for r in range(n)] + spokes

@@ -82,8 +82,38 @@ def test_namespace_list_one_role_each(peering: bool, tmp_path: Path) -> None:
         _check_binding(bindings[namespace], role, docs)
 
 
+INTEGRATIONS = ["kueue", "volcano", "coscheduling"]
+
+
+@pytest.mark.parametrize("enabled", [[name] for name in INTEGRATIONS] + [INTEGRATIONS])
+@pytest.mark.parametrize("watch", [[], WATCHED])
+def test_each_scheduling_integration_adds_exactly_its_permissions(
+    enabled: list[str], watch: list[str], tmp_path: Path
+) -> None:
+    values = {
+        "watchNamespaces": watch,
+        "scheduling": {name: {"enabled": name in enabled} for name in INTEGRATIONS},
+    }
+    docs = render(values, tmp_path)
+    roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
+    assert len(roles) == max(1, len(watch))
+    expected = rbac.grants()
+    for name in enabled:
+        expected |= rbac.grants(rbac.SCHEDULING[name])
+    for role in roles:
+        assert grants_of(role) == expected, role["metadata"]
+
+
+def test_scheduling_permissions_are_off_by_default(tmp_path: Path) -> None:
+    (role,) = [d for d in render({}, tmp_path) if d["kind"] == "ClusterRole"]
+    for permissions in rbac.SCHEDULING.values():
+        assert not (rbac.grants(permissions) - rbac.grants()) & grants_of(role)
+
+
 def test_no_secrets_no_wildcards_no_escalation(tmp_path: Path) -> None:
-    for values in ({"replicas": 2}, {"watchNamespaces": WATCHED, "replicas": 2}):
+    everything = {"scheduling": {name: {"enabled": True} for name in INTEGRATIONS}}
+    for values in ({"replicas": 2, **everything},
+                   {"watchNamespaces": WATCHED, "replicas": 2, **everything}):  # fmt: skip
         for doc in render(values, tmp_path):
             if doc["kind"] in ("Role", "ClusterRole"):
                 for group, resource, verb in grants_of(doc):

@@ -194,12 +194,12 @@ def test_failed_after_backoff_limit_naming_role_pod_and_exit_code():
     sim.reconcile()
     sim.run_all()
     assert sim.status["restarts"] == 1
-    sim.set_phase("j-stage-0", "Failed", 2)
+    sim.set_phase("j-stage-0", "Failed", 3)  # retryable (2 and 5 are permanent: test_failures)
     acts = sim.reconcile()
     assert sim.status["phase"] == "Failed"
     failed = st.condition(sim.status, "Failed")
     assert failed["reason"] == "BackoffLimitExceeded"
-    assert "stage 0 (pod j-stage-0) failed with exit code 2" in failed["message"]
+    assert "stage 0 (pod j-stage-0) failed with exit code 3" in failed["message"]
     assert "backoffLimit 1" in failed["message"]
     assert ("Warning", "BackoffLimitExceeded") in sim.events()
     assert sorted(p["metadata"]["name"] for p in acts.delete) == ["j-master-0", "j-stage-1"]

@@ -54,7 +54,7 @@ def test_micro_batches_is_a_count_or_auto():
 
 
 def test_explicit_gloo_with_gpus_is_kept():
-    assert spec.parse(hybrid(gpusPerTrainer=2, backend="gloo")).spec["backend"] == "gloo"
+    assert spec.parse(hybrid(gpusPerTrainer=1, backend="gloo")).spec["backend"] == "gloo"
 
 
 def _with(base, path, value):

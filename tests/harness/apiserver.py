@@ -16,13 +16,15 @@ store with history, fetch, Kubernetes `Status` errors. On top of that, this modu
 - lists and watches with label and field selectors and list kinds; watches that replay from a
   resourceVersion (kmock's lose the events between its snapshot and its stream) and honour
   timeoutSeconds;
+- mutating admission: hooks that change objects on create, as webhooks do (`mutators`);
 - CRDs: creating one serves its resource (discovery, status subresource, short names,
   categories, printer columns) and marks it Established;
 - pods/binding; server-side tables for `kubectl get`; OpenAPI v3 and strict field validation
   of custom resources for `kubectl apply` and `kubectl explain`.
 
 Not emulated (a real cluster checks these): schema/CEL validation and schema defaulting,
-admission, RBAC, namespaces' existence, strategic-merge list semantics, server-side apply."""
+validating admission, RBAC, namespaces' existence, strategic-merge list semantics,
+server-side apply."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import secrets
 import uuid
 import warnings
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp.web
@@ -89,6 +91,9 @@ class ApiServer(kmock.KubernetesEmulator):
     )
     _columns: dict[kmock.resource, list[Obj]] = attrs.field(factory=dict, init=False)
     _schemas: dict[kmock.resource, Obj] = attrs.field(factory=dict, init=False)
+    # Mutating admission, as a webhook does it: each is called with (resource, object) on
+    # every create, before the object is stored (tests/harness/kueue.py gates pods so).
+    mutators: list[Callable[[kmock.resource, Obj], None]] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -198,6 +203,8 @@ class ApiServer(kmock.KubernetesEmulator):
             obj["status"] = {"phase": "Pending"}
         if res == CRDS:
             obj["status"] = _crd_status(obj)
+        for mutate in self.mutators:
+            mutate(res, obj)
         obj = await self._publish(key, "ADDED", obj)
         if not self._owners_alive(obj):  # the garbage collector removes orphans at once
             await self._delete(key, grace=None)

@@ -32,6 +32,7 @@ class Cluster:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="apiserver", daemon=True)
         self._failure: BaseException | None = None
+        self.mutators: list = []  # the API server's mutating admission hooks (apiserver.py)
 
     def __enter__(self) -> Cluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -78,7 +79,7 @@ class Cluster:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with ApiServer() as handler:
+        async with ApiServer(mutators=self.mutators) as handler:
             # Short shutdown: open watches would otherwise hold the stop for a minute.
             runner = aiohttp.web.ServerRunner(aiohttp.web.Server(handler), shutdown_timeout=1.0)
             await runner.setup()

@@ -7,6 +7,9 @@ Succeeded/Failed, podIP, startTime, conditions, containerStatuses with the exit 
 honours restartPolicy (restarting in place, with restartCount), graceful deletion (SIGTERM,
 then SIGKILL after the grace period, capped, then the final delete), and refuses pods that ask
 for GPUs or node labels it has not (they stay Pending, Unschedulable, as on a real node).
+As the default scheduler, it never binds a pod with schedulingGates (Kueue's admission gate),
+nor one that names another scheduler (`schedulerName: volcano`): that scheduler binds it
+(tests/harness/gang.py), and the node then runs it.
 A container is its process group: when the main process ends, whatever it left running is
 killed, as a real container's end kills everything in it.
 
@@ -37,6 +40,7 @@ PODS = "v1/pods"
 # The "image": the interpreter of the tests first on PATH, so `python` runs pipejob.trainer.
 PATH = f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CONDITIONS = ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+DEFAULT_SCHEDULER = "default-scheduler"
 
 
 @dataclass
@@ -100,7 +104,9 @@ class PodRun:
 
 
 class Kubelet:
-    def __init__(self, api: Api, workdir: Path, node: str = "process-kubelet",
+    NODE = "process-kubelet"
+
+    def __init__(self, api: Api, workdir: Path, node: str = NODE,
                  max_grace: float = 5.0, restart_backoff: float = 1.0):  # fmt: skip
         self.api = api
         self.workdir = Path(workdir)
@@ -227,6 +233,11 @@ class Kubelet:
                 run.kill_at = time.monotonic() + grace
                 self._signal(run, signal.SIGTERM)
             return
+        if not spec.get("nodeName") and (
+            spec.get("schedulingGates")
+            or spec.get("schedulerName", DEFAULT_SCHEDULER) != DEFAULT_SCHEDULER
+        ):
+            return  # gated until admitted, or another scheduler's to place
         if run is None and pod.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
             self._admit(pod)
 
@@ -416,8 +427,12 @@ class Kubelet:
             "conditions": _conditions("False"),
             "containerStatuses": [self._container_status(run, terminated, ready=False)],
         }
-        if run.evicted is not None:
+        if run.evicted is not None:  # as kubelets since Kubernetes 1.26 report an eviction
             status |= {"reason": "Evicted", "message": run.evicted}
+            status["conditions"].append({
+                "type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+                "message": run.evicted, "lastTransitionTime": now(),
+            })  # fmt: skip
         self._patch_status(run.pod, status)
         if run.kill_at is not None:
             self._final_delete(run.pod)

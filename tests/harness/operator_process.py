@@ -26,13 +26,15 @@ class OperatorProcess:
     (PodNetwork.forward), and its endpoints are reached with `get`."""
 
     def __init__(self, kubeconfig: Path, namespace: str, log: Path, resync_seconds: float = 2.0,
-                 network: PodNetwork | None = None, progress_seconds: float = 1.0):  # fmt: skip
+                 network: PodNetwork | None = None, progress_seconds: float = 1.0,
+                 args: tuple[str, ...] = ()):  # fmt: skip
         self.kubeconfig = kubeconfig
         self.namespace = namespace
         self.log = Path(log)
         self.resync_seconds = resync_seconds
         self.progress_seconds = progress_seconds
         self.network = network
+        self.args = args  # more `pipejob operator` flags
         self.process: subprocess.Popen | None = None
         self.metrics_url = ""
 
@@ -49,7 +51,8 @@ class OperatorProcess:
         guard = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
         argv = [str(PIPEJOB), "operator", "-n", self.namespace, "--log-level", "debug",
                 "--health-host", "127.0.0.1", "--health-port", str(port),
-                "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)]  # fmt: skip
+                "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port),
+                *self.args]  # fmt: skip
         argv = [*guard, *(self.network.enter(argv) if self.network else argv)]
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import yaml
+
+from pipejob.core.validate import ALLOW_NODE_VOLUMES_ENV
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 METRICS_PORT = 8081  # next to the chart's health port 8080
@@ -17,6 +20,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
     from pipejob.operator import controller
 
+    if args.allow_node_volumes:  # the reconciles read it (core/validate.py)
+        os.environ[ALLOW_NODE_VOLUMES_ENV] = "true"
     level = getattr(logging, args.log_level.upper())
     kopf.configure(debug=level <= logging.DEBUG, quiet=level >= logging.WARNING)
     logging.getLogger().setLevel(level)
@@ -42,10 +47,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     from pipejob.operator import kube
 
     try:
-        job = spec.load(args.file)
-        errors = kube.check(job)
-        if errors:
-            raise spec.InvalidSpec(errors, args.file)
+        job = spec.load(args.file, args.allow_node_volumes)
     except spec.InvalidSpec as e:
         print(f"pipejob: {e}", file=sys.stderr)
         return 2
@@ -100,6 +102,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="address of the metrics endpoint (default 0.0.0.0)",
     )  # fmt: skip
     op.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
+    op.add_argument(
+        "--allow-node-volumes", action="store_true",
+        help="let jobs use hostPath, gitRepo and flexVolume volumes, which reach into the node"
+        f" (refused by default, as Pod Security baseline does; also ${ALLOW_NODE_VOLUMES_ENV})",
+    )  # fmt: skip
     peers = op.add_mutually_exclusive_group()
     peers.add_argument(
         "--standalone", dest="peering", action="store_const", const=None,
@@ -123,6 +130,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="namespace of the objects (default: the manifest's, else default)",
     )  # fmt: skip
     render.add_argument("--image", help="trainer image (default: $PIPEJOB_TRAINER_IMAGE)")
+    render.add_argument(
+        "--allow-node-volumes", action="store_true",
+        help="accept hostPath, gitRepo and flexVolume volumes (refused by default)",
+    )  # fmt: skip
     render.set_defaults(func=cmd_render)
 
     crds = sub.add_parser(

@@ -11,9 +11,9 @@ from pipejob.core.plan import plan_world
 from pipejob.operator import kube
 
 
-def _load_or_exit(path: str) -> spec.Job:
+def _load_or_exit(path: str, allow_node_volumes: bool = False) -> spec.Job:
     try:
-        return spec.load(path)
+        return spec.load(path, allow_node_volumes)
     except spec.InvalidSpec as e:
         print(f"pipejob: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -22,14 +22,14 @@ def _load_or_exit(path: str) -> spec.Job:
 def cmd_run(args: argparse.Namespace) -> int:
     from pipejob.runner.local import run_job
 
-    return run_job(_load_or_exit(args.file), grace=args.grace)
+    return run_job(_load_or_exit(args.file, args.allow_node_volumes), grace=args.grace)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     failed = False
     for path in args.files:
         try:
-            job = spec.load(path)
+            job = spec.load(path, args.allow_node_volumes)
         except spec.InvalidSpec as e:
             print(f"pipejob: {e}", file=sys.stderr)
             failed = True
@@ -39,12 +39,21 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    job = _load_or_exit(args.file)
+    job = _load_or_exit(args.file, args.allow_node_volumes)
     print(f"{'rank':>4}  {'rpc name':<10} {'role':<8} {'gpus':>4}  {'ddp':<5} address")
     for p in plan_world(job, kube.addresser(job)):
         ddp = f"{p.seat.rank}/{p.seat.size}" if p.seat is not None else "-"
         print(f"{p.rank:>4}  {p.rpc_name:<10} {p.role:<8} {p.gpus:>4}  {ddp:<5} {p.address}")
     return 0
+
+
+def allow_node_volumes(parser: argparse.ArgumentParser) -> None:
+    """The flag that lets hostPath and other node-level volumes through (the operator's
+    allowance, for checking a manifest the way an operator that allows them would)."""
+    parser.add_argument(
+        "--allow-node-volumes", action="store_true",
+        help="accept hostPath, gitRepo and flexVolume volumes (refused by default)",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,14 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace", type=float, default=10.0,
         help="seconds a process gets to exit after SIGTERM before SIGKILL (default 10)",
     )  # fmt: skip
+    allow_node_volumes(run)
     run.set_defaults(func=cmd_run)
 
     validate = sub.add_parser("validate", help="check manifests; print every error")
     validate.add_argument("files", nargs="+", metavar="FILE")
+    allow_node_volumes(validate)
     validate.set_defaults(func=cmd_validate)
 
     plan = sub.add_parser("plan", help="print the world plan: ranks, roles, addresses")
     plan.add_argument("file")
+    allow_node_volumes(plan)
     plan.set_defaults(func=cmd_plan)
 
     cluster.add_subcommands(sub)  # operator, render, crds

@@ -13,9 +13,16 @@ import typing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pipejob.core.scheduling import RULES as SCHEDULING_RULES
+from pipejob.core.scheduling import SCHEDULING
 from pipejob.core.schema import Field, Rule
 
 DNS_LABEL = r"[a-z]([-a-z0-9]*[a-z0-9])?"
+# Bounds that keep times representable: Python's datetime and torch's timeouts overflow
+# long before int64 does.
+DAY = 24 * 3600
+WEEK = 7 * DAY
+INT32_MAX = 2**31 - 1  # 68 years
 
 
 def integer(description: str, default: int | None = None, minimum: int | None = 0, **kw) -> Field:
@@ -38,10 +45,34 @@ OPTIMIZER = Field(
         ),
         "weightDecay": Field("number", "L2 weight decay.", default=0.0, minimum=0),
     },
+    rules=(
+        Rule(
+            "!(self.name in ['adam', 'adamw']) || self.momentum == 0.0",
+            "adam and adamw have no momentum (they use betas): leave momentum out",
+            "momentum",
+            lambda o: o["name"] not in ("adam", "adamw") or o["momentum"] == 0.0,
+        ),
+    ),
 )  # fmt: skip
 
-_ANY = Field("object", "A Kubernetes object, passed through as written.", free_form=True)
-_LIST = Field("array", "A list of Kubernetes objects, passed through as written.", items=_ANY)
+GPU = "nvidia.com/gpu"
+
+
+def _k8s(name: str, description: str) -> Field:
+    """A Kubernetes object passed to the pods, checked against its real schema (core/k8s.py)."""
+    return Field("object", f"{description.rstrip('.')} (Kubernetes core/v1 {name}).", k8s=name)
+
+
+def _k8s_list(name: str, description: str, keys: tuple[str, ...] = ()) -> Field:
+    item = _k8s(name, f"One {name}.")
+    what = f"{description.rstrip('.')} (Kubernetes core/v1 {name} list)."
+    return Field("array", what, items=item, list_map_keys=keys)
+
+
+def _no_gpu(template: dict[str, Any]) -> bool:
+    resources = template.get("resources") or {}
+    return all(GPU not in (resources.get(k) or {}) for k in ("requests", "limits"))
+
 
 TEMPLATE = Field(
     "object",
@@ -51,23 +82,38 @@ TEMPLATE = Field(
         "imagePullPolicy": Field(
             "string", "Image pull policy.", enum=("Always", "IfNotPresent", "Never")
         ),
-        "resources": Field(
-            "object", "Container resources; GPU counts come from the spec's GPU fields.",
-            free_form=True,
+        "resources": _k8s(
+            "ResourceRequirements",
+            "Container resources; GPU counts come from the spec's GPU fields.",
         ),
         "nodeSelector": Field(
             "object", "Node labels the pods must match.",
             values=Field("string", "Label value."),
         ),
-        "tolerations": _LIST,
-        "affinity": _ANY,
-        "volumes": _LIST,
-        "volumeMounts": _LIST,
-        "env": _LIST,
+        "tolerations": _k8s_list("Toleration", "Taints the pods tolerate."),
+        "affinity": _k8s("Affinity", "Node and pod affinity of the pods."),
+        "volumes": _k8s_list("Volume", "Volumes of the pods.", ("name",)),
+        "volumeMounts": _k8s_list(
+            "VolumeMount", "Where the trainer container mounts them.", ("mountPath",)
+        ),
+        "env": _k8s_list("EnvVar", "Extra environment of the trainer container.", ("name",)),
         "serviceAccountName": Field("string", "Service account of the pods."),
-        "schedulerName": Field("string", "Scheduler of the pods (e.g. volcano)."),
+        "schedulerName": Field(
+            "string", "Scheduler of the pods; a gang scheduler is set with spec.scheduling."
+        ),
         "priorityClassName": Field("string", "Priority class of the pods."),
     },
+    rules=(
+        Rule(
+            "!has(self.resources) || ((!has(self.resources.limits) || !('nvidia.com/gpu' in"
+            " self.resources.limits)) && (!has(self.resources.requests) || !('nvidia.com/gpu'"
+            " in self.resources.requests)))",
+            "nvidia.com/gpu comes from the spec's GPU field (gpusPerStage, gpusPerTrainer),"
+            " never from template.resources",
+            "resources",
+            _no_gpu,
+        ),
+    ),
 )  # fmt: skip
 
 # Fields every kind has: how long to wait, how to restart, and when to clean up.
@@ -78,13 +124,16 @@ COMMON: dict[str, Field] = {
     "logEvery": integer("Print progress every this many steps.", default=1, minimum=1),
     "rendezvousTimeoutSeconds": integer(
         "How long each process waits for the RPC world (and DDP group) to form.",
-        default=300, minimum=1,
+        default=300, minimum=1, maximum=WEEK,
     ),
     "backoffLimit": integer("Whole-world restarts allowed before the job fails.", default=3),
     "activeDeadlineSeconds": integer(
-        "Fail the job (DeadlineExceeded) once it has been running this long.", minimum=1
+        "Fail the job (DeadlineExceeded) once it has been running this long.", minimum=1,
+        maximum=INT32_MAX,
     ),
-    "ttlSecondsAfterFinished": integer("Delete the job this long after it finished."),
+    "ttlSecondsAfterFinished": integer(
+        "Delete the job this long after it finished.", maximum=INT32_MAX
+    ),
     "suspend": Field("boolean", "Remove the job's pods while true.", default=False),
     "template": TEMPLATE,
     "checkpoint": Field(
@@ -107,7 +156,8 @@ COMMON: dict[str, Field] = {
         "Run the torch profiler around chosen steps; one Chrome trace per process.",
         fields={
             "steps": Field("array", "Steps (1-based) to profile.",
-                           items=integer("A step to profile.", minimum=1), default=[2]),
+                           items=integer("A step to profile.", minimum=1), default=[2],
+                           max_items=64),
             "path": Field("string", "Directory for the traces (default: <checkpoint.path>/"
                           "profiles)."),
             "rowLimit": integer("Rows of the logged key_averages table.", default=15, minimum=1),
@@ -120,26 +170,34 @@ COMMON: dict[str, Field] = {
         fields={
             "enabled": Field("boolean", "Run the check.", default=True),
             "timeoutSeconds": integer("Deadline for every peer to take part.", default=60,
-                                   minimum=1),
+                                   minimum=1, maximum=DAY),
             "megabytes": Field("number", "Payload of the bandwidth test per link.", default=4.0,
                                minimum=0, exclusive_minimum=True, maximum=1024),
         },
     ),
+    "scheduling": SCHEDULING,
 }  # fmt: skip
 
 # Cross-field rules every kind shares.
 COMMON_RULES = (
+    Rule(
+        "!has(self.profile) || self.profile.steps.all(s, s <= self.steps)",
+        "every profiled step must be one of the job's steps (at most spec.steps)",
+        "profile.steps",
+        lambda s: "profile" not in s or all(p <= s["steps"] for p in s["profile"]["steps"]),
+    ),
     Rule(
         "!has(self.profile) || has(self.profile.path) || has(self.checkpoint)",
         "profile needs profile.path or a checkpoint.path to write its traces under",
         "profile",
         lambda s: "profile" not in s or "path" in s["profile"] or "checkpoint" in s,
     ),
+    *SCHEDULING_RULES,
 )
 
 # Spec fields only the operator reads (they shape pods or steer the job, not training).
 OPERATOR_ONLY = ("template", "backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished",
-                 "suspend", "checkpoint.volume")  # fmt: skip
+                 "suspend", "checkpoint.volume", "scheduling")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)

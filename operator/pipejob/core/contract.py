@@ -20,9 +20,11 @@ KIND = "PIPEJOB_KIND"
 JOB = "PIPEJOB_JOB"
 ROLE = "PIPEJOB_ROLE"
 ROLE_INDEX = "PIPEJOB_ROLE_INDEX"
+REPLICA = "PIPEJOB_REPLICA"
 RPC_NAME = "PIPEJOB_RPC_NAME"
 WORLD = "PIPEJOB_WORLD"
 ROLES = "PIPEJOB_ROLES"
+GROUPS = "PIPEJOB_GROUPS"
 ADDRESSES = "PIPEJOB_ADDRESSES"
 PREFLIGHT_PORT = "PIPEJOB_PREFLIGHT_PORT"
 MONITOR_PORT = "PIPEJOB_MONITOR_PORT"
@@ -30,6 +32,7 @@ SPEC = "PIPEJOB_SPEC"
 GPUS = "PIPEJOB_GPUS"
 RENDEZVOUS_TIMEOUT = "PIPEJOB_RENDEZVOUS_TIMEOUT"
 
+DDP_GROUP = "PIPEJOB_DDP_GROUP"
 DDP_ADDR = "PIPEJOB_DDP_ADDR"
 DDP_PORT = "PIPEJOB_DDP_PORT"
 DDP_RANK = "PIPEJOB_DDP_RANK"
@@ -50,20 +53,25 @@ DOCS: dict[str, str] = {
     JOB: "Name of the job.",
     ROLE: "master, stage, ps or trainer.",
     ROLE_INDEX: "Index of this process within its role (stage i, trainer k).",
+    REPLICA: "PipelineJob: the replica of the pipeline this process belongs to (0 if one).",
     RPC_NAME: "This process's RPC worker name (master, stage0, ps, trainer1, ...).",
     WORLD: "Comma-separated RPC names of the whole world, in rank order.",
     ROLES: "Comma-separated roles of the whole world, in rank order.",
+    GROUPS: "The world's collective groups, if any: `name=rank,rank,...` (world ranks in group"
+    " rank order), separated by `;`.",
     ADDRESSES: "Comma-separated addresses of the whole world, in rank order (for messages).",
     PREFLIGHT_PORT: "Port of the whole world's gloo group for the preflight check (master).",
     MONITOR_PORT: "Port of the master's HTTP endpoint: /progress (JSON) and /metrics.",
     SPEC: "The job's validated, defaulted spec as JSON.",
     GPUS: "GPUs this process may use; 0 means CPU (and gloo).",
     RENDEZVOUS_TIMEOUT: "Seconds to wait for the RPC world and DDP group to form.",
-    DDP_ADDR: "HybridJob trainers: address of the DDP rendezvous (trainer 0).",
-    DDP_PORT: "HybridJob trainers: port of the DDP rendezvous, never the RPC one.",
-    DDP_RANK: "HybridJob trainers: rank in the DDP process group.",
-    DDP_WORLD_SIZE: "HybridJob trainers: size of the DDP process group.",
-    DDP_BACKEND: "HybridJob trainers: gloo or nccl.",
+    DDP_GROUP: "Members of a collective group (HybridJob trainers: ddp; stage i of replicated"
+    " PipelineJob stages: dp<i>): the group's name.",
+    DDP_ADDR: "Group members: address of the group's rendezvous (its rank 0).",
+    DDP_PORT: "Group members: port of the group's rendezvous, never the RPC one.",
+    DDP_RANK: "Group members: rank in the group (a trainer's DDP rank, a stage's replica).",
+    DDP_WORLD_SIZE: "Group members: size of the group.",
+    DDP_BACKEND: "Group members: gloo or nccl.",
     SUMMARY_FILE: "Optional: the master writes its end-of-run summary here as JSON.",
     TERMINATION_LOG: "Optional: where a failing process writes its one-line reason"
     " (default /dev/termination-log, Kubernetes' termination message).",
@@ -81,11 +89,44 @@ class ExitCode(IntEnum):
     BAD_ENVIRONMENT = 2  # the env does not hold what the plan promises
     RENDEZVOUS_FAILED = 3  # the RPC world or a group did not form in time
     PREFLIGHT_FAILED = 4  # the world failed its communication check
+    # A configuration error a restart would only repeat: the job fails at once, without
+    # spending backoffLimit (as PyTorchJob's ExitCode policy and JobSet's reason rules do).
+    PERMANENT = 5
 
 
 # A failing process writes one line to its termination message (Kubernetes shows it in the
 # pod's status); when the preflight check failed, the line starts with this.
 PREFLIGHT_PREFIX = "preflight:"
+# A permanent failure's line is "permanent: <Reason>: <what happened>", Reason one of these.
+PERMANENT_PREFIX = "permanent:"
+PERMANENT_REASONS: dict[str, str] = {
+    "BadEnvironment": "the pod's environment breaks the env contract (a trainer image of"
+    " another pipejob version, or env overridden by hand)",
+    "ImportFailed": "a module the job needs cannot be imported: the image lacks it",
+    "ShapeMismatch": "tensors that do not fit together: the model, its input size or its cut"
+    " into stages disagree",
+    "InvalidConfiguration": "a value of the spec the trainer cannot use (a ValueError or"
+    " TypeError from the model, the optimizer or the data)",
+}
+
+
+def permanent_message(reason: str, message: str) -> str:
+    """The termination message of a permanent failure."""
+    assert reason in PERMANENT_REASONS, reason
+    return f"{PERMANENT_PREFIX} {reason}: {message}"
+
+
+def parse_permanent(message: str) -> tuple[str, str] | None:
+    """(reason, message) of a permanent failure's termination message, else None. When the
+    message is the end of the log (no termination message was written), the trainer's last
+    line counts: it logs the permanent line last."""
+    for line in reversed(message.strip().splitlines()):
+        if line.startswith(PERMANENT_PREFIX):
+            reason, _, rest = line[len(PERMANENT_PREFIX) :].strip().partition(": ")
+            return (reason, rest) if reason in PERMANENT_REASONS else None
+    return None
+
+
 # Longest message the operator copies from a report or a termination message into status.
 MAX_MESSAGE = 300
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipejob.core.schema import Field
+from pipejob.core.schema import Field, SpecError
 
 Spec = dict[str, Any]  # a defaulted, validated spec as in the manifest (camelCase)
 
@@ -19,27 +19,35 @@ class Role:
 
     name: str  # master | stage | ps | trainer
     count: Callable[[Spec], int] | None = None  # how many; None: exactly one
+    # Copies of the role's members (PipelineJob replicas); their names carry the replica.
+    replicas: Callable[[Spec], int] = lambda spec: 1
     gpus: str | None = None  # the spec field with the GPUs of each of its pods
     computes: bool = False  # does the model's arithmetic (gets the cores, see tuning)
     # Bound by the latency of many small RPCs: keeps TensorPipe's busy-polling transport.
     latency_bound: bool = False
 
     def members(self, spec: Spec) -> int:
+        """Members of one replica."""
         return 1 if self.count is None else self.count(spec)
 
-    def rpc_name(self, index: int) -> str:
-        """The RPC worker name: the role's name for a single member, else with its index."""
-        return self.name if self.count is None else f"{self.name}{index}"
+    def rpc_name(self, index: int, replica: int = 0, replicated: bool = False) -> str:
+        """The RPC worker name: the role's name for a single member, else with its index;
+        with replicas, prefixed by the replica (r1-stage0)."""
+        name = self.name if self.count is None else f"{self.name}{index}"
+        return f"r{replica}-{name}" if replicated else name
 
 
 @dataclass(frozen=True)
 class Group:
     """A collective process group (DDP) that the members of one role form beside the RPC
-    world, with a rendezvous of its own on its rank 0."""
+    world, with a rendezvous of its own on its rank 0. With `by_index`, the members with the
+    same index (stage i of every replica) form one group each, named `<name><index>`."""
 
     name: str
     role: str
     backend: Callable[[Spec], str]  # gloo or nccl
+    by_index: bool = False
+    when: Callable[[Spec], bool] = lambda spec: True  # formed only when this holds
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,9 @@ class Kind:
     columns: tuple[dict[str, Any], ...] = ()  # `kubectl get -o wide` columns of its own
     # Fill-ins that depend on other fields, after the table's defaults.
     complete: Callable[[Spec], Spec] = lambda spec: spec
+    # What the table cannot say about a completed spec but would crash its world
+    # (core/validate.py runs it with the checks every kind shares).
+    check: Callable[[Spec], list[SpecError]] = lambda spec: []
 
     def role(self, name: str) -> Role:
         for role in self.roles:

@@ -19,24 +19,38 @@ TRAINER_MODULE = ("-m", "pipejob.trainer")
 @dataclass(frozen=True)
 class Ports:
     rpc: int = 29500  # the RPC world's rendezvous on the master
-    ddp: int = 29501  # a kind's collective group (HybridJob's DDP), on the group's rank 0
+    ddp: int = 29501  # a collective group's rendezvous (HybridJob's DDP), on the group's rank 0
     preflight: int = 29502  # the whole world's gloo group for the preflight check, on the master
     monitor: int = 29503  # the master's HTTP endpoint: /progress (JSON) and /metrics
+    # The port of each collective group: a group's rendezvous listens on every address of its
+    # rank 0, so groups whose ranks 0 share a network (host-network pods, the local runner)
+    # need ports of their own. Empty: group 0 on `ddp`, group g on `more_groups + g`.
+    groups: tuple[int, ...] = ()
+    more_groups: int = 29510
+
+    def group(self, g: int) -> int:
+        if self.groups:
+            return self.groups[g]
+        return self.ddp if g == 0 else self.more_groups + g
 
     def distinct(self) -> bool:
-        return len({self.rpc, self.ddp, self.preflight, self.monitor}) == 4
+        every = [self.rpc, self.ddp, self.preflight, self.monitor, *self.groups]
+        return len(set(every)) == len(every)
 
 
 @dataclass(frozen=True)
 class Member:
     role: str  # a role of the job's kind: master, stage, ps, trainer
-    index: int  # within its role
-    rpc_name: str  # master, stage0, ps, trainer1, ...
+    index: int  # within its role (and replica)
+    rpc_name: str  # master, stage0, ps, trainer1, r1-stage0, ...
+    replica: int = 0
+    replicated: bool = False  # the role has several replicas: names carry the replica
 
     @property
     def label(self) -> str:
-        """`<role>-<index>`: the suffix of the pod name."""
-        return f"{self.role}-{self.index}"
+        """The suffix of the pod name: `<role>-<index>`, `r<replica>-<role>-<index>`."""
+        label = f"{self.role}-{self.index}"
+        return f"r{self.replica}-{label}" if self.replicated else label
 
 
 @dataclass(frozen=True)
@@ -75,12 +89,32 @@ Addresser = Callable[[Member], str]
 
 
 def members(job: Job) -> list[Member]:
-    """The world's members in RPC rank order: the master first, then each role in turn."""
-    return [
-        Member(role.name, i, role.rpc_name(i))
-        for role in job.definition.roles
-        for i in range(role.members(job.spec))
-    ]
+    """The world's members in RPC rank order: the master first, then each role in turn, a
+    replicated role replica by replica."""
+    out = []
+    for role in job.definition.roles:
+        replicas = role.replicas(job.spec)
+        for r in range(replicas):
+            for i in range(role.members(job.spec)):
+                name = role.rpc_name(i, r, replicas > 1)
+                out.append(Member(role.name, i, name, r, replicas > 1))
+    return out
+
+
+def groups(job: Job, world: list[Member]) -> list[tuple[str, str, list[Member]]]:
+    """Every collective group of the world: (name, backend, members in group rank order)."""
+    out = []
+    for group in job.definition.groups:
+        if not group.when(job.spec):
+            continue
+        inside = [m for m in world if m.role == group.role]
+        backend = group.backend(job.spec)
+        if group.by_index:
+            for i in sorted({m.index for m in inside}):
+                out.append((f"{group.name}{i}", backend, [m for m in inside if m.index == i]))
+        else:
+            out.append((group.name, backend, inside))
+    return out
 
 
 def gpus_for(job: Job, member: Member) -> int:
@@ -89,13 +123,12 @@ def gpus_for(job: Job, member: Member) -> int:
 
 
 def seats(job: Job, world: list[Member], address: Addresser, ports: Ports) -> dict[Member, Seat]:
-    """Each group member's seat: ranks in role order, the rendezvous on rank 0's address."""
+    """Each group member's seat: its rank in the group, the rendezvous on rank 0's address at
+    the group's port."""
     out = {}
-    for group in job.definition.groups:
-        inside = [m for m in world if m.role == group.role]
-        backend = group.backend(job.spec)
+    for g, (name, backend, inside) in enumerate(groups(job, world)):
         for rank, m in enumerate(inside):
-            out[m] = Seat(group.name, rank, len(inside), address(inside[0]), ports.ddp, backend)
+            out[m] = Seat(name, rank, len(inside), address(inside[0]), ports.group(g), backend)
     return out
 
 
@@ -105,6 +138,9 @@ def plan_world(job: Job, address: Addresser, ports: Ports = Ports()) -> list[Pro
         raise ValueError(f"the job's ports must differ, got {ports}")
     world = members(job)
     places = seats(job, world, address, ports)
+    ranks = {m: rank for rank, m in enumerate(world)}
+    layout = ";".join(f"{name}=" + ",".join(str(ranks[m]) for m in inside)
+                      for name, _, inside in groups(job, world))  # fmt: skip
     base = {
         c.MASTER_ADDR: address(world[0]),
         c.MASTER_PORT: str(ports.rpc),
@@ -118,7 +154,7 @@ def plan_world(job: Job, address: Addresser, ports: Ports = Ports()) -> list[Pro
         c.MONITOR_PORT: str(ports.monitor),
         c.SPEC: job.spec_json,
         c.RENDEZVOUS_TIMEOUT: str(job.spec["rendezvousTimeoutSeconds"]),
-    }
+    } | ({c.GROUPS: layout} if layout else {})
     processes = []
     for rank, member in enumerate(world):
         gpus = gpus_for(job, member)
@@ -126,12 +162,14 @@ def plan_world(job: Job, address: Addresser, ports: Ports = Ports()) -> list[Pro
             c.RANK: str(rank),
             c.ROLE: member.role,
             c.ROLE_INDEX: str(member.index),
+            c.REPLICA: str(member.replica),
             c.RPC_NAME: member.rpc_name,
             c.GPUS: str(gpus),
         }
         seat = places.get(member)
         if seat is not None:
             env |= {
+                c.DDP_GROUP: seat.group,
                 c.DDP_ADDR: seat.address,
                 c.DDP_PORT: str(seat.port),
                 c.DDP_RANK: str(seat.rank),

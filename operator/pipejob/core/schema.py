@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -27,7 +29,12 @@ class Field:
     fields: dict[str, Field] | None = None  # object with known properties
     values: Field | None = None  # object used as a map: every value has this schema
     items: Field | None = None  # array items
-    free_form: bool = False  # a Kubernetes object we pass through (resources, affinity, ...)
+    free_form: bool = False  # an object passed through unchecked
+    # A Kubernetes type whose generated schema (core/k8s.py) checks it and goes in the CRD.
+    k8s: str | None = None
+    max_items: int | None = None
+    # A list whose entries are told apart by these keys (x-kubernetes-list-type: map).
+    list_map_keys: tuple[str, ...] = ()
     required: tuple[str, ...] = ()
     rules: tuple[Rule, ...] = ()
     # An opt-in section (checkpoint, profile): absent unless written; its defaults apply
@@ -84,34 +91,60 @@ def _type_ok(kind: str, value: Any) -> bool:
     raise ValueError(f"unknown schema type {kind}")
 
 
+# Kubernetes stores integers as int64: anything larger cannot reach the API server.
+INT64_MAX = 2**63 - 1
+
+
 def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
     """Return `value` with defaults filled in; append every problem found to `errors`."""
+    if schema.k8s is not None:
+        from pipejob.core import k8s  # it reports with SpecError, defined here
+
+        k8s.check(k8s.schema(schema.k8s), value, path, errors)
+        return value
     if not _type_ok(schema.type, value):
         errors.append(SpecError(path, f"must be {_TYPE_NAMES[schema.type]}, got {value!r}"))
         return value
     if schema.type == "int-or-string":
         return _int_or_string(schema, value, path, errors)
     if schema.type == "number":
-        value = float(value)
+        # float(10**400) raises: such an integer is as good as infinite here
+        value = math.inf if isinstance(value, int) and abs(value) > 10**308 else float(value)
+        if not math.isfinite(value):
+            errors.append(SpecError(path, f"must be a finite number, got {value}"))
+            return value
+    if schema.type == "integer" and abs(value) > INT64_MAX:
+        errors.append(SpecError(path, f"must fit in 64 bits (at most {INT64_MAX}), got {value}"))
+        return value
     if schema.enum is not None and value not in schema.enum:
         choices = ", ".join(str(c) for c in schema.enum)
         errors.append(SpecError(path, f"must be one of {choices}; got {value!r}"))
     if schema.minimum is not None:
         if schema.exclusive_minimum and value <= schema.minimum:
-            errors.append(SpecError(path, f"must be > {schema.minimum:g}, got {value}"))
+            errors.append(SpecError(path, f"must be > {_num(schema.minimum)}, got {value}"))
         elif value < schema.minimum:
-            errors.append(SpecError(path, f"must be >= {schema.minimum:g}, got {value}"))
+            errors.append(SpecError(path, f"must be >= {_num(schema.minimum)}, got {value}"))
     if schema.maximum is not None and value > schema.maximum:
-        errors.append(SpecError(path, f"must be <= {schema.maximum:g}, got {value}"))
+        errors.append(SpecError(path, f"must be <= {_num(schema.maximum)}, got {value}"))
     if schema.pattern is not None and not re.fullmatch(schema.pattern, value):
         errors.append(SpecError(path, f"must match {schema.pattern}, got {value!r}"))
     if schema.max_length is not None and len(value) > schema.max_length:
         errors.append(SpecError(path, f"must be at most {schema.max_length} characters"))
+    if schema.max_items is not None and len(value) > schema.max_items:
+        errors.append(SpecError(path, f"must hold at most {schema.max_items} items"))
     if schema.type == "array" and schema.items is not None:
         value = [apply(schema.items, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+    if schema.list_map_keys:
+        from pipejob.core import k8s
+
+        k8s.unique_by(value, schema.list_map_keys, path, errors)
     if schema.type == "object" and not schema.free_form:
         value = _apply_object(schema, value, path, errors)
     return value
+
+
+def _num(bound: float) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
 
 def _int_or_string(schema: Field, value: int | str, path: str, errors: list[SpecError]) -> Any:
@@ -182,6 +215,10 @@ def _closest(key: str, known: dict[str, Field]) -> str:
 
 def openapi(schema: Field) -> dict[str, Any]:
     """The OpenAPI v3 (structural) schema of a field, as a CRD wants it."""
+    if schema.k8s is not None:
+        from pipejob.core import k8s
+
+        return {"description": schema.description, **copy.deepcopy(k8s.schema(schema.k8s))}
     out: dict[str, Any] = {"type": schema.type, "description": schema.description}
     if schema.type == "int-or-string":  # no type: either, as a structural schema says it
         del out["type"]
@@ -204,8 +241,13 @@ def openapi(schema: Field) -> dict[str, Any]:
         out["pattern"] = f"^{schema.pattern}$"
     if schema.max_length is not None:
         out["maxLength"] = schema.max_length
+    if schema.max_items is not None:
+        out["maxItems"] = schema.max_items
     if schema.items is not None:
         out["items"] = openapi(schema.items)
+    if schema.list_map_keys:
+        out["x-kubernetes-list-type"] = "map"
+        out["x-kubernetes-list-map-keys"] = list(schema.list_map_keys)
     if schema.free_form:
         out["x-kubernetes-preserve-unknown-fields"] = True
     if schema.values is not None:

@@ -1,6 +1,9 @@
 """A job manifest read, defaulted and validated against its kind's table (core/kinds/).
 
-The manifest is the very YAML a user `kubectl apply`s. Every error names its field path."""
+The manifest is the very YAML a user `kubectl apply`s, read as kubectl reads it (yamlio).
+`parse` is pipejob's one validation: the kind's table, its rules and the checks no table can
+express (core/validate.py); `pipejob validate`, `run`, `plan`, `render` and the operator all
+go through it. Every error names its field path."""
 
 from __future__ import annotations
 
@@ -10,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from pipejob.core import validate, yamlio
 from pipejob.core.common import DNS_LABEL, from_spec
 from pipejob.core.kind import Kind
 from pipejob.core.kinds import KINDS
@@ -57,8 +59,9 @@ class Job:
         return json.dumps(self.spec, sort_keys=True, separators=(",", ":"))
 
 
-def parse(manifest: Any, source: str = "manifest") -> Job:
-    """Validate and default one job manifest (a dict as loaded from YAML)."""
+def parse(manifest: Any, source: str = "manifest", allow_node_volumes: bool = False) -> Job:
+    """Validate and default one job manifest (a dict as loaded from YAML); node-level
+    volumes (hostPath, ...) pass only with `allow_node_volumes`."""
     errors: list[SpecError] = []
     if not isinstance(manifest, dict):
         raise InvalidSpec([SpecError("(document)", "must be a mapping")], source)
@@ -78,6 +81,14 @@ def parse(manifest: Any, source: str = "manifest") -> Job:
         errors.append(SpecError("metadata", "is required and must be a mapping"))
     else:
         name, namespace, uid = meta.get("name"), meta.get("namespace"), meta.get("uid")
+        if namespace is not None and not (
+            isinstance(namespace, str) and len(namespace) <= 63
+            and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", namespace)
+        ):  # fmt: skip
+            errors.append(SpecError(
+                "metadata.namespace", f"must be a DNS label of at most 63 characters,"
+                f" got {namespace!r}",
+            ))  # fmt: skip
         if not isinstance(name, str) or not name:
             errors.append(SpecError("metadata.name", "is required"))
         elif not re.fullmatch(DNS_LABEL, name):
@@ -100,26 +111,28 @@ def parse(manifest: Any, source: str = "manifest") -> Job:
     if errors:
         raise InvalidSpec(errors, source)
     spec = KINDS[kind].complete(spec)
+    errors = validate.check(kind, spec, allow_node_volumes)
+    if errors:
+        raise InvalidSpec(errors, source)
     return Job(kind=kind, name=name, namespace=namespace, spec=spec, uid=uid)
 
 
-def load(path: str | Path) -> Job:
+def load(path: str | Path, allow_node_volumes: bool = False) -> Job:
     """Read one job manifest file; errors name the file (and the YAML line if it is bad YAML)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with path.open("rb") as f:
+            data = f.read(yamlio.MAX_BYTES + 1)  # a bigger file is refused, not read whole
     except OSError as e:
         raise InvalidSpec([SpecError("(file)", e.strerror or str(e))], str(path)) from None
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else "(document)"
-        reason = getattr(e, "problem", None) or str(e)
-        raise InvalidSpec([SpecError(where, f"not valid YAML: {reason}")], str(path)) from None
+        docs = yamlio.load_all(yamlio.decode(data))
+    except yamlio.YamlError as e:
+        where = f"line {e.line}" if e.line else "(document)"
+        raise InvalidSpec([SpecError(where, f"not valid YAML: {e.reason}")], str(path)) from None
     if len(docs) != 1:
         raise InvalidSpec(
             [SpecError("(document)", f"must hold exactly one job, found {len(docs)} documents")],
             str(path),
         )
-    return parse(docs[0], str(path))
+    return parse(docs[0], str(path), allow_node_volumes)

@@ -84,6 +84,8 @@ def _rows(schema: dict[str, Any], path: str, required: bool) -> Iterator[list[st
         _validation(schema),
         schema.get("description", ""),
     ]
+    if _kubernetes(schema):
+        return  # a Kubernetes object: its own reference documents its fields
     needed = set(schema.get("required", []))
     for name, sub in (schema.get("properties") or {}).items():
         yield from _rows(sub, f"{path}.{name}", name in needed)
@@ -92,6 +94,13 @@ def _rows(schema: dict[str, Any], path: str, required: bool) -> Iterator[list[st
     items = schema.get("items") or {}
     if items.get("properties"):
         yield from _rows_of_children(items, f"{path}[]")
+
+
+def _kubernetes(schema: dict[str, Any]) -> bool:
+    """An embedded Kubernetes schema (core/k8s.py): its fields carry no descriptions."""
+    node = schema.get("items") or schema
+    fields = list((node.get("properties") or {}).values())
+    return bool(fields) and not any("description" in f for f in fields)
 
 
 def _rows_of_children(schema: dict[str, Any], path: str) -> Iterator[list[str]]:

@@ -11,6 +11,7 @@ from typing import Any
 
 from kubernetes import client
 
+from pipejob.core.scheduling import KUEUE_RETRIABLE
 from pipejob.core.spec import GROUP, VERSION
 from pipejob.operator.status import timestamp
 
@@ -108,6 +109,31 @@ class Cluster:
                 return False
             raise
         return True
+
+    def apply_podgroup(self, group: dict) -> None:
+        """CREATE the job's PodGroup (Volcano or coscheduling); if it exists, PATCH its spec
+        to this one (an edited spec may have changed the world's size)."""
+        meta = group["metadata"]
+        base = f"/apis/{group['apiVersion']}/namespaces/{meta['namespace']}/podgroups"
+        try:
+            self._call("POST", base, group)
+        except ApiError as e:
+            if e.status != 409:
+                raise
+            self._call("PATCH", f"{base}/{meta['name']}", {"spec": group["spec"]},
+                       content_type="application/merge-patch+json")  # fmt: skip
+
+    def end_kueue_group(self, pod: dict) -> None:
+        """PATCH kueue.x-k8s.io/retriable-in-group=false onto a pod: Kueue then finishes its
+        group once no pod of it is active, instead of waiting for replacements."""
+        meta = pod["metadata"]
+        patch = {"metadata": {"annotations": {KUEUE_RETRIABLE: "false"}}}
+        try:
+            self._call("PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                       patch, content_type="application/merge-patch+json")  # fmt: skip
+        except ApiError as e:
+            if e.status != 404:  # gone already: nothing left to end
+                raise
 
     def delete_pod(self, pod: dict) -> None:
         """DELETE the pod observed, not a newer one of the same name; gone already is fine."""

@@ -21,9 +21,10 @@ from typing import Any
 
 import kopf
 
+from pipejob.core import validate
 from pipejob.core.kinds import KINDS, by_plural
 from pipejob.core.spec import API_VERSION, GROUP, VERSION
-from pipejob.operator import kube, progress, reconcile
+from pipejob.operator import kube, progress, reconcile, status
 from pipejob.operator.cluster import ApiError, Cluster
 from pipejob.operator.metrics import OperatorMetrics
 
@@ -49,6 +50,7 @@ class Reconciler:
         self.cluster = cluster
         self.image = image
         self.metrics = metrics
+        self.allow_node_volumes = validate.allowed_by_env(os.environ)
         self.jobs: set[Key] = set()  # the jobs kopf has shown us, for the resync
         self.training: set[Key] = set()  # jobs whose master ran at their last reconcile
         self._guard = threading.Lock()
@@ -97,19 +99,28 @@ class Reconciler:
             self.forget(key)  # garbage collection removes what it made
             return
         pods = self.cluster.list_pods(namespace, name)
-        address = progress.url(pods, int((job.get("status") or {}).get("restarts") or 0))
+        address = progress.url(pods, status.world(job.get("status") or {}))
         with self._guard:
             if address is not None and key in self.jobs:
                 self.training.add(key)
             else:
                 self.training.discard(key)
         report = self._poll(address) if poll and address is not None else None
-        acts = reconcile.decide(job, pods, datetime.now(UTC), self.image, report)
+        now = datetime.now(UTC)
+        acts = reconcile.decide(job, pods, now, self.image, report,
+                                self.allow_node_volumes)  # fmt: skip
         # Pods before status (a world counts as created once its pods exist), status before
         # deletes (a restart is recorded before its world goes), so a crash between any two
         # steps is repaired by the next reconcile.
         if acts.service is not None:
             self.cluster.create(acts.service)
+        if acts.podgroup is not None:  # before the pods: the gang scheduler waits for it
+            try:
+                self.cluster.apply_podgroup(acts.podgroup)
+            except ApiError as e:
+                if e.status not in (403, 404):
+                    raise
+                acts = reconcile.without_podgroup(acts, job.get("status") or {}, str(e), now)
         for pod in acts.create:
             self.cluster.create(pod)
         old = job.get("status") or {}
@@ -118,6 +129,15 @@ class Reconciler:
             if acts.status.get("phase") != old.get("phase"):
                 log.info(f"{namespace}/{name}: {old.get('phase')} -> {acts.status['phase']}")
         self.metrics.observe(key, job.get("kind") or _kind_name(plural), old, acts.status)
+        for pod in acts.end_group:  # before the deletes: Kueue must see it on a pod
+            try:
+                self.cluster.end_kueue_group(pod)
+            except ApiError as e:  # not allowed: the job is done anyway; say what is left
+                if e.status != 403:
+                    raise
+                log.warning(f"{namespace}/{name}: cannot end its Kueue pod group, which keeps"
+                            f" its quota until its pods go (chart value"
+                            f" scheduling.kueue.enabled): {e}")  # fmt: skip
         for pod in acts.delete:
             self.cluster.delete_pod(pod)
         if acts.delete:

@@ -7,17 +7,24 @@ import copy
 import hashlib
 import json
 import os
-import posixpath
 from typing import Any
 
-from pipejob.core import contract
-from pipejob.core.plan import TRAINER_MODULE, Member, Ports, Process, members, plan_world
-from pipejob.core.schema import SpecError
+from pipejob.core.plan import (
+    TRAINER_MODULE,
+    Member,
+    Ports,
+    Process,
+    groups,
+    members,
+    plan_world,
+)  # fmt: skip
 from pipejob.core.spec import API_VERSION, Job
+from pipejob.operator import gang
 
 JOB_LABEL = "pipejob.dev/job"
 ROLE_LABEL = "pipejob.dev/role"
 INDEX_LABEL = "pipejob.dev/index"
+REPLICA_LABEL = "pipejob.dev/replica"  # only on the pods of replicated roles
 RESTART_LABEL = "pipejob.dev/restart"
 SPEC_HASH = "pipejob.dev/spec-hash"  # annotation: the spec a pod was made from
 MANAGED_BY = {"app.kubernetes.io/managed-by": "pipejob"}
@@ -107,7 +114,7 @@ def _metadata(job: Job, name: str, namespace: str, owner: dict | None, labels: d
 def service(job: Job, namespace: str, owner: dict | None = None) -> dict:
     """The headless Service that gives every pod of the job its DNS name, ready or not."""
     names = ["rpc", "preflight", "monitor"]
-    if job.definition.groups:
+    if groups(job, members(job)):
         names.insert(1, "ddp")
     ports = [{"name": n, "port": getattr(PORTS, n), "targetPort": getattr(PORTS, n)} for n in names]
     return {
@@ -148,12 +155,13 @@ def pod(
 ) -> dict:
     """The Pod of one process of the world plan, in world `restart` (0 for the first)."""
     template = job.spec.get("template") or {}
-    name = pod_name(job.name, process.member)
+    hostname = pod_name(job.name, process.member)  # the DNS name stays across worlds
+    name = gang.pod_name(job, hostname, restart)
     env = [{"name": k, "value": v} for k, v in process.env.items()]
     env += copy.deepcopy(template.get("env") or [])
     ports = [{"name": "rpc", "containerPort": PORTS.rpc}]
     if process.seat is not None:
-        ports.append({"name": "ddp", "containerPort": PORTS.ddp})
+        ports.append({"name": "ddp", "containerPort": process.seat.port})
     if process.rank == 0:  # the master holds the preflight group's store and serves /progress
         ports += [{"name": "preflight", "containerPort": PORTS.preflight},
                   {"name": "monitor", "containerPort": PORTS.monitor}]  # fmt: skip
@@ -180,7 +188,7 @@ def pod(
     if mounts:
         container["volumeMounts"] = mounts
     spec: dict[str, Any] = {
-        "hostname": name,
+        "hostname": hostname,
         "subdomain": job.name,
         "restartPolicy": "Never",  # the operator restarts the whole world, never one pod
         "enableServiceLinks": False,
@@ -195,11 +203,13 @@ def pod(
     labels = {
         ROLE_LABEL: process.role,
         INDEX_LABEL: str(process.member.index),
+        **({REPLICA_LABEL: str(process.member.replica)} if process.member.replicated else {}),
         RESTART_LABEL: str(restart),
     }
     meta = _metadata(job, name, namespace, owner, labels)
     meta["annotations"] = {SPEC_HASH: spec_hash(job)}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+    pod_obj = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+    return gang.decorate(job, pod_obj, process.world_size)
 
 
 def world(
@@ -214,56 +224,12 @@ def world(
 
 
 def render(job: Job, namespace: str, image: str | None = None) -> list[dict]:
-    """The Service and Pods the operator creates for `job`, without owner references (there
-    is no job object yet), for review and `kubectl apply --dry-run`."""
-    return [service(job, namespace), *world(job, 0, namespace, None, image)]
-
-
-def check(job: Job) -> list[SpecError]:
-    """What the schema lets through but no pod can run with."""
-    errors = []
-    reserved = set(contract.DOCS)
-    for i, entry in enumerate((job.spec.get("template") or {}).get("env") or []):
-        path = f"spec.template.env[{i}]"
-        name = entry.get("name") if isinstance(entry, dict) else None
-        if not isinstance(name, str) or not name:
-            errors.append(SpecError(f"{path}.name", "is required"))
-        elif name in reserved:
-            errors.append(SpecError(f"{path}.name", f"{name} is set by pipejob (the env contract)"))
-    mounts = (job.spec.get("template") or {}).get("volumeMounts") or []
-    volumes = {
-        v.get("name")
-        for v in (job.spec.get("template") or {}).get("volumes") or []
-        if isinstance(v, dict)
-    }
-    for i, mount in enumerate(mounts):
-        name = mount.get("name") if isinstance(mount, dict) else None
-        if name not in volumes:
-            errors.append(
-                SpecError(
-                    f"spec.template.volumeMounts[{i}].name",
-                    f"no volume {name!r} in spec.template.volumes",
-                )
-            )
-    return errors + _check_checkpoint(job.spec.get("checkpoint") or {}, mounts, volumes)
-
-
-def _check_checkpoint(checkpoint: dict, mounts: list, volumes: set) -> list[SpecError]:
-    """The checkpoint volume must exist and mount where no template mount already is."""
-    name, path = checkpoint.get("volume"), checkpoint.get("path") or ""
-    if not name:
-        return []
-    if name not in volumes:
-        return [SpecError("spec.checkpoint.volume", f"no volume {name!r} in spec.template.volumes")]
-    if not posixpath.isabs(path):
-        why = f"must be an absolute path to mount volume {name!r} at, got {path!r}"
-        return [SpecError("spec.checkpoint.path", why)]
-    for i, mount in enumerate(mounts):
-        there = mount.get("mountPath") if isinstance(mount, dict) else None
-        if there and posixpath.normpath(there) == posixpath.normpath(path):
-            why = f"spec.template.volumeMounts[{i}] mounts {path!r} already; omit the volume"
-            return [SpecError("spec.checkpoint.volume", why)]
-    return []
+    """The Service, PodGroup (with spec.scheduling volcano or coscheduling) and Pods the
+    operator creates for `job`, without owner references (there is no job object yet), for
+    review and `kubectl apply --dry-run`."""
+    pods = world(job, 0, namespace, None, image)
+    group = gang.podgroup(job, pods, namespace, None)
+    return [service(job, namespace), *([group] if group else []), *pods]
 
 
 def role_of(pod_obj: dict) -> str:
@@ -278,7 +244,9 @@ def restart_of(pod_obj: dict) -> int | None:
 def who(pod_obj: dict) -> str:
     """How a user names a pod's process: "master 0", "stage 1", "trainer 0"."""
     labels = pod_obj["metadata"].get("labels", {})
-    return f"{labels.get(ROLE_LABEL, '?')} {labels.get(INDEX_LABEL, '?')}"
+    name = f"{labels.get(ROLE_LABEL, '?')} {labels.get(INDEX_LABEL, '?')}"
+    replica = labels.get(REPLICA_LABEL)
+    return name if replica is None else f"{name} of replica {replica}"
 
 
 def world_size(job: Job) -> int:

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from pipejob.core.kinds import KINDS
 from pipejob.core.spec import GROUP
 
-_JOBS = tuple(kind.plural for kind in KINDS.values())
-
 
 @dataclass(frozen=True)
 class Permission:
@@ -21,23 +19,29 @@ class Permission:
     why: str
 
 
-PERMISSIONS: tuple[Permission, ...] = (
-    Permission(GROUP, _JOBS, ("list", "watch"), "kopf watches the jobs"),
-    Permission(GROUP, _JOBS, ("get",), "each reconcile reads the job afresh"),
-    Permission(GROUP, _JOBS, ("delete",), "ttlSecondsAfterFinished deletes a finished job"),
-    Permission(GROUP, tuple(f"{p}/status" for p in _JOBS), ("patch",), "the job's status"),
-    Permission(
-        GROUP,
-        tuple(f"{p}/finalizers" for p in _JOBS),
-        ("update",),
-        "ownerReferences with blockOwnerDeletion on the pods and Service (the API server's"
-        " OwnerReferencesPermissionEnforcement admission checks this; no call is made)",
-    ),  # fmt: skip
-    Permission("", ("pods",), ("list", "watch"), "kopf watches pods; each reconcile lists them"),
-    Permission("", ("pods",), ("create", "delete"), "the world's pods"),
-    Permission("", ("services",), ("create",), "the job's headless Service"),
-    Permission("", ("events",), ("create",), "Events on the jobs (pipejob's and kopf's)"),
-)
+def permissions() -> tuple[Permission, ...]:
+    """What the operator always needs, for every kind in the registry."""
+    jobs = tuple(kind.plural for kind in KINDS.values())
+    return (
+        Permission(GROUP, jobs, ("list", "watch"), "kopf watches the jobs"),
+        Permission(GROUP, jobs, ("get",), "each reconcile reads the job afresh"),
+        Permission(GROUP, jobs, ("delete",), "ttlSecondsAfterFinished deletes a finished job"),
+        Permission(GROUP, tuple(f"{p}/status" for p in jobs), ("patch",), "the job's status"),
+        Permission(
+            GROUP,
+            tuple(f"{p}/finalizers" for p in jobs),
+            ("update",),
+            "ownerReferences with blockOwnerDeletion on the pods and Service (the API server's"
+            " OwnerReferencesPermissionEnforcement admission checks this; no call is made)",
+        ),
+        Permission(
+            "", ("pods",), ("list", "watch"), "kopf watches pods; each reconcile lists them"
+        ),
+        Permission("", ("pods",), ("create", "delete"), "the world's pods"),
+        Permission("", ("services",), ("create",), "the job's headless Service"),
+        Permission("", ("events",), ("create",), "Events on the jobs (pipejob's and kopf's)"),
+    )
+
 
 # Only with `pipejob operator --peering NAME` (several replicas, one active).
 PEERING: tuple[Permission, ...] = (
@@ -48,6 +52,24 @@ PEERING: tuple[Permission, ...] = (
 )  # fmt: skip
 
 
-def grants(permissions: tuple[Permission, ...] = PERMISSIONS) -> set[tuple[str, str, str]]:
-    """Every (group, resource, verb) the operator needs, flattened."""
-    return {(p.group, r, v) for p in permissions for r in p.resources for v in p.verbs}
+# Only with the chart's scheduling integrations on (spec.scheduling of the jobs).
+KUEUE: tuple[Permission, ...] = (
+    Permission("", ("pods",), ("patch",),
+               "kueue: mark a failed job's pods retriable-in-group=false, ending its pod group"),
+)  # fmt: skip
+VOLCANO: tuple[Permission, ...] = (
+    Permission("scheduling.volcano.sh", ("podgroups",), ("create", "patch"),
+               "volcano: the PodGroup of the job's world (patched when the spec changes)"),
+)  # fmt: skip
+COSCHEDULING: tuple[Permission, ...] = (
+    Permission("scheduling.x-k8s.io", ("podgroups",), ("create", "patch"),
+               "coscheduling: the PodGroup of the job's world (patched when the spec changes)"),
+)  # fmt: skip
+SCHEDULING = {"kueue": KUEUE, "volcano": VOLCANO, "coscheduling": COSCHEDULING}
+
+
+def grants(needed: tuple[Permission, ...] | None = None) -> set[tuple[str, str, str]]:
+    """Every (group, resource, verb) of `needed` (default: what the operator always needs),
+    flattened."""
+    needed = permissions() if needed is None else needed
+    return {(p.group, r, v) for p in needed for r in p.resources for v in p.verbs}

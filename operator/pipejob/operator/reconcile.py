@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from pipejob.core import scheduling as sch
 from pipejob.core.contract import Progress
 from pipejob.core.spec import InvalidSpec, Job, parse
-from pipejob.operator import kube
+from pipejob.operator import gang, kube, queueing
 from pipejob.operator import status as st
 
 NORMAL, WARNING = "Normal", "Warning"
@@ -26,10 +27,13 @@ class Event:
 class Actions:
     status: dict  # the job's whole new status
     service: dict | None = None  # create (if absent) before the pods
+    podgroup: dict | None = None  # Volcano or coscheduling: create (or update) before the pods
     create: list[dict] = field(default_factory=list)  # pods
     delete: list[dict] = field(default_factory=list)  # pods, as observed (name and uid)
     events: list[Event] = field(default_factory=list)
     delete_job: bool = False  # ttlSecondsAfterFinished passed
+    # Kueue: pods to annotate kueue.x-k8s.io/retriable-in-group=false, which ends the group.
+    end_group: list[dict] = field(default_factory=list)
 
 
 def owned(pod: dict, uid: str | None) -> bool:
@@ -40,17 +44,47 @@ def owned(pod: dict, uid: str | None) -> bool:
 
 
 def decide(
-    job_obj: dict, pods: list[dict], now: datetime, image: str, progress: Progress | None = None
+    job_obj: dict,
+    pods: list[dict],
+    now: datetime,
+    image: str,
+    progress: Progress | None = None,
+    allow_node_volumes: bool = False,
 ) -> Actions:
     """What to do about `job_obj` given `pods` (every pod labelled with its name) and, when
     the caller polled it, the `progress` its current world's master reported;
-    without one the last reported figures stay."""
+    without one the last reported figures stay. `allow_node_volumes` is the operator's
+    allowance of hostPath and other node-level volumes."""
+    acts = _decide(job_obj, pods, now, image, progress, allow_node_volumes)
+    scheduling = (job_obj.get("spec") or {}).get("scheduling")
+    if isinstance(scheduling, dict) and scheduling.get("provider") == sch.KUEUE:
+        uid = job_obj["metadata"].get("uid")
+        current = [p for p in pods
+                   if owned(p, uid) and kube.restart_of(p) == st.world(acts.status)]  # fmt: skip
+        keep, acts.end_group = queueing.end_kueue_group(acts.status, current, now)
+        if keep:
+            acts.delete = []  # they are leaving rpc.shutdown: stopping them fails the group
+    return acts
+
+
+def _decide(
+    job_obj: dict,
+    pods: list[dict],
+    now: datetime,
+    image: str,
+    progress: Progress | None,
+    allow_node_volumes: bool,
+) -> Actions:
     meta = job_obj["metadata"]
     old = job_obj.get("status") or {}
     ours = [p for p in pods if owned(p, meta.get("uid"))]
-    restart = int(old.get("restarts") or 0)
+    restarts = int(old.get("restarts") or 0)
+    restart = st.world(old)  # the current world's number: restarts + preemptions
     current = [p for p in ours if kube.restart_of(p) == restart]
-    new = dict(old, restarts=restart, roles=st.role_counts(current, kube.role_of))
+    new = dict(old, restarts=restarts, roles=st.role_counts(current, kube.role_of))
+    replicas = {p["metadata"]["labels"].get(kube.REPLICA_LABEL) for p in current} - {None}
+    if replicas:  # a replicated pipeline: how many copies the current world runs
+        new["replicas"] = len(replicas)
     new["observedGeneration"] = meta.get("generation") or old.get("observedGeneration") or 0
     acts = Actions(status=new)
     live = [p for p in ours if not st.deleting(p)]
@@ -65,10 +99,7 @@ def decide(
         return acts
 
     try:
-        job = parse(job_obj, f"{job_obj.get('kind')} {meta.get('name')}")
-        errors = kube.check(job)
-        if errors:
-            raise InvalidSpec(errors)
+        job = parse(job_obj, f"{job_obj.get('kind')} {meta.get('name')}", allow_node_volumes)
     except InvalidSpec as e:
         message = "; ".join(str(err) for err in e.errors)
         acts.delete = [p for p in live if not st.terminated(p)]
@@ -131,6 +162,13 @@ def decide(
         acts.events.append(Event(NORMAL, "SpecChanged", message))
         return _transition(acts, old, st.PENDING, "SpecChanged", message, now, event=False)
 
+    preempted = _preemption(planned, by_name)
+    if preempted is not None:  # not the job's failure: a new world, no backoffLimit spent
+        return _preempt(acts, old, preempted, live, now)
+    permanent = _permanent_failure(planned, by_name)
+    if permanent is not None:  # a restart would fail the same way: no backoffLimit spent
+        acts.delete = [p for p in live if not st.terminated(p)]
+        return _transition(acts, old, st.FAILED, permanent.reason, permanent.message, now)
     failure = _first_failure(planned, by_name, created=st.is_true(old, st.CREATED))
     if failure is not None:
         return _fail(acts, job, old, failure, live, now)
@@ -139,9 +177,14 @@ def decide(
     # or another owner's pod) waits until it is free.
     taken = {p["metadata"]["name"] for p in pods}
     acts.create = [p for p in planned if p["metadata"]["name"] not in taken]
+    if gang.provider(job) == sch.KUEUE and any(
+        kube.restart_of(p) != restart and not st.terminated(p) for p in ours
+    ):  # Kueue counts an older world's live pods in the group: they must stop first
+        acts.create = []
     if acts.create:
-        acts.service = kube.service(job, meta.get("namespace") or "default",
-                                    kube.owner_reference(job_obj))  # fmt: skip
+        namespace, owner = meta.get("namespace") or "default", kube.owner_reference(job_obj)
+        acts.service = kube.service(job, namespace, owner)
+        acts.podgroup = gang.podgroup(job, planned, namespace, owner)
         acts.events.append(Event(NORMAL, "CreatedPods", _created_message(acts.create, restart)))
     present = [p for p in planned if p["metadata"]["name"] in by_name]
     if len(present) + len(acts.create) == len(planned):
@@ -158,10 +201,15 @@ def decide(
         if not st.deleting(p)
         and (st.pod_phase(p) == "Running" or (st.pod_phase(p) == "Succeeded" and p is not master))
     )  # fmt: skip
+    queued = queueing.queued(job, planned, by_name)
+    if old.get("phase") == st.QUEUED and queued is None:
+        acts.events.append(Event(NORMAL, "Admitted", queueing.admitted(job, len(planned))))
     if running == len(planned):
         return _transition(
             acts, old, st.RUNNING, "AllPodsRunning", f"all {running} pods are running", now
         )
+    if queued is not None:
+        return _transition(acts, old, st.QUEUED, "WaitingForAdmission", queued, now)
     if old.get("phase") == st.RESTARTING:
         # Until the new world runs, the Restarting condition keeps saying what broke the old.
         cause = st.condition(old, st.RESTARTING) or {}
@@ -172,6 +220,22 @@ def decide(
     return _transition(
         acts, old, st.PENDING, "PodsPending", f"{running}/{len(planned)} pods running", now
     )
+
+
+def without_podgroup(acts: Actions, old: dict, error: str, now: datetime) -> Actions:
+    """`acts` when the API server refused the world's PodGroup (its CRD not installed, or the
+    operator not allowed to make it): no pods, which would wait for a PodGroup forever, and a
+    status and Warning that say why. The next reconcile tries again."""
+    kind = (acts.podgroup or {}).get("apiVersion", "PodGroup")
+    message = (f"cannot create the world's PodGroup ({kind}): {error}; is the scheduler"
+               " installed and its chart value scheduling.<provider>.enabled on?")  # fmt: skip
+    acts.create, acts.podgroup = [], None
+    acts.status["conditions"] = _created(acts.status, False, "PodGroupRefused", message, now)
+    acts.status = st.with_phase(acts.status, st.PENDING, "PodGroupRefused", message, now)
+    acts.events = [e for e in acts.events if e.reason != "CreatedPods"]
+    if (st.condition(old, st.CREATED) or {}).get("message") != message:  # said once
+        acts.events.append(Event(WARNING, "PodGroupRefused", message))
+    return acts
 
 
 def _s(seconds: int) -> timedelta:
@@ -204,6 +268,43 @@ def _first_failure(planned: list[dict], by_name: dict, created: bool) -> st.Fail
                 "PodDeleted", f"{who} (pod {name}) was deleted while the job was running"
             )))  # fmt: skip
     return min(failures, key=lambda f: f[:2])[2] if failures else None
+
+
+def _preemption(planned: list[dict], by_name: dict) -> st.Failure | None:
+    """The first pod of the current world (by rank) preempted, evicted or disrupted."""
+    for planned_pod in planned:
+        observed = by_name.get(planned_pod["metadata"]["name"])
+        found = st.disruption(observed, kube.who(planned_pod)) if observed else None
+        if found is not None:
+            return found
+    return None
+
+
+def _preempt(
+    acts: Actions, old: dict, cause: st.Failure, live: list[dict], now: datetime
+) -> Actions:
+    """A new world for one preempted: counted in status.preemptions, never in restarts."""
+    acts.delete = live
+    preemptions = int(old.get("preemptions") or 0) + 1
+    acts.status["preemptions"] = preemptions
+    acts.status["conditions"] = _created(
+        acts.status, False, cause.reason, "the world is being recreated", now
+    )
+    message = (f"{cause.message}; recreating the world (preemption {preemptions}, no"
+               " backoffLimit spent)")  # fmt: skip
+    acts.events.append(Event(WARNING, cause.reason, message))
+    return _transition(acts, old, st.RESTARTING, cause.reason, message, now, event=False)
+
+
+def _permanent_failure(planned: list[dict], by_name: dict) -> st.Failure | None:
+    """The first permanent failure (by finishing time, then rank) of the current world."""
+    found = []
+    for rank, planned_pod in enumerate(planned):
+        observed = by_name.get(planned_pod["metadata"]["name"])
+        failure = st.permanent_failure(observed, kube.who(planned_pod)) if observed else None
+        if failure is not None:
+            found.append((failure.at or "~", rank, failure))
+    return min(found, key=lambda f: f[:2])[2] if found else None
 
 
 def _fail(

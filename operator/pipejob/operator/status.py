@@ -10,16 +10,27 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from pipejob.core.contract import MAX_MESSAGE, PREFLIGHT_PREFIX, Progress
+from pipejob.core.contract import (
+    MAX_MESSAGE,
+    PREFLIGHT_PREFIX,
+    ExitCode,
+    Progress,
+    parse_permanent,
+)  # fmt: skip
 from pipejob.core.schema import Field
 
 PENDING = "Pending"
+QUEUED = "Queued"  # every pod exists; a gang scheduler has not admitted the world yet
 RUNNING = "Running"
 RESTARTING = "Restarting"
 SUSPENDED = "Suspended"
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
-PHASES = (PENDING, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
+
+# Exit codes of failures a restart would repeat: the job fails at once.
+PERMANENT_CODES = (ExitCode.BAD_ENVIRONMENT, ExitCode.PERMANENT)
+
+PHASES = (PENDING, QUEUED, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
 FINISHED = (SUCCEEDED, FAILED)
 
 # Conditions: one per phase but Pending (a job is pending until told otherwise), plus
@@ -27,7 +38,7 @@ FINISHED = (SUCCEEDED, FAILED)
 # Preflight, the outcome of the world's communication check before training.
 CREATED = "Created"
 PREFLIGHT = "Preflight"
-PHASE_CONDITIONS = (RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
+PHASE_CONDITIONS = (QUEUED, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
 CONDITIONS = (CREATED, *PHASE_CONDITIONS, PREFLIGHT)
 
 
@@ -39,7 +50,7 @@ STATUS = Field(
     fields={
         "phase": Field(
             "string",
-            "Pending, Running, Restarting, Suspended, Succeeded or Failed.",
+            "Pending, Queued, Running, Restarting, Suspended, Succeeded or Failed.",
             enum=PHASES,
         ),
         "observedGeneration": Field(
@@ -47,11 +58,23 @@ STATUS = Field(
         ),
         "restarts": Field(
             "integer",
-            "Whole-world restarts so far; pods carry it as the pipejob.dev/restart label.",
+            "Whole-world restarts after failures so far (each spends backoffLimit).",
+            minimum=0,
+        ),
+        "preemptions": Field(
+            "integer",
+            "Whole-world restarts after a pod was preempted, evicted or disrupted (its"
+            " DisruptionTarget condition); they spend no backoffLimit. Pods carry"
+            " restarts + preemptions, the world's number, as the pipejob.dev/restart label.",
             minimum=0,
         ),
         "startTime": Field("string", "When the operator started the job (RFC 3339)."),
         "completionTime": Field("string", "When the job succeeded or failed (RFC 3339)."),
+        "replicas": Field(
+            "integer",
+            "PipelineJob with replicas: copies of the pipeline in the current world.",
+            minimum=0,
+        ),
         "roles": Field(
             "object",
             "Pods of the current world per role (master, stage, ps, trainer), by pod phase.",
@@ -68,8 +91,8 @@ STATUS = Field(
         ),
         "conditions": Field(
             "array",
-            "Created, Running, Restarting, Suspended, Succeeded, Failed and Preflight, each"
-            " with why.",
+            "Created, Queued, Running, Restarting, Suspended, Succeeded, Failed and Preflight,"
+            " each with why.",
             items=Field(
                 "object",
                 "One condition of the job.",
@@ -134,6 +157,34 @@ def pod_phase(pod: dict) -> str:
     return (pod.get("status") or {}).get("phase") or "Pending"
 
 
+def world(status: dict) -> int:
+    """The number of the job's current world: every restart, failed or preempted, makes one."""
+    return int(status.get("restarts") or 0) + int(status.get("preemptions") or 0)
+
+
+# Kueue's older releases name the condition TerminationTarget.
+DISRUPTION_CONDITIONS = ("DisruptionTarget", "TerminationTarget")
+
+
+def disruption(pod: dict, who: str) -> Failure | None:
+    """The preemption, eviction or disruption of a pod (its DisruptionTarget condition, set by
+    the scheduler, the kubelet, the eviction API, the taint manager or Kueue), else None."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") in DISRUPTION_CONDITIONS and c.get("status") == "True":
+            why = ": ".join(filter(None, (c.get("reason"), c.get("message"))))
+            name = pod["metadata"]["name"]
+            return Failure("Preempted", f"{who} (pod {name}) was preempted ({why or 'disrupted'})")
+    return None
+
+
+def scheduled_message(pod: dict) -> str:
+    """What the scheduler said about a pod it has not placed (its PodScheduled condition)."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False":
+            return ": ".join(filter(None, (c.get("reason"), c.get("message"))))
+    return ""
+
+
 def deleting(pod: dict) -> bool:
     return bool(pod["metadata"].get("deletionTimestamp"))
 
@@ -189,6 +240,20 @@ def pod_failure(pod: dict, who: str) -> Failure | None:
     if detail and not killed:  # a killed process's last lines are not its error
         message += ": " + _tail(detail)
     return Failure("PodFailed", message, state.get("finishedAt") or "")
+
+
+def permanent_failure(pod: dict, who: str) -> Failure | None:
+    """A Failed pod's failure if the trainer said a restart cannot cure it (its exit code
+    and termination message, core/contract.py), else None. The reason is the trainer's."""
+    state = _trainer_state(pod)
+    if pod_phase(pod) != "Failed" or state.get("exitCode") not in PERMANENT_CODES:
+        return None
+    parsed = parse_permanent((state.get("message") or "").strip())
+    reason, detail = parsed or ("PermanentFailure", (state.get("message") or "").strip())
+    name = pod["metadata"]["name"]
+    message = f"{who} (pod {name}) failed permanently with exit code {state['exitCode']}"
+    return Failure(reason, message + (": " + _tail(detail) if detail else ""),
+                   state.get("finishedAt") or "")  # fmt: skip
 
 
 def _signal_name(code: int | None) -> str | None:

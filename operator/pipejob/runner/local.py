@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TextIO
 
-from pipejob.core.plan import TRAINER_MODULE, Ports, Process, plan_world
+from pipejob.core.plan import TRAINER_MODULE, Ports, Process, groups, members, plan_world
 from pipejob.core.spec import Job
 
 LOOPBACK = "127.0.0.1"
@@ -154,7 +154,9 @@ def _signal_group(popen: subprocess.Popen, sig: signal.Signals) -> None:
 
 def run_job(job: Job, grace: float = 10.0, out: TextIO = sys.stdout) -> int:
     """Run `job` locally; return the master's exit code (non-zero if any member failed)."""
-    ports = Ports(*free_ports(4))
+    # Every process shares one address here: each collective group needs a port of its own.
+    free = free_ports(4 + len(groups(job, members(job))))
+    ports = Ports(*free[:4], groups=tuple(free[4:]))
     processes = plan_world(job, lambda m: LOOPBACK, ports)
     world = World(out)
     world.say(

@@ -9,8 +9,9 @@ import sys
 import traceback
 import warnings
 
-from pipejob.core.contract import ExitCode
+from pipejob.core.contract import ExitCode, permanent_message
 from pipejob.trainer.runtime import monitor, tuning
+from pipejob.trainer.runtime.failures import permanent_reason
 from pipejob.trainer.runtime.world import (
     ContractError,
     Env,
@@ -60,8 +61,9 @@ def main() -> int:
         settings = tuning.apply(
             tuning.for_process(env.kind, env.role, env.rank, env.roles, env.gpus, os.environ)
         )
-    except (ContractError, ValueError) as e:
-        return fail(None, f"error: {e}", f"bad environment: {e}", ExitCode.BAD_ENVIRONMENT)
+    except (ContractError, ValueError) as e:  # the same env would fail the same way: permanent
+        reason = permanent_message("BadEnvironment", f"bad environment: {e}")
+        return fail(None, f"error: {e}", reason, ExitCode.BAD_ENVIRONMENT)
     log(env, f"performance settings: {settings.describe()}")
     try:
         if env.rank == 0:  # early, so the operator sees the job even during rendezvous
@@ -74,6 +76,9 @@ def main() -> int:
     except Exception as e:
         reason = f"training failed: {type(e).__name__}: {e}"
         trace = "error: training failed:\n" + traceback.format_exc()
+        permanent = permanent_reason(e)
+        if permanent is not None:  # a restart would only repeat it
+            return fail(env, trace, permanent_message(permanent, reason), ExitCode.PERMANENT)
         return fail(env, trace, reason, ExitCode.TRAINING_FAILED)
     monitor.board().phase("finished")
     if summary is not None and env.summary_file:
@@ -86,6 +91,8 @@ def fail(env: Env | None, output: str, reason: str, code: ExitCode) -> int:
     """Say why this process fails: in its log, in its termination message (the job's status
     shows it) and, on the master, in /progress."""
     log(env, output)
+    if code == ExitCode.PERMANENT or code == ExitCode.BAD_ENVIRONMENT:
+        log(env, reason)  # last, so a log tail used as the termination message still says it
     write_termination_message(reason)
     monitor.board().phase("failed", reason)
     return code

@@ -33,7 +33,8 @@ HYBRID_SPEC = Field(
         "datasetSize": integer("Synthetic samples, split disjointly across trainers.",
                             default=10000, minimum=1),
         "gpusPerTrainer": integer(
-            "GPUs per trainer pod (nvidia.com/gpu); 0 runs on CPU.", default=0, maximum=16
+            "GPUs per trainer pod (nvidia.com/gpu): 0 runs on CPU, 1 on a GPU (a trainer uses"
+            " one).", default=0, maximum=1,
         ),
         "backend": Field(
             "string", "DDP backend of the trainers: gloo without GPUs (the default), nccl with.",

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
-from pipejob.core.kind import Kind, Role
+from pipejob.core.kind import Group, Kind, Role
+from pipejob.core.kinds import models
 from pipejob.core.schema import Field, Rule
 
 # Models whose torchvision structure the trainer knows how to cut into sequential layers.
@@ -30,6 +31,12 @@ PIPELINE_SPEC = Field(
             default="resnet50", enum=PIPELINE_MODELS,
         ),
         "stages": integer("Pipeline stages, one pod each.", default=2, minimum=2, maximum=64),
+        "replicas": integer(
+            "Copies of the pipeline, each on its own share of every batch (data parallel):"
+            " stage i of every replica averages its gradients with the others' before each"
+            " optimizer step, so the replicas stay identical.",
+            default=1, minimum=1, maximum=64,
+        ),
         "microBatches": Field(
             "int-or-string",
             "Micro-batches each batch is split into, or `auto`: the master measures the"
@@ -43,7 +50,8 @@ PIPELINE_SPEC = Field(
         ),
         "numClasses": integer("Classes of the classifier head.", default=1000, minimum=2),
         "gpusPerStage": integer(
-            "GPUs per stage pod (nvidia.com/gpu); 0 runs on CPU.", default=0, maximum=16
+            "GPUs per stage pod (nvidia.com/gpu): 0 runs on CPU, 1 on a GPU (a stage uses one).",
+            default=0, maximum=1,
         ),
         **COMMON,
     },
@@ -63,6 +71,7 @@ PIPELINE_SPEC = Field(
 class PipelineSpec(CommonSpec):
     model: str
     stages: int
+    replicas: int
     micro_batches: int | str  # a count, or AUTO
     batch_size: int
     image_size: int
@@ -81,11 +90,28 @@ PIPELINE_JOB = Kind(
     settings=PipelineSpec,
     roles=(
         Role("master"),
-        Role("stage", count=lambda spec: spec["stages"], gpus="gpusPerStage", computes=True),
+        Role(
+            "stage",
+            count=lambda spec: spec["stages"],
+            gpus="gpusPerStage",
+            computes=True,
+            replicas=lambda spec: spec["replicas"],
+        ),
+    ),
+    groups=(
+        Group(
+            "dp",
+            "stage",
+            backend=lambda spec: "nccl" if spec["gpusPerStage"] else "gloo",
+            by_index=True,
+            when=lambda spec: spec["replicas"] > 1,
+        ),
     ),
     trainer="pipejob.trainer.pipeline",
     columns=(
         {"name": "Model", "type": "string", "jsonPath": ".spec.model", "priority": 1},
         {"name": "Stages", "type": "integer", "jsonPath": ".spec.stages", "priority": 1},
+        {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas", "priority": 1},
     ),
+    check=models.check,
 )

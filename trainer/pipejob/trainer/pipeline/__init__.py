@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipejob.trainer.runtime import master
+from pipejob.trainer.runtime import master, rendezvous
 from pipejob.trainer.runtime.world import Env
 
 
@@ -21,5 +21,15 @@ def run(env: Env) -> dict[str, Any] | None:
 
     if env.role == "master":
         return master.drive(env, train.train)
-    master.serve(env, *stage.stage_devices(env.role_index, env.names("stage"), env.gpus))
+    stages = env.spec.stages
+    own = env.names("stage")[env.replica * stages : (env.replica + 1) * stages]
+    if env.ddp_group is None:
+        master.serve(env, *stage.stage_devices(env.role_index, own, env.gpus))
+        return None
+    import torch.distributed as dist
+
+    # Stage i of every replica: the group that averages the shard's gradients.
+    rendezvous.join_ddp(env)
+    master.serve(env, *stage.stage_devices(env.role_index, own, env.gpus))
+    dist.destroy_process_group()
     return None

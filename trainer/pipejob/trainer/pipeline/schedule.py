@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,17 +117,12 @@ class Pipeline:
         ]
 
 
-def make_optimizer(pipeline: Pipeline, spec: PipelineSpec) -> DistributedOptimizer:
-    """One optimizer per stage, stepping each shard's parameters where they live."""
-    cls, kwargs = optimizer_args(spec.optimizer)
-    return DistributedOptimizer(cls, pipeline.parameter_rrefs(), **kwargs)
-
-
 @dataclass(frozen=True)
 class StepResult:
-    loss: float
-    pipeline_seconds: float  # forwards and backwards, all micro-batches
-    optimizer_seconds: float
+    loss: float  # the mean over every replica's batch
+    pipeline_seconds: float  # forwards and backwards, all micro-batches (slowest replica)
+    optimizer_seconds: float  # averaging gradients across replicas, then stepping
+    allreduce_seconds: float = 0.0  # of which the slowest stage's all-reduce
 
 
 def forward_backward(
@@ -146,20 +142,67 @@ def forward_backward(
     return loss
 
 
-def train_step(
-    pipeline: Pipeline,
-    optimizer: DistributedOptimizer,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    micro_batches: int,
-    step: int,
-    loss_fn: Loss,
-) -> StepResult:
-    """One GPipe step: forwards, backwards, then every stage's optimizer step."""
-    with dist_autograd.context() as context_id:
-        start = time.perf_counter()
-        loss = forward_backward(pipeline, images, labels, micro_batches, step, context_id,
-                                loss_fn)  # fmt: skip
-        middle = time.perf_counter()
-        optimizer.step(context_id)
-    return StepResult(loss.item(), middle - start, time.perf_counter() - middle)
+class Replicas:
+    """Every copy of the pipeline, each with its own DistributedOptimizer over its stages.
+
+    One step: the batch is split into one share per replica; each replica runs its share's
+    forwards and backwards in a dist-autograd context of its own (a thread each, so the
+    replicas' pipelines overlap), then its stages average their gradients with the same
+    stage of the other replicas (`Stage.average_gradients`) and its optimizer steps. The mean
+    of the replicas' losses is the loss of the whole batch, and the averaged gradients its
+    gradients: R replicas compute what one pipeline computes on their union."""
+
+    def __init__(self, names: list[list[str]], shards: Shards, spec: PipelineSpec,
+                 device: str = "cpu"):  # fmt: skip
+        cls, kwargs = optimizer_args(spec.optimizer)
+        self.pipelines = [Pipeline(stage_names, shards, device) for stage_names in names]
+        self.optimizers = [DistributedOptimizer(cls, p.parameter_rrefs(), **kwargs)
+                           for p in self.pipelines]  # fmt: skip
+        self._threads = ThreadPoolExecutor(len(names)) if len(names) > 1 else None
+
+    def step(self, images: torch.Tensor, labels: torch.Tensor, micro_batches: int, step: int,
+             loss_fn: Loss) -> StepResult:  # fmt: skip
+        shares = list(zip(images.tensor_split(len(self.pipelines)),
+                          labels.tensor_split(len(self.pipelines)), strict=True))  # fmt: skip
+        args = [(r, x, y, micro_batches, step, loss_fn) for r, (x, y) in enumerate(shares)]
+        if self._threads is None:
+            results = [self._one(*args[0])]
+        else:
+            results = list(self._threads.map(lambda a: self._one(*a), args))
+        return StepResult(
+            sum(r.loss for r in results) / len(results),
+            max(r.pipeline_seconds for r in results),
+            max(r.optimizer_seconds for r in results),
+            max(r.allreduce_seconds for r in results),
+        )
+
+    def _one(self, r: int, images: torch.Tensor, labels: torch.Tensor, micro_batches: int,
+             step: int, loss_fn: Loss) -> StepResult:  # fmt: skip
+        """Replica r's part of a step."""
+        pipeline = self.pipelines[r]
+        with dist_autograd.context() as context_id:
+            start = time.perf_counter()
+            loss = forward_backward(pipeline, images, labels, micro_batches, step, context_id,
+                                    loss_fn)  # fmt: skip
+            middle = time.perf_counter()
+            allreduce = 0.0
+            if len(self.pipelines) > 1:
+                averaging = [rpc.rpc_async(name, on_stage,
+                                           args=(stage, "average_gradients", context_id))
+                             for name, stage in zip(pipeline.names, pipeline.stages,
+                                                    strict=True)]  # fmt: skip
+                allreduce = max(torch.futures.wait_all(averaging))
+            self.optimizers[r].step(context_id)
+        return StepResult(loss.item(), middle - start, time.perf_counter() - middle, allreduce)
+
+    def timings(self) -> list[dict[int, tuple[float, float, float]]]:
+        """Replica 0's stages' timings (every replica runs the same schedule)."""
+        return self.pipelines[0].timings()
+
+    def divergence(self) -> float:
+        """The largest difference between a replica's parameter fingerprints and replica
+        0's (Stage.fingerprint): 0.0 while the replicas stay identical, as they must."""
+        prints = [p._each("fingerprint") for p in self.pipelines]
+        return max((torch.max((a - b).abs()).item()
+                    for other in prints[1:] for a, b in zip(prints[0], other, strict=True)),
+                   default=0.0)  # fmt: skip

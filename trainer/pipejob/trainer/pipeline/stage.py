@@ -139,6 +139,32 @@ class Stage:
             self._fold(before=float("inf"))
             return dict(self._totals)
 
+    def average_gradients(self, context_id: int) -> float:
+        """With replicas: average this shard's gradients of a step with those of the same
+        stage of every other replica (this process's collective group), in place in the
+        dist-autograd context, where the optimizer's step reads them. Returns the seconds
+        the all-reduce took."""
+        import torch.distributed as dist
+        import torch.distributed.autograd as dist_autograd
+
+        start = time.perf_counter()
+        grads = dist_autograd.get_gradients(context_id)
+        # Every replica holds the same shard, so the same parameters have gradients.
+        tensors = [grads[p] for p in self.layers.parameters() if p in grads]
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for t, averaged in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+            t.copy_(averaged.view_as(t))
+        return time.perf_counter() - start
+
+    def fingerprint(self) -> torch.Tensor:
+        """Per parameter, its sum and sum of squares in float64: equal in every replica whose
+        shard is the same (replicas must stay identical)."""
+        rows = [(p.detach().double().sum(), p.detach().double().square().sum())
+                for p in self.layers.parameters()]  # fmt: skip
+        return torch.tensor([[a.item(), b.item()] for a, b in rows], dtype=torch.float64)
+
     def save(self, optimizer: RRef | None, directory: str, name: str) -> dict[str, Any]:
         """Checkpoint this shard and its local optimizer's state; the manifest entry."""
         optimizers = {} if optimizer is None else {"optimizer": optimizer.local_value()}

@@ -64,6 +64,7 @@ def summarize(
         env, len(results), first,
         model=spec.model,
         stages=p,
+        replicas=spec.replicas,
         microBatches=m,
         microBatchesRequested=spec.micro_batches,  # a count, or "auto"
         microBatchCandidates=shards.partition.candidates,  # auto's predictions
@@ -73,8 +74,11 @@ def summarize(
         losses=[round(r.loss, 6) for r in results],
         firstLoss=results[0].loss,
         finalLoss=results[-1].loss,
-        samplesPerSecond=round(spec.batch_size * len(measured) / seconds, 3),
+        samplesPerSecond=round(spec.batch_size * spec.replicas * len(measured) / seconds, 3),
         secondsPerStep=round(seconds / len(measured), 4),
+        allreduceSecondsPerStep=round(
+            sum(r.allreduce_seconds for r in measured) / len(measured), 4
+        ),
         optimizerSecondsPerStep=round(
             sum(r.optimizer_seconds for r in measured) / len(measured), 4
         ),
@@ -103,7 +107,13 @@ def render(summary: dict[str, Any]) -> str:
     lines = [
         f"  {s['model']}: {s['stages']} stages, {s['microBatches']} micro-batches of"
         f" {s['batchSize'] // s['microBatches']}, {s['imageSize']}x{s['imageSize']} images,"
-        f" {s['steps']} steps",
+        f" {s['steps']} steps"
+        + (
+            f", {s['replicas']} replicas (all-reduce {s['allreduceSecondsPerStep']:.3f} s/step,"
+            f" largest difference between replicas {s['replicaDivergence']:.3g})"
+            if s["replicas"] > 1
+            else ""
+        ),
         f"  final loss {s['finalLoss']:.4f}; {s['samplesPerSecond']:.1f} samples/s,"
         f" {s['secondsPerStep']:.3f} s/step"
         + (" (step 1 is warm-up, left out)" if s["warmupStepsExcluded"] else ""),

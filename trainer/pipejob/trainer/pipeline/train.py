@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
-from torch.distributed.optim import DistributedOptimizer
 
 from pipejob.core.kinds.pipeline import AUTO
 from pipejob.trainer import workloads
-from pipejob.trainer.pipeline.schedule import Pipeline, StepResult, make_optimizer, train_step
+from pipejob.trainer.pipeline.schedule import Replicas, StepResult
 from pipejob.trainer.pipeline.shards import (
     Partition,
     Shards,
@@ -39,10 +38,13 @@ def train(env: Env) -> dict[str, Any]:
     spec = env.spec
     steps, size = spec.steps, spec.image_size
     board = monitor.board()
-    names = env.names("stage")
+    # Replica r's stages, in order: every replica holds the same shards.
+    every = env.names("stage")
+    replicas = [every[r * spec.stages : (r + 1) * spec.stages] for r in range(spec.replicas)]
+    names = replicas[0]
     found = checkpoint.latest_for(env)
     if found is None:
-        threads, hosts = stage_resources(env)
+        threads, hosts = stage_resources(env, spec.stages)
         shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share {h.cpus:g} CPU(s)"
                            for h in hosts if len(h.stages) > 1)  # fmt: skip
         world.log(env, f"{spec.model}: measuring layer costs at {size}x{size} with"
@@ -59,34 +61,38 @@ def train(env: Env) -> dict[str, Any]:
         table = ":\n" + candidate_table(candidates, m) if candidates else ""
         world.log(env, f"microBatches auto {how} {m} (micro-batches of"
                        f" {spec.batch_size // m}){table}")  # fmt: skip
-    for i, name in enumerate(names):
+    for i in range(spec.stages):
         layers = [n for n, _ in shards.of(i)]
-        world.log(env, f"{name}: {describe(layers)}, {share(shards, i):.0%} of measured cost")
+        world.log(env, f"stage {i}: {describe(layers)}, {share(shards, i):.0%} of measured cost")
+    if spec.replicas > 1:
+        world.log(env, f"{spec.replicas} replicas of the pipeline, {spec.batch_size} samples each"
+                       " per step; stage i of every replica averages its gradients")  # fmt: skip
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
-    pipeline = Pipeline(names, shards, device)
-    optimizer = make_optimizer(pipeline, spec)
+    pipelines = Replicas(replicas, shards, spec, device)
     data, loss = workloads.pipeline_data(spec), workloads.loss(spec)
-    first = 0 if found is None else resume(env, found, pipeline, optimizer, data, shards)
+    first = 0 if found is None else resume(env, found, pipelines, data, shards)
     profile = profiling.settings(spec)
     results: list[StepResult] = []
     started = time.perf_counter()
     board.phase("training")
+    samples = spec.batch_size * spec.replicas  # per step
     for step in range(first, steps):
         images, labels = data.batch()
-        with profiling.window(env, profile, step + 1, names) as rpc_calls, rpc_calls():
-            result = train_step(pipeline, optimizer, images, labels, m, step, loss)
+        with profiling.window(env, profile, step + 1, every) as rpc_calls, rpc_calls():
+            result = pipelines.step(images, labels, m, step, loss)
         results.append(result)
         seconds = result.pipeline_seconds + result.optimizer_seconds
-        board.step(step + 1, result.loss, seconds, spec.batch_size)
+        board.step(step + 1, result.loss, seconds, samples)
         if checkpoint.due(spec, step + 1):
-            save_checkpoint(env, step + 1, pipeline, optimizer, data, shards)
+            save_checkpoint(env, step + 1, pipelines, data, shards)
         if (step + 1) % spec.log_every == 0 or step + 1 == steps:
-            rate = spec.batch_size / seconds
+            rate = samples / seconds
             world.log(env, f"step {step + 1}/{steps}  loss {result.loss:.4f}  {rate:.1f} samples/s")
-            board.stages(*stage_report(names, pipeline.timings(), step, result))
+            board.stages(*stage_report(names, pipelines.timings(), step, result))
     if not results:
         return master.nothing_left(env, first)
-    summary = summarize(env, names, shards, results, pipeline.timings(), first)
+    summary = summarize(env, names, shards, results, pipelines.timings(), first)
+    summary["replicaDivergence"] = pipelines.divergence()
     summary["wallSeconds"] = round(time.perf_counter() - started, 3)
     world.log(env, "summary:\n" + render(summary))
     return summary
@@ -95,19 +101,21 @@ def train(env: Env) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(env: Env, step: int, pipeline: Pipeline, optimizer: DistributedOptimizer,
-                    data: SyntheticImages, shards: Shards) -> None:  # fmt: skip
-    """Each stage saves its shard and its optimizer's state, the master its RNG states and
-    the partition; the master's manifest, written last, makes the step count."""
+def save_checkpoint(env: Env, step: int, pipelines: Replicas, data: SyntheticImages,
+                    shards: Shards) -> None:  # fmt: skip
+    """Each stage of replica 0 saves its shard and its optimizer's state (the replicas are
+    identical: one copy of each stage, `stage<i>.pt`), the master its RNG states and the
+    partition; the master's manifest, written last, makes the step count."""
+    pipeline = pipelines.pipelines[0]
     root = env.spec.checkpoint.path
     directory = str(checkpoint.step_dir(root, step))
     start = time.perf_counter()
-    local = checkpoint.local_optimizers(optimizer)
+    local = checkpoint.local_optimizers(pipelines.optimizers[0])
     saving = [
         rpc.rpc_async(
-            name, on_stage, args=(stage, "save", local.get(name), directory, f"{name}.pt")
+            name, on_stage, args=(stage, "save", local.get(name), directory, f"stage{i}.pt")
         )  # fmt: skip
-        for name, stage in zip(pipeline.names, pipeline.stages, strict=True)
+        for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True))
     ]
     own = {"rng": checkpoint.rng_state(), "data": data.generator.get_state()}
     files = [checkpoint.save_part(directory, "master.pt", own), *torch.futures.wait_all(saving)]
@@ -143,28 +151,29 @@ def saved_partition(env: Env, found: checkpoint.Checkpoint) -> Partition:
 def resume(
     env: Env,
     found: checkpoint.Checkpoint,
-    pipeline: Pipeline,
-    optimizer: DistributedOptimizer,
+    pipelines: Replicas,
     data: SyntheticImages,
     shards: Shards,
 ) -> int:
-    """Load every stage's shard and optimizer state and the master's RNG states; the step
-    the checkpoint was taken after."""
+    """Load every stage's shard and optimizer state (stage i of every replica from the one
+    copy of stage i) and the master's RNG states; the step the checkpoint was taken
+    after."""
     layers = [[n for n, _ in shards.of(i)] for i in range(len(shards.ranges))]
     if layers != found.manifest["stages"]:
         raise checkpoint.CheckpointError(
             f"{found.directory} was written for other layers than {env.spec.model}'s;"
             " give this job another checkpoint.path"
         )
-    local = checkpoint.local_optimizers(optimizer)
     directory = str(found.directory)
     loading = []
-    for name, stage in zip(pipeline.names, pipeline.stages, strict=True):
-        args = (stage, "load", local.get(name), directory, found.entry(f"{name}.pt"))
-        loading.append(rpc.rpc_async(name, on_stage, args=args))
-    master = found.load("master.pt")
-    checkpoint.set_rng_state(master["rng"])
-    data.generator.set_state(master["data"])
+    for pipeline, optimizer in zip(pipelines.pipelines, pipelines.optimizers, strict=True):
+        local = checkpoint.local_optimizers(optimizer)
+        for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True)):
+            args = (stage, "load", local.get(name), directory, found.entry(f"stage{i}.pt"))
+            loading.append(rpc.rpc_async(name, on_stage, args=args))
+    own = found.load("master.pt")
+    checkpoint.set_rng_state(own["rng"])
+    data.generator.set_state(own["data"])
     torch.futures.wait_all(loading)
     world.log(env, f"resumed from step {found.step} ({found.directory})")
     monitor.board().resumed(found.step)

@@ -8,8 +8,10 @@ used here), built directly on a TCPStore on the master at PIPEJOB_PREFLIGHT_PORT
    until the deadline and names each one missing (rank, role, RPC name, address);
 2. all_reduce: each rank contributes rank+1 at its own index of a zero vector, so every rank
    knows the exact sum to expect and a wrong entry names the rank that answered wrongly;
-3. a point-to-point ring: link r -> r+1 is measured in turn, ping-pong of small messages for
-   latency and `megabytes` of checked payload for bandwidth (seed 001's send/recv).
+3. point-to-point links, measured in turn: the ring r -> r+1, then from the rank 0 of each
+   collective group (DDP, a replicated stage's) to its other members; ping-pong of small
+   messages for latency and `megabytes` of checked payload for bandwidth (seed 001's
+   send/recv).
 
 Each rank publishes what it found; the master prints the per-link table and the verdict every
 process acts on, so the whole world passes or fails together, within `timeoutSeconds`."""
@@ -92,7 +94,7 @@ def _lead(env: Env, store: dist.TCPStore, deadline: float, timeout: float, megab
         _measure(env, store, deadline, megabytes)
         results = _results(env, store, deadline, timeout)
         problems = [p for r in results.values() for p in r["problems"]]
-        links = [Link(**r["link"]) for r in results.values() if r.get("link")]
+        links = [Link(**link) for r in results.values() for link in r.get("links", [])]
         if problems:
             raise PreflightError("; ".join(problems))
     except PreflightError as e:
@@ -221,14 +223,14 @@ def _await_keys(store: dist.TCPStore, prefix: str, ranks: range | list[int],
 
 
 def _measure(env: Env, store: dist.TCPStore, deadline: float, megabytes: float) -> None:
-    """This rank's part of the all_reduce and the ring; publishes what it found."""
+    """This rank's part of the all_reduce and the links; publishes what it found."""
     problems: list[str] = []
-    link: Link | None = None
+    links: list[Link] = []
     group = None
     try:
         group = _group(env, store, deadline)
         problems += all_reduce_problems(env, group)
-        link, found = _ring(env, group, megabytes)
+        links, found = _links(env, group, megabytes)
         problems += found
     except RuntimeError as e:  # gloo: a peer vanished or stopped answering until the timeout
         problems.append(f"{world.describe(env, env.rank)} could not complete the check: "
@@ -236,7 +238,7 @@ def _measure(env: Env, store: dist.TCPStore, deadline: float, megabytes: float) 
     finally:
         if group is not None:
             group.shutdown()
-    result = {"problems": problems, "link": link.__dict__ if link else None}
+    result = {"problems": problems, "links": [link.__dict__ for link in links]}
     store.set(f"result/{env.rank}", json.dumps(result))
 
 
@@ -274,20 +276,29 @@ def payload(src: int, round_: int, count: int) -> torch.Tensor:
     return torch.arange(count, dtype=torch.float32).remainder_(65521).add_(src * 7 + round_)
 
 
-def _ring(env: Env, group: dist.ProcessGroup, megabytes: float) -> tuple[Link | None, list[str]]:
-    """Measure links r -> r+1 one after another; this rank measures its outgoing link and
-    checks what arrives on its incoming one."""
-    n, me = env.world_size, env.rank
+def pairs(env: Env) -> list[tuple[int, int]]:
+    """The links to check, in order: the ring r -> r+1, then from each collective group's
+    rank 0 to its other members (what the group's all-reduce and rendezvous use)."""
+    n = env.world_size
+    ring = [(src, (src + 1) % n) for src in range(n)]
+    spokes = [(ranks[0], r) for ranks in env.groups.values() for r in ranks[1:]]
+    return ring + [p for p in spokes if p not in ring]
+
+
+def _links(env: Env, group: dist.ProcessGroup, megabytes: float) -> tuple[list[Link], list[str]]:
+    """Measure the links one after another; this rank measures those it sends on and checks
+    what arrives on those it receives on."""
+    me = env.rank
     count = max(1, int(megabytes * 1e6) // 4)
-    link, problems = None, []
-    for src in range(n):
-        dst = (src + 1) % n
+    links, problems = [], []
+    for src, dst in pairs(env):
         if me == src:
             link, problems_out = _send_side(env, group, dst, count)
+            links.append(link)
             problems += problems_out
         elif me == dst:
             problems += _receive_side(env, group, src, count)
-    return link, problems
+    return links, problems
 
 
 def _send_side(env: Env, group: dist.ProcessGroup, dst: int,

@@ -95,13 +95,15 @@ def join_rpc(env: Env, device_maps: dict[str, dict[int, int]] | None = None,
 
 
 def join_ddp(env: Env) -> None:
-    """The trainers' own process group: its own rendezvous port, never the RPC one."""
+    """This process's collective group (a HybridJob's trainers' DDP, stage i of every
+    replica of a PipelineJob): its own rendezvous port, never the RPC one."""
     import torch.distributed as dist
 
     assert env.ddp_addr and env.ddp_port is not None
     deadline = time.monotonic() + env.rendezvous_timeout
     if env.ddp_rank != 0:
-        wait_reachable(env.ddp_addr, env.ddp_port, deadline, "the DDP rendezvous (trainer0)", env)
+        what = f"the {env.ddp_group} group's rendezvous (its rank 0)"
+        wait_reachable(env.ddp_addr, env.ddp_port, deadline, what, env)
     left = max(1.0, deadline - time.monotonic())
     dist.init_process_group(
         backend=env.ddp_backend,

@@ -39,11 +39,13 @@ class Env:
     job: str
     role: str
     role_index: int
+    replica: int  # PipelineJob: this process's copy of the pipeline
     rpc_name: str
     rank: int
     world_size: int
     world: tuple[str, ...]  # RPC names in rank order
     roles: tuple[str, ...]  # roles in rank order
+    groups: dict[str, tuple[int, ...]]  # collective groups: world ranks in group rank order
     master_addr: str
     master_port: int
     addresses: tuple[str, ...]  # where each rank is reached, in rank order (for messages)
@@ -52,6 +54,7 @@ class Env:
     spec: Any  # the kind's typed spec (core/kinds/), a CommonSpec
     gpus: int
     rendezvous_timeout: float
+    ddp_group: str | None = None  # the collective group this process is a member of
     ddp_addr: str | None = None
     ddp_port: int | None = None
     ddp_rank: int | None = None
@@ -83,6 +86,14 @@ def _int(environ: dict[str, str], name: str) -> int:
         raise ContractError(f"{name} must be an integer, got {value!r}") from None
 
 
+def _groups(text: str) -> dict[str, tuple[int, ...]]:
+    try:
+        return {name: tuple(int(r) for r in ranks.split(","))
+                for name, _, ranks in (g.partition("=") for g in text.split(";") if g)}  # fmt: skip
+    except ValueError:
+        raise ContractError(f"{c.GROUPS}={text!r} is not name=rank,...;...") from None
+
+
 def read_env(environ: dict[str, str] | None = None) -> Env:
     environ = dict(os.environ if environ is None else environ)
     kind = _get(environ, c.KIND)
@@ -94,8 +105,9 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         raise ContractError(f"environment variable {c.SPEC} is not the job's spec: {e}") from None
     role = _get(environ, c.ROLE)
     ddp: dict[str, Any] = {}
-    if role == "trainer":
+    if environ.get(c.DDP_GROUP):  # the plan seated this process in a collective group
         ddp = {
+            "ddp_group": _get(environ, c.DDP_GROUP),
             "ddp_addr": _get(environ, c.DDP_ADDR),
             "ddp_port": _int(environ, c.DDP_PORT),
             "ddp_rank": _int(environ, c.DDP_RANK),
@@ -107,11 +119,13 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         job=_get(environ, c.JOB),
         role=role,
         role_index=_int(environ, c.ROLE_INDEX),
+        replica=_int(environ, c.REPLICA),
         rpc_name=_get(environ, c.RPC_NAME),
         rank=_int(environ, c.RANK),
         world_size=_int(environ, c.WORLD_SIZE),
         world=tuple(_get(environ, c.WORLD).split(",")),
         roles=tuple(_get(environ, c.ROLES).split(",")),
+        groups=_groups(environ.get(c.GROUPS, "")),
         master_addr=_get(environ, c.MASTER_ADDR),
         master_port=_int(environ, c.MASTER_PORT),
         addresses=tuple(_get(environ, c.ADDRESSES).split(",")),

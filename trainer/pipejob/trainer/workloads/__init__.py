@@ -40,7 +40,9 @@ def sample_input(spec: PipelineSpec, batch: int) -> torch.Tensor:
 
 
 def pipeline_data(spec: PipelineSpec) -> SyntheticImages:
-    return SyntheticImages(spec.seed, spec.batch_size, spec.image_size, spec.num_classes)
+    """A step's whole batch: one share of `batchSize` per replica, in replica order."""
+    batch = spec.batch_size * spec.replicas
+    return SyntheticImages(spec.seed, batch, spec.image_size, spec.num_classes)
 
 
 def hybrid_table(spec: HybridSpec) -> nn.EmbeddingBag:

@@ -1,0 +1,58 @@
+"""What the validation must know of each PipelineJob model without importing torch: how many
+layers the trainer cuts it into, the smallest image it can take, and whether it has
+BatchNorm (which cannot train on one image); and `check`, the PipelineJob's own checks
+built on them. tests/test_models.py measures every entry with the trainer's own cutter, so
+this table cannot drift from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipejob.core.schema import SpecError
+
+# Layers of trainer/pipejob/trainer/workloads/torchvision.py's cut: at most one stage each.
+LAYERS: dict[str, int] = {
+    "resnet18": 15, "resnet34": 23, "resnet50": 23, "resnet101": 40, "resnet152": 57,
+    "resnext50_32x4d": 23, "resnext101_32x8d": 40, "wide_resnet50_2": 23,
+    "wide_resnet101_2": 40,
+    "vgg11": 13, "vgg13": 15, "vgg16": 18, "vgg19": 21,
+    "vgg11_bn": 13, "vgg13_bn": 15, "vgg16_bn": 18, "vgg19_bn": 21,
+    "alexnet": 10, "mobilenet_v2": 22, "mobilenet_v3_small": 17, "mobilenet_v3_large": 21,
+    "efficientnet_b0": 21, "efficientnet_b1": 28, "convnext_tiny": 24,
+}  # fmt: skip
+
+# Smallest square image (px) the model's forward accepts; 32, the spec's minimum, otherwise.
+MIN_IMAGE_SIZE: dict[str, int] = {"alexnet": 63}
+
+# Models with BatchNorm layers: a micro-batch of one image fails in training mode.
+BATCHNORM: frozenset[str] = frozenset({
+    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+    "resnext50_32x4d", "resnext101_32x8d", "wide_resnet50_2", "wide_resnet101_2",
+    "vgg11_bn", "vgg13_bn", "vgg16_bn", "vgg19_bn",
+    "mobilenet_v2", "mobilenet_v3_small", "mobilenet_v3_large",
+    "efficientnet_b0", "efficientnet_b1",
+})  # fmt: skip
+
+
+def check(spec: dict[str, Any]) -> list[SpecError]:
+    """What would make a valid-looking pipeline crash once its world has started."""
+    errors = []
+    model, stages = spec["model"], spec["stages"]
+    layers = LAYERS.get(model)
+    if layers is not None and stages > layers:
+        why = f"{model} has {layers} layers to cut; it cannot fill {stages} stages"
+        errors.append(SpecError("spec.stages", why))
+    least = MIN_IMAGE_SIZE.get(model, 0)
+    if spec["imageSize"] < least:
+        why = f"{model} needs images of at least {least} px, got {spec['imageSize']}"
+        errors.append(SpecError("spec.imageSize", why))
+    micro = spec["microBatches"]
+    if model in BATCHNORM:
+        if micro != "auto" and spec["batchSize"] == micro:
+            why = (f"{model} has BatchNorm, which cannot train on micro-batches of one image"
+                   f" (batchSize {spec['batchSize']} / microBatches {micro})")  # fmt: skip
+            errors.append(SpecError("spec.microBatches", why))
+        elif spec["batchSize"] == 1:
+            why = f"{model} has BatchNorm, which cannot train on batches of one image"
+            errors.append(SpecError("spec.batchSize", why))
+    return errors

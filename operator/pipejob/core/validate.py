@@ -1,0 +1,95 @@
+"""The checks a spec's table cannot express: each names its field path and the reason.
+
+`spec.parse` runs them after the table's defaults and rules, so `pipejob validate`, `run`,
+`plan`, `render` and the operator refuse exactly the same manifests. What depends on the
+operator's configuration (node-level volumes) comes in as a parameter."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from typing import Any
+
+from pipejob.core import contract
+from pipejob.core.kinds import KINDS
+from pipejob.core.schema import SpecError
+
+# The spec travels to every process in one environment variable (PIPEJOB_SPEC); Linux caps
+# one at 128 KiB, and the rest of the env needs room too.
+MAX_SPEC_BYTES = 64 * 1024
+
+# Volume types that reach into the node: refused unless the operator allows them, as the
+# Pod Security "baseline" level refuses hostPath. A user allowed to create jobs but not pods
+# would otherwise get the node through the operator.
+NODE_VOLUMES = {
+    "hostPath": "mounts a directory of the node",
+    "gitRepo": "runs git on the node",
+    "flexVolume": "runs a driver binary on the node",
+}
+ALLOW_NODE_VOLUMES_ENV = "PIPEJOB_ALLOW_NODE_VOLUMES"
+
+
+def check(kind: str, spec: dict[str, Any], allow_node_volumes: bool = False) -> list[SpecError]:
+    """Everything wrong with a defaulted, table-valid `spec` of `kind` that no pod could run."""
+    template = spec.get("template") or {}
+    errors = _env(template) + _volumes(template, allow_node_volumes)
+    errors += _checkpoint(spec, template)
+    errors += KINDS[kind].check(spec)  # the kind's own (a model too small to cut, ...)
+    size = len(json.dumps(spec, separators=(",", ":")).encode())
+    if size > MAX_SPEC_BYTES:
+        errors.append(SpecError("spec", (
+            f"is {size} bytes as JSON; at most {MAX_SPEC_BYTES} fit in the {contract.SPEC}"
+            " environment variable every process gets (Linux caps one at 128 KiB)"
+        )))  # fmt: skip
+    return errors
+
+
+def allowed_by_env(environ: dict[str, str]) -> bool:
+    """The operator's allowance from its environment (the chart sets it)."""
+    return environ.get(ALLOW_NODE_VOLUMES_ENV, "").lower() in ("1", "true", "yes")
+
+
+def _env(template: dict) -> list[SpecError]:
+    errors = []
+    for i, entry in enumerate(template.get("env") or []):
+        name = entry.get("name")
+        if name in contract.DOCS:
+            why = f"{name} is set by pipejob (the env contract); choose another name"
+            errors.append(SpecError(f"spec.template.env[{i}].name", why))
+    return errors
+
+
+def _volumes(template: dict, allow_node_volumes: bool) -> list[SpecError]:
+    errors = []
+    names = {v.get("name") for v in template.get("volumes") or []}
+    for i, volume in enumerate(template.get("volumes") or []):
+        for source, what in NODE_VOLUMES.items():
+            if source in volume and not allow_node_volumes:
+                errors.append(SpecError(f"spec.template.volumes[{i}].{source}", (
+                    f"a {source} volume {what}; the operator refuses node-level volumes unless"
+                    " it runs with --allow-node-volumes (chart value allowNodeVolumes)"
+                )))  # fmt: skip
+    for i, mount in enumerate(template.get("volumeMounts") or []):
+        if mount.get("name") not in names:
+            why = f"no volume {mount.get('name')!r} in spec.template.volumes"
+            errors.append(SpecError(f"spec.template.volumeMounts[{i}].name", why))
+    return errors
+
+
+def _checkpoint(spec: dict, template: dict) -> list[SpecError]:
+    """The checkpoint volume must exist and mount where no template mount already is."""
+    checkpoint = spec.get("checkpoint") or {}
+    name, path = checkpoint.get("volume"), checkpoint.get("path") or ""
+    if not name:
+        return []
+    if name not in {v.get("name") for v in template.get("volumes") or []}:
+        return [SpecError("spec.checkpoint.volume", f"no volume {name!r} in spec.template.volumes")]
+    if not posixpath.isabs(path):
+        why = f"must be an absolute path to mount volume {name!r} at, got {path!r}"
+        return [SpecError("spec.checkpoint.path", why)]
+    for i, mount in enumerate(template.get("volumeMounts") or []):
+        there = mount.get("mountPath")
+        if there and posixpath.normpath(there) == posixpath.normpath(path):
+            why = f"spec.template.volumeMounts[{i}] mounts {path!r} already; omit the volume"
+            return [SpecError("spec.checkpoint.volume", why)]
+    return []

@@ -1,0 +1,122 @@
+"""What gang admission (spec.scheduling) adds to a job's objects: the labels, annotations and
+scheduler of its pods, and, for Volcano and coscheduling, the PodGroup of its world. Pure,
+like kube.py, which calls it.
+
+Kueue's plain-pod groups: the group is the job (one name for every world, so a restarted
+world's pods are the replacements Kueue expects); its pods' names carry the world's number,
+since a pod Kueue finalizes lingers while it terminates, while their hostnames, and so the
+world's DNS names, stay fixed."""
+
+from __future__ import annotations
+
+import copy
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from pipejob.core import scheduling as sch
+from pipejob.core.spec import Job
+
+_SUFFIXES = {"": 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "P": 10**15, "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+             "Pi": 2**50, "Ei": 2**60}  # fmt: skip
+
+
+def provider(job: Job) -> str | None:
+    section = sch.of(job.spec)
+    return section["provider"] if section else None
+
+
+def group_name(job: Job) -> str:
+    """The Kueue pod group's or the PodGroup's name: the job's."""
+    return job.name
+
+
+def pod_name(job: Job, hostname: str, world: int) -> str:
+    """Under Kueue, names unique per world (`<hostname>-r<world>`); else the hostname."""
+    return f"{hostname}-r{world}" if provider(job) == sch.KUEUE else hostname
+
+
+def decorate(job: Job, pod: dict[str, Any], size: int) -> dict[str, Any]:
+    """`pod` (one of a world of `size`) as its gang scheduler wants it."""
+    section = sch.of(job.spec)
+    if section is None:
+        return pod
+    meta, spec = pod["metadata"], pod["spec"]
+    labels, annotations = meta.setdefault("labels", {}), meta.setdefault("annotations", {})
+    kind = section["provider"]
+    if kind == sch.KUEUE:
+        labels[sch.KUEUE_QUEUE_LABEL] = section["queue"]
+        labels[sch.KUEUE_GROUP_LABEL] = group_name(job)
+        annotations[sch.KUEUE_TOTAL_COUNT] = str(size)
+    elif kind == sch.VOLCANO:
+        annotations[sch.VOLCANO_GROUP_ANNOTATION] = group_name(job)
+    else:
+        labels[sch.COSCHEDULING_GROUP_LABEL] = group_name(job)
+    scheduler = section.get("schedulerName") or sch.DEFAULT_SCHEDULERS.get(kind)
+    if scheduler:
+        spec["schedulerName"] = scheduler
+    if section.get("priorityClassName"):
+        spec["priorityClassName"] = section["priorityClassName"]
+    return pod
+
+
+def podgroup(job: Job, pods: list[dict], namespace: str, owner: dict | None) -> dict | None:
+    """The PodGroup of the world `pods` (Volcano or coscheduling), or None."""
+    section = sch.of(job.spec)
+    if section is None or section["provider"] == sch.KUEUE:
+        return None
+    meta: dict[str, Any] = {"name": group_name(job), "namespace": namespace,
+                            "labels": {"pipejob.dev/job": job.name,
+                                       "app.kubernetes.io/managed-by": "pipejob"}}  # fmt: skip
+    if owner is not None:
+        meta["ownerReferences"] = [copy.deepcopy(owner)]
+    spec: dict[str, Any] = {"minMember": len(pods)}
+    if section["provider"] == sch.VOLCANO:
+        group, version, _ = sch.VOLCANO_API
+        resources = requests(pods)
+        if resources:
+            spec["minResources"] = resources
+        if section.get("queue"):
+            spec["queue"] = section["queue"]
+        if section.get("priorityClassName"):
+            spec["priorityClassName"] = section["priorityClassName"]
+    else:
+        group, version, _ = sch.COSCHEDULING_API
+        if section.get("scheduleTimeoutSeconds"):
+            spec["scheduleTimeoutSeconds"] = section["scheduleTimeoutSeconds"]
+    return {"apiVersion": f"{group}/{version}", "kind": "PodGroup", "metadata": meta,
+            "spec": spec}  # fmt: skip
+
+
+def requests(pods: list[dict]) -> dict[str, str]:
+    """The sum of the pods' resource requests (a limit alone counts as its request, as the
+    API server defaults it), as Kubernetes quantities."""
+    total: dict[str, Decimal] = {}
+    for pod in pods:
+        for container in pod["spec"].get("containers") or []:
+            resources = container.get("resources") or {}
+            wanted = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+            for name, amount in wanted.items():
+                total[name] = total.get(name, Decimal(0)) + quantity(amount)
+    return {name: _format(value) for name, value in sorted(total.items())}
+
+
+def quantity(value: Any) -> Decimal:
+    """A Kubernetes quantity ("500m", "32Gi", 2, "1e3") as a number."""
+    text = str(value).strip()
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if suffix and text.endswith(suffix):
+            number, factor = text[: -len(suffix)], _SUFFIXES[suffix]
+            break
+    else:
+        number, factor = text, 1
+    try:
+        return Decimal(number) * factor
+    except InvalidOperation:
+        raise ValueError(f"not a Kubernetes quantity: {value!r}") from None
+
+
+def _format(value: Decimal) -> str:
+    if value == value.to_integral_value():
+        return str(int(value))
+    return f"{int((value * 1000).to_integral_value(rounding='ROUND_CEILING'))}m"

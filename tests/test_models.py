@@ -1,0 +1,38 @@
+"""The validation's torch-free facts about each PipelineJob model (core/kinds/models.py)
+measured with the trainer's own cutter, on the meta device (no memory, no arithmetic)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipejob.core.kinds.models import BATCHNORM, LAYERS, MIN_IMAGE_SIZE
+from pipejob.core.kinds.pipeline import PIPELINE_MODELS
+from pipejob.trainer.workloads.torchvision import build_model, cut
+
+pytestmark = pytest.mark.timeout(120)
+
+SMALLEST = 32  # spec.imageSize's minimum
+
+
+def forward_works(model: nn.Module, size: int) -> bool:
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, 3, size, size, device="meta"))
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.parametrize("name", PIPELINE_MODELS)
+def test_the_table_knows_the_model_as_the_trainer_cuts_it(name):
+    with torch.device("meta"):
+        model = build_model(name, 10).eval()
+    assert LAYERS[name] == len(cut(model))
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert (name in BATCHNORM) == has_batchnorm
+    least = MIN_IMAGE_SIZE.get(name, SMALLEST)
+    assert forward_works(model, least)
+    if least > SMALLEST:
+        assert not forward_works(model, least - 1)

@@ -1,0 +1,77 @@
+"""The operator's side of issue 11 on the emulated cluster: a spec that passes the CRD but only
+the operator can refuse fails with InvalidSpec before any pod exists; a trainer that fails
+permanently fails its job after one attempt (restarts 0, the trainer's reason and message);
+a retryable failure still restarts the world (tests/test_operator_e2e.py kills a stage)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness import jobs
+from harness.client import Api
+from harness.kubelet import Kubelet
+
+pytestmark = pytest.mark.timeout(240)
+
+NS = "default"
+
+
+def pipeline(name: str, **spec) -> dict:
+    return {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "PipelineJob",
+        "metadata": {"name": name},
+        "spec": {"model": "resnet18", "stages": 2, "steps": 3, "batchSize": 4, "imageSize": 32,
+                 "numClasses": 10, "microBatches": 2, "rendezvousTimeoutSeconds": 60, **spec},
+    }  # fmt: skip
+
+
+def failed_condition(job: dict) -> dict:
+    return next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
+
+
+@pytest.mark.parametrize(
+    ("template", "path"),
+    [
+        ({"volumes": [{"name": "root", "hostPath": {"path": "/"}}]},
+         "spec.template.volumes[0].hostPath"),
+        ({"env": [{"name": "MASTER_ADDR", "value": "evil.example"}]},
+         "spec.template.env[0].name"),
+    ],
+    ids=["hostpath", "reserved-env"],
+)  # fmt: skip
+def test_a_spec_only_the_operator_refuses_fails_before_any_pod(cluster, operator, template, path):
+    api: Api = cluster.api
+    name = "refused"
+    jobs.create(api, pipeline(name, template=template))  # the CRD admits it
+    failed = jobs.wait_phase(api, "PipelineJob", name, "Failed", timeout=30)
+    condition = failed_condition(failed)
+    assert condition["reason"] == "InvalidSpec" and path in condition["message"]
+    assert jobs.pods(api, name) == []
+    events = [e for e in api.list("v1/events", NS) if e["involvedObject"]["name"] == name]
+    assert "CreatedPods" not in {e["reason"] for e in events}  # no pod, ever
+
+
+def test_a_permanent_trainer_failure_fails_the_job_after_one_attempt(
+    cluster, kubelet: Kubelet, operator, tmp_path: Path
+):
+    api: Api = cluster.api
+    # An image whose torchvision is broken, as far as the trainer can tell.
+    broken = tmp_path / "site"
+    (broken / "torchvision").mkdir(parents=True)
+    (broken / "torchvision" / "__init__.py").write_text(
+        "raise ImportError('torchvision is broken in this image')\n"
+    )
+    env = [{"name": "PYTHONPATH", "value": str(broken)}]
+    name = "broken"
+    jobs.create(api, pipeline(name, backoffLimit=3, template={"env": env}))
+    failed = jobs.wait_phase(api, "PipelineJob", name, "Failed", timeout=180)
+    assert failed["status"]["restarts"] == 0
+    condition = failed_condition(failed)
+    assert condition["reason"] == "ImportFailed", condition
+    assert "torchvision is broken in this image" in condition["message"]
+    worlds = {r.pod["metadata"]["labels"]["pipejob.dev/restart"] for r in kubelet.runs(NS)}
+    assert worlds == {"0"}  # one attempt, no restart spent
+    api.wait("every pod process to be gone", lambda: not kubelet.running(), 30)

@@ -150,3 +150,23 @@ def run_to_end(
         code = run.finish(timeout)
     summary = run.summary() if run.summary_file.exists() else None
     return code, run.output, summary
+
+
+def run_world(target: Any, envs: list[dict[str, str]], out: Path, timeout: float = 150) -> Any:
+    """Run `target(rank, envs, out)` in one spawned process per env of a world plan, wait for
+    all of them (killing what is left after `timeout` seconds), and load what it saved."""
+    import torch
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(target, args=(envs, str(out)), nprocs=len(envs), join=False,
+                                 start_method="spawn")  # fmt: skip
+    try:
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, f"the world did not finish in {timeout:g} s"
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    return torch.load(out)

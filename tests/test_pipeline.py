@@ -14,11 +14,10 @@ import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from jobrun import JobRun, pipeline_job, run_to_end
+from jobrun import JobRun, pipeline_job, run_to_end, run_world
 from pipejob.core import plan, spec
 from pipejob.core.common import Optimizer, from_spec
 from pipejob.runner.local import LOOPBACK, free_ports
@@ -195,23 +194,7 @@ def test_pipeline_gradients_equal_single_process_gradients(tmp_path):
     rpc_port, ddp_port = free_ports(2)
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
     out = tmp_path / "pipeline.pt"
-    context = mp.start_processes(
-        _gradient_world,
-        args=([p.env for p in processes], str(out)),
-        nprocs=len(processes),
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        deadline = time.monotonic() + 150
-        while not context.join(timeout=1):
-            assert time.monotonic() < deadline, "the pipeline world did not finish in 150 s"
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-    got = torch.load(out)
+    got = run_world(_gradient_world, [p.env for p in processes], out)
     assert len(got["stages"]) == 3 and all(got["stages"])
 
     # The same model, seed and micro-batches in one process. BatchNorm normalises each

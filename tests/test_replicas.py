@@ -7,18 +7,16 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.rpc as rpc
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from jobrun import JobRun, pipeline_job
+from jobrun import JobRun, pipeline_job, run_world
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline
@@ -178,20 +176,7 @@ def test_replicas_train_exactly_what_one_process_trains_on_their_union(tmp_path:
     ports = free_ports(4 + 2)  # and one for each stage's group
     world_ports = plan.Ports(*ports[:4], groups=tuple(ports[4:]))
     processes = plan.plan_world(job, lambda m: LOOPBACK, world_ports)
-    out = tmp_path / "replicas.pt"
-    envs = [p.env for p in processes]
-    context = mp.start_processes(_replica_world, args=(envs, str(out)), nprocs=len(envs),
-                                 join=False, start_method="spawn")  # fmt: skip
-    try:
-        deadline = time.monotonic() + 150
-        while not context.join(timeout=1):
-            assert time.monotonic() < deadline, "the replicated world did not finish in 150 s"
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-    got = torch.load(out)
+    got = run_world(_replica_world, [p.env for p in processes], tmp_path / "replicas.pt")
 
     # The reference: plain autograd on the whole batch, one optimizer, one process.
     model = sequential(mlp())  # named as the stages name their shards: fc1.weight, ...

@@ -82,7 +82,7 @@ def main() -> int:
         args.repeats, args.steps = 1, 2
     print(f"replicas: {args.model}, 2 stages, {args.batch} samples per replica per step,"
           f" {args.image}x{args.image}, {args.repeats} repeat(s) of {args.steps} measured steps;"
-          f" {machine()}, load {load_average()}", flush=True)  # fmt: skip
+          f" {machine()}, {load_average()}", flush=True)  # fmt: skip
     results: dict[int, list[dict[str, float]]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
@@ -92,7 +92,7 @@ def main() -> int:
                 print(f"  repeat {repeat + 1}: {replicas} replica(s):"
                       f" {r['samplesPerSecond']:.1f} samples/s,"
                       f" {r['samplesPerCpuSecond']:.2f} samples/CPU-s, all-reduce"
-                      f" {r['allreduceSecondsPerStep']:.3f} s/step (load {load_average()})",
+                      f" {r['allreduceSecondsPerStep']:.3f} s/step ({load_average()})",
                       flush=True)  # fmt: skip
     header = ("replicas", "samples/s", "samples/CPU-s", "all-reduce s/step")
     print("\n" + f"{header[0]:>8} " + " ".join(f"{h:>20}" for h in header[1:]))

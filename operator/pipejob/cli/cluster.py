@@ -68,6 +68,15 @@ def cmd_crds(args: argparse.Namespace) -> int:
     return 0
 
 
+def allow_node_volumes(parser: argparse.ArgumentParser) -> None:
+    """The flag that lets hostPath and other node-level volumes through (the operator's
+    allowance, for checking a manifest the way an operator that allows them would)."""
+    parser.add_argument(
+        "--allow-node-volumes", action="store_true",
+        help="accept hostPath, gitRepo and flexVolume volumes (refused by default)",
+    )  # fmt: skip
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     op = sub.add_parser(
         "operator",
@@ -130,10 +139,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="namespace of the objects (default: the manifest's, else default)",
     )  # fmt: skip
     render.add_argument("--image", help="trainer image (default: $PIPEJOB_TRAINER_IMAGE)")
-    render.add_argument(
-        "--allow-node-volumes", action="store_true",
-        help="accept hostPath, gitRepo and flexVolume volumes (refused by default)",
-    )  # fmt: skip
+    allow_node_volumes(render)
     render.set_defaults(func=cmd_render)
 
     crds = sub.add_parser(

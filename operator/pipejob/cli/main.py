@@ -47,15 +47,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def allow_node_volumes(parser: argparse.ArgumentParser) -> None:
-    """The flag that lets hostPath and other node-level volumes through (the operator's
-    allowance, for checking a manifest the way an operator that allows them would)."""
-    parser.add_argument(
-        "--allow-node-volumes", action="store_true",
-        help="accept hostPath, gitRepo and flexVolume volumes (refused by default)",
-    )  # fmt: skip
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipejob",
@@ -70,17 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace", type=float, default=10.0,
         help="seconds a process gets to exit after SIGTERM before SIGKILL (default 10)",
     )  # fmt: skip
-    allow_node_volumes(run)
+    cluster.allow_node_volumes(run)
     run.set_defaults(func=cmd_run)
 
     validate = sub.add_parser("validate", help="check manifests; print every error")
     validate.add_argument("files", nargs="+", metavar="FILE")
-    allow_node_volumes(validate)
+    cluster.allow_node_volumes(validate)
     validate.set_defaults(func=cmd_validate)
 
     plan = sub.add_parser("plan", help="print the world plan: ranks, roles, addresses")
     plan.add_argument("file")
-    allow_node_volumes(plan)
+    cluster.allow_node_volumes(plan)
     plan.set_defaults(func=cmd_plan)
 
     cluster.add_subcommands(sub)  # operator, render, crds

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from pipejob.core.scheduling import RULES as SCHEDULING_RULES
 from pipejob.core.scheduling import SCHEDULING
 from pipejob.core.schema import Field, Rule
+from pipejob.core.workload import Eval, Loss, Output
 
 DNS_LABEL = r"[a-z]([-a-z0-9]*[a-z0-9])?"
 # Bounds that keep times representable: Python's datetime and torch's timeouts overflow
@@ -240,6 +241,9 @@ class CommonSpec:
     preflight: Preflight
     checkpoint: Checkpoint | None = None
     profile: Profile | None = None
+    loss: Loss = Loss()
+    eval: Eval | None = None
+    output: Output | None = None
 
 
 T = TypeVar("T")

@@ -3,11 +3,13 @@ pods, driven by a master. Everything pipejob knows of the kind is declared here,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
 from pipejob.core.kind import Group, Kind, Role, Spec
 from pipejob.core.schema import Field, Rule
+from pipejob.core.workload import HybridData
 
 HYBRID_SPEC = Field(
     "object",
@@ -70,6 +72,8 @@ class Embedding:
 @dataclass(frozen=True, kw_only=True)
 class Dense:
     out_features: int
+    import_: str | None = None  # the user's dense module on the bags' embeddings
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +86,7 @@ class HybridSpec(CommonSpec):
     dataset_size: int
     gpus_per_trainer: int
     backend: str
+    data: HybridData = HybridData()
 
 
 def _complete(spec: Spec) -> Spec:

@@ -37,7 +37,7 @@ BATCHNORM: frozenset[str] = frozenset({
 def check(spec: dict[str, Any]) -> list[SpecError]:
     """What would make a valid-looking pipeline crash once its world has started."""
     errors = []
-    model, stages = spec["model"], spec["stages"]
+    model, stages = spec["model"].get("torchvision"), spec["stages"]
     layers = LAYERS.get(model)
     if layers is not None and stages > layers:
         why = f"{model} has {layers} layers to cut; it cannot fill {stages} stages"

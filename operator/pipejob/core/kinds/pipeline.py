@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
-from pipejob.core.kind import Group, Kind, Role
+from pipejob.core.kind import Group, Kind, Role, Spec
 from pipejob.core.kinds import models
 from pipejob.core.schema import Field, Rule
+from pipejob.core.workload import Model, PipelineData
 
 # Models whose torchvision structure the trainer knows how to cut into sequential layers.
 PIPELINE_MODELS = (
@@ -69,7 +70,7 @@ PIPELINE_SPEC = Field(
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineSpec(CommonSpec):
-    model: str
+    model: Model  # a torchvision name is completed to Model(torchvision=name)
     stages: int
     replicas: int
     micro_batches: int | str  # a count, or AUTO
@@ -77,6 +78,15 @@ class PipelineSpec(CommonSpec):
     image_size: int
     num_classes: int
     gpus_per_stage: int
+    split_points: tuple[str, ...] = ()
+    data: PipelineData = PipelineData()
+
+
+def _complete(spec: Spec) -> Spec:
+    """`model: resnet50` is short for `model: {torchvision: resnet50}`."""
+    if isinstance(spec.get("model"), str):
+        spec["model"] = {"torchvision": spec["model"]}
+    return spec
 
 
 PIPELINE_JOB = Kind(
@@ -113,5 +123,6 @@ PIPELINE_JOB = Kind(
         {"name": "Stages", "type": "integer", "jsonPath": ".spec.stages", "priority": 1},
         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas", "priority": 1},
     ),
+    complete=_complete,
     check=models.check,
 )

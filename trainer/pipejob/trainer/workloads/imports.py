@@ -1,0 +1,41 @@
+"""The user's code, by import path: "package.module:function" called with the spec's `args`.
+
+Failures name the spec field that gave the path, so the pod's termination message says what
+to fix: a module or attribute that does not import is an ImportError (a permanent failure,
+ImportFailed); a factory that raises on its arguments is a ValueError naming the args."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+def resolve(path: str, field: str) -> Any:
+    """The object `path` names; `field` is the spec field that named it (spec.model.import)."""
+    module_name, _, attribute = path.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as e:  # a syntax error or a failing import inside the user's module, too
+        raise ImportError(f"{field}: cannot import {module_name!r} (from {path!r}):"
+                          f" {type(e).__name__}: {e}") from None  # fmt: skip
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ImportError(f"{field}: module {module_name!r} has no {attribute!r}"
+                              f" (from {path!r})") from None  # fmt: skip
+    if not callable(target):
+        raise ImportError(f"{field}: {path!r} is a {type(target).__name__}, not a function")
+    return target
+
+
+def call(path: str, field: str, args: dict[str, Any], /, **given: Any) -> Any:
+    """`path`'s function called with `given` (what pipejob passes, e.g. split="train") and
+    the spec's `args`; `field` is the spec field that named it."""
+    factory = resolve(path, field)
+    try:
+        return factory(**given, **args)
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+        with_args = f" with args {args}" if args else ""
+        raise ValueError(f"{field}: {path!r}{with_args} raised {raised}") from e

@@ -2,7 +2,8 @@
 
 Lines of output arrive as they are printed, the pids the runner reports are at hand (to kill
 a member on purpose), and leaving the `with` block stops everything that is still running,
-whatever the test did."""
+whatever the test did. And one training step of a job through a real pipeline world against
+the same step in one process (`check_gradients`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 import yaml
+
+from pipejob.core import plan, spec
+from pipejob.runner.local import LOOPBACK, free_ports
+from pipejob.trainer import pipeline, workloads
+from pipejob.trainer.pipeline.schedule import Pipeline, forward_backward
+from pipejob.trainer.pipeline.shards import build_shards
+from pipejob.trainer.runtime import rendezvous, world
+from pipejob.trainer.workloads import data, models
 
 STARTED = re.compile(r"^pipejob: started (\S+) \(rank \d+, pid (\d+)\)$", re.M)
 
@@ -155,7 +168,6 @@ def run_to_end(
 def run_world(target: Any, envs: list[dict[str, str]], out: Path, timeout: float = 150) -> Any:
     """Run `target(rank, envs, out)` in one spawned process per env of a world plan, wait for
     all of them (killing what is left after `timeout` seconds), and load what it saved."""
-    import torch
     import torch.multiprocessing as mp
 
     context = mp.start_processes(target, args=(envs, str(out)), nprocs=len(envs), join=False,
@@ -170,3 +182,78 @@ def run_world(target: Any, envs: list[dict[str, str]], out: Path, timeout: float
                 p.kill()
             p.join(10)
     return torch.load(out)
+
+
+# ------------------------------------------------------------ one step against one process
+
+
+def _stage_gradients(stage: rpc.RRef, context_id: int) -> dict[str, torch.Tensor]:
+    """Runs on a stage: the gradients its shard got in one distributed backward."""
+    grads = dist_autograd.get_gradients(context_id)
+    return {name: grads.get(p) for name, p in stage.local_value().layers.named_parameters()}
+
+
+def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
+    """One process of a real pipeline world. Stages run the trainer's own stage role; the
+    master runs one step with the trainer's building blocks and saves every gradient."""
+    os.environ.update(envs[rank])
+    env = world.read_env()
+    if env.role != "master":
+        pipeline.run(env)
+        return
+    rendezvous.join_rpc(env)
+    try:
+        s = env.spec
+        shards = build_shards(s, models.build(s), data.sample(s, s.batch_size)[0])
+        pipe = Pipeline(env.names("stage"), shards)
+        feed = data.Feed(s)
+        inputs, labels = feed.batch()
+        feed.close()
+        with dist_autograd.context() as context_id:
+            loss = forward_backward(pipe, inputs, labels, s.micro_batches, 0, context_id,
+                                    workloads.loss(s))  # fmt: skip
+            grads: dict[str, torch.Tensor] = {}
+            for stage in pipe.stages:
+                grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))
+        stages = [shards.of(i) for i in range(len(pipe.stages))]
+        torch.save({"loss": loss.item(), "grads": grads, "stages": stages}, out)
+    finally:
+        rpc.shutdown()
+
+
+def assert_gradient_close(name: str, grad: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal within float tolerance relative to the gradient's scale: the micro-batches'
+    contributions are summed in another order across processes than in one graph."""
+    scale = expected.abs().max().item()
+    try:
+        torch.testing.assert_close(grad, expected, rtol=1e-3, atol=1e-4 * scale)
+    except AssertionError as e:
+        raise AssertionError(f"gradient of {name}: {e}") from None
+    assert (grad - expected).norm() <= 1e-4 * expected.norm(), name
+
+
+def check_gradients(job: spec.Job, tmp_path) -> dict[str, Any]:
+    """One step of `job` through a real pipeline world against the same model, seed and
+    micro-batches in one process: the same loss and gradients. BatchNorm normalises each
+    micro-batch by its own statistics, so the reference runs them one at a time too."""
+    rpc_port, ddp_port = free_ports(2)
+    processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
+    out = tmp_path / "pipeline.pt"
+    got = run_world(_gradient_world, [p.env for p in processes], out)
+    assert len(got["stages"]) == job.spec["stages"] and all(got["stages"])
+
+    s = job.settings
+    model = models.build(s)
+    with data.Feed(s) as feed:
+        inputs, labels = feed.batch()
+    outputs = torch.cat([model(x) for x in inputs.tensor_split(s.micro_batches)])
+    loss = workloads.loss(s)(outputs, labels)
+    loss.backward()
+
+    assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    params = dict(model.named_parameters())
+    assert sorted(got["grads"]) == sorted(params)  # the stages keep the model's names
+    for name, p in params.items():
+        assert got["grads"][name] is not None, f"{name} got no gradient in the pipeline"
+        assert_gradient_close(name, got["grads"][name], p.grad)
+    return got

@@ -2,6 +2,7 @@
 is documented, the schema defaults and CEL rules agree with the Python model."""
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,8 @@ import yaml
 from pipejob.cli import main as cli
 from pipejob.core import spec
 from pipejob.core.kinds import KINDS
-from pipejob.core.schema import SpecError, apply
+from pipejob.core.schema import Field, SpecError, apply
+from pipejob.core.workload import IMPORT_PATTERN
 from pipejob.operator import crd
 
 pytestmark = pytest.mark.timeout(60)
@@ -89,7 +91,19 @@ def test_validations_the_schema_can_express():
     micro = props["microBatches"]  # a positive integer or "auto"
     assert micro["x-kubernetes-int-or-string"] is True and "type" not in micro
     assert (micro["minimum"], micro["pattern"], micro["default"]) == (1, "^auto$", 4)
-    assert "resnet50" in props["model"]["enum"]
+    # A string or an object: the CRD keeps it as written, parse checks it (test_spec.py).
+    model = props["model"]
+    assert model["x-kubernetes-preserve-unknown-fields"] is True and "type" not in model
+    assert model["default"] == "resnet50" and "enum" not in model and "properties" not in model
+    assert props["splitPoints"]["maxItems"] == 63
+    data = props["data"]["properties"]
+    assert data["tokens"]["properties"]["dtype"]["enum"] == ["uint16", "uint32"]
+    assert data["import"]["pattern"] == IMPORT_PATTERN
+    assert (data["workers"]["default"], data["workers"]["maximum"]) == (2, 32)
+    assert props["data"]["default"] == {}  # filled in: workers
+    for section in ("eval", "output", "loss"):
+        assert "default" not in props[section], section  # absent unless written
+    assert props["output"]["properties"]["format"]["default"] == "safetensors"
     assert props["optimizer"]["properties"]["lr"]["exclusiveMinimum"] is True
     assert props["template"]["properties"]["imagePullPolicy"]["enum"] == [
         "Always", "IfNotPresent", "Never"]  # fmt: skip
@@ -115,7 +129,18 @@ def k8s_default(schema, value):
         ("PipelineJob", None),
         ("PipelineJob", {"stages": 4, "optimizer": {"name": "adam"}}),
         ("PipelineJob", {"microBatches": "auto"}),
+        (
+            "PipelineJob",
+            {
+                "model": {"transformer": {"layers": 2}},
+                "data": {"tokens": {"train": "t.bin"}},
+                "eval": {},
+                "output": {"path": "out"},
+            },
+        ),
+        ("PipelineJob", {"model": {"import": "m:f", "args": {"n": 1}}, "loss": {}}),
         ("HybridJob", {}),
+        ("HybridJob", {"dense": {"import": "m:f"}, "data": {"file": {"train": "a.npz"}}}),
         ("HybridJob", {"embedding": {"dim": 4}, "gpusPerTrainer": 1}),
     ],
 )
@@ -125,26 +150,56 @@ def test_schema_defaults_equal_the_models(kind, given):
     if given is not None:
         obj["spec"] = copy.deepcopy(given)
     by_server = k8s_default(schema, copy.deepcopy(obj))["spec"]
-    by_model = dict(spec.parse(obj).spec)
-    by_model.pop("backend", None)  # HybridJob: chosen from the GPUs after defaulting
+    # What parse does after the table's defaults (the model's shortcut, the DDP backend
+    # chosen from the GPUs), the operator does to what the API server stored.
+    by_server = KINDS[kind].complete(by_server)
+    by_model = spec.parse(obj).spec
+    if isinstance((given or {}).get("model"), dict):
+        # Kept as written (a string or an object): the defaults inside are parse's alone.
+        assert by_server.pop("model") == given["model"]
+        assert set(by_model.pop("model")) == set(given["model"])
     assert by_server == by_model
 
 
-def cel(rule: str, value) -> bool:
+# CEL's reserved words the API server escapes in property names (`import` is `__import__`).
+CEL_KEYWORDS = {"true", "false", "null", "in", "as", "break", "const", "continue", "else",
+                "for", "function", "if", "import", "let", "loop", "package", "namespace",
+                "return", "var", "void", "while"}  # fmt: skip
+
+
+def escaped(value):
+    """`value` with its property names as the API server shows them to CEL."""
+    if isinstance(value, dict):
+        return {(f"__{k}__" if k in CEL_KEYWORDS else k): escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [escaped(v) for v in value]
+    return value
+
+
+def cel(rule: str, value, result=bool):
     """Evaluate a CEL rule as the API server would (cel-python, a dev dependency)."""
     celpy = pytest.importorskip("celpy")
     env = celpy.Environment()
-    return bool(env.program(env.compile(rule)).evaluate({"self": celpy.json_to_cel(value)}))
+    program = env.program(env.compile(rule))
+    return result(program.evaluate({"self": celpy.json_to_cel(escaped(value))}))
 
 
 CASES = {
     "PipelineJob": [{}, {"batchSize": 30, "microBatches": 4}, {"batchSize": 64,
                                                                "microBatches": 8},
                     {"batchSize": 30, "microBatches": "auto"}, {"microBatches": "auto"},
-                    {"batchSize": 32, "microBatches": 3}],
+                    {"batchSize": 32, "microBatches": 3},
+                    {"stages": 3, "splitPoints": ["layer2", "layer3"]},
+                    {"stages": 3, "splitPoints": ["layer2"]},
+                    {"stages": 3, "splitPoints": ["layer2", "layer2"]}],
     "HybridJob": [{}, {"backend": "nccl"}, {"backend": "nccl", "gpusPerTrainer": 1},
                   {"backend": "gloo"}, {"trainers": 4, "batchSize": 50, "datasetSize": 199},
-                  {"trainers": 4, "batchSize": 50, "datasetSize": 200}],
+                  {"trainers": 4, "batchSize": 50, "datasetSize": 200},
+                  {"trainers": 4, "batchSize": 50, "datasetSize": 199,
+                   "data": {"file": {"train": "a.npz"}}},
+                  {"trainers": 4, "batchSize": 50, "datasetSize": 199,
+                   "data": {"import": "m:f"}},
+                  {"trainers": 4, "batchSize": 50, "datasetSize": 199, "data": {}}],
 }  # fmt: skip
 
 
@@ -162,7 +217,53 @@ def test_cel_rules_agree_with_the_python_checks(kind):
             expected = rule.check(defaulted)
             assert cel(rule.cel, defaulted) == expected, (rule.cel, case)
             outcomes.add(expected)
+            if not expected and rule.message_expression is not None:
+                said = cel(rule.message_expression, defaulted, str)
+                assert said == rule.reason(defaulted), (said, case)
     assert outcomes == {True, False}  # the cases exercise both sides of the rules
+
+
+def tables_with_rules(schema: Field, path: str = "spec"):
+    """(path, table) of every object below the spec with rules of its own."""
+    for key, sub in (schema.fields or {}).items():
+        if sub.rules:
+            yield f"{path}.{key}", sub
+        yield from tables_with_rules(sub, f"{path}.{key}")
+
+
+# Objects inside the spec with rules: their cases, each broken or kept by some rule.
+NESTED_CASES = [
+    {}, {"import": "m:f"}, {"import": "m:f", "args": {"a": 1}}, {"args": {"a": 1}},
+    {"torchvision": "resnet18"}, {"torchvision": "resnet18", "import": "m:f"},
+    {"transformer": {}}, {"imageFolder": {"train": "t"}}, {"tokens": {"train": "t"}},
+    {"imageFolder": {"train": "t"}, "tokens": {"train": "t"}}, {"file": {"train": "t"}},
+    {"file": {"train": "t"}, "import": "m:f"}, {"width": 128, "heads": 4},
+    {"width": 128, "heads": 3}, {"name": "adam", "momentum": 0.5},
+    {"resources": {"limits": {"nvidia.com/gpu": 1}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nested_rules_agree_with_their_cel(kind):
+    """Rules of objects inside the spec, the model's too: the CRD cannot hold those (the
+    model is a string or an object), but their CEL is written and must say the same."""
+    checked = set()
+    for path, table in tables_with_rules(KINDS[kind].spec):
+        for case in NESTED_CASES:
+            errors: list[SpecError] = []
+            as_object = replace(table, type="object", enum=None, rules=())
+            defaulted = apply(as_object, case, path, errors)
+            if errors:
+                continue  # not this object's case
+            for rule in table.rules:
+                expected = rule.check(defaulted)
+                assert cel(rule.cel, defaulted) == expected, (path, rule.cel, case)
+                checked.add((path, rule.cel, expected))
+    for path, table in tables_with_rules(KINDS[kind].spec):
+        if not path.startswith(("spec.model", "spec.data", "spec.loss", "spec.dense")):
+            continue  # the others' rules are in the CRD, checked by the API server's tests
+        for rule in table.rules:  # every workload rule was seen kept and broken
+            assert {(path, rule.cel, True), (path, rule.cel, False)} <= checked, (path, rule)
 
 
 @pytest.mark.parametrize("name", ["ok", "a-b-1", "Bad", "1abc", "a_b", "x" * 40, "x" * 41, "a-"])

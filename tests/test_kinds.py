@@ -436,7 +436,7 @@ def _type_drift(hint: Any, table: Field, path: str, minimal: dict) -> list[str]:
         if typing.get_origin(hint) is not tuple or len(args) != 2 or args[1] is not Ellipsis:
             return [f"{path}: array is tuple[X, ...], typed {hint}"]
         return _type_drift(args[0], table.items, f"{path}[]", minimal) if table.items else []
-    if table.type == "object" and table.fields and table.k8s is None:
+    if table.type in ("object", "string-or-object") and table.fields and table.k8s is None:
         if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
             return [f"{path}: object with fields is a dataclass, typed {hint}"]
         return _class_drift(hint, table, path, minimal)
@@ -465,9 +465,18 @@ def _class_drift(cls: type, table: Field, prefix: str, minimal: dict) -> list[st
         optional = isinstance(hint, types.UnionType) and type(None) in hint.__args__
         if optional:
             hint = functools.reduce(operator.or_, [a for a in hint.__args__ if a is not type(None)])
-        absent = _may_be_absent(fields[name], table, name, path, minimal)
-        if absent and not optional:
-            problems.append(f"{where}: {path} may be absent from a spec: type it X | None = None")
+        # A string-or-object's fields are never filled in by `complete` (it only expands
+        # the string shortcut), so the minimal spec says nothing about them.
+        seen = {} if table.type == "string-or-object" else minimal
+        absent = _may_be_absent(fields[name], table, name, path, seen)
+        # An absent field reads as its dataclass default: None, or an empty value (args {},
+        # splitPoints (), Loss()) where the trainer wants one.
+        defaulted = (
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        )
+        if absent and not optional and not defaulted:
+            problems.append(f"{where}: {path} may be absent from a spec: type it X | None ="
+                            " None, or give it an empty default")  # fmt: skip
         if optional and not absent:
             problems.append(f"{where}: {path} is always in a defaulted spec: drop the | None")
         if optional and f.default is not None:
@@ -535,6 +544,17 @@ def _as_spec(value: Any) -> Any:
     return value
 
 
+def _pruned(value: Any) -> Any:
+    """`value` without empty mappings and lists: an absent field and its empty default
+    (args {}, splitPoints (), Loss()) say the same."""
+    if isinstance(value, dict):
+        out = {k: _pruned(v) for k, v in value.items()}
+        return {k: v for k, v in out.items() if v not in ({}, [])}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value
+
+
 def _trainer_view(data: dict) -> dict:
     """The spec without the fields only the operator reads."""
     out = copy.deepcopy(data)
@@ -553,7 +573,7 @@ def test_example_converts_to_its_typed_spec(path: Path) -> None:
     job = spec.load(path)
     settings = job.settings
     assert isinstance(settings, job.definition.settings)
-    assert _as_spec(settings) == _trainer_view(job.spec)
+    assert _pruned(_as_spec(settings)) == _pruned(_trainer_view(job.spec))
 
 
 def test_there_are_examples_of_every_kind() -> None:

@@ -120,3 +120,29 @@ def test_explain_documents_the_fields_from_the_crd(kubectl):
     assert "FIELD: stages <integer>" in explained
     first_words = " ".join(spec["properties"]["stages"]["description"].split()[:4])
     assert first_words in " ".join(explained.split())
+
+
+def test_a_model_object_is_kept_and_the_wide_columns_show_model_and_evaluation(kubectl, tmp_path):
+    kubectl("apply", "-f", str(REPO / "crds"))
+    lm = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob", "metadata": {"name": "lm"},
+          "spec": {"model": {"transformer": {"layers": 2, "width": 64}}, "stages": 2,
+                   "splitPoints": ["blocks.1"], "data": {"tokens": {"train": "t.bin"}},
+                   "loss": {"import": "mylosses:smooth", "args": {"eps": 0.1}},
+                   "eval": {"everySteps": 5}, "output": {"path": "/out"}}}  # fmt: skip
+    cnn = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob",
+           "metadata": {"name": "cnn"}, "spec": {"model": "resnet18"}}  # fmt: skip
+    path = tmp_path / "jobs.yaml"
+    path.write_text(yaml.safe_dump_all([lm, cnn]))
+    kubectl("apply", "-f", str(path))
+    stored = yaml.safe_load(kubectl("get", "pj", "lm", "-o", "yaml").stdout)["spec"]
+    assert stored["model"] == lm["spec"]["model"]  # kept as written, not pruned
+    assert stored["loss"]["args"] == {"eps": 0.1}
+    patch = '{"status": {"training": {"evalLoss": 1.5, "evalAccuracy": 0.75}}}'
+    kubectl("patch", "pj", "cnn", "--subresource=status", "--type=merge", "-p", patch)
+    rows = {r["NAME"]: r for r in table(kubectl("get", "pj", "-o", "wide").stdout)}
+    assert rows["cnn"]["MODEL"] == "resnet18"  # the shortcut as written
+    assert "transformer" in rows["lm"]["MODEL"]
+    assert (rows["cnn"]["EVAL-LOSS"], rows["cnn"]["ACCURACY"]) == ("1.5", "0.75")
+    assert "PERPLEXITY" in rows["lm"]
+    explained = " ".join(kubectl("explain", "pipelinejob.spec.model").stdout.split())
+    assert "Give exactly one of torchvision, transformer or import." in explained

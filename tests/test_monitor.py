@@ -20,7 +20,11 @@ from jobrun import JobRun, pipeline_job
 from pipejob.trainer.runtime import monitor
 
 PROGRESS_KEYS = {"phase", "step", "steps", "loss", "samplesPerSecond", "bubble",
-                 "resumedFromStep", "preflight", "message"}  # fmt: skip
+                 "resumedFromStep", "preflight", "message", "evalStep", "evalLoss",
+                 "evalAccuracy", "evalPerplexity"}  # fmt: skip
+# Exported only once the master evaluated, each figure only when known.
+EVAL_GAUGES = {"pipejob_eval_step", "pipejob_eval_loss", "pipejob_eval_accuracy",
+               "pipejob_eval_perplexity"}  # fmt: skip
 GAUGES = {"pipejob_step", "pipejob_steps", "pipejob_loss", "pipejob_samples_per_second",
           "pipejob_step_seconds", "pipejob_bubble_ratio", "pipejob_stage_forward_seconds",
           "pipejob_stage_backward_seconds"}  # fmt: skip
@@ -65,6 +69,7 @@ def test_the_board_over_http() -> None:
             "phase": "training", "step": 12, "steps": 20, "loss": 0.75,
             "samplesPerSecond": 128.0, "bubble": 0.25, "resumedFromStep": 10,
             "preflight": {"ok": True, "message": "3 links"}, "message": None,
+            "evalStep": None, "evalLoss": None, "evalAccuracy": None, "evalPerplexity": None,
         }  # fmt: skip
 
         code, kind, text = get(base + "/metrics")
@@ -84,6 +89,39 @@ def test_the_board_over_http() -> None:
         failed = json.loads(get(base + "/progress")[2])
         assert failed["phase"] == "failed" and failed["message"].endswith("boom")
         assert get(base + "/other")[0] == 404
+        assert not EVAL_GAUGES & {name for name, _ in samples(get(base + "/metrics")[2])}
+    finally:
+        server.close()
+
+
+def test_an_evaluation_is_reported_and_exported_once_known() -> None:
+    board = monitor.Board(steps=20)
+    server = monitor.Server(board, port=0, host="127.0.0.1")
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        board.step(10, loss=1.5, seconds=0.5, samples=64)
+        board.evaluated(10, loss=1.25, accuracy=0.875)  # classification: no perplexity
+        progress = json.loads(get(base + "/progress")[2])
+        assert set(progress) == PROGRESS_KEYS
+        assert (progress["evalStep"], progress["evalLoss"], progress["evalAccuracy"]) == (
+            10, 1.25, 0.875)  # fmt: skip
+        assert progress["evalPerplexity"] is None and progress["loss"] == 1.5
+        got = samples(get(base + "/metrics")[2])
+        assert got["pipejob_eval_step", ()] == 10 and got["pipejob_eval_loss", ()] == 1.25
+        assert got["pipejob_eval_accuracy", ()] == 0.875
+        assert ("pipejob_eval_perplexity", ()) not in got  # unknown: not exported as 0
+
+        board.evaluated(20, loss=2.0, perplexity=math.exp(2.0))  # the language model
+        progress = json.loads(get(base + "/progress")[2])
+        assert progress["evalStep"] == 20 and progress["evalAccuracy"] is None
+        assert progress["evalPerplexity"] == pytest.approx(math.exp(2.0))
+        got = samples(get(base + "/metrics")[2])
+        assert EVAL_GAUGES <= {name for name, _ in got}
+        assert got["pipejob_eval_perplexity", ()] == pytest.approx(math.exp(2.0))
+        assert got["pipejob_eval_step", ()] == 20
+
+        board.evaluated(21, loss=math.inf)  # JSON has no infinity either
+        assert json.loads(get(base + "/progress")[2])["evalLoss"] is None
         with pytest.raises(ValueError, match="unknown phase"):
             board.phase("running")
     finally:

@@ -7,9 +7,8 @@ import random
 
 import pytest
 import torch
-from torch import nn
+from torchvision.models import get_model
 
-from pipejob.core.kinds.pipeline import PIPELINE_MODELS
 from pipejob.trainer.pipeline.partition import (
     Host,
     LayerCosts,
@@ -20,19 +19,9 @@ from pipejob.trainer.pipeline.partition import (
     min_max_partition,
     predict,
 )
-from pipejob.trainer.workloads.torchvision import build_model, cut, sequential
+from pipejob.trainer.workloads.cut import Traced
 
 # One model per torchvision family the trainer cuts, with an input size it can take.
-FAMILIES = {
-    "resnet18": 32,
-    "resnext50_32x4d": 32,
-    "vgg11_bn": 32,
-    "alexnet": 64,
-    "mobilenet_v2": 32,
-    "mobilenet_v3_small": 32,
-    "efficientnet_b0": 32,
-    "convnext_tiny": 32,
-}
 
 
 def brute_force(costs: list[float], parts: int) -> float:
@@ -79,69 +68,36 @@ def test_partition_refuses_what_it_cannot_split():
         min_max_partition([1, -1], 2)
 
 
-@pytest.mark.parametrize("name", PIPELINE_MODELS)
-def test_every_pipeline_model_can_be_cut(name):
-    with torch.device("meta"):  # structure only: no memory, no initialisation cost
-        model = build_model(name, 10)
-    layers = cut(model)
-    names = [n for n, _ in layers]
-    assert len(names) == len(set(names)) >= 10
-    model_params = {id(p) for p in model.parameters()}
-    cut_params = [id(p) for _, m in layers for p in m.parameters()]
-    # Every parameter of the model is in exactly one layer.
-    assert sorted(cut_params) == sorted(model_params)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", FAMILIES)
-def test_cut_model_computes_what_the_model_computes(name):
-    torch.manual_seed(0)
-    model = build_model(name, 10).eval()  # eval: dropout off, BatchNorm deterministic
-    x = torch.randn(2, 3, FAMILIES[name], FAMILIES[name])
-    with torch.no_grad():
-        expected = model(x)
-        got = sequential(cut(model))(x)
-    assert got.shape == (2, 10)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
-
-
-def test_sequential_keeps_layer_names_in_parameter_names():
-    torch.manual_seed(0)
-    layers = cut(build_model("resnet18", 10))
-    names = [n for n, _ in sequential(layers).named_parameters()]
-    assert names[0] == "conv1.weight"
-    assert "layer1_0.conv1.weight" in names
-    assert names[-1] == "fc.bias"
-
-
 def test_measured_costs_leave_the_model_untouched():
     torch.manual_seed(0)
-    layers = cut(build_model("resnet18", 10))
-    before = {k: v.clone() for k, v in sequential(layers).state_dict().items()}
-    measured = measure_costs(layers, torch.randn(2, 3, 32, 32), repeats=2)
+    model = get_model("resnet18", weights=None, num_classes=10)
+    traced = Traced(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pieces = traced.split(traced.units[1:])
+    measured = measure_costs(pieces, traced.units, torch.randn(2, 3, 32, 32), repeats=2)
     costs = measured.seconds
-    assert len(costs) == len(measured.cpu_seconds) == len(layers)
+    assert len(costs) == len(measured.cpu_seconds) == len(traced.units)
     assert all(c > 0 for c in costs)
     assert sum(measured.cpu_seconds) > 0
-    # The residual blocks cost more than the flatten between avgpool and fc.
-    by_name = dict(zip((n for n, _ in layers), costs, strict=True))
-    assert by_name["layer1.0"] > by_name["flatten"]
-    after = sequential(layers).state_dict()
+    by_name = dict(zip(traced.units, costs, strict=True))
+    assert by_name["layer1.0"] > by_name["relu"]  # a residual block costs more than a ReLU
+    after = model.state_dict()
     for key, value in before.items():
         assert torch.equal(after[key], value), key  # BatchNorm statistics included
-    assert all(p.grad is None for _, m in layers for p in m.parameters())
+    assert all(p.grad is None for p in model.parameters())
 
 
-def test_a_layer_that_cannot_take_the_input_is_named():
+def test_a_part_that_cannot_take_the_input_is_named_with_the_shapes():
     torch.manual_seed(0)
-    layers = cut(build_model("alexnet", 10))
-    with pytest.raises(ValueError, match=r"layer features\.\S+ cannot process an input"):
-        measure_costs(layers, torch.randn(1, 3, 32, 32), repeats=1)
+    traced = Traced(get_model("alexnet", weights=None, num_classes=10))
+    pieces = traced.split(traced.units[1:])
+    with pytest.raises(ValueError, match=r"features\.\S+ cannot process its input of shape"
+                                         r" \(1, \d+, \d+, \d+\) float32"):  # fmt: skip
+        measure_costs(pieces, traced.units, torch.randn(1, 3, 32, 32), repeats=1)
+    with pytest.raises(ValueError, match=r"features\.0 cannot process the data's input of"
+                                         r" shape \(1, 5, 64, 64\) float32"):  # fmt: skip
+        measure_costs(pieces, traced.units, torch.randn(1, 5, 64, 64), repeats=1)
 
-
-def test_cut_refuses_models_it_does_not_know():
-    with pytest.raises(ValueError, match="cannot cut Linear into pipeline layers"):
-        cut(nn.Linear(2, 2))
 
 
 # ------------------------------------------------------------------ microBatches: auto

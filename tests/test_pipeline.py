@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import re
 import threading
 import time
@@ -12,18 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
-import torch.nn.functional as F
 from torch import nn
 
-from jobrun import JobRun, pipeline_job, run_to_end, run_world
-from pipejob.core import plan, spec
+from jobrun import JobRun, check_gradients, pipeline_job, run_to_end
+from pipejob.core import spec
 from pipejob.core.common import Optimizer, from_spec
-from pipejob.runner.local import LOOPBACK, free_ports
-from pipejob.trainer import pipeline
-from pipejob.trainer.pipeline.schedule import Pipeline, forward_backward
-from pipejob.trainer.pipeline.shards import build_shards
 from pipejob.trainer.pipeline.stage import (
     Stage,
     Turnstile,
@@ -32,11 +24,9 @@ from pipejob.trainer.pipeline.stage import (
     step_seconds,
 )
 from pipejob.trainer.pipeline.summary import gpipe_bubble
-from pipejob.trainer.runtime import rendezvous, world
 from pipejob.trainer.runtime.optim import optimizer_args
-from pipejob.trainer.workloads import pipeline_data
+from pipejob.trainer.workloads import cut, models
 from pipejob.trainer.workloads.synthetic import SyntheticImages
-from pipejob.trainer.workloads.torchvision import build_model, cut, sequential
 
 
 def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
@@ -46,9 +36,8 @@ def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
     assert all(math.isfinite(loss) for loss in summary["losses"])
     assert math.isfinite(summary["finalLoss"])
     assert summary["samplesPerSecond"] > 0
-    # The stages hold the whole cut model, in order, each a non-empty run of layers.
-    with torch.device("meta"):
-        names = [n for n, _ in cut(build_model(s["model"], s["numClasses"]))]
+    # The stages hold the whole cut model, in order, each a non-empty run of its units.
+    names = cut.Traced(models.build(spec.parse(job).settings)).units
     stages = summary["partition"]
     assert [st["stage"] for st in stages] == [f"stage{i}" for i in range(s["stages"])]
     assert [n for st in stages for n in st["layers"]] == names
@@ -134,7 +123,7 @@ def test_auto_micro_batches_are_chosen_once_and_kept_on_resume(tmp_path):
     longer = pipeline_job("auto", **(job["spec"] | {"steps": 3}))
     code, out, summary = run_to_end(longer, tmp_path, timeout=150)
     assert code == 0, out
-    assert "resumed from step 2" in out and "measuring layer costs" not in out
+    assert "resumed from step 2" in out and "measuring what each part costs" not in out
     assert f"microBatches auto resumes with the checkpoint's {m} (micro-batches of" in out
     assert summary["microBatches"] == m and summary["microBatchCandidates"] == candidates
 
@@ -145,74 +134,12 @@ def test_auto_micro_batches_are_chosen_once_and_kept_on_resume(tmp_path):
         assert f"holds a checkpoint of microBatches {m}, not microBatches {other}" in run.output
 
 
-def _stage_gradients(stage: rpc.RRef, context_id: int) -> dict[str, torch.Tensor]:
-    """Runs on a stage: the gradients its shard got in one distributed backward."""
-    grads = dist_autograd.get_gradients(context_id)
-    return {name: grads.get(p) for name, p in stage.local_value().layers.named_parameters()}
-
-
-def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
-    """One process of a real pipeline world. Stages run the trainer's own stage role; the
-    master runs one step with the trainer's building blocks and saves every gradient."""
-    os.environ.update(envs[rank])
-    env = world.read_env()
-    if env.role != "master":
-        pipeline.run(env)
-        return
-    rendezvous.join_rpc(env)
-    try:
-        s = env.spec
-        shards = build_shards(s)
-        pipe = Pipeline(env.names("stage"), shards)
-        images, labels = pipeline_data(s).batch()
-        with dist_autograd.context() as context_id:
-            loss = forward_backward(pipe, images, labels, s.micro_batches, 0, context_id,
-                                    F.cross_entropy)  # fmt: skip
-            grads: dict[str, torch.Tensor] = {}
-            for stage in pipe.stages:
-                grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))
-        stages = [[name for name, _ in shards.of(i)] for i in range(len(pipe.stages))]
-        torch.save({"loss": loss.item(), "grads": grads, "stages": stages}, out)
-    finally:
-        rpc.shutdown()
-
-
-def assert_gradient_close(name: str, grad: torch.Tensor, expected: torch.Tensor) -> None:
-    """Equal within float tolerance relative to the gradient's scale: the micro-batches'
-    contributions are summed in another order across processes than in one graph."""
-    scale = expected.abs().max().item()
-    try:
-        torch.testing.assert_close(grad, expected, rtol=1e-3, atol=1e-4 * scale)
-    except AssertionError as e:
-        raise AssertionError(f"gradient of {name}: {e}") from None
-    assert (grad - expected).norm() <= 1e-4 * expected.norm(), name
-
-
 @pytest.mark.timeout(200)
 def test_pipeline_gradients_equal_single_process_gradients(tmp_path):
     job = spec.parse(pipeline_job("gradients", stages=3, microBatches=4, steps=1))
-    rpc_port, ddp_port = free_ports(2)
-    processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
-    out = tmp_path / "pipeline.pt"
-    got = run_world(_gradient_world, [p.env for p in processes], out)
-    assert len(got["stages"]) == 3 and all(got["stages"])
-
-    # The same model, seed and micro-batches in one process. BatchNorm normalises each
-    # micro-batch by its own statistics, so the reference runs them one at a time too.
-    s = job.settings
-    torch.manual_seed(s.seed)
-    model = sequential(cut(build_model(s.model, s.num_classes)))
-    images, labels = pipeline_data(s).batch()
-    outputs = torch.cat([model(x) for x in images.tensor_split(s.micro_batches)])
-    loss = F.cross_entropy(outputs, labels)
-    loss.backward()
-
-    assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
-    params = dict(model.named_parameters())
-    assert sorted(got["grads"]) == sorted(params)
-    for name, p in params.items():
-        assert got["grads"][name] is not None, f"{name} got no gradient in the pipeline"
-        assert_gradient_close(name, got["grads"][name], p.grad)
+    got = check_gradients(job, tmp_path)
+    assert [n for stage in got["stages"] for n in stage] == cut.Traced(
+        models.build(job.settings)).units  # fmt: skip
 
 
 # ------------------------------------------------------------------ pure pieces
@@ -283,13 +210,13 @@ def test_stage_times_forward_and_backward_of_each_micro_batch():
     """The stage's timing hooks, in one process: a stage in the middle of a pipeline (its
     input comes with a gradient function) and one at the start (a plain input)."""
     torch.manual_seed(0)
-    layers = [("a", nn.Linear(8, 8)), ("relu", nn.ReLU(inplace=True)), ("b", nn.Linear(8, 2))]
+    layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
     for middle in (True, False):
         stage = Stage(layers, last=True, device="cpu")
         for step in range(2):
             for mb in range(2):
                 x = torch.randn(4, 8, requires_grad=middle)
-                y = stage.forward(x * 2 if middle else x, step, mb)
+                y = stage.forward((x * 2 if middle else x,), step, mb, step)
                 start = time.perf_counter()
                 y.sum().backward()
                 end = time.perf_counter()
@@ -372,12 +299,11 @@ def test_a_turn_that_never_comes_is_an_error_not_a_hang():
 def test_stage_runs_forwards_in_micro_batch_order_whatever_their_arrival():
     """Forwards reach a stage's RPC threads out of order; it computes them in order."""
     torch.manual_seed(0)
-    stage = Stage([("a", nn.Linear(8, 8)), ("b", nn.Linear(8, 2))], last=True,
-                           device="cpu")  # fmt: skip
+    stage = Stage(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), last=True, device="cpu")
     done: list[int] = []
 
     def call(mb: int) -> None:
-        stage.forward(torch.randn(4, 8), 0, mb)
+        stage.forward((torch.randn(4, 8),), 0, mb, 0)
         done.append(mb)
 
     threads = [_start(call, mb) for mb in (3, 1, 2)]

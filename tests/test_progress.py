@@ -50,6 +50,18 @@ def test_something_else_than_a_report_is_refused(data):
         Progress.parse(data)
 
 
+def test_a_report_keeps_the_last_evaluation():
+    evaluated = REPORT | {"evalStep": 3, "evalLoss": 2, "evalAccuracy": 0.5,
+                          "evalPerplexity": None}  # fmt: skip
+    report = Progress.parse(evaluated)
+    assert (report.evalStep, report.evalLoss, report.evalAccuracy) == (3, 2.0, 0.5)
+    assert report.evalPerplexity is None
+    assert isinstance(report.evalLoss, float)
+    odd = Progress.parse(REPORT | {"evalStep": -1, "evalLoss": "low", "evalAccuracy": True,
+                                   "evalPerplexity": float("inf")})  # fmt: skip
+    assert odd == Progress.parse(REPORT)  # each counts as absent
+
+
 def test_unknown_or_ill_typed_figures_count_as_absent():
     odd = {"step": 1, "steps": 2, "phase": "dancing", "loss": float("nan"), "bubble": "high",
            "samplesPerSecond": True, "resumedFromStep": -3, "preflight": {"ok": "yes"},
@@ -158,6 +170,22 @@ def test_a_report_becomes_progress_and_training_figures():
     assert preflight["status"] == "True" and preflight["reason"] == "PreflightPassed"
     assert preflight["message"] == "3 links ok"
     assert status["phase"] == st.RUNNING
+
+
+def test_an_evaluation_lands_in_the_training_figures_and_stays_to_the_end():
+    manifest, pods = running(eval={"everySteps": 5})
+    report = Progress.parse(REPORT | {"step": 10, "evalStep": 10, "evalLoss": 1.75,
+                                      "evalAccuracy": 0.625})  # fmt: skip
+    manifest["status"] = decide(manifest, pods, report, seconds=2).status
+    training = manifest["status"]["training"]
+    assert (training["evalStep"], training["evalLoss"], training["evalAccuracy"]) == (
+        10, 1.75, 0.625)  # fmt: skip
+    assert "evalPerplexity" not in training  # unknown: not shown
+    pods[0]["status"] = {"phase": "Succeeded", "containerStatuses": [
+        {"name": "trainer", "state": {"terminated": {"exitCode": 0}}}]}  # fmt: skip
+    status = decide(manifest, pods, None, seconds=3).status
+    assert status["phase"] == st.SUCCEEDED
+    assert status["training"]["evalAccuracy"] == 0.625  # the last evaluation stays
 
 
 def test_the_same_report_again_changes_nothing_so_nothing_is_written():

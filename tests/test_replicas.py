@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from pipejob.trainer import pipeline
 from pipejob.trainer.pipeline.schedule import Replicas
 from pipejob.trainer.pipeline.shards import Partition, Shards
 from pipejob.trainer.runtime import checkpoint, rendezvous, world
-from pipejob.trainer.workloads.torchvision import sequential
+from pipejob.trainer.workloads import cut
 
 # SGD with momentum and weight decay: the optimizer state must agree too. ResNet-18's
 # BatchNorm normalises each micro-batch by its own statistics, so both runs use micro-batches
@@ -124,12 +125,14 @@ def test_a_killed_stage_of_replica_1_resumes_from_the_one_copy(tmp_path: Path) -
 EXACT_STEPS, SHARE = 4, 6  # steps; samples per replica per step
 
 
-def mlp() -> list[tuple[str, nn.Module]]:
+def mlp() -> nn.Sequential:
     """No batch statistics, no Dropout: every sample's gradient is its own, so the replicas
     and one process must agree step after step, up to float rounding."""
     torch.manual_seed(7)
-    return [("fc1", nn.Linear(5, 16)), ("act1", nn.Tanh()), ("fc2", nn.Linear(16, 16)),
-            ("act2", nn.Tanh()), ("fc3", nn.Linear(16, 3))]  # fmt: skip
+    return nn.Sequential(OrderedDict([
+        ("fc1", nn.Linear(5, 16)), ("act1", nn.Tanh()), ("fc2", nn.Linear(16, 16)),
+        ("act2", nn.Tanh()), ("fc3", nn.Linear(16, 3)),
+    ]))  # fmt: skip
 
 
 def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -157,7 +160,9 @@ def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         s = env.spec
         names = env.names("stage")
         per_replica = [names[r * s.stages : (r + 1) * s.stages] for r in range(s.replicas)]
-        shards = Shards(mlp(), Partition([range(0, 2), range(2, 5)], [1.0] * 5, 2))
+        traced = cut.Traced(mlp())
+        shards = Shards(traced.units, traced.split(["fc2"]),
+                        Partition([range(0, 2), range(2, 5)], [1.0] * 5, 2), {})  # fmt: skip
         replicas = Replicas(per_replica, shards, s)
         losses = [replicas.step(x, y, 2, step, F.cross_entropy).loss
                   for step, (x, y) in enumerate(batches(s.replicas))]  # fmt: skip
@@ -179,7 +184,7 @@ def test_replicas_train_exactly_what_one_process_trains_on_their_union(tmp_path:
     got = run_world(_replica_world, [p.env for p in processes], tmp_path / "replicas.pt")
 
     # The reference: plain autograd on the whole batch, one optimizer, one process.
-    model = sequential(mlp())  # named as the stages name their shards: fc1.weight, ...
+    model = mlp()  # the stages keep its names: fc1.weight, ...
     opt = COMMON["optimizer"]
     optimizer = torch.optim.SGD(model.parameters(), lr=opt["lr"], momentum=opt["momentum"],
                                 weight_decay=opt["weightDecay"])  # fmt: skip

@@ -65,3 +65,89 @@ def test_bad_manifest_starts_nothing(tmp_path):
     assert result.returncode == 2
     assert "spec.stages: must be >= 2, got 1" in result.stderr
     assert "started" not in result.stdout + result.stderr
+
+
+# A stand-in trainer: what a process sees of the manifest's folder (the boundary here is the
+# runner's process setup, not training).
+SHOW_SETUP = (
+    "import os, sys\n"
+    "import userpkg\n"  # beside the manifest, importable only through PYTHONPATH
+    "print('role', os.environ['PIPEJOB_RPC_NAME'], 'cwd', os.getcwd(), 'found', userpkg.WHERE,"
+    " 'path', os.environ['PYTHONPATH'], 'data', open('data/train.txt').read().strip())\n"
+)
+
+
+@pytest.mark.timeout(60)
+def test_run_imports_and_resolves_paths_from_the_manifest_folder(tmp_path, monkeypatch, capfd):
+    import pipejob.runner.local as local
+    from pipejob.cli import main as cli
+
+    folder = tmp_path / "project"
+    (folder / "data").mkdir(parents=True)
+    (folder / "userpkg.py").write_text("WHERE = 'beside the manifest'\n")
+    (folder / "data" / "train.txt").write_text("relative to the manifest\n")
+    manifest = pipeline_job("here", stages=2, output={"path": "out"})
+    (folder / "job.yaml").write_text(yaml.safe_dump(manifest))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the user runs it from another folder
+    monkeypatch.setenv("PYTHONPATH", "/opt/theirs")  # and keeps their own path
+    monkeypatch.setattr(local, "TRAINER_MODULE", ("-c", SHOW_SETUP))
+
+    relative = os.path.relpath(folder / "job.yaml")  # ../project/job.yaml
+    assert cli.main(["run", "--grace", "5", relative]) == 0
+    out = capfd.readouterr().out
+    lines = [line for line in out.splitlines() if "| role " in line]
+    assert len(lines) == 3, out  # master, stage0, stage1
+    want = (f"cwd {folder} found beside the manifest path {folder}{os.pathsep}/opt/theirs"
+            " data relative to the manifest")  # fmt: skip
+    assert all(line.endswith(want) for line in lines), out
+
+
+def test_the_manifest_folder_goes_first_on_the_callers_python_path():
+    from pipejob.runner.local import python_path
+
+    assert python_path(Path("/m"), None) == "/m"
+    assert python_path(Path("/m"), "/a:/b") == f"/m{os.pathsep}/a:/b"
+
+
+# --- pipejob export: the CLI's side (the trainer's module does the work) ----------------------
+
+
+def test_export_calls_the_trainers_module_only_when_invoked(monkeypatch, tmp_path):
+    import types
+
+    from pipejob.cli import main as cli
+
+    calls = []
+    fake = types.ModuleType("pipejob.trainer.export")
+    fake.main = lambda checkpoint_dir, out, format: calls.append((checkpoint_dir, out, format)) or 0
+    monkeypatch.setitem(sys.modules, "pipejob.trainer.export", fake)
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "model")]) == 0
+    assert cli.main(["export", "ckpt/step-10", "out", "--format", "torch"]) == 0
+    assert calls == [(str(tmp_path / "ckpt"), str(tmp_path / "model"), "safetensors"),
+                     ("ckpt/step-10", "out", "torch")]  # fmt: skip
+    fake.main = lambda checkpoint_dir, out, format: 1  # the export's own failure is the code
+    assert cli.main(["export", "ckpt", "out"]) == 1
+
+
+def test_export_without_the_trainer_says_what_is_missing(monkeypatch, capsys):
+    from pipejob.cli import main as cli
+
+    monkeypatch.setitem(sys.modules, "pipejob.trainer.export", None)  # as if not installed
+    assert cli.main(["export", "ckpt", "out"]) == 2
+    err = capsys.readouterr().err
+    assert "export needs the trainer" in err and "trainer extra" in err
+    with pytest.raises(SystemExit):
+        cli.main(["export", "ckpt", "out", "--format", "pickle"])  # not a format
+
+
+@pytest.mark.timeout(60)
+def test_the_cli_imports_no_torch_until_export_runs():
+    code = (
+        "import sys; from pipejob.cli import main; main.build_parser();"
+        " assert 'torch' not in sys.modules and 'pipejob.trainer' not in sys.modules"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=50)  # fmt: skip
+    assert done.returncode == 0, done.stderr

@@ -33,10 +33,98 @@ def test_defaults_fill_every_field():
     job = spec.parse(pipeline())
     s = job.spec
     assert (job.kind, job.name) == ("PipelineJob", "resnet")
-    assert s["model"] == "resnet50" and s["steps"] == 10 and s["imageSize"] == 224
+    assert s["model"] == {"torchvision": "resnet50"}  # the shortcut, completed
+    assert s["steps"] == 10 and s["imageSize"] == 224
     assert s["optimizer"] == {"name": "sgd", "lr": 0.05, "momentum": 0.0, "weightDecay": 0.0}
     assert s["backoffLimit"] == 3 and s["gpusPerStage"] == 0 and s["suspend"] is False
     assert "template" not in s and "activeDeadlineSeconds" not in s
+
+
+def test_workload_fields_default_and_convert_to_the_typed_spec():
+    """The user's model, data, loss, evaluation and output (core/workload.py)."""
+    from pipejob.core.workload import Eval, Loss, Model, Output, Split, Tokens, Transformer
+
+    plain = spec.parse(pipeline(model="resnet18"))
+    assert plain.spec["data"] == {"workers": 2}  # synthetic, with its loader's workers
+    for section in ("loss", "eval", "output", "splitPoints"):
+        assert section not in plain.spec, section  # absent unless written
+    typed = plain.settings
+    assert typed.model == Model(torchvision="resnet18")
+    assert (typed.loss, typed.eval, typed.output, typed.split_points) == (Loss(), None, None, ())
+    assert typed.data.image_folder is typed.data.tokens is typed.data.import_ is None
+
+    lm = spec.parse(pipeline(
+        model={"transformer": {"layers": 2}}, stages=3, splitPoints=["blocks.0", "blocks.1"],
+        data={"tokens": {"train": "train.bin", "val": "val.bin"}, "workers": 0},
+        loss={"import": "losses.text:smoothed", "args": {"eps": 0.1}},
+        eval={"everySteps": 50}, output={"path": "out"},
+    )).settings  # fmt: skip
+    assert lm.model == Model(transformer=Transformer(vocab_size=256, layers=2, width=128,
+                                                     heads=4, seq_len=128))  # fmt: skip
+    assert lm.split_points == ("blocks.0", "blocks.1")
+    assert lm.data.tokens == Tokens(train="train.bin", val="val.bin", dtype="uint16")
+    assert lm.data.workers == 0
+    assert lm.loss == Loss(import_="losses.text:smoothed", args={"eps": 0.1})
+    assert lm.eval == Eval(every_steps=50, batches=0)
+    assert lm.output == Output(path="out", format="safetensors")
+
+    mine = spec.parse(pipeline(
+        model={"import": "mypkg.models:small_cnn", "args": {"classes": 10}},
+        data={"imageFolder": {"train": "digits/train", "val": "digits/val"}},
+    )).settings  # fmt: skip
+    assert mine.model == Model(import_="mypkg.models:small_cnn", args={"classes": 10})
+    assert mine.data.image_folder == Split(train="digits/train", val="digits/val")
+
+    bags = spec.parse(hybrid(dense={"import": "mypkg.dense:Tower", "args": {"hidden": 32}},
+                             data={"file": {"train": "train.npz"}})).settings  # fmt: skip
+    assert (bags.dense.import_, bags.dense.args, bags.dense.out_features) == (
+        "mypkg.dense:Tower", {"hidden": 32}, 8)  # fmt: skip
+    assert bags.data.file == Split(train="train.npz") and bags.data.import_ is None
+    assert spec.parse(hybrid()).settings.data.file is None  # synthetic bags
+
+
+@pytest.mark.parametrize(
+    ("data", "ok"),
+    [(None, False), ({"file": {"train": "t.npz"}}, True), ({"import": "m:f"}, True)],
+)
+def test_dataset_size_binds_synthetic_bags_only(data, ok):
+    manifest = hybrid(trainers=4, batchSize=50, datasetSize=100)
+    if data is not None:
+        manifest["spec"]["data"] = data
+    if ok:
+        spec.parse(manifest)
+    else:
+        with pytest.raises(spec.InvalidSpec, match="spec.datasetSize"):
+            spec.parse(manifest)
+
+
+def test_split_points_error_says_the_count_it_needs():
+    with pytest.raises(spec.InvalidSpec) as refused:
+        spec.parse(pipeline(stages=4, splitPoints=["layer2"]))
+    (error,) = refused.value.errors
+    assert error.path == "spec.splitPoints"
+    assert "stages - 1 = 3 module names" in error.reason and "got 1" in error.reason
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["mypkg.models", "a..b:c", "a:b:c", ":f", "m:", "1pkg:f", "m:f ", "pkg-name:f", ""],
+)
+def test_malformed_import_paths_are_refused_in_words(bad):
+    for manifest, path in ((pipeline(model={"import": bad}), "spec.model.import"),
+                           (pipeline(data={"import": bad}), "spec.data.import"),
+                           (pipeline(loss={"import": bad}), "spec.loss.import"),
+                           (hybrid(dense={"import": bad}), "spec.dense.import")):  # fmt: skip
+        with pytest.raises(spec.InvalidSpec) as refused:
+            spec.parse(manifest)
+        (error,) = refused.value.errors
+        assert error.path == path
+        assert "import path 'package.module:function'" in error.reason and repr(bad) in error.reason
+
+
+@pytest.mark.parametrize("good", ["m:f", "my_pkg.sub.mod:Factory", "pkg.mod:Class.build"])
+def test_well_formed_import_paths_pass(good):
+    assert spec.parse(pipeline(model={"import": good})).settings.model.import_ == good
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ from harness.apiserver import now
 from harness.client import Api, ApiError, path
 from harness.network import PodNetwork
 from harness.selectors import selects
+from pipejob.core.contract import TERMINATION_LOG
 
 PODS = "v1/pods"
 # The "image": the interpreter of the tests first on PATH, so `python` runs pipejob.trainer.
@@ -306,7 +307,9 @@ class Kubelet:
             )
         if container.get("envFrom"):
             raise ValueError("the process-kubelet does not emulate envFrom")
-        env = {"PATH": PATH, "HOME": str(run.dir), "HOSTNAME": self._hostname(pod)}
+        env = {"PATH": PATH, "HOME": str(run.dir), "HOSTNAME": self._hostname(pod),
+               # The container's terminationMessagePath, as a file of the pod's own.
+               TERMINATION_LOG: str(run.dir / "termination-log")}  # fmt: skip
         for var in container.get("env") or []:  # in order: later entries win, $(VAR) expands
             if "valueFrom" in var:
                 env[var["name"]] = self._value_from(pod, run, var["valueFrom"])
@@ -418,7 +421,13 @@ class Kubelet:
             )]})  # fmt: skip
             return
         run.done = True
-        if code != 0 and run.pod["spec"]["containers"][0].get("terminationMessagePolicy") == (
+        # As a kubelet does: the file's content whatever the exit; the log's tail instead
+        # only for a failure that left it empty, under FallbackToLogsOnError.
+        written = run.dir / "termination-log"
+        message = written.read_text(errors="replace").strip() if written.exists() else ""
+        if message:
+            terminated["terminated"]["message"] = message[:4096]
+        elif code != 0 and run.pod["spec"]["containers"][0].get("terminationMessagePolicy") == (
             "FallbackToLogsOnError"
         ):
             terminated["terminated"]["message"] = _log_tail(run.log)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from pathlib import Path
 
 from pipejob.cli import cluster
 from pipejob.core import spec
@@ -22,7 +24,38 @@ def _load_or_exit(path: str, allow_node_volumes: bool = False) -> spec.Job:
 def cmd_run(args: argparse.Namespace) -> int:
     from pipejob.runner.local import run_job
 
-    return run_job(_load_or_exit(args.file, args.allow_node_volumes), grace=args.grace)
+    job = _load_or_exit(args.file, args.allow_node_volumes)
+    # The manifest's folder holds the user's code and is where its relative paths start.
+    return run_job(job, grace=args.grace, directory=Path(args.file).resolve().parent)
+
+
+# The module behind `pipejob export`: the trainer's, so it is imported only when asked for.
+EXPORT_MODULE = "pipejob.trainer.export"
+
+
+def _trainer_missing(module: str | None) -> bool:
+    """Is `module` (an ImportError's) the trainer or one of its own dependencies?"""
+    top = (module or "").split(".")[0]
+    return top in ("torch", "torchvision", "safetensors", "numpy") or (module or "") in (
+        "pipejob.trainer",
+        EXPORT_MODULE,
+    )
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    try:
+        export = importlib.import_module(EXPORT_MODULE)
+    except ImportError as e:
+        if not _trainer_missing(e.name):  # a bug in an installed trainer: show it
+            raise
+        print(
+            f"pipejob: export needs the trainer ({EXPORT_MODULE} and torch), which is not"
+            f" installed here ({e}); install pipejob with its trainer extra, or run"
+            " `pipejob export` in the trainer image",
+            file=sys.stderr,
+        )
+        return 2
+    return int(export.main(args.checkpoint_dir, args.out, args.format))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -73,6 +106,25 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("file")
     cluster.allow_node_volumes(plan)
     plan.set_defaults(func=cmd_plan)
+
+    export = sub.add_parser(
+        "export",
+        help="write one model file (and its JSON) from a complete checkpoint: the newest"
+        " under CHECKPOINT_DIR, or that step directory",
+    )
+    export.add_argument(
+        "checkpoint_dir",
+        metavar="CHECKPOINT_DIR",
+        help="a job's checkpoint.path, or one step directory under it",
+    )
+    export.add_argument("out", metavar="OUT", help="directory the model file and its JSON go in")
+    export.add_argument(
+        "--format",
+        choices=("safetensors", "torch"),
+        default="safetensors",
+        help="file format (default safetensors)",
+    )
+    export.set_defaults(func=cmd_export)
 
     cluster.add_subcommands(sub)  # operator, render, crds
     return parser

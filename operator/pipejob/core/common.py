@@ -1,5 +1,6 @@
-"""What every kind's spec has (steps, seed, optimizer, restarts, pod template, checkpoint,
-profile, preflight): its table, and the typed objects the trainer reads a spec through.
+"""What every kind's spec has (steps, seed, optimizer, loss, evaluation, output, restarts, pod
+template, checkpoint, profile, preflight): its table, and the typed objects the trainer reads
+a spec through.
 
 `from_spec` turns a defaulted spec (camelCase, as in the manifest) into those dataclasses:
 field `weight_decay` reads key `weightDecay`. tests/test_kinds.py checks every dataclass
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 from pipejob.core.scheduling import RULES as SCHEDULING_RULES
 from pipejob.core.scheduling import SCHEDULING
 from pipejob.core.schema import Field, Rule
-from pipejob.core.workload import Eval, Loss, Output
+from pipejob.core.workload import EVAL, LOSS, OUTPUT, Eval, Loss, Output
 
 DNS_LABEL = r"[a-z]([-a-z0-9]*[a-z0-9])?"
 # Bounds that keep times representable: Python's datetime and torch's timeouts overflow
@@ -122,6 +123,9 @@ COMMON: dict[str, Field] = {
     "steps": integer("Training steps (batches) to run.", default=10, minimum=1),
     "seed": integer("Seed of model initialisation and synthetic data.", default=0),
     "optimizer": OPTIMIZER,
+    "loss": LOSS,
+    "eval": EVAL,
+    "output": OUTPUT,
     "logEvery": integer("Print progress every this many steps.", default=1, minimum=1),
     "rendezvousTimeoutSeconds": integer(
         "How long each process waits for the RPC world (and DDP group) to form.",

@@ -143,6 +143,10 @@ class PreflightResult:
     message: str
 
 
+# The evaluation's figures in a report (numbers; evalStep is its step).
+EVAL_FIGURES = ("evalLoss", "evalAccuracy", "evalPerplexity")
+
+
 @dataclass(frozen=True)
 class Progress:
     """The master's report, as JSON with these names (camelCase, as the job's status)."""
@@ -156,6 +160,12 @@ class Progress:
     resumedFromStep: int | None = None  # noqa: N815
     message: str | None = None
     preflight: PreflightResult | None = None
+    # The last evaluation on held-out data (spec.eval): its step and figures; accuracy for
+    # classification, perplexity for the language model.
+    evalStep: int | None = None  # noqa: N815
+    evalLoss: float | None = None  # noqa: N815
+    evalAccuracy: float | None = None  # noqa: N815
+    evalPerplexity: float | None = None  # noqa: N815
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -173,7 +183,7 @@ class Progress:
         step, steps = data.get("step"), data.get("steps")
         if not _count(step) or not _count(steps):
             raise ValueError(f"a report has whole numbers step and steps, got {step!r}, {steps!r}")
-        figures = {k: float(data[k]) for k in ("loss", "samplesPerSecond", "bubble")
+        figures = {k: float(data[k]) for k in ("loss", "samplesPerSecond", "bubble", *EVAL_FIGURES)
                    if _number(data.get(k))}  # fmt: skip
         message = data.get("message")
         preflight = data.get("preflight")
@@ -190,6 +200,7 @@ class Progress:
             resumedFromStep=data["resumedFromStep"]
             if _count(data.get("resumedFromStep"))
             else None,
+            evalStep=data["evalStep"] if _count(data.get("evalStep")) else None,
             message=message[:MAX_MESSAGE] if isinstance(message, str) and message else None,
             preflight=preflight,
             **figures,

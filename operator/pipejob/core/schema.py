@@ -15,7 +15,11 @@ from typing import Any
 class Field:
     """One field of a spec. `type` is an OpenAPI type: integer, number, string, boolean,
     object or array; or int-or-string (Kubernetes' x-kubernetes-int-or-string), whose
-    minimum and maximum bound its integers and whose pattern its strings, as in OpenAPI."""
+    minimum and maximum bound its integers and whose pattern its strings, as in OpenAPI; or
+    string-or-object: a shortcut string (checked by enum and pattern) or an object (checked
+    by fields and rules). No structural schema can say "string or object", so the CRD keeps
+    such a field unchecked (x-kubernetes-preserve-unknown-fields) and only the Python
+    validation (`parse`: `pipejob validate`, `run` and the operator) checks it, in full."""
 
     type: str
     description: str
@@ -25,6 +29,7 @@ class Field:
     exclusive_minimum: bool = False
     enum: tuple[Any, ...] | None = None
     pattern: str | None = None
+    pattern_says: str | None = None  # what `pattern` asks for, in words, for error messages
     max_length: int | None = None
     fields: dict[str, Field] | None = None  # object with known properties
     values: Field | None = None  # object used as a map: every value has this schema
@@ -49,8 +54,17 @@ class Rule:
 
     cel: str
     message: str
-    path: str  # the field the rule is about, relative to the object it sits on
+    path: str  # the field the rule is about, relative to the object it sits on ("": itself)
     check: Callable[[dict[str, Any]], bool] = field(compare=False)
+    # A message that names the object's own values (a count it needs), once as a CEL string
+    # expression (the CRD's messageExpression) and once as Python; `message` stays the
+    # fallback the API server shows if the expression fails.
+    message_expression: str | None = None
+    explain: Callable[[dict[str, Any]], str] | None = field(default=None, compare=False)
+
+    def reason(self, obj: dict[str, Any]) -> str:
+        """The message of a broken rule about `obj`, as the Python side says it."""
+        return self.explain(obj) if self.explain is not None else self.message
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,7 @@ _TYPE_NAMES = {
     "object": "a mapping",
     "array": "a list",
     "int-or-string": "an integer or a string",
+    "string-or-object": "a string or a mapping",
 }
 
 
@@ -88,6 +103,8 @@ def _type_ok(kind: str, value: Any) -> bool:
         return isinstance(value, list)
     if kind == "int-or-string":
         return _type_ok("integer", value) or isinstance(value, str)
+    if kind == "string-or-object":
+        return isinstance(value, str | dict)
     raise ValueError(f"unknown schema type {kind}")
 
 
@@ -107,6 +124,12 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
         return value
     if schema.type == "int-or-string":
         return _int_or_string(schema, value, path, errors)
+    if schema.type == "string-or-object":
+        if isinstance(value, str):  # the shortcut: enum and pattern are about it
+            as_string = replace(schema, type="string", fields=None, rules=(), required=())
+            return apply(as_string, value, path, errors)
+        as_object = replace(schema, type="object", enum=None, pattern=None, max_length=None)
+        return _apply_object(as_object, value, path, errors)
     if schema.type == "number":
         # float(10**400) raises: such an integer is as good as infinite here
         value = math.inf if isinstance(value, int) and abs(value) > 10**308 else float(value)
@@ -127,7 +150,8 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
     if schema.maximum is not None and value > schema.maximum:
         errors.append(SpecError(path, f"must be <= {_num(schema.maximum)}, got {value}"))
     if schema.pattern is not None and not re.fullmatch(schema.pattern, value):
-        errors.append(SpecError(path, f"must match {schema.pattern}, got {value!r}"))
+        wanted = schema.pattern_says or f"match {schema.pattern}"
+        errors.append(SpecError(path, f"must {wanted}, got {value!r}"))
     if schema.max_length is not None and len(value) > schema.max_length:
         errors.append(SpecError(path, f"must be at most {schema.max_length} characters"))
     if schema.max_items is not None and len(value) > schema.max_items:
@@ -181,7 +205,8 @@ def _apply_object(schema: Field, value: dict, path: str, errors: list[SpecError]
     if not errors_under(errors, path):
         for rule in schema.rules:
             if not rule.check(out):
-                errors.append(SpecError(f"{path}.{rule.path}", rule.message))
+                where = f"{path}.{rule.path}" if rule.path else path
+                errors.append(SpecError(where, rule.reason(out)))
     return out
 
 
@@ -219,6 +244,13 @@ def openapi(schema: Field) -> dict[str, Any]:
         from pipejob.core import k8s
 
         return {"description": schema.description, **copy.deepcopy(k8s.schema(schema.k8s))}
+    if schema.type == "string-or-object":
+        # Structural schemas have no "string or object": the API server keeps it as written
+        # (its default aside); parse checks it.
+        # kubectl explain and the API reference see no properties here: say them in words.
+        text = f"{schema.description} As an object: {_in_words(schema)}"
+        out = {"description": text, "x-kubernetes-preserve-unknown-fields": True}
+        return out | ({"default": schema.default} if schema.default is not None else {})
     out: dict[str, Any] = {"type": schema.type, "description": schema.description}
     if schema.type == "int-or-string":  # no type: either, as a structural schema says it
         del out["type"]
@@ -257,7 +289,32 @@ def openapi(schema: Field) -> dict[str, Any]:
     if schema.required:
         out["required"] = list(schema.required)
     if schema.rules:
-        out["x-kubernetes-validations"] = [
-            {"rule": r.cel, "message": r.message, "fieldPath": f".{r.path}"} for r in schema.rules
-        ]
+        out["x-kubernetes-validations"] = [_validation(r) for r in schema.rules]
     return out
+
+
+def _validation(rule: Rule) -> dict[str, Any]:
+    out = {"rule": rule.cel, "message": rule.message}
+    if rule.path:
+        out["fieldPath"] = f".{rule.path}"
+    if rule.message_expression is not None:
+        out["messageExpression"] = rule.message_expression
+    return out
+
+
+def _in_words(schema: Field) -> str:
+    """The fields and rules of an object table as one sentence."""
+    parts = []
+    for name, sub in (schema.fields or {}).items():
+        facts = ["object" if sub.free_form else sub.type]
+        if sub.default is not None:
+            facts.append(f"default {sub.default}")
+        if sub.minimum is not None:
+            facts.append(f">= {_num(sub.minimum)}")
+        if sub.pattern_says:
+            facts.append(sub.pattern_says.removeprefix("be "))
+        if sub.fields:
+            facts = [f"an object with {_in_words(sub).rstrip('.')}"]
+        parts.append(f"{name} ({', '.join(facts)})")
+    rules = "".join(f" {r.message[0].upper()}{r.message[1:]}." for r in schema.rules)
+    return "; ".join(parts) + "." + rules

@@ -3,12 +3,19 @@ the output. Torch-free: the trainer reads these typed objects (trainer/workloads
 real things from them); validation and the CRDs read the field tables.
 
 Every user hook is an import path, "package.module:function", whose function is called with
-`args` and returns the thing (an nn.Module, a Dataset, a loss callable)."""
+`args` and returns the thing (an nn.Module, a Dataset, a loss callable).
+
+The tables below are the spec's side of the same objects (core/kinds/ and core/common.py
+put them in the kinds' specs); tests/test_kinds.py checks each dataclass against its table.
+In CEL a field named `import` (a CEL keyword) is written `self.__import__`, as the API server
+escapes it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from pipejob.core.schema import Field, Rule
 
 # "package.module:function": dotted identifiers, one colon.
 IMPORT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"  # noqa: E501
@@ -84,3 +91,231 @@ class Eval:
 class Output:
     path: str  # a directory: the model file and its JSON sidecar go in it
     format: str = "safetensors"  # or "torch"
+
+
+# --- the field tables ---------------------------------------------------------------------
+
+_IMPORT_BODY = IMPORT_PATTERN.removeprefix("^").removesuffix("$")  # Field adds ^...$ itself
+_IMPORT_SAYS = (
+    "be an import path 'package.module:function' (dotted Python names, one colon before the"
+    " function)"
+)
+
+
+def import_field(returns: str) -> Field:
+    """`import`: the user's factory, "package.module:function"."""
+    return Field(
+        "string",
+        f"The user's factory as an import path, package.module:function; it is called with"
+        f" `args` as keyword arguments and returns {returns}. The module must be importable"
+        " in the trainer: in the image, on PYTHONPATH, or (with `pipejob run`) in the"
+        " manifest's folder.",
+        pattern=_IMPORT_BODY, pattern_says=_IMPORT_SAYS, max_length=1024,
+    )  # fmt: skip
+
+
+ARGS = Field(
+    "object",
+    "Keyword arguments of the function named by `import` (only with `import`), passed as written.",
+    free_form=True,
+)
+
+
+def args_need_import(what: str) -> Rule:
+    return Rule(
+        "!has(self.args) || has(self.__import__)",
+        f"args are the keyword arguments of {what}.import: set import too, or leave args out",
+        "args",
+        lambda o: "args" not in o or "import" in o,
+    )
+
+
+def at_most_one(names: tuple[str, ...], message: str, path: str = "") -> Rule:
+    """At most one of `names` (spec keys) is given."""
+    cel = " + ".join(f"(has(self.{_cel_name(n)}) ? 1 : 0)" for n in names) + " <= 1"
+    return Rule(cel, message, path, lambda o: sum(n in o for n in names) <= 1)
+
+
+def exactly_one(names: tuple[str, ...], message: str) -> Rule:
+    cel = " + ".join(f"(has(self.{_cel_name(n)}) ? 1 : 0)" for n in names) + " == 1"
+    return Rule(cel, message, "", lambda o: sum(n in o for n in names) == 1)
+
+
+def _cel_name(key: str) -> str:
+    """A property name as CEL reads it: the API server escapes CEL's keywords as __kw__."""
+    return f"__{key}__" if key in ("import", "in", "as", "package", "namespace") else key
+
+
+def _positive(description: str, default: int) -> Field:
+    return Field("integer", description, default=default, minimum=1)
+
+
+TRANSFORMER = Field(
+    "object",
+    "pipejob's own decoder-only transformer language model (token embedding, `layers`"
+    " pre-norm blocks, a final norm and the output head), trained on next-token cross-entropy.",
+    fields={
+        "vocabSize": _positive("Tokens in the vocabulary (256 for bytes).", 256),
+        "layers": _positive("Transformer blocks.", 4),
+        "width": _positive("Embedding width; divisible by heads.", 128),
+        "heads": _positive("Attention heads per block.", 4),
+        "seqLen": _positive("Tokens per sample (the context length).", 128),
+    },
+    rules=(
+        Rule(
+            "self.width % self.heads == 0",
+            "width must be divisible by heads (each head gets width / heads dimensions)",
+            "heads",
+            lambda o: o["width"] % o["heads"] == 0,
+        ),
+    ),
+    section=True,
+)
+
+
+def model_field(torchvision: tuple[str, ...], default: str) -> Field:
+    """A PipelineJob's `model`: a torchvision name, or an object with exactly one source."""
+    return Field(
+        "string-or-object",
+        "The model to train, cut into stages. A string is a torchvision classification model"
+        " by name (short for {torchvision: name}); an object has exactly one of `torchvision`,"
+        " `transformer` (pipejob's own language model) or `import` (the user's factory, with"
+        " `args`). Kept as written by the API server (a string or an object); pipejob validate"
+        f" and the operator check it. The torchvision names: {', '.join(torchvision)}.",
+        default=default,
+        enum=torchvision,
+        fields={
+            "torchvision": Field(
+                "string", "A torchvision classification model by name.", enum=torchvision
+            ),
+            "transformer": TRANSFORMER,
+            "import": import_field("a torch.nn.Module"),
+            "args": ARGS,
+        },
+        rules=(
+            exactly_one(
+                ("torchvision", "transformer", "import"),
+                "give exactly one of torchvision, transformer or import",
+            ),
+            args_need_import("model"),
+        ),
+    )
+
+
+def _split(description: str, train: str, val: str, **fields: Field) -> Field:
+    return Field(
+        "object",
+        description,
+        fields={"train": Field("string", train), "val": Field("string", val), **fields},
+        required=("train",),
+        section=True,
+    )
+
+
+_RELATIVE = " A relative path is relative to the manifest's folder with `pipejob run`."
+
+PIPELINE_DATA = Field(
+    "object",
+    "What the pipeline trains on: at most one of imageFolder, tokens or import; none is"
+    " synthetic data (random images, or random tokens for the transformer).",
+    fields={
+        "imageFolder": _split(
+            "Images in torchvision's ImageFolder layout (one subfolder per class), with its"
+            " standard transforms to imageSize.",
+            "Folder of the training images." + _RELATIVE,
+            "Folder of the held-out images, for evaluation.",
+        ),
+        "tokens": _split(
+            "A flat binary file of token ids (nanoGPT's format), read as windows of"
+            " seqLen + 1 tokens; needs the transformer model.",
+            "Token file of the training set." + _RELATIVE,
+            "Token file of the held-out set, for evaluation.",
+            dtype=Field("string", "Type of one token id in the files.", default="uint16",
+                        enum=("uint16", "uint32")),
+        ),  # fmt: skip
+        "import": import_field(
+            "a map-style torch Dataset; it is called with split='train' or split='val' too"
+        ),
+        "args": ARGS,
+        "workers": Field(
+            "integer", "DataLoader worker processes that load the pipeline's batches.",
+            default=2, minimum=0, maximum=32,
+        ),
+    },
+    rules=(
+        at_most_one(
+            ("imageFolder", "tokens", "import"),
+            "give at most one data source: imageFolder, tokens or import",
+        ),
+        args_need_import("data"),
+    ),
+)  # fmt: skip
+
+HYBRID_DATA = Field(
+    "object",
+    "What the trainers train on: at most one of file or import; none is synthetic bags"
+    " (datasetSize samples of up to bagSize indices).",
+    fields={
+        "file": _split(
+            "Samples in .npz files (numpy.savez) with three arrays: ids (every bag's indices,"
+            " concatenated), offsets (where each bag starts in ids) and labels (one class"
+            " per bag).",
+            "The training samples' .npz file." + _RELATIVE,
+            "The held-out samples' .npz file, for evaluation.",
+        ),
+        "import": import_field(
+            "a map-style torch Dataset of (indices, label) samples; it is called with"
+            " split='train' or split='val' too"
+        ),
+        "args": ARGS,
+    },
+    rules=(
+        at_most_one(("file", "import"), "give at most one data source: file or import"),
+        args_need_import("data"),
+    ),
+)
+
+LOSS = Field(
+    "object",
+    "The loss: cross-entropy (per token for the language model) unless `import` names the user's.",
+    fields={
+        "import": import_field("a callable loss(output, target) -> scalar tensor"),
+        "args": ARGS,
+    },
+    rules=(args_need_import("loss"),),
+)
+
+EVAL = Field(
+    "object",
+    "Evaluate on the held-out data (the data source's val) every few steps and at the end:"
+    " loss, and accuracy for classification or perplexity for the language model.",
+    fields={
+        "everySteps": Field(
+            "integer", "Evaluate every this many steps; 0 evaluates only at the end.",
+            default=0, minimum=0,
+        ),
+        "batches": Field(
+            "integer", "Held-out batches per evaluation; 0 evaluates the whole held-out set.",
+            default=0, minimum=0,
+        ),
+    },
+    section=True,
+)  # fmt: skip
+
+OUTPUT = Field(
+    "object",
+    "Write the trained model at the end as one file under the original model's parameter"
+    " names (loadable with load_state_dict(strict=True)), beside a JSON of the model spec"
+    " and the final metrics.",
+    fields={
+        "path": Field(
+            "string", "Directory the model file and its JSON go in." + _RELATIVE
+        ),
+        "format": Field(
+            "string", "File format: safetensors, or torch's own (torch.save).",
+            default="safetensors", enum=("safetensors", "torch"),
+        ),
+    },
+    required=("path",),
+    section=True,
+)  # fmt: skip

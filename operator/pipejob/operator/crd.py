@@ -32,6 +32,11 @@ _COLUMNS = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Preemptions", "type": "integer", "jsonPath": ".status.preemptions", "priority": 1,
      "description": "Whole-world restarts after a preemption (no backoffLimit spent)."},
+    {"name": "Eval-Loss", "type": "number", "jsonPath": ".status.training.evalLoss",
+     "priority": 1, "description": "Loss on the held-out data at the last evaluation."},
+    {"name": "Accuracy", "type": "number", "jsonPath": ".status.training.evalAccuracy",
+     "priority": 1,
+     "description": "Held-out accuracy (0 to 1) at the last evaluation (classification)."},
 ]  # fmt: skip
 # Pod names are "<job>-<role>-<index>", hostnames of the job's Service: the job's name must
 # be a short DNS label. Only the root of the schema may look at metadata.name.

@@ -136,8 +136,8 @@ def _decide(
         acts.delete = [p for p in live if not st.terminated(p)]
         # The master exits 0 only after the last step: progress shows it, polled or not.
         steps = job.spec["steps"]
-        done = {**(acts.status.get("training") or {}), "phase": "finished", "step": steps,
-                "steps": steps}  # fmt: skip
+        done = {**(acts.status.get("training") or {}), **st.final_report(master),
+                "phase": "finished", "step": steps, "steps": steps}  # fmt: skip
         acts.status = st.with_training(acts.status, done, now)
         return _transition(
             acts, old, st.SUCCEEDED, "MasterSucceeded",

@@ -4,6 +4,7 @@ Nothing here talks to Kubernetes; everything takes and returns plain dicts."""
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -132,6 +133,20 @@ STATUS = Field(
                     "integer", "The checkpoint step the current world resumed from.", minimum=0
                 ),
                 "message": Field("string", "The master's last word on its state."),
+                "evalStep": Field(
+                    "integer",
+                    "The step of the last evaluation on held-out data (spec.eval).",
+                    minimum=0,
+                ),
+                "evalLoss": Field("number", "Loss on the held-out data at the last evaluation."),
+                "evalAccuracy": Field(
+                    "number", "Held-out accuracy (0 to 1) at the last evaluation (classification)."
+                ),
+                "evalPerplexity": Field(
+                    "number",
+                    "Perplexity (exp of the per-token loss) on the held-out tokens at the last"
+                    " evaluation (the language model).",
+                ),
                 "updateTime": Field("string", "When these figures last changed (RFC 3339)."),
             },
         ),
@@ -220,6 +235,16 @@ def _trainer_state(pod: dict) -> dict:
         if terminated_state:
             return terminated_state
     return {}
+
+
+def final_report(pod: dict) -> dict[str, Any]:
+    """The figures of a master that exited 0: it leaves its last /progress report as its
+    termination message (the operator's last poll may have come before the final
+    evaluation). Empty if there is none, or it is not a report."""
+    try:
+        return Progress.parse(json.loads(_trainer_state(pod).get("message") or "")).figures()
+    except ValueError:
+        return {}
 
 
 def pod_failure(pod: dict, who: str) -> Failure | None:

@@ -1,9 +1,12 @@
 """The embedded default: run a job's world plan as local processes on loopback.
 
 Each process gets exactly the env a pod would get (plus the caller's environment, for PATH
-and friends). The runner streams their output with role prefixes, and treats the world as
-Kubernetes would under pipejob: the master's exit decides; any other process dying stops
-everything, since an RPC world cannot re-admit a member."""
+and friends). With a `directory` (`pipejob run` gives the manifest's folder), the processes
+run there and have it first on PYTHONPATH: the user's code beside the manifest imports, and
+the manifest's relative paths (data, output, checkpoint) mean the same from any shell.
+The runner streams their output with role prefixes, and treats the world as Kubernetes
+would under pipejob: the master's exit decides; any other process dying stops everything,
+since an RPC world cannot re-admit a member."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 from pipejob.core.plan import TRAINER_MODULE, Ports, Process, groups, members, plan_world
@@ -62,8 +66,9 @@ class Running:
 class World:
     """The started processes of one job and their output."""
 
-    def __init__(self, out: TextIO):
+    def __init__(self, out: TextIO, directory: Path | None = None):
         self.out = out
+        self.directory = directory
         self.lock = threading.Lock()
         self.members: list[Running] = []
 
@@ -81,10 +86,14 @@ class World:
 
     def start(self, processes: list[Process]) -> None:
         width = max(len(p.rpc_name) for p in processes)
+        extra = {"PYTHONUNBUFFERED": "1"}
+        if self.directory is not None:
+            extra["PYTHONPATH"] = python_path(self.directory, os.environ.get("PYTHONPATH"))
         for p in processes:
             popen = subprocess.Popen(
                 [sys.executable, *TRAINER_MODULE],
-                env=os.environ | p.env | {"PYTHONUNBUFFERED": "1"},
+                env=os.environ | p.env | extra,
+                cwd=self.directory,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -152,13 +161,21 @@ def _signal_group(popen: subprocess.Popen, sig: signal.Signals) -> None:
         pass
 
 
-def run_job(job: Job, grace: float = 10.0, out: TextIO = sys.stdout) -> int:
-    """Run `job` locally; return the master's exit code (non-zero if any member failed)."""
+def python_path(directory: Path, current: str | None) -> str:
+    """PYTHONPATH with `directory` first and the caller's entries after it."""
+    return os.pathsep.join([str(directory), *([current] if current else [])])
+
+
+def run_job(
+    job: Job, grace: float = 10.0, out: TextIO = sys.stdout, directory: Path | None = None
+) -> int:
+    """Run `job` locally; return the master's exit code (non-zero if any member failed).
+    With `directory`, the processes run in it and import from it first."""
     # Every process shares one address here: each collective group needs a port of its own.
     free = free_ports(4 + len(groups(job, members(job))))
     ports = Ports(*free[:4], groups=tuple(free[4:]))
     processes = plan_world(job, lambda m: LOOPBACK, ports)
-    world = World(out)
+    world = World(out, Path(directory).resolve() if directory is not None else None)
     world.say(
         f"running {job.kind} {job.name!r} as {len(processes)} local processes"
         f" ({', '.join(p.rpc_name for p in processes)}); rendezvous {LOOPBACK}:{ports.rpc},"

@@ -81,6 +81,9 @@ def main() -> int:
             return fail(env, trace, permanent_message(permanent, reason), ExitCode.PERMANENT)
         return fail(env, trace, reason, ExitCode.TRAINING_FAILED)
     monitor.board().phase("finished")
+    if env.rank == 0:  # the final report, for an operator whose last poll came before the end
+        final = {k: v for k, v in monitor.board().progress().items() if k != "preflight"}
+        write_termination_message(json.dumps(final))
     if summary is not None and env.summary_file:
         with open(env.summary_file, "w") as f:
             json.dump(summary, f, indent=2)

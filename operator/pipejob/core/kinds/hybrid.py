@@ -9,7 +9,10 @@ from typing import Any
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
 from pipejob.core.kind import Group, Kind, Role, Spec
 from pipejob.core.schema import Field, Rule
-from pipejob.core.workload import HybridData
+from pipejob.core.workload import ARGS, HYBRID_DATA, HybridData, args_need_import, import_field
+
+# The bags come from files or the user's code, not from datasetSize and bagSize.
+_REAL_DATA = "has(self.data) && (has(self.data.file) || has(self.data.__import__))"
 
 HYBRID_SPEC = Field(
     "object",
@@ -27,13 +30,22 @@ HYBRID_SPEC = Field(
             },
         ),
         "dense": Field(
-            "object", "The DDP-replicated dense layer on every trainer.",
-            fields={"outFeatures": integer("Output classes.", default=8, minimum=2)},
+            "object", "The DDP-replicated dense model on every trainer: a Linear layer from"
+            " the bags' embeddings to outFeatures classes, or the user's module (import).",
+            fields={
+                "outFeatures": integer("Output classes.", default=8, minimum=2),
+                "import": import_field(
+                    "a torch.nn.Module taking a batch of bag embeddings (batch, dim)"
+                ),
+                "args": ARGS,
+            },
+            rules=(args_need_import("dense"),),
         ),
         "batchSize": integer("Bags per trainer step.", default=32, minimum=1),
-        "bagSize": integer("Most indices in one bag.", default=10, minimum=1),
-        "datasetSize": integer("Synthetic samples, split disjointly across trainers.",
+        "bagSize": integer("Synthetic data: most indices in one bag.", default=10, minimum=1),
+        "datasetSize": integer("Synthetic data: samples, split disjointly across trainers.",
                             default=10000, minimum=1),
+        "data": HYBRID_DATA,
         "gpusPerTrainer": integer(
             "GPUs per trainer pod (nvidia.com/gpu): 0 runs on CPU, 1 on a GPU (a trainer uses"
             " one).", default=0, maximum=1,
@@ -52,14 +64,19 @@ HYBRID_SPEC = Field(
             lambda s: s.get("backend") != "nccl" or s["gpusPerTrainer"] > 0,
         ),
         Rule(
-            "self.datasetSize >= self.trainers * self.batchSize",
+            f"({_REAL_DATA}) || self.datasetSize >= self.trainers * self.batchSize",
             "datasetSize must hold at least one batch per trainer (trainers * batchSize)",
             "datasetSize",
-            lambda s: s["datasetSize"] >= s["trainers"] * s["batchSize"],
+            lambda s: _real_data(s) or s["datasetSize"] >= s["trainers"] * s["batchSize"],
         ),
         *COMMON_RULES,
     ),
 )  # fmt: skip
+
+
+def _real_data(spec: dict[str, Any]) -> bool:
+    data = spec.get("data") or {}
+    return "file" in data or "import" in data
 
 
 @dataclass(frozen=True, kw_only=True)

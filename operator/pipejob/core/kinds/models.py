@@ -10,15 +10,16 @@ from typing import Any
 
 from pipejob.core.schema import SpecError
 
-# Layers of trainer/pipejob/trainer/workloads/torchvision.py's cut: at most one stage each.
+# Units of trainer/pipejob/trainer/workloads/cut.py's cut (the places a stage may begin):
+# at most one stage each.
 LAYERS: dict[str, int] = {
-    "resnet18": 15, "resnet34": 23, "resnet50": 23, "resnet101": 40, "resnet152": 57,
-    "resnext50_32x4d": 23, "resnext101_32x8d": 40, "wide_resnet50_2": 23,
-    "wide_resnet101_2": 40,
-    "vgg11": 13, "vgg13": 15, "vgg16": 18, "vgg19": 21,
-    "vgg11_bn": 13, "vgg13_bn": 15, "vgg16_bn": 18, "vgg19_bn": 21,
-    "alexnet": 10, "mobilenet_v2": 22, "mobilenet_v3_small": 17, "mobilenet_v3_large": 21,
-    "efficientnet_b0": 21, "efficientnet_b1": 28, "convnext_tiny": 24,
+    "resnet18": 14, "resnet34": 22, "resnet50": 22, "resnet101": 39, "resnet152": 56,
+    "resnext50_32x4d": 22, "resnext101_32x8d": 39, "wide_resnet50_2": 22,
+    "wide_resnet101_2": 39,
+    "vgg11": 29, "vgg13": 33, "vgg16": 39, "vgg19": 45,
+    "vgg11_bn": 37, "vgg13_bn": 43, "vgg16_bn": 52, "vgg19_bn": 61,
+    "alexnet": 21, "mobilenet_v2": 21, "mobilenet_v3_small": 18, "mobilenet_v3_large": 22,
+    "efficientnet_b0": 21, "efficientnet_b1": 28, "convnext_tiny": 29,
 }  # fmt: skip
 
 # Smallest square image (px) the model's forward accepts; 32, the spec's minimum, otherwise.
@@ -39,9 +40,12 @@ def check(spec: dict[str, Any]) -> list[SpecError]:
     errors = []
     model, stages = spec["model"].get("torchvision"), spec["stages"]
     layers = LAYERS.get(model)
+    transformer = spec["model"].get("transformer")
+    if transformer is not None:  # embed, each block, norm, head
+        model, layers = "the transformer", transformer["layers"] + 3
     if layers is not None and stages > layers:
-        why = f"{model} has {layers} layers to cut; it cannot fill {stages} stages"
-        errors.append(SpecError("spec.stages", why))
+        why = f"{model} has {layers} places to cut; it can fill at most {layers} stages"
+        errors.append(SpecError("spec.stages", f"{why}, not {stages}"))
     least = MIN_IMAGE_SIZE.get(model, 0)
     if spec["imageSize"] < least:
         why = f"{model} needs images of at least {least} px, got {spec['imageSize']}"

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
 from pipejob.core.kind import Group, Kind, Role, Spec
 from pipejob.core.kinds import models
-from pipejob.core.schema import Field, Rule
-from pipejob.core.workload import Model, PipelineData
+from pipejob.core.schema import Field, Rule, SpecError
+from pipejob.core.workload import PIPELINE_DATA, Model, PipelineData, model_field
 
 # Models whose torchvision structure the trainer knows how to cut into sequential layers.
 PIPELINE_MODELS = (
@@ -27,11 +27,18 @@ PIPELINE_SPEC = Field(
     "object",
     "A pipeline-parallel job: a master drives micro-batches through `stages` RPC workers.",
     fields={
-        "model": Field(
-            "string", "torchvision classification model to train, cut into stages.",
-            default="resnet50", enum=PIPELINE_MODELS,
-        ),
+        "model": model_field(PIPELINE_MODELS, default="resnet50"),
         "stages": integer("Pipeline stages, one pod each.", default=2, minimum=2, maximum=64),
+        "splitPoints": Field(
+            "array",
+            "Where the model is cut: the module names (as in named_modules(), e.g. layer3 or"
+            " blocks.2) where stage 1, 2, ... begin; stages - 1 of them, each once, in the"
+            " model's order. Without them the cut is chosen automatically, balanced by"
+            " measured cost.",
+            items=Field("string", "A module name where a stage begins.", max_length=253),
+            max_items=63,
+        ),
+        "data": PIPELINE_DATA,
         "replicas": integer(
             "Copies of the pipeline, each on its own share of every batch (data parallel):"
             " stage i of every replica averages its gradients with the others' before each"
@@ -63,6 +70,23 @@ PIPELINE_SPEC = Field(
             "microBatches",
             lambda s: s["microBatches"] == AUTO or s["batchSize"] % s["microBatches"] == 0,
         ),
+        Rule(
+            "!has(self.splitPoints) || size(self.splitPoints) == self.stages - 1",
+            "must list stages - 1 module names, where stage 1, 2, ... begin",
+            "splitPoints",
+            lambda s: "splitPoints" not in s or len(s["splitPoints"]) == s["stages"] - 1,
+            message_expression="'must list stages - 1 = ' + string(self.stages - 1) + ' module"
+            " names, where stage 1, 2, ... begin; got ' + string(size(self.splitPoints))",
+            explain=lambda s: f"must list stages - 1 = {s['stages'] - 1} module names, where"
+            f" stage 1, 2, ... begin; got {len(s['splitPoints'])}",
+        ),
+        Rule(
+            "!has(self.splitPoints) || self.splitPoints.all(p,"
+            " self.splitPoints.filter(q, q == p).size() == 1)",
+            "each module name may begin only one stage: list it once",
+            "splitPoints",
+            lambda s: len(set(s.get("splitPoints", []))) == len(s.get("splitPoints", [])),
+        ),
         *COMMON_RULES,
     ),
 )  # fmt: skip
@@ -87,6 +111,18 @@ def _complete(spec: Spec) -> Spec:
     if isinstance(spec.get("model"), str):
         spec["model"] = {"torchvision": spec["model"]}
     return spec
+
+
+def _check(spec: Spec) -> list[SpecError]:
+    """The model's own limits (models.py), and data the model cannot read."""
+    errors = models.check(spec)
+    if "tokens" in spec["data"] and "transformer" not in spec["model"]:
+        errors.append(SpecError(
+            "spec.data.tokens",
+            "token windows need the built-in transformer model (model.transformer), whose"
+            " seqLen sets their length; use data.import for another model",
+        ))  # fmt: skip
+    return errors
 
 
 PIPELINE_JOB = Kind(
@@ -119,10 +155,24 @@ PIPELINE_JOB = Kind(
     ),
     trainer="pipejob.trainer.pipeline",
     columns=(
-        {"name": "Model", "type": "string", "jsonPath": ".spec.model", "priority": 1},
+        {
+            "name": "Perplexity",
+            "type": "number",
+            "jsonPath": ".status.training.evalPerplexity",
+            "priority": 1,
+            "description": "Perplexity on the held-out tokens at the last evaluation"
+            " (the language model).",
+        },
+        {
+            "name": "Model",
+            "type": "string",
+            "jsonPath": ".spec.model",
+            "priority": 1,
+            "description": "The model as written: a torchvision name, or its object as JSON.",
+        },
         {"name": "Stages", "type": "integer", "jsonPath": ".spec.stages", "priority": 1},
         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas", "priority": 1},
     ),
     complete=_complete,
-    check=models.check,
+    check=_check,
 )

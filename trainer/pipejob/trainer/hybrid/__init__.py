@@ -6,6 +6,9 @@
   trainer's gradients; answers lookups and backward passes over RPC;
 - trainer.py: forms the DDP group with the other trainers (its own port), then joins RPC and
   runs the loop the master calls;
+- evaluate.py: the check that the dense module fits the data (before the first step) and
+  the held-out evaluation (spec.eval), on DDP rank 0;
+- output.py: the trained table and dense module as files (spec.output, `pipejob export`);
 - summary.py: the run's summary.
 
 Two round trips per step, where the tutorial's design (a DistributedOptimizer over the table's

@@ -1,9 +1,12 @@
 """The HybridJob master: creates the table on the ps, starts every trainer's loop over RPC,
-prints their progress, completes checkpoints, and returns the run's summary."""
+prints their progress and evaluations, completes checkpoints, writes the trained model
+(spec.output, hybrid/output.py), and returns the run's summary."""
 
 from __future__ import annotations
 
+import builtins
 import queue
+import re
 import threading
 import time
 from typing import Any
@@ -12,8 +15,8 @@ import torch
 import torch.distributed.rpc as rpc
 
 from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.trainer.hybrid import trainer
-from pipejob.trainer.hybrid.ps import Table, load_table, table_weight
+from pipejob.trainer.hybrid import output, trainer
+from pipejob.trainer.hybrid.ps import Table, load_table, table_state, table_weight
 from pipejob.trainer.hybrid.summary import render, summarize
 from pipejob.trainer.runtime import checkpoint, master, monitor, world
 from pipejob.trainer.runtime.world import Env
@@ -31,6 +34,18 @@ class Reports:
         self.pending: dict[int, dict[str, float]] = {}
         self.created = time.perf_counter()
         self.last_step, self.last_time = first, self.created
+        self.evaluation: dict[str, Any] | None = None  # the latest, with its step
+
+    def evaluated(self, step: int, figures: dict[str, Any]) -> None:
+        """DDP rank 0 evaluated the model after `step` on held-out bags."""
+        loss, accuracy, count = figures["loss"], figures["accuracy"], figures["bags"]
+        with self.lock:
+            self.evaluation = {"evalStep": step, "evalLoss": loss, "evalAccuracy": accuracy,
+                               "evalBags": count}  # fmt: skip
+        shown = "" if accuracy is None else f", accuracy {100 * accuracy:.1f}%"
+        world.log(self.env, f"eval step {step}: loss {loss:.4f}{shown} on {count}"
+                            " held-out bags")  # fmt: skip
+        monitor.board().evaluated(step, loss, accuracy=accuracy)
 
     def report(self, trainer: str, step: int, loss: float) -> None:
         with self.lock:
@@ -66,6 +81,12 @@ def report(trainer: str, step: int, loss: float) -> None:
     _REPORTS.report(trainer, step, loss)
 
 
+def evaluated(step: int, figures: dict[str, Any]) -> None:
+    """Runs on the master: DDP rank 0's evaluation after `step` (evaluate.evaluate)."""
+    assert _REPORTS is not None, "evaluation reached a process that is not the master"
+    _REPORTS.evaluated(step, figures)
+
+
 def train(env: Env) -> dict[str, Any]:
     global _REPORTS
     spec: HybridSpec = env.spec
@@ -76,6 +97,11 @@ def train(env: Env) -> dict[str, Any]:
     resume = None if found is None else _resume(env, found, table)
     first = 0 if resume is None else resume["step"]
     if first >= spec.steps:
+        if spec.output is not None and found is not None:  # the model is in the checkpoint
+            paths = output.export_checkpoint(found.directory, found.manifest, spec.output.path,
+                                             spec.output.format)  # fmt: skip
+            world.log(env, f"wrote the trained model to {spec.output.path}:"
+                           f" {', '.join(p.name for p in paths)}")  # fmt: skip
         return master.nothing_left(env, first)
     before = rpc.rpc_sync(ps, table_weight, args=(table,))
     world.log(env, f"training {spec.steps} steps x {spec.batch_size} bags on"
@@ -89,9 +115,18 @@ def train(env: Env) -> dict[str, Any]:
                for t in trainers]  # fmt: skip
     results = dict(zip(trainers, _wait_all(futures), strict=True))
     after = rpc.rpc_sync(ps, table_weight, args=(table,))
-    summary = summarize(env, results, before, after, first)
+    summary = summarize(env, results, before, after, first, _REPORTS.evaluation)
     for line in render(summary):
         world.log(env, line)
+    if spec.output is not None:
+        state = rpc.rpc_sync(ps, table_state, args=(table,))
+        meta = {"kind": env.kind, "job": env.job, "model": output.model_spec(spec),
+                "metrics": output.metrics(summary), "steps": spec.steps}  # fmt: skip
+        paths = output.write(spec.output.path, spec.output.format, state,
+                             results[trainers[0]]["dense"], meta)  # fmt: skip
+        summary["output"] = [str(p) for p in paths]
+        world.log(env, f"wrote the trained model to {spec.output.path}:"
+                       f" {', '.join(p.name for p in paths)}")  # fmt: skip
     return summary
 
 
@@ -115,8 +150,12 @@ def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> No
     own = checkpoint.save_part(checkpoint.step_dir(root, step), "master.pt",
                                {"rng": checkpoint.rng_state()})  # fmt: skip
     files = [own, *files]
+    # The model's spec and latest evaluation travel along, for `pipejob export`.
+    evaluation = {} if _REPORTS is None or _REPORTS.evaluation is None else _REPORTS.evaluation
     checkpoint.write_manifest(root, step, files, kind=env.kind, job=env.job,
-                              trainerCount=len(env.names("trainer")))  # fmt: skip
+                              trainerCount=len(env.names("trainer")),
+                              model=output.model_spec(env.spec),
+                              metrics=output.metrics(evaluation))  # fmt: skip
     checkpoint.prune(root)
     seconds += time.perf_counter() - start
     master.checkpoint_written(env, step, files, seconds, checkpoint.step_dir(root, step))
@@ -129,5 +168,29 @@ def _wait_all(futures: list[torch.futures.Future]) -> list[Any]:
     for future in futures:
         future.add_done_callback(finished.put)
     for _ in futures:
-        finished.get().wait()
+        future = finished.get()
+        try:
+            future.wait()
+        except Exception as e:
+            original = _original(e)
+            if original is e:
+                raise
+            raise original from e
     return [future.wait() for future in futures]
+
+
+# How an rpc_async future reports a remote exception: a RuntimeError that names its type.
+_REMOTE = re.compile(r"(\w+): On WorkerInfo\(id=\d+, name=([^)]+)\):")
+
+
+def _original(error: Exception) -> Exception:
+    """The remote exception as its own (builtin) type with its own message and the worker's
+    name, as rpc_sync would raise it: so a permanent failure (an ImportError from
+    spec.dense.import, a ValueError from the data) is told apart from a lost peer."""
+    text = str(error)
+    match = _REMOTE.match(text)
+    kind = getattr(builtins, match[1], None) if match else None
+    if match is None or not (isinstance(kind, type) and issubclass(kind, Exception)):
+        return error
+    said = [line for line in text.splitlines() if line.startswith(f"{match[1]}: ")]
+    return kind(f"{match[2]}: {said[-1][len(match[1]) + 2 :]}")

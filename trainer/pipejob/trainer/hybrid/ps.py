@@ -50,6 +50,20 @@ def lookup(table: rpc.RRef, trainer: str, ids: torch.Tensor,
     return table.local_value().lookup(trainer, ids, offsets)
 
 
+def held_out_lookup(table: rpc.RRef, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The bags for evaluation: no gradient, no hook, so the table is never stepped by it."""
+    t = table.local_value()
+    with torch.no_grad(), t.lock:
+        return t.module(ids, offsets)
+
+
+def table_state(table: rpc.RRef) -> dict[str, torch.Tensor]:
+    """The table's state_dict (what nn.EmbeddingBag loads), copied for the output."""
+    t = table.local_value()
+    with t.lock:
+        return {k: v.detach().clone() for k, v in t.module.state_dict().items()}
+
+
 def table_weight(table: rpc.RRef) -> torch.Tensor:
     return table.local_value().module.weight.detach().clone()
 

@@ -1,5 +1,5 @@
-"""A HybridJob run's summary: losses, rates, and checks that the trainers' dense replicas
-agree and read disjoint data."""
+"""A HybridJob run's summary: losses, rates, the held-out evaluation, and checks that the
+trainers' dense replicas agree and read disjoint data."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from pipejob.trainer.runtime.world import Env
 
 
 def summarize(env: Env, results: dict[str, dict[str, Any]], before: torch.Tensor,
-              after: torch.Tensor, first: int) -> dict[str, Any]:  # fmt: skip
+              after: torch.Tensor, first: int,
+              evaluation: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """The run's summary from each trainer's results (trainer.train), the table before and
-    after, and the step the run resumed from."""
+    after, the step the run resumed from and the last held-out evaluation (evalLoss,
+    evalAccuracy, evalBags, evalStep), if any."""
     names = list(results)
     reference = results[names[0]]["dense"]
     dense_diff = max(
@@ -42,6 +44,7 @@ def summarize(env: Env, results: dict[str, dict[str, Any]], before: torch.Tensor
         embeddingNormBefore=before.norm().item(),
         embeddingChangeNorm=(after - before).norm().item(),
         partitionOverlap=overlap,
+        **(evaluation or {}),
         perTrainer=per_trainer,
     )  # fmt: skip
 
@@ -55,6 +58,7 @@ def render(s: dict[str, Any]) -> list[str]:
         f"parameter server embedding: changed by {s['embeddingChangeNorm']:.4g}"
         f" (norm of after - before; norm before {s['embeddingNormBefore']:.4g})",
         f"data: samples read by more than one trainer: {s['partitionOverlap']}",
+        *_eval_line(s),
         f"{'trainer':<10} {'ddp':>3} {'loss first -> final':>20} {'samples/s':>10}"
         f" {'partition':>9} {'read':>7} {'dense moved':>11}",
     ]
@@ -65,3 +69,13 @@ def render(s: dict[str, Any]) -> list[str]:
             f" {t['denseChangeNorm']:>11.4g}"
         )
     return lines
+
+
+def _eval_line(s: dict[str, Any]) -> list[str]:
+    if s.get("evalLoss") is None:
+        return []
+    accuracy = "" if s["evalAccuracy"] is None else f", accuracy {100 * s['evalAccuracy']:.1f}%"
+    return [
+        f"held-out: loss {s['evalLoss']:.4f}{accuracy} on {s['evalBags']} bags"
+        f" (after step {s['evalStep']})"
+    ]

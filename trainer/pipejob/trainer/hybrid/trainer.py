@@ -2,7 +2,9 @@
 RPC and waits for the master's call of `train`. Its loop looks bags up over RPC, runs the
 DDP-replicated dense model and backpropagates with distributed autograd; the backward steps
 the table on the ps; then it steps the dense model with its local optimizer on the context's
-gradients, overlapped with the next lookup. It reads only its own partition of the data."""
+gradients, overlapped with the next lookup. It reads only its own partition of the data.
+Before the first step it checks that the dense module fits the data; with spec.eval, DDP
+rank 0 evaluates on held-out bags (evaluate.py)."""
 
 from __future__ import annotations
 
@@ -21,15 +23,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer import workloads
+from pipejob.trainer.hybrid import evaluate
 from pipejob.trainer.hybrid.ps import lookup, save_table
 from pipejob.trainer.runtime import checkpoint, profiling, world
 from pipejob.trainer.runtime.optim import optimizer_args
 from pipejob.trainer.runtime.world import Env
-from pipejob.trainer.workloads import synthetic
+from pipejob.trainer.workloads import bags, synthetic
 
 
 class HybridModel(nn.Module):
-    """Sparse part: the remote EmbeddingBag, looked up over RPC. Dense part: DDP nn.Linear."""
+    """Sparse part: the remote EmbeddingBag, looked up over RPC. Dense part: the DDP dense
+    module (nn.Linear, or the user's from spec.dense.import)."""
 
     def __init__(self, table: rpc.RRef, trainer: str, dense: nn.Module, device: torch.device):
         super().__init__()
@@ -103,8 +107,11 @@ def train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, An
     ps = table.owner().name
 
     dataset, loss_fn = workloads.hybrid_data(spec), workloads.loss(spec)
-    part = synthetic.partitions(spec.dataset_size, env.ddp_world_size, spec.seed)[env.ddp_rank]
+    part = synthetic.partitions(dataset.size, env.ddp_world_size, spec.seed)[env.ddp_rank]
     batches = synthetic.batches(dataset, part, spec.batch_size)
+    evaluate.check_dense(spec, linear, loss_fn, next(synthetic.batches(dataset, part,
+                         spec.batch_size)), device)  # fmt: skip
+    held_out = _held_out(env, spec)
     first = 0 if resume is None else resume["step"]
     for _ in range(first):  # the batches of the steps before the checkpoint
         next(batches)
@@ -123,6 +130,9 @@ def train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, An
             loss = _step(model, dense_step, batch, device, loss_fn, rpc_calls)
         if step == first + 1:
             loss_first = loss.item()
+        if evaluate.due(spec, step):  # first: the step's checkpoint keeps its evaluation
+            dense_step.flush()
+            _evaluate(env, step, table, linear, held_out, loss_fn, device, master.evaluated)
         if checkpoint.due(spec, step):
             dense_step.flush()
             _checkpoint(env, step, table, linear, optimizer, master.write_manifest)
@@ -149,6 +159,30 @@ def train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, An
         "read": torch.tensor(sorted(read)),
         "dense": {k: v.detach().cpu() for k, v in linear.state_dict().items()},
     }
+
+
+def _held_out(env: Env, spec: HybridSpec) -> list[synthetic.Batch] | None:
+    """DDP rank 0's held-out batches when spec.eval asks for them (it alone evaluates)."""
+    if spec.eval is None or env.ddp_rank != 0:
+        return None
+    data = workloads.hybrid_held_out(spec)
+    if data is None:
+        world.log(env, "spec.eval: the data has no held-out split (spec.data.file.val, or"
+                       " spec.data.import's split='val'): not evaluating")  # fmt: skip
+        return None
+    return bags.in_order(data, spec.batch_size, spec.eval.batches)
+
+
+def _evaluate(env: Env, step: int, table: rpc.RRef, dense: nn.Module,
+              held_out: list[synthetic.Batch] | None, loss_fn: workloads.Loss,
+              device: torch.device, evaluated: Callable) -> None:  # fmt: skip
+    """DDP rank 0 evaluates after `step` and tells the master (`evaluated`, over RPC); the
+    others wait, so the table stays as it was after `step`."""
+    dist.barrier()
+    if held_out is not None:
+        figures = evaluate.evaluate(table, dense, held_out, loss_fn, device)
+        rpc.rpc_sync("master", evaluated, args=(step, figures))
+    dist.barrier()
 
 
 def _checkpoint(env: Env, step: int, table: rpc.RRef, linear: nn.Module,

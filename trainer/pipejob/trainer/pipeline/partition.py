@@ -14,10 +14,11 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
-from pipejob.trainer.workloads.torchvision import Layer
 
 
 def min_max_partition(costs: Sequence[float], parts: int) -> list[range]:
@@ -60,34 +61,56 @@ class LayerCosts:
     cpu_seconds: list[float]  # CPU time of all threads: what it takes from shared cores
 
 
-def measure_costs(layers: list[Layer], sample: torch.Tensor, repeats: int = 3) -> LayerCosts:
-    """What each layer costs for forward + backward on `sample` (a micro-batch), the
-    minimum over `repeats` runs after one untimed warm-up run (first calls set up kernels
-    and memory). Runs on a copy so the model's BatchNorm statistics and gradients stay
-    untouched."""
-    layers = copy.deepcopy(layers)
-    costs = [float("inf")] * len(layers)
-    cpu = [float("inf")] * len(layers)
+def measure_costs(pieces: list[nn.Module], names: list[str], sample: torch.Tensor,
+                  repeats: int = 3) -> LayerCosts:  # fmt: skip
+    """What each piece of the model (cut at every candidate, cut.Traced) costs for forward
+    + backward on `sample` (a micro-batch of the model's input), the minimum over `repeats`
+    runs after one untimed warm-up run (first calls set up kernels and memory). Runs on
+    copies so the model's BatchNorm statistics and gradients stay untouched. A piece that
+    fails on what it is given (the data does not fit the model) is a ValueError saying
+    both."""
+    pieces = copy.deepcopy(pieces)
+    costs = [float("inf")] * len(pieces)
+    cpu = [float("inf")] * len(pieces)
     for run in range(repeats + 1):
-        x = sample
-        for i, (name, layer) in enumerate(layers):
-            # Only the model's input needs no gradient; every later layer computes one for
-            # its input, as it will in training. The clone lets in-place layers (ReLU) run.
-            x = x.detach().requires_grad_(i > 0)
-            x = x.clone() if i > 0 else x
+        values: tuple[Any, ...] = (sample,)
+        for i, (name, piece) in enumerate(zip(names, pieces, strict=True)):
+            # Only the model's input needs no gradient; every later piece computes one for
+            # its inputs, as in training. The clone lets in-place layers (ReLU) run.
+            inputs = tuple(_as_input(v, i > 0) for v in values)
             start, start_cpu = time.perf_counter(), time.process_time()
             try:
-                y = layer(x)
-                y.backward(torch.ones_like(y))
+                out = piece(*inputs)
+                outs = out if isinstance(out, tuple) else (out,)
+                grown = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
+                torch.autograd.backward(grown, [torch.ones_like(t) for t in grown])
             except RuntimeError as e:
+                given = ", ".join(shape(v) for v in inputs)
+                what = "the data's input" if i == 0 else "its input"
                 raise ValueError(
-                    f"layer {name} cannot process an input of shape {tuple(x.shape)}: {e}"
+                    f"{name} cannot process {what} of shape {given}: {e}"
                 ) from None
             if run > 0:
                 costs[i] = min(costs[i], time.perf_counter() - start)
                 cpu[i] = min(cpu[i], time.process_time() - start_cpu)
-            x = y
+            values = outs
     return LayerCosts(costs, cpu)
+
+
+def _as_input(value: Any, grad: bool) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    if grad and value.is_floating_point():
+        return value.requires_grad_().clone()
+    return value
+
+
+def shape(value: Any) -> str:
+    """A value as an error message shows it: (32, 3, 224, 224) float32."""
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return repr(value)
 
 
 @contextmanager
@@ -143,7 +166,7 @@ class Prediction:
 
 
 def predict(costs: LayerCosts, stages: int, micro_batches: int, batch: int,
-            hosts: Sequence[Host] = ()) -> Prediction:  # fmt: skip
+            hosts: Sequence[Host] = (), ranges: list[range] | None = None) -> Prediction:  # fmt: skip
     """Split `costs` (per layer, one micro-batch of batch // micro_batches) over `stages` by
     wall-clock time and predict the step from two lower bounds:
     - the schedule: GPipe with a flush every step takes m + p - 1 slots of the slowest stage,
@@ -151,8 +174,9 @@ def predict(costs: LayerCosts, stages: int, micro_batches: int, batch: int,
     - the cores: stages sharing a host compute at once only as far as its cores go, so the
       host needs at least their CPU time over its cores. It is what makes small micro-batches
       lose where stages share cores: a stage idle in the bubble lends the others its cores,
-      while small micro-batches cost more CPU time per sample."""
-    ranges = min_max_partition(costs.seconds, stages)
+      while small micro-batches cost more CPU time per sample.
+    `ranges` given (spec.splitPoints): that split, predicted, instead of the balanced one."""
+    ranges = ranges or min_max_partition(costs.seconds, stages)
     slowest = max(sum(costs.seconds[i] for i in r) for r in ranges)
     crowded = (
         micro_batches * sum(costs.cpu_seconds[i] for k in host.stages for i in ranges[k])

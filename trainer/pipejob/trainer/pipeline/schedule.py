@@ -47,12 +47,14 @@ class Pipeline:
         last = len(stage_names) - 1
         self.names = stage_names
         self.stages = [
-            rpc.remote(name, Stage, args=(shards.of(i), i == last, device))
+            rpc.remote(name, Stage, args=(shards.stages[i], i == last, device))
             for i, name in enumerate(stage_names)
         ]
+        self.rounds = 0  # forward rounds (training steps and evaluation batches) so far
 
-    def forward(self, images: torch.Tensor, micro_batches: int, step: int) -> torch.Tensor:
-        """All micro-batches' forwards, pipelined; the last stage's outputs, in order.
+    def forward(self, inputs: torch.Tensor, micro_batches: int, step: int | None) -> Any:
+        """All micro-batches' forwards, pipelined; the last stage's outputs, joined in
+        order. `step` None: an evaluation's forwards (no autograd, shards in eval mode).
 
         Stage k gets micro-batch i's input as stage k-1's RRef and fetches it from there. A
         stage holds at most IN_FLIGHT micro-batches at a time: each waits for its input, then
@@ -62,12 +64,16 @@ class Pipeline:
         among those it holds. Completions only post to a queue; every call is issued from
         this thread, inside the distributed autograd context."""
         last = len(self.stages) - 1
-        inputs = [x.clone() for x in images.tensor_split(micro_batches)]  # views ship it all
+        micro_batches = min(micro_batches, len(inputs))  # a small last evaluation batch
+        parts = [(x.clone(),) for x in inputs.tensor_split(micro_batches)]  # views ship it all
+        self.rounds += 1
+        round = self.rounds
         refs: dict[tuple[int, int], RRef] = {}
         finished: queue.SimpleQueue = queue.SimpleQueue()
 
         def launch(k: int, mb: int) -> None:
-            args = (self.stages[k], "forward", inputs[mb] if k == 0 else refs[k - 1, mb], step, mb)
+            given = parts[mb] if k == 0 else refs[k - 1, mb]
+            args = (self.stages[k], "forward", given, round, mb, step)
             if k == last:
                 future = rpc.rpc_async(self.names[k], on_stage, args=args)
             else:
@@ -102,19 +108,26 @@ class Pipeline:
                 outputs[mb] = value
             busy[k] -= 1
             fill()
-        return torch.cat([outputs[mb] for mb in range(micro_batches)])
+        return join([outputs[mb] for mb in range(micro_batches)])
 
     def parameter_rrefs(self) -> list[RRef]:
-        return [p for params in self._each("parameter_rrefs") for p in params]
+        return [p for params in self.each("parameter_rrefs") for p in params]
 
     def timings(self) -> list[dict[int, tuple[float, float, float]]]:
-        return self._each("timings")
+        return self.each("timings")
 
-    def _each(self, method: str) -> list[Any]:
+    def each(self, method: str) -> list[Any]:
         return [
             rpc.rpc_sync(name, on_stage, args=(stage, method))
             for name, stage in zip(self.names, self.stages, strict=True)
         ]
+
+
+def join(outputs: list[Any]) -> Any:
+    """Micro-batches' outputs as the whole batch's: a tensor, or a tuple of them."""
+    if isinstance(outputs[0], tuple | list):
+        return type(outputs[0])(join(list(part)) for part in zip(*outputs, strict=True))
+    return torch.cat(outputs)
 
 
 @dataclass(frozen=True)
@@ -127,7 +140,7 @@ class StepResult:
 
 def forward_backward(
     pipeline: Pipeline,
-    images: torch.Tensor,
+    inputs: torch.Tensor,
     labels: torch.Tensor,
     micro_batches: int,
     step: int,
@@ -136,7 +149,7 @@ def forward_backward(
 ) -> torch.Tensor:
     """Every micro-batch forward, one loss over the whole batch (the mean over its samples,
     as without a pipeline), then the backward across the stages. Returns the loss."""
-    outputs = pipeline.forward(images, micro_batches, step)
+    outputs = pipeline.forward(inputs, micro_batches, step)
     loss = loss_fn(outputs, labels)
     dist_autograd.backward(context_id, [loss])
     return loss
@@ -160,9 +173,9 @@ class Replicas:
                            for p in self.pipelines]  # fmt: skip
         self._threads = ThreadPoolExecutor(len(names)) if len(names) > 1 else None
 
-    def step(self, images: torch.Tensor, labels: torch.Tensor, micro_batches: int, step: int,
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, micro_batches: int, step: int,
              loss_fn: Loss) -> StepResult:  # fmt: skip
-        shares = list(zip(images.tensor_split(len(self.pipelines)),
+        shares = list(zip(inputs.tensor_split(len(self.pipelines)),
                           labels.tensor_split(len(self.pipelines)), strict=True))  # fmt: skip
         args = [(r, x, y, micro_batches, step, loss_fn) for r, (x, y) in enumerate(shares)]
         if self._threads is None:
@@ -176,13 +189,13 @@ class Replicas:
             max(r.allreduce_seconds for r in results),
         )
 
-    def _one(self, r: int, images: torch.Tensor, labels: torch.Tensor, micro_batches: int,
+    def _one(self, r: int, inputs: torch.Tensor, labels: torch.Tensor, micro_batches: int,
              step: int, loss_fn: Loss) -> StepResult:  # fmt: skip
         """Replica r's part of a step."""
         pipeline = self.pipelines[r]
         with dist_autograd.context() as context_id:
             start = time.perf_counter()
-            loss = forward_backward(pipeline, images, labels, micro_batches, step, context_id,
+            loss = forward_backward(pipeline, inputs, labels, micro_batches, step, context_id,
                                     loss_fn)  # fmt: skip
             middle = time.perf_counter()
             allreduce = 0.0
@@ -202,7 +215,7 @@ class Replicas:
     def divergence(self) -> float:
         """The largest difference between a replica's parameter fingerprints and replica
         0's (Stage.fingerprint): 0.0 while the replicas stay identical, as they must."""
-        prints = [p._each("fingerprint") for p in self.pipelines]
+        prints = [p.each("fingerprint") for p in self.pipelines]
         return max((torch.max((a - b).abs()).item()
                     for other in prints[1:] for a, b in zip(prints[0], other, strict=True)),
                    default=0.0)  # fmt: skip

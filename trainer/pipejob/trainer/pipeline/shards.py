@@ -8,10 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed.rpc as rpc
+from torch import nn
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
-from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.partition import (
     Host,
     LayerCosts,
@@ -25,7 +26,7 @@ from pipejob.trainer.pipeline.partition import (
 from pipejob.trainer.pipeline.stage import compute_resources
 from pipejob.trainer.runtime import tuning
 from pipejob.trainer.runtime.world import Env
-from pipejob.trainer.workloads.torchvision import Layer
+from pipejob.trainer.workloads import cut
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,14 @@ class Partition:
 
 @dataclass(frozen=True)
 class Shards:
-    """The model cut into layers and balanced into contiguous per-stage ranges."""
+    """The model cut into one module per stage at the boundaries of a partition of its
+    units (cut candidates in calling order, cut.Traced), and the model state no stage
+    holds."""
 
-    layers: list[Layer]
+    units: list[str]
+    stages: list[nn.Module]
     partition: Partition
+    rest: dict[str, torch.Tensor]
 
     @property
     def ranges(self) -> list[range]:
@@ -55,42 +60,57 @@ class Shards:
     def costs(self) -> list[float]:
         return self.partition.costs
 
-    def of(self, stage: int) -> list[Layer]:
-        return [self.layers[i] for i in self.ranges[stage]]
+    def of(self, stage: int) -> list[str]:
+        """The names of the units stage `stage` holds."""
+        return [self.units[i] for i in self.ranges[stage]]
 
 
 def build_shards(
     spec: PipelineSpec,
+    model: nn.Module,
+    sample: torch.Tensor,
     saved: Partition | None = None,
     threads: int | None = None,
     hosts: list[Host] | None = None,
     progress: Callable[[str], None] = lambda message: None,
 ) -> Shards:
-    """Build the seeded model and split it across spec.stages by layer costs measured
-    with `threads` intra-op threads (those of the stages), or by `saved`: a checkpoint's
-    partition. With `microBatches: auto`, costs are measured at every candidate count's
-    micro-batch size and the count with the shortest predicted step (given the `hosts`
-    whose cores stages share) is used."""
-    layers = workloads.pipeline_layers(spec)
-    if saved is not None:
-        return Shards(layers, saved)
+    """Cut `model` into spec.stages: at spec.splitPoints, or balanced by what each unit
+    costs (measured with `threads` intra-op threads, those of the stages, on micro-batches
+    of `sample`, the model's input), or as `saved`, a checkpoint's partition. With
+    `microBatches: auto`, costs are measured at every candidate count's micro-batch size and
+    the count with the shortest predicted step (given the `hosts` whose cores stages share)
+    is used."""
+    traced = cut.Traced(model)
+    units = traced.units
+    if len(units) < spec.stages:
+        raise cut.cut_count_error(len(units), spec.stages)
+    fixed = None
+    if spec.split_points:
+        starts = [0, *(units.index(p) if p in units else -1 for p in spec.split_points)]
+        traced.split(spec.split_points)  # refuses unknown or unordered points, saying why
+        fixed = [range(a, b) for a, b in zip(starts, [*starts[1:], len(units)], strict=True)]
+    if saved is None:
+        saved = _measure(spec, traced, sample, threads, hosts or [], fixed, progress)
+    stages = traced.split([units[r.start] for r in saved.ranges[1:]])
+    return Shards(units, stages, saved, cut.unused(model, stages))
+
+
+def _measure(spec: PipelineSpec, traced: cut.Traced, sample: torch.Tensor, threads: int | None,
+             hosts: list[Host], fixed: list[range] | None,
+             progress: Callable[[str], None]) -> Partition:  # fmt: skip
     auto = spec.micro_batches == AUTO
-    batch, size = spec.batch_size, spec.image_size
+    batch = spec.batch_size
     counts = micro_batch_counts(batch) if auto else [spec.micro_batches]
+    pieces = traced.split(traced.units[1:])  # one piece per unit
     measured: dict[int, tuple[Prediction, LayerCosts]] = {}
-    try:
-        with intra_op_threads(threads):
-            for m in counts:
-                progress(f"  micro-batch {batch // m} ({m} per batch)")
-                costs = measure_costs(layers, workloads.sample_input(spec, batch // m))
-                measured[m] = predict(costs, spec.stages, m, batch, hosts or []), costs
-    except ValueError as e:
-        raise ValueError(
-            f"spec: model {spec.model} at imageSize {size} with {spec.stages} stages: {e}"
-        ) from None
+    with intra_op_threads(threads):
+        for m in counts:
+            progress(f"  micro-batch {batch // m} ({m} per batch)")
+            costs = measure_costs(pieces, traced.units, sample[: batch // m])
+            measured[m] = predict(costs, spec.stages, m, batch, hosts, fixed), costs
     chosen, costs = measured[fastest([p for p, _ in measured.values()]).micro_batches]
     table = [candidate(p) for p, _ in measured.values()] if auto else []
-    return Shards(layers, Partition(chosen.ranges, costs.seconds, chosen.micro_batches, table))
+    return Partition(chosen.ranges, costs.seconds, chosen.micro_batches, table)
 
 
 def candidate(p: Prediction) -> dict[str, Any]:

@@ -15,10 +15,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.rpc import RRef
 
 from pipejob.trainer.runtime import checkpoint, rendezvous, tuning
-from pipejob.trainer.workloads.torchvision import Layer, sequential
 
 
 class Turnstile:
@@ -67,12 +67,14 @@ def compute_resources() -> tuple[int, float]:
 class Stage:
     """One shard of the model, held by a stage worker and called by the master over RPC.
 
-    It records when it computes, forward and backward, per micro-batch, and keeps per-step
-    totals, so the master can report per-stage time and the pipeline's bubble."""
+    A shard takes the values live where its stage begins (a tuple: one tensor or several)
+    and returns those live where it ends; the last returns the model's output. It records
+    when it computes, forward and backward, per micro-batch, and keeps per-step totals, so
+    the master can report per-stage time and the pipeline's bubble."""
 
-    def __init__(self, layers: list[Layer], last: bool, device: str):
+    def __init__(self, module: nn.Module, last: bool, device: str):
         self.device = torch.device(device)
-        self.layers = sequential(layers).to(self.device)
+        self.layers = module.to(self.device)
         self.last = last
         # One forward at a time, in micro-batch order: micro-batches would otherwise fight
         # over the same cores and race on BatchNorm's running statistics.
@@ -86,20 +88,26 @@ class Stage:
     def parameter_rrefs(self) -> list[RRef]:
         return [RRef(p) for p in self.layers.parameters()]
 
-    def forward(self, x: torch.Tensor | RRef, step: int, micro_batch: int) -> torch.Tensor:
+    def forward(self, x: tuple[Any, ...] | RRef, round: int, micro_batch: int,
+                step: int | None) -> Any:  # fmt: skip
+        """Micro-batch `micro_batch` of forward round `round` (the turnstile's order); a
+        training step's (`step`, timed, with autograd) or, with `step` None, an
+        evaluation's (no autograd, the shard in eval mode)."""
         failed = None
         try:  # fetching waits for no turn: later inputs arrive while this stage computes
-            if not isinstance(x, torch.Tensor):
-                x = x.to_here()  # an RRef: fetched from the previous stage, straight to this one
+            if not isinstance(x, tuple):
+                x = x.to_here()  # an RRef, fetched from the previous stage, straight to this one
             received = x
-            x = x.to(self.device)
+            x = tuple(v.to(self.device) if isinstance(v, torch.Tensor) else v for v in x)
         except Exception as e:
             failed = e
-        with self._order.turn(step, micro_batch):
+        with self._order.turn(round, micro_batch):
             if failed is not None:
                 raise failed
+            if step is None:
+                return self._evaluate(x)
             start = time.perf_counter()
-            y = self.layers(x)
+            y = self.layers(*x)
             if self.device.type == "cuda":  # so the time is the kernels', not their launch's
                 torch.cuda.synchronize(self.device)
             end = time.perf_counter()
@@ -108,15 +116,27 @@ class Stage:
             self._events[step, micro_batch]["forward"] = [start, end]
         self._time_backward((step, micro_batch), y, received)
         # The master is CPU-only: the last stage hands back CPU tensors.
-        return y.cpu() if self.last else y
+        return _to_cpu(y) if self.last else y
 
-    def _time_backward(self, key: tuple[int, int], y: torch.Tensor, received: torch.Tensor):
-        """Backward through this shard starts when the gradient of `y` arrives and ends when
-        the autograd nodes nearest the shard's input have run."""
-        if y.grad_fn is None:
+    def _evaluate(self, x: tuple[Any, ...]) -> Any:
+        self.layers.eval()
+        try:
+            with torch.no_grad():
+                y = self.layers(*x)
+        finally:
+            self.layers.train()
+        return _to_cpu(y) if self.last else y
+
+    def _time_backward(self, key: tuple[int, int], y: Any, received: tuple[Any, ...]):
+        """Backward through this shard starts when the gradient of its outputs arrives and
+        ends when the autograd nodes nearest the shard's inputs have run."""
+        roots = [t.grad_fn for t in _tensors(y) if t.grad_fn is not None]
+        if not roots:
             return
-        y.grad_fn.register_prehook(lambda grads: self._note(key, "start"))
-        for node in input_nodes(y.grad_fn, received.grad_fn):
+        stops = {t.grad_fn for t in _tensors(received) if t.grad_fn is not None}
+        for root in roots:
+            root.register_prehook(lambda grads: self._note(key, "start"))
+        for node in input_nodes(roots, stops):
             node.register_hook(lambda grads_in, grads_out: self._note(key, "end"))
 
     def _note(self, key: tuple[int, int], what: str) -> None:
@@ -158,6 +178,10 @@ class Stage:
             t.copy_(averaged.view_as(t))
         return time.perf_counter() - start
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """The shard's parameters and buffers under the model's own names, on the CPU."""
+        return {k: v.detach().cpu() for k, v in self.layers.state_dict().items()}
+
     def fingerprint(self) -> torch.Tensor:
         """Per parameter, its sum and sum of squares in float64: equal in every replica whose
         shard is the same (replicas must stay identical)."""
@@ -176,14 +200,30 @@ class Stage:
         checkpoint.set_rng_state(state["rng"])  # e.g. dropout masks continue as they would
 
 
-def input_nodes(root: Any, stop: Any) -> list[Any]:
-    """The nodes of `root`'s autograd graph nearest the shard's input: those with no further
-    node of the shard behind them (only parameters, the input, or the `stop` node that
-    carries the gradient on to the previous stage)."""
-    found, seen, todo = [], {root}, [root]
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, tuple | list):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def input_nodes(roots: list[Any], stops: set[Any]) -> list[Any]:
+    """The nodes of the `roots`' autograd graph nearest the shard's inputs: those with no
+    further node of the shard behind them (only parameters, the inputs, or the `stops`
+    nodes that carry the gradient on to the previous stage)."""
+    found, seen, todo = [], set(roots), list(roots)
     while todo:
         node = todo.pop()
-        inner = [f for f, _ in node.next_functions if f is not None and f is not stop]
+        inner = [f for f, _ in node.next_functions if f is not None and f not in stops]
         inner = [f for f in inner if type(f).__name__ != "AccumulateGrad"]
         if not inner:
             found.append(node)

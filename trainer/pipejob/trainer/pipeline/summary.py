@@ -10,6 +10,7 @@ from pipejob.trainer.pipeline.schedule import StepResult
 from pipejob.trainer.pipeline.shards import Shards, describe, share
 from pipejob.trainer.runtime import master
 from pipejob.trainer.runtime.world import Env
+from pipejob.trainer.workloads import models
 
 
 def stage_report(
@@ -52,7 +53,7 @@ def summarize(
         per_stage.append(
             {
                 "stage": name,
-                "layers": [n for n, _ in shards.of(i)],
+                "layers": shards.of(i),
                 "costShare": round(share(shards, i), 4),
                 "forwardSeconds": round(forward / len(measured), 4),
                 "backwardSeconds": round(backward / len(measured), 4),
@@ -62,7 +63,7 @@ def summarize(
     p, m = spec.stages, shards.partition.micro_batches
     return master.summary(
         env, len(results), first,
-        model=spec.model,
+        model=models.name(spec.model),
         stages=p,
         replicas=spec.replicas,
         microBatches=m,
@@ -102,12 +103,21 @@ def auto_line(s: dict[str, Any]) -> list[str]:
             f" per step, measured {measured:.3f}"]  # fmt: skip
 
 
+def evaluation_line(s: dict[str, Any]) -> list[str]:
+    e = s.get("evaluation")
+    if e is None:
+        return []
+    metric = (f"accuracy {e['accuracy']:.2%}" if "accuracy" in e
+              else f"perplexity {e['perplexity']:.3f}")  # fmt: skip
+    return [f"  held-out after step {e['step']}: loss {e['loss']:.4f}, {metric}"
+            f" ({e['samples']} samples)"]  # fmt: skip
+
+
 def render(summary: dict[str, Any]) -> str:
     s = summary
     lines = [
         f"  {s['model']}: {s['stages']} stages, {s['microBatches']} micro-batches of"
-        f" {s['batchSize'] // s['microBatches']}, {s['imageSize']}x{s['imageSize']} images,"
-        f" {s['steps']} steps"
+        f" {s['batchSize'] // s['microBatches']}, {s['steps']} steps"
         + (
             f", {s['replicas']} replicas (all-reduce {s['allreduceSecondsPerStep']:.3f} s/step,"
             f" largest difference between replicas {s['replicaDivergence']:.3g})"
@@ -118,6 +128,7 @@ def render(summary: dict[str, Any]) -> str:
         f" {s['secondsPerStep']:.3f} s/step"
         + (" (step 1 is warm-up, left out)" if s["warmupStepsExcluded"] else ""),
         *auto_line(s),
+        *evaluation_line(s),
         f"  {'stage':<8} {'layers':<38} {'cost':>5} {'fwd s/step':>10} {'bwd s/step':>10}"
         f" {'idle':>5}",
     ]

@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
+from torch import nn
 
-from pipejob.core.kinds.pipeline import AUTO
+from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer import workloads
+from pipejob.trainer.pipeline.partition import shape
 from pipejob.trainer.pipeline.schedule import Replicas, StepResult
 from pipejob.trainer.pipeline.shards import (
     Partition,
@@ -27,34 +29,46 @@ from pipejob.trainer.runtime import (
     checkpoint,
     master,
     monitor,
+    output,
     profiling,
     world,
 )
 from pipejob.trainer.runtime.world import Env
-from pipejob.trainer.workloads.synthetic import SyntheticImages
+from pipejob.trainer.workloads import data, models
+from pipejob.trainer.workloads.metrics import Tally
 
 
 def train(env: Env) -> dict[str, Any]:
-    spec = env.spec
-    steps, size = spec.steps, spec.image_size
+    spec: PipelineSpec = env.spec
+    steps = spec.steps
     board = monitor.board()
     # Replica r's stages, in order: every replica holds the same shards.
     every = env.names("stage")
     replicas = [every[r * spec.stages : (r + 1) * spec.stages] for r in range(spec.replicas)]
     names = replicas[0]
+    title = models.name(spec.model)
+    model, loss = models.build(spec), workloads.loss(spec)
+    feed = data.Feed(spec)
+    world.log(env, f"data: {feed.description}")
+    inputs, labels = data.sample(spec, spec.batch_size)
+    fits_model(model, inputs, labels, loss)
     found = checkpoint.latest_for(env)
-    if found is None:
-        threads, hosts = stage_resources(env, spec.stages)
-        shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share {h.cpus:g} CPU(s)"
-                           for h in hosts if len(h.stages) > 1)  # fmt: skip
-        world.log(env, f"{spec.model}: measuring layer costs at {size}x{size} with"
-                       f" {threads} intra-op thread(s), as the stages compute"
-                       + (f" ({shared})" if shared else ""))  # fmt: skip
-        if spec.gpus_per_stage > 0:
-            hosts = []  # the stages compute on their GPUs, not on the cores they share
-        shards = build_shards(spec, None, threads, hosts, lambda message: world.log(env, message))
-    else:
-        shards = build_shards(spec, saved_partition(env, found))
+    try:
+        if found is None:
+            threads, hosts = stage_resources(env, spec.stages)
+            shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share {h.cpus:g}"
+                               " CPU(s)" for h in hosts if len(h.stages) > 1)  # fmt: skip
+            world.log(env, f"{title}: measuring what each part costs on inputs of"
+                           f" {shape(inputs[:1])[1:]} with {threads} intra-op thread(s), as the"
+                           " stages compute" + (f" ({shared})" if shared else ""))  # fmt: skip
+            if spec.gpus_per_stage > 0:
+                hosts = []  # the stages compute on their GPUs, not on the cores they share
+            shards = build_shards(spec, model, inputs, None, threads, hosts,
+                                  lambda message: world.log(env, message))  # fmt: skip
+        else:
+            shards = build_shards(spec, model, inputs, saved_partition(env, found))
+    except ValueError as e:
+        raise ValueError(f"spec.model {title} with {spec.stages} stages: {e}") from None
     m, candidates = shards.partition.micro_batches, shards.partition.candidates
     if spec.micro_batches == AUTO:
         how = "chose" if found is None else "resumes with the checkpoint's"
@@ -62,46 +76,130 @@ def train(env: Env) -> dict[str, Any]:
         world.log(env, f"microBatches auto {how} {m} (micro-batches of"
                        f" {spec.batch_size // m}){table}")  # fmt: skip
     for i in range(spec.stages):
-        layers = [n for n, _ in shards.of(i)]
-        world.log(env, f"stage {i}: {describe(layers)}, {share(shards, i):.0%} of measured cost")
+        world.log(env, f"stage {i}: {describe(shards.of(i))}, {share(shards, i):.0%} of measured"
+                       " cost")  # fmt: skip
     if spec.replicas > 1:
         world.log(env, f"{spec.replicas} replicas of the pipeline, {spec.batch_size} samples each"
                        " per step; stage i of every replica averages its gradients")  # fmt: skip
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
     pipelines = Replicas(replicas, shards, spec, device)
-    data, loss = workloads.pipeline_data(spec), workloads.loss(spec)
-    first = 0 if found is None else resume(env, found, pipelines, data, shards)
+    held = data.held_out(spec) if spec.eval is not None else None
+    if spec.eval is not None:
+        world.log(env, f"evaluation: {held.description}" if held else
+                       "evaluation: the data has no held-out set; nothing to evaluate")  # fmt: skip
+    first = 0 if found is None else resume(env, found, pipelines, feed, shards)
     profile = profiling.settings(spec)
     results: list[StepResult] = []
+    evaluations: list[dict[str, Any]] = []
     started = time.perf_counter()
     board.phase("training")
     samples = spec.batch_size * spec.replicas  # per step
-    for step in range(first, steps):
-        images, labels = data.batch()
-        with profiling.window(env, profile, step + 1, every) as rpc_calls, rpc_calls():
-            result = pipelines.step(images, labels, m, step, loss)
-        results.append(result)
-        seconds = result.pipeline_seconds + result.optimizer_seconds
-        board.step(step + 1, result.loss, seconds, samples)
-        if checkpoint.due(spec, step + 1):
-            save_checkpoint(env, step + 1, pipelines, data, shards)
-        if (step + 1) % spec.log_every == 0 or step + 1 == steps:
-            rate = samples / seconds
-            world.log(env, f"step {step + 1}/{steps}  loss {result.loss:.4f}  {rate:.1f} samples/s")
-            board.stages(*stage_report(names, pipelines.timings(), step, result))
+    try:
+        for step in range(first, steps):
+            batch_inputs, batch_labels = feed.batch()
+            with profiling.window(env, profile, step + 1, every) as rpc_calls, rpc_calls():
+                result = pipelines.step(batch_inputs, batch_labels, m, step, loss)
+            results.append(result)
+            seconds = result.pipeline_seconds + result.optimizer_seconds
+            board.step(step + 1, result.loss, seconds, samples)
+            if checkpoint.due(spec, step + 1):
+                save_checkpoint(env, step + 1, pipelines, feed, shards)
+            if (step + 1) % spec.log_every == 0 or step + 1 == steps:
+                rate = samples / seconds
+                world.log(env, f"step {step + 1}/{steps}  loss {result.loss:.4f}"
+                               f"  {rate:.1f} samples/s")  # fmt: skip
+                board.stages(*stage_report(names, pipelines.timings(), step, result))
+            if held is not None and evaluation_due(spec, step + 1):
+                evaluations.append(evaluate(env, pipelines, held, m, loss, step + 1))
+    finally:
+        feed.close()
+        if held is not None:
+            held.close()
+    if spec.output is not None:
+        write_output(env, pipelines, shards, evaluations[-1] if evaluations else None)
     if not results:
         return master.nothing_left(env, first)
     summary = summarize(env, names, shards, results, pipelines.timings(), first)
     summary["replicaDivergence"] = pipelines.divergence()
     summary["wallSeconds"] = round(time.perf_counter() - started, 3)
+    if evaluations:
+        summary["evaluation"] = evaluations[-1]
+        summary["evaluations"] = evaluations
     world.log(env, "summary:\n" + render(summary))
     return summary
+
+
+def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+               loss: workloads.Loss) -> None:  # fmt: skip
+    """Fail before the first step, saying both shapes, when the data does not fit the
+    model: its input, or its labels against the model's output through the loss."""
+    try:
+        with torch.no_grad():
+            outputs = model(inputs[:2])
+    except Exception as e:
+        raise ValueError(f"the data's inputs of shape {shape(inputs[:2])} do not fit the model:"
+                         f" {type(e).__name__}: {e}") from None  # fmt: skip
+    try:
+        loss(outputs, labels[:2])
+    except Exception as e:
+        got = ", ".join(shape(t) for t in (outputs if isinstance(outputs, tuple) else (outputs,)))
+        raise ValueError(f"the model's output {got} does not fit the data's labels"
+                         f" {shape(labels[:2])} in the loss: {type(e).__name__}: {e}") from None
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
+def evaluation_due(spec: PipelineSpec, step: int) -> bool:
+    assert spec.eval is not None
+    every = spec.eval.every_steps
+    return step == spec.steps or (every > 0 and step % every == 0)
+
+
+def evaluate(env: Env, pipelines: Replicas, held: data.HeldOut, micro_batches: int,
+             loss: workloads.Loss, step: int) -> dict[str, Any]:  # fmt: skip
+    """The held-out figures after `step`, through replica 0 (the replicas are identical)."""
+    assert env.spec.eval is not None
+    start = time.perf_counter()
+    tally = Tally(data.task(env.spec))
+    pipeline = pipelines.pipelines[0]
+    for inputs, labels in held.batches(env.spec.eval.batches):
+        tally.add(pipeline.forward(inputs, micro_batches, None), labels, loss)
+    figures = {"step": step, **tally.result()}
+    metric = ("accuracy", f"accuracy {figures['accuracy']:.2%}") if "accuracy" in figures else (
+        "perplexity", f"perplexity {figures['perplexity']:.3f}")
+    world.log(env, f"eval step {step}: loss {figures['loss']:.4f}, {metric[1]} on"
+                   f" {figures['samples']} held-out samples ({time.perf_counter() - start:.1f}s)")
+    monitor.board().evaluated(step, figures["loss"], **{metric[0]: figures[metric[0]]})
+    return figures
+
+
+def write_output(env: Env, pipelines: Replicas, shards: Shards,
+                 evaluation: dict[str, Any] | None) -> None:  # fmt: skip
+    """Every stage's state (replica 0's) and the state no stage holds, as one model file
+    under the model's own names, with the JSON beside it."""
+    spec: PipelineSpec = env.spec
+    assert spec.output is not None
+    pipeline = pipelines.pipelines[0]
+    state = dict(shards.rest)
+    for part in pipeline.each("state"):
+        state.update(part)
+    info = model_info(env.kind, env.job, spec, spec.steps, evaluation)
+    paths = output.write(spec.output.path, {"model": state}, info, spec.output.format)
+    world.log(env, f"model written: {paths[0]} ({len(state)} tensors), {paths[-1]}")
+
+
+def model_info(kind: str, job: str, spec: PipelineSpec, steps: int,
+               evaluation: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    """What model.json says of a PipelineJob's model file."""
+    return {"kind": kind, "job": job, "model": models.as_spec(spec.model), "numClasses":
+            spec.num_classes, "imageSize": spec.image_size, "steps": steps,
+            "evaluation": evaluation}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(env: Env, step: int, pipelines: Replicas, data: SyntheticImages,
+def save_checkpoint(env: Env, step: int, pipelines: Replicas, feed: data.Feed,
                     shards: Shards) -> None:  # fmt: skip
     """Each stage of replica 0 saves its shard and its optimizer's state (the replicas are
     identical: one copy of each stage, `stage<i>.pt`), the master its RNG states and the
@@ -117,12 +215,13 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, data: SyntheticIma
         )  # fmt: skip
         for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True))
     ]
-    own = {"rng": checkpoint.rng_state(), "data": data.generator.get_state()}
+    own = {"rng": checkpoint.rng_state(), "data": feed.state(), "rest": shards.rest}
     files = [checkpoint.save_part(directory, "master.pt", own), *torch.futures.wait_all(saving)]
     checkpoint.write_manifest(
-        root, step, files, kind=env.kind, job=env.job, model=env.spec.model,
+        root, step, files, kind=env.kind, job=env.job, model=models.as_spec(env.spec.model),
         stageCount=len(shards.ranges),
-        stages=[[n for n, _ in shards.of(i)] for i in range(len(shards.ranges))],
+        stages=[shards.of(i) for i in range(len(shards.ranges))],
+        info=model_info(env.kind, env.job, env.spec, step, None),
         ranges=[[r.start, r.stop] for r in shards.ranges], costs=shards.costs,
         microBatches=shards.partition.micro_batches,
         microBatchCandidates=shards.partition.candidates,
@@ -143,7 +242,8 @@ def saved_partition(env: Env, found: checkpoint.Checkpoint) -> Partition:
             " auto would reuse; set spec.microBatches to the count it was trained with"
         )
     same = {} if requested == AUTO or recorded is None else {"microBatches": requested}
-    checkpoint.fits(found, env, model=env.spec.model, stageCount=env.spec.stages, **same)
+    checkpoint.fits(found, env, model=models.as_spec(env.spec.model),
+                    stageCount=env.spec.stages, **same)  # fmt: skip
     return Partition([range(a, b) for a, b in manifest["ranges"]], manifest["costs"],
                      recorded or requested, manifest.get("microBatchCandidates", []))  # fmt: skip
 
@@ -152,16 +252,16 @@ def resume(
     env: Env,
     found: checkpoint.Checkpoint,
     pipelines: Replicas,
-    data: SyntheticImages,
+    feed: data.Feed,
     shards: Shards,
 ) -> int:
     """Load every stage's shard and optimizer state (stage i of every replica from the one
     copy of stage i) and the master's RNG states; the step the checkpoint was taken
     after."""
-    layers = [[n for n, _ in shards.of(i)] for i in range(len(shards.ranges))]
+    layers = [shards.of(i) for i in range(len(shards.ranges))]
     if layers != found.manifest["stages"]:
         raise checkpoint.CheckpointError(
-            f"{found.directory} was written for other layers than {env.spec.model}'s;"
+            f"{found.directory} was written for other layers than {models.name(env.spec.model)}'s;"
             " give this job another checkpoint.path"
         )
     directory = str(found.directory)
@@ -173,7 +273,7 @@ def resume(
             loading.append(rpc.rpc_async(name, on_stage, args=args))
     own = found.load("master.pt")
     checkpoint.set_rng_state(own["rng"])
-    data.generator.set_state(own["data"])
+    feed.load_state(own["data"])
     torch.futures.wait_all(loading)
     world.log(env, f"resumed from step {found.step} ({found.directory})")
     monitor.board().resumed(found.step)

@@ -42,6 +42,7 @@ class Board:
             "stage",
         )  # fmt: skip
         self._steps.set(steps)
+        self._evals: dict[str, Gauge] = {}
 
     def progress(self) -> dict[str, Any]:
         with self._lock:
@@ -76,6 +77,32 @@ class Board:
         if rate is not None:
             self._rate.set(rate)
 
+    def evaluated(
+        self,
+        step: int,
+        loss: float,
+        accuracy: float | None = None,
+        perplexity: float | None = None,
+    ) -> None:
+        """An evaluation on held-out data after `step`: its loss, and accuracy
+        (classification) or perplexity (the language model) where known."""
+        figures = {"evalLoss": _finite(loss), "evalAccuracy": _finite(accuracy),
+                   "evalPerplexity": _finite(perplexity)}  # fmt: skip
+        with self._lock:
+            self._progress = replace(self._progress, evalStep=step, **figures)
+        # Made on first use: a job that never evaluates exports no eval series (a 0 would
+        # read as a perfect loss).
+        self._eval_gauge("pipejob_eval_step", "Step of the last evaluation.").set(step)
+        for name, value in figures.items():
+            if value is not None:
+                self._eval_gauge(*_EVAL_GAUGES[name]).set(value)
+
+    def _eval_gauge(self, name: str, doc: str) -> Gauge:
+        with self._lock:
+            if name not in self._evals:
+                self._evals[name] = Gauge(name, doc, registry=self.registry)
+            return self._evals[name]
+
     def stages(self, bubble: float, times: dict[str, tuple[float, float]]) -> None:
         """The pipeline's measured bubble and each stage's (forward, backward) seconds."""
         with self._lock:
@@ -87,6 +114,17 @@ class Board:
 
     def metrics(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_EVAL_GAUGES = {
+    "evalLoss": ("pipejob_eval_loss", "Loss on the held-out data at the last evaluation."),
+    "evalAccuracy": (
+        "pipejob_eval_accuracy", "Held-out accuracy (0 to 1) at the last evaluation.",
+    ),
+    "evalPerplexity": (
+        "pipejob_eval_perplexity", "Held-out perplexity at the last evaluation (language model).",
+    ),
+}  # fmt: skip
 
 
 def _finite(value: float | None) -> float | None:

@@ -2,47 +2,38 @@
 made from the job's typed spec. The trainers (pipeline/, hybrid/) call only these functions,
 so a new model, data source or loss is added here and nowhere else.
 
-- PipelineJob: `pipeline_layers` (the model cut into layers a stage holds runs of),
-  `sample_input` (a micro-batch to measure layer costs with), `pipeline_data`, `loss`;
+- PipelineJob: `models.build` (the model; `cut` cuts it into stages), `data` (the training
+  feed, the held-out set and a sample to check shapes and measure costs with), `loss`;
 - HybridJob: `hybrid_table` (the parameter server's EmbeddingBag), `hybrid_dense` (each
-  trainer's dense model), `hybrid_data`, `loss`."""
+  trainer's dense model), `hybrid_data`, `hybrid_held_out`, `loss`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.workloads.synthetic import SyntheticBags, SyntheticImages
-from pipejob.trainer.workloads.torchvision import Layer, build_model, cut
+from pipejob.trainer.workloads import bags, imports, metrics
+from pipejob.trainer.workloads.bags import Bags
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, labels) -> scalar
 
 
 def loss(spec: PipelineSpec | HybridSpec) -> Loss:
-    """The loss over a whole batch, the mean over its samples: both kinds classify."""
-    return F.cross_entropy
-
-
-def pipeline_layers(spec: PipelineSpec) -> list[Layer]:
-    """The model, seeded, as named layers whose composition is its forward."""
-    torch.manual_seed(spec.seed)
-    return cut(build_model(spec.model, spec.num_classes))
-
-
-def sample_input(spec: PipelineSpec, batch: int) -> torch.Tensor:
-    """A batch of `batch` inputs of the model's shape, to measure what each layer costs."""
-    return torch.randn(batch, 3, spec.image_size, spec.image_size)
-
-
-def pipeline_data(spec: PipelineSpec) -> SyntheticImages:
-    """A step's whole batch: one share of `batchSize` per replica, in replica order."""
-    batch = spec.batch_size * spec.replicas
-    return SyntheticImages(spec.seed, batch, spec.image_size, spec.num_classes)
+    """The loss over a whole batch, the mean over its samples: cross-entropy, or what the
+    user's factory (spec.loss.import, called with its args) returns."""
+    if spec.loss.import_ is None:
+        return metrics.cross_entropy
+    made = imports.call(spec.loss.import_, "spec.loss.import", spec.loss.args)
+    if not callable(made):
+        raise TypeError(
+            f"spec.loss.import: {spec.loss.import_!r} returned a"
+            f" {type(made).__name__}, not a callable (outputs, labels) -> loss"
+        )
+    return made
 
 
 def hybrid_table(spec: HybridSpec) -> nn.EmbeddingBag:
@@ -54,15 +45,26 @@ def hybrid_table(spec: HybridSpec) -> nn.EmbeddingBag:
 
 
 def hybrid_dense(spec: HybridSpec) -> nn.Module:
-    """A trainer's dense model on the bags' embeddings, from torch's current seed."""
-    return nn.Linear(spec.embedding.dim, spec.dense.out_features)
+    """A trainer's dense model on the bags' embeddings (batch, embedding.dim), from torch's
+    current seed: nn.Linear to outFeatures, or the user's (spec.dense.import with its args)."""
+    dense = spec.dense
+    if dense.import_ is None:
+        return nn.Linear(spec.embedding.dim, dense.out_features)
+    made = imports.call(dense.import_, "spec.dense.import", dense.args)
+    if not isinstance(made, nn.Module):
+        raise TypeError(f"spec.dense.import: {dense.import_!r} returned a"
+                        f" {type(made).__name__}, not an nn.Module")  # fmt: skip
+    return made
 
 
-def hybrid_data(spec: HybridSpec) -> SyntheticBags:
-    return SyntheticBags(
-        size=spec.dataset_size,
-        num_embeddings=spec.embedding.num_embeddings,
-        classes=spec.dense.out_features,
-        bag_size=spec.bag_size,
-        seed=spec.seed,
-    )
+def hybrid_data(spec: HybridSpec) -> Bags:
+    """The training bags: synthetic, from .npz files (spec.data.file) or from the user's
+    Dataset (spec.data.import); see workloads/bags.py."""
+    train = bags.data(spec, "train")
+    assert train is not None  # every source has a training split
+    return train
+
+
+def hybrid_held_out(spec: HybridSpec) -> Bags | None:
+    """The held-out bags spec.eval measures on; None when the data has none."""
+    return bags.data(spec, "val")

@@ -1,4 +1,4 @@
-"""Synthetic data, seeded and learnable: images for a PipelineJob, bags for a HybridJob.
+"""Synthetic data, seeded and learnable: images or tokens for a PipelineJob, bags for a HybridJob.
 
 Bags are pure Python so every piece is unit-testable and identical in every process: a sample
 is a function of (seed, index) alone, and the partition of a shuffled index list by DDP rank
@@ -10,6 +10,7 @@ that class."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -101,3 +102,42 @@ class SyntheticImages:
         labels = torch.randint(len(self.colours), self.size[:1], generator=self.generator)
         images = torch.randn(self.size, generator=self.generator) + self.colours[labels]
         return images, labels
+
+
+def held_out_images(seed: int, batch_size: int, image_size: int, classes: int,
+                    offset: int = 1_000_003) -> SyntheticImages:  # fmt: skip
+    """The held-out stream of `SyntheticImages(seed, ...)`: the same classes' colours (the same
+    task), other images (its generator reseeded with seed + offset after the colours)."""
+    images = SyntheticImages(seed, batch_size, image_size, classes)
+    images.generator.manual_seed(seed + offset)
+    return images
+
+
+class SyntheticTokens:
+    """Seeded token windows that follow one rule, t[i+1] = (a*t[i] + b) % vocab, from a random
+    start: deterministic, and learnable (a language model that learns the rule predicts every
+    label), so a falling loss shows training works. The rule is a function of `rule_seed`
+    alone (the held-out stream shares it); `generator` is the whole state a checkpoint keeps.
+    A batch is (inputs, labels), int64 (batch, seq_len) each, labels the inputs shifted by one."""
+
+    def __init__(self, seed: int, batch_size: int, seq_len: int, vocab: int,
+                 rule_seed: int | None = None):  # fmt: skip
+        if vocab < 2 or seq_len < 1 or batch_size < 1:
+            raise ValueError(f"need vocab >= 2, seq_len >= 1, batch_size >= 1; got {vocab},"
+                             f" {seq_len}, {batch_size}")  # fmt: skip
+        rule = random.Random(f"pipejob-tokens:{seed if rule_seed is None else rule_seed}")
+        # a coprime with vocab: t -> a*t + b is a permutation, so windows do not collapse
+        # into a short cycle and every token occurs.
+        self.a = next(a for a in iter(lambda: rule.randrange(1, vocab), None)
+                      if math.gcd(a, vocab) == 1 and (a > 1 or vocab == 2))  # fmt: skip
+        self.b = rule.randrange(vocab)
+        self.vocab, self.seq_len, self.batch_size = vocab, seq_len, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.successor = (self.a * torch.arange(vocab) + self.b) % vocab
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = torch.empty(self.batch_size, self.seq_len + 1, dtype=torch.int64)
+        windows[:, 0] = torch.randint(self.vocab, (self.batch_size,), generator=self.generator)
+        for i in range(self.seq_len):
+            windows[:, i + 1] = self.successor[windows[:, i]]
+        return windows[:, :-1], windows[:, 1:]

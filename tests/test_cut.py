@@ -1,0 +1,157 @@
+"""Any model cut into stages at module names (trainer/workloads/cut.py): the stages compose
+to the model's forward, keep its parameter names, carry several values across a cut, and
+refuse what cannot work, saying why."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models import get_model
+
+from pipejob.core.kinds.pipeline import PIPELINE_MODELS
+from pipejob.core.workload import Transformer
+from pipejob.trainer.workloads.cut import CutError, Traced, candidates, unused
+from pipejob.trainer.workloads.transformer import TransformerLM
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(stages: list[nn.Module], *inputs: torch.Tensor):
+    values = inputs
+    for stage in stages:
+        values = stage(*values)
+    return values
+
+
+@pytest.mark.parametrize("name", PIPELINE_MODELS)
+def test_every_torchvision_model_cut_in_three_computes_what_it_computes(name):
+    torch.manual_seed(0)
+    model = get_model(name, weights=None, num_classes=10).eval()
+    traced = Traced(model)
+    n = len(traced.units)
+    stages = traced.split([traced.units[n // 3], traced.units[2 * n // 3]])
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(run(stages, x), model(x), rtol=0, atol=0)
+    # The stages hold every parameter and buffer once, under the model's own names.
+    names = [k for stage in stages for k in stage.state_dict()]
+    assert sorted(names) == sorted(model.state_dict())
+
+
+def test_resnet_candidates_are_todays_layers_without_the_functional_flatten():
+    """The cut ResNets had before (stem, residual blocks, head), now found in the module
+    tree: torch.flatten is an operation of the forward, not a module."""
+    model = get_model("resnet50", weights=None)
+    blocks = [f"layer{i}.{j}" for i, n in ((1, 3), (2, 4), (3, 6), (4, 3)) for j in range(n)]
+    expected = ["conv1", "bn1", "relu", "maxpool", *blocks, "avgpool", "fc"]
+    assert candidates(model) == expected
+    assert Traced(model).units == expected
+
+
+class Skip(nn.Module):
+    """A U-shaped model: the encoder's output skips the middle and joins at the end, and the
+    forward carries a size across cuts, so stages must pass several values on."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode = nn.Linear(4, 8)
+        self.middle = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.decode = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.encode(x)
+        m = self.middle(e)
+        return self.decode(torch.cat([e, m], dim=1)).reshape(x.shape[0], -1)
+
+
+def test_values_live_across_a_cut_are_passed_on_and_gradients_flow():
+    torch.manual_seed(0)
+    model = Skip()
+    traced = Traced(model)
+    assert traced.units == ["encode", "middle.0", "middle.1", "middle.2", "decode"]
+    stages = traced.split(["middle.0", "decode"])
+    x = torch.randn(5, 4)
+    first = stages[0](x)
+    assert isinstance(first, tuple) and len(first) == 2  # x (for its shape) and e
+    assert sum(isinstance(v, torch.Tensor) and v.shape == (5, 8) for v in first) == 1
+    out = run(stages, x)
+    torch.testing.assert_close(out, model(x))
+    out.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(x).sum().backward()
+    for n, p in model.named_parameters():  # the stages are views of the model's modules
+        torch.testing.assert_close(grads[n], p.grad * 1, msg=n)
+
+
+def test_transformer_stages_keep_names_and_pickle():
+    torch.manual_seed(0)
+    spec = Transformer(vocab_size=50, layers=3, width=16, heads=2, seq_len=12)
+    model = TransformerLM(spec).eval()
+    traced = Traced(model)
+    assert traced.units == ["embed", "blocks.0", "blocks.1", "blocks.2", "norm", "head"]
+    stages = traced.split(["blocks.1", "norm"])
+    assert list(stages[1].state_dict())[0] == "blocks.1.norm1.weight"
+    stages = [pickle.loads(pickle.dumps(s)) for s in stages]  # as the master ships them
+    ids = torch.randint(50, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(run(stages, ids), model(ids), rtol=0, atol=0)
+
+
+def test_split_points_must_be_candidates_in_order():
+    traced = Traced(get_model("resnet18", weights=None))
+    with pytest.raises(CutError, match=r"layer3 is not where a stage can begin; the candidates,"
+                                       r" in order: conv1, bn1, .*layer3\.0"):  # fmt: skip
+        traced.split(["layer3"])
+    with pytest.raises(CutError, match="must be distinct candidates in the order"):
+        traced.split(["layer3.0", "layer2.0"])
+    with pytest.raises(CutError, match="after its first"):
+        traced.split(["conv1"])
+
+
+def test_tied_weights_across_stages_are_refused():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.mix = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(self.mix(self.embed(ids)))
+
+    traced = Traced(Tied())
+    with pytest.raises(CutError, match=r"embed\.weight \(stage 0\) and head\.weight \(stage 1\)"
+                                       r" are one tensor \(tied weights\)"):  # fmt: skip
+        traced.split(["mix"])
+
+
+def test_an_untraceable_forward_is_a_clear_error():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.a(x) if x.sum() > 0 else self.b(x)
+
+    with pytest.raises(CutError, match="cannot trace Branchy's forward between its modules"):
+        Traced(Branchy())
+
+
+def test_parameters_the_forward_never_uses_are_kept_apart():
+    class Spare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.unused = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model = Spare()
+    stages = Traced(model).split(["b"])
+    assert sorted(unused(model, stages)) == ["unused.bias", "unused.weight"]

@@ -1,0 +1,30 @@
+"""A user's image classifier and loss, as a user's package holds them: what a PipelineJob
+names with `model: {import: userpkg.vision:small_cnn}` and `loss: {import: ...}`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def small_cnn(classes: int = 10, width: int = 16) -> nn.Module:
+    """Two conv blocks and two linear layers for 3x32x32 images."""
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(2 * width * 8 * 8, 64), nn.ReLU(), nn.Linear(64, classes),
+    )  # fmt: skip
+
+
+def smoothed(smoothing: float = 0.1):
+    """Cross-entropy with label smoothing, as a factory returning the loss function."""
+
+    def loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(outputs, labels, label_smoothing=smoothing)
+
+    return loss
+
+
+def broken() -> nn.Module:
+    raise RuntimeError("the factory's own bug")

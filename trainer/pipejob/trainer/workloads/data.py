@@ -1,0 +1,400 @@
+"""A PipelineJob's data: the training batches step by step (`Feed`), the held-out set
+(`held_out`), a first batch to measure the model with (`sample`) and the kind of task (`task`).
+
+Sources, exactly one by `spec.data` (none is synthetic): `synthetic` (today's seeded image
+stream, or token windows following a rule for the transformer), `imageFolder` (torchvision's
+ImageFolder, deterministic transforms), `tokens` (a flat nanoGPT-style file of token ids read as
+windows of seqLen + 1) and `import` (the user's map-style Dataset of (input, label) pairs).
+
+The order is the point: a map-style source is read through a DataLoader with workers fed by
+`StreamSampler`, whose index stream is the concatenation of per-epoch permutations that depend
+on (seed, epoch) only; step k's batch is stream[k*B:(k+1)*B]. A checkpoint keeps the number of
+batches consumed, so a resumed run sees exactly the samples an uninterrupted run sees. Every
+error names the spec field to fix."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.workloads import imports
+from pipejob.trainer.workloads.synthetic import (
+    SyntheticImages,
+    SyntheticTokens,
+    held_out_images,
+)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+HELD_OUT_OFFSET = 1_000_003  # the synthetic held-out stream's seed is seed + this
+SYNTHETIC_HELD_OUT_BATCHES = 10  # a synthetic held-out set has no end: this many when limit 0
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class DataError(ValueError):
+    """The data the spec names cannot be used; the message names the field."""
+
+
+def task(spec: PipelineSpec) -> str:
+    """The task: "language" (labels (B, seqLen) of token ids, metric perplexity) or "classification"
+    (labels (B,) of class ids, metric accuracy)."""
+    language = spec.model.transformer is not None or spec.data.tokens is not None
+    return "language" if language else "classification"
+
+
+# ---------------------------------------------------------------------------- the order
+
+
+class StreamSampler(Sampler[list[int]]):
+    """Batches of B indices of a dataset of `size`, from batch `start` on, forever: the global
+    stream is epoch 0's permutation, then epoch 1's, ...; a batch may span two epochs."""
+
+    def __init__(self, size: int, batch: int, seed: int, start: int = 0):
+        self.size, self.batch, self.seed, self.start = size, batch, seed, start
+        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s order, a function of (seed, epoch) only."""
+        if epoch != self._epoch:  # SeedSequence mixes the two: no (seed, epoch) pair collides
+            rng = np.random.default_rng([self.seed % 2**64, epoch])
+            self._epoch, self._order = epoch, rng.permutation(self.size)
+        return self._order
+
+    def take(self, position: int, count: int) -> list[int]:
+        """stream[position : position + count]."""
+        out: list[int] = []
+        while len(out) < count:
+            epoch, offset = divmod(position + len(out), self.size)
+            out.extend(self.permutation(epoch)[offset : offset + count - len(out)].tolist())
+        return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for k in itertools.count(self.start):
+            yield self.take(k * self.batch, self.batch)
+
+
+class _Indexed(Dataset):
+    """The dataset's sample i as (i, input, label), so a batch says which samples it holds."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> tuple[int, Any, Any]:
+        x, y = self.dataset[i]
+        return i, x, y
+
+
+def _loader(dataset: Any, batches: Any, workers: int, seed: int) -> DataLoader:
+    return DataLoader(
+        _Indexed(dataset), batch_sampler=batches, num_workers=workers,
+        persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
+        # Its own generator: making an iterator then never draws from the global RNG (the
+        # master's seeded state), and workers' seeds are the same in every run.
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+
+
+def _shutdown(iterator: Any) -> None:
+    if hasattr(iterator, "_shutdown_workers"):  # not None, nor a single-process iterator
+        iterator._shutdown_workers()
+
+
+# ---------------------------------------------------------------------------- the training feed
+
+
+class Feed:
+    """The training batches of a PipelineJob, step by step, in a seeded order whose position a
+    checkpoint keeps."""
+
+    def __init__(self, spec: PipelineSpec):
+        self.spec = spec
+        self.batch_size = spec.batch_size * spec.replicas  # a step's whole batch
+        self.batches = 0  # consumed so far: the position a checkpoint keeps
+        self.last_indices: list[int] = []  # the sample indices of the last batch (map-style)
+        self._iterator: Any = None
+        self.stream: SyntheticImages | SyntheticTokens | None = _synthetic(spec, self.batch_size)
+        if self.stream is not None:
+            self.dataset: Any = None
+            self.description = _synthetic_description(spec)
+        else:
+            self.dataset, self.description = _dataset(spec, "train")
+
+    def batch(self) -> Batch:
+        """The next step's (inputs, labels), batch_size * replicas samples."""
+        if self.stream is not None:
+            self.batches += 1
+            return self.stream.batch()
+        if self._iterator is None:
+            sampler = StreamSampler(len(self.dataset), self.batch_size, self.spec.seed,
+                                    start=self.batches)  # fmt: skip
+            loader = _loader(self.dataset, sampler, self.spec.data.workers, self.spec.seed)
+            self._iterator = iter(loader)
+        indices, inputs, labels = next(self._iterator)
+        self.batches += 1
+        self.last_indices = indices.tolist()
+        return inputs, labels
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the position, and a synthetic stream's generator."""
+        state: dict[str, Any] = {"batches": self.batches, "description": self.description}
+        if self.stream is not None:
+            state["generator"] = self.stream.generator.get_state()
+        else:
+            state["size"] = len(self.dataset)
+        return state
+
+    def load_state(self, state: dict[str, Any] | torch.Tensor) -> None:
+        """Continue exactly after the saved position. A bare generator state (what
+        checkpoints held before this module) is taken for a synthetic stream's."""
+        if isinstance(state, torch.Tensor):
+            state = {"generator": state, "batches": 0}
+        if (self.stream is None) != ("generator" not in state):
+            raise DataError(f"the checkpoint's data was {state.get('description', 'synthetic')!r},"
+                            f" this job's is {self.description!r}: spec.data changed")  # fmt: skip
+        if self.stream is not None:
+            self.stream.generator.set_state(state["generator"])
+        elif state["size"] != len(self.dataset):
+            raise DataError(f"the checkpoint's data held {state['size']} samples, spec.data now"
+                            f" holds {len(self.dataset)} ({self.description}): resuming would"
+                            " repeat or skip samples")  # fmt: skip
+        self.batches = int(state["batches"])
+        self.close()  # the next batch restarts the stream at the saved position
+
+    def close(self) -> None:
+        """Stop the DataLoader's workers (the next batch would start them again)."""
+        _shutdown(self._iterator)
+        self._iterator = None
+
+    def __enter__(self) -> Feed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------- held out
+
+
+class HeldOut:
+    """The held-out set: the same batches, in the same order, at every evaluation."""
+
+    def __init__(self, spec: PipelineSpec, dataset: Any, description: str):
+        self.spec, self.dataset, self.description = spec, dataset, description
+        self.batch_size = spec.batch_size * spec.replicas
+        self._loaders: dict[int, DataLoader] = {}  # by limit; persistent workers serve each run
+
+    def batches(self, limit: int) -> Iterator[Batch]:
+        """Batches of batch_size * replicas (the last may be smaller): the whole set when
+        `limit` is 0, else the first `limit` batches."""
+        if self.dataset is None:  # synthetic: a fresh copy of the same stream each time
+            stream = _synthetic(self.spec, self.batch_size, held_out=True)
+            assert stream is not None
+            for _ in range(limit or SYNTHETIC_HELD_OUT_BATCHES):
+                yield stream.batch()
+            return
+        if limit not in self._loaders:
+            size = len(self.dataset)
+            chunks = [list(range(i, min(i + self.batch_size, size)))
+                      for i in range(0, size, self.batch_size)]  # fmt: skip
+            chunks = chunks[:limit] if limit else chunks
+            workers = min(self.spec.data.workers, len(chunks))
+            self._loaders[limit] = _loader(self.dataset, chunks, workers, self.spec.seed)
+        # A persistent iterator restarts at the first batch, also after a partial evaluation.
+        for _, inputs, labels in self._loaders[limit]:
+            yield inputs, labels
+
+    def close(self) -> None:
+        for loader in self._loaders.values():
+            _shutdown(getattr(loader, "_iterator", None))
+        self._loaders.clear()
+
+
+def held_out(spec: PipelineSpec) -> HeldOut | None:
+    """The held-out set, or None when the data has none (no `val`, or an import whose factory
+    returns None for split="val")."""
+    if _is_synthetic(spec):
+        return HeldOut(spec, None, "held-out " + _synthetic_description(spec))
+    found = _dataset(spec, "val")
+    return None if found is None else HeldOut(spec, *found)
+
+
+def sample(spec: PipelineSpec, batch: int) -> Batch:
+    """`batch` training samples, the first of the training order (synthetic: a stream of
+    batches of `batch`), to measure the model's cost and check shapes before the first step."""
+    stream = _synthetic(spec, batch)
+    if stream is not None:
+        return stream.batch()
+    dataset, _ = _dataset(spec, "train")
+    indices = StreamSampler(len(dataset), batch, spec.seed).take(0, batch)
+    _, inputs, labels = default_collate([_Indexed(dataset)[i] for i in indices])
+    return inputs, labels
+
+
+# ---------------------------------------------------------------------------- the sources
+
+
+def _is_synthetic(spec: PipelineSpec) -> bool:
+    return spec.data.image_folder is None and spec.data.tokens is None and not spec.data.import_
+
+
+def _synthetic(spec: PipelineSpec, batch: int, held_out: bool = False) -> Any:
+    """The synthetic stream (SyntheticImages or SyntheticTokens) the spec asks for, None when
+    it names a data source. The held-out stream shares the task (the classes' colours, the
+    token rule) and draws other samples (seed + HELD_OUT_OFFSET)."""
+    if not _is_synthetic(spec):
+        return None
+    seed = spec.seed + HELD_OUT_OFFSET if held_out else spec.seed
+    t = spec.model.transformer
+    if t is not None:
+        return SyntheticTokens(seed, batch, t.seq_len, t.vocab_size, rule_seed=spec.seed)
+    if held_out:
+        return held_out_images(spec.seed, batch, spec.image_size, spec.num_classes)
+    return SyntheticImages(seed, batch, spec.image_size, spec.num_classes)  # as before this module
+
+
+def _synthetic_description(spec: PipelineSpec) -> str:
+    t = spec.model.transformer
+    if t is not None:
+        return (f"synthetic tokens: vocabulary {t.vocab_size:,}, windows of {t.seq_len + 1}"
+                " following a seeded rule t[i+1] = (a*t[i] + b) mod vocabulary")  # fmt: skip
+    return f"synthetic {spec.image_size}x{spec.image_size} images, {spec.num_classes} classes"
+
+
+def _dataset(spec: PipelineSpec, split: str) -> Any:
+    """(dataset, description) of a named source's split; None for a held-out split it lacks."""
+    d = spec.data
+    return (_imported if d.import_ else _image_folder if d.image_folder else _tokens)(spec, split)
+
+
+def _imported(spec: PipelineSpec, split: str) -> tuple[Any, str] | None:
+    field = "spec.data.import"
+    dataset = imports.call(spec.data.import_, field, spec.data.args, split=split)
+    if dataset is None and split == "val":
+        return None
+    what = f"{spec.data.import_!r} (split={split!r})"
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise DataError(f"{field}: {what} returned {type(dataset).__name__!r}, not a map-style"
+                        " Dataset (with __len__ and __getitem__)")  # fmt: skip
+    if len(dataset) == 0:
+        raise DataError(f"{field}: {what} returned an empty dataset")
+    first = dataset[0]
+    if not (isinstance(first, tuple | list) and len(first) == 2):
+        raise DataError(f"{field}: {what}'s item 0 is {type(first).__name__!r}, not an"
+                        " (input, label) pair")  # fmt: skip
+    return dataset, f"import {spec.data.import_} ({split}): {len(dataset):,} samples"
+
+
+def _class_folders(path: str) -> list[str]:
+    return sorted(e.name for e in os.scandir(path) if e.is_dir())
+
+
+def _image_folder(spec: PipelineSpec, split: str) -> tuple[Any, str] | None:
+    from torchvision import datasets, transforms
+
+    folders = spec.data.image_folder
+    assert folders is not None
+    path = folders.train if split == "train" else folders.val
+    if path is None:
+        return None
+    field = f"spec.data.imageFolder.{split}"
+    if not os.path.isdir(path):
+        raise DataError(f"{field}: {path!r} is not a directory")
+    size = spec.image_size  # Resize(size): the shorter side; CenterCrop: the square
+    transform = transforms.Compose([
+        transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(),
+        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])  # fmt: skip
+    try:
+        dataset = datasets.ImageFolder(path, transform=transform)
+    except OSError as e:  # no class folders, or a class folder without images
+        raise DataError(f"{field}: {path!r}: {e}") from None
+    if folders.val is not None and os.path.isdir(folders.val) and os.path.isdir(folders.train):
+        # Labels are indices into the sorted class list: other lists would mean other labels.
+        train, val = _class_folders(folders.train), _class_folders(folders.val)
+        if train != val:
+            raise DataError(f"spec.data.imageFolder.val: {folders.val!r} has other classes than"
+                            f" spec.data.imageFolder.train {folders.train!r} (only in train:"
+                            f" {sorted(set(train) - set(val))}, only in val:"
+                            f" {sorted(set(val) - set(train))})")  # fmt: skip
+    return dataset, (f"imageFolder {path}: {len(dataset):,} images, {len(dataset.classes)}"
+                     " classes")  # fmt: skip
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of seq_len + 1 tokens of a flat binary file (window i starts at
+    i * seq_len, so consecutive windows share one token): (window[:-1], window[1:]) as int64.
+    The file is mapped lazily in each process: a pickled memmap would copy the whole file."""
+
+    def __init__(self, path: str, dtype: str, seq_len: int):
+        self.path, self.dtype, self.seq_len = path, TOKEN_DTYPES[dtype], seq_len
+        self.tokens = os.path.getsize(path) // np.dtype(self.dtype).itemsize
+        self._data: np.ndarray | None = None
+
+    @property
+    def data(self) -> np.ndarray:
+        if self._data is None:
+            self._data = np.memmap(self.path, dtype=self.dtype, mode="r")
+        return self._data
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_data": None}
+
+    def __len__(self) -> int:
+        return (self.tokens - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"window {i} outside {len(self)}")
+        start = i * self.seq_len
+        window = torch.from_numpy(self.data[start : start + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+@functools.lru_cache(maxsize=8)
+def _largest_token(path: str, dtype: str, size: int, mtime_ns: int) -> int:
+    """One pass over the file, once per process (sample, Feed and held_out each open it)."""
+    return int(np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r").max())
+
+
+def _tokens(spec: PipelineSpec, split: str) -> tuple[Any, str] | None:
+    tokens = spec.data.tokens
+    assert tokens is not None
+    path = tokens.train if split == "train" else tokens.val
+    if path is None:
+        return None
+    field = f"spec.data.tokens.{split}"
+    t = spec.model.transformer
+    if t is None:
+        raise DataError("spec.data.tokens needs spec.model.transformer: its seqLen sets the"
+                        " windows and its vocabSize bounds the token ids")  # fmt: skip
+    if tokens.dtype not in TOKEN_DTYPES:
+        raise DataError(f"spec.data.tokens.dtype: {tokens.dtype!r} is not one of"
+                        f" {sorted(TOKEN_DTYPES)}")  # fmt: skip
+    if not os.path.isfile(path):
+        raise DataError(f"{field}: {path!r} is not a file")
+    itemsize, stat = np.dtype(TOKEN_DTYPES[tokens.dtype]).itemsize, os.stat(path)
+    size = stat.st_size
+    if size % itemsize:
+        raise DataError(f"{field}: {path!r} holds {size:,} bytes, not a multiple of"
+                        f" {itemsize} ({tokens.dtype} token ids): is dtype right?")  # fmt: skip
+    dataset = TokenWindows(path, tokens.dtype, t.seq_len)
+    if dataset.tokens < t.seq_len + 1:
+        raise DataError(f"{field}: {path!r} holds {dataset.tokens:,} tokens, fewer than one"
+                        f" window of seqLen + 1 = {t.seq_len + 1}")  # fmt: skip
+    largest = _largest_token(path, tokens.dtype, stat.st_size, stat.st_mtime_ns)
+    if largest >= t.vocab_size:
+        raise DataError(f"{field}: {path!r} holds token id {largest:,}, outside"
+                        f" spec.model.transformer.vocabSize {t.vocab_size:,}")  # fmt: skip
+    return dataset, (f"tokens {path}: {dataset.tokens:,} {tokens.dtype} tokens,"
+                     f" {len(dataset):,} windows of {t.seq_len + 1}")  # fmt: skip

@@ -1,0 +1,56 @@
+"""A PipelineJob's model from its spec: a torchvision classifier by name, pipejob's own
+transformer language model, or the user's factory. Seeded, so every build is the same."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipejob.core.common import key
+from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.core.workload import Model
+from pipejob.trainer.workloads import imports
+from pipejob.trainer.workloads.transformer import TransformerLM
+
+
+def build(spec: PipelineSpec) -> nn.Module:
+    """The job's model, initialised from spec.seed."""
+    torch.manual_seed(spec.seed)
+    model = spec.model
+    if model.torchvision is not None:
+        from torchvision.models import get_model
+
+        return get_model(model.torchvision, weights=None, num_classes=spec.num_classes)
+    if model.transformer is not None:
+        return TransformerLM(model.transformer)
+    assert model.import_ is not None
+    built = imports.call(model.import_, "spec.model.import", model.args)
+    if not isinstance(built, nn.Module):
+        raise ValueError(f"spec.model.import: {model.import_!r} returned a"
+                         f" {type(built).__name__}, not a torch.nn.Module")  # fmt: skip
+    return built
+
+
+def as_spec(model: Model) -> dict[str, Any]:
+    """The model's section as the spec writes it (camelCase, set fields only)."""
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value):
+            return {key(f.name): plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                    if getattr(value, f.name) not in (None, {})}  # fmt: skip
+        return value
+
+    return plain(model)
+
+
+def name(model: Model) -> str:
+    """How the logs and the summary call the model."""
+    if model.torchvision is not None:
+        return model.torchvision
+    if model.transformer is not None:
+        t = model.transformer
+        return f"transformer ({t.layers} layers, width {t.width}, {t.heads} heads)"
+    return str(model.import_)

@@ -10,6 +10,9 @@ batch, image size, model split and thread budget:
   1f1b      torch.distributed.pipelining Schedule1F1B, 2 processes over gloo
   single-t1 the whole model in one process on one thread
   single-tN the whole model in one process on all N cores
+  pipejob@REV  with --at REV: pipejob as it was at git revision REV, its cut and its
+            losses printed beside today's (the same seed and data give the same losses when
+            the two cut the model alike)
 
 ResNet-50 (1000 classes), batch 48, 64x64 images, SGD; the baseline and pipelining processes
 run --stage-threads intra-op threads each (default 1), pipejob what its tuning decides. Each
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +56,7 @@ from _common import (
     threads_summary,
 )
 
+ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("pipejob", "pipejob-auto", "baseline", "gpipe", "1f1b", "single-t1", "single-tN")
 AUTO = "auto"
 
@@ -70,6 +75,8 @@ class Run:
     bubble: float | None = None  # pipejob's own measure, when it has one
     batch: int = 48
     chosen: int | None = None  # the count `microBatches: auto` chose
+    cut: str = ""  # pipejob: where each stage after the first begins
+    losses: list[float] = field(default_factory=list)  # pipejob: per step
 
 
 @dataclass
@@ -114,6 +121,22 @@ def pipejob_manifest(cfg: Config, m: int | str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def checkout(rev: str, tmp: Path) -> Path:
+    """pipejob's sources at git revision `rev`, importable as `pipejob` from the returned
+    folder (put it first on PYTHONPATH): the operator's package with the trainer's inside,
+    as pyproject.toml's package-dir maps them."""
+    src, path = tmp / "src", tmp / "path"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "operator", "trainer"],
+                             capture_output=True, check=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    (path / "pipejob").mkdir(parents=True)
+    for entry in (src / "operator" / "pipejob").iterdir():
+        (path / "pipejob" / entry.name).symlink_to(entry)
+    (path / "pipejob" / "trainer").symlink_to(src / "trainer" / "pipejob" / "trainer")
+    return path
+
+
 def run_pipejob(cfg: Config, tmp: Path, system: str = "pipejob",
                 extra: dict[str, str] | None = None) -> list[Run]:  # fmt: skip
     runs = []
@@ -133,8 +156,10 @@ def run_pipejob(cfg: Config, tmp: Path, system: str = "pipejob",
             summary = json.loads(summary_file.read_text())
             wall, deltas = w.between(f"m{m}-start", f"m{m}-end")
             rate, bubble = summary["samplesPerSecond"], summary["bubble"]["measured"]
+            cut = ", ".join(st["layers"][0] for st in summary["partition"][1:])
             runs.append(Run(system, m, rate, load_average(), wall, cfg.batches, _named(deltas),
-                            bubble, cfg.batch, summary["microBatches"]))  # fmt: skip
+                            bubble, cfg.batch, summary["microBatches"], cut,
+                            summary["losses"]))  # fmt: skip
     return runs
 
 
@@ -265,6 +290,9 @@ def report(runs: list[Run], cpus: int) -> str:
 
     for variant in (s for s in rate if s.startswith("pipejob:")):
         ratio("pipejob", variant, None, f"pipejob / {variant} (a lever's gain)")
+    for before in (s for s in rate if s.startswith("pipejob@")):
+        ratio("pipejob", before, 0.95, f"pipejob / {before} (today against then)")
+        lines += _same_results(chosen["pipejob"][1], chosen[before][1], before)
     if "pipejob" in chosen:
         ratio(
             "pipejob-auto",
@@ -288,6 +316,18 @@ def report(runs: list[Run], cpus: int) -> str:
         " samples per CPU-second of all its processes (robust to other load).",
     ]
     return "\n".join(lines)
+
+
+def _same_results(now: list[Run], then: list[Run], label: str) -> list[str]:
+    """Where each cut the model, and whether the same steps gave the same losses."""
+    a, b = now[0], then[0]
+    same = len(a.losses) == len(b.losses) and all(
+        abs(x - y) <= 1e-5 * max(abs(y), 1) for x, y in zip(a.losses, b.losses, strict=True)
+    )
+    return [f"    cut: pipejob stage 1 begins at {a.cut}; {label} at {b.cut}",
+            f"    losses (m={a.m}): pipejob {', '.join(f'{x:.5f}' for x in a.losses)};"
+            f" {label} {', '.join(f'{x:.5f}' for x in b.losses)}:"
+            f" {'the same' if same else 'DIFFERENT'}"]  # fmt: skip
 
 
 def _chose(runs: list[Run]) -> str:
@@ -346,6 +386,12 @@ def main(argv: list[str] | None = None) -> int:
         help="threads of each baseline and torch.distributed.pipelining process"
         " (default 1; with more, their OpenMP teams wait passively)",
     )
+    ap.add_argument(
+        "--at",
+        metavar="REV",
+        help="also run pipejob as it was at this git"
+        " revision (pipejob@REV): speed, cut and losses side by side",
+    )
     ap.add_argument("--timeout", type=float, default=900, help="seconds per world")
     ap.add_argument("--json", type=Path, help="also write every run here")
     ap.add_argument("--verbose", action="store_true", help="relay every process's output")
@@ -371,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     schedules = [s for s in ("gpipe", "1f1b") if s in systems]
     with tempfile.TemporaryDirectory(prefix="pipejob-compare-") as tmp:
+        before = str(checkout(args.at, Path(tmp) / "at")) if args.at else ""
         for repeat in range(1, args.repeats + 1):
             jobs: list[tuple[str, Any]] = []
             if "pipejob" in systems:
@@ -378,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
             if "pipejob-auto" in systems:
                 jobs.append(("pipejob-auto",
                              lambda: run_pipejob(cfg, Path(tmp), "pipejob-auto")))  # fmt: skip
+            if args.at:
+                jobs.append((f"pipejob@{args.at}", lambda: run_pipejob(
+                    cfg, Path(tmp), f"pipejob@{args.at}", {"PYTHONPATH": before})))  # fmt: skip
             for label, extra in cfg.variants.items():
                 jobs.append((f"pipejob:{label}",
                              lambda label=label, extra=extra: run_pipejob(

@@ -20,7 +20,7 @@ def test_compare_measures_every_system_it_is_asked_for():
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "compare.py"), "--systems", ",".join(systems),
          "--micro-batches", "2", "--batches", "1", "--repeats", "1", "--batch", "4",
-         "--image", "32", "--timeout", "240"],
+         "--image", "32", "--timeout", "240", "--at", "HEAD"],
         capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -33,6 +33,21 @@ def test_compare_measures_every_system_it_is_asked_for():
                      re.M), out.stdout  # fmt: skip
     assert re.search(r"pipejob-auto / pipejob at its best m \(2\)\s+[\d.]+x", out.stdout)
     assert re.search(r"stage1\s+CPU/wall [\d.]+\s+faults/batch", out.stdout)
+    # --at: pipejob as committed, from its own sources, cut and trained alike.
+    assert re.search(r"^  pipejob@HEAD\s+\d+\s+[\d.]+ \[", out.stdout, re.M), out.stdout
+    assert re.search(r"pipejob / pipejob@HEAD \(today against then\)\s+[\d.]+x", out.stdout)
+    assert re.search(r"cut: pipejob stage 1 begins at \S+; pipejob@HEAD at \S+", out.stdout)
+    assert re.search(r"losses \(m=2\): pipejob [\d., ]+; pipejob@HEAD [\d., ]+: the same",
+                     out.stdout), out.stdout  # fmt: skip
+
+
+@pytest.mark.timeout(200)
+def test_cut_compares_fx_with_torch_pipelining_and_the_layer_list():
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "cut.py"), "--repeats", "1"],
+                         capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for label in ("fx", "pipelining", "layers"):
+        assert len(re.findall(rf"^  {label}\s+[\d.-]+\s+[\d.]+", out.stdout, re.M)) == 2, out.stdout
 
 
 @pytest.mark.timeout(200)

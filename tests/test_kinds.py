@@ -41,7 +41,7 @@ from pipejob.operator.metrics import PREFIX, OperatorMetrics
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "examples").glob("**/*.yaml"))  # and the folders of examples with code
 
 
 # --- a) a toy kind, registered and nothing else --------------------------------------------
@@ -568,7 +568,7 @@ def _trainer_view(data: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_example_converts_to_its_typed_spec(path: Path) -> None:
     job = spec.load(path)
     settings = job.settings

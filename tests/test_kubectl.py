@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 
 KUBECTL = Path(sys.executable).parent / "kubectl"
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+EXAMPLES = sorted((REPO / "examples").glob("**/*.yaml"))  # and the folders of examples with code
 
 Kubectl = Callable[..., subprocess.CompletedProcess]
 

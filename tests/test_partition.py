@@ -99,7 +99,6 @@ def test_a_part_that_cannot_take_the_input_is_named_with_the_shapes():
         measure_costs(pieces, traced.units, torch.randn(1, 5, 64, 64), repeats=1)
 
 
-
 # ------------------------------------------------------------------ microBatches: auto
 
 

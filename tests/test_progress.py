@@ -6,6 +6,7 @@ by tests/test_operator_progress_e2e.py): the boundary here is HTTP, not the trai
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -186,6 +187,23 @@ def test_an_evaluation_lands_in_the_training_figures_and_stays_to_the_end():
     status = decide(manifest, pods, None, seconds=3).status
     assert status["phase"] == st.SUCCEEDED
     assert status["training"]["evalAccuracy"] == 0.625  # the last evaluation stays
+
+
+def test_the_masters_last_report_in_its_termination_message_completes_the_figures():
+    """The final evaluation comes after the last step, often after the last poll: a master
+    that exits 0 leaves its last report as its termination message, and the status shows it."""
+    manifest, pods = running(eval={"everySteps": 5})
+    manifest["status"] = decide(manifest, pods, Progress.parse(REPORT), seconds=2).status
+    final = REPORT | {"step": 20, "phase": "finished", "evalStep": 20, "evalLoss": 0.5,
+                      "evalAccuracy": 0.875}  # fmt: skip
+    pods[0]["status"] = {"phase": "Succeeded", "containerStatuses": [{"name": "trainer",
+        "state": {"terminated": {"exitCode": 0, "message": json.dumps(final)}}}]}  # fmt: skip
+    training = decide(manifest, pods, None, seconds=3).status["training"]
+    assert (training["evalStep"], training["evalLoss"], training["evalAccuracy"]) == (
+        20, 0.5, 0.875)  # fmt: skip
+    assert training["phase"] == "finished" and training["step"] == 20
+    pods[0]["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = "not a report"
+    assert "evalStep" not in decide(manifest, pods, None, seconds=3).status["training"]
 
 
 def test_the_same_report_again_changes_nothing_so_nothing_is_written():

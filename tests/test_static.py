@@ -32,7 +32,7 @@ from pipejob.operator import kube
 
 pytestmark = pytest.mark.timeout(180)
 
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "examples").glob("**/*.yaml"))  # and the folders of examples with code
 JOBS_NAMESPACE = "ml-team"
 
 # Built-in kinds are validated for the oldest Kubernetes the chart supports (the CRDs' CEL
@@ -100,9 +100,10 @@ def pod_renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for example in EXAMPLES:
         proc = run([sys.executable, "-m", "pipejob.cli", "render", "-n", JOBS_NAMESPACE,
                     str(example)])  # fmt: skip
-        path = tmp / example.name
+        name = "-".join(example.relative_to(ROOT / "examples").parts)  # folder-file.yaml
+        path = tmp / name
         path.write_text(proc.stdout)
-        out[example.name] = path
+        out[name] = path
     return out
 
 
@@ -113,7 +114,7 @@ def by_kind(docs: list[dict], kind: str) -> list[dict]:
 # --- examples ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_example_is_a_valid_job(path: Path) -> None:
     job = spec.load(path)  # the one validation: what the operator would refuse fails here
     assert job.kind in KINDS

@@ -15,10 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torchvision import datasets, transforms
-
-from harness import jobs
 from userdata import write_digits
 from userpkg.vision import small_cnn
+
+from harness import jobs
+from jobrun import pipeline_job, run_to_end
+from pipejob.core.contract import ExitCode
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -101,3 +103,26 @@ def test_digits_cnn_from_a_users_package_learns_and_its_model_loads(
     assert sorted(again) == sorted(final)
     assert all(torch.equal(again[k], final[k]) for k in final)
     assert json.loads((exported / "model.json").read_text())["steps"] == STEPS
+
+
+# ------------------------------------------------------------ what fails, fails at once
+
+
+@pytest.mark.parametrize("fields,says", [
+    ({"model": {"import": "userpkg.missing:build"}},
+     "permanent: ImportFailed: training failed: ImportError: spec.model.import: cannot import"
+     " 'userpkg.missing' (from 'userpkg.missing:build'): ModuleNotFoundError"),
+    ({"model": {"import": "userpkg.vision:broken"}},
+     "spec.model.import: 'userpkg.vision:broken' raised RuntimeError: the factory's own bug"),
+    ({"model": {"import": "userpkg.vision:two_layers"}, "stages": 3},
+     "the model has 2 places to cut; it can fill at most 2 stages, not 3"),
+    ({"model": {"import": "userpkg.vision:small_cnn"}, "imageSize": 48},
+     "spec.data: inputs of shape (2, 3, 48, 48) float32 do not fit spec.model"),
+])  # fmt: skip
+def test_a_job_that_cannot_train_fails_permanently_saying_why(fields, says, tmp_path,
+                                                              monkeypatch):  # fmt: skip
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    job = pipeline_job("refused", **{"steps": 2, **fields})
+    code, out, _ = run_to_end(job, tmp_path, timeout=120)
+    assert code == ExitCode.PERMANENT, out
+    assert says in out, out[-3000:]

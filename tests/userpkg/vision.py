@@ -28,3 +28,8 @@ def smoothed(smoothing: float = 0.1):
 
 def broken() -> nn.Module:
     raise RuntimeError("the factory's own bug")
+
+
+def two_layers() -> nn.Module:
+    """A model with two places to cut: it cannot fill three stages."""
+    return nn.Sequential(nn.Linear(3 * 32 * 32, 8), nn.Linear(8, 10))

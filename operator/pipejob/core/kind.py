@@ -59,7 +59,9 @@ class Kind:
     spec: Field  # the spec table: defaults, validation, the CRD's schema
     settings: type  # the typed spec the trainer reads (core/common.py: from_spec)
     roles: tuple[Role, ...]  # in RPC rank order; the first is the master, rank 0
-    trainer: str  # module whose `run(env)` runs every role of this kind in a pod
+    # Module whose `run(env)` runs every role of this kind in a pod, and whose
+    # `export_checkpoint(directory, manifest, out, format)` is `pipejob export` of its checkpoints.
+    trainer: str
     groups: tuple[Group, ...] = ()
     columns: tuple[dict[str, Any], ...] = ()  # `kubectl get -o wide` columns of its own
     # Fill-ins that depend on other fields, after the table's defaults.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import urllib.request
+from typing import Any
 
 from pipejob.core.contract import Progress
 from pipejob.operator import kube
@@ -54,3 +55,13 @@ def fetch(address: str, timeout: float = TIMEOUT) -> Progress | None:
     except (ValueError, UnicodeDecodeError) as e:
         log.debug(f"no progress from {address}: {e}")
         return None
+
+
+def final_report(pod: dict) -> dict[str, Any]:
+    """The figures of a master that exited 0: it leaves its last /progress report as its
+    termination message (the operator's last poll may have come before the final
+    evaluation). Empty if there is none, or it is not a report."""
+    try:
+        return Progress.parse(json.loads(st.trainer_state(pod).get("message") or "")).figures()
+    except ValueError:
+        return {}

@@ -12,6 +12,7 @@ from pipejob.core.contract import Progress
 from pipejob.core.spec import InvalidSpec, Job, parse
 from pipejob.operator import gang, kube, queueing
 from pipejob.operator import status as st
+from pipejob.operator.progress import final_report
 
 NORMAL, WARNING = "Normal", "Warning"
 
@@ -136,7 +137,7 @@ def _decide(
         acts.delete = [p for p in live if not st.terminated(p)]
         # The master exits 0 only after the last step: progress shows it, polled or not.
         steps = job.spec["steps"]
-        done = {**(acts.status.get("training") or {}), **st.final_report(master),
+        done = {**(acts.status.get("training") or {}), **final_report(master),
                 "phase": "finished", "step": steps, "steps": steps}  # fmt: skip
         acts.status = st.with_training(acts.status, done, now)
         return _transition(

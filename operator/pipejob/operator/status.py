@@ -4,7 +4,6 @@ Nothing here talks to Kubernetes; everything takes and returns plain dicts."""
 
 from __future__ import annotations
 
-import json
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -229,22 +228,12 @@ class Failure:
     at: str = ""  # when the container finished (RFC 3339), to find the first failure
 
 
-def _trainer_state(pod: dict) -> dict:
+def trainer_state(pod: dict) -> dict:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         terminated_state = (cs.get("state") or {}).get("terminated")
         if terminated_state:
             return terminated_state
     return {}
-
-
-def final_report(pod: dict) -> dict[str, Any]:
-    """The figures of a master that exited 0: it leaves its last /progress report as its
-    termination message (the operator's last poll may have come before the final
-    evaluation). Empty if there is none, or it is not a report."""
-    try:
-        return Progress.parse(json.loads(_trainer_state(pod).get("message") or "")).figures()
-    except ValueError:
-        return {}
 
 
 def pod_failure(pod: dict, who: str) -> Failure | None:
@@ -255,7 +244,7 @@ def pod_failure(pod: dict, who: str) -> Failure | None:
     status = pod.get("status") or {}
     if status.get("reason") == "Evicted":
         return Failure("PodEvicted", f"{who} (pod {name}) was evicted: {status.get('message')}")
-    state = _trainer_state(pod)
+    state = trainer_state(pod)
     code = state.get("exitCode")
     message = f"{who} (pod {name}) failed with exit code {code if code is not None else '?'}"
     killed = _signal_name(code)
@@ -270,7 +259,7 @@ def pod_failure(pod: dict, who: str) -> Failure | None:
 def permanent_failure(pod: dict, who: str) -> Failure | None:
     """A Failed pod's failure if the trainer said a restart cannot cure it (its exit code
     and termination message, core/contract.py), else None. The reason is the trainer's."""
-    state = _trainer_state(pod)
+    state = trainer_state(pod)
     if pod_phase(pod) != "Failed" or state.get("exitCode") not in PERMANENT_CODES:
         return None
     parsed = parse_permanent((state.get("message") or "").strip())
@@ -379,7 +368,7 @@ def with_report(status: dict, report: Progress, now: datetime) -> dict:
 def preflight_failure(pods: Iterable[dict]) -> str | None:
     """The termination message of the first failed pod whose preflight check failed."""
     for pod in pods:
-        message = (_trainer_state(pod).get("message") or "").strip()
+        message = (trainer_state(pod).get("message") or "").strip()
         if pod_phase(pod) == "Failed" and message.startswith(PREFLIGHT_PREFIX):
             return _tail(message)
     return None

@@ -167,15 +167,16 @@ def python_path(directory: Path, current: str | None) -> str:
 
 
 def run_job(
-    job: Job, grace: float = 10.0, out: TextIO = sys.stdout, directory: Path | None = None
+    job: Job, grace: float = 10.0, out: TextIO | None = None, directory: Path | None = None
 ) -> int:
     """Run `job` locally; return the master's exit code (non-zero if any member failed).
-    With `directory`, the processes run in it and import from it first."""
+    Output goes to `out` (sys.stdout as it is at the call). With `directory`, the processes
+    run in it and import from it first."""
     # Every process shares one address here: each collective group needs a port of its own.
     free = free_ports(4 + len(groups(job, members(job))))
     ports = Ports(*free[:4], groups=tuple(free[4:]))
     processes = plan_world(job, lambda m: LOOPBACK, ports)
-    world = World(out, Path(directory).resolve() if directory is not None else None)
+    world = World(out or sys.stdout, Path(directory).resolve() if directory is not None else None)
     world.say(
         f"running {job.kind} {job.name!r} as {len(processes)} local processes"
         f" ({', '.join(p.rpc_name for p in processes)}); rendezvous {LOOPBACK}:{ports.rpc},"

@@ -5,13 +5,12 @@ step's directory in it."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
-from typing import Any
 
-import torch
-
-from pipejob.trainer.runtime import checkpoint, output
+from pipejob.core.kinds import KINDS
+from pipejob.trainer.runtime import checkpoint
 
 
 def find(path: str | Path) -> checkpoint.Checkpoint:
@@ -28,33 +27,17 @@ def find(path: str | Path) -> checkpoint.Checkpoint:
     return latest
 
 
-def pipeline_model(found: checkpoint.Checkpoint) -> dict[str, torch.Tensor]:
-    """Every stage's state and the state no stage holds: the whole model, by its names."""
-    state: dict[str, torch.Tensor] = dict(found.load("master.pt").get("rest", {}))
-    for i in range(found.manifest["stageCount"]):
-        state.update(found.load(f"stage{i}.pt")["model"])
-    return state
-
-
 def export(path: str | Path, out: str | Path, format: str = "safetensors") -> list[Path]:
-    """Write the checkpoint's model into directory `out`; the paths written."""
+    """Write the checkpoint's model into directory `out`, as its kind's trainer does at the
+    end of a run; the paths written."""
     found = find(path)
-    manifest = found.manifest
-    kind = manifest.get("kind")
-    if kind == "PipelineJob":
-        if "info" not in manifest:
-            raise checkpoint.CheckpointError(
-                f"{found.directory} was written before checkpoints kept the model's names;"
-                " it cannot be exported"
-            )
-        info: dict[str, Any] = {**manifest["info"], "steps": found.step,
-                                "checkpoint": str(found.directory)}  # fmt: skip
-        return output.write(out, {"model": pipeline_model(found)}, info, format)
-    if kind == "HybridJob":
-        from pipejob.trainer.hybrid.output import export_checkpoint
-
-        return export_checkpoint(found.directory, manifest, out, format)
-    raise checkpoint.CheckpointError(f"{found.directory}: unknown job kind {kind!r}")
+    kind = KINDS.get(found.manifest.get("kind", ""))
+    if kind is None:
+        raise checkpoint.CheckpointError(
+            f"{found.directory}: unknown job kind {found.manifest.get('kind')!r}"
+        )
+    trainer = importlib.import_module(kind.trainer)
+    return trainer.export_checkpoint(found.directory, found.manifest, out, format)
 
 
 def main(checkpoint_dir: str, out: str, format: str = "safetensors") -> int:

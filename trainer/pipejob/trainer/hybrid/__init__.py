@@ -45,3 +45,11 @@ def run(env: Env) -> dict[str, Any] | None:
         return None
     roles.serve(env)  # the ps
     return None
+
+
+def export_checkpoint(directory: Any, manifest: dict[str, Any], out: Any,
+                      format: str = "safetensors") -> list[Any]:  # fmt: skip
+    """`pipejob export` of this kind's checkpoint: the files spec.output writes."""
+    from pipejob.trainer.hybrid import output
+
+    return output.export_checkpoint(directory, manifest, out, format)

@@ -33,3 +33,11 @@ def run(env: Env) -> dict[str, Any] | None:
     master.serve(env, *stage.stage_devices(env.role_index, own, env.gpus))
     dist.destroy_process_group()
     return None
+
+
+def export_checkpoint(directory: Any, manifest: dict[str, Any], out: Any,
+                      format: str = "safetensors") -> list[Any]:  # fmt: skip
+    """`pipejob export` of this kind's checkpoint: the files spec.output writes."""
+    from pipejob.trainer.pipeline import output
+
+    return output.export_checkpoint(directory, manifest, out, format)

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 
-
 def min_max_partition(costs: Sequence[float], parts: int) -> list[range]:
     """Split layers 0..n-1 into `parts` non-empty contiguous ranges, minimising the largest
     range's total cost. Among equally good splits, earlier stages get fewer layers."""
@@ -87,9 +86,7 @@ def measure_costs(pieces: list[nn.Module], names: list[str], sample: torch.Tenso
             except RuntimeError as e:
                 given = ", ".join(shape(v) for v in inputs)
                 what = "the data's input" if i == 0 else "its input"
-                raise ValueError(
-                    f"{name} cannot process {what} of shape {given}: {e}"
-                ) from None
+                raise ValueError(f"{name} cannot process {what} of shape {given}: {e}") from None
             if run > 0:
                 costs[i] = min(costs[i], time.perf_counter() - start)
                 cpu[i] = min(cpu[i], time.process_time() - start_cpu)
@@ -166,7 +163,8 @@ class Prediction:
 
 
 def predict(costs: LayerCosts, stages: int, micro_batches: int, batch: int,
-            hosts: Sequence[Host] = (), ranges: list[range] | None = None) -> Prediction:  # fmt: skip
+            hosts: Sequence[Host] = (),
+            ranges: list[range] | None = None) -> Prediction:  # fmt: skip
     """Split `costs` (per layer, one micro-batch of batch // micro_batches) over `stages` by
     wall-clock time and predict the step from two lower bounds:
     - the schedule: GPipe with a flush every step takes m + p - 1 slots of the slowest stage,

@@ -12,6 +12,7 @@ from torch import nn
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer import workloads
+from pipejob.trainer.pipeline import output as model_output
 from pipejob.trainer.pipeline.partition import shape
 from pipejob.trainer.pipeline.schedule import Replicas, StepResult
 from pipejob.trainer.pipeline.shards import (
@@ -29,7 +30,6 @@ from pipejob.trainer.runtime import (
     checkpoint,
     master,
     monitor,
-    output,
     profiling,
     world,
 )
@@ -132,21 +132,25 @@ def train(env: Env) -> dict[str, Any]:
 def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                loss: workloads.Loss) -> None:  # fmt: skip
     """Fail before the first step, saying both shapes, when the data does not fit the
-    model: its input, or its labels against the model's output through the loss."""
+    model: its input, or its labels against the model's output through the loss. In eval
+    mode, so BatchNorm's statistics stay as they were."""
+    model.eval()
     try:
         with torch.no_grad():
             outputs = model(inputs[:2])
     except Exception as e:
-        raise ValueError(f"the data's inputs of shape {shape(inputs[:2])} do not fit the model:"
+        raise ValueError(f"spec.data: inputs of shape {shape(inputs[:2])} do not fit spec.model:"
                          f" {type(e).__name__}: {e}") from None  # fmt: skip
     try:
         loss(outputs, labels[:2])
     except Exception as e:
         got = ", ".join(shape(t) for t in (outputs if isinstance(outputs, tuple) else (outputs,)))
-        raise ValueError(f"the model's output {got} does not fit the data's labels"
-                         f" {shape(labels[:2])} in the loss: {type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"spec.data: the model's output {got} does not fit the labels"
+            f" {shape(labels[:2])} in spec.loss: {type(e).__name__}: {e}"
+        ) from None
     finally:
-        model.zero_grad(set_to_none=True)
+        model.train()
 
 
 def evaluation_due(spec: PipelineSpec, step: int) -> bool:
@@ -165,10 +169,16 @@ def evaluate(env: Env, pipelines: Replicas, held: data.HeldOut, micro_batches: i
     for inputs, labels in held.batches(env.spec.eval.batches):
         tally.add(pipeline.forward(inputs, micro_batches, None), labels, loss)
     figures = {"step": step, **tally.result()}
-    metric = ("accuracy", f"accuracy {figures['accuracy']:.2%}") if "accuracy" in figures else (
-        "perplexity", f"perplexity {figures['perplexity']:.3f}")
-    world.log(env, f"eval step {step}: loss {figures['loss']:.4f}, {metric[1]} on"
-                   f" {figures['samples']} held-out samples ({time.perf_counter() - start:.1f}s)")
+    metric = (
+        ("accuracy", f"accuracy {figures['accuracy']:.2%}")
+        if "accuracy" in figures
+        else ("perplexity", f"perplexity {figures['perplexity']:.3f}")
+    )
+    world.log(
+        env,
+        f"eval step {step}: loss {figures['loss']:.4f}, {metric[1]} on"
+        f" {figures['samples']} held-out samples ({time.perf_counter() - start:.1f}s)",
+    )
     monitor.board().evaluated(step, figures["loss"], **{metric[0]: figures[metric[0]]})
     return figures
 
@@ -179,21 +189,10 @@ def write_output(env: Env, pipelines: Replicas, shards: Shards,
     under the model's own names, with the JSON beside it."""
     spec: PipelineSpec = env.spec
     assert spec.output is not None
-    pipeline = pipelines.pipelines[0]
-    state = dict(shards.rest)
-    for part in pipeline.each("state"):
-        state.update(part)
-    info = model_info(env.kind, env.job, spec, spec.steps, evaluation)
-    paths = output.write(spec.output.path, {"model": state}, info, spec.output.format)
-    world.log(env, f"model written: {paths[0]} ({len(state)} tensors), {paths[-1]}")
-
-
-def model_info(kind: str, job: str, spec: PipelineSpec, steps: int,
-               evaluation: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
-    """What model.json says of a PipelineJob's model file."""
-    return {"kind": kind, "job": job, "model": models.as_spec(spec.model), "numClasses":
-            spec.num_classes, "imageSize": spec.image_size, "steps": steps,
-            "evaluation": evaluation}  # fmt: skip
+    about = model_output.info(env.kind, env.job, spec, spec.steps, evaluation)
+    states = pipelines.pipelines[0].each("state")
+    paths = model_output.write(spec.output.path, spec.output.format, states, shards.rest, about)
+    world.log(env, f"model written: {', '.join(str(p) for p in paths)}")
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -221,7 +220,7 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, feed: data.Feed,
         root, step, files, kind=env.kind, job=env.job, model=models.as_spec(env.spec.model),
         stageCount=len(shards.ranges),
         stages=[shards.of(i) for i in range(len(shards.ranges))],
-        info=model_info(env.kind, env.job, env.spec, step, None),
+        info=model_output.info(env.kind, env.job, env.spec, step, None),
         ranges=[[r.start, r.stop] for r in shards.ranges], costs=shards.costs,
         microBatches=shards.partition.micro_batches,
         microBatchCandidates=shards.partition.candidates,

@@ -41,8 +41,11 @@ def write(directory: str | Path, files: dict[str, dict[str, torch.Tensor]],
             torch.save(tensors, partial)
         os.replace(partial, path)
         written.append(path)
-    meta = {**info, "format": format, "files": {name: p.name for name, p in zip(files, written,
-                                                                             strict=True)}}
+    meta = {
+        **info,
+        "format": format,
+        "files": {name: p.name for name, p in zip(files, written, strict=True)},
+    }
     (directory / INFO).write_text(json.dumps(meta, indent=2, default=str) + "\n")
     return [*written, directory / INFO]
 

@@ -35,7 +35,9 @@ class Block(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
         self.norm2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
@@ -51,7 +53,9 @@ class TransformerLM(nn.Module):
     def __init__(self, spec: Transformer):
         super().__init__()
         if spec.width % spec.heads:
-            raise ValueError(f"transformer width {spec.width} is not divisible by heads {spec.heads}")
+            raise ValueError(
+                f"transformer width {spec.width} is not divisible by heads {spec.heads}"
+            )
         self.embed = Embed(spec.vocab_size, spec.width, spec.seq_len)
         self.blocks = nn.ModuleList(Block(spec.width, spec.heads) for _ in range(spec.layers))
         self.norm = nn.LayerNorm(spec.width)

@@ -212,6 +212,7 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         with dist_autograd.context() as context_id:
             loss = forward_backward(pipe, inputs, labels, s.micro_batches, 0, context_id,
                                     workloads.loss(s))  # fmt: skip
+            pipe.settle(0, s.micro_batches)
             grads: dict[str, torch.Tensor] = {}
             for stage in pipe.stages:
                 grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))

@@ -48,7 +48,13 @@ def test_one_step_equals_a_single_process(text, tmp_path: Path, stages: int):
 def test_the_loss_falls_and_perplexity_is_reported(text, tmp_path: Path):
     steps = 60
     job = lm_job(
-        "lm", text, stages=3, steps=steps, logEvery=20, eval={"everySteps": 30, "batches": 8}
+        "lm",
+        text,
+        stages=3,
+        steps=steps,
+        logEvery=20,
+        eval={"everySteps": 30, "batches": 8},
+        splitPoints=["blocks.1", "norm"],  # the user's cut, not the measured one
     )
     code, out, summary = run_to_end(job, tmp_path, timeout=220)
     assert code == 0, out
@@ -62,7 +68,8 @@ def test_the_loss_falls_and_perplexity_is_reported(text, tmp_path: Path):
     assert [e["step"] for e in summary["evaluations"]] == [30, 60]
     assert "eval step 30: loss " in out and ", perplexity " in out
     assert f"held-out after step {steps}: loss {evaluation['loss']:.4f}, perplexity" in out
-    assert [s["layers"][0] for s in summary["partition"]][0] == "embed"
+    assert [s["layers"] for s in summary["partition"]] == [
+        ["embed", "blocks.0"], ["blocks.1", "blocks.2"], ["norm", "head"]]  # fmt: skip
 
 
 def test_a_resumed_run_sees_exactly_the_samples_an_uninterrupted_one_sees(text, tmp_path):

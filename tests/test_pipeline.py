@@ -316,3 +316,21 @@ def test_stage_runs_forwards_in_micro_batch_order_whatever_their_arrival():
     intervals = [stage._events[0, mb]["forward"] for mb in range(4)]
     for (_, end), (start, _) in itertools.pairwise(intervals):
         assert end <= start, intervals
+
+
+@pytest.mark.timeout(30)
+def test_settle_returns_once_every_micro_batch_has_backpropagated():
+    """The master settles each stage before the optimizer steps: a stage in the middle of a
+    pipeline (inputs with a gradient function, as received from the previous stage) counts a
+    micro-batch once its gradient has gone back through every part of its shard."""
+    stage = Stage(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), last=True,
+                  device="cpu")  # fmt: skip
+    outputs = [stage.forward((torch.randn(4, 8, requires_grad=True) * 2,), 0, mb, 0)
+               for mb in range(2)]  # fmt: skip
+    settled = threading.Event()
+    waiter = _start(lambda: (stage.settle(0, 2), settled.set()))
+    outputs[0].sum().backward()
+    assert not settled.wait(0.3)  # one of two micro-batches: not yet
+    outputs[1].sum().backward()
+    assert settled.wait(10)
+    waiter.join(10)

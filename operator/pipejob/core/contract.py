@@ -73,8 +73,9 @@ DOCS: dict[str, str] = {
     DDP_WORLD_SIZE: "Group members: size of the group.",
     DDP_BACKEND: "Group members: gloo or nccl.",
     SUMMARY_FILE: "Optional: the master writes its end-of-run summary here as JSON.",
-    TERMINATION_LOG: "Optional: where a failing process writes its one-line reason"
-    " (default /dev/termination-log, Kubernetes' termination message).",
+    TERMINATION_LOG: "Optional: where a failing process writes its one-line reason, and the"
+    " master that exits 0 its last /progress report as JSON (default /dev/termination-log,"
+    " Kubernetes' termination message).",
     TUNING: "Optional: performance levers (threads, allocator, transport): unset or on for"
     " all, off for none, or a comma-separated list. Variables the user sets always win.",
 }

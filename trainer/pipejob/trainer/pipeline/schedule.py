@@ -51,6 +51,7 @@ class Pipeline:
             for i, name in enumerate(stage_names)
         ]
         self.rounds = 0  # forward rounds (training steps and evaluation batches) so far
+        self.last_micro_batches = 0  # of the last forward round
 
     def forward(self, inputs: torch.Tensor, micro_batches: int, step: int | None) -> Any:
         """All micro-batches' forwards, pipelined; the last stage's outputs, joined in
@@ -65,6 +66,7 @@ class Pipeline:
         this thread, inside the distributed autograd context."""
         last = len(self.stages) - 1
         micro_batches = min(micro_batches, len(inputs))  # a small last evaluation batch
+        self.last_micro_batches = micro_batches
         parts = [(x.clone(),) for x in inputs.tensor_split(micro_batches)]  # views ship it all
         self.rounds += 1
         round = self.rounds
@@ -109,6 +111,15 @@ class Pipeline:
             busy[k] -= 1
             fill()
         return join([outputs[mb] for mb in range(micro_batches)])
+
+    def settle(self, step: int, micro_batches: int) -> None:
+        """Return once every stage has backpropagated every micro-batch of `step`
+        (Stage.settle): only then are the step's gradients whole."""
+        micro_batches = min(micro_batches, self.last_micro_batches)
+        torch.futures.wait_all([
+            rpc.rpc_async(name, on_stage, args=(stage, "settle", step, micro_batches))
+            for name, stage in zip(self.names, self.stages, strict=True)
+        ])  # fmt: skip
 
     def parameter_rrefs(self) -> list[RRef]:
         return [p for params in self.each("parameter_rrefs") for p in params]
@@ -197,6 +208,7 @@ class Replicas:
             start = time.perf_counter()
             loss = forward_backward(pipeline, inputs, labels, micro_batches, step, context_id,
                                     loss_fn)  # fmt: skip
+            pipeline.settle(step, micro_batches)
             middle = time.perf_counter()
             allreduce = 0.0
             if len(self.pipelines) > 1:

@@ -84,6 +84,9 @@ class Stage:
         # folded into per-step totals once a later step starts.
         self._events: dict[tuple[int, int], dict[str, list[float]]] = defaultdict(dict)
         self._totals: dict[int, tuple[float, float, float]] = {}
+        # Micro-batches whose backward has run through this shard, per step (`settle`).
+        self._settled = threading.Condition()
+        self._done: dict[int, int] = {}
 
     def parameter_rrefs(self) -> list[RRef]:
         return [RRef(p) for p in self.layers.parameters()]
@@ -129,15 +132,51 @@ class Stage:
 
     def _time_backward(self, key: tuple[int, int], y: Any, received: tuple[Any, ...]):
         """Backward through this shard starts when the gradient of its outputs arrives and
-        ends when the autograd nodes nearest the shard's inputs have run."""
+        ends when the autograd nodes nearest the shard's inputs have run; it is done once
+        those and the nodes that send the gradient on to the previous stage have run."""
         roots = [t.grad_fn for t in _tensors(y) if t.grad_fn is not None]
         if not roots:
+            self._backward_done(key)  # nothing of this micro-batch to backpropagate here
             return
         stops = {t.grad_fn for t in _tensors(received) if t.grad_fn is not None}
         for root in roots:
             root.register_prehook(lambda grads: self._note(key, "start"))
-        for node in input_nodes(roots, stops):
-            node.register_hook(lambda grads_in, grads_out: self._note(key, "end"))
+        ends = input_nodes(roots, stops)
+        left = [len(ends) + len(stops)]
+
+        def ran(node_end: bool) -> None:
+            if node_end:
+                self._note(key, "end")
+            with self._settled:
+                left[0] -= 1
+                if left[0] == 0:
+                    self._backward_done(key)
+
+        for node in ends:
+            node.register_hook(lambda grads_in, grads_out: ran(True))
+        for node in stops:
+            node.register_hook(lambda grads_in, grads_out: ran(False))
+
+    def _backward_done(self, key: tuple[int, int]) -> None:
+        with self._settled:
+            self._done[key[0]] = self._done.get(key[0], 0) + 1
+            self._settled.notify_all()
+
+    def settle(self, step: int, micro_batches: int) -> None:
+        """Wait until every micro-batch of `step` has backpropagated through this shard.
+
+        The master's distributed backward can return before that: when several gradients of
+        one context reach a worker, torch waits only for the RPCs the first one started, so
+        the gradient a later one sends on may still be on its way (and a context released
+        then loses it). The master settles every stage before the optimizer steps."""
+        with self._settled:
+            if not self._settled.wait_for(lambda: self._done.get(step, 0) >= micro_batches,
+                                          rendezvous.RPC_TIMEOUT_SECONDS):  # fmt: skip
+                raise TimeoutError(
+                    f"{self._done.get(step, 0)} of {micro_batches} micro-batches of step"
+                    f" {step} backpropagated within {rendezvous.RPC_TIMEOUT_SECONDS:g}s"
+                )
+            self._done = {s: n for s, n in self._done.items() if s > step}
 
     def _note(self, key: tuple[int, int], what: str) -> None:
         now = time.perf_counter()

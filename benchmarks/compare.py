@@ -292,7 +292,7 @@ def report(runs: list[Run], cpus: int) -> str:
         ratio("pipejob", variant, None, f"pipejob / {variant} (a lever's gain)")
     for before in (s for s in rate if s.startswith("pipejob@")):
         ratio("pipejob", before, 0.95, f"pipejob / {before} (today against then)")
-        lines += _same_results(chosen["pipejob"][1], chosen[before][1], before)
+        lines += _same_results(runs, before)
     if "pipejob" in chosen:
         ratio(
             "pipejob-auto",
@@ -318,16 +318,22 @@ def report(runs: list[Run], cpus: int) -> str:
     return "\n".join(lines)
 
 
-def _same_results(now: list[Run], then: list[Run], label: str) -> list[str]:
-    """Where each cut the model, and whether the same steps gave the same losses."""
-    a, b = now[0], then[0]
-    same = len(a.losses) == len(b.losses) and all(
-        abs(x - y) <= 1e-5 * max(abs(y), 1) for x, y in zip(a.losses, b.losses, strict=True)
-    )
-    return [f"    cut: pipejob stage 1 begins at {a.cut}; {label} at {b.cut}",
-            f"    losses (m={a.m}): pipejob {', '.join(f'{x:.5f}' for x in a.losses)};"
-            f" {label} {', '.join(f'{x:.5f}' for x in b.losses)}:"
-            f" {'the same' if same else 'DIFFERENT'}"]  # fmt: skip
+def _same_results(runs: list[Run], label: str) -> list[str]:
+    """Where each cut the model, and whether the same steps at the same micro-batch count
+    gave the same losses (the same model, seed and data: they must)."""
+    now = {r.m: r for r in runs if r.system == "pipejob"}
+    then = {r.m: r for r in runs if r.system == label}
+    lines = []
+    for m in sorted(set(now) & set(then), key=str):
+        a, b = now[m], then[m]
+        same = len(a.losses) == len(b.losses) and all(
+            abs(x - y) <= 1e-5 * max(abs(y), 1) for x, y in zip(a.losses, b.losses, strict=True)
+        )
+        lines += [f"    m={m}: cut: pipejob stage 1 begins at {a.cut}; {label} at {b.cut}",
+                  f"    m={m}: losses: pipejob {', '.join(f'{x:.5f}' for x in a.losses)};"
+                  f" {label} {', '.join(f'{x:.5f}' for x in b.losses)}:"
+                  f" {'the same' if same else 'DIFFERENT'}"]  # fmt: skip
+    return lines
 
 
 def _chose(runs: list[Run]) -> str:

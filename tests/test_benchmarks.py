@@ -36,8 +36,8 @@ def test_compare_measures_every_system_it_is_asked_for():
     # --at: pipejob as committed, from its own sources, cut and trained alike.
     assert re.search(r"^  pipejob@HEAD\s+\d+\s+[\d.]+ \[", out.stdout, re.M), out.stdout
     assert re.search(r"pipejob / pipejob@HEAD \(today against then\)\s+[\d.]+x", out.stdout)
-    assert re.search(r"cut: pipejob stage 1 begins at \S+; pipejob@HEAD at \S+", out.stdout)
-    assert re.search(r"losses \(m=2\): pipejob [\d., ]+; pipejob@HEAD [\d., ]+: the same",
+    assert re.search(r"m=2: cut: pipejob stage 1 begins at \S+; pipejob@HEAD at \S+", out.stdout)
+    assert re.search(r"m=2: losses: pipejob [\d., ]+; pipejob@HEAD [\d., ]+: the same",
                      out.stdout), out.stdout  # fmt: skip
 
 

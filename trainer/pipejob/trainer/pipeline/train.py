@@ -58,8 +58,8 @@ def train(env: Env) -> dict[str, Any]:
             threads, hosts = stage_resources(env, spec.stages)
             shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share {h.cpus:g}"
                                " CPU(s)" for h in hosts if len(h.stages) > 1)  # fmt: skip
-            world.log(env, f"{title}: measuring what each part costs on inputs of"
-                           f" {shape(inputs[:1])[1:]} with {threads} intra-op thread(s), as the"
+            world.log(env, f"{title}: measuring what each part costs on samples of shape"
+                           f" {shape(inputs[0])} with {threads} intra-op thread(s), as the"
                            " stages compute" + (f" ({shared})" if shared else ""))  # fmt: skip
             if spec.gpus_per_stage > 0:
                 hosts = []  # the stages compute on their GPUs, not on the cores they share

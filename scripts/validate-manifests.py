@@ -72,6 +72,18 @@ def defaulted(s: dict[str, Any], value: Any) -> Any:
 
 
 _CEL = celpy.Environment()
+# Property names the API server shows to CEL escaped, being CEL's reserved words: a rule on
+# a field `import` reads `self.__import__`.
+_RESERVED = frozenset("true false null in as break const continue else for function if import"
+                      " let loop package namespace return var void while".split())  # fmt: skip
+
+
+def as_cel_sees(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {(f"__{k}__" if k in _RESERVED else k): as_cel_sees(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_cel_sees(v) for v in value]
+    return value
 
 
 def cel_errors(s: dict[str, Any], value: Any, path: str) -> list[str]:
@@ -79,7 +91,7 @@ def cel_errors(s: dict[str, Any], value: Any, path: str) -> list[str]:
     errors = []
     for rule in s.get("x-kubernetes-validations") or []:
         program = _CEL.program(_CEL.compile(rule["rule"]))
-        result = program.evaluate({"self": celpy.json_to_cel(value)})
+        result = program.evaluate({"self": celpy.json_to_cel(as_cel_sees(value))})
         if not isinstance(result, celpy.celtypes.BoolType):  # e.g. a CELEvalError
             errors.append(f"{path or '(root)'}: rule {rule['rule']!r} did not evaluate: {result}")
         elif not result:

@@ -37,9 +37,9 @@ BY_THE_CRD = [
     "two-gpus-per-stage", "four-gpus-per-trainer", "gpu-in-template-limits",
     "gpu-in-template-requests",
     # issue 12: what the CRD can say of data, loss, dense, output and evaluation (the model is
-    # a string or an object, which only pipejob checks; the CEL rules naming `import` need the
-    # API server's escaping of CEL keywords, which scripts/validate-manifests.py lacks)
-    "data-import-no-function", "data-args-without-import", "tokens-dtype",
+    # a string or an object, which only pipejob checks)
+    "data-import-no-function", "data-two-sources", "hybrid-data-two-sources",
+    "data-args-without-import", "tokens-dtype",
     "image-folder-without-train", "data-workers-many", "loss-import-malformed",
     "loss-args-without-import", "split-points-count", "split-points-twice",
     "dense-import-malformed", "dense-args-without-import", "hybrid-data-import-malformed",

@@ -63,7 +63,7 @@ def test_apply_crds_and_examples_then_get_shows_the_printer_columns(cluster, kub
     operator = OperatorProcess(cluster.kubeconfig, cluster.namespace, tmp_path / "op.log")
     operator.start()
     try:
-        applied = kubectl("apply", "-f", str(REPO / "examples")).stdout
+        applied = kubectl("apply", "-R", "-f", str(REPO / "examples")).stdout
         for kind in ("PipelineJob", "HybridJob"):
             for m in manifests(kind):
                 assert f"{kind.lower()}.pipejob.dev/{m['metadata']['name']} created" in applied
@@ -95,8 +95,8 @@ def test_apply_crds_and_examples_then_get_shows_the_printer_columns(cluster, kub
         described = kubectl("describe", "pipelinejob", gang[0]["metadata"]["name"]).stdout
         assert "PodGroupRefused" in described and "CreatedPods" not in described
 
-        assert "unchanged" in kubectl("apply", "-f", str(REPO / "examples")).stdout
-        kubectl("delete", "-f", str(REPO / "examples"))
+        assert "unchanged" in kubectl("apply", "-R", "-f", str(REPO / "examples")).stdout
+        kubectl("delete", "-R", "-f", str(REPO / "examples"))
         assert "No resources found" in kubectl("get", "pods").stderr  # collected with the jobs
     finally:
         operator.stop()

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -349,3 +351,22 @@ class PipejobWorkers(RunnerWorkers):
         elif step and int(step.group(1)) == self.steps:
             self.marks[f"m{self.m}-end"] = self.snapshot()
         super().on_line(name, line)
+
+
+def run_job(job: dict[str, Any], stem: Path, key: int | str, steps: int, warmup: int,
+                timeout: float, env: dict[str, str],
+                echo_line=None) -> tuple[dict[str, Any], float, dict[str, Counters]]:  # fmt: skip
+    """`pipejob run` of `job` (written to <stem>.yaml; `steps` in all, the first `warmup` left
+    out) in `env`: its summary, and the wall seconds and per-process counters between the
+    master's step lines around the measured steps. `key` names the run in its marks."""
+    path, summary_file = stem.with_suffix(".yaml"), stem.with_suffix(".json")
+    path.write_text(yaml.safe_dump(job))
+    summary_file.unlink(missing_ok=True)
+    with PipejobWorkers(steps, warmup, key, echo_line) as w:
+        w.start("runner", [sys.executable, "-m", "pipejob.cli", "run", str(path)],
+                env | {"PIPEJOB_SUMMARY_FILE": str(summary_file)})  # fmt: skip
+        codes = w.wait(timeout)
+        if codes["runner"] != 0 or not summary_file.exists():
+            raise RuntimeError(f"{stem.name} failed ({codes}):\n{w.tail()}")
+        wall, deltas = w.between(f"m{key}-start", f"m{key}-end")
+    return json.loads(summary_file.read_text()), wall, deltas

@@ -42,15 +42,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from _common import (
     Counters,
-    PipejobWorkers,
     Workers,
     free_port,
     load_average,
     machine,
     python,
+    run_job,
     spread,
     thread_env,
     threads_summary,
@@ -141,25 +140,17 @@ def run_pipejob(cfg: Config, tmp: Path, system: str = "pipejob",
                 extra: dict[str, str] | None = None) -> list[Run]:  # fmt: skip
     runs = []
     for m in [AUTO] if system == "pipejob-auto" else cfg.counts:
-        path, summary_file = tmp / f"pipejob-m{m}.yaml", tmp / f"pipejob-m{m}.json"
-        path.write_text(yaml.safe_dump(pipejob_manifest(cfg, m)))
-        summary_file.unlink(missing_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
                                                                  "MKL_NUM_THREADS")}  # fmt: skip
-        env |= cfg.pipejob_env | (extra or {}) | {"PIPEJOB_SUMMARY_FILE": str(summary_file)}
-        steps = cfg.warmup + cfg.batches
-        with PipejobWorkers(steps, cfg.warmup, m, echo(cfg.verbose)) as w:
-            w.start("runner", [sys.executable, "-m", "pipejob.cli", "run", str(path)], env)
-            codes = w.wait(cfg.timeout)
-            if codes["runner"] != 0 or not summary_file.exists():
-                raise RuntimeError(f"{system} m={m} failed ({codes}):\n{w.tail()}")
-            summary = json.loads(summary_file.read_text())
-            wall, deltas = w.between(f"m{m}-start", f"m{m}-end")
-            rate, bubble = summary["samplesPerSecond"], summary["bubble"]["measured"]
-            cut = ", ".join(st["layers"][0] for st in summary["partition"][1:])
-            runs.append(Run(system, m, rate, load_average(), wall, cfg.batches, _named(deltas),
-                            bubble, cfg.batch, summary["microBatches"], cut,
-                            summary["losses"]))  # fmt: skip
+        env |= cfg.pipejob_env | (extra or {})
+        summary, wall, deltas = run_job(
+            pipejob_manifest(cfg, m), tmp / f"pipejob-m{m}", m, cfg.warmup + cfg.batches,
+            cfg.warmup, cfg.timeout, env, echo(cfg.verbose))  # fmt: skip
+        rate, bubble = summary["samplesPerSecond"], summary["bubble"]["measured"]
+        cut = ", ".join(st["layers"][0] for st in summary["partition"][1:])
+        runs.append(Run(system, m, rate, load_average(), wall, cfg.batches, _named(deltas),
+                        bubble, cfg.batch, summary["microBatches"], cut,
+                        summary["losses"]))  # fmt: skip
     return runs
 
 

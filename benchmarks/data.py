@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import yaml
-from _common import PipejobWorkers, load_average, machine, spread
+from _common import load_average, machine, run_job, spread
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "resnet50-pipeline.yaml"
 SOURCES = ("synthetic", "imageFolder")
@@ -72,19 +71,9 @@ def manifest(base: dict[str, Any], source: str, folder: Path, args: argparse.Nam
 
 def run(job: dict, tmp: Path, args: argparse.Namespace) -> dict[str, float]:
     name = job["metadata"]["name"]
-    path, summary_file = tmp / f"{name}.yaml", tmp / f"{name}.json"
-    path.write_text(yaml.safe_dump(job))
-    summary_file.unlink(missing_ok=True)
-    env = dict(os.environ, PIPEJOB_SUMMARY_FILE=str(summary_file))
-    steps = args.warmup + args.steps
     started = time.monotonic()
-    with PipejobWorkers(steps, args.warmup, name, None) as w:
-        w.start("runner", [sys.executable, "-m", "pipejob.cli", "run", str(path)], env)
-        codes = w.wait(args.timeout)
-        if codes["runner"] != 0 or not summary_file.exists():
-            raise RuntimeError(f"{name} failed ({codes}):\n{w.tail()}")
-        wall, _ = w.between(f"m{name}-start", f"m{name}-end")
-    summary = json.loads(summary_file.read_text())
+    summary, wall, _ = run_job(job, tmp / name, name, args.warmup + args.steps,
+                               args.warmup, args.timeout, dict(os.environ))  # fmt: skip
     samples = job["spec"]["batchSize"] * job["spec"].get("replicas", 1) * args.steps
     return {
         "samplesPerSecond": samples / wall,  # wall clock: waiting for data included

@@ -17,15 +17,13 @@ measures; it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-from _common import PipejobWorkers, load_average, machine, spread
+from _common import load_average, machine, run_job, spread
 
 
 def manifest(args: argparse.Namespace, replicas: int) -> dict:
@@ -43,19 +41,10 @@ def manifest(args: argparse.Namespace, replicas: int) -> dict:
 
 
 def run(args: argparse.Namespace, tmp: Path, replicas: int) -> dict[str, float]:
-    path, summary_file = tmp / f"r{replicas}.yaml", tmp / f"r{replicas}.json"
-    path.write_text(yaml.safe_dump(manifest(args, replicas)))
-    summary_file.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    env["PIPEJOB_SUMMARY_FILE"] = str(summary_file)
-    steps = args.warmup + args.steps
-    with PipejobWorkers(steps, args.warmup, replicas, None) as w:
-        w.start("runner", [sys.executable, "-m", "pipejob.cli", "run", str(path)], env)
-        codes = w.wait(args.timeout)
-        if codes["runner"] != 0 or not summary_file.exists():
-            raise RuntimeError(f"{replicas} replica(s) failed ({codes}):\n{w.tail()}")
-        wall, deltas = w.between(f"m{replicas}-start", f"m{replicas}-end")
-    summary = json.loads(summary_file.read_text())
+    summary, wall, deltas = run_job(manifest(args, replicas), tmp / f"r{replicas}", replicas,
+                                        args.warmup + args.steps, args.warmup, args.timeout,
+                                        env)  # fmt: skip
     cpu = sum(d.cpu for name, d in deltas.items() if name != "runner")
     samples = args.batch * replicas * args.steps
     return {

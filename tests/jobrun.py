@@ -193,22 +193,31 @@ def _stage_gradients(stage: rpc.RRef, context_id: int) -> dict[str, torch.Tensor
     return {name: grads.get(p) for name, p in stage.local_value().layers.named_parameters()}
 
 
-def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
-    """One process of a real pipeline world. Stages run the trainer's own stage role; the
-    master runs one step with the trainer's building blocks and saves every gradient."""
+def master_of(rank: int, envs: list[dict[str, str]]) -> world.Env | None:
+    """Process `rank` of a spawned pipeline world: a stage runs the trainer's own stage role
+    to its end (None); the master joins the RPC world and gets its env, for the test to drive
+    and then `rpc.shutdown()`."""
     os.environ.update(envs[rank])
     env = world.read_env()
     if env.role != "master":
         pipeline.run(env)
-        return
+        return None
     rendezvous.join_rpc(env)
+    return env
+
+
+def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
+    """One process of a real pipeline world: the master runs one step with the trainer's
+    building blocks and saves every gradient."""
+    if (env := master_of(rank, envs)) is None:
+        return
     try:
         s = env.spec
-        shards = build_shards(s, models.build(s), data.sample(s, s.batch_size)[0])
+        with data.Feed(s) as feed:
+            sample, _ = feed.sample(s.batch_size)
+            inputs, labels = feed.batch()
+        shards = build_shards(s, models.build(s), sample)
         pipe = Pipeline(env.names("stage"), shards)
-        feed = data.Feed(s)
-        inputs, labels = feed.batch()
-        feed.close()
         with dist_autograd.context() as context_id:
             loss = forward_backward(pipe, inputs, labels, s.micro_batches, 0, context_id,
                                     workloads.loss(s))  # fmt: skip

@@ -15,14 +15,14 @@ from userdata import BYTE_VOCAB, write_digits, write_stdlib_tokens
 from pipejob.core.common import Optimizer, Preflight
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.core.workload import Model, PipelineData, Split, Tokens, Transformer
-from pipejob.trainer.workloads import data
+from pipejob.trainer.workloads import data, sources
 from pipejob.trainer.workloads.data import DataError, Feed, StreamSampler, held_out, sample, task
 from pipejob.trainer.workloads.synthetic import SyntheticImages
 
 pytestmark = pytest.mark.timeout(120)
 
-MEAN = torch.tensor(data.IMAGENET_MEAN).view(1, 3, 1, 1)
-STD = torch.tensor(data.IMAGENET_STD).view(1, 3, 1, 1)
+MEAN = torch.tensor(sources.IMAGENET_MEAN).view(1, 3, 1, 1)
+STD = torch.tensor(sources.IMAGENET_STD).view(1, 3, 1, 1)
 SEQ = 64
 
 

@@ -17,13 +17,12 @@ import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 from torch import nn
 
-from jobrun import JobRun, pipeline_job, run_world
+from jobrun import JobRun, master_of, pipeline_job, run_world
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
-from pipejob.trainer import pipeline
 from pipejob.trainer.pipeline.schedule import Replicas
 from pipejob.trainer.pipeline.shards import Partition, Shards
-from pipejob.trainer.runtime import checkpoint, rendezvous, world
+from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.workloads import cut
 
 # SGD with momentum and weight decay: the optimizer state must agree too. ResNet-18's
@@ -142,20 +141,11 @@ def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(EXACT_STEPS)]  # fmt: skip
 
 
-def _stage_state(stage: rpc.RRef) -> dict[str, torch.Tensor]:
-    """Runs on a stage: its shard's parameters."""
-    return {k: v.clone() for k, v in stage.local_value().layers.state_dict().items()}
-
-
 def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     """One process of a real replicated world: stages run the trainer's own stage role (they
     join their group and serve); the master drives the trainer's Replicas over the MLP."""
-    os.environ.update(envs[rank])
-    env = world.read_env()
-    if env.role != "master":
-        pipeline.run(env)
+    if (env := master_of(rank, envs)) is None:
         return
-    rendezvous.join_rpc(env)
     try:
         s = env.spec
         names = env.names("stage")
@@ -166,8 +156,7 @@ def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         replicas = Replicas(per_replica, shards, s)
         losses = [replicas.step(x, y, 2, step, F.cross_entropy).loss
                   for step, (x, y) in enumerate(batches(s.replicas))]  # fmt: skip
-        states = [{k: v for stage in p.stages
-                   for k, v in rpc.rpc_sync(stage.owner(), _stage_state, args=(stage,)).items()}
+        states = [{k: v for part in p.each("state") for k, v in part.items()}
                   for p in replicas.pipelines]  # fmt: skip
         torch.save({"losses": losses, "states": states}, out)
     finally:

@@ -120,6 +120,12 @@ def kueue_sim(**spec) -> Sim:
     return sim
 
 
+def admit(sim: Sim) -> None:
+    """Kueue admits the group: its pods' scheduling gates go."""
+    for pod in sim.pods.values():
+        pod["spec"].pop("schedulingGates")
+
+
 def test_a_gated_world_is_queued_and_its_admission_is_an_event() -> None:
     sim = kueue_sim()
     sim.reconcile()
@@ -127,8 +133,7 @@ def test_a_gated_world_is_queued_and_its_admission_is_an_event() -> None:
     queued = next(c for c in sim.status["conditions"] if c["type"] == "Queued")
     assert queued["reason"] == "WaitingForAdmission" and "LocalQueue team-a" in queued["message"]
     assert ("Normal", "WaitingForAdmission") in sim.events()
-    for pod in sim.pods.values():  # Kueue admits the group
-        pod["spec"].pop("schedulingGates")
+    admit(sim)
     sim.reconcile()
     assert ("Normal", "Admitted") in sim.events() and sim.status["phase"] == "Pending"
     sim.run_all()
@@ -155,8 +160,7 @@ def test_preemption_restarts_the_world_without_spending_backoff_limit() -> None:
 
 def test_kueue_waits_for_the_old_world_to_stop_before_the_new_one() -> None:
     sim = kueue_sim(backoffLimit=2)
-    for pod in sim.pods.values():
-        pod["spec"].pop("schedulingGates")
+    admit(sim)
     sim.run_all()
     sim.set_phase("j-stage-0-r0", "Failed", 1)
     acts = sim.reconcile()
@@ -173,8 +177,7 @@ def test_kueue_waits_for_the_old_world_to_stop_before_the_new_one() -> None:
 
 def test_a_failed_kueue_job_ends_its_group() -> None:
     sim = kueue_sim(backoffLimit=0)
-    for pod in sim.pods.values():
-        pod["spec"].pop("schedulingGates")
+    admit(sim)
     sim.run_all()
     sim.set_phase("j-stage-0-r0", "Failed", 1)
     acts = sim.reconcile()
@@ -185,8 +188,7 @@ def test_a_failed_kueue_job_ends_its_group() -> None:
 
 def test_a_succeeded_kueue_job_lets_its_pods_exit_then_ends_a_group_they_did_not() -> None:
     sim = kueue_sim()
-    for pod in sim.pods.values():
-        pod["spec"].pop("schedulingGates")
+    admit(sim)
     sim.run_all()
     sim.set_phase("j-master-0-r0", "Succeeded", 0)
     acts = sim.reconcile()
@@ -201,8 +203,7 @@ def test_a_succeeded_kueue_job_lets_its_pods_exit_then_ends_a_group_they_did_not
 
 def test_a_succeeded_kueue_group_whose_pods_all_exited_0_is_left_to_succeed() -> None:
     sim = kueue_sim()
-    for pod in sim.pods.values():
-        pod["spec"].pop("schedulingGates")
+    admit(sim)
     sim.run_all()
     for name in sim.names():
         sim.set_phase(name, "Succeeded", 0)

@@ -10,8 +10,6 @@ ones in tests/harness/crds/. Not emulated: queues' capacity, minResources, timeo
 
 from __future__ import annotations
 
-import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import yaml
 
 from harness.apiserver import now
 from harness.client import Api, ApiError, path
+from harness.controller import Controller
 
 CRDS = Path(__file__).resolve().parent / "crds"
 PODS = "v1/pods"
@@ -50,30 +49,15 @@ def crd(flavour: Flavour) -> dict:
     return yaml.safe_load((CRDS / flavour.crd).read_text())
 
 
-class GangScheduler:
+class GangScheduler(Controller):
+    name = "gang"
+
     def __init__(self, api: Api, flavour: Flavour, node: str, every: float = 0.1):
+        super().__init__(every)
         self.api = api
         self.flavour = flavour
         self.node = node
-        self.every = every
         self.placements: dict[tuple[str, str], list[list[str]]] = {}  # group -> pods per round
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="gang", daemon=True)
-
-    def __enter__(self) -> GangScheduler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every):
-            try:
-                self._tick()
-            except (ApiError, OSError) as e:
-                print(f"[gang] {e}; retrying", file=sys.stderr, flush=True)
 
     def _tick(self) -> None:
         pending: dict[tuple[str, str], list[dict]] = {}

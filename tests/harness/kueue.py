@@ -18,7 +18,6 @@ pods, fast admission, flavors, workload priority."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from harness import apiserver
 from harness.apiserver import now
 from harness.client import ApiError
 from harness.cluster import Cluster
+from harness.controller import Controller
 
 QUEUE = "kueue.x-k8s.io/queue-name"
 GROUP = "kueue.x-k8s.io/pod-group-name"
@@ -53,24 +53,16 @@ class Workload:
     ungated: list[str] = field(default_factory=list)  # pods, in the order admitted
 
 
-class Kueue:
+class Kueue(Controller):
+    name = "kueue"
+
     def __init__(self, cluster: Cluster, queues: dict[str, int | None], every: float = 0.1):
+        super().__init__(every)
         self.api = cluster.api
         self.queues = dict(queues)
         self.workloads: dict[Key, Workload] = {}
-        self.every = every
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kueue", daemon=True)
         cluster.mutators.append(self._webhook)
-
-    def __enter__(self) -> Kueue:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
     # --- the webhook: runs inside the API server, so it must not call the API ---------------
 
@@ -118,13 +110,6 @@ class Kueue:
         return stopped
 
     # --- the pod-group controller -------------------------------------------------------------
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every):
-            try:
-                self._tick()
-            except (ApiError, OSError) as e:
-                print(f"[kueue] {e}; retrying", file=sys.stderr, flush=True)
 
     def _members(self, namespace: str, group: str) -> list[dict]:
         return self.api.list(PODS, namespace, labelSelector=f"{GROUP}={group},{MANAGED}=true")

@@ -51,7 +51,6 @@ class Pipeline:
             for i, name in enumerate(stage_names)
         ]
         self.rounds = 0  # forward rounds (training steps and evaluation batches) so far
-        self.last_micro_batches = 0  # of the last forward round
 
     def forward(self, inputs: torch.Tensor, micro_batches: int, step: int | None) -> Any:
         """All micro-batches' forwards, pipelined; the last stage's outputs, joined in
@@ -66,7 +65,6 @@ class Pipeline:
         this thread, inside the distributed autograd context."""
         last = len(self.stages) - 1
         micro_batches = min(micro_batches, len(inputs))  # a small last evaluation batch
-        self.last_micro_batches = micro_batches
         parts = [(x.clone(),) for x in inputs.tensor_split(micro_batches)]  # views ship it all
         self.rounds += 1
         round = self.rounds
@@ -115,7 +113,6 @@ class Pipeline:
     def settle(self, step: int, micro_batches: int) -> None:
         """Return once every stage has backpropagated every micro-batch of `step`
         (Stage.settle): only then are the step's gradients whole."""
-        micro_batches = min(micro_batches, self.last_micro_batches)
         torch.futures.wait_all([
             rpc.rpc_async(name, on_stage, args=(stage, "settle", step, micro_batches))
             for name, stage in zip(self.names, self.stages, strict=True)

@@ -84,11 +84,7 @@ def build_shards(
     units = traced.units
     if len(units) < spec.stages:
         raise cut.cut_count_error(len(units), spec.stages)
-    fixed = None
-    if spec.split_points:
-        starts = [0, *(units.index(p) if p in units else -1 for p in spec.split_points)]
-        traced.split(spec.split_points)  # refuses unknown or unordered points, saying why
-        fixed = [range(a, b) for a, b in zip(starts, [*starts[1:], len(units)], strict=True)]
+    fixed = traced.ranges(spec.split_points) if spec.split_points else None
     if saved is None:
         saved = _measure(spec, traced, sample, threads, hosts or [], fixed, progress)
     stages = traced.split([units[r.start] for r in saved.ranges[1:]])

@@ -50,7 +50,7 @@ def train(env: Env) -> dict[str, Any]:
     model, loss = models.build(spec), workloads.loss(spec)
     feed = data.Feed(spec)
     world.log(env, f"data: {feed.description}")
-    inputs, labels = data.sample(spec, spec.batch_size)
+    inputs, labels = feed.sample(spec.batch_size)
     fits_model(model, inputs, labels, loss)
     found = checkpoint.latest_for(env)
     try:

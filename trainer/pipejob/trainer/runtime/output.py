@@ -48,13 +48,3 @@ def write(directory: str | Path, files: dict[str, dict[str, torch.Tensor]],
     }
     (directory / INFO).write_text(json.dumps(meta, indent=2, default=str) + "\n")
     return [*written, directory / INFO]
-
-
-def read(path: str | Path) -> dict[str, torch.Tensor]:
-    """A state dict written by `write`, in either format."""
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    return torch.load(path, map_location="cpu", weights_only=True)

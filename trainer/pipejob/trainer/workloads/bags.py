@@ -23,7 +23,7 @@ import torch
 
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer.workloads import imports
-from pipejob.trainer.workloads.synthetic import Batch, SyntheticBags
+from pipejob.trainer.workloads.synthetic import Batch, SyntheticBags, gather
 
 FORMAT = "np.savez(path, ids=ids, offsets=offsets, labels=labels)"
 
@@ -158,16 +158,5 @@ def in_order(bags: Bags, batch_size: int, limit: int = 0) -> list[Batch]:
     `limit` batches when it is not 0. For evaluation: every bag once, no cycling."""
     count = -(-bags.size // batch_size)
     count = min(count, limit) if limit else count
-    out = []
-    for b in range(count):
-        chosen = list(range(b * batch_size, min((b + 1) * batch_size, bags.size)))
-        ids: list[int] = []
-        offsets: list[int] = []
-        labels: list[int] = []
-        for i in chosen:
-            bag, label = bags.sample(i)
-            offsets.append(len(ids))
-            ids.extend(bag)
-            labels.append(label)
-        out.append(Batch(chosen, ids, offsets, labels))
-    return out
+    return [gather(bags, list(range(b * batch_size, min((b + 1) * batch_size, bags.size))))
+            for b in range(count)]  # fmt: skip

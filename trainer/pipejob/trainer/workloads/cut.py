@@ -76,28 +76,32 @@ class Traced:
                 self.starts.setdefault(str(node.target), i)
         self.units = sorted(self.starts, key=self.starts.__getitem__)  # in calling order
 
-    def split(self, starts: Sequence[str]) -> list[fx.GraphModule]:
-        """One module per stage: stage 0 from the model's input, stage k from `starts[k-1]`."""
+    def ranges(self, starts: Sequence[str]) -> list[range]:
+        """The units of each stage when stage k begins at `starts[k-1]` (refused, saying why,
+        unless they are distinct candidates in calling order)."""
         unknown = [s for s in starts if s not in self.starts]
         if unknown:
             raise CutError(
                 f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not where a"
                 f" stage can begin; the candidates, in order: {', '.join(self.units)}"
             )
-        index = [self.starts[s] for s in starts]
-        if index != sorted(set(index)) or (index and index[0] == self._first()):
+        index = [self.units.index(s) for s in starts]
+        if index != sorted(set(index)) or (index and index[0] == 0):
             raise CutError(
                 f"split points {list(starts)} must be distinct candidates in the order the"
                 f" model calls them, after its first ({self.units[0]}): {', '.join(self.units)}"
             )
-        bounds = [0, *index, len(self.nodes)]
+        bounds = [0, *index, len(self.units)]
+        return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    def split(self, starts: Sequence[str]) -> list[fx.GraphModule]:
+        """One module per stage: stage 0 from the model's input, stage k from `starts[k-1]`."""
+        self.ranges(starts)  # refuses what cannot be cut, saying why
+        bounds = [0, *(self.starts[s] for s in starts), len(self.nodes)]
         stages = [self._stage(a, b, last=b == len(self.nodes))
                   for a, b in zip(bounds, bounds[1:], strict=False)]  # fmt: skip
         _refuse_shared(stages)
         return stages
-
-    def _first(self) -> int:
-        return self.starts[self.units[0]]
 
     def _stage(self, a: int, b: int, last: bool) -> fx.GraphModule:
         """Nodes a..b-1 as a module from the values live at a to those live at b."""

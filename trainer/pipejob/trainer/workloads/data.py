@@ -2,9 +2,8 @@
 (`held_out`), a first batch to measure the model with (`sample`) and the kind of task (`task`).
 
 Sources, exactly one by `spec.data` (none is synthetic): `synthetic` (today's seeded image
-stream, or token windows following a rule for the transformer), `imageFolder` (torchvision's
-ImageFolder, deterministic transforms), `tokens` (a flat nanoGPT-style file of token ids read as
-windows of seqLen + 1) and `import` (the user's map-style Dataset of (input, label) pairs).
+stream, or token windows following a rule for the transformer), or a map-style dataset
+(sources.py: `imageFolder`, `tokens` or `import`).
 
 The order is the point: a map-style source is read through a DataLoader with workers fed by
 `StreamSampler`, whose index stream is the concatenation of per-epoch permutations that depend
@@ -14,9 +13,7 @@ error names the spec field to fix."""
 
 from __future__ import annotations
 
-import functools
 import itertools
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +22,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.workloads import imports
+from pipejob.trainer.workloads import sources
+from pipejob.trainer.workloads.sources import DataError
 from pipejob.trainer.workloads.synthetic import (
     SyntheticImages,
     SyntheticTokens,
@@ -35,12 +33,6 @@ from pipejob.trainer.workloads.synthetic import (
 Batch = tuple[torch.Tensor, torch.Tensor]
 HELD_OUT_OFFSET = 1_000_003  # the synthetic held-out stream's seed is seed + this
 SYNTHETIC_HELD_OUT_BATCHES = 10  # a synthetic held-out set has no end: this many when limit 0
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-
-
-class DataError(ValueError):
-    """The data the spec names cannot be used; the message names the field."""
 
 
 def task(spec: PipelineSpec) -> str:
@@ -128,7 +120,7 @@ class Feed:
             self.dataset: Any = None
             self.description = _synthetic_description(spec)
         else:
-            self.dataset, self.description = _dataset(spec, "train")
+            self.dataset, self.description = sources.dataset(spec, "train")
 
     def batch(self) -> Batch:
         """The next step's (inputs, labels), batch_size * replicas samples."""
@@ -143,6 +135,17 @@ class Feed:
         indices, inputs, labels = next(self._iterator)
         self.batches += 1
         self.last_indices = indices.tolist()
+        return inputs, labels
+
+    def sample(self, batch: int) -> Batch:
+        """`batch` training samples, the first of the training order (synthetic: a stream
+        of batches of `batch`), to measure the model's cost and check shapes before the
+        first step. The feed's own position is left as it is."""
+        stream = _synthetic(self.spec, batch)
+        if stream is not None:
+            return stream.batch()
+        indices = StreamSampler(len(self.dataset), batch, self.spec.seed).take(0, batch)
+        _, inputs, labels = default_collate([_Indexed(self.dataset)[i] for i in indices])
         return inputs, labels
 
     def state(self) -> dict[str, Any]:
@@ -225,20 +228,14 @@ def held_out(spec: PipelineSpec) -> HeldOut | None:
     returns None for split="val")."""
     if _is_synthetic(spec):
         return HeldOut(spec, None, "held-out " + _synthetic_description(spec))
-    found = _dataset(spec, "val")
+    found = sources.dataset(spec, "val")
     return None if found is None else HeldOut(spec, *found)
 
 
 def sample(spec: PipelineSpec, batch: int) -> Batch:
-    """`batch` training samples, the first of the training order (synthetic: a stream of
-    batches of `batch`), to measure the model's cost and check shapes before the first step."""
-    stream = _synthetic(spec, batch)
-    if stream is not None:
-        return stream.batch()
-    dataset, _ = _dataset(spec, "train")
-    indices = StreamSampler(len(dataset), batch, spec.seed).take(0, batch)
-    _, inputs, labels = default_collate([_Indexed(dataset)[i] for i in indices])
-    return inputs, labels
+    """`Feed.sample` of a feed of its own."""
+    with Feed(spec) as feed:
+        return feed.sample(batch)
 
 
 # ---------------------------------------------------------------------------- the sources
@@ -269,132 +266,3 @@ def _synthetic_description(spec: PipelineSpec) -> str:
         return (f"synthetic tokens: vocabulary {t.vocab_size:,}, windows of {t.seq_len + 1}"
                 " following a seeded rule t[i+1] = (a*t[i] + b) mod vocabulary")  # fmt: skip
     return f"synthetic {spec.image_size}x{spec.image_size} images, {spec.num_classes} classes"
-
-
-def _dataset(spec: PipelineSpec, split: str) -> Any:
-    """(dataset, description) of a named source's split; None for a held-out split it lacks."""
-    d = spec.data
-    return (_imported if d.import_ else _image_folder if d.image_folder else _tokens)(spec, split)
-
-
-def _imported(spec: PipelineSpec, split: str) -> tuple[Any, str] | None:
-    field = "spec.data.import"
-    dataset = imports.call(spec.data.import_, field, spec.data.args, split=split)
-    if dataset is None and split == "val":
-        return None
-    what = f"{spec.data.import_!r} (split={split!r})"
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise DataError(f"{field}: {what} returned {type(dataset).__name__!r}, not a map-style"
-                        " Dataset (with __len__ and __getitem__)")  # fmt: skip
-    if len(dataset) == 0:
-        raise DataError(f"{field}: {what} returned an empty dataset")
-    first = dataset[0]
-    if not (isinstance(first, tuple | list) and len(first) == 2):
-        raise DataError(f"{field}: {what}'s item 0 is {type(first).__name__!r}, not an"
-                        " (input, label) pair")  # fmt: skip
-    return dataset, f"import {spec.data.import_} ({split}): {len(dataset):,} samples"
-
-
-def _class_folders(path: str) -> list[str]:
-    return sorted(e.name for e in os.scandir(path) if e.is_dir())
-
-
-def _image_folder(spec: PipelineSpec, split: str) -> tuple[Any, str] | None:
-    from torchvision import datasets, transforms
-
-    folders = spec.data.image_folder
-    assert folders is not None
-    path = folders.train if split == "train" else folders.val
-    if path is None:
-        return None
-    field = f"spec.data.imageFolder.{split}"
-    if not os.path.isdir(path):
-        raise DataError(f"{field}: {path!r} is not a directory")
-    size = spec.image_size  # Resize(size): the shorter side; CenterCrop: the square
-    transform = transforms.Compose([
-        transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])  # fmt: skip
-    try:
-        dataset = datasets.ImageFolder(path, transform=transform)
-    except OSError as e:  # no class folders, or a class folder without images
-        raise DataError(f"{field}: {path!r}: {e}") from None
-    if folders.val is not None and os.path.isdir(folders.val) and os.path.isdir(folders.train):
-        # Labels are indices into the sorted class list: other lists would mean other labels.
-        train, val = _class_folders(folders.train), _class_folders(folders.val)
-        if train != val:
-            raise DataError(f"spec.data.imageFolder.val: {folders.val!r} has other classes than"
-                            f" spec.data.imageFolder.train {folders.train!r} (only in train:"
-                            f" {sorted(set(train) - set(val))}, only in val:"
-                            f" {sorted(set(val) - set(train))})")  # fmt: skip
-    return dataset, (f"imageFolder {path}: {len(dataset):,} images, {len(dataset.classes)}"
-                     " classes")  # fmt: skip
-
-
-class TokenWindows(Dataset):
-    """Non-overlapping windows of seq_len + 1 tokens of a flat binary file (window i starts at
-    i * seq_len, so consecutive windows share one token): (window[:-1], window[1:]) as int64.
-    The file is mapped lazily in each process: a pickled memmap would copy the whole file."""
-
-    def __init__(self, path: str, dtype: str, seq_len: int):
-        self.path, self.dtype, self.seq_len = path, TOKEN_DTYPES[dtype], seq_len
-        self.tokens = os.path.getsize(path) // np.dtype(self.dtype).itemsize
-        self._data: np.ndarray | None = None
-
-    @property
-    def data(self) -> np.ndarray:
-        if self._data is None:
-            self._data = np.memmap(self.path, dtype=self.dtype, mode="r")
-        return self._data
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_data": None}
-
-    def __len__(self) -> int:
-        return (self.tokens - 1) // self.seq_len
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= i < len(self):
-            raise IndexError(f"window {i} outside {len(self)}")
-        start = i * self.seq_len
-        window = torch.from_numpy(self.data[start : start + self.seq_len + 1].astype(np.int64))
-        return window[:-1], window[1:]
-
-
-@functools.lru_cache(maxsize=8)
-def _largest_token(path: str, dtype: str, size: int, mtime_ns: int) -> int:
-    """One pass over the file, once per process (sample, Feed and held_out each open it)."""
-    return int(np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r").max())
-
-
-def _tokens(spec: PipelineSpec, split: str) -> tuple[Any, str] | None:
-    tokens = spec.data.tokens
-    assert tokens is not None
-    path = tokens.train if split == "train" else tokens.val
-    if path is None:
-        return None
-    field = f"spec.data.tokens.{split}"
-    t = spec.model.transformer
-    if t is None:
-        raise DataError("spec.data.tokens needs spec.model.transformer: its seqLen sets the"
-                        " windows and its vocabSize bounds the token ids")  # fmt: skip
-    if tokens.dtype not in TOKEN_DTYPES:
-        raise DataError(f"spec.data.tokens.dtype: {tokens.dtype!r} is not one of"
-                        f" {sorted(TOKEN_DTYPES)}")  # fmt: skip
-    if not os.path.isfile(path):
-        raise DataError(f"{field}: {path!r} is not a file")
-    itemsize, stat = np.dtype(TOKEN_DTYPES[tokens.dtype]).itemsize, os.stat(path)
-    size = stat.st_size
-    if size % itemsize:
-        raise DataError(f"{field}: {path!r} holds {size:,} bytes, not a multiple of"
-                        f" {itemsize} ({tokens.dtype} token ids): is dtype right?")  # fmt: skip
-    dataset = TokenWindows(path, tokens.dtype, t.seq_len)
-    if dataset.tokens < t.seq_len + 1:
-        raise DataError(f"{field}: {path!r} holds {dataset.tokens:,} tokens, fewer than one"
-                        f" window of seqLen + 1 = {t.seq_len + 1}")  # fmt: skip
-    largest = _largest_token(path, tokens.dtype, stat.st_size, stat.st_mtime_ns)
-    if largest >= t.vocab_size:
-        raise DataError(f"{field}: {path!r} holds token id {largest:,}, outside"
-                        f" spec.model.transformer.vocabSize {t.vocab_size:,}")  # fmt: skip
-    return dataset, (f"tokens {path}: {dataset.tokens:,} {tokens.dtype} tokens,"
-                     f" {len(dataset):,} windows of {t.seq_len + 1}")  # fmt: skip

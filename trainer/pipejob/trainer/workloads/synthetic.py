@@ -70,6 +70,19 @@ class Batch:
     labels: list[int]
 
 
+def gather(data: SyntheticBags, chosen: list[int]) -> Batch:
+    """Samples `chosen` of `data` (any source with `sample(i)`) as one batch."""
+    ids: list[int] = []
+    offsets: list[int] = []
+    labels: list[int] = []
+    for i in chosen:
+        bag, label = data.sample(i)
+        offsets.append(len(ids))
+        ids.extend(bag)
+        labels.append(label)
+    return Batch(chosen, ids, offsets, labels)
+
+
 def batches(data: SyntheticBags, part: list[int], batch_size: int) -> Iterator[Batch]:
     """Batches of `batch_size` samples from `part`, cycling through it forever in order."""
     if not part:
@@ -78,15 +91,7 @@ def batches(data: SyntheticBags, part: list[int], batch_size: int) -> Iterator[B
     while True:
         chosen = [part[(position + j) % len(part)] for j in range(batch_size)]
         position = (position + batch_size) % len(part)
-        ids: list[int] = []
-        offsets: list[int] = []
-        labels: list[int] = []
-        for i in chosen:
-            bag, label = data.sample(i)
-            offsets.append(len(ids))
-            ids.extend(bag)
-            labels.append(label)
-        yield Batch(chosen, ids, offsets, labels)
+        yield gather(data, chosen)
 
 
 class SyntheticImages:

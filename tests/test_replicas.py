@@ -165,9 +165,8 @@ def mlp() -> nn.Sequential:
 def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     n = SHARE * replicas
-    x = [torch.randn(n, 5, generator=g, dtype=torch.float64) for _ in range(EXACT_STEPS)]
-    return [(x[i], torch.randint(3, (n,), generator=g))
-            for _ in range(EXACT_STEPS)]  # fmt: skip
+    return [(torch.randn(n, 5, generator=g, dtype=torch.float64),
+             torch.randint(3, (n,), generator=g)) for _ in range(EXACT_STEPS)]  # fmt: skip
 
 
 def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:

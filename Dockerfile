@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # Two images from one file (docs/images.md):
 #   docker build --target operator -t ghcr.io/pipejob/operator:0.1.0 .  # kopf operator, no torch
 #   docker build --target trainer  -t ghcr.io/pipejob/trainer:0.1.0 .   # torch + torchvision (CUDA)
@@ -23,32 +22,38 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN groupadd --gid 10001 pipejob \
  && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin pipejob
 WORKDIR /src
-# Only the project metadata: the dependency layers below are rebuilt when pyproject.toml
-# changes, not when the code does. pip resolves `.[extra]` from a placeholder project: an
-# empty README.md and an empty __init__.py in the folder of every package pyproject.toml
-# lists ([tool.setuptools] packages, placed by its package-dir), read from pyproject.toml so
-# that a new package needs no change here.
+
+# The requirements of each extra, read from pyproject.toml. The stages below copy only their
+# own list, so their dependency layer is rebuilt when that list changes, not when the code
+# does. pipejob itself is built only once its code is there, in a clean tree (it was once
+# built from placeholder files first, and their empty copies, left in setuptools' build/
+# folder, shipped instead of the code: tests/test_images.py compares every installed file
+# with the checkout).
+FROM base AS requirements
 COPY pyproject.toml ./
-RUN touch README.md \
- && python -c 'import pathlib, tomllib; \
-config = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]; \
-dirs = {"": ".", **config.get("package-dir", {})}; \
-root = lambda name: max((d for d in dirs if d in ("", name) or name.startswith(d + ".")), key=len); \
-folder = lambda name: pathlib.Path(dirs[root(name)], *filter(None, name[len(root(name)):].split("."))); \
-[(folder(n).mkdir(parents=True, exist_ok=True), (folder(n) / "__init__.py").touch()) \
- for n in config["packages"]]'
+RUN python -c 'import tomllib; project = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+[open(f"requirements-{extra}.txt", "w").write("\n".join(project["dependencies"] + deps) + "\n") \
+ for extra, deps in project["optional-dependencies"].items()]'
 
 FROM base AS operator
 LABEL org.opencontainers.image.title="pipejob-operator" \
       org.opencontainers.image.description="pipejob Kubernetes operator (kopf), no torch"
 # The versions are pinned where they are declared: the extras in pyproject.toml.
-# hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[operator]" && pip uninstall --yes pipejob
-# Only the torch-free code (operator/: pipejob.core, .operator, .runner, .cli). The trainer's
-# packages stay the empty placeholders of the base stage: no trainer code in this image.
-COPY README.md ./
+COPY --from=requirements /src/requirements-operator.txt ./
+RUN pip install --no-cache-dir -r requirements-operator.txt
+# Only the torch-free code (operator/: pipejob.core, .operator, .runner, .cli). setuptools
+# wants every package pyproject.toml lists: the trainer's are made as empty __init__.py
+# files, so no trainer code is in this image. `pipejob --help` fails the build if what was
+# installed does not run.
+COPY pyproject.toml README.md ./
 COPY operator/ operator/
-RUN pip install --no-cache-dir --no-deps . && rm -rf /src/*
+RUN python -c 'import tomllib, pathlib; setup = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]; \
+folder = pathlib.Path(setup["package-dir"]["pipejob.trainer"]); \
+[(d.mkdir(parents=True), (d / "__init__.py").touch()) \
+ for d in (folder.joinpath(*p.split(".")[2:]) for p in setup["packages"] if p.startswith("pipejob.trainer"))]' \
+ && pip install --no-cache-dir --no-deps . \
+ && rm -rf /src/* \
+ && pipejob --help >/dev/null
 WORKDIR /home/pipejob
 USER 10001:10001
 EXPOSE 8080
@@ -62,14 +67,16 @@ LABEL org.opencontainers.image.title="pipejob-trainer" \
 # TORCH_INDEX_URL may name an extra index with smaller CPU-only builds of the same pinned
 # versions (the kind suite uses one); empty, the image is CUDA-capable.
 ARG TORCH_INDEX_URL=""
-# hadolint ignore=DL3013
+COPY --from=requirements /src/requirements-trainer.txt ./
 RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} \
-        ".[trainer]" \
- && pip uninstall --yes pipejob
-COPY README.md ./
+        -r requirements-trainer.txt
+COPY pyproject.toml README.md ./
 COPY operator/ operator/
 COPY trainer/ trainer/
-RUN pip install --no-cache-dir --no-deps . && rm -rf /src/*
+# The import checks that what was installed is the code (the build fails otherwise).
+RUN pip install --no-cache-dir --no-deps . \
+ && rm -rf /src/* \
+ && python -c "import pipejob.trainer.__main__, pipejob.trainer.pipeline, pipejob.trainer.hybrid"
 WORKDIR /home/pipejob
 USER 10001:10001
 ENTRYPOINT ["python", "-m", "pipejob.trainer"]

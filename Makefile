@@ -3,10 +3,15 @@
 #   run   the venv with pipejob (editable) and its trainer extra (torch + torchvision)
 #   test  the same with the operator and dev extras too, and the static-check tools
 #   lint  the venv with pipejob's dev extra only (ruff): `make test` without pytest
+# `make images` builds the operator and trainer images (docs/images.md); tags overridable:
+#   make images OPERATOR_IMAGE=registry.example.com/pipejob-operator:0.1.0 TRAINER_IMAGE=...
 VENV ?= $(HOME)/.cache/pipejob/venv
 export PIPEJOB_VENV := $(VENV)
 
-.PHONY: run test lint
+OPERATOR_IMAGE ?= pipejob/operator:dev
+TRAINER_IMAGE ?= pipejob/trainer:dev
+
+.PHONY: run test lint images
 
 run:
 	@scripts/setup.sh run
@@ -22,3 +27,6 @@ test:
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest
+
+images:
+	scripts/images.sh $(OPERATOR_IMAGE) $(TRAINER_IMAGE)

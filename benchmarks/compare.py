@@ -15,17 +15,26 @@ batch, image size, model split and thread budget:
             the two cut the model alike)
 
 ResNet-50 (1000 classes), batch 48, 64x64 images, SGD; the baseline and pipelining processes
-run --stage-threads intra-op threads each (default 1), pipejob what its tuning decides. Each
-system runs at every micro-batch count of --micro-batches, --repeats times, interleaved so drift
-in the machine's load hits every system alike; each is then reported at its best count by
-median. Besides samples/s it prints per-process CPU use, page faults and the busiest threads
-per batch, read from /proc between the marks each system prints around its measured batches.
-It measures; it asserts nothing.
+run --stage-threads intra-op threads each (default: their share of the cores, half each),
+pipejob what its tuning decides. Each system runs at every micro-batch count of --micro-batches,
+--repeats times, interleaved so drift in the machine's load hits every system alike; each is
+then reported at its best count by median.
+
+--cores 2,4,8,16 sweeps core counts: each count's runs have the first N CPUs of this
+process's affinity and no others (os.sched_setaffinity, inherited by every process a run
+starts), their thread counts derived from those N (pipejob's tuning reads its affinity), and
+a last table shows each system and ratio across the counts. Counts above the CPUs this
+process may use are left out, saying so.
+
+Besides samples/s it prints per-process CPU use, page faults and the busiest threads per batch,
+read from /proc between the marks each system prints around its measured batches. It
+measures; it asserts nothing.
 
     python benchmarks/compare.py                 # about 15 minutes on 2 idle cores
     python benchmarks/compare.py --quick         # one repeat of m=2,4: a smoke test
     python benchmarks/compare.py --systems pipejob,baseline --pipejob-env PIPEJOB_TUNING=off
     python benchmarks/compare.py --systems pipejob,pipejob-auto --quick   # auto's choice
+    python benchmarks/compare.py --cores 2,4,8,16 --repeats 3   # the trend with the cores
 """
 
 from __future__ import annotations
@@ -38,7 +47,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +87,7 @@ class Run:
     chosen: int | None = None  # the count `microBatches: auto` chose
     cut: str = ""  # pipejob: where each stage after the first begins
     losses: list[float] = field(default_factory=list)  # pipejob: per step
+    cores: int = 0  # the CPUs its processes had (--cores)
 
 
 @dataclass
@@ -379,9 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--stage-threads",
         type=int,
-        default=1,
-        help="threads of each baseline and torch.distributed.pipelining process"
-        " (default 1; with more, their OpenMP teams wait passively)",
+        help="threads of each baseline and torch.distributed.pipelining process (default:"
+        " the run's cores over its 2 stage processes, at least 1; with more than 1, their"
+        " OpenMP teams wait passively)",
+    )
+    ap.add_argument(
+        "--cores",
+        help="comma-separated core counts to sweep (e.g. 2,4,8,16): each count's runs get the"
+        " first N CPUs of this process's affinity (default: all of them, one count)",
     )
     ap.add_argument(
         "--at",
@@ -399,57 +416,136 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         ap.error(f"unknown system(s) {', '.join(sorted(unknown))}; choose from {SYSTEMS}")
+    mine = sorted(os.sched_getaffinity(0))
+    try:
+        sweep = [int(n) for n in args.cores.split(",")] if args.cores else [len(mine)]
+    except ValueError:
+        ap.error(f"--cores {args.cores!r}: comma-separated whole numbers, e.g. 2,4,8,16")
+    if any(n < 1 for n in sweep):
+        ap.error(f"--cores {args.cores!r}: each count must be at least 1")
+    for n in [n for n in sweep if n > len(mine)]:
+        say(f"--cores: leaving out {n}: this process may use {len(mine)} CPUs")
+    sweep = [n for n in sweep if n <= len(mine)]
     cfg = Config(args.batch, args.image, [int(m) for m in args.micro_batches.split(",")],
                  args.warmup, args.batches,
                  dict(kv.split("=", 1) for kv in args.pipejob_env), variants(args.pipejob_variant),
-                 args.stage_threads, args.timeout, args.verbose)  # fmt: skip
-    cpus = os.cpu_count() or 1
+                 args.stage_threads or 0, args.timeout, args.verbose)  # fmt: skip
     say(f"compare: ResNet-50, batch {cfg.batch}, {cfg.image}x{cfg.image}, micro-batches"
         f" {cfg.counts}, {args.repeats} repeat(s) of {cfg.batches} measured batches after"
-        f" {cfg.warmup} warm-up; baseline and pipelining {cfg.stage_threads} thread(s) per"
-        f" process; {machine()}; {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
+        f" {cfg.warmup} warm-up; {machine()}; {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
     if cfg.pipejob_env:
         say(f"pipejob env: {cfg.pipejob_env}")
     runs: list[Run] = []
     started = time.monotonic()
-    schedules = [s for s in ("gpipe", "1f1b") if s in systems]
     with tempfile.TemporaryDirectory(prefix="pipejob-compare-") as tmp:
         before = str(checkout(args.at, Path(tmp) / "at")) if args.at else ""
-        for repeat in range(1, args.repeats + 1):
-            jobs: list[tuple[str, Any]] = []
-            if "pipejob" in systems:
-                jobs.append(("pipejob", lambda: run_pipejob(cfg, Path(tmp))))
-            if "pipejob-auto" in systems:
-                jobs.append(("pipejob-auto",
-                             lambda: run_pipejob(cfg, Path(tmp), "pipejob-auto")))  # fmt: skip
-            if args.at:
-                jobs.append((f"pipejob@{args.at}", lambda: run_pipejob(
-                    cfg, Path(tmp), f"pipejob@{args.at}", {"PYTHONPATH": before})))  # fmt: skip
-            for label, extra in cfg.variants.items():
-                jobs.append((f"pipejob:{label}",
-                             lambda label=label, extra=extra: run_pipejob(
-                                 cfg, Path(tmp), f"pipejob:{label}", extra)))  # fmt: skip
-            if "baseline" in systems:
-                jobs.append(("baseline", lambda: run_baseline(cfg)))
-            if schedules:
-                jobs.append(("+".join(schedules), lambda: run_pipelining(cfg, schedules)))
-            if "single-t1" in systems:
-                jobs.append(("single-t1", lambda: run_single(cfg, 1)))
-            if "single-tN" in systems:
-                jobs.append((f"single-t{cpus}", lambda: run_single(cfg, cpus)))
-            for label, job in jobs:
-                t0 = time.monotonic()
-                say(f"[{time.monotonic() - started:5.0f}s] repeat {repeat}/{args.repeats}:"
-                    f" {label} ...")  # fmt: skip
-                new = job()
-                runs += new
-                rates = ", ".join(f"{r.system} m={r.m}{_chose([r])} {r.rate:.1f}" for r in new)
-                say(f"          {rates} samples/s ({time.monotonic() - t0:.0f}s; {load_average()})")
+        for cores in sweep:
+            with pinned(mine[:cores]):
+                # Each of the two stage processes of the baseline and pipelining its share.
+                threads = args.stage_threads or max(1, cores // 2)
+                say(f"\n{cores} cores (CPUs {_cpu_list(mine[:cores])}): baseline and pipelining"
+                    f" {threads} thread(s) per process, single-tN {cores}")  # fmt: skip
+                new = measure(replace(cfg, stage_threads=threads), systems, args.repeats,
+                              Path(tmp), args.at, before, cores, started)  # fmt: skip
+            runs += new
+            say(report(new, cores))
     if args.json:
         args.json.write_text(json.dumps([_jsonable(r) for r in runs], indent=1))
-    say(report(runs, cpus))
+    if len(sweep) > 1:
+        say(trend(runs, sweep))
     say(f"\ntotal {time.monotonic() - started:.0f}s; {machine()}")
     return 0
+
+
+def measure(cfg: Config, systems: list[str], repeats: int, tmp: Path, at: str | None,
+            before: str, cores: int, started: float) -> list[Run]:  # fmt: skip
+    """Every system at every micro-batch count, `repeats` times, interleaved; on `cores`."""
+    runs: list[Run] = []
+    schedules = [s for s in ("gpipe", "1f1b") if s in systems]
+    for repeat in range(1, repeats + 1):
+        jobs: list[tuple[str, Any]] = []
+        if "pipejob" in systems:
+            jobs.append(("pipejob", lambda: run_pipejob(cfg, tmp)))
+        if "pipejob-auto" in systems:
+            jobs.append(("pipejob-auto", lambda: run_pipejob(cfg, tmp, "pipejob-auto")))
+        if at:
+            jobs.append((f"pipejob@{at}", lambda: run_pipejob(
+                cfg, tmp, f"pipejob@{at}", {"PYTHONPATH": before})))  # fmt: skip
+        for label, extra in cfg.variants.items():
+            jobs.append((f"pipejob:{label}",
+                         lambda label=label, extra=extra: run_pipejob(
+                             cfg, tmp, f"pipejob:{label}", extra)))  # fmt: skip
+        if "baseline" in systems:
+            jobs.append(("baseline", lambda: run_baseline(cfg)))
+        if schedules:
+            jobs.append(("+".join(schedules), lambda: run_pipelining(cfg, schedules)))
+        if "single-t1" in systems:
+            jobs.append(("single-t1", lambda: run_single(cfg, 1)))
+        if "single-tN" in systems and cores > 1:  # on one core it is single-t1
+            jobs.append((f"single-t{cores}", lambda: run_single(cfg, cores)))
+        for label, job in jobs:
+            t0 = time.monotonic()
+            say(f"[{time.monotonic() - started:5.0f}s] {cores} cores, repeat {repeat}/{repeats}:"
+                f" {label} ...")  # fmt: skip
+            new = job()
+            for r in new:
+                r.cores = cores
+            runs += new
+            rates = ", ".join(f"{r.system} m={r.m}{_chose([r])} {r.rate:.1f}" for r in new)
+            say(f"          {rates} samples/s ({time.monotonic() - t0:.0f}s; {load_average()})")
+    return runs
+
+
+@contextmanager
+def pinned(cpus: list[int]) -> Iterator[None]:
+    """This process, and every process it starts meanwhile, on `cpus` only (children inherit
+    the affinity; pipejob's tuning derives its threads from it)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    return f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else str(cpus)
+
+
+def trend(runs: list[Run], sweep: list[int]) -> str:
+    """Each system at its best micro-batch count, and the issues' ratios, per core count."""
+    rates: dict[int, dict[str, float]] = {}
+    for cores in sweep:
+        chosen = best([r for r in runs if r.cores == cores])
+        rates[cores] = {s: median_rate(rs) for s, (_, rs) in chosen.items()}
+    systems = list(dict.fromkeys(s for by in rates.values() for s in by))
+    head = f"  {'':<44}" + "".join(f" {f'{n} cores':>9}" for n in sweep)
+    lines = ["", "across core counts: samples/s at each system's best count (median)", head]
+    for system in systems:
+        cells = "".join(f" {rates[n][system]:>9.1f}" if system in rates[n] else f" {'-':>9}"
+                        for n in sweep)  # fmt: skip
+        lines.append(f"  {system:<44}{cells}")
+
+    def better_pipelining(by: dict[str, float]) -> str | None:
+        found = [s for s in ("gpipe", "1f1b") if s in by]
+        return max(found, key=by.__getitem__) if found else None
+
+    ratios = [
+        ("pipejob / better of GPipe, 1F1B (>= 1.2x)", "pipejob", better_pipelining),
+        ("pipejob-auto / pipejob at its best (>= 0.9x)", "pipejob-auto", lambda by: "pipejob"),
+        ("pipejob / baseline", "pipejob", lambda by: "baseline"),
+        ("pipejob / single-tN", "pipejob", lambda by: "single-tN"),
+        ("single-tN / single-t1", "single-tN", lambda by: "single-t1"),
+    ]
+    lines.append("  ratios:")
+    for label, a, against in ratios:
+        cells = ""
+        for n in sweep:
+            b = against(rates[n])
+            ok = a in rates[n] and b in rates[n]
+            cells += f" {rates[n][a] / rates[n][b]:>8.2f}x" if ok else f" {'-':>9}"
+        lines.append(f"  {label:<44}{cells}")
+    return "\n".join(lines)
 
 
 def variants(specs: list[str]) -> dict[str, dict[str, str]]:

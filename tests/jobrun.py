@@ -28,10 +28,10 @@ import yaml
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, workloads
-from pipejob.trainer.pipeline.schedule import Pipeline, forward_backward
+from pipejob.trainer.pipeline.schedule import Pipeline, forward_backward, join
 from pipejob.trainer.pipeline.shards import build_shards
 from pipejob.trainer.runtime import rendezvous, world
-from pipejob.trainer.workloads import data, models
+from pipejob.trainer.workloads import cut, data, models
 
 STARTED = re.compile(r"^pipejob: started (\S+) \(rank \d+, pid (\d+)\)$", re.M)
 
@@ -190,7 +190,8 @@ def run_world(target: Any, envs: list[dict[str, str]], out: Path, timeout: float
 def _stage_gradients(stage: rpc.RRef, context_id: int) -> dict[str, torch.Tensor]:
     """Runs on a stage: the gradients its shard got in one distributed backward."""
     grads = dist_autograd.get_gradients(context_id)
-    return {name: grads.get(p) for name, p in stage.local_value().layers.named_parameters()}
+    layers = stage.local_value().layers
+    return {name: grads.get(p) for name, p in layers.named_parameters(remove_duplicate=False)}
 
 
 def master_of(rank: int, envs: list[dict[str, str]]) -> world.Env | None:
@@ -218,16 +219,19 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             sample, _ = feed.sample(s.batch_size)
             inputs, labels = feed.batch()
         shards = build_shards(s, models.build(s), sample)
-        pipe = Pipeline(env.names("stage"), shards)
+        pipe = Pipeline(env.names("stage"), shards, "cpu", s.precision, s.activation_checkpointing)
         with dist_autograd.context() as context_id:
             loss = forward_backward(pipe, inputs, labels, s.micro_batches, 0, context_id,
                                     workloads.loss(s))  # fmt: skip
             pipe.settle(0, s.micro_batches)
+            pipe.combine_tied(context_id, shards.tied)
             grads: dict[str, torch.Tensor] = {}
             for stage in pipe.stages:
                 grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))
         stages = [shards.of(i) for i in range(len(pipe.stages))]
-        torch.save({"loss": loss.item(), "grads": grads, "stages": stages}, out)
+        torch.save({"loss": loss.item(), "grads": grads, "stages": stages,
+                    "states": pipe.each("state"), "rest": shards.rest,
+                    "config": shards.config}, out)  # fmt: skip
     finally:
         rpc.shutdown()
 
@@ -253,14 +257,14 @@ def assert_gradient_close(name: str, grad: torch.Tensor, expected: torch.Tensor)
     assert (grad - expected).norm() <= TOLERANCE * expected.norm(), name
 
 
-def check_gradients(job: spec.Job, tmp_path) -> dict[str, Any]:
+def check_gradients(job: spec.Job, tmp_path, timeout: float = 150) -> dict[str, Any]:
     """One step of `job` through a real pipeline world against the same model, seed and
     micro-batches in one process: the same loss and gradients. BatchNorm normalises each
     micro-batch by its own statistics, so the reference runs them one at a time too."""
     rpc_port, ddp_port = free_ports(2)
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
     out = tmp_path / "pipeline.pt"
-    got = run_world(_gradient_world, [p.env for p in processes], out)
+    got = run_world(_gradient_world, [p.env for p in processes], out, timeout)
     assert len(got["stages"]) == job.spec["stages"] and all(got["stages"])
 
     s = job.settings
@@ -272,12 +276,14 @@ def check_gradients(job: spec.Job, tmp_path) -> dict[str, Any]:
             inputs, labels = feed.batch()
     finally:
         torch.set_default_dtype(default)
-    outputs = torch.cat([model(x) for x in inputs.tensor_split(s.micro_batches)])
+    with cut.without_cache(model):  # as the pipeline runs a Hugging Face model
+        outputs = join([model(x) for x in inputs.tensor_split(s.micro_batches)])
     loss = workloads.loss(s)(outputs, labels)
     loss.backward()
 
     assert got["loss"] == pytest.approx(loss.item(), rel=TOLERANCE)
-    params = dict(model.named_parameters())
+    # Every name, a tied weight's too: each stage holding it got the pair's whole gradient.
+    params = dict(model.named_parameters(remove_duplicate=False))
     assert sorted(got["grads"]) == sorted(params)  # the stages keep the model's names
     for name, p in params.items():
         assert got["grads"][name] is not None, f"{name} got no gradient in the pipeline"

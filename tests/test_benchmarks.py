@@ -4,6 +4,7 @@ Nothing about time is asserted: only that every system was measured and reported
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -43,6 +44,28 @@ def test_compare_measures_every_system_it_is_asked_for():
     assert re.search(r"m=2: cut: pipejob stage 1 begins at \S+; pipejob@HEAD at \S+", out.stdout)
     assert re.search(r"m=2: losses: pipejob [\d., ]+; pipejob@HEAD [\d., ]+: the same",
                      out.stdout), out.stdout  # fmt: skip
+
+
+@pytest.mark.timeout(HANG + 60)
+def test_compare_sweeps_core_counts_by_affinity():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a sweep needs 2 CPUs in this process's affinity")
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "compare.py"), "--systems", "pipejob,single-tN",
+         "--cores", "1,2,4096", "--micro-batches", "2", "--batches", "1", "--repeats", "1",
+         "--batch", "4", "--image", "32", "--timeout", str(HANG - 60)],
+        capture_output=True, text=True, timeout=HANG,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "--cores: leaving out 4096: this process may use" in out.stdout
+    assert re.search(r"^1 cores \(CPUs \d+-\d+\): .* single-tN 1$", out.stdout, re.M), out.stdout
+    assert re.search(r"^2 cores \(CPUs .*\): baseline and pipelining 1 thread\(s\) per process",
+                     out.stdout, re.M), out.stdout  # fmt: skip
+    # The trend: pipejob at both counts, single-tN only where it differs from one thread.
+    assert re.search(r"^ +1 cores +2 cores$", out.stdout, re.M), out.stdout
+    assert re.search(r"^  pipejob +[\d.]+ +[\d.]+$", out.stdout, re.M), out.stdout
+    assert re.search(r"^  single-tN +- +[\d.]+$", out.stdout, re.M), out.stdout
+    assert re.search(r"^  pipejob / single-tN +- +[\d.]+x$", out.stdout, re.M), out.stdout
 
 
 @pytest.mark.timeout(HANG + 60)

@@ -5,6 +5,7 @@ refuse what cannot work, saying why."""
 from __future__ import annotations
 
 import pickle
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 from torchvision.models import get_model
 
 from pipejob.core.workload import Transformer
-from pipejob.trainer.workloads.cut import CutError, Traced, candidates, unused
+from pipejob.trainer.workloads.cut import CutError, Traced, candidates, ties, unused
 from pipejob.trainer.workloads.transformer import TransformerLM
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,22 +118,104 @@ def test_split_points_must_be_candidates_in_order():
         traced.split(["conv1"])
 
 
-def test_tied_weights_across_stages_are_refused():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(10, 4)
-            self.mix = nn.Linear(4, 4)
-            self.head = nn.Linear(4, 10, bias=False)
-            self.head.weight = self.embed.weight
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.mix = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
 
-        def forward(self, ids):
-            return self.head(self.mix(self.embed(ids)))
+    def forward(self, ids):
+        return self.head(self.mix(self.embed(ids)))
 
+
+def test_tied_weights_across_stages_are_named_for_their_gradients_to_be_summed():
     traced = Traced(Tied())
-    with pytest.raises(CutError, match=r"embed\.weight \(stage 0\) and head\.weight \(stage 1\)"
-                                       r" are one tensor \(tied weights\)"):  # fmt: skip
-        traced.split(["mix"])
+    assert ties(traced.split(["mix"])) == [[(0, "embed.weight"), (1, "head.weight")]]
+    assert ties(traced.split([])) == []  # one stage holds both names: one tensor
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.act = nn.Linear(8, 8), nn.Tanh()
+
+    def forward(self, h):
+        return h + self.act(self.linear(h))
+
+
+class Wrapper(nn.Module):
+    """The thinnest wrapper a user writes, around a model whose blocks are one level down;
+    its forward has defaulted, keyword-only and ** arguments."""
+
+    def __init__(self):
+        super().__init__()
+        blocks = nn.ModuleList(Block() for _ in range(4))
+        self.model = nn.ModuleDict(
+            {"embed": nn.Embedding(10, 8), "blocks": blocks, "head": nn.Linear(8, 10)}
+        )
+
+    def forward(self, ids, scale: float = 1.0, *, flag: bool = False, **kwargs):
+        h = self.model["embed"](ids) * scale
+        for block in self.model["blocks"]:
+            h = block(h)
+        return self.model["head"](h)
+
+
+def test_the_cut_opens_the_largest_modules_until_it_has_enough_candidates():
+    model = Wrapper()
+    assert candidates(model) == ["model.embed", "model.blocks.0", "model.blocks.1",
+                                 "model.blocks.2", "model.blocks.3", "model.head"]  # fmt: skip
+    deep = ["model.embed", "model.blocks.0.linear", "model.blocks.0.act", "model.blocks.1",
+            "model.blocks.2", "model.blocks.3", "model.head"]  # fmt: skip
+    assert candidates(model, want=7) == deep
+    # A split point names any module: the modules above it open.
+    assert candidates(model, required=["model.blocks.2.act"])[3:6] == [
+        "model.blocks.2.linear", "model.blocks.2.act", "model.blocks.3"]  # fmt: skip
+    traced = Traced(model, required=["model.blocks.2.act"])
+    stages = traced.split(["model.blocks.2.act"])
+    assert list(stages[1].state_dict()) == [
+        "model.blocks.3.linear.weight", "model.blocks.3.linear.bias",
+        "model.head.weight", "model.head.bias"]  # fmt: skip
+    ids = torch.randint(10, (2, 5))
+    torch.testing.assert_close(run(stages, ids), model(ids), rtol=0, atol=0)
+
+
+class Opaque(nn.Module):
+    """A block whose forward branches on values: fx cannot trace it, so it stays whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x) if x.sum() > 0 else self.b(x)
+
+
+def test_a_module_fx_cannot_trace_stays_whole_and_a_split_inside_it_says_why():
+    model = nn.Sequential(OrderedDict(first=nn.Linear(4, 4), opaque=Opaque(),
+                                      last=nn.Linear(4, 2)))  # fmt: skip
+    traced = Traced(model, want=5)
+    assert traced.units == ["first", "opaque", "last"]
+    assert "opaque" in traced.whole and "x.sum() > 0" in traced.whole["opaque"]
+    with pytest.raises(CutError, match=r"opaque\.b is not where a stage can begin: opaque is"
+                                       r" kept whole \(TraceError: "):  # fmt: skip
+        Traced(model, required=["opaque.b"]).split(["opaque.b"])
+
+
+def test_a_vit_whose_blocks_take_defaulted_arguments_compiles_into_stages():
+    """timm's ViT once gave `def forward(self, attn_mask=None, is_causal=False, add)`."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", num_classes=5, img_size=32, patch_size=8,
+                              depth=3, embed_dim=32, num_heads=2).eval()  # fmt: skip
+    traced = Traced(model, want=8)
+    stages = [pickle.loads(pickle.dumps(s)) for s in traced.split(["blocks.1", "norm"])]
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(run(stages, x), model(x), rtol=0, atol=0)
 
 
 def test_an_untraceable_forward_is_a_clear_error():
@@ -160,3 +243,33 @@ def test_parameters_the_forward_never_uses_are_kept_apart():
     model = Spare()
     stages = Traced(model).split(["b"])
     assert sorted(unused(model, stages)) == ["unused.bias", "unused.weight"]
+
+
+def test_hugging_face_stages_evaluate_as_the_model_does():
+    """Evaluation stays correct for a traced Hugging Face model: in eval mode the stages give
+    the model's own output (its ModelOutput class, dropout off), and a timm CNN's BatchNorm
+    statistics stay untouched."""
+    import timm
+    from userpkg.brought import gpt2
+
+    torch.manual_seed(0)
+    model = gpt2(layers=3, dropout=0.1)
+    traced = Traced(model, want=6)
+    assert "transformer.h.1" in traced.units  # a boundary between transformer blocks
+    stages = [pickle.loads(pickle.dumps(s)) for s in traced.split(["transformer.h.1"])]
+    assert model.config.use_cache  # off while tracing only
+    ids = torch.randint(64, (2, 16))
+    for m in (model, *stages):
+        m.eval()
+    with torch.no_grad():
+        got, expected = run(stages, ids), model(ids, use_cache=False)
+    assert type(got) is type(expected)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=0)
+
+    cnn = timm.create_model("resnet10t", num_classes=5)
+    traced = Traced(cnn, want=6)
+    stages = [s.eval() for s in traced.split([traced.units[3]])]
+    before = {k: v.clone() for k, v in cnn.state_dict().items() if "running" in k}
+    with torch.no_grad():
+        run(stages, torch.randn(4, 3, 32, 32))
+    assert all(torch.equal(cnn.state_dict()[k], v) for k, v in before.items())

@@ -4,6 +4,7 @@ temporary folder, so their outputs land there), and learn."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_recipes import scalars
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,3 +58,33 @@ def test_transformer_lm_example(tmp_path: Path) -> None:
     assert summary["evaluation"]["perplexity"] < 20, summary["evaluation"]
     assert (folder / "out" / "model.safetensors").exists()
     assert "eval step 100: loss " in out
+    # Warmup, then cosine decay; clipped; its curves as TensorBoard's own reader sees them.
+    assert summary["learningRates"][19] == pytest.approx(0.002)
+    assert summary["learningRates"][-1] == pytest.approx(0.0002, rel=0.01)
+    board = scalars(folder / "runs" / "transformer-lm")
+    loss = board["train/loss"]
+    assert sorted(loss) == list(range(1, 201)) and all(len(v) == 1 for v in loss.values())
+    assert [loss[s][0] for s in range(1, 201)] == pytest.approx(losses, rel=1e-5)  # float32
+    assert sorted(board["eval/perplexity"]) == [100, 200]
+
+
+def test_hf_causal_lm_example(tmp_path: Path) -> None:
+    """A raw Hugging Face GPT-2 (tied embeddings) in 4 stages: it learns, its held-out
+    perplexity is reported, and its output folder is a model `from_pretrained` loads and
+    `generate` runs."""
+    from transformers import GPT2LMHeadModel
+
+    summary, out, folder = run_example("hf-causal-lm", tmp_path)
+    assert summary["stages"] == 4
+    losses = summary["losses"]
+    assert sum(losses[-10:]) / 10 < losses[0] - 1.5, losses[::25]  # from ln 256 = 5.5
+    evaluation = summary["evaluation"]
+    assert evaluation["perplexity"] < 40, evaluation
+    assert evaluation["perplexity"] == pytest.approx(math.exp(evaluation["loss"]), rel=1e-3)
+    model = GPT2LMHeadModel.from_pretrained(folder / "out").eval()
+    state = load_file(folder / "out" / "model.safetensors")
+    torch.testing.assert_close(model.lm_head.weight, model.transformer.wte.weight)  # still tied
+    torch.testing.assert_close(model.transformer.wte.weight, state["transformer.wte.weight"])
+    prompt = torch.tensor([list(b"def ")])
+    generated = model.generate(prompt, max_new_tokens=16, do_sample=False)
+    assert generated.shape == (1, 4 + 16)

@@ -375,8 +375,8 @@ def test_token_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"spec\.data\.tokens\.train: .*token id 300, outside"
                                         r" spec\.model\.transformer\.vocabSize 256"):  # fmt: skip
         Feed(spec(large))
-    with pytest.raises(DataError, match=r"spec\.data\.tokens needs spec\.model\.transformer"):
-        Feed(spec(large, Model(torchvision="resnet18")))
+    with pytest.raises(DataError, match=r"spec\.data\.tokens\.seqLen is required"):
+        Feed(spec(large, Model(import_="userpkg.brought:gpt2")))
     wrong = dataclasses.replace(spec(large).data.tokens, dtype="int8")
     with pytest.raises(DataError, match=r"spec\.data\.tokens\.dtype: 'int8'"):
         Feed(make_spec(model=transformer(), data=PipelineData(tokens=wrong)))

@@ -20,14 +20,15 @@ from jobrun import JobRun, pipeline_job
 from pipejob.trainer.runtime import monitor
 
 PROGRESS_KEYS = {"phase", "step", "steps", "loss", "samplesPerSecond", "bubble",
-                 "resumedFromStep", "preflight", "message", "evalStep", "evalLoss",
-                 "evalAccuracy", "evalPerplexity"}  # fmt: skip
+                 "learningRate", "gradNorm", "resumedFromStep", "preflight", "message",
+                 "evalStep", "evalLoss", "evalAccuracy", "evalPerplexity"}  # fmt: skip
 # Exported only once the master evaluated, each figure only when known.
 EVAL_GAUGES = {"pipejob_eval_step", "pipejob_eval_loss", "pipejob_eval_accuracy",
                "pipejob_eval_perplexity"}  # fmt: skip
 GAUGES = {"pipejob_step", "pipejob_steps", "pipejob_loss", "pipejob_samples_per_second",
           "pipejob_step_seconds", "pipejob_bubble_ratio", "pipejob_stage_forward_seconds",
-          "pipejob_stage_backward_seconds"}  # fmt: skip
+          "pipejob_stage_backward_seconds", "pipejob_learning_rate",
+          "pipejob_grad_norm"}  # fmt: skip
 
 
 def get(url: str) -> tuple[int, str, str]:
@@ -62,12 +63,13 @@ def test_the_board_over_http() -> None:
         board.preflight(True, "3 links")
         board.resumed(10)
         board.phase("training")
-        board.step(12, loss=0.75, seconds=0.5, samples=64)
+        board.step(12, loss=0.75, seconds=0.5, samples=64, lr=0.002, grad_norm=3.5)
         board.stages(0.25, {"stage0": (0.1, 0.2), "stage1": (0.05, 0.15)})
         progress = json.loads(get(base + "/progress")[2])
         assert progress == {
             "phase": "training", "step": 12, "steps": 20, "loss": 0.75,
-            "samplesPerSecond": 128.0, "bubble": 0.25, "resumedFromStep": 10,
+            "samplesPerSecond": 128.0, "bubble": 0.25, "learningRate": 0.002, "gradNorm": 3.5,
+            "resumedFromStep": 10,
             "preflight": {"ok": True, "message": "3 links"}, "message": None,
             "evalStep": None, "evalLoss": None, "evalAccuracy": None, "evalPerplexity": None,
         }  # fmt: skip
@@ -78,6 +80,7 @@ def test_the_board_over_http() -> None:
         assert {name for name, _ in got} == GAUGES
         assert got["pipejob_step", ()] == 12 and got["pipejob_steps", ()] == 20
         assert got["pipejob_loss", ()] == 0.75 and got["pipejob_step_seconds", ()] == 0.5
+        assert got["pipejob_learning_rate", ()] == 0.002 and got["pipejob_grad_norm", ()] == 3.5
         assert got["pipejob_samples_per_second", ()] == 128
         assert got["pipejob_bubble_ratio", ()] == 0.25
         assert got["pipejob_stage_forward_seconds", (("stage", "stage1"),)] == 0.05

@@ -221,7 +221,9 @@ def test_stage_times_forward_and_backward_of_each_micro_batch():
                 y.sum().backward()
                 end = time.perf_counter()
                 # Backward happened within this window, and was recorded in it.
-                (key, events), *_ = [(k, v) for k, v in stage._events.items() if k == (step, mb)]
+                # Keyed by step, then (round, micro-batch): here each step is one round.
+                (key, events), *_ = [(k, v) for k, v in stage._events.items()
+                                     if k == (step, (step, mb))]  # fmt: skip
                 b0, b1 = events["backward"]
                 assert start <= b0 <= b1 <= end
         times = stage.timings()
@@ -313,7 +315,7 @@ def test_stage_runs_forwards_in_micro_batch_order_whatever_their_arrival():
         t.join(30)
     assert sorted(done) == [0, 1, 2, 3]
     # One at a time, in order: each forward ended before the next one started.
-    intervals = [stage._events[0, mb]["forward"] for mb in range(4)]
+    intervals = [stage._events[0, (0, mb)]["forward"] for mb in range(4)]  # step 0, round 0
     for (_, end), (start, _) in itertools.pairwise(intervals):
         assert end <= start, intervals
 

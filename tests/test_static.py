@@ -422,7 +422,9 @@ def test_checkov(renders: dict[str, Path], pod_renders: dict[str, Path], tmp_pat
 
 
 def test_shellcheck() -> None:
-    scripts = [ROOT / "scripts" / "install-tools.sh", ROOT / "tests" / "e2e" / "kind" / "run.sh"]
+    scripts = [ROOT / "scripts" / "install-tools.sh", ROOT / "tests" / "e2e" / "kind" / "run.sh",
+               ROOT / "scripts" / "images.sh", ROOT / "scripts" / "standin-base.sh",
+               ROOT / ".ci" / "run"]  # fmt: skip
     run([tool("shellcheck"), *map(str, scripts)])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -68,6 +69,27 @@ def test_compute_roles_oversubscribe_their_share_of_the_host_twice():
     assert decide("PipelineJob", "stage", 0, 2, 8, ALL).threads == 1  # never below one
     assert decide("PipelineJob", "stage", 0, 3.5, 1, ALL).threads == 3  # a fractional quota
     assert decide("HybridJob", "trainer", 0, 2, 3, ALL).threads == 1
+
+
+def test_threads_follow_the_cpus_the_process_may_run_on():
+    """A stage started on one CPU of this machine's (its affinity, as taskset or a cpuset
+    gives it) derives its threads from that one, not from the machine's count."""
+    code = (
+        "from pipejob.trainer.runtime import tuning;"
+        "print(tuning.available_cpus(), tuning.for_process('PipelineJob', 'stage', 1,"
+        " ['master', 'stage', 'stage'], 0, {'PIPEJOB_ADDRESSES': '127.0.0.1,' * 3}).threads)"
+    )
+    mine = sorted(os.sched_getaffinity(0))
+    threads = {}
+    for cpus in ([mine[0]], mine):
+        pin = lambda cpus=cpus: os.sched_setaffinity(0, cpus)  # noqa: E731  (as taskset)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=50, check=True, preexec_fn=pin)  # fmt: skip
+        available, threads[len(cpus)] = out.stdout.split()
+        assert float(available) <= len(cpus)  # a cgroup quota may bound it further
+        # 2 stages share the CPUs: twice each one's half, that is all of them.
+        assert int(threads[len(cpus)]) == max(1, math.floor(float(available)))
+    assert threads[1] == "1"
 
 
 def test_openmp_threads_sleep_while_waiting_only_on_shared_cores():

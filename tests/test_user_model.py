@@ -118,6 +118,10 @@ def test_digits_cnn_from_a_users_package_learns_and_its_model_loads(
      "the model has 2 places to cut; it can fill at most 2 stages, not 3"),
     ({"model": {"import": "userpkg.vision:small_cnn"}, "imageSize": 48},
      "spec.data: inputs of shape (2, 3, 48, 48) float32 do not fit spec.model"),
+    ({"model": {"import": "userpkg.brought:branchy"}},
+     "spec.model userpkg.brought:branchy with 2 stages: cannot trace Branchy's forward between"
+     " its modules: TraceError: symbolically traced variables cannot be used as inputs to"
+     " control flow at brought.py:"),
 ])  # fmt: skip
 def test_a_job_that_cannot_train_fails_permanently_saying_why(fields, says, tmp_path,
                                                               monkeypatch):  # fmt: skip

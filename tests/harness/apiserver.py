@@ -20,7 +20,9 @@ store with history, fetch, Kubernetes `Status` errors. On top of that, this modu
 - CRDs: creating one serves its resource (discovery, status subresource, short names,
   categories, printer columns) and marks it Established;
 - pods/binding; server-side tables for `kubectl get`; OpenAPI v3 and strict field validation
-  of custom resources for `kubectl apply` and `kubectl explain`.
+  of custom resources for `kubectl apply` and `kubectl explain`;
+- protobuf request bodies of Secrets and ConfigMaps (helm's release records), and a /version
+  of a Kubernetes with CEL rules (1.31; kmock says 1.26), for `helm install`.
 
 Not emulated (a real cluster checks these): schema/CEL validation and schema defaulting,
 validating admission, RBAC, namespaces' existence, strategic-merge list semantics,
@@ -32,7 +34,9 @@ import asyncio
 import copy
 import datetime
 import itertools
+import json
 import secrets
+import time
 import uuid
 import warnings
 from collections import defaultdict
@@ -45,7 +49,7 @@ import jsonpatch
 import jsonpointer
 import kmock
 
-from harness import openapi, tables
+from harness import openapi, protobuf, tables
 from harness.selectors import SelectorError, field_selector, label_selector
 
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
@@ -59,6 +63,24 @@ MERGE_PATCHES = {
 
 Key = tuple[kmock.resource, str | None, str]
 Obj = dict[str, Any]
+
+
+@attrs.define
+class Faults:
+    """An API server that is away for a while, for the clients whose User-Agent contains one
+    of `agents` (by default the operator's: kopf's and the Kubernetes client's, so the test's
+    own client and the kubelet still see the cluster): their requests get HTTP 500, and their
+    open watches end, as when the server restarts."""
+
+    agents: tuple[str, ...] = ("kopf/", "OpenAPI-Generator/")
+    until: float = 0.0  # time.monotonic() until which the server is away
+    refused: int = 0  # requests answered with 500 so far
+
+    def fail_for(self, seconds: float) -> None:
+        self.until = time.monotonic() + seconds
+
+    def hits(self, user_agent: str | None) -> bool:
+        return time.monotonic() < self.until and any(a in (user_agent or "") for a in self.agents)
 
 
 def now() -> str:
@@ -94,6 +116,7 @@ class ApiServer(kmock.KubernetesEmulator):
     # Mutating admission, as a webhook does it: each is called with (resource, object) on
     # every create, before the object is stored (tests/harness/kueue.py gates pods so).
     mutators: list[Callable[[kmock.resource, Obj], None]] = attrs.field(factory=list)
+    faults: Faults = attrs.field(factory=Faults)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -102,6 +125,28 @@ class ApiServer(kmock.KubernetesEmulator):
             self.resources.load_bundled()  # builtin kinds as served by a recent k3s
 
     # --- dispatch ---------------------------------------------------------------------------
+
+    async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        """A protobuf body (client-go sends built-in kinds so, e.g. helm's release Secret) is
+        read as the JSON it stands for (protobuf.py); one it cannot read gets 415. While
+        `faults` says the server is away for this client, it gets 500."""
+        if self.faults.hits(raw.headers.get("User-Agent")):
+            self.faults.refused += 1
+            return aiohttp.web.json_response({
+                "kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500,
+                "reason": "InternalError", "message": "the API server is away (injected)",
+            }, status=500)  # fmt: skip
+        if "protobuf" in raw.content_type:
+            raw = raw.clone(headers={**raw.headers, "Content-Type": "application/json"})
+            try:
+                obj = protobuf.decode(await raw.read())
+            except ValueError as e:
+                return aiohttp.web.json_response({
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 415,
+                    "reason": "UnsupportedMediaType", "message": str(e),
+                }, status=415)  # fmt: skip
+            raw._read_bytes = json.dumps(obj).encode()  # what kmock's parser reads
+        return await super().__call__(raw)
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
@@ -404,6 +449,8 @@ class ApiServer(kmock.KubernetesEmulator):
                 replay = [e for rv, e in self._history[res] if rv > int(since)]
             else:
                 replay = [{"type": "ADDED", "object": o} for o in self._live_items(res, None)]
+        agent = request.headers.get("User-Agent")
+        pending: asyncio.Future | None = None  # the next event, awaited across looks
         try:
             stream = aiter(bus.stream(since=mark))
             while True:
@@ -413,17 +460,32 @@ class ApiServer(kmock.KubernetesEmulator):
                     left = (
                         None if deadline is None else deadline - asyncio.get_running_loop().time()
                     )
+                    if (left is not None and left <= 0) or self.faults.hits(agent):
+                        return  # timed out, or dropped while the server is away
+                    pending = pending or asyncio.ensure_future(anext(stream))
+                    done, _ = await asyncio.wait({pending}, timeout=min(left or 0.5, 0.5))
+                    if not done:
+                        continue
                     try:
-                        event = await asyncio.wait_for(anext(stream), left)
-                    except (TimeoutError, StopAsyncIteration):
+                        event = pending.result()
+                    except StopAsyncIteration:
                         return
+                    pending = None
                 obj = event["object"]
                 if (namespace is None or obj["metadata"].get("namespace") == namespace) and matches(
                     obj
                 ):
                     yield event
         finally:
+            if pending is not None:
+                pending.cancel()
             await bus.unmark(mark)
+
+    async def _serve_server_version(self, request: kmock.Request) -> Obj:
+        """/version: a Kubernetes that has what this emulator serves (CRDs' CEL rules, which
+        pipejob's chart requires with kubeVersion >=1.28); kmock says 1.26."""
+        return await super()._serve_server_version(request) | {
+            "minor": "31", "gitVersion": "v1.31.0"}  # fmt: skip
 
     async def _serve_version(self, request: kmock.Request) -> Obj:
         """kmock's resource list, fixed: the core group version is `v1` (kmock says `/v1`, which

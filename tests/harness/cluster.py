@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp.web
 import yaml
 
-from harness.apiserver import ApiServer
+from harness.apiserver import ApiServer, Faults
 from harness.client import Api
 
 
@@ -33,6 +33,7 @@ class Cluster:
         self._thread = threading.Thread(target=self._run, name="apiserver", daemon=True)
         self._failure: BaseException | None = None
         self.mutators: list = []  # the API server's mutating admission hooks (apiserver.py)
+        self.faults = Faults()  # `faults.fail_for(seconds)`: the server away for the operator
 
     def __enter__(self) -> Cluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +80,7 @@ class Cluster:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with ApiServer(mutators=self.mutators) as handler:
+        async with ApiServer(mutators=self.mutators, faults=self.faults) as handler:
             # Short shutdown: open watches would otherwise hold the stop for a minute.
             runner = aiohttp.web.ServerRunner(aiohttp.web.Server(handler), shutdown_timeout=1.0)
             await runner.setup()

@@ -3,17 +3,24 @@ CRDs, the operator. Each is per test and tears down completely, processes includ
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import static_tools
 import yaml
 
-from harness import gang, jobs, network
+from harness import docker, gang, jobs, network
 from harness.cluster import Cluster
+from harness.container_kubelet import ContainerKubelet
+from harness.deployments import DeploymentController
+from harness.incluster import InClusterAccess
 from harness.kubelet import Kubelet
 from harness.kueue import Kueue
 from harness.operator_process import OperatorProcess
+from pipejob.operator.kube import IMAGE_ENV
 
 CRDS_DIR = Path(__file__).resolve().parents[2] / "crds"
 
@@ -91,3 +98,72 @@ def operator(request: pytest.FixtureRequest, cluster: Cluster, crds: list[dict],
     finally:
         op.stop()
         print(f"--- operator log (end) ---\n{op.logs()[-6000:]}")
+
+
+@pytest.fixture(scope="session")
+def images() -> docker.Images:
+    """The operator and trainer images, built from the checkout once per test run. Without a
+    docker daemon, the tests using this skip before it is made (tests/conftest.py), with one
+    line in pytest's summary."""
+    return docker.build_images()
+
+
+@pytest.fixture
+def bridge(images: docker.Images) -> Iterator[docker.Network]:
+    """A docker bridge network of the test's own (internal: nothing outside is reachable)."""
+    net = docker.Network()
+    try:
+        yield net
+    finally:
+        net.close()
+
+
+@pytest.fixture
+def container_kubelet(cluster: Cluster, bridge: docker.Network, images: docker.Images,
+                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      ) -> Iterator[ContainerKubelet]:  # fmt: skip
+    """A container-kubelet node running the cluster's pods as docker containers on `bridge`.
+    An operator started after it makes pods of the trainer image built from the checkout."""
+    monkeypatch.setenv(IMAGE_ENV, images.trainer)
+    # Pods reach the API server over TLS at the host's address on the bridge, as in-cluster.
+    access = InClusterAccess(tmp_path / "in-cluster", bridge.gateway, cluster.port)
+    try:
+        with ContainerKubelet(cluster.api, tmp_path / "node", bridge, access) as node:
+            yield node
+            for run in node.runs():  # shown by pytest when the test failed
+                log = node.logs(run.namespace, run.name)[-3000:]
+                print(f"--- log of pod {run.namespace}/{run.name} (container) ---\n{log}")
+    finally:
+        access.close()
+
+
+@pytest.fixture
+def chart_operator(cluster: Cluster, container_kubelet: ContainerKubelet,
+                   images: docker.Images, tmp_path: Path) -> Iterator[dict]:  # fmt: skip
+    """The operator as users install it: `helm install` of the chart (CRDs included) into
+    namespace pipejob-system, its Deployment made a Pod by a Deployment controller, run from
+    the operator image by the container-kubelet. Yields that pod once it runs.
+    `--server-side=false`: helm 4 applies with server-side apply by default, which the
+    emulator does not implement (helm 3's client-side apply instead; docs/images.md). No
+    `--create-namespace`: the emulator cannot create Namespace objects, and serves any
+    namespace without one."""
+    repository, tag = images.operator.rsplit(":", 1)
+    helm = {
+        f"HELM_{d}_HOME": str(tmp_path / "helm" / d.lower()) for d in ("CACHE", "CONFIG", "DATA")
+    }
+    with DeploymentController(cluster.api):
+        done = subprocess.run(
+            [static_tools.tool("helm"), "install", "pipejob", str(static_tools.CHART),
+             "--namespace", static_tools.NAMESPACE, "--server-side=false",
+             "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+             "--set", f"trainerImage={images.trainer}", "--set", "logLevel=debug"],
+            env={**os.environ, **helm, "KUBECONFIG": str(cluster.kubeconfig)},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, f"helm install failed:\n{done.stderr[-3000:]}"
+
+        def running() -> dict | None:
+            pods = cluster.api.list("v1/pods", static_tools.NAMESPACE)
+            return next((p for p in pods if p.get("status", {}).get("phase") == "Running"), None)
+
+        yield cluster.api.wait("the operator's pod to run", running, 120)

@@ -106,6 +106,7 @@ class PodRun:
 
 class Kubelet:
     NODE = "process-kubelet"
+    Run = PodRun  # what it keeps per pod
 
     def __init__(self, api: Api, workdir: Path, node: str = NODE,
                  max_grace: float = 5.0, restart_backoff: float = 1.0):  # fmt: skip
@@ -253,7 +254,7 @@ class Kubelet:
             }]})  # fmt: skip
         if unfit:
             return
-        run = PodRun(
+        run = self.Run(
             pod=pod, dir=self.workdir / meta["namespace"] / f"{meta['name']}-{meta['uid'][:8]}"
         )
         run.dir.mkdir(parents=True, exist_ok=True)
@@ -406,9 +407,9 @@ class Kubelet:
 
     def _exited(self, run: PodRun, code: int) -> None:
         terminated = {"terminated": {
-            "exitCode": code, "reason": "Completed" if code == 0 else "Error",
+            "exitCode": code, "reason": self._exit_reason(run, code),
             "startedAt": run.container_started_at, "finishedAt": now(),
-            "containerID": f"process://{run.process.pid}",
+            "containerID": self._container_id(run),
         }}  # fmt: skip
         policy = run.pod["spec"].get("restartPolicy", "Always")
         restart = policy == "Always" or (policy == "OnFailure" and code != 0)
@@ -450,10 +451,16 @@ class Kubelet:
         container = run.pod["spec"]["containers"][0]
         return {
             "name": container["name"], "image": container.get("image", ""), "imageID": "",
-            "containerID": f"process://{run.process.pid}" if run.process else "",
+            "containerID": self._container_id(run),
             "ready": ready, "started": ready, "restartCount": run.restarts,
             "state": state, "lastState": run.last_state,
         }  # fmt: skip
+
+    def _container_id(self, run: PodRun) -> str:
+        return f"process://{run.process.pid}" if run.process else ""
+
+    def _exit_reason(self, run: PodRun, code: int) -> str:
+        return "Completed" if code == 0 else "Error"
 
     # --- API writes -------------------------------------------------------------------------
 

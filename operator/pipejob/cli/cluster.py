@@ -47,7 +47,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     from pipejob.operator import kube
 
     try:
-        job = spec.load(args.file, args.allow_node_volumes)
+        job = spec.load(args.file, args.allow_node_volumes, cluster=True)
     except spec.InvalidSpec as e:
         print(f"pipejob: {e}", file=sys.stderr)
         return 2

@@ -46,6 +46,28 @@ OPTIMIZER = Field(
             "number", "Momentum (sgd and rmsprop only).", default=0.0, minimum=0, maximum=1
         ),
         "weightDecay": Field("number", "L2 weight decay.", default=0.0, minimum=0),
+        "clipGradNorm": Field(
+            "number", "Clip the gradients to this global L2 norm before each optimizer step:"
+            " the norm over every parameter of the whole model (every stage; with replicas,"
+            " after their average), as torch.nn.utils.clip_grad_norm_ on the model in one"
+            " process. Omit it to step unclipped.",
+            minimum=0, exclusive_minimum=True,
+        ),
+        "schedule": Field(
+            "object",
+            "How the learning rate changes per optimizer step: linear warmup from lr /"
+            " warmupSteps to lr over the first warmupSteps steps, then `decay` from lr to"
+            " minLr over the remaining steps. Omit it for a constant lr.",
+            fields={
+                "warmupSteps": integer("Optimizer steps of linear warmup.", default=0),
+                "decay": Field("string", "After the warmup: keep lr (constant), or decay it"
+                               " to minLr linearly or along a half cosine.",
+                               default="constant", enum=("constant", "linear", "cosine")),
+                "minLr": Field("number", "The learning rate the decay ends at (after the"
+                               " last step).", default=0.0, minimum=0),
+            },
+            section=True,
+        ),
     },
     rules=(
         Rule(
@@ -53,6 +75,12 @@ OPTIMIZER = Field(
             "adam and adamw have no momentum (they use betas): leave momentum out",
             "momentum",
             lambda o: o["name"] not in ("adam", "adamw") or o["momentum"] == 0.0,
+        ),
+        Rule(
+            "!has(self.schedule) || self.schedule.minLr <= self.lr",
+            "schedule.minLr must be at most lr (the decay goes down from lr to minLr)",
+            "schedule.minLr",
+            lambda o: "schedule" not in o or o["schedule"]["minLr"] <= o["lr"],
         ),
     ),
 )  # fmt: skip
@@ -127,6 +155,19 @@ COMMON: dict[str, Field] = {
     "eval": EVAL,
     "output": OUTPUT,
     "logEvery": integer("Print progress every this many steps.", default=1, minimum=1),
+    "logging": Field(
+        "object",
+        "Where the master writes its figures besides the log.",
+        fields={
+            "tensorboard": Field(
+                "string", "Directory of TensorBoard event files: the loss, learning rate,"
+                " gradient norm, samples/s, bubble and evaluation figures per step (mount a"
+                " volume there on a cluster; `tensorboard --logdir` reads it).",
+                max_length=4096,
+            ),
+        },
+        section=True,
+    ),
     "rendezvousTimeoutSeconds": integer(
         "How long each process waits for the RPC world (and DDP group) to form.",
         default=300, minimum=1, maximum=WEEK,
@@ -145,7 +186,12 @@ COMMON: dict[str, Field] = {
         "object",
         "Save the world every few steps and resume from the newest complete checkpoint.",
         fields={
-            "path": Field("string", "Directory shared by every process of the job."),
+            "path": Field(
+                "string", "Directory shared by every process of the job. On a cluster, a"
+                " world of several pods needs it on a shared volume: `volume`, or a"
+                " template volume mounted at or above it.",
+                pattern=r".*\S.*", pattern_says="name a directory",
+            ),
             "everySteps": integer("Checkpoint every this many steps.", default=10, minimum=1),
             "volume": Field(
                 "string", "Name of a volume in template.volumes; the operator mounts it at"
@@ -180,11 +226,32 @@ COMMON: dict[str, Field] = {
                                minimum=0, exclusive_minimum=True, maximum=1024),
         },
     ),
+    "watchdog": Field(
+        "object",
+        "How long a member may stop answering (heartbeats, independent of torch RPC) before"
+        " the job fails retryably, naming it. Without this section: max(60 s, 10x the"
+        " longest measured step), at most 600 s.",
+        fields={
+            "seconds": integer("Seconds without a heartbeat that make a member stalled.",
+                               minimum=2, maximum=DAY),
+        },
+        required=("seconds",),
+        section=True,
+    ),
     "scheduling": SCHEDULING,
 }  # fmt: skip
 
 # Cross-field rules every kind shares.
 COMMON_RULES = (
+    Rule(
+        "!has(self.optimizer.schedule) || self.optimizer.schedule.warmupSteps <= self.steps",
+        "optimizer.schedule.warmupSteps must be at most spec.steps (warmup is part of the run)",
+        "optimizer.schedule.warmupSteps",
+        lambda s: (
+            "schedule" not in s["optimizer"]
+            or s["optimizer"]["schedule"]["warmupSteps"] <= s["steps"]
+        ),
+    ),
     Rule(
         "!has(self.profile) || self.profile.steps.all(s, s <= self.steps)",
         "every profiled step must be one of the job's steps (at most spec.steps)",
@@ -206,11 +273,20 @@ OPERATOR_ONLY = ("template", "backoffLimit", "activeDeadlineSeconds", "ttlSecond
 
 
 @dataclass(frozen=True, kw_only=True)
+class Schedule:
+    warmup_steps: int
+    decay: str
+    min_lr: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class Optimizer:
     name: str
     lr: float
     momentum: float
     weight_decay: float
+    clip_grad_norm: float | None = None
+    schedule: Schedule | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,10 +296,20 @@ class Checkpoint:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Logging:
+    tensorboard: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     steps: tuple[int, ...]
     row_limit: int
     path: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Watchdog:
+    seconds: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,8 +329,10 @@ class CommonSpec:
     log_every: int
     rendezvous_timeout_seconds: int
     preflight: Preflight
+    watchdog: Watchdog | None = None
     checkpoint: Checkpoint | None = None
     profile: Profile | None = None
+    logging: Logging | None = None
     loss: Loss = Loss()
     eval: Eval | None = None
     output: Output | None = None

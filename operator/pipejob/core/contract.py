@@ -43,6 +43,7 @@ DDP_BACKEND = "PIPEJOB_DDP_BACKEND"
 SUMMARY_FILE = "PIPEJOB_SUMMARY_FILE"
 TERMINATION_LOG = "PIPEJOB_TERMINATION_LOG"
 TUNING = "PIPEJOB_TUNING"
+POD_NAME = "PIPEJOB_POD_NAME"
 
 DOCS: dict[str, str] = {
     MASTER_ADDR: "Address of the master: the RPC rendezvous (TCP store) host.",
@@ -76,6 +77,8 @@ DOCS: dict[str, str] = {
     TERMINATION_LOG: "Optional: where a failing process writes its one-line reason, and the"
     " master that exits 0 its last /progress report as JSON (default /dev/termination-log,"
     " Kubernetes' termination message).",
+    POD_NAME: "Optional: the name of this process's pod (the operator sets it; the local"
+    " runner does not), for the watchdog's messages.",
     TUNING: "Optional: performance levers (threads, allocator, transport): unset or on for"
     " all, off for none, or a comma-separated list. Variables the user sets always win.",
 }
@@ -93,11 +96,19 @@ class ExitCode(IntEnum):
     # A configuration error a restart would only repeat: the job fails at once, without
     # spending backoffLimit (as PyTorchJob's ExitCode policy and JobSet's reason rules do).
     PERMANENT = 5
+    # A member stopped answering (the watchdog, runtime/watchdog.py): retryable, as a
+    # restarted world resumes from its checkpoint.
+    STALLED = 6
 
 
 # A failing process writes one line to its termination message (Kubernetes shows it in the
 # pod's status); when the preflight check failed, the line starts with this.
 PREFLIGHT_PREFIX = "preflight:"
+# A process that failed only because the world broke under it (a peer died or left) says
+# "world broke: <what it saw>": the cause is another member's failure, which is named instead.
+BROKEN_PREFIX = "world broke:"
+# A stalled world's line is "stalled: <member> (<pod or pid>) stopped answering: ...".
+STALLED_PREFIX = "stalled:"
 # A permanent failure's line is "permanent: <Reason>: <what happened>", Reason one of these.
 PERMANENT_PREFIX = "permanent:"
 PERMANENT_REASONS: dict[str, str] = {
@@ -132,6 +143,18 @@ def parse_permanent(message: str) -> tuple[str, str] | None:
 MAX_MESSAGE = 300
 
 
+# --- the watchdog's heartbeats -----------------------------------------------------------
+
+# Every member POSTs a small JSON heartbeat ({"member", "pod", "pid"}) to the master's monitor
+# port at this path; the reply says the master's phase, step and the watchdog's bound.
+HEARTBEAT_PATH = "/heartbeat"
+# The bound when spec.watchdog is not set: max(floor, factor x the longest measured step),
+# capped (seconds).
+WATCHDOG_FLOOR = 60.0
+WATCHDOG_FACTOR = 10.0
+WATCHDOG_CAP = 600.0
+
+
 # --- the master's GET /progress --------------------------------------------------------
 
 # What the master is doing, in order.
@@ -158,6 +181,8 @@ class Progress:
     loss: float | None = None
     samplesPerSecond: float | None = None  # noqa: N815 (the JSON's name)
     bubble: float | None = None  # PipelineJob: idle share of stage time
+    learningRate: float | None = None  # noqa: N815 (the last optimizer step's)
+    gradNorm: float | None = None  # noqa: N815 (global L2 norm of its gradients, unclipped)
     resumedFromStep: int | None = None  # noqa: N815
     message: str | None = None
     preflight: PreflightResult | None = None
@@ -184,7 +209,8 @@ class Progress:
         step, steps = data.get("step"), data.get("steps")
         if not _count(step) or not _count(steps):
             raise ValueError(f"a report has whole numbers step and steps, got {step!r}, {steps!r}")
-        figures = {k: float(data[k]) for k in ("loss", "samplesPerSecond", "bubble", *EVAL_FIGURES)
+        figures = {k: float(data[k]) for k in ("loss", "samplesPerSecond", "bubble", "learningRate",
+                                               "gradNorm", *EVAL_FIGURES)
                    if _number(data.get(k))}  # fmt: skip
         message = data.get("message")
         preflight = data.get("preflight")

@@ -59,9 +59,11 @@ class Job:
         return json.dumps(self.spec, sort_keys=True, separators=(",", ":"))
 
 
-def parse(manifest: Any, source: str = "manifest", allow_node_volumes: bool = False) -> Job:
+def parse(manifest: Any, source: str = "manifest", allow_node_volumes: bool = False,
+          cluster: bool = False) -> Job:  # fmt: skip
     """Validate and default one job manifest (a dict as loaded from YAML); node-level
-    volumes (hostPath, ...) pass only with `allow_node_volumes`."""
+    volumes (hostPath, ...) pass only with `allow_node_volumes`; `cluster` adds what only a
+    cluster refuses (validate.on_cluster)."""
     errors: list[SpecError] = []
     if not isinstance(manifest, dict):
         raise InvalidSpec([SpecError("(document)", "must be a mapping")], source)
@@ -111,13 +113,13 @@ def parse(manifest: Any, source: str = "manifest", allow_node_volumes: bool = Fa
     if errors:
         raise InvalidSpec(errors, source)
     spec = KINDS[kind].complete(spec)
-    errors = validate.check(kind, spec, allow_node_volumes)
+    errors = validate.check(kind, spec, allow_node_volumes, cluster)
     if errors:
         raise InvalidSpec(errors, source)
     return Job(kind=kind, name=name, namespace=namespace, spec=spec, uid=uid)
 
 
-def load(path: str | Path, allow_node_volumes: bool = False) -> Job:
+def load(path: str | Path, allow_node_volumes: bool = False, cluster: bool = False) -> Job:
     """Read one job manifest file; errors name the file (and the YAML line if it is bad YAML)."""
     path = Path(path)
     try:
@@ -135,4 +137,4 @@ def load(path: str | Path, allow_node_volumes: bool = False) -> Job:
             [SpecError("(document)", f"must hold exactly one job, found {len(docs)} documents")],
             str(path),
         )
-    return parse(docs[0], str(path), allow_node_volumes)
+    return parse(docs[0], str(path), allow_node_volumes, cluster)

@@ -2,7 +2,9 @@
 
 `spec.parse` runs them after the table's defaults and rules, so `pipejob validate`, `run`,
 `plan`, `render` and the operator refuse exactly the same manifests. What depends on the
-operator's configuration (node-level volumes) comes in as a parameter."""
+operator's configuration (node-level volumes) comes in as a parameter, and so does what only
+a cluster refuses (`on_cluster`: `render` and the operator; the local runner's processes
+share one filesystem)."""
 
 from __future__ import annotations
 
@@ -29,11 +31,15 @@ NODE_VOLUMES = {
 ALLOW_NODE_VOLUMES_ENV = "PIPEJOB_ALLOW_NODE_VOLUMES"
 
 
-def check(kind: str, spec: dict[str, Any], allow_node_volumes: bool = False) -> list[SpecError]:
-    """Everything wrong with a defaulted, table-valid `spec` of `kind` that no pod could run."""
+def check(kind: str, spec: dict[str, Any], allow_node_volumes: bool = False,
+          cluster: bool = False) -> list[SpecError]:  # fmt: skip
+    """Everything wrong with a defaulted, table-valid `spec` of `kind` that no pod could run
+    (with `cluster`, also what would go wrong on a cluster only)."""
     template = spec.get("template") or {}
     errors = _env(template) + _volumes(template, allow_node_volumes)
     errors += _checkpoint(spec, template)
+    if cluster and not errors:
+        errors += on_cluster(kind, spec)
     errors += KINDS[kind].check(spec)  # the kind's own (a model too small to cut, ...)
     size = len(json.dumps(spec, separators=(",", ":")).encode())
     if size > MAX_SPEC_BYTES:
@@ -93,3 +99,33 @@ def _checkpoint(spec: dict, template: dict) -> list[SpecError]:
             why = f"spec.template.volumeMounts[{i}] mounts {path!r} already; omit the volume"
             return [SpecError("spec.checkpoint.volume", why)]
     return []
+
+
+def pods(kind: str, spec: dict[str, Any]) -> int:
+    """How many pods the job's world has."""
+    return sum(role.members(spec) * role.replicas(spec) for role in KINDS[kind].roles)
+
+
+def _under(path: str, mount: str) -> bool:
+    path, mount = posixpath.normpath(path), posixpath.normpath(mount)
+    return path == mount or path.startswith(mount.rstrip("/") + "/")
+
+
+def on_cluster(kind: str, spec: dict[str, Any]) -> list[SpecError]:
+    """A world of several pods whose checkpoint is on no volume: each pod would write to its
+    own container filesystem, and a restarted world would find no checkpoint, silently."""
+    checkpoint = spec.get("checkpoint") or {}
+    path = checkpoint.get("path")
+    if not path or checkpoint.get("volume") or pods(kind, spec) < 2:
+        return []
+    mounts = [m.get("mountPath") or "" for m in (spec.get("template") or {}).get("volumeMounts")
+              or []]  # fmt: skip
+    if posixpath.isabs(path) and any(m and _under(path, m) for m in mounts):
+        return []
+    why = (
+        f"{path!r} is on no volume: each of the job's {pods(kind, spec)} pods would write"
+        " its own container filesystem and a restarted world would find no checkpoint;"
+        " add checkpoint.volume (a volume of template.volumes that every pod mounts at"
+        " this path), or mount a shared volume at or above it in template.volumeMounts"
+    )
+    return [SpecError("spec.checkpoint.path", why)]

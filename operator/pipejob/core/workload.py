@@ -53,6 +53,7 @@ class Split:
 @dataclass(frozen=True, kw_only=True)
 class Tokens(Split):
     dtype: str  # "uint16" or "uint32"
+    seq_len: int | None = None  # the window; the transformer's seqLen when it is the model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,11 +228,14 @@ PIPELINE_DATA = Field(
         ),
         "tokens": _split(
             "A flat binary file of token ids (nanoGPT's format), read as windows of"
-            " seqLen + 1 tokens; needs the transformer model.",
+            " seqLen + 1 tokens: a sample's input is the first seqLen, its labels the next"
+            " token at each position. For any model that takes token ids.",
             "Token file of the training set." + _RELATIVE,
             "Token file of the held-out set, for evaluation.",
             dtype=Field("string", "Type of one token id in the files.", default="uint16",
                         enum=("uint16", "uint32")),
+            seqLen=Field("integer", "Tokens per sample; required unless the model is the"
+                         " built-in transformer, whose seqLen it defaults to.", minimum=1),
         ),  # fmt: skip
         "import": import_field(
             "a map-style torch Dataset; it is called with split='train' or split='val' too"

@@ -9,6 +9,7 @@ import json
 import os
 from typing import Any
 
+from pipejob.core.contract import POD_NAME
 from pipejob.core.plan import (
     TRAINER_MODULE,
     Member,
@@ -158,6 +159,8 @@ def pod(
     hostname = pod_name(job.name, process.member)  # the DNS name stays across worlds
     name = gang.pod_name(job, hostname, restart)
     env = [{"name": k, "value": v} for k, v in process.env.items()]
+    # The watchdog names a member by its pod (the name changes with every restart).
+    env.append({"name": POD_NAME, "value": name})
     env += copy.deepcopy(template.get("env") or [])
     ports = [{"name": "rpc", "containerPort": PORTS.rpc}]
     if process.seat is not None:

@@ -100,7 +100,8 @@ def _decide(
         return acts
 
     try:
-        job = parse(job_obj, f"{job_obj.get('kind')} {meta.get('name')}", allow_node_volumes)
+        job = parse(job_obj, f"{job_obj.get('kind')} {meta.get('name')}", allow_node_volumes,
+                    cluster=True)  # fmt: skip
     except InvalidSpec as e:
         message = "; ".join(str(err) for err in e.errors)
         acts.delete = [p for p in live if not st.terminated(p)]
@@ -218,9 +219,19 @@ def _decide(
             acts, old, st.RESTARTING, cause.get("reason") or "Restarting",
             cause.get("message") or f"restart {restart}", now,
         )  # fmt: skip
-    return _transition(
-        acts, old, st.PENDING, "PodsPending", f"{running}/{len(planned)} pods running", now
+    message = f"{running}/{len(planned)} pods running"
+    stuck = [(p["metadata"]["name"], w) for p in current if (w := st.waiting_message(p))]
+    if not stuck:
+        return _transition(acts, old, st.PENDING, "PodsPending", message, now)
+    # A bad image or a missing secret: said in the Running condition and a Warning, once.
+    why = f"pod {stuck[0][0]} cannot start: {stuck[0][1]}"
+    acts = _transition(acts, old, st.PENDING, "PodsPending", f"{message}; {why}", now)
+    acts.status["conditions"] = st.set_condition(
+        list(acts.status["conditions"]), st.RUNNING, False, "PodCannotStart", why, now
     )
+    if (st.condition(old, st.RUNNING) or {}).get("message") != why:
+        acts.events.append(Event(WARNING, "PodCannotStart", why))
+    return acts
 
 
 def without_podgroup(acts: Actions, old: dict, error: str, now: datetime) -> Actions:
@@ -262,13 +273,14 @@ def _first_failure(planned: list[dict], by_name: dict, created: bool) -> st.Fail
         if observed is not None and (created or not st.deleting(observed)):
             failure = st.pod_failure(observed, who)
             if failure is not None:
-                failures.append((failure.at or "~", rank, failure))
+                failures.append((failure.consequence, failure.at or "~", rank, failure))
                 continue
         if created and (observed is None or st.deleting(observed)):
-            failures.append(("~", rank, st.Failure(
+            failures.append((False, "~", rank, st.Failure(
                 "PodDeleted", f"{who} (pod {name}) was deleted while the job was running"
             )))  # fmt: skip
-    return min(failures, key=lambda f: f[:2])[2] if failures else None
+    # The first pod to fail by cause: a pod that only lost its peers comes after the others.
+    return min(failures, key=lambda f: f[:3])[3] if failures else None
 
 
 def _preemption(planned: list[dict], by_name: dict) -> st.Failure | None:
@@ -298,11 +310,15 @@ def _preempt(
 
 
 def _permanent_failure(planned: list[dict], by_name: dict) -> st.Failure | None:
-    """The first permanent failure (by finishing time, then rank) of the current world."""
+    """The first permanent failure (by finishing time, then rank) of the current world: the
+    trainer's own verdict, or an image that cannot run it."""
     found = []
     for rank, planned_pod in enumerate(planned):
         observed = by_name.get(planned_pod["metadata"]["name"])
-        failure = st.permanent_failure(observed, kube.who(planned_pod)) if observed else None
+        who = kube.who(planned_pod)
+        failure = None
+        if observed is not None:
+            failure = st.permanent_failure(observed, who) or st.image_failure(observed, who)
         if failure is not None:
             found.append((failure.at or "~", rank, failure))
     return min(found, key=lambda f: f[:2])[2] if found else None

@@ -1,9 +1,12 @@
 """A job's status: its schema, and pure helpers that read pods and write phase and conditions.
 
-Nothing here talks to Kubernetes; everything takes and returns plain dicts."""
+Nothing here talks to Kubernetes; everything takes and returns plain dicts. Over 400 lines
+because the status's schema (the CRD's table of fields) sits beside the helpers that read
+pods (why a world broke) and write phases and conditions from them."""
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -11,8 +14,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pipejob.core.contract import (
+    BROKEN_PREFIX,
     MAX_MESSAGE,
     PREFLIGHT_PREFIX,
+    STALLED_PREFIX,
     ExitCode,
     Progress,
     parse_permanent,
@@ -128,6 +133,14 @@ STATUS = Field(
                     "number",
                     "PipelineJob: measured share of time the stages sat idle.",
                 ),
+                "learningRate": Field(
+                    "number", "Learning rate of the last optimizer step (optimizer.schedule)."
+                ),
+                "gradNorm": Field(
+                    "number",
+                    "Global L2 norm of the last step's gradients over every stage and replica,"
+                    " before clipping (optimizer.clipGradNorm).",
+                ),
                 "resumedFromStep": Field(
                     "integer", "The checkpoint step the current world resumed from.", minimum=0
                 ),
@@ -199,6 +212,16 @@ def scheduled_message(pod: dict) -> str:
     return ""
 
 
+def waiting_message(pod: dict) -> str:
+    """Why a pod's container has not started (its waiting state: ErrImagePull,
+    ImagePullBackOff, CreateContainerConfigError, ...), or "" when it is only being made."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
+            return _tail(": ".join(filter(None, (waiting.get("reason"), waiting.get("message")))))
+    return ""
+
+
 def deleting(pod: dict) -> bool:
     return bool(pod["metadata"].get("deletionTimestamp"))
 
@@ -223,9 +246,12 @@ def role_counts(pods: Iterable[dict], role_of: Any) -> dict[str, dict[str, int]]
 class Failure:
     """Why a world broke, in words: the condition reason and message."""
 
-    reason: str  # PodFailed | PodEvicted | PodDeleted
+    reason: str  # PodFailed | PodEvicted | PodDeleted | Stalled | ImagePullFailed | ...
     message: str
     at: str = ""  # when the container finished (RFC 3339), to find the first failure
+    # It failed only because the world broke under it (its message starts with
+    # BROKEN_PREFIX): another pod's failure is the cause, whatever finished first.
+    consequence: bool = False
 
 
 def trainer_state(pod: dict) -> dict:
@@ -246,6 +272,11 @@ def pod_failure(pod: dict, who: str) -> Failure | None:
         return Failure("PodEvicted", f"{who} (pod {name}) was evicted: {status.get('message')}")
     state = trainer_state(pod)
     code = state.get("exitCode")
+    said = (state.get("message") or "").strip()
+    if code == ExitCode.STALLED and said.startswith(STALLED_PREFIX):  # its watchdog named one
+        stalled = said.removeprefix(STALLED_PREFIX).strip()
+        return Failure("Stalled", f"{_tail(stalled)} (found by {who}, pod {name})",
+                       state.get("finishedAt") or "")  # fmt: skip
     message = f"{who} (pod {name}) failed with exit code {code if code is not None else '?'}"
     killed = _signal_name(code)
     if state.get("reason") or killed:
@@ -253,7 +284,8 @@ def pod_failure(pod: dict, who: str) -> Failure | None:
     detail = (state.get("message") or status.get("message") or "").strip()
     if detail and not killed:  # a killed process's last lines are not its error
         message += ": " + _tail(detail)
-    return Failure("PodFailed", message, state.get("finishedAt") or "")
+    return Failure("PodFailed", message, state.get("finishedAt") or "",
+                   consequence=said.startswith(BROKEN_PREFIX))  # fmt: skip
 
 
 def permanent_failure(pod: dict, who: str) -> Failure | None:
@@ -268,6 +300,33 @@ def permanent_failure(pod: dict, who: str) -> Failure | None:
     message = f"{who} (pod {name}) failed permanently with exit code {state['exitCode']}"
     return Failure(reason, message + (": " + _tail(detail) if detail else ""),
                    state.get("finishedAt") or "")  # fmt: skip
+
+
+# Waiting reasons no wait cures: the image cannot be had. The job fails at once, naming the
+# image, instead of waiting forever (a registry outage fails it too: resubmit the job).
+IMAGE_FAILURES = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
+# What `python -m pipejob.trainer` says in an image without pipejob.
+NO_PIPEJOB = re.compile(r"No module named '?pipejob(\.\w+)*'?(\W|$)")
+FROM_TRAINER = "use the trainer image, or an image built FROM it, in spec.template.image"
+
+
+def image_failure(pod: dict, who: str) -> Failure | None:
+    """The pod's image cannot be pulled, or has no pipejob: no restart can help."""
+    image = pod["spec"]["containers"][0].get("image")
+    name = pod["metadata"]["name"]
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in IMAGE_FAILURES:
+            said = ": ".join(filter(None, (waiting["reason"], waiting.get("message"))))
+            why = f"image {image!r} cannot be pulled ({_tail(said)}); {FROM_TRAINER}"
+            return Failure("ImagePullFailed", f"{who} (pod {name}) cannot start: {why}")
+    state = trainer_state(pod)
+    if pod_phase(pod) == "Failed" and NO_PIPEJOB.search(state.get("message") or ""):
+        why = f"image {image!r} cannot import pipejob; {FROM_TRAINER}"
+        return Failure(
+            "ImageLacksPipejob", f"{who} (pod {name}): {why}", state.get("finishedAt") or ""
+        )
+    return None
 
 
 def _signal_name(code: int | None) -> str | None:

@@ -6,7 +6,8 @@ run there and have it first on PYTHONPATH: the user's code beside the manifest i
 the manifest's relative paths (data, output, checkpoint) mean the same from any shell.
 The runner streams their output with role prefixes, and treats the world as Kubernetes
 would under pipejob: the master's exit decides; any other process dying stops everything,
-since an RPC world cannot re-admit a member."""
+since an RPC world cannot re-admit a member. When one fails, the runner says which, how, and
+why in its own words (its termination message, kept in a file per process)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,24 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from pipejob.core.contract import BROKEN_PREFIX, TERMINATION_LOG
 from pipejob.core.plan import TRAINER_MODULE, Ports, Process, groups, members, plan_world
 from pipejob.core.spec import Job
+from pipejob.runner import gpus
 
 LOOPBACK = "127.0.0.1"
 POLL_SECONDS = 0.1
+# After a first failure, how long the others get to end too: the one that failed first by
+# cause (not the peers that only lost it) is the one the runner names.
+SETTLE_SECONDS = 3.0
 
 
 def free_ports(count: int) -> list[int]:
@@ -57,10 +64,23 @@ class Running:
     process: Process
     popen: subprocess.Popen
     pump: threading.Thread
+    said: Path  # where it leaves its termination message
 
     @property
     def name(self) -> str:
         return self.process.rpc_name
+
+    def words(self, code: int) -> str:
+        """Why it failed, in its own words (its termination message), or ""."""
+        try:
+            return self.said.read_text().strip() if code > 0 else ""
+        except OSError:
+            return ""
+
+    def why(self, code: int) -> str:
+        """How it ended, and in its own words when it said why."""
+        words = self.words(code)
+        return describe_exit(code) + (f": {words}" if words else "")
 
 
 class World:
@@ -71,6 +91,7 @@ class World:
         self.directory = directory
         self.lock = threading.Lock()
         self.members: list[Running] = []
+        self._messages = tempfile.TemporaryDirectory(prefix="pipejob-run-")
 
     def say(self, message: str) -> None:
         with self.lock:
@@ -84,15 +105,18 @@ class World:
                 self.out.write(f"{prefix} | {text}\n")
                 self.out.flush()
 
-    def start(self, processes: list[Process]) -> None:
+    def start(self, processes: list[Process], visible: dict[int, str] | None = None) -> None:
+        """Start every process; `visible`: CUDA_VISIBLE_DEVICES by rank (gpus.place)."""
         width = max(len(p.rpc_name) for p in processes)
         extra = {"PYTHONUNBUFFERED": "1"}
         if self.directory is not None:
             extra["PYTHONPATH"] = python_path(self.directory, os.environ.get("PYTHONPATH"))
         for p in processes:
+            said = Path(self._messages.name) / p.rpc_name
+            own = gpu_env((visible or {}).get(p.rank)) | {TERMINATION_LOG: str(said)}
             popen = subprocess.Popen(
                 [sys.executable, *TRAINER_MODULE],
-                env=os.environ | p.env | extra,
+                env=os.environ | p.env | extra | own,
                 cwd=self.directory,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -106,7 +130,7 @@ class World:
                 target=self._pump, args=(popen.stdout, p.rpc_name.ljust(width)), daemon=True
             )
             pump.start()
-            self.members.append(Running(p, popen, pump))
+            self.members.append(Running(p, popen, pump, said))
             self.say(f"started {p.rpc_name} (rank {p.rank}, pid {popen.pid})")
 
     def stop(self, grace: float) -> None:
@@ -114,6 +138,7 @@ class World:
         alive = [m for m in self.members if m.popen.poll() is None]
         for m in alive:
             _signal_group(m.popen, signal.SIGTERM)
+            _signal_group(m.popen, signal.SIGCONT)  # a frozen (stopped) process, too
         deadline = time.monotonic() + grace
         for m in alive:
             try:
@@ -124,6 +149,7 @@ class World:
         for m in self.members:
             _signal_group(m.popen, signal.SIGKILL)  # stray children of exited processes
             m.pump.join(timeout=2)
+        self._messages.cleanup()
 
     def watch(self, grace: float) -> int:
         """Wait for the master to finish or any member to fail; return the job's exit code."""
@@ -135,12 +161,25 @@ class World:
                     continue  # others may exit 0 while the world shuts down
                 if m is master and code == 0:
                     return self._finish(grace)
+                m, code = self._cause(m, code)
                 p = m.process
-                self.say(f"{m.name} (role {p.role}, rank {p.rank}) failed: {describe_exit(code)}")
+                self.say(f"{m.name} (role {p.role}, rank {p.rank}) failed: {m.why(code)}")
                 self.say("stopping the other processes")
                 self.stop(grace)
                 return code if m is master and code > 0 else 1
             time.sleep(POLL_SECONDS)
+
+    def _cause(self, first: Running, code: int) -> tuple[Running, int]:
+        """The failure to name: `first`, unless it only lost a peer (BROKEN_PREFIX) and
+        another process ends within SETTLE_SECONDS saying something else."""
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while first.words(code).startswith(BROKEN_PREFIX) and time.monotonic() < deadline:
+            for m in self.members:
+                other = m.popen.poll()
+                if other not in (None, 0) and not m.words(other).startswith(BROKEN_PREFIX):
+                    return m, other
+            time.sleep(POLL_SECONDS)
+        return first, code
 
     def _finish(self, grace: float) -> int:
         # Workers leave rpc.shutdown() right after the master: give them `grace` to do so.
@@ -166,17 +205,33 @@ def python_path(directory: Path, current: str | None) -> str:
     return os.pathsep.join([str(directory), *([current] if current else [])])
 
 
+def gpu_env(visible: str | None) -> dict[str, str]:
+    return {} if visible is None else {gpus.VISIBLE: visible}
+
+
 def run_job(
-    job: Job, grace: float = 10.0, out: TextIO | None = None, directory: Path | None = None
+    job: Job,
+    grace: float = 10.0,
+    out: TextIO | None = None,
+    directory: Path | None = None,
+    detect_gpus: Callable[[], list[str]] = gpus.detect,
 ) -> int:
-    """Run `job` locally; return the master's exit code (non-zero if any member failed).
-    Output goes to `out` (sys.stdout as it is at the call). With `directory`, the processes
-    run in it and import from it first."""
+    """Run `job` locally; return the master's exit code (non-zero if any member failed),
+    or 2 when this machine's GPUs (`detect_gpus`) cannot run it. Output goes to `out`
+    (sys.stdout as it is at the call). With `directory`, the processes run in it and import
+    from it first."""
     # Every process shares one address here: each collective group needs a port of its own.
     free = free_ports(4 + len(groups(job, members(job))))
     ports = Ports(*free[:4], groups=tuple(free[4:]))
     processes = plan_world(job, lambda m: LOOPBACK, ports)
+    try:
+        placement = gpus.place(processes, detect_gpus() if any(p.gpus for p in processes) else [])
+    except gpus.NotEnoughGPUs as e:
+        print(f"pipejob: cannot run {job.kind} {job.name!r} here: {e}", file=out or sys.stdout)
+        return 2
     world = World(out or sys.stdout, Path(directory).resolve() if directory is not None else None)
+    if placement.note:
+        world.say(placement.note)
     world.say(
         f"running {job.kind} {job.name!r} as {len(processes)} local processes"
         f" ({', '.join(p.rpc_name for p in processes)}); rendezvous {LOOPBACK}:{ports.rpc},"
@@ -185,7 +240,7 @@ def run_job(
     # Stop the world on Ctrl-C or SIGTERM, too: nothing may outlive the runner.
     previous = signal.signal(signal.SIGTERM, lambda *_: _raise_interrupt())
     try:
-        world.start(processes)
+        world.start(processes, placement.visible)
         code = world.watch(grace)
     except KeyboardInterrupt:
         world.say("interrupted; stopping every process")

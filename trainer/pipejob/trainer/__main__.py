@@ -9,9 +9,9 @@ import sys
 import traceback
 import warnings
 
-from pipejob.core.contract import ExitCode, permanent_message
-from pipejob.trainer.runtime import monitor, tuning
-from pipejob.trainer.runtime.failures import permanent_reason
+from pipejob.core.contract import BROKEN_PREFIX, ExitCode, permanent_message
+from pipejob.trainer.runtime import monitor, tuning, watchdog
+from pipejob.trainer.runtime.failures import lost_peer, one_line, permanent_reason
 from pipejob.trainer.runtime.world import (
     ContractError,
     Env,
@@ -28,6 +28,9 @@ def run(env: Env) -> dict | None:
     run's summary."""
     from pipejob.trainer.runtime import preflight  # imports torch: only after tuning.apply
 
+    # From here on, in every phase: loading torch's libraries holds the GIL for seconds, so
+    # the heartbeats start after it (a member frozen before meets the rendezvous' deadline).
+    watchdog.start(env, monitor.board() if env.rank == 0 else None)
     board = monitor.board()
     board.phase("preflight")
     try:
@@ -55,6 +58,9 @@ def main() -> int:
     # gloo's deprecation chatter at shutdown says nothing useful to a user.
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
     warnings.showwarning = _quiet(warnings.showwarning)
+    # TensorPipe warns once per broken pipe when a peer leaves (EOF, ECONNRESET, EPIPE): a
+    # failing world would bury its one-line cause under them. A user's setting wins.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         env = read_env()
         # Before torch loads: OpenMP and malloc read their settings once.
@@ -74,11 +80,16 @@ def main() -> int:
     except RendezvousError as e:
         return fail(env, f"error: {e}", str(e), ExitCode.RENDEZVOUS_FAILED)
     except Exception as e:
-        reason = f"training failed: {type(e).__name__}: {e}"
-        trace = "error: training failed:\n" + traceback.format_exc()
         permanent = permanent_reason(e)
-        if permanent is not None:  # a restart would only repeat it
-            return fail(env, trace, permanent_message(permanent, reason), ExitCode.PERMANENT)
+        if permanent is not None:  # a restart would only repeat it: said in one line
+            reason = permanent_message(permanent, f"training failed: {one_line(e)}")
+            return fail(env, None, reason, ExitCode.PERMANENT)
+        if lost_peer(e):  # the world broke: the member that failed first says why
+            reason = f"{BROKEN_PREFIX} {one_line(e)}; another member failed or stopped first"
+            return fail(env, f"error: {reason}", reason, ExitCode.TRAINING_FAILED)
+        reason = f"training failed: {type(e).__name__}: {e}"
+        trace = ("error: training failed with an unexpected error (a bug: please report it"
+                 " with this traceback):\n" + traceback.format_exc())  # fmt: skip
         return fail(env, trace, reason, ExitCode.TRAINING_FAILED)
     monitor.board().phase("finished")
     if env.rank == 0:  # the final report, for an operator whose last poll came before the end
@@ -90,10 +101,11 @@ def main() -> int:
     return ExitCode.SUCCEEDED
 
 
-def fail(env: Env | None, output: str, reason: str, code: ExitCode) -> int:
+def fail(env: Env | None, output: str | None, reason: str, code: ExitCode) -> int:
     """Say why this process fails: in its log, in its termination message (the job's status
     shows it) and, on the master, in /progress."""
-    log(env, output)
+    if output is not None:
+        log(env, output)
     if code == ExitCode.PERMANENT or code == ExitCode.BAD_ENVIRONMENT:
         log(env, reason)  # last, so a log tail used as the termination message still says it
     write_termination_message(reason)

@@ -69,6 +69,14 @@ HYBRID_SPEC = Field(
             "datasetSize",
             lambda s: _real_data(s) or s["datasetSize"] >= s["trainers"] * s["batchSize"],
         ),
+        Rule(
+            "!has(self.optimizer.schedule) && !has(self.optimizer.clipGradNorm)",
+            "a HybridJob has no optimizer.schedule or optimizer.clipGradNorm yet: its parameter"
+            " server steps the table with each trainer's gradients as they arrive, so there is"
+            " no one step to schedule or clip; use a constant lr",
+            "optimizer",
+            lambda s: "schedule" not in s["optimizer"] and "clipGradNorm" not in s["optimizer"],
+        ),
         *COMMON_RULES,
     ),
 )  # fmt: skip

@@ -31,10 +31,10 @@ PIPELINE_SPEC = Field(
         "stages": integer("Pipeline stages, one pod each.", default=2, minimum=2, maximum=64),
         "splitPoints": Field(
             "array",
-            "Where the model is cut: the module names (as in named_modules(), e.g. layer3 or"
-            " blocks.2) where stage 1, 2, ... begin; stages - 1 of them, each once, in the"
-            " model's order. Without them the cut is chosen automatically, balanced by"
-            " measured cost.",
+            "Where the model is cut: the module names (as in named_modules(), at any depth,"
+            " e.g. layer3.1 or transformer.h.6) where stage 1, 2, ... begin; stages - 1 of"
+            " them, each once, in the model's order. Without them the cut is chosen"
+            " automatically, balanced by measured cost.",
             items=Field("string", "A module name where a stage begins.", max_length=253),
             max_items=63,
         ),
@@ -60,6 +60,23 @@ PIPELINE_SPEC = Field(
         "gpusPerStage": integer(
             "GPUs per stage pod (nvidia.com/gpu): 0 runs on CPU, 1 on a GPU (a stage uses one).",
             default=0, maximum=1,
+        ),
+        "gradientAccumulation": integer(
+            "Batches per optimizer step: their gradients add up (each batch's loss weighted"
+            " 1/gradientAccumulation), so a step equals one on a gradientAccumulation times"
+            " bigger batch, with the memory of one batch.",
+            default=1, minimum=1, maximum=1024,
+        ),
+        "precision": Field(
+            "string", "What the stages compute in: fp32; bf16 (autocast, on CPU and GPU); or"
+            " fp16 (autocast with loss scaling, GPU only). Weights and optimizer state stay"
+            " float32.",
+            default="fp32", enum=("fp32", "bf16", "fp16"),
+        ),
+        "activationCheckpointing": Field(
+            "boolean", "Each stage keeps only its inputs in the forward and recomputes its"
+            " activations in the backward: less memory for about one more forward.",
+            default=False,
         ),
         **COMMON,
     },
@@ -87,6 +104,13 @@ PIPELINE_SPEC = Field(
             "splitPoints",
             lambda s: len(set(s.get("splitPoints", []))) == len(s.get("splitPoints", [])),
         ),
+        Rule(
+            "self.precision != 'fp16' || self.gpusPerStage > 0",
+            "fp16 needs GPUs (gpusPerStage: 1): its loss scaling and half-precision kernels are"
+            " GPU features, and this is a CPU job (no GPUs requested); use bf16 on CPU",
+            "precision",
+            lambda s: s["precision"] != "fp16" or s["gpusPerStage"] > 0,
+        ),
         *COMMON_RULES,
     ),
 )  # fmt: skip
@@ -102,6 +126,9 @@ class PipelineSpec(CommonSpec):
     image_size: int
     num_classes: int
     gpus_per_stage: int
+    gradient_accumulation: int = 1
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
     split_points: tuple[str, ...] = ()
     data: PipelineData = PipelineData()
 
@@ -116,11 +143,12 @@ def _complete(spec: Spec) -> Spec:
 def _check(spec: Spec) -> list[SpecError]:
     """The model's own limits (models.py), and data the model cannot read."""
     errors = models.check(spec)
-    if "tokens" in spec["data"] and "transformer" not in spec["model"]:
+    tokens = spec["data"].get("tokens")
+    if tokens is not None and "transformer" not in spec["model"] and "seqLen" not in tokens:
         errors.append(SpecError(
-            "spec.data.tokens",
-            "token windows need the built-in transformer model (model.transformer), whose"
-            " seqLen sets their length; use data.import for another model",
+            "spec.data.tokens.seqLen",
+            "required: the tokens per sample (only the built-in transformer has a seqLen of"
+            " its own)",
         ))  # fmt: skip
     return errors
 

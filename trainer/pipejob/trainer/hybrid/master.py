@@ -19,6 +19,7 @@ from pipejob.trainer.hybrid import output, trainer
 from pipejob.trainer.hybrid.ps import Table, load_table, table_state, table_weight
 from pipejob.trainer.hybrid.summary import render, summarize
 from pipejob.trainer.runtime import checkpoint, master, monitor, world
+from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
 
 # ---- master ----
@@ -35,6 +36,8 @@ class Reports:
         self.created = time.perf_counter()
         self.last_step, self.last_time = first, self.created
         self.evaluation: dict[str, Any] | None = None  # the latest, with its step
+        logging = env.spec.logging
+        self.events = Events(logging.tensorboard if logging else None, first)
 
     def evaluated(self, step: int, figures: dict[str, Any]) -> None:
         """DDP rank 0 evaluated the model after `step` on held-out bags."""
@@ -46,6 +49,8 @@ class Reports:
         world.log(self.env, f"eval step {step}: loss {loss:.4f}{shown} on {count}"
                             " held-out bags")  # fmt: skip
         monitor.board().evaluated(step, loss, accuracy=accuracy)
+        with self.lock:
+            self.events.scalars(step, eval_loss=loss, eval_accuracy=accuracy)
 
     def report(self, trainer: str, step: int, loss: float) -> None:
         with self.lock:
@@ -66,6 +71,7 @@ class Reports:
                 steps = step - self.last_step
                 monitor.board().step(step, mean, (now - self.last_time) / steps,
                                      samples // steps)  # fmt: skip
+                self.events.scalars(step, loss=mean, samples_per_second=rate)
             else:
                 return
             self.last_step, self.last_time = step, now
@@ -113,7 +119,10 @@ def train(env: Env) -> dict[str, Any]:
     # its future when its connection breaks.
     futures = [rpc.rpc_async(t, trainer.train, args=(table, resume), timeout=0)
                for t in trainers]  # fmt: skip
-    results = dict(zip(trainers, _wait_all(futures), strict=True))
+    try:
+        results = dict(zip(trainers, _wait_all(futures), strict=True))
+    finally:
+        _REPORTS.events.close()
     after = rpc.rpc_sync(ps, table_weight, args=(table,))
     summary = summarize(env, results, before, after, first, _REPORTS.evaluation)
     for line in render(summary):

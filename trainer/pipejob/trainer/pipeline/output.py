@@ -5,10 +5,13 @@ written by runtime/output.py, the writer both kinds share):
 - `model.safetensors` (`model.pt` with format torch): every stage's parameters and buffers,
   and those no stage holds, under the model's own names: a fresh model from the user's
   factory loads it with `load_state_dict(strict=True)`;
-- `model.json`: the kind, the model spec, the held-out evaluation and the step count."""
+- `model.json`: the kind, the model spec, the held-out evaluation and the step count;
+- `config.json` for a Hugging Face model (a PreTrainedModel): its config, so that its class's
+  `from_pretrained(path)` loads the folder as well."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +31,19 @@ def info(kind: str, job: str, spec: PipelineSpec, steps: int,
 
 
 def write(out: str | Path, format: str, stages: list[dict[str, torch.Tensor]],
-          rest: dict[str, torch.Tensor], about: dict[str, Any]) -> list[Path]:  # fmt: skip
-    """The stages' states and the rest as one model file in `out`, and model.json."""
+          rest: dict[str, torch.Tensor], about: dict[str, Any],
+          config: dict[str, Any] | None = None) -> list[Path]:  # fmt: skip
+    """The stages' states and the rest as one model file in `out`, and model.json (and a
+    Hugging Face model's `config`, as config.json)."""
     state = dict(rest)
     for part in stages:
         state.update(part)
-    return output.write(out, {"model": state}, about, format)
+    written = output.write(out, {"model": state}, about, format)
+    if config is not None:
+        path = Path(out) / "config.json"
+        path.write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+        written.append(path)
+    return written
 
 
 def export_checkpoint(directory: str | Path, manifest: dict[str, Any], out: str | Path,
@@ -46,6 +56,6 @@ def export_checkpoint(directory: str | Path, manifest: dict[str, Any], out: str 
             " it cannot be exported"
         )
     stages = [found.load(f"stage{i}.pt")["model"] for i in range(manifest["stageCount"])]
-    rest = found.load("master.pt").get("rest", {})
+    own = found.load("master.pt")
     about = {**manifest["info"], "steps": found.step, "checkpoint": str(found.directory)}
-    return write(out, format, stages, rest, about)
+    return write(out, format, stages, own.get("rest", {}), about, own.get("config"))

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipejob.trainer.workloads.cut import tensors
+
 
 def min_max_partition(costs: Sequence[float], parts: int) -> list[range]:
     """Split layers 0..n-1 into `parts` non-empty contiguous ranges, minimising the largest
@@ -81,7 +83,7 @@ def measure_costs(pieces: list[nn.Module], names: list[str], sample: torch.Tenso
             try:
                 out = piece(*inputs)
                 outs = out if isinstance(out, tuple) else (out,)
-                grown = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
+                grown = [t for t in tensors(outs) if t.requires_grad]
                 torch.autograd.backward(grown, [torch.ones_like(t) for t in grown])
             except RuntimeError as e:
                 given = ", ".join(shape(v) for v in inputs)

@@ -8,6 +8,7 @@ loss is computed on the master, `dist_autograd` runs the backward across the sta
 
 from __future__ import annotations
 
+import math
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
 from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.shards import (
     Shards,
 )
@@ -28,7 +30,7 @@ from pipejob.trainer.pipeline.stage import Stage, on_stage
 from pipejob.trainer.runtime import (
     rendezvous,
 )
-from pipejob.trainer.runtime.optim import optimizer_args
+from pipejob.trainer.runtime.optim import learning_rate, optimizer_args
 from pipejob.trainer.workloads import Loss
 
 # Micro-batches a stage holds at once; fewer than the RPC worker threads (runtime/rendezvous).
@@ -43,13 +45,15 @@ class Pipeline:
     outside the distributed autograd context, which silently drops that micro-batch's
     gradients."""
 
-    def __init__(self, stage_names: list[str], shards: Shards, device: str = "cpu"):
+    def __init__(self, stage_names: list[str], shards: Shards, device: str = "cpu",
+                 precision: str = "fp32", recompute: bool = False):  # fmt: skip
         last = len(stage_names) - 1
         self.names = stage_names
         self.stages = [
-            rpc.remote(name, Stage, args=(shards.stages[i], i == last, device))
+            rpc.remote(name, Stage,
+                       args=(shards.stages[i], i == last, device, precision, recompute))
             for i, name in enumerate(stage_names)
-        ]
+        ]  # fmt: skip
         self.rounds = 0  # forward rounds (training steps and evaluation batches) so far
 
     def forward(self, inputs: torch.Tensor, micro_batches: int, step: int | None) -> Any:
@@ -118,6 +122,22 @@ class Pipeline:
             for name, stage in zip(self.names, self.stages, strict=True)
         ])  # fmt: skip
 
+    def combine_tied(self, context_id: int, tied: list[list[tuple[int, str]]]) -> None:
+        """Each parameter several stages hold (tied embeddings, cut.ties) gets the sum of its
+        copies' gradients in every copy, as one shared tensor would (Megatron's way)."""
+        for group in tied:
+            grads = torch.futures.wait_all([
+                rpc.rpc_async(self.names[k], on_stage,
+                              args=(self.stages[k], "gradient", context_id, name))
+                for k, name in group
+            ])  # fmt: skip
+            total = torch.stack(grads).sum(0)
+            torch.futures.wait_all([
+                rpc.rpc_async(self.names[k], on_stage,
+                              args=(self.stages[k], "set_gradient", context_id, name, total))
+                for k, name in group
+            ])  # fmt: skip
+
     def parameter_rrefs(self) -> list[RRef]:
         return [p for params in self.each("parameter_rrefs") for p in params]
 
@@ -132,9 +152,12 @@ class Pipeline:
 
 
 def join(outputs: list[Any]) -> Any:
-    """Micro-batches' outputs as the whole batch's: a tensor, or a tuple of them."""
+    """Micro-batches' outputs as the whole batch's: a tensor, or a tuple, list or dict (a
+    Hugging Face ModelOutput too) of them."""
     if isinstance(outputs[0], tuple | list):
         return type(outputs[0])(join(list(part)) for part in zip(*outputs, strict=True))
+    if isinstance(outputs[0], dict):
+        return type(outputs[0])(**{k: join([o[k] for o in outputs]) for k in outputs[0]})
     return torch.cat(outputs)
 
 
@@ -144,6 +167,8 @@ class StepResult:
     pipeline_seconds: float  # forwards and backwards, all micro-batches (slowest replica)
     optimizer_seconds: float  # averaging gradients across replicas, then stepping
     allreduce_seconds: float = 0.0  # of which the slowest stage's all-reduce
+    lr: float | None = None  # the learning rate the optimizer stepped with
+    grad_norm: float | None = None  # the global gradient norm before clipping
 
 
 def forward_backward(
@@ -154,12 +179,14 @@ def forward_backward(
     step: int,
     context_id: int,
     loss_fn: Loss,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """Every micro-batch forward, one loss over the whole batch (the mean over its samples,
-    as without a pipeline), then the backward across the stages. Returns the loss."""
+    as without a pipeline), then the backward across the stages of the loss times `scale`
+    (1 / gradientAccumulation, times fp16's loss scale). Returns the loss."""
     outputs = pipeline.forward(inputs, micro_batches, step)
     loss = loss_fn(outputs, labels)
-    dist_autograd.backward(context_id, [loss])
+    dist_autograd.backward(context_id, [loss * scale if scale != 1.0 else loss])
     return loss
 
 
@@ -171,41 +198,83 @@ class Replicas:
     replicas' pipelines overlap), then its stages average their gradients with the same
     stage of the other replicas (`Stage.average_gradients`) and its optimizer steps. The mean
     of the replicas' losses is the loss of the whole batch, and the averaged gradients its
-    gradients: R replicas compute what one pipeline computes on their union."""
+    gradients: R replicas compute what one pipeline computes on their union.
+
+    With gradientAccumulation N the step's batch is N batches, run one after the other,
+    each loss weighted 1/N; their gradients add up on the stages into the last one's
+    context. Before the optimizer steps, the replica's stages give their gradients' global
+    norm, which clips them (gradients.py), and the optimizer gets the schedule's learning
+    rate; with fp16 the loss is scaled and an overflowed step skipped."""
 
     def __init__(self, names: list[list[str]], shards: Shards, spec: PipelineSpec,
                  device: str = "cpu"):  # fmt: skip
         cls, kwargs = optimizer_args(spec.optimizer)
-        self.pipelines = [Pipeline(stage_names, shards, device) for stage_names in names]
+        self.optimizer, self.steps = spec.optimizer, spec.steps
+        self.accumulation = spec.gradient_accumulation
+        self.loss_scale = gradients.LossScale() if spec.precision == "fp16" else None
+        self.pipelines = [Pipeline(stage_names, shards, device, spec.precision,
+                                   spec.activation_checkpointing)
+                          for stage_names in names]  # fmt: skip
+        self.tied = shards.tied
         self.optimizers = [DistributedOptimizer(cls, p.parameter_rrefs(), **kwargs)
                            for p in self.pipelines]  # fmt: skip
         self._threads = ThreadPoolExecutor(len(names)) if len(names) > 1 else None
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, micro_batches: int, step: int,
              loss_fn: Loss) -> StepResult:  # fmt: skip
-        shares = list(zip(inputs.tensor_split(len(self.pipelines)),
-                          labels.tensor_split(len(self.pipelines)), strict=True))  # fmt: skip
-        args = [(r, x, y, micro_batches, step, loss_fn) for r, (x, y) in enumerate(shares)]
+        """One optimizer step on `inputs` (gradientAccumulation batches, one after the
+        other) and their `labels`."""
+        replicas = len(self.pipelines)
+        rounds = zip(inputs.tensor_split(self.accumulation),
+                     labels.tensor_split(self.accumulation), strict=True)  # fmt: skip
+        shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(replicas)]
+        for x, y in rounds:
+            for r, share in enumerate(zip(x.tensor_split(replicas), y.tensor_split(replicas),
+                                          strict=True)):  # fmt: skip
+                shares[r].append(share)
+        args = [(r, share, micro_batches, step, loss_fn) for r, share in enumerate(shares)]
         if self._threads is None:
             results = [self._one(*args[0])]
         else:
             results = list(self._threads.map(lambda a: self._one(*a), args))
+        if self.loss_scale is not None:  # every replica saw the same averaged gradients
+            self.loss_scale.update(results[0].grad_norm)
         return StepResult(
             sum(r.loss for r in results) / len(results),
             max(r.pipeline_seconds for r in results),
             max(r.optimizer_seconds for r in results),
             max(r.allreduce_seconds for r in results),
+            results[0].lr,
+            results[0].grad_norm,
         )
 
-    def _one(self, r: int, inputs: torch.Tensor, labels: torch.Tensor, micro_batches: int,
-             step: int, loss_fn: Loss) -> StepResult:  # fmt: skip
-        """Replica r's part of a step."""
+    def _one(self, r: int, rounds: list[tuple[torch.Tensor, torch.Tensor]],
+             micro_batches: int, step: int, loss_fn: Loss) -> StepResult:  # fmt: skip
+        """Replica r's part of a step: its share of each batch of the step."""
         pipeline = self.pipelines[r]
-        with dist_autograd.context() as context_id:
-            start = time.perf_counter()
-            loss = forward_backward(pipeline, inputs, labels, micro_batches, step, context_id,
-                                    loss_fn)  # fmt: skip
+        names, stages = pipeline.names, pipeline.stages
+        scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
+        weight = scale / len(rounds)  # each batch's share of the step's loss
+
+        def one_round(x: torch.Tensor, y: torch.Tensor, context_id: int) -> float:
+            loss = forward_backward(pipeline, x, y, micro_batches, step, context_id, loss_fn,
+                                    weight)  # fmt: skip
             pipeline.settle(step, micro_batches)
+            return loss.item()
+
+        start = time.perf_counter()
+        losses = []
+        # A context takes one backward: the rounds before the last each have their own, and
+        # the stages hold their gradients until the last round's context, where they add up.
+        for x, y in rounds[:-1]:
+            with dist_autograd.context() as context_id:
+                losses.append(one_round(x, y, context_id))
+                gradients.hold(names, stages, context_id)
+        with dist_autograd.context() as context_id:
+            losses.append(one_round(*rounds[-1], context_id))
+            if len(rounds) > 1:
+                gradients.release(names, stages, context_id)
+            pipeline.combine_tied(context_id, self.tied)
             middle = time.perf_counter()
             allreduce = 0.0
             if len(self.pipelines) > 1:
@@ -214,8 +283,16 @@ class Replicas:
                              for name, stage in zip(pipeline.names, pipeline.stages,
                                                     strict=True)]  # fmt: skip
                 allreduce = max(torch.futures.wait_all(averaging))
-            self.optimizers[r].step(context_id)
-        return StepResult(loss.item(), middle - start, time.perf_counter() - middle, allreduce)
+            norm = gradients.global_norm(names, stages, context_id, 1.0 / scale,
+                                         gradients.copies(self.tied))  # fmt: skip
+            lr = learning_rate(self.optimizer, self.steps, step)
+            if self.loss_scale is None or math.isfinite(norm):  # fp16: skip an overflow
+                gradients.clip(names, stages, context_id, norm, self.optimizer.clip_grad_norm)
+                if self.optimizer.schedule is not None:
+                    gradients.set_lr(self.optimizers[r], lr)
+                self.optimizers[r].step(context_id)
+        return StepResult(sum(losses) / len(losses), middle - start,
+                          time.perf_counter() - middle, allreduce, lr, norm)  # fmt: skip
 
     def timings(self) -> list[dict[int, tuple[float, float, float]]]:
         """Replica 0's stages' timings (every replica runs the same schedule)."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,18 @@ from pipejob.trainer.runtime import tuning
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut
 
+# The automatic cut opens modules until it has this many candidates per stage (where the
+# module tree has them): enough for the measured min-max split to balance.
+CANDIDATES_PER_STAGE = 2
+
+
+def hf_config(model: nn.Module) -> dict[str, Any] | None:
+    """A Hugging Face PreTrainedModel's config as its config.json holds it, else None."""
+    config = getattr(model, "config", None)
+    if hasattr(model, "save_pretrained") and hasattr(config, "to_json_string"):
+        return json.loads(config.to_json_string(use_diff=False))
+    return None
+
 
 @dataclass(frozen=True)
 class Partition:
@@ -51,6 +64,10 @@ class Shards:
     stages: list[nn.Module]
     partition: Partition
     rest: dict[str, torch.Tensor]
+    # Parameters several stages hold (cut.ties): their gradients are summed every step.
+    tied: list[list[tuple[int, str]]] = field(default_factory=list)
+    # A Hugging Face model's config (config.json), written beside the model file.
+    config: dict[str, Any] | None = None
 
     @property
     def ranges(self) -> list[range]:
@@ -80,7 +97,7 @@ def build_shards(
     `microBatches: auto`, costs are measured at every candidate count's micro-batch size and
     the count with the shortest predicted step (given the `hosts` whose cores stages share)
     is used."""
-    traced = cut.Traced(model)
+    traced = cut.Traced(model, CANDIDATES_PER_STAGE * spec.stages, spec.split_points)
     units = traced.units
     if len(units) < spec.stages:
         raise cut.cut_count_error(len(units), spec.stages)
@@ -88,7 +105,8 @@ def build_shards(
     if saved is None:
         saved = _measure(spec, traced, sample, threads, hosts or [], fixed, progress)
     stages = traced.split([units[r.start] for r in saved.ranges[1:]])
-    return Shards(units, stages, saved, cut.unused(model, stages))
+    return Shards(units, stages, saved, cut.unused(model, stages), cut.ties(stages),
+                  hf_config(model))  # fmt: skip
 
 
 def _measure(spec: PipelineSpec, traced: cut.Traced, sample: torch.Tensor, threads: int | None,

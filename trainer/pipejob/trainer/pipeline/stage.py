@@ -15,10 +15,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.rpc import RRef
 
 from pipejob.trainer.runtime import checkpoint, rendezvous, tuning
+from pipejob.trainer.workloads.cut import tensors
 
 
 class Turnstile:
@@ -72,21 +74,35 @@ class Stage:
     when it computes, forward and backward, per micro-batch, and keeps per-step totals, so
     the master can report per-stage time and the pipeline's bubble."""
 
-    def __init__(self, module: nn.Module, last: bool, device: str):
+    def __init__(self, module: nn.Module, last: bool, device: str, precision: str = "fp32",
+                 recompute: bool = False):  # fmt: skip
         self.device = torch.device(device)
         self.layers = module.to(self.device)
         self.last = last
+        # spec.precision: autocast's dtype (None: float32); the weights stay float32.
+        self.autocast = AUTOCAST[precision]
+        self.recompute = recompute  # spec.activationCheckpointing
         # One forward at a time, in micro-batch order: micro-batches would otherwise fight
         # over the same cores and race on BatchNorm's running statistics.
         self._order = Turnstile(rendezvous.RPC_TIMEOUT_SECONDS)
         self._record = threading.Lock()
         # [start, end] of "forward" and "backward" per (step, micro-batch) of open steps,
         # folded into per-step totals once a later step starts.
-        self._events: dict[tuple[int, int], dict[str, list[float]]] = defaultdict(dict)
+        self._events: dict[tuple[int, Any], dict[str, list[float]]] = defaultdict(dict)
         self._totals: dict[int, tuple[float, float, float]] = {}
         # Micro-batches whose backward has run through this shard, per step (`settle`).
         self._settled = threading.Condition()
         self._done: dict[int, int] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling a Stage gives: the tensors it holds. An RPC agent with CUDA devices
+        pickles every RRef's value to find its tensors, whose streams it synchronises before
+        the value is used (torch._jit_internal._extract_tensors); locks, threads and a
+        user's module need not pickle for that. A Stage is never sent anywhere."""
+        return {"tensors": [*self.layers.parameters(), *self.layers.buffers()]}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        raise TypeError("a Stage cannot be unpickled: it lives on its stage worker")
 
     def parameter_rrefs(self) -> list[RRef]:
         return [RRef(p) for p in self.layers.parameters()]
@@ -110,22 +126,38 @@ class Stage:
             if step is None:
                 return self._evaluate(x)
             start = time.perf_counter()
-            y = self.layers(*x)
+            y = self._compute(x)
             if self.device.type == "cuda":  # so the time is the kernels', not their launch's
                 torch.cuda.synchronize(self.device)
             end = time.perf_counter()
         with self._record:
             self._fold(before=step)
-            self._events[step, micro_batch]["forward"] = [start, end]
-        self._time_backward((step, micro_batch), y, received)
+            # By round too: with gradientAccumulation a step runs several rounds.
+            self._events[step, (round, micro_batch)]["forward"] = [start, end]
+        self._time_backward((step, (round, micro_batch)), y, received)
         # The master is CPU-only: the last stage hands back CPU tensors.
         return _to_cpu(y) if self.last else y
+
+    def _compute(self, x: tuple[Any, ...], recompute: bool | None = None) -> Any:
+        """The shard's forward in the job's precision; with activation checkpointing only
+        the inputs are kept and the backward recomputes the rest (torch.utils.checkpoint,
+        non-reentrant: its backward runs inside the distributed autograd engine's, where a
+        reentrant one would put the gradients outside the step's context). The last stage
+        hands float32 to the loss."""
+        recompute = self.recompute if recompute is None else recompute
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16,
+                            enabled=self.autocast is not None):  # fmt: skip
+            if recompute:
+                y = torch.utils.checkpoint.checkpoint(self.layers, *x, use_reentrant=False)
+            else:
+                y = self.layers(*x)
+        return _float32(y) if self.last and self.autocast is not None else y
 
     def _evaluate(self, x: tuple[Any, ...]) -> Any:
         self.layers.eval()
         try:
             with torch.no_grad():
-                y = self.layers(*x)
+                y = self._compute(x, recompute=False)
         finally:
             self.layers.train()
         return _to_cpu(y) if self.last else y
@@ -134,11 +166,11 @@ class Stage:
         """Backward through this shard starts when the gradient of its outputs arrives and
         ends when the autograd nodes nearest the shard's inputs have run; it is done once
         those and the nodes that send the gradient on to the previous stage have run."""
-        roots = [t.grad_fn for t in _tensors(y) if t.grad_fn is not None]
+        roots = [t.grad_fn for t in tensors(y) if t.grad_fn is not None]
         if not roots:
             self._backward_done(key)  # nothing of this micro-batch to backpropagate here
             return
-        stops = {t.grad_fn for t in _tensors(received) if t.grad_fn is not None}
+        stops = {t.grad_fn for t in tensors(received) if t.grad_fn is not None}
         for root in roots:
             root.register_prehook(lambda grads: self._note(key, "start"))
         ends = input_nodes(roots, stops)
@@ -217,6 +249,25 @@ class Stage:
             t.copy_(averaged.view_as(t))
         return time.perf_counter() - start
 
+    def gradient(self, context_id: int, name: str) -> torch.Tensor:
+        """Parameter `name`'s gradient in a step's dist-autograd context, on the CPU (zero
+        when this step gave it none)."""
+        import torch.distributed.autograd as dist_autograd
+
+        p = self.layers.get_parameter(name)
+        grad = dist_autograd.get_gradients(context_id).get(p)
+        return torch.zeros_like(p, device="cpu") if grad is None else grad.cpu()
+
+    def set_gradient(self, context_id: int, name: str, value: torch.Tensor) -> None:
+        """Replace parameter `name`'s gradient in the context, where the optimizer reads it."""
+        import torch.distributed.autograd as dist_autograd
+
+        p = self.layers.get_parameter(name)
+        grad = dist_autograd.get_gradients(context_id).get(p)
+        if grad is None:
+            raise RuntimeError(f"{name} has no gradient in this step to combine with its tie")
+        grad.copy_(value.to(grad.device))
+
     def state(self) -> dict[str, torch.Tensor]:
         """The shard's parameters and buffers under the model's own names, on the CPU."""
         return {k: v.detach().cpu() for k, v in self.layers.state_dict().items()}
@@ -239,12 +290,18 @@ class Stage:
         checkpoint.set_rng_state(state["rng"])  # e.g. dropout masks continue as they would
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _float32(value: Any) -> Any:
+    """Floating tensors of an output (a tensor, a tuple or list, a dict) as float32."""
     if isinstance(value, torch.Tensor):
-        return [value]
+        return value.float() if value.is_floating_point() else value
     if isinstance(value, tuple | list):
-        return [t for v in value for t in _tensors(v)]
-    return []
+        return type(value)(_float32(v) for v in value)
+    if isinstance(value, dict):
+        return type(value)(**{k: _float32(v) for k, v in value.items()})  # a ModelOutput too
+    return value
 
 
 def _to_cpu(value: Any) -> Any:
@@ -252,6 +309,8 @@ def _to_cpu(value: Any) -> Any:
         return value.cpu()
     if isinstance(value, tuple | list):
         return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict):  # a ModelOutput too: rebuilt as its own type
+        return type(value)(**{k: _to_cpu(v) for k, v in value.items()})
     return value
 
 

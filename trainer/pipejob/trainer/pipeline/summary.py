@@ -10,7 +10,7 @@ from pipejob.trainer.pipeline.schedule import StepResult
 from pipejob.trainer.pipeline.shards import Shards, describe, share
 from pipejob.trainer.runtime import master
 from pipejob.trainer.runtime.world import Env
-from pipejob.trainer.workloads import models
+from pipejob.trainer.workloads import metrics, models
 
 
 def stage_report(
@@ -72,10 +72,18 @@ def summarize(
         batchSize=spec.batch_size,
         imageSize=spec.image_size,
         warmupStepsExcluded=warmup,
+        gradientAccumulation=spec.gradient_accumulation,
+        precision=spec.precision,
+        activationCheckpointing=spec.activation_checkpointing,
         losses=[round(r.loss, 6) for r in results],
         firstLoss=results[0].loss,
         finalLoss=results[-1].loss,
-        samplesPerSecond=round(spec.batch_size * spec.replicas * len(measured) / seconds, 3),
+        learningRates=[r.lr for r in results],
+        gradNorms=[r.grad_norm for r in results],
+        finalGradNorm=results[-1].grad_norm,
+        clipGradNorm=spec.optimizer.clip_grad_norm,
+        samplesPerSecond=round(spec.batch_size * spec.replicas * spec.gradient_accumulation
+                               * len(measured) / seconds, 3),  # fmt: skip
         secondsPerStep=round(seconds / len(measured), 4),
         allreduceSecondsPerStep=round(
             sum(r.allreduce_seconds for r in measured) / len(measured), 4
@@ -103,13 +111,27 @@ def auto_line(s: dict[str, Any]) -> list[str]:
             f" per step, measured {measured:.3f}"]  # fmt: skip
 
 
+def recipe_line(s: dict[str, Any]) -> list[str]:
+    """The learning rate, gradient norm and clipping of the last step, and the recipe."""
+    clip = s["clipGradNorm"]
+    clipped = sum(1 for n in s["gradNorms"] if clip is not None and n > clip)
+    parts = [f"last step lr {s['learningRates'][-1]:.3g}",
+             f"gradient norm {s['finalGradNorm']:.4g}"
+             + (f" (clipped to {clip:g} in {clipped} of {s['steps']} steps)" if clip else ""),
+             s["precision"]]  # fmt: skip
+    if s["gradientAccumulation"] > 1:
+        parts.append(f"{s['gradientAccumulation']} batches per optimizer step")
+    if s["activationCheckpointing"]:
+        parts.append("activation checkpointing")
+    return ["  " + ", ".join(parts)]
+
+
 def evaluation_line(s: dict[str, Any]) -> list[str]:
     e = s.get("evaluation")
     if e is None:
         return []
-    metric = (f"accuracy {e['accuracy']:.2%}" if "accuracy" in e
-              else f"perplexity {e['perplexity']:.3f}")  # fmt: skip
-    return [f"  held-out after step {e['step']}: loss {e['loss']:.4f}, {metric}"
+    metric = "".join(f", {m}" for m in [metrics.describe(e)] if m)
+    return [f"  held-out after step {e['step']}: loss {e['loss']:.4f}{metric}"
             f" ({e['samples']} samples)"]  # fmt: skip
 
 
@@ -127,6 +149,7 @@ def render(summary: dict[str, Any]) -> str:
         f"  final loss {s['finalLoss']:.4f}; {s['samplesPerSecond']:.1f} samples/s,"
         f" {s['secondsPerStep']:.3f} s/step"
         + (" (step 1 is warm-up, left out)" if s["warmupStepsExcluded"] else ""),
+        *recipe_line(s),
         *auto_line(s),
         *evaluation_line(s),
         f"  {'stage':<8} {'layers':<38} {'cost':>5} {'fwd s/step':>10} {'bwd s/step':>10}"

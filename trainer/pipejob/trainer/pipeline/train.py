@@ -33,8 +33,9 @@ from pipejob.trainer.runtime import (
     profiling,
     world,
 )
+from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
-from pipejob.trainer.workloads import data, models
+from pipejob.trainer.workloads import cut, data, metrics, models
 from pipejob.trainer.workloads.metrics import Tally
 
 
@@ -93,25 +94,38 @@ def train(env: Env) -> dict[str, Any]:
     evaluations: list[dict[str, Any]] = []
     started = time.perf_counter()
     board.phase("training")
-    samples = spec.batch_size * spec.replicas  # per step
+    samples = spec.batch_size * spec.replicas * spec.gradient_accumulation  # per step
+    events = Events(spec.logging.tensorboard if spec.logging else None, first)
     try:
         for step in range(first, steps):
-            batch_inputs, batch_labels = feed.batch()
+            batch_inputs, batch_labels = step_batch(feed, spec.gradient_accumulation)
             with profiling.window(env, profile, step + 1, every) as rpc_calls, rpc_calls():
                 result = pipelines.step(batch_inputs, batch_labels, m, step, loss)
             results.append(result)
             seconds = result.pipeline_seconds + result.optimizer_seconds
-            board.step(step + 1, result.loss, seconds, samples)
+            board.step(step + 1, result.loss, seconds, samples, lr=result.lr,
+                       grad_norm=result.grad_norm)  # fmt: skip
+            events.scalars(step + 1, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
+                           samples_per_second=samples / seconds)  # fmt: skip
             if checkpoint.due(spec, step + 1):
                 save_checkpoint(env, step + 1, pipelines, feed, shards)
+                events.flush()
             if (step + 1) % spec.log_every == 0 or step + 1 == steps:
                 rate = samples / seconds
                 world.log(env, f"step {step + 1}/{steps}  loss {result.loss:.4f}"
-                               f"  {rate:.1f} samples/s")  # fmt: skip
-                board.stages(*stage_report(names, pipelines.timings(), step, result))
+                               f"  {rate:.1f} samples/s  lr {result.lr:.3g}"
+                               f"  grad norm {result.grad_norm:.4g}")  # fmt: skip
+                bubble, times = stage_report(names, pipelines.timings(), step, result)
+                board.stages(bubble, times)
+                events.scalars(step + 1, bubble=bubble)
             if held is not None and evaluation_due(spec, step + 1):
                 evaluations.append(evaluate(env, pipelines, held, m, loss, step + 1))
+                figures = evaluations[-1]
+                events.scalars(step + 1, eval_loss=figures["loss"],
+                               eval_accuracy=figures.get("accuracy"),
+                               eval_perplexity=figures.get("perplexity"))  # fmt: skip
     finally:
+        events.close()
         feed.close()
         if held is not None:
             held.close()
@@ -129,6 +143,14 @@ def train(env: Env) -> dict[str, Any]:
     return summary
 
 
+def step_batch(feed: data.Feed, batches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's samples: `batches` batches of the feed (gradientAccumulation), joined."""
+    if batches == 1:
+        return feed.batch()
+    inputs, labels = zip(*(feed.batch() for _ in range(batches)), strict=True)
+    return torch.cat(inputs), torch.cat(labels)
+
+
 def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                loss: workloads.Loss) -> None:  # fmt: skip
     """Fail before the first step, saying both shapes, when the data does not fit the
@@ -144,7 +166,7 @@ def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
     try:
         loss(outputs, labels[:2])
     except Exception as e:
-        got = ", ".join(shape(t) for t in (outputs if isinstance(outputs, tuple) else (outputs,)))
+        got = ", ".join(shape(t) for t in cut.tensors(outputs))  # a dict's, a ModelOutput's
         raise ValueError(
             f"spec.data: the model's output {got} does not fit the labels"
             f" {shape(labels[:2])} in spec.loss: {type(e).__name__}: {e}"
@@ -169,17 +191,14 @@ def evaluate(env: Env, pipelines: Replicas, held: data.HeldOut, micro_batches: i
     for inputs, labels in held.batches(env.spec.eval.batches):
         tally.add(pipeline.forward(inputs, micro_batches, None), labels, loss)
     figures = {"step": step, **tally.result()}
-    metric = (
-        ("accuracy", f"accuracy {figures['accuracy']:.2%}")
-        if "accuracy" in figures
-        else ("perplexity", f"perplexity {figures['perplexity']:.3f}")
-    )
+    metric = "".join(f", {m}" for m in [metrics.describe(figures)] if m)
     world.log(
         env,
-        f"eval step {step}: loss {figures['loss']:.4f}, {metric[1]} on"
+        f"eval step {step}: loss {figures['loss']:.4f}{metric} on"
         f" {figures['samples']} held-out samples ({time.perf_counter() - start:.1f}s)",
     )
-    monitor.board().evaluated(step, figures["loss"], **{metric[0]: figures[metric[0]]})
+    monitor.board().evaluated(step, figures["loss"], accuracy=figures.get("accuracy"),
+                              perplexity=figures.get("perplexity"))  # fmt: skip
     return figures
 
 
@@ -191,7 +210,8 @@ def write_output(env: Env, pipelines: Replicas, shards: Shards,
     assert spec.output is not None
     about = model_output.info(env.kind, env.job, spec, spec.steps, evaluation)
     states = pipelines.pipelines[0].each("state")
-    paths = model_output.write(spec.output.path, spec.output.format, states, shards.rest, about)
+    paths = model_output.write(spec.output.path, spec.output.format, states, shards.rest, about,
+                               shards.config)  # fmt: skip
     world.log(env, f"model written: {', '.join(str(p) for p in paths)}")
 
 
@@ -214,7 +234,10 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, feed: data.Feed,
         )  # fmt: skip
         for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True))
     ]
-    own = {"rng": checkpoint.rng_state(), "data": feed.state(), "rest": shards.rest}
+    own = {"rng": checkpoint.rng_state(), "data": feed.state(), "rest": shards.rest,
+           "config": shards.config}  # fmt: skip
+    if pipelines.loss_scale is not None:
+        own["lossScale"] = pipelines.loss_scale.state()
     files = [checkpoint.save_part(directory, "master.pt", own), *torch.futures.wait_all(saving)]
     checkpoint.write_manifest(
         root, step, files, kind=env.kind, job=env.job, model=models.as_spec(env.spec.model),
@@ -272,6 +295,8 @@ def resume(
             loading.append(rpc.rpc_async(name, on_stage, args=args))
     own = found.load("master.pt")
     checkpoint.set_rng_state(own["rng"])
+    if pipelines.loss_scale is not None and "lossScale" in own:
+        pipelines.loss_scale.load(own["lossScale"])
     feed.load_state(own["data"])
     torch.futures.wait_all(loading)
     world.log(env, f"resumed from step {found.step} ({found.directory})")

@@ -4,6 +4,7 @@ Also the lines and summary fields both kinds' masters share."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,10 @@ from pipejob.trainer.runtime import rendezvous, world
 from pipejob.trainer.runtime.world import Env
 
 Summary = dict[str, Any]
+
+# torch logs the traceback of a failed shutdown barrier (a peer gone) and then raises it: the
+# raise is enough, said in one line by __main__. This logger logs nothing else.
+logging.getLogger("torch.distributed.rpc.api").disabled = True
 
 
 def drive(env: Env, train: Callable[[Env], Summary]) -> Summary:

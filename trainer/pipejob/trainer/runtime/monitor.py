@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
-from pipejob.core.contract import PHASES, PreflightResult, Progress
+from pipejob.core.contract import HEARTBEAT_PATH, PHASES, PreflightResult, Progress
 
 
 class Board:
@@ -31,6 +33,10 @@ class Board:
         self._loss = gauge("pipejob_loss", "Loss of the last completed step.")
         self._rate = gauge("pipejob_samples_per_second", "Samples per second of the last step.")
         self._seconds = gauge("pipejob_step_seconds", "Wall seconds of the last step.")
+        self._lr = gauge("pipejob_learning_rate", "Learning rate of the last optimizer step.")
+        self._grad_norm = gauge(
+            "pipejob_grad_norm", "Global L2 norm of the last step's gradients, before clipping."
+        )
         self._bubble = gauge(
             "pipejob_bubble_ratio", "Idle share of stage time in the last measured step."
         )
@@ -43,6 +49,9 @@ class Board:
         )  # fmt: skip
         self._steps.set(steps)
         self._evals: dict[str, Gauge] = {}
+        self.longest_step = 0.0  # wall seconds of the slowest step so far (the watchdog's)
+        # Answers a member's heartbeat (runtime/watchdog.py sets it on the master).
+        self.on_heartbeat: Callable[[Any], dict[str, Any]] | None = None
 
     def progress(self) -> dict[str, Any]:
         with self._lock:
@@ -64,13 +73,20 @@ class Board:
             self._progress = replace(self._progress, resumedFromStep=step, step=step)
         self._step.set(step)
 
-    def step(self, step: int, loss: float, seconds: float, samples: int) -> None:
-        """A completed step: `samples` trained in `seconds` of wall time."""
+    def step(self, step: int, loss: float, seconds: float, samples: int,
+             lr: float | None = None, grad_norm: float | None = None) -> None:  # fmt: skip
+        """A completed step: `samples` trained in `seconds` of wall time, with learning rate
+        `lr` and global gradient norm `grad_norm` where known."""
         rate = samples / seconds if seconds > 0 else None
         with self._lock:
             self._progress = replace(self._progress, step=step, loss=_finite(loss),
-                                     samplesPerSecond=rate)  # fmt: skip
+                                     samplesPerSecond=rate, learningRate=_finite(lr),
+                                     gradNorm=_finite(grad_norm))  # fmt: skip
         self._step.set(step)
+        for gauge, value in ((self._lr, lr), (self._grad_norm, grad_norm)):
+            if _finite(value) is not None:
+                gauge.set(value)
+        self.longest_step = max(self.longest_step, seconds)
         if _finite(loss) is not None:
             self._loss.set(loss)
         self._seconds.set(seconds)
@@ -143,6 +159,19 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, "text/plain", b"not found: try /progress or /metrics\n")
 
+    def do_POST(self) -> None:  # noqa: N802 (the http.server API)
+        answer = self.board.on_heartbeat
+        if self.path.split("?", 1)[0] != HEARTBEAT_PATH or answer is None:
+            self._send(404, "text/plain", b"not found\n")
+            return
+        try:
+            length = min(int(self.headers.get("Content-Length") or 0), 4096)
+            report = json.loads(self.rfile.read(length) or b"null")
+        except ValueError:
+            self._send(400, "text/plain", b"a heartbeat is a JSON object\n")
+            return
+        self._send(200, "application/json", json.dumps(answer(report)).encode())
+
     def _send(self, code: int, content_type: str, body: bytes) -> None:
         self.send_response(code)
         self.send_header("Content-Type", content_type)
@@ -154,13 +183,23 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # a poll every few seconds is not news
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up before its answer (a member's heartbeat timing out on a busy
+        node) is no error of the server's; anything else still prints its traceback."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class Server:
     """The board's HTTP endpoint, in a daemon thread."""
 
     def __init__(self, board: Board, port: int, host: str = "0.0.0.0"):
         handler = type("Handler", (_Handler,), {"board": board})
         try:
-            self.httpd = ThreadingHTTPServer((host, port), handler)
+            self.httpd = _HTTPServer((host, port), handler)
         except OSError as e:
             raise OSError(f"cannot serve /progress and /metrics on port {port}: {e}") from None
         self.httpd.daemon_threads = True

@@ -10,7 +10,7 @@ import socket
 import time
 from datetime import timedelta
 
-from pipejob.trainer.runtime import tuning
+from pipejob.trainer.runtime import failures, tuning
 from pipejob.trainer.runtime.world import Env, RendezvousError, log
 
 # The RPC timeout for ordinary calls once the world has formed.
@@ -79,6 +79,7 @@ def join_rpc(env: Env, device_maps: dict[str, dict[int, int]] | None = None,
         wait_reachable(env.master_addr, env.master_port, deadline, "the master's rendezvous", env)
     # During init the store timeout is the RPC timeout: give the whole world the time left.
     left = max(1.0, deadline - time.monotonic())
+    failures.say_remote_errors_in_one_line()
     try:
         rpc.init_rpc(
             env.rpc_name,

@@ -4,16 +4,19 @@ trainer start before torch loads.
 Each lever is measured (benchmarks/compare.py and the issue-6 note):
 - threads: intra-op threads of a compute role = twice its share of its host's CPUs (the
   compute processes of the world on its host split them; the local runner puts the whole
-  world on one host), at most all of them. Oversubscribing on purpose lets a stage that is
-  busy use the cores of one that waits in the pipeline's bubble (2 stages on 2 cores, m=2:
-  60 samples/s with 2 threads each against 55 with 1, load 2-3). A pod with a CPU limit
-  counts its quota, which torch's default ignores. A light role (the pipeline master) sharing a host
-  with compute roles gets one thread. Set through OMP_NUM_THREADS before torch
-  loads: OpenMP reads it once, and it is the only bound that reaches the threads torch does
-  not initialise itself (the RPC agent's workers run the stages' forwards). Where compute
-  processes share cores, OpenMP's threads also sleep rather than spin while they wait
-  (OMP_WAIT_POLICY=PASSIVE): a spinning team whose other thread was preempted burns its core
-  (3.4x the CPU and 3.3x the time per batch measured for a 2-thread process on a shared host).
+  world on one host), at most all of them. The CPUs are those the process may run on, its
+  affinity (taskset, a cpuset, Kubernetes' static CPU manager), not the machine's count: 2
+  stages pinned to 2 of 16 cores get 2 threads each, on all 16 they get 16. Oversubscribing
+  on purpose lets a stage that is busy use the cores of one that waits in the pipeline's
+  bubble (2 stages on 2 cores, m=2: 60 samples/s with 2 threads each against 55 with 1, load
+  2-3). A pod with a CPU limit counts its quota, which torch's default ignores. A light role
+  (the pipeline master) sharing a host with compute roles gets one thread. Set through
+  OMP_NUM_THREADS before torch loads: OpenMP reads it once, and it is the only bound that
+  reaches the threads torch does not initialise itself (the RPC agent's workers run the
+  stages' forwards). Where compute processes share cores, OpenMP's threads also sleep rather
+  than spin while they wait (OMP_WAIT_POLICY=PASSIVE): a spinning team whose other thread
+  was preempted burns its core (3.4x the CPU and 3.3x the time per batch measured for a
+  2-thread process on a shared host).
 - allocator: glibc hands freed activation memory back to the kernel and faults it in again
   on every micro-batch, the more so with one arena per thread. One arena, a trim threshold
   of 1 GiB and a fixed mmap threshold of 32 MiB keep it in the process (a stage's page faults

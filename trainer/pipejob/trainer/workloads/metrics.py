@@ -1,5 +1,12 @@
-"""The default loss and the held-out figures: loss, and accuracy for classification or
-perplexity for a language model."""
+"""The default loss and the held-out figures: loss, and accuracy for classification, or
+per-token accuracy and perplexity for a language model, whatever model made the logits.
+
+What the figures are follows the shapes, not the model's name: labels with one class id per
+sample (batch,) against logits (batch, classes) is classification; labels with one token id
+per position (batch, length) against logits (batch, length, vocabulary) is language
+modelling. A model's output is its logits when it is a tensor, or the `logits` of a dict (a
+Hugging Face ModelOutput). A figure that cannot be computed (a tuple output, a user's loss
+over other shapes) is left out, never shown as 0."""
 
 from __future__ import annotations
 
@@ -12,39 +19,86 @@ import torch.nn.functional as F
 CLASSIFICATION, LANGUAGE = "classification", "language"
 
 
-def cross_entropy(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def logits(outputs: Any) -> torch.Tensor | None:
+    """The model's logits: the output itself, or a dict's (ModelOutput's) `logits`."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, dict) and isinstance(outputs.get("logits"), torch.Tensor):
+        return outputs["logits"]
+    return None
+
+
+def cross_entropy(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
     """The mean over samples, or over tokens when every position has a label (outputs
-    (batch, length, vocab), labels (batch, length))."""
-    if outputs.dim() > 2:
-        return F.cross_entropy(outputs.flatten(0, -2), labels.flatten())
-    return F.cross_entropy(outputs, labels)
+    (batch, length, vocab), labels (batch, length)); of the logits (see `logits`)."""
+    scores = logits(outputs)
+    if scores is None:
+        raise TypeError(
+            "the default loss (cross-entropy) needs logits: a tensor or a dict with 'logits',"
+            f" not a {type(outputs).__name__}; give spec.loss"
+        )
+    if scores.dim() > 2:
+        return F.cross_entropy(scores.flatten(0, -2), labels.flatten())
+    return F.cross_entropy(scores, labels)
+
+
+def task_of(outputs: Any, labels: torch.Tensor) -> str | None:
+    """LANGUAGE, CLASSIFICATION or None (neither can be told), from the shapes."""
+    scores = logits(outputs)
+    if scores is None or scores.dim() != labels.dim() + 1:
+        return None
+    if scores.shape[:-1] != labels.shape or labels.is_floating_point():
+        return None
+    return LANGUAGE if labels.dim() >= 2 else CLASSIFICATION
 
 
 class Tally:
     """Held-out figures summed over batches; every loss is taken as a mean over its batch's
-    samples (tokens, for a language model), so sums weight it by their count."""
+    samples (tokens, for a language model), so sums weight it by their count. `task` is
+    what the data says (a token file is language); the shapes of the first batch decide
+    where they tell."""
 
     def __init__(self, task: str):
         self.task = task
         self.loss = 0.0
         self.count = 0  # samples, or tokens
         self.correct = 0
+        self.scored = 0  # samples or tokens whose prediction could be compared
         self.samples = 0
+        self._told: str | None = None
 
     def add(self, outputs: Any, labels: torch.Tensor, loss: Any) -> None:
+        told = task_of(outputs, labels)
+        if self._told is None and told is not None:
+            self._told = self.task = told
         n = labels.numel() if self.task == LANGUAGE else len(labels)
         self.loss += float(loss(outputs, labels)) * n
         self.count += n
         self.samples += len(labels)
-        if isinstance(outputs, torch.Tensor) and outputs.dim() == labels.dim() + 1:
-            self.correct += int((outputs.argmax(-1) == labels).sum())
+        if told is not None:
+            scores = logits(outputs)
+            assert scores is not None
+            self.correct += int((scores.argmax(-1) == labels).sum())
+            self.scored += labels.numel()
 
     def result(self) -> dict[str, Any]:
-        """loss, accuracy (classification) or perplexity (language), samples."""
+        """loss, accuracy where predictions could be compared, perplexity (language),
+        samples."""
         mean = self.loss / max(self.count, 1)
         figures: dict[str, Any] = {"loss": round(mean, 6), "samples": self.samples}
+        if self.scored:
+            figures["accuracy"] = round(self.correct / self.scored, 6)
         if self.task == LANGUAGE:
             figures["perplexity"] = round(math.exp(min(mean, 700.0)), 4)
-        else:
-            figures["accuracy"] = round(self.correct / max(self.count, 1), 6)
         return figures
+
+
+def describe(figures: dict[str, Any]) -> str:
+    """The figures besides the loss as a log line says them: "perplexity 12.345, accuracy
+    41.20%" (a language model), "accuracy 93.75%", or "" when none could be computed."""
+    shown = []
+    if "perplexity" in figures:
+        shown.append(f"perplexity {figures['perplexity']:.3f}")
+    if "accuracy" in figures:
+        shown.append(f"accuracy {figures['accuracy']:.2%}")
+    return ", ".join(shown)

@@ -132,9 +132,10 @@ def _tokens(spec: PipelineSpec, split: str) -> tuple[Any, str] | None:
         return None
     path, field = found
     t = spec.model.transformer
-    if t is None:
-        raise DataError("spec.data.tokens needs spec.model.transformer: its seqLen sets the"
-                        " windows and its vocabSize bounds the token ids")  # fmt: skip
+    seq_len = tokens.seq_len or (t.seq_len if t is not None else None)
+    if seq_len is None:
+        raise DataError("spec.data.tokens.seqLen is required: only the built-in transformer"
+                        " has a seqLen of its own")  # fmt: skip
     if tokens.dtype not in TOKEN_DTYPES:
         raise DataError(f"spec.data.tokens.dtype: {tokens.dtype!r} is not one of"
                         f" {sorted(TOKEN_DTYPES)}")  # fmt: skip
@@ -145,13 +146,13 @@ def _tokens(spec: PipelineSpec, split: str) -> tuple[Any, str] | None:
     if size % itemsize:
         raise DataError(f"{field}: {path!r} holds {size:,} bytes, not a multiple of"
                         f" {itemsize} ({tokens.dtype} token ids): is dtype right?")  # fmt: skip
-    dataset = TokenWindows(path, tokens.dtype, t.seq_len)
-    if dataset.tokens < t.seq_len + 1:
+    dataset = TokenWindows(path, tokens.dtype, seq_len)
+    if dataset.tokens < seq_len + 1:
         raise DataError(f"{field}: {path!r} holds {dataset.tokens:,} tokens, fewer than one"
-                        f" window of seqLen + 1 = {t.seq_len + 1}")  # fmt: skip
+                        f" window of seqLen + 1 = {seq_len + 1}")  # fmt: skip
     largest = _largest_token(path, tokens.dtype, stat.st_size, stat.st_mtime_ns)
-    if largest >= t.vocab_size:
+    if t is not None and largest >= t.vocab_size:  # another model's vocabulary is its own
         raise DataError(f"{field}: {path!r} holds token id {largest:,}, outside"
                         f" spec.model.transformer.vocabSize {t.vocab_size:,}")  # fmt: skip
     return dataset, (f"tokens {path}: {dataset.tokens:,} {tokens.dtype} tokens,"
-                     f" {len(dataset):,} windows of {t.seq_len + 1}")  # fmt: skip
+                     f" {len(dataset):,} windows of {seq_len + 1}")  # fmt: skip

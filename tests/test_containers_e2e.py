@@ -1,0 +1,199 @@
+"""End to end in containers: the unmodified operator and the API server emulator, with the
+container-kubelet running the operator's pods as docker containers of the trainer image
+built from this checkout, on a bridge network of the test's own. This is what users run:
+the image's entry point, pod DNS from the headless Service, uid 10001 with every capability
+dropped, volumes, termination messages.
+
+Jobs are cut down for 2 CPU cores (tiny images, few steps)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness import jobs
+from harness.client import Api
+from harness.container_kubelet import ContainerKubelet
+
+# The timeout bounds each test; the images fixture bounds its own build (scripts/images.sh).
+pytestmark = pytest.mark.timeout(600, func_only=True)
+
+NS = "default"
+PIPELINE = ("resnet50-pipeline.yaml", {"stages": 2, "imageSize": 32, "batchSize": 4,
+            "microBatches": 2, "numClasses": 10, "steps": 3, "logEvery": 1})  # fmt: skip
+HYBRID = ("hybrid.yaml", {"steps": 10, "datasetSize": 512, "logEvery": 1})
+CLAIM = "results"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom-model"
+
+
+def claim(api: Api, name: str = CLAIM) -> dict:
+    return api.create("v1/persistentvolumeclaims", {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
+    }, NS)  # fmt: skip
+
+
+def on_claim(mount: str = "/data", name: str = CLAIM) -> dict:
+    """A job's template mounting the claim at `mount`."""
+    return {"volumes": [{"name": "shared", "persistentVolumeClaim": {"claimName": name}}],
+            "volumeMounts": [{"name": "shared", "mountPath": mount}]}  # fmt: skip
+
+
+def start(api: Api, example: tuple[str, dict], **spec) -> str:
+    job = jobs.create(api, jobs.example(example[0], **(example[1] | spec)))
+    return job["metadata"]["name"]
+
+
+def all_stopped(api: Api, node: ContainerKubelet) -> None:
+    api.wait("every container to have stopped", lambda: not node.running(), 60)
+
+
+@pytest.fixture(autouse=True)
+def _clock(request: pytest.FixtureRequest):
+    """Prints each test's time (`pytest -s`), for the images' notes."""
+    start = time.monotonic()
+    yield
+    print(f"\n[container test time] {request.node.name}: {time.monotonic() - start:.0f} s")
+
+
+def test_a_pipeline_job_trains_in_containers_evaluates_and_writes_its_output_on_a_volume(
+    cluster, container_kubelet, operator
+):
+    api, node = cluster.api, container_kubelet
+    claim(api)
+    name = start(api, PIPELINE, eval={"everySteps": 3}, output={"path": "/data/out"},
+                 template=on_claim())  # fmt: skip
+    done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=300)
+    assert done["status"]["restarts"] == 0
+    master = api.get("v1/pods", f"{name}-master-0", NS)
+    terminated = master["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert terminated["exitCode"] == 0 and terminated["containerID"].startswith("docker://")
+    log = node.logs(NS, f"{name}-master-0")
+    assert "step 3/3" in log and "eval" in log.lower()
+    out = node.claim_dir(NS, CLAIM) / "out"
+    assert (out / "model.safetensors").stat().st_size > 0
+    assert json.loads((out / "model.json").read_text())
+    # Written by the pods' user, uid 10001 (the image's), not root.
+    assert (out / "model.safetensors").stat().st_uid == 10001
+    all_stopped(api, node)
+
+
+def test_a_hybrid_job_trains_in_containers(cluster, container_kubelet, operator):
+    api, node = cluster.api, container_kubelet
+    name = start(api, HYBRID)
+    done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=300)
+    assert done["status"]["restarts"] == 0
+    assert "step 10/10" in node.logs(NS, f"{name}-master-0")
+    all_stopped(api, node)
+
+
+def test_a_pipeline_job_with_two_replicas_trains_in_containers(
+    cluster, container_kubelet, operator
+):
+    api, node = cluster.api, container_kubelet
+    name = start(api, PIPELINE, replicas=2)
+    done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=300)
+    assert done["status"]["restarts"] == 0 and done["status"]["replicas"] == 2
+    assert len({r.name for r in node.runs(NS)}) == 5  # the master and 2 replicas of 2 stages
+    assert "2 replicas (all-reduce" in node.logs(NS, f"{name}-master-0")
+    all_stopped(api, node)
+
+
+def test_a_killed_stage_container_recreates_the_world_which_resumes_from_its_checkpoint(
+    cluster, container_kubelet, operator
+):
+    api, node = cluster.api, container_kubelet
+    claim(api)
+    checkpoint = {"path": "/data/checkpoints", "everySteps": 2}
+    name = start(api, PIPELINE, steps=30, checkpoint=checkpoint, template=on_claim())
+    master = f"{name}-master-0"
+    api.wait("a complete checkpoint of step 2 or later on the volume",
+             lambda: "step 4/30" in node.logs(NS, master), 300)  # fmt: skip
+    first = node.run(NS, f"{name}-stage-1").pod["metadata"]["uid"]
+    node.kill(NS, f"{name}-stage-1")  # docker kill: SIGKILL, as an OOM kill would
+    done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=400)
+    assert done["status"]["restarts"] == 1
+    assert node.run(NS, f"{name}-stage-1").pod["metadata"]["uid"] != first  # a new world
+    log = node.logs(NS, master)  # both masters' logs, the second one's last
+    resumed = log.split("resumed from step ")
+    assert len(resumed) == 2 and int(resumed[1].split()[0]) >= 2, log[-3000:]
+    assert "step 30/30" in resumed[1]
+    all_stopped(api, node)
+
+
+def test_the_custom_model_example_builds_on_the_trainer_image_and_trains(
+    cluster, container_kubelet, operator, images
+):
+    api, node = cluster.api, container_kubelet
+    tag = "pipejob/custom-model:test"
+    subprocess.run(["docker", "build", "--network", "none", "-t", tag,
+                    "--build-arg", f"TRAINER_IMAGE={images.trainer}", str(EXAMPLE)],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    claim(api)
+    manifest = yaml.safe_load((EXAMPLE / "pipelinejob.yaml").read_text())
+    manifest["spec"] |= {"steps": 10, "logEvery": 5, "eval": {"everySteps": 10},
+                         "output": {"path": "/data/out"}, "data": {**manifest["spec"]["data"],
+                         "workers": 0, "args": {"size": 200}},
+                         "template": on_claim() | {"image": tag}}  # fmt: skip
+    name = jobs.create(api, manifest)["metadata"]["name"]
+    jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=300)
+    pod = api.get("v1/pods", f"{name}-master-0", NS)
+    assert pod["spec"]["containers"][0]["image"] == tag
+    assert (node.claim_dir(NS, CLAIM) / "out" / "model.safetensors").stat().st_size > 0
+    all_stopped(api, node)
+
+
+@pytest.mark.parametrize("wrong", ["missing", "operator"])
+def test_a_job_whose_image_cannot_run_the_trainer_fails_at_once_saying_why(
+    cluster, container_kubelet, operator, images, wrong
+):
+    """An image no node has, or one without the trainer (the operator's: pipejob.core but no
+    pipejob.trainer): Failed with the image named, no restart spent, nothing left running."""
+    api, node = cluster.api, container_kubelet
+    image, reason = {"missing": ("pipejob/no-such-image:dev", "ImagePullFailed"),
+                     "operator": (images.operator, "ImageLacksPipejob")}[wrong]  # fmt: skip
+    name = start(api, PIPELINE, template={"image": image})
+    done = jobs.wait_phase(api, "PipelineJob", name, "Failed", timeout=180)
+    assert done["status"]["restarts"] == 0
+    [failed] = [c for c in done["status"]["conditions"] if c["type"] == "Failed"]
+    assert failed["reason"] == reason, failed
+    assert f"image {image!r} cannot" in failed["message"], failed
+    all_stopped(api, node)
+
+
+def test_deleting_a_running_job_leaves_no_container_behind(cluster, container_kubelet, operator):
+    api, node = cluster.api, container_kubelet
+    name = start(api, HYBRID, steps=100000, logEvery=100)
+    api.wait("the job's master at step 100",
+             lambda: "step 100/" in node.logs(NS, f"{name}-master-0"), 200)  # fmt: skip
+    assert len(node.containers()) == 4
+    api.delete(jobs.resource("HybridJob"), name, NS)
+    api.wait("no pods", lambda: jobs.pods(api, name) == [], 60)
+    api.wait("no containers", lambda: node.containers() == [], 60)
+
+
+def test_the_operator_installed_from_its_chart_runs_from_its_image_and_a_job_succeeds(
+    cluster, container_kubelet, chart_operator, images
+):
+    api, node, pod = cluster.api, container_kubelet, chart_operator
+    container = pod["spec"]["containers"][0]
+    assert container["image"] == images.operator and pod["spec"]["serviceAccountName"]
+    assert "--all-namespaces" in container["args"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    # helm's release record (a Secret client-go sent as protobuf), as `helm list` reads it.
+    releases = api.list("v1/secrets", pod["metadata"]["namespace"], labelSelector="owner=helm")
+    assert [r["metadata"]["labels"]["status"] for r in releases] == ["deployed"]
+    name = start(api, PIPELINE)
+    done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=300)
+    assert done["status"]["restarts"] == 0
+    master = api.get("v1/pods", f"{name}-master-0", NS)
+    assert master["spec"]["containers"][0]["image"] == images.trainer  # the chart's trainerImage
+    operator_log = node.logs(pod["metadata"]["namespace"], pod["metadata"]["name"])
+    assert name in operator_log
+    all_stopped_but_operator = lambda: [r for r in node.running() if r.namespace == NS] == []  # noqa: E731
+    api.wait("every job container to have stopped", all_stopped_but_operator, 60)

@@ -1,0 +1,122 @@
+"""Every value the trainer keeps behind an RRef survives torch's tensor extraction.
+
+An RPC agent with CUDA devices finds the tensors of every RRef's value by pickling it
+(torch._jit_internal._extract_tensors, called from C++ when the value's future completes) and
+fails the RRef when that raises, as a Stage holding locks once did ("cannot pickle
+'_thread.RLock' object") on every GPU pipeline. A CPU agent never extracts, so this calls the
+same function on the values a real world made: a PipelineJob's stages after a training step
+and their forward outputs, and a HybridJob's parameter-server table after an update, and
+checks that each yields the tensors it holds (those torch must synchronise)."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch._jit_internal import _extract_tensors
+
+from jobrun import master_of, pipeline_job, run_world
+from pipejob.core import plan, spec
+from pipejob.runner.local import LOOPBACK, free_ports
+from pipejob.trainer import workloads
+from pipejob.trainer.hybrid.ps import Table
+from pipejob.trainer.pipeline.schedule import Pipeline, forward_backward
+from pipejob.trainer.pipeline.shards import build_shards
+from pipejob.trainer.pipeline.stage import Stage, on_stage
+from pipejob.trainer.workloads import data, models
+
+HYBRID = {
+    "apiVersion": "pipejob.dev/v1alpha1",
+    "kind": "HybridJob",
+    "metadata": {"name": "extract"},
+    "spec": {"trainers": 1, "embedding": {"numEmbeddings": 16, "dim": 4},
+             "dense": {"outFeatures": 2}, "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}},
+}  # fmt: skip
+
+
+def held(value: Any) -> list[torch.Tensor]:
+    """The tensors a value keeps, as the trainer knows them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for v in value for t in held(v)]
+    if isinstance(value, Stage):
+        return [*value.layers.parameters(), *value.layers.buffers()]
+    if isinstance(value, Table):
+        states = [s for o in value.optimizers.values() for s in o.state.values()]
+        return [*value.module.parameters(), *(t for s in states for t in s.values()
+                                              if isinstance(t, torch.Tensor))]  # fmt: skip
+    raise TypeError(f"no known tensors in a {type(value).__name__}")
+
+
+def extraction(rref: rpc.RRef) -> dict[str, Any]:
+    """Runs on the RRef's owner: what torch's extraction finds in its value, against what the
+    value holds (by identity: the very tensors whose streams must be synchronised)."""
+    value = rref.local_value()
+    found = {id(t) for t in _extract_tensors(value)}
+    expected = held(value)
+    return {"type": type(value).__name__, "held": len(expected),
+            "missing": sum(id(t) not in found for t in expected)}  # fmt: skip
+
+
+def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
+    """A real 2-stage world: the master runs one training step through the trainer's own
+    Pipeline, then asks each owner to extract its RRefs' values."""
+    if (env := master_of(rank, envs)) is None:
+        return
+    try:
+        s = env.spec
+        with data.Feed(s) as feed:
+            sample, _ = feed.sample(s.batch_size)
+            inputs, labels = feed.batch()
+        pipe = Pipeline(env.names("stage"), build_shards(s, models.build(s), sample))
+        with dist_autograd.context() as context_id:
+            forward_backward(pipe, inputs, labels, s.micro_batches, 0, context_id,
+                             workloads.loss(s))  # fmt: skip
+            pipe.settle(0, s.micro_batches)
+        stage0, name0 = pipe.stages[0], pipe.names[0]
+        # A forward output that stays on its stage (what the next stage fetches).
+        evaluation = (stage0, "forward", (inputs[:2],), pipe.rounds + 1, 0, None)
+        output = rpc.remote(name0, on_stage, args=evaluation)
+        table = rpc.remote(name0, Table, args=(spec.parse(HYBRID).settings, ["t"]))
+        rrefs = [*pipe.stages, output, table]
+        torch.save([rpc.rpc_sync(r.owner(), extraction, args=(r,)) for r in rrefs], out)
+    finally:
+        rpc.shutdown()
+
+
+@pytest.mark.timeout(200)
+def test_every_value_behind_an_rref_gives_torch_its_tensors(tmp_path):
+    job = spec.parse(pipeline_job("extract", stages=2, microBatches=2, steps=1))
+    ports = plan.Ports(*free_ports(4))
+    envs = [p.env for p in plan.plan_world(job, lambda m: LOOPBACK, ports)]
+    found = run_world(_world, envs, tmp_path / "found.pt", timeout=180)
+    assert [f["type"] for f in found] == ["Stage", "Stage", "tuple", "Table"]
+    for f in found:
+        assert f["held"] > 0 and f["missing"] == 0, f
+
+
+def test_a_stage_stepped_and_a_table_updated_in_this_process_extract_too():
+    """The same without a world, after the locks were used: a stage's turnstile and
+    conditions have had waiters, the table its lock and optimizer state."""
+    stage = Stage(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)),
+                  False, "cpu")  # fmt: skip
+    x = torch.randn(6, 3)
+    y = stage.forward((x,), 1, 0, 1)
+    y.sum().backward()
+    stage.settle(1, 1)
+    table = Table(spec.parse(HYBRID).settings, ["t"])
+    bags = table.lookup("t", torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2]))
+    bags.sum().backward()  # the hook steps the trainer's optimizer: momentum state exists
+    for value in (stage, table):
+        found = {id(t) for t in _extract_tensors(value)}
+        expected = held(value)
+        assert expected and all(id(t) in found for t in expected), type(value).__name__
+    assert table.optimizers["t"].state  # the momentum buffer was among those checked
+    # Pickled, a Stage is only what torch looks for: it is never sent or rebuilt.
+    with pytest.raises(TypeError, match="cannot be unpickled"):
+        pickle.loads(pickle.dumps(stage))

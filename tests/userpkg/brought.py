@@ -1,0 +1,136 @@
+"""Models users bring from the libraries they use, as a user's package builds them: Hugging
+Face transformers and timm, randomly initialised from configs (no download), tiny, with
+dropout off (a one-step check compares against one process, whose dropout masks would
+differ), raw or under the thinnest wrapper a user writes; a model returning a dict; and token
+windows to train the language models on."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+VOCAB, SEQ = 64, 16
+
+
+def gpt2(layers: int = 2, width: int = 32, tied: bool = True, wrapped: bool = False,
+         dropout: float = 0.0) -> nn.Module:  # fmt: skip
+    """GPT-2 with its default tied input and output embeddings."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=2, vocab_size=VOCAB,
+                        n_positions=4 * SEQ, resid_pdrop=dropout, embd_pdrop=dropout,
+                        attn_pdrop=dropout, tie_word_embeddings=tied, bos_token_id=0,
+                        eos_token_id=0)  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    return Logits(model) if wrapped else model
+
+
+def llama(layers: int = 2, width: int = 32, wrapped: bool = False) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=2 * width, vocab_size=VOCAB,
+                         max_position_embeddings=4 * SEQ, bos_token_id=0,
+                         eos_token_id=0)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    return Logits(model) if wrapped else model
+
+
+def bert(layers: int = 2, width: int = 32, classes: int = 3, wrapped: bool = False) -> nn.Module:
+    """A BERT encoder with a classification head."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=2,
+                        intermediate_size=2 * width, vocab_size=VOCAB,
+                        max_position_embeddings=4 * SEQ, num_labels=classes,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    model = BertForSequenceClassification(config)
+    return Logits(model) if wrapped else model
+
+
+class Logits(nn.Module):
+    """The wrapper users write around a Hugging Face model: token ids in, logits out."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def timm_model(name: str, classes: int = 10, **kwargs) -> nn.Module:
+    import timm
+
+    return timm.create_model(name, pretrained=False, num_classes=classes, **kwargs)
+
+
+class DictModel(nn.Module):
+    """A classifier whose forward returns a dict: logits, and features a loss may use."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())  # fmt: skip
+        self.hidden = nn.Linear(8, 16)
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = torch.tanh(self.hidden(self.features(x)))
+        return {"logits": self.head(h), "features": h}
+
+
+def dict_model(classes: int = 10) -> nn.Module:
+    return DictModel(classes)
+
+
+def logits_loss():
+    """A user's loss over what a Hugging Face model returns (a ModelOutput): per token for a
+    language model's (batch, length, vocab) logits, per sample for a classifier's."""
+
+    def loss(outputs, labels: torch.Tensor) -> torch.Tensor:
+        scores = outputs.logits if hasattr(outputs, "logits") else outputs["logits"]
+        return nn.functional.cross_entropy(scores.flatten(0, -2), labels.flatten())
+
+    return loss
+
+
+class Windows(Dataset):
+    """Seeded token windows: the input is tokens 0..SEQ-1 of window i, the label the next
+    token at each position (a language model) or, with `classes`, one class per window."""
+
+    def __init__(self, size: int, seed: int, classes: int = 0):
+        self.size, self.seed, self.classes = size, seed, classes
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        window = torch.randint(VOCAB, (SEQ + 1,), generator=g)
+        if self.classes:
+            return window[:-1], int(window[0]) % self.classes
+        return window[:-1], window[1:]
+
+
+def windows(split: str, size: int = 64, classes: int = 0) -> Windows:
+    return Windows(size, seed=0 if split == "train" else 1, classes=classes)
+
+
+class Branchy(nn.Module):
+    """A model whose own forward branches on a tensor's value: it cannot be cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3 * 32 * 32, 10), nn.Linear(3 * 32 * 32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        if x.sum() > 0:
+            return self.a(x)
+        return self.b(x)
+
+
+def branchy() -> nn.Module:
+    return Branchy()

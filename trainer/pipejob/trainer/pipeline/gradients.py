@@ -1,0 +1,167 @@
+"""A step's gradients between the backward and the optimizer's step, across every stage: the
+global L2 norm, clipping to `optimizer.clipGradNorm`, fp16's loss scale, the learning rate of
+the step, and the sum of gradientAccumulation's rounds.
+
+The gradients live in the step's distributed autograd context on each stage, where
+DistributedOptimizer's step reads them; each stage works on its own in place. The global
+norm is the norm of every stage's per-parameter norms (as torch.nn.utils.clip_grad_norm_
+computes it over the whole model): the master gathers them, and sends back the one
+coefficient every stage multiplies its gradients by. A parameter several stages hold (tied
+weights, whose copies carry the same summed gradient) counts once, as the one tensor it is in
+a single process."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch.distributed.optim import DistributedOptimizer
+from torch.distributed.rpc import RRef
+
+from pipejob.trainer.runtime.optim import clip_coefficient, set_remote_lr
+
+
+def _gradients(stage: RRef, context_id: int) -> dict[str, torch.Tensor]:
+    """A stage's gradients in a context, by parameter name (on the stage)."""
+    grads = dist_autograd.get_gradients(context_id)
+    return {n: grads[p] for n, p in stage.local_value().layers.named_parameters() if p in grads}
+
+
+def stage_norms(stage: RRef, context_id: int, unscale: float,
+                leave_out: frozenset[str] = frozenset()) -> torch.Tensor:  # fmt: skip
+    """Runs on a stage: divide its gradients by fp16's loss scale (`unscale` is 1 / scale;
+    1.0 without one) and return each one's L2 norm (in its dtype, on the CPU), but those of the
+    parameters `leave_out` names (copies another stage counts)."""
+    grads = _gradients(stage, context_id)
+    if unscale != 1.0:
+        for g in grads.values():
+            g.mul_(unscale)
+    norms = [torch.linalg.vector_norm(g, 2) for n, g in grads.items() if n not in leave_out]
+    return torch.stack(norms).cpu() if norms else torch.zeros(0)
+
+
+def scale_stage(stage: RRef, context_id: int, coefficient: float) -> None:
+    """Runs on a stage: multiply its gradients by the clipping coefficient."""
+    for g in _gradients(stage, context_id).values():
+        g.mul_(coefficient)
+
+
+# Per stage (its Stage object's id): the gradients of a step's earlier rounds.
+_held: dict[int, dict[str, torch.Tensor]] = {}
+_held_lock = threading.Lock()
+
+
+def hold_stage(stage: RRef, context_id: int) -> None:
+    """Runs on a stage: add a round's gradients to those it holds for the step."""
+    with _held_lock:
+        held = _held.setdefault(id(stage.local_value()), {})
+    for name, g in _gradients(stage, context_id).items():
+        if name in held:
+            held[name].add_(g)
+        else:
+            held[name] = g.clone()
+
+
+def release_stage(stage: RRef, context_id: int) -> None:
+    """Runs on a stage: add what it holds to the last round's gradients, in that context."""
+    with _held_lock:
+        held = _held.pop(id(stage.local_value()), {})
+    grads = _gradients(stage, context_id)
+    for name, g in held.items():
+        if name not in grads:
+            raise RuntimeError(
+                f"{name} got a gradient in an earlier batch of the step but not in its last:"
+                " gradientAccumulation needs every batch to reach the same parameters"
+            )
+        grads[name].add_(g)
+
+
+def hold(names: list[str], stages: list[RRef], context_id: int) -> None:
+    _on_every(names, stages, hold_stage, context_id)
+
+
+def release(names: list[str], stages: list[RRef], context_id: int) -> None:
+    _on_every(names, stages, release_stage, context_id)
+
+
+def _on_every(names: list[str], stages: list[RRef], function: Callable[..., Any],
+              *args: Any) -> list[Any]:  # fmt: skip
+    """Call `function(stage, *args)` on every stage at once; their results."""
+    return torch.futures.wait_all([
+        rpc.rpc_async(name, function, args=(stage, *args))
+        for name, stage in zip(names, stages, strict=True)
+    ])  # fmt: skip
+
+
+def copies(tied: list[list[tuple[int, str]]]) -> dict[int, frozenset[str]]:
+    """Per stage index, the tied parameters whose gradient another stage's copy counts (every
+    copy of a group but the first)."""
+    out: dict[int, set[str]] = {}
+    for group in tied:
+        for k, name in group[1:]:
+            out.setdefault(k, set()).add(name)
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+def global_norm(names: list[str], stages: list[RRef], context_id: int, unscale: float = 1.0,
+                leave_out: dict[int, frozenset[str]] | None = None) -> float:  # fmt: skip
+    """The L2 norm over every parameter of every stage (inf or nan when any is); `leave_out`:
+    per stage index, the names of copies counted elsewhere (`copies`)."""
+    leave_out = leave_out or {}
+    norms = torch.futures.wait_all([
+        rpc.rpc_async(name, stage_norms,
+                      args=(stage, context_id, unscale, leave_out.get(k, frozenset())))
+        for k, (name, stage) in enumerate(zip(names, stages, strict=True))
+    ])  # fmt: skip
+    return torch.linalg.vector_norm(torch.cat([n.double() for n in norms]), 2).item()
+
+
+def clip(names: list[str], stages: list[RRef], context_id: int, norm: float,
+         max_norm: float | None) -> None:  # fmt: skip
+    """Scale every stage's gradients so that their global `norm` is at most `max_norm`."""
+    coefficient = clip_coefficient(norm, max_norm)
+    if coefficient < 1.0:  # multiplying by 1.0 changes nothing: spare the round trip
+        _on_every(names, stages, scale_stage, context_id, coefficient)
+
+
+def set_lr(optimizer: DistributedOptimizer, lr: float) -> None:
+    """Give every local optimizer of a DistributedOptimizer the learning rate `lr`."""
+    torch.futures.wait_all([
+        rpc.rpc_async(local.owner(), set_remote_lr, args=(local, lr))
+        for local in optimizer.remote_optimizers
+    ])  # fmt: skip
+
+
+@dataclass
+class LossScale:
+    """fp16's dynamic loss scale, as torch.amp.GradScaler keeps it: the loss is multiplied by
+    `scale` before the backward so small gradients stay representable in fp16, and the
+    gradients divided by it before clipping and the step. A step whose gradients overflowed
+    (a non-finite norm) is skipped and the scale halved; after `interval` good steps in a
+    row it doubles."""
+
+    scale: float = 2.0**16
+    interval: int = 2000
+    good: int = 0
+
+    def update(self, norm: float) -> bool:
+        """After a step's backward: whether its gradients are finite (the step may go on)."""
+        if not math.isfinite(norm):
+            self.scale, self.good = self.scale * 0.5, 0
+            return False
+        self.good += 1
+        if self.good >= self.interval:
+            self.scale, self.good = self.scale * 2.0, 0
+        return True
+
+    def state(self) -> dict[str, float]:
+        return {"scale": self.scale, "good": self.good}
+
+    def load(self, state: dict[str, float]) -> None:
+        self.scale, self.good = float(state["scale"]), int(state["good"])

@@ -1,0 +1,195 @@
+"""The watchdog: a member that stops answering is found within a bound and named.
+
+A frozen process (SIGSTOP, a hung GPU driver call, a network partition) keeps its sockets
+open, so torch RPC calls to it fail only after RPC's own timeout (300 s), and a frozen
+master leaves everyone waiting. So every member also sends a small heartbeat over HTTP to the
+master's monitor port (core/contract.py HEARTBEAT_PATH), from a thread of its own and in
+every phase from its start to its end, independent of torch. The master names a member it
+has not heard from within the bound; a member names the master once it stops answering.
+Whoever notices says so in one line, leaves it as its termination message (`stalled: ...`)
+and exits STALLED at once (its main thread may be stuck in a call that never returns). The
+operator then restarts the world, which resumes from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from pipejob.core import contract as c
+from pipejob.trainer.runtime import monitor
+from pipejob.trainer.runtime.world import Env, log, write_termination_message
+
+# The phases after which nobody needs watching: the master is leaving anyway.
+_OVER = ("finished", "failed")
+
+
+def bound(env: Env, board: monitor.Board) -> float:
+    """Seconds of silence that make a member stalled: spec.watchdog.seconds, else
+    max(60 s, 10x the longest measured step), at most 600 s."""
+    if env.spec.watchdog is not None:
+        return float(env.spec.watchdog.seconds)
+    derived = c.WATCHDOG_FACTOR * board.longest_step
+    return min(c.WATCHDOG_CAP, max(c.WATCHDOG_FLOOR, derived))
+
+
+def interval(seconds: float) -> float:
+    """How often members beat and the master looks: about ten times per bound."""
+    return min(2.0, max(0.2, seconds / 10))
+
+
+def whom(name: str, pod: str | None, pid: int | None) -> str:
+    """A member as the watchdog names it: "stage1 (pod x-stage-1)", "stage1 (pid 4242)"."""
+    if pod:
+        return f"{name} (pod {pod})"
+    return f"{name} (pid {pid})" if pid else name
+
+
+def stall(env: Env, message: str) -> None:
+    """Say it in one line and leave at once: the main thread may never come back."""
+    line = f"{c.STALLED_PREFIX} {message}"
+    log(env, f"error: {message}")
+    write_termination_message(line)
+    monitor.board().phase("failed", line)
+    sys.stdout.flush()
+    os._exit(c.ExitCode.STALLED)
+
+
+def _me(env: Env) -> dict[str, Any]:
+    return {"member": env.rpc_name, "pod": os.environ.get(c.POD_NAME) or None,
+            "pid": os.getpid()}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A member's last heartbeat: when (monotonic), who, and where the world was then."""
+
+    at: float
+    pod: str | None
+    pid: int | None
+    phase: str
+    step: int
+
+
+class Members:
+    """The master's side: when it last heard from each member, and the verdict."""
+
+    def __init__(self, env: Env, board: monitor.Board):
+        self.env, self.board = env, board
+        self.lock = threading.Lock()
+        self.seen: dict[str, Seen] = {}
+        self.formed: float | None = None  # when training began: every member has joined
+
+    def heartbeat(self, report: Any) -> dict[str, Any]:
+        """One member's heartbeat (the monitor's HTTP thread calls this); the reply tells the
+        member where the master is and the bound it watches with."""
+        progress = self.board.progress()
+        name = report.get("member") if isinstance(report, dict) else None
+        if name in self.env.world[1:]:
+            pod, pid = report.get("pod"), report.get("pid")
+            seen = Seen(time.monotonic(), pod if isinstance(pod, str) else None,
+                        pid if isinstance(pid, int) else None, progress["phase"],
+                        progress["step"])  # fmt: skip
+            with self.lock:
+                self.seen[name] = seen
+        return {**_me(self.env), "phase": progress["phase"], "step": progress["step"],
+                "seconds": bound(self.env, self.board)}  # fmt: skip
+
+    def silent(self, now: float) -> str | None:
+        """What is wrong if a member has been silent for longer than the bound, else None.
+        A member never heard from is waited for by the rendezvous until training begins."""
+        limit = bound(self.env, self.board)
+        if self.board.progress()["phase"] == "training" and self.formed is None:
+            self.formed = now
+        with self.lock:
+            for name in self.env.world[1:]:
+                seen = self.seen.get(name)
+                if seen is not None and now - seen.at > limit:
+                    return (f"{whom(name, seen.pod, seen.pid)} stopped answering: no heartbeat"
+                            f" for {now - seen.at:.0f} s, last seen in {seen.phase} at step"
+                            f" {seen.step}")  # fmt: skip
+                if seen is None and self.formed is not None and now - self.formed > limit:
+                    into = now - self.formed
+                    return (
+                        f"{name} stopped answering: no heartbeat at all, {into:.0f} s into training"
+                    )
+        return None
+
+    def watch(self) -> None:
+        looked = time.monotonic()
+        while self.board.progress()["phase"] not in _OVER:
+            every = interval(bound(self.env, self.board))
+            time.sleep(every)
+            now = time.monotonic()
+            # Woken late, this process itself did not run (a long call holding the GIL, an
+            # overloaded node): the heartbeats queued meanwhile get a turn before any verdict.
+            starved, looked = now - looked > 3 * every, now
+            message = None if starved else self.silent(now)
+            if message is not None and self.board.progress()["phase"] not in _OVER:
+                stall(self.env, message)
+
+
+def _post(url: str, body: bytes, timeout: float) -> dict[str, Any]:
+    # No proxy: the master is in the same network, whatever HTTP_PROXY the image sets.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    with opener.open(request, timeout=timeout) as response:
+        reply = json.load(response)
+    if not isinstance(reply, dict):
+        raise ValueError("a heartbeat's reply is a JSON object")
+    return reply
+
+
+def beat(env: Env) -> None:
+    """A member's side: beat until the process ends; name the master once it has stopped
+    answering for longer than the bound (it must have answered once: before that, the
+    rendezvous waits for it, with its own deadline)."""
+    url = f"http://{env.master_addr}:{env.monitor_port}{c.HEARTBEAT_PATH}"
+    body = json.dumps(_me(env)).encode()
+    seconds = float(env.spec.watchdog.seconds if env.spec.watchdog else c.WATCHDOG_FLOOR)
+    heard: tuple[float, dict[str, Any]] | None = None
+    looked = time.monotonic()
+    while True:
+        timeout = min(10.0, max(2.0, seconds / 3))
+        # Woken late, this process itself did not run: the master gets another chance.
+        now = time.monotonic()
+        if heard is not None and now - looked > timeout + 3 * interval(seconds) + 2.0:
+            heard = (now, heard[1])
+        looked = now
+        try:
+            reply = _post(url, body, timeout)
+            heard = (time.monotonic(), reply)
+            if isinstance(reply.get("seconds"), int | float):
+                seconds = float(reply["seconds"])
+        except (OSError, ValueError):
+            silent = time.monotonic() - heard[0] if heard else 0.0
+            if heard is not None and silent > seconds:
+                last = heard[1]
+                master = whom(env.world[0], last.get("pod"), last.get("pid"))
+                stall(env, f"{master} stopped answering: no reply to heartbeats for"
+                           f" {silent:.0f} s, last seen in {last.get('phase')} at step"
+                           f" {last.get('step')}")  # fmt: skip
+        time.sleep(interval(seconds))
+
+
+def start(env: Env, board: monitor.Board | None = None) -> None:
+    """Watch the world from this process: the master (with its served `board`) listens for
+    heartbeats and judges them; every other member beats."""
+    if env.rank == 0:
+        assert board is not None
+        members = Members(env, board)
+        board.on_heartbeat = members.heartbeat
+        target = members.watch
+    else:
+        target = lambda: beat(env)  # noqa: E731
+    threading.Thread(target=target, name="pipejob-watchdog", daemon=True).start()
+    if env.rank == 0:
+        said = (f"{env.spec.watchdog.seconds} s (spec.watchdog.seconds)" if env.spec.watchdog
+                else f"max({c.WATCHDOG_FLOOR:g} s, {c.WATCHDOG_FACTOR:g}x the slowest step),"
+                f" at most {c.WATCHDOG_CAP:g} s")  # fmt: skip
+        log(env, f"watchdog: a member that stops answering for {said} fails the job")

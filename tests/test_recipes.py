@@ -45,13 +45,23 @@ LAYERS = ["fc1", "act1", "fc2", "act2", "fc3"]
 CUTS = {2: ["fc2"], 3: ["fc2", "fc3"]}
 
 
-def mlp() -> nn.Sequential:
-    """No batch statistics, no Dropout: every sample's gradient is its own."""
+def mlp(tied: bool = False) -> nn.Sequential:
+    """No batch statistics, no Dropout: every sample's gradient is its own. `tied`: fc3 shares
+    fc2's weight (as tied embeddings do), which 3 stages cut apart: the one tensor must count
+    once in the global norm, as clip_grad_norm_ counts it in one process."""
     torch.manual_seed(7)
-    return nn.Sequential(OrderedDict([
+    model = nn.Sequential(OrderedDict([
         ("fc1", nn.Linear(5, 16)), ("act1", nn.Tanh()), ("fc2", nn.Linear(16, 16)),
-        ("act2", nn.Tanh()), ("fc3", nn.Linear(16, 3)),
+        ("act2", nn.Tanh()), ("fc3", nn.Linear(16, 16 if tied else 3)),
     ])).double()  # fmt: skip
+    if tied:
+        model.fc3.weight = model.fc2.weight
+    return model
+
+
+def tied(stages: int) -> bool:
+    """The 3-stage runs train the tied model: fc2 on stage 1, fc3 on stage 2."""
+    return stages == 3
 
 
 def batches(samples: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -68,11 +78,12 @@ def _recipe_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         s = env.spec
         names = env.names("stage")
         per_replica = [names[r * s.stages : (r + 1) * s.stages] for r in range(s.replicas)]
-        traced = cut.Traced(mlp())
+        traced = cut.Traced(mlp(tied(s.stages)))
         starts = [0, *(LAYERS.index(c) for c in CUTS[s.stages]), len(LAYERS)]
         ranges = [range(a, b) for a, b in zip(starts, starts[1:], strict=False)]
-        shards = Shards(traced.units, traced.split(CUTS[s.stages]),
-                        Partition(ranges, [1.0] * len(LAYERS), 2), {})  # fmt: skip
+        stages = traced.split(CUTS[s.stages])
+        shards = Shards(traced.units, stages, Partition(ranges, [1.0] * len(LAYERS), 2), {},
+                        tied=cut.ties(stages))  # fmt: skip
         replicas = Replicas(per_replica, shards, s)
         samples = SHARE * s.replicas * s.gradient_accumulation
         results = [replicas.step(x, y, 2, step, F.cross_entropy)
@@ -95,7 +106,7 @@ def cosine_lr(step: int) -> float:
 @pytest.mark.parametrize(
     ("stages", "replicas", "accumulation"),
     [(2, 1, 1), (3, 1, 2), (2, 2, 2)],
-    ids=["2-stages", "3-stages-accumulating-2", "2-replicas-accumulating-2"],
+    ids=["2-stages", "3-stages-tied-accumulating-2", "2-replicas-accumulating-2"],
 )
 def test_a_clipped_scheduled_step_equals_one_process(tmp_path: Path, stages: int, replicas: int,
                                                      accumulation: int) -> None:  # fmt: skip
@@ -109,7 +120,7 @@ def test_a_clipped_scheduled_step_equals_one_process(tmp_path: Path, stages: int
 
     # The reference: the whole step's batch (every replica's share of every accumulated batch)
     # in one backward, clip_grad_norm_ over the whole model, the schedule's lr, one optimizer.
-    model = mlp()
+    model = mlp(tied(stages))
     o = OPTIMIZER
     optimizer = torch.optim.SGD(model.parameters(), lr=o["lr"], momentum=o["momentum"],
                                 weight_decay=o["weightDecay"])  # fmt: skip

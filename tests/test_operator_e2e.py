@@ -70,10 +70,10 @@ def test_a_stage_killed_mid_run_restarts_the_world_which_then_succeeds(cluster, 
     first_world = pod_uids(kubelet, name)
     kubelet.kill(NS, f"{name}-stage-1")  # as an OOM kill would
     done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=180)
-    assert done["status"]["restarts"] == 1
+    events = [e["message"] for e in api.list("v1/events", NS) if e["type"] == "Warning"]
+    assert done["status"]["restarts"] == 1, (done["status"], events)  # why each restart
     second_world = [uid for uid in pod_uids(kubelet, name) if uid not in first_world]
     assert len(first_world) == len(second_world) == 3  # the whole world, once
-    events = [e["message"] for e in api.list("v1/events", NS) if e["type"] == "Warning"]
     assert any(f"stage 1 (pod {name}-stage-1) failed with exit code 137" in m for m in events)
     all_stopped(api, kubelet)
 
@@ -86,7 +86,9 @@ def test_a_killed_stage_of_replica_1_restarts_the_replicated_world(cluster, kube
     assert len(first_world) == 5  # the master and 2 replicas of 2 stages
     kubelet.kill(NS, f"{name}-r1-stage-0")
     done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=200)
-    assert done["status"]["restarts"] == 1 and done["status"]["replicas"] == 2
+    events = [e["message"] for e in api.list("v1/events", NS) if e["type"] == "Warning"]
+    assert done["status"]["restarts"] == 1, (done["status"], events)  # why each restart
+    assert done["status"]["replicas"] == 2
     assert len([uid for uid in pod_uids(kubelet, name) if uid not in first_world]) == 5
     events = [e["message"] for e in api.list("v1/events", NS) if e["type"] == "Warning"]
     assert any(f"stage 0 of replica 1 (pod {name}-r1-stage-0) failed with exit code 137" in m

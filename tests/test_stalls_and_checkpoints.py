@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import datetime
 
 import pytest
 import yaml
@@ -15,7 +16,7 @@ from test_reconcile import Sim
 from pipejob.core import contract
 from pipejob.core.contract import ExitCode
 from pipejob.core.spec import API_VERSION, InvalidSpec, parse
-from pipejob.operator import crd
+from pipejob.operator import crd, reconcile
 from pipejob.operator import status as st
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,6 +57,39 @@ def test_a_pod_that_only_lost_its_peers_is_not_named_the_cause_even_if_it_ended_
     sim.reconcile()
     restarting = st.condition(sim.status, st.RESTARTING)
     assert restarting["reason"] == "Stalled" and "stage1 (pod j-stage-1)" in restarting["message"]
+
+
+BROKE = f"{contract.BROKEN_PREFIX} RuntimeError: EPIPE: broken pipe; another member failed"
+FINISHED = datetime.fromisoformat("2025-01-02T03:05:00+00:00")  # Sim.set_phase's finishedAt
+
+
+def test_a_permanent_cause_that_ends_after_its_peers_fails_the_job_without_a_restart():
+    sim = Sim(stages=2, backoffLimit=3)
+    sim.reconcile()
+    sim.run_all()
+    sim.now = FINISHED
+    for stage in ("j-stage-0", "j-stage-1"):  # they lost the master, which still runs
+        fail(sim, stage, ExitCode.TRAINING_FAILED, BROKE)
+    sim.reconcile()
+    assert sim.status["restarts"] == 0 and sim.status["phase"] != st.RESTARTING
+    cause = contract.permanent_message("ImportFailed", "training failed: ImportError: no x")
+    fail(sim, "j-master-0", ExitCode.PERMANENT, cause)
+    sim.reconcile()
+    assert sim.status["phase"] == st.FAILED and sim.status["restarts"] == 0
+    assert st.condition(sim.status, st.FAILED)["reason"] == "ImportFailed"
+
+
+def test_peers_that_lost_the_world_restart_it_when_no_cause_ends_within_the_grace():
+    sim = Sim(stages=2, backoffLimit=3)
+    sim.reconcile()
+    sim.run_all()
+    fail(sim, "j-stage-0", ExitCode.TRAINING_FAILED, BROKE)
+    sim.now = FINISHED
+    sim.reconcile()  # the others still run: the cause may yet end
+    assert sim.status["restarts"] == 0
+    sim.now = FINISHED + reconcile.CAUSE_GRACE
+    sim.reconcile()
+    assert sim.status["phase"] == st.RESTARTING and sim.status["restarts"] == 1
 
 
 def waiting(sim: Sim, pod: str, reason: str, message: str) -> None:

@@ -67,6 +67,23 @@ def test_the_master_names_a_member_silent_for_longer_than_the_bound():
                        " seen in training at step 34")  # fmt: skip
 
 
+def test_a_member_never_heard_from_is_named_once_the_preflight_passed():
+    """Every member checked in to the preflight with its heartbeats already started: one
+    silent since is frozen, whatever the master is doing (e.g. measuring what parts cost)."""
+    board = monitor.Board(10)
+    master = env_of(pipeline_job("w", stages=2), 0, watchdog=Watchdog(seconds=5))
+    members = watchdog.Members(master, board)
+    members.heartbeat({"member": "stage1", "pid": 9})
+    start = time.monotonic()
+    assert members.silent(start + 1) is None  # before the preflight: the rendezvous waits
+    board.preflight(True, "passed")
+    assert members.silent(start + 2) is None  # the clock starts now
+    members.seen["stage1"] = replace(members.seen["stage1"], at=start + 8)  # stage1 beats
+    assert members.silent(start + 8) == (
+        "stage0 stopped answering: no heartbeat at all for 6 s since the world formed"
+    )
+
+
 def test_a_member_never_heard_from_is_named_only_once_training_began():
     board = monitor.Board(10)
     master = env_of(pipeline_job("w", stages=2), 0, watchdog=Watchdog(seconds=5))
@@ -156,8 +173,10 @@ FAULTS = {
         pipeline_job("wd", stages=2, microBatches=2, batchSize=4, steps=100000,
                      watchdog={"seconds": BOUND}),
         "stage0", signal.SIGSTOP, r"^master\s*\|.*preflight: passed",
-        r"stalled: stage0 \(pid {pid}\) stopped answering: no heartbeat for \d+ s, last seen"
-        r" in (preflight|training) at step 0",
+        # Frozen before its first heartbeat reached the master, it is named without its pid.
+        r"stalled: stage0 (\(pid {pid}\) stopped answering: no heartbeat for \d+ s, last seen"
+        r" in (preflight|training) at step 0|stopped answering: no heartbeat at all for \d+ s"
+        r" since the world formed)",
     ),
     "frozen parameter server in training": (
         {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob", "metadata": {"name": "wdh"},

@@ -172,7 +172,7 @@ def _decide(
         acts.delete = [p for p in live if not st.terminated(p)]
         return _transition(acts, old, st.FAILED, permanent.reason, permanent.message, now)
     failure = _first_failure(planned, by_name, created=st.is_true(old, st.CREATED))
-    if failure is not None:
+    if failure is not None and not _cause_may_follow(failure, current, now):
         return _fail(acts, job, old, failure, live, now)
 
     # Create what is missing; a name still held by any pod (an older world being deleted,
@@ -281,6 +281,23 @@ def _first_failure(planned: list[dict], by_name: dict, created: bool) -> st.Fail
             )))  # fmt: skip
     # The first pod to fail by cause: a pod that only lost its peers comes after the others.
     return min(failures, key=lambda f: f[:3])[3] if failures else None
+
+
+# A pod that failed only because the world broke under it (a lost peer) often finishes a
+# moment before the pod that broke it: while another pod of the world still runs, wait for
+# the cause, up to CAUSE_GRACE after the first such failure, so that the job says the cause
+# and a permanent one is not retried.
+CAUSE_GRACE = timedelta(seconds=30)
+
+
+def _cause_may_follow(failure: st.Failure, current: list[dict], now: datetime) -> bool:
+    if not failure.consequence or all(st.terminated(p) for p in current):
+        return False
+    try:
+        finished = datetime.fromisoformat(failure.at.replace("Z", "+00:00"))
+    except ValueError:
+        return False
+    return now - finished < CAUSE_GRACE
 
 
 def _preemption(planned: list[dict], by_name: dict) -> st.Failure | None:

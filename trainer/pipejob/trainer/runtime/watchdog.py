@@ -83,7 +83,9 @@ class Members:
         self.env, self.board = env, board
         self.lock = threading.Lock()
         self.seen: dict[str, Seen] = {}
-        self.formed: float | None = None  # when training began: every member has joined
+        # When every member was known alive: the preflight passed (each member checked in,
+        # its heartbeats already started) or, without a preflight, training began.
+        self.formed: float | None = None
 
     def heartbeat(self, report: Any) -> dict[str, Any]:
         """One member's heartbeat (the monitor's HTTP thread calls this); the reply tells the
@@ -102,9 +104,11 @@ class Members:
 
     def silent(self, now: float) -> str | None:
         """What is wrong if a member has been silent for longer than the bound, else None.
-        A member never heard from is waited for by the rendezvous until training begins."""
+        A member never heard from is waited for by the rendezvous until `formed`."""
         limit = bound(self.env, self.board)
-        if self.board.progress()["phase"] == "training" and self.formed is None:
+        progress = self.board.progress()
+        passed = (progress.get("preflight") or {}).get("ok")
+        if self.formed is None and (passed or progress["phase"] == "training"):
             self.formed = now
         with self.lock:
             for name in self.env.world[1:]:
@@ -116,7 +120,8 @@ class Members:
                 if seen is None and self.formed is not None and now - self.formed > limit:
                     into = now - self.formed
                     return (
-                        f"{name} stopped answering: no heartbeat at all, {into:.0f} s into training"
+                        f"{name} stopped answering: no heartbeat at all for {into:.0f} s since"
+                        f" the world formed"
                     )
         return None
 

@@ -173,10 +173,11 @@ FAULTS = {
         pipeline_job("wd", stages=2, microBatches=2, batchSize=4, steps=100000,
                      watchdog={"seconds": BOUND}),
         "stage0", signal.SIGSTOP, r"^master\s*\|.*preflight: passed",
-        # Frozen before its first heartbeat reached the master, it is named without its pid.
+        # Last heard before the master's preflight began (starting), or frozen before its
+        # first heartbeat reached the master (named without its pid).
         r"stalled: stage0 (\(pid {pid}\) stopped answering: no heartbeat for \d+ s, last seen"
-        r" in (preflight|training) at step 0|stopped answering: no heartbeat at all for \d+ s"
-        r" since the world formed)",
+        r" in (starting|preflight|training) at step 0|stopped answering: no heartbeat at all"
+        r" for \d+ s since the world formed)",
     ),
     "frozen parameter server in training": (
         {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob", "metadata": {"name": "wdh"},

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.rpc import RRef
@@ -236,7 +237,6 @@ class Stage:
         dist-autograd context, where the optimizer's step reads them. Returns the seconds
         the all-reduce took."""
         import torch.distributed as dist
-        import torch.distributed.autograd as dist_autograd
 
         start = time.perf_counter()
         grads = dist_autograd.get_gradients(context_id)
@@ -252,16 +252,12 @@ class Stage:
     def gradient(self, context_id: int, name: str) -> torch.Tensor:
         """Parameter `name`'s gradient in a step's dist-autograd context, on the CPU (zero
         when this step gave it none)."""
-        import torch.distributed.autograd as dist_autograd
-
         p = self.layers.get_parameter(name)
         grad = dist_autograd.get_gradients(context_id).get(p)
         return torch.zeros_like(p, device="cpu") if grad is None else grad.cpu()
 
     def set_gradient(self, context_id: int, name: str, value: torch.Tensor) -> None:
         """Replace parameter `name`'s gradient in the context, where the optimizer reads it."""
-        import torch.distributed.autograd as dist_autograd
-
         p = self.layers.get_parameter(name)
         grad = dist_autograd.get_gradients(context_id).get(p)
         if grad is None:

@@ -142,6 +142,18 @@ def test_master_success_succeeds_the_job_and_stops_the_rest():
     assert later.create == [] and later.delete == [] and later.events == []
 
 
+def test_a_finished_replicated_world_keeps_its_replica_count_as_its_pods_go():
+    sim = started(stages=2, replicas=2)
+    assert sim.status["replicas"] == 2
+    for name in [n for n in sim.names() if "-r1-" not in n]:
+        sim.set_phase(name, "Succeeded", 0)  # replica 0 has finished, replica 1 is stopped
+    sim.reconcile()
+    assert sim.status["phase"] == "Succeeded" and sim.names() == [
+        "j-master-0", "j-r0-stage-0", "j-r0-stage-1"]  # fmt: skip
+    sim.reconcile()
+    assert sim.status["replicas"] == 2
+
+
 def test_a_failed_pod_restarts_the_whole_world():
     sim = started(stages=2)
     sim.set_phase("j-stage-1", "Failed", 137)

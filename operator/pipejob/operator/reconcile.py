@@ -84,7 +84,9 @@ def _decide(
     current = [p for p in ours if kube.restart_of(p) == restart]
     new = dict(old, restarts=restarts, roles=st.role_counts(current, kube.role_of))
     replicas = {p["metadata"]["labels"].get(kube.REPLICA_LABEL) for p in current} - {None}
-    if replicas:  # a replicated pipeline: how many copies the current world runs
+    if replicas and old.get("phase") not in st.FINISHED:
+        # A replicated pipeline: how many copies the current world runs. Once the job has
+        # finished its stopped pods go one by one, and the count stays the world's.
         new["replicas"] = len(replicas)
     new["observedGeneration"] = meta.get("generation") or old.get("observedGeneration") or 0
     acts = Actions(status=new)

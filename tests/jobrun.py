@@ -28,10 +28,11 @@ import yaml
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, workloads
-from pipejob.trainer.pipeline.schedule import Pipeline, forward_backward, join
-from pipejob.trainer.pipeline.shards import build_shards
+from pipejob.trainer.pipeline.schedule import Pipeline, forward_backward
+from pipejob.trainer.pipeline.shards import plan_shards
 from pipejob.trainer.runtime import rendezvous, world
 from pipejob.trainer.workloads import cut, data, models
+from pipejob.trainer.workloads.cut import join
 
 STARTED = re.compile(r"^pipejob: started (\S+) \(rank \d+, pid (\d+)\)$", re.M)
 
@@ -218,7 +219,7 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         with data.Feed(s) as feed:
             sample, _ = feed.sample(s.batch_size)
             inputs, labels = feed.batch()
-        shards = build_shards(s, models.build(s), sample)
+        shards = plan_shards(s, *models.build_meta(s), env.names("stage"), sample)
         pipe = Pipeline(env.names("stage"), shards, "cpu", s.precision, s.activation_checkpointing)
         with dist_autograd.context() as context_id:
             loss = forward_backward(pipe, inputs, labels, s.micro_batches, 0, context_id,

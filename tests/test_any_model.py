@@ -25,8 +25,7 @@ from userpkg import brought
 from jobrun import EXACT, TOLERANCE, assert_gradient_close, check_gradients, pipeline_job
 from pipejob.core import spec
 from pipejob.trainer.pipeline import output
-from pipejob.trainer.pipeline.schedule import join
-from pipejob.trainer.workloads.cut import Traced, unused, without_cache
+from pipejob.trainer.workloads.cut import Traced, join, unused, without_cache
 from pipejob.trainer.workloads.metrics import cross_entropy
 
 pytestmark = pytest.mark.timeout(300)

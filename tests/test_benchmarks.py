@@ -102,3 +102,41 @@ def test_replicas_compares_one_pipeline_with_two():
         assert re.search(rf"^ +{replicas} +[\d.]+ \[", out.stdout, re.M), out.stdout
     assert re.search(r"2 replicas / 1: [\d.]+x the samples per CPU-second", out.stdout)
     assert "replicas differed by at most 0\n" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(HANG + 60)
+def test_memory_prints_each_processs_peak_against_its_share_of_the_model():
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "memory.py"), "--layers", "2", "--width", "64",
+         "--heads", "4", "--stages", "2", "--timeout", str(HANG - 60)],
+        capture_output=True, text=True, timeout=HANG,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    title = r"^transformer 2 layers x width 64, .*: \d+M parameters, [\d.]+ GB"
+    assert re.search(title, out.stdout, re.M), out.stdout
+    figures = r"\s+([\d.]+)\s+([\d.]+)\s+"
+    assert re.search(rf"^  master{figures}-\s+[\d.]+x$", out.stdout, re.M), out.stdout
+    for stage in ("stage0", "stage1"):
+        row = re.search(rf"^  {stage}{figures}([\d.]+)x\s+([\d.]+)x$", out.stdout, re.M)
+        assert row and float(row[1]) > 0 and float(row[2]) >= 0, out.stdout
+    assert re.search(r"^skipped: 6 layers at 4 stages \(--large runs it\)\. The run above held",
+                     out.stdout, re.M), out.stdout  # fmt: skip
+
+
+@pytest.mark.timeout(HANG + 60)
+def test_gpu_compares_pipejob_with_one_process_on_the_cpu_when_asked():
+    """The GPU benchmark's comparison, run on the CPU with tiny workloads (CI has no GPU;
+    without one and without --device cpu it says so and measures nothing)."""
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu.py"), "--device", "cpu", "--small",
+         "--stages", "2", "--steps", "3", "--warmup", "1", "--timeout", str(HANG - 60)],
+        capture_output=True, text=True, timeout=HANG, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for workload in ("resnet18-32", "transformer-2x64"):
+        alone = re.search(rf"{workload}: one process ([\d.]+) samples/s", out.stdout)
+        piped = re.search(rf"{workload}: pipejob 2 stages ([\d.]+) samples/s \(([\d.]+)x\)",
+                          out.stdout)  # fmt: skip
+        assert alone and piped and float(alone.group(1)) > 0 and float(piped.group(1)) > 0, (
+            out.stdout
+        )

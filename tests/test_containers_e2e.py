@@ -69,7 +69,7 @@ def test_a_pipeline_job_trains_in_containers_evaluates_and_writes_its_output_on_
     name = start(api, PIPELINE, eval={"everySteps": 3}, output={"path": "/data/out"},
                  template=on_claim())  # fmt: skip
     done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=300)
-    assert done["status"]["restarts"] == 0
+    assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
     master = api.get("v1/pods", f"{name}-master-0", NS)
     terminated = master["status"]["containerStatuses"][0]["state"]["terminated"]
     assert terminated["exitCode"] == 0 and terminated["containerID"].startswith("docker://")
@@ -87,7 +87,7 @@ def test_a_hybrid_job_trains_in_containers(cluster, container_kubelet, operator)
     api, node = cluster.api, container_kubelet
     name = start(api, HYBRID)
     done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=300)
-    assert done["status"]["restarts"] == 0
+    assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
     assert "step 10/10" in node.logs(NS, f"{name}-master-0")
     all_stopped(api, node)
 
@@ -117,7 +117,7 @@ def test_a_killed_stage_container_recreates_the_world_which_resumes_from_its_che
     first = node.run(NS, f"{name}-stage-1").pod["metadata"]["uid"]
     node.kill(NS, f"{name}-stage-1")  # docker kill: SIGKILL, as an OOM kill would
     done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=400)
-    assert done["status"]["restarts"] == 1
+    assert done["status"]["restarts"] == 1, (done["status"], jobs.warnings(api))
     assert node.run(NS, f"{name}-stage-1").pod["metadata"]["uid"] != first  # a new world
     log = node.logs(NS, master)  # both masters' logs, the second one's last
     resumed = log.split("resumed from step ")
@@ -159,7 +159,7 @@ def test_a_job_whose_image_cannot_run_the_trainer_fails_at_once_saying_why(
                      "operator": (images.operator, "ImageLacksPipejob")}[wrong]  # fmt: skip
     name = start(api, PIPELINE, template={"image": image})
     done = jobs.wait_phase(api, "PipelineJob", name, "Failed", timeout=180)
-    assert done["status"]["restarts"] == 0
+    assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
     [failed] = [c for c in done["status"]["conditions"] if c["type"] == "Failed"]
     assert failed["reason"] == reason, failed
     assert f"image {image!r} cannot" in failed["message"], failed
@@ -190,7 +190,7 @@ def test_the_operator_installed_from_its_chart_runs_from_its_image_and_a_job_suc
     assert [r["metadata"]["labels"]["status"] for r in releases] == ["deployed"]
     name = start(api, PIPELINE)
     done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=300)
-    assert done["status"]["restarts"] == 0
+    assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
     master = api.get("v1/pods", f"{name}-master-0", NS)
     assert master["spec"]["containers"][0]["image"] == images.trainer  # the chart's trainerImage
     operator_log = node.logs(pod["metadata"]["namespace"], pod["metadata"]["name"])

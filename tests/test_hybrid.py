@@ -49,6 +49,12 @@ def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_p
     assert re.search(r"^master\s*\| done: 40 steps x 8 bags on 2 trainer", output, re.M), output
     assert summary["trainers"] == 2 and summary["steps"] == 40
     assert summary["samplesPerSecond"] > 0
+    # Every process's peak memory: torch alone keeps over 50 MB resident; none nears 20 GB.
+    memory = summary["memory"]
+    assert list(memory) == ["master", "ps", "trainer0", "trainer1"], memory
+    assert all(50e6 < m["rssPeakBytes"] < 20e9 for m in memory.values()), memory
+    assert re.search(r"^master\s*\| peak memory: master \d+ MB, ps \d+ MB, trainer0 \d+ MB,"
+                     r" trainer1 \d+ MB$", output, re.M), output  # fmt: skip
 
     # DDP kept the dense replicas identical, and they did train.
     assert summary["denseMaxAbsDiff"] == 0.0

@@ -21,14 +21,14 @@ from pipejob.trainer.runtime import monitor
 
 PROGRESS_KEYS = {"phase", "step", "steps", "loss", "samplesPerSecond", "bubble",
                  "learningRate", "gradNorm", "resumedFromStep", "preflight", "message",
-                 "evalStep", "evalLoss", "evalAccuracy", "evalPerplexity"}  # fmt: skip
+                 "evalStep", "evalLoss", "evalAccuracy", "evalPerplexity", "memory"}  # fmt: skip
 # Exported only once the master evaluated, each figure only when known.
 EVAL_GAUGES = {"pipejob_eval_step", "pipejob_eval_loss", "pipejob_eval_accuracy",
                "pipejob_eval_perplexity"}  # fmt: skip
 GAUGES = {"pipejob_step", "pipejob_steps", "pipejob_loss", "pipejob_samples_per_second",
           "pipejob_step_seconds", "pipejob_bubble_ratio", "pipejob_stage_forward_seconds",
           "pipejob_stage_backward_seconds", "pipejob_learning_rate",
-          "pipejob_grad_norm"}  # fmt: skip
+          "pipejob_grad_norm", "pipejob_rss_peak_bytes"}  # fmt: skip
 
 
 def get(url: str) -> tuple[int, str, str]:
@@ -65,6 +65,8 @@ def test_the_board_over_http() -> None:
         board.phase("training")
         board.step(12, loss=0.75, seconds=0.5, samples=64, lr=0.002, grad_norm=3.5)
         board.stages(0.25, {"stage0": (0.1, 0.2), "stage1": (0.05, 0.15)})
+        board.memory("master", {"rssPeakBytes": 5 << 20})
+        board.memory("stage0", {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20})
         progress = json.loads(get(base + "/progress")[2])
         assert progress == {
             "phase": "training", "step": 12, "steps": 20, "loss": 0.75,
@@ -72,12 +74,14 @@ def test_the_board_over_http() -> None:
             "resumedFromStep": 10,
             "preflight": {"ok": True, "message": "3 links"}, "message": None,
             "evalStep": None, "evalLoss": None, "evalAccuracy": None, "evalPerplexity": None,
+            "memory": {"master": {"rssPeakBytes": 5 << 20},
+                       "stage0": {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20}},
         }  # fmt: skip
 
         code, kind, text = get(base + "/metrics")
         assert code == 200 and kind.startswith("text/plain")
         got = samples(text)
-        assert {name for name, _ in got} == GAUGES
+        assert {name for name, _ in got} == GAUGES | {"pipejob_cuda_peak_bytes"}
         assert got["pipejob_step", ()] == 12 and got["pipejob_steps", ()] == 20
         assert got["pipejob_loss", ()] == 0.75 and got["pipejob_step_seconds", ()] == 0.5
         assert got["pipejob_learning_rate", ()] == 0.002 and got["pipejob_grad_norm", ()] == 3.5
@@ -85,6 +89,9 @@ def test_the_board_over_http() -> None:
         assert got["pipejob_bubble_ratio", ()] == 0.25
         assert got["pipejob_stage_forward_seconds", (("stage", "stage1"),)] == 0.05
         assert got["pipejob_stage_backward_seconds", (("stage", "stage0"),)] == 0.2
+        assert got["pipejob_rss_peak_bytes", (("member", "stage0"),)] == 7 << 20
+        assert got["pipejob_cuda_peak_bytes", (("member", "stage0"),)] == 3 << 20
+        assert ("pipejob_cuda_peak_bytes", (("member", "master"),)) not in got  # no GPU
 
         board.step(13, loss=math.nan, seconds=0.5, samples=64)  # JSON has no NaN
         assert json.loads(get(base + "/progress")[2])["loss"] is None
@@ -189,3 +196,14 @@ def test_a_running_pipeline_master_reports_progress_and_metrics(tmp_path: Path) 
         assert got["pipejob_stage_forward_seconds", (("stage", stage),)] > 0
         assert got["pipejob_stage_backward_seconds", (("stage", stage),)] > 0
     assert 0 <= got["pipejob_bubble_ratio", ()] < 1
+    # Each member's peak memory, asked for at each logged step: torch alone keeps well over
+    # 50 MB resident, and nothing in this world comes near 20 GB.
+    memory = next(r["memory"] for r in reversed(reports) if r["memory"])
+    assert set(memory) == {"master", "stage0", "stage1"}, memory
+    assert all(50e6 < m["rssPeakBytes"] < 20e9 for m in memory.values()), memory
+    # The master measures itself at once (the stages answer while training goes on), and a
+    # peak only grows.
+    assert 50e6 < got["pipejob_rss_peak_bytes", (("member", "master"),)]
+    assert (
+        got["pipejob_rss_peak_bytes", (("member", "master"),)] <= memory["master"]["rssPeakBytes"]
+    )

@@ -56,7 +56,7 @@ def test_an_example_trains_to_success(cluster, kubelet, operator, example):
     job = start(api, example)
     name, kind, steps = name_of(job), job["kind"], example[1]["steps"]
     done = jobs.wait_phase(api, kind, name, "Succeeded", timeout=180)
-    assert done["status"]["restarts"] == 0
+    assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
     master = api.get("v1/pods", f"{name}-master-0", NS)
     assert master["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
     assert f"step {steps}/{steps}" in kubelet.logs(NS, f"{name}-master-0")
@@ -133,6 +133,6 @@ def test_the_operator_killed_and_restarted_mid_job_makes_no_duplicates(cluster, 
     wait_log(api, kubelet, f"{name}-master-0", "step 10/150", timeout=60)  # training goes on
     operator.start()
     done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=120)
-    assert done["status"]["restarts"] == 0
+    assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
     assert pod_uids(kubelet, name) == world  # the same four pods, none made again
     all_stopped(api, kubelet)

@@ -34,7 +34,7 @@ OPERATOR_FAMILIES = {
 TRAINER_FAMILIES = {
     "pipejob_step", "pipejob_steps", "pipejob_loss", "pipejob_samples_per_second",
     "pipejob_step_seconds", "pipejob_bubble_ratio", "pipejob_stage_forward_seconds",
-    "pipejob_stage_backward_seconds",
+    "pipejob_stage_backward_seconds", "pipejob_rss_peak_bytes",
 }  # fmt: skip
 
 
@@ -76,7 +76,9 @@ def test_status_shows_progress_while_training_and_metrics_scrape(cluster, kubele
         assert s.get("phase") != "Succeeded", f"it finished before progress was seen: {s}"
         done = steps_done(s.get("progress"))
         seen.append(done)
-        return s if s.get("phase") == "Running" and 0 < done < steps else None
+        # Peak memory comes with each logged step, a moment after the step itself.
+        measured = "memory" in (s.get("training") or {})
+        return s if s.get("phase") == "Running" and 0 < done < steps and measured else None
 
     running = api.wait("progress between the first and the last step", midway, 150)
     # The trainer master's metrics, scraped at its pod's address as Prometheus would.
@@ -93,6 +95,10 @@ def test_status_shows_progress_while_training_and_metrics_scrape(cluster, kubele
     assert training["phase"] == "training" and training["steps"] == steps
     assert training["loss"] > 0 and training["samplesPerSecond"] > 0
     assert 0 <= training["bubble"] <= 1
+    # Each member's peak memory (the stages' answers come a moment after the master's own):
+    # the master's at least, and every figure plausible for a torch process.
+    assert "master" in training["memory"], training
+    assert all(50e6 < m["rssPeakBytes"] < 20e9 for m in training["memory"].values()), training
     preflight = next(c for c in running["conditions"] if c["type"] == "Preflight")
     assert preflight["status"] == "True" and preflight["reason"] == "PreflightPassed"
 
@@ -106,6 +112,11 @@ def test_status_shows_progress_while_training_and_metrics_scrape(cluster, kubele
     assert seen == sorted(seen) and len(set(seen)) >= 3  # it moved forward, step by step
     assert done["progress"] == f"{steps}/{steps}" and done["training"]["phase"] == "finished"
     assert done["restarts"] == 0
+    # The master's last report (its termination message) has every member's final peak.
+    assert set(done["training"]["memory"]) == {
+        "master",
+        *(f"stage{i}" for i in range(SMALL["stages"])),
+    }
 
     page = families(operator.get(operator.metrics_url).decode())
     assert OPERATOR_FAMILIES <= set(page)

@@ -16,14 +16,9 @@ from torch import nn
 from jobrun import JobRun, check_gradients, pipeline_job, run_to_end
 from pipejob.core import spec
 from pipejob.core.common import Optimizer, from_spec
-from pipejob.trainer.pipeline.stage import (
-    Stage,
-    Turnstile,
-    busy_seconds,
-    stage_devices,
-    step_seconds,
-)
+from pipejob.trainer.pipeline.stage import Stage, Turnstile, stage_devices
 from pipejob.trainer.pipeline.summary import gpipe_bubble
+from pipejob.trainer.pipeline.timing import busy_seconds, step_seconds
 from pipejob.trainer.runtime.optim import optimizer_args
 from pipejob.trainer.workloads import cut, models
 from pipejob.trainer.workloads.synthetic import SyntheticImages
@@ -37,7 +32,8 @@ def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
     assert math.isfinite(summary["finalLoss"])
     assert summary["samplesPerSecond"] > 0
     # The stages hold the whole cut model, in order, each a non-empty run of its units.
-    names = cut.Traced(models.build(spec.parse(job).settings)).units
+    model = models.build(spec.parse(job).settings)
+    names = cut.Traced(model).units
     stages = summary["partition"]
     assert [st["stage"] for st in stages] == [f"stage{i}" for i in range(s["stages"])]
     assert [n for st in stages for n in st["layers"]] == names
@@ -52,6 +48,17 @@ def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
         assert m == s["microBatches"] and summary["microBatchCandidates"] == []
     assert summary["bubble"]["gpipeIdeal"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-4)
     assert 0 < summary["bubble"]["measured"] < 1
+    # Every process's peak memory (runtime/memory.py): a stage's is above the bytes of its
+    # own parameters (it holds them, and torch), and nothing here comes near 20 GB.
+    memory = summary["memory"]
+    assert {"master", *(st["stage"] for st in stages)} <= set(memory), memory
+    assert all(50e6 < m["rssPeakBytes"] < 20e9 for m in memory.values()), memory
+    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    for st in stages:
+        own = sum(b for n, b in sizes.items()
+                  if any(n == u or n.startswith(u + ".") for u in st["layers"]))  # fmt: skip
+        assert st["peakMemory"] == memory[st["stage"]]
+        assert own < st["peakMemory"]["rssPeakBytes"], (own, st)
 
 
 # ------------------------------------------------------------------ real training worlds
@@ -71,6 +78,7 @@ def test_two_stage_pipeline_trains(tmp_path):
     for step in (1, 2, 3):
         assert f"step {step}/3  loss " in out
     assert "summary:" in out and "GPipe ideal" in out
+    assert re.search(r"peak memory besides the stages above: master \d+ MB$", out, re.M), out
     check_summary(summary, job)
 
 
@@ -212,7 +220,7 @@ def test_stage_times_forward_and_backward_of_each_micro_batch():
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
     for middle in (True, False):
-        stage = Stage(layers, last=True, device="cpu")
+        stage = Stage(layers, last=False, device="cpu")
         for step in range(2):
             for mb in range(2):
                 x = torch.randn(4, 8, requires_grad=middle)
@@ -224,7 +232,8 @@ def test_stage_times_forward_and_backward_of_each_micro_batch():
                 # Keyed by step, then (round, micro-batch): here each step is one round.
                 (key, events), *_ = [(k, v) for k, v in stage._events.items()
                                      if k == (step, (step, mb))]  # fmt: skip
-                b0, b1 = events["backward"]
+                (times,) = stage._intervals([events])
+                b0, b1 = times["backward"]
                 assert start <= b0 <= b1 <= end
         times = stage.timings()
         assert sorted(times) == [0, 1]
@@ -325,7 +334,7 @@ def test_settle_returns_once_every_micro_batch_has_backpropagated():
     """The master settles each stage before the optimizer steps: a stage in the middle of a
     pipeline (inputs with a gradient function, as received from the previous stage) counts a
     micro-batch once its gradient has gone back through every part of its shard."""
-    stage = Stage(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), last=True,
+    stage = Stage(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), last=False,
                   device="cpu")  # fmt: skip
     outputs = [stage.forward((torch.randn(4, 8, requires_grad=True) * 2,), 0, mb, 0)
                for mb in range(2)]  # fmt: skip

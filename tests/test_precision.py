@@ -33,8 +33,9 @@ from pipejob.core.workload import Transformer
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.schedule import Pipeline, Replicas, forward_backward
-from pipejob.trainer.pipeline.shards import Partition, Shards, build_shards
+from pipejob.trainer.pipeline.shards import Partition, Shards, plan_shards
 from pipejob.trainer.pipeline.stage import Stage
+from pipejob.trainer.runtime import memory
 from pipejob.trainer.workloads import cut, data, models
 from pipejob.trainer.workloads.transformer import TransformerLM
 
@@ -74,7 +75,7 @@ def _bf16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         with data.Feed(s) as feed:
             sample, _ = feed.sample(s.batch_size)
             inputs, labels = feed.batch()
-        shards = build_shards(s, models.build(s), sample)
+        shards = plan_shards(s, *models.build_meta(s), env.names("stage"), sample)
         pipe = Pipeline(env.names("stage"), shards, "cpu", s.precision)
         with dist_autograd.context() as context_id:
             loss = forward_backward(pipe, inputs, labels, s.micro_batches, 0, context_id,
@@ -158,23 +159,14 @@ def _peak_megabytes(recompute: bool) -> float:
     warm = torch.randn(1, 256, 256, requires_grad=True)  # one-time allocations: not counted
     stage._compute((warm,)).sum().backward()
     inputs = [torch.randn(4, 256, 256, requires_grad=True) for _ in range(4)]
-    # The peak from here on: Linux resets the peak resident set (VmHWM) to the current one
-    # when "5" is written to clear_refs, so whatever the process held before (imports, the
-    # warm-up) does not hide the step's own peak.
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status_kb("VmRSS")
+    # The peak from here on, so that whatever the process held before (imports, the warm-up)
+    # does not hide the step's own peak.
+    memory.reset_peak()
+    before = memory.status_kb("VmRSS")
     outputs = [stage._compute((x,)) for x in inputs]
     for y in outputs:
         y.backward(torch.ones_like(y))
-    return (_status_kb("VmHWM") - before) / 1024
-
-
-def _status_kb(field: str) -> int:
-    """A memory figure of this process from /proc/self/status, in kB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/self/status")
+    return (memory.status_kb("VmHWM") - before) / 1024
 
 
 def test_activation_checkpointing_lowers_a_stages_peak_memory():

@@ -63,6 +63,17 @@ def test_a_report_keeps_the_last_evaluation():
     assert odd == Progress.parse(REPORT)  # each counts as absent
 
 
+def test_a_report_keeps_each_members_peak_memory_and_drops_what_is_not_one():
+    memory = {"master": {"rssPeakBytes": 5 << 20},
+              "stage0": {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20}}  # fmt: skip
+    odd = {"stage1": {"rssPeakBytes": -1}, "stage2": {"rssPeakBytes": 1.5}, "stage3": "big",
+           "stage4": {"rssPeakBytes": 9, "swapBytes": 4}}  # fmt: skip
+    report = Progress.parse(REPORT | {"memory": memory | odd})
+    assert report.memory == memory | {"stage4": {"rssPeakBytes": 9}}
+    assert Progress.parse(REPORT | {"memory": ["master"]}).memory is None
+    assert Progress.parse(REPORT | {"memory": {"stage1": {"rssPeakBytes": True}}}).memory is None
+
+
 def test_unknown_or_ill_typed_figures_count_as_absent():
     odd = {"step": 1, "steps": 2, "phase": "dancing", "loss": float("nan"), "bubble": "high",
            "samplesPerSecond": True, "resumedFromStep": -3, "preflight": {"ok": "yes"},
@@ -171,6 +182,14 @@ def test_a_report_becomes_progress_and_training_figures():
     assert preflight["status"] == "True" and preflight["reason"] == "PreflightPassed"
     assert preflight["message"] == "3 links ok"
     assert status["phase"] == st.RUNNING
+
+
+def test_peak_memory_lands_in_the_training_figures():
+    manifest, pods = running()
+    memory = {"master": {"rssPeakBytes": 5 << 20},
+              "stage0": {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20}}  # fmt: skip
+    status = decide(manifest, pods, Progress.parse(REPORT | {"memory": memory}), seconds=2).status
+    assert status["training"]["memory"] == memory  # and it fits the schema (decide checks)
 
 
 def test_an_evaluation_lands_in_the_training_figures_and_stays_to_the_end():

@@ -25,7 +25,7 @@ from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid.ps import Table
 from pipejob.trainer.pipeline.schedule import Pipeline, forward_backward
-from pipejob.trainer.pipeline.shards import build_shards
+from pipejob.trainer.pipeline.shards import plan_shards
 from pipejob.trainer.pipeline.stage import Stage, on_stage
 from pipejob.trainer.workloads import data, models
 
@@ -73,7 +73,8 @@ def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         with data.Feed(s) as feed:
             sample, _ = feed.sample(s.batch_size)
             inputs, labels = feed.batch()
-        pipe = Pipeline(env.names("stage"), build_shards(s, models.build(s), sample))
+        shards = plan_shards(s, *models.build_meta(s), env.names("stage"), sample)
+        pipe = Pipeline(env.names("stage"), shards)
         with dist_autograd.context() as context_id:
             forward_backward(pipe, inputs, labels, s.micro_batches, 0, context_id,
                              workloads.loss(s))  # fmt: skip

@@ -7,9 +7,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +22,8 @@ from pipejob.core import contract as c
 from pipejob.core.common import Watchdog
 from pipejob.core.plan import plan_world
 from pipejob.core.spec import parse
-from pipejob.trainer.runtime import monitor, watchdog
+from pipejob.runner.local import free_ports
+from pipejob.trainer.runtime import calls, monitor, watchdog
 from pipejob.trainer.runtime.failures import lost_peer, one_line
 from pipejob.trainer.runtime.world import read_env
 
@@ -117,6 +122,95 @@ def test_heartbeats_travel_over_http_to_the_masters_monitor():
         server.close()
 
 
+def test_the_master_names_whom_it_waits_on_once_no_call_ended_for_longer_than_the_bound():
+    """Every member still beats, but the call the master waits on never ends: the world is
+    stuck, and the oldest outstanding call says on whom."""
+    board = monitor.Board(10)
+    master = env_of(pipeline_job("w", stages=2), 0, watchdog=Watchdog(seconds=5))
+    ledger = calls.Ledger()
+    members = watchdog.Members(master, board, ledger)
+    board.preflight(True, "passed")
+    board.phase("training")
+    board.step(34, loss=1.0, seconds=0.1, samples=8)
+    members.heartbeat({"member": "stage0", "pid": 8, "ended": 40})
+    members.heartbeat({"member": "stage1", "pod": "w-stage-1", "pid": 9, "ended": 40})
+
+    def beating(at: float) -> float:  # both members beat, their served counts unchanged
+        for name in ("stage0", "stage1"):
+            members.seen[name] = replace(members.seen[name], at=at)
+        return at
+
+    start = time.monotonic()
+    members.silent(start)  # the world formed
+    assert members.stuck(start) is None  # the first look: progress as it is now
+    assert members.stuck(beating(start + 6)) is None  # waiting on nobody: not judged
+    ledger.begin(("stage1",), "on_stage forward")
+    ledger.begin(("stage0",), "on_stage settle")
+    # The clock runs from the last look at a master waiting on nobody.
+    assert members.stuck(beating(start + 7)) is None
+    assert members.stuck(beating(start + 11)) is None  # within the bound
+    assert members.stuck(beating(start + 12.4)) == (
+        "no progress for 6 s in training at step 34: waiting on stage1 (pod w-stage-1) for"
+        " on_stage forward (called 12 s ago); also on stage0 (pid 8)"
+    )
+    members.heartbeat({"member": "stage0", "pid": 8, "ended": 41})  # stage0 served a call
+    assert members.stuck(beating(start + 13)) is None  # progress: the clock starts again
+    members.seen["stage0"] = replace(members.seen["stage0"], at=start + 13)
+    # stage0 falls silent: `silent` names it as not answering once the bound has passed.
+    assert members.stuck(start + 19) is None
+
+
+def test_a_master_that_takes_heartbeats_without_answering_is_told_from_one_not_started():
+    """A frozen master's monitor still accepts connections (the kernel does), so a heartbeat
+    times out; a master not started yet refuses them. Only the first counts as silence for
+    a member that never heard the master."""
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()  # accepts, never answers: frozen
+    closed = free_ports(1)[0]  # nothing listens: not started
+    try:
+        for port, frozen in ((listening.getsockname()[1], True), (closed, False)):
+            with pytest.raises(OSError) as e:
+                watchdog._post(f"http://127.0.0.1:{port}{c.HEARTBEAT_PATH}", b"{}", timeout=1)
+            assert watchdog._timed_out(e.value) is frozen, e.value
+    finally:
+        listening.close()
+
+
+def test_the_calls_a_master_makes_and_serves_are_counted_and_the_open_ones_kept(tmp_path):
+    """Over a real RPC agent (a world of one, calling itself): each call made and each
+    served counts once when it ends; one that has not ended is outstanding."""
+    script = tmp_path / "calls.py"
+    script.write_text(CALLS_WORLD)
+    port = free_ports(1)[0]
+    done = subprocess.run([sys.executable, str(script), str(port)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == ["open:master:sleep", "ended:8"], done.stdout
+
+
+CALLS_WORLD = """
+import operator, sys, time
+import torch.distributed.rpc as rpc
+from pipejob.trainer.runtime import calls, failures
+
+failures.say_remote_errors_in_one_line()  # which counts the calls served
+calls.trace(["master"])
+options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{sys.argv[1]}")
+rpc.init_rpc("master", rank=0, world_size=1, rpc_backend_options=options)
+assert rpc.rpc_sync("master", operator.add, args=(1, 2)) == 3
+assert rpc.rpc_async("master", operator.add, args=(2, 2)).wait() == 4
+assert rpc.remote("master", operator.add, args=(3, 2)).to_here() == 5
+sleeping = rpc.rpc_async("master", time.sleep, args=(3,))
+time.sleep(1)
+print(" ".join(f"open:{','.join(c.to)}:{c.what}" for c in calls.LEDGER.outstanding()))
+sleeping.wait()
+time.sleep(0.5)
+print(f"ended:{calls.LEDGER.ended()}")
+rpc.shutdown()
+"""
+
+
 @pytest.mark.parametrize(
     ("error", "lost"),
     [
@@ -126,6 +220,8 @@ def test_heartbeats_travel_over_http_to_the_masters_monitor():
         (RuntimeError("RPC ran for more than set timeout (300000 ms) and will now be marked"
                       " with an error"), True),
         (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"), True),
+        (RuntimeError("Error on Node 2: [gloo/transport/tcp/unbound_buffer.cc:78] Timed out"
+                      " waiting 59999ms for recv operation to complete"), True),
         (ConnectionRefusedError(111, "Connection refused"), True),
         (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
         (KeyError("layer4"), False),
@@ -227,3 +323,63 @@ def test_the_watchdog_thread_leaves_with_the_world():
     thread.start()
     thread.join(10)
     assert not thread.is_alive()
+
+
+# ------------------------------------------- a world that stops while every member beats
+
+TESTS = Path(__file__).parent  # holds userpkg/, brought by `import:` as a user's package
+
+
+def stuck_pipeline(trigger: Path) -> dict:
+    model = {"import": "userpkg.stuck:cnn", "args": {"trigger": str(trigger)}}
+    return pipeline_job("wp", stages=2, microBatches=2, batchSize=4, steps=100000,
+                        watchdog={"seconds": BOUND}, model=model)  # fmt: skip
+
+
+def stuck_hybrid(trigger: Path, rank: int) -> dict:
+    dense = {"trigger": str(trigger), "rank": rank, "dim": 8, "hidden": 16, "classes": 4}
+    return {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob", "metadata": {"name": "wph"},
+            "spec": {"trainers": 2, "steps": 100000, "batchSize": 8, "datasetSize": 256,
+                     "embedding": {"numEmbeddings": 64, "dim": 8, "mode": "sum"},
+                     "dense": {"outFeatures": 4, "import": "userpkg.stuck:dense", "args": dense},
+                     "rendezvousTimeoutSeconds": 60, "watchdog": {"seconds": BOUND},
+                     "preflight": {"megabytes": 0.25}}}  # fmt: skip
+
+
+STUCK = {
+    # (manifest of a trigger file, the member whose work gets stuck, what the runner says)
+    "pipeline: a stage's forward": (
+        stuck_pipeline, "stage1",
+        r"master \(role master, rank 0\) failed: exit code 6: stalled: no progress for \d+ s in"
+        r" training at step \d+: waiting on stage1 \(pid {pid}\) for on_stage forward",
+    ),
+    "hybrid: a trainer's dense forward": (
+        lambda trigger: stuck_hybrid(trigger, rank=3), "trainer1",
+        r"master \(role master, rank 0\) failed: exit code 6: stalled: no progress for \d+ s in"
+        r" training at step \d+: waiting on trainer\d \(pid \d+\) for train .*trainer1 \(pid"
+        r" {pid}\)",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", STUCK)
+def test_a_world_whose_work_is_stuck_while_it_beats_ends_naming_whom_it_waits_on(
+    case, tmp_path, monkeypatch
+):
+    make, member, verdict = STUCK[case]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))  # fmt: skip
+    trigger = tmp_path / "stuck"
+    with JobRun(make(trigger), tmp_path) as run:
+        run.wait_for(r"^master\s*\|.*step \d+/", timeout=180)
+        trigger.touch()  # from now on, the member's next forward never returns
+        struck = time.monotonic()
+        pid = run.pid(member)
+        said = run.wait_for(verdict.format(pid=pid), timeout=90)
+        reacted = time.monotonic() - struck
+        code = run.finish(timeout=60)
+    assert code == c.ExitCode.STALLED
+    _quiet(run.output)
+    print(f"{case}: stuck work on {member}, verdict after {reacted:.1f} s (bound {BOUND} s):"
+          f" {said.string}")  # fmt: skip

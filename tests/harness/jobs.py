@@ -79,3 +79,8 @@ def wait_phase(api: Api, kind: str, name: str, phases: str | tuple[str, ...], ti
         return job if phase in phases else None
 
     return api.wait(f"{kind} {name} to be {' or '.join(phases)}", check, timeout)
+
+
+def warnings(api: Api, namespace: str = "default") -> list[str]:
+    """The Warning events' messages: why each restart happened, for an assertion to show."""
+    return [e["message"] for e in api.list("v1/events", namespace) if e["type"] == "Warning"]

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CHECKPOINT_DIR",
         help="a job's checkpoint.path, or one step directory under it",
     )
-    export.add_argument("out", metavar="OUT", help="directory the model file and its JSON go in")
+    export.add_argument("out", metavar="OUT", help="directory the model files and their JSON go in")
     export.add_argument(
         "--format",
         choices=("safetensors", "torch"),

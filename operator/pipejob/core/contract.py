@@ -107,7 +107,8 @@ PREFLIGHT_PREFIX = "preflight:"
 # A process that failed only because the world broke under it (a peer died or left) says
 # "world broke: <what it saw>": the cause is another member's failure, which is named instead.
 BROKEN_PREFIX = "world broke:"
-# A stalled world's line is "stalled: <member> (<pod or pid>) stopped answering: ...".
+# A stalled world's line is "stalled: <member> (<pod or pid>) stopped answering: ..." or, for a
+# world whose members all answer but whose work stopped, "stalled: no progress for ...".
 STALLED_PREFIX = "stalled:"
 # A permanent failure's line is "permanent: <Reason>: <what happened>", Reason one of these.
 PERMANENT_PREFIX = "permanent:"
@@ -169,6 +170,9 @@ class PreflightResult:
 
 # The evaluation's figures in a report (numbers; evalStep is its step).
 EVAL_FIGURES = ("evalLoss", "evalAccuracy", "evalPerplexity")
+# A member's peak memory in a report's `memory`, in bytes: the peak resident set (VmHWM) and
+# torch.cuda.max_memory_allocated where the member uses a GPU.
+MEMORY_FIGURES = ("rssPeakBytes", "cudaPeakBytes")
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,9 @@ class Progress:
     evalLoss: float | None = None  # noqa: N815
     evalAccuracy: float | None = None  # noqa: N815
     evalPerplexity: float | None = None  # noqa: N815
+    # Each member's peak memory so far, by RPC name: {"rssPeakBytes": n} and, on a GPU,
+    # "cudaPeakBytes" (MEMORY_FIGURES).
+    memory: dict[str, dict[str, int]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -230,8 +237,20 @@ class Progress:
             evalStep=data["evalStep"] if _count(data.get("evalStep")) else None,
             message=message[:MAX_MESSAGE] if isinstance(message, str) and message else None,
             preflight=preflight,
+            memory=_memory(data.get("memory")),
             **figures,
         )
+
+
+def _memory(data: Any) -> dict[str, dict[str, int]] | None:
+    """A report's `memory`, keeping only members named by a string with whole-number
+    figures; None if nothing is left."""
+    if not isinstance(data, dict):
+        return None
+    kept = {member: {k: v for k, v in figures.items() if k in MEMORY_FIGURES and _count(v)}
+            for member, figures in data.items()
+            if isinstance(member, str) and isinstance(figures, dict)}  # fmt: skip
+    return {member: figures for member, figures in kept.items() if figures} or None
 
 
 def _count(value: Any) -> bool:

@@ -90,7 +90,7 @@ class Eval:
 
 @dataclass(frozen=True, kw_only=True)
 class Output:
-    path: str  # a directory: the model file and its JSON sidecar go in it
+    path: str  # a directory: the model files and their JSON sidecar go in it
     format: str = "safetensors"  # or "torch"
 
 
@@ -308,12 +308,15 @@ EVAL = Field(
 
 OUTPUT = Field(
     "object",
-    "Write the trained model at the end as one file under the original model's parameter"
-    " names (loadable with load_state_dict(strict=True)), beside a JSON of the model spec"
-    " and the final metrics.",
+    "Write the trained model at the end under the original model's parameter names"
+    " (loadable with load_state_dict(strict=True)), beside a JSON of the model spec and the"
+    " final metrics: one file, or, for a PipelineJob model over 256 MiB, one shard per stage"
+    " with an index in Hugging Face's layout.",
     fields={
         "path": Field(
-            "string", "Directory the model file and its JSON go in." + _RELATIVE
+            "string", "Directory the model files and their JSON go in. Each stage writes its"
+            " own shard of a sharded model: on a cluster, a volume every pod shares."
+            + _RELATIVE
         ),
         "format": Field(
             "string", "File format: safetensors, or torch's own (torch.save).",

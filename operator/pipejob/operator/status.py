@@ -159,6 +159,28 @@ STATUS = Field(
                     "Perplexity (exp of the per-token loss) on the held-out tokens at the last"
                     " evaluation (the language model).",
                 ),
+                "memory": Field(
+                    "object",
+                    "Peak memory of each member of the world so far (by RPC name: master,"
+                    " stage0, ps, trainer1, ...), measured at each logged step and at the end,"
+                    " so the tight one shows.",
+                    values=Field(
+                        "object",
+                        "One member's peaks, in bytes.",
+                        fields={
+                            "rssPeakBytes": Field(
+                                "integer",
+                                "Peak resident memory (VmHWM), what a memory limit counts.",
+                                minimum=0,
+                            ),
+                            "cudaPeakBytes": Field(
+                                "integer",
+                                "Peak GPU memory torch allocated (a member on a GPU).",
+                                minimum=0,
+                            ),
+                        },
+                    ),
+                ),
                 "updateTime": Field("string", "When these figures last changed (RFC 3339)."),
             },
         ),

@@ -18,7 +18,7 @@ from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer.hybrid import output, trainer
 from pipejob.trainer.hybrid.ps import Table, load_table, table_state, table_weight
 from pipejob.trainer.hybrid.summary import render, summarize
-from pipejob.trainer.runtime import checkpoint, master, monitor, world
+from pipejob.trainer.runtime import checkpoint, master, memory, monitor, world
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
 
@@ -71,6 +71,7 @@ class Reports:
                 steps = step - self.last_step
                 monitor.board().step(step, mean, (now - self.last_time) / steps,
                                      samples // steps)  # fmt: skip
+                memory.refresh(self.env, monitor.board())  # each member's peak, not waited for
                 self.events.scalars(step, loss=mean, samples_per_second=rate)
             else:
                 return

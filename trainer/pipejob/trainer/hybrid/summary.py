@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from pipejob.trainer.runtime import master
+from pipejob.trainer.runtime import master, memory, monitor
 from pipejob.trainer.runtime.world import Env
 
 
@@ -16,7 +16,11 @@ def summarize(env: Env, results: dict[str, dict[str, Any]], before: torch.Tensor
               evaluation: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """The run's summary from each trainer's results (trainer.train), the table before and
     after, the step the run resumed from and the last held-out evaluation (evalLoss,
-    evalAccuracy, evalBags, evalStep), if any."""
+    evalAccuracy, evalBags, evalStep), if any. Asks every member of the world for its peak
+    memory (runtime/memory.py)."""
+    peaks = memory.gather(env)
+    for member, figures in peaks.items():
+        monitor.board().memory(member, figures)  # the last /progress report has them too
     names = list(results)
     reference = results[names[0]]["dense"]
     dense_diff = max(
@@ -46,6 +50,7 @@ def summarize(env: Env, results: dict[str, dict[str, Any]], before: torch.Tensor
         partitionOverlap=overlap,
         **(evaluation or {}),
         perTrainer=per_trainer,
+        memory=peaks,
     )  # fmt: skip
 
 
@@ -59,6 +64,8 @@ def render(s: dict[str, Any]) -> list[str]:
         f" (norm of after - before; norm before {s['embeddingNormBefore']:.4g})",
         f"data: samples read by more than one trainer: {s['partitionOverlap']}",
         *_eval_line(s),
+        "peak memory: "
+        + ", ".join(f"{name} {memory.megabytes(peak)}" for name, peak in s["memory"].items()),
         f"{'trainer':<10} {'ddp':>3} {'loss first -> final':>20} {'samples/s':>10}"
         f" {'partition':>9} {'read':>7} {'dense moved':>11}",
     ]

@@ -1,13 +1,21 @@
-"""A PipelineJob's trained model as one file anyone can load: what spec.output writes at the
-end of a run, and what `pipejob export` writes from a complete checkpoint (the files are
-written by runtime/output.py, the writer both kinds share):
+"""A PipelineJob's trained model as files anyone can load: what spec.output writes at the end
+of a run, and what `pipejob export` writes from a complete checkpoint, the same files either
+way (written by runtime/output.py, the writer both kinds share):
 
-- `model.safetensors` (`model.pt` with format torch): every stage's parameters and buffers,
-  and those no stage holds, under the model's own names: a fresh model from the user's
-  factory loads it with `load_state_dict(strict=True)`;
-- `model.json`: the kind, the model spec, the held-out evaluation and the step count;
+- a model of at most `SINGLE_FILE_BYTES` of parameters and buffers: `model.safetensors`
+  (`model.pt` with format torch), every stage's state and the state no stage holds, under
+  the model's own names: a fresh model from the user's factory loads it with
+  `load_state_dict(strict=True)`;
+- a bigger one: one shard per stage, written by the stage itself (a run) or one stage's
+  checkpoint file at a time (export), named as Hugging Face names them
+  (`model-00001-of-00004.safetensors`, `model-00001-of-00004.pt`), the state no stage holds
+  as one more shard written by the master, and `model.safetensors.index.json`
+  (`model.pt.index.json`) mapping every name to its shard;
+- `model.json`: the kind, the model spec, the held-out evaluation, the step count, the files;
 - `config.json` for a Hugging Face model (a PreTrainedModel): its config, so that its class's
-  `from_pretrained(path)` loads the folder as well."""
+  `from_pretrained(path)` loads the folder as well, one file or sharded.
+
+`pipejob.trainer.runtime.output.load_state_dict(path)` reads either layout back."""
 
 from __future__ import annotations
 
@@ -16,10 +24,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.rpc as rpc
+from torch.distributed.rpc import RRef
 
 from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.pipeline.stage import on_stage
 from pipejob.trainer.runtime import checkpoint, output
 from pipejob.trainer.workloads import models
+
+# Up to this many bytes of parameters and buffers the master gathers the model and writes
+# one file, which every tool (and safetensors' `load_file`) reads as it is. Above it,
+# gathering would put the whole model in the master, which otherwise holds none of it, so
+# each stage writes its own shard. 256 MiB is 64M float32 parameters: smaller than the models
+# pipelines are for, and small beside what any process that trains holds.
+SINGLE_FILE_BYTES = 256 * 2**20
 
 
 def info(kind: str, job: str, spec: PipelineSpec, steps: int,
@@ -38,24 +56,103 @@ def write(out: str | Path, format: str, stages: list[dict[str, torch.Tensor]],
     state = dict(rest)
     for part in stages:
         state.update(part)
-    written = output.write(out, {"model": state}, about, format)
-    if config is not None:
-        path = Path(out) / "config.json"
-        path.write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
-        written.append(path)
-    return written
+    return [*output.write(out, {"model": state}, about, format), *write_config(out, config)]
+
+
+def write_live(out: str | Path, format: str, names: list[str], stages: list[RRef],
+               rest: dict[str, torch.Tensor], about: dict[str, Any],
+               config: dict[str, Any] | None = None,
+               single_file_bytes: int | None = None) -> list[Path]:  # fmt: skip
+    """The model a run's stages hold (`stages`, their Stage RRefs on the workers `names`)
+    and `rest`, the state no stage holds, written into `out`: one file when it is at most
+    `single_file_bytes` (SINGLE_FILE_BYTES), else each stage writing its own shard, all at
+    once, and the master the rest's. The paths written."""
+    output.check_format(format)
+    limit = SINGLE_FILE_BYTES if single_file_bytes is None else single_file_bytes
+    pairs = list(zip(names, stages, strict=True))
+    held = torch.futures.wait_all([rpc.rpc_async(n, held_bytes, args=(s,)) for n, s in pairs])
+    if sum(held) + output.state_bytes(rest) <= limit:
+        states = torch.futures.wait_all(
+            [rpc.rpc_async(n, on_stage, args=(s, "state")) for n, s in pairs]
+        )
+        return write(out, format, states, rest, about, config)
+    files = shard_files(len(stages), bool(rest), format)
+    writing = [rpc.rpc_async(n, on_stage, args=(s, "write_shard", str(out), f, format))
+               for (n, s), f in zip(pairs, files, strict=False)]  # fmt: skip
+    mine = [output.write_shard(out, files[-1], rest, format)] if rest else []
+    return finish(out, format, [*torch.futures.wait_all(writing), *mine], about, config)
+
+
+def held_bytes(stage: RRef) -> int:
+    """Runs on a stage's worker: the bytes of its shard's state, as a file holds them."""
+    return output.state_bytes(stage.local_value().layers.state_dict())
+
+
+def shard_files(stages: int, rest: bool, format: str) -> list[str]:
+    """The shards' names: one per stage, and one more for the rest when there is some."""
+    count = stages + int(rest)
+    return [output.shard_name(k + 1, count, format) for k in range(count)]
+
+
+def finish(out: str | Path, format: str, shards: list[dict[str, Any]], about: dict[str, Any],
+           config: dict[str, Any] | None) -> list[Path]:  # fmt: skip
+    """After the shards: the index, model.json and config.json. A shard the master cannot
+    see as its writer wrote it means the stages wrote into directories of their own."""
+    out = Path(out)
+    for shard in shards:
+        path = out / shard["file"]
+        size = path.stat().st_size if path.exists() else None
+        if size != shard["bytes"]:
+            raise ValueError(  # a configuration error: a restart would only repeat it
+                f"spec.output.path: {path} is {'missing' if size is None else f'{size} bytes'}"
+                f" where its writer wrote {shard['bytes']} bytes; every stage writes its shard"
+                " of a model this big, so the path must be one directory shared by every"
+                " process of the job (e.g. a ReadWriteMany volume)"
+            )
+    return [*output.write_index(out, shards, about, format), *write_config(out, config)]
+
+
+def write_config(out: str | Path, config: dict[str, Any] | None) -> list[Path]:
+    if config is None:
+        return []
+    path = Path(out) / "config.json"
+    path.write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+    return [path]
 
 
 def export_checkpoint(directory: str | Path, manifest: dict[str, Any], out: str | Path,
-                      format: str = "safetensors") -> list[Path]:  # fmt: skip
-    """The model of a complete PipelineJob checkpoint (`pipejob export`)."""
+                      format: str = "safetensors",
+                      single_file_bytes: int | None = None) -> list[Path]:  # fmt: skip
+    """The model of a complete PipelineJob checkpoint (`pipejob export`): the files a run
+    writes. A model over the limit is written one stage's checkpoint file at a time, so
+    the export never holds more than one stage's."""
     found = checkpoint.Checkpoint(manifest["step"], Path(directory), manifest)
     if "info" not in manifest:
         raise checkpoint.CheckpointError(
             f"{directory} was written before checkpoints kept the model's names;"
             " it cannot be exported"
         )
-    stages = [found.load(f"stage{i}.pt")["model"] for i in range(manifest["stageCount"])]
+    output.check_format(format)
+    limit = SINGLE_FILE_BYTES if single_file_bytes is None else single_file_bytes
+    parts = [f"stage{i}.pt" for i in range(manifest["stageCount"])]
     own = found.load("master.pt")
+    rest, config = own.get("rest", {}), own.get("config")
     about = {**manifest["info"], "steps": found.step, "checkpoint": str(found.directory)}
-    return write(out, format, stages, own.get("rest", {}), about, own.get("config"))
+    if sum(_model_bytes(found, part) for part in parts) + output.state_bytes(rest) <= limit:
+        stages = [found.load(part)["model"] for part in parts]
+        return write(out, format, stages, rest, about, config)
+    files = shard_files(len(parts), bool(rest), format)
+    shards = []
+    for part, file in zip(parts, files, strict=False):  # one stage's file in memory at a time
+        shards.append(output.write_shard(out, file, found.load(part)["model"], format))
+    if rest:
+        shards.append(output.write_shard(out, files[-1], rest, format))
+    return finish(out, format, shards, about, config)
+
+
+def _model_bytes(found: checkpoint.Checkpoint, part: str) -> int:
+    """The bytes of a stage's model state in its checkpoint file, from the file mapped, not
+    read: its tensors' sizes without their data."""
+    found.entry(part)  # listed in the manifest
+    state = torch.load(found.directory / part, mmap=True, weights_only=False)
+    return output.state_bytes(state["model"])

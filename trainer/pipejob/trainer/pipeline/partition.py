@@ -65,20 +65,32 @@ class LayerCosts:
 def measure_costs(pieces: list[nn.Module], names: list[str], sample: torch.Tensor,
                   repeats: int = 3) -> LayerCosts:  # fmt: skip
     """What each piece of the model (cut at every candidate, cut.Traced) costs for forward
-    + backward on `sample` (a micro-batch of the model's input), the minimum over `repeats`
-    runs after one untimed warm-up run (first calls set up kernels and memory). Runs on
-    copies so the model's BatchNorm statistics and gradients stay untouched. A piece that
-    fails on what it is given (the data does not fit the model) is a ValueError saying
-    both."""
-    pieces = copy.deepcopy(pieces)
+    + backward on `sample` (a micro-batch of the model's input): `measure_chain` from the
+    model's input."""
+    return measure_chain(pieces, names, (sample,), True, repeats)[0]
+
+
+def measure_chain(pieces: list[nn.Module], names: list[str], values: tuple[Any, ...],
+                  first: bool, repeats: int = 3,
+                  on_copies: bool = True) -> tuple[LayerCosts, tuple[Any, ...]]:  # fmt: skip
+    """What each of a run of consecutive pieces costs for forward + backward on `values`
+    (what the model passes the first of them; the model's own input when `first`), the
+    minimum over `repeats` runs after one untimed warm-up run (first calls set up kernels
+    and memory); and what the last piece passes on, detached, for the next run of pieces.
+    Runs `on_copies` so the model's BatchNorm statistics and gradients stay untouched
+    (pieces built only to be measured need none). A piece that fails on what it is given
+    (the data does not fit the model) is a ValueError saying both."""
+    if on_copies:
+        pieces = copy.deepcopy(pieces)
     costs = [float("inf")] * len(pieces)
     cpu = [float("inf")] * len(pieces)
+    given = values
     for run in range(repeats + 1):
-        values: tuple[Any, ...] = (sample,)
+        values = given
         for i, (name, piece) in enumerate(zip(names, pieces, strict=True)):
             # Only the model's input needs no gradient; every later piece computes one for
             # its inputs, as in training. The clone lets in-place layers (ReLU) run.
-            inputs = tuple(_as_input(v, i > 0) for v in values)
+            inputs = tuple(_as_input(v, i > 0 or not first) for v in values)
             start, start_cpu = time.perf_counter(), time.process_time()
             try:
                 out = piece(*inputs)
@@ -86,14 +98,15 @@ def measure_costs(pieces: list[nn.Module], names: list[str], sample: torch.Tenso
                 grown = [t for t in tensors(outs) if t.requires_grad]
                 torch.autograd.backward(grown, [torch.ones_like(t) for t in grown])
             except RuntimeError as e:
-                given = ", ".join(shape(v) for v in inputs)
-                what = "the data's input" if i == 0 else "its input"
-                raise ValueError(f"{name} cannot process {what} of shape {given}: {e}") from None
+                shapes = ", ".join(shape(v) for v in inputs)
+                what = "the data's input" if i == 0 and first else "its input"
+                raise ValueError(f"{name} cannot process {what} of shape {shapes}: {e}") from None
             if run > 0:
                 costs[i] = min(costs[i], time.perf_counter() - start)
                 cpu[i] = min(cpu[i], time.process_time() - start_cpu)
             values = outs
-    return LayerCosts(costs, cpu)
+    passed = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in values)
+    return LayerCosts(costs, cpu), passed
 
 
 def _as_input(value: Any, grad: bool) -> Any:

@@ -2,8 +2,8 @@
 all forwards of a step, then all backwards, then every stage's optimizer step).
 
 For every micro-batch the master chains RRefs, so stage i+1 fetches its input from stage i
-(activations never pass through the master), and only the last stage's output returns. The
-loss is computed on the master, `dist_autograd` runs the backward across the stages and
+(activations never pass through the master). The last stage keeps the model's outputs and
+computes the loss; `dist_autograd` runs the backward from it across the stages and
 `DistributedOptimizer` steps every shard's parameters where they live."""
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pipejob.trainer.runtime import (
 )
 from pipejob.trainer.runtime.optim import learning_rate, optimizer_args
 from pipejob.trainer.workloads import Loss
+from pipejob.trainer.workloads.cut import join
 
 # Micro-batches a stage holds at once; fewer than the RPC worker threads (runtime/rendezvous).
 IN_FLIGHT = 4
@@ -50,15 +51,16 @@ class Pipeline:
         last = len(stage_names) - 1
         self.names = stage_names
         self.stages = [
-            rpc.remote(name, Stage,
-                       args=(shards.stages[i], i == last, device, precision, recompute))
+            rpc.remote(name, Stage, args=(shards.parts[i] if shards.parts else shards.stages[i],
+                                          i == last, device, precision, recompute))
             for i, name in enumerate(stage_names)
         ]  # fmt: skip
         self.rounds = 0  # forward rounds (training steps and evaluation batches) so far
 
     def forward(self, inputs: torch.Tensor, micro_batches: int, step: int | None) -> Any:
-        """All micro-batches' forwards, pipelined; the last stage's outputs, joined in
-        order. `step` None: an evaluation's forwards (no autograd, shards in eval mode).
+        """All micro-batches' forwards, pipelined. `step` None: an evaluation's forwards (no
+        autograd, shards in eval mode), whose outputs, joined in order, are returned; a
+        training round's stay on the last stage for its loss.
 
         Stage k gets micro-batch i's input as stage k-1's RRef and fetches it from there. A
         stage holds at most IN_FLIGHT micro-batches at a time: each waits for its input, then
@@ -112,7 +114,15 @@ class Pipeline:
                 outputs[mb] = value
             busy[k] -= 1
             fill()
+        if step is not None:
+            return None  # a training round's outputs stay on the last stage, for `loss`
         return join([outputs[mb] for mb in range(micro_batches)])
+
+    def loss(self, micro_batches: int, labels: torch.Tensor, loss_fn: Loss) -> torch.Tensor:
+        """The last training round's loss, computed on the last stage (Stage.loss)."""
+        return rpc.rpc_sync(self.names[-1], on_stage,
+                            args=(self.stages[-1], "loss", self.rounds, micro_batches, labels,
+                                  loss_fn))  # fmt: skip
 
     def settle(self, step: int, micro_batches: int) -> None:
         """Return once every stage has backpropagated every micro-batch of `step`
@@ -151,16 +161,6 @@ class Pipeline:
         ]
 
 
-def join(outputs: list[Any]) -> Any:
-    """Micro-batches' outputs as the whole batch's: a tensor, or a tuple, list or dict (a
-    Hugging Face ModelOutput too) of them."""
-    if isinstance(outputs[0], tuple | list):
-        return type(outputs[0])(join(list(part)) for part in zip(*outputs, strict=True))
-    if isinstance(outputs[0], dict):
-        return type(outputs[0])(**{k: join([o[k] for o in outputs]) for k in outputs[0]})
-    return torch.cat(outputs)
-
-
 @dataclass(frozen=True)
 class StepResult:
     loss: float  # the mean over every replica's batch
@@ -182,10 +182,11 @@ def forward_backward(
     scale: float = 1.0,
 ) -> torch.Tensor:
     """Every micro-batch forward, one loss over the whole batch (the mean over its samples,
-    as without a pipeline), then the backward across the stages of the loss times `scale`
-    (1 / gradientAccumulation, times fp16's loss scale). Returns the loss."""
-    outputs = pipeline.forward(inputs, micro_batches, step)
-    loss = loss_fn(outputs, labels)
+    as without a pipeline) on the last stage, then the backward across the stages of the
+    loss times `scale` (1 / gradientAccumulation, times fp16's loss scale). Returns the
+    loss."""
+    pipeline.forward(inputs, micro_batches, step)
+    loss = pipeline.loss(min(micro_batches, len(inputs)), labels, loss_fn)
     dist_autograd.backward(context_id, [loss * scale if scale != 1.0 else loss])
     return loss
 

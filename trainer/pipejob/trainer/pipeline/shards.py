@@ -1,5 +1,7 @@
 """The model cut into layers and balanced across the stages by measured cost; with
-`microBatches: auto`, the micro-batch count with the shortest predicted step (partition.py)."""
+`microBatches: auto`, the micro-batch count with the shortest predicted step (partition.py).
+The master plans all of it on a model none of whose parameters exist; the stages build their
+shards and measure the costs (parts.py)."""
 
 from __future__ import annotations
 
@@ -19,19 +21,14 @@ from pipejob.trainer.pipeline.partition import (
     LayerCosts,
     Prediction,
     fastest,
-    intra_op_threads,
-    measure_costs,
     micro_batch_counts,
     predict,
 )  # fmt: skip
+from pipejob.trainer.pipeline.parts import Part, measure_on_stages, trace
 from pipejob.trainer.pipeline.stage import compute_resources
 from pipejob.trainer.runtime import tuning
 from pipejob.trainer.runtime.world import Env
-from pipejob.trainer.workloads import cut
-
-# The automatic cut opens modules until it has this many candidates per stage (where the
-# module tree has them): enough for the measured min-max split to balance.
-CANDIDATES_PER_STAGE = 2
+from pipejob.trainer.workloads import cut, materialize, models
 
 
 def hf_config(model: nn.Module) -> dict[str, Any] | None:
@@ -61,6 +58,8 @@ class Shards:
     holds."""
 
     units: list[str]
+    # Each stage's module: on the meta device where `parts` say how each stage builds its
+    # own (what `plan_shards` gives); otherwise the modules themselves, sent to the stages.
     stages: list[nn.Module]
     partition: Partition
     rest: dict[str, torch.Tensor]
@@ -68,6 +67,7 @@ class Shards:
     tied: list[list[tuple[int, str]]] = field(default_factory=list)
     # A Hugging Face model's config (config.json), written beside the model file.
     config: dict[str, Any] | None = None
+    parts: list[Part] | None = None
 
     @property
     def ranges(self) -> list[range]:
@@ -82,46 +82,63 @@ class Shards:
         return [self.units[i] for i in self.ranges[stage]]
 
 
-def build_shards(
+def plan_shards(
     spec: PipelineSpec,
     model: nn.Module,
+    numbered: list[list[str]],
+    stage_names: list[str],
     sample: torch.Tensor,
     saved: Partition | None = None,
-    threads: int | None = None,
     hosts: list[Host] | None = None,
     progress: Callable[[str], None] = lambda message: None,
 ) -> Shards:
-    """Cut `model` into spec.stages: at spec.splitPoints, or balanced by what each unit
-    costs (measured with `threads` intra-op threads, those of the stages, on micro-batches
-    of `sample`, the model's input), or as `saved`, a checkpoint's partition. With
-    `microBatches: auto`, costs are measured at every candidate count's micro-batch size and
-    the count with the shortest predicted step (given the `hosts` whose cores stages share)
-    is used."""
-    traced = cut.Traced(model, CANDIDATES_PER_STAGE * spec.stages, spec.split_points)
+    """Cut the job's `model`, built with none of its parameters (models.build_meta, which
+    gives the `numbered` names), into spec.stages: at spec.splitPoints, or balanced by what
+    each unit costs (measured on the stage processes `stage_names`, one pipeline's, on
+    micro-batches of `sample`, the model's input), or as `saved`, a checkpoint's partition.
+    With `microBatches: auto`, costs are measured at every candidate count's micro-batch
+    size and the count with the shortest predicted step (given the `hosts` whose cores
+    stages share) is used. Each stage builds its own shard from the returned `parts`."""
+    traced = trace(spec, model)
     units = traced.units
     if len(units) < spec.stages:
         raise cut.cut_count_error(len(units), spec.stages)
     fixed = traced.ranges(spec.split_points) if spec.split_points else None
     if saved is None:
-        saved = _measure(spec, traced, sample, threads, hosts or [], fixed, progress)
-    stages = traced.split([units[r.start] for r in saved.ranges[1:]])
-    return Shards(units, stages, saved, cut.unused(model, stages), cut.ties(stages),
-                  hf_config(model))  # fmt: skip
+        saved = _measure(spec, stage_names, traced, numbered, sample, hosts or [], fixed,
+                         progress)  # fmt: skip
+    starts = [units[r.start] for r in saved.ranges[1:]]
+    stages = traced.split(starts)
+    dtype = torch.get_default_dtype()
+    parts = [Part(spec, dtype, tuple(materialize.numbers(numbered, _names(stage))),
+                  tuple(starts), (k,)) for k, stage in enumerate(stages)]  # fmt: skip
+    rest = cut.unused(model, stages)
+    if any(v.device.type == "meta" for v in rest.values()):  # parameters no stage holds
+        with torch.random.fork_rng(devices=[]):
+            whole, _ = materialize.build(
+                lambda: models.build(spec), materialize.numbers(numbered, rest)
+            )
+        rest = {k: v for k, v in whole.state_dict().items() if k in rest}
+    return Shards(units, stages, saved, rest, cut.ties(stages), hf_config(model), parts)
 
 
-def _measure(spec: PipelineSpec, traced: cut.Traced, sample: torch.Tensor, threads: int | None,
-             hosts: list[Host], fixed: list[range] | None,
-             progress: Callable[[str], None]) -> Partition:  # fmt: skip
+def _names(module: nn.Module) -> list[str]:
+    return [n for n, _ in module.named_parameters(remove_duplicate=False)]
+
+
+def _measure(spec: PipelineSpec, stage_names: list[str], traced: cut.Traced,
+             numbered: list[list[str]], sample: torch.Tensor, hosts: list[Host],
+             fixed: list[range] | None, progress: Callable[[str], None]) -> Partition:  # fmt: skip
     auto = spec.micro_batches == AUTO
     batch = spec.batch_size
     counts = micro_batch_counts(batch) if auto else [spec.micro_batches]
-    pieces = traced.split(traced.units[1:])  # one piece per unit
+    for m in counts:
+        progress(f"  micro-batch {batch // m} ({m} per batch)")
+    samples = [sample[: batch // m] for m in counts]
     measured: dict[int, tuple[Prediction, LayerCosts]] = {}
-    with intra_op_threads(threads):
-        for m in counts:
-            progress(f"  micro-batch {batch // m} ({m} per batch)")
-            costs = measure_costs(pieces, traced.units, sample[: batch // m])
-            measured[m] = predict(costs, spec.stages, m, batch, hosts, fixed), costs
+    for m, costs in zip(counts, measure_on_stages(stage_names, spec, traced, numbered, samples),
+                        strict=True):  # fmt: skip
+        measured[m] = predict(costs, spec.stages, m, batch, hosts, fixed), costs
     chosen, costs = measured[fastest([p for p, _ in measured.values()]).micro_batches]
     table = [candidate(p) for p, _ in measured.values()] if auto else []
     return Partition(chosen.ranges, costs.seconds, chosen.micro_batches, table)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,8 +20,10 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.rpc import RRef
 
-from pipejob.trainer.runtime import checkpoint, rendezvous, tuning
-from pipejob.trainer.workloads.cut import tensors
+from pipejob.trainer.pipeline.parts import Part
+from pipejob.trainer.pipeline.timing import Clock, input_nodes, step_seconds
+from pipejob.trainer.runtime import checkpoint, output, rendezvous, tuning
+from pipejob.trainer.workloads.cut import join, tensors
 
 
 class Turnstile:
@@ -68,16 +70,19 @@ def compute_resources() -> tuple[int, float]:
 
 
 class Stage:
-    """One shard of the model, held by a stage worker and called by the master over RPC.
+    """One shard of the model, held by a stage worker and called by the master over RPC;
+    built here from a `Part` (the job's model), or given as a module.
 
     A shard takes the values live where its stage begins (a tuple: one tensor or several)
     and returns those live where it ends; the last returns the model's output. It records
     when it computes, forward and backward, per micro-batch, and keeps per-step totals, so
     the master can report per-stage time and the pipeline's bubble."""
 
-    def __init__(self, module: nn.Module, last: bool, device: str, precision: str = "fp32",
-                 recompute: bool = False):  # fmt: skip
+    def __init__(self, module: nn.Module | Part, last: bool, device: str,
+                 precision: str = "fp32", recompute: bool = False):  # fmt: skip
         self.device = torch.device(device)
+        if isinstance(module, Part):  # built here: only this stage's parameters exist
+            module = module.build()[0]
         self.layers = module.to(self.device)
         self.last = last
         # spec.precision: autocast's dtype (None: float32); the weights stay float32.
@@ -89,11 +94,14 @@ class Stage:
         self._record = threading.Lock()
         # [start, end] of "forward" and "backward" per (step, micro-batch) of open steps,
         # folded into per-step totals once a later step starts.
-        self._events: dict[tuple[int, Any], dict[str, list[float]]] = defaultdict(dict)
+        self._events: dict[tuple[int, Any], dict[str, list[Any]]] = defaultdict(dict)
+        self._clock = Clock(self.device)
         self._totals: dict[int, tuple[float, float, float]] = {}
         # Micro-batches whose backward has run through this shard, per step (`settle`).
         self._settled = threading.Condition()
         self._done: dict[int, int] = {}
+        # The last stage's training outputs per (round, micro-batch), until their loss.
+        self._outputs: dict[tuple[int, int], Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickling a Stage gives: the tensors it holds. An RPC agent with CUDA devices
@@ -126,18 +134,30 @@ class Stage:
                 raise failed
             if step is None:
                 return self._evaluate(x)
-            start = time.perf_counter()
+            start = self._clock.mark()
             y = self._compute(x)
-            if self.device.type == "cuda":  # so the time is the kernels', not their launch's
-                torch.cuda.synchronize(self.device)
-            end = time.perf_counter()
+            end = self._clock.mark()
         with self._record:
             self._fold(before=step)
             # By round too: with gradientAccumulation a step runs several rounds.
             self._events[step, (round, micro_batch)]["forward"] = [start, end]
         self._time_backward((step, (round, micro_batch)), y, received)
-        # The master is CPU-only: the last stage hands back CPU tensors.
-        return _to_cpu(y) if self.last else y
+        if self.last:  # kept for the loss (`loss`): the model's output never leaves the stage
+            with self._record:
+                self._outputs[round, micro_batch] = y
+            return None
+        return y
+
+    def loss(self, round: int, micro_batches: int, labels: torch.Tensor,
+             loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """The last stage: the loss of forward round `round`, over its micro-batches'
+        outputs joined (the mean over the whole batch, as in one process). The master starts
+        the distributed backward from it: a scalar crosses to the master, not the outputs."""
+        with self._record:
+            outputs = [self._outputs.pop((round, mb)) for mb in range(micro_batches)]
+            # A round that failed half-way leaves outputs no loss will take.
+            self._outputs = {k: v for k, v in self._outputs.items() if k[0] > round}
+        return loss_fn(join(outputs), labels.to(self.device)).cpu()
 
     def _compute(self, x: tuple[Any, ...], recompute: bool | None = None) -> Any:
         """The shard's forward in the job's precision; with activation checkpointing only
@@ -212,18 +232,32 @@ class Stage:
             self._done = {s: n for s, n in self._done.items() if s > step}
 
     def _note(self, key: tuple[int, int], what: str) -> None:
-        now = time.perf_counter()
+        mark = self._clock.mark()
         with self._record:
-            backward = self._events[key].setdefault("backward", [now, now])
-            if what == "start":
-                backward[0] = now
-            else:
-                backward[1] = max(backward[1], now)
+            self._events[key].setdefault(what, []).append(mark)
 
     def _fold(self, before: float) -> None:
         for step in sorted({s for s, _ in self._events if s < before}):
             events = [self._events.pop(k) for k in list(self._events) if k[0] == step]
-            self._totals[step] = step_seconds(events)
+            self._totals[step] = step_seconds(self._intervals(events))
+
+    def _intervals(self, events: list[dict[str, list[Any]]]) -> list[dict[str, list[float]]]:
+        """A step's marks as [start, end] seconds of each micro-batch's forward and backward
+        (which starts at its last "start" note, or its first "end" one, and ends at its
+        last "end" note)."""
+        marks = [m for e in events for what in ("forward", "start", "end") for m in e.get(what, [])]
+        at = dict(zip(map(id, marks), self._clock.seconds(marks), strict=True))
+        intervals = []
+        for e in events:
+            times = {
+                what: [at[id(m)] for m in e.get(what, [])] for what in ("forward", "start", "end")
+            }
+            interval = {"forward": times["forward"]} if times["forward"] else {}
+            notes = times["start"][-1:] or times["end"][:1]
+            if notes:
+                interval["backward"] = [notes[0], max([notes[0], *times["end"]])]
+            intervals.append(interval)
+        return intervals
 
     def timings(self) -> dict[int, tuple[float, float, float]]:
         """Per step: seconds this stage spent in forward, in backward, and busy at all."""
@@ -268,6 +302,11 @@ class Stage:
         """The shard's parameters and buffers under the model's own names, on the CPU."""
         return {k: v.detach().cpu() for k, v in self.layers.state_dict().items()}
 
+    def write_shard(self, directory: str, filename: str, format: str) -> dict[str, Any]:
+        """Write the shard's state as one file of the model's sharded output, in `directory`
+        (which the master sees too); what the index needs of it (runtime/output.py)."""
+        return output.write_shard(directory, filename, self.state(), format)
+
     def fingerprint(self) -> torch.Tensor:
         """Per parameter, its sum and sum of squares in float64: equal in every replica whose
         shard is the same (replicas must stay identical)."""
@@ -310,24 +349,6 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def input_nodes(roots: list[Any], stops: set[Any]) -> list[Any]:
-    """The nodes of the `roots`' autograd graph nearest the shard's inputs: those with no
-    further node of the shard behind them (only parameters, the inputs, or the `stops`
-    nodes that carry the gradient on to the previous stage)."""
-    found, seen, todo = [], set(roots), list(roots)
-    while todo:
-        node = todo.pop()
-        inner = [f for f, _ in node.next_functions if f is not None and f not in stops]
-        inner = [f for f in inner if type(f).__name__ != "AccumulateGrad"]
-        if not inner:
-            found.append(node)
-        for f in inner:
-            if f not in seen:
-                seen.add(f)
-                todo.append(f)
-    return found
-
-
 def stage_devices(
     index: int, stages: list[str], gpus: int
 ) -> tuple[dict[str, dict[int, int]] | None, list[int] | None]:
@@ -343,22 +364,3 @@ def stage_devices(
 def on_stage(stage: RRef, method: str, *args: Any) -> Any:
     """Runs on the stage's worker: call a method of the Stage object held there."""
     return getattr(stage.local_value(), method)(*args)
-
-
-def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
-    """Length of the union of [start, end] intervals: time a stage was computing."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
-def step_seconds(events: list[dict[str, list[float]]]) -> tuple[float, float, float]:
-    """One stage's forward, backward and busy seconds in one step, from its micro-batches'
-    [start, end] intervals. Backwards of micro-batches interleave in the autograd engine, so
-    these are lengths of unions, not sums."""
-    forward = [tuple(e["forward"]) for e in events if "forward" in e]
-    backward = [tuple(e["backward"]) for e in events if "backward" in e]
-    return busy_seconds(forward), busy_seconds(backward), busy_seconds(forward + backward)

@@ -8,7 +8,7 @@ from typing import Any
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer.pipeline.schedule import StepResult
 from pipejob.trainer.pipeline.shards import Shards, describe, share
-from pipejob.trainer.runtime import master
+from pipejob.trainer.runtime import master, memory, monitor
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import metrics, models
 
@@ -39,13 +39,16 @@ def summarize(
 ) -> dict[str, Any]:
     """The run's summary; `results` are of steps first, first + 1, ... Rates and times leave
     out the first step (warm-up: lazy allocations, optimizer state) unless it is the only
-    one."""
+    one. Asks every member of the world for its peak memory (runtime/memory.py)."""
     spec: PipelineSpec = env.spec
     warmup = 1 if len(results) > 1 else 0
     measured = results[warmup:]
     steps = range(first + warmup, first + len(results))
     seconds = sum(r.pipeline_seconds + r.optimizer_seconds for r in measured)
     pipeline_wall = sum(r.pipeline_seconds for r in measured)
+    peaks = memory.gather(env)
+    for member, figures in peaks.items():
+        monitor.board().memory(member, figures)  # the last /progress report has them too
     per_stage, busy_total = [], 0.0
     for i, (name, per_step) in enumerate(zip(names, timings, strict=True)):
         forward, backward, busy = (sum(per_step[s][k] for s in steps) for k in range(3))
@@ -58,6 +61,7 @@ def summarize(
                 "forwardSeconds": round(forward / len(measured), 4),
                 "backwardSeconds": round(backward / len(measured), 4),
                 "idleFraction": round(1 - busy / pipeline_wall, 4),
+                "peakMemory": peaks.get(name),
             }
         )
     p, m = spec.stages, shards.partition.micro_batches
@@ -92,6 +96,7 @@ def summarize(
             sum(r.optimizer_seconds for r in measured) / len(measured), 4
         ),
         partition=per_stage,
+        memory=peaks,  # every member's, the master's and every replica's stages' included
         bubble={
             "measured": round(1 - busy_total / (p * pipeline_wall), 4),
             "gpipeIdeal": round(gpipe_bubble(p, m), 4),
@@ -153,14 +158,20 @@ def render(summary: dict[str, Any]) -> str:
         *auto_line(s),
         *evaluation_line(s),
         f"  {'stage':<8} {'layers':<38} {'cost':>5} {'fwd s/step':>10} {'bwd s/step':>10}"
-        f" {'idle':>5}",
+        f" {'idle':>5}  peak memory",
     ]
     for st in s["partition"]:
+        peak = st.get("peakMemory")
         lines.append(
             f"  {st['stage']:<8} {describe(st['layers']):<38} {st['costShare']:>5.0%}"
             f" {st['forwardSeconds']:>10.3f} {st['backwardSeconds']:>10.3f}"
-            f" {st['idleFraction']:>5.0%}"
+            f" {st['idleFraction']:>5.0%}  {memory.megabytes(peak) if peak else '?'}"
         )
+    staged = {st["stage"] for st in s["partition"]}
+    others = [f"{name} {memory.megabytes(peak)}" for name, peak in s.get("memory", {}).items()
+              if name not in staged]  # fmt: skip
+    if others:
+        lines.append(f"  peak memory besides the stages above: {', '.join(others)}")
     b = s["bubble"]
     lines.append(
         f"  bubble {b['measured']:.0%} measured (idle share of stage time during forward and"

@@ -3,6 +3,7 @@ the steps, checkpoints and resumes, and returns the run's summary."""
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -18,9 +19,9 @@ from pipejob.trainer.pipeline.schedule import Replicas, StepResult
 from pipejob.trainer.pipeline.shards import (
     Partition,
     Shards,
-    build_shards,
     candidate_table,
     describe,
+    plan_shards,
     share,
     stage_resources,
 )
@@ -29,6 +30,7 @@ from pipejob.trainer.pipeline.summary import render, stage_report, summarize
 from pipejob.trainer.runtime import (
     checkpoint,
     master,
+    memory,
     monitor,
     profiling,
     world,
@@ -36,6 +38,7 @@ from pipejob.trainer.runtime import (
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, data, metrics, models
+from pipejob.trainer.workloads.materialize import META
 from pipejob.trainer.workloads.metrics import Tally
 
 
@@ -48,7 +51,8 @@ def train(env: Env) -> dict[str, Any]:
     replicas = [every[r * spec.stages : (r + 1) * spec.stages] for r in range(spec.replicas)]
     names = replicas[0]
     title = models.name(spec.model)
-    model, loss = models.build(spec), workloads.loss(spec)
+    model, numbered = models.build_meta(spec)  # the stages build their own shards
+    loss = workloads.loss(spec)
     feed = data.Feed(spec)
     world.log(env, f"data: {feed.description}")
     inputs, labels = feed.sample(spec.batch_size)
@@ -59,15 +63,15 @@ def train(env: Env) -> dict[str, Any]:
             threads, hosts = stage_resources(env, spec.stages)
             shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share {h.cpus:g}"
                                " CPU(s)" for h in hosts if len(h.stages) > 1)  # fmt: skip
-            world.log(env, f"{title}: measuring what each part costs on samples of shape"
-                           f" {shape(inputs[0])} with {threads} intra-op thread(s), as the"
-                           " stages compute" + (f" ({shared})" if shared else ""))  # fmt: skip
+            world.log(env, f"{title}: the stages measure what each part costs on samples of"
+                           f" shape {shape(inputs[0])}, with their {threads} intra-op"
+                           " thread(s)" + (f" ({shared})" if shared else ""))  # fmt: skip
             if spec.gpus_per_stage > 0:
                 hosts = []  # the stages compute on their GPUs, not on the cores they share
-            shards = build_shards(spec, model, inputs, None, threads, hosts,
-                                  lambda message: world.log(env, message))  # fmt: skip
+            shards = plan_shards(spec, model, numbered, names, inputs, None, hosts,
+                                 lambda message: world.log(env, message))  # fmt: skip
         else:
-            shards = build_shards(spec, model, inputs, saved_partition(env, found))
+            shards = plan_shards(spec, model, numbered, names, inputs, saved_partition(env, found))
     except ValueError as e:
         raise ValueError(f"spec.model {title} with {spec.stages} stages: {e}") from None
     m, candidates = shards.partition.micro_batches, shards.partition.candidates
@@ -117,6 +121,7 @@ def train(env: Env) -> dict[str, Any]:
                                f"  grad norm {result.grad_norm:.4g}")  # fmt: skip
                 bubble, times = stage_report(names, pipelines.timings(), step, result)
                 board.stages(bubble, times)
+                memory.refresh(env, board)  # each member's peak, for /progress and /metrics
                 events.scalars(step + 1, bubble=bubble)
             if held is not None and evaluation_due(spec, step + 1):
                 evaluations.append(evaluate(env, pipelines, held, m, loss, step + 1))
@@ -154,25 +159,34 @@ def step_batch(feed: data.Feed, batches: int) -> tuple[torch.Tensor, torch.Tenso
 def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                loss: workloads.Loss) -> None:  # fmt: skip
     """Fail before the first step, saying both shapes, when the data does not fit the
-    model: its input, or its labels against the model's output through the loss. In eval
-    mode, so BatchNorm's statistics stay as they were."""
-    model.eval()
+    model: its input, or its labels against the model's output through the loss. Shapes
+    only: `model`'s parameters do not exist (models.build_meta), so a copy runs on the meta
+    device, in eval mode; a model whose forward reads its values (only the stages can run
+    it) is left to them."""
+    model = copy.deepcopy(model).to(META).eval()
     try:
         with torch.no_grad():
-            outputs = model(inputs[:2])
+            outputs = model(inputs[:2].to(META))
     except Exception as e:
+        if _needs_values(e):
+            return
         raise ValueError(f"spec.data: inputs of shape {shape(inputs[:2])} do not fit spec.model:"
                          f" {type(e).__name__}: {e}") from None  # fmt: skip
     try:
-        loss(outputs, labels[:2])
+        loss(outputs, labels[:2].to(META))
     except Exception as e:
+        if _needs_values(e):
+            return
         got = ", ".join(shape(t) for t in cut.tensors(outputs))  # a dict's, a ModelOutput's
         raise ValueError(
             f"spec.data: the model's output {got} does not fit the labels"
             f" {shape(labels[:2])} in spec.loss: {type(e).__name__}: {e}"
         ) from None
-    finally:
-        model.train()
+
+
+def _needs_values(error: Exception) -> bool:
+    """Whether running on the meta device failed for want of values, not of fit."""
+    return isinstance(error, NotImplementedError) or "meta" in str(error).lower()
 
 
 def evaluation_due(spec: PipelineSpec, step: int) -> bool:
@@ -204,14 +218,15 @@ def evaluate(env: Env, pipelines: Replicas, held: data.HeldOut, micro_batches: i
 
 def write_output(env: Env, pipelines: Replicas, shards: Shards,
                  evaluation: dict[str, Any] | None) -> None:  # fmt: skip
-    """Every stage's state (replica 0's) and the state no stage holds, as one model file
-    under the model's own names, with the JSON beside it."""
+    """Every stage's state (replica 0's) and the state no stage holds under the model's own
+    names: one file for a small model, else each stage writes its own shard
+    (pipeline/output.py); the JSON beside them."""
     spec: PipelineSpec = env.spec
     assert spec.output is not None
     about = model_output.info(env.kind, env.job, spec, spec.steps, evaluation)
-    states = pipelines.pipelines[0].each("state")
-    paths = model_output.write(spec.output.path, spec.output.format, states, shards.rest, about,
-                               shards.config)  # fmt: skip
+    pipeline = pipelines.pipelines[0]
+    paths = model_output.write_live(spec.output.path, spec.output.format, pipeline.names,
+                                    pipeline.stages, shards.rest, about, shards.config)  # fmt: skip
     world.log(env, f"model written: {', '.join(str(p) for p in paths)}")
 
 

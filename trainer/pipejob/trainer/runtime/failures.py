@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import traceback
 
+from pipejob.trainer.runtime import calls
 from pipejob.trainer.runtime.world import ContractError
 
 # What torch says when tensors do not fit; an RPC error carries the remote message along.
@@ -41,7 +42,7 @@ _LOST = re.compile(
     r"ECONNRESET|ECONNREFUSED|EPIPE|EOF: end of file|pipe closed|[Cc]onnection reset"
     r"|[Cc]onnection refused|[Cc]onnection closed by peer|[Bb]roken pipe"
     r"|RPC ran for more than set timeout|RPC agent .* shut ?down|[Ss]ocket [Tt]imeout"
-    r"|timed out|[Tt]imeout (was|of) |Connection lost|unreachable|Transport endpoint"
+    r"|[Tt]imed out|[Tt]imeout (was|of) |Connection lost|unreachable|Transport endpoint"
 )
 
 
@@ -96,5 +97,7 @@ def say_remote_errors_in_one_line() -> None:
             said = f"{where}{e!r}\n{traceback.format_exc()}"
             print(said, file=sys.stderr)
             return internal.RemoteException(said, type(e))
+        finally:
+            calls.served()  # the watchdog counts the calls that end (runtime/calls.py)
 
     internal._run_function = run_function

@@ -47,6 +47,15 @@ class Board:
             "pipejob_stage_backward_seconds", "Seconds a stage computed backwards in a step.",
             "stage",
         )  # fmt: skip
+        self._rss_peak = gauge(
+            "pipejob_rss_peak_bytes", "Peak resident memory (VmHWM) of a member of the world.",
+            "member",
+        )  # fmt: skip
+        self._cuda_peak = gauge(
+            "pipejob_cuda_peak_bytes",
+            "Peak GPU memory torch allocated in a member of the world (one that uses a GPU).",
+            "member",
+        )
         self._steps.set(steps)
         self._evals: dict[str, Gauge] = {}
         self.longest_step = 0.0  # wall seconds of the slowest step so far (the watchdog's)
@@ -127,6 +136,15 @@ class Board:
         for stage, (forward, backward) in times.items():
             self._forward.labels(stage=stage).set(forward)
             self._backward.labels(stage=stage).set(backward)
+
+    def memory(self, member: str, figures: dict[str, int]) -> None:
+        """A member's peak memory so far (runtime/memory.py's `peak`)."""
+        with self._lock:
+            every = {**(self._progress.memory or {}), member: dict(figures)}
+            self._progress = replace(self._progress, memory=every)
+        self._rss_peak.labels(member=member).set(figures["rssPeakBytes"])
+        if "cudaPeakBytes" in figures:
+            self._cuda_peak.labels(member=member).set(figures["cudaPeakBytes"])
 
     def metrics(self) -> bytes:
         return generate_latest(self.registry)

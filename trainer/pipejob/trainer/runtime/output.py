@@ -1,16 +1,22 @@
 """A trained model out: state dicts written as files a plain process loads, and a JSON
 beside them saying what they are. One path for a live run's `spec.output` and for
-`pipejob export` from a checkpoint, for both kinds.
+`pipejob export` from a checkpoint, for both kinds; and `load_state_dict`, which reads a
+model back from either layout.
 
 safetensors by default (no pickle: safe to load from anywhere), torch's own format on
-request. Tensors go out as contiguous CPU copies: safetensors refuses views and shared
-storage, and a tied weight is then written under each of its names, as `load_state_dict`
-(strict) expects."""
+request. A model is one file (`model.safetensors`), or shards written by several processes
+(`model-00001-of-00004.safetensors` ...) with an index in Hugging Face's layout
+(`model.safetensors.index.json`: `{"metadata": {"total_size": N}, "weight_map": {name:
+file}}`), which `from_pretrained` and other tools read. Tensors go out on the CPU, each
+contiguous and whole: safetensors refuses views and shared storage, so a view or a second
+name of a tied weight is written as a copy of its own, and every name loads with
+`load_state_dict` (strict)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,31 +26,160 @@ SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
 INFO = "model.json"
 
 
+def check_format(format: str) -> None:
+    if format not in SUFFIX:
+        raise ValueError(f"unknown output format {format!r}: one of {', '.join(SUFFIX)}")
+
+
+def shard_name(index: int, count: int, format: str, stem: str = "model") -> str:
+    """Shard `index` (from 1) of `count`, named as Hugging Face names them."""
+    return f"{stem}-{index:05d}-of-{count:05d}{SUFFIX[format]}"
+
+
+def index_name(format: str, stem: str = "model") -> str:
+    return f"{stem}{SUFFIX[format]}.index.json"
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    """What a state dict takes in a file: each name's tensor (a tied one once per name)."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def writable(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state as CPU tensors safetensors (and torch.save, without the rest of a view's
+    storage) writes: a tensor that is whole and not yet seen goes as it is, a view, a
+    non-contiguous tensor or a second name of one storage as a contiguous copy. No copy of
+    the rest: a stage writing its shard holds it once, not twice."""
+    out, seen = {}, set()
+    for name, value in state.items():
+        t = value.detach().cpu()
+        storage = t.untyped_storage()
+        whole = t.data_ptr() == storage.data_ptr() and t.nbytes == storage.nbytes()
+        if not (whole and t.is_contiguous()) or storage.data_ptr() in seen:
+            t = t.clone(memory_format=torch.contiguous_format)
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def save(path: Path, state: dict[str, torch.Tensor], format: str) -> None:
+    """One state dict as one file: written beside it and renamed, never a half-written model."""
+    check_format(format)
+    tensors = writable(state)
+    partial = path.with_name(path.name + ".partial")
+    if format == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(partial), metadata={"format": "pt"})
+    else:
+        torch.save(tensors, partial)
+    os.replace(partial, path)
+
+
+def write_shard(directory: str | Path, filename: str, state: dict[str, torch.Tensor],
+                format: str) -> dict[str, Any]:  # fmt: skip
+    """One shard of a sharded model, written by whichever process holds `state`; what the
+    index needs of it: the file's name, each name's bytes, and the file's bytes (which the
+    master checks, as it sees the file)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / filename
+    save(path, state, format)
+    sizes = {k: t.numel() * t.element_size() for k, t in state.items()}
+    return {"file": filename, "sizes": sizes, "bytes": path.stat().st_size}
+
+
+def write_info(directory: Path, info: dict[str, Any], format: str,
+               files: dict[str, str]) -> Path:  # fmt: skip
+    """model.json: `info`, the format and the files (by stem), written last."""
+    path = directory / INFO
+    path.write_text(json.dumps({**info, "format": format, "files": files}, indent=2,
+                               default=str) + "\n")  # fmt: skip
+    return path
+
+
 def write(directory: str | Path, files: dict[str, dict[str, torch.Tensor]],
           info: dict[str, Any], format: str = "safetensors") -> list[Path]:  # fmt: skip
     """Each state dict of `files` as <name><suffix> in `directory`, and model.json with
     `info` and the files' names; the paths written (the JSON last)."""
-    if format not in SUFFIX:
-        raise ValueError(f"unknown output format {format!r}: one of {', '.join(SUFFIX)}")
+    check_format(format)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for name, state in files.items():
-        tensors = {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}
         path = directory / f"{name}{SUFFIX[format]}"
-        partial = path.with_name(path.name + ".partial")  # never a half-written model
-        if format == "safetensors":
-            from safetensors.torch import save_file
-
-            save_file(tensors, str(partial), metadata={"format": "pt"})
-        else:
-            torch.save(tensors, partial)
-        os.replace(partial, path)
+        save(path, state, format)
         written.append(path)
-    meta = {
-        **info,
-        "format": format,
-        "files": {name: p.name for name, p in zip(files, written, strict=True)},
-    }
-    (directory / INFO).write_text(json.dumps(meta, indent=2, default=str) + "\n")
-    return [*written, directory / INFO]
+    for name in files:
+        remove_stale(directory, [p.name for p in written], name)
+    names = {name: p.name for name, p in zip(files, written, strict=True)}
+    return [*written, write_info(directory, info, format, names)]
+
+
+def write_index(directory: str | Path, shards: list[dict[str, Any]], info: dict[str, Any],
+                format: str = "safetensors", stem: str = "model") -> list[Path]:  # fmt: skip
+    """The index of `shards` (what `write_shard` returned, in order), and model.json. A name
+    several shards hold (a weight tied across stages under one name) maps to the first: the
+    weight_map has each name once; total_size counts each once."""
+    check_format(format)
+    directory = Path(directory)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard in shards:
+        for name, size in shard["sizes"].items():
+            if name not in weight_map:
+                weight_map[name] = shard["file"]
+                total += size
+    index = directory / index_name(format, stem)
+    body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    index.write_text(json.dumps(body, indent=2) + "\n")
+    names = [s["file"] for s in shards]
+    remove_stale(directory, [*names, index.name], stem)
+    files = {Path(n).name.removesuffix(SUFFIX[format]): n for n in names} | {"index": index.name}
+    return [*(directory / n for n in names), index, write_info(directory, info, format, files)]
+
+
+def remove_stale(directory: Path, keep: list[str], stem: str = "model") -> None:
+    """Remove the model files of an earlier output into the same directory that this one
+    did not write (a single file where shards are written now, or shards of another count):
+    `from_pretrained` would prefer a stale `model.safetensors` to a new index."""
+    ours = re.compile(
+        rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?(\.safetensors|\.pt)(\.index\.json)?"
+    )
+    for path in directory.iterdir():
+        if ours.fullmatch(path.name) and path.name not in keep:
+            path.unlink()
+
+
+def load_state_dict(directory: str | Path, stem: str = "model") -> dict[str, torch.Tensor]:
+    """The state dict `stem` of an output directory, whichever way it was written: one file
+    (`model.safetensors` or `model.pt`) or shards with their index. A fresh model from the
+    user's factory loads it with `load_state_dict(..., strict=True)`."""
+    directory = Path(directory)
+    for format in SUFFIX:
+        index = directory / index_name(format, stem)
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            state = {}
+            for file in dict.fromkeys(weight_map.values()):  # each shard once, in order
+                part = _load(directory / file, format)
+                names = [k for k, f in weight_map.items() if f == file]
+                if missing := [k for k in names if k not in part]:
+                    raise ValueError(f"{directory / file} lacks {', '.join(missing[:5])},"
+                                     f" which {index.name} says it holds")  # fmt: skip
+                state |= {k: part[k] for k in names}
+            return state
+        single = directory / f"{stem}{SUFFIX[format]}"
+        if single.exists():
+            return _load(single, format)
+    raise FileNotFoundError(
+        f"{directory} holds no {stem}.safetensors, {stem}.pt or index of their shards"
+    )
+
+
+def _load(path: Path, format: str) -> dict[str, torch.Tensor]:
+    if format == "safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, weights_only=True)

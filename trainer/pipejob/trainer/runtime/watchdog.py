@@ -1,4 +1,5 @@
-"""The watchdog: a member that stops answering is found within a bound and named.
+"""The watchdog: a member that stops answering, or a world whose progress stops, is found
+within a bound and named.
 
 A frozen process (SIGSTOP, a hung GPU driver call, a network partition) keeps its sockets
 open, so torch RPC calls to it fail only after RPC's own timeout (300 s), and a frozen
@@ -8,7 +9,19 @@ every phase from its start to its end, independent of torch. The master names a 
 has not heard from within the bound; a member names the master once it stops answering.
 Whoever notices says so in one line, leaves it as its termination message (`stalled: ...`)
 and exits STALLED at once (its main thread may be stuck in a call that never returns). The
-operator then restarts the world, which resumes from its checkpoint."""
+operator then restarts the world, which resumes from its checkpoint.
+
+A world can also stop while every member still beats: a stage's forward blocked on a lock, a
+data read that never returns, a collective that never completes. So the master also watches
+the world's progress: its phase and step, the calls it made that ended, and the calls each
+member served that ended (each heartbeat carries its count; runtime/calls.py). When none of
+these moved for longer than the bound while the master waited on calls, the world is stuck:
+the master names the member its oldest outstanding call waits on. Only training (with its
+evaluations, checkpoints and output) is judged: before it, a stage building and measuring a
+big model's part runs one long call. One call that runs longer than the bound counts as
+stuck too (a member's CPU time cannot tell: TensorPipe and gloo threads use a third of a core
+while they only wait). A master busy with its own work (writing the model out) waits on
+nobody and is not judged."""
 
 from __future__ import annotations
 
@@ -22,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipejob.core import contract as c
-from pipejob.trainer.runtime import monitor
+from pipejob.trainer.runtime import calls, monitor
 from pipejob.trainer.runtime.world import Env, log, write_termination_message
 
 # The phases after which nobody needs watching: the master is leaving anyway.
@@ -62,7 +75,7 @@ def stall(env: Env, message: str) -> None:
 
 def _me(env: Env) -> dict[str, Any]:
     return {"member": env.rpc_name, "pod": os.environ.get(c.POD_NAME) or None,
-            "pid": os.getpid()}  # fmt: skip
+            "pid": os.getpid(), "ended": calls.LEDGER.ended()}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -74,18 +87,22 @@ class Seen:
     pid: int | None
     phase: str
     step: int
+    ended: int = 0  # the calls it had served by then
 
 
 class Members:
     """The master's side: when it last heard from each member, and the verdict."""
 
-    def __init__(self, env: Env, board: monitor.Board):
-        self.env, self.board = env, board
+    def __init__(self, env: Env, board: monitor.Board, ledger: calls.Ledger = calls.LEDGER):
+        self.env, self.board, self.ledger = env, board, ledger
         self.lock = threading.Lock()
         self.seen: dict[str, Seen] = {}
         # When every member was known alive: the preflight passed (each member checked in,
         # its heartbeats already started) or, without a preflight, training began.
         self.formed: float | None = None
+        # The world's progress as last seen, and when it last moved (`stuck`).
+        self.marker: tuple[Any, ...] | None = None
+        self.moved = time.monotonic()
 
     def heartbeat(self, report: Any) -> dict[str, Any]:
         """One member's heartbeat (the monitor's HTTP thread calls this); the reply tells the
@@ -93,10 +110,10 @@ class Members:
         progress = self.board.progress()
         name = report.get("member") if isinstance(report, dict) else None
         if name in self.env.world[1:]:
-            pod, pid = report.get("pod"), report.get("pid")
+            pod, pid, ended = report.get("pod"), report.get("pid"), report.get("ended")
             seen = Seen(time.monotonic(), pod if isinstance(pod, str) else None,
                         pid if isinstance(pid, int) else None, progress["phase"],
-                        progress["step"])  # fmt: skip
+                        progress["step"], ended if isinstance(ended, int) else 0)  # fmt: skip
             with self.lock:
                 self.seen[name] = seen
         return {**_me(self.env), "phase": progress["phase"], "step": progress["step"],
@@ -125,6 +142,39 @@ class Members:
                     )
         return None
 
+    def named(self, name: str) -> str:
+        with self.lock:
+            seen = self.seen.get(name)
+        return whom(name, seen.pod, seen.pid) if seen else name
+
+    def stuck(self, now: float) -> str | None:
+        """What the world waits on if it has made no progress for longer than the bound
+        while the master waited on calls, else None. A member going silent is left to
+        `silent`, which names it as not answering."""
+        limit = bound(self.env, self.board)
+        progress = self.board.progress()
+        waiting = self.ledger.outstanding()
+        with self.lock:
+            served = sum(seen.ended for seen in self.seen.values())
+            quiet = any(now - seen.at > limit / 2 for seen in self.seen.values())
+        marker = (progress["phase"], progress["step"], progress.get("evalStep"),
+                  self.ledger.ended(), served)  # fmt: skip
+        # Only training is judged: building and measuring a big model's stages, before it,
+        # are single calls that may rightly run longer than the bound.
+        training = progress["phase"] == "training"
+        if marker != self.marker or not waiting or self.formed is None or not training:
+            self.marker, self.moved = marker, now
+            return None
+        idle = now - self.moved
+        if idle <= limit or quiet:
+            return None
+        first = waiting[0]
+        others = dict.fromkeys(m for call in waiting[1:] for m in call.to if m not in first.to)
+        also = f"; also on {', '.join(map(self.named, others))}" if others else ""
+        return (f"no progress for {idle:.0f} s in {progress['phase']} at step"
+                f" {progress['step']}: waiting on {', '.join(self.named(m) for m in first.to)}"
+                f" for {first.what} (called {now - first.since:.0f} s ago){also}")  # fmt: skip
+
     def watch(self) -> None:
         looked = time.monotonic()
         while self.board.progress()["phase"] not in _OVER:
@@ -134,7 +184,7 @@ class Members:
             # Woken late, this process itself did not run (a long call holding the GIL, an
             # overloaded node): the heartbeats queued meanwhile get a turn before any verdict.
             starved, looked = now - looked > 3 * every, now
-            message = None if starved else self.silent(now)
+            message = None if starved else self.silent(now) or self.stuck(now)
             if message is not None and self.board.progress()["phase"] not in _OVER:
                 stall(self.env, message)
 
@@ -152,26 +202,30 @@ def _post(url: str, body: bytes, timeout: float) -> dict[str, Any]:
 
 def beat(env: Env) -> None:
     """A member's side: beat until the process ends; name the master once it has stopped
-    answering for longer than the bound (it must have answered once: before that, the
-    rendezvous waits for it, with its own deadline)."""
+    answering for longer than the bound. A master never heard from is named only once it
+    took heartbeats without answering them for that long (its monitor accepts connections,
+    so it started, and then froze); while it refuses them, it has not started yet, and the
+    rendezvous waits for it with its own deadline."""
     url = f"http://{env.master_addr}:{env.monitor_port}{c.HEARTBEAT_PATH}"
-    body = json.dumps(_me(env)).encode()
     seconds = float(env.spec.watchdog.seconds if env.spec.watchdog else c.WATCHDOG_FLOOR)
     heard: tuple[float, dict[str, Any]] | None = None
+    unanswered: float | None = None  # never heard: since when heartbeats went unanswered
     looked = time.monotonic()
     while True:
         timeout = min(10.0, max(2.0, seconds / 3))
         # Woken late, this process itself did not run: the master gets another chance.
         now = time.monotonic()
-        if heard is not None and now - looked > timeout + 3 * interval(seconds) + 2.0:
-            heard = (now, heard[1])
+        if now - looked > timeout + 3 * interval(seconds) + 2.0:
+            heard = (now, heard[1]) if heard is not None else None
+            unanswered = None
         looked = now
+        sent = time.monotonic()
         try:
-            reply = _post(url, body, timeout)
+            reply = _post(url, json.dumps(_me(env)).encode(), timeout)
             heard = (time.monotonic(), reply)
             if isinstance(reply.get("seconds"), int | float):
                 seconds = float(reply["seconds"])
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
             silent = time.monotonic() - heard[0] if heard else 0.0
             if heard is not None and silent > seconds:
                 last = heard[1]
@@ -179,7 +233,20 @@ def beat(env: Env) -> None:
                 stall(env, f"{master} stopped answering: no reply to heartbeats for"
                            f" {silent:.0f} s, last seen in {last.get('phase')} at step"
                            f" {last.get('step')}")  # fmt: skip
+            if heard is None and _timed_out(e):
+                unanswered = sent if unanswered is None else unanswered
+                if time.monotonic() - unanswered > seconds:
+                    stall(env, f"{env.world[0]} stopped answering: no reply to heartbeats for"
+                               f" {time.monotonic() - unanswered:.0f} s, none answered"
+                               " since it started")  # fmt: skip
         time.sleep(interval(seconds))
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether a heartbeat reached a listening master that did not answer in time (not
+    refused: nothing listening yet)."""
+    return isinstance(error, TimeoutError) or isinstance(getattr(error, "reason", None),
+                                                         TimeoutError)  # fmt: skip
 
 
 def start(env: Env, board: monitor.Board | None = None) -> None:
@@ -189,6 +256,7 @@ def start(env: Env, board: monitor.Board | None = None) -> None:
         assert board is not None
         members = Members(env, board)
         board.on_heartbeat = members.heartbeat
+        calls.trace(env.world[1:])  # the calls the master makes: whom it waits on
         target = members.watch
     else:
         target = lambda: beat(env)  # noqa: E731
@@ -197,4 +265,5 @@ def start(env: Env, board: monitor.Board | None = None) -> None:
         said = (f"{env.spec.watchdog.seconds} s (spec.watchdog.seconds)" if env.spec.watchdog
                 else f"max({c.WATCHDOG_FLOOR:g} s, {c.WATCHDOG_FACTOR:g}x the slowest step),"
                 f" at most {c.WATCHDOG_CAP:g} s")  # fmt: skip
-        log(env, f"watchdog: a member that stops answering for {said} fails the job")
+        log(env, f"watchdog: a member that stops answering, or a world that makes no progress,"
+                 f" for {said} fails the job")  # fmt: skip

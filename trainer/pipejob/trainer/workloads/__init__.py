@@ -9,7 +9,10 @@ so a new model, data source or loss is added here and nowhere else.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,13 +27,33 @@ Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, labels)
 
 def loss(spec: PipelineSpec | HybridSpec) -> Loss:
     """The loss over a whole batch, the mean over its samples: cross-entropy, or what the
-    user's factory (spec.loss.import, called with its args) returns."""
+    user's factory (spec.loss.import, called with its args) returns, built here at once (so
+    a bad one fails before anything runs) and again wherever it is sent (`UserLoss`)."""
     if spec.loss.import_ is None:
         return metrics.cross_entropy
-    made = imports.call(spec.loss.import_, "spec.loss.import", spec.loss.args)
+    user = UserLoss(spec.loss.import_, json.dumps(spec.loss.args, sort_keys=True))
+    _made(user)
+    return user
+
+
+@dataclass(frozen=True)
+class UserLoss:
+    """The user's loss by its spec's words: what crosses RPC to the last stage, which builds
+    it there once (the object the factory returns need not pickle)."""
+
+    path: str
+    args: str  # spec.loss.args as JSON
+
+    def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return _made(self)(outputs, labels)
+
+
+@functools.cache
+def _made(user: UserLoss) -> Loss:
+    made = imports.call(user.path, "spec.loss.import", json.loads(user.args))
     if not callable(made):
         raise TypeError(
-            f"spec.loss.import: {spec.loss.import_!r} returned a"
+            f"spec.loss.import: {user.path!r} returned a"
             f" {type(made).__name__}, not a callable (outputs, labels) -> loss"
         )
     return made

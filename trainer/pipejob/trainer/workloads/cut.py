@@ -315,6 +315,16 @@ def tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def join(outputs: list[Any]) -> Any:
+    """Micro-batches' outputs as the whole batch's: a tensor, or a tuple, list or dict (a
+    Hugging Face ModelOutput too) of them."""
+    if isinstance(outputs[0], tuple | list):
+        return type(outputs[0])(join(list(part)) for part in zip(*outputs, strict=True))
+    if isinstance(outputs[0], dict):
+        return type(outputs[0])(**{k: join([o[k] for o in outputs]) for k in outputs[0]})
+    return torch.cat(outputs)
+
+
 def cut_count_error(units: int, stages: int) -> CutError:
     return CutError(f"the model has {units} places to cut; it can fill at most {units} stages,"
                     f" not {stages}")  # fmt: skip

@@ -12,7 +12,7 @@ from torch import nn
 from pipejob.core.common import key
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.core.workload import Model
-from pipejob.trainer.workloads import imports
+from pipejob.trainer.workloads import imports, materialize
 from pipejob.trainer.workloads.transformer import TransformerLM
 
 
@@ -32,6 +32,14 @@ def build(spec: PipelineSpec) -> nn.Module:
         raise ValueError(f"spec.model.import: {model.import_!r} returned a"
                          f" {type(built).__name__}, not a torch.nn.Module")  # fmt: skip
     return built
+
+
+def build_meta(spec: PipelineSpec) -> tuple[nn.Module, list[list[str]]]:
+    """The job's model with none of its parameters in memory (on the meta device; buffers
+    are built), as a plan needs it, and per registration number the names of each parameter
+    (materialize.numbering), by which a process is told which to build."""
+    model, registered = materialize.build(lambda: build(spec), ())
+    return model, materialize.numbering(model, registered)
 
 
 def as_spec(model: Model) -> dict[str, Any]:

@@ -1,0 +1,116 @@
+"""A model built with only some of its parameters in memory (workloads/materialize.py): the
+kept ones equal a plain build's wherever the cut falls, the rest take no memory, and the
+random stream ends where a plain build leaves it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipejob.core import spec
+from pipejob.trainer.workloads import materialize, models
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Custom(nn.Module):
+    """Initialisations torch.nn.init skips on meta tensors (orthogonal_, trunc_normal_), a
+    parameter made by hand, a tie made by assignment and a parameter replaced after
+    registration."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        nn.init.orthogonal_(self.a.weight)
+        nn.init.trunc_normal_(self.b.weight, std=0.02)
+        self.scale = nn.Parameter(torch.randn(8))
+        self.out = nn.Linear(8, 8)
+        self.out.weight = self.a.weight  # tied
+        self.b.bias = nn.Parameter(torch.rand(8))  # replaces the registered one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.b(self.a(x)) * self.scale)
+
+
+def resnet() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def vit() -> nn.Module:
+    import timm
+
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10,
+                             depth=2)  # fmt: skip
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                        bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return GPT2LMHeadModel(config)  # its output embedding is tied to its input one
+
+
+def resnet_double() -> nn.Module:
+    return resnet().double()  # a conversion after the build: the parameters are new objects
+
+
+def seeded(factory):
+    def build():
+        torch.manual_seed(7)
+        return factory()
+
+    return build
+
+
+@pytest.mark.parametrize("factory", [Custom, resnet, resnet_double, vit, gpt2],
+                         ids=lambda f: f.__name__)  # fmt: skip
+def test_kept_parameters_equal_a_plain_build_wherever_the_cut_falls(factory) -> None:
+    build = seeded(factory)
+    plain, registered = materialize.build(build, None)
+    after_plain = torch.rand(4)  # where the random stream is after the build
+    numbered = materialize.numbering(plain, registered)
+    expected = plain.state_dict()
+    count = len(numbered)
+    for keep in [range(count // 3), range(count // 3, count), [0, count - 1], []]:
+        part, registered_here = materialize.build(build, keep)
+        assert torch.equal(torch.rand(4), after_plain)  # the stream advanced as in a plain build
+        assert materialize.numbering(part, registered_here) == numbered
+        kept = {name for i in keep for name in numbered[i]}
+        state = part.state_dict()
+        assert sorted(state) == sorted(expected)
+        for name, value in part.named_parameters(remove_duplicate=False):
+            if name in kept:
+                assert value.device.type == "cpu" and torch.equal(value, expected[name]), name
+            else:
+                assert value.device.type == "meta", name
+            assert value.dtype == expected[name].dtype, name
+        for name, buffer in part.named_buffers():  # buffers are small: always built
+            assert torch.equal(buffer, expected[name]), name
+
+
+def test_ties_share_one_number_and_replaced_parameters_have_no_name() -> None:
+    plain, registered = materialize.build(seeded(Custom), None)
+    numbered = materialize.numbering(plain, registered)
+    assert ["a.weight", "out.weight"] in numbered  # one tensor, held under both names
+    assert [] in numbered  # b.bias's first parameter, replaced by the factory
+    tied = materialize.numbers(numbered, ["out.weight"])
+    assert tied == materialize.numbers(numbered, ["a.weight"])
+    part, _ = materialize.build(seeded(Custom), tied)
+    assert part.out.weight is part.a.weight and part.a.weight.device.type == "cpu"
+
+
+def test_the_jobs_model_on_the_meta_device_holds_no_parameter_memory() -> None:
+    model_spec = {"transformer": {"vocabSize": 256, "layers": 4, "width": 128, "heads": 4,
+                                  "seqLen": 16}}  # fmt: skip
+    manifest = {"apiVersion": spec.API_VERSION, "kind": "PipelineJob", "metadata": {"name": "m"},
+                "spec": {"model": model_spec, "stages": 2}}  # fmt: skip
+    job = spec.parse(manifest)
+    model, numbered = models.build_meta(job.settings)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert sum(len(names) > 0 for names in numbered) == len(list(model.parameters()))
+    plain = models.build(job.settings)
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in model.named_parameters()]

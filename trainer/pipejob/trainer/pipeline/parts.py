@@ -1,0 +1,116 @@
+"""Each process builds its own part of the model: the master plans the cut on a model none
+of whose parameters exist (workloads/materialize.py) and sends each stage a `Part`, which
+says how to build its shard from the user's factory, keeping only its own parameters. The
+cut's costs are measured the same way: stage k builds a provisional run of the units (split
+by parameter bytes, so none holds much more than its share), times them on what the units
+before it pass on, and hands its output to stage k + 1."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import fx, nn
+
+from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.pipeline.partition import LayerCosts, measure_chain, min_max_partition
+from pipejob.trainer.workloads import cut, materialize, models
+
+# The automatic cut opens modules until it has this many candidates per stage (where the
+# module tree has them): enough for the measured min-max split to balance.
+CANDIDATES_PER_STAGE = 2
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def trace(spec: PipelineSpec, model: nn.Module) -> cut.Traced:
+    """The model's cut candidates, found the same way in every process."""
+    return cut.Traced(model, CANDIDATES_PER_STAGE * spec.stages, spec.split_points)
+
+
+@dataclass(frozen=True)
+class Part:
+    """How a process builds some consecutive pieces of the model (the model cut where
+    `starts` say), keeping in memory only the parameters registered `keep`-th: the job's
+    factory under spec.seed, in the default dtype the master had (`dtype`)."""
+
+    spec: PipelineSpec
+    dtype: torch.dtype
+    keep: tuple[int, ...]
+    starts: tuple[str, ...]  # the units where the pieces after the first begin
+    pieces: tuple[int, ...]  # which pieces this process builds
+
+    def build(self) -> list[fx.GraphModule]:
+        # The process's own random stream stays as it was (dropout draws from it).
+        with torch.random.fork_rng(devices=[]), default_dtype(self.dtype):
+            model, _ = materialize.build(lambda: models.build(self.spec), self.keep)
+        modules = trace(self.spec, model).split(list(self.starts))
+        built = [modules[i] for i in self.pieces]
+        missing = [n for m in built for n, p in m.named_parameters() if p.device.type == "meta"]
+        if missing:
+            raise RuntimeError(
+                f"parameters {', '.join(missing[:3])} were not built here: the model's factory"
+                " registered its parameters in another order than on the master"
+            )
+        return built
+
+
+def measure_here(part: Part, units: list[str], given: list[tuple[Any, ...]],
+                 first: bool) -> tuple[list[LayerCosts], list[tuple[Any, ...]]] | str:  # fmt: skip
+    """Runs on a stage: builds `part`'s pieces (one per unit of `units`) and measures them
+    on each of `given` (one per micro-batch size); the costs and what the last piece passes
+    on, or a message when the data does not fit the model."""
+    pieces = part.build()  # built to be measured: no copies (memory is the stage's own)
+    try:
+        with torch.random.fork_rng(devices=[]):  # dropout here leaves training's draws as they are
+            measured = [measure_chain(pieces, units, values, first, on_copies=False)
+                        for values in given]  # fmt: skip
+    except ValueError as e:
+        return str(e)
+    finally:
+        del pieces
+        gc.collect()  # graph modules hold cycles: free them before the stage builds its shard
+    return [c for c, _ in measured], [v for _, v in measured]
+
+
+def measure_on_stages(names: list[str], spec: PipelineSpec, traced: cut.Traced,
+                      numbered: list[list[str]], samples: list[torch.Tensor],
+                      ) -> list[LayerCosts]:  # fmt: skip
+    """Every unit's cost on each of `samples` (one micro-batch each), measured on stage
+    processes `names` (one pipeline's), each building a run of units of about equal
+    parameter bytes."""
+    units = traced.units
+    pieces = traced.split(units[1:])  # on the meta device: sizes only
+    sizes = [float(sum(p.numel() * p.element_size() for p in piece.parameters()))
+             for piece in pieces]  # fmt: skip
+    runs = min_max_partition(sizes, min(len(names), len(units)))
+    dtype = torch.get_default_dtype()
+    values: list[tuple[Any, ...]] = [(s,) for s in samples]
+    seconds: list[list[float]] = [[] for _ in samples]
+    cpu: list[list[float]] = [[] for _ in samples]
+    for k, run in enumerate(runs):
+        held = [n for i in run for n, _ in pieces[i].named_parameters(remove_duplicate=False)]
+        part = Part(spec, dtype, tuple(materialize.numbers(numbered, held)), tuple(units[1:]),
+                    tuple(run))  # fmt: skip
+        got = rpc.rpc_sync(names[k], measure_here,
+                           args=(part, [units[i] for i in run], values, k == 0))  # fmt: skip
+        if isinstance(got, str):
+            raise ValueError(got)
+        costs, values = got
+        for j, c in enumerate(costs):
+            seconds[j] += c.seconds
+            cpu[j] += c.cpu_seconds
+    return [LayerCosts(s, c) for s, c in zip(seconds, cpu, strict=True)]

@@ -1,0 +1,73 @@
+"""When a stage computes: marks on its device's timeline, the autograd nodes whose hooks
+mark a backward's end, and the busy seconds a step's marks add up to (stage.py records
+them; the summary reports them)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+class Clock:
+    """Marks on the timeline of the device a stage computes on: perf_counter seconds on a
+    CPU; on a GPU, CUDA events, which mark when the kernels launched before them ran, read
+    once per step (`seconds`), so no micro-batch waits for the GPU to be timed."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, marks: list[Any]) -> list[float]:
+        """The marks as seconds on one timeline (on a GPU, from the first of them, once the
+        GPU has passed them all)."""
+        if not self.cuda or not marks:
+            return list(marks)
+        for event in marks:
+            event.synchronize()
+        return [marks[0].elapsed_time(event) / 1000 for event in marks]
+
+
+def input_nodes(roots: list[Any], stops: set[Any]) -> list[Any]:
+    """The nodes of the `roots`' autograd graph nearest the shard's inputs: those with no
+    further node of the shard behind them (only parameters, the inputs, or the `stops`
+    nodes that carry the gradient on to the previous stage)."""
+    found, seen, todo = [], set(roots), list(roots)
+    while todo:
+        node = todo.pop()
+        inner = [f for f, _ in node.next_functions if f is not None and f not in stops]
+        inner = [f for f in inner if type(f).__name__ != "AccumulateGrad"]
+        if not inner:
+            found.append(node)
+        for f in inner:
+            if f not in seen:
+                seen.add(f)
+                todo.append(f)
+    return found
+
+
+def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals: time a stage was computing."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def step_seconds(events: list[dict[str, list[float]]]) -> tuple[float, float, float]:
+    """One stage's forward, backward and busy seconds in one step, from its micro-batches'
+    [start, end] intervals. Backwards of micro-batches interleave in the autograd engine, so
+    these are lengths of unions, not sums."""
+    forward = [tuple(e["forward"]) for e in events if "forward" in e]
+    backward = [tuple(e["backward"]) for e in events if "backward" in e]
+    return busy_seconds(forward), busy_seconds(backward), busy_seconds(forward + backward)

@@ -4,8 +4,9 @@ mid-training is named by the watchdog, the operator restarts the world with reas
 and an Event naming the member, and the new world resumes from its checkpoint; there a
 stage's work gets stuck while it still beats (the user's model, tests/userpkg/stuck.py), the
 world is restarted as Stalled again, naming the stage it waits on, and the third world
-resumes and finishes. The test prints the seconds from each fault to the operator's
-restart."""
+resumes and finishes. A HybridJob's trainer frozen, then its parameter server killed, restart
+its world the same way (Stalled, then PodFailed naming the ps), each world resuming from the
+last. The tests print the seconds from each fault to the operator's restart."""
 
 from __future__ import annotations
 
@@ -149,6 +150,7 @@ def restarted(api: Api, name: str, count: int) -> dict | None:
     return found if found and s.get("restarts") == count else None
 
 
+@pytest.mark.timeout(360)  # about 5x a quiet run's minute
 def test_a_frozen_trainer_then_a_killed_ps_restart_the_hybrid_world_which_resumes(
     cluster, kubelet, operator, tmp_path
 ):

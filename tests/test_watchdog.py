@@ -249,6 +249,12 @@ def _quiet(output: str) -> None:
     assert "tensorpipe_agent" not in output and not re.search(r"\[W\d{4} ", output), output
 
 
+WATCHED_HYBRID = {
+    "apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob", "metadata": {"name": "wdh"},
+    "spec": {"trainers": 2, "steps": 100000, "batchSize": 8, "datasetSize": 256,
+             "rendezvousTimeoutSeconds": 60, "watchdog": {"seconds": BOUND},
+             "preflight": {"megabytes": 0.25}},
+}  # fmt: skip
 FAULTS = {
     # (manifest, member, signal, the line after which the fault strikes, what the runner says)
     "frozen stage in training": (
@@ -276,19 +282,19 @@ FAULTS = {
         r" for \d+ s since the world formed)",
     ),
     "frozen parameter server in training": (
-        {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob", "metadata": {"name": "wdh"},
-         "spec": {"trainers": 2, "steps": 100000, "batchSize": 8, "datasetSize": 256,
-                  "rendezvousTimeoutSeconds": 60, "watchdog": {"seconds": BOUND},
-                  "preflight": {"megabytes": 0.25}}},
+        WATCHED_HYBRID,
         "ps", signal.SIGSTOP, r"^master\s*\|.*step \d+/",
         r"stalled: ps \(pid {pid}\) stopped answering: no heartbeat for \d+ s, last seen in"
         r" \w+ at step \d+",
     ),
+    "frozen trainer in training": (
+        WATCHED_HYBRID,
+        "trainer1", signal.SIGSTOP, r"^master\s*\|.*step \d+/",
+        r"stalled: trainer1 \(pid {pid}\) stopped answering: no heartbeat for \d+ s, last seen"
+        r" in \w+ at step \d+",
+    ),
     "killed trainer in training": (
-        {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob", "metadata": {"name": "wdh"},
-         "spec": {"trainers": 2, "steps": 100000, "batchSize": 8, "datasetSize": 256,
-                  "rendezvousTimeoutSeconds": 60, "watchdog": {"seconds": BOUND},
-                  "preflight": {"megabytes": 0.25}}},
+        WATCHED_HYBRID,
         "trainer1", signal.SIGKILL, r"^master\s*\|.*step \d+/",
         r"trainer1 \(role trainer, rank \d\) failed: killed by signal SIGKILL",
     ),

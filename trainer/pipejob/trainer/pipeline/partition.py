@@ -97,6 +97,7 @@ def measure_chain(pieces: list[nn.Module], names: list[str], values: tuple[Any, 
                 outs = out if isinstance(out, tuple) else (out,)
                 grown = [t for t in tensors(outs) if t.requires_grad]
                 torch.autograd.backward(grown, [torch.ones_like(t) for t in grown])
+                piece.zero_grad(set_to_none=True)  # one piece's gradients held at a time
             except RuntimeError as e:
                 shapes = ", ".join(shape(v) for v in inputs)
                 what = "the data's input" if i == 0 and first else "its input"

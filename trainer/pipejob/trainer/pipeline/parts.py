@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.partition import LayerCosts, measure_chain, min_max_partition
+from pipejob.trainer.runtime import tuning
 from pipejob.trainer.workloads import cut, materialize, models
 
 # The automatic cut opens modules until it has this many candidates per stage (where the
@@ -73,16 +74,18 @@ def measure_here(part: Part, units: list[str], given: list[tuple[Any, ...]],
     """Runs on a stage: builds `part`'s pieces (one per unit of `units`) and measures them
     on each of `given` (one per micro-batch size); the costs and what the last piece passes
     on, or a message when the data does not fit the model."""
-    pieces = part.build()  # built to be measured: no copies (memory is the stage's own)
-    try:
-        with torch.random.fork_rng(devices=[]):  # dropout here leaves training's draws as they are
-            measured = [measure_chain(pieces, units, values, first, on_copies=False)
-                        for values in given]  # fmt: skip
-    except ValueError as e:
-        return str(e)
-    finally:
-        del pieces
-        gc.collect()  # graph modules hold cycles: free them before the stage builds its shard
+    # What is built to be measured is freed before the stage builds its shard, and given back.
+    with tuning.returning_memory():
+        pieces = part.build()  # no copies: the memory is the stage's own
+        try:
+            with torch.random.fork_rng(devices=[]):  # dropout here leaves training's draws be
+                measured = [measure_chain(pieces, units, values, first, on_copies=False)
+                            for values in given]  # fmt: skip
+        except ValueError as e:
+            return str(e)
+        finally:
+            del pieces
+            gc.collect()  # graph modules hold cycles
     return [c for c, _ in measured], [v for _, v in measured]
 
 

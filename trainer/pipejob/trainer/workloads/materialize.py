@@ -28,6 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from pipejob.trainer.runtime import tuning
+
 META = torch.device("meta")
 
 
@@ -120,7 +122,7 @@ def build(factory: Callable[[], nn.Module], keep: Collection[int] | None,
         with _registrations(registered, lambda index: True):
             return factory(), registered
     kept = set(keep)
-    with _registrations(registered, kept.__contains__), _Scratch():
+    with tuning.returning_memory(), _registrations(registered, kept.__contains__), _Scratch():
         model = factory()
     _settle(model)
     return model, registered

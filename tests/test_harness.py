@@ -194,6 +194,30 @@ def test_finalizers_preconditions_and_deletecollection(cluster):
     assert [p["metadata"]["name"] for p in api.list(PODS, NS)] == ["c"]
 
 
+def test_writes_naming_a_uid_leave_a_recreated_pod_of_that_name_alone(cluster):
+    """A kubelet's writes name the pod's uid: once the pod is deleted and created again under
+    its name (a restarted world), a late status, binding or deletion of the old one is a
+    Conflict and the new pod is untouched."""
+    api = cluster.api
+    old = api.create(PODS, pod("p"), NS)["metadata"]["uid"]
+    api.delete(PODS, "p", NS, {"gracePeriodSeconds": 0})
+    new = api.create(PODS, pod("p"), NS)["metadata"]["uid"]
+    writes = [
+        lambda: api.patch(PODS, "p", {"metadata": {"uid": old}, "status": {"phase": "Failed"}},
+                          NS, subresource="status"),
+        lambda: api.request("POST", "/api/v1/namespaces/default/pods/p/binding", {
+            "metadata": {"name": "p", "uid": old}, "target": {"kind": "Node", "name": "n"}}),
+        lambda: api.delete(PODS, "p", NS, {"gracePeriodSeconds": 0, "preconditions": {"uid": old}}),
+    ]  # fmt: skip
+    for write in writes:
+        with pytest.raises(ApiError) as e:
+            write()
+        assert e.value.status == 409
+    same = api.get(PODS, "p", NS)
+    assert same["metadata"]["uid"] == new and same.get("status", {}).get("phase") != "Failed"
+    assert not same["spec"].get("nodeName")
+
+
 @pytest.mark.timeout(30)
 def test_a_crd_serves_its_resource_with_discovery_and_tables(cluster):
     api = cluster.api

@@ -8,7 +8,7 @@ store with history, fetch, Kubernetes `Status` errors. On top of that, this modu
 - metadata stamping: uid, creationTimestamp, resourceVersion (one global counter), generation,
   generateName;
 - writes with apiserver semantics: merge patch (strategic merge is treated as merge), JSON patch
-  whose failed `test` is a 422, resourceVersion preconditions (409), PUT, no-op writes that
+  whose failed `test` is a 422, resourceVersion and uid preconditions (409), PUT, no-op writes that
   change nothing, the `status` subresource isolated from the main resource;
 - deletion: finalizers, graceful deletion of pods bound to a node (the kubelet finishes it),
   ownerReference garbage collection (background; also of dependents whose owner is gone),
@@ -280,6 +280,9 @@ class ApiServer(kmock.KubernetesEmulator):
             raise error(404, "NotFound", f'pods "{request.name}" not found')
         if pod.get("spec", {}).get("nodeName"):
             raise error(409, "Conflict", f"pod {request.name} is already assigned to a node")
+        uid = (request.data or {}).get("metadata", {}).get("uid")
+        if uid and uid != pod["metadata"]["uid"]:  # the pod of that name is another one now
+            raise error(409, "Conflict", f"Precondition failed: UID in precondition: {uid}")
         node = (request.data or {}).get("target", {}).get("name")
         await self._publish(key, "MODIFIED", merge_patch(pod, {"spec": {"nodeName": node}}))
         return {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
@@ -297,6 +300,10 @@ class ApiServer(kmock.KubernetesEmulator):
             raise error(404, "NotFound", f"the subresource {sub!r} is not served here")
         new = self._apply(request, old)
         self._validate(request, new)
+        uid = new.get("metadata", {}).get("uid")  # a write naming another object (reused name)
+        if uid and uid != old["metadata"]["uid"]:
+            raise error(409, "Conflict", f"Precondition failed: UID in precondition: {uid}, UID"
+                        f" in object meta: {old['metadata']['uid']}")  # fmt: skip
         rv = new.get("metadata", {}).get("resourceVersion")
         if rv and rv != old["metadata"]["resourceVersion"]:
             raise error(409, "Conflict", "the object has been modified; please apply your"

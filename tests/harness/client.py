@@ -95,8 +95,9 @@ class Api:
         return self.request("PATCH", url, patch, content_type=content_type)
 
     def delete(self, resource: str, name: str | None = None, namespace: str | None = None,
-               **params: Any) -> dict:  # fmt: skip
-        return self.request("DELETE", path(resource, namespace, name), params=params)
+               options: dict | None = None, **params: Any) -> dict:  # fmt: skip
+        """`options`: a DeleteOptions body (preconditions, gracePeriodSeconds)."""
+        return self.request("DELETE", path(resource, namespace, name), options, params=params)
 
     def watch(self, resource: str, namespace: str | None = None, **params: str) -> Watch:
         return Watch(self, path(resource, namespace), {**params, "watch": "true"})

@@ -263,7 +263,8 @@ class Kubelet:
         try:
             if not pod.get("spec", {}).get("nodeName"):
                 self.api.request("POST", path(PODS, run.namespace, run.name, "binding"), {
-                    "apiVersion": "v1", "kind": "Binding", "metadata": {"name": run.name},
+                    "apiVersion": "v1", "kind": "Binding",
+                    "metadata": {"name": run.name, "uid": meta["uid"]},
                     "target": {"apiVersion": "v1", "kind": "Node", "name": self.node},
                 })  # fmt: skip
             run.address = self.network.address(run.namespace, run.name)
@@ -464,21 +465,25 @@ class Kubelet:
 
     # --- API writes -------------------------------------------------------------------------
 
+    # Writes name the pod by its uid too, as a kubelet's do: a pod deleted meanwhile may have
+    # been created again under its name (a restarted world), and is another pod.
+
     def _patch_status(self, pod: dict, status: dict) -> None:
+        body = {"metadata": {"uid": pod["metadata"]["uid"]}, "status": status}
         try:
-            self.api.patch(PODS, pod["metadata"]["name"], {"status": status},
-                           pod["metadata"]["namespace"], subresource="status")  # fmt: skip
+            self.api.patch(PODS, pod["metadata"]["name"], body, pod["metadata"]["namespace"],
+                           subresource="status")  # fmt: skip
         except ApiError as e:
-            if e.status != 404:  # a pod deleted meanwhile has no status to report
+            if e.status not in (404, 409):  # a pod deleted meanwhile has no status to report
                 raise
 
     def _final_delete(self, pod: dict) -> None:
         """The kubelet's part of a graceful deletion: the containers are gone, remove the pod."""
+        options = {"gracePeriodSeconds": 0, "preconditions": {"uid": pod["metadata"]["uid"]}}
         try:
-            self.api.delete(PODS, pod["metadata"]["name"], pod["metadata"]["namespace"],
-                            gracePeriodSeconds=0)  # fmt: skip
+            self.api.delete(PODS, pod["metadata"]["name"], pod["metadata"]["namespace"], options)
         except ApiError as e:
-            if e.status != 404:
+            if e.status not in (404, 409):
                 raise
 
     def _say(self, message: str) -> None:

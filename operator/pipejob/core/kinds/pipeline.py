@@ -47,7 +47,7 @@ PIPELINE_SPEC = Field(
         ),
         "microBatches": Field(
             "int-or-string",
-            "Micro-batches each batch is split into, or `auto`: the master measures the"
+            "Micro-batches each batch is split into, or `auto`: the stages measure the"
             " model's layers at each candidate count (powers of two dividing batchSize, with"
             " micro-batches of at least 2) and runs the one with the shortest predicted step.",
             default=4, minimum=1, pattern=AUTO,

@@ -247,7 +247,8 @@ BUILD_MMAP_THRESHOLD = 1 << 20
 @contextmanager
 def returning_memory() -> Iterator[None]:
     """Inside, blocks over BUILD_MMAP_THRESHOLD are mapped alone and unmapped when freed;
-    after, the mmap threshold is this process's again."""
+    after, what the heap keeps free is given back too (the smaller objects of the build),
+    and the mmap threshold is this process's again."""
     libc = _glibc()
     if libc is None:
         yield
@@ -256,6 +257,7 @@ def returning_memory() -> Iterator[None]:
     try:
         yield
     finally:
+        libc.malloc_trim(0)
         libc.mallopt(M_MMAP_THRESHOLD, _mmap_threshold)
 
 

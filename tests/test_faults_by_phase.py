@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 import pytest
-from test_watchdog import BOUND, _quiet
+from test_watchdog import BOUND, _quiet, struck_run_ends
 
 from jobrun import JobRun, pipeline_job, run_to_end
 
@@ -100,22 +100,10 @@ def placed(manifest: dict[str, Any], tmp: str) -> dict[str, Any]:
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_fault_in_each_phase_ends_the_run_naming_the_member(fault, tmp_path):
     manifest, member, sig, after, verdict = FAULTS[fault]
-    with JobRun(placed(manifest, str(tmp_path)), tmp_path) as run:
-        run.wait_for(after, timeout=180)
-        pid = run.pid(member)
-        struck = strike(pid, sig)
-        said = run.wait_for(verdict.format(pid=pid), timeout=90)
-        reacted = time.monotonic() - struck
-        code = run.finish(timeout=60)
-    assert code != 0
-    _quiet(run.output)
+    said, reacted = struck_run_ends(placed(manifest, str(tmp_path)), member, sig, after, verdict,
+                                    tmp_path, wait=90)  # fmt: skip
     print(f"{fault}: {signal.Signals(sig).name} of {member}, verdict after {reacted:.1f} s"
           f" (bound {BOUND} s): {said.string}")  # fmt: skip
-
-
-def strike(pid: int, sig: int) -> float:
-    os.kill(pid, sig)
-    return time.monotonic()
 
 
 @pytest.mark.timeout(300)
@@ -126,7 +114,8 @@ def test_a_stage_killed_while_checkpointing_and_the_next_run_resumes_from_the_la
     with JobRun(manifest, tmp_path) as run:
         run.wait_for(line("master", "checkpoint of step 2"), timeout=180)
         pid = run.pid("stage0")
-        struck = strike(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
+        struck = time.monotonic()
         run.wait_for(r"stage0 \(role stage, rank 1\) failed: killed by signal SIGKILL", 60)
         reacted = time.monotonic() - struck
         assert run.finish(timeout=60) != 0

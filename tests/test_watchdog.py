@@ -302,19 +302,28 @@ FAULTS = {
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("fault", FAULTS)
-def test_a_fault_ends_the_local_run_naming_the_member_in_lines(fault, tmp_path):
-    manifest, member, sig, after, verdict = FAULTS[fault]
+def struck_run_ends(manifest: dict, member: str, sig: int, after: str, verdict: str, tmp_path,
+                    wait: float = 60) -> tuple[re.Match, float]:  # fmt: skip
+    """Strike `member` with `sig` once the run says `after`: the run fails with `verdict` (a
+    pattern, `{pid}` the struck process's), in lines. The verdict, and the seconds from the
+    fault to it."""
     with JobRun(manifest, tmp_path) as run:
         run.wait_for(after, timeout=180)
         pid = run.pid(member)
         os.kill(pid, sig)
         struck = time.monotonic()
-        run.wait_for(verdict.format(pid=pid), timeout=60)
+        said = run.wait_for(verdict.format(pid=pid), timeout=wait)
         reacted = time.monotonic() - struck
         code = run.finish(timeout=60)
     assert code != 0
     _quiet(run.output)
+    return said, reacted
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_fault_ends_the_local_run_naming_the_member_in_lines(fault, tmp_path):
+    manifest, member, sig, after, verdict = FAULTS[fault]
+    _, reacted = struck_run_ends(manifest, member, sig, after, verdict, tmp_path)
     print(f"{fault}: {signal.Signals(sig).name} of {member}, verdict after {reacted:.1f} s"
           f" (bound {BOUND} s)")  # fmt: skip
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_any, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipejob.trainer.runtime import tuning
@@ -58,11 +58,11 @@ class _Scratch(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten._to_copy.default and isinstance(args[0], _Placeholder):
             return func(*args, **kwargs)  # a conversion (`.double()`): still no memory
-        if _found((args, kwargs), lambda v: isinstance(v, _Placeholder)):
+        if tree_any(lambda v: isinstance(v, _Placeholder), (args, kwargs)):
             result = func(*tree_map(self._standing_in, args),
                           **tree_map(self._standing_in, kwargs))  # fmt: skip
             return tree_map(lambda v: self._for if v is self._stand_in else v, result)
-        if torch.Tag.nondeterministic_seeded in func.tags and _found((args, kwargs), _is_meta):
+        if torch.Tag.nondeterministic_seeded in func.tags and tree_any(_is_meta, (args, kwargs)):
             func(*tree_map(_scratch, args), **tree_map(_scratch, kwargs))
         return func(*args, **kwargs)
 
@@ -72,12 +72,6 @@ class _Scratch(TorchDispatchMode):
         if value is not self._for:  # the last placeholder's initialisation is over
             self._for, self._stand_in = value, _scratch(value)
         return self._stand_in
-
-
-def _found(tree: Any, test: Callable[[Any], bool]) -> bool:
-    found: list[Any] = []
-    tree_map(lambda v: found.append(v) if test(v) else None, tree)
-    return bool(found)
 
 
 def _is_meta(value: Any) -> bool:
@@ -102,14 +96,12 @@ class Registrations:
         self.number: dict[int, int] = {}  # id(parameter) -> its number
         self.slots: dict[tuple[int, str], tuple[nn.Module, str, int]] = {}
 
-    def note(self, module: nn.Module, name: str, param: nn.Parameter) -> bool:
-        """Record `param` in `module.name`; whether it is registered for the first time."""
-        new = id(param) not in self.number
-        if new:
+    def note(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
+        """Record `param` in `module.name`, numbering it if it is new."""
+        if id(param) not in self.number:
             self.number[id(param)] = len(self.params)
             self.params.append(param)
         self.slots[id(module), name] = (module, name, self.number[id(param)])
-        return new
 
 
 def build(factory: Callable[[], nn.Module], keep: Collection[int] | None,

@@ -15,6 +15,7 @@ skipped, saying why: the run above, scaled by three, against this machine's avai
     python benchmarks/memory.py                  # a few minutes on 2 cores
     python benchmarks/memory.py --large          # and the 3x model at 8 stages
     python benchmarks/memory.py --layers 2 --width 64 --heads 4 --stages 2   # a smoke test
+    python benchmarks/memory.py --tuning threads,transport   # without the allocator lever
 """
 
 from __future__ import annotations
@@ -73,14 +74,17 @@ def measure(args: argparse.Namespace, layers: int, stages: int, tmp: Path) -> di
     """Run the job; print and return every member's peak against its share of the model."""
     job = manifest(args, layers, stages)
     stem = tmp / job["metadata"]["name"]
-    summary, _, _ = run_job(job, stem, "memory", args.steps, 1, args.timeout, dict(os.environ))
+    env = dict(os.environ) | ({"PIPEJOB_TUNING": args.tuning} if args.tuning else {})
+    summary, _, _ = run_job(job, stem, "memory", args.steps, 1, args.timeout, env)
     sizes = parameter_bytes(args, layers)
     whole = sum(sizes.values())
     peaks: dict[str, dict[str, int]] = summary["memory"]
     shares = {st["stage"]: share(sizes, st["layers"]) for st in summary["partition"]}
     print(f"\ntransformer {layers} layers x width {args.width}, {args.heads} heads, sequence"
           f" {args.seq_len}, vocabulary {args.vocab}: {whole / 4 / 1e6:.0f}M parameters,"
-          f" {whole / GB:.2f} GB in float32; {stages} stages, SGD, {args.steps} steps")  # fmt: skip
+          f" {whole / GB:.2f} GB in float32; {stages} stages, SGD, {args.steps} steps,"
+          f" {summary['secondsPerStep']:.3f} s/step"
+          f" (PIPEJOB_TUNING={args.tuning or 'on'})")  # fmt: skip
     print(f"  {'process':<8} {'peak RSS GB':>11} {'share GB':>9} {'peak/share':>10}"
           f" {'peak/model':>10}")  # fmt: skip
     for member, figures in peaks.items():
@@ -119,6 +123,9 @@ def main() -> None:
     parser.add_argument("--large", action="store_true",
                         help="also run a model three times larger at twice the stages")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--tuning", default="",
+                        help="PIPEJOB_TUNING for the runs, e.g. threads,transport: no allocator"
+                             " lever, less memory for slower steps")  # fmt: skip
     args = parser.parse_args()
     print(f"machine: {machine()}, {available_bytes() / GB:.1f} GB available")
     with tempfile.TemporaryDirectory(prefix="pipejob-memory-") as tmp:

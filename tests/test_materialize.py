@@ -114,3 +114,21 @@ def test_the_jobs_model_on_the_meta_device_holds_no_parameter_memory() -> None:
     assert sum(len(names) > 0 for names in numbered) == len(list(model.parameters()))
     plain = models.build(job.settings)
     assert [n for n, _ in plain.named_parameters()] == [n for n, _ in model.named_parameters()]
+
+
+def test_building_leaves_torchs_compiler_unloaded() -> None:
+    """A build's dispatch mode does not load torch._dynamo and inductor into the process, as
+    torch's default wrapping of a mode would: 100 MB of every stage's memory."""
+    import subprocess
+    import sys
+
+    program = (
+        "import sys, torch\n"
+        "from pipejob.trainer.workloads import materialize\n"
+        "model, _ = materialize.build(lambda: torch.nn.Linear(4, 4), (0,))\n"
+        "assert model.weight.device.type == 'cpu' and model.bias.device.type == 'meta'\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=90, check=True)  # fmt: skip
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

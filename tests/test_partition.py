@@ -10,6 +10,7 @@ import torch
 from torchvision.models import get_model
 
 from pipejob.trainer.pipeline.partition import (
+    COST_SLACK,
     Host,
     LayerCosts,
     fastest,
@@ -59,6 +60,47 @@ def test_partition_examples():
     assert min_max_partition([3.0], 1) == [range(0, 1)]
 
 
+def largest(values: list[float], ranges: list[range]) -> float:
+    return max(sum(values[i] for i in r) for r in ranges)
+
+
+def test_with_sizes_the_split_holds_the_fewest_bytes_among_the_fast_enough():
+    """Of the splits whose slowest stage is within COST_SLACK of the fastest split's, the one
+    whose largest stage holds the fewest bytes (checked against every split)."""
+    rng = random.Random(11)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        parts = rng.randint(1, n)
+        costs = [rng.choice([0.0, rng.random(), rng.randint(1, 5)]) for _ in range(n)]
+        sizes = [rng.choice([0.0, rng.random(), rng.randint(1, 5)]) for _ in range(n)]
+        ranges = min_max_partition(costs, parts, sizes)
+        assert [i for r in ranges for i in r] == list(range(n)) and all(ranges)
+        bound = brute_force(costs, parts) * (1 + COST_SLACK)
+        assert largest(costs, ranges) <= bound + 1e-9, (costs, sizes, parts, ranges)
+        fewest = min(
+            largest(sizes, [range(a, b) for a, b in itertools.pairwise((0, *cuts, n))])
+            for cuts in itertools.combinations(range(1, n), parts - 1)
+            if largest(costs, [range(a, b) for a, b in itertools.pairwise((0, *cuts, n))])
+            <= bound + 1e-9
+        )  # fmt: skip
+        assert largest(sizes, ranges) == pytest.approx(fewest), (costs, sizes, parts, ranges)
+
+
+def test_equal_blocks_measured_unevenly_get_equal_bytes():
+    """24 equal blocks (a cheap embedding before them, a cheap head after), measured in runs
+    of 6 by the 4 stage processes, the first 10% fast and the second 10% slow (other work on
+    the cores): by cost alone the first stage gets 7 blocks and the second 5; with the
+    blocks' sizes each stage holds 6, at a cost within COST_SLACK of the fastest split's."""
+    costs = [0.02, *(factor for factor in (0.9, 1.1, 1.0, 1.0) for _ in range(6)), 0.03]
+    sizes = [0.1, *[1.0] * 24, 0.1]
+
+    def blocks(ranges: list[range]) -> list[int]:
+        return [len(r) - (r.start == 0) - (r.stop == len(costs)) for r in ranges]
+
+    assert blocks(min_max_partition(costs, 4)) == [7, 5, 6, 6]
+    assert blocks(min_max_partition(costs, 4, sizes)) == [6, 6, 6, 6]
+
+
 def test_partition_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match="cannot split 3 layers into 4 non-empty stages"):
         min_max_partition([1, 1, 1], 4)
@@ -66,6 +108,8 @@ def test_partition_refuses_what_it_cannot_split():
         min_max_partition([1, 1], 0)
     with pytest.raises(ValueError, match="negative"):
         min_max_partition([1, -1], 2)
+    with pytest.raises(ValueError, match="2 layer sizes for 3 layer costs"):
+        min_max_partition([1, 1, 1], 2, [1, 1])
 
 
 def test_measured_costs_leave_the_model_untouched():

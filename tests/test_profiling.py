@@ -58,10 +58,15 @@ def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
     rpc = names(master)
     assert "rpc_remote#on_stage(master -> stage0)" in rpc
     assert "rpc_async#on_stage(master -> stage1)" in rpc
-    assert any(n.startswith("rpc_remote#on_stage(master -> stage0)#remote_op: aten::conv")
-               for n in rpc)  # fmt: skip
-    assert any(re.match(r"rpc_async#.*_script_local_optimizer_step\(master -> stage1\)"
-                        r"#remote_op: ", n) for n in rpc)  # fmt: skip
+    # The remote ops of a call come back with its reply, but torch sometimes leaves them out
+    # while the callee records its own trace (see the user guide): they must come back for
+    # some of the step's calls to the stages; each call itself is always there, and its ops
+    # are in its stage's trace (below).
+    assert any(re.match(r"rpc_(remote|async)#on_stage\(master -> stage[01]\)#remote_op: aten::",
+                        n) for n in rpc)  # fmt: skip
+    for stage in ("stage0", "stage1"):
+        assert any(re.match(rf"rpc_async#.*_script_local_optimizer_step\(master -> {stage}\)$", n)
+                   for n in rpc), stage  # fmt: skip
     assert_rpc_lanes_within_the_step(master)
 
     for stage in ("stage0", "stage1"):
@@ -69,6 +74,7 @@ def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
         assert "aten::convolution" in ops and "aten::convolution_backward" in ops, stage
         # Distributed autograd's RPC nodes: gradients sent back to the previous process.
         assert "torch::distributed::autograd::SendRpcBackward" in ops, stage
+        assert "_script_local_optimizer_step" in ops, stage  # the optimizer step it ran
     assert "to_here#(stage1)->(stage0)" in names(trace(directory / "stage1-step2.json"))
 
     # Each process logs its key_averages table, the master also its RPC table.

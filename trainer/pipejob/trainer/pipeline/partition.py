@@ -2,10 +2,13 @@
 and predict which micro-batch count gives the shortest step.
 
 A pipeline runs at the pace of its slowest stage, so the split minimises the largest stage
-cost over all contiguous splits (an exact dynamic program, not a heuristic). Costs depend on
-the micro-batch size (small micro-batches use the cores less well), so each candidate count
-is measured and split on its own, and its step predicted from the pipeline's schedule and
-from the cores its stages share (`predict`)."""
+cost over all contiguous splits (an exact dynamic program, not a heuristic). Where the layers'
+sizes are known, splits whose largest cost is within `COST_SLACK` of the best count as
+equally fast, and of those the one whose largest stage holds the fewest parameter bytes is
+taken: stages of equal layers get equal memory, not one layer more because of a measurement's
+noise. Costs depend on the micro-batch size (small micro-batches use the cores less well), so
+each candidate count is measured and split on its own, and its step predicted from the
+pipeline's schedule and from the cores its stages share (`predict`)."""
 
 from __future__ import annotations
 
@@ -21,10 +24,18 @@ from torch import nn
 
 from pipejob.trainer.workloads.cut import tensors
 
+# Splits whose slowest stage is within this fraction of the fastest split's count as equally
+# fast: the measured costs of equal layers differ by a few percent on idle cores, and by more
+# where other work shares them.
+COST_SLACK = 0.1
 
-def min_max_partition(costs: Sequence[float], parts: int) -> list[range]:
+
+def min_max_partition(costs: Sequence[float], parts: int,
+                      sizes: Sequence[float] | None = None) -> list[range]:  # fmt: skip
     """Split layers 0..n-1 into `parts` non-empty contiguous ranges, minimising the largest
-    range's total cost. Among equally good splits, earlier stages get fewer layers."""
+    range's total cost; with `sizes` (each layer's parameter bytes), of the splits within
+    COST_SLACK of that, the one minimising the largest range's bytes. Among equally good
+    splits, earlier stages get fewer layers."""
     n = len(costs)
     if parts < 1:
         raise ValueError(f"need at least one part, got {parts}")
@@ -32,26 +43,47 @@ def min_max_partition(costs: Sequence[float], parts: int) -> list[range]:
         raise ValueError(f"cannot split {n} layers into {parts} non-empty stages")
     if any(c < 0 for c in costs):
         raise ValueError("layer costs must not be negative")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    if sizes is not None and len(sizes) != n:
+        raise ValueError(f"{len(sizes)} layer sizes for {n} layer costs")
+    fastest, bounds = _min_max(costs, parts, float("inf"))
+    if sizes is None:
+        return bounds
+    return _min_max(sizes, parts, fastest * (1 + COST_SLACK), costs)[1]
+
+
+def _min_max(weights: Sequence[float], parts: int, bound: float,
+             costs: Sequence[float] | None = None) -> tuple[float, list[range]]:  # fmt: skip
+    """The split of the layers into `parts` ranges minimising the largest range's total
+    weight, of those whose ranges each cost at most `bound` (`costs`: per layer), and that
+    largest weight."""
+    n = len(weights)
+    weight, cost = _prefix(weights), _prefix(weights if costs is None else costs)
     inf = float("inf")
-    # best[k][i]: the smallest possible largest cost when the first i layers form k stages;
-    # cut[k][i]: where the last of those k stages starts in such a split.
+    # best[k][i]: the smallest possible largest weight when the first i layers form k
+    # stages; cut[k][i]: where the last of those k stages starts in such a split.
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
     for k in range(1, parts + 1):
         for i in range(k, n - (parts - k) + 1):
             for s in range(k - 1, i):  # the last stage is layers s..i-1
-                worst = max(best[k - 1][s], prefix[i] - prefix[s])
+                if cost[i] - cost[s] > bound:
+                    continue
+                worst = max(best[k - 1][s], weight[i] - weight[s])
                 if worst < best[k][i]:
                     best[k][i], cut[k][i] = worst, s
     bounds = [n]
     for k in range(parts, 0, -1):
         bounds.append(cut[k][bounds[-1]])
     bounds.reverse()
-    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return best[parts][n], [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    sums = [0.0]
+    for v in values:
+        sums.append(sums[-1] + v)
+    return sums
 
 
 @dataclass(frozen=True)
@@ -60,6 +92,7 @@ class LayerCosts:
 
     seconds: list[float]  # wall-clock: how long a stage computing alone takes
     cpu_seconds: list[float]  # CPU time of all threads: what it takes from shared cores
+    sizes: list[float] | None = None  # parameter bytes, where known: the split's tie-break
 
 
 def measure_costs(pieces: list[nn.Module], names: list[str], sample: torch.Tensor,
@@ -190,7 +223,7 @@ def predict(costs: LayerCosts, stages: int, micro_batches: int, batch: int,
       lose where stages share cores: a stage idle in the bubble lends the others its cores,
       while small micro-batches cost more CPU time per sample.
     `ranges` given (spec.splitPoints): that split, predicted, instead of the balanced one."""
-    ranges = ranges or min_max_partition(costs.seconds, stages)
+    ranges = ranges or min_max_partition(costs.seconds, stages, costs.sizes)
     slowest = max(sum(costs.seconds[i] for i in r) for r in ranges)
     crowded = (
         micro_batches * sum(costs.cpu_seconds[i] for k in host.stages for i in ranges[k])

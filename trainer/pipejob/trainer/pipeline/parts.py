@@ -116,4 +116,4 @@ def measure_on_stages(names: list[str], spec: PipelineSpec, traced: cut.Traced,
         for j, c in enumerate(costs):
             seconds[j] += c.seconds
             cpu[j] += c.cpu_seconds
-    return [LayerCosts(s, c) for s, c in zip(seconds, cpu, strict=True)]
+    return [LayerCosts(s, c, sizes) for s, c in zip(seconds, cpu, strict=True)]

@@ -302,6 +302,8 @@ class Replicas:
     def divergence(self) -> float:
         """The largest difference between a replica's parameter fingerprints and replica
         0's (Stage.fingerprint): 0.0 while the replicas stay identical, as they must."""
+        if len(self.pipelines) == 1:
+            return 0.0
         prints = [p.each("fingerprint") for p in self.pipelines]
         return max((torch.max((a - b).abs()).item()
                     for other in prints[1:] for a, b in zip(prints[0], other, strict=True)),

@@ -49,6 +49,14 @@ class _Scratch(TorchDispatchMode):
     operation on a meta tensor runs again on a scratch tensor. So the random stream advances
     as a plain build's does."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in dynamo's `disable` unless the mode says
+        # otherwise (the opt-out its TorchDispatchMode documents), which imports torch._dynamo
+        # and inductor into every process that builds a model: 100 MB of a stage's memory.
+        # Nothing here runs under torch.compile.
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self._for: _Placeholder | None = None  # whose stand-in `_stand_in` is

@@ -244,21 +244,27 @@ _mmap_threshold = 128 << 10
 BUILD_MMAP_THRESHOLD = 1 << 20
 
 
+_returning = False  # inside returning_memory: a nested one (a build while measuring) leaves it be
+
+
 @contextmanager
 def returning_memory() -> Iterator[None]:
     """Inside, blocks over BUILD_MMAP_THRESHOLD are mapped alone and unmapped when freed;
     after, what the heap keeps free is given back too (the smaller objects of the build),
-    and the mmap threshold is this process's again."""
+    and the mmap threshold is this process's again. Nested, the outermost decides."""
+    global _returning
     libc = _glibc()
-    if libc is None:
+    if libc is None or _returning:
         yield
         return
+    _returning = True
     libc.mallopt(M_MMAP_THRESHOLD, BUILD_MMAP_THRESHOLD)
     try:
         yield
     finally:
         libc.malloc_trim(0)
         libc.mallopt(M_MMAP_THRESHOLD, _mmap_threshold)
+        _returning = False
 
 
 def rpc_backend_kwargs(kind: str, role: str, gpus: int,

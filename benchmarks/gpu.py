@@ -3,15 +3,18 @@
 For each workload: one process trains the model (pipejob's own build of it, the same data
 feed, loss and SGD) on the device and reports samples/s; then `pipejob run` trains it in 2
 and 4 stages (`gpusPerStage: 1`: on a one-GPU machine the stages share it, as the local
-runner allows for pipeline stages) and the master's summary gives samples/s. Printed: each,
-and pipejob's ratio to one process. Two stages sharing one GPU do the same work as one
-process, so about 1.0x is the limit; what is missing is per-micro-batch overhead.
+runner allows for pipeline stages) and the master's summary gives samples/s; then
+torch.distributed.pipelining's Schedule1F1B does the same work (the same model cut where
+pipejob's run cut it, the same batches, micro-batches, loss and SGD), one process per stage.
+Printed: each, and its ratio to one process. Two stages sharing one GPU do the same work as
+one process, so about 1.0x is the limit; what is missing is per-micro-batch overhead.
+
+1F1B runs where it can: its stages talk over NCCL, which refuses two ranks on one GPU, so on
+a machine with fewer GPUs than stages it is not run and the table says why (on the CPU it
+runs over gloo).
 
     python benchmarks/gpu.py                      # on a CUDA machine: the issue's table
-    python benchmarks/gpu.py --device cpu --small # the same comparison on CPU, tiny (a smoke run)
-
-torch.distributed.pipelining's 1F1B on the same work is not run here (benchmarks/compare.py
-measures it on CPU against the tutorial's ResNet-50 split)."""
+    python benchmarks/gpu.py --device cpu --small # the same comparison on CPU, tiny (a smoke)"""
 
 from __future__ import annotations
 
@@ -23,7 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import machine, run_job
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _common import free_port, machine, run_job
 
 WORKLOADS = {  # name -> (model, spec fields)
     "resnet50-224": ({"torchvision": "resnet50"},
@@ -58,8 +64,6 @@ def manifest(name: str, model: dict[str, Any], fields: dict[str, Any], stages: i
 def one_process(job: dict[str, Any], device: str, steps: int, warmup: int) -> float:
     """Samples/s of the whole model in this process on `device`: pipejob's model, data feed
     and loss, SGD, `steps` steps of which the first `warmup` are left out."""
-    import torch
-
     from pipejob.core.spec import parse
     from pipejob.trainer import workloads
     from pipejob.trainer.workloads import data, models
@@ -84,6 +88,92 @@ def one_process(job: dict[str, Any], device: str, steps: int, warmup: int) -> fl
     return spec.batch_size * (steps - warmup) / (time.perf_counter() - start)
 
 
+def one_f_one_b(job: dict[str, Any], device: str, split_points: list[str], steps: int,
+                warmup: int, timeout: float) -> float | str:  # fmt: skip
+    """Samples/s of torch.distributed.pipelining's Schedule1F1B on `job`'s work, cut at
+    `split_points`, one process per stage; or why it cannot run here."""
+    stages, m = len(split_points) + 1, job["spec"]["microBatches"]
+    if m < stages:
+        return f"not run: 1F1B needs at least {stages} micro-batches for {stages} stages"
+    if device == "cuda" and torch.cuda.device_count() < stages:
+        return (f"not run: NCCL needs a GPU per stage ({stages}), this machine has"
+                f" {torch.cuda.device_count()}")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="pipejob-1f1b-") as tmp:
+        out = Path(tmp) / "rate"
+        context = mp.start_processes(
+            _one_f_one_b_rank, args=(stages, free_port(), job, device, split_points, steps,
+                                     warmup, str(out)),
+            nprocs=stages, join=False, start_method="spawn",
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+                if time.monotonic() > deadline:
+                    return f"not run: no result within {timeout:g}s"
+        except mp.ProcessException as e:  # the table goes on: say why, in its last line
+            return f"failed: {str(e).strip().splitlines()[-1]}"
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        return float(out.read_text())
+
+
+def _one_f_one_b_rank(rank: int, stages: int, port: int, job: dict[str, Any], device: str,
+                      cut: list[str], steps: int, warmup: int, out: str) -> None:  # fmt: skip
+    """Stage `rank` of the 1F1B pipeline: the whole model built as pipejob builds it (under
+    the job's seed), its stage cut out of it; the first reads the inputs, the last the labels
+    (pipejob's feed), SGD on its own parameters. Rank 0 writes the measured samples/s."""
+    import dataclasses
+
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from pipejob.core.spec import parse
+    from pipejob.trainer import workloads
+    from pipejob.trainer.pipeline.parts import trace
+    from pipejob.trainer.workloads import data, models
+
+    spec = dataclasses.replace(parse(job).settings, split_points=cut)
+    on = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(on)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=stages)  # fmt: skip
+    try:
+        torch.manual_seed(spec.seed)
+        shard = trace(spec, models.build(spec)).split(cut)[rank].to(on)
+        optimizer = torch.optim.SGD(shard.parameters(), lr=0.01)
+        stage = PipelineStage(shard, rank, stages, on)
+        schedule = Schedule1F1B(stage, n_microbatches=spec.micro_batches,
+                                loss_fn=workloads.loss(spec))  # fmt: skip
+        with data.Feed(spec) as feed:
+            batches = [feed.batch() for _ in range(steps)]
+        start = 0.0
+        for step, (x, y) in enumerate(batches):
+            if step == warmup:
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                dist.barrier()
+                start = time.perf_counter()
+            optimizer.zero_grad()
+            if rank == 0:
+                schedule.step(x.to(on))
+            elif rank == stages - 1:
+                schedule.step(target=y.to(on))
+            else:
+                schedule.step()
+            optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 0:
+            rate = spec.batch_size * (steps - warmup) / (time.perf_counter() - start)
+            Path(out).write_text(str(rate))
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -93,8 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
-    import torch
-
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu.py: no CUDA GPU here, so nothing is measured; --device cpu runs the same"
               " comparison on the CPU")  # fmt: skip
@@ -118,8 +206,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}: pipejob {stages} stages {rate:.1f} samples/s"
                       f" ({rate / alone:.2f}x)", flush=True)  # fmt: skip
                 row.append(f"{rate:.1f} ({rate / alone:.2f}x)")
+                cut = [st["layers"][0] for st in summary["partition"][1:]]  # where pipejob cut
+                other = one_f_one_b(job, args.device, cut, args.steps, args.warmup,
+                                    args.timeout)  # fmt: skip
+                said = other if isinstance(other, str) else (
+                    f"{other:.1f} samples/s ({other / alone:.2f}x)")  # fmt: skip
+                print(f"  {name}: 1F1B {stages} stages {said}", flush=True)
+                row.append(said.replace(" samples/s", ""))
             rows.append(row)
-    head = ["workload", "one process", *(f"pipejob {s} stages" for s in args.stages.split(","))]
+    head = [
+        "workload",
+        "one process",
+        *(f"{who} {s} stages" for s in args.stages.split(",") for who in ("pipejob", "1F1B")),
+    ]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))

@@ -217,12 +217,11 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         torch.set_default_dtype(EXACT)  # the model and the data; the stages get them as built
         s = env.spec
         with data.Feed(s) as feed:
-            sample, _ = feed.sample(s.batch_size)
-            inputs, labels = feed.batch()
-        shards = plan_shards(s, *models.build_meta(s), env.names("stage"), sample)
+            batch = feed.batch()
+        shards = plan_shards(s, *models.build_meta(s), env.names("stage"))
         pipe = Pipeline(env.names("stage"), shards, "cpu", s.precision, s.activation_checkpointing)
         with dist_autograd.context() as context_id:
-            loss = forward_backward(pipe, inputs, labels, s.micro_batches, 0, context_id,
+            loss = forward_backward(pipe, pipe.read(s.micro_batches, batch), 0, context_id,
                                     workloads.loss(s))  # fmt: skip
             pipe.settle(0, s.micro_batches)
             pipe.combine_tied(context_id, shards.tied)

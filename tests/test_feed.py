@@ -403,3 +403,24 @@ def test_the_feed_leaves_the_global_rng_alone() -> None:
     with Feed(import_spec(workers=2)) as feed:
         feed.batch(), feed.batch()
     assert torch.equal(before, torch.get_rng_state())
+
+
+# ---------------------------------------------------------------------------- replica shares
+
+
+@pytest.mark.parametrize("which", ["synthetic", "import", "tokens"])
+def test_each_replica_s_feed_reads_its_share_of_the_whole_batch(which: str, tokens) -> None:
+    """The first stage of replica r reads samples r*B .. (r+1)*B-1 of each step's batch:
+    together the replicas read exactly the whole batch, in order, and their positions (what a
+    checkpoint keeps) are the whole feed's."""
+    spec = {"synthetic": make_spec(batch_size=3, replicas=2, image_size=8),
+            "import": import_spec(workers=2, batch_size=3, replicas=2),
+            "tokens": token_spec(tokens, batch_size=3, replicas=2)}[which]  # fmt: skip
+    with Feed(spec) as whole, Feed(spec, 0) as first, Feed(spec, 1) as second:
+        for _ in range(9):  # beyond an epoch of the 21 squares
+            x, y = whole.batch()
+            (x0, y0), (x1, y1) = first.batch(), second.batch()
+            assert x0.shape[0] == x1.shape[0] == 3
+            assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y)
+        assert first.state().keys() == whole.state().keys()
+        assert first.state()["batches"] == second.state()["batches"] == whole.state()["batches"]

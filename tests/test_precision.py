@@ -73,12 +73,11 @@ def _bf16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     try:
         s = env.spec
         with data.Feed(s) as feed:
-            sample, _ = feed.sample(s.batch_size)
-            inputs, labels = feed.batch()
-        shards = plan_shards(s, *models.build_meta(s), env.names("stage"), sample)
+            batch = feed.batch()
+        shards = plan_shards(s, *models.build_meta(s), env.names("stage"))
         pipe = Pipeline(env.names("stage"), shards, "cpu", s.precision)
         with dist_autograd.context() as context_id:
-            loss = forward_backward(pipe, inputs, labels, s.micro_batches, 0, context_id,
+            loss = forward_backward(pipe, pipe.read(s.micro_batches, batch), 0, context_id,
                                     workloads.loss(s))  # fmt: skip
             pipe.settle(0, s.micro_batches)
             grads: dict[str, torch.Tensor] = {}
@@ -206,11 +205,11 @@ def _fp16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         before = {k: v for part in replicas.pipelines[0].each("state") for k, v in part.items()}
         (x1, y1), (x2, y2) = fp16_batches()
         replicas.loss_scale.scale = 2.0**200  # the scaled loss is inf in float32
-        first = replicas.step(x1, y1, 2, 0, F.cross_entropy)
+        first = replicas.step(2, 0, F.cross_entropy, (x1, y1))
         overflowed = replicas.loss_scale.scale
         skipped = {k: v for part in replicas.pipelines[0].each("state") for k, v in part.items()}
         replicas.loss_scale.scale = 2.0**16  # torch's GradScaler's start: no overflow
-        second = replicas.step(x2, y2, 2, 1, F.cross_entropy)
+        second = replicas.step(2, 1, F.cross_entropy, (x2, y2))
         after = {k: v for part in replicas.pipelines[0].each("state") for k, v in part.items()}
         torch.save({"first": first.grad_norm, "overflowed": overflowed, "before": before,
                     "skipped": skipped, "second": (second.loss, second.grad_norm),

@@ -86,8 +86,8 @@ def _recipe_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
                         tied=cut.ties(stages))  # fmt: skip
         replicas = Replicas(per_replica, shards, s)
         samples = SHARE * s.replicas * s.gradient_accumulation
-        results = [replicas.step(x, y, 2, step, F.cross_entropy)
-                   for step, (x, y) in enumerate(batches(samples))]  # fmt: skip
+        results = [replicas.step(2, step, F.cross_entropy, batch)
+                   for step, batch in enumerate(batches(samples))]  # fmt: skip
         states = [{k: v for part in p.each("state") for k, v in part.items()}
                   for p in replicas.pipelines]  # fmt: skip
         torch.save({"results": [(r.loss, r.lr, r.grad_norm) for r in results],

@@ -182,8 +182,8 @@ def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         shards = Shards(traced.units, traced.split(["fc2"]),
                         Partition([range(0, 2), range(2, 5)], [1.0] * 5, 2), {})  # fmt: skip
         replicas = Replicas(per_replica, shards, s)
-        losses = [replicas.step(x, y, 2, step, F.cross_entropy).loss
-                  for step, (x, y) in enumerate(batches(s.replicas))]  # fmt: skip
+        losses = [replicas.step(2, step, F.cross_entropy, batch).loss
+                  for step, batch in enumerate(batches(s.replicas))]  # fmt: skip
         states = [{k: v for part in p.each("state") for k, v in part.items()}
                   for p in replicas.pipelines]  # fmt: skip
         torch.save({"losses": losses, "states": states}, out)

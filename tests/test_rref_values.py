@@ -4,9 +4,10 @@ An RPC agent with CUDA devices finds the tensors of every RRef's value by pickli
 (torch._jit_internal._extract_tensors, called from C++ when the value's future completes) and
 fails the RRef when that raises, as a Stage holding locks once did ("cannot pickle
 '_thread.RLock' object") on every GPU pipeline. A CPU agent never extracts, so this calls the
-same function on the values a real world made: a PipelineJob's stages after a training step
-and their forward outputs, and a HybridJob's parameter-server table after an update, and
-checks that each yields the tensors it holds (those torch must synchronise)."""
+same function on the values a real world made: a PipelineJob's stages after a training step,
+their forward outputs and the labels a first stage read (which the last stage fetches), and a
+HybridJob's parameter-server table after an update, and checks that each yields the tensors
+it holds (those torch must synchronise)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid.ps import Table
+from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.schedule import Pipeline, forward_backward
 from pipejob.trainer.pipeline.shards import plan_shards
 from pipejob.trainer.pipeline.stage import Stage, on_stage
@@ -71,20 +73,22 @@ def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     try:
         s = env.spec
         with data.Feed(s) as feed:
-            sample, _ = feed.sample(s.batch_size)
             inputs, labels = feed.batch()
-        shards = plan_shards(s, *models.build_meta(s), env.names("stage"), sample)
-        pipe = Pipeline(env.names("stage"), shards)
+        shards = plan_shards(s, *models.build_meta(s), env.names("stage"))
+        pipe = Pipeline(env.names("stage"), shards, source=Source(s, 0))
         with dist_autograd.context() as context_id:
-            forward_backward(pipe, inputs, labels, s.micro_batches, 0, context_id,
+            forward_backward(pipe, pipe.read(s.micro_batches, (inputs, labels)), 0, context_id,
                              workloads.loss(s))  # fmt: skip
             pipe.settle(0, s.micro_batches)
         stage0, name0 = pipe.stages[0], pipe.names[0]
         # A forward output that stays on its stage (what the next stage fetches).
         evaluation = (stage0, "forward", (inputs[:2],), pipe.rounds + 1, 0, None)
         output = rpc.remote(name0, on_stage, args=evaluation)
+        # Labels a first stage read, which the last stage fetches.
+        labels_read = pipe.read(s.micro_batches)
+        assert labels_read is not None
         table = rpc.remote(name0, Table, args=(spec.parse(HYBRID).settings, ["t"]))
-        rrefs = [*pipe.stages, output, table]
+        rrefs = [*pipe.stages, output, labels_read.labels, table]
         torch.save([rpc.rpc_sync(r.owner(), extraction, args=(r,)) for r in rrefs], out)
     finally:
         rpc.shutdown()
@@ -96,7 +100,7 @@ def test_every_value_behind_an_rref_gives_torch_its_tensors(tmp_path):
     ports = plan.Ports(*free_ports(4))
     envs = [p.env for p in plan.plan_world(job, lambda m: LOOPBACK, ports)]
     found = run_world(_world, envs, tmp_path / "found.pt", timeout=180)
-    assert [f["type"] for f in found] == ["Stage", "Stage", "tuple", "Table"]
+    assert [f["type"] for f in found] == ["Stage", "Stage", "tuple", "Tensor", "Table"]
     for f in found:
         assert f["held"] > 0 and f["missing"] == 0, f
 

@@ -242,7 +242,8 @@ PIPELINE_DATA = Field(
         ),
         "args": ARGS,
         "workers": Field(
-            "integer", "DataLoader worker processes that load the pipeline's batches.",
+            "integer",
+            "DataLoader worker processes of each replica's first stage, which reads the batches.",
             default=2, minimum=0, maximum=32,
         ),
     },

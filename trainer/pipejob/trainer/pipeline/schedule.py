@@ -1,10 +1,13 @@
 """The master's side of one step: micro-batches pipelined through the remote stages (GPipe:
 all forwards of a step, then all backwards, then every stage's optimizer step).
 
-For every micro-batch the master chains RRefs, so stage i+1 fetches its input from stage i
-(activations never pass through the master). The last stage keeps the model's outputs and
-computes the loss; `dist_autograd` runs the backward from it across the stages and
-`DistributedOptimizer` steps every shard's parameters where they live."""
+The master only sends control messages. The first stage reads each round's batch itself
+(pipeline/reader.py); for every micro-batch the master chains RRefs, so stage i+1 fetches
+its input from stage i (activations never pass through the master). The last stage keeps
+the model's outputs and computes the loss against the labels it fetches from the first
+stage; `dist_autograd` runs the backward from it across the stages and
+`DistributedOptimizer` steps every shard's parameters where they live. Evaluation takes the
+same path, the last stage adding each round's figures to a `Tally`."""
 
 from __future__ import annotations
 
@@ -23,19 +26,27 @@ from torch.distributed.rpc import RRef
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import gradients
-from pipejob.trainer.pipeline.shards import (
-    Shards,
-)
-from pipejob.trainer.pipeline.stage import Stage, on_stage
+from pipejob.trainer.pipeline.reader import HELD_OUT, TRAIN, Batch, Source
+from pipejob.trainer.pipeline.shards import Shards
+from pipejob.trainer.pipeline.stage import Stage, on_reader, on_stage
 from pipejob.trainer.runtime import (
     rendezvous,
 )
 from pipejob.trainer.runtime.optim import learning_rate, optimizer_args
 from pipejob.trainer.workloads import Loss
-from pipejob.trainer.workloads.cut import join
+from pipejob.trainer.workloads.metrics import Tally
 
 # Micro-batches a stage holds at once; fewer than the RPC worker threads (runtime/rendezvous).
 IN_FLIGHT = 4
+
+
+@dataclass(frozen=True)
+class Round:
+    """A forward round's batch, read on the first stage: training or evaluation."""
+
+    number: int  # the stages' order of rounds
+    micro_batches: int  # as the first stage split it: no more than its samples
+    labels: RRef  # on the first stage; the last fetches them from there
 
 
 class Pipeline:
@@ -47,20 +58,38 @@ class Pipeline:
     gradients."""
 
     def __init__(self, stage_names: list[str], shards: Shards, device: str = "cpu",
-                 precision: str = "fp32", recompute: bool = False):  # fmt: skip
+                 precision: str = "fp32", recompute: bool = False,
+                 source: Source | None = None):  # fmt: skip
+        """`source`: where the first stage reads the training and held-out batches; without
+        it, every round's batch is given (`read`)."""
         last = len(stage_names) - 1
         self.names = stage_names
         self.stages = [
             rpc.remote(name, Stage, args=(shards.parts[i] if shards.parts else shards.stages[i],
-                                          i == last, device, precision, recompute))
+                                          i == last, device, precision, recompute,
+                                          source if i == 0 else None))
             for i, name in enumerate(stage_names)
         ]  # fmt: skip
         self.rounds = 0  # forward rounds (training steps and evaluation batches) so far
 
-    def forward(self, inputs: torch.Tensor, micro_batches: int, step: int | None) -> Any:
-        """All micro-batches' forwards, pipelined. `step` None: an evaluation's forwards (no
-        autograd, shards in eval mode), whose outputs, joined in order, are returned; a
-        training round's stay on the last stage for its loss.
+    def read(self, micro_batches: int, given: Batch | None = None,
+             what: str = TRAIN) -> Round | None:  # fmt: skip
+        """The next round's batch, on the first stage: `given` (sent there), or read there,
+        the next of `what` (TRAIN, or HELD_OUT once `start_held_out`); None when the
+        held-out set is over."""
+        self.rounds += 1
+        if given is not None:  # a view would ship its whole storage
+            given = (given[0].clone(), given[1].clone())
+        samples = self.reader("read", self.rounds, micro_batches, what, given)
+        if samples == 0:
+            return None
+        labels = rpc.remote(self.names[0], on_reader, args=(self.stages[0], "labels", self.rounds))
+        return Round(self.rounds, min(micro_batches, samples), labels)
+
+    def forward(self, batch: Round, step: int | None) -> None:
+        """All micro-batches' forwards of `batch`, pipelined. `step` None: an evaluation's
+        forwards (no autograd, shards in eval mode). The outputs stay on the last stage, for
+        `loss` or `tally`.
 
         Stage k gets micro-batch i's input as stage k-1's RRef and fetches it from there. A
         stage holds at most IN_FLIGHT micro-batches at a time: each waits for its input, then
@@ -70,15 +99,12 @@ class Pipeline:
         among those it holds. Completions only post to a queue; every call is issued from
         this thread, inside the distributed autograd context."""
         last = len(self.stages) - 1
-        micro_batches = min(micro_batches, len(inputs))  # a small last evaluation batch
-        parts = [(x.clone(),) for x in inputs.tensor_split(micro_batches)]  # views ship it all
-        self.rounds += 1
-        round = self.rounds
+        micro_batches, round = batch.micro_batches, batch.number
         refs: dict[tuple[int, int], RRef] = {}
         finished: queue.SimpleQueue = queue.SimpleQueue()
 
         def launch(k: int, mb: int) -> None:
-            given = parts[mb] if k == 0 else refs[k - 1, mb]
+            given = None if k == 0 else refs[k - 1, mb]  # the first stage's reader has it
             args = (self.stages[k], "forward", given, round, mb, step)
             if k == last:
                 future = rpc.rpc_async(self.names[k], on_stage, args=args)
@@ -101,7 +127,6 @@ class Pipeline:
                     busy[k] += 1
 
         fill()
-        outputs: dict[int, torch.Tensor] = {}
         for _ in range((last + 1) * micro_batches):
             try:
                 k, mb, future = finished.get(timeout=rendezvous.RPC_TIMEOUT_SECONDS)
@@ -109,20 +134,30 @@ class Pipeline:
                 raise TimeoutError(
                     f"no stage finished a forward within {rendezvous.RPC_TIMEOUT_SECONDS:g}s"
                 ) from None
-            value = future.wait()  # raises if the stage failed
-            if k == last:
-                outputs[mb] = value
+            future.wait()  # raises if the stage failed
             busy[k] -= 1
             fill()
-        if step is not None:
-            return None  # a training round's outputs stay on the last stage, for `loss`
-        return join([outputs[mb] for mb in range(micro_batches)])
 
-    def loss(self, micro_batches: int, labels: torch.Tensor, loss_fn: Loss) -> torch.Tensor:
-        """The last training round's loss, computed on the last stage (Stage.loss)."""
+    def loss(self, batch: Round, loss_fn: Loss) -> torch.Tensor:
+        """A training round's loss, computed on the last stage (Stage.loss)."""
         return rpc.rpc_sync(self.names[-1], on_stage,
-                            args=(self.stages[-1], "loss", self.rounds, micro_batches, labels,
-                                  loss_fn))  # fmt: skip
+                            args=(self.stages[-1], "loss", batch.number, batch.micro_batches,
+                                  batch.labels, loss_fn))  # fmt: skip
+
+    def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
+        """`tally` with the held-out set's figures (its first `limit` batches, all when 0):
+        the first stage reads each batch, the last adds its figures (Stage.tally)."""
+        self.reader("start_held_out", limit)
+        while (batch := self.read(micro_batches, what=HELD_OUT)) is not None:
+            self.forward(batch, None)
+            args = (self.stages[-1], "tally", batch.number, batch.micro_batches, batch.labels,
+                    loss_fn, tally)  # fmt: skip
+            tally = rpc.rpc_sync(self.names[-1], on_stage, args=args)
+        return tally
+
+    def reader(self, method: str, *args: Any) -> Any:
+        """Call a method of the first stage's Reader (pipeline/reader.py)."""
+        return rpc.rpc_sync(self.names[0], on_reader, args=(self.stages[0], method, *args))
 
     def settle(self, step: int, micro_batches: int) -> None:
         """Return once every stage has backpropagated every micro-batch of `step`
@@ -173,20 +208,18 @@ class StepResult:
 
 def forward_backward(
     pipeline: Pipeline,
-    inputs: torch.Tensor,
-    labels: torch.Tensor,
-    micro_batches: int,
+    batch: Round,
     step: int,
     context_id: int,
     loss_fn: Loss,
     scale: float = 1.0,
 ) -> torch.Tensor:
-    """Every micro-batch forward, one loss over the whole batch (the mean over its samples,
-    as without a pipeline) on the last stage, then the backward across the stages of the
-    loss times `scale` (1 / gradientAccumulation, times fp16's loss scale). Returns the
-    loss."""
-    pipeline.forward(inputs, micro_batches, step)
-    loss = pipeline.loss(min(micro_batches, len(inputs)), labels, loss_fn)
+    """Every micro-batch of `batch` forward, one loss over the whole batch (the mean over
+    its samples, as without a pipeline) on the last stage, then the backward across the
+    stages of the loss times `scale` (1 / gradientAccumulation, times fp16's loss scale).
+    Returns the loss."""
+    pipeline.forward(batch, step)
+    loss = pipeline.loss(batch, loss_fn)
     dist_autograd.backward(context_id, [loss * scale if scale != 1.0 else loss])
     return loss
 
@@ -194,7 +227,8 @@ def forward_backward(
 class Replicas:
     """Every copy of the pipeline, each with its own DistributedOptimizer over its stages.
 
-    One step: the batch is split into one share per replica; each replica runs its share's
+    One step: each replica's first stage reads the replica's share of the batch (or a
+    given batch is split into one share per replica); each replica runs its share's
     forwards and backwards in a dist-autograd context of its own (a thread each, so the
     replicas' pipelines overlap), then its stages average their gradients with the same
     stage of the other replicas (`Stage.average_gradients`) and its optimizer steps. The mean
@@ -214,25 +248,27 @@ class Replicas:
         self.accumulation = spec.gradient_accumulation
         self.loss_scale = gradients.LossScale() if spec.precision == "fp16" else None
         self.pipelines = [Pipeline(stage_names, shards, device, spec.precision,
-                                   spec.activation_checkpointing)
-                          for stage_names in names]  # fmt: skip
+                                   spec.activation_checkpointing, Source(spec, r))
+                          for r, stage_names in enumerate(names)]  # fmt: skip
         self.tied = shards.tied
         self.optimizers = [DistributedOptimizer(cls, p.parameter_rrefs(), **kwargs)
                            for p in self.pipelines]  # fmt: skip
         self._threads = ThreadPoolExecutor(len(names)) if len(names) > 1 else None
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, micro_batches: int, step: int,
-             loss_fn: Loss) -> StepResult:  # fmt: skip
-        """One optimizer step on `inputs` (gradientAccumulation batches, one after the
-        other) and their `labels`."""
+    def step(self, micro_batches: int, step: int, loss_fn: Loss,
+             given: Batch | None = None) -> StepResult:  # fmt: skip
+        """One optimizer step on gradientAccumulation batches, one after the other: the
+        next ones each first stage reads, or `given` (inputs and labels of them all)."""
         replicas = len(self.pipelines)
-        rounds = zip(inputs.tensor_split(self.accumulation),
-                     labels.tensor_split(self.accumulation), strict=True)  # fmt: skip
-        shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(replicas)]
-        for x, y in rounds:
-            for r, share in enumerate(zip(x.tensor_split(replicas), y.tensor_split(replicas),
-                                          strict=True)):  # fmt: skip
-                shares[r].append(share)
+        shares: list[list[Batch | None]] = [[None] * self.accumulation for _ in range(replicas)]
+        if given is not None:
+            inputs, labels = given
+            rounds = zip(inputs.tensor_split(self.accumulation),
+                         labels.tensor_split(self.accumulation), strict=True)  # fmt: skip
+            for a, (x, y) in enumerate(rounds):
+                for r, share in enumerate(zip(x.tensor_split(replicas), y.tensor_split(replicas),
+                                              strict=True)):  # fmt: skip
+                    shares[r][a] = share
         args = [(r, share, micro_batches, step, loss_fn) for r, share in enumerate(shares)]
         if self._threads is None:
             results = [self._one(*args[0])]
@@ -249,30 +285,32 @@ class Replicas:
             results[0].grad_norm,
         )
 
-    def _one(self, r: int, rounds: list[tuple[torch.Tensor, torch.Tensor]],
-             micro_batches: int, step: int, loss_fn: Loss) -> StepResult:  # fmt: skip
-        """Replica r's part of a step: its share of each batch of the step."""
+    def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
+             loss_fn: Loss) -> StepResult:  # fmt: skip
+        """Replica r's part of a step: its share of each batch of the step (None: read by
+        its first stage)."""
         pipeline = self.pipelines[r]
         names, stages = pipeline.names, pipeline.stages
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
         weight = scale / len(rounds)  # each batch's share of the step's loss
 
-        def one_round(x: torch.Tensor, y: torch.Tensor, context_id: int) -> float:
-            loss = forward_backward(pipeline, x, y, micro_batches, step, context_id, loss_fn,
-                                    weight)  # fmt: skip
-            pipeline.settle(step, micro_batches)
+        def one_round(given: Batch | None, context_id: int) -> float:
+            batch = pipeline.read(micro_batches, given)
+            assert batch is not None  # the training data has no end
+            loss = forward_backward(pipeline, batch, step, context_id, loss_fn, weight)
+            pipeline.settle(step, batch.micro_batches)
             return loss.item()
 
         start = time.perf_counter()
         losses = []
         # A context takes one backward: the rounds before the last each have their own, and
         # the stages hold their gradients until the last round's context, where they add up.
-        for x, y in rounds[:-1]:
+        for given in rounds[:-1]:
             with dist_autograd.context() as context_id:
-                losses.append(one_round(x, y, context_id))
+                losses.append(one_round(given, context_id))
                 gradients.hold(names, stages, context_id)
         with dist_autograd.context() as context_id:
-            losses.append(one_round(*rounds[-1], context_id))
+            losses.append(one_round(rounds[-1], context_id))
             if len(rounds) > 1:
                 gradients.release(names, stages, context_id)
             pipeline.combine_tied(context_id, self.tied)
@@ -298,6 +336,17 @@ class Replicas:
     def timings(self) -> list[dict[int, tuple[float, float, float]]]:
         """Replica 0's stages' timings (every replica runs the same schedule)."""
         return self.pipelines[0].timings()
+
+    def data_state(self) -> dict[str, Any]:
+        """The training data's position (every replica's first stage is at the same one)."""
+        return self.pipelines[0].reader("state")
+
+    def readers(self, method: str, *args: Any) -> None:
+        """Call a method of every replica's first stage's Reader: `load_state` (a
+        checkpoint's position), `close` (stop reading)."""
+        torch.futures.wait_all([rpc.rpc_async(p.names[0], on_reader,
+                                              args=(p.stages[0], method, *args))
+                                for p in self.pipelines])  # fmt: skip
 
     def divergence(self) -> float:
         """The largest difference between a replica's parameter fingerprints and replica

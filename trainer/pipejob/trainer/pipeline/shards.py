@@ -87,7 +87,6 @@ def plan_shards(
     model: nn.Module,
     numbered: list[list[str]],
     stage_names: list[str],
-    sample: torch.Tensor,
     saved: Partition | None = None,
     hosts: list[Host] | None = None,
     progress: Callable[[str], None] = lambda message: None,
@@ -95,7 +94,8 @@ def plan_shards(
     """Cut the job's `model`, built with none of its parameters (models.build_meta, which
     gives the `numbered` names), into spec.stages: at spec.splitPoints, or balanced by what
     each unit costs (measured on the stage processes `stage_names`, one pipeline's, on
-    micro-batches of `sample`, the model's input), or as `saved`, a checkpoint's partition.
+    micro-batches of the first training batch, which the first stage reads), or as `saved`,
+    a checkpoint's partition.
     With `microBatches: auto`, costs are measured at every candidate count's micro-batch
     size and the count with the shortest predicted step (given the `hosts` whose cores
     stages share) is used. Each stage builds its own shard from the returned `parts`."""
@@ -105,8 +105,7 @@ def plan_shards(
         raise cut.cut_count_error(len(units), spec.stages)
     fixed = traced.ranges(spec.split_points) if spec.split_points else None
     if saved is None:
-        saved = _measure(spec, stage_names, traced, numbered, sample, hosts or [], fixed,
-                         progress)  # fmt: skip
+        saved = _measure(spec, stage_names, traced, numbered, hosts or [], fixed, progress)
     starts = [units[r.start] for r in saved.ranges[1:]]
     stages = traced.split(starts)
     dtype = torch.get_default_dtype()
@@ -127,16 +126,16 @@ def _names(module: nn.Module) -> list[str]:
 
 
 def _measure(spec: PipelineSpec, stage_names: list[str], traced: cut.Traced,
-             numbered: list[list[str]], sample: torch.Tensor, hosts: list[Host],
-             fixed: list[range] | None, progress: Callable[[str], None]) -> Partition:  # fmt: skip
+             numbered: list[list[str]], hosts: list[Host], fixed: list[range] | None,
+             progress: Callable[[str], None]) -> Partition:  # fmt: skip
     auto = spec.micro_batches == AUTO
     batch = spec.batch_size
     counts = micro_batch_counts(batch) if auto else [spec.micro_batches]
     for m in counts:
         progress(f"  micro-batch {batch // m} ({m} per batch)")
-    samples = [sample[: batch // m] for m in counts]
+    sizes = [batch // m for m in counts]
     measured: dict[int, tuple[Prediction, LayerCosts]] = {}
-    for m, costs in zip(counts, measure_on_stages(stage_names, spec, traced, numbered, samples),
+    for m, costs in zip(counts, measure_on_stages(stage_names, spec, traced, numbered, sizes),
                         strict=True):  # fmt: skip
         measured[m] = predict(costs, spec.stages, m, batch, hosts, fixed), costs
     chosen, costs = measured[fastest([p for p, _ in measured.values()]).micro_batches]

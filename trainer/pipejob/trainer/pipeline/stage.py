@@ -21,9 +21,11 @@ from torch import nn
 from torch.distributed.rpc import RRef
 
 from pipejob.trainer.pipeline.parts import Part
+from pipejob.trainer.pipeline.reader import Reader, Source
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, step_seconds
 from pipejob.trainer.runtime import checkpoint, output, rendezvous, tuning
 from pipejob.trainer.workloads.cut import join, tensors
+from pipejob.trainer.workloads.metrics import Tally
 
 
 class Turnstile:
@@ -74,13 +76,16 @@ class Stage:
     built here from a `Part` (the job's model), or given as a module.
 
     A shard takes the values live where its stage begins (a tuple: one tensor or several)
-    and returns those live where it ends; the last returns the model's output. It records
-    when it computes, forward and backward, per micro-batch, and keeps per-step totals, so
-    the master can report per-stage time and the pipeline's bubble."""
+    and returns those live where it ends; the last keeps the model's output for the loss or
+    the evaluation's figures. The first stage's inputs are the rounds its `reader` read. It
+    records when it computes, forward and backward, per micro-batch, and keeps per-step
+    totals, so the master can report per-stage time and the pipeline's bubble."""
 
     def __init__(self, module: nn.Module | Part, last: bool, device: str,
-                 precision: str = "fp32", recompute: bool = False):  # fmt: skip
+                 precision: str = "fp32", recompute: bool = False,
+                 source: Source | None = None):  # fmt: skip
         self.device = torch.device(device)
+        self.reader = Reader(source, self.device)  # reads only on a first stage
         if isinstance(module, Part):  # built here: only this stage's parameters exist
             module = module.build()[0]
         self.layers = module.to(self.device)
@@ -100,7 +105,7 @@ class Stage:
         # Micro-batches whose backward has run through this shard, per step (`settle`).
         self._settled = threading.Condition()
         self._done: dict[int, int] = {}
-        # The last stage's training outputs per (round, micro-batch), until their loss.
+        # The last stage's outputs per (round, micro-batch), until their loss or tally.
         self._outputs: dict[tuple[int, int], Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -116,14 +121,17 @@ class Stage:
     def parameter_rrefs(self) -> list[RRef]:
         return [RRef(p) for p in self.layers.parameters()]
 
-    def forward(self, x: tuple[Any, ...] | RRef, round: int, micro_batch: int,
+    def forward(self, x: tuple[Any, ...] | RRef | None, round: int, micro_batch: int,
                 step: int | None) -> Any:  # fmt: skip
         """Micro-batch `micro_batch` of forward round `round` (the turnstile's order); a
         training step's (`step`, timed, with autograd) or, with `step` None, an
-        evaluation's (no autograd, the shard in eval mode)."""
+        evaluation's (no autograd, the shard in eval mode). `x`: the previous stage's
+        output (an RRef), or None on the first stage (the round its reader read)."""
         failed = None
         try:  # fetching waits for no turn: later inputs arrive while this stage computes
-            if not isinstance(x, tuple):
+            if x is None:
+                x = self.reader.input(round, micro_batch)
+            elif not isinstance(x, tuple):
                 x = x.to_here()  # an RRef, fetched from the previous stage, straight to this one
             received = x
             x = tuple(v.to(self.device) if isinstance(v, torch.Tensor) else v for v in x)
@@ -133,31 +141,44 @@ class Stage:
             if failed is not None:
                 raise failed
             if step is None:
-                return self._evaluate(x)
-            start = self._clock.mark()
-            y = self._compute(x)
-            end = self._clock.mark()
-        with self._record:
-            self._fold(before=step)
-            # By round too: with gradientAccumulation a step runs several rounds.
-            self._events[step, (round, micro_batch)]["forward"] = [start, end]
-        self._time_backward((step, (round, micro_batch)), y, received)
-        if self.last:  # kept for the loss (`loss`): the model's output never leaves the stage
+                y = self._evaluate(x)
+            else:
+                start = self._clock.mark()
+                y = self._compute(x)
+                end = self._clock.mark()
+        if step is not None:
+            with self._record:
+                self._fold(before=step)
+                # By round too: with gradientAccumulation a step runs several rounds.
+                self._events[step, (round, micro_batch)]["forward"] = [start, end]
+            self._time_backward((step, (round, micro_batch)), y, received)
+        if self.last:  # kept for `loss` or `tally`: the model's output never leaves the stage
             with self._record:
                 self._outputs[round, micro_batch] = y
             return None
         return y
 
-    def loss(self, round: int, micro_batches: int, labels: torch.Tensor,
-             loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
-        """The last stage: the loss of forward round `round`, over its micro-batches'
-        outputs joined (the mean over the whole batch, as in one process). The master starts
-        the distributed backward from it: a scalar crosses to the master, not the outputs."""
+    def _round_outputs(self, round: int, micro_batches: int, labels: RRef) -> tuple[Any, Any]:
+        """The last stage: forward round `round`'s outputs, its micro-batches' joined, and
+        its labels, fetched from the first stage."""
         with self._record:
             outputs = [self._outputs.pop((round, mb)) for mb in range(micro_batches)]
             # A round that failed half-way leaves outputs no loss will take.
             self._outputs = {k: v for k, v in self._outputs.items() if k[0] > round}
-        return loss_fn(join(outputs), labels.to(self.device)).cpu()
+        return join(outputs), labels.to_here().to(self.device)
+
+    def loss(self, round: int, micro_batches: int, labels: RRef,
+             loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """The last stage: the loss of training round `round` (the mean over the whole
+        batch, as in one process). The master starts the distributed backward from it: a
+        scalar crosses to the master, not the outputs."""
+        return loss_fn(*self._round_outputs(round, micro_batches, labels)).cpu()
+
+    def tally(self, round: int, micro_batches: int, labels: RRef, loss_fn: Callable[..., Any],
+              tally: Tally) -> Tally:  # fmt: skip
+        """The last stage: `tally` with evaluation round `round`'s figures added."""
+        tally.add(*self._round_outputs(round, micro_batches, labels), loss_fn)
+        return tally
 
     def _compute(self, x: tuple[Any, ...], recompute: bool | None = None) -> Any:
         """The shard's forward in the job's precision; with activation checkpointing only
@@ -181,7 +202,7 @@ class Stage:
                 y = self._compute(x, recompute=False)
         finally:
             self.layers.train()
-        return _to_cpu(y) if self.last else y
+        return y
 
     def _time_backward(self, key: tuple[int, int], y: Any, received: tuple[Any, ...]):
         """Backward through this shard starts when the gradient of its outputs arrives and
@@ -339,16 +360,6 @@ def _float32(value: Any) -> Any:
     return value
 
 
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, tuple | list):
-        return type(value)(_to_cpu(v) for v in value)
-    if isinstance(value, dict):  # a ModelOutput too: rebuilt as its own type
-        return type(value)(**{k: _to_cpu(v) for k, v in value.items()})
-    return value
-
-
 def stage_devices(
     index: int, stages: list[str], gpus: int
 ) -> tuple[dict[str, dict[int, int]] | None, list[int] | None]:
@@ -364,3 +375,8 @@ def stage_devices(
 def on_stage(stage: RRef, method: str, *args: Any) -> Any:
     """Runs on the stage's worker: call a method of the Stage object held there."""
     return getattr(stage.local_value(), method)(*args)
+
+
+def on_reader(stage: RRef, method: str, *args: Any) -> Any:
+    """Runs on a first stage's worker: call a method of its Reader (the rounds' data)."""
+    return getattr(stage.local_value().reader, method)(*args)

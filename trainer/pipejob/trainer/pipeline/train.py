@@ -53,9 +53,11 @@ def train(env: Env) -> dict[str, Any]:
     title = models.name(spec.model)
     model, numbered = models.build_meta(spec)  # the stages build their own shards
     loss = workloads.loss(spec)
-    feed = data.Feed(spec)
-    world.log(env, f"data: {feed.description}")
-    inputs, labels = feed.sample(spec.batch_size)
+    # The first stage of each replica reads the batches (pipeline/reader.py); here, two
+    # samples only, to check that the data fits the model.
+    with data.Feed(spec) as feed:
+        world.log(env, f"data: {feed.description}")
+        inputs, labels = feed.sample(2)
     fits_model(model, inputs, labels, loss)
     found = checkpoint.latest_for(env)
     try:
@@ -68,10 +70,10 @@ def train(env: Env) -> dict[str, Any]:
                            " thread(s)" + (f" ({shared})" if shared else ""))  # fmt: skip
             if spec.gpus_per_stage > 0:
                 hosts = []  # the stages compute on their GPUs, not on the cores they share
-            shards = plan_shards(spec, model, numbered, names, inputs, None, hosts,
+            shards = plan_shards(spec, model, numbered, names, None, hosts,
                                  lambda message: world.log(env, message))  # fmt: skip
         else:
-            shards = plan_shards(spec, model, numbered, names, inputs, saved_partition(env, found))
+            shards = plan_shards(spec, model, numbered, names, saved_partition(env, found))
     except ValueError as e:
         raise ValueError(f"spec.model {title} with {spec.stages} stages: {e}") from None
     m, candidates = shards.partition.micro_batches, shards.partition.candidates
@@ -88,11 +90,11 @@ def train(env: Env) -> dict[str, Any]:
                        " per step; stage i of every replica averages its gradients")  # fmt: skip
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
     pipelines = Replicas(replicas, shards, spec, device)
-    held = data.held_out(spec) if spec.eval is not None else None
+    held = pipelines.pipelines[0].reader("held_out") if spec.eval is not None else None
     if spec.eval is not None:
-        world.log(env, f"evaluation: {held.description}" if held else
+        world.log(env, f"evaluation: {held}" if held else
                        "evaluation: the data has no held-out set; nothing to evaluate")  # fmt: skip
-    first = 0 if found is None else resume(env, found, pipelines, feed, shards)
+    first = 0 if found is None else resume(env, found, pipelines, shards)
     profile = profiling.settings(spec)
     results: list[StepResult] = []
     evaluations: list[dict[str, Any]] = []
@@ -102,9 +104,8 @@ def train(env: Env) -> dict[str, Any]:
     events = Events(spec.logging.tensorboard if spec.logging else None, first)
     try:
         for step in range(first, steps):
-            batch_inputs, batch_labels = step_batch(feed, spec.gradient_accumulation)
             with profiling.window(env, profile, step + 1, every) as rpc_calls, rpc_calls():
-                result = pipelines.step(batch_inputs, batch_labels, m, step, loss)
+                result = pipelines.step(m, step, loss)
             results.append(result)
             seconds = result.pipeline_seconds + result.optimizer_seconds
             board.step(step + 1, result.loss, seconds, samples, lr=result.lr,
@@ -112,7 +113,7 @@ def train(env: Env) -> dict[str, Any]:
             events.scalars(step + 1, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
                            samples_per_second=samples / seconds)  # fmt: skip
             if checkpoint.due(spec, step + 1):
-                save_checkpoint(env, step + 1, pipelines, feed, shards)
+                save_checkpoint(env, step + 1, pipelines, shards)
                 events.flush()
             if (step + 1) % spec.log_every == 0 or step + 1 == steps:
                 rate = samples / seconds
@@ -124,16 +125,14 @@ def train(env: Env) -> dict[str, Any]:
                 memory.refresh(env, board)  # each member's peak, for /progress and /metrics
                 events.scalars(step + 1, bubble=bubble)
             if held is not None and evaluation_due(spec, step + 1):
-                evaluations.append(evaluate(env, pipelines, held, m, loss, step + 1))
+                evaluations.append(evaluate(env, pipelines, m, loss, step + 1))
                 figures = evaluations[-1]
                 events.scalars(step + 1, eval_loss=figures["loss"],
                                eval_accuracy=figures.get("accuracy"),
                                eval_perplexity=figures.get("perplexity"))  # fmt: skip
     finally:
         events.close()
-        feed.close()
-        if held is not None:
-            held.close()
+    pipelines.readers("close")
     if spec.output is not None:
         write_output(env, pipelines, shards, evaluations[-1] if evaluations else None)
     if not results:
@@ -146,14 +145,6 @@ def train(env: Env) -> dict[str, Any]:
         summary["evaluations"] = evaluations
     world.log(env, "summary:\n" + render(summary))
     return summary
-
-
-def step_batch(feed: data.Feed, batches: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's samples: `batches` batches of the feed (gradientAccumulation), joined."""
-    if batches == 1:
-        return feed.batch()
-    inputs, labels = zip(*(feed.batch() for _ in range(batches)), strict=True)
-    return torch.cat(inputs), torch.cat(labels)
 
 
 def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
@@ -195,15 +186,13 @@ def evaluation_due(spec: PipelineSpec, step: int) -> bool:
     return step == spec.steps or (every > 0 and step % every == 0)
 
 
-def evaluate(env: Env, pipelines: Replicas, held: data.HeldOut, micro_batches: int,
-             loss: workloads.Loss, step: int) -> dict[str, Any]:  # fmt: skip
+def evaluate(env: Env, pipelines: Replicas, micro_batches: int, loss: workloads.Loss,
+             step: int) -> dict[str, Any]:  # fmt: skip
     """The held-out figures after `step`, through replica 0 (the replicas are identical)."""
     assert env.spec.eval is not None
     start = time.perf_counter()
-    tally = Tally(data.task(env.spec))
-    pipeline = pipelines.pipelines[0]
-    for inputs, labels in held.batches(env.spec.eval.batches):
-        tally.add(pipeline.forward(inputs, micro_batches, None), labels, loss)
+    tally = pipelines.pipelines[0].evaluate(micro_batches, env.spec.eval.batches, loss,
+                                            Tally(data.task(env.spec)))  # fmt: skip
     figures = {"step": step, **tally.result()}
     metric = "".join(f", {m}" for m in [metrics.describe(figures)] if m)
     world.log(
@@ -233,11 +222,11 @@ def write_output(env: Env, pipelines: Replicas, shards: Shards,
 # ---------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(env: Env, step: int, pipelines: Replicas, feed: data.Feed,
-                    shards: Shards) -> None:  # fmt: skip
+def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) -> None:
     """Each stage of replica 0 saves its shard and its optimizer's state (the replicas are
-    identical: one copy of each stage, `stage<i>.pt`), the master its RNG states and the
-    partition; the master's manifest, written last, makes the step count."""
+    identical: one copy of each stage, `stage<i>.pt`), the master its RNG states, the data's
+    position (replica 0's first stage's) and the partition; the master's manifest, written
+    last, makes the step count."""
     pipeline = pipelines.pipelines[0]
     root = env.spec.checkpoint.path
     directory = str(checkpoint.step_dir(root, step))
@@ -249,7 +238,7 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, feed: data.Feed,
         )  # fmt: skip
         for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True))
     ]
-    own = {"rng": checkpoint.rng_state(), "data": feed.state(), "rest": shards.rest,
+    own = {"rng": checkpoint.rng_state(), "data": pipelines.data_state(), "rest": shards.rest,
            "config": shards.config}  # fmt: skip
     if pipelines.loss_scale is not None:
         own["lossScale"] = pipelines.loss_scale.state()
@@ -285,16 +274,10 @@ def saved_partition(env: Env, found: checkpoint.Checkpoint) -> Partition:
                      recorded or requested, manifest.get("microBatchCandidates", []))  # fmt: skip
 
 
-def resume(
-    env: Env,
-    found: checkpoint.Checkpoint,
-    pipelines: Replicas,
-    feed: data.Feed,
-    shards: Shards,
-) -> int:
+def resume(env: Env, found: checkpoint.Checkpoint, pipelines: Replicas, shards: Shards) -> int:
     """Load every stage's shard and optimizer state (stage i of every replica from the one
-    copy of stage i) and the master's RNG states; the step the checkpoint was taken
-    after."""
+    copy of stage i), the master's RNG states and the data's position (every replica's first
+    stage's); the step the checkpoint was taken after."""
     layers = [shards.of(i) for i in range(len(shards.ranges))]
     if layers != found.manifest["stages"]:
         raise checkpoint.CheckpointError(
@@ -312,8 +295,8 @@ def resume(
     checkpoint.set_rng_state(own["rng"])
     if pipelines.loss_scale is not None and "lossScale" in own:
         pipelines.loss_scale.load(own["lossScale"])
-    feed.load_state(own["data"])
     torch.futures.wait_all(loading)
+    pipelines.readers("load_state", own["data"])
     world.log(env, f"resumed from step {found.step} ({found.directory})")
     monitor.board().resumed(found.step)
     return found.step

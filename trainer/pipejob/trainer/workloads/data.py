@@ -47,10 +47,13 @@ def task(spec: PipelineSpec) -> str:
 
 class StreamSampler(Sampler[list[int]]):
     """Batches of B indices of a dataset of `size`, from batch `start` on, forever: the global
-    stream is epoch 0's permutation, then epoch 1's, ...; a batch may span two epochs."""
+    stream is epoch 0's permutation, then epoch 1's, ...; a batch may span two epochs. With
+    `share` (r, R), only the r-th of R equal parts of each batch (a replica's)."""
 
-    def __init__(self, size: int, batch: int, seed: int, start: int = 0):
+    def __init__(self, size: int, batch: int, seed: int, start: int = 0,
+                 share: tuple[int, int] = (0, 1)):  # fmt: skip
         self.size, self.batch, self.seed, self.start = size, batch, seed, start
+        self.share = share
         self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
 
     def permutation(self, epoch: int) -> np.ndarray:
@@ -69,8 +72,10 @@ class StreamSampler(Sampler[list[int]]):
         return out
 
     def __iter__(self) -> Iterator[list[int]]:
+        r, parts = self.share
+        part = self.batch // parts
         for k in itertools.count(self.start):
-            yield self.take(k * self.batch, self.batch)
+            yield self.take(k * self.batch + r * part, part)
 
 
 class _Indexed(Dataset):
@@ -107,11 +112,14 @@ def _shutdown(iterator: Any) -> None:
 
 class Feed:
     """The training batches of a PipelineJob, step by step, in a seeded order whose position a
-    checkpoint keeps."""
+    checkpoint keeps. Each batch is a step's whole batch (batchSize samples per replica), or
+    with `replica` r only replica r's share of it, the samples r * batchSize onwards: the
+    first stage of each replica reads its own (pipeline/reader.py)."""
 
-    def __init__(self, spec: PipelineSpec):
+    def __init__(self, spec: PipelineSpec, replica: int | None = None):
         self.spec = spec
         self.batch_size = spec.batch_size * spec.replicas  # a step's whole batch
+        self.replica = replica
         self.batches = 0  # consumed so far: the position a checkpoint keeps
         self.last_indices: list[int] = []  # the sample indices of the last batch (map-style)
         self._iterator: Any = None
@@ -123,13 +131,20 @@ class Feed:
             self.dataset, self.description = sources.dataset(spec, "train")
 
     def batch(self) -> Batch:
-        """The next step's (inputs, labels), batch_size * replicas samples."""
+        """The next step's (inputs, labels): batch_size * replicas samples, or the replica's
+        batch_size of them."""
         if self.stream is not None:
             self.batches += 1
-            return self.stream.batch()
+            inputs, labels = self.stream.batch()
+            if self.replica is None or self.spec.replicas == 1:
+                return inputs, labels
+            share = slice(self.replica * self.spec.batch_size,
+                          (self.replica + 1) * self.spec.batch_size)  # fmt: skip
+            return inputs[share].clone(), labels[share].clone()  # not the whole batch's storage
         if self._iterator is None:
+            share = (self.replica or 0, self.spec.replicas if self.replica is not None else 1)
             sampler = StreamSampler(len(self.dataset), self.batch_size, self.spec.seed,
-                                    start=self.batches)  # fmt: skip
+                                    start=self.batches, share=share)  # fmt: skip
             loader = _loader(self.dataset, sampler, self.spec.data.workers, self.spec.seed)
             self._iterator = iter(loader)
         indices, inputs, labels = next(self._iterator)

@@ -1,0 +1,168 @@
+"""A PipelineJob's data, read where it is first needed: on the first stage of each replica.
+The master never holds an input batch; it tells the first stage which round to read, and
+gets back the number of samples.
+
+The first stage of replica r reads its share of every training batch from the job's feed
+(workloads/data.py), one batch ahead in a thread of its own, so reading (decoding, a
+synthetic batch's drawing, the copy to the GPU) overlaps the computing of the batch before.
+Everything that touches a DataLoader runs in that thread: its worker processes, forked from
+there, fail on exit when another thread shuts them down.
+It keeps the round's inputs, split into micro-batches on its device, for its own forwards,
+and the labels for the last stage, which fetches them from here (an RRef) to compute the
+loss. Replica 0's first stage reads the held-out set for evaluations the same way. A caller
+may also give a round's batch itself (tests, and anything that brings its own tensors)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.workloads import data
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+TRAIN, HELD_OUT = "train", "held-out"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a replica's first stage reads: the job's data, replica `replica`'s share."""
+
+    spec: PipelineSpec
+    replica: int
+
+
+class Reader:
+    """The rounds' batches on a first stage: read here from `source` (or given), kept until
+    the stage's forwards and the last stage's loss take them."""
+
+    def __init__(self, source: Source | None, device: torch.device):
+        self.source, self.device = source, device
+        self._feed: data.Feed | None = None
+        self._held: data.HeldOut | None = None
+        self._looked = False  # for the held-out set (the data may have none)
+        self._held_batches: Any = None  # the running evaluation's held-out batches
+        # The next training batch, being read, and the feed's state before it (what a
+        # checkpoint keeps: the batches handed out, not the one read ahead).
+        self._ahead: tuple[dict[str, Any], Future[Batch]] | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pipejob-reader")
+        self._lock = threading.Lock()
+        self._inputs: dict[tuple[int, int], tuple[torch.Tensor]] = {}
+        self._labels: dict[int, torch.Tensor] = {}
+
+    def read(self, round: int, micro_batches: int, what: str = TRAIN,
+             given: Batch | None = None) -> int:  # fmt: skip
+        """Round `round`'s batch: `given`, or the next one of `what` (TRAIN or HELD_OUT),
+        kept as at most `micro_batches` micro-batches; its sample count, 0 when the held-out
+        set is over."""
+        batch = given if given is not None else self._next(what)
+        if batch is None:
+            return 0
+        inputs, labels = batch
+        inputs = inputs.to(self.device)
+        with self._lock:  # a round that failed half-way leaves inputs no forward will take
+            self._inputs = {k: v for k, v in self._inputs.items() if k[0] > round}
+            self._labels = {k: v for k, v in self._labels.items() if k > round}
+            parts = inputs.tensor_split(min(micro_batches, len(inputs)))
+            self._inputs |= {(round, mb): (x,) for mb, x in enumerate(parts)}
+            self._labels[round] = labels
+        return len(inputs)
+
+    def input(self, round: int, micro_batch: int) -> tuple[torch.Tensor]:
+        """Micro-batch `micro_batch` of round `round`'s inputs, for the stage's forward. On
+        a GPU the forward runs on its RPC call's stream (the RPC agent's pool), not on the
+        one the inputs were copied on: their memory must wait for that stream's work before
+        it is reused."""
+        with self._lock:
+            x = self._inputs.pop((round, micro_batch))
+        if x[0].is_cuda:
+            x[0].record_stream(torch.cuda.current_stream(x[0].device))
+        return x
+
+    def labels(self, round: int) -> torch.Tensor:
+        """Round `round`'s labels, for the last stage's loss or evaluation."""
+        with self._lock:
+            return self._labels.pop(round)
+
+    def held_out(self) -> str | None:
+        """The held-out set's description; None when the data has none."""
+        if not self._looked:
+            self._held, self._looked = data.held_out(self._spec()), True
+        return None if self._held is None else self._held.description
+
+    def start_held_out(self, limit: int) -> None:
+        """Begin an evaluation's pass over the held-out set: its first `limit` batches, all
+        when 0."""
+        if self.held_out() is None:
+            raise RuntimeError("the data has no held-out set to evaluate on")
+        assert self._held is not None
+        self._held_batches = self._held.batches(limit)
+
+    def state(self) -> dict[str, Any]:
+        """The training feed's position, for a checkpoint."""
+        return self._ahead[0] if self._ahead is not None else self._training().state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue the training feed after a checkpoint's position."""
+        self._drop_ahead()
+        self._in_thread(self._training().load_state, state)
+
+    def close(self) -> None:
+        """Stop reading: the feeds' DataLoader workers, and the thread."""
+        self._drop_ahead()
+        for source in (self._feed, self._held):
+            if source is not None:
+                self._in_thread(source.close)
+        self._thread.shutdown()
+
+    def _spec(self) -> PipelineSpec:
+        if self.source is None:
+            raise RuntimeError("this pipeline was given no data source: give each round's batch")
+        return self.source.spec
+
+    def _training(self) -> data.Feed:
+        if self._feed is None:
+            spec = self._spec()
+            assert self.source is not None
+            self._feed = data.Feed(spec, self.source.replica)
+        return self._feed
+
+    def _in_thread(self, function: Callable[..., Any], *args: Any) -> Any:
+        return self._thread.submit(function, *args).result()
+
+    def _next(self, what: str) -> Batch | None:
+        if what == HELD_OUT:
+            if self._held_batches is None:
+                raise RuntimeError("no evaluation was started (start_held_out)")
+            batch = self._in_thread(next, self._held_batches, None)
+            if batch is None:
+                self._held_batches = None
+            return batch
+        if self._ahead is None:
+            self._read_ahead()
+        assert self._ahead is not None
+        batch = self._ahead[1].result()
+        self._read_ahead()
+        return batch
+
+    def _read_ahead(self) -> None:
+        feed = self._training()
+        self._ahead = (feed.state(), self._thread.submit(self._load, feed))
+
+    def _load(self, feed: data.Feed) -> Batch:
+        """The next batch, its inputs on the stage's device (a blocking copy: done when this
+        returns, whatever stream the forwards run on)."""
+        inputs, labels = feed.batch()
+        return inputs.to(self.device), labels
+
+    def _drop_ahead(self) -> None:
+        """Forget the batch read ahead, once its reading is over (the feed is not safe to
+        touch before); a failed read ahead says nothing here."""
+        if self._ahead is not None:
+            self._ahead[1].exception()
+            self._ahead = None

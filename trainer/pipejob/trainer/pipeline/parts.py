@@ -69,20 +69,20 @@ class Part:
         return built
 
 
-def measure_here(part: Part, units: list[str], given: list[tuple[Any, ...]] | list[int],
-                 ) -> tuple[list[LayerCosts], list[tuple[Any, ...]]] | str:  # fmt: skip
+def measure_here(
+    part: Part, units: list[str], given: list[tuple[Any, ...]] | None, sizes: list[int]
+) -> tuple[list[LayerCosts], list[tuple[Any, ...]]] | str:
     """Runs on a stage: builds `part`'s pieces (one per unit of `units`) and measures them
-    on each of `given` (one per micro-batch size): what the pieces before pass on, or on the
-    first stage the sizes of micro-batches of the first training batch, read here. The
-    costs and what the last piece passes on, or a message when the data does not fit the
-    model."""
+    on micro-batches of each of `sizes`: `given`, what the pieces before pass on, or on the
+    first stage (None) micro-batches of the first training batch, read here. The costs and
+    what the last piece passes on, or a message when the data does not fit the model."""
     # What is built to be measured is freed before the stage builds its shard, and given back.
     with tuning.returning_memory():
-        first = bool(given) and isinstance(given[0], int)
+        first = given is None
         if first:
             with default_dtype(part.dtype):  # the data as the master's default dtype makes it
                 inputs, _ = data.sample(part.spec, part.spec.batch_size)
-            given = [(inputs[:size],) for size in given]
+            given = [(inputs[:size],) for size in sizes]
         pieces = part.build()  # no copies: the memory is the stage's own
         try:
             with torch.random.fork_rng(devices=[]):  # dropout here leaves training's draws be
@@ -96,31 +96,27 @@ def measure_here(part: Part, units: list[str], given: list[tuple[Any, ...]] | li
     return [c for c, _ in measured], [v for _, v in measured]
 
 
-def measure_on_stages(
-    names: list[str],
-    spec: PipelineSpec,
-    traced: cut.Traced,
-    numbered: list[list[str]],
-    micro_batches: list[int],
-) -> list[LayerCosts]:
-    """Every unit's cost on a micro-batch of each size of `micro_batches`, measured on stage
-    processes
-    `names` (one pipeline's), each building a run of units of about equal parameter bytes;
-    the first reads the samples."""
+def measure_on_stages(names: list[str], spec: PipelineSpec, traced: cut.Traced,
+                      numbered: list[list[str]], batches: list[int],
+                      ) -> list[LayerCosts]:  # fmt: skip
+    """Every unit's cost on a micro-batch of each size of `batches`, measured on stage
+    processes `names` (one pipeline's), each building a run of units of about equal
+    parameter bytes; the first reads the samples."""
     units = traced.units
     pieces = traced.split(units[1:])  # on the meta device: sizes only
     sizes = [float(sum(p.numel() * p.element_size() for p in piece.parameters()))
              for piece in pieces]  # fmt: skip
     runs = min_max_partition(sizes, min(len(names), len(units)))
     dtype = torch.get_default_dtype()
-    values: list[tuple[Any, ...]] | list[int] = micro_batches
-    seconds: list[list[float]] = [[] for _ in micro_batches]
-    cpu: list[list[float]] = [[] for _ in micro_batches]
+    values: list[tuple[Any, ...]] | None = None  # the first stage reads its samples
+    seconds: list[list[float]] = [[] for _ in batches]
+    cpu: list[list[float]] = [[] for _ in batches]
     for k, run in enumerate(runs):
         held = [n for i in run for n, _ in pieces[i].named_parameters(remove_duplicate=False)]
         part = Part(spec, dtype, tuple(materialize.numbers(numbered, held)), tuple(units[1:]),
                     tuple(run))  # fmt: skip
-        got = rpc.rpc_sync(names[k], measure_here, args=(part, [units[i] for i in run], values))
+        got = rpc.rpc_sync(names[k], measure_here,
+                           args=(part, [units[i] for i in run], values, batches))  # fmt: skip
         if isinstance(got, str):
             raise ValueError(got)
         costs, values = got

@@ -5,12 +5,13 @@ gets back the number of samples.
 The first stage of replica r reads its share of every training batch from the job's feed
 (workloads/data.py), one batch ahead in a thread of its own, so reading (decoding, a
 synthetic batch's drawing, the copy to the GPU) overlaps the computing of the batch before.
-Everything that touches a DataLoader runs in that thread: its worker processes, forked from
-there, fail on exit when another thread shuts them down.
 It keeps the round's inputs, split into micro-batches on its device, for its own forwards,
 and the labels for the last stage, which fetches them from here (an RRef) to compute the
 loss. Replica 0's first stage reads the held-out set for evaluations the same way. A caller
-may also give a round's batch itself (tests, and anything that brings its own tensors)."""
+may also give a round's batch itself (tests, and anything that brings its own tensors).
+
+Everything that touches a DataLoader runs in the reading thread: worker processes forked
+from one thread fail on exit when another thread shuts them down."""
 
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ class Reader:
     def held_out(self) -> str | None:
         """The held-out set's description; None when the data has none."""
         if not self._looked:
-            self._held, self._looked = data.held_out(self._spec()), True
+            self._held, self._looked = data.held_out(self._source().spec), True
         return None if self._held is None else self._held.description
 
     def start_held_out(self, limit: int) -> None:
@@ -120,16 +121,15 @@ class Reader:
                 self._in_thread(source.close)
         self._thread.shutdown()
 
-    def _spec(self) -> PipelineSpec:
+    def _source(self) -> Source:
         if self.source is None:
             raise RuntimeError("this pipeline was given no data source: give each round's batch")
-        return self.source.spec
+        return self.source
 
     def _training(self) -> data.Feed:
         if self._feed is None:
-            spec = self._spec()
-            assert self.source is not None
-            self._feed = data.Feed(spec, self.source.replica)
+            source = self._source()
+            self._feed = data.Feed(source.spec, source.replica)
         return self._feed
 
     def _in_thread(self, function: Callable[..., Any], *args: Any) -> Any:

@@ -119,7 +119,8 @@ class Feed:
     def __init__(self, spec: PipelineSpec, replica: int | None = None):
         self.spec = spec
         self.batch_size = spec.batch_size * spec.replicas  # a step's whole batch
-        self.replica = replica
+        # Which part of each batch this feed gives: (r, R), the r-th of R equal parts.
+        self.share = (0, 1) if replica is None else (replica, spec.replicas)
         self.batches = 0  # consumed so far: the position a checkpoint keeps
         self.last_indices: list[int] = []  # the sample indices of the last batch (map-style)
         self._iterator: Any = None
@@ -136,15 +137,14 @@ class Feed:
         if self.stream is not None:
             self.batches += 1
             inputs, labels = self.stream.batch()
-            if self.replica is None or self.spec.replicas == 1:
+            r, parts = self.share
+            if parts == 1:
                 return inputs, labels
-            share = slice(self.replica * self.spec.batch_size,
-                          (self.replica + 1) * self.spec.batch_size)  # fmt: skip
-            return inputs[share].clone(), labels[share].clone()  # not the whole batch's storage
+            rows = slice(r * len(inputs) // parts, (r + 1) * len(inputs) // parts)
+            return inputs[rows].clone(), labels[rows].clone()  # not the whole batch's storage
         if self._iterator is None:
-            share = (self.replica or 0, self.spec.replicas if self.replica is not None else 1)
             sampler = StreamSampler(len(self.dataset), self.batch_size, self.spec.seed,
-                                    start=self.batches, share=share)  # fmt: skip
+                                    start=self.batches, share=self.share)  # fmt: skip
             loader = _loader(self.dataset, sampler, self.spec.data.workers, self.spec.seed)
             self._iterator = iter(loader)
         indices, inputs, labels = next(self._iterator)

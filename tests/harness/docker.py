@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -19,8 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OPERATOR_TAG = "pipejob/operator:test"
-TRAINER_TAG = "pipejob/trainer:test"
+# PIPEJOB_TEST_TAG names the tags' version, so checkouts testing side by side on one daemon
+# keep their images apart.
+_VERSION = os.environ.get("PIPEJOB_TEST_TAG", "test")
+OPERATOR_TAG = f"pipejob/operator:{_VERSION}"
+TRAINER_TAG = f"pipejob/trainer:{_VERSION}"
 LABEL = "dev.pipejob.test"  # on every network and container the tests make
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,37 @@ def test_the_transformer_learns_on_gpus(tmp_path: Path):
     # As on CPU (tests/test_language_model.py): from ln 256 = 5.5 towards byte-level text.
     assert sum(losses[-10:]) / 10 < losses[0] - 1.5, losses
     assert 1 < s["evaluation"]["perplexity"] < 40, s["evaluation"]
+
+
+def test_gpu_stages_train_exactly_what_cpu_stages_train(tmp_path: Path, monkeypatch):
+    """The same float64 job (tests/userpkg/exact.py) on GPU stages (sharing one on a one-GPU
+    machine) and on CPU stages: 4 steps of SGD with momentum give the same losses up to
+    float64 rounding. Work the RPC agent runs on different CUDA streams that raced (a forward
+    reading parameters the last step's optimizer is still writing, micro-batches' gradients
+    accumulating on two streams) would be far above it: a step moves the weights by about
+    1e-3 of their scale; other kernels' rounding, after BatchNorm's backward amplifies it, by
+    about 1e-12."""
+    paths = [str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))  # userpkg for the processes
+    fields = {
+        "model": {"import": "userpkg.exact:resnet18", "args": {"classes": 10}},
+        "data": {"import": "userpkg.exact:images", "args": {"image_size": 32}},
+        "stages": 2, "microBatches": 4, "batchSize": 16, "steps": 4, "splitPoints": ["layer3.0"],
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+    }  # fmt: skip
+    runs = {}
+    for where, job in (("gpu", gpu_job), ("cpu", pipeline_job)):
+        out = tmp_path / where / "model"
+        manifest = job(f"exact-{where}", output={"path": str(out)}, **fields)
+        code, output, summary = run_to_end(manifest, tmp_path / where, timeout=TIMEOUT)
+        runs[where] = trained(code, output, summary, 4), load_file(out / "model.safetensors")
+    (gpu, on_gpu), (cpu, on_cpu) = runs["gpu"], runs["cpu"]
+    assert gpu["losses"] == pytest.approx(cpu["losses"], abs=2e-6)  # the summary's 6 decimals
+    assert on_gpu.keys() == on_cpu.keys()
+    for name, weight in on_cpu.items():
+        assert on_gpu[name].dtype == weight.dtype == torch.float64, name
+        off = (on_gpu[name] - weight).abs().max().item()
+        assert off <= 1e-7 * max(weight.abs().max().item(), 1e-3), f"{name}: off by {off:.3g}"
 
 
 def test_replicas_train_on_gpus_or_are_refused(tmp_path: Path):

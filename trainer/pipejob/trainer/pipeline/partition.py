@@ -185,10 +185,13 @@ def micro_batch_counts(batch: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Host:
-    """Stages whose processes share one machine's cores, and how many cores that is."""
+    """Stages whose processes share one machine's cores, and how many cores that is; or,
+    with `gpu`, stages that share one GPU (`cpus` 1): it runs one process's kernels at a time,
+    so their time on it adds up."""
 
     stages: tuple[int, ...]
     cpus: float
+    gpu: bool = False
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,7 @@ class Prediction:
     micro_batch_size: int
     ranges: list[range]
     pipeline_seconds: float  # GPipe's schedule, every stage computing at its own pace
-    cores_seconds: float  # the stages' CPU time over the cores of the host they share
+    cores_seconds: float  # the stages' CPU time over the cores they share (or GPU time)
 
     @property
     def step_seconds(self) -> float:
@@ -221,12 +224,15 @@ def predict(costs: LayerCosts, stages: int, micro_batches: int, batch: int,
     - the cores: stages sharing a host compute at once only as far as its cores go, so the
       host needs at least their CPU time over its cores. It is what makes small micro-batches
       lose where stages share cores: a stage idle in the bubble lends the others its cores,
-      while small micro-batches cost more CPU time per sample.
+      while small micro-batches cost more CPU time per sample. Stages sharing a GPU need at
+      least the sum of their times on it.
     `ranges` given (spec.splitPoints): that split, predicted, instead of the balanced one."""
     ranges = ranges or min_max_partition(costs.seconds, stages, costs.sizes)
     slowest = max(sum(costs.seconds[i] for i in r) for r in ranges)
     crowded = (
-        micro_batches * sum(costs.cpu_seconds[i] for k in host.stages for i in ranges[k])
+        micro_batches
+        * sum((costs.seconds if host.gpu else costs.cpu_seconds)[i]
+              for k in host.stages for i in ranges[k])
         / host.cpus
         for host in hosts
     )  # fmt: skip

@@ -65,10 +65,11 @@ class Turnstile:
                 self._changed.notify_all()
 
 
-def compute_resources() -> tuple[int, float]:
-    """Runs on a stage: the intra-op threads its forwards and backwards compute with, and the
-    CPUs it may use."""
-    return torch.get_num_threads(), tuning.available_cpus()
+def compute_resources(gpu: bool) -> tuple[int, float, str | None]:
+    """Runs on a stage: the intra-op threads its forwards and backwards compute with, the
+    CPUs it may use and, where it computes on a GPU (`gpu`), which one (its UUID)."""
+    uuid = str(torch.cuda.get_device_properties(0).uuid) if gpu else None
+    return torch.get_num_threads(), tuning.available_cpus(), uuid
 
 
 class Stage:

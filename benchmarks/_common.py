@@ -365,7 +365,10 @@ def run_job(job: dict[str, Any], stem: Path, key: int | str, steps: int, warmup:
     with PipejobWorkers(steps, warmup, key, echo_line) as w:
         w.start("runner", [sys.executable, "-m", "pipejob.cli", "run", str(path)],
                 env | {"PIPEJOB_SUMMARY_FILE": str(summary_file)})  # fmt: skip
-        codes = w.wait(timeout)
+        try:
+            codes = w.wait(timeout)
+        except TimeoutError as e:  # what the run said last tells where it was
+            raise TimeoutError(f"{stem.name}: {e}:\n{w.tail()}") from None
         if codes["runner"] != 0 or not summary_file.exists():
             raise RuntimeError(f"{stem.name} failed ({codes}):\n{w.tail()}")
         wall, deltas = w.between(f"m{key}-start", f"m{key}-end")

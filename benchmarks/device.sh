@@ -19,8 +19,8 @@
 #               count, `auto`, torch.distributed.pipelining's GPipe and 1F1B, one process on
 #               16 threads, 3 interleaved repeats
 # and one more, run only when --only names it:
-#   cores-levers  the same on 16 cores, one repeat, with pipejob's thread and wait levers set
-#               otherwise beside its defaults (where the time goes at 16 cores)
+#   cores-levers  on 16 cores, one repeat at 2 micro-batches: pipejob, pipejob with twice its
+#               threads per stage, GPipe and 1F1B (where the time goes at 16 cores)
 #
 # Options: --out DIR (default $OUT where the device tool sets it, else device-results/),
 # --only a,b (run only these steps, install always first), --budget SECONDS (the whole run's
@@ -158,12 +158,12 @@ hybrid() {
   local gpus=1 steps=300 file
   [[ $MODE == cpu ]] && gpus=0 steps=40
   file=$(manifest HybridJob device-hybrid "{\"trainers\": 1, \"gpusPerTrainer\": $gpus,
-    \"embedding\": {\"numEmbeddings\": 100000, \"dim\": 64, \"mode\": \"sum\"},
-    \"dense\": {\"outFeatures\": 8}, \"steps\": $steps, \"batchSize\": 256, \"bagSize\": 20,
+    \"embedding\": {\"numEmbeddings\": 1000, \"dim\": 16, \"mode\": \"sum\"},
+    \"dense\": {\"outFeatures\": 8}, \"steps\": $steps, \"batchSize\": 256, \"bagSize\": 10,
     \"datasetSize\": $((steps * 256)), \"seed\": 0, \"logEvery\": 50,
     \"optimizer\": {\"name\": \"sgd\", \"lr\": 0.2, \"momentum\": 0.9},
     \"eval\": {\"everySteps\": $steps}, \"output\": {\"path\": \"$WORK/hybrid-model\"}}")
-  "$PY" -m pipejob.cli run "$file"  # its master prints the summary: losses, rate, evaluation
+  "$PY" -m pipejob.cli run "$file" # its master prints the summary: losses, rate, evaluation
 }
 
 profile() {
@@ -192,11 +192,11 @@ cores() {
 cores_levers() {
   local cores=16 size=(--batch 48 --image 64)
   [[ $MODE == cpu ]] && cores=2 size=(--batch 8 --image 32 --batches 1)
+  # pipejob's threads against twice as many (a stage oversubscribing its share of the cores),
+  # beside torch.distributed.pipelining on the same cores.
   CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/compare.py --cores "$cores" "${size[@]}" \
-    --systems pipejob,pipejob-auto,gpipe,1f1b,single-tN --micro-batches 1,2,4 --repeats 1 \
-    --pipejob-variant "half:OMP_NUM_THREADS=$((cores / 2))" \
-    --pipejob-variant "half-active:OMP_NUM_THREADS=$((cores / 2))" \
-    --pipejob-variant "half-active:OMP_WAIT_POLICY=ACTIVE" \
+    --systems pipejob,gpipe,1f1b --micro-batches 2 --repeats 1 \
+    --pipejob-variant "double:OMP_NUM_THREADS=$cores" \
     --timeout 120 --json "$LOGS/cores-levers.json"
 }
 

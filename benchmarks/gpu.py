@@ -204,16 +204,22 @@ def main(argv: list[str] | None = None) -> int:
                 best: tuple[float, dict[str, Any]] | None = None
                 for m in counts:
                     job = manifest(name, model, fields, stages, args.steps, gpus, m)
-                    summary, _, _ = run_job(job, Path(tmp) / job["metadata"]["name"],
-                                            f"{name}{stages}{m}", args.steps, args.warmup,
-                                            args.timeout, dict(os.environ))  # fmt: skip
+                    try:
+                        summary, _, _ = run_job(job, Path(tmp) / job["metadata"]["name"],
+                                                f"{name}{stages}{m}", args.steps, args.warmup,
+                                                args.timeout, dict(os.environ))  # fmt: skip
+                    except (RuntimeError, TimeoutError) as e:  # the others are still measured
+                        print(f"  {name}: pipejob {stages} stages, microBatches {m} FAILED: {e}")
+                        continue
                     rate = summary["samplesPerSecond"]
                     chose = f", chose {summary['microBatches']}" if m == "auto" else ""
                     print(f"  {name}: pipejob {stages} stages, microBatches {m}{chose}:"
                           f" {rate:.1f} samples/s ({rate / alone:.2f}x)", flush=True)  # fmt: skip
                     if best is None or rate > best[0]:
                         best = rate, summary
-                assert best is not None
+                if best is None:
+                    row += ["failed", "not run"]
+                    continue
                 rate, summary = best
                 row.append(f"{rate:.1f} ({rate / alone:.2f}x, m={summary['microBatches']})")
                 cut = [st["layers"][0] for st in summary["partition"][1:]]  # where pipejob cut

@@ -114,6 +114,7 @@ def test_gpu_stages_train_exactly_what_cpu_stages_train(tmp_path: Path, monkeypa
     }  # fmt: skip
     runs = {}
     for where, job in (("gpu", gpu_job), ("cpu", pipeline_job)):
+        (tmp_path / where).mkdir()
         out = tmp_path / where / "model"
         manifest = job(f"exact-{where}", output={"path": str(out)}, **fields)
         code, output, summary = run_to_end(manifest, tmp_path / where, timeout=TIMEOUT)

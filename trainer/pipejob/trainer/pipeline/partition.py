@@ -124,6 +124,9 @@ def measure_chain(pieces: list[nn.Module], names: list[str], values: tuple[Any, 
             # Only the model's input needs no gradient; every later piece computes one for
             # its inputs, as in training. The clone lets in-place layers (ReLU) run.
             inputs = tuple(_as_input(v, i > 0 or not first) for v in values)
+            on_gpu = any(t.is_cuda for t in tensors(inputs))
+            if on_gpu:
+                torch.cuda.synchronize()  # the time of this piece's kernels alone
             start, start_cpu = time.perf_counter(), time.process_time()
             try:
                 out = piece(*inputs)
@@ -131,6 +134,8 @@ def measure_chain(pieces: list[nn.Module], names: list[str], values: tuple[Any, 
                 grown = [t for t in tensors(outs) if t.requires_grad]
                 torch.autograd.backward(grown, [torch.ones_like(t) for t in grown])
                 piece.zero_grad(set_to_none=True)  # one piece's gradients held at a time
+                if on_gpu:
+                    torch.cuda.synchronize()
             except RuntimeError as e:
                 shapes = ", ".join(shape(v) for v in inputs)
                 what = "the data's input" if i == 0 and first else "its input"

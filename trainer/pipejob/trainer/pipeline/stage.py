@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -20,12 +20,15 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.rpc import RRef
 
+from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.parts import Part
 from pipejob.trainer.pipeline.reader import Reader, Source
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, step_seconds
 from pipejob.trainer.runtime import checkpoint, output, rendezvous, tuning
 from pipejob.trainer.workloads.cut import join, tensors
 from pipejob.trainer.workloads.metrics import Tally
+
+T = TypeVar("T")
 
 
 class Turnstile:
@@ -86,6 +89,8 @@ class Stage:
                  precision: str = "fp32", recompute: bool = False,
                  source: Source | None = None):  # fmt: skip
         self.device = torch.device(device)
+        # A GPU stage computes on a thread and stream of its own (pipeline/gpu_worker.py).
+        self.gpu = GpuWorker(self.device) if self.device.type == "cuda" else None
         self.reader = Reader(source, self.device)  # reads only on a first stage
         if isinstance(module, Part):  # built here: only this stage's parameters exist
             module = module.build()[0]
@@ -141,12 +146,12 @@ class Stage:
         with self._order.turn(round, micro_batch):
             if failed is not None:
                 raise failed
+            if micro_batch == 0:
+                self.settle_device()
             if step is None:
-                y = self._evaluate(x)
+                y = self._on_device(self._evaluate, x)
             else:
-                start = self._clock.mark()
-                y = self._compute(x)
-                end = self._clock.mark()
+                start, y, end = self._on_device(self._timed, x)
         if step is not None:
             with self._record:
                 self._fold(before=step)
@@ -158,6 +163,32 @@ class Stage:
                 self._outputs[round, micro_batch] = y
             return None
         return y
+
+    def _on_device(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` where this stage computes: its GPU worker, or here on a CPU."""
+        return fn(*args) if self.gpu is None else self.gpu.run(fn, *args)
+
+    def settle_device(self) -> None:
+        """On a GPU, wait for everything this process queued there (a forward of a round's
+        first micro-batch and every other call over RPC: torch's optimizer step runs on the
+        RPC agent's streams, which this stage's stream does not follow)."""
+        if self.gpu is not None:
+            self.gpu.settle()
+
+    @contextmanager
+    def settled(self) -> Iterator[None]:
+        """A call touching the shard's state on a GPU: after what ran before it, on any
+        stream, and done before what runs next (DistributedOptimizer's step reads the
+        gradients it changes)."""
+        self.settle_device()
+        yield
+        self.settle_device()
+
+    def _timed(self, x: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+        """A training forward between two marks of this stage's clock (on its stream)."""
+        start = self._clock.mark()
+        y = self._compute(x)
+        return start, y, self._clock.mark()
 
     def _round_outputs(self, round: int, micro_batches: int, labels: RRef) -> tuple[Any, Any]:
         """The last stage: forward round `round`'s outputs, its micro-batches' joined, and
@@ -173,12 +204,14 @@ class Stage:
         """The last stage: the loss of training round `round` (the mean over the whole
         batch, as in one process). The master starts the distributed backward from it: a
         scalar crosses to the master, not the outputs."""
-        return loss_fn(*self._round_outputs(round, micro_batches, labels)).cpu()
+        outputs, labels = self._round_outputs(round, micro_batches, labels)
+        return self._on_device(loss_fn, outputs, labels).cpu()
 
     def tally(self, round: int, micro_batches: int, labels: RRef, loss_fn: Callable[..., Any],
               tally: Tally) -> Tally:  # fmt: skip
         """The last stage: `tally` with evaluation round `round`'s figures added."""
-        tally.add(*self._round_outputs(round, micro_batches, labels), loss_fn)
+        outputs, labels = self._round_outputs(round, micro_batches, labels)
+        self._on_device(tally.add, outputs, labels, loss_fn)
         return tally
 
     def _compute(self, x: tuple[Any, ...], recompute: bool | None = None) -> Any:
@@ -374,8 +407,13 @@ def stage_devices(
 
 
 def on_stage(stage: RRef, method: str, *args: Any) -> Any:
-    """Runs on the stage's worker: call a method of the Stage object held there."""
-    return getattr(stage.local_value(), method)(*args)
+    """Runs on the stage's worker: call a method of the Stage object held there (on a GPU,
+    settled: a forward settles the device itself, once a round)."""
+    held = stage.local_value()
+    if method == "forward":
+        return held.forward(*args)
+    with held.settled():
+        return getattr(held, method)(*args)
 
 
 def on_reader(stage: RRef, method: str, *args: Any) -> Any:

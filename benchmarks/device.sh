@@ -22,6 +22,12 @@
 #   cores-levers  on 16 cores, one repeat at 2 micro-batches: pipejob, pipejob with twice its
 #               threads per stage, GPipe and 1F1B (where the time goes at 16 cores)
 #
+# Time on an H200 machine (2026-11-26): install 10 s, gpu-tests 107 s, gpu-bench about 210 s,
+# hybrid 18 s, profile 27 s; a pipejob run on 16 cores takes about 24 s (start-up and
+# shutdown included), so `cores` needs about 7 minutes. With 15 minutes of device time, run
+# it as two calls: `--only gpu-tests,gpu-bench,hybrid,profile --budget 420`, then
+# `--only cores --budget 480`.
+#
 # Options: --out DIR (default $OUT where the device tool sets it, else device-results/),
 # --only a,b (run only these steps, install always first), --budget SECONDS (the whole run's
 # limit; default 570). Env: PYTHON (default python3).
@@ -141,9 +147,10 @@ gpu_tests() {
 
 gpu_bench() {
   if [[ $MODE == gpu ]]; then
-    "$PY" benchmarks/gpu.py --steps 10 --warmup 2 --timeout 150
+    "$PY" benchmarks/gpu.py --steps 10 --warmup 2 --timeout 150 --logs "$LOGS/gpu-bench"
   else
-    "$PY" benchmarks/gpu.py --device cpu --small --stages 2 --steps 3 --warmup 1 --timeout 300
+    "$PY" benchmarks/gpu.py --device cpu --small --stages 2 --steps 3 --warmup 1 --timeout 300 \
+      --logs "$LOGS/gpu-bench"
   fi
 }
 
@@ -180,7 +187,7 @@ profile() {
 cores() {
   if [[ $MODE == gpu ]]; then
     CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/compare.py --cores 16 \
-      --systems pipejob,pipejob-auto,gpipe,1f1b,single-tN --micro-batches 1,2,4,8 \
+      --systems pipejob,pipejob-auto,gpipe,1f1b,single-tN --micro-batches 1,2,4 \
       --repeats 3 --timeout 120 --json "$LOGS/cores.json"
   else
     CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/compare.py --cores 2 \
@@ -208,10 +215,10 @@ step install 120 install
 # install() ran in a pipeline's subshell: its PYTHONPATH is set here again from what it made.
 if [[ -d $WORK/site ]]; then export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}; fi
 step gpu-tests 170 gpu_tests
-step gpu-bench 170 gpu_bench
+step gpu-bench 240 gpu_bench
 step hybrid 60 hybrid
 step profile 60 profile
-step cores 270 cores
+step cores 480 cores
 step cores-levers 200 cores_levers
 
 {

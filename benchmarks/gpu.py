@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--logs", type=Path,
+                    help="keep each pipejob run's manifest, summary and output here")  # fmt: skip
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu.py: no CUDA GPU here, so nothing is measured; --device cpu runs the same"
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = [m if m == "auto" else int(m) for m in args.micro_batches.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="pipejob-gpu-") as tmp:
+        runs = args.logs or Path(tmp)  # each pipejob run's manifest, summary and output
+        runs.mkdir(parents=True, exist_ok=True)
         for name, (model, fields) in (SMALL if args.small else WORKLOADS).items():
             alone = one_process(manifest(name, model, fields, 2, args.steps, gpus), args.device,
                                 args.steps, args.warmup)  # fmt: skip
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 for m in counts:
                     job = manifest(name, model, fields, stages, args.steps, gpus, m)
                     try:
-                        summary, _, _ = run_job(job, Path(tmp) / job["metadata"]["name"],
+                        summary, _, _ = run_job(job, runs / job["metadata"]["name"],
                                                 f"{name}{stages}{m}", args.steps, args.warmup,
                                                 args.timeout, dict(os.environ))  # fmt: skip
                     except (RuntimeError, TimeoutError) as e:  # the others are still measured

@@ -122,10 +122,14 @@ def test_gpu_stages_train_exactly_what_cpu_stages_train(tmp_path: Path, monkeypa
     (gpu, on_gpu), (cpu, on_cpu) = runs["gpu"], runs["cpu"]
     assert gpu["losses"] == pytest.approx(cpu["losses"], abs=2e-6)  # the summary's 6 decimals
     assert on_gpu.keys() == on_cpu.keys()
-    for name, weight in on_cpu.items():
-        assert on_gpu[name].dtype == weight.dtype == torch.float64, name
-        off = (on_gpu[name] - weight).abs().max().item()
-        assert off <= 1e-7 * max(weight.abs().max().item(), 1e-3), f"{name}: off by {off:.3g}"
+    for name, value in on_cpu.items():
+        assert on_gpu[name].dtype == value.dtype, name
+        if not value.is_floating_point():  # BatchNorm's num_batches_tracked
+            assert torch.equal(on_gpu[name], value), name
+            continue
+        assert value.dtype == torch.float64, name
+        off = (on_gpu[name] - value).abs().max().item()
+        assert off <= 1e-7 * max(value.abs().max().item(), 1e-3), f"{name}: off by {off:.3g}"
 
 
 def test_replicas_train_on_gpus_or_are_refused(tmp_path: Path):
@@ -177,13 +181,20 @@ def test_a_hybrid_job_trains_on_gpus_and_writes_its_model(tmp_path: Path, backen
     assert dense and all(torch.isfinite(t).all() for t in dense.values())
 
 
-def test_a_checkpoint_written_on_gpus_resumes_there(tmp_path: Path):
+def test_a_checkpoint_written_on_gpus_resumes_there(tmp_path: Path, monkeypatch):
     """4 steps with a checkpoint every 2, then the same job for 6: the second run resumes
     from step 4 (shards and optimizer state loaded back onto the GPUs) and trains 5 and 6,
-    as a run of 6 straight does."""
+    as a run of 6 straight does. In float64 (tests/userpkg/exact.py): in float32 the GPU's
+    kernels (atomics in cuDNN's backward) leave each run a little apart, and SGD with
+    momentum at this learning rate makes 6 steps of that a difference of 15-40% (seen on an
+    H200), which would hide a resume that is wrong."""
+    paths = [str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))  # userpkg for the processes
     ckpt = {"path": str(tmp_path / "ckpt"), "everySteps": 2}
-    common = {"stages": 2, "microBatches": 2, "optimizer": {"name": "sgd", "lr": 0.05,
-                                                             "momentum": 0.9}}  # fmt: skip
+    common = {"stages": 2, "microBatches": 2, "batchSize": 16, "splitPoints": ["layer3.0"],
+              "model": {"import": "userpkg.exact:resnet18", "args": {"classes": 10}},
+              "data": {"import": "userpkg.exact:images", "args": {"image_size": 32}},
+              "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}}  # fmt: skip
     first = gpu_job("gpu-resume", steps=4, checkpoint=ckpt, **common)
     trained(*run_to_end(first, tmp_path, timeout=TIMEOUT), 4)
     again = gpu_job("gpu-resume", steps=6, checkpoint=ckpt, **common)
@@ -193,9 +204,7 @@ def test_a_checkpoint_written_on_gpus_resumes_there(tmp_path: Path):
     assert s["resumedFromStep"] == 4
     straight = gpu_job("gpu-straight", steps=6, **common)
     whole = trained(*run_to_end(straight, tmp_path, timeout=TIMEOUT), 6)
-    # The same data and state give the same losses, within what GPU float32 kernels (whose
-    # reductions may run in another order each time) let 6 steps of SGD drift apart.
-    assert s["losses"] == pytest.approx(whole["losses"][4:], rel=1e-3)
+    assert s["losses"] == pytest.approx(whole["losses"][4:], abs=2e-6)  # 6 decimals
 
 
 def test_evaluation_and_the_model_file_on_gpus_match_a_plain_cpu_model(tmp_path: Path):

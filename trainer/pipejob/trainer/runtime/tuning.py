@@ -10,9 +10,10 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   all 16 they get 8. Oversubscribing a core on purpose lets a stage that is busy use the core
   of one that waits in the pipeline's bubble (2 stages on 2 cores, m=2: 60 samples/s with 2
   threads each against 55 with 1, load 2-3); on 16 cores, 16 threads each made two stages
-  computing at once fight (ResNet-50, batch 48: 131 samples/s at m=1, where they never
-  compute at once, 80 at m=2, 62 at m=4). A pod with a CPU limit counts its quota, which
-  torch's default ignores. A light role
+  computing at once fight (ResNet-50, batch 48, an H200 machine's 16 cores: at m=2, 111
+  samples/s with 8 threads each against 86 with 16; with 16, 131 at m=1, where the stages
+  never compute at once, 80 at m=2, 62 at m=4). A pod with a CPU limit counts its quota,
+  which torch's default ignores. A light role
   (the pipeline master) sharing a host with compute roles gets one thread. Set through
   OMP_NUM_THREADS before torch loads: OpenMP reads it once, and it is the only bound that
   reaches the threads torch does not initialise itself (the RPC agent's workers run the

@@ -74,7 +74,7 @@ def test_volcano_pods_and_their_podgroup() -> None:
     job = parse(manifest(scheduling={"provider": "volcano", "queue": "research",
                                      "priorityClassName": "high"},
                          template={"resources": resources}))  # fmt: skip
-    service, group, *pods = kube.render(job, "ns")
+    service, _, group, *pods = kube.render(job, "ns")
     assert group == {
         "apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "PodGroup",
         "metadata": {"name": "j", "namespace": "ns", "labels": {

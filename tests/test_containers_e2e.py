@@ -169,17 +169,6 @@ def test_a_job_whose_image_cannot_run_the_trainer_fails_at_once_saying_why(
     all_stopped(api, node)
 
 
-def test_deleting_a_running_job_leaves_no_container_behind(cluster, container_kubelet, operator):
-    api, node = cluster.api, container_kubelet
-    name = start(api, HYBRID, steps=100000, logEvery=100)
-    api.wait("the job's master at step 100",
-             lambda: "step 100/" in node.logs(NS, f"{name}-master-0"), 200)  # fmt: skip
-    assert len(node.containers()) == 4
-    api.delete(jobs.resource("HybridJob"), name, NS)
-    api.wait("no pods", lambda: jobs.pods(api, name) == [], 60)
-    api.wait("no containers", lambda: node.containers() == [], 60)
-
-
 def test_the_operator_installed_from_its_chart_runs_from_its_image_and_a_job_succeeds(
     cluster, container_kubelet, chart_operator, images
 ):
@@ -276,7 +265,8 @@ def test_a_world_admits_only_its_members_and_its_monitor_port_the_allowed_promet
     outside both worlds (Prometheus's labels in the wrong namespace) reaches neither master's
     RPC port, a trainer's DDP port or a monitor port; the values' Prometheus reads the
     monitor ports and nothing else; a member reaches its own world's ports and not the other
-    world's. The worlds train on (every connection between their members is their own)."""
+    world's. The worlds train on (every connection between their members is their own), and
+    deleted while they run, they leave no pod, container or policy behind."""
     api, node = cluster.api, container_kubelet
     pipeline = start(api, PIPELINE, replicas=2, steps=100000, logEvery=10)
     hybrid = start(api, HYBRID, steps=1000000, logEvery=100)
@@ -302,12 +292,18 @@ def test_a_world_admits_only_its_members_and_its_monitor_port_the_allowed_promet
     trainer = probe_from_member(node, f"{hybrid}-trainer-1", ports)
     assert trainer == {rpc[pipeline]: "blocked", rpc[hybrid]: "open", ddp: "open"}, trainer
 
+    # Deleting the running jobs leaves nothing behind: pods, containers, policies.
+    api.delete("v1/pods", "outsider", NS)
+    api.delete("v1/pods", "prometheus", MONITORING)
+    # The master and 2 replicas of 2 stages; the master, ps and 2 trainers.
+    api.wait("the probes' containers removed", lambda: len(node.containers()) == 5 + 4, 60)
     for kind, name in (("PipelineJob", pipeline), ("HybridJob", hybrid)):
         job = jobs.get(api, kind, name)
         assert job["status"]["phase"] == "Running" and job["status"]["restarts"] == 0, job
         api.delete(jobs.resource(kind), name, NS)
-    assert api.list("networking.k8s.io/v1/networkpolicies", NS) == []  # gone with their jobs
-    all_stopped(api, node)
+    api.wait("no pods", lambda: api.list("v1/pods", NS) == [], 60)
+    api.wait("no containers", lambda: node.containers() == [], 60)
+    assert api.list("networking.k8s.io/v1/networkpolicies", NS) == []
     print(
         f"outsider {outside}\nprometheus {prometheus}\nstage {stage}\ntrainer {trainer}",
         file=sys.stderr,

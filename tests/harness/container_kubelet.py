@@ -260,7 +260,10 @@ class ContainerKubelet(Kubelet):
 
     def _endpoints(self) -> list[Endpoint]:
         """The pods on the bridge, for the network plugin: every one given an address."""
-        return [Endpoint(r.namespace, r.pod["metadata"].get("labels") or {}, r.address)
+        return [Endpoint(r.namespace, r.pod["metadata"].get("labels") or {}, r.address,
+                         {p["name"]: p["containerPort"]
+                          for c in r.pod["spec"]["containers"] for p in c.get("ports") or []
+                          if p.get("name")})
                 for r in self.runs() if r.address and not r.deleted]  # fmt: skip
 
     # --- the container runtime --------------------------------------------------------------

@@ -11,16 +11,19 @@ network's own chains, which return what is allowed and drop the rest of an isola
 
 Only what pipejob's policies use is emulated: peers by podSelector and namespaceSelector
 (matchLabels, matchExpressions; a namespace has the one label kubernetes.io/metadata.name,
-as the API server gives every namespace), ports by number and protocol. An ipBlock, a named
-port or an endPort raises (the sync fails loudly), never passes silently."""
+as the API server gives every namespace), ports by number or, in ingress rules, by the pod's
+container port name (the chart's policy of the operator), and protocol. An ipBlock, an
+endPort or a named port of an egress rule raises (the sync fails loudly), never passes
+silently."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.client import Api, ApiError
@@ -39,6 +42,7 @@ class Endpoint:
     namespace: str
     labels: Mapping[str, str]
     address: str
+    ports: Mapping[str, int] = field(default_factory=dict)  # its containers' named ports
 
 
 # Per direction: the policy type, its rules' key, their peers' key, the pod's side of a
@@ -55,12 +59,11 @@ def rules(policies: list[dict], pods: list[Endpoint], chain: str) -> list[str]:
     for kind, key, peers_key, own, other, part in DIRECTIONS:
         for pod in pods:
             selecting = [p for p in policies if _isolates(p, kind, pod)]
-            for policy in selecting:
-                for rule in policy["spec"].get(key) or []:
-                    for peer in _peers(rule.get(peers_key), policy, pods, other):
-                        for port in [_port(p) for p in rule.get("ports") or []] or [""]:
-                            lines.append(f"-A {chain}-{part} {own} {pod.address}/32{peer}{port}"
-                                         " -j RETURN")  # fmt: skip
+            allowed = [f"{peer}{port}" for policy in selecting
+                       for rule in policy["spec"].get(key) or []
+                       for peer in _peers(rule.get(peers_key), policy, pods, other)
+                       for port in _ports(rule, pod, kind)]  # fmt: skip
+            lines += [f"-A {chain}-{part} {own} {pod.address}/32{m} -j RETURN" for m in allowed]
             if selecting:
                 lines.append(f"-A {chain}-{part} {own} {pod.address}/32 -j DROP")
     return lines
@@ -91,12 +94,25 @@ def _peer_selects(peer: dict, policy: dict, pod: Endpoint) -> bool:
     return in_namespace and matches(peer.get("podSelector") or {}, pod.labels)
 
 
-def _port(port: dict) -> str:
-    if not isinstance(port.get("port", 0), int) or "endPort" in port:
-        raise ValueError(f"the container-kubelet's network plugin emulates numbered ports only: "
-                         f"{port}")  # fmt: skip
+def _ports(rule: dict, pod: Endpoint, kind: str) -> list[str]:
+    """A rule's ports as iptables matches; none given: every port."""
+    if not rule.get("ports"):
+        return [""]
+    return [m for p in rule["ports"] if (m := _port(p, pod, kind)) is not None]
+
+
+def _port(port: dict, pod: Endpoint, kind: str) -> str | None:
+    """A rule's port as an iptables match; a port named in an ingress rule is the pod's own
+    container port of that name (None when it has none: the rule admits nothing there)."""
+    number = port.get("port")
+    if isinstance(number, str) and kind == "Ingress":
+        number = pod.ports.get(number)
+        if number is None:
+            return None
+    if isinstance(number, str) or "endPort" in port:
+        raise ValueError(f"the container-kubelet's network plugin does not emulate {port}")
     protocol = port.get("protocol", "TCP").lower()
-    return f" -p {protocol}" + (f" --dport {port['port']}" if "port" in port else "")
+    return f" -p {protocol}" + (f" --dport {number}" if number is not None else "")
 
 
 class NetworkPlugin:
@@ -121,6 +137,7 @@ class NetworkPlugin:
     def start(self) -> NetworkPlugin:
         if BRIDGED.read_text().strip() != "1":
             raise RuntimeError(f"{BRIDGED} is not 1: bridged traffic would bypass iptables")
+        _sweep()
         self.sync()
         _iptables("-I", *self._jump[:1], "1", *self._jump[1:])
         self._thread.start()
@@ -147,11 +164,7 @@ class NetworkPlugin:
         if self._watch is not None:
             self._watch.close()
         self._thread.join(5)
-        _iptables("-D", *self._jump, check=False)
-        for chain in (self.chain, f"{self.chain}-IN", f"{self.chain}-OUT"):
-            _iptables("-F", chain, check=False)
-        for chain in (self.chain, f"{self.chain}-IN", f"{self.chain}-OUT"):
-            _iptables("-X", chain, check=False)
+        _remove(self._jump, self.chain)
 
     def _watch_policies(self) -> None:
         while not self._stopping.is_set():
@@ -168,3 +181,20 @@ class NetworkPlugin:
 
 def _iptables(*args: str, check: bool = True) -> None:
     subprocess.run(["iptables", "-w", *args], check=check, capture_output=True, timeout=30)
+
+
+def _remove(jump: list[str], chain: str) -> None:
+    _iptables("-D", *jump, check=False)
+    for command in ("-F", "-X"):  # every chain emptied before any is deleted
+        for name in (chain, f"{chain}-IN", f"{chain}-OUT"):
+            _iptables(command, name, check=False)
+
+
+def _sweep() -> None:
+    """Remove what earlier runs left whose bridge is gone (a test killed before its end)."""
+    listing = subprocess.run(["iptables", "-w", "-S", "DOCKER-USER"], capture_output=True,
+                             text=True, timeout=30).stdout  # fmt: skip
+    for line in listing.splitlines():
+        m = re.fullmatch(r"-A (DOCKER-USER -i (\S+) -o \S+ -j (PJ-\w+))", line)
+        if m and not Path("/sys/class/net", m[2]).exists():
+            _remove(m[1].split(), m[3])

@@ -135,8 +135,10 @@ class NetworkPlugin:
                                         name="network-plugin")  # fmt: skip
 
     def start(self) -> NetworkPlugin:
-        if BRIDGED.read_text().strip() != "1":
-            raise RuntimeError(f"{BRIDGED} is not 1: bridged traffic would bypass iptables")
+        if not BRIDGED.exists() or BRIDGED.read_text().strip() != "1":
+            raise RuntimeError(f"{BRIDGED} is not 1 (`modprobe br_netfilter`, then `sysctl "
+                               "net.bridge.bridge-nf-call-iptables=1`): bridged traffic would "
+                               "bypass iptables, and no NetworkPolicy would hold")  # fmt: skip
         _sweep()
         self.sync()
         _iptables("-I", *self._jump[:1], "1", *self._jump[1:])

@@ -193,7 +193,7 @@ def _decide(
     if acts.create:
         namespace, owner = meta.get("namespace") or "default", kube.owner_reference(job_obj)
         acts.service = kube.service(job, namespace, owner)
-        if policy is not None:  # with each world: settings changed since the last one apply
+        if policy is not None:  # made, or put right, with each world
             acts.policy = kube.network_policy(job, namespace, owner, policy)
         acts.podgroup = gang.podgroup(job, planned, namespace, owner)
         acts.events.append(Event(NORMAL, "CreatedPods", _created_message(acts.create, restart)))

@@ -122,7 +122,6 @@ class NetworkPlugin:
 
     def __init__(self, api: Api, network: Network, pods: Callable[[], list[Endpoint]]):
         self.api = api
-        self.network = network
         self.pods = pods
         self.chain = "PJ-" + network.name.rsplit("-", 1)[-1]
         self.bridge = "br-" + inspect(network.name, "network")["Id"][:12]
@@ -165,7 +164,8 @@ class NetworkPlugin:
         self._stopping.set()
         if self._watch is not None:
             self._watch.close()
-        self._thread.join(5)
+        if self._thread.is_alive():
+            self._thread.join(5)
         _remove(self._jump, self.chain)
 
     def _watch_policies(self) -> None:

@@ -24,7 +24,7 @@ import kopf
 from pipejob.core import validate
 from pipejob.core.kinds import KINDS, by_plural
 from pipejob.core.spec import API_VERSION, GROUP, VERSION
-from pipejob.operator import kube, policy_settings, progress, reconcile, status
+from pipejob.operator import kube, policy_settings, progress, reconcile, refusals, status
 from pipejob.operator.cluster import ApiError, Cluster
 from pipejob.operator.metrics import OperatorMetrics
 
@@ -117,8 +117,8 @@ class Reconciler:
             self.cluster.create(acts.service)
         # Before the pods: they must never run open, and a gang scheduler waits for its group.
         # Refused (not allowed, no such kind, another's of that name): no pods, status says why.
-        for made, without in ((acts.policy, reconcile.without_policy),
-                              (acts.podgroup, reconcile.without_podgroup)):  # fmt: skip
+        for made, without in ((acts.policy, refusals.without_policy),
+                              (acts.podgroup, refusals.without_podgroup)):  # fmt: skip
             if made is None or not acts.create:  # none, or the one before it was refused
                 continue
             try:

@@ -243,37 +243,6 @@ def _decide(
     return acts
 
 
-def without_podgroup(acts: Actions, old: dict, error: str, now: datetime) -> Actions:
-    """`acts` when the API server refused the world's PodGroup (its CRD not installed, or the
-    operator not allowed to make it): no pods, which would wait for a PodGroup forever."""
-    kind = (acts.podgroup or {}).get("apiVersion", "PodGroup")
-    message = (f"cannot create the world's PodGroup ({kind}): {error}; is the scheduler"
-               " installed and its chart value scheduling.<provider>.enabled on?")  # fmt: skip
-    return _refused(acts, old, "PodGroupRefused", message, now)
-
-
-def without_policy(acts: Actions, old: dict, error: str, now: datetime) -> Actions:
-    """`acts` when the API server refused the world's NetworkPolicy (the operator not allowed
-    to make it, or another's policy holds its name): no pods, which would run open."""
-    name = (acts.policy or {}).get("metadata", {}).get("name")
-    message = (f"cannot create or update the world's NetworkPolicy {name!r}: {error}; the"
-               " chart value networkPolicy.jobs.enabled lets the operator make it, and a"
-               " NetworkPolicy of that name that is not the job's must be renamed")  # fmt: skip
-    return _refused(acts, old, "NetworkPolicyRefused", message, now)
-
-
-def _refused(acts: Actions, old: dict, reason: str, message: str, now: datetime) -> Actions:
-    """No pods for a world whose first objects the API server refused, and a status and
-    Warning that say why. The next reconcile tries again."""
-    acts.create, acts.policy, acts.podgroup = [], None, None
-    acts.status["conditions"] = _created(acts.status, False, reason, message, now)
-    acts.status = st.with_phase(acts.status, st.PENDING, reason, message, now)
-    acts.events = [e for e in acts.events if e.reason != "CreatedPods"]
-    if (st.condition(old, st.CREATED) or {}).get("message") != message:  # said once
-        acts.events.append(Event(WARNING, reason, message))
-    return acts
-
-
 def _s(seconds: int) -> timedelta:
     return timedelta(seconds=seconds)
 

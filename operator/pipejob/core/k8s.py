@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from pipejob.core.schema import SpecError
+from pipejob.core.errors import SpecError
 
 SCHEMAS = Path(__file__).with_name("k8s_schemas.json")
 

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipejob.core.schema import Field, SpecError
+from pipejob.core.errors import SpecError
+from pipejob.core.schema import Field
 
 Spec = dict[str, Any]  # a defaulted, validated spec as in the manifest (camelCase)
 

@@ -236,11 +236,12 @@ class Server:
 _board: Board | None = None
 
 
-def serve(steps: int, port: int) -> Board:
-    """Create this process's board and serve it on `port` (the master does, first thing)."""
+def serve(steps: int, port: int, host: str = "0.0.0.0") -> Board:
+    """Create this process's board and serve it on `host`:`port` (the master does, first
+    thing)."""
     global _board
     _board = Board(steps)
-    Server(_board, port)
+    Server(_board, port, host)
     return _board
 
 

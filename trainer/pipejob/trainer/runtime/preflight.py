@@ -190,9 +190,9 @@ def _store(env: Env, deadline: float, timeout: float) -> dist.TCPStore:
     left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
     if env.rank == 0:
         try:
-            return dist.TCPStore(env.master_addr, env.preflight_port, None, True, left,
-                                 wait_for_workers=False)  # fmt: skip
-        except RuntimeError as e:
+            return rendezvous.store(env.master_addr, env.preflight_port, None, True, left,
+                                    wait_for_workers=False)  # fmt: skip
+        except (RuntimeError, OSError) as e:
             raise PreflightError(
                 f"the master cannot listen on port {env.preflight_port}: {e}"
             ) from None
@@ -204,8 +204,8 @@ def _store(env: Env, deadline: float, timeout: float) -> dist.TCPStore:
     except world.RendezvousError:
         raise PreflightError(unreachable) from None
     try:
-        return dist.TCPStore(env.master_addr, env.preflight_port, None, False, left,
-                             wait_for_workers=False)  # fmt: skip
+        return rendezvous.store(env.master_addr, env.preflight_port, None, False, left,
+                                wait_for_workers=False)  # fmt: skip
     except RuntimeError as e:
         raise PreflightError(f"{unreachable}: {' '.join(str(e).split())[:200]}") from None
 

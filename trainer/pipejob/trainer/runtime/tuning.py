@@ -54,6 +54,7 @@ from pathlib import Path
 
 from pipejob.core import contract as c
 from pipejob.core.kinds import KINDS
+from pipejob.trainer.runtime.world import loopback
 
 TUNING = c.TUNING
 LEVERS = ("threads", "allocator", "transport")
@@ -120,11 +121,7 @@ def cgroup_cpus(cpu_max: str | None) -> float | None:
 
 def same_host(a: str, b: str) -> bool:
     """Whether two addresses of the world name the same machine: equal, or both loopback."""
-    return a == b or (_loopback(a) and _loopback(b))
-
-
-def _loopback(address: str) -> bool:
-    return address == "localhost" or address.startswith("127.")
+    return a == b or (loopback(a) and loopback(b))
 
 
 def computes(kind: str, role: str) -> bool:

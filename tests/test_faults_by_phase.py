@@ -55,8 +55,8 @@ FAULTS = {
         rf" within {CHECK_IN}s from rank 2 \(stage1, role stage",
     ),
     "hybrid, rendezvous: the parameter server killed": (
-        hybrid(), "ps", signal.SIGKILL, line("ps", "performance settings"),
-        r"ps \(role ps, rank 1\) failed: killed by signal SIGKILL",
+        hybrid(), "ps0", signal.SIGKILL, line("ps0", "performance settings"),
+        r"ps0 \(role ps, rank 1\) failed: killed by signal SIGKILL",
     ),
     "pipeline, preflight: the master frozen": (
         pipeline(), "master", signal.SIGSTOP, line("master", "checked in after"),

@@ -33,7 +33,7 @@ class Table:
     rows: int
     dim: int
     mode: str = "sum"
-    feature: str
+    feature: str = ""  # a completed spec always has it (the kind fills in the name)
 
 
 @dataclass(frozen=True)

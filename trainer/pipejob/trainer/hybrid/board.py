@@ -37,7 +37,8 @@ class Reports:
         with self.lock:
             self.evaluation = {"evalStep": step, "evalLoss": loss, "evalAccuracy": accuracy,
                                "evalAuc": auc, "evalSamples": count}  # fmt: skip
-        world.log(self.env, f"eval step {step}: {said(self.evaluation)}")
+        world.log(self.env, f"eval step {step}: {said(self.evaluation)} on {count} held-out"
+                            f" {unit()}")  # fmt: skip
         monitor.board().evaluated(step, loss, accuracy=accuracy, auc=auc)
         with self.lock:
             self.events.scalars(step, eval_loss=loss, eval_accuracy=accuracy, eval_auc=auc)
@@ -69,14 +70,14 @@ class Reports:
 
 
 def said(evaluation: dict[str, Any]) -> str:
-    """An evaluation's figures in words: `loss 0.4321, AUC 0.7712 on 500 held-out samples`
-    (clicks) or `loss 0.1234, accuracy 95.0% on 200 held-out bags` (spec.embedding)."""
+    """An evaluation's figures in words: `loss 0.4321, AUC 0.7712` (clicks) or `loss 0.1234,
+    accuracy 95.0%` (spec.embedding's classes)."""
     words = f"loss {evaluation['evalLoss']:.4f}"
     if evaluation.get("evalAccuracy") is not None:
         words += f", accuracy {100 * evaluation['evalAccuracy']:.1f}%"
     if evaluation.get("evalAuc") is not None:
         words += f", AUC {evaluation['evalAuc']:.4f}"
-    return f"{words} on {evaluation['evalSamples']} held-out {unit()}"
+    return words
 
 
 def unit() -> str:

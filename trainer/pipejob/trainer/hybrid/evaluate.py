@@ -47,9 +47,11 @@ def check_dense(spec: HybridSpec, dense: nn.Module, loss_fn: workloads.Loss, sam
     if spec.loss.import_:
         field += " (with spec.loss.import)"
     zeros = {t.name: torch.zeros(len(sample.sample_ids), t.dim) for t in spec.embeddings}
-    shapes = ", ".join(f"{name} {_shape(z)}" for name, z in zeros.items())
     if spec.recommends:
-        shapes = f"dense features {_shape(sample.dense)} and pooled {shapes}"
+        pooled = ", ".join(f"{name} {_shape(z)}" for name, z in zeros.items())
+        shapes = f"dense features of shape {_shape(sample.dense)} and pooled embeddings {pooled}"
+    else:
+        shapes = f"the bags' embeddings of shape {_shape(next(iter(zeros.values())))}"
     labels = sample.labels.to(device)
     training = dense.training
     dense.eval()
@@ -59,8 +61,8 @@ def check_dense(spec: HybridSpec, dense: nn.Module, loss_fn: workloads.Loss, sam
                 out = forward(spec, dense, sample, zeros, device)
             except Exception as e:
                 said = f"{type(e).__name__}: {e}"
-                raise ValueError(f"{field}: the dense module fails on the embeddings of"
-                                 f" shape(s) {shapes}: {said}") from None  # fmt: skip
+                raise ValueError(f"{field}: the dense module fails on {shapes}:"
+                                 f" {said}") from None  # fmt: skip
             try:
                 value = loss_fn(out, labels)
                 if not isinstance(value, torch.Tensor) or value.numel() != 1:

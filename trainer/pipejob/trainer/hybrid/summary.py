@@ -68,7 +68,7 @@ def render(s: dict[str, Any]) -> list[str]:
         + ", ".join(f"{name} {v['rowsUpdated']:,}" for name, v in s["perServer"].items()),
         f"data: samples read by more than one trainer: {s['partitionOverlap']}",
         *(
-            [f"held-out: {said(s)} (after step {s['evalStep']})"]
+            [f"held-out: {said(s)} on {s['evalSamples']} {unit()} (after step {s['evalStep']})"]
             if s.get("evalLoss") is not None
             else []
         ),

@@ -143,3 +143,46 @@ def test_a_split_tables_updates_equal_one_process_s_in_float64(tmp_path: Path) -
     # Each server stepped every step, on a few of its rows only.
     assert all(s["steps"] == 3 for s in summary["perServer"].values()), summary["perServer"]
     assert 0 < sum(s["rowsUpdated"] for s in summary["perServer"].values()) < 3 * 3100
+
+
+# 1.4 GB of one table: more than a pod's 1200Mi limit holds, a quarter of it well under.
+HUGE_ROWS, LIMIT = 21_875_000, 1200 * 2**20
+HUGE = {
+    "apiVersion": "pipejob.dev/v1alpha1",
+    "kind": "HybridJob",
+    "metadata": {"name": "huge-table"},
+    "spec": {
+        "trainers": 1, "parameterServers": 4,
+        "embeddings": [{"name": "huge", "rows": HUGE_ROWS, "dim": 16},
+                       {"name": "small", "rows": 1000, "dim": 16}],
+        "denseFeatures": 2, "dense": {"dlrm": {"bottom": [8], "top": [8]}},
+        "steps": 4, "batchSize": 16, "datasetSize": 64, "logEvery": 2,
+        "template": {"resources": {"limits": {"memory": "1200Mi"}}},
+        "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5},
+    },
+}  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_a_table_too_big_for_one_server_trains_split_across_four_each_under_its_limit(
+    tmp_path: Path,
+) -> None:
+    """One server could not hold the table: the spec is refused before anything starts. Four
+    hold a quarter each, and each one's peak resident memory (what a memory limit counts,
+    torch and the process itself included) stays under the pods' limit."""
+    one = HUGE | {"spec": HUGE["spec"] | {"parameterServers": 1}}
+    with pytest.raises(specs.InvalidSpec, match=r"spec\.parameterServers: ps0 would hold 1\.4 GB"
+                                                r" of tables .* over the pods' memory limit"
+                                                r" 1200Mi .*: use 2 parameterServers"):  # fmt: skip
+        specs.parse(one)
+    code, output, summary = run_to_end(HUGE, tmp_path, timeout=270)
+    assert code == 0, output
+    share = HUGE_ROWS * 16 * 4 // 4
+    peaks = {name: m["rssPeakBytes"] for name, m in summary["memory"].items()}
+    servers = {name: peak for name, peak in peaks.items() if name.startswith("ps")}
+    assert sorted(servers) == ["ps0", "ps1", "ps2", "ps3"], peaks
+    assert all(share < peak < LIMIT for peak in servers.values()), (share, peaks)
+    # Each holds its quarter: well above a trainer, which holds no table.
+    assert all(peak - peaks["trainer0"] > share // 2 for peak in servers.values()), peaks
+    assert all(s["steps"] == 4 for s in summary["perServer"].values())
+    print(f"\n[peak memory] {peaks} (each server's share of the table: {share} bytes)")

@@ -21,6 +21,7 @@ from pipejob.core import spec as specs
 from pipejob.core.kinds import tables
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid import output
+from pipejob.trainer.hybrid.evaluate import check_dense
 from pipejob.trainer.hybrid.ps import Server
 from pipejob.trainer.hybrid.router import Router
 from pipejob.trainer.workloads import samples
@@ -251,7 +252,7 @@ def test_max_and_mean_over_pieces_pool_as_one_embedding_bag() -> None:
     ids = [[3], [60, 70], [1, 99, 50], [], [26, 27, 80]]
     batch = samples.collate(Bags(ids), list(range(len(ids))), ["f"], True)
     routed = router.route(batch)
-    replies = [servers[s]._lookup(*routed.requests[i], None) for i, s in enumerate(router.servers)]
+    replies = [servers[s].lookup(*routed.requests[i], None) for i, s in enumerate(router.servers)]
     pooled = router.pool(replies, routed, batch)
     for t in spec.embeddings:
         whole = torch.nn.EmbeddingBag(t.rows, t.dim, mode=t.mode)
@@ -358,3 +359,54 @@ def test_the_model_file_holds_every_table_whole_under_its_name(tmp_path: Path) -
             assert torch.equal(model.dense.state_dict()[name], value)
         suffix = ".pt" if format == "torch" else ".safetensors"
         assert [p.name for p in paths] == [f"model{suffix}", "model.json"]
+
+
+# ---------------------------------------------------------------------------- the user's own
+
+
+@pytest.fixture
+def userpkg(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+
+
+USER = {"embeddings": [{"name": "user", "rows": 50, "dim": 4}, {"name": "item", "rows": 20,
+                                                                "dim": 4}],
+        "dense": {"import": "userpkg.clicks:Tower",
+                  "args": {"tables": ["user", "item"], "dim": 4, "dense": 2}},
+        "data": {"import": "userpkg.clicks:clicks", "args": {"count": 40}}}  # fmt: skip
+
+
+def test_the_user_s_clicks_and_dense_module_are_read_and_checked(userpkg: None) -> None:
+    spec = parse(**USER).settings
+    train, val = workloads.hybrid_data(spec), workloads.hybrid_held_out(spec)
+    assert train.size == val.size == 40 and train.sample(3) != val.sample(3)
+    batch = samples.collate(train, list(range(8)), ["item", "user"], True)
+    assert batch.dense.shape == (8, 2) and batch.labels.dtype == torch.float32
+    assert batch.lengths["item"].tolist() == [1] * 8
+    cpu, loss = torch.device("cpu"), workloads.loss(spec)
+    check_dense(spec, workloads.hybrid_dense(spec, 2), loss, batch, cpu)
+    args = {"tables": ["user", "item"], "dim": 3, "dense": 2}  # a Tower for narrower tables
+    narrow = parse(**(USER | {"dense": USER["dense"] | {"args": args}})).settings
+    said = (
+        "spec.dense.import: the dense module fails on dense features of shape (8, 2) and"
+        " pooled embeddings user (8, 4), item (8, 4): RuntimeError: mat1 and mat2"
+    )
+    with pytest.raises(ValueError, match=re.escape(said)):
+        check_dense(spec, workloads.hybrid_dense(narrow, 2), loss, batch, cpu)
+    bad = {"import": "userpkg.clicks:clicks", "args": {"count": 40, "bad": 5}}
+    broken = workloads.hybrid_data(parse(**(USER | {"data": bad})).settings)
+    with pytest.raises(ValueError, match=re.escape(
+            "spec.data.import: item 5 of the train split: feature 'user' has ids [77] outside"
+            " 0..49 (the rows of its smallest table)")):  # fmt: skip
+        broken.sample(5)
+    lacking = parse(
+        **(
+            USER
+            | {
+                "embeddings": [USER["embeddings"][0] | {"rows": 100}, USER["embeddings"][1]],
+                "data": bad,
+            }
+        )
+    ).settings
+    with pytest.raises(ValueError, match=r"sample 5 has no ids for feature\(s\) item"):
+        samples.collate(workloads.hybrid_data(lacking), [4, 5, 6], ["item", "user"], True)

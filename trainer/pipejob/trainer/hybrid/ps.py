@@ -96,7 +96,7 @@ class Server:
                 future.set_result(None)
             else:
                 assert lengths is not None
-                future = self._when_settled(lambda: self._lookup(ids, lengths, trainer))
+                future = self._when_settled(lambda: self.lookup(ids, lengths, trainer))
             ready = self._drain()
         _finish(ready)
         return future
@@ -156,7 +156,7 @@ class Server:
         self.collected.clear()
         self.steps += 1
 
-    def _lookup(self, ids: torch.Tensor, lengths: torch.Tensor,
+    def lookup(self, ids: torch.Tensor, lengths: torch.Tensor,
                 trainer: str | None) -> torch.Tensor:  # fmt: skip
         """Pool `ids` (every piece's local row ids, concatenated, in the server's order) by
         `lengths` (pieces, batch); keep the graph for `trainer`'s gradients (None: none)."""
@@ -288,7 +288,7 @@ def exchange(trainer: str, grads: torch.Tensor | None, ids: torch.Tensor | None,
 def held_out(ids: torch.Tensor, lengths: torch.Tensor) -> Future:
     """Pooled embeddings for evaluation: no graph kept, nothing stepped."""
     server = _server()
-    return server.read(lambda: server._lookup(ids, lengths, None))
+    return server.read(lambda: server.lookup(ids, lengths, None))
 
 
 @rpc.functions.async_execution

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-DENSE, CATEGORICAL = 13, 26
-COLUMNS = 1 + DENSE + CATEGORICAL
-FEATURES = tuple(f"C{i}" for i in range(1, CATEGORICAL + 1))
+from pipejob.core.kinds.hybrid import CRITEO_DENSE, CRITEO_FEATURES
+
+DENSE, FEATURES = CRITEO_DENSE, CRITEO_FEATURES
+COLUMNS = 1 + DENSE + len(FEATURES)
 LAYOUT = "label, I1 ... I13, C1 ... C26, tab-separated"
 
 

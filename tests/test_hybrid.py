@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import recsys_reference as reference
@@ -75,13 +76,16 @@ def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_p
         assert trainers[name]["samplesRead"] == len(part)
 
 
+def hybrid_job(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
+            "metadata": {"name": name}, "spec": spec}  # fmt: skip
+
+
 # Two servers and two trainers; "wide" is larger than a share, so it is split row-wise
 # across both servers; two tables share a feature; every pooling mode.
-EXACT = {
-    "apiVersion": "pipejob.dev/v1alpha1",
-    "kind": "HybridJob",
-    "metadata": {"name": "exact-hybrid"},
-    "spec": {
+EXACT = hybrid_job(
+    "exact-hybrid",
+    {
         "trainers": 2, "parameterServers": 2,
         "embeddings": [
             {"name": "wide", "rows": 3000, "dim": 4, "mode": "sum"},
@@ -94,7 +98,7 @@ EXACT = {
         "steps": 3, "batchSize": 8, "bagSize": 5, "datasetSize": 64, "seed": 4,
         "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5},
     },
-}  # fmt: skip
+)  # fmt: skip
 
 # Every process of the world computes in float64: the runner puts the manifest's folder first
 # on PYTHONPATH, and Python imports this file from there as it starts.
@@ -147,11 +151,9 @@ def test_a_split_tables_updates_equal_one_process_s_in_float64(tmp_path: Path) -
 
 # 1.4 GB of one table: more than a pod's 1200Mi limit holds, a quarter of it well under.
 HUGE_ROWS, LIMIT = 21_875_000, 1200 * 2**20
-HUGE = {
-    "apiVersion": "pipejob.dev/v1alpha1",
-    "kind": "HybridJob",
-    "metadata": {"name": "huge-table"},
-    "spec": {
+HUGE = hybrid_job(
+    "huge-table",
+    {
         "trainers": 1, "parameterServers": 4,
         "embeddings": [{"name": "huge", "rows": HUGE_ROWS, "dim": 16},
                        {"name": "small", "rows": 1000, "dim": 16}],
@@ -160,7 +162,7 @@ HUGE = {
         "template": {"resources": {"limits": {"memory": "1200Mi"}}},
         "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5},
     },
-}  # fmt: skip
+)  # fmt: skip
 
 
 @pytest.mark.timeout(300)

@@ -317,39 +317,24 @@ def _memory(spec: Spec) -> list[SpecError]:
     limit = (resources.get("limits") or {}).get("memory")
     if limit is None:
         return []
-    fits = int(k8s.quantity(limit))
+    fits, servers = int(k8s.quantity(limit)), spec["parameterServers"]
     optimizer, typed = spec["sparseOptimizer"]["name"], _typed(spec)
-    held = [tables.server_bytes(p, optimizer)
-            for p in tables.place(typed, spec["parameterServers"], optimizer)]  # fmt: skip
-    if max(held) <= fits:
+    server, held = tables.fullest(typed, servers, optimizer)
+    if held <= fits:
         return []
-    enough = next((n for n in range(spec["parameterServers"] + 1, MAX_SERVERS + 1)
-                   if _fullest(typed, n, optimizer) <= fits), None)  # fmt: skip
+    enough = next((n for n in range(servers + 1, MAX_SERVERS + 1)
+                   if tables.fullest(typed, n, optimizer)[1] <= fits), None)  # fmt: skip
     advice = f"use {enough} parameterServers" if enough else "give the pods more memory"
-    fullest = held.index(max(held))
     return [SpecError("spec.parameterServers", (
-        f"ps{fullest} would hold {tables.size(max(held))} of tables and {optimizer} state,"
-        f" over the pods' memory limit {limit} (spec.template.resources.limits.memory): {advice}"
+        f"ps{server} would hold {tables.size(held)} of tables and {optimizer} state, over"
+        f" the pods' memory limit {limit} (spec.template.resources.limits.memory): {advice}"
     ))]  # fmt: skip
 
 
-def _fullest(typed: tuple[Table, ...], servers: int, optimizer: str) -> int:
-    return max(tables.server_bytes(p, optimizer) for p in tables.place(typed, servers, optimizer))
-
-
 def _describe(spec: Spec) -> list[str]:
-    """`pipejob plan`'s lines on the tables: their bytes, and each server's pieces."""
+    """`pipejob plan`'s lines on the tables."""
     optimizer = spec["sparseOptimizer"]["name"]
-    typed = _typed(spec)
-    weights = sum(t.rows * t.dim * tables.FLOAT_BYTES for t in typed)
-    state = sum(tables.table_bytes(t, optimizer) for t in typed) - weights
-    lines = [f"embedding tables: {len(typed)}, {tables.size(weights)} of weights +"
-             f" {tables.size(state)} of {optimizer} state",
-             f"{'server':<8} {'bytes':>12}  tables (rows start:stop where split)"]  # fmt: skip
-    for s, pieces in enumerate(tables.place(typed, spec["parameterServers"], optimizer)):
-        held = tables.size(tables.server_bytes(pieces, optimizer))
-        lines.append(f"{f'ps{s}':<8} {held:>12}  {tables.describe(pieces) or '-'}")
-    return lines
+    return tables.lines(_typed(spec), spec["parameterServers"], optimizer)
 
 
 HYBRID_JOB = Kind(

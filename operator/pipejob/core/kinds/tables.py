@@ -104,9 +104,24 @@ def server_bytes(pieces: list[Piece], optimizer: str) -> int:
     return sum(p.rows * row_bytes(p.dim, optimizer) for p in pieces)
 
 
-def describe(pieces: list[Piece]) -> str:
-    """A server's pieces in words: `big[0:500000], c2, c7`."""
-    return ", ".join(p.table if p.whole else f"{p.table}[{p.start}:{p.stop}]" for p in pieces)
+def fullest(tables: tuple[Table, ...], servers: int, optimizer: str) -> tuple[int, int]:
+    """The server the placement gives the most bytes, and its bytes."""
+    held = [server_bytes(pieces, optimizer) for pieces in place(tables, servers, optimizer)]
+    return held.index(max(held)), max(held)
+
+
+def lines(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[str]:
+    """The tables' bytes, and each server's pieces (`big[0:500000], c2`), as words."""
+    weights = sum(t.rows * t.dim * FLOAT_BYTES for t in tables)
+    state = sum(table_bytes(t, optimizer) for t in tables) - weights
+    out = [f"embedding tables: {len(tables)}, {size(weights)} of weights + {size(state)} of"
+           f" {optimizer} state",
+           f"{'server':<8} {'bytes':>12}  tables (rows start:stop where split)"]  # fmt: skip
+    for s, pieces in enumerate(place(tables, servers, optimizer)):
+        named = ", ".join(p.table if p.whole else f"{p.table}[{p.start}:{p.stop}]"
+                          for p in pieces)  # fmt: skip
+        out.append(f"{f'ps{s}':<8} {size(server_bytes(pieces, optimizer)):>12}  {named or '-'}")
+    return out
 
 
 def size(n: int) -> str:

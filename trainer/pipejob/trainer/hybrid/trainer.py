@@ -67,12 +67,14 @@ class Tables:
     def pooled(self, futures: list[torch.futures.Future], batch: Batch) -> dict[str, torch.Tensor]:
         """The tables' pooled embeddings of `batch` (the last called) from the replies, whose
         gradients the backward fills in."""
+        assert self.routed is not None, "pooled before a call with a batch"
         self.replies = [f.wait().requires_grad_() for f in futures]
         return self.router.pool(self.replies, self.routed, batch)
 
     def backward_done(self) -> None:
-        """The backward has run: the replies' gradients go with the next call."""
-        self.pending = [r.grad for r in self.replies]
+        """The backward has run: the replies' gradients go with the next call (zeros for a
+        table the dense model left unused: every server waits for every trainer's)."""
+        self.pending = [torch.zeros_like(r) if r.grad is None else r.grad for r in self.replies]
         self.replies = []
 
     def flush(self) -> None:

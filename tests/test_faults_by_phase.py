@@ -82,7 +82,7 @@ FAULTS = {
     "hybrid, checkpoint writing: the master frozen": (
         hybrid(checkpoint={"path": "{tmp}/ckpt", "everySteps": 5}), "master", signal.SIGSTOP,
         line("master", "checkpoint of step 5"),
-        r"(ps|trainer\d) \(role \w+, rank \d\) failed: exit code 6: stalled: master \(pid {pid}\)"
+        r"(ps\d|trainer\d) \(role \w+, rank \d\) failed: exit code 6: stalled: master \(pid {pid}\)"
         r" stopped answering: no reply to heartbeats for \d+ s",
     ),
 }  # fmt: skip

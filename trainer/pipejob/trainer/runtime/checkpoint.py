@@ -10,8 +10,9 @@ Every file is written atomically: a temporary file in the same directory, fsync,
 fsync of the directory. A crash leaves the old file or the new one, never a mix, and a
 step directory without its manifest is simply not a checkpoint.
 
-Optimizer state: a HybridJob's optimizers are plain torch.optim ones (the ps's per trainer,
-each trainer's for its dense layer), whose `state` is used directly. A PipelineJob's
+Optimizer state: a HybridJob's optimizers are plain torch.optim ones (each parameter
+server's sparse one over its pieces of the tables, saved by table and row range in
+hybrid/ps.py; each trainer's for its dense layer), whose `state` is used directly. A PipelineJob's
 DistributedOptimizer keeps one local optimizer per worker, reachable through
 its `remote_optimizers` RRefs (owned by the worker that holds the parameters). By default
 that is a `_ScriptLocalOptimizer`, a TorchScript module whose functional optimizer keeps

@@ -9,6 +9,7 @@ Jobs are cut down for 2 CPU cores (tiny images, few steps)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -92,6 +93,50 @@ def test_a_hybrid_job_trains_in_containers(cluster, container_kubelet, operator)
     done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=300)
     assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
     assert "step 10/10" in node.logs(NS, f"{name}-master-0")
+    all_stopped(api, node)
+
+
+def test_the_dlrm_example_trains_in_containers_on_logs_on_a_volume(
+    cluster, container_kubelet, operator
+):
+    """The DLRM example's 26 tables on 2 parameter server containers, its click logs on a
+    volume: it trains, evaluates (status shows the AUC) and writes its model there."""
+    api, node = cluster.api, container_kubelet
+    claim(api)
+    volume = node.claim_dir(NS, CLAIM)
+    volume.mkdir(parents=True, exist_ok=True)
+    for log in ("train.tsv", "val.tsv"):
+        shutil.copy(jobs.EXAMPLES / "dlrm" / log, volume / log)
+    name = start(api, ("dlrm/hybridjob.yaml", {}), steps=30, logEvery=10,
+                 eval={"everySteps": 30}, output={"path": "/data/out"},
+                 logging={"tensorboard": "/data/runs"}, template=on_claim(),
+                 data={"criteo": {"train": "/data/train.tsv", "val": "/data/val.tsv"}})  # fmt: skip
+    done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=400)
+    assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
+    assert len({r.name for r in node.runs(NS)}) == 5  # master, ps-0, ps-1, 2 trainers
+    training = done["status"]["training"]
+    assert training["evalStep"] == 30 and training["evalAuc"] > 0.6, training
+    assert "AUC" in node.logs(NS, f"{name}-master-0")
+    assert (volume / "out" / "model.safetensors").stat().st_size > 26 * 1000 * 8 * 4
+    all_stopped(api, node)
+
+
+def test_a_table_over_one_containers_memory_limit_trains_split_across_four(
+    cluster, container_kubelet, operator
+):
+    """The 1.4 GB table of tests/test_hybrid.py on four parameter server containers, each
+    limited to 1200Mi by docker (an OOM kill otherwise): the job succeeds, and each server's
+    peak, as the status reports it, is under the limit."""
+    from test_hybrid import HUGE, LIMIT
+
+    api, node = cluster.api, container_kubelet
+    name = jobs.create(api, HUGE)["metadata"]["name"]
+    done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=400)
+    assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
+    peaks = {m: f["rssPeakBytes"] for m, f in done["status"]["training"]["memory"].items()}
+    servers = [peaks[f"ps{i}"] for i in range(4)]
+    assert all(350_000_000 < peak < LIMIT for peak in servers), peaks
+    print(f"\n[peak memory in containers] {peaks}")
     all_stopped(api, node)
 
 

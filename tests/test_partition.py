@@ -9,6 +9,7 @@ import pytest
 import torch
 from torchvision.models import get_model
 
+from pipejob.core.kinds.pipeline import micro_batch_counts
 from pipejob.trainer.pipeline.partition import (
     COST_SLACK,
     Host,
@@ -16,7 +17,6 @@ from pipejob.trainer.pipeline.partition import (
     fastest,
     intra_op_threads,
     measure_costs,
-    micro_batch_counts,
     min_max_partition,
     predict,
 )

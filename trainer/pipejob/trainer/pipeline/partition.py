@@ -172,17 +172,6 @@ def intra_op_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def micro_batch_counts(batch: int) -> list[int]:
-    """The micro-batch counts `microBatches: auto` considers: 1 and the powers of two that
-    divide the batch and leave micro-batches of at least 2 samples (training BatchNorm needs
-    two). Doubling spans the range in log2(batch) measurements, whose work adds up to less
-    than two batches; finer steps move the predicted step less than its measurement noise."""
-    counts = [1]
-    while batch % (2 * counts[-1]) == 0 and batch // (2 * counts[-1]) >= 2:
-        counts.append(2 * counts[-1])
-    return counts
-
-
 @dataclass(frozen=True)
 class Host:
     """Stages whose processes share one machine's cores, and how many cores that is."""

@@ -15,13 +15,12 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
+from pipejob.core.kinds.pipeline import AUTO, PipelineSpec, micro_batch_counts
 from pipejob.trainer.pipeline.partition import (
     Host,
     LayerCosts,
     Prediction,
     fastest,
-    micro_batch_counts,
     predict,
 )  # fmt: skip
 from pipejob.trainer.pipeline.parts import Part, measure_on_stages, trace

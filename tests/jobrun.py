@@ -28,7 +28,7 @@ import yaml
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, workloads
-from pipejob.trainer.pipeline.schedule import Pipeline, forward_backward
+from pipejob.trainer.pipeline.rpc.schedule import Pipeline, forward_backward
 from pipejob.trainer.pipeline.shards import plan_shards
 from pipejob.trainer.runtime import rendezvous, world
 from pipejob.trainer.workloads import cut, data, models

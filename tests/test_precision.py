@@ -32,9 +32,9 @@ from pipejob.core import plan, spec
 from pipejob.core.workload import Transformer
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
-from pipejob.trainer.pipeline.schedule import Pipeline, Replicas, forward_backward
+from pipejob.trainer.pipeline.rpc.schedule import Pipeline, Replicas, forward_backward
+from pipejob.trainer.pipeline.rpc.stage import Stage
 from pipejob.trainer.pipeline.shards import Partition, Shards, plan_shards
-from pipejob.trainer.pipeline.stage import Stage
 from pipejob.trainer.runtime import memory
 from pipejob.trainer.workloads import cut, data, models
 from pipejob.trainer.workloads.transformer import TransformerLM
@@ -156,13 +156,13 @@ def _peak_megabytes(recompute: bool) -> float:
     blocks = nn.Sequential(*TransformerLM(spec_).blocks)
     stage = Stage(blocks, last=False, device="cpu", recompute=recompute)
     warm = torch.randn(1, 256, 256, requires_grad=True)  # one-time allocations: not counted
-    stage._compute((warm,)).sum().backward()
+    stage.compute(warm).sum().backward()
     inputs = [torch.randn(4, 256, 256, requires_grad=True) for _ in range(4)]
     # The peak from here on, so that whatever the process held before (imports, the warm-up)
     # does not hide the step's own peak.
     memory.reset_peak()
     before = memory.status_kb("VmRSS")
-    outputs = [stage._compute((x,)) for x in inputs]
+    outputs = [stage.compute(x) for x in inputs]
     for y in outputs:
         y.backward(torch.ones_like(y))
     return (memory.status_kb("VmHWM") - before) / 1024

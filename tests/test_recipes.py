@@ -28,7 +28,7 @@ from jobrun import master_of, pipeline_job, run_to_end, run_world
 from pipejob.core import plan, spec
 from pipejob.core.common import Optimizer, Schedule
 from pipejob.runner.local import LOOPBACK, free_ports
-from pipejob.trainer.pipeline.schedule import Replicas
+from pipejob.trainer.pipeline.rpc.schedule import Replicas
 from pipejob.trainer.pipeline.shards import Partition, Shards
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime.optim import learning_rate

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
-from pipejob.trainer.pipeline.schedule import StepResult
+from pipejob.trainer.pipeline.driver import StepResult
 from pipejob.trainer.pipeline.shards import Shards, describe, share
 from pipejob.trainer.runtime import master, memory, monitor
 from pipejob.trainer.runtime.world import Env
@@ -56,7 +56,7 @@ def summarize(
         per_stage.append(
             {
                 "stage": name,
-                "layers": shards.of(i),
+                "layers": shards.units_of(i),
                 "costShare": round(share(shards, i), 4),
                 "forwardSeconds": round(forward / len(measured), 4),
                 "backwardSeconds": round(backward / len(measured), 4),

@@ -1,5 +1,6 @@
-"""The PipelineJob master: builds and cuts the model, places the shards on the stages, runs
-the steps, checkpoints and resumes, and returns the run's summary."""
+"""The PipelineJob master, on either engine: plans and cuts the model, has the stages build
+their shards, runs the steps through the engine's step driver (driver.py), evaluates,
+checkpoints and resumes, writes the model out, and returns the run's summary."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from torch import nn
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer import workloads
+from pipejob.trainer.pipeline import engine
 from pipejob.trainer.pipeline import output as model_output
+from pipejob.trainer.pipeline.driver import Replicas, StepResult
 from pipejob.trainer.pipeline.partition import shape
-from pipejob.trainer.pipeline.schedule import Replicas, StepResult
+from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import (
     Partition,
     Shards,
@@ -25,7 +28,6 @@ from pipejob.trainer.pipeline.shards import (
     share,
     stage_resources,
 )
-from pipejob.trainer.pipeline.stage import on_stage
 from pipejob.trainer.pipeline.summary import render, stage_report, summarize
 from pipejob.trainer.runtime import (
     checkpoint,
@@ -83,13 +85,13 @@ def train(env: Env) -> dict[str, Any]:
         world.log(env, f"microBatches auto {how} {m} (micro-batches of"
                        f" {spec.batch_size // m}){table}")  # fmt: skip
     for i in range(spec.stages):
-        world.log(env, f"stage {i}: {describe(shards.of(i))}, {share(shards, i):.0%} of measured"
-                       " cost")  # fmt: skip
+        world.log(env, f"stage {i}: {describe(shards.units_of(i))}, {share(shards, i):.0%} of"
+                       " measured cost")  # fmt: skip
     if spec.replicas > 1:
         world.log(env, f"{spec.replicas} replicas of the pipeline, {spec.batch_size} samples each"
                        " per step; stage i of every replica averages its gradients")  # fmt: skip
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
-    pipelines = Replicas(replicas, shards, spec, device)
+    pipelines = engine(spec, "schedule").Replicas(replicas, shards, spec, device)
     held = pipelines.pipelines[0].reader("held_out") if spec.eval is not None else None
     if spec.eval is not None:
         world.log(env, f"evaluation: {held}" if held else
@@ -191,8 +193,8 @@ def evaluate(env: Env, pipelines: Replicas, micro_batches: int, loss: workloads.
     """The held-out figures after `step`, through replica 0 (the replicas are identical)."""
     assert env.spec.eval is not None
     start = time.perf_counter()
-    tally = pipelines.pipelines[0].evaluate(micro_batches, env.spec.eval.batches, loss,
-                                            Tally(data.task(env.spec)))  # fmt: skip
+    tally = pipelines.evaluate(micro_batches, env.spec.eval.batches, loss,
+                               Tally(data.task(env.spec)))  # fmt: skip
     figures = {"step": step, **tally.result()}
     metric = "".join(f", {m}" for m in [metrics.describe(figures)] if m)
     world.log(
@@ -231,7 +233,7 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
     root = env.spec.checkpoint.path
     directory = str(checkpoint.step_dir(root, step))
     start = time.perf_counter()
-    local = checkpoint.local_optimizers(pipelines.optimizers[0])
+    local = pipelines.local_optimizers(0)
     saving = [
         rpc.rpc_async(
             name, on_stage, args=(stage, "save", local.get(name), directory, f"stage{i}.pt")
@@ -286,8 +288,8 @@ def resume(env: Env, found: checkpoint.Checkpoint, pipelines: Replicas, shards: 
         )
     directory = str(found.directory)
     loading = []
-    for pipeline, optimizer in zip(pipelines.pipelines, pipelines.optimizers, strict=True):
-        local = checkpoint.local_optimizers(optimizer)
+    for r, pipeline in enumerate(pipelines.pipelines):
+        local = pipelines.local_optimizers(r)
         for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True)):
             args = (stage, "load", local.get(name), directory, found.entry(f"stage{i}.pt"))
             loading.append(rpc.rpc_async(name, on_stage, args=args))

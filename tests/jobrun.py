@@ -189,10 +189,13 @@ def run_world(target: Any, envs: list[dict[str, str]], out: Path, timeout: float
 
 
 def _stage_gradients(stage: rpc.RRef, context_id: int) -> dict[str, torch.Tensor]:
-    """Runs on a stage: the gradients its shard got in one distributed backward."""
-    grads = dist_autograd.get_gradients(context_id)
-    layers = stage.local_value().layers
-    return {name: grads.get(p) for name, p in layers.named_parameters(remove_duplicate=False)}
+    """Runs on a stage: the gradients its shard got in one step, by every name of every
+    parameter (a tied one's too), wherever its engine keeps them (Shard.gradients)."""
+    shard = stage.local_value()
+    params = dict(shard.layers.named_parameters())
+    by_tensor = {id(params[n]): g for n, g in shard.gradients(context_id).items()}
+    return {name: by_tensor.get(id(p))
+            for name, p in shard.layers.named_parameters(remove_duplicate=False)}  # fmt: skip
 
 
 def master_of(rank: int, envs: list[dict[str, str]]) -> world.Env | None:
@@ -209,8 +212,9 @@ def master_of(rank: int, envs: list[dict[str, str]]) -> world.Env | None:
 
 
 def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
-    """One process of a real pipeline world: the master runs one step with the trainer's
-    building blocks and saves every gradient."""
+    """One process of a real pipeline world: the master runs one step's forwards and
+    backwards with the trainer's building blocks (on the job's engine; every replica on its
+    share of the batch, their gradients averaged) and saves replica 0's gradients."""
     if (env := master_of(rank, envs)) is None:
         return
     try:
@@ -218,22 +222,60 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         s = env.spec
         with data.Feed(s) as feed:
             batch = feed.batch()
-        shards = plan_shards(s, *models.build_meta(s), env.names("stage"))
-        pipe = Pipeline(env.names("stage"), shards, "cpu", s.precision, s.activation_checkpointing)
-        with dist_autograd.context() as context_id:
-            loss = forward_backward(pipe, pipe.read(s.micro_batches, batch), 0, context_id,
-                                    workloads.loss(s))  # fmt: skip
-            pipe.settle(0, s.micro_batches)
-            pipe.combine_tied(context_id, shards.tied)
-            grads: dict[str, torch.Tensor] = {}
-            for stage in pipe.stages:
-                grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))
-        stages = [shards.of(i) for i in range(len(pipe.stages))]
-        torch.save({"loss": loss.item(), "grads": grads, "stages": stages,
+        every = env.names("stage")
+        shards = plan_shards(s, *models.build_meta(s), every[: s.stages])
+        if s.engine == "rpc":
+            pipe, loss, grads = _rpc_step(s, every, shards, batch)
+        else:
+            pipe, loss, grads = _pipelining_step(s, every, shards, batch)
+        stages = [shards.of(i) for i in range(len(shards.ranges))]
+        torch.save({"loss": loss, "grads": grads, "stages": stages,
                     "states": pipe.each("state"), "rest": shards.rest,
                     "config": shards.config}, out)  # fmt: skip
     finally:
         rpc.shutdown()
+
+
+def _rpc_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple[Any, float, dict]:
+    pipe = Pipeline(names, shards, "cpu", s.precision, s.activation_checkpointing)
+    with dist_autograd.context() as context_id:
+        loss = forward_backward(pipe, pipe.read(s.micro_batches, batch), 0, context_id,
+                                workloads.loss(s))  # fmt: skip
+        pipe.settle(0, s.micro_batches)
+        pipe.combine_tied(context_id, shards.tied)
+        return pipe, loss.item(), _gradients(pipe, context_id)
+
+
+def _pipelining_step(s: Any, names: list[str], shards: Any,
+                     batch: Any) -> tuple[Any, float, dict]:  # fmt: skip
+    """Every replica's share through its pipeline at once (their gradients are averaged
+    by a collective every replica's stage i joins), replica 0's gradients."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipejob.trainer.pipeline.pipelining import schedule
+
+    pipes = [schedule.Pipeline(names[r * s.stages : (r + 1) * s.stages], shards, s)
+             for r in range(s.replicas)]  # fmt: skip
+    shares = list(zip(*(t.tensor_split(s.replicas) for t in batch), strict=True))
+
+    def one(r: int) -> float:
+        pipe = pipes[r]
+        loss = pipe.run(pipe.read(s.micro_batches, shares[r]), 0, workloads.loss(s), 1.0)
+        pipe.combine_tied(0, shards.tied)
+        if s.replicas > 1:
+            pipe.each("average_gradients", 0)
+        return loss
+
+    with ThreadPoolExecutor(s.replicas) as threads:
+        losses = list(threads.map(one, range(s.replicas)))
+    return pipes[0], sum(losses) / len(losses), _gradients(pipes[0], 0)
+
+
+def _gradients(pipe: Any, context_id: int) -> dict[str, torch.Tensor]:
+    grads: dict[str, torch.Tensor] = {}
+    for stage in pipe.stages:
+        grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))
+    return grads
 
 
 # The gradient checks are about the algorithm, not float32's rounding: the pipeline adds the
@@ -259,13 +301,14 @@ def assert_gradient_close(name: str, grad: torch.Tensor, expected: torch.Tensor)
 
 def check_gradients(job: spec.Job, tmp_path, timeout: float = 150) -> dict[str, Any]:
     """One step of `job` through a real pipeline world against the same model, seed and
-    micro-batches in one process: the same loss and gradients. BatchNorm normalises each
+    micro-batches in one process: the same loss and gradients (with replicas, the averaged
+    gradients of every replica's share against the whole batch's). BatchNorm normalises each
     micro-batch by its own statistics, so the reference runs them one at a time too."""
     rpc_port, ddp_port = free_ports(2)
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
     out = tmp_path / "pipeline.pt"
     got = run_world(_gradient_world, [p.env for p in processes], out, timeout)
-    assert len(got["stages"]) == job.spec["stages"] and all(got["stages"])
+    assert len(got["stages"]) == job.settings.pieces and all(got["stages"])
 
     s = job.settings
     default = torch.get_default_dtype()
@@ -277,7 +320,7 @@ def check_gradients(job: spec.Job, tmp_path, timeout: float = 150) -> dict[str, 
     finally:
         torch.set_default_dtype(default)
     with cut.without_cache(model):  # as the pipeline runs a Hugging Face model
-        outputs = join([model(x) for x in inputs.tensor_split(s.micro_batches)])
+        outputs = join([model(x) for x in inputs.tensor_split(s.micro_batches * s.replicas)])
     loss = workloads.loss(s)(outputs, labels)
     loss.backward()
 

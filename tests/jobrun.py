@@ -7,6 +7,7 @@ the same step in one process (`check_gradients`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -214,24 +215,31 @@ def master_of(rank: int, envs: list[dict[str, str]]) -> world.Env | None:
 def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     """One process of a real pipeline world: the master runs one step's forwards and
     backwards with the trainer's building blocks (on the job's engine; every replica on its
-    share of the batch, their gradients averaged) and saves replica 0's gradients."""
+    share of the batch, their gradients averaged) and saves replica 0's gradients; once per
+    schedule listed in `<out>.schedules.json` (pipelining: the same stage processes run
+    each, one after the other), else once."""
     if (env := master_of(rank, envs)) is None:
         return
     try:
         torch.set_default_dtype(EXACT)  # the model and the data; the stages get them as built
-        s = env.spec
-        with data.Feed(s) as feed:
-            batch = feed.batch()
-        every = env.names("stage")
-        shards = plan_shards(s, *models.build_meta(s), every[: s.stages])
-        if s.engine == "rpc":
-            pipe, loss, grads = _rpc_step(s, every, shards, batch)
-        else:
-            pipe, loss, grads = _pipelining_step(s, every, shards, batch)
-        stages = [shards.of(i) for i in range(len(shards.ranges))]
-        torch.save({"loss": loss, "grads": grads, "stages": stages,
-                    "states": pipe.each("state"), "rest": shards.rest,
-                    "config": shards.config}, out)  # fmt: skip
+        listed = Path(f"{out}.schedules.json")
+        variants = json.loads(listed.read_text()) if listed.exists() else [{}]
+        runs = []
+        for variant in variants:
+            s = dataclasses.replace(env.spec, **variant)
+            with data.Feed(s) as feed:
+                batch = feed.batch()
+            every = env.names("stage")
+            shards = plan_shards(s, *models.build_meta(s), every[: s.stages])
+            if s.engine == "rpc":
+                pipe, loss, grads = _rpc_step(s, every[: s.stages], shards, batch)
+            else:
+                pipe, loss, grads = _pipelining_step(s, every, shards, batch)
+            runs.append({"loss": loss, "grads": grads, "variant": variant,
+                         "stages": [shards.of(i) for i in range(len(shards.ranges))],
+                         "states": pipe.each("state"), "rest": shards.rest,
+                         "config": shards.config})  # fmt: skip
+        torch.save(runs, out)
     finally:
         rpc.shutdown()
 
@@ -299,18 +307,25 @@ def assert_gradient_close(name: str, grad: torch.Tensor, expected: torch.Tensor)
     assert (grad - expected).norm() <= TOLERANCE * expected.norm(), name
 
 
-def check_gradients(job: spec.Job, tmp_path, timeout: float = 150) -> dict[str, Any]:
+def check_gradients(job: spec.Job, tmp_path, timeout: float = 150,
+                    schedules: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
     """One step of `job` through a real pipeline world against the same model, seed and
     micro-batches in one process: the same loss and gradients (with replicas, the averaged
     gradients of every replica's share against the whole batch's). BatchNorm normalises each
-    micro-batch by its own statistics, so the reference runs them one at a time too."""
+    micro-batch by its own statistics, so the reference runs them one at a time too. With
+    `schedules` (the pipelining engine's, as PipelineSpec fields: schedule,
+    stages_per_process), each runs in the same world and is checked; the last one's run is
+    returned."""
+    s = job.settings
+    assert s.engine == "pipelining" or s.replicas == 1, "the rpc engine's check: one pipeline"
     rpc_port, ddp_port = free_ports(2)
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
     out = tmp_path / "pipeline.pt"
-    got = run_world(_gradient_world, [p.env for p in processes], out, timeout)
-    assert len(got["stages"]) == job.settings.pieces and all(got["stages"])
+    if schedules:
+        Path(f"{out}.schedules.json").write_text(json.dumps(schedules))
+    runs = run_world(_gradient_world, [p.env for p in processes], out, timeout)
+    assert len(runs) == len(schedules or [{}])
 
-    s = job.settings
     default = torch.get_default_dtype()
     torch.set_default_dtype(EXACT)
     try:
@@ -324,11 +339,16 @@ def check_gradients(job: spec.Job, tmp_path, timeout: float = 150) -> dict[str, 
     loss = workloads.loss(s)(outputs, labels)
     loss.backward()
 
-    assert got["loss"] == pytest.approx(loss.item(), rel=TOLERANCE)
-    # Every name, a tied weight's too: each stage holding it got the pair's whole gradient.
-    params = dict(model.named_parameters(remove_duplicate=False))
-    assert sorted(got["grads"]) == sorted(params)  # the stages keep the model's names
-    for name, p in params.items():
-        assert got["grads"][name] is not None, f"{name} got no gradient in the pipeline"
-        assert_gradient_close(name, got["grads"][name], p.grad)
-    return got
+    # A parameter the forward never uses (the state no stage holds) has no gradient anywhere.
+    params = {n: p for n, p in model.named_parameters(remove_duplicate=False)
+              if p.grad is not None}  # fmt: skip
+    for got in runs:
+        pieces = dataclasses.replace(s, **got["variant"]).pieces
+        assert len(got["stages"]) == pieces and all(got["stages"]), got["variant"]
+        assert got["loss"] == pytest.approx(loss.item(), rel=TOLERANCE), got["variant"]
+        # Every name, a tied weight's too: each stage holding it got the pair's whole gradient.
+        assert sorted(got["grads"]) == sorted(params)  # the stages keep the model's names
+        for name, p in params.items():
+            assert got["grads"][name] is not None, f"{name} got no gradient in the pipeline"
+            assert_gradient_close(f"{name} ({got['variant']})", got["grads"][name], p.grad)
+    return runs[-1]

@@ -44,10 +44,11 @@ Key = tuple[bool, int, int]  # a kind of round: training?, micro-batches, sample
 
 
 class Flat(nn.Module):
-    """A piece whose output goes to the loss: its output's tensors as a tuple (what a
-    PipelineStage passes on), the output's structure (a dict, a Hugging Face ModelOutput) kept
-    to rebuild it for the loss. Any other piece's outputs are sent to the next stage, so
-    they must be tensors."""
+    """A piece as a PipelineStage runs it: the last one's output as a tuple of its tensors,
+    its structure (a dict, a Hugging Face ModelOutput) kept to rebuild it for the loss; any
+    other piece's outputs are sent to the next stage, so they must be tensors. An output
+    that is a view of another tensor is passed on as a copy: torch's backwards detach their
+    outputs in place, which a view refuses."""
 
     def __init__(self, piece: nn.Module, last: bool, where: str):
         super().__init__()
@@ -58,16 +59,16 @@ class Flat(nn.Module):
         y = self.piece(*x)
         if self.last:
             values, self.rebuild = flatten(y)
-            return values
-        others = [type(v).__name__ for v in (y if isinstance(y, tuple) else (y,))
-                  if not isinstance(v, torch.Tensor)]  # fmt: skip
-        if others:
-            raise ValueError(
-                f"spec.engine pipelining passes only tensors between stages; the model passes"
-                f" {', '.join(others)} at {self.where}: cut elsewhere (spec.splitPoints) or use"
-                " spec.engine rpc"
-            )
-        return y
+        else:
+            values = y if isinstance(y, tuple) else (y,)
+            others = [type(v).__name__ for v in values if not isinstance(v, torch.Tensor)]
+            if others:
+                raise ValueError(
+                    f"spec.engine pipelining passes only tensors between stages; the model"
+                    f" passes {', '.join(others)} at {self.where}: cut elsewhere"
+                    " (spec.splitPoints) or use spec.engine rpc"
+                )
+        return tuple(v.clone() if v._base is not None else v for v in values)
 
 
 def flatten(value: Any) -> tuple[tuple[torch.Tensor, ...], Callable[..., Any]]:

@@ -77,7 +77,7 @@ def test_two_stage_pipeline_trains(tmp_path):
     assert code == 0, out
     for step in (1, 2, 3):
         assert f"step {step}/3  loss " in out
-    assert "summary:" in out and "GPipe ideal" in out
+    assert "summary:" in out and "gpipe ideal (p-1)/(m+p-1)" in out
     assert re.search(r"peak memory besides the stages above: master \d+ MB$", out, re.M), out
     check_summary(summary, job)
 

@@ -164,6 +164,11 @@ class Replicas:
         its own."""
         return {}
 
+    def activation_peaks(self) -> list[int] | None:
+        """Replica 0's stages' most bytes of activations held for their backwards, where the
+        engine counts them (None: it does not)."""
+        return None
+
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """The held-out figures through replica 0 (the replicas are identical)."""
         return self.pipelines[0].evaluate(micro_batches, limit, loss_fn, tally)

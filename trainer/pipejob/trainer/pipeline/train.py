@@ -139,7 +139,8 @@ def train(env: Env) -> dict[str, Any]:
         write_output(env, pipelines, shards, evaluations[-1] if evaluations else None)
     if not results:
         return master.nothing_left(env, first)
-    summary = summarize(env, names, shards, results, pipelines.timings(), first)
+    summary = summarize(env, names, shards, results, pipelines.timings(), first,
+                        pipelines.activation_peaks())  # fmt: skip
     summary["replicaDivergence"] = pipelines.divergence()
     summary["wallSeconds"] = round(time.perf_counter() - started, 3)
     if evaluations:
@@ -247,8 +248,10 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
     files = [checkpoint.save_part(directory, "master.pt", own), *torch.futures.wait_all(saving)]
     checkpoint.write_manifest(
         root, step, files, kind=env.kind, job=env.job, model=models.as_spec(env.spec.model),
-        stageCount=len(shards.ranges),
-        stages=[shards.of(i) for i in range(len(shards.ranges))],
+        stageCount=len(pipeline.stages),  # files stage0.pt, stage1.pt, ...: one per process
+        stages=[shards.of(i) for i in range(len(shards.ranges))],  # per piece of the cut
+        engine=env.spec.engine, schedule=env.spec.schedule,
+        stagesPerProcess=env.spec.stages_per_process,
         info=model_output.info(env.kind, env.job, env.spec, step, None),
         ranges=[[r.start, r.stop] for r in shards.ranges], costs=shards.costs,
         microBatches=shards.partition.micro_batches,
@@ -272,6 +275,13 @@ def saved_partition(env: Env, found: checkpoint.Checkpoint) -> Partition:
     same = {} if requested == AUTO or recorded is None else {"microBatches": requested}
     checkpoint.fits(found, env, model=models.as_spec(env.spec.model),
                     stageCount=env.spec.stages, **same)  # fmt: skip
+    pieces = manifest.get("stagesPerProcess", 1)  # either engine resumes the other's cut
+    if pieces != env.spec.stages_per_process:
+        raise checkpoint.CheckpointError(
+            f"{found.directory} holds a checkpoint of stagesPerProcess {pieces} (its cut into"
+            f" {len(manifest['ranges'])} pieces), not stagesPerProcess"
+            f" {env.spec.stages_per_process}; give this job another checkpoint.path"
+        )
     return Partition([range(a, b) for a, b in manifest["ranges"]], manifest["costs"],
                      recorded or requested, manifest.get("microBatchCandidates", []))  # fmt: skip
 

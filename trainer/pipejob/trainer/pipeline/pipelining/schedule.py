@@ -128,6 +128,5 @@ class Replicas(driver.Replicas):
         return StepResult(sum(losses) / len(losses), middle - start,
                           time.perf_counter() - middle, allreduce, lr, norm)  # fmt: skip
 
-    def activation_peaks(self) -> list[int]:
-        """Replica 0's stages' most bytes of activations held for their backwards."""
+    def activation_peaks(self) -> list[int] | None:
         return self.pipelines[0].each("activation_peak")

@@ -111,9 +111,9 @@ def cosine_lr(step: int) -> float:
     ids=["2-stages", "3-stages-tied-accumulating-2", "2-replicas-accumulating-2",
          "pipelining-3-stages-tied-accumulating-2", "pipelining-2-replicas-accumulating-2"],
 )  # fmt: skip
-def test_a_clipped_scheduled_step_equals_one_process(tmp_path: Path, stages: int, replicas: int,
-                                                     accumulation: int,
-                                                     engine_fields: dict[str, str]) -> None:  # fmt: skip
+def test_a_clipped_scheduled_step_equals_one_process(
+    tmp_path: Path, stages: int, replicas: int, accumulation: int, engine_fields: dict[str, str]
+) -> None:
     job = spec.parse(pipeline_job("recipe", stages=stages, replicas=replicas, microBatches=2,
                                   gradientAccumulation=accumulation, steps=STEPS,
                                   optimizer=OPTIMIZER, **engine_fields))  # fmt: skip

@@ -31,7 +31,7 @@ from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, workloads
 from pipejob.trainer.pipeline.rpc.schedule import Pipeline, forward_backward
 from pipejob.trainer.pipeline.shards import plan_shards
-from pipejob.trainer.runtime import rendezvous, world
+from pipejob.trainer.runtime import checkpoint, rendezvous, world
 from pipejob.trainer.workloads import cut, data, models
 from pipejob.trainer.workloads.cut import join
 
@@ -351,4 +351,48 @@ def check_gradients(job: spec.Job, tmp_path, timeout: float = 150,
         for name, p in params.items():
             assert got["grads"][name] is not None, f"{name} got no gradient in the pipeline"
             assert_gradient_close(f"{name} ({got['variant']})", got["grads"][name], p.grad)
+        # The forwards moved BatchNorm's statistics as one process's do, and nothing else did.
+        held = got["rest"] | {k: v for state in got["states"] for k, v in state.items()}
+        for name, buffer in model.named_buffers():
+            torch.testing.assert_close(held[name], buffer, rtol=TOLERANCE, atol=0,
+                                       msg=f"{name} ({got['variant']})")  # fmt: skip
     return runs[-1]
+
+
+# ------------------------------------------------------------ checkpoints compared
+
+
+def final_state(root: Path, steps: int) -> dict[str, Any]:
+    found = checkpoint.latest(root)
+    assert found is not None and found.step == steps, found
+    return {entry["name"]: found.load(entry["name"]) for entry in found.manifest["files"]}
+
+
+def by_parameter(state: dict[str, Any]) -> dict[str, Any]:
+    """A pipeline's final state by parameter name, whichever stage holds it: each run measures
+    its own layer costs, and two runs may cut the model in different places."""
+    merged: dict[str, Any] = {"model": {}, "optimizers": {"optimizer": {}}}
+    for name, part in state.items():
+        if name.startswith("stage"):
+            merged["model"] |= part["model"]
+            merged["optimizers"]["optimizer"] |= part["optimizers"]["optimizer"]
+    return {"stages": merged, "master.pt": state["master.pt"]}
+
+
+def assert_states_close(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Model weights, BatchNorm statistics and optimizer state equal within float tolerance:
+    micro-batches' gradient contributions add up in arrival order (each stage runs forwards,
+    which update BatchNorm's statistics, in micro-batch order)."""
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        if "model" not in expected[name]:
+            continue
+        assert sorted(got[name]["model"]) == sorted(expected[name]["model"])
+        for key, value in expected[name]["model"].items():
+            torch.testing.assert_close(got[name]["model"][key], value, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, k=key, n=name: f"{n} {k}: {m}")  # fmt: skip
+        for owner, state in expected[name]["optimizers"].items():
+            for param, tensors in state.items():
+                for key, value in tensors.items():
+                    torch.testing.assert_close(got[name]["optimizers"][owner][param][key], value,
+                                               rtol=1e-4, atol=1e-6)  # fmt: skip

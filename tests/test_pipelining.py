@@ -1,18 +1,33 @@
 """The pipelining engine (spec.engine: pipelining): every torch schedule pipejob offers
 computes one process's loss and gradients (float64, as jobrun.check_gradients), for the
 transformer language model, ResNet-50 and a model whose tied weight the cut separates, in 2
-to 4 stage processes, with replicas; each world runs every schedule on the same processes."""
+to 4 stage processes, with replicas; each world runs every schedule on the same processes.
+And a job as a user runs it, with replicas, evaluation, its model out and a restart that
+resumes exactly."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from userdata import BYTE_VOCAB, write_stdlib_tokens
 
-from jobrun import check_gradients, pipeline_job
+from jobrun import (
+    JobRun,
+    assert_states_close,
+    by_parameter,
+    check_gradients,
+    final_state,
+    pipeline_job,
+)
 from pipejob.core import spec
+from pipejob.trainer.runtime import checkpoint
+from pipejob.trainer.runtime.output import load_state_dict
+from pipejob.trainer.workloads import models
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -56,3 +71,59 @@ def test_every_schedule_computes_one_process_gradients(name: str, tokens: str, t
                                   replicas=replicas, steps=1, **fields))  # fmt: skip
     got = check_gradients(job, tmp_path, timeout=360, schedules=SCHEDULES)
     assert len(got["stages"]) == 2 * stages  # the last schedule's pieces: two per process
+
+
+# ---------------------------------------------------------------- a job as a user runs it
+
+INTERLEAVED_JOB = {
+    "engine": "pipelining", "schedule": "interleaved-1f1b", "stagesPerProcess": 2,
+    "stages": 2, "replicas": 2, "microBatches": 2, "gradientAccumulation": 2, "steps": 6,
+    "seed": 1, "logEvery": 3, "preflight": {"megabytes": 0.5},
+    "eval": {"everySteps": 3, "batches": 2},
+    "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9, "clipGradNorm": 5.0,
+                  "schedule": {"warmupSteps": 2, "decay": "cosine", "minLr": 0.001}},
+}  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_a_job_with_replicas_evaluates_writes_its_model_and_resumes_exactly(tmp_path: Path):
+    """ResNet-18 cut into 4 pieces on 2 stage processes (interleaved 1F1B), 2 replicas,
+    accumulation, clipping and a schedule, evaluated and checkpointed: run through, and run
+    again with a stage killed mid-way and the same manifest resumed. Both end with the same
+    model and optimizer state, which the model file out holds under the model's names."""
+
+    def job(name: str) -> dict[str, Any]:
+        return pipeline_job(name, **INTERLEAVED_JOB,
+                            checkpoint={"path": str(tmp_path / name / "ck"), "everySteps": 2},
+                            output={"path": str(tmp_path / name / "model")})  # fmt: skip
+
+    with JobRun(job("straight"), tmp_path, "straight") as run:
+        assert run.finish(300) == 0, run.output
+        straight = run.summary()
+    assert straight["engine"] == "pipelining" and straight["schedule"] == "interleaved-1f1b"
+    assert straight["stagesPerProcess"] == 2 and straight["replicaDivergence"] == 0.0
+    assert [len(st["layers"]) > 0 for st in straight["partition"]] == [True, True]
+    assert all(st["peakActivationBytes"] > 0 for st in straight["partition"])
+    assert [e["step"] for e in straight["evaluations"]] == [3, 6]
+    assert "accuracy" in straight["evaluation"]
+
+    with JobRun(job("broken"), tmp_path, "broken") as run:
+        run.wait_for(r"^master\s*\| step 3/6 ", timeout=300)
+        os.kill(run.pid("r1-stage1"), signal.SIGKILL)
+        assert run.finish(60) != 0, run.output
+    newest = checkpoint.latest(tmp_path / "broken" / "ck")
+    assert newest is not None and newest.step in (2, 4)
+    with JobRun(job("broken"), tmp_path, "broken") as run:
+        assert run.finish(300) == 0, run.output
+        output, resumed = run.output, run.summary()
+    assert f"resumed from step {newest.step} (" in output
+    assert resumed["losses"] == pytest.approx(straight["losses"][newest.step :], rel=1e-4)
+    assert_states_close(by_parameter(final_state(tmp_path / "broken" / "ck", 6)),
+                        by_parameter(final_state(tmp_path / "straight" / "ck", 6)))  # fmt: skip
+
+    written = load_state_dict(tmp_path / "broken" / "model")
+    model = models.build(spec.parse(job("broken")).settings)
+    assert sorted(written) == sorted(model.state_dict())  # one file, the model's own names
+    final = by_parameter(final_state(tmp_path / "broken" / "ck", 6))["stages"]["model"]
+    for name, value in final.items():
+        torch.testing.assert_close(written[name], value, msg=name)

@@ -11,6 +11,8 @@ micro-batches run and where its gradients live (`gradients`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -63,7 +65,8 @@ def float32(value: Any) -> Any:
 def union(pieces: list[nn.Module]) -> nn.Module:
     """One module holding every parameter and buffer of `pieces` under its own name (the
     model's: the pieces keep them), each tensor once: what a process holding several pieces
-    checkpoints, writes out and steps. Pieces built from one model share tied tensors."""
+    checkpoints, writes out and steps. Pieces built from one model share tied tensors. Its
+    modules only hold the tensors: modes (train, eval) are the pieces' own."""
     if len(pieces) == 1:
         return pieces[0]
     whole = nn.Module()
@@ -118,6 +121,19 @@ class Shard:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         raise TypeError("a Stage cannot be unpickled: it lives on its stage worker")
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """The pieces in eval mode (BatchNorm's statistics used, not updated; no Dropout)
+        and without autograd, inside the block."""
+        for piece in self.pieces:
+            piece.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for piece in self.pieces:
+                piece.train()
 
     def computed(self, piece: nn.Module, last: bool) -> Computed:
         return Computed(piece, self.device, self.autocast, self.recompute, last)

@@ -152,12 +152,8 @@ class Stage(Shard):
         without autograd, its random stream forked, so nothing it holds changes."""
         module = self.modules[self.held.index(piece)]
         values = [torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in given]
-        self.layers.eval()
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                out = module(*values)
-        finally:
-            self.layers.train()
+        with self.evaluating(), torch.random.fork_rng(devices=[]):
+            out = module(*values)
         out = out if isinstance(out, tuple) else (out,)
         self._metas[key, piece] = given, [(tuple(t.shape), t.dtype) for t in out]
         return self._metas[key, piece][1]
@@ -213,12 +209,8 @@ class Stage(Shard):
         run, stages = self._run(False, micro_batches, samples)
         args = (self.reader.inputs(round, micro_batches),) if self.first else ()
         self._begin(None)  # an evaluation's forwards are not the step's
-        self.layers.eval()
-        try:
-            with torch.no_grad():
-                run.step(*args)
-        finally:
-            self.layers.train()
+        with self.evaluating():
+            run.step(*args)
         if not self.last:
             return None
         assert tally is not None and labels is not None

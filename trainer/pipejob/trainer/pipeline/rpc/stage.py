@@ -159,13 +159,8 @@ class Stage(Shard):
         return tally
 
     def _evaluate(self, x: tuple[Any, ...]) -> Any:
-        self.layers.eval()
-        try:
-            with torch.no_grad():
-                y = self.compute(*x)
-        finally:
-            self.layers.train()
-        return y
+        with self.evaluating():
+            return self.compute(*x)
 
     def _time_backward(self, key: tuple[int, int], y: Any, received: tuple[Any, ...]):
         """Backward through this shard starts when the gradient of its outputs arrives and

@@ -97,6 +97,11 @@ class Shards:
         """The names of the units stage process `process` holds, piece by piece."""
         return [u for piece in self.held(process) for u in self.of(piece)]
 
+    def describe(self, process: int) -> str:
+        """What stage process `process` holds, piece by piece: "conv1 .. layer1.2 (5 layers)
+        + layer3.0 .. layer3.3 (4 layers)"."""
+        return " + ".join(describe(self.of(piece)) for piece in self.held(process))
+
     def part(self, process: int) -> Part:
         """How stage process `process` builds its pieces: from one build of the model, so a
         tensor two of them use (tied weights) stays one."""

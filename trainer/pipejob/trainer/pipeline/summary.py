@@ -7,7 +7,7 @@ from typing import Any
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer.pipeline.driver import StepResult
-from pipejob.trainer.pipeline.shards import Shards, describe, share
+from pipejob.trainer.pipeline.shards import Shards, share
 from pipejob.trainer.runtime import master, memory, monitor
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import metrics, models
@@ -61,6 +61,7 @@ def summarize(
             {
                 "stage": name,
                 "layers": shards.units_of(i),
+                "pieces": shards.describe(i),
                 "costShare": round(share(shards, i), 4),
                 "forwardSeconds": round(forward / len(measured), 4),
                 "backwardSeconds": round(backward / len(measured), 4),
@@ -177,7 +178,7 @@ def render(summary: dict[str, Any]) -> str:
         peak = st.get("peakMemory")
         held = st.get("peakActivationBytes")
         lines.append(
-            f"  {st['stage']:<8} {describe(st['layers']):<38} {st['costShare']:>5.0%}"
+            f"  {st['stage']:<8} {st['pieces']:<38} {st['costShare']:>5.0%}"
             f" {st['forwardSeconds']:>10.3f} {st['backwardSeconds']:>10.3f}"
             f" {st['idleFraction']:>5.0%}  {memory.megabytes(peak) if peak else '?'}"
             + (f"  ({held / 1e6:.1f} MB)" if held is not None else "")

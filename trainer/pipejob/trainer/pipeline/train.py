@@ -23,7 +23,6 @@ from pipejob.trainer.pipeline.shards import (
     Partition,
     Shards,
     candidate_table,
-    describe,
     plan_shards,
     share,
     stage_resources,
@@ -85,7 +84,7 @@ def train(env: Env) -> dict[str, Any]:
         world.log(env, f"microBatches auto {how} {m} (micro-batches of"
                        f" {spec.batch_size // m}){table}")  # fmt: skip
     for i in range(spec.stages):
-        world.log(env, f"stage {i}: {describe(shards.units_of(i))}, {share(shards, i):.0%} of"
+        world.log(env, f"stage {i}: {shards.describe(i)}, {share(shards, i):.0%} of"
                        " measured cost")  # fmt: skip
     if spec.replicas > 1:
         world.log(env, f"{spec.replicas} replicas of the pipeline, {spec.batch_size} samples each"

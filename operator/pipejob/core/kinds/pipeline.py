@@ -57,6 +57,12 @@ def schedule_refuses(schedule: str, stages: int, micro_batches: int) -> str | No
     return None
 
 
+def auto_counts(batch: int, schedule: str, stages: int) -> list[int]:
+    """The micro-batch counts `microBatches: auto` measures: those of `micro_batch_counts`
+    the schedule can run."""
+    return [m for m in micro_batch_counts(batch) if schedule_refuses(schedule, stages, m) is None]
+
+
 def schedule_of(spec: dict) -> str:
     """The schedule a defaulted spec runs: its own, or its engine's default."""
     return spec.get("schedule") or DEFAULT_SCHEDULE[spec["engine"]]
@@ -274,15 +280,14 @@ def _complete(spec: Spec) -> Spec:
 def _check(spec: Spec) -> list[SpecError]:
     """The model's own limits (models.py), and data the model cannot read."""
     errors = models.check(spec)
-    if spec["microBatches"] == AUTO:
+    if spec["microBatches"] == AUTO and not auto_counts(spec["batchSize"], spec["schedule"],
+                                                         spec["stages"]):  # fmt: skip
         counts = micro_batch_counts(spec["batchSize"])
-        refusals = [schedule_refuses(spec["schedule"], spec["stages"], m) for m in counts]
-        if all(refusals):
-            errors.append(SpecError("spec.microBatches", (
-                f"auto chooses among {', '.join(map(str, counts))} micro-batches (powers of two"
-                f" dividing batchSize {spec['batchSize']}), none of which spec.schedule can"
-                f" run: {refusals[-1]}"
-            )))  # fmt: skip
+        errors.append(SpecError("spec.microBatches", (
+            f"auto chooses among {', '.join(map(str, counts))} micro-batches (powers of two"
+            f" dividing batchSize {spec['batchSize']}), none of which spec.schedule can run:"
+            f" {schedule_refuses(spec['schedule'], spec['stages'], counts[-1])}"
+        )))  # fmt: skip
     tokens = spec["data"].get("tokens")
     if tokens is not None and "transformer" not in spec["model"] and "seqLen" not in tokens:
         errors.append(SpecError(

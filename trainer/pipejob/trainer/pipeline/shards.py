@@ -16,12 +16,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from pipejob.core.kinds.pipeline import (
-    AUTO,
-    PipelineSpec,
-    micro_batch_counts,
-    schedule_refuses,
-)
+from pipejob.core.kinds.pipeline import AUTO, PipelineSpec, auto_counts
 from pipejob.trainer.pipeline.partition import (
     Host,
     LayerCosts,
@@ -175,9 +170,7 @@ def _measure(spec: PipelineSpec, stage_names: list[str], traced: cut.Traced,
              progress: Callable[[str], None]) -> Partition:  # fmt: skip
     auto = spec.micro_batches == AUTO
     batch = spec.batch_size
-    counts = ([m for m in micro_batch_counts(batch)
-               if schedule_refuses(spec.schedule, spec.stages, m) is None]
-              if auto else [spec.micro_batches])  # fmt: skip
+    counts = auto_counts(batch, spec.schedule, spec.stages) if auto else [spec.micro_batches]
     for m in counts:
         progress(f"  micro-batch {batch // m} ({m} per batch)")
     sizes = [batch // m for m in counts]

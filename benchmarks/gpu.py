@@ -11,7 +11,11 @@ one process, so about 1.0x is the limit; what is missing is per-micro-batch over
 
 1F1B runs where it can: its stages talk over NCCL, which refuses two ranks on one GPU, so on
 a machine with fewer GPUs than stages it is not run and the table says why (on the CPU it
-runs over gloo).
+runs over gloo). So does pipejob's own pipelining engine (spec.engine: pipelining, each
+schedule of --schedules): its stages pass activations over NCCL too. Gloo is no way around
+it: it sends and receives CPU tensors only (it takes CUDA tensors for all-reduce and
+broadcast, not for send and recv), so stages sharing a GPU would have to stage every
+activation and gradient through host memory.
 
     python benchmarks/gpu.py                      # on a CUDA machine: the issue's table
     python benchmarks/gpu.py --device cpu --small # the same comparison on CPU, tiny (a smoke)"""
@@ -50,15 +54,52 @@ SMALL = {
 
 
 def manifest(name: str, model: dict[str, Any], fields: dict[str, Any], stages: int,
-             steps: int, gpus: int) -> dict[str, Any]:  # fmt: skip
+             steps: int, gpus: int, schedule: str | None = None) -> dict[str, Any]:  # fmt: skip
+    engine = (
+        {}
+        if schedule is None
+        else {
+            "engine": "pipelining",
+            "schedule": schedule,
+            "stagesPerProcess": 2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1,
+        }
+    )
     return {
         "apiVersion": "pipejob.dev/v1alpha1",
         "kind": "PipelineJob",
-        "metadata": {"name": f"gpu-{name}-{stages}".replace(".", "-")},
+        "metadata": {"name": f"gpu-{name}-{stages}{'-' + schedule if schedule else ''}"
+                     .replace(".", "-")},
         "spec": {"model": model, "stages": stages, "steps": steps, "logEvery": 1,
                  "gpusPerStage": gpus, "seed": 0, "optimizer": {"name": "sgd", "lr": 0.01},
-                 "preflight": {"enabled": False}, **fields},
+                 "preflight": {"enabled": False}, **fields, **engine},
     }  # fmt: skip
+
+
+def pipelining(
+    name: str,
+    model: dict[str, Any],
+    fields: dict[str, Any],
+    stages: int,
+    schedule: str,
+    args: argparse.Namespace,
+    gpus: int,
+    tmp: str,
+) -> float | str:
+    """Samples/s of pipejob's pipelining engine with `schedule`; or why it cannot run here."""
+    from pipejob.core.kinds.pipeline import schedule_refuses
+
+    if args.device == "cuda" and torch.cuda.device_count() < stages:
+        return (f"not run: NCCL needs a GPU per stage ({stages}), this machine has"
+                f" {torch.cuda.device_count()}")  # fmt: skip
+    m = max(fields["microBatches"], stages)  # every schedule runs a multiple of the stages
+    refused = schedule_refuses(schedule, stages, m)
+    if refused is not None:
+        return f"not run: {refused}"
+    job = manifest(name, model, fields | {"microBatches": m}, stages, args.steps, gpus, schedule)
+    summary, _, _ = run_job(job, Path(tmp) / f"{name}-{stages}-{schedule}",
+                            f"{name}{stages}{schedule}", args.steps, args.warmup, args.timeout,
+                            dict(os.environ))  # fmt: skip
+    return summary["samplesPerSecond"]
 
 
 def one_process(job: dict[str, Any], device: str, steps: int, warmup: int) -> float:
@@ -182,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--schedules", default="1f1b",
+                    help="the pipelining engine's schedules to run, comma-separated (empty:"
+                    " none): gpipe, 1f1b, interleaved-1f1b, zero-bubble")  # fmt: skip
     args = ap.parse_args(argv)
+    schedules = [s for s in args.schedules.split(",") if s]
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu.py: no CUDA GPU here, so nothing is measured; --device cpu runs the same"
               " comparison on the CPU")  # fmt: skip
@@ -213,11 +258,21 @@ def main(argv: list[str] | None = None) -> int:
                     f"{other:.1f} samples/s ({other / alone:.2f}x)")  # fmt: skip
                 print(f"  {name}: 1F1B {stages} stages {said}", flush=True)
                 row.append(said.replace(" samples/s", ""))
+                for schedule in schedules:
+                    got = pipelining(name, model, fields, stages, schedule, args, gpus, tmp)
+                    said = got if isinstance(got, str) else f"{got:.1f} ({got / alone:.2f}x)"
+                    print(f"  {name}: pipejob pipelining {schedule} {stages} stages {said}",
+                          flush=True)  # fmt: skip
+                    row.append(said)
             rows.append(row)
     head = [
         "workload",
         "one process",
-        *(f"{who} {s} stages" for s in args.stages.split(",") for who in ("pipejob", "1F1B")),
+        *(
+            f"{who} {s} stages"
+            for s in args.stages.split(",")
+            for who in ("pipejob", "1F1B", *(f"pipelining {x}" for x in schedules))
+        ),
     ]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:

@@ -21,7 +21,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.mark.timeout(HANG + 60)
 def test_compare_measures_every_system_it_is_asked_for():
-    systems = ["pipejob", "pipejob-auto", "baseline", "gpipe", "single-t1"]
+    systems = ["pipejob", "pipejob-auto", "pipejob-1f1b", "baseline", "gpipe", "single-t1"]
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "compare.py"), "--systems", ",".join(systems),
          "--micro-batches", "2", "--batches", "1", "--repeats", "1", "--batch", "4",
@@ -141,5 +141,8 @@ def test_gpu_compares_pipejob_with_one_process_on_the_cpu_when_asked():
         # torch.distributed.pipelining's 1F1B on the same work: over gloo on the CPU.
         other = re.search(rf"{workload}: 1F1B 2 stages ([\d.]+) samples/s \(([\d.]+)x\)",
                           out.stdout)  # fmt: skip
-        assert alone and piped and other, out.stdout
-        assert min(float(m.group(1)) for m in (alone, piped, other)) > 0, out.stdout
+        # pipejob's pipelining engine with its 1F1B (--schedules' default): gloo on the CPU.
+        engine = re.search(rf"{workload}: pipejob pipelining 1f1b 2 stages ([\d.]+) \(",
+                           out.stdout)  # fmt: skip
+        assert alone and piped and other and engine, out.stdout
+        assert min(float(m.group(1)) for m in (alone, piped, other, engine)) > 0, out.stdout

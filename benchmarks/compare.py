@@ -510,7 +510,11 @@ def measure(cfg: Config, systems: list[str], repeats: int, tmp: Path, at: str | 
             t0 = time.monotonic()
             say(f"[{time.monotonic() - started:5.0f}s] {cores} cores, repeat {repeat}/{repeats}:"
                 f" {label} ...")  # fmt: skip
-            new = job()
+            try:
+                new = job()
+            except (RuntimeError, TimeoutError) as e:  # the others are still measured
+                say(f"          {label} FAILED, left out of the tables: {e}")
+                continue
             for r in new:
                 r.cores = cores
             runs += new

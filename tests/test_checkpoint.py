@@ -240,11 +240,10 @@ HYBRID = {
     "kind": "HybridJob",
     "metadata": {"name": "resume-hybrid"},
     "spec": {
-        # One trainer: the world is then deterministic (with several, the trainers' updates
-        # of the shared table interleave in arrival order).
         "trainers": 1, "embedding": {"numEmbeddings": 64, "dim": 8}, "dense": {"outFeatures": 4},
         "steps": 8, "batchSize": 8, "bagSize": 4, "datasetSize": 40, "seed": 2,
         "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.9},
+        "sparseOptimizer": {"name": "adagrad", "lr": 0.2},
         "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5},
     },
 }  # fmt: skip
@@ -261,7 +260,7 @@ def test_a_hybrid_world_resumes_table_dense_layer_and_momentum(tmp_path: Path) -
     # manifest, and the parameter server's part was only half written.
     last = checkpoint.step_dir(tmp_path / "broken", 8)
     (last / checkpoint.MANIFEST).unlink()
-    (last / "ps.pt").write_bytes((last / "ps.pt").read_bytes()[:64])
+    (last / "ps0.pt").write_bytes((last / "ps0.pt").read_bytes()[:64])
 
     with JobRun(broken, tmp_path, "broken") as run:
         assert run.finish(120) == 0, run.output
@@ -272,7 +271,13 @@ def test_a_hybrid_world_resumes_table_dense_layer_and_momentum(tmp_path: Path) -
     assert summary["resumedFromStep"] == 4
     assert summary["perTrainer"]["trainer0"]["steps"] == 4
     got, expected = final_state(tmp_path / "broken", 8), final_state(tmp_path / "straight", 8)
-    assert sorted(got) == ["dense.pt", "master.pt", "ps.pt"]
-    # The table's momentum is kept per trainer that steps it.
-    assert list(expected["ps.pt"]["optimizers"]) == ["trainer0"]
+    assert sorted(got) == ["dense.pt", "master.pt", "ps0.pt"]
     assert_states_close(got, expected)
+    # The table and its Adagrad state (kept once per table, by table and rows) resumed too.
+    [piece] = expected["ps0.pt"]["pieces"]
+    assert (piece["table"], piece["start"], piece["stop"]) == ("embedding", 0, 64)
+    [resumed] = got["ps0.pt"]["pieces"]
+    for key in ("weight", "sum"):
+        value = piece["weight"] if key == "weight" else piece["state"][key]
+        again = resumed["weight"] if key == "weight" else resumed["state"][key]
+        torch.testing.assert_close(again, value, rtol=1e-4, atol=1e-6, msg=key)

@@ -10,8 +10,9 @@ import yaml
 
 from pipejob.cli import main as cli
 from pipejob.core import spec
+from pipejob.core.errors import SpecError
 from pipejob.core.kinds import KINDS
-from pipejob.core.schema import Field, SpecError, apply
+from pipejob.core.schema import Field, apply
 from pipejob.core.workload import IMPORT_PATTERN
 from pipejob.operator import crd
 

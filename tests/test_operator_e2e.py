@@ -7,6 +7,8 @@ is the example as a user applies it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness import jobs
@@ -176,4 +178,41 @@ def test_a_pipelining_job_with_replicas_restarts_and_resumes(cluster, kubelet, o
     assert (
         "on the pipelining engine (1f1b)" in log and "largest difference between replicas 0)" in log
     )
+
+
+@pytest.mark.timeout(400)
+def test_the_dlrm_example_restarts_as_one_world_when_a_server_dies_and_resumes(
+    cluster, kubelet, operator, tmp_path
+):
+    """The DLRM example on the cluster: five pods (master, 2 parameter servers, 2 trainers)
+    wired as one world; a server killed mid-run restarts them all, and the new world loads
+    every server's pieces from the last checkpoint, reaches the end, and the job's status
+    shows the held-out AUC."""
+    api = cluster.api
+    data, ckpt = jobs.EXAMPLES / "dlrm", tmp_path / "ckpt"
+    spec = {"steps": 30, "eval": {"everySteps": 10}, "logEvery": 5, "backoffLimit": 2,
+            "preflight": {"megabytes": 0.25}, "output": {"path": str(tmp_path / "out")},
+            "logging": {"tensorboard": str(tmp_path / "runs")},
+            "data": {"criteo": {"train": str(data / "train.tsv"), "val": str(data / "val.tsv")}},
+            "checkpoint": {"path": str(ckpt), "everySteps": 5, "volume": "ckpt"},
+            "template": {"volumes": [{"name": "ckpt", "hostPath": {
+                "path": str(ckpt), "type": "DirectoryOrCreate"}}]}}  # fmt: skip
+    name = name_of(jobs.create(api, jobs.example("dlrm/hybridjob.yaml", **spec)))
+    master = f"{name}-master-0"
+    pods = [master, f"{name}-ps-0", f"{name}-ps-1", f"{name}-trainer-0", f"{name}-trainer-1"]
+    jobs.wait_pods(api, name, pods, 30)
+    wait_log(api, kubelet, master, "step 15/30", timeout=200)
+    first_world = pod_uids(kubelet, name)
+    kubelet.kill(NS, f"{name}-ps-1")  # as an OOM kill would
+    done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=240)
+    events = [e["message"] for e in api.list("v1/events", NS) if e["type"] == "Warning"]
+    assert done["status"]["restarts"] == 1, (done["status"], events)
+    assert len([uid for uid in pod_uids(kubelet, name) if uid not in first_world]) == 5
+    training = done["status"]["training"]
+    assert training["resumedFromStep"] >= 15 and training["resumedFromStep"] % 5 == 0
+    assert training["evalStep"] == 30 and training["evalAuc"] > 0.6, training
+    log = kubelet.logs(NS, master)
+    assert f"resumed from step {training['resumedFromStep']}" in log
+    assert re.search(r"eval step 30: loss [\d.]+, AUC [\d.]+ on 250 held-out samples", log), log
+    assert (tmp_path / "out" / "model.safetensors").stat().st_size > 26 * 1000 * 8 * 4
     all_stopped(api, kubelet)

@@ -212,6 +212,22 @@ def test_the_cores_bound_counts_only_the_stages_sharing_a_host():
     assert shared.step_seconds == 8
 
 
+def test_stages_sharing_a_gpu_add_up_their_time_on_it():
+    """Two stages on one GPU (the local runner's placement with fewer GPUs than stages) run
+    one at a time: the bound is the sum of their device times, whatever the CPU time (a GPU
+    stage's host thread mostly waits). Per-micro-batch costs that fall more slowly than the
+    micro-batch (launches, small kernels) make one micro-batch fastest there, where GPUs of
+    their own would take four."""
+    batch, counts = 16, micro_batch_counts(16)
+    costs = {m: LayerCosts([1 + batch / m] * 4, [0.1] * 4) for m in counts}
+    own = [predict(costs[m], 2, m, batch, [Host((0,), 1, gpu=True), Host((1,), 1, gpu=True)])
+           for m in counts]  # fmt: skip
+    assert fastest(own).micro_batches == 4
+    one = [predict(costs[m], 2, m, batch, [Host((0, 1), 1, gpu=True)]) for m in counts]
+    assert [p.cores_seconds for p in one] == [68, 72, 80, 96]  # m (4 layers x (1 + 16/m))
+    assert fastest(one).micro_batches == 1
+
+
 def test_each_count_is_split_by_its_own_costs():
     """The last layer degrades at small micro-batches (as ResNet's late blocks do): at one
     micro-batch the split is 2 + 2 layers; at 4, the last layer gets a stage of its own."""

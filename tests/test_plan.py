@@ -109,7 +109,7 @@ def test_roles_and_counts():
     assert [p.rpc_name for p in pj] == ["master", "stage0", "stage1", "stage2"]
     hj = plan_world(job("HybridJob", trainers=2), lambda m: "127.0.0.1")
     assert [(p.rpc_name, p.rank) for p in hj] == [
-        ("master", 0), ("ps", 1), ("trainer0", 2), ("trainer1", 3)
+        ("master", 0), ("ps0", 1), ("trainer0", 2), ("trainer1", 3)
     ]  # fmt: skip
 
 

@@ -133,26 +133,27 @@ def test_profiled_hybrid_steps_trace_every_process(tmp_path: Path) -> None:
         assert run.finish(150) == 0, run.output
     directory = tmp_path / "traces"
     assert sorted(p.name for p in directory.iterdir()) == sorted(
-        f"{name}-step{step}.json" for name in ("master", "ps", "trainer0", "trainer1")
+        f"{name}-step{step}.json" for name in ("master", "ps0", "trainer0", "trainer1")
         for step in (2, 3))  # fmt: skip
     remote_ops = []
     for k, step in itertools.product((0, 1), (2, 3)):
         events = trace(directory / f"trainer{k}-step{step}.json")
         ops = names(events)
-        # The lookup on the parameter server, and the dense layer's local optimizer step.
-        assert f"rpc_async#lookup(trainer{k} -> ps)" in ops
-        remote_ops.append(f"rpc_async#lookup(trainer{k} -> ps)#remote_op: aten::embedding_bag"
+        # The call to the parameter server (the last step's gradients through its pooling,
+        # this step's lookup), and the dense layer's local optimizer step.
+        assert f"rpc_async#exchange(trainer{k} -> ps0)" in ops
+        remote_ops.append(f"rpc_async#exchange(trainer{k} -> ps0)#remote_op: EmbeddingBagBackward0"
                           in ops)  # fmt: skip
         assert "Optimizer.step#SGD.step" in ops
         assert "DistributedDataParallel.forward" in ops  # the whole step, not just the RPCs
         assert_rpc_lanes_within_the_step(events)
-    # torch sometimes leaves a lookup's remote ops out while the ps profiles too (see the
+    # torch sometimes leaves a call's remote ops out while the ps profiles too (see the
     # user guide); they must come back at all.
     assert any(remote_ops)
     for step in (2, 3):
-        ps = names(trace(directory / f"ps-step{step}.json"))
+        ps = names(trace(directory / f"ps0-step{step}.json"))
         assert "aten::embedding_bag" in ps and "EmbeddingBagBackward0" in ps
-        # The table's step runs on the ps, inside the backward that brings its gradient.
+        # The table's sparse step runs on the ps, once both trainers' gradients are in.
         assert "Optimizer.step#SGD.step" in ps
         trace(directory / f"master-step{step}.json")  # it only takes reports; still a trace
 

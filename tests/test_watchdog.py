@@ -290,8 +290,8 @@ FAULTS = {
     ),
     "frozen parameter server in training": (
         WATCHED_HYBRID,
-        "ps", signal.SIGSTOP, r"^master\s*\|.*step \d+/",
-        r"stalled: ps \(pid {pid}\) stopped answering: no heartbeat for \d+ s, last seen in"
+        "ps0", signal.SIGSTOP, r"^master\s*\|.*step \d+/",
+        r"stalled: ps0 \(pid {pid}\) stopped answering: no heartbeat for \d+ s, last seen in"
         r" \w+ at step \d+",
     ),
     "frozen trainer in training": (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipejob.core.schema import SpecError
+from pipejob.core.errors import SpecError
 
 # Units of trainer/pipejob/trainer/workloads/cut.py's cut (the places a stage may begin):
 # at most one stage each.

@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
+from pipejob.core.errors import SpecError
 from pipejob.core.kind import Group, Kind, Role, Spec
 from pipejob.core.kinds import models
-from pipejob.core.schema import Field, Rule, SpecError
+from pipejob.core.schema import Field, Rule
 from pipejob.core.workload import PIPELINE_DATA, Model, PipelineData, model_field
 
 # Models whose torchvision structure the trainer knows how to cut into sequential layers.

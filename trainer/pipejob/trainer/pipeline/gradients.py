@@ -13,11 +13,12 @@ a single process."""
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
@@ -25,12 +26,28 @@ from torch.distributed.rpc import RRef
 
 from pipejob.trainer.runtime.optim import clip_coefficient
 
+T = TypeVar("T")
+
+
+def _settled(function: Callable[..., T]) -> Callable[..., T]:
+    """A function run on a stage over RPC, with the stage's device settled before and after
+    (Stage.settled): the gradients come from the backward on the stage's stream, and
+    DistributedOptimizer's step reads what it leaves on another."""
+
+    @functools.wraps(function)
+    def settled(stage: RRef, *args: Any) -> T:
+        with stage.local_value().settled():
+            return function(stage, *args)
+
+    return settled
+
 
 def _gradients(stage: RRef, context_id: int) -> dict[str, torch.Tensor]:
     """A stage's gradients in a step, by parameter name (on the stage)."""
     return stage.local_value().gradients(context_id)
 
 
+@_settled
 def stage_norms(stage: RRef, context_id: int, unscale: float,
                 leave_out: frozenset[str] = frozenset()) -> torch.Tensor:  # fmt: skip
     """Runs on a stage: divide its gradients by fp16's loss scale (`unscale` is 1 / scale;
@@ -44,6 +61,7 @@ def stage_norms(stage: RRef, context_id: int, unscale: float,
     return torch.stack(norms).cpu() if norms else torch.zeros(0)
 
 
+@_settled
 def scale_stage(stage: RRef, context_id: int, coefficient: float) -> None:
     """Runs on a stage: multiply its gradients by the clipping coefficient."""
     for g in _gradients(stage, context_id).values():
@@ -55,6 +73,7 @@ _held: dict[int, dict[str, torch.Tensor]] = {}
 _held_lock = threading.Lock()
 
 
+@_settled
 def hold_stage(stage: RRef, context_id: int) -> None:
     """Runs on a stage: add a round's gradients to those it holds for the step."""
     with _held_lock:
@@ -66,6 +85,7 @@ def hold_stage(stage: RRef, context_id: int) -> None:
             held[name] = g.clone()
 
 
+@_settled
 def release_stage(stage: RRef, context_id: int) -> None:
     """Runs on a stage: add what it holds to the last round's gradients, in that context."""
     with _held_lock:

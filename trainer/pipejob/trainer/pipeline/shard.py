@@ -20,6 +20,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.rpc import RRef
 
+from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.parts import Part
 from pipejob.trainer.pipeline.reader import Reader, Source
 from pipejob.trainer.runtime import checkpoint, output, tuning
@@ -86,10 +87,11 @@ def union(pieces: list[nn.Module]) -> nn.Module:
     return whole
 
 
-def compute_resources() -> tuple[int, float]:
-    """Runs on a stage: the intra-op threads its forwards and backwards compute with, and the
-    CPUs it may use."""
-    return torch.get_num_threads(), tuning.available_cpus()
+def compute_resources(gpu: bool) -> tuple[int, float, str | None]:
+    """Runs on a stage: the intra-op threads its forwards and backwards compute with, the
+    CPUs it may use and, where it computes on a GPU (`gpu`), which one (its UUID)."""
+    uuid = str(torch.cuda.get_device_properties(0).uuid) if gpu else None
+    return torch.get_num_threads(), tuning.available_cpus(), uuid
 
 
 class Shard:
@@ -100,6 +102,8 @@ class Shard:
     # Where the gradients of the same stage of other replicas are: a process group
     # (None: the default one).
     replicas_group: Any = None
+    # The rpc engine's GPU stage computes on a thread and stream of its own (gpu_worker.py).
+    gpu: GpuWorker | None = None
 
     def __init__(self, part: Part | nn.Module, device: str, precision: str = "fp32",
                  recompute: bool = False, source: Source | None = None):  # fmt: skip
@@ -134,6 +138,22 @@ class Shard:
         finally:
             for piece in self.pieces:
                 piece.train()
+
+    def settle_device(self) -> None:
+        """On a GPU, wait for everything this process queued there (a forward of a round's
+        first micro-batch and every other call over RPC: torch's optimizer step runs on the
+        RPC agent's streams, which this stage's stream does not follow)."""
+        if self.gpu is not None:
+            self.gpu.settle()
+
+    @contextmanager
+    def settled(self) -> Iterator[None]:
+        """A call touching the shard's state on a GPU: after what ran before it, on any
+        stream, and done before what runs next (DistributedOptimizer's step reads the
+        gradients it changes)."""
+        self.settle_device()
+        yield
+        self.settle_device()
 
     def computed(self, piece: nn.Module, last: bool) -> Computed:
         return Computed(piece, self.device, self.autocast, self.recompute, last)
@@ -213,8 +233,13 @@ class Shard:
 
 
 def on_stage(stage: RRef, method: str, *args: Any) -> Any:
-    """Runs on the stage's worker: call a method of the Stage object held there."""
-    return getattr(stage.local_value(), method)(*args)
+    """Runs on the stage's worker: call a method of the Stage object held there (on a GPU,
+    settled: the rpc engine's forward settles the device itself, once a round)."""
+    held = stage.local_value()
+    if method == "forward":
+        return held.forward(*args)
+    with held.settled():
+        return getattr(held, method)(*args)
 
 
 def on_reader(stage: RRef, method: str, *args: Any) -> Any:

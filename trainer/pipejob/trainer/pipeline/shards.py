@@ -209,30 +209,37 @@ def candidate_table(candidates: list[dict[str, Any]], chosen: int) -> str:
     return "\n".join(lines)
 
 
-def stage_resources(env: Env, stages: int) -> tuple[int, list[Host]]:
+def stage_resources(env: Env, stages: int, gpu: bool) -> tuple[int, list[Host]]:
     """The intra-op threads the stages compute with (each decided by its own tuning, or by
     the user; the count most of them use, ties to the smaller), and the stages of one
-    pipeline (`stages` of them) that share a host's cores (by address, as tuning counts
-    them) with the CPUs they may use: with replicas, a host's CPUs are split among the
-    replicas' stages on it, each pipeline getting its share."""
+    pipeline (`stages` of them) that share a resource: on GPUs (`gpu`), a GPU (the local
+    runner lets stages share one where there are fewer than stages); else a host's cores (by
+    address, as tuning counts them), with the CPUs they may use: with replicas, a host's
+    CPUs are split among the replicas' stages on it, each pipeline getting its share."""
     names = env.names("stage")
-    reports = [rpc.rpc_sync(name, compute_resources) for name in names]
-    counts = Counter(threads for threads, _ in reports)
-    address = dict(zip(env.world, env.addresses, strict=True))
-    groups: list[list[int]] = []  # indices into `names` of the stages on one host
-    for k, name in enumerate(names):
-        group = [g for g in groups if tuning.same_host(address[names[g[0]]], address[name])]
+    reports = [rpc.rpc_sync(name, compute_resources, args=(gpu,)) for name in names]
+    counts = Counter(threads for threads, _, _ in reports)
+    threads = min(counts, key=lambda n: (-counts[n], n))
+    if gpu:
+        places: list[str] = [uuid for _, _, uuid in reports]
+        same: Callable[[str, str], bool] = str.__eq__
+    else:
+        address = dict(zip(env.world, env.addresses, strict=True))
+        places, same = [address[name] for name in names], tuning.same_host
+    groups: list[list[int]] = []  # indices into `names` of the stages sharing one place
+    for k, place in enumerate(places):
+        group = [g for g in groups if same(places[g[0]], place)]
         if group:
             group[0].append(k)
         else:
             groups.append([k])
     hosts = []
     for g in groups:
-        ours = tuple(k for k in g if k < stages)  # replica 0's stages on this host
+        ours = tuple(k for k in g if k < stages)  # replica 0's stages on this host or GPU
         if ours:
-            cpus = min(reports[k][1] for k in g) * len(ours) / len(g)
-            hosts.append(Host(ours, cpus))
-    return min(counts, key=lambda n: (-counts[n], n)), hosts
+            whole = 1.0 if gpu else min(reports[k][1] for k in g)
+            hosts.append(Host(ours, whole * len(ours) / len(g), gpu))
+    return threads, hosts
 
 
 def share(shards: Shards, process: int) -> float:

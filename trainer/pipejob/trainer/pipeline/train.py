@@ -63,14 +63,13 @@ def train(env: Env) -> dict[str, Any]:
     found = checkpoint.latest_for(env)
     try:
         if found is None:
-            threads, hosts = stage_resources(env, spec.stages)
-            shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share {h.cpus:g}"
-                               " CPU(s)" for h in hosts if len(h.stages) > 1)  # fmt: skip
+            threads, hosts = stage_resources(env, spec.stages, spec.gpus_per_stage > 0)
+            shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share "
+                               + ("a GPU" if h.gpu else f"{h.cpus:g} CPU(s)")
+                               for h in hosts if len(h.stages) > 1)  # fmt: skip
             world.log(env, f"{title}: the stages measure what each part costs on samples of"
                            f" shape {shape(inputs[0])}, with their {threads} intra-op"
                            " thread(s)" + (f" ({shared})" if shared else ""))  # fmt: skip
-            if spec.gpus_per_stage > 0:
-                hosts = []  # the stages compute on their GPUs, not on the cores they share
             shards = plan_shards(spec, model, numbered, names, None, hosts,
                                  lambda message: world.log(env, message))  # fmt: skip
         else:

@@ -12,13 +12,14 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.distributed.rpc import RRef
 
+from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.parts import Part
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.shard import Shard
@@ -26,6 +27,8 @@ from pipejob.trainer.pipeline.timing import Clock, input_nodes, step_seconds
 from pipejob.trainer.runtime import rendezvous
 from pipejob.trainer.workloads.cut import join, tensors
 from pipejob.trainer.workloads.metrics import Tally
+
+T = TypeVar("T")
 
 
 class Turnstile:
@@ -79,6 +82,8 @@ class Stage(Shard):
                  precision: str = "fp32", recompute: bool = False,
                  source: Source | None = None):  # fmt: skip
         super().__init__(module, device, precision, recompute, source)
+        # A GPU stage computes on a thread and stream of its own (pipeline/gpu_worker.py).
+        self.gpu = GpuWorker(self.device) if self.device.type == "cuda" else None
         self.last = last
         self.compute = self.computed(self.layers, last)
         # One forward at a time, in micro-batch order: micro-batches would otherwise fight
@@ -118,12 +123,12 @@ class Stage(Shard):
         with self._order.turn(round, micro_batch):
             if failed is not None:
                 raise failed
+            if micro_batch == 0:
+                self.settle_device()
             if step is None:
-                y = self._evaluate(x)
+                y = self._on_device(self._evaluate, x)
             else:
-                start = self._clock.mark()
-                y = self.compute(*x)
-                end = self._clock.mark()
+                start, y, end = self._on_device(self._timed, x)
         if step is not None:
             with self._record:
                 self._fold(before=step)
@@ -135,6 +140,16 @@ class Stage(Shard):
                 self._outputs[round, micro_batch] = y
             return None
         return y
+
+    def _on_device(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` where this stage computes: its GPU worker, or here on a CPU."""
+        return fn(*args) if self.gpu is None else self.gpu.run(fn, *args)
+
+    def _timed(self, x: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+        """A training forward between two marks of this stage's clock (on its stream)."""
+        start = self._clock.mark()
+        y = self.compute(*x)
+        return start, y, self._clock.mark()
 
     def _round_outputs(self, round: int, micro_batches: int, labels: RRef) -> tuple[Any, Any]:
         """The last stage: forward round `round`'s outputs, its micro-batches' joined, and
@@ -150,12 +165,14 @@ class Stage(Shard):
         """The last stage: the loss of training round `round` (the mean over the whole
         batch, as in one process). The master starts the distributed backward from it: a
         scalar crosses to the master, not the outputs."""
-        return loss_fn(*self._round_outputs(round, micro_batches, labels)).cpu()
+        outputs, labels = self._round_outputs(round, micro_batches, labels)
+        return self._on_device(loss_fn, outputs, labels).cpu()
 
     def tally(self, round: int, micro_batches: int, labels: RRef, loss_fn: Callable[..., Any],
               tally: Tally) -> Tally:  # fmt: skip
         """The last stage: `tally` with evaluation round `round`'s figures added."""
-        tally.add(*self._round_outputs(round, micro_batches, labels), loss_fn)
+        outputs, labels = self._round_outputs(round, micro_batches, labels)
+        self._on_device(tally.add, outputs, labels, loss_fn)
         return tally
 
     def _evaluate(self, x: tuple[Any, ...]) -> Any:

@@ -25,6 +25,8 @@ from jobrun import (
     pipeline_job,
 )
 from pipejob.core import spec
+from pipejob.trainer.pipeline.driver import Round
+from pipejob.trainer.pipeline.pipelining.schedule import even
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime.output import load_state_dict
 from pipejob.trainer.workloads import models
@@ -127,3 +129,10 @@ def test_a_job_with_replicas_evaluates_writes_its_model_and_resumes_exactly(tmp_
     final = by_parameter(final_state(tmp_path / "broken" / "ck", 6))["stages"]["model"]
     for name, value in final.items():
         torch.testing.assert_close(written[name], value, msg=name)
+
+
+def test_a_round_runs_in_equal_micro_batches():
+    """A PipelineStage's buffers have one shape: a last, smaller held-out batch that its
+    count does not divide runs in the most equal micro-batches below it."""
+    assert [even(Round(1, m, None, samples)) for m, samples in
+            [(4, 32), (4, 10), (4, 3), (8, 7), (2, 2)]] == [4, 2, 3, 7, 2]  # fmt: skip

@@ -65,6 +65,19 @@ def test_activation_checkpointing_gives_the_same_gradients(text, tmp_path: Path)
     check_gradients(lm_job(text, activationCheckpointing=True), tmp_path)
 
 
+def test_activation_checkpointing_on_the_pipelining_engine_gives_the_same_gradients(
+    text, tmp_path: Path
+):
+    """The same on the pipelining engine, where torch's schedules run the backward: 1F1B,
+    and zero-bubble, which splits each backward into the inputs' and the weights' gradients
+    over the recomputed graph."""
+    job = lm_job(text, activationCheckpointing=True, engine="pipelining")
+    check_gradients(job, tmp_path, schedules=[
+        {"schedule": "1f1b", "stages_per_process": 1},
+        {"schedule": "zero-bubble", "stages_per_process": 2},
+    ])  # fmt: skip
+
+
 def _bf16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     """A real pipeline world in float32 (the dtype bf16 autocasts from): the master runs one
     step through stages that compute in the job's precision and saves every gradient."""

@@ -18,7 +18,7 @@ from torch.distributed.rpc import RRef
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import gradients
-from pipejob.trainer.pipeline.reader import TRAIN, Batch, parts
+from pipejob.trainer.pipeline.reader import TRAIN, Batch
 from pipejob.trainer.pipeline.shard import on_reader, on_stage
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.workloads import Loss
@@ -65,7 +65,7 @@ class Pipeline:
         if samples == 0:
             return None
         labels = rpc.remote(self.names[0], on_reader, args=(self.stages[0], "labels", self.rounds))
-        return Round(self.rounds, parts(samples, micro_batches), labels, samples)
+        return Round(self.rounds, min(micro_batches, samples), labels, samples)
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0)."""

@@ -30,12 +30,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 TRAIN, HELD_OUT = "train", "held-out"
 
 
-def parts(samples: int, micro_batches: int) -> int:
-    """How many micro-batches a round of `samples` is split into: the most, up to
-    `micro_batches`, of equal size (a training batch's count divides it; a last, smaller
-    held-out batch may get fewer), so every micro-batch of a round has one shape."""
-    return max(n for n in range(1, min(micro_batches, samples) + 1) if samples % n == 0)
-
 
 @dataclass(frozen=True)
 class Source:
@@ -66,8 +60,8 @@ class Reader:
     def read(self, round: int, micro_batches: int, what: str = TRAIN,
              given: Batch | None = None) -> int:  # fmt: skip
         """Round `round`'s batch: `given`, or the next one of `what` (TRAIN or HELD_OUT),
-        kept as at most `micro_batches` micro-batches of equal size (`parts`); its sample
-        count, 0 when the held-out set is over."""
+        kept as at most `micro_batches` micro-batches; its sample count, 0 when the held-out
+        set is over."""
         batch = given if given is not None else self._next(what)
         if batch is None:
             return 0
@@ -76,8 +70,8 @@ class Reader:
         with self._lock:  # a round that failed half-way leaves inputs no forward will take
             self._inputs = {k: v for k, v in self._inputs.items() if k[0] > round}
             self._labels = {k: v for k, v in self._labels.items() if k > round}
-            split = inputs.tensor_split(parts(len(inputs), micro_batches))
-            self._inputs |= {(round, mb): (x,) for mb, x in enumerate(split)}
+            parts = inputs.tensor_split(min(micro_batches, len(inputs)))
+            self._inputs |= {(round, mb): (x,) for mb, x in enumerate(parts)}
             self._labels[round] = labels
         return len(inputs)
 
@@ -92,11 +86,12 @@ class Reader:
             x[0].record_stream(torch.cuda.current_stream(x[0].device))
         return x
 
-    def inputs(self, round: int, micro_batches: int) -> torch.Tensor:
-        """Round `round`'s inputs whole, for a stage whose schedule splits them itself (into
-        the same micro-batches: both split with tensor_split)."""
-        parts = [self.input(round, mb)[0] for mb in range(micro_batches)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def inputs(self, round: int) -> torch.Tensor:
+        """Round `round`'s inputs whole, for a stage whose schedule splits them itself."""
+        with self._lock:
+            count = sum(1 for r, _ in self._inputs if r == round)
+        parts = [self.input(round, mb)[0] for mb in range(count)]
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
 
     def metas(self, round: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """The shape and dtype of each input of round `round`'s micro-batches."""

@@ -27,6 +27,13 @@ from pipejob.trainer.workloads.metrics import Tally
 NO_CONTEXT = 0
 
 
+def even(batch: Round) -> int:
+    """The micro-batches a PipelineStage runs a round in: the most, up to the round's count,
+    of equal size (its buffers have one shape). A training batch's count divides it; a last,
+    smaller held-out batch may run in fewer."""
+    return max(n for n in range(1, batch.micro_batches + 1) if batch.samples % n == 0)
+
+
 class Pipeline(driver.Pipeline):
     """The master's handle on one replica's stage processes: creates their Stages (each
     building its own pieces) and runs rounds through them."""
@@ -47,7 +54,7 @@ class Pipeline(driver.Pipeline):
     def learn(self, batch: Round, training: bool) -> None:
         """Before the first round of its kind: the shapes each piece takes and passes on, piece
         after piece from the first stage's inputs (Stage.learn)."""
-        key = (training, batch.micro_batches, batch.samples)
+        key = (training, even(batch), batch.samples)
         if key in self._learnt:
             return
         metas = self.reader("metas", batch.number)
@@ -64,7 +71,7 @@ class Pipeline(driver.Pipeline):
         last = len(self.stages) - 1  # holds the last piece (stage k is on process k % p)
         losses = torch.futures.wait_all([
             rpc.rpc_async(name, on_stage, args=(
-                stage, "train", batch.number, batch.micro_batches, batch.samples, step,
+                stage, "train", batch.number, even(batch), batch.samples, step,
                 loss_fn, weight, batch.labels if k == last else None))
             for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
         ])  # fmt: skip
@@ -80,7 +87,7 @@ class Pipeline(driver.Pipeline):
             self.learn(batch, False)
             tallies = torch.futures.wait_all([
                 rpc.rpc_async(name, on_stage, args=(
-                    stage, "evaluate", batch.number, batch.micro_batches, batch.samples,
+                    stage, "evaluate", batch.number, even(batch), batch.samples,
                     batch.labels if k == last else None, loss_fn, tally if k == last else None))
                 for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
             ])  # fmt: skip

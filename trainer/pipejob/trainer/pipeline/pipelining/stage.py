@@ -193,8 +193,9 @@ class Stage(Shard):
         `micro_batches` (of `samples` in all), the gradients added to .grad. The last stage
         returns the round's loss (the mean of its micro-batches')."""
         run, _ = self._run(True, micro_batches, samples)
-        args = (self.reader.inputs(round, micro_batches),) if self.first else ()
-        target = labels.to_here().to(self.device) if self.last else None
+        args = (self.reader.inputs(round),) if self.first else ()
+        # Contiguous, as torch 2.11's schedules check the strides of what they split.
+        target = labels.to_here().to(self.device).contiguous() if self.last else None
         self._loss, self._losses = (loss_fn, weight / micro_batches), []
         self._begin(step)
         run.step(*args, target=target, return_outputs=False)
@@ -207,7 +208,7 @@ class Stage(Shard):
         """Evaluation round `round`: forwards only, the shard in eval mode; the last stage
         returns `tally` with the round's figures added."""
         run, stages = self._run(False, micro_batches, samples)
-        args = (self.reader.inputs(round, micro_batches),) if self.first else ()
+        args = (self.reader.inputs(round),) if self.first else ()
         self._begin(None)  # an evaluation's forwards are not the step's
         with self.evaluating():
             run.step(*args)

@@ -23,6 +23,7 @@ from jobrun import (
     check_gradients,
     final_state,
     pipeline_job,
+    run_to_end,
 )
 from pipejob.core import spec
 from pipejob.trainer.pipeline.driver import Round
@@ -129,6 +130,31 @@ def test_a_job_with_replicas_evaluates_writes_its_model_and_resumes_exactly(tmp_
     final = by_parameter(final_state(tmp_path / "broken" / "ck", 6))["stages"]["model"]
     for name, value in final.items():
         torch.testing.assert_close(written[name], value, msg=name)
+
+
+@pytest.mark.timeout(400)
+def test_an_evaluation_with_a_smaller_last_batch_says_what_the_rpc_engine_says(
+    tmp_path: Path,
+) -> None:
+    """14 held-out windows in batches of 8 at 4 micro-batches: a last batch of 6, which the
+    pipelining engine runs in 3 micro-batches of 2. Both engines evaluate the same model (a
+    step of a vanishing learning rate) to the same figures."""
+    val = tmp_path / "val.bin"
+    write_stdlib_tokens(val, max_bytes=14 * TRANSFORMER["seqLen"] + 1, split="val")
+    train = tmp_path / "train.bin"
+    write_stdlib_tokens(train, max_bytes=20_000)
+    figures = {}
+    for engine in ("rpc", "pipelining"):
+        job = pipeline_job(f"eval-{engine}", engine=engine, model={"transformer": TRANSFORMER},
+                           data={"tokens": {"train": str(train), "val": str(val)}},
+                           batchSize=8, microBatches=4, steps=1, eval={"batches": 0},
+                           optimizer={"name": "sgd", "lr": 1e-12})  # fmt: skip
+        code, out, summary = run_to_end(job, tmp_path, timeout=300)
+        assert code == 0, out
+        figures[engine] = summary["evaluation"]
+    assert figures["pipelining"]["samples"] == figures["rpc"]["samples"] == 14
+    for key in ("loss", "accuracy", "perplexity"):
+        assert figures["pipelining"][key] == pytest.approx(figures["rpc"][key], rel=1e-5), key
 
 
 def test_a_round_runs_in_equal_micro_batches():

@@ -30,7 +30,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 TRAIN, HELD_OUT = "train", "held-out"
 
 
-
 @dataclass(frozen=True)
 class Source:
     """Where a replica's first stage reads: the job's data, replica `replica`'s share."""

@@ -57,7 +57,8 @@ class Pipeline(driver.Pipeline):
         key = (training, even(batch), batch.samples)
         if key in self._learnt:
             return
-        metas = self.reader("metas", batch.number)
+        size = batch.samples // even(batch)  # a micro-batch's samples, as the stages run them
+        metas = [((size, *shape[1:]), dtype) for shape, dtype in self.reader("metas", batch.number)]
         for piece in range(self.pieces):
             k = piece % len(self.stages)
             metas = rpc.rpc_sync(self.names[k], on_stage,

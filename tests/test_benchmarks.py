@@ -21,7 +21,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.mark.timeout(HANG + 60)
 def test_compare_measures_every_system_it_is_asked_for():
-    systems = ["pipejob", "pipejob-auto", "baseline", "gpipe", "single-t1"]
+    systems = ["pipejob", "pipejob-auto", "pipejob-1f1b", "baseline", "gpipe", "single-t1"]
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "compare.py"), "--systems", ",".join(systems),
          "--micro-batches", "2", "--batches", "1", "--repeats", "1", "--batch", "4",

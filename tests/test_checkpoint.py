@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from jobrun import JobRun, pipeline_job
+from jobrun import JobRun, assert_states_close, by_parameter, final_state, pipeline_job
 from pipejob.core.spec import parse
 from pipejob.trainer.runtime import checkpoint
 
@@ -203,42 +203,6 @@ PIPELINE = pipeline_job("resume", stages=2, microBatches=2, steps=8, seed=1,
 def with_checkpoint(manifest: dict[str, Any], path: Path, every: int) -> dict[str, Any]:
     return manifest | {"spec": manifest["spec"] | {
         "checkpoint": {"path": str(path), "everySteps": every}}}  # fmt: skip
-
-
-def final_state(root: Path, steps: int) -> dict[str, Any]:
-    found = checkpoint.latest(root)
-    assert found is not None and found.step == steps, found
-    return {entry["name"]: found.load(entry["name"]) for entry in found.manifest["files"]}
-
-
-def by_parameter(state: dict[str, Any]) -> dict[str, Any]:
-    """A pipeline's final state by parameter name, whichever stage holds it: each run measures
-    its own layer costs, and two runs may cut the model in different places."""
-    merged: dict[str, Any] = {"model": {}, "optimizers": {"optimizer": {}}}
-    for name, part in state.items():
-        if name.startswith("stage"):
-            merged["model"] |= part["model"]
-            merged["optimizers"]["optimizer"] |= part["optimizers"]["optimizer"]
-    return {"stages": merged, "master.pt": state["master.pt"]}
-
-
-def assert_states_close(got: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Model weights, BatchNorm statistics and optimizer state equal within float tolerance:
-    micro-batches' gradient contributions add up in arrival order (each stage runs forwards,
-    which update BatchNorm's statistics, in micro-batch order)."""
-    assert sorted(got) == sorted(expected)
-    for name in expected:
-        if "model" not in expected[name]:
-            continue
-        assert sorted(got[name]["model"]) == sorted(expected[name]["model"])
-        for key, value in expected[name]["model"].items():
-            torch.testing.assert_close(got[name]["model"][key], value, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, k=key, n=name: f"{n} {k}: {m}")  # fmt: skip
-        for owner, state in expected[name]["optimizers"].items():
-            for param, tensors in state.items():
-                for key, value in tensors.items():
-                    torch.testing.assert_close(got[name]["optimizers"][owner][param][key], value,
-                                               rtol=1e-4, atol=1e-6)  # fmt: skip
 
 
 @pytest.mark.timeout(420)

@@ -174,6 +174,30 @@ def test_a_killed_stage_container_recreates_the_world_which_resumes_from_its_che
     all_stopped(api, node)
 
 
+def test_a_pipelining_job_with_replicas_resumes_after_a_killed_container(
+    cluster, container_kubelet, operator
+):
+    """The pipelining engine in containers (its stages' group over the bridge network, as
+    pods reach each other), with 2 replicas: a stage container killed after a checkpoint
+    recreates the world, which resumes from the checkpoint on the volume and succeeds."""
+    api, node = cluster.api, container_kubelet
+    claim(api)
+    checkpoint = {"path": "/data/checkpoints", "everySteps": 2}
+    name = start(api, PIPELINE, engine="pipelining", schedule="1f1b", replicas=2, steps=12,
+                 checkpoint=checkpoint, template=on_claim())  # fmt: skip
+    master = f"{name}-master-0"
+    api.wait("a complete checkpoint of step 2 or later on the volume",
+             lambda: "step 4/12" in node.logs(NS, master), 300)  # fmt: skip
+    node.kill(NS, f"{name}-r1-stage-0")
+    done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=400)
+    assert done["status"]["restarts"] == 1, (done["status"], jobs.warnings(api))
+    log = node.logs(NS, master)  # both masters' logs, the second one's last
+    resumed = log.split("resumed from step ")
+    assert len(resumed) == 2 and int(resumed[1].split()[0]) >= 2, log[-3000:]
+    assert "step 12/12" in resumed[1] and "on the pipelining engine (1f1b)" in resumed[1]
+    all_stopped(api, node)
+
+
 def test_the_custom_model_example_builds_on_the_trainer_image_and_trains(
     cluster, container_kubelet, operator, images
 ):

@@ -140,6 +140,46 @@ def test_the_operator_killed_and_restarted_mid_job_makes_no_duplicates(cluster, 
     all_stopped(api, kubelet)
 
 
+# The pipelining example, cut down likewise: 1F1B over the stages' pipe group.
+PIPELINING = ("resnet50-pipelining.yaml", {"model": "resnet18", "stages": 2, "imageSize": 32,
+              "batchSize": 4, "microBatches": 2, "numClasses": 10, "logEvery": 1,
+              "preflight": {"megabytes": 0.25}})  # fmt: skip
+
+
+@pytest.mark.timeout(420)
+def test_a_pipelining_job_with_replicas_restarts_and_resumes(cluster, kubelet, operator,
+                                                             tmp_path):  # fmt: skip
+    """The pipelining engine on the cluster: its stage pods open the group port the plan
+    gives them, and a stage of replica 1 killed after a checkpoint restarts the world, which
+    resumes from it and succeeds."""
+    api = cluster.api
+    steps, every = 8, 2
+    ckpt = tmp_path / "checkpoints"  # the process-kubelet mounts nothing: a shared directory
+    spec = {"steps": steps, "replicas": 2, "backoffLimit": 2,
+            "checkpoint": {"path": str(ckpt), "everySteps": every, "volume": "ckpt"},
+            "template": {"volumes": [{"name": "ckpt", "hostPath": {
+                "path": str(ckpt), "type": "DirectoryOrCreate"}}]}}  # fmt: skip
+    name = name_of(start(api, PIPELINING, **spec))
+    master = f"{name}-master-0"
+    stages = [f"{name}-r{r}-stage-{i}" for r in range(2) for i in range(2)]
+    for pod in jobs.wait_pods(api, name, [master, *stages], 20):
+        if pod["metadata"]["name"] == master:
+            continue
+        ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+        assert "ddp" in ports, ports  # the pipe group's rendezvous, from the world plan
+    wait_log(api, kubelet, master, f"step {every + 1}/{steps}", timeout=240)
+    kubelet.kill(NS, f"{name}-r1-stage-1")
+    done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=300)
+    assert done["status"]["restarts"] == 1, (done["status"], jobs.warnings(api))
+    resumed = done["status"]["training"]["resumedFromStep"]
+    assert resumed >= every and resumed % every == 0
+    log = kubelet.logs(NS, master)
+    assert f"resumed from step {resumed} (" in log and f"step {steps}/{steps}" in log
+    assert (
+        "on the pipelining engine (1f1b)" in log and "largest difference between replicas 0)" in log
+    )
+
+
 @pytest.mark.timeout(400)
 def test_the_dlrm_example_restarts_as_one_world_when_a_server_dies_and_resumes(
     cluster, kubelet, operator, tmp_path

@@ -92,6 +92,32 @@ def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
     assert len(rows) == 7  # rowLimit
 
 
+@pytest.mark.timeout(240)
+def test_a_profiled_pipelining_step_traces_the_schedule_on_every_stage(tmp_path: Path) -> None:
+    """On the pipelining engine a stage's trace holds its schedule's work: the forwards and
+    backwards, and the activations and gradients it sends and receives over its group."""
+    job = pipeline_job(
+        "profiled",
+        engine="pipelining",
+        stages=2,
+        microBatches=2,
+        steps=2,
+        preflight={"enabled": False},
+        profile={"steps": [2], "rowLimit": 5, "path": str(tmp_path / "traces")},
+    )
+    with JobRun(job, tmp_path) as run:
+        assert run.finish(200) == 0, run.output
+    directory = tmp_path / "traces"
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "master-step2.json", "stage0-step2.json", "stage1-step2.json"
+    ]  # fmt: skip
+    assert "rpc_async#on_stage(master -> stage1)" in names(trace(directory / "master-step2.json"))
+    for stage, passes in (("stage0", "gloo:send"), ("stage1", "gloo:recv")):
+        ops = names(trace(directory / f"{stage}-step2.json"))
+        assert "aten::convolution" in ops and "aten::convolution_backward" in ops, stage
+        assert passes in ops, (stage, sorted(o for o in ops if "gloo" in o))
+
+
 @pytest.mark.timeout(200)
 def test_profiled_hybrid_steps_trace_every_process(tmp_path: Path) -> None:
     job = {

@@ -67,10 +67,12 @@ DOCS: dict[str, str] = {
     GPUS: "GPUs this process may use; 0 means CPU (and gloo).",
     RENDEZVOUS_TIMEOUT: "Seconds to wait for the RPC world and DDP group to form.",
     DDP_GROUP: "Members of a collective group (HybridJob trainers: ddp; stage i of replicated"
-    " PipelineJob stages: dp<i>): the group's name.",
+    " PipelineJob stages: dp<i>; every stage of a PipelineJob on engine pipelining: pipe):"
+    " the group's name.",
     DDP_ADDR: "Group members: address of the group's rendezvous (its rank 0).",
     DDP_PORT: "Group members: port of the group's rendezvous, never the RPC one.",
-    DDP_RANK: "Group members: rank in the group (a trainer's DDP rank, a stage's replica).",
+    DDP_RANK: "Group members: rank in the group (a trainer's DDP rank, a stage's replica; in"
+    " pipe, replica x stages + stage).",
     DDP_WORLD_SIZE: "Group members: size of the group.",
     DDP_BACKEND: "Group members: gloo or nccl.",
     SUMMARY_FILE: "Optional: the master writes its end-of-run summary here as JSON.",

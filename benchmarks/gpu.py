@@ -13,7 +13,11 @@ one process, so about 1.0x is the limit; what is missing is per-micro-batch over
 
 1F1B runs where it can: its stages talk over NCCL, which refuses two ranks on one GPU, so on
 a machine with fewer GPUs than stages it is not run and the table says why (on the CPU it
-runs over gloo).
+runs over gloo). So does pipejob's own pipelining engine (spec.engine: pipelining, each
+schedule of --schedules, at pipejob's count or one micro-batch per stage, the more): its
+stages pass activations over NCCL too. Gloo is no way around it: it sends and receives CPU
+tensors only (it takes CUDA tensors for all-reduce and broadcast, not for send and recv), so
+stages sharing a GPU would have to stage every activation and gradient through host memory.
 
     python benchmarks/gpu.py                      # on a CUDA machine: the issue's table
     python benchmarks/gpu.py --device cpu --small # the same comparison on CPU, tiny (a smoke)"""
@@ -49,15 +53,48 @@ SMALL = {
 
 
 def manifest(name: str, model: dict[str, Any], fields: dict[str, Any], stages: int,
-             steps: int, gpus: int, m: int | str = 1) -> dict[str, Any]:  # fmt: skip
+             steps: int, gpus: int, m: int | str = 1,
+             schedule: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """A job of the workload; with `schedule`, on the pipelining engine (the interleaved
+    schedules with 2 stages per process)."""
+    engine = (
+        {}
+        if schedule is None
+        else {
+            "engine": "pipelining",
+            "schedule": schedule,
+            "stagesPerProcess": 2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1,
+        }
+    )
     return {
         "apiVersion": "pipejob.dev/v1alpha1",
         "kind": "PipelineJob",
-        "metadata": {"name": f"gpu-{name}-{stages}-m{m}".replace(".", "-")},
+        "metadata": {"name": f"gpu-{name}-{stages}-m{m}{'-' + schedule if schedule else ''}"
+                     .replace(".", "-")},
         "spec": {"model": model, "stages": stages, "steps": steps, "logEvery": 1,
                  "gpusPerStage": gpus, "seed": 0, "optimizer": {"name": "sgd", "lr": 0.01},
-                 "preflight": {"enabled": False}, "microBatches": m, **fields},
+                 "preflight": {"enabled": False}, "microBatches": m, **fields, **engine},
     }  # fmt: skip
+
+
+def pipelining(job: dict[str, Any], device: str, runs: Path, steps: int, warmup: int,
+               timeout: float) -> float | str:  # fmt: skip
+    """Samples/s of `job` on pipejob's pipelining engine; or why it cannot run here."""
+    from pipejob.core.kinds.pipeline import schedule_refuses
+
+    spec = job["spec"]
+    if device == "cuda" and torch.cuda.device_count() < spec["stages"]:
+        return (f"not run: NCCL needs a GPU per stage ({spec['stages']}), this machine has"
+                f" {torch.cuda.device_count()}")  # fmt: skip
+    refused = schedule_refuses(spec["schedule"], spec["stages"], spec["microBatches"])
+    if refused is not None:
+        return f"not run: {refused}"
+    try:
+        summary, _, _ = run_job(job, runs / job["metadata"]["name"], job["metadata"]["name"],
+                                steps, warmup, timeout, dict(os.environ))  # fmt: skip
+    except (RuntimeError, TimeoutError) as e:  # the others are still measured
+        return f"failed: {str(e).strip().splitlines()[0]}"
+    return summary["samplesPerSecond"]
 
 
 def one_process(job: dict[str, Any], device: str, steps: int, warmup: int) -> float:
@@ -186,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--logs", type=Path,
                     help="keep each pipejob run's manifest, summary and output here")  # fmt: skip
+    ap.add_argument("--schedules", default="1f1b",
+                    help="pipejob's pipelining engine with these schedules, comma-separated"
+                         " (empty: none): gpipe, 1f1b, interleaved-1f1b, zero-bubble")  # fmt: skip
     args = ap.parse_args(argv)
+    schedules = [s for s in args.schedules.split(",") if s]
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu.py: no CUDA GPU here, so nothing is measured; --device cpu runs the same"
               " comparison on the CPU")  # fmt: skip
@@ -222,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                     if best is None or rate > best[0]:
                         best = rate, summary
                 if best is None:
-                    row += ["failed", "not run"]
+                    row += ["failed", "not run", *(["not run"] * len(schedules))]
                     continue
                 rate, summary = best
                 row.append(f"{rate:.1f} ({rate / alone:.2f}x, m={summary['microBatches']})")
@@ -236,11 +277,24 @@ def main(argv: list[str] | None = None) -> int:
                     f"{other:.1f} samples/s ({other / alone:.2f}x)")  # fmt: skip
                 print(f"  {name}: 1F1B {stages} stages {said}", flush=True)
                 row.append(said.replace(" samples/s", ""))
+                for schedule in schedules:  # at the count 1F1B ran
+                    job = manifest(name, model, fields, stages, args.steps, gpus,
+                                   max(summary["microBatches"], stages), schedule)  # fmt: skip
+                    got = pipelining(job, args.device, runs, args.steps, args.warmup,
+                                     args.timeout)  # fmt: skip
+                    said = got if isinstance(got, str) else f"{got:.1f} ({got / alone:.2f}x)"
+                    print(f"  {name}: pipejob pipelining {schedule} {stages} stages {said}",
+                          flush=True)  # fmt: skip
+                    row.append(said)
             rows.append(row)
     head = [
         "workload",
         "one process",
-        *(f"{who} {s} stages" for s in args.stages.split(",") for who in ("pipejob", "1F1B")),
+        *(
+            f"{who} {s} stages"
+            for s in args.stages.split(",")
+            for who in ("pipejob", "1F1B", *(f"pipelining {x}" for x in schedules))
+        ),
     ]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     print(

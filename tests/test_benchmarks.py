@@ -21,7 +21,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.mark.timeout(HANG + 60)
 def test_compare_measures_every_system_it_is_asked_for():
-    systems = ["pipejob", "pipejob-auto", "baseline", "gpipe", "single-t1"]
+    systems = ["pipejob", "pipejob-auto", "pipejob-1f1b", "baseline", "gpipe", "single-t1"]
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "compare.py"), "--systems", ",".join(systems),
          "--micro-batches", "2", "--batches", "1", "--repeats", "1", "--batch", "4",
@@ -78,16 +78,18 @@ def test_cut_compares_fx_with_torch_pipelining_and_the_layer_list():
 
 
 @pytest.mark.timeout(HANG + 60)
-def test_hybrid_compares_pipejob_with_the_tutorial_baseline():
+def test_hybrid_compares_the_single_table_design_and_server_counts():
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "hybrid.py"), "--iterations", "10", "--repeats", "1",
-         "--timeout", str(HANG - 60)],
+        [sys.executable, str(BENCHMARKS / "hybrid.py"), "--rows", "100", "--batch", "8",
+         "--table-rows", "100", "--dlrm-batch", "8", "--servers", "1,2", "--steps", "20",
+         "--warmup", "10", "--repeats", "1", "--timeout", str(HANG - 60)],
         capture_output=True, text=True, timeout=HANG,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert re.search(r"pipejob / baseline [\d.]+x", out.stdout)
-    for system in ("pipejob", "baseline"):
-        assert re.search(rf"^  {system}\s+[\d.]+ \[", out.stdout, re.M), out.stdout
+    for label in ("single-table 100", "sparse 100", r"dlrm 1 server\(s\)", r"dlrm 2 server\(s\)"):
+        assert re.search(rf"^  {label}\s+[\d,]+ \[", out.stdout, re.M), out.stdout
+    assert re.search(r"^  sparse / single-table, 100 rows: [\d.]+x$", out.stdout, re.M)
+    assert re.search(r"^  dlrm, 2 servers / 1: [\d.]+x$", out.stdout, re.M), out.stdout
 
 
 @pytest.mark.timeout(HANG + 60)

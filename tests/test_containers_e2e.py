@@ -9,6 +9,7 @@ Jobs are cut down for 2 CPU cores (tiny images, few steps)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -95,6 +96,50 @@ def test_a_hybrid_job_trains_in_containers(cluster, container_kubelet, operator)
     all_stopped(api, node)
 
 
+def test_the_dlrm_example_trains_in_containers_on_logs_on_a_volume(
+    cluster, container_kubelet, operator
+):
+    """The DLRM example's 26 tables on 2 parameter server containers, its click logs on a
+    volume: it trains, evaluates (status shows the AUC) and writes its model there."""
+    api, node = cluster.api, container_kubelet
+    claim(api)
+    volume = node.claim_dir(NS, CLAIM)
+    volume.mkdir(parents=True, exist_ok=True)
+    for log in ("train.tsv", "val.tsv"):
+        shutil.copy(jobs.EXAMPLES / "dlrm" / log, volume / log)
+    name = start(api, ("dlrm/hybridjob.yaml", {}), steps=30, logEvery=10,
+                 eval={"everySteps": 30}, output={"path": "/data/out"},
+                 logging={"tensorboard": "/data/runs"}, template=on_claim(),
+                 data={"criteo": {"train": "/data/train.tsv", "val": "/data/val.tsv"}})  # fmt: skip
+    done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=400)
+    assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
+    assert len({r.name for r in node.runs(NS)}) == 5  # master, ps-0, ps-1, 2 trainers
+    training = done["status"]["training"]
+    assert training["evalStep"] == 30 and training["evalAuc"] > 0.6, training
+    assert "AUC" in node.logs(NS, f"{name}-master-0")
+    assert (volume / "out" / "model.safetensors").stat().st_size > 26 * 1000 * 8 * 4
+    all_stopped(api, node)
+
+
+def test_a_table_over_one_containers_memory_limit_trains_split_across_four(
+    cluster, container_kubelet, operator
+):
+    """The 1.4 GB table of tests/test_hybrid.py on four parameter server containers, each
+    limited to 1200Mi by docker (an OOM kill otherwise): the job succeeds, and each server's
+    peak, as the status reports it, is under the limit."""
+    from test_hybrid import HUGE, LIMIT
+
+    api, node = cluster.api, container_kubelet
+    name = jobs.create(api, HUGE)["metadata"]["name"]
+    done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=400)
+    assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
+    peaks = {m: f["rssPeakBytes"] for m, f in done["status"]["training"]["memory"].items()}
+    servers = [peaks[f"ps{i}"] for i in range(4)]
+    assert all(350_000_000 < peak < LIMIT for peak in servers), peaks
+    print(f"\n[peak memory in containers] {peaks}")
+    all_stopped(api, node)
+
+
 def test_a_pipeline_job_with_two_replicas_trains_in_containers(
     cluster, container_kubelet, operator
 ):
@@ -126,6 +171,30 @@ def test_a_killed_stage_container_recreates_the_world_which_resumes_from_its_che
     resumed = log.split("resumed from step ")
     assert len(resumed) == 2 and int(resumed[1].split()[0]) >= 2, log[-3000:]
     assert "step 30/30" in resumed[1]
+    all_stopped(api, node)
+
+
+def test_a_pipelining_job_with_replicas_resumes_after_a_killed_container(
+    cluster, container_kubelet, operator
+):
+    """The pipelining engine in containers (its stages' group over the bridge network, as
+    pods reach each other), with 2 replicas: a stage container killed after a checkpoint
+    recreates the world, which resumes from the checkpoint on the volume and succeeds."""
+    api, node = cluster.api, container_kubelet
+    claim(api)
+    checkpoint = {"path": "/data/checkpoints", "everySteps": 2}
+    name = start(api, PIPELINE, engine="pipelining", schedule="1f1b", replicas=2, steps=12,
+                 checkpoint=checkpoint, template=on_claim())  # fmt: skip
+    master = f"{name}-master-0"
+    api.wait("a complete checkpoint of step 2 or later on the volume",
+             lambda: "step 4/12" in node.logs(NS, master), 300)  # fmt: skip
+    node.kill(NS, f"{name}-r1-stage-0")
+    done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=400)
+    assert done["status"]["restarts"] == 1, (done["status"], jobs.warnings(api))
+    log = node.logs(NS, master)  # both masters' logs, the second one's last
+    resumed = log.split("resumed from step ")
+    assert len(resumed) == 2 and int(resumed[1].split()[0]) >= 2, log[-3000:]
+    assert "step 12/12" in resumed[1] and "on the pipelining engine (1f1b)" in resumed[1]
     all_stopped(api, node)
 
 

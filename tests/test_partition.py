@@ -9,6 +9,7 @@ import pytest
 import torch
 from torchvision.models import get_model
 
+from pipejob.core.kinds.pipeline import auto_counts, micro_batch_counts
 from pipejob.trainer.pipeline.partition import (
     COST_SLACK,
     Host,
@@ -16,7 +17,6 @@ from pipejob.trainer.pipeline.partition import (
     fastest,
     intra_op_threads,
     measure_costs,
-    micro_batch_counts,
     min_max_partition,
     predict,
 )
@@ -153,6 +153,25 @@ def test_a_part_that_cannot_take_the_input_is_named_with_the_shapes():
 )  # fmt: skip
 def test_auto_tries_powers_of_two_with_micro_batches_of_two_or_more(batch, counts):
     assert micro_batch_counts(batch) == counts
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stages", "counts"),
+    [("gpipe", 4, [1, 2, 4, 8]), ("1f1b", 4, [4, 8]), ("1f1b", 3, [4, 8]),
+     ("interleaved-1f1b", 2, [2, 4, 8]), ("zero-bubble", 4, [4, 8]), ("zero-bubble", 3, [])],
+)  # fmt: skip
+def test_auto_measures_only_the_counts_the_schedule_can_run(schedule, stages, counts):
+    assert auto_counts(16, schedule, stages) == counts
+
+
+def test_an_interleaved_schedule_is_predicted_over_its_pieces():
+    """4 equal layers on 2 processes of 2 pieces each (process k: pieces k and k + 2): the
+    pieces' slots are m x 2 + p - 1 of the slowest piece (one layer), and a host's CPU time
+    counts every piece of its processes."""
+    p = predict(uniform([1.0] * 4), 2, 4, 8, [Host((0,), 1.0)], per_process=2)
+    assert p.ranges == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    assert p.pipeline_seconds == (4 * 2 + 1) * 1.0
+    assert p.cores_seconds == 4 * (1.0 + 1.0)  # pieces 0 and 2, every micro-batch
 
 
 def uniform(per_layer: list[float]) -> LayerCosts:

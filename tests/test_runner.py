@@ -95,7 +95,7 @@ def test_a_local_world_listens_on_loopback_only(tmp_path):
         heard = {name: listening(pid) for name, pid in pids(run).items()}
         run.popen.send_signal(signal.SIGTERM)
         run.finish(timeout=60)
-    assert set(heard) == {"master", "ps", "trainer0", "trainer1"}
+    assert set(heard) == {"master", "ps0", "trainer0", "trainer1"}
     assert heard["master"] and heard["trainer0"], heard  # the stores, the monitor, RPC
     wider = {n: a for n, a in heard.items() if not all(ipaddress.ip_address(x).is_loopback
                                                        for x in a)}  # fmt: skip

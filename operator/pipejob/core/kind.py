@@ -70,6 +70,9 @@ class Kind:
     # What the table cannot say about a completed spec but would crash its world
     # (core/validate.py runs it with the checks every kind shares).
     check: Callable[[Spec], list[SpecError]] = lambda spec: []
+    # What `pipejob plan` says after the world, for a completed spec (a HybridJob's tables on
+    # its parameter servers).
+    describe: Callable[[Spec], list[str]] = lambda spec: []
 
     def role(self, name: str) -> Role:
         for role in self.roles:

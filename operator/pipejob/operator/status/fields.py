@@ -117,10 +117,15 @@ STATUS = Field(
                     "Perplexity (exp of the per-token loss) on the held-out tokens at the last"
                     " evaluation (the language model).",
                 ),
+                "evalAuc": Field(
+                    "number",
+                    "Area under the ROC curve on the held-out samples at the last evaluation"
+                    " (a HybridJob's clicks; its evalLoss is their log loss).",
+                ),
                 "memory": Field(
                     "object",
                     "Peak memory of each member of the world so far (by RPC name: master,"
-                    " stage0, ps, trainer1, ...), measured at each logged step and at the end,"
+                    " stage0, ps0, trainer1, ...), measured at each logged step and at the end,"
                     " so the tight one shows.",
                     values=Field(
                         "object",

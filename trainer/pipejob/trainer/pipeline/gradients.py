@@ -1,9 +1,10 @@
 """A step's gradients between the backward and the optimizer's step, across every stage: the
-global L2 norm, clipping to `optimizer.clipGradNorm`, fp16's loss scale, the learning rate of
-the step, and the sum of gradientAccumulation's rounds.
+global L2 norm, clipping to `optimizer.clipGradNorm`, fp16's loss scale, and the sum of
+gradientAccumulation's rounds.
 
-The gradients live in the step's distributed autograd context on each stage, where
-DistributedOptimizer's step reads them; each stage works on its own in place. The global
+Each stage's gradients are where its engine keeps them (Shard.gradients: the step's
+distributed autograd context on the rpc engine, the parameters' .grad on the pipelining
+engine), where its optimizer's step reads them; each stage works on its own in place. The global
 norm is the norm of every stage's per-parameter norms (as torch.nn.utils.clip_grad_norm_
 computes it over the whole model): the master gathers them, and sends back the one
 coefficient every stage multiplies its gradients by. A parameter several stages hold (tied
@@ -20,12 +21,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
-from pipejob.trainer.runtime.optim import clip_coefficient, set_remote_lr
+from pipejob.trainer.runtime.optim import clip_coefficient
 
 T = TypeVar("T")
 
@@ -44,9 +43,8 @@ def _settled(function: Callable[..., T]) -> Callable[..., T]:
 
 
 def _gradients(stage: RRef, context_id: int) -> dict[str, torch.Tensor]:
-    """A stage's gradients in a context, by parameter name (on the stage)."""
-    grads = dist_autograd.get_gradients(context_id)
-    return {n: grads[p] for n, p in stage.local_value().layers.named_parameters() if p in grads}
+    """A stage's gradients in a step, by parameter name (on the stage)."""
+    return stage.local_value().gradients(context_id)
 
 
 @_settled
@@ -148,14 +146,6 @@ def clip(names: list[str], stages: list[RRef], context_id: int, norm: float,
     coefficient = clip_coefficient(norm, max_norm)
     if coefficient < 1.0:  # multiplying by 1.0 changes nothing: spare the round trip
         _on_every(names, stages, scale_stage, context_id, coefficient)
-
-
-def set_lr(optimizer: DistributedOptimizer, lr: float) -> None:
-    """Give every local optimizer of a DistributedOptimizer the learning rate `lr`."""
-    torch.futures.wait_all([
-        rpc.rpc_async(local.owner(), set_remote_lr, args=(local, lr))
-        for local in optimizer.remote_optimizers
-    ])  # fmt: skip
 
 
 @dataclass

@@ -39,7 +39,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def trace(spec: PipelineSpec, model: nn.Module) -> cut.Traced:
     """The model's cut candidates, found the same way in every process."""
-    return cut.Traced(model, CANDIDATES_PER_STAGE * spec.stages, spec.split_points)
+    return cut.Traced(model, CANDIDATES_PER_STAGE * spec.pieces, spec.split_points)
 
 
 @dataclass(frozen=True)

@@ -4,25 +4,30 @@ two models the choice is judged by, interleaved in one run, with repeats.
   transformer  memory.py's acceptance model: pipejob's transformer of 24 layers of width 1024
                (303M parameters, 1.21 GB in float32), 4 stages of 6 blocks, SGD, batch 4 in 2
                micro-batches
-  resnet50     compare.py's pipejob job: ResNet-50, batch 48, 64x64 images, 2 stages, m=2
+  resnet50     compare.py's pipejob job: ResNet-50, batch 48, 64x64 images, 2 stages cut as
+               the tutorial cuts it (conv1 .. layer2 | layer3 .. fc), m=2
 
 Every run goes through `pipejob run` (the local runner, as a user runs a job). The choices:
 
-  default         PIPEJOB_TUNING unset: what pipejob chooses
-  glibc-lever     glibc with the allocator lever of before (one arena, trim and mmap
-                  thresholds): PIPEJOB_TUNING=threads,transport,allocator=glibc
+  default         PIPEJOB_TUNING unset: what pipejob chooses (pipejob.core.levers)
+  glibc-lever     glibc with the allocator lever's one arena and trim and mmap thresholds (the
+                  default before tcmalloc): PIPEJOB_TUNING=threads,transport,allocator=glibc
   glibc           glibc's defaults: PIPEJOB_TUNING=threads,transport
-  jemalloc        jemalloc with its own defaults, preloaded as a user would (LD_PRELOAD)
-  jemalloc-decay  jemalloc with freed memory kept (MALLOC_CONF: torch's own launcher's
-                  settings, torch.backends.xeon.run_cpu)
-  tcmalloc        tcmalloc (gperftools' minimal library), preloaded as a user would
+  jemalloc        jemalloc with its own defaults: ...,allocator=jemalloc
+  jemalloc-decay  jemalloc keeping what is freed (MALLOC_CONF: torch's own launcher's settings,
+                  torch.backends.xeon.run_cpu --enable-jemalloc)
+  tcmalloc        tcmalloc (gperftools' minimal library): ...,allocator=tcmalloc
+  tcmalloc-decommit  tcmalloc giving freed spans back to the kernel at once:
+                  ...,allocator=tcmalloc with TCMALLOC_AGGRESSIVE_DECOMMIT=true
+
+Left out unless named: the choice the default is (tcmalloc today), measured as "default".
 
 Printed per choice and model: s/step (median [min-max] over the repeats; step 1, the warm-up,
 left out), samples per CPU-second of all the world's processes (robust to other load on the
 machine), and each process's peak resident memory (VmHWM, from the master's summary: median
 [min-max] over the repeats). It measures; it asserts nothing.
 
-    python benchmarks/allocators.py                       # 3 repeats: about an hour on 2 cores
+    python benchmarks/allocators.py                       # 3 repeats: over an hour on 2 cores
     python benchmarks/allocators.py --repeats 1 --models resnet50 --choices default,glibc
 """
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -43,23 +49,32 @@ from _common import fmt_spread, load_average, machine, run_job
 from compare import Config, pipejob_manifest
 from memory import manifest as transformer_manifest
 
+from pipejob.core.levers import DEFAULT_MALLOC
+
 GB = 1e9
 # jemalloc's settings in torch's launcher (torch/backends/xeon/run_cpu.py, --enable-jemalloc):
 # freed memory is never decayed back to the kernel, large blocks get arenas of their own.
 KEEPING = ("oversize_threshold:1,background_thread:true,metadata_thp:auto,"
            "dirty_decay_ms:9000000000,muzzy_decay_ms:9000000000")  # fmt: skip
 NO_LEVER = {"PIPEJOB_TUNING": "threads,transport"}
+JEMALLOC = {"PIPEJOB_TUNING": "threads,transport,allocator=jemalloc"}
+TCMALLOC = {"PIPEJOB_TUNING": "threads,transport,allocator=tcmalloc"}
 CHOICES: dict[str, dict[str, str]] = {
     "default": {},
     "glibc-lever": {"PIPEJOB_TUNING": "threads,transport,allocator=glibc"},
     "glibc": NO_LEVER,
-    "jemalloc": NO_LEVER | {"LD_PRELOAD": "libjemalloc.so.2"},
-    "jemalloc-decay": NO_LEVER | {"LD_PRELOAD": "libjemalloc.so.2", "MALLOC_CONF": KEEPING},
-    "tcmalloc": NO_LEVER | {"LD_PRELOAD": "libtcmalloc_minimal.so.4"},
+    "jemalloc": JEMALLOC,
+    "jemalloc-decay": JEMALLOC | {"MALLOC_CONF": KEEPING},
+    "tcmalloc": TCMALLOC,
+    "tcmalloc-decommit": TCMALLOC | {"TCMALLOC_AGGRESSIVE_DECOMMIT": "true"},
 }
+# The choice the default is (what PIPEJOB_TUNING unset preloads): measured once, as "default".
+SAME_AS_DEFAULT = DEFAULT_MALLOC if DEFAULT_MALLOC != "glibc" else "glibc-lever"
 # What a choice sets, and what the caller's environment may not add to it.
-CLEARED = ("PIPEJOB_TUNING", "LD_PRELOAD", "MALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+CLEARED = ("PIPEJOB_TUNING", "LD_PRELOAD", "MALLOC_CONF", "TCMALLOC_AGGRESSIVE_DECOMMIT",
+           "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # fmt: skip
 MODELS = ("transformer", "resnet50")
+SAID = re.compile(r"(\w+)\s*\| performance settings: .*?malloc ([^,\n]+)")
 STEPS, WARMUP = 5, 1
 
 
@@ -80,7 +95,9 @@ def job(model: str) -> dict[str, Any]:
         cfg = Config(batch=48, image=64, counts=[2], warmup=WARMUP, batches=STEPS - WARMUP,
                      pipejob_env={}, variants={}, stage_threads=0, timeout=0,
                      verbose=False)  # fmt: skip
-        return pipejob_manifest(cfg, 2)
+        spec = pipejob_manifest(cfg, 2)
+        spec["spec"]["splitPoints"] = ["layer3.0"]  # the tutorial's cut, a quiet machine's too
+        return spec
     shape = argparse.Namespace(vocab=256, width=1024, heads=16, seq_len=32, batch=4,
                                micro_batches=2, steps=STEPS)  # fmt: skip
     spec = transformer_manifest(shape, layers=24, stages=4)
@@ -97,9 +114,8 @@ def measure(choice: str, model: str, tmp: Path, timeout: float) -> Run:
                                  timeout, env)  # fmt: skip
     cpu = sum(d.cpu for name, d in deltas.items() if name != "runner")
     samples = spec["spec"]["batchSize"] * (STEPS - WARMUP)
-    log = (tmp / f"{model}-{choice}.log").read_text().splitlines()
-    said = {line.split("|")[0].split(":", 1)[1].strip(): line.split("allocator", 1)[1].strip()
-            for line in log if "performance settings:" in line and "allocator" in line}  # fmt: skip
+    log = (tmp / f"{model}-{choice}.log").read_text()
+    said = dict(SAID.findall(log))
     cut = "/".join(str(len(st["layers"])) for st in summary["partition"])
     return Run(choice, model, summary["secondsPerStep"], samples / cpu,
                {m: f["rssPeakBytes"] for m, f in summary["memory"].items()}, said,
@@ -137,13 +153,13 @@ def report(runs: list[Run], choices: list[str], models: list[str]) -> str:
             )
     said = {(r.choice, a) for r in runs for a in r.allocators.values()}
     lines += ["", "what the processes said they run with (performance settings):"]
-    lines += [f"  {c:<15} allocator {a}" for c, a in sorted(said)] or ["  (nothing said)"]
+    lines += [f"  {c:<15} malloc {a}" for c, a in sorted(said)] or ["  (nothing said)"]
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--choices", default=",".join(CHOICES))
+    ap.add_argument("--choices", default=",".join(c for c in CHOICES if c != SAME_AS_DEFAULT))
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")

@@ -102,8 +102,8 @@ if [ "$covered" = no ]; then
   echo "$key $wanted" >"$stamp"
 fi
 
-# The mallocs of the allocator lever, found by its own rule (pipejob.core.levers): jemalloc,
-# every training process's default, and tcmalloc. Debian's packages where this runs as root
+# The mallocs of the allocator lever, found by its own rule (pipejob.core.levers): tcmalloc,
+# every training process's default, and jemalloc. Debian's packages where this runs as root
 # with apt; elsewhere one line says what is missing, and the processes use glibc's malloc.
 missing_mallocs() {
   "$VENV/bin/python" -c 'from pipejob.core.levers import MALLOCS, find
@@ -122,7 +122,7 @@ if has trainer "$EXTRAS"; then
     missing=$(missing_mallocs)
   fi
   if [ -n "$missing" ]; then
-    say "no $missing here (apt-get install $missing, as root): pipejob's processes use glibc's malloc, which holds more memory"
+    say "no $missing here (apt-get install $missing, as root): a process whose malloc is missing runs with glibc's, slower or holding more memory"
   fi
 fi
 

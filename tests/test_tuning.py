@@ -36,7 +36,7 @@ def test_levers_from_the_environment_variable():
     ("value", "says"),
     [
         ("threads,turbo", r"PIPEJOB_TUNING='threads,turbo': unknown lever\(s\) turbo"),
-        ("allocator=mimalloc", r"allocator=mimalloc: choose one of jemalloc, tcmalloc, glibc"),
+        ("allocator=mimalloc", r"allocator=mimalloc: choose one of tcmalloc, jemalloc, glibc"),
         ("threads=2", r"threads=2: threads takes no choice"),
     ],
 )
@@ -45,9 +45,26 @@ def test_an_unknown_lever_or_choice_is_refused_naming_the_variable(value, says):
         levers.parse(value)
 
 
-def test_the_allocator_lever_asks_for_jemalloc_unless_told_otherwise():
-    assert levers.wanted({}).name == "jemalloc"
-    assert levers.wanted({levers.TUNING: "allocator=tcmalloc"}).name == "tcmalloc"
+def test_pipejob_run_refuses_an_unknown_choice_before_anything_starts(monkeypatch):
+    import io
+
+    import pipejob.runner.local as local
+    from jobrun import pipeline_job
+    from pipejob.core import spec
+
+    monkeypatch.setenv(levers.TUNING, "allocator=mimalloc")
+    monkeypatch.setattr(local.World, "start", lambda *a: pytest.fail("a process started"))
+    out = io.StringIO()
+    assert local.run_job(spec.parse(pipeline_job("bad", stages=2)), out=out) == 2
+    assert out.getvalue() == (
+        "pipejob: cannot run PipelineJob 'bad': PIPEJOB_TUNING='allocator=mimalloc':"
+        " allocator=mimalloc: choose one of tcmalloc, jemalloc, glibc\n"
+    )
+
+
+def test_the_allocator_lever_asks_for_tcmalloc_unless_told_otherwise():
+    assert levers.wanted({}).name == "tcmalloc"
+    assert levers.wanted({levers.TUNING: "allocator=jemalloc"}).name == "jemalloc"
     assert levers.wanted({levers.TUNING: "threads,allocator=glibc"}).name == "glibc"
     assert levers.wanted({levers.TUNING: "threads,transport"}) is None
     assert levers.wanted({levers.TUNING: "off"}) is None
@@ -57,12 +74,12 @@ def test_preload_names_the_wanted_library_unless_a_malloc_is_preloaded_already(m
     """The env a process must start with (the host's libraries are the boundary: `find`)."""
     found = {"jemalloc": "libjemalloc.so.2", "tcmalloc_minimal": "libtcmalloc_minimal.so.4"}
     monkeypatch.setattr(levers, "find", found.get)
-    jemalloc = {"LD_PRELOAD": "libjemalloc.so.2"} | levers.MALLOCS["jemalloc"].env
-    assert levers.preload({}) == jemalloc
-    theirs = {"LD_PRELOAD": "libfaketime.so.1", levers.TUNING: "allocator=tcmalloc"}
-    assert levers.preload(theirs) == {"LD_PRELOAD": "libtcmalloc_minimal.so.4 libfaketime.so.1"}
+    tcmalloc = {"LD_PRELOAD": "libtcmalloc_minimal.so.4"}
+    assert levers.preload({}) == tcmalloc
+    theirs = {"LD_PRELOAD": "libfaketime.so.1", levers.TUNING: "allocator=jemalloc"}
+    assert levers.preload(theirs) == {"LD_PRELOAD": "libjemalloc.so.2 libfaketime.so.1"}
     assert levers.preload({"LD_PRELOAD": "/opt/lib/libmimalloc.so.2"}) == {}  # theirs wins
-    assert levers.preload(jemalloc) == {}  # started with it: nothing more (no second start)
+    assert levers.preload(tcmalloc) == {}  # started with it: nothing more (no second start)
     assert levers.preload({levers.TUNING: "threads,transport"}) == {}
     assert levers.preload({levers.TUNING: "allocator=glibc"}) == {}
     monkeypatch.setattr(levers, "find", lambda library: None)
@@ -89,9 +106,10 @@ def test_the_malloc_a_process_runs_with_is_read_from_its_loaded_libraries():
         "libmimalloc.so.2.0",
     )
     assert tuning.running_malloc(MAPS.format("libc.so.6")) == ("glibc", "")
-    jemalloc = levers.MALLOCS["jemalloc"]
-    assert tuning.missing("", jemalloc) == "jemalloc is not installed here (Debian's libjemalloc2)"
-    assert tuning.missing("libtcmalloc_minimal.so.4", jemalloc) == ""  # the user's preload
+    tcmalloc = levers.MALLOCS["tcmalloc"]
+    said = "tcmalloc is not installed here (Debian's libtcmalloc-minimal4)"
+    assert tuning.missing("", tcmalloc) == said
+    assert tuning.missing("libjemalloc.so.2", tcmalloc) == ""  # the user's preload
     assert tuning.missing("", levers.MALLOCS["glibc"]) == tuning.missing("", None) == ""
 
 
@@ -245,7 +263,7 @@ def test_describe_names_what_is_set():
         "1 intra-op thread(s), passive OpenMP waits, malloc glibc with 1 arena(s) keeping"
         " freed memory, TensorPipe uv/basic"
     )
-    missing = "jemalloc is not installed here (Debian's libjemalloc2)"
+    missing = "tcmalloc is not installed here (Debian's libtcmalloc-minimal4)"
     text = Settings(arena_max=1, malloc="glibc", missing=missing).describe()
     assert text == f"malloc glibc with 1 arena(s) keeping freed memory: {missing}"
     assert Settings(malloc="jemalloc (libjemalloc.so.2)").describe() == (
@@ -257,8 +275,8 @@ def test_every_process_runs_with_the_chosen_malloc_whoever_started_it(monkeypatc
     """The local runner puts the malloc in its processes' env before they start; a process
     whose launcher did not (here stage0, as in the operator's pods) starts itself over with
     it. Each trainer's settings line, said before it loads torch (the world is stopped then),
-    names the malloc it runs with, read from its loaded libraries: jemalloc, or glibc's with
-    the reason where this host lacks jemalloc."""
+    names the malloc it runs with, read from its loaded libraries: tcmalloc, or glibc's with
+    the reason where this host lacks tcmalloc."""
     import io
 
     import pipejob.runner.local as local
@@ -283,9 +301,11 @@ def test_every_process_runs_with_the_chosen_malloc_whoever_started_it(monkeypatc
     finally:
         world.stop(grace=5)
     said = dict(pattern.findall(out.getvalue()))
-    if levers.find("jemalloc"):
-        want = f"jemalloc ({levers.find('jemalloc')})"
+    default = levers.MALLOCS[levers.DEFAULT_MALLOC]
+    library = levers.find(default.library)
+    if library:  # the linker's name (libtcmalloc_minimal.so.4) begins the mapped file's
+        want = f"{default.name} ({library}"
     else:
-        want = "glibc with 1 arena(s) keeping freed memory: jemalloc is not installed here"
+        want = f"glibc with 1 arena(s) keeping freed memory: {default.name} is not installed here"
     assert said.keys() == {"master", "stage0", "stage1"}, out.getvalue()
     assert all(words.startswith(want) for words in said.values()), said

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes.util
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 
 from pipejob.core.contract import TUNING
@@ -28,17 +28,16 @@ class Malloc:
     name: str
     library: str = ""  # what find_library looks for ("" for the C library's own)
     package: str = ""  # the Debian package that has it
-    env: dict[str, str] = field(default_factory=dict)  # its settings; the user's variable wins
 
 
 # The allocator lever's choices (issue 35, benchmarks/allocators.py; docs/user-guide.md has the
 # table). glibc is the C library's malloc, with the lever's arena and thresholds (tuning.py).
 MALLOCS = {
+    "tcmalloc": Malloc("tcmalloc", "tcmalloc_minimal", "libtcmalloc-minimal4"),  # no profilers
     "jemalloc": Malloc("jemalloc", "jemalloc", "libjemalloc2"),
-    "tcmalloc": Malloc("tcmalloc", "tcmalloc_minimal", "libtcmalloc-minimal4"),
     "glibc": Malloc("glibc"),
 }
-DEFAULT_MALLOC = "jemalloc"
+DEFAULT_MALLOC = "tcmalloc"
 OPTIONS = {"allocator": tuple(MALLOCS)}  # the levers that take a choice: "allocator=tcmalloc"
 
 
@@ -91,15 +90,13 @@ def find(library: str) -> str | None:
 
 def preload(environ: Mapping[str, str]) -> dict[str, str]:
     """What to add to a process's env (`environ`, all of it) so that it starts with the malloc
-    PIPEJOB_TUNING asks for: LD_PRELOAD and the malloc's settings; nothing where the lever is
-    off or asks for glibc, where LD_PRELOAD names a malloc already (the user's wins), or where
-    the host lacks the library (the trainer says so, and keeps glibc's malloc with the lever)."""
+    PIPEJOB_TUNING asks for: LD_PRELOAD naming it first. Nothing where the lever is off or
+    asks for glibc, where LD_PRELOAD names a malloc already (the user's wins), or where this
+    host lacks the library (the trainer says so, and keeps glibc's malloc with the lever)."""
     malloc = wanted(environ)
     if malloc is None or not malloc.library or preloaded(environ):
         return {}
     found = find(malloc.library)
     if found is None:
         return {}
-    theirs = environ.get(PRELOAD, "")
-    settings = {k: v for k, v in malloc.env.items() if not environ.get(k)}
-    return {PRELOAD: f"{found} {theirs}".strip()} | settings
+    return {PRELOAD: f"{found} {environ.get(PRELOAD, '')}".strip()}

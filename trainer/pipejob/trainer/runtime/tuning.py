@@ -23,15 +23,19 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   2-thread process on a shared host).
 - allocator: which malloc the process runs with (issue 35, benchmarks/allocators.py; the
   table is in the user guide). PyTorch frees and allocates activations and gradients of the
-  same sizes on every micro-batch and step; glibc's malloc hands freed memory back to the
+  same sizes on every micro-batch and step. glibc's malloc hands freed memory back to the
   kernel and faults it in again (a stage's page faults per batch: 86k with its defaults), and
-  its arenas do not reuse what other threads freed. jemalloc is preloaded by default
-  (pipejob.core.levers: LD_PRELOAD, set before the process starts). Where it is missing,
-  or with `allocator=glibc`, glibc gets one arena, a trim threshold of 1 GiB and a fixed mmap
-  threshold of 32 MiB, which keep freed memory in the process (86k -> 36k with one arena ->
-  9k with the thresholds) for more memory held: set with `mallopt`, which only shapes arenas
-  made later, so it runs before any other thread allocates. The settings line names the
-  malloc the process runs with, read from the libraries loaded in it, not the one asked for.
+  its arenas do not reuse what other threads freed. tcmalloc, preloaded by default
+  (pipejob.core.levers: LD_PRELOAD, set before the process starts), keeps freed memory for
+  reuse by every thread: the most samples per CPU-second on ResNet-50, and less memory held
+  than glibc with the settings below; what gives freed memory back at once (glibc's
+  defaults, tcmalloc with TCMALLOC_AGGRESSIVE_DECOMMIT) holds less and takes twice the CPU.
+  Where it is missing, or with `allocator=glibc`, glibc gets one arena, a trim threshold of
+  1 GiB and a fixed mmap threshold of 32 MiB, which keep freed memory in the process (86k ->
+  36k with one arena -> 9k with the thresholds) and hold more of it: set with `mallopt`,
+  which only shapes arenas made later, so it runs before any other thread allocates. The
+  settings line names the malloc the process runs with, read from the libraries loaded in
+  it, not the one asked for.
 - transport: TensorPipe's shared-memory transport runs a reactor thread that busy-polls
   in every process (0.1-0.25 CPU-s per second when idle, 0.2-0.4 per batch when training),
   taking CPU from the stages of a
@@ -286,9 +290,10 @@ _returning = False  # inside returning_memory: a nested one (a build while measu
 
 @contextmanager
 def returning_memory() -> Iterator[None]:
-    """Inside, blocks over BUILD_MMAP_THRESHOLD are mapped alone and unmapped when freed;
-    after, what the heap keeps free is given back too (the smaller objects of the build),
-    and the mmap threshold is this process's again. Nested, the outermost decides."""
+    """Inside, glibc's blocks over BUILD_MMAP_THRESHOLD are mapped alone and unmapped when
+    freed; after, what the malloc keeps free is given back too (glibc's heap, the smaller
+    objects of the build; all that tcmalloc or jemalloc keep), and glibc's mmap threshold is
+    this process's again. Nested, the outermost decides."""
     global _returning
     libc = _glibc()
     if libc is None or _returning:
@@ -299,9 +304,19 @@ def returning_memory() -> Iterator[None]:
     try:
         yield
     finally:
-        libc.malloc_trim(0)
+        _give_back_free_memory(libc)
         libc.mallopt(M_MMAP_THRESHOLD, _mmap_threshold)
         _returning = False
+
+
+def _give_back_free_memory(libc: ctypes.CDLL) -> None:
+    """Give the memory the running malloc keeps free back to the kernel."""
+    if hasattr(libc, "MallocExtension_ReleaseFreeMemory"):  # tcmalloc
+        libc.MallocExtension_ReleaseFreeMemory()
+    elif hasattr(libc, "mallctl"):  # jemalloc: purge every arena (MALLCTL_ARENAS_ALL)
+        libc.mallctl(b"arena.4096.purge", None, None, None, 0)
+    else:
+        libc.malloc_trim(0)
 
 
 def rpc_backend_kwargs(kind: str, role: str, gpus: int,

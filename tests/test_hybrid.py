@@ -16,8 +16,7 @@ from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer.hybrid.ps import Table
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime.optim import optimizer_args
-from pipejob.trainer.workloads.synthetic import SyntheticBags, partitions
-from pipejob.trainer.workloads.synthetic import batches as data_batches
+from pipejob.trainer.workloads.synthetic import SyntheticBags, stream
 
 TINY = {
     "apiVersion": "pipejob.dev/v1alpha1",
@@ -28,7 +27,7 @@ TINY = {
         "embedding": {"numEmbeddings": 64, "dim": 8, "mode": "sum"},
         "dense": {"outFeatures": 4},
         "steps": 40, "batchSize": 8, "bagSize": 4,
-        "datasetSize": 101,  # odd: partitions of 51 and 50, each read whole (40 x 8 > 51)
+        "datasetSize": 101,  # odd: epochs end inside a step's batch (40 x 16 > 6 epochs)
         "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.5},
         "logEvery": 10, "seed": 3, "rendezvousTimeoutSeconds": 60,
     },
@@ -68,14 +67,9 @@ def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_p
     # The task is learnable: the loss falls.
     assert summary["finalLoss"] < 0.7 * summary["firstLoss"], summary
 
-    # Each trainer read exactly its own partition, and no sample was read twice.
-    assert summary["partitionOverlap"] == 0
-    expected = partitions(spec["datasetSize"], 2, spec["seed"])
-    assert not set(expected[0]) & set(expected[1])
-    assert sorted(expected[0] + expected[1]) == list(range(spec["datasetSize"]))
-    for name, part in zip(["trainer0", "trainer1"], expected, strict=True):
-        assert trainers[name]["partitionSize"] == len(part)
-        assert trainers[name]["samplesRead"] == len(part)
+    # Each trainer read its half of every step's batch, and no sample twice in an epoch.
+    assert summary["samplesRepeated"] == 0
+    assert [t["share"] for t in trainers.values()] == [spec["batchSize"]] * 2
 
 
 REFERENCE = TINY | {"spec": TINY["spec"] | {
@@ -95,8 +89,7 @@ def reference_weights(spec: HybridSpec) -> dict[str, torch.Tensor]:
     dataset = SyntheticBags(size=spec.dataset_size, num_embeddings=emb.num_embeddings,
                             classes=spec.dense.out_features, bag_size=spec.bag_size,
                             seed=seed)  # fmt: skip
-    batches = data_batches(dataset, partitions(spec.dataset_size, 1, seed)[0],
-                           spec.batch_size)  # fmt: skip
+    batches = stream(dataset, spec.batch_size, (0, 1), seed)
     for _ in range(spec.steps):
         batch = next(batches)
         bags = table(torch.tensor(batch.ids), torch.tensor(batch.offsets))

@@ -120,6 +120,8 @@ PERMANENT_REASONS: dict[str, str] = {
     " into stages disagree",
     "InvalidConfiguration": "a value of the spec the trainer cannot use (a ValueError or"
     " TypeError from the model, the optimizer or the data)",
+    "CheckpointUnusable": "the checkpoint under checkpoint.path cannot be resumed by this job"
+    " (another kind of job or another model), or written (a path its processes do not share)",
 }
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipejob.core import validate, yamlio
+from pipejob.core import elastic, validate, yamlio
 from pipejob.core.common import DNS_LABEL, from_spec
 from pipejob.core.kind import Kind
 from pipejob.core.kinds import KINDS
@@ -43,11 +43,19 @@ class Job:
     namespace: str | None
     spec: dict[str, Any]  # defaulted and validated, camelCase as in the manifest
     uid: str | None = None
+    # The size its world runs at (core/elastic.py); None: the spec's largest.
+    size: int | None = None
 
     @property
     def definition(self) -> Kind:
         """The kind's declaration (core/kinds/)."""
         return KINDS[self.kind]
+
+    @property
+    def shape(self) -> dict[str, Any]:
+        """The spec with its elastic size the number the world runs at: what the roles and
+        groups are counted from."""
+        return elastic.shape(self.definition, self.spec, self.size)
 
     @property
     def settings(self) -> Any:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
+from pipejob.core.elastic import Size, cel_full, full, needs_checkpoint, size_field
 from pipejob.core.kind import Group, Kind, Role, Spec
 from pipejob.core.schema import Field, Rule
 from pipejob.core.workload import ARGS, HYBRID_DATA, HybridData, args_need_import, import_field
@@ -18,8 +19,8 @@ HYBRID_SPEC = Field(
     "object",
     "A hybrid job: an EmbeddingBag on a parameter server over RPC, DDP dense layers on trainers.",
     fields={
-        "trainers": integer("Trainer pods; they form the DDP group.", default=2, minimum=1,
-                         maximum=256),
+        "trainers": size_field("Trainer pods; they form the DDP group.", default=2, minimum=1,
+                               maximum=256),
         "embedding": Field(
             "object", "The EmbeddingBag held by the parameter server.",
             fields={
@@ -41,7 +42,8 @@ HYBRID_SPEC = Field(
             },
             rules=(args_need_import("dense"),),
         ),
-        "batchSize": integer("Bags per trainer step.", default=32, minimum=1),
+        "batchSize": integer("Bags per trainer step (at trainers.max when elastic); a step"
+                             " trains on batchSize x trainers.", default=32, minimum=1),
         "bagSize": integer("Synthetic data: most indices in one bag.", default=10, minimum=1),
         "datasetSize": integer("Synthetic data: samples, split disjointly across trainers.",
                             default=10000, minimum=1),
@@ -64,10 +66,10 @@ HYBRID_SPEC = Field(
             lambda s: s.get("backend") != "nccl" or s["gpusPerTrainer"] > 0,
         ),
         Rule(
-            f"({_REAL_DATA}) || self.datasetSize >= self.trainers * self.batchSize",
+            f"({_REAL_DATA}) || self.datasetSize >= {cel_full('trainers')} * self.batchSize",
             "datasetSize must hold at least one batch per trainer (trainers * batchSize)",
             "datasetSize",
-            lambda s: _real_data(s) or s["datasetSize"] >= s["trainers"] * s["batchSize"],
+            lambda s: _real_data(s) or s["datasetSize"] >= full(s["trainers"]) * s["batchSize"],
         ),
         Rule(
             "!has(self.optimizer.schedule) && !has(self.optimizer.clipGradNorm)",
@@ -77,6 +79,7 @@ HYBRID_SPEC = Field(
             "optimizer",
             lambda s: "schedule" not in s["optimizer"] and "clipGradNorm" not in s["optimizer"],
         ),
+        needs_checkpoint("trainers"),
         *COMMON_RULES,
     ),
 )  # fmt: skip
@@ -103,7 +106,7 @@ class Dense:
 
 @dataclass(frozen=True, kw_only=True)
 class HybridSpec(CommonSpec):
-    trainers: int
+    trainers: Size  # the world runs at a size the plan gives; the batch is max's
     embedding: Embedding
     dense: Dense
     batch_size: int
@@ -143,6 +146,15 @@ HYBRID_JOB = Kind(
     ),  # fmt: skip
     groups=(Group("ddp", "trainer", backend=lambda spec: spec["backend"]),),
     trainer="pipejob.trainer.hybrid",
-    columns=({"name": "Trainers", "type": "integer", "jsonPath": ".spec.trainers", "priority": 1},),
+    columns=(
+        {
+            "name": "Trainers",
+            "type": "integer",
+            "jsonPath": ".status.trainers",
+            "priority": 1,
+            "description": "Trainers the current world runs.",
+        },
+    ),
     complete=_complete,
+    elastic="trainers",
 )

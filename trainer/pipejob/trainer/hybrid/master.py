@@ -16,7 +16,7 @@ import torch.distributed.rpc as rpc
 
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer.hybrid import output, trainer
-from pipejob.trainer.hybrid.ps import Table, load_table, table_state, table_weight
+from pipejob.trainer.hybrid.ps import Table, load_table, table_names, table_state, table_weight
 from pipejob.trainer.hybrid.summary import render, summarize
 from pipejob.trainer.runtime import checkpoint, master, memory, monitor, world
 from pipejob.trainer.runtime.events import Events
@@ -30,7 +30,8 @@ class Reports:
 
     def __init__(self, env: Env, trainers: list[str], first: int = 0):
         self.env, self.trainers, self.first = env, trainers, first
-        self.steps, self.batch = env.spec.steps, env.spec.batch_size
+        self.steps = env.spec.steps
+        self.batch = env.spec.batch_size * env.spec.trainers.max  # a step's, at any count
         self.lock = threading.Lock()
         self.pending: dict[int, dict[str, float]] = {}
         self.created = time.perf_counter()
@@ -63,7 +64,7 @@ class Reports:
             if step == self.first:  # every trainer is set up and about to take a step
                 world.log(self.env, f"trainers ready after {now - self.created:.1f}s of setup")
             elif step > self.last_step:
-                samples = len(self.trainers) * self.batch * (step - self.last_step)
+                samples = self.batch * (step - self.last_step)
                 rate = samples / max(now - self.last_time, 1e-9)
                 mean = sum(losses.values()) / len(losses)
                 world.log(self.env, f"step {step}/{self.steps}  loss {mean:.4f}"
@@ -100,6 +101,7 @@ def train(env: Env) -> dict[str, Any]:
     emb = spec.embedding
     [ps], trainers = env.names("ps"), env.names("trainer")
     table = rpc.remote(ps, Table, args=(spec, trainers))
+    _POSITION[:] = [0, 0]
     found = checkpoint.latest_for(env)
     resume = None if found is None else _resume(env, found, table)
     first = 0 if resume is None else resume["step"]
@@ -142,14 +144,32 @@ def train(env: Env) -> dict[str, Any]:
 
 def _resume(env: Env, found: checkpoint.Checkpoint, table: rpc.RRef) -> dict[str, Any]:
     """Load the table (and its optimizers' states) on the ps and the master's RNG state;
-    what the trainers need to resume."""
-    checkpoint.fits(found, env, trainerCount=len(env.names("trainer")))
+    what the trainers need to resume: the dense layer's file and the data's position, which
+    hold at any trainer count (every step reads one batch of trainers.max's size)."""
+    checkpoint.fits(found, env)
     directory = str(found.directory)
-    rpc.rpc_sync(table.owner(), load_table, args=(table, directory, found.entry("ps.pt")))
-    checkpoint.set_rng_state(found.load("master.pt")["rng"])
-    world.log(env, f"resumed from step {found.step} ({directory})")
+    names = rpc.rpc_sync(table.owner(), table_names, args=(table,))
+    entries = checkpoint.sources(found, checkpoint.index_of(found), names)
+    rpc.rpc_sync(table.owner(), load_table, args=(table, directory, entries))
+    own = found.load("master.pt")
+    checkpoint.set_rng_state(own["rng"])
+    batch = env.spec.batch_size * env.spec.trainers.max
+    samples = own.get("data", {}).get("samples", found.step * batch)
+    saved = found.manifest.get("trainerCount")
+    count = len(env.names("trainer"))
+    world.log(
+        env,
+        f"resumed from step {found.step} ({directory})"
+        + (f", written by {saved} trainers" if saved not in (None, count) else ""),
+    )
     monitor.board().resumed(found.step)
-    return {"step": found.step, "directory": directory, "dense": found.entry("dense.pt")}
+    _POSITION[:] = [found.step, samples]
+    return {"step": found.step, "directory": directory, "dense": found.entry("dense.pt"),
+            "samples": samples}  # fmt: skip
+
+
+# The data's position the run started from: [step, samples of the stream consumed by then].
+_POSITION = [0, 0]
 
 
 def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> None:
@@ -157,8 +177,13 @@ def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> No
     env = world.current()
     root = env.spec.checkpoint.path
     start = time.perf_counter()
-    own = checkpoint.save_part(checkpoint.step_dir(root, step), "master.pt",
-                               {"rng": checkpoint.rng_state()})  # fmt: skip
+    first, consumed = _POSITION
+    samples = consumed + (step - first) * env.spec.batch_size * env.spec.trainers.max
+    own = checkpoint.save_part(
+        checkpoint.step_dir(root, step),
+        "master.pt",
+        {"rng": checkpoint.rng_state(), "data": {"samples": samples}},
+    )
     files = [own, *files]
     # The model's spec and latest evaluation travel along, for `pipejob export`.
     evaluation = {} if _REPORTS is None or _REPORTS.evaluation is None else _REPORTS.evaluation

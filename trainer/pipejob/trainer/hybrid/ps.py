@@ -28,6 +28,10 @@ class Table:
         self.optimizers = {t: optimizer_class(self.module.parameters(), **kwargs)
                            for t in trainers}  # fmt: skip
         self.lock = threading.Lock()  # one update at a time; lookups read between them
+        # Each trainer's gradient comes weighted by its share of the batch (1 at its full
+        # count, trainers.max); fewer trainers each bring a bigger share, so the table takes
+        # the same sum of steps per batch at any count (plain SGD: exactly).
+        self.scale = spec.trainers.max / len(trainers) if trainers else 1.0
 
     def lookup(self, trainer: str, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The bags, from a leaf that shares the table's weight: when the backward brings
@@ -40,7 +44,7 @@ class Table:
     def step(self, trainer: str, grad: torch.Tensor) -> None:
         weight = self.module.weight
         with self.lock:
-            weight.grad = grad
+            weight.grad = grad if self.scale == 1.0 else grad * self.scale
             self.optimizers[trainer].step()
             weight.grad = None
 
@@ -64,6 +68,11 @@ def table_state(table: rpc.RRef) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in t.module.state_dict().items()}
 
 
+def table_names(table: rpc.RRef) -> list[str]:
+    """The names of the table's state, as a checkpoint indexes them."""
+    return list(table.local_value().module.state_dict())
+
+
 def table_weight(table: rpc.RRef) -> torch.Tensor:
     return table.local_value().module.weight.detach().clone()
 
@@ -75,6 +84,10 @@ def save_table(table: rpc.RRef, directory: str) -> dict[str, Any]:
         return checkpoint.save_module(directory, "ps.pt", t.module, t.optimizers)
 
 
-def load_table(table: rpc.RRef, directory: str, entry: dict[str, Any]) -> None:
+def load_table(table: rpc.RRef, directory: str, entries: list[dict[str, Any]]) -> None:
+    """The table from the checkpoint files that hold it (by name: a server holding part of
+    the tables would load its own from them), with each trainer's optimizer state for it:
+    a trainer the checkpoint's world had keeps its own (by name), a new one starts fresh."""
     t = table.local_value()
-    checkpoint.load_module(directory, entry, t.module, t.optimizers)
+    with t.lock:
+        checkpoint.load_named(directory, entries, t.module, t.optimizers)

@@ -28,26 +28,28 @@ def summarize(env: Env, results: dict[str, dict[str, Any]], before: torch.Tensor
         for r in results.values()
         for k, w in r["dense"].items()
     )
-    read = [set(r["read"].tolist()) for r in results.values()]
-    overlap = sum(len(s) for s in read) - len(set().union(*read))
+    # (epoch, sample) pairs: a sample read twice in one pass over the data is a repeat.
+    read = [{tuple(pair) for pair in r["read"].tolist()} for r in results.values()]
+    repeated = sum(len(s) for s in read) - len(set().union(*read))
     per_trainer = {
         name: {k: v for k, v in r.items() if k not in ("dense", "read")}
         for name, r in results.items()
     }
     seconds = max(r["seconds"] for r in results.values())
-    samples = sum(r["steps"] * r["batchSize"] for r in results.values())
+    samples = sum(r["steps"] * r["share"] for r in results.values())
     return master.summary(
         env, env.spec.steps - first, first,
         trainers=len(names),
         batchSize=env.spec.batch_size,
         seconds=seconds,
         samplesPerSecond=samples / seconds,
+        # Each trainer's loss is weighted by its share of the batch: their mean is the batch's.
         firstLoss=sum(r["firstLoss"] for r in results.values()) / len(names),
         finalLoss=sum(r["finalLoss"] for r in results.values()) / len(names),
         denseMaxAbsDiff=dense_diff,
         embeddingNormBefore=before.norm().item(),
         embeddingChangeNorm=(after - before).norm().item(),
-        partitionOverlap=overlap,
+        samplesRepeated=repeated,
         **(evaluation or {}),
         perTrainer=per_trainer,
         memory=peaks,
@@ -62,17 +64,17 @@ def render(s: dict[str, Any]) -> list[str]:
         f"dense replicas: max |difference| across trainers {s['denseMaxAbsDiff']:.3g}",
         f"parameter server embedding: changed by {s['embeddingChangeNorm']:.4g}"
         f" (norm of after - before; norm before {s['embeddingNormBefore']:.4g})",
-        f"data: samples read by more than one trainer: {s['partitionOverlap']}",
+        f"data: samples read twice in one pass over the data: {s['samplesRepeated']}",
         *_eval_line(s),
         "peak memory: "
         + ", ".join(f"{name} {memory.megabytes(peak)}" for name, peak in s["memory"].items()),
         f"{'trainer':<10} {'ddp':>3} {'loss first -> final':>20} {'samples/s':>10}"
-        f" {'partition':>9} {'read':>7} {'dense moved':>11}",
+        f" {'share':>9} {'read':>7} {'dense moved':>11}",
     ]
     for name, t in s["perTrainer"].items():
         lines.append(
             f"{name:<10} {t['ddpRank']:>3} {t['firstLoss']:>9.4f} -> {t['finalLoss']:<7.4f}"
-            f" {t['samplesPerSecond']:>10,.0f} {t['partitionSize']:>9} {t['samplesRead']:>7}"
+            f" {t['samplesPerSecond']:>10,.0f} {t['share']:>9} {t['samplesRead']:>7}"
             f" {t['denseChangeNorm']:>11.4g}"
         )
     return lines

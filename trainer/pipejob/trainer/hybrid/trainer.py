@@ -107,15 +107,19 @@ def train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, An
     ps = table.owner().name
 
     dataset, loss_fn = workloads.hybrid_data(spec), workloads.loss(spec)
-    part = synthetic.partitions(dataset.size, env.ddp_world_size, spec.seed)[env.ddp_rank]
-    batches = synthetic.batches(dataset, part, spec.batch_size)
-    evaluate.check_dense(spec, linear, loss_fn, next(synthetic.batches(dataset, part,
-                         spec.batch_size)), device)  # fmt: skip
+    # Every step reads one batch of batchSize x trainers.max (at any trainer count), each
+    # trainer its share, from where the checkpoint's world stopped.
+    batch, share = spec.batch_size * spec.trainers.max, (env.ddp_rank, env.ddp_world_size)
+    start = 0 if resume is None else resume["samples"]
+    batches = synthetic.stream(dataset, batch, share, spec.seed, start)
+    evaluate.check_dense(spec, linear, loss_fn, next(synthetic.stream(dataset, batch, share,
+                         spec.seed)), device)  # fmt: skip
+    # Its loss weighted by its share of the batch (1 for equal shares): DDP's average of the
+    # trainers' gradients is then the batch's mean gradient.
+    weight = len(synthetic.share_of(batch, *share)) * env.ddp_world_size / batch
     held_out = _held_out(env, spec)
     first = 0 if resume is None else resume["step"]
-    for _ in range(first):  # the batches of the steps before the checkpoint
-        next(batches)
-    read: set[int] = set()
+    read: set[tuple[int, int]] = set()  # (epoch, sample)
 
     steps, every = spec.steps, spec.log_every
     profile = profiling.settings(spec)
@@ -124,10 +128,10 @@ def train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, An
     loss_first = math.nan
     start = time.perf_counter()
     for step in range(first + 1, steps + 1):
-        batch = next(batches)
-        read.update(batch.sample_ids)
+        drawn = next(batches)
+        read.update(zip(drawn.epochs, drawn.sample_ids, strict=True))
         with profiling.window(env, profile, step, servers, sync=dist.barrier) as rpc_calls:
-            loss = _step(model, dense_step, batch, device, loss_fn, rpc_calls)
+            loss = _step(model, dense_step, drawn, device, loss_fn, weight, rpc_calls)
         if step == first + 1:
             loss_first = loss.item()
         if evaluate.due(spec, step):  # first: the step's checkpoint keeps its evaluation
@@ -150,13 +154,13 @@ def train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, An
         "steps": steps - first,
         "batchSize": spec.batch_size,
         "seconds": seconds,
-        "samplesPerSecond": (steps - first) * spec.batch_size / seconds,
+        "samplesPerSecond": (steps - first) * len(drawn.sample_ids) / seconds,
         "firstLoss": loss_first,
         "finalLoss": loss.item(),
         "denseChangeNorm": torch.cat(moved).norm().item(),
-        "partitionSize": len(part),
-        "samplesRead": len(read),
-        "read": torch.tensor(sorted(read)),
+        "share": len(drawn.sample_ids),
+        "samplesRead": len({i for _, i in read}),
+        "read": torch.tensor(sorted(read)).reshape(-1, 2),
         "dense": {k: v.detach().cpu() for k, v in linear.state_dict().items()},
     }
 
@@ -204,11 +208,12 @@ def _checkpoint(env: Env, step: int, table: rpc.RRef, linear: nn.Module,
 
 
 def _step(model: HybridModel, dense_step: DenseStep, batch: synthetic.Batch,
-          device: torch.device, loss_fn: workloads.Loss,
+          device: torch.device, loss_fn: workloads.Loss, weight: float = 1.0,
           rpc_calls: profiling.RpcCalls = contextlib.nullcontext) -> torch.Tensor:  # fmt: skip
-    """One step; `rpc_calls` wraps its RPCs (the lookup), not DDP's parts. The backward
-    steps the table on the ps; the dense layer's step (on gradients DDP averaged across the
-    trainers during the backward) is deferred to overlap the next lookup."""
+    """One step; `rpc_calls` wraps its RPCs (the lookup), not DDP's parts. The backward (of
+    the loss times `weight`, this trainer's share of the step's batch) steps the table on the
+    ps; the dense layer's step (on gradients DDP averaged across the trainers during the
+    backward) is deferred to overlap the next lookup. Returns the weighted loss."""
     ids, offsets = torch.tensor(batch.ids), torch.tensor(batch.offsets)
     labels = torch.tensor(batch.labels, device=device)
     with dist_autograd.context() as context:
@@ -217,6 +222,8 @@ def _step(model: HybridModel, dense_step: DenseStep, batch: synthetic.Batch,
             dense_step.flush()  # the previous step's, while the lookup is in flight
             bags = lookup.wait()
         loss = loss_fn(model(bags), labels)
+        if weight != 1.0:
+            loss = loss * weight
         dist_autograd.backward(context, [loss])
         dense_step.defer(dist_autograd.get_gradients(context))
     return loss

@@ -47,6 +47,7 @@ class Round:
     number: int  # the stages' order of rounds
     micro_batches: int  # as the first stage split it: no more than its samples
     labels: RRef  # on the first stage; the last fetches them from there
+    samples: int = 0
 
 
 class Pipeline:
@@ -84,7 +85,7 @@ class Pipeline:
         if samples == 0:
             return None
         labels = rpc.remote(self.names[0], on_reader, args=(self.stages[0], "labels", self.rounds))
-        return Round(self.rounds, min(micro_batches, samples), labels)
+        return Round(self.rounds, min(micro_batches, samples), labels, samples)
 
     def forward(self, batch: Round, step: int | None) -> None:
         """All micro-batches' forwards of `batch`, pipelined. `step` None: an evaluation's
@@ -231,9 +232,11 @@ class Replicas:
     given batch is split into one share per replica); each replica runs its share's
     forwards and backwards in a dist-autograd context of its own (a thread each, so the
     replicas' pipelines overlap), then its stages average their gradients with the same
-    stage of the other replicas (`Stage.average_gradients`) and its optimizer steps. The mean
-    of the replicas' losses is the loss of the whole batch, and the averaged gradients its
-    gradients: R replicas compute what one pipeline computes on their union.
+    stage of the other replicas (`Stage.average_gradients`) and its optimizer steps. The
+    replicas' losses, each weighted by its share of the batch, average to the loss of the
+    whole batch, and the averaged gradients are its gradients: R replicas compute what one
+    pipeline computes on their union, at any R (an elastic world's shares of the one batch
+    of replicas.max may differ by a sample).
 
     With gradientAccumulation N the step's batch is N batches, run one after the other,
     each loss weighted 1/N; their gradients add up on the stages into the last one's
@@ -246,9 +249,10 @@ class Replicas:
         cls, kwargs = optimizer_args(spec.optimizer)
         self.optimizer, self.steps = spec.optimizer, spec.steps
         self.accumulation = spec.gradient_accumulation
+        self.batch = spec.batch_size * spec.replicas.max  # of every round, at every size
         self.loss_scale = gradients.LossScale() if spec.precision == "fp16" else None
         self.pipelines = [Pipeline(stage_names, shards, device, spec.precision,
-                                   spec.activation_checkpointing, Source(spec, r))
+                                   spec.activation_checkpointing, Source(spec, r, len(names)))
                           for r, stage_names in enumerate(names)]  # fmt: skip
         self.tied = shards.tied
         self.optimizers = [DistributedOptimizer(cls, p.parameter_rrefs(), **kwargs)
@@ -261,15 +265,17 @@ class Replicas:
         next ones each first stage reads, or `given` (inputs and labels of them all)."""
         replicas = len(self.pipelines)
         shares: list[list[Batch | None]] = [[None] * self.accumulation for _ in range(replicas)]
+        batch = self.batch
         if given is not None:
             inputs, labels = given
+            batch = len(inputs) // self.accumulation
             rounds = zip(inputs.tensor_split(self.accumulation),
                          labels.tensor_split(self.accumulation), strict=True)  # fmt: skip
             for a, (x, y) in enumerate(rounds):
                 for r, share in enumerate(zip(x.tensor_split(replicas), y.tensor_split(replicas),
                                               strict=True)):  # fmt: skip
                     shares[r][a] = share
-        args = [(r, share, micro_batches, step, loss_fn) for r, share in enumerate(shares)]
+        args = [(r, share, micro_batches, step, loss_fn, batch) for r, share in enumerate(shares)]
         if self._threads is None:
             results = [self._one(*args[0])]
         else:
@@ -286,20 +292,24 @@ class Replicas:
         )
 
     def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
-             loss_fn: Loss) -> StepResult:  # fmt: skip
+             loss_fn: Loss, batch: int) -> StepResult:  # fmt: skip
         """Replica r's part of a step: its share of each batch of the step (None: read by
-        its first stage)."""
+        its first stage). Its loss is its share's mean loss weighted by the share's part of
+        the round's `batch` samples (times the replicas: 1 for equal shares), so that the
+        replicas' average is the whole batch's mean, in the loss and in the gradients."""
         pipeline = self.pipelines[r]
         names, stages = pipeline.names, pipeline.stages
+        replicas = len(self.pipelines)
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
-        weight = scale / len(rounds)  # each batch's share of the step's loss
 
         def one_round(given: Batch | None, context_id: int) -> float:
-            batch = pipeline.read(micro_batches, given)
-            assert batch is not None  # the training data has no end
-            loss = forward_backward(pipeline, batch, step, context_id, loss_fn, weight)
-            pipeline.settle(step, batch.micro_batches)
-            return loss.item()
+            round_ = pipeline.read(micro_batches, given)
+            assert round_ is not None  # the training data has no end
+            share = round_.samples * replicas / batch  # 1.0 when the shares are equal
+            weight = scale * share / len(rounds)  # each batch's share of the step's loss
+            loss = forward_backward(pipeline, round_, step, context_id, loss_fn, weight)
+            pipeline.settle(step, round_.micro_batches)
+            return loss.item() * share
 
         start = time.perf_counter()
         losses = []

@@ -69,7 +69,7 @@ def summarize(
         env, len(results), first,
         model=models.name(spec.model),
         stages=p,
-        replicas=spec.replicas,
+        replicas=len(env.names("stage")) // p,  # the world's (elastic: any of min..max)
         microBatches=m,
         microBatchesRequested=spec.micro_batches,  # a count, or "auto"
         microBatchCandidates=shards.partition.candidates,  # auto's predictions
@@ -86,7 +86,7 @@ def summarize(
         gradNorms=[r.grad_norm for r in results],
         finalGradNorm=results[-1].grad_norm,
         clipGradNorm=spec.optimizer.clip_grad_norm,
-        samplesPerSecond=round(spec.batch_size * spec.replicas * spec.gradient_accumulation
+        samplesPerSecond=round(spec.batch_size * spec.replicas.max * spec.gradient_accumulation
                                * len(measured) / seconds, 3),  # fmt: skip
         secondsPerStep=round(seconds / len(measured), 4),
         allreduceSecondsPerStep=round(

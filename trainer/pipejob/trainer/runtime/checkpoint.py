@@ -6,6 +6,12 @@ lists every file of that step with its size and SHA-256. A step counts only when
 manifest exists and every file it lists matches; resuming picks the newest such step and
 says why it passed over any newer one.
 
+A module's state is saved under the model's own names (parameters, buffers and their
+optimizer state), and the manifest's `index` says which file holds each name, so a world cut
+another way resumes it: each part loads its own names from whichever files hold them
+(`load_named`), memory-mapped, so a part reads no more of a file than its names. Nothing here
+depends on the engine that cut the model or on how many copies of it ran.
+
 Every file is written atomically: a temporary file in the same directory, fsync, rename,
 fsync of the directory. A crash leaves the old file or the new one, never a mix, and a
 step directory without its manifest is simply not a checkpoint.
@@ -69,7 +75,7 @@ def latest_for(env: Env) -> Checkpoint | None:
 
 
 def fits(found: Checkpoint, env: Env, **expected: Any) -> None:
-    """Refuse a checkpoint of another kind of job or shape (e.g. other stage counts)."""
+    """Refuse a checkpoint of another kind of job or model."""
     wanted = {"kind": env.kind, **expected}
     differs = {k: found.manifest.get(k) for k, v in wanted.items() if found.manifest.get(k) != v}
     if differs:
@@ -129,13 +135,14 @@ def save_part(directory: str | Path, name: str, state: Any) -> dict[str, Any]:
     return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def load_part(directory: str | Path, entry: dict[str, Any]) -> Any:
-    """torch.load a part after checking it is exactly what the manifest says."""
+def load_part(directory: str | Path, entry: dict[str, Any], mmap: bool = False) -> Any:
+    """torch.load a part after checking it is exactly what the manifest says; with `mmap`,
+    its tensors stay in the file until they are read."""
     path = Path(directory) / entry["name"]
     problem = _mismatch(path, entry)
     if problem:
         raise CheckpointError(f"{path}: {problem}")
-    return torch.load(path, weights_only=False)
+    return torch.load(path, weights_only=False, mmap=mmap)
 
 
 def _mismatch(path: Path, entry: dict[str, Any], checksum: bool = True) -> str | None:
@@ -173,7 +180,13 @@ def write_manifest(root: str | Path, step: int, files: list[dict[str, Any]],
                 f" it in {directory}; checkpoint.path must be one directory shared by every"
                 f" process of the job (e.g. a ReadWriteMany volume)"
             )
-    manifest = {"format": FORMAT, "step": step, "time": time.time(), "files": files, **meta}
+    index: dict[str, str] = {}  # which file holds each module state (save_module's)
+    for entry in files:
+        for name in entry.get("holds", ()):
+            index.setdefault(name, entry["name"])
+    files = [{k: v for k, v in entry.items() if k != "holds"} for entry in files]
+    manifest = {"format": FORMAT, "step": step, "time": time.time(), "files": files,
+                "index": index, **meta}  # fmt: skip
     body = json.dumps(manifest, indent=1).encode()
     write_atomic(directory / MANIFEST, lambda f: f.write(body))
     return directory
@@ -313,15 +326,16 @@ def _copy(value: Any, device: torch.device) -> Any:
 
 def save_module(directory: str | Path, name: str, module: nn.Module,
                 optimizers: dict[str, Any], **extra: Any) -> dict[str, Any]:  # fmt: skip
-    """Save a module's weights and buffers, its local optimizers' state (keyed, e.g. by the
-    trainer that created each) and this process's RNG state; the manifest entry."""
+    """Save a module's weights and buffers under its own names, its local optimizers' state
+    (keyed, e.g. by the trainer that created each) and this process's RNG state; the
+    manifest entry, which says the names the file holds (write_manifest indexes them)."""
     state = {
         "model": {k: v.detach().cpu() for k, v in module.state_dict().items()},
         "optimizers": {key: optimizer_state(o, module) for key, o in optimizers.items()},
         "rng": rng_state(),
         **extra,
     }
-    return save_part(directory, name, state)
+    return save_part(directory, name, state) | {"holds": list(state["model"])}
 
 
 def load_module(directory: str | Path, entry: dict[str, Any], module: nn.Module,
@@ -336,3 +350,61 @@ def load_module(directory: str | Path, entry: dict[str, Any], module: nn.Module,
     for key, local in optimizers.items():
         load_optimizer_state(local, module, state["optimizers"].get(key, {}))
     return state
+
+
+# ---------------------------------------------------------------------------- by name
+
+
+def index_of(found: Checkpoint) -> dict[str, str]:
+    """Which file holds each saved module state (a parameter or buffer, by the model's own
+    name; the first file a name was saved in): the manifest's `index`, or, in a checkpoint
+    written before it had one, the module files' own names."""
+    if "index" in found.manifest:
+        return found.manifest["index"]
+    index: dict[str, str] = {}
+    for entry in found.manifest["files"]:
+        part = torch.load(found.directory / entry["name"], weights_only=False, mmap=True)
+        if isinstance(part, dict) and isinstance(part.get("model"), dict):
+            for name in part["model"]:
+                index.setdefault(name, entry["name"])
+    return index
+
+
+def sources(found: Checkpoint, index: dict[str, str], names: list[str]) -> list[dict[str, Any]]:
+    """The manifest entries of the files that hold `names` (a module's state); refuses a
+    module with names the checkpoint does not have (another model)."""
+    missing = [n for n in names if n not in index]
+    if missing:
+        raise CheckpointError(
+            f"{found.directory} holds no {', '.join(missing[:5])}"
+            f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}: it was written"
+            " for another model; give this job another checkpoint.path"
+        )
+    return [found.entry(f) for f in sorted({index[n] for n in names})]
+
+
+def load_named(directory: str | Path, entries: list[dict[str, Any]], module: nn.Module,
+               optimizers: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
+    """Load `module`'s state, each name from the first of the files `entries` that holds it
+    (files `save_module` wrote for modules that may hold other parts of the model), and its
+    local optimizers' state (by key, as saved) for its parameters. Returns the files'
+    contents (their RNG states and extras): a module cut as one of them may take its RNG."""
+    wanted = set(module.state_dict())
+    parts = [load_part(directory, entry, mmap=True) for entry in entries]
+    model: dict[str, torch.Tensor] = {}
+    saved: dict[str, dict[str, dict[str, torch.Tensor]]] = {key: {} for key in optimizers}
+    for part in parts:
+        model |= {k: v for k, v in part["model"].items() if k in wanted and k not in model}
+        for key, state in saved.items():
+            for name, tensors in part["optimizers"].get(key, {}).items():
+                state.setdefault(name, tensors)
+    try:
+        module.load_state_dict(model)
+    except RuntimeError as e:
+        names = ", ".join(entry["name"] for entry in entries)
+        raise CheckpointError(f"{Path(directory)} ({names}) does not fit: {e}") from None
+    params = {n for n, _ in module.named_parameters()}
+    for key, local in optimizers.items():
+        ours = {n: s for n, s in saved[key].items() if n in params}
+        load_optimizer_state(local, module, ours)
+    return parts

@@ -1,8 +1,8 @@
 """A HybridJob's bags from the user: .npz files, or a Dataset from the user's factory.
 
 Both give what the trainers read from synthetic bags (`synthetic.SyntheticBags`): a `size`
-and `sample(i)` -> (the bag's embedding ids, its label), so `synthetic.partitions` (disjoint
-by DDP rank) and `synthetic.batches` serve every source alike.
+and `sample(i)` -> (the bag's embedding ids, its label), so `synthetic.stream` (each step's
+batch, shared among the trainers by DDP rank) serves every source alike.
 
 The file format is EmbeddingBag's own input layout, written in one line with numpy:
 

@@ -1,8 +1,9 @@
 """Synthetic data, seeded and learnable: images or tokens for a PipelineJob, bags for a HybridJob.
 
 Bags are pure Python so every piece is unit-testable and identical in every process: a sample
-is a function of (seed, index) alone, and the partition of a shuffled index list by DDP rank
-(seed 001's partitioner idea) is a function of (size, parts, seed) alone.
+is a function of (seed, index) alone, and the order the trainers read them in (`stream`: a
+seeded permutation of the samples per epoch, each step's batch split among the trainers) is a
+function of (size, seed) alone, the same at any trainer count.
 
 The task is learnable on purpose, so a falling loss shows training works: every bag draws all its
 ids from one class's rows of the table (row r belongs to class r mod classes), and its label is
@@ -10,10 +11,11 @@ that class."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,16 +52,11 @@ class SyntheticBags:
         return ids, label
 
 
-def partitions(size: int, parts: int, seed: int) -> list[list[int]]:
-    """Split sample indices 0..size-1, shuffled by seed, into `parts` disjoint parts that cover
-    them all, sizes differing by at most one. Part k belongs to DDP rank k."""
-    if parts < 1 or size < parts:
-        raise ValueError(f"cannot split {size} samples into {parts} non-empty parts")
+def order(size: int, seed: int, epoch: int) -> list[int]:
+    """Epoch `epoch`'s order of the samples 0..size-1: a function of (size, seed, epoch)."""
     indices = list(range(size))
-    random.Random(seed).shuffle(indices)
-    base, extra = divmod(size, parts)
-    bounds = [k * base + min(k, extra) for k in range(parts + 1)]
-    return [indices[bounds[k] : bounds[k + 1]] for k in range(parts)]
+    random.Random(f"pipejob-order:{seed}:{epoch}").shuffle(indices)
+    return indices
 
 
 @dataclass(frozen=True)
@@ -68,9 +65,10 @@ class Batch:
     ids: list[int]  # the bags' embedding ids, concatenated
     offsets: list[int]  # where each bag starts in `ids` (EmbeddingBag's layout)
     labels: list[int]
+    epochs: list[int] = field(default_factory=list)  # the pass over the data of each sample
 
 
-def gather(data: SyntheticBags, chosen: list[int]) -> Batch:
+def gather(data: SyntheticBags, chosen: list[int], epochs: list[int] | None = None) -> Batch:
     """Samples `chosen` of `data` (any source with `sample(i)`) as one batch."""
     ids: list[int] = []
     offsets: list[int] = []
@@ -80,18 +78,31 @@ def gather(data: SyntheticBags, chosen: list[int]) -> Batch:
         offsets.append(len(ids))
         ids.extend(bag)
         labels.append(label)
-    return Batch(chosen, ids, offsets, labels)
+    return Batch(chosen, ids, offsets, labels, epochs or [])
 
 
-def batches(data: SyntheticBags, part: list[int], batch_size: int) -> Iterator[Batch]:
-    """Batches of `batch_size` samples from `part`, cycling through it forever in order."""
-    if not part:
-        raise ValueError("cannot draw batches from an empty partition")
-    position = 0
-    while True:
-        chosen = [part[(position + j) % len(part)] for j in range(batch_size)]
-        position = (position + batch_size) % len(part)
-        yield gather(data, chosen)
+def share_of(batch: int, k: int, parts: int) -> range:
+    """Which samples of a batch of `batch` part k of `parts` takes: equal parts where they
+    divide, else sizes that differ by one."""
+    return range(k * batch // parts, (k + 1) * batch // parts)
+
+
+def stream(data: SyntheticBags, batch: int, share: tuple[int, int], seed: int,
+           start: int = 0) -> Iterator[Batch]:  # fmt: skip
+    """Trainer k of T's share, `share` (k, T), of every step's batch, forever: the steps read
+    the stream of epoch 0's order of the samples, then epoch 1's, ..., `batch` samples at a
+    time from sample `start` of the stream on, and trainer k takes samples k*batch//T to
+    (k+1)*batch//T - 1 of each (equal shares where T divides the batch). A step's batch is
+    the same at any T: a position (samples consumed) resumes at any trainer count, and no
+    sample is read twice in one epoch."""
+    if data.size < 1 or not 0 <= share[0] < share[1]:
+        raise ValueError(f"cannot read share {share[0]} of {share[1]} of {data.size} samples")
+    rows = share_of(batch, *share)
+    orders: dict[int, list[int]] = {}  # the epochs the last batch read
+    for position in itertools.count(start, batch):
+        places = [divmod(position + r, data.size) for r in rows]
+        orders = {e: orders.get(e) or order(data.size, seed, e) for e, _ in places}
+        yield gather(data, [orders[e][i] for e, i in places], [e for e, _ in places])
 
 
 class SyntheticImages:

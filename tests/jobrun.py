@@ -57,13 +57,15 @@ def pipeline_job(name: str, **fields: Any) -> dict[str, Any]:
 
 
 class JobRun:
-    def __init__(self, manifest: dict[str, Any], directory: Path, name: str = "job"):
+    def __init__(self, manifest: dict[str, Any], directory: Path, name: str = "job",
+                 args: tuple[str, ...] = ()):  # fmt: skip
+        """`pipejob run` of `manifest` with `args` (e.g. ("--size", "2"))."""
         path = directory / f"{name}.yaml"
         path.write_text(yaml.safe_dump(manifest))
         self.summary_file = directory / f"{name}.summary.json"
         self.summary_file.unlink(missing_ok=True)
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "pipejob.cli", "run", str(path), "--grace", "5"],
+            [sys.executable, "-m", "pipejob.cli", "run", str(path), "--grace", "5", *args],
             env=os.environ | {"PIPEJOB_SUMMARY_FILE": str(self.summary_file)},
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True,

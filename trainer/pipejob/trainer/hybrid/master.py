@@ -37,6 +37,7 @@ class Reports:
         self.created = time.perf_counter()
         self.last_step, self.last_time = first, self.created
         self.evaluation: dict[str, Any] | None = None  # the latest, with its step
+        self.losses: dict[int, float] = {}  # the batch's loss at each logged step
         logging = env.spec.logging
         self.events = Events(logging.tensorboard if logging else None, first)
 
@@ -67,6 +68,7 @@ class Reports:
                 samples = self.batch * (step - self.last_step)
                 rate = samples / max(now - self.last_time, 1e-9)
                 mean = sum(losses.values()) / len(losses)
+                self.losses[step] = mean
                 world.log(self.env, f"step {step}/{self.steps}  loss {mean:.4f}"
                                     f"  {rate:,.0f} samples/s")  # fmt: skip
                 steps = step - self.last_step
@@ -128,6 +130,7 @@ def train(env: Env) -> dict[str, Any]:
         _REPORTS.events.close()
     after = rpc.rpc_sync(ps, table_weight, args=(table,))
     summary = summarize(env, results, before, after, first, _REPORTS.evaluation)
+    summary["losses"] = list(_REPORTS.losses.values())  # at each logged step
     for line in render(summary):
         world.log(env, line)
     if spec.output is not None:

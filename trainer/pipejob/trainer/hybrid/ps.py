@@ -28,10 +28,6 @@ class Table:
         self.optimizers = {t: optimizer_class(self.module.parameters(), **kwargs)
                            for t in trainers}  # fmt: skip
         self.lock = threading.Lock()  # one update at a time; lookups read between them
-        # Each trainer's gradient comes weighted by its share of the batch (1 at its full
-        # count, trainers.max); fewer trainers each bring a bigger share, so the table takes
-        # the same sum of steps per batch at any count (plain SGD: exactly).
-        self.scale = spec.trainers.max / len(trainers) if trainers else 1.0
 
     def lookup(self, trainer: str, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The bags, from a leaf that shares the table's weight: when the backward brings
@@ -44,7 +40,7 @@ class Table:
     def step(self, trainer: str, grad: torch.Tensor) -> None:
         weight = self.module.weight
         with self.lock:
-            weight.grad = grad if self.scale == 1.0 else grad * self.scale
+            weight.grad = grad
             self.optimizers[trainer].step()
             weight.grad = None
 

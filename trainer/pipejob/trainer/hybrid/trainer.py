@@ -49,11 +49,12 @@ class HybridModel(nn.Module):
 
 
 class DenseStep:
-    """The dense layer's optimizer step on a step's dist-autograd gradients, deferred until
-    the next step's lookup is in flight (it needs no dense weights), so the two overlap."""
+    """The dense layer's optimizer step on a step's dist-autograd gradients (times `scale`),
+    deferred until the next step's lookup is in flight (it needs no dense weights), so the
+    two overlap."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer, scale: float = 1.0):
+        self.optimizer, self.scale = optimizer, scale
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.grads: dict[torch.Tensor, torch.Tensor] | None = None
 
@@ -65,7 +66,8 @@ class DenseStep:
         if self.grads is None:
             return
         for p in self.params:
-            p.grad = self.grads.get(p)
+            grad = self.grads.get(p)
+            p.grad = grad if grad is None or self.scale == 1.0 else grad * self.scale
         self.optimizer.step()
         self.grads = None
 
@@ -103,7 +105,6 @@ def train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, An
     optimizer = optimizer_class(linear.parameters(), **kwargs)  # the ps steps the table
     if restored is not None:
         checkpoint.load_optimizer_state(optimizer, linear, restored["optimizers"]["dense"])
-    dense_step = DenseStep(optimizer)
     ps = table.owner().name
 
     dataset, loss_fn = workloads.hybrid_data(spec), workloads.loss(spec)
@@ -114,9 +115,15 @@ def train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, An
     batches = synthetic.stream(dataset, batch, share, spec.seed, start)
     evaluate.check_dense(spec, linear, loss_fn, next(synthetic.stream(dataset, batch, share,
                          spec.seed)), device)  # fmt: skip
-    # Its loss weighted by its share of the batch (1 for equal shares): DDP's average of the
-    # trainers' gradients is then the batch's mean gradient.
-    weight = len(synthetic.share_of(batch, *share)) * env.ddp_world_size / batch
+    # The step is the same at any trainer count: each trainer's loss is weighted by its share
+    # of the batch against batchSize (1 at trainers.max), so the table, which each trainer
+    # steps with its own gradient, takes the same sum of steps per batch (plain SGD:
+    # exactly); the dense layer's average of the weighted gradients, times trainers /
+    # trainers.max, is the batch's mean gradient, and so is the loss reported.
+    taken = len(synthetic.share_of(batch, *share))
+    weight = taken / spec.batch_size
+    dense_step = DenseStep(optimizer, env.ddp_world_size / spec.trainers.max)
+    reported = taken * env.ddp_world_size / batch
     held_out = _held_out(env, spec)
     first = 0 if resume is None else resume["step"]
     read: set[tuple[int, int]] = set()  # (epoch, sample)
@@ -132,6 +139,7 @@ def train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, An
         read.update(zip(drawn.epochs, drawn.sample_ids, strict=True))
         with profiling.window(env, profile, step, servers, sync=dist.barrier) as rpc_calls:
             loss = _step(model, dense_step, drawn, device, loss_fn, weight, rpc_calls)
+        loss = loss.detach() * reported if reported != 1.0 else loss
         if step == first + 1:
             loss_first = loss.item()
         if evaluate.due(spec, step):  # first: the step's checkpoint keeps its evaluation
@@ -211,9 +219,9 @@ def _step(model: HybridModel, dense_step: DenseStep, batch: synthetic.Batch,
           device: torch.device, loss_fn: workloads.Loss, weight: float = 1.0,
           rpc_calls: profiling.RpcCalls = contextlib.nullcontext) -> torch.Tensor:  # fmt: skip
     """One step; `rpc_calls` wraps its RPCs (the lookup), not DDP's parts. The backward (of
-    the loss times `weight`, this trainer's share of the step's batch) steps the table on the
-    ps; the dense layer's step (on gradients DDP averaged across the trainers during the
-    backward) is deferred to overlap the next lookup. Returns the weighted loss."""
+    the loss times `weight`) steps the table on the ps; the dense layer's step (on gradients
+    DDP averaged across the trainers during the backward) is deferred to overlap the next
+    lookup. Returns the loss."""
     ids, offsets = torch.tensor(batch.ids), torch.tensor(batch.offsets)
     labels = torch.tensor(batch.labels, device=device)
     with dist_autograd.context() as context:
@@ -222,8 +230,6 @@ def _step(model: HybridModel, dense_step: DenseStep, batch: synthetic.Batch,
             dense_step.flush()  # the previous step's, while the lookup is in flight
             bags = lookup.wait()
         loss = loss_fn(model(bags), labels)
-        if weight != 1.0:
-            loss = loss * weight
-        dist_autograd.backward(context, [loss])
+        dist_autograd.backward(context, [loss * weight if weight != 1.0 else loss])
         dense_step.defer(dist_autograd.get_gradients(context))
     return loss

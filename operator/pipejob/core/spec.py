@@ -43,8 +43,10 @@ class Job:
     namespace: str | None
     spec: dict[str, Any]  # defaulted and validated, camelCase as in the manifest
     uid: str | None = None
-    # The size its world runs at (core/elastic.py); None: the spec's largest.
+    # The size its world runs at (core/elastic.py); None: the spec's largest. And how many
+    # times the world has changed size: a gang of another size is a new gang.
     size: int | None = None
+    resizes: int = 0
 
     @property
     def definition(self) -> Kind:

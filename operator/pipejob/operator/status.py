@@ -43,8 +43,9 @@ FINISHED = (SUCCEEDED, FAILED)
 # Preflight, the outcome of the world's communication check before training.
 CREATED = "Created"
 PREFLIGHT = "Preflight"
+RESIZED = "Resized"  # an elastic world's last change of size, and why
 PHASE_CONDITIONS = (QUEUED, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
-CONDITIONS = (CREATED, *PHASE_CONDITIONS, PREFLIGHT)
+CONDITIONS = (CREATED, *PHASE_CONDITIONS, PREFLIGHT, RESIZED)
 
 
 _COUNT = Field("integer", "Pods in this state.", minimum=0)
@@ -75,11 +76,16 @@ STATUS = Field(
         ),
         "startTime": Field("string", "When the operator started the job (RFC 3339)."),
         "completionTime": Field("string", "When the job succeeded or failed (RFC 3339)."),
-        "replicas": Field(
+        "resizes": Field(
             "integer",
-            "PipelineJob with replicas: copies of the pipeline in the current world.",
+            "Whole-world restarts at another size (an elastic replicas or trainers); they"
+            " spend no backoffLimit and count in the world's number.",
             minimum=0,
         ),
+        "replicas": Field(
+            "integer", "PipelineJob: copies of the pipeline the current world runs.", minimum=0
+        ),
+        "trainers": Field("integer", "HybridJob: trainers the current world runs.", minimum=0),
         "roles": Field(
             "object",
             "Pods of the current world per role (master, stage, ps, trainer), by pod phase.",
@@ -96,8 +102,8 @@ STATUS = Field(
         ),
         "conditions": Field(
             "array",
-            "Created, Queued, Running, Restarting, Suspended, Succeeded, Failed and Preflight,"
-            " each with why.",
+            "Created, Queued, Running, Restarting, Suspended, Succeeded, Failed, Preflight"
+            " and Resized, each with why.",
             items=Field(
                 "object",
                 "One condition of the job.",
@@ -144,6 +150,12 @@ STATUS = Field(
                 "resumedFromStep": Field(
                     "integer", "The checkpoint step the current world resumed from.", minimum=0
                 ),
+                "checkpointStep": Field(
+                    "integer",
+                    "The step of the newest checkpoint the current world wrote.",
+                    minimum=0,
+                ),
+                "checkpointTime": Field("string", "When it was written (RFC 3339)."),
                 "message": Field("string", "The master's last word on its state."),
                 "evalStep": Field(
                     "integer",
@@ -207,8 +219,10 @@ def pod_phase(pod: dict) -> str:
 
 
 def world(status: dict) -> int:
-    """The number of the job's current world: every restart, failed or preempted, makes one."""
-    return int(status.get("restarts") or 0) + int(status.get("preemptions") or 0)
+    """The number of the job's current world: every restart, failed, preempted or resized,
+    makes one."""
+    counts = ("restarts", "preemptions", "resizes")
+    return sum(int(status.get(count) or 0) for count in counts)
 
 
 # Kueue's older releases name the condition TerminationTarget.

@@ -31,7 +31,6 @@ so it does not depend on object identities or orders."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import random
@@ -126,20 +125,42 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class _Hashing:
+    """A file that hashes and counts what is written to it: torch.save streams a part into
+    the file, with no copy of it in memory, and its SHA-256 comes along."""
+
+    def __init__(self) -> None:
+        self.digest, self.bytes, self.file = hashlib.sha256(), 0, None
+
+    def over(self, file: BinaryIO) -> _Hashing:
+        self.file = file
+        return self
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.digest.update(view)
+        self.bytes += view.nbytes
+        return self.file.write(view)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def save_part(directory: str | Path, name: str, state: Any) -> dict[str, Any]:
-    """torch.save `state` as `directory/name`, atomically; its manifest entry."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getbuffer()
-    write_atomic(Path(directory) / name, lambda f: f.write(data))
-    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    """torch.save `state` as `directory/name`, atomically, straight into the file; its
+    manifest entry."""
+    written = _Hashing()
+    write_atomic(Path(directory) / name, lambda f: torch.save(state, written.over(f)))
+    return {"name": name, "bytes": written.bytes, "sha256": written.digest.hexdigest()}
 
 
-def load_part(directory: str | Path, entry: dict[str, Any], mmap: bool = False) -> Any:
-    """torch.load a part after checking it is exactly what the manifest says; with `mmap`,
-    its tensors stay in the file until they are read."""
+def load_part(directory: str | Path, entry: dict[str, Any], mmap: bool = False,
+              checksum: bool = True) -> Any:  # fmt: skip
+    """torch.load a part after checking it is exactly what the manifest says (its size, and
+    its SHA-256 unless the caller knows it was checked); with `mmap`, its tensors stay in the
+    file until they are read."""
     path = Path(directory) / entry["name"]
-    problem = _mismatch(path, entry)
+    problem = _mismatch(path, entry, checksum)
     if problem:
         raise CheckpointError(f"{path}: {problem}")
     return torch.load(path, weights_only=False, mmap=mmap)
@@ -270,10 +291,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def optimizer_state(local: Any, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+def optimizer_state(local: Any, module: nn.Module,
+                    copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:  # fmt: skip
     """The state of a torch.optim optimizer or of one of DistributedOptimizer's local
     optimizers (the object an entry of `remote_optimizers` refers to, on its owner), by name
-    of `module`'s parameters."""
+    of `module`'s parameters, on the CPU: a copy, or (`copy` False, for a caller that writes
+    it at once) the live tensors where they are on the CPU already."""
     names = {id(p): n for n, p in module.named_parameters()}
     if isinstance(local, _LocalOptimizer | torch.optim.Optimizer):
         optim = local.optim if isinstance(local, _LocalOptimizer) else local
@@ -283,7 +306,7 @@ def optimizer_state(local: Any, module: nn.Module) -> dict[str, dict[str, torch.
         functional = local.optim  # a copy of the TorchScript object, sharing its tensors
         state, params = functional.state, functional.param_group["params"]
     return {
-        names[id(p)]: {k: _copy(v, torch.device("cpu")) for k, v in state[p].items()}
+        names[id(p)]: {k: _to(v, torch.device("cpu"), copy) for k, v in state[p].items()}
         for p in params
         if p in state and state[p]
     }
@@ -297,7 +320,8 @@ def load_optimizer_state(local: Any, module: nn.Module,
     if unknown:
         raise CheckpointError(f"optimizer state for parameters this model lacks: {unknown[:5]}")
     # As torch.optim's load_state_dict does: "step" counters stay on the CPU.
-    state = {params[n]: {k: _copy(v, torch.device("cpu") if k == "step" else params[n].device)
+    state = {params[n]: {k: _to(v, torch.device("cpu") if k == "step" else params[n].device,
+                                copy=True)
                          for k, v in s.items()}
              for n, s in saved.items()}  # fmt: skip
     if isinstance(local, torch.optim.Optimizer):
@@ -317,11 +341,9 @@ def local_optimizers(optimizer: Any) -> dict[str, Any]:
     return {rref.owner().name: rref for rref in optimizer.remote_optimizers}
 
 
-def _copy(value: Any, device: torch.device) -> Any:
-    """A tensor's copy on `device` (checkpoints hold CPU tensors); other values as they are."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device, copy=True)
-    return value
+def _to(value: Any, device: torch.device, copy: bool = False) -> Any:
+    """A tensor on `device` (a copy if asked); other values as they are."""
+    return value.detach().to(device, copy=copy) if isinstance(value, torch.Tensor) else value
 
 
 def save_module(directory: str | Path, name: str, module: nn.Module,
@@ -331,7 +353,10 @@ def save_module(directory: str | Path, name: str, module: nn.Module,
     manifest entry, which says the names the file holds (write_manifest indexes them)."""
     state = {
         "model": {k: v.detach().cpu() for k, v in module.state_dict().items()},
-        "optimizers": {key: optimizer_state(o, module) for key, o in optimizers.items()},
+        "optimizers": {
+            key: optimizer_state(o, module, copy=False)  # written at once
+            for key, o in optimizers.items()
+        },  # fmt: skip
         "rng": rng_state(),
         **extra,
     }
@@ -387,24 +412,38 @@ def load_named(directory: str | Path, entries: list[dict[str, Any]], module: nn.
                optimizers: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
     """Load `module`'s state, each name from the first of the files `entries` that holds it
     (files `save_module` wrote for modules that may hold other parts of the model), and its
-    local optimizers' state (by key, as saved) for its parameters. Returns the files'
-    contents (their RNG states and extras): a module cut as one of them may take its RNG."""
-    wanted = set(module.state_dict())
-    parts = [load_part(directory, entry, mmap=True) for entry in entries]
-    model: dict[str, torch.Tensor] = {}
-    saved: dict[str, dict[str, dict[str, torch.Tensor]]] = {key: {} for key in optimizers}
-    for part in parts:
-        model |= {k: v for k, v in part["model"].items() if k in wanted and k not in model}
-        for key, state in saved.items():
-            for name, tensors in part["optimizers"].get(key, {}).items():
-                state.setdefault(name, tensors)
-    try:
-        module.load_state_dict(model)
-    except RuntimeError as e:
-        names = ", ".join(entry["name"] for entry in entries)
-        raise CheckpointError(f"{Path(directory)} ({names}) does not fit: {e}") from None
+    local optimizers' state (by key, as saved) for its parameters. One file at a time,
+    memory-mapped: each name is copied into the module (and its optimizer state out) from the
+    file, so no more of a file is read than the module's own share. The files' SHA-256 is
+    not checked again (the master checked it: `latest`), their sizes are. Returns each file's
+    other contents (RNG states, extras): a module cut as one of them may take its RNG."""
+    targets = module.state_dict()  # the live tensors, under the module's own names
     params = {n for n, _ in module.named_parameters()}
+    saved: dict[str, dict[str, dict[str, Any]]] = {key: {} for key in optimizers}
+    found: set[str] = set()
+    others = []
+    for entry in entries:
+        part = load_part(directory, entry, mmap=True, checksum=False)
+        with torch.no_grad():
+            for name, value in part["model"].items():
+                if name in targets and name not in found:
+                    if value.shape != targets[name].shape:
+                        raise CheckpointError(
+                            f"{Path(directory) / entry['name']} does not fit: {name} is"
+                            f" {tuple(value.shape)} there, {tuple(targets[name].shape)} here"
+                        )
+                    targets[name].copy_(value)
+                    found.add(name)
+        for key, state in saved.items():  # copied out of the mapping below
+            for name, tensors in part["optimizers"].get(key, {}).items():
+                if name in params and name not in state:
+                    state[name] = tensors
+        others.append({k: v for k, v in part.items() if k not in ("model", "optimizers")})
+        del part
+    missing = sorted(set(targets) - found)
+    if missing:
+        names = ", ".join(entry["name"] for entry in entries)
+        raise CheckpointError(f"{Path(directory)} ({names}) holds no {', '.join(missing[:5])}")
     for key, local in optimizers.items():
-        ours = {n: s for n, s in saved[key].items() if n in params}
-        load_optimizer_state(local, module, ours)
-    return parts
+        load_optimizer_state(local, module, saved[key])
+    return others

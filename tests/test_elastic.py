@@ -12,6 +12,7 @@ of a pair, run with `pipejob run --size`."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from jobrun import TOLERANCE, JobRun, pipeline_job
+from pipejob.core.contract import ExitCode
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.workloads.data import StreamSampler, share
 from pipejob.trainer.workloads.synthetic import order, share_of
@@ -196,3 +198,25 @@ def test_a_hybrid_job_resumes_with_another_trainer_count_as_a_run_of_that_count(
         trained += after
     before = [i for step in range(K) for k in range(2) for i in shares(step, k, 2)]
     assert sorted(before + trained) == list(range(BAGS))
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(runs: Runs, tmp_path: Path) -> None:
+    """What no shape can resume: the job fails at once, permanently, saying why (no
+    traceback, no restart spent)."""
+    full = runs.full("2x1m2", pipeline(2, 2), 1)
+    root = stopped_at_k(full, tmp_path / "ckpt")
+
+    def wider(root: Path, folder: Path) -> dict[str, Any]:
+        manifest = pipeline(2, 2)(root, folder)
+        manifest["spec"]["model"]["args"]["width"] = 8
+        return manifest
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "reads").mkdir()
+    with JobRun(wider(root, tmp_path / "other" / "reads"), tmp_path / "other") as job:
+        assert job.finish(200) == ExitCode.PERMANENT, job.output
+    assert re.search(r"^master\s*\| permanent: CheckpointUnusable: .*step-00000002 holds a"
+                     r" checkpoint of model \{.*'args': \{'classes': 10\}\}, not model \{.*"
+                     r"'width': 8\}\}; give this job another checkpoint.path", job.output,
+                     re.M), job.output  # fmt: skip
+    assert "Traceback" not in job.output

@@ -200,3 +200,29 @@ def grow(job: Job, at: int, pods: list[dict], training: dict) -> Resize | None:
     return Resize(new, "ScaledUp", f"scaled from {at} to {new} {field}: {len(ready)} standby"
                   f" pods run (capacity returned); resuming from the checkpoint of step"
                   f" {training.get('checkpointStep')}")  # fmt: skip
+
+
+def standby_changes(job: Job, at: int | None, world: int, pods: list[dict], running: bool,
+                    namespace: str, owner: dict | None,
+                    image: str) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """The standby pods to make and those to delete beside world `world` at size `at`, given
+    those that exist (`pods`): made once every pod of the world runs (`running`: never
+    competing with it for room), gone once the world is not the one they wait beside, or no
+    longer below its largest size."""
+    wanted = standby(job, at, world, namespace, owner, image)
+    names = {p["metadata"]["name"] for p in wanted}
+    stale = [p for p in pods if p["metadata"]["name"] not in names and not st.deleting(p)]
+    have = {p["metadata"]["name"] for p in pods}
+    make = [p for p in wanted if p["metadata"]["name"] not in have] if running else []
+    return make, stale
+
+
+def resize(job: Job, at: int | None, planned: list[dict], by_name: dict, pods: list[dict],
+           old: dict, status: dict, now: datetime) -> Resize | None:  # fmt: skip
+    """Another size for an elastic world: larger while it runs (`grow`, its standby `pods`),
+    smaller while it waits (`shrink`)."""
+    if at is None:
+        return None
+    if old.get("phase") == st.RUNNING:
+        return grow(job, at, pods, status.get("training") or {})
+    return shrink(job, at, planned, by_name, old, now)

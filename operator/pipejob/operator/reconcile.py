@@ -1,6 +1,10 @@
 """The operator's one decision: from what is observed (the job object and its pods) to what
 to do (status, pods to create or delete, events). Pure and level-based: it reads no memory
-of earlier calls, so the operator can be restarted at any moment and converges again."""
+of earlier calls, so the operator can be restarted at any moment and converges again.
+
+Over 400 lines because every situation of a job's life is decided here, in one pass, in the
+order they take precedence; what gang schedulers and elastic sizes add is decided in
+queueing.py, gang.py and elastic.py, and only applied here."""
 
 from __future__ import annotations
 
@@ -181,7 +185,7 @@ def _decide(
     if failure is not None and not _cause_may_follow(failure, current, now):
         return _fail(acts, job, old, failure, live, now)
 
-    resize = _resize_to(job, at, planned, by_name, standby, old, acts.status, now)
+    resize = elastic.resize(job, at, planned, by_name, standby, old, acts.status, now)
     if resize is not None:  # a world of another size, resumed from its checkpoint
         return _resize(acts, job, old, resize, live, now)
 
@@ -245,17 +249,6 @@ def _decide(
     return acts
 
 
-def _resize_to(job: Job, at: int | None, planned: list[dict], by_name: dict, standby: list[dict],
-               old: dict, status: dict, now: datetime) -> elastic.Resize | None:  # fmt: skip
-    """Another size for an elastic world: smaller when its pods stay unschedulable (or its
-    gang unadmitted), larger at the first checkpoint after its standby pods all run."""
-    if at is None:
-        return None
-    if old.get("phase") == st.RUNNING:
-        return elastic.grow(job, at, standby, status.get("training") or {})
-    return elastic.shrink(job, at, planned, by_name, old, now)
-
-
 def _resize(acts: Actions, job: Job, old: dict, resize: elastic.Resize, live: list[dict],
             now: datetime) -> Actions:  # fmt: skip
     """A new world at another size (status.resizes counts it, as part of the world's number);
@@ -280,18 +273,14 @@ def _ended(pod: dict) -> bool:
 
 def _keep_standby(acts: Actions, job: Job, at: int | None, restart: int, standby: list[dict],
                   running: bool, job_obj: dict, image: str) -> None:  # fmt: skip
-    """Standby pods beside a world running below its largest size (elastic.py): made once
-    every pod of the world runs (never competing with it for room), and gone with it."""
+    """The standby pods beside the world (elastic.standby_changes): made, and gone."""
     namespace = job_obj["metadata"].get("namespace") or "default"
-    wanted = elastic.standby(job, at, restart, namespace, kube.owner_reference(job_obj), image)
-    names = {p["metadata"]["name"] for p in wanted}
-    stale = [p for p in standby if p["metadata"]["name"] not in names and not st.deleting(p)]
+    make, stale = elastic.standby_changes(job, at, restart, standby, running, namespace,
+                                          kube.owner_reference(job_obj), image)  # fmt: skip
+    acts.create += make
     acts.delete += stale
-    if gang.provider(job) == sch.KUEUE:
+    if gang.provider(job) == sch.KUEUE:  # their groups end: Kueue frees their quota
         acts.end_group += [p for p in stale if not _ended(p)]
-    if running:
-        have = {p["metadata"]["name"] for p in standby}
-        acts.create += [p for p in wanted if p["metadata"]["name"] not in have]
 
 
 def without_podgroup(acts: Actions, old: dict, error: str, now: datetime) -> Actions:

@@ -10,7 +10,9 @@ A module's state is saved under the model's own names (parameters, buffers and t
 optimizer state), and the manifest's `index` says which file holds each name, so a world cut
 another way resumes it: each part loads its own names from whichever files hold them
 (`load_named`), memory-mapped, so a part reads no more of a file than its names. Nothing here
-depends on the engine that cut the model or on how many copies of it ran.
+depends on the engine that cut the model or on how many copies of it ran. Over 400 lines
+because the files, the manifest and the state they hold by name are one format, written and
+read in this one place by every engine and role.
 
 Every file is written atomically: a temporary file in the same directory, fsync, rename,
 fsync of the directory. A crash leaves the old file or the new one, never a mix, and a

@@ -12,8 +12,9 @@ anonymous memory, sampled every 2 ms) of the slowest and the largest stage, and 
 disk. Load times are with the page cache warm (the files were
 just written; nothing here drops the machine's caches).
 
-- pipejob: one file per stage, `runtime/checkpoint.py`'s save_module (torch.save, atomic,
-  SHA-256 in the manifest) and load_named (the files memory-mapped, each name copied in).
+- pipejob: one file per stage, `runtime/checkpoint.py`'s save_module (torch.save straight to
+  the file, atomic, SHA-256 in the manifest), the master's verify of every file (once), and
+  load_named (the files memory-mapped, each name copied in).
 - DCP: each stage's `dcp.save` of {model, optim} to a directory of its own, with no process
   group (the RPC engine has none spanning the stages); a loading stage `dcp.load`s its names,
   in place, from each directory that holds any (DefaultLoadPlanner(allow_partial_load=True)).
@@ -50,9 +51,10 @@ def units(layers: int, stages: int) -> list[list[str]]:
     return out
 
 
-def shard(args: argparse.Namespace, names: list[str], seed: int) -> Any:
+def shard(args: argparse.Namespace, names: list[str], seed: int, trained: bool) -> Any:
     """A stage's module holding the model's `names` under their own names, with random
-    weights, and an SGD optimizer whose momentum is filled."""
+    weights, and an SGD optimizer: with its momentum filled (`trained`, a stage that saves),
+    or fresh (a stage that resumes: its state is what it loads)."""
     import torch
     from torch import nn
 
@@ -77,12 +79,19 @@ def shard(args: argparse.Namespace, names: list[str], seed: int) -> Any:
     with torch.no_grad():
         for p in root.parameters():
             p.normal_(generator=generator)
-            optimizer.state[p]["momentum_buffer"] = torch.randn(p.shape, generator=generator)
+            if trained:
+                optimizer.state[p]["momentum_buffer"] = torch.randn(p.shape, generator=generator)
     return root, optimizer
 
 
 def _dcp_state(module: Any, optimizer: Any) -> dict[str, Any]:
-    """{model, optim} by the model's own names: what a stage gives DCP."""
+    """{model, optim} by the model's own names: what a stage gives DCP to save, or to load
+    into (a fresh optimizer's state made first, as DCP loads in place)."""
+    import torch
+
+    for p in module.parameters():
+        if "momentum_buffer" not in optimizer.state[p]:
+            optimizer.state[p]["momentum_buffer"] = torch.empty_like(p)
     names = {id(p): n for n, p in module.named_parameters()}
     optim = {names[id(p)]: s["momentum_buffer"] for p, s in optimizer.state.items()}
     return {"model": module.state_dict(), "optim": optim}
@@ -95,10 +104,14 @@ def op(args: argparse.Namespace) -> dict[str, float]:
 
     from pipejob.trainer.runtime import checkpoint, memory
 
+    root = Path(args.dir) / args.format
+    if args.op == "verify":  # pipejob's master, once: every file's SHA-256 against the manifest
+        start = time.perf_counter()
+        assert isinstance(checkpoint.verify(checkpoint.step_dir(root, 1)), checkpoint.Checkpoint)
+        return {"seconds": time.perf_counter() - start, "extra": 0, "anon": 0}
     stages = args.save_stages if args.op == "save" else args.load_stages
     names = units(args.layers, stages)[args.stage]
-    module, optimizer = shard(args, names, seed=args.stage)
-    root = Path(args.dir) / args.format
+    module, optimizer = shard(args, names, seed=args.stage, trained=args.op == "save")
     before, anon_before = (memory.status_kb(f) * 1024 for f in ("VmRSS", "RssAnon"))
     anon = Sampler(lambda: memory.status_kb("RssAnon") * 1024)
     memory.reset_peak()
@@ -112,8 +125,9 @@ def op(args: argparse.Namespace) -> dict[str, float]:
         dcp.save(_dcp_state(module, optimizer), checkpoint_id=str(root / f"stage{args.stage}"))
         out = {}
     elif args.format == "pipejob":
-        found = checkpoint.verify(checkpoint.step_dir(root, 1))
-        assert isinstance(found, checkpoint.Checkpoint), found
+        directory = checkpoint.step_dir(root, 1)  # the master verified it (the "verify" row)
+        manifest = json.loads((directory / checkpoint.MANIFEST).read_text())
+        found = checkpoint.Checkpoint(1, directory, manifest)
         wanted = list(module.state_dict())
         entries = checkpoint.sources(found, checkpoint.index_of(found), wanted)
         checkpoint.load_named(found.directory, entries, module, {"optimizer": optimizer})
@@ -181,12 +195,13 @@ def one_repeat(args: argparse.Namespace, fmt: str, tmp: Path) -> dict[str, Any]:
         held = {str(directory / f"stage{k}"): _names(args, k) for k in range(args.save_stages)}
         (directory / "held.json").write_text(json.dumps(held))
     on_disk = size_of(directory)
+    checked = [run_op(args, "verify", fmt, 0, tmp)] if fmt == "pipejob" else []
     loaded = [run_op(args, "load", fmt, k, tmp) for k in range(args.load_stages)]
-    return {"save": saved, "load": loaded, "bytes": on_disk}
+    return {"save": saved, "verify": checked, "load": loaded, "bytes": on_disk}
 
 
 def _names(args: argparse.Namespace, stage: int) -> list[str]:
-    module, _ = shard(args, units(args.layers, args.save_stages)[stage], seed=0)
+    module, _ = shard(args, units(args.layers, args.save_stages)[stage], seed=0, trained=False)
     return list(module.state_dict())
 
 
@@ -199,7 +214,7 @@ def main() -> None:
     parser.add_argument("--load-stages", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2, help="interleaved, per format")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per operation")
-    parser.add_argument("--op", choices=("save", "load"), help=argparse.SUPPRESS)
+    parser.add_argument("--op", choices=("save", "verify", "load"), help=argparse.SUPPRESS)
     parser.add_argument("--format", choices=FORMATS, help=argparse.SUPPRESS)
     parser.add_argument("--stage", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -218,20 +233,22 @@ def main() -> None:
         f" {args.save_stages} stages, loaded by {args.load_stages} (each a process of its"
         f" own); {args.repeats} interleaved repeat(s), median [min-max]; {machine()}"
     )
-    print(f"  {'format':<8} {'op':<5} {'slowest stage s':>16} {'sum of stages s':>16}"
+    print(f"  {'format':<8} {'op':<6} {'slowest stage s':>16} {'sum of stages s':>16}"
           f" {'extra VmHWM GB':>16} {'extra anon GB':>16} {'on disk GB':>11}")  # fmt: skip
     for fmt, repeats in results.items():
-        for what in ("save", "load"):
+        for what in ("save", "verify", "load") if fmt == "pipejob" else ("save", "load"):
             slowest = [max(s["seconds"] for s in r[what]) for r in repeats]
             total = [sum(s["seconds"] for s in r[what]) for r in repeats]
             extra = [max(s["extra"] for s in r[what]) / GB for r in repeats]
             anon = [max(s["anon"] for s in r[what]) / GB for r in repeats]
             disk = f"{repeats[0]['bytes'] / GB:>11.2f}" if what == "save" else f"{'':>11}"
-            print(f"  {fmt:<8} {what:<5} {fmt_spread(slowest, 2):>16} {fmt_spread(total, 2):>16}"
+            print(f"  {fmt:<8} {what:<6} {fmt_spread(slowest, 2):>16} {fmt_spread(total, 2):>16}"
                   f" {fmt_spread(extra, 2):>16} {fmt_spread(anon, 2):>16} {disk}")  # fmt: skip
     print(
         "  extra: the largest stage's peak over what it held before (VmHWM counts the pages of"
-        " a memory-mapped file it touched, which the kernel may drop; anon does not)"
+        " a memory-mapped file it touched, which the kernel may drop; anon does not); a loading"
+        " stage starts with a fresh optimizer, so its momentum, which both formats make, is in"
+        " it; verify: pipejob's master checks every file's SHA-256 once before the stages load"
     )
 
 

@@ -143,3 +143,17 @@ def test_gpu_compares_pipejob_with_one_process_on_the_cpu_when_asked():
                           out.stdout)  # fmt: skip
         assert alone and piped and other, out.stdout
         assert min(float(m.group(1)) for m in (alone, piped, other)) > 0, out.stdout
+
+
+@pytest.mark.timeout(HANG + 60)
+def test_checkpoint_compares_pipejob_s_files_with_dcp_resharded(tmp_path: Path):
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "checkpoint.py"), "--layers", "2", "--width", "32",
+         "--heads", "2", "--save-stages", "2", "--load-stages", "1", "--repeats", "1"],
+        capture_output=True, text=True, timeout=HANG, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    figures = r"\s+[\d.]+ \[[\d.-]+\]" * 4
+    for fmt in ("pipejob", "dcp"):
+        for op in ("save", "load"):
+            assert re.search(rf"^  {fmt} +{op}{figures}", out.stdout, re.M), out.stdout

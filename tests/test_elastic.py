@@ -23,7 +23,7 @@ import pytest
 from jobrun import TOLERANCE, JobRun, pipeline_job
 from pipejob.core.contract import ExitCode
 from pipejob.trainer.runtime import checkpoint
-from pipejob.trainer.workloads.data import StreamSampler, share
+from pipejob.trainer.workloads.data import StreamSampler
 from pipejob.trainer.workloads.synthetic import order, share_of
 
 pytestmark = pytest.mark.timeout(600)
@@ -136,7 +136,7 @@ def test_a_pipeline_resumes_on_another_shape_as_a_run_of_that_shape(
     stream = StreamSampler(SIZE, whole, seed=3)
     names = ["stage0"] if r2 == 1 else [f"r{r}-stage0" for r in range(r2)]
     for r, name in enumerate(names):
-        rows = share(whole, r, r2)
+        rows = share_of(whole, r, r2)
         shares = [i for step in range(K, STEPS + 1)
                   for i in stream.take(step * whole + rows.start, len(rows))]  # fmt: skip
         got = resumed["reads"][name]

@@ -28,8 +28,9 @@ from pipejob.trainer.runtime.world import Env
 class Reports:
     """Prints one line per logged step once every trainer has reported it."""
 
-    def __init__(self, env: Env, trainers: list[str], first: int = 0):
+    def __init__(self, env: Env, trainers: list[str], first: int = 0, samples: int = 0):
         self.env, self.trainers, self.first = env, trainers, first
+        self.samples = samples  # of the data's stream, read before step `first`
         self.steps = env.spec.steps
         self.batch = env.spec.batch_size * env.spec.trainers.max  # a step's, at any count
         self.lock = threading.Lock()
@@ -103,7 +104,6 @@ def train(env: Env) -> dict[str, Any]:
     emb = spec.embedding
     [ps], trainers = env.names("ps"), env.names("trainer")
     table = rpc.remote(ps, Table, args=(spec, trainers))
-    _POSITION[:] = [0, 0]
     found = checkpoint.latest_for(env)
     resume = None if found is None else _resume(env, found, table)
     first = 0 if resume is None else resume["step"]
@@ -118,7 +118,7 @@ def train(env: Env) -> dict[str, Any]:
     world.log(env, f"training {spec.steps} steps x {spec.batch_size} bags on"
                    f" {', '.join(trainers)}; EmbeddingBag {emb.num_embeddings}x{emb.dim}"
                    f" ({emb.mode}) on {ps}")  # fmt: skip
-    _REPORTS = Reports(env, trainers, first)
+    _REPORTS = Reports(env, trainers, first, 0 if resume is None else resume["samples"])
     monitor.board().phase("training")
     # A training loop may run for hours: no RPC timeout (0) on it. A trainer that dies fails
     # its future when its connection breaks.
@@ -166,13 +166,8 @@ def _resume(env: Env, found: checkpoint.Checkpoint, table: rpc.RRef) -> dict[str
         + (f", written by {saved} trainers" if saved not in (None, count) else ""),
     )
     monitor.board().resumed(found.step)
-    _POSITION[:] = [found.step, samples]
     return {"step": found.step, "directory": directory, "dense": found.entry("dense.pt"),
             "samples": samples}  # fmt: skip
-
-
-# The data's position the run started from: [step, samples of the stream consumed by then].
-_POSITION = [0, 0]
 
 
 def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> None:
@@ -180,8 +175,8 @@ def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> No
     env = world.current()
     root = env.spec.checkpoint.path
     start = time.perf_counter()
-    first, consumed = _POSITION
-    samples = consumed + (step - first) * env.spec.batch_size * env.spec.trainers.max
+    assert _REPORTS is not None, "a checkpoint reached a process that is not the master"
+    samples = _REPORTS.samples + (step - _REPORTS.first) * _REPORTS.batch  # the data's position
     own = checkpoint.save_part(
         checkpoint.step_dir(root, step),
         "master.pt",
@@ -189,7 +184,7 @@ def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> No
     )
     files = [own, *files]
     # The model's spec and latest evaluation travel along, for `pipejob export`.
-    evaluation = {} if _REPORTS is None or _REPORTS.evaluation is None else _REPORTS.evaluation
+    evaluation = _REPORTS.evaluation or {}
     checkpoint.write_manifest(root, step, files, kind=env.kind, job=env.job,
                               trainerCount=len(env.names("trainer")),
                               model=output.model_spec(env.spec),

@@ -40,6 +40,7 @@ from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, data, metrics, models
 from pipejob.trainer.workloads.materialize import META
 from pipejob.trainer.workloads.metrics import Tally
+from pipejob.trainer.workloads.synthetic import share_of
 
 
 def train(env: Env) -> dict[str, Any]:
@@ -92,7 +93,7 @@ def train(env: Env) -> dict[str, Any]:
                        " cost")  # fmt: skip
     batch = spec.batch_size * spec.replicas.max  # of every round, at every size
     if count > 1 or spec.replicas.elastic:
-        shares = sorted({len(data.share(batch, r, count)) for r in range(count)})
+        shares = sorted({len(share_of(batch, r, count)) for r in range(count)})
         world.log(env, f"{count} replica(s) of the pipeline (replicas {spec.replicas.min} to"
                        f" {spec.replicas.max}), {' or '.join(map(str, shares))} of each batch's"
                        f" {batch} samples each; stage i of every replica averages its"

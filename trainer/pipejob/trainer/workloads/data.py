@@ -28,6 +28,7 @@ from pipejob.trainer.workloads.synthetic import (
     SyntheticImages,
     SyntheticTokens,
     held_out_images,
+    share_of,
 )
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -49,7 +50,7 @@ class StreamSampler(Sampler[list[int]]):
     """Batches of B indices of a dataset of `size`, from sample `start` of the stream on,
     forever: the global stream is epoch 0's permutation, then epoch 1's, ...; a batch may span
     two epochs. With `share` (r, R), only the r-th of R parts of each batch (a replica's, see
-    `share`)."""
+    synthetic.share_of)."""
 
     def __init__(self, size: int, batch: int, seed: int, start: int = 0,
                  share: tuple[int, int] = (0, 1)):  # fmt: skip
@@ -73,7 +74,7 @@ class StreamSampler(Sampler[list[int]]):
         return out
 
     def __iter__(self) -> Iterator[list[int]]:
-        rows = share(self.batch, *self.share)
+        rows = share_of(self.batch, *self.share)
         for k in itertools.count():
             yield self.take(self.start + k * self.batch + rows.start, len(rows))
 
@@ -90,12 +91,6 @@ class _Indexed(Dataset):
     def __getitem__(self, i: int) -> tuple[int, Any, Any]:
         x, y = self.dataset[i]
         return i, x, y
-
-
-def share(batch: int, replica: int, replicas: int) -> range:
-    """Which samples of a batch of `batch` replica `replica` of `replicas` takes: equal parts
-    where they divide, else sizes that differ by one."""
-    return range(replica * batch // replicas, (replica + 1) * batch // replicas)
 
 
 def _loader(dataset: Any, batches: Any, workers: int, seed: int) -> DataLoader:
@@ -146,7 +141,7 @@ class Feed:
             inputs, labels = self.stream.batch()
             if self.share[1] == 1:
                 return inputs, labels
-            rows = share(len(inputs), *self.share)
+            rows = share_of(len(inputs), *self.share)
             rows = slice(rows.start, rows.stop)
             return inputs[rows].clone(), labels[rows].clone()  # not the whole batch's storage
         if self._iterator is None:

@@ -82,8 +82,8 @@ def gather(data: SyntheticBags, chosen: list[int], epochs: list[int] | None = No
 
 
 def share_of(batch: int, k: int, parts: int) -> range:
-    """Which samples of a batch of `batch` part k of `parts` takes: equal parts where they
-    divide, else sizes that differ by one."""
+    """Which samples of a batch of `batch` part k of `parts` takes (a replica's, a
+    trainer's): equal parts where they divide, else sizes that differ by one."""
     return range(k * batch // parts, (k + 1) * batch // parts)
 
 

@@ -35,6 +35,12 @@ def events(api: Api) -> list[tuple[str, str]]:
     return [(e["reason"], e["message"]) for e in found]
 
 
+def event(api: Api, reason: str) -> str:
+    """The message of the Event `reason`, once posted (the operator posts Events after it
+    writes the status)."""
+    return api.wait(f"a {reason} Event", lambda: dict(events(api)).get(reason), 30)
+
+
 def master_log(kubelet: Kubelet, name: str, world: int) -> str:
     """The log of world `world`'s master (the pods of every world share its name)."""
     runs = [r for r in kubelet.runs(NS) if r.name == f"{name}-master-0"
@@ -75,11 +81,11 @@ def test_a_world_shrinks_when_a_replica_cannot_be_placed_and_grows_back_when_it_
     api.wait("a world of 1 replica", lambda: status(api, name).get("replicas") == 1, 90)
     shrunk = status(api, name)
     assert (shrunk["restarts"], shrunk["preemptions"], shrunk["resizes"]) == (0, 1, 1)
-    said = dict(events(api))
-    assert said["ScaledDown"] == ("scaled from 2 to 1 replicas: 2 pods Pending: Unschedulable:"
-                                  " 0/1 nodes are available: 1 Insufficient cpu.")  # fmt: skip
+    said = event(api, "ScaledDown")
+    assert said == ("scaled from 2 to 1 replicas: 2 pods Pending: Unschedulable: 0/1 nodes are"
+                    " available: 1 Insufficient cpu.")  # fmt: skip
     resized = next(c for c in shrunk["conditions"] if c["type"] == "Resized")
-    assert resized["reason"] == "ScaledDown" and resized["message"] == said["ScaledDown"]
+    assert resized["reason"] == "ScaledDown" and resized["message"] == said
     world = shrunk["restarts"] + shrunk["preemptions"] + shrunk["resizes"]
     api.wait("the 1-replica world to train on from its checkpoint",
              lambda: re.search(r"resumed from step (\d+)", master_log(kubelet, name, world)),
@@ -92,7 +98,7 @@ def test_a_world_shrinks_when_a_replica_cannot_be_placed_and_grows_back_when_it_
     assert all(p["status"].get("phase") == "Pending" for p in standby(api, name))
     kubelet.capacity = {"cpu": "5"}
     api.wait("a world of 2 replicas again", lambda: status(api, name).get("replicas") == 2, 120)
-    assert dict(events(api))["ScaledUp"].startswith("scaled from 1 to 2 replicas: 2 standby"
+    assert event(api, "ScaledUp").startswith("scaled from 1 to 2 replicas: 2 standby"
                                                     " pods run (capacity returned); resuming"
                                                     " from the checkpoint of step")  # fmt: skip
     done = jobs.wait_phase(api, KIND, name, "Succeeded", timeout=240)["status"]
@@ -128,7 +134,7 @@ def test_kueue_admits_the_resized_group_and_then_the_regrown_one(
     spec["template"].pop("resources")  # Kueue's quota is what limits here
     name = jobs.create(api, jobs.example("resnet50-pipeline.yaml", **spec))["metadata"]["name"]
     api.wait("a world of 1 replica", lambda: status(api, name).get("replicas") == 1, 90)
-    assert dict(events(api))["ScaledDown"].startswith(
+    assert event(api, "ScaledDown").startswith(
         f"scaled from 2 to 1 replicas: not admitted in {PENDING}s: Kueue has not admitted pod"
         f" group {name} (5 pods) from LocalQueue team-a yet")  # fmt: skip
     api.wait("the first group to end", lambda: kueue.workload(NS, name).finished, 60)

@@ -21,7 +21,8 @@ from pipejob.trainer.runtime import monitor
 
 PROGRESS_KEYS = {"phase", "step", "steps", "loss", "samplesPerSecond", "bubble",
                  "learningRate", "gradNorm", "resumedFromStep", "preflight", "message",
-                 "evalStep", "evalLoss", "evalAccuracy", "evalPerplexity", "memory"}  # fmt: skip
+                 "evalStep", "evalLoss", "evalAccuracy", "evalPerplexity", "memory",
+                 "checkpointStep", "checkpointTime"}  # fmt: skip
 # Exported only once the master evaluated, each figure only when known.
 EVAL_GAUGES = {"pipejob_eval_step", "pipejob_eval_loss", "pipejob_eval_accuracy",
                "pipejob_eval_perplexity"}  # fmt: skip

@@ -49,15 +49,12 @@ from torch.distributed.optim.optimizer import _LocalOptimizer
 
 from pipejob.core.common import CommonSpec
 from pipejob.trainer.runtime import world
+from pipejob.trainer.runtime.failures import CheckpointError
 from pipejob.trainer.runtime.world import Env
 
 MANIFEST = "manifest.json"
 FORMAT = 1
 KEEP = 2  # complete checkpoints kept; older step directories are removed
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written, or does not fit this job."""
 
 
 def due(spec: CommonSpec, step: int) -> bool:

@@ -12,7 +12,6 @@ import re
 import traceback
 
 from pipejob.trainer.runtime import calls
-from pipejob.trainer.runtime.checkpoint import CheckpointError
 from pipejob.trainer.runtime.world import ContractError
 
 # What torch says when tensors do not fit; an RPC error carries the remote message along.
@@ -22,6 +21,11 @@ _SHAPES = re.compile(
     r"|Calculated padded input size|Output size is too small|is invalid for input of size"
     r"|Expected more than 1 value per channel"
 )
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, or does not fit this job (runtime/checkpoint.py);
+    defined here, where torch is not imported yet, so that its verdict is known."""
 
 
 def permanent_reason(error: BaseException) -> str | None:

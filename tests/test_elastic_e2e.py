@@ -106,6 +106,7 @@ def test_a_world_shrinks_when_a_replica_cannot_be_placed_and_grows_back_when_it_
         0, 1, 2, 2)  # fmt: skip
     last = master_log(kubelet, name, world + 1)
     assert re.search(r"resumed from step \d+", last) and "2 replica(s)" in last, last
+    event(api, "MasterSucceeded")
     story = [
         reason
         for reason, _ in events(api)

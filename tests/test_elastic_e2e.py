@@ -125,9 +125,10 @@ def test_kueue_admits_the_resized_group_and_then_the_regrown_one(
     cluster, kubelet: Kubelet, kueue: Kueue, operator, tmp_path
 ):
     """Kueue holds a 2-replica world back (its queue admits 3 pods at once): after
-    pendingSeconds the world is a group of 3 pods, which Kueue admits; the first group ends,
-    so it holds no quota. With quota for more, the standby pods' own group is admitted, and
-    at the next checkpoint the world is 2 replicas again, a group of 5."""
+    pendingSeconds the world is a group of 3 pods, which Kueue admits (the first group, never
+    admitted, holds no quota). With quota for more, the standby pods' own group is admitted,
+    and at the next checkpoint the world is 2 replicas again, a group of 5; the group of 3,
+    ended, lets its quota go."""
     api = cluster.api
     kueue.queues["team-a"] = 3
     ckpt = tmp_path / "checkpoints"
@@ -138,8 +139,8 @@ def test_kueue_admits_the_resized_group_and_then_the_regrown_one(
     assert event(api, "ScaledDown").startswith(
         f"scaled from 2 to 1 replicas: not admitted in {PENDING}s: Kueue has not admitted pod"
         f" group {name} (5 pods) from LocalQueue team-a yet")  # fmt: skip
-    api.wait("the first group to end", lambda: kueue.workload(NS, name).finished, 60)
-    assert kueue.workload(NS, name).admissions == 0
+    first = kueue.workload(NS, name)
+    assert first.total == 5 and first.admissions == 0 and not first.admitted  # holds no quota
     api.wait("the 3-pod group to be admitted",
              lambda: (w := kueue.workload(NS, f"{name}-1")) and w.admissions == 1, 90)  # fmt: skip
     assert kueue.workload(NS, f"{name}-1").total == 3

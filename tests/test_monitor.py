@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobrun import JobRun, pipeline_job
+from pipejob.core.contract import Progress
 from pipejob.trainer.runtime import monitor
 
 PROGRESS_KEYS = {"phase", "step", "steps", "loss", "samplesPerSecond", "bubble",
@@ -68,7 +69,10 @@ def test_the_board_over_http() -> None:
         board.stages(0.25, {"stage0": (0.1, 0.2), "stage1": (0.05, 0.15)})
         board.memory("master", {"rssPeakBytes": 5 << 20})
         board.memory("stage0", {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20})
+        board.checkpointed(12)
         progress = json.loads(get(base + "/progress")[2])
+        when = progress.pop("checkpointTime")
+        assert Progress.parse(progress | {"checkpointTime": when}).checkpointTime == when
         assert progress == {
             "phase": "training", "step": 12, "steps": 20, "loss": 0.75,
             "samplesPerSecond": 128.0, "bubble": 0.25, "learningRate": 0.002, "gradNorm": 3.5,
@@ -77,6 +81,7 @@ def test_the_board_over_http() -> None:
             "evalStep": None, "evalLoss": None, "evalAccuracy": None, "evalPerplexity": None,
             "memory": {"master": {"rssPeakBytes": 5 << 20},
                        "stage0": {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20}},
+            "checkpointStep": 12,
         }  # fmt: skip
 
         code, kind, text = get(base + "/metrics")

@@ -362,20 +362,6 @@ def save_module(directory: str | Path, name: str, module: nn.Module,
     return save_part(directory, name, state) | {"holds": list(state["model"])}
 
 
-def load_module(directory: str | Path, entry: dict[str, Any], module: nn.Module,
-                optimizers: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-    """Load what `save_module` saved into `module` and the given local optimizers; returns
-    the saved state (for the optimizers of keys not given here, and extras)."""
-    state = load_part(directory, entry)
-    try:
-        module.load_state_dict(state["model"])
-    except RuntimeError as e:
-        raise CheckpointError(f"{Path(directory) / entry['name']} does not fit: {e}") from None
-    for key, local in optimizers.items():
-        load_optimizer_state(local, module, state["optimizers"].get(key, {}))
-    return state
-
-
 # ---------------------------------------------------------------------------- by name
 
 

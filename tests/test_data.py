@@ -1,5 +1,4 @@
-"""The HybridJob's synthetic bags and the order the trainers read them in (pure units, no
-torch)."""
+"""The HybridJob's synthetic bags and clicks, and the one order the trainers read them in."""
 
 from __future__ import annotations
 
@@ -10,7 +9,8 @@ import sys
 
 import pytest
 
-from pipejob.trainer.workloads.synthetic import SyntheticBags, order, stream
+from pipejob.trainer.workloads.samples import OneFeature, order, stream
+from pipejob.trainer.workloads.synthetic import SyntheticBags, SyntheticClicks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,7 +21,8 @@ def take(data: SyntheticBags, batch: int, share: tuple[int, int], steps: int,
          start: int = 0) -> list[list[tuple[int, int]]]:  # fmt: skip
     """`steps` batches of one trainer's share, as (epoch, sample) pairs."""
     return [list(zip(b.epochs, b.sample_ids, strict=True))
-            for b in itertools.islice(stream(data, batch, share, 3, start), steps)]  # fmt: skip
+            for b in itertools.islice(stream(OneFeature(data, "ids"), batch, share, 3, ["ids"],
+                                             False, start), steps)]  # fmt: skip
 
 
 @pytest.mark.parametrize("size,parts", SHAPES)
@@ -53,7 +54,7 @@ def test_the_order_is_deterministic_and_depends_on_the_seed_and_the_epoch() -> N
 def test_a_share_must_exist() -> None:
     data = SyntheticBags(size=10, num_embeddings=30, classes=3, bag_size=4, seed=1)
     with pytest.raises(ValueError, match="cannot read share 2 of 2"):
-        next(stream(data, 8, (2, 2), 0))
+        next(stream(OneFeature(data, "ids"), 8, (2, 2), 0, ["ids"], False))
 
 
 @pytest.mark.parametrize("num_embeddings,classes", [(1000, 8), (100, 7), (3, 8), (1, 2)])
@@ -82,7 +83,8 @@ def test_samples_are_a_function_of_seed_and_index() -> None:
 def test_samples_and_their_order_are_the_same_in_another_process() -> None:
     """Every trainer computes them itself: string hashing must not make them differ."""
     code = (
-        "from pipejob.trainer.workloads.synthetic import SyntheticBags, order\n"
+        "from pipejob.trainer.workloads.samples import order\n"
+        "from pipejob.trainer.workloads.synthetic import SyntheticBags\n"
         "d = SyntheticBags(size=50, num_embeddings=30, classes=3, bag_size=4, seed=9)\n"
         "print([d.sample(i) for i in range(50)], order(50, 9, 2))\n"
     )
@@ -99,11 +101,32 @@ def test_samples_and_their_order_are_the_same_in_another_process() -> None:
 
 def test_batches_are_in_embedding_bag_layout() -> None:
     data = SyntheticBags(size=40, num_embeddings=20, classes=4, bag_size=5, seed=2)
-    for b in itertools.islice(stream(data, 10, (1, 2), 2), 6):
-        assert len(b.sample_ids) == len(b.offsets) == len(b.labels) == len(b.epochs) == 5
-        bounds = [*b.offsets, len(b.ids)]
+    bags = OneFeature(data, "ids")
+    drawn = list(itertools.islice(stream(bags, 10, (1, 2), 2, ["ids"], False), 6))
+    for b in drawn:
+        offsets, ids = b.offsets("ids").tolist(), b.ids["ids"].tolist()
+        assert len(b.sample_ids) == len(offsets) == len(b.labels) == len(b.epochs) == 5
+        assert b.dense.shape == (5, 0)
+        bounds = [*offsets, len(ids)]
         for j, i in enumerate(b.sample_ids):
-            assert (b.ids[bounds[j] : bounds[j + 1]], b.labels[j]) == data.sample(i)
+            assert (ids[bounds[j] : bounds[j + 1]], b.labels[j].item()) == data.sample(i)
+    # A resumed run's batches from step k on are the whole run's.
+    again = list(itertools.islice(stream(bags, 10, (1, 2), 2, ["ids"], False, 40), 2))
+    assert [b.sample_ids for b in again] == [b.sample_ids for b in drawn[4:6]]
+
+
+def test_clicks_are_learnable_and_keep_to_their_tables_rows() -> None:
+    data = SyntheticClicks(size=400, features=(("a", 7), ("b", 1000)), dense_features=3,
+                           bag_size=3, seed=4)  # fmt: skip
+    own = total = 0
+    for i in range(data.size):
+        dense, sparse, label = data.sample(i)
+        assert label in (0, 1) and len(dense) == 3 and sorted(sparse) == ["a", "b"]
+        assert all(0 <= r < 7 for r in sparse["a"]) and all(0 <= r < 1000 for r in sparse["b"])
+        own += sum(r % 2 == label for r in sparse["a"] + sparse["b"])
+        total += len(sparse["a"]) + len(sparse["b"])
+    assert own / total > 0.8  # four in five ids from the label's rows, and half the others
+    assert data.sample(5) == data.sample(5) != data.sample(6)
 
 
 def test_synthetic_bags_refuse_empty_shapes() -> None:

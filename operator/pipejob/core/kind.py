@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipejob.core.schema import Field, SpecError
+from pipejob.core.errors import SpecError
+from pipejob.core.schema import Field
 
 Spec = dict[str, Any]  # a defaulted, validated spec as in the manifest (camelCase)
 
@@ -72,6 +73,9 @@ class Kind:
     # The spec field that sizes the world and may be elastic, {min, max} (core/elastic.py):
     # the roles and groups read it as the number the world runs at.
     elastic: str | None = None
+    # What `pipejob plan` says after the world, for a completed spec (a HybridJob's tables on
+    # its parameter servers).
+    describe: Callable[[Spec], list[str]] = lambda spec: []
 
     def role(self, name: str) -> Role:
         for role in self.roles:

@@ -1,5 +1,6 @@
-"""The PipelineJob master: builds and cuts the model, places the shards on the stages, runs
-the steps, checkpoints and resumes, and returns the run's summary."""
+"""The PipelineJob master, on either engine: plans and cuts the model, has the stages build
+their shards, runs the steps through the engine's step driver (driver.py), evaluates,
+checkpoints and resumes, writes the model out, and returns the run's summary."""
 
 from __future__ import annotations
 
@@ -13,19 +14,19 @@ from torch import nn
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer import workloads
+from pipejob.trainer.pipeline import engine
 from pipejob.trainer.pipeline import output as model_output
+from pipejob.trainer.pipeline.driver import Replicas, StepResult
 from pipejob.trainer.pipeline.partition import shape
-from pipejob.trainer.pipeline.schedule import Replicas, StepResult
+from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import (
     Partition,
     Shards,
     candidate_table,
-    describe,
     plan_shards,
     share,
     stage_resources,
 )
-from pipejob.trainer.pipeline.stage import on_stage
 from pipejob.trainer.pipeline.summary import render, stage_report, summarize
 from pipejob.trainer.runtime import (
     checkpoint,
@@ -67,17 +68,17 @@ def train(env: Env) -> dict[str, Any]:
     try:
         if saved is not None:
             shards = plan_shards(spec, model, numbered, names, saved)
-            if [shards.of(i) for i in range(spec.stages)] != found.manifest.get("stages"):
+            pieces = [shards.of(i) for i in range(len(shards.ranges))]
+            if pieces != found.manifest.get("stages"):
                 saved = None  # its cut is not this model's: measure anew
         if saved is None:
-            threads, hosts = stage_resources(env, spec.stages)
-            shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share {h.cpus:g}"
-                               " CPU(s)" for h in hosts if len(h.stages) > 1)  # fmt: skip
+            threads, hosts = stage_resources(env, spec.stages, spec.gpus_per_stage > 0)
+            shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share "
+                               + ("a GPU" if h.gpu else f"{h.cpus:g} CPU(s)")
+                               for h in hosts if len(h.stages) > 1)  # fmt: skip
             world.log(env, f"{title}: the stages measure what each part costs on samples of"
                            f" shape {shape(inputs[0])}, with their {threads} intra-op"
                            " thread(s)" + (f" ({shared})" if shared else ""))  # fmt: skip
-            if spec.gpus_per_stage > 0:
-                hosts = []  # the stages compute on their GPUs, not on the cores they share
             shards = plan_shards(spec, model, numbered, names, None, hosts,
                                  lambda message: world.log(env, message))  # fmt: skip
     except ValueError as e:
@@ -89,8 +90,8 @@ def train(env: Env) -> dict[str, Any]:
         world.log(env, f"microBatches auto {how} {m} (micro-batches of"
                        f" {spec.batch_size // m}){table}")  # fmt: skip
     for i in range(spec.stages):
-        world.log(env, f"stage {i}: {describe(shards.of(i))}, {share(shards, i):.0%} of measured"
-                       " cost")  # fmt: skip
+        world.log(env, f"stage {i}: {shards.describe(i)}, {share(shards, i):.0%} of"
+                       " measured cost")  # fmt: skip
     batch = spec.batch_size * spec.replicas.max  # of every round, at every size
     if count > 1 or spec.replicas.elastic:
         shares = sorted({len(share_of(batch, r, count)) for r in range(count)})
@@ -99,7 +100,7 @@ def train(env: Env) -> dict[str, Any]:
                        f" {batch} samples each; stage i of every replica averages its"
                        " gradients")  # fmt: skip
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
-    pipelines = Replicas(replicas, shards, spec, device)
+    pipelines = engine(spec, "schedule").Replicas(replicas, shards, spec, device)
     held = pipelines.pipelines[0].reader("held_out") if spec.eval is not None else None
     if spec.eval is not None:
         world.log(env, f"evaluation: {held}" if held else
@@ -147,7 +148,8 @@ def train(env: Env) -> dict[str, Any]:
         write_output(env, pipelines, shards, evaluations[-1] if evaluations else None)
     if not results:
         return master.nothing_left(env, first)
-    summary = summarize(env, names, shards, results, pipelines.timings(), first)
+    summary = summarize(env, names, shards, results, pipelines.timings(), first,
+                        pipelines.activation_peaks())  # fmt: skip
     summary["replicaDivergence"] = pipelines.divergence()
     summary["wallSeconds"] = round(time.perf_counter() - started, 3)
     if evaluations:
@@ -201,8 +203,8 @@ def evaluate(env: Env, pipelines: Replicas, micro_batches: int, loss: workloads.
     """The held-out figures after `step`, through replica 0 (the replicas are identical)."""
     assert env.spec.eval is not None
     start = time.perf_counter()
-    tally = pipelines.pipelines[0].evaluate(micro_batches, env.spec.eval.batches, loss,
-                                            Tally(data.task(env.spec)))  # fmt: skip
+    tally = pipelines.evaluate(micro_batches, env.spec.eval.batches, loss,
+                               Tally(data.task(env.spec)))  # fmt: skip
     figures = {"step": step, **tally.result()}
     metric = "".join(f", {m}" for m in [metrics.describe(figures)] if m)
     world.log(
@@ -242,7 +244,7 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
     root = env.spec.checkpoint.path
     directory = str(checkpoint.step_dir(root, step))
     start = time.perf_counter()
-    local = checkpoint.local_optimizers(pipelines.optimizers[0])
+    local = pipelines.local_optimizers(0)
     saving = [
         rpc.rpc_async(
             name, on_stage, args=(stage, "save", local.get(name), directory, f"stage{i}.pt")
@@ -256,8 +258,10 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
     files = [checkpoint.save_part(directory, "master.pt", own), *torch.futures.wait_all(saving)]
     checkpoint.write_manifest(
         root, step, files, kind=env.kind, job=env.job, model=models.as_spec(env.spec.model),
-        stageCount=len(shards.ranges),
-        stages=[shards.of(i) for i in range(len(shards.ranges))],
+        stageCount=len(pipeline.stages),  # files stage0.pt, stage1.pt, ...: one per process
+        stages=[shards.of(i) for i in range(len(shards.ranges))],  # per piece of the cut
+        engine=env.spec.engine, schedule=env.spec.schedule,
+        stagesPerProcess=env.spec.stages_per_process,
         info=model_output.info(env.kind, env.job, env.spec, step, None),
         ranges=[[r.start, r.stop] for r in shards.ranges], costs=shards.costs,
         microBatches=shards.partition.micro_batches,
@@ -279,7 +283,7 @@ def saved_partition(env: Env, found: checkpoint.Checkpoint) -> Partition | None:
     ranges, stages = manifest.get("ranges"), manifest.get("stages")
     recorded = manifest.get("microBatches")  # None: written before the count was kept
     count = recorded if spec.micro_batches == AUTO else spec.micro_batches
-    if ranges is None or len(ranges) != spec.stages or count is None:
+    if ranges is None or len(ranges) != spec.pieces or count is None:
         return None
     if spec.split_points and list(spec.split_points) != [s[0] for s in stages[1:]]:
         return None
@@ -296,19 +300,23 @@ def resume(env: Env, found: checkpoint.Checkpoint, pipelines: Replicas, shards: 
     of the checkpoint that hold them (stage i of every replica the same: the checkpoint holds
     one copy, whatever the replica count that wrote it), the master's RNG states and the
     data's position (every replica's first stage's); the step the checkpoint was taken after.
-    A stage cut exactly as a saved one continues its RNG state; another gets a seed of its
-    own from (seed, step, stage)."""
+    Either engine resumes the other's checkpoint. A stage process holding exactly the pieces
+    a saved one held continues its RNG state; another gets a seed of its own from (seed,
+    step, stage)."""
     index = checkpoint.index_of(found)
-    same = [shards.of(i) for i in range(len(shards.ranges))] == found.manifest.get("stages")
+    manifest = found.manifest
+    same = ([shards.of(i) for i in range(len(shards.ranges))] == manifest.get("stages")
+            and manifest.get("stagesPerProcess", 1) == env.spec.stages_per_process)  # fmt: skip
     directory = str(found.directory)
     plans = []
-    for i, stage in enumerate(shards.stages):
-        entries = checkpoint.sources(found, index, list(stage.state_dict()))
-        seed = None if same else env.spec.seed + 1_000_003 * found.step + i
+    for k in range(env.spec.stages):
+        names = [n for piece in shards.held(k) for n in shards.stages[piece].state_dict()]
+        entries = checkpoint.sources(found, index, list(dict.fromkeys(names)))
+        seed = None if same else env.spec.seed + 1_000_003 * found.step + k
         plans.append((entries, seed))
     loading = []
-    for pipeline, optimizer in zip(pipelines.pipelines, pipelines.optimizers, strict=True):
-        local = checkpoint.local_optimizers(optimizer)
+    for r, pipeline in enumerate(pipelines.pipelines):
+        local = pipelines.local_optimizers(r)
         for name, stage, (entries, seed) in zip(pipeline.names, pipeline.stages, plans,
                                                 strict=True):  # fmt: skip
             args = (stage, "load", local.get(name), directory, entries, seed)
@@ -331,6 +339,7 @@ def _origin(manifest: dict[str, Any], same: bool) -> str:
     if same:
         return ""
     return (
-        f", written by {manifest.get('stageCount', '?')} stages cut at"
+        f", written by {manifest.get('stageCount', '?')} stages of the"
+        f" {manifest.get('engine', 'rpc')} engine cut at"
         f" {', '.join(s[0] for s in manifest.get('stages', [])[1:]) or '?'}"
     )

@@ -18,8 +18,9 @@ Every file is written atomically: a temporary file in the same directory, fsync,
 fsync of the directory. A crash leaves the old file or the new one, never a mix, and a
 step directory without its manifest is simply not a checkpoint.
 
-Optimizer state: a HybridJob's optimizers are plain torch.optim ones (the ps's per trainer,
-each trainer's for its dense layer), whose `state` is used directly. A PipelineJob's
+Optimizer state: a HybridJob's optimizers are plain torch.optim ones (each parameter
+server's sparse one over its pieces of the tables, saved by table and row range in
+hybrid/ps.py; each trainer's for its dense layer), whose `state` is used directly. A PipelineJob's
 DistributedOptimizer keeps one local optimizer per worker, reachable through
 its `remote_optimizers` RRefs (owned by the worker that holds the parameters). By default
 that is a `_ScriptLocalOptimizer`, a TorchScript module whose functional optimizer keeps
@@ -153,6 +154,14 @@ def save_part(directory: str | Path, name: str, state: Any) -> dict[str, Any]:
     return {"name": name, "bytes": written.bytes, "sha256": written.digest.hexdigest()}
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def load_part(directory: str | Path, entry: dict[str, Any], mmap: bool = False,
               checksum: bool = True) -> Any:  # fmt: skip
     """torch.load a part after checking it is exactly what the manifest says (its size, and
@@ -172,13 +181,8 @@ def _mismatch(path: Path, entry: dict[str, Any], checksum: bool = True) -> str |
         return "missing"
     if size != entry["bytes"]:
         return f"{size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"
-    if checksum:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        if digest.hexdigest() != entry["sha256"]:
-            return "its SHA-256 differs from the manifest's"
+    if checksum and _sha256(path) != entry["sha256"]:
+        return "its SHA-256 differs from the manifest's"
     return None
 
 

@@ -1,21 +1,19 @@
-"""Synthetic data, seeded and learnable: images or tokens for a PipelineJob, bags for a HybridJob.
+"""Synthetic data, seeded and learnable: images or tokens for a PipelineJob, bags or clicks for
+a HybridJob.
 
-Bags are pure Python so every piece is unit-testable and identical in every process: a sample
-is a function of (seed, index) alone, and the order the trainers read them in (`stream`: a
-seeded permutation of the samples per epoch, each step's batch split among the trainers) is a
-function of (size, seed) alone, the same at any trainer count.
+Bags and clicks are pure Python so every piece is unit-testable and identical in every
+process: a sample is a function of (seed, index) alone (samples.py reads them in one seeded
+order, each step's batch shared among the trainers by `share_of`).
 
-The task is learnable on purpose, so a falling loss shows training works: every bag draws all its
-ids from one class's rows of the table (row r belongs to class r mod classes), and its label is
-that class."""
+The tasks are learnable on purpose, so a falling loss shows training works: every bag draws
+all its ids from one class's rows of the table (row r belongs to class r mod classes), and
+its label is that class; clicks: see SyntheticClicks."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -52,57 +50,38 @@ class SyntheticBags:
         return ids, label
 
 
-def order(size: int, seed: int, epoch: int) -> list[int]:
-    """Epoch `epoch`'s order of the samples 0..size-1: a function of (size, seed, epoch)."""
-    indices = list(range(size))
-    random.Random(f"pipejob-order:{seed}:{epoch}").shuffle(indices)
-    return indices
-
-
 @dataclass(frozen=True)
-class Batch:
-    sample_ids: list[int]
-    ids: list[int]  # the bags' embedding ids, concatenated
-    offsets: list[int]  # where each bag starts in `ids` (EmbeddingBag's layout)
-    labels: list[int]
-    epochs: list[int] = field(default_factory=list)  # the pass over the data of each sample
+class SyntheticClicks:
+    """Clicks for spec.embeddings, seeded and learnable: a sample's label is a fair coin;
+    each feature gets 1 to `bag_size` ids, four in five from the rows whose parity is the
+    label (the rest from any row), and its dense features are normal draws around
+    label - 0.5. A sample is a function of (seed, index) alone."""
 
+    size: int
+    features: tuple[tuple[str, int], ...]  # (feature, rows of the smallest table it feeds)
+    dense_features: int
+    bag_size: int
+    seed: int
 
-def gather(data: SyntheticBags, chosen: list[int], epochs: list[int] | None = None) -> Batch:
-    """Samples `chosen` of `data` (any source with `sample(i)`) as one batch."""
-    ids: list[int] = []
-    offsets: list[int] = []
-    labels: list[int] = []
-    for i in chosen:
-        bag, label = data.sample(i)
-        offsets.append(len(ids))
-        ids.extend(bag)
-        labels.append(label)
-    return Batch(chosen, ids, offsets, labels, epochs or [])
+    def sample(self, i: int) -> tuple[list[float], dict[str, list[int]], int]:
+        if not 0 <= i < self.size:
+            raise IndexError(f"sample {i} outside a dataset of {self.size}")
+        rng = random.Random(f"pipejob-click:{self.seed}:{i}")
+        label = rng.randrange(2)
+        sparse = {}
+        for feature, rows in self.features:
+            own = (rows - label + 1) // 2  # rows r with r % 2 == label
+            sparse[feature] = [2 * rng.randrange(own) + label if own and rng.random() < 0.8
+                               else rng.randrange(rows)
+                               for _ in range(rng.randint(1, self.bag_size))]  # fmt: skip
+        dense = [rng.gauss(label - 0.5, 1.0) for _ in range(self.dense_features)]
+        return dense, sparse, label
 
 
 def share_of(batch: int, k: int, parts: int) -> range:
     """Which samples of a batch of `batch` part k of `parts` takes (a replica's, a
     trainer's): equal parts where they divide, else sizes that differ by one."""
     return range(k * batch // parts, (k + 1) * batch // parts)
-
-
-def stream(data: SyntheticBags, batch: int, share: tuple[int, int], seed: int,
-           start: int = 0) -> Iterator[Batch]:  # fmt: skip
-    """Trainer k of T's share, `share` (k, T), of every step's batch, forever: the steps read
-    the stream of epoch 0's order of the samples, then epoch 1's, ..., `batch` samples at a
-    time from sample `start` of the stream on, and trainer k takes samples k*batch//T to
-    (k+1)*batch//T - 1 of each (equal shares where T divides the batch). A step's batch is
-    the same at any T: a position (samples consumed) resumes at any trainer count, and no
-    sample is read twice in one epoch."""
-    if data.size < 1 or not 0 <= share[0] < share[1]:
-        raise ValueError(f"cannot read share {share[0]} of {share[1]} of {data.size} samples")
-    rows = share_of(batch, *share)
-    orders: dict[int, list[int]] = {}  # the epochs the last batch read
-    for position in itertools.count(start, batch):
-        places = [divmod(position + r, data.size) for r in rows]
-        orders = {e: orders.get(e) or order(data.size, seed, e) for e, _ in places}
-        yield gather(data, [orders[e][i] for e, i in places], [e for e, _ in places])
 
 
 class SyntheticImages:

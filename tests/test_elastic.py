@@ -1,5 +1,6 @@
 """Checkpoints that reshard: a run stopped at step k and resumed on another shape (another
-stage count, replica count, micro-batch count; a HybridJob's trainer count) trains steps k+1
+stage count, replica count, micro-batch count or engine; a HybridJob's trainer count or
+parameter-server count) trains steps k+1
 on exactly as a run of that shape does from the start, in float64, and reads on exactly where
 the stopped run's world stopped: every sample once, none skipped (tests/userpkg/recorded.py
 records what each process reads).
@@ -24,7 +25,8 @@ from jobrun import TOLERANCE, JobRun, pipeline_job
 from pipejob.core.contract import ExitCode
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.workloads.data import StreamSampler
-from pipejob.trainer.workloads.synthetic import order, share_of
+from pipejob.trainer.workloads.samples import order
+from pipejob.trainer.workloads.synthetic import share_of
 
 pytestmark = pytest.mark.timeout(600)
 TESTS = Path(__file__).parent  # holds userpkg/, brought by `import:` as a user's package
@@ -92,10 +94,11 @@ def assert_losses_close(got: list[float], expected: list[float]) -> None:
 # ------------------------------------------------------------------ PipelineJob
 
 
-def pipeline(stages: int, micro_batches: int) -> Any:
+def pipeline(stages: int, micro_batches: int, engine: str = "rpc") -> Any:
     def manifest(root: Path, folder: Path) -> dict[str, Any]:
         return pipeline_job(
-            "elastic", stages=stages, microBatches=micro_batches, batchSize=BATCH, steps=STEPS,
+            "elastic", engine=engine, stages=stages, microBatches=micro_batches,
+            batchSize=BATCH, steps=STEPS,
             replicas={"min": 1, "max": 2}, seed=3, logEvery=1, preflight={"megabytes": 0.25},
             model={"import": "userpkg.recorded:mlp", "args": {"classes": 10}},
             data={"import": "userpkg.recorded:recorded",
@@ -108,25 +111,28 @@ def pipeline(stages: int, micro_batches: int) -> Any:
     return manifest
 
 
-# name: (stages, micro-batches, replicas)
-SHAPES = {"2x1m2": (2, 2, 1), "3x1m2": (3, 2, 1), "2x2m2": (2, 2, 2), "2x1m4": (2, 4, 1)}
-PAIRS = [("2x1m2", "3x1m2"), ("2x1m2", "2x2m2"), ("2x2m2", "2x1m2"), ("2x1m2", "2x1m4")]
+# name: (stages, micro-batches, replicas, engine)
+SHAPES = {"2x1m2": (2, 2, 1, "rpc"), "3x1m2": (3, 2, 1, "rpc"), "2x2m2": (2, 2, 2, "rpc"),
+          "2x1m4": (2, 4, 1, "rpc"), "2x1m2-pipelining": (2, 2, 1, "pipelining")}  # fmt: skip
+PAIRS = [("2x1m2", "3x1m2"), ("2x1m2", "2x2m2"), ("2x2m2", "2x1m2"), ("2x1m2", "2x1m4"),
+         ("2x1m2", "2x1m2-pipelining")]  # fmt: skip
 
 
 @pytest.mark.parametrize("first,then", PAIRS, ids=lambda s: s)
 def test_a_pipeline_resumes_on_another_shape_as_a_run_of_that_shape(
     first: str, then: str, runs: Runs, tmp_path: Path
 ) -> None:
-    (s1, m1, r1), (s2, m2, r2) = SHAPES[first], SHAPES[then]
-    full_first = runs.full(first, pipeline(s1, m1), r1)
-    full_then = runs.full(then, pipeline(s2, m2), r2)
+    (s1, m1, r1, e1), (s2, m2, r2, e2) = SHAPES[first], SHAPES[then]
+    full_first = runs.full(first, pipeline(s1, m1, e1), r1)
+    full_then = runs.full(then, pipeline(s2, m2, e2), r2)
     # The same maths at both shapes: their uninterrupted runs agree from the first step.
     assert_losses_close(full_first["summary"]["losses"], full_then["summary"]["losses"])
 
     root = stopped_at_k(full_first, tmp_path / "ckpt")
-    resumed = run(pipeline(s2, m2), tmp_path / "resumed", r2, root)
+    resumed = run(pipeline(s2, m2, e2), tmp_path / "resumed", r2, root)
     summary = resumed["summary"]
     assert summary["resumedFromStep"] == K and summary["replicas"] == r2, resumed["output"]
+    assert summary["engine"] == e2, summary
     assert_losses_close(summary["losses"], full_then["summary"]["losses"][K:])
 
     # Each first stage read on from step K + 1's batch, its share of it, and one batch ahead:
@@ -149,21 +155,20 @@ def test_a_pipeline_resumes_on_another_shape_as_a_run_of_that_shape(
 BAGS = 48  # one bag per row of the table: an epoch is exactly STEPS steps of 12
 
 
-def hybrid(root: Path, folder: Path) -> dict[str, Any]:
+def hybrid(root: Path, folder: Path, servers: int = 1) -> dict[str, Any]:
     return {
         "apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
         "metadata": {"name": "elastic-hybrid"},
         "spec": {
-            "trainers": {"min": 2, "max": 3}, "batchSize": BATCH, "steps": STEPS, "seed": 2,
-            "logEvery": 1, "embedding": {"numEmbeddings": BAGS, "dim": 4},
+            "trainers": {"min": 2, "max": 3}, "parameterServers": servers, "batchSize": BATCH,
+            "steps": STEPS, "seed": 2, "logEvery": 1,
+            "embedding": {"numEmbeddings": BAGS, "dim": 4},
             "dense": {"outFeatures": 4, "import": "userpkg.recorded:dense",
                       "args": {"dim": 4, "classes": 4}},
             "data": {"import": "userpkg.recorded:bags",
                      "args": {"folder": str(folder), "size": BAGS}},
-            # Plain SGD: each trainer steps the table with its own gradient as it arrives,
-            # and only additions commute (momentum or weight decay would move rows another
-            # trainer is reading).
             "optimizer": {"name": "sgd", "lr": 0.5},
+            "sparseOptimizer": {"name": "adagrad", "lr": 0.5},
             "checkpoint": {"path": str(root), "everySteps": K},
             "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.25},
         },
@@ -183,9 +188,9 @@ def test_a_hybrid_job_resumes_with_another_trainer_count_as_a_run_of_that_count(
     assert_losses_close(summary["losses"], three["summary"]["losses"][K:])
     assert "written by 2 trainers" in resumed["output"]
 
-    # Each trainer read its share of the first batch (to check the dense module), then its
-    # share of steps K + 1 on; with what the stopped world's trainers had read, every bag of
-    # the epoch once.
+    # Each trainer read its sample 0 (how many dense features the data has), its share of
+    # the first batch (to check the dense module), then its share of steps K + 1 on; with
+    # what the stopped world's trainers had read, every bag of the epoch once.
     whole, epoch = BATCH * 3, order(BAGS, 2, 0)
 
     def shares(step: int, k: int, count: int) -> list[int]:
@@ -194,7 +199,7 @@ def test_a_hybrid_job_resumes_with_another_trainer_count_as_a_run_of_that_count(
     trained = []
     for k in range(3):
         after = [i for step in range(K, STEPS) for i in shares(step, k, 3)]
-        assert resumed["reads"][f"trainer{k}"] == shares(0, k, 3) + after, k
+        assert resumed["reads"][f"trainer{k}"] == [0, *shares(0, k, 3), *after], k
         trained += after
     before = [i for step in range(K) for k in range(2) for i in shares(step, k, 2)]
     assert sorted(before + trained) == list(range(BAGS))
@@ -220,3 +225,21 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(runs: Runs, tmp_pa
                      r"'width': 8\}\}; give this job another checkpoint.path", job.output,
                      re.M), job.output  # fmt: skip
     assert "Traceback" not in job.output
+
+
+def test_a_hybrid_job_resumes_on_another_parameter_server_count_as_a_run_of_that_count(
+    runs: Runs, tmp_path: Path
+) -> None:
+    """Two servers split the table row-wise (it is larger than a share); each loads its rows
+    and their Adagrad state from the one server's file that holds them."""
+    two_servers = lambda root, folder: hybrid(root, folder, servers=2)  # noqa: E731
+    one, two = runs.full("hybrid-2", hybrid, 2), runs.full("hybrid-2-ps2", two_servers, 2)
+    assert_losses_close(one["summary"]["losses"], two["summary"]["losses"])
+
+    root = stopped_at_k(one, tmp_path / "ckpt")
+    resumed = run(two_servers, tmp_path / "resumed", 2, root)
+    summary = resumed["summary"]
+    assert summary["resumedFromStep"] == K and summary["parameterServers"] == 2, summary
+    assert_losses_close(summary["losses"], two["summary"]["losses"][K:])
+    assert "written by 1 parameter servers" in resumed["output"]
+    assert all(s["steps"] == STEPS - K for s in summary["perServer"].values()), summary

@@ -179,18 +179,24 @@ def hybrid(root: Path, folder: Path, servers: int = 1) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def test_a_hybrid_job_resumes_with_another_trainer_count_as_a_run_of_that_count(
+def test_a_hybrid_job_resumes_with_other_trainer_and_server_counts_as_a_run_of_those(
     runs: Runs, tmp_path: Path
 ) -> None:
-    two, three = runs.full("hybrid-2", hybrid, 2), runs.full("hybrid-3", hybrid, 3)
+    """2 trainers and 1 parameter server stopped at step K go on with 3 trainers and 2
+    servers, which split the table row-wise (it is larger than a share): each server loads
+    its rows and their Adagrad state from the one server's file that holds them."""
+    two_servers = lambda root, folder: hybrid(root, folder, servers=2)  # noqa: E731
+    two, three = runs.full("hybrid-2", hybrid, 2), runs.full("hybrid-3-ps2", two_servers, 3)
     assert_losses_close(two["summary"]["losses"], three["summary"]["losses"])
 
     root = stopped_at_k(two, tmp_path / "ckpt")
-    resumed = run(hybrid, tmp_path / "resumed", 3, root)
+    resumed = run(two_servers, tmp_path / "resumed", 3, root)
     summary = resumed["summary"]
     assert summary["resumedFromStep"] == K and summary["trainers"] == 3, resumed["output"]
+    assert summary["parameterServers"] == 2, summary
+    assert all(s["steps"] == STEPS - K for s in summary["perServer"].values()), summary
     assert_losses_close(summary["losses"], three["summary"]["losses"][K:])
-    assert "written by 2 trainers" in resumed["output"]
+    assert "written by 2 trainer(s) and 1 parameter server(s)" in resumed["output"]
 
     # Each trainer read its sample 0 (how many dense features the data has), its share of
     # the first batch (to check the dense module), then its share of steps K + 1 on; with
@@ -229,21 +235,3 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(runs: Runs, tmp_pa
                      r"'width': 8\}\}; give this job another checkpoint.path", job.output,
                      re.M), job.output  # fmt: skip
     assert "Traceback" not in job.output
-
-
-def test_a_hybrid_job_resumes_on_another_parameter_server_count_as_a_run_of_that_count(
-    runs: Runs, tmp_path: Path
-) -> None:
-    """Two servers split the table row-wise (it is larger than a share); each loads its rows
-    and their Adagrad state from the one server's file that holds them."""
-    two_servers = lambda root, folder: hybrid(root, folder, servers=2)  # noqa: E731
-    one, two = runs.full("hybrid-2", hybrid, 2), runs.full("hybrid-2-ps2", two_servers, 2)
-    assert_losses_close(one["summary"]["losses"], two["summary"]["losses"])
-
-    root = stopped_at_k(one, tmp_path / "ckpt")
-    resumed = run(two_servers, tmp_path / "resumed", 2, root)
-    summary = resumed["summary"]
-    assert summary["resumedFromStep"] == K and summary["parameterServers"] == 2, summary
-    assert_losses_close(summary["losses"], two["summary"]["losses"][K:])
-    assert "written by 1 parameter servers" in resumed["output"]
-    assert all(s["steps"] == STEPS - K for s in summary["perServer"].values()), summary

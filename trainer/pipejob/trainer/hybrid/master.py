@@ -92,8 +92,8 @@ def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
     samples = own.get("data", {}).get("samples", found.step * batch)
     manifest = found.manifest
     shape = {
-        "trainers": (manifest.get("trainerCount"), len(env.names("trainer"))),
-        "parameter servers": (manifest["parameterServers"], len(env.names("ps"))),
+        "trainer(s)": (manifest.get("trainerCount"), len(env.names("trainer"))),
+        "parameter server(s)": (manifest["parameterServers"], len(env.names("ps"))),
     }
     other = [f"{saved} {what}" for what, (saved, now) in shape.items() if saved not in (None, now)]
     world.log(env, f"resumed from step {found.step} ({directory})"

@@ -6,6 +6,10 @@
 # `make images` builds the operator and trainer images (docs/images.md); tags overridable:
 #   make images OPERATOR_IMAGE=registry.example.com/pipejob-operator:0.1.0 TRAINER_IMAGE=...
 VENV ?= $(HOME)/.cache/pipejob/venv
+# Test workers: most tests are worlds of processes that wait on each other as much as they
+# compute, so 2 workers finish the suite well before one on 2 cores; the container tests run
+# on one worker (tests/conftest.py). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 export PIPEJOB_VENV := $(VENV)
 
 OPERATOR_IMAGE ?= pipejob/operator:dev
@@ -26,7 +30,7 @@ test:
 	@scripts/setup.sh test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup
 
 images:
 	scripts/images.sh $(OPERATOR_IMAGE) $(TRAINER_IMAGE)

@@ -22,6 +22,14 @@ if importlib.util.find_spec("kmock") is not None:
     )
 
 
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (`make test`), every test that runs containers goes to one worker:
+    the images are built once there, and two docker-heavy worlds never share the 2 cores."""
+    for item in items:
+        if "images" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("containers"))
+
+
 def pytest_runtest_setup(item):
     """`gpu` tests need CUDA: without it they skip here, in this one place, so pytest's
     summary gives them one line ("SKIPPED [n] tests/conftest.py: ..."). So do the container

@@ -19,6 +19,9 @@ Every run goes through `pipejob run` (the local runner, as a user runs a job). T
   tcmalloc        tcmalloc (gperftools' minimal library): ...,allocator=tcmalloc
   tcmalloc-decommit  tcmalloc giving freed spans back to the kernel at once:
                   ...,allocator=tcmalloc with TCMALLOC_AGGRESSIVE_DECOMMIT=true
+  tcmalloc-mkl-cache  tcmalloc preloaded by hand with the allocator lever off, so MKL keeps
+                  its own cache of buffers per thread (the default before it was turned off):
+                  PIPEJOB_TUNING=threads,transport, LD_PRELOAD=tcmalloc
 
 Left out unless named: the choice the default is (tcmalloc today), measured as "default".
 
@@ -49,7 +52,7 @@ from _common import fmt_spread, load_average, machine, run_job
 from compare import Config, pipejob_manifest
 from memory import manifest as transformer_manifest
 
-from pipejob.core.levers import DEFAULT_MALLOC
+from pipejob.core.levers import DEFAULT_MALLOC, MALLOCS, find
 
 GB = 1e9
 # jemalloc's settings in torch's launcher (torch/backends/xeon/run_cpu.py, --enable-jemalloc):
@@ -67,12 +70,13 @@ CHOICES: dict[str, dict[str, str]] = {
     "jemalloc-decay": JEMALLOC | {"MALLOC_CONF": KEEPING},
     "tcmalloc": TCMALLOC,
     "tcmalloc-decommit": TCMALLOC | {"TCMALLOC_AGGRESSIVE_DECOMMIT": "true"},
+    "tcmalloc-mkl-cache": NO_LEVER | {"LD_PRELOAD": find(MALLOCS["tcmalloc"].library) or ""},
 }
 # The choice the default is (what PIPEJOB_TUNING unset preloads): measured once, as "default".
 SAME_AS_DEFAULT = DEFAULT_MALLOC if DEFAULT_MALLOC != "glibc" else "glibc-lever"
 # What a choice sets, and what the caller's environment may not add to it.
 CLEARED = ("PIPEJOB_TUNING", "LD_PRELOAD", "MALLOC_CONF", "TCMALLOC_AGGRESSIVE_DECOMMIT",
-           "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # fmt: skip
+           "MKL_DISABLE_FAST_MM", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # fmt: skip
 MODELS = ("transformer", "resnet50")
 SAID = re.compile(r"(\w+)\s*\| performance settings: .*?malloc ([^,\n]+)")
 STEPS, WARMUP = 5, 1
@@ -129,7 +133,7 @@ def report(runs: list[Run], choices: list[str], models: list[str]) -> str:
         members = list(dict.fromkeys(m for r in mine for m in r.peaks))
         lines += ["", f"{model}: s/step and samples per CPU-s, median [min-max] over repeats;"
                       " peak resident GB of each process, median [min-max]",  # fmt: skip
-                  f"  {'choice':<15} {'s/step':>20} {'per CPU-s':>17}  "
+                  f"  {'choice':<18} {'s/step':>20} {'per CPU-s':>17}  "
                   + "  ".join(f"{m:>17}" for m in members)]  # fmt: skip
         for choice in choices:
             rs = [r for r in mine if r.choice == choice]
@@ -138,7 +142,7 @@ def report(runs: list[Run], choices: list[str], models: list[str]) -> str:
             peaks = "  ".join(f"{fmt_spread([r.peaks[m] / GB for r in rs if m in r.peaks], 2):>17}"
                               for m in members)  # fmt: skip
             lines.append(
-                f"  {choice:<15} {fmt_spread([r.seconds_per_step for r in rs], 3):>20}"
+                f"  {choice:<18} {fmt_spread([r.seconds_per_step for r in rs], 3):>20}"
                 f" {fmt_spread([r.samples_per_cpu_second for r in rs], 2):>17}  {peaks}"
             )
         medians = {c: statistics.median(r.seconds_per_step for r in mine if r.choice == c)
@@ -153,7 +157,7 @@ def report(runs: list[Run], choices: list[str], models: list[str]) -> str:
             )
     said = {(r.choice, a) for r in runs for a in r.allocators.values()}
     lines += ["", "what the processes said they run with (performance settings):"]
-    lines += [f"  {c:<15} malloc {a}" for c, a in sorted(said)] or ["  (nothing said)"]
+    lines += [f"  {c:<18} malloc {a}" for c, a in sorted(said)] or ["  (nothing said)"]
     return "\n".join(lines)
 
 
@@ -189,7 +193,7 @@ def main() -> int:
                     runs.append(run)
                     peaks = " ".join(f"{m} {b / GB:.2f}" for m, b in run.peaks.items())
                     print(f"[{time.monotonic() - started:5.0f}s] repeat {repeat}: {model:<11}"
-                          f" {choice:<15} {run.seconds_per_step:.3f} s/step,"
+                          f" {choice:<18} {run.seconds_per_step:.3f} s/step,"
                           f" {run.samples_per_cpu_second:.2f} samples/CPU-s; peak GB {peaks}"
                           f" (cut {run.cut});"
                           f" {run.load}", flush=True)  # fmt: skip

@@ -203,9 +203,10 @@ def test_cpu_only_pipelines_avoid_the_shared_memory_transport():
 def test_levers_that_are_off_leave_torch_defaults():
     assert decide("PipelineJob", "stage", 0, 2, 2, set()) == Settings()
     s = decide("HybridJob", "trainer", 0, 2, 3, {"allocator"})
-    assert s == Settings(arena_max=1)
+    assert s == Settings(arena_max=1, mkl_from_malloc=True)
     # glibc's arena and thresholds only where glibc's malloc is the one running.
-    assert decide("HybridJob", "trainer", 0, 2, 3, {"allocator"}, "jemalloc") == Settings()
+    s = decide("HybridJob", "trainer", 0, 2, 3, {"allocator"}, "jemalloc")
+    assert s == Settings(mkl_from_malloc=True)
     s = decide("HybridJob", "ps", 0, 4, 3, {"threads"})
     assert s == Settings(threads=2, passive_wait=True)
 
@@ -232,6 +233,12 @@ def test_apply_sets_thread_variables_unless_the_user_did():
     assert environ == {"OMP_NUM_THREADS": "7"} and applied.threads is None
     environ = {"MALLOC_ARENA_MAX": "4"}
     assert tuning.apply(Settings(arena_max=1), environ).arena_max is None
+    environ = {}
+    assert tuning.apply(Settings(mkl_from_malloc=True), environ).mkl_from_malloc
+    assert environ == {"MKL_DISABLE_FAST_MM": "1"}  # MKL's buffers from the malloc
+    environ = {"MKL_DISABLE_FAST_MM": "0"}
+    assert not tuning.apply(Settings(mkl_from_malloc=True), environ).mkl_from_malloc
+    assert environ == {"MKL_DISABLE_FAST_MM": "0"}
 
 
 def test_settings_reach_torch_when_applied_before_it_loads():
@@ -256,12 +263,57 @@ print(json.dumps({"main": torch.get_num_threads(), **seen, "arena": applied.aren
     assert seen == {"main": 1, "other thread": 1, "arena": 1}
 
 
+MKL_THREADS = """
+import ctypes, sys, threading
+from pipejob.trainer.runtime import tuning
+tuning.apply(tuning.Settings(threads=1, mkl_from_malloc=sys.argv[1] == "on"))
+import torch
+def in_use():
+    value = ctypes.c_size_t()
+    ctypes.CDLL(None).MallocExtension_GetNumericProperty(b"generic.current_allocated_bytes",
+                                                         ctypes.byref(value))
+    return value.value
+layer = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Linear(4096, 1024))
+done, measured = threading.Barrier(13), threading.Event()
+def step():
+    layer(torch.randn(64, 1024)).sum().backward()
+def thread():
+    step()
+    done.wait()
+    measured.wait()  # alive while measured, as an RPC thread stays
+step()
+before = in_use()
+threads = [threading.Thread(target=thread) for _ in range(12)]
+[t.start() for t in threads]
+done.wait()
+print(in_use() - before)
+measured.set()
+"""
+
+
+def test_mkl_takes_its_buffers_from_the_malloc_with_the_allocator_lever():
+    """In fresh interpreters under tcmalloc, as a stage's RPC threads run its layers: with
+    MKL's own cache, each thread that ran a matrix product holds buffers after it; with the
+    lever's setting they go back to the malloc."""
+    library = levers.find(levers.MALLOCS["tcmalloc"].library)
+    if library is None:
+        pytest.skip("tcmalloc is not installed here")
+    env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
+    env["LD_PRELOAD"] = library
+    held = {}
+    for lever in ("off", "on"):
+        out = subprocess.run([sys.executable, "-c", MKL_THREADS, lever], env=env,
+                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        held[lever] = int(out.stdout.split()[-1])
+    assert held["on"] < held["off"] / 2, held
+
+
 def test_describe_names_what_is_set():
     assert tuning.Settings().describe() == "torch's defaults"
-    text = Settings(1, True, 1, ["uv"], ["basic"], "glibc").describe()
+    text = Settings(1, True, 1, True, ["uv"], ["basic"], "glibc").describe()
     assert text == (
         "1 intra-op thread(s), passive OpenMP waits, malloc glibc with 1 arena(s) keeping"
-        " freed memory, TensorPipe uv/basic"
+        " freed memory, MKL buffers from the malloc, TensorPipe uv/basic"
     )
     missing = "tcmalloc is not installed here (Debian's libtcmalloc-minimal4)"
     text = Settings(arena_max=1, malloc="glibc", missing=missing).describe()

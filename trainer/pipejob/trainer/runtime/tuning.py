@@ -35,7 +35,14 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   36k with one arena -> 9k with the thresholds) and hold more of it: set with `mallopt`,
   which only shapes arenas made later, so it runs before any other thread allocates. The
   settings line names the malloc the process runs with, read from the libraries loaded in
-  it, not the one asked for.
+  it, not the one asked for. MKL, whose matrix products torch's CPU linear layers call,
+  keeps the buffers it takes in a cache of its own, which grows with the threads that call
+  it (the RPC threads that run a stage's forwards and backwards; 3 MB a thread for a
+  1024x4096 layer): memory.py's acceptance transformer's stages held 0.02-0.04 GB more
+  between steps over 6 steps (tcmalloc's bytes in use: 0.44-0.46 -> 0.46-0.48 GB; without
+  the cache flat at 0.42-0.44, the weights and what torch itself holds) and peaked at
+  1.39-1.43 GB against 1.35-1.37, at the same speed (benchmarks/allocators.py). With the
+  lever, MKL takes its buffers from the malloc (MKL_DISABLE_FAST_MM=1).
 - transport: TensorPipe's shared-memory transport runs a reactor thread that busy-polls
   in every process (0.1-0.25 CPU-s per second when idle, 0.2-0.4 per batch when training),
   taking CPU from the stages of a
@@ -46,10 +53,11 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   reports, uses uv and stops polling (its CPU per iteration 1.1-1.9 ms -> under 0.1).
   Processes with GPUs need the CUDA channels: torch's defaults.
 
-A variable the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, MALLOC_ARENA_MAX, an LD_PRELOAD
-that names a malloc, the malloc's own settings) always wins. PIPEJOB_TUNING picks levers
-(pipejob.core.levers): unset or "on" for all, "off" for none, or a comma-separated list of
-levers, the allocator's with its choice where it is not the default ("allocator=tcmalloc")."""
+A variable the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, MALLOC_ARENA_MAX,
+MKL_DISABLE_FAST_MM, an LD_PRELOAD that names a malloc, the malloc's own settings) always
+wins. PIPEJOB_TUNING picks levers (pipejob.core.levers): unset or "on" for all, "off" for
+none, or a comma-separated list of levers, the allocator's with its choice where it is not
+the default ("allocator=tcmalloc")."""
 
 from __future__ import annotations
 
@@ -73,6 +81,7 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 WAIT_VARIABLE = "OMP_WAIT_POLICY"
 OVERSUBSCRIBE = 2  # compute threads per core of a share under 2 CPUs (measured for 2 stages)
 ARENA_VARIABLE = "MALLOC_ARENA_MAX"  # the user's (glibc's own variable) wins
+MKL_CACHE_VARIABLE = "MKL_DISABLE_FAST_MM"  # MKL's own; read at its first allocation
 # glibc's mallopt parameters, and the values of the allocator lever.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 TRIM_THRESHOLD = 1 << 30  # free memory kept at the heap's top before it is given back
@@ -86,6 +95,7 @@ class Settings:
     threads: int | None = None  # intra-op threads; None: torch's default
     passive_wait: bool = False  # OpenMP threads sleep while they wait (cores are shared)
     arena_max: int | None = None  # glibc malloc arenas; None: glibc's default
+    mkl_from_malloc: bool = False  # MKL's buffers from the malloc, not a cache of its own
     transports: list[str] | None = None  # TensorPipe transports; None: torch's default
     channels: list[str] | None = None  # TensorPipe channels; None: torch's default
     malloc: str = ""  # the malloc it runs with (running_malloc): name and library
@@ -101,6 +111,7 @@ class Settings:
             f"{self.threads} intra-op thread(s)" if self.threads else None,
             "passive OpenMP waits" if self.passive_wait else None,
             memory,
+            "MKL buffers from the malloc" if self.mkl_from_malloc else None,
             f"TensorPipe {'+'.join(self.transports)}/{'+'.join(self.channels or ['default'])}"
             if self.transports
             else None,
@@ -163,7 +174,8 @@ def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
             threads = max(1, math.floor(cpus))
     if "allocator" in enabled and malloc == "glibc":
         arena = 1
-    return Settings(threads, passive, arena, *transport(kind, role, gpus, enabled))
+    return Settings(threads, passive, arena, "allocator" in enabled,
+                    *transport(kind, role, gpus, enabled))  # fmt: skip
 
 
 def transport(kind: str, role: str, gpus: int,
@@ -256,7 +268,11 @@ def apply(settings: Settings, environ: dict[str, str] | None = None) -> Settings
     if arena is not None:
         if environ.get(ARENA_VARIABLE) or not _keep_memory(arena):
             arena = None
-    return replace(settings, threads=threads, passive_wait=passive, arena_max=arena)
+    mkl = settings.mkl_from_malloc and not environ.get(MKL_CACHE_VARIABLE)
+    if mkl:
+        environ[MKL_CACHE_VARIABLE] = "1"
+    return replace(settings, threads=threads, passive_wait=passive, arena_max=arena,
+                   mkl_from_malloc=mkl)  # fmt: skip
 
 
 def _keep_memory(arenas: int) -> bool:

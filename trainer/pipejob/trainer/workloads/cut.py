@@ -101,7 +101,31 @@ def _mask_builders() -> tuple[Any, ...]:
     return tuple(f for n, f in vars(masking).items() if n.startswith("create_") and callable(f))
 
 
-class _Tracer(fx.Tracer):
+class _Objects(fx.Tracer):
+    """fx's tracer keeping the objects a forward passes to calls as they are: a Hugging Face
+    ModelOutput is rebuilt as itself (fx would make a plain dict of it, and the loss gets
+    what the model returns), and any other dataclass that holds nothing traced (a Hugging
+    Face config given to a mask builder) is the object itself, held by the stage: fx would
+    rebuild it from its fields, losing what is not a field (the config's attention kind,
+    which decides the mask: a Mistral's sliding window was lost so). A stage's graph names
+    this tracer, so a pickled stage, traced again from its code, keeps them too."""
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, dict) and dataclasses.is_dataclass(a):
+            fields = {k: self.create_arg(v) for k, v in a.items()}
+            node = self.create_node("call_function", type(a), (), fields)
+            node.meta["is_wrapped"] = True
+            return node
+        if dataclasses.is_dataclass(a) and not isinstance(a, type) and not _traced(a):
+            held = next((k for k, v in vars(self.root).items() if v is a), None)
+            if held is None:
+                held = self.get_fresh_qualname(f"_{type(a).__name__}_constant_")
+                setattr(self.root, held, a)
+            return self.create_node("get_attr", held, (), {})
+        return super().create_arg(a)
+
+
+class _Tracer(_Objects):
     """fx's tracer with the cut candidates as leaves, the forward called with one input,
     and a note of the innermost module whose forward failed to trace."""
 
@@ -152,15 +176,18 @@ class _Tracer(fx.Tracer):
                 self.failed_in = ""
             raise
 
-    def create_arg(self, a: Any) -> Any:
-        # A Hugging Face ModelOutput (a dataclass and a dict) is rebuilt as itself, not as a
-        # plain dict, so the loss gets what the model returns.
-        if isinstance(a, dict) and dataclasses.is_dataclass(a):
-            fields = {k: self.create_arg(v) for k, v in a.items()}
-            node = self.create_node("call_function", type(a), (), fields)
-            node.meta["is_wrapped"] = True  # a pickled stage, traced again, keeps it too
-            return node
-        return super().create_arg(a)
+
+def _traced(value: Any) -> bool:
+    """Whether a value holds a traced value (a Proxy) anywhere in its containers."""
+    if isinstance(value, fx.Proxy):
+        return True
+    if isinstance(value, tuple | list | set | frozenset):
+        return any(_traced(v) for v in value)
+    if isinstance(value, dict):
+        return any(_traced(v) for v in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_traced(getattr(value, f.name, None)) for f in dataclasses.fields(value))
+    return False
 
 
 @contextmanager
@@ -191,19 +218,68 @@ def construct(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{where}"
 
 
+class _Forward:
+    """One mode's graph of the forward: its nodes, and where each candidate is first called
+    (a stage beginning there starts at that node)."""
+
+    def __init__(self, graph: fx.Graph, leaves: set[str]):
+        self.graph = graph
+        self.nodes = list(graph.nodes)
+        self.position = {node: i for i, node in enumerate(self.nodes)}
+        self.starts: dict[str, int] = {}
+        for i, node in enumerate(self.nodes):
+            if node.op == "call_module" and node.target in leaves:
+                self.starts.setdefault(str(node.target), i)
+
+    def piece(self, root: nn.Module, a: int, b: int) -> fx.GraphModule:
+        """Nodes a..b-1 as a module from the values live at a to those live at b."""
+        graph = fx.Graph(tracer_cls=_Objects)
+        env: dict[fx.Node, fx.Node] = {}
+        inputs = [n for n in self.nodes if n.op == "placeholder"] if a == 0 else self.live(a)
+        for node in inputs:
+            env[node] = graph.placeholder(node.name)
+        for node in self.nodes[a:b]:
+            if node in env:
+                continue
+            if node.op == "output":
+                graph.output(fx.map_arg(node.args[0], env.__getitem__))
+                break
+            env[node] = graph.node_copy(node, env.__getitem__)
+        if b < len(self.nodes):
+            graph.output(tuple(env[n] for n in self.live(b)))
+        return fx.GraphModule(root, graph)
+
+    def live(self, at: int) -> list[fx.Node]:
+        """Values made before node `at` that nodes from `at` on use, in the order made."""
+        return [n for n in self.nodes[:at]
+                if n.op != "output" and any(self.position[u] >= at for u in n.users)]  # fmt: skip
+
+    def code(self) -> str:
+        return self.graph.python_code("self").src
+
+
 class Traced:
     """The model's forward as a graph of its cut candidates, in the order it calls them:
-    at least `want` of them where the module tree has them, and every `required` one."""
+    at least `want` of them where the module tree has them, and every `required` one.
+
+    fx records what the forward does in one mode: a branch on `self.training` (Inception's
+    auxiliary head, a functional dropout) is decided while tracing. So the forward is traced
+    in training mode and in evaluation mode; where the two differ, each stage holds both
+    (`Modes`), and the candidates are those both call."""
 
     def __init__(self, model: nn.Module, want: int = 0, required: Sequence[str] = ()):
         self.model = model
         self.whole: dict[str, str] = {}  # modules kept whole: why their forward did not trace
+        training = model.training
         with without_cache(model):
             while True:
                 leaves = set(candidates(model, want, required, frozenset(self.whole)))
                 tracer = _Tracer(model, leaves)
                 try:
-                    self.graph = tracer.trace(model)
+                    graphs = []
+                    for mode in (True, False):
+                        model.train(mode)
+                        graphs.append(tracer.trace(model))
                     break
                 except Exception as e:
                     where = tracer.failed_in
@@ -213,18 +289,26 @@ class Traced:
                             f" modules: {construct(e)}"
                         ) from None
                     self.whole[where] = construct(e)
-        self.nodes = list(self.graph.nodes)
-        # Where each candidate's first call is: a stage beginning there starts at that node.
-        self.starts: dict[str, int] = {}
-        for i, node in enumerate(self.nodes):
-            if node.op == "call_module" and node.target in leaves:
-                self.starts.setdefault(str(node.target), i)
-        self.units = sorted(self.starts, key=self.starts.__getitem__)  # in calling order
+                finally:
+                    model.train(training)
+        self.forward = _Forward(graphs[0], leaves)  # training's
+        evaluation = _Forward(graphs[1], leaves)
+        self.evaluation = None if evaluation.code() == self.forward.code() else evaluation
+        both = [u for u in self.forward.starts
+                if self.evaluation is None or u in self.evaluation.starts]  # fmt: skip
+        self.units = sorted(both, key=self.forward.starts.__getitem__)  # in calling order
+        if self.evaluation is not None:
+            order = sorted(self.units, key=self.evaluation.starts.__getitem__)
+            self.units = [u for u, v in zip(self.units, order, strict=True) if u == v]
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.forward.graph
 
     def ranges(self, starts: Sequence[str]) -> list[range]:
         """The units of each stage when stage k begins at `starts[k-1]` (refused, saying why,
         unless they are distinct candidates in calling order)."""
-        unknown = [s for s in starts if s not in self.starts]
+        unknown = [s for s in starts if s not in self.units]
         if unknown:
             inside = [f"{w} is kept whole ({why})" for w, why in self.whole.items()
                       if any(s.startswith(f"{w}.") for s in unknown)]  # fmt: skip
@@ -242,50 +326,107 @@ class Traced:
         bounds = [0, *index, len(self.units)]
         return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
-    def split(self, starts: Sequence[str]) -> list[fx.GraphModule]:
-        """One module per stage: stage 0 from the model's input, stage k from `starts[k-1]`."""
+    def split(self, starts: Sequence[str]) -> list[nn.Module]:
+        """One module per stage: stage 0 from the model's input, stage k from `starts[k-1]`.
+        Each is a GraphModule, or a `Modes` of two where evaluation runs other code."""
         ranges = self.ranges(starts)  # refuses what cannot be cut, saying why
-        bounds = [0, *(self.starts[s] for s in starts), len(self.nodes)]
-        stages = []
-        for k, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        stages: list[nn.Module] = []
+        for k, range_ in enumerate(ranges):
             try:
-                stages.append(self._stage(a, b, last=b == len(self.nodes)))
+                stages.append(self._stage(starts, k))
             except Exception as e:  # the generated code must compile: say which and why
-                units = [self.units[i] for i in ranges[k]]
+                units = [self.units[i] for i in range_]
                 raise CutError(
                     f"the code generated for stage {k} ({units[0]} .. {units[-1]}) of"
                     f" {type(self.model).__name__} does not compile: {construct(e)}"
                 ) from None
+        self._as_the_model(stages)
         return stages
 
-    def _stage(self, a: int, b: int, last: bool) -> fx.GraphModule:
-        """Nodes a..b-1 as a module from the values live at a to those live at b."""
-        position = {node: i for i, node in enumerate(self.nodes)}
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        if a == 0:
-            inputs = [n for n in self.nodes if n.op == "placeholder"]
-        else:
-            inputs = self._live(a, position)
-        for node in inputs:
-            env[node] = graph.placeholder(node.name)
-        for node in self.nodes[a:b]:
-            if node in env:
-                continue
-            if node.op == "output":
-                graph.output(fx.map_arg(node.args[0], env.__getitem__))
-                break
-            env[node] = graph.node_copy(node, env.__getitem__)
-        if not last:
-            graph.output(tuple(env[n] for n in self._live(b, position)))
-        module = fx.GraphModule(self.model, graph)
+    def _stage(self, starts: Sequence[str], k: int) -> nn.Module:
+        def bounds(forward: _Forward) -> tuple[int, int]:
+            at = [0, *(forward.starts[s] for s in starts), len(forward.nodes)]
+            return at[k], at[k + 1]
+
+        module = self.forward.piece(self.model, *bounds(self.forward))
+        if self.evaluation is not None:
+            module = Modes(module, self.evaluation.piece(self.model, *bounds(self.evaluation)))
         module.train(self.model.training)
         return module
 
-    def _live(self, at: int, position: dict[fx.Node, int]) -> list[fx.Node]:
-        """Values made before node `at` that nodes from `at` on use, in the order made."""
-        return [n for n in self.nodes[:at]
-                if n.op != "output" and any(position[u] >= at for u in n.users)]  # fmt: skip
+    def _as_the_model(self, stages: list[nn.Module]) -> None:
+        """The stages hold the model's state as the model does. A buffer the model keeps
+        out of its state dict (`persistent=False`) stays out of the stage's, which fx
+        registers as persistent. A parameter the model holds under several names of which
+        the forward uses only some (T5's `shared` embedding, used as the encoder's, the
+        decoder's and the head's) is held under the others too, by the first stage that
+        holds it: so the output and the checkpoints have every name of it, trained, and
+        none is left behind as it was built."""
+        kept = set(self.model.state_dict())
+        for stage in stages:
+            for name, _ in stage.named_buffers():
+                if name not in kept:  # fx's own constants too
+                    owner, _, attr = name.rpartition(".")
+                    stage.get_submodule(owner)._non_persistent_buffers_set.add(attr)
+        first: dict[int, int] = {}  # id of a parameter -> the first stage holding it
+        for k, stage in enumerate(stages):
+            for p in stage.parameters():
+                first.setdefault(id(p), k)
+        named = {n for s in stages for n, _ in s.named_parameters(remove_duplicate=False)}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if name not in named and id(p) in first:
+                _attach(stages[first[id(p)]], name, p)
+
+
+_STATE = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
+
+
+class Modes(nn.Module):
+    """A stage whose evaluation runs other code than its training: the training piece in
+    training mode, the evaluation piece in evaluation mode (as the model's own forward
+    branches on `self.training`). One module: the pieces share its state (the modules,
+    parameters and buffers either uses, once), so it moves, saves and loads as one."""
+
+    def __init__(self, training: fx.GraphModule, evaluation: fx.GraphModule):
+        super().__init__()
+        _merge(training, evaluation)
+        for key in _STATE:
+            self.__dict__[key] = training.__dict__[key]
+        self.__dict__["pieces"] = (training, evaluation)  # not submodules: no second names
+
+    def forward(self, *args: Any) -> Any:
+        piece = self.pieces[0 if self.training else 1]
+        if piece._modules is not self._modules:  # a copy or an unpickled stage: share again
+            for key in _STATE:
+                piece.__dict__[key] = self.__dict__[key]
+        return piece(*args)
+
+
+def _merge(into: nn.Module, other: nn.Module) -> None:
+    """`other`'s modules, parameters and buffers added to `into` where it lacks them (the
+    containers fx made for each piece merged), then `other` sharing `into`'s."""
+    for name, child in other._modules.items():
+        mine = into._modules.get(name)
+        if mine is None:
+            into._modules[name] = child
+        elif mine is not child and child is not None:
+            _merge(mine, child)
+    for key in ("_parameters", "_buffers"):
+        for name, value in getattr(other, key).items():
+            getattr(into, key).setdefault(name, value)
+    into._non_persistent_buffers_set |= other._non_persistent_buffers_set
+    for key in _STATE:
+        other.__dict__[key] = into.__dict__[key]
+
+
+def _attach(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """`param` held by `module` under the dotted `name`, making plain modules on the way."""
+    *path, attr = name.split(".")
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    module.register_parameter(attr, param)
 
 
 def ties(stages: list[nn.Module]) -> list[list[tuple[int, str]]]:
@@ -316,10 +457,12 @@ def tensors(value: Any) -> list[torch.Tensor]:
 
 
 def join(outputs: list[Any]) -> Any:
-    """Micro-batches' outputs as the whole batch's: a tensor, or a tuple, list or dict (a
-    Hugging Face ModelOutput too) of them."""
+    """Micro-batches' outputs as the whole batch's: a tensor, or a tuple, named tuple, list
+    or dict (a Hugging Face ModelOutput too) of them."""
     if isinstance(outputs[0], tuple | list):
-        return type(outputs[0])(join(list(part)) for part in zip(*outputs, strict=True))
+        parts = [join(list(part)) for part in zip(*outputs, strict=True)]
+        kind = type(outputs[0])
+        return kind._make(parts) if hasattr(kind, "_make") else kind(parts)  # type: ignore
     if isinstance(outputs[0], dict):
         return type(outputs[0])(**{k: join([o[k] for o in outputs]) for k in outputs[0]})
     return torch.cat(outputs)

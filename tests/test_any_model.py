@@ -42,6 +42,13 @@ WORLDS: dict[str, tuple[str, dict[str, Any], dict[str, Any], int, list[str]]] = 
     "llama": ("llama", {}, TOKENS, 2, ["model.layers.1"]),
     "bert": ("bert", {}, CLASSES, 2, []),
     "dict": ("dict_model", {}, {}, 2, []),
+    # T5's embedding is the encoder's, the decoder's and the head's, and held by no stage
+    # under its own name, `shared` (issue 30).
+    "t5": ("t5", {}, TOKENS, 3, []),
+    # torch's nn.TransformerEncoder clones its layer (deep copies, which each stage's build
+    # of its own parameters must make as a plain build does), and a non-persistent buffer.
+    "encoder": ("encoder", {}, {"import": "userpkg.brought:windows", "args": {"classes": 2}},
+                2, []),  # fmt: skip
 }
 # Cut and run in this process, each stage a pickled copy as the master ships it: the same
 # cut, without a world's start-up (each imports transformers or timm: tens of seconds here).

@@ -176,8 +176,12 @@ def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
 
 
 def _needs_values(error: Exception) -> bool:
-    """Whether running on the meta device failed for want of values, not of fit."""
-    return isinstance(error, NotImplementedError) or "meta" in str(error).lower()
+    """Whether running on the meta device failed for want of values, not of fit; or for a
+    rule of a meta kernel about dtypes (which mirror CUDA's kernels: a Mixtral's experts'
+    grouped matmul wants bfloat16 there, not on the CPU). The stages, which run the data
+    through the model before training, find what really does not fit."""
+    message = str(error).lower()
+    return isinstance(error, NotImplementedError) or "meta" in message or "dtype" in message
 
 
 def evaluation_due(spec: PipelineSpec, step: int) -> bool:

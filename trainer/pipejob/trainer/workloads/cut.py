@@ -136,9 +136,14 @@ class _Tracer(_Objects):
             found = {sys.modules.get(type(m).__module__) for m in model.modules()}
             self._autowrap_search = [*self._autowrap_search, *filter(None, found)]
         self.leaves = leaves
+        # Modules opened into candidates: traced into, even torch.nn's own (fx's leaves).
+        self.opened = {name.rsplit(".", i)[0] for name in leaves
+                       for i in range(1, name.count(".") + 1)}  # fmt: skip
         self.failed_in: str | None = None  # "" for the model's own forward
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self.opened:
+            return False
         return qualname in self.leaves or super().is_leaf_module(m, qualname)
 
     def create_args_for_root(self, root_fn: Any, is_module: bool,
@@ -265,7 +270,7 @@ class Traced:
     fx records what the forward does in one mode: a branch on `self.training` (Inception's
     auxiliary head, a functional dropout) is decided while tracing. So the forward is traced
     in training mode and in evaluation mode; where the two differ, each stage holds both
-    (`Modes`), and the candidates are those both call."""
+    (`Piece`), and the candidates are those both call."""
 
     def __init__(self, model: nn.Module, want: int = 0, required: Sequence[str] = ()):
         self.model = model
@@ -326,9 +331,9 @@ class Traced:
         bounds = [0, *index, len(self.units)]
         return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
-    def split(self, starts: Sequence[str]) -> list[nn.Module]:
-        """One module per stage: stage 0 from the model's input, stage k from `starts[k-1]`.
-        Each is a GraphModule, or a `Modes` of two where evaluation runs other code."""
+    def split(self, starts: Sequence[str]) -> list[Piece]:
+        """One module per stage (a `Piece`): stage 0 from the model's input, stage k from
+        `starts[k-1]`."""
         ranges = self.ranges(starts)  # refuses what cannot be cut, saying why
         stages: list[nn.Module] = []
         for k, range_ in enumerate(ranges):
@@ -343,18 +348,19 @@ class Traced:
         self._as_the_model(stages)
         return stages
 
-    def _stage(self, starts: Sequence[str], k: int) -> nn.Module:
+    def _stage(self, starts: Sequence[str], k: int) -> Piece:
         def bounds(forward: _Forward) -> tuple[int, int]:
             at = [0, *(forward.starts[s] for s in starts), len(forward.nodes)]
             return at[k], at[k + 1]
 
-        module = self.forward.piece(self.model, *bounds(self.forward))
+        evaluation = None
         if self.evaluation is not None:
-            module = Modes(module, self.evaluation.piece(self.model, *bounds(self.evaluation)))
+            evaluation = self.evaluation.piece(self.model, *bounds(self.evaluation))
+        module = Piece(self.forward.piece(self.model, *bounds(self.forward)), evaluation)
         module.train(self.model.training)
         return module
 
-    def _as_the_model(self, stages: list[nn.Module]) -> None:
+    def _as_the_model(self, stages: list[Piece]) -> None:
         """The stages hold the model's state as the model does. A buffer the model keeps
         out of its state dict (`persistent=False`) stays out of the stage's, which fx
         registers as persistent. A parameter the model holds under several names of which
@@ -381,25 +387,35 @@ class Traced:
 _STATE = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
 
 
-class Modes(nn.Module):
-    """A stage whose evaluation runs other code than its training: the training piece in
-    training mode, the evaluation piece in evaluation mode (as the model's own forward
-    branches on `self.training`). One module: the pieces share its state (the modules,
-    parameters and buffers either uses, once), so it moves, saves and loads as one."""
+class Piece(nn.Module):
+    """A stage's module: the model's forward from where the stage begins to where the next
+    begins, as fx's generated code (a GraphModule) run on the model's own modules; and,
+    where evaluation runs other code than training, a second one, run in evaluation mode
+    (as the model's own forward branches on `self.training`). It holds the state the code
+    uses, under the model's names, once: the GraphModules share it, so the piece moves,
+    saves, loads and pickles as one module (a GraphModule alone, pickled, would make
+    every buffer persistent again)."""
 
-    def __init__(self, training: fx.GraphModule, evaluation: fx.GraphModule):
+    def __init__(self, training: fx.GraphModule, evaluation: fx.GraphModule | None = None):
         super().__init__()
-        _merge(training, evaluation)
+        if evaluation is not None:
+            _merge(training, evaluation)
         for key in _STATE:
             self.__dict__[key] = training.__dict__[key]
         self.__dict__["pieces"] = (training, evaluation)  # not submodules: no second names
 
     def forward(self, *args: Any) -> Any:
-        piece = self.pieces[0 if self.training else 1]
+        training, evaluation = self.pieces
+        piece = training if self.training or evaluation is None else evaluation
         if piece._modules is not self._modules:  # a copy or an unpickled stage: share again
             for key in _STATE:
                 piece.__dict__[key] = self.__dict__[key]
         return piece(*args)
+
+    @property
+    def code(self) -> str:
+        """The generated code of training's forward (and evaluation's, where it differs)."""
+        return "\n".join(p.code for p in self.pieces if p is not None)
 
 
 def _merge(into: nn.Module, other: nn.Module) -> None:
@@ -471,6 +487,13 @@ def join(outputs: list[Any]) -> Any:
 def cut_count_error(units: int, stages: int) -> CutError:
     return CutError(f"the model has {units} places to cut; it can fill at most {units} stages,"
                     f" not {stages}")  # fmt: skip
+
+
+def state_names(module: nn.Module) -> list[str]:
+    """The names of a stage's parameters and buffers: what the process holding it builds
+    (workloads/materialize.py)."""
+    return [*(n for n, _ in module.named_parameters(remove_duplicate=False)),
+            *(n for n, _ in module.named_buffers(remove_duplicate=False))]  # fmt: skip
 
 
 def unused(model: nn.Module, stages: list[nn.Module]) -> dict[str, torch.Tensor]:

@@ -2,19 +2,25 @@
 meta device (a shape and a dtype, no storage). The master plans the cut on a model none of
 whose parameters exist; each stage process builds the model again keeping only its own.
 
-Which parameters to keep is said by their place in the order the factory registers them
-(`nn.Module.register_parameter`, which assigning a Parameter to a module calls): the same
-factory with the same arguments registers the same parameters in the same order in every
-process, so the master, having built the model once, can name each stage's by number.
+Which parameters to keep is said by their place in the order the factory makes them
+(`nn.Module.register_parameter`, which assigning a Parameter to a module calls, and the deep
+copies of parameters, which `nn.TransformerEncoder` makes of its layer): the same factory
+with the same arguments makes the same parameters in the same order in every process, so
+the master, having built the model once, can name each stage's by number.
 
-The kept parameters get exactly the values a plain build gives them, wherever the cut falls:
-every other parameter is still initialised, on a scratch tensor standing in for it (one at a
-time), so the random stream advances as in a plain build (the factory runs under
-`spec.seed`), even through initialisations that draw until their values fit. The cost: each
-process computes the whole model's initialisation, and holds its own parameters, the
-buffers (small) and one stand-in at a time. An initialisation that reaches a parameter not
-kept only through `.data` (a plain meta tensor, which torch.nn.init skips) draws nothing
-for it where it is not kept."""
+The kept parameters and the buffers get exactly the values a plain build gives them,
+wherever the cut falls. Every parameter not kept is a placeholder while the factory runs
+(`_Placeholder`: on the meta device, but saying it is on the device it was made on), and
+what the factory does to it runs on a scratch tensor standing in for it, one at a time
+(`_Build`), so the random stream advances as in a plain build, even through
+initialisations that draw until their values fit. A placeholder's value lives only while
+its stand-in does; where the factory reads it later (a deep copy of a layer, a weight norm's
+magnitude computed from the weight, a spectral norm's vectors, a value read into Python),
+the build notes that what it made depends on that parameter, and the master's plan keeps
+that parameter too, for the build only, wherever what depends on it is kept
+(`Numbering`, `numbers`). The cost: each process computes the whole model's
+initialisation, and holds its own parameters, what they are computed from, the buffers
+(small) and one stand-in at a time."""
 
 from __future__ import annotations
 
@@ -25,29 +31,179 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_any, tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipejob.trainer.runtime import tuning
 
 META = torch.device("meta")
+aten = torch.ops.aten
+
+# In-place operations that write all of their first argument without reading it.
+_OVERWRITES = {aten.uniform_, aten.normal_, aten.fill_, aten.zero_, aten.random_,
+               aten.bernoulli_, aten.exponential_, aten.geometric_, aten.log_normal_,
+               aten.cauchy_, aten.copy_}  # fmt: skip
+# Operations that read only their arguments' shapes, not their values.
+_SHAPES_ONLY = {aten.empty_like, aten.new_empty, aten.new_empty_strided, aten.new_zeros,
+                aten.new_ones, aten.new_full, aten.zeros_like, aten.ones_like, aten.full_like,
+                aten.rand_like, aten.randn_like, aten.randint_like}  # fmt: skip
+# Operations that read a tensor's values into Python (a branch may follow).
+_INTO_PYTHON = {aten._local_scalar_dense, aten.is_nonzero, aten.equal}
 
 
 class _Placeholder(nn.Parameter):
     """A parameter not kept, while the factory runs: on the meta device, but reporting
-    `is_meta` False, so that torch.nn.init initialises it (see _Scratch)."""
+    `is_meta` False and the device it was made on, so that torch.nn.init initialises it and
+    tensors made beside it (`device=weight.device`) are real; `source` is the placeholder
+    whose value it shares (a `Parameter(weight)` of a parametrization)."""
+
+    made_on: torch.device
+    source: _Placeholder | None
 
     @property
     def is_meta(self) -> bool:  # type: ignore[override]
         return False
 
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.made_on
 
-class _Scratch(TorchDispatchMode):
-    """While the factory runs: operations on a placeholder run on a scratch tensor of its
-    shape standing in for it (initialisations that draw until their values fit, like
-    trunc_normal_, read what they drew), one placeholder's at a time; and any other random
-    operation on a meta tensor runs again on a scratch tensor. So the random stream advances
-    as a plain build's does."""
+    def detach(self) -> _Placeholder:  # type: ignore[override]
+        return _placeholder(self, self.made_on, False, source=self.root)
+
+    @property
+    def data(self) -> _Placeholder:  # type: ignore[override]
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        torch._C.TensorBase.data.__set__(self, value)  # type: ignore[attr-defined]
+
+    @property
+    def root(self) -> _Placeholder:
+        return self if self.source is None else self.source
+
+
+def _placeholder(like: torch.Tensor, device: torch.device, requires_grad: bool,
+                 source: _Placeholder | None = None) -> _Placeholder:  # fmt: skip
+    made = _Placeholder(_meta(like), requires_grad)
+    made.made_on, made.source = device, source
+    return made
+
+
+class Registrations:
+    """The parameters a factory made, numbered in order, and the number each slot (module
+    and attribute) was given last: a slot keeps its name when its parameter is replaced (a
+    dtype conversion, a placeholder settled), and a tie fills a second one. And what the
+    build noted of values read from placeholders (see `_Build`)."""
+
+    def __init__(self) -> None:
+        self.params: list[nn.Parameter] = []  # kept alive, so their ids stay theirs
+        self.number: dict[int, int] = {}  # id(parameter) -> its number
+        self.slots: dict[tuple[int, str], tuple[nn.Module, str, int]] = {}
+        self.needs: dict[int, frozenset[int]] = {}  # number -> the numbers its value needs
+        self.buffers: dict[str, frozenset[int]] = {}  # a buffer's name -> the numbers it needs
+        self.everywhere: set[int] = set()  # numbers whose values steered the build
+
+    def add(self, param: nn.Parameter) -> int:
+        if id(param) not in self.number:
+            self.number[id(param)] = len(self.params)
+            self.params.append(param)
+        return self.number[id(param)]
+
+    def note(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
+        """Record `param` in `module.name`, numbering it if it is new."""
+        self.slots[id(module), name] = (module, name, self.add(param))
+
+
+class Numbering(list[list[str]]):
+    """Per registration number, the names the model holds that parameter under (none when
+    it was replaced, several when tied); and, from the build, which parameters each one's
+    value (`needs`), each buffer's (`buffers`) and the build itself (`everywhere`) were
+    computed from."""
+
+    def __init__(self, names: list[list[str]], registered: Registrations):
+        super().__init__(names)
+        self.needs = registered.needs
+        self.buffers = registered.buffers
+        self.everywhere = frozenset(registered.everywhere)
+
+
+def build(factory: Callable[[], nn.Module], keep: Collection[int] | None,
+          ) -> tuple[nn.Module, Registrations]:  # fmt: skip
+    """`factory()` with the parameters made `keep`-th (counting from 0) in memory and
+    every other on the meta device; `keep` None keeps all (a plain build). Also returns
+    what was made, which is how `numbering` names each number."""
+    registered = Registrations()
+    if keep is None:
+        with _registrations(registered, None):
+            return factory(), registered
+    building = _Build(registered, set(keep))
+    with tuning.returning_memory(), _registrations(registered, building):
+        model = factory()
+        for module in model.modules():  # slots filled other than by registering (deep copies)
+            for name, param in module._parameters.items():
+                if param is not None and id(param) in registered.number:
+                    registered.slots.setdefault(
+                        (id(module), name), (module, name, registered.number[id(param)])
+                    )
+        building.finish(model)
+    _settle(model, registered, set(keep))
+    return model, registered
+
+
+@contextmanager
+def _registrations(registered: Registrations, building: _Build | None) -> Iterator[None]:
+    """While the factory runs, each parameter made for the first time (registered, or deep
+    copied) is numbered and, unless `building` keeps it, replaced by a placeholder."""
+    original = nn.Module.register_parameter
+    deepcopy = nn.Parameter.__deepcopy__
+    replaced = WeakIdKeyDictionary()
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param in replaced:
+            param = replaced[param]
+        if param is not None and building is not None and id(param) not in registered.number:
+            made = building.made(param)
+            if made is not param:
+                replaced[param] = made
+                param = made
+        original(module, name, param)
+        if param is not None:
+            registered.note(module, name, param)
+
+    def copied(param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
+        if id(param) in memo:
+            return memo[id(param)]
+        made = building.copied(param) if building is not None else deepcopy(param, memo)
+        memo[id(param)] = made
+        return made
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    nn.Parameter.__deepcopy__ = copied  # type: ignore[method-assign]
+    try:
+        if building is None:
+            yield
+        else:
+            with building:
+                yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        nn.Parameter.__deepcopy__ = deepcopy  # type: ignore[method-assign]
+
+
+class _Build(TorchDispatchMode):
+    """While the factory runs: operations on a placeholder run on a scratch tensor standing
+    in for it, one placeholder's at a time (a new parameter's first stand-in is the tensor
+    the factory made); any other random operation on a meta tensor runs again on a scratch
+    tensor. So the random stream advances as in a plain build.
+
+    And it follows where values read from placeholders go: a tensor computed from a
+    placeholder whose stand-in was lost meanwhile (its value is only right where the
+    parameter is kept) is tainted with that parameter's number, and so is whatever is
+    computed from it in turn. What a parameter's or buffer's final value is tainted with
+    are the parameters it needs (`Registrations.needs`, `.buffers`); a tainted value read
+    into Python (a branch) needs them everywhere."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -57,29 +213,227 @@ class _Scratch(TorchDispatchMode):
         # Nothing here runs under torch.compile.
         return False
 
-    def __init__(self) -> None:
+    def __init__(self, registered: Registrations, keep: set[int]) -> None:
         super().__init__()
-        self._for: _Placeholder | None = None  # whose stand-in `_stand_in` is
+        self.registered, self.keep = registered, keep
+        self._for: _Placeholder | None = None  # whose value `_stand_in` holds
         self._stand_in: torch.Tensor | None = None
+        self._lost: set[int] = set()  # ids of placeholders whose stand-in was lost
+        self._held: dict[int, frozenset[int]] = {}  # a placeholder's taint, off its stand-in
+        self._taint = WeakIdKeyDictionary()  # a storage -> the numbers its values need
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default and isinstance(args[0], _Placeholder):
-            return func(*args, **kwargs)  # a conversion (`.double()`): still no memory
-        if tree_any(lambda v: isinstance(v, _Placeholder), (args, kwargs)):
-            result = func(*tree_map(self._standing_in, args),
-                          **tree_map(self._standing_in, kwargs))  # fmt: skip
-            return tree_map(lambda v: self._for if v is self._stand_in else v, result)
-        if torch.Tag.nondeterministic_seeded in func.tags and tree_any(_is_meta, (args, kwargs)):
-            func(*tree_map(_scratch, args), **tree_map(_scratch, kwargs))
-        return func(*args, **kwargs)
+    # ---------------------------------------------------------------- parameters made
+
+    def made(self, param: nn.Parameter) -> nn.Parameter:
+        """A parameter registered for the first time: itself where kept, else a placeholder
+        whose first stand-in is the parameter itself."""
+        number = len(self.registered.params)
+        if isinstance(param, _Placeholder):  # a placeholder's alias: its value is the source's
+            if number in self.keep:
+                raise _unbuildable(param)
+            self.registered.needs[number] = self._sources(param) | {self._number(param.root)}
+            return param
+        if number in self.keep or param.device.type == "meta" or _is_lazy(param):
+            return param
+        made = _placeholder(param, param.device, param.requires_grad)
+        self._switch(made, param.detach())
+        return made
+
+    def copied(self, param: nn.Parameter) -> nn.Parameter:
+        """A deep copy of a parameter (a layer cloned): a new parameter with its value, which
+        needs the parameter copied wherever it is kept."""
+        number = len(self.registered.params)
+        source = param.root if isinstance(param, _Placeholder) else param
+        sources = self._sources(param) | {self._number(source)}
+        if number in self.keep:
+            value = self._value(param)
+            if value is None:
+                raise _unbuildable(param)
+            made: nn.Parameter = nn.Parameter(value.clone(), param.requires_grad)
+        else:  # no stand-in: building it must not lose another placeholder's value
+            made = _placeholder(param, getattr(param, "made_on", param.device),
+                                param.requires_grad)  # fmt: skip
+            self._lost.add(id(made))
+            self._held[id(made)] = sources
+        self.registered.add(made)
+        self.registered.needs[number] = sources
+        return made
+
+    def _value(self, param: nn.Parameter) -> torch.Tensor | None:
+        """A parameter's value where it is known: a real one's, a placeholder's stand-in."""
+        if not isinstance(param, _Placeholder):
+            return param.detach()
+        root = param.root
+        if root is self._for and id(root) not in self._lost:
+            return self._stand_in
+        return None
+
+    # ---------------------------------------------------------------- taint
+
+    def _number(self, param: nn.Parameter) -> int:
+        return self.registered.number.get(id(param), -1)
+
+    def _sources(self, value: Any) -> frozenset[int]:
+        """The parameters a tensor's value needs: a placeholder whose stand-in was lost
+        needs itself; any value needs what its storage is tainted with."""
+        if isinstance(value, _Placeholder):
+            root = value.root
+            held = self._held.get(id(root), frozenset())
+            if root is self._for and self._stand_in is not None:
+                held = self._taint.get(self._stand_in.untyped_storage(), frozenset())
+            if id(root) in self._lost:
+                return held | {self._number(root)}
+            return held
+        if isinstance(value, torch.Tensor) and len(self._taint):
+            try:
+                return self._taint.get(value.untyped_storage(), frozenset())
+            except (NotImplementedError, RuntimeError):  # no storage (sparse, nested)
+                return frozenset()
+        return frozenset()
+
+    def _mark(self, value: Any, sources: frozenset[int], reset: bool = False) -> None:
+        """`value` now holds what `sources` need (only those, when `reset`)."""
+        if isinstance(value, _Placeholder):
+            root = value.root
+            if root is not self._for or self._stand_in is None:
+                before = frozenset() if reset else self._held.get(id(root), frozenset())
+                self._held[id(root)] = sources | before
+                return
+            value = self._stand_in
+        if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+            return
+        try:
+            storage = value.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            return
+        if reset:
+            if sources:
+                self._taint[storage] = sources
+            else:
+                self._taint.pop(storage, None)
+        elif sources:
+            self._taint[storage] = self._taint.get(storage, frozenset()) | sources
+
+    # ---------------------------------------------------------------- stand-ins
+
+    def _switch(self, placeholder: _Placeholder, stand_in: torch.Tensor) -> None:
+        """`stand_in` holds `placeholder`'s value from now on; the last one's is lost."""
+        previous = self._for
+        if previous is not None and previous is not placeholder and self._stand_in is not None:
+            self._held[id(previous)] = self._taint.get(self._stand_in.untyped_storage(),
+                                                       frozenset())  # fmt: skip
+            self._lost.add(id(previous))
+        held = self._held.pop(id(placeholder), frozenset())  # and what the tensor holds
+        if held:
+            self._mark(stand_in, held)
+        self._for, self._stand_in = placeholder, stand_in
 
     def _standing_in(self, value: Any) -> Any:
         if not isinstance(value, _Placeholder):
             return value
-        if value is not self._for:  # the last placeholder's initialisation is over
-            self._for, self._stand_in = value, _scratch(value)
-        return self._stand_in
+        root = value.root
+        if root is not self._for or self._stand_in is None:
+            self._switch(root, _scratch(root))  # its value is lost: a new scratch tensor
+        stand_in = self._stand_in
+        assert stand_in is not None
+        if stand_in.dtype != root.dtype and stand_in.shape == root.shape:  # converted
+            taint = self._taint.get(stand_in.untyped_storage())
+            self._stand_in = stand_in = stand_in.to(root.dtype)
+            if taint:
+                self._taint[stand_in.untyped_storage()] = taint
+        return stand_in
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if func is aten._to_copy.default and isinstance(args[0], _Placeholder):
+            return func(*args, **kwargs)  # a conversion (`.double()`): still no memory
+        flat, _ = tree_flatten((args, kwargs))
+        overwrite = packet in _OVERWRITES
+        if overwrite:  # all of the first argument written; copy_ reads its source
+            read = flat[1:] if packet is aten.copy_ else []
+        else:
+            read = [] if packet in _SHAPES_ONLY else flat
+        sources = frozenset().union(*(self._sources(v) for v in read))
+        if any(isinstance(v, _Placeholder) for v in flat):
+            # What the stand-in itself is returned as (an in-place operation's result): the
+            # placeholder given, or the one it stands in for.
+            stand_ins = tree_map(self._standing_in, (args, kwargs))
+            first = args[0] if args and isinstance(args[0], _Placeholder) else self._for
+            result = func(*stand_ins[0], **stand_ins[1])
+            result = tree_map(lambda v: first if v is self._stand_in else v, result)
+        else:
+            if torch.Tag.nondeterministic_seeded in func.tags and any(map(_is_meta, flat)):
+                func(*tree_map(_scratch, args), **tree_map(_scratch, kwargs))
+            result = func(*args, **kwargs)
+        if overwrite and args:
+            target = args[0]
+            whole = isinstance(target, _Placeholder) or _whole(target)
+            self._mark(target, sources, reset=whole)
+            if isinstance(target, _Placeholder) and whole:
+                self._lost.discard(id(target.root))
+        else:
+            for v in _written(func, args, kwargs):
+                self._mark(v, sources)
+        if sources:
+            outputs, _ = tree_flatten(result)
+            for v in outputs:
+                if isinstance(v, torch.Tensor):
+                    self._mark(v, sources)
+            if packet in _INTO_PYTHON:
+                self.registered.everywhere |= sources
+        return result
+
+    def finish(self, model: nn.Module) -> None:
+        """What each parameter's and buffer's final value needs."""
+        for number, param in enumerate(self.registered.params):
+            needs = self._sources(param) - {number}
+            if isinstance(param, _Placeholder) and id(param.root) in self._lost:
+                needs = needs - {self._number(param.root)}
+            needs |= self.registered.needs.get(number, frozenset())
+            if needs:
+                self.registered.needs[number] = needs - {number}
+        for name, buffer in model.named_buffers(remove_duplicate=False):
+            if needs := self._sources(buffer):
+                self.registered.buffers[name] = needs
+        self._for = self._stand_in = None
+
+
+def _meta(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=META)
+
+
+def _unbuildable(param: nn.Parameter) -> RuntimeError:
+    return RuntimeError(
+        f"a parameter of shape {tuple(param.shape)} is kept but what it is made from is not"
+        " (the master's plan and this process's build differ): the model's factory must make"
+        " the same parameters in the same order in every process"
+    )
+
+
+def _is_lazy(param: nn.Parameter) -> bool:
+    return isinstance(param, nn.parameter.UninitializedTensorMixin)
+
+
+def _whole(value: Any) -> bool:
+    """Whether a tensor is all of its storage (writing it replaces every value there)."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        return False
+    try:
+        storage = value.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return False
+    return value.storage_offset() == 0 and value.nbytes == storage.nbytes()
+
+
+def _written(func: Any, args: Any, kwargs: Any) -> list[Any]:
+    """The arguments an in-place or out= operation writes."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            written.append(value)
+    return written
 
 
 def _is_meta(value: Any) -> bool:
@@ -89,87 +443,37 @@ def _is_meta(value: Any) -> bool:
 
 
 def _scratch(value: Any) -> Any:
+    if isinstance(value, _Placeholder):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                   device=value.made_on)  # fmt: skip
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
     return torch.device("cpu") if _is_meta(value) else value
 
 
-class Registrations:
-    """The parameters a factory registered, numbered in order, and the number each slot
-    (module and attribute) was given last: a slot keeps its name when its parameter is
-    replaced (a dtype conversion, a placeholder settled), and a tie fills a second one."""
-
-    def __init__(self) -> None:
-        self.params: list[nn.Parameter] = []  # kept alive, so their ids stay theirs
-        self.number: dict[int, int] = {}  # id(parameter) -> its number
-        self.slots: dict[tuple[int, str], tuple[nn.Module, str, int]] = {}
-
-    def note(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
-        """Record `param` in `module.name`, numbering it if it is new."""
-        if id(param) not in self.number:
-            self.number[id(param)] = len(self.params)
-            self.params.append(param)
-        self.slots[id(module), name] = (module, name, self.number[id(param)])
-
-
-def build(factory: Callable[[], nn.Module], keep: Collection[int] | None,
-          ) -> tuple[nn.Module, Registrations]:  # fmt: skip
-    """`factory()` with the parameters registered `keep`-th (counting from 0) in memory and
-    every other on the meta device; `keep` None keeps all (a plain build). Also returns
-    what was registered, which is how `numbering` names each number."""
-    registered = Registrations()
-    if keep is None:
-        with _registrations(registered, lambda index: True):
-            return factory(), registered
-    kept = set(keep)
-    with tuning.returning_memory(), _registrations(registered, kept.__contains__), _Scratch():
-        model = factory()
-    _settle(model)
-    return model, registered
-
-
-@contextmanager
-def _registrations(registered: Registrations, keeps: Callable[[int], bool]) -> Iterator[None]:
-    """While the factory runs, each parameter registered for the first time is numbered and,
-    unless `keeps(number)`, replaced by a placeholder on the meta device; registering one
-    again (a tie) registers what replaced it."""
-    original = nn.Module.register_parameter
-    replaced = WeakIdKeyDictionary()
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param in replaced:
-            param = replaced[param]
-        if param is not None and id(param) not in registered.number:
-            if not keeps(len(registered.params)) and param.device.type != "meta":
-                placeholder = _Placeholder(param.detach().to(META), param.requires_grad)
-                replaced[param] = placeholder
-                param = placeholder
-        original(module, name, param)
-        if param is not None:
-            registered.note(module, name, param)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def _settle(model: nn.Module) -> None:
+def _settle(model: nn.Module, registered: Registrations, keep: set[int]) -> None:
     """The placeholders as plain meta parameters once the factory is done (a tensor that
-    says it is not meta would mislead whatever reads it later); ties stay ties."""
+    says it is not meta would mislead whatever reads it later), and a parameter made real
+    though not kept (a lazy one, materialized by the factory's dry run) put there too; ties
+    stay ties."""
     plain: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if isinstance(param, _Placeholder):
+            if param is None:
+                continue
+            number = registered.number.get(id(param))
+            real = not isinstance(param, _Placeholder) and param.device.type != "meta"
+            if isinstance(param, _Placeholder) or (real and number is not None
+                                                   and number not in keep):  # fmt: skip
                 if id(param) not in plain:
-                    plain[id(param)] = nn.Parameter(param.detach(), param.requires_grad)
+                    plain[id(param)] = nn.Parameter(_meta(param), param.requires_grad)
                 module._parameters[name] = plain[id(param)]
 
 
-def numbering(model: nn.Module, registered: Registrations) -> list[list[str]]:
+def numbering(model: nn.Module, registered: Registrations) -> Numbering:
     """Per registration number, the names the model holds that parameter under, through
-    the slots that number filled last (none when it was replaced, several when tied)."""
+    the slots that number filled last (none when it was replaced, several when tied), with
+    what each value was computed from (`Numbering`)."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -178,10 +482,23 @@ def numbering(model: nn.Module, registered: Registrations) -> list[list[str]]:
         param = module._parameters.get(attr)
         if param is not None:
             numbered[number].update(names.get(id(param), []))
-    return [sorted(held) for held in numbered]
+    return Numbering([sorted(held) for held in numbered], registered)
 
 
 def numbers(numbered: list[list[str]], wanted: Collection[str]) -> list[int]:
-    """The registration numbers of the parameters held under any of the `wanted` names."""
+    """The registration numbers of the parameters held under any of the `wanted` names (of
+    parameters or buffers), and of every parameter their values are computed from: a
+    process keeping these builds the wanted ones exactly."""
     wanted = set(wanted)
-    return [i for i, held in enumerate(numbered) if wanted.intersection(held)]
+    found = {i for i, held in enumerate(numbered) if wanted.intersection(held)}
+    if isinstance(numbered, Numbering):
+        found |= numbered.everywhere
+        for name in wanted:
+            found |= numbered.buffers.get(name, frozenset())
+        todo = list(found)
+        while todo:
+            for source in numbered.needs.get(todo.pop(), frozenset()):
+                if source >= 0 and source not in found:
+                    found.add(source)
+                    todo.append(source)
+    return sorted(found)

@@ -48,8 +48,8 @@ WORLDS: dict[str, tuple[str, dict[str, Any], dict[str, Any], int, list[str]]] = 
     # torch's nn.TransformerEncoder clones its layer (deep copies, which each stage's build
     # of its own parameters must make as a plain build does), and a non-persistent buffer.
     "encoder": ("encoder", {}, {"import": "userpkg.brought:windows", "args": {"classes": 2}},
-                2, []),  # fmt: skip
-}
+                2, []),
+}  # fmt: skip
 # Cut and run in this process, each stage a pickled copy as the master ships it: the same
 # cut, without a world's start-up (each imports transformers or timm: tens of seconds here).
 IN_PROCESS: dict[str, tuple[str, dict[str, Any], tuple[int, ...], int]] = {
@@ -163,3 +163,35 @@ def test_held_out_figures_follow_the_shapes_not_the_model():
     tuples = Tally(CLASSIFICATION)
     tuples.add((scores[0], scores[1]), torch.tensor([1, 2, 3]), first)
     assert sorted(tuples.result()) == ["loss", "samples"]
+
+
+def test_models_refused_before_are_planned():
+    """Mamba (its mixer's initialisation makes tensors on its parameters' device) builds with
+    none of its parameters in memory, and Mixtral (its experts' grouped matmul, whose meta
+    kernel wants bfloat16 where the CPU's takes float32) passes the master's fit check
+    (issue 30)."""
+    from transformers import MambaConfig, MambaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    from pipejob.trainer.pipeline.train import fits_model
+    from pipejob.trainer.workloads import materialize
+
+    def mamba():
+        torch.manual_seed(0)
+        return brought.Logits(MambaForCausalLM(MambaConfig(num_hidden_layers=2, hidden_size=32,
+                                                           vocab_size=brought.VOCAB)))  # fmt: skip
+
+    plain = mamba()
+    model, made = materialize.build(mamba, ())
+    assert all(p.device.type == "meta" for p in model.parameters())
+    numbered = materialize.numbering(model, made)
+    keep = materialize.numbers(numbered, ["model.backbone.layers.1.mixer.A_log"])
+    part, _ = materialize.build(mamba, keep)
+    assert torch.equal(part.model.backbone.layers[1].mixer.A_log,
+                       plain.model.backbone.layers[1].mixer.A_log)  # fmt: skip
+
+    config = MixtralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                           num_key_value_heads=1, intermediate_size=64, vocab_size=brought.VOCAB,
+                           num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    mixtral, _ = materialize.build(lambda: brought.Logits(MixtralForCausalLM(config)), ())
+    ids = torch.randint(brought.VOCAB, (2, brought.SEQ))
+    fits_model(mixtral, ids, ids, cross_entropy)  # no refusal

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 from torchvision.models import get_model
+from torchvision.models.inception import InceptionOutputs
 
 from pipejob.core.workload import Transformer
 from pipejob.trainer.workloads.cut import CutError, Traced, candidates, ties, unused
@@ -273,3 +274,90 @@ def test_hugging_face_stages_evaluate_as_the_model_does():
     with torch.no_grad():
         run(stages, torch.randn(4, 3, 32, 32))
     assert all(torch.equal(cnn.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_a_sliding_attention_window_survives_the_cut(name):
+    """A Hugging Face config given to a mask builder stays the config itself (fx would
+    rebuild it from its fields, losing the attention kind that decides the mask): Mistral's
+    sliding window and Gemma 2's alternating sliding and global layers, over windows longer
+    than the attention window, cut between the layers that use it (issue 30)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from userpkg.brought import Logits, mistral
+
+    torch.manual_seed(0)
+    if name == "mistral":
+        model = mistral(layers=4, window=4)
+    else:
+        config = Gemma2Config(num_hidden_layers=4, hidden_size=32, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                              vocab_size=64, max_position_embeddings=64,
+                              sliding_window=4)  # fmt: skip
+        model = Logits(Gemma2ForCausalLM(config))
+    traced = Traced(model, want=4)
+    stages = [pickle.loads(pickle.dumps(s)) for s in traced.split(["model.model.layers.2"])]
+    ids = torch.randint(64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(run(stages, ids), model(ids), rtol=0, atol=0)
+
+
+class Auxiliary(nn.Module):
+    """Inception v3's shape: an auxiliary head run in training only, both logits returned
+    as a named tuple in training and the main logits alone in evaluation."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+        self.middle = nn.Conv2d(8, 8, 3)
+        self.aux = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+        self.late = nn.Conv2d(8, 8, 3)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    def forward(self, x):
+        x = self.middle(self.stem(x))
+        aux = self.aux(x) if self.training else None
+        x = self.head(self.late(x))
+        return InceptionOutputs(x, aux) if self.training else x
+
+
+def test_a_forward_that_branches_on_training_is_cut_in_each_mode():
+    """Each stage runs the code of the mode it is in (a branch on `self.training`, which fx
+    decides while tracing), and micro-batches' named tuples join (issue 30)."""
+    from pipejob.trainer.workloads.cut import join
+
+    torch.manual_seed(0)
+    model = Auxiliary()
+    traced = Traced(model, want=6)
+    assert traced.evaluation is not None and "aux" not in traced.units
+    stages = [pickle.loads(pickle.dumps(s)) for s in traced.split(["middle", "late"])]
+    x = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        for mode in (True, False):
+            for m in (model, *stages):
+                m.train(mode)
+            got = join([run(stages, part) for part in x.tensor_split(2)])
+            expected = join([model(part) for part in x.tensor_split(2)])
+            assert type(got) is type(expected)
+            for a, b in zip(got if mode else [got], expected if mode else [expected],
+                            strict=True):  # fmt: skip
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_stages_hold_the_models_state_as_the_model_does():
+    """A non-persistent buffer stays out of a stage's state dict (pickled too), and a
+    parameter the forward uses under other names only (T5's `shared` embedding) is held,
+    under every name, by the first stage that uses it (issue 30)."""
+    from userpkg.brought import encoder, t5
+
+    model = encoder()
+    stages = [pickle.loads(pickle.dumps(s)) for s in Traced(model).split(["head"])]
+    assert "feature_mean" in dict(stages[0].named_buffers())
+    assert sorted(k for s in stages for k in s.state_dict()) == sorted(model.state_dict())
+
+    model = t5()
+    traced = Traced(model, want=6)
+    stages = traced.split([traced.units[2], traced.units[-1]])
+    held = [n for n, _ in stages[0].named_parameters(remove_duplicate=False)]
+    assert "model.shared.weight" in held and "model.encoder.embed_tokens.weight" in held
+    assert unused(model, stages) == {}
+    assert sorted(k for s in stages for k in s.state_dict()) == sorted(model.state_dict())

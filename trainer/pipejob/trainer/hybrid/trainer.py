@@ -25,7 +25,7 @@ from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid import evaluate
 from pipejob.trainer.hybrid.ps import lookup, save_table
-from pipejob.trainer.runtime import checkpoint, profiling, world
+from pipejob.trainer.runtime import checkpoint, nonfinite, profiling, world
 from pipejob.trainer.runtime.optim import optimizer_args
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import bags, synthetic
@@ -127,7 +127,7 @@ def train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, An
         batch = next(batches)
         read.update(batch.sample_ids)
         with profiling.window(env, profile, step, servers, sync=dist.barrier) as rpc_calls:
-            loss = _step(model, dense_step, batch, device, loss_fn, rpc_calls)
+            loss = _step(model, dense_step, batch, device, loss_fn, rpc_calls, step)
         if step == first + 1:
             loss_first = loss.item()
         if evaluate.due(spec, step):  # first: the step's checkpoint keeps its evaluation
@@ -205,10 +205,12 @@ def _checkpoint(env: Env, step: int, table: rpc.RRef, linear: nn.Module,
 
 def _step(model: HybridModel, dense_step: DenseStep, batch: synthetic.Batch,
           device: torch.device, loss_fn: workloads.Loss,
-          rpc_calls: profiling.RpcCalls = contextlib.nullcontext) -> torch.Tensor:  # fmt: skip
+          rpc_calls: profiling.RpcCalls = contextlib.nullcontext,
+          step: int = 0) -> torch.Tensor:  # fmt: skip
     """One step; `rpc_calls` wraps its RPCs (the lookup), not DDP's parts. The backward
     steps the table on the ps; the dense layer's step (on gradients DDP averaged across the
-    trainers during the backward) is deferred to overlap the next lookup."""
+    trainers during the backward) is deferred to overlap the next lookup. A loss that is
+    not finite stops the job before its backward changes anything (runtime/nonfinite.py)."""
     ids, offsets = torch.tensor(batch.ids), torch.tensor(batch.offsets)
     labels = torch.tensor(batch.labels, device=device)
     with dist_autograd.context() as context:
@@ -217,6 +219,11 @@ def _step(model: HybridModel, dense_step: DenseStep, batch: synthetic.Batch,
             dense_step.flush()  # the previous step's, while the lookup is in flight
             bags = lookup.wait()
         loss = loss_fn(model(bags), labels)
+        if not nonfinite.finite(loss):
+            raise nonfinite.NonFiniteError(
+                f"step {step}: the loss is {loss.item()} on {model.trainer}; its update was"
+                " not applied"
+            )
         dist_autograd.backward(context, [loss])
         dense_step.defer(dist_autograd.get_gradients(context))
     return loss

@@ -29,9 +29,7 @@ from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.reader import HELD_OUT, TRAIN, Batch, Source
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.pipeline.stage import Stage, on_reader, on_stage
-from pipejob.trainer.runtime import (
-    rendezvous,
-)
+from pipejob.trainer.runtime import nonfinite, rendezvous
 from pipejob.trainer.runtime.optim import learning_rate, optimizer_args
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
@@ -183,6 +181,14 @@ class Pipeline:
                 for k, name in group
             ])  # fmt: skip
 
+    def nonfinite_source(self, rounds: list[int]) -> str:
+        """Where a non-finite loss of training rounds `rounds` came from: the first stage
+        whose forward gave a non-finite output, else the loss on the last stage."""
+        for name, stage in zip(self.names, self.stages, strict=True):
+            if rpc.rpc_sync(name, on_stage, args=(stage, "nonfinite", rounds)):
+                return f"{name}'s forward"
+        return f"the loss on {self.names[-1]} (from finite outputs)"
+
     def parameter_rrefs(self) -> list[RRef]:
         return [p for params in self.each("parameter_rrefs") for p in params]
 
@@ -204,6 +210,10 @@ class StepResult:
     allreduce_seconds: float = 0.0  # of which the slowest stage's all-reduce
     lr: float | None = None  # the learning rate the optimizer stepped with
     grad_norm: float | None = None  # the global gradient norm before clipping
+    # A figure that was not finite, its value and where it came from (runtime/nonfinite.py):
+    # the step was not applied.
+    nonfinite: tuple[str, float, str] | None = None
+    skipped: str | None = None  # the line saying that the Guard let the step be skipped
 
 
 def forward_backward(
@@ -247,6 +257,7 @@ class Replicas:
         self.optimizer, self.steps = spec.optimizer, spec.steps
         self.accumulation = spec.gradient_accumulation
         self.loss_scale = gradients.LossScale() if spec.precision == "fp16" else None
+        self.guard = nonfinite.Guard(spec.skip_non_finite_steps)
         self.pipelines = [Pipeline(stage_names, shards, device, spec.precision,
                                    spec.activation_checkpointing, Source(spec, r))
                           for r, stage_names in enumerate(names)]  # fmt: skip
@@ -274,6 +285,8 @@ class Replicas:
             results = [self._one(*args[0])]
         else:
             results = list(self._threads.map(lambda a: self._one(*a), args))
+        bad = next((r.nonfinite for r in results if r.nonfinite is not None), None)
+        skipped = None if bad is None else self.guard.check(step + 1, *bad)  # or raises
         if self.loss_scale is not None:  # every replica saw the same averaged gradients
             self.loss_scale.update(results[0].grad_norm)
         return StepResult(
@@ -283,6 +296,8 @@ class Replicas:
             max(r.allreduce_seconds for r in results),
             results[0].lr,
             results[0].grad_norm,
+            bad,
+            skipped,
         )
 
     def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
@@ -294,9 +309,12 @@ class Replicas:
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
         weight = scale / len(rounds)  # each batch's share of the step's loss
 
+        numbers: list[int] = []  # the forward rounds of the step
+
         def one_round(given: Batch | None, context_id: int) -> float:
             batch = pipeline.read(micro_batches, given)
             assert batch is not None  # the training data has no end
+            numbers.append(batch.number)
             loss = forward_backward(pipeline, batch, step, context_id, loss_fn, weight)
             pipeline.settle(step, batch.micro_batches)
             return loss.item()
@@ -322,16 +340,27 @@ class Replicas:
                              for name, stage in zip(pipeline.names, pipeline.stages,
                                                     strict=True)]  # fmt: skip
                 allreduce = max(torch.futures.wait_all(averaging))
-            norm = gradients.global_norm(names, stages, context_id, 1.0 / scale,
-                                         gradients.copies(self.tied))  # fmt: skip
+            norms = gradients.stage_norms_of(names, stages, context_id, 1.0 / scale,
+                                             gradients.copies(self.tied))  # fmt: skip
+            norm = gradients.total_norm(norms)
+            loss = sum(losses) / len(losses)
             lr = learning_rate(self.optimizer, self.steps, step)
-            if self.loss_scale is None or math.isfinite(norm):  # fp16: skip an overflow
+            bad = None
+            if not math.isfinite(loss):
+                bad = ("loss", loss, pipeline.nonfinite_source(numbers))
+            elif self.loss_scale is None and not math.isfinite(norm):
+                # The backward runs from the last stage to the first: the latest stage whose
+                # gradients are not finite is where they became so.
+                k = max(k for k, n in enumerate(norms) if not math.isfinite(n))
+                bad = ("gradient norm", norm, f"{names[k]}'s backward")
+            # fp16: an overflow is skipped by the loss scale
+            if bad is None and (self.loss_scale is None or math.isfinite(norm)):
                 gradients.clip(names, stages, context_id, norm, self.optimizer.clip_grad_norm)
                 if self.optimizer.schedule is not None:
                     gradients.set_lr(self.optimizers[r], lr)
                 self.optimizers[r].step(context_id)
-        return StepResult(sum(losses) / len(losses), middle - start,
-                          time.perf_counter() - middle, allreduce, lr, norm)  # fmt: skip
+        return StepResult(loss, middle - start, time.perf_counter() - middle, allreduce, lr,
+                          norm, bad)  # fmt: skip
 
     def timings(self) -> list[dict[int, tuple[float, float, float]]]:
         """Replica 0's stages' timings (every replica runs the same schedule)."""

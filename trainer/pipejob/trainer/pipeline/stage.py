@@ -23,7 +23,7 @@ from torch.distributed.rpc import RRef
 from pipejob.trainer.pipeline.parts import Part
 from pipejob.trainer.pipeline.reader import Reader, Source
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, step_seconds
-from pipejob.trainer.runtime import checkpoint, output, rendezvous, tuning
+from pipejob.trainer.runtime import checkpoint, nonfinite, output, rendezvous, tuning
 from pipejob.trainer.workloads.cut import join, tensors
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -107,6 +107,10 @@ class Stage:
         self._done: dict[int, int] = {}
         # The last stage's outputs per (round, micro-batch), until their loss or tally.
         self._outputs: dict[tuple[int, int], Any] = {}
+        # Per training round of the last step: whether every output was finite, per
+        # micro-batch (tensors, read only when the master asks: `nonfinite`).
+        self._finite: dict[int, list[torch.Tensor]] = {}
+        self._finite_step = -1
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickling a Stage gives: the tensors it holds. An RPC agent with CUDA devices
@@ -151,6 +155,9 @@ class Stage:
                 self._fold(before=step)
                 # By round too: with gradientAccumulation a step runs several rounds.
                 self._events[step, (round, micro_batch)]["forward"] = [start, end]
+                if step != self._finite_step:
+                    self._finite, self._finite_step = {}, step
+                self._finite.setdefault(round, []).append(nonfinite.all_finite(y))
             self._time_backward((step, (round, micro_batch)), y, received)
         if self.last:  # kept for `loss` or `tally`: the model's output never leaves the stage
             with self._record:
@@ -179,6 +186,13 @@ class Stage:
         """The last stage: `tally` with evaluation round `round`'s figures added."""
         tally.add(*self._round_outputs(round, micro_batches, labels), loss_fn)
         return tally
+
+    def nonfinite(self, rounds: list[int]) -> bool:
+        """Whether any of this stage's outputs in training rounds `rounds` (of the last
+        step) was not finite."""
+        with self._record:
+            flags = [f for r in rounds for f in self._finite.get(r, [])]
+        return not all(bool(f) for f in flags)
 
     def _compute(self, x: tuple[Any, ...], recompute: bool | None = None) -> Any:
         """The shard's forward in the job's precision; with activation checkpointing only

@@ -38,7 +38,7 @@ from pipejob.trainer.runtime import (
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, data, metrics, models
-from pipejob.trainer.workloads.materialize import META
+from pipejob.trainer.workloads.standins import META
 from pipejob.trainer.workloads.metrics import Tally
 
 
@@ -107,6 +107,8 @@ def train(env: Env) -> dict[str, Any]:
             with profiling.window(env, profile, step + 1, every) as rpc_calls, rpc_calls():
                 result = pipelines.step(m, step, loss)
             results.append(result)
+            if result.skipped is not None:  # a non-finite step skipped (spec.skipNonFiniteSteps)
+                world.log(env, result.skipped)
             seconds = result.pipeline_seconds + result.optimizer_seconds
             board.step(step + 1, result.loss, seconds, samples, lr=result.lr,
                        grad_norm=result.grad_norm)  # fmt: skip

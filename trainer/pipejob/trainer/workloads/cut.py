@@ -11,19 +11,20 @@ forward, that module stays whole (a unit of its own) and tracing starts again; o
 model's own forward must trace.
 
 The forward is traced as the pipeline calls it: with one positional input (a batch of the
-data's inputs); other arguments keep their defaults. Hugging Face models trace as they are:
-their mask builders run as calls of their own (they branch on the inputs), the key/value
-cache is off while tracing (training needs none), and what they return is rebuilt as their
-ModelOutput.
+data's inputs); other arguments keep their defaults (workloads/tracing.py). fx decides a
+branch on `self.training` while tracing, so the forward is traced in training mode and in
+evaluation mode, and where the two differ each stage holds both.
 
-The graph is then cut where stages begin: each stage is a GraphModule made from the original
-model, so its parameters and buffers keep their original names (`transformer.h.3.attn.c_attn
-.weight`), and the stages' state dicts together are the model's. Whatever the forward carries
-across a cut (one tensor or several: a residual stream, a mask, a size) is passed on: stage k
-takes the values live at its start as positional arguments and returns those live at its end,
-as a tuple; the last stage returns the model's output. A parameter two stages use (tied input
-and output embeddings) is in both, and `ties` names it so the pipeline can combine its
-gradients.
+The graph is then cut where stages begin: each stage is a `Piece` (workloads/piece.py): fx's
+generated code run on the original model's modules, so its parameters and buffers keep their
+original names (`transformer.h.3.attn.c_attn.weight`), and the stages' state dicts together
+are the model's (its non-persistent buffers stay out of them; a parameter held under names
+the forward never uses, T5's `shared` embedding, is held by a stage under those too). Whatever
+the forward carries across a cut (one tensor or several: a residual stream, a mask, a size)
+is passed on: stage k takes the values live at its start as positional arguments and
+returns those live at its end, as a tuple; the last stage returns the model's output. A
+parameter two stages use (tied input and output embeddings) is in both, and `ties` names it
+so the pipeline can combine its gradients.
 
 Why not torch.distributed.pipelining's tracer (torch.export): it bakes training mode into
 the graph (a BatchNorm in `.eval()` still updates its statistics, measured), its stages do
@@ -33,16 +34,14 @@ this tracer cuts in 0.03 s."""
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-import sys
-import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
+
+from pipejob.trainer.workloads.piece import Piece, attach
+from pipejob.trainer.workloads.tracing import Objects, Tracer, construct, without_cache
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -92,137 +91,6 @@ def candidates(model: nn.Module, want: int = 0, required: Sequence[str] = (),
     return units
 
 
-def _mask_builders() -> tuple[Any, ...]:
-    """Hugging Face's attention-mask builders, when transformers is loaded: they branch on
-    the inputs' values (skipping a mask that is all ones), so they run as calls of their own."""
-    masking = sys.modules.get("transformers.masking_utils")
-    if masking is None:
-        return ()
-    return tuple(f for n, f in vars(masking).items() if n.startswith("create_") and callable(f))
-
-
-class _Objects(fx.Tracer):
-    """fx's tracer keeping the objects a forward passes to calls as they are: a Hugging Face
-    ModelOutput is rebuilt as itself (fx would make a plain dict of it, and the loss gets
-    what the model returns), and any other dataclass that holds nothing traced (a Hugging
-    Face config given to a mask builder) is the object itself, held by the stage: fx would
-    rebuild it from its fields, losing what is not a field (the config's attention kind,
-    which decides the mask: a Mistral's sliding window was lost so). A stage's graph names
-    this tracer, so a pickled stage, traced again from its code, keeps them too."""
-
-    def create_arg(self, a: Any) -> Any:
-        if isinstance(a, dict) and dataclasses.is_dataclass(a):
-            fields = {k: self.create_arg(v) for k, v in a.items()}
-            node = self.create_node("call_function", type(a), (), fields)
-            node.meta["is_wrapped"] = True
-            return node
-        if dataclasses.is_dataclass(a) and not isinstance(a, type) and not _traced(a):
-            held = next((k for k, v in vars(self.root).items() if v is a), None)
-            if held is None:
-                held = self.get_fresh_qualname(f"_{type(a).__name__}_constant_")
-                setattr(self.root, held, a)
-            return self.create_node("get_attr", held, (), {})
-        return super().create_arg(a)
-
-
-class _Tracer(_Objects):
-    """fx's tracer with the cut candidates as leaves, the forward called with one input,
-    and a note of the innermost module whose forward failed to trace."""
-
-    def __init__(self, model: nn.Module, leaves: set[str]):
-        builders = _mask_builders()
-        super().__init__(autowrap_functions=builders)
-        if builders:  # where the models' own modules call them
-            found = {sys.modules.get(type(m).__module__) for m in model.modules()}
-            self._autowrap_search = [*self._autowrap_search, *filter(None, found)]
-        self.leaves = leaves
-        # Modules opened into candidates: traced into, even torch.nn's own (fx's leaves).
-        self.opened = {name.rsplit(".", i)[0] for name in leaves
-                       for i in range(1, name.count(".") + 1)}  # fmt: skip
-        self.failed_in: str | None = None  # "" for the model's own forward
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if qualname in self.opened:
-            return False
-        return qualname in self.leaves or super().is_leaf_module(m, qualname)
-
-    def create_args_for_root(self, root_fn: Any, is_module: bool,
-                             concrete_args: Any = None) -> tuple[Any, list[Any]]:  # fmt: skip
-        # The pipeline calls the model with one positional input; tracing that call (rather
-        # than the signature, which may be `(*args, **kwargs)` behind a decorator) keeps
-        # every other argument's default and gives stage 0 one placeholder.
-        try:
-            params = list(inspect.signature(inspect.unwrap(root_fn)).parameters)[1:]
-        except (TypeError, ValueError):  # no signature to read: any name does
-            params = []
-        name = params[0] if params and params[0].isidentifier() else "inputs"
-        x = self.create_proxy("placeholder", name, (), {})
-        return (lambda root, x: root_fn(root, x)), [self.root, x]
-
-    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
-        try:
-            name = self.path_of_module(m)
-        except NameError:
-            return super().call_module(m, forward, args, kwargs)
-        if self.is_leaf_module(m, name):
-            return super().call_module(m, forward, args, kwargs)
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except Exception:
-            if self.failed_in is None:
-                self.failed_in = name
-            raise
-
-    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
-        try:
-            return super().trace(root, concrete_args)
-        except Exception:
-            if self.failed_in is None:
-                self.failed_in = ""
-            raise
-
-
-def _traced(value: Any) -> bool:
-    """Whether a value holds a traced value (a Proxy) anywhere in its containers."""
-    if isinstance(value, fx.Proxy):
-        return True
-    if isinstance(value, tuple | list | set | frozenset):
-        return any(_traced(v) for v in value)
-    if isinstance(value, dict):
-        return any(_traced(v) for v in value.values())
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return any(_traced(getattr(value, f.name, None)) for f in dataclasses.fields(value))
-    return False
-
-
-@contextmanager
-def without_cache(model: nn.Module) -> Iterator[None]:
-    """A Hugging Face model traced with its key/value cache off (`config.use_cache`):
-    training needs none, and the cache object cannot be passed between stages."""
-    configs = {id(c): c for m in model.modules()
-               if hasattr(c := getattr(m, "config", None), "use_cache")}  # fmt: skip
-    before = {k: c.use_cache for k, c in configs.items()}
-    for c in configs.values():
-        c.use_cache = False
-    try:
-        yield
-    finally:
-        for k, c in configs.items():
-            c.use_cache = before[k]
-
-
-def construct(error: BaseException) -> str:
-    """What failed, and where in the user's (or the library's) code: `TypeError: ... at
-    modeling_bert.py:85: position_ids = self.position_ids[:, a:b]`."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if "/torch/" not in f.filename and f.filename != __file__]  # fmt: skip
-    where = ""
-    if frames:
-        f = frames[-1]
-        where = f" at {f.filename.rsplit('/', 1)[-1]}:{f.lineno}: {(f.line or '').strip()}"
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{where}"
-
-
 class _Forward:
     """One mode's graph of the forward: its nodes, and where each candidate is first called
     (a stage beginning there starts at that node)."""
@@ -238,7 +106,7 @@ class _Forward:
 
     def piece(self, root: nn.Module, a: int, b: int) -> fx.GraphModule:
         """Nodes a..b-1 as a module from the values live at a to those live at b."""
-        graph = fx.Graph(tracer_cls=_Objects)
+        graph = fx.Graph(tracer_cls=Objects)
         env: dict[fx.Node, fx.Node] = {}
         inputs = [n for n in self.nodes if n.op == "placeholder"] if a == 0 else self.live(a)
         for node in inputs:
@@ -279,7 +147,7 @@ class Traced:
         with without_cache(model):
             while True:
                 leaves = set(candidates(model, want, required, frozenset(self.whole)))
-                tracer = _Tracer(model, leaves)
+                tracer = Tracer(model, leaves)
                 try:
                     graphs = []
                     for mode in (True, False):
@@ -381,68 +249,7 @@ class Traced:
         named = {n for s in stages for n, _ in s.named_parameters(remove_duplicate=False)}
         for name, p in self.model.named_parameters(remove_duplicate=False):
             if name not in named and id(p) in first:
-                _attach(stages[first[id(p)]], name, p)
-
-
-_STATE = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
-
-
-class Piece(nn.Module):
-    """A stage's module: the model's forward from where the stage begins to where the next
-    begins, as fx's generated code (a GraphModule) run on the model's own modules; and,
-    where evaluation runs other code than training, a second one, run in evaluation mode
-    (as the model's own forward branches on `self.training`). It holds the state the code
-    uses, under the model's names, once: the GraphModules share it, so the piece moves,
-    saves, loads and pickles as one module (a GraphModule alone, pickled, would make
-    every buffer persistent again)."""
-
-    def __init__(self, training: fx.GraphModule, evaluation: fx.GraphModule | None = None):
-        super().__init__()
-        if evaluation is not None:
-            _merge(training, evaluation)
-        for key in _STATE:
-            self.__dict__[key] = training.__dict__[key]
-        self.__dict__["pieces"] = (training, evaluation)  # not submodules: no second names
-
-    def forward(self, *args: Any) -> Any:
-        training, evaluation = self.pieces
-        piece = training if self.training or evaluation is None else evaluation
-        if piece._modules is not self._modules:  # a copy or an unpickled stage: share again
-            for key in _STATE:
-                piece.__dict__[key] = self.__dict__[key]
-        return piece(*args)
-
-    @property
-    def code(self) -> str:
-        """The generated code of training's forward (and evaluation's, where it differs)."""
-        return "\n".join(p.code for p in self.pieces if p is not None)
-
-
-def _merge(into: nn.Module, other: nn.Module) -> None:
-    """`other`'s modules, parameters and buffers added to `into` where it lacks them (the
-    containers fx made for each piece merged), then `other` sharing `into`'s."""
-    for name, child in other._modules.items():
-        mine = into._modules.get(name)
-        if mine is None:
-            into._modules[name] = child
-        elif mine is not child and child is not None:
-            _merge(mine, child)
-    for key in ("_parameters", "_buffers"):
-        for name, value in getattr(other, key).items():
-            getattr(into, key).setdefault(name, value)
-    into._non_persistent_buffers_set |= other._non_persistent_buffers_set
-    for key in _STATE:
-        other.__dict__[key] = into.__dict__[key]
-
-
-def _attach(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    """`param` held by `module` under the dotted `name`, making plain modules on the way."""
-    *path, attr = name.split(".")
-    for part in path:
-        if not hasattr(module, part):
-            module.add_module(part, nn.Module())
-        module = getattr(module, part)
-    module.register_parameter(attr, param)
+                attach(stages[first[id(p)]], name, p)
 
 
 def ties(stages: list[nn.Module]) -> list[list[tuple[int, str]]]:

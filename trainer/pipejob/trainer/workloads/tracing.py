@@ -1,0 +1,150 @@
+"""How torch.fx sees a model for the cut (workloads/cut.py): a tracer with the cut
+candidates as leaves (modules opened into candidates traced into, torch.nn's own too),
+calling the forward as the pipeline does (one positional input), that notes the innermost
+module whose forward failed to trace; and that keeps the objects a forward passes to calls
+as they are (a Hugging Face config, a ModelOutput), where fx would rebuild them. Hugging
+Face models trace as they are: their mask builders run as calls of their own (they branch
+on the inputs) and the key/value cache is off while tracing (training needs none)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import fx, nn
+
+
+def _mask_builders() -> tuple[Any, ...]:
+    """Hugging Face's attention-mask builders, when transformers is loaded: they branch on
+    the inputs' values (skipping a mask that is all ones), so they run as calls of their own."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None:
+        return ()
+    return tuple(f for n, f in vars(masking).items() if n.startswith("create_") and callable(f))
+
+
+class Objects(fx.Tracer):
+    """fx's tracer keeping the objects a forward passes to calls as they are: a Hugging Face
+    ModelOutput is rebuilt as itself (fx would make a plain dict of it, and the loss gets
+    what the model returns), and any other dataclass that holds nothing traced (a Hugging
+    Face config given to a mask builder) is the object itself, held by the stage: fx would
+    rebuild it from its fields, losing what is not a field (the config's attention kind,
+    which decides the mask: a Mistral's sliding window was lost so). A stage's graph names
+    this tracer, so a pickled stage, traced again from its code, keeps them too."""
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, dict) and dataclasses.is_dataclass(a):
+            fields = {k: self.create_arg(v) for k, v in a.items()}
+            node = self.create_node("call_function", type(a), (), fields)
+            node.meta["is_wrapped"] = True
+            return node
+        if dataclasses.is_dataclass(a) and not isinstance(a, type) and not _traced(a):
+            held = next((k for k, v in vars(self.root).items() if v is a), None)
+            if held is None:
+                held = self.get_fresh_qualname(f"_{type(a).__name__}_constant_")
+                setattr(self.root, held, a)
+            return self.create_node("get_attr", held, (), {})
+        return super().create_arg(a)
+
+
+class Tracer(Objects):
+    """fx's tracer with the cut candidates as leaves, the forward called with one input,
+    and a note of the innermost module whose forward failed to trace."""
+
+    def __init__(self, model: nn.Module, leaves: set[str]):
+        builders = _mask_builders()
+        super().__init__(autowrap_functions=builders)
+        if builders:  # where the models' own modules call them
+            found = {sys.modules.get(type(m).__module__) for m in model.modules()}
+            self._autowrap_search = [*self._autowrap_search, *filter(None, found)]
+        self.leaves = leaves
+        # Modules opened into candidates: traced into, even torch.nn's own (fx's leaves).
+        self.opened = {name.rsplit(".", i)[0] for name in leaves
+                       for i in range(1, name.count(".") + 1)}  # fmt: skip
+        self.failed_in: str | None = None  # "" for the model's own forward
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self.opened:
+            return False
+        return qualname in self.leaves or super().is_leaf_module(m, qualname)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool,
+                             concrete_args: Any = None) -> tuple[Any, list[Any]]:  # fmt: skip
+        # The pipeline calls the model with one positional input; tracing that call (rather
+        # than the signature, which may be `(*args, **kwargs)` behind a decorator) keeps
+        # every other argument's default and gives stage 0 one placeholder.
+        try:
+            params = list(inspect.signature(inspect.unwrap(root_fn)).parameters)[1:]
+        except (TypeError, ValueError):  # no signature to read: any name does
+            params = []
+        name = params[0] if params and params[0].isidentifier() else "inputs"
+        x = self.create_proxy("placeholder", name, (), {})
+        return (lambda root, x: root_fn(root, x)), [self.root, x]
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            name = self.path_of_module(m)
+        except NameError:
+            return super().call_module(m, forward, args, kwargs)
+        if self.is_leaf_module(m, name):
+            return super().call_module(m, forward, args, kwargs)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = name
+            raise
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        try:
+            return super().trace(root, concrete_args)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = ""
+            raise
+
+
+def _traced(value: Any) -> bool:
+    """Whether a value holds a traced value (a Proxy) anywhere in its containers."""
+    if isinstance(value, fx.Proxy):
+        return True
+    if isinstance(value, tuple | list | set | frozenset):
+        return any(_traced(v) for v in value)
+    if isinstance(value, dict):
+        return any(_traced(v) for v in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_traced(getattr(value, f.name, None)) for f in dataclasses.fields(value))
+    return False
+
+
+@contextmanager
+def without_cache(model: nn.Module) -> Iterator[None]:
+    """A Hugging Face model traced with its key/value cache off (`config.use_cache`):
+    training needs none, and the cache object cannot be passed between stages."""
+    configs = {id(c): c for m in model.modules()
+               if hasattr(c := getattr(m, "config", None), "use_cache")}  # fmt: skip
+    before = {k: c.use_cache for k, c in configs.items()}
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for k, c in configs.items():
+            c.use_cache = before[k]
+
+
+def construct(error: BaseException) -> str:
+    """What failed, and where in the user's (or the library's) code: `TypeError: ... at
+    modeling_bert.py:85: position_ids = self.position_ids[:, a:b]`."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if "/torch/" not in f.filename and f.filename != __file__]  # fmt: skip
+    where = ""
+    if frames:
+        f = frames[-1]
+        where = f" at {f.filename.rsplit('/', 1)[-1]}:{f.lineno}: {(f.line or '').strip()}"
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{where}"

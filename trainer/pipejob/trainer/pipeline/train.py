@@ -3,7 +3,6 @@ the steps, checkpoints and resumes, and returns the run's summary."""
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 
@@ -38,8 +37,8 @@ from pipejob.trainer.runtime import (
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, data, metrics, models
-from pipejob.trainer.workloads.standins import META
 from pipejob.trainer.workloads.metrics import Tally
+from pipejob.trainer.workloads.standins import META
 
 
 def train(env: Env) -> dict[str, Any]:
@@ -153,18 +152,22 @@ def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                loss: workloads.Loss) -> None:  # fmt: skip
     """Fail before the first step, saying both shapes, when the data does not fit the
     model: its input, or its labels against the model's output through the loss. Shapes
-    only: `model`'s parameters do not exist (models.build_meta), so a copy runs on the meta
-    device, in eval mode; a model whose forward reads its values (only the stages can run
-    it) is left to them."""
-    model = copy.deepcopy(model).to(META).eval()
+    only: `model`'s parameters do not exist (models.build_meta), so it runs on the meta
+    device, in eval mode, with its buffers swapped for meta ones for the call (not a deep
+    copy: a model with torch's deprecated weight norm refuses one); a model whose forward
+    reads its values (only the stages can run it) is left to them."""
+    training = model.training
+    buffers = {name: b.to(META) for name, b in model.named_buffers(remove_duplicate=False)}
     try:
         with torch.no_grad():
-            outputs = model(inputs[:2].to(META))
+            outputs = torch.func.functional_call(model.eval(), buffers, (inputs[:2].to(META),))
     except Exception as e:
         if _needs_values(e):
             return
         raise ValueError(f"spec.data: inputs of shape {shape(inputs[:2])} do not fit spec.model:"
                          f" {type(e).__name__}: {e}") from None  # fmt: skip
+    finally:
+        model.train(training)
     try:
         loss(outputs, labels[:2].to(META))
     except Exception as e:

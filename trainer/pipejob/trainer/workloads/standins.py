@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
@@ -52,8 +53,11 @@ class Placeholder(nn.Parameter):
         return placeholder(self, self.made_on, False, source=self.root)
 
     @property
-    def data(self) -> Placeholder:  # type: ignore[override]
-        return self.detach()
+    def data(self) -> torch.Tensor:  # type: ignore[override]
+        """Its stand-in's (a plain tensor, as a parameter's `.data` is), while a build runs."""
+        if _ACTIVE is None:
+            return meta_like(self)
+        return _ACTIVE.standing_in(self).detach()
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
@@ -96,35 +100,41 @@ class Registrations:
         self.slots[id(module), name] = (module, name, self.add(param))
 
 
-class Standins(TorchDispatchMode):
-    """While the factory runs: operations on a placeholder run on a scratch tensor standing
-    in for it, one placeholder's at a time (a new parameter's first stand-in is the tensor
-    the factory made); any other random operation on a meta tensor runs again on a scratch
-    tensor. So the random stream advances as in a plain build.
+class Standins:
+    """While the factory runs: what it does to a placeholder runs on a scratch tensor
+    standing in for it, one placeholder's at a time (a new parameter's first stand-in is the
+    tensor the factory made), swapped in where torch is called (`_Calls`, before any of
+    torch's own code compares devices) and, for whatever reaches torch's operations with a
+    placeholder still in it, there (`_Operations`); any other random operation on a meta
+    tensor runs again on a scratch tensor. So the random stream advances as in a plain build.
 
-    And it follows where values read from placeholders go: a tensor computed from a
-    placeholder whose stand-in was lost meanwhile (its value is only right where the
-    parameter is kept) is tainted with that parameter's number, and so is whatever is
-    computed from it in turn. What a parameter's or buffer's final value is tainted with
-    are the parameters it needs (`Registrations.needs`, `.buffers`); a tainted value read
-    into Python (a branch) needs them everywhere."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ in dynamo's `disable` unless the mode says
-        # otherwise (the opt-out its TorchDispatchMode documents), which imports torch._dynamo
-        # and inductor into every process that builds a model: 100 MB of a stage's memory.
-        # Nothing here runs under torch.compile.
-        return False
+    And it follows where values come from: every storage is tainted with the numbers of the
+    parameters whose true values its values need. A placeholder's scratch stand-in, made
+    once its value was lost, needs that parameter; writing a tensor whole replaces its taint
+    with what was written; anything computed adds the taints it read. What a parameter's or
+    buffer's final value is tainted with are the parameters it needs (`Registrations.needs`,
+    `.buffers`); a tainted value read into Python (a branch) needs them everywhere."""
 
     def __init__(self, registered: Registrations, keep: set[int]) -> None:
-        super().__init__()
         self.registered, self.keep = registered, keep
         self._for: Placeholder | None = None  # whose value `_stand_in` holds
         self._stand_in: torch.Tensor | None = None
-        self._lost: set[int] = set()  # ids of placeholders whose stand-in was lost
         self._held: dict[int, frozenset[int]] = {}  # a placeholder's taint, off its stand-in
         self._taint = WeakIdKeyDictionary()  # a storage -> the numbers its values need
+        self._modes = (_Calls(self), _Operations(self))
+
+    def __enter__(self) -> Standins:
+        global _ACTIVE
+        _ACTIVE = self
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _ACTIVE
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        _ACTIVE = None
 
     # ---------------------------------------------------------------- parameters made
 
@@ -135,59 +145,44 @@ class Standins(TorchDispatchMode):
         if isinstance(param, Placeholder):  # a placeholder's alias: its value is the source's
             if number in self.keep:
                 raise _unbuildable(param)
-            self.registered.needs[number] = self._sources(param) | {self._number(param.root)}
+            self.registered.needs[number] = self.sources(param) | {self._number(param.root)}
             return param
         if number in self.keep or param.device.type == "meta" or _is_lazy(param):
             return param
         made = placeholder(param, param.device, param.requires_grad)
-        self._switch(made, param.detach())
+        self._switch(made, param.detach(), self._held.pop(id(made), frozenset()))
         return made
 
     def copied(self, param: nn.Parameter) -> nn.Parameter:
         """A deep copy of a parameter (a layer cloned): a new parameter with its value, which
-        needs the parameter copied wherever it is kept."""
+        needs the parameter copied wherever it is kept (then real there)."""
         number = len(self.registered.params)
         source = param.root if isinstance(param, Placeholder) else param
-        sources = self._sources(param) | {self._number(source)}
+        sources = self.sources(param) | {self._number(source)}
         if number in self.keep:
-            value = self._value(param)
-            if value is None:
+            if isinstance(param, Placeholder):
                 raise _unbuildable(param)
-            made: nn.Parameter = nn.Parameter(value.clone(), param.requires_grad)
+            made: nn.Parameter = nn.Parameter(param.detach().clone(), param.requires_grad)
         else:  # no stand-in: building it must not lose another placeholder's value
             made = placeholder(param, getattr(param, "made_on", param.device),
                                 param.requires_grad)  # fmt: skip
-            self._lost.add(id(made))
             self._held[id(made)] = sources
         self.registered.add(made)
         self.registered.needs[number] = sources
         return made
-
-    def _value(self, param: nn.Parameter) -> torch.Tensor | None:
-        """A parameter's value where it is known: a real one's, a placeholder's stand-in."""
-        if not isinstance(param, Placeholder):
-            return param.detach()
-        root = param.root
-        if root is self._for and id(root) not in self._lost:
-            return self._stand_in
-        return None
 
     # ---------------------------------------------------------------- taint
 
     def _number(self, param: nn.Parameter) -> int:
         return self.registered.number.get(id(param), -1)
 
-    def _sources(self, value: Any) -> frozenset[int]:
-        """The parameters a tensor's value needs: a placeholder whose stand-in was lost
-        needs itself; any value needs what its storage is tainted with."""
+    def sources(self, value: Any) -> frozenset[int]:
+        """The parameters a tensor's value needs."""
         if isinstance(value, Placeholder):
             root = value.root
-            held = self._held.get(id(root), frozenset())
-            if root is self._for and self._stand_in is not None:
-                held = self._taint.get(self._stand_in.untyped_storage(), frozenset())
-            if id(root) in self._lost:
-                return held | {self._number(root)}
-            return held
+            if root is not self._for or self._stand_in is None:  # its value is lost
+                return self._held.get(id(root), frozenset({self._number(root)}))
+            value = self._stand_in
         if isinstance(value, torch.Tensor) and len(self._taint):
             try:
                 return self._taint.get(value.untyped_storage(), frozenset())
@@ -195,12 +190,12 @@ class Standins(TorchDispatchMode):
                 return frozenset()
         return frozenset()
 
-    def _mark(self, value: Any, sources: frozenset[int], reset: bool = False) -> None:
-        """`value` now holds what `sources` need (only those, when `reset`)."""
+    def mark(self, value: Any, sources: frozenset[int], whole: bool = False) -> None:
+        """`value` now holds what `sources` need (only those, when it was written `whole`)."""
         if isinstance(value, Placeholder):
             root = value.root
             if root is not self._for or self._stand_in is None:
-                before = frozenset() if reset else self._held.get(id(root), frozenset())
+                before = frozenset() if whole else self.sources(root)
                 self._held[id(root)] = sources | before
                 return
             value = self._stand_in
@@ -210,7 +205,7 @@ class Standins(TorchDispatchMode):
             storage = value.untyped_storage()
         except (NotImplementedError, RuntimeError):
             return
-        if reset:
+        if whole:
             if sources:
                 self._taint[storage] = sources
             else:
@@ -220,35 +215,47 @@ class Standins(TorchDispatchMode):
 
     # ---------------------------------------------------------------- stand-ins
 
-    def _switch(self, placeholder: Placeholder, stand_in: torch.Tensor) -> None:
-        """`stand_in` holds `placeholder`'s value from now on; the last one's is lost."""
+    def _switch(self, placeholder: Placeholder, stand_in: torch.Tensor,
+                needs: frozenset[int]) -> None:  # fmt: skip
+        """`stand_in` holds `placeholder`'s value from now on, needing `needs`; the last
+        one's value is lost."""
         previous = self._for
         if previous is not None and previous is not placeholder and self._stand_in is not None:
-            self._held[id(previous)] = self._taint.get(self._stand_in.untyped_storage(),
-                                                       frozenset())  # fmt: skip
-            self._lost.add(id(previous))
-        held = self._held.pop(id(placeholder), frozenset())  # and what the tensor holds
-        if held:
-            self._mark(stand_in, held)
+            self._held[id(previous)] = self.sources(self._stand_in) | {self._number(previous)}
+        self.mark(stand_in, needs)
         self._for, self._stand_in = placeholder, stand_in
 
-    def _standing_in(self, value: Any) -> Any:
+    def standing_in(self, value: Any) -> Any:
+        """A placeholder's stand-in (made for it now if another has it); anything else."""
         if not isinstance(value, Placeholder):
             return value
         root = value.root
-        if root is not self._for or self._stand_in is None:
-            self._switch(root, _scratch(root))  # its value is lost: a new scratch tensor
+        if root is not self._for or self._stand_in is None:  # a new scratch tensor
+            lost = self._held.pop(id(root), frozenset({self._number(root)}))
+            self._switch(root, _scratch(root), lost)
         stand_in = self._stand_in
         assert stand_in is not None
         if stand_in.dtype != root.dtype and stand_in.shape == root.shape:  # converted
-            taint = self._taint.get(stand_in.untyped_storage())
+            taint = self.sources(stand_in)
             self._stand_in = stand_in = stand_in.to(root.dtype)
-            if taint:
-                self._taint[stand_in.untyped_storage()] = taint
+            self.mark(stand_in, taint)
         return stand_in
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-        kwargs = kwargs or {}
+    def call(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """`func` with its placeholders' stand-ins; the stand-in it returns (an in-place
+        operation's result) as the placeholder given."""
+        first = next((v for v in tree_flatten((args, kwargs))[0] if isinstance(v, Placeholder)),
+                     None)  # fmt: skip
+        args, kwargs = tree_map(self.standing_in, (args, kwargs))
+        stand_in = self._stand_in
+        result = func(*args, **kwargs)
+        if first is None:
+            return result
+        return tree_map(lambda v: first if v is stand_in and first.root is self._for else v,
+                        result)  # fmt: skip
+
+    def operation(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """One of torch's operations: run (on stand-ins), and its taint followed."""
         packet = func.overloadpacket
         if func is aten._to_copy.default and isinstance(args[0], Placeholder):
             return func(*args, **kwargs)  # a conversion (`.double()`): still no memory
@@ -258,32 +265,24 @@ class Standins(TorchDispatchMode):
             read = flat[1:] if packet is aten.copy_ else []
         else:
             read = [] if packet in _SHAPES_ONLY else flat
-        sources = frozenset().union(*(self._sources(v) for v in read))
+        sources = frozenset().union(*(self.sources(v) for v in read))
         if any(isinstance(v, Placeholder) for v in flat):
-            # What the stand-in itself is returned as (an in-place operation's result): the
-            # placeholder given, or the one it stands in for.
-            stand_ins = tree_map(self._standing_in, (args, kwargs))
-            first = args[0] if args and isinstance(args[0], Placeholder) else self._for
-            result = func(*stand_ins[0], **stand_ins[1])
-            result = tree_map(lambda v: first if v is self._stand_in else v, result)
+            result = self.call(func, args, kwargs)
         else:
             if torch.Tag.nondeterministic_seeded in func.tags and any(map(_is_meta, flat)):
                 func(*tree_map(_scratch, args), **tree_map(_scratch, kwargs))
             result = func(*args, **kwargs)
         if overwrite and args:
             target = args[0]
-            whole = isinstance(target, Placeholder) or _whole(target)
-            self._mark(target, sources, reset=whole)
-            if isinstance(target, Placeholder) and whole:
-                self._lost.discard(id(target.root))
+            self.mark(target, sources, whole=isinstance(target, Placeholder) or _whole(target))
         else:
             for v in _written(func, args, kwargs):
-                self._mark(v, sources)
+                self.mark(v, sources)
         if sources:
             outputs, _ = tree_flatten(result)
             for v in outputs:
                 if isinstance(v, torch.Tensor):
-                    self._mark(v, sources)
+                    self.mark(v, sources)
             if packet in _INTO_PYTHON:
                 self.registered.everywhere |= sources
         return result
@@ -291,16 +290,57 @@ class Standins(TorchDispatchMode):
     def finish(self, model: nn.Module) -> None:
         """What each parameter's and buffer's final value needs."""
         for number, param in enumerate(self.registered.params):
-            needs = self._sources(param) - {number}
-            if isinstance(param, Placeholder) and id(param.root) in self._lost:
-                needs = needs - {self._number(param.root)}
-            needs |= self.registered.needs.get(number, frozenset())
-            if needs:
+            needs = (self.sources(param) | self.registered.needs.get(number, frozenset()))
+            if needs - {number}:
                 self.registered.needs[number] = needs - {number}
         for name, buffer in model.named_buffers(remove_duplicate=False):
-            if needs := self._sources(buffer):
+            if needs := self.sources(buffer):
                 self.registered.buffers[name] = needs
         self._for = self._stand_in = None
+
+
+_ACTIVE: Standins | None = None  # the build under way (one at a time, as its hooks are)
+
+# Calls that read or set what a placeholder is (not its values), or convert it (which keeps
+# it a placeholder: a conversion's result is on the meta device, _Operations): not swapped.
+_AS_IS = {"__get__", "__set__", "requires_grad_", "register_hook", "retain_grad", "to",
+          "double", "float", "half", "bfloat16", "type", "cpu", "cuda", "type_as"}  # fmt: skip
+
+
+class _Calls(TorchFunctionMode):
+    """Swaps a placeholder for its stand-in where torch is called, before torch's own code
+    (an RNN's, a deprecated weight norm's) compares its device with its other inputs'."""
+
+    def __init__(self, standins: Standins):
+        super().__init__()
+        self.standins = standins
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _AS_IS or not any(
+            isinstance(v, Placeholder) for v in tree_flatten((args, kwargs))[0]
+        ):
+            return func(*args, **kwargs)
+        return self.standins.call(func, args, kwargs)
+
+
+class _Operations(TorchDispatchMode):
+    """Follows the taint through every operation torch runs (its own code's too)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in dynamo's `disable` unless the mode says
+        # otherwise (the opt-out its TorchDispatchMode documents), which imports torch._dynamo
+        # and inductor into every process that builds a model: 100 MB of a stage's memory.
+        # Nothing here runs under torch.compile.
+        return False
+
+    def __init__(self, standins: Standins):
+        super().__init__()
+        self.standins = standins
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        return self.standins.operation(func, args, kwargs or {})
 
 
 def meta_like(like: torch.Tensor) -> torch.Tensor:
@@ -330,8 +370,15 @@ def _whole(value: Any) -> bool:
     return value.storage_offset() == 0 and value.nbytes == storage.nbytes()
 
 
+# Operations that write arguments their schema does not say they write: batch norm's
+# running statistics (arguments 3 and 4), when it trains (argument 5).
+_UNDECLARED = {aten.native_batch_norm, aten.cudnn_batch_norm, aten.miopen_batch_norm}
+
+
 def _written(func: Any, args: Any, kwargs: Any) -> list[Any]:
     """The arguments an in-place or out= operation writes."""
+    if func.overloadpacket in _UNDECLARED:
+        return list(args[3:5]) if len(args) > 5 and args[5] else []
     written = []
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:

@@ -1,0 +1,208 @@
+"""Conformance: does pipejob's cut and per-stage build compute exactly the user's model, for
+models nobody here wrote? Each model of each zoo (benchmarks/_zoos.py: every torch.nn module
+with parameters, every torchvision classification builder, one timm model per family, every
+transformers architecture an auto class builds from a tiny config) is checked against a
+plain build in one process, in float64 (benchmarks/_conform.py): (a) parameters and buffers
+bit-equal per stage, (b) outputs bit-equal in training and evaluation mode, (c) step-1
+gradients equal, tied weights included, (d) the output loads strictly into a fresh build;
+at two cuts. Each row is exact, refused (pipejob says it cannot cut it, and why), failing
+(what differs, where), or not built (its own library cannot build or run it here).
+
+Models run one after another in a worker process, restarted when one crashes or outlasts
+--timeout. Progress goes to stdout, one line a model; --table writes the markdown table
+(rewritten as rows arrive), which docs/conformance.md holds for the whole zoo.
+
+    python benchmarks/conformance.py                      # every zoo (hours on 2 cores)
+    python benchmarks/conformance.py --slice ci           # the representative slice CI runs
+    python benchmarks/conformance.py --zoo torch,timm --table /tmp/conformance.md
+    python benchmarks/conformance.py --only torchvision:inception_v3,transformers:seq2seq:t5
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import queue
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import machine  # noqa: E402
+
+# What CI runs: each reported case of issue 30 and a few of every zoo, a few minutes on 2
+# cores. The whole zoo is this script without --slice.
+CI = [
+    "torch:TransformerEncoder", "torch:weight_norm", "torch:LSTM", "torch:LazyConv2d",
+    "torch:values made in __init__", "torchvision:resnet18", "torchvision:mobilenet_v3_small",
+    "timm:byobnet", "transformers:causal:mistral", "transformers:causal:gemma2",
+    "transformers:seq2seq:t5", "transformers:causal:mixtral", "transformers:causal:mamba",
+]  # fmt: skip
+VERDICTS = ("exact", "refused", "failing", "not built", "not run")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--zoo", default="torch,torchvision,timm,transformers")
+    parser.add_argument("--only", default="", help="rows zoo:name, comma-separated")
+    parser.add_argument("--slice", choices=["ci"], help="the representative slice CI runs")
+    parser.add_argument("--table", type=Path, help="write the markdown table here")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per model")
+    parser.add_argument(
+        "--max-params",
+        type=float,
+        default=200e6,
+        help="models with more parameters are listed, not run (memory)",
+    )
+    args = parser.parse_args()
+
+    print(f"conformance: {machine()}", flush=True)
+    if args.slice == "ci" or args.only:
+        rows = [tuple(r.split(":", 1)) for r in (CI if args.slice else args.only.split(","))]
+    else:
+        import _zoos
+
+        rows = [(zoo, name) for zoo in args.zoo.split(",") for name in _zoos.names(zoo)]
+    started = time.perf_counter()
+    done: list[dict[str, Any]] = []
+    worker = Worker(args.max_params)
+    try:
+        for zoo, name in rows:
+            row = worker.check(zoo, name, args.timeout)
+            done.append(row)
+            print(f"[{len(done)}/{len(rows)}] {zoo} {row['name']}: {row['verdict']}"
+                  f"{' (' + row['why'] + ')' if row['why'] else ''} in {row['seconds']:.1f}s",
+                  flush=True)  # fmt: skip
+            if args.table:
+                args.table.write_text(table(done, time.perf_counter() - started, len(rows)))
+    finally:
+        worker.stop()
+    seconds = time.perf_counter() - started
+    print("\n" + counts(done, seconds))
+    return 0
+
+
+def counts(rows: list[dict[str, Any]], seconds: float) -> str:
+    """Per zoo: how many rows of each verdict, and the seconds they took."""
+    lines = [f"{'zoo':<13}" + "".join(f"{v:>11}" for v in VERDICTS) + f"{'seconds':>10}"]
+    for zoo in dict.fromkeys(r["zoo"] for r in rows):
+        mine = [r for r in rows if r["zoo"] == zoo]
+        tally = Counter(r["verdict"] for r in mine)
+        lines.append(f"{zoo:<13}" + "".join(f"{tally[v]:>11}" for v in VERDICTS)
+                     + f"{sum(r['seconds'] for r in mine):>10.0f}")  # fmt: skip
+    tally = Counter(r["verdict"] for r in rows)
+    lines.append(f"{'all':<13}" + "".join(f"{tally[v]:>11}" for v in VERDICTS)
+                 + f"{seconds:>10.0f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def table(rows: list[dict[str, Any]], seconds: float, total: int) -> str:
+    """The markdown page: the counts, then every row."""
+    partial = "" if len(rows) == total else f" (partial: {len(rows)} of {total} rows so far)"
+    lines = [
+        "# Conformance",
+        "",
+        "Generated by `python benchmarks/conformance.py --table docs/conformance.md`"
+        f"{partial}; {machine()}, {seconds / 60:.0f} minutes. What each check is:"
+        " [benchmarks/_conform.py](../benchmarks/_conform.py); the zoos:"
+        " [benchmarks/_zoos.py](../benchmarks/_zoos.py).",
+        "",
+        "```",
+        counts(rows, seconds),
+        "```",
+        "",
+        "| zoo | model | verdict | why | parameters | cuts (where stages begin) | seconds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        why = r["why"].replace("|", "\\|")
+        lines.append(f"| {r['zoo']} | {r['name']} | {r['verdict']} | {why} | {r['params']:,} |"
+                     f" {r['cuts']} | {r['seconds']:.0f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+class Worker:
+    """A process that checks one model at a time; replaced when one crashes or hangs."""
+
+    def __init__(self, max_params: float):
+        self.max_params = max_params
+        self.context = multiprocessing.get_context("spawn")
+        self.process: Any = None
+
+    def _start(self) -> None:
+        self.requests, self.replies = self.context.Queue(), self.context.Queue()
+        self.process = self.context.Process(
+            target=_serve, args=(self.requests, self.replies, self.max_params), daemon=True
+        )
+        self.process.start()
+
+    def check(self, zoo: str, name: str, timeout: float) -> dict[str, Any]:
+        if self.process is None or not self.process.is_alive():
+            self._start()
+        self.requests.put((zoo, name))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.replies.get(timeout=5)
+            except queue.Empty:
+                if not self.process.is_alive() or time.monotonic() > deadline:
+                    why = (f"ran past {timeout:g}s" if self.process.is_alive()
+                           else f"the worker died (exit code {self.process.exitcode})")  # fmt: skip
+                    self.stop()
+                    return {"zoo": zoo, "name": name, "verdict": "failing", "why": why,
+                            "seconds": timeout, "params": 0, "cuts": ""}  # fmt: skip
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+        self.process = None
+
+
+def _serve(requests: Any, replies: Any, max_params: float) -> None:
+    """The worker: torch's threads as the machine allows, one model at a time."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import _conform
+    import _zoos
+
+    while True:
+        zoo, name = requests.get()
+        start = time.perf_counter()
+        try:
+            shown, (factory, sample) = _zoos.entry(zoo, name)
+        except Exception as e:  # noqa: BLE001 (the zoo's own entry fails: not pipejob's)
+            row = _conform.Row(zoo, name, "not built", _conform._line(e))
+        else:
+            row = _big(zoo, shown, factory, max_params) or _conform.run(zoo, shown, factory,
+                                                                        sample)  # fmt: skip
+        row.seconds = time.perf_counter() - start
+        replies.put(asdict(row))
+
+
+def _big(zoo: str, name: str, factory: Any, max_params: float) -> Any:
+    """A row for a model over the parameter budget (counted on the meta device), else None."""
+    import _conform
+    import torch
+
+    with torch.device("meta"):
+        try:
+            count = sum(p.numel() for p in factory().parameters())
+        except Exception:  # noqa: BLE001 (the check itself says what fails)
+            return None
+    if count <= max_params:
+        return None
+    return _conform.Row(zoo, name, "not run", f"{count / 1e6:.0f}M parameters, over"
+                        f" --max-params {max_params / 1e6:.0f}M (float64 needs"
+                        f" {count * 8 * 4 / 2**30:.0f} GiB here)", params=count)  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,7 +6,8 @@
 - timm: one model of every family (module), its smallest by parameter count, 10 classes;
 - transformers: every architecture an auto class builds (causal LM, seq2seq LM, sequence
   classification, image classification), from a tiny config derived from its config class's
-  defaults (2 layers, width 32, 2 heads, a vocabulary of 128, ...; a sliding window of 4).
+  defaults (2 layers, width 32, 2 heads, a vocabulary of 128, ...; a sliding window of 4),
+  the first of those it builds and runs with (sub-configs made tiny too, then not).
 
 An entry is (factory, sample): a model with no arguments, and a batch of 4 inputs for it."""
 
@@ -274,9 +275,12 @@ def _torchvision(name: str) -> Entry:
 
 
 def _timm(family: str) -> tuple[str, Entry]:
-    """The family's smallest model (by parameters, counted on the meta device)."""
+    """The family's smallest model (by parameters, counted on the meta device), or the
+    model of that name."""
     import timm
 
+    if family not in timm.list_modules():
+        return family, _timm_model(family)
     sizes = {}
     for name in timm.list_models(module=family):
         try:
@@ -288,13 +292,19 @@ def _timm(family: str) -> tuple[str, Entry]:
     if not sizes:
         raise ValueError(f"timm builds no model of {family}")
     name = min(sizes, key=lambda n: (sizes[n], n))
+    return f"{family} ({name})", _timm_model(name)
+
+
+def _timm_model(name: str) -> Entry:
+    import timm
+
     config = timm.get_pretrained_cfg(name)
     channels, size, _ = config.input_size if config is not None else (3, 224, 224)
 
     def factory() -> nn.Module:
         return timm.create_model(name, pretrained=False, num_classes=10)
 
-    return f"{family} ({name})", (factory, _images(size, channels))
+    return factory, _images(size, channels)
 
 
 # --------------------------------------------------------------------------- transformers
@@ -313,40 +323,45 @@ def _tasks() -> dict[str, dict[str, Any]]:
 
 VOCAB = 128
 _SIZES = {
+    1: ("n_group", "topk_group", "first_k_dense_replace"),
     2: ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers",
         "decoder_layers", "num_encoder_layers", "num_decoder_layers", "num_attention_heads",
         "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
-        "num_experts_per_tok", "num_heads"),
-    1: ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"),
+        "num_key_value_heads", "num_kv_heads", "multi_query_group_num", "num_experts_per_tok",
+        "moe_k", "num_heads"),
     4: ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
         "sliding_window"),
-    16: ("head_dim", "d_kv", "kv_channels", "attention_head_size"),
+    8: ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim"),
+    16: ("head_dim", "d_kv", "kv_channels", "attention_head_size", "v_head_dim", "q_lora_rank",
+         "kv_lora_rank"),
     32: ("hidden_size", "d_model", "n_embd", "embed_dim", "embedding_size", "dim",
          "word_embed_proj_dim", "projection_dim"),
     64: ("intermediate_size", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
          "n_inner", "moe_intermediate_size", "shared_expert_intermediate_size",
          "ffn_hidden_size"),
 }  # fmt: skip
+_LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 _TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
            "sep_token_id", "cls_token_id", "mask_token_id")  # fmt: skip
 
 
-def tiny(config: Any) -> dict[str, Any]:
+def tiny(config: Any, sub_configs: bool = True) -> dict[str, Any]:
     """Keyword arguments that make a config class's defaults tiny: the sizes above where the
     config has them, per-layer lists cut to the layers kept, a vocabulary of VOCAB (special
-    token ids inside it), sub-configs (a text or vision tower) likewise."""
+    token ids inside it), and (`sub_configs`) a text or vision tower likewise."""
     from transformers import PretrainedConfig
 
     values = config.to_dict()
     kwargs: dict[str, Any] = {}
     for size, keys in _SIZES.items():
         for key in keys:
-            if isinstance(values.get(key), int) and not isinstance(values.get(key), bool):
-                kwargs[key] = min(values[key], size) if key == "sliding_window" else size
-    layers = kwargs.get("num_hidden_layers", 2)
-    for key in ("layer_types", "mlp_only_layers"):
-        if isinstance(values.get(key), list) and len(values[key]) > layers:
-            kwargs[key] = values[key][:layers]
+            value = values.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                kwargs[key] = min(value, size) if key == "sliding_window" else size
+    layers = next((values[k] for k in _LAYERS if isinstance(values.get(k), int)), None)
+    for key, value in values.items():  # per-layer lists (layer_types, mlp_layer_types, ...)
+        if isinstance(value, list) and layers and len(value) == layers:
+            kwargs[key] = value[:2]
     if isinstance(values.get("vocab_size"), int):
         kwargs["vocab_size"] = VOCAB
         for key in _TOKENS:
@@ -356,17 +371,17 @@ def tiny(config: Any) -> dict[str, Any]:
             kwargs["pad_token_id"] = 0  # classifying a batch needs one
     if isinstance(values.get("image_size"), int):
         kwargs["image_size"] = 64 if values.get("patch_size", 16) <= 16 else values["image_size"]
-    for key in ("depths",):
-        if isinstance(values.get(key), list):
-            kwargs[key] = [1] * len(values[key])
+    if isinstance(values.get("depths"), list):
+        kwargs["depths"] = [1] * len(values["depths"])
     for key in ("hidden_sizes", "embed_dims"):
         if isinstance(values.get(key), list):
             kwargs[key] = [16 * (i + 1) for i in range(len(values[key]))]
     if isinstance(values.get("num_heads"), list):
         kwargs["num_heads"] = [1] * len(values["num_heads"])
-    for key, value in vars(config).items():
-        if isinstance(value, PretrainedConfig):  # a sub-config: its own tiny version
-            kwargs[key] = {**value.to_dict(), **tiny(value)}
+    if sub_configs:
+        for key, value in vars(config).items():
+            if isinstance(value, PretrainedConfig):  # a sub-config: its own tiny version
+                kwargs[key] = {**value.to_dict(), **tiny(value)}
     return kwargs
 
 
@@ -382,6 +397,8 @@ class Both(nn.Module):
 
 
 def _transformers(row: str) -> Entry:
+    """The architecture from the first tiny config it builds and runs with: its defaults
+    made tiny (sub-configs too, then not)."""
     import transformers
     from transformers import AutoConfig
 
@@ -389,7 +406,22 @@ def _transformers(row: str) -> Entry:
     name = _tasks()[task][kind]
     cls = getattr(transformers, name if isinstance(name, str) else name[0])
     defaults = AutoConfig.for_model(kind)
-    config = type(defaults)(**{**_arguments(defaults), **tiny(defaults)})
+    failed: Exception | None = None
+    for sub_configs in (True, False):
+        try:
+            config = type(defaults)(**{**_arguments(defaults), **tiny(defaults, sub_configs)})
+            entry = _hugging_face(task, cls, config)
+            factory, sample = entry
+            with torch.no_grad():
+                factory().eval()(sample())
+            return entry
+        except Exception as e:  # noqa: BLE001 (the next config; else its own library's error)
+            failed = failed or e
+    assert failed is not None
+    raise failed
+
+
+def _hugging_face(task: str, cls: type, config: Any) -> Entry:
     if task == "image":
         vision = getattr(config, "vision_config", config)
         size = getattr(vision, "image_size", 224)

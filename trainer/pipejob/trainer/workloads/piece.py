@@ -8,6 +8,8 @@ from typing import Any
 
 from torch import fx, nn
 
+from pipejob.trainer.workloads.tracing import cache_configs, without_cache
+
 _STATE = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
 
 
@@ -34,7 +36,12 @@ class Piece(nn.Module):
         if piece._modules is not self._modules:  # a copy or an unpickled stage: share again
             for key in _STATE:
                 piece.__dict__[key] = self.__dict__[key]
-        return piece(*args)
+            self.__dict__.pop("configs", None)
+        if "configs" not in self.__dict__:
+            self.__dict__["configs"] = cache_configs(self)
+        # The modules it calls whole run as the model was traced: with no key/value cache.
+        with without_cache(self, self.__dict__["configs"]):
+            return piece(*args)
 
     @property
     def code(self) -> str:

@@ -61,7 +61,11 @@ class Placeholder(nn.Parameter):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        torch._C.TensorBase.data.__set__(self, value)  # type: ignore[attr-defined]
+        if _ACTIVE is not None and value.device.type != "meta":  # its value, from now on
+            torch._C.TensorBase.data.__set__(self, meta_like(value))  # type: ignore[attr-defined]
+            _ACTIVE.assign(self, value)
+        else:
+            torch._C.TensorBase.data.__set__(self, value)  # type: ignore[attr-defined]
 
     @property
     def root(self) -> Placeholder:
@@ -224,6 +228,12 @@ class Standins:
             self._held[id(previous)] = self.sources(self._stand_in) | {self._number(previous)}
         self.mark(stand_in, needs)
         self._for, self._stand_in = placeholder, stand_in
+
+    def assign(self, placeholder: Placeholder, value: torch.Tensor) -> None:
+        """`value` is the placeholder's value now (`placeholder.data = value`)."""
+        root = placeholder.root
+        self._held.pop(id(root), None)
+        self._switch(root, value.detach(), frozenset())
 
     def standing_in(self, value: Any) -> Any:
         """A placeholder's stand-in (made for it now if another has it); anything else."""

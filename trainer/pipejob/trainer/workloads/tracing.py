@@ -123,19 +123,26 @@ def _traced(value: Any) -> bool:
 
 
 @contextmanager
-def without_cache(model: nn.Module) -> Iterator[None]:
-    """A Hugging Face model traced with its key/value cache off (`config.use_cache`):
-    training needs none, and the cache object cannot be passed between stages."""
-    configs = {id(c): c for m in model.modules()
-               if hasattr(c := getattr(m, "config", None), "use_cache")}  # fmt: skip
-    before = {k: c.use_cache for k, c in configs.items()}
-    for c in configs.values():
+def without_cache(model: nn.Module, configs: list[Any] | None = None) -> Iterator[None]:
+    """A Hugging Face model traced, or a stage run, with its key/value cache off
+    (`config.use_cache`, of `configs` when given: `cache_configs(model)`'s): training needs
+    none, and the cache object cannot be passed between stages."""
+    configs = cache_configs(model) if configs is None else configs
+    before = [c.use_cache for c in configs]
+    for c in configs:
         c.use_cache = False
     try:
         yield
     finally:
-        for k, c in configs.items():
-            c.use_cache = before[k]
+        for c, value in zip(configs, before, strict=True):
+            c.use_cache = value
+
+
+def cache_configs(model: nn.Module) -> list[Any]:
+    """The Hugging Face configs of a model's modules that say whether to keep a cache."""
+    configs = {id(c): c for m in model.modules()
+               if hasattr(c := getattr(m, "config", None), "use_cache")}  # fmt: skip
+    return list(configs.values())
 
 
 def construct(error: BaseException) -> str:

@@ -157,7 +157,7 @@ class Stage:
                 self._events[step, (round, micro_batch)]["forward"] = [start, end]
                 if step != self._finite_step:
                     self._finite, self._finite_step = {}, step
-                self._finite.setdefault(round, []).append(nonfinite.all_finite(y))
+                self._finite.setdefault(round, []).append(nonfinite.all_finite(y, quick=True))
             self._time_backward((step, (round, micro_batch)), y, received)
         if self.last:  # kept for `loss` or `tally`: the model's output never leaves the stage
             with self._record:

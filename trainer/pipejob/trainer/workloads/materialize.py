@@ -32,7 +32,32 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipejob.trainer.runtime import tuning
-from pipejob.trainer.workloads.standins import Placeholder, Registrations, Standins, meta_like
+from pipejob.trainer.workloads.standins import Placeholder, Standins, meta_like
+
+
+class Registrations:
+    """The parameters a factory made, numbered in order, and the number each slot (module
+    and attribute) was given last: a slot keeps its name when its parameter is replaced (a
+    dtype conversion, a placeholder settled), and a tie fills a second one. And what the
+    build noted of values read from placeholders (see `Standins`)."""
+
+    def __init__(self) -> None:
+        self.params: list[nn.Parameter] = []  # kept alive, so their ids stay theirs
+        self.number: dict[int, int] = {}  # id(parameter) -> its number
+        self.slots: dict[tuple[int, str], tuple[nn.Module, str, int]] = {}
+        self.needs: dict[int, frozenset[int]] = {}  # number -> the numbers its value needs
+        self.buffers: dict[str, frozenset[int]] = {}  # a buffer's name -> the numbers it needs
+        self.everywhere: set[int] = set()  # numbers whose values steered the build
+
+    def add(self, param: nn.Parameter) -> int:
+        if id(param) not in self.number:
+            self.number[id(param)] = len(self.params)
+            self.params.append(param)
+        return self.number[id(param)]
+
+    def note(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
+        """Record `param` in `module.name`, numbering it if it is new."""
+        self.slots[id(module), name] = (module, name, self.add(param))
 
 
 class Numbering(list[list[str]]):

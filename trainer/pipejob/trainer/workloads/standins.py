@@ -8,7 +8,7 @@ keep it where they are kept."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,6 +16,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:
+    from pipejob.trainer.workloads.materialize import Registrations
 
 META = torch.device("meta")
 aten = torch.ops.aten
@@ -77,31 +80,6 @@ def placeholder(like: torch.Tensor, device: torch.device, requires_grad: bool,
     made = Placeholder(meta_like(like), requires_grad)
     made.made_on, made.source = device, source
     return made
-
-
-class Registrations:
-    """The parameters a factory made, numbered in order, and the number each slot (module
-    and attribute) was given last: a slot keeps its name when its parameter is replaced (a
-    dtype conversion, a placeholder settled), and a tie fills a second one. And what the
-    build noted of values read from placeholders (see `Standins`)."""
-
-    def __init__(self) -> None:
-        self.params: list[nn.Parameter] = []  # kept alive, so their ids stay theirs
-        self.number: dict[int, int] = {}  # id(parameter) -> its number
-        self.slots: dict[tuple[int, str], tuple[nn.Module, str, int]] = {}
-        self.needs: dict[int, frozenset[int]] = {}  # number -> the numbers its value needs
-        self.buffers: dict[str, frozenset[int]] = {}  # a buffer's name -> the numbers it needs
-        self.everywhere: set[int] = set()  # numbers whose values steered the build
-
-    def add(self, param: nn.Parameter) -> int:
-        if id(param) not in self.number:
-            self.number[id(param)] = len(self.params)
-            self.params.append(param)
-        return self.number[id(param)]
-
-    def note(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
-        """Record `param` in `module.name`, numbering it if it is new."""
-        self.slots[id(module), name] = (module, name, self.add(param))
 
 
 class Standins:
@@ -300,7 +278,7 @@ class Standins:
     def finish(self, model: nn.Module) -> None:
         """What each parameter's and buffer's final value needs."""
         for number, param in enumerate(self.registered.params):
-            needs = (self.sources(param) | self.registered.needs.get(number, frozenset()))
+            needs = self.sources(param) | self.registered.needs.get(number, frozenset())
             if needs - {number}:
                 self.registered.needs[number] = needs - {number}
         for name, buffer in model.named_buffers(remove_duplicate=False):

@@ -123,14 +123,9 @@ def stage_norms_of(names: list[str], stages: list[RRef], context_id: int, unscal
 
 
 def total_norm(norms: list[float]) -> float:
-    """The global L2 norm of the stages' norms (`stage_norms_of`)."""
+    """The global L2 norm over every parameter of every stage, from the stages' norms
+    (`stage_norms_of`): inf or nan when any is."""
     return torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float64), 2).item()
-
-
-def global_norm(names: list[str], stages: list[RRef], context_id: int, unscale: float = 1.0,
-                leave_out: dict[int, frozenset[str]] | None = None) -> float:  # fmt: skip
-    """The L2 norm over every parameter of every stage (inf or nan when any is)."""
-    return total_norm(stage_norms_of(names, stages, context_id, unscale, leave_out))
 
 
 def clip(names: list[str], stages: list[RRef], context_id: int, norm: float,

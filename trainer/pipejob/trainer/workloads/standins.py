@@ -293,6 +293,8 @@ _ACTIVE: Standins | None = None  # the build under way (one at a time, as its ho
 # it a placeholder: a conversion's result is on the meta device, _Operations): not swapped.
 _AS_IS = {"__get__", "__set__", "requires_grad_", "register_hook", "retain_grad", "to",
           "double", "float", "half", "bfloat16", "type", "cpu", "cuda", "type_as"}  # fmt: skip
+# Calls that read a tensor's values into Python without an operation of torch's.
+_OUT_OF_TORCH = {"numpy", "tolist", "__array__"}
 
 
 class _Calls(TorchFunctionMode):
@@ -305,9 +307,12 @@ class _Calls(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _AS_IS or not any(
-            isinstance(v, Placeholder) for v in tree_flatten((args, kwargs))[0]
-        ):
+        name = getattr(func, "__name__", "")
+        flat = tree_flatten((args, kwargs))[0]
+        if name in _OUT_OF_TORCH:  # values read where no operation of torch's sees them
+            sources = frozenset().union(*(self.standins.sources(v) for v in flat))
+            self.standins.registered.everywhere |= sources
+        if name in _AS_IS or not any(isinstance(v, Placeholder) for v in flat):
             return func(*args, **kwargs)
         return self.standins.call(func, args, kwargs)
 

@@ -322,6 +322,7 @@ def _tasks() -> dict[str, dict[str, Any]]:
 
 
 VOCAB = 128
+TINY = 20e6  # parameters: a tiny config that keeps more is taken as not made tiny
 _SIZES = {
     1: ("n_group", "topk_group", "first_k_dense_replace"),
     2: ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers",
@@ -412,6 +413,10 @@ def _transformers(row: str) -> Entry:
             config = type(defaults)(**{**_arguments(defaults), **tiny(defaults, sub_configs)})
             entry = _hugging_face(task, cls, config)
             factory, sample = entry
+            with torch.device("meta"):
+                count = sum(p.numel() for p in factory().parameters())
+            if count > TINY:
+                raise ValueError(f"its tiny config still has {count / 1e6:.0f}M parameters")
             with torch.no_grad():
                 factory().eval()(sample())
             return entry

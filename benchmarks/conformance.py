@@ -186,6 +186,9 @@ class Worker:
         if self.process is not None and self.process.is_alive():
             self.process.kill()
             self.process.join(10)
+        if self.process is not None:  # what is left in the queues goes nowhere now
+            self.requests.cancel_join_thread()
+            self.replies.cancel_join_thread()
         self.process = None
 
 

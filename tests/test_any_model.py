@@ -22,7 +22,14 @@ import torch
 from safetensors.torch import load_file
 from userpkg import brought
 
-from jobrun import EXACT, TOLERANCE, assert_gradient_close, check_gradients, pipeline_job
+from jobrun import (
+    EXACT,
+    TOLERANCE,
+    assert_gradient_close,
+    check_gradients,
+    pipeline_job,
+    run_to_end,
+)
 from pipejob.core import spec
 from pipejob.trainer.pipeline import output
 from pipejob.trainer.workloads.cut import Traced, join, unused, without_cache
@@ -195,3 +202,21 @@ def test_models_refused_before_are_planned():
     mixtral, _ = materialize.build(lambda: brought.Logits(MixtralForCausalLM(config)), ())
     ids = torch.randint(brought.VOCAB, (2, brought.SEQ))
     fits_model(mixtral, ids, ids, cross_entropy)  # no refusal
+
+
+def test_a_model_refused_before_trains_evaluates_and_writes_its_output(tmp_path: Path,
+                                                                       monkeypatch):  # fmt: skip
+    """Issue 30: Inception's shape (an auxiliary head in training only, a named tuple of both
+    logits across the micro-batches, the main logits alone in evaluation) with weight-normed
+    convolutions, the user's loss main + 0.4 aux: a job trains it to the end, evaluates it
+    and writes a model that loads strictly into a fresh one."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    out = tmp_path / "model"
+    job = pipeline_job("auxiliary", model={"import": "userpkg.brought:auxiliary"},
+                       loss={"import": "userpkg.brought:auxiliary_loss"}, steps=3,
+                       microBatches=2, eval={"batches": 1}, output={"path": str(out)})  # fmt: skip
+    code, said, summary = run_to_end(job, tmp_path, timeout=240)
+    assert code == 0, said[-3000:]
+    assert summary is not None and math.isfinite(summary["evaluation"]["loss"])
+    assert "accuracy" in summary["evaluation"]
+    brought.auxiliary().load_state_dict(load_file(out / "model.safetensors"), strict=True)

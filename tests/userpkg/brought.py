@@ -103,6 +103,46 @@ def encoder(classes: int = 2) -> nn.Module:
     return Encoder(classes)
 
 
+class Auxiliary(nn.Module):
+    """Inception v3's shape, with weight-normed convolutions: an auxiliary head run in
+    training only, both logits returned as a named tuple in training, the main logits alone
+    in evaluation."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        norm = nn.utils.parametrizations.weight_norm
+        self.stem = nn.Sequential(norm(nn.Conv2d(3, 8, 3, stride=2)), nn.ReLU())
+        self.middle = nn.Sequential(norm(nn.Conv2d(8, 16, 3)), nn.ReLU())
+        self.aux = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, classes))
+        self.late = nn.Sequential(norm(nn.Conv2d(16, 16, 3)), nn.ReLU())
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, classes))
+
+    def forward(self, x: torch.Tensor):
+        from torchvision.models.inception import InceptionOutputs
+
+        x = self.middle(self.stem(x))
+        aux = self.aux(x) if self.training else None
+        logits = self.head(self.late(x))
+        return InceptionOutputs(logits, aux) if self.training else logits
+
+
+def auxiliary(classes: int = 10) -> nn.Module:
+    return Auxiliary(classes)
+
+
+def auxiliary_loss(weight: float = 0.4):
+    """The user's loss of an auxiliary head: main + weight * auxiliary in training, the main
+    logits' alone in evaluation (what the model returns then)."""
+
+    def loss(outputs, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(outputs, tuple):
+            main = nn.functional.cross_entropy(outputs.logits, labels)
+            return main + weight * nn.functional.cross_entropy(outputs.aux_logits, labels)
+        return nn.functional.cross_entropy(outputs, labels)
+
+    return loss
+
+
 class Logits(nn.Module):
     """The wrapper users write around a Hugging Face model: token ids in, logits out."""
 

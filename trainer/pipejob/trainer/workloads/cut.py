@@ -41,7 +41,13 @@ import torch
 from torch import fx, nn
 
 from pipejob.trainer.workloads.piece import Piece, attach
-from pipejob.trainer.workloads.tracing import Objects, Tracer, construct, without_cache
+from pipejob.trainer.workloads.tracing import (
+    Objects,
+    Tracer,
+    construct,
+    unchanged,
+    without_cache,
+)
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -152,7 +158,8 @@ class Traced:
                     graphs = []
                     for mode in (True, False):
                         model.train(mode)
-                        graphs.append(tracer.trace(model))
+                        with unchanged(model):
+                            graphs.append(tracer.trace(model))
                     break
                 except Exception as e:
                     where = tracer.failed_in

@@ -31,11 +31,12 @@ def _mask_builders() -> tuple[Any, ...]:
 class Objects(fx.Tracer):
     """fx's tracer keeping the objects a forward passes to calls as they are: a Hugging Face
     ModelOutput is rebuilt as itself (fx would make a plain dict of it, and the loss gets
-    what the model returns), and any other dataclass that holds nothing traced (a Hugging
-    Face config given to a mask builder) is the object itself, held by the stage: fx would
+    what the model returns); any other dataclass that holds nothing traced (a Hugging Face
+    config given to a mask builder) is the object itself, held by the stage: fx would
     rebuild it from its fields, losing what is not a field (the config's attention kind,
-    which decides the mask: a Mistral's sliding window was lost so). A stage's graph names
-    this tracer, so a pickled stage, traced again from its code, keeps them too."""
+    which decides the mask: a Mistral's sliding window was lost so); a numpy scalar is the
+    Python number it is. A stage's graph names this tracer, so a pickled stage, traced
+    again from its code, keeps them too."""
 
     def create_arg(self, a: Any) -> Any:
         if isinstance(a, dict) and dataclasses.is_dataclass(a):
@@ -49,6 +50,8 @@ class Objects(fx.Tracer):
                 held = self.get_fresh_qualname(f"_{type(a).__name__}_constant_")
                 setattr(self.root, held, a)
             return self.create_node("get_attr", held, (), {})
+        if type(a).__module__ == "numpy" and getattr(a, "ndim", None) == 0:
+            return a.item()  # a numpy scalar (CTRL's np.sqrt): fx's code would not name numpy
         return super().create_arg(a)
 
 
@@ -136,6 +139,31 @@ def without_cache(model: nn.Module, configs: list[Any] | None = None) -> Iterato
     finally:
         for c, value in zip(configs, before, strict=True):
             c.use_cache = value
+
+
+@contextmanager
+def unchanged(model: nn.Module) -> Iterator[None]:
+    """A forward traced without changing the model: a forward that assigns to its modules
+    (CTRL's `self.pos_encoding = self.pos_encoding.to(...)`) would leave a traced value in
+    them, which the next trace, or the stages, would read. Its parameters, buffers, modules
+    and attributes are put back as they were; attributes fx adds (its constants) stay."""
+    kept = [(m, {k: dict(getattr(m, k)) for k in _STATE}, dict(vars(m))) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, state, attributes in kept:
+            for key, values in state.items():
+                getattr(module, key).clear()
+                getattr(module, key).update(values)
+            for key in [k for k in vars(module) if k not in attributes]:
+                if _traced(vars(module)[key]):
+                    del vars(module)[key]
+            for key, value in attributes.items():
+                if key not in _STATE:
+                    vars(module)[key] = value
+
+
+_STATE = ("_parameters", "_buffers", "_modules")
 
 
 def cache_configs(model: nn.Module) -> list[Any]:

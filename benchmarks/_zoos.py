@@ -360,9 +360,13 @@ def tiny(config: Any, sub_configs: bool = True) -> dict[str, Any]:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 kwargs[key] = min(value, size) if key == "sliding_window" else size
     layers = next((values[k] for k in _LAYERS if isinstance(values.get(k), int)), None)
-    for key, value in values.items():  # per-layer lists (layer_types, mlp_layer_types, ...)
-        if isinstance(value, list) and layers and len(value) == layers:
-            kwargs[key] = value[:2]
+    per_layer = [k for k, v in values.items()
+                 if isinstance(v, list) and layers and len(v) == layers]  # fmt: skip
+    if per_layer:  # layer_types, mlp_layer_types, ...: the first layer and the first other kind
+        kinds = values["layer_types"] if "layer_types" in per_layer else values[per_layer[0]]
+        other = next((i for i, kind in enumerate(kinds) if kind != kinds[0]), 1)
+        for key in per_layer:
+            kwargs[key] = [values[key][0], values[key][other]]
     if isinstance(values.get("vocab_size"), int):
         kwargs["vocab_size"] = VOCAB
         for key in _TOKENS:

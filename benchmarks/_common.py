@@ -357,15 +357,21 @@ def run_job(job: dict[str, Any], stem: Path, key: int | str, steps: int, warmup:
                 timeout: float, env: dict[str, str],
                 echo_line=None) -> tuple[dict[str, Any], float, dict[str, Counters]]:  # fmt: skip
     """`pipejob run` of `job` (written to <stem>.yaml; `steps` in all, the first `warmup` left
-    out) in `env`: its summary, and the wall seconds and per-process counters between the
-    master's step lines around the measured steps. `key` names the run in its marks."""
+    out) in `env`: its summary (also in <stem>.json), and the wall seconds and per-process
+    counters between the master's step lines around the measured steps. `key` names the run
+    in its marks. Its whole output goes to <stem>.log."""
     path, summary_file = stem.with_suffix(".yaml"), stem.with_suffix(".json")
     path.write_text(yaml.safe_dump(job))
     summary_file.unlink(missing_ok=True)
     with PipejobWorkers(steps, warmup, key, echo_line) as w:
         w.start("runner", [sys.executable, "-m", "pipejob.cli", "run", str(path)],
                 env | {"PIPEJOB_SUMMARY_FILE": str(summary_file)})  # fmt: skip
-        codes = w.wait(timeout)
+        try:
+            codes = w.wait(timeout)
+        except TimeoutError as e:  # what the run said last tells where it was
+            raise TimeoutError(f"{stem.name}: {e}:\n{w.tail()}") from None
+        finally:
+            stem.with_suffix(".log").write_text("\n".join(w.lines) + "\n")
         if codes["runner"] != 0 or not summary_file.exists():
             raise RuntimeError(f"{stem.name} failed ({codes}):\n{w.tail()}")
         wall, deltas = w.between(f"m{key}-start", f"m{key}-end")

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     roles, loopback = ["master", "stage", "stage"], ",".join(["127.0.0.1"] * 3)
     tuning.apply(tuning.for_process("PipelineJob", "master", 0, roles, 0,
                                     {"PIPEJOB_ADDRESSES": loopback}))  # fmt: skip
-    from pipejob.trainer.pipeline.partition import micro_batch_counts
+    from pipejob.core.kinds.pipeline import micro_batch_counts
 
     counts = micro_batch_counts(args.batch)
     cores = len(os.sched_getaffinity(0))

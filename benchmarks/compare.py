@@ -5,6 +5,9 @@ batch, image size, model split and thread budget:
             transports chosen by pipejob.trainer.runtime.tuning; rate from the master's summary
   pipejob-auto  the same with `microBatches: auto`: reported with the count it chose,
             beside pipejob at its best fixed count
+  pipejob-gpipe, pipejob-1f1b, pipejob-interleaved-1f1b, pipejob-zero-bubble
+            the PipelineJob on its pipelining engine (spec.engine), with that schedule (the
+            interleaved ones 2 stages per process), at each count the schedule can run
   baseline  the tutorial's RPC pipeline, written faithfully (baseline_pipeline.py)
   gpipe     torch.distributed.pipelining ScheduleGPipe, 2 processes over gloo
   1f1b      torch.distributed.pipelining Schedule1F1B, 2 processes over gloo
@@ -67,7 +70,15 @@ from _common import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("pipejob", "pipejob-auto", "baseline", "gpipe", "1f1b", "single-t1", "single-tN")
+# pipejob on its pipelining engine: system -> the spec's engine fields (issue 31)
+ENGINES = {
+    f"pipejob-{schedule}": {"engine": "pipelining", "schedule": schedule,
+                            "stagesPerProcess": 2 if schedule in ("interleaved-1f1b",
+                                                                  "zero-bubble") else 1}
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+}  # fmt: skip
+SYSTEMS = ("pipejob", "pipejob-auto", "baseline", "gpipe", "1f1b", "single-t1", "single-tN",
+           *ENGINES)  # fmt: skip
 AUTO = "auto"
 
 
@@ -119,7 +130,9 @@ def echo(verbose: bool):
 # ---------------------------------------------------------------------------- the systems
 
 
-def pipejob_manifest(cfg: Config, m: int | str) -> dict[str, Any]:
+def pipejob_manifest(
+    cfg: Config, m: int | str, engine: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "apiVersion": "pipejob.dev/v1alpha1",
         "kind": "PipelineJob",
@@ -128,6 +141,7 @@ def pipejob_manifest(cfg: Config, m: int | str) -> dict[str, Any]:
             "model": "resnet50", "stages": 2, "microBatches": m, "batchSize": cfg.batch,
             "imageSize": cfg.image, "numClasses": 1000, "steps": cfg.warmup + cfg.batches,
             "logEvery": 1, "optimizer": {"name": "sgd", "lr": 0.05}, "seed": 0,
+            **(engine or {}),
         },
     }  # fmt: skip
 
@@ -150,13 +164,18 @@ def checkout(rev: str, tmp: Path) -> Path:
 
 def run_pipejob(cfg: Config, tmp: Path, system: str = "pipejob",
                 extra: dict[str, str] | None = None) -> list[Run]:  # fmt: skip
+    from pipejob.core.kinds.pipeline import schedule_refuses
+
     runs = []
-    for m in [AUTO] if system == "pipejob-auto" else cfg.counts:
+    engine = ENGINES.get(system, {})
+    counts = [m for m in cfg.counts
+              if not engine or schedule_refuses(engine["schedule"], 2, m) is None]  # fmt: skip
+    for m in [AUTO] if system == "pipejob-auto" else counts:
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
                                                                  "MKL_NUM_THREADS")}  # fmt: skip
         env |= cfg.pipejob_env | (extra or {})
         summary, wall, deltas = run_job(
-            pipejob_manifest(cfg, m), tmp / f"pipejob-m{m}", m, cfg.warmup + cfg.batches,
+            pipejob_manifest(cfg, m, engine), tmp / f"{system}-m{m}", m, cfg.warmup + cfg.batches,
             cfg.warmup, cfg.timeout, env, echo(cfg.verbose))  # fmt: skip
         rate, bubble = summary["samplesPerSecond"], summary["bubble"]["measured"]
         cut = ", ".join(st["layers"][0] for st in summary["partition"][1:])
@@ -303,6 +322,8 @@ def report(runs: list[Run], cpus: int) -> str:
             None,
             f"pipejob-auto / pipejob at its best m ({chosen['pipejob'][0]})",
         )
+    for system in (s for s in ENGINES if s in rate):
+        ratio(system, "pipejob", None, f"{system} / pipejob (the engines)")
     ratio("pipejob", "baseline", 1.3)
     if "gpipe" in rate or "1f1b" in rate:
         better = max((s for s in ("gpipe", "1f1b") if s in rate), key=rate.get)
@@ -475,6 +496,8 @@ def measure(cfg: Config, systems: list[str], repeats: int, tmp: Path, at: str | 
             jobs.append((f"pipejob:{label}",
                          lambda label=label, extra=extra: run_pipejob(
                              cfg, tmp, f"pipejob:{label}", extra)))  # fmt: skip
+        for system in (s for s in ENGINES if s in systems):
+            jobs.append((system, lambda system=system: run_pipejob(cfg, tmp, system)))
         if "baseline" in systems:
             jobs.append(("baseline", lambda: run_baseline(cfg)))
         if schedules:
@@ -487,7 +510,11 @@ def measure(cfg: Config, systems: list[str], repeats: int, tmp: Path, at: str | 
             t0 = time.monotonic()
             say(f"[{time.monotonic() - started:5.0f}s] {cores} cores, repeat {repeat}/{repeats}:"
                 f" {label} ...")  # fmt: skip
-            new = job()
+            try:
+                new = job()
+            except (RuntimeError, TimeoutError) as e:  # the others are still measured
+                say(f"          {label} FAILED, left out of the tables: {e}")
+                continue
             for r in new:
                 r.cores = cores
             runs += new

@@ -1,165 +1,167 @@
-"""pipejob's HybridJob against the tutorial's DDP + RPC example (baseline_hybrid.py), in one run:
-iterations per second per trainer.
+"""HybridJob throughput, in one run: this design against today's single-table one on the same
+work, and how throughput changes with 1, 2 and 4 parameter servers.
 
-Both run the tutorial's sizes: 2 trainers, EmbeddingBag(100, 16, sum) on a parameter server,
-nn.Linear(16, 8) under DDP (gloo), SGD lr 0.05, bags of 1-10 ids and about 6 bags per
-iteration (pipejob: batchSize 6, bagSize 10). The baseline steps with a DistributedOptimizer
-after the backward: RPCs for the lookup, the backward, the step on the ps and one to itself;
-pipejob's ps steps the table during the backward: two RPCs. pipejob runs through the local
-runner with its tuning; the baseline with torch's defaults, as the tutorial. Repeats are
-interleaved. Besides the rate it prints CPU-seconds per iteration of every process (read from
-/proc between the marks around the training loops) and where a baseline iteration goes.
-It measures; it asserts nothing.
+1. One table (`spec.embedding`: an EmbeddingBag of --rows x 16, bags of up to 10 ids,
+   Linear(16, 8) under DDP, 2 trainers, --batch bags each, SGD lr 0.05), run by
+   - `single-table`: pipejob as of --baseline-rev (the last commit of the single-table design,
+     extracted with `git archive`): the table's dense gradient from each trainer, and one
+     torch.optim optimizer per trainer stepping the whole table with it, in the backward;
+   - `sparse`: this checkout: one call per server per step carrying the ids and the pooled
+     embeddings' gradients; the rows the step touched stepped once with the trainers'
+     averaged sparse gradient.
+2. A recommendation model (26 tables of --table-rows x 16 over synthetic clicks, one id per
+   feature, 13 dense features, the built-in DLRM, 2 trainers, --dlrm-batch samples each,
+   rowwise Adagrad) on 1, 2 and 4 parameter servers.
 
-    python benchmarks/hybrid.py                    # 5 repeats of 1000 iterations (2-3 min)
-    python benchmarks/hybrid.py --quick
+Each configuration runs through `pipejob run` (the local runner, with its tuning); samples/s
+counts the steps between the master's step lines after --warmup steps (start-up left out),
+over every trainer. Configurations interleave within each repeat. It measures; it asserts
+nothing. On a machine of 2 cores, 4 servers and 2 trainers share them: the trend, not the
+size, of the server counts carries over.
+
+    python benchmarks/hybrid.py                 # 3 repeats (about 15 min here)
+    python benchmarks/hybrid.py --quick         # 1 repeat, fewer steps
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-from _common import (
-    Counters,
-    RunnerWorkers,
-    Workers,
-    free_port,
-    load_average,
-    machine,
-    python,
-    spread,
-)
+from _common import load_average, machine, run_job, spread
 
-READY_LINE = re.compile(r"^master\s*\| trainers ready")
-DONE_LINE = re.compile(r"^master\s*\| done:")
+ROOT = Path(__file__).resolve().parents[1]
+# The last commit of the single-table design (one EmbeddingBag on one parameter server,
+# dense gradients, one optimizer per trainer).
+BASELINE_REV = "d2844af"
+CRITEO_TABLES = 26
 
 
 def say(message: str) -> None:
     print(message, flush=True)
 
 
-class PipejobWorkers(RunnerWorkers):
-    def on_line(self, name: str, line: str) -> None:
-        if READY_LINE.match(line):
-            self.marks["start"] = self.snapshot()
-        elif DONE_LINE.match(line):
-            self.marks["end"] = self.snapshot()
-        super().on_line(name, line)
+def baseline_package(rev: str, into: Path) -> Path:
+    """pipejob as of `rev`, as an importable folder (put first on PYTHONPATH)."""
+    src = into / "src"
+    src.mkdir(parents=True)
+    paths = ["operator/pipejob", "trainer/pipejob/trainer"]
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, *paths],
+                             capture_output=True, check=True)  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+    package = into / "package"
+    shutil.copytree(src / "operator" / "pipejob", package / "pipejob")
+    shutil.copytree(src / "trainer" / "pipejob" / "trainer", package / "pipejob" / "trainer")
+    return package
 
 
-def manifest(iterations: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "pipejob.dev/v1alpha1",
-        "kind": "HybridJob",
-        "metadata": {"name": "compare-hybrid"},
-        "spec": {
-            "trainers": 2, "embedding": {"numEmbeddings": 100, "dim": 16, "mode": "sum"},
-            "dense": {"outFeatures": 8}, "steps": iterations, "batchSize": 6, "bagSize": 10,
-            "datasetSize": 4096, "optimizer": {"name": "sgd", "lr": 0.05},
-            "logEvery": max(1, iterations // 5), "seed": 0,
-        },
-    }  # fmt: skip
+def job(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    common = {"trainers": 2, "seed": 0, "preflight": {"megabytes": 0.5},
+              "rendezvousTimeoutSeconds": 120}  # fmt: skip
+    return {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
+            "metadata": {"name": name}, "spec": common | spec}  # fmt: skip
 
 
-def run_pipejob(iterations: int, tmp: Path, extra: dict[str, str], timeout: float) -> dict:
-    path, summary_file = tmp / "hybrid.yaml", tmp / "hybrid.json"
-    path.write_text(yaml.safe_dump(manifest(iterations)))
-    summary_file.unlink(missing_ok=True)
-    env = os.environ | extra | {"PIPEJOB_SUMMARY_FILE": str(summary_file)}
-    with PipejobWorkers() as w:
-        w.start("runner", [sys.executable, "-m", "pipejob.cli", "run", str(path)], env)
-        codes = w.wait(timeout)
-        if codes["runner"] != 0 or not summary_file.exists():
-            raise RuntimeError(f"pipejob HybridJob failed ({codes}):\n{w.tail()}")
-        summary = json.loads(summary_file.read_text())
-        wall, deltas = w.between("start", "end")
-    rates = [t["steps"] / t["seconds"] for t in summary["perTrainer"].values()]
-    return {"rates": rates, "wall": wall, "processes": {n: d for n, d in deltas.items()
-                                                        if n != "runner"}}  # fmt: skip
+def one_table(rows: int, batch: int, steps: int, warmup: int) -> dict[str, Any]:
+    return job("one-table", {
+        "embedding": {"numEmbeddings": rows, "dim": 16, "mode": "sum"},
+        "dense": {"outFeatures": 8}, "batchSize": batch, "bagSize": 10, "datasetSize": 8192,
+        "optimizer": {"name": "sgd", "lr": 0.05}, "steps": steps, "logEvery": warmup,
+    })  # fmt: skip
 
 
-def run_baseline(iterations: int, timeout: float) -> dict:
-    rpc_port, ddp_port = str(free_port()), str(free_port())
-    names = {0: "trainer0", 1: "trainer1", 2: "master", 3: "ps"}
-    with Workers() as w:
-        for rank in (2, 0, 1, 3):
-            w.start(names[rank], python("baseline_hybrid.py", "--rank", str(rank), "--rpc-port",
-                                        rpc_port, "--ddp-port", ddp_port, "--iterations",
-                                        str(iterations)))  # fmt: skip
-        codes = w.wait(timeout, main="master")
-        if codes["master"] != 0 or not w.results:
-            raise RuntimeError(f"baseline hybrid failed ({codes}):\n{w.tail()}")
-        wall, deltas = w.between("start", "end")
-    trainers = w.results[0]["trainers"]
-    return {"rates": [t["iterations"] / t["seconds"] for t in trainers], "wall": wall,
-            "processes": deltas, "phases": [t["phases"] for t in trainers]}  # fmt: skip
+def dlrm(servers: int, rows: int, batch: int, steps: int, warmup: int) -> dict[str, Any]:
+    tables = [{"name": f"C{i}", "rows": rows, "dim": 16} for i in range(1, CRITEO_TABLES + 1)]
+    return job("dlrm", {
+        "parameterServers": servers, "embeddings": tables, "bagSize": 1, "denseFeatures": 13,
+        "dense": {"dlrm": {"bottom": [64], "top": [64, 32]}}, "batchSize": batch,
+        "datasetSize": 16384, "sparseOptimizer": {"name": "rowwiseAdagrad", "lr": 0.05},
+        "optimizer": {"name": "adam", "lr": 0.001}, "steps": steps, "logEvery": warmup,
+    })  # fmt: skip
 
 
-def cpu_line(processes: dict[str, Counters], iterations: int) -> str:
-    return ", ".join(f"{n} {d.cpu / iterations * 1000:.1f}"
-                     for n, d in sorted(processes.items()))  # fmt: skip
+def measure(manifest: dict[str, Any], stem: Path, steps: int, warmup: int, env: dict[str, str],
+            timeout: float) -> float:  # fmt: skip
+    """Samples per second over every trainer, between the step lines of `warmup` and `steps`."""
+    spec = manifest["spec"]
+    _, wall, _ = run_job(manifest, stem, stem.name, steps, warmup, timeout, env)
+    return spec["trainers"] * spec["batchSize"] * (steps - warmup) / wall
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iterations", type=int, default=1000)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="one repeat of 60 iterations")
-    ap.add_argument("--pipejob-env", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--rows",
+        default="1000,1000000",
+        help="rows of the one table, comma-separated (1000,1000000)",
+    )
+    ap.add_argument("--batch", type=int, default=64, help="bags per trainer step (64)")
+    ap.add_argument(
+        "--table-rows",
+        type=int,
+        default=100_000,
+        help="rows of each of the 26 DLRM tables (100000)",
+    )
+    ap.add_argument("--dlrm-batch", type=int, default=128, help="samples per trainer (128)")
+    ap.add_argument("--servers", default="1,2,4", help="parameter server counts (1,2,4)")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="one repeat of 60 steps")
+    ap.add_argument(
+        "--baseline-rev",
+        default=BASELINE_REV,
+        help=f"git revision of the single-table design ({BASELINE_REV})",
+    )
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args(argv)
     if args.quick:
-        args.repeats, args.iterations = 1, 60
-    extra = dict(kv.split("=", 1) for kv in args.pipejob_env)
-    say(
-        f"hybrid: 2 trainers, EmbeddingBag(100, 16) on a ps, Linear(16, 8) under DDP,"
-        f" {args.iterations} iterations x {args.repeats} repeat(s); {machine()};"
-        f" {time.strftime('%Y-%m-%d %H:%M')}" + (f"; pipejob env {extra}" if extra else "")
-    )
-    results: dict[str, list[dict]] = {"pipejob": [], "baseline": []}
+        args.repeats, args.steps, args.warmup = 1, 60, 10
+    rows = [int(r) for r in args.rows.split(",")]
+    counts = [int(s) for s in args.servers.split(",")]
+    say(f"hybrid: 2 trainers; one table of {args.rows} rows x 16 ({args.batch} bags per"
+        f" trainer); DLRM with {CRITEO_TABLES} tables of {args.table_rows} x 16"
+        f" ({args.dlrm_batch} samples per trainer) on {args.servers} servers; {args.steps}"
+        f" steps, the first {args.warmup} left out, x {args.repeats} repeat(s); {machine()};"
+        f" {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
+    rates: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="pipejob-hybrid-") as tmp:
+        old = baseline_package(args.baseline_rev, Path(tmp) / "baseline")
+        path = os.pathsep.join(filter(None, [str(old), os.environ.get("PYTHONPATH")]))
+        designs = {"single-table": os.environ | {"PYTHONPATH": path}, "sparse": dict(os.environ)}
+        runs = [(f"{design} {r}", one_table(r, args.batch, args.steps, args.warmup), env)
+                for r in rows for design, env in designs.items()]  # fmt: skip
+        runs += [(f"dlrm {s} server(s)",
+                  dlrm(s, args.table_rows, args.dlrm_batch, args.steps, args.warmup),
+                  designs["sparse"]) for s in counts]  # fmt: skip
         for repeat in range(1, args.repeats + 1):
-            for system in results:
+            for label, manifest, env in runs:
                 t0 = time.monotonic()
-                if system == "pipejob":
-                    r = run_pipejob(args.iterations, Path(tmp), extra, args.timeout)
-                else:
-                    r = run_baseline(args.iterations, args.timeout)
-                r["load"] = load_average()
-                results[system].append(r)
-                rates = ", ".join(f"{x:.0f}" for x in r["rates"])
-                say(
-                    f"  repeat {repeat}: {system:<8} {rates} iterations/s per trainer"
-                    f" ({time.monotonic() - t0:.0f}s with start-up; {r['load']})"
-                )
-    say("\niterations/s per trainer (mean of the trainers): median [min-max] over repeats")
+                stem = Path(tmp) / label.replace(" ", "-").replace("(", "").replace(")", "")
+                rate = measure(manifest, stem, args.steps, args.warmup, env, args.timeout)
+                rates.setdefault(label, []).append(rate)
+                say(f"  repeat {repeat}: {label:<22} {rate:9,.0f} samples/s"
+                    f" ({time.monotonic() - t0:.0f}s with start-up; {load_average()})")  # fmt: skip
+    say("\nsamples/s over both trainers: median [min-max] over repeats")
     median = {}
-    for system, rs in results.items():
-        per_run = [sum(r["rates"]) / len(r["rates"]) for r in rs]
-        lo, mid, hi = spread(per_run)
-        median[system] = mid
-        mid_run = sorted(rs, key=lambda r: sum(r["rates"]))[len(rs) // 2]
-        say(f"  {system:<8} {mid:7.1f} [{lo:.1f}-{hi:.1f}]   CPU-ms per iteration:"
-            f" {cpu_line(mid_run['processes'], args.iterations)}")  # fmt: skip
-    ratio = median["pipejob"] / median["baseline"]
-    say(
-        f"\n  pipejob / baseline {ratio:.2f}x   target >= 1.2x:"
-        f" {'met' if ratio >= 1.2 else 'missed'}"
-    )
-    phases = [p for r in results["baseline"] for p in r["phases"]]
-    say(
-        "  where a baseline iteration goes (ms, median over trainers and repeats): "
-        + ", ".join(f"{k} {spread([p[k] for p in phases])[1] * 1000:.2f}" for k in phases[0])
-    )
+    for label, values in rates.items():
+        lo, mid, hi = spread(values)
+        median[label] = mid
+        say(f"  {label:<22} {mid:9,.0f} [{lo:,.0f}-{hi:,.0f}]")
+    for r in rows:
+        ratio = median[f"sparse {r}"] / median[f"single-table {r}"]
+        say(f"  sparse / single-table, {r} rows: {ratio:.2f}x")
+    one = median[f"dlrm {counts[0]} server(s)"]
+    for s in counts[1:]:
+        ratio = median[f"dlrm {s} server(s)"] / one
+        say(f"  dlrm, {s} servers / {counts[0]}: {ratio:.2f}x")
     say(f"  ({load_average()})")
     return 0
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Generate operator/pipejob/core/k8s_schemas.json: the structural schemas of the Kubernetes
-objects a job's pod template passes through (env, resources, volumes, ...), from the
-Kubernetes OpenAPI that the `kubernetes-validate` package ships for one pinned version.
+objects a job's pod template passes through (env, resources, volumes, ...), and of the
+NetworkPolicy parts the operator's settings give (peers, egress rules), from the Kubernetes
+OpenAPI that the `kubernetes-validate` package ships for one pinned version.
 
 The CRDs embed these schemas and `pipejob validate` checks with them, so both refuse the
 same mistakes without the operator image needing this package. Run it with the tools venv
@@ -21,8 +22,12 @@ from typing import Any
 
 KUBERNETES = "1.28.0"  # the oldest version pipejob supports (the CRDs' CEL rules need it)
 OUT = Path(__file__).resolve().parent.parent / "operator/pipejob/core/k8s_schemas.json"
-PREFIX = "io.k8s.api.core.v1."
-TYPES = ("EnvVar", "ResourceRequirements", "Volume", "VolumeMount", "Affinity", "Toleration")
+CORE, NETWORKING = "io.k8s.api.core.v1.", "io.k8s.api.networking.v1."
+TYPES = {
+    **{name: CORE + name for name in ("EnvVar", "ResourceRequirements", "Volume", "VolumeMount",
+                                      "Affinity", "Toleration")},
+    **{name: NETWORKING + name for name in ("NetworkPolicyPeer", "NetworkPolicyEgressRule")},
+}  # fmt: skip
 
 QUANTITY = "io.k8s.apimachinery.pkg.api.resource.Quantity"
 INT_OR_STRING = "io.k8s.apimachinery.pkg.util.intstr.IntOrString"
@@ -91,8 +96,8 @@ def structural(schema: dict[str, Any], defs: dict[str, Any], seen: tuple[str, ..
 def generate() -> dict[str, Any]:
     defs = definitions()
     out: dict[str, Any] = {"kubernetes": KUBERNETES}
-    for name in TYPES:
-        schema = structural(defs[PREFIX + name], defs, (PREFIX + name,))
+    for name, full in TYPES.items():
+        schema = structural(defs[full], defs, (full,))
         for (owner, field), extra in TIGHTER.items():
             if owner == name:
                 schema["properties"][field].update(extra)

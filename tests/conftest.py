@@ -1,19 +1,25 @@
+import importlib.util
+
 import pytest
 
 from harness import docker
-from harness.fixtures import (  # noqa: F401  (tests/harness)
-    bridge,
-    chart_operator,
-    cluster,
-    container_kubelet,
-    coscheduling,
-    crds,
-    images,
-    kubelet,
-    kueue,
-    operator,
-    volcano,
-)
+
+# The cluster fixtures need the operator and dev extras (kopf, kubernetes, kmock). A machine
+# with the trainer alone (the GPU machine: benchmarks/device.sh) runs the tests needing none.
+if importlib.util.find_spec("kmock") is not None:
+    from harness.fixtures import (  # noqa: F401  (tests/harness)
+        bridge,
+        chart_operator,
+        cluster,
+        container_kubelet,
+        coscheduling,
+        crds,
+        images,
+        kubelet,
+        kueue,
+        operator,
+        volcano,
+    )
 
 
 def pytest_runtest_setup(item):

@@ -7,6 +7,7 @@ the same step in one process (`check_gradients`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -28,9 +29,9 @@ import yaml
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, workloads
-from pipejob.trainer.pipeline.schedule import Pipeline, forward_backward
+from pipejob.trainer.pipeline.rpc.schedule import Pipeline, forward_backward
 from pipejob.trainer.pipeline.shards import plan_shards
-from pipejob.trainer.runtime import rendezvous, world
+from pipejob.trainer.runtime import checkpoint, rendezvous, world
 from pipejob.trainer.workloads import cut, data, models
 from pipejob.trainer.workloads.cut import join
 
@@ -189,10 +190,13 @@ def run_world(target: Any, envs: list[dict[str, str]], out: Path, timeout: float
 
 
 def _stage_gradients(stage: rpc.RRef, context_id: int) -> dict[str, torch.Tensor]:
-    """Runs on a stage: the gradients its shard got in one distributed backward."""
-    grads = dist_autograd.get_gradients(context_id)
-    layers = stage.local_value().layers
-    return {name: grads.get(p) for name, p in layers.named_parameters(remove_duplicate=False)}
+    """Runs on a stage: the gradients its shard got in one step, by every name of every
+    parameter (a tied one's too), wherever its engine keeps them (Shard.gradients)."""
+    shard = stage.local_value()
+    params = dict(shard.layers.named_parameters())
+    by_tensor = {id(params[n]): g for n, g in shard.gradients(context_id).items()}
+    return {name: by_tensor.get(id(p))
+            for name, p in shard.layers.named_parameters(remove_duplicate=False)}  # fmt: skip
 
 
 def master_of(rank: int, envs: list[dict[str, str]]) -> world.Env | None:
@@ -209,31 +213,77 @@ def master_of(rank: int, envs: list[dict[str, str]]) -> world.Env | None:
 
 
 def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
-    """One process of a real pipeline world: the master runs one step with the trainer's
-    building blocks and saves every gradient."""
+    """One process of a real pipeline world: the master runs one step's forwards and
+    backwards with the trainer's building blocks (on the job's engine; every replica on its
+    share of the batch, their gradients averaged) and saves replica 0's gradients; once per
+    schedule listed in `<out>.schedules.json` (pipelining: the same stage processes run
+    each, one after the other), else once."""
     if (env := master_of(rank, envs)) is None:
         return
     try:
         torch.set_default_dtype(EXACT)  # the model and the data; the stages get them as built
-        s = env.spec
-        with data.Feed(s) as feed:
-            batch = feed.batch()
-        shards = plan_shards(s, *models.build_meta(s), env.names("stage"))
-        pipe = Pipeline(env.names("stage"), shards, "cpu", s.precision, s.activation_checkpointing)
-        with dist_autograd.context() as context_id:
-            loss = forward_backward(pipe, pipe.read(s.micro_batches, batch), 0, context_id,
-                                    workloads.loss(s))  # fmt: skip
-            pipe.settle(0, s.micro_batches)
-            pipe.combine_tied(context_id, shards.tied)
-            grads: dict[str, torch.Tensor] = {}
-            for stage in pipe.stages:
-                grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))
-        stages = [shards.of(i) for i in range(len(pipe.stages))]
-        torch.save({"loss": loss.item(), "grads": grads, "stages": stages,
-                    "states": pipe.each("state"), "rest": shards.rest,
-                    "config": shards.config}, out)  # fmt: skip
+        listed = Path(f"{out}.schedules.json")
+        variants = json.loads(listed.read_text()) if listed.exists() else [{}]
+        runs = []
+        for variant in variants:
+            s = dataclasses.replace(env.spec, **variant)
+            with data.Feed(s) as feed:
+                batch = feed.batch()
+            every = env.names("stage")
+            shards = plan_shards(s, *models.build_meta(s), every[: s.stages])
+            if s.engine == "rpc":
+                pipe, loss, grads = _rpc_step(s, every[: s.stages], shards, batch)
+            else:
+                pipe, loss, grads = _pipelining_step(s, every, shards, batch)
+            runs.append({"loss": loss, "grads": grads, "variant": variant,
+                         "stages": [shards.of(i) for i in range(len(shards.ranges))],
+                         "states": pipe.each("state"), "rest": shards.rest,
+                         "config": shards.config})  # fmt: skip
+        torch.save(runs, out)
     finally:
         rpc.shutdown()
+
+
+def _rpc_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple[Any, float, dict]:
+    pipe = Pipeline(names, shards, "cpu", s.precision, s.activation_checkpointing)
+    with dist_autograd.context() as context_id:
+        loss = forward_backward(pipe, pipe.read(s.micro_batches, batch), 0, context_id,
+                                workloads.loss(s))  # fmt: skip
+        pipe.settle(0, s.micro_batches)
+        pipe.combine_tied(context_id, shards.tied)
+        return pipe, loss.item(), _gradients(pipe, context_id)
+
+
+def _pipelining_step(s: Any, names: list[str], shards: Any,
+                     batch: Any) -> tuple[Any, float, dict]:  # fmt: skip
+    """Every replica's share through its pipeline at once (their gradients are averaged
+    by a collective every replica's stage i joins), replica 0's gradients."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipejob.trainer.pipeline.pipelining import schedule
+
+    pipes = [schedule.Pipeline(names[r * s.stages : (r + 1) * s.stages], shards, s)
+             for r in range(s.replicas)]  # fmt: skip
+    shares = list(zip(*(t.tensor_split(s.replicas) for t in batch), strict=True))
+
+    def one(r: int) -> float:
+        pipe = pipes[r]
+        loss = pipe.run(pipe.read(s.micro_batches, shares[r]), 0, workloads.loss(s), 1.0)
+        pipe.combine_tied(0, shards.tied)
+        if s.replicas > 1:
+            pipe.each("average_gradients", 0)
+        return loss
+
+    with ThreadPoolExecutor(s.replicas) as threads:
+        losses = list(threads.map(one, range(s.replicas)))
+    return pipes[0], sum(losses) / len(losses), _gradients(pipes[0], 0)
+
+
+def _gradients(pipe: Any, context_id: int) -> dict[str, torch.Tensor]:
+    grads: dict[str, torch.Tensor] = {}
+    for stage in pipe.stages:
+        grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))
+    return grads
 
 
 # The gradient checks are about the algorithm, not float32's rounding: the pipeline adds the
@@ -257,17 +307,25 @@ def assert_gradient_close(name: str, grad: torch.Tensor, expected: torch.Tensor)
     assert (grad - expected).norm() <= TOLERANCE * expected.norm(), name
 
 
-def check_gradients(job: spec.Job, tmp_path, timeout: float = 150) -> dict[str, Any]:
+def check_gradients(job: spec.Job, tmp_path, timeout: float = 150,
+                    schedules: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
     """One step of `job` through a real pipeline world against the same model, seed and
-    micro-batches in one process: the same loss and gradients. BatchNorm normalises each
-    micro-batch by its own statistics, so the reference runs them one at a time too."""
+    micro-batches in one process: the same loss and gradients (with replicas, the averaged
+    gradients of every replica's share against the whole batch's). BatchNorm normalises each
+    micro-batch by its own statistics, so the reference runs them one at a time too. With
+    `schedules` (the pipelining engine's, as PipelineSpec fields: schedule,
+    stages_per_process), each runs in the same world and is checked; the last one's run is
+    returned."""
+    s = job.settings
+    assert s.engine == "pipelining" or s.replicas == 1, "the rpc engine's check: one pipeline"
     rpc_port, ddp_port = free_ports(2)
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
     out = tmp_path / "pipeline.pt"
-    got = run_world(_gradient_world, [p.env for p in processes], out, timeout)
-    assert len(got["stages"]) == job.spec["stages"] and all(got["stages"])
+    if schedules:
+        Path(f"{out}.schedules.json").write_text(json.dumps(schedules))
+    runs = run_world(_gradient_world, [p.env for p in processes], out, timeout)
+    assert len(runs) == len(schedules or [{}])
 
-    s = job.settings
     default = torch.get_default_dtype()
     torch.set_default_dtype(EXACT)
     try:
@@ -277,15 +335,64 @@ def check_gradients(job: spec.Job, tmp_path, timeout: float = 150) -> dict[str, 
     finally:
         torch.set_default_dtype(default)
     with cut.without_cache(model):  # as the pipeline runs a Hugging Face model
-        outputs = join([model(x) for x in inputs.tensor_split(s.micro_batches)])
+        outputs = join([model(x) for x in inputs.tensor_split(s.micro_batches * s.replicas)])
     loss = workloads.loss(s)(outputs, labels)
     loss.backward()
 
-    assert got["loss"] == pytest.approx(loss.item(), rel=TOLERANCE)
-    # Every name, a tied weight's too: each stage holding it got the pair's whole gradient.
-    params = dict(model.named_parameters(remove_duplicate=False))
-    assert sorted(got["grads"]) == sorted(params)  # the stages keep the model's names
-    for name, p in params.items():
-        assert got["grads"][name] is not None, f"{name} got no gradient in the pipeline"
-        assert_gradient_close(name, got["grads"][name], p.grad)
-    return got
+    # A parameter the forward never uses (the state no stage holds) has no gradient anywhere.
+    params = {n: p for n, p in model.named_parameters(remove_duplicate=False)
+              if p.grad is not None}  # fmt: skip
+    for got in runs:
+        pieces = dataclasses.replace(s, **got["variant"]).pieces
+        assert len(got["stages"]) == pieces and all(got["stages"]), got["variant"]
+        assert got["loss"] == pytest.approx(loss.item(), rel=TOLERANCE), got["variant"]
+        # Every name, a tied weight's too: each stage holding it got the pair's whole gradient.
+        assert sorted(got["grads"]) == sorted(params)  # the stages keep the model's names
+        for name, p in params.items():
+            assert got["grads"][name] is not None, f"{name} got no gradient in the pipeline"
+            assert_gradient_close(f"{name} ({got['variant']})", got["grads"][name], p.grad)
+        # The forwards moved BatchNorm's statistics as one process's do, and nothing else did.
+        held = got["rest"] | {k: v for state in got["states"] for k, v in state.items()}
+        for name, buffer in model.named_buffers():
+            torch.testing.assert_close(held[name], buffer, rtol=TOLERANCE, atol=0,
+                                       msg=f"{name} ({got['variant']})")  # fmt: skip
+    return runs[-1]
+
+
+# ------------------------------------------------------------ checkpoints compared
+
+
+def final_state(root: Path, steps: int) -> dict[str, Any]:
+    found = checkpoint.latest(root)
+    assert found is not None and found.step == steps, found
+    return {entry["name"]: found.load(entry["name"]) for entry in found.manifest["files"]}
+
+
+def by_parameter(state: dict[str, Any]) -> dict[str, Any]:
+    """A pipeline's final state by parameter name, whichever stage holds it: each run measures
+    its own layer costs, and two runs may cut the model in different places."""
+    merged: dict[str, Any] = {"model": {}, "optimizers": {"optimizer": {}}}
+    for name, part in state.items():
+        if name.startswith("stage"):
+            merged["model"] |= part["model"]
+            merged["optimizers"]["optimizer"] |= part["optimizers"]["optimizer"]
+    return {"stages": merged, "master.pt": state["master.pt"]}
+
+
+def assert_states_close(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Model weights, BatchNorm statistics and optimizer state equal within float tolerance:
+    micro-batches' gradient contributions add up in arrival order (each stage runs forwards,
+    which update BatchNorm's statistics, in micro-batch order)."""
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        if "model" not in expected[name]:
+            continue
+        assert sorted(got[name]["model"]) == sorted(expected[name]["model"])
+        for key, value in expected[name]["model"].items():
+            torch.testing.assert_close(got[name]["model"][key], value, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, k=key, n=name: f"{n} {k}: {m}")  # fmt: skip
+        for owner, state in expected[name]["optimizers"].items():
+            for param, tensors in state.items():
+                for key, value in tensors.items():
+                    torch.testing.assert_close(got[name]["optimizers"][owner][param][key], value,
+                                               rtol=1e-4, atol=1e-6)  # fmt: skip

@@ -49,10 +49,12 @@ def tools_python() -> str:
     return str(TOOLS_PYTHON)
 
 
-def run(cmd: list[str], timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+def run(cmd: list[str], timeout: float = 120, check: bool = True,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run `cmd` offline, with `env` added to the environment."""
     proc = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **OFFLINE},
+        env={**os.environ, **OFFLINE, **(env or {})},
     )  # fmt: skip
     if check and proc.returncode != 0:
         pytest.fail(

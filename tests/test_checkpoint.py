@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from jobrun import JobRun, pipeline_job
+from jobrun import JobRun, assert_states_close, by_parameter, final_state, pipeline_job
 from pipejob.core.spec import parse
 from pipejob.trainer.runtime import checkpoint
 
@@ -205,42 +205,6 @@ def with_checkpoint(manifest: dict[str, Any], path: Path, every: int) -> dict[st
         "checkpoint": {"path": str(path), "everySteps": every}}}  # fmt: skip
 
 
-def final_state(root: Path, steps: int) -> dict[str, Any]:
-    found = checkpoint.latest(root)
-    assert found is not None and found.step == steps, found
-    return {entry["name"]: found.load(entry["name"]) for entry in found.manifest["files"]}
-
-
-def by_parameter(state: dict[str, Any]) -> dict[str, Any]:
-    """A pipeline's final state by parameter name, whichever stage holds it: each run measures
-    its own layer costs, and two runs may cut the model in different places."""
-    merged: dict[str, Any] = {"model": {}, "optimizers": {"optimizer": {}}}
-    for name, part in state.items():
-        if name.startswith("stage"):
-            merged["model"] |= part["model"]
-            merged["optimizers"]["optimizer"] |= part["optimizers"]["optimizer"]
-    return {"stages": merged, "master.pt": state["master.pt"]}
-
-
-def assert_states_close(got: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Model weights, BatchNorm statistics and optimizer state equal within float tolerance:
-    micro-batches' gradient contributions add up in arrival order (each stage runs forwards,
-    which update BatchNorm's statistics, in micro-batch order)."""
-    assert sorted(got) == sorted(expected)
-    for name in expected:
-        if "model" not in expected[name]:
-            continue
-        assert sorted(got[name]["model"]) == sorted(expected[name]["model"])
-        for key, value in expected[name]["model"].items():
-            torch.testing.assert_close(got[name]["model"][key], value, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, k=key, n=name: f"{n} {k}: {m}")  # fmt: skip
-        for owner, state in expected[name]["optimizers"].items():
-            for param, tensors in state.items():
-                for key, value in tensors.items():
-                    torch.testing.assert_close(got[name]["optimizers"][owner][param][key], value,
-                                               rtol=1e-4, atol=1e-6)  # fmt: skip
-
-
 @pytest.mark.timeout(420)
 def test_a_pipeline_world_killed_after_a_step_resumes_and_matches(tmp_path: Path) -> None:
     steps = PIPELINE["spec"]["steps"]
@@ -276,11 +240,10 @@ HYBRID = {
     "kind": "HybridJob",
     "metadata": {"name": "resume-hybrid"},
     "spec": {
-        # One trainer: the world is then deterministic (with several, the trainers' updates
-        # of the shared table interleave in arrival order).
         "trainers": 1, "embedding": {"numEmbeddings": 64, "dim": 8}, "dense": {"outFeatures": 4},
         "steps": 8, "batchSize": 8, "bagSize": 4, "datasetSize": 40, "seed": 2,
         "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.9},
+        "sparseOptimizer": {"name": "adagrad", "lr": 0.2},
         "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5},
     },
 }  # fmt: skip
@@ -297,7 +260,7 @@ def test_a_hybrid_world_resumes_table_dense_layer_and_momentum(tmp_path: Path) -
     # manifest, and the parameter server's part was only half written.
     last = checkpoint.step_dir(tmp_path / "broken", 8)
     (last / checkpoint.MANIFEST).unlink()
-    (last / "ps.pt").write_bytes((last / "ps.pt").read_bytes()[:64])
+    (last / "ps0.pt").write_bytes((last / "ps0.pt").read_bytes()[:64])
 
     with JobRun(broken, tmp_path, "broken") as run:
         assert run.finish(120) == 0, run.output
@@ -308,7 +271,13 @@ def test_a_hybrid_world_resumes_table_dense_layer_and_momentum(tmp_path: Path) -
     assert summary["resumedFromStep"] == 4
     assert summary["perTrainer"]["trainer0"]["steps"] == 4
     got, expected = final_state(tmp_path / "broken", 8), final_state(tmp_path / "straight", 8)
-    assert sorted(got) == ["dense.pt", "master.pt", "ps.pt"]
-    # The table's momentum is kept per trainer that steps it.
-    assert list(expected["ps.pt"]["optimizers"]) == ["trainer0"]
+    assert sorted(got) == ["dense.pt", "master.pt", "ps0.pt"]
     assert_states_close(got, expected)
+    # The table and its Adagrad state (kept once per table, by table and rows) resumed too.
+    [piece] = expected["ps0.pt"]["pieces"]
+    assert (piece["table"], piece["start"], piece["stop"]) == ("embedding", 0, 64)
+    [resumed] = got["ps0.pt"]["pieces"]
+    for key in ("weight", "sum"):
+        value = piece["weight"] if key == "weight" else piece["state"][key]
+        again = resumed["weight"] if key == "weight" else resumed["state"][key]
+        torch.testing.assert_close(again, value, rtol=1e-4, atol=1e-6, msg=key)

@@ -20,7 +20,14 @@ JOB = {
     "metadata": {"name": "j", "namespace": "ns", "uid": "u1"},
     "status": {"phase": "Running", "restarts": 0, "startTime": "t"},
 }
-POD = {"kind": "Pod", "metadata": {"name": "j-master-0", "namespace": "ns", "uid": "p1"}}
+POD = {"apiVersion": "v1", "kind": "Pod",
+       "metadata": {"name": "j-master-0", "namespace": "ns", "uid": "p1"}}  # fmt: skip
+OWNER = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob", "name": "j", "uid": "u1",
+         "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+POLICY = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+          "metadata": {"name": "j", "namespace": "ns", "ownerReferences": [OWNER]},
+          "spec": {"podSelector": {"matchLabels": {"pipejob.dev/job": "j"}}}}  # fmt: skip
+POLICIES = "/apis/networking.k8s.io/v1/namespaces/ns/networkpolicies"
 
 
 class Recorder(BaseHTTPRequestHandler):
@@ -85,7 +92,10 @@ def test_every_call_is_granted_by_rbac(server):
     cluster.get_job("pipelinejobs", "ns", "j")
     cluster.list_pods("ns", "j")
     cluster.create(POD)
-    cluster.create({"kind": "Service", "metadata": {"name": "j", "namespace": "ns"}})
+    cluster.create({"apiVersion": "v1", "kind": "Service",
+                    "metadata": {"name": "j", "namespace": "ns"}})  # fmt: skip
+    rec.replies[("POST", POLICIES)] = (409, {"reason": "AlreadyExists"})
+    cluster.apply(POLICY)  # exists: patched
     cluster.delete_pod(POD)
     cluster.patch_status("hybridjobs", dict(JOB, kind="HybridJob"), {"phase": "Failed"})
     cluster.delete_job("pipelinejobs", JOB)
@@ -96,12 +106,31 @@ def test_every_call_is_granted_by_rbac(server):
         ("", "pods", "list"),
         ("", "pods", "create"),
         ("", "services", "create"),
+        ("networking.k8s.io", "networkpolicies", "create"),
+        ("networking.k8s.io", "networkpolicies", "patch"),
         ("", "pods", "delete"),
         ("pipejob.dev", "hybridjobs/status", "patch"),
         ("pipejob.dev", "pipelinejobs", "delete"),
         ("", "events", "create"),
     }
-    assert made <= rbac.grants()
+    assert made <= rbac.grants() | rbac.grants(rbac.NETWORK_POLICIES)
+
+
+def test_an_existing_object_of_the_world_is_patched_only_if_it_is_the_jobs(server):
+    cluster, rec = server
+    cluster.apply(POLICY)
+    assert [(r["method"], r["path"], r["body"]) for r in rec.requests] == [
+        ("POST", POLICIES, POLICY)]  # fmt: skip
+    rec.replies[("POST", POLICIES)] = (409, {"reason": "AlreadyExists"})
+    rec.replies[("PATCH", f"{POLICIES}/j")] = (422, {"message": "the test operation failed"})
+    with pytest.raises(ApiError, match="HTTP 422"):  # another's: never overwritten
+        cluster.apply(POLICY)
+    patch = rec.requests[-1]
+    assert patch["type"] == "application/json-patch+json"
+    assert patch["body"] == [
+        {"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": "u1"},
+        {"op": "replace", "path": "/spec", "value": POLICY["spec"]},
+    ]
 
 
 def test_list_pods_selects_by_job_label_and_trusts_no_one(server):

@@ -9,7 +9,9 @@ Jobs are cut down for 2 CPU cores (tiny images, few steps)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +21,8 @@ import yaml
 from harness import jobs
 from harness.client import Api
 from harness.container_kubelet import ContainerKubelet
+from harness.docker import cli
+from pipejob.operator.policy_settings import POLICY_ENV
 
 # The timeout bounds each test; the images fixture bounds its own build (scripts/images.sh).
 pytestmark = pytest.mark.timeout(600, func_only=True)
@@ -92,6 +96,50 @@ def test_a_hybrid_job_trains_in_containers(cluster, container_kubelet, operator)
     all_stopped(api, node)
 
 
+def test_the_dlrm_example_trains_in_containers_on_logs_on_a_volume(
+    cluster, container_kubelet, operator
+):
+    """The DLRM example's 26 tables on 2 parameter server containers, its click logs on a
+    volume: it trains, evaluates (status shows the AUC) and writes its model there."""
+    api, node = cluster.api, container_kubelet
+    claim(api)
+    volume = node.claim_dir(NS, CLAIM)
+    volume.mkdir(parents=True, exist_ok=True)
+    for log in ("train.tsv", "val.tsv"):
+        shutil.copy(jobs.EXAMPLES / "dlrm" / log, volume / log)
+    name = start(api, ("dlrm/hybridjob.yaml", {}), steps=30, logEvery=10,
+                 eval={"everySteps": 30}, output={"path": "/data/out"},
+                 logging={"tensorboard": "/data/runs"}, template=on_claim(),
+                 data={"criteo": {"train": "/data/train.tsv", "val": "/data/val.tsv"}})  # fmt: skip
+    done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=400)
+    assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
+    assert len({r.name for r in node.runs(NS)}) == 5  # master, ps-0, ps-1, 2 trainers
+    training = done["status"]["training"]
+    assert training["evalStep"] == 30 and training["evalAuc"] > 0.6, training
+    assert "AUC" in node.logs(NS, f"{name}-master-0")
+    assert (volume / "out" / "model.safetensors").stat().st_size > 26 * 1000 * 8 * 4
+    all_stopped(api, node)
+
+
+def test_a_table_over_one_containers_memory_limit_trains_split_across_four(
+    cluster, container_kubelet, operator
+):
+    """The 1.4 GB table of tests/test_hybrid.py on four parameter server containers, each
+    limited to 1200Mi by docker (an OOM kill otherwise): the job succeeds, and each server's
+    peak, as the status reports it, is under the limit."""
+    from test_hybrid import HUGE, LIMIT
+
+    api, node = cluster.api, container_kubelet
+    name = jobs.create(api, HUGE)["metadata"]["name"]
+    done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=400)
+    assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
+    peaks = {m: f["rssPeakBytes"] for m, f in done["status"]["training"]["memory"].items()}
+    servers = [peaks[f"ps{i}"] for i in range(4)]
+    assert all(350_000_000 < peak < LIMIT for peak in servers), peaks
+    print(f"\n[peak memory in containers] {peaks}")
+    all_stopped(api, node)
+
+
 def test_a_pipeline_job_with_two_replicas_trains_in_containers(
     cluster, container_kubelet, operator
 ):
@@ -123,6 +171,30 @@ def test_a_killed_stage_container_recreates_the_world_which_resumes_from_its_che
     resumed = log.split("resumed from step ")
     assert len(resumed) == 2 and int(resumed[1].split()[0]) >= 2, log[-3000:]
     assert "step 30/30" in resumed[1]
+    all_stopped(api, node)
+
+
+def test_a_pipelining_job_with_replicas_resumes_after_a_killed_container(
+    cluster, container_kubelet, operator
+):
+    """The pipelining engine in containers (its stages' group over the bridge network, as
+    pods reach each other), with 2 replicas: a stage container killed after a checkpoint
+    recreates the world, which resumes from the checkpoint on the volume and succeeds."""
+    api, node = cluster.api, container_kubelet
+    claim(api)
+    checkpoint = {"path": "/data/checkpoints", "everySteps": 2}
+    name = start(api, PIPELINE, engine="pipelining", schedule="1f1b", replicas=2, steps=12,
+                 checkpoint=checkpoint, template=on_claim())  # fmt: skip
+    master = f"{name}-master-0"
+    api.wait("a complete checkpoint of step 2 or later on the volume",
+             lambda: "step 4/12" in node.logs(NS, master), 300)  # fmt: skip
+    node.kill(NS, f"{name}-r1-stage-0")
+    done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=400)
+    assert done["status"]["restarts"] == 1, (done["status"], jobs.warnings(api))
+    log = node.logs(NS, master)  # both masters' logs, the second one's last
+    resumed = log.split("resumed from step ")
+    assert len(resumed) == 2 and int(resumed[1].split()[0]) >= 2, log[-3000:]
+    assert "step 12/12" in resumed[1] and "on the pipelining engine (1f1b)" in resumed[1]
     all_stopped(api, node)
 
 
@@ -166,17 +238,6 @@ def test_a_job_whose_image_cannot_run_the_trainer_fails_at_once_saying_why(
     all_stopped(api, node)
 
 
-def test_deleting_a_running_job_leaves_no_container_behind(cluster, container_kubelet, operator):
-    api, node = cluster.api, container_kubelet
-    name = start(api, HYBRID, steps=100000, logEvery=100)
-    api.wait("the job's master at step 100",
-             lambda: "step 100/" in node.logs(NS, f"{name}-master-0"), 200)  # fmt: skip
-    assert len(node.containers()) == 4
-    api.delete(jobs.resource("HybridJob"), name, NS)
-    api.wait("no pods", lambda: jobs.pods(api, name) == [], 60)
-    api.wait("no containers", lambda: node.containers() == [], 60)
-
-
 def test_the_operator_installed_from_its_chart_runs_from_its_image_and_a_job_succeeds(
     cluster, container_kubelet, chart_operator, images
 ):
@@ -197,3 +258,122 @@ def test_the_operator_installed_from_its_chart_runs_from_its_image_and_a_job_suc
     assert name in operator_log
     all_stopped_but_operator = lambda: [r for r in node.running() if r.namespace == NS] == []  # noqa: E731
     api.wait("every job container to have stopped", all_stopped_but_operator, 60)
+
+
+# Run inside a container: for each target, "open" (a connection was made), "blocked" (no
+# answer at all: a policy dropped it) or "refused"; for a URL, "answers" when it gave
+# pipejob's metrics. As JSON on stdout.
+PROBE = r"""
+import json, socket, sys, urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+def reach(target):
+    try:
+        if target.startswith("http"):
+            body = urllib.request.urlopen(target, timeout=5).read()
+            return "answers" if b"pipejob_" in body else "wrong answer"
+        host, port = target.rsplit(":", 1)
+        socket.create_connection((host, int(port)), timeout=5).close()
+        return "open"
+    except TimeoutError:
+        return "blocked"
+    except OSError as e:
+        return "blocked" if "timed out" in str(e) else f"refused ({e})"
+
+targets = sys.argv[1:]
+with ThreadPoolExecutor(len(targets)) as pool:
+    print(json.dumps(dict(zip(targets, pool.map(reach, targets)))))
+"""
+# The values' Prometheus: pods so labelled in namespace monitoring may read the monitor port.
+PROMETHEUS_LABELS = {"app.kubernetes.io/name": "prometheus"}
+MONITORING = "monitoring"
+
+
+@pytest.fixture
+def prometheus_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator's NetworkPolicy setting as the chart writes it for these values."""
+    peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": MONITORING}},
+            "podSelector": {"matchLabels": PROMETHEUS_LABELS}}  # fmt: skip
+    monkeypatch.setenv(POLICY_ENV, json.dumps({"monitorFrom": [peer]}))
+
+
+def address(api: Api, pod: str, port: str) -> str:
+    """host:port of a pod's port, as the world plan gave it (the env variable `port`)."""
+    found = api.get("v1/pods", pod, NS)
+    return f"{found['status']['podIP']}:{jobs.env(found)[port]}"
+
+
+def probe_from_pod(api: Api, node: ContainerKubelet, image: str, name: str, namespace: str,
+                   labels: dict, targets: list[str]) -> dict[str, str]:  # fmt: skip
+    """What a pod outside every world reaches of `targets`."""
+    container = {"name": "probe", "image": image, "command": ["python", "-c", PROBE, *targets]}
+    api.create("v1/pods", {"apiVersion": "v1", "kind": "Pod",
+                           "metadata": {"name": name, "labels": labels},
+                           "spec": {"restartPolicy": "Never", "containers": [container]}},
+               namespace)  # fmt: skip
+
+    def finished() -> bool:
+        phase = (api.get("v1/pods", name, namespace).get("status") or {}).get("phase")
+        return phase in ("Succeeded", "Failed")
+
+    api.wait(f"probe pod {name} to finish", finished, 120)
+    return json.loads(node.logs(namespace, name).strip().splitlines()[-1])
+
+
+def probe_from_member(node: ContainerKubelet, pod: str, targets: list[str]) -> dict[str, str]:
+    """What a running member of a world reaches of `targets` (from inside its container)."""
+    out = cli("exec", node.run(NS, pod).container, "python", "-c", PROBE, *targets, timeout=60)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_world_admits_only_its_members_and_its_monitor_port_the_allowed_prometheus(
+    cluster, container_kubelet, images, prometheus_allowed, operator
+):
+    """A replicated PipelineJob and a HybridJob train side by side, each world behind its own
+    NetworkPolicy, enforced on the bridge as a network plugin would. While they train: a pod
+    outside both worlds (Prometheus's labels in the wrong namespace) reaches neither master's
+    RPC port, a trainer's DDP port or a monitor port; the values' Prometheus reads the
+    monitor ports and nothing else; a member reaches its own world's ports and not the other
+    world's. The worlds train on (every connection between their members is their own), and
+    deleted while they run, they leave no pod, container or policy behind."""
+    api, node = cluster.api, container_kubelet
+    pipeline = start(api, PIPELINE, replicas=2, steps=100000, logEvery=10)
+    hybrid = start(api, HYBRID, steps=1000000, logEvery=100)
+    for master, step in ((f"{pipeline}-master-0", "step 10/"), (f"{hybrid}-master-0", "step 100/")):
+        api.wait(f"{master} training", lambda m=master, s=step: s in node.logs(NS, m), 300)
+    rpc = {job: address(api, f"{job}-master-0", "MASTER_PORT") for job in (pipeline, hybrid)}
+    ddp = address(api, f"{hybrid}-trainer-0", "PIPEJOB_DDP_PORT")
+    monitor = [f"http://{address(api, f'{job}-master-0', 'PIPEJOB_MONITOR_PORT')}/metrics"
+               for job in (pipeline, hybrid)]  # fmt: skip
+    ports = [rpc[pipeline], rpc[hybrid], ddp]
+    everything = [*ports, *monitor]
+
+    outside = probe_from_pod(api, node, images.trainer, "outsider", NS, PROMETHEUS_LABELS,
+                             everything)  # fmt: skip
+    assert outside == dict.fromkeys(everything, "blocked"), outside
+    prometheus = probe_from_pod(api, node, images.trainer, "prometheus", MONITORING,
+                                PROMETHEUS_LABELS, everything)  # fmt: skip
+    assert prometheus == {**dict.fromkeys(ports, "blocked"),
+                          **dict.fromkeys(monitor, "answers")}, prometheus  # fmt: skip
+    # A member of replica 1, and a trainer: their own world's ports, not the other's.
+    stage = probe_from_member(node, f"{pipeline}-r1-stage-1", ports)
+    assert stage == {rpc[pipeline]: "open", rpc[hybrid]: "blocked", ddp: "blocked"}, stage
+    trainer = probe_from_member(node, f"{hybrid}-trainer-1", ports)
+    assert trainer == {rpc[pipeline]: "blocked", rpc[hybrid]: "open", ddp: "open"}, trainer
+
+    # Deleting the running jobs leaves nothing behind: pods, containers, policies.
+    api.delete("v1/pods", "outsider", NS)
+    api.delete("v1/pods", "prometheus", MONITORING)
+    # The master and 2 replicas of 2 stages; the master, ps and 2 trainers.
+    api.wait("the probes' containers removed", lambda: len(node.containers()) == 5 + 4, 60)
+    for kind, name in (("PipelineJob", pipeline), ("HybridJob", hybrid)):
+        job = jobs.get(api, kind, name)
+        assert job["status"]["phase"] == "Running" and job["status"]["restarts"] == 0, job
+        api.delete(jobs.resource(kind), name, NS)
+    api.wait("no pods", lambda: api.list("v1/pods", NS) == [], 60)
+    api.wait("no containers", lambda: node.containers() == [], 60)
+    assert api.list("networking.k8s.io/v1/networkpolicies", NS) == []
+    print(
+        f"outsider {outside}\nprometheus {prometheus}\nstage {stage}\ntrainer {trainer}",
+        file=sys.stderr,
+    )

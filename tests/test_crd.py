@@ -10,8 +10,9 @@ import yaml
 
 from pipejob.cli import main as cli
 from pipejob.core import spec
+from pipejob.core.errors import SpecError
 from pipejob.core.kinds import KINDS
-from pipejob.core.schema import Field, SpecError, apply
+from pipejob.core.schema import Field, apply
 from pipejob.core.workload import IMPORT_PATTERN
 from pipejob.operator import crd
 
@@ -191,7 +192,19 @@ CASES = {
                     {"batchSize": 32, "microBatches": 3},
                     {"stages": 3, "splitPoints": ["layer2", "layer3"]},
                     {"stages": 3, "splitPoints": ["layer2"]},
-                    {"stages": 3, "splitPoints": ["layer2", "layer2"]}],
+                    {"stages": 3, "splitPoints": ["layer2", "layer2"]},
+                    # the engines and their schedules (issue 31)
+                    {"schedule": "1f1b"}, {"engine": "pipelining"},
+                    {"engine": "pipelining", "stages": 4, "microBatches": 2, "batchSize": 8},
+                    {"engine": "pipelining", "schedule": "gpipe", "stages": 4,
+                     "microBatches": 2, "batchSize": 8},
+                    {"engine": "pipelining", "schedule": "interleaved-1f1b"},
+                    {"engine": "pipelining", "schedule": "zero-bubble", "stagesPerProcess": 2,
+                     "microBatches": 3, "batchSize": 9},
+                    {"engine": "pipelining", "schedule": "interleaved-1f1b",
+                     "stagesPerProcess": 2, "microBatches": 4, "splitPoints": ["layer2"]},
+                    {"engine": "pipelining", "stagesPerProcess": 2},
+                    {"stagesPerProcess": 3}],
     "HybridJob": [{}, {"backend": "nccl"}, {"backend": "nccl", "gpusPerTrainer": 1},
                   {"backend": "gloo"}, {"trainers": 4, "batchSize": 50, "datasetSize": 199},
                   {"trainers": 4, "batchSize": 50, "datasetSize": 200},

@@ -1,4 +1,4 @@
-"""The HybridJob's synthetic bags and their partition across trainers (pure units, no torch)."""
+"""The HybridJob's synthetic bags and clicks, and their partition across trainers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from pipejob.trainer.workloads.synthetic import SyntheticBags, batches, partitions
+from pipejob.trainer.workloads.samples import OneFeature, batches, partitions
+from pipejob.trainer.workloads.synthetic import SyntheticBags, SyntheticClicks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,7 +68,8 @@ def test_samples_are_a_function_of_seed_and_index() -> None:
 def test_samples_and_partitions_are_the_same_in_another_process() -> None:
     """Every trainer computes them itself: string hashing must not make them differ."""
     code = (
-        "from pipejob.trainer.workloads.synthetic import SyntheticBags, partitions\n"
+        "from pipejob.trainer.workloads.samples import partitions\n"
+        "from pipejob.trainer.workloads.synthetic import SyntheticBags\n"
         "d = SyntheticBags(size=50, num_embeddings=30, classes=3, bag_size=4, seed=9)\n"
         "print([d.sample(i) for i in range(50)], partitions(50, 3, 9))\n"
     )
@@ -85,14 +87,33 @@ def test_samples_and_partitions_are_the_same_in_another_process() -> None:
 def test_batches_cycle_through_the_partition_in_embedding_bag_layout() -> None:
     data = SyntheticBags(size=40, num_embeddings=20, classes=4, bag_size=5, seed=2)
     part = partitions(40, 3, seed=2)[1]  # 13 samples: batches of 5 wrap around
-    drawn = list(itertools.islice(batches(data, part, 5), 6))
+    drawn = list(itertools.islice(batches(OneFeature(data, "ids"), part, 5, ["ids"], False), 6))
     ids_in_order = [i for b in drawn for i in b.sample_ids]
     assert ids_in_order == (part * 3)[:30]
     for b in drawn:
-        assert len(b.sample_ids) == len(b.offsets) == len(b.labels) == 5
-        bounds = [*b.offsets, len(b.ids)]
+        offsets, ids = b.offsets("ids").tolist(), b.ids["ids"].tolist()
+        assert len(b.sample_ids) == len(offsets) == len(b.labels) == 5
+        assert b.dense.shape == (5, 0)
+        bounds = [*offsets, len(ids)]
         for j, i in enumerate(b.sample_ids):
-            assert (b.ids[bounds[j] : bounds[j + 1]], b.labels[j]) == data.sample(i)
+            assert (ids[bounds[j] : bounds[j + 1]], b.labels[j].item()) == data.sample(i)
+    # A resumed run's batches from step k on are the whole run's.
+    again = list(itertools.islice(batches(OneFeature(data, "ids"), part, 5, ["ids"], False, 4), 2))
+    assert [b.sample_ids for b in again] == [b.sample_ids for b in drawn[4:6]]
+
+
+def test_clicks_are_learnable_and_keep_to_their_tables_rows() -> None:
+    data = SyntheticClicks(size=400, features=(("a", 7), ("b", 1000)), dense_features=3,
+                           bag_size=3, seed=4)  # fmt: skip
+    own = total = 0
+    for i in range(data.size):
+        dense, sparse, label = data.sample(i)
+        assert label in (0, 1) and len(dense) == 3 and sorted(sparse) == ["a", "b"]
+        assert all(0 <= r < 7 for r in sparse["a"]) and all(0 <= r < 1000 for r in sparse["b"])
+        own += sum(r % 2 == label for r in sparse["a"] + sparse["b"])
+        total += len(sparse["a"]) + len(sparse["b"])
+    assert own / total > 0.8  # four in five ids from the label's rows, and half the others
+    assert data.sample(5) == data.sample(5) != data.sample(6)
 
 
 def test_synthetic_bags_refuse_empty_shapes() -> None:

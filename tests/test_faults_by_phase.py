@@ -55,8 +55,8 @@ FAULTS = {
         rf" within {CHECK_IN}s from rank 2 \(stage1, role stage",
     ),
     "hybrid, rendezvous: the parameter server killed": (
-        hybrid(), "ps", signal.SIGKILL, line("ps", "performance settings"),
-        r"ps \(role ps, rank 1\) failed: killed by signal SIGKILL",
+        hybrid(), "ps0", signal.SIGKILL, line("ps0", "performance settings"),
+        r"ps0 \(role ps, rank 1\) failed: killed by signal SIGKILL",
     ),
     "pipeline, preflight: the master frozen": (
         pipeline(), "master", signal.SIGSTOP, line("master", "checked in after"),
@@ -82,7 +82,7 @@ FAULTS = {
     "hybrid, checkpoint writing: the master frozen": (
         hybrid(checkpoint={"path": "{tmp}/ckpt", "everySteps": 5}), "master", signal.SIGSTOP,
         line("master", "checkpoint of step 5"),
-        r"(ps|trainer\d) \(role \w+, rank \d\) failed: exit code 6: stalled: master \(pid {pid}\)"
+        r"(ps\d|trainer\d) \(role \w+, rank \d\) failed: exit code 6: stalled: master \(pid {pid}\)"
         r" stopped answering: no reply to heartbeats for \d+ s",
     ),
 }  # fmt: skip

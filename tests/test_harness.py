@@ -14,6 +14,7 @@ import pytest
 from harness.client import JSON_PATCH, TABLE, ApiError
 from harness.cluster import Cluster
 from harness.kubelet import Kubelet
+from harness.netpolicy import NAMESPACE_LABEL, Endpoint, rules
 
 NS = "default"
 PODS = "v1/pods"
@@ -416,3 +417,42 @@ def _children(pid: int) -> list[int]:
             except ProcessLookupError:
                 pass
     return found
+
+
+def test_the_network_plugin_isolates_selected_pods_and_admits_what_their_policies_allow():
+    """The container-kubelet's NetworkPolicy rules, as iptables lines: a selected pod admits
+    the union of its policies' rules and drops the rest; other pods stay open; peers are
+    looked for in the policy's namespace unless a namespaceSelector says otherwise."""
+    a1 = Endpoint("ns", {"job": "a"}, "10.9.0.2", {"monitor": 29503})  # a named port
+    a2, b = Endpoint("ns", {"job": "a"}, "10.9.0.3"), Endpoint("ns", {"job": "b"}, "10.9.0.4")
+    prometheus = Endpoint("mon", {"app": "prom"}, "10.9.0.5")
+    elsewhere = Endpoint("other", {"job": "a"}, "10.9.0.6")  # job a's label, another namespace
+    job_a = {"podSelector": {"matchLabels": {"job": "a"}}}
+    world = {"metadata": {"name": "a", "namespace": "ns"}, "spec": {
+        **job_a, "policyTypes": ["Ingress"], "ingress": [{"from": [job_a]}]}}  # fmt: skip
+    monitor = {"metadata": {"name": "m", "namespace": "ns"}, "spec": {**job_a, "ingress": [{
+        "from": [{"namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: "mon"}},
+                  "podSelector": {"matchExpressions": [{"key": "app", "operator": "Exists"}]}}],
+        "ports": [{"protocol": "TCP", "port": "monitor"}]}]}}  # fmt: skip
+    lines = rules([world, monitor], [a1, a2, b, prometheus, elsewhere], "PJ-x")
+    head = ["-A PJ-x -m conntrack --ctstate ESTABLISHED,RELATED -j RETURN",
+            "-A PJ-x -j PJ-x-IN", "-A PJ-x -j PJ-x-OUT"]  # fmt: skip
+    world_a = [f"-A PJ-x-IN -d {pod.address}/32 -s {peer.address}/32 -j RETURN"
+               for pod in (a1, a2) for peer in (a1, a2)]  # fmt: skip
+    assert lines == [*head, *world_a[:2],
+                     "-A PJ-x-IN -d 10.9.0.2/32 -s 10.9.0.5/32 -p tcp --dport 29503 -j RETURN",
+                     "-A PJ-x-IN -d 10.9.0.2/32 -j DROP",
+                     *world_a[2:],  # a2 has no port named monitor: that rule admits nothing
+                     "-A PJ-x-IN -d 10.9.0.3/32 -j DROP"]  # fmt: skip
+
+    dns = [{"ports": [{"protocol": "UDP", "port": 53}]}]
+    egress = {"metadata": {"name": "e", "namespace": "ns"},
+              "spec": {**job_a, "policyTypes": ["Egress"], "egress": dns}}  # fmt: skip
+    assert rules([egress], [a1], "PJ-x")[3:] == [
+        "-A PJ-x-OUT -s 10.9.0.2/32 -p udp --dport 53 -j RETURN",
+        "-A PJ-x-OUT -s 10.9.0.2/32 -j DROP",
+    ]
+    unsupported = {"metadata": {"name": "u", "namespace": "ns"}, "spec": {
+        **job_a, "ingress": [{"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}]}}  # fmt: skip
+    with pytest.raises(ValueError, match="ipBlock"):
+        rules([unsupported], [a1], "PJ-x")

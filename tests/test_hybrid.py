@@ -1,23 +1,20 @@
-"""HybridJob end to end: `pipejob run` starts master, ps and two DDP trainers on loopback."""
+"""HybridJob end to end: `pipejob run` starts the master, parameter servers and DDP trainers
+on loopback."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
+import recsys_reference as reference
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from jobrun import run_to_end
 from pipejob.core import spec as specs
-from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.trainer.hybrid.ps import Table
 from pipejob.trainer.runtime import checkpoint
-from pipejob.trainer.runtime.optim import optimizer_args
-from pipejob.trainer.workloads.synthetic import SyntheticBags, partitions
-from pipejob.trainer.workloads.synthetic import batches as data_batches
+from pipejob.trainer.workloads.samples import partitions
 
 TINY = {
     "apiVersion": "pipejob.dev/v1alpha1",
@@ -51,9 +48,9 @@ def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_p
     assert summary["samplesPerSecond"] > 0
     # Every process's peak memory: torch alone keeps over 50 MB resident; none nears 20 GB.
     memory = summary["memory"]
-    assert list(memory) == ["master", "ps", "trainer0", "trainer1"], memory
+    assert list(memory) == ["master", "ps0", "trainer0", "trainer1"], memory
     assert all(50e6 < m["rssPeakBytes"] < 20e9 for m in memory.values()), memory
-    assert re.search(r"^master\s*\| peak memory: master \d+ MB, ps \d+ MB, trainer0 \d+ MB,"
+    assert re.search(r"^master\s*\| peak memory: master \d+ MB, ps0 \d+ MB, trainer0 \d+ MB,"
                      r" trainer1 \d+ MB$", output, re.M), output  # fmt: skip
 
     # DDP kept the dense replicas identical, and they did train.
@@ -62,8 +59,9 @@ def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_p
     assert list(trainers) == ["trainer0", "trainer1"]
     assert all(t["denseChangeNorm"] > 0 for t in trainers.values())
 
-    # Distributed autograd and the optimizer reached the parameter server's table.
+    # The trainers' gradients reached the parameter server's table, which stepped.
     assert summary["embeddingChangeNorm"] > 0
+    assert summary["perServer"]["ps0"]["steps"] == 40
 
     # The task is learnable: the loss falls.
     assert summary["finalLoss"] < 0.7 * summary["firstLoss"], summary
@@ -78,53 +76,115 @@ def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_p
         assert trainers[name]["samplesRead"] == len(part)
 
 
-REFERENCE = TINY | {"spec": TINY["spec"] | {
-    "trainers": 1, "steps": 12, "embedding": {"numEmbeddings": 64, "dim": 8, "mode": "max"},
-    "optimizer": {"name": "adam", "lr": 0.05, "weightDecay": 0.01}}}  # fmt: skip
+def hybrid_job(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
+            "metadata": {"name": name}, "spec": spec}  # fmt: skip
 
 
-def reference_weights(spec: HybridSpec) -> dict[str, torch.Tensor]:
-    """The same training in one process with plain autograd: the table's and the dense
-    layer's optimizers stepped after each backward, as DistributedOptimizer would."""
-    emb, seed = spec.embedding, spec.seed
-    table = Table(spec, trainers=[]).module  # the ps's seeded table; trained here, not there
-    torch.manual_seed(seed)
-    linear = nn.Linear(emb.dim, spec.dense.out_features)
-    optimizer_class, kwargs = optimizer_args(spec.optimizer)
-    optimizers = [optimizer_class(m.parameters(), **kwargs) for m in (table, linear)]
-    dataset = SyntheticBags(size=spec.dataset_size, num_embeddings=emb.num_embeddings,
-                            classes=spec.dense.out_features, bag_size=spec.bag_size,
-                            seed=seed)  # fmt: skip
-    batches = data_batches(dataset, partitions(spec.dataset_size, 1, seed)[0],
-                           spec.batch_size)  # fmt: skip
-    for _ in range(spec.steps):
-        batch = next(batches)
-        bags = table(torch.tensor(batch.ids), torch.tensor(batch.offsets))
-        F.cross_entropy(linear(bags), torch.tensor(batch.labels)).backward()
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    return {"table": table.weight.detach(), **{k: v.detach() for k, v in
-                                               linear.state_dict().items()}}  # fmt: skip
+# Two servers and two trainers; "wide" is larger than a share, so it is split row-wise
+# across both servers; two tables share a feature; every pooling mode.
+EXACT = hybrid_job(
+    "exact-hybrid",
+    {
+        "trainers": 2, "parameterServers": 2,
+        "embeddings": [
+            {"name": "wide", "rows": 3000, "dim": 4, "mode": "sum"},
+            {"name": "narrow", "rows": 40, "dim": 4, "mode": "mean", "feature": "wide"},
+            {"name": "peak", "rows": 60, "dim": 4, "mode": "max"},
+        ],
+        "dense": {"dlrm": {"bottom": [8], "top": [8]}}, "denseFeatures": 3,
+        "sparseOptimizer": {"name": "adagrad", "lr": 0.1},
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "steps": 3, "batchSize": 8, "bagSize": 5, "datasetSize": 64, "seed": 4,
+        "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5},
+    },
+)  # fmt: skip
+
+# Every process of the world computes in float64: the runner puts the manifest's folder first
+# on PYTHONPATH, and Python imports this file from there as it starts.
+FLOAT64 = """import os
+if "PIPEJOB_ROLE" in os.environ:  # a member of the world, not the runner
+    import torch
+    torch.set_default_dtype(torch.float64)
+"""
 
 
 @pytest.mark.timeout(200)
-def test_the_table_stepped_in_the_backward_matches_a_single_process_reference(
-    tmp_path: Path,
-) -> None:
-    """The ps steps the table as the lookup's gradient arrives and the trainer steps the
-    dense layer on the context's gradients: with one trainer (a deterministic world) that
-    must train exactly like plain autograd with one optimizer step after each backward."""
-    spec = specs.parse(REFERENCE).settings  # defaulted
-    steps = spec.steps
-    manifest = REFERENCE | {"spec": REFERENCE["spec"] | {
-        "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": steps}}}  # fmt: skip
+def test_a_split_tables_updates_equal_one_process_s_in_float64(tmp_path: Path) -> None:
+    """The servers step the rows each step touched, once, with the trainers' averaged
+    sparse gradients: after every step the tables (their pieces joined), their Adagrad state
+    and the dense part equal one nn.Module of EmbeddingBag(sparse=True) tables stepped by the
+    same optimizers on both trainers' batches together, to float64's rounding."""
+    (tmp_path / "sitecustomize.py").write_text(FLOAT64)
+    manifest = EXACT | {"spec": EXACT["spec"] | {
+        "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 1}}}  # fmt: skip
     code, output, summary = run_to_end(manifest, tmp_path, timeout=170)
     assert code == 0, output
-    found = checkpoint.latest(tmp_path / "ckpt")
-    assert found is not None and found.step == steps, output
-    got = {"table": found.load("ps.pt")["model"]["weight"], **found.load("dense.pt")["model"]}
-    expected = reference_weights(spec)
-    assert sorted(got) == sorted(expected)
-    for name, weight in expected.items():
-        torch.testing.assert_close(got[name], weight, rtol=1e-5, atol=1e-6, msg=name)
+    spec = specs.parse(EXACT).settings
+    assert [[(p.table, p.start, p.stop) for p in s] for s in spec.placement()] == [
+        [("wide", 0, 1500), ("peak", 0, 60)], [("narrow", 0, 40), ("wide", 1500, 3000)],
+    ]  # fmt: skip
+    for step in (2, 3):  # the checkpoints kept: those of the last two steps
+        directory = checkpoint.step_dir(tmp_path / "ckpt", step)
+        saved = [torch.load(directory / f"ps{i}.pt") for i in (0, 1)]
+        assert {s["optimizer"] for s in saved} == {"adagrad"}
+        pieces = [p for s in saved for p in s["pieces"]]
+        torch.set_default_dtype(torch.float64)
+        try:
+            model, optimizer = reference.trained(spec, step)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        for t in spec.embeddings:
+            got = reference.assembled(pieces, t.name, t.rows)
+            weight = model.tables[t.name].weight
+            assert got["weight"].dtype == torch.float64
+            torch.testing.assert_close(got["weight"], weight.detach(), rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(got["sum"], optimizer.state[weight]["sum"], rtol=1e-12,
+                                       atol=1e-14)  # fmt: skip
+        dense = torch.load(directory / "dense.pt", weights_only=False)["model"]
+        for name, value in model.dense.state_dict().items():
+            torch.testing.assert_close(dense[name], value, rtol=1e-12, atol=1e-14, msg=name)
+    # Each server stepped every step, on a few of its rows only.
+    assert all(s["steps"] == 3 for s in summary["perServer"].values()), summary["perServer"]
+    assert 0 < sum(s["rowsUpdated"] for s in summary["perServer"].values()) < 3 * 3100
+
+
+# 1.4 GB of one table: more than a pod's 1200Mi limit holds, a quarter of it well under.
+HUGE_ROWS, LIMIT = 21_875_000, 1200 * 2**20
+HUGE = hybrid_job(
+    "huge-table",
+    {
+        "trainers": 1, "parameterServers": 4,
+        "embeddings": [{"name": "huge", "rows": HUGE_ROWS, "dim": 16},
+                       {"name": "small", "rows": 1000, "dim": 16}],
+        "denseFeatures": 2, "dense": {"dlrm": {"bottom": [8], "top": [8]}},
+        "steps": 4, "batchSize": 16, "datasetSize": 64, "logEvery": 2,
+        "template": {"resources": {"limits": {"memory": "1200Mi"}}},
+        "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5},
+    },
+)  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_a_table_too_big_for_one_server_trains_split_across_four_each_under_its_limit(
+    tmp_path: Path,
+) -> None:
+    """One server could not hold the table: the spec is refused before anything starts. Four
+    hold a quarter each, and each one's peak resident memory (what a memory limit counts,
+    torch and the process itself included) stays under the pods' limit."""
+    one = HUGE | {"spec": HUGE["spec"] | {"parameterServers": 1}}
+    with pytest.raises(specs.InvalidSpec, match=r"spec\.parameterServers: ps0 would hold 1\.4 GB"
+                                                r" of tables .* over the pods' memory limit"
+                                                r" 1200Mi .*: use 2 parameterServers"):  # fmt: skip
+        specs.parse(one)
+    code, output, summary = run_to_end(HUGE, tmp_path, timeout=270)
+    assert code == 0, output
+    share = HUGE_ROWS * 16 * 4 // 4
+    peaks = {name: m["rssPeakBytes"] for name, m in summary["memory"].items()}
+    servers = {name: peak for name, peak in peaks.items() if name.startswith("ps")}
+    assert sorted(servers) == ["ps0", "ps1", "ps2", "ps3"], peaks
+    assert all(share < peak < LIMIT for peak in servers.values()), (share, peaks)
+    # Each holds its quarter: well above a trainer, which holds no table.
+    assert all(peak - peaks["trainer0"] > share // 2 for peak in servers.values()), peaks
+    assert all(s["steps"] == 4 for s in summary["perServer"].values())
+    print(f"\n[peak memory] {peaks} (each server's share of the table: {share} bytes)")

@@ -26,8 +26,10 @@ from pipejob.trainer import workloads
 from pipejob.trainer.hybrid.evaluate import check_dense
 from pipejob.trainer.hybrid.output import export_checkpoint
 from pipejob.trainer.runtime import checkpoint
-from pipejob.trainer.workloads.bags import FileBags, in_order
-from pipejob.trainer.workloads.synthetic import SyntheticBags, partitions
+from pipejob.trainer.workloads import samples
+from pipejob.trainer.workloads.bags import FileBags
+from pipejob.trainer.workloads.samples import Batch, OneFeature, partitions
+from pipejob.trainer.workloads.synthetic import SyntheticBags
 
 TESTS = Path(__file__).parent
 ROWS, DIM, CLASSES = 64, 8, 4
@@ -55,6 +57,11 @@ def settings(tmp_path: Path, **spec: Any) -> Any:
     return specs.parse(manifest("unit", **spec)).settings
 
 
+def in_order(bags: Any, batch_size: int, limit: int = 0) -> list[Batch]:
+    """Bags in order, as batches of their one feature (what evaluation reads)."""
+    return samples.in_order(OneFeature(bags, "ids"), batch_size, ["ids"], False, limit)
+
+
 @pytest.fixture
 def user_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The runs' processes import userpkg from tests/, whatever the runner adds itself."""
@@ -73,8 +80,9 @@ def test_a_file_in_the_one_line_format_reads_as_the_bags_it_holds(tmp_path: Path
     assert data.size == 3
     assert [data.sample(i) for i in range(3)] == [([3, 1], 1), ([], 0), ([4, 1, 5], 2)]
     [batch] = in_order(data, batch_size=8)
-    assert (batch.ids, batch.offsets, batch.labels) == ([3, 1, 4, 1, 5], [0, 2, 2], [1, 0, 2])
-    assert [b.labels for b in in_order(data, 2)] == [[1, 0], [2]]
+    assert [t.tolist() for t in (batch.ids["ids"], batch.offsets("ids"), batch.labels)] == [
+        [3, 1, 4, 1, 5], [0, 2, 2], [1, 0, 2]]  # fmt: skip
+    assert [b.labels.tolist() for b in in_order(data, 2)] == [[1, 0], [2]]
     assert len(in_order(data, 1, limit=2)) == 2
 
 
@@ -114,8 +122,9 @@ def test_data_by_import_gives_both_splits_and_checks_its_items(tmp_path: Path) -
     spec = settings(tmp_path, data={"import": "userpkg.bags:dataset", "args": args})
     train, val = workloads.hybrid_data(spec), workloads.hybrid_held_out(spec)
     assert train.size == val.size == 50
-    ids, label = train.sample(3)
-    assert all(isinstance(i, int) for i in ids) and isinstance(label, int)
+    dense, sparse, label = train.sample(3)
+    assert dense == () and all(isinstance(i, int) for i in sparse["ids"])
+    assert isinstance(label, int)
     assert train.sample(3) != val.sample(3)  # another seed
     assert sum(map(len, partitions(train.size, 2, 0))) == 50
     small = settings(tmp_path, data={"import": "userpkg.bags:dataset", "args": args},
@@ -129,9 +138,9 @@ def test_synthetic_data_stays_the_default_with_a_held_out_set_of_another_seed(
 ) -> None:
     spec = settings(tmp_path, datasetSize=500, bagSize=4)
     train, val = workloads.hybrid_data(spec), workloads.hybrid_held_out(spec)
-    assert train == SyntheticBags(size=500, num_embeddings=ROWS, classes=CLASSES, bag_size=4,
-                                  seed=5)  # fmt: skip
-    assert isinstance(val, SyntheticBags) and val.size == 50
+    assert train.bags == SyntheticBags(size=500, num_embeddings=ROWS, classes=CLASSES,
+                                       bag_size=4, seed=5)  # fmt: skip
+    assert isinstance(val.bags, SyntheticBags) and val.size == 50
     assert [val.sample(i) for i in range(5)] != [train.sample(i) for i in range(5)]
 
 
@@ -153,7 +162,7 @@ def test_the_dense_module_is_checked_against_the_embeddings_and_the_labels(
     tmp_path: Path,
 ) -> None:
     spec = settings(tmp_path)
-    dense = workloads.hybrid_dense(spec)
+    dense = workloads.hybrid_dense(spec, dense_features=0)
     assert isinstance(dense, nn.Sequential)
     batch = in_order(SyntheticBags(size=32, num_embeddings=ROWS, classes=8, bag_size=3,
                                    seed=0), 32)[0]  # fmt: skip
@@ -166,7 +175,7 @@ def test_the_dense_module_is_checked_against_the_embeddings_and_the_labels(
     narrow = settings(tmp_path, embedding={"numEmbeddings": ROWS, "dim": 5})
     with pytest.raises(ValueError, match=re.escape(
             "spec.dense.import: the dense module fails on the bags' embeddings of shape"
-            " (2, 5): RuntimeError: mat1 and mat2 shapes cannot be multiplied")):  # fmt: skip
+            " (32, 5): RuntimeError: mat1 and mat2 shapes cannot be multiplied")):  # fmt: skip
         check_dense(narrow, dense, F.cross_entropy, batch, cpu)
     fits = in_order(SyntheticBags(size=8, num_embeddings=ROWS, classes=4, bag_size=3,
                                   seed=0), 8)[0]  # fmt: skip
@@ -210,7 +219,7 @@ def test_a_user_dense_module_trains_on_file_data_and_its_output_loads(
     for step in (20, 40, 60):
         assert re.search(rf"^master\s*\| eval step {step}: loss [\d.]+, accuracy [\d.]+% on"
                          r" 200 held-out bags$", output, re.M), output  # fmt: skip
-    assert summary["evalStep"] == 60 and summary["evalBags"] == 200
+    assert summary["evalStep"] == 60 and summary["evalSamples"] == 200
     assert summary["evalAccuracy"] > 0.7, summary  # chance is 0.25
     assert re.search(r"^master\s*\| held-out: loss [\d.]+, accuracy [\d.]+% on 200 bags"
                      r" \(after step 60\)$", output, re.M), output  # fmt: skip

@@ -154,8 +154,8 @@ def test_toy_kind_is_planned_from_its_roles_and_groups(toy: Kind) -> None:
 
 def test_toy_kind_is_rendered_as_a_service_and_pods(toy: Kind) -> None:
     job = spec.parse(toy_manifest(workers=2, gpusPerWorker=1))
-    service, *pods = kube.render(job, "ml", image="trainer:test")
-    assert service["kind"] == "Service"
+    service, policy, *pods = kube.render(job, "ml", image="trainer:test")
+    assert (service["kind"], policy["kind"]) == ("Service", "NetworkPolicy")
     ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
     assert ports == {"rpc": 29500, "ddp": 29501, "preflight": 29502, "monitor": 29503}
     assert [p["metadata"]["name"] for p in pods] == ["toy-master-0", "toy-worker-0", "toy-worker-1"]

@@ -255,18 +255,18 @@ def test_parse_passes_a_good_template():
     assert spec.parse(manifest(template=template)).spec["template"] == template
 
 
-def test_render_prints_service_and_pods_without_owners(tmp_path, capsys):
+def test_render_prints_service_policy_and_pods_without_owners(tmp_path, capsys):
     path = tmp_path / "job.yaml"
     body = manifest(stages=2)
     del body["metadata"]["uid"], body["metadata"]["namespace"]
     path.write_text(yaml.safe_dump(body))
     assert cli.main(["render", str(path), "--namespace", "ml", "--image", "t:1"]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [d["kind"] for d in docs] == ["Service", "Pod", "Pod", "Pod"]
+    assert [d["kind"] for d in docs] == ["Service", "NetworkPolicy", "Pod", "Pod", "Pod"]
     for doc in docs:
         assert doc["metadata"]["namespace"] == "ml"
         assert "ownerReferences" not in doc["metadata"]
-    assert docs[1]["spec"]["containers"][0]["image"] == "t:1"
+    assert docs[2]["spec"]["containers"][0]["image"] == "t:1"
 
 
 def test_render_refuses_a_bad_manifest_naming_the_field(tmp_path, capsys):

@@ -21,7 +21,8 @@ from pipejob.trainer.runtime import monitor
 
 PROGRESS_KEYS = {"phase", "step", "steps", "loss", "samplesPerSecond", "bubble",
                  "learningRate", "gradNorm", "resumedFromStep", "preflight", "message",
-                 "evalStep", "evalLoss", "evalAccuracy", "evalPerplexity", "memory"}  # fmt: skip
+                 "evalStep", "evalLoss", "evalAccuracy", "evalPerplexity", "evalAuc",
+                 "memory"}  # fmt: skip
 # Exported only once the master evaluated, each figure only when known.
 EVAL_GAUGES = {"pipejob_eval_step", "pipejob_eval_loss", "pipejob_eval_accuracy",
                "pipejob_eval_perplexity"}  # fmt: skip
@@ -74,6 +75,7 @@ def test_the_board_over_http() -> None:
             "resumedFromStep": 10,
             "preflight": {"ok": True, "message": "3 links"}, "message": None,
             "evalStep": None, "evalLoss": None, "evalAccuracy": None, "evalPerplexity": None,
+            "evalAuc": None,
             "memory": {"master": {"rssPeakBytes": 5 << 20},
                        "stage0": {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20}},
         }  # fmt: skip
@@ -129,6 +131,11 @@ def test_an_evaluation_is_reported_and_exported_once_known() -> None:
         assert EVAL_GAUGES <= {name for name, _ in got}
         assert got["pipejob_eval_perplexity", ()] == pytest.approx(math.exp(2.0))
         assert got["pipejob_eval_step", ()] == 20
+
+        board.evaluated(22, loss=0.45, auc=0.75)  # a HybridJob's clicks
+        progress = json.loads(get(base + "/progress")[2])
+        assert (progress["evalAuc"], progress["evalPerplexity"]) == (0.75, None)
+        assert samples(get(base + "/metrics")[2])["pipejob_eval_auc", ()] == 0.75
 
         board.evaluated(21, loss=math.inf)  # JSON has no infinity either
         assert json.loads(get(base + "/progress")[2])["evalLoss"] is None

@@ -7,6 +7,8 @@ is the example as a user applies it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness import jobs
@@ -135,4 +137,82 @@ def test_the_operator_killed_and_restarted_mid_job_makes_no_duplicates(cluster, 
     done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=120)
     assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
     assert pod_uids(kubelet, name) == world  # the same four pods, none made again
+    all_stopped(api, kubelet)
+
+
+# The pipelining example, cut down likewise: 1F1B over the stages' pipe group.
+PIPELINING = ("resnet50-pipelining.yaml", {"model": "resnet18", "stages": 2, "imageSize": 32,
+              "batchSize": 4, "microBatches": 2, "numClasses": 10, "logEvery": 1,
+              "preflight": {"megabytes": 0.25}})  # fmt: skip
+
+
+@pytest.mark.timeout(420)
+def test_a_pipelining_job_with_replicas_restarts_and_resumes(cluster, kubelet, operator,
+                                                             tmp_path):  # fmt: skip
+    """The pipelining engine on the cluster: its stage pods open the group port the plan
+    gives them, and a stage of replica 1 killed after a checkpoint restarts the world, which
+    resumes from it and succeeds."""
+    api = cluster.api
+    steps, every = 8, 2
+    ckpt = tmp_path / "checkpoints"  # the process-kubelet mounts nothing: a shared directory
+    spec = {"steps": steps, "replicas": 2, "backoffLimit": 2,
+            "checkpoint": {"path": str(ckpt), "everySteps": every, "volume": "ckpt"},
+            "template": {"volumes": [{"name": "ckpt", "hostPath": {
+                "path": str(ckpt), "type": "DirectoryOrCreate"}}]}}  # fmt: skip
+    name = name_of(start(api, PIPELINING, **spec))
+    master = f"{name}-master-0"
+    stages = [f"{name}-r{r}-stage-{i}" for r in range(2) for i in range(2)]
+    for pod in jobs.wait_pods(api, name, [master, *stages], 20):
+        if pod["metadata"]["name"] == master:
+            continue
+        ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+        assert "ddp" in ports, ports  # the pipe group's rendezvous, from the world plan
+    wait_log(api, kubelet, master, f"step {every + 1}/{steps}", timeout=240)
+    kubelet.kill(NS, f"{name}-r1-stage-1")
+    done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=300)
+    assert done["status"]["restarts"] == 1, (done["status"], jobs.warnings(api))
+    resumed = done["status"]["training"]["resumedFromStep"]
+    assert resumed >= every and resumed % every == 0
+    log = kubelet.logs(NS, master)
+    assert f"resumed from step {resumed} (" in log and f"step {steps}/{steps}" in log
+    assert (
+        "on the pipelining engine (1f1b)" in log and "largest difference between replicas 0)" in log
+    )
+
+
+@pytest.mark.timeout(400)
+def test_the_dlrm_example_restarts_as_one_world_when_a_server_dies_and_resumes(
+    cluster, kubelet, operator, tmp_path
+):
+    """The DLRM example on the cluster: five pods (master, 2 parameter servers, 2 trainers)
+    wired as one world; a server killed mid-run restarts them all, and the new world loads
+    every server's pieces from the last checkpoint, reaches the end, and the job's status
+    shows the held-out AUC."""
+    api = cluster.api
+    data, ckpt = jobs.EXAMPLES / "dlrm", tmp_path / "ckpt"
+    spec = {"steps": 30, "eval": {"everySteps": 10}, "logEvery": 5, "backoffLimit": 2,
+            "preflight": {"megabytes": 0.25}, "output": {"path": str(tmp_path / "out")},
+            "logging": {"tensorboard": str(tmp_path / "runs")},
+            "data": {"criteo": {"train": str(data / "train.tsv"), "val": str(data / "val.tsv")}},
+            "checkpoint": {"path": str(ckpt), "everySteps": 5, "volume": "ckpt"},
+            "template": {"volumes": [{"name": "ckpt", "hostPath": {
+                "path": str(ckpt), "type": "DirectoryOrCreate"}}]}}  # fmt: skip
+    name = name_of(jobs.create(api, jobs.example("dlrm/hybridjob.yaml", **spec)))
+    master = f"{name}-master-0"
+    pods = [master, f"{name}-ps-0", f"{name}-ps-1", f"{name}-trainer-0", f"{name}-trainer-1"]
+    jobs.wait_pods(api, name, pods, 30)
+    wait_log(api, kubelet, master, "step 15/30", timeout=200)
+    first_world = pod_uids(kubelet, name)
+    kubelet.kill(NS, f"{name}-ps-1")  # as an OOM kill would
+    done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=240)
+    events = [e["message"] for e in api.list("v1/events", NS) if e["type"] == "Warning"]
+    assert done["status"]["restarts"] == 1, (done["status"], events)
+    assert len([uid for uid in pod_uids(kubelet, name) if uid not in first_world]) == 5
+    training = done["status"]["training"]
+    assert training["resumedFromStep"] >= 15 and training["resumedFromStep"] % 5 == 0
+    assert training["evalStep"] == 30 and training["evalAuc"] > 0.6, training
+    log = kubelet.logs(NS, master)
+    assert f"resumed from step {training['resumedFromStep']}" in log
+    assert re.search(r"eval step 30: loss [\d.]+, AUC [\d.]+ on 250 held-out samples", log), log
+    assert (tmp_path / "out" / "model.safetensors").stat().st_size > 26 * 1000 * 8 * 4
     all_stopped(api, kubelet)

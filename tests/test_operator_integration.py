@@ -8,11 +8,14 @@ import pytest
 
 from harness import jobs
 from harness.client import Api
+from harness.selectors import matches
+from pipejob.operator.kube import SPEC_HASH
 
 pytestmark = pytest.mark.timeout(60)
 
 NS = "default"
 PODS = "v1/pods"
+POLICIES = "networking.k8s.io/v1/networkpolicies"
 JOB = "pj"
 WORLD = [f"{JOB}-master-0", f"{JOB}-stage-0", f"{JOB}-stage-1"]
 
@@ -209,3 +212,67 @@ def test_a_restarted_operator_converges_on_what_it_observes(cluster, operator):
     running = phase(api, "Running")
     assert running["status"]["restarts"] == 0
     assert {p["metadata"]["uid"] for p in jobs.pods(api, JOB)} == uids  # nothing re-made
+
+
+def selected(api: Api, policy: dict) -> list[str]:
+    """The pods of the namespace that the policy's podSelector selects."""
+    selector = policy["spec"]["podSelector"]
+    return jobs.names([p for p in api.list(PODS, NS) if matches(selector, p["metadata"]["labels"])])
+
+
+def test_each_world_has_a_network_policy_selecting_exactly_its_pods_that_goes_with_the_job(
+    cluster, operator
+):
+    api = cluster.api
+    job = jobs.create(api, pipeline())
+    jobs.create(api, {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
+                      "metadata": {"name": "hj"}, "spec": {"trainers": 2}})  # fmt: skip
+    pods = world(api)
+    hybrid = ["hj-master-0", "hj-ps-0", "hj-trainer-0", "hj-trainer-1"]
+    jobs.wait_pods(api, "hj", hybrid, 20)
+    mine, theirs = api.get(POLICIES, JOB, NS), api.get(POLICIES, "hj", NS)
+    assert selected(api, mine) == WORLD and selected(api, theirs) == hybrid
+    # Its pods admit the world's pods only (the selector as the peer), on every port.
+    assert mine["spec"]["ingress"] == [{"from": [{"podSelector": mine["spec"]["podSelector"]}]}]
+    assert mine["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    # Made before any pod of its world: no pod runs open for a moment.
+    revision = int(mine["metadata"]["resourceVersion"])
+    assert all(revision < int(p["metadata"]["resourceVersion"]) for p in pods)
+
+    # Tampered with (now admitting everyone), then a new world of another size: the policy is
+    # the operator's again, and selects the new world.
+    api.patch(POLICIES, JOB, {"spec": {"ingress": [{}]}}, NS)
+    edited = api.patch(jobs.resource("PipelineJob"), JOB, {"spec": {"stages": 3}}, NS)
+    bigger = sorted([*WORLD, f"{JOB}-stage-2"])
+    new_world = lambda: {p["metadata"]["annotations"][SPEC_HASH] for p in jobs.pods(api, JOB)}  # noqa: E731
+    jobs.wait_pods(api, JOB, bigger, 20)
+    api.wait("the new world only", lambda: len(new_world()) == 1, 20)
+    assert edited["metadata"]["generation"] == 2
+    assert api.get(POLICIES, JOB, NS)["spec"] == mine["spec"]
+    assert selected(api, mine) == bigger
+
+    api.delete(jobs.resource("PipelineJob"), JOB, NS)  # it goes with its job, and only its own
+    assert api.find(POLICIES, JOB, NS) is None and api.find(POLICIES, "hj", NS) is not None
+
+
+def test_a_network_policy_of_the_jobs_name_that_is_not_its_own_is_left_alone_and_no_pod_runs(
+    cluster, operator
+):
+    api = cluster.api
+    foreign = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+               "metadata": {"name": JOB},
+               "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}  # fmt: skip
+    api.create(POLICIES, foreign, NS)
+    jobs.create(api, pipeline())
+
+    def refused() -> dict | None:
+        job = jobs.get(api, "PipelineJob", JOB) or {}
+        created = [c for c in job.get("status", {}).get("conditions", []) if c["type"] == "Created"]
+        return created[0] if created and created[0]["reason"] == "NetworkPolicyRefused" else None
+
+    said = api.wait("the policy refused", refused, 20)
+    assert f"NetworkPolicy '{JOB}'" in said["message"] and "HTTP 422" in said["message"]
+    assert jobs.pods(api, JOB) == [] and api.get(POLICIES, JOB, NS)["spec"] == foreign["spec"]
+    api.delete(POLICIES, JOB, NS)  # the name is free: the next resync makes the world
+    world(api)
+    assert api.get(POLICIES, JOB, NS)["metadata"]["ownerReferences"][0]["kind"] == "PipelineJob"

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torchvision.models import get_model
 
+from pipejob.core.kinds.pipeline import auto_counts, micro_batch_counts
 from pipejob.trainer.pipeline.partition import (
     COST_SLACK,
     Host,
@@ -16,7 +17,6 @@ from pipejob.trainer.pipeline.partition import (
     fastest,
     intra_op_threads,
     measure_costs,
-    micro_batch_counts,
     min_max_partition,
     predict,
 )
@@ -155,6 +155,25 @@ def test_auto_tries_powers_of_two_with_micro_batches_of_two_or_more(batch, count
     assert micro_batch_counts(batch) == counts
 
 
+@pytest.mark.parametrize(
+    ("schedule", "stages", "counts"),
+    [("gpipe", 4, [1, 2, 4, 8]), ("1f1b", 4, [4, 8]), ("1f1b", 3, [4, 8]),
+     ("interleaved-1f1b", 2, [2, 4, 8]), ("zero-bubble", 4, [4, 8]), ("zero-bubble", 3, [])],
+)  # fmt: skip
+def test_auto_measures_only_the_counts_the_schedule_can_run(schedule, stages, counts):
+    assert auto_counts(16, schedule, stages) == counts
+
+
+def test_an_interleaved_schedule_is_predicted_over_its_pieces():
+    """4 equal layers on 2 processes of 2 pieces each (process k: pieces k and k + 2): the
+    pieces' slots are m x 2 + p - 1 of the slowest piece (one layer), and a host's CPU time
+    counts every piece of its processes."""
+    p = predict(uniform([1.0] * 4), 2, 4, 8, [Host((0,), 1.0)], per_process=2)
+    assert p.ranges == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    assert p.pipeline_seconds == (4 * 2 + 1) * 1.0
+    assert p.cores_seconds == 4 * (1.0 + 1.0)  # pieces 0 and 2, every micro-batch
+
+
 def uniform(per_layer: list[float]) -> LayerCosts:
     """Costs of a layer that keeps its threads busy: CPU time equals wall-clock time."""
     return LayerCosts(per_layer, per_layer)
@@ -191,6 +210,22 @@ def test_the_cores_bound_counts_only_the_stages_sharing_a_host():
     shared = predict(costs, 2, 2, 8, [Host((0, 1), 2)])
     assert (shared.pipeline_seconds, shared.cores_seconds) == (6, 8)  # 2 * 8 / 2
     assert shared.step_seconds == 8
+
+
+def test_stages_sharing_a_gpu_add_up_their_time_on_it():
+    """Two stages on one GPU (the local runner's placement with fewer GPUs than stages) run
+    one at a time: the bound is the sum of their device times, whatever the CPU time (a GPU
+    stage's host thread mostly waits). Per-micro-batch costs that fall more slowly than the
+    micro-batch (launches, small kernels) make one micro-batch fastest there, where GPUs of
+    their own would take four."""
+    batch, counts = 16, micro_batch_counts(16)
+    costs = {m: LayerCosts([1 + batch / m] * 4, [0.1] * 4) for m in counts}
+    own = [predict(costs[m], 2, m, batch, [Host((0,), 1, gpu=True), Host((1,), 1, gpu=True)])
+           for m in counts]  # fmt: skip
+    assert fastest(own).micro_batches == 4
+    one = [predict(costs[m], 2, m, batch, [Host((0, 1), 1, gpu=True)]) for m in counts]
+    assert [p.cores_seconds for p in one] == [68, 72, 80, 96]  # m (4 layers x (1 + 16/m))
+    assert fastest(one).micro_batches == 1
 
 
 def test_each_count_is_split_by_its_own_costs():

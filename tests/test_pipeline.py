@@ -16,7 +16,7 @@ from torch import nn
 from jobrun import JobRun, check_gradients, pipeline_job, run_to_end
 from pipejob.core import spec
 from pipejob.core.common import Optimizer, from_spec
-from pipejob.trainer.pipeline.stage import Stage, Turnstile, stage_devices
+from pipejob.trainer.pipeline.rpc.stage import Stage, Turnstile, stage_devices
 from pipejob.trainer.pipeline.summary import gpipe_bubble
 from pipejob.trainer.pipeline.timing import busy_seconds, step_seconds
 from pipejob.trainer.runtime.optim import optimizer_args
@@ -77,7 +77,7 @@ def test_two_stage_pipeline_trains(tmp_path):
     assert code == 0, out
     for step in (1, 2, 3):
         assert f"step {step}/3  loss " in out
-    assert "summary:" in out and "GPipe ideal" in out
+    assert "summary:" in out and "gpipe ideal (p-1)/(m+p-1)" in out
     assert re.search(r"peak memory besides the stages above: master \d+ MB$", out, re.M), out
     check_summary(summary, job)
 

@@ -39,6 +39,12 @@ SHAPES = [
         for g in (0, 1)
     ),
     *(("PipelineJob", {"stages": s, "replicas": r}) for s in (2, 3, 7) for r in (2, 3, 4)),
+    *(
+        ("PipelineJob", {"engine": "pipelining", "stages": s, "replicas": r, "gpusPerStage": g})
+        for s in (2, 4)
+        for r in (1, 3)
+        for g in (0, 1)
+    ),
     *(("HybridJob", {"trainers": t, "gpusPerTrainer": g}) for t in (1, 2, 5, 256) for g in (0, 1)),
 ]
 
@@ -63,9 +69,10 @@ def test_world_invariants(kind, fields):
     trainers = [p for p in world if p.role == "trainer"]
     for p in world:
         env = p.env
-        replicated = fields.get("replicas", 1) > 1
-        grouped = p.role == "trainer" or (p.role == "stage" and replicated)
-        every = {c.GROUPS} if kind == "HybridJob" or replicated else set()  # the world's groups
+        # Replicated stages, and every stage on the pipelining engine, are in a group.
+        grouped_stages = fields.get("replicas", 1) > 1 or fields.get("engine") == "pipelining"
+        grouped = p.role == "trainer" or (p.role == "stage" and grouped_stages)
+        every = {c.GROUPS} if kind == "HybridJob" or grouped_stages else set()  # the world's
         expected = COMMON_ENV | every | (DDP_ENV if grouped else set())
         assert set(env) == expected, p.rpc_name
         assert all(isinstance(v, str) and v for v in env.values())
@@ -102,7 +109,7 @@ def test_roles_and_counts():
     assert [p.rpc_name for p in pj] == ["master", "stage0", "stage1", "stage2"]
     hj = plan_world(job("HybridJob", trainers=2), lambda m: "127.0.0.1")
     assert [(p.rpc_name, p.rank) for p in hj] == [
-        ("master", 0), ("ps", 1), ("trainer0", 2), ("trainer1", 3)
+        ("master", 0), ("ps0", 1), ("trainer0", 2), ("trainer1", 3)
     ]  # fmt: skip
 
 
@@ -171,6 +178,30 @@ def test_replicas_form_one_group_per_stage(stages, replicas):
     default = plan_world(j, k8s_address(j))
     ports = sorted({p.seat.port for p in default if p.seat is not None})
     assert ports == [29501, *range(29511, 29510 + stages)]
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_the_pipelining_engine_seats_every_stage_in_one_group(replicas, gpus):
+    """Its PipelineStages exchange activations within a replica and all-reduce gradients
+    across replicas: one group of every stage, on replica 0's first stage, which both
+    divide (rank r * stages + i is stage i of replica r); the master is in none."""
+    stages = 3
+    j = job("PipelineJob", engine="pipelining", stages=stages, replicas=replicas,
+            gpusPerStage=gpus, microBatches=4)  # fmt: skip
+    world = plan_world(j, k8s_address(j), Ports(groups=(30000,)))
+    stage_procs = [p for p in world if p.role == "stage"]
+    assert world[0].seat is None
+    seats = [p.seat for p in stage_procs]
+    assert {s.group for s in seats} == {"pipe"}
+    assert [s.rank for s in seats] == [p.member.replica * stages + p.member.index
+                                       for p in stage_procs]  # fmt: skip
+    assert {s.size for s in seats} == {stages * replicas}
+    assert {(s.address, s.port) for s in seats} == {(stage_procs[0].address, 30000)}
+    assert {s.backend for s in seats} == {"nccl" if gpus else "gloo"}
+    assert {p.env[c.GROUPS] for p in world} == {
+        "pipe=" + ",".join(str(1 + k) for k in range(stages * replicas))
+    }
 
 
 def test_group_ports_must_differ_from_the_others():

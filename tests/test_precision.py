@@ -32,9 +32,9 @@ from pipejob.core import plan, spec
 from pipejob.core.workload import Transformer
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
-from pipejob.trainer.pipeline.schedule import Pipeline, Replicas, forward_backward
+from pipejob.trainer.pipeline.rpc.schedule import Pipeline, Replicas, forward_backward
+from pipejob.trainer.pipeline.rpc.stage import Stage
 from pipejob.trainer.pipeline.shards import Partition, Shards, plan_shards
-from pipejob.trainer.pipeline.stage import Stage
 from pipejob.trainer.runtime import memory
 from pipejob.trainer.workloads import cut, data, models
 from pipejob.trainer.workloads.transformer import TransformerLM
@@ -63,6 +63,19 @@ def test_activation_checkpointing_gives_the_same_gradients(text, tmp_path: Path)
     """Recomputing each stage's forward in the backward (inside the distributed autograd
     engine) gives the gradients of plain autograd in one process."""
     check_gradients(lm_job(text, activationCheckpointing=True), tmp_path)
+
+
+def test_activation_checkpointing_on_the_pipelining_engine_gives_the_same_gradients(
+    text, tmp_path: Path
+):
+    """The same on the pipelining engine, where torch's schedules run the backward: 1F1B,
+    and zero-bubble, which splits each backward into the inputs' and the weights' gradients
+    over the recomputed graph."""
+    job = lm_job(text, activationCheckpointing=True, engine="pipelining")
+    check_gradients(job, tmp_path, schedules=[
+        {"schedule": "1f1b", "stages_per_process": 1},
+        {"schedule": "zero-bubble", "stages_per_process": 2},
+    ])  # fmt: skip
 
 
 def _bf16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
@@ -156,13 +169,13 @@ def _peak_megabytes(recompute: bool) -> float:
     blocks = nn.Sequential(*TransformerLM(spec_).blocks)
     stage = Stage(blocks, last=False, device="cpu", recompute=recompute)
     warm = torch.randn(1, 256, 256, requires_grad=True)  # one-time allocations: not counted
-    stage._compute((warm,)).sum().backward()
+    stage.compute(warm).sum().backward()
     inputs = [torch.randn(4, 256, 256, requires_grad=True) for _ in range(4)]
     # The peak from here on, so that whatever the process held before (imports, the warm-up)
     # does not hide the step's own peak.
     memory.reset_peak()
     before = memory.status_kb("VmRSS")
-    outputs = [stage._compute((x,)) for x in inputs]
+    outputs = [stage.compute(x) for x in inputs]
     for y in outputs:
         y.backward(torch.ones_like(y))
     return (memory.status_kb("VmHWM") - before) / 1024

@@ -92,6 +92,32 @@ def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
     assert len(rows) == 7  # rowLimit
 
 
+@pytest.mark.timeout(240)
+def test_a_profiled_pipelining_step_traces_the_schedule_on_every_stage(tmp_path: Path) -> None:
+    """On the pipelining engine a stage's trace holds its schedule's work: the forwards and
+    backwards, and the activations and gradients it sends and receives over its group."""
+    job = pipeline_job(
+        "profiled",
+        engine="pipelining",
+        stages=2,
+        microBatches=2,
+        steps=2,
+        preflight={"enabled": False},
+        profile={"steps": [2], "rowLimit": 5, "path": str(tmp_path / "traces")},
+    )
+    with JobRun(job, tmp_path) as run:
+        assert run.finish(200) == 0, run.output
+    directory = tmp_path / "traces"
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "master-step2.json", "stage0-step2.json", "stage1-step2.json"
+    ]  # fmt: skip
+    assert "rpc_async#on_stage(master -> stage1)" in names(trace(directory / "master-step2.json"))
+    for stage, passes in (("stage0", "gloo:send"), ("stage1", "gloo:recv")):
+        ops = names(trace(directory / f"{stage}-step2.json"))
+        assert "aten::convolution" in ops and "aten::convolution_backward" in ops, stage
+        assert passes in ops, (stage, sorted(o for o in ops if "gloo" in o))
+
+
 @pytest.mark.timeout(200)
 def test_profiled_hybrid_steps_trace_every_process(tmp_path: Path) -> None:
     job = {
@@ -107,26 +133,27 @@ def test_profiled_hybrid_steps_trace_every_process(tmp_path: Path) -> None:
         assert run.finish(150) == 0, run.output
     directory = tmp_path / "traces"
     assert sorted(p.name for p in directory.iterdir()) == sorted(
-        f"{name}-step{step}.json" for name in ("master", "ps", "trainer0", "trainer1")
+        f"{name}-step{step}.json" for name in ("master", "ps0", "trainer0", "trainer1")
         for step in (2, 3))  # fmt: skip
     remote_ops = []
     for k, step in itertools.product((0, 1), (2, 3)):
         events = trace(directory / f"trainer{k}-step{step}.json")
         ops = names(events)
-        # The lookup on the parameter server, and the dense layer's local optimizer step.
-        assert f"rpc_async#lookup(trainer{k} -> ps)" in ops
-        remote_ops.append(f"rpc_async#lookup(trainer{k} -> ps)#remote_op: aten::embedding_bag"
+        # The call to the parameter server (the last step's gradients through its pooling,
+        # this step's lookup), and the dense layer's local optimizer step.
+        assert f"rpc_async#exchange(trainer{k} -> ps0)" in ops
+        remote_ops.append(f"rpc_async#exchange(trainer{k} -> ps0)#remote_op: EmbeddingBagBackward0"
                           in ops)  # fmt: skip
         assert "Optimizer.step#SGD.step" in ops
         assert "DistributedDataParallel.forward" in ops  # the whole step, not just the RPCs
         assert_rpc_lanes_within_the_step(events)
-    # torch sometimes leaves a lookup's remote ops out while the ps profiles too (see the
+    # torch sometimes leaves a call's remote ops out while the ps profiles too (see the
     # user guide); they must come back at all.
     assert any(remote_ops)
     for step in (2, 3):
-        ps = names(trace(directory / f"ps-step{step}.json"))
+        ps = names(trace(directory / f"ps0-step{step}.json"))
         assert "aten::embedding_bag" in ps and "EmbeddingBagBackward0" in ps
-        # The table's step runs on the ps, inside the backward that brings its gradient.
+        # The table's sparse step runs on the ps, once both trainers' gradients are in.
         assert "Optimizer.step#SGD.step" in ps
         trace(directory / f"master-step{step}.json")  # it only takes reports; still a trace
 

@@ -1,5 +1,5 @@
 """Live progress: reading a master's /progress over HTTP (progress.py), and how reports,
-termination messages and success show in the job's status (reconcile.decide, status.py).
+termination messages and success show in the job's status (reconcile.decide, the status package).
 
 The HTTP tests run a stand-in master on loopback (the real one is trainer/monitor.py, used
 by tests/test_operator_progress_e2e.py): the boundary here is HTTP, not the trainer."""

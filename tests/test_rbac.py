@@ -16,6 +16,8 @@ pytestmark = pytest.mark.timeout(60)
 WATCHED = ["ml-team", "research"]
 
 Grant = tuple[str, str, str]  # (API group, resource, verb)
+# What the chart grants by default: a NetworkPolicy per world is on unless turned off.
+DEFAULT = frozenset(rbac.grants() | rbac.grants(rbac.NETWORK_POLICIES))
 
 
 def _peering(resource: str) -> set[Grant]:
@@ -60,7 +62,7 @@ def test_all_namespaces_one_cluster_role(replicas: int, tmp_path: Path) -> None:
     assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
     (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
     (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
-    expected = rbac.grants()
+    expected = DEFAULT
     if replicas > 1:
         expected |= _peering("clusterkopfpeerings")
     assert grants_of(role) == expected
@@ -74,7 +76,7 @@ def test_namespace_list_one_role_each(peering: bool, tmp_path: Path) -> None:
     roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
     bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
     assert sorted(roles) == sorted(bindings) == sorted(WATCHED)
-    expected = rbac.grants()
+    expected = DEFAULT
     if peering:
         expected |= _peering("kopfpeerings")
     for namespace, role in roles.items():
@@ -97,11 +99,24 @@ def test_each_scheduling_integration_adds_exactly_its_permissions(
     docs = render(values, tmp_path)
     roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
     assert len(roles) == max(1, len(watch))
-    expected = rbac.grants()
+    expected = DEFAULT
     for name in enabled:
         expected |= rbac.grants(rbac.SCHEDULING[name])
     for role in roles:
         assert grants_of(role) == expected, role["metadata"]
+
+
+@pytest.mark.parametrize("watch", [[], WATCHED])
+def test_turning_the_jobs_network_policies_off_takes_exactly_their_permissions(
+    watch: list[str], tmp_path: Path
+) -> None:
+    values = {"watchNamespaces": watch, "networkPolicy": {"jobs": {"enabled": False}}}
+    roles = [d for d in render(values, tmp_path) if d["kind"] in ("Role", "ClusterRole")]
+    assert roles and all(grants_of(role) == rbac.grants() for role in roles)
+    assert rbac.grants(rbac.NETWORK_POLICIES) == {
+        ("networking.k8s.io", "networkpolicies", "create"),
+        ("networking.k8s.io", "networkpolicies", "patch"),
+    }  # made with each world, patched to a new world's; deleted by the job's owner reference
 
 
 def test_scheduling_permissions_are_off_by_default(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from jobrun import master_of, pipeline_job, run_to_end, run_world
 from pipejob.core import plan, spec
 from pipejob.core.common import Optimizer, Schedule
 from pipejob.runner.local import LOOPBACK, free_ports
-from pipejob.trainer.pipeline.schedule import Replicas
+from pipejob.trainer.pipeline import engine
 from pipejob.trainer.pipeline.shards import Partition, Shards
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime.optim import learning_rate
@@ -84,7 +84,7 @@ def _recipe_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         stages = traced.split(CUTS[s.stages])
         shards = Shards(traced.units, stages, Partition(ranges, [1.0] * len(LAYERS), 2), {},
                         tied=cut.ties(stages))  # fmt: skip
-        replicas = Replicas(per_replica, shards, s)
+        replicas = engine(s, "schedule").Replicas(per_replica, shards, s)
         samples = SHARE * s.replicas * s.gradient_accumulation
         results = [replicas.step(2, step, F.cross_entropy, batch)
                    for step, batch in enumerate(batches(samples))]  # fmt: skip
@@ -104,16 +104,20 @@ def cosine_lr(step: int) -> float:
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
-    ("stages", "replicas", "accumulation"),
-    [(2, 1, 1), (3, 1, 2), (2, 2, 2)],
-    ids=["2-stages", "3-stages-tied-accumulating-2", "2-replicas-accumulating-2"],
-)
-def test_a_clipped_scheduled_step_equals_one_process(tmp_path: Path, stages: int, replicas: int,
-                                                     accumulation: int) -> None:  # fmt: skip
+    ("stages", "replicas", "accumulation", "engine_fields"),
+    [(2, 1, 1, {}), (3, 1, 2, {}), (2, 2, 2, {}),
+     (3, 1, 2, {"engine": "pipelining", "schedule": "gpipe"}),
+     (2, 2, 2, {"engine": "pipelining", "schedule": "1f1b"})],
+    ids=["2-stages", "3-stages-tied-accumulating-2", "2-replicas-accumulating-2",
+         "pipelining-3-stages-tied-accumulating-2", "pipelining-2-replicas-accumulating-2"],
+)  # fmt: skip
+def test_a_clipped_scheduled_step_equals_one_process(
+    tmp_path: Path, stages: int, replicas: int, accumulation: int, engine_fields: dict[str, str]
+) -> None:
     job = spec.parse(pipeline_job("recipe", stages=stages, replicas=replicas, microBatches=2,
                                   gradientAccumulation=accumulation, steps=STEPS,
-                                  optimizer=OPTIMIZER))  # fmt: skip
-    ports = free_ports(4 + stages)  # and one for each stage's group
+                                  optimizer=OPTIMIZER, **engine_fields))  # fmt: skip
+    ports = free_ports(4 + stages)  # and one for each group (at most one per stage)
     world_ports = plan.Ports(*ports[:4], groups=tuple(ports[4:]))
     processes = plan.plan_world(job, lambda m: LOOPBACK, world_ports)
     got = run_world(_recipe_world, [p.env for p in processes], tmp_path / "recipe.pt")

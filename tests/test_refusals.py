@@ -244,6 +244,25 @@ CASES: list[tuple[str, Any, str]] = [
     ("output-without-path", pipeline(output={"format": "torch"}), "spec.output.path"),
     ("output-format", pipeline(output={"path": "o", "format": "onnx"}), "spec.output.format"),
     ("eval-negative", pipeline(eval={"everySteps": -1}), "spec.eval.everySteps"),
+    # the engines and their schedules (issue 31): both fields named
+    ("schedule-on-rpc", pipeline(schedule="1f1b"),
+     "spec.schedule: the rpc engine (spec.engine) runs gpipe only"),
+    ("1f1b-too-few-micro-batches", pipeline(engine="pipelining", stages=4, microBatches=2),
+     "spec.microBatches: spec.schedule 1f1b needs at least as many micro-batches as stages"),
+    ("interleaved-rounds", pipeline(engine="pipelining", schedule="zero-bubble",
+                                    stagesPerProcess=2, stages=3, microBatches=4),
+     "spec.microBatches: spec.schedule zero-bubble runs micro-batches in rounds"),
+    ("interleaved-one-piece", pipeline(engine="pipelining", schedule="interleaved-1f1b"),
+     "spec.stagesPerProcess: spec.schedule interleaved-1f1b interleaves several stages"),
+    ("pieces-without-interleaving", pipeline(engine="pipelining", stagesPerProcess=2),
+     "spec.stagesPerProcess: only the interleaved schedules"),
+    ("auto-none-fits", pipeline(engine="pipelining", stages=8, model="resnet152",
+                                microBatches="auto", batchSize=4),
+     "spec.microBatches: auto chooses among 1, 2 micro-batches"),
+    ("too-many-pieces", pipeline(engine="pipelining", schedule="interleaved-1f1b", stages=4,
+                                 stagesPerProcess=4, microBatches=4),
+     "spec.stages: resnet18 has 14 places to cut; it can fill at most 14 stages, not 4 x"
+     " stagesPerProcess 4"),
 ]  # fmt: skip
 
 

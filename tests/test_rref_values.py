@@ -5,9 +5,9 @@ An RPC agent with CUDA devices finds the tensors of every RRef's value by pickli
 fails the RRef when that raises, as a Stage holding locks once did ("cannot pickle
 '_thread.RLock' object") on every GPU pipeline. A CPU agent never extracts, so this calls the
 same function on the values a real world made: a PipelineJob's stages after a training step,
-their forward outputs and the labels a first stage read (which the last stage fetches), and a
-HybridJob's parameter-server table after an update, and checks that each yields the tensors
-it holds (those torch must synchronise)."""
+their forward outputs and the labels a first stage read (which the last stage fetches), and
+checks that each yields the tensors it holds (those torch must synchronise). (A HybridJob's
+parameter servers keep their tables as their process's own state, behind no RRef.)"""
 
 from __future__ import annotations
 
@@ -24,20 +24,12 @@ from jobrun import master_of, pipeline_job, run_world
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
-from pipejob.trainer.hybrid.ps import Table
 from pipejob.trainer.pipeline.reader import Source
-from pipejob.trainer.pipeline.schedule import Pipeline, forward_backward
+from pipejob.trainer.pipeline.rpc.schedule import Pipeline, forward_backward
+from pipejob.trainer.pipeline.rpc.stage import Stage
+from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import plan_shards
-from pipejob.trainer.pipeline.stage import Stage, on_stage
 from pipejob.trainer.workloads import data, models
-
-HYBRID = {
-    "apiVersion": "pipejob.dev/v1alpha1",
-    "kind": "HybridJob",
-    "metadata": {"name": "extract"},
-    "spec": {"trainers": 1, "embedding": {"numEmbeddings": 16, "dim": 4},
-             "dense": {"outFeatures": 2}, "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}},
-}  # fmt: skip
 
 
 def held(value: Any) -> list[torch.Tensor]:
@@ -48,10 +40,6 @@ def held(value: Any) -> list[torch.Tensor]:
         return [t for v in value for t in held(v)]
     if isinstance(value, Stage):
         return [*value.layers.parameters(), *value.layers.buffers()]
-    if isinstance(value, Table):
-        states = [s for o in value.optimizers.values() for s in o.state.values()]
-        return [*value.module.parameters(), *(t for s in states for t in s.values()
-                                              if isinstance(t, torch.Tensor))]  # fmt: skip
     raise TypeError(f"no known tensors in a {type(value).__name__}")
 
 
@@ -87,8 +75,7 @@ def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         # Labels a first stage read, which the last stage fetches.
         labels_read = pipe.read(s.micro_batches)
         assert labels_read is not None
-        table = rpc.remote(name0, Table, args=(spec.parse(HYBRID).settings, ["t"]))
-        rrefs = [*pipe.stages, output, labels_read.labels, table]
+        rrefs = [*pipe.stages, output, labels_read.labels]
         torch.save([rpc.rpc_sync(r.owner(), extraction, args=(r,)) for r in rrefs], out)
     finally:
         rpc.shutdown()
@@ -100,28 +87,23 @@ def test_every_value_behind_an_rref_gives_torch_its_tensors(tmp_path):
     ports = plan.Ports(*free_ports(4))
     envs = [p.env for p in plan.plan_world(job, lambda m: LOOPBACK, ports)]
     found = run_world(_world, envs, tmp_path / "found.pt", timeout=180)
-    assert [f["type"] for f in found] == ["Stage", "Stage", "tuple", "Tensor", "Table"]
+    assert [f["type"] for f in found] == ["Stage", "Stage", "tuple", "Tensor"]
     for f in found:
         assert f["held"] > 0 and f["missing"] == 0, f
 
 
-def test_a_stage_stepped_and_a_table_updated_in_this_process_extract_too():
+def test_a_stage_stepped_in_this_process_extracts_too():
     """The same without a world, after the locks were used: a stage's turnstile and
-    conditions have had waiters, the table its lock and optimizer state."""
+    conditions have had waiters."""
     stage = Stage(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)),
                   False, "cpu")  # fmt: skip
     x = torch.randn(6, 3)
     y = stage.forward((x,), 1, 0, 1)
     y.sum().backward()
     stage.settle(1, 1)
-    table = Table(spec.parse(HYBRID).settings, ["t"])
-    bags = table.lookup("t", torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2]))
-    bags.sum().backward()  # the hook steps the trainer's optimizer: momentum state exists
-    for value in (stage, table):
-        found = {id(t) for t in _extract_tensors(value)}
-        expected = held(value)
-        assert expected and all(id(t) in found for t in expected), type(value).__name__
-    assert table.optimizers["t"].state  # the momentum buffer was among those checked
+    found = {id(t) for t in _extract_tensors(stage)}
+    expected = held(stage)
+    assert expected and all(id(t) in found for t in expected)
     # Pickled, a Stage is only what torch looks for: it is never sent or rebuilt.
     with pytest.raises(TypeError, match="cannot be unpickled"):
         pickle.loads(pickle.dumps(stage))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
 import signal
 import subprocess
@@ -53,6 +55,51 @@ def test_interrupting_the_runner_stops_every_process(tmp_path):
         code = run.finish(timeout=60)
     assert code == 130
     assert not [name for name, pid in started.items() if alive(pid)]
+
+
+def listening(pid: int) -> set[str]:
+    """The addresses a process's TCP sockets listen on (from /proc: its sockets' inodes)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                # /proc writes each 32-bit word of the address in host (little-endian) order.
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                address = ipaddress.ip_address(words)
+                found.add(str(getattr(address, "ipv4_mapped", None) or address))
+    return found
+
+
+HYBRID = {
+    "apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob", "metadata": {"name": "shared"},
+    "spec": {"trainers": 2, "embedding": {"numEmbeddings": 64, "dim": 8},
+             "dense": {"outFeatures": 4}, "steps": 100000, "batchSize": 8, "bagSize": 4,
+             "datasetSize": 2000000, "rendezvousTimeoutSeconds": 60},
+}  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_a_local_world_listens_on_loopback_only(tmp_path):
+    """Every member of a `pipejob run` world (RPC, the rendezvous stores, the DDP group, the
+    master's monitor) listens on loopback alone: the machine's network reaches none of them."""
+    with JobRun(HYBRID, tmp_path) as run:
+        run.wait_for(r"^master\s*\|.*step \d+/", timeout=180)
+        heard = {name: listening(pid) for name, pid in pids(run).items()}
+        run.popen.send_signal(signal.SIGTERM)
+        run.finish(timeout=60)
+    assert set(heard) == {"master", "ps0", "trainer0", "trainer1"}
+    assert heard["master"] and heard["trainer0"], heard  # the stores, the monitor, RPC
+    wider = {n: a for n, a in heard.items() if not all(ipaddress.ip_address(x).is_loopback
+                                                       for x in a)}  # fmt: skip
+    assert not wider, f"listening beyond loopback: {wider}"
 
 
 @pytest.mark.timeout(60)

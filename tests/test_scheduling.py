@@ -8,7 +8,7 @@ import pytest
 from test_reconcile import Sim
 
 from pipejob.core.spec import API_VERSION, InvalidSpec, parse
-from pipejob.operator import gang, kube, queueing, reconcile
+from pipejob.operator import gang, kube, queueing, reconcile, refusals
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -74,7 +74,7 @@ def test_volcano_pods_and_their_podgroup() -> None:
     job = parse(manifest(scheduling={"provider": "volcano", "queue": "research",
                                      "priorityClassName": "high"},
                          template={"resources": resources}))  # fmt: skip
-    service, group, *pods = kube.render(job, "ns")
+    service, _, group, *pods = kube.render(job, "ns")
     assert group == {
         "apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "PodGroup",
         "metadata": {"name": "j", "namespace": "ns", "labels": {
@@ -231,7 +231,7 @@ def test_a_refused_podgroup_makes_no_pods_and_says_why_once() -> None:
     sim = Sim(stages=2, scheduling={"provider": "volcano"})
     old = sim.job.get("status") or {}
     error = "POST .../podgroups: HTTP 404: the server could not find the requested resource"
-    acts = reconcile.without_podgroup(reconcile.decide(sim.job, [], sim.now, "img"), old, error,
+    acts = refusals.without_podgroup(reconcile.decide(sim.job, [], sim.now, "img"), old, error,
                                       sim.now)  # fmt: skip
     assert acts.create == [] and acts.podgroup is None
     assert acts.status["phase"] == "Pending"
@@ -242,6 +242,6 @@ def test_a_refused_podgroup_makes_no_pods_and_says_why_once() -> None:
     reasons = [e.reason for e in acts.events]
     assert "PodGroupRefused" in reasons and "CreatedPods" not in reasons
     sim.job["status"] = acts.status  # the next reconcile, refused again: no second Warning
-    again = reconcile.without_podgroup(reconcile.decide(sim.job, [], sim.now, "img"),
+    again = refusals.without_podgroup(reconcile.decide(sim.job, [], sim.now, "img"),
                                        acts.status, error, sim.now)  # fmt: skip
     assert "PodGroupRefused" not in [e.reason for e in again.events]

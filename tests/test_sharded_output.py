@@ -65,7 +65,12 @@ MODELS: dict[str, tuple[Any, dict[str, Any], str, bool]] = {
     "gpt2": (brought.gpt2, {}, "safetensors", True),
     # tied across stages under one name (both shards hold embed.weight); an unused layer
     "tied": (tied.tied_lm, {}, "torch", False),
+    # the same on the pipelining engine, each stage process holding two pieces (the first
+    # and third, the second and fourth) whose state it writes as one shard
+    "tied-interleaved": (tied.tied_lm, {}, "torch", False),
 }
+ENGINES = {"tied-interleaved": {"engine": "pipelining", "schedule": "interleaved-1f1b",
+                                "stagesPerProcess": 2}}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -76,7 +81,7 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
     job = spec.parse(pipeline_job(
         f"sharded-{name}", model={"import": importable, "args": args}, data=TOKENS, stages=2,
         steps=steps, microBatches=2, output={"path": str(out), "format": format},
-        checkpoint={"path": str(ckpt), "everySteps": steps},
+        checkpoint={"path": str(ckpt), "everySteps": steps}, **ENGINES.get(name, {}),
     ))  # fmt: skip
     # A stale single file of an earlier run into the same folder, which from_pretrained
     # would prefer to the index: the sharded output removes it.
@@ -92,7 +97,7 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
     assert found is not None and found.step == steps
     stages = [found.load(f"stage{i}.pt")["model"] for i in range(2)]
     rest = found.load("master.pt")["rest"]
-    assert bool(rest) == (name == "tied")  # the unused layer
+    assert bool(rest) == name.startswith("tied")  # the unused layer
     files = pipeline_output.shard_files(2, bool(rest), format)
     assert files[0] == f"model-00001-of-0000{len(files)}{output.SUFFIX[format]}"
     index_name = output.index_name(format)
@@ -117,7 +122,7 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
         assert key in shards[files.index(file)], (key, file)
     expected_size = sum(t.numel() * t.element_size() for t in fresh.state_dict().values())
     assert index["metadata"]["total_size"] == expected_size
-    if name == "tied":  # held by both stages: the first stage's shard
+    if name.startswith("tied"):  # held by both stages: the first stage's shard
         assert index["weight_map"]["embed.weight"] == files[0] and "embed.weight" in shards[1]
         assert index["weight_map"]["spare.weight"] == files[-1]
 

@@ -28,7 +28,7 @@ from static_tools import (
 
 from pipejob.core import spec
 from pipejob.core.kinds import KINDS
-from pipejob.operator import kube
+from pipejob.operator import kube, policy_settings
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -58,7 +58,16 @@ CUSTOM_VALUES: dict[str, Any] = {
         {"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}
     ],
     "metrics": {"enabled": False},
-}
+    "networkPolicy": {"jobs": {
+        "monitorFrom": [{
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchExpressions": [
+                {"key": "app.kubernetes.io/name", "operator": "In", "values": ["prometheus"]}]},
+        }],
+        "restrictEgress": True,
+        "egress": [{"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "ports": [{"port": 443}]}],
+    }},
+}  # fmt: skip
 
 # Every security check must pass on the operator's Deployment and every rendered pod:
 # not privileged, no host namespaces or ports, no privilege escalation, not root, no added
@@ -94,7 +103,8 @@ def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def pod_renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """`pipejob render` of every example: the Service and Pods the operator would create."""
+    """`pipejob render` of every example: the Service, NetworkPolicy and Pods the operator
+    would create; and of one more with the custom values' NetworkPolicy settings."""
     tmp = tmp_path_factory.mktemp("pods")
     out = {}
     for example in EXAMPLES:
@@ -104,7 +114,21 @@ def pod_renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         path = tmp / name
         path.write_text(proc.stdout)
         out[name] = path
+    custom = policy_env(CUSTOM_VALUES, tmp)
+    proc = run([sys.executable, "-m", "pipejob.cli", "render", "-n", JOBS_NAMESPACE,
+                str(ROOT / "examples" / "hybrid.yaml")], env=custom)  # fmt: skip
+    out["hybrid-custom-policy.yaml"] = tmp / "hybrid-custom-policy.yaml"
+    out["hybrid-custom-policy.yaml"].write_text(proc.stdout)
     return out
+
+
+def policy_env(values: dict[str, Any] | None, tmp: Path) -> dict[str, str]:
+    """PIPEJOB_NETWORK_POLICY as the chart rendered with `values` gives it to the operator."""
+    container = _deployment(documents(helm_template(values, tmp)))["spec"]["template"]["spec"][
+        "containers"][0]  # fmt: skip
+    return {
+        e["name"]: e["value"] for e in container["env"] if e["name"] == policy_settings.POLICY_ENV
+    }
 
 
 def by_kind(docs: list[dict], kind: str) -> list[dict]:
@@ -242,6 +266,10 @@ def test_custom_render(renders: dict[str, Path]) -> None:
         ({"watchNamespaces": ["Team_A"]}, "at '/watchNamespaces/0': 'Team_A' does not match"),
         ({"replicas": 0}, "at '/replicas'"),
         ({"replicaz": 2}, "additional properties 'replicaz' not allowed"),
+        (
+            {"networkPolicy": {"jobs": {"monitorFrom": [{}]}}},
+            "at '/networkPolicy/jobs/monitorFrom/0'",
+        ),
     ],
 )
 def test_bad_values_are_refused_with_the_field(values: dict, message: str, tmp_path: Path) -> None:
@@ -264,6 +292,24 @@ def test_operator_accepts_the_charts_arguments(renders: dict[str, Path]) -> None
         assert args.command == "operator"
         assert args.health_port == 8080
         assert args.metrics_port == (8081 if name == "default" else 0)
+
+
+@pytest.mark.parametrize("values", ["default", "custom", "off"])
+def test_the_operator_reads_the_charts_network_policy_setting(values: str, tmp_path: Path) -> None:
+    """The chart's networkPolicy.jobs values reach the operator as settings it accepts, with
+    the operator's own pods first among the peers of the monitor port (it polls /progress)."""
+    given = {"default": None, "custom": CUSTOM_VALUES,
+             "off": {"networkPolicy": {"jobs": {"enabled": False}}}}[values]  # fmt: skip
+    settings = policy_settings.from_env(policy_env(given, tmp_path))
+    if values == "off":
+        assert settings is None
+        return
+    pods = _deployment(documents(helm_template(given, tmp_path)))["spec"]["selector"]
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}},
+                "podSelector": {"matchLabels": pods["matchLabels"]}}  # fmt: skip
+    jobs = (given or {}).get("networkPolicy", {}).get("jobs", {})
+    assert settings.monitor_from == (operator, *jobs.get("monitorFrom", []))
+    assert settings.egress == (tuple(jobs["egress"]) if jobs.get("restrictEgress") else None)
 
 
 # --- schemas ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Reading pods and writing phase and conditions (status.py), over plain dicts."""
+"""Reading pods and writing phase and conditions (the status package), over plain dicts."""
 
 from datetime import UTC, datetime, timedelta
 

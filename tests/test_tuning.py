@@ -62,10 +62,12 @@ def test_colocated_compute_counts_the_compute_roles_on_this_host():
     assert tuning.colocated_compute("PipelineJob", PIPELINE_WORLD, [], 0) == 0
 
 
-def test_compute_roles_oversubscribe_their_share_of_the_host_twice():
+def test_compute_roles_oversubscribe_only_a_share_under_two_cores():
     assert decide("PipelineJob", "stage", 0, 2, 2, ALL).threads == 2
-    assert decide("PipelineJob", "stage", 0, 16, 8, ALL).threads == 4
-    assert decide("PipelineJob", "stage", 0, 8, 2, ALL).threads == 8  # never above the host
+    assert decide("PipelineJob", "stage", 0, 16, 8, ALL).threads == 2  # a share of 2: its own
+    assert decide("PipelineJob", "stage", 0, 16, 2, ALL).threads == 8
+    assert decide("PipelineJob", "stage", 0, 3, 2, ALL).threads == 3  # 1.5 doubled
+    assert decide("PipelineJob", "stage", 0, 2, 1, ALL).threads == 2  # never above the host
     assert decide("PipelineJob", "stage", 0, 2, 8, ALL).threads == 1  # never below one
     assert decide("PipelineJob", "stage", 0, 3.5, 1, ALL).threads == 3  # a fractional quota
     assert decide("HybridJob", "trainer", 0, 2, 3, ALL).threads == 1

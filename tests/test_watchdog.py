@@ -264,6 +264,13 @@ FAULTS = {
         r"master \(role master, rank 0\) failed: exit code 6: stalled: stage1 \(pid {pid}\)"
         r" stopped answering: no heartbeat for \d+ s, last seen in \w+ at step \d+",
     ),
+    "frozen stage in training on the pipelining engine": (
+        pipeline_job("wd", engine="pipelining", stages=2, microBatches=2, batchSize=4,
+                     steps=100000, watchdog={"seconds": BOUND}),
+        "stage0", signal.SIGSTOP, r"^master\s*\|.*step 3/",
+        r"master \(role master, rank 0\) failed: exit code 6: stalled: stage0 \(pid {pid}\)"
+        r" stopped answering: no heartbeat for \d+ s, last seen in \w+ at step \d+",
+    ),
     "frozen master in training": (
         pipeline_job("wd", stages=2, microBatches=2, batchSize=4, steps=100000,
                      watchdog={"seconds": BOUND}),
@@ -283,8 +290,8 @@ FAULTS = {
     ),
     "frozen parameter server in training": (
         WATCHED_HYBRID,
-        "ps", signal.SIGSTOP, r"^master\s*\|.*step \d+/",
-        r"stalled: ps \(pid {pid}\) stopped answering: no heartbeat for \d+ s, last seen in"
+        "ps0", signal.SIGSTOP, r"^master\s*\|.*step \d+/",
+        r"stalled: ps0 \(pid {pid}\) stopped answering: no heartbeat for \d+ s, last seen in"
         r" \w+ at step \d+",
     ),
     "frozen trainer in training": (

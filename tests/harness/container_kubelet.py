@@ -22,7 +22,9 @@ the test's own (docker.Network) and nothing else:
   and _PORT in every container, and the service account's token, CA and namespace mounted
   unless the pod sets automountServiceAccountToken: false;
 - an image that is not on the node stays Pending, ErrImagePull (no registry is reachable);
-- deletion stops and removes the container.
+- deletion stops and removes the container;
+- the cluster's NetworkPolicies, enforced on the bridge with iptables as a network plugin
+  would (netpolicy.py), in force before a pod's container starts.
 
 Not emulated (refused where a pod asks for them): other volume types, envFrom, init and
 side-car containers, probes (the pod is Ready once it runs)."""
@@ -42,6 +44,7 @@ from harness.client import Api
 from harness.docker import LABEL, Network, cli, inspect
 from harness.incluster import MOUNT, InClusterAccess
 from harness.kubelet import Kubelet, PodRun, _conditions, _expand
+from harness.netpolicy import Endpoint, NetworkPlugin
 
 MEMORY = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
 
@@ -78,20 +81,24 @@ class ContainerKubelet(Kubelet):
         self.network = network
         self.in_cluster = in_cluster  # the API server as pods reach it
         self._claims: dict[tuple[str, str], str] = {}  # (namespace, claim) -> docker volume
+        self.plugin = NetworkPlugin(api, network, self._endpoints)
 
     def __enter__(self) -> ContainerKubelet:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.plugin.start()
         for thread in self._threads:
             thread.start()
         return self
 
     def stop(self) -> None:
-        """Remove every container and claim volume, stop watching; the network is the test's."""
+        """Remove every container and claim volume, the network plugin's rules, stop watching;
+        the network is the test's."""
         self._stopping.set()
         if self._watch is not None:
             self._watch.close()
         for run in self.runs():
             self._remove(run)
+        self.plugin.close()
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(5)
@@ -251,6 +258,14 @@ class ContainerKubelet(Kubelet):
     def _publish_dns(self, run: PodRun) -> None:
         """Docker's DNS serves the names: they are the container's network aliases."""
 
+    def _endpoints(self) -> list[Endpoint]:
+        """The pods on the bridge, for the network plugin: every one given an address."""
+        return [Endpoint(r.namespace, r.pod["metadata"].get("labels") or {}, r.address,
+                         {p["name"]: p["containerPort"]
+                          for c in r.pod["spec"]["containers"] for p in c.get("ports") or []
+                          if p.get("name")})
+                for r in self.runs() if r.address and not r.deleted]  # fmt: skip
+
     # --- the container runtime --------------------------------------------------------------
 
     def _spawn(self, run: ContainerRun) -> None:
@@ -293,8 +308,10 @@ class ContainerKubelet(Kubelet):
         run.container_started_at = now()
         run.exit_code, run.oom_killed = None, False
         try:
+            self.plugin.sync()  # the pod's isolation holds before its container starts
             cli(*argv)
-        except RuntimeError as e:  # docker refused it: as a kubelet's RunContainerError
+        except (RuntimeError, ValueError) as e:
+            # docker or the network plugin refused it: as a kubelet's RunContainerError
             run.done = True
             self._patch_status(run.pod, {"phase": "Failed", "reason": "RunContainerError",
                                          "message": str(e)})  # fmt: skip

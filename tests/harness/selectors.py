@@ -75,3 +75,20 @@ def selects(selector: Mapping[str, str] | None, obj: Mapping[str, Any]) -> bool:
     """A Service's equality-based `spec.selector` against an object's labels."""
     labels = (obj.get("metadata") or {}).get("labels") or {}
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """A LabelSelector object (matchLabels, matchExpressions) against labels; the empty one
+    matches everything, as in a NetworkPolicy or a Deployment."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], set(e.get("values") or ())
+        held = {"In": key in labels and labels[key] in values,
+                "NotIn": labels.get(key) not in values,
+                "Exists": key in labels, "DoesNotExist": key not in labels}  # fmt: skip
+        if op not in held:
+            raise SelectorError(f"unknown selector operator {op!r}")
+        if not held[op]:
+            return False
+    return True

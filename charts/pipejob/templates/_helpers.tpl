@@ -47,3 +47,22 @@ than one replica (otherwise they would all handle every job), or when asked for.
 {{- define "pipejob.peeringName" -}}
 {{- default (include "pipejob.fullname" .) .Values.peering.name }}
 {{- end }}
+
+{{/* PIPEJOB_NETWORK_POLICY, the NetworkPolicy of each job's world: "off", or as JSON the peers
+that may also read the masters' monitor port (the operator's own pods first: it polls
+/progress there) and, with restrictEgress, the egress rules the worlds may use. */}}
+{{- define "pipejob.jobsNetworkPolicy" -}}
+{{- $jobs := .Values.networkPolicy.jobs -}}
+{{- if $jobs.enabled -}}
+{{- $namespace := dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace) -}}
+{{- $pods := dict "matchLabels" (include "pipejob.selectorLabels" . | fromYaml) -}}
+{{- $operator := dict "namespaceSelector" $namespace "podSelector" $pods -}}
+{{- $settings := dict "monitorFrom" (prepend $jobs.monitorFrom $operator) -}}
+{{- if $jobs.restrictEgress -}}
+{{- $_ := set $settings "egress" $jobs.egress -}}
+{{- end -}}
+{{- toJson $settings -}}
+{{- else -}}
+off
+{{- end -}}
+{{- end }}

@@ -18,8 +18,13 @@ METRICS_PORT = 8081  # next to the chart's health port 8080
 def cmd_operator(args: argparse.Namespace) -> int:
     import kopf
 
-    from pipejob.operator import controller
+    from pipejob.operator import controller, policy_settings
 
+    try:  # a bad setting stops the operator before it handles any job
+        policy_settings.from_env()
+    except policy_settings.BadSettings as e:
+        print(f"pipejob operator: {e}", file=sys.stderr)
+        return 2
     if args.allow_node_volumes:  # the reconciles read it (core/validate.py)
         os.environ[ALLOW_NODE_VOLUMES_ENV] = "true"
     level = getattr(logging, args.log_level.upper())
@@ -44,15 +49,16 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     from pipejob.core import spec
-    from pipejob.operator import kube
+    from pipejob.operator import kube, policy_settings
 
     try:
         job = spec.load(args.file, args.allow_node_volumes, cluster=True)
-    except spec.InvalidSpec as e:
+        policy = policy_settings.from_env()
+    except (spec.InvalidSpec, policy_settings.BadSettings) as e:
         print(f"pipejob: {e}", file=sys.stderr)
         return 2
     namespace = args.namespace or job.namespace or "default"
-    objects = kube.render(job, namespace, args.image)
+    objects = kube.render(job, namespace, args.image, policy)
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, width=100))
     return 0
 
@@ -84,7 +90,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         description="Run the pipejob operator: it watches PipelineJobs and HybridJobs and "
         "makes, tracks, restarts and cleans up their pods. Credentials come from the "
         "in-cluster service account or the kubeconfig ($KUBECONFIG). The default trainer "
-        "image is $PIPEJOB_TRAINER_IMAGE; $PIPEJOB_RESYNC_SECONDS sets how often every job "
+        "image is $PIPEJOB_TRAINER_IMAGE; $PIPEJOB_NETWORK_POLICY sets the NetworkPolicy of each "
+        "job's world (unset: its pods admit only each other; off: none; or JSON, as the chart "
+        "writes it); $PIPEJOB_RESYNC_SECONDS sets how often every job "
         "is looked at again (default 10); $PIPEJOB_PROGRESS_SECONDS how often the progress of "
         "a running job is read from its master's monitor port (default 3; 0: never).",
     )
@@ -129,9 +137,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
     render = sub.add_parser(
         "render",
-        help="print the Service and Pods the operator would create for a manifest",
-        description="Print, as multi-document YAML, the headless Service and the Pods the "
-        "operator creates for a job (for review, or `kubectl apply --dry-run=client -f -`).",
+        help="print the Service, NetworkPolicy and Pods the operator would create for a manifest",
+        description="Print, as multi-document YAML, the headless Service, the world's "
+        "NetworkPolicy (as $PIPEJOB_NETWORK_POLICY sets it, as for the operator), the PodGroup "
+        "of a gang-scheduled job and the Pods the operator creates for a job (for review, or "
+        "`kubectl apply --dry-run=client -f -`).",
     )
     render.add_argument("file", help="PipelineJob or HybridJob manifest (YAML)")
     render.add_argument(

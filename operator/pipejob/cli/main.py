@@ -77,6 +77,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for p in plan_world(job, kube.addresser(job)):
         ddp = f"{p.seat.rank}/{p.seat.size}" if p.seat is not None else "-"
         print(f"{p.rank:>4}  {p.rpc_name:<10} {p.role:<8} {p.gpus:>4}  {ddp:<5} {p.address}")
+    for line in job.definition.describe(job.spec):
+        print(line)
     return 0
 
 
@@ -102,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.allow_node_volumes(validate)
     validate.set_defaults(func=cmd_validate)
 
-    plan = sub.add_parser("plan", help="print the world plan: ranks, roles, addresses")
+    plan = sub.add_parser("plan", help="print the world plan: ranks, roles, addresses, tables")
     plan.add_argument("file")
     cluster.allow_node_volumes(plan)
     plan.set_defaults(func=cmd_plan)

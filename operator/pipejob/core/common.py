@@ -34,8 +34,8 @@ def integer(description: str, default: int | None = None, minimum: int | None = 
 OPTIMIZER = Field(
     "object",
     "The optimizer every parameter is stepped with: a PipelineJob's through"
-    " DistributedOptimizer; a HybridJob's table by one per trainer on the parameter server,"
-    " its dense layer by each trainer's own.",
+    " DistributedOptimizer; a HybridJob's dense layers by each trainer's own (its tables by"
+    " spec.sparseOptimizer, on the parameter servers).",
     fields={
         "name": Field(
             "string", "Optimizer from torch.optim.", default="sgd",

@@ -55,7 +55,7 @@ DOCS: dict[str, str] = {
     ROLE: "master, stage, ps or trainer.",
     ROLE_INDEX: "Index of this process within its role (stage i, trainer k).",
     REPLICA: "PipelineJob: the replica of the pipeline this process belongs to (0 if one).",
-    RPC_NAME: "This process's RPC worker name (master, stage0, ps, trainer1, ...).",
+    RPC_NAME: "This process's RPC worker name (master, stage0, ps0, trainer1, ...).",
     WORLD: "Comma-separated RPC names of the whole world, in rank order.",
     ROLES: "Comma-separated roles of the whole world, in rank order.",
     GROUPS: "The world's collective groups, if any: `name=rank,rank,...` (world ranks in group"
@@ -67,10 +67,12 @@ DOCS: dict[str, str] = {
     GPUS: "GPUs this process may use; 0 means CPU (and gloo).",
     RENDEZVOUS_TIMEOUT: "Seconds to wait for the RPC world and DDP group to form.",
     DDP_GROUP: "Members of a collective group (HybridJob trainers: ddp; stage i of replicated"
-    " PipelineJob stages: dp<i>): the group's name.",
+    " PipelineJob stages: dp<i>; every stage of a PipelineJob on engine pipelining: pipe):"
+    " the group's name.",
     DDP_ADDR: "Group members: address of the group's rendezvous (its rank 0).",
     DDP_PORT: "Group members: port of the group's rendezvous, never the RPC one.",
-    DDP_RANK: "Group members: rank in the group (a trainer's DDP rank, a stage's replica).",
+    DDP_RANK: "Group members: rank in the group (a trainer's DDP rank, a stage's replica; in"
+    " pipe, replica x stages + stage).",
     DDP_WORLD_SIZE: "Group members: size of the group.",
     DDP_BACKEND: "Group members: gloo or nccl.",
     SUMMARY_FILE: "Optional: the master writes its end-of-run summary here as JSON.",
@@ -172,7 +174,7 @@ class PreflightResult:
 
 
 # The evaluation's figures in a report (numbers; evalStep is its step).
-EVAL_FIGURES = ("evalLoss", "evalAccuracy", "evalPerplexity")
+EVAL_FIGURES = ("evalLoss", "evalAccuracy", "evalPerplexity", "evalAuc")
 # A member's peak memory in a report's `memory`, in bytes: the peak resident set (VmHWM) and
 # torch.cuda.max_memory_allocated where the member uses a GPU.
 MEMORY_FIGURES = ("rssPeakBytes", "cudaPeakBytes")
@@ -194,11 +196,12 @@ class Progress:
     message: str | None = None
     preflight: PreflightResult | None = None
     # The last evaluation on held-out data (spec.eval): its step and figures; accuracy for
-    # classification, perplexity for the language model.
+    # classification, perplexity for the language model, AUC for clicks.
     evalStep: int | None = None  # noqa: N815
     evalLoss: float | None = None  # noqa: N815
     evalAccuracy: float | None = None  # noqa: N815
     evalPerplexity: float | None = None  # noqa: N815
+    evalAuc: float | None = None  # noqa: N815
     # Each member's peak memory so far, by RPC name: {"rssPeakBytes": n} and, on a GPU,
     # "cudaPeakBytes" (MEMORY_FIGURES).
     memory: dict[str, dict[str, int]] | None = None

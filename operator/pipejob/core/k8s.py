@@ -12,11 +12,12 @@ import difflib
 import json
 import math
 import re
+from decimal import Decimal, InvalidOperation
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from pipejob.core.schema import SpecError
+from pipejob.core.errors import SpecError
 
 SCHEMAS = Path(__file__).with_name("k8s_schemas.json")
 
@@ -113,3 +114,23 @@ def unique_by(items: list, keys: tuple[str, ...], path: str, errors: list[SpecEr
             errors.append(SpecError(f"{path}[{i}]", why))
         else:
             first[key] = i
+
+
+_SUFFIXES = {"": 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "P": 10**15, "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+             "Pi": 2**50, "Ei": 2**60}  # fmt: skip
+
+
+def quantity(value: Any) -> Decimal:
+    """A Kubernetes quantity ("500m", "32Gi", 2, "1e3") as a number."""
+    text = str(value).strip()
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if suffix and text.endswith(suffix):
+            number, factor = text[: -len(suffix)], _SUFFIXES[suffix]
+            break
+    else:
+        number, factor = text, 1
+    try:
+        return Decimal(number) * factor
+    except InvalidOperation:
+        raise ValueError(f"not a Kubernetes quantity: {value!r}") from None

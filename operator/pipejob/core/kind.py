@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipejob.core.schema import Field, SpecError
+from pipejob.core.errors import SpecError
+from pipejob.core.schema import Field
 
 Spec = dict[str, Any]  # a defaulted, validated spec as in the manifest (camelCase)
 
@@ -69,6 +70,9 @@ class Kind:
     # What the table cannot say about a completed spec but would crash its world
     # (core/validate.py runs it with the checks every kind shares).
     check: Callable[[Spec], list[SpecError]] = lambda spec: []
+    # What `pipejob plan` says after the world, for a completed spec (a HybridJob's tables on
+    # its parameter servers).
+    describe: Callable[[Spec], list[str]] = lambda spec: []
 
     def role(self, name: str) -> Role:
         for role in self.roles:

@@ -10,6 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pipejob.core import k8s
+from pipejob.core.errors import SpecError
+
 
 @dataclass(frozen=True)
 class Field:
@@ -67,15 +70,6 @@ class Rule:
         return self.explain(obj) if self.explain is not None else self.message
 
 
-@dataclass(frozen=True)
-class SpecError:
-    path: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
-
-
 _TYPE_NAMES = {
     "integer": "an integer",
     "number": "a number",
@@ -115,8 +109,6 @@ INT64_MAX = 2**63 - 1
 def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
     """Return `value` with defaults filled in; append every problem found to `errors`."""
     if schema.k8s is not None:
-        from pipejob.core import k8s  # it reports with SpecError, defined here
-
         k8s.check(k8s.schema(schema.k8s), value, path, errors)
         return value
     if not _type_ok(schema.type, value):
@@ -159,8 +151,6 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
     if schema.type == "array" and schema.items is not None:
         value = [apply(schema.items, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
     if schema.list_map_keys:
-        from pipejob.core import k8s
-
         k8s.unique_by(value, schema.list_map_keys, path, errors)
     if schema.type == "object" and not schema.free_form:
         value = _apply_object(schema, value, path, errors)
@@ -241,8 +231,6 @@ def _closest(key: str, known: dict[str, Field]) -> str:
 def openapi(schema: Field) -> dict[str, Any]:
     """The OpenAPI v3 (structural) schema of a field, as a CRD wants it."""
     if schema.k8s is not None:
-        from pipejob.core import k8s
-
         return {"description": schema.description, **copy.deepcopy(k8s.schema(schema.k8s))}
     if schema.type == "string-or-object":
         # Structural schemas have no "string or object": the API server keeps it as written

@@ -15,9 +15,10 @@ from typing import Any
 
 from pipejob.core import validate, yamlio
 from pipejob.core.common import DNS_LABEL, from_spec
+from pipejob.core.errors import SpecError
 from pipejob.core.kind import Kind
 from pipejob.core.kinds import KINDS
-from pipejob.core.schema import SpecError, apply
+from pipejob.core.schema import apply
 
 GROUP = "pipejob.dev"
 VERSION = "v1alpha1"

@@ -13,8 +13,8 @@ import posixpath
 from typing import Any
 
 from pipejob.core import contract
+from pipejob.core.errors import SpecError
 from pipejob.core.kinds import KINDS
-from pipejob.core.schema import SpecError
 
 # The spec travels to every process in one environment variable (PIPEJOB_SPEC); Linux caps
 # one at 128 KiB, and the rest of the env needs room too.

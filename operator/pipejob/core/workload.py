@@ -69,9 +69,10 @@ class PipelineData:
 
 @dataclass(frozen=True, kw_only=True)
 class HybridData:
-    """At most one source; none is synthetic bags (datasetSize, bagSize)."""
+    """At most one source; none is synthetic samples (datasetSize, bagSize, denseFeatures)."""
 
     file: Split | None = None  # .npz files with arrays ids, offsets, labels
+    criteo: Split | None = None  # click logs in the Criteo layout (tab-separated text)
     import_: str | None = None  # called with split="train" / split="val" and `args`
     args: dict[str, Any] = field(default_factory=dict)
 
@@ -258,27 +259,38 @@ PIPELINE_DATA = Field(
 
 HYBRID_DATA = Field(
     "object",
-    "What the trainers train on: at most one of file or import; none is synthetic bags"
-    " (datasetSize samples of up to bagSize indices).",
+    "What the trainers train on: at most one of file, criteo or import; none is synthetic"
+    " samples (datasetSize samples of up to bagSize ids per feature, and denseFeatures dense"
+    " values with spec.embeddings).",
     fields={
         "file": _split(
-            "Samples in .npz files (numpy.savez) with three arrays: ids (every bag's indices,"
-            " concatenated), offsets (where each bag starts in ids) and labels (one class"
-            " per bag).",
+            "Bags for spec.embedding's one table in .npz files (numpy.savez) with three"
+            " arrays: ids (every bag's indices, concatenated), offsets (where each bag starts"
+            " in ids) and labels (one class per bag).",
             "The training samples' .npz file." + _RELATIVE,
             "The held-out samples' .npz file, for evaluation.",
         ),
+        "criteo": _split(
+            "Click logs in the Criteo layout (spec.embeddings), one sample a line, tab-separated:"
+            " the label (0 or 1), 13 integer features (I1 ... I13, read as log(1 + x), an empty"
+            " or negative one as 0) and 26 categorical features (C1 ... C26, hexadecimal"
+            " strings, each hashed into its tables' rows; an empty one is 0).",
+            "The training log's file." + _RELATIVE,
+            "The held-out log's file, for evaluation.",
+        ),
         "import": import_field(
-            "a map-style torch Dataset of (indices, label) samples; it is called with"
-            " split='train' or split='val' too"
+            "a map-style torch Dataset; it is called with split='train' or split='val' too."
+            " With spec.embedding an item is (ids, label); with spec.embeddings it is (dense"
+            " features, {feature: ids}, label) with a label of 0 or 1"
         ),
         "args": ARGS,
     },
     rules=(
-        at_most_one(("file", "import"), "give at most one data source: file or import"),
+        at_most_one(("file", "criteo", "import"),
+                    "give at most one data source: file, criteo or import"),
         args_need_import("data"),
     ),
-)
+)  # fmt: skip
 
 LOSS = Field(
     "object",

@@ -28,6 +28,18 @@ def _job_path(plural: str, namespace: str, name: str) -> str:
     return f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{plural}/{name}"
 
 
+# The kinds the operator makes, by their collection's name.
+PLURALS = {"Pod": "pods", "Service": "services", "NetworkPolicy": "networkpolicies",
+           "PodGroup": "podgroups"}  # fmt: skip
+
+
+def _collection(obj: dict) -> str:
+    """The URL path of the collection `obj` is created in."""
+    api = obj["apiVersion"]
+    root = "/api/v1" if api == "v1" else f"/apis/{api}"
+    return f"{root}/namespaces/{obj['metadata']['namespace']}/{PLURALS[obj['kind']]}"
+
+
 def merge_patch(old: dict, new: dict) -> dict:
     """The JSON merge patch (RFC 7386) that turns `old` into `new`."""
     patch: dict[str, Any] = {k: None for k in old if k not in new}
@@ -100,28 +112,30 @@ class Cluster:
 
     def create(self, obj: dict) -> bool:
         """CREATE a Pod or Service; False if one of that name exists already."""
-        meta = obj["metadata"]
-        plural = {"Pod": "pods", "Service": "services"}[obj["kind"]]
         try:
-            self._call("POST", f"/api/v1/namespaces/{meta['namespace']}/{plural}", obj)
+            self._call("POST", _collection(obj), obj)
         except ApiError as e:
             if e.status == 409:
                 return False
             raise
         return True
 
-    def apply_podgroup(self, group: dict) -> None:
-        """CREATE the job's PodGroup (Volcano or coscheduling); if it exists, PATCH its spec
-        to this one (an edited spec may have changed the world's size)."""
-        meta = group["metadata"]
-        base = f"/apis/{group['apiVersion']}/namespaces/{meta['namespace']}/podgroups"
+    def apply(self, obj: dict) -> None:
+        """CREATE one of the world's first objects (its NetworkPolicy, its PodGroup); if one
+        of that name exists, PATCH its spec to this one (an edited spec, or the operator's
+        settings, may have changed it), provided it is the job's: the JSON patch tests the
+        owner's uid first, so another's object is refused (HTTP 422), never overwritten."""
+        base = _collection(obj)
         try:
-            self._call("POST", base, group)
+            self._call("POST", base, obj)
         except ApiError as e:
             if e.status != 409:
                 raise
-            self._call("PATCH", f"{base}/{meta['name']}", {"spec": group["spec"]},
-                       content_type="application/merge-patch+json")  # fmt: skip
+            owner = obj["metadata"]["ownerReferences"][0]["uid"]
+            patch = [{"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": owner},
+                     {"op": "replace", "path": "/spec", "value": obj["spec"]}]  # fmt: skip
+            self._call("PATCH", f"{base}/{obj['metadata']['name']}", patch,
+                       content_type="application/json-patch+json")  # fmt: skip
 
     def end_kueue_group(self, pod: dict) -> None:
         """PATCH kueue.x-k8s.io/retriable-in-group=false onto a pod: Kueue then finishes its

@@ -24,7 +24,7 @@ import kopf
 from pipejob.core import validate
 from pipejob.core.kinds import KINDS, by_plural
 from pipejob.core.spec import API_VERSION, GROUP, VERSION
-from pipejob.operator import kube, progress, reconcile, status
+from pipejob.operator import kube, policy_settings, progress, reconcile, refusals, status
 from pipejob.operator.cluster import ApiError, Cluster
 from pipejob.operator.metrics import OperatorMetrics
 
@@ -51,6 +51,7 @@ class Reconciler:
         self.image = image
         self.metrics = metrics
         self.allow_node_volumes = validate.allowed_by_env(os.environ)
+        self.policy = policy_settings.from_env()  # checked by `pipejob operator` at its start
         self.jobs: set[Key] = set()  # the jobs kopf has shown us, for the resync
         self.training: set[Key] = set()  # jobs whose master ran at their last reconcile
         self._guard = threading.Lock()
@@ -107,20 +108,25 @@ class Reconciler:
                 self.training.discard(key)
         report = self._poll(address) if poll and address is not None else None
         now = datetime.now(UTC)
-        acts = reconcile.decide(job, pods, now, self.image, report,
-                                self.allow_node_volumes)  # fmt: skip
+        acts = reconcile.decide(job, pods, now, self.image, report, self.allow_node_volumes,
+                                self.policy)  # fmt: skip
         # Pods before status (a world counts as created once its pods exist), status before
         # deletes (a restart is recorded before its world goes), so a crash between any two
         # steps is repaired by the next reconcile.
         if acts.service is not None:
             self.cluster.create(acts.service)
-        if acts.podgroup is not None:  # before the pods: the gang scheduler waits for it
+        # Before the pods: they must never run open, and a gang scheduler waits for its group.
+        # Refused (not allowed, no such kind, another's of that name): no pods, status says why.
+        for made, without in ((acts.policy, refusals.without_policy),
+                              (acts.podgroup, refusals.without_podgroup)):  # fmt: skip
+            if made is None or not acts.create:  # none, or the one before it was refused
+                continue
             try:
-                self.cluster.apply_podgroup(acts.podgroup)
+                self.cluster.apply(made)
             except ApiError as e:
-                if e.status not in (403, 404):
+                if e.status not in (403, 404, 422):
                     raise
-                acts = reconcile.without_podgroup(acts, job.get("status") or {}, str(e), now)
+                acts = without(acts, job.get("status") or {}, str(e), now)
         for pod in acts.create:
             self.cluster.create(pod)
         old = job.get("status") or {}
@@ -191,7 +197,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     if progress_seconds() > 0:
         memo.timers.append(asyncio.create_task(_poll(memo.reconciler, progress_seconds())))
     log.info(f"trainer image {memo.reconciler.image}; resync every {resync_seconds()}s;"
-             f" progress of running jobs every {progress_seconds() or 'never '}s")  # fmt: skip
+             f" progress of running jobs every {progress_seconds() or 'never '}s;"
+             f" {policy_settings.describe(memo.reconciler.policy)}")  # fmt: skip
 
 
 @kopf.on.cleanup(registry=REGISTRY)

@@ -1,5 +1,5 @@
 """The CustomResourceDefinitions, generated from the job kinds (core/kinds/) and the status
-schema (status.py): one source of truth. `pipejob crds` writes them to crds/."""
+schema (status/fields.py): one source of truth. `pipejob crds` writes them to crds/."""
 
 from __future__ import annotations
 

@@ -10,15 +10,12 @@ world's DNS names, stay fixed."""
 from __future__ import annotations
 
 import copy
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
 from pipejob.core import scheduling as sch
+from pipejob.core.k8s import quantity
 from pipejob.core.spec import Job
-
-_SUFFIXES = {"": 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-             "P": 10**15, "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
-             "Pi": 2**50, "Ei": 2**60}  # fmt: skip
 
 
 def provider(job: Job) -> str | None:
@@ -99,21 +96,6 @@ def requests(pods: list[dict]) -> dict[str, str]:
             for name, amount in wanted.items():
                 total[name] = total.get(name, Decimal(0)) + quantity(amount)
     return {name: _format(value) for name, value in sorted(total.items())}
-
-
-def quantity(value: Any) -> Decimal:
-    """A Kubernetes quantity ("500m", "32Gi", 2, "1e3") as a number."""
-    text = str(value).strip()
-    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
-        if suffix and text.endswith(suffix):
-            number, factor = text[: -len(suffix)], _SUFFIXES[suffix]
-            break
-    else:
-        number, factor = text, 1
-    try:
-        return Decimal(number) * factor
-    except InvalidOperation:
-        raise ValueError(f"not a Kubernetes quantity: {value!r}") from None
 
 
 def _format(value: Decimal) -> str:

@@ -1,5 +1,6 @@
-"""Plain-dict Kubernetes objects of a job: its headless Service and one Pod per process of the
-world plan. Pure: the controller creates what these return, `pipejob render` prints it."""
+"""Plain-dict Kubernetes objects of a job: its headless Service, its world's NetworkPolicy and
+one Pod per process of the world plan. Pure: the controller creates what these return,
+`pipejob render` prints it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pipejob.core.plan import (
 )  # fmt: skip
 from pipejob.core.spec import API_VERSION, Job
 from pipejob.operator import gang
+from pipejob.operator.policy_settings import DEFAULT, Settings
 
 JOB_LABEL = "pipejob.dev/job"
 ROLE_LABEL = "pipejob.dev/role"
@@ -132,6 +134,38 @@ def service(job: Job, namespace: str, owner: dict | None = None) -> dict:
     }
 
 
+# DNS, which a world with restricted egress still needs to find its members by name.
+DNS = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
+
+
+def network_policy(job: Job, namespace: str, owner: dict | None, settings: Settings) -> dict:
+    """The NetworkPolicy of the job's world: its pods admit only each other (every world of
+    the job, at any size: the selector is the job's label), and the master's monitor port
+    also the peers `settings` name. No port list between members: torch RPC (TensorPipe) and
+    gloo connect every pair on ports each process picks as it starts; only the rendezvous
+    ports are fixed, and a member is trusted with everything anyway (RPC runs what it is
+    sent). Egress stays open unless `settings` restrict it."""
+
+    def world() -> dict:  # a fresh dict per use: YAML would print a shared one as an alias
+        return {"podSelector": {"matchLabels": {JOB_LABEL: job.name}}}
+
+    ingress: list[dict] = [{"from": [world()]}]
+    if settings.monitor_from:  # an empty `from` would admit everyone
+        monitor = [{"protocol": "TCP", "port": PORTS.monitor}]
+        ingress.append({"from": copy.deepcopy(list(settings.monitor_from)), "ports": monitor})
+    spec: dict[str, Any] = {**world(), "policyTypes": ["Ingress"], "ingress": ingress}
+    if settings.egress is not None:
+        spec["policyTypes"].append("Egress")
+        spec["egress"] = [{"to": [world()]}, {"ports": copy.deepcopy(DNS)},
+                          *copy.deepcopy(list(settings.egress))]  # fmt: skip
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(job, job.name, namespace, owner, {}),
+        "spec": spec,
+    }
+
+
 def _resources(template: dict, gpus: int) -> dict:
     """Template resources with the GPU count of the role (and only that) as nvidia.com/gpu."""
     resources = copy.deepcopy(template.get("resources") or {})
@@ -226,13 +260,16 @@ def world(
     return [pod(job, p, restart, namespace, owner, image) for p in plan_world(job, addresser(job))]
 
 
-def render(job: Job, namespace: str, image: str | None = None) -> list[dict]:
-    """The Service, PodGroup (with spec.scheduling volcano or coscheduling) and Pods the
-    operator creates for `job`, without owner references (there is no job object yet), for
-    review and `kubectl apply --dry-run`."""
+def render(
+    job: Job, namespace: str, image: str | None = None, policy: Settings | None = DEFAULT
+) -> list[dict]:
+    """The Service, NetworkPolicy (unless `policy` is None), PodGroup (with spec.scheduling
+    volcano or coscheduling) and Pods the operator creates for `job`, in that order, without
+    owner references (there is no job object yet), for review and `kubectl apply --dry-run`."""
     pods = world(job, 0, namespace, None, image)
     group = gang.podgroup(job, pods, namespace, None)
-    return [service(job, namespace), *([group] if group else []), *pods]
+    guard = network_policy(job, namespace, None, policy) if policy is not None else None
+    return [service(job, namespace), *filter(None, (guard, group)), *pods]
 
 
 def role_of(pod_obj: dict) -> str:

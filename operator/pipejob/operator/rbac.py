@@ -52,6 +52,13 @@ PEERING: tuple[Permission, ...] = (
 )  # fmt: skip
 
 
+# Only with the chart's networkPolicy.jobs.enabled (the default): a NetworkPolicy per world.
+NETWORK_POLICIES: tuple[Permission, ...] = (
+    Permission("networking.k8s.io", ("networkpolicies",), ("create", "patch"),
+               "the NetworkPolicy of each job's world (patched to a new world's when it differs)"),
+)  # fmt: skip
+
+
 # Only with the chart's scheduling integrations on (spec.scheduling of the jobs).
 KUEUE: tuple[Permission, ...] = (
     Permission("", ("pods",), ("patch",),

@@ -12,6 +12,7 @@ from pipejob.core.contract import Progress
 from pipejob.core.spec import InvalidSpec, Job, parse
 from pipejob.operator import gang, kube, queueing
 from pipejob.operator import status as st
+from pipejob.operator.policy_settings import DEFAULT, Settings
 from pipejob.operator.progress import final_report
 
 NORMAL, WARNING = "Normal", "Warning"
@@ -28,6 +29,7 @@ class Event:
 class Actions:
     status: dict  # the job's whole new status
     service: dict | None = None  # create (if absent) before the pods
+    policy: dict | None = None  # the world's NetworkPolicy: create (or update) before the pods
     podgroup: dict | None = None  # Volcano or coscheduling: create (or update) before the pods
     create: list[dict] = field(default_factory=list)  # pods
     delete: list[dict] = field(default_factory=list)  # pods, as observed (name and uid)
@@ -51,12 +53,14 @@ def decide(
     image: str,
     progress: Progress | None = None,
     allow_node_volumes: bool = False,
+    policy: Settings | None = DEFAULT,
 ) -> Actions:
     """What to do about `job_obj` given `pods` (every pod labelled with its name) and, when
     the caller polled it, the `progress` its current world's master reported;
     without one the last reported figures stay. `allow_node_volumes` is the operator's
-    allowance of hostPath and other node-level volumes."""
-    acts = _decide(job_obj, pods, now, image, progress, allow_node_volumes)
+    allowance of hostPath and other node-level volumes; `policy` its settings of the worlds'
+    NetworkPolicies (None: none)."""
+    acts = _decide(job_obj, pods, now, image, progress, allow_node_volumes, policy)
     scheduling = (job_obj.get("spec") or {}).get("scheduling")
     if isinstance(scheduling, dict) and scheduling.get("provider") == sch.KUEUE:
         uid = job_obj["metadata"].get("uid")
@@ -75,6 +79,7 @@ def _decide(
     image: str,
     progress: Progress | None,
     allow_node_volumes: bool,
+    policy: Settings | None,
 ) -> Actions:
     meta = job_obj["metadata"]
     old = job_obj.get("status") or {}
@@ -188,6 +193,8 @@ def _decide(
     if acts.create:
         namespace, owner = meta.get("namespace") or "default", kube.owner_reference(job_obj)
         acts.service = kube.service(job, namespace, owner)
+        if policy is not None:  # made, or put right, with each world
+            acts.policy = kube.network_policy(job, namespace, owner, policy)
         acts.podgroup = gang.podgroup(job, planned, namespace, owner)
         acts.events.append(Event(NORMAL, "CreatedPods", _created_message(acts.create, restart)))
     present = [p for p in planned if p["metadata"]["name"] in by_name]
@@ -233,22 +240,6 @@ def _decide(
     )
     if (st.condition(old, st.RUNNING) or {}).get("message") != why:
         acts.events.append(Event(WARNING, "PodCannotStart", why))
-    return acts
-
-
-def without_podgroup(acts: Actions, old: dict, error: str, now: datetime) -> Actions:
-    """`acts` when the API server refused the world's PodGroup (its CRD not installed, or the
-    operator not allowed to make it): no pods, which would wait for a PodGroup forever, and a
-    status and Warning that say why. The next reconcile tries again."""
-    kind = (acts.podgroup or {}).get("apiVersion", "PodGroup")
-    message = (f"cannot create the world's PodGroup ({kind}): {error}; is the scheduler"
-               " installed and its chart value scheduling.<provider>.enabled on?")  # fmt: skip
-    acts.create, acts.podgroup = [], None
-    acts.status["conditions"] = _created(acts.status, False, "PodGroupRefused", message, now)
-    acts.status = st.with_phase(acts.status, st.PENDING, "PodGroupRefused", message, now)
-    acts.events = [e for e in acts.events if e.reason != "CreatedPods"]
-    if (st.condition(old, st.CREATED) or {}).get("message") != message:  # said once
-        acts.events.append(Event(WARNING, "PodGroupRefused", message))
     return acts
 
 

@@ -17,6 +17,7 @@ from pipejob.trainer.runtime.world import (
     Env,
     PreflightError,
     RendezvousError,
+    listen_address,
     log,
     read_env,
     write_termination_message,
@@ -73,7 +74,7 @@ def main() -> int:
     log(env, f"performance settings: {settings.describe()}")
     try:
         if env.rank == 0:  # early, so the operator sees the job even during rendezvous
-            monitor.serve(env.spec.steps, env.monitor_port)
+            monitor.serve(env.spec.steps, env.monitor_port, listen_address(env.master_addr))
         summary = run(env)
     except PreflightError as e:
         return fail(env, f"error: {e}", str(e), ExitCode.PREFLIGHT_FAILED)

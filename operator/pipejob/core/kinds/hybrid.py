@@ -1,50 +1,153 @@
-"""HybridJob: an EmbeddingBag on a parameter server over RPC, DDP dense layers on trainer
-pods, driven by a master. Everything pipejob knows of the kind is declared here, once."""
+"""HybridJob: embedding tables on parameter servers over RPC, DDP dense layers on trainer
+pods, driven by a master. Everything pipejob knows of the kind is declared here, once; where
+its tables go is core/kinds/tables.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
+from pipejob.core import k8s
+from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, from_spec, integer
 from pipejob.core.kind import Group, Kind, Role, Spec
-from pipejob.core.schema import Field, Rule
+from pipejob.core.kinds import tables
+from pipejob.core.kinds.tables import Table
+from pipejob.core.schema import Field, Rule, SpecError, apply
 from pipejob.core.workload import ARGS, HYBRID_DATA, HybridData, args_need_import, import_field
 
-# The bags come from files or the user's code, not from datasetSize and bagSize.
-_REAL_DATA = "has(self.data) && (has(self.data.file) || has(self.data.__import__))"
+# The samples come from files or the user's code, not from datasetSize and bagSize.
+_REAL_DATA = (
+    "has(self.data) && (has(self.data.file) || has(self.data.__import__) || has(self.data.criteo))"
+)
+NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+# The one table of spec.embedding, and the feature of the bags that feed it.
+ONE_TABLE, BAGS = "embedding", "ids"
+# Criteo's columns: 13 integer (dense) features I1..I13, and the categorical ones C1..C26.
+CRITEO_DENSE = 13
+CRITEO_FEATURES = tuple(f"C{i}" for i in range(1, 27))
+# Each sparse optimizer's eps unless the spec gives one: torch's Adagrad's and Adam's.
+EPS = {"sgd": 0.0, "adagrad": 1e-10, "rowwiseAdagrad": 1e-10, "adam": 1e-8}
+MAX_SERVERS = 64
+
+EMBEDDING = Field(
+    "object",
+    "One EmbeddingBag table fed by the bags' ids (synthetic bags, data.file or data.import of"
+    " (ids, label) samples), with a classifier on its pooled embedding: short for one"
+    " table named `embedding` in spec.embeddings. Give this or embeddings, not both.",
+    fields={
+        "numEmbeddings": integer("Rows of the table.", default=100, minimum=1),
+        "dim": integer("Width of an embedding.", default=16, minimum=1),
+        "mode": Field("string", "How a bag is reduced.", default="sum",
+                      enum=("sum", "mean", "max")),
+    },
+    section=True,
+)  # fmt: skip
+
+TABLE = Field(
+    "object",
+    "One embedding table, pooled over the ids its feature gives each sample.",
+    fields={
+        "name": Field("string", "The table's name: the key of its pooled embeddings and of"
+                      " its weight in the trained model.", pattern=NAME,
+                      pattern_says="be a Python identifier", max_length=63),
+        "rows": integer("Rows of the table. A feature's ids must lie below it; Criteo's"
+                        " categorical values are hashed into it (value mod rows).", minimum=1,
+                        maximum=2**40),
+        "dim": integer("Width of an embedding.", minimum=1, maximum=4096),
+        "mode": Field("string", "How a sample's ids are pooled.", default="sum",
+                      enum=("sum", "mean", "max")),
+        "feature": Field("string", "The input feature whose ids the table looks up (C1 ..."
+                         " C26 for Criteo data); the table's name unless given. Tables may"
+                         " share a feature.", pattern=NAME, pattern_says="be a Python"
+                         " identifier", max_length=63),
+    },
+    required=("name", "rows", "dim"),
+)  # fmt: skip
+
+SPARSE_OPTIMIZER = Field(
+    "object",
+    "How the parameter servers step the tables: once per step with the trainers' averaged"
+    " sparse gradients, on the rows the step touched only; the state lives once per table"
+    " (on the servers), not per trainer.",
+    fields={
+        "name": Field("string", "sgd; adagrad; rowwiseAdagrad (one accumulator per row, the"
+                      " mean of its squared gradients, as FBGEMM's); or adam (lazy: the moments"
+                      " of touched rows move, as torch.optim.SparseAdam).", default="sgd",
+                      enum=tuple(EPS)),
+        "lr": Field("number", "Learning rate; spec.optimizer.lr unless given.", minimum=0,
+                    exclusive_minimum=True),
+        "eps": Field("number", "Added to the denominator (adagrad, rowwiseAdagrad, adam);"
+                     " 1e-10 for the adagrads and 1e-8 for adam unless given.", minimum=0),
+        "initialAccumulatorValue": Field("number", "Starting sum of squared gradients"
+                                         " (adagrad, rowwiseAdagrad).", default=0.0, minimum=0),
+        "beta1": Field("number", "adam's first-moment decay.", default=0.9, minimum=0,
+                       maximum=1),
+        "beta2": Field("number", "adam's second-moment decay.", default=0.999, minimum=0,
+                       maximum=1),
+    },
+)  # fmt: skip
+
+DLRM = Field(
+    "object",
+    "The built-in DLRM (with spec.embeddings and no dense.import): a bottom MLP over the dense"
+    " features to the tables' width, the pairwise dot products of its output and the pooled"
+    " embeddings, and a top MLP over them and the bottom output to one logit (click or not).",
+    fields={
+        "bottom": Field("array", "Hidden widths of the bottom MLP; a last layer to the tables'"
+                        " dim follows.", items=integer("A width.", minimum=1), default=[64],
+                        max_items=16),
+        "top": Field("array", "Hidden widths of the top MLP; a last layer to one logit"
+                     " follows.", items=integer("A width.", minimum=1), default=[64, 32],
+                     max_items=16),
+    },
+)  # fmt: skip
 
 HYBRID_SPEC = Field(
     "object",
-    "A hybrid job: an EmbeddingBag on a parameter server over RPC, DDP dense layers on trainers.",
+    "A hybrid job: embedding tables on parameter servers over RPC, DDP dense layers on trainers.",
     fields={
         "trainers": integer("Trainer pods; they form the DDP group.", default=2, minimum=1,
                          maximum=256),
-        "embedding": Field(
-            "object", "The EmbeddingBag held by the parameter server.",
-            fields={
-                "numEmbeddings": integer("Rows of the table.", default=100, minimum=1),
-                "dim": integer("Width of an embedding.", default=16, minimum=1),
-                "mode": Field("string", "How a bag is reduced.", default="sum",
-                              enum=("sum", "mean", "max")),
-            },
+        "parameterServers": integer(
+            "Parameter server pods. The tables are placed on them by size; a table larger than"
+            " a share (all tables' bytes / parameterServers) is split row-wise across all of"
+            " them (`pipejob plan` prints where each goes).",
+            default=1, minimum=1, maximum=MAX_SERVERS,
         ),
+        "embedding": EMBEDDING,
+        "embeddings": Field(
+            "array",
+            "The embedding tables (a recommendation model's sparse features): each with its"
+            " own rows, width, pooling and feature. With them the model takes dense features"
+            " too, and the task is a click (label 0 or 1): the built-in DLRM (dense.dlrm) or"
+            " dense.import, binary cross-entropy, and AUC on the held-out data.",
+            items=TABLE, max_items=1024, list_map_keys=("name",),
+        ),
+        "sparseOptimizer": SPARSE_OPTIMIZER,
         "dense": Field(
-            "object", "The DDP-replicated dense model on every trainer: a Linear layer from"
-            " the bags' embeddings to outFeatures classes, or the user's module (import).",
+            "object", "The DDP-replicated dense model on every trainer. With spec.embedding: a"
+            " Linear layer from the bag's embedding to outFeatures classes, or the user's"
+            " module (import) on it. With spec.embeddings: the built-in DLRM (dlrm), or the"
+            " user's module (import) called with (dense features (batch, n), {table name:"
+            " pooled embeddings (batch, dim)}).",
             fields={
-                "outFeatures": integer("Output classes.", default=8, minimum=2),
+                "outFeatures": integer("Output classes (spec.embedding).", default=8, minimum=2),
                 "import": import_field(
-                    "a torch.nn.Module taking a batch of bag embeddings (batch, dim)"
+                    "a torch.nn.Module taking a batch of bag embeddings (batch, dim) with"
+                    " spec.embedding, or (dense features, {table name: pooled embeddings})"
+                    " with spec.embeddings"
                 ),
                 "args": ARGS,
+                "dlrm": DLRM,
             },
             rules=(args_need_import("dense"),),
         ),
-        "batchSize": integer("Bags per trainer step.", default=32, minimum=1),
-        "bagSize": integer("Synthetic data: most indices in one bag.", default=10, minimum=1),
+        "batchSize": integer("Samples per trainer step.", default=32, minimum=1),
+        "bagSize": integer("Synthetic data: most ids in one bag.", default=10, minimum=1),
         "datasetSize": integer("Synthetic data: samples, split disjointly across trainers.",
                             default=10000, minimum=1),
+        "denseFeatures": integer("Synthetic data with spec.embeddings: dense features per"
+                                 " sample.", default=13, maximum=1024),
         "data": HYBRID_DATA,
         "gpusPerTrainer": integer(
             "GPUs per trainer pod (nvidia.com/gpu): 0 runs on CPU, 1 on a GPU (a trainer uses"
@@ -57,6 +160,26 @@ HYBRID_SPEC = Field(
         **COMMON,
     },
     rules=(
+        Rule(
+            "!has(self.embedding) || !has(self.embeddings)",
+            "give embedding (one table) or embeddings (a list of tables), not both",
+            "embeddings",
+            lambda s: "embedding" not in s or "embeddings" not in s,
+        ),
+        Rule(
+            "!has(self.embeddings) || !has(self.data) || !has(self.data.file)",
+            "data.file holds bags for spec.embedding's one table; with embeddings use"
+            " data.criteo or data.import",
+            "data.file",
+            lambda s: "embeddings" not in s or "file" not in (s.get("data") or {}),
+        ),
+        Rule(
+            "has(self.embeddings) || !has(self.data) || !has(self.data.criteo)",
+            "data.criteo needs spec.embeddings: the tables its categorical features C1 ... C26"
+            " feed",
+            "data.criteo",
+            lambda s: "embeddings" in s or "criteo" not in (s.get("data") or {}),
+        ),
         Rule(
             "!has(self.backend) || self.backend != 'nccl' || self.gpusPerTrainer > 0",
             "backend nccl needs gpusPerTrainer > 0",
@@ -72,8 +195,8 @@ HYBRID_SPEC = Field(
         Rule(
             "!has(self.optimizer.schedule) && !has(self.optimizer.clipGradNorm)",
             "a HybridJob has no optimizer.schedule or optimizer.clipGradNorm yet: its parameter"
-            " server steps the table with each trainer's gradients as they arrive, so there is"
-            " no one step to schedule or clip; use a constant lr",
+            " servers step the tables with their own sparse optimizer (sparseOptimizer), so"
+            " there is no one step over every parameter to schedule or clip; use a constant lr",
             "optimizer",
             lambda s: "schedule" not in s["optimizer"] and "clipGradNorm" not in s["optimizer"],
         ),
@@ -84,7 +207,7 @@ HYBRID_SPEC = Field(
 
 def _real_data(spec: dict[str, Any]) -> bool:
     data = spec.get("data") or {}
-    return "file" in data or "import" in data
+    return "file" in data or "import" in data or "criteo" in data
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,44 +218,142 @@ class Embedding:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SparseOptimizer:
+    name: str
+    lr: float  # filled in from spec.optimizer.lr
+    eps: float  # filled in by name (EPS)
+    initial_accumulator_value: float
+    beta1: float
+    beta2: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dlrm:
+    bottom: tuple[int, ...]
+    top: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Dense:
     out_features: int
-    import_: str | None = None  # the user's dense module on the bags' embeddings
+    dlrm: Dlrm
+    import_: str | None = None  # the user's dense module
     args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
 class HybridSpec(CommonSpec):
     trainers: int
-    embedding: Embedding
+    parameter_servers: int
+    embeddings: tuple[Table, ...]  # spec.embedding, when given, as its one table
+    sparse_optimizer: SparseOptimizer
     dense: Dense
     batch_size: int
     bag_size: int
     dataset_size: int
+    dense_features: int
     gpus_per_trainer: int
     backend: str
+    embedding: Embedding | None = None  # the one-table form: bags and a classifier
     data: HybridData = HybridData()
+
+    @property
+    def recommends(self) -> bool:
+        """The model takes dense features and pooled tables and predicts a click (spec.
+        embeddings); otherwise it classifies bags of one table (spec.embedding)."""
+        return self.embedding is None
+
+    def placement(self) -> list[list[tables.Piece]]:
+        """Every parameter server's pieces of the tables (core/kinds/tables.py)."""
+        return tables.place(self.embeddings, self.parameter_servers, self.sparse_optimizer.name)
 
 
 def _complete(spec: Spec) -> Spec:
-    """The DDP backend follows the GPUs unless the user chose it."""
+    """The DDP backend follows the GPUs unless the user chose it; spec.embedding (by default
+    when neither is given) becomes its one table in spec.embeddings, fed by the bags' ids;
+    a table's feature is its name unless given; the sparse optimizer's lr and eps are filled
+    in."""
     if "backend" not in spec:
         spec["backend"] = "nccl" if spec["gpusPerTrainer"] > 0 else "gloo"
+    if "embeddings" not in spec:
+        one = spec["embedding"] = apply(EMBEDDING, spec.get("embedding", {}), "", [])
+        table = {"name": ONE_TABLE, "rows": one["numEmbeddings"], "dim": one["dim"]}
+        spec["embeddings"] = [table | {"mode": one["mode"], "feature": BAGS}]
+    for table in spec["embeddings"]:
+        table.setdefault("feature", table["name"])
+    sparse = spec["sparseOptimizer"]
+    sparse.setdefault("lr", spec["optimizer"]["lr"])
+    sparse.setdefault("eps", EPS[sparse["name"]])
     return spec
+
+
+def _typed(spec: Spec) -> tuple[Table, ...]:
+    return tuple(from_spec(Table, t) for t in spec["embeddings"])
+
+
+def _check(spec: Spec) -> list[SpecError]:
+    """The built-in DLRM's one width, Criteo's feature names, and the servers' memory."""
+    errors = []
+    embeddings = spec["embeddings"]
+    recommends = "embedding" not in spec
+    if recommends and "import" not in spec["dense"]:
+        dim = embeddings[0]["dim"]
+        errors += [SpecError(f"spec.embeddings[{i}].dim", f"is {t['dim']}, but the built-in"
+                             f" DLRM needs every table as wide as the first ({dim}): its dot"
+                             " interaction multiplies them pairwise (or give dense.import)")
+                   for i, t in enumerate(embeddings) if t["dim"] != dim]  # fmt: skip
+    if "criteo" in (spec.get("data") or {}):
+        said = "is not a Criteo categorical feature: C1 ... C26"
+        errors += [SpecError(f"spec.embeddings[{i}].feature", f"{t['feature']!r} {said}")
+                   for i, t in enumerate(embeddings)
+                   if t["feature"] not in CRITEO_FEATURES]  # fmt: skip
+    return errors + _memory(spec)
+
+
+def _memory(spec: Spec) -> list[SpecError]:
+    """A parameter server whose tables and optimizer state alone pass its pods' memory limit
+    could never start: refuse it now, saying how many servers would hold them."""
+    resources = (spec.get("template") or {}).get("resources") or {}
+    limit = (resources.get("limits") or {}).get("memory")
+    if limit is None:
+        return []
+    fits, servers = int(k8s.quantity(limit)), spec["parameterServers"]
+    optimizer, typed = spec["sparseOptimizer"]["name"], _typed(spec)
+    server, held = tables.fullest(typed, servers, optimizer)
+    if held <= fits:
+        return []
+    enough = next((n for n in range(servers + 1, MAX_SERVERS + 1)
+                   if tables.fullest(typed, n, optimizer)[1] <= fits), None)  # fmt: skip
+    advice = f"use {enough} parameterServers" if enough else "give the pods more memory"
+    return [SpecError("spec.parameterServers", (
+        f"ps{server} would hold {tables.size(held)} of tables and {optimizer} state, over"
+        f" the pods' memory limit {limit} (spec.template.resources.limits.memory): {advice}"
+    ))]  # fmt: skip
+
+
+def _describe(spec: Spec) -> list[str]:
+    """`pipejob plan`'s lines on the tables."""
+    optimizer = spec["sparseOptimizer"]["name"]
+    return tables.lines(_typed(spec), spec["parameterServers"], optimizer)
 
 
 HYBRID_JOB = Kind(
     name="HybridJob",
     plural="hybridjobs",
     short_name="hj",
-    description="Hybrid DDP + RPC training: a parameter server holds an EmbeddingBag, "
+    description="Hybrid DDP + RPC training: parameter servers hold embedding tables, "
     "trainer pods form a DDP group for the dense layers, a master drives them. The operator "
     "makes one pod per process and restarts the whole world when any pod fails.",
     spec=HYBRID_SPEC,
     settings=HybridSpec,
     roles=(
         Role("master"),
-        Role("ps", computes=True, latency_bound=True),
+        Role(
+            "ps",
+            count=lambda spec: spec["parameterServers"],
+            computes=True,
+            latency_bound=True,
+        ),
         Role(
             "trainer",
             count=lambda spec: spec["trainers"],
@@ -143,6 +364,23 @@ HYBRID_JOB = Kind(
     ),  # fmt: skip
     groups=(Group("ddp", "trainer", backend=lambda spec: spec["backend"]),),
     trainer="pipejob.trainer.hybrid",
-    columns=({"name": "Trainers", "type": "integer", "jsonPath": ".spec.trainers", "priority": 1},),
+    columns=(
+        {
+            "name": "AUC",
+            "type": "number",
+            "jsonPath": ".status.training.evalAuc",
+            "priority": 1,
+            "description": "Held-out AUC at the last evaluation (spec.embeddings: clicks).",
+        },
+        {"name": "Trainers", "type": "integer", "jsonPath": ".spec.trainers", "priority": 1},
+        {
+            "name": "Servers",
+            "type": "integer",
+            "jsonPath": ".spec.parameterServers",
+            "priority": 1,
+        },
+    ),
     complete=_complete,
+    check=_check,
+    describe=_describe,
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipejob.core.schema import SpecError
+from pipejob.core.errors import SpecError
 
 # Units of trainer/pipejob/trainer/workloads/cut.py's cut (the places a stage may begin):
 # at most one stage each.
@@ -38,14 +38,16 @@ BATCHNORM: frozenset[str] = frozenset({
 def check(spec: dict[str, Any]) -> list[SpecError]:
     """What would make a valid-looking pipeline crash once its world has started."""
     errors = []
-    model, stages = spec["model"].get("torchvision"), spec["stages"]
+    model, stages = spec["model"].get("torchvision"), spec["stages"] * spec["stagesPerProcess"]
     layers = LAYERS.get(model)
     transformer = spec["model"].get("transformer")
     if transformer is not None:  # embed, each block, norm, head
         model, layers = "the transformer", transformer["layers"] + 3
     if layers is not None and stages > layers:
+        asked = (f"{spec['stages']} x stagesPerProcess {spec['stagesPerProcess']}"
+                 if spec["stagesPerProcess"] > 1 else str(stages))  # fmt: skip
         why = f"{model} has {layers} places to cut; it can fill at most {layers} stages"
-        errors.append(SpecError("spec.stages", f"{why}, not {stages}"))
+        errors.append(SpecError("spec.stages", f"{why}, not {asked}"))
     least = MIN_IMAGE_SIZE.get(model, 0)
     if spec["imageSize"] < least:
         why = f"{model} needs images of at least {least} px, got {spec['imageSize']}"

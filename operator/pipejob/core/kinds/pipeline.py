@@ -1,14 +1,16 @@
-"""PipelineJob: a master drives micro-batches through a chain of stage pods (RPC pipeline
-parallelism). Everything pipejob knows of the kind is declared here, once."""
+"""PipelineJob: a master drives micro-batches through a chain of stage pods (pipeline
+parallelism, on either engine: torch.distributed.rpc or torch.distributed.pipelining).
+Everything pipejob knows of the kind is declared here, once."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
+from pipejob.core.errors import SpecError
 from pipejob.core.kind import Group, Kind, Role, Spec
 from pipejob.core.kinds import models
-from pipejob.core.schema import Field, Rule, SpecError
+from pipejob.core.schema import Field, Rule
 from pipejob.core.workload import PIPELINE_DATA, Model, PipelineData, model_field
 
 # Models whose torchvision structure the trainer knows how to cut into sequential layers.
@@ -22,6 +24,54 @@ PIPELINE_MODELS = (
 
 AUTO = "auto"  # spec.microBatches: the master chooses the count
 
+# spec.engine: what moves the micro-batches between the stages.
+RPC, PIPELINING = "rpc", "pipelining"
+# spec.schedule: the order of a stage's forwards and backwards. The rpc engine runs GPipe.
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
+INTERLEAVING = (INTERLEAVED, ZERO_BUBBLE)  # several stages per process
+DEFAULT_SCHEDULE = {RPC: GPIPE, PIPELINING: ONE_F_ONE_B}
+
+
+def micro_batch_counts(batch: int) -> list[int]:
+    """The micro-batch counts `microBatches: auto` considers: 1 and the powers of two that
+    divide the batch and leave micro-batches of at least 2 samples (training BatchNorm needs
+    two). Doubling spans the range in log2(batch) measurements, whose work adds up to less
+    than two batches; finer steps move the predicted step less than its measurement noise."""
+    counts = [1]
+    while batch % (2 * counts[-1]) == 0 and batch // (2 * counts[-1]) >= 2:
+        counts.append(2 * counts[-1])
+    return counts
+
+
+def schedule_refuses(schedule: str, stages: int, micro_batches: int) -> str | None:
+    """Why `schedule` cannot run `micro_batches` micro-batches through `stages` stage
+    processes, or None when it can: 1F1B keeps `stages` micro-batches in flight, so it needs
+    at least that many (torch's Schedule1F1B); the interleaved schedules run the micro-batches
+    in rounds of `stages` (torch's rule, in the form every pinned torch version accepts)."""
+    if schedule == ONE_F_ONE_B and micro_batches < stages:
+        return (f"1f1b needs at least as many micro-batches as stages ({stages}), got"
+                f" {micro_batches}")  # fmt: skip
+    if schedule in INTERLEAVING and micro_batches % stages:
+        return (f"{schedule} runs micro-batches in rounds of one per stage: microBatches must"
+                f" be a multiple of stages ({stages}), got {micro_batches}")  # fmt: skip
+    return None
+
+
+def auto_counts(batch: int, schedule: str, stages: int) -> list[int]:
+    """The micro-batch counts `microBatches: auto` measures: those of `micro_batch_counts`
+    the schedule can run."""
+    return [m for m in micro_batch_counts(batch) if schedule_refuses(schedule, stages, m) is None]
+
+
+def schedule_of(spec: dict) -> str:
+    """The schedule a defaulted spec runs: its own, or its engine's default."""
+    return spec.get("schedule") or DEFAULT_SCHEDULE[spec["engine"]]
+
+
+# `schedule_of` in CEL, for the rules the API server checks.
+SCHEDULE_CEL = "(has(self.schedule) ? self.schedule : (self.engine == 'rpc' ? 'gpipe' : '1f1b'))"
+
 
 PIPELINE_SPEC = Field(
     "object",
@@ -32,13 +82,40 @@ PIPELINE_SPEC = Field(
         "splitPoints": Field(
             "array",
             "Where the model is cut: the module names (as in named_modules(), at any depth,"
-            " e.g. layer3.1 or transformer.h.6) where stage 1, 2, ... begin; stages - 1 of"
-            " them, each once, in the model's order. Without them the cut is chosen"
-            " automatically, balanced by measured cost.",
+            " e.g. layer3.1 or transformer.h.6) where stage 1, 2, ... begin; stages x"
+            " stagesPerProcess - 1 of them, each once, in the model's order. Without them the"
+            " cut is chosen automatically, balanced by measured cost.",
             items=Field("string", "A module name where a stage begins.", max_length=253),
             max_items=63,
         ),
         "data": PIPELINE_DATA,
+        "engine": Field(
+            "string", "What runs the pipeline. rpc: the master drives every micro-batch"
+            " through the stages over torch.distributed.rpc, with distributed autograd and"
+            " DistributedOptimizer (GPipe's schedule). pipelining: each stage process holds"
+            " torch.distributed.pipelining PipelineStages, which pass activations and"
+            " gradients to their neighbours over a process group and step `schedule`; the"
+            " master still plans, steps and checkpoints them over RPC.",
+            default=RPC, enum=(RPC, PIPELINING),
+        ),
+        "schedule": Field(
+            "string", "The order of each stage's forwards and backwards (engine pipelining;"
+            " the rpc engine runs gpipe). gpipe: every forward, then every backward (each"
+            " stage keeps all micro-batches' activations). 1f1b: after a warm-up, one"
+            " forward, one backward (at most `stages` micro-batches' activations; needs"
+            " microBatches >= stages). interleaved-1f1b and zero-bubble (torch's"
+            " ScheduleInterleavedZeroBubble: backwards split into input and weight"
+            " gradients to fill the bubble): several stages per process"
+            " (`stagesPerProcess`), microBatches a multiple of stages. Default: gpipe on"
+            " rpc, 1f1b on pipelining.",
+            enum=SCHEDULES,
+        ),
+        "stagesPerProcess": integer(
+            "Stages each stage process holds, for the interleaved schedules (at least 2):"
+            " the model is cut into stages x stagesPerProcess pieces and process k holds"
+            " pieces k, k + stages, ..., which shrinks the bubble by that factor.",
+            default=1, minimum=1, maximum=8,
+        ),
         "replicas": integer(
             "Copies of the pipeline, each on its own share of every batch (data parallel):"
             " stage i of every replica averages its gradients with the others' before each"
@@ -97,14 +174,20 @@ PIPELINE_SPEC = Field(
             lambda s: s["microBatches"] == AUTO or s["batchSize"] % s["microBatches"] == 0,
         ),
         Rule(
-            "!has(self.splitPoints) || size(self.splitPoints) == self.stages - 1",
-            "must list stages - 1 module names, where stage 1, 2, ... begin",
+            "!has(self.splitPoints) || size(self.splitPoints) == self.stages *"
+            " self.stagesPerProcess - 1",
+            "must list stages x stagesPerProcess - 1 module names, where stage 1, 2, ... begin",
             "splitPoints",
-            lambda s: "splitPoints" not in s or len(s["splitPoints"]) == s["stages"] - 1,
-            message_expression="'must list stages - 1 = ' + string(self.stages - 1) + ' module"
-            " names, where stage 1, 2, ... begin; got ' + string(size(self.splitPoints))",
-            explain=lambda s: f"must list stages - 1 = {s['stages'] - 1} module names, where"
-            f" stage 1, 2, ... begin; got {len(s['splitPoints'])}",
+            lambda s: "splitPoints" not in s
+            or len(s["splitPoints"]) == s["stages"] * s["stagesPerProcess"] - 1,
+            message_expression="'must list ' + (self.stagesPerProcess == 1 ? 'stages - 1' :"
+            " 'stages x stagesPerProcess - 1') + ' = ' + string(self.stages *"
+            " self.stagesPerProcess - 1) + ' module names, where stage 1, 2, ... begin; got ' +"
+            " string(size(self.splitPoints))",
+            explain=lambda s: "must list "
+            + ("stages - 1" if s["stagesPerProcess"] == 1 else "stages x stagesPerProcess - 1")
+            + f" = {s['stages'] * s['stagesPerProcess'] - 1} module names, where stage 1, 2,"
+            f" ... begin; got {len(s['splitPoints'])}",
         ),
         Rule(
             "!has(self.splitPoints) || self.splitPoints.all(p,"
@@ -119,6 +202,50 @@ PIPELINE_SPEC = Field(
             " GPU features, and this is a CPU job (no GPUs requested); use bf16 on CPU",
             "precision",
             lambda s: s["precision"] != "fp16" or s["gpusPerStage"] > 0,
+        ),
+        Rule(
+            "self.engine == 'pipelining' || !has(self.schedule) || self.schedule == 'gpipe'",
+            "the rpc engine (spec.engine) runs gpipe only; set spec.engine: pipelining for"
+            " another schedule",
+            "schedule",
+            lambda s: s["engine"] == PIPELINING or s.get("schedule", GPIPE) == GPIPE,
+            message_expression="'the rpc engine (spec.engine) runs gpipe only; set"
+            " spec.engine: pipelining for ' + self.schedule",
+            explain=lambda s: "the rpc engine (spec.engine) runs gpipe only; set spec.engine:"
+            f" pipelining for {s['schedule']}",
+        ),
+        Rule(
+            "has(self.schedule) && self.schedule in ['interleaved-1f1b', 'zero-bubble'] ?"
+            " self.stagesPerProcess >= 2 : self.stagesPerProcess == 1",
+            "only the interleaved schedules (spec.schedule interleaved-1f1b or zero-bubble)"
+            " hold several stages per process, and they hold at least 2",
+            "stagesPerProcess",
+            lambda s: (s["stagesPerProcess"] >= 2) == (s.get("schedule") in INTERLEAVING),
+            message_expression="has(self.schedule) && self.schedule in ['interleaved-1f1b',"
+            " 'zero-bubble'] ? 'spec.schedule ' + self.schedule + ' interleaves several stages"
+            " per process: set stagesPerProcess to 2 or more' : 'only the interleaved"
+            " schedules (spec.schedule interleaved-1f1b or zero-bubble) hold several stages"
+            " per process; spec.schedule is ' + (has(self.schedule) ? self.schedule :"
+            " (self.engine == 'rpc' ? 'gpipe' : '1f1b') + ', the default of spec.engine ' +"
+            " self.engine)",
+            explain=lambda s: f"spec.schedule {s['schedule']} interleaves several stages per"
+            " process: set stagesPerProcess to 2 or more" if s.get("schedule") in INTERLEAVING
+            else "only the interleaved schedules (spec.schedule interleaved-1f1b or"
+            " zero-bubble) hold several stages per process; spec.schedule is"
+            f" {s.get('schedule') or DEFAULT_SCHEDULE[s['engine']]}"
+            + ("" if "schedule" in s else f", the default of spec.engine {s['engine']}"),
+        ),
+        Rule(
+            f"type(self.microBatches) == string || ({SCHEDULE_CEL} == '1f1b' ?"
+            f" self.microBatches >= self.stages : ({SCHEDULE_CEL} in ['interleaved-1f1b',"
+            " 'zero-bubble'] ? self.microBatches % self.stages == 0 : true))",
+            "the schedule (spec.schedule) cannot run this many micro-batches: 1f1b needs at"
+            " least stages, the interleaved schedules a multiple of stages",
+            "microBatches",
+            lambda s: s["microBatches"] == AUTO
+            or schedule_refuses(schedule_of(s), s["stages"], s["microBatches"]) is None,
+            explain=lambda s: "spec.schedule "
+            + str(schedule_refuses(schedule_of(s), s["stages"], s["microBatches"])),
         ),
         *COMMON_RULES,
     ),
@@ -141,18 +268,37 @@ class PipelineSpec(CommonSpec):
     skip_non_finite_steps: int = 0
     split_points: tuple[str, ...] = ()
     data: PipelineData = PipelineData()
+    engine: str = RPC
+    schedule: str = GPIPE  # completed from the engine when the spec leaves it out
+    stages_per_process: int = 1
+
+    @property
+    def pieces(self) -> int:
+        """What the model is cut into: every stage process holds stagesPerProcess pieces."""
+        return self.stages * self.stages_per_process
 
 
 def _complete(spec: Spec) -> Spec:
-    """`model: resnet50` is short for `model: {torchvision: resnet50}`."""
+    """`model: resnet50` is short for `model: {torchvision: resnet50}`; a spec without a
+    schedule runs its engine's."""
     if isinstance(spec.get("model"), str):
         spec["model"] = {"torchvision": spec["model"]}
+    if "engine" in spec:
+        spec["schedule"] = schedule_of(spec)
     return spec
 
 
 def _check(spec: Spec) -> list[SpecError]:
     """The model's own limits (models.py), and data the model cannot read."""
     errors = models.check(spec)
+    if spec["microBatches"] == AUTO and not auto_counts(spec["batchSize"], spec["schedule"],
+                                                         spec["stages"]):  # fmt: skip
+        counts = micro_batch_counts(spec["batchSize"])
+        errors.append(SpecError("spec.microBatches", (
+            f"auto chooses among {', '.join(map(str, counts))} micro-batches (powers of two"
+            f" dividing batchSize {spec['batchSize']}), none of which spec.schedule can run:"
+            f" {schedule_refuses(spec['schedule'], spec['stages'], counts[-1])}"
+        )))  # fmt: skip
     tokens = spec["data"].get("tokens")
     if tokens is not None and "transformer" not in spec["model"] and "seqLen" not in tokens:
         errors.append(SpecError(
@@ -167,9 +313,10 @@ PIPELINE_JOB = Kind(
     name="PipelineJob",
     plural="pipelinejobs",
     short_name="pj",
-    description="PyTorch RPC pipeline-parallel training: a master drives micro-batches "
-    "through a chain of stage pods. The operator makes one pod per process and restarts the "
-    "whole world when any pod fails.",
+    description="PyTorch pipeline-parallel training: a master drives micro-batches "
+    "through a chain of stage pods, over torch.distributed.rpc or torch.distributed.pipelining "
+    "(spec.engine). The operator makes one pod per process and restarts the whole world when "
+    "any pod fails.",
     spec=PIPELINE_SPEC,
     settings=PipelineSpec,
     roles=(
@@ -188,7 +335,15 @@ PIPELINE_JOB = Kind(
             "stage",
             backend=lambda spec: "nccl" if spec["gpusPerStage"] else "gloo",
             by_index=True,
-            when=lambda spec: spec["replicas"] > 1,
+            when=lambda spec: spec["replicas"] > 1 and spec["engine"] == RPC,
+        ),
+        # The pipelining engine: every stage of every replica in one group, which each
+        # replica's pipeline (its P2P) and each stage's replicas (their all-reduce) divide.
+        Group(
+            "pipe",
+            "stage",
+            backend=lambda spec: "nccl" if spec["gpusPerStage"] else "gloo",
+            when=lambda spec: spec["engine"] == PIPELINING,
         ),
     ),
     trainer="pipejob.trainer.pipeline",
@@ -209,6 +364,7 @@ PIPELINE_JOB = Kind(
             "description": "The model as written: a torchvision name, or its object as JSON.",
         },
         {"name": "Stages", "type": "integer", "jsonPath": ".spec.stages", "priority": 1},
+        {"name": "Engine", "type": "string", "jsonPath": ".spec.engine", "priority": 1},
         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas", "priority": 1},
     ),
     complete=_complete,

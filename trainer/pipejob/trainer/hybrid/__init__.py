@@ -1,23 +1,28 @@
-"""HybridJob: an EmbeddingBag on a parameter server, DDP dense models on the trainers.
+"""HybridJob: embedding tables on parameter servers, DDP dense models on the trainers.
 
-- master.py: creates the table on the ps (`rpc.remote`), starts every trainer's loop
-  (`rpc_async`, passing the table's RRef), prints progress, and returns the run's summary;
-- ps.py: holds the table and, for each trainer, the optimizer that steps the table with that
-  trainer's gradients; answers lookups and backward passes over RPC;
-- trainer.py: forms the DDP group with the other trainers (its own port), then joins RPC and
-  runs the loop the master calls;
+- master.py: has every parameter server make its pieces of the tables, starts every
+  trainer's loop (`rpc_async`), and returns the run's summary;
+- board.py: what the master hears from the trainers (progress, evaluations, checkpoints to
+  complete), over RPC;
+- ps.py: a parameter server: its pieces of the tables (core/kinds/tables.py places them) and
+  their sparse optimizer (sparse.py); answers each trainer's one call a step with the
+  step's pooled embeddings, and steps the rows the trainers' gradients touch, once every
+  trainer's are in;
+- router.py: where a trainer's lookups go, and how the replies join into each table's
+  pooled embeddings;
+- trainer.py: forms the DDP group with the other trainers (its own port), then joins RPC
+  and runs the loop the master calls;
 - evaluate.py: the check that the dense module fits the data (before the first step) and
   the held-out evaluation (spec.eval), on DDP rank 0;
-- output.py: the trained table and dense module as files (spec.output, `pipejob export`);
+- output.py: the trained tables and dense module as files (spec.output, `pipejob export`);
 - summary.py: the run's summary.
 
-Two round trips per step, where the tutorial's design (a DistributedOptimizer over the table's
-and the dense parameters) takes four: the lookup, the backward, and the optimizer's step as an
-RPC to the ps and one to the trainer itself. Here the ps steps the table as the lookup's
-gradient arrives, inside the backward (`ps.Table.lookup`): when `dist_autograd.backward`
-returns, the table is updated, exactly as after a DistributedOptimizer step (the same
-torch.optim class, one per trainer, applied to the same gradient), and the next lookup sees
-it."""
+Per step, each trainer makes one call to each server, all at once: the tutorial's design
+(seed 002: a DistributedOptimizer over the table's and the dense parameters) makes four
+round trips, a dense gradient of the whole table and one optimizer per trainer over it. Here
+the call carries the ids the batch touches and the gradients of the previous step's pooled
+embeddings, and only the rows they touch change, stepped once per step by one optimizer per
+table."""
 
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ def run(env: Env) -> dict[str, Any] | None:
         roles.serve(env)  # serves the master's call to trainer.train until the world is done
         dist.destroy_process_group()
         return None
-    roles.serve(env)  # the ps
+    roles.serve(env)  # a parameter server
     return None
 
 

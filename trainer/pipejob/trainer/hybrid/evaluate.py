@@ -1,13 +1,13 @@
 """A HybridJob trainer's checks and evaluation around its loop: that the dense module fits
-the bags' embeddings and the labels (before the first step, so a misfit fails at once,
-saying both shapes), and the loss and accuracy on held-out bags (spec.eval).
+the pooled embeddings, the dense features and the labels (before the first step, so a misfit
+fails at once, saying the shapes), and the figures on held-out samples (spec.eval): the loss,
+and accuracy for classes or AUC for clicks.
 
 Evaluation runs on DDP rank 0, not on the master: rank 0 holds the live dense replica (the
-master sees the dense weights only in the trainers' final results) and looks bags up on the
-ps directly. The other trainers wait at a barrier meanwhile, so nobody steps the table and
-the figures are exactly those of the model after that step. Its lookups
-(`ps.held_out_lookup`) run without gradient and outside any dist-autograd context: they
-never train the table."""
+master sees the dense weights only in the trainers' final results) and looks samples up on
+the servers directly. The other trainers wait at a barrier meanwhile, so nobody steps the
+tables and the figures are exactly those of the model after that step. Its lookups
+(`ps.held_out`) keep no graph: they never train the tables."""
 
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from pipejob.core.kinds.hybrid import HybridSpec
+from pipejob.core.kinds.hybrid import ONE_TABLE, HybridSpec
 from pipejob.trainer import workloads
-from pipejob.trainer.hybrid.ps import held_out_lookup
-from pipejob.trainer.workloads.synthetic import Batch
+from pipejob.trainer.hybrid import ps
+from pipejob.trainer.hybrid.router import Router
+from pipejob.trainer.runtime import nonfinite
+from pipejob.trainer.workloads.recsys import auc, call_dense
+from pipejob.trainer.workloads.samples import Batch
 
 
 def _shape(value: Any) -> str:
@@ -28,33 +31,46 @@ def _shape(value: Any) -> str:
     return str(tuple(shape)) if shape is not None else f"a {type(value).__name__}"
 
 
+def forward(spec: HybridSpec, dense: nn.Module, batch: Batch, pooled: dict[str, torch.Tensor],
+            device: torch.device) -> torch.Tensor:  # fmt: skip
+    """The dense part on a batch's dense features and its tables' pooled embeddings."""
+    pooled = {name: p.to(device) for name, p in pooled.items()}
+    return call_dense(dense, spec.recommends, batch.dense.to(device), pooled, ONE_TABLE)
+
+
 def check_dense(spec: HybridSpec, dense: nn.Module, loss_fn: workloads.Loss, sample: Batch,
                 device: torch.device) -> None:  # fmt: skip
-    """Run `dense` on zeros shaped like the bags' embeddings, and the loss on its output with
-    a real batch's labels; a failure is a ValueError naming the field and both shapes. In
-    eval mode and without gradient: the check changes no weight and no running statistic."""
-    field = "spec.dense.import" if spec.dense.import_ else "spec.dense.outFeatures"
+    """Run `dense` on zeros shaped like the pooled embeddings (with the batch's dense
+    features), and the loss on its output with the batch's labels; a failure is a ValueError
+    naming the field and the shapes. In eval mode and without gradient: the check changes no
+    weight and no running statistic."""
+    field = "spec.dense.import" if spec.dense.import_ else "the built-in dense model"
     if spec.loss.import_:
         field += " (with spec.loss.import)"
-    dim, labels = spec.embedding.dim, torch.tensor(sample.labels, device=device)
+    zeros = {t.name: torch.zeros(len(sample.sample_ids), t.dim) for t in spec.embeddings}
+    if spec.recommends:
+        pooled = ", ".join(f"{name} {_shape(z)}" for name, z in zeros.items())
+        shapes = f"dense features of shape {_shape(sample.dense)} and pooled embeddings {pooled}"
+    else:
+        shapes = f"the bags' embeddings of shape {_shape(next(iter(zeros.values())))}"
+    labels = sample.labels.to(device)
     training = dense.training
     dense.eval()
     try:
         with torch.no_grad():
             try:
-                dense(torch.zeros(2, dim, device=device))
-                out = dense(torch.zeros(len(labels), dim, device=device))
+                out = forward(spec, dense, sample, zeros, device)
             except Exception as e:
                 said = f"{type(e).__name__}: {e}"
-                raise ValueError(f"{field}: the dense module fails on the bags' embeddings of"
-                                 f" shape (2, {dim}): {said}") from None  # fmt: skip
+                raise ValueError(f"{field}: the dense module fails on {shapes}:"
+                                 f" {said}") from None  # fmt: skip
             try:
                 value = loss_fn(out, labels)
                 if not isinstance(value, torch.Tensor) or value.numel() != 1:
                     raise TypeError(f"the loss gives {_shape(value)}, not one number")
             except Exception as e:
                 raise ValueError(f"{field}: the dense module outputs {_shape(out)} but the"
-                                 f" labels {_shape(labels)} go up to {int(labels.max())}:"
+                                 f" labels {_shape(labels)} go up to {labels.max().item():g}:"
                                  f" {type(e).__name__}: {e}") from None  # fmt: skip
     finally:
         dense.train(training)
@@ -69,29 +85,44 @@ def due(spec: HybridSpec, step: int) -> bool:
     return step == spec.steps or (every > 0 and step % every == 0)
 
 
-def evaluate(table: rpc.RRef, dense: nn.Module, batches: list[Batch], loss_fn: workloads.Loss,
+def evaluate(spec: HybridSpec, router: Router, servers: list[str], dense: nn.Module,
+             batches: list[Batch], loss_fn: workloads.Loss,
              device: torch.device) -> dict[str, Any]:  # fmt: skip
-    """Loss (the mean over bags) and accuracy (argmax against the label; None when the
-    outputs are not (batch, classes)) of the table and `dense` on `batches`."""
-    ps = table.owner()
-    total = correct = 0
-    loss_sum, classifies = 0.0, True
+    """Loss (the mean over samples), accuracy (argmax against the label, for classes) and
+    AUC (for clicks) of the tables and `dense` on `batches`; None where a figure does not
+    apply to the outputs."""
+    total, loss_sum = 0, 0.0
+    scores, labels = [], []
     training = dense.training
     dense.eval()
     try:
         with torch.no_grad():
             for batch in batches:
-                ids, offsets = torch.tensor(batch.ids), torch.tensor(batch.offsets)
-                bags = rpc.rpc_sync(ps, held_out_lookup, args=(table, ids, offsets))
-                out = dense(bags.to(device))
-                labels = torch.tensor(batch.labels, device=device)
-                loss_sum += float(loss_fn(out, labels)) * len(labels)
-                if out.dim() == 2:
-                    correct += int((out.argmax(1) == labels).sum())
-                else:
-                    classifies = False
-                total += len(labels)
+                routed = router.route(batch)
+                asked = zip(servers, routed.requests, strict=True)
+                replies = [rpc.rpc_async(server, ps.held_out, args=request)
+                           for server, request in asked]  # fmt: skip
+                pooled = router.pool([r.wait() for r in replies], routed, batch)
+                out = forward(spec, dense, batch, pooled, device)
+                value = float(loss_fn(out, batch.labels.to(device)))
+                # Never a figure from non-finite outputs (runtime/nonfinite.py).
+                nonfinite.check_outputs(out, value, f"the held-out batch after {total} samples")
+                loss_sum += value * len(batch.labels)
+                total += len(batch.labels)
+                scores.append(out.detach().cpu())
+                labels.append(batch.labels)
     finally:
         dense.train(training)
-    return {"loss": loss_sum / total, "accuracy": correct / total if classifies else None,
-            "bags": total}  # fmt: skip
+    return {"loss": loss_sum / total, "samples": total, **figures(torch.cat(scores),
+                                                                  torch.cat(labels))}  # fmt: skip
+
+
+def figures(scores: torch.Tensor, labels: torch.Tensor) -> dict[str, float | None]:
+    """Accuracy when the outputs are (samples, classes) and the labels class ids; AUC when
+    they are one logit per sample and the labels clicks."""
+    accuracy = area = None
+    if scores.dim() == 2 and scores.shape[1] > 1 and not labels.is_floating_point():
+        accuracy = int((scores.argmax(1) == labels).sum()) / len(labels)
+    elif scores.numel() == len(labels):
+        area = auc(scores, labels)
+    return {"accuracy": accuracy, "auc": area}

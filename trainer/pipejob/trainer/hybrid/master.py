@@ -1,107 +1,35 @@
-"""The HybridJob master: creates the table on the ps, starts every trainer's loop over RPC,
-prints their progress and evaluations, completes checkpoints, writes the trained model
-(spec.output, hybrid/output.py), and returns the run's summary."""
+"""The HybridJob master: has every parameter server make its pieces of the tables (and load
+them from a checkpoint), starts every trainer's loop over RPC, prints their progress and
+evaluations (board.py), writes the trained model (spec.output, output.py), and returns the
+run's summary."""
 
 from __future__ import annotations
 
 import builtins
 import queue
 import re
-import threading
 import time
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 
+from pipejob.core.kinds import tables
 from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.trainer.hybrid import output, trainer
-from pipejob.trainer.hybrid.ps import Table, load_table, table_state, table_weight
+from pipejob.trainer.hybrid import board, output, ps, trainer
 from pipejob.trainer.hybrid.summary import render, summarize
-from pipejob.trainer.runtime import checkpoint, master, memory, monitor, world
-from pipejob.trainer.runtime.events import Events
+from pipejob.trainer.runtime import checkpoint, master, monitor, world
 from pipejob.trainer.runtime.world import Env
-
-# ---- master ----
-
-
-class Reports:
-    """Prints one line per logged step once every trainer has reported it."""
-
-    def __init__(self, env: Env, trainers: list[str], first: int = 0):
-        self.env, self.trainers, self.first = env, trainers, first
-        self.steps, self.batch = env.spec.steps, env.spec.batch_size
-        self.lock = threading.Lock()
-        self.pending: dict[int, dict[str, float]] = {}
-        self.created = time.perf_counter()
-        self.last_step, self.last_time = first, self.created
-        self.evaluation: dict[str, Any] | None = None  # the latest, with its step
-        logging = env.spec.logging
-        self.events = Events(logging.tensorboard if logging else None, first)
-
-    def evaluated(self, step: int, figures: dict[str, Any]) -> None:
-        """DDP rank 0 evaluated the model after `step` on held-out bags."""
-        loss, accuracy, count = figures["loss"], figures["accuracy"], figures["bags"]
-        with self.lock:
-            self.evaluation = {"evalStep": step, "evalLoss": loss, "evalAccuracy": accuracy,
-                               "evalBags": count}  # fmt: skip
-        shown = "" if accuracy is None else f", accuracy {100 * accuracy:.1f}%"
-        world.log(self.env, f"eval step {step}: loss {loss:.4f}{shown} on {count}"
-                            " held-out bags")  # fmt: skip
-        monitor.board().evaluated(step, loss, accuracy=accuracy)
-        with self.lock:
-            self.events.scalars(step, eval_loss=loss, eval_accuracy=accuracy)
-
-    def report(self, trainer: str, step: int, loss: float) -> None:
-        with self.lock:
-            losses = self.pending.setdefault(step, {})
-            losses[trainer] = loss
-            if len(losses) < len(self.trainers):
-                return
-            del self.pending[step]
-            now = time.perf_counter()
-            if step == self.first:  # every trainer is set up and about to take a step
-                world.log(self.env, f"trainers ready after {now - self.created:.1f}s of setup")
-            elif step > self.last_step:
-                samples = len(self.trainers) * self.batch * (step - self.last_step)
-                rate = samples / max(now - self.last_time, 1e-9)
-                mean = sum(losses.values()) / len(losses)
-                world.log(self.env, f"step {step}/{self.steps}  loss {mean:.4f}"
-                                    f"  {rate:,.0f} samples/s")  # fmt: skip
-                steps = step - self.last_step
-                monitor.board().step(step, mean, (now - self.last_time) / steps,
-                                     samples // steps)  # fmt: skip
-                memory.refresh(self.env, monitor.board())  # each member's peak, not waited for
-                self.events.scalars(step, loss=mean, samples_per_second=rate)
-            else:
-                return
-            self.last_step, self.last_time = step, now
-
-
-# The master's reports board, fed by the trainers over RPC.
-_REPORTS: Reports | None = None
-
-
-def report(trainer: str, step: int, loss: float) -> None:
-    """Runs on the master: a trainer finished `step` with `loss`."""
-    assert _REPORTS is not None, "progress report reached a process that is not the master"
-    _REPORTS.report(trainer, step, loss)
-
-
-def evaluated(step: int, figures: dict[str, Any]) -> None:
-    """Runs on the master: DDP rank 0's evaluation after `step` (evaluate.evaluate)."""
-    assert _REPORTS is not None, "evaluation reached a process that is not the master"
-    _REPORTS.evaluated(step, figures)
 
 
 def train(env: Env) -> dict[str, Any]:
-    global _REPORTS
     spec: HybridSpec = env.spec
-    emb = spec.embedding
-    [ps], trainers = env.names("ps"), env.names("trainer")
-    table = rpc.remote(ps, Table, args=(spec, trainers))
+    servers, trainers = env.names("ps"), env.names("trainer")
+    began = time.perf_counter()
+    # Making a large table's rows takes a while: no RPC timeout (0) on it.
+    _wait_all([rpc.rpc_async(s, ps.start, args=(len(trainers),), timeout=0) for s in servers])
     found = checkpoint.latest_for(env)
-    resume = None if found is None else _resume(env, found, table)
+    resume = None if found is None else _resume(env, found)
     first = 0 if resume is None else resume["step"]
     if first >= spec.steps:
         if spec.output is not None and found is not None:  # the model is in the checkpoint
@@ -110,29 +38,31 @@ def train(env: Env) -> dict[str, Any]:
             world.log(env, f"wrote the trained model to {spec.output.path}:"
                            f" {', '.join(p.name for p in paths)}")  # fmt: skip
         return master.nothing_left(env, first)
-    before = rpc.rpc_sync(ps, table_weight, args=(table,))
-    world.log(env, f"training {spec.steps} steps x {spec.batch_size} bags on"
-                   f" {', '.join(trainers)}; EmbeddingBag {emb.num_embeddings}x{emb.dim}"
-                   f" ({emb.mode}) on {ps}")  # fmt: skip
-    _REPORTS = Reports(env, trainers, first)
+    placement = spec.placement()
+    held = [tables.size(tables.server_bytes(p, spec.sparse_optimizer.name)) for p in placement]
+    world.log(env, f"training {spec.steps} steps x {spec.batch_size} samples on"
+                   f" {', '.join(trainers)}; {len(spec.embeddings)} table(s) on"
+                   f" {', '.join(f'{s} ({b})' for s, b in zip(servers, held, strict=True))},"
+                   f" made in {time.perf_counter() - began:.1f}s")  # fmt: skip
+    reports = board.open_reports(env, trainers, first)
     monitor.board().phase("training")
     # A training loop may run for hours: no RPC timeout (0) on it. A trainer that dies fails
     # its future when its connection breaks.
-    futures = [rpc.rpc_async(t, trainer.train, args=(table, resume), timeout=0)
-               for t in trainers]  # fmt: skip
+    futures = [rpc.rpc_async(t, trainer.train, args=(resume,), timeout=0) for t in trainers]
     try:
         results = dict(zip(trainers, _wait_all(futures), strict=True))
     finally:
-        _REPORTS.events.close()
-    after = rpc.rpc_sync(ps, table_weight, args=(table,))
-    summary = summarize(env, results, before, after, first, _REPORTS.evaluation)
+        reports.events.close()
+    figures = dict(zip(servers, _wait_all([rpc.rpc_async(s, ps.figures, timeout=0)
+                                           for s in servers]), strict=True))  # fmt: skip
+    summary = summarize(env, results, figures, first, reports.evaluation)
     for line in render(summary):
         world.log(env, line)
     if spec.output is not None:
-        state = rpc.rpc_sync(ps, table_state, args=(table,))
         meta = {"kind": env.kind, "job": env.job, "model": output.model_spec(spec),
                 "metrics": output.metrics(summary), "steps": spec.steps}  # fmt: skip
-        paths = output.write(spec.output.path, spec.output.format, state,
+        paths = output.write(meta["model"], spec.output.path, spec.output.format,
+                             output.live_rows(servers, placement),
                              results[trainers[0]]["dense"], meta)  # fmt: skip
         summary["output"] = [str(p) for p in paths]
         world.log(env, f"wrote the trained model to {spec.output.path}:"
@@ -140,35 +70,23 @@ def train(env: Env) -> dict[str, Any]:
     return summary
 
 
-def _resume(env: Env, found: checkpoint.Checkpoint, table: rpc.RRef) -> dict[str, Any]:
-    """Load the table (and its optimizers' states) on the ps and the master's RNG state;
-    what the trainers need to resume."""
+def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
+    """Load the tables (and their optimizer state) on every server and the master's RNG
+    state; what the trainers need to resume."""
     checkpoint.fits(found, env, trainerCount=len(env.names("trainer")))
+    if "parameterServers" not in found.manifest:
+        raise checkpoint.CheckpointError(
+            f"{found.directory} is a checkpoint of an older pipejob, whose parameter server"
+            " saved one table whole: give this job another checkpoint.path"
+        )  # fmt: skip
     directory = str(found.directory)
-    rpc.rpc_sync(table.owner(), load_table, args=(table, directory, found.entry("ps.pt")))
+    entries = output.server_entries(found.manifest)
+    _wait_all([rpc.rpc_async(s, ps.load, args=(directory, entries), timeout=0)
+               for s in env.names("ps")])  # fmt: skip
     checkpoint.set_rng_state(found.load("master.pt")["rng"])
     world.log(env, f"resumed from step {found.step} ({directory})")
     monitor.board().resumed(found.step)
     return {"step": found.step, "directory": directory, "dense": found.entry("dense.pt")}
-
-
-def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> None:
-    """Runs on the master (called by DDP rank 0): complete the checkpoint of `step`."""
-    env = world.current()
-    root = env.spec.checkpoint.path
-    start = time.perf_counter()
-    own = checkpoint.save_part(checkpoint.step_dir(root, step), "master.pt",
-                               {"rng": checkpoint.rng_state()})  # fmt: skip
-    files = [own, *files]
-    # The model's spec and latest evaluation travel along, for `pipejob export`.
-    evaluation = {} if _REPORTS is None or _REPORTS.evaluation is None else _REPORTS.evaluation
-    checkpoint.write_manifest(root, step, files, kind=env.kind, job=env.job,
-                              trainerCount=len(env.names("trainer")),
-                              model=output.model_spec(env.spec),
-                              metrics=output.metrics(evaluation))  # fmt: skip
-    checkpoint.prune(root)
-    seconds += time.perf_counter() - start
-    master.checkpoint_written(env, step, files, seconds, checkpoint.step_dir(root, step))
 
 
 def _wait_all(futures: list[torch.futures.Future]) -> list[Any]:

@@ -1,67 +1,199 @@
 """A HybridJob's trained model as files anyone can load: what spec.output writes at the end
-of a run, and what `pipejob export` writes from a complete checkpoint. Both go through
-`write`, so the two give the same files:
+of a run, and what `pipejob export` writes from a complete checkpoint, through one `write`:
 
-- `table.safetensors` (`table.pt` with format torch): the EmbeddingBag's state_dict, key
-  `weight`: `nn.EmbeddingBag(numEmbeddings, dim, mode=mode).load_state_dict(..., strict=True)`;
-- `dense.safetensors` (`dense.pt`): the dense module's state_dict under its own names, which
-  a fresh module from the user's factory (or `nn.Linear(dim, outFeatures)`) loads strictly;
-- `model.json`: the kind, the model spec (the embedding and dense sections), the final
+- spec.embeddings: `model.safetensors` (`model.pt` with format torch), one file holding
+  every table whole again under its name, `tables.<name>.weight`, and the dense part,
+  `dense.<name>`: the state_dict of workloads.recsys.Recommender, which loads it strictly;
+- spec.embedding: `table.safetensors` (`table.pt`), the EmbeddingBag's state_dict (key
+  `weight`), and `dense.safetensors` (`dense.pt`), the dense module's;
+- `model.json`: the kind, the model spec (the tables and the dense section), the final
   metrics (with the held-out evaluation), the step count and the files.
 
-The files are written by runtime/output.py, the writer both kinds share."""
+The tables come from where they live, the servers (a run's end) or the servers' checkpoint
+files (an export), in chunks of about CHUNK_BYTES: a safetensors file is written as they
+come, so the writer never holds a table whole. torch's format has no such layout: it is
+saved from the tables assembled in memory."""
 
 from __future__ import annotations
 
+import json
+import os
+import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
+import torch.distributed.rpc as rpc
 
-from pipejob.core.kinds.hybrid import HybridSpec
+from pipejob.core.kinds.hybrid import ONE_TABLE, HybridSpec
+from pipejob.core.kinds.tables import Piece
+from pipejob.trainer.hybrid import ps
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime import output as written
 
 # Summary fields that describe the trained model (model.json's "metrics").
-METRICS = ("firstLoss", "finalLoss", "evalLoss", "evalAccuracy", "evalBags", "evalStep")
+METRICS = ("firstLoss", "finalLoss", "evalLoss", "evalAccuracy", "evalAuc", "evalSamples",
+           "evalStep")  # fmt: skip
+CHUNK_BYTES = 64 << 20
+Rows = Callable[[str, int, int], torch.Tensor]  # rows start..stop-1 of a table
 
 
 def model_spec(spec: HybridSpec) -> dict[str, Any]:
     """The spec's model sections, as in the manifest: what a reader needs to rebuild it."""
-    emb, dense = spec.embedding, spec.dense
-    section: dict[str, Any] = {"outFeatures": dense.out_features}
+    dense = spec.dense
+    section: dict[str, Any] = {}
     if dense.import_ is not None:
-        section |= {"import": dense.import_, "args": dense.args}
-    return {"embedding": {"numEmbeddings": emb.num_embeddings, "dim": emb.dim,
-                          "mode": emb.mode}, "dense": section}  # fmt: skip
+        section = {"import": dense.import_, "args": dense.args}
+    if spec.embedding is not None:
+        one = spec.embedding
+        return {"embedding": {"numEmbeddings": one.num_embeddings, "dim": one.dim,
+                              "mode": one.mode},
+                "dense": {"outFeatures": dense.out_features, **section}}  # fmt: skip
+    if dense.import_ is None:
+        section = {"dlrm": {"bottom": list(dense.dlrm.bottom), "top": list(dense.dlrm.top)}}
+    tables = [{"name": t.name, "rows": t.rows, "dim": t.dim, "mode": t.mode,
+               "feature": t.feature} for t in spec.embeddings]  # fmt: skip
+    return {"embeddings": tables, "dense": section}
 
 
 def metrics(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary[k] for k in METRICS if summary.get(k) is not None}
 
 
-def write(out: str | Path, format: str, table: dict[str, torch.Tensor],
+def server_entries(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's entries of the servers' files (ps<i>.pt): the tables' pieces."""
+    return [e for e in manifest["files"] if e["name"].startswith("ps")]
+
+
+def joined(pieces: list[tuple[str, int, int, Callable[[int, int], torch.Tensor]]]) -> Rows:
+    """Rows of a table from its pieces, (table, start, stop, fetch(start, stop) in table
+    rows), whichever pieces a range spans."""
+
+    def rows(table: str, start: int, stop: int) -> torch.Tensor:
+        parts = [fetch(max(start, lo), min(stop, hi)) for name, lo, hi, fetch in
+                 sorted(pieces, key=lambda p: p[1])
+                 if name == table and max(start, lo) < min(stop, hi)]  # fmt: skip
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    return rows
+
+
+def live_rows(servers: list[str], placement: list[list[Piece]]) -> Rows:
+    """The tables' rows from the servers holding them (on the master, after training)."""
+
+    def fetch(server: str, k: int, piece: Piece) -> Callable[[int, int], torch.Tensor]:
+        def rows(lo: int, hi: int) -> torch.Tensor:
+            return rpc.rpc_sync(server, ps.rows, args=(k, lo - piece.start, hi - piece.start))
+
+        return rows
+
+    return joined([(p.table, p.start, p.stop, fetch(server, k, p))
+                   for server, pieces in zip(servers, placement, strict=True)
+                   for k, p in enumerate(pieces)])  # fmt: skip
+
+
+def saved_rows(directory: str | Path, manifest: dict[str, Any]) -> Rows:
+    """The tables' rows from a checkpoint's server files, mapped (each checked against the
+    manifest first)."""
+    pieces = []
+    for entry in server_entries(manifest):
+        checkpoint.load_part(directory, entry)  # checks its size and checksum
+        state = torch.load(Path(directory) / entry["name"], mmap=True, weights_only=True)
+        for q in state["pieces"]:
+            fetch = lambda lo, hi, q=q: q["weight"][lo - q["start"] : hi - q["start"]]  # noqa: E731
+            pieces.append((q["table"], q["start"], q["stop"], fetch))
+    return joined(pieces)
+
+
+def write(model: dict[str, Any], out: str | Path, format: str, rows: Rows,
           dense: dict[str, torch.Tensor], meta: dict[str, Any]) -> list[Path]:  # fmt: skip
-    """Write the table's and the dense module's state_dicts and model.json (`meta` plus the
-    format and the file names) into the directory `out`; the paths written."""
-    return written.write(out, {"table": table, "dense": dense}, meta, format)
+    """Write the files of `model` (a `model_spec`; see the module's docstring) and model.json
+    (`meta` plus the format and the file names) into the directory `out`; the paths
+    written."""
+    written.check_format(format)
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    if "embedding" in model:
+        one = model["embedding"]
+        tables = {ONE_TABLE: (one["numEmbeddings"], one["dim"])}
+        files = {"table": ({"weight": ONE_TABLE}, {}), "dense": ({}, dense)}
+    else:
+        tables = {t["name"]: (t["rows"], t["dim"]) for t in model["embeddings"]}
+        files = {"model": ({f"tables.{name}.weight": name for name in tables},
+                           {f"dense.{k}": v for k, v in dense.items()})}  # fmt: skip
+    paths = []
+    for stem, (streamed, whole) in files.items():
+        path = directory / f"{stem}{written.SUFFIX[format]}"
+        partial = path.with_name(path.name + ".partial")
+        if format == "safetensors":
+            shapes = {key: tables[name] for key, name in streamed.items()}
+            dtypes = {key: rows(name, 0, 1).dtype for key, name in streamed.items()}
+            chunks = {key: _chunks(rows, name, *shapes[key]) for key, name in streamed.items()}
+            with open(partial, "wb") as f:
+                _stream(f, shapes, dtypes, whole, chunks)
+        else:
+            state = {key: rows(name, 0, tables[name][0]) for key, name in streamed.items()}
+            torch.save(written.writable({**state, **whole}), partial)
+        os.replace(partial, path)
+        paths.append(path)
+    for stem in files:
+        written.remove_stale(directory, [p.name for p in paths], stem)
+    names = {stem: p.name for stem, p in zip(files, paths, strict=True)}
+    return [*paths, written.write_info(directory, meta, format, names)]
+
+
+def _chunks(rows: Rows, table: str, count: int, dim: int) -> Iterator[torch.Tensor]:
+    step = max(1, CHUNK_BYTES // (dim * 4))
+    for start in range(0, count, step):
+        yield rows(table, start, min(start + step, count))
+
+
+# safetensors' names of torch's dtypes.
+_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16",
+           torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+           torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}  # fmt: skip
+
+
+def _stream(f: BinaryIO, shapes: dict[str, tuple[int, int]], dtypes: dict[str, torch.dtype],
+            whole: dict[str, torch.Tensor],
+            chunks: dict[str, Iterator[torch.Tensor]]) -> None:  # fmt: skip
+    """A safetensors file: the tensors of `whole` and, under the keys of `shapes` (and
+    `dtypes`), tables written chunk by chunk as `chunks[key]` gives them; in name order."""
+    kinds = {k: (dtypes[k], shape) for k, shape in shapes.items()}
+    kinds |= {k: (v.dtype, tuple(v.shape)) for k, v in whole.items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key in sorted(kinds):
+        dtype, shape = kinds[key]
+        size = dtype.itemsize
+        for n in shape:
+            size *= n
+        header[key] = {"dtype": _DTYPES[dtype], "shape": list(shape),
+                       "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    f.write(struct.pack("<Q", len(text)) + text)
+    for key in sorted(kinds):
+        parts = chunks[key] if key in shapes else [whole[key]]
+        for part in parts:
+            f.write(memoryview(part.detach().cpu().contiguous().view(torch.uint8).numpy()))
 
 
 def export_checkpoint(directory: str | Path, manifest: dict[str, Any], out: str | Path,
                       format: str = "safetensors") -> list[Path]:  # fmt: skip
     """The output files from a complete HybridJob checkpoint: `directory` is its step
-    directory and `manifest` its manifest.json (as read); the table comes from ps.pt, the
-    dense module from dense.pt (each checked against the manifest). Returns the paths."""
+    directory and `manifest` its manifest.json (as read); the tables come from the servers'
+    files, the dense module from dense.pt (each checked against the manifest)."""
     entries = {e["name"]: e for e in manifest["files"]}
-    missing = [n for n in ("ps.pt", "dense.pt") if n not in entries]
-    if missing:
-        raise checkpoint.CheckpointError(f"{directory}: the manifest lists no {', '.join(missing)};"
-                                         " not a complete HybridJob checkpoint")  # fmt: skip
-    table = checkpoint.load_part(directory, entries["ps.pt"])["model"]
+    if "dense.pt" not in entries or not server_entries(manifest):
+        raise checkpoint.CheckpointError(
+            f"{directory}: the manifest lists no dense.pt or no ps<i>.pt; not a complete"
+            " checkpoint of a job with embedding tables"
+        )
     dense = checkpoint.load_part(directory, entries["dense.pt"])["model"]
-    rows, dim = table["weight"].shape
-    model = manifest.get("model") or {"embedding": {"numEmbeddings": rows, "dim": dim}}
-    meta = {"kind": manifest.get("kind"), "job": manifest.get("job"), "model": model,
+    meta = {"kind": manifest.get("kind"), "job": manifest.get("job"), "model": manifest["model"],
             "metrics": manifest.get("metrics", {}), "steps": manifest["step"],
             "checkpoint": str(directory)}  # fmt: skip
-    return write(out, format, table, dense, meta)
+    return write(manifest["model"], out, format, saved_rows(directory, manifest), dense, meta)

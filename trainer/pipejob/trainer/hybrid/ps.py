@@ -1,80 +1,323 @@
-"""The parameter server of a HybridJob: the EmbeddingBag, and one optimizer per trainer
-that steps it as that trainer's gradient for a lookup arrives (inside the backward). The
-functions here run on the ps, called over RPC with the table's RRef."""
+"""A HybridJob parameter server: its pieces of the tables (core/kinds/tables.py places them)
+and the sparse optimizer that steps them (sparse.py).
+
+Each trainer calls `exchange` once a step: the call brings the gradients of the trainer's
+previous lookup (with respect to the pooled embeddings it got) and this step's ids, and its
+reply is this step's pooled embeddings. Only the rows a batch touches travel and change: the
+server pools over the rows it gathers for the call, keeps that little graph, and turns the
+gradients that come back through it into gradients of those rows.
+
+Updates are synchronous. Once every trainer's gradients for a step are in, the server
+averages them (as DDP averages the dense layers') and steps each piece once; anything that
+reads the tables (a lookup, the held-out evaluation, a checkpoint, the output) waits while a
+step is half collected. So every trainer's lookups see the same tables, and a step's update
+is that of one process training on all the trainers' batches together.
+
+A server pools a piece by sum (tables of mode sum or mean) or max; the trainer divides a
+mean by the bag's length and joins the pieces of a split table (router.py). Replies carry
+the pieces side by side, in the server's order (tables.ordered). The functions at the end
+run on the server, called over RPC by the master and the trainers."""
 
 from __future__ import annotations
 
-import functools
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 import torch.nn.functional as F
+from torch import nn
 
 from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.trainer import workloads
-from pipejob.trainer.runtime import checkpoint
-from pipejob.trainer.runtime.optim import optimizer_args
+from pipejob.core.kinds.tables import Piece
+from pipejob.trainer.hybrid import sparse
+from pipejob.trainer.runtime import checkpoint, world
+from pipejob.trainer.workloads.recsys import BLOCK, initial_rows
+
+Future = torch.futures.Future
 
 
-class Table:
-    """The ps's EmbeddingBag and one optimizer per trainer (its own momentum, ...), each
-    applied to the table as that trainer's gradient for a lookup arrives."""
+def pooling(mode: str) -> str:
+    """How a server pools a piece of a table of `mode`."""
+    return "max" if mode == "max" else "sum"
 
-    def __init__(self, spec: HybridSpec, trainers: list[str]):
-        self.module = workloads.hybrid_table(spec)
-        optimizer_class, kwargs = optimizer_args(spec.optimizer)
-        self.optimizers = {t: optimizer_class(self.module.parameters(), **kwargs)
-                           for t in trainers}  # fmt: skip
-        self.lock = threading.Lock()  # one update at a time; lookups read between them
 
-    def lookup(self, trainer: str, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """The bags, from a leaf that shares the table's weight: when the backward brings
-        the leaf its gradient, the hook steps the trainer's optimizer with it, instead of
-        the gradient waiting in the dist-autograd context for an optimizer RPC."""
-        leaf = self.module.weight.detach().requires_grad_()
-        leaf.register_hook(functools.partial(self.step, trainer))
-        return F.embedding_bag(ids, leaf, offsets, mode=self.module.mode)
+def groups(pieces: list[Piece]) -> list[tuple[str, int, list[int]]]:
+    """Runs of a server's pieces pooled alike, of one width: (pooling, dim, piece indices)."""
+    out: list[tuple[str, int, list[int]]] = []
+    for k, p in enumerate(pieces):
+        if out and out[-1][:2] == (pooling(p.mode), p.dim):
+            out[-1][2].append(k)
+        else:
+            out.append((pooling(p.mode), p.dim, [k]))
+    return out
 
-    def step(self, trainer: str, grad: torch.Tensor) -> None:
-        weight = self.module.weight
+
+@dataclass
+class Lookup:
+    """A trainer's lookup, kept until its gradients come: the reply (with its graph) and,
+    per group of pieces, the gathered rows (the graph's leaf) and which rows of each piece."""
+
+    reply: torch.Tensor
+    leaves: list[torch.Tensor]
+    rows: list[list[torch.Tensor]]
+
+
+class Server:
+    def __init__(self, spec: HybridSpec, index: int, trainers: int):
+        self.spec, self.index, self.trainers = spec, index, trainers
+        self.pieces = spec.placement()[index]
+        tables = {t.name: t for t in spec.embeddings}
+        self.weights = [nn.Parameter(initial_rows(tables[p.table], spec.seed, p.start, p.stop))
+                        for p in self.pieces]  # fmt: skip
+        self.optimizer = sparse.make(self.weights, spec.sparse_optimizer)
+        self.groups = groups(self.pieces)
+        self.lock = threading.Lock()
+        self.kept: dict[str, Lookup] = {}  # each trainer's last lookup, until its gradients
+        self.collected: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.queue: list[tuple[Callable[[], Any], Future]] = []  # reads waiting for a step
+        self.steps = self.rows_updated = 0
+
+    # ---- the step
+
+    def exchange(self, trainer: str, grads: torch.Tensor | None, ids: torch.Tensor | None,
+                 lengths: torch.Tensor | None) -> Future:  # fmt: skip
+        """A trainer's call of a step: the gradients of its last lookup (None: none pending)
+        and this step's ids (None: none, a flush). The future's value is the pooled
+        embeddings (batch, the pieces' widths side by side), or None."""
         with self.lock:
-            weight.grad = grad
-            self.optimizers[trainer].step()
+            if grads is not None:
+                self._collect(trainer, grads)
+            if ids is None:
+                future: Future = Future()
+                future.set_result(None)
+            else:
+                assert lengths is not None
+                future = self._when_settled(lambda: self.lookup(ids, lengths, trainer))
+            ready = self._drain()
+        _finish(ready)
+        return future
+
+    def read(self, work: Callable[[], Any]) -> Future:
+        """`work`'s value once no step is half collected (the tables as one step left them)."""
+        with self.lock:
+            future = self._when_settled(work)
+            ready = self._drain()
+        _finish(ready)
+        return future
+
+    def _when_settled(self, work: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        self.queue.append((work, future))
+        return future
+
+    def _drain(self) -> list[tuple[Future, Any, BaseException | None]]:
+        """Run the queued reads if no step is half collected; their futures and outcomes
+        (set by the caller, outside the lock: a future's callbacks send RPC replies)."""
+        if self.collected:
+            return []
+        done = []
+        for work, future in self.queue:
+            try:
+                done.append((future, work(), None))
+            except BaseException as e:  # the caller's future fails with it, over RPC too
+                done.append((future, None, e))
+        self.queue.clear()
+        return done
+
+    def _collect(self, trainer: str, grads: torch.Tensor) -> None:
+        lookup = self.kept.pop(trainer, None)
+        if lookup is None or trainer in self.collected:
+            raise RuntimeError(f"ps{self.index}: gradients from {trainer} without a lookup of"
+                               " its own awaiting them")  # fmt: skip
+        torch.autograd.backward(lookup.reply, grads)
+        per_piece = []
+        for leaf, rows in zip(lookup.leaves, lookup.rows, strict=True):
+            per_piece += zip(rows, leaf.grad.split([len(r) for r in rows]), strict=True)
+        self.collected[trainer] = per_piece
+        if len(self.collected) == self.trainers:
+            self._step()
+
+    def _step(self) -> None:
+        """Step every piece once with the trainers' gradients, averaged."""
+        for k, weight in enumerate(self.weights):
+            # In the trainers' order, not their arrival's: every run adds them up alike.
+            parts = [self.collected[t][k] for t in sorted(self.collected)]
+            rows = torch.cat([r for r, _ in parts])
+            values = torch.cat([g for _, g in parts]) / self.trainers
+            weight.grad = sparse.gradient(rows, values, weight.shape)
+            self.rows_updated += len(torch.unique(rows))
+        self.optimizer.step()
+        for weight in self.weights:
             weight.grad = None
+        self.collected.clear()
+        self.steps += 1
+
+    def lookup(self, ids: torch.Tensor, lengths: torch.Tensor,
+                trainer: str | None) -> torch.Tensor:  # fmt: skip
+        """Pool `ids` (every piece's local row ids, concatenated, in the server's order) by
+        `lengths` (pieces, batch); keep the graph for `trainer`'s gradients (None: none)."""
+        batch = lengths.shape[1]
+        chunks = ids.split(lengths.sum(1).tolist())
+        outs, leaves, rows = [], [], []
+        with torch.set_grad_enabled(trainer is not None):
+            for mode, dim, members in self.groups:
+                unique, inverse, base = [], [], 0
+                for k in members:
+                    u, inv = torch.unique(chunks[k], return_inverse=True)
+                    unique.append(u)
+                    inverse.append(inv + base)
+                    base += len(u)
+                leaf = torch.cat([self.weights[k].detach()[u] for k, u in
+                                  zip(members, unique, strict=True)])  # fmt: skip
+                leaf.requires_grad_(trainer is not None)
+                counts = lengths[members].reshape(-1)
+                offsets = torch.cumsum(counts, 0) - counts
+                out = F.embedding_bag(torch.cat(inverse), leaf, offsets, mode=mode)
+                outs.append(out.view(len(members), batch, dim).transpose(0, 1).reshape(batch, -1))
+                leaves.append(leaf)
+                rows.append(unique)
+            reply = torch.cat(outs, dim=1)
+        if trainer is not None:
+            self.kept[trainer] = Lookup(reply, leaves, rows)
+        return reply.detach()
+
+    # ---- what the master reads
+
+    def rows(self, k: int, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of piece k (piece-relative), copied."""
+        return self.weights[k].detach()[start:stop].clone()
+
+    def figures(self) -> dict[str, Any]:
+        """The squared norms of the tables at initialization and of their change since, and
+        the rows this server updated (summed over steps)."""
+        tables = {t.name: t for t in self.spec.embeddings}
+        initial = change = 0.0
+        for p, weight in zip(self.pieces, self.weights, strict=True):
+            for lo in range(0, p.rows, BLOCK):  # a block at a time: no copy of the table
+                hi = min(lo + BLOCK, p.rows)
+                start = initial_rows(tables[p.table], self.spec.seed, p.start + lo, p.start + hi)
+                initial += float(start.double().pow(2).sum())
+                change += float((weight.detach()[lo:hi] - start).double().pow(2).sum())
+        return {"initialSquares": initial, "changeSquares": change, "steps": self.steps,
+                "rowsUpdated": self.rows_updated}  # fmt: skip
+
+    # ---- checkpoints: pieces by table and row range, so any other split can load them
+
+    def state(self) -> dict[str, Any]:
+        pieces = []
+        for p, weight in zip(self.pieces, self.weights, strict=True):
+            pieces.append({"table": p.table, "start": p.start, "stop": p.stop,
+                           "weight": weight.detach(),
+                           "state": dict(self.optimizer.state.get(weight, {}))})  # fmt: skip
+        return {"optimizer": self.spec.sparse_optimizer.name, "pieces": pieces}
+
+    def load(self, saved: list[tuple[str, dict[str, Any]]]) -> None:
+        """Load every piece's rows and optimizer state from the saved servers' states
+        (`state`, by file name): from whichever hold its rows, however they were split."""
+        for name, s in saved:
+            if s["optimizer"] != self.spec.sparse_optimizer.name:
+                raise checkpoint.CheckpointError(
+                    f"{name} holds tables stepped by {s['optimizer']}, not by"
+                    f" spec.sparseOptimizer {self.spec.sparse_optimizer.name}"
+                )  # fmt: skip
+        for p, weight in zip(self.pieces, self.weights, strict=True):
+            state = self.optimizer.state[weight]
+            covered = 0
+            for _, s in saved:
+                for q in s["pieces"]:
+                    lo, hi = max(p.start, q["start"]), min(p.stop, q["stop"])
+                    if q["table"] != p.table or lo >= hi:
+                        continue
+                    mine = slice(lo - p.start, hi - p.start)
+                    theirs = slice(lo - q["start"], hi - q["start"])
+                    with torch.no_grad():
+                        weight[mine] = q["weight"][theirs]
+                    for key, value in q["state"].items():
+                        if isinstance(value, torch.Tensor) and value.dim() > 0:  # per row
+                            if key not in state:
+                                state[key] = value.new_zeros((p.rows, *value.shape[1:]))
+                            state[key][mine] = value[theirs]
+                        else:  # a count: the same for every piece of every table
+                            state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                    covered += hi - lo
+            if covered != p.rows:
+                raise checkpoint.CheckpointError(
+                    f"the checkpoint holds {covered} of rows {p.start}..{p.stop - 1} of table"
+                    f" {p.table!r}: not a checkpoint of these tables"
+                )  # fmt: skip
 
 
-def lookup(table: rpc.RRef, trainer: str, ids: torch.Tensor,
-            offsets: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    return table.local_value().lookup(trainer, ids, offsets)
+def _finish(ready: list[tuple[Future, Any, BaseException | None]]) -> None:
+    for future, value, error in ready:
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
 
 
-def held_out_lookup(table: rpc.RRef, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The bags for evaluation: no gradient, no hook, so the table is never stepped by it."""
-    t = table.local_value()
-    with torch.no_grad(), t.lock:
-        return t.module(ids, offsets)
+# ---- on the server, over RPC
+
+_SERVER: Server | None = None
 
 
-def table_state(table: rpc.RRef) -> dict[str, torch.Tensor]:
-    """The table's state_dict (what nn.EmbeddingBag loads), copied for the output."""
-    t = table.local_value()
-    with t.lock:
-        return {k: v.detach().clone() for k, v in t.module.state_dict().items()}
+def _server() -> Server:
+    assert _SERVER is not None, "a call for a parameter server reached one not started"
+    return _SERVER
 
 
-def table_weight(table: rpc.RRef) -> torch.Tensor:
-    return table.local_value().module.weight.detach().clone()
+def start(trainers: int) -> dict[str, Any]:
+    """Runs on a parameter server (the master calls it first): make its pieces of the
+    tables at their initial rows. Returns what it holds."""
+    global _SERVER
+    env = world.current()
+    _SERVER = Server(env.spec, env.role_index, trainers)
+    return {"pieces": len(_SERVER.pieces), "parameters": sum(w.numel() for w in _SERVER.weights)}
 
 
-def save_table(table: rpc.RRef, directory: str) -> dict[str, Any]:
-    """The table and every trainer's optimizer state for it, saved by the ps itself."""
-    t = table.local_value()
-    with t.lock:
-        return checkpoint.save_module(directory, "ps.pt", t.module, t.optimizers)
+@rpc.functions.async_execution
+def exchange(trainer: str, grads: torch.Tensor | None, ids: torch.Tensor | None,
+             lengths: torch.Tensor | None) -> Future:  # fmt: skip
+    return _server().exchange(trainer, grads, ids, lengths)
 
 
-def load_table(table: rpc.RRef, directory: str, entry: dict[str, Any]) -> None:
-    t = table.local_value()
-    checkpoint.load_module(directory, entry, t.module, t.optimizers)
+@rpc.functions.async_execution
+def held_out(ids: torch.Tensor, lengths: torch.Tensor) -> Future:
+    """Pooled embeddings for evaluation: no graph kept, nothing stepped."""
+    server = _server()
+    return server.read(lambda: server.lookup(ids, lengths, None))
+
+
+@rpc.functions.async_execution
+def save(directory: str) -> Future:
+    """Write this server's pieces and their optimizer state as <rpc name>.pt in
+    `directory`; its manifest entry."""
+    server, name = _server(), world.current().rpc_name
+    return server.read(lambda: checkpoint.save_part(directory, f"{name}.pt", server.state()))
+
+
+def load(directory: str, entries: list[dict[str, Any]]) -> None:
+    """Load this server's pieces from the servers' files of a checkpoint (`entries`, from
+    its manifest), mapped, not read whole: only the rows it holds are paged in."""
+    saved = []
+    for entry in entries:
+        path = Path(directory) / entry["name"]
+        if path.stat().st_size != entry["bytes"]:
+            raise checkpoint.CheckpointError(f"{path}: not the size its manifest says")
+        saved.append((entry["name"], torch.load(path, mmap=True, weights_only=True)))
+    _server().load(saved)
+
+
+@rpc.functions.async_execution
+def rows(k: int, start: int, stop: int) -> Future:
+    server = _server()
+    return server.read(lambda: server.rows(k, start, stop))
+
+
+@rpc.functions.async_execution
+def figures() -> Future:
+    server = _server()
+    return server.read(server.figures)

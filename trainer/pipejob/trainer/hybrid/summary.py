@@ -1,23 +1,22 @@
-"""A HybridJob run's summary: losses, rates, the held-out evaluation, and checks that the
-trainers' dense replicas agree and read disjoint data."""
+"""A HybridJob run's summary: losses, rates, the held-out evaluation, the tables' servers,
+and checks that the trainers' dense replicas agree and read disjoint data."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-import torch
-
+from pipejob.trainer.hybrid.board import said, unit
 from pipejob.trainer.runtime import master, memory, monitor
 from pipejob.trainer.runtime.world import Env
 
 
-def summarize(env: Env, results: dict[str, dict[str, Any]], before: torch.Tensor,
-              after: torch.Tensor, first: int,
-              evaluation: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """The run's summary from each trainer's results (trainer.train), the table before and
-    after, the step the run resumed from and the last held-out evaluation (evalLoss,
-    evalAccuracy, evalBags, evalStep), if any. Asks every member of the world for its peak
-    memory (runtime/memory.py)."""
+def summarize(env: Env, results: dict[str, dict[str, Any]], servers: dict[str, dict[str, Any]],
+              first: int, evaluation: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The run's summary from each trainer's results (trainer.train), each server's figures
+    (ps.Server.figures), the step the run resumed from and the last held-out evaluation
+    (evalLoss, evalAccuracy, evalAuc, evalSamples, evalStep), if any. Asks every member of
+    the world for its peak memory (runtime/memory.py)."""
     peaks = memory.gather(env)
     for member, figures in peaks.items():
         monitor.board().memory(member, figures)  # the last /progress report has them too
@@ -39,31 +38,40 @@ def summarize(env: Env, results: dict[str, dict[str, Any]], before: torch.Tensor
     return master.summary(
         env, env.spec.steps - first, first,
         trainers=len(names),
+        parameterServers=len(servers),
         batchSize=env.spec.batch_size,
         seconds=seconds,
         samplesPerSecond=samples / seconds,
         firstLoss=sum(r["firstLoss"] for r in results.values()) / len(names),
         finalLoss=sum(r["finalLoss"] for r in results.values()) / len(names),
         denseMaxAbsDiff=dense_diff,
-        embeddingNormBefore=before.norm().item(),
-        embeddingChangeNorm=(after - before).norm().item(),
+        embeddingNormBefore=math.sqrt(sum(s["initialSquares"] for s in servers.values())),
+        embeddingChangeNorm=math.sqrt(sum(s["changeSquares"] for s in servers.values())),
         partitionOverlap=overlap,
         **(evaluation or {}),
         perTrainer=per_trainer,
+        perServer={name: {"rowsUpdated": s["rowsUpdated"], "steps": s["steps"]}
+                   for name, s in servers.items()},  # fmt: skip
         memory=peaks,
     )  # fmt: skip
 
 
 def render(s: dict[str, Any]) -> list[str]:
     lines = [
-        f"done: {s['steps']} steps x {s['batchSize']} bags on {s['trainers']} trainer(s)"
+        f"done: {s['steps']} steps x {s['batchSize']} {unit()} on {s['trainers']} trainer(s)"
         f" in {s['seconds']:.2f}s, {s['samplesPerSecond']:,.0f} samples/s",
         f"loss {s['firstLoss']:.4f} -> {s['finalLoss']:.4f} (mean over trainers)",
         f"dense replicas: max |difference| across trainers {s['denseMaxAbsDiff']:.3g}",
-        f"parameter server embedding: changed by {s['embeddingChangeNorm']:.4g}"
-        f" (norm of after - before; norm before {s['embeddingNormBefore']:.4g})",
+        f"tables on {s['parameterServers']} parameter server(s): changed by"
+        f" {s['embeddingChangeNorm']:.4g} since initialization (norm of the change; norm at"
+        f" initialization {s['embeddingNormBefore']:.4g}); rows updated "
+        + ", ".join(f"{name} {v['rowsUpdated']:,}" for name, v in s["perServer"].items()),
         f"data: samples read by more than one trainer: {s['partitionOverlap']}",
-        *_eval_line(s),
+        *(
+            [f"held-out: {said(s)} on {s['evalSamples']} {unit()} (after step {s['evalStep']})"]
+            if s.get("evalLoss") is not None
+            else []
+        ),
         "peak memory: "
         + ", ".join(f"{name} {memory.megabytes(peak)}" for name, peak in s["memory"].items()),
         f"{'trainer':<10} {'ddp':>3} {'loss first -> final':>20} {'samples/s':>10}"
@@ -76,13 +84,3 @@ def render(s: dict[str, Any]) -> list[str]:
             f" {t['denseChangeNorm']:>11.4g}"
         )
     return lines
-
-
-def _eval_line(s: dict[str, Any]) -> list[str]:
-    if s.get("evalLoss") is None:
-        return []
-    accuracy = "" if s["evalAccuracy"] is None else f", accuracy {100 * s['evalAccuracy']:.1f}%"
-    return [
-        f"held-out: loss {s['evalLoss']:.4f}{accuracy} on {s['evalBags']} bags"
-        f" (after step {s['evalStep']})"
-    ]

@@ -1,73 +1,105 @@
 """A HybridJob trainer: forms the DDP group with the other trainers (its own port), joins
-RPC and waits for the master's call of `train`. Its loop looks bags up over RPC, runs the
-DDP-replicated dense model and backpropagates with distributed autograd; the backward steps
-the table on the ps; then it steps the dense model with its local optimizer on the context's
-gradients, overlapped with the next lookup. It reads only its own partition of the data.
-Before the first step it checks that the dense module fits the data; with spec.eval, DDP
-rank 0 evaluates on held-out bags (evaluate.py)."""
+RPC and waits for the master's call of `train`.
+
+Its step makes one call to each parameter server, all at once (`ps.exchange`): it carries
+the gradients of the previous step's pooled embeddings and this step's ids, routed to the
+servers that hold their rows (router.py), and brings back this step's pooled embeddings. It
+runs the DDP-replicated dense model on them and the batch's dense features and
+backpropagates with plain autograd (DDP averages the dense gradients); the gradients of the
+pooled embeddings wait for the next call. The dense optimizer step is taken while that call
+is in flight. Before an evaluation, a checkpoint and the end, every trainer sends its last
+gradients alone (`flush`), so the servers' tables are those after the step.
+
+It reads only its own share of the data. Before the first step it checks that the dense
+module fits the data; with spec.eval, DDP rank 0 evaluates on held-out samples
+(evaluate.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer import workloads
-from pipejob.trainer.hybrid import evaluate
-from pipejob.trainer.hybrid.ps import lookup, save_table
+from pipejob.trainer.hybrid import board, evaluate, ps
+from pipejob.trainer.hybrid.router import Routed, Router
 from pipejob.trainer.runtime import checkpoint, nonfinite, profiling, world
 from pipejob.trainer.runtime.optim import optimizer_args
 from pipejob.trainer.runtime.world import Env
-from pipejob.trainer.workloads import bags, synthetic
+from pipejob.trainer.workloads import samples
+from pipejob.trainer.workloads.samples import Batch
 
 
-class HybridModel(nn.Module):
-    """Sparse part: the remote EmbeddingBag, looked up over RPC. Dense part: the DDP dense
-    module (nn.Linear, or the user's from spec.dense.import)."""
+class Tables:
+    """The trainer's side of the parameter servers: one call to each per step, and the
+    gradients of the last lookup, held until the next call takes them."""
 
-    def __init__(self, table: rpc.RRef, trainer: str, dense: nn.Module, device: torch.device):
-        super().__init__()
-        self.table, self.trainer, self.dense, self.device = table, trainer, dense, device
+    def __init__(self, env: Env, router: Router):
+        self.name, self.router = env.rpc_name, router
+        names = env.names("ps")
+        self.servers = [names[i] for i in router.servers]
+        self.pending: list[torch.Tensor | None] = [None] * len(self.servers)
+        self.routed: Routed | None = None  # the last call's batch, routed
+        self.replies: list[torch.Tensor] = []
 
-    def lookup(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.futures.Future:
-        """The bags, over RPC; inside a dist-autograd context, so the backward reaches the ps."""
-        return rpc.rpc_async(self.table.owner(), lookup,
-                             args=(self.table, self.trainer, ids, offsets))  # fmt: skip
+    def call(self, batch: Batch | None) -> list[torch.futures.Future]:
+        """The step's calls, one to each server at once: the pending gradients and, unless
+        `batch` is None (a flush), the batch's lookups."""
+        if batch is None:
+            requests = [(None, None)] * len(self.servers)
+        else:
+            self.routed = self.router.route(batch)
+            requests = self.routed.requests
+        futures = [rpc.rpc_async(server, ps.exchange, args=(self.name, grads, ids, lengths))
+                   for server, grads, (ids, lengths) in
+                   zip(self.servers, self.pending, requests, strict=True)]  # fmt: skip
+        self.pending = [None] * len(self.servers)
+        return futures
 
-    def forward(self, bags: torch.Tensor) -> torch.Tensor:
-        return self.dense(bags.to(self.device))
+    def pooled(self, futures: list[torch.futures.Future], batch: Batch) -> dict[str, torch.Tensor]:
+        """The tables' pooled embeddings of `batch` (the last called) from the replies, whose
+        gradients the backward fills in."""
+        assert self.routed is not None, "pooled before a call with a batch"
+        self.replies = [f.wait().requires_grad_() for f in futures]
+        return self.router.pool(self.replies, self.routed, batch)
+
+    def backward_done(self) -> None:
+        """The backward has run: the replies' gradients go with the next call (zeros for a
+        table the dense model left unused: every server waits for every trainer's)."""
+        self.pending = [torch.zeros_like(r) if r.grad is None else r.grad for r in self.replies]
+        self.replies = []
+
+    def flush(self) -> None:
+        """Send the pending gradients alone, so the servers step (before an evaluation, a
+        checkpoint, the end)."""
+        if any(g is not None for g in self.pending):
+            torch.futures.wait_all(self.call(None))
 
 
 class DenseStep:
-    """The dense layer's optimizer step on a step's dist-autograd gradients, deferred until
-    the next step's lookup is in flight (it needs no dense weights), so the two overlap."""
+    """The dense model's optimizer step on a step's gradients (DDP averaged them), deferred
+    until the next step's calls are in flight (it needs no dense weights), so the two overlap."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.grads: dict[torch.Tensor, torch.Tensor] | None = None
+        self.optimizer, self.due = optimizer, False
 
-    def defer(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
-        self.grads = grads
+    def defer(self) -> None:
+        self.due = True
 
     def flush(self) -> None:
         """Take the deferred step, if any: before the dense forward, a checkpoint, the end."""
-        if self.grads is None:
-            return
-        for p in self.params:
-            p.grad = self.grads.get(p)
-        self.optimizer.step()
-        self.grads = None
+        if self.due:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.due = False
 
 
 def _device(env: Env) -> torch.device:
@@ -79,71 +111,71 @@ def _device(env: Env) -> torch.device:
     return torch.device("cuda", env.ddp_rank % torch.cuda.device_count())
 
 
-def train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, Any]:
+def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
     """One trainer's whole loop; the master calls it over RPC and gets its results. With
     `resume` (see master._resume) it continues after the checkpoint's step."""
-    from pipejob.trainer.hybrid import master  # it calls this function: imports it first
-
     env = world.current()
     assert env.ddp_rank is not None and env.ddp_world_size is not None
     spec: HybridSpec = env.spec
     device = _device(env)
+    dataset, loss_fn = workloads.hybrid_data(spec), workloads.loss(spec)
     torch.manual_seed(spec.seed)  # DDP broadcasts rank 0's dense weights: runs repeat
-    linear = workloads.hybrid_dense(spec).to(device)
+    module = workloads.hybrid_dense(spec, len(dataset.sample(0)[0])).to(device)
     restored = None
     if resume is not None:  # before DDP, which starts from rank 0's weights: the saved ones
         restored = checkpoint.load_part(resume["directory"], resume["dense"])
-        linear.load_state_dict(restored["model"])
+        module.load_state_dict(restored["model"])
     dense = DistributedDataParallel(
-        linear, device_ids=[device.index] if device.type == "cuda" else None
+        module, device_ids=[device.index] if device.type == "cuda" else None
     )
-    model = HybridModel(table, env.rpc_name, dense, device)
-    initial = [p.detach().clone() for p in linear.parameters()]
+    initial = [p.detach().clone() for p in module.parameters()]
     optimizer_class, kwargs = optimizer_args(spec.optimizer)
-    optimizer = optimizer_class(linear.parameters(), **kwargs)  # the ps steps the table
+    optimizer = optimizer_class(module.parameters(), **kwargs)  # the servers step the tables
     if restored is not None:
-        checkpoint.load_optimizer_state(optimizer, linear, restored["optimizers"]["dense"])
+        checkpoint.load_optimizer_state(optimizer, module, restored["optimizers"]["dense"])
     dense_step = DenseStep(optimizer)
-    ps = table.owner().name
+    router = Router(spec)
+    tables = Tables(env, router)
 
-    dataset, loss_fn = workloads.hybrid_data(spec), workloads.loss(spec)
-    part = synthetic.partitions(dataset.size, env.ddp_world_size, spec.seed)[env.ddp_rank]
-    batches = synthetic.batches(dataset, part, spec.batch_size)
-    evaluate.check_dense(spec, linear, loss_fn, next(synthetic.batches(dataset, part,
-                         spec.batch_size)), device)  # fmt: skip
-    held_out = _held_out(env, spec)
     first = 0 if resume is None else resume["step"]
-    for _ in range(first):  # the batches of the steps before the checkpoint
-        next(batches)
-    read: set[int] = set()
+    part = samples.partitions(dataset.size, env.ddp_world_size, spec.seed)[env.ddp_rank]
+    read = lambda start: samples.batches(dataset, part, spec.batch_size, router.features,  # noqa: E731
+                                         spec.recommends, start)  # fmt: skip
+    evaluate.check_dense(spec, module, loss_fn, next(read(0)), device)
+    batches = read(first)  # those of the steps after the checkpoint's
+    held_out = _held_out(env, spec, router)
+    seen: set[int] = set()
 
     steps, every = spec.steps, spec.log_every
     profile = profiling.settings(spec)
-    servers = [ps, "master"] if env.ddp_rank == 0 else []  # profiled along with the trainers
-    report = rpc.rpc_async("master", master.report, args=(env.rpc_name, first, math.nan))
+    servers = [*tables.servers, "master"] if env.ddp_rank == 0 else []  # profiled alongside
+    report = rpc.rpc_async("master", board.report, args=(env.rpc_name, first, math.nan))
     loss_first = math.nan
     start = time.perf_counter()
     for step in range(first + 1, steps + 1):
         batch = next(batches)
-        read.update(batch.sample_ids)
+        seen.update(batch.sample_ids)
         with profiling.window(env, profile, step, servers, sync=dist.barrier) as rpc_calls:
-            loss = _step(model, dense_step, batch, device, loss_fn, rpc_calls, step)
+            loss = _step(spec, tables, dense, dense_step, batch, device, loss_fn, rpc_calls, step)
         if step == first + 1:
             loss_first = loss.item()
         if evaluate.due(spec, step):  # first: the step's checkpoint keeps its evaluation
+            tables.flush()
             dense_step.flush()
-            _evaluate(env, step, table, linear, held_out, loss_fn, device, master.evaluated)
+            _evaluate(env, step, router, tables.servers, module, held_out, loss_fn, device)
         if checkpoint.due(spec, step):
+            tables.flush()
             dense_step.flush()
-            _checkpoint(env, step, table, linear, optimizer, master.write_manifest)
+            _checkpoint(env, step, tables.servers, module, optimizer)
         if step % every == 0 or step == steps:
             report.wait()  # at most one report in flight; surfaces a failed one
-            report = rpc.rpc_async("master", master.report,
+            report = rpc.rpc_async("master", board.report,
                                    args=(env.rpc_name, step, loss.item()))  # fmt: skip
+    tables.flush()
     dense_step.flush()
     seconds = time.perf_counter() - start
     report.wait()
-    moved = [(p.detach() - q).flatten() for p, q in zip(linear.parameters(), initial, strict=True)]
+    moved = [(p.detach() - q).flatten() for p, q in zip(module.parameters(), initial, strict=True)]
 
     return {
         "ddpRank": env.ddp_rank,
@@ -155,75 +187,72 @@ def train(table: rpc.RRef, resume: dict[str, Any] | None = None) -> dict[str, An
         "finalLoss": loss.item(),
         "denseChangeNorm": torch.cat(moved).norm().item(),
         "partitionSize": len(part),
-        "samplesRead": len(read),
-        "read": torch.tensor(sorted(read)),
-        "dense": {k: v.detach().cpu() for k, v in linear.state_dict().items()},
+        "samplesRead": len(seen),
+        "read": torch.tensor(sorted(seen)),
+        "dense": {k: v.detach().cpu() for k, v in module.state_dict().items()},
     }
 
 
-def _held_out(env: Env, spec: HybridSpec) -> list[synthetic.Batch] | None:
+def _held_out(env: Env, spec: HybridSpec, router: Router) -> list[Batch] | None:
     """DDP rank 0's held-out batches when spec.eval asks for them (it alone evaluates)."""
     if spec.eval is None or env.ddp_rank != 0:
         return None
     data = workloads.hybrid_held_out(spec)
     if data is None:
-        world.log(env, "spec.eval: the data has no held-out split (spec.data.file.val, or"
+        world.log(env, "spec.eval: the data has no held-out split (spec.data's val, or"
                        " spec.data.import's split='val'): not evaluating")  # fmt: skip
         return None
-    return bags.in_order(data, spec.batch_size, spec.eval.batches)
+    return samples.in_order(data, spec.batch_size, router.features, spec.recommends,
+                            spec.eval.batches)  # fmt: skip
 
 
-def _evaluate(env: Env, step: int, table: rpc.RRef, dense: nn.Module,
-              held_out: list[synthetic.Batch] | None, loss_fn: workloads.Loss,
-              device: torch.device, evaluated: Callable) -> None:  # fmt: skip
-    """DDP rank 0 evaluates after `step` and tells the master (`evaluated`, over RPC); the
-    others wait, so the table stays as it was after `step`."""
+def _evaluate(env: Env, step: int, router: Router, servers: list[str], dense: nn.Module,
+              held_out: list[Batch] | None, loss_fn: workloads.Loss,
+              device: torch.device) -> None:  # fmt: skip
+    """DDP rank 0 evaluates after `step` and tells the master; the others wait, so the
+    tables stay as they were after `step`."""
     dist.barrier()
     if held_out is not None:
-        figures = evaluate.evaluate(table, dense, held_out, loss_fn, device)
-        rpc.rpc_sync("master", evaluated, args=(step, figures))
+        figures = evaluate.evaluate(env.spec, router, servers, dense, held_out, loss_fn, device)
+        rpc.rpc_sync("master", board.evaluated, args=(step, figures))
     dist.barrier()
 
 
-def _checkpoint(env: Env, step: int, table: rpc.RRef, linear: nn.Module,
-                optimizer: torch.optim.Optimizer, write_manifest: Callable) -> None:  # fmt: skip
-    """Once every trainer has finished `step`: DDP rank 0 saves the dense layer (the same on
-    every rank) with its optimizer state and has the ps save the table; the master writes
-    the manifest (`write_manifest`, over RPC). The others wait, so nobody changes the table
-    while it is saved."""
+def _checkpoint(env: Env, step: int, servers: list[str], module: nn.Module,
+                optimizer: torch.optim.Optimizer) -> None:  # fmt: skip
+    """Once every trainer has finished `step`: DDP rank 0 saves the dense model (the same on
+    every rank) with its optimizer state and has every server save its pieces of the tables;
+    the master writes the manifest. The others wait, so nobody changes a table while it is
+    saved."""
     dist.barrier()
     if env.ddp_rank == 0:
-        start = time.perf_counter()
+        begun = time.perf_counter()
         directory = str(checkpoint.step_dir(env.spec.checkpoint.path, step))
-        saving = rpc.rpc_async(table.owner(), save_table, args=(table, directory))
-        dense = checkpoint.save_module(directory, "dense.pt", linear,
-                                       {"dense": optimizer})  # fmt: skip
-        files = [saving.wait(), dense]
-        rpc.rpc_sync("master", write_manifest, args=(step, files, time.perf_counter() - start))
+        saving = [rpc.rpc_async(s, ps.save, args=(directory,)) for s in servers]
+        dense = checkpoint.save_module(directory, "dense.pt", module, {"dense": optimizer})
+        files = [*(f.wait() for f in saving), dense]
+        rpc.rpc_sync("master", board.write_manifest,
+                     args=(step, files, time.perf_counter() - begun))  # fmt: skip
     dist.barrier()
 
 
-def _step(model: HybridModel, dense_step: DenseStep, batch: synthetic.Batch,
-          device: torch.device, loss_fn: workloads.Loss,
+def _step(spec: HybridSpec, tables: Tables, dense: nn.Module, dense_step: DenseStep,
+          batch: Batch, device: torch.device, loss_fn: workloads.Loss,
           rpc_calls: profiling.RpcCalls = contextlib.nullcontext,
           step: int = 0) -> torch.Tensor:  # fmt: skip
-    """One step; `rpc_calls` wraps its RPCs (the lookup), not DDP's parts. The backward
-    steps the table on the ps; the dense layer's step (on gradients DDP averaged across the
-    trainers during the backward) is deferred to overlap the next lookup. A loss that is
-    not finite stops the job before its backward changes anything (runtime/nonfinite.py)."""
-    ids, offsets = torch.tensor(batch.ids), torch.tensor(batch.offsets)
-    labels = torch.tensor(batch.labels, device=device)
-    with dist_autograd.context() as context:
-        with rpc_calls():  # open until the reply: it brings the remote ops' profile
-            lookup = model.lookup(ids, offsets)
-            dense_step.flush()  # the previous step's, while the lookup is in flight
-            bags = lookup.wait()
-        loss = loss_fn(model(bags), labels)
-        if not nonfinite.finite(loss):
-            raise nonfinite.NonFiniteError(
-                f"step {step}: the loss is {loss.item()} on {model.trainer}; its update was"
-                " not applied"
-            )
-        dist_autograd.backward(context, [loss])
-        dense_step.defer(dist_autograd.get_gradients(context))
+    """One step; `rpc_calls` wraps its calls to the servers, not DDP's parts. The dense
+    layer's step (on gradients DDP averaged across the trainers during the backward) is
+    deferred to overlap the next step's calls. A loss that is not finite stops the job
+    before its backward changes anything (runtime/nonfinite.py)."""
+    with rpc_calls():  # open until the replies: they bring the remote ops' profile
+        futures = tables.call(batch)
+        dense_step.flush()  # the previous step's, while the calls are in flight
+        pooled = tables.pooled(futures, batch)
+    loss = loss_fn(evaluate.forward(spec, dense, batch, pooled, device), batch.labels.to(device))
+    if not nonfinite.finite(loss):
+        raise nonfinite.NonFiniteError(f"step {step}: the loss is {loss.item()} on"
+                                       f" {tables.name}; its update was not applied")  # fmt: skip
+    loss.backward()
+    tables.backward_done()
+    dense_step.defer()
     return loss

@@ -1,37 +1,40 @@
-"""PipelineJob: the master drives micro-batches through model shards on the stage workers.
+"""PipelineJob: the master drives micro-batches through the model's shards on the stage
+workers, on one of two engines (spec.engine): rpc/ (torch.distributed.rpc and distributed
+autograd) or pipelining/ (torch.distributed.pipelining's stages and schedules). Both share
+this room, and neither imports the other:
 
-- train.py: the master's loop (model, partition, steps, checkpoints, summary);
-- shards.py + partition.py: the model cut into layers, balanced by measured cost, and
-  `microBatches: auto`'s choice;
-- schedule.py: one step, micro-batches pipelined through the stages over RPC;
-- stage.py: a stage worker's shard, computing micro-batches in order;
-- summary.py: the run's summary."""
+- train.py: the master's loop (model, cut, steps, evaluation, checkpoints, output, summary);
+- shards.py, partition.py, parts.py: the model cut into pieces balanced by measured cost,
+  each stage building its own, and `microBatches: auto`'s choice;
+- driver.py: what every engine's step driver does on the master;
+- shard.py: what every engine's stage holds; reader.py: the first stage's data;
+- gradients.py: the recipe between the backward and the optimizer's step;
+- output.py, summary.py, timing.py: the model out, the run's summary, when stages compute."""
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
 from typing import Any
 
-from pipejob.trainer.runtime import master, rendezvous
+from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.runtime import master
 from pipejob.trainer.runtime.world import Env
+
+
+def engine(spec: PipelineSpec, module: str = "") -> ModuleType:
+    """The job's engine's package (its `serve`), or one of its modules (`schedule`: the
+    master's step driver)."""
+    return importlib.import_module(f"{__name__}.{spec.engine}" + (f".{module}" if module else ""))
 
 
 def run(env: Env) -> dict[str, Any] | None:
     """Run this process's role of a PipelineJob; the master returns the summary."""
-    from pipejob.trainer.pipeline import stage, train
-
     if env.role == "master":
-        return master.drive(env, train.train)
-    stages = env.spec.stages
-    own = env.names("stage")[env.replica * stages : (env.replica + 1) * stages]
-    if env.ddp_group is None:
-        master.serve(env, *stage.stage_devices(env.role_index, own, env.gpus))
-        return None
-    import torch.distributed as dist
+        from pipejob.trainer.pipeline import train
 
-    # Stage i of every replica: the group that averages the shard's gradients.
-    rendezvous.join_ddp(env)
-    master.serve(env, *stage.stage_devices(env.role_index, own, env.gpus))
-    dist.destroy_process_group()
+        return master.drive(env, train.train)
+    engine(env.spec).serve(env)
     return None
 
 

@@ -1,9 +1,10 @@
 """A step's gradients between the backward and the optimizer's step, across every stage: the
-global L2 norm, clipping to `optimizer.clipGradNorm`, fp16's loss scale, the learning rate of
-the step, and the sum of gradientAccumulation's rounds.
+global L2 norm, clipping to `optimizer.clipGradNorm`, fp16's loss scale, and the sum of
+gradientAccumulation's rounds.
 
-The gradients live in the step's distributed autograd context on each stage, where
-DistributedOptimizer's step reads them; each stage works on its own in place. The global
+Each stage's gradients are where its engine keeps them (Shard.gradients: the step's
+distributed autograd context on the rpc engine, the parameters' .grad on the pipelining
+engine), where its optimizer's step reads them; each stage works on its own in place. The global
 norm is the norm of every stage's per-parameter norms (as torch.nn.utils.clip_grad_norm_
 computes it over the whole model): the master gathers them, and sends back the one
 coefficient every stage multiplies its gradients by. A parameter several stages hold (tied
@@ -12,27 +13,41 @@ a single process."""
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
-from pipejob.trainer.runtime.optim import clip_coefficient, set_remote_lr
+from pipejob.trainer.runtime.optim import clip_coefficient
+
+T = TypeVar("T")
+
+
+def _settled(function: Callable[..., T]) -> Callable[..., T]:
+    """A function run on a stage over RPC, with the stage's device settled before and after
+    (Stage.settled): the gradients come from the backward on the stage's stream, and
+    DistributedOptimizer's step reads what it leaves on another."""
+
+    @functools.wraps(function)
+    def settled(stage: RRef, *args: Any) -> T:
+        with stage.local_value().settled():
+            return function(stage, *args)
+
+    return settled
 
 
 def _gradients(stage: RRef, context_id: int) -> dict[str, torch.Tensor]:
-    """A stage's gradients in a context, by parameter name (on the stage)."""
-    grads = dist_autograd.get_gradients(context_id)
-    return {n: grads[p] for n, p in stage.local_value().layers.named_parameters() if p in grads}
+    """A stage's gradients in a step, by parameter name (on the stage)."""
+    return stage.local_value().gradients(context_id)
 
 
+@_settled
 def stage_norms(stage: RRef, context_id: int, unscale: float,
                 leave_out: frozenset[str] = frozenset()) -> torch.Tensor:  # fmt: skip
     """Runs on a stage: divide its gradients by fp16's loss scale (`unscale` is 1 / scale;
@@ -46,6 +61,7 @@ def stage_norms(stage: RRef, context_id: int, unscale: float,
     return torch.stack(norms).cpu() if norms else torch.zeros(0)
 
 
+@_settled
 def scale_stage(stage: RRef, context_id: int, coefficient: float) -> None:
     """Runs on a stage: multiply its gradients by the clipping coefficient."""
     for g in _gradients(stage, context_id).values():
@@ -57,6 +73,7 @@ _held: dict[int, dict[str, torch.Tensor]] = {}
 _held_lock = threading.Lock()
 
 
+@_settled
 def hold_stage(stage: RRef, context_id: int) -> None:
     """Runs on a stage: add a round's gradients to those it holds for the step."""
     with _held_lock:
@@ -68,6 +85,7 @@ def hold_stage(stage: RRef, context_id: int) -> None:
             held[name] = g.clone()
 
 
+@_settled
 def release_stage(stage: RRef, context_id: int) -> None:
     """Runs on a stage: add what it holds to the last round's gradients, in that context."""
     with _held_lock:
@@ -134,14 +152,6 @@ def clip(names: list[str], stages: list[RRef], context_id: int, norm: float,
     coefficient = clip_coefficient(norm, max_norm)
     if coefficient < 1.0:  # multiplying by 1.0 changes nothing: spare the round trip
         _on_every(names, stages, scale_stage, context_id, coefficient)
-
-
-def set_lr(optimizer: DistributedOptimizer, lr: float) -> None:
-    """Give every local optimizer of a DistributedOptimizer the learning rate `lr`."""
-    torch.futures.wait_all([
-        rpc.rpc_async(local.owner(), set_remote_lr, args=(local, lr))
-        for local in optimizer.remote_optimizers
-    ])  # fmt: skip
 
 
 @dataclass

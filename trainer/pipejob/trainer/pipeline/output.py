@@ -28,7 +28,7 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.pipeline.stage import on_stage
+from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.runtime import checkpoint, output
 from pipejob.trainer.workloads import models
 

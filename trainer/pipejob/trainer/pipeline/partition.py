@@ -124,6 +124,9 @@ def measure_chain(pieces: list[nn.Module], names: list[str], values: tuple[Any, 
             # Only the model's input needs no gradient; every later piece computes one for
             # its inputs, as in training. The clone lets in-place layers (ReLU) run.
             inputs = tuple(_as_input(v, i > 0 or not first) for v in values)
+            on_gpu = any(t.is_cuda for t in tensors(inputs))
+            if on_gpu:
+                torch.cuda.synchronize()  # the time of this piece's kernels alone
             start, start_cpu = time.perf_counter(), time.process_time()
             try:
                 out = piece(*inputs)
@@ -131,6 +134,8 @@ def measure_chain(pieces: list[nn.Module], names: list[str], values: tuple[Any, 
                 grown = [t for t in tensors(outs) if t.requires_grad]
                 torch.autograd.backward(grown, [torch.ones_like(t) for t in grown])
                 piece.zero_grad(set_to_none=True)  # one piece's gradients held at a time
+                if on_gpu:
+                    torch.cuda.synchronize()
             except RuntimeError as e:
                 shapes = ", ".join(shape(v) for v in inputs)
                 what = "the data's input" if i == 0 and first else "its input"
@@ -172,23 +177,15 @@ def intra_op_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def micro_batch_counts(batch: int) -> list[int]:
-    """The micro-batch counts `microBatches: auto` considers: 1 and the powers of two that
-    divide the batch and leave micro-batches of at least 2 samples (training BatchNorm needs
-    two). Doubling spans the range in log2(batch) measurements, whose work adds up to less
-    than two batches; finer steps move the predicted step less than its measurement noise."""
-    counts = [1]
-    while batch % (2 * counts[-1]) == 0 and batch // (2 * counts[-1]) >= 2:
-        counts.append(2 * counts[-1])
-    return counts
-
-
 @dataclass(frozen=True)
 class Host:
-    """Stages whose processes share one machine's cores, and how many cores that is."""
+    """Stages whose processes share one machine's cores, and how many cores that is; or,
+    with `gpu`, stages that share one GPU (`cpus` 1): it runs one process's kernels at a time,
+    so their time on it adds up."""
 
     stages: tuple[int, ...]
     cpus: float
+    gpu: bool = False
 
 
 @dataclass(frozen=True)
@@ -199,7 +196,7 @@ class Prediction:
     micro_batch_size: int
     ranges: list[range]
     pipeline_seconds: float  # GPipe's schedule, every stage computing at its own pace
-    cores_seconds: float  # the stages' CPU time over the cores of the host they share
+    cores_seconds: float  # the stages' CPU time over the cores they share (or GPU time)
 
     @property
     def step_seconds(self) -> float:
@@ -212,25 +209,30 @@ class Prediction:
 
 
 def predict(costs: LayerCosts, stages: int, micro_batches: int, batch: int,
-            hosts: Sequence[Host] = (),
-            ranges: list[range] | None = None) -> Prediction:  # fmt: skip
+            hosts: Sequence[Host] = (), ranges: list[range] | None = None,
+            per_process: int = 1) -> Prediction:  # fmt: skip
     """Split `costs` (per layer, one micro-batch of batch // micro_batches) over `stages` by
-    wall-clock time and predict the step from two lower bounds:
+    wall-clock time (over stages x `per_process` pieces, process k holding pieces k,
+    k + stages, ..., for an interleaved schedule) and predict the step from two lower bounds:
     - the schedule: GPipe with a flush every step takes m + p - 1 slots of the slowest stage,
-      m of them its own work and p - 1 the pipeline's fill and drain;
+      m of them its own work and p - 1 the pipeline's fill and drain (1F1B's too; an
+      interleaved schedule's slots are pieces: m x per_process + p - 1 of the slowest);
     - the cores: stages sharing a host compute at once only as far as its cores go, so the
       host needs at least their CPU time over its cores. It is what makes small micro-batches
       lose where stages share cores: a stage idle in the bubble lends the others its cores,
-      while small micro-batches cost more CPU time per sample.
+      while small micro-batches cost more CPU time per sample. Stages sharing a GPU need at
+      least the sum of their times on it.
     `ranges` given (spec.splitPoints): that split, predicted, instead of the balanced one."""
-    ranges = ranges or min_max_partition(costs.seconds, stages, costs.sizes)
+    ranges = ranges or min_max_partition(costs.seconds, stages * per_process, costs.sizes)
     slowest = max(sum(costs.seconds[i] for i in r) for r in ranges)
     crowded = (
-        micro_batches * sum(costs.cpu_seconds[i] for k in host.stages for i in ranges[k])
+        micro_batches
+        * sum((costs.seconds if host.gpu else costs.cpu_seconds)[i]
+              for k in range(len(ranges)) if k % stages in host.stages for i in ranges[k])
         / host.cpus
         for host in hosts
     )  # fmt: skip
-    pipelined = (micro_batches + stages - 1) * slowest
+    pipelined = (micro_batches * per_process + stages - 1) * slowest
     return Prediction(micro_batches, batch // micro_batches, ranges, pipelined,
                       max(crowded, default=0.0))  # fmt: skip
 

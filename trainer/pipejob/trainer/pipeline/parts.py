@@ -39,7 +39,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def trace(spec: PipelineSpec, model: nn.Module) -> cut.Traced:
     """The model's cut candidates, found the same way in every process."""
-    return cut.Traced(model, CANDIDATES_PER_STAGE * spec.stages, spec.split_points)
+    return cut.Traced(model, CANDIDATES_PER_STAGE * spec.pieces, spec.split_points)
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,8 @@ def measure_here(
     on micro-batches of each of `sizes`: `given`, what the pieces before pass on, or on the
     first stage (None) micro-batches of the first training batch, read here. The costs and
     what the last piece passes on, or a message when the data does not fit the model."""
+    # Measured where the stage computes: a GPU stage's costs are its GPU's, not its cores'.
+    device = torch.device("cuda:0" if part.spec.gpus_per_stage > 0 else "cpu")
     # What is built to be measured is freed before the stage builds its shard, and given back.
     with tuning.returning_memory():
         first = given is None
@@ -83,17 +85,25 @@ def measure_here(
             with default_dtype(part.dtype):  # the data as the master's default dtype makes it
                 inputs, _ = data.sample(part.spec, part.spec.batch_size)
             given = [(inputs[:size],) for size in sizes]
-        pieces = part.build()  # no copies: the memory is the stage's own
+        pieces = [piece.to(device) for piece in part.build()]  # no copies: the stage's own
         try:
             with torch.random.fork_rng(devices=[]):  # dropout here leaves training's draws be
-                measured = [measure_chain(pieces, units, values, first, on_copies=False)
+                measured = [measure_chain(pieces, units, _to(values, device), first,
+                                          on_copies=False)
                             for values in given]  # fmt: skip
         except ValueError as e:
             return str(e)
         finally:
             del pieces
             gc.collect()  # graph modules hold cycles
-    return [c for c, _ in measured], [v for _, v in measured]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the stage's shard, not these, gets the GPU
+    cpu = torch.device("cpu")  # what the next stage measures on passes through the master
+    return [c for c, _ in measured], [_to(v, cpu) for _, v in measured]
+
+
+def _to(values: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
+    return tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in values)
 
 
 def measure_on_stages(names: list[str], spec: PipelineSpec, traced: cut.Traced,

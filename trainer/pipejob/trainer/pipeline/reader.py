@@ -85,6 +85,18 @@ class Reader:
             x[0].record_stream(torch.cuda.current_stream(x[0].device))
         return x
 
+    def inputs(self, round: int) -> torch.Tensor:
+        """Round `round`'s inputs whole, for a stage whose schedule splits them itself."""
+        with self._lock:
+            count = sum(1 for r, _ in self._inputs if r == round)
+        parts = [self.input(round, mb)[0] for mb in range(count)]
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+
+    def metas(self, round: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of each input of round `round`'s micro-batches."""
+        with self._lock:
+            return [(tuple(x.shape), x.dtype) for x in self._inputs[round, 0]]
+
     def labels(self, round: int) -> torch.Tensor:
         """Round `round`'s labels, for the last stage's loss or evaluation."""
         with self._lock:

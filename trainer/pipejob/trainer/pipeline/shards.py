@@ -5,6 +5,7 @@ shards and measure the costs (parts.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -15,17 +16,16 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
+from pipejob.core.kinds.pipeline import AUTO, PipelineSpec, auto_counts
 from pipejob.trainer.pipeline.partition import (
     Host,
     LayerCosts,
     Prediction,
     fastest,
-    micro_batch_counts,
     predict,
 )  # fmt: skip
 from pipejob.trainer.pipeline.parts import Part, measure_on_stages, trace
-from pipejob.trainer.pipeline.stage import compute_resources
+from pipejob.trainer.pipeline.shard import compute_resources
 from pipejob.trainer.runtime import tuning
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, materialize, models
@@ -53,21 +53,24 @@ class Partition:
 
 @dataclass(frozen=True)
 class Shards:
-    """The model cut into one module per stage at the boundaries of a partition of its
-    units (cut candidates in calling order, cut.Traced), and the model state no stage
-    holds."""
+    """The model cut into pieces (one per stage, or stagesPerProcess per stage process with
+    an interleaved schedule) at the boundaries of a partition of its units (cut candidates
+    in calling order, cut.Traced), and the model state no stage holds. Stage process k of
+    `processes` holds pieces k, k + processes, ... (the interleaved schedules' loop)."""
 
     units: list[str]
-    # Each stage's module: on the meta device where `parts` say how each stage builds its
+    # Each piece's module: on the meta device where `parts` say how each process builds its
     # own (what `plan_shards` gives); otherwise the modules themselves, sent to the stages.
     stages: list[nn.Module]
     partition: Partition
     rest: dict[str, torch.Tensor]
-    # Parameters several stages hold (cut.ties): their gradients are summed every step.
+    # Parameters several stage processes hold (cut.ties, by process): their gradients are
+    # summed every step.
     tied: list[list[tuple[int, str]]] = field(default_factory=list)
     # A Hugging Face model's config (config.json), written beside the model file.
     config: dict[str, Any] | None = None
-    parts: list[Part] | None = None
+    parts: list[Part] | None = None  # one per piece
+    processes: int = 0  # stage processes; 0: one per piece
 
     @property
     def ranges(self) -> list[range]:
@@ -77,9 +80,31 @@ class Shards:
     def costs(self) -> list[float]:
         return self.partition.costs
 
-    def of(self, stage: int) -> list[str]:
-        """The names of the units stage `stage` holds."""
-        return [self.units[i] for i in self.ranges[stage]]
+    def of(self, piece: int) -> list[str]:
+        """The names of the units piece `piece` holds."""
+        return [self.units[i] for i in self.ranges[piece]]
+
+    def held(self, process: int) -> list[int]:
+        """The pieces stage process `process` holds."""
+        return list(range(process, len(self.ranges), self.processes or len(self.ranges)))
+
+    def units_of(self, process: int) -> list[str]:
+        """The names of the units stage process `process` holds, piece by piece."""
+        return [u for piece in self.held(process) for u in self.of(piece)]
+
+    def describe(self, process: int) -> str:
+        """What stage process `process` holds, piece by piece: "conv1 .. layer1.2 (5 layers)
+        + layer3.0 .. layer3.3 (4 layers)"."""
+        return " + ".join(describe(self.of(piece)) for piece in self.held(process))
+
+    def part(self, process: int) -> Part:
+        """How stage process `process` builds its pieces: from one build of the model, so a
+        tensor two of them use (tied weights) stays one."""
+        assert self.parts is not None
+        parts = [self.parts[piece] for piece in self.held(process)]
+        keep = tuple(sorted({n for part in parts for n in part.keep}))
+        pieces = tuple(n for part in parts for n in part.pieces)
+        return dataclasses.replace(parts[0], keep=keep, pieces=pieces)
 
 
 def plan_shards(
@@ -101,8 +126,8 @@ def plan_shards(
     stages share) is used. Each stage builds its own shard from the returned `parts`."""
     traced = trace(spec, model)
     units = traced.units
-    if len(units) < spec.stages:
-        raise cut.cut_count_error(len(units), spec.stages)
+    if len(units) < spec.pieces:
+        raise cut.cut_count_error(len(units), spec.pieces)
     fixed = traced.ranges(spec.split_points) if spec.split_points else None
     if saved is None:
         saved = _measure(spec, stage_names, traced, numbered, hosts or [], fixed, progress)
@@ -120,7 +145,22 @@ def plan_shards(
                 lambda: models.build(spec), materialize.numbers(numbered, rest)
             )
         rest = {k: v for k, v in whole.state_dict().items() if k in rest}
-    return Shards(units, stages, saved, rest, cut.ties(stages), hf_config(model), parts)
+    tied = by_process(cut.ties(stages), spec.stages)
+    return Shards(units, stages, saved, rest, tied, hf_config(model), parts, spec.stages)
+
+
+def by_process(ties: list[list[tuple[int, str]]], processes: int) -> list[list[tuple[int, str]]]:
+    """Tied parameters (cut.ties: by piece) by stage process, where piece k is on process
+    k % processes: pieces on one process share one tensor (one build), so each process
+    keeps its first piece's name; a tie within one process leaves nothing to combine."""
+    out = []
+    for group in ties:
+        first: dict[int, str] = {}
+        for piece, name in group:
+            first.setdefault(piece % processes, name)
+        if len(first) > 1:
+            out.append(list(first.items()))
+    return out
 
 
 def _measure(spec: PipelineSpec, stage_names: list[str], traced: cut.Traced,
@@ -128,14 +168,15 @@ def _measure(spec: PipelineSpec, stage_names: list[str], traced: cut.Traced,
              progress: Callable[[str], None]) -> Partition:  # fmt: skip
     auto = spec.micro_batches == AUTO
     batch = spec.batch_size
-    counts = micro_batch_counts(batch) if auto else [spec.micro_batches]
+    counts = auto_counts(batch, spec.schedule, spec.stages) if auto else [spec.micro_batches]
     for m in counts:
         progress(f"  micro-batch {batch // m} ({m} per batch)")
     sizes = [batch // m for m in counts]
     measured: dict[int, tuple[Prediction, LayerCosts]] = {}
     for m, costs in zip(counts, measure_on_stages(stage_names, spec, traced, numbered, sizes),
                         strict=True):  # fmt: skip
-        measured[m] = predict(costs, spec.stages, m, batch, hosts, fixed), costs
+        measured[m] = predict(costs, spec.stages, m, batch, hosts, fixed,
+                              spec.stages_per_process), costs  # fmt: skip
     chosen, costs = measured[fastest([p for p, _ in measured.values()]).micro_batches]
     table = [candidate(p) for p, _ in measured.values()] if auto else []
     return Partition(chosen.ranges, costs.seconds, chosen.micro_batches, table)
@@ -166,34 +207,43 @@ def candidate_table(candidates: list[dict[str, Any]], chosen: int) -> str:
     return "\n".join(lines)
 
 
-def stage_resources(env: Env, stages: int) -> tuple[int, list[Host]]:
+def stage_resources(env: Env, stages: int, gpu: bool) -> tuple[int, list[Host]]:
     """The intra-op threads the stages compute with (each decided by its own tuning, or by
     the user; the count most of them use, ties to the smaller), and the stages of one
-    pipeline (`stages` of them) that share a host's cores (by address, as tuning counts
-    them) with the CPUs they may use: with replicas, a host's CPUs are split among the
-    replicas' stages on it, each pipeline getting its share."""
+    pipeline (`stages` of them) that share a resource: on GPUs (`gpu`), a GPU (the local
+    runner lets stages share one where there are fewer than stages); else a host's cores (by
+    address, as tuning counts them), with the CPUs they may use: with replicas, a host's
+    CPUs are split among the replicas' stages on it, each pipeline getting its share."""
     names = env.names("stage")
-    reports = [rpc.rpc_sync(name, compute_resources) for name in names]
-    counts = Counter(threads for threads, _ in reports)
-    address = dict(zip(env.world, env.addresses, strict=True))
-    groups: list[list[int]] = []  # indices into `names` of the stages on one host
-    for k, name in enumerate(names):
-        group = [g for g in groups if tuning.same_host(address[names[g[0]]], address[name])]
+    reports = [rpc.rpc_sync(name, compute_resources, args=(gpu,)) for name in names]
+    counts = Counter(threads for threads, _, _ in reports)
+    threads = min(counts, key=lambda n: (-counts[n], n))
+    if gpu:
+        places: list[str] = [uuid for _, _, uuid in reports]
+        same: Callable[[str, str], bool] = str.__eq__
+    else:
+        address = dict(zip(env.world, env.addresses, strict=True))
+        places, same = [address[name] for name in names], tuning.same_host
+    groups: list[list[int]] = []  # indices into `names` of the stages sharing one place
+    for k, place in enumerate(places):
+        group = [g for g in groups if same(places[g[0]], place)]
         if group:
             group[0].append(k)
         else:
             groups.append([k])
     hosts = []
     for g in groups:
-        ours = tuple(k for k in g if k < stages)  # replica 0's stages on this host
+        ours = tuple(k for k in g if k < stages)  # replica 0's stages on this host or GPU
         if ours:
-            cpus = min(reports[k][1] for k in g) * len(ours) / len(g)
-            hosts.append(Host(ours, cpus))
-    return min(counts, key=lambda n: (-counts[n], n)), hosts
+            whole = 1.0 if gpu else min(reports[k][1] for k in g)
+            hosts.append(Host(ours, whole * len(ours) / len(g), gpu))
+    return threads, hosts
 
 
-def share(shards: Shards, stage: int) -> float:
-    return sum(shards.costs[i] for i in shards.ranges[stage]) / sum(shards.costs)
+def share(shards: Shards, process: int) -> float:
+    """Stage process `process`'s share of the measured cost."""
+    mine = sum(shards.costs[i] for piece in shards.held(process) for i in shards.ranges[piece])
+    return mine / sum(shards.costs)
 
 
 def describe(layers: list[str]) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
-from pipejob.trainer.pipeline.schedule import StepResult
-from pipejob.trainer.pipeline.shards import Shards, describe, share
+from pipejob.trainer.pipeline.driver import StepResult
+from pipejob.trainer.pipeline.shards import Shards, share
 from pipejob.trainer.runtime import master, memory, monitor
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import metrics, models
@@ -24,9 +24,10 @@ def stage_report(
     return bubble, {n: (f, b) for n, (f, b, _) in zip(names, per_stage, strict=True)}
 
 
-def gpipe_bubble(stages: int, micro_batches: int) -> float:
-    """Idle fraction of a balanced GPipe pipeline: (p - 1) / (m + p - 1)."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def gpipe_bubble(stages: int, micro_batches: int, per_process: int = 1) -> float:
+    """Idle fraction of a balanced GPipe (or 1F1B) pipeline: (p - 1) / (m + p - 1); of an
+    interleaved one with v stages per process, (p - 1) / (m v + p - 1)."""
+    return (stages - 1) / (micro_batches * per_process + stages - 1)
 
 
 def summarize(
@@ -36,10 +37,13 @@ def summarize(
     results: list[StepResult],
     timings: list[dict[int, tuple[float, float, float]]],
     first: int = 0,
+    activations: list[int] | None = None,
 ) -> dict[str, Any]:
     """The run's summary; `results` are of steps first, first + 1, ... Rates and times leave
     out the first step (warm-up: lazy allocations, optimizer state) unless it is the only
-    one. Asks every member of the world for its peak memory (runtime/memory.py)."""
+    one. Asks every member of the world for its peak memory (runtime/memory.py).
+    `activations`: each stage's most bytes of activations held for its backwards, where its
+    engine counts them."""
     spec: PipelineSpec = env.spec
     warmup = 1 if len(results) > 1 else 0
     measured = results[warmup:]
@@ -56,7 +60,8 @@ def summarize(
         per_stage.append(
             {
                 "stage": name,
-                "layers": shards.of(i),
+                "layers": shards.units_of(i),
+                "pieces": shards.describe(i),
                 "costShare": round(share(shards, i), 4),
                 "forwardSeconds": round(forward / len(measured), 4),
                 "backwardSeconds": round(backward / len(measured), 4),
@@ -64,11 +69,16 @@ def summarize(
                 "peakMemory": peaks.get(name),
             }
         )
+        if activations is not None:
+            per_stage[-1]["peakActivationBytes"] = activations[i]
     p, m = spec.stages, shards.partition.micro_batches
     return master.summary(
         env, len(results), first,
         model=models.name(spec.model),
+        engine=spec.engine,
+        schedule=spec.schedule,
         stages=p,
+        stagesPerProcess=spec.stages_per_process,
         replicas=spec.replicas,
         microBatches=m,
         microBatchesRequested=spec.micro_batches,  # a count, or "auto"
@@ -100,6 +110,7 @@ def summarize(
         bubble={
             "measured": round(1 - busy_total / (p * pipeline_wall), 4),
             "gpipeIdeal": round(gpipe_bubble(p, m), 4),
+            "scheduleIdeal": round(gpipe_bubble(p, m, spec.stages_per_process), 4),
         },
     )  # fmt: skip
 
@@ -142,8 +153,11 @@ def evaluation_line(s: dict[str, Any]) -> list[str]:
 
 def render(summary: dict[str, Any]) -> str:
     s = summary
+    activated = any("peakActivationBytes" in st for st in s["partition"])
     lines = [
-        f"  {s['model']}: {s['stages']} stages, {s['microBatches']} micro-batches of"
+        f"  {s['model']}: {s['stages']} stages"
+        + (f" of {s['stagesPerProcess']} pieces each" if s["stagesPerProcess"] > 1 else "")
+        + f" on the {s['engine']} engine ({s['schedule']}), {s['microBatches']} micro-batches of"
         f" {s['batchSize'] // s['microBatches']}, {s['steps']} steps"
         + (
             f", {s['replicas']} replicas (all-reduce {s['allreduceSecondsPerStep']:.3f} s/step,"
@@ -158,14 +172,16 @@ def render(summary: dict[str, Any]) -> str:
         *auto_line(s),
         *evaluation_line(s),
         f"  {'stage':<8} {'layers':<38} {'cost':>5} {'fwd s/step':>10} {'bwd s/step':>10}"
-        f" {'idle':>5}  peak memory",
+        f" {'idle':>5}  peak memory" + ("  (activations)" if activated else ""),
     ]
     for st in s["partition"]:
         peak = st.get("peakMemory")
+        held = st.get("peakActivationBytes")
         lines.append(
-            f"  {st['stage']:<8} {describe(st['layers']):<38} {st['costShare']:>5.0%}"
+            f"  {st['stage']:<8} {st['pieces']:<38} {st['costShare']:>5.0%}"
             f" {st['forwardSeconds']:>10.3f} {st['backwardSeconds']:>10.3f}"
             f" {st['idleFraction']:>5.0%}  {memory.megabytes(peak) if peak else '?'}"
+            + (f"  ({held / 1e6:.1f} MB)" if held is not None else "")
         )
     staged = {st["stage"] for st in s["partition"]}
     others = [f"{name} {memory.megabytes(peak)}" for name, peak in s.get("memory", {}).items()
@@ -175,6 +191,8 @@ def render(summary: dict[str, Any]) -> str:
     b = s["bubble"]
     lines.append(
         f"  bubble {b['measured']:.0%} measured (idle share of stage time during forward and"
-        f" backward), GPipe ideal (p-1)/(m+p-1) = {b['gpipeIdeal']:.0%}"
+        f" backward), {s['schedule']} ideal "
+        + ("(p-1)/(m+p-1)" if s["stagesPerProcess"] == 1 else "(p-1)/(mv+p-1)")
+        + f" = {b['scheduleIdeal']:.0%}"
     )
     return "\n".join(lines)

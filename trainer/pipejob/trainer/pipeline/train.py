@@ -1,5 +1,6 @@
-"""The PipelineJob master: builds and cuts the model, places the shards on the stages, runs
-the steps, checkpoints and resumes, and returns the run's summary."""
+"""The PipelineJob master, on either engine: plans and cuts the model, has the stages build
+their shards, runs the steps through the engine's step driver (driver.py), evaluates,
+checkpoints and resumes, writes the model out, and returns the run's summary."""
 
 from __future__ import annotations
 
@@ -12,19 +13,19 @@ from torch import nn
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer import workloads
+from pipejob.trainer.pipeline import engine
 from pipejob.trainer.pipeline import output as model_output
+from pipejob.trainer.pipeline.driver import Replicas, StepResult
 from pipejob.trainer.pipeline.partition import shape
-from pipejob.trainer.pipeline.schedule import Replicas, StepResult
+from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import (
     Partition,
     Shards,
     candidate_table,
-    describe,
     plan_shards,
     share,
     stage_resources,
 )
-from pipejob.trainer.pipeline.stage import on_stage
 from pipejob.trainer.pipeline.summary import render, stage_report, summarize
 from pipejob.trainer.runtime import (
     checkpoint,
@@ -61,14 +62,13 @@ def train(env: Env) -> dict[str, Any]:
     found = checkpoint.latest_for(env)
     try:
         if found is None:
-            threads, hosts = stage_resources(env, spec.stages)
-            shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share {h.cpus:g}"
-                               " CPU(s)" for h in hosts if len(h.stages) > 1)  # fmt: skip
+            threads, hosts = stage_resources(env, spec.stages, spec.gpus_per_stage > 0)
+            shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share "
+                               + ("a GPU" if h.gpu else f"{h.cpus:g} CPU(s)")
+                               for h in hosts if len(h.stages) > 1)  # fmt: skip
             world.log(env, f"{title}: the stages measure what each part costs on samples of"
                            f" shape {shape(inputs[0])}, with their {threads} intra-op"
                            " thread(s)" + (f" ({shared})" if shared else ""))  # fmt: skip
-            if spec.gpus_per_stage > 0:
-                hosts = []  # the stages compute on their GPUs, not on the cores they share
             shards = plan_shards(spec, model, numbered, names, None, hosts,
                                  lambda message: world.log(env, message))  # fmt: skip
         else:
@@ -82,13 +82,13 @@ def train(env: Env) -> dict[str, Any]:
         world.log(env, f"microBatches auto {how} {m} (micro-batches of"
                        f" {spec.batch_size // m}){table}")  # fmt: skip
     for i in range(spec.stages):
-        world.log(env, f"stage {i}: {describe(shards.of(i))}, {share(shards, i):.0%} of measured"
-                       " cost")  # fmt: skip
+        world.log(env, f"stage {i}: {shards.describe(i)}, {share(shards, i):.0%} of"
+                       " measured cost")  # fmt: skip
     if spec.replicas > 1:
         world.log(env, f"{spec.replicas} replicas of the pipeline, {spec.batch_size} samples each"
                        " per step; stage i of every replica averages its gradients")  # fmt: skip
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
-    pipelines = Replicas(replicas, shards, spec, device)
+    pipelines = engine(spec, "schedule").Replicas(replicas, shards, spec, device)
     held = pipelines.pipelines[0].reader("held_out") if spec.eval is not None else None
     if spec.eval is not None:
         world.log(env, f"evaluation: {held}" if held else
@@ -138,7 +138,8 @@ def train(env: Env) -> dict[str, Any]:
         write_output(env, pipelines, shards, evaluations[-1] if evaluations else None)
     if not results:
         return master.nothing_left(env, first)
-    summary = summarize(env, names, shards, results, pipelines.timings(), first)
+    summary = summarize(env, names, shards, results, pipelines.timings(), first,
+                        pipelines.activation_peaks())  # fmt: skip
     summary["replicaDivergence"] = pipelines.divergence()
     summary["wallSeconds"] = round(time.perf_counter() - started, 3)
     if evaluations:
@@ -200,8 +201,8 @@ def evaluate(env: Env, pipelines: Replicas, micro_batches: int, loss: workloads.
     """The held-out figures after `step`, through replica 0 (the replicas are identical)."""
     assert env.spec.eval is not None
     start = time.perf_counter()
-    tally = pipelines.pipelines[0].evaluate(micro_batches, env.spec.eval.batches, loss,
-                                            Tally(data.task(env.spec)))  # fmt: skip
+    tally = pipelines.evaluate(micro_batches, env.spec.eval.batches, loss,
+                               Tally(data.task(env.spec)))  # fmt: skip
     figures = {"step": step, **tally.result()}
     metric = "".join(f", {m}" for m in [metrics.describe(figures)] if m)
     world.log(
@@ -240,7 +241,7 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
     root = env.spec.checkpoint.path
     directory = str(checkpoint.step_dir(root, step))
     start = time.perf_counter()
-    local = checkpoint.local_optimizers(pipelines.optimizers[0])
+    local = pipelines.local_optimizers(0)
     saving = [
         rpc.rpc_async(
             name, on_stage, args=(stage, "save", local.get(name), directory, f"stage{i}.pt")
@@ -254,8 +255,10 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
     files = [checkpoint.save_part(directory, "master.pt", own), *torch.futures.wait_all(saving)]
     checkpoint.write_manifest(
         root, step, files, kind=env.kind, job=env.job, model=models.as_spec(env.spec.model),
-        stageCount=len(shards.ranges),
-        stages=[shards.of(i) for i in range(len(shards.ranges))],
+        stageCount=len(pipeline.stages),  # files stage0.pt, stage1.pt, ...: one per process
+        stages=[shards.of(i) for i in range(len(shards.ranges))],  # per piece of the cut
+        engine=env.spec.engine, schedule=env.spec.schedule,
+        stagesPerProcess=env.spec.stages_per_process,
         info=model_output.info(env.kind, env.job, env.spec, step, None),
         ranges=[[r.start, r.stop] for r in shards.ranges], costs=shards.costs,
         microBatches=shards.partition.micro_batches,
@@ -279,6 +282,13 @@ def saved_partition(env: Env, found: checkpoint.Checkpoint) -> Partition:
     same = {} if requested == AUTO or recorded is None else {"microBatches": requested}
     checkpoint.fits(found, env, model=models.as_spec(env.spec.model),
                     stageCount=env.spec.stages, **same)  # fmt: skip
+    pieces = manifest.get("stagesPerProcess", 1)  # either engine resumes the other's cut
+    if pieces != env.spec.stages_per_process:
+        raise checkpoint.CheckpointError(
+            f"{found.directory} holds a checkpoint of stagesPerProcess {pieces} (its cut into"
+            f" {len(manifest['ranges'])} pieces), not stagesPerProcess"
+            f" {env.spec.stages_per_process}; give this job another checkpoint.path"
+        )
     return Partition([range(a, b) for a, b in manifest["ranges"]], manifest["costs"],
                      recorded or requested, manifest.get("microBatchCandidates", []))  # fmt: skip
 
@@ -295,8 +305,8 @@ def resume(env: Env, found: checkpoint.Checkpoint, pipelines: Replicas, shards: 
         )
     directory = str(found.directory)
     loading = []
-    for pipeline, optimizer in zip(pipelines.pipelines, pipelines.optimizers, strict=True):
-        local = checkpoint.local_optimizers(optimizer)
+    for r, pipeline in enumerate(pipelines.pipelines):
+        local = pipelines.local_optimizers(r)
         for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True)):
             args = (stage, "load", local.get(name), directory, found.entry(f"stage{i}.pt"))
             loading.append(rpc.rpc_async(name, on_stage, args=args))

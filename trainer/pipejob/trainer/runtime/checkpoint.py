@@ -10,8 +10,9 @@ Every file is written atomically: a temporary file in the same directory, fsync,
 fsync of the directory. A crash leaves the old file or the new one, never a mix, and a
 step directory without its manifest is simply not a checkpoint.
 
-Optimizer state: a HybridJob's optimizers are plain torch.optim ones (the ps's per trainer,
-each trainer's for its dense layer), whose `state` is used directly. A PipelineJob's
+Optimizer state: a HybridJob's optimizers are plain torch.optim ones (each parameter
+server's sparse one over its pieces of the tables, saved by table and row range in
+hybrid/ps.py; each trainer's for its dense layer), whose `state` is used directly. A PipelineJob's
 DistributedOptimizer keeps one local optimizer per worker, reachable through
 its `remote_optimizers` RRefs (owned by the worker that holds the parameters). By default
 that is a `_ScriptLocalOptimizer`, a TorchScript module whose functional optimizer keeps
@@ -25,7 +26,6 @@ so it does not depend on object identities or orders."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import random
@@ -121,12 +121,20 @@ def fsync_dir(directory: Path) -> None:
 
 
 def save_part(directory: str | Path, name: str, state: Any) -> dict[str, Any]:
-    """torch.save `state` as `directory/name`, atomically; its manifest entry."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getbuffer()
-    write_atomic(Path(directory) / name, lambda f: f.write(data))
-    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    """torch.save `state` as `directory/name`, atomically; its manifest entry. Saved straight
+    into the file (and hashed by reading it back), never into a second copy in memory: a
+    parameter server near its memory limit can save its tables."""
+    path = Path(directory) / name
+    write_atomic(path, lambda f: torch.save(state, f))
+    return {"name": name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def load_part(directory: str | Path, entry: dict[str, Any]) -> Any:
@@ -145,13 +153,8 @@ def _mismatch(path: Path, entry: dict[str, Any], checksum: bool = True) -> str |
         return "missing"
     if size != entry["bytes"]:
         return f"{size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"
-    if checksum:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        if digest.hexdigest() != entry["sha256"]:
-            return "its SHA-256 differs from the manifest's"
+    if checksum and _sha256(path) != entry["sha256"]:
+        return "its SHA-256 differs from the manifest's"
     return None
 
 

@@ -20,6 +20,7 @@ TAGS = {
     "eval_loss": "eval/loss",
     "eval_accuracy": "eval/accuracy",
     "eval_perplexity": "eval/perplexity",
+    "eval_auc": "eval/auc",
 }
 
 

@@ -108,11 +108,12 @@ class Board:
         loss: float,
         accuracy: float | None = None,
         perplexity: float | None = None,
+        auc: float | None = None,
     ) -> None:
         """An evaluation on held-out data after `step`: its loss, and accuracy
-        (classification) or perplexity (the language model) where known."""
+        (classification), perplexity (the language model) or AUC (clicks) where known."""
         figures = {"evalLoss": _finite(loss), "evalAccuracy": _finite(accuracy),
-                   "evalPerplexity": _finite(perplexity)}  # fmt: skip
+                   "evalPerplexity": _finite(perplexity), "evalAuc": _finite(auc)}  # fmt: skip
         with self._lock:
             self._progress = replace(self._progress, evalStep=step, **figures)
         # Made on first use: a job that never evaluates exports no eval series (a 0 would
@@ -157,6 +158,9 @@ _EVAL_GAUGES = {
     ),
     "evalPerplexity": (
         "pipejob_eval_perplexity", "Held-out perplexity at the last evaluation (language model).",
+    ),
+    "evalAuc": (
+        "pipejob_eval_auc", "Held-out AUC at the last evaluation (a HybridJob's clicks).",
     ),
 }  # fmt: skip
 
@@ -236,11 +240,12 @@ class Server:
 _board: Board | None = None
 
 
-def serve(steps: int, port: int) -> Board:
-    """Create this process's board and serve it on `port` (the master does, first thing)."""
+def serve(steps: int, port: int, host: str = "0.0.0.0") -> Board:
+    """Create this process's board and serve it on `host`:`port` (the master does, first
+    thing)."""
     global _board
     _board = Board(steps)
-    Server(_board, port)
+    Server(_board, port, host)
     return _board
 
 

@@ -190,9 +190,9 @@ def _store(env: Env, deadline: float, timeout: float) -> dist.TCPStore:
     left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
     if env.rank == 0:
         try:
-            return dist.TCPStore(env.master_addr, env.preflight_port, None, True, left,
-                                 wait_for_workers=False)  # fmt: skip
-        except RuntimeError as e:
+            return rendezvous.store(env.master_addr, env.preflight_port, None, True, left,
+                                    wait_for_workers=False)  # fmt: skip
+        except (RuntimeError, OSError) as e:
             raise PreflightError(
                 f"the master cannot listen on port {env.preflight_port}: {e}"
             ) from None
@@ -204,8 +204,8 @@ def _store(env: Env, deadline: float, timeout: float) -> dist.TCPStore:
     except world.RendezvousError:
         raise PreflightError(unreachable) from None
     try:
-        return dist.TCPStore(env.master_addr, env.preflight_port, None, False, left,
-                             wait_for_workers=False)  # fmt: skip
+        return rendezvous.store(env.master_addr, env.preflight_port, None, False, left,
+                                wait_for_workers=False)  # fmt: skip
     except RuntimeError as e:
         raise PreflightError(f"{unreachable}: {' '.join(str(e).split())[:200]}") from None
 
@@ -304,7 +304,9 @@ def _links(env: Env, group: dist.ProcessGroup, megabytes: float) -> tuple[list[L
 def _send_side(env: Env, group: dist.ProcessGroup, dst: int,
                count: int) -> tuple[Link, list[str]]:  # fmt: skip
     me, problems = env.rank, []
-    ping, pong = torch.zeros(1), torch.zeros(1)
+    # float32 throughout, whatever default dtype the process runs with (a user's code may
+    # set float64): both sides must agree on the bytes.
+    ping, pong = torch.zeros(1, dtype=torch.float32), torch.zeros(1, dtype=torch.float32)
     round_trips, wrong_echoes = [], 0
     for i in range(WARMUP_ROUNDS + LATENCY_ROUNDS):
         ping.fill_(i)
@@ -316,7 +318,7 @@ def _send_side(env: Env, group: dist.ProcessGroup, dst: int,
     if wrong_echoes:
         problems.append(f"link {env.world[me]} -> {env.world[dst]}: {world.describe(env, dst)}"
                         f" echoed {wrong_echoes} small messages wrongly")  # fmt: skip
-    transfers, ack = [], torch.zeros(1)
+    transfers, ack = [], torch.zeros(1, dtype=torch.float32)
     for r in range(BANDWIDTH_ROUNDS):
         data = payload(me, r, count)
         start = time.perf_counter()
@@ -329,11 +331,11 @@ def _send_side(env: Env, group: dist.ProcessGroup, dst: int,
 
 def _receive_side(env: Env, group: dist.ProcessGroup, src: int, count: int) -> list[str]:
     problems = []
-    ping = torch.zeros(1)
+    ping = torch.zeros(1, dtype=torch.float32)
     for _ in range(WARMUP_ROUNDS + LATENCY_ROUNDS):
         group.recv([ping], src, 0).wait()
         group.send([ping + 1], src, 1).wait()
-    data, ack = torch.empty(count), torch.ones(1)
+    data, ack = torch.empty(count, dtype=torch.float32), torch.ones(1, dtype=torch.float32)
     for r in range(BANDWIDTH_ROUNDS):
         group.recv([data], src, 2).wait()
         group.send([ack], src, 3).wait()

@@ -2,7 +2,8 @@
 
 Every process of the world profiles the step with Kineto (`torch.profiler`) across all its
 threads: a stage's or the parameter server's work runs on RPC and autograd threads, which a
-thread-local profiler would miss. The driver of the step (the pipeline master, each hybrid
+thread-local profiler would miss; on a GPU its kernels too, and a second table sorts by
+their time. The driver of the step (the pipeline master, each hybrid
 trainer) starts and stops the others over RPC.
 
 RPC calls and their remote ops (seed 004) are seen only by the autograd profiler in its
@@ -34,7 +35,7 @@ from pipejob.core.common import CommonSpec
 from pipejob.trainer.runtime import world
 from pipejob.trainer.runtime.world import Env
 
-SORT_BY = "self_cpu_time_total"
+SORT_BY = "self_cpu_time_total"  # on GPUs too: what keeps the host busy shows first
 RPC_LANE = 1_000_000  # thread ids of the RPC lanes: RPC_LANE + node id of the callee
 
 
@@ -65,10 +66,13 @@ class _Window:
 
     def __init__(self, step: int, directory: str, row_limit: int):
         self.step, self.directory, self.row_limit = step, directory, row_limit
-        if not torch.cuda.is_available():  # else Kineto logs a GPU-count "ERROR" on CPUs
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():  # the kernels too, with their streams
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        else:  # else Kineto logs a GPU-count "ERROR" on CPUs
             os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self.kineto = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU],
+            activities=activities,
             experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True),
         )
         self.rpc_profiles: list[tuple[float, Any]] = []  # (wall clock at start, profile)
@@ -91,8 +95,12 @@ class _Window:
         if self.rpc_profiles:
             _add_rpc_lanes(tmp, self.rpc_profiles)
         os.replace(tmp, path)  # a reader never sees a partial trace
-        table = self.kineto.key_averages().table(sort_by=SORT_BY, row_limit=self.row_limit)
+        averages = self.kineto.key_averages()
+        table = averages.table(sort_by=SORT_BY, row_limit=self.row_limit)
         lines = [f"profile of step {self.step}, all threads ({path}):", table]
+        if torch.cuda.is_available():
+            on_gpu = averages.table(sort_by="self_device_time_total", row_limit=self.row_limit)
+            lines += [f"profile of step {self.step}, by time on the GPU:", on_gpu]
         for i, (_, profile) in enumerate(self.rpc_profiles, 1):
             table = profile.key_averages().table(
                 sort_by=SORT_BY, row_limit=self.row_limit, max_name_column_width=100

@@ -2,16 +2,23 @@
 
 Workers may start long before the master is reachable (a pod's DNS name appears only once
 the pod exists), so rendezvous is retried until a deadline, with a message that names the
-address and port it is waiting for."""
+address and port it is waiting for. Both rendezvous go through `pipejob://`: torch's tcp://
+store, whose server listens on the rendezvous address alone where that is a loopback one
+(torch's listens on every interface)."""
 
 from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
+from urllib.parse import parse_qsl, urlparse
 
 from pipejob.trainer.runtime import failures, tuning
-from pipejob.trainer.runtime.world import Env, RendezvousError, log
+from pipejob.trainer.runtime.world import Env, RendezvousError, listen_address, log
+
+SCHEME = "pipejob"
 
 # The RPC timeout for ordinary calls once the world has formed.
 RPC_TIMEOUT_SECONDS = 300.0
@@ -51,6 +58,39 @@ def require_rpc() -> None:
         )
 
 
+def store(host: str, port: int, world_size: int | None, server: bool, timeout: timedelta,
+          wait_for_workers: bool = True) -> Any:  # fmt: skip
+    """A TCPStore at host:port; the `server`'s listens where world.listen_address says."""
+    from torch.distributed import TCPStore
+
+    listening = None
+    if server:
+        listening = socket.create_server((listen_address(host), port), backlog=1024).detach()
+    return TCPStore(host, port, world_size, server, timeout, wait_for_workers,
+                    master_listen_fd=listening)  # fmt: skip
+
+
+def _rendezvous(url: str, timeout: timedelta = timedelta(minutes=30),
+                **kwargs: Any) -> Iterator[tuple[Any, int, int]]:  # fmt: skip
+    """torch.distributed's rendezvous handler for `pipejob://HOST:PORT?rank=R&world_size=N`:
+    rank 0 serves the store."""
+    parsed = urlparse(url)
+    query = dict(parse_qsl(parsed.query))
+    rank, world_size = int(query["rank"]), int(query["world_size"])
+    yield store(parsed.hostname or "", parsed.port or 0, world_size, rank == 0, timeout), \
+        rank, world_size  # fmt: skip
+    raise RuntimeError(f"{SCHEME}:// cannot rendezvous again: a world that broke restarts whole")
+
+
+def _register() -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.register_rendezvous_handler(SCHEME, _rendezvous)
+    except RuntimeError:  # registered by an earlier join in this process
+        pass
+
+
 def backend_options(env: Env, timeout: float, device_maps: dict[str, dict[int, int]] | None = None,
                     devices: list[int] | None = None):  # fmt: skip
     import torch.distributed.rpc as rpc
@@ -58,7 +98,7 @@ def backend_options(env: Env, timeout: float, device_maps: dict[str, dict[int, i
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=16,
         rpc_timeout=timeout,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        init_method=f"{SCHEME}://{env.master_addr}:{env.master_port}",
         **tuning.rpc_backend_kwargs(env.kind, env.role, env.gpus),  # busy-polling where it pays
     )
     for peer, mapping in (device_maps or {}).items():
@@ -74,6 +114,7 @@ def join_rpc(env: Env, device_maps: dict[str, dict[int, int]] | None = None,
     import torch.distributed.rpc as rpc
 
     require_rpc()
+    _register()
     deadline = time.monotonic() + env.rendezvous_timeout
     if env.rank != 0:
         wait_reachable(env.master_addr, env.master_port, deadline, "the master's rendezvous", env)
@@ -87,7 +128,7 @@ def join_rpc(env: Env, device_maps: dict[str, dict[int, int]] | None = None,
             world_size=env.world_size,
             rpc_backend_options=backend_options(env, left, device_maps, devices),
         )
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:  # OSError: the master cannot listen on its port
         raise RendezvousError(
             f"the RPC world ({env.world_size} processes: {', '.join(env.world)}) did not form"
             f" within {env.rendezvous_timeout:g}s via {env.master_addr}:{env.master_port}: {e}"
@@ -101,6 +142,7 @@ def join_ddp(env: Env) -> None:
     import torch.distributed as dist
 
     assert env.ddp_addr and env.ddp_port is not None
+    _register()
     deadline = time.monotonic() + env.rendezvous_timeout
     if env.ddp_rank != 0:
         what = f"the {env.ddp_group} group's rendezvous (its rank 0)"
@@ -108,7 +150,7 @@ def join_ddp(env: Env) -> None:
     left = max(1.0, deadline - time.monotonic())
     dist.init_process_group(
         backend=env.ddp_backend,
-        init_method=f"tcp://{env.ddp_addr}:{env.ddp_port}",
+        init_method=f"{SCHEME}://{env.ddp_addr}:{env.ddp_port}",
         rank=env.ddp_rank,
         world_size=env.ddp_world_size,
         timeout=timedelta(seconds=left),

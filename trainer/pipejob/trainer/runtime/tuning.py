@@ -2,14 +2,18 @@
 trainer start before torch loads.
 
 Each lever is measured (benchmarks/compare.py and the issue-6 note):
-- threads: intra-op threads of a compute role = twice its share of its host's CPUs (the
-  compute processes of the world on its host split them; the local runner puts the whole
-  world on one host), at most all of them. The CPUs are those the process may run on, its
-  affinity (taskset, a cpuset, Kubernetes' static CPU manager), not the machine's count: 2
-  stages pinned to 2 of 16 cores get 2 threads each, on all 16 they get 16. Oversubscribing
-  on purpose lets a stage that is busy use the cores of one that waits in the pipeline's
-  bubble (2 stages on 2 cores, m=2: 60 samples/s with 2 threads each against 55 with 1, load
-  2-3). A pod with a CPU limit counts its quota, which torch's default ignores. A light role
+- threads: intra-op threads of a compute role = its share of its host's CPUs (the compute
+  processes of the world on its host split them; the local runner puts the whole world on
+  one host), twice that where the share is under 2 CPUs, at most all of them. The CPUs are
+  those the process may run on, its affinity (taskset, a cpuset, Kubernetes' static CPU
+  manager), not the machine's count: 2 stages pinned to 2 of 16 cores get 2 threads each, on
+  all 16 they get 8. Oversubscribing a core on purpose lets a stage that is busy use the core
+  of one that waits in the pipeline's bubble (2 stages on 2 cores, m=2: 60 samples/s with 2
+  threads each against 55 with 1, load 2-3); on 16 cores, 16 threads each made two stages
+  computing at once fight (ResNet-50, batch 48, an H200 machine's 16 cores: at m=2, 111
+  samples/s with 8 threads each against 86 with 16; with 16, 131 at m=1, where the stages
+  never compute at once, 80 at m=2, 62 at m=4). A pod with a CPU limit counts its quota,
+  which torch's default ignores. A light role
   (the pipeline master) sharing a host with compute roles gets one thread. Set through
   OMP_NUM_THREADS before torch loads: OpenMP reads it once, and it is the only bound that
   reaches the threads torch does not initialise itself (the RPC agent's workers run the
@@ -50,12 +54,13 @@ from pathlib import Path
 
 from pipejob.core import contract as c
 from pipejob.core.kinds import KINDS
+from pipejob.trainer.runtime.world import loopback
 
 TUNING = c.TUNING
 LEVERS = ("threads", "allocator", "transport")
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 WAIT_VARIABLE = "OMP_WAIT_POLICY"
-OVERSUBSCRIBE = 2  # compute threads per core of a process's share (measured for 2 stages)
+OVERSUBSCRIBE = 2  # compute threads per core of a share under 2 CPUs (measured for 2 stages)
 ARENA_VARIABLE = "MALLOC_ARENA_MAX"  # the user's (glibc's own variable) wins
 # glibc's mallopt parameters, and the values of the allocator lever.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
@@ -116,11 +121,7 @@ def cgroup_cpus(cpu_max: str | None) -> float | None:
 
 def same_host(a: str, b: str) -> bool:
     """Whether two addresses of the world name the same machine: equal, or both loopback."""
-    return a == b or (_loopback(a) and _loopback(b))
-
-
-def _loopback(address: str) -> bool:
-    return address == "localhost" or address.startswith("127.")
+    return a == b or (loopback(a) and loopback(b))
 
 
 def computes(kind: str, role: str) -> bool:
@@ -150,7 +151,9 @@ def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
     passive = "threads" in enabled and colocated > 1
     if "threads" in enabled:
         if computes(kind, role):
-            share = OVERSUBSCRIBE * cpus / max(1, colocated)
+            share = cpus / max(1, colocated)
+            if share < 2:
+                share *= OVERSUBSCRIBE
             threads = max(1, math.floor(min(cpus, share)))
         elif colocated > 0:
             threads = 1  # a light role leaves the shared cores to the compute roles

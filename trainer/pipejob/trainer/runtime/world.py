@@ -33,6 +33,19 @@ class PreflightError(RuntimeError):
         super().__init__(message if message.startswith(prefix) else f"{prefix} {message}")
 
 
+def loopback(address: str) -> bool:
+    """Whether a member's address is this machine's loopback (`pipejob run`'s worlds)."""
+    return address == "localhost" or address.startswith("127.")
+
+
+def listen_address(address: str) -> str:
+    """Where a world member reachable at `address` listens: on that address alone where it
+    is a loopback one (`pipejob run`: nothing off this machine reaches a world whose members
+    unpickle what they receive), on every interface in a pod (its NetworkPolicy admits only
+    its world)."""
+    return address if loopback(address) else "0.0.0.0"
+
+
 @dataclass(frozen=True)
 class Env:
     kind: str

@@ -4,8 +4,8 @@ so a new model, data source or loss is added here and nowhere else.
 
 - PipelineJob: `models.build` (the model; `cut` cuts it into stages), `data` (the training
   feed, the held-out set and a sample to check shapes and measure costs with), `loss`;
-- HybridJob: `hybrid_table` (the parameter server's EmbeddingBag), `hybrid_dense` (each
-  trainer's dense model), `hybrid_data`, `hybrid_held_out`, `loss`."""
+- HybridJob: `hybrid_dense` (each trainer's dense model; the tables' rows are
+  recsys.initial_rows), `hybrid_data`, `hybrid_held_out` (samples.py), `loss`."""
 
 from __future__ import annotations
 
@@ -19,18 +19,20 @@ from torch import nn
 
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.workloads import bags, imports, metrics
-from pipejob.trainer.workloads.bags import Bags
+from pipejob.trainer.workloads import imports, metrics, recsys, samples
+from pipejob.trainer.workloads.samples import Samples
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, labels) -> scalar
 
 
 def loss(spec: PipelineSpec | HybridSpec) -> Loss:
-    """The loss over a whole batch, the mean over its samples: cross-entropy, or what the
-    user's factory (spec.loss.import, called with its args) returns, built here at once (so
-    a bad one fails before anything runs) and again wherever it is sent (`UserLoss`)."""
+    """The loss over a whole batch, the mean over its samples: cross-entropy (binary, of one
+    logit per sample, for a HybridJob's clicks), or what the user's factory (spec.loss.import,
+    called with its args) returns, built here at once (so a bad one fails before anything
+    runs) and again wherever it is sent (`UserLoss`)."""
     if spec.loss.import_ is None:
-        return metrics.cross_entropy
+        clicks = isinstance(spec, HybridSpec) and spec.recommends
+        return recsys.click_loss if clicks else metrics.cross_entropy
     user = UserLoss(spec.loss.import_, json.dumps(spec.loss.args, sort_keys=True))
     _made(user)
     return user
@@ -59,20 +61,17 @@ def _made(user: UserLoss) -> Loss:
     return made
 
 
-def hybrid_table(spec: HybridSpec) -> nn.EmbeddingBag:
-    """The parameter server's table, seeded on its own (the same in every restart)."""
-    emb = spec.embedding
-    table = nn.EmbeddingBag(emb.num_embeddings, emb.dim, mode=emb.mode)
-    nn.init.normal_(table.weight, generator=torch.Generator().manual_seed(spec.seed))
-    return table
-
-
-def hybrid_dense(spec: HybridSpec) -> nn.Module:
-    """A trainer's dense model on the bags' embeddings (batch, embedding.dim), from torch's
-    current seed: nn.Linear to outFeatures, or the user's (spec.dense.import with its args)."""
+def hybrid_dense(spec: HybridSpec, dense_features: int) -> nn.Module:
+    """A trainer's dense model, from torch's current seed. spec.embedding: nn.Linear from the
+    bag's embedding to outFeatures. spec.embeddings: the built-in DLRM over `dense_features`
+    dense features and the tables. Or the user's (spec.dense.import with its args)."""
     dense = spec.dense
     if dense.import_ is None:
-        return nn.Linear(spec.embedding.dim, dense.out_features)
+        if not spec.recommends:
+            return nn.Linear(spec.embeddings[0].dim, dense.out_features)
+        names = [t.name for t in spec.embeddings]
+        return recsys.DLRM(dense_features, spec.embeddings[0].dim, names, dense.dlrm.bottom,
+                           dense.dlrm.top)  # fmt: skip
     made = imports.call(dense.import_, "spec.dense.import", dense.args)
     if not isinstance(made, nn.Module):
         raise TypeError(f"spec.dense.import: {dense.import_!r} returned a"
@@ -80,14 +79,14 @@ def hybrid_dense(spec: HybridSpec) -> nn.Module:
     return made
 
 
-def hybrid_data(spec: HybridSpec) -> Bags:
-    """The training bags: synthetic, from .npz files (spec.data.file) or from the user's
-    Dataset (spec.data.import); see workloads/bags.py."""
-    train = bags.data(spec, "train")
+def hybrid_data(spec: HybridSpec) -> Samples:
+    """The training samples: synthetic, from files (spec.data.file, spec.data.criteo) or
+    from the user's Dataset (spec.data.import); see workloads/samples.py."""
+    train = samples.of(spec, "train")
     assert train is not None  # every source has a training split
     return train
 
 
-def hybrid_held_out(spec: HybridSpec) -> Bags | None:
-    """The held-out bags spec.eval measures on; None when the data has none."""
-    return bags.data(spec, "val")
+def hybrid_held_out(spec: HybridSpec) -> Samples | None:
+    """The held-out samples spec.eval measures on; None when the data has none."""
+    return samples.of(spec, "val")

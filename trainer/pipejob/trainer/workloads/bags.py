@@ -1,8 +1,7 @@
-"""A HybridJob's bags from the user: .npz files, or a Dataset from the user's factory.
+"""spec.embedding's bags from the user: .npz files, or a Dataset from the user's factory.
 
-Both give what the trainers read from synthetic bags (`synthetic.SyntheticBags`): a `size`
-and `sample(i)` -> (the bag's embedding ids, its label), so `synthetic.partitions` (disjoint
-by DDP rank) and `synthetic.batches` serve every source alike.
+Both give what synthetic bags (`synthetic.SyntheticBags`) give: a `size` and `sample(i)` ->
+(the bag's embedding ids, its label); samples.py reads every source alike.
 
 The file format is EmbeddingBag's own input layout, written in one line with numpy:
 
@@ -16,25 +15,14 @@ file is checked whole on load, so a bad one fails before the first step, naming 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.trainer.workloads import imports
-from pipejob.trainer.workloads.synthetic import Batch, SyntheticBags, gather
 
 FORMAT = "np.savez(path, ids=ids, offsets=offsets, labels=labels)"
-
-
-class Bags(Protocol):
-    """What the trainers read: `size` samples, each (embedding ids, label)."""
-
-    @property
-    def size(self) -> int: ...
-
-    def sample(self, i: int) -> tuple[list[int], int]: ...
 
 
 class FileBags:
@@ -93,13 +81,12 @@ def _load(path: str, field: str) -> dict[str, np.ndarray]:
     return arrays
 
 
-class ImportedBags:
-    """Bags from the user's map-style Dataset: item i is (ids, label), the ids a list or a
-    1-d tensor of ints. Checked as they are read: a bad item names the field and its index."""
+class Imported:
+    """The user's map-style Dataset, checked as it is read: a bad item names the field,
+    the split and its index."""
 
-    def __init__(self, dataset: Any, field: str, split: str, num_embeddings: int):
+    def __init__(self, dataset: Any, field: str, split: str):
         self.dataset, self.field, self.split = dataset, field, split
-        self.num_embeddings = num_embeddings
         try:
             self._size = len(dataset)
         except TypeError:
@@ -112,51 +99,65 @@ class ImportedBags:
     def size(self) -> int:
         return self._size
 
+    def where(self, i: int) -> str:
+        return f"{self.field}: item {i} of the {self.split} split"
+
+
+def _ids(value: Any) -> list[int]:
+    return torch.as_tensor(value, dtype=torch.long).reshape(-1).tolist()
+
+
+class ImportedBags(Imported):
+    """spec.embedding's bags: item i is (ids, label), the ids a list or a 1-d tensor of ints."""
+
+    def __init__(self, dataset: Any, field: str, split: str, num_embeddings: int):
+        super().__init__(dataset, field, split)
+        self.num_embeddings = num_embeddings
+
     def sample(self, i: int) -> tuple[list[int], int]:
-        where = f"{self.field}: item {i} of the {self.split} split"
         try:
             ids, label = self.dataset[i]
-            bag = torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist()
-            label = int(label)
+            bag, label = _ids(ids), int(label)
         except Exception as e:
-            raise ValueError(f"{where} is not (ids, label) with integer ids and an integer"
-                             f" label: {type(e).__name__}: {e}") from None  # fmt: skip
+            raise ValueError(f"{self.where(i)} is not (ids, label) with integer ids and an"
+                             f" integer label: {type(e).__name__}: {e}") from None  # fmt: skip
         if any(not 0 <= x < self.num_embeddings for x in bag):
             last = self.num_embeddings - 1
-            raise ValueError(f"{where}: ids {bag} go outside the table's rows 0..{last}"
+            raise ValueError(f"{self.where(i)}: ids {bag} go outside the table's rows 0..{last}"
                              " (spec.embedding.numEmbeddings)")  # fmt: skip
         if label < 0:
-            raise ValueError(f"{where}: label {label} is negative")
+            raise ValueError(f"{self.where(i)}: label {label} is negative")
         return bag, label
 
 
-def data(spec: HybridSpec, split: str) -> Bags | None:
-    """The `split` ("train" or "val") of the spec's data source; None when it has no
-    held-out set. Synthetic bags (the default) hold out `held_out_size` bags drawn with
-    another seed."""
-    d, rows = spec.data, spec.embedding.num_embeddings
-    if d.file is not None:
-        path = d.file.train if split == "train" else d.file.val
-        return None if path is None else FileBags(path, f"spec.data.file.{split}", rows)
-    if d.import_ is not None:
-        dataset = imports.call(d.import_, "spec.data.import", d.args, split=split)
-        return None if dataset is None else ImportedBags(dataset, "spec.data.import", split, rows)
-    size = spec.dataset_size if split == "train" else held_out_size(spec)
-    # Seeds are >= 0: -1 - seed is a stream no training set is drawn from.
-    seed = spec.seed if split == "train" else -1 - spec.seed
-    return SyntheticBags(size=size, num_embeddings=rows, classes=spec.dense.out_features,
-                         bag_size=spec.bag_size, seed=seed)  # fmt: skip
+class ImportedClicks(Imported):
+    """spec.embeddings' samples: item i is (dense features, {feature: ids}, label), the
+    dense features and each feature's ids lists or 1-d tensors, the label 0 or 1. A feature's
+    ids lie below the rows of every table it feeds (`rows`: the fewest by feature)."""
+
+    def __init__(self, dataset: Any, field: str, split: str, rows: dict[str, int]):
+        super().__init__(dataset, field, split)
+        self.rows = rows
+
+    def sample(self, i: int) -> tuple[list[float], dict[str, list[int]], int]:
+        try:
+            values, sparse, label = self.dataset[i]
+            dense = torch.as_tensor(values, dtype=torch.float64).reshape(-1).tolist()
+            ids = {str(f): _ids(v) for f, v in dict(sparse).items()}
+            label = int(label)
+        except Exception as e:
+            raise ValueError(f"{self.where(i)} is not (dense features, {{feature: ids}},"
+                             f" label): {type(e).__name__}: {e}") from None  # fmt: skip
+        for feature, rows in self.rows.items():
+            bad = [x for x in ids.get(feature, []) if not 0 <= x < rows]
+            if bad:
+                raise ValueError(f"{self.where(i)}: feature {feature!r} has ids {bad} outside"
+                                 f" 0..{rows - 1} (the rows of its smallest table)")  # fmt: skip
+        if label not in (0, 1):
+            raise ValueError(f"{self.where(i)}: label {label} is not a click (0 or 1)")
+        return dense, ids, label
 
 
 def held_out_size(spec: HybridSpec) -> int:
-    """Synthetic held-out bags: a tenth of the training set, at least one batch."""
+    """Synthetic held-out samples: a tenth of the training set, at least one batch."""
     return max(spec.batch_size, spec.dataset_size // 10)
-
-
-def in_order(bags: Bags, batch_size: int, limit: int = 0) -> list[Batch]:
-    """`bags` in order as batches of `batch_size` (the last may be smaller); only the first
-    `limit` batches when it is not 0. For evaluation: every bag once, no cycling."""
-    count = -(-bags.size // batch_size)
-    count = min(count, limit) if limit else count
-    return [gather(bags, list(range(b * batch_size, min((b + 1) * batch_size, bags.size))))
-            for b in range(count)]  # fmt: skip

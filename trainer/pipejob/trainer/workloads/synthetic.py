@@ -1,18 +1,17 @@
-"""Synthetic data, seeded and learnable: images or tokens for a PipelineJob, bags for a HybridJob.
+"""Synthetic data, seeded and learnable: images or tokens for a PipelineJob, bags or clicks for
+a HybridJob.
 
-Bags are pure Python so every piece is unit-testable and identical in every process: a sample
-is a function of (seed, index) alone, and the partition of a shuffled index list by DDP rank
-(seed 001's partitioner idea) is a function of (size, parts, seed) alone.
+Bags and clicks are pure Python so every piece is unit-testable and identical in every
+process: a sample is a function of (seed, index) alone (samples.py splits them by DDP rank).
 
-The task is learnable on purpose, so a falling loss shows training works: every bag draws all its
-ids from one class's rows of the table (row r belongs to class r mod classes), and its label is
-that class."""
+The tasks are learnable on purpose, so a falling loss shows training works: every bag draws
+all its ids from one class's rows of the table (row r belongs to class r mod classes), and
+its label is that class; clicks: see SyntheticClicks."""
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,48 +49,32 @@ class SyntheticBags:
         return ids, label
 
 
-def partitions(size: int, parts: int, seed: int) -> list[list[int]]:
-    """Split sample indices 0..size-1, shuffled by seed, into `parts` disjoint parts that cover
-    them all, sizes differing by at most one. Part k belongs to DDP rank k."""
-    if parts < 1 or size < parts:
-        raise ValueError(f"cannot split {size} samples into {parts} non-empty parts")
-    indices = list(range(size))
-    random.Random(seed).shuffle(indices)
-    base, extra = divmod(size, parts)
-    bounds = [k * base + min(k, extra) for k in range(parts + 1)]
-    return [indices[bounds[k] : bounds[k + 1]] for k in range(parts)]
-
-
 @dataclass(frozen=True)
-class Batch:
-    sample_ids: list[int]
-    ids: list[int]  # the bags' embedding ids, concatenated
-    offsets: list[int]  # where each bag starts in `ids` (EmbeddingBag's layout)
-    labels: list[int]
+class SyntheticClicks:
+    """Clicks for spec.embeddings, seeded and learnable: a sample's label is a fair coin;
+    each feature gets 1 to `bag_size` ids, four in five from the rows whose parity is the
+    label (the rest from any row), and its dense features are normal draws around
+    label - 0.5. A sample is a function of (seed, index) alone."""
 
+    size: int
+    features: tuple[tuple[str, int], ...]  # (feature, rows of the smallest table it feeds)
+    dense_features: int
+    bag_size: int
+    seed: int
 
-def gather(data: SyntheticBags, chosen: list[int]) -> Batch:
-    """Samples `chosen` of `data` (any source with `sample(i)`) as one batch."""
-    ids: list[int] = []
-    offsets: list[int] = []
-    labels: list[int] = []
-    for i in chosen:
-        bag, label = data.sample(i)
-        offsets.append(len(ids))
-        ids.extend(bag)
-        labels.append(label)
-    return Batch(chosen, ids, offsets, labels)
-
-
-def batches(data: SyntheticBags, part: list[int], batch_size: int) -> Iterator[Batch]:
-    """Batches of `batch_size` samples from `part`, cycling through it forever in order."""
-    if not part:
-        raise ValueError("cannot draw batches from an empty partition")
-    position = 0
-    while True:
-        chosen = [part[(position + j) % len(part)] for j in range(batch_size)]
-        position = (position + batch_size) % len(part)
-        yield gather(data, chosen)
+    def sample(self, i: int) -> tuple[list[float], dict[str, list[int]], int]:
+        if not 0 <= i < self.size:
+            raise IndexError(f"sample {i} outside a dataset of {self.size}")
+        rng = random.Random(f"pipejob-click:{self.seed}:{i}")
+        label = rng.randrange(2)
+        sparse = {}
+        for feature, rows in self.features:
+            own = (rows - label + 1) // 2  # rows r with r % 2 == label
+            sparse[feature] = [2 * rng.randrange(own) + label if own and rng.random() < 0.8
+                               else rng.randrange(rows)
+                               for _ in range(rng.randint(1, self.bag_size))]  # fmt: skip
+        dense = [rng.gauss(label - 0.5, 1.0) for _ in range(self.dense_features)]
+        return dense, sparse, label
 
 
 class SyntheticImages:

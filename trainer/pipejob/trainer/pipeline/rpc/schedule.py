@@ -1,5 +1,6 @@
-"""The master's side of one step: micro-batches pipelined through the remote stages (GPipe:
-all forwards of a step, then all backwards, then every stage's optimizer step).
+"""The rpc engine's step driver, on the master: micro-batches pipelined through the remote
+stages (GPipe: all forwards of a step, then all backwards, then every stage's optimizer
+step); what both engines' drivers share is pipeline/driver.py's.
 
 The master only sends control messages. The first stage reads each round's batch itself
 (pipeline/reader.py); for every micro-batch the master chains RRefs, so stage i+1 fetches
@@ -14,8 +15,6 @@ from __future__ import annotations
 import math
 import queue
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,12 +24,14 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.pipeline import gradients
-from pipejob.trainer.pipeline.reader import HELD_OUT, TRAIN, Batch, Source
+from pipejob.trainer.pipeline import driver, gradients
+from pipejob.trainer.pipeline.driver import Round, StepResult
+from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Source
+from pipejob.trainer.pipeline.rpc.stage import Stage
+from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import Shards
-from pipejob.trainer.pipeline.stage import Stage, on_reader, on_stage
-from pipejob.trainer.runtime import nonfinite, rendezvous
-from pipejob.trainer.runtime.optim import learning_rate, optimizer_args
+from pipejob.trainer.runtime import checkpoint, rendezvous
+from pipejob.trainer.runtime.optim import learning_rate, optimizer_args, set_remote_lr
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -38,16 +39,7 @@ from pipejob.trainer.workloads.metrics import Tally
 IN_FLIGHT = 4
 
 
-@dataclass(frozen=True)
-class Round:
-    """A forward round's batch, read on the first stage: training or evaluation."""
-
-    number: int  # the stages' order of rounds
-    micro_batches: int  # as the first stage split it: no more than its samples
-    labels: RRef  # on the first stage; the last fetches them from there
-
-
-class Pipeline:
+class Pipeline(driver.Pipeline):
     """The master's handle on the remote shards: creates them and runs micro-batches.
 
     Calls go through `on_stage` rather than RRef proxies (`rref.rpc_async().forward`): a
@@ -61,28 +53,12 @@ class Pipeline:
         """`source`: where the first stage reads the training and held-out batches; without
         it, every round's batch is given (`read`)."""
         last = len(stage_names) - 1
-        self.names = stage_names
-        self.stages = [
+        super().__init__(stage_names, [
             rpc.remote(name, Stage, args=(shards.parts[i] if shards.parts else shards.stages[i],
                                           i == last, device, precision, recompute,
                                           source if i == 0 else None))
             for i, name in enumerate(stage_names)
-        ]  # fmt: skip
-        self.rounds = 0  # forward rounds (training steps and evaluation batches) so far
-
-    def read(self, micro_batches: int, given: Batch | None = None,
-             what: str = TRAIN) -> Round | None:  # fmt: skip
-        """The next round's batch, on the first stage: `given` (sent there), or read there,
-        the next of `what` (TRAIN, or HELD_OUT once `start_held_out`); None when the
-        held-out set is over."""
-        self.rounds += 1
-        if given is not None:  # a view would ship its whole storage
-            given = (given[0].clone(), given[1].clone())
-        samples = self.reader("read", self.rounds, micro_batches, what, given)
-        if samples == 0:
-            return None
-        labels = rpc.remote(self.names[0], on_reader, args=(self.stages[0], "labels", self.rounds))
-        return Round(self.rounds, min(micro_batches, samples), labels)
+        ])  # fmt: skip
 
     def forward(self, batch: Round, step: int | None) -> None:
         """All micro-batches' forwards of `batch`, pipelined. `step` None: an evaluation's
@@ -153,67 +129,13 @@ class Pipeline:
             tally = rpc.rpc_sync(self.names[-1], on_stage, args=args)
         return tally
 
-    def reader(self, method: str, *args: Any) -> Any:
-        """Call a method of the first stage's Reader (pipeline/reader.py)."""
-        return rpc.rpc_sync(self.names[0], on_reader, args=(self.stages[0], method, *args))
-
     def settle(self, step: int, micro_batches: int) -> None:
         """Return once every stage has backpropagated every micro-batch of `step`
         (Stage.settle): only then are the step's gradients whole."""
-        torch.futures.wait_all([
-            rpc.rpc_async(name, on_stage, args=(stage, "settle", step, micro_batches))
-            for name, stage in zip(self.names, self.stages, strict=True)
-        ])  # fmt: skip
-
-    def combine_tied(self, context_id: int, tied: list[list[tuple[int, str]]]) -> None:
-        """Each parameter several stages hold (tied embeddings, cut.ties) gets the sum of its
-        copies' gradients in every copy, as one shared tensor would (Megatron's way)."""
-        for group in tied:
-            grads = torch.futures.wait_all([
-                rpc.rpc_async(self.names[k], on_stage,
-                              args=(self.stages[k], "gradient", context_id, name))
-                for k, name in group
-            ])  # fmt: skip
-            total = torch.stack(grads).sum(0)
-            torch.futures.wait_all([
-                rpc.rpc_async(self.names[k], on_stage,
-                              args=(self.stages[k], "set_gradient", context_id, name, total))
-                for k, name in group
-            ])  # fmt: skip
-
-    def nonfinite_source(self, rounds: list[int]) -> str:
-        """Where a non-finite loss of training rounds `rounds` came from: the first stage
-        whose forward gave a non-finite output, else the loss on the last stage."""
-        for name, stage in zip(self.names, self.stages, strict=True):
-            if rpc.rpc_sync(name, on_stage, args=(stage, "nonfinite", rounds)):
-                return f"{name}'s forward"
-        return f"the loss on {self.names[-1]} (from finite outputs)"
+        self.each("settle", step, micro_batches)
 
     def parameter_rrefs(self) -> list[RRef]:
         return [p for params in self.each("parameter_rrefs") for p in params]
-
-    def timings(self) -> list[dict[int, tuple[float, float, float]]]:
-        return self.each("timings")
-
-    def each(self, method: str) -> list[Any]:
-        return [
-            rpc.rpc_sync(name, on_stage, args=(stage, method))
-            for name, stage in zip(self.names, self.stages, strict=True)
-        ]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    loss: float  # the mean over every replica's batch
-    pipeline_seconds: float  # forwards and backwards, all micro-batches (slowest replica)
-    optimizer_seconds: float  # averaging gradients across replicas, then stepping
-    allreduce_seconds: float = 0.0  # of which the slowest stage's all-reduce
-    lr: float | None = None  # the learning rate the optimizer stepped with
-    grad_norm: float | None = None  # the global gradient norm before clipping
-    # A figure that was not finite, its value and where it came from (runtime/nonfinite.py):
-    # the step was not applied.
-    nonfinite: tuple[str, float, str] | None = None
-    skipped: str | None = None  # the line saying that the Guard let the step be skipped
 
 
 def forward_backward(
@@ -234,71 +156,25 @@ def forward_backward(
     return loss
 
 
-class Replicas:
+class Replicas(driver.Replicas):
     """Every copy of the pipeline, each with its own DistributedOptimizer over its stages.
 
-    One step: each replica's first stage reads the replica's share of the batch (or a
-    given batch is split into one share per replica); each replica runs its share's
-    forwards and backwards in a dist-autograd context of its own (a thread each, so the
-    replicas' pipelines overlap), then its stages average their gradients with the same
-    stage of the other replicas (`Stage.average_gradients`) and its optimizer steps. The mean
-    of the replicas' losses is the loss of the whole batch, and the averaged gradients its
-    gradients: R replicas compute what one pipeline computes on their union.
-
-    With gradientAccumulation N the step's batch is N batches, run one after the other,
-    each loss weighted 1/N; their gradients add up on the stages into the last one's
-    context. Before the optimizer steps, the replica's stages give their gradients' global
-    norm, which clips them (gradients.py), and the optimizer gets the schedule's learning
-    rate; with fp16 the loss is scaled and an overflowed step skipped."""
+    Each replica runs its share's forwards and backwards in a dist-autograd context of its
+    own, then its stages average their gradients with the same stage of the other replicas
+    (`Stage.average_gradients`) and its optimizer steps. With gradientAccumulation the
+    rounds' gradients add up on the stages into the last round's context. Before the
+    optimizer steps, the replica's stages give their gradients' global norm, which clips
+    them (gradients.py), and the optimizer gets the schedule's learning rate."""
 
     def __init__(self, names: list[list[str]], shards: Shards, spec: PipelineSpec,
                  device: str = "cpu"):  # fmt: skip
         cls, kwargs = optimizer_args(spec.optimizer)
-        self.optimizer, self.steps = spec.optimizer, spec.steps
-        self.accumulation = spec.gradient_accumulation
-        self.loss_scale = gradients.LossScale() if spec.precision == "fp16" else None
-        self.guard = nonfinite.Guard(spec.skip_non_finite_steps)
-        self.pipelines = [Pipeline(stage_names, shards, device, spec.precision,
-                                   spec.activation_checkpointing, Source(spec, r))
-                          for r, stage_names in enumerate(names)]  # fmt: skip
-        self.tied = shards.tied
+        pipelines = [Pipeline(stage_names, shards, device, spec.precision,
+                              spec.activation_checkpointing, Source(spec, r))
+                     for r, stage_names in enumerate(names)]  # fmt: skip
+        super().__init__(pipelines, shards, spec)
         self.optimizers = [DistributedOptimizer(cls, p.parameter_rrefs(), **kwargs)
-                           for p in self.pipelines]  # fmt: skip
-        self._threads = ThreadPoolExecutor(len(names)) if len(names) > 1 else None
-
-    def step(self, micro_batches: int, step: int, loss_fn: Loss,
-             given: Batch | None = None) -> StepResult:  # fmt: skip
-        """One optimizer step on gradientAccumulation batches, one after the other: the
-        next ones each first stage reads, or `given` (inputs and labels of them all)."""
-        replicas = len(self.pipelines)
-        shares: list[list[Batch | None]] = [[None] * self.accumulation for _ in range(replicas)]
-        if given is not None:
-            inputs, labels = given
-            rounds = zip(inputs.tensor_split(self.accumulation),
-                         labels.tensor_split(self.accumulation), strict=True)  # fmt: skip
-            for a, (x, y) in enumerate(rounds):
-                for r, share in enumerate(zip(x.tensor_split(replicas), y.tensor_split(replicas),
-                                              strict=True)):  # fmt: skip
-                    shares[r][a] = share
-        args = [(r, share, micro_batches, step, loss_fn) for r, share in enumerate(shares)]
-        if self._threads is None:
-            results = [self._one(*args[0])]
-        else:
-            results = list(self._threads.map(lambda a: self._one(*a), args))
-        bad = next((r.nonfinite for r in results if r.nonfinite is not None), None)
-        skipped = None if bad is None else self.guard.check(step + 1, *bad)  # or raises
-        if self.loss_scale is not None:  # every replica saw the same averaged gradients
-            self.loss_scale.update(results[0].grad_norm)
-        return StepResult(
-            sum(r.loss for r in results) / len(results),
-            max(r.pipeline_seconds for r in results),
-            max(r.optimizer_seconds for r in results),
-            max(r.allreduce_seconds for r in results),
-            results[0].lr,
-            results[0].grad_norm,
-            bad,
-            skipped,
-        )
+                           for p in pipelines]  # fmt: skip
 
     def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
              loss_fn: Loss) -> StepResult:  # fmt: skip
@@ -345,44 +221,24 @@ class Replicas:
             norm = gradients.total_norm(norms)
             loss = sum(losses) / len(losses)
             lr = learning_rate(self.optimizer, self.steps, step)
-            bad = None
-            if not math.isfinite(loss):
-                bad = ("loss", loss, pipeline.nonfinite_source(numbers))
-            elif self.loss_scale is None and not math.isfinite(norm):
-                # The backward runs from the last stage to the first: the latest stage whose
-                # gradients are not finite is where they became so.
-                k = max(k for k, n in enumerate(norms) if not math.isfinite(n))
-                bad = ("gradient norm", norm, f"{names[k]}'s backward")
+            bad = self.nonfinite(pipeline, loss, norms, numbers)
             # fp16: an overflow is skipped by the loss scale
             if bad is None and (self.loss_scale is None or math.isfinite(norm)):
                 gradients.clip(names, stages, context_id, norm, self.optimizer.clip_grad_norm)
                 if self.optimizer.schedule is not None:
-                    gradients.set_lr(self.optimizers[r], lr)
+                    set_lr(self.optimizers[r], lr)
                 self.optimizers[r].step(context_id)
         return StepResult(loss, middle - start, time.perf_counter() - middle, allreduce, lr,
                           norm, bad)  # fmt: skip
 
-    def timings(self) -> list[dict[int, tuple[float, float, float]]]:
-        """Replica 0's stages' timings (every replica runs the same schedule)."""
-        return self.pipelines[0].timings()
+    def local_optimizers(self, r: int) -> dict[str, Any]:
+        """Replica r's DistributedOptimizer's local optimizers, by stage worker."""
+        return checkpoint.local_optimizers(self.optimizers[r])
 
-    def data_state(self) -> dict[str, Any]:
-        """The training data's position (every replica's first stage is at the same one)."""
-        return self.pipelines[0].reader("state")
 
-    def readers(self, method: str, *args: Any) -> None:
-        """Call a method of every replica's first stage's Reader: `load_state` (a
-        checkpoint's position), `close` (stop reading)."""
-        torch.futures.wait_all([rpc.rpc_async(p.names[0], on_reader,
-                                              args=(p.stages[0], method, *args))
-                                for p in self.pipelines])  # fmt: skip
-
-    def divergence(self) -> float:
-        """The largest difference between a replica's parameter fingerprints and replica
-        0's (Stage.fingerprint): 0.0 while the replicas stay identical, as they must."""
-        if len(self.pipelines) == 1:
-            return 0.0
-        prints = [p.each("fingerprint") for p in self.pipelines]
-        return max((torch.max((a - b).abs()).item()
-                    for other in prints[1:] for a, b in zip(prints[0], other, strict=True)),
-                   default=0.0)  # fmt: skip
+def set_lr(optimizer: DistributedOptimizer, lr: float) -> None:
+    """Give every local optimizer of a DistributedOptimizer the learning rate `lr`."""
+    torch.futures.wait_all([
+        rpc.rpc_async(local.owner(), set_remote_lr, args=(local, lr))
+        for local in optimizer.remote_optimizers
+    ])  # fmt: skip

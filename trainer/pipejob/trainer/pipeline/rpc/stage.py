@@ -1,5 +1,6 @@
-"""The stage side of a PipelineJob: a shard of the model on a stage worker, called by the
-master over RPC; it computes micro-batches in order and times its forwards and backwards.
+"""The rpc engine's stage side: a shard of the model on a stage worker, called by the master
+over RPC for every micro-batch; it computes them in order and times its forwards and
+backwards (what every engine's stage holds is pipeline/shard.py's).
 
 Stage workers only serve: they join the RPC world and wait in `rpc.shutdown()` until the
 master is done. Each process computes with the threads it was started with (OMP_NUM_THREADS,
@@ -8,24 +9,26 @@ which runtime/tuning.py sets per role before torch loads)."""
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.autograd as dist_autograd
-import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.rpc import RRef
 
+from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.parts import Part
-from pipejob.trainer.pipeline.reader import Reader, Source
+from pipejob.trainer.pipeline.reader import Source
+from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, step_seconds
-from pipejob.trainer.runtime import checkpoint, nonfinite, output, rendezvous, tuning
+from pipejob.trainer.runtime import nonfinite, rendezvous
 from pipejob.trainer.workloads.cut import join, tensors
 from pipejob.trainer.workloads.metrics import Tally
+
+T = TypeVar("T")
 
 
 class Turnstile:
@@ -65,13 +68,7 @@ class Turnstile:
                 self._changed.notify_all()
 
 
-def compute_resources() -> tuple[int, float]:
-    """Runs on a stage: the intra-op threads its forwards and backwards compute with, and the
-    CPUs it may use."""
-    return torch.get_num_threads(), tuning.available_cpus()
-
-
-class Stage:
+class Stage(Shard):
     """One shard of the model, held by a stage worker and called by the master over RPC;
     built here from a `Part` (the job's model), or given as a module.
 
@@ -84,15 +81,11 @@ class Stage:
     def __init__(self, module: nn.Module | Part, last: bool, device: str,
                  precision: str = "fp32", recompute: bool = False,
                  source: Source | None = None):  # fmt: skip
-        self.device = torch.device(device)
-        self.reader = Reader(source, self.device)  # reads only on a first stage
-        if isinstance(module, Part):  # built here: only this stage's parameters exist
-            module = module.build()[0]
-        self.layers = module.to(self.device)
+        super().__init__(module, device, precision, recompute, source)
+        # A GPU stage computes on a thread and stream of its own (pipeline/gpu_worker.py).
+        self.gpu = GpuWorker(self.device) if self.device.type == "cuda" else None
         self.last = last
-        # spec.precision: autocast's dtype (None: float32); the weights stay float32.
-        self.autocast = AUTOCAST[precision]
-        self.recompute = recompute  # spec.activationCheckpointing
+        self.compute = self.computed(self.layers, last)
         # One forward at a time, in micro-batch order: micro-batches would otherwise fight
         # over the same cores and race on BatchNorm's running statistics.
         self._order = Turnstile(rendezvous.RPC_TIMEOUT_SECONDS)
@@ -107,20 +100,6 @@ class Stage:
         self._done: dict[int, int] = {}
         # The last stage's outputs per (round, micro-batch), until their loss or tally.
         self._outputs: dict[tuple[int, int], Any] = {}
-        # Per training round of the last step: whether every output was finite, per
-        # micro-batch (tensors, read only when the master asks: `nonfinite`).
-        self._finite: dict[int, list[torch.Tensor]] = {}
-        self._finite_step = -1
-
-    def __getstate__(self) -> dict[str, Any]:
-        """What pickling a Stage gives: the tensors it holds. An RPC agent with CUDA devices
-        pickles every RRef's value to find its tensors, whose streams it synchronises before
-        the value is used (torch._jit_internal._extract_tensors); locks, threads and a
-        user's module need not pickle for that. A Stage is never sent anywhere."""
-        return {"tensors": [*self.layers.parameters(), *self.layers.buffers()]}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        raise TypeError("a Stage cannot be unpickled: it lives on its stage worker")
 
     def parameter_rrefs(self) -> list[RRef]:
         return [RRef(p) for p in self.layers.parameters()]
@@ -144,26 +123,36 @@ class Stage:
         with self._order.turn(round, micro_batch):
             if failed is not None:
                 raise failed
+            if micro_batch == 0:
+                self.settle_device()
             if step is None:
-                y = self._evaluate(x)
+                y = self._on_device(self._evaluate, x)
             else:
-                start = self._clock.mark()
-                y = self._compute(x)
-                end = self._clock.mark()
+                start, y, end, finite = self._on_device(self._timed, x)
         if step is not None:
             with self._record:
                 self._fold(before=step)
                 # By round too: with gradientAccumulation a step runs several rounds.
                 self._events[step, (round, micro_batch)]["forward"] = [start, end]
-                if step != self._finite_step:
-                    self._finite, self._finite_step = {}, step
-                self._finite.setdefault(round, []).append(nonfinite.all_finite(y, quick=True))
+            self.note_finite(step, round, finite)
             self._time_backward((step, (round, micro_batch)), y, received)
         if self.last:  # kept for `loss` or `tally`: the model's output never leaves the stage
             with self._record:
                 self._outputs[round, micro_batch] = y
             return None
         return y
+
+    def _on_device(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` where this stage computes: its GPU worker, or here on a CPU."""
+        return fn(*args) if self.gpu is None else self.gpu.run(fn, *args)
+
+    def _timed(self, x: tuple[Any, ...]) -> tuple[Any, Any, Any, torch.Tensor]:
+        """A training forward between two marks of this stage's clock (on its stream), and
+        whether its outputs are finite (Shard.note_finite)."""
+        start = self._clock.mark()
+        y = self.compute(*x)
+        end = self._clock.mark()
+        return start, y, end, nonfinite.all_finite(y, quick=True)
 
     def _round_outputs(self, round: int, micro_batches: int, labels: RRef) -> tuple[Any, Any]:
         """The last stage: forward round `round`'s outputs, its micro-batches' joined, and
@@ -179,44 +168,19 @@ class Stage:
         """The last stage: the loss of training round `round` (the mean over the whole
         batch, as in one process). The master starts the distributed backward from it: a
         scalar crosses to the master, not the outputs."""
-        return loss_fn(*self._round_outputs(round, micro_batches, labels)).cpu()
+        outputs, labels = self._round_outputs(round, micro_batches, labels)
+        return self._on_device(loss_fn, outputs, labels).cpu()
 
     def tally(self, round: int, micro_batches: int, labels: RRef, loss_fn: Callable[..., Any],
               tally: Tally) -> Tally:  # fmt: skip
         """The last stage: `tally` with evaluation round `round`'s figures added."""
-        tally.add(*self._round_outputs(round, micro_batches, labels), loss_fn)
+        outputs, labels = self._round_outputs(round, micro_batches, labels)
+        self._on_device(tally.add, outputs, labels, loss_fn)
         return tally
 
-    def nonfinite(self, rounds: list[int]) -> bool:
-        """Whether any of this stage's outputs in training rounds `rounds` (of the last
-        step) was not finite."""
-        with self._record:
-            flags = [f for r in rounds for f in self._finite.get(r, [])]
-        return not all(bool(f) for f in flags)
-
-    def _compute(self, x: tuple[Any, ...], recompute: bool | None = None) -> Any:
-        """The shard's forward in the job's precision; with activation checkpointing only
-        the inputs are kept and the backward recomputes the rest (torch.utils.checkpoint,
-        non-reentrant: its backward runs inside the distributed autograd engine's, where a
-        reentrant one would put the gradients outside the step's context). The last stage
-        hands float32 to the loss."""
-        recompute = self.recompute if recompute is None else recompute
-        with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16,
-                            enabled=self.autocast is not None):  # fmt: skip
-            if recompute:
-                y = torch.utils.checkpoint.checkpoint(self.layers, *x, use_reentrant=False)
-            else:
-                y = self.layers(*x)
-        return _float32(y) if self.last and self.autocast is not None else y
-
     def _evaluate(self, x: tuple[Any, ...]) -> Any:
-        self.layers.eval()
-        try:
-            with torch.no_grad():
-                y = self._compute(x, recompute=False)
-        finally:
-            self.layers.train()
-        return y
+        with self.evaluating():
+            return self.compute(*x)
 
     def _time_backward(self, key: tuple[int, int], y: Any, received: tuple[Any, ...]):
         """Backward through this shard starts when the gradient of its outputs arrives and
@@ -300,78 +264,10 @@ class Stage:
             self._fold(before=float("inf"))
             return dict(self._totals)
 
-    def average_gradients(self, context_id: int) -> float:
-        """With replicas: average this shard's gradients of a step with those of the same
-        stage of every other replica (this process's collective group), in place in the
-        dist-autograd context, where the optimizer's step reads them. Returns the seconds
-        the all-reduce took."""
-        import torch.distributed as dist
-
-        start = time.perf_counter()
+    def gradients(self, context_id: int) -> dict[str, torch.Tensor]:
+        """The step's gradients, in its distributed autograd context."""
         grads = dist_autograd.get_gradients(context_id)
-        # Every replica holds the same shard, so the same parameters have gradients.
-        tensors = [grads[p] for p in self.layers.parameters() if p in grads]
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
-        for t, averaged in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-            t.copy_(averaged.view_as(t))
-        return time.perf_counter() - start
-
-    def gradient(self, context_id: int, name: str) -> torch.Tensor:
-        """Parameter `name`'s gradient in a step's dist-autograd context, on the CPU (zero
-        when this step gave it none)."""
-        p = self.layers.get_parameter(name)
-        grad = dist_autograd.get_gradients(context_id).get(p)
-        return torch.zeros_like(p, device="cpu") if grad is None else grad.cpu()
-
-    def set_gradient(self, context_id: int, name: str, value: torch.Tensor) -> None:
-        """Replace parameter `name`'s gradient in the context, where the optimizer reads it."""
-        p = self.layers.get_parameter(name)
-        grad = dist_autograd.get_gradients(context_id).get(p)
-        if grad is None:
-            raise RuntimeError(f"{name} has no gradient in this step to combine with its tie")
-        grad.copy_(value.to(grad.device))
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """The shard's parameters and buffers under the model's own names, on the CPU."""
-        return {k: v.detach().cpu() for k, v in self.layers.state_dict().items()}
-
-    def write_shard(self, directory: str, filename: str, format: str) -> dict[str, Any]:
-        """Write the shard's state as one file of the model's sharded output, in `directory`
-        (which the master sees too); what the index needs of it (runtime/output.py)."""
-        return output.write_shard(directory, filename, self.state(), format)
-
-    def fingerprint(self) -> torch.Tensor:
-        """Per parameter, its sum and sum of squares in float64: equal in every replica whose
-        shard is the same (replicas must stay identical)."""
-        rows = [(p.detach().double().sum(), p.detach().double().square().sum())
-                for p in self.layers.parameters()]  # fmt: skip
-        return torch.tensor([[a.item(), b.item()] for a, b in rows], dtype=torch.float64)
-
-    def save(self, optimizer: RRef | None, directory: str, name: str) -> dict[str, Any]:
-        """Checkpoint this shard and its local optimizer's state; the manifest entry."""
-        optimizers = {} if optimizer is None else {"optimizer": optimizer.local_value()}
-        return checkpoint.save_module(directory, name, self.layers, optimizers)
-
-    def load(self, optimizer: RRef | None, directory: str, entry: dict[str, Any]) -> None:
-        optimizers = {} if optimizer is None else {"optimizer": optimizer.local_value()}
-        state = checkpoint.load_module(directory, entry, self.layers, optimizers)
-        checkpoint.set_rng_state(state["rng"])  # e.g. dropout masks continue as they would
-
-
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _float32(value: Any) -> Any:
-    """Floating tensors of an output (a tensor, a tuple or list, a dict) as float32."""
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.is_floating_point() else value
-    if isinstance(value, tuple | list):
-        return type(value)(_float32(v) for v in value)
-    if isinstance(value, dict):
-        return type(value)(**{k: _float32(v) for k, v in value.items()})  # a ModelOutput too
-    return value
+        return {n: grads[p] for n, p in self.layers.named_parameters() if p in grads}
 
 
 def stage_devices(
@@ -384,13 +280,3 @@ def stage_devices(
         return None, None
     neighbours = [stages[j] for j in (index - 1, index + 1) if 0 <= j < len(stages)]
     return {name: {0: 0} for name in neighbours}, [0]
-
-
-def on_stage(stage: RRef, method: str, *args: Any) -> Any:
-    """Runs on the stage's worker: call a method of the Stage object held there."""
-    return getattr(stage.local_value(), method)(*args)
-
-
-def on_reader(stage: RRef, method: str, *args: Any) -> Any:
-    """Runs on a first stage's worker: call a method of its Reader (the rounds' data)."""
-    return getattr(stage.local_value().reader, method)(*args)

@@ -1,0 +1,132 @@
+"""A HybridJob's embedding tables on its parameter servers: what each row costs, and where
+every table goes (the placement). Torch-free and pure: `pipejob plan` prints the placement,
+the validation checks it against the pods' memory limit, and every parameter server and
+trainer computes the very same one from the spec.
+
+Placement, by bytes (the weights and the sparse optimizer's state): a share is the total
+over the servers. A table larger than a share is split row-wise, in even row ranges, across
+every server; the others go whole, largest first, each to the server holding the fewest
+bytes so far (ties: the lower index, then the name). Each server's pieces are kept in the
+order its replies carry them (`ordered`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FLOAT_BYTES = 4  # tables and their optimizer state are float32
+
+# Floats of optimizer state per row of a table of width `dim`, by sparse optimizer.
+STATE_FLOATS = {
+    "sgd": lambda dim: 0,
+    "adagrad": lambda dim: dim,  # the sum of squared gradients, per element
+    "rowwiseAdagrad": lambda dim: 1,  # its mean over the row, one per row
+    "adam": lambda dim: 2 * dim,  # both moments, per element (one per table, not per trainer)
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Table:
+    """One table of spec.embeddings: `rows` x `dim`, pooled by `mode` over the ids of
+    `feature` (its name unless given)."""
+
+    name: str
+    rows: int
+    dim: int
+    mode: str = "sum"
+    feature: str = ""  # a completed spec always has it (the kind fills in the name)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows start..stop-1 of a table, held by parameter server `server`."""
+
+    table: str
+    server: int
+    start: int
+    stop: int
+    dim: int
+    mode: str
+    table_rows: int  # rows of the whole table
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.table_rows
+
+
+def row_bytes(dim: int, optimizer: str) -> int:
+    """Bytes one row of a table of width `dim` takes on its server, with its optimizer state."""
+    return FLOAT_BYTES * (dim + STATE_FLOATS[optimizer](dim))
+
+
+def table_bytes(table: Table, optimizer: str) -> int:
+    return table.rows * row_bytes(table.dim, optimizer)
+
+
+def place(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[list[Piece]]:
+    """Every server's pieces (see the module's docstring), server 0 first."""
+    total = sum(table_bytes(t, optimizer) for t in tables)
+    share = total / servers
+    held = [[] for _ in range(servers)]  # type: list[list[Piece]]
+    load = [0] * servers
+    whole = []
+    for t in tables:
+        if servers > 1 and table_bytes(t, optimizer) > share:
+            count = min(servers, t.rows)  # a row is never split
+            for i in range(count):
+                server = i if count == servers else _least(load)
+                start, stop = i * t.rows // count, (i + 1) * t.rows // count
+                held[server].append(Piece(t.name, server, start, stop, t.dim, t.mode, t.rows))
+                load[server] += (stop - start) * row_bytes(t.dim, optimizer)
+        else:
+            whole.append(t)
+    for t in sorted(whole, key=lambda t: (-table_bytes(t, optimizer), t.name)):
+        server = _least(load)
+        held[server].append(Piece(t.name, server, 0, t.rows, t.dim, t.mode, t.rows))
+        load[server] += table_bytes(t, optimizer)
+    return [ordered(pieces) for pieces in held]
+
+
+def _least(load: list[int]) -> int:
+    return min(range(len(load)), key=lambda s: (load[s], s))
+
+
+def ordered(pieces: list[Piece]) -> list[Piece]:
+    """A server's pieces in the order its replies carry them: summed ones (sum and mean)
+    before max ones, then by width and name, so pieces pooled alike sit side by side."""
+    return sorted(pieces, key=lambda p: (p.mode == "max", p.dim, p.table, p.start))
+
+
+def server_bytes(pieces: list[Piece], optimizer: str) -> int:
+    return sum(p.rows * row_bytes(p.dim, optimizer) for p in pieces)
+
+
+def fullest(tables: tuple[Table, ...], servers: int, optimizer: str) -> tuple[int, int]:
+    """The server the placement gives the most bytes, and its bytes."""
+    held = [server_bytes(pieces, optimizer) for pieces in place(tables, servers, optimizer)]
+    return held.index(max(held)), max(held)
+
+
+def lines(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[str]:
+    """The tables' bytes, and each server's pieces (`big[0:500000], c2`), as words."""
+    weights = sum(t.rows * t.dim * FLOAT_BYTES for t in tables)
+    state = sum(table_bytes(t, optimizer) for t in tables) - weights
+    out = [f"embedding tables: {len(tables)}, {size(weights)} of weights + {size(state)} of"
+           f" {optimizer} state",
+           f"{'server':<8} {'bytes':>12}  tables (rows start:stop where split)"]  # fmt: skip
+    for s, pieces in enumerate(place(tables, servers, optimizer)):
+        named = ", ".join(p.table if p.whole else f"{p.table}[{p.start}:{p.stop}]"
+                          for p in pieces)  # fmt: skip
+        out.append(f"{f'ps{s}':<8} {size(server_bytes(pieces, optimizer)):>12}  {named or '-'}")
+    return out
+
+
+def size(n: int) -> str:
+    """Bytes in words: 512 B, 6.4 kB, 1.5 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,50 @@
+"""The training figures the master reports, and its preflight check, written into the status."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+
+from pipejob.core.contract import PREFLIGHT_PREFIX, Progress
+from pipejob.operator.status.conditions import PREFLIGHT, set_condition, timestamp
+from pipejob.operator.status.pods import pod_phase, tail, trainer_state
+
+
+def with_preflight(status: dict, ok: bool, message: str, now: datetime) -> dict:
+    reason = "PreflightPassed" if ok else "PreflightFailed"
+    conditions = set_condition(list(status.get("conditions") or []), PREFLIGHT, ok, reason,
+                               message or reason, now)  # fmt: skip
+    return dict(status, conditions=conditions)
+
+
+def with_training(status: dict, figures: dict, now: datetime) -> dict:
+    """`status` showing `figures` (fields of contract.Progress but preflight; None means
+    unknown): status.progress as step/steps for `kubectl get`, status.training with the rest;
+    updateTime moves only when a figure does, so an unchanged report writes nothing."""
+    training = {k: v for k, v in figures.items() if v is not None and k != "preflight"}
+    old = status.get("training") or {}
+    if training == {k: v for k, v in old.items() if k != "updateTime"}:
+        training = old
+    else:
+        training["updateTime"] = timestamp(now)
+    out = dict(status, training=training)
+    if "step" in training and "steps" in training:
+        out["progress"] = f"{training['step']}/{training['steps']}"
+    return out
+
+
+def with_report(status: dict, report: Progress, now: datetime) -> dict:
+    """`status` with what the master's /progress reported."""
+    out = with_training(status, report.figures(), now)
+    if report.preflight is not None:
+        out = with_preflight(out, report.preflight.ok, report.preflight.message, now)
+    return out
+
+
+def preflight_failure(pods: Iterable[dict]) -> str | None:
+    """The termination message of the first failed pod whose preflight check failed."""
+    for pod in pods:
+        message = (trainer_state(pod).get("message") or "").strip()
+        if pod_phase(pod) == "Failed" and message.startswith(PREFLIGHT_PREFIX):
+            return tail(message)
+    return None

@@ -1,0 +1,60 @@
+"""What a HybridJob trains, in one process: every table an nn.EmbeddingBag of one
+`Recommender` module (sparse gradients), the same dense part, and the same sparse optimizer
+stepped after each backward, on the batches all the trainers read in a step, together.
+The tests compare the servers' tables after a real world's steps against it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipejob.core.kinds.hybrid import HybridSpec
+from pipejob.trainer import workloads
+from pipejob.trainer.hybrid import sparse
+from pipejob.trainer.runtime.optim import optimizer_args
+from pipejob.trainer.workloads import samples
+from pipejob.trainer.workloads.recsys import Recommender
+
+
+def trained(spec: HybridSpec, steps: int) -> tuple[Recommender, torch.optim.Optimizer]:
+    """The model after `steps` steps, and the tables' optimizer (for its state)."""
+    data, loss_fn = workloads.hybrid_data(spec), workloads.loss(spec)
+    torch.manual_seed(spec.seed)  # as each trainer seeds its dense part
+    dense = workloads.hybrid_dense(spec, len(data.sample(0)[0]))
+    model = Recommender(spec.embeddings, dense, spec.seed, spec.recommends)
+    optimizer_class, kwargs = optimizer_args(spec.optimizer)
+    dense_optimizer = optimizer_class(dense.parameters(), **kwargs)
+    tables = sparse.make(list(model.tables.parameters()), spec.sparse_optimizer)
+    features = sorted({t.feature for t in spec.embeddings})
+    shares = samples.partitions(data.size, spec.trainers, spec.seed)
+    readers = [samples.batches(data, s, spec.batch_size, features, spec.recommends)
+               for s in shares]  # fmt: skip
+    for _ in range(steps):
+        chosen = [i for reader in readers for i in next(reader).sample_ids]
+        batch = samples.collate(data, chosen, features, spec.recommends)
+        offsets = {f: batch.offsets(f) for f in features}
+        loss_fn(model(batch.dense, batch.ids, offsets), batch.labels).backward()
+        for t in spec.embeddings:
+            bag = model.tables[t.name]
+            if not bag.sparse:  # max: torch has no sparse gradient; the rows looked up count
+                touched = torch.unique(batch.ids[t.feature] % t.rows)
+                bag.weight.grad = sparse.gradient(touched, bag.weight.grad[touched],
+                                                  bag.weight.shape)  # fmt: skip
+        for optimizer in (tables, dense_optimizer):
+            optimizer.step()
+            optimizer.zero_grad()
+    return model, tables
+
+
+def assembled(pieces: list[dict[str, Any]], table: str, rows: int) -> dict[str, torch.Tensor]:
+    """A table's weight and per-row optimizer state whole again, from the servers' saved
+    pieces (ps<i>.pt's "pieces")."""
+    mine = sorted((p for p in pieces if p["table"] == table), key=lambda p: p["start"])
+    assert [p["start"] for p in mine] == [0, *(p["stop"] for p in mine[:-1])]
+    assert mine[-1]["stop"] == rows
+    out = {"weight": torch.cat([p["weight"] for p in mine])}
+    for key, value in mine[0]["state"].items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            out[key] = torch.cat([p["state"][key] for p in mine])
+    return out

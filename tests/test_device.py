@@ -1,0 +1,53 @@
+"""The GPU machine's proof, rehearsed: `benchmarks/device.sh --cpu` runs every step of the
+GPU run small on this machine's CPUs (issue 36), so the script works the first time there.
+Each step must pass and leave what the GPU run's reader looks for in its log."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HANG = 900  # a bound on a hang: the rehearsal takes about 3 minutes on 2 quiet cores
+
+
+@pytest.mark.timeout(HANG + 60)
+def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [str(ROOT / "benchmarks" / "device.sh"), "--cpu", "--out", str(out), "--budget", "840"],
+        capture_output=True, text=True, timeout=HANG,
+        env=os.environ | {"PYTHON": sys.executable, "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    summary = (out / "summary.txt").read_text()
+    for step in ("machine", "install", "gpu-tests", "gpu-bench", "hybrid", "profile", "cores"):
+        assert re.search(rf"^  {step}: ok \(\d+s\)$", summary, re.M), summary
+    assert "cores-levers" not in summary  # only when asked for
+    with tarfile.open(out / "logs.tar.gz") as logs:
+        logs.extractall(tmp_path / "logs", filter="data")
+    log = {p.stem: p.read_text() for p in (tmp_path / "logs" / "logs").glob("*.log")}
+    # Every `gpu` test was collected, and skipped here with the one reason.
+    assert re.search(r"SKIPPED \[\d+\] tests/conftest.py:\d+: gpu: torch.cuda is not available",
+                     log["gpu-tests"]), log["gpu-tests"]  # fmt: skip
+    # gpu.py: one process, pipejob (auto) and torch's 1F1B on each small workload.
+    for workload in ("resnet18-32", "transformer-2x64"):
+        bench = log["gpu-bench"]
+        assert re.search(rf"{workload}: one process [\d.]+ samples/s", bench), bench
+        assert re.search(rf"{workload}: pipejob 2 stages, microBatches auto, chose \d+:"
+                         r" [\d.]+ samples/s \([\d.]+x\)", bench), bench  # fmt: skip
+        assert re.search(rf"{workload}: 1F1B 2 stages [\d.]+ samples/s", bench), bench
+    assert "HybridJob 'device-hybrid' succeeded" in log["hybrid"], log["hybrid"]
+    # The profile: a trace per process of the world.
+    traces = sorted(p.name for p in (tmp_path / "logs" / "logs" / "profiles").glob("*.json"))
+    assert traces == ["master-step4.json", "stage0-step4.json", "stage1-step4.json"], traces
+    # The sweep: every system, at the core count the rehearsal has.
+    cores = log["cores"]
+    for system in ("pipejob", "pipejob-auto", "gpipe", "1f1b", "single-tN"):
+        assert re.search(rf"^  {re.escape(system)}\s+\S+\s+[\d.]+ \[", cores, re.M), cores

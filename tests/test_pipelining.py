@@ -1,0 +1,164 @@
+"""The pipelining engine (spec.engine: pipelining): every torch schedule pipejob offers
+computes one process's loss and gradients (float64, as jobrun.check_gradients), for the
+transformer language model, ResNet-50 and a model whose tied weight the cut separates, in 2
+to 4 stage processes, with replicas; each world runs every schedule on the same processes.
+And a job as a user runs it, with replicas, evaluation, its model out and a restart that
+resumes exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from userdata import BYTE_VOCAB, write_stdlib_tokens
+
+from jobrun import (
+    JobRun,
+    assert_states_close,
+    by_parameter,
+    check_gradients,
+    final_state,
+    pipeline_job,
+    run_to_end,
+)
+from pipejob.core import spec
+from pipejob.trainer.pipeline.driver import Round
+from pipejob.trainer.pipeline.pipelining.schedule import even
+from pipejob.trainer.runtime import checkpoint
+from pipejob.trainer.runtime.output import load_state_dict
+from pipejob.trainer.workloads import models
+
+pytestmark = pytest.mark.timeout(400)
+
+# As PipelineSpec fields: one stage per process, or two (the interleaved schedules).
+SCHEDULES = [
+    {"schedule": "gpipe", "stages_per_process": 1},
+    {"schedule": "1f1b", "stages_per_process": 1},
+    {"schedule": "interleaved-1f1b", "stages_per_process": 2},
+    {"schedule": "zero-bubble", "stages_per_process": 2},
+]
+TRANSFORMER = {"vocabSize": BYTE_VOCAB, "layers": 3, "width": 32, "heads": 2, "seqLen": 32}
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("stdlib-bytes") / "train.bin"
+    write_stdlib_tokens(path, max_bytes=100_000)
+    return str(path)
+
+
+WORLDS: dict[str, tuple[dict[str, Any], int, int]] = {
+    # name: the job's fields, stage processes, replicas
+    "transformer": ({"model": {"transformer": TRANSFORMER}, "batchSize": 8, "microBatches": 2},
+                    2, 2),
+    "resnet50": ({"model": "resnet50", "batchSize": 8, "microBatches": 4}, 2, 1),
+    "resnet18-4-stages": ({"model": "resnet18", "batchSize": 8, "microBatches": 4}, 4, 1),
+    "tied-3-stages": ({"model": {"import": "userpkg.tied:tied_lm"},
+                       "data": {"import": "userpkg.brought:windows"}, "batchSize": 6,
+                       "microBatches": 3}, 3, 1),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(WORLDS))
+def test_every_schedule_computes_one_process_gradients(name: str, tokens: str, tmp_path: Path,
+                                                       monkeypatch) -> None:  # fmt: skip
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # userpkg for the processes
+    fields, stages, replicas = WORLDS[name]
+    if "transformer" in fields["model"]:
+        fields = fields | {"data": {"tokens": {"train": tokens}, "workers": 1}}
+    job = spec.parse(pipeline_job(f"pipelining-{name}", engine="pipelining", stages=stages,
+                                  replicas=replicas, steps=1, **fields))  # fmt: skip
+    got = check_gradients(job, tmp_path, timeout=360, schedules=SCHEDULES)
+    assert len(got["stages"]) == 2 * stages  # the last schedule's pieces: two per process
+
+
+# ---------------------------------------------------------------- a job as a user runs it
+
+INTERLEAVED_JOB = {
+    "engine": "pipelining", "schedule": "interleaved-1f1b", "stagesPerProcess": 2,
+    "stages": 2, "replicas": 2, "microBatches": 2, "gradientAccumulation": 2, "steps": 6,
+    "seed": 1, "logEvery": 3, "preflight": {"megabytes": 0.5},
+    "eval": {"everySteps": 3, "batches": 2},
+    "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9, "clipGradNorm": 5.0,
+                  "schedule": {"warmupSteps": 2, "decay": "cosine", "minLr": 0.001}},
+}  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_a_job_with_replicas_evaluates_writes_its_model_and_resumes_exactly(tmp_path: Path):
+    """ResNet-18 cut into 4 pieces on 2 stage processes (interleaved 1F1B), 2 replicas,
+    accumulation, clipping and a schedule, evaluated and checkpointed: run through, and run
+    again with a stage killed mid-way and the same manifest resumed. Both end with the same
+    model and optimizer state, which the model file out holds under the model's names."""
+
+    def job(name: str) -> dict[str, Any]:
+        return pipeline_job(name, **INTERLEAVED_JOB,
+                            checkpoint={"path": str(tmp_path / name / "ck"), "everySteps": 2},
+                            output={"path": str(tmp_path / name / "model")})  # fmt: skip
+
+    with JobRun(job("straight"), tmp_path, "straight") as run:
+        assert run.finish(300) == 0, run.output
+        straight = run.summary()
+    assert straight["engine"] == "pipelining" and straight["schedule"] == "interleaved-1f1b"
+    assert straight["stagesPerProcess"] == 2 and straight["replicaDivergence"] == 0.0
+    assert [len(st["layers"]) > 0 for st in straight["partition"]] == [True, True]
+    assert all(st["peakActivationBytes"] > 0 for st in straight["partition"])
+    assert [e["step"] for e in straight["evaluations"]] == [3, 6]
+    assert "accuracy" in straight["evaluation"]
+
+    with JobRun(job("broken"), tmp_path, "broken") as run:
+        run.wait_for(r"^master\s*\| step 3/6 ", timeout=300)
+        os.kill(run.pid("r1-stage1"), signal.SIGKILL)
+        assert run.finish(60) != 0, run.output
+    newest = checkpoint.latest(tmp_path / "broken" / "ck")
+    assert newest is not None and newest.step in (2, 4)
+    with JobRun(job("broken"), tmp_path, "broken") as run:
+        assert run.finish(300) == 0, run.output
+        output, resumed = run.output, run.summary()
+    assert f"resumed from step {newest.step} (" in output
+    assert resumed["losses"] == pytest.approx(straight["losses"][newest.step :], rel=1e-4)
+    assert_states_close(by_parameter(final_state(tmp_path / "broken" / "ck", 6)),
+                        by_parameter(final_state(tmp_path / "straight" / "ck", 6)))  # fmt: skip
+
+    written = load_state_dict(tmp_path / "broken" / "model")
+    model = models.build(spec.parse(job("broken")).settings)
+    assert sorted(written) == sorted(model.state_dict())  # one file, the model's own names
+    final = by_parameter(final_state(tmp_path / "broken" / "ck", 6))["stages"]["model"]
+    for name, value in final.items():
+        torch.testing.assert_close(written[name], value, msg=name)
+
+
+@pytest.mark.timeout(400)
+def test_an_evaluation_with_a_smaller_last_batch_says_what_the_rpc_engine_says(
+    tmp_path: Path,
+) -> None:
+    """14 held-out windows in batches of 8 at 4 micro-batches: a last batch of 6, which the
+    pipelining engine runs in 3 micro-batches of 2. Both engines evaluate the same model (a
+    step of a vanishing learning rate) to the same figures."""
+    val = tmp_path / "val.bin"
+    write_stdlib_tokens(val, max_bytes=14 * TRANSFORMER["seqLen"] + 1, split="val")
+    train = tmp_path / "train.bin"
+    write_stdlib_tokens(train, max_bytes=20_000)
+    figures = {}
+    for engine in ("rpc", "pipelining"):
+        job = pipeline_job(f"eval-{engine}", engine=engine, model={"transformer": TRANSFORMER},
+                           data={"tokens": {"train": str(train), "val": str(val)}},
+                           batchSize=8, microBatches=4, steps=1, eval={"batches": 0},
+                           optimizer={"name": "sgd", "lr": 1e-12})  # fmt: skip
+        code, out, summary = run_to_end(job, tmp_path, timeout=300)
+        assert code == 0, out
+        figures[engine] = summary["evaluation"]
+    assert figures["pipelining"]["samples"] == figures["rpc"]["samples"] == 14
+    for key in ("loss", "accuracy", "perplexity"):
+        assert figures["pipelining"][key] == pytest.approx(figures["rpc"][key], rel=1e-5), key
+
+
+def test_a_round_runs_in_equal_micro_batches():
+    """A PipelineStage's buffers have one shape: a last, smaller held-out batch that its
+    count does not divide runs in the most equal micro-batches below it."""
+    assert [even(Round(1, m, None, samples)) for m, samples in
+            [(4, 32), (4, 10), (4, 3), (8, 7), (2, 2)]] == [4, 2, 3, 7, 2]  # fmt: skip

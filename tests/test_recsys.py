@@ -1,0 +1,412 @@
+"""A HybridJob's tables at recommendation scale, piece by piece and in one process: the spec
+(tables, servers, field paths), the placement `pipejob plan` prints, the servers' sparse
+updates against one nn.Module for every sparse optimizer and pooling, checkpoints loaded by
+another split, Criteo logs, AUC and the trained model's file."""
+
+from __future__ import annotations
+
+import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import recsys_reference as reference
+import torch
+from safetensors.torch import load_file
+
+from pipejob.core import spec as specs
+from pipejob.core.kinds import tables
+from pipejob.trainer import workloads
+from pipejob.trainer.hybrid import output
+from pipejob.trainer.hybrid.evaluate import check_dense
+from pipejob.trainer.hybrid.ps import Server
+from pipejob.trainer.hybrid.router import Router
+from pipejob.trainer.workloads import samples
+from pipejob.trainer.workloads.criteo import CriteoLog
+from pipejob.trainer.workloads.recsys import DLRM, Recommender, auc, initial_rows
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+DLRM_EXAMPLE = ROOT / "examples" / "dlrm"
+
+
+def manifest(**spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
+            "metadata": {"name": "recsys"}, "spec": spec}  # fmt: skip
+
+
+def parse(**spec: Any) -> Any:
+    return specs.parse(manifest(**spec))
+
+
+TABLES = [
+    {"name": "wide", "rows": 1000, "dim": 4},
+    {"name": "narrow", "rows": 30, "dim": 4, "mode": "mean", "feature": "wide"},
+    {"name": "peak", "rows": 50, "dim": 4, "mode": "max"},
+]
+
+
+# ---------------------------------------------------------------------------- the spec
+
+
+def test_the_one_table_form_is_one_table_fed_by_the_bags() -> None:
+    job = parse(embedding={"numEmbeddings": 64, "dim": 8, "mode": "max"})
+    assert job.spec["embeddings"] == [
+        {"name": "embedding", "rows": 64, "dim": 8, "mode": "max", "feature": "ids"}]  # fmt: skip
+    s = job.settings
+    assert not s.recommends and s.parameter_servers == 1
+    assert s.sparse_optimizer.name == "sgd" and s.sparse_optimizer.lr == 0.05  # optimizer.lr
+    assert parse().spec["embedding"] == {"numEmbeddings": 100, "dim": 16, "mode": "sum"}
+
+
+def test_tables_are_completed_with_their_feature_and_the_optimizer_with_its_eps() -> None:
+    s = parse(embeddings=TABLES, sparseOptimizer={"name": "adam"}).settings
+    assert s.recommends and [t.feature for t in s.embeddings] == ["wide", "wide", "peak"]
+    assert (s.sparse_optimizer.eps, s.sparse_optimizer.beta2) == (1e-8, 0.999)
+
+
+@pytest.mark.parametrize(
+    ("fields", "path", "said"),
+    [
+        ({"embeddings": [{"name": "a", "rows": 0, "dim": 4}]}, "spec.embeddings[0].rows", ">= 1"),
+        ({"embeddings": [{"name": "a", "rows": 9, "dim": 5000}]}, "spec.embeddings[0].dim",
+         "<= 4096"),
+        ({"embeddings": [{"name": "a", "dim": 4}]}, "spec.embeddings[0].rows", "is required"),
+        ({"embeddings": [{"name": "a-b", "rows": 9, "dim": 4}]}, "spec.embeddings[0].name",
+         "Python identifier"),
+        ({"embeddings": [{"name": "a", "rows": 9, "dim": 4}, {"name": "a", "rows": 3, "dim": 4}]},
+         "spec.embeddings[1]", "duplicate name 'a'"),
+        ({"embeddings": TABLES, "embedding": {"dim": 4}}, "spec.embeddings", "not both"),
+        ({"embeddings": [TABLES[0], TABLES[1] | {"dim": 8}]}, "spec.embeddings[1].dim",
+         "the built-in DLRM needs every table as wide as the first (4)"),
+        ({"embeddings": TABLES, "data": {"criteo": {"train": "t.tsv"}}},
+         "spec.embeddings[1].feature", "'wide' is not a Criteo categorical feature"),
+        ({"data": {"criteo": {"train": "t.tsv"}}}, "spec.data.criteo", "needs spec.embeddings"),
+        ({"embeddings": TABLES, "data": {"file": {"train": "t.npz"}}}, "spec.data.file",
+         "with embeddings use data.criteo or data.import"),
+        ({"parameterServers": 65}, "spec.parameterServers", "<= 64"),
+        ({"sparseOptimizer": {"name": "rmsprop"}}, "spec.sparseOptimizer.name", "must be one of"),
+    ],
+)  # fmt: skip
+def test_a_bad_table_spec_is_refused_naming_its_field(fields: dict, path: str, said: str) -> None:
+    with pytest.raises(specs.InvalidSpec) as e:
+        parse(**fields)
+    assert any(err.path == path and said in err.reason for err in e.value.errors), e.value
+
+
+# ---------------------------------------------------------------------------- placement
+
+
+def test_a_table_larger_than_a_share_is_split_the_others_placed_by_size() -> None:
+    placed = tables.place(
+        (tables.Table(name="big", rows=10_000, dim=8, feature="big"),
+         *(tables.Table(name=f"t{i}", rows=100 * (i + 1), dim=8, feature="f") for i in range(5))),
+        servers=4, optimizer="adagrad",
+    )  # fmt: skip
+    big = [[(p.start, p.stop) for p in s if p.table == "big"] for s in placed]
+    assert big == [[(0, 2500)], [(2500, 5000)], [(5000, 7500)], [(7500, 10_000)]]
+    whole = sorted((p.table, p.server) for s in placed for p in s if p.table != "big")
+    # Largest first, each to the emptiest server (ties: the lower index).
+    assert whole == [("t0", 3), ("t1", 3), ("t2", 2), ("t3", 1), ("t4", 0)]
+    loads = [tables.server_bytes(s, "adagrad") for s in placed]
+    assert max(loads) - min(loads) <= 500 * tables.row_bytes(8, "adagrad")
+    assert tables.row_bytes(16, "rowwiseAdagrad") == 4 * 17
+    assert tables.row_bytes(16, "adam") == 4 * 48 and tables.row_bytes(16, "sgd") == 64
+
+
+def test_plan_prints_every_server_s_pieces_and_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    job = manifest(parameterServers=2, embeddings=TABLES)
+    path.write_text(__import__("yaml").safe_dump(job))
+    out = subprocess.run([sys.executable, "-m", "pipejob.cli", "plan", str(path)],
+                         capture_output=True, text=True, timeout=60, check=True).stdout  # fmt: skip
+    assert re.search(r"^\s+1\s+ps0\s+ps\s+0\s+-\s+recsys-ps-0\.recsys$", out, re.M), out
+    assert "embedding tables: 3, 17.3 kB of weights + 0 B of sgd state" in out
+    # wide is larger than a share (half of all bytes): split; then peak, then narrow.
+    assert re.search(r"^ps0\s+8.8 kB\s+wide\[0:500\], peak$", out, re.M), out
+    assert re.search(r"^ps1\s+8.5 kB\s+narrow, wide\[500:1000\]$", out, re.M), out
+
+
+def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do() -> None:
+    big = [{"name": "big", "rows": 20_000_000, "dim": 16}]  # 1.28 GB of weights
+    limited = {"template": {"resources": {"limits": {"memory": "1Gi"}}}}
+    with pytest.raises(specs.InvalidSpec) as e:
+        parse(embeddings=big, **limited)
+    [error] = e.value.errors
+    assert error.path == "spec.parameterServers"
+    assert error.reason == (
+        "ps0 would hold 1.3 GB of tables and sgd state, over the pods' memory limit 1Gi"
+        " (spec.template.resources.limits.memory): use 2 parameterServers"
+    )
+    parse(embeddings=big, parameterServers=2, **limited)
+    with pytest.raises(specs.InvalidSpec, match="use 3 parameterServers"):
+        parse(embeddings=big, parameterServers=2, sparseOptimizer={"name": "rowwiseAdagrad"},
+              template={"resources": {"limits": {"memory": "600M"}}})  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the servers
+
+
+def world(spec: Any, steps: int, trainers: int = 2) -> list[Server]:
+    """`steps` steps of `trainers` trainers against the spec's servers, in this process: the
+    servers' and the router's own code, without RPC in between."""
+    servers = [Server(spec, i, trainers) for i in range(spec.parameter_servers)]
+    router = Router(spec)
+    data = workloads.hybrid_data(spec)
+    torch.manual_seed(spec.seed)
+    first = workloads.hybrid_dense(spec, spec.dense_features)
+    dense = [first, *(copy.deepcopy(first) for _ in range(trainers - 1))]  # DDP's replicas
+    shares = samples.partitions(data.size, trainers, spec.seed)
+    readers = [samples.batches(data, s, spec.batch_size, router.features, True) for s in shares]
+    pending: list[list[torch.Tensor | None]] = [[None] * len(servers) for _ in range(trainers)]
+    for _ in range(steps):
+        batches = [next(r) for r in readers]
+        routed = [router.route(b) for b in batches]
+        calls = [[servers[s].exchange(f"t{k}", pending[k][s], *routed[k].requests[s])
+                  for s in router.servers] for k in range(trainers)]  # fmt: skip
+        grads = [torch.zeros_like(p) for p in dense[0].parameters()]
+        for k in range(trainers):
+            replies = [c.wait().requires_grad_() for c in calls[k]]
+            pooled = router.pool(replies, routed[k], batches[k])
+            workloads.loss(spec)(dense[k](batches[k].dense, pooled), batches[k].labels).backward()
+            pending[k] = [r.grad for r in replies]
+            for g, p in zip(grads, dense[k].parameters(), strict=True):
+                g += p.grad / trainers  # what DDP's all-reduce gives every trainer
+        for d in dense:
+            for g, p in zip(grads, d.parameters(), strict=True):
+                p.data -= spec.optimizer.lr * g
+                p.grad = None
+    for k in range(trainers):
+        for s in router.servers:
+            servers[s].exchange(f"t{k}", pending[k][s], None, None).wait()
+    return servers
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwiseAdagrad", "adam"])
+def test_servers_step_a_split_table_as_one_module_does_for_every_sparse_optimizer(
+    optimizer: str,
+) -> None:
+    torch.set_default_dtype(torch.float64)
+    try:
+        spec = parse(embeddings=TABLES, parameterServers=2, trainers=2, batchSize=6, bagSize=4,
+                     datasetSize=48, denseFeatures=3, dense={"dlrm": {"bottom": [5], "top": [6]}},
+                     sparseOptimizer={"name": optimizer, "lr": 0.1}, seed=1).settings  # fmt: skip
+        servers = world(spec, steps=3)
+        model, stepped = reference.trained(spec, steps=3)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert [p.table for p in spec.placement()[0]] == ["wide", "peak"]  # wide is split in two
+    pieces = [{"table": p.table, "start": p.start, "stop": p.stop, "weight": w.detach(),
+               "state": stepped_state(s, w)} for s in servers
+              for p, w in zip(s.pieces, s.weights, strict=True)]  # fmt: skip
+    for t in spec.embeddings:
+        got = reference.assembled(pieces, t.name, t.rows)
+        weight = model.tables[t.name].weight
+        torch.testing.assert_close(got["weight"], weight.detach(), rtol=1e-12, atol=1e-14)
+        for key, value in stepped.state[weight].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-14, msg=key)
+    assert all(s.steps == 3 for s in servers)
+
+
+def stepped_state(server: Server, weight: torch.Tensor) -> dict[str, Any]:
+    return dict(server.optimizer.state.get(weight, {}))
+
+
+def test_a_checkpoint_of_two_servers_loads_into_three_and_into_one() -> None:
+    """Pieces are saved by table and row range: any other split of the tables loads them."""
+    two = parse(embeddings=TABLES, parameterServers=2, sparseOptimizer={"name": "adagrad"},
+                datasetSize=32, batchSize=4).settings  # fmt: skip
+    saved = [(f"ps{s.index}.pt", s.state()) for s in world(two, steps=2)]
+    for count in (3, 1):
+        other = parse(embeddings=TABLES, parameterServers=count,
+                      sparseOptimizer={"name": "adagrad"}).settings  # fmt: skip
+        loaded = [Server(other, i, trainers=2) for i in range(count)]
+        for server in loaded:
+            server.load(saved)
+        pieces = [p for _, s in saved for p in s["pieces"]]
+        for server in loaded:
+            for p, w in zip(server.pieces, server.weights, strict=True):
+                whole = reference.assembled(pieces, p.table, next(
+                    t.rows for t in other.embeddings if t.name == p.table))  # fmt: skip
+                torch.testing.assert_close(w.detach(), whole["weight"][p.start : p.stop])
+                state = server.optimizer.state[w]
+                torch.testing.assert_close(state["sum"], whole["sum"][p.start : p.stop])
+                assert int(state["step"]) == 2
+    other = parse(embeddings=TABLES, sparseOptimizer={"name": "sgd"}).settings
+    with pytest.raises(RuntimeError, match="stepped by adagrad, not by spec.sparseOptimizer sgd"):
+        Server(other, 0, trainers=2).load(saved)
+
+
+def test_max_and_mean_over_pieces_pool_as_one_embedding_bag() -> None:
+    """A split table's bags: some ids in one piece, some in both, some in none."""
+    spec = parse(embeddings=[{"name": "m", "rows": 100, "dim": 3, "mode": "max", "feature": "f"},
+                             {"name": "a", "rows": 100, "dim": 3, "mode": "mean", "feature": "f"}],
+                 parameterServers=4).settings  # fmt: skip
+    servers = [Server(spec, i, 1) for i in range(4)]
+    router = Router(spec)
+    ids = [[3], [60, 70], [1, 99, 50], [], [26, 27, 80]]
+    batch = samples.collate(Bags(ids), list(range(len(ids))), ["f"], True)
+    routed = router.route(batch)
+    replies = [servers[s].lookup(*routed.requests[i], None) for i, s in enumerate(router.servers)]
+    pooled = router.pool(replies, routed, batch)
+    for t in spec.embeddings:
+        whole = torch.nn.EmbeddingBag(t.rows, t.dim, mode=t.mode)
+        whole.weight.data = initial_rows(t, spec.seed, 0, t.rows)
+        torch.testing.assert_close(pooled[t.name], whole(batch.ids["f"], batch.offsets("f")))
+
+
+class Bags:
+    def __init__(self, ids: list[list[int]]):
+        self.ids = ids
+        self.size = len(ids)
+
+    def sample(self, i: int) -> tuple[list[float], dict[str, list[int]], int]:
+        return [], {"f": self.ids[i]}, i % 2
+
+
+def test_initial_rows_are_the_same_whichever_server_makes_them() -> None:
+    table = tables.Table(name="t", rows=200_000, dim=2, feature="t")
+    whole = initial_rows(table, 7, 0, table.rows)
+    assert whole.abs().max() <= 1 / table.rows**0.5
+    for start, stop in ((0, 10), (65_530, 65_540), (131_000, 200_000)):
+        assert torch.equal(initial_rows(table, 7, start, stop), whole[start:stop])
+    assert not torch.equal(initial_rows(table, 8, 0, 10), whole[:10])
+
+
+# ---------------------------------------------------------------------------- data and figures
+
+
+def test_the_shipped_click_logs_are_what_their_generator_writes(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, str(DLRM_EXAMPLE / "make_criteo.py"), "--out", str(tmp_path)],
+                   check=True, timeout=60)  # fmt: skip
+    for name in ("train.tsv", "val.tsv"):
+        assert (tmp_path / name).read_bytes() == (DLRM_EXAMPLE / name).read_bytes(), name
+    log = CriteoLog(str(DLRM_EXAMPLE / "train.tsv"), "spec.data.criteo.train")
+    assert log.size == 1000
+    clicks = sum(log.sample(i)[2] for i in range(log.size)) / log.size
+    assert 0.15 < clicks < 0.35  # about Criteo's rate
+
+
+def test_a_criteo_line_reads_as_log_counts_and_hex_values(tmp_path: Path) -> None:
+    path = tmp_path / "day.tsv"
+    line = ["1", "0", "", "3", "-2", *["7"] * 9, "1a", "", "ff", *["00000001"] * 23]
+    path.write_text("\t".join(line) + "\n" + "\t".join(["0", *[""] * 39]))  # no last newline
+    log = CriteoLog(str(path), "spec.data.criteo.train")
+    assert log.size == 2
+    dense, sparse, label = log.sample(0)
+    assert label == 1 and dense[:4] == [0.0, 0.0, pytest.approx(1.3862944), 0.0]
+    assert sparse["C1"] == [26] and sparse["C2"] == [0] and sparse["C3"] == [255]
+    assert sorted(sparse) == sorted(f"C{i}" for i in range(1, 27))
+    assert log.sample(1) == ([0.0] * 13, {f"C{i}": [0] for i in range(1, 27)}, 0)
+    path.write_text("\t".join(line) + "\n" + "\t".join(["2", *line[1:]]) + "\n")
+    with pytest.raises(ValueError, match=rf"^spec.data.criteo.val: {path} line 2: the label is 2"):
+        CriteoLog(str(path), "spec.data.criteo.val").sample(1)
+    path.write_text("1\t2\t3\n")
+    with pytest.raises(ValueError, match=r"line 1: 3 columns, not 40 \(label, I1 ... I13"):
+        CriteoLog(str(path), "spec.data.criteo.train")
+    with pytest.raises(ValueError, match="no such file"):
+        CriteoLog(str(tmp_path / "none.tsv"), "spec.data.criteo.train")
+
+
+def test_auc_is_the_chance_a_click_outscores_a_non_click() -> None:
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 5, (300,), generator=generator).float()  # many ties
+    labels = (torch.rand(300, generator=generator) < 0.3).float()
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    pairs = (pos[:, None] > neg[None, :]).float() + 0.5 * (pos[:, None] == neg[None, :]).float()
+    assert auc(scores, labels) == pytest.approx(pairs.double().mean().item(), abs=1e-12)
+    assert auc(torch.tensor([0.1, 0.9]), torch.tensor([0.0, 1.0])) == 1.0
+    assert auc(torch.tensor([0.1, 0.9]), torch.tensor([1.0, 1.0])) is None
+
+
+def test_dlrm_interacts_every_pair_once() -> None:
+    torch.manual_seed(0)
+    model = DLRM(3, 4, ["a", "b"], bottom=[5], top=[6])
+    assert model.top[0].in_features == 4 + 3  # the bottom output and 3 pairs of 3 vectors
+    out = model(torch.randn(7, 3), {"a": torch.randn(7, 4), "b": torch.randn(7, 4)})
+    assert out.shape == (7,)
+
+
+def test_the_model_file_holds_every_table_whole_under_its_name(tmp_path: Path) -> None:
+    spec = parse(embeddings=TABLES, parameterServers=2, datasetSize=16, batchSize=4,
+                 denseFeatures=3).settings  # fmt: skip
+    servers = world(spec, steps=1)
+    pieces = [(p.table, p.start, p.stop, lambda lo, hi, p=p, w=w: w.detach()[lo - p.start :
+                                                                            hi - p.start])
+              for s in servers for p, w in zip(s.pieces, s.weights, strict=True)]  # fmt: skip
+    torch.manual_seed(0)
+    dense = workloads.hybrid_dense(spec, 3)
+    model_spec = output.model_spec(spec)
+    for format in ("safetensors", "torch"):
+        paths = output.write(model_spec, tmp_path / format, format, output.joined(pieces),
+                             dense.state_dict(), {"kind": "test"})  # fmt: skip
+        state = (load_file(paths[0]) if format == "safetensors"
+                 else torch.load(paths[0], weights_only=True))  # fmt: skip
+        model = Recommender(spec.embeddings, workloads.hybrid_dense(spec, 3), 0, True)
+        model.load_state_dict(state, strict=True)
+        for t in spec.embeddings:
+            held = sorted((p.start, s.weights[k].detach()) for s in servers
+                          for k, p in enumerate(s.pieces) if p.table == t.name)  # fmt: skip
+            assert len(held) == (2 if t.name == "wide" else 1)
+            whole = torch.cat([w for _, w in held])
+            assert torch.equal(model.tables[t.name].weight.detach(), whole), t.name
+        for name, value in dense.state_dict().items():
+            assert torch.equal(model.dense.state_dict()[name], value)
+        suffix = ".pt" if format == "torch" else ".safetensors"
+        assert [p.name for p in paths] == [f"model{suffix}", "model.json"]
+
+
+# ---------------------------------------------------------------------------- the user's own
+
+
+@pytest.fixture
+def userpkg(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+
+
+USER = {"embeddings": [{"name": "user", "rows": 50, "dim": 4}, {"name": "item", "rows": 20,
+                                                                "dim": 4}],
+        "dense": {"import": "userpkg.clicks:Tower",
+                  "args": {"tables": ["user", "item"], "dim": 4, "dense": 2}},
+        "data": {"import": "userpkg.clicks:clicks", "args": {"count": 40}}}  # fmt: skip
+
+
+def test_the_user_s_clicks_and_dense_module_are_read_and_checked(userpkg: None) -> None:
+    spec = parse(**USER).settings
+    train, val = workloads.hybrid_data(spec), workloads.hybrid_held_out(spec)
+    assert train.size == val.size == 40 and train.sample(3) != val.sample(3)
+    batch = samples.collate(train, list(range(8)), ["item", "user"], True)
+    assert batch.dense.shape == (8, 2) and batch.labels.dtype == torch.float32
+    assert batch.lengths["item"].tolist() == [1] * 8
+    cpu, loss = torch.device("cpu"), workloads.loss(spec)
+    check_dense(spec, workloads.hybrid_dense(spec, 2), loss, batch, cpu)
+    args = {"tables": ["user", "item"], "dim": 3, "dense": 2}  # a Tower for narrower tables
+    narrow = parse(**(USER | {"dense": USER["dense"] | {"args": args}})).settings
+    said = (
+        "spec.dense.import: the dense module fails on dense features of shape (8, 2) and"
+        " pooled embeddings user (8, 4), item (8, 4): RuntimeError: mat1 and mat2"
+    )
+    with pytest.raises(ValueError, match=re.escape(said)):
+        check_dense(spec, workloads.hybrid_dense(narrow, 2), loss, batch, cpu)
+    bad = {"import": "userpkg.clicks:clicks", "args": {"count": 40, "bad": 5}}
+    broken = workloads.hybrid_data(parse(**(USER | {"data": bad})).settings)
+    with pytest.raises(ValueError, match=re.escape(
+            "spec.data.import: item 5 of the train split: feature 'user' has ids [77] outside"
+            " 0..49 (the rows of its smallest table)")):  # fmt: skip
+        broken.sample(5)
+    lacking = parse(
+        **(
+            USER
+            | {
+                "embeddings": [USER["embeddings"][0] | {"rows": 100}, USER["embeddings"][1]],
+                "data": bad,
+            }
+        )
+    ).settings
+    with pytest.raises(ValueError, match=r"sample 5 has no ids for feature\(s\) item"):
+        samples.collate(workloads.hybrid_data(lacking), [4, 5, 6], ["item", "user"], True)

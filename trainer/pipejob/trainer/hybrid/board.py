@@ -1,0 +1,130 @@
+"""What a HybridJob's master hears from its trainers while they train, and the functions
+they call on it over RPC: each step's loss (`report`), an evaluation (`evaluated`) and a
+checkpoint to complete (`write_manifest`). master.py starts the trainers' loops, trainer.py
+calls these: both import this module, neither imports the other's."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from pipejob.trainer.hybrid import output
+from pipejob.trainer.runtime import checkpoint, master, memory, monitor, world
+from pipejob.trainer.runtime.events import Events
+from pipejob.trainer.runtime.world import Env
+
+
+class Reports:
+    """Prints one line per logged step once every trainer has reported it, and each
+    evaluation; keeps the latest evaluation for the summary and the checkpoints."""
+
+    def __init__(self, env: Env, trainers: list[str], first: int = 0):
+        self.env, self.trainers, self.first = env, trainers, first
+        self.steps, self.batch = env.spec.steps, env.spec.batch_size
+        self.lock = threading.Lock()
+        self.pending: dict[int, dict[str, float]] = {}
+        self.created = time.perf_counter()
+        self.last_step, self.last_time = first, self.created
+        self.evaluation: dict[str, Any] | None = None  # the latest, with its step
+        logging = env.spec.logging
+        self.events = Events(logging.tensorboard if logging else None, first)
+
+    def evaluated(self, step: int, figures: dict[str, Any]) -> None:
+        """DDP rank 0 evaluated the model after `step` on held-out samples."""
+        loss, accuracy, auc = figures["loss"], figures["accuracy"], figures["auc"]
+        count = figures["samples"]
+        with self.lock:
+            self.evaluation = {"evalStep": step, "evalLoss": loss, "evalAccuracy": accuracy,
+                               "evalAuc": auc, "evalSamples": count}  # fmt: skip
+        world.log(self.env, f"eval step {step}: {said(self.evaluation)} on {count} held-out"
+                            f" {unit()}")  # fmt: skip
+        monitor.board().evaluated(step, loss, accuracy=accuracy, auc=auc)
+        with self.lock:
+            self.events.scalars(step, eval_loss=loss, eval_accuracy=accuracy, eval_auc=auc)
+
+    def report(self, trainer: str, step: int, loss: float) -> None:
+        with self.lock:
+            losses = self.pending.setdefault(step, {})
+            losses[trainer] = loss
+            if len(losses) < len(self.trainers):
+                return
+            del self.pending[step]
+            now = time.perf_counter()
+            if step == self.first:  # every trainer is set up and about to take a step
+                world.log(self.env, f"trainers ready after {now - self.created:.1f}s of setup")
+            elif step > self.last_step:
+                samples = len(self.trainers) * self.batch * (step - self.last_step)
+                rate = samples / max(now - self.last_time, 1e-9)
+                mean = sum(losses.values()) / len(losses)
+                world.log(self.env, f"step {step}/{self.steps}  loss {mean:.4f}"
+                                    f"  {rate:,.0f} samples/s")  # fmt: skip
+                steps = step - self.last_step
+                monitor.board().step(step, mean, (now - self.last_time) / steps,
+                                     samples // steps)  # fmt: skip
+                memory.refresh(self.env, monitor.board())  # each member's peak, not waited for
+                self.events.scalars(step, loss=mean, samples_per_second=rate)
+            else:
+                return
+            self.last_step, self.last_time = step, now
+
+
+def said(evaluation: dict[str, Any]) -> str:
+    """An evaluation's figures in words: `loss 0.4321, AUC 0.7712` (clicks) or `loss 0.1234,
+    accuracy 95.0%` (spec.embedding's classes)."""
+    words = f"loss {evaluation['evalLoss']:.4f}"
+    if evaluation.get("evalAccuracy") is not None:
+        words += f", accuracy {100 * evaluation['evalAccuracy']:.1f}%"
+    if evaluation.get("evalAuc") is not None:
+        words += f", AUC {evaluation['evalAuc']:.4f}"
+    return words
+
+
+def unit() -> str:
+    """What the job's samples are called: bags (spec.embedding) or samples."""
+    return "bags" if world.current().spec.embedding is not None else "samples"
+
+
+# The master's reports board, fed by the trainers over RPC.
+_REPORTS: Reports | None = None
+
+
+def open_reports(env: Env, trainers: list[str], first: int) -> Reports:
+    global _REPORTS
+    _REPORTS = Reports(env, trainers, first)
+    return _REPORTS
+
+
+def _reports() -> Reports:
+    assert _REPORTS is not None, "a trainer's report reached a process that is not the master"
+    return _REPORTS
+
+
+def report(trainer: str, step: int, loss: float) -> None:
+    """Runs on the master: a trainer finished `step` with `loss`."""
+    _reports().report(trainer, step, loss)
+
+
+def evaluated(step: int, figures: dict[str, Any]) -> None:
+    """Runs on the master: DDP rank 0's evaluation after `step` (evaluate.evaluate)."""
+    _reports().evaluated(step, figures)
+
+
+def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> None:
+    """Runs on the master (called by DDP rank 0): complete the checkpoint of `step`."""
+    env = world.current()
+    root = env.spec.checkpoint.path
+    start = time.perf_counter()
+    own = checkpoint.save_part(checkpoint.step_dir(root, step), "master.pt",
+                               {"rng": checkpoint.rng_state()})  # fmt: skip
+    files = [own, *files]
+    # The model's spec and latest evaluation travel along, for `pipejob export`.
+    evaluation = _reports().evaluation or {}
+    checkpoint.write_manifest(root, step, files, kind=env.kind, job=env.job,
+                              trainerCount=len(env.names("trainer")),
+                              parameterServers=len(env.names("ps")),
+                              model=output.model_spec(env.spec),
+                              metrics=output.metrics(evaluation))  # fmt: skip
+    checkpoint.prune(root)
+    seconds += time.perf_counter() - start
+    master.checkpoint_written(env, step, files, seconds, checkpoint.step_dir(root, step))

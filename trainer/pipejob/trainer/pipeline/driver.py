@@ -1,0 +1,235 @@
+"""What the master's step driver does on either engine: its handle on one pipeline's remote
+stages (`Pipeline`: the rounds the first stage reads, the reader's calls, the tied weights'
+gradients, the stages' timings) and on every replica (`Replicas`: a step's batches shared
+out, the replicas run at once and their results joined, the data's position, evaluation
+through replica 0, the check that replicas stay identical). Each engine subclasses both
+with how a round's micro-batches go forward and backward and how the optimizer steps
+(rpc/schedule.py, pipelining/schedule.py); the master's loop (train.py) sees only these."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.distributed.rpc import RRef
+
+from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.pipeline import gradients
+from pipejob.trainer.pipeline.reader import TRAIN, Batch
+from pipejob.trainer.pipeline.shard import on_reader, on_stage
+from pipejob.trainer.pipeline.shards import Shards
+from pipejob.trainer.runtime import nonfinite
+from pipejob.trainer.workloads import Loss
+from pipejob.trainer.workloads.metrics import Tally
+
+
+@dataclass(frozen=True)
+class Round:
+    """A forward round's batch, read on the first stage: training or evaluation."""
+
+    number: int  # the stages' order of rounds
+    micro_batches: int  # as the first stage split it: no more than its samples
+    labels: RRef  # on the first stage; the last fetches them from there
+    samples: int = 0  # in the batch
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # the mean over every replica's batch
+    pipeline_seconds: float  # forwards and backwards, all micro-batches (slowest replica)
+    optimizer_seconds: float  # averaging gradients across replicas, then stepping
+    allreduce_seconds: float = 0.0  # of which the slowest stage's all-reduce
+    lr: float | None = None  # the learning rate the optimizer stepped with
+    grad_norm: float | None = None  # the global gradient norm before clipping
+    # A figure that was not finite, its value and where it came from (runtime/nonfinite.py):
+    # the step was not applied.
+    nonfinite: tuple[str, float, str] | None = None
+    skipped: str | None = None  # the line saying that the Guard let the step be skipped
+
+
+class Pipeline:
+    """The master's handle on one pipeline's remote stages (`stages`, Stage RRefs on the
+    workers `names`, created by the engine)."""
+
+    def __init__(self, names: list[str], stages: list[RRef]):
+        self.names, self.stages = names, stages
+        self.rounds = 0  # forward rounds (training steps and evaluation batches) so far
+
+    def read(self, micro_batches: int, given: Batch | None = None,
+             what: str = TRAIN) -> Round | None:  # fmt: skip
+        """The next round's batch, on the first stage: `given` (sent there), or read there,
+        the next of `what` (TRAIN, or HELD_OUT once `start_held_out`); None when the
+        held-out set is over."""
+        self.rounds += 1
+        if given is not None:  # a view would ship its whole storage
+            given = (given[0].clone(), given[1].clone())
+        samples = self.reader("read", self.rounds, micro_batches, what, given)
+        if samples == 0:
+            return None
+        labels = rpc.remote(self.names[0], on_reader, args=(self.stages[0], "labels", self.rounds))
+        return Round(self.rounds, min(micro_batches, samples), labels, samples)
+
+    def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
+        """`tally` with the held-out set's figures (its first `limit` batches, all when 0)."""
+        raise NotImplementedError
+
+    def reader(self, method: str, *args: Any) -> Any:
+        """Call a method of the first stage's Reader (pipeline/reader.py)."""
+        return rpc.rpc_sync(self.names[0], on_reader, args=(self.stages[0], method, *args))
+
+    def combine_tied(self, context_id: int, tied: list[list[tuple[int, str]]]) -> None:
+        """Each parameter several stages hold (tied embeddings, cut.ties; `tied` by stage
+        process) gets the sum of its copies' gradients in every copy, as one shared tensor
+        would (Megatron's way)."""
+        for group in tied:
+            grads = torch.futures.wait_all([
+                rpc.rpc_async(self.names[k], on_stage,
+                              args=(self.stages[k], "gradient", context_id, name))
+                for k, name in group
+            ])  # fmt: skip
+            total = torch.stack(grads).sum(0)
+            torch.futures.wait_all([
+                rpc.rpc_async(self.names[k], on_stage,
+                              args=(self.stages[k], "set_gradient", context_id, name, total))
+                for k, name in group
+            ])  # fmt: skip
+
+    def nonfinite_source(self, rounds: list[int]) -> str:
+        """Where a non-finite loss of training rounds `rounds` came from: the first stage
+        whose forward gave a non-finite output, else the loss on the last stage."""
+        flags = self.each("nonfinite", rounds)
+        first = next((name for name, bad in zip(self.names, flags, strict=True) if bad), None)
+        if first is not None:
+            return f"{first}'s forward"
+        return f"the loss on {self.names[-1]} (from finite outputs)"
+
+    def timings(self) -> list[dict[int, tuple[float, float, float]]]:
+        return self.each("timings")
+
+    def each(self, method: str, *args: Any) -> list[Any]:
+        """Call a method of every stage at once; their results."""
+        return torch.futures.wait_all([
+            rpc.rpc_async(name, on_stage, args=(stage, method, *args))
+            for name, stage in zip(self.names, self.stages, strict=True)
+        ])  # fmt: skip
+
+
+class Replicas:
+    """Every copy of the pipeline (`pipelines`, one per replica): R replicas each run their
+    share of every batch, and their stages average gradients before each optimizer step, so
+    they compute what one pipeline computes on their union and stay identical.
+
+    One step: each replica's first stage reads the replica's share of the batch (or a given
+    batch is split into one share per replica); each replica runs its share in a thread of
+    its own (`_one`, the engine's), so the replicas' pipelines overlap. With
+    gradientAccumulation N the step's batch is N batches, run one after the other, each loss
+    weighted 1/N; with fp16 the loss is scaled and an overflowed step skipped."""
+
+    def __init__(self, pipelines: list[Pipeline], shards: Shards, spec: PipelineSpec):
+        self.pipelines = pipelines
+        self.optimizer, self.steps = spec.optimizer, spec.steps
+        self.accumulation = spec.gradient_accumulation
+        self.loss_scale = gradients.LossScale() if spec.precision == "fp16" else None
+        self.guard = nonfinite.Guard(spec.skip_non_finite_steps)
+        self.tied = shards.tied
+        self._threads = ThreadPoolExecutor(len(pipelines)) if len(pipelines) > 1 else None
+
+    def step(self, micro_batches: int, step: int, loss_fn: Loss,
+             given: Batch | None = None) -> StepResult:  # fmt: skip
+        """One optimizer step on gradientAccumulation batches, one after the other: the
+        next ones each first stage reads, or `given` (inputs and labels of them all)."""
+        replicas = len(self.pipelines)
+        shares: list[list[Batch | None]] = [[None] * self.accumulation for _ in range(replicas)]
+        if given is not None:
+            inputs, labels = given
+            rounds = zip(inputs.tensor_split(self.accumulation),
+                         labels.tensor_split(self.accumulation), strict=True)  # fmt: skip
+            for a, (x, y) in enumerate(rounds):
+                for r, share in enumerate(zip(x.tensor_split(replicas), y.tensor_split(replicas),
+                                              strict=True)):  # fmt: skip
+                    shares[r][a] = share
+        args = [(r, share, micro_batches, step, loss_fn) for r, share in enumerate(shares)]
+        if self._threads is None:
+            results = [self._one(*args[0])]
+        else:
+            results = list(self._threads.map(lambda a: self._one(*a), args))
+        bad = next((r.nonfinite for r in results if r.nonfinite is not None), None)
+        skipped = None if bad is None else self.guard.check(step + 1, *bad)  # or raises
+        if self.loss_scale is not None:  # every replica saw the same averaged gradients
+            self.loss_scale.update(results[0].grad_norm)
+        return StepResult(
+            sum(r.loss for r in results) / len(results),
+            max(r.pipeline_seconds for r in results),
+            max(r.optimizer_seconds for r in results),
+            max(r.allreduce_seconds for r in results),
+            results[0].lr,
+            results[0].grad_norm,
+            bad,
+            skipped,
+        )
+
+    def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
+             loss_fn: Loss) -> StepResult:  # fmt: skip
+        """Replica r's part of a step: its share of each batch of the step (None: read by
+        its first stage)."""
+        raise NotImplementedError
+
+    def nonfinite(self, pipeline: Pipeline, loss: float, norms: list[float],
+                  rounds: list[int]) -> tuple[str, float, str] | None:  # fmt: skip
+        """What of a replica's step (its training rounds `rounds`) was not finite, its value
+        and where it came from: the loss, else the gradient norm (`norms`: per stage, which
+        fp16's loss scale may overflow: its step is skipped as before); None when both are
+        finite. The step is then not applied."""
+        if not math.isfinite(loss):
+            return "loss", loss, pipeline.nonfinite_source(rounds)
+        norm = gradients.total_norm(norms)
+        if self.loss_scale is None and not math.isfinite(norm):
+            # The backward runs from the last stage to the first: the latest stage whose
+            # gradients are not finite is where they became so.
+            k = max(k for k, n in enumerate(norms) if not math.isfinite(n))
+            return "gradient norm", norm, f"{pipeline.names[k]}'s backward"
+        return None
+
+    def local_optimizers(self, r: int) -> dict[str, Any]:
+        """Per stage worker of replica r, what its checkpoint's optimizer state is saved from
+        and loaded into, if the master holds it (Shard.save); none where each stage holds
+        its own."""
+        return {}
+
+    def activation_peaks(self) -> list[int] | None:
+        """Replica 0's stages' most bytes of activations held for their backwards, where the
+        engine counts them (None: it does not)."""
+        return None
+
+    def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
+        """The held-out figures through replica 0 (the replicas are identical)."""
+        return self.pipelines[0].evaluate(micro_batches, limit, loss_fn, tally)
+
+    def timings(self) -> list[dict[int, tuple[float, float, float]]]:
+        """Replica 0's stages' timings (every replica runs the same schedule)."""
+        return self.pipelines[0].timings()
+
+    def data_state(self) -> dict[str, Any]:
+        """The training data's position (every replica's first stage is at the same one)."""
+        return self.pipelines[0].reader("state")
+
+    def readers(self, method: str, *args: Any) -> None:
+        """Call a method of every replica's first stage's Reader: `load_state` (a
+        checkpoint's position), `close` (stop reading)."""
+        torch.futures.wait_all([rpc.rpc_async(p.names[0], on_reader,
+                                              args=(p.stages[0], method, *args))
+                                for p in self.pipelines])  # fmt: skip
+
+    def divergence(self) -> float:
+        """The largest difference between a replica's parameter fingerprints and replica
+        0's (Shard.fingerprint): 0.0 while the replicas stay identical, as they must."""
+        if len(self.pipelines) == 1:
+            return 0.0
+        prints = [p.each("fingerprint") for p in self.pipelines]
+        return max((torch.max((a - b).abs()).item()
+                    for other in prints[1:] for a, b in zip(prints[0], other, strict=True)),
+                   default=0.0)  # fmt: skip

@@ -1,0 +1,53 @@
+"""Where a stage on a GPU computes: one thread and one CUDA stream of its own.
+
+The RPC agent runs each request on one of its worker threads, on a stream from CUDA's pool.
+Computing there costs a GPU stage three ways, each seen on an H200: cuDNN keeps its
+convolution plans per thread (each of the agent's threads planned every convolution again,
+0.7 ms of CPU per call against 28 us on the GPU); the caching allocator keeps freed blocks
+per stream (a fresh `cudaMalloc` for many steps); and CUDA orders work only within a stream,
+so a forward could read parameters that the last step's optimizer was still writing on
+another. So a GPU stage's forwards and losses run here, in order on one stream; the
+autograd engine runs their backwards on the same stream, on its own single device thread.
+What torch runs elsewhere (DistributedOptimizer's step on the agent's streams) is waited
+for with `settle`, once a round, before the stage's state is touched again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+
+from pipejob.trainer.workloads.cut import tensors
+
+T = TypeVar("T")
+
+
+class GpuWorker:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pipejob-gpu")
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on this worker's thread and stream, ordered after what the calling
+        thread queued on its stream (the inputs it received) and before what it queues next
+        (sending the result)."""
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        for t in tensors(args):
+            if t.is_cuda:  # its memory stays until this stream is done with it
+                t.record_stream(self.stream)
+
+        def on_stream() -> T:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                return fn(*args)
+
+        result = self._thread.submit(on_stream).result()
+        caller.wait_stream(self.stream)
+        return result
+
+    def settle(self) -> None:
+        """Wait for all the work queued on the device by this process, on any stream."""
+        torch.cuda.synchronize(self.device)

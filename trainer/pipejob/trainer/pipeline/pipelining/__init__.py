@@ -1,0 +1,31 @@
+"""The pipelining engine: each stage process holds torch.distributed.pipelining
+PipelineStages built from pipejob's own cut, and every stage of a replica steps the job's
+torch schedule (spec.schedule) together, passing activations and gradients to its
+neighbours over a process group. The master plans, starts each round, applies the recipe
+and checkpoints over RPC, as on the rpc engine, but no activation passes through RPC.
+
+- schedule.py: the master's step driver;
+- stage.py: a stage process's PipelineStages, schedule and optimizer;
+- schedules.py: spec.schedule as torch's schedule classes;
+- groups.py: the process groups; activations.py: the activations a stage holds."""
+
+from __future__ import annotations
+
+from pipejob.trainer.runtime import master, rendezvous
+from pipejob.trainer.runtime.world import Env
+
+
+def serve(env: Env) -> None:
+    """A stage's life: join every stage in the pipe group and divide it (groups.py), then
+    serve the master's calls until it is done."""
+    import torch
+    import torch.distributed as dist
+
+    from pipejob.trainer.pipeline.pipelining import groups
+
+    if env.gpus > 0:
+        torch.cuda.set_device(0)  # NCCL's communicators live on the stage's GPU
+    rendezvous.join_ddp(env)
+    groups.divide(env.spec.stages, env.spec.replicas, env.replica, env.role_index)
+    master.serve(env)
+    dist.destroy_process_group()

@@ -1,0 +1,35 @@
+"""The pipelining engine's process groups. The world plan seats every stage of every replica
+in one group (`pipe`, stage i of replica r at rank r x stages + i), which each stage process
+divides the same way: one group per replica's pipeline (its stages' activations and
+gradients, point to point) and, with replicas, one per stage index (the all-reduce that
+averages a stage's gradients across replicas)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from pipejob.trainer.runtime import rendezvous
+
+_mine: tuple[Any, Any] | None = None
+
+
+def divide(stages: int, replicas: int, replica: int, index: int) -> None:
+    """Make the groups, in the same order on every stage process (each new group is a
+    collective over the whole pipe group), and keep this process's."""
+    import torch.distributed as dist
+
+    global _mine
+    timeout = timedelta(seconds=rendezvous.RPC_TIMEOUT_SECONDS)  # a step's calls' bound
+    pipelines = [dist.new_group([r * stages + i for i in range(stages)], timeout=timeout)
+                 for r in range(replicas)]  # fmt: skip
+    across = [dist.new_group([r * stages + i for r in range(replicas)], timeout=timeout)
+              for i in range(stages)] if replicas > 1 else [None] * stages  # fmt: skip
+    _mine = pipelines[replica], across[index]
+
+
+def mine() -> tuple[Any, Any]:
+    """This process's pipeline group and its replicas' group (None without replicas)."""
+    if _mine is None:
+        raise RuntimeError("this process is not a stage of a pipelining engine's world")
+    return _mine

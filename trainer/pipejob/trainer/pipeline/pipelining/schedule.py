@@ -1,0 +1,145 @@
+"""The pipelining engine's step driver, on the master: for each round, the first stage reads
+its batch and every stage of the replica runs the round through its torch schedule at once
+(Stage.train); then the recipe, as on the rpc engine: tied weights' gradients summed, the
+replicas' averaged, the global norm clipped, and each stage's optimizer stepped with the
+learning rate of the step. What both engines' drivers share is pipeline/driver.py's."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed.rpc as rpc
+
+from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.pipeline import driver, gradients
+from pipejob.trainer.pipeline.driver import Round, StepResult
+from pipejob.trainer.pipeline.pipelining.stage import Stage
+from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Source
+from pipejob.trainer.pipeline.shard import on_stage
+from pipejob.trainer.pipeline.shards import Shards
+from pipejob.trainer.runtime.optim import learning_rate
+from pipejob.trainer.workloads import Loss
+from pipejob.trainer.workloads.metrics import Tally
+
+# The recipe reads each stage's gradients where they are (.grad): no context to name.
+NO_CONTEXT = 0
+
+
+def even(batch: Round) -> int:
+    """The micro-batches a PipelineStage runs a round in: the most, up to the round's count,
+    of equal size (its buffers have one shape). A training batch's count divides it; a last,
+    smaller held-out batch may run in fewer."""
+    return max(n for n in range(1, batch.micro_batches + 1) if batch.samples % n == 0)
+
+
+class Pipeline(driver.Pipeline):
+    """The master's handle on one replica's stage processes: creates their Stages (each
+    building its own pieces) and runs rounds through them."""
+
+    def __init__(self, stage_names: list[str], shards: Shards, spec: PipelineSpec,
+                 device: str = "cpu", source: Source | None = None):  # fmt: skip
+        processes = len(stage_names)
+        super().__init__(stage_names, [
+            rpc.remote(name, Stage, args=(
+                shards.part(k) if shards.parts else shards.stages[k], k, processes,
+                shards.held(k), spec.schedule, spec.optimizer, device, spec.precision,
+                spec.activation_checkpointing, source if k == 0 else None))
+            for k, name in enumerate(stage_names)
+        ])  # fmt: skip
+        self.pieces = len(shards.ranges)
+        self._learnt: set[tuple[bool, int, int]] = set()
+
+    def learn(self, batch: Round, training: bool) -> None:
+        """Before the first round of its kind: the shapes each piece takes and passes on, piece
+        after piece from the first stage's inputs (Stage.learn)."""
+        key = (training, even(batch), batch.samples)
+        if key in self._learnt:
+            return
+        size = batch.samples // even(batch)  # a micro-batch's samples, as the stages run them
+        metas = [((size, *shape[1:]), dtype) for shape, dtype in self.reader("metas", batch.number)]
+        for piece in range(self.pieces):
+            k = piece % len(self.stages)
+            metas = rpc.rpc_sync(self.names[k], on_stage,
+                                 args=(self.stages[k], "learn", key, piece, metas))  # fmt: skip
+        self._learnt.add(key)
+
+    def run(self, batch: Round, step: int, loss_fn: Loss, weight: float) -> float:
+        """Training round `batch` of step `step` through every stage at once; its loss
+        (weighted by `weight` for the backward)."""
+        self.learn(batch, True)
+        last = len(self.stages) - 1  # holds the last piece (stage k is on process k % p)
+        losses = torch.futures.wait_all([
+            rpc.rpc_async(name, on_stage, args=(
+                stage, "train", batch.number, even(batch), batch.samples, step,
+                loss_fn, weight, batch.labels if k == last else None))
+            for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
+        ])  # fmt: skip
+        return losses[last]
+
+    def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
+        """`tally` with the held-out set's figures (its first `limit` batches, all when 0):
+        the first stage reads each batch, every stage runs its forwards, the last adds the
+        figures (Stage.evaluate)."""
+        self.reader("start_held_out", limit)
+        last = len(self.stages) - 1
+        while (batch := self.read(micro_batches, what=HELD_OUT)) is not None:
+            self.learn(batch, False)
+            tallies = torch.futures.wait_all([
+                rpc.rpc_async(name, on_stage, args=(
+                    stage, "evaluate", batch.number, even(batch), batch.samples,
+                    batch.labels if k == last else None, loss_fn, tally if k == last else None))
+                for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
+            ])  # fmt: skip
+            tally = tallies[last]
+        return tally
+
+
+class Replicas(driver.Replicas):
+    """Every copy of the pipeline, each stage with its own torch optimizer. With
+    gradientAccumulation the rounds' gradients add up in .grad; then the replica's stages
+    average them with the same stage of the other replicas (Shard.average_gradients), give
+    their global norm, which clips them (gradients.py), and step."""
+
+    def __init__(self, names: list[list[str]], shards: Shards, spec: PipelineSpec,
+                 device: str = "cpu"):  # fmt: skip
+        pipelines = [Pipeline(stage_names, shards, spec, device, Source(spec, r))
+                     for r, stage_names in enumerate(names)]  # fmt: skip
+        super().__init__(pipelines, shards, spec)
+
+    def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
+             loss_fn: Loss) -> StepResult:  # fmt: skip
+        pipeline = self.pipelines[r]
+        assert isinstance(pipeline, Pipeline)
+        names, stages = pipeline.names, pipeline.stages
+        scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
+        weight = scale / len(rounds)  # each batch's share of the step's loss
+        start = time.perf_counter()
+        losses, numbers = [], []
+        for given in rounds:
+            batch = pipeline.read(micro_batches, given)
+            assert batch is not None  # the training data has no end
+            numbers.append(batch.number)
+            losses.append(pipeline.run(batch, step, loss_fn, weight))
+        pipeline.combine_tied(NO_CONTEXT, self.tied)
+        middle = time.perf_counter()
+        allreduce = 0.0
+        if len(self.pipelines) > 1:
+            allreduce = max(pipeline.each("average_gradients", NO_CONTEXT))
+        norms = gradients.stage_norms_of(names, stages, NO_CONTEXT, 1.0 / scale,
+                                         gradients.copies(self.tied))  # fmt: skip
+        norm = gradients.total_norm(norms)
+        loss = sum(losses) / len(losses)
+        lr = learning_rate(self.optimizer, self.steps, step)
+        bad = self.nonfinite(pipeline, loss, norms, numbers)
+        # fp16: an overflow is skipped by the loss scale
+        if bad is None and (self.loss_scale is None or math.isfinite(norm)):
+            gradients.clip(names, stages, NO_CONTEXT, norm, self.optimizer.clip_grad_norm)
+            pipeline.each("step_optimizer", lr if self.optimizer.schedule is not None else None)
+        pipeline.each("zero_grad")
+        return StepResult(loss, middle - start, time.perf_counter() - middle, allreduce, lr,
+                          norm, bad)  # fmt: skip
+
+    def activation_peaks(self) -> list[int] | None:
+        return self.pipelines[0].each("activation_peak")

@@ -1,0 +1,307 @@
+"""The pipelining engine's stage side: a stage process's pieces of the model as
+torch.distributed.pipelining PipelineStages over its pipeline's process group, stepping the
+job's torch schedule (schedules.py) when the master says so.
+
+Each call from the master (over RPC) is a whole round: the first stage hands the schedule
+the round's batch (its reader read it), the last the labels (fetched from the first stage)
+and the loss, and every stage of the replica runs its part of the schedule at once,
+activations and gradients passing between neighbours over the group. The loss is computed
+per micro-batch, weighted 1/microBatches (the mean over the batch, for a loss that is a mean
+over its samples), and gradients add up in the parameters' .grad over the rounds of a step
+until the optimizer here steps them. Evaluation runs a forward-only schedule.
+
+A PipelineStage needs the shapes of what each piece takes and passes on. torch would infer
+them by running the pieces on stand-in values in training mode, which moves BatchNorm's
+running statistics (and, in torch 2.13, runs the loss); instead the master has each piece
+learn them once per kind of round (`learn`: on zeros, in eval mode, nothing recorded), and
+every PipelineStage is built with them (a last, smaller held-out batch gets its own)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.rpc import RRef
+
+from pipejob.core.common import Optimizer
+from pipejob.trainer.pipeline.parts import Part
+from pipejob.trainer.pipeline.pipelining import groups, schedules
+from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
+from pipejob.trainer.pipeline.reader import Source
+from pipejob.trainer.pipeline.shard import Shard
+from pipejob.trainer.pipeline.timing import Clock, step_seconds
+from pipejob.trainer.runtime import nonfinite
+from pipejob.trainer.runtime.optim import optimizer_args, set_lr
+from pipejob.trainer.workloads import Loss
+from pipejob.trainer.workloads.cut import join
+from pipejob.trainer.workloads.metrics import Tally
+
+Metas = list[tuple[tuple[int, ...], torch.dtype]]  # the shape and dtype of each value
+Key = tuple[bool, int, int]  # a kind of round: training?, micro-batches, samples
+
+
+class Flat(nn.Module):
+    """A piece as a PipelineStage runs it: the last one's output as a tuple of its tensors,
+    its structure (a dict, a Hugging Face ModelOutput) kept to rebuild it for the loss; any
+    other piece's outputs are sent to the next stage, so they must be tensors. An output
+    that is a view of another tensor is passed on as a copy: torch's backwards detach their
+    outputs in place, which a view refuses."""
+
+    def __init__(self, piece: nn.Module, last: bool, where: str):
+        super().__init__()
+        self.piece, self.last, self.where = piece, last, where
+        self.rebuild: Callable[[tuple[torch.Tensor, ...]], Any] = lambda ts: ts
+
+    def forward(self, *x: Any) -> Any:
+        y = self.piece(*x)
+        if self.last:
+            values, self.rebuild = flatten(y)
+        else:
+            values = y if isinstance(y, tuple) else (y,)
+            others = [type(v).__name__ for v in values if not isinstance(v, torch.Tensor)]
+            if others:
+                raise ValueError(
+                    f"spec.engine pipelining passes only tensors between stages; the model"
+                    f" passes {', '.join(others)} at {self.where}: cut elsewhere"
+                    " (spec.splitPoints) or use spec.engine rpc"
+                )
+        return tuple(v.clone() if v._base is not None else v for v in values)
+
+
+def flatten(value: Any) -> tuple[tuple[torch.Tensor, ...], Callable[..., Any]]:
+    """The tensors of an output (a tensor, a tuple or list, a dict or ModelOutput of them),
+    and what makes the output again from them."""
+    if isinstance(value, torch.Tensor):
+        return (value,), lambda ts: ts[0]
+    if isinstance(value, tuple | list | dict):
+        keys = list(value) if isinstance(value, dict) else list(range(len(value)))
+        parts = [flatten(value[k]) for k in keys]
+        sizes = [len(ts) for ts, _ in parts]
+
+        def rebuild(ts: tuple[torch.Tensor, ...]) -> Any:
+            items, at = [], 0
+            for (_, make), n in zip(parts, sizes, strict=True):
+                items.append(make(ts[at : at + n]))
+                at += n
+            if isinstance(value, dict):
+                return type(value)(**dict(zip(keys, items, strict=True)))
+            return type(value)(items)
+
+        return tuple(t for ts, _ in parts for t in ts), rebuild
+    return (), lambda ts: value  # a constant: the same in every micro-batch
+
+
+class Timed(PipelineStage):
+    """A PipelineStage that marks when it computes (Stage.note), for the summary's
+    per-stage times and bubble."""
+
+    def __init__(self, owner: Stage, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.owner = owner
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.owner.timed("forward"), self.owner.meter.counting():
+            output = super().forward_one_chunk(*args, **kwargs)
+        self.owner.forwarded(output)
+        return output
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.owner.timed("backward"):
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.owner.timed("backward"):
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
+
+class Stage(Shard):
+    """Stage process `index` of its pipeline's `processes`: its pieces (built here from a
+    `Part`) as PipelineStages, the job's schedule over them, and the optimizer that steps
+    them."""
+
+    def __init__(self, part: Part | nn.Module, index: int, processes: int, pieces: list[int],
+                 schedule: str, optimizer: Optimizer, device: str, precision: str = "fp32",
+                 recompute: bool = False, source: Source | None = None):  # fmt: skip
+        super().__init__(part, device, precision, recompute, source)
+        self.index, self.held, self.schedule = index, pieces, schedule
+        self.count = processes * len(pieces)  # pieces in the pipeline
+        self.pipeline, self.replicas_group = groups.mine()
+        self.first, self.last = 0 in pieces, self.count - 1 in pieces
+        self.modules = [
+            Flat(self.computed(piece, k == self.count - 1), k == self.count - 1,
+                 f"the end of stage {k}")
+            for k, piece in zip(pieces, self.pieces, strict=True)
+        ]  # fmt: skip
+        cls, kwargs = optimizer_args(optimizer)
+        self.optimizer = cls(self.layers.parameters(), **kwargs)
+        self.meter = ActivationMeter(self.layers.parameters())
+        self._runs: dict[Key, tuple[Any, list[Timed]]] = {}
+        self._metas: dict[tuple[Key, int], tuple[Metas, Metas]] = {}  # (in, out) per piece
+        self._loss: tuple[Loss, float] | None = None  # the round's loss and its weight
+        self._losses: list[torch.Tensor] = []
+        self._clock = Clock(self.device)
+        self._record = threading.Lock()
+        self._step: int | None = None
+        self._round = 0  # the training round running
+        self._events: dict[int, list[dict[str, list[Any]]]] = {}
+        self._totals: dict[int, tuple[float, float, float]] = {}
+
+    def learn(self, key: Key, piece: int, given: Metas) -> Metas:
+        """What piece `piece` passes on in a round of kind `key` when given values of the
+        shapes `given` (kept, for its PipelineStages): it runs once on zeros, in eval mode,
+        without autograd, its random stream forked, so nothing it holds changes."""
+        module = self.modules[self.held.index(piece)]
+        values = [torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in given]
+        with self.evaluating(), torch.random.fork_rng(devices=[]):
+            out = module(*values)
+        out = out if isinstance(out, tuple) else (out,)
+        self._metas[key, piece] = given, [(tuple(t.shape), t.dtype) for t in out]
+        return self._metas[key, piece][1]
+
+    def _run(self, training: bool, micro_batches: int, samples: int) -> tuple[Any, list[Timed]]:
+        """The schedule of a round of `samples` in `micro_batches` (training, or an
+        evaluation's forward-only one) and its PipelineStages, made on first use, with the
+        shapes its pieces learnt (`learn`)."""
+        key = (training, micro_batches, samples)
+        if key not in self._runs:
+            stages = []
+            for k, module in zip(self.held, self.modules, strict=True):
+                given, passed = (_meta(m, training) for m in self._metas[key, k])
+                stages.append(Timed(self, module, k, self.count, self.device, input_args=given,
+                                    output_args=passed, group=self.pipeline))  # fmt: skip
+            if training:
+                run = schedules.training(self.schedule, stages, micro_batches, self._micro_loss)
+            else:
+                run = schedules.forward_only(stages, micro_batches)
+            self._runs[key] = run, stages
+        return self._runs[key]
+
+    def _micro_loss(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss, as the schedule asks for it on the last stage: the job's
+        loss of the model's output, weighted for the step (1 / micro-batches, / rounds, x
+        fp16's loss scale)."""
+        assert self._loss is not None
+        loss_fn, weight = self._loss
+        with self.meter.counting():
+            loss = loss_fn(self.modules[-1].rebuild(output), target)
+        self._losses.append(loss.detach())
+        return loss * weight
+
+    def train(self, round: int, micro_batches: int, samples: int, step: int, loss_fn: Loss,
+              weight: float, labels: RRef | None) -> float | None:  # fmt: skip
+        """Training round `round` of step `step`: forwards and backwards of its
+        `micro_batches` (of `samples` in all), the gradients added to .grad. The last stage
+        returns the round's loss (the mean of its micro-batches')."""
+        run, _ = self._run(True, micro_batches, samples)
+        args = (self.reader.inputs(round),) if self.first else ()
+        # Contiguous, as torch 2.11's schedules check the strides of what they split.
+        target = labels.to_here().to(self.device).contiguous() if self.last else None
+        self._loss, self._losses = (loss_fn, weight / micro_batches), []
+        self._round = round
+        self._begin(step)
+        run.step(*args, target=target, return_outputs=False)
+        if not self.last:
+            return None
+        return torch.stack(self._losses).mean().item()
+
+    def forwarded(self, output: Any) -> None:
+        """A piece's forward of one micro-batch gave `output`: in training, whether it is
+        finite is noted (Shard.note_finite)."""
+        if self._step is not None:
+            self.note_finite(self._step, self._round, nonfinite.all_finite(output, quick=True))
+
+    def evaluate(self, round: int, micro_batches: int, samples: int, labels: RRef | None,
+                 loss_fn: Loss, tally: Tally | None) -> Tally | None:  # fmt: skip
+        """Evaluation round `round`: forwards only, the shard in eval mode; the last stage
+        returns `tally` with the round's figures added."""
+        run, stages = self._run(False, micro_batches, samples)
+        args = (self.reader.inputs(round),) if self.first else ()
+        self._begin(None)  # an evaluation's forwards are not the step's
+        with self.evaluating():
+            run.step(*args)
+        if not self.last:
+            return None
+        assert tally is not None and labels is not None
+        last = stages[-1]
+        outputs = join([self.modules[-1].rebuild(chunk) for chunk in last.output_chunks])
+        last.output_chunks.clear()
+        tally.add(outputs, labels.to_here().to(self.device), loss_fn)
+        return tally
+
+    def gradients(self, context_id: int) -> dict[str, torch.Tensor]:
+        """The step's gradients, in the parameters' .grad."""
+        return {n: p.grad for n, p in self.layers.named_parameters() if p.grad is not None}
+
+    def step_optimizer(self, lr: float | None) -> None:
+        """Step the shard's parameters (with the schedule's learning rate, if any)."""
+        if lr is not None:
+            set_lr(self.optimizer, lr)
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        """Forget the step's gradients (stepped, or skipped: fp16 overflowed)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def local_optimizer(self, given: RRef | None) -> Any:
+        return self.optimizer
+
+    def activation_peak(self) -> int:
+        """The most bytes of activations this stage has held for its backwards."""
+        return self.meter.peak
+
+    # ------------------------------------------------------------------ timing
+
+    def _begin(self, step: int | None) -> None:
+        """Record the forwards and backwards from here on as step `step`'s (None: none)."""
+        with self._record:
+            if self._step is not None and self._step != step:
+                self._fold(self._step)
+            self._step = step
+
+    def timed(self, what: str):
+        return _Interval(self, what)
+
+    def _fold(self, step: int) -> None:
+        events = self._events.pop(step, [])
+        marks = [m for e in events for pair in e.values() for m in pair]
+        at = dict(zip(map(id, marks), self._clock.seconds(marks), strict=True))
+        self._totals[step] = step_seconds(
+            [{k: [at[id(m)] for m in pair] for k, pair in e.items()} for e in events]
+        )
+
+    def timings(self) -> dict[int, tuple[float, float, float]]:
+        """Per step: seconds this stage spent in forward, in backward, and busy at all."""
+        with self._record:
+            if self._step is not None:
+                self._fold(self._step)
+                self._step = None
+            return dict(self._totals)
+
+
+def _meta(metas: Metas, training: bool) -> tuple[torch.Tensor, ...]:
+    """Stand-ins of the values a PipelineStage takes or passes on; in training, floating ones
+    carry gradients (torch sends a gradient back for those only)."""
+    return tuple(torch.empty(shape, dtype=dtype, device="meta",
+                             requires_grad=training and dtype.is_floating_point)
+                 for shape, dtype in metas)  # fmt: skip
+
+
+class _Interval:
+    """Marks a stage's forward or backward of one micro-batch in its step's events."""
+
+    def __init__(self, stage: Stage, what: str):
+        self.stage, self.what = stage, what
+
+    def __enter__(self) -> None:
+        self.start = self.stage._clock.mark()
+
+    def __exit__(self, *exc: object) -> None:
+        end = self.stage._clock.mark()
+        stage = self.stage
+        with stage._record:
+            if stage._step is not None:
+                stage._events.setdefault(stage._step, []).append({self.what: [self.start, end]})

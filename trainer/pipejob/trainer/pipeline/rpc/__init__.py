@@ -1,0 +1,28 @@
+"""The rpc engine: the master drives every micro-batch through the stages over
+torch.distributed.rpc (stage i + 1 fetches its input from stage i), distributed autograd runs
+the backward across them, and DistributedOptimizer steps every shard where it lives.
+
+- schedule.py: the master's step driver (GPipe);
+- stage.py: a stage worker's shard, computing micro-batches in order."""
+
+from __future__ import annotations
+
+from pipejob.trainer.runtime import master, rendezvous
+from pipejob.trainer.runtime.world import Env
+
+
+def serve(env: Env) -> None:
+    """A stage's life: serve the master's calls; with replicas, in the group of stage i of
+    every replica, which averages the shard's gradients."""
+    from pipejob.trainer.pipeline.rpc.stage import stage_devices
+
+    stages = env.spec.stages
+    own = env.names("stage")[env.replica * stages : (env.replica + 1) * stages]
+    if env.ddp_group is None:
+        master.serve(env, *stage_devices(env.role_index, own, env.gpus))
+        return
+    import torch.distributed as dist
+
+    rendezvous.join_ddp(env)
+    master.serve(env, *stage_devices(env.role_index, own, env.gpus))
+    dist.destroy_process_group()

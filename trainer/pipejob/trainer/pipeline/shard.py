@@ -1,0 +1,270 @@
+"""What a stage process holds on either engine: its part of the model, built there from a
+`Part`, and what the master asks of it over RPC whatever moves its micro-batches: its state
+under the model's own names, checkpoints, the model file's shard, fingerprints that prove
+replicas identical, its gradients (the recipe's clipping, tied weights, the replicas'
+average), the forward in the job's precision and with activation checkpointing, and the
+first stage's reader.
+
+Each engine's Stage (rpc/stage.py, pipelining/stage.py) extends `Shard` with how its
+micro-batches run and where its gradients live (`gradients`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.distributed.rpc import RRef
+
+from pipejob.trainer.pipeline.gpu_worker import GpuWorker
+from pipejob.trainer.pipeline.parts import Part
+from pipejob.trainer.pipeline.reader import Reader, Source
+from pipejob.trainer.runtime import checkpoint, output, tuning
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Computed(nn.Module):
+    """A piece of the model as a stage computes it: in the job's precision (`autocast`: the
+    dtype, None for float32; weights stay float32) and, with activation checkpointing
+    (`recompute`), keeping only its inputs for a backward that recomputes the rest
+    (torch.utils.checkpoint, non-reentrant: its backward runs inside whichever autograd
+    engine drives it, distributed autograd's too, where a reentrant one would put the
+    gradients outside the step's context). The last piece hands float32 to the loss."""
+
+    def __init__(self, layers: nn.Module, device: torch.device, autocast: torch.dtype | None,
+                 recompute: bool, last: bool):  # fmt: skip
+        super().__init__()
+        self.layers, self.device_type = layers, device.type
+        self.autocast, self.recompute, self.last = autocast, recompute, last
+
+    def forward(self, *x: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.autocast or torch.bfloat16,
+                            enabled=self.autocast is not None):  # fmt: skip
+            if self.recompute and torch.is_grad_enabled():  # an evaluation keeps nothing
+                y = torch.utils.checkpoint.checkpoint(self.layers, *x, use_reentrant=False)
+            else:
+                y = self.layers(*x)
+        return float32(y) if self.last and self.autocast is not None else y
+
+
+def float32(value: Any) -> Any:
+    """Floating tensors of an output (a tensor, a tuple or list, a dict) as float32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, tuple | list):
+        return type(value)(float32(v) for v in value)
+    if isinstance(value, dict):
+        return type(value)(**{k: float32(v) for k, v in value.items()})  # a ModelOutput too
+    return value
+
+
+def union(pieces: list[nn.Module]) -> nn.Module:
+    """One module holding every parameter and buffer of `pieces` under its own name (the
+    model's: the pieces keep them), each tensor once: what a process holding several pieces
+    checkpoints, writes out and steps. Pieces built from one model share tied tensors. Its
+    modules only hold the tensors: modes (train, eval) are the pieces' own."""
+    if len(pieces) == 1:
+        return pieces[0]
+    whole = nn.Module()
+    for piece in pieces:
+        for path, module in piece.named_modules():
+            own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            for name, tensor in own:
+                holder = whole
+                for part in filter(None, path.split(".")):
+                    if part not in holder._modules:
+                        holder.add_module(part, nn.Module())
+                    holder = holder._modules[part]
+                if isinstance(tensor, nn.Parameter):
+                    holder.register_parameter(name, tensor)
+                else:
+                    holder.register_buffer(name, tensor)
+    return whole
+
+
+def compute_resources(gpu: bool) -> tuple[int, float, str | None]:
+    """Runs on a stage: the intra-op threads its forwards and backwards compute with, the
+    CPUs it may use and, where it computes on a GPU (`gpu`), which one (its UUID)."""
+    uuid = str(torch.cuda.get_device_properties(0).uuid) if gpu else None
+    return torch.get_num_threads(), tuning.available_cpus(), uuid
+
+
+class Shard:
+    """One stage process's part of the model: the pieces it computes (one, or several with
+    an interleaved schedule) and `layers`, all of their parameters and buffers under the
+    model's own names; the first stage's `reader` of the rounds' data."""
+
+    # Where the gradients of the same stage of other replicas are: a process group
+    # (None: the default one).
+    replicas_group: Any = None
+    # The rpc engine's GPU stage computes on a thread and stream of its own (gpu_worker.py).
+    gpu: GpuWorker | None = None
+
+    def __init__(self, part: Part | nn.Module, device: str, precision: str = "fp32",
+                 recompute: bool = False, source: Source | None = None):  # fmt: skip
+        self.device = torch.device(device)
+        self.reader = Reader(source, self.device)  # reads only on a first stage
+        # Built here from a Part: only this process's parameters exist.
+        pieces = part.build() if isinstance(part, Part) else [part]
+        self.pieces = [piece.to(self.device) for piece in pieces]
+        self.layers = union(self.pieces)
+        self.autocast = AUTOCAST[precision]  # spec.precision
+        self.recompute = recompute  # spec.activationCheckpointing
+        # Per training round of the last step: whether each forward's outputs were finite
+        # (tensors, read only when the master asks where a non-finite loss came from).
+        self._finite: dict[int, list[torch.Tensor]] = {}
+        self._finite_step = -1
+        self._finite_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling a Stage gives: the tensors it holds. An RPC agent with CUDA devices
+        pickles every RRef's value to find its tensors, whose streams it synchronises before
+        the value is used (torch._jit_internal._extract_tensors); locks, threads and a
+        user's module need not pickle for that. A Stage is never sent anywhere."""
+        return {"tensors": [*self.layers.parameters(), *self.layers.buffers()]}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        raise TypeError("a Stage cannot be unpickled: it lives on its stage worker")
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """The pieces in eval mode (BatchNorm's statistics used, not updated; no Dropout)
+        and without autograd, inside the block."""
+        for piece in self.pieces:
+            piece.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for piece in self.pieces:
+                piece.train()
+
+    def settle_device(self) -> None:
+        """On a GPU, wait for everything this process queued there (a forward of a round's
+        first micro-batch and every other call over RPC: torch's optimizer step runs on the
+        RPC agent's streams, which this stage's stream does not follow)."""
+        if self.gpu is not None:
+            self.gpu.settle()
+
+    @contextmanager
+    def settled(self) -> Iterator[None]:
+        """A call touching the shard's state on a GPU: after what ran before it, on any
+        stream, and done before what runs next (DistributedOptimizer's step reads the
+        gradients it changes)."""
+        self.settle_device()
+        yield
+        self.settle_device()
+
+    def computed(self, piece: nn.Module, last: bool) -> Computed:
+        return Computed(piece, self.device, self.autocast, self.recompute, last)
+
+    # ------------------------------------------------------------------ non-finite values
+
+    def note_finite(self, step: int, round: int, finite: torch.Tensor) -> None:
+        """Whether a training forward of round `round` of step `step` gave finite outputs
+        (nonfinite.all_finite); an earlier step's are forgotten."""
+        with self._finite_lock:
+            if step != self._finite_step:
+                self._finite, self._finite_step = {}, step
+            self._finite.setdefault(round, []).append(finite)
+
+    def nonfinite(self, rounds: list[int]) -> bool:
+        """Whether any of this stage's outputs in training rounds `rounds` (of the last
+        step) was not finite."""
+        with self._finite_lock:
+            flags = [f for r in rounds for f in self._finite.get(r, [])]
+        return not all(bool(f) for f in flags)
+
+    # ------------------------------------------------------------------ gradients
+
+    def gradients(self, context_id: int) -> dict[str, torch.Tensor]:
+        """This step's gradients by parameter name (`context_id`: the rpc engine's
+        distributed autograd context), for the recipe (gradients.py) to read and change in
+        place where the optimizer's step reads them."""
+        raise NotImplementedError
+
+    def average_gradients(self, context_id: int) -> float:
+        """With replicas: average this shard's gradients of a step with those of the same
+        stage of every other replica (`replicas_group`), in place. Returns the seconds the
+        all-reduce took."""
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        # Every replica holds the same shard, so the same parameters have gradients.
+        tensors = list(self.gradients(context_id).values())
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat, group=self.replicas_group)
+        flat /= dist.get_world_size(self.replicas_group)
+        for t, averaged in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+            t.copy_(averaged.view_as(t))
+        return time.perf_counter() - start
+
+    def gradient(self, context_id: int, name: str) -> torch.Tensor:
+        """Parameter `name`'s gradient this step, on the CPU (zero when it got none)."""
+        grad = self.gradients(context_id).get(name)
+        if grad is None:
+            return torch.zeros_like(self.layers.get_parameter(name), device="cpu")
+        return grad.cpu()
+
+    def set_gradient(self, context_id: int, name: str, value: torch.Tensor) -> None:
+        """Replace parameter `name`'s gradient this step, where the optimizer reads it."""
+        grad = self.gradients(context_id).get(name)
+        if grad is None:
+            raise RuntimeError(f"{name} has no gradient in this step to combine with its tie")
+        grad.copy_(value.to(grad.device))
+
+    # ------------------------------------------------------------------ the model's state
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The shard's parameters and buffers under the model's own names, on the CPU."""
+        return {k: v.detach().cpu() for k, v in self.layers.state_dict().items()}
+
+    def write_shard(self, directory: str, filename: str, format: str) -> dict[str, Any]:
+        """Write the shard's state as one file of the model's sharded output, in `directory`
+        (which the master sees too); what the index needs of it (runtime/output.py)."""
+        return output.write_shard(directory, filename, self.state(), format)
+
+    def fingerprint(self) -> torch.Tensor:
+        """Per parameter, its sum and sum of squares in float64: equal in every replica whose
+        shard is the same (replicas must stay identical)."""
+        rows = [(p.detach().double().sum(), p.detach().double().square().sum())
+                for p in self.layers.parameters()]  # fmt: skip
+        return torch.tensor([[a.item(), b.item()] for a, b in rows], dtype=torch.float64)
+
+    def local_optimizer(self, given: RRef | None) -> Any:
+        """The optimizer stepping this shard: `given` (one of the rpc engine's
+        DistributedOptimizer's, owned here), or None."""
+        return None if given is None else given.local_value()
+
+    def save(self, optimizer: RRef | None, directory: str, name: str) -> dict[str, Any]:
+        """Checkpoint this shard and its optimizer's state; the manifest entry."""
+        local = self.local_optimizer(optimizer)
+        optimizers = {} if local is None else {"optimizer": local}
+        return checkpoint.save_module(directory, name, self.layers, optimizers)
+
+    def load(self, optimizer: RRef | None, directory: str, entry: dict[str, Any]) -> None:
+        local = self.local_optimizer(optimizer)
+        optimizers = {} if local is None else {"optimizer": local}
+        state = checkpoint.load_module(directory, entry, self.layers, optimizers)
+        checkpoint.set_rng_state(state["rng"])  # e.g. dropout masks continue as they would
+
+
+def on_stage(stage: RRef, method: str, *args: Any) -> Any:
+    """Runs on the stage's worker: call a method of the Stage object held there (on a GPU,
+    settled: the rpc engine's forward settles the device itself, once a round)."""
+    held = stage.local_value()
+    if method == "forward":
+        return held.forward(*args)
+    with held.settled():
+        return getattr(held, method)(*args)
+
+
+def on_reader(stage: RRef, method: str, *args: Any) -> Any:
+    """Runs on a first stage's worker: call a method of its Reader (the rounds' data)."""
+    return getattr(stage.local_value().reader, method)(*args)

@@ -1,0 +1,65 @@
+"""Click logs in the Criteo layout (the Kaggle Display Advertising Challenge's and the
+Terabyte log's): one sample a line, 40 tab-separated columns,
+
+    label  I1 ... I13  C1 ... C26
+
+the label 0 or 1; I1..I13 integer counts, read as log(1 + x) (an empty or negative one as 0,
+as DLRM's preprocessing does); C1..C26 categorical values as hexadecimal strings (an empty one
+as 0), which the trainers hash into each table's rows (value mod rows).
+
+The file is mapped, not read: each trainer finds where every line starts (one pass, 8 bytes
+a line) and parses only the lines of its own share, as it reads them. A bad line is a
+ValueError naming the field, the file and the line."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from pipejob.core.kinds.hybrid import CRITEO_DENSE, CRITEO_FEATURES
+
+DENSE, FEATURES = CRITEO_DENSE, CRITEO_FEATURES
+COLUMNS = 1 + DENSE + len(FEATURES)
+LAYOUT = "label, I1 ... I13, C1 ... C26, tab-separated"
+
+
+class CriteoLog:
+    def __init__(self, path: str, field: str):
+        self.path, self.field = path, field
+        if not Path(path).is_file():
+            raise ValueError(f"{field}: {path}: no such file (a click log: {LAYOUT})")
+        if Path(path).stat().st_size == 0:
+            raise ValueError(f"{field}: {path} is empty")
+        self.data = np.memmap(path, dtype=np.uint8, mode="r")
+        ends = np.flatnonzero(self.data == ord("\n"))
+        if len(ends) == 0 or ends[-1] != len(self.data) - 1:  # a last line without its newline
+            ends = np.append(ends, len(self.data))
+        self.starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+        self.ends = ends.astype(np.int64)
+        self.sample(0)  # a file in another layout fails now, naming its first line
+
+    @property
+    def size(self) -> int:
+        return len(self.starts)
+
+    def sample(self, i: int) -> tuple[list[float], dict[str, list[int]], int]:
+        """Line i (from 0): (log(1 + I1..I13), {C1: [value], ...}, label)."""
+        if not 0 <= i < self.size:
+            raise IndexError(f"sample {i} outside {self.path}'s {self.size} lines")
+        line = bytes(self.data[self.starts[i] : self.ends[i]]).decode("ascii", "replace")
+        columns = line.rstrip("\r").split("\t")
+        where = f"{self.field}: {self.path} line {i + 1}"
+        if len(columns) != COLUMNS:
+            raise ValueError(f"{where}: {len(columns)} columns, not {COLUMNS} ({LAYOUT})")
+        try:
+            label = int(columns[0])
+            dense = [math.log1p(max(int(x), 0)) if x else 0.0 for x in columns[1 : 1 + DENSE]]
+            categorical = [int(x, 16) if x else 0 for x in columns[1 + DENSE :]]
+        except ValueError as e:
+            raise ValueError(f"{where}: not {LAYOUT} (integers, then hexadecimal strings):"
+                             f" {e}") from None  # fmt: skip
+        if label not in (0, 1):
+            raise ValueError(f"{where}: the label is {label}, not 0 or 1")
+        return dense, {f: [v] for f, v in zip(FEATURES, categorical, strict=True)}, label

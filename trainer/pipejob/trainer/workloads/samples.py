@@ -1,0 +1,179 @@
+"""A HybridJob's samples as its trainers read them, whatever the source (synthetic, .npz bags,
+Criteo logs, the user's Dataset): `size` samples, sample i being (dense features, {feature:
+ids}, label). A trainer reads only its own share of them (`partitions`, disjoint by DDP
+rank), in batches cycling through it (`batches`), from any step on: the batches of a run
+resumed after step k are exactly those the whole run takes after step k.
+
+A batch holds each feature's ids in EmbeddingBag's layout (every sample's ids concatenated,
+and how many each sample has), the dense features as one (batch, n) tensor and the labels:
+class ids (int64) for bags, clicks 0/1 for a recommendation model. Real numbers are torch's
+default dtype: float32, unless a process set float64 (the exactness tests do)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pipejob.core.kinds.hybrid import BAGS, HybridSpec
+from pipejob.trainer.workloads import imports
+from pipejob.trainer.workloads.bags import FileBags, ImportedBags, ImportedClicks, held_out_size
+from pipejob.trainer.workloads.criteo import CriteoLog
+from pipejob.trainer.workloads.synthetic import SyntheticBags, SyntheticClicks
+
+Sample = tuple[Sequence[float], dict[str, list[int]], int | float]
+
+
+class Samples(Protocol):
+    """What the trainers read: `size` samples, each (dense features, {feature: ids}, label)."""
+
+    @property
+    def size(self) -> int: ...
+
+    def sample(self, i: int) -> Sample: ...
+
+
+class Bags(Protocol):
+    """spec.embedding's bags: `size` samples, each (ids, label)."""
+
+    @property
+    def size(self) -> int: ...
+
+    def sample(self, i: int) -> tuple[list[int], int]: ...
+
+
+@dataclass(frozen=True)
+class OneFeature:
+    """Bags as samples with no dense features and one feature, `feature`."""
+
+    bags: Bags
+    feature: str
+
+    @property
+    def size(self) -> int:
+        return self.bags.size
+
+    def sample(self, i: int) -> Sample:
+        ids, label = self.bags.sample(i)
+        return (), {self.feature: ids}, label
+
+
+@dataclass(frozen=True)
+class Batch:
+    sample_ids: list[int]
+    dense: torch.Tensor  # (batch, dense features)
+    ids: dict[str, torch.Tensor]  # by feature: every sample's ids, concatenated (int64)
+    lengths: dict[str, torch.Tensor]  # by feature: how many ids each sample has (int64)
+    labels: torch.Tensor  # (batch,): int64 classes, or clicks 0.0/1.0
+
+    def offsets(self, feature: str) -> torch.Tensor:
+        """Where each sample's ids start in ids[feature] (EmbeddingBag's offsets)."""
+        lengths = self.lengths[feature]
+        return torch.cumsum(lengths, 0) - lengths
+
+
+def collate(data: Samples, chosen: list[int], features: Sequence[str], clicks: bool) -> Batch:
+    """Samples `chosen` of `data` as one batch of `features`; labels as clicks or
+    classes. A sample that lacks a feature or whose dense features differ in number
+    from the others' is a ValueError naming it."""
+    dense, labels = [], []
+    ids: dict[str, list[int]] = {f: [] for f in features}
+    lengths: dict[str, list[int]] = {f: [] for f in features}
+    for i in chosen:
+        values, sparse, label = data.sample(i)
+        missing = [f for f in features if f not in sparse]
+        if missing:
+            raise ValueError(f"sample {i} has no ids for feature(s) {', '.join(missing)} (it"
+                             f" has {', '.join(sparse) or 'none'}); every table's feature"
+                             " must be in every sample")  # fmt: skip
+        for f in features:
+            ids[f].extend(sparse[f])
+            lengths[f].append(len(sparse[f]))
+        dense.append(list(values))
+        labels.append(label)
+    widths = {len(d) for d in dense}
+    if len(widths) > 1:
+        raise ValueError(f"samples {chosen[0]}..{chosen[-1]} have {sorted(widths)} dense"
+                         " features: every sample must have the same number")  # fmt: skip
+    as_long = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    real = torch.get_default_dtype()  # float32 unless a process chose float64
+    return Batch(
+        sample_ids=list(chosen),
+        dense=torch.tensor(dense, dtype=real).reshape(len(chosen), widths.pop()),
+        ids={f: as_long(v) for f, v in ids.items()},
+        lengths={f: as_long(v) for f, v in lengths.items()},
+        labels=torch.tensor(labels, dtype=real if clicks else torch.int64),
+    )
+
+
+def partitions(size: int, parts: int, seed: int) -> list[list[int]]:
+    """Split sample indices 0..size-1, shuffled by seed, into `parts` disjoint parts that cover
+    them all, sizes differing by at most one. Part k belongs to DDP rank k."""
+    if parts < 1 or size < parts:
+        raise ValueError(f"cannot split {size} samples into {parts} non-empty parts")
+    indices = list(range(size))
+    random.Random(seed).shuffle(indices)
+    base, extra = divmod(size, parts)
+    bounds = [k * base + min(k, extra) for k in range(parts + 1)]
+    return [indices[bounds[k] : bounds[k + 1]] for k in range(parts)]
+
+
+def batches(data: Samples, part: list[int], batch_size: int, features: Sequence[str],
+            clicks: bool, start: int = 0) -> Iterator[Batch]:  # fmt: skip
+    """Batches of `batch_size` samples from `part`, cycling through it forever in order,
+    beginning with batch `start` (0: the first)."""
+    if not part:
+        raise ValueError("cannot draw batches from an empty partition")
+    position = start * batch_size % len(part)
+    while True:
+        chosen = [part[(position + j) % len(part)] for j in range(batch_size)]
+        position = (position + batch_size) % len(part)
+        yield collate(data, chosen, features, clicks)
+
+
+def in_order(data: Samples, batch_size: int, features: Sequence[str], clicks: bool,
+             limit: int = 0) -> list[Batch]:  # fmt: skip
+    """`data` in order as batches of `batch_size` (the last may be smaller); only the first
+    `limit` batches when it is not 0. For evaluation: every sample once, no cycling."""
+    count = -(-data.size // batch_size)
+    count = min(count, limit) if limit else count
+    return [collate(data, list(range(b * batch_size, min((b + 1) * batch_size, data.size))),
+                    features, clicks) for b in range(count)]  # fmt: skip
+
+
+def of(spec: HybridSpec, split: str) -> Samples | None:
+    """The `split` ("train" or "val") of the spec's data source; None when it has no
+    held-out set. Synthetic samples (the default) hold out `held_out_size` samples drawn
+    with another seed."""
+    d = spec.data
+    # A feature's ids must lie below the rows of every table it feeds.
+    rows = {f: min(t.rows for t in spec.embeddings if t.feature == f)
+            for f in {t.feature for t in spec.embeddings}}  # fmt: skip
+    if d.file is not None:
+        path = d.file.train if split == "train" else d.file.val
+        field = f"spec.data.file.{split}"
+        return None if path is None else OneFeature(FileBags(path, field, rows[BAGS]), BAGS)
+    if d.criteo is not None:
+        path = d.criteo.train if split == "train" else d.criteo.val
+        return None if path is None else CriteoLog(path, f"spec.data.criteo.{split}")
+    if d.import_ is not None:
+        field = "spec.data.import"
+        dataset = imports.call(d.import_, field, d.args, split=split)
+        if dataset is None:
+            return None
+        if spec.recommends:
+            return ImportedClicks(dataset, field, split, rows)
+        return OneFeature(ImportedBags(dataset, field, split, rows[BAGS]), BAGS)
+    size = spec.dataset_size if split == "train" else held_out_size(spec)
+    # Seeds are >= 0: -1 - seed is a stream no training set is drawn from.
+    seed = spec.seed if split == "train" else -1 - spec.seed
+    if spec.recommends:
+        return SyntheticClicks(size=size, features=tuple(sorted(rows.items())),
+                               dense_features=spec.dense_features, bag_size=spec.bag_size,
+                               seed=seed)  # fmt: skip
+    bags = SyntheticBags(size=size, num_embeddings=rows[BAGS], classes=spec.dense.out_features,
+                         bag_size=spec.bag_size, seed=seed)  # fmt: skip
+    return OneFeature(bags, BAGS)

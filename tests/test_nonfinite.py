@@ -1,10 +1,10 @@
 """A run that goes non-finite stops (issue 30, runtime/nonfinite.py): a user's model that
 returns NaN at step 3 fails the job within that step, permanently (reason NonFinite), the
 line naming the step, the stage whose forward first gave a non-finite value and the value;
-the checkpoint of step 2 is intact and no output is written. With skipNonFiniteSteps the
-step is skipped instead (here its gradients go non-finite, naming the stage whose backward
-did) and the run ends with finite weights. The evaluation never reports a
-figure computed from non-finite outputs. The same job on the emulated cluster is in
+the checkpoint of step 2 is intact and no output is written; on either engine. With
+skipNonFiniteSteps the step is skipped instead (here its gradients go non-finite, naming the
+stage whose backward did) and the run ends with finite weights. The evaluation never
+reports a figure computed from non-finite outputs. The same job on the emulated cluster is in
 test_operator_refusals_e2e.py."""
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ pytestmark = pytest.mark.timeout(300)
 
 TESTS = Path(__file__).parent  # holds userpkg/, brought by `import:` as a user's package
 AT = 3
+# The pipelining engine with torch's GPipe schedule (1f1b wants a micro-batch per stage).
+PIPELINING = {"engine": "pipelining", "schedule": "gpipe"}
 
 
 def blowing_up(name: str, tmp_path: Path, backward: bool = False, **fields) -> dict:
@@ -41,11 +43,13 @@ def blowing_up(name: str, tmp_path: Path, backward: bool = False, **fields) -> d
     })  # fmt: skip
 
 
+@pytest.mark.parametrize("engine", [{}, PIPELINING], ids=["rpc", "pipelining"])
 def test_a_step_that_goes_non_finite_fails_the_job_keeping_the_last_checkpoint(
-    tmp_path: Path, monkeypatch
+    engine: dict, tmp_path: Path, monkeypatch
 ):
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
-    code, out, _ = run_to_end(blowing_up("nan", tmp_path), tmp_path, timeout=240)
+    job = blowing_up("nan", tmp_path, **engine)
+    code, out, _ = run_to_end(job, tmp_path, timeout=240)
     assert code == ExitCode.PERMANENT, out
     said = (f"permanent: NonFinite: training failed: NonFiniteError: step {AT}: the loss is nan,"
             " first non-finite in stage1's forward; its update was not applied")  # fmt: skip
@@ -61,9 +65,10 @@ def test_a_step_that_goes_non_finite_fails_the_job_keeping_the_last_checkpoint(
 
 def test_skipped_non_finite_steps_leave_the_weights_as_they_were(tmp_path: Path, monkeypatch):
     """Here the gradients go non-finite (the loss is finite): the latest stage in the
-    backward whose gradients are not is named."""
+    backward whose gradients are not is named. On the pipelining engine (torch's schedules
+    run the backward; the recipe after it is the rpc engine's)."""
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
-    job = blowing_up("skip", tmp_path, backward=True, skipNonFiniteSteps=1)
+    job = blowing_up("skip", tmp_path, backward=True, skipNonFiniteSteps=1, **PIPELINING)
     code, out, _ = run_to_end(job, tmp_path, timeout=240)
     assert code == ExitCode.SUCCEEDED, out[-3000:]
     assert (f"step {AT}: the gradient norm is nan, first non-finite in stage1's backward:"
@@ -72,23 +77,35 @@ def test_skipped_non_finite_steps_leave_the_weights_as_they_were(tmp_path: Path,
     assert all(torch.isfinite(v).all() for v in state.values())
 
 
-def test_a_hybrid_jobs_non_finite_loss_fails_it_before_its_backward(tmp_path: Path,
-                                                                    monkeypatch):  # fmt: skip
-    """A HybridJob stops too, on the trainer whose loss is not finite, before the backward
-    that would update the table on the parameter server."""
+# What the trainer says: its training loss (before the backward), or its evaluation's outputs.
+HYBRID_SAYS = {
+    "train": rf"step {AT}: the loss is nan on trainer0; its update was not applied",
+    "held-out": r"the held-out batch after 0 samples: the model's outputs are not finite; no"
+    r" figure is reported from them",
+}
+
+
+@pytest.mark.parametrize("phase", list(HYBRID_SAYS))
+def test_a_hybrid_job_stops_on_a_non_finite_loss_or_held_out_output(phase: str, tmp_path: Path,
+                                                                     monkeypatch):  # fmt: skip
+    """A HybridJob stops too: on the trainer whose loss is not finite, before the backward
+    that would update the tables on the parameter servers; or in an evaluation whose
+    outputs are not finite, which reports no figure."""
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    held_out = phase == "held-out"
     job = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
            "metadata": {"name": "nan-hybrid"},
            "spec": {"trainers": 1, "embedding": {"numEmbeddings": 64, "dim": 8},
                     "dense": {"outFeatures": 4, "import": "userpkg.blowup:dense",
-                              "args": {"at": AT, "dim": 8, "classes": 4}},
+                              "args": {"at": AT, "dim": 8, "classes": 4, "held_out": held_out}},
                     "steps": 5, "batchSize": 8, "bagSize": 4, "datasetSize": 40,
+                    **({"eval": {"everySteps": 1}} if held_out else {}),
                     "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5}}}  # fmt: skip
     code, out, _ = run_to_end(job, tmp_path, timeout=240)
     assert code == ExitCode.PERMANENT, out
-    assert re.search(rf"permanent: NonFinite: training failed: NonFiniteError on trainer0: step"
-                     rf" {AT}: the loss is nan on trainer0; its update was not applied", out), \
-        out[-3000:]  # fmt: skip
+    said = r"permanent: NonFinite: training failed: NonFiniteError on trainer0: "
+    assert re.search(said + HYBRID_SAYS[phase], out), out[-3000:]
+    assert "eval step" not in out  # no figure reported
 
 
 def test_the_guard_stops_at_the_first_unless_told_to_skip():

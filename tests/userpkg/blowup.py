@@ -1,7 +1,8 @@
 """A user's model that goes non-finite at a chosen step: a layer that passes its input on,
 but in the training forwards of step `at` (it counts its own training forwards,
 `micro_batches` a step) gives NaN, or, `backward`, passes NaN gradients back; in whichever
-process computes it; evaluation is left alone. What `test_nonfinite.py` brings with
+process computes it; evaluation is left alone, unless `held_out`: then every evaluation
+forward gives NaN. What `test_nonfinite.py` brings with
 `import:` to see a run that goes non-finite stop."""
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ class NanGradient(torch.autograd.Function):
 
 
 class Blowup(nn.Module):
-    def __init__(self, at: int, micro_batches: int, backward: bool = False):
+    def __init__(self, at: int, micro_batches: int, backward: bool = False,
+                 held_out: bool = False):  # fmt: skip
         super().__init__()
         self.at, self.micro_batches, self.backward = at, micro_batches, backward
+        self.held_out = held_out
         self.forwards = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
-            return x
+            return x * float("nan") if self.held_out else x
         self.forwards += 1
         if (self.forwards - 1) // self.micro_batches + 1 != self.at:
             return x
@@ -43,6 +46,7 @@ def cnn(at: int, micro_batches: int, backward: bool = False, classes: int = 10) 
     return nn.Sequential(*layers[:6], Blowup(at, micro_batches, backward), *layers[6:])
 
 
-def dense(at: int, dim: int, classes: int) -> nn.Module:
-    """A HybridJob's dense model that gives NaN in step `at` (one forward a step)."""
-    return nn.Sequential(nn.Linear(dim, classes), Blowup(at, 1))
+def dense(at: int, dim: int, classes: int, held_out: bool = False) -> nn.Module:
+    """A HybridJob's dense model that gives NaN in step `at` (one forward a step), or in
+    every evaluation (`held_out`)."""
+    return nn.Sequential(nn.Linear(dim, classes), Blowup(at, 1, held_out=held_out))

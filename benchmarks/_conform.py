@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from pipejob.trainer.pipeline.train import fits_model
-from pipejob.trainer.runtime import output
+from pipejob.trainer.runtime import nonfinite, output
 from pipejob.trainer.workloads import cut, materialize
 from pipejob.trainer.workloads.cut import CutError, Traced, join, ties, without_cache
 
@@ -122,8 +122,10 @@ def _check(row: Row, build: Callable[[], nn.Module], sample: Callable[[], Any]) 
         plain = build()
         x = sample()
         with torch.no_grad(), without_cache(plain):
-            plain.eval()(x)
+            y = plain.eval()(x)
             plain.train()
+        if not bool(nonfinite.all_finite(y)):  # Canine's masks, in float64: nothing to compare
+            raise ValueError(f"its outputs are not finite in {torch.get_default_dtype()}")
     except Exception as e:
         raise _NotBuilt() from e
     row.params = sum(p.numel() for p in plain.parameters())

@@ -4,7 +4,10 @@ calling the forward as the pipeline does (one positional input), that notes the 
 module whose forward failed to trace; and that keeps the objects a forward passes to calls
 as they are (a Hugging Face config, a ModelOutput), where fx would rebuild them. Hugging
 Face models trace as they are: their mask builders run as calls of their own (they branch
-on the inputs) and the key/value cache is off while tracing (training needs none)."""
+on the inputs) and the key/value cache is off while tracing (training needs none). A random
+draw from no traced value (LayerDrop's `torch.rand([]) < p`) would be drawn once, while
+tracing, and frozen into the graph: the module whose forward draws it is kept whole, so the
+draw happens at every step as in the model."""
 
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import fx, nn
+from torch.overrides import TorchFunctionMode
 
 
 def _mask_builders() -> tuple[Any, ...]:
@@ -105,11 +110,32 @@ class Tracer(Objects):
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         try:
-            return super().trace(root, concrete_args)
+            with RandomDraws():
+                return super().trace(root, concrete_args)
         except Exception:
             if self.failed_in is None:
                 self.failed_in = ""
             raise
+
+
+# torch's functions that draw random values: called on no traced value while tracing, their
+# draw would be a constant of the graph.
+RANDOM = frozenset({
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson,
+})  # fmt: skip
+
+
+class RandomDraws(TorchFunctionMode):
+    """While tracing: a random draw from no traced value fails the trace of the module
+    whose forward makes it (Tracer.failed_in), which is then kept whole."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if func in RANDOM and not _traced((args, kwargs)):
+            raise fx.proxy.TraceError(f"torch.{func.__name__} draws a random value outside"
+                                      " the graph (fx would freeze one draw)")  # fmt: skip
+        return func(*args, **kwargs)
 
 
 def _traced(value: Any) -> bool:

@@ -205,6 +205,36 @@ def test_a_module_fx_cannot_trace_stays_whole_and_a_split_inside_it_says_why():
         Traced(model, required=["opaque.b"]).split(["opaque.b"])
 
 
+class LayerDrop(nn.Module):
+    """Layers each skipped in training with probability p, as M2M100's encoder does."""
+
+    def __init__(self, p: float = 0.5):
+        super().__init__()
+        self.p, self.layers = p, nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if not (self.training and torch.rand([]) < self.p):
+                x = layer(x)
+        return x
+
+
+def test_a_forward_that_draws_a_random_number_stays_whole_so_it_draws_every_step():
+    """fx would draw once while tracing and freeze which layers run into the graph."""
+    model = nn.Sequential(OrderedDict(first=nn.Linear(4, 4), drop=LayerDrop(),
+                                      last=nn.Linear(4, 2)))  # fmt: skip
+    traced = Traced(model, want=6)
+    assert traced.units == ["first", "drop", "last"]
+    assert "torch.rand draws a random value outside the graph" in traced.whole["drop"]
+    stages = traced.split(["drop", "last"])
+    x = torch.randn(3, 4)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        expected = model(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(run(stages, x), expected, rtol=0, atol=0)
+
+
 def test_a_vit_whose_blocks_take_defaulted_arguments_compiles_into_stages():
     """timm's ViT once gave `def forward(self, attn_mask=None, is_causal=False, add)`."""
     import timm

@@ -6,7 +6,8 @@ plain build in one process, in float64 (benchmarks/_conform.py): (a) parameters 
 bit-equal per stage, (b) outputs bit-equal in training and evaluation mode, (c) step-1
 gradients equal, tied weights included, (d) the output loads strictly into a fresh build;
 at two cuts. Each row is exact, refused (pipejob says it cannot cut it, and why), failing
-(what differs, where), or not built (its own library cannot build or run it here).
+(what differs, where), not built (its own library cannot build or run it here), or not run
+(over --max-params, or past --timeout: a rerun with more time decides).
 
 Models run one after another in a worker process, restarted when one crashes or outlasts
 --timeout. Progress goes to stdout, one line a model; --table writes the markdown table
@@ -176,10 +177,14 @@ class Worker:
                 return self.replies.get(timeout=5)
             except queue.Empty:
                 if not self.process.is_alive() or time.monotonic() > deadline:
-                    why = (f"ran past {timeout:g}s" if self.process.is_alive()
-                           else f"the worker died (exit code {self.process.exitcode})")  # fmt: skip
+                    # Outlasting the time given says nothing of the cut: not run (a rerun
+                    # with a longer --timeout decides); a crash is failing.
+                    verdict, why = ("not run", f"ran past --timeout {timeout:g}s")
+                    if not self.process.is_alive():
+                        verdict = "failing"
+                        why = f"the worker died (exit code {self.process.exitcode})"
                     self.stop()
-                    return {"zoo": zoo, "name": name, "verdict": "failing", "why": why,
+                    return {"zoo": zoo, "name": name, "verdict": verdict, "why": why,
                             "seconds": timeout, "params": 0, "cuts": ""}  # fmt: skip
 
     def stop(self) -> None:

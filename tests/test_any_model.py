@@ -177,15 +177,12 @@ def test_models_refused_before_are_planned():
     none of its parameters in memory, and Mixtral (its experts' grouped matmul, whose meta
     kernel wants bfloat16 where the CPU's takes float32) passes the master's fit check
     (issue 30)."""
-    from transformers import MambaConfig, MambaForCausalLM, MixtralConfig, MixtralForCausalLM
-
     from pipejob.trainer.pipeline.train import fits_model
     from pipejob.trainer.workloads import materialize
 
     def mamba():
         torch.manual_seed(0)
-        return brought.Logits(MambaForCausalLM(MambaConfig(num_hidden_layers=2, hidden_size=32,
-                                                           vocab_size=brought.VOCAB)))  # fmt: skip
+        return brought.mamba()
 
     plain = mamba()
     model, made = materialize.build(mamba, ())
@@ -196,10 +193,7 @@ def test_models_refused_before_are_planned():
     assert torch.equal(part.model.backbone.layers[1].mixer.A_log,
                        plain.model.backbone.layers[1].mixer.A_log)  # fmt: skip
 
-    config = MixtralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-                           num_key_value_heads=1, intermediate_size=64, vocab_size=brought.VOCAB,
-                           num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
-    mixtral, _ = materialize.build(lambda: brought.Logits(MixtralForCausalLM(config)), ())
+    mixtral, _ = materialize.build(brought.mixtral, ())
     ids = torch.randint(brought.VOCAB, (2, brought.SEQ))
     fits_model(mixtral, ids, ids, cross_entropy)  # no refusal
 
@@ -220,3 +214,18 @@ def test_a_model_refused_before_trains_evaluates_and_writes_its_output(tmp_path:
     assert summary is not None and math.isfinite(summary["evaluation"]["loss"])
     assert "accuracy" in summary["evaluation"]
     brought.auxiliary().load_state_dict(load_file(out / "model.safetensors"), strict=True)
+
+
+@pytest.mark.parametrize("name", ["mamba", "mixtral"])
+def test_a_model_refused_at_its_build_before_trains_to_the_end(name: str, tmp_path: Path,
+                                                               monkeypatch):  # fmt: skip
+    """Issue 30: Mamba (refused at build: "Cannot copy out of meta tensor") and Mixtral
+    (refused by the fit check) train in 2 stages to the end; that their stages compute the
+    model exactly is the conformance slice's (tests/test_conformance.py)."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    job = pipeline_job(name, model={"import": f"userpkg.brought:{name}"}, data=TOKENS,
+                       steps=2, microBatches=2)  # fmt: skip
+    code, said, summary = run_to_end(job, tmp_path, timeout=240)
+    assert code == 0, said[-3000:]
+    assert summary is not None and summary["steps"] == 2, summary
+    assert math.isfinite(summary["finalLoss"]), summary

@@ -61,6 +61,25 @@ def mistral(layers: int = 4, width: int = 32, window: int = 4, wrapped: bool = T
     return Logits(model) if wrapped else model
 
 
+def mamba(layers: int = 2, width: int = 32) -> nn.Module:
+    """Mamba: a state-space scan, whose mixer's initialisation makes tensors on its
+    parameters' device."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    return Logits(MambaForCausalLM(MambaConfig(num_hidden_layers=layers, hidden_size=width,
+                                               vocab_size=VOCAB)))  # fmt: skip
+
+
+def mixtral(layers: int = 2, width: int = 32) -> nn.Module:
+    """Mixtral: 4 experts, each token routed to 2 (the experts' grouped matmul)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=2,
+                           num_key_value_heads=1, intermediate_size=2 * width, vocab_size=VOCAB,
+                           num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    return Logits(MixtralForCausalLM(config))
+
+
 def t5(layers: int = 2, width: int = 32) -> nn.Module:
     """T5, whose `shared` embedding is the encoder's, the decoder's and the output head's,
     behind the wrapper that feeds the ids to both sides."""

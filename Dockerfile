@@ -62,8 +62,13 @@ ENTRYPOINT ["pipejob", "operator"]
 FROM base AS trainer
 LABEL org.opencontainers.image.title="pipejob-trainer" \
       org.opencontainers.image.description="pipejob trainer: torch + torchvision with CUDA"
+# The mallocs of the allocator lever (pipejob.core.levers), from Debian: tcmalloc, which every
+# trainer process runs with by default (the trainer preloads it itself), and jemalloc.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libjemalloc2=5.3.0-1 libtcmalloc-minimal4=2.10-1 \
+ && rm -rf /var/lib/apt/lists/*
 # torch and torchvision wheels from PyPI bundle the CUDA runtime (nvidia-* wheels); the
-# node's NVIDIA driver is all a GPU pod needs besides. The biggest layer, so it goes first.
+# node's NVIDIA driver is all a GPU pod needs besides. The biggest layer, so it goes early.
 # TORCH_INDEX_URL may name an extra index with smaller CPU-only builds of the same pinned
 # versions (the kind suite uses one); empty, the image is CUDA-capable.
 ARG TORCH_INDEX_URL=""

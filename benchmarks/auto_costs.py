@@ -44,14 +44,14 @@ def measure_costs(job: dict[str, Any], counts: list[int]) -> tuple[int, dict[int
     """The stages' thread count and, per count, each unit's (seconds, CPU seconds)."""
     import torch
 
-    from pipejob.core import spec
+    from pipejob.core import levers, spec
     from pipejob.trainer.pipeline.partition import intra_op_threads, measure_costs
     from pipejob.trainer.runtime import tuning
     from pipejob.trainer.workloads import cut, data, models
 
     settings = spec.parse(job).settings
     threads = tuning.decide("PipelineJob", "stage", 0, tuning.available_cpus(), 2,
-                            tuning.levers(None)).threads  # fmt: skip
+                            levers.parse(None)).threads  # fmt: skip
     torch.manual_seed(0)
     traced = cut.Traced(models.build(settings))
     pieces = traced.split(traced.units[1:])

@@ -102,6 +102,30 @@ if [ "$covered" = no ]; then
   echo "$key $wanted" >"$stamp"
 fi
 
+# The mallocs of the allocator lever, found by its own rule (pipejob.core.levers): tcmalloc,
+# every training process's default, and jemalloc. Debian's packages where this runs as root
+# with apt; elsewhere one line says what is missing, and the processes use glibc's malloc.
+missing_mallocs() {
+  "$VENV/bin/python" -c 'from pipejob.core.levers import MALLOCS, find
+print(" ".join(m.package for m in MALLOCS.values() if m.library and not find(m.library)))'
+}
+if has trainer "$EXTRAS"; then
+  missing=$(missing_mallocs)
+  if [ -n "$missing" ] && [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+    say "installing $missing (Debian's mallocs for pipejob's processes)"
+    log=$(mktemp)
+    # shellcheck disable=SC2086  # a list of packages
+    { apt-get install -y --no-install-recommends $missing \
+      || { apt-get update && apt-get install -y --no-install-recommends $missing; }; } \
+      >"$log" 2>&1 || { echo "setup: apt-get failed; its log's end:" >&2; tail -n 20 "$log" >&2; }
+    rm -f "$log"
+    missing=$(missing_mallocs)
+  fi
+  if [ -n "$missing" ]; then
+    say "no $missing here (apt-get install $missing, as root): a process whose malloc is missing runs with glibc's, slower or holding more memory"
+  fi
+fi
+
 if [ "$TOOLS" = yes ]; then
   scripts/install-tools.sh
 fi

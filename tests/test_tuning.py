@@ -5,31 +5,112 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
+from pipejob.core import contract as c
+from pipejob.core import levers
 from pipejob.trainer.runtime import tuning
 from pipejob.trainer.runtime.tuning import Settings, decide
 
 pytestmark = pytest.mark.timeout(60)
 
-ALL = set(tuning.LEVERS)
+ALL = levers.parse(None)
 PIPELINE_WORLD = ["master", "stage", "stage"]  # roles in rank order
 
 
 def test_levers_from_the_environment_variable():
-    assert tuning.levers(None) == ALL
-    assert tuning.levers("on") == ALL
-    assert tuning.levers(" ") == ALL
-    assert tuning.levers("off") == set()
-    assert tuning.levers("threads, transport") == {"threads", "transport"}
+    assert ALL == {"threads": "", "allocator": "", "transport": ""}
+    assert levers.parse("on") == ALL
+    assert levers.parse(" ") == ALL
+    assert levers.parse("off") == {}
+    assert levers.parse("threads, transport") == {"threads": "", "transport": ""}
+    assert levers.parse("threads,allocator = tcmalloc") == {"threads": "", "allocator": "tcmalloc"}
 
 
-def test_an_unknown_lever_is_refused_naming_the_variable():
-    with pytest.raises(ValueError, match=r"PIPEJOB_TUNING='threads,turbo'.*turbo"):
-        tuning.levers("threads,turbo")
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("threads,turbo", r"PIPEJOB_TUNING='threads,turbo': unknown lever\(s\) turbo"),
+        ("allocator=mimalloc", r"allocator=mimalloc: choose one of tcmalloc, jemalloc, glibc"),
+        ("threads=2", r"threads=2: threads takes no choice"),
+    ],
+)
+def test_an_unknown_lever_or_choice_is_refused_naming_the_variable(value, says):
+    with pytest.raises(ValueError, match=says):
+        levers.parse(value)
+
+
+def test_pipejob_run_refuses_an_unknown_choice_before_anything_starts(monkeypatch):
+    import io
+
+    import pipejob.runner.local as local
+    from jobrun import pipeline_job
+    from pipejob.core import spec
+
+    monkeypatch.setenv(levers.TUNING, "allocator=mimalloc")
+    monkeypatch.setattr(local.World, "start", lambda *a: pytest.fail("a process started"))
+    out = io.StringIO()
+    assert local.run_job(spec.parse(pipeline_job("bad", stages=2)), out=out) == 2
+    assert out.getvalue() == (
+        "pipejob: cannot run PipelineJob 'bad': PIPEJOB_TUNING='allocator=mimalloc':"
+        " allocator=mimalloc: choose one of tcmalloc, jemalloc, glibc\n"
+    )
+
+
+def test_the_allocator_lever_asks_for_tcmalloc_unless_told_otherwise():
+    assert levers.wanted({}).name == "tcmalloc"
+    assert levers.wanted({levers.TUNING: "allocator=jemalloc"}).name == "jemalloc"
+    assert levers.wanted({levers.TUNING: "threads,allocator=glibc"}).name == "glibc"
+    assert levers.wanted({levers.TUNING: "threads,transport"}) is None
+    assert levers.wanted({levers.TUNING: "off"}) is None
+
+
+def test_preload_names_the_wanted_library_unless_a_malloc_is_preloaded_already(monkeypatch):
+    """The env a process must start with (the host's libraries are the boundary: `find`)."""
+    found = {"jemalloc": "libjemalloc.so.2", "tcmalloc_minimal": "libtcmalloc_minimal.so.4"}
+    monkeypatch.setattr(levers, "find", found.get)
+    tcmalloc = {"LD_PRELOAD": "libtcmalloc_minimal.so.4"}
+    assert levers.preload({}) == tcmalloc
+    theirs = {"LD_PRELOAD": "libfaketime.so.1", levers.TUNING: "allocator=jemalloc"}
+    assert levers.preload(theirs) == {"LD_PRELOAD": "libjemalloc.so.2 libfaketime.so.1"}
+    assert levers.preload({"LD_PRELOAD": "/opt/lib/libmimalloc.so.2"}) == {}  # theirs wins
+    assert levers.preload(tcmalloc) == {}  # started with it: nothing more (no second start)
+    assert levers.preload({levers.TUNING: "threads,transport"}) == {}
+    assert levers.preload({levers.TUNING: "allocator=glibc"}) == {}
+    monkeypatch.setattr(levers, "find", lambda library: None)
+    assert levers.preload({}) == {}  # not on this host: glibc, and the process says why
+
+
+MAPS = """\
+55d0c2a00000-55d0c2a2c000 r--p 00000000 08:01 1835 /usr/bin/python3.11
+7f0e1c000000-7f0e1c021000 rw-p 00000000 00:00 0
+7f0e1d2f6000-7f0e1d31c000 r--p 00000000 08:01 4242 /usr/lib/x86_64-linux-gnu/{}
+7ffd5e1d0000-7ffd5e1f1000 rw-p 00000000 00:00 0                          [stack]
+"""
+
+
+def test_the_malloc_a_process_runs_with_is_read_from_its_loaded_libraries():
+    assert tuning.running_malloc(MAPS.format("libjemalloc.so.2")) == (
+        "jemalloc",
+        "libjemalloc.so.2",
+    )
+    tcmalloc = "libtcmalloc_minimal.so.4.5.10"
+    assert tuning.running_malloc(MAPS.format(tcmalloc)) == ("tcmalloc", tcmalloc)
+    assert tuning.running_malloc(MAPS.format("libmimalloc.so.2.0")) == (
+        "mimalloc",
+        "libmimalloc.so.2.0",
+    )
+    assert tuning.running_malloc(MAPS.format("libc.so.6")) == ("glibc", "")
+    tcmalloc = levers.MALLOCS["tcmalloc"]
+    said = "tcmalloc is not installed here (Debian's libtcmalloc-minimal4)"
+    assert tuning.missing("", tcmalloc) == said
+    assert tuning.missing("libjemalloc.so.2", tcmalloc) == ""  # the user's preload
+    assert tuning.missing("", levers.MALLOCS["glibc"]) == tuning.missing("", None) == ""
 
 
 @pytest.mark.parametrize(
@@ -123,6 +204,8 @@ def test_levers_that_are_off_leave_torch_defaults():
     assert decide("PipelineJob", "stage", 0, 2, 2, set()) == Settings()
     s = decide("HybridJob", "trainer", 0, 2, 3, {"allocator"})
     assert s == Settings(arena_max=1)
+    # glibc's arena and thresholds only where glibc's malloc is the one running.
+    assert decide("HybridJob", "trainer", 0, 2, 3, {"allocator"}, "jemalloc") == Settings()
     s = decide("HybridJob", "ps", 0, 4, 3, {"threads"})
     assert s == Settings(threads=2, passive_wait=True)
 
@@ -175,8 +258,54 @@ print(json.dumps({"main": torch.get_num_threads(), **seen, "arena": applied.aren
 
 def test_describe_names_what_is_set():
     assert tuning.Settings().describe() == "torch's defaults"
-    text = Settings(1, True, 1, ["uv"], ["basic"]).describe()
+    text = Settings(1, True, 1, ["uv"], ["basic"], "glibc").describe()
     assert text == (
-        "1 intra-op thread(s), passive OpenMP waits, 1 malloc arena(s) keeping"
+        "1 intra-op thread(s), passive OpenMP waits, malloc glibc with 1 arena(s) keeping"
         " freed memory, TensorPipe uv/basic"
     )
+    missing = "tcmalloc is not installed here (Debian's libtcmalloc-minimal4)"
+    text = Settings(arena_max=1, malloc="glibc", missing=missing).describe()
+    assert text == f"malloc glibc with 1 arena(s) keeping freed memory: {missing}"
+    assert Settings(malloc="jemalloc (libjemalloc.so.2)").describe() == (
+        "malloc jemalloc (libjemalloc.so.2)"
+    )
+
+
+def test_every_process_runs_with_the_chosen_malloc_whoever_started_it(monkeypatch):
+    """The local runner puts the malloc in its processes' env before they start; a process
+    whose launcher did not (here stage0, as in the operator's pods) starts itself over with
+    it. Each trainer's settings line, said before it loads torch (the world is stopped then),
+    names the malloc it runs with, read from its loaded libraries: tcmalloc, or glibc's with
+    the reason where this host lacks tcmalloc."""
+    import io
+
+    import pipejob.runner.local as local
+    from jobrun import pipeline_job
+    from pipejob.core import plan, spec
+
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv(levers.TUNING, raising=False)
+    by_runner = levers.preload
+    not_stage0 = lambda env: {} if env[c.RPC_NAME] == "stage0" else by_runner(env)  # noqa: E731
+    monkeypatch.setattr(local.levers, "preload", not_stage0)
+    job = spec.parse(pipeline_job("malloc", stages=2))
+    processes = plan.plan_world(job, lambda m: local.LOOPBACK, plan.Ports(*local.free_ports(4)))
+    out = io.StringIO()
+    world = local.World(out)
+    pattern = re.compile(r"^(\w+)\s*\| performance settings: .*?malloc ([^,]+)", re.M)
+    try:
+        world.start(processes)
+        deadline = time.monotonic() + 50
+        while len(pattern.findall(out.getvalue())) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        world.stop(grace=5)
+    said = dict(pattern.findall(out.getvalue()))
+    default = levers.MALLOCS[levers.DEFAULT_MALLOC]
+    library = levers.find(default.library)
+    if library:  # the linker's name (libtcmalloc_minimal.so.4) begins the mapped file's
+        want = f"{default.name} ({library}"
+    else:
+        want = f"glibc with 1 arena(s) keeping freed memory: {default.name} is not installed here"
+    assert said.keys() == {"master", "stage0", "stage1"}, out.getvalue()
+    assert all(words.startswith(want) for words in said.values()), said

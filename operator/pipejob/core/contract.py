@@ -82,7 +82,8 @@ DOCS: dict[str, str] = {
     POD_NAME: "Optional: the name of this process's pod (the operator sets it; the local"
     " runner does not), for the watchdog's messages.",
     TUNING: "Optional: performance levers (threads, allocator, transport): unset or on for"
-    " all, off for none, or a comma-separated list. Variables the user sets always win.",
+    " all, off for none, or a comma-separated list; allocator=tcmalloc, jemalloc or glibc"
+    " picks the malloc (tcmalloc unless told). Variables the user sets always win.",
 }
 
 

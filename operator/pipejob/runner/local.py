@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from pipejob.core.contract import BROKEN_PREFIX, TERMINATION_LOG
+from pipejob.core import levers
+from pipejob.core.contract import BROKEN_PREFIX, TERMINATION_LOG, TUNING
 from pipejob.core.plan import TRAINER_MODULE, Ports, Process, groups, members, plan_world
 from pipejob.core.spec import Job
 from pipejob.runner import gpus
@@ -114,9 +115,10 @@ class World:
         for p in processes:
             said = Path(self._messages.name) / p.rpc_name
             own = gpu_env((visible or {}).get(p.rank)) | {TERMINATION_LOG: str(said)}
+            env = os.environ | p.env | extra | own
             popen = subprocess.Popen(
                 [sys.executable, *TRAINER_MODULE],
-                env=os.environ | p.env | extra | own,
+                env=env | levers.preload(env),  # before it starts: the dynamic linker reads it then
                 cwd=self.directory,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -217,9 +219,14 @@ def run_job(
     detect_gpus: Callable[[], list[str]] = gpus.detect,
 ) -> int:
     """Run `job` locally; return the master's exit code (non-zero if any member failed),
-    or 2 when this machine's GPUs (`detect_gpus`) cannot run it. Output goes to `out`
-    (sys.stdout as it is at the call). With `directory`, the processes run in it and import
-    from it first."""
+    or 2 when PIPEJOB_TUNING is wrong or this machine's GPUs (`detect_gpus`) cannot run it.
+    Output goes to `out` (sys.stdout as it is at the call). With `directory`, the processes
+    run in it and import from it first."""
+    try:
+        levers.parse(os.environ.get(TUNING))  # each process would refuse it: say it once, first
+    except ValueError as e:
+        print(f"pipejob: cannot run {job.kind} {job.name!r}: {e}", file=out or sys.stdout)
+        return 2
     # Every process shares one address here: each collective group needs a port of its own.
     free = free_ports(4 + len(groups(job, members(job))))
     ports = Ports(*free[:4], groups=tuple(free[4:]))

@@ -63,6 +63,7 @@ def main() -> int:
     # failing world would bury its one-line cause under them. A user's setting wins.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
+        tuning.preload_malloc()  # first: where it must, the process starts over with it
         env = read_env()
         # Before torch loads: OpenMP and malloc read their settings once.
         settings = tuning.apply(

@@ -21,11 +21,21 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   than spin while they wait (OMP_WAIT_POLICY=PASSIVE): a spinning team whose other thread
   was preempted burns its core (3.4x the CPU and 3.3x the time per batch measured for a
   2-thread process on a shared host).
-- allocator: glibc hands freed activation memory back to the kernel and faults it in again
-  on every micro-batch, the more so with one arena per thread. One arena, a trim threshold
-  of 1 GiB and a fixed mmap threshold of 32 MiB keep it in the process (a stage's page faults
-  per batch: 86k -> 36k with one arena -> 9k with the thresholds). Set with `mallopt`, which
-  only shapes arenas made later, so it runs before any other thread allocates.
+- allocator: which malloc the process runs with (issue 35, benchmarks/allocators.py; the
+  table is in the user guide). PyTorch frees and allocates activations and gradients of the
+  same sizes on every micro-batch and step. glibc's malloc hands freed memory back to the
+  kernel and faults it in again (a stage's page faults per batch: 86k with its defaults), and
+  its arenas do not reuse what other threads freed. tcmalloc, preloaded by default
+  (pipejob.core.levers: LD_PRELOAD, set before the process starts), keeps freed memory for
+  reuse by every thread: the most samples per CPU-second on ResNet-50, and less memory held
+  than glibc with the settings below; what gives freed memory back at once (glibc's
+  defaults, tcmalloc with TCMALLOC_AGGRESSIVE_DECOMMIT) holds less and takes twice the CPU.
+  Where it is missing, or with `allocator=glibc`, glibc gets one arena, a trim threshold of
+  1 GiB and a fixed mmap threshold of 32 MiB, which keep freed memory in the process (86k ->
+  36k with one arena -> 9k with the thresholds) and hold more of it: set with `mallopt`,
+  which only shapes arenas made later, so it runs before any other thread allocates. The
+  settings line names the malloc the process runs with, read from the libraries loaded in
+  it, not the one asked for.
 - transport: TensorPipe's shared-memory transport runs a reactor thread that busy-polls
   in every process (0.1-0.25 CPU-s per second when idle, 0.2-0.4 per batch when training),
   taking CPU from the stages of a
@@ -36,9 +46,10 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   reports, uses uv and stops polling (its CPU per iteration 1.1-1.9 ms -> under 0.1).
   Processes with GPUs need the CUDA channels: torch's defaults.
 
-A variable the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, MALLOC_ARENA_MAX)
-always wins. PIPEJOB_TUNING picks levers: unset or "on" for all, "off" for none, or a
-comma-separated list of levers."""
+A variable the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, MALLOC_ARENA_MAX, an LD_PRELOAD
+that names a malloc, the malloc's own settings) always wins. PIPEJOB_TUNING picks levers
+(pipejob.core.levers): unset or "on" for all, "off" for none, or a comma-separated list of
+levers, the allocator's with its choice where it is not the default ("allocator=tcmalloc")."""
 
 from __future__ import annotations
 
@@ -47,17 +58,17 @@ import math
 import os
 import platform
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipejob.core import contract as c
+from pipejob.core import levers
 from pipejob.core.kinds import KINDS
 from pipejob.trainer.runtime.world import loopback
 
 TUNING = c.TUNING
-LEVERS = ("threads", "allocator", "transport")
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 WAIT_VARIABLE = "OMP_WAIT_POLICY"
 OVERSUBSCRIBE = 2  # compute threads per core of a share under 2 CPUs (measured for 2 stages)
@@ -77,12 +88,19 @@ class Settings:
     arena_max: int | None = None  # glibc malloc arenas; None: glibc's default
     transports: list[str] | None = None  # TensorPipe transports; None: torch's default
     channels: list[str] | None = None  # TensorPipe channels; None: torch's default
+    malloc: str = ""  # the malloc it runs with (running_malloc): name and library
+    missing: str = ""  # why it is not the one PIPEJOB_TUNING asks for, where that is so
 
     def describe(self) -> str:
+        memory = f"malloc {self.malloc}" if self.malloc else None
+        if memory and self.arena_max:
+            memory += f" with {self.arena_max} arena(s) keeping freed memory"
+        if memory and self.missing:
+            memory += f": {self.missing}"
         parts = [
             f"{self.threads} intra-op thread(s)" if self.threads else None,
             "passive OpenMP waits" if self.passive_wait else None,
-            f"{self.arena_max} malloc arena(s) keeping freed memory" if self.arena_max else None,
+            memory,
             f"TensorPipe {'+'.join(self.transports)}/{'+'.join(self.channels or ['default'])}"
             if self.transports
             else None,
@@ -91,22 +109,6 @@ class Settings:
 
 
 # ---------------------------------------------------------------------------- pure decisions
-
-
-def levers(value: str | None) -> set[str]:
-    """The levers PIPEJOB_TUNING enables; an unknown name is an error naming the variable."""
-    if value is None or value.strip() in ("", "on"):
-        return set(LEVERS)
-    if value.strip() == "off":
-        return set()
-    chosen = {v.strip() for v in value.split(",") if v.strip()}
-    unknown = chosen - set(LEVERS)
-    if unknown:
-        raise ValueError(
-            f"{TUNING}={value!r}: unknown lever(s) {', '.join(sorted(unknown))};"
-            f" use on, off or a comma-separated list of {', '.join(LEVERS)}"
-        )
-    return chosen
 
 
 def cgroup_cpus(cpu_max: str | None) -> float | None:
@@ -144,9 +146,9 @@ def colocated_compute(kind: str, roles: Sequence[str], addresses: Sequence[str],
 
 
 def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
-           enabled: set[str]) -> Settings:  # fmt: skip
-    """The settings of one process: its job kind and role, its GPUs, the CPUs it may use and
-    how many compute processes share them."""
+           enabled: Collection[str], malloc: str = "glibc") -> Settings:  # fmt: skip
+    """The settings of one process: its job kind and role, its GPUs, the CPUs it may use, how
+    many compute processes share them, and the malloc it runs with (running_malloc)."""
     threads = arena = None
     passive = "threads" in enabled and colocated > 1
     if "threads" in enabled:
@@ -159,13 +161,13 @@ def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
             threads = 1  # a light role leaves the shared cores to the compute roles
         else:
             threads = max(1, math.floor(cpus))
-    if "allocator" in enabled:
+    if "allocator" in enabled and malloc == "glibc":
         arena = 1
     return Settings(threads, passive, arena, *transport(kind, role, gpus, enabled))
 
 
 def transport(kind: str, role: str, gpus: int,
-              enabled: set[str]) -> tuple[list[str] | None, list[str] | None]:  # fmt: skip
+              enabled: Collection[str]) -> tuple[list[str] | None, list[str] | None]:  # fmt: skip
     """TensorPipe transports and channels: uv and basic for a PipelineJob's CPU-only
     processes and a HybridJob's master; torch's defaults (None) otherwise, or when the lever
     is off."""
@@ -192,7 +194,43 @@ def for_process(kind: str, role: str, rank: int, roles: Sequence[str], gpus: int
                 environ: Mapping[str, str]) -> Settings:  # fmt: skip
     addresses = [a for a in environ.get(c.ADDRESSES, "").split(",") if a]
     colocated = colocated_compute(kind, roles, addresses, rank)
-    return decide(kind, role, gpus, available_cpus(), colocated, levers(environ.get(TUNING)))
+    enabled = levers.parse(environ.get(TUNING))
+    malloc, library = running_malloc()
+    settings = decide(kind, role, gpus, available_cpus(), colocated, enabled, malloc)
+    words = f"{malloc} ({library})" if library else malloc
+    return replace(settings, malloc=words, missing=missing(library, levers.wanted(environ)))
+
+
+def running_malloc(maps: str | None = None) -> tuple[str, str]:
+    """The malloc this process runs with, by the libraries loaded in it (/proc/self/maps):
+    (jemalloc, tcmalloc or another preloaded one's name, its file), or (the C library's
+    name, "") where none is."""
+    if maps is None:
+        maps = Path("/proc/self/maps").read_text()
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
+        file = os.path.basename(fields[5]) if len(fields) == 6 else ""
+        if "malloc" in file:
+            name = next((m for m in levers.MALLOCS if m in file), file.split(".so")[0][3:])
+            return name, file
+    return platform.libc_ver()[0] or "libc", ""
+
+
+def missing(library: str, wanted: levers.Malloc | None) -> str:
+    """Why this process runs with the C library's malloc (no preloaded `library`) where
+    PIPEJOB_TUNING asks for another, or ""."""
+    if library or wanted is None or not wanted.library:
+        return ""
+    return f"{wanted.name} is not installed here (Debian's {wanted.package})"
+
+
+def preload_malloc() -> None:
+    """Start this process over with the malloc PIPEJOB_TUNING asks for preloaded, where its
+    launcher did not preload it (a pod; the local runner does): the dynamic linker reads
+    LD_PRELOAD only when a program starts. Call it first: the process begins again."""
+    extra = levers.preload(os.environ)
+    if extra:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], os.environ | extra)
 
 
 # ---------------------------------------------------------------------------- applying
@@ -218,7 +256,7 @@ def apply(settings: Settings, environ: dict[str, str] | None = None) -> Settings
     if arena is not None:
         if environ.get(ARENA_VARIABLE) or not _keep_memory(arena):
             arena = None
-    return Settings(threads, passive, arena, settings.transports, settings.channels)
+    return replace(settings, threads=threads, passive_wait=passive, arena_max=arena)
 
 
 def _keep_memory(arenas: int) -> bool:
@@ -252,9 +290,10 @@ _returning = False  # inside returning_memory: a nested one (a build while measu
 
 @contextmanager
 def returning_memory() -> Iterator[None]:
-    """Inside, blocks over BUILD_MMAP_THRESHOLD are mapped alone and unmapped when freed;
-    after, what the heap keeps free is given back too (the smaller objects of the build),
-    and the mmap threshold is this process's again. Nested, the outermost decides."""
+    """Inside, glibc's blocks over BUILD_MMAP_THRESHOLD are mapped alone and unmapped when
+    freed; after, what the malloc keeps free is given back too (glibc's heap, the smaller
+    objects of the build; all that tcmalloc or jemalloc keep), and glibc's mmap threshold is
+    this process's again. Nested, the outermost decides."""
     global _returning
     libc = _glibc()
     if libc is None or _returning:
@@ -265,16 +304,26 @@ def returning_memory() -> Iterator[None]:
     try:
         yield
     finally:
-        libc.malloc_trim(0)
+        _give_back_free_memory(libc)
         libc.mallopt(M_MMAP_THRESHOLD, _mmap_threshold)
         _returning = False
+
+
+def _give_back_free_memory(libc: ctypes.CDLL) -> None:
+    """Give the memory the running malloc keeps free back to the kernel."""
+    if hasattr(libc, "MallocExtension_ReleaseFreeMemory"):  # tcmalloc
+        libc.MallocExtension_ReleaseFreeMemory()
+    elif hasattr(libc, "mallctl"):  # jemalloc: purge every arena (MALLCTL_ARENAS_ALL)
+        libc.mallctl(b"arena.4096.purge", None, None, None, 0)
+    else:
+        libc.malloc_trim(0)
 
 
 def rpc_backend_kwargs(kind: str, role: str, gpus: int,
                        environ: Mapping[str, str] | None = None) -> dict[str, list]:  # fmt: skip
     """TensorPipeRpcBackendOptions keyword arguments for the transport lever."""
     environ = os.environ if environ is None else environ
-    transports, channels = transport(kind, role, gpus, levers(environ.get(TUNING)))
+    transports, channels = transport(kind, role, gpus, levers.parse(environ.get(TUNING)))
     if transports is None:
         return {}
     return {"_transports": transports, "_channels": channels}

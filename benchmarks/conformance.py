@@ -77,7 +77,10 @@ def main() -> int:
                 rows[row["zoo"], row["name"]] = row
         done = sorted(rows.values(), key=lambda r: (ZOO_ORDER.index(r["zoo"]), r["name"]))
         seconds = sum(r["seconds"] for r in done)
-        (args.table or Path("/dev/stdout")).write_text(table(done, seconds, len(done)))
+        import _zoos  # the page says how much of the whole zoo the rows are
+
+        total = sum(len(_zoos.names(zoo)) for zoo in ZOO_ORDER)
+        (args.table or Path("/dev/stdout")).write_text(table(done, seconds, total))
         return 0
     print(f"conformance: {machine()}", flush=True)
     if args.slice == "ci" or args.only:

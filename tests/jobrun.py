@@ -58,13 +58,15 @@ def pipeline_job(name: str, **fields: Any) -> dict[str, Any]:
 
 
 class JobRun:
-    def __init__(self, manifest: dict[str, Any], directory: Path, name: str = "job"):
+    def __init__(self, manifest: dict[str, Any], directory: Path, name: str = "job",
+                 args: tuple[str, ...] = ()):  # fmt: skip
+        """`pipejob run` of `manifest` with `args` (e.g. ("--size", "2"))."""
         path = directory / f"{name}.yaml"
         path.write_text(yaml.safe_dump(manifest))
         self.summary_file = directory / f"{name}.summary.json"
         self.summary_file.unlink(missing_ok=True)
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "pipejob.cli", "run", str(path), "--grace", "5"],
+            [sys.executable, "-m", "pipejob.cli", "run", str(path), "--grace", "5", *args],
             env=os.environ | {"PIPEJOB_SUMMARY_FILE": str(self.summary_file)},
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True,
@@ -263,19 +265,19 @@ def _pipelining_step(s: Any, names: list[str], shards: Any,
     from pipejob.trainer.pipeline.pipelining import schedule
 
     pipes = [schedule.Pipeline(names[r * s.stages : (r + 1) * s.stages], shards, s)
-             for r in range(s.replicas)]  # fmt: skip
-    shares = list(zip(*(t.tensor_split(s.replicas) for t in batch), strict=True))
+             for r in range(s.replicas.max)]  # fmt: skip
+    shares = list(zip(*(t.tensor_split(s.replicas.max) for t in batch), strict=True))
 
     def one(r: int) -> float:
         pipe = pipes[r]
         loss = pipe.run(pipe.read(s.micro_batches, shares[r]), 0, workloads.loss(s), 1.0)
         pipe.combine_tied(0, shards.tied)
-        if s.replicas > 1:
+        if s.replicas.max > 1:
             pipe.each("average_gradients", 0)
         return loss
 
-    with ThreadPoolExecutor(s.replicas) as threads:
-        losses = list(threads.map(one, range(s.replicas)))
+    with ThreadPoolExecutor(s.replicas.max) as threads:
+        losses = list(threads.map(one, range(s.replicas.max)))
     return pipes[0], sum(losses) / len(losses), _gradients(pipes[0], 0)
 
 
@@ -317,7 +319,7 @@ def check_gradients(job: spec.Job, tmp_path, timeout: float = 150,
     stages_per_process), each runs in the same world and is checked; the last one's run is
     returned."""
     s = job.settings
-    assert s.engine == "pipelining" or s.replicas == 1, "the rpc engine's check: one pipeline"
+    assert s.engine == "pipelining" or s.replicas.max == 1, "the rpc engine's check: one pipeline"
     rpc_port, ddp_port = free_ports(2)
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
     out = tmp_path / "pipeline.pt"
@@ -335,7 +337,7 @@ def check_gradients(job: spec.Job, tmp_path, timeout: float = 150,
     finally:
         torch.set_default_dtype(default)
     with cut.without_cache(model):  # as the pipeline runs a Hugging Face model
-        outputs = join([model(x) for x in inputs.tensor_split(s.micro_batches * s.replicas)])
+        outputs = join([model(x) for x in inputs.tensor_split(s.micro_batches * s.replicas.max)])
     loss = workloads.loss(s)(outputs, labels)
     loss.backward()
 

@@ -27,12 +27,11 @@ def trained(spec: HybridSpec, steps: int) -> tuple[Recommender, torch.optim.Opti
     dense_optimizer = optimizer_class(dense.parameters(), **kwargs)
     tables = sparse.make(list(model.tables.parameters()), spec.sparse_optimizer)
     features = sorted({t.feature for t in spec.embeddings})
-    shares = samples.partitions(data.size, spec.trainers, spec.seed)
-    readers = [samples.batches(data, s, spec.batch_size, features, spec.recommends)
-               for s in shares]  # fmt: skip
+    # Each step's whole batch, as the trainers' shares of it together.
+    reader = samples.stream(data, spec.batch_size * spec.trainers.max, (0, 1), spec.seed,
+                            features, spec.recommends)  # fmt: skip
     for _ in range(steps):
-        chosen = [i for reader in readers for i in next(reader).sample_ids]
-        batch = samples.collate(data, chosen, features, spec.recommends)
+        batch = next(reader)
         offsets = {f: batch.offsets(f) for f in features}
         loss_fn(model(batch.dense, batch.ids, offsets), batch.labels).backward()
         for t in spec.embeddings:

@@ -123,3 +123,17 @@ def test_memory_prints_each_processs_peak_against_its_share_of_the_model():
         assert row and float(row[1]) > 0 and float(row[2]) >= 0, out.stdout
     assert re.search(r"^skipped: 6 layers at 4 stages \(--large runs it\)\. The run above held",
                      out.stdout, re.M), out.stdout  # fmt: skip
+
+
+@pytest.mark.timeout(HANG + 60)
+def test_checkpoint_compares_pipejob_s_files_with_dcp_resharded(tmp_path: Path):
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "checkpoint.py"), "--layers", "2", "--width", "32",
+         "--heads", "2", "--save-stages", "2", "--load-stages", "1", "--repeats", "1"],
+        capture_output=True, text=True, timeout=HANG, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    figures = r"\s+[\d.]+ \[[\d.-]+\]" * 4
+    for fmt in ("pipejob", "dcp"):
+        for op in ("save", "load"):
+            assert re.search(rf"^  {fmt} +{op}{figures}", out.stdout, re.M), out.stdout

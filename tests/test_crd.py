@@ -264,7 +264,9 @@ def test_nested_rules_agree_with_their_cel(kind):
     for path, table in tables_with_rules(KINDS[kind].spec):
         for case in NESTED_CASES:
             errors: list[SpecError] = []
-            as_object = replace(table, type="object", enum=None, rules=())
+            as_object = replace(
+                table, type="object", enum=None, rules=(), minimum=None, maximum=None
+            )
             defaulted = apply(as_object, case, path, errors)
             if errors:
                 continue  # not this object's case

@@ -1,4 +1,4 @@
-"""The HybridJob's synthetic bags and clicks, and their partition across trainers."""
+"""The HybridJob's synthetic bags and clicks, and the one order the trainers read them in."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pipejob.trainer.workloads.samples import OneFeature, batches, partitions
+from pipejob.trainer.workloads.samples import OneFeature, order, stream
 from pipejob.trainer.workloads.synthetic import SyntheticBags, SyntheticClicks
 
 pytestmark = pytest.mark.timeout(60)
@@ -17,29 +17,44 @@ pytestmark = pytest.mark.timeout(60)
 SHAPES = [(10, 1), (10, 2), (10, 3), (11, 4), (100, 7), (4096, 2), (1000, 16), (5, 5)]
 
 
+def take(data: SyntheticBags, batch: int, share: tuple[int, int], steps: int,
+         start: int = 0) -> list[list[tuple[int, int]]]:  # fmt: skip
+    """`steps` batches of one trainer's share, as (epoch, sample) pairs."""
+    return [list(zip(b.epochs, b.sample_ids, strict=True))
+            for b in itertools.islice(stream(OneFeature(data, "ids"), batch, share, 3, ["ids"],
+                                             False, start), steps)]  # fmt: skip
+
+
 @pytest.mark.parametrize("size,parts", SHAPES)
-def test_partitions_are_disjoint_covering_and_balanced(size: int, parts: int) -> None:
-    split = partitions(size, parts, seed=3)
-    assert len(split) == parts
-    flat = [i for part in split for i in part]
-    assert len(flat) == len(set(flat)), "a sample is in two partitions"
-    assert sorted(flat) == list(range(size)), "the partitions do not cover the dataset"
-    sizes = [len(part) for part in split]
-    assert max(sizes) - min(sizes) <= 1
-    assert min(sizes) >= 1
+def test_the_trainers_share_each_batch_of_one_stream_that_reads_every_sample_once_an_epoch(
+    size: int, parts: int
+) -> None:
+    data = SyntheticBags(size=size, num_embeddings=30, classes=3, bag_size=4, seed=1)
+    batch, steps = 3 * parts + 1, 2 * size // parts + 3  # shares of 3 and 4; over two epochs
+    whole = take(data, batch, (0, 1), steps)
+    shares = [take(data, batch, (k, parts), steps) for k in range(parts)]
+    for step in range(steps):  # the trainers' shares, in rank order, are the whole batch
+        assert [p for k in range(parts) for p in shares[k][step]] == whole[step]
+    sizes = {len(shares[k][0]) for k in range(parts)}
+    assert max(sizes) - min(sizes) <= 1 and sum(len(s[0]) for s in shares) == batch
+    flat = [p for b in whole for p in b]
+    for epoch in range(flat[-1][0]):  # every whole epoch: each sample once
+        assert sorted(i for e, i in flat if e == epoch) == list(range(size))
+    # A position (samples consumed) goes on at any trainer count.
+    assert take(data, batch, (0, 1), 2, start=2 * batch) == whole[2:4]
 
 
-def test_partitions_are_deterministic_and_depend_on_the_seed() -> None:
-    assert partitions(1000, 4, seed=7) == partitions(1000, 4, seed=7)
-    assert partitions(1000, 4, seed=7) != partitions(1000, 4, seed=8)
-    # Shuffled, not contiguous ranges: each part samples the whole dataset.
-    assert partitions(1000, 4, seed=7)[0] != list(range(250))
+def test_the_order_is_deterministic_and_depends_on_the_seed_and_the_epoch() -> None:
+    assert order(1000, 7, 0) == order(1000, 7, 0)
+    assert order(1000, 7, 0) != order(1000, 8, 0)
+    assert order(1000, 7, 0) != order(1000, 7, 1)
+    assert sorted(order(1000, 7, 0)) == list(range(1000)) != order(1000, 7, 0)
 
 
-@pytest.mark.parametrize("size,parts", [(3, 4), (0, 1), (10, 0)])
-def test_partitions_refuse_impossible_splits(size: int, parts: int) -> None:
-    with pytest.raises(ValueError, match="cannot split"):
-        partitions(size, parts, seed=0)
+def test_a_share_must_exist() -> None:
+    data = SyntheticBags(size=10, num_embeddings=30, classes=3, bag_size=4, seed=1)
+    with pytest.raises(ValueError, match="cannot read share 2 of 2"):
+        next(stream(OneFeature(data, "ids"), 8, (2, 2), 0, ["ids"], False))
 
 
 @pytest.mark.parametrize("num_embeddings,classes", [(1000, 8), (100, 7), (3, 8), (1, 2)])
@@ -65,13 +80,13 @@ def test_samples_are_a_function_of_seed_and_index() -> None:
         data.sample(100)
 
 
-def test_samples_and_partitions_are_the_same_in_another_process() -> None:
+def test_samples_and_their_order_are_the_same_in_another_process() -> None:
     """Every trainer computes them itself: string hashing must not make them differ."""
     code = (
-        "from pipejob.trainer.workloads.samples import partitions\n"
+        "from pipejob.trainer.workloads.samples import order\n"
         "from pipejob.trainer.workloads.synthetic import SyntheticBags\n"
         "d = SyntheticBags(size=50, num_embeddings=30, classes=3, bag_size=4, seed=9)\n"
-        "print([d.sample(i) for i in range(50)], partitions(50, 3, 9))\n"
+        "print([d.sample(i) for i in range(50)], order(50, 9, 2))\n"
     )
     outputs = {
         subprocess.run(
@@ -81,24 +96,22 @@ def test_samples_and_partitions_are_the_same_in_another_process() -> None:
         for seed in ("1", "2")
     }  # fmt: skip
     data = SyntheticBags(size=50, num_embeddings=30, classes=3, bag_size=4, seed=9)
-    assert outputs == {f"{[data.sample(i) for i in range(50)]} {partitions(50, 3, 9)}\n"}
+    assert outputs == {f"{[data.sample(i) for i in range(50)]} {order(50, 9, 2)}\n"}
 
 
-def test_batches_cycle_through_the_partition_in_embedding_bag_layout() -> None:
+def test_batches_are_in_embedding_bag_layout() -> None:
     data = SyntheticBags(size=40, num_embeddings=20, classes=4, bag_size=5, seed=2)
-    part = partitions(40, 3, seed=2)[1]  # 13 samples: batches of 5 wrap around
-    drawn = list(itertools.islice(batches(OneFeature(data, "ids"), part, 5, ["ids"], False), 6))
-    ids_in_order = [i for b in drawn for i in b.sample_ids]
-    assert ids_in_order == (part * 3)[:30]
+    bags = OneFeature(data, "ids")
+    drawn = list(itertools.islice(stream(bags, 10, (1, 2), 2, ["ids"], False), 6))
     for b in drawn:
         offsets, ids = b.offsets("ids").tolist(), b.ids["ids"].tolist()
-        assert len(b.sample_ids) == len(offsets) == len(b.labels) == 5
+        assert len(b.sample_ids) == len(offsets) == len(b.labels) == len(b.epochs) == 5
         assert b.dense.shape == (5, 0)
         bounds = [*offsets, len(ids)]
         for j, i in enumerate(b.sample_ids):
             assert (ids[bounds[j] : bounds[j + 1]], b.labels[j].item()) == data.sample(i)
     # A resumed run's batches from step k on are the whole run's.
-    again = list(itertools.islice(batches(OneFeature(data, "ids"), part, 5, ["ids"], False, 4), 2))
+    again = list(itertools.islice(stream(bags, 10, (1, 2), 2, ["ids"], False, 40), 2))
     assert [b.sample_ids for b in again] == [b.sample_ids for b in drawn[4:6]]
 
 

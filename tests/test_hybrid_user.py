@@ -28,7 +28,7 @@ from pipejob.trainer.hybrid.output import export_checkpoint
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.workloads import samples
 from pipejob.trainer.workloads.bags import FileBags
-from pipejob.trainer.workloads.samples import Batch, OneFeature, partitions
+from pipejob.trainer.workloads.samples import Batch, OneFeature, stream
 from pipejob.trainer.workloads.synthetic import SyntheticBags
 
 TESTS = Path(__file__).parent
@@ -126,7 +126,7 @@ def test_data_by_import_gives_both_splits_and_checks_its_items(tmp_path: Path) -
     assert dense == () and all(isinstance(i, int) for i in sparse["ids"])
     assert isinstance(label, int)
     assert train.sample(3) != val.sample(3)  # another seed
-    assert sum(map(len, partitions(train.size, 2, 0))) == 50
+    assert len(next(stream(train, 50, (1, 2), 0, ["ids"], False)).labels) == 25  # any bags
     small = settings(tmp_path, data={"import": "userpkg.bags:dataset", "args": args},
                      embedding={"numEmbeddings": 3, "dim": DIM})  # fmt: skip
     with pytest.raises(ValueError, match=r"^spec.data.import: item 0 of the train split: ids"):
@@ -223,8 +223,8 @@ def test_a_user_dense_module_trains_on_file_data_and_its_output_loads(
     assert summary["evalAccuracy"] > 0.7, summary  # chance is 0.25
     assert re.search(r"^master\s*\| held-out: loss [\d.]+, accuracy [\d.]+% on 200 bags"
                      r" \(after step 60\)$", output, re.M), output  # fmt: skip
-    assert summary["partitionOverlap"] == 0
-    assert [t["partitionSize"] for t in summary["perTrainer"].values()] == [300, 300]
+    assert summary["samplesRepeated"] == 0
+    assert [t["share"] for t in summary["perTrainer"].values()] == [16, 16]
     wrote = r" table.safetensors, dense.safetensors, model.json$"
     assert re.search(rf"^master\s*\| wrote the trained model to {re.escape(str(out))}:{wrote}",
                      output, re.M), output  # fmt: skip

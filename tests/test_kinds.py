@@ -27,6 +27,7 @@ import pipejob.core.kinds
 from pipejob.core import contract as c
 from pipejob.core import spec
 from pipejob.core.common import COMMON, COMMON_RULES, OPERATOR_ONLY, CommonSpec, integer, key
+from pipejob.core.elastic import Size
 from pipejob.core.kind import Group, Kind, Role
 from pipejob.core.kinds import KINDS
 from pipejob.core.plan import Ports, Seat, plan_world
@@ -431,6 +432,8 @@ def _type_drift(hint: Any, table: Field, path: str, minimal: dict) -> list[str]:
     if table.type == "int-or-string":
         ok = isinstance(hint, types.UnionType) and set(hint.__args__) == {int, str}
         return [] if ok else [f"{path}: int-or-string is int | str, typed {hint}"]
+    if table.type == "int-or-object":  # a size: n reads as {min: n, max: n}
+        return [] if hint is Size else [f"{path}: int-or-object is Size, typed {hint}"]
     if table.type == "array":
         args = typing.get_args(hint)
         if typing.get_origin(hint) is not tuple or len(args) != 2 or args[1] is not Ellipsis:
@@ -532,7 +535,10 @@ def test_key_is_the_camel_case_of_a_field() -> None:
 
 
 def _as_spec(value: Any) -> Any:
-    """A typed spec back as the manifest writes it (camelCase keys, lists, absent for None)."""
+    """A typed spec back as the manifest writes it (camelCase keys, lists, absent for None,
+    a size that is no range as its number)."""
+    if isinstance(value, Size) and not value.elastic:
+        return value.max
     if dataclasses.is_dataclass(value):
         return {
             key(f.name): _as_spec(getattr(value, f.name))

@@ -17,12 +17,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobrun import JobRun, pipeline_job
+from pipejob.core.contract import Progress
 from pipejob.trainer.runtime import monitor
 
 PROGRESS_KEYS = {"phase", "step", "steps", "loss", "samplesPerSecond", "bubble",
                  "learningRate", "gradNorm", "resumedFromStep", "preflight", "message",
                  "evalStep", "evalLoss", "evalAccuracy", "evalPerplexity", "evalAuc",
-                 "memory"}  # fmt: skip
+                 "memory", "checkpointStep", "checkpointTime"}  # fmt: skip
 # Exported only once the master evaluated, each figure only when known.
 EVAL_GAUGES = {"pipejob_eval_step", "pipejob_eval_loss", "pipejob_eval_accuracy",
                "pipejob_eval_perplexity"}  # fmt: skip
@@ -68,7 +69,10 @@ def test_the_board_over_http() -> None:
         board.stages(0.25, {"stage0": (0.1, 0.2), "stage1": (0.05, 0.15)})
         board.memory("master", {"rssPeakBytes": 5 << 20})
         board.memory("stage0", {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20})
+        board.checkpointed(12)
         progress = json.loads(get(base + "/progress")[2])
+        when = progress.pop("checkpointTime")
+        assert Progress.parse(progress | {"checkpointTime": when}).checkpointTime == when
         assert progress == {
             "phase": "training", "step": 12, "steps": 20, "loss": 0.75,
             "samplesPerSecond": 128.0, "bubble": 0.25, "learningRate": 0.002, "gradNorm": 3.5,
@@ -78,6 +82,7 @@ def test_the_board_over_http() -> None:
             "evalAuc": None,
             "memory": {"master": {"rssPeakBytes": 5 << 20},
                        "stage0": {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20}},
+            "checkpointStep": 12,
         }  # fmt: skip
 
         code, kind, text = get(base + "/metrics")

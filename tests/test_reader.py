@@ -41,7 +41,7 @@ def test_the_position_leaves_out_the_batch_read_ahead_and_a_resume_continues_the
             reader.read(round, 1)
             assert torch.equal(reader.labels(round), expected[round - 1])
         state = reader.state()  # batch 4 is being read ahead: not counted
-        assert state["batches"] == 3
+        assert state["samples"] == 3 * 4
     finally:
         reader.close()
     resumed = Reader(Source(spec, 0), CPU)

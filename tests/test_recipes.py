@@ -77,7 +77,7 @@ def _recipe_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     try:
         s = env.spec
         names = env.names("stage")
-        per_replica = [names[r * s.stages : (r + 1) * s.stages] for r in range(s.replicas)]
+        per_replica = [names[r * s.stages : (r + 1) * s.stages] for r in range(s.replicas.max)]
         traced = cut.Traced(mlp(tied(s.stages)))
         starts = [0, *(LAYERS.index(c) for c in CUTS[s.stages]), len(LAYERS)]
         ranges = [range(a, b) for a, b in zip(starts, starts[1:], strict=False)]
@@ -85,7 +85,7 @@ def _recipe_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         shards = Shards(traced.units, stages, Partition(ranges, [1.0] * len(LAYERS), 2), {},
                         tied=cut.ties(stages))  # fmt: skip
         replicas = engine(s, "schedule").Replicas(per_replica, shards, s)
-        samples = SHARE * s.replicas * s.gradient_accumulation
+        samples = SHARE * s.replicas.max * s.gradient_accumulation
         results = [replicas.step(2, step, F.cross_entropy, batch)
                    for step, batch in enumerate(batches(samples))]  # fmt: skip
         states = [{k: v for part in p.each("state") for k, v in part.items()}

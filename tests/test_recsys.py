@@ -160,8 +160,8 @@ def world(spec: Any, steps: int, trainers: int = 2) -> list[Server]:
     torch.manual_seed(spec.seed)
     first = workloads.hybrid_dense(spec, spec.dense_features)
     dense = [first, *(copy.deepcopy(first) for _ in range(trainers - 1))]  # DDP's replicas
-    shares = samples.partitions(data.size, trainers, spec.seed)
-    readers = [samples.batches(data, s, spec.batch_size, router.features, True) for s in shares]
+    readers = [samples.stream(data, spec.batch_size * trainers, (k, trainers), spec.seed,
+                              router.features, True) for k in range(trainers)]  # fmt: skip
     pending: list[list[torch.Tensor | None]] = [[None] * len(servers) for _ in range(trainers)]
     for _ in range(steps):
         batches = [next(r) for r in readers]

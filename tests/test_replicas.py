@@ -177,13 +177,13 @@ def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     try:
         s = env.spec
         names = env.names("stage")
-        per_replica = [names[r * s.stages : (r + 1) * s.stages] for r in range(s.replicas)]
+        per_replica = [names[r * s.stages : (r + 1) * s.stages] for r in range(s.replicas.max)]
         traced = cut.Traced(mlp())
         shards = Shards(traced.units, traced.split(["fc2"]),
                         Partition([range(0, 2), range(2, 5)], [1.0] * 5, 2), {})  # fmt: skip
         replicas = Replicas(per_replica, shards, s)
         losses = [replicas.step(2, step, F.cross_entropy, batch).loss
-                  for step, batch in enumerate(batches(s.replicas))]  # fmt: skip
+                  for step, batch in enumerate(batches(s.replicas.max))]  # fmt: skip
         states = [{k: v for part in p.each("state") for k, v in part.items()}
                   for p in replicas.pipelines]  # fmt: skip
         torch.save({"losses": losses, "states": states}, out)

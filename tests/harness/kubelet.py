@@ -6,7 +6,10 @@ network.py), and reports the Pod's status back through the API: phase Pending ->
 Succeeded/Failed, podIP, startTime, conditions, containerStatuses with the exit code. It
 honours restartPolicy (restarting in place, with restartCount), graceful deletion (SIGTERM,
 then SIGKILL after the grace period, capped, then the final delete), and refuses pods that ask
-for GPUs or node labels it has not (they stay Pending, Unschedulable, as on a real node).
+for GPUs or node labels it has not, or, given a `capacity` (e.g. {"cpu": "5"}), more of a
+resource than its pods leave free (they stay Pending, Unschedulable, as on a real node, and
+are placed once they fit: a pod that ends gives its room back, and tests may change the
+capacity as a node's would change).
 As the default scheduler, it never binds a pod with schedulingGates (Kueue's admission gate),
 nor one that names another scheduler (`schedulerName: volcano`): that scheduler binds it
 (tests/harness/gang.py), and the node then runs it.
@@ -29,6 +32,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 
 from harness.apiserver import now
@@ -36,6 +40,7 @@ from harness.client import Api, ApiError, path
 from harness.network import PodNetwork
 from harness.selectors import selects
 from pipejob.core.contract import TERMINATION_LOG
+from pipejob.operator.gang import quantity
 
 PODS = "v1/pods"
 # The "image": the interpreter of the tests first on PATH, so `python` runs pipejob.trainer.
@@ -109,14 +114,17 @@ class Kubelet:
     Run = PodRun  # what it keeps per pod
 
     def __init__(self, api: Api, workdir: Path, node: str = NODE,
-                 max_grace: float = 5.0, restart_backoff: float = 1.0):  # fmt: skip
+                 max_grace: float = 5.0, restart_backoff: float = 1.0,
+                 capacity: dict[str, str] | None = None):  # fmt: skip
         self.api = api
+        self.capacity = dict(capacity or {})  # requests this node can hold, by resource
         self.workdir = Path(workdir)
         self.node = node
         self.max_grace = max_grace
         self.restart_backoff = restart_backoff
         self._runs: dict[str, PodRun] = {}  # by pod uid
         self._unschedulable: set[str] = set()  # pod uids reported as such
+        self._waiting: dict[str, dict] = {}  # unschedulable pods, by uid: tried again
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._watch = None
@@ -218,6 +226,7 @@ class Kubelet:
         with self._lock:
             run = self._runs.get(meta["uid"])
         if kind == "DELETED":
+            self._waiting.pop(meta["uid"], None)
             if run is not None:
                 run.deleted = True
                 run.restart_at = None
@@ -245,7 +254,18 @@ class Kubelet:
 
     def _admit(self, pod: dict) -> None:
         meta = pod["metadata"]
-        unfit = self._unfit(pod)
+        with self._lock:  # one placement at a time: each sees the room the last one took
+            if meta["uid"] in self._runs:  # placed meanwhile (a watch event and a retry)
+                return
+            unfit = self._unfit(pod)
+            if unfit:
+                self._waiting[meta["uid"]] = pod
+            else:
+                self._waiting.pop(meta["uid"], None)
+                self._runs[meta["uid"]] = self.Run(
+                    pod=pod,
+                    dir=self.workdir / meta["namespace"] / f"{meta['name']}-{meta['uid'][:8]}",
+                )
         if unfit and meta["uid"] not in self._unschedulable:
             self._unschedulable.add(meta["uid"])
             self._patch_status(pod, {"phase": "Pending", "conditions": [{
@@ -254,12 +274,8 @@ class Kubelet:
             }]})  # fmt: skip
         if unfit:
             return
-        run = self.Run(
-            pod=pod, dir=self.workdir / meta["namespace"] / f"{meta['name']}-{meta['uid'][:8]}"
-        )
+        run = self._runs[meta["uid"]]
         run.dir.mkdir(parents=True, exist_ok=True)
-        with self._lock:
-            self._runs[meta["uid"]] = run
         try:
             if not pod.get("spec", {}).get("nodeName"):
                 self.api.request("POST", path(PODS, run.namespace, run.name, "binding"), {
@@ -294,6 +310,11 @@ class Kubelet:
         labels = {"kubernetes.io/hostname": self.node, "kubernetes.io/os": "linux"}
         if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
             return "1 node(s) didn't match Pod's node affinity/selector"
+        held = [r.pod for r in self._runs.values() if not (r.done or r.deleted)]
+        for resource, amount in self.capacity.items():
+            used = sum(_requested(p, resource) for p in held)
+            if used + _requested(pod, resource) > quantity(amount):
+                return f"1 Insufficient {resource}"
         return None
 
     def _container(self, pod: dict, run: PodRun) -> tuple[list[str], dict[str, str]]:
@@ -381,9 +402,15 @@ class Kubelet:
                 os.killpg(run.process.pid, sig)
 
     def _monitor(self) -> None:
-        """Reap exits, escalate graceful kills, restart containers, publish late DNS names."""
+        """Reap exits, escalate graceful kills, restart containers, publish late DNS names,
+        place the pods that did not fit once they do."""
         last_dns = 0.0
         while not self._stopping.wait(0.1):
+            for pod in list(self._waiting.values()):
+                try:
+                    self._admit(pod)
+                except (ApiError, OSError) as e:
+                    self._say(f"pod {pod['metadata']['name']}: {e}")
             for run in self.runs():
                 if run.deleted:
                     continue
@@ -488,6 +515,16 @@ class Kubelet:
 
     def _say(self, message: str) -> None:
         print(f"[process-kubelet] {message}", file=sys.stderr, flush=True)
+
+
+def _requested(pod: dict, resource: str) -> Decimal:
+    """What the pod's containers request of `resource` (a limit alone counts as its request)."""
+    total = Decimal(0)
+    for container in pod.get("spec", {}).get("containers") or []:
+        resources = container.get("resources") or {}
+        wanted = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+        total += quantity(wanted.get(resource, 0))
+    return total
 
 
 def _log_tail(log: Path) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -25,8 +26,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     from pipejob.runner.local import run_job
 
     job = _load_or_exit(args.file, args.allow_node_volumes)
+    if args.size is not None:
+        job = _at_size(job, args.size)
     # The manifest's folder holds the user's code and is where its relative paths start.
     return run_job(job, grace=args.grace, directory=Path(args.file).resolve().parent)
+
+
+def _at_size(job: spec.Job, size: int) -> spec.Job:
+    """The job with its world at `size` (of its elastic replicas or trainers), or exit 2."""
+    if job.definition.elastic is None:
+        print(f"pipejob: --size: a {job.kind} has no size to choose", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        job = dataclasses.replace(job, size=size)
+        job.shape  # noqa: B018 (refuses a size outside the job's range)
+    except ValueError as e:
+        print(f"pipejob: --size: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return job
 
 
 # The module behind `pipejob export`: the trainer's, so it is imported only when asked for.
@@ -95,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--grace", type=float, default=10.0,
         help="seconds a process gets to exit after SIGTERM before SIGKILL (default 10)",
+    )  # fmt: skip
+    run.add_argument(
+        "--size", type=int,
+        help="the world's size: its replicas (PipelineJob) or trainers (HybridJob), within"
+        " the spec's {min, max} (default: max), as the operator would run it where only that"
+        " many fit",
     )  # fmt: skip
     cluster.allow_node_volumes(run)
     run.set_defaults(func=cmd_run)

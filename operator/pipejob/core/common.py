@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pipejob.core.elastic import Size
 from pipejob.core.scheduling import RULES as SCHEDULING_RULES
 from pipejob.core.scheduling import SCHEDULING
 from pipejob.core.schema import Field, Rule
@@ -25,6 +26,7 @@ DNS_LABEL = r"[a-z]([-a-z0-9]*[a-z0-9])?"
 DAY = 24 * 3600
 WEEK = 7 * DAY
 INT32_MAX = 2**31 - 1  # 68 years
+PENDING_SECONDS = 120  # spec.elastic.pendingSeconds when the section is left out
 
 
 def integer(description: str, default: int | None = None, minimum: int | None = 0, **kw) -> Field:
@@ -239,6 +241,19 @@ COMMON: dict[str, Field] = {
         section=True,
     ),
     "scheduling": SCHEDULING,
+    "elastic": Field(
+        "object",
+        "How an elastic world ({min, max} of replicas or trainers) follows the cluster's"
+        " capacity.",
+        fields={
+            "pendingSeconds": integer(
+                "How long pods of the world may stay unschedulable before the world restarts"
+                " at the largest size that fits.", default=PENDING_SECONDS, minimum=1,
+                maximum=DAY,
+            ),
+        },
+        section=True,
+    ),
 }  # fmt: skip
 
 # Cross-field rules every kind shares.
@@ -269,7 +284,7 @@ COMMON_RULES = (
 
 # Spec fields only the operator reads (they shape pods or steer the job, not training).
 OPERATOR_ONLY = ("template", "backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished",
-                 "suspend", "checkpoint.volume", "scheduling")  # fmt: skip
+                 "suspend", "checkpoint.volume", "scheduling", "elastic")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -361,6 +376,8 @@ def _value(hint: Any, value: Any) -> Any:
     if isinstance(hint, types.UnionType) and type(None) in hint.__args__:
         others = [a for a in hint.__args__ if a is not type(None)]
         hint = others[0] if len(others) == 1 else hint
+    if hint is Size:  # an int-or-object size: n is {min: n, max: n}
+        return Size.of(value)
     if dataclasses.is_dataclass(hint):
         return from_spec(hint, value)
     if typing.get_origin(hint) is tuple:

@@ -7,6 +7,7 @@ Env: standard torch names where they exist (the RPC world); the rest is prefixed
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 from enum import IntEnum
 from typing import Any
@@ -126,6 +127,8 @@ PERMANENT_REASONS: dict[str, str] = {
     "NonFinite": "the loss, the gradient norm or the model's held-out outputs became NaN or"
     " infinite: the step was not applied and the last checkpoint is kept (a restart would"
     " resume from it only to reach the same step again)",
+    "CheckpointUnusable": "the checkpoint under checkpoint.path cannot be resumed by this job"
+    " (another kind of job or another model), or written (a path its processes do not share)",
 }
 
 
@@ -206,6 +209,10 @@ class Progress:
     # Each member's peak memory so far, by RPC name: {"rssPeakBytes": n} and, on a GPU,
     # "cudaPeakBytes" (MEMORY_FIGURES).
     memory: dict[str, dict[str, int]] | None = None
+    # The newest complete checkpoint this world wrote: its step, and when (RFC 3339, UTC).
+    # An elastic world grows back once one is written after capacity returned.
+    checkpointStep: int | None = None  # noqa: N815
+    checkpointTime: str | None = None  # noqa: N815
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -242,6 +249,8 @@ class Progress:
             if _count(data.get("resumedFromStep"))
             else None,
             evalStep=data["evalStep"] if _count(data.get("evalStep")) else None,
+            checkpointStep=data["checkpointStep"] if _count(data.get("checkpointStep")) else None,
+            checkpointTime=_time(data.get("checkpointTime")),
             message=message[:MAX_MESSAGE] if isinstance(message, str) and message else None,
             preflight=preflight,
             memory=_memory(data.get("memory")),
@@ -258,6 +267,13 @@ def _memory(data: Any) -> dict[str, dict[str, int]] | None:
             for member, figures in data.items()
             if isinstance(member, str) and isinstance(figures, dict)}  # fmt: skip
     return {member: figures for member, figures in kept.items() if figures} or None
+
+
+def _time(value: Any) -> str | None:
+    """An RFC 3339 time as the trainer writes it (2026-11-27T10:00:00Z), else None."""
+    if isinstance(value, str) and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", value):
+        return value
+    return None
 
 
 def _count(value: Any) -> bool:

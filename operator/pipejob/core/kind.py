@@ -70,6 +70,9 @@ class Kind:
     # What the table cannot say about a completed spec but would crash its world
     # (core/validate.py runs it with the checks every kind shares).
     check: Callable[[Spec], list[SpecError]] = lambda spec: []
+    # The spec field that sizes the world and may be elastic, {min, max} (core/elastic.py):
+    # the roles and groups read it as the number the world runs at.
+    elastic: str | None = None
     # What `pipejob plan` says after the world, for a completed spec (a HybridJob's tables on
     # its parameter servers).
     describe: Callable[[Spec], list[str]] = lambda spec: []

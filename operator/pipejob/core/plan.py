@@ -92,10 +92,11 @@ def members(job: Job) -> list[Member]:
     """The world's members in RPC rank order: the master first, then each role in turn, a
     replicated role replica by replica."""
     out = []
+    shape = job.shape
     for role in job.definition.roles:
-        replicas = role.replicas(job.spec)
+        replicas = role.replicas(shape)
         for r in range(replicas):
-            for i in range(role.members(job.spec)):
+            for i in range(role.members(shape)):
                 name = role.rpc_name(i, r, replicas > 1)
                 out.append(Member(role.name, i, name, r, replicas > 1))
     return out
@@ -104,11 +105,12 @@ def members(job: Job) -> list[Member]:
 def groups(job: Job, world: list[Member]) -> list[tuple[str, str, list[Member]]]:
     """Every collective group of the world: (name, backend, members in group rank order)."""
     out = []
+    shape = job.shape
     for group in job.definition.groups:
-        if not group.when(job.spec):
+        if not group.when(shape):
             continue
         inside = [m for m in world if m.role == group.role]
-        backend = group.backend(job.spec)
+        backend = group.backend(shape)
         if group.by_index:
             for i in sorted({m.index for m in inside}):
                 out.append((f"{group.name}{i}", backend, [m for m in inside if m.index == i]))

@@ -20,9 +20,11 @@ class Field:
     object or array; or int-or-string (Kubernetes' x-kubernetes-int-or-string), whose
     minimum and maximum bound its integers and whose pattern its strings, as in OpenAPI; or
     string-or-object: a shortcut string (checked by enum and pattern) or an object (checked
-    by fields and rules). No structural schema can say "string or object", so the CRD keeps
-    such a field unchecked (x-kubernetes-preserve-unknown-fields) and only the Python
-    validation (`parse`: `pipejob validate`, `run` and the operator) checks it, in full."""
+    by fields and rules); or int-or-object: an integer (checked by minimum and maximum) or
+    an object (checked by fields and rules). No structural schema can say "string or
+    object" or "integer or object", so the CRD keeps such a field unchecked
+    (x-kubernetes-preserve-unknown-fields) and only the Python validation (`parse`:
+    `pipejob validate`, `run` and the operator) checks it, in full."""
 
     type: str
     description: str
@@ -79,6 +81,7 @@ _TYPE_NAMES = {
     "array": "a list",
     "int-or-string": "an integer or a string",
     "string-or-object": "a string or a mapping",
+    "int-or-object": "an integer or a mapping",
 }
 
 
@@ -99,6 +102,8 @@ def _type_ok(kind: str, value: Any) -> bool:
         return _type_ok("integer", value) or isinstance(value, str)
     if kind == "string-or-object":
         return isinstance(value, str | dict)
+    if kind == "int-or-object":
+        return _type_ok("integer", value) or isinstance(value, dict)
     raise ValueError(f"unknown schema type {kind}")
 
 
@@ -121,6 +126,12 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
             as_string = replace(schema, type="string", fields=None, rules=(), required=())
             return apply(as_string, value, path, errors)
         as_object = replace(schema, type="object", enum=None, pattern=None, max_length=None)
+        return _apply_object(as_object, value, path, errors)
+    if schema.type == "int-or-object":
+        if isinstance(value, int):  # the shortcut: minimum and maximum are about it
+            as_integer = replace(schema, type="integer", fields=None, rules=(), required=())
+            return apply(as_integer, value, path, errors)
+        as_object = replace(schema, type="object", minimum=None, maximum=None)
         return _apply_object(as_object, value, path, errors)
     if schema.type == "number":
         # float(10**400) raises: such an integer is as good as infinite here
@@ -232,7 +243,7 @@ def openapi(schema: Field) -> dict[str, Any]:
     """The OpenAPI v3 (structural) schema of a field, as a CRD wants it."""
     if schema.k8s is not None:
         return {"description": schema.description, **copy.deepcopy(k8s.schema(schema.k8s))}
-    if schema.type == "string-or-object":
+    if schema.type in ("string-or-object", "int-or-object"):
         # Structural schemas have no "string or object": the API server keeps it as written
         # (its default aside); parse checks it.
         # kubectl explain and the API reference see no properties here: say them in words.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipejob.core import validate, yamlio
+from pipejob.core import elastic, validate, yamlio
 from pipejob.core.common import DNS_LABEL, from_spec
 from pipejob.core.errors import SpecError
 from pipejob.core.kind import Kind
@@ -44,11 +44,21 @@ class Job:
     namespace: str | None
     spec: dict[str, Any]  # defaulted and validated, camelCase as in the manifest
     uid: str | None = None
+    # The size its world runs at (core/elastic.py); None: the spec's largest. And how many
+    # times the world has changed size: a gang of another size is a new gang.
+    size: int | None = None
+    resizes: int = 0
 
     @property
     def definition(self) -> Kind:
         """The kind's declaration (core/kinds/)."""
         return KINDS[self.kind]
+
+    @property
+    def shape(self) -> dict[str, Any]:
+        """The spec with its elastic size the number the world runs at: what the roles and
+        groups are counted from."""
+        return elastic.shape(self.definition, self.spec, self.size)
 
     @property
     def settings(self) -> Any:

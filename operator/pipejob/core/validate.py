@@ -12,7 +12,7 @@ import json
 import posixpath
 from typing import Any
 
-from pipejob.core import contract
+from pipejob.core import contract, elastic
 from pipejob.core.errors import SpecError
 from pipejob.core.kinds import KINDS
 
@@ -102,8 +102,9 @@ def _checkpoint(spec: dict, template: dict) -> list[SpecError]:
 
 
 def pods(kind: str, spec: dict[str, Any]) -> int:
-    """How many pods the job's world has."""
-    return sum(role.members(spec) * role.replicas(spec) for role in KINDS[kind].roles)
+    """How many pods the job's world has (at its largest size)."""
+    shape = elastic.shape(KINDS[kind], spec)
+    return sum(role.members(shape) * role.replicas(shape) for role in KINDS[kind].roles)
 
 
 def _under(path: str, mount: str) -> bool:

@@ -2,10 +2,10 @@
 scheduler of its pods, and, for Volcano and coscheduling, the PodGroup of its world. Pure,
 like kube.py, which calls it.
 
-Kueue's plain-pod groups: the group is the job (one name for every world, so a restarted
-world's pods are the replacements Kueue expects); its pods' names carry the world's number,
-since a pod Kueue finalizes lingers while it terminates, while their hostnames, and so the
-world's DNS names, stay fixed."""
+Kueue's plain-pod groups: the group is the job (one name for every world of one size, so a
+restarted world's pods are the replacements Kueue expects); its pods' names carry the world's
+number, since a pod Kueue finalizes lingers while it terminates, while their hostnames, and so
+the world's DNS names, stay fixed."""
 
 from __future__ import annotations
 
@@ -24,7 +24,11 @@ def provider(job: Job) -> str | None:
 
 
 def group_name(job: Job) -> str:
-    """The Kueue pod group's or the PodGroup's name: the job's."""
+    """The Kueue pod group's or the PodGroup's name: the job's. A Kueue pod group has one
+    size for life, so each resize of an elastic world (job.resizes) makes a new one; a
+    PodGroup is updated in place."""
+    if provider(job) == sch.KUEUE and job.resizes:
+        return f"{job.name}-{job.resizes}"
     return job.name
 
 

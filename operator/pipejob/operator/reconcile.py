@@ -1,16 +1,20 @@
 """The operator's one decision: from what is observed (the job object and its pods) to what
 to do (status, pods to create or delete, events). Pure and level-based: it reads no memory
-of earlier calls, so the operator can be restarted at any moment and converges again."""
+of earlier calls, so the operator can be restarted at any moment and converges again.
+
+Over 400 lines because every situation of a job's life is decided here, in one pass, in the
+order they take precedence; what gang schedulers and elastic sizes add is decided in
+queueing.py, gang.py and elastic.py, and only applied here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from pipejob.core import scheduling as sch
 from pipejob.core.contract import Progress
 from pipejob.core.spec import InvalidSpec, Job, parse
-from pipejob.operator import gang, kube, queueing
+from pipejob.operator import elastic, gang, kube, queueing
 from pipejob.operator import status as st
 from pipejob.operator.policy_settings import DEFAULT, Settings
 from pipejob.operator.progress import final_report
@@ -66,7 +70,8 @@ def decide(
         uid = job_obj["metadata"].get("uid")
         current = [p for p in pods
                    if owned(p, uid) and kube.restart_of(p) == st.world(acts.status)]  # fmt: skip
-        keep, acts.end_group = queueing.end_kueue_group(acts.status, current, now)
+        keep, ending = queueing.end_kueue_group(acts.status, current, now)
+        acts.end_group += ending
         if keep:
             acts.delete = []  # they are leaving rpc.shutdown: stopping them fails the group
     return acts
@@ -83,19 +88,16 @@ def _decide(
 ) -> Actions:
     meta = job_obj["metadata"]
     old = job_obj.get("status") or {}
-    ours = [p for p in pods if owned(p, meta.get("uid"))]
+    everything = [p for p in pods if owned(p, meta.get("uid"))]
+    standby = [p for p in everything if elastic.is_standby(p)]  # beside the world, not of it
+    ours = [p for p in everything if not elastic.is_standby(p)]
     restarts = int(old.get("restarts") or 0)
-    restart = st.world(old)  # the current world's number: restarts + preemptions
+    restart = st.world(old)  # the current world's number: restarts + preemptions + resizes
     current = [p for p in ours if kube.restart_of(p) == restart]
     new = dict(old, restarts=restarts, roles=st.role_counts(current, kube.role_of))
-    replicas = {p["metadata"]["labels"].get(kube.REPLICA_LABEL) for p in current} - {None}
-    if replicas and old.get("phase") not in st.FINISHED:
-        # A replicated pipeline: how many copies the current world runs. Once the job has
-        # finished its stopped pods go one by one, and the count stays the world's.
-        new["replicas"] = len(replicas)
     new["observedGeneration"] = meta.get("generation") or old.get("observedGeneration") or 0
     acts = Actions(status=new)
-    live = [p for p in ours if not st.deleting(p)]
+    live = [p for p in everything if not st.deleting(p)]
 
     if old.get("phase") in st.FINISHED and not _retry_invalid(old, meta):
         # Finished pods stay for `kubectl logs` until the job goes; running ones are stopped
@@ -119,6 +121,11 @@ def _decide(
             acts.events.append(Event(WARNING, "InvalidSpec", message))
         return _transition(acts, old, st.FAILED, "InvalidSpec", message, now)
 
+    at = elastic.size(job, old)
+    if at is not None:  # the size the world runs at, elastic or fixed
+        job = replace(job, size=at, resizes=int(old.get("resizes") or 0))
+        acts.status[job.definition.elastic] = at
+
     if job.spec["suspend"]:
         acts.delete = live
         acts.status.pop("startTime", None)  # the deadline restarts with the job, as for Jobs
@@ -135,7 +142,8 @@ def _decide(
 
     start = st.parse_time(old.get("startTime")) or now
     acts.status["startTime"] = st.timestamp(start)
-    acts.delete = [p for p in live if kube.restart_of(p) != restart]  # an older world
+    # An older world's pods go; standby pods are kept or not below.
+    acts.delete = [p for p in live if kube.restart_of(p) != restart and not elastic.is_standby(p)]
     by_name = {p["metadata"]["name"]: p for p in current}
     planned = kube.world(job, restart, meta.get("namespace") or "default",
                          kube.owner_reference(job_obj), image)  # fmt: skip
@@ -182,6 +190,10 @@ def _decide(
     if failure is not None and not _cause_may_follow(failure, current, now):
         return _fail(acts, job, old, failure, live, now)
 
+    resize = elastic.resize(job, at, planned, by_name, standby, old, acts.status, now)
+    if resize is not None:  # a world of another size, resumed from its checkpoint
+        return _resize(acts, job, old, resize, live, now)
+
     # Create what is missing; a name still held by any pod (an older world being deleted,
     # or another owner's pod) waits until it is free.
     taken = {p["metadata"]["name"] for p in pods}
@@ -212,6 +224,7 @@ def _decide(
         if not st.deleting(p)
         and (st.pod_phase(p) == "Running" or (st.pod_phase(p) == "Succeeded" and p is not master))
     )  # fmt: skip
+    _keep_standby(acts, job, at, restart, standby, running == len(planned), job_obj, image)
     queued = queueing.queued(job, planned, by_name)
     if old.get("phase") == st.QUEUED and queued is None:
         acts.events.append(Event(NORMAL, "Admitted", queueing.admitted(job, len(planned))))
@@ -241,6 +254,40 @@ def _decide(
     if (st.condition(old, st.RUNNING) or {}).get("message") != why:
         acts.events.append(Event(WARNING, "PodCannotStart", why))
     return acts
+
+
+def _resize(acts: Actions, job: Job, old: dict, resize: elastic.Resize, live: list[dict],
+            now: datetime) -> Actions:  # fmt: skip
+    """A new world at another size (status.resizes counts it, as part of the world's number);
+    it resumes from the last checkpoint, and spends no backoffLimit."""
+    acts.delete = live
+    acts.status[job.definition.elastic] = resize.size
+    acts.status["resizes"] = int(old.get("resizes") or 0) + 1
+    conditions = _created(acts.status, False, resize.reason,
+                          f"the world is being recreated at {resize.size}", now)  # fmt: skip
+    acts.status["conditions"] = st.set_condition(conditions, st.RESIZED, True, resize.reason,
+                                                 resize.message, now)  # fmt: skip
+    kind = WARNING if resize.reason == "ScaledDown" else NORMAL
+    acts.events.append(Event(kind, resize.reason, resize.message))
+    if gang.provider(job) == sch.KUEUE:  # a group of the old size: Kueue frees its quota
+        acts.end_group = [p for p in live if not _ended(p)]
+    return _transition(acts, old, st.RESTARTING, resize.reason, resize.message, now, event=False)
+
+
+def _ended(pod: dict) -> bool:
+    return (pod["metadata"].get("annotations") or {}).get(sch.KUEUE_RETRIABLE) == "false"
+
+
+def _keep_standby(acts: Actions, job: Job, at: int | None, restart: int, standby: list[dict],
+                  running: bool, job_obj: dict, image: str) -> None:  # fmt: skip
+    """The standby pods beside the world (elastic.standby_changes): made, and gone."""
+    namespace = job_obj["metadata"].get("namespace") or "default"
+    make, stale = elastic.standby_changes(job, at, restart, standby, running, namespace,
+                                          kube.owner_reference(job_obj), image)  # fmt: skip
+    acts.create += make
+    acts.delete += stale
+    if gang.provider(job) == sch.KUEUE:  # their groups end: Kueue frees their quota
+        acts.end_group += [p for p in stale if not _ended(p)]
 
 
 def _s(seconds: int) -> timedelta:

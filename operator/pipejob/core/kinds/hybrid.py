@@ -9,6 +9,7 @@ from typing import Any
 
 from pipejob.core import k8s
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, from_spec, integer
+from pipejob.core.elastic import Size, cel_full, full, needs_checkpoint, size_field
 from pipejob.core.kind import Group, Kind, Role, Spec
 from pipejob.core.kinds import tables
 from pipejob.core.kinds.tables import Table
@@ -106,8 +107,8 @@ HYBRID_SPEC = Field(
     "object",
     "A hybrid job: embedding tables on parameter servers over RPC, DDP dense layers on trainers.",
     fields={
-        "trainers": integer("Trainer pods; they form the DDP group.", default=2, minimum=1,
-                         maximum=256),
+        "trainers": size_field("Trainer pods; they form the DDP group.", default=2, minimum=1,
+                               maximum=256),
         "parameterServers": integer(
             "Parameter server pods. The tables are placed on them by size; a table larger than"
             " a share (all tables' bytes / parameterServers) is split row-wise across all of"
@@ -142,7 +143,8 @@ HYBRID_SPEC = Field(
             },
             rules=(args_need_import("dense"),),
         ),
-        "batchSize": integer("Samples per trainer step.", default=32, minimum=1),
+        "batchSize": integer("Samples per trainer step (at trainers.max when elastic); a step"
+                             " trains on batchSize x trainers.max.", default=32, minimum=1),
         "bagSize": integer("Synthetic data: most ids in one bag.", default=10, minimum=1),
         "datasetSize": integer("Synthetic data: samples, split disjointly across trainers.",
                             default=10000, minimum=1),
@@ -187,10 +189,10 @@ HYBRID_SPEC = Field(
             lambda s: s.get("backend") != "nccl" or s["gpusPerTrainer"] > 0,
         ),
         Rule(
-            f"({_REAL_DATA}) || self.datasetSize >= self.trainers * self.batchSize",
+            f"({_REAL_DATA}) || self.datasetSize >= {cel_full('trainers')} * self.batchSize",
             "datasetSize must hold at least one batch per trainer (trainers * batchSize)",
             "datasetSize",
-            lambda s: _real_data(s) or s["datasetSize"] >= s["trainers"] * s["batchSize"],
+            lambda s: _real_data(s) or s["datasetSize"] >= full(s["trainers"]) * s["batchSize"],
         ),
         Rule(
             "!has(self.optimizer.schedule) && !has(self.optimizer.clipGradNorm)",
@@ -200,6 +202,7 @@ HYBRID_SPEC = Field(
             "optimizer",
             lambda s: "schedule" not in s["optimizer"] and "clipGradNorm" not in s["optimizer"],
         ),
+        needs_checkpoint("trainers"),
         *COMMON_RULES,
     ),
 )  # fmt: skip
@@ -243,7 +246,7 @@ class Dense:
 
 @dataclass(frozen=True, kw_only=True)
 class HybridSpec(CommonSpec):
-    trainers: int
+    trainers: Size  # the world runs at a size the plan gives; the batch is max's
     parameter_servers: int
     embeddings: tuple[Table, ...]  # spec.embedding, when given, as its one table
     sparse_optimizer: SparseOptimizer
@@ -372,7 +375,13 @@ HYBRID_JOB = Kind(
             "priority": 1,
             "description": "Held-out AUC at the last evaluation (spec.embeddings: clicks).",
         },
-        {"name": "Trainers", "type": "integer", "jsonPath": ".spec.trainers", "priority": 1},
+        {
+            "name": "Trainers",
+            "type": "integer",
+            "jsonPath": ".status.trainers",
+            "priority": 1,
+            "description": "Trainers the current world runs.",
+        },
         {
             "name": "Servers",
             "type": "integer",
@@ -383,4 +392,5 @@ HYBRID_JOB = Kind(
     complete=_complete,
     check=_check,
     describe=_describe,
+    elastic="trainers",
 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
+from pipejob.core.elastic import Size, needs_checkpoint, size_field
 from pipejob.core.errors import SpecError
 from pipejob.core.kind import Group, Kind, Role, Spec
 from pipejob.core.kinds import models
@@ -116,7 +117,7 @@ PIPELINE_SPEC = Field(
             " pieces k, k + stages, ..., which shrinks the bubble by that factor.",
             default=1, minimum=1, maximum=8,
         ),
-        "replicas": integer(
+        "replicas": size_field(
             "Copies of the pipeline, each on its own share of every batch (data parallel):"
             " stage i of every replica averages its gradients with the others' before each"
             " optimizer step, so the replicas stay identical.",
@@ -129,7 +130,8 @@ PIPELINE_SPEC = Field(
             " micro-batches of at least 2) and runs the one with the shortest predicted step.",
             default=4, minimum=1, pattern=AUTO,
         ),
-        "batchSize": integer("Images per batch (per step).", default=32, minimum=1),
+        "batchSize": integer("Samples per batch of each replica (at replicas.max when elastic);"
+                             " a step trains on batchSize x replicas.", default=32, minimum=1),
         "imageSize": integer(
             "Height and width of the square input images.", default=224, minimum=32, maximum=1024
         ),
@@ -203,6 +205,7 @@ PIPELINE_SPEC = Field(
             "precision",
             lambda s: s["precision"] != "fp16" or s["gpusPerStage"] > 0,
         ),
+        needs_checkpoint("replicas"),
         Rule(
             "self.engine == 'pipelining' || !has(self.schedule) || self.schedule == 'gpipe'",
             "the rpc engine (spec.engine) runs gpipe only; set spec.engine: pipelining for"
@@ -256,7 +259,7 @@ PIPELINE_SPEC = Field(
 class PipelineSpec(CommonSpec):
     model: Model  # a torchvision name is completed to Model(torchvision=name)
     stages: int
-    replicas: int
+    replicas: Size  # the world runs at a size the plan gives; the batch is max's
     micro_batches: int | str  # a count, or AUTO
     batch_size: int
     image_size: int
@@ -365,8 +368,15 @@ PIPELINE_JOB = Kind(
         },
         {"name": "Stages", "type": "integer", "jsonPath": ".spec.stages", "priority": 1},
         {"name": "Engine", "type": "string", "jsonPath": ".spec.engine", "priority": 1},
-        {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas", "priority": 1},
+        {
+            "name": "Replicas",
+            "type": "integer",
+            "jsonPath": ".status.replicas",
+            "priority": 1,
+            "description": "Copies of the pipeline the current world runs.",
+        },
     ),
     complete=_complete,
     check=_check,
+    elastic="replicas",
 )

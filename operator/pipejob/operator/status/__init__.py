@@ -15,6 +15,7 @@ from pipejob.operator.status.conditions import (
     PHASES,
     PREFLIGHT,
     QUEUED,
+    RESIZED,
     RESTARTING,
     RUNNING,
     SUCCEEDED,
@@ -60,7 +61,7 @@ from pipejob.operator.status.training import (
 __all__ = [
     "CONDITIONS", "CREATED", "DISRUPTION_CONDITIONS", "FAILED", "FINISHED", "FROM_TRAINER",
     "IMAGE_FAILURES", "NO_PIPEJOB", "PENDING", "PERMANENT_CODES", "PHASES", "PHASE_CONDITIONS",
-    "PREFLIGHT", "QUEUED", "RESTARTING", "RUNNING", "STATUS", "SUCCEEDED", "SUSPENDED",
+    "PREFLIGHT", "QUEUED", "RESIZED", "RESTARTING", "RUNNING", "STATUS", "SUCCEEDED", "SUSPENDED",
     "Failure", "condition", "deleting", "disruption", "image_failure", "is_true", "parse_time",
     "permanent_failure", "pod_failure", "pod_phase", "preflight_failure", "role_counts",
     "scheduled_message", "set_condition", "tail", "terminated", "timestamp", "trainer_state",

@@ -20,8 +20,9 @@ FINISHED = (SUCCEEDED, FAILED)
 # Preflight, the outcome of the world's communication check before training.
 CREATED = "Created"
 PREFLIGHT = "Preflight"
+RESIZED = "Resized"  # an elastic world's last change of size, and why
 PHASE_CONDITIONS = (QUEUED, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
-CONDITIONS = (CREATED, *PHASE_CONDITIONS, PREFLIGHT)
+CONDITIONS = (CREATED, *PHASE_CONDITIONS, PREFLIGHT, RESIZED)
 
 
 def timestamp(t: datetime) -> str:
@@ -36,8 +37,10 @@ def parse_time(s: str | None) -> datetime | None:
 
 
 def world(status: dict) -> int:
-    """The number of the job's current world: every restart, failed or preempted, makes one."""
-    return int(status.get("restarts") or 0) + int(status.get("preemptions") or 0)
+    """The number of the job's current world: every restart, failed, preempted or resized,
+    makes one."""
+    counts = ("restarts", "preemptions", "resizes")
+    return sum(int(status.get(count) or 0) for count in counts)
 
 
 def condition(status: dict, kind: str) -> dict | None:

@@ -28,16 +28,22 @@ STATUS = Field(
             "integer",
             "Whole-world restarts after a pod was preempted, evicted or disrupted (its"
             " DisruptionTarget condition); they spend no backoffLimit. Pods carry"
-            " restarts + preemptions, the world's number, as the pipejob.dev/restart label.",
+            " restarts + preemptions + resizes, the world's number, as the pipejob.dev/restart"
+            " label.",
             minimum=0,
         ),
         "startTime": Field("string", "When the operator started the job (RFC 3339)."),
         "completionTime": Field("string", "When the job succeeded or failed (RFC 3339)."),
-        "replicas": Field(
+        "resizes": Field(
             "integer",
-            "PipelineJob with replicas: copies of the pipeline in the current world.",
+            "Whole-world restarts at another size (an elastic replicas or trainers); they"
+            " spend no backoffLimit and count in the world's number.",
             minimum=0,
         ),
+        "replicas": Field(
+            "integer", "PipelineJob: copies of the pipeline the current world runs.", minimum=0
+        ),
+        "trainers": Field("integer", "HybridJob: trainers the current world runs.", minimum=0),
         "roles": Field(
             "object",
             "Pods of the current world per role (master, stage, ps, trainer), by pod phase.",
@@ -54,8 +60,8 @@ STATUS = Field(
         ),
         "conditions": Field(
             "array",
-            "Created, Queued, Running, Restarting, Suspended, Succeeded, Failed and Preflight,"
-            " each with why.",
+            "Created, Queued, Running, Restarting, Suspended, Succeeded, Failed, Preflight"
+            " and Resized, each with why.",
             items=Field(
                 "object",
                 "One condition of the job.",
@@ -102,6 +108,12 @@ STATUS = Field(
                 "resumedFromStep": Field(
                     "integer", "The checkpoint step the current world resumed from.", minimum=0
                 ),
+                "checkpointStep": Field(
+                    "integer",
+                    "The step of the newest checkpoint the current world wrote.",
+                    minimum=0,
+                ),
+                "checkpointTime": Field("string", "When it was written (RFC 3339)."),
                 "message": Field("string", "The master's last word on its state."),
                 "evalStep": Field(
                     "integer",

@@ -19,14 +19,17 @@ class Reports:
     """Prints one line per logged step once every trainer has reported it, and each
     evaluation; keeps the latest evaluation for the summary and the checkpoints."""
 
-    def __init__(self, env: Env, trainers: list[str], first: int = 0):
+    def __init__(self, env: Env, trainers: list[str], first: int = 0, samples: int = 0):
         self.env, self.trainers, self.first = env, trainers, first
-        self.steps, self.batch = env.spec.steps, env.spec.batch_size
+        self.samples = samples  # of the data's stream, read before step `first`
+        self.steps = env.spec.steps
+        self.batch = env.spec.batch_size * env.spec.trainers.max  # a step's, at any count
         self.lock = threading.Lock()
         self.pending: dict[int, dict[str, float]] = {}
         self.created = time.perf_counter()
         self.last_step, self.last_time = first, self.created
         self.evaluation: dict[str, Any] | None = None  # the latest, with its step
+        self.losses: dict[int, float] = {}  # the batch's loss at each logged step
         logging = env.spec.logging
         self.events = Events(logging.tensorboard if logging else None, first)
 
@@ -54,9 +57,10 @@ class Reports:
             if step == self.first:  # every trainer is set up and about to take a step
                 world.log(self.env, f"trainers ready after {now - self.created:.1f}s of setup")
             elif step > self.last_step:
-                samples = len(self.trainers) * self.batch * (step - self.last_step)
+                samples = self.batch * (step - self.last_step)
                 rate = samples / max(now - self.last_time, 1e-9)
-                mean = sum(losses.values()) / len(losses)
+                mean = sum(losses.values()) / len(losses)  # weighted by share: the batch's
+                self.losses[step] = mean
                 world.log(self.env, f"step {step}/{self.steps}  loss {mean:.4f}"
                                     f"  {rate:,.0f} samples/s")  # fmt: skip
                 steps = step - self.last_step
@@ -89,9 +93,9 @@ def unit() -> str:
 _REPORTS: Reports | None = None
 
 
-def open_reports(env: Env, trainers: list[str], first: int) -> Reports:
+def open_reports(env: Env, trainers: list[str], first: int, samples: int = 0) -> Reports:
     global _REPORTS
-    _REPORTS = Reports(env, trainers, first)
+    _REPORTS = Reports(env, trainers, first, samples)
     return _REPORTS
 
 
@@ -115,11 +119,16 @@ def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> No
     env = world.current()
     root = env.spec.checkpoint.path
     start = time.perf_counter()
-    own = checkpoint.save_part(checkpoint.step_dir(root, step), "master.pt",
-                               {"rng": checkpoint.rng_state()})  # fmt: skip
+    reports = _reports()
+    samples = reports.samples + (step - reports.first) * reports.batch  # the data's position
+    own = checkpoint.save_part(
+        checkpoint.step_dir(root, step),
+        "master.pt",
+        {"rng": checkpoint.rng_state(), "data": {"samples": samples}},
+    )
     files = [own, *files]
     # The model's spec and latest evaluation travel along, for `pipejob export`.
-    evaluation = _reports().evaluation or {}
+    evaluation = reports.evaluation or {}
     checkpoint.write_manifest(root, step, files, kind=env.kind, job=env.job,
                               trainerCount=len(env.names("trainer")),
                               parameterServers=len(env.names("ps")),

@@ -44,7 +44,7 @@ def train(env: Env) -> dict[str, Any]:
                    f" {', '.join(trainers)}; {len(spec.embeddings)} table(s) on"
                    f" {', '.join(f'{s} ({b})' for s, b in zip(servers, held, strict=True))},"
                    f" made in {time.perf_counter() - began:.1f}s")  # fmt: skip
-    reports = board.open_reports(env, trainers, first)
+    reports = board.open_reports(env, trainers, first, 0 if resume is None else resume["samples"])
     monitor.board().phase("training")
     # A training loop may run for hours: no RPC timeout (0) on it. A trainer that dies fails
     # its future when its connection breaks.
@@ -56,6 +56,7 @@ def train(env: Env) -> dict[str, Any]:
     figures = dict(zip(servers, _wait_all([rpc.rpc_async(s, ps.figures, timeout=0)
                                            for s in servers]), strict=True))  # fmt: skip
     summary = summarize(env, results, figures, first, reports.evaluation)
+    summary["losses"] = list(reports.losses.values())  # at each logged step
     for line in render(summary):
         world.log(env, line)
     if spec.output is not None:
@@ -71,9 +72,11 @@ def train(env: Env) -> dict[str, Any]:
 
 
 def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
-    """Load the tables (and their optimizer state) on every server and the master's RNG
-    state; what the trainers need to resume."""
-    checkpoint.fits(found, env, trainerCount=len(env.names("trainer")))
+    """Load the tables (and their optimizer state) on every server, by table and row range
+    whatever the servers that wrote them (ps.Server.load), and the master's RNG state; what
+    the trainers need to resume: the dense model's file and the data's position, which hold
+    at any trainer count (every step reads one batch of trainers.max's size)."""
+    checkpoint.fits(found, env)
     if "parameterServers" not in found.manifest:
         raise checkpoint.CheckpointError(
             f"{found.directory} is a checkpoint of an older pipejob, whose parameter server"
@@ -83,10 +86,21 @@ def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
     entries = output.server_entries(found.manifest)
     _wait_all([rpc.rpc_async(s, ps.load, args=(directory, entries), timeout=0)
                for s in env.names("ps")])  # fmt: skip
-    checkpoint.set_rng_state(found.load("master.pt")["rng"])
-    world.log(env, f"resumed from step {found.step} ({directory})")
+    own = found.load("master.pt")
+    checkpoint.set_rng_state(own["rng"])
+    batch = env.spec.batch_size * env.spec.trainers.max
+    samples = own.get("data", {}).get("samples", found.step * batch)
+    manifest = found.manifest
+    shape = {
+        "trainer(s)": (manifest.get("trainerCount"), len(env.names("trainer"))),
+        "parameter server(s)": (manifest["parameterServers"], len(env.names("ps"))),
+    }
+    other = [f"{saved} {what}" for what, (saved, now) in shape.items() if saved not in (None, now)]
+    world.log(env, f"resumed from step {found.step} ({directory})"
+                   + (f", written by {' and '.join(other)}" if other else ""))  # fmt: skip
     monitor.board().resumed(found.step)
-    return {"step": found.step, "directory": directory, "dense": found.entry("dense.pt")}
+    return {"step": found.step, "directory": directory, "dense": found.entry("dense.pt"),
+            "samples": samples}  # fmt: skip
 
 
 def _wait_all(futures: list[torch.futures.Future]) -> list[Any]:

@@ -1,5 +1,5 @@
 """A HybridJob run's summary: losses, rates, the held-out evaluation, the tables' servers,
-and checks that the trainers' dense replicas agree and read disjoint data."""
+and checks that the trainers' dense replicas agree and read no sample twice in one pass."""
 
 from __future__ import annotations
 
@@ -27,14 +27,15 @@ def summarize(env: Env, results: dict[str, dict[str, Any]], servers: dict[str, d
         for r in results.values()
         for k, w in r["dense"].items()
     )
-    read = [set(r["read"].tolist()) for r in results.values()]
-    overlap = sum(len(s) for s in read) - len(set().union(*read))
+    # (epoch, sample) pairs: a sample read twice in one pass over the data is a repeat.
+    read = [{tuple(pair) for pair in r["read"].tolist()} for r in results.values()]
+    repeated = sum(len(s) for s in read) - len(set().union(*read))
     per_trainer = {
         name: {k: v for k, v in r.items() if k not in ("dense", "read")}
         for name, r in results.items()
     }
     seconds = max(r["seconds"] for r in results.values())
-    samples = sum(r["steps"] * r["batchSize"] for r in results.values())
+    samples = sum(r["steps"] * r["share"] for r in results.values())
     return master.summary(
         env, env.spec.steps - first, first,
         trainers=len(names),
@@ -42,12 +43,13 @@ def summarize(env: Env, results: dict[str, dict[str, Any]], servers: dict[str, d
         batchSize=env.spec.batch_size,
         seconds=seconds,
         samplesPerSecond=samples / seconds,
+        # Each trainer's loss is weighted by its share of the batch: their mean is the batch's.
         firstLoss=sum(r["firstLoss"] for r in results.values()) / len(names),
         finalLoss=sum(r["finalLoss"] for r in results.values()) / len(names),
         denseMaxAbsDiff=dense_diff,
         embeddingNormBefore=math.sqrt(sum(s["initialSquares"] for s in servers.values())),
         embeddingChangeNorm=math.sqrt(sum(s["changeSquares"] for s in servers.values())),
-        partitionOverlap=overlap,
+        samplesRepeated=repeated,
         **(evaluation or {}),
         perTrainer=per_trainer,
         perServer={name: {"rowsUpdated": s["rowsUpdated"], "steps": s["steps"]}
@@ -66,7 +68,7 @@ def render(s: dict[str, Any]) -> list[str]:
         f" {s['embeddingChangeNorm']:.4g} since initialization (norm of the change; norm at"
         f" initialization {s['embeddingNormBefore']:.4g}); rows updated "
         + ", ".join(f"{name} {v['rowsUpdated']:,}" for name, v in s["perServer"].items()),
-        f"data: samples read by more than one trainer: {s['partitionOverlap']}",
+        f"data: samples read twice in one pass over the data: {s['samplesRepeated']}",
         *(
             [f"held-out: {said(s)} on {s['evalSamples']} {unit()} (after step {s['evalStep']})"]
             if s.get("evalLoss") is not None
@@ -75,12 +77,12 @@ def render(s: dict[str, Any]) -> list[str]:
         "peak memory: "
         + ", ".join(f"{name} {memory.megabytes(peak)}" for name, peak in s["memory"].items()),
         f"{'trainer':<10} {'ddp':>3} {'loss first -> final':>20} {'samples/s':>10}"
-        f" {'partition':>9} {'read':>7} {'dense moved':>11}",
+        f" {'share':>9} {'read':>7} {'dense moved':>11}",
     ]
     for name, t in s["perTrainer"].items():
         lines.append(
             f"{name:<10} {t['ddpRank']:>3} {t['firstLoss']:>9.4f} -> {t['finalLoss']:<7.4f}"
-            f" {t['samplesPerSecond']:>10,.0f} {t['partitionSize']:>9} {t['samplesRead']:>7}"
+            f" {t['samplesPerSecond']:>10,.0f} {t['share']:>9} {t['samplesRead']:>7}"
             f" {t['denseChangeNorm']:>11.4g}"
         )
     return lines

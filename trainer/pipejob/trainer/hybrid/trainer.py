@@ -138,13 +138,20 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
     tables = Tables(env, router)
 
     first = 0 if resume is None else resume["step"]
-    part = samples.partitions(dataset.size, env.ddp_world_size, spec.seed)[env.ddp_rank]
-    read = lambda start: samples.batches(dataset, part, spec.batch_size, router.features,  # noqa: E731
-                                         spec.recommends, start)  # fmt: skip
+    # Every step reads one batch of batchSize x trainers.max (at any trainer count), each
+    # trainer its share, from where the checkpoint's world stopped (samples consumed).
+    batch, share = spec.batch_size * spec.trainers.max, (env.ddp_rank, env.ddp_world_size)
+    read = lambda start: samples.stream(dataset, batch, share, spec.seed,  # noqa: E731
+                                        router.features, spec.recommends, start)  # fmt: skip
     evaluate.check_dense(spec, module, loss_fn, next(read(0)), device)
-    batches = read(first)  # those of the steps after the checkpoint's
+    batches = read(0 if resume is None else resume["samples"])
+    # The step is the same at any trainer count: each trainer's loss is weighted by its
+    # share of the batch times the trainers (1 for equal shares), so the servers' and DDP's
+    # averages of the trainers' gradients are the whole batch's mean gradient, and the
+    # trainers' mean loss is the batch's.
+    weight = len(samples.share_of(batch, *share)) * env.ddp_world_size / batch
     held_out = _held_out(env, spec, router)
-    seen: set[int] = set()
+    seen: set[tuple[int, int]] = set()  # (epoch, sample)
 
     steps, every = spec.steps, spec.log_every
     profile = profiling.settings(spec)
@@ -153,10 +160,11 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
     loss_first = math.nan
     start = time.perf_counter()
     for step in range(first + 1, steps + 1):
-        batch = next(batches)
-        seen.update(batch.sample_ids)
+        drawn = next(batches)
+        seen.update(zip(drawn.epochs, drawn.sample_ids, strict=True))
         with profiling.window(env, profile, step, servers, sync=dist.barrier) as rpc_calls:
-            loss = _step(spec, tables, dense, dense_step, batch, device, loss_fn, rpc_calls, step)
+            loss = _step(spec, tables, dense, dense_step, drawn, device, loss_fn, weight,
+                         rpc_calls, step)  # fmt: skip
         if step == first + 1:
             loss_first = loss.item()
         if evaluate.due(spec, step):  # first: the step's checkpoint keeps its evaluation
@@ -182,13 +190,13 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
         "steps": steps - first,
         "batchSize": spec.batch_size,
         "seconds": seconds,
-        "samplesPerSecond": (steps - first) * spec.batch_size / seconds,
+        "samplesPerSecond": (steps - first) * len(drawn.sample_ids) / seconds,
         "firstLoss": loss_first,
         "finalLoss": loss.item(),
         "denseChangeNorm": torch.cat(moved).norm().item(),
-        "partitionSize": len(part),
-        "samplesRead": len(seen),
-        "read": torch.tensor(sorted(seen)),
+        "share": len(drawn.sample_ids),
+        "samplesRead": len({i for _, i in seen}),
+        "read": torch.tensor(sorted(seen)).reshape(-1, 2),
         "dense": {k: v.detach().cpu() for k, v in module.state_dict().items()},
     }
 
@@ -237,13 +245,14 @@ def _checkpoint(env: Env, step: int, servers: list[str], module: nn.Module,
 
 
 def _step(spec: HybridSpec, tables: Tables, dense: nn.Module, dense_step: DenseStep,
-          batch: Batch, device: torch.device, loss_fn: workloads.Loss,
+          batch: Batch, device: torch.device, loss_fn: workloads.Loss, weight: float = 1.0,
           rpc_calls: profiling.RpcCalls = contextlib.nullcontext,
           step: int = 0) -> torch.Tensor:  # fmt: skip
-    """One step; `rpc_calls` wraps its calls to the servers, not DDP's parts. The dense
-    layer's step (on gradients DDP averaged across the trainers during the backward) is
-    deferred to overlap the next step's calls. A loss that is not finite stops the job
-    before its backward changes anything (runtime/nonfinite.py)."""
+    """One step; `rpc_calls` wraps its calls to the servers, not DDP's parts. The backward is
+    of the loss times `weight` (the trainer's share, `train`); the dense layer's step (on
+    gradients DDP averaged across the trainers during the backward) is deferred to overlap
+    the next step's calls. Returns the loss times `weight`. A loss that is not finite stops
+    the job before its backward changes anything (runtime/nonfinite.py)."""
     with rpc_calls():  # open until the replies: they bring the remote ops' profile
         futures = tables.call(batch)
         dense_step.flush()  # the previous step's, while the calls are in flight
@@ -252,6 +261,7 @@ def _step(spec: HybridSpec, tables: Tables, dense: nn.Module, dense_step: DenseS
     if not nonfinite.finite(loss):
         raise nonfinite.NonFiniteError(f"step {step}: the loss is {loss.item()} on"
                                        f" {tables.name}; its update was not applied")  # fmt: skip
+    loss = loss * weight if weight != 1.0 else loss
     loss.backward()
     tables.backward_done()
     dense_step.defer()

@@ -125,14 +125,18 @@ class Replicas:
 
     One step: each replica's first stage reads the replica's share of the batch (or a given
     batch is split into one share per replica); each replica runs its share in a thread of
-    its own (`_one`, the engine's), so the replicas' pipelines overlap. With
-    gradientAccumulation N the step's batch is N batches, run one after the other, each loss
-    weighted 1/N; with fp16 the loss is scaled and an overflowed step skipped."""
+    its own (`_one`, the engine's), so the replicas' pipelines overlap. A replica's loss is
+    weighted by its share of the batch (`share`): the replicas' average is the whole batch's
+    mean, in the loss and the gradients, at any replica count (an elastic world's shares of
+    the one batch of replicas.max may differ by a sample). With gradientAccumulation N the
+    step's batch is N batches, run one after the other, each loss weighted 1/N; with fp16
+    the loss is scaled and an overflowed step skipped."""
 
     def __init__(self, pipelines: list[Pipeline], shards: Shards, spec: PipelineSpec):
         self.pipelines = pipelines
         self.optimizer, self.steps = spec.optimizer, spec.steps
         self.accumulation = spec.gradient_accumulation
+        self.batch = spec.batch_size * spec.replicas.max  # of every round, at every size
         self.loss_scale = gradients.LossScale() if spec.precision == "fp16" else None
         self.guard = nonfinite.Guard(spec.skip_non_finite_steps)
         self.tied = shards.tied
@@ -144,15 +148,17 @@ class Replicas:
         next ones each first stage reads, or `given` (inputs and labels of them all)."""
         replicas = len(self.pipelines)
         shares: list[list[Batch | None]] = [[None] * self.accumulation for _ in range(replicas)]
+        batch = self.batch
         if given is not None:
             inputs, labels = given
+            batch = len(inputs) // self.accumulation
             rounds = zip(inputs.tensor_split(self.accumulation),
                          labels.tensor_split(self.accumulation), strict=True)  # fmt: skip
             for a, (x, y) in enumerate(rounds):
                 for r, share in enumerate(zip(x.tensor_split(replicas), y.tensor_split(replicas),
                                               strict=True)):  # fmt: skip
                     shares[r][a] = share
-        args = [(r, share, micro_batches, step, loss_fn) for r, share in enumerate(shares)]
+        args = [(r, share, micro_batches, step, loss_fn, batch) for r, share in enumerate(shares)]
         if self._threads is None:
             results = [self._one(*args[0])]
         else:
@@ -173,9 +179,9 @@ class Replicas:
         )
 
     def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
-             loss_fn: Loss) -> StepResult:  # fmt: skip
+             loss_fn: Loss, batch: int) -> StepResult:  # fmt: skip
         """Replica r's part of a step: its share of each batch of the step (None: read by
-        its first stage)."""
+        its first stage), of `batch` samples each."""
         raise NotImplementedError
 
     def nonfinite(self, pipeline: Pipeline, loss: float, norms: list[float],
@@ -193,6 +199,11 @@ class Replicas:
             k = max(k for k, n in enumerate(norms) if not math.isfinite(n))
             return "gradient norm", norm, f"{pipeline.names[k]}'s backward"
         return None
+
+    def share(self, round_: Round, batch: int) -> float:
+        """A replica's round's part of the round's `batch` samples, times the replicas (1.0
+        when the shares are equal): what its loss is weighted by."""
+        return round_.samples * len(self.pipelines) / batch
 
     def local_optimizers(self, r: int) -> dict[str, Any]:
         """Per stage worker of replica r, what its checkpoint's optimizer state is saved from

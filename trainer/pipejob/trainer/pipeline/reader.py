@@ -32,10 +32,12 @@ TRAIN, HELD_OUT = "train", "held-out"
 
 @dataclass(frozen=True)
 class Source:
-    """Where a replica's first stage reads: the job's data, replica `replica`'s share."""
+    """Where a replica's first stage reads: the job's data, replica `replica`'s share of
+    every batch among the world's `replicas` (default: replicas.max)."""
 
     spec: PipelineSpec
     replica: int
+    replicas: int | None = None
 
 
 class Reader:
@@ -141,7 +143,7 @@ class Reader:
     def _training(self) -> data.Feed:
         if self._feed is None:
             source = self._source()
-            self._feed = data.Feed(source.spec, source.replica)
+            self._feed = data.Feed(source.spec, source.replica, source.replicas)
         return self._feed
 
     def _in_thread(self, function: Callable[..., Any], *args: Any) -> Any:

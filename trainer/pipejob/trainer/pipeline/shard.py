@@ -248,11 +248,19 @@ class Shard:
         optimizers = {} if local is None else {"optimizer": local}
         return checkpoint.save_module(directory, name, self.layers, optimizers)
 
-    def load(self, optimizer: RRef | None, directory: str, entry: dict[str, Any]) -> None:
+    def load(self, optimizer: RRef | None, directory: str, entries: list[dict[str, Any]],
+             seed: int | None) -> None:  # fmt: skip
+        """Load this shard's state and its optimizer's from the checkpoint files `entries`
+        (those that hold its names, written by shards cut anywhere, by either engine). `seed`
+        None: the files are the one this very shard wrote, whose RNG state continues (dropout
+        masks as they would have been); else the shard is new and its RNG starts from `seed`."""
         local = self.local_optimizer(optimizer)
         optimizers = {} if local is None else {"optimizer": local}
-        state = checkpoint.load_module(directory, entry, self.layers, optimizers)
-        checkpoint.set_rng_state(state["rng"])  # e.g. dropout masks continue as they would
+        parts = checkpoint.load_named(directory, entries, self.layers, optimizers)
+        if seed is None:
+            checkpoint.set_rng_state(parts[0]["rng"])
+        else:
+            torch.manual_seed(seed)
 
 
 def on_stage(stage: RRef, method: str, *args: Any) -> Any:

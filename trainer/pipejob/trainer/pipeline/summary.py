@@ -79,7 +79,7 @@ def summarize(
         schedule=spec.schedule,
         stages=p,
         stagesPerProcess=spec.stages_per_process,
-        replicas=spec.replicas,
+        replicas=len(env.names("stage")) // p,  # the world's (elastic: any of min..max)
         microBatches=m,
         microBatchesRequested=spec.micro_batches,  # a count, or "auto"
         microBatchCandidates=shards.partition.candidates,  # auto's predictions
@@ -89,14 +89,14 @@ def summarize(
         gradientAccumulation=spec.gradient_accumulation,
         precision=spec.precision,
         activationCheckpointing=spec.activation_checkpointing,
-        losses=[round(r.loss, 6) for r in results],
+        losses=[r.loss for r in results],  # in full: exactness tests compare them
         firstLoss=results[0].loss,
         finalLoss=results[-1].loss,
         learningRates=[r.lr for r in results],
         gradNorms=[r.grad_norm for r in results],
         finalGradNorm=results[-1].grad_norm,
         clipGradNorm=spec.optimizer.clip_grad_norm,
-        samplesPerSecond=round(spec.batch_size * spec.replicas * spec.gradient_accumulation
+        samplesPerSecond=round(spec.batch_size * spec.replicas.max * spec.gradient_accumulation
                                * len(measured) / seconds, 3),  # fmt: skip
         secondsPerStep=round(seconds / len(measured), 4),
         allreduceSecondsPerStep=round(

@@ -40,15 +40,18 @@ from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, data, metrics, models
 from pipejob.trainer.workloads.metrics import Tally
 from pipejob.trainer.workloads.standins import META
+from pipejob.trainer.workloads.synthetic import share_of
 
 
 def train(env: Env) -> dict[str, Any]:
     spec: PipelineSpec = env.spec
     steps = spec.steps
     board = monitor.board()
-    # Replica r's stages, in order: every replica holds the same shards.
+    # Replica r's stages, in order: every replica holds the same shards. The world runs as
+    # many replicas as the plan gave it stages for (an elastic world: any of min..max).
     every = env.names("stage")
-    replicas = [every[r * spec.stages : (r + 1) * spec.stages] for r in range(spec.replicas)]
+    count = len(every) // spec.stages
+    replicas = [every[r * spec.stages : (r + 1) * spec.stages] for r in range(count)]
     names = replicas[0]
     title = models.name(spec.model)
     model, numbered = models.build_meta(spec)  # the stages build their own shards
@@ -60,8 +63,14 @@ def train(env: Env) -> dict[str, Any]:
         inputs, labels = feed.sample(2)
     fits_model(model, inputs, labels, loss)
     found = checkpoint.latest_for(env)
+    saved = None if found is None else saved_partition(env, found)
     try:
-        if found is None:
+        if saved is not None:
+            shards = plan_shards(spec, model, numbered, names, saved)
+            pieces = [shards.of(i) for i in range(len(shards.ranges))]
+            if pieces != found.manifest.get("stages"):
+                saved = None  # its cut is not this model's: measure anew
+        if saved is None:
             threads, hosts = stage_resources(env, spec.stages, spec.gpus_per_stage > 0)
             shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share "
                                + ("a GPU" if h.gpu else f"{h.cpus:g} CPU(s)")
@@ -71,22 +80,24 @@ def train(env: Env) -> dict[str, Any]:
                            " thread(s)" + (f" ({shared})" if shared else ""))  # fmt: skip
             shards = plan_shards(spec, model, numbered, names, None, hosts,
                                  lambda message: world.log(env, message))  # fmt: skip
-        else:
-            shards = plan_shards(spec, model, numbered, names, saved_partition(env, found))
     except ValueError as e:
         raise ValueError(f"spec.model {title} with {spec.stages} stages: {e}") from None
     m, candidates = shards.partition.micro_batches, shards.partition.candidates
     if spec.micro_batches == AUTO:
-        how = "chose" if found is None else "resumes with the checkpoint's"
+        how = "chose" if saved is None else "resumes with the checkpoint's"
         table = ":\n" + candidate_table(candidates, m) if candidates else ""
         world.log(env, f"microBatches auto {how} {m} (micro-batches of"
                        f" {spec.batch_size // m}){table}")  # fmt: skip
     for i in range(spec.stages):
         world.log(env, f"stage {i}: {shards.describe(i)}, {share(shards, i):.0%} of"
                        " measured cost")  # fmt: skip
-    if spec.replicas > 1:
-        world.log(env, f"{spec.replicas} replicas of the pipeline, {spec.batch_size} samples each"
-                       " per step; stage i of every replica averages its gradients")  # fmt: skip
+    batch = spec.batch_size * spec.replicas.max  # of every round, at every size
+    if count > 1 or spec.replicas.elastic:
+        shares = sorted({len(share_of(batch, r, count)) for r in range(count)})
+        world.log(env, f"{count} replica(s) of the pipeline (replicas {spec.replicas.min} to"
+                       f" {spec.replicas.max}), {' or '.join(map(str, shares))} of each batch's"
+                       f" {batch} samples each; stage i of every replica averages its"
+                       " gradients")  # fmt: skip
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
     pipelines = engine(spec, "schedule").Replicas(replicas, shards, spec, device)
     held = pipelines.pipelines[0].reader("held_out") if spec.eval is not None else None
@@ -99,7 +110,7 @@ def train(env: Env) -> dict[str, Any]:
     evaluations: list[dict[str, Any]] = []
     started = time.perf_counter()
     board.phase("training")
-    samples = spec.batch_size * spec.replicas * spec.gradient_accumulation  # per step
+    samples = batch * spec.gradient_accumulation  # per step
     events = Events(spec.logging.tensorboard if spec.logging else None, first)
     try:
         for step in range(first, steps):
@@ -233,10 +244,11 @@ def write_output(env: Env, pipelines: Replicas, shards: Shards,
 
 
 def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) -> None:
-    """Each stage of replica 0 saves its shard and its optimizer's state (the replicas are
-    identical: one copy of each stage, `stage<i>.pt`), the master its RNG states, the data's
-    position (replica 0's first stage's) and the partition; the master's manifest, written
-    last, makes the step count."""
+    """Each stage of replica 0 saves its shard and its optimizer's state under the model's
+    own names (the replicas are identical: one copy of each stage, `stage<i>.pt`), the master
+    its RNG states, the data's position (replica 0's first stage's) and the partition; the
+    master's manifest, written last, says which file holds each name and makes the step
+    count."""
     pipeline = pipelines.pipelines[0]
     root = env.spec.checkpoint.path
     directory = str(checkpoint.step_dir(root, step))
@@ -263,52 +275,60 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
         ranges=[[r.start, r.stop] for r in shards.ranges], costs=shards.costs,
         microBatches=shards.partition.micro_batches,
         microBatchCandidates=shards.partition.candidates,
+        replicas=len(pipelines.pipelines),
     )  # fmt: skip
     checkpoint.prune(root)
     master.checkpoint_written(env, step, files, time.perf_counter() - start, directory)
 
 
-def saved_partition(env: Env, found: checkpoint.Checkpoint) -> Partition:
-    """The checkpoint's split of the layers and micro-batch count: its shards fit no other
-    split, and the run continues with the count it was trained with (`auto` takes the
-    checkpoint's; another explicit count is refused)."""
-    requested, manifest = env.spec.micro_batches, found.manifest
+def saved_partition(env: Env, found: checkpoint.Checkpoint) -> Partition | None:
+    """The checkpoint's cut, when this job cuts the model into as many stages (at the same
+    split points, if it names them): its measured costs need no new measuring, and each
+    stage resumes from its own file. The micro-batch count is the job's, or with `auto` the
+    checkpoint's. None: the job is shaped otherwise (or the checkpoint keeps no cut), and
+    the stages measure anew; any cut resumes any checkpoint of the model."""
+    spec, manifest = env.spec, found.manifest
+    checkpoint.fits(found, env, model=models.as_spec(spec.model))
+    ranges, stages = manifest.get("ranges"), manifest.get("stages")
     recorded = manifest.get("microBatches")  # None: written before the count was kept
-    if requested == AUTO and recorded is None:
-        raise checkpoint.CheckpointError(
-            f"{found.directory} does not record its micro-batch count, which microBatches"
-            " auto would reuse; set spec.microBatches to the count it was trained with"
-        )
-    same = {} if requested == AUTO or recorded is None else {"microBatches": requested}
-    checkpoint.fits(found, env, model=models.as_spec(env.spec.model),
-                    stageCount=env.spec.stages, **same)  # fmt: skip
-    pieces = manifest.get("stagesPerProcess", 1)  # either engine resumes the other's cut
-    if pieces != env.spec.stages_per_process:
-        raise checkpoint.CheckpointError(
-            f"{found.directory} holds a checkpoint of stagesPerProcess {pieces} (its cut into"
-            f" {len(manifest['ranges'])} pieces), not stagesPerProcess"
-            f" {env.spec.stages_per_process}; give this job another checkpoint.path"
-        )
-    return Partition([range(a, b) for a, b in manifest["ranges"]], manifest["costs"],
-                     recorded or requested, manifest.get("microBatchCandidates", []))  # fmt: skip
+    count = recorded if spec.micro_batches == AUTO else spec.micro_batches
+    if ranges is None or len(ranges) != spec.pieces or count is None:
+        return None
+    if spec.split_points and list(spec.split_points) != [s[0] for s in stages[1:]]:
+        return None
+    return Partition(
+        [range(a, b) for a, b in ranges],
+        manifest["costs"],
+        count,
+        manifest.get("microBatchCandidates", []) if count == recorded else [],
+    )
 
 
 def resume(env: Env, found: checkpoint.Checkpoint, pipelines: Replicas, shards: Shards) -> int:
-    """Load every stage's shard and optimizer state (stage i of every replica from the one
-    copy of stage i), the master's RNG states and the data's position (every replica's first
-    stage's); the step the checkpoint was taken after."""
-    layers = [shards.of(i) for i in range(len(shards.ranges))]
-    if layers != found.manifest["stages"]:
-        raise checkpoint.CheckpointError(
-            f"{found.directory} was written for other layers than {models.name(env.spec.model)}'s;"
-            " give this job another checkpoint.path"
-        )
+    """Load every stage's shard and optimizer state by the model's own names, from the files
+    of the checkpoint that hold them (stage i of every replica the same: the checkpoint holds
+    one copy, whatever the replica count that wrote it), the master's RNG states and the
+    data's position (every replica's first stage's); the step the checkpoint was taken after.
+    Either engine resumes the other's checkpoint. A stage process holding exactly the pieces
+    a saved one held continues its RNG state; another gets a seed of its own from (seed,
+    step, stage)."""
+    index = checkpoint.index_of(found)
+    manifest = found.manifest
+    same = ([shards.of(i) for i in range(len(shards.ranges))] == manifest.get("stages")
+            and manifest.get("stagesPerProcess", 1) == env.spec.stages_per_process)  # fmt: skip
     directory = str(found.directory)
+    plans = []
+    for k in range(env.spec.stages):
+        names = [n for piece in shards.held(k) for n in shards.stages[piece].state_dict()]
+        entries = checkpoint.sources(found, index, list(dict.fromkeys(names)))
+        seed = None if same else env.spec.seed + 1_000_003 * found.step + k
+        plans.append((entries, seed))
     loading = []
     for r, pipeline in enumerate(pipelines.pipelines):
         local = pipelines.local_optimizers(r)
-        for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True)):
-            args = (stage, "load", local.get(name), directory, found.entry(f"stage{i}.pt"))
+        for name, stage, (entries, seed) in zip(pipeline.names, pipeline.stages, plans,
+                                                strict=True):  # fmt: skip
+            args = (stage, "load", local.get(name), directory, entries, seed)
             loading.append(rpc.rpc_async(name, on_stage, args=args))
     own = found.load("master.pt")
     checkpoint.set_rng_state(own["rng"])
@@ -316,6 +336,19 @@ def resume(env: Env, found: checkpoint.Checkpoint, pipelines: Replicas, shards: 
         pipelines.loss_scale.load(own["lossScale"])
     torch.futures.wait_all(loading)
     pipelines.readers("load_state", own["data"])
-    world.log(env, f"resumed from step {found.step} ({found.directory})")
+    world.log(
+        env, f"resumed from step {found.step} ({found.directory})" + _origin(found.manifest, same)
+    )
     monitor.board().resumed(found.step)
     return found.step
+
+
+def _origin(manifest: dict[str, Any], same: bool) -> str:
+    """How the checkpoint's world was shaped, when this one is not cut as it was."""
+    if same:
+        return ""
+    return (
+        f", written by {manifest.get('stageCount', '?')} stages of the"
+        f" {manifest.get('engine', 'rpc')} engine cut at"
+        f" {', '.join(s[0] for s in manifest.get('stages', [])[1:]) or '?'}"
+    )

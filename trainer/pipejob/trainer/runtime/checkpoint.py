@@ -6,6 +6,14 @@ lists every file of that step with its size and SHA-256. A step counts only when
 manifest exists and every file it lists matches; resuming picks the newest such step and
 says why it passed over any newer one.
 
+A module's state is saved under the model's own names (parameters, buffers and their
+optimizer state), and the manifest's `index` says which file holds each name, so a world cut
+another way resumes it: each part loads its own names from whichever files hold them
+(`load_named`), memory-mapped, so a part reads no more of a file than its names. Nothing here
+depends on the engine that cut the model or on how many copies of it ran. Over 400 lines
+because the files, the manifest and the state they hold by name are one format, written and
+read in this one place by every engine and role.
+
 Every file is written atomically: a temporary file in the same directory, fsync, rename,
 fsync of the directory. A crash leaves the old file or the new one, never a mix, and a
 step directory without its manifest is simply not a checkpoint.
@@ -42,15 +50,12 @@ from torch.distributed.optim.optimizer import _LocalOptimizer
 
 from pipejob.core.common import CommonSpec
 from pipejob.trainer.runtime import world
+from pipejob.trainer.runtime.failures import CheckpointError
 from pipejob.trainer.runtime.world import Env
 
 MANIFEST = "manifest.json"
 FORMAT = 1
 KEEP = 2  # complete checkpoints kept; older step directories are removed
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written, or does not fit this job."""
 
 
 def due(spec: CommonSpec, step: int) -> bool:
@@ -69,7 +74,7 @@ def latest_for(env: Env) -> Checkpoint | None:
 
 
 def fits(found: Checkpoint, env: Env, **expected: Any) -> None:
-    """Refuse a checkpoint of another kind of job or shape (e.g. other stage counts)."""
+    """Refuse a checkpoint of another kind of job or model."""
     wanted = {"kind": env.kind, **expected}
     differs = {k: found.manifest.get(k) for k, v in wanted.items() if found.manifest.get(k) != v}
     if differs:
@@ -120,13 +125,33 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class _Hashing:
+    """A file that hashes and counts what is written to it: torch.save streams a part into
+    the file, with no copy of it in memory, and its SHA-256 comes along."""
+
+    def __init__(self) -> None:
+        self.digest, self.bytes, self.file = hashlib.sha256(), 0, None
+
+    def over(self, file: BinaryIO) -> _Hashing:
+        self.file = file
+        return self
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.digest.update(view)
+        self.bytes += view.nbytes
+        return self.file.write(view)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def save_part(directory: str | Path, name: str, state: Any) -> dict[str, Any]:
-    """torch.save `state` as `directory/name`, atomically; its manifest entry. Saved straight
-    into the file (and hashed by reading it back), never into a second copy in memory: a
-    parameter server near its memory limit can save its tables."""
-    path = Path(directory) / name
-    write_atomic(path, lambda f: torch.save(state, f))
-    return {"name": name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+    """torch.save `state` as `directory/name`, atomically, straight into the file; its
+    manifest entry."""
+    written = _Hashing()
+    write_atomic(Path(directory) / name, lambda f: torch.save(state, written.over(f)))
+    return {"name": name, "bytes": written.bytes, "sha256": written.digest.hexdigest()}
 
 
 def _sha256(path: Path) -> str:
@@ -137,13 +162,16 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_part(directory: str | Path, entry: dict[str, Any]) -> Any:
-    """torch.load a part after checking it is exactly what the manifest says."""
+def load_part(directory: str | Path, entry: dict[str, Any], mmap: bool = False,
+              checksum: bool = True) -> Any:  # fmt: skip
+    """torch.load a part after checking it is exactly what the manifest says (its size, and
+    its SHA-256 unless the caller knows it was checked); with `mmap`, its tensors stay in the
+    file until they are read."""
     path = Path(directory) / entry["name"]
-    problem = _mismatch(path, entry)
+    problem = _mismatch(path, entry, checksum)
     if problem:
         raise CheckpointError(f"{path}: {problem}")
-    return torch.load(path, weights_only=False)
+    return torch.load(path, weights_only=False, mmap=mmap)
 
 
 def _mismatch(path: Path, entry: dict[str, Any], checksum: bool = True) -> str | None:
@@ -176,7 +204,13 @@ def write_manifest(root: str | Path, step: int, files: list[dict[str, Any]],
                 f" it in {directory}; checkpoint.path must be one directory shared by every"
                 f" process of the job (e.g. a ReadWriteMany volume)"
             )
-    manifest = {"format": FORMAT, "step": step, "time": time.time(), "files": files, **meta}
+    index: dict[str, str] = {}  # which file holds each module state (save_module's)
+    for entry in files:
+        for name in entry.get("holds", ()):
+            index.setdefault(name, entry["name"])
+    files = [{k: v for k, v in entry.items() if k != "holds"} for entry in files]
+    manifest = {"format": FORMAT, "step": step, "time": time.time(), "files": files,
+                "index": index, **meta}  # fmt: skip
     body = json.dumps(manifest, indent=1).encode()
     write_atomic(directory / MANIFEST, lambda f: f.write(body))
     return directory
@@ -260,10 +294,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def optimizer_state(local: Any, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+def optimizer_state(local: Any, module: nn.Module,
+                    copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:  # fmt: skip
     """The state of a torch.optim optimizer or of one of DistributedOptimizer's local
     optimizers (the object an entry of `remote_optimizers` refers to, on its owner), by name
-    of `module`'s parameters."""
+    of `module`'s parameters, on the CPU: a copy, or (`copy` False, for a caller that writes
+    it at once) the live tensors where they are on the CPU already."""
     names = {id(p): n for n, p in module.named_parameters()}
     if isinstance(local, _LocalOptimizer | torch.optim.Optimizer):
         optim = local.optim if isinstance(local, _LocalOptimizer) else local
@@ -273,7 +309,7 @@ def optimizer_state(local: Any, module: nn.Module) -> dict[str, dict[str, torch.
         functional = local.optim  # a copy of the TorchScript object, sharing its tensors
         state, params = functional.state, functional.param_group["params"]
     return {
-        names[id(p)]: {k: _copy(v, torch.device("cpu")) for k, v in state[p].items()}
+        names[id(p)]: {k: _to(v, torch.device("cpu"), copy) for k, v in state[p].items()}
         for p in params
         if p in state and state[p]
     }
@@ -287,7 +323,8 @@ def load_optimizer_state(local: Any, module: nn.Module,
     if unknown:
         raise CheckpointError(f"optimizer state for parameters this model lacks: {unknown[:5]}")
     # As torch.optim's load_state_dict does: "step" counters stay on the CPU.
-    state = {params[n]: {k: _copy(v, torch.device("cpu") if k == "step" else params[n].device)
+    state = {params[n]: {k: _to(v, torch.device("cpu") if k == "step" else params[n].device,
+                                copy=True)
                          for k, v in s.items()}
              for n, s in saved.items()}  # fmt: skip
     if isinstance(local, torch.optim.Optimizer):
@@ -307,35 +344,95 @@ def local_optimizers(optimizer: Any) -> dict[str, Any]:
     return {rref.owner().name: rref for rref in optimizer.remote_optimizers}
 
 
-def _copy(value: Any, device: torch.device) -> Any:
-    """A tensor's copy on `device` (checkpoints hold CPU tensors); other values as they are."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device, copy=True)
-    return value
+def _to(value: Any, device: torch.device, copy: bool = False) -> Any:
+    """A tensor on `device` (a copy if asked); other values as they are."""
+    return value.detach().to(device, copy=copy) if isinstance(value, torch.Tensor) else value
 
 
 def save_module(directory: str | Path, name: str, module: nn.Module,
                 optimizers: dict[str, Any], **extra: Any) -> dict[str, Any]:  # fmt: skip
-    """Save a module's weights and buffers, its local optimizers' state (keyed, e.g. by the
-    trainer that created each) and this process's RNG state; the manifest entry."""
+    """Save a module's weights and buffers under its own names, its local optimizers' state
+    (keyed, e.g. by the trainer that created each) and this process's RNG state; the
+    manifest entry, which says the names the file holds (write_manifest indexes them)."""
     state = {
         "model": {k: v.detach().cpu() for k, v in module.state_dict().items()},
-        "optimizers": {key: optimizer_state(o, module) for key, o in optimizers.items()},
+        "optimizers": {
+            key: optimizer_state(o, module, copy=False)  # written at once
+            for key, o in optimizers.items()
+        },  # fmt: skip
         "rng": rng_state(),
         **extra,
     }
-    return save_part(directory, name, state)
+    return save_part(directory, name, state) | {"holds": list(state["model"])}
 
 
-def load_module(directory: str | Path, entry: dict[str, Any], module: nn.Module,
-                optimizers: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-    """Load what `save_module` saved into `module` and the given local optimizers; returns
-    the saved state (for the optimizers of keys not given here, and extras)."""
-    state = load_part(directory, entry)
-    try:
-        module.load_state_dict(state["model"])
-    except RuntimeError as e:
-        raise CheckpointError(f"{Path(directory) / entry['name']} does not fit: {e}") from None
+# ---------------------------------------------------------------------------- by name
+
+
+def index_of(found: Checkpoint) -> dict[str, str]:
+    """Which file holds each saved module state (a parameter or buffer, by the model's own
+    name; the first file a name was saved in): the manifest's `index`, or, in a checkpoint
+    written before it had one, the module files' own names."""
+    if "index" in found.manifest:
+        return found.manifest["index"]
+    index: dict[str, str] = {}
+    for entry in found.manifest["files"]:
+        part = torch.load(found.directory / entry["name"], weights_only=False, mmap=True)
+        if isinstance(part, dict) and isinstance(part.get("model"), dict):
+            for name in part["model"]:
+                index.setdefault(name, entry["name"])
+    return index
+
+
+def sources(found: Checkpoint, index: dict[str, str], names: list[str]) -> list[dict[str, Any]]:
+    """The manifest entries of the files that hold `names` (a module's state); refuses a
+    module with names the checkpoint does not have (another model)."""
+    missing = [n for n in names if n not in index]
+    if missing:
+        raise CheckpointError(
+            f"{found.directory} holds no {', '.join(missing[:5])}"
+            f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}: it was written"
+            " for another model; give this job another checkpoint.path"
+        )
+    return [found.entry(f) for f in sorted({index[n] for n in names})]
+
+
+def load_named(directory: str | Path, entries: list[dict[str, Any]], module: nn.Module,
+               optimizers: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
+    """Load `module`'s state, each name from the first of the files `entries` that holds it
+    (files `save_module` wrote for modules that may hold other parts of the model), and its
+    local optimizers' state (by key, as saved) for its parameters. One file at a time,
+    memory-mapped: each name is copied into the module (and its optimizer state out) from the
+    file, so no more of a file is read than the module's own share. The files' SHA-256 is
+    not checked again (the master checked it: `latest`), their sizes are. Returns each file's
+    other contents (RNG states, extras): a module cut as one of them may take its RNG."""
+    targets = module.state_dict()  # the live tensors, under the module's own names
+    params = {n for n, _ in module.named_parameters()}
+    saved: dict[str, dict[str, dict[str, Any]]] = {key: {} for key in optimizers}
+    found: set[str] = set()
+    others = []
+    for entry in entries:
+        part = load_part(directory, entry, mmap=True, checksum=False)
+        with torch.no_grad():
+            for name, value in part["model"].items():
+                if name in targets and name not in found:
+                    if value.shape != targets[name].shape:
+                        raise CheckpointError(
+                            f"{Path(directory) / entry['name']} does not fit: {name} is"
+                            f" {tuple(value.shape)} there, {tuple(targets[name].shape)} here"
+                        )
+                    targets[name].copy_(value)
+                    found.add(name)
+        for key, state in saved.items():  # copied out of the mapping below
+            for name, tensors in part["optimizers"].get(key, {}).items():
+                if name in params and name not in state:
+                    state[name] = tensors
+        others.append({k: v for k, v in part.items() if k not in ("model", "optimizers")})
+        del part
+    missing = sorted(set(targets) - found)
+    if missing:
+        names = ", ".join(entry["name"] for entry in entries)
+        raise CheckpointError(f"{Path(directory)} ({names}) holds no {', '.join(missing[:5])}")
     for key, local in optimizers.items():
-        load_optimizer_state(local, module, state["optimizers"].get(key, {}))
-    return state
+        load_optimizer_state(local, module, saved[key])
+    return others

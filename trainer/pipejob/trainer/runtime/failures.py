@@ -24,12 +24,19 @@ _SHAPES = re.compile(
 )
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, or does not fit this job (runtime/checkpoint.py);
+    defined here, where torch is not imported yet, so that its verdict is known."""
+
+
 def permanent_reason(error: BaseException) -> str | None:
     """The PERMANENT_REASONS key that `error` is an instance of, or None if retryable."""
     if isinstance(error, ContractError):
         return "BadEnvironment"
     if isinstance(error, NonFiniteError) or f"{NonFiniteError.__name__}: " in str(error):
         return "NonFinite"  # raised here, or in another process (its type in the text)
+    if isinstance(error, CheckpointError):
+        return "CheckpointUnusable"
     if isinstance(error, ImportError):
         return "ImportFailed"
     if _SHAPES.search(str(error)):

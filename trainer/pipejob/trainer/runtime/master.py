@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from pipejob.trainer.runtime import rendezvous, world
+from pipejob.trainer.runtime import monitor, rendezvous, world
 from pipejob.trainer.runtime.world import Env
 
 Summary = dict[str, Any]
@@ -62,3 +62,4 @@ def checkpoint_written(env: Env, step: int, files: list[dict[str, Any]], seconds
     size = sum(f["bytes"] for f in files) / 1e6
     world.log(env, f"checkpoint of step {step}: {len(files)} files, {size:.1f} MB in"
                    f" {seconds:.2f}s ({directory})")  # fmt: skip
+    monitor.board().checkpointed(step)

@@ -10,6 +10,7 @@ import json
 import math
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -76,6 +77,12 @@ class Board:
     def preflight(self, ok: bool, message: str) -> None:
         with self._lock:
             self._progress = replace(self._progress, preflight=PreflightResult(ok, message))
+
+    def checkpointed(self, step: int) -> None:
+        """The checkpoint of `step` is complete (its manifest written)."""
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        with self._lock:
+            self._progress = replace(self._progress, checkpointStep=step, checkpointTime=when)
 
     def resumed(self, step: int) -> None:
         with self._lock:

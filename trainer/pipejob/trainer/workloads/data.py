@@ -8,8 +8,8 @@ stream, or token windows following a rule for the transformer), or a map-style d
 The order is the point: a map-style source is read through a DataLoader with workers fed by
 `StreamSampler`, whose index stream is the concatenation of per-epoch permutations that depend
 on (seed, epoch) only; step k's batch is stream[k*B:(k+1)*B]. A checkpoint keeps the number of
-batches consumed, so a resumed run sees exactly the samples an uninterrupted run sees. Every
-error names the spec field to fix."""
+samples consumed, so a resumed run sees exactly the samples an uninterrupted run sees, whatever
+the replica count it resumes with. Every error names the spec field to fix."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from pipejob.trainer.workloads.synthetic import (
     SyntheticImages,
     SyntheticTokens,
     held_out_images,
+    share_of,
 )
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -46,9 +47,10 @@ def task(spec: PipelineSpec) -> str:
 
 
 class StreamSampler(Sampler[list[int]]):
-    """Batches of B indices of a dataset of `size`, from batch `start` on, forever: the global
-    stream is epoch 0's permutation, then epoch 1's, ...; a batch may span two epochs. With
-    `share` (r, R), only the r-th of R equal parts of each batch (a replica's)."""
+    """Batches of B indices of a dataset of `size`, from sample `start` of the stream on,
+    forever: the global stream is epoch 0's permutation, then epoch 1's, ...; a batch may span
+    two epochs. With `share` (r, R), only the r-th of R parts of each batch (a replica's, see
+    synthetic.share_of)."""
 
     def __init__(self, size: int, batch: int, seed: int, start: int = 0,
                  share: tuple[int, int] = (0, 1)):  # fmt: skip
@@ -72,10 +74,9 @@ class StreamSampler(Sampler[list[int]]):
         return out
 
     def __iter__(self) -> Iterator[list[int]]:
-        r, parts = self.share
-        part = self.batch // parts
-        for k in itertools.count(self.start):
-            yield self.take(k * self.batch + r * part, part)
+        rows = share_of(self.batch, *self.share)
+        for k in itertools.count():
+            yield self.take(self.start + k * self.batch + rows.start, len(rows))
 
 
 class _Indexed(Dataset):
@@ -112,16 +113,18 @@ def _shutdown(iterator: Any) -> None:
 
 class Feed:
     """The training batches of a PipelineJob, step by step, in a seeded order whose position a
-    checkpoint keeps. Each batch is a step's whole batch (batchSize samples per replica), or
-    with `replica` r only replica r's share of it, the samples r * batchSize onwards: the
-    first stage of each replica reads its own (pipeline/reader.py)."""
+    checkpoint keeps. Each batch is a step's whole batch (batchSize x replicas.max samples: the
+    same at every size an elastic world runs at), or with `replica` r only replica r's share
+    of it, among `replicas` (the world's; default replicas.max): the first stage of each
+    replica reads its own (pipeline/reader.py)."""
 
-    def __init__(self, spec: PipelineSpec, replica: int | None = None):
+    def __init__(self, spec: PipelineSpec, replica: int | None = None,
+                 replicas: int | None = None):  # fmt: skip
         self.spec = spec
-        self.batch_size = spec.batch_size * spec.replicas  # a step's whole batch
-        # Which part of each batch this feed gives: (r, R), the r-th of R equal parts.
-        self.share = (0, 1) if replica is None else (replica, spec.replicas)
-        self.batches = 0  # consumed so far: the position a checkpoint keeps
+        self.batch_size = spec.batch_size * spec.replicas.max  # a step's whole batch
+        # Which part of each batch this feed gives: (r, R), the r-th of R parts.
+        self.share = (0, 1) if replica is None else (replica, replicas or spec.replicas.max)
+        self.samples = 0  # of the stream consumed so far: the position a checkpoint keeps
         self.last_indices: list[int] = []  # the sample indices of the last batch (map-style)
         self._iterator: Any = None
         self.stream: SyntheticImages | SyntheticTokens | None = _synthetic(spec, self.batch_size)
@@ -132,23 +135,22 @@ class Feed:
             self.dataset, self.description = sources.dataset(spec, "train")
 
     def batch(self) -> Batch:
-        """The next step's (inputs, labels): batch_size * replicas samples, or the replica's
-        batch_size of them."""
+        """The next step's (inputs, labels): the whole batch, or this replica's share."""
         if self.stream is not None:
-            self.batches += 1
+            self.samples += self.batch_size
             inputs, labels = self.stream.batch()
-            r, parts = self.share
-            if parts == 1:
+            if self.share[1] == 1:
                 return inputs, labels
-            rows = slice(r * len(inputs) // parts, (r + 1) * len(inputs) // parts)
+            rows = share_of(len(inputs), *self.share)
+            rows = slice(rows.start, rows.stop)
             return inputs[rows].clone(), labels[rows].clone()  # not the whole batch's storage
         if self._iterator is None:
             sampler = StreamSampler(len(self.dataset), self.batch_size, self.spec.seed,
-                                    start=self.batches, share=self.share)  # fmt: skip
+                                    start=self.samples, share=self.share)  # fmt: skip
             loader = _loader(self.dataset, sampler, self.spec.data.workers, self.spec.seed)
             self._iterator = iter(loader)
         indices, inputs, labels = next(self._iterator)
-        self.batches += 1
+        self.samples += self.batch_size
         self.last_indices = indices.tolist()
         return inputs, labels
 
@@ -165,7 +167,8 @@ class Feed:
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the position, and a synthetic stream's generator."""
-        state: dict[str, Any] = {"batches": self.batches, "description": self.description}
+        state: dict[str, Any] = {"samples": self.samples, "batchSize": self.batch_size,
+                                 "description": self.description}  # fmt: skip
         if self.stream is not None:
             state["generator"] = self.stream.generator.get_state()
         else:
@@ -173,8 +176,12 @@ class Feed:
         return state
 
     def load_state(self, state: dict[str, Any] | torch.Tensor) -> None:
-        """Continue exactly after the saved position. A bare generator state (what
-        checkpoints held before this module) is taken for a synthetic stream's."""
+        """Continue exactly after the saved position, whatever batch the feed that saved it
+        read: a map-style dataset's stream goes on from the saved sample; a synthetic stream
+        from its generator (drawn in batches of another size it draws other samples, but
+        never the same ones again). A bare generator state (what checkpoints held before this
+        module) is taken for a synthetic stream's, and a count of batches (before the count
+        of samples) for batches of this feed's size."""
         if isinstance(state, torch.Tensor):
             state = {"generator": state, "batches": 0}
         if (self.stream is None) != ("generator" not in state):
@@ -186,7 +193,7 @@ class Feed:
             raise DataError(f"the checkpoint's data held {state['size']} samples, spec.data now"
                             f" holds {len(self.dataset)} ({self.description}): resuming would"
                             " repeat or skip samples")  # fmt: skip
-        self.batches = int(state["batches"])
+        self.samples = int(state.get("samples", state.get("batches", 0) * self.batch_size))
         self.close()  # the next batch restarts the stream at the saved position
 
     def close(self) -> None:
@@ -209,11 +216,11 @@ class HeldOut:
 
     def __init__(self, spec: PipelineSpec, dataset: Any, description: str):
         self.spec, self.dataset, self.description = spec, dataset, description
-        self.batch_size = spec.batch_size * spec.replicas
+        self.batch_size = spec.batch_size * spec.replicas.max
         self._loaders: dict[int, DataLoader] = {}  # by limit; persistent workers serve each run
 
     def batches(self, limit: int) -> Iterator[Batch]:
-        """Batches of batch_size * replicas (the last may be smaller): the whole set when
+        """Batches of batchSize x replicas.max (the last may be smaller): the whole set when
         `limit` is 0, else the first `limit` batches."""
         if self.dataset is None:  # synthetic: a fresh copy of the same stream each time
             stream = _synthetic(self.spec, self.batch_size, held_out=True)

@@ -1,8 +1,10 @@
 """A HybridJob's samples as its trainers read them, whatever the source (synthetic, .npz bags,
 Criteo logs, the user's Dataset): `size` samples, sample i being (dense features, {feature:
-ids}, label). A trainer reads only its own share of them (`partitions`, disjoint by DDP
-rank), in batches cycling through it (`batches`), from any step on: the batches of a run
-resumed after step k are exactly those the whole run takes after step k.
+ids}, label). The steps read one stream of them (`stream`: a seeded order of the samples
+per epoch), batchSize x trainers.max samples a step whatever the trainer count, and each
+trainer takes its share of every step's batch (synthetic.share_of, by DDP rank). A position
+in the stream (samples consumed) resumes at any trainer count: the batches of a run resumed
+after step k are exactly those the whole run takes after step k.
 
 A batch holds each feature's ids in EmbeddingBag's layout (every sample's ids concatenated,
 and how many each sample has), the dense features as one (batch, n) tensor and the labels:
@@ -11,9 +13,11 @@ default dtype: float32, unless a process set float64 (the exactness tests do).""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -22,7 +26,7 @@ from pipejob.core.kinds.hybrid import BAGS, HybridSpec
 from pipejob.trainer.workloads import imports
 from pipejob.trainer.workloads.bags import FileBags, ImportedBags, ImportedClicks, held_out_size
 from pipejob.trainer.workloads.criteo import CriteoLog
-from pipejob.trainer.workloads.synthetic import SyntheticBags, SyntheticClicks
+from pipejob.trainer.workloads.synthetic import SyntheticBags, SyntheticClicks, share_of
 
 Sample = tuple[Sequence[float], dict[str, list[int]], int | float]
 
@@ -68,6 +72,7 @@ class Batch:
     ids: dict[str, torch.Tensor]  # by feature: every sample's ids, concatenated (int64)
     lengths: dict[str, torch.Tensor]  # by feature: how many ids each sample has (int64)
     labels: torch.Tensor  # (batch,): int64 classes, or clicks 0.0/1.0
+    epochs: list[int] = field(default_factory=list)  # the pass over the data of each sample
 
     def offsets(self, feature: str) -> torch.Tensor:
         """Where each sample's ids start in ids[feature] (EmbeddingBag's offsets)."""
@@ -109,29 +114,29 @@ def collate(data: Samples, chosen: list[int], features: Sequence[str], clicks: b
     )
 
 
-def partitions(size: int, parts: int, seed: int) -> list[list[int]]:
-    """Split sample indices 0..size-1, shuffled by seed, into `parts` disjoint parts that cover
-    them all, sizes differing by at most one. Part k belongs to DDP rank k."""
-    if parts < 1 or size < parts:
-        raise ValueError(f"cannot split {size} samples into {parts} non-empty parts")
+def order(size: int, seed: int, epoch: int) -> list[int]:
+    """Epoch `epoch`'s order of the samples 0..size-1: a function of (size, seed, epoch)."""
     indices = list(range(size))
-    random.Random(seed).shuffle(indices)
-    base, extra = divmod(size, parts)
-    bounds = [k * base + min(k, extra) for k in range(parts + 1)]
-    return [indices[bounds[k] : bounds[k + 1]] for k in range(parts)]
+    random.Random(f"pipejob-order:{seed}:{epoch}").shuffle(indices)
+    return indices
 
 
-def batches(data: Samples, part: list[int], batch_size: int, features: Sequence[str],
-            clicks: bool, start: int = 0) -> Iterator[Batch]:  # fmt: skip
-    """Batches of `batch_size` samples from `part`, cycling through it forever in order,
-    beginning with batch `start` (0: the first)."""
-    if not part:
-        raise ValueError("cannot draw batches from an empty partition")
-    position = start * batch_size % len(part)
-    while True:
-        chosen = [part[(position + j) % len(part)] for j in range(batch_size)]
-        position = (position + batch_size) % len(part)
-        yield collate(data, chosen, features, clicks)
+def stream(data: Samples, batch: int, share: tuple[int, int], seed: int,
+           features: Sequence[str], clicks: bool, start: int = 0) -> Iterator[Batch]:  # fmt: skip
+    """Trainer k of T's share, `share` (k, T), of every step's batch, forever: the steps read
+    the stream of epoch 0's order of the samples, then epoch 1's, ..., `batch` samples at a
+    time from sample `start` of the stream on, and trainer k takes samples k*batch//T to
+    (k+1)*batch//T - 1 of each (equal shares where T divides the batch). A step's batch is
+    the same at any T, and no sample is read twice in one epoch."""
+    if data.size < 1 or not 0 <= share[0] < share[1]:
+        raise ValueError(f"cannot read share {share[0]} of {share[1]} of {data.size} samples")
+    rows = share_of(batch, *share)
+    orders: dict[int, list[int]] = {}  # the epochs the last batch read
+    for position in itertools.count(start, batch):
+        places = [divmod(position + r, data.size) for r in rows]
+        orders = {e: orders.get(e) or order(data.size, seed, e) for e, _ in places}
+        chosen = collate(data, [orders[e][i] for e, i in places], features, clicks)
+        yield dataclasses.replace(chosen, epochs=[e for e, _ in places])
 
 
 def in_order(data: Samples, batch_size: int, features: Sequence[str], clicks: bool,

@@ -2,7 +2,8 @@
 a HybridJob.
 
 Bags and clicks are pure Python so every piece is unit-testable and identical in every
-process: a sample is a function of (seed, index) alone (samples.py splits them by DDP rank).
+process: a sample is a function of (seed, index) alone (samples.py reads them in one seeded
+order, each step's batch shared among the trainers by `share_of`).
 
 The tasks are learnable on purpose, so a falling loss shows training works: every bag draws
 all its ids from one class's rows of the table (row r belongs to class r mod classes), and
@@ -75,6 +76,12 @@ class SyntheticClicks:
                                for _ in range(rng.randint(1, self.bag_size))]  # fmt: skip
         dense = [rng.gauss(label - 0.5, 1.0) for _ in range(self.dense_features)]
         return dense, sparse, label
+
+
+def share_of(batch: int, k: int, parts: int) -> range:
+    """Which samples of a batch of `batch` part k of `parts` takes (a replica's, a
+    trainer's): equal parts where they divide, else sizes that differ by one."""
+    return range(k * batch // parts, (k + 1) * batch // parts)
 
 
 class SyntheticImages:

@@ -26,6 +26,7 @@ def serve(env: Env) -> None:
     if env.gpus > 0:
         torch.cuda.set_device(0)  # NCCL's communicators live on the stage's GPU
     rendezvous.join_ddp(env)
-    groups.divide(env.spec.stages, env.spec.replicas, env.replica, env.role_index)
+    replicas = len(env.names("stage")) // env.spec.stages  # the world's size (elastic: any)
+    groups.divide(env.spec.stages, replicas, env.replica, env.role_index)
     master.serve(env)
     dist.destroy_process_group()

@@ -104,12 +104,12 @@ class Replicas(driver.Replicas):
 
     def __init__(self, names: list[list[str]], shards: Shards, spec: PipelineSpec,
                  device: str = "cpu"):  # fmt: skip
-        pipelines = [Pipeline(stage_names, shards, spec, device, Source(spec, r))
+        pipelines = [Pipeline(stage_names, shards, spec, device, Source(spec, r, len(names)))
                      for r, stage_names in enumerate(names)]  # fmt: skip
         super().__init__(pipelines, shards, spec)
 
     def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
-             loss_fn: Loss) -> StepResult:  # fmt: skip
+             loss_fn: Loss, batch: int) -> StepResult:  # fmt: skip
         pipeline = self.pipelines[r]
         assert isinstance(pipeline, Pipeline)
         names, stages = pipeline.names, pipeline.stages
@@ -118,10 +118,11 @@ class Replicas(driver.Replicas):
         start = time.perf_counter()
         losses, numbers = [], []
         for given in rounds:
-            batch = pipeline.read(micro_batches, given)
-            assert batch is not None  # the training data has no end
-            numbers.append(batch.number)
-            losses.append(pipeline.run(batch, step, loss_fn, weight))
+            round_ = pipeline.read(micro_batches, given)
+            assert round_ is not None  # the training data has no end
+            numbers.append(round_.number)
+            share = self.share(round_, batch)
+            losses.append(pipeline.run(round_, step, loss_fn, weight * share) * share)
         pipeline.combine_tied(NO_CONTEXT, self.tied)
         middle = time.perf_counter()
         allreduce = 0.0

@@ -170,30 +170,29 @@ class Replicas(driver.Replicas):
                  device: str = "cpu"):  # fmt: skip
         cls, kwargs = optimizer_args(spec.optimizer)
         pipelines = [Pipeline(stage_names, shards, device, spec.precision,
-                              spec.activation_checkpointing, Source(spec, r))
+                              spec.activation_checkpointing, Source(spec, r, len(names)))
                      for r, stage_names in enumerate(names)]  # fmt: skip
         super().__init__(pipelines, shards, spec)
         self.optimizers = [DistributedOptimizer(cls, p.parameter_rrefs(), **kwargs)
                            for p in pipelines]  # fmt: skip
 
     def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
-             loss_fn: Loss) -> StepResult:  # fmt: skip
-        """Replica r's part of a step: its share of each batch of the step (None: read by
-        its first stage)."""
+             loss_fn: Loss, batch: int) -> StepResult:  # fmt: skip
         pipeline = self.pipelines[r]
         names, stages = pipeline.names, pipeline.stages
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
-        weight = scale / len(rounds)  # each batch's share of the step's loss
 
         numbers: list[int] = []  # the forward rounds of the step
 
         def one_round(given: Batch | None, context_id: int) -> float:
-            batch = pipeline.read(micro_batches, given)
-            assert batch is not None  # the training data has no end
-            numbers.append(batch.number)
-            loss = forward_backward(pipeline, batch, step, context_id, loss_fn, weight)
-            pipeline.settle(step, batch.micro_batches)
-            return loss.item()
+            round_ = pipeline.read(micro_batches, given)
+            assert round_ is not None  # the training data has no end
+            numbers.append(round_.number)
+            share = self.share(round_, batch)
+            weight = scale * share / len(rounds)  # each batch's share of the step's loss
+            loss = forward_backward(pipeline, round_, step, context_id, loss_fn, weight)
+            pipeline.settle(step, round_.micro_batches)
+            return loss.item() * share
 
         start = time.perf_counter()
         losses = []

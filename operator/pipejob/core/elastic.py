@@ -1,0 +1,105 @@
+"""Elastic sizes: a PipelineJob's `replicas` and a HybridJob's `trainers` are a number (the
+world's size, always) or `{min, max}`: the operator runs the largest world between the two
+that fits, and restarts it at another size when pods stay unschedulable or capacity returns
+(operator/elastic.py). The trainer reads the size its world runs at from the world plan (how
+many members its env names) and the full size (`max`) from the spec: a step trains on the
+batch of the full size at every size, so the training is the same at any size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipejob.core.kind import Kind
+from pipejob.core.schema import Field, Rule
+
+
+@dataclass(frozen=True, kw_only=True)
+class Size:
+    """A size as the spec gives it: n is {min: n, max: n}."""
+
+    min: int
+    max: int
+
+    @classmethod
+    def of(cls, value: int | dict[str, Any]) -> Size:
+        if isinstance(value, dict):
+            return cls(min=value["min"], max=value["max"])
+        return cls(min=value, max=value)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min < self.max
+
+
+def size_field(what: str, default: int, minimum: int, maximum: int) -> Field:
+    """The spec field of a kind's elastic size: a number, or {min, max} of `what`."""
+    bound = {"minimum": minimum, "maximum": maximum}
+    return Field(
+        "int-or-object",
+        f"{what} A number is the world's size; {{min, max}} makes it elastic: the operator"
+        " runs the largest world between them that fits, restarts it smaller (never below"
+        " min) when pods stay unschedulable for elastic.pendingSeconds, and larger again at"
+        " the next checkpoint once the missing pods can run. The batch stays what the spec"
+        " says at max (batchSize per member at max): a smaller world gives each member a"
+        " bigger share. Needs spec.checkpoint.",
+        default=default,
+        fields={
+            "min": Field(
+                "integer", "The smallest size the world may run at.", default=1, **bound
+            ),  # fmt: skip
+            "max": Field(
+                "integer",
+                "The size the world runs at when it fits; batchSize is per member at this size.",
+                **bound,
+            ),  # fmt: skip
+        },
+        required=("max",),
+        rules=(
+            Rule(
+                "self.min <= self.max",
+                "min must be at most max",
+                "min",
+                lambda s: s["min"] <= s["max"],
+            ),
+        ),  # fmt: skip
+        **bound,
+    )
+
+
+def full(value: int | dict[str, Any]) -> int:
+    """The largest size: what the spec's batch is given for."""
+    return Size.of(value).max
+
+
+def cel_full(field: str) -> str:
+    """`full` of `self.<field>` in CEL."""
+    return f"(type(self.{field}) == int ? self.{field} : self.{field}.max)"
+
+
+def needs_checkpoint(field: str) -> Rule:
+    """An elastic size resumes from checkpoints each time the world changes size."""
+    return Rule(
+        f"type(self.{field}) == int || has(self.checkpoint)",
+        f"an elastic {field} ({{min, max}}) needs spec.checkpoint: a world restarted at"
+        " another size resumes from the last checkpoint",
+        field,
+        lambda s: isinstance(s[field], int) or "checkpoint" in s,
+    )
+
+
+def bounds(kind: Kind, spec: dict[str, Any]) -> Size | None:
+    """The kind's elastic size in `spec`, or None when the kind has none."""
+    return None if kind.elastic is None else Size.of(spec[kind.elastic])
+
+
+def shape(kind: Kind, spec: dict[str, Any], size: int | None = None) -> dict[str, Any]:
+    """`spec` with its elastic size made a number: `size`, or the largest. What the world
+    plan counts members from."""
+    found = bounds(kind, spec)
+    if found is None:
+        return spec
+    if size is not None and not found.min <= size <= found.max:
+        raise ValueError(f"spec.{kind.elastic}: a world of {size} is outside {found.min} to"
+                         f" {found.max}")  # fmt: skip
+    return {**spec, kind.elastic: found.max if size is None else size}

@@ -1,0 +1,228 @@
+"""An elastic world ({min, max} of a PipelineJob's replicas or a HybridJob's trainers): the size
+the current world runs at, when to restart it smaller or larger, and the standby pods that
+show when capacity returns. Pure helpers of reconcile.decide.
+
+- **Smaller**: pods of the world that stay unschedulable (their PodScheduled condition False,
+  reason Unschedulable) for spec.elastic.pendingSeconds restart the world at the largest size
+  whose pods were placed (the world's other pods placed too; never below min). A world a gang
+  scheduler keeps Queued that long restarts one size smaller: nothing of it is placed until
+  all is, so the size that fits is found a step at a time.
+- **Larger**: while the world runs below max, one standby pod per missing member holds its
+  place: shaped as that member's pod (resources, node selector, tolerations, affinity,
+  priority) but running nothing. Once every standby pod of a size runs, capacity is back, and
+  the first checkpoint the master writes after that restarts the world at the larger size, so
+  that no step is lost. Under Kueue each size's standby pods are a pod group of their own in
+  the job's queue (admitted only with quota); under Volcano or coscheduling the default
+  scheduler places them (node capacity, not the queue's, is what they see).
+
+Every restart at another size resumes from the last checkpoint, whose files any size reads
+(trainer/runtime/checkpoint.py), and spends no backoffLimit (status.resizes counts them)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+
+from pipejob.core import scheduling as sch
+from pipejob.core.common import PENDING_SECONDS
+from pipejob.core.elastic import bounds
+from pipejob.core.plan import Member, members, plan_world
+from pipejob.core.spec import Job
+from pipejob.operator import gang, kube
+from pipejob.operator import status as st
+
+STANDBY_LABEL = "pipejob.dev/standby"  # a standby pod: the number of the world it waits beside
+JOINS_LABEL = "pipejob.dev/joins-at"  # the size at which the member it stands for joins
+# Standby pods hold their place and nothing else: a process that waits for its SIGTERM.
+STANDBY_COMMAND = ["python", "-c", "import signal; signal.pause()"]
+
+
+@dataclass(frozen=True)
+class Resize:
+    size: int
+    reason: str  # ScaledDown | ScaledUp
+    message: str
+
+
+def size(job: Job, status: dict) -> int | None:
+    """The size the current world runs at: the one the operator chose (status.replicas or
+    status.trainers) within the spec's bounds; at first the largest. None: the kind has no
+    size."""
+    found = bounds(job.definition, job.spec)
+    if found is None:
+        return None
+    chosen = status.get(job.definition.elastic or "")
+    return chosen if isinstance(chosen, int) and found.min <= chosen <= found.max else found.max
+
+
+def is_standby(pod: dict) -> bool:
+    return STANDBY_LABEL in (pod["metadata"].get("labels") or {})
+
+
+def _key(m: Member) -> tuple[str, int, int]:
+    return m.role, m.replica, m.index
+
+
+def joiners(job: Job, at: int) -> list[tuple[int, Member]]:
+    """The members larger worlds add to one of size `at`, each with the size it joins at,
+    in rank order (a replica's stages, or a trainer, per size)."""
+    found = bounds(job.definition, job.spec)
+    assert found is not None
+    seen = {_key(m) for m in members(replace(job, size=at))}
+    out = []
+    for n in range(at + 1, found.max + 1):
+        for m in members(replace(job, size=n)):
+            if _key(m) not in seen:
+                out.append((n, m))
+                seen.add(_key(m))
+    return out
+
+
+# ------------------------------------------------------------------ smaller
+
+
+def _pending_since(pod: dict) -> datetime | None:
+    """Since when the scheduler has found no place for `pod`, or None."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if (c.get("type"), c.get("status"), c.get("reason")) == (
+            "PodScheduled", "False", "Unschedulable"
+        ):  # fmt: skip
+            return st.parse_time(c.get("lastTransitionTime"))
+    return None
+
+
+def shrink(job: Job, at: int, planned: list[dict], by_name: dict, old: dict,
+           now: datetime) -> Resize | None:  # fmt: skip
+    """The smaller size to restart the world `planned` (at size `at`) at, once pods of it
+    stayed unplaced for pendingSeconds; None while they may yet be placed, or when no
+    smaller size (of at least min) would fit either."""
+    found = bounds(job.definition, job.spec)
+    if found is None or at <= found.min:
+        return None
+    wait = (job.spec.get("elastic") or {}).get("pendingSeconds", PENDING_SECONDS)
+    long_ago = now - timedelta(seconds=wait)
+    observed = [by_name.get(p["metadata"]["name"]) for p in planned]
+    stuck = [p for p in observed if p is not None and (t := _pending_since(p)) and t <= long_ago]
+    queued = st.condition(old, st.QUEUED) or {}
+    since = st.parse_time(queued.get("lastTransitionTime"))
+    if stuck:
+        # The size whose pods were placed, if the world's other pods were (they may need the
+        # room of the elastic role's pods: then a size smaller).
+        role = joiners(job, found.min)[0][1].role
+        placed = [(kube.role_of(p) == role, bool(o and o["spec"].get("nodeName")))
+                  for p, o in zip(planned, observed, strict=True)]  # fmt: skip
+        unit = sum(1 for n, _ in joiners(job, at - 1) if n == at)
+        fits = sum(ok for grows, ok in placed if grows) // unit
+        new = min(fits, at - 1) if all(ok for grows, ok in placed if not grows) else at - 1
+        why = st.scheduled_message(stuck[0])
+        cause = f"{len(stuck)} pods Pending" + (f": {why}" if why else "")
+    elif old.get("phase") == st.QUEUED and since is not None and since <= long_ago:
+        new = at - 1
+        cause = f"not admitted in {wait}s: {queued.get('message')}"
+    else:
+        return None
+    if new < found.min:
+        return None
+    field = job.definition.elastic
+    return Resize(new, "ScaledDown", f"scaled from {at} to {new} {field}: {cause}")
+
+
+# ------------------------------------------------------------------ larger
+
+
+def standby(job: Job, at: int | None, world: int, namespace: str, owner: dict | None,
+            image: str | None) -> list[dict]:  # fmt: skip
+    """The standby pods beside world `world` at size `at`: one per member a larger world adds,
+    shaped as that member's pod, running nothing."""
+    found = bounds(job.definition, job.spec)
+    if found is None or at is None or at >= found.max:
+        return []
+    full = replace(job, size=None)
+    processes = {_key(p.member): p for p in plan_world(full, kube.addresser(full))}
+    out = []
+    for k, (joins, member) in enumerate(joiners(job, at)):
+        pod = kube.pod(full, processes[_key(member)], world, namespace, owner, image)
+        out.append(_standing_by(job, pod, world, joins, k))
+    return out
+
+
+def _standing_by(job: Job, pod: dict, world: int, joins: int, k: int) -> dict:
+    """A member's pod made a standby pod: its resources and placement, no training."""
+    pod = copy.deepcopy(pod)
+    meta, spec = pod["metadata"], pod["spec"]
+    container = spec["containers"][0]
+    meta["name"] = f"{job.name}-standby-{world}-{k}"
+    meta["labels"] = {kube.JOB_LABEL: job.name, kube.ROLE_LABEL: kube.role_of(pod),
+                      STANDBY_LABEL: str(world), JOINS_LABEL: str(joins),
+                      **kube.MANAGED_BY}  # fmt: skip
+    meta["annotations"] = {}
+    for key in ("hostname", "subdomain", "volumes", "schedulerName", "serviceAccountName"):
+        spec.pop(key, None)
+    spec["automountServiceAccountToken"] = False
+    for key in ("env", "ports", "volumeMounts"):
+        container.pop(key, None)
+    container["command"] = list(STANDBY_COMMAND)
+    section = sch.of(job.spec)
+    if section is not None and section["provider"] == sch.KUEUE:  # a pod group per size
+        unit = sum(1 for n, _ in joiners(job, joins - 1) if n == joins)
+        meta["labels"][sch.KUEUE_QUEUE_LABEL] = section["queue"]
+        meta["labels"][sch.KUEUE_GROUP_LABEL] = f"{gang.group_name(job)}-standby-{world}-{joins}"
+        meta["annotations"][sch.KUEUE_TOTAL_COUNT] = str(unit)
+    return pod
+
+
+def grow(job: Job, at: int, pods: list[dict], training: dict) -> Resize | None:
+    """The larger size to restart the world (at size `at`) at: the largest whose standby
+    `pods` all run, once the master has written a checkpoint since the last of them started."""
+    found = bounds(job.definition, job.spec)
+    if found is None or at >= found.max:
+        return None
+    by_size: dict[int, list[dict]] = {}
+    for pod in pods:
+        by_size.setdefault(int(pod["metadata"]["labels"][JOINS_LABEL]), []).append(pod)
+    wanted = {}
+    for n, _ in joiners(job, at):
+        wanted[n] = wanted.get(n, 0) + 1
+    new, ready = at, []
+    for n in range(at + 1, found.max + 1):
+        running = [p for p in by_size.get(n, []) if st.pod_phase(p) == "Running"]
+        if len(running) < wanted[n]:
+            break
+        new, ready = n, ready + running
+    if new == at:
+        return None
+    starts = [st.parse_time((p.get("status") or {}).get("startTime")) for p in ready]
+    written = st.parse_time(training.get("checkpointTime"))
+    if written is None or None in starts or written <= max(starts):
+        return None
+    field = job.definition.elastic
+    return Resize(new, "ScaledUp", f"scaled from {at} to {new} {field}: {len(ready)} standby"
+                  f" pods run (capacity returned); resuming from the checkpoint of step"
+                  f" {training.get('checkpointStep')}")  # fmt: skip
+
+
+def standby_changes(job: Job, at: int | None, world: int, pods: list[dict], running: bool,
+                    namespace: str, owner: dict | None,
+                    image: str) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """The standby pods to make and those to delete beside world `world` at size `at`, given
+    those that exist (`pods`): made once every pod of the world runs (`running`: never
+    competing with it for room), gone once the world is not the one they wait beside, or no
+    longer below its largest size."""
+    wanted = standby(job, at, world, namespace, owner, image)
+    names = {p["metadata"]["name"] for p in wanted}
+    stale = [p for p in pods if p["metadata"]["name"] not in names and not st.deleting(p)]
+    have = {p["metadata"]["name"] for p in pods}
+    make = [p for p in wanted if p["metadata"]["name"] not in have] if running else []
+    return make, stale
+
+
+def resize(job: Job, at: int | None, planned: list[dict], by_name: dict, pods: list[dict],
+           old: dict, status: dict, now: datetime) -> Resize | None:  # fmt: skip
+    """Another size for an elastic world: larger while it runs (`grow`, its standby `pods`),
+    smaller while it waits (`shrink`)."""
+    if at is None:
+        return None
+    if old.get("phase") == st.RUNNING:
+        return grow(job, at, pods, status.get("training") or {})
+    return shrink(job, at, planned, by_name, old, now)

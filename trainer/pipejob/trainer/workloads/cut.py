@@ -45,6 +45,7 @@ from pipejob.trainer.workloads.tracing import (
     Objects,
     Tracer,
     construct,
+    materialize_masks,
     unchanged,
     without_cache,
 )
@@ -160,6 +161,7 @@ class Traced:
                         model.train(mode)
                         with unchanged(model):
                             graphs.append(tracer.trace(model))
+                        materialize_masks(graphs[-1])
                     break
                 except Exception as e:
                     where = tracer.failed_in

@@ -33,6 +33,22 @@ def _mask_builders() -> tuple[Any, ...]:
     return tuple(f for n, f in vars(masking).items() if n.startswith("create_") and callable(f))
 
 
+def materialize_masks(graph: fx.Graph) -> None:
+    """A mask builder's call that code between the modules uses (SqueezeBERT adds the mask
+    to its scores) made to build its mask always: a builder skips a mask that masks nothing
+    (returns None) when run, where the trace, seeing a value, took it for one (`if mask is
+    not None`). Its mask then masks nothing, as None would. Calls only modules take keep
+    the skip: their code tests the None when run."""
+    skips = ("allow_is_causal_skip", "allow_is_bidirectional_skip")
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _mask_builders():
+            continue
+        if all(user.op == "call_module" for user in node.users):
+            continue
+        flags = [k for k in skips if k in inspect.signature(node.target).parameters]
+        node.kwargs = {**node.kwargs, **dict.fromkeys(flags, False)}
+
+
 class Objects(fx.Tracer):
     """fx's tracer keeping the objects a forward passes to calls as they are: a Hugging Face
     ModelOutput is rebuilt as itself (fx would make a plain dict of it, and the loss gets
@@ -100,7 +116,7 @@ class Tracer(Objects):
         except NameError:
             return super().call_module(m, forward, args, kwargs)
         if self.is_leaf_module(m, name):
-            return super().call_module(m, forward, args, kwargs)
+            return _as_returned(super().call_module(m, forward, args, kwargs), m, args, kwargs)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
@@ -116,6 +132,52 @@ class Tracer(Objects):
             if self.failed_in is None:
                 self.failed_in = ""
             raise
+
+
+class _Alone(Objects):
+    """fx's tracer for one module's forward by itself, called as the model calls it (the
+    values the trace made, placeholders; the others, as they are)."""
+
+    def __init__(self, args: Any, kwargs: Any):
+        super().__init__()
+        self.call = (args, kwargs)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool,
+                             concrete_args: Any = None) -> tuple[Any, list[Any]]:  # fmt: skip
+        count = iter(range(sys.maxsize))
+        args, kwargs = fx.node.map_aggregate(self.call, lambda a: self.create_proxy(
+            "placeholder", f"a{next(count)}", (), {}) if isinstance(a, fx.Proxy) else a)  # fmt: skip
+        return (lambda root: root_fn(root, *args, **kwargs)), [self.root]
+
+
+def _as_returned(proxy: fx.Proxy, module: nn.Module, args: Any, kwargs: Any) -> Any:
+    """A module's result as the trace goes on with it, when the trace does not open the
+    module: the one traced value fx makes of it; or, where its forward, traced alone, returns
+    a tuple or list holding a None, that tuple or list of its traced items and the None. A
+    caller's `if x is not None` then decides as it will when run, where a traced value would
+    always be taken for one (Hiera's embeddings return no mask unless pretraining)."""
+    before = set(vars(module))
+    try:
+        with unchanged(module):
+            graph = _Alone(args, kwargs).trace(module)
+    except Exception:  # its forward does not trace alone: one traced value
+        return proxy
+    finally:  # the constants fx held on it
+        for key in set(vars(module)) - before:
+            del vars(module)[key]
+    return _shaped(proxy, next(n for n in graph.nodes if n.op == "output").args[0])
+
+
+def _shaped(proxy: fx.Proxy, returned: Any) -> Any:
+    if returned is None:
+        return None
+    if type(returned) in (tuple, list) and _holds_none(returned):
+        return type(returned)(_shaped(proxy[i], v) for i, v in enumerate(returned))
+    return proxy
+
+
+def _holds_none(value: Any) -> bool:
+    return value is None or (type(value) in (tuple, list) and any(map(_holds_none, value)))
 
 
 # torch's functions that draw random values: called on no traced value while tracing, their

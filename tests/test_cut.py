@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torchvision.models import get_model
 from torchvision.models.inception import InceptionOutputs
+from transformers import PretrainedConfig
+from transformers.masking_utils import create_bidirectional_mask
 
 from pipejob.core.workload import Transformer
 from pipejob.trainer.workloads.cut import CutError, Traced, candidates, ties, unused
@@ -391,3 +393,64 @@ def test_stages_hold_the_models_state_as_the_model_does():
     assert "model.shared.weight" in held and "model.encoder.embed_tokens.weight" in held
     assert unused(model, stages) == {}
     assert sorted(k for s in stages for k in s.state_dict()) == sorted(model.state_dict())
+
+
+class Patches(nn.Module):
+    """Returns a mask beside its output only when asked to mask (Hiera's embeddings: no mask
+    unless pretraining)."""
+
+    def __init__(self, masked: bool):
+        super().__init__()
+        self.proj, self.masked = nn.Linear(4, 4), masked
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.proj(x), (x[..., 0] > 0).to(x.dtype) if self.masked else None
+
+
+class MaybeMasked(nn.Module):
+    def __init__(self, masked: bool):
+        super().__init__()
+        self.patches, self.head = Patches(masked), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, mask = self.patches(x)
+        if mask is not None:  # fx sees `patches`' result as one traced value: never None
+            h = h * mask.unsqueeze(-1)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_module_not_traced_into_that_returns_none_is_tested_as_when_run(masked):
+    torch.manual_seed(0)
+    model = MaybeMasked(masked)
+    stages = Traced(model).split(["head"])
+    x = torch.randn(3, 5, 4)
+    torch.testing.assert_close(run(stages, x), model(x), rtol=0, atol=0)
+
+
+class EagerScores(nn.Module):
+    """Adds Hugging Face's bidirectional mask to its scores where there is one (SqueezeBERT):
+    the builder, a call fx does not trace into, skips a mask that masks nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = PretrainedConfig()
+        self.config._attn_implementation = "eager"
+        self.embed, self.query, self.head = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        mask = create_bidirectional_mask(self.config, h, torch.ones(ids.shape, device=ids.device))
+        scores = self.query(h) @ h.transpose(1, 2)
+        if mask is not None:
+            scores = scores + mask[:, 0]
+        return self.head(scores.softmax(-1) @ h)
+
+
+def test_a_mask_builder_that_skips_a_mask_the_forward_adds_is_cut_exactly():
+    torch.manual_seed(0)
+    model = EagerScores()
+    ids = torch.randint(0, 10, (2, 5))
+    assert create_bidirectional_mask(model.config, model.embed(ids), torch.ones(2, 5)) is None
+    stages = Traced(model).split(["head"])
+    torch.testing.assert_close(run(stages, ids), model(ids), rtol=0, atol=0)

@@ -145,8 +145,13 @@ class _Alone(Objects):
     def create_args_for_root(self, root_fn: Any, is_module: bool,
                              concrete_args: Any = None) -> tuple[Any, list[Any]]:  # fmt: skip
         count = iter(range(sys.maxsize))
-        args, kwargs = fx.node.map_aggregate(self.call, lambda a: self.create_proxy(
-            "placeholder", f"a{next(count)}", (), {}) if isinstance(a, fx.Proxy) else a)  # fmt: skip
+
+        def placeholder(a: Any) -> Any:
+            if not isinstance(a, fx.Proxy):
+                return a
+            return self.create_proxy("placeholder", f"a{next(count)}", (), {})
+
+        args, kwargs = fx.node.map_aggregate(self.call, placeholder)
         return (lambda root: root_fn(root, *args, **kwargs)), [self.root]
 
 

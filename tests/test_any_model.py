@@ -49,18 +49,15 @@ WORLDS: dict[str, tuple[str, dict[str, Any], dict[str, Any], int, list[str]]] = 
     "llama": ("llama", {}, TOKENS, 2, ["model.layers.1"]),
     "bert": ("bert", {}, CLASSES, 2, []),
     "dict": ("dict_model", {}, {}, 2, []),
-    # T5's embedding is the encoder's, the decoder's and the head's, and held by no stage
-    # under its own name, `shared` (issue 30).
-    "t5": ("t5", {}, TOKENS, 3, []),
-    # torch's nn.TransformerEncoder clones its layer (deep copies, which each stage's build
-    # of its own parameters must make as a plain build does), and a non-persistent buffer.
-    "encoder": ("encoder", {}, {"import": "userpkg.brought:windows", "args": {"classes": 2}},
-                2, []),
 }  # fmt: skip
 # Cut and run in this process, each stage a pickled copy as the master ships it: the same
 # cut, without a world's start-up (each imports transformers or timm: tens of seconds here).
 IN_PROCESS: dict[str, tuple[str, dict[str, Any], tuple[int, ...], int]] = {
     "llama-wrapped": ("llama", {"wrapped": True}, (4, brought.SEQ), 3),
+    # T5's embedding is the encoder's, the decoder's and the head's, and held by no stage
+    # under its own name, `shared` (issue 30); torch's TransformerEncoder (its cloned layers,
+    # a non-persistent buffer) is the conformance slice's (tests/test_conformance.py).
+    "t5": ("t5", {}, (4, brought.SEQ), 3),
     "timm-resnet": ("timm_model", {"name": "resnet10t"}, (4, 3, 32, 32), 2),
     "timm-convnext": ("timm_model", {"name": "convnext_atto"}, (4, 3, 32, 32), 2),
     "timm-vit": ("timm_model", {"name": "vit_tiny_patch16_224", **VIT}, (4, 3, 32, 32), 3),
@@ -216,15 +213,15 @@ def test_a_model_refused_before_trains_evaluates_and_writes_its_output(tmp_path:
     brought.auxiliary().load_state_dict(load_file(out / "model.safetensors"), strict=True)
 
 
-@pytest.mark.parametrize("name", ["mamba", "mixtral"])
-def test_a_model_refused_at_its_build_before_trains_to_the_end(name: str, tmp_path: Path,
-                                                               monkeypatch):  # fmt: skip
+def test_models_refused_at_their_build_before_train_to_the_end(tmp_path: Path, monkeypatch):
     """Issue 30: Mamba (refused at build: "Cannot copy out of meta tensor") and Mixtral
-    (refused by the fit check) train in 2 stages to the end; that their stages compute the
-    model exactly is the conformance slice's (tests/test_conformance.py)."""
+    (refused by the fit check), their logits summed, train in 2 stages (one each) to the
+    end in one job; that their stages compute each model exactly is the conformance
+    slice's (tests/test_conformance.py)."""
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
-    job = pipeline_job(name, model={"import": f"userpkg.brought:{name}"}, data=TOKENS,
-                       steps=2, microBatches=2)  # fmt: skip
+    job = pipeline_job("mamba-mixtral", model={"import": "userpkg.brought:mamba_and_mixtral"},
+                       data=TOKENS, splitPoints=["models.1"], steps=2,
+                       microBatches=2)  # fmt: skip
     code, said, summary = run_to_end(job, tmp_path, timeout=240)
     assert code == 0, said[-3000:]
     assert summary is not None and summary["steps"] == 2, summary

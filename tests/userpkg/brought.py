@@ -80,6 +80,23 @@ def mixtral(layers: int = 2, width: int = 32) -> nn.Module:
     return Logits(MixtralForCausalLM(config))
 
 
+def mamba_and_mixtral() -> nn.Module:
+    """Mamba and Mixtral trained together, their logits summed: each refused before (issue
+    30), in one job."""
+    return Sum(mamba(), mixtral())
+
+
+class Sum(nn.Module):
+    """Models' outputs summed (an ensemble)."""
+
+    def __init__(self, *models: nn.Module):
+        super().__init__()
+        self.models = nn.ModuleList(models)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return sum(model(ids) for model in self.models)
+
+
 def t5(layers: int = 2, width: int = 32) -> nn.Module:
     """T5, whose `shared` embedding is the encoder's, the decoder's and the output head's,
     behind the wrapper that feeds the ids to both sides."""

@@ -50,14 +50,14 @@ WORLDS: dict[str, tuple[str, dict[str, Any], dict[str, Any], int, list[str]]] = 
     "bert": ("bert", {}, CLASSES, 2, []),
     "dict": ("dict_model", {}, {}, 2, []),
 }  # fmt: skip
+# T5 (its embedding the encoder's, the decoder's and the head's, held by no stage under its
+# own name, `shared`) and torch's TransformerEncoder (cloned layers, a non-persistent buffer)
+# are the conformance slice's (tests/test_conformance.py: gradients, tied ones included, and
+# the output loading strictly); a tied pair across a world's stages is GPT-2's here.
 # Cut and run in this process, each stage a pickled copy as the master ships it: the same
 # cut, without a world's start-up (each imports transformers or timm: tens of seconds here).
 IN_PROCESS: dict[str, tuple[str, dict[str, Any], tuple[int, ...], int]] = {
     "llama-wrapped": ("llama", {"wrapped": True}, (4, brought.SEQ), 3),
-    # T5's embedding is the encoder's, the decoder's and the head's, and held by no stage
-    # under its own name, `shared` (issue 30); torch's TransformerEncoder (its cloned layers,
-    # a non-persistent buffer) is the conformance slice's (tests/test_conformance.py).
-    "t5": ("t5", {}, (4, brought.SEQ), 3),
     "timm-resnet": ("timm_model", {"name": "resnet10t"}, (4, 3, 32, 32), 2),
     "timm-convnext": ("timm_model", {"name": "convnext_atto"}, (4, 3, 32, 32), 2),
     "timm-vit": ("timm_model", {"name": "vit_tiny_patch16_224", **VIT}, (4, 3, 32, 32), 3),

@@ -22,7 +22,14 @@ import torch
 from safetensors.torch import load_file
 from userpkg import brought
 
-from jobrun import EXACT, TOLERANCE, assert_gradient_close, check_gradients, pipeline_job
+from jobrun import (
+    EXACT,
+    TOLERANCE,
+    assert_gradient_close,
+    check_gradients,
+    pipeline_job,
+    run_to_end,
+)
 from pipejob.core import spec
 from pipejob.trainer.pipeline import output
 from pipejob.trainer.workloads.cut import Traced, join, unused, without_cache
@@ -42,7 +49,11 @@ WORLDS: dict[str, tuple[str, dict[str, Any], dict[str, Any], int, list[str]]] = 
     "llama": ("llama", {}, TOKENS, 2, ["model.layers.1"]),
     "bert": ("bert", {}, CLASSES, 2, []),
     "dict": ("dict_model", {}, {}, 2, []),
-}
+}  # fmt: skip
+# T5 (its embedding the encoder's, the decoder's and the head's, held by no stage under its
+# own name, `shared`) and torch's TransformerEncoder (cloned layers, a non-persistent buffer)
+# are the conformance slice's (tests/test_conformance.py: gradients, tied ones included, and
+# the output loading strictly); a tied pair across a world's stages is GPT-2's here.
 # Cut and run in this process, each stage a pickled copy as the master ships it: the same
 # cut, without a world's start-up (each imports transformers or timm: tens of seconds here).
 IN_PROCESS: dict[str, tuple[str, dict[str, Any], tuple[int, ...], int]] = {
@@ -156,3 +167,62 @@ def test_held_out_figures_follow_the_shapes_not_the_model():
     tuples = Tally(CLASSIFICATION)
     tuples.add((scores[0], scores[1]), torch.tensor([1, 2, 3]), first)
     assert sorted(tuples.result()) == ["loss", "samples"]
+
+
+def test_models_refused_before_are_planned():
+    """Mamba (its mixer's initialisation makes tensors on its parameters' device) builds with
+    none of its parameters in memory, and Mixtral (its experts' grouped matmul, whose meta
+    kernel wants bfloat16 where the CPU's takes float32) passes the master's fit check
+    (issue 30)."""
+    from pipejob.trainer.pipeline.train import fits_model
+    from pipejob.trainer.workloads import materialize
+
+    def mamba():
+        torch.manual_seed(0)
+        return brought.mamba()
+
+    plain = mamba()
+    model, made = materialize.build(mamba, ())
+    assert all(p.device.type == "meta" for p in model.parameters())
+    numbered = materialize.numbering(model, made)
+    keep = materialize.numbers(numbered, ["model.backbone.layers.1.mixer.A_log"])
+    part, _ = materialize.build(mamba, keep)
+    assert torch.equal(part.model.backbone.layers[1].mixer.A_log,
+                       plain.model.backbone.layers[1].mixer.A_log)  # fmt: skip
+
+    mixtral, _ = materialize.build(brought.mixtral, ())
+    ids = torch.randint(brought.VOCAB, (2, brought.SEQ))
+    fits_model(mixtral, ids, ids, cross_entropy)  # no refusal
+
+
+def test_a_model_refused_before_trains_evaluates_and_writes_its_output(tmp_path: Path,
+                                                                       monkeypatch):  # fmt: skip
+    """Issue 30: Inception's shape (an auxiliary head in training only, a named tuple of both
+    logits across the micro-batches, the main logits alone in evaluation) with weight-normed
+    convolutions, the user's loss main + 0.4 aux: a job trains it to the end, evaluates it
+    and writes a model that loads strictly into a fresh one."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    out = tmp_path / "model"
+    job = pipeline_job("auxiliary", model={"import": "userpkg.brought:auxiliary"},
+                       loss={"import": "userpkg.brought:auxiliary_loss"}, steps=3,
+                       microBatches=2, eval={"batches": 1}, output={"path": str(out)})  # fmt: skip
+    code, said, summary = run_to_end(job, tmp_path, timeout=240)
+    assert code == 0, said[-3000:]
+    assert summary is not None and math.isfinite(summary["evaluation"]["loss"])
+    assert "accuracy" in summary["evaluation"]
+    brought.auxiliary().load_state_dict(load_file(out / "model.safetensors"), strict=True)
+
+
+def test_models_refused_at_their_build_before_train_to_the_end(tmp_path: Path, monkeypatch):
+    """Issue 30: Mamba (refused at build: "Cannot copy out of meta tensor") and Mixtral
+    (refused by the fit check), their logits summed, train in 2 stages (one each) to the
+    end in one job; that their stages compute each model exactly is the conformance
+    slice's (tests/test_conformance.py)."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    job = pipeline_job("mamba-mixtral", model={"import": "userpkg.brought:mamba_and_mixtral"},
+                       data=TOKENS, splitPoints=["models.1"], steps=2,
+                       microBatches=2)  # fmt: skip
+    code, said, summary = run_to_end(job, tmp_path, timeout=240)
+    assert code == 0, said[-3000:]
+    assert summary is not None and summary["steps"] == 2, summary
+    assert math.isfinite(summary["finalLoss"]), summary

@@ -11,6 +11,9 @@ import pytest
 import torch
 from torch import nn
 from torchvision.models import get_model
+from torchvision.models.inception import InceptionOutputs
+from transformers import PretrainedConfig
+from transformers.masking_utils import create_bidirectional_mask
 
 from pipejob.core.workload import Transformer
 from pipejob.trainer.workloads.cut import CutError, Traced, candidates, ties, unused
@@ -204,6 +207,36 @@ def test_a_module_fx_cannot_trace_stays_whole_and_a_split_inside_it_says_why():
         Traced(model, required=["opaque.b"]).split(["opaque.b"])
 
 
+class LayerDrop(nn.Module):
+    """Layers each skipped in training with probability p, as M2M100's encoder does."""
+
+    def __init__(self, p: float = 0.5):
+        super().__init__()
+        self.p, self.layers = p, nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if not (self.training and torch.rand([]) < self.p):
+                x = layer(x)
+        return x
+
+
+def test_a_forward_that_draws_a_random_number_stays_whole_so_it_draws_every_step():
+    """fx would draw once while tracing and freeze which layers run into the graph."""
+    model = nn.Sequential(OrderedDict(first=nn.Linear(4, 4), drop=LayerDrop(),
+                                      last=nn.Linear(4, 2)))  # fmt: skip
+    traced = Traced(model, want=6)
+    assert traced.units == ["first", "drop", "last"]
+    assert "torch.rand draws a random value outside the graph" in traced.whole["drop"]
+    stages = traced.split(["drop", "last"])
+    x = torch.randn(3, 4)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        expected = model(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(run(stages, x), expected, rtol=0, atol=0)
+
+
 def test_a_vit_whose_blocks_take_defaulted_arguments_compiles_into_stages():
     """timm's ViT once gave `def forward(self, attn_mask=None, is_causal=False, add)`."""
     import timm
@@ -273,3 +306,151 @@ def test_hugging_face_stages_evaluate_as_the_model_does():
     with torch.no_grad():
         run(stages, torch.randn(4, 3, 32, 32))
     assert all(torch.equal(cnn.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_a_sliding_attention_window_survives_the_cut(name):
+    """A Hugging Face config given to a mask builder stays the config itself (fx would
+    rebuild it from its fields, losing the attention kind that decides the mask): Mistral's
+    sliding window and Gemma 2's alternating sliding and global layers, over windows longer
+    than the attention window, cut between the layers that use it (issue 30)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from userpkg.brought import Logits, mistral
+
+    torch.manual_seed(0)
+    if name == "mistral":
+        model = mistral(layers=4, window=4)
+    else:
+        config = Gemma2Config(num_hidden_layers=4, hidden_size=32, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                              vocab_size=64, max_position_embeddings=64,
+                              sliding_window=4)  # fmt: skip
+        model = Logits(Gemma2ForCausalLM(config))
+    traced = Traced(model, want=4)
+    stages = [pickle.loads(pickle.dumps(s)) for s in traced.split(["model.model.layers.2"])]
+    ids = torch.randint(64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(run(stages, ids), model(ids), rtol=0, atol=0)
+
+
+class Auxiliary(nn.Module):
+    """Inception v3's shape: an auxiliary head run in training only, both logits returned
+    as a named tuple in training and the main logits alone in evaluation."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+        self.middle = nn.Conv2d(8, 8, 3)
+        self.aux = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+        self.late = nn.Conv2d(8, 8, 3)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    def forward(self, x):
+        x = self.middle(self.stem(x))
+        aux = self.aux(x) if self.training else None
+        x = self.head(self.late(x))
+        return InceptionOutputs(x, aux) if self.training else x
+
+
+def test_a_forward_that_branches_on_training_is_cut_in_each_mode():
+    """Each stage runs the code of the mode it is in (a branch on `self.training`, which fx
+    decides while tracing), and micro-batches' named tuples join (issue 30)."""
+    from pipejob.trainer.workloads.cut import join
+
+    torch.manual_seed(0)
+    model = Auxiliary()
+    traced = Traced(model, want=6)
+    assert traced.evaluation is not None and "aux" not in traced.units
+    stages = [pickle.loads(pickle.dumps(s)) for s in traced.split(["middle", "late"])]
+    x = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        for mode in (True, False):
+            for m in (model, *stages):
+                m.train(mode)
+            got = join([run(stages, part) for part in x.tensor_split(2)])
+            expected = join([model(part) for part in x.tensor_split(2)])
+            assert type(got) is type(expected)
+            for a, b in zip(got if mode else [got], expected if mode else [expected],
+                            strict=True):  # fmt: skip
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_stages_hold_the_models_state_as_the_model_does():
+    """A non-persistent buffer stays out of a stage's state dict (pickled too), and a
+    parameter the forward uses under other names only (T5's `shared` embedding) is held,
+    under every name, by the first stage that uses it (issue 30)."""
+    from userpkg.brought import encoder, t5
+
+    model = encoder()
+    stages = [pickle.loads(pickle.dumps(s)) for s in Traced(model).split(["head"])]
+    assert "feature_mean" in dict(stages[0].named_buffers())
+    assert sorted(k for s in stages for k in s.state_dict()) == sorted(model.state_dict())
+
+    model = t5()
+    traced = Traced(model, want=6)
+    stages = traced.split([traced.units[2], traced.units[-1]])
+    held = [n for n, _ in stages[0].named_parameters(remove_duplicate=False)]
+    assert "model.shared.weight" in held and "model.encoder.embed_tokens.weight" in held
+    assert unused(model, stages) == {}
+    assert sorted(k for s in stages for k in s.state_dict()) == sorted(model.state_dict())
+
+
+class Patches(nn.Module):
+    """Returns a mask beside its output only when asked to mask (Hiera's embeddings: no mask
+    unless pretraining)."""
+
+    def __init__(self, masked: bool):
+        super().__init__()
+        self.proj, self.masked = nn.Linear(4, 4), masked
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.proj(x), (x[..., 0] > 0).to(x.dtype) if self.masked else None
+
+
+class MaybeMasked(nn.Module):
+    def __init__(self, masked: bool):
+        super().__init__()
+        self.patches, self.head = Patches(masked), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, mask = self.patches(x)
+        if mask is not None:  # fx sees `patches`' result as one traced value: never None
+            h = h * mask.unsqueeze(-1)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_module_not_traced_into_that_returns_none_is_tested_as_when_run(masked):
+    torch.manual_seed(0)
+    model = MaybeMasked(masked)
+    stages = Traced(model).split(["head"])
+    x = torch.randn(3, 5, 4)
+    torch.testing.assert_close(run(stages, x), model(x), rtol=0, atol=0)
+
+
+class EagerScores(nn.Module):
+    """Adds Hugging Face's bidirectional mask to its scores where there is one (SqueezeBERT):
+    the builder, a call fx does not trace into, skips a mask that masks nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = PretrainedConfig()
+        self.config._attn_implementation = "eager"
+        self.embed, self.query, self.head = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        mask = create_bidirectional_mask(self.config, h, torch.ones(ids.shape, device=ids.device))
+        scores = self.query(h) @ h.transpose(1, 2)
+        if mask is not None:
+            scores = scores + mask[:, 0]
+        return self.head(scores.softmax(-1) @ h)
+
+
+def test_a_mask_builder_that_skips_a_mask_the_forward_adds_is_cut_exactly():
+    torch.manual_seed(0)
+    model = EagerScores()
+    ids = torch.randint(0, 10, (2, 5))
+    assert create_bidirectional_mask(model.config, model.embed(ids), torch.ones(2, 5)) is None
+    stages = Traced(model).split(["head"])
+    torch.testing.assert_close(run(stages, ids), model(ids), rtol=0, atol=0)

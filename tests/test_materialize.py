@@ -92,6 +92,68 @@ def test_kept_parameters_equal_a_plain_build_wherever_the_cut_falls(factory) -> 
             assert torch.equal(buffer, expected[name]), name
 
 
+class InInit(nn.Module):
+    """Values made in __init__, not reset_parameters: a parameter drawn before it is
+    registered, one and a buffer computed from another parameter's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.v = nn.Parameter(torch.randn(4))
+        self.u = nn.Parameter(self.w.detach() * 2)
+        self.register_buffer("mean", self.w.detach().mean(0))
+
+
+def lazy() -> nn.Module:
+    model = nn.Sequential(nn.LazyConv2d(4, 3), nn.LazyBatchNorm2d(), nn.Flatten(),
+                          nn.LazyLinear(3))  # fmt: skip
+    model(torch.randn(2, 3, 6, 6))  # the dry run that makes their parameters
+    return model
+
+
+def parametrized() -> nn.Module:
+    P = nn.utils.parametrizations
+    return nn.Sequential(P.weight_norm(nn.Conv2d(3, 8, 3)), P.spectral_norm(nn.Linear(8, 8)),
+                         P.orthogonal(nn.Linear(8, 8)),
+                         nn.utils.spectral_norm(nn.Linear(8, 8)))  # fmt: skip
+
+
+CONSTRUCTS = {  # torch.nn's modules whose building reads values of parameters it made
+    "transformer-encoder": lambda: nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 3, enable_nested_tensor=False
+    ),
+    "transformer": lambda: nn.Transformer(16, 2, 2, 2, 32),
+    "recurrent": lambda: nn.Sequential(
+        nn.LSTM(8, 16, 2, proj_size=4), nn.GRU(8, 8), nn.RNN(4, 4), nn.MultiheadAttention(8, 2)
+    ),  # fmt: skip
+    "parametrizations": parametrized,
+    "lazy": lazy,
+    "in-init": InInit,
+}
+
+
+@pytest.mark.parametrize("name", list(CONSTRUCTS))
+def test_whatever_a_stage_keeps_equals_a_plain_build(name: str) -> None:
+    """Deep copies of a layer, parametrizations computed from the weight they replace,
+    lazy parameters and values made in __init__: the parameters and buffers a process
+    keeps (with what `numbers` adds for them to be computed from) equal a plain build's,
+    bit for bit, and the random stream ends where a plain build leaves it (issue 30)."""
+    build = seeded(CONSTRUCTS[name])
+    plain, _ = materialize.build(build, None)
+    after_plain = torch.rand(4)
+    numbered = materialize.numbering(*materialize.build(build, ()))
+    expected = {**dict(plain.named_parameters(remove_duplicate=False)),
+                **dict(plain.named_buffers())}  # fmt: skip
+    names = sorted(expected)
+    thirds = [names[k * len(names) // 3 : (k + 1) * len(names) // 3] for k in range(3)]
+    for wanted in [*thirds, names[::2]]:
+        part, _ = materialize.build(build, materialize.numbers(numbered, wanted))
+        assert torch.equal(torch.rand(4), after_plain)
+        got = {**dict(part.named_parameters(remove_duplicate=False)), **dict(part.named_buffers())}
+        for key in wanted:
+            assert got[key].device.type != "meta" and torch.equal(got[key], expected[key]), key
+
+
 def test_ties_share_one_number_and_replaced_parameters_have_no_name() -> None:
     plain, registered = materialize.build(seeded(Custom), None)
     numbered = materialize.numbering(plain, registered)

@@ -75,3 +75,23 @@ def test_a_permanent_trainer_failure_fails_the_job_after_one_attempt(
     worlds = {r.pod["metadata"]["labels"]["pipejob.dev/restart"] for r in kubelet.runs(NS)}
     assert worlds == {"0"}  # one attempt, no restart spent
     api.wait("every pod process to be gone", lambda: not kubelet.running(), 30)
+
+
+def test_a_run_that_goes_non_finite_fails_permanently_saying_where(
+    cluster, kubelet: Kubelet, operator
+):
+    """Issue 30: a user's model that returns NaN in step 2 (tests/userpkg/blowup.py) fails
+    the job within that step, without a restart (a restart would only reach it again), its
+    reason NonFinite and its message naming the step, the stage and the value."""
+    api: Api = cluster.api
+    name = "nonfinite"
+    model = {"import": "userpkg.blowup:cnn", "args": {"at": 2, "micro_batches": 2}}
+    env = [{"name": "PYTHONPATH", "value": str(Path(__file__).parent)}]  # userpkg
+    jobs.create(api, pipeline(name, model=model, splitPoints=["8"], backoffLimit=3,
+                              template={"env": env}))  # fmt: skip
+    failed = jobs.wait_phase(api, "PipelineJob", name, "Failed", timeout=180)
+    assert failed["status"]["restarts"] == 0
+    condition = failed_condition(failed)
+    assert condition["reason"] == "NonFinite", condition
+    assert "step 2: the loss is nan, first non-finite in stage0's forward" in condition["message"]
+    api.wait("every pod process to be gone", lambda: not kubelet.running(), 30)

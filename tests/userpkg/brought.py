@@ -49,6 +49,136 @@ def bert(layers: int = 2, width: int = 32, classes: int = 3, wrapped: bool = Fal
     return Logits(model) if wrapped else model
 
 
+def mistral(layers: int = 4, width: int = 32, window: int = 4, wrapped: bool = True) -> nn.Module:
+    """Mistral with a sliding attention window shorter than the windows it is fed."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=2,
+                           num_key_value_heads=1, intermediate_size=2 * width, vocab_size=VOCAB,
+                           max_position_embeddings=4 * SEQ, sliding_window=window,
+                           bos_token_id=0, eos_token_id=0)  # fmt: skip
+    model = MistralForCausalLM(config)
+    return Logits(model) if wrapped else model
+
+
+def mamba(layers: int = 2, width: int = 32) -> nn.Module:
+    """Mamba: a state-space scan, whose mixer's initialisation makes tensors on its
+    parameters' device."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    return Logits(MambaForCausalLM(MambaConfig(num_hidden_layers=layers, hidden_size=width,
+                                               vocab_size=VOCAB)))  # fmt: skip
+
+
+def mixtral(layers: int = 2, width: int = 32) -> nn.Module:
+    """Mixtral: 4 experts, each token routed to 2 (the experts' grouped matmul)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=2,
+                           num_key_value_heads=1, intermediate_size=2 * width, vocab_size=VOCAB,
+                           num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    return Logits(MixtralForCausalLM(config))
+
+
+def mamba_and_mixtral() -> nn.Module:
+    """Mamba and Mixtral trained together, their logits summed: each refused before (issue
+    30), in one job."""
+    return Sum(mamba(), mixtral())
+
+
+class Sum(nn.Module):
+    """Models' outputs summed (an ensemble)."""
+
+    def __init__(self, *models: nn.Module):
+        super().__init__()
+        self.models = nn.ModuleList(models)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return sum(model(ids) for model in self.models)
+
+
+def t5(layers: int = 2, width: int = 32) -> nn.Module:
+    """T5, whose `shared` embedding is the encoder's, the decoder's and the output head's,
+    behind the wrapper that feeds the ids to both sides."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=VOCAB, d_model=width, d_kv=width // 2, d_ff=2 * width,
+                      num_layers=layers, num_heads=2, dropout_rate=0.0,
+                      decoder_start_token_id=0, tie_word_embeddings=True)  # fmt: skip
+    return Both(T5ForConditionalGeneration(config))
+
+
+class Both(nn.Module):
+    """An encoder-decoder's wrapper: the ids in on both sides, logits out."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, decoder_input_ids=ids).logits
+
+
+class Encoder(nn.Module):
+    """torch's own nn.TransformerEncoder classifying token windows, with a non-persistent
+    buffer (a feature mean subtracted before the head, not part of the model's state)."""
+
+    def __init__(self, classes: int = 2, width: int = 32, layers: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.register_buffer("feature_mean", torch.full((width,), 0.5), persistent=False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids)).mean(1) - self.feature_mean)
+
+
+def encoder(classes: int = 2) -> nn.Module:
+    return Encoder(classes)
+
+
+class Auxiliary(nn.Module):
+    """Inception v3's shape, with weight-normed convolutions: an auxiliary head run in
+    training only, both logits returned as a named tuple in training, the main logits alone
+    in evaluation."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        norm = nn.utils.parametrizations.weight_norm
+        self.stem = nn.Sequential(norm(nn.Conv2d(3, 8, 3, stride=2)), nn.ReLU())
+        self.middle = nn.Sequential(norm(nn.Conv2d(8, 16, 3)), nn.ReLU())
+        self.aux = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, classes))
+        self.late = nn.Sequential(norm(nn.Conv2d(16, 16, 3)), nn.ReLU())
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, classes))
+
+    def forward(self, x: torch.Tensor):
+        from torchvision.models.inception import InceptionOutputs
+
+        x = self.middle(self.stem(x))
+        aux = self.aux(x) if self.training else None
+        logits = self.head(self.late(x))
+        return InceptionOutputs(logits, aux) if self.training else logits
+
+
+def auxiliary(classes: int = 10) -> nn.Module:
+    return Auxiliary(classes)
+
+
+def auxiliary_loss(weight: float = 0.4):
+    """The user's loss of an auxiliary head: main + weight * auxiliary in training, the main
+    logits' alone in evaluation (what the model returns then)."""
+
+    def loss(outputs, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(outputs, tuple):
+            main = nn.functional.cross_entropy(outputs.logits, labels)
+            return main + weight * nn.functional.cross_entropy(outputs.aux_logits, labels)
+        return nn.functional.cross_entropy(outputs, labels)
+
+    return loss
+
+
 class Logits(nn.Module):
     """The wrapper users write around a Hugging Face model: token ids in, logits out."""
 

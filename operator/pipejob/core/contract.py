@@ -124,6 +124,9 @@ PERMANENT_REASONS: dict[str, str] = {
     " into stages disagree",
     "InvalidConfiguration": "a value of the spec the trainer cannot use (a ValueError or"
     " TypeError from the model, the optimizer or the data)",
+    "NonFinite": "the loss, the gradient norm or the model's held-out outputs became NaN or"
+    " infinite: the step was not applied and the last checkpoint is kept (a restart would"
+    " resume from it only to reach the same step again)",
     "CheckpointUnusable": "the checkpoint under checkpoint.path cannot be resumed by this job"
     " (another kind of job or another model), or written (a path its processes do not share)",
 }

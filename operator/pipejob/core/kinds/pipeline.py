@@ -152,6 +152,15 @@ PIPELINE_SPEC = Field(
             " float32.",
             default="fp32", enum=("fp32", "bf16", "fp16"),
         ),
+        "skipNonFiniteSteps": integer(
+            "Steps whose loss or gradient norm is not finite (NaN or infinite) that may be"
+            " skipped, their update not applied, before the job fails. 0, the default: the"
+            " first one fails the job permanently (reason NonFinite), naming the step, the"
+            " stage where the first non-finite value came from and the value, with its last"
+            " checkpoint kept and no output written. With fp16, a step whose gradients"
+            " overflow is skipped by the loss scaling and is not counted.",
+            default=0, minimum=0,
+        ),
         "activationCheckpointing": Field(
             "boolean", "Each stage keeps only its inputs in the forward and recomputes its"
             " activations in the backward: less memory for about one more forward.",
@@ -259,6 +268,7 @@ class PipelineSpec(CommonSpec):
     gradient_accumulation: int = 1
     precision: str = "fp32"
     activation_checkpointing: bool = False
+    skip_non_finite_steps: int = 0
     split_points: tuple[str, ...] = ()
     data: PipelineData = PipelineData()
     engine: str = RPC

@@ -21,6 +21,7 @@ from pipejob.core.kinds.hybrid import ONE_TABLE, HybridSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid import ps
 from pipejob.trainer.hybrid.router import Router
+from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.workloads.recsys import auc, call_dense
 from pipejob.trainer.workloads.samples import Batch
 
@@ -103,7 +104,10 @@ def evaluate(spec: HybridSpec, router: Router, servers: list[str], dense: nn.Mod
                            for server, request in asked]  # fmt: skip
                 pooled = router.pool([r.wait() for r in replies], routed, batch)
                 out = forward(spec, dense, batch, pooled, device)
-                loss_sum += float(loss_fn(out, batch.labels.to(device))) * len(batch.labels)
+                value = float(loss_fn(out, batch.labels.to(device)))
+                # Never a figure from non-finite outputs (runtime/nonfinite.py).
+                nonfinite.check_outputs(out, value, f"the held-out batch after {total} samples")
+                loss_sum += value * len(batch.labels)
                 total += len(batch.labels)
                 scores.append(out.detach().cpu())
                 labels.append(batch.labels)

@@ -31,7 +31,7 @@ from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid import board, evaluate, ps
 from pipejob.trainer.hybrid.router import Routed, Router
-from pipejob.trainer.runtime import checkpoint, profiling, world
+from pipejob.trainer.runtime import checkpoint, nonfinite, profiling, world
 from pipejob.trainer.runtime.optim import optimizer_args
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import samples
@@ -164,7 +164,7 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
         seen.update(zip(drawn.epochs, drawn.sample_ids, strict=True))
         with profiling.window(env, profile, step, servers, sync=dist.barrier) as rpc_calls:
             loss = _step(spec, tables, dense, dense_step, drawn, device, loss_fn, weight,
-                         rpc_calls)  # fmt: skip
+                         rpc_calls, step)  # fmt: skip
         if step == first + 1:
             loss_first = loss.item()
         if evaluate.due(spec, step):  # first: the step's checkpoint keeps its evaluation
@@ -246,16 +246,21 @@ def _checkpoint(env: Env, step: int, servers: list[str], module: nn.Module,
 
 def _step(spec: HybridSpec, tables: Tables, dense: nn.Module, dense_step: DenseStep,
           batch: Batch, device: torch.device, loss_fn: workloads.Loss, weight: float = 1.0,
-          rpc_calls: profiling.RpcCalls = contextlib.nullcontext) -> torch.Tensor:  # fmt: skip
+          rpc_calls: profiling.RpcCalls = contextlib.nullcontext,
+          step: int = 0) -> torch.Tensor:  # fmt: skip
     """One step; `rpc_calls` wraps its calls to the servers, not DDP's parts. The backward is
     of the loss times `weight` (the trainer's share, `train`); the dense layer's step (on
     gradients DDP averaged across the trainers during the backward) is deferred to overlap
-    the next step's calls. Returns the loss times `weight`."""
+    the next step's calls. Returns the loss times `weight`. A loss that is not finite stops
+    the job before its backward changes anything (runtime/nonfinite.py)."""
     with rpc_calls():  # open until the replies: they bring the remote ops' profile
         futures = tables.call(batch)
         dense_step.flush()  # the previous step's, while the calls are in flight
         pooled = tables.pooled(futures, batch)
     loss = loss_fn(evaluate.forward(spec, dense, batch, pooled, device), batch.labels.to(device))
+    if not nonfinite.finite(loss):
+        raise nonfinite.NonFiniteError(f"step {step}: the loss is {loss.item()} on"
+                                       f" {tables.name}; its update was not applied")  # fmt: skip
     loss = loss * weight if weight != 1.0 else loss
     loss.backward()
     tables.backward_done()

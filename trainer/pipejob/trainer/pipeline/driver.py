@@ -8,6 +8,7 @@ with how a round's micro-batches go forward and backward and how the optimizer s
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.reader import TRAIN, Batch
 from pipejob.trainer.pipeline.shard import on_reader, on_stage
 from pipejob.trainer.pipeline.shards import Shards
+from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -43,6 +45,10 @@ class StepResult:
     allreduce_seconds: float = 0.0  # of which the slowest stage's all-reduce
     lr: float | None = None  # the learning rate the optimizer stepped with
     grad_norm: float | None = None  # the global gradient norm before clipping
+    # A figure that was not finite, its value and where it came from (runtime/nonfinite.py):
+    # the step was not applied.
+    nonfinite: tuple[str, float, str] | None = None
+    skipped: str | None = None  # the line saying that the Guard let the step be skipped
 
 
 class Pipeline:
@@ -92,6 +98,15 @@ class Pipeline:
                 for k, name in group
             ])  # fmt: skip
 
+    def nonfinite_source(self, rounds: list[int]) -> str:
+        """Where a non-finite loss of training rounds `rounds` came from: the first stage
+        whose forward gave a non-finite output, else the loss on the last stage."""
+        flags = self.each("nonfinite", rounds)
+        first = next((name for name, bad in zip(self.names, flags, strict=True) if bad), None)
+        if first is not None:
+            return f"{first}'s forward"
+        return f"the loss on {self.names[-1]} (from finite outputs)"
+
     def timings(self) -> list[dict[int, tuple[float, float, float]]]:
         return self.each("timings")
 
@@ -123,6 +138,7 @@ class Replicas:
         self.accumulation = spec.gradient_accumulation
         self.batch = spec.batch_size * spec.replicas.max  # of every round, at every size
         self.loss_scale = gradients.LossScale() if spec.precision == "fp16" else None
+        self.guard = nonfinite.Guard(spec.skip_non_finite_steps)
         self.tied = shards.tied
         self._threads = ThreadPoolExecutor(len(pipelines)) if len(pipelines) > 1 else None
 
@@ -147,6 +163,8 @@ class Replicas:
             results = [self._one(*args[0])]
         else:
             results = list(self._threads.map(lambda a: self._one(*a), args))
+        bad = next((r.nonfinite for r in results if r.nonfinite is not None), None)
+        skipped = None if bad is None else self.guard.check(step + 1, *bad)  # or raises
         if self.loss_scale is not None:  # every replica saw the same averaged gradients
             self.loss_scale.update(results[0].grad_norm)
         return StepResult(
@@ -156,6 +174,8 @@ class Replicas:
             max(r.allreduce_seconds for r in results),
             results[0].lr,
             results[0].grad_norm,
+            bad,
+            skipped,
         )
 
     def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
@@ -163,6 +183,22 @@ class Replicas:
         """Replica r's part of a step: its share of each batch of the step (None: read by
         its first stage), of `batch` samples each."""
         raise NotImplementedError
+
+    def nonfinite(self, pipeline: Pipeline, loss: float, norms: list[float],
+                  rounds: list[int]) -> tuple[str, float, str] | None:  # fmt: skip
+        """What of a replica's step (its training rounds `rounds`) was not finite, its value
+        and where it came from: the loss, else the gradient norm (`norms`: per stage, which
+        fp16's loss scale may overflow: its step is skipped as before); None when both are
+        finite. The step is then not applied."""
+        if not math.isfinite(loss):
+            return "loss", loss, pipeline.nonfinite_source(rounds)
+        norm = gradients.total_norm(norms)
+        if self.loss_scale is None and not math.isfinite(norm):
+            # The backward runs from the last stage to the first: the latest stage whose
+            # gradients are not finite is where they became so.
+            k = max(k for k, n in enumerate(norms) if not math.isfinite(n))
+            return "gradient norm", norm, f"{pipeline.names[k]}'s backward"
+        return None
 
     def share(self, round_: Round, batch: int) -> float:
         """A replica's round's part of the round's `batch` samples, times the replicas (1.0

@@ -127,17 +127,23 @@ def copies(tied: list[list[tuple[int, str]]]) -> dict[int, frozenset[str]]:
     return {k: frozenset(v) for k, v in out.items()}
 
 
-def global_norm(names: list[str], stages: list[RRef], context_id: int, unscale: float = 1.0,
-                leave_out: dict[int, frozenset[str]] | None = None) -> float:  # fmt: skip
-    """The L2 norm over every parameter of every stage (inf or nan when any is); `leave_out`:
-    per stage index, the names of copies counted elsewhere (`copies`)."""
+def stage_norms_of(names: list[str], stages: list[RRef], context_id: int, unscale: float = 1.0,
+                   leave_out: dict[int, frozenset[str]] | None = None) -> list[float]:  # fmt: skip
+    """Each stage's L2 norm of its gradients (inf or nan when any is); `leave_out`: per
+    stage index, the names of copies counted elsewhere (`copies`)."""
     leave_out = leave_out or {}
     norms = torch.futures.wait_all([
         rpc.rpc_async(name, stage_norms,
                       args=(stage, context_id, unscale, leave_out.get(k, frozenset())))
         for k, (name, stage) in enumerate(zip(names, stages, strict=True))
     ])  # fmt: skip
-    return torch.linalg.vector_norm(torch.cat([n.double() for n in norms]), 2).item()
+    return [torch.linalg.vector_norm(n.double(), 2).item() for n in norms]
+
+
+def total_norm(norms: list[float]) -> float:
+    """The global L2 norm over every parameter of every stage, from the stages' norms
+    (`stage_norms_of`): inf or nan when any is."""
+    return torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float64), 2).item()
 
 
 def clip(names: list[str], stages: list[RRef], context_id: int, norm: float,

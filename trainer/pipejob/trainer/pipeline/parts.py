@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
-from torch import fx, nn
+from torch import nn
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.partition import LayerCosts, measure_chain, min_max_partition
@@ -54,7 +54,7 @@ class Part:
     starts: tuple[str, ...]  # the units where the pieces after the first begin
     pieces: tuple[int, ...]  # which pieces this process builds
 
-    def build(self) -> list[fx.GraphModule]:
+    def build(self) -> list[cut.Piece]:
         # The process's own random stream stays as it was (dropout draws from it).
         with torch.random.fork_rng(devices=[]), default_dtype(self.dtype):
             model, _ = materialize.build(lambda: models.build(self.spec), self.keep)
@@ -107,7 +107,7 @@ def _to(values: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
 
 
 def measure_on_stages(names: list[str], spec: PipelineSpec, traced: cut.Traced,
-                      numbered: list[list[str]], batches: list[int],
+                      numbered: materialize.Numbering, batches: list[int],
                       ) -> list[LayerCosts]:  # fmt: skip
     """Every unit's cost on a micro-batch of each size of `batches`, measured on stage
     processes `names` (one pipeline's), each building a run of units of about equal
@@ -122,7 +122,7 @@ def measure_on_stages(names: list[str], spec: PipelineSpec, traced: cut.Traced,
     seconds: list[list[float]] = [[] for _ in batches]
     cpu: list[list[float]] = [[] for _ in batches]
     for k, run in enumerate(runs):
-        held = [n for i in run for n, _ in pieces[i].named_parameters(remove_duplicate=False)]
+        held = [n for i in run for n in cut.state_names(pieces[i])]
         part = Part(spec, dtype, tuple(materialize.numbers(numbered, held)), tuple(units[1:]),
                     tuple(run))  # fmt: skip
         got = rpc.rpc_sync(names[k], measure_here,

@@ -10,6 +10,7 @@ micro-batches run and where its gradients live (`gradients`)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -115,6 +116,11 @@ class Shard:
         self.layers = union(self.pieces)
         self.autocast = AUTOCAST[precision]  # spec.precision
         self.recompute = recompute  # spec.activationCheckpointing
+        # Per training round of the last step: whether each forward's outputs were finite
+        # (tensors, read only when the master asks where a non-finite loss came from).
+        self._finite: dict[int, list[torch.Tensor]] = {}
+        self._finite_step = -1
+        self._finite_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickling a Stage gives: the tensors it holds. An RPC agent with CUDA devices
@@ -157,6 +163,23 @@ class Shard:
 
     def computed(self, piece: nn.Module, last: bool) -> Computed:
         return Computed(piece, self.device, self.autocast, self.recompute, last)
+
+    # ------------------------------------------------------------------ non-finite values
+
+    def note_finite(self, step: int, round: int, finite: torch.Tensor) -> None:
+        """Whether a training forward of round `round` of step `step` gave finite outputs
+        (nonfinite.all_finite); an earlier step's are forgotten."""
+        with self._finite_lock:
+            if step != self._finite_step:
+                self._finite, self._finite_step = {}, step
+            self._finite.setdefault(round, []).append(finite)
+
+    def nonfinite(self, rounds: list[int]) -> bool:
+        """Whether any of this stage's outputs in training rounds `rounds` (of the last
+        step) was not finite."""
+        with self._finite_lock:
+            flags = [f for r in rounds for f in self._finite.get(r, [])]
+        return not all(bool(f) for f in flags)
 
     # ------------------------------------------------------------------ gradients
 

@@ -110,7 +110,7 @@ class Shards:
 def plan_shards(
     spec: PipelineSpec,
     model: nn.Module,
-    numbered: list[list[str]],
+    numbered: materialize.Numbering,
     stage_names: list[str],
     saved: Partition | None = None,
     hosts: list[Host] | None = None,
@@ -134,10 +134,12 @@ def plan_shards(
     starts = [units[r.start] for r in saved.ranges[1:]]
     stages = traced.split(starts)
     dtype = torch.get_default_dtype()
-    parts = [Part(spec, dtype, tuple(materialize.numbers(numbered, _names(stage))),
+    parts = [Part(spec, dtype, tuple(materialize.numbers(numbered, cut.state_names(stage))),
                   tuple(starts), (k,)) for k, stage in enumerate(stages)]  # fmt: skip
     rest = cut.unused(model, stages)
-    if any(v.device.type == "meta" for v in rest.values()):  # parameters no stage holds
+    # Parameters no stage holds, or buffers computed from parameters (the master's are not
+    # right: it has no parameters), are built here.
+    if any(v.device.type == "meta" or k in numbered.buffers for k, v in rest.items()):
         with torch.random.fork_rng(devices=[]):
             whole, _ = materialize.build(
                 lambda: models.build(spec), materialize.numbers(numbered, rest)
@@ -161,12 +163,8 @@ def by_process(ties: list[list[tuple[int, str]]], processes: int) -> list[list[t
     return out
 
 
-def _names(module: nn.Module) -> list[str]:
-    return [n for n, _ in module.named_parameters(remove_duplicate=False)]
-
-
 def _measure(spec: PipelineSpec, stage_names: list[str], traced: cut.Traced,
-             numbered: list[list[str]], hosts: list[Host], fixed: list[range] | None,
+             numbered: materialize.Numbering, hosts: list[Host], fixed: list[range] | None,
              progress: Callable[[str], None]) -> Partition:  # fmt: skip
     auto = spec.micro_batches == AUTO
     batch = spec.batch_size

@@ -4,7 +4,6 @@ checkpoints and resumes, writes the model out, and returns the run's summary."""
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 
@@ -39,8 +38,8 @@ from pipejob.trainer.runtime import (
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, data, metrics, models
-from pipejob.trainer.workloads.materialize import META
 from pipejob.trainer.workloads.metrics import Tally
+from pipejob.trainer.workloads.standins import META
 from pipejob.trainer.workloads.synthetic import share_of
 
 
@@ -118,6 +117,8 @@ def train(env: Env) -> dict[str, Any]:
             with profiling.window(env, profile, step + 1, every) as rpc_calls, rpc_calls():
                 result = pipelines.step(m, step, loss)
             results.append(result)
+            if result.skipped is not None:  # a non-finite step skipped (spec.skipNonFiniteSteps)
+                world.log(env, result.skipped)
             seconds = result.pipeline_seconds + result.optimizer_seconds
             board.step(step + 1, result.loss, seconds, samples, lr=result.lr,
                        grad_norm=result.grad_norm)  # fmt: skip
@@ -163,18 +164,22 @@ def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                loss: workloads.Loss) -> None:  # fmt: skip
     """Fail before the first step, saying both shapes, when the data does not fit the
     model: its input, or its labels against the model's output through the loss. Shapes
-    only: `model`'s parameters do not exist (models.build_meta), so a copy runs on the meta
-    device, in eval mode; a model whose forward reads its values (only the stages can run
-    it) is left to them."""
-    model = copy.deepcopy(model).to(META).eval()
+    only: `model`'s parameters do not exist (models.build_meta), so it runs on the meta
+    device, in eval mode, with its buffers swapped for meta ones for the call (not a deep
+    copy: a model with torch's deprecated weight norm refuses one); a model whose forward
+    reads its values (only the stages can run it) is left to them."""
+    training = model.training
+    buffers = {name: b.to(META) for name, b in model.named_buffers(remove_duplicate=False)}
     try:
         with torch.no_grad():
-            outputs = model(inputs[:2].to(META))
+            outputs = torch.func.functional_call(model.eval(), buffers, (inputs[:2].to(META),))
     except Exception as e:
         if _needs_values(e):
             return
         raise ValueError(f"spec.data: inputs of shape {shape(inputs[:2])} do not fit spec.model:"
                          f" {type(e).__name__}: {e}") from None  # fmt: skip
+    finally:
+        model.train(training)
     try:
         loss(outputs, labels[:2].to(META))
     except Exception as e:
@@ -188,8 +193,12 @@ def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
 
 
 def _needs_values(error: Exception) -> bool:
-    """Whether running on the meta device failed for want of values, not of fit."""
-    return isinstance(error, NotImplementedError) or "meta" in str(error).lower()
+    """Whether running on the meta device failed for want of values, not of fit; or for a
+    rule of a meta kernel about dtypes (which mirror CUDA's kernels: a Mixtral's experts'
+    grouped matmul wants bfloat16 there, not on the CPU). The stages, which run the data
+    through the model before training, find what really does not fit."""
+    message = str(error).lower()
+    return isinstance(error, NotImplementedError) or "meta" in message or "dtype" in message
 
 
 def evaluation_due(spec: PipelineSpec, step: int) -> bool:

@@ -12,6 +12,7 @@ import re
 import traceback
 
 from pipejob.trainer.runtime import calls
+from pipejob.trainer.runtime.nonfinite import NonFiniteError
 from pipejob.trainer.runtime.world import ContractError
 
 # What torch says when tensors do not fit; an RPC error carries the remote message along.
@@ -32,6 +33,8 @@ def permanent_reason(error: BaseException) -> str | None:
     """The PERMANENT_REASONS key that `error` is an instance of, or None if retryable."""
     if isinstance(error, ContractError):
         return "BadEnvironment"
+    if isinstance(error, NonFiniteError) or f"{NonFiniteError.__name__}: " in str(error):
+        return "NonFinite"  # raised here, or in another process (its type in the text)
     if isinstance(error, CheckpointError):
         return "CheckpointUnusable"
     if isinstance(error, ImportError):

@@ -11,19 +11,20 @@ forward, that module stays whole (a unit of its own) and tracing starts again; o
 model's own forward must trace.
 
 The forward is traced as the pipeline calls it: with one positional input (a batch of the
-data's inputs); other arguments keep their defaults. Hugging Face models trace as they are:
-their mask builders run as calls of their own (they branch on the inputs), the key/value
-cache is off while tracing (training needs none), and what they return is rebuilt as their
-ModelOutput.
+data's inputs); other arguments keep their defaults (workloads/tracing.py). fx decides a
+branch on `self.training` while tracing, so the forward is traced in training mode and in
+evaluation mode, and where the two differ each stage holds both.
 
-The graph is then cut where stages begin: each stage is a GraphModule made from the original
-model, so its parameters and buffers keep their original names (`transformer.h.3.attn.c_attn
-.weight`), and the stages' state dicts together are the model's. Whatever the forward carries
-across a cut (one tensor or several: a residual stream, a mask, a size) is passed on: stage k
-takes the values live at its start as positional arguments and returns those live at its end,
-as a tuple; the last stage returns the model's output. A parameter two stages use (tied input
-and output embeddings) is in both, and `ties` names it so the pipeline can combine its
-gradients.
+The graph is then cut where stages begin: each stage is a `Piece` (workloads/piece.py): fx's
+generated code run on the original model's modules, so its parameters and buffers keep their
+original names (`transformer.h.3.attn.c_attn.weight`), and the stages' state dicts together
+are the model's (its non-persistent buffers stay out of them; a parameter held under names
+the forward never uses, T5's `shared` embedding, is held by a stage under those too). Whatever
+the forward carries across a cut (one tensor or several: a residual stream, a mask, a size)
+is passed on: stage k takes the values live at its start as positional arguments and
+returns those live at its end, as a tuple; the last stage returns the model's output. A
+parameter two stages use (tied input and output embeddings) is in both, and `ties` names it
+so the pipeline can combine its gradients.
 
 Why not torch.distributed.pipelining's tracer (torch.export): it bakes training mode into
 the graph (a BatchNorm in `.eval()` still updates its statistics, measured), its stages do
@@ -33,16 +34,21 @@ this tracer cuts in 0.03 s."""
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-import sys
-import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
+
+from pipejob.trainer.workloads.piece import Piece, attach
+from pipejob.trainer.workloads.tracing import (
+    Objects,
+    Tracer,
+    construct,
+    materialize_masks,
+    unchanged,
+    without_cache,
+)
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -92,118 +98,70 @@ def candidates(model: nn.Module, want: int = 0, required: Sequence[str] = (),
     return units
 
 
-def _mask_builders() -> tuple[Any, ...]:
-    """Hugging Face's attention-mask builders, when transformers is loaded: they branch on
-    the inputs' values (skipping a mask that is all ones), so they run as calls of their own."""
-    masking = sys.modules.get("transformers.masking_utils")
-    if masking is None:
-        return ()
-    return tuple(f for n, f in vars(masking).items() if n.startswith("create_") and callable(f))
+class _Forward:
+    """One mode's graph of the forward: its nodes, and where each candidate is first called
+    (a stage beginning there starts at that node)."""
 
+    def __init__(self, graph: fx.Graph, leaves: set[str]):
+        self.graph = graph
+        self.nodes = list(graph.nodes)
+        self.position = {node: i for i, node in enumerate(self.nodes)}
+        self.starts: dict[str, int] = {}
+        for i, node in enumerate(self.nodes):
+            if node.op == "call_module" and node.target in leaves:
+                self.starts.setdefault(str(node.target), i)
 
-class _Tracer(fx.Tracer):
-    """fx's tracer with the cut candidates as leaves, the forward called with one input,
-    and a note of the innermost module whose forward failed to trace."""
+    def piece(self, root: nn.Module, a: int, b: int) -> fx.GraphModule:
+        """Nodes a..b-1 as a module from the values live at a to those live at b."""
+        graph = fx.Graph(tracer_cls=Objects)
+        env: dict[fx.Node, fx.Node] = {}
+        inputs = [n for n in self.nodes if n.op == "placeholder"] if a == 0 else self.live(a)
+        for node in inputs:
+            env[node] = graph.placeholder(node.name)
+        for node in self.nodes[a:b]:
+            if node in env:
+                continue
+            if node.op == "output":
+                graph.output(fx.map_arg(node.args[0], env.__getitem__))
+                break
+            env[node] = graph.node_copy(node, env.__getitem__)
+        if b < len(self.nodes):
+            graph.output(tuple(env[n] for n in self.live(b)))
+        return fx.GraphModule(root, graph)
 
-    def __init__(self, model: nn.Module, leaves: set[str]):
-        builders = _mask_builders()
-        super().__init__(autowrap_functions=builders)
-        if builders:  # where the models' own modules call them
-            found = {sys.modules.get(type(m).__module__) for m in model.modules()}
-            self._autowrap_search = [*self._autowrap_search, *filter(None, found)]
-        self.leaves = leaves
-        self.failed_in: str | None = None  # "" for the model's own forward
+    def live(self, at: int) -> list[fx.Node]:
+        """Values made before node `at` that nodes from `at` on use, in the order made."""
+        return [n for n in self.nodes[:at]
+                if n.op != "output" and any(self.position[u] >= at for u in n.users)]  # fmt: skip
 
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return qualname in self.leaves or super().is_leaf_module(m, qualname)
-
-    def create_args_for_root(self, root_fn: Any, is_module: bool,
-                             concrete_args: Any = None) -> tuple[Any, list[Any]]:  # fmt: skip
-        # The pipeline calls the model with one positional input; tracing that call (rather
-        # than the signature, which may be `(*args, **kwargs)` behind a decorator) keeps
-        # every other argument's default and gives stage 0 one placeholder.
-        try:
-            params = list(inspect.signature(inspect.unwrap(root_fn)).parameters)[1:]
-        except (TypeError, ValueError):  # no signature to read: any name does
-            params = []
-        name = params[0] if params and params[0].isidentifier() else "inputs"
-        x = self.create_proxy("placeholder", name, (), {})
-        return (lambda root, x: root_fn(root, x)), [self.root, x]
-
-    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
-        try:
-            name = self.path_of_module(m)
-        except NameError:
-            return super().call_module(m, forward, args, kwargs)
-        if self.is_leaf_module(m, name):
-            return super().call_module(m, forward, args, kwargs)
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except Exception:
-            if self.failed_in is None:
-                self.failed_in = name
-            raise
-
-    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
-        try:
-            return super().trace(root, concrete_args)
-        except Exception:
-            if self.failed_in is None:
-                self.failed_in = ""
-            raise
-
-    def create_arg(self, a: Any) -> Any:
-        # A Hugging Face ModelOutput (a dataclass and a dict) is rebuilt as itself, not as a
-        # plain dict, so the loss gets what the model returns.
-        if isinstance(a, dict) and dataclasses.is_dataclass(a):
-            fields = {k: self.create_arg(v) for k, v in a.items()}
-            node = self.create_node("call_function", type(a), (), fields)
-            node.meta["is_wrapped"] = True  # a pickled stage, traced again, keeps it too
-            return node
-        return super().create_arg(a)
-
-
-@contextmanager
-def without_cache(model: nn.Module) -> Iterator[None]:
-    """A Hugging Face model traced with its key/value cache off (`config.use_cache`):
-    training needs none, and the cache object cannot be passed between stages."""
-    configs = {id(c): c for m in model.modules()
-               if hasattr(c := getattr(m, "config", None), "use_cache")}  # fmt: skip
-    before = {k: c.use_cache for k, c in configs.items()}
-    for c in configs.values():
-        c.use_cache = False
-    try:
-        yield
-    finally:
-        for k, c in configs.items():
-            c.use_cache = before[k]
-
-
-def construct(error: BaseException) -> str:
-    """What failed, and where in the user's (or the library's) code: `TypeError: ... at
-    modeling_bert.py:85: position_ids = self.position_ids[:, a:b]`."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if "/torch/" not in f.filename and f.filename != __file__]  # fmt: skip
-    where = ""
-    if frames:
-        f = frames[-1]
-        where = f" at {f.filename.rsplit('/', 1)[-1]}:{f.lineno}: {(f.line or '').strip()}"
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{where}"
+    def code(self) -> str:
+        return self.graph.python_code("self").src
 
 
 class Traced:
     """The model's forward as a graph of its cut candidates, in the order it calls them:
-    at least `want` of them where the module tree has them, and every `required` one."""
+    at least `want` of them where the module tree has them, and every `required` one.
+
+    fx records what the forward does in one mode: a branch on `self.training` (Inception's
+    auxiliary head, a functional dropout) is decided while tracing. So the forward is traced
+    in training mode and in evaluation mode; where the two differ, each stage holds both
+    (`Piece`), and the candidates are those both call."""
 
     def __init__(self, model: nn.Module, want: int = 0, required: Sequence[str] = ()):
         self.model = model
         self.whole: dict[str, str] = {}  # modules kept whole: why their forward did not trace
+        training = model.training
         with without_cache(model):
             while True:
                 leaves = set(candidates(model, want, required, frozenset(self.whole)))
-                tracer = _Tracer(model, leaves)
+                tracer = Tracer(model, leaves)
                 try:
-                    self.graph = tracer.trace(model)
+                    graphs = []
+                    for mode in (True, False):
+                        model.train(mode)
+                        with unchanged(model):
+                            graphs.append(tracer.trace(model))
+                        materialize_masks(graphs[-1])
                     break
                 except Exception as e:
                     where = tracer.failed_in
@@ -213,18 +171,26 @@ class Traced:
                             f" modules: {construct(e)}"
                         ) from None
                     self.whole[where] = construct(e)
-        self.nodes = list(self.graph.nodes)
-        # Where each candidate's first call is: a stage beginning there starts at that node.
-        self.starts: dict[str, int] = {}
-        for i, node in enumerate(self.nodes):
-            if node.op == "call_module" and node.target in leaves:
-                self.starts.setdefault(str(node.target), i)
-        self.units = sorted(self.starts, key=self.starts.__getitem__)  # in calling order
+                finally:
+                    model.train(training)
+        self.forward = _Forward(graphs[0], leaves)  # training's
+        evaluation = _Forward(graphs[1], leaves)
+        self.evaluation = None if evaluation.code() == self.forward.code() else evaluation
+        both = [u for u in self.forward.starts
+                if self.evaluation is None or u in self.evaluation.starts]  # fmt: skip
+        self.units = sorted(both, key=self.forward.starts.__getitem__)  # in calling order
+        if self.evaluation is not None:
+            order = sorted(self.units, key=self.evaluation.starts.__getitem__)
+            self.units = [u for u, v in zip(self.units, order, strict=True) if u == v]
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.forward.graph
 
     def ranges(self, starts: Sequence[str]) -> list[range]:
         """The units of each stage when stage k begins at `starts[k-1]` (refused, saying why,
         unless they are distinct candidates in calling order)."""
-        unknown = [s for s in starts if s not in self.starts]
+        unknown = [s for s in starts if s not in self.units]
         if unknown:
             inside = [f"{w} is kept whole ({why})" for w, why in self.whole.items()
                       if any(s.startswith(f"{w}.") for s in unknown)]  # fmt: skip
@@ -242,50 +208,57 @@ class Traced:
         bounds = [0, *index, len(self.units)]
         return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
-    def split(self, starts: Sequence[str]) -> list[fx.GraphModule]:
-        """One module per stage: stage 0 from the model's input, stage k from `starts[k-1]`."""
+    def split(self, starts: Sequence[str]) -> list[Piece]:
+        """One module per stage (a `Piece`): stage 0 from the model's input, stage k from
+        `starts[k-1]`."""
         ranges = self.ranges(starts)  # refuses what cannot be cut, saying why
-        bounds = [0, *(self.starts[s] for s in starts), len(self.nodes)]
-        stages = []
-        for k, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        stages: list[nn.Module] = []
+        for k, range_ in enumerate(ranges):
             try:
-                stages.append(self._stage(a, b, last=b == len(self.nodes)))
+                stages.append(self._stage(starts, k))
             except Exception as e:  # the generated code must compile: say which and why
-                units = [self.units[i] for i in ranges[k]]
+                units = [self.units[i] for i in range_]
                 raise CutError(
                     f"the code generated for stage {k} ({units[0]} .. {units[-1]}) of"
                     f" {type(self.model).__name__} does not compile: {construct(e)}"
                 ) from None
+        self._as_the_model(stages)
         return stages
 
-    def _stage(self, a: int, b: int, last: bool) -> fx.GraphModule:
-        """Nodes a..b-1 as a module from the values live at a to those live at b."""
-        position = {node: i for i, node in enumerate(self.nodes)}
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        if a == 0:
-            inputs = [n for n in self.nodes if n.op == "placeholder"]
-        else:
-            inputs = self._live(a, position)
-        for node in inputs:
-            env[node] = graph.placeholder(node.name)
-        for node in self.nodes[a:b]:
-            if node in env:
-                continue
-            if node.op == "output":
-                graph.output(fx.map_arg(node.args[0], env.__getitem__))
-                break
-            env[node] = graph.node_copy(node, env.__getitem__)
-        if not last:
-            graph.output(tuple(env[n] for n in self._live(b, position)))
-        module = fx.GraphModule(self.model, graph)
+    def _stage(self, starts: Sequence[str], k: int) -> Piece:
+        def bounds(forward: _Forward) -> tuple[int, int]:
+            at = [0, *(forward.starts[s] for s in starts), len(forward.nodes)]
+            return at[k], at[k + 1]
+
+        evaluation = None
+        if self.evaluation is not None:
+            evaluation = self.evaluation.piece(self.model, *bounds(self.evaluation))
+        module = Piece(self.forward.piece(self.model, *bounds(self.forward)), evaluation)
         module.train(self.model.training)
         return module
 
-    def _live(self, at: int, position: dict[fx.Node, int]) -> list[fx.Node]:
-        """Values made before node `at` that nodes from `at` on use, in the order made."""
-        return [n for n in self.nodes[:at]
-                if n.op != "output" and any(position[u] >= at for u in n.users)]  # fmt: skip
+    def _as_the_model(self, stages: list[Piece]) -> None:
+        """The stages hold the model's state as the model does. A buffer the model keeps
+        out of its state dict (`persistent=False`) stays out of the stage's, which fx
+        registers as persistent. A parameter the model holds under several names of which
+        the forward uses only some (T5's `shared` embedding, used as the encoder's, the
+        decoder's and the head's) is held under the others too, by the first stage that
+        holds it: so the output and the checkpoints have every name of it, trained, and
+        none is left behind as it was built."""
+        kept = set(self.model.state_dict())
+        for stage in stages:
+            for name, _ in stage.named_buffers():
+                if name not in kept:  # fx's own constants too
+                    owner, _, attr = name.rpartition(".")
+                    stage.get_submodule(owner)._non_persistent_buffers_set.add(attr)
+        first: dict[int, int] = {}  # id of a parameter -> the first stage holding it
+        for k, stage in enumerate(stages):
+            for p in stage.parameters():
+                first.setdefault(id(p), k)
+        named = {n for s in stages for n, _ in s.named_parameters(remove_duplicate=False)}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if name not in named and id(p) in first:
+                attach(stages[first[id(p)]], name, p)
 
 
 def ties(stages: list[nn.Module]) -> list[list[tuple[int, str]]]:
@@ -316,10 +289,12 @@ def tensors(value: Any) -> list[torch.Tensor]:
 
 
 def join(outputs: list[Any]) -> Any:
-    """Micro-batches' outputs as the whole batch's: a tensor, or a tuple, list or dict (a
-    Hugging Face ModelOutput too) of them."""
+    """Micro-batches' outputs as the whole batch's: a tensor, or a tuple, named tuple, list
+    or dict (a Hugging Face ModelOutput too) of them."""
     if isinstance(outputs[0], tuple | list):
-        return type(outputs[0])(join(list(part)) for part in zip(*outputs, strict=True))
+        parts = [join(list(part)) for part in zip(*outputs, strict=True)]
+        kind = type(outputs[0])
+        return kind._make(parts) if hasattr(kind, "_make") else kind(parts)  # type: ignore
     if isinstance(outputs[0], dict):
         return type(outputs[0])(**{k: join([o[k] for o in outputs]) for k in outputs[0]})
     return torch.cat(outputs)
@@ -328,6 +303,13 @@ def join(outputs: list[Any]) -> Any:
 def cut_count_error(units: int, stages: int) -> CutError:
     return CutError(f"the model has {units} places to cut; it can fill at most {units} stages,"
                     f" not {stages}")  # fmt: skip
+
+
+def state_names(module: nn.Module) -> list[str]:
+    """The names of a stage's parameters and buffers: what the process holding it builds
+    (workloads/materialize.py)."""
+    return [*(n for n, _ in module.named_parameters(remove_duplicate=False)),
+            *(n for n, _ in module.named_buffers(remove_duplicate=False))]  # fmt: skip
 
 
 def unused(model: nn.Module, stages: list[nn.Module]) -> dict[str, torch.Tensor]:

@@ -2,19 +2,25 @@
 meta device (a shape and a dtype, no storage). The master plans the cut on a model none of
 whose parameters exist; each stage process builds the model again keeping only its own.
 
-Which parameters to keep is said by their place in the order the factory registers them
-(`nn.Module.register_parameter`, which assigning a Parameter to a module calls): the same
-factory with the same arguments registers the same parameters in the same order in every
-process, so the master, having built the model once, can name each stage's by number.
+Which parameters to keep is said by their place in the order the factory makes them
+(`nn.Module.register_parameter`, which assigning a Parameter to a module calls, and the deep
+copies of parameters, which `nn.TransformerEncoder` makes of its layer): the same factory
+with the same arguments makes the same parameters in the same order in every process, so
+the master, having built the model once, can name each stage's by number.
 
-The kept parameters get exactly the values a plain build gives them, wherever the cut falls:
-every other parameter is still initialised, on a scratch tensor standing in for it (one at a
-time), so the random stream advances as in a plain build (the factory runs under
-`spec.seed`), even through initialisations that draw until their values fit. The cost: each
-process computes the whole model's initialisation, and holds its own parameters, the
-buffers (small) and one stand-in at a time. An initialisation that reaches a parameter not
-kept only through `.data` (a plain meta tensor, which torch.nn.init skips) draws nothing
-for it where it is not kept."""
+The kept parameters and the buffers get exactly the values a plain build gives them,
+wherever the cut falls. Every parameter not kept is a placeholder while the factory runs
+(`Placeholder`: on the meta device, but saying it is on the device it was made on), and
+what the factory does to it runs on a scratch tensor standing in for it, one at a time
+(`Standins`), so the random stream advances as in a plain build, even through
+initialisations that draw until their values fit. A placeholder's value lives only while
+its stand-in does; where the factory reads it later (a deep copy of a layer, a weight norm's
+magnitude computed from the weight, a spectral norm's vectors, a value read into Python),
+the build notes that what it made depends on that parameter, and the master's plan keeps
+that parameter too, for the build only, wherever what depends on it is kept
+(`Numbering`, `numbers`). The cost: each process computes the whole model's
+initialisation, and holds its own parameters, what they are computed from, the buffers
+(small) and one stand-in at a time."""
 
 from __future__ import annotations
 
@@ -22,154 +28,137 @@ from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_any, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipejob.trainer.runtime import tuning
-
-META = torch.device("meta")
-
-
-class _Placeholder(nn.Parameter):
-    """A parameter not kept, while the factory runs: on the meta device, but reporting
-    `is_meta` False, so that torch.nn.init initialises it (see _Scratch)."""
-
-    @property
-    def is_meta(self) -> bool:  # type: ignore[override]
-        return False
-
-
-class _Scratch(TorchDispatchMode):
-    """While the factory runs: operations on a placeholder run on a scratch tensor of its
-    shape standing in for it (initialisations that draw until their values fit, like
-    trunc_normal_, read what they drew), one placeholder's at a time; and any other random
-    operation on a meta tensor runs again on a scratch tensor. So the random stream advances
-    as a plain build's does."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ in dynamo's `disable` unless the mode says
-        # otherwise (the opt-out its TorchDispatchMode documents), which imports torch._dynamo
-        # and inductor into every process that builds a model: 100 MB of a stage's memory.
-        # Nothing here runs under torch.compile.
-        return False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._for: _Placeholder | None = None  # whose stand-in `_stand_in` is
-        self._stand_in: torch.Tensor | None = None
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default and isinstance(args[0], _Placeholder):
-            return func(*args, **kwargs)  # a conversion (`.double()`): still no memory
-        if tree_any(lambda v: isinstance(v, _Placeholder), (args, kwargs)):
-            result = func(*tree_map(self._standing_in, args),
-                          **tree_map(self._standing_in, kwargs))  # fmt: skip
-            return tree_map(lambda v: self._for if v is self._stand_in else v, result)
-        if torch.Tag.nondeterministic_seeded in func.tags and tree_any(_is_meta, (args, kwargs)):
-            func(*tree_map(_scratch, args), **tree_map(_scratch, kwargs))
-        return func(*args, **kwargs)
-
-    def _standing_in(self, value: Any) -> Any:
-        if not isinstance(value, _Placeholder):
-            return value
-        if value is not self._for:  # the last placeholder's initialisation is over
-            self._for, self._stand_in = value, _scratch(value)
-        return self._stand_in
-
-
-def _is_meta(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.device.type == "meta"
-    return isinstance(value, torch.device) and value.type == "meta"
-
-
-def _scratch(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.device.type == "meta":
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
-    return torch.device("cpu") if _is_meta(value) else value
+from pipejob.trainer.workloads.standins import Placeholder, Standins, meta_like
 
 
 class Registrations:
-    """The parameters a factory registered, numbered in order, and the number each slot
-    (module and attribute) was given last: a slot keeps its name when its parameter is
-    replaced (a dtype conversion, a placeholder settled), and a tie fills a second one."""
+    """The parameters a factory made, numbered in order, and the number each slot (module
+    and attribute) was given last: a slot keeps its name when its parameter is replaced (a
+    dtype conversion, a placeholder settled), and a tie fills a second one. And what the
+    build noted of values read from placeholders (see `Standins`)."""
 
     def __init__(self) -> None:
         self.params: list[nn.Parameter] = []  # kept alive, so their ids stay theirs
         self.number: dict[int, int] = {}  # id(parameter) -> its number
         self.slots: dict[tuple[int, str], tuple[nn.Module, str, int]] = {}
+        self.needs: dict[int, frozenset[int]] = {}  # number -> the numbers its value needs
+        self.buffers: dict[str, frozenset[int]] = {}  # a buffer's name -> the numbers it needs
+        self.everywhere: set[int] = set()  # numbers whose values steered the build
 
-    def note(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
-        """Record `param` in `module.name`, numbering it if it is new."""
+    def add(self, param: nn.Parameter) -> int:
         if id(param) not in self.number:
             self.number[id(param)] = len(self.params)
             self.params.append(param)
-        self.slots[id(module), name] = (module, name, self.number[id(param)])
+        return self.number[id(param)]
+
+    def note(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
+        """Record `param` in `module.name`, numbering it if it is new."""
+        self.slots[id(module), name] = (module, name, self.add(param))
+
+
+class Numbering(list[list[str]]):
+    """Per registration number, the names the model holds that parameter under (none when
+    it was replaced, several when tied); and, from the build, which parameters each one's
+    value (`needs`), each buffer's (`buffers`) and the build itself (`everywhere`) were
+    computed from."""
+
+    def __init__(self, names: list[list[str]], registered: Registrations):
+        super().__init__(names)
+        self.needs = registered.needs
+        self.buffers = registered.buffers
+        self.everywhere = frozenset(registered.everywhere)
 
 
 def build(factory: Callable[[], nn.Module], keep: Collection[int] | None,
           ) -> tuple[nn.Module, Registrations]:  # fmt: skip
-    """`factory()` with the parameters registered `keep`-th (counting from 0) in memory and
+    """`factory()` with the parameters made `keep`-th (counting from 0) in memory and
     every other on the meta device; `keep` None keeps all (a plain build). Also returns
-    what was registered, which is how `numbering` names each number."""
+    what was made, which is how `numbering` names each number."""
     registered = Registrations()
     if keep is None:
-        with _registrations(registered, lambda index: True):
+        with _registrations(registered, None):
             return factory(), registered
-    kept = set(keep)
-    with tuning.returning_memory(), _registrations(registered, kept.__contains__), _Scratch():
+    building = Standins(registered, set(keep))
+    with tuning.returning_memory(), _registrations(registered, building):
         model = factory()
-    _settle(model)
+        for module in model.modules():  # slots filled other than by registering (deep copies)
+            for name, param in module._parameters.items():
+                if param is not None and id(param) in registered.number:
+                    registered.slots.setdefault(
+                        (id(module), name), (module, name, registered.number[id(param)])
+                    )
+        building.finish(model)
+    _settle(model, registered, set(keep))
     return model, registered
 
 
 @contextmanager
-def _registrations(registered: Registrations, keeps: Callable[[int], bool]) -> Iterator[None]:
-    """While the factory runs, each parameter registered for the first time is numbered and,
-    unless `keeps(number)`, replaced by a placeholder on the meta device; registering one
-    again (a tie) registers what replaced it."""
+def _registrations(registered: Registrations, building: Standins | None) -> Iterator[None]:
+    """While the factory runs, each parameter made for the first time (registered, or deep
+    copied) is numbered and, unless `building` keeps it, replaced by a placeholder."""
     original = nn.Module.register_parameter
+    deepcopy = nn.Parameter.__deepcopy__
     replaced = WeakIdKeyDictionary()
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param in replaced:
             param = replaced[param]
-        if param is not None and id(param) not in registered.number:
-            if not keeps(len(registered.params)) and param.device.type != "meta":
-                placeholder = _Placeholder(param.detach().to(META), param.requires_grad)
-                replaced[param] = placeholder
-                param = placeholder
+        if param is not None and building is not None and id(param) not in registered.number:
+            made = building.made(param)
+            if made is not param:
+                replaced[param] = made
+                param = made
         original(module, name, param)
         if param is not None:
             registered.note(module, name, param)
 
+    def copied(param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
+        if id(param) in memo:
+            return memo[id(param)]
+        made = building.copied(param) if building is not None else deepcopy(param, memo)
+        memo[id(param)] = made
+        return made
+
     nn.Module.register_parameter = register  # type: ignore[method-assign]
+    nn.Parameter.__deepcopy__ = copied  # type: ignore[method-assign]
     try:
-        yield
+        if building is None:
+            yield
+        else:
+            with building:
+                yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+        nn.Parameter.__deepcopy__ = deepcopy  # type: ignore[method-assign]
 
 
-def _settle(model: nn.Module) -> None:
+def _settle(model: nn.Module, registered: Registrations, keep: set[int]) -> None:
     """The placeholders as plain meta parameters once the factory is done (a tensor that
-    says it is not meta would mislead whatever reads it later); ties stay ties."""
+    says it is not meta would mislead whatever reads it later), and a parameter made real
+    though not kept (a lazy one, materialized by the factory's dry run) put there too; ties
+    stay ties."""
     plain: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if isinstance(param, _Placeholder):
+            if param is None:
+                continue
+            number = registered.number.get(id(param))
+            real = not isinstance(param, Placeholder) and param.device.type != "meta"
+            if isinstance(param, Placeholder) or (real and number is not None
+                                                   and number not in keep):  # fmt: skip
                 if id(param) not in plain:
-                    plain[id(param)] = nn.Parameter(param.detach(), param.requires_grad)
+                    plain[id(param)] = nn.Parameter(meta_like(param), param.requires_grad)
                 module._parameters[name] = plain[id(param)]
 
 
-def numbering(model: nn.Module, registered: Registrations) -> list[list[str]]:
+def numbering(model: nn.Module, registered: Registrations) -> Numbering:
     """Per registration number, the names the model holds that parameter under, through
-    the slots that number filled last (none when it was replaced, several when tied)."""
+    the slots that number filled last (none when it was replaced, several when tied), with
+    what each value was computed from (`Numbering`)."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -178,10 +167,23 @@ def numbering(model: nn.Module, registered: Registrations) -> list[list[str]]:
         param = module._parameters.get(attr)
         if param is not None:
             numbered[number].update(names.get(id(param), []))
-    return [sorted(held) for held in numbered]
+    return Numbering([sorted(held) for held in numbered], registered)
 
 
 def numbers(numbered: list[list[str]], wanted: Collection[str]) -> list[int]:
-    """The registration numbers of the parameters held under any of the `wanted` names."""
+    """The registration numbers of the parameters held under any of the `wanted` names (of
+    parameters or buffers), and of every parameter their values are computed from: a
+    process keeping these builds the wanted ones exactly."""
     wanted = set(wanted)
-    return [i for i, held in enumerate(numbered) if wanted.intersection(held)]
+    found = {i for i, held in enumerate(numbered) if wanted.intersection(held)}
+    if isinstance(numbered, Numbering):
+        found |= numbered.everywhere
+        for name in wanted:
+            found |= numbered.buffers.get(name, frozenset())
+        todo = list(found)
+        while todo:
+            for source in numbered.needs.get(todo.pop(), frozenset()):
+                if source >= 0 and source not in found:
+                    found.add(source)
+                    todo.append(source)
+    return sorted(found)

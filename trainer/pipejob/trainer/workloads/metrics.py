@@ -6,7 +6,8 @@ sample (batch,) against logits (batch, classes) is classification; labels with o
 per position (batch, length) against logits (batch, length, vocabulary) is language
 modelling. A model's output is its logits when it is a tensor, or the `logits` of a dict (a
 Hugging Face ModelOutput). A figure that cannot be computed (a tuple output, a user's loss
-over other shapes) is left out, never shown as 0."""
+over other shapes) is left out, never shown as 0; and none is computed from outputs that
+are not finite (the evaluation fails instead, runtime/nonfinite.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from pipejob.trainer.runtime import nonfinite
 
 CLASSIFICATION, LANGUAGE = "classification", "language"
 
@@ -72,7 +75,9 @@ class Tally:
         if self._told is None and told is not None:
             self._told = self.task = told
         n = labels.numel() if self.task == LANGUAGE else len(labels)
-        self.loss += float(loss(outputs, labels)) * n
+        value = float(loss(outputs, labels))
+        nonfinite.check_outputs(outputs, value, f"the held-out batch after {self.samples} samples")
+        self.loss += value * n
         self.count += n
         self.samples += len(labels)
         if told is not None:

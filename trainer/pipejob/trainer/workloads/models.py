@@ -34,10 +34,11 @@ def build(spec: PipelineSpec) -> nn.Module:
     return built
 
 
-def build_meta(spec: PipelineSpec) -> tuple[nn.Module, list[list[str]]]:
+def build_meta(spec: PipelineSpec) -> tuple[nn.Module, materialize.Numbering]:
     """The job's model with none of its parameters in memory (on the meta device; buffers
     are built), as a plan needs it, and per registration number the names of each parameter
-    (materialize.numbering), by which a process is told which to build."""
+    and what its value is computed from (materialize.numbering), by which a process is told
+    which to build."""
     model, registered = materialize.build(lambda: build(spec), ())
     return model, materialize.numbering(model, registered)
 

@@ -116,10 +116,11 @@ class Replicas(driver.Replicas):
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
         weight = scale / len(rounds)  # each batch's share of the step's loss
         start = time.perf_counter()
-        losses = []
+        losses, numbers = [], []
         for given in rounds:
             round_ = pipeline.read(micro_batches, given)
             assert round_ is not None  # the training data has no end
+            numbers.append(round_.number)
             share = self.share(round_, batch)
             losses.append(pipeline.run(round_, step, loss_fn, weight * share) * share)
         pipeline.combine_tied(NO_CONTEXT, self.tied)
@@ -127,15 +128,19 @@ class Replicas(driver.Replicas):
         allreduce = 0.0
         if len(self.pipelines) > 1:
             allreduce = max(pipeline.each("average_gradients", NO_CONTEXT))
-        norm = gradients.global_norm(names, stages, NO_CONTEXT, 1.0 / scale,
-                                     gradients.copies(self.tied))  # fmt: skip
+        norms = gradients.stage_norms_of(names, stages, NO_CONTEXT, 1.0 / scale,
+                                         gradients.copies(self.tied))  # fmt: skip
+        norm = gradients.total_norm(norms)
+        loss = sum(losses) / len(losses)
         lr = learning_rate(self.optimizer, self.steps, step)
-        if self.loss_scale is None or math.isfinite(norm):  # fp16: skip an overflow
+        bad = self.nonfinite(pipeline, loss, norms, numbers)
+        # fp16: an overflow is skipped by the loss scale
+        if bad is None and (self.loss_scale is None or math.isfinite(norm)):
             gradients.clip(names, stages, NO_CONTEXT, norm, self.optimizer.clip_grad_norm)
             pipeline.each("step_optimizer", lr if self.optimizer.schedule is not None else None)
         pipeline.each("zero_grad")
-        return StepResult(sum(losses) / len(losses), middle - start,
-                          time.perf_counter() - middle, allreduce, lr, norm)  # fmt: skip
+        return StepResult(loss, middle - start, time.perf_counter() - middle, allreduce, lr,
+                          norm, bad)  # fmt: skip
 
     def activation_peaks(self) -> list[int] | None:
         return self.pipelines[0].each("activation_peak")

@@ -34,6 +34,7 @@ from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.timing import Clock, step_seconds
+from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.optim import optimizer_args, set_lr
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.cut import join
@@ -104,7 +105,9 @@ class Timed(PipelineStage):
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         with self.owner.timed("forward"), self.owner.meter.counting():
-            return super().forward_one_chunk(*args, **kwargs)
+            output = super().forward_one_chunk(*args, **kwargs)
+        self.owner.forwarded(output)
+        return output
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         with self.owner.timed("backward"):
@@ -143,6 +146,7 @@ class Stage(Shard):
         self._clock = Clock(self.device)
         self._record = threading.Lock()
         self._step: int | None = None
+        self._round = 0  # the training round running
         self._events: dict[int, list[dict[str, list[Any]]]] = {}
         self._totals: dict[int, tuple[float, float, float]] = {}
 
@@ -197,11 +201,18 @@ class Stage(Shard):
         # Contiguous, as torch 2.11's schedules check the strides of what they split.
         target = labels.to_here().to(self.device).contiguous() if self.last else None
         self._loss, self._losses = (loss_fn, weight / micro_batches), []
+        self._round = round
         self._begin(step)
         run.step(*args, target=target, return_outputs=False)
         if not self.last:
             return None
         return torch.stack(self._losses).mean().item()
+
+    def forwarded(self, output: Any) -> None:
+        """A piece's forward of one micro-batch gave `output`: in training, whether it is
+        finite is noted (Shard.note_finite)."""
+        if self._step is not None:
+            self.note_finite(self._step, self._round, nonfinite.all_finite(output, quick=True))
 
     def evaluate(self, round: int, micro_batches: int, samples: int, labels: RRef | None,
                  loss_fn: Loss, tally: Tally | None) -> Tally | None:  # fmt: skip

@@ -182,9 +182,12 @@ class Replicas(driver.Replicas):
         names, stages = pipeline.names, pipeline.stages
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
 
+        numbers: list[int] = []  # the forward rounds of the step
+
         def one_round(given: Batch | None, context_id: int) -> float:
             round_ = pipeline.read(micro_batches, given)
             assert round_ is not None  # the training data has no end
+            numbers.append(round_.number)
             share = self.share(round_, batch)
             weight = scale * share / len(rounds)  # each batch's share of the step's loss
             loss = forward_backward(pipeline, round_, step, context_id, loss_fn, weight)
@@ -212,16 +215,20 @@ class Replicas(driver.Replicas):
                              for name, stage in zip(pipeline.names, pipeline.stages,
                                                     strict=True)]  # fmt: skip
                 allreduce = max(torch.futures.wait_all(averaging))
-            norm = gradients.global_norm(names, stages, context_id, 1.0 / scale,
-                                         gradients.copies(self.tied))  # fmt: skip
+            norms = gradients.stage_norms_of(names, stages, context_id, 1.0 / scale,
+                                             gradients.copies(self.tied))  # fmt: skip
+            norm = gradients.total_norm(norms)
+            loss = sum(losses) / len(losses)
             lr = learning_rate(self.optimizer, self.steps, step)
-            if self.loss_scale is None or math.isfinite(norm):  # fp16: skip an overflow
+            bad = self.nonfinite(pipeline, loss, norms, numbers)
+            # fp16: an overflow is skipped by the loss scale
+            if bad is None and (self.loss_scale is None or math.isfinite(norm)):
                 gradients.clip(names, stages, context_id, norm, self.optimizer.clip_grad_norm)
                 if self.optimizer.schedule is not None:
                     set_lr(self.optimizers[r], lr)
                 self.optimizers[r].step(context_id)
-        return StepResult(sum(losses) / len(losses), middle - start,
-                          time.perf_counter() - middle, allreduce, lr, norm)  # fmt: skip
+        return StepResult(loss, middle - start, time.perf_counter() - middle, allreduce, lr,
+                          norm, bad)  # fmt: skip
 
     def local_optimizers(self, r: int) -> dict[str, Any]:
         """Replica r's DistributedOptimizer's local optimizers, by stage worker."""

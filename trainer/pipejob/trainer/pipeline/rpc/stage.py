@@ -24,7 +24,7 @@ from pipejob.trainer.pipeline.parts import Part
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, step_seconds
-from pipejob.trainer.runtime import rendezvous
+from pipejob.trainer.runtime import nonfinite, rendezvous
 from pipejob.trainer.workloads.cut import join, tensors
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -128,12 +128,13 @@ class Stage(Shard):
             if step is None:
                 y = self._on_device(self._evaluate, x)
             else:
-                start, y, end = self._on_device(self._timed, x)
+                start, y, end, finite = self._on_device(self._timed, x)
         if step is not None:
             with self._record:
                 self._fold(before=step)
                 # By round too: with gradientAccumulation a step runs several rounds.
                 self._events[step, (round, micro_batch)]["forward"] = [start, end]
+            self.note_finite(step, round, finite)
             self._time_backward((step, (round, micro_batch)), y, received)
         if self.last:  # kept for `loss` or `tally`: the model's output never leaves the stage
             with self._record:
@@ -145,11 +146,13 @@ class Stage(Shard):
         """`fn(*args)` where this stage computes: its GPU worker, or here on a CPU."""
         return fn(*args) if self.gpu is None else self.gpu.run(fn, *args)
 
-    def _timed(self, x: tuple[Any, ...]) -> tuple[Any, Any, Any]:
-        """A training forward between two marks of this stage's clock (on its stream)."""
+    def _timed(self, x: tuple[Any, ...]) -> tuple[Any, Any, Any, torch.Tensor]:
+        """A training forward between two marks of this stage's clock (on its stream), and
+        whether its outputs are finite (Shard.note_finite)."""
         start = self._clock.mark()
         y = self.compute(*x)
-        return start, y, self._clock.mark()
+        end = self._clock.mark()
+        return start, y, end, nonfinite.all_finite(y, quick=True)
 
     def _round_outputs(self, round: int, micro_batches: int, labels: RRef) -> tuple[Any, Any]:
         """The last stage: forward round `round`'s outputs, its micro-batches' joined, and

@@ -1,0 +1,255 @@
+"""Conformance: does pipejob's cut and per-stage build compute exactly the user's model, for
+models nobody here wrote? Each model of each zoo (benchmarks/_zoos.py: every torch.nn module
+with parameters, every torchvision classification builder, one timm model per family, every
+transformers architecture an auto class builds from a tiny config) is checked against a
+plain build in one process, in float64 (benchmarks/_conform.py): (a) parameters and buffers
+bit-equal per stage, (b) outputs bit-equal in training and evaluation mode, (c) step-1
+gradients equal, tied weights included, (d) the output loads strictly into a fresh build;
+at two cuts. Each row is exact, refused (pipejob says it cannot cut it, and why), failing
+(what differs, where), not built (its own library cannot build or run it here), or not run
+(over --max-params, or past --timeout: a rerun with more time decides).
+
+Models run one after another in a worker process, restarted when one crashes or outlasts
+--timeout. Progress goes to stdout, one line a model; --table writes the markdown table
+(rewritten as rows arrive), which docs/conformance.md holds for the whole zoo.
+
+    python benchmarks/conformance.py                      # every zoo (hours on 2 cores)
+    python benchmarks/conformance.py --slice ci           # the representative slice CI runs
+    python benchmarks/conformance.py --zoo torch,timm --table /tmp/conformance.md
+    python benchmarks/conformance.py --only torchvision:inception_v3,transformers:seq2seq:t5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import machine  # noqa: E402
+
+# What CI runs: one small model of each construct the issue reported, about a minute on 2
+# quiet cores: a non-persistent buffer and cloned layers (TransformerEncoder), a
+# parametrization (weight_norm), training and evaluation modes (BatchNorm2d's statistics), a
+# sliding attention window (Mistral), tied weights (T5's shared embedding), experts
+# (Mixtral), a state-space model (Mamba). The whole zoo is this script without --slice.
+CI = [
+    "torch:TransformerEncoder", "torch:weight_norm", "torch:BatchNorm2d",
+    "transformers:causal:mistral", "transformers:seq2seq:t5", "transformers:causal:mixtral",
+    "transformers:causal:mamba",
+]  # fmt: skip
+VERDICTS = ("exact", "refused", "failing", "not built", "not run")
+ZOO_ORDER = ["torch", "torchvision", "timm", "transformers"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--zoo", default="torch,torchvision,timm,transformers")
+    parser.add_argument("--only", default="", help="rows zoo:name, comma-separated")
+    parser.add_argument("--slice", choices=["ci"], help="the representative slice CI runs")
+    parser.add_argument("--table", type=Path, help="write the markdown table here")
+    parser.add_argument("--rows", type=Path, help="append each row here, as a JSON line")
+    parser.add_argument("--render", type=Path, nargs="+", metavar="ROWS",
+                        help="only write --table from these files of rows (a later row of a"
+                        " model replaces an earlier one)")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per model")
+    parser.add_argument(
+        "--max-params",
+        type=float,
+        default=200e6,
+        help="models with more parameters are listed, not run (memory)",
+    )
+    args = parser.parse_args()
+
+    if args.render:
+        rows = {}
+        for path in args.render:
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                rows[row["zoo"], row["name"]] = row
+        done = sorted(rows.values(), key=lambda r: (ZOO_ORDER.index(r["zoo"]), r["name"]))
+        seconds = sum(r["seconds"] for r in done)
+        import _zoos  # the page says how much of the whole zoo the rows are
+
+        totals = {zoo: len(_zoos.names(zoo)) for zoo in ZOO_ORDER}
+        (args.table or Path("/dev/stdout")).write_text(table(done, seconds, totals))
+        return 0
+    print(f"conformance: {machine()}", flush=True)
+    if args.slice == "ci" or args.only:
+        rows = [tuple(r.split(":", 1)) for r in (CI if args.slice else args.only.split(","))]
+    else:
+        import _zoos
+
+        rows = [(zoo, name) for zoo in args.zoo.split(",") for name in _zoos.names(zoo)]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the worker is stopped too
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+    started = time.perf_counter()
+    done: list[dict[str, Any]] = []
+    worker = Worker(args.max_params)
+    try:
+        for zoo, name in rows:
+            row = worker.check(zoo, name, args.timeout) | {"commit": commit}
+            done.append(row)
+            if args.rows:
+                with args.rows.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+            print(f"[{len(done)}/{len(rows)}] {zoo} {row['name']}: {row['verdict']}"
+                  f"{' (' + row['why'] + ')' if row['why'] else ''} in {row['seconds']:.1f}s",
+                  flush=True)  # fmt: skip
+            if args.table:
+                totals = dict(Counter(zoo for zoo, _ in rows))
+                args.table.write_text(table(done, time.perf_counter() - started, totals))
+    finally:
+        worker.stop()
+    seconds = time.perf_counter() - started
+    print("\n" + counts(done, seconds))
+    return 0
+
+
+def counts(rows: list[dict[str, Any]], seconds: float) -> str:
+    """Per zoo: how many rows of each verdict, and the seconds they took."""
+    lines = [f"{'zoo':<13}" + "".join(f"{v:>11}" for v in VERDICTS) + f"{'seconds':>10}"]
+    for zoo in dict.fromkeys(r["zoo"] for r in rows):
+        mine = [r for r in rows if r["zoo"] == zoo]
+        tally = Counter(r["verdict"] for r in mine)
+        lines.append(f"{zoo:<13}" + "".join(f"{tally[v]:>11}" for v in VERDICTS)
+                     + f"{sum(r['seconds'] for r in mine):>10.0f}")  # fmt: skip
+    tally = Counter(r["verdict"] for r in rows)
+    lines.append(f"{'all':<13}" + "".join(f"{tally[v]:>11}" for v in VERDICTS)
+                 + f"{seconds:>10.0f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def table(rows: list[dict[str, Any]], seconds: float, totals: dict[str, int]) -> str:
+    """The markdown page: how much of the zoos it covers, the counts, then every row and
+    the commit it was checked at."""
+    partial = ""
+    if len(rows) < sum(totals.values()):
+        per_zoo = ", ".join(f"{zoo} {sum(r['zoo'] == zoo for r in rows)} of {total}"
+                            for zoo, total in totals.items())  # fmt: skip
+        partial = f" (partial: {len(rows)} of {sum(totals.values())} rows so far: {per_zoo})"
+    commits = sorted({r.get("commit", "?") for r in rows})
+    lines = [
+        "# Conformance",
+        "",
+        "Generated by `python benchmarks/conformance.py --table docs/conformance.md`"
+        f"{partial}; at pipejob {', '.join(commits)}; {machine()}; {seconds / 60:.0f} minutes"
+        " of checking. What each check is:"
+        " [benchmarks/_conform.py](../benchmarks/_conform.py); the zoos:"
+        " [benchmarks/_zoos.py](../benchmarks/_zoos.py).",
+        "",
+        "```",
+        counts(rows, seconds),
+        "```",
+        "",
+        "| zoo | model | verdict | why | parameters | cuts (where stages begin) | seconds"
+        " | commit |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        why = r["why"].replace("|", "\\|")
+        lines.append(f"| {r['zoo']} | {r['name']} | {r['verdict']} | {why} | {r['params']:,} |"
+                     f" {r['cuts']} | {r['seconds']:.0f} | {r.get('commit', '?')} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+class Worker:
+    """A process that checks one model at a time; replaced when one crashes or hangs."""
+
+    def __init__(self, max_params: float):
+        self.max_params = max_params
+        self.context = multiprocessing.get_context("spawn")
+        self.process: Any = None
+
+    def _start(self) -> None:
+        self.requests, self.replies = self.context.Queue(), self.context.Queue()
+        self.process = self.context.Process(
+            target=_serve, args=(self.requests, self.replies, self.max_params), daemon=True
+        )
+        self.process.start()
+
+    def check(self, zoo: str, name: str, timeout: float) -> dict[str, Any]:
+        if self.process is None or not self.process.is_alive():
+            self._start()
+        self.requests.put((zoo, name))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.replies.get(timeout=5)
+            except queue.Empty:
+                if not self.process.is_alive() or time.monotonic() > deadline:
+                    # Outlasting the time given says nothing of the cut: not run (a rerun
+                    # with a longer --timeout decides); a crash is failing.
+                    verdict, why = ("not run", f"ran past --timeout {timeout:g}s")
+                    if not self.process.is_alive():
+                        verdict = "failing"
+                        why = f"the worker died (exit code {self.process.exitcode})"
+                    self.stop()
+                    return {"zoo": zoo, "name": name, "verdict": verdict, "why": why,
+                            "seconds": timeout, "params": 0, "cuts": ""}  # fmt: skip
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+        if self.process is not None:  # what is left in the queues goes nowhere now
+            self.requests.cancel_join_thread()
+            self.replies.cancel_join_thread()
+        self.process = None
+
+
+def _serve(requests: Any, replies: Any, max_params: float) -> None:
+    """The worker: torch's threads as the machine allows, one model at a time."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its warnings, once a model
+    import _conform
+    import _zoos
+
+    while True:
+        zoo, name = requests.get()
+        start = time.perf_counter()
+        try:
+            shown, (factory, sample) = _zoos.entry(zoo, name)
+        except Exception as e:  # noqa: BLE001 (the zoo's own entry fails: not pipejob's)
+            row = _conform.Row(zoo, name, "not built", _conform._line(e))
+        else:
+            row = _big(zoo, shown, factory, max_params) or _conform.run(zoo, shown, factory,
+                                                                        sample)  # fmt: skip
+        row.seconds = time.perf_counter() - start
+        replies.put(asdict(row))
+
+
+def _big(zoo: str, name: str, factory: Any, max_params: float) -> Any:
+    """A row for a model over the parameter budget (counted on the meta device), else None."""
+    import _conform
+    import torch
+
+    with torch.device("meta"):
+        try:
+            count = sum(p.numel() for p in factory().parameters())
+        except Exception:  # noqa: BLE001 (the check itself says what fails)
+            return None
+    if count <= max_params:
+        return None
+    return _conform.Row(zoo, name, "not run", f"{count / 1e6:.0f}M parameters, over"
+                        f" --max-params {max_params / 1e6:.0f}M (float64 needs"
+                        f" {count * 8 * 4 / 2**30:.0f} GiB here)", params=count)  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""A run that goes non-finite stops: a step whose loss or gradient norm is NaN or infinite
+is not applied (the weights stay as the last good step left them), and the job fails
+permanently (reason NonFinite, core/contract.py) saying the step, where the first
+non-finite value came from and the value, in one line; its last checkpoint, written after a
+good step, is kept, and no output is written. As Megatron-LM does by default: training on
+from broken weights only wastes the run, and a restart would resume from the checkpoint
+only to reach the same step again. `spec.skipNonFiniteSteps` may allow some such steps to
+be skipped first. With fp16's loss scaling, a step whose gradients overflow is skipped by
+the loss scale as before and is not counted here.
+
+What every engine's master calls: `finite` on its figures before it applies a step, and
+`Guard.check` when one is not; a held-out figure goes through `check_outputs`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+
+class NonFiniteError(ArithmeticError):
+    """A loss, gradient norm or model output that is NaN or infinite (a permanent failure:
+    failures.permanent_reason)."""
+
+
+def finite(value: float | torch.Tensor | None) -> bool:
+    """Whether a figure is a finite number (None, no figure, is finite)."""
+    if value is None:
+        return True
+    if isinstance(value, torch.Tensor):
+        return bool(torch.isfinite(value).all())
+    return math.isfinite(value)
+
+
+def all_finite(value: Any, quick: bool = False) -> torch.Tensor:
+    """Whether every floating tensor in a value (a tensor, or a tuple, list or dict of them)
+    is finite, as a 0-dimensional bool tensor: no synchronisation with a GPU until read.
+    `quick`: from each tensor's sum, one read of it (isfinite over every element took 3.5% of
+    a ResNet-50 stage's forward, the sum 0.3%, measured on one core), for saying where a
+    non-finite loss came from: a sum of finite values too big for the dtype counts too."""
+    leaves, _ = tree_flatten(value)  # a Hugging Face ModelOutput too
+    floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    checks = [torch.isfinite(t.sum()) if quick else torch.isfinite(t).all() for t in floats]
+    return torch.stack(checks).all() if checks else torch.tensor(True)
+
+
+class Guard:
+    """Decides what a step with a non-finite figure does: fail (NonFiniteError, the
+    default), or, while `allowed` such steps have not all been skipped, be skipped."""
+
+    def __init__(self, allowed: int = 0):
+        self.allowed = allowed
+        self.skipped = 0
+
+    def check(self, step: int, what: str, value: float, where: str) -> str:
+        """Step `step` (counted from 1) had a non-finite `what` ("loss", "gradient norm")
+        of `value`, first produced `where` ("stage1's forward"): raises NonFiniteError, or
+        returns the line that says the step was skipped."""
+        said = f"step {step}: the {what} is {value}, first non-finite in {where}"
+        if self.skipped >= self.allowed:
+            more = f" ({self.allowed} such step(s) skipped before)" if self.allowed else ""
+            raise NonFiniteError(f"{said}{more}; its update was not applied")
+        self.skipped += 1
+        return f"{said}: skipped, the weights left as they were ({self.skipped} of" \
+            f" {self.allowed} allowed)"  # fmt: skip
+
+
+def check_outputs(outputs: Any, loss: float, where: str) -> None:
+    """A held-out batch's figures are computed from finite outputs only: else the
+    evaluation fails (NonFiniteError), never reporting a figure made from NaN."""
+    if not bool(all_finite(outputs)):
+        raise NonFiniteError(f"{where}: the model's outputs are not finite; no figure is"
+                             " reported from them")  # fmt: skip
+    if not math.isfinite(loss):
+        raise NonFiniteError(f"{where}: the loss is {loss} on finite outputs")

@@ -1,0 +1,278 @@
+"""How torch.fx sees a model for the cut (workloads/cut.py): a tracer with the cut
+candidates as leaves (modules opened into candidates traced into, torch.nn's own too),
+calling the forward as the pipeline does (one positional input), that notes the innermost
+module whose forward failed to trace; and that keeps the objects a forward passes to calls
+as they are (a Hugging Face config, a ModelOutput), where fx would rebuild them. Hugging
+Face models trace as they are: their mask builders run as calls of their own (they branch
+on the inputs) and the key/value cache is off while tracing (training needs none). A random
+draw from no traced value (LayerDrop's `torch.rand([]) < p`) would be drawn once, while
+tracing, and frozen into the graph: the module whose forward draws it is kept whole, so the
+draw happens at every step as in the model."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.overrides import TorchFunctionMode
+
+
+def _mask_builders() -> tuple[Any, ...]:
+    """Hugging Face's attention-mask builders, when transformers is loaded: they branch on
+    the inputs' values (skipping a mask that is all ones), so they run as calls of their own."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None:
+        return ()
+    return tuple(f for n, f in vars(masking).items() if n.startswith("create_") and callable(f))
+
+
+def materialize_masks(graph: fx.Graph) -> None:
+    """A mask builder's call that code between the modules uses (SqueezeBERT adds the mask
+    to its scores) made to build its mask always: a builder skips a mask that masks nothing
+    (returns None) when run, where the trace, seeing a value, took it for one (`if mask is
+    not None`). Its mask then masks nothing, as None would. Calls only modules take keep
+    the skip: their code tests the None when run."""
+    skips = ("allow_is_causal_skip", "allow_is_bidirectional_skip")
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _mask_builders():
+            continue
+        if all(user.op == "call_module" for user in node.users):
+            continue
+        flags = [k for k in skips if k in inspect.signature(node.target).parameters]
+        node.kwargs = {**node.kwargs, **dict.fromkeys(flags, False)}
+
+
+class Objects(fx.Tracer):
+    """fx's tracer keeping the objects a forward passes to calls as they are: a Hugging Face
+    ModelOutput is rebuilt as itself (fx would make a plain dict of it, and the loss gets
+    what the model returns); any other dataclass that holds nothing traced (a Hugging Face
+    config given to a mask builder) is the object itself, held by the stage: fx would
+    rebuild it from its fields, losing what is not a field (the config's attention kind,
+    which decides the mask: a Mistral's sliding window was lost so); a numpy scalar is the
+    Python number it is. A stage's graph names this tracer, so a pickled stage, traced
+    again from its code, keeps them too."""
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, dict) and dataclasses.is_dataclass(a):
+            fields = {k: self.create_arg(v) for k, v in a.items()}
+            node = self.create_node("call_function", type(a), (), fields)
+            node.meta["is_wrapped"] = True
+            return node
+        if dataclasses.is_dataclass(a) and not isinstance(a, type) and not _traced(a):
+            held = next((k for k, v in vars(self.root).items() if v is a), None)
+            if held is None:
+                held = self.get_fresh_qualname(f"_{type(a).__name__}_constant_")
+                setattr(self.root, held, a)
+            return self.create_node("get_attr", held, (), {})
+        if type(a).__module__ == "numpy" and getattr(a, "ndim", None) == 0:
+            return a.item()  # a numpy scalar (CTRL's np.sqrt): fx's code would not name numpy
+        return super().create_arg(a)
+
+
+class Tracer(Objects):
+    """fx's tracer with the cut candidates as leaves, the forward called with one input,
+    and a note of the innermost module whose forward failed to trace."""
+
+    def __init__(self, model: nn.Module, leaves: set[str]):
+        builders = _mask_builders()
+        super().__init__(autowrap_functions=builders)
+        if builders:  # where the models' own modules call them
+            found = {sys.modules.get(type(m).__module__) for m in model.modules()}
+            self._autowrap_search = [*self._autowrap_search, *filter(None, found)]
+        self.leaves = leaves
+        # Modules opened into candidates: traced into, even torch.nn's own (fx's leaves).
+        self.opened = {name.rsplit(".", i)[0] for name in leaves
+                       for i in range(1, name.count(".") + 1)}  # fmt: skip
+        self.failed_in: str | None = None  # "" for the model's own forward
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self.opened:
+            return False
+        return qualname in self.leaves or super().is_leaf_module(m, qualname)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool,
+                             concrete_args: Any = None) -> tuple[Any, list[Any]]:  # fmt: skip
+        # The pipeline calls the model with one positional input; tracing that call (rather
+        # than the signature, which may be `(*args, **kwargs)` behind a decorator) keeps
+        # every other argument's default and gives stage 0 one placeholder.
+        try:
+            params = list(inspect.signature(inspect.unwrap(root_fn)).parameters)[1:]
+        except (TypeError, ValueError):  # no signature to read: any name does
+            params = []
+        name = params[0] if params and params[0].isidentifier() else "inputs"
+        x = self.create_proxy("placeholder", name, (), {})
+        return (lambda root, x: root_fn(root, x)), [self.root, x]
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            name = self.path_of_module(m)
+        except NameError:
+            return super().call_module(m, forward, args, kwargs)
+        if self.is_leaf_module(m, name):
+            return _as_returned(super().call_module(m, forward, args, kwargs), m, args, kwargs)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = name
+            raise
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        try:
+            with RandomDraws():
+                return super().trace(root, concrete_args)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = ""
+            raise
+
+
+class _Alone(Objects):
+    """fx's tracer for one module's forward by itself, called as the model calls it (the
+    values the trace made, placeholders; the others, as they are)."""
+
+    def __init__(self, args: Any, kwargs: Any):
+        super().__init__()
+        self.call = (args, kwargs)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool,
+                             concrete_args: Any = None) -> tuple[Any, list[Any]]:  # fmt: skip
+        count = iter(range(sys.maxsize))
+
+        def placeholder(a: Any) -> Any:
+            if not isinstance(a, fx.Proxy):
+                return a
+            return self.create_proxy("placeholder", f"a{next(count)}", (), {})
+
+        args, kwargs = fx.node.map_aggregate(self.call, placeholder)
+        return (lambda root: root_fn(root, *args, **kwargs)), [self.root]
+
+
+def _as_returned(proxy: fx.Proxy, module: nn.Module, args: Any, kwargs: Any) -> Any:
+    """A module's result as the trace goes on with it, when the trace does not open the
+    module: the one traced value fx makes of it; or, where its forward, traced alone, returns
+    a tuple or list holding a None, that tuple or list of its traced items and the None. A
+    caller's `if x is not None` then decides as it will when run, where a traced value would
+    always be taken for one (Hiera's embeddings return no mask unless pretraining)."""
+    before = set(vars(module))
+    try:
+        with unchanged(module):
+            graph = _Alone(args, kwargs).trace(module)
+    except Exception:  # its forward does not trace alone: one traced value
+        return proxy
+    finally:  # the constants fx held on it
+        for key in set(vars(module)) - before:
+            del vars(module)[key]
+    return _shaped(proxy, next(n for n in graph.nodes if n.op == "output").args[0])
+
+
+def _shaped(proxy: fx.Proxy, returned: Any) -> Any:
+    if returned is None:
+        return None
+    if type(returned) in (tuple, list) and _holds_none(returned):
+        return type(returned)(_shaped(proxy[i], v) for i, v in enumerate(returned))
+    return proxy
+
+
+def _holds_none(value: Any) -> bool:
+    return value is None or (type(value) in (tuple, list) and any(map(_holds_none, value)))
+
+
+# torch's functions that draw random values: called on no traced value while tracing, their
+# draw would be a constant of the graph.
+RANDOM = frozenset({
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson,
+})  # fmt: skip
+
+
+class RandomDraws(TorchFunctionMode):
+    """While tracing: a random draw from no traced value fails the trace of the module
+    whose forward makes it (Tracer.failed_in), which is then kept whole."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if func in RANDOM and not _traced((args, kwargs)):
+            raise fx.proxy.TraceError(f"torch.{func.__name__} draws a random value outside"
+                                      " the graph (fx would freeze one draw)")  # fmt: skip
+        return func(*args, **kwargs)
+
+
+def _traced(value: Any) -> bool:
+    """Whether a value holds a traced value (a Proxy) anywhere in its containers."""
+    if isinstance(value, fx.Proxy):
+        return True
+    if isinstance(value, tuple | list | set | frozenset):
+        return any(_traced(v) for v in value)
+    if isinstance(value, dict):
+        return any(_traced(v) for v in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_traced(getattr(value, f.name, None)) for f in dataclasses.fields(value))
+    return False
+
+
+@contextmanager
+def without_cache(model: nn.Module, configs: list[Any] | None = None) -> Iterator[None]:
+    """A Hugging Face model traced, or a stage run, with its key/value cache off
+    (`config.use_cache`, of `configs` when given: `cache_configs(model)`'s): training needs
+    none, and the cache object cannot be passed between stages."""
+    configs = cache_configs(model) if configs is None else configs
+    before = [c.use_cache for c in configs]
+    for c in configs:
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c, value in zip(configs, before, strict=True):
+            c.use_cache = value
+
+
+@contextmanager
+def unchanged(model: nn.Module) -> Iterator[None]:
+    """A forward traced without changing the model: a forward that assigns to its modules
+    (CTRL's `self.pos_encoding = self.pos_encoding.to(...)`) would leave a traced value in
+    them, which the next trace, or the stages, would read. Its parameters, buffers, modules
+    and attributes are put back as they were; attributes fx adds (its constants) stay."""
+    kept = [(m, {k: dict(getattr(m, k)) for k in _STATE}, dict(vars(m))) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, state, attributes in kept:
+            for key, values in state.items():
+                getattr(module, key).clear()
+                getattr(module, key).update(values)
+            for key in [k for k in vars(module) if k not in attributes]:
+                if _traced(vars(module)[key]):
+                    del vars(module)[key]
+            for key, value in attributes.items():
+                if key not in _STATE:
+                    vars(module)[key] = value
+
+
+_STATE = ("_parameters", "_buffers", "_modules")
+
+
+def cache_configs(model: nn.Module) -> list[Any]:
+    """The Hugging Face configs of a model's modules that say whether to keep a cache."""
+    configs = {id(c): c for m in model.modules()
+               if hasattr(c := getattr(m, "config", None), "use_cache")}  # fmt: skip
+    return list(configs.values())
+
+
+def construct(error: BaseException) -> str:
+    """What failed, and where in the user's (or the library's) code: `TypeError: ... at
+    modeling_bert.py:85: position_ids = self.position_ids[:, a:b]`."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if "/torch/" not in f.filename and f.filename != __file__]  # fmt: skip
+    where = ""
+    if frames:
+        f = frames[-1]
+        where = f" at {f.filename.rsplit('/', 1)[-1]}:{f.lineno}: {(f.line or '').strip()}"
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{where}"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from jobrun import JobRun, check_gradients, pipeline_job, run_to_end
+from jobrun import check_gradients, pipeline_job, run_to_end
 from pipejob.core import spec
 from pipejob.core.common import Optimizer, from_spec
 from pipejob.trainer.pipeline.rpc.stage import Stage, Turnstile, stage_devices
@@ -106,7 +106,7 @@ def test_three_stage_pipeline_trains(tmp_path):
 def test_auto_micro_batches_are_chosen_once_and_kept_on_resume(tmp_path):
     """microBatches auto measures every candidate count, runs the one with the shortest
     predicted step and keeps it in the checkpoint: a resumed run uses it again, and a resume
-    with another explicit count is refused."""
+    with another explicit count runs with that count."""
     job = pipeline_job("auto", stages=2, microBatches="auto", steps=2, logEvery=2,
                    checkpoint={"path": str(tmp_path / "checkpoints"), "everySteps": 1},
                    preflight={"megabytes": 0.5})  # fmt: skip
@@ -135,11 +135,12 @@ def test_auto_micro_batches_are_chosen_once_and_kept_on_resume(tmp_path):
     assert f"microBatches auto resumes with the checkpoint's {m} (micro-batches of" in out
     assert summary["microBatches"] == m and summary["microBatchCandidates"] == candidates
 
+    # Another explicit count resumes the checkpoint with that count (checkpoints reshard).
     other = 1 if m != 1 else 2
-    with JobRun(pipeline_job("auto", **(job["spec"] | {"microBatches": other, "steps": 4})),
-                tmp_path, "other") as run:  # fmt: skip
-        assert run.finish(120) != 0, run.output
-        assert f"holds a checkpoint of microBatches {m}, not microBatches {other}" in run.output
+    resized = pipeline_job("auto", **(job["spec"] | {"microBatches": other, "steps": 4}))
+    code, out, summary = run_to_end(resized, tmp_path, timeout=150)
+    assert code == 0, out
+    assert "resumed from step 3" in out and summary["microBatches"] == other, out
 
 
 @pytest.mark.timeout(200)

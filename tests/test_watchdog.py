@@ -217,6 +217,8 @@ rpc.shutdown()
         (RuntimeError("ECONNRESET: connection reset by peer (this error originated at"
                       " tensorpipe/transport/uv/connection_impl.cc:132)"), True),
         (RuntimeError("EOF: end of file (this error originated at tensorpipe)"), True),
+        (RuntimeError("eof (this error originated at tensorpipe/transport/shm/"
+                      "connection_impl.cc:259)"), True),
         (RuntimeError("RPC ran for more than set timeout (300000 ms) and will now be marked"
                       " with an error"), True),
         (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"), True),

@@ -12,7 +12,6 @@ import re
 import traceback
 
 from pipejob.trainer.runtime import calls
-from pipejob.trainer.runtime.nonfinite import NonFiniteError
 from pipejob.trainer.runtime.world import ContractError
 
 # What torch says when tensors do not fit; an RPC error carries the remote message along.
@@ -27,6 +26,11 @@ _SHAPES = re.compile(
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, or does not fit this job (runtime/checkpoint.py);
     defined here, where torch is not imported yet, so that its verdict is known."""
+
+
+class NonFiniteError(ArithmeticError):
+    """A loss, gradient norm or model output that is NaN or infinite (runtime/nonfinite.py; a
+    permanent failure); defined here for the same reason."""
 
 
 def permanent_reason(error: BaseException) -> str | None:
@@ -53,6 +57,7 @@ _LOST = re.compile(
     r"|[Cc]onnection refused|[Cc]onnection closed by peer|[Bb]roken pipe"
     r"|RPC ran for more than set timeout|RPC agent .* shut ?down|[Ss]ocket [Tt]imeout"
     r"|[Tt]imed out|[Tt]imeout (was|of) |Connection lost|unreachable|Transport endpoint"
+    r"|^eof \(this error originated at tensorpipe/transport/shm"  # TensorPipe's shm transport
 )
 
 

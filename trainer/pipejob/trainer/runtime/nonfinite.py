@@ -19,10 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-
-class NonFiniteError(ArithmeticError):
-    """A loss, gradient norm or model output that is NaN or infinite (a permanent failure:
-    failures.permanent_reason)."""
+from pipejob.trainer.runtime.failures import NonFiniteError
 
 
 def finite(value: float | torch.Tensor | None) -> bool:

@@ -361,3 +361,13 @@ def test_every_process_runs_with_the_chosen_malloc_whoever_started_it(monkeypatc
         want = f"glibc with 1 arena(s) keeping freed memory: {default.name} is not installed here"
     assert said.keys() == {"master", "stage0", "stage1"}, out.getvalue()
     assert all(words.startswith(want) for words in said.values()), said
+
+
+def test_the_trainer_s_entry_point_loads_no_torch_before_its_tuning():
+    """Threads, the malloc and torch's C++ log level are read once, as torch loads: importing
+    the entry point must not load it (a NonFiniteError imported from a torch module once did,
+    and TensorPipe's warnings buried a failing world's one-line cause)."""
+    code = "import sys, pipejob.trainer.__main__; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

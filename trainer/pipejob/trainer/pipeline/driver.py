@@ -23,6 +23,7 @@ from pipejob.trainer.pipeline.reader import TRAIN, Batch
 from pipejob.trainer.pipeline.shard import on_reader, on_stage
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.runtime import nonfinite
+from pipejob.trainer.runtime.optim import learning_rate
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -49,6 +50,33 @@ class StepResult:
     # the step was not applied.
     nonfinite: tuple[str, float, str] | None = None
     skipped: str | None = None  # the line saying that the Guard let the step be skipped
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A replica's step as the master judged it before the optimizer steps (Replicas.judge)."""
+
+    loss: float  # the mean over its rounds
+    norm: float  # the global gradient norm before clipping
+    lr: float | None  # what the optimizer steps with
+    nonfinite: tuple[str, float, str] | None  # what was not finite: the step is not applied
+    scaled: bool  # fp16's loss scale: an overflowed step is skipped, not judged non-finite
+
+    @property
+    def apply(self) -> bool:
+        return self.nonfinite is None and (not self.scaled or math.isfinite(self.norm))
+
+    def result(self, pipeline_seconds: float, optimizer_seconds: float,
+               allreduce_seconds: float) -> StepResult:  # fmt: skip
+        return StepResult(
+            self.loss,
+            pipeline_seconds,
+            optimizer_seconds,
+            allreduce_seconds,
+            self.lr,
+            self.norm,
+            self.nonfinite,
+        )
 
 
 class Pipeline:
@@ -183,6 +211,20 @@ class Replicas:
         """Replica r's part of a step: its share of each batch of the step (None: read by
         its first stage), of `batch` samples each."""
         raise NotImplementedError
+
+    def judge(self, pipeline: Pipeline, context_id: int, losses: list[float],
+              rounds: list[int], step: int) -> Judged:  # fmt: skip
+        """What the master makes of a replica's step once its gradients are in (on its
+        stages, in dist-autograd context `context_id`): its mean loss over its training
+        rounds `rounds`, the global gradient norm, the learning rate and what was not finite."""
+        scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
+        norms = gradients.stage_norms_of(pipeline.names, pipeline.stages, context_id,
+                                         1.0 / scale, gradients.copies(self.tied))  # fmt: skip
+        loss = sum(losses) / len(losses)
+        return Judged(loss, gradients.total_norm(norms),
+                      learning_rate(self.optimizer, self.steps, step),
+                      self.nonfinite(pipeline, loss, norms, rounds),
+                      self.loss_scale is not None)  # fmt: skip
 
     def nonfinite(self, pipeline: Pipeline, loss: float, norms: list[float],
                   rounds: list[int]) -> tuple[str, float, str] | None:  # fmt: skip

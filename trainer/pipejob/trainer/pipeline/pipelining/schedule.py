@@ -6,7 +6,6 @@ learning rate of the step. What both engines' drivers share is pipeline/driver.p
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -19,7 +18,6 @@ from pipejob.trainer.pipeline.pipelining.stage import Stage
 from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Source
 from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import Shards
-from pipejob.trainer.runtime.optim import learning_rate
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -128,19 +126,13 @@ class Replicas(driver.Replicas):
         allreduce = 0.0
         if len(self.pipelines) > 1:
             allreduce = max(pipeline.each("average_gradients", NO_CONTEXT))
-        norms = gradients.stage_norms_of(names, stages, NO_CONTEXT, 1.0 / scale,
-                                         gradients.copies(self.tied))  # fmt: skip
-        norm = gradients.total_norm(norms)
-        loss = sum(losses) / len(losses)
-        lr = learning_rate(self.optimizer, self.steps, step)
-        bad = self.nonfinite(pipeline, loss, norms, numbers)
-        # fp16: an overflow is skipped by the loss scale
-        if bad is None and (self.loss_scale is None or math.isfinite(norm)):
-            gradients.clip(names, stages, NO_CONTEXT, norm, self.optimizer.clip_grad_norm)
-            pipeline.each("step_optimizer", lr if self.optimizer.schedule is not None else None)
+        judged = self.judge(pipeline, NO_CONTEXT, losses, numbers, step)
+        if judged.apply:
+            gradients.clip(names, stages, NO_CONTEXT, judged.norm, self.optimizer.clip_grad_norm)
+            pipeline.each("step_optimizer",
+                          judged.lr if self.optimizer.schedule is not None else None)  # fmt: skip
         pipeline.each("zero_grad")
-        return StepResult(loss, middle - start, time.perf_counter() - middle, allreduce, lr,
-                          norm, bad)  # fmt: skip
+        return judged.result(middle - start, time.perf_counter() - middle, allreduce)
 
     def activation_peaks(self) -> list[int] | None:
         return self.pipelines[0].each("activation_peak")

@@ -12,7 +12,6 @@ same path, the last stage adding each round's figures to a `Tally`."""
 
 from __future__ import annotations
 
-import math
 import queue
 import time
 from typing import Any
@@ -31,7 +30,7 @@ from pipejob.trainer.pipeline.rpc.stage import Stage
 from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.runtime import checkpoint, rendezvous
-from pipejob.trainer.runtime.optim import learning_rate, optimizer_args, set_remote_lr
+from pipejob.trainer.runtime.optim import optimizer_args, set_remote_lr
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -215,20 +214,14 @@ class Replicas(driver.Replicas):
                              for name, stage in zip(pipeline.names, pipeline.stages,
                                                     strict=True)]  # fmt: skip
                 allreduce = max(torch.futures.wait_all(averaging))
-            norms = gradients.stage_norms_of(names, stages, context_id, 1.0 / scale,
-                                             gradients.copies(self.tied))  # fmt: skip
-            norm = gradients.total_norm(norms)
-            loss = sum(losses) / len(losses)
-            lr = learning_rate(self.optimizer, self.steps, step)
-            bad = self.nonfinite(pipeline, loss, norms, numbers)
-            # fp16: an overflow is skipped by the loss scale
-            if bad is None and (self.loss_scale is None or math.isfinite(norm)):
-                gradients.clip(names, stages, context_id, norm, self.optimizer.clip_grad_norm)
+            judged = self.judge(pipeline, context_id, losses, numbers, step)
+            if judged.apply:
+                gradients.clip(names, stages, context_id, judged.norm,
+                               self.optimizer.clip_grad_norm)  # fmt: skip
                 if self.optimizer.schedule is not None:
-                    set_lr(self.optimizers[r], lr)
+                    set_lr(self.optimizers[r], judged.lr)
                 self.optimizers[r].step(context_id)
-        return StepResult(loss, middle - start, time.perf_counter() - middle, allreduce, lr,
-                          norm, bad)  # fmt: skip
+        return judged.result(middle - start, time.perf_counter() - middle, allreduce)
 
     def local_optimizers(self, r: int) -> dict[str, Any]:
         """Replica r's DistributedOptimizer's local optimizers, by stage worker."""

@@ -454,3 +454,46 @@ def test_a_mask_builder_that_skips_a_mask_the_forward_adds_is_cut_exactly():
     assert create_bidirectional_mask(model.config, model.embed(ids), torch.ones(2, 5)) is None
     stages = Traced(model).split(["head"])
     torch.testing.assert_close(run(stages, ids), model(ids), rtol=0, atol=0)
+
+
+class Counting(nn.Module):
+    """Counts its training forwards in a buffer, in place (timm's BatchNormAct2d and its
+    `num_batches_tracked`): a module fx traces into, not one of its leaves."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen.add_(1)
+        return x * 2
+
+
+class Counted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(4, 4), Counting())
+        self.second = nn.Sequential(nn.Linear(4, 4), Counting())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.second(self.first(x)))
+
+
+@pytest.mark.parametrize("want", [2, 8])  # `first` and `second` whole, or opened
+def test_a_buffer_the_forward_updates_in_place_is_updated_when_the_stages_run(want):
+    """Tracing changes no buffer (it once counted: a stage's build differed from a plain
+    build), and the stages count every training forward as the model does."""
+    torch.manual_seed(0)
+    model, plain = Counted(), Counted()
+    plain.load_state_dict(model.state_dict())
+    traced = Traced(model, want=want)
+    assert [b.item() for b in model.buffers()] == [0, 0]
+    stages = traced.split([traced.units[-1]])
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        torch.testing.assert_close(run(stages, x), plain(x), rtol=0, atol=0)
+    held = {k: v for s in stages for k, v in s.state_dict().items()}
+    assert {k: v.item() for k, v in held.items() if k.endswith("seen")} == {
+        "first.1.seen": 2, "second.1.seen": 2}  # fmt: skip

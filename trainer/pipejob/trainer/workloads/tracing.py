@@ -57,7 +57,14 @@ class Objects(fx.Tracer):
     rebuild it from its fields, losing what is not a field (the config's attention kind,
     which decides the mask: a Mistral's sliding window was lost so); a numpy scalar is the
     Python number it is. A stage's graph names this tracer, so a pickled stage, traced
-    again from its code, keeps them too."""
+    again from its code, keeps them too.
+
+    Buffers read as attributes are traced values, as parameters are: a forward that updates
+    one in place (timm's BatchNormAct2d counting `num_batches_tracked`) records the update in
+    the graph, where the stage runs it; fx's default runs it on the real buffer while tracing
+    (a stage's build changed its state) and leaves it out of the graph."""
+
+    proxy_buffer_attributes = True
 
     def create_arg(self, a: Any) -> Any:
         if isinstance(a, dict) and dataclasses.is_dataclass(a):

@@ -3,7 +3,8 @@
 - torch: every torch.nn module with parameters (and the parametrizations, lazy modules and
   values made in __init__), each between two linear layers, so the cut falls around it;
 - torchvision: every classification builder, 10 classes, at a small image size;
-- timm: one model of every family (module), its smallest by parameter count, 10 classes;
+- timm: one model of every family (module), its smallest by parameter count, 10 classes, at
+  the small image size where it runs at it;
 - transformers: every architecture an auto class builds (causal LM, seq2seq LM, sequence
   classification, image classification), from a tiny config derived from its config class's
   defaults (2 layers, width 32, 2 heads, a vocabulary of 128, ...; a sliding window of 4),
@@ -24,6 +25,7 @@ Entry = tuple[Callable[[], nn.Module], Callable[[], Any]]
 ZOOS = ("torch", "torchvision", "timm", "transformers")
 BATCH = 4
 SEQ = 16
+SMALL_IMAGE = 64
 
 
 def names(zoo: str) -> list[str]:
@@ -262,7 +264,7 @@ _VIT = {"vit_b_16": 32, "vit_b_32": 32, "vit_l_16": 32, "vit_l_32": 32, "vit_h_1
 def _torchvision(name: str) -> Entry:
     from torchvision.models import get_model
 
-    size = _IMAGE.get(name, _VIT.get(name, 64))
+    size = _IMAGE.get(name, _VIT.get(name, SMALL_IMAGE))
     extra = {"image_size": size} if name in _VIT else {}
 
     def factory() -> nn.Module:
@@ -300,11 +302,30 @@ def _timm_model(name: str) -> Entry:
 
     config = timm.get_pretrained_cfg(name)
     channels, size, _ = config.input_size if config is not None else (3, 224, 224)
+    extra, size = _timm_small(name, channels, size)
 
     def factory() -> nn.Module:
-        return timm.create_model(name, pretrained=False, num_classes=10)
+        return timm.create_model(name, pretrained=False, num_classes=10, **extra)
 
     return factory, _images(size, channels)
+
+
+def _timm_small(name: str, channels: int, size: int) -> tuple[dict[str, Any], int]:
+    """The small image a timm model runs at (float64 at 224x224 takes minutes a model on 2
+    cores, and the cut is the same at any size): given as `img_size` to a model that takes
+    it (vision transformers), else as the input of one that takes any; found by a forward
+    on the meta device. Else the model's own size."""
+    import timm
+
+    for extra in ({"img_size": SMALL_IMAGE}, {}):
+        try:
+            with torch.device("meta"):
+                model = timm.create_model(name, pretrained=False, num_classes=10, **extra)
+                model(torch.empty(1, channels, SMALL_IMAGE, SMALL_IMAGE))
+            return extra, SMALL_IMAGE
+        except Exception:  # noqa: BLE001 (a model that needs its own size keeps it)
+            continue
+    return {}, size
 
 
 # --------------------------------------------------------------------------- transformers

@@ -209,11 +209,7 @@ class Replicas(driver.Replicas):
             middle = time.perf_counter()
             allreduce = 0.0
             if len(self.pipelines) > 1:
-                averaging = [rpc.rpc_async(name, on_stage,
-                                           args=(stage, "average_gradients", context_id))
-                             for name, stage in zip(pipeline.names, pipeline.stages,
-                                                    strict=True)]  # fmt: skip
-                allreduce = max(torch.futures.wait_all(averaging))
+                allreduce = max(pipeline.each("average_gradients", context_id))
             judged = self.judge(pipeline, context_id, losses, numbers, step)
             if judged.apply:
                 gradients.clip(names, stages, context_id, judged.norm,

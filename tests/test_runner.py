@@ -198,3 +198,20 @@ def test_the_cli_imports_no_torch_until_export_runs():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=50)  # fmt: skip
     assert done.returncode == 0, done.stderr
+
+
+def test_free_ports_are_below_the_range_outgoing_connections_take_theirs_from():
+    """A port the kernel hands out is one an outgoing connection of another world could
+    take before this world's master binds it (a suite on 2 workers once lost a world so:
+    "Address already in use"); pipejob's are drawn below that range, distinct and free."""
+    import socket
+
+    from pipejob.runner.local import LOOPBACK, free_ports
+
+    start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = free_ports(8)
+    assert len(set(ports)) == 8, ports
+    assert all(start // 2 <= p < start for p in ports), (ports, start)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind((LOOPBACK, port))

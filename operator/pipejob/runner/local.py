@@ -12,6 +12,7 @@ why in its own words (its termination message, kept in a file per process)."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -38,17 +39,37 @@ SETTLE_SECONDS = 3.0
 
 
 def free_ports(count: int) -> list[int]:
-    """Distinct ports the kernel says are free now (held open together so they differ)."""
-    socks = []
+    """Distinct ports free on loopback now (held open together so they differ), drawn at
+    random below the kernel's ephemeral range. A port the kernel hands out (a bind to port 0)
+    is one of that range, where every outgoing connection takes its local port: another
+    world's connection could take it before this world's master binds it ("Address already
+    in use"). Where the range leaves too little below it, the kernel's."""
+    low = _ephemeral_start()
+    pool = range(low // 2, low) if low >= 8192 else None
+    draw = random.SystemRandom()  # forked processes share `random`'s state
+    socks: list[socket.socket] = []
     try:
-        for _ in range(count):
+        for attempt in range(count + 200):
+            if len(socks) == count:
+                break
             s = socket.socket()
-            s.bind((LOOPBACK, 0))
+            try:
+                s.bind((LOOPBACK, draw.choice(pool) if pool and attempt < 200 else 0))
+            except OSError:  # taken: draw again
+                s.close()
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def describe_exit(code: int) -> str:

@@ -48,17 +48,17 @@ def free_ports(count: int) -> list[int]:
     pool = range(low // 2, low) if low >= 8192 else None
     draw = random.SystemRandom()  # forked processes share `random`'s state
     socks: list[socket.socket] = []
+    draws = 200 if pool else 0  # then the kernel's
     try:
-        for attempt in range(count + 200):
-            if len(socks) == count:
-                break
+        while len(socks) < count:
             s = socket.socket()
             try:
-                s.bind((LOOPBACK, draw.choice(pool) if pool and attempt < 200 else 0))
+                s.bind((LOOPBACK, draw.choice(pool) if draws > 0 else 0))
             except OSError:  # taken: draw again
                 s.close()
-                continue
-            socks.append(s)
+            else:
+                socks.append(s)
+            draws -= 1
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:

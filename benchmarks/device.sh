@@ -14,7 +14,10 @@
 #   gpu-bench   benchmarks/gpu.py: pipejob against one process on the same GPU (ResNet-50 at
 #               224 and 64 px, batch 256; the 12x768 transformer, batch 32), 2 and 4 stages
 #   hybrid      a HybridJob with one trainer on the GPU (gpusPerTrainer: 1), trained to the end
-#   profile     one pipeline step profiled on the GPU (CPU and CUDA activity of every process)
+#   transfer    benchmarks/rpc_transfer.py: a 100 MB tensor between two processes over RPC, as
+#               stages send activations (CUDA tensors through CUDA IPC or host memory; CPU ones)
+#   profile     one pipeline step profiled on the GPU (ResNet-50 224 px, batch 256, 2 micro-
+#               batches: CPU and CUDA activity of every process)
 #   cores       benchmarks/compare.py on 16 cores, GPU hidden: pipejob at each micro-batch
 #               count, `auto`, torch.distributed.pipelining's GPipe and 1F1B, one process on
 #               16 threads, 3 interleaved repeats
@@ -30,7 +33,8 @@
 #
 # Options: --out DIR (default $OUT where the device tool sets it, else device-results/),
 # --only a,b (run only these steps, install always first), --budget SECONDS (the whole run's
-# limit; default 570). Env: PYTHON (default python3).
+# limit; default 570), --cores-repeats N (the cores sweep's interleaved repeats; default 3).
+# Env: PYTHON (default python3).
 # What it leaves in DIR: summary.txt (each step's verdict and time, and the figures that
 # matter) and logs.tar.gz (every step's whole log and what it wrote: profiles, JSON).
 set -uo pipefail
@@ -40,12 +44,14 @@ MODE=gpu
 DIR=${OUT:-device-results}
 ONLY=""
 BUDGET=570
+CORES_REPEATS=3
 while [[ $# -gt 0 ]]; do
   case $1 in
     --cpu) MODE=cpu ;;
     --out) DIR=$2; shift ;;
     --only) ONLY=$2; shift ;;
     --budget) BUDGET=$2; shift ;;
+    --cores-repeats) CORES_REPEATS=$2; shift ;;
     *) echo "device.sh: unknown argument $1 (see the comment at the top)" >&2; exit 2 ;;
   esac
   shift
@@ -176,11 +182,19 @@ hybrid() {
   "$PY" -m pipejob.cli run "$file" # its master prints the summary: losses, rate, evaluation
 }
 
+transfer() {
+  if [[ $MODE == gpu ]]; then
+    "$PY" benchmarks/rpc_transfer.py
+  else
+    "$PY" benchmarks/rpc_transfer.py --megabytes 8 --rounds 3
+  fi
+}
+
 profile() {
-  local gpus=1 size=64 batch=256 file
+  local gpus=1 size=224 batch=256 file
   [[ $MODE == cpu ]] && gpus=0 size=32 batch=16
   file=$(manifest PipelineJob device-profile "{\"model\": \"resnet50\", \"stages\": 2,
-    \"gpusPerStage\": $gpus, \"imageSize\": $size, \"batchSize\": $batch, \"microBatches\": 4,
+    \"gpusPerStage\": $gpus, \"imageSize\": $size, \"batchSize\": $batch, \"microBatches\": 2,
     \"steps\": 4, \"logEvery\": 1, \"seed\": 0, \"preflight\": {\"enabled\": false},
     \"optimizer\": {\"name\": \"sgd\", \"lr\": 0.01},
     \"profile\": {\"steps\": [4], \"path\": \"$LOGS/profiles\", \"rowLimit\": 25}}")
@@ -191,7 +205,7 @@ cores() {
   if [[ $MODE == gpu ]]; then
     CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/compare.py --cores 16 \
       --systems pipejob,pipejob-auto,gpipe,1f1b,single-tN --micro-batches 1,2,4 \
-      --repeats 3 --timeout 120 --json "$LOGS/cores.json"
+      --repeats "$CORES_REPEATS" --timeout 120 --json "$LOGS/cores.json"
   else
     CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/compare.py --cores 2 \
       --systems pipejob,pipejob-auto,gpipe,1f1b,single-tN --micro-batches 2 --repeats 1 \
@@ -211,8 +225,8 @@ cores_levers() {
 }
 
 say "mode $MODE, results in $DIR, budget ${BUDGET}s"
-export MODE WORK LOGS PY
-export -f install machine gpu_tests gpu_bench manifest hybrid profile cores cores_levers
+export MODE WORK LOGS PY CORES_REPEATS
+export -f install machine gpu_tests gpu_bench manifest hybrid transfer profile cores cores_levers
 step machine 20 machine
 step install 120 install
 # install() ran in a pipeline's subshell: its PYTHONPATH is set here again from what it made.
@@ -220,6 +234,7 @@ if [[ -d $WORK/site ]]; then export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONP
 step gpu-tests 170 gpu_tests
 step gpu-bench 240 gpu_bench
 step hybrid 60 hybrid
+step transfer 60 transfer
 step profile 60 profile
 step cores 480 cores
 step cores-levers 200 cores_levers

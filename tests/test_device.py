@@ -27,7 +27,8 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = (out / "summary.txt").read_text()
-    for step in ("machine", "install", "gpu-tests", "gpu-bench", "hybrid", "profile", "cores"):
+    steps = ("machine", "install", "gpu-tests", "gpu-bench", "hybrid", "transfer", "profile")
+    for step in (*steps, "cores"):
         assert re.search(rf"^  {step}: ok \(\d+s\)$", summary, re.M), summary
     assert "cores-levers" not in summary  # only when asked for
     with tarfile.open(out / "logs.tar.gz") as logs:
@@ -44,6 +45,8 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
                          r" [\d.]+ samples/s \([\d.]+x\)", bench), bench  # fmt: skip
         assert re.search(rf"{workload}: 1F1B 2 stages [\d.]+ samples/s", bench), bench
     assert "HybridJob 'device-hybrid' succeeded" in log["hybrid"], log["hybrid"]
+    # The transfer: a CPU tensor's send over RPC (CUDA ones where there is a GPU).
+    assert re.search(r"rpc, cpu tensor 8 MB: +[\d.]+ ms", log["transfer"]), log["transfer"]
     # The profile: a trace per process of the world.
     traces = sorted(p.name for p in (tmp_path / "logs" / "logs" / "profiles").glob("*.json"))
     assert traces == ["master-step4.json", "stage0-step4.json", "stage1-step4.json"], traces

@@ -13,7 +13,7 @@ of the same model under the same seed, in float64, in this one process:
     too;
 (d) the model file the output writes from the stages and the state no stage holds loads
     strictly into a fresh build, with the plain build's values and only its persistent
-    state.
+    state, and the modules' versions a plain state dict carries (its `_metadata`).
 
 At up to MAX_STAGES evenly spaced candidates, and in two at the middle one where that is
 not one of them. A model pipejob refuses to cut (workloads/cut.py's CutError) is `refused`, with
@@ -294,8 +294,9 @@ def _same_gradients(plain: nn.Module, stages: list[nn.Module],
 def _loads_back(build: Callable[[], nn.Module], plain: nn.Module, meta: nn.Module,
                 numbered: materialize.Numbering, planned: list[nn.Module],
                 stages: list[nn.Module], where: str) -> None:  # fmt: skip
-    """(d) The output (the stages' states and the rest, as pipeline/shards.py builds the
-    rest) loads strictly into a fresh build, with the plain build's values."""
+    """(d) The output (the stages' states, the rest and the modules' metadata, as
+    pipeline/shards.py builds them) loads strictly into a fresh build, with the plain
+    build's values and module metadata."""
     rest = cut.unused(meta, planned)
     if any(v.device.type == "meta" or k in numbered.buffers for k, v in rest.items()):
         with torch.random.fork_rng(devices=[]):
@@ -305,8 +306,10 @@ def _loads_back(build: Callable[[], nn.Module], plain: nn.Module, meta: nn.Modul
     expected = plain.state_dict()
     with tempfile.TemporaryDirectory() as directory:
         output.write(directory, {"model": {**rest, **{k: v for s in states for k, v in s.items()}}},
-                     {}, "safetensors")  # fmt: skip
+                     {}, "safetensors", output.module_metadata(meta))  # fmt: skip
         written = output.load_state_dict(directory)
+    if getattr(written, "_metadata", None) != dict(expected._metadata):  # type: ignore[attr-defined]
+        raise Failed(f"(d) {where}: the output's module metadata is not a plain state dict's")
     if sorted(written) != sorted(expected):
         extra = sorted(set(written) - set(expected))[:3]
         missing = sorted(set(expected) - set(written))[:3]

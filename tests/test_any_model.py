@@ -32,6 +32,8 @@ from jobrun import (
 )
 from pipejob.core import spec
 from pipejob.trainer.pipeline import output
+from pipejob.trainer.runtime import checkpoint
+from pipejob.trainer.runtime.output import load_state_dict
 from pipejob.trainer.workloads.cut import Traced, join, unused, without_cache
 from pipejob.trainer.workloads.metrics import cross_entropy
 
@@ -226,3 +228,36 @@ def test_models_refused_at_their_build_before_train_to_the_end(tmp_path: Path, m
     assert code == 0, said[-3000:]
     assert summary is not None and summary["steps"] == 2, summary
     assert math.isfinite(summary["finalLoss"]), summary
+
+
+def test_a_model_that_reads_its_version_loads_from_every_output(tmp_path: Path):
+    """torchvision's MNASNet refuses a state dict without its modules' versions (its
+    `_metadata`): the output a job writes (torch's format: the file alone loads), and what
+    `pipejob export` writes from its checkpoint (safetensors, one file or sharded; torch's
+    format sharded), each load strictly into a fresh build, with the trained values."""
+    from torchvision.models import mnasnet0_5
+
+    out, ckpt = tmp_path / "model", tmp_path / "checkpoints"
+    model = {"import": "torchvision.models:mnasnet0_5", "args": {"num_classes": 10}}
+    job = pipeline_job("mnasnet", model=model, steps=1, microBatches=2,
+                       output={"path": str(out), "format": "torch"},
+                       checkpoint={"path": str(ckpt), "everySteps": 1})  # fmt: skip
+    code, said, _ = run_to_end(job, tmp_path, timeout=240)
+    assert code == 0, said[-3000:]
+    found = checkpoint.latest(ckpt)
+    assert found is not None
+    trained = dict(found.load("master.pt")["rest"])
+    for i in range(found.manifest["stageCount"]):
+        trained |= found.load(f"stage{i}.pt")["model"]
+    plain = dict(mnasnet0_5(num_classes=10).state_dict()._metadata)
+    loaded = {"run": torch.load(out / "model.pt", weights_only=True)}
+    for format, limit in [("safetensors", None), ("safetensors", 0), ("torch", 0)]:
+        folder = tmp_path / f"{format}-{limit}"
+        output.export_checkpoint(found.directory, found.manifest, folder, format, limit)
+        loaded[folder.name] = load_state_dict(folder)
+    for name, state in loaded.items():
+        fresh = mnasnet0_5(num_classes=10)
+        fresh.load_state_dict(state, strict=True)  # MNASNet raises without its version
+        assert getattr(state, "_metadata", None) == plain, name
+        for key, value in fresh.state_dict().items():
+            assert torch.equal(value, trained[key]), (name, key)

@@ -497,3 +497,40 @@ def test_a_buffer_the_forward_updates_in_place_is_updated_when_the_stages_run(wa
     held = {k: v for s in stages for k, v in s.state_dict().items()}
     assert {k: v.item() for k, v in held.items() if k.endswith("seen")} == {
         "first.1.seen": 2, "second.1.seen": 2}  # fmt: skip
+
+
+class Periodic(nn.Module):
+    """Checks its buffer's size before using it, in a method its owner calls (timm's EVA
+    rotary embedding asserts `self.periods.numel() == dim` in `get_embed`): the trace must
+    answer the size, as it did before buffers were traced, and read the buffer when run."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("periods", torch.arange(1.0, 5.0), persistent=False)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.periods.numel() == 4 and self.periods.dim() == 1
+        assert self.periods.shape == (4,) and self.periods.size(0) == len(self.periods) == 4
+        return x / self.periods[None, :]
+
+
+class Rotating(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.rope = Periodic()
+        self.second = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.second(self.rope.embed(self.first(x))))
+
+
+def test_a_forward_that_checks_a_buffers_size_is_cut_exactly():
+    torch.manual_seed(0)
+    model = Rotating()
+    stages = Traced(model).split(["second"])
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(run(stages, x), model(x), rtol=0, atol=0)
+    model.rope.periods.mul_(2)  # the stages read the buffer when run, not a traced copy
+    torch.testing.assert_close(run(stages, x), model(x), rtol=0, atol=0)

@@ -131,6 +131,7 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
     for state in stages:
         trained |= state
     loaded = output.load_state_dict(out)
+    assert loaded._metadata == dict(fresh.state_dict()._metadata)  # the modules' versions
     fresh.load_state_dict(loaded, strict=True)
     assert_same_states(dict(fresh.state_dict()), trained)
     if hugging_face:

@@ -15,7 +15,9 @@ way (written by runtime/output.py, the writer both kinds share):
 - `config.json` for a Hugging Face model (a PreTrainedModel): its config, so that its class's
   `from_pretrained(path)` loads the folder as well, one file or sharded.
 
-`pipejob.trainer.runtime.output.load_state_dict(path)` reads either layout back."""
+Either layout carries the modules' versions a plain `model.state_dict()` carries (its
+`_metadata`, from the master's meta build: runtime/output.py says where);
+`pipejob.trainer.runtime.output.load_state_dict(path)` reads either layout back with them."""
 
 from __future__ import annotations
 
@@ -50,23 +52,26 @@ def info(kind: str, job: str, spec: PipelineSpec, steps: int,
 
 def write(out: str | Path, format: str, stages: list[dict[str, torch.Tensor]],
           rest: dict[str, torch.Tensor], about: dict[str, Any],
-          config: dict[str, Any] | None = None) -> list[Path]:  # fmt: skip
-    """The stages' states and the rest as one model file in `out`, and model.json (and a
-    Hugging Face model's `config`, as config.json)."""
+          config: dict[str, Any] | None = None,
+          metadata: output.Metadata | None = None) -> list[Path]:  # fmt: skip
+    """The stages' states and the rest as one model file in `out` (with the modules'
+    `metadata`), and model.json (and a Hugging Face model's `config`, as config.json)."""
     state = dict(rest)
     for part in stages:
         state.update(part)
-    return [*output.write(out, {"model": state}, about, format), *write_config(out, config)]
+    return [*output.write(out, {"model": state}, about, format, metadata),
+            *write_config(out, config)]  # fmt: skip
 
 
 def write_live(out: str | Path, format: str, names: list[str], stages: list[RRef],
                rest: dict[str, torch.Tensor], about: dict[str, Any],
-               config: dict[str, Any] | None = None,
-               single_file_bytes: int | None = None) -> list[Path]:  # fmt: skip
+               config: dict[str, Any] | None = None, single_file_bytes: int | None = None,
+               metadata: output.Metadata | None = None) -> list[Path]:  # fmt: skip
     """The model a run's stages hold (`stages`, their Stage RRefs on the workers `names`)
     and `rest`, the state no stage holds, written into `out`: one file when it is at most
     `single_file_bytes` (SINGLE_FILE_BYTES), else each stage writing its own shard, all at
-    once, and the master the rest's. The paths written."""
+    once, and the master the rest's and the index (which holds the modules' `metadata`).
+    The paths written."""
     output.check_format(format)
     limit = SINGLE_FILE_BYTES if single_file_bytes is None else single_file_bytes
     pairs = list(zip(names, stages, strict=True))
@@ -75,12 +80,13 @@ def write_live(out: str | Path, format: str, names: list[str], stages: list[RRef
         states = torch.futures.wait_all(
             [rpc.rpc_async(n, on_stage, args=(s, "state")) for n, s in pairs]
         )
-        return write(out, format, states, rest, about, config)
+        return write(out, format, states, rest, about, config, metadata)
     files = shard_files(len(stages), bool(rest), format)
     writing = [rpc.rpc_async(n, on_stage, args=(s, "write_shard", str(out), f, format))
                for (n, s), f in zip(pairs, files, strict=False)]  # fmt: skip
     mine = [output.write_shard(out, files[-1], rest, format)] if rest else []
-    return finish(out, format, [*torch.futures.wait_all(writing), *mine], about, config)
+    return finish(out, format, [*torch.futures.wait_all(writing), *mine], about, config,
+                  metadata)  # fmt: skip
 
 
 def held_bytes(stage: RRef) -> int:
@@ -95,7 +101,8 @@ def shard_files(stages: int, rest: bool, format: str) -> list[str]:
 
 
 def finish(out: str | Path, format: str, shards: list[dict[str, Any]], about: dict[str, Any],
-           config: dict[str, Any] | None) -> list[Path]:  # fmt: skip
+           config: dict[str, Any] | None,
+           metadata: output.Metadata | None = None) -> list[Path]:  # fmt: skip
     """After the shards: the index, model.json and config.json. A shard the master cannot
     see as its writer wrote it means the stages wrote into directories of their own."""
     out = Path(out)
@@ -109,7 +116,8 @@ def finish(out: str | Path, format: str, shards: list[dict[str, Any]], about: di
                 " of a model this big, so the path must be one directory shared by every"
                 " process of the job (e.g. a ReadWriteMany volume)"
             )
-    return [*output.write_index(out, shards, about, format), *write_config(out, config)]
+    return [*output.write_index(out, shards, about, format, metadata=metadata),
+            *write_config(out, config)]  # fmt: skip
 
 
 def write_config(out: str | Path, config: dict[str, Any] | None) -> list[Path]:
@@ -136,18 +144,19 @@ def export_checkpoint(directory: str | Path, manifest: dict[str, Any], out: str 
     limit = SINGLE_FILE_BYTES if single_file_bytes is None else single_file_bytes
     parts = [f"stage{i}.pt" for i in range(manifest["stageCount"])]
     own = found.load("master.pt")
-    rest, config = own.get("rest", {}), own.get("config")
+    # A checkpoint of an older pipejob keeps no module metadata: written without it.
+    rest, config, metadata = own.get("rest", {}), own.get("config"), own.get("metadata")
     about = {**manifest["info"], "steps": found.step, "checkpoint": str(found.directory)}
     if sum(_model_bytes(found, part) for part in parts) + output.state_bytes(rest) <= limit:
         stages = [found.load(part)["model"] for part in parts]
-        return write(out, format, stages, rest, about, config)
+        return write(out, format, stages, rest, about, config, metadata)
     files = shard_files(len(parts), bool(rest), format)
     shards = []
     for part, file in zip(parts, files, strict=False):  # one stage's file in memory at a time
         shards.append(output.write_shard(out, file, found.load(part)["model"], format))
     if rest:
         shards.append(output.write_shard(out, files[-1], rest, format))
-    return finish(out, format, shards, about, config)
+    return finish(out, format, shards, about, config, metadata)
 
 
 def _model_bytes(found: checkpoint.Checkpoint, part: str) -> int:

@@ -26,7 +26,7 @@ from pipejob.trainer.pipeline.partition import (
 )  # fmt: skip
 from pipejob.trainer.pipeline.parts import Part, measure_on_stages, trace
 from pipejob.trainer.pipeline.shard import compute_resources
-from pipejob.trainer.runtime import tuning
+from pipejob.trainer.runtime import output, tuning
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, materialize, models
 
@@ -71,6 +71,9 @@ class Shards:
     config: dict[str, Any] | None = None
     parts: list[Part] | None = None  # one per piece
     processes: int = 0  # stage processes; 0: one per piece
+    # The modules' versions a plain `model.state_dict()` carries (its `_metadata`), for the
+    # model file: a fresh build of some modules (MNASNet) loads no state without them.
+    metadata: output.Metadata | None = None
 
     @property
     def ranges(self) -> list[range]:
@@ -146,7 +149,8 @@ def plan_shards(
             )
         rest = {k: v for k, v in whole.state_dict().items() if k in rest}
     tied = by_process(cut.ties(stages), spec.stages)
-    return Shards(units, stages, saved, rest, tied, hf_config(model), parts, spec.stages)
+    return Shards(units, stages, saved, rest, tied, hf_config(model), parts, spec.stages,
+                  output.module_metadata(model))  # fmt: skip
 
 
 def by_process(ties: list[list[tuple[int, str]]], processes: int) -> list[list[tuple[int, str]]]:

@@ -236,7 +236,8 @@ def write_output(env: Env, pipelines: Replicas, shards: Shards,
     about = model_output.info(env.kind, env.job, spec, spec.steps, evaluation)
     pipeline = pipelines.pipelines[0]
     paths = model_output.write_live(spec.output.path, spec.output.format, pipeline.names,
-                                    pipeline.stages, shards.rest, about, shards.config)  # fmt: skip
+                                    pipeline.stages, shards.rest, about, shards.config,
+                                    metadata=shards.metadata)  # fmt: skip
     world.log(env, f"model written: {', '.join(str(p) for p in paths)}")
 
 
@@ -261,7 +262,7 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
         for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True))
     ]
     own = {"rng": checkpoint.rng_state(), "data": pipelines.data_state(), "rest": shards.rest,
-           "config": shards.config}  # fmt: skip
+           "config": shards.config, "metadata": shards.metadata}  # fmt: skip
     if pipelines.loss_scale is not None:
         own["lossScale"] = pipelines.loss_scale.state()
     files = [checkpoint.save_part(directory, "master.pt", own), *torch.futures.wait_all(saving)]

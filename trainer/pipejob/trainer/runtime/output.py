@@ -10,20 +10,48 @@ request. A model is one file (`model.safetensors`), or shards written by several
 file}}`), which `from_pretrained` and other tools read. Tensors go out on the CPU, each
 contiguous and whole: safetensors refuses views and shared storage, so a view or a second
 name of a tied weight is written as a copy of its own, and every name loads with
-`load_state_dict` (strict)."""
+`load_state_dict` (strict).
+
+The state dict's `_metadata` (each module's version, as a plain `model.state_dict()` carries
+it) goes with it: some modules read their version when loading (torchvision's MNASNet
+refuses a state without one). A torch file keeps it as the dict's own attribute, as
+`torch.save(model.state_dict())` does; a safetensors file in its header (`module_metadata`,
+JSON); a sharded model in its index (`module_metadata`). `load_state_dict` gives it back."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
 INFO = "model.json"
+# Where a safetensors header and an index keep the state dict's `_metadata`.
+METADATA = "module_metadata"
+Metadata = dict[str, dict[str, Any]]  # per module's name ("" the model), e.g. {"version": 2}
+
+
+def module_metadata(model: nn.Module) -> Metadata:
+    """The `_metadata` a plain `model.state_dict()` carries. From a build on the meta device
+    too (the master's): a module's version is its class's, and nothing is copied."""
+    return dict(model.state_dict(keep_vars=True)._metadata)  # type: ignore[attr-defined]
+
+
+def with_metadata(state: dict[str, torch.Tensor],
+                  metadata: Metadata | None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """`state` as `load_state_dict` reads a plain state dict: an OrderedDict whose
+    `_metadata` is `metadata` (or `state` itself, where there is none)."""
+    if metadata is None:
+        return state
+    out = OrderedDict(state)
+    out._metadata = metadata  # type: ignore[attr-defined]
+    return out
 
 
 def check_format(format: str) -> None:
@@ -62,17 +90,22 @@ def writable(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(path: Path, state: dict[str, torch.Tensor], format: str) -> None:
-    """One state dict as one file: written beside it and renamed, never a half-written model."""
+def save(path: Path, state: dict[str, torch.Tensor], format: str,
+         metadata: Metadata | None = None) -> None:  # fmt: skip
+    """One state dict as one file, with the modules' `metadata` where given: written beside
+    it and renamed, never a half-written model."""
     check_format(format)
     tensors = writable(state)
     partial = path.with_name(path.name + ".partial")
     if format == "safetensors":
         from safetensors.torch import save_file
 
-        save_file(tensors, str(partial), metadata={"format": "pt"})
+        header = {"format": "pt"}  # a header holds strings only
+        if metadata is not None:
+            header[METADATA] = json.dumps(metadata)
+        save_file(tensors, str(partial), metadata=header)
     else:
-        torch.save(tensors, partial)
+        torch.save(with_metadata(tensors, metadata), partial)
     os.replace(partial, path)
 
 
@@ -99,16 +132,18 @@ def write_info(directory: Path, info: dict[str, Any], format: str,
 
 
 def write(directory: str | Path, files: dict[str, dict[str, torch.Tensor]],
-          info: dict[str, Any], format: str = "safetensors") -> list[Path]:  # fmt: skip
-    """Each state dict of `files` as <name><suffix> in `directory`, and model.json with
-    `info` and the files' names; the paths written (the JSON last)."""
+          info: dict[str, Any], format: str = "safetensors",
+          metadata: Metadata | None = None) -> list[Path]:  # fmt: skip
+    """Each state dict of `files` as <name><suffix> in `directory` (with the modules'
+    `metadata`, where given), and model.json with `info` and the files' names; the paths
+    written (the JSON last)."""
     check_format(format)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for name, state in files.items():
         path = directory / f"{name}{SUFFIX[format]}"
-        save(path, state, format)
+        save(path, state, format, metadata)
         written.append(path)
     for name in files:
         remove_stale(directory, [p.name for p in written], name)
@@ -117,10 +152,12 @@ def write(directory: str | Path, files: dict[str, dict[str, torch.Tensor]],
 
 
 def write_index(directory: str | Path, shards: list[dict[str, Any]], info: dict[str, Any],
-                format: str = "safetensors", stem: str = "model") -> list[Path]:  # fmt: skip
-    """The index of `shards` (what `write_shard` returned, in order), and model.json. A name
-    several shards hold (a weight tied across stages under one name) maps to the first: the
-    weight_map has each name once; total_size counts each once."""
+                format: str = "safetensors", stem: str = "model",
+                metadata: Metadata | None = None) -> list[Path]:  # fmt: skip
+    """The index of `shards` (what `write_shard` returned, in order), with the modules'
+    `metadata` where given, and model.json. A name several shards hold (a weight tied
+    across stages under one name) maps to the first: the weight_map has each name once;
+    total_size counts each once."""
     check_format(format)
     directory = Path(directory)
     weight_map: dict[str, str] = {}
@@ -131,7 +168,10 @@ def write_index(directory: str | Path, shards: list[dict[str, Any]], info: dict[
                 weight_map[name] = shard["file"]
                 total += size
     index = directory / index_name(format, stem)
-    body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    body: dict[str, Any] = {"metadata": {"total_size": total},
+                            "weight_map": dict(sorted(weight_map.items()))}  # fmt: skip
+    if metadata is not None:  # beside Hugging Face's keys, which its readers keep to
+        body[METADATA] = metadata
     index.write_text(json.dumps(body, indent=2) + "\n")
     names = [s["file"] for s in shards]
     remove_stale(directory, [*names, index.name], stem)
@@ -153,13 +193,15 @@ def remove_stale(directory: Path, keep: list[str], stem: str = "model") -> None:
 
 def load_state_dict(directory: str | Path, stem: str = "model") -> dict[str, torch.Tensor]:
     """The state dict `stem` of an output directory, whichever way it was written: one file
-    (`model.safetensors` or `model.pt`) or shards with their index. A fresh model from the
-    user's factory loads it with `load_state_dict(..., strict=True)`."""
+    (`model.safetensors` or `model.pt`) or shards with their index, with the modules'
+    `_metadata` where the output holds it. A fresh model from the user's factory loads it
+    with `load_state_dict(..., strict=True)`."""
     directory = Path(directory)
     for format in SUFFIX:
         index = directory / index_name(format, stem)
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            body = json.loads(index.read_text())
+            weight_map = body["weight_map"]
             state = {}
             for file in dict.fromkeys(weight_map.values()):  # each shard once, in order
                 part = _load(directory / file, format)
@@ -168,7 +210,7 @@ def load_state_dict(directory: str | Path, stem: str = "model") -> dict[str, tor
                     raise ValueError(f"{directory / file} lacks {', '.join(missing[:5])},"
                                      f" which {index.name} says it holds")  # fmt: skip
                 state |= {k: part[k] for k in names}
-            return state
+            return with_metadata(state, body.get(METADATA))
         single = directory / f"{stem}{SUFFIX[format]}"
         if single.exists():
             return _load(single, format)
@@ -179,7 +221,11 @@ def load_state_dict(directory: str | Path, stem: str = "model") -> dict[str, tor
 
 def _load(path: Path, format: str) -> dict[str, torch.Tensor]:
     if format == "safetensors":
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
-        return load_file(path)
-    return torch.load(path, weights_only=True)
+        with safe_open(path, "pt") as f:
+            header = f.metadata() or {}
+        found = json.loads(header[METADATA]) if METADATA in header else None
+        return with_metadata(load_file(path), found)
+    return torch.load(path, weights_only=True)  # a torch file keeps its own `_metadata`

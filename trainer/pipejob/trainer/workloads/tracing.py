@@ -62,9 +62,22 @@ class Objects(fx.Tracer):
     Buffers read as attributes are traced values, as parameters are: a forward that updates
     one in place (timm's BatchNormAct2d counting `num_batches_tracked`) records the update in
     the graph, where the stage runs it; fx's default runs it on the real buffer while tracing
-    (a stage's build changed its state) and leaves it out of the graph."""
+    (a stage's build changed its state) and leaves it out of the graph. Their size is
+    answered as it is (`BufferProxy`): a forward may check it (timm's EVA asserts its rotary
+    periods' `numel()`), which a traced value could not answer."""
 
-    proxy_buffer_attributes = True
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        # fx's `proxy_buffer_attributes`, with a proxy that knows the buffer's size.
+        if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter):
+            name = next((n for n, b in self.root.named_buffers() if b is attr_val), None)
+            if name is not None:  # one traced value per buffer, as fx keeps for parameters
+                if name not in parameter_proxy_cache:
+                    parameter_proxy_cache[name] = self.create_proxy(
+                        "get_attr", name, (), {},
+                        proxy_factory_fn=lambda node: BufferProxy(node, self, attr_val),
+                    )  # fmt: skip
+                return parameter_proxy_cache[name]
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def create_arg(self, a: Any) -> Any:
         if isinstance(a, dict) and dataclasses.is_dataclass(a):
@@ -81,6 +94,39 @@ class Objects(fx.Tracer):
         if type(a).__module__ == "numpy" and getattr(a, "ndim", None) == 0:
             return a.item()  # a numpy scalar (CTRL's np.sqrt): fx's code would not name numpy
         return super().create_arg(a)
+
+
+class BufferProxy(fx.Proxy):
+    """A traced buffer that answers its size as the buffer's (as fx's ParameterProxy does
+    for parameters): what it holds is read when the graph runs, its size while tracing.
+    Its dtype and device stay traced: a stage moves its pieces to its device after tracing."""
+
+    def __init__(self, node: fx.Node, tracer: Any, buffer: torch.Tensor):
+        super().__init__(node, tracer)
+        self.buffer = buffer
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.buffer.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.buffer.ndim
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.buffer.size() if dim is None else self.buffer.size(dim)
+
+    def dim(self) -> int:
+        return self.buffer.dim()
+
+    def numel(self) -> int:
+        return self.buffer.numel()
+
+    def nelement(self) -> int:
+        return self.buffer.nelement()
+
+    def __len__(self) -> int:
+        return len(self.buffer)
 
 
 class Tracer(Objects):

@@ -235,15 +235,17 @@ def _serve(requests: Any, replies: Any, max_params: float) -> None:
 
 
 def _big(zoo: str, name: str, factory: Any, max_params: float) -> Any:
-    """A row for a model over the parameter budget (counted on the meta device), else None."""
+    """A row for a model over the parameter budget (counted on the meta device, as pipejob's
+    master builds it: a builder that computes its widths with tensors, RegNet's, builds
+    there too), else None."""
     import _conform
-    import torch
 
-    with torch.device("meta"):
-        try:
-            count = sum(p.numel() for p in factory().parameters())
-        except Exception:  # noqa: BLE001 (the check itself says what fails)
-            return None
+    from pipejob.trainer.workloads import materialize
+
+    try:
+        count = sum(p.numel() for p in materialize.build(factory, ())[0].parameters())
+    except Exception:  # noqa: BLE001 (the check itself says what fails)
+        return None
     if count <= max_params:
         return None
     return _conform.Row(zoo, name, "not run", f"{count / 1e6:.0f}M parameters, over"

@@ -129,6 +129,18 @@ def test_synthetic_images_are_today_s_stream_and_resume() -> None:
     assert task(spec) == "classification"
 
 
+def test_a_replica_draws_its_share_of_each_synthetic_batch_alone() -> None:
+    """Each image is drawn from its own seed, on several threads: a replica's feed draws
+    only its rows, and they are the whole batch's rows, batch after batch."""
+    spec = make_spec(seed=5, batch_size=3, replicas=2, image_size=16, num_classes=4)
+    whole, parts = Feed(spec), [Feed(spec, r, 2) for r in range(2)]
+    for _ in range(3):
+        x, y = whole.batch()
+        (x0, y0), (x1, y1) = (p.batch() for p in parts)
+        assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y)
+        assert len(x0) == 3 and not torch.equal(x0, x1)
+
+
 def test_synthetic_held_out_is_the_same_task_on_other_images() -> None:
     spec = make_spec(seed=3, batch_size=4, image_size=16, num_classes=4)
     held = held_out(spec)

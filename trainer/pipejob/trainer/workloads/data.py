@@ -138,12 +138,14 @@ class Feed:
         """The next step's (inputs, labels): the whole batch, or this replica's share."""
         if self.stream is not None:
             self.samples += self.batch_size
-            inputs, labels = self.stream.batch()
             if self.share[1] == 1:
-                return inputs, labels
-            rows = share_of(len(inputs), *self.share)
-            rows = slice(rows.start, rows.stop)
-            return inputs[rows].clone(), labels[rows].clone()  # not the whole batch's storage
+                return self.stream.batch()
+            rows = share_of(self.batch_size, *self.share)
+            if isinstance(self.stream, SyntheticImages):  # draws this share's images alone
+                return self.stream.batch(rows)
+            inputs, labels = self.stream.batch()
+            part = slice(rows.start, rows.stop)
+            return inputs[part].clone(), labels[part].clone()  # not the whole batch's storage
         if self._iterator is None:
             sampler = StreamSampler(len(self.dataset), self.batch_size, self.spec.seed,
                                     start=self.samples, share=self.share)  # fmt: skip

@@ -12,7 +12,9 @@ its label is that class; clicks: see SyntheticClicks."""
 from __future__ import annotations
 
 import math
+import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -86,17 +88,49 @@ def share_of(batch: int, k: int, parts: int) -> range:
 
 class SyntheticImages:
     """Seeded random images whose class shifts their colour: deterministic, and learnable.
-    `generator` is the whole state a checkpoint keeps."""
+    `generator` is the whole state a checkpoint keeps: it draws each batch's labels and the
+    seed of its first image; image i of the batch is drawn from seed + i alone, so a batch's
+    images are drawn on several threads (one generator draws serially: a 224-px batch of 256
+    took longer than a GPU's step), the same on any machine, and a replica draws only its
+    own rows."""
 
     def __init__(self, seed: int, batch_size: int, image_size: int, classes: int):
         self.generator = torch.Generator().manual_seed(seed)
         self.size = (batch_size, 3, image_size, image_size)
         self.colours = torch.randn(classes, 3, 1, 1, generator=self.generator)
 
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, rows: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next batch, or its `rows` (a replica's share): the stream moves on a batch."""
         labels = torch.randint(len(self.colours), self.size[:1], generator=self.generator)
-        images = torch.randn(self.size, generator=self.generator) + self.colours[labels]
-        return images, labels
+        first = int(torch.randint(2**62, (), generator=self.generator))
+        rows = range(self.size[0]) if rows is None else rows
+        images = torch.empty(len(rows), *self.size[1:])
+
+        def draw(k: int) -> None:
+            images[k].normal_(generator=torch.Generator().manual_seed(first + rows[k]))
+
+        list(_drawing().map(draw, range(len(rows))))
+        labels = labels[rows.start : rows.stop]
+        return images.add_(self.colours[labels]), labels
+
+
+_DRAWING: ThreadPoolExecutor | None = None
+
+
+def _drawing() -> ThreadPoolExecutor:
+    """The threads that draw images (torch's kernels release the GIL while they draw)."""
+    global _DRAWING
+    if _DRAWING is None:
+        _DRAWING = ThreadPoolExecutor(min(8, os.cpu_count() or 1), "pipejob-draw")
+    return _DRAWING
+
+
+def _forget_drawing() -> None:
+    global _DRAWING
+    _DRAWING = None  # a forked child has none of its parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_drawing)
 
 
 def held_out_images(seed: int, batch_size: int, image_size: int, classes: int,

@@ -25,11 +25,11 @@
 #   cores-levers  on 16 cores, one repeat at 2 micro-batches: pipejob, pipejob with twice its
 #               threads per stage, GPipe and 1F1B (where the time goes at 16 cores)
 #
-# Time on an H200 machine (2026-11-26): install 10 s, gpu-tests 107 s, gpu-bench about 210 s,
-# hybrid 18 s, profile 27 s; a pipejob run on 16 cores takes about 24 s (start-up and
-# shutdown included), so `cores` needs about 7 minutes. With 15 minutes of device time, run
-# it as two calls: `--only gpu-tests,gpu-bench,hybrid,profile --budget 420`, then
-# `--only cores --budget 480`.
+# Time on an H100 machine (2026-11-26, this script's first call): install 11 s, gpu-tests
+# 119 s, gpu-bench 197 s, hybrid 35 s, transfer 13 s, profile 23 s, cores 114 s a repeat
+# (a pipejob run on 16 cores takes about 24 s, start-up and shutdown included): 513 s with
+# `--cores-repeats 1`. With 15 minutes of device time (a start included), run that, then
+# `--only cores --cores-repeats 2 --budget 290` at once on the warm machine.
 #
 # Options: --out DIR (default $OUT where the device tool sets it, else device-results/),
 # --only a,b (run only these steps, install always first), --budget SECONDS (the whole run's

@@ -35,8 +35,8 @@ def integer(description: str, default: int | None = None, minimum: int | None = 
 
 OPTIMIZER = Field(
     "object",
-    "The optimizer every parameter is stepped with: a PipelineJob's through"
-    " DistributedOptimizer; a HybridJob's dense layers by each trainer's own (its tables by"
+    "The optimizer every parameter is stepped with: a PipelineJob's by each stage, where its"
+    " parameters live; a HybridJob's dense layers by each trainer's own (its tables by"
     " spec.sparseOptimizer, on the parameter servers).",
     fields={
         "name": Field(

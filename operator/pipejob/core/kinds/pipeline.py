@@ -92,8 +92,8 @@ PIPELINE_SPEC = Field(
         "data": PIPELINE_DATA,
         "engine": Field(
             "string", "What runs the pipeline. rpc: the master drives every micro-batch"
-            " through the stages over torch.distributed.rpc, with distributed autograd and"
-            " DistributedOptimizer (GPipe's schedule). pipelining: each stage process holds"
+            " through the stages over torch.distributed.rpc, with distributed autograd"
+            " (GPipe's schedule). pipelining: each stage process holds"
             " torch.distributed.pipelining PipelineStages, which pass activations and"
             " gradients to their neighbours over a process group and step `schedule`; the"
             " master still plans, steps and checkpoints them over RPC.",

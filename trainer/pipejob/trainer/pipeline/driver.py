@@ -247,12 +247,6 @@ class Replicas:
         when the shares are equal): what its loss is weighted by."""
         return round_.samples * len(self.pipelines) / batch
 
-    def local_optimizers(self, r: int) -> dict[str, Any]:
-        """Per stage worker of replica r, what its checkpoint's optimizer state is saved from
-        and loaded into, if the master holds it (Shard.save); none where each stage holds
-        its own."""
-        return {}
-
     def activation_peaks(self) -> list[int] | None:
         """Replica 0's stages' most bytes of activations held for their backwards, where the
         engine counts them (None: it does not)."""

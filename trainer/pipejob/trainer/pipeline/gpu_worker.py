@@ -8,7 +8,7 @@ per stream (a fresh `cudaMalloc` for many steps); and CUDA orders work only with
 so a forward could read parameters that the last step's optimizer was still writing on
 another. So a GPU stage's forwards and losses run here, in order on one stream; the
 autograd engine runs their backwards on the same stream, on its own single device thread.
-What torch runs elsewhere (DistributedOptimizer's step on the agent's streams) is waited
+What runs elsewhere (the optimizer's step on the agent's streams) is waited
 for with `settle`, once a round, before the stage's state is touched again."""
 
 from __future__ import annotations

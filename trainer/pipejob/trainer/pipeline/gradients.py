@@ -32,7 +32,7 @@ T = TypeVar("T")
 def _settled(function: Callable[..., T]) -> Callable[..., T]:
     """A function run on a stage over RPC, with the stage's device settled before and after
     (Stage.settled): the gradients come from the backward on the stage's stream, and
-    DistributedOptimizer's step reads what it leaves on another."""
+    the optimizer's step, on an RPC thread's, reads what it leaves."""
 
     @functools.wraps(function)
     def settled(stage: RRef, *args: Any) -> T:

@@ -132,7 +132,10 @@ def measure_chain(pieces: list[nn.Module], names: list[str], values: tuple[Any, 
                 out = piece(*inputs)
                 outs = out if isinstance(out, tuple) else (out,)
                 grown = [t for t in tensors(outs) if t.requires_grad]
-                torch.autograd.backward(grown, [torch.ones_like(t) for t in grown])
+                # Each output's gradient all ones, as a sum's: explicit gradient tensors
+                # would make torch import sympy into the stage for their shape checks (0.04
+                # GB a process, for good).
+                torch.autograd.backward([t.sum() for t in grown])
                 piece.zero_grad(set_to_none=True)  # one piece's gradients held at a time
                 if on_gpu:
                     torch.cuda.synchronize()

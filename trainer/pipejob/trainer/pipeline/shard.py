@@ -21,10 +21,12 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.rpc import RRef
 
+from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.parts import Part
 from pipejob.trainer.pipeline.reader import Reader, Source
 from pipejob.trainer.runtime import checkpoint, output, tuning
+from pipejob.trainer.runtime.optim import Functional, set_lr
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -98,7 +100,8 @@ def compute_resources(gpu: bool) -> tuple[int, float, str | None]:
 class Shard:
     """One stage process's part of the model: the pieces it computes (one, or several with
     an interleaved schedule) and `layers`, all of their parameters and buffers under the
-    model's own names; the first stage's `reader` of the rounds' data."""
+    model's own names; the `optimizer` that steps them; the first stage's `reader` of the
+    rounds' data."""
 
     # Where the gradients of the same stage of other replicas are: a process group
     # (None: the default one).
@@ -107,13 +110,18 @@ class Shard:
     gpu: GpuWorker | None = None
 
     def __init__(self, part: Part | nn.Module, device: str, precision: str = "fp32",
-                 recompute: bool = False, source: Source | None = None):  # fmt: skip
+                 recompute: bool = False, source: Source | None = None,
+                 optimizer: Optimizer | None = None):  # fmt: skip
         self.device = torch.device(device)
         self.reader = Reader(source, self.device)  # reads only on a first stage
         # Built here from a Part: only this process's parameters exist.
         pieces = part.build() if isinstance(part, Part) else [part]
         self.pieces = [piece.to(self.device) for piece in pieces]
         self.layers = union(self.pieces)
+        # None: a pipeline that only computes (tests, evaluation); the master steps none.
+        self.optimizer = (
+            None if optimizer is None else Functional(optimizer, self.layers.parameters())
+        )
         self.autocast = AUTOCAST[precision]  # spec.precision
         self.recompute = recompute  # spec.activationCheckpointing
         # Per training round of the last step: whether each forward's outputs were finite
@@ -155,8 +163,8 @@ class Shard:
     @contextmanager
     def settled(self) -> Iterator[None]:
         """A call touching the shard's state on a GPU: after what ran before it, on any
-        stream, and done before what runs next (DistributedOptimizer's step reads the
-        gradients it changes)."""
+        stream, and done before what runs next (the optimizer's step reads the gradients it
+        changes)."""
         self.settle_device()
         yield
         self.settle_device()
@@ -237,25 +245,26 @@ class Shard:
                 for p in self.layers.parameters()]  # fmt: skip
         return torch.tensor([[a.item(), b.item()] for a, b in rows], dtype=torch.float64)
 
-    def local_optimizer(self, given: RRef | None) -> Any:
-        """The optimizer stepping this shard: `given` (one of the rpc engine's
-        DistributedOptimizer's, owned here), or None."""
-        return None if given is None else given.local_value()
+    def step_optimizer(self, context_id: int, lr: float | None) -> None:
+        """Step the shard's parameters with the step's gradients (`gradients`), with the
+        schedule's learning rate `lr` (None: the optimizer's own)."""
+        assert self.optimizer is not None, "this stage was built without an optimizer"
+        if lr is not None:
+            set_lr(self.optimizer, lr)
+        params = dict(self.layers.named_parameters())
+        self.optimizer.step({params[n]: g for n, g in self.gradients(context_id).items()})
 
-    def save(self, optimizer: RRef | None, directory: str, name: str) -> dict[str, Any]:
+    def save(self, directory: str, name: str) -> dict[str, Any]:
         """Checkpoint this shard and its optimizer's state; the manifest entry."""
-        local = self.local_optimizer(optimizer)
-        optimizers = {} if local is None else {"optimizer": local}
+        optimizers = {} if self.optimizer is None else {"optimizer": self.optimizer}
         return checkpoint.save_module(directory, name, self.layers, optimizers)
 
-    def load(self, optimizer: RRef | None, directory: str, entries: list[dict[str, Any]],
-             seed: int | None) -> None:  # fmt: skip
+    def load(self, directory: str, entries: list[dict[str, Any]], seed: int | None) -> None:
         """Load this shard's state and its optimizer's from the checkpoint files `entries`
         (those that hold its names, written by shards cut anywhere, by either engine). `seed`
         None: the files are the one this very shard wrote, whose RNG state continues (dropout
         masks as they would have been); else the shard is new and its RNG starts from `seed`."""
-        local = self.local_optimizer(optimizer)
-        optimizers = {} if local is None else {"optimizer": local}
+        optimizers = {} if self.optimizer is None else {"optimizer": self.optimizer}
         parts = checkpoint.load_named(directory, entries, self.layers, optimizers)
         if seed is None:
             checkpoint.set_rng_state(parts[0]["rng"])

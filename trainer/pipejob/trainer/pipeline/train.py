@@ -254,11 +254,8 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
     root = env.spec.checkpoint.path
     directory = str(checkpoint.step_dir(root, step))
     start = time.perf_counter()
-    local = pipelines.local_optimizers(0)
     saving = [
-        rpc.rpc_async(
-            name, on_stage, args=(stage, "save", local.get(name), directory, f"stage{i}.pt")
-        )  # fmt: skip
+        rpc.rpc_async(name, on_stage, args=(stage, "save", directory, f"stage{i}.pt"))
         for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True))
     ]
     own = {"rng": checkpoint.rng_state(), "data": pipelines.data_state(), "rest": shards.rest,
@@ -325,11 +322,10 @@ def resume(env: Env, found: checkpoint.Checkpoint, pipelines: Replicas, shards: 
         seed = None if same else env.spec.seed + 1_000_003 * found.step + k
         plans.append((entries, seed))
     loading = []
-    for r, pipeline in enumerate(pipelines.pipelines):
-        local = pipelines.local_optimizers(r)
+    for pipeline in pipelines.pipelines:
         for name, stage, (entries, seed) in zip(pipeline.names, pipeline.stages, plans,
                                                 strict=True):  # fmt: skip
-            args = (stage, "load", local.get(name), directory, entries, seed)
+            args = (stage, "load", directory, entries, seed)
             loading.append(rpc.rpc_async(name, on_stage, args=args))
     own = found.load("master.pt")
     checkpoint.set_rng_state(own["rng"])

@@ -7,8 +7,8 @@ running. What stops is calls ending. Each process counts the calls it has served
 (failures.py's wrapper of torch's `_run_function` calls `served`), and the master also counts
 the calls it makes and keeps the ones still outstanding: `trace` wraps torch's
 `rpc.rpc_async`, `rpc.rpc_sync`, `rpc.remote` and `dist_autograd.backward` in the master's
-process, so every call of every kind's master (and of torch's DistributedOptimizer) is seen
-without its call sites knowing. The oldest outstanding call says whom the master waits on."""
+process, so every call of every kind's master is seen without its call sites knowing. The
+oldest outstanding call says whom the master waits on."""
 
 from __future__ import annotations
 

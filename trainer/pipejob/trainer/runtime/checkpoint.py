@@ -20,16 +20,10 @@ step directory without its manifest is simply not a checkpoint.
 
 Optimizer state: a HybridJob's optimizers are plain torch.optim ones (each parameter
 server's sparse one over its pieces of the tables, saved by table and row range in
-hybrid/ps.py; each trainer's for its dense layer), whose `state` is used directly. A PipelineJob's
-DistributedOptimizer keeps one local optimizer per worker, reachable through
-its `remote_optimizers` RRefs (owned by the worker that holds the parameters). By default
-that is a `_ScriptLocalOptimizer`, a TorchScript module whose functional optimizer keeps
-`state: Dict[Tensor, Dict[str, Tensor]]` (momentum buffers, Adam's moments and step). Reading
-`module.optim` from Python returns a copy of that TorchScript object whose tensors are the
-live ones, so saving reads it; restoring sets the state on such a copy and assigns the copy
-back to the module. Without TorchScript it is a `_LocalOptimizer` around a torch.optim
-optimizer, whose `state` is used directly. Either way the state is stored by parameter name,
-so it does not depend on object identities or orders."""
+hybrid/ps.py; each trainer's for its dense layer); a PipelineJob stage's is its own
+`optim.Functional`, which keeps its state as torch.optim does (momentum buffers, Adam's
+moments and step, per parameter). Either's `state` is used directly and stored by parameter
+name, so it does not depend on object identities or orders."""
 
 from __future__ import annotations
 
@@ -46,7 +40,6 @@ from typing import Any, BinaryIO
 
 import torch
 from torch import nn
-from torch.distributed.optim.optimizer import _LocalOptimizer
 
 from pipejob.core.common import CommonSpec
 from pipejob.trainer.runtime import world
@@ -294,54 +287,34 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def optimizer_state(local: Any, module: nn.Module,
+def optimizer_state(optim: Any, module: nn.Module,
                     copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:  # fmt: skip
-    """The state of a torch.optim optimizer or of one of DistributedOptimizer's local
-    optimizers (the object an entry of `remote_optimizers` refers to, on its owner), by name
-    of `module`'s parameters, on the CPU: a copy, or (`copy` False, for a caller that writes
-    it at once) the live tensors where they are on the CPU already."""
+    """The state of a torch.optim optimizer (or an `optim.Functional` one) by name of
+    `module`'s parameters, on the CPU: a copy, or (`copy` False, for a caller that writes it
+    at once) the live tensors where they are on the CPU already."""
     names = {id(p): n for n, p in module.named_parameters()}
-    if isinstance(local, _LocalOptimizer | torch.optim.Optimizer):
-        optim = local.optim if isinstance(local, _LocalOptimizer) else local
-        state = optim.state
-        params = [p for group in optim.param_groups for p in group["params"]]
-    else:
-        functional = local.optim  # a copy of the TorchScript object, sharing its tensors
-        state, params = functional.state, functional.param_group["params"]
+    params = [p for group in optim.param_groups for p in group["params"]]
     return {
-        names[id(p)]: {k: _to(v, torch.device("cpu"), copy) for k, v in state[p].items()}
+        names[id(p)]: {k: _to(v, torch.device("cpu"), copy) for k, v in optim.state[p].items()}
         for p in params
-        if p in state and state[p]
+        if p in optim.state and optim.state[p]
     }
 
 
-def load_optimizer_state(local: Any, module: nn.Module,
+def load_optimizer_state(optim: Any, module: nn.Module,
                          saved: dict[str, dict[str, torch.Tensor]]) -> None:  # fmt: skip
-    """Give a fresh local optimizer the state `optimizer_state` saved."""
+    """Give a fresh optimizer the state `optimizer_state` saved."""
     params = dict(module.named_parameters())
     unknown = sorted(set(saved) - set(params))
     if unknown:
         raise CheckpointError(f"optimizer state for parameters this model lacks: {unknown[:5]}")
     # As torch.optim's load_state_dict does: "step" counters stay on the CPU.
-    state = {params[n]: {k: _to(v, torch.device("cpu") if k == "step" else params[n].device,
-                                copy=True)
-                         for k, v in s.items()}
-             for n, s in saved.items()}  # fmt: skip
-    if isinstance(local, torch.optim.Optimizer):
-        local.state.update(state)
-        return
-    if isinstance(local, _LocalOptimizer):
-        local.optim.state.update(state)
-        return
-    functional = local.optim
-    functional.state = state
-    local.optim = functional  # reads return copies: write the updated object back
-
-
-def local_optimizers(optimizer: Any) -> dict[str, Any]:
-    """A DistributedOptimizer's local optimizers (RRefs), by the name of the worker owning
-    each; pass one to that worker to save or restore its state there."""
-    return {rref.owner().name: rref for rref in optimizer.remote_optimizers}
+    optim.state.update({
+        params[n]: {k: _to(v, torch.device("cpu") if k == "step" else params[n].device,
+                           copy=True)
+                    for k, v in s.items()}
+        for n, s in saved.items()
+    })  # fmt: skip
 
 
 def _to(value: Any, device: torch.device, copy: bool = False) -> Any:
@@ -351,7 +324,7 @@ def _to(value: Any, device: torch.device, copy: bool = False) -> Any:
 
 def save_module(directory: str | Path, name: str, module: nn.Module,
                 optimizers: dict[str, Any], **extra: Any) -> dict[str, Any]:  # fmt: skip
-    """Save a module's weights and buffers under its own names, its local optimizers' state
+    """Save a module's weights and buffers under its own names, its optimizers' state
     (keyed, e.g. by the trainer that created each) and this process's RNG state; the
     manifest entry, which says the names the file holds (write_manifest indexes them)."""
     state = {
@@ -401,7 +374,7 @@ def load_named(directory: str | Path, entries: list[dict[str, Any]], module: nn.
                optimizers: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
     """Load `module`'s state, each name from the first of the files `entries` that holds it
     (files `save_module` wrote for modules that may hold other parts of the model), and its
-    local optimizers' state (by key, as saved) for its parameters. One file at a time,
+    optimizers' state (by key, as saved) for its parameters. One file at a time,
     memory-mapped: each name is copied into the module (and its optimizer state out) from the
     file, so no more of a file is read than the module's own share. The files' SHA-256 is
     not checked again (the master checked it: `latest`), their sizes are. Returns each file's
@@ -433,6 +406,6 @@ def load_named(directory: str | Path, entries: list[dict[str, Any]], module: nn.
     if missing:
         names = ", ".join(entry["name"] for entry in entries)
         raise CheckpointError(f"{Path(directory)} ({names}) holds no {', '.join(missing[:5])}")
-    for key, local in optimizers.items():
-        load_optimizer_state(local, module, saved[key])
+    for key, optim in optimizers.items():
+        load_optimizer_state(optim, module, saved[key])
     return others

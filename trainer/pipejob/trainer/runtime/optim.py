@@ -1,13 +1,16 @@
 """The spec's `optimizer` section (both job kinds): the torch.optim class and its arguments,
-the learning rate at each optimizer step (`schedule`), and the coefficient that clips the
-gradients to `clipGradNorm`."""
+a pipeline stage's optimizer (`Functional`), the learning rate at each optimizer step
+(`schedule`), and the coefficient that clips the gradients to `clipGradNorm`."""
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.optim import adam, adamw, rmsprop, sgd
 
 from pipejob.core.common import Optimizer
 
@@ -60,20 +63,88 @@ def clip_coefficient(norm: float, max_norm: float | None) -> float:
     return min(1.0, max_norm / (norm + CLIP_EPS))
 
 
-def set_lr(local: Any, lr: float) -> None:
-    """Set the learning rate of a torch.optim optimizer, or of one of DistributedOptimizer's
-    local optimizers (on its owner): a `_LocalOptimizer` around a torch.optim one, or a
-    TorchScript module whose functional optimizer reads `defaults["lr"]` at every step
-    (reading `module.optim` returns a copy: write the updated copy back)."""
-    optim = getattr(local, "optim", local)
-    if isinstance(optim, torch.optim.Optimizer):
-        for group in optim.param_groups:
-            group["lr"] = lr
-        return
-    optim.defaults = {**optim.defaults, "lr": lr}
-    local.optim = optim
+class Functional:
+    """torch.optim's optimizer `opt.name` over `params`, stepped through torch's functional
+    form of it (torch.optim.sgd.sgd, adam.adam, adamw.adamw, rmsprop.rmsprop): the class's
+    arithmetic, defaults and state, without building the class, which imports torch._dynamo
+    (+150 MB a process) and DistributedOptimizer torch.distributed.optim (+50 MB: sympy,
+    FSDP). `param_groups` and `state` are torch.optim's, so learning rates and checkpoints
+    treat it as one."""
+
+    def __init__(self, opt: Optimizer, params: Iterable[torch.Tensor]):
+        self.name = opt.name
+        _, kwargs = optimizer_args(opt)
+        self.param_groups = [{"params": list(params), **kwargs}]
+        self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+
+    def step(self, grads: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Step every parameter with a gradient: its `grads` entry (the rpc engine's, from
+        the step's distributed autograd context), or its `.grad`."""
+        group = self.param_groups[0]
+        params = [p for p in group["params"]
+                  if (p.grad if grads is None else grads.get(p)) is not None]  # fmt: skip
+        got = [p.grad if grads is None else grads[p] for p in params]
+        if not params:
+            return
+        # Named in a profile's trace, as torch.optim's step is.
+        with torch.no_grad(), torch.profiler.record_function(f"optimizer step ({self.name})"):
+            _STEPS[self.name](self, group, params, got)
+
+    def zero_grad(self) -> None:
+        for p in self.param_groups[0]["params"]:
+            p.grad = None
+
+    def _steps(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters' step counters, made as torch.optim makes them (on the CPU)."""
+        for p in params:
+            self.state[p].setdefault("step", torch.tensor(0.0, dtype=_scalar_dtype()))
+        return [self.state[p]["step"] for p in params]
+
+    def _zeros(self, params: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+        for p in params:
+            if key not in self.state[p]:
+                self.state[p][key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return [self.state[p][key] for p in params]
 
 
-def set_remote_lr(local: Any, lr: float) -> None:
-    """Runs on a local optimizer's owner: `set_lr` of the optimizer an RRef refers to."""
-    set_lr(local.local_value(), lr)
+def _sgd(o: Functional, group: dict[str, Any], params: list, grads: list) -> None:
+    momentum = group["momentum"]
+    buffers = [o.state[p].get("momentum_buffer") for p in params]
+    sgd.sgd(params, grads, buffers, weight_decay=group["weight_decay"], momentum=momentum,
+            lr=group["lr"], dampening=0.0, nesterov=False, maximize=False)  # fmt: skip
+    if momentum != 0:  # the functional form makes a buffer where there was none
+        for p, buffer in zip(params, buffers, strict=True):
+            o.state[p]["momentum_buffer"] = buffer
+
+
+def _adam(o: Functional, group: dict[str, Any], params: list, grads: list) -> None:
+    step = adamw.adamw if o.name == "adamw" else adam.adam
+    steps = o._steps(params)
+    step(params, grads, o._zeros(params, "exp_avg"), o._zeros(params, "exp_avg_sq"), [], steps,
+         has_complex=any(torch.is_complex(p) for p in params), amsgrad=False, beta1=0.9,
+         beta2=0.999, lr=group["lr"], weight_decay=group["weight_decay"], eps=1e-8,
+         maximize=False)  # fmt: skip
+
+
+def _rmsprop(o: Functional, group: dict[str, Any], params: list, grads: list) -> None:
+    momentum = group["momentum"]
+    steps = o._steps(params)
+    buffers = o._zeros(params, "momentum_buffer") if momentum > 0 else []
+    rmsprop.rmsprop(params, grads, o._zeros(params, "square_avg"), [], buffers, steps,
+                    has_complex=any(torch.is_complex(p) for p in params), lr=group["lr"],
+                    alpha=0.99, eps=1e-8, weight_decay=group["weight_decay"],
+                    momentum=momentum, centered=False)  # fmt: skip
+
+
+_STEPS = {"sgd": _sgd, "adam": _adam, "adamw": _adam, "rmsprop": _rmsprop}
+
+
+def _scalar_dtype() -> torch.dtype:
+    # torch.optim's: float64 counters where float64 is the default dtype.
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def set_lr(optim: Any, lr: float) -> None:
+    """Set the learning rate of a torch.optim optimizer or a `Functional` one."""
+    for group in optim.param_groups:
+        group["lr"] = lr

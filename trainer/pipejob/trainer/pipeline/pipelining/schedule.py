@@ -95,7 +95,7 @@ class Pipeline(driver.Pipeline):
 
 
 class Replicas(driver.Replicas):
-    """Every copy of the pipeline, each stage with its own torch optimizer. With
+    """Every copy of the pipeline, each stage with its own optimizer. With
     gradientAccumulation the rounds' gradients add up in .grad; then the replica's stages
     average them with the same stage of the other replicas (Shard.average_gradients), give
     their global norm, which clips them (gradients.py), and step."""
@@ -129,7 +129,7 @@ class Replicas(driver.Replicas):
         judged = self.judge(pipeline, NO_CONTEXT, losses, numbers, step)
         if judged.apply:
             gradients.clip(names, stages, NO_CONTEXT, judged.norm, self.optimizer.clip_grad_norm)
-            pipeline.each("step_optimizer",
+            pipeline.each("step_optimizer", NO_CONTEXT,
                           judged.lr if self.optimizer.schedule is not None else None)  # fmt: skip
         pipeline.each("zero_grad")
         return judged.result(middle - start, time.perf_counter() - middle, allreduce)

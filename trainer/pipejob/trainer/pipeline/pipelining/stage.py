@@ -35,7 +35,6 @@ from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.timing import Clock, step_seconds
 from pipejob.trainer.runtime import nonfinite
-from pipejob.trainer.runtime.optim import optimizer_args, set_lr
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.cut import join
 from pipejob.trainer.workloads.metrics import Tally
@@ -126,7 +125,7 @@ class Stage(Shard):
     def __init__(self, part: Part | nn.Module, index: int, processes: int, pieces: list[int],
                  schedule: str, optimizer: Optimizer, device: str, precision: str = "fp32",
                  recompute: bool = False, source: Source | None = None):  # fmt: skip
-        super().__init__(part, device, precision, recompute, source)
+        super().__init__(part, device, precision, recompute, source, optimizer)
         self.index, self.held, self.schedule = index, pieces, schedule
         self.count = processes * len(pieces)  # pieces in the pipeline
         self.pipeline, self.replicas_group = groups.mine()
@@ -136,8 +135,6 @@ class Stage(Shard):
                  f"the end of stage {k}")
             for k, piece in zip(pieces, self.pieces, strict=True)
         ]  # fmt: skip
-        cls, kwargs = optimizer_args(optimizer)
-        self.optimizer = cls(self.layers.parameters(), **kwargs)
         self.meter = ActivationMeter(self.layers.parameters())
         self._runs: dict[Key, tuple[Any, list[Timed]]] = {}
         self._metas: dict[tuple[Key, int], tuple[Metas, Metas]] = {}  # (in, out) per piece
@@ -236,18 +233,10 @@ class Stage(Shard):
         """The step's gradients, in the parameters' .grad."""
         return {n: p.grad for n, p in self.layers.named_parameters() if p.grad is not None}
 
-    def step_optimizer(self, lr: float | None) -> None:
-        """Step the shard's parameters (with the schedule's learning rate, if any)."""
-        if lr is not None:
-            set_lr(self.optimizer, lr)
-        self.optimizer.step()
-
     def zero_grad(self) -> None:
         """Forget the step's gradients (stepped, or skipped: fp16 overflowed)."""
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def local_optimizer(self, given: RRef | None) -> Any:
-        return self.optimizer
+        assert self.optimizer is not None
+        self.optimizer.zero_grad()
 
     def activation_peak(self) -> int:
         """The most bytes of activations this stage has held for its backwards."""

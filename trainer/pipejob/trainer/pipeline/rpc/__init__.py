@@ -1,6 +1,6 @@
 """The rpc engine: the master drives every micro-batch through the stages over
 torch.distributed.rpc (stage i + 1 fetches its input from stage i), distributed autograd runs
-the backward across them, and DistributedOptimizer steps every shard where it lives.
+the backward across them, and each stage's optimizer steps its shard where it lives.
 
 - schedule.py: the master's step driver (GPipe);
 - stage.py: a stage worker's shard, computing micro-batches in order."""

@@ -6,22 +6,21 @@ The master only sends control messages. The first stage reads each round's batch
 (pipeline/reader.py); for every micro-batch the master chains RRefs, so stage i+1 fetches
 its input from stage i (activations never pass through the master). The last stage keeps
 the model's outputs and computes the loss against the labels it fetches from the first
-stage; `dist_autograd` runs the backward from it across the stages and
-`DistributedOptimizer` steps every shard's parameters where they live. Evaluation takes the
-same path, the last stage adding each round's figures to a `Tally`."""
+stage; `dist_autograd` runs the backward from it across the stages, and each stage's own
+optimizer steps its shard with the gradients of the step's context (Shard.step_optimizer).
+Evaluation takes the same path, the last stage adding each round's figures to a `Tally`."""
 
 from __future__ import annotations
 
 import queue
 import time
-from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
+from pipejob.core.common import Optimizer
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import driver, gradients
 from pipejob.trainer.pipeline.driver import Round, StepResult
@@ -29,8 +28,7 @@ from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Source
 from pipejob.trainer.pipeline.rpc.stage import Stage
 from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import Shards
-from pipejob.trainer.runtime import checkpoint, rendezvous
-from pipejob.trainer.runtime.optim import optimizer_args, set_remote_lr
+from pipejob.trainer.runtime import rendezvous
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -48,14 +46,15 @@ class Pipeline(driver.Pipeline):
 
     def __init__(self, stage_names: list[str], shards: Shards, device: str = "cpu",
                  precision: str = "fp32", recompute: bool = False,
-                 source: Source | None = None):  # fmt: skip
+                 source: Source | None = None, optimizer: Optimizer | None = None):  # fmt: skip
         """`source`: where the first stage reads the training and held-out batches; without
-        it, every round's batch is given (`read`)."""
+        it, every round's batch is given (`read`). `optimizer`: what each stage steps its
+        shard with (none: the caller steps the parameters itself)."""
         last = len(stage_names) - 1
         super().__init__(stage_names, [
             rpc.remote(name, Stage, args=(shards.parts[i] if shards.parts else shards.stages[i],
                                           i == last, device, precision, recompute,
-                                          source if i == 0 else None))
+                                          source if i == 0 else None, optimizer))
             for i, name in enumerate(stage_names)
         ])  # fmt: skip
 
@@ -133,9 +132,6 @@ class Pipeline(driver.Pipeline):
         (Stage.settle): only then are the step's gradients whole."""
         self.each("settle", step, micro_batches)
 
-    def parameter_rrefs(self) -> list[RRef]:
-        return [p for params in self.each("parameter_rrefs") for p in params]
-
 
 def forward_backward(
     pipeline: Pipeline,
@@ -156,24 +152,22 @@ def forward_backward(
 
 
 class Replicas(driver.Replicas):
-    """Every copy of the pipeline, each with its own DistributedOptimizer over its stages.
+    """Every copy of the pipeline, each stage with its own optimizer.
 
     Each replica runs its share's forwards and backwards in a dist-autograd context of its
     own, then its stages average their gradients with the same stage of the other replicas
     (`Stage.average_gradients`) and its optimizer steps. With gradientAccumulation the
     rounds' gradients add up on the stages into the last round's context. Before the
     optimizer steps, the replica's stages give their gradients' global norm, which clips
-    them (gradients.py), and the optimizer gets the schedule's learning rate."""
+    them (gradients.py), and the stages step with the schedule's learning rate."""
 
     def __init__(self, names: list[list[str]], shards: Shards, spec: PipelineSpec,
                  device: str = "cpu"):  # fmt: skip
-        cls, kwargs = optimizer_args(spec.optimizer)
         pipelines = [Pipeline(stage_names, shards, device, spec.precision,
-                              spec.activation_checkpointing, Source(spec, r, len(names)))
+                              spec.activation_checkpointing, Source(spec, r, len(names)),
+                              spec.optimizer)
                      for r, stage_names in enumerate(names)]  # fmt: skip
         super().__init__(pipelines, shards, spec)
-        self.optimizers = [DistributedOptimizer(cls, p.parameter_rrefs(), **kwargs)
-                           for p in pipelines]  # fmt: skip
 
     def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
              loss_fn: Loss, batch: int) -> StepResult:  # fmt: skip
@@ -214,19 +208,6 @@ class Replicas(driver.Replicas):
             if judged.apply:
                 gradients.clip(names, stages, context_id, judged.norm,
                                self.optimizer.clip_grad_norm)  # fmt: skip
-                if self.optimizer.schedule is not None:
-                    set_lr(self.optimizers[r], judged.lr)
-                self.optimizers[r].step(context_id)
+                lr = judged.lr if self.optimizer.schedule is not None else None
+                pipeline.each("step_optimizer", context_id, lr)
         return judged.result(middle - start, time.perf_counter() - middle, allreduce)
-
-    def local_optimizers(self, r: int) -> dict[str, Any]:
-        """Replica r's DistributedOptimizer's local optimizers, by stage worker."""
-        return checkpoint.local_optimizers(self.optimizers[r])
-
-
-def set_lr(optimizer: DistributedOptimizer, lr: float) -> None:
-    """Give every local optimizer of a DistributedOptimizer the learning rate `lr`."""
-    torch.futures.wait_all([
-        rpc.rpc_async(local.owner(), set_remote_lr, args=(local, lr))
-        for local in optimizer.remote_optimizers
-    ])  # fmt: skip

@@ -19,6 +19,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.distributed.rpc import RRef
 
+from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.parts import Part
 from pipejob.trainer.pipeline.reader import Source
@@ -80,8 +81,8 @@ class Stage(Shard):
 
     def __init__(self, module: nn.Module | Part, last: bool, device: str,
                  precision: str = "fp32", recompute: bool = False,
-                 source: Source | None = None):  # fmt: skip
-        super().__init__(module, device, precision, recompute, source)
+                 source: Source | None = None, optimizer: Optimizer | None = None):  # fmt: skip
+        super().__init__(module, device, precision, recompute, source, optimizer)
         # A GPU stage computes on a thread and stream of its own (pipeline/gpu_worker.py).
         self.gpu = GpuWorker(self.device) if self.device.type == "cuda" else None
         self.last = last
@@ -100,9 +101,6 @@ class Stage(Shard):
         self._done: dict[int, int] = {}
         # The last stage's outputs per (round, micro-batch), until their loss or tally.
         self._outputs: dict[tuple[int, int], Any] = {}
-
-    def parameter_rrefs(self) -> list[RRef]:
-        return [RRef(p) for p in self.layers.parameters()]
 
     def forward(self, x: tuple[Any, ...] | RRef | None, round: int, micro_batch: int,
                 step: int | None) -> Any:  # fmt: skip

@@ -65,14 +65,16 @@ class Failed(Exception):
     """A check that did not hold: which, and how."""
 
 
-def run(zoo: str, name: str, factory: Callable[[], nn.Module],
-        sample: Callable[[], Any]) -> Row:  # fmt: skip
-    """The verdict on `factory`'s model, fed `sample()` (a batch of MICRO_BATCHES * 2)."""
+def run(zoo: str, name: str, factory: Callable[[], nn.Module], sample: Callable[[], Any],
+        float64: str | None = None) -> Row:  # fmt: skip
+    """The verdict on `factory`'s model, fed `sample()` (a batch of MICRO_BATCHES * 2); in
+    float32 alone where `float64` says why not in float64 (the memory it would need)."""
     start = time.perf_counter()
     row = Row(zoo, name, "exact")
     default = torch.get_default_dtype()
+    in_float64 = float64
     try:
-        for dtype in (torch.float64, torch.float32):
+        for dtype in (torch.float32,) if float64 else (torch.float64, torch.float32):
             torch.set_default_dtype(dtype)
             try:
                 _check(row, _seeded(factory), sample)

@@ -2,12 +2,14 @@
 models nobody here wrote? Each model of each zoo (benchmarks/_zoos.py: every torch.nn module
 with parameters, every torchvision classification builder, one timm model per family, every
 transformers architecture an auto class builds from a tiny config) is checked against a
-plain build in one process, in float64 (benchmarks/_conform.py): (a) parameters and buffers
+plain build in one process, in float64 (benchmarks/_conform.py; in float32 where float64
+does not run, or its memory is over --max-params): (a) parameters and buffers
 bit-equal per stage, (b) outputs bit-equal in training and evaluation mode, (c) step-1
 gradients equal, tied weights included, (d) the output loads strictly into a fresh build;
 at two cuts. Each row is exact, refused (pipejob says it cannot cut it, and why), failing
 (what differs, where), not built (its own library cannot build or run it here), or not run
-(over --max-params, or past --timeout: a rerun with more time decides).
+(over twice --max-params, float32's budget, or past --timeout: a rerun with more time
+decides).
 
 Models run one after another in a worker process, restarted when one crashes or outlasts
 --timeout. Progress goes to stdout, one line a model; --table writes the markdown table
@@ -68,7 +70,8 @@ def main() -> int:
         "--max-params",
         type=float,
         default=200e6,
-        help="models with more parameters are listed, not run (memory)",
+        help="models with more parameters are checked in float32 (half the memory), with"
+        " more than twice as many listed, not run",
     )
     args = parser.parse_args()
 
@@ -232,29 +235,35 @@ def _serve(requests: Any, replies: Any, max_params: float) -> None:
         except Exception as e:  # noqa: BLE001 (the zoo's own entry fails: not pipejob's)
             row = _conform.Row(zoo, name, "not built", _conform._line(e))
         else:
-            row = _big(zoo, shown, factory, max_params) or _conform.run(zoo, shown, factory,
-                                                                        sample)  # fmt: skip
+            count = _count(factory)
+            over = _over(count, max_params)
+            if over and count > 2 * max_params:
+                row = _conform.Row(zoo, shown, "not run", f"{over}; float32, half of it, is over"
+                                   " twice --max-params", params=count)  # fmt: skip
+            else:  # over the float64 budget alone: the checks in float32, half its memory
+                row = _conform.run(zoo, shown, factory, sample, over)
         row.seconds = time.perf_counter() - start
         replies.put(asdict(row))
 
 
-def _big(zoo: str, name: str, factory: Any, max_params: float) -> Any:
-    """A row for a model over the parameter budget (counted on the meta device, as pipejob's
-    master builds it: a builder that computes its widths with tensors, RegNet's, builds
-    there too), else None."""
-    import _conform
+def _over(count: int, max_params: float) -> str | None:
+    """Why a model of `count` parameters is over the float64 budget, or None."""
+    if count <= max_params:
+        return None
+    return (f"{count / 1e6:.0f}M parameters, over --max-params {max_params / 1e6:.0f}M (float64"
+            f" needs {count * 8 * 5 / 2**30:.0f} GiB here)")  # fmt: skip
 
+
+def _count(factory: Any) -> int:
+    """The model's parameters, counted on the meta device as pipejob's master builds it (a
+    builder that computes its widths with tensors, RegNet's, builds there too); 0 where it
+    cannot build there (the check itself says why)."""
     from pipejob.trainer.workloads import materialize
 
     try:
-        count = sum(p.numel() for p in materialize.build(factory, ())[0].parameters())
-    except Exception:  # noqa: BLE001 (the check itself says what fails)
-        return None
-    if count <= max_params:
-        return None
-    return _conform.Row(zoo, name, "not run", f"{count / 1e6:.0f}M parameters, over"
-                        f" --max-params {max_params / 1e6:.0f}M (float64 needs"
-                        f" {count * 8 * 4 / 2**30:.0f} GiB here)", params=count)  # fmt: skip
+        return sum(p.numel() for p in materialize.build(factory, ())[0].parameters())
+    except Exception:  # noqa: BLE001
+        return 0
 
 
 if __name__ == "__main__":

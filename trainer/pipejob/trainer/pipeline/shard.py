@@ -256,20 +256,22 @@ class Shard:
 
     def save(self, directory: str, name: str) -> dict[str, Any]:
         """Checkpoint this shard and its optimizer's state; the manifest entry."""
-        optimizers = {} if self.optimizer is None else {"optimizer": self.optimizer}
-        return checkpoint.save_module(directory, name, self.layers, optimizers)
+        return checkpoint.save_module(directory, name, self.layers, self._optimizers())
 
     def load(self, directory: str, entries: list[dict[str, Any]], seed: int | None) -> None:
         """Load this shard's state and its optimizer's from the checkpoint files `entries`
         (those that hold its names, written by shards cut anywhere, by either engine). `seed`
         None: the files are the one this very shard wrote, whose RNG state continues (dropout
         masks as they would have been); else the shard is new and its RNG starts from `seed`."""
-        optimizers = {} if self.optimizer is None else {"optimizer": self.optimizer}
-        parts = checkpoint.load_named(directory, entries, self.layers, optimizers)
+        parts = checkpoint.load_named(directory, entries, self.layers, self._optimizers())
         if seed is None:
             checkpoint.set_rng_state(parts[0]["rng"])
         else:
             torch.manual_seed(seed)
+
+    def _optimizers(self) -> dict[str, Any]:
+        """The optimizers a checkpoint keeps with the shard, by key."""
+        return {} if self.optimizer is None else {"optimizer": self.optimizer}
 
 
 def on_stage(stage: RRef, method: str, *args: Any) -> Any:

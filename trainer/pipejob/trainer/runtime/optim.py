@@ -81,14 +81,13 @@ class Functional:
         """Step every parameter with a gradient: its `grads` entry (the rpc engine's, from
         the step's distributed autograd context), or its `.grad`."""
         group = self.param_groups[0]
-        params = [p for p in group["params"]
-                  if (p.grad if grads is None else grads.get(p)) is not None]  # fmt: skip
-        got = [p.grad if grads is None else grads[p] for p in params]
+        found = {p: p.grad if grads is None else grads.get(p) for p in group["params"]}
+        params = [p for p, g in found.items() if g is not None]
         if not params:
             return
         # Named in a profile's trace, as torch.optim's step is.
         with torch.no_grad(), torch.profiler.record_function(f"optimizer step ({self.name})"):
-            _STEPS[self.name](self, group, params, got)
+            _STEPS[self.name](self, group, params, [found[p] for p in params])
 
     def zero_grad(self) -> None:
         for p in self.param_groups[0]["params"]:

@@ -11,6 +11,7 @@ its label is that class; clicks: see SyntheticClicks."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -114,23 +115,13 @@ class SyntheticImages:
         return images.add_(self.colours[labels]), labels
 
 
-_DRAWING: ThreadPoolExecutor | None = None
-
-
+@functools.cache
 def _drawing() -> ThreadPoolExecutor:
     """The threads that draw images (torch's kernels release the GIL while they draw)."""
-    global _DRAWING
-    if _DRAWING is None:
-        _DRAWING = ThreadPoolExecutor(min(8, os.cpu_count() or 1), "pipejob-draw")
-    return _DRAWING
+    return ThreadPoolExecutor(min(8, os.cpu_count() or 1), "pipejob-draw")
 
 
-def _forget_drawing() -> None:
-    global _DRAWING
-    _DRAWING = None  # a forked child has none of its parent's threads
-
-
-os.register_at_fork(after_in_child=_forget_drawing)
+os.register_at_fork(after_in_child=_drawing.cache_clear)  # a forked child has no threads
 
 
 def held_out_images(seed: int, batch_size: int, image_size: int, classes: int,

@@ -16,20 +16,23 @@
 #   hybrid      a HybridJob with one trainer on the GPU (gpusPerTrainer: 1), trained to the end
 #   transfer    benchmarks/rpc_transfer.py: a 100 MB tensor between two processes over RPC, as
 #               stages send activations (CUDA tensors through CUDA IPC or host memory; CPU ones)
-#   profile     one pipeline step profiled on the GPU (ResNet-50 224 px, batch 256, 2 micro-
-#               batches: CPU and CUDA activity of every process)
+#   profile     one pipeline step of each gpu-bench workload (2 stages) profiled on the GPU: CPU
+#               and CUDA activity of every process, and the master's parts of the step
 #   cores       benchmarks/compare.py on 16 cores, GPU hidden: pipejob at each micro-batch
 #               count, `auto`, torch.distributed.pipelining's GPipe and 1F1B, one process on
 #               16 threads, 3 interleaved repeats
 # and one more, run only when --only names it:
-#   cores-levers  on 16 cores, one repeat at 2 micro-batches: pipejob, pipejob with twice its
-#               threads per stage, GPipe and 1F1B (where the time goes at 16 cores)
+#   cores-levers  on 16 cores, one repeat at 1 and 2 micro-batches: pipejob, pipejob with all
+#               the cores a stage (waiting passively, or spinning as OpenMP's default), GPipe,
+#               1F1B and one process (where the time goes at 16 cores)
 #
 # Time on an H100 machine (2026-11-26, this script's first call): install 11 s, gpu-tests
-# 119 s, gpu-bench 197 s, hybrid 35 s, transfer 13 s, profile 23 s, cores 114 s a repeat
-# (a pipejob run on 16 cores takes about 24 s, start-up and shutdown included): 513 s with
-# `--cores-repeats 1`. With 15 minutes of device time (a start included), run that, then
-# `--only cores --cores-repeats 2 --budget 290` at once on the warm machine.
+# 119 s, gpu-bench 197 s, hybrid 35 s, transfer 13 s, profile 23 s (one workload; about 70
+# s for the three now), cores 114 s a repeat (a pipejob run on 16 cores takes about 24 s,
+# start-up and shutdown included), cores-levers about 190 s (8 runs). With 15 minutes of
+# device time (a start included): `--only gpu-tests,gpu-bench,hybrid,profile,cores
+# --cores-repeats 1 --budget 565`, then at once on the warm machine `--only cores-levers
+# --budget 280` (or, to settle the 16-core figure, `--only cores --cores-repeats 2`).
 #
 # Options: --out DIR (default $OUT where the device tool sets it, else device-results/),
 # --only a,b (run only these steps, install always first), --budget SECONDS (the whole run's
@@ -191,14 +194,39 @@ transfer() {
 }
 
 profile() {
-  local gpus=1 size=224 batch=256 file
-  [[ $MODE == cpu ]] && gpus=0 size=32 batch=16
-  file=$(manifest PipelineJob device-profile "{\"model\": \"resnet50\", \"stages\": 2,
-    \"gpusPerStage\": $gpus, \"imageSize\": $size, \"batchSize\": $batch, \"microBatches\": 2,
-    \"steps\": 4, \"logEvery\": 1, \"seed\": 0, \"preflight\": {\"enabled\": false},
-    \"optimizer\": {\"name\": \"sgd\", \"lr\": 0.01},
-    \"profile\": {\"steps\": [4], \"path\": \"$LOGS/profiles\", \"rowLimit\": 25}}")
-  "$PY" -m pipejob.cli run "$file"
+  # One step of each gpu-bench workload profiled, at the count `auto` chose there on the H100
+  # (2 micro-batches at 224 px, 1 otherwise); its parts on the master recapped at the end.
+  local gpus=1 name spec failed=0
+  local -A jobs=(
+    [resnet50-224]='"model": "resnet50", "imageSize": 224, "batchSize": 256, "microBatches": 2'
+    [resnet50-64]='"model": "resnet50", "imageSize": 64, "batchSize": 256, "microBatches": 1'
+    [transformer-12x768]='"model": {"transformer": {"vocabSize": 256, "layers": 12, "width": 768,
+      "heads": 12, "seqLen": 256}}, "batchSize": 32, "microBatches": 1'
+  )
+  if [[ $MODE == cpu ]]; then
+    gpus=0
+    jobs=(
+      [resnet50-32]='"model": "resnet50", "imageSize": 32, "batchSize": 16, "microBatches": 2'
+      [transformer-2x64]='"model": {"transformer": {"vocabSize": 64, "layers": 2, "width": 64,
+        "heads": 4, "seqLen": 16}}, "batchSize": 8, "microBatches": 1'
+    )
+  fi
+  for name in $(printf '%s\n' "${!jobs[@]}" | sort); do
+    spec="{${jobs[$name]}, \"stages\": 2, \"gpusPerStage\": $gpus, \"steps\": 4,
+      \"logEvery\": 1, \"seed\": 0, \"preflight\": {\"enabled\": false},
+      \"optimizer\": {\"name\": \"sgd\", \"lr\": 0.01},
+      \"profile\": {\"steps\": [4], \"path\": \"$LOGS/profiles/$name\", \"rowLimit\": 25}}"
+    echo "== $name"
+    "$PY" -m pipejob.cli run "$(manifest PipelineJob "profile-$name" "$spec")" |
+      tee "$WORK/profile-$name.out"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=1
+  done
+  echo "== where each profiled step's time went (the master's parts of it), and the stages'"
+  for name in $(printf '%s\n' "${!jobs[@]}" | sort); do
+    echo "$name:"
+    grep -E "its parts:|samples/s, |fwd s/step|^master \|   stage[0-9]" "$WORK/profile-$name.out"
+  done
+  return $failed
 }
 
 cores() {
@@ -216,11 +244,15 @@ cores() {
 cores_levers() {
   local cores=16 size=(--batch 48 --image 64)
   [[ $MODE == cpu ]] && cores=2 size=(--batch 8 --image 32 --batches 1)
-  # pipejob's threads against twice as many (a stage oversubscribing its share of the cores),
-  # beside torch.distributed.pipelining on the same cores.
+  # pipejob's threads (its share of the cores a stage, waiting passively) against all the
+  # cores a stage, waiting passively ("all") and as OpenMP does by default, spinning a while
+  # ("all-spin": the threads lever off); at one micro-batch the stages never compute at once.
+  # Beside torch.distributed.pipelining and one process on the same cores.
   CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/compare.py --cores "$cores" "${size[@]}" \
-    --systems pipejob,gpipe,1f1b --micro-batches 2 --repeats 1 \
-    --pipejob-variant "double:OMP_NUM_THREADS=$cores" \
+    --systems pipejob,gpipe,1f1b,single-tN --micro-batches 1,2 --repeats 1 \
+    --pipejob-variant "all:OMP_NUM_THREADS=$cores" \
+    --pipejob-variant "all-spin:OMP_NUM_THREADS=$cores" \
+    --pipejob-variant "all-spin:PIPEJOB_TUNING=allocator,transport" \
     --timeout 120 --json "$LOGS/cores-levers.json"
 }
 
@@ -235,9 +267,9 @@ step gpu-tests 170 gpu_tests
 step gpu-bench 240 gpu_bench
 step hybrid 60 hybrid
 step transfer 60 transfer
-step profile 60 profile
+step profile 120 profile
 step cores 480 cores
-step cores-levers 200 cores_levers
+step cores-levers 260 cores_levers
 
 {
   echo "benchmarks/device.sh --$MODE on $(hostname), $(date -u '+%Y-%m-%d %H:%M UTC'), $((SECONDS - STARTED))s"

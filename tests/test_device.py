@@ -47,9 +47,17 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
     assert "HybridJob 'device-hybrid' succeeded" in log["hybrid"], log["hybrid"]
     # The transfer: a CPU tensor's send over RPC (CUDA ones where there is a GPU).
     assert re.search(r"rpc, cpu tensor 8 MB: +[\d.]+ ms", log["transfer"]), log["transfer"]
-    # The profile: a trace per process of the world.
-    traces = sorted(p.name for p in (tmp_path / "logs" / "logs" / "profiles").glob("*.json"))
-    assert traces == ["master-step4.json", "stage0-step4.json", "stage1-step4.json"], traces
+    # The profiles: a trace per process of the world for each workload, and the master's
+    # parts of each profiled step recapped.
+    profiles = tmp_path / "logs" / "logs" / "profiles"
+    recap = log["profile"].split("== where each profiled step's time went")[-1]
+    for workload in ("resnet50-32", "transformer-2x64"):
+        traces = sorted(p.name for p in (profiles / workload).glob("*.json"))
+        assert traces == ["master-step4.json", "stage0-step4.json", "stage1-step4.json"], traces
+        parts = re.search(rf"^{workload}:\nmaster \| profile of step 4, its parts: read [\d.]+ ms,"
+                          r" forwards [\d.]+ ms, loss [\d.]+ ms, backward [\d.]+ ms, settle [\d.]+"
+                          r" ms, gradient norms [\d.]+ ms, optimizer step [\d.]+ ms", recap, re.M)  # fmt: skip
+        assert parts, recap
     # The sweep: every system, at the core count the rehearsal has.
     cores = log["cores"]
     for system in ("pipejob", "pipejob-auto", "gpipe", "1f1b", "single-tN"):

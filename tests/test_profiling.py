@@ -86,8 +86,16 @@ def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
     table = re.search(r"^master\s*\| RPC calls \(1 of 1\).*\n((?:master.*\n)+?)master\s*\| Self",
                       own, re.M)  # fmt: skip
     assert table is not None
-    rows = [line for line in table[1].splitlines() if "#" in line]
-    assert len(rows) == 7  # rowLimit
+    rows = [line for line in table[1].splitlines() if re.search(r"#|pipejob: ", line)]
+    assert len(rows) == 7  # rowLimit: RPC calls and the master's parts of the step
+    # The master's parts of the step, in the order they began, each with its time.
+    parts = re.search(r"^master\s*\| profile of step 2, its parts: (.*) \(of ([\d.]+) ms\)$",
+                      output, re.M)  # fmt: skip
+    assert parts is not None, output
+    said = dict(re.findall(r"([a-z][a-z -]*?) ([\d.]+) ms", parts[1].replace(",", "")))
+    assert list(said)[:7] == ["read", "forwards", "loss", "backward", "settle", "gradient norms",
+                              "optimizer step"], said  # fmt: skip
+    assert sum(float(v) for v in said.values()) <= float(parts[2]) + 0.5, parts[0]
 
 
 @pytest.mark.timeout(240)

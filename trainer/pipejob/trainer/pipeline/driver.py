@@ -24,6 +24,7 @@ from pipejob.trainer.pipeline.shard import on_reader, on_stage
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.optim import learning_rate
+from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -95,7 +96,8 @@ class Pipeline:
         self.rounds += 1
         if given is not None:  # a view would ship its whole storage
             given = (given[0].clone(), given[1].clone())
-        samples = self.reader("read", self.rounds, micro_batches, what, given)
+        with phase("read"):
+            samples = self.reader("read", self.rounds, micro_batches, what, given)
         if samples == 0:
             return None
         labels = rpc.remote(self.names[0], on_reader, args=(self.stages[0], "labels", self.rounds))

@@ -54,18 +54,21 @@ def stage_norms(stage: RRef, context_id: int, unscale: float,
     1.0 without one) and return each one's L2 norm (in its dtype, on the CPU), but those of the
     parameters `leave_out` names (copies another stage counts)."""
     grads = _gradients(stage, context_id)
-    if unscale != 1.0:
-        for g in grads.values():
-            g.mul_(unscale)
-    norms = [torch.linalg.vector_norm(g, 2) for n, g in grads.items() if n not in leave_out]
-    return torch.stack(norms).cpu() if norms else torch.zeros(0)
+    if unscale != 1.0 and grads:
+        torch._foreach_mul_(list(grads.values()), unscale)
+    counted = [g for n, g in grads.items() if n not in leave_out]
+    if not counted:
+        return torch.zeros(0)
+    # torch's multi-tensor norms, as clip_grad_norm_'s: on a GPU a few kernels, not one each.
+    return torch.stack(torch._foreach_norm(counted, 2)).cpu()
 
 
 @_settled
 def scale_stage(stage: RRef, context_id: int, coefficient: float) -> None:
     """Runs on a stage: multiply its gradients by the clipping coefficient."""
-    for g in _gradients(stage, context_id).values():
-        g.mul_(coefficient)
+    grads = list(_gradients(stage, context_id).values())
+    if grads:
+        torch._foreach_mul_(grads, coefficient)
 
 
 # Per stage (its Stage object's id): the gradients of a step's earlier rounds.

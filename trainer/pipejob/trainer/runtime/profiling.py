@@ -13,6 +13,10 @@ driver also runs that profiler around the parts of the step that make RPCs (`rpc
 its RPC events join the trace as lanes of their own. (It cannot cover a HybridJob's backward:
 it fails on collectives, like DDP's allreduce, that end on another thread than they began.)
 
+The driver names the parts of its step (`phase`: reading, forwards, backward, the gradients'
+norms, the optimizer's step...); its log then says how long each took in the profiled step
+and what is left, so where a pipeline's time goes reads off one line.
+
 Traces go to `<profile.path>/<rpc name>-step<N>.json`; open them in https://ui.perfetto.dev
 or chrome://tracing."""
 
@@ -37,6 +41,12 @@ from pipejob.trainer.runtime.world import Env
 
 SORT_BY = "self_cpu_time_total"  # on GPUs too: what keeps the host busy shows first
 RPC_LANE = 1_000_000  # thread ids of the RPC lanes: RPC_LANE + node id of the callee
+PHASE = "pipejob: "  # how a part of a driver's step is named in a trace
+
+
+def phase(name: str) -> torch.profiler.record_function:
+    """A part of a driver's step, named in a profile (microseconds when none runs)."""
+    return torch.profiler.record_function(PHASE + name)
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,9 @@ class _Window:
         averages = self.kineto.key_averages()
         table = averages.table(sort_by=SORT_BY, row_limit=self.row_limit)
         lines = [f"profile of step {self.step}, all threads ({path}):", table]
+        parts = Phases(self.kineto.events())
+        if parts:
+            lines.insert(0, f"profile of step {self.step}, its parts: {parts}")
         if torch.cuda.is_available():
             on_gpu = averages.table(sort_by="self_device_time_total", row_limit=self.row_limit)
             lines += [f"profile of step {self.step}, by time on the GPU:", on_gpu]
@@ -109,6 +122,29 @@ class _Window:
                       " remotely (Node ID: rank):", table]  # fmt: skip
         print("\n".join(lines), flush=True)
         return str(path), path.stat().st_size
+
+
+class Phases(dict[str, float]):
+    """Seconds in each `phase` of a profile, summed over its calls, in the order they first
+    began; `span`: from the first one's start to the last one's end."""
+
+    def __init__(self, events: Any):
+        super().__init__()
+        marked = sorted((e for e in events if e.name.startswith(PHASE)),
+                        key=lambda e: e.time_range.start)  # fmt: skip
+        for e in marked:
+            name = e.name.removeprefix(PHASE)
+            self[name] = self.get(name, 0.0) + e.time_range.elapsed_us() / 1e6
+        ends = [(e.time_range.start, e.time_range.end) for e in marked]
+        self.span = (max(end for _, end in ends) - ends[0][0]) / 1e6 if ends else 0.0
+
+    def __str__(self) -> str:
+        """Each part's milliseconds and what is left of the span (between the parts: the
+        driver's own work); the parts of replicas run at once, and may add up to more."""
+        said = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in self.items())
+        rest = self.span - sum(self.values())
+        left = f", between them {rest * 1e3:.1f} ms" if rest > 0 else ""
+        return f"{said}{left} (of {self.span * 1e3:.1f} ms)"
 
 
 def _add_rpc_lanes(path: Path, profiles: list[tuple[float, Any]]) -> None:

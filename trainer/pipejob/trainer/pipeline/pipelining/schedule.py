@@ -18,6 +18,7 @@ from pipejob.trainer.pipeline.pipelining.stage import Stage
 from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Source
 from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import Shards
+from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -120,18 +121,25 @@ class Replicas(driver.Replicas):
             assert round_ is not None  # the training data has no end
             numbers.append(round_.number)
             share = self.share(round_, batch)
-            losses.append(pipeline.run(round_, step, loss_fn, weight * share) * share)
-        pipeline.combine_tied(NO_CONTEXT, self.tied)
+            with phase("schedule"):
+                losses.append(pipeline.run(round_, step, loss_fn, weight * share) * share)
+        if self.tied:
+            with phase("tied gradients"):
+                pipeline.combine_tied(NO_CONTEXT, self.tied)
         middle = time.perf_counter()
         allreduce = 0.0
         if len(self.pipelines) > 1:
-            allreduce = max(pipeline.each("average_gradients", NO_CONTEXT))
-        judged = self.judge(pipeline, NO_CONTEXT, losses, numbers, step)
-        if judged.apply:
-            gradients.clip(names, stages, NO_CONTEXT, judged.norm, self.optimizer.clip_grad_norm)
-            pipeline.each("step_optimizer", NO_CONTEXT,
-                          judged.lr if self.optimizer.schedule is not None else None)  # fmt: skip
-        pipeline.each("zero_grad")
+            with phase("all-reduce"):
+                allreduce = max(pipeline.each("average_gradients", NO_CONTEXT))
+        with phase("gradient norms"):
+            judged = self.judge(pipeline, NO_CONTEXT, losses, numbers, step)
+        with phase("optimizer step"):
+            if judged.apply:
+                gradients.clip(names, stages, NO_CONTEXT, judged.norm,
+                               self.optimizer.clip_grad_norm)  # fmt: skip
+                lr = judged.lr if self.optimizer.schedule is not None else None
+                pipeline.each("step_optimizer", NO_CONTEXT, lr)
+            pipeline.each("zero_grad")
         return judged.result(middle - start, time.perf_counter() - middle, allreduce)
 
     def activation_peaks(self) -> list[int] | None:

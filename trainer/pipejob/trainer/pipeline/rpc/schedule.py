@@ -29,6 +29,7 @@ from pipejob.trainer.pipeline.rpc.stage import Stage
 from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.runtime import rendezvous
+from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -145,9 +146,12 @@ def forward_backward(
     its samples, as without a pipeline) on the last stage, then the backward across the
     stages of the loss times `scale` (1 / gradientAccumulation, times fp16's loss scale).
     Returns the loss."""
-    pipeline.forward(batch, step)
-    loss = pipeline.loss(batch, loss_fn)
-    dist_autograd.backward(context_id, [loss * scale if scale != 1.0 else loss])
+    with phase("forwards"):
+        pipeline.forward(batch, step)
+    with phase("loss"):
+        loss = pipeline.loss(batch, loss_fn)
+    with phase("backward"):
+        dist_autograd.backward(context_id, [loss * scale if scale != 1.0 else loss])
     return loss
 
 
@@ -184,7 +188,8 @@ class Replicas(driver.Replicas):
             share = self.share(round_, batch)
             weight = scale * share / len(rounds)  # each batch's share of the step's loss
             loss = forward_backward(pipeline, round_, step, context_id, loss_fn, weight)
-            pipeline.settle(step, round_.micro_batches)
+            with phase("settle"):
+                pipeline.settle(step, round_.micro_batches)
             return loss.item() * share
 
         start = time.perf_counter()
@@ -194,20 +199,27 @@ class Replicas(driver.Replicas):
         for given in rounds[:-1]:
             with dist_autograd.context() as context_id:
                 losses.append(one_round(given, context_id))
-                gradients.hold(names, stages, context_id)
+                with phase("accumulate"):
+                    gradients.hold(names, stages, context_id)
         with dist_autograd.context() as context_id:
             losses.append(one_round(rounds[-1], context_id))
             if len(rounds) > 1:
-                gradients.release(names, stages, context_id)
-            pipeline.combine_tied(context_id, self.tied)
+                with phase("accumulate"):
+                    gradients.release(names, stages, context_id)
+            if self.tied:
+                with phase("tied gradients"):
+                    pipeline.combine_tied(context_id, self.tied)
             middle = time.perf_counter()
             allreduce = 0.0
             if len(self.pipelines) > 1:
-                allreduce = max(pipeline.each("average_gradients", context_id))
-            judged = self.judge(pipeline, context_id, losses, numbers, step)
+                with phase("all-reduce"):
+                    allreduce = max(pipeline.each("average_gradients", context_id))
+            with phase("gradient norms"):
+                judged = self.judge(pipeline, context_id, losses, numbers, step)
             if judged.apply:
-                gradients.clip(names, stages, context_id, judged.norm,
-                               self.optimizer.clip_grad_norm)  # fmt: skip
-                lr = judged.lr if self.optimizer.schedule is not None else None
-                pipeline.each("step_optimizer", context_id, lr)
+                with phase("optimizer step"):
+                    gradients.clip(names, stages, context_id, judged.norm,
+                                   self.optimizer.clip_grad_norm)  # fmt: skip
+                    lr = judged.lr if self.optimizer.schedule is not None else None
+                    pipeline.each("step_optimizer", context_id, lr)
         return judged.result(middle - start, time.perf_counter() - middle, allreduce)

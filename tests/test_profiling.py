@@ -93,7 +93,7 @@ def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
                       output, re.M)  # fmt: skip
     assert parts is not None, output
     said = dict(re.findall(r"([a-z][a-z -]*?) ([\d.]+) ms", parts[1].replace(",", "")))
-    assert list(said)[:6] == ["read", "forwards", "backward", "settle", "gradient norms",
+    assert list(said)[:7] == ["read", "forwards", "loss", "backward", "settle", "gradient norms",
                               "optimizer step"], said  # fmt: skip
     assert sum(float(v) for v in said.values()) <= float(parts[2]) + 0.5, parts[0]
 

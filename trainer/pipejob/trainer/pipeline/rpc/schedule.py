@@ -5,11 +5,10 @@ step); what both engines' drivers share is pipeline/driver.py's.
 The master only sends control messages. The first stage reads each round's batch itself
 (pipeline/reader.py); for every micro-batch the master chains RRefs, so stage i+1 fetches
 its input from stage i (activations never pass through the master). The last stage keeps
-the model's outputs and, in its round's last forward, computes the loss against the labels
-it fetches from the first stage; `dist_autograd` runs the backward from it across the
-stages, and each stage's own optimizer steps its shard with the gradients of the step's
-context (Shard.step_optimizer). Evaluation takes the same path, the last stage adding each
-round's figures to a `Tally`."""
+the model's outputs and computes the loss against the labels it fetches from the first
+stage; `dist_autograd` runs the backward from it across the stages, and each stage's own
+optimizer steps its shard with the gradients of the step's context (Shard.step_optimizer).
+Evaluation takes the same path, the last stage adding each round's figures to a `Tally`."""
 
 from __future__ import annotations
 
@@ -60,13 +59,10 @@ class Pipeline(driver.Pipeline):
             for i, name in enumerate(stage_names)
         ])  # fmt: skip
 
-    def forward(self, batch: Round, step: int | None,
-                loss_fn: Loss | None = None) -> torch.Tensor | None:  # fmt: skip
+    def forward(self, batch: Round, step: int | None) -> None:
         """All micro-batches' forwards of `batch`, pipelined. `step` None: an evaluation's
-        forwards (no autograd, shards in eval mode). The outputs stay on the last stage; with
-        `loss_fn` (training) its last micro-batch's call there also computes the round's
-        loss (Stage.forward), returned here: no call of its own waits for it. Else they wait
-        there for `tally`.
+        forwards (no autograd, shards in eval mode). The outputs stay on the last stage, for
+        `loss` or `tally`.
 
         Stage k gets micro-batch i's input as stage k-1's RRef and fetches it from there. A
         stage holds at most IN_FLIGHT micro-batches at a time: each waits for its input, then
@@ -83,8 +79,6 @@ class Pipeline(driver.Pipeline):
         def launch(k: int, mb: int) -> None:
             given = None if k == 0 else refs[k - 1, mb]  # the first stage's reader has it
             args = (self.stages[k], "forward", given, round, mb, step)
-            if k == last and loss_fn is not None and mb == micro_batches - 1:
-                args += (batch.labels, loss_fn)
             if k == last:
                 future = rpc.rpc_async(self.names[k], on_stage, args=args)
             else:
@@ -105,7 +99,6 @@ class Pipeline(driver.Pipeline):
                     launched[k] += 1
                     busy[k] += 1
 
-        loss = None
         fill()
         for _ in range((last + 1) * micro_batches):
             try:
@@ -114,12 +107,15 @@ class Pipeline(driver.Pipeline):
                 raise TimeoutError(
                     f"no stage finished a forward within {rendezvous.RPC_TIMEOUT_SECONDS:g}s"
                 ) from None
-            value = future.wait()  # raises if the stage failed
-            if k == last and mb == micro_batches - 1:
-                loss = value
+            future.wait()  # raises if the stage failed
             busy[k] -= 1
             fill()
-        return loss
+
+    def loss(self, batch: Round, loss_fn: Loss) -> torch.Tensor:
+        """A training round's loss, computed on the last stage (Stage.loss)."""
+        return rpc.rpc_sync(self.names[-1], on_stage,
+                            args=(self.stages[-1], "loss", batch.number, batch.micro_batches,
+                                  batch.labels, loss_fn))  # fmt: skip
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0):
@@ -151,8 +147,9 @@ def forward_backward(
     stages of the loss times `scale` (1 / gradientAccumulation, times fp16's loss scale).
     Returns the loss."""
     with phase("forwards"):
-        loss = pipeline.forward(batch, step, loss_fn)
-    assert loss is not None
+        pipeline.forward(batch, step)
+    with phase("loss"):
+        loss = pipeline.loss(batch, loss_fn)
     with phase("backward"):
         dist_autograd.backward(context_id, [loss * scale if scale != 1.0 else loss])
     return loss

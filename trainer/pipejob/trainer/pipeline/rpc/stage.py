@@ -26,7 +26,6 @@ from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, step_seconds
 from pipejob.trainer.runtime import nonfinite, rendezvous
-from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.cut import join, tensors
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -104,18 +103,13 @@ class Stage(Shard):
         self._outputs: dict[tuple[int, int], Any] = {}
 
     def forward(self, x: tuple[Any, ...] | RRef | None, round: int, micro_batch: int,
-                step: int | None, labels: RRef | None = None,
-                loss_fn: Loss | None = None) -> Any:  # fmt: skip
+                step: int | None) -> Any:  # fmt: skip
         """Micro-batch `micro_batch` of forward round `round` (the turnstile's order); a
         training step's (`step`, timed, with autograd) or, with `step` None, an
         evaluation's (no autograd, the shard in eval mode). `x`: the previous stage's
-        output (an RRef), or None on the first stage (the round its reader read). With
-        `labels` and `loss_fn`, on the last stage, the round's last micro-batch: returns the
-        round's loss (`loss`), one call fewer for the master to wait for."""
+        output (an RRef), or None on the first stage (the round its reader read)."""
         failed = None
         try:  # fetching waits for no turn: later inputs arrive while this stage computes
-            if labels is not None:  # first: they are ready, the input may not be yet
-                labels = labels.to_here()
             if x is None:
                 x = self.reader.input(round, micro_batch)
             elif not isinstance(x, tuple):
@@ -143,9 +137,6 @@ class Stage(Shard):
         if self.last:  # kept for `loss` or `tally`: the model's output never leaves the stage
             with self._record:
                 self._outputs[round, micro_batch] = y
-            if loss_fn is not None:
-                assert labels is not None
-                return self.loss(round, micro_batch + 1, labels, loss_fn)
             return None
         return y
 
@@ -161,28 +152,28 @@ class Stage(Shard):
         end = self._clock.mark()
         return start, y, end, nonfinite.all_finite(y, quick=True)
 
-    def _round_outputs(self, round: int, micro_batches: int) -> Any:
-        """The last stage: forward round `round`'s outputs, its micro-batches' joined."""
+    def _round_outputs(self, round: int, micro_batches: int, labels: RRef) -> tuple[Any, Any]:
+        """The last stage: forward round `round`'s outputs, its micro-batches' joined, and
+        its labels, fetched from the first stage."""
         with self._record:
             outputs = [self._outputs.pop((round, mb)) for mb in range(micro_batches)]
             # A round that failed half-way leaves outputs no loss will take.
             self._outputs = {k: v for k, v in self._outputs.items() if k[0] > round}
-        return join(outputs)
+        return join(outputs), labels.to_here().to(self.device)
 
-    def loss(self, round: int, micro_batches: int, labels: torch.Tensor,
-             loss_fn: Loss) -> torch.Tensor:  # fmt: skip
-        """The last stage: the loss of training round `round` against its `labels` (fetched
-        from the first stage): the mean over the whole batch, as in one process. The master
-        starts the distributed backward from it: a scalar crosses to the master, not the
-        outputs."""
-        outputs = self._round_outputs(round, micro_batches)
-        return self._on_device(loss_fn, outputs, labels.to(self.device)).cpu()
+    def loss(self, round: int, micro_batches: int, labels: RRef,
+             loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """The last stage: the loss of training round `round` (the mean over the whole
+        batch, as in one process). The master starts the distributed backward from it: a
+        scalar crosses to the master, not the outputs."""
+        outputs, labels = self._round_outputs(round, micro_batches, labels)
+        return self._on_device(loss_fn, outputs, labels).cpu()
 
     def tally(self, round: int, micro_batches: int, labels: RRef, loss_fn: Callable[..., Any],
               tally: Tally) -> Tally:  # fmt: skip
         """The last stage: `tally` with evaluation round `round`'s figures added."""
-        outputs = self._round_outputs(round, micro_batches)
-        self._on_device(tally.add, outputs, labels.to_here().to(self.device), loss_fn)
+        outputs, labels = self._round_outputs(round, micro_batches, labels)
+        self._on_device(tally.add, outputs, labels, loss_fn)
         return tally
 
     def _evaluate(self, x: tuple[Any, ...]) -> Any:

@@ -54,10 +54,11 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
     for workload in ("resnet50-32", "transformer-2x64"):
         traces = sorted(p.name for p in (profiles / workload).glob("*.json"))
         assert traces == ["master-step4.json", "stage0-step4.json", "stage1-step4.json"], traces
-        parts = re.search(rf"^{workload}:\nmaster \| profile of step 4, its parts: read [\d.]+ ms,"
-                          r" forwards [\d.]+ ms, loss [\d.]+ ms, backward [\d.]+ ms, settle [\d.]+"
-                          r" ms, gradient norms [\d.]+ ms, optimizer step [\d.]+ ms", recap, re.M)  # fmt: skip
+        parts = re.search(rf"^{workload}:\nmaster \| profile of step 4, its parts: (.*)$",
+                          recap, re.M)  # fmt: skip
         assert parts, recap
+        said = re.findall(r"([a-z][a-z -]*?) [\d.]+ ms", parts[1].replace(",", ""))
+        assert said[:5] == ["read", "forwards", "loss", "backward", "settle"], said
     # The sweep: every system, at the core count the rehearsal has.
     cores = log["cores"]
     for system in ("pipejob", "pipejob-auto", "gpipe", "1f1b", "single-tN"):

@@ -134,7 +134,9 @@ def stream(data: Samples, batch: int, share: tuple[int, int], seed: int,
     orders: dict[int, list[int]] = {}  # the epochs the last batch read
     for position in itertools.count(start, batch):
         places = [divmod(position + r, data.size) for r in rows]
-        orders = {e: orders.get(e) or order(data.size, seed, e) for e, _ in places}
+        # Each epoch's order once: the share's samples span one epoch, or two at its end.
+        orders = {e: orders[e] if e in orders else order(data.size, seed, e)
+                  for e in sorted({e for e, _ in places})}  # fmt: skip
         chosen = collate(data, [orders[e][i] for e, i in places], features, clicks)
         yield dataclasses.replace(chosen, epochs=[e for e, _ in places])
 

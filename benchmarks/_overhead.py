@@ -1,0 +1,209 @@
+"""overhead.py's master and its stage-side baseline: every system at every micro-batch count
+in turns (pipejob's engines through their own step drivers, torch's schedules driven by the
+stage processes themselves), then the master's profile of a step. Imported in the world's
+processes (benchmarks/ on their PYTHONPATH)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from pipejob.core import spec as spec_module
+from pipejob.core.kinds.pipeline import schedule_refuses
+from pipejob.trainer import pipeline, workloads
+from pipejob.trainer.pipeline.pipelining.stage import _meta
+from pipejob.trainer.pipeline.shards import Shards, plan_shards
+from pipejob.trainer.runtime.profiling import Phases
+from pipejob.trainer.runtime.world import Env
+from pipejob.trainer.workloads import models
+
+RESULT = "@@overhead "
+MODELS = {
+    "tiny": {"vocabSize": 16, "layers": 8, "width": 8, "heads": 1, "seqLen": 4},
+    "small": {"vocabSize": 256, "layers": 8, "width": 64, "heads": 2, "seqLen": 32},
+}
+INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                   "interleaved-1f1b": ScheduleInterleaved1F1B}  # fmt: skip
+
+
+def say(payload: dict[str, Any]) -> None:
+    print(RESULT + json.dumps(payload), flush=True)
+
+
+class Bench:
+    """The master's side of one world (one stage count)."""
+
+    def __init__(self, env: Env, config: dict[str, Any]):
+        self.env, self.config = env, config
+        self.stages = config["stages"]
+        self.names = env.names("stage")[: self.stages]
+        self.systems = config["systems"].split(",")
+        self.step = 0  # every step of every system: the stages' turnstiles count up
+        self._partitions: dict[tuple[str, int], Any] = {}
+
+    def spec(self, model: str, m: int, system: str) -> Any:
+        """The job's settings of `system` at `m` micro-batches of the model."""
+        schedule = "gpipe" if system == "rpc" else system.removeprefix("torch-")
+        optimizer: dict[str, Any] = {"name": "sgd", "lr": 0.01}
+        if self.config["clip"]:
+            optimizer["clipGradNorm"] = self.config["clip"]
+        fields = {"model": {"transformer": MODELS[model]}, "stages": self.stages,
+                  "batchSize": m * self.config["samples"], "microBatches": m,
+                  "engine": "rpc" if system == "rpc" else "pipelining", "steps": 10**6,
+                  "optimizer": optimizer, "seed": 0, "preflight": {"enabled": False}}  # fmt: skip
+        if system != "rpc":
+            fields |= {"schedule": schedule,
+                       "stagesPerProcess": 2 if schedule in INTERLEAVED else 1}  # fmt: skip
+        manifest = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob",
+                    "metadata": {"name": "overhead"}, "spec": fields}  # fmt: skip
+        return spec_module.parse(manifest).settings
+
+    def shards(self, s: Any) -> Shards:
+        """The cut of the model into s.pieces, measured once and kept for every count."""
+        key = (str(s.model), s.pieces)
+        model, numbered = models.build_meta(s)
+        saved = self._partitions.get(key)
+        shards = plan_shards(s, model, numbered, self.names, saved)
+        self._partitions[key] = shards.partition
+        return shards
+
+    def replicas(self, model: str, m: int, system: str) -> Any:
+        s = self.spec(model, m, system)
+        return pipeline.engine(s, "schedule").Replicas([self.names], self.shards(s), s)
+
+    def refuses(self, system: str, m: int) -> bool:
+        schedule = "gpipe" if system == "rpc" else system.removeprefix("torch-")
+        return schedule_refuses(schedule, self.stages, m) is not None
+
+    def run(self) -> None:
+        counts = [int(m) for m in str(self.config["micro_batches"]).split(",")]
+        for model in self.config["models"].split(","):
+            for m in counts:
+                self.one_count(model, m)
+
+    def one_count(self, model: str, m: int) -> None:
+        """Every system at `m` micro-batches: built and warmed up, then timed in turns."""
+        systems = [s for s in self.systems if not self.refuses(s, m)]
+        held: dict[str, Any] = {}  # the pipejob Replicas of each system (torch's too: holders)
+        loss_fn = workloads.loss(self.spec(model, m, "rpc"))
+        for system in systems:
+            own = system.removeprefix("torch-")
+            if own not in held:
+                held[own] = self.replicas(model, m, own)
+                self.steps(held[own], m, loss_fn, max(1, self.config["warmup"]))
+            if system.startswith("torch-"):
+                self.torch_steps(held[own], model, m, system, loss_fn, self.config["warmup"])
+        times: dict[str, list[float]] = {s: [] for s in systems}
+        for _ in range(self.config["repeats"]):
+            for system in systems:
+                own = held[system.removeprefix("torch-")]
+                if system.startswith("torch-"):
+                    seconds = self.torch_steps(own, model, m, system, loss_fn,
+                                               self.config["steps"])  # fmt: skip
+                else:
+                    seconds = self.steps(own, m, loss_fn, self.config["steps"])
+                times[system].append(seconds)
+        for system, ts in times.items():
+            say({"stages": self.stages, "model": model, "m": m, "system": system,
+                 "seconds": statistics.median(ts), "turns": ts})  # fmt: skip
+        if m == 1 and model == "tiny" and not self.config["no_profile"]:
+            for system in systems:
+                if not system.startswith("torch-"):
+                    self.profile(held[system], model, m, system, loss_fn)
+
+    def steps(self, replicas: Any, m: int, loss_fn: Any, count: int) -> float:
+        """Seconds per step of `count` steps through pipejob's step driver."""
+        start = time.perf_counter()
+        for _ in range(count):
+            replicas.step(m, self.step, loss_fn)
+            self.step += 1
+        return (time.perf_counter() - start) / count
+
+    def torch_steps(self, holder: Any, model: str, m: int, system: str, loss_fn: Any,
+                    count: int) -> float:  # fmt: skip
+        """Seconds per step of torch's schedule run by the stages themselves (the slowest
+        stage's), on the pieces of pipejob's pipelining stages `holder` holds."""
+        if count == 0:
+            return 0.0
+        p = holder.pipelines[0]
+        shape = (self.config["samples"] * m, MODELS[model]["seqLen"])
+        vocab = MODELS[model]["vocabSize"]
+        args = (system.removeprefix("torch-"), m, shape, vocab, loss_fn, count)
+        seconds = torch.futures.wait_all([
+            rpc.rpc_async(name, torch_steps, args=(stage, *args))
+            for name, stage in zip(p.names, p.stages, strict=True)
+        ])  # fmt: skip
+        return max(seconds)
+
+    def profile(self, replicas: Any, model: str, m: int, system: str, loss_fn: Any) -> None:
+        """One more step under the profiler: the master's parts of it."""
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            self.steps(replicas, m, loss_fn, 1)
+        parts = Phases(prof.events())
+        say({"stages": self.stages, "model": model, "m": m, "system": system,
+             "phases": dict(parts), "span": parts.span,
+             "between": parts.span - sum(parts.values())})  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- on a stage
+
+_runs: dict[tuple[int, str, int], tuple[Any, torch.optim.Optimizer, tuple, Any]] = {}
+
+
+def torch_steps(stage_ref: rpc.RRef, schedule: str, m: int, shape: tuple[int, int], vocab: int,
+                loss_fn: Any, count: int) -> float:  # fmt: skip
+    """Runs on a pipelining stage process: `count` steps of torch's `schedule` over this
+    stage's pieces (schedule.step, SGD's step, zero_grad), as a user drives it without a
+    master; seconds per step, from a barrier of the pipeline to the next."""
+    stage = stage_ref.local_value()
+    key = (id(stage), schedule, m)
+    if key not in _runs:
+        _runs[key] = _build(stage, schedule, m, shape, vocab, loss_fn)
+    run, optimizer, args, target = _runs[key]
+    dist.barrier(group=stage.pipeline)
+    start = time.perf_counter()
+    for _ in range(count):
+        run.step(*args, target=target)
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.barrier(group=stage.pipeline)
+    return (time.perf_counter() - start) / count
+
+
+def _build(stage: Any, schedule: str, m: int, shape: tuple[int, int], vocab: int,
+           loss_fn: Any) -> tuple[Any, torch.optim.Optimizer, tuple, Any]:  # fmt: skip
+    """torch's PipelineStages over the pieces pipejob's stage built (the shapes they learnt
+    for this count), the schedule, SGD, and the fixed batch the first and last stages use."""
+    samples = shape[0]
+    learnt = (True, m, samples)
+    stages = [PipelineStage(module, k, stage.count, stage.device,
+                            input_args=_meta(stage._metas[learnt, k][0], True),
+                            output_args=_meta(stage._metas[learnt, k][1], True),
+                            group=stage.pipeline)
+              for k, module in zip(stage.held, stage.modules, strict=True)]  # fmt: skip
+
+    def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, tuple | list) and len(output) == 1:
+            output = output[0]
+        return loss_fn(output, target)
+
+    kind = TORCH_SCHEDULES[schedule]
+    run = kind(stages if schedule == "interleaved-1f1b" else stages[0], m, loss_fn=loss)
+    optimizer = torch.optim.SGD(stage.layers.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(0)
+    args = (torch.randint(vocab, shape, generator=generator),) if stage.first else ()
+    target = torch.randint(vocab, shape, generator=generator) if stage.last else None
+    return run, optimizer, args, target

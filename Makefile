@@ -15,7 +15,12 @@ export PIPEJOB_VENV := $(VENV)
 OPERATOR_IMAGE ?= pipejob/operator:dev
 TRAINER_IMAGE ?= pipejob/trainer:dev
 
-.PHONY: run test lint images
+# `make test` leaves out the tests marked `slow` (exhaustive variants of what the default suite
+# already proves once: tests/README.md lists them and why); `make test-all` runs everything.
+# Each test's seconds go to build/test-durations.txt (tests/conftest.py), the 25 slowest shown.
+PYTEST = $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
+
+.PHONY: run test test-all lint images
 
 run:
 	@scripts/setup.sh run
@@ -30,7 +35,13 @@ test:
 	@scripts/setup.sh test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(PYTEST) -m "not slow"
+
+test-all:
+	@scripts/setup.sh test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PYTEST)
 
 images:
 	scripts/images.sh $(OPERATOR_IMAGE) $(TRAINER_IMAGE)

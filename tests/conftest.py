@@ -1,4 +1,7 @@
 import importlib.util
+import os
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +46,31 @@ def pytest_runtest_setup(item):
 
         if not torch.cuda.is_available():
             pytest.skip("gpu: torch.cuda is not available here; these tests need a CUDA GPU")
+
+
+# Where the suite's time goes: every test's seconds (setup, call and teardown together), the
+# slowest first, then each file's total. `make test` writes it; tests/README.md reads it.
+DURATIONS_FILE = Path(os.environ.get("PIPEJOB_DURATIONS_FILE", "build/test-durations.txt"))
+_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    """Add up each test's phases (under xdist these reach the controller too)."""
+    _seconds[report.nodeid] += report.duration
+
+
+def pytest_sessionfinish(session):
+    """Write the durations file, once, from the process that saw every test."""
+    if hasattr(session.config, "workerinput") or not _seconds:
+        return
+    by_file: dict[str, float] = defaultdict(float)
+    for nodeid, seconds in _seconds.items():
+        by_file[nodeid.split("::")[0]] += seconds
+    lines = [f"{s:8.1f}  {n}" for n, s in sorted(_seconds.items(), key=lambda kv: -kv[1])]
+    files = [f"{s:8.1f}  {n}" for n, s in sorted(by_file.items(), key=lambda kv: -kv[1])]
+    total = sum(_seconds.values())
+    DURATIONS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    DURATIONS_FILE.write_text(
+        f"# {len(_seconds)} tests, {total:.0f} s of test time (workers add up)\n"
+        "# by file\n" + "\n".join(files) + "\n# by test\n" + "\n".join(lines) + "\n"
+    )

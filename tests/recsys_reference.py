@@ -21,7 +21,7 @@ def trained(spec: HybridSpec, steps: int) -> tuple[Recommender, torch.optim.Opti
     """The model after `steps` steps, and the tables' optimizer (for its state)."""
     data, loss_fn = workloads.hybrid_data(spec), workloads.loss(spec)
     torch.manual_seed(spec.seed)  # as each trainer seeds its dense part
-    dense = workloads.hybrid_dense(spec, len(data.sample(0)[0]))
+    dense = workloads.hybrid_dense(spec, len(samples.first(data)[0]))
     model = Recommender(spec.embeddings, dense, spec.seed, spec.recommends)
     optimizer_class, kwargs = optimizer_args(spec.optimizer)
     dense_optimizer = optimizer_class(dense.parameters(), **kwargs)

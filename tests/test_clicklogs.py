@@ -5,11 +5,17 @@ stream continues exactly."""
 
 from __future__ import annotations
 
+import gzip
+import itertools
+import random
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from pipejob.trainer.workloads import samples
+from pipejob.trainer.workloads.clicklogs import ClickLogs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,3 +50,116 @@ def test_each_epoch_s_order_is_computed_once_whatever_the_batch_and_share(
     while len(epochs) < 3:
         epochs.update(next(reader).epochs)
     assert computed == sorted(epochs), computed  # each epoch once, in order
+
+
+# ---------------------------------------------------------------------------- click logs
+
+FEATURES = [f"C{i}" for i in range(1, 27)]
+
+
+def log_lines(count: int, seed: int) -> list[bytes]:
+    """`count` lines in Criteo's layout: empty fields, a negative I2, 8-hex-digit values."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        dense = ["" if rng.random() < 0.2 else str(rng.randrange(-3, 500)) for _ in range(13)]
+        cats = ["" if rng.random() < 0.1 else f"{rng.getrandbits(32):08x}" for _ in range(26)]
+        out.append("\t".join([str(int(rng.random() < 0.25)), *dense, *cats]).encode())
+    return out
+
+
+def write(path: Path, lines: list[bytes]) -> Path:
+    """The lines as Criteo's files are: no newline after the last; gzip for a .gz name."""
+    data = b"\n".join(lines)
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    return path
+
+
+def epoch_rows(logs: ClickLogs, lane: int, epoch: int = 0) -> list[tuple[int, int, bytes]]:
+    reader = itertools.dropwhile(lambda row: row[0] < epoch, logs.read(lane, seed=7))
+    return list(itertools.takewhile(lambda row: row[0] == epoch, reader))
+
+
+def test_an_epoch_reads_every_line_once_across_the_lanes_of_plain_and_gzip_files(
+    tmp_path: Path,
+) -> None:
+    """Three lanes over a glob of a plain file (cut at line ends into byte ranges) and two
+    gzip ones: each lane reads its own pieces, and together they read every line once."""
+    lines = log_lines(300, 0)
+    write(tmp_path / "day_0.tsv", lines[:140])
+    write(tmp_path / "day_1.gz", lines[140:250])
+    write(tmp_path / "day_2.gz", lines[250:])
+    logs = ClickLogs(str(tmp_path / "day_*"), "spec.data.criteo.train", lanes=3, chunk=2000,
+                     window=16)  # fmt: skip
+    assert len(logs.pieces) > 3 and logs.files[0].endswith("day_0.tsv")
+    for epoch in (0, 1):
+        read = [row for lane in range(3) for row in epoch_rows(logs, lane, epoch)]
+        counted = Counter(line for _, _, line in read)
+        assert sorted(counted) == sorted(lines) and set(counted.values()) == {1}
+        assert len({line_id for _, line_id, _ in read}) == 300
+    lanes = [[line for _, _, line in epoch_rows(logs, lane)] for lane in range(3)]
+    assert all(lanes) and lanes[0] != sorted(lanes[0])  # shuffled, every lane has lines
+
+
+def test_one_gzip_file_is_shared_by_lanes_line_by_line(tmp_path: Path) -> None:
+    lines = log_lines(50, 1)
+    logs = ClickLogs(str(write(tmp_path / "day.gz", lines)), "train", lanes=2)
+    read = [line for lane in (0, 1) for _, _, line in epoch_rows(logs, lane)]
+    assert sorted(read) == sorted(lines)
+    assert logs.parse(0, lines[0]) == logs.first  # a gzip file is read, not refused
+
+
+def test_a_step_s_batch_is_the_same_at_any_trainer_count_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    """Lanes are trainers.max's: one trainer reads both lanes, two trainers one each, and a
+    stream started at a position (samples consumed, here inside epoch 1) continues as the
+    whole stream does, wherever the epochs end."""
+    write(tmp_path / "a.tsv", log_lines(90, 2))
+    write(tmp_path / "b.gz", log_lines(41, 3))
+    logs = ClickLogs(f"{tmp_path / 'a.tsv'},{tmp_path / 'b.gz'}", "train", lanes=2,
+                     chunk=3000, window=8)  # fmt: skip
+    batch, steps = 16, 14  # 14 x 16 = 224 samples: past epoch 0 of 131 lines
+    whole = list(itertools.islice(samples.stream(logs, batch, (0, 1), 5, FEATURES, True), steps))
+    assert max(max(b.epochs) for b in whole) >= 1
+    halves = [samples.stream(logs, batch, (k, 2), 5, FEATURES, True) for k in (0, 1)]
+    for b in whole:
+        shares = [next(h) for h in halves]
+        assert b.sample_ids == shares[0].sample_ids + shares[1].sample_ids
+    for at in (3, 9, 12):
+        resumed = samples.stream(logs, batch, (1, 2), 5, FEATURES, True, start=at * batch)
+        for b in whole[at:]:
+            got = next(resumed)
+            assert got.sample_ids == b.sample_ids[batch // 2 :] and got.epochs == b.epochs[8:]
+            assert got.dense.equal(b.dense[batch // 2 :])
+
+
+@pytest.mark.parametrize("lines", [200, 1600])
+def test_the_reader_holds_a_window_per_lane_whatever_the_logs_size(
+    tmp_path: Path, lines: int
+) -> None:
+    """The bytes of lines a reader holds at once stay under a window per lane (plus a line),
+    for logs 8 times larger as for small ones."""
+    write(tmp_path / "day.tsv", log_lines(lines, 4))
+    logs = ClickLogs(str(tmp_path / "day.tsv"), "train", lanes=2, chunk=4000,
+                     window_bytes=3000)  # fmt: skip
+    reader = samples.stream(logs, 32, (0, 1), 0, FEATURES, True)
+    for _ in range(2 * lines // 32):  # two epochs
+        next(reader)
+    longest = max(len(line) for line in log_lines(lines, 4))
+    assert 3000 <= logs.most_held <= 2 * (3000 + longest)
+
+
+def test_a_bad_line_names_its_file_line_and_column(tmp_path: Path) -> None:
+    lines = log_lines(30, 5)
+    columns = lines[21].split(b"\t")
+    columns[2] = b"zz"  # I2
+    lines[21] = b"\t".join(columns)
+    path = write(tmp_path / "day.gz", lines)
+    logs = ClickLogs(str(path), "spec.data.criteo.train", lanes=1)
+    with pytest.raises(ValueError, match=rf"^spec.data.criteo.train: {path} line 22: I2 is 'zz',"
+                                          " not an integer"):  # fmt: skip
+        list(itertools.islice(samples.stream(logs, 10, (0, 1), 0, FEATURES, True), 3))
+    assert logs.where(0) == f"{path} line 1"
+    with pytest.raises(ValueError, match="matches no file"):
+        ClickLogs(str(tmp_path / "none_*.gz"), "spec.data.criteo.train")

@@ -37,6 +37,8 @@ from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import samples
 from pipejob.trainer.workloads.samples import Batch
 
+SEEN = 1 << 18  # samples whose (epoch, sample) a trainer keeps, to count repeats: ~30 MB
+
 
 class Tables:
     """The trainer's side of the parameter servers: one call to each per step, and the
@@ -120,7 +122,7 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
     device = _device(env)
     dataset, loss_fn = workloads.hybrid_data(spec), workloads.loss(spec)
     torch.manual_seed(spec.seed)  # DDP broadcasts rank 0's dense weights: runs repeat
-    module = workloads.hybrid_dense(spec, len(dataset.sample(0)[0])).to(device)
+    module = workloads.hybrid_dense(spec, len(samples.first(dataset)[0])).to(device)
     restored = None
     if resume is not None:  # before DDP, which starts from rank 0's weights: the saved ones
         restored = checkpoint.load_part(resume["directory"], resume["dense"])
@@ -145,13 +147,8 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
                                         router.features, spec.recommends, start)  # fmt: skip
     evaluate.check_dense(spec, module, loss_fn, next(read(0)), device)
     batches = read(0 if resume is None else resume["samples"])
-    # The step is the same at any trainer count: each trainer's loss is weighted by its
-    # share of the batch times the trainers (1 for equal shares), so the servers' and DDP's
-    # averages of the trainers' gradients are the whole batch's mean gradient, and the
-    # trainers' mean loss is the batch's.
-    weight = len(samples.share_of(batch, *share)) * env.ddp_world_size / batch
     held_out = _held_out(env, spec, router)
-    seen: set[tuple[int, int]] = set()  # (epoch, sample)
+    seen: set[tuple[int, int]] = set()  # (epoch, sample), of the first SEEN samples read
 
     steps, every = spec.steps, spec.log_every
     profile = profiling.settings(spec)
@@ -161,7 +158,13 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     for step in range(first + 1, steps + 1):
         drawn = next(batches)
-        seen.update(zip(drawn.epochs, drawn.sample_ids, strict=True))
+        if len(seen) < SEEN:
+            seen.update(zip(drawn.epochs, drawn.sample_ids, strict=True))
+        # The step is the same at any trainer count: each trainer's loss is weighted by its
+        # share of the batch times the trainers (1 for equal shares), so the servers' and
+        # DDP's averages of the trainers' gradients are the whole batch's mean gradient, and
+        # the trainers' mean loss is the batch's.
+        weight = len(drawn.sample_ids) * env.ddp_world_size / batch
         with profiling.window(env, profile, step, servers, sync=dist.barrier) as rpc_calls:
             loss = _step(spec, tables, dense, dense_step, drawn, device, loss_fn, weight,
                          rpc_calls, step)  # fmt: skip

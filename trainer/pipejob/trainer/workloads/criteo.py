@@ -7,9 +7,9 @@ the label 0 or 1; I1..I13 integer counts, read as log(1 + x) (an empty or negati
 as DLRM's preprocessing does); C1..C26 categorical values as hexadecimal strings (an empty one
 as 0), which the trainers hash into each table's rows (value mod rows).
 
-The file is mapped, not read: each trainer finds where every line starts (one pass, 8 bytes
-a line) and parses only the lines of its own share, as it reads them. A bad line is a
-ValueError naming the field, the file and the line."""
+`parse` reads one line; the trainers stream the logs (clicklogs.py). `CriteoLog` maps one
+plain file and finds where every line starts (8 bytes a line): random access, for small
+files and the tests. A bad line is a ValueError naming the file, the line and the column."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pipejob.core.kinds.hybrid import CRITEO_DENSE, CRITEO_FEATURES
 DENSE, FEATURES = CRITEO_DENSE, CRITEO_FEATURES
 COLUMNS = 1 + DENSE + len(FEATURES)
 LAYOUT = "label, I1 ... I13, C1 ... C26, tab-separated"
+Sample = tuple[list[float], dict[str, list[int]], int]  # (dense, {C1: [value], ...}, label)
 
 
 class CriteoLog:
@@ -44,22 +45,42 @@ class CriteoLog:
     def size(self) -> int:
         return len(self.starts)
 
-    def sample(self, i: int) -> tuple[list[float], dict[str, list[int]], int]:
+    def sample(self, i: int) -> Sample:
         """Line i (from 0): (log(1 + I1..I13), {C1: [value], ...}, label)."""
         if not 0 <= i < self.size:
             raise IndexError(f"sample {i} outside {self.path}'s {self.size} lines")
-        line = bytes(self.data[self.starts[i] : self.ends[i]]).decode("ascii", "replace")
-        columns = line.rstrip("\r").split("\t")
-        where = f"{self.field}: {self.path} line {i + 1}"
-        if len(columns) != COLUMNS:
-            raise ValueError(f"{where}: {len(columns)} columns, not {COLUMNS} ({LAYOUT})")
+        line = bytes(self.data[self.starts[i] : self.ends[i]])
         try:
-            label = int(columns[0])
-            dense = [math.log1p(max(int(x), 0)) if x else 0.0 for x in columns[1 : 1 + DENSE]]
-            categorical = [int(x, 16) if x else 0 for x in columns[1 + DENSE :]]
+            return parse(line)
         except ValueError as e:
-            raise ValueError(f"{where}: not {LAYOUT} (integers, then hexadecimal strings):"
-                             f" {e}") from None  # fmt: skip
-        if label not in (0, 1):
-            raise ValueError(f"{where}: the label is {label}, not 0 or 1")
-        return dense, {f: [v] for f, v in zip(FEATURES, categorical, strict=True)}, label
+            raise ValueError(f"{self.field}: {self.path} line {i + 1}: {e}") from None
+
+
+def parse(line: bytes) -> Sample:
+    """One line (without its newline): (log(1 + I1..I13), {C1: [value], ...}, label). A bad
+    one is a ValueError naming the column and the reason (the caller adds where)."""
+    columns = line.rstrip(b"\r").split(b"\t")
+    if len(columns) != COLUMNS:
+        raise ValueError(f"{len(columns)} columns, not {COLUMNS} ({LAYOUT})")
+    try:
+        label = int(columns[0])
+        dense = [math.log1p(max(int(x), 0)) if x else 0.0 for x in columns[1 : 1 + DENSE]]
+        categorical = [int(x, 16) if x else 0 for x in columns[1 + DENSE :]]
+    except ValueError:
+        raise ValueError(_first_bad(columns)) from None
+    if label not in (0, 1):
+        raise ValueError(f"the label is {label}, not 0 or 1")
+    return dense, {f: [v] for f, v in zip(FEATURES, categorical, strict=True)}, label
+
+
+def _first_bad(columns: list[bytes]) -> str:
+    """Which column of a line does not read, and why."""
+    names = ["label", *(f"I{k}" for k in range(1, 1 + DENSE)), *FEATURES]
+    for k, (name, x) in enumerate(zip(names, columns, strict=True)):
+        base = 16 if k > DENSE else 10
+        try:
+            int(x or b"0", base)
+        except ValueError:
+            said = "a hexadecimal string" if base == 16 else "an integer"
+            return f"{name} is {x.decode('ascii', 'replace')!r}, not {said} ({LAYOUT})"
+    return f"not {LAYOUT}"

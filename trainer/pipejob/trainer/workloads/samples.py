@@ -4,7 +4,9 @@ ids}, label). The steps read one stream of them (`stream`: a seeded order of the
 per epoch), batchSize x trainers.max samples a step whatever the trainer count, and each
 trainer takes its share of every step's batch (synthetic.share_of, by DDP rank). A position
 in the stream (samples consumed) resumes at any trainer count: the batches of a run resumed
-after step k are exactly those the whole run takes after step k.
+after step k are exactly those the whole run takes after step k. Click logs (spec.data.criteo)
+are streamed instead, with no index: trainers.max lanes, each trainer reading its own
+(clicklogs.py), with the same guarantees.
 
 A batch holds each feature's ids in EmbeddingBag's layout (every sample's ids concatenated,
 and how many each sample has), the dense features as one (batch, n) tensor and the labels:
@@ -25,7 +27,7 @@ import torch
 from pipejob.core.kinds.hybrid import BAGS, HybridSpec
 from pipejob.trainer.workloads import imports
 from pipejob.trainer.workloads.bags import FileBags, ImportedBags, ImportedClicks, held_out_size
-from pipejob.trainer.workloads.criteo import CriteoLog
+from pipejob.trainer.workloads.clicklogs import ClickLogs
 from pipejob.trainer.workloads.synthetic import SyntheticBags, SyntheticClicks, share_of
 
 Sample = tuple[Sequence[float], dict[str, list[int]], int | float]
@@ -84,11 +86,16 @@ def collate(data: Samples, chosen: list[int], features: Sequence[str], clicks: b
     """Samples `chosen` of `data` as one batch of `features`; labels as clicks or
     classes. A sample that lacks a feature or whose dense features differ in number
     from the others' is a ValueError naming it."""
+    return collate_samples([data.sample(i) for i in chosen], chosen, features, clicks)
+
+
+def collate_samples(drawn: Sequence[Sample], chosen: list[int], features: Sequence[str],
+                    clicks: bool) -> Batch:  # fmt: skip
+    """`drawn`, the samples numbered `chosen`, as one batch (see `collate`)."""
     dense, labels = [], []
     ids: dict[str, list[int]] = {f: [] for f in features}
     lengths: dict[str, list[int]] = {f: [] for f in features}
-    for i in chosen:
-        values, sparse, label = data.sample(i)
+    for i, (values, sparse, label) in zip(chosen, drawn, strict=True):
         missing = [f for f in features if f not in sparse]
         if missing:
             raise ValueError(f"sample {i} has no ids for feature(s) {', '.join(missing)} (it"
@@ -128,8 +135,16 @@ def stream(data: Samples, batch: int, share: tuple[int, int], seed: int,
     time from sample `start` of the stream on, and trainer k takes samples k*batch//T to
     (k+1)*batch//T - 1 of each (equal shares where T divides the batch). A step's batch is
     the same at any T, and no sample is read twice in one epoch."""
+    if isinstance(data, ClickLogs):
+        return _lanes(data, batch, share, seed, features, clicks, start)
     if data.size < 1 or not 0 <= share[0] < share[1]:
         raise ValueError(f"cannot read share {share[0]} of {share[1]} of {data.size} samples")
+    return _indexed(data, batch, share, seed, features, clicks, start)
+
+
+def _indexed(data: Samples, batch: int, share: tuple[int, int], seed: int,
+             features: Sequence[str], clicks: bool, start: int) -> Iterator[Batch]:  # fmt: skip
+    """`stream` of samples read by index (each epoch's order a shuffle of them all)."""
     rows = share_of(batch, *share)
     orders: dict[int, list[int]] = {}  # the epochs the last batch read
     for position in itertools.count(start, batch):
@@ -141,10 +156,39 @@ def stream(data: Samples, batch: int, share: tuple[int, int], seed: int,
         yield dataclasses.replace(chosen, epochs=[e for e, _ in places])
 
 
+def _lanes(logs: ClickLogs, batch: int, share: tuple[int, int], seed: int,
+           features: Sequence[str], clicks: bool, start: int) -> Iterator[Batch]:  # fmt: skip
+    """`stream` of click logs: a step's batch is batch/lanes lines of every lane, trainer k
+    of T reading lanes share_of(lanes, k, T) (clicklogs.py)."""
+    lanes = logs.lanes
+    mine = share_of(lanes, *share)
+    if batch % lanes or start % lanes or not mine:
+        raise ValueError(f"cannot read share {share[0]} of {share[1]} of {lanes} lanes"
+                         f" (trainers.max) in batches of {batch} from sample {start}")  # fmt: skip
+    per = batch // lanes
+    readers = [logs.read(lane, seed, start // lanes) for lane in mine]
+    while True:
+        rows = [row for reader in readers for row in itertools.islice(reader, per)]
+        ids = [line_id for _, line_id, _ in rows]
+        drawn = [logs.parse(line_id, line) for _, line_id, line in rows]
+        made = collate_samples(drawn, ids, features, clicks)
+        yield dataclasses.replace(made, epochs=[epoch for epoch, _, _ in rows])
+
+
+def first(data: Samples | ClickLogs) -> Sample:
+    """The data's first sample (its dense features' count sizes the dense model)."""
+    return data.first if isinstance(data, ClickLogs) else data.sample(0)
+
+
 def in_order(data: Samples, batch_size: int, features: Sequence[str], clicks: bool,
              limit: int = 0) -> list[Batch]:  # fmt: skip
     """`data` in order as batches of `batch_size` (the last may be smaller); only the first
     `limit` batches when it is not 0. For evaluation: every sample once, no cycling."""
+    if isinstance(data, ClickLogs):
+        rows = data.in_order()
+        chunks = iter(lambda: list(itertools.islice(rows, batch_size)), [])
+        return [collate_samples([s for _, s in chunk], [i for i, _ in chunk], features, clicks)
+                for chunk in itertools.islice(chunks, limit or None)]  # fmt: skip
     count = -(-data.size // batch_size)
     count = min(count, limit) if limit else count
     return [collate(data, list(range(b * batch_size, min((b + 1) * batch_size, data.size))),
@@ -165,7 +209,9 @@ def of(spec: HybridSpec, split: str) -> Samples | None:
         return None if path is None else OneFeature(FileBags(path, field, rows[BAGS]), BAGS)
     if d.criteo is not None:
         path = d.criteo.train if split == "train" else d.criteo.val
-        return None if path is None else CriteoLog(path, f"spec.data.criteo.{split}")
+        lanes = spec.trainers.max if split == "train" else 1
+        field = f"spec.data.criteo.{split}"
+        return None if path is None else ClickLogs(path, field, lanes)  # type: ignore[return-value]
     if d.import_ is not None:
         field = "spec.data.import"
         dataset = imports.call(d.import_, field, d.args, split=split)

@@ -1,0 +1,221 @@
+"""Click logs of any size, streamed (spec.data.criteo): plain or gzip-compressed files given
+as one path, a glob (Criteo's day files: `day_*.gz`) or several separated by commas.
+
+The logs are cut into pieces: a plain file into byte ranges of about CHUNK_BYTES (a piece
+owns the lines that start inside it), a gzip file is one piece (it cannot be entered in the
+middle). A job reads them as `lanes` (trainers.max) streams. Each epoch the pieces are
+shuffled by (seed, epoch) and dealt to the lanes by size (each to the lane with the fewest
+bytes so far), so an epoch's lanes read every line once between them; a lane reads its pieces
+in turn through a window of at most WINDOW_LINES lines or WINDOW_BYTES bytes, shuffled by
+(seed, lane, epoch, window). Where there are fewer pieces than lanes (one gzip file, two
+trainers), each piece is read by several lanes, each taking every n-th line.
+
+A step takes batchSize lines from every lane, so trainer k of T reads lanes
+share_of(lanes, k, T) (its own pieces, no one else's) and a step's batch is the same at any
+trainer count. A position (samples consumed) resumes exactly at any count: each lane skips
+its lines before it, counting the lines of earlier epochs' pieces where it must.
+
+A reader holds one window per lane and one read buffer per open file: its memory does not
+grow with the logs (`held` counts the lines' bytes it holds). A bad line is a ValueError
+naming the file, the line and the column."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import gzip
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from pipejob.trainer.workloads import criteo
+
+CHUNK_BYTES = 64 << 20  # a plain file's pieces
+WINDOW_LINES = 1 << 15  # a lane's shuffle window: at most these lines ...
+WINDOW_BYTES = 16 << 20  # ... or these bytes of them
+READ_BUFFER = 1 << 20
+ID_BITS = 40  # a line's id: its file's index << ID_BITS | its offset (uncompressed) in it
+
+Row = tuple[int, int, bytes]  # (the lane's epoch, the line's id, the line)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Lines of file `file` (`path`) starting in bytes start..stop-1 (stop -1: to the end),
+    every `stride`-th from the `phase`-th; `weight`: its bytes, to deal the pieces evenly."""
+
+    file: int
+    path: str
+    start: int
+    stop: int
+    weight: int
+    stride: int = 1
+    phase: int = 0
+
+
+def paths(pattern: str, field: str) -> list[str]:
+    """The files `pattern` names (paths or globs, separated by commas), checked."""
+    found: list[str] = []
+    for part in (p.strip() for p in pattern.split(",") if p.strip()):
+        matched = sorted(glob.glob(part)) if glob.has_magic(part) else [part]
+        if not matched:
+            raise ValueError(f"{field}: {part} matches no file (click logs: {criteo.LAYOUT})")
+        found += matched
+    for path in found:
+        if not Path(path).is_file():
+            raise ValueError(f"{field}: {path}: no such file (a click log: {criteo.LAYOUT})")
+        if Path(path).stat().st_size == 0:
+            raise ValueError(f"{field}: {path} is empty")
+    if not found:
+        raise ValueError(f"{field}: names no file")
+    return found
+
+
+def gzipped(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def _open(path: str) -> IO[bytes]:
+    if gzipped(path):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb", buffering=READ_BUFFER)
+
+
+def cut(files: list[str], lanes: int, chunk: int = CHUNK_BYTES) -> list[Piece]:
+    """The files' pieces (the module's docstring): at least `lanes` of them."""
+    pieces: list[Piece] = []
+    for i, path in enumerate(files):
+        size = os.path.getsize(path)
+        if gzipped(path):
+            pieces.append(Piece(i, path, 0, -1, size))
+            continue
+        count = max(-(-size // chunk), lanes)
+        pieces += [Piece(i, path, k * size // count, (k + 1) * size // count, size // count)
+                   for k in range(count)]  # fmt: skip
+    if len(pieces) >= lanes:
+        return pieces
+    n = -(-lanes // len(pieces))  # only gzip files: each read by n lanes, every n-th line
+    return [dataclasses.replace(p, weight=max(p.weight // n, 1), stride=n, phase=r)
+            for p in pieces for r in range(n)]  # fmt: skip
+
+
+def lines(piece: Piece) -> Iterator[tuple[int, bytes]]:
+    """(id, line without its newline) of every line the piece owns, in the file's order."""
+    base = piece.file << ID_BITS
+    with _open(piece.path) as f:
+        offset = 0
+        if piece.start > 0:  # the first line starting at or after `start`
+            f.seek(piece.start - 1)
+            offset = piece.start - 1 + len(f.readline())
+        for n, line in enumerate(f):
+            if 0 <= piece.stop <= offset:
+                return
+            if n % piece.stride == piece.phase:
+                yield base | offset, line.rstrip(b"\n")
+            offset += len(line)
+
+
+class ClickLogs:
+    """The logs `pattern` names, read as `lanes` streams (the module's docstring)."""
+
+    def __init__(self, pattern: str, field: str, lanes: int = 1, chunk: int = CHUNK_BYTES,
+                 window: int = WINDOW_LINES, window_bytes: int = WINDOW_BYTES):  # fmt: skip
+        self.field, self.lanes = field, lanes
+        self.files = paths(pattern, field)
+        self.pieces = cut(self.files, lanes, chunk)
+        self.window, self.window_bytes = window, window_bytes
+        self.held = self.most_held = 0  # bytes of lines held in windows: now, at most
+        self.counts: dict[Piece, int] = {}  # lines of the pieces counted (to resume)
+        self.first = None
+        for i, path in enumerate(self.files):  # another layout fails now, naming its line 1
+            first = self.parse(*next(lines(Piece(i, path, 0, -1, 0)), (i << ID_BITS, b"")))
+            self.first = self.first or first
+
+    def parse(self, line_id: int, line: bytes) -> criteo.Sample:
+        try:
+            return criteo.parse(line)
+        except ValueError as e:
+            raise ValueError(f"{self.field}: {self.where(line_id)}: {e}") from None
+
+    def where(self, line_id: int) -> str:
+        """Where a line is, by its id: its file and line (counting the lines before it)."""
+        file, offset = line_id >> ID_BITS, line_id & ((1 << ID_BITS) - 1)
+        before = Piece(file, self.files[file], 0, offset, 0)
+        return f"{self.files[file]} line {sum(1 for _ in lines(before)) + 1}"
+
+    def deal(self, seed: int, epoch: int) -> list[list[Piece]]:
+        """Each lane's pieces in epoch `epoch`, in the order it reads them."""
+        shuffled = list(self.pieces)
+        random.Random(f"pipejob-pieces:{seed}:{epoch}").shuffle(shuffled)
+        dealt: list[list[Piece]] = [[] for _ in range(self.lanes)]
+        load = [0] * self.lanes
+        for piece in shuffled:
+            lane = min(range(self.lanes), key=lambda j: (load[j], j))
+            dealt[lane].append(piece)
+            load[lane] += piece.weight
+        return dealt
+
+    def count(self, piece: Piece) -> int:
+        if piece not in self.counts:
+            self.counts[piece] = sum(1 for _ in lines(piece))
+        return self.counts[piece]
+
+    def read(self, lane: int, seed: int, start: int = 0) -> Iterator[Row]:
+        """Lane `lane`'s lines forever, epoch after epoch, from its `start`-th on."""
+        for epoch in range(1 << 62):
+            pieces = self.deal(seed, epoch)[lane]
+            if start > 0:
+                total = sum(self.count(p) for p in pieces)
+                self._check_lines(total, lane, epoch)
+                if start >= total:  # the whole epoch is behind the position
+                    start -= total
+                    continue
+            got = 0
+            for w, window in enumerate(self._windows(pieces)):
+                got += len(window)
+                if start < len(window):
+                    random.Random(f"pipejob-window:{seed}:{lane}:{epoch}:{w}").shuffle(window)
+                    yield from ((epoch, i, line) for i, line in window[start:])
+                    start = 0
+                else:
+                    start -= len(window)
+                window.clear()  # its lines go before the next window's are read
+            self._check_lines(got, lane, epoch)
+
+    def _check_lines(self, total: int, lane: int, epoch: int) -> None:
+        if total == 0:
+            raise ValueError(f"{self.field}: lane {lane} of {self.lanes} (trainers.max) has no"
+                             f" lines in epoch {epoch}: the logs ({', '.join(self.files)}) have"
+                             " too few lines for so many trainers")  # fmt: skip
+
+    def _windows(self, pieces: list[Piece]) -> Iterator[list[tuple[int, bytes]]]:
+        """The pieces' lines, a window at a time (held while the caller reads it)."""
+        window: list[tuple[int, bytes]] = []
+        size = 0
+        for piece in pieces:
+            for line_id, line in lines(piece):
+                window.append((line_id, line))
+                size += len(line)
+                if len(window) >= self.window or size >= self.window_bytes:
+                    yield from self._hold(window, size)
+                    window, size = [], 0
+        if window:
+            yield from self._hold(window, size)
+
+    def _hold(self, window: list[tuple[int, bytes]], size: int) -> Iterator[list]:
+        self.held += size
+        self.most_held = max(self.most_held, self.held)
+        try:
+            yield window
+        finally:
+            self.held -= size
+
+    def in_order(self) -> Iterator[tuple[int, criteo.Sample]]:
+        """Every line of every file in order, parsed (the held-out set)."""
+        for i, path in enumerate(self.files):
+            for line_id, line in lines(Piece(i, path, 0, -1, 0)):
+                yield line_id, self.parse(line_id, line)

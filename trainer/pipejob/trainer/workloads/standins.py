@@ -68,6 +68,8 @@ class Placeholder(nn.Parameter):
             torch._C.TensorBase.data.__set__(self, meta_like(value))  # type: ignore[attr-defined]
             _ACTIVE.assign(self, value)
         else:
+            if _ACTIVE is not None:  # a conversion of it (`module.to(device)`, `.half()`)
+                _ACTIVE.convert(self, value)
             torch._C.TensorBase.data.__set__(self, value)  # type: ignore[attr-defined]
 
     @property
@@ -229,6 +231,24 @@ class Standins:
             self.mark(stand_in, taint)
         return stand_in
 
+    def converted(self, placeholder: Placeholder, kwargs: dict[str, Any]) -> torch.Tensor:
+        """A placeholder converted (`.to(device)`, `.double()`, `.cpu()`): still no memory,
+        on the meta device, noting the device it is said to be on."""
+        device = kwargs.get("device") or placeholder.made_on
+        result = aten._to_copy.default(placeholder, **{**kwargs, "device": META})
+        _MOVED_TO[result] = torch.device(device)
+        return result
+
+    def convert(self, placeholder: Placeholder, converted: torch.Tensor) -> None:
+        """`placeholder` holds its conversion now (`module.half()` assigns it back): on the
+        device the conversion names; its stand-in, if it has it, converted alike (a plain
+        build's `.half().float()` rounds)."""
+        placeholder.made_on = _MOVED_TO.get(converted, placeholder.made_on)
+        if placeholder.root is self._for and self._stand_in is not None:
+            taint = self.sources(self._stand_in)
+            self._stand_in = self._stand_in.to(placeholder.made_on, converted.dtype)
+            self.mark(self._stand_in, taint)
+
     def call(self, func: Any, args: Any, kwargs: Any) -> Any:
         """`func` with its placeholders' stand-ins; the stand-in it returns (an in-place
         operation's result) as the placeholder given."""
@@ -246,7 +266,7 @@ class Standins:
         """One of torch's operations: run (on stand-ins), and its taint followed."""
         packet = func.overloadpacket
         if func is aten._to_copy.default and isinstance(args[0], Placeholder):
-            return func(*args, **kwargs)  # a conversion (`.double()`): still no memory
+            return self.converted(args[0], kwargs)
         flat, _ = tree_flatten((args, kwargs))
         overwrite = packet in _OVERWRITES
         if overwrite:  # all of the first argument written; copy_ reads its source
@@ -288,11 +308,13 @@ class Standins:
 
 
 _ACTIVE: Standins | None = None  # the build under way (one at a time, as its hooks are)
+_MOVED_TO = WeakIdKeyDictionary()  # a placeholder's conversion -> the device it is said to be on
 
 # Calls that read or set what a placeholder is (not its values), or convert it (which keeps
 # it a placeholder: a conversion's result is on the meta device, _Operations): not swapped.
 _AS_IS = {"__get__", "__set__", "requires_grad_", "register_hook", "retain_grad", "to",
-          "double", "float", "half", "bfloat16", "type", "cpu", "cuda", "type_as"}  # fmt: skip
+          "double", "float", "half", "bfloat16", "type", "cpu", "cuda", "type_as",
+          "_has_compatible_shallow_copy_type"}  # fmt: skip
 # Calls that read a tensor's values into Python without an operation of torch's.
 _OUT_OF_TORCH = {"numpy", "tolist", "__array__"}
 

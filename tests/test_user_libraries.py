@@ -1,0 +1,107 @@
+"""Models as users write them, with the libraries they use (issue 41): a factory that moves
+or converts its model, peft's LoRA over a Hugging Face model, a forward that reads another
+stage's weight's dtype, a scripted submodule. Each is built the way a stage builds it and
+checked in this one process against a plain build (the conformance harness's checks,
+benchmarks/_conform.py), in float64."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipejob.trainer.workloads import materialize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import _conform  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def frozen_first(model: nn.Sequential) -> nn.Sequential:
+    model[0].requires_grad_(False)
+    return model
+
+
+def rounded_then_read() -> nn.Sequential:
+    model = mlp().half().to(torch.get_default_dtype())  # the values rounded to half's
+    model.register_buffer("mean", model[4].bias.detach() * 1.0)  # read after the rounding
+    return model
+
+
+CONVERSIONS = {  # what a training script does to its model before it trains
+    "to-device": lambda: mlp().to("cpu"),
+    "to-torch-device": lambda: mlp().to(torch.device("cpu")),
+    "cpu": lambda: mlp().cpu(),
+    "to-dtype-and-device": lambda: mlp().to("cpu", torch.get_default_dtype()),
+    "half-then-float": lambda: mlp().half().to(torch.get_default_dtype()),
+    "frozen-first-layer": lambda: frozen_first(mlp()).to("cpu"),
+    "rounded-then-read": rounded_then_read,
+}
+
+
+def seeded(factory):
+    def build() -> nn.Module:
+        torch.manual_seed(3)
+        return factory()
+
+    return build
+
+
+@pytest.mark.parametrize("name", list(CONVERSIONS))
+def test_a_factory_that_moves_or_converts_its_model_builds_as_a_plain_build(name: str) -> None:
+    """`.to(device)`, `.cpu()`, `.half()` and `requires_grad_()` in a factory: whatever a
+    process keeps (with what its values are computed from) equals a plain build's (value,
+    dtype, requires_grad), the rest stays on the meta device, and the random stream ends
+    where a plain build's does."""
+    build = seeded(CONVERSIONS[name])
+    plain, _ = materialize.build(build, None)
+    after_plain = torch.rand(3)
+    numbered = materialize.numbering(*materialize.build(build, ()))
+    expected = {**dict(plain.named_parameters()), **dict(plain.named_buffers())}
+    names = sorted(expected)
+    for wanted in [names[: len(names) // 2], names[len(names) // 2 :], []]:
+        part, _ = materialize.build(build, materialize.numbers(numbered, wanted))
+        assert torch.equal(torch.rand(3), after_plain)
+        got = {**dict(part.named_parameters()), **dict(part.named_buffers())}
+        for key, value in got.items():
+            assert value.dtype == expected[key].dtype, key
+            assert value.requires_grad == expected[key].requires_grad, key
+            if key in wanted:
+                assert value.device.type == "cpu" and torch.equal(value, expected[key]), key
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+
+
+def lora_llama() -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=16)  # fmt: skip
+    config._attn_implementation = "eager"
+    return get_peft_model(LlamaForCausalLM(config),
+                          LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))  # fmt: skip
+
+
+def test_peft_lora_over_a_causal_lm_cuts_exactly_with_its_base_frozen() -> None:
+    """peft moves each adapter to its base layer's device: the build says the device a
+    plain build has, so the adapters build, and the cut is exact (state, outputs, step-1
+    gradients, output loading back) with the base weights frozen as peft left them."""
+    pytest.importorskip("peft")
+    row = _conform.run("user", "peft-lora-llama", lora_llama, _tokens)
+    assert row.verdict == "exact", row.why
+    model, _ = materialize.build(seeded(lora_llama), ())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)

@@ -270,7 +270,7 @@ def _pipelining_step(s: Any, names: list[str], shards: Any,
 
     def one(r: int) -> float:
         pipe = pipes[r]
-        loss = pipe.run(pipe.read(s.micro_batches, shares[r]), 0, workloads.loss(s), 1.0)
+        loss, _ = pipe.run(pipe.read(s.micro_batches, shares[r]), 0, workloads.loss(s), 1.0)
         pipe.combine_tied(0, shards.tied)
         if s.replicas.max > 1:
             pipe.each("average_gradients", 0)

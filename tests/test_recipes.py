@@ -107,9 +107,11 @@ def cosine_lr(step: int) -> float:
     ("stages", "replicas", "accumulation", "engine_fields"),
     [(2, 1, 1, {}), (3, 1, 2, {}), (2, 2, 2, {}),
      (3, 1, 2, {"engine": "pipelining", "schedule": "gpipe"}),
-     (2, 2, 2, {"engine": "pipelining", "schedule": "1f1b"})],
+     (2, 2, 2, {"engine": "pipelining", "schedule": "1f1b"}),
+     (2, 1, 2, {"engine": "pipelining", "schedule": "1f1b"})],
     ids=["2-stages", "3-stages-tied-accumulating-2", "2-replicas-accumulating-2",
-         "pipelining-3-stages-tied-accumulating-2", "pipelining-2-replicas-accumulating-2"],
+         "pipelining-3-stages-tied-accumulating-2", "pipelining-2-replicas-accumulating-2",
+         "pipelining-2-stages-accumulating-2"],
 )  # fmt: skip
 def test_a_clipped_scheduled_step_equals_one_process(
     tmp_path: Path, stages: int, replicas: int, accumulation: int, engine_fields: dict[str, str]

@@ -23,7 +23,7 @@ from pipejob.trainer.pipeline.reader import TRAIN, Batch
 from pipejob.trainer.pipeline.shard import on_reader, on_stage
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.runtime import nonfinite
-from pipejob.trainer.runtime.optim import learning_rate
+from pipejob.trainer.runtime.optim import clip_coefficient, learning_rate
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
@@ -137,6 +137,16 @@ class Pipeline:
             return f"{first}'s forward"
         return f"the loss on {self.names[-1]} (from finite outputs)"
 
+    def norms(self, context_id: int, unscale: float,
+              leave_out: dict[int, frozenset[str]]) -> list[float]:  # fmt: skip
+        """Each stage's L2 norm of its step's gradients, computed there (Shard.norm): inf or
+        nan when any is; `leave_out`: per stage index, the copies counted elsewhere."""
+        return torch.futures.wait_all([
+            rpc.rpc_async(name, on_stage, args=(stage, "norm", context_id, unscale,
+                                                leave_out.get(k, frozenset())))
+            for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
+        ])  # fmt: skip
+
     def timings(self) -> list[dict[int, tuple[float, float, float]]]:
         return self.each("timings")
 
@@ -214,14 +224,36 @@ class Replicas:
         its first stage), of `batch` samples each."""
         raise NotImplementedError
 
-    def judge(self, pipeline: Pipeline, context_id: int, losses: list[float],
-              rounds: list[int], step: int) -> Judged:  # fmt: skip
+    def unscale(self) -> float:
+        """What the stages multiply their gradients by before their norms: 1 / fp16's loss
+        scale (1.0 without one)."""
+        return 1.0 if self.loss_scale is None else 1.0 / self.loss_scale.scale
+
+    def finish(self, pipeline: Pipeline, context_id: int, losses: list[float],
+               rounds: list[int], step: int, norms: list[float] | None = None,
+               zero: bool = False) -> Judged:  # fmt: skip
+        """A replica's step's tail, on either engine, once its gradients are whole on its
+        stages: judged (`judge`; `norms`: the stages' norms where they came with an earlier
+        reply), then, in one call per stage (Shard.finish_step), clipped and stepped where it
+        is applied and, with `zero` (gradients in .grad), the gradients forgotten."""
+        with phase("gradient norms"):
+            judged = self.judge(pipeline, context_id, losses, rounds, step, norms)
+        if not (judged.apply or zero):
+            return judged
+        with phase("optimizer step"):
+            coefficient = clip_coefficient(judged.norm, self.optimizer.clip_grad_norm)
+            lr = judged.lr if self.optimizer.schedule is not None else None
+            pipeline.each("finish_step", context_id, coefficient, lr, judged.apply, zero)
+        return judged
+
+    def judge(self, pipeline: Pipeline, context_id: int, losses: list[float], rounds: list[int],
+              step: int, norms: list[float] | None = None) -> Judged:  # fmt: skip
         """What the master makes of a replica's step once its gradients are in (on its
         stages, in dist-autograd context `context_id`): its mean loss over its training
-        rounds `rounds`, the global gradient norm, the learning rate and what was not finite."""
-        scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
-        norms = gradients.stage_norms_of(pipeline.names, pipeline.stages, context_id,
-                                         1.0 / scale, gradients.copies(self.tied))  # fmt: skip
+        rounds `rounds`, the global gradient norm (from the stages' `norms`, asked for when
+        not given), the learning rate and what was not finite."""
+        if norms is None:
+            norms = pipeline.norms(context_id, self.unscale(), gradients.copies(self.tied))
         loss = sum(losses) / len(losses)
         return Judged(loss, gradients.total_norm(norms),
                       learning_rate(self.optimizer, self.steps, step),

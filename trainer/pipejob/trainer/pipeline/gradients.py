@@ -6,10 +6,11 @@ Each stage's gradients are where its engine keeps them (Shard.gradients: the ste
 distributed autograd context on the rpc engine, the parameters' .grad on the pipelining
 engine), where its optimizer's step reads them; each stage works on its own in place. The global
 norm is the norm of every stage's per-parameter norms (as torch.nn.utils.clip_grad_norm_
-computes it over the whole model): the master gathers them, and sends back the one
-coefficient every stage multiplies its gradients by. A parameter several stages hold (tied
-weights, whose copies carry the same summed gradient) counts once, as the one tensor it is in
-a single process."""
+computes it over the whole model): each stage sends the master the norm of its own (one
+scalar, `norm_of`), and the master sends back, with the optimizer's step, the one
+coefficient every stage multiplies its gradients by (`scale`, Shard.finish_step). A
+parameter several stages hold (tied weights, whose copies carry the same summed gradient)
+counts once, as the one tensor it is in a single process."""
 
 from __future__ import annotations
 
@@ -23,8 +24,6 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
-
-from pipejob.trainer.runtime.optim import clip_coefficient
 
 T = TypeVar("T")
 
@@ -47,28 +46,26 @@ def _gradients(stage: RRef, context_id: int) -> dict[str, torch.Tensor]:
     return stage.local_value().gradients(context_id)
 
 
-@_settled
-def stage_norms(stage: RRef, context_id: int, unscale: float,
-                leave_out: frozenset[str] = frozenset()) -> torch.Tensor:  # fmt: skip
-    """Runs on a stage: divide its gradients by fp16's loss scale (`unscale` is 1 / scale;
-    1.0 without one) and return each one's L2 norm (in its dtype, on the CPU), but those of the
-    parameters `leave_out` names (copies another stage counts)."""
-    grads = _gradients(stage, context_id)
+def norm_of(grads: dict[str, torch.Tensor], unscale: float = 1.0,
+            leave_out: frozenset[str] = frozenset()) -> float:  # fmt: skip
+    """Runs on a stage, where its gradients `grads` are: divide them by fp16's loss scale
+    (`unscale` is 1 / scale; 1.0 without one) and return their L2 norm, one float64 scalar
+    (inf or nan when any is), leaving out the parameters `leave_out` names (copies another
+    stage counts). The per-parameter norms are torch's multi-tensor ones, as
+    clip_grad_norm_'s (on a GPU a few kernels, not one each); only their norm crosses."""
     if unscale != 1.0 and grads:
         torch._foreach_mul_(list(grads.values()), unscale)
     counted = [g for n, g in grads.items() if n not in leave_out]
     if not counted:
-        return torch.zeros(0)
-    # torch's multi-tensor norms, as clip_grad_norm_'s: on a GPU a few kernels, not one each.
-    return torch.stack(torch._foreach_norm(counted, 2)).cpu()
+        return 0.0
+    norms = torch.stack(torch._foreach_norm(counted, 2)).cpu()
+    return torch.linalg.vector_norm(norms.double(), 2).item()
 
 
-@_settled
-def scale_stage(stage: RRef, context_id: int, coefficient: float) -> None:
-    """Runs on a stage: multiply its gradients by the clipping coefficient."""
-    grads = list(_gradients(stage, context_id).values())
-    if grads:
-        torch._foreach_mul_(grads, coefficient)
+def scale(grads: dict[str, torch.Tensor], coefficient: float) -> None:
+    """Runs on a stage: multiply its gradients by the clipping coefficient (1.0: nothing)."""
+    if coefficient < 1.0 and grads:
+        torch._foreach_mul_(list(grads.values()), coefficient)
 
 
 # Per stage (its Stage object's id): the gradients of a step's earlier rounds.
@@ -130,31 +127,10 @@ def copies(tied: list[list[tuple[int, str]]]) -> dict[int, frozenset[str]]:
     return {k: frozenset(v) for k, v in out.items()}
 
 
-def stage_norms_of(names: list[str], stages: list[RRef], context_id: int, unscale: float = 1.0,
-                   leave_out: dict[int, frozenset[str]] | None = None) -> list[float]:  # fmt: skip
-    """Each stage's L2 norm of its gradients (inf or nan when any is); `leave_out`: per
-    stage index, the names of copies counted elsewhere (`copies`)."""
-    leave_out = leave_out or {}
-    norms = torch.futures.wait_all([
-        rpc.rpc_async(name, stage_norms,
-                      args=(stage, context_id, unscale, leave_out.get(k, frozenset())))
-        for k, (name, stage) in enumerate(zip(names, stages, strict=True))
-    ])  # fmt: skip
-    return [torch.linalg.vector_norm(n.double(), 2).item() for n in norms]
-
-
 def total_norm(norms: list[float]) -> float:
     """The global L2 norm over every parameter of every stage, from the stages' norms
     (`stage_norms_of`): inf or nan when any is."""
     return torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float64), 2).item()
-
-
-def clip(names: list[str], stages: list[RRef], context_id: int, norm: float,
-         max_norm: float | None) -> None:  # fmt: skip
-    """Scale every stage's gradients so that their global `norm` is at most `max_norm`."""
-    coefficient = clip_coefficient(norm, max_norm)
-    if coefficient < 1.0:  # multiplying by 1.0 changes nothing: spare the round trip
-        _on_every(names, stages, scale_stage, context_id, coefficient)
 
 
 @dataclass

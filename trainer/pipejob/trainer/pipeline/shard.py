@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.rpc import RRef
 
 from pipejob.core.common import Optimizer
+from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.parts import Part
 from pipejob.trainer.pipeline.reader import Reader, Source
@@ -253,6 +254,24 @@ class Shard:
             set_lr(self.optimizer, lr)
         params = dict(self.layers.named_parameters())
         self.optimizer.step({params[n]: g for n, g in self.gradients(context_id).items()})
+
+    def norm(self, context_id: int, unscale: float = 1.0,
+             leave_out: frozenset[str] = frozenset()) -> float:  # fmt: skip
+        """The L2 norm of this step's gradients, after dividing them by fp16's loss scale
+        (gradients.norm_of): what the master judges and clips the step by."""
+        return gradients.norm_of(self.gradients(context_id), unscale, leave_out)
+
+    def finish_step(self, context_id: int, coefficient: float, lr: float | None, apply: bool,
+                    zero: bool) -> None:  # fmt: skip
+        """The step's tail in one call: where it is applied (`apply`), its gradients scaled
+        by the clipping `coefficient` and the optimizer stepped with `lr`
+        (`step_optimizer`); with `zero`, .grad forgotten (stepped or skipped)."""
+        if apply:
+            gradients.scale(self.gradients(context_id), coefficient)
+            self.step_optimizer(context_id, lr)
+        if zero:
+            assert self.optimizer is not None, "this stage was built without an optimizer"
+            self.optimizer.zero_grad()
 
     def save(self, directory: str, name: str) -> dict[str, Any]:
         """Checkpoint this shard and its optimizer's state; the manifest entry."""

@@ -12,18 +12,15 @@ import torch
 import torch.distributed.rpc as rpc
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.pipeline import driver, gradients
+from pipejob.trainer.pipeline import driver
 from pipejob.trainer.pipeline.driver import Round, StepResult
-from pipejob.trainer.pipeline.pipelining.stage import Stage
+from pipejob.trainer.pipeline.pipelining.stage import NO_CONTEXT, Stage
 from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Source
 from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
-
-# The recipe reads each stage's gradients where they are (.grad): no context to name.
-NO_CONTEXT = 0
 
 
 def even(batch: Round) -> int:
@@ -64,18 +61,21 @@ class Pipeline(driver.Pipeline):
                                  args=(self.stages[k], "learn", key, piece, metas))  # fmt: skip
         self._learnt.add(key)
 
-    def run(self, batch: Round, step: int, loss_fn: Loss, weight: float) -> float:
+    def run(self, batch: Round, step: int, loss_fn: Loss, weight: float,
+            unscale: float | None = None) -> tuple[float, list[float] | None]:  # fmt: skip
         """Training round `batch` of step `step` through every stage at once; its loss
-        (weighted by `weight` for the backward)."""
+        (weighted by `weight` for the backward) and, with `unscale` (1 / fp16's loss scale),
+        each stage's gradient norm after it (Shard.norm), computed in the same call."""
         self.learn(batch, True)
         last = len(self.stages) - 1  # holds the last piece (stage k is on process k % p)
-        losses = torch.futures.wait_all([
+        replies = torch.futures.wait_all([
             rpc.rpc_async(name, on_stage, args=(
                 stage, "train", batch.number, even(batch), batch.samples, step,
-                loss_fn, weight, batch.labels if k == last else None))
+                loss_fn, weight, batch.labels if k == last else None, unscale))
             for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
         ])  # fmt: skip
-        return losses[last]
+        norms = None if unscale is None else [norm for _, norm in replies]
+        return replies[last][0], norms
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0):
@@ -111,18 +111,22 @@ class Replicas(driver.Replicas):
              loss_fn: Loss, batch: int) -> StepResult:  # fmt: skip
         pipeline = self.pipelines[r]
         assert isinstance(pipeline, Pipeline)
-        names, stages = pipeline.names, pipeline.stages
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
         weight = scale / len(rounds)  # each batch's share of the step's loss
+        # Where nothing changes the gradients after the last round's backwards (no ties, no
+        # other replica), its replies carry the stages' norms.
+        early = not self.tied and len(self.pipelines) == 1
         start = time.perf_counter()
-        losses, numbers = [], []
-        for given in rounds:
+        losses, numbers, norms = [], [], None
+        for a, given in enumerate(rounds):
             round_ = pipeline.read(micro_batches, given)
             assert round_ is not None  # the training data has no end
             numbers.append(round_.number)
             share = self.share(round_, batch)
+            unscale = self.unscale() if early and a == len(rounds) - 1 else None
             with phase("schedule"):
-                losses.append(pipeline.run(round_, step, loss_fn, weight * share) * share)
+                loss, norms = pipeline.run(round_, step, loss_fn, weight * share, unscale)
+            losses.append(loss * share)
         if self.tied:
             with phase("tied gradients"):
                 pipeline.combine_tied(NO_CONTEXT, self.tied)
@@ -131,15 +135,7 @@ class Replicas(driver.Replicas):
         if len(self.pipelines) > 1:
             with phase("all-reduce"):
                 allreduce = max(pipeline.each("average_gradients", NO_CONTEXT))
-        with phase("gradient norms"):
-            judged = self.judge(pipeline, NO_CONTEXT, losses, numbers, step)
-        with phase("optimizer step"):
-            if judged.apply:
-                gradients.clip(names, stages, NO_CONTEXT, judged.norm,
-                               self.optimizer.clip_grad_norm)  # fmt: skip
-                lr = judged.lr if self.optimizer.schedule is not None else None
-                pipeline.each("step_optimizer", NO_CONTEXT, lr)
-            pipeline.each("zero_grad")
+        judged = self.finish(pipeline, NO_CONTEXT, losses, numbers, step, norms, zero=True)
         return judged.result(middle - start, time.perf_counter() - middle, allreduce)
 
     def activation_peaks(self) -> list[int] | None:

@@ -39,6 +39,7 @@ from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.cut import join
 from pipejob.trainer.workloads.metrics import Tally
 
+NO_CONTEXT = 0  # gradients are in .grad: no context names them
 Metas = list[tuple[tuple[int, ...], torch.dtype]]  # the shape and dtype of each value
 Key = tuple[bool, int, int]  # a kind of round: training?, micro-batches, samples
 
@@ -189,10 +190,12 @@ class Stage(Shard):
         return loss * weight
 
     def train(self, round: int, micro_batches: int, samples: int, step: int, loss_fn: Loss,
-              weight: float, labels: RRef | None) -> float | None:  # fmt: skip
+              weight: float, labels: RRef | None,
+              unscale: float | None = None) -> tuple[float | None, float | None]:  # fmt: skip
         """Training round `round` of step `step`: forwards and backwards of its
-        `micro_batches` (of `samples` in all), the gradients added to .grad. The last stage
-        returns the round's loss (the mean of its micro-batches')."""
+        `micro_batches` (of `samples` in all), the gradients added to .grad. Returns the
+        round's loss on the last stage (the mean of its micro-batches'; None elsewhere) and,
+        with `unscale`, the norm of the step's gradients (Shard.norm; else None)."""
         run, _ = self._run(True, micro_batches, samples)
         args = (self.reader.inputs(round),) if self.first else ()
         # Contiguous, as torch 2.11's schedules check the strides of what they split.
@@ -201,9 +204,10 @@ class Stage(Shard):
         self._round = round
         self._begin(step)
         run.step(*args, target=target, return_outputs=False)
+        norm = None if unscale is None else self.norm(NO_CONTEXT, unscale)
         if not self.last:
-            return None
-        return torch.stack(self._losses).mean().item()
+            return None, norm
+        return torch.stack(self._losses).mean().item(), norm
 
     def forwarded(self, output: Any) -> None:
         """A piece's forward of one micro-batch gave `output`: in training, whether it is

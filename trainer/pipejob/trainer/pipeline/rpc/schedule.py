@@ -128,10 +128,16 @@ class Pipeline(driver.Pipeline):
             tally = rpc.rpc_sync(self.names[-1], on_stage, args=args)
         return tally
 
-    def settle(self, step: int, micro_batches: int) -> None:
+    def settle(self, step: int, micro_batches: int,
+               norms: tuple[int, float] | None = None) -> list[float] | None:  # fmt: skip
         """Return once every stage has backpropagated every micro-batch of `step`
-        (Stage.settle): only then are the step's gradients whole."""
-        self.each("settle", step, micro_batches)
+        (Stage.settle): only then are the step's gradients whole. With `norms` (the step's
+        context and fp16's unscale), each stage's gradient norm comes with its reply
+        (Stage.settle_norm): the gradients are then those the optimizer steps with."""
+        if norms is None:
+            self.each("settle", step, micro_batches)
+            return None
+        return self.each("settle_norm", step, micro_batches, *norms)
 
 
 def forward_backward(
@@ -180,8 +186,13 @@ class Replicas(driver.Replicas):
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
 
         numbers: list[int] = []  # the forward rounds of the step
+        # Where nothing changes the gradients between the backward and the norms (one
+        # round, no ties, no other replica), the norms come with the settle's replies.
+        early = len(rounds) == 1 and not self.tied and len(self.pipelines) == 1
+        norms: list[float] | None = None
 
-        def one_round(given: Batch | None, context_id: int) -> float:
+        def one_round(given: Batch | None, context_id: int, last: bool) -> float:
+            nonlocal norms
             round_ = pipeline.read(micro_batches, given)
             assert round_ is not None  # the training data has no end
             numbers.append(round_.number)
@@ -189,7 +200,8 @@ class Replicas(driver.Replicas):
             weight = scale * share / len(rounds)  # each batch's share of the step's loss
             loss = forward_backward(pipeline, round_, step, context_id, loss_fn, weight)
             with phase("settle"):
-                pipeline.settle(step, round_.micro_batches)
+                asked = (context_id, self.unscale()) if early and last else None
+                norms = pipeline.settle(step, round_.micro_batches, asked)
             return loss.item() * share
 
         start = time.perf_counter()
@@ -198,11 +210,11 @@ class Replicas(driver.Replicas):
         # the stages hold their gradients until the last round's context, where they add up.
         for given in rounds[:-1]:
             with dist_autograd.context() as context_id:
-                losses.append(one_round(given, context_id))
+                losses.append(one_round(given, context_id, False))
                 with phase("accumulate"):
                     gradients.hold(names, stages, context_id)
         with dist_autograd.context() as context_id:
-            losses.append(one_round(rounds[-1], context_id))
+            losses.append(one_round(rounds[-1], context_id, True))
             if len(rounds) > 1:
                 with phase("accumulate"):
                     gradients.release(names, stages, context_id)
@@ -214,12 +226,5 @@ class Replicas(driver.Replicas):
             if len(self.pipelines) > 1:
                 with phase("all-reduce"):
                     allreduce = max(pipeline.each("average_gradients", context_id))
-            with phase("gradient norms"):
-                judged = self.judge(pipeline, context_id, losses, numbers, step)
-            if judged.apply:
-                with phase("optimizer step"):
-                    gradients.clip(names, stages, context_id, judged.norm,
-                                   self.optimizer.clip_grad_norm)  # fmt: skip
-                    lr = judged.lr if self.optimizer.schedule is not None else None
-                    pipeline.each("step_optimizer", context_id, lr)
+            judged = self.finish(pipeline, context_id, losses, numbers, step, norms)
         return judged.result(middle - start, time.perf_counter() - middle, allreduce)

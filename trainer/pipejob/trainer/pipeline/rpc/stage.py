@@ -228,6 +228,12 @@ class Stage(Shard):
                 )
             self._done = {s: n for s, n in self._done.items() if s > step}
 
+    def settle_norm(self, step: int, micro_batches: int, context_id: int,
+                    unscale: float) -> float:  # fmt: skip
+        """`settle`, then the norm of the step's gradients (Shard.norm), in one call."""
+        self.settle(step, micro_batches)
+        return self.norm(context_id, unscale)
+
     def _note(self, key: tuple[int, int], what: str) -> None:
         mark = self._clock.mark()
         with self._record:

@@ -33,13 +33,25 @@ class Transformer:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Staged:
+    """How the user stages the model, past the tracer: the model's modules in order, each
+    taking what the previous returned (`layers`), or a function building stage i of n
+    (`stage`, "package.module:function")."""
+
+    layers: tuple[str, ...] = ()
+    stage: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Model:
-    """Exactly one of: a torchvision name, the built-in transformer, a user's factory."""
+    """Exactly one of: a torchvision name, the built-in transformer, a user's factory; or
+    none of them where `staged.stage` builds the stages."""
 
     torchvision: str | None = None
     transformer: Transformer | None = None
     import_: str | None = None  # spec key "import"
     args: dict[str, Any] = field(default_factory=dict)
+    staged: Staged | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,8 +194,9 @@ def model_field(torchvision: tuple[str, ...], default: str) -> Field:
         "The model to train, cut into stages. A string is a torchvision classification model"
         " by name (short for {torchvision: name}); an object has exactly one of `torchvision`,"
         " `transformer` (pipejob's own language model) or `import` (the user's factory, with"
-        " `args`). Kept as written by the API server (a string or an object); pipejob validate"
-        f" and the operator check it. The torchvision names: {', '.join(torchvision)}.",
+        " `args`); `staged` says how the model is staged where no tracer can read it. Kept as"
+        " written by the API server (a string or an object); pipejob validate and the"
+        f" operator check it. The torchvision names: {', '.join(torchvision)}.",
         default=default,
         enum=torchvision,
         fields={
@@ -193,13 +206,18 @@ def model_field(torchvision: tuple[str, ...], default: str) -> Field:
             "transformer": TRANSFORMER,
             "import": import_field("a torch.nn.Module"),
             "args": ARGS,
+            "staged": STAGED,
         },
         rules=(
-            exactly_one(
-                ("torchvision", "transformer", "import"),
-                "give exactly one of torchvision, transformer or import",
+            _one_source(),
+            Rule(
+                "!has(self.args) || has(self.__import__) || (has(self.staged) &&"
+                " has(self.staged.stage))",
+                "args are the keyword arguments of model.import (or model.staged.stage): set"
+                " import too, or leave args out",
+                "args",
+                lambda o: "args" not in o or "import" in o or "stage" in o.get("staged", {}),
             ),
-            args_need_import("model"),
         ),
     )
 

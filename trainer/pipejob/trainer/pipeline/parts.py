@@ -20,7 +20,7 @@ from torch import nn
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.partition import LayerCosts, measure_chain, min_max_partition
 from pipejob.trainer.runtime import tuning
-from pipejob.trainer.workloads import cut, data, materialize, models
+from pipejob.trainer.workloads import cut, data, materialize, models, staged
 
 # The automatic cut opens modules until it has this many candidates per stage (where the
 # module tree has them): enough for the measured min-max split to balance.
@@ -37,8 +37,11 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def trace(spec: PipelineSpec, model: nn.Module) -> cut.Traced:
-    """The model's cut candidates, found the same way in every process."""
+def trace(spec: PipelineSpec, model: nn.Module) -> cut.Traced | staged.Layers | staged.Built:
+    """The model's cut candidates, found the same way in every process: traced, or as the
+    user stages it (spec.model.staged)."""
+    if spec.model.staged is not None:
+        return staged.of(spec, model)
     return cut.Traced(model, CANDIDATES_PER_STAGE * spec.pieces, spec.split_points)
 
 
@@ -54,9 +57,11 @@ class Part:
     starts: tuple[str, ...]  # the units where the pieces after the first begin
     pieces: tuple[int, ...]  # which pieces this process builds
 
-    def build(self) -> list[cut.Piece]:
+    def build(self) -> list[nn.Module]:
         # The process's own random stream stays as it was (dropout draws from it).
         with torch.random.fork_rng(devices=[]), default_dtype(self.dtype):
+            if staged.builds(self.spec):  # the user's function builds each piece alone
+                return staged.build(self.spec, self.pieces)
             model, _ = materialize.build(lambda: models.build(self.spec), self.keep)
         modules = trace(self.spec, model).split(list(self.starts))
         built = [modules[i] for i in self.pieces]

@@ -37,7 +37,7 @@ from pipejob.trainer.runtime import (
 )
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
-from pipejob.trainer.workloads import cut, data, metrics, models
+from pipejob.trainer.workloads import cut, data, metrics, models, staged
 from pipejob.trainer.workloads.metrics import Tally
 from pipejob.trainer.workloads.standins import META
 from pipejob.trainer.workloads.synthetic import share_of
@@ -61,7 +61,9 @@ def train(env: Env) -> dict[str, Any]:
     with data.Feed(spec) as feed:
         world.log(env, f"data: {feed.description}")
         inputs, labels = feed.sample(2)
-    fits_model(model, inputs, labels, loss)
+    # A staged model runs as its stages call it (its own forward is not used).
+    fits_model(staged.as_called(spec, model) if spec.model.staged else model, inputs, labels,
+               loss)  # fmt: skip
     found = checkpoint.latest_for(env)
     saved = None if found is None else saved_partition(env, found)
     try:

@@ -12,7 +12,7 @@ from torch import nn
 from pipejob.core.common import key
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.core.workload import Model
-from pipejob.trainer.workloads import imports, materialize
+from pipejob.trainer.workloads import imports, materialize, staged
 from pipejob.trainer.workloads.transformer import TransformerLM
 
 
@@ -26,7 +26,8 @@ def build(spec: PipelineSpec) -> nn.Module:
         return get_model(model.torchvision, weights=None, num_classes=spec.num_classes)
     if model.transformer is not None:
         return TransformerLM(model.transformer)
-    assert model.import_ is not None
+    if model.import_ is None:  # the user's function builds the stages: the model is them
+        return staged.whole(spec)
     built = imports.call(model.import_, "spec.model.import", model.args)
     if not isinstance(built, nn.Module):
         raise ValueError(f"spec.model.import: {model.import_!r} returned a"
@@ -49,8 +50,8 @@ def as_spec(model: Model) -> dict[str, Any]:
     def plain(value: Any) -> Any:
         if dataclasses.is_dataclass(value):
             return {key(f.name): plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-                    if getattr(value, f.name) not in (None, {})}  # fmt: skip
-        return value
+                    if getattr(value, f.name) not in (None, {}, ())}  # fmt: skip
+        return list(value) if isinstance(value, tuple) else value  # as JSON reads it back
 
     return plain(model)
 
@@ -62,4 +63,6 @@ def name(model: Model) -> str:
     if model.transformer is not None:
         t = model.transformer
         return f"transformer ({t.layers} layers, width {t.width}, {t.heads} heads)"
+    if model.import_ is None and model.staged is not None:
+        return f"the stages of {model.staged.stage}"
     return str(model.import_)

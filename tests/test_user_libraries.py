@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipejob.trainer.workloads import materialize
+from pipejob.trainer.workloads import cut, materialize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -105,3 +105,58 @@ def test_peft_lora_over_a_causal_lm_cuts_exactly_with_its_base_frozen() -> None:
     model, _ = materialize.build(seeded(lora_llama), ())
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(h))
+
+
+class ReadsAWeightsMetadata(nn.Module):
+    """open_clip's text tower's habit: its forward begins by reading a later block's
+    weight's dtype (`get_cast_dtype`), device, size and requires_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        last = self.blocks[-1].fc.weight
+        h = self.embed(tokens).to(last.dtype)
+        if last.requires_grad and last.is_floating_point():
+            h = h + torch.ones(last.shape[1], device=last.device, dtype=last.dtype)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean(1))
+
+
+def open_clip_text() -> nn.Module:
+    import open_clip
+
+    text = open_clip.model.CLIPTextCfg(context_length=8, vocab_size=64, width=16, heads=2,
+                                       layers=2)  # fmt: skip
+    tower = open_clip.model._build_text_tower(embed_dim=8, text_cfg=text)
+    return nn.Sequential(tower, nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("factory", [ReadsAWeightsMetadata, open_clip_text],
+                         ids=lambda f: f.__name__)  # fmt: skip
+def test_reading_a_weights_metadata_is_not_a_use(factory) -> None:
+    """Only values that flow into the computation place a parameter in a stage: a forward
+    that reads another stage's weight's dtype, device, size or requires_grad makes no tie
+    (the pipeline would wait for a gradient the reading stage never gets), and the cut is
+    exact."""
+    if factory is open_clip_text:
+        pytest.importorskip("open_clip")
+    meta, _ = materialize.build(seeded(factory), ())
+    traced = cut.Traced(meta, want=8)
+    for start in traced.units[1:]:
+        assert cut.ties(traced.split([start])) == [], start
+    row = _conform.run("user", factory.__name__, factory, _tokens)
+    assert row.verdict == "exact", row.why

@@ -46,6 +46,7 @@ from pipejob.trainer.workloads.tracing import (
     Tracer,
     construct,
     materialize_masks,
+    place_parameters,
     unchanged,
     without_cache,
 )
@@ -162,6 +163,7 @@ class Traced:
                         with unchanged(model):
                             graphs.append(tracer.trace(model))
                         materialize_masks(graphs[-1])
+                        place_parameters(graphs[-1], model)
                     break
                 except Exception as e:
                     where = tracer.failed_in

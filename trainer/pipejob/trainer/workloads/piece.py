@@ -4,11 +4,13 @@ holding the state that code uses under the model's names."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
+import torch
 from torch import fx, nn
 
-from pipejob.trainer.workloads.tracing import cache_configs, without_cache
+from pipejob.trainer.workloads.tracing import cache_configs, running_on, without_cache
 
 _STATE = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
 
@@ -40,8 +42,15 @@ class Piece(nn.Module):
         if "configs" not in self.__dict__:
             self.__dict__["configs"] = cache_configs(self)
         # The modules it calls whole run as the model was traced: with no key/value cache.
-        with without_cache(self, self.__dict__["configs"]):
+        with without_cache(self, self.__dict__["configs"]), running_on(lambda: self._device(args)):
             return piece(*args)
+
+    def _device(self, args: tuple[Any, ...]) -> torch.device:
+        """Where the stage runs: its parameters', buffers' or inputs' device."""
+        for value in itertools.chain(self.parameters(), self.buffers(), args):
+            if isinstance(value, torch.Tensor):
+                return value.device
+        return torch.device("cpu")
 
     @property
     def code(self) -> str:

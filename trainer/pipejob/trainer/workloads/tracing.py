@@ -15,8 +15,9 @@ import dataclasses
 import inspect
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -67,6 +68,15 @@ class Objects(fx.Tracer):
     periods' `numel()`), which a traced value could not answer."""
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if isinstance(attr_val, nn.Parameter):  # one traced value per parameter, as fx's
+            name = next((n for n, p in self.root.named_parameters() if p is attr_val), None)
+            if name is not None:
+                if name not in parameter_proxy_cache:
+                    parameter_proxy_cache[name] = self.create_proxy(
+                        "get_attr", name, (), {},
+                        proxy_factory_fn=lambda node: ParameterProxy(node, self, attr_val),
+                    )  # fmt: skip
+                return parameter_proxy_cache[name]
         # fx's `proxy_buffer_attributes`, with a proxy that knows the buffer's size.
         if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter):
             name = next((n for n, b in self.root.named_buffers() if b is attr_val), None)
@@ -127,6 +137,66 @@ class BufferProxy(fx.Proxy):
 
     def __len__(self) -> int:
         return len(self.buffer)
+
+
+class ParameterProxy(BufferProxy):
+    """A traced parameter that answers what it is, not what it holds, as the parameter's:
+    its size (as BufferProxy), dtype, requires_grad and whether it is floating point
+    (every process builds it alike); its device as the device of the stage that runs the
+    code (`device_here`: a stage moves its pieces to its device after tracing). Reading
+    them is not a use: a parameter whose traced value only they read is not placed in the
+    stage that reads them (`place_parameters`), so no stage holds a copy for them (open_clip
+    reads a later block's weight's dtype at its start)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffer.dtype
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.buffer.requires_grad
+
+    def is_floating_point(self) -> bool:
+        return self.buffer.is_floating_point()
+
+    @property
+    def device(self) -> Any:
+        return self.tracer.create_proxy("call_function", device_here, (), {})
+
+
+_DEVICE: ContextVar[Callable[[], torch.device]] = ContextVar("device_here")
+
+
+def device_here() -> torch.device:
+    """The device of the stage running (a parameter's device, read in its forward: all of
+    a stage's parameters are on its device)."""
+    where = _DEVICE.get(None)
+    return torch.device("cpu") if where is None else where()
+
+
+@contextmanager
+def running_on(device: Callable[[], torch.device]) -> Iterator[None]:
+    """While a stage runs: `device()` says where (asked only when a forward reads it)."""
+    token = _DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _DEVICE.reset(token)
+
+
+def place_parameters(graph: fx.Graph, model: nn.Module) -> None:
+    """Each parameter's traced value read just before the first node that computes with
+    it, and not at all where none does (only its size, dtype or device was read): where it
+    is read decides which stage holds it."""
+    params = {name for name, _ in model.named_parameters()}
+    order = {n: i for i, n in enumerate(graph.nodes)}  # moving a get_attr keeps the others'
+    for node in list(graph.nodes):
+        if node.op != "get_attr" or node.target not in params:
+            continue
+        if not node.users:
+            graph.erase_node(node)
+        else:
+            min(node.users, key=order.__getitem__).prepend(node)
 
 
 class Tracer(Objects):

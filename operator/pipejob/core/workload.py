@@ -222,6 +222,56 @@ def model_field(torchvision: tuple[str, ...], default: str) -> Field:
     )
 
 
+def _one_source() -> Rule:
+    """Exactly one of torchvision, transformer or import; or none where staged.stage builds
+    the stages (the model is then the stages in order)."""
+    names = ("torchvision", "transformer", "import")
+    count = " + ".join(f"(has(self.{_cel_name(n)}) ? 1 : 0)" for n in names)
+    return Rule(
+        f"{count} == 1 || ({count} == 0 && has(self.staged) && has(self.staged.stage))",
+        "give exactly one of torchvision, transformer or import (or none, with staged.stage)",
+        "",
+        lambda o: (
+            sum(n in o for n in names) == 1
+            or (sum(n in o for n in names) == 0 and "stage" in o.get("staged", {}))
+        ),
+    )
+
+
+STAGED = Field(
+    "object",
+    "How the model is staged, past the tracer, for glue between modules that the automatic"
+    " cut cannot trace (data-dependent Python, packed sequences, libraries that inspect"
+    " tensor types): exactly one of `layers` (DeepSpeed's PipelineModule style) or `stage`"
+    " (torchtitan's style). Parameter names stay the model's, so the output loads into it.",
+    fields={
+        "layers": Field(
+            "array",
+            "Module names of the model (as in named_modules()), in order: the model is these"
+            " modules called one after another, each with what the previous returned (a"
+            " tuple as positional arguments); its own forward is not used. A plain"
+            " Sequential, ModuleList or ModuleDict named opens into its items. Stages begin"
+            " at any of them (splitPoints, or balanced by measured cost).",
+            items=Field("string", "A module name of the model.", max_length=253),
+            max_items=4096,
+        ),
+        "stage": Field(
+            "string",
+            "A function building stage i of n, package.module:function, called with"
+            " stage=i, stages=n and the model's `args` under spec.seed; each process builds"
+            " only its own stages. With `import` (the whole model) its modules must hold"
+            " their parameters under the whole model's names; without, stage i's names are"
+            " prefixed with `i.` (the output loads into nn.Sequential of the stages).",
+            pattern=_IMPORT_BODY,
+            pattern_says=_IMPORT_SAYS,
+            max_length=1024,
+        ),
+    },
+    rules=(exactly_one(("layers", "stage"), "give exactly one of layers or stage"),),
+    section=True,
+)
+
+
 def _split(description: str, train: str, val: str, **fields: Field) -> Field:
     return Field(
         "object",

@@ -8,7 +8,8 @@ Every user hook is an import path, "package.module:function", whose function is 
 The tables below are the spec's side of the same objects (core/kinds/ and core/common.py
 put them in the kinds' specs); tests/test_kinds.py checks each dataclass against its table.
 In CEL a field named `import` (a CEL keyword) is written `self.__import__`, as the API server
-escapes it."""
+escapes it. Long because it holds the field tables of every workload section of both kinds
+(model, data, loss, evaluation, output), which the validation and the CRDs read together."""
 
 from __future__ import annotations
 

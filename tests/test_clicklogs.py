@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import recsys_reference as reference
+import torch
+from test_hybrid import FLOAT64, hybrid_job
 
+from jobrun import run_to_end
+from pipejob.core import spec as specs
+from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.workloads import samples
 from pipejob.trainer.workloads.clicklogs import ClickLogs
 
@@ -163,3 +169,53 @@ def test_a_bad_line_names_its_file_line_and_column(tmp_path: Path) -> None:
     assert logs.where(0) == f"{path} line 1"
     with pytest.raises(ValueError, match="matches no file"):
         ClickLogs(str(tmp_path / "none_*.gz"), "spec.data.criteo.train")
+
+
+# ---------------------------------------------------------------------------- in a world
+
+CLICKS = {
+    "trainers": 2, "parameterServers": 2,
+    "embeddings": [{"name": "C1", "rows": 3000, "dim": 4},  # split across both servers
+                   {"name": "C2", "rows": 40, "dim": 4, "mode": "mean"},
+                   {"name": "peak", "rows": 60, "dim": 4, "mode": "max", "feature": "C3"}],
+    "dense": {"dlrm": {"bottom": [8], "top": [8]}},
+    "sparseOptimizer": {"name": "adagrad", "lr": 0.1}, "optimizer": {"name": "sgd", "lr": 0.1},
+    "batchSize": 8, "seed": 4, "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5},
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_streamed_gzip_logs_train_and_resume_as_one_process_in_float64(tmp_path: Path) -> None:
+    """Two trainers and two servers on a gzip log and a plain one (40 lines: a step reads 16,
+    so step 3 crosses the epoch's end): stopped after step 2 (mid-epoch) and resumed from its
+    checkpoint, the tables, their Adagrad state and the dense part after step 3 equal one
+    process's after 3 steps on the same stream, to float64's rounding."""
+    (tmp_path / "sitecustomize.py").write_text(FLOAT64)
+    write(tmp_path / "day_0.gz", log_lines(25, 8))
+    write(tmp_path / "day_1.tsv", log_lines(15, 9))
+    data = {"criteo": {"train": str(tmp_path / "day_*")}}
+    spec = CLICKS | {"data": data, "checkpoint": {"path": str(tmp_path / "ckpt"),
+                                                  "everySteps": 1}}  # fmt: skip
+    for steps in (2, 3):  # the second run resumes from step 2's checkpoint
+        code, output, _ = run_to_end(hybrid_job("clicks", spec | {"steps": steps}), tmp_path,
+                                     timeout=270)  # fmt: skip
+        assert code == 0, output
+    assert "resumed from step 2" in output, output
+    settings = specs.parse(hybrid_job("clicks", spec | {"steps": 3})).settings
+    directory = checkpoint.step_dir(tmp_path / "ckpt", 3)
+    pieces = [p for i in (0, 1) for p in torch.load(directory / f"ps{i}.pt")["pieces"]]
+    torch.set_default_dtype(torch.float64)
+    try:
+        model, optimizer = reference.trained(settings, 3)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for t in settings.embeddings:
+        got = reference.assembled(pieces, t.name, t.rows)
+        weight = model.tables[t.name].weight.detach()
+        torch.testing.assert_close(got["weight"], weight, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(got["sum"], optimizer.state[model.tables[t.name].weight]["sum"],
+                                   rtol=1e-12, atol=1e-14)  # fmt: skip
+    dense = torch.load(directory / "dense.pt", weights_only=False)["model"]
+    for name, value in model.dense.state_dict().items():
+        torch.testing.assert_close(dense[name], value, rtol=1e-12, atol=1e-14, msg=name)

@@ -106,6 +106,7 @@ class Eval:
 class Output:
     path: str  # a directory: the model files and their JSON sidecar go in it
     format: str = "safetensors"  # or "torch"
+    merged: bool = False  # a peft model: its adapters merged in, in merged/
 
 
 # --- the field tables ---------------------------------------------------------------------
@@ -403,6 +404,14 @@ OUTPUT = Field(
         "format": Field(
             "string", "File format: safetensors, or torch's own (torch.save).",
             default="safetensors", enum=("safetensors", "torch"),
+        ),
+        "merged": Field(
+            "boolean", "For a peft model (LoRA), also the model with its adapters merged into"
+            " its weights, under the base model's names, as a Hugging Face model folder"
+            " `merged/`. A peft model's adapters are always written too, as"
+            " PeftModel.save_pretrained writes them (adapter_model.safetensors,"
+            " adapter_config.json). PipelineJob only.",
+            default=False,
         ),
     },
     required=("path",),

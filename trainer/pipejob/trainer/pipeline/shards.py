@@ -26,7 +26,7 @@ from pipejob.trainer.pipeline.partition import (
 )  # fmt: skip
 from pipejob.trainer.pipeline.parts import Part, measure_on_stages, trace
 from pipejob.trainer.pipeline.shard import compute_resources
-from pipejob.trainer.runtime import output, tuning
+from pipejob.trainer.runtime import adapters, output, tuning
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, materialize, models
 
@@ -74,6 +74,8 @@ class Shards:
     # The modules' versions a plain `model.state_dict()` carries (its `_metadata`), for the
     # model file: a fresh build of some modules (MNASNet) loads no state without them.
     metadata: output.Metadata | None = None
+    # A peft model's adapters' configs (runtime/adapters.py), for the adapter files.
+    adapters: dict[str, dict[str, Any]] | None = None
 
     @property
     def ranges(self) -> list[range]:
@@ -150,7 +152,7 @@ def plan_shards(
         rest = {k: v for k, v in whole.state_dict().items() if k in rest}
     tied = by_process(cut.ties(stages), spec.stages)
     return Shards(units, stages, saved, rest, tied, hf_config(model), parts, spec.stages,
-                  output.module_metadata(model))  # fmt: skip
+                  output.module_metadata(model), adapters.configs(model))  # fmt: skip
 
 
 def by_process(ties: list[list[tuple[int, str]]], processes: int) -> list[list[tuple[int, str]]]:

@@ -28,6 +28,7 @@ from pipejob.trainer.pipeline.shards import (
 )
 from pipejob.trainer.pipeline.summary import render, stage_report, summarize
 from pipejob.trainer.runtime import (
+    adapters,
     checkpoint,
     master,
     memory,
@@ -240,6 +241,11 @@ def write_output(env: Env, pipelines: Replicas, shards: Shards,
     paths = model_output.write_live(spec.output.path, spec.output.format, pipeline.names,
                                     pipeline.stages, shards.rest, about, shards.config,
                                     metadata=shards.metadata)  # fmt: skip
+    if shards.adapters:  # a peft model: its adapters as peft writes them, merged on request
+        paths += adapters.write(spec.output.path, shards.adapters, spec.output.merged,
+                                shards.config)  # fmt: skip
+    elif spec.output.merged:
+        world.log(env, "output.merged: the model has no peft adapters; nothing to merge")
     world.log(env, f"model written: {', '.join(str(p) for p in paths)}")
 
 

@@ -1,0 +1,120 @@
+"""A peft model's output as peft users expect it, beside the whole model's files: the adapters
+(`adapter_model.safetensors` and `adapter_config.json`, as `PeftModel.save_pretrained` writes
+them: the default adapter in the folder, any other in a subfolder of its name), which
+`PeftModel.from_pretrained(base, path)` loads; and, on request (spec.output.merged), the model
+with the LoRA adapters merged into its weights under the base model's names, in `merged/`
+(with its config.json: `AutoModelForCausalLM.from_pretrained(path / "merged")` loads it).
+
+Both are read from the model files the run has just written (runtime/output.load_state_dict),
+so the master, which holds no weights while training, reads them only here. peft is not
+needed to write them: the names and the arithmetic are peft's own (its
+get_peft_model_state_dict and LoraLayer.merge for Linear layers), checked against peft by
+tests/test_lora.py."""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from pipejob.trainer.runtime import output
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+MERGED = "merged"
+PREFIX = "base_model.model."  # where a PeftModel holds its base model
+
+
+def configs(model: Any) -> dict[str, dict[str, Any]] | None:
+    """A peft model's adapters' configs by adapter name, as adapter_config.json holds them
+    (None for any other model)."""
+    peft_config = getattr(model, "peft_config", None)
+    if not isinstance(peft_config, dict) or not hasattr(model, "base_model"):
+        return None
+    return {name: _plain(config.to_dict()) for name, config in peft_config.items()}
+
+
+def _plain(value: Any) -> Any:
+    """As JSON holds it: sets as sorted lists (peft's own save_pretrained does so), enums as
+    their values."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+def adapter_state(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """Adapter `name`'s weights under the names peft saves them (get_peft_model_state_dict:
+    the LoRA matrices, the adapter's name left out)."""
+    mark = f".{name}."
+    return {k.replace(f".{name}", ""): v.contiguous() for k, v in state.items()
+            if "lora_" in k and mark in k}  # fmt: skip
+
+
+def merged_state(state: dict[str, torch.Tensor], name: str,
+                 config: dict[str, Any]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The base model's state with adapter `name` merged into each adapted Linear's weight
+    (W + scaling B A, as peft's merge; transposed for fan_in_fan_out layers), under the base
+    model's names; refused, saying why, for what peft's LoRA merge does otherwise."""
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise ValueError(f"spec.output.merged: adapter {name!r} has a {key}; merge it"
+                             " with peft's merge_and_unload")  # fmt: skip
+    if config.get("use_dora") or config.get("bias", "none") != "none":
+        raise ValueError(f"spec.output.merged: adapter {name!r} uses DoRA or trains biases;"
+                         " merge it with peft's merge_and_unload")  # fmt: skip
+    r, alpha = config["r"], config["lora_alpha"]
+    scaling = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+    merged: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if "lora_" in key:
+            continue
+        base = key.removeprefix(PREFIX).replace(".base_layer.", ".")
+        module = key.removesuffix(".base_layer.weight")
+        a, b = (
+            state.get(f"{module}.lora_A.{name}.weight"),
+            state.get(f"{module}.lora_B.{name}.weight"),
+        )
+        if module != key and a is not None and b is not None:
+            delta = (b.double() @ a.double()) * scaling
+            value = (value.double() + (delta.T if config.get("fan_in_fan_out") else delta)).to(
+                value.dtype
+            )
+        merged[base] = value.contiguous()
+    return merged
+
+
+def write(out: str | Path, adapters: dict[str, dict[str, Any]], merged: bool,
+          hf_config: dict[str, Any] | None) -> list[Path]:  # fmt: skip
+    """Write the adapters of the model files in `out` (and the merged model, when
+    `merged`); the paths written."""
+    out = Path(out)
+    state = output.load_state_dict(out)
+    written = []
+    for name, config in adapters.items():
+        folder = out if name == "default" else out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+        save_file(adapter_state(state, name), str(folder / ADAPTER_FILE), {"format": "pt"})
+        written += [folder / ADAPTER_FILE, folder / ADAPTER_CONFIG]
+    if merged:
+        name = "default" if "default" in adapters else next(iter(adapters))
+        folder = out / MERGED
+        folder.mkdir(exist_ok=True)
+        save_file(merged_state(state, name, adapters[name]), str(folder / "model.safetensors"),
+                  {"format": "pt"})  # fmt: skip
+        written.append(folder / "model.safetensors")
+        if hf_config is not None:
+            (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+            written.append(folder / "config.json")
+    return written

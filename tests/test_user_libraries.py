@@ -160,3 +160,35 @@ def test_reading_a_weights_metadata_is_not_a_use(factory) -> None:
         assert cut.ties(traced.split([start])) == [], start
     row = _conform.run("user", factory.__name__, factory, _tokens)
     assert row.verdict == "exact", row.why
+
+
+def x_transformers_decoder() -> nn.Module:
+    from x_transformers import Decoder, TransformerWrapper
+
+    return TransformerWrapper(num_tokens=64, max_seq_len=16,
+                              attn_layers=Decoder(dim=16, depth=2, heads=2,
+                                                  rotary_pos_emb=True))  # fmt: skip
+
+
+def _sum(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return outputs.sum()
+
+
+def test_the_fit_check_says_what_the_meta_device_cannot_run_and_blames_no_data() -> None:
+    """x-transformers' rotary embedding enters `torch.autocast("meta", enabled=False)`,
+    which the meta device cannot: the master's fit check says it did not check the fit and
+    why (the line), and the cut is exact; data that does not fit is still refused."""
+    pytest.importorskip("x_transformers")
+    from pipejob.trainer.pipeline.fit import fits_model
+
+    model, _ = materialize.build(x_transformers_decoder, ())
+    labels = torch.zeros(4, dtype=torch.long)
+    note = fits_model(model, _tokens(), labels, _sum)
+    assert note is not None and "was not checked" in note and "x_transformers.py" in note, note
+    assert "the stages check it on the first batch" in note
+    row = _conform.run("user", "x-transformers", x_transformers_decoder, _tokens)
+    assert row.verdict == "exact", row.why
+    mlp_model, _ = materialize.build(mlp, ())
+    assert fits_model(mlp_model, torch.zeros(4, 6), labels, _sum) is None
+    with pytest.raises(ValueError, match=r"inputs of shape \(2, 5\) float\d+ do not fit"):
+        fits_model(mlp_model, torch.zeros(4, 5), labels, _sum)

@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
-from torch import nn
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import engine
 from pipejob.trainer.pipeline import output as model_output
 from pipejob.trainer.pipeline.driver import Replicas, StepResult
+from pipejob.trainer.pipeline.fit import fits_model
 from pipejob.trainer.pipeline.partition import shape
 from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import (
@@ -38,9 +38,8 @@ from pipejob.trainer.runtime import (
 )
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
-from pipejob.trainer.workloads import cut, data, metrics, models, staged
+from pipejob.trainer.workloads import data, metrics, models, staged
 from pipejob.trainer.workloads.metrics import Tally
-from pipejob.trainer.workloads.standins import META
 from pipejob.trainer.workloads.synthetic import share_of
 
 
@@ -63,8 +62,10 @@ def train(env: Env) -> dict[str, Any]:
         world.log(env, f"data: {feed.description}")
         inputs, labels = feed.sample(2)
     # A staged model runs as its stages call it (its own forward is not used).
-    fits_model(staged.as_called(spec, model) if spec.model.staged else model, inputs, labels,
-               loss)  # fmt: skip
+    unchecked = fits_model(staged.as_called(spec, model) if spec.model.staged else model,
+                           inputs, labels, loss)  # fmt: skip
+    if unchecked is not None:
+        world.log(env, unchecked)
     found = checkpoint.latest_for(env)
     saved = None if found is None else saved_partition(env, found)
     try:
@@ -161,47 +162,6 @@ def train(env: Env) -> dict[str, Any]:
         summary["evaluations"] = evaluations
     world.log(env, "summary:\n" + render(summary))
     return summary
-
-
-def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-               loss: workloads.Loss) -> None:  # fmt: skip
-    """Fail before the first step, saying both shapes, when the data does not fit the
-    model: its input, or its labels against the model's output through the loss. Shapes
-    only: `model`'s parameters do not exist (models.build_meta), so it runs on the meta
-    device, in eval mode, with its buffers swapped for meta ones for the call (not a deep
-    copy: a model with torch's deprecated weight norm refuses one); a model whose forward
-    reads its values (only the stages can run it) is left to them."""
-    training = model.training
-    buffers = {name: b.to(META) for name, b in model.named_buffers(remove_duplicate=False)}
-    try:
-        with torch.no_grad():
-            outputs = torch.func.functional_call(model.eval(), buffers, (inputs[:2].to(META),))
-    except Exception as e:
-        if _needs_values(e):
-            return
-        raise ValueError(f"spec.data: inputs of shape {shape(inputs[:2])} do not fit spec.model:"
-                         f" {type(e).__name__}: {e}") from None  # fmt: skip
-    finally:
-        model.train(training)
-    try:
-        loss(outputs, labels[:2].to(META))
-    except Exception as e:
-        if _needs_values(e):
-            return
-        got = ", ".join(shape(t) for t in cut.tensors(outputs))  # a dict's, a ModelOutput's
-        raise ValueError(
-            f"spec.data: the model's output {got} does not fit the labels"
-            f" {shape(labels[:2])} in spec.loss: {type(e).__name__}: {e}"
-        ) from None
-
-
-def _needs_values(error: Exception) -> bool:
-    """Whether running on the meta device failed for want of values, not of fit; or for a
-    rule of a meta kernel about dtypes (which mirror CUDA's kernels: a Mixtral's experts'
-    grouped matmul wants bfloat16 there, not on the CPU). The stages, which run the data
-    through the model before training, find what really does not fit."""
-    message = str(error).lower()
-    return isinstance(error, NotImplementedError) or "meta" in message or "dtype" in message
 
 
 def evaluation_due(spec: PipelineSpec, step: int) -> bool:

@@ -41,10 +41,10 @@ import torch
 from torch import fx, nn
 
 from pipejob.trainer.workloads.piece import Piece, attach
+from pipejob.trainer.workloads.refusals import construct
 from pipejob.trainer.workloads.tracing import (
     Objects,
     Tracer,
-    construct,
     materialize_masks,
     place_parameters,
     unchanged,

@@ -4,7 +4,9 @@ does to it runs on a scratch tensor standing in for it, one placeholder's at a t
 random stream advances as in a plain build. A placeholder's value lives only while its
 stand-in does; values computed from one whose stand-in was lost are followed (tainted with
 its number) into the parameters and buffers they end in, which then need it: so the plan can
-keep it where they are kept."""
+keep it where they are kept. Over 400 lines because the stand-ins' bookkeeping (which
+placeholder's value which scratch tensor holds, and the taint) is one state that torch's
+two hooks, its function mode and its dispatch mode, share."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -387,15 +386,3 @@ def cache_configs(model: nn.Module) -> list[Any]:
     configs = {id(c): c for m in model.modules()
                if hasattr(c := getattr(m, "config", None), "use_cache")}  # fmt: skip
     return list(configs.values())
-
-
-def construct(error: BaseException) -> str:
-    """What failed, and where in the user's (or the library's) code: `TypeError: ... at
-    modeling_bert.py:85: position_ids = self.position_ids[:, a:b]`."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if "/torch/" not in f.filename and f.filename != __file__]  # fmt: skip
-    where = ""
-    if frames:
-        f = frames[-1]
-        where = f" at {f.filename.rsplit('/', 1)[-1]}:{f.lineno}: {(f.line or '').strip()}"
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{where}"

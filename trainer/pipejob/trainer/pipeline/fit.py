@@ -1,0 +1,80 @@
+"""The master's check that the data fits the model, before any stage is built: the model
+(whose parameters do not exist: models.build_meta) runs two samples on the meta device,
+shapes only. It refuses only what it can tell from shapes: an error of shapes (sizes that
+do not match, a wrong channel count). What it cannot evaluate on the meta device (values
+read into Python, `torch.autocast("meta")`, a kernel the meta device lacks) is not the
+data's fault: it says what it could not check and why, and the stages check it on the
+first batch, before training (pipeline/parts.py's measuring runs the real data through
+every piece)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from pipejob.trainer import workloads
+from pipejob.trainer.pipeline.partition import shape
+from pipejob.trainer.workloads import cut
+from pipejob.trainer.workloads.refusals import construct
+from pipejob.trainer.workloads.standins import META
+
+# What torch and the libraries say when shapes do not fit (the meta kernels check shapes
+# as the real ones do): only these are the data's fault.
+_SHAPES = re.compile(
+    r"shape|size|dim|channel|must match|doesn't match|does not match|cannot be"
+    r" multiplied|expected .*input|out of range|mismatch",
+    re.IGNORECASE,
+)
+
+
+def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+               loss: workloads.Loss) -> str | None:  # fmt: skip
+    """Refuse before the first step, saying both shapes, when the data does not fit the
+    model: its input, or its labels against the model's output through the loss. Run on
+    the meta device, in eval mode, with the model's buffers swapped for meta ones for the
+    call (not a deep copy: a model with torch's deprecated weight norm refuses one).
+    Returns what could not be checked there and why (None when all was), for the log."""
+    training = model.training
+    buffers = {name: b.to(META) for name, b in model.named_buffers(remove_duplicate=False)}
+    try:
+        with torch.no_grad():
+            outputs = torch.func.functional_call(model.eval(), buffers, (inputs[:2].to(META),))
+    except Exception as e:
+        if not _of_shapes(e):
+            return _unchecked(f"whether inputs of shape {shape(inputs[:2])} fit spec.model", e)
+        raise ValueError(f"spec.data: inputs of shape {shape(inputs[:2])} do not fit spec.model:"
+                         f" {type(e).__name__}: {e}") from None  # fmt: skip
+    finally:
+        model.train(training)
+    try:
+        loss(outputs, labels[:2].to(META))
+    except Exception as e:
+        got = ", ".join(shape(t) for t in cut.tensors(outputs))  # a dict's, a ModelOutput's
+        if not _of_shapes(e):
+            return _unchecked(f"whether the model's output {got} fits the labels", e)
+        raise ValueError(
+            f"spec.data: the model's output {got} does not fit the labels"
+            f" {shape(labels[:2])} in spec.loss: {type(e).__name__}: {e}"
+        ) from None
+    return None
+
+
+def _of_shapes(error: Exception) -> bool:
+    """Whether an error on the meta device says the shapes do not fit (not that the meta
+    device cannot run something: a value read into Python, an autocast, a kernel it lacks,
+    a rule of a meta kernel about dtypes, which mirror CUDA's: a Mixtral's experts'
+    grouped matmul wants bfloat16 there, not on the CPU)."""
+    message = str(error)
+    if isinstance(error, NotImplementedError) or "meta" in message.lower():
+        return False
+    if "dtype" in message.lower() or "scalartype" in message.lower():
+        return False
+    return bool(_SHAPES.search(message))
+
+
+def _unchecked(what: str, error: Exception) -> str:
+    return (f"spec.data: {what} was not checked before the stages were built: the model does"
+            f" not run on the meta device ({construct(error)}); the stages check it on the"
+            " first batch")  # fmt: skip

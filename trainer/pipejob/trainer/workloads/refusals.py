@@ -1,0 +1,31 @@
+"""Refusals in the user's terms: what failed, at which line of the model's own source (the
+deepest frame outside torch, fx, pipejob and the libraries that only check what they are
+given, such as einops), and the way past."""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+# Code that is not the model's: torch's (fx's too), pipejob's own, and the libraries a
+# model calls that check what they are given (einops): an error is shown at the deepest
+# line outside them, the model's own.
+_NOT_THE_MODELS = ("/torch/", "/einops/", str(Path(__file__).resolve().parents[1]) + "/")
+
+
+def where(error: BaseException) -> str:
+    """The line of the model's own source (or its library's) an error came from:
+    ` at modeling_bert.py:85: position_ids = self.position_ids[:, a:b]`; "" if none."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not any(part in f.filename for part in _NOT_THE_MODELS)]  # fmt: skip
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {f.filename.rsplit('/', 1)[-1]}:{f.lineno}: {(f.line or '').strip()}"
+
+
+def construct(error: BaseException) -> str:
+    """What failed, and where in the user's (or the library's) code: `TypeError: ... at
+    modeling_bert.py:85: position_ids = self.position_ids[:, a:b]`."""
+    first = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {first}{where(error)}"

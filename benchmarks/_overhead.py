@@ -115,29 +115,32 @@ class Bench:
                                                self.config["steps"])  # fmt: skip
                 else:
                     seconds = self.steps(own, m, loss_fn, self.config["steps"])
-                times[system].append(seconds)
+                times[system] += seconds
         for system, ts in times.items():
             say({"stages": self.stages, "model": model, "m": m, "system": system,
-                 "seconds": statistics.median(ts), "turns": ts})  # fmt: skip
+                 "seconds": statistics.median(ts), "least": min(ts), "steps": ts})  # fmt: skip
         if m == 1 and model == "tiny" and not self.config["no_profile"]:
             for system in systems:
                 if not system.startswith("torch-"):
                     self.profile(held[system], model, m, system, loss_fn)
 
-    def steps(self, replicas: Any, m: int, loss_fn: Any, count: int) -> float:
-        """Seconds per step of `count` steps through pipejob's step driver."""
-        start = time.perf_counter()
+    def steps(self, replicas: Any, m: int, loss_fn: Any, count: int) -> list[float]:
+        """The seconds of each of `count` steps through pipejob's step driver."""
+        seconds = []
         for _ in range(count):
+            start = time.perf_counter()
             replicas.step(m, self.step, loss_fn)
+            seconds.append(time.perf_counter() - start)
             self.step += 1
-        return (time.perf_counter() - start) / count
+        return seconds
 
     def torch_steps(self, holder: Any, model: str, m: int, system: str, loss_fn: Any,
-                    count: int) -> float:  # fmt: skip
-        """Seconds per step of torch's schedule run by the stages themselves (the slowest
-        stage's), on the pieces of pipejob's pipelining stages `holder` holds."""
+                    count: int) -> list[float]:  # fmt: skip
+        """The seconds of each of `count` steps of torch's schedule run by the stages
+        themselves, on the pieces of pipejob's pipelining stages `holder` holds: the first
+        stage's (a step begins there and ends with its last backward)."""
         if count == 0:
-            return 0.0
+            return []
         p = holder.pipelines[0]
         shape = (self.config["samples"] * m, MODELS[model]["seqLen"])
         vocab = MODELS[model]["vocabSize"]
@@ -146,7 +149,7 @@ class Bench:
             rpc.rpc_async(name, torch_steps, args=(stage, *args))
             for name, stage in zip(p.names, p.stages, strict=True)
         ])  # fmt: skip
-        return max(seconds)
+        return seconds[0]
 
     def profile(self, replicas: Any, model: str, m: int, system: str, loss_fn: Any) -> None:
         """One more step under the profiler: the master's parts of it."""
@@ -164,23 +167,25 @@ _runs: dict[tuple[int, str, int], tuple[Any, torch.optim.Optimizer, tuple, Any]]
 
 
 def torch_steps(stage_ref: rpc.RRef, schedule: str, m: int, shape: tuple[int, int], vocab: int,
-                loss_fn: Any, count: int) -> float:  # fmt: skip
+                loss_fn: Any, count: int) -> list[float]:  # fmt: skip
     """Runs on a pipelining stage process: `count` steps of torch's `schedule` over this
     stage's pieces (schedule.step, SGD's step, zero_grad), as a user drives it without a
-    master; seconds per step, from a barrier of the pipeline to the next."""
+    master, after a barrier of the pipeline; the seconds of each step here."""
     stage = stage_ref.local_value()
     key = (id(stage), schedule, m)
     if key not in _runs:
         _runs[key] = _build(stage, schedule, m, shape, vocab, loss_fn)
     run, optimizer, args, target = _runs[key]
     dist.barrier(group=stage.pipeline)
-    start = time.perf_counter()
+    seconds = []
     for _ in range(count):
+        start = time.perf_counter()
         run.step(*args, target=target)
         optimizer.step()
         optimizer.zero_grad()
+        seconds.append(time.perf_counter() - start)
     dist.barrier(group=stage.pipeline)
-    return (time.perf_counter() - start) / count
+    return seconds
 
 
 def _build(stage: Any, schedule: str, m: int, shape: tuple[int, int], vocab: int,

@@ -103,7 +103,8 @@ def _results(master: subprocess.Popen, timeout: float) -> list[dict[str, Any]]:
             r = results[-1]
             if "seconds" in r:
                 print(f"  {r['stages']} stages {r['model']:>5} m={r['m']:<2} {r['system']:>22}:"
-                      f" {r['seconds'] * 1e3:7.2f} ms/step", flush=True)  # fmt: skip
+                      f" {r['seconds'] * 1e3:7.2f} ms/step (median; least"
+                      f" {r['least'] * 1e3:.2f})", flush=True)  # fmt: skip
         else:
             print("  master | " + line.rstrip(), flush=True)
         if time.monotonic() > deadline:
@@ -166,14 +167,16 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float, float]:
     return fixed, per, rms
 
 
-def table(results: list[dict[str, Any]]) -> str:
-    """Per stage count, model and system: the fit in milliseconds, and each pipejob system's
-    fixed and per-micro-batch parts against torch's best schedule's."""
+def table(results: list[dict[str, Any]], figure: str) -> str:
+    """Per stage count, model and system: the fit in milliseconds of each count's `figure`
+    (its median step, or its least: the step the machine's other work disturbed least),
+    and each pipejob system's fixed and per-micro-batch parts against torch's best
+    schedule's."""
     timed: dict[tuple[int, str, str], dict[int, list[float]]] = {}
     for r in results:
         if "seconds" in r:
             timed.setdefault((r["stages"], r["model"], r["system"]), {}).setdefault(
-                r["m"], []).append(r["seconds"])  # fmt: skip
+                r["m"], []).append(r[figure])  # fmt: skip
     rows = [f"{'stages':>6} {'model':>5} {'system':>22} {'fixed ms':>9} {'per mb ms':>10}"
             f" {'resid ms':>9} {'fixed/torch':>12} {'per mb/torch':>13}  counts"]  # fmt: skip
     fits: dict[tuple[int, str, str], tuple[float, float, float]] = {}
@@ -255,8 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pipejob-overhead-"):
         for stages in [int(s) for s in args.stages.split(",")]:
             results += world(args, stages)
-    print()
-    print(table(results))
+    print("\nthe fit of each count's median step:")
+    print(table(results, "seconds"))
+    print("\nthe fit of each count's least step (the least disturbed):")
+    print(table(results, "least"))
     if not args.no_profile:
         print()
         print("the master's profile of one step (ms):")

@@ -22,7 +22,7 @@ from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.reader import TRAIN, Batch
 from pipejob.trainer.pipeline.shard import on_reader, on_stage
 from pipejob.trainer.pipeline.shards import Shards
-from pipejob.trainer.runtime import nonfinite
+from pipejob.trainer.runtime import nonfinite, rendezvous
 from pipejob.trainer.runtime.optim import clip_coefficient, learning_rate
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
@@ -87,6 +87,7 @@ class Pipeline:
     def __init__(self, names: list[str], stages: list[RRef]):
         self.names, self.stages = names, stages
         self.rounds = 0  # forward rounds (training steps and evaluation batches) so far
+        self._training: int | None = None  # a training round's samples (the data has no end)
 
     def read(self, micro_batches: int, given: Batch | None = None,
              what: str = TRAIN) -> Round | None:  # fmt: skip
@@ -100,7 +101,22 @@ class Pipeline:
             samples = self.reader("read", self.rounds, micro_batches, what, given)
         if samples == 0:
             return None
-        labels = rpc.remote(self.names[0], on_reader, args=(self.stages[0], "labels", self.rounds))
+        if what == TRAIN and given is None:
+            self._training = samples
+        return self._round(micro_batches, samples)
+
+    def unread(self, micro_batches: int) -> Round | None:
+        """The next training round, not read yet: the engine has its first stage read it in
+        the call that runs it (reader.read, then the labels wait for it). None until a
+        training round was read (`read`): its size is then known, as every one's."""
+        if self._training is None:
+            return None
+        self.rounds += 1
+        return self._round(micro_batches, self._training)
+
+    def _round(self, micro_batches: int, samples: int) -> Round:
+        args = (self.stages[0], "labels", self.rounds, rendezvous.RPC_TIMEOUT_SECONDS)
+        labels = rpc.remote(self.names[0], on_reader, args=args)
         return Round(self.rounds, min(micro_batches, samples), labels, samples)
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:

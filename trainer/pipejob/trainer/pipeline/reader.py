@@ -54,7 +54,8 @@ class Reader:
         # checkpoint keeps: the batches handed out, not the one read ahead).
         self._ahead: tuple[dict[str, Any], Future[Batch]] | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pipejob-reader")
-        self._lock = threading.Lock()
+        # A lock that also says when a round's labels arrive (`labels` may be asked first).
+        self._lock = threading.Condition()
         self._inputs: dict[tuple[int, int], tuple[torch.Tensor]] = {}
         self._labels: dict[int, torch.Tensor] = {}
 
@@ -74,6 +75,7 @@ class Reader:
             parts = inputs.tensor_split(min(micro_batches, len(inputs)))
             self._inputs |= {(round, mb): (x,) for mb, x in enumerate(parts)}
             self._labels[round] = labels
+            self._lock.notify_all()
         return len(inputs)
 
     def input(self, round: int, micro_batch: int) -> tuple[torch.Tensor]:
@@ -99,9 +101,13 @@ class Reader:
         with self._lock:
             return [(tuple(x.shape), x.dtype) for x in self._inputs[round, 0]]
 
-    def labels(self, round: int) -> torch.Tensor:
-        """Round `round`'s labels, for the last stage's loss or evaluation."""
+    def labels(self, round: int, timeout: float = 0.0) -> torch.Tensor:
+        """Round `round`'s labels, for the last stage's loss or evaluation; waiting up to
+        `timeout` seconds for the round to be read (the pipelining engine's first stage
+        reads a training round in the call that runs it: pipelining/stage.py's `train`)."""
         with self._lock:
+            if not self._lock.wait_for(lambda: round in self._labels, timeout):
+                raise KeyError(f"round {round} was not read within {timeout:g}s")
             return self._labels.pop(round)
 
     def held_out(self) -> str | None:

@@ -61,17 +61,31 @@ class Pipeline(driver.Pipeline):
                                  args=(self.stages[k], "learn", key, piece, metas))  # fmt: skip
         self._learnt.add(key)
 
+    def read_round(self, micro_batches: int, given: Batch | None) -> tuple[Round, int | None]:
+        """The next training round and, where its first stage reads it in the call that runs
+        it (`run`: one call fewer a round), the micro-batches it is read as; else read now."""
+        if given is None and (round_ := self.unread(micro_batches)) is not None:
+            if (True, even(round_), round_.samples) in self._learnt:
+                return round_, micro_batches
+            self.rounds -= 1  # not this one: its shapes are learnt on a round read first
+        round_ = self.read(micro_batches, given)
+        assert round_ is not None  # the training data has no end
+        return round_, None
+
     def run(self, batch: Round, step: int, loss_fn: Loss, weight: float,
-            unscale: float | None = None) -> tuple[float, list[float] | None]:  # fmt: skip
+            unscale: float | None = None,
+            read: int | None = None) -> tuple[float, list[float] | None]:  # fmt: skip
         """Training round `batch` of step `step` through every stage at once; its loss
         (weighted by `weight` for the backward) and, with `unscale` (1 / fp16's loss scale),
-        each stage's gradient norm after it (Shard.norm), computed in the same call."""
+        each stage's gradient norm after it (Shard.norm), computed in the same call. `read`:
+        the first stage reads the round first, as that many micro-batches (`read_round`)."""
         self.learn(batch, True)
         last = len(self.stages) - 1  # holds the last piece (stage k is on process k % p)
         replies = torch.futures.wait_all([
             rpc.rpc_async(name, on_stage, args=(
                 stage, "train", batch.number, even(batch), batch.samples, step,
-                loss_fn, weight, batch.labels if k == last else None, unscale))
+                loss_fn, weight, batch.labels if k == last else None, unscale,
+                read if k == 0 else None))
             for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
         ])  # fmt: skip
         norms = None if unscale is None else [norm for _, norm in replies]
@@ -119,13 +133,13 @@ class Replicas(driver.Replicas):
         start = time.perf_counter()
         losses, numbers, norms = [], [], None
         for a, given in enumerate(rounds):
-            round_ = pipeline.read(micro_batches, given)
-            assert round_ is not None  # the training data has no end
+            with phase("read"):
+                round_, read = pipeline.read_round(micro_batches, given)
             numbers.append(round_.number)
             share = self.share(round_, batch)
             unscale = self.unscale() if early and a == len(rounds) - 1 else None
             with phase("schedule"):
-                loss, norms = pipeline.run(round_, step, loss_fn, weight * share, unscale)
+                loss, norms = pipeline.run(round_, step, loss_fn, weight * share, unscale, read)
             losses.append(loss * share)
         if self.tied:
             with phase("tied gradients"):

@@ -190,12 +190,17 @@ class Stage(Shard):
         return loss * weight
 
     def train(self, round: int, micro_batches: int, samples: int, step: int, loss_fn: Loss,
-              weight: float, labels: RRef | None,
-              unscale: float | None = None) -> tuple[float | None, float | None]:  # fmt: skip
+              weight: float, labels: RRef | None, unscale: float | None = None,
+              read: int | None = None) -> tuple[float | None, float | None]:  # fmt: skip
         """Training round `round` of step `step`: forwards and backwards of its
-        `micro_batches` (of `samples` in all), the gradients added to .grad. Returns the
+        `micro_batches` (of `samples` in all), the gradients added to .grad; `read`: the first
+        stage reads the round first, as that many micro-batches (Reader.read). Returns the
         round's loss on the last stage (the mean of its micro-batches'; None elsewhere) and,
         with `unscale`, the norm of the step's gradients (Shard.norm; else None)."""
+        if read is not None:
+            got = self.reader.read(round, read)
+            if got != samples:
+                raise RuntimeError(f"training round {round} has {got} samples, not {samples}")
         run, _ = self._run(True, micro_batches, samples)
         args = (self.reader.inputs(round),) if self.first else ()
         # Contiguous, as torch 2.11's schedules check the strides of what they split.

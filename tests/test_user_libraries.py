@@ -192,3 +192,20 @@ def test_the_fit_check_says_what_the_meta_device_cannot_run_and_blames_no_data()
     assert fits_model(mlp_model, torch.zeros(4, 6), labels, _sum) is None
     with pytest.raises(ValueError, match=r"inputs of shape \(2, 5\) float\d+ do not fit"):
         fits_model(mlp_model, torch.zeros(4, 5), labels, _sum)
+
+
+class Scripted(nn.Module):
+    """A `torch.jit.script`-ed submodule between two layers (issue 41 item 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.act = torch.jit.script(nn.Sequential(nn.ReLU()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.act(self.a(x)))
+
+
+def test_a_scripted_submodule_cuts_exactly() -> None:
+    row = _conform.run("user", "scripted", Scripted, lambda: torch.randn(4, 6))
+    assert row.verdict == "exact", row.why

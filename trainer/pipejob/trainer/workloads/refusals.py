@@ -4,6 +4,7 @@ given, such as einops), and the way past."""
 
 from __future__ import annotations
 
+import sysconfig
 import traceback
 from pathlib import Path
 
@@ -13,11 +14,20 @@ from pathlib import Path
 _NOT_THE_MODELS = ("/torch/", "/einops/", str(Path(__file__).resolve().parents[1]) + "/")
 
 
+_STANDARD_LIBRARY = sysconfig.get_paths()["stdlib"] + "/"
+
+
+def _the_models(filename: str) -> bool:
+    if any(part in filename for part in _NOT_THE_MODELS):
+        return False
+    installed = "site-packages" in filename or "dist-packages" in filename
+    return installed or not filename.startswith(_STANDARD_LIBRARY)  # not contextlib's
+
+
 def where(error: BaseException) -> str:
     """The line of the model's own source (or its library's) an error came from:
     ` at modeling_bert.py:85: position_ids = self.position_ids[:, a:b]`; "" if none."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not any(part in f.filename for part in _NOT_THE_MODELS)]  # fmt: skip
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if _the_models(f.filename)]
     if not frames:
         return ""
     f = frames[-1]

@@ -361,8 +361,10 @@ def unchanged(model: nn.Module) -> Iterator[None]:
     """A forward traced without changing the model: a forward that assigns to its modules
     (CTRL's `self.pos_encoding = self.pos_encoding.to(...)`) would leave a traced value in
     them, which the next trace, or the stages, would read. Its parameters, buffers, modules
-    and attributes are put back as they were; attributes fx adds (its constants) stay."""
-    kept = [(m, {k: dict(getattr(m, k)) for k in _STATE}, dict(vars(m))) for m in model.modules()]
+    and attributes are put back as they were; attributes fx adds (its constants) stay. A
+    scripted module (`torch.jit.script`) is run, never changed, by a trace: left alone."""
+    modules = [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]
+    kept = [(m, {k: dict(getattr(m, k)) for k in _STATE}, dict(vars(m))) for m in modules]
     try:
         yield
     finally:

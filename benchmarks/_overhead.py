@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -35,6 +36,8 @@ MODELS = {
     "small": {"vocabSize": 256, "layers": 8, "width": 64, "heads": 2, "seqLen": 32},
 }
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
+# dist.barrier on pipejob's gloo group says it is a Backend used as a ProcessGroup, each time.
+warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                    "interleaved-1f1b": ScheduleInterleaved1F1B}  # fmt: skip
 

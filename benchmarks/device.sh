@@ -18,6 +18,9 @@
 #               stages send activations (CUDA tensors through CUDA IPC or host memory; CPU ones)
 #   profile     one pipeline step of each gpu-bench workload (2 stages) profiled on the GPU: CPU
 #               and CUDA activity of every process, and the master's parts of the step
+#   overhead    benchmarks/overhead.py on the machine's CPUs (GPU hidden): each engine's fixed
+#               and per-micro-batch costs a step against torch's schedules on a tiny model, 2
+#               and 4 stages (the costs issue 44 takes down, measured on quiet fast cores)
 #   cores       benchmarks/compare.py on 16 cores, GPU hidden: pipejob at each micro-batch
 #               count, `auto`, torch.distributed.pipelining's GPipe and 1F1B, one process on
 #               16 threads, 3 interleaved repeats
@@ -30,8 +33,8 @@
 # 119 s, gpu-bench 197 s, hybrid 35 s, transfer 13 s, profile 23 s (one workload; about 70
 # s for the three now), cores 114 s a repeat (a pipejob run on 16 cores takes about 24 s,
 # start-up and shutdown included), cores-levers about 190 s (8 runs). With 15 minutes of
-# device time (a start included): `--only gpu-tests,gpu-bench,hybrid,profile,cores
-# --cores-repeats 1 --budget 565`, then at once on the warm machine `--only cores-levers
+# device time (a start included): `--only gpu-tests,gpu-bench,hybrid,profile,overhead,cores
+# --cores-repeats 1 --budget 565` (overhead not yet timed there: about a minute expected), then at once on the warm machine `--only cores-levers
 # --budget 280` (or, to settle the 16-core figure, `--only cores --cores-repeats 2`).
 #
 # Options: --out DIR (default $OUT where the device tool sets it, else device-results/),
@@ -229,6 +232,17 @@ profile() {
   return $failed
 }
 
+overhead() {
+  if [[ $MODE == gpu ]]; then
+    CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/overhead.py --models tiny --stages 2,4 \
+      --micro-batches 1,2,4,8,16 --repeats 2 --timeout 150 --json "$LOGS/overhead.json"
+  else
+    CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/overhead.py --models tiny --stages 2 \
+      --micro-batches 1,2 --systems rpc,gpipe,torch-gpipe --repeats 1 --steps 2 --timeout 200 \
+      --json "$LOGS/overhead.json"
+  fi
+}
+
 cores() {
   if [[ $MODE == gpu ]]; then
     CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/compare.py --cores 16 \
@@ -258,7 +272,8 @@ cores_levers() {
 
 say "mode $MODE, results in $DIR, budget ${BUDGET}s"
 export MODE WORK LOGS PY CORES_REPEATS
-export -f install machine gpu_tests gpu_bench manifest hybrid transfer profile cores cores_levers
+export -f install machine gpu_tests gpu_bench manifest hybrid transfer profile overhead cores \
+  cores_levers
 step machine 20 machine
 step install 120 install
 # install() ran in a pipeline's subshell: its PYTHONPATH is set here again from what it made.
@@ -268,6 +283,7 @@ step gpu-bench 240 gpu_bench
 step hybrid 60 hybrid
 step transfer 60 transfer
 step profile 120 profile
+step overhead 120 overhead
 step cores 480 cores
 step cores-levers 260 cores_levers
 

@@ -137,3 +137,22 @@ def test_checkpoint_compares_pipejob_s_files_with_dcp_resharded(tmp_path: Path):
     for fmt in ("pipejob", "dcp"):
         for op in ("save", "load"):
             assert re.search(rf"^  {fmt} +{op}{figures}", out.stdout, re.M), out.stdout
+
+
+def test_overhead_fits_a_step_as_fixed_plus_per_micro_batch_and_reports_both_parts():
+    """overhead.py's fit and table (its run is the device rehearsal's: tests/test_device.py)."""
+    import importlib.util
+
+    found = importlib.util.spec_from_file_location("overhead", BENCHMARKS / "overhead.py")
+    assert found is not None and found.loader is not None
+    overhead = importlib.util.module_from_spec(found)
+    found.loader.exec_module(overhead)
+    fixed, per, residual = overhead.fit([(1, 0.012), (2, 0.014), (4, 0.018), (8, 0.026)])
+    assert (fixed, per, residual) == pytest.approx((0.010, 0.002, 0.0), abs=1e-12)
+    results = [{"stages": 2, "model": "tiny", "m": m, "system": system, "seconds": s, "least": s}
+               for system, (a, b) in {"rpc": (0.004, 0.002), "torch-1f1b": (0.002, 0.001)}.items()
+               for m in (2, 4) for s in [a + b * m]]  # fmt: skip
+    rows = overhead.table(results, "least").splitlines()
+    assert re.search(r"^\s+2\s+tiny\s+rpc\s+4\.00\s+2\.000\s+0\.00\s+2\.00x\s+2\.00x\s+2,4$",
+                     rows[1]), rows  # fmt: skip
+    assert re.search(r"^\s+2\s+tiny\s+torch-1f1b\s+2\.00\s+1\.000\s+0\.00\s+2,4$", rows[2]), rows

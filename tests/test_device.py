@@ -27,7 +27,8 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = (out / "summary.txt").read_text()
-    steps = ("machine", "install", "gpu-tests", "gpu-bench", "hybrid", "transfer", "profile")
+    steps = ("machine", "install", "gpu-tests", "gpu-bench", "hybrid", "transfer", "profile",
+             "overhead")  # fmt: skip
     for step in (*steps, "cores"):
         assert re.search(rf"^  {step}: ok \(\d+s\)$", summary, re.M), summary
     assert "cores-levers" not in summary  # only when asked for
@@ -59,6 +60,10 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
         assert parts, recap
         said = re.findall(r"([a-z][a-z -]*?) [\d.]+ ms", parts[1].replace(",", ""))
         assert said[:5] == ["read", "forwards", "loss", "backward", "settle"], said
+    # overhead.py: each system's fit, pipejob's against torch's schedule.
+    for system in ("rpc", "gpipe", "torch-gpipe"):
+        assert re.search(rf"^\s+2\s+tiny\s+{system}\s+-?[\d.]+\s+-?[\d.]+", log["overhead"],
+                         re.M), log["overhead"]  # fmt: skip
     # The sweep: every system, at the core count the rehearsal has.
     cores = log["cores"]
     for system in ("pipejob", "pipejob-auto", "gpipe", "1f1b", "single-tN"):

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,8 @@ def serve() -> None:
     env = read_env()
     tuning.apply(tuning.for_process(env.kind, env.role, env.rank, env.roles, env.gpus,
                                     os.environ))  # fmt: skip
+    # As the trainer's entry point: gloo's deprecation chatter says nothing useful.
+    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
     from pipejob.trainer import pipeline
 
     pipeline.run(env)
@@ -196,11 +199,11 @@ def table(results: list[dict[str, Any]], figure: str) -> str:
 
 
 def _ratio(value: float, torch_best: float | None, system: str) -> str:
-    """A pipejob figure over torch's best; '-' for torch's own, 'n/a' where the fit of
-    torch's is not positive (noise larger than the part)."""
+    """A pipejob figure over torch's best; nothing for torch's own, 'n/a' where either fit
+    is not positive (noise larger than the part)."""
     if system in TORCH or torch_best is None:
         return ""
-    return f"{value / torch_best:.2f}x" if torch_best > 0 else "n/a"
+    return f"{value / torch_best:.2f}x" if torch_best > 0 and value > 0 else "n/a"
 
 
 def _order(system: str) -> int:

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pipejob.core import bounds
 from pipejob.core.elastic import Size
 from pipejob.core.scheduling import RULES as SCHEDULING_RULES
 from pipejob.core.scheduling import SCHEDULING
@@ -33,6 +34,11 @@ def integer(description: str, default: int | None = None, minimum: int | None = 
     return Field("integer", description, default=default, minimum=minimum, **kw)
 
 
+def _bound(field: str) -> dict[str, Any]:
+    """A spec.optimizer field's bound: the loosest torch.optim's classes put on it (bounds.py)."""
+    return bounds.loosest(bounds.OPTIMIZERS, field).schema()
+
+
 OPTIMIZER = Field(
     "object",
     "The optimizer every parameter is stepped with: a PipelineJob's by each stage, where its"
@@ -41,13 +47,13 @@ OPTIMIZER = Field(
     fields={
         "name": Field(
             "string", "Optimizer from torch.optim.", default="sgd",
-            enum=("sgd", "adam", "adamw", "rmsprop"),
+            enum=tuple(bounds.OPTIMIZERS),
         ),
-        "lr": Field("number", "Learning rate.", default=0.05, minimum=0, exclusive_minimum=True),
-        "momentum": Field(
-            "number", "Momentum (sgd and rmsprop only).", default=0.0, minimum=0, maximum=1
-        ),
-        "weightDecay": Field("number", "L2 weight decay.", default=0.0, minimum=0),
+        "lr": Field("number", "Learning rate.", default=0.05, **_bound("lr")),
+        "momentum": Field("number", "Momentum (sgd and rmsprop only).", default=0.0,
+                          **_bound("momentum")),
+        "weightDecay": Field("number", "L2 weight decay.", default=0.0,
+                             **_bound("weightDecay")),
         "clipGradNorm": Field(
             "number", "Clip the gradients to this global L2 norm before each optimizer step:"
             " the norm over every parameter of the whole model (every stage; with replicas,"
@@ -165,7 +171,7 @@ COMMON: dict[str, Field] = {
                 "string", "Directory of TensorBoard event files: the loss, learning rate,"
                 " gradient norm, samples/s, bubble and evaluation figures per step (mount a"
                 " volume there on a cluster; `tensorboard --logdir` reads it).",
-                max_length=4096,
+                pattern=r".*\S.*", pattern_says="name a directory", max_length=4096,
             ),
         },
         section=True,
@@ -212,7 +218,8 @@ COMMON: dict[str, Field] = {
                            items=integer("A step to profile.", minimum=1), default=[2],
                            max_items=64),
             "path": Field("string", "Directory for the traces (default: <checkpoint.path>/"
-                          "profiles)."),
+                          "profiles).", pattern=r".*\S.*", pattern_says="name a directory",
+                          max_length=4096),
             "rowLimit": integer("Rows of the logged key_averages table.", default=15, minimum=1),
         },
         section=True,

@@ -88,6 +88,18 @@ def needs_checkpoint(field: str) -> Rule:
     )
 
 
+def elastic_acts(field: str) -> Rule:
+    """spec.elastic steers a world whose size may change: on a fixed size it cannot act."""
+    return Rule(
+        f"!has(self.elastic) || (type(self.{field}) != int && self.{field}.min < self.{field}"
+        ".max)",
+        f"acts only on a world whose {field} is a range ({{min, max}} with min < max);"
+        f" {field} is fixed here: leave elastic out, or give {field} a range",
+        "elastic",
+        lambda s: "elastic" not in s or Size.of(s[field]).elastic,
+    )  # fmt: skip
+
+
 def bounds(kind: Kind, spec: dict[str, Any]) -> Size | None:
     """The kind's elastic size in `spec`, or None when the kind has none."""
     return None if kind.elastic is None else Size.of(spec[kind.elastic])

@@ -32,6 +32,7 @@ class Field:
     minimum: float | None = None
     maximum: float | None = None
     exclusive_minimum: bool = False
+    exclusive_maximum: bool = False
     enum: tuple[Any, ...] | None = None
     pattern: str | None = None
     pattern_says: str | None = None  # what `pattern` asks for, in words, for error messages
@@ -43,6 +44,7 @@ class Field:
     # A Kubernetes type whose generated schema (core/k8s.py) checks it and goes in the CRD.
     k8s: str | None = None
     max_items: int | None = None
+    min_items: int | None = None
     # A list whose entries are told apart by these keys (x-kubernetes-list-type: map).
     list_map_keys: tuple[str, ...] = ()
     required: tuple[str, ...] = ()
@@ -107,6 +109,9 @@ def _type_ok(kind: str, value: Any) -> bool:
     raise ValueError(f"unknown schema type {kind}")
 
 
+# How many known names an unknown field's message suggests.
+MAX_SUGGESTIONS = 3
+
 # Kubernetes stores integers as int64: anything larger cannot reach the API server.
 INT64_MAX = 2**63 - 1
 
@@ -150,8 +155,11 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
             errors.append(SpecError(path, f"must be > {_num(schema.minimum)}, got {value}"))
         elif value < schema.minimum:
             errors.append(SpecError(path, f"must be >= {_num(schema.minimum)}, got {value}"))
-    if schema.maximum is not None and value > schema.maximum:
-        errors.append(SpecError(path, f"must be <= {_num(schema.maximum)}, got {value}"))
+    if schema.maximum is not None:
+        if schema.exclusive_maximum and value >= schema.maximum:
+            errors.append(SpecError(path, f"must be < {_num(schema.maximum)}, got {value}"))
+        elif value > schema.maximum:
+            errors.append(SpecError(path, f"must be <= {_num(schema.maximum)}, got {value}"))
     if schema.pattern is not None and not re.fullmatch(schema.pattern, value):
         wanted = schema.pattern_says or f"match {schema.pattern}"
         errors.append(SpecError(path, f"must {wanted}, got {value!r}"))
@@ -159,6 +167,9 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
         errors.append(SpecError(path, f"must be at most {schema.max_length} characters"))
     if schema.max_items is not None and len(value) > schema.max_items:
         errors.append(SpecError(path, f"must hold at most {schema.max_items} items"))
+    if schema.min_items is not None and len(value) < schema.min_items:
+        errors.append(SpecError(path, f"must hold at least {schema.min_items} item(s), got"
+                                f" {len(value)}"))  # fmt: skip
     if schema.type == "array" and schema.items is not None:
         value = [apply(schema.items, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
     if schema.list_map_keys:
@@ -233,10 +244,16 @@ def _copy(value: Any) -> Any:
 
 
 def _closest(key: str, known: dict[str, Field]) -> str:
+    """The nearest known names (at most three, compared without case), not the whole list."""
     import difflib
 
-    match = difflib.get_close_matches(key, list(known), n=1)
-    return f" (did you mean {match[0]!r}?)" if match else f" (known: {', '.join(known)})"
+    lowered = {name.lower(): name for name in known}
+    matches = difflib.get_close_matches(str(key).lower(), list(lowered), n=MAX_SUGGESTIONS)
+    if not matches:
+        return " (no known field is close; `kubectl explain` or docs/api-reference.md lists them)"
+    names = [repr(lowered[m]) for m in matches]
+    said = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    return f" (did you mean {said}?)"
 
 
 def openapi(schema: Field) -> dict[str, Any]:
@@ -266,6 +283,8 @@ def openapi(schema: Field) -> dict[str, Any]:
             out["exclusiveMinimum"] = True
     if schema.maximum is not None:
         out["maximum"] = schema.maximum if schema.type == "number" else int(schema.maximum)
+        if schema.exclusive_maximum:
+            out["exclusiveMaximum"] = True
     if schema.enum is not None:
         out["enum"] = list(schema.enum)
     if schema.pattern is not None:
@@ -274,6 +293,8 @@ def openapi(schema: Field) -> dict[str, Any]:
         out["maxLength"] = schema.max_length
     if schema.max_items is not None:
         out["maxItems"] = schema.max_items
+    if schema.min_items is not None:
+        out["minItems"] = schema.min_items
     if schema.items is not None:
         out["items"] = openapi(schema.items)
     if schema.list_map_keys:

@@ -274,11 +274,24 @@ STAGED = Field(
 )
 
 
+# A path a process opens: an empty one (or blanks) names nothing and is refused as such.
+NON_EMPTY = r".*\S.*"
+
+
+def _path(description: str, what: str) -> Field:
+    return Field("string", description, pattern=NON_EMPTY, pattern_says=f"name {what}",
+                 max_length=4096)  # fmt: skip
+
+
 def _split(description: str, train: str, val: str, **fields: Field) -> Field:
     return Field(
         "object",
         description,
-        fields={"train": Field("string", train), "val": Field("string", val), **fields},
+        fields={
+            "train": _path(train, "a file or folder"),
+            "val": _path(val, "a file or folder"),
+            **fields,
+        },
         required=("train",),
         section=True,
     )
@@ -396,10 +409,10 @@ OUTPUT = Field(
     " final metrics: one file, or, for a PipelineJob model over 256 MiB, one shard per stage"
     " with an index in Hugging Face's layout.",
     fields={
-        "path": Field(
-            "string", "Directory the model files and their JSON go in. Each stage writes its"
-            " own shard of a sharded model: on a cluster, a volume every pod shares."
-            + _RELATIVE
+        "path": _path(
+            "Directory the model files and their JSON go in. Each stage writes its own shard"
+            " of a sharded model: on a cluster, a volume every pod shares." + _RELATIVE,
+            "a directory",
         ),
         "format": Field(
             "string", "File format: safetensors, or torch's own (torch.save).",

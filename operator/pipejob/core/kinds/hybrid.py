@@ -9,9 +9,17 @@ from typing import Any
 
 from pipejob.core import k8s
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, from_spec, integer
-from pipejob.core.elastic import Size, cel_full, full, needs_checkpoint, size_field
+from pipejob.core.elastic import (
+    Size,
+    cel_full,
+    elastic_acts,
+    full,
+    needs_checkpoint,
+    size_field,
+)
 from pipejob.core.kind import Group, Kind, Role, Spec
 from pipejob.core.kinds import tables
+from pipejob.core.kinds.sparse import EPS, SPARSE_OPTIMIZER, SparseOptimizer
 from pipejob.core.kinds.tables import Table
 from pipejob.core.schema import Field, Rule, SpecError, apply
 from pipejob.core.workload import ARGS, HYBRID_DATA, HybridData, args_need_import, import_field
@@ -26,8 +34,6 @@ ONE_TABLE, BAGS = "embedding", "ids"
 # Criteo's columns: 13 integer (dense) features I1..I13, and the categorical ones C1..C26.
 CRITEO_DENSE = 13
 CRITEO_FEATURES = tuple(f"C{i}" for i in range(1, 27))
-# Each sparse optimizer's eps unless the spec gives one: torch's Adagrad's and Adam's.
-EPS = {"sgd": 0.0, "adagrad": 1e-10, "rowwiseAdagrad": 1e-10, "adam": 1e-8}
 MAX_SERVERS = 64
 
 EMBEDDING = Field(
@@ -65,29 +71,6 @@ TABLE = Field(
     required=("name", "rows", "dim"),
 )  # fmt: skip
 
-SPARSE_OPTIMIZER = Field(
-    "object",
-    "How the parameter servers step the tables: once per step with the trainers' averaged"
-    " sparse gradients, on the rows the step touched only; the state lives once per table"
-    " (on the servers), not per trainer.",
-    fields={
-        "name": Field("string", "sgd; adagrad; rowwiseAdagrad (one accumulator per row, the"
-                      " mean of its squared gradients, as FBGEMM's); or adam (lazy: the moments"
-                      " of touched rows move, as torch.optim.SparseAdam).", default="sgd",
-                      enum=tuple(EPS)),
-        "lr": Field("number", "Learning rate; spec.optimizer.lr unless given.", minimum=0,
-                    exclusive_minimum=True),
-        "eps": Field("number", "Added to the denominator (adagrad, rowwiseAdagrad, adam);"
-                     " 1e-10 for the adagrads and 1e-8 for adam unless given.", minimum=0),
-        "initialAccumulatorValue": Field("number", "Starting sum of squared gradients"
-                                         " (adagrad, rowwiseAdagrad).", default=0.0, minimum=0),
-        "beta1": Field("number", "adam's first-moment decay.", default=0.9, minimum=0,
-                       maximum=1),
-        "beta2": Field("number", "adam's second-moment decay.", default=0.999, minimum=0,
-                       maximum=1),
-    },
-)  # fmt: skip
-
 DLRM = Field(
     "object",
     "The built-in DLRM (with spec.embeddings and no dense.import): a bottom MLP over the dense"
@@ -122,7 +105,7 @@ HYBRID_SPEC = Field(
             " own rows, width, pooling and feature. With them the model takes dense features"
             " too, and the task is a click (label 0 or 1): the built-in DLRM (dense.dlrm) or"
             " dense.import, binary cross-entropy, and AUC on the held-out data.",
-            items=TABLE, max_items=1024, list_map_keys=("name",),
+            items=TABLE, min_items=1, max_items=1024, list_map_keys=("name",),
         ),
         "sparseOptimizer": SPARSE_OPTIMIZER,
         "dense": Field(
@@ -193,6 +176,14 @@ HYBRID_SPEC = Field(
             "datasetSize must hold at least one batch per trainer (trainers * batchSize)",
             "datasetSize",
             lambda s: _real_data(s) or s["datasetSize"] >= full(s["trainers"]) * s["batchSize"],
+            message_expression="'datasetSize must hold at least one batch per trainer: ' +"
+            " (type(self.trainers) == int ? 'trainers' : 'trainers.max') + ' x batchSize = ' +"
+            f" string({cel_full('trainers')} * self.batchSize) + ' samples, got ' +"
+            " string(self.datasetSize)",
+            explain=lambda s: "datasetSize must hold at least one batch per trainer: "
+            + ("trainers" if isinstance(s["trainers"], int) else "trainers.max")
+            + f" x batchSize = {full(s['trainers']) * s['batchSize']} samples, got"
+            f" {s['datasetSize']}",
         ),
         Rule(
             "!has(self.optimizer.schedule) && !has(self.optimizer.clipGradNorm)",
@@ -203,6 +194,7 @@ HYBRID_SPEC = Field(
             lambda s: "schedule" not in s["optimizer"] and "clipGradNorm" not in s["optimizer"],
         ),
         needs_checkpoint("trainers"),
+        elastic_acts("trainers"),
         *COMMON_RULES,
     ),
 )  # fmt: skip
@@ -218,16 +210,6 @@ class Embedding:
     num_embeddings: int
     dim: int
     mode: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class SparseOptimizer:
-    name: str
-    lr: float  # filled in from spec.optimizer.lr
-    eps: float  # filled in by name (EPS)
-    initial_accumulator_value: float
-    beta1: float
-    beta2: float
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
-from pipejob.core.elastic import Size, needs_checkpoint, size_field
+from pipejob.core.elastic import Size, elastic_acts, needs_checkpoint, size_field
 from pipejob.core.errors import SpecError
 from pipejob.core.kind import Group, Kind, Role, Spec
 from pipejob.core.kinds import models
@@ -206,6 +206,7 @@ PIPELINE_SPEC = Field(
             lambda s: s["precision"] != "fp16" or s["gpusPerStage"] > 0,
         ),
         needs_checkpoint("replicas"),
+        elastic_acts("replicas"),
         Rule(
             "self.engine == 'pipelining' || !has(self.schedule) || self.schedule == 'gpipe'",
             "the rpc engine (spec.engine) runs gpipe only; set spec.engine: pipelining for"

@@ -110,18 +110,23 @@ class Bench:
             if system.startswith("torch-"):
                 self.torch_steps(held[own], model, m, system, loss_fn, self.config["warmup"])
         times: dict[str, list[float]] = {s: [] for s in systems}
+        cpu: dict[str, list[float]] = {s: [] for s in systems}
+        count = self.config["steps"]
         for _ in range(self.config["repeats"]):
             for system in systems:
                 own = held[system.removeprefix("torch-")]
                 if system.startswith("torch-"):
-                    seconds = self.torch_steps(own, model, m, system, loss_fn,
-                                               self.config["steps"])  # fmt: skip
+                    seconds, used = self.torch_steps(own, model, m, system, loss_fn, count)
                 else:
-                    seconds = self.steps(own, m, loss_fn, self.config["steps"])
+                    before = self.cpu(own)
+                    seconds = self.steps(own, m, loss_fn, count)
+                    used = self.cpu(own) - before
                 times[system] += seconds
+                cpu[system].append(used / count)
         for system, ts in times.items():
             say({"stages": self.stages, "model": model, "m": m, "system": system,
-                 "seconds": statistics.median(ts), "least": min(ts), "steps": ts})  # fmt: skip
+                 "seconds": statistics.median(ts), "least": min(ts), "steps": ts,
+                 "cpu": statistics.median(cpu[system])})  # fmt: skip
         if m == 1 and model == "tiny" and not self.config["no_profile"]:
             for system in systems:
                 if not system.startswith("torch-"):
@@ -137,22 +142,30 @@ class Bench:
             self.step += 1
         return seconds
 
+    def cpu(self, replicas: Any) -> float:
+        """The CPU seconds the master and `replicas`' stage processes have used so far."""
+        p = replicas.pipelines[0]
+        stages = torch.futures.wait_all([rpc.rpc_async(name, time.process_time)
+                                         for name in p.names])  # fmt: skip
+        return time.process_time() + sum(stages)
+
     def torch_steps(self, holder: Any, model: str, m: int, system: str, loss_fn: Any,
-                    count: int) -> list[float]:  # fmt: skip
+                    count: int) -> tuple[list[float], float]:  # fmt: skip
         """The seconds of each of `count` steps of torch's schedule run by the stages
         themselves, on the pieces of pipejob's pipelining stages `holder` holds: the first
-        stage's (a step begins there and ends with its last backward)."""
+        stage's (a step begins there and ends with its last backward); and the CPU seconds
+        the stage processes used in them."""
         if count == 0:
-            return []
+            return [], 0.0
         p = holder.pipelines[0]
         shape = (self.config["samples"] * m, MODELS[model]["seqLen"])
         vocab = MODELS[model]["vocabSize"]
         args = (system.removeprefix("torch-"), m, shape, vocab, loss_fn, count)
-        seconds = torch.futures.wait_all([
+        replies = torch.futures.wait_all([
             rpc.rpc_async(name, torch_steps, args=(stage, *args))
             for name, stage in zip(p.names, p.stages, strict=True)
         ])  # fmt: skip
-        return seconds[0]
+        return replies[0][0], sum(used for _, used in replies)
 
     def profile(self, replicas: Any, model: str, m: int, system: str, loss_fn: Any) -> None:
         """One more step under the profiler: the master's parts of it."""
@@ -170,25 +183,27 @@ _runs: dict[tuple[int, str, int], tuple[Any, torch.optim.Optimizer, tuple, Any]]
 
 
 def torch_steps(stage_ref: rpc.RRef, schedule: str, m: int, shape: tuple[int, int], vocab: int,
-                loss_fn: Any, count: int) -> list[float]:  # fmt: skip
+                loss_fn: Any, count: int) -> tuple[list[float], float]:  # fmt: skip
     """Runs on a pipelining stage process: `count` steps of torch's `schedule` over this
     stage's pieces (schedule.step, SGD's step, zero_grad), as a user drives it without a
-    master, after a barrier of the pipeline; the seconds of each step here."""
+    master, after a barrier of the pipeline; the seconds of each step here, and the CPU
+    seconds this process used in them."""
     stage = stage_ref.local_value()
     key = (id(stage), schedule, m)
     if key not in _runs:
         _runs[key] = _build(stage, schedule, m, shape, vocab, loss_fn)
     run, optimizer, args, target = _runs[key]
     dist.barrier(group=stage.pipeline)
-    seconds = []
+    seconds, used = [], time.process_time()
     for _ in range(count):
         start = time.perf_counter()
         run.step(*args, target=target)
         optimizer.step()
         optimizer.zero_grad()
         seconds.append(time.perf_counter() - start)
+    used = time.process_time() - used
     dist.barrier(group=stage.pipeline)
-    return seconds
+    return seconds, used
 
 
 def _build(stage: Any, schedule: str, m: int, shape: tuple[int, int], vocab: int,

@@ -105,7 +105,8 @@ def _results(master: subprocess.Popen, timeout: float) -> list[dict[str, Any]]:
             if "seconds" in r:
                 print(f"  {r['stages']} stages {r['model']:>5} m={r['m']:<2} {r['system']:>22}:"
                       f" {r['seconds'] * 1e3:7.2f} ms/step (median; least"
-                      f" {r['least'] * 1e3:.2f})", flush=True)  # fmt: skip
+                      f" {r['least'] * 1e3:.2f}), {r['cpu'] * 1e3:.2f} CPU-ms/step",
+                      flush=True)  # fmt: skip
         else:
             print("  master | " + line.rstrip(), flush=True)
         if time.monotonic() > deadline:
@@ -265,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results, "seconds"))
     print("\nthe fit of each count's least step (the least disturbed):")
     print(table(results, "least"))
+    print(
+        "\nthe fit of each count's CPU seconds a step, every process of the system (pipejob's"
+        " master too; the figure least moved by the machine's other work):"
+    )
+    print(table(results, "cpu"))
     if not args.no_profile:
         print()
         print("the master's profile of one step (ms):")

@@ -13,6 +13,7 @@ import torch
 
 from jobrun import run_to_end
 from pipejob.core import spec as specs
+from pipejob.core.kinds import tables
 from pipejob.trainer.runtime import checkpoint
 
 TINY = {
@@ -163,13 +164,15 @@ HUGE = hybrid_job(
 def test_a_table_too_big_for_one_server_trains_split_across_four_each_under_its_limit(
     tmp_path: Path,
 ) -> None:
-    """One server could not hold the table: the spec is refused before anything starts. Four
-    hold a quarter each, and each one's peak resident memory (what a memory limit counts,
-    torch and the process itself included) stays under the pods' limit."""
+    """One server could not hold the table: the spec is refused before anything starts, and
+    the advice is four (two peaked at 1.51-1.53 GB, over the limit: the estimate counts what
+    the process holds besides its tables). Four hold a quarter each, and each one's peak
+    resident memory (what a memory limit counts, torch and the process itself included)
+    stays under the plan's estimate and the pods' limit."""
     one = HUGE | {"spec": HUGE["spec"] | {"parameterServers": 1}}
     with pytest.raises(specs.InvalidSpec, match=r"spec\.parameterServers: ps0 would hold 1\.4 GB"
                                                 r" of tables .* over the pods' memory limit"
-                                                r" 1200Mi .*: use 2 parameterServers"):  # fmt: skip
+                                                r" 1200Mi .*: use 4 parameterServers"):  # fmt: skip
         specs.parse(one)
     code, output, summary = run_to_end(HUGE, tmp_path, timeout=270)
     assert code == 0, output
@@ -178,6 +181,10 @@ def test_a_table_too_big_for_one_server_trains_split_across_four_each_under_its_
     servers = {name: peak for name, peak in peaks.items() if name.startswith("ps")}
     assert sorted(servers) == ["ps0", "ps1", "ps2", "ps3"], peaks
     assert all(share < peak < LIMIT for peak in servers.values()), (share, peaks)
+    spec = specs.parse(HUGE).settings
+    held = tables.fullest(spec.embeddings, 4, spec.sparse_optimizer.name)[1]
+    assert all(peak < tables.server_needs(held) for peak in servers.values()), (held, peaks)
+    assert peaks["trainer0"] < tables.trainer_needs(1), peaks
     # Each holds its quarter: well above a trainer, which holds no table.
     assert all(peak - peaks["trainer0"] > share // 2 for peak in servers.values()), peaks
     assert all(s["steps"] == 4 for s in summary["perServer"].values())

@@ -132,6 +132,9 @@ def test_plan_prints_every_server_s_pieces_and_bytes(tmp_path: Path) -> None:
 
 
 def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do() -> None:
+    """A server's estimate counts its tables (a tenth more) and what the process holds
+    besides them (tables.PROCESS_BYTES, measured); the advice is the fewest servers whose
+    estimate fits, and a limit no count fits asks for more memory, for trainers too."""
     big = [{"name": "big", "rows": 20_000_000, "dim": 16}]  # 1.28 GB of weights
     limited = {"template": {"resources": {"limits": {"memory": "1Gi"}}}}
     with pytest.raises(specs.InvalidSpec) as e:
@@ -139,13 +142,24 @@ def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do
     [error] = e.value.errors
     assert error.path == "spec.parameterServers"
     assert error.reason == (
-        "ps0 would hold 1.3 GB of tables and sgd state, over the pods' memory limit 1Gi"
-        " (spec.template.resources.limits.memory): use 2 parameterServers"
+        "ps0 would hold 1.3 GB of tables and sgd state and need about 2.3 GB with what the"
+        " process holds besides them, over the pods' memory limit 1Gi"
+        " (spec.template.resources.limits.memory): use 7 parameterServers"
     )
-    parse(embeddings=big, parameterServers=2, **limited)
-    with pytest.raises(specs.InvalidSpec, match="use 3 parameterServers"):
+    parse(embeddings=big, parameterServers=7, **limited)
+    assert tables.server_needs(tables.fullest(tables_of(big), 7, "sgd")[1]) <= 2**30
+    assert tables.server_needs(tables.fullest(tables_of(big), 6, "sgd")[1]) > 2**30
+    with pytest.raises(specs.InvalidSpec) as e:
         parse(embeddings=big, parameterServers=2, sparseOptimizer={"name": "rowwiseAdagrad"},
               template={"resources": {"limits": {"memory": "600M"}}})  # fmt: skip
+    assert [(x.path, x.reason.split(": ")[-1]) for x in e.value.errors] == [
+        ("spec.template.resources.limits.memory", "give the pods more memory"),
+        ("spec.parameterServers", "give the pods more memory"),
+    ]  # fmt: skip
+
+
+def tables_of(specs_: list[dict[str, Any]]) -> tuple[tables.Table, ...]:
+    return tuple(tables.Table(**t) for t in specs_)
 
 
 # ---------------------------------------------------------------------------- the servers

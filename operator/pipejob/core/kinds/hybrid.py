@@ -296,23 +296,32 @@ def _check(spec: Spec) -> list[SpecError]:
 
 
 def _memory(spec: Spec) -> list[SpecError]:
-    """A parameter server whose tables and optimizer state alone pass its pods' memory limit
-    could never start: refuse it now, saying how many servers would hold them."""
+    """A parameter server or a trainer that would pass its pods' memory limit (its tables and
+    their optimizer state, or its reader, plus what the process holds besides them:
+    tables.py) would be killed: refuse it now, saying how many servers would do."""
     resources = (spec.get("template") or {}).get("resources") or {}
     limit = (resources.get("limits") or {}).get("memory")
     if limit is None:
         return []
     fits, servers = int(k8s.quantity(limit)), spec["parameterServers"]
+    where = f"the pods' memory limit {limit} (spec.template.resources.limits.memory)"
+    trainers = Size.of(spec["trainers"])
+    trainer = tables.trainer_needs(-(-trainers.max // trainers.min))  # its lanes at the fewest
+    errors = [] if trainer <= fits else [SpecError("spec.template.resources.limits.memory", (
+        f"a trainer needs about {tables.size(trainer)} (torch, RPC, the dense model and its"
+        f" reader), over {where}: give the pods more memory"))]  # fmt: skip
     optimizer, typed = spec["sparseOptimizer"]["name"], _typed(spec)
     server, held = tables.fullest(typed, servers, optimizer)
-    if held <= fits:
-        return []
+    if tables.server_needs(held) <= fits:
+        return errors
     enough = next((n for n in range(servers + 1, MAX_SERVERS + 1)
-                   if tables.fullest(typed, n, optimizer)[1] <= fits), None)  # fmt: skip
+                   if tables.server_needs(tables.fullest(typed, n, optimizer)[1]) <= fits),
+                  None)  # fmt: skip
     advice = f"use {enough} parameterServers" if enough else "give the pods more memory"
-    return [SpecError("spec.parameterServers", (
-        f"ps{server} would hold {tables.size(held)} of tables and {optimizer} state, over"
-        f" the pods' memory limit {limit} (spec.template.resources.limits.memory): {advice}"
+    return errors + [SpecError("spec.parameterServers", (
+        f"ps{server} would hold {tables.size(held)} of tables and {optimizer} state and need"
+        f" about {tables.size(tables.server_needs(held))} with what the process holds besides"
+        f" them, over {where}: {advice}"
     ))]  # fmt: skip
 
 

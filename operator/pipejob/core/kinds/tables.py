@@ -15,6 +15,16 @@ from dataclasses import dataclass
 
 FLOAT_BYTES = 4  # tables and their optimizer state are float32
 
+# What a HybridJob process holds besides its tables, for the plan's memory advice: measured
+# peaks of 724-798 MB of a parameter server with a tiny table and 726-798 MB of a trainer
+# (torch 2.13.0+cu130 alone is 502 MB resident; then RPC, gloo, TensorPipe's buffers, the
+# dense model and its reader), alike under tcmalloc and glibc: 850 MB counts a margin. A
+# server's tables count a tenth more than their bytes (a 100 MB table raised a server's peak
+# by 106 MB). Measured with docs/user-guide.md's commands (HybridJob memory).
+PROCESS_BYTES = 850_000_000
+TABLE_MARGIN = 0.1
+READER_BYTES = 64_000_000  # a trainer's reader of click logs, per lane it reads
+
 # Floats of optimizer state per row of a table of width `dim`, by sparse optimizer.
 STATE_FLOATS = {
     "sgd": lambda dim: 0,
@@ -108,6 +118,17 @@ def fullest(tables: tuple[Table, ...], servers: int, optimizer: str) -> tuple[in
     """The server the placement gives the most bytes, and its bytes."""
     held = [server_bytes(pieces, optimizer) for pieces in place(tables, servers, optimizer)]
     return held.index(max(held)), max(held)
+
+
+def server_needs(held: int) -> int:
+    """The resident memory a parameter server holding `held` bytes of tables and optimizer
+    state peaks under, with the margins above."""
+    return int(held * (1 + TABLE_MARGIN)) + PROCESS_BYTES
+
+
+def trainer_needs(lanes: int) -> int:
+    """The resident memory a trainer reading `lanes` lanes of click logs peaks under."""
+    return PROCESS_BYTES + lanes * READER_BYTES
 
 
 def lines(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[str]:

@@ -157,6 +157,7 @@ def plan_units(s, meta) -> list[str]:
     return trace(s, meta).units
 
 
+@pytest.mark.slow  # a world of three processes importing transformers: minutes here
 @pytest.mark.timeout(600)
 def test_the_recipe_trains_and_peft_loads_its_adapters(tmp_path: Path) -> None:
     """`python base.py` and `pipejob run pipelinejob.yaml` as the recipe says: the job

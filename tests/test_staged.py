@@ -20,7 +20,14 @@ from safetensors.torch import load_file
 from torch import nn
 from userpkg import staged as users
 
-from jobrun import EXACT, TOLERANCE, assert_gradient_close, pipeline_job, run_to_end
+from jobrun import (
+    EXACT,
+    TOLERANCE,
+    assert_gradient_close,
+    check_gradients,
+    pipeline_job,
+    run_to_end,
+)
 from pipejob.core import spec
 from pipejob.trainer.pipeline.parts import Part, trace
 from pipejob.trainer.pipeline.shards import plan_shards
@@ -180,7 +187,7 @@ def test_a_staged_checkpoint_resumes_on_the_other_engine(tmp_path: Path, monkeyp
     code, said, summary = run_to_end(gru_job(out, ckpt, "rpc", 3), tmp_path, timeout=200)
     assert code == 0, said[-3000:]
     assert "resumed from step 2" in said, said[-3000:]
-    assert summary is not None and summary["steps"] == 3, summary
+    assert summary is not None and summary["resumedFromStep"] == 2, summary
     users.PackedGRU().load_state_dict(load_file(out / "model.safetensors"), strict=True)
 
 
@@ -189,3 +196,36 @@ def test_a_part_of_a_stage_function_builds_only_its_own_stage():
     part = Part(s, torch.float32, (), ("gru_stage(1)",), (1,))
     (head,) = part.build()
     assert sorted(head.state_dict()) == ["head.bias", "head.weight"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_layers_checkpoint_resumes_on_another_cut(tmp_path: Path, monkeypatch):
+    """Staged as layers, 2 stages to step 2, then 3 stages resuming it (names are the
+    model's, so any cut of the layers resumes any checkpoint)."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    ckpt = tmp_path / "ckpt"
+    model = {"import": "userpkg.staged:Layered",
+             "staged": {"layers": ["embed", "blocks", "pool", "head"]}}  # fmt: skip
+    job = pipeline_job("layered", model=model, data=PADDED, batchSize=8, numClasses=3,
+                       microBatches=2, steps=2,
+                       checkpoint={"path": str(ckpt), "everySteps": 2})  # fmt: skip
+    code, said, _ = run_to_end(job, tmp_path, timeout=200)
+    assert code == 0, said[-3000:]
+    job["spec"] |= {"steps": 3, "stages": 3}
+    code, said, summary = run_to_end(job, tmp_path, timeout=200)
+    assert code == 0, said[-3000:]
+    assert "resumed from step 2" in said and "written by 2 stages" in said, said[-3000:]
+    assert summary is not None and summary["resumedFromStep"] == 2, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine,replicas", [("rpc", 1), ("pipelining", 2)])
+def test_a_staged_gru_step_through_a_world_equals_one_process(engine: str, replicas: int,
+                                                             tmp_path: Path):  # fmt: skip
+    """Step 1 through real stage processes on each engine (the pipelining one with 2
+    replicas, their gradients averaged), against one process (float64)."""
+    job = spec.parse(pipeline_job("gru", model=GRU, data=PADDED, batchSize=8, numClasses=3,
+                                  microBatches=2, engine=engine, replicas=replicas))  # fmt: skip
+    got = check_gradients(job, tmp_path)
+    assert got["stages"] == [["gru_stage(0)"], ["gru_stage(1)"]]

@@ -161,3 +161,27 @@ class ResNetShards(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.shard2(self.shard1(x))
+
+
+class Mean(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1)
+
+
+class Layered(nn.Module):
+    """Token embedding, blocks, mean over positions, head: staged as layers (no forward of
+    its own is used); `forward` is the same chain, for one process."""
+
+    def __init__(self, width: int = 16, blocks: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                                    for _ in range(blocks))  # fmt: skip
+        self.pool = Mean()
+        self.head = nn.Linear(width, CLASSES)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.pool(x))

@@ -23,7 +23,7 @@ from jobrun import pipeline_job
 from pipejob.core import spec
 from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import plan_shards
-from pipejob.trainer.runtime import adapters
+from pipejob.trainer.runtime import adapters, output
 from pipejob.trainer.workloads import metrics, models
 
 pytest.importorskip("peft")
@@ -68,7 +68,8 @@ def test_adapter_files_and_merge_are_peft_s(tmp_path: Path) -> None:
     base = tmp_path / "base"
     write_base(base)
     model = trained(lora(base)).eval()
-    state = model.state_dict()
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # merge_and_unload: in place
+    configs = adapters.configs(model)
     ids = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(1))
     expected = model(ids).logits
 
@@ -76,7 +77,7 @@ def test_adapter_files_and_merge_are_peft_s(tmp_path: Path) -> None:
     out.mkdir()
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
     config = json.loads(model.config.to_json_string(use_diff=False))
-    adapters.write(out, adapters.configs(model), True, config)
+    adapters.write(out, configs, True, config)
 
     peft_dir = tmp_path / "peft"  # what peft itself writes
     model.save_pretrained(peft_dir)
@@ -101,6 +102,26 @@ def test_adapter_files_and_merge_are_peft_s(tmp_path: Path) -> None:
     assert sorted(got) == sorted(reference)
     for key, value in reference.items():
         torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-7, msg=key)
+    torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+    # A sharded output (a model over the one-file size): read a file at a time, the merged
+    # model sharded alike, with its index.
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    names = sorted(state)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    shards = [output.write_shard(sharded, output.shard_name(i + 1, 2, "safetensors"),
+                                 {k: state[k] for k in half}, "safetensors")
+              for i, half in enumerate(halves)]  # fmt: skip
+    output.write_index(sharded, shards, {})
+    adapters.write(sharded, configs, True, config)
+    assert (sharded / adapters.MERGED / "model.safetensors.index.json").exists()
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, attn_implementation=EAGER), sharded
+    ).eval()
+    torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
+    merged = AutoModelForCausalLM.from_pretrained(sharded / adapters.MERGED,
+                                                  attn_implementation=EAGER).eval()  # fmt: skip
     torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 

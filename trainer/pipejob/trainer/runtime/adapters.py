@@ -5,8 +5,10 @@ them: the default adapter in the folder, any other in a subfolder of its name), 
 with the LoRA adapters merged into its weights under the base model's names, in `merged/`
 (with its config.json: `AutoModelForCausalLM.from_pretrained(path / "merged")` loads it).
 
-Both are read from the model files the run has just written (runtime/output.load_state_dict),
-so the master, which holds no weights while training, reads them only here. peft is not
+Both are read from the model files the run has just written, so the master, which holds no
+weights while training, reads them only here: the adapters alone, and for the merged model
+one of the output's files at a time (a safetensors output; a torch one is read whole),
+written as a file of the same name (sharded as the output is, with its index). peft is not
 needed to write them: the names and the arithmetic are peft's own (its
 get_peft_model_state_dict and LoraLayer.merge for Linear layers), checked against peft by
 tests/test_lora.py."""
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipejob.trainer.runtime import output
@@ -61,11 +64,31 @@ def adapter_state(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.
             if "lora_" in k and mark in k}  # fmt: skip
 
 
-def merged_state(state: dict[str, torch.Tensor], name: str,
+def merged_state(state: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], name: str,
                  config: dict[str, Any]) -> dict[str, torch.Tensor]:  # fmt: skip
-    """The base model's state with adapter `name` merged into each adapted Linear's weight
-    (W + scaling B A, as peft's merge; transposed for fan_in_fan_out layers), under the base
-    model's names; refused, saying why, for what peft's LoRA merge does otherwise."""
+    """The base model's tensors of `state` (the whole model's, or a file's share) with
+    adapter `name` (its LoRA matrices in `lora`, under the model's names) merged into each
+    adapted Linear's weight (W + scaling B A, as peft's merge; transposed for fan_in_fan_out
+    layers), under the base model's names; refused, saying why, for what peft's LoRA merge
+    does otherwise."""
+    scaling = _scaling(name, config)
+    merged: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if "lora_" in key:
+            continue
+        base = key.removeprefix(PREFIX).replace(".base_layer.", ".")
+        module = key.removesuffix(".base_layer.weight")
+        a = lora.get(f"{module}.lora_A.{name}.weight")
+        b = lora.get(f"{module}.lora_B.{name}.weight")
+        if module != key and a is not None and b is not None:
+            delta = (b.double() @ a.double()) * scaling
+            delta = delta.T if config.get("fan_in_fan_out") else delta
+            value = (value.double() + delta).to(value.dtype)
+        merged[base] = value.contiguous()
+    return merged
+
+
+def _scaling(name: str, config: dict[str, Any]) -> float:
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise ValueError(f"spec.output.merged: adapter {name!r} has a {key}; merge it"
@@ -74,24 +97,41 @@ def merged_state(state: dict[str, torch.Tensor], name: str,
         raise ValueError(f"spec.output.merged: adapter {name!r} uses DoRA or trains biases;"
                          " merge it with peft's merge_and_unload")  # fmt: skip
     r, alpha = config["r"], config["lora_alpha"]
-    scaling = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
-    merged: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        if "lora_" in key:
-            continue
-        base = key.removeprefix(PREFIX).replace(".base_layer.", ".")
-        module = key.removesuffix(".base_layer.weight")
-        a, b = (
-            state.get(f"{module}.lora_A.{name}.weight"),
-            state.get(f"{module}.lora_B.{name}.weight"),
-        )
-        if module != key and a is not None and b is not None:
-            delta = (b.double() @ a.double()) * scaling
-            value = (value.double() + (delta.T if config.get("fan_in_fan_out") else delta)).to(
-                value.dtype
-            )
-        merged[base] = value.contiguous()
-    return merged
+    return alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+
+
+class Files:
+    """The model files of an output folder, each with the names it holds; read by name.
+    A torch-format output is read whole (torch.load cannot read part of a file)."""
+
+    def __init__(self, out: Path):
+        index = out / output.index_name("safetensors")
+        single = out / "model.safetensors"
+        self.whole: dict[str, torch.Tensor] | None = None
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {f: [k for k, g in weight_map.items() if g == f]
+                          for f in dict.fromkeys(weight_map.values())}  # fmt: skip
+        elif single.exists():
+            with safe_open(single, "pt") as f:
+                self.files = {single.name: list(f.keys())}
+        else:
+            self.whole = output.load_state_dict(out)
+            self.files = {"model.safetensors": list(self.whole)}
+        self.out = out
+
+    def read(self, file: str, names: list[str]) -> dict[str, torch.Tensor]:
+        if self.whole is not None:
+            return {k: self.whole[k] for k in names}
+        with safe_open(self.out / file, "pt") as f:
+            return {k: f.get_tensor(k) for k in names}
+
+    def matching(self, mark: str) -> dict[str, torch.Tensor]:
+        """Every tensor whose name holds `mark`, from whichever file holds it."""
+        found: dict[str, torch.Tensor] = {}
+        for file, names in self.files.items():
+            found |= self.read(file, [k for k in names if mark in k])
+        return found
 
 
 def write(out: str | Path, adapters: dict[str, dict[str, Any]], merged: bool,
@@ -99,22 +139,46 @@ def write(out: str | Path, adapters: dict[str, dict[str, Any]], merged: bool,
     """Write the adapters of the model files in `out` (and the merged model, when
     `merged`); the paths written."""
     out = Path(out)
-    state = output.load_state_dict(out)
+    files = Files(out)
+    lora = files.matching("lora_")
     written = []
     for name, config in adapters.items():
         folder = out if name == "default" else out / name
         folder.mkdir(parents=True, exist_ok=True)
         (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
-        save_file(adapter_state(state, name), str(folder / ADAPTER_FILE), {"format": "pt"})
+        save_file(adapter_state(lora, name), str(folder / ADAPTER_FILE), {"format": "pt"})
         written += [folder / ADAPTER_FILE, folder / ADAPTER_CONFIG]
     if merged:
         name = "default" if "default" in adapters else next(iter(adapters))
-        folder = out / MERGED
-        folder.mkdir(exist_ok=True)
-        save_file(merged_state(state, name, adapters[name]), str(folder / "model.safetensors"),
-                  {"format": "pt"})  # fmt: skip
-        written.append(folder / "model.safetensors")
-        if hf_config is not None:
-            (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
-            written.append(folder / "config.json")
+        written += _write_merged(files, lora, name, adapters[name], hf_config)
+    return written
+
+
+def _write_merged(files: Files, lora: dict[str, torch.Tensor], name: str,
+                  config: dict[str, Any],
+                  hf_config: dict[str, Any] | None) -> list[Path]:  # fmt: skip
+    """The merged model in out/merged/, one file per file of the output (read one at a
+    time), with an index where there are several; its config.json."""
+    folder = files.out / MERGED
+    folder.mkdir(exist_ok=True)
+    written, shards = [], []
+    for file, names in files.files.items():
+        state = merged_state(files.read(file, [k for k in names if "lora_" not in k]), lora,
+                             name, config)  # fmt: skip
+        save_file(state, str(folder / file), {"format": "pt"})
+        written.append(folder / file)
+        shards.append({"file": file, "sizes": {k: v.numel() * v.element_size()
+                                               for k, v in state.items()}})  # fmt: skip
+        del state
+    if len(shards) > 1:
+        weight_map = {k: s["file"] for s in shards for k in s["sizes"]}
+        total = sum(size for s in shards for size in s["sizes"].values())
+        index = folder / output.index_name("safetensors")
+        index.write_text(json.dumps({"metadata": {"total_size": total},
+                                     "weight_map": dict(sorted(weight_map.items()))},
+                                    indent=2) + "\n")  # fmt: skip
+        written.append(index)
+    if hf_config is not None:
+        (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+        written.append(folder / "config.json")
     return written

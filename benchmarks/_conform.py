@@ -134,9 +134,10 @@ def _check(row: Row, build: Callable[[], nn.Module], sample: Callable[[], Any]) 
     meta, made = materialize.build(build, ())
     numbered = materialize.numbering(meta, made)
     fits_model(meta, x, torch.zeros(len(x), dtype=torch.long), _generic_loss)
-    units = Traced(meta, want=2 * MAX_STAGES).units
+    traced = Traced(meta, want=2 * MAX_STAGES, sample=_sample_of(x))
+    units = traced.units
     if len(units) < 2:
-        raise cut.cut_count_error(len(units), 2)
+        raise cut.cut_count_error(len(units), 2, traced.whole)
     n = min(len(units), MAX_STAGES)
     cuts = [[units[k * len(units) // n] for k in range(1, n)]]
     if units[len(units) // 2] not in cuts[0]:
@@ -150,18 +151,23 @@ def _check_cut(build: Callable[[], nn.Module], meta: nn.Module,
                numbered: materialize.Numbering, starts: list[str], x: Any) -> None:  # fmt: skip
     plain = build()  # a forward changes state (batch norm's statistics): a fresh one per cut
     want = 2 * MAX_STAGES
-    planned = Traced(meta, want=want).split(starts)
+    planned = Traced(meta, want=want, sample=_sample_of(x)).split(starts)
     stages = []
     for k, planned_stage in enumerate(planned):  # as pipeline/parts.py's Part.build
         keep = materialize.numbers(numbered, cut.state_names(planned_stage))
         with torch.random.fork_rng(devices=[]):
             model, _ = materialize.build(build, keep)
-        stages.append(Traced(model, want=want).split(starts)[k])
+        stages.append(Traced(model, want=want, sample=_sample_of(x)).split(starts)[k])
     where = f"cut at {', '.join(starts)}"
     _same_state(plain, stages, where)
     _same_outputs(plain, stages, x, where)
     _same_gradients(plain, stages, ties(planned), x, where)
     _loads_back(build, plain, meta, numbered, planned, stages, where)
+
+
+def _sample_of(x: Any) -> torch.Tensor | None:
+    """The job's input as a stage traces with its shapes (a micro-batch's)."""
+    return _micro(x)[0] if isinstance(x, torch.Tensor) else None
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:

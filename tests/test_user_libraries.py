@@ -209,3 +209,136 @@ class Scripted(nn.Module):
 def test_a_scripted_submodule_cuts_exactly() -> None:
     row = _conform.run("user", "scripted", Scripted, lambda: torch.randn(4, 6))
     assert row.verdict == "exact", row.why
+
+
+class Glue(nn.Module):
+    """Glue fx alone cannot trace: control flow on sizes read from traced tensors, einops,
+    item assignment, a module made in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.mix, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from einops import rearrange
+
+        h = self.conv(x)
+        for size in h.shape[-2:]:
+            if size % 2:
+                raise ValueError("even sizes only")
+        _, _, height, width = h.shape
+        if height != width:
+            h = h.transpose(2, 3)
+        h = self.mix(rearrange(h, "b c h w -> b (h w) c"))
+        h[:, 0] = 0.0
+        return self.head(nn.ReLU()(h).mean(1))
+
+
+def _images() -> torch.Tensor:
+    return torch.randn(4, 3, 4, 6, generator=torch.Generator().manual_seed(0))
+
+
+def test_glue_traces_with_the_shapes_the_job_knows_and_refuses_another_shape() -> None:
+    """Sizes read from traced tensors are concrete with the job's input shape (a batch size
+    aside), item assignment and a module made in the forward trace, einops too; the cut is
+    exact; and the first stage refuses a batch of another shape than the one traced."""
+    pytest.importorskip("einops")
+    meta, _ = materialize.build(seeded(Glue), ())
+    with pytest.raises(cut.CutError, match="control flow"):
+        cut.Traced(meta)  # fx alone
+    traced = cut.Traced(meta, sample=_images()[:2])
+    assert traced.shaped and traced.units == ["conv", "mix", "head"]
+    row = _conform.run("user", "glue", Glue, _images)
+    assert row.verdict == "exact", row.why
+    first = traced.split(["mix"])[0]
+    assert first(torch.randn(5, 3, 4, 6)) is not None  # another batch size
+    with pytest.raises(ValueError, match=r"traced for inputs of shape \(batch, 3, 4, 6\)"):
+        first(torch.randn(2, 3, 6, 6))
+
+
+def vit_pytorch() -> nn.Module:
+    from vit_pytorch import ViT
+
+    return ViT(image_size=8, patch_size=4, num_classes=3, dim=8, depth=1, heads=2, mlp_dim=8,
+               dim_head=4)  # fmt: skip
+
+
+def test_vit_pytorch_cuts_exactly() -> None:
+    """einops' `repeat` and `Rearrange` in its forward (issue 41 item 5)."""
+    pytest.importorskip("vit_pytorch")
+    row = _conform.run("user", "vit-pytorch", vit_pytorch, lambda: torch.randn(4, 3, 8, 8))
+    assert row.verdict == "exact", row.why
+
+
+class ConditionedUNet(nn.Module):
+    """diffusers' UNet2DConditionModel with a fixed timestep and conditioning: its forward
+    loops over `sample.shape[-2:]` (issue 41 item 7)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from diffusers import UNet2DConditionModel
+
+        self.unet = UNet2DConditionModel(
+            sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+            block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=8,
+            attention_head_dim=2, norm_num_groups=4,
+        )  # fmt: skip
+        self.register_buffer("condition", torch.randn(1, 4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        condition = self.condition.expand(x.shape[0], -1, -1)
+        return self.unet(x, 10, encoder_hidden_states=condition).sample
+
+
+@pytest.mark.slow
+def test_diffusers_conditioned_unet_cuts_exactly() -> None:
+    pytest.importorskip("diffusers")
+    row = _conform.run("user", "unet2d-condition", ConditionedUNet,
+                       lambda: torch.randn(4, 3, 8, 8))  # fmt: skip
+    assert row.verdict == "exact", row.why
+
+
+class DataDependent(nn.Module):
+    """Glue no tracer reads: a branch on the values of a traced tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() > 0:
+            h = -h
+        return self.b(h)
+
+
+class Einops(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from einops import rearrange
+
+        return self.b(rearrange(self.a(x), "b (s c) -> b s c", s=2).flatten(1))
+
+
+def test_a_refusal_names_the_construct_the_models_line_and_the_way_past() -> None:
+    """Issue 41 item 5 of the build: the construct, the line of the model's own source (not
+    einops', torch's or pipejob's), and the way past (a split point elsewhere, or
+    spec.model.staged)."""
+    meta, _ = materialize.build(DataDependent, ())
+    with pytest.raises(cut.CutError) as refused:
+        cut.Traced(meta, sample=torch.zeros(2, 6))
+    said = str(refused.value)
+    assert "TraceError" in said and "test_user_libraries.py" in said and "h.sum() > 0" in said
+    assert "the way past" in said and "spec.model.staged" in said
+    pytest.importorskip("einops")
+    meta, _ = materialize.build(Einops, ())
+    with pytest.raises(cut.CutError) as refused:
+        cut.Traced(meta)  # fx alone, without the job's shapes
+    said = str(refused.value)
+    assert "einops" in said and "test_user_libraries.py" in said and "_backends.py" not in said
+    assert cut.Traced(meta, sample=torch.zeros(2, 6)).units == ["a", "b"]

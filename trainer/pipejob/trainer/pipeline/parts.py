@@ -42,7 +42,9 @@ def trace(spec: PipelineSpec, model: nn.Module) -> cut.Traced | staged.Layers | 
     user stages it (spec.model.staged)."""
     if spec.model.staged is not None:
         return staged.of(spec, model)
-    return cut.Traced(model, CANDIDATES_PER_STAGE * spec.pieces, spec.split_points)
+    # The data's shapes, read only where fx's plain trace does not do (workloads/shapes.py).
+    return cut.Traced(model, CANDIDATES_PER_STAGE * spec.pieces, spec.split_points,
+                      sample=lambda: data.sample(spec, 2)[0])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,8 @@ class Part:
             if staged.builds(self.spec):  # the user's function builds each piece alone
                 return staged.build(self.spec, self.pieces)
             model, _ = materialize.build(lambda: models.build(self.spec), self.keep)
-        modules = trace(self.spec, model).split(list(self.starts))
+        with default_dtype(self.dtype):  # traced with the master's shapes and dtypes
+            modules = trace(self.spec, model).split(list(self.starts))
         built = [modules[i] for i in self.pieces]
         missing = [n for m in built for n, p in m.named_parameters() if p.device.type == "meta"]
         if missing:

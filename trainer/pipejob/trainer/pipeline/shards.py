@@ -132,7 +132,7 @@ def plan_shards(
     traced = trace(spec, model)
     units = traced.units
     if len(units) < spec.pieces:
-        raise cut.cut_count_error(len(units), spec.pieces)
+        raise cut.cut_count_error(len(units), spec.pieces, getattr(traced, "whole", None))
     fixed = traced.ranges(spec.split_points) if spec.split_points else None
     if saved is None:
         saved = _measure(spec, stage_names, traced, numbered, hosts or [], fixed, progress)

@@ -34,14 +34,15 @@ this tracer cuts in 0.03 s."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from pipejob.trainer.workloads.piece import Piece, attach
-from pipejob.trainer.workloads.refusals import construct
+from pipejob.trainer.workloads.refusals import construct, kept_whole, way_past
+from pipejob.trainer.workloads.shapes import ShapedTracer
 from pipejob.trainer.workloads.tracing import (
     Objects,
     Tracer,
@@ -148,33 +149,13 @@ class Traced:
     in training mode and in evaluation mode; where the two differ, each stage holds both
     (`Piece`), and the candidates are those both call."""
 
-    def __init__(self, model: nn.Module, want: int = 0, required: Sequence[str] = ()):
+    def __init__(self, model: nn.Module, want: int = 0, required: Sequence[str] = (),
+                 sample: torch.Tensor | Callable[[], torch.Tensor] | None = None):  # fmt: skip
         self.model = model
         self.whole: dict[str, str] = {}  # modules kept whole: why their forward did not trace
-        training = model.training
+        self.shaped = False  # traced with the shapes of `sample` (workloads/shapes.py)
         with without_cache(model):
-            while True:
-                leaves = set(candidates(model, want, required, frozenset(self.whole)))
-                tracer = Tracer(model, leaves)
-                try:
-                    graphs = []
-                    for mode in (True, False):
-                        model.train(mode)
-                        with unchanged(model):
-                            graphs.append(tracer.trace(model))
-                        materialize_masks(graphs[-1])
-                        place_parameters(graphs[-1], model)
-                    break
-                except Exception as e:
-                    where = tracer.failed_in
-                    if not where or where in self.whole:
-                        raise CutError(
-                            f"cannot trace {type(model).__name__}'s forward between its"
-                            f" modules: {construct(e)}"
-                        ) from None
-                    self.whole[where] = construct(e)
-                finally:
-                    model.train(training)
+            graphs, leaves = self._traced(want, required, sample)
         self.forward = _Forward(graphs[0], leaves)  # training's
         evaluation = _Forward(graphs[1], leaves)
         self.evaluation = None if evaluation.code() == self.forward.code() else evaluation
@@ -184,6 +165,67 @@ class Traced:
         if self.evaluation is not None:
             order = sorted(self.units, key=self.evaluation.starts.__getitem__)
             self.units = [u for u, v in zip(self.units, order, strict=True) if u == v]
+
+    def _traced(self, want: int, required: Sequence[str],
+                sample: torch.Tensor | Callable[[], torch.Tensor] | None,
+                ) -> tuple[list[fx.Graph], set[str]]:  # fmt: skip
+        """The graphs of training's and evaluation's forward, and their leaves: traced as
+        fx traces; where that fails or keeps a module whole and the job's input is known
+        (`sample`, or what gives it: read only then), traced again with its shapes
+        (ShapedTracer), kept if that does better."""
+        try:
+            found, error = self._trace(want, required, None), None
+        except CutError as e:
+            found, error = None, e
+        if sample is None or (found is not None and not self.whole):
+            if found is None:
+                raise error  # type: ignore[misc]
+            return found
+        sample = sample() if callable(sample) else sample
+        if not isinstance(sample, torch.Tensor):  # a dict of inputs: no shapes to trace with
+            if found is None:
+                raise error  # type: ignore[misc]
+            return found
+        plain = self.whole
+        self.whole = {}
+        try:
+            shaped = self._trace(want, required, sample)
+        except CutError:
+            if found is None:
+                raise
+            self.whole = plain
+            return found
+        self.shaped = True
+        return shaped
+
+    def _trace(self, want: int, required: Sequence[str],
+               sample: torch.Tensor | None) -> tuple[list[fx.Graph], set[str]]:  # fmt: skip
+        """One way of tracing (with `sample`'s shapes or without), keeping whole each module
+        whose forward does not trace, until the rest does (or refusing, saying why)."""
+        model, training = self.model, self.model.training
+        while True:
+            leaves = set(candidates(model, want, required, frozenset(self.whole)))
+            shaped = sample is not None
+            tracer = ShapedTracer(model, leaves, sample) if shaped else Tracer(model, leaves)
+            try:
+                graphs = []
+                for mode in (True, False):
+                    model.train(mode)
+                    with unchanged(model):
+                        graphs.append(tracer.trace(model))
+                    materialize_masks(graphs[-1])
+                    place_parameters(graphs[-1], model)
+                return graphs, leaves
+            except Exception as e:
+                where = tracer.failed_in
+                if not where or where in self.whole:
+                    raise CutError(
+                        f"cannot trace {type(model).__name__}'s forward between its"
+                        f" modules: {construct(e)}; {way_past(where or '')}"
+                    ) from None
+                self.whole[where] = construct(e)
+            finally:
+                model.train(training)
 
     @property
     def graph(self) -> fx.Graph:
@@ -200,6 +242,7 @@ class Traced:
                 f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not where a"
                 f" stage can begin{': ' + '; '.join(inside) if inside else ''}; the"
                 f" candidates, in order: {', '.join(self.units)}"
+                + (f"; {way_past()}" if inside else "")
             )
         index = [self.units.index(s) for s in starts]
         if index != sorted(set(index)) or (index and index[0] == 0):
@@ -302,9 +345,12 @@ def join(outputs: list[Any]) -> Any:
     return torch.cat(outputs)
 
 
-def cut_count_error(units: int, stages: int) -> CutError:
+def cut_count_error(units: int, stages: int, whole: dict[str, str] | None = None) -> CutError:
+    """Too few places to cut: and, where modules were kept whole, which and why (the line
+    of the model's source), and the way past."""
+    why = f"{kept_whole(whole)}; {way_past()}" if whole else ""
     return CutError(f"the model has {units} places to cut; it can fill at most {units} stages,"
-                    f" not {stages}")  # fmt: skip
+                    f" not {stages}{why}")  # fmt: skip
 
 
 def state_names(module: nn.Module) -> list[str]:

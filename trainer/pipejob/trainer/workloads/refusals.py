@@ -39,3 +39,18 @@ def construct(error: BaseException) -> str:
     modeling_bert.py:85: position_ids = self.position_ids[:, a:b]`."""
     first = str(error).splitlines()[0] if str(error) else ""
     return f"{type(error).__name__}: {first}{where(error)}"
+
+
+def way_past(module: str = "") -> str:
+    """What a user whose model the tracer cannot read can do."""
+    outside = f" outside {module} (spec.splitPoints)" if module else " (spec.splitPoints)"
+    return (
+        f"the way past: a split point{outside} where the code between modules traces,"
+        " or say how the model is staged (spec.model.staged: its modules in order, or a"
+        " function that builds stage i of n: the user guide's 'Past the tracer')"
+    )
+
+
+def kept_whole(whole: dict[str, str]) -> str:
+    """Why modules were kept whole: `; blocks is kept whole (TraceError: ... at x.py:12: ...)`."""
+    return "".join(f"; {name} is kept whole ({why})" for name, why in whole.items())

@@ -16,6 +16,9 @@ import pytest
 # or two on 2 quiet cores and several times that on a loaded machine (two suites and a docker
 # build beside it took a smoke run past 280 s).
 HANG = 900
+# Each rehearsal costs one to four CPU-minutes (compare.py: 208 CPU-s), a quarter of the suite
+# together: `make test-all` runs them, `make test` does not (tests/README.md).
+pytestmark = pytest.mark.slow
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 

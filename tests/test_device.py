@@ -15,6 +15,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HANG = 900  # a bound on a hang: the rehearsal takes about 3 minutes on 2 quiet cores
+# Run before each device call (`pytest -m slow tests/test_device.py`, or `make test-all`), not
+# in `make test`: it is the GPU script's rehearsal, not a proof of the product (tests/README.md).
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(HANG + 60)

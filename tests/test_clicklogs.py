@@ -156,6 +156,19 @@ def test_the_reader_holds_a_window_per_lane_whatever_the_logs_size(
     assert 3000 <= logs.most_held <= 2 * (3000 + longest)
 
 
+def test_a_batch_parsed_at_once_is_the_lines_parsed_one_by_one(tmp_path: Path) -> None:
+    lines = log_lines(64, 6)
+    logs = ClickLogs(str(write(tmp_path / "day.tsv", lines)), "train")
+    rows = list(enumerate(lines))
+    fast = samples._click_batch(logs, rows, FEATURES[::5], True)
+    slow = samples.collate_samples([logs.parse(i, line) for i, line in rows], list(range(64)),
+                                   FEATURES[::5], True)  # fmt: skip
+    for name in ("dense", "labels"):
+        assert getattr(fast, name).equal(getattr(slow, name)), name
+    assert all(fast.ids[f].equal(slow.ids[f]) for f in FEATURES[::5])
+    assert all(fast.lengths[f].equal(slow.lengths[f]) for f in FEATURES[::5])
+
+
 def test_a_bad_line_names_its_file_line_and_column(tmp_path: Path) -> None:
     lines = log_lines(30, 5)
     columns = lines[21].split(b"\t")

@@ -73,6 +73,26 @@ def parse(line: bytes) -> Sample:
     return dense, {f: [v] for f, v in zip(FEATURES, categorical, strict=True)}, label
 
 
+def parse_many(lines: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Many lines at once, as `parse` reads each: (log(1 + I1..I13) (n, 13) float64, C1..C26
+    (n, 26) int64, labels (n,) int64); None if any line is bad (`parse` it to say which)."""
+    fields = b"\t".join(line.rstrip(b"\r") for line in lines).split(b"\t")
+    if len(fields) != COLUMNS * len(lines):
+        return None
+    try:
+        labels = np.array([int(x) for x in fields[0::COLUMNS]], dtype=np.int64)
+        dense = np.array([int(x) if x else 0 for k in range(1, 1 + DENSE)
+                          for x in fields[k::COLUMNS]], dtype=np.float64)  # fmt: skip
+        categorical = np.array([int(x, 16) if x else 0 for k in range(1 + DENSE, COLUMNS)
+                                for x in fields[k::COLUMNS]], dtype=np.int64)  # fmt: skip
+    except (ValueError, OverflowError):
+        return None
+    if ((labels != 0) & (labels != 1)).any():
+        return None
+    dense = np.log1p(np.maximum(dense, 0.0)).reshape(DENSE, -1).T
+    return dense, categorical.reshape(len(FEATURES), -1).T, labels
+
+
 def _first_bad(columns: list[bytes]) -> str:
     """Which column of a line does not read, and why."""
     names = ["label", *(f"I{k}" for k in range(1, 1 + DENSE)), *FEATURES]

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from pipejob.core.kinds.hybrid import BAGS, HybridSpec
-from pipejob.trainer.workloads import imports
+from pipejob.trainer.workloads import criteo, imports
 from pipejob.trainer.workloads.bags import FileBags, ImportedBags, ImportedClicks, held_out_size
 from pipejob.trainer.workloads.clicklogs import ClickLogs
 from pipejob.trainer.workloads.synthetic import SyntheticBags, SyntheticClicks, share_of
@@ -169,10 +169,30 @@ def _lanes(logs: ClickLogs, batch: int, share: tuple[int, int], seed: int,
     readers = [logs.read(lane, seed, start // lanes) for lane in mine]
     while True:
         rows = [row for reader in readers for row in itertools.islice(reader, per)]
-        ids = [line_id for _, line_id, _ in rows]
-        drawn = [logs.parse(line_id, line) for _, line_id, line in rows]
-        made = collate_samples(drawn, ids, features, clicks)
+        made = _click_batch(logs, [(i, line) for _, i, line in rows], features, clicks)
         yield dataclasses.replace(made, epochs=[epoch for epoch, _, _ in rows])
+
+
+def _click_batch(logs: ClickLogs, lines: list[tuple[int, bytes]], features: Sequence[str],
+                 clicks: bool) -> Batch:  # fmt: skip
+    """Lines (id, line) of click logs as one batch, parsed all at once (criteo.parse_many);
+    a bad line is read alone, which names it."""
+    ids = [line_id for line_id, _ in lines]
+    parsed = criteo.parse_many([line for _, line in lines])
+    if parsed is None:
+        drawn = [logs.parse(line_id, line) for line_id, line in lines]
+        return collate_samples(drawn, ids, features, clicks)
+    dense, categorical, labels = parsed
+    column = {f: k for k, f in enumerate(criteo.FEATURES)}
+    real = torch.get_default_dtype()
+    ones = torch.ones(len(lines), dtype=torch.int64)
+    return Batch(
+        sample_ids=ids,
+        dense=torch.from_numpy(dense).to(real),
+        ids={f: torch.from_numpy(categorical[:, column[f]].copy()) for f in features},
+        lengths={f: ones for f in features},
+        labels=torch.from_numpy(labels).to(real if clicks else torch.int64),
+    )
 
 
 def first(data: Samples | ClickLogs) -> Sample:
@@ -185,9 +205,9 @@ def in_order(data: Samples, batch_size: int, features: Sequence[str], clicks: bo
     """`data` in order as batches of `batch_size` (the last may be smaller); only the first
     `limit` batches when it is not 0. For evaluation: every sample once, no cycling."""
     if isinstance(data, ClickLogs):
-        rows = data.in_order()
+        rows = data.lines_in_order()
         chunks = iter(lambda: list(itertools.islice(rows, batch_size)), [])
-        return [collate_samples([s for _, s in chunk], [i for i, _ in chunk], features, clicks)
+        return [_click_batch(data, chunk, features, clicks)
                 for chunk in itertools.islice(chunks, limit or None)]  # fmt: skip
     count = -(-data.size // batch_size)
     count = min(count, limit) if limit else count

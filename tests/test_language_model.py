@@ -37,7 +37,8 @@ def lm_job(name: str, text: dict[str, str], **fields: Any) -> dict[str, Any]:
     })  # fmt: skip
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+# 3 stages has a middle stage besides the first and last: 2 is its `slow` variant.
+@pytest.mark.parametrize("stages", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_one_step_equals_a_single_process(text, tmp_path: Path, stages: int):
     job = spec.parse(lm_job("lm-gradients", text, stages=stages, steps=1))
     got = check_gradients(job, tmp_path)

@@ -87,6 +87,7 @@ def test_a_pipeline_job_trains_in_containers_evaluates_and_writes_its_output_on_
     all_stopped(api, node)
 
 
+@pytest.mark.slow  # the DLRM example below is a HybridJob in containers, on a volume too
 def test_a_hybrid_job_trains_in_containers(cluster, container_kubelet, operator):
     api, node = cluster.api, container_kubelet
     name = start(api, HYBRID)
@@ -140,6 +141,7 @@ def test_a_table_over_one_containers_memory_limit_trains_split_across_four(
     all_stopped(api, node)
 
 
+@pytest.mark.slow  # replicas in containers: the pipelining test below resumes them too
 def test_a_pipeline_job_with_two_replicas_trains_in_containers(
     cluster, container_kubelet, operator
 ):

@@ -329,7 +329,16 @@ def struck_run_ends(manifest: dict, member: str, sig: int, after: str, verdict: 
     return said, reacted
 
 
-@pytest.mark.parametrize("fault", FAULTS)
+def exhaustive(cases: dict, kept: set[str]) -> list:
+    """The cases, those not `kept` marked `slow`: `make test` proves each verdict once (a
+    frozen stage, master and server; a killed member in test_faults_by_phase.py), and
+    `make test-all` every role in every phase (tests/README.md)."""
+    return [c if c in kept else pytest.param(c, marks=pytest.mark.slow) for c in cases]
+
+
+@pytest.mark.parametrize("fault", exhaustive(FAULTS, {
+    "frozen stage in training", "frozen master in training", "frozen parameter server in training",
+}))  # fmt: skip
 def test_a_fault_ends_the_local_run_naming_the_member_in_lines(fault, tmp_path):
     manifest, member, sig, after, verdict = FAULTS[fault]
     _, reacted = struck_run_ends(manifest, member, sig, after, verdict, tmp_path)
@@ -387,7 +396,7 @@ STUCK = {
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", STUCK)
+@pytest.mark.parametrize("case", exhaustive(STUCK, {"pipeline: a stage's forward"}))
 def test_a_world_whose_work_is_stuck_while_it_beats_ends_naming_whom_it_waits_on(
     case, tmp_path, monkeypatch
 ):

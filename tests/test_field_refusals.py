@@ -109,7 +109,7 @@ def test_an_unknown_field_names_at_most_three_near_ones(kind: dict, wrong: str,
 
 def test_an_unknown_field_near_nothing_says_so_briefly() -> None:
     (error,) = refusal(changed(HYBRID, zzzzqqq=1))
-    assert "no known field is close" in error and len(error) < 160
+    assert "none known is close" in error and len(error) < 160
 
 
 def test_the_trainer_count_message_names_the_count_it_used() -> None:

@@ -116,7 +116,7 @@ TEMPLATE = Field(
     "object",
     "Overrides for every pod of the job: the operator's defaults apply where this is silent.",
     fields={
-        "image": Field("string", "Trainer container image."),
+        "image": Field("string", "Trainer container image.", max_length=4096),
         "imagePullPolicy": Field(
             "string", "Image pull policy.", enum=("Always", "IfNotPresent", "Never")
         ),
@@ -126,7 +126,7 @@ TEMPLATE = Field(
         ),
         "nodeSelector": Field(
             "object", "Node labels the pods must match.",
-            values=Field("string", "Label value."),
+            values=Field("string", "Label value.", max_length=63),
         ),
         "tolerations": _k8s_list("Toleration", "Taints the pods tolerate."),
         "affinity": _k8s("Affinity", "Node and pod affinity of the pods."),
@@ -135,11 +135,12 @@ TEMPLATE = Field(
             "VolumeMount", "Where the trainer container mounts them.", ("mountPath",)
         ),
         "env": _k8s_list("EnvVar", "Extra environment of the trainer container.", ("name",)),
-        "serviceAccountName": Field("string", "Service account of the pods."),
+        "serviceAccountName": Field("string", "Service account of the pods.", max_length=253),
         "schedulerName": Field(
-            "string", "Scheduler of the pods; a gang scheduler is set with spec.scheduling."
+            "string", "Scheduler of the pods; a gang scheduler is set with spec.scheduling.",
+            max_length=253,
         ),
-        "priorityClassName": Field("string", "Priority class of the pods."),
+        "priorityClassName": Field("string", "Priority class of the pods.", max_length=253),
     },
     rules=(
         Rule(

@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from pipejob.core.errors import SpecError
+from pipejob.core.errors import SpecError, shown
 
 SCHEMAS = Path(__file__).with_name("k8s_schemas.json")
 
@@ -50,21 +50,23 @@ def check(s: dict[str, Any], value: Any, path: str, errors: list[SpecError]) -> 
         if not (_is("integer", value) or isinstance(value, str)):
             hint = " (write a fraction as a string, e.g. \"0.5\" or 500m)" if isinstance(
                 value, float) else ""  # fmt: skip
-            errors.append(SpecError(path, f"must be an integer or a string, got {value!r}{hint}"))
+            errors.append(
+                SpecError(path, f"must be an integer or a string, got {shown(value)}{hint}")
+            )
         elif isinstance(value, str) and "pattern" in s and not re.search(s["pattern"], value):
-            errors.append(SpecError(path, f"is not a Kubernetes quantity: {value!r}"))
+            errors.append(SpecError(path, f"is not a Kubernetes quantity: {shown(value)}"))
         return
     kind = s.get("type")
     if kind is not None and not _is(kind, value):
-        errors.append(SpecError(path, f"must be {_NAMES[kind]}, got {value!r}"))
+        errors.append(SpecError(path, f"must be {_NAMES[kind]}, got {shown(value)}"))
         return
     if isinstance(value, float) and not math.isfinite(value):
-        errors.append(SpecError(path, f"must be a finite number, got {value!r}"))
+        errors.append(SpecError(path, f"must be a finite number, got {shown(value)}"))
     if "enum" in s and value not in s["enum"]:
-        errors.append(SpecError(path, f"must be one of {', '.join(s['enum'])}; got {value!r}"))
+        errors.append(SpecError(path, f"must be one of {', '.join(s['enum'])}; got {shown(value)}"))
     if isinstance(value, str):
         if "pattern" in s and not re.search(s["pattern"], value):
-            errors.append(SpecError(path, f"must match {s['pattern']}, got {value!r}"))
+            errors.append(SpecError(path, f"must match {s['pattern']}, got {shown(value)}"))
         if "maxLength" in s and len(value) > s["maxLength"]:
             errors.append(SpecError(path, f"must be at most {s['maxLength']} characters"))
     if isinstance(value, dict):
@@ -133,4 +135,4 @@ def quantity(value: Any) -> Decimal:
     try:
         return Decimal(number) * factor
     except InvalidOperation:
-        raise ValueError(f"not a Kubernetes quantity: {value!r}") from None
+        raise ValueError(f"not a Kubernetes quantity: {shown(value)}") from None

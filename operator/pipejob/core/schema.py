@@ -6,12 +6,12 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipejob.core import k8s
-from pipejob.core.errors import SpecError
+from pipejob.core.errors import SpecError, shown
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,8 @@ def _type_ok(kind: str, value: Any) -> bool:
 
 # How many known names an unknown field's message suggests.
 MAX_SUGGESTIONS = 3
+# An enum this long or shorter is listed whole in a message; a longer one by its nearest names.
+MAX_LISTED = 8
 
 # Kubernetes stores integers as int64: anything larger cannot reach the API server.
 INT64_MAX = 2**63 - 1
@@ -122,7 +124,7 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
         k8s.check(k8s.schema(schema.k8s), value, path, errors)
         return value
     if not _type_ok(schema.type, value):
-        errors.append(SpecError(path, f"must be {_TYPE_NAMES[schema.type]}, got {value!r}"))
+        errors.append(SpecError(path, f"must be {_TYPE_NAMES[schema.type]}, got {shown(value)}"))
         return value
     if schema.type == "int-or-string":
         return _int_or_string(schema, value, path, errors)
@@ -142,27 +144,28 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
         # float(10**400) raises: such an integer is as good as infinite here
         value = math.inf if isinstance(value, int) and abs(value) > 10**308 else float(value)
         if not math.isfinite(value):
-            errors.append(SpecError(path, f"must be a finite number, got {value}"))
+            errors.append(SpecError(path, f"must be a finite number, got {shown(value)}"))
             return value
     if schema.type == "integer" and abs(value) > INT64_MAX:
-        errors.append(SpecError(path, f"must fit in 64 bits (at most {INT64_MAX}), got {value}"))
+        errors.append(
+            SpecError(path, f"must fit in 64 bits (at most {INT64_MAX}), got {shown(value)}")
+        )
         return value
     if schema.enum is not None and value not in schema.enum:
-        choices = ", ".join(str(c) for c in schema.enum)
-        errors.append(SpecError(path, f"must be one of {choices}; got {value!r}"))
+        errors.append(SpecError(path, _not_a_member(schema.enum, value)))
     if schema.minimum is not None:
         if schema.exclusive_minimum and value <= schema.minimum:
-            errors.append(SpecError(path, f"must be > {_num(schema.minimum)}, got {value}"))
+            errors.append(SpecError(path, f"must be > {_num(schema.minimum)}, got {shown(value)}"))
         elif value < schema.minimum:
-            errors.append(SpecError(path, f"must be >= {_num(schema.minimum)}, got {value}"))
+            errors.append(SpecError(path, f"must be >= {_num(schema.minimum)}, got {shown(value)}"))
     if schema.maximum is not None:
         if schema.exclusive_maximum and value >= schema.maximum:
-            errors.append(SpecError(path, f"must be < {_num(schema.maximum)}, got {value}"))
+            errors.append(SpecError(path, f"must be < {_num(schema.maximum)}, got {shown(value)}"))
         elif value > schema.maximum:
-            errors.append(SpecError(path, f"must be <= {_num(schema.maximum)}, got {value}"))
+            errors.append(SpecError(path, f"must be <= {_num(schema.maximum)}, got {shown(value)}"))
     if schema.pattern is not None and not re.fullmatch(schema.pattern, value):
         wanted = schema.pattern_says or f"match {schema.pattern}"
-        errors.append(SpecError(path, f"must {wanted}, got {value!r}"))
+        errors.append(SpecError(path, f"must {wanted}, got {shown(value)}"))
     if schema.max_length is not None and len(value) > schema.max_length:
         errors.append(SpecError(path, f"must be at most {schema.max_length} characters"))
     if schema.max_items is not None and len(value) > schema.max_items:
@@ -179,6 +182,13 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
     return value
 
 
+def _not_a_member(enum: tuple[Any, ...], value: Any) -> str:
+    """A value outside a short enum: every member; outside a long one: the nearest three."""
+    if len(enum) <= MAX_LISTED:
+        return f"must be one of {', '.join(str(c) for c in enum)}; got {shown(value)}"
+    return f"must be one of its {len(enum)} names, got {shown(value)}{_closest(value, enum)}"
+
+
 def _num(bound: float) -> str:
     return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
@@ -191,7 +201,8 @@ def _int_or_string(schema: Field, value: int | str, path: str, errors: list[Spec
     if schema.pattern is not None and not re.fullmatch(schema.pattern, value):
         hint = " (an integer is written without quotes)" if value.strip().isdigit() else ""
         errors.append(SpecError(
-            path, f"must be an integer or a string matching {schema.pattern}, got {value!r}{hint}"
+            path,
+            f"must be an integer or a string matching {schema.pattern}, got {shown(value)}{hint}",
         ))  # fmt: skip
     return value
 
@@ -243,14 +254,14 @@ def _copy(value: Any) -> Any:
     return value
 
 
-def _closest(key: str, known: dict[str, Field]) -> str:
+def _closest(key: Any, known: Iterable[Any]) -> str:
     """The nearest known names (at most three, compared without case), not the whole list."""
     import difflib
 
-    lowered = {name.lower(): name for name in known}
-    matches = difflib.get_close_matches(str(key).lower(), list(lowered), n=MAX_SUGGESTIONS)
+    lowered = {str(name).lower(): str(name) for name in known}
+    matches = difflib.get_close_matches(str(key)[:100].lower(), list(lowered), n=MAX_SUGGESTIONS)
     if not matches:
-        return " (no known field is close; `kubectl explain` or docs/api-reference.md lists them)"
+        return " (none known is close; `kubectl explain` or docs/api-reference.md lists them)"
     names = [repr(lowered[m]) for m in matches]
     said = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
     return f" (did you mean {said}?)"

@@ -15,7 +15,7 @@ from typing import Any
 
 from pipejob.core import elastic, validate, yamlio
 from pipejob.core.common import DNS_LABEL, from_spec
-from pipejob.core.errors import SpecError
+from pipejob.core.errors import SpecError, shown
 from pipejob.core.kind import Kind
 from pipejob.core.kinds import KINDS
 from pipejob.core.schema import apply
@@ -80,11 +80,11 @@ def parse(manifest: Any, source: str = "manifest", allow_node_volumes: bool = Fa
         raise InvalidSpec([SpecError("(document)", "must be a mapping")], source)
     if manifest.get("apiVersion") != API_VERSION:
         errors.append(SpecError(
-            "apiVersion", f"must be {API_VERSION}, got {manifest.get('apiVersion')!r}"
+            "apiVersion", f"must be {API_VERSION}, got {shown(manifest.get('apiVersion'))}"
         ))  # fmt: skip
     kind = manifest.get("kind")
     if kind not in KINDS:
-        errors.append(SpecError("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}"))
+        errors.append(SpecError("kind", f"must be one of {', '.join(KINDS)}, got {shown(kind)}"))
     for key in manifest:
         if key not in ("apiVersion", "kind", "metadata", "spec", "status"):
             errors.append(SpecError(key, "unknown top-level field"))
@@ -100,7 +100,7 @@ def parse(manifest: Any, source: str = "manifest", allow_node_volumes: bool = Fa
         ):  # fmt: skip
             errors.append(SpecError(
                 "metadata.namespace", f"must be a DNS label of at most 63 characters,"
-                f" got {namespace!r}",
+                f" got {shown(namespace)}",
             ))  # fmt: skip
         if not isinstance(name, str) or not name:
             errors.append(SpecError("metadata.name", "is required"))
@@ -108,7 +108,7 @@ def parse(manifest: Any, source: str = "manifest", allow_node_volumes: bool = Fa
             errors.append(SpecError(
                 "metadata.name",
                 f"must be a DNS label (lowercase letters, digits, '-', starting with a letter),"
-                f" got {name!r}",
+                f" got {shown(name)}",
             ))  # fmt: skip
         elif len(name) > MAX_JOB_NAME:
             errors.append(SpecError(

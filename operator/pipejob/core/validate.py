@@ -13,7 +13,7 @@ import posixpath
 from typing import Any
 
 from pipejob.core import contract, elastic
-from pipejob.core.errors import SpecError
+from pipejob.core.errors import SpecError, shown
 from pipejob.core.kinds import KINDS
 
 # The spec travels to every process in one environment variable (PIPEJOB_SPEC); Linux caps
@@ -41,13 +41,31 @@ def check(kind: str, spec: dict[str, Any], allow_node_volumes: bool = False,
     if cluster and not errors:
         errors += on_cluster(kind, spec)
     errors += KINDS[kind].check(spec)  # the kind's own (a model too small to cut, ...)
-    size = len(json.dumps(spec, separators=(",", ":")).encode())
+    size = _bytes(spec)
     if size > MAX_SPEC_BYTES:
+        where, most = _largest(spec, "spec")
         errors.append(SpecError("spec", (
             f"is {size} bytes as JSON; at most {MAX_SPEC_BYTES} fit in the {contract.SPEC}"
-            " environment variable every process gets (Linux caps one at 128 KiB)"
+            f" environment variable every process gets (Linux caps one at 128 KiB); the"
+            f" largest field is {where} ({most} bytes)"
         )))  # fmt: skip
     return errors
+
+
+def _bytes(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":")).encode())
+
+
+def _largest(value: Any, path: str) -> tuple[str, int]:
+    """The innermost field holding most of `value`'s bytes, and its bytes: what to shorten."""
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    parts = [(f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]", v) for k, v in items]
+    if not parts:
+        return path, _bytes(value)
+    where, inner = max(parts, key=lambda part: _bytes(part[1]))
+    if isinstance(inner, dict | list) and _bytes(inner) * 2 > _bytes(value):
+        return _largest(inner, where)
+    return where, _bytes(inner)
 
 
 def allowed_by_env(environ: dict[str, str]) -> bool:
@@ -77,7 +95,7 @@ def _volumes(template: dict, allow_node_volumes: bool) -> list[SpecError]:
                 )))  # fmt: skip
     for i, mount in enumerate(template.get("volumeMounts") or []):
         if mount.get("name") not in names:
-            why = f"no volume {mount.get('name')!r} in spec.template.volumes"
+            why = f"no volume {shown(mount.get('name'))} in spec.template.volumes"
             errors.append(SpecError(f"spec.template.volumeMounts[{i}].name", why))
     return errors
 
@@ -89,14 +107,16 @@ def _checkpoint(spec: dict, template: dict) -> list[SpecError]:
     if not name:
         return []
     if name not in {v.get("name") for v in template.get("volumes") or []}:
-        return [SpecError("spec.checkpoint.volume", f"no volume {name!r} in spec.template.volumes")]
+        return [
+            SpecError("spec.checkpoint.volume", f"no volume {shown(name)} in spec.template.volumes")
+        ]
     if not posixpath.isabs(path):
-        why = f"must be an absolute path to mount volume {name!r} at, got {path!r}"
+        why = f"must be an absolute path to mount volume {shown(name)} at, got {shown(path)}"
         return [SpecError("spec.checkpoint.path", why)]
     for i, mount in enumerate(template.get("volumeMounts") or []):
         there = mount.get("mountPath")
         if there and posixpath.normpath(there) == posixpath.normpath(path):
-            why = f"spec.template.volumeMounts[{i}] mounts {path!r} already; omit the volume"
+            why = f"spec.template.volumeMounts[{i}] mounts {shown(path)} already; omit the volume"
             return [SpecError("spec.checkpoint.volume", why)]
     return []
 
@@ -124,7 +144,7 @@ def on_cluster(kind: str, spec: dict[str, Any]) -> list[SpecError]:
     if posixpath.isabs(path) and any(m and _under(path, m) for m in mounts):
         return []
     why = (
-        f"{path!r} is on no volume: each of the job's {pods(kind, spec)} pods would write"
+        f"{shown(path)} is on no volume: each of the job's {pods(kind, spec)} pods would write"
         " its own container filesystem and a restarted world would find no checkpoint;"
         " add checkpoint.volume (a volume of template.volumes that every pod mounts at"
         " this path), or mount a shared volume at or above it in template.volumeMounts"

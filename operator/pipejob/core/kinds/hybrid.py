@@ -17,6 +17,7 @@ from pipejob.core.elastic import (
     needs_checkpoint,
     size_field,
 )
+from pipejob.core.errors import shown
 from pipejob.core.kind import Group, Kind, Role, Spec
 from pipejob.core.kinds import tables
 from pipejob.core.kinds.sparse import EPS, SPARSE_OPTIMIZER, SparseOptimizer
@@ -289,7 +290,7 @@ def _check(spec: Spec) -> list[SpecError]:
                    for i, t in enumerate(embeddings) if t["dim"] != dim]  # fmt: skip
     if "criteo" in (spec.get("data") or {}):
         said = "is not a Criteo categorical feature: C1 ... C26"
-        errors += [SpecError(f"spec.embeddings[{i}].feature", f"{t['feature']!r} {said}")
+        errors += [SpecError(f"spec.embeddings[{i}].feature", f"{shown(t['feature'])} {said}")
                    for i, t in enumerate(embeddings)
                    if t["feature"] not in CRITEO_FEATURES]  # fmt: skip
     return errors + _memory(spec)

@@ -307,8 +307,8 @@ def _check(spec: Spec) -> list[SpecError]:
     if tokens is not None and "transformer" not in spec["model"] and "seqLen" not in tokens:
         errors.append(SpecError(
             "spec.data.tokens.seqLen",
-            "required: the tokens per sample (only the built-in transformer has a seqLen of"
-            " its own)",
+            "required: the tokens per sample (only the built-in transformer, model.transformer,"
+            " has a seqLen of its own)",
         ))  # fmt: skip
     return errors
 

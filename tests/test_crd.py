@@ -204,7 +204,11 @@ CASES = {
                     {"engine": "pipelining", "schedule": "interleaved-1f1b",
                      "stagesPerProcess": 2, "microBatches": 4, "splitPoints": ["layer2"]},
                     {"engine": "pipelining", "stagesPerProcess": 2},
-                    {"stagesPerProcess": 3}],
+                    {"stagesPerProcess": 3},
+                    # elastic acts only on a range (issue 43)
+                    {"replicas": 2, "elastic": {"pendingSeconds": 5}},
+                    {"replicas": {"min": 1, "max": 2}, "checkpoint": {"path": "/c"},
+                     "elastic": {"pendingSeconds": 5}}],
     "HybridJob": [{}, {"backend": "nccl"}, {"backend": "nccl", "gpusPerTrainer": 1},
                   {"backend": "gloo"}, {"trainers": 4, "batchSize": 50, "datasetSize": 199},
                   {"trainers": 4, "batchSize": 50, "datasetSize": 200},
@@ -212,7 +216,12 @@ CASES = {
                    "data": {"file": {"train": "a.npz"}}},
                   {"trainers": 4, "batchSize": 50, "datasetSize": 199,
                    "data": {"import": "m:f"}},
-                  {"trainers": 4, "batchSize": 50, "datasetSize": 199, "data": {}}],
+                  {"trainers": 4, "batchSize": 50, "datasetSize": 199, "data": {}},
+                  {"trainers": {"min": 2, "max": 4}, "batchSize": 50, "datasetSize": 199,
+                   "checkpoint": {"path": "/c"}},
+                  {"elastic": {"pendingSeconds": 5}},
+                  {"trainers": {"min": 2, "max": 2}, "checkpoint": {"path": "/c"},
+                   "elastic": {"pendingSeconds": 5}}],
 }  # fmt: skip
 
 
@@ -252,6 +261,8 @@ NESTED_CASES = [
     {"imageFolder": {"train": "t"}, "tokens": {"train": "t"}}, {"file": {"train": "t"}},
     {"file": {"train": "t"}, "import": "m:f"}, {"width": 128, "heads": 4},
     {"width": 128, "heads": 3}, {"name": "adam", "momentum": 0.5},
+    {"name": "adam", "eps": 0.0}, {"name": "adam", "eps": 1e-8}, {"name": "adagrad", "eps": 0.0},
+    {"stage": "m:f"}, {"layers": ["a"], "stage": "m:f"},
     {"resources": {"limits": {"nvidia.com/gpu": 1}}},
 ]  # fmt: skip
 

@@ -142,8 +142,9 @@ def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do
     [error] = e.value.errors
     assert error.path == "spec.parameterServers"
     assert error.reason == (
-        "ps0 would hold 1.3 GB of tables and sgd state and need about 2.3 GB with what the"
-        " process holds besides them, over the pods' memory limit 1Gi"
+        "ps0 would hold 1.3 GB of tables and sgd state (the largest, spec.embeddings[0]:"
+        " 20,000,000 rows of dim 16) and need about 2.3 GB with what the process holds"
+        " besides them, over the pods' memory limit 1Gi"
         " (spec.template.resources.limits.memory): use 7 parameterServers"
     )
     parse(embeddings=big, parameterServers=7, **limited)

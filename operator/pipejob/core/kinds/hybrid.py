@@ -320,10 +320,18 @@ def _memory(spec: Spec) -> list[SpecError]:
                   None)  # fmt: skip
     advice = f"use {enough} parameterServers" if enough else "give the pods more memory"
     return errors + [SpecError("spec.parameterServers", (
-        f"ps{server} would hold {tables.size(held)} of tables and {optimizer} state and need"
-        f" about {tables.size(tables.server_needs(held))} with what the process holds besides"
-        f" them, over {where}: {advice}"
+        f"ps{server} would hold {tables.size(held)} of tables and {optimizer} state"
+        f" ({_largest(spec, typed, optimizer)}) and need about"
+        f" {tables.size(tables.server_needs(held))} with what the process holds besides them,"
+        f" over {where}: {advice}"
     ))]  # fmt: skip
+
+
+def _largest(spec: Spec, typed: tuple[Table, ...], optimizer: str) -> str:
+    """The table that weighs most, by its field path: what a memory refusal is most about."""
+    i = max(range(len(typed)), key=lambda k: tables.table_bytes(typed[k], optimizer))
+    where = "spec.embedding" if "embedding" in spec else f"spec.embeddings[{i}]"
+    return f"the largest, {where}: {typed[i].rows:,} rows of dim {typed[i].dim}"
 
 
 def _describe(spec: Spec) -> list[str]:

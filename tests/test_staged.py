@@ -220,6 +220,7 @@ def test_a_layers_checkpoint_resumes_on_another_cut(tmp_path: Path, monkeypatch)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("engine,replicas", [("rpc", 1), ("pipelining", 2)])
 def test_a_staged_gru_step_through_a_world_equals_one_process(engine: str, replicas: int,
                                                              tmp_path: Path):  # fmt: skip
@@ -227,5 +228,5 @@ def test_a_staged_gru_step_through_a_world_equals_one_process(engine: str, repli
     replicas, their gradients averaged), against one process (float64)."""
     job = spec.parse(pipeline_job("gru", model=GRU, data=PADDED, batchSize=8, numClasses=3,
                                   microBatches=2, engine=engine, replicas=replicas))  # fmt: skip
-    got = check_gradients(job, tmp_path)
+    got = check_gradients(job, tmp_path, timeout=400)  # spawned worlds: minutes on 2 cores
     assert got["stages"] == [["gru_stage(0)"], ["gru_stage(1)"]]

@@ -173,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
                 label = f"HybridJob {t} trainer(s), {s} server(s)"
                 runs.append((label, lambda t=t, s=s, stem=stem: hybrid(logs, t, s, stem, args)))
             for label, run in runs:
-                got = run()
+                try:
+                    got = run()
+                except (RuntimeError, TimeoutError) as e:  # a shared machine stalls a world
+                    say(f"  repeat {repeat}: {label}: failed, left out: {str(e)[-300:]}")
+                    continue
                 results.setdefault(label, []).append(got)
                 say(f"  repeat {repeat}: {label:<36} {got['samples'] / got['cpu']:8,.0f}"
                     f" samples/CPU-s {got['samples'] / got['wall']:8,.0f} samples/s"

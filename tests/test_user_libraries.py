@@ -342,3 +342,50 @@ def test_a_refusal_names_the_construct_the_models_line_and_the_way_past() -> Non
     said = str(refused.value)
     assert "einops" in said and "test_user_libraries.py" in said and "_backends.py" not in said
     assert cut.Traced(meta, sample=torch.zeros(2, 6)).units == ["a", "b"]
+
+
+class Checked(nn.Linear):
+    """A layer that runs only in the mode its parent switched it to."""
+
+    def __init__(self, *args: int) -> None:
+        super().__init__(*args)
+        self.mode = "sparse"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode != "full":
+            raise ValueError("sparse attention needs a longer sequence")
+        return super().forward(x)
+
+
+class Switching(nn.Module):
+    """BigBird's habit: its encoder switches its layers' attention by the input's length
+    the first time it runs (a setting, not a traced value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), Checked(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] <= 8:
+            self.b.mode = "full"
+        return self.b(self.a(x))
+
+
+class SwitchingModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.head = Switching(), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def test_a_forward_that_switches_a_setting_by_shape_keeps_that_module_whole() -> None:
+    """The shaped trace would take the switch's branch and then put the setting back; the
+    module whose forward switches it is kept whole, so its stage switches as the model
+    does, and the cut is exact."""
+    meta, _ = materialize.build(SwitchingModel, ())
+    traced = cut.Traced(meta, want=4, sample=torch.zeros(2, 6))
+    assert "encoder" in traced.whole and "mode" in traced.whole["encoder"]
+    row = _conform.run("user", "switching", SwitchingModel, lambda: torch.randn(4, 6))
+    assert row.verdict == "exact", row.why

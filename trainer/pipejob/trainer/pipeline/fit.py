@@ -19,6 +19,7 @@ from pipejob.trainer.pipeline.partition import shape
 from pipejob.trainer.workloads import cut
 from pipejob.trainer.workloads.refusals import construct
 from pipejob.trainer.workloads.standins import META
+from pipejob.trainer.workloads.tracing import unchanged
 
 # What torch and the libraries say when shapes do not fit (the meta kernels check shapes
 # as the real ones do): only these are the data's fault.
@@ -39,7 +40,7 @@ def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
     training = model.training
     buffers = {name: b.to(META) for name, b in model.named_buffers(remove_duplicate=False)}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), unchanged(model):  # a forward's settings stay as built
             outputs = torch.func.functional_call(model.eval(), buffers, (inputs[:2].to(META),))
     except Exception as e:
         if not _of_shapes(e):

@@ -208,14 +208,18 @@ class Traced:
             shaped = sample is not None
             tracer = ShapedTracer(model, leaves, sample) if shaped else Tracer(model, leaves)
             try:
-                graphs = []
+                graphs, flags = [], {}
                 for mode in (True, False):
                     model.train(mode)
-                    with unchanged(model):
+                    with unchanged(model, flags if shaped else None):
                         graphs.append(tracer.trace(model))
                     materialize_masks(graphs[-1])
                     place_parameters(graphs[-1], model)
-                return graphs, leaves
+                if not flags:
+                    return graphs, leaves
+                self._keep_whole_for(flags, leaves)
+            except CutError:
+                raise
             except Exception as e:
                 where = tracer.failed_in
                 if not where or where in self.whole:
@@ -226,6 +230,21 @@ class Traced:
                 self.whole[where] = construct(e)
             finally:
                 model.train(training)
+
+    def _keep_whole_for(self, flags: dict[nn.Module, str], leaves: set[str]) -> None:
+        """A forward that switched a module's setting by the shapes it saw (the trace ran
+        the branch a plain first call runs, but puts the setting back): the outermost such
+        module (its parent, where it is a unit already) kept whole, so its forward runs,
+        switch and all, in its stage."""
+        names = {m: n for n, m in self.model.named_modules()}
+        changed = min((names[m] for m in flags if m in names), key=lambda n: n.count("."))
+        setting = f"{changed}.{flags[self.model.get_submodule(changed)]}".lstrip(".")
+        name = changed.rpartition(".")[0] if changed in leaves else changed
+        why = f"its forward changes a setting by the input's shape ({setting})"
+        if not name or name in self.whole:
+            raise CutError(f"cannot trace {type(self.model).__name__}'s forward between its"
+                           f" modules: {why}; {way_past(name)}")  # fmt: skip
+        self.whole[name] = why
 
     @property
     def graph(self) -> fx.Graph:

@@ -359,12 +359,14 @@ def without_cache(model: nn.Module, configs: list[Any] | None = None) -> Iterato
 
 
 @contextmanager
-def unchanged(model: nn.Module) -> Iterator[None]:
+def unchanged(model: nn.Module, flags: dict[nn.Module, str] | None = None) -> Iterator[None]:
     """A forward traced without changing the model: a forward that assigns to its modules
     (CTRL's `self.pos_encoding = self.pos_encoding.to(...)`) would leave a traced value in
     them, which the next trace, or the stages, would read. Its parameters, buffers, modules
     and attributes are put back as they were; attributes fx adds (its constants) stay. A
-    scripted module (`torch.jit.script`) is run, never changed, by a trace: left alone."""
+    scripted module (`torch.jit.script`) is run, never changed, by a trace: left alone.
+    `flags` gets each module whose plain settings (a str, int, float or bool) the forward
+    changed, and which (BigBird's `attention_type`, switched by the sequence's length)."""
     modules = [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]
     kept = [(m, {k: dict(getattr(m, k)) for k in _STATE}, dict(vars(m))) for m in modules]
     try:
@@ -379,6 +381,10 @@ def unchanged(model: nn.Module) -> Iterator[None]:
                     del vars(module)[key]
             for key, value in attributes.items():
                 if key not in _STATE:
+                    now = vars(module).get(key)
+                    same = type(now) is type(value) and now == value
+                    if flags is not None and isinstance(value, str | int | float) and not same:
+                        flags.setdefault(module, f"{key}: {value!r} -> {now!r}")
                     vars(module)[key] = value
 
 

@@ -8,7 +8,9 @@
 - transformers: every architecture an auto class builds (causal LM, seq2seq LM, sequence
   classification, image classification), from a tiny config derived from its config class's
   defaults (2 layers, width 32, 2 heads, a vocabulary of 128, ...; a sliding window of 4),
-  the first of those it builds and runs with (sub-configs made tiny too, then not).
+  the first of those it builds and runs with (sub-configs made tiny too, then not);
+- the libraries users bring beside them (diffusers, peft, open_clip, x_transformers,
+  vit_pytorch, segmentation_models_pytorch): benchmarks/_libraries.py.
 
 An entry is (factory, sample): a model with no arguments, and a batch of 4 inputs for it."""
 
@@ -18,11 +20,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import _libraries
 import torch
 from torch import nn
 
 Entry = tuple[Callable[[], nn.Module], Callable[[], Any]]
-ZOOS = ("torch", "torchvision", "timm", "transformers")
+ZOOS = ("torch", "torchvision", "timm", "transformers", *_libraries.LIBRARIES)
 BATCH = 4
 SEQ = 16
 SMALL_IMAGE = 64
@@ -42,6 +45,8 @@ def names(zoo: str) -> list[str]:
         return sorted(timm.list_modules())
     if zoo == "transformers":
         return [f"{task}:{kind}" for task, mapping in _tasks().items() for kind in mapping]
+    if zoo in _libraries.LIBRARIES:
+        return _libraries.names(zoo)
     raise ValueError(f"unknown zoo {zoo!r}: one of {', '.join(ZOOS)}")
 
 
@@ -53,6 +58,8 @@ def entry(zoo: str, name: str) -> tuple[str, Entry]:
         return name, _torchvision(name)
     if zoo == "timm":
         return _timm(name)
+    if zoo in _libraries.LIBRARIES:
+        return name, _libraries.entry(zoo, name)
     return name, _transformers(name)
 
 

@@ -50,9 +50,13 @@ CI = [
     "torch:TransformerEncoder", "torch:weight_norm", "torch:BatchNorm2d",
     "transformers:causal:mistral", "transformers:seq2seq:t5", "transformers:causal:mixtral",
     "transformers:causal:mamba",
+    # issue 41: one of each library users bring beside the zoos
+    "diffusers:UNet2DModel", "peft:lora causal:llama", "open_clip:text tower",
+    "x_transformers:decoder", "vit_pytorch:ViT", "segmentation_models_pytorch:Unet",
 ]  # fmt: skip
 VERDICTS = ("exact", "refused", "failing", "not built", "not run")
-ZOO_ORDER = ["torch", "torchvision", "timm", "transformers"]
+ZOO_ORDER = ["torch", "torchvision", "timm", "transformers", "diffusers", "peft", "open_clip",
+             "x_transformers", "vit_pytorch", "segmentation_models_pytorch"]  # fmt: skip
 
 
 def main() -> int:

@@ -42,7 +42,7 @@ def refused_and_accepted(seed: int) -> tuple[list[dict], dict]:
     accepted = None
     while len(refused) < 2 or accepted is None:
         manifest, _ = fuzz_spec.mutated(rng, starts, paths)
-        if fuzz_spec._renders(manifest):
+        if fuzz_spec.renders(manifest):
             accepted = accepted or manifest
         else:
             refused.setdefault(manifest["kind"], manifest)

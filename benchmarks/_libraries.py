@@ -130,7 +130,7 @@ def _segmentation() -> dict[str, Entry]:
     small = {"encoder_name": "resnet18", "encoder_weights": None, "classes": 2, "encoder_depth": 3}
     return {
         "Unet": (lambda: smp.Unet(decoder_channels=(16, 8, 4), **small), _images(32)),
-        "FPN": (lambda: smp.FPN(decoder_pyramid_channels=16, decoder_segmentation_channels=8,
+        "FPN": (lambda: smp.FPN(decoder_pyramid_channels=16, decoder_segmentation_channels=32,
                                 **small), _images(32)),
     }  # fmt: skip
 

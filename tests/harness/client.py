@@ -38,7 +38,9 @@ def path(resource: str, namespace: str | None = None, name: str | None = None,
 
 
 class Api:
-    def __init__(self, url: str, timeout: float = 10.0):
+    # A request's bound: the emulator serves the operator, the node and the test on one
+    # thread, and on 2 cores beside two worlds of containers it has stalled past 10 s.
+    def __init__(self, url: str, timeout: float = 60.0):
         split = urlsplit(url)
         self.host, self.port = split.hostname or "127.0.0.1", split.port or 80
         self.timeout = timeout

@@ -154,6 +154,7 @@ def test_a_pipeline_job_with_two_replicas_trains_in_containers(
     all_stopped(api, node)
 
 
+@pytest.mark.slow  # 3 minutes; the pipelining replicas' resume below recreates a world too
 def test_a_killed_stage_container_recreates_the_world_which_resumes_from_its_checkpoint(
     cluster, container_kubelet, operator
 ):

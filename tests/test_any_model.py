@@ -83,9 +83,10 @@ def loads_back(factory: str, args: dict[str, Any], states: list[dict[str, torch.
             torch.testing.assert_close(loaded.state_dict()[key].to(value.dtype), value, msg=key)
 
 
-# What crosses the boundary is proven by gpt2 (ModelOutputs, the tied pair), bert and dict in
-# `make test`; a wrapper over 3 stages and split points given by name are `slow` variants.
-VARIANTS = ("gpt2-wrapped", "llama")
+# What crosses the boundary is proven by gpt2 (ModelOutputs, the tied pair) and dict in
+# `make test`; an encoder (bert), a wrapper over 3 stages and split points given by name are
+# `slow` variants.
+VARIANTS = ("bert", "gpt2-wrapped", "llama")
 
 
 @pytest.mark.parametrize("name", [

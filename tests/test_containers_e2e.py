@@ -28,8 +28,10 @@ from pipejob.operator.policy_settings import POLICY_ENV
 pytestmark = pytest.mark.timeout(600, func_only=True)
 
 NS = "default"
-PIPELINE = ("resnet50-pipeline.yaml", {"stages": 2, "imageSize": 32, "batchSize": 4,
-            "microBatches": 2, "numClasses": 10, "steps": 3, "logEvery": 1})  # fmt: skip
+# ResNet-18, not the example's ResNet-50: a third of the work for what the containers prove.
+PIPELINE = ("resnet50-pipeline.yaml", {"model": "resnet18", "stages": 2, "imageSize": 32,
+            "batchSize": 4, "microBatches": 2, "numClasses": 10, "steps": 3,
+            "logEvery": 1})  # fmt: skip
 HYBRID = ("hybrid.yaml", {"steps": 10, "datasetSize": 512, "logEvery": 1})
 CLAIM = "results"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom-model"
@@ -65,6 +67,7 @@ def _clock(request: pytest.FixtureRequest):
     print(f"\n[container test time] {request.node.name}: {time.monotonic() - start:.0f} s")
 
 
+@pytest.mark.slow  # the chart's test below trains, evaluates and writes to a volume too
 def test_a_pipeline_job_trains_in_containers_evaluates_and_writes_its_output_on_a_volume(
     cluster, container_kubelet, operator
 ):
@@ -122,6 +125,7 @@ def test_the_dlrm_example_trains_in_containers_on_logs_on_a_volume(
     all_stopped(api, node)
 
 
+@pytest.mark.slow  # test_hybrid.py splits the same table across four processes under the limit
 def test_a_table_over_one_containers_memory_limit_trains_split_across_four(
     cluster, container_kubelet, operator
 ):
@@ -177,6 +181,9 @@ def test_a_killed_stage_container_recreates_the_world_which_resumes_from_its_che
     all_stopped(api, node)
 
 
+# slow: six minutes; test_operator_e2e.py's pipelining replicas resume, the DLRM example
+# here uses a volume
+@pytest.mark.slow
 def test_a_pipelining_job_with_replicas_resumes_after_a_killed_container(
     cluster, container_kubelet, operator
 ):
@@ -252,11 +259,21 @@ def test_the_operator_installed_from_its_chart_runs_from_its_image_and_a_job_suc
     # helm's release record (a Secret client-go sent as protobuf), as `helm list` reads it.
     releases = api.list("v1/secrets", pod["metadata"]["namespace"], labelSelector="owner=helm")
     assert [r["metadata"]["labels"]["status"] for r in releases] == ["deployed"]
-    name = start(api, PIPELINE)
+    claim(api)
+    name = start(api, PIPELINE, eval={"everySteps": 3}, output={"path": "/data/out"},
+                 template=on_claim())  # fmt: skip
     done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=300)
     assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
     master = api.get("v1/pods", f"{name}-master-0", NS)
     assert master["spec"]["containers"][0]["image"] == images.trainer  # the chart's trainerImage
+    terminated = master["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert terminated["exitCode"] == 0 and terminated["containerID"].startswith("docker://")
+    log = node.logs(NS, f"{name}-master-0")
+    assert "step 3/3" in log and "eval" in log.lower()
+    out = node.claim_dir(NS, CLAIM) / "out"
+    assert json.loads((out / "model.json").read_text())
+    # Written by the pods' user, uid 10001 (the image's), not root.
+    assert (out / "model.safetensors").stat().st_uid == 10001
     operator_log = node.logs(pod["metadata"]["namespace"], pod["metadata"]["name"])
     assert name in operator_log
     all_stopped_but_operator = lambda: [r for r in node.running() if r.namespace == NS] == []  # noqa: E731
@@ -340,9 +357,9 @@ def test_a_world_admits_only_its_members_and_its_monitor_port_the_allowed_promet
     world's. The worlds train on (every connection between their members is their own), and
     deleted while they run, they leave no pod, container or policy behind."""
     api, node = cluster.api, container_kubelet
-    pipeline = start(api, PIPELINE, replicas=2, steps=100000, logEvery=10)
-    hybrid = start(api, HYBRID, steps=1000000, logEvery=100)
-    for master, step in ((f"{pipeline}-master-0", "step 10/"), (f"{hybrid}-master-0", "step 100/")):
+    pipeline = start(api, PIPELINE, replicas=2, steps=100000, logEvery=1)
+    hybrid = start(api, HYBRID, steps=1000000, logEvery=10)
+    for master, step in ((f"{pipeline}-master-0", "step 2/"), (f"{hybrid}-master-0", "step 10/")):
         api.wait(f"{master} training", lambda m=master, s=step: s in node.logs(NS, m), 300)
     rpc = {job: address(api, f"{job}-master-0", "MASTER_PORT") for job in (pipeline, hybrid)}
     ddp = address(api, f"{hybrid}-trainer-0", "PIPEJOB_DDP_PORT")

@@ -123,6 +123,7 @@ def standby(api: Api, name: str) -> list[dict]:
             and not p["metadata"].get("deletionTimestamp")]  # fmt: skip
 
 
+@pytest.mark.slow  # the shrink and regrowth below, Kueue's admission in test_scheduling_e2e.py
 def test_kueue_admits_the_resized_group_and_then_the_regrown_one(
     cluster, kubelet: Kubelet, kueue: Kueue, operator, tmp_path
 ):

@@ -60,6 +60,7 @@ def test_custom_model_example(tmp_path: Path) -> None:
     assert isinstance(model(torch.zeros(2, 1, 32, 32)), torch.Tensor)
 
 
+@pytest.mark.slow  # test_recipes.py's resumed schedule holds warmup, decay and TensorBoard
 def test_transformer_lm_example(tmp_path: Path) -> None:
     summary, out, folder = run_example("transformer-lm", tmp_path)
     losses = summary["losses"]
@@ -77,6 +78,8 @@ def test_transformer_lm_example(tmp_path: Path) -> None:
     assert sorted(board["eval/perplexity"]) == [100, 200]
 
 
+# slow: test_any_model.py's GPT-2 world holds a Hugging Face model trained and loaded back
+@pytest.mark.slow
 def test_hf_causal_lm_example(tmp_path: Path) -> None:
     """A raw Hugging Face GPT-2 (tied embeddings) in 4 stages: it learns, its held-out
     perplexity is reported, and its output folder is a model `from_pretrained` loads and

@@ -16,8 +16,9 @@ import time
 from typing import Any
 
 import pytest
-from test_watchdog import BOUND, _quiet, exhaustive, struck_run_ends
+from test_watchdog import BOUND, _quiet, struck_run_ends
 
+from harness.variants import exhaustive
 from jobrun import JobRun, pipeline_job, run_to_end
 
 # The preflight's check-in deadline bounds a member that stops before the world forms (the
@@ -100,8 +101,6 @@ def placed(manifest: dict[str, Any], tmp: str) -> dict[str, Any]:
 @pytest.mark.parametrize("fault", exhaustive(FAULTS, {
     "pipeline, rendezvous: a stage frozen before it checks in",
     "hybrid, rendezvous: the parameter server killed",
-    "pipeline, evaluation and output at the end: a stage frozen",
-    "hybrid, checkpoint writing: the master frozen",
 }))  # fmt: skip
 def test_a_fault_in_each_phase_ends_the_run_naming_the_member(fault, tmp_path):
     manifest, member, sig, after, verdict = FAULTS[fault]

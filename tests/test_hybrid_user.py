@@ -256,6 +256,7 @@ def test_a_user_dense_module_trains_on_file_data_and_its_output_loads(
     assert info["metrics"]["evalAccuracy"] == summary["evalAccuracy"]
 
 
+@pytest.mark.slow  # test_user_model.py's failed import is the same permanent failure
 @pytest.mark.timeout(150)
 def test_a_dense_import_that_fails_in_the_pod_is_a_permanent_failure(
     tmp_path: Path, user_path: None

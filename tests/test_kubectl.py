@@ -56,6 +56,7 @@ def manifests(kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
 
 
+@pytest.mark.timeout(300)  # the operator makes every example's pods: 131 s in a loaded run
 def test_apply_crds_and_examples_then_get_shows_the_printer_columns(cluster, kubectl, tmp_path):
     assert manifests("PipelineJob") and manifests("HybridJob"), "an example of each kind"
     applied = kubectl("apply", "-f", str(REPO / "crds")).stdout

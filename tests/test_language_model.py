@@ -73,6 +73,8 @@ def test_the_loss_falls_and_perplexity_is_reported(text, tmp_path: Path):
         ["embed", "blocks.0"], ["blocks.1", "blocks.2"], ["norm", "head"]]  # fmt: skip
 
 
+# slow: two worlds, one killed: test_checkpoint.py's resumed pipeline matches an uninterrupted one
+@pytest.mark.slow
 def test_a_resumed_run_sees_exactly_the_samples_an_uninterrupted_one_sees(text, tmp_path):
     """Shuffled windows of a real file through 2 DataLoader workers: the run that stops at
     step 4 and resumes trains steps 5..8 on the same batches as the run that never stopped,

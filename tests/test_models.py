@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torchvision.models import get_model
 
+from harness.variants import exhaustive
 from pipejob.core.kinds.models import BATCHNORM, LAYERS, MIN_IMAGE_SIZE
 from pipejob.core.kinds.pipeline import PIPELINE_MODELS
 from pipejob.trainer.workloads.cut import Traced
@@ -26,7 +27,11 @@ def forward_works(model: nn.Module, size: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("name", PIPELINE_MODELS)
+# One of each family in `make test` (ResNet, VGG, EfficientNet, ConvNeXt), every model in
+# `make test-all`: the big ones take half a minute each to trace, even on the meta device.
+@pytest.mark.parametrize("name", exhaustive(PIPELINE_MODELS, {
+    "resnet18", "resnet50", "vgg11", "efficientnet_b0", "convnext_tiny",
+}))  # fmt: skip
 def test_the_table_knows_the_model_as_the_trainer_cuts_it(name):
     with torch.device("meta"):
         model = get_model(name, weights=None, num_classes=10).eval()

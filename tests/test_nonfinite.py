@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness.variants import exhaustive
 from jobrun import pipeline_job, run_to_end
 from pipejob.core.contract import ExitCode
 from pipejob.trainer.runtime import checkpoint
@@ -85,7 +86,7 @@ HYBRID_SAYS = {
 }
 
 
-@pytest.mark.parametrize("phase", list(HYBRID_SAYS))
+@pytest.mark.parametrize("phase", exhaustive(HYBRID_SAYS, {"train"}))  # held-out: slow
 def test_a_hybrid_job_stops_on_a_non_finite_loss_or_held_out_output(phase: str, tmp_path: Path,
                                                                      monkeypatch):  # fmt: skip
     """A HybridJob stops too: on the trainer whose loss is not finite, before the backward

@@ -69,6 +69,7 @@ def test_an_example_trains_to_success(cluster, kubelet, operator, example):
     all_stopped(api, kubelet)  # the rest of the world is stopped, not left in rpc.shutdown
 
 
+@pytest.mark.slow  # a killed stage's restart: the pipelining replicas' restart below holds it
 def test_a_stage_killed_mid_run_restarts_the_world_which_then_succeeds(cluster, kubelet, operator):
     api = cluster.api
     name = name_of(start(api, PIPELINE, steps=8))
@@ -185,6 +186,7 @@ def test_a_pipelining_job_with_replicas_restarts_and_resumes(cluster, kubelet, o
     )
 
 
+@pytest.mark.slow  # a killed server's restart: test_operator_faults_e2e.py's hybrid test holds it
 @pytest.mark.timeout(400)
 def test_the_dlrm_example_restarts_as_one_world_when_a_server_dies_and_resumes(
     cluster, kubelet, operator, tmp_path

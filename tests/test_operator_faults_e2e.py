@@ -25,6 +25,8 @@ pytestmark = pytest.mark.timeout(600)
 TESTS = Path(__file__).parent  # holds userpkg/: on the pods' PYTHONPATH through the template
 
 
+# slow: the hybrid test below restarts a Stalled world; test_watchdog.py freezes a stage
+@pytest.mark.slow
 def test_a_frozen_stage_restarts_the_world_as_stalled_and_it_resumes(
     cluster, kubelet, operator, tmp_path
 ):

@@ -131,6 +131,7 @@ def test_status_shows_progress_while_training_and_metrics_scrape(cluster, kubele
     print(f"progress seen: {sorted(set(seen))}; {ok:.0f} polls, mean {mean * 1000:.1f} ms")
 
 
+@pytest.mark.slow  # test_operator_e2e.py's pipelining replicas resume from their checkpoint
 def test_a_stage_killed_after_step_k_resumes_from_a_checkpoint_at_most_k(
     cluster, kubelet, operator, tmp_path
 ):

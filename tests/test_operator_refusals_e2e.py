@@ -77,6 +77,7 @@ def test_a_permanent_trainer_failure_fails_the_job_after_one_attempt(
     api.wait("every pod process to be gone", lambda: not kubelet.running(), 30)
 
 
+@pytest.mark.slow  # the permanent failure above; test_nonfinite.py says where
 def test_a_run_that_goes_non_finite_fails_permanently_saying_where(
     cluster, kubelet: Kubelet, operator
 ):

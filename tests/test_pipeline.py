@@ -64,6 +64,7 @@ def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
 # ------------------------------------------------------------------ real training worlds
 
 
+@pytest.mark.slow  # the three-stage world below trains a first, middle and last stage
 @pytest.mark.timeout(200)
 def test_two_stage_pipeline_trains(tmp_path):
     job = pipeline_job(
@@ -102,6 +103,8 @@ def test_three_stage_pipeline_trains(tmp_path):
     check_summary(summary, job)
 
 
+# slow: two worlds: test_auto_ranking.py holds the choice, test_checkpoint.py the resume
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_auto_micro_batches_are_chosen_once_and_kept_on_resume(tmp_path):
     """microBatches auto measures every candidate count, runs the one with the shortest

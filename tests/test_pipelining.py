@@ -16,6 +16,7 @@ import pytest
 import torch
 from userdata import BYTE_VOCAB, write_stdlib_tokens
 
+from harness.variants import exhaustive
 from jobrun import (
     JobRun,
     assert_states_close,
@@ -63,10 +64,9 @@ WORLDS: dict[str, tuple[dict[str, Any], int, int]] = {
 }  # fmt: skip
 
 
-# ResNet-50 is a `slow` variant: ResNet-18 in 4 stages has its blocks and BatchNorm.
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.slow) if n == "resnet50" else n for n in WORLDS
-])  # fmt: skip
+# The ResNets are `slow` variants: the transformer (replicated) and the tied 3-stage world
+# hold every schedule's exactness; ResNet-18 in 4 stages adds BatchNorm and blocks.
+@pytest.mark.parametrize("name", exhaustive(WORLDS, {"transformer", "tied-3-stages"}))
 def test_every_schedule_computes_one_process_gradients(name: str, tokens: str, tmp_path: Path,
                                                        monkeypatch) -> None:  # fmt: skip
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # userpkg for the processes
@@ -91,6 +91,9 @@ INTERLEAVED_JOB = {
 }  # fmt: skip
 
 
+# slow: test_checkpoint.py resumes exactly; test_operator_e2e.py resumes this replicated
+# pipelining world
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_job_with_replicas_evaluates_writes_its_model_and_resumes_exactly(tmp_path: Path):
     """ResNet-18 cut into 4 pieces on 2 stage processes (interleaved 1F1B), 2 replicas,

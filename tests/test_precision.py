@@ -59,6 +59,7 @@ def lm_job(text: dict[str, str], **fields: Any) -> spec.Job:
     }))  # fmt: skip
 
 
+@pytest.mark.slow  # the pipelining engine's test below holds the same gradients
 def test_activation_checkpointing_gives_the_same_gradients(text, tmp_path: Path):
     """Recomputing each stage's forward in the backward (inside the distributed autograd
     engine) gives the gradients of plain autograd in one process."""

@@ -98,6 +98,7 @@ def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
     assert sum(float(v) for v in said.values()) <= float(parts[2]) + 0.5, parts[0]
 
 
+@pytest.mark.slow  # the rpc engine's profiled step above holds the profiler's path
 @pytest.mark.timeout(240)
 def test_a_profiled_pipelining_step_traces_the_schedule_on_every_stage(tmp_path: Path) -> None:
     """On the pipelining engine a stage's trace holds its schedule's work: the forwards and
@@ -124,6 +125,7 @@ def test_a_profiled_pipelining_step_traces_the_schedule_on_every_stage(tmp_path:
         assert passes in ops, (stage, sorted(o for o in ops if "gloo" in o))
 
 
+@pytest.mark.slow  # the profiler's path is the pipeline tests' above
 @pytest.mark.timeout(200)
 def test_profiled_hybrid_steps_trace_every_process(tmp_path: Path) -> None:
     job = {

@@ -75,6 +75,7 @@ def parameters(root: Path, step: int) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow  # two worlds: the replicas' step against one process's below holds the equality
 @pytest.mark.timeout(400)
 def test_two_replicas_equal_one_pipeline_on_their_union(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # userpkg for the processes
@@ -126,6 +127,8 @@ def assert_first_sgd_step_equal(got: dict[str, torch.Tensor], expected: dict[str
         assert worst <= 0, f"{name} after step 1: off by {worst:.3g} beyond float64 rounding"
 
 
+# slow: test_operator_e2e.py's pipelining replicas resume from the one copy after a kill
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_killed_stage_of_replica_1_resumes_from_the_one_copy(tmp_path: Path) -> None:
     fields = REPLICATED | {"steps": 6, "imageSize": 32, "batchSize": 8}

@@ -13,6 +13,7 @@ from harness import jobs
 from harness.client import Api
 from harness.kubelet import Kubelet
 from harness.kueue import GATE, MANAGED, RETRIABLE, Kueue
+from harness.variants import exhaustive
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,6 +49,7 @@ def all_stopped(api: Api, kubelet: Kubelet) -> None:
     api.wait("every pod process to be gone", lambda: not kubelet.running(), 30)
 
 
+@pytest.mark.slow  # the preempted job below is queued and admitted whole too
 def test_a_kueue_job_waits_queued_is_admitted_whole_trains_and_its_group_succeeds(
     cluster, kubelet, kueue: Kueue, operator
 ):
@@ -174,7 +176,8 @@ def test_a_podgroup_starts_only_whole(cluster, kubelet, flavour, request):
     assert scheduler.placements[(NS, "g")] == [names]  # in one round, all at once
 
 
-@pytest.mark.parametrize("flavour", ["volcano", "coscheduling"])
+# Volcano's PodGroup is a `slow` variant: the operator makes both the same way.
+@pytest.mark.parametrize("flavour", exhaustive(["volcano", "coscheduling"], {"coscheduling"}))
 def test_a_podgroup_job_trains_and_leaves_nothing_when_deleted(
     cluster, kubelet, operator, flavour, request
 ):

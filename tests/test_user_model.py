@@ -108,20 +108,26 @@ def test_digits_cnn_from_a_users_package_learns_and_its_model_loads(
 # ------------------------------------------------------------ what fails, fails at once
 
 
+# Each case is a world: `make test` runs a factory that cannot be imported and data that does
+# not fit; a factory's own error, too many stages and an untraceable forward are `slow` (the
+# same permanent failure path; test_cut.py and test_refusals.py hold their messages in process).
 @pytest.mark.parametrize("fields,says", [
     ({"model": {"import": "userpkg.missing:build"}},
      "permanent: ImportFailed: training failed: ImportError: spec.model.import: cannot import"
      " 'userpkg.missing' (from 'userpkg.missing:build'): ModuleNotFoundError"),
-    ({"model": {"import": "userpkg.vision:broken"}},
-     "spec.model.import: 'userpkg.vision:broken' raised RuntimeError: the factory's own bug"),
-    ({"model": {"import": "userpkg.vision:two_layers"}, "stages": 3},
-     "the model has 2 places to cut; it can fill at most 2 stages, not 3"),
+    pytest.param({"model": {"import": "userpkg.vision:broken"}},
+                 "spec.model.import: 'userpkg.vision:broken' raised RuntimeError: the factory's"
+                 " own bug", marks=pytest.mark.slow),
+    pytest.param({"model": {"import": "userpkg.vision:two_layers"}, "stages": 3},
+                 "the model has 2 places to cut; it can fill at most 2 stages, not 3",
+                 marks=pytest.mark.slow),
     ({"model": {"import": "userpkg.vision:small_cnn"}, "imageSize": 48},
      "spec.data: inputs of shape (2, 3, 48, 48) float32 do not fit spec.model"),
-    ({"model": {"import": "userpkg.brought:branchy"}},
-     "spec.model userpkg.brought:branchy with 2 stages: cannot trace Branchy's forward between"
-     " its modules: TraceError: symbolically traced variables cannot be used as inputs to"
-     " control flow at brought.py:"),
+    pytest.param({"model": {"import": "userpkg.brought:branchy"}},
+                 "spec.model userpkg.brought:branchy with 2 stages: cannot trace Branchy's"
+                 " forward between its modules: TraceError: symbolically traced variables"
+                 " cannot be used as inputs to control flow at brought.py:",
+                 marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_a_job_that_cannot_train_fails_permanently_saying_why(fields, says, tmp_path,
                                                               monkeypatch):  # fmt: skip

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.variants import exhaustive
 from jobrun import JobRun, pipeline_job
 from pipejob.core import contract as c
 from pipejob.core.common import Watchdog
@@ -329,15 +330,10 @@ def struck_run_ends(manifest: dict, member: str, sig: int, after: str, verdict: 
     return said, reacted
 
 
-def exhaustive(cases: dict, kept: set[str]) -> list:
-    """The cases, those not `kept` marked `slow`: `make test` proves each verdict once (a
-    frozen stage, master and server; a killed member in test_faults_by_phase.py), and
-    `make test-all` every role in every phase (tests/README.md)."""
-    return [c if c in kept else pytest.param(c, marks=pytest.mark.slow) for c in cases]
-
-
+# `make test` proves each verdict once: a frozen stage and master here, a killed member in
+# test_faults_by_phase.py; `make test-all` every role in every phase (tests/README.md).
 @pytest.mark.parametrize("fault", exhaustive(FAULTS, {
-    "frozen stage in training", "frozen master in training", "frozen parameter server in training",
+    "frozen stage in training", "frozen master in training",
 }))  # fmt: skip
 def test_a_fault_ends_the_local_run_naming_the_member_in_lines(fault, tmp_path):
     manifest, member, sig, after, verdict = FAULTS[fault]

@@ -223,6 +223,9 @@ def test_a_model_refused_before_trains_evaluates_and_writes_its_output(tmp_path:
     brought.auxiliary().load_state_dict(load_file(out / "model.safetensors"), strict=True)
 
 
+# slow: a world per model: test_a_model_refused_before_trains_evaluates_and_writes_its_output holds
+# one
+@pytest.mark.slow
 def test_models_refused_at_their_build_before_train_to_the_end(tmp_path: Path, monkeypatch):
     """Issue 30: Mamba (refused at build: "Cannot copy out of meta tensor") and Mixtral
     (refused by the fit check), their logits summed, train in 2 stages (one each) to the
@@ -238,6 +241,7 @@ def test_models_refused_at_their_build_before_train_to_the_end(tmp_path: Path, m
     assert math.isfinite(summary["finalLoss"]), summary
 
 
+@pytest.mark.slow  # a world: the output's loading in test_sharded_output.py
 def test_a_model_that_reads_its_version_loads_from_every_output(tmp_path: Path):
     """torchvision's MNASNet refuses a state dict without its modules' versions (its
     `_metadata`): the output a job writes (torch's format: the file alone loads), and what

@@ -92,6 +92,9 @@ def test_a_process_over_its_limit_is_killed_and_one_under_it_is_not():
     assert ends["over"][1] == -signal.SIGKILL and kills["over"] == 1, (ends, kills)
 
 
+# slow: two minutes: the memory limit's kill below, the parts each stage keeps in
+# test_materialize.py
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_model_no_process_can_hold_trains_evaluates_and_writes_its_output(tmp_path):
     model = user_model()

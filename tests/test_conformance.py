@@ -24,6 +24,9 @@ from conformance import CI, VERDICTS, ZOO_ORDER  # noqa: E402
 ROW = re.compile(r"^\[\d+/\d+\] (\S+) (.+?): (exact|refused|failing|not built|not run)", re.M)
 
 
+# slow: two minutes of zoo models: the cut's exactness in test_cut.py, test_any_model.py and
+# test_user_libraries.py
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_ci_slice_is_exact():
     """A bound on a hang, not on speed: about a minute on 2 quiet cores."""

@@ -346,6 +346,9 @@ def probe_from_member(node: ContainerKubelet, pod: str, targets: list[str]) -> d
     return json.loads(out.strip().splitlines()[-1])
 
 
+# slow: five minutes, nine containers: the policy's rules in test_network_policy.py, the pods it
+# selects in test_operator_integration.py
+@pytest.mark.slow
 def test_a_world_admits_only_its_members_and_its_monitor_port_the_allowed_prometheus(
     cluster, container_kubelet, images, prometheus_allowed, operator
 ):

@@ -118,10 +118,10 @@ INTERLEAVED = {"engine": "pipelining", "schedule": "interleaved-1f1b", "stagesPe
 # name: (stages, micro-batches, replicas, engine)
 SHAPES = {"2x1m2": (2, 2, 1, None), "3x1m2": (3, 2, 1, None), "2x2m2": (2, 2, 2, None),
           "2x1m4": (2, 4, 1, None), "2x1m2-interleaved": (2, 2, 1, INTERLEAVED)}  # fmt: skip
-# `make test` resumes across replica counts and across engines and piece counts (2 pieces on
-# rpc to 4 on interleaved pipelining); the other pairs are `slow` (tests/README.md).
+# `make test` resumes across engines and piece counts (2 pieces on rpc to 4 on interleaved
+# pipelining); the other pairs are `slow` (tests/README.md).
 EXHAUSTIVE = pytest.mark.slow
-PAIRS = [("2x2m2", "2x1m2"), ("2x1m2", "2x1m2-interleaved"),
+PAIRS = [pytest.param("2x2m2", "2x1m2", marks=EXHAUSTIVE), ("2x1m2", "2x1m2-interleaved"),
          pytest.param("2x1m2", "3x1m2", marks=EXHAUSTIVE),
          pytest.param("2x1m2", "2x2m2", marks=EXHAUSTIVE),
          pytest.param("2x1m2", "2x1m4", marks=EXHAUSTIVE)]  # fmt: skip
@@ -184,6 +184,8 @@ def hybrid(root: Path, folder: Path, servers: int = 1) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# slow: two worlds: the pipeline's pair across engines and piece counts holds the resharding path
+@pytest.mark.slow
 def test_a_hybrid_job_resumes_with_other_trainer_and_server_counts_as_a_run_of_those(
     runs: Runs, tmp_path: Path
 ) -> None:
@@ -220,6 +222,8 @@ def test_a_hybrid_job_resumes_with_other_trainer_and_server_counts_as_a_run_of_t
     assert sorted(before + trained) == list(range(BAGS))
 
 
+# slow: a world and a refusal: the checkpoint's model check in process in test_checkpoint.py
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused_in_one_line(runs: Runs, tmp_path: Path) -> None:
     """What no shape can resume: the job fails at once, permanently, saying why (no
     traceback, no restart spent)."""

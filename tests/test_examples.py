@@ -43,6 +43,8 @@ def run_example(name: str, tmp_path: Path,
     return json.loads(summary_file.read_text()), result.stdout, folder
 
 
+# slow: the same example builds on the trainer image and trains in test_containers_e2e.py
+@pytest.mark.slow
 def test_custom_model_example(tmp_path: Path) -> None:
     summary, out, folder = run_example("custom-model", tmp_path)
     assert summary["model"] == "tinyvision.models:cnn"

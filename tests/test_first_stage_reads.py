@@ -29,6 +29,8 @@ def reads(folder: Path) -> dict[str, dict[str, list[int]]]:
     return found
 
 
+# slow: a replicated world: the replicas' step against one process's in test_replicas.py
+@pytest.mark.slow
 def test_each_replica_s_first_stage_reads_its_share_and_the_master_reads_no_batch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

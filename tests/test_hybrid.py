@@ -32,6 +32,7 @@ TINY = {
 }  # fmt: skip
 
 
+@pytest.mark.slow  # the split tables' float64 test below trains two trainers exactly
 @pytest.mark.timeout(200)
 def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_path: Path) -> None:
     code, output, summary = run_to_end(TINY, tmp_path, timeout=170)

@@ -57,6 +57,9 @@ def pod_uids(kubelet: Kubelet, job: str) -> list[str]:
 @pytest.mark.parametrize(
     "example", [PIPELINE, pytest.param(HYBRID, marks=pytest.mark.slow)], ids=["pipeline", "hybrid"]
 )
+# slow: the pipelining replicas' restart trains to success; the hybrid ones in
+# test_operator_faults_e2e.py
+@pytest.mark.slow
 def test_an_example_trains_to_success(cluster, kubelet, operator, example):
     api = cluster.api
     job = start(api, example)
@@ -132,6 +135,7 @@ def test_deleting_a_running_job_leaves_no_pod_service_or_process(cluster, kubele
     all_stopped(api, kubelet)
 
 
+@pytest.mark.slow  # test_operator_faults_e2e.py's API server away, and the restart in process
 def test_the_operator_killed_and_restarted_mid_job_makes_no_duplicates(cluster, kubelet, operator):
     api = cluster.api
     name = name_of(start(api, HYBRID, steps=150, logEvery=10))

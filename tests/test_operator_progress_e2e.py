@@ -64,6 +64,9 @@ def log_steps(log: str) -> list[int]:
     return [int(m) for m in re.findall(r"step (\d+)/\d+", log)]
 
 
+# slow: the master's progress and metrics in test_monitor.py, the operator's poll into status in
+# test_metrics.py
+@pytest.mark.slow
 def test_status_shows_progress_while_training_and_metrics_scrape(cluster, kubelet, operator):
     api = cluster.api
     steps = 40  # several polls (1 s apart) while it trains

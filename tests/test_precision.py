@@ -183,6 +183,7 @@ def _peak_megabytes(recompute: bool) -> float:
     return (memory.status_kb("VmHWM") - before) / 1024
 
 
+@pytest.mark.slow  # the pipelining engine's recomputation gives the same gradients above
 def test_activation_checkpointing_lowers_a_stages_peak_memory():
     """Peak resident memory is a count of bytes, not a time. Without checkpointing a stage
     keeps every micro-batch's activations from its forward to its backward; with it, only

@@ -105,10 +105,11 @@ def cosine_lr(step: int) -> float:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     ("stages", "replicas", "accumulation", "engine_fields"),
-    # Plain 2-stage shapes are `slow` variants: the others hold them and more.
-    [pytest.param(2, 1, 1, {}, marks=pytest.mark.slow), (3, 1, 2, {}), (2, 2, 2, {}),
+    # The replicated rpc world and the tied, accumulating pipelining one hold the others.
+    [pytest.param(2, 1, 1, {}, marks=pytest.mark.slow),
+     pytest.param(3, 1, 2, {}, marks=pytest.mark.slow), (2, 2, 2, {}),
      (3, 1, 2, {"engine": "pipelining", "schedule": "gpipe"}),
-     (2, 2, 2, {"engine": "pipelining", "schedule": "1f1b"}),
+     pytest.param(2, 2, 2, {"engine": "pipelining", "schedule": "1f1b"}, marks=pytest.mark.slow),
      pytest.param(2, 1, 2, {"engine": "pipelining", "schedule": "1f1b"},
                   marks=pytest.mark.slow)],
     ids=["2-stages", "3-stages-tied-accumulating-2", "2-replicas-accumulating-2",
@@ -236,6 +237,9 @@ def scalars(directory: Path) -> dict[str, dict[int, list[float]]]:
     return out
 
 
+# slow: two worlds: the schedule's values in process above, test_checkpoint.py's exact resume, the
+# hybrid job's TensorBoard events
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_resumes_mid_warmup_and_mid_decay_exactly_and_tensorboard_reads_every_step(tmp_path):
     """Checkpoints every 2 steps of 10, warmup 3, cosine decay. A run that cannot write its

@@ -81,6 +81,7 @@ def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         rpc.shutdown()
 
 
+@pytest.mark.slow  # a world: a stage stepped in this process, below, is extracted the same way
 @pytest.mark.timeout(200)
 def test_every_value_behind_an_rref_gives_torch_its_tensors(tmp_path):
     job = spec.parse(pipeline_job("extract", stages=2, microBatches=2, steps=1))

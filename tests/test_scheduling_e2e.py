@@ -85,6 +85,8 @@ def test_a_kueue_job_waits_queued_is_admitted_whole_trains_and_its_group_succeed
     all_stopped(api, kubelet)
 
 
+# slow: Kueue's gate and group in the tests below; restarts and resumes in test_operator_e2e.py
+@pytest.mark.slow
 def test_a_kueue_job_preempted_mid_run_is_requeued_and_resumes_from_its_checkpoint(
     cluster, kubelet, kueue: Kueue, operator, tmp_path
 ):

@@ -74,7 +74,7 @@ ENGINES = {"tied-interleaved": {"engine": "pipelining", "schedule": "interleaved
                                 "stagesPerProcess": 2}}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", exhaustive(MODELS, {"tied", "tied-interleaved"}))  # gpt2: slow
+@pytest.mark.parametrize("name", exhaustive(MODELS, {"tied-interleaved"}))  # gpt2, tied: slow
 def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp_path: Path):
     factory, args, format, hugging_face = MODELS[name]
     out, ckpt, steps = tmp_path / "model", tmp_path / "checkpoints", 2

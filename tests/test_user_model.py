@@ -44,6 +44,8 @@ def plain_accuracy(model: torch.nn.Module, folder: Path) -> float:
     return correct / len(held)
 
 
+# slow: the custom model example, a user's package, trains in containers in test_containers_e2e.py
+@pytest.mark.slow
 def test_digits_cnn_from_a_users_package_learns_and_its_model_loads(
     cluster, kubelet, operator, tmp_path
 ):

@@ -216,6 +216,7 @@ HYBRID = {
 }  # fmt: skip
 
 
+@pytest.mark.slow  # the hybrid world resumed twice in test_operator_faults_e2e.py
 @pytest.mark.timeout(300)
 def test_a_hybrid_world_resumes_table_dense_layer_and_momentum(tmp_path: Path) -> None:
     straight = with_checkpoint(HYBRID, tmp_path / "straight", every=4)

@@ -222,8 +222,6 @@ def test_a_hybrid_job_resumes_with_other_trainer_and_server_counts_as_a_run_of_t
     assert sorted(before + trained) == list(range(BAGS))
 
 
-# slow: a world and a refusal: the checkpoint's model check in process in test_checkpoint.py
-@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused_in_one_line(runs: Runs, tmp_path: Path) -> None:
     """What no shape can resume: the job fails at once, permanently, saying why (no
     traceback, no restart spent)."""

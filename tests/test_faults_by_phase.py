@@ -99,7 +99,6 @@ def placed(manifest: dict[str, Any], tmp: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fault", exhaustive(FAULTS, {
-    "pipeline, rendezvous: a stage frozen before it checks in",
     "hybrid, rendezvous: the parameter server killed",
 }))  # fmt: skip
 def test_a_fault_in_each_phase_ends_the_run_naming_the_member(fault, tmp_path):
@@ -110,6 +109,7 @@ def test_a_fault_in_each_phase_ends_the_run_naming_the_member(fault, tmp_path):
           f" (bound {BOUND} s): {said.string}")  # fmt: skip
 
 
+@pytest.mark.slow  # test_checkpoint.py: an interrupted checkpoint is never used
 @pytest.mark.timeout(300)
 def test_a_stage_killed_while_checkpointing_and_the_next_run_resumes_from_the_last_one(
     tmp_path,

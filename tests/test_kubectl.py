@@ -56,10 +56,10 @@ def manifests(kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
 
 
-# slow: the operator makes every example's pods: the columns in test_kubectl.py's model object test,
-# the CRD's in test_crd_k8s.py
+# slow: the operator makes every example's pods (131 s in a loaded run): the model object's
+# columns below, the CRD's in test_crd.py
 @pytest.mark.slow
-@pytest.mark.timeout(300)  # the operator makes every example's pods: 131 s in a loaded run
+@pytest.mark.timeout(300)
 def test_apply_crds_and_examples_then_get_shows_the_printer_columns(cluster, kubectl, tmp_path):
     assert manifests("PipelineJob") and manifests("HybridJob"), "an example of each kind"
     applied = kubectl("apply", "-f", str(REPO / "crds")).stdout

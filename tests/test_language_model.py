@@ -46,7 +46,7 @@ def test_one_step_equals_a_single_process(text, tmp_path: Path, stages: int):
     assert got["loss"] == pytest.approx(math.log(BYTE_VOCAB), rel=0.05)  # untrained: uniform
 
 
-# slow: the 3-stage step's exactness above; perplexity from the held-out loss in process
+# slow: the 3-stage step's exactness above; perplexity in process in test_any_model.py
 @pytest.mark.slow
 def test_the_loss_falls_and_perplexity_is_reported(text, tmp_path: Path):
     steps = 60

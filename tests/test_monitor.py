@@ -175,6 +175,7 @@ class Poller:
         self.thread.join(10)
 
 
+@pytest.mark.slow  # the board over HTTP in process, above; the operator's poll in test_metrics.py
 @pytest.mark.timeout(240)
 def test_a_running_pipeline_master_reports_progress_and_metrics(tmp_path: Path) -> None:
     job = pipeline_job("watched", stages=2, microBatches=2, steps=6,

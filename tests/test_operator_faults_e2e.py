@@ -102,6 +102,7 @@ def test_a_frozen_stage_restarts_the_world_as_stalled_and_it_resumes(
           f" world resumed; resumed from steps {second}, then {resumed}")  # fmt: skip
 
 
+@pytest.mark.slow  # a restarted operator converges in test_operator_integration.py
 @pytest.mark.timeout(120)
 def test_the_operator_converges_after_the_api_server_was_away(cluster, operator):
     """For a while every request of the operator gets HTTP 500 and its watches are dropped;

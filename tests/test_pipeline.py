@@ -83,6 +83,7 @@ def test_two_stage_pipeline_trains(tmp_path):
     check_summary(summary, job)
 
 
+@pytest.mark.slow  # the 3-stage language model's step is exact; the gradients' test below
 @pytest.mark.timeout(200)
 def test_three_stage_pipeline_trains(tmp_path):
     # More micro-batches than a stage has RPC threads (16): waiting for inputs must not

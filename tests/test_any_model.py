@@ -223,8 +223,8 @@ def test_a_model_refused_before_trains_evaluates_and_writes_its_output(tmp_path:
     brought.auxiliary().load_state_dict(load_file(out / "model.safetensors"), strict=True)
 
 
-# slow: a world per model: test_a_model_refused_before_trains_evaluates_and_writes_its_output holds
-# one
+# slow: a world per model; test_a_model_refused_before_trains_evaluates_and_writes_its_output
+# trains one
 @pytest.mark.slow
 def test_models_refused_at_their_build_before_train_to_the_end(tmp_path: Path, monkeypatch):
     """Issue 30: Mamba (refused at build: "Cannot copy out of meta tensor") and Mixtral

@@ -62,7 +62,7 @@ def test_custom_model_example(tmp_path: Path) -> None:
     assert isinstance(model(torch.zeros(2, 1, 32, 32)), torch.Tensor)
 
 
-@pytest.mark.slow  # test_recipes.py's resumed schedule holds warmup, decay and TensorBoard
+@pytest.mark.slow  # test_recipes.py: the schedule's values, a step's exactness, TensorBoard
 def test_transformer_lm_example(tmp_path: Path) -> None:
     summary, out, folder = run_example("transformer-lm", tmp_path)
     losses = summary["losses"]

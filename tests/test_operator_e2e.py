@@ -135,7 +135,7 @@ def test_deleting_a_running_job_leaves_no_pod_service_or_process(cluster, kubele
     all_stopped(api, kubelet)
 
 
-@pytest.mark.slow  # test_operator_faults_e2e.py's API server away, and the restart in process
+@pytest.mark.slow  # a restarted operator converges in test_operator_integration.py
 def test_the_operator_killed_and_restarted_mid_job_makes_no_duplicates(cluster, kubelet, operator):
     api = cluster.api
     name = name_of(start(api, HYBRID, steps=150, logEvery=10))

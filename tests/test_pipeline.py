@@ -64,7 +64,7 @@ def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
 # ------------------------------------------------------------------ real training worlds
 
 
-@pytest.mark.slow  # the three-stage world below trains a first, middle and last stage
+@pytest.mark.slow  # the gradients' test below runs a 2-stage world
 @pytest.mark.timeout(200)
 def test_two_stage_pipeline_trains(tmp_path):
     job = pipeline_job(

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 from userpkg import brought
 
+from harness.variants import exhaustive
 from jobrun import (
     EXACT,
     TOLERANCE,
@@ -86,12 +87,7 @@ def loads_back(factory: str, args: dict[str, Any], states: list[dict[str, torch.
 # What crosses the boundary is proven by gpt2 (ModelOutputs, the tied pair) and dict in
 # `make test`; an encoder (bert), a wrapper over 3 stages and split points given by name are
 # `slow` variants.
-VARIANTS = ("bert", "gpt2-wrapped", "llama")
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.slow) if n in VARIANTS else n for n in WORLDS
-])  # fmt: skip
+@pytest.mark.parametrize("name", exhaustive(WORLDS, {"gpt2", "dict"}))
 def test_a_brought_model_trains_exactly_and_loads_back(name: str, tmp_path: Path):
     factory, args, data, stages, points = WORLDS[name]
     fields: dict[str, Any] = {"model": {"import": f"userpkg.brought:{factory}", "args": args},

@@ -67,29 +67,6 @@ def _clock(request: pytest.FixtureRequest):
     print(f"\n[container test time] {request.node.name}: {time.monotonic() - start:.0f} s")
 
 
-@pytest.mark.slow  # the chart's test below trains, evaluates and writes to a volume too
-def test_a_pipeline_job_trains_in_containers_evaluates_and_writes_its_output_on_a_volume(
-    cluster, container_kubelet, operator
-):
-    api, node = cluster.api, container_kubelet
-    claim(api)
-    name = start(api, PIPELINE, eval={"everySteps": 3}, output={"path": "/data/out"},
-                 template=on_claim())  # fmt: skip
-    done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=300)
-    assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
-    master = api.get("v1/pods", f"{name}-master-0", NS)
-    terminated = master["status"]["containerStatuses"][0]["state"]["terminated"]
-    assert terminated["exitCode"] == 0 and terminated["containerID"].startswith("docker://")
-    log = node.logs(NS, f"{name}-master-0")
-    assert "step 3/3" in log and "eval" in log.lower()
-    out = node.claim_dir(NS, CLAIM) / "out"
-    assert (out / "model.safetensors").stat().st_size > 0
-    assert json.loads((out / "model.json").read_text())
-    # Written by the pods' user, uid 10001 (the image's), not root.
-    assert (out / "model.safetensors").stat().st_uid == 10001
-    all_stopped(api, node)
-
-
 @pytest.mark.slow  # the DLRM example below is a HybridJob in containers, on a volume too
 def test_a_hybrid_job_trains_in_containers(cluster, container_kubelet, operator):
     api, node = cluster.api, container_kubelet

@@ -193,9 +193,12 @@ def test_cpu_only_pipelines_avoid_the_shared_memory_transport():
         assert (s.transports, s.channels) == (["uv"], ["basic"])
     gpu = decide("PipelineJob", "stage", 1, 2, 2, ALL)
     assert (gpu.transports, gpu.channels) == (None, None)  # torch's CUDA-aware defaults
-    for role in ("trainer", "ps"):  # latency-bound: shm's polling helps
-        hybrid = decide("HybridJob", role, 0, 2, 3, ALL)
+    for role in ("trainer", "ps"):  # latency-bound: shm's polling helps, given spare cores
+        hybrid = decide("HybridJob", role, 0, 16, 4, ALL)
         assert (hybrid.transports, hybrid.channels) == (None, None)
+        for cpus, colocated in [(2, 4), (4, 3), (16, 1)]:  # too few cores; no peer on the host
+            hybrid = decide("HybridJob", role, 0, cpus, colocated, ALL)
+            assert (hybrid.transports, hybrid.channels) == (["uv"], ["basic"]), (cpus, colocated)
     master = decide("HybridJob", "master", 0, 2, 3, ALL)  # waits: no polling
     assert (master.transports, master.channels) == (["uv"], ["basic"])
 
@@ -213,11 +216,16 @@ def test_levers_that_are_off_leave_torch_defaults():
 
 def test_rpc_backend_kwargs_follow_the_transport_lever():
     uv = {"_transports": ["uv"], "_channels": ["basic"]}
-    assert tuning.rpc_backend_kwargs("PipelineJob", "stage", 0, {}) == uv
-    assert tuning.rpc_backend_kwargs("PipelineJob", "stage", 0, {tuning.TUNING: "threads"}) == {}
-    assert tuning.rpc_backend_kwargs("PipelineJob", "stage", 2, {}) == {}
-    assert tuning.rpc_backend_kwargs("HybridJob", "trainer", 0, {}) == {}
-    assert tuning.rpc_backend_kwargs("HybridJob", "master", 0, {}) == uv
+    stages, hybrid = ["master", "stage", "stage"], ["master", "ps", "trainer", "trainer"]
+    local = {"PIPEJOB_ADDRESSES": ",".join(["127.0.0.1"] * 4)}  # what the world plan says
+    kwargs = tuning.rpc_backend_kwargs
+    assert kwargs("PipelineJob", "stage", 1, stages, 0, {}) == uv
+    assert kwargs("PipelineJob", "stage", 1, stages, 0, {tuning.TUNING: "threads"}) == {}
+    assert kwargs("PipelineJob", "stage", 1, stages, 2, {}) == {}
+    assert kwargs("HybridJob", "master", 0, hybrid, 0, local) == uv
+    spare = tuning.available_cpus() >= 2 * 3  # three compute processes on this host
+    assert kwargs("HybridJob", "trainer", 2, hybrid, 0, local) == ({} if spare else uv)
+    assert kwargs("HybridJob", "trainer", 2, hybrid, 0, {}) == uv  # hosts of their own
 
 
 def test_apply_sets_thread_variables_unless_the_user_did():

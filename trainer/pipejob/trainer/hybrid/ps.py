@@ -15,8 +15,11 @@ is that of one process training on all the trainers' batches together.
 
 A server pools a piece by sum (tables of mode sum or mean) or max; the trainer divides a
 mean by the bag's length and joins the pieces of a split table (router.py). Replies carry
-the pieces side by side, in the server's order (tables.ordered). The functions at the end
-run on the server, called over RPC by the master and the trainers."""
+the pieces side by side, in the server's order (tables.ordered). Each run of pieces pooled
+alike and of one width (a group) is one parameter, the pieces its row ranges: a step looks
+up, pools and steps a group at once, not a piece at a time (per-op costs dominate at a
+batch's few hundred rows a table). The functions at the end run on the server, called over
+RPC by the master and the trainers."""
 
 from __future__ import annotations
 
@@ -59,11 +62,27 @@ def groups(pieces: list[Piece]) -> list[tuple[str, int, list[int]]]:
 @dataclass
 class Lookup:
     """A trainer's lookup, kept until its gradients come: the reply (with its graph) and,
-    per group of pieces, the gathered rows (the graph's leaf) and which rows of each piece."""
+    per group, the gathered rows (the graph's leaf) and their row numbers in the group."""
 
     reply: torch.Tensor
     leaves: list[torch.Tensor]
-    rows: list[list[torch.Tensor]]
+    rows: list[torch.Tensor]
+
+
+def joined(pieces: list[Piece], members: list[int], tables: dict[str, Any],
+           seed: int) -> nn.Parameter:  # fmt: skip
+    """A group's pieces at their initial rows, one after the other, made a block at a time
+    (no piece is ever held twice)."""
+    out = torch.empty(sum(pieces[k].rows for k in members), pieces[members[0]].dim)
+    first = 0
+    for k in members:
+        p = pieces[k]
+        for lo in range(0, p.rows, BLOCK):
+            hi = min(lo + BLOCK, p.rows)
+            out[first + lo : first + hi] = initial_rows(tables[p.table], seed, p.start + lo,
+                                                        p.start + hi)  # fmt: skip
+        first += p.rows
+    return nn.Parameter(out)
 
 
 class Server:
@@ -71,10 +90,19 @@ class Server:
         self.spec, self.index, self.trainers = spec, index, trainers
         self.pieces = spec.placement()[index]
         tables = {t.name: t for t in spec.embeddings}
-        self.weights = [nn.Parameter(initial_rows(tables[p.table], spec.seed, p.start, p.stop))
-                        for p in self.pieces]  # fmt: skip
-        self.optimizer = sparse.make(self.weights, spec.sparse_optimizer)
         self.groups = groups(self.pieces)
+        self.joined = [joined(self.pieces, members, tables, spec.seed)
+                       for _, _, members in self.groups]  # fmt: skip
+        self.first: list[int] = []  # each piece's first row in its group's parameter
+        self.weights: list[torch.Tensor] = []  # each piece: its rows of the group's parameter
+        for weight, (_, _, members) in zip(self.joined, self.groups, strict=True):
+            first = 0
+            for k in members:
+                self.first.append(first)
+                self.weights.append(weight.detach()[first : first + self.pieces[k].rows])
+                first += self.pieces[k].rows
+        self.group_of = [g for g, (_, _, members) in enumerate(self.groups) for _ in members]
+        self.optimizer = sparse.make(self.joined, spec.sparse_optimizer)
         self.lock = threading.Lock()
         self.kept: dict[str, Lookup] = {}  # each trainer's last lookup, until its gradients
         self.collected: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -134,24 +162,22 @@ class Server:
             raise RuntimeError(f"ps{self.index}: gradients from {trainer} without a lookup of"
                                " its own awaiting them")  # fmt: skip
         torch.autograd.backward(lookup.reply, grads)
-        per_piece = []
-        for leaf, rows in zip(lookup.leaves, lookup.rows, strict=True):
-            per_piece += zip(rows, leaf.grad.split([len(r) for r in rows]), strict=True)
-        self.collected[trainer] = per_piece
+        self.collected[trainer] = [(rows, leaf.grad) for rows, leaf in
+                                   zip(lookup.rows, lookup.leaves, strict=True)]  # fmt: skip
         if len(self.collected) == self.trainers:
             self._step()
 
     def _step(self) -> None:
-        """Step every piece once with the trainers' gradients, averaged."""
-        for k, weight in enumerate(self.weights):
+        """Step every group once with the trainers' gradients, averaged."""
+        for g, weight in enumerate(self.joined):
             # In the trainers' order, not their arrival's: every run adds them up alike.
-            parts = [self.collected[t][k] for t in sorted(self.collected)]
+            parts = [self.collected[t][g] for t in sorted(self.collected)]
             rows = torch.cat([r for r, _ in parts])
-            values = torch.cat([g for _, g in parts]) / self.trainers
-            weight.grad = sparse.gradient(rows, values, weight.shape)
-            self.rows_updated += len(torch.unique(rows))
+            values = torch.cat([v for _, v in parts]) / self.trainers
+            weight.grad = sparse.gradient(rows, values, weight.shape).coalesce()
+            self.rows_updated += weight.grad._nnz()
         self.optimizer.step()
-        for weight in self.weights:
+        for weight in self.joined:
             weight.grad = None
         self.collected.clear()
         self.steps += 1
@@ -161,22 +187,19 @@ class Server:
         """Pool `ids` (every piece's local row ids, concatenated, in the server's order) by
         `lengths` (pieces, batch); keep the graph for `trainer`'s gradients (None: none)."""
         batch = lengths.shape[1]
-        chunks = ids.split(lengths.sum(1).tolist())
+        per_piece = lengths.sum(1)
+        # Each id as a row of its group's parameter: the piece's row plus the piece's first.
+        ids = ids + torch.repeat_interleave(torch.tensor(self.first), per_piece)
+        chunks = ids.split([int(per_piece[m].sum()) for _, _, m in self.groups])
         outs, leaves, rows = [], [], []
         with torch.set_grad_enabled(trainer is not None):
-            for mode, dim, members in self.groups:
-                unique, inverse, base = [], [], 0
-                for k in members:
-                    u, inv = torch.unique(chunks[k], return_inverse=True)
-                    unique.append(u)
-                    inverse.append(inv + base)
-                    base += len(u)
-                leaf = torch.cat([self.weights[k].detach()[u] for k, u in
-                                  zip(members, unique, strict=True)])  # fmt: skip
-                leaf.requires_grad_(trainer is not None)
+            for (mode, dim, members), weight, chunk in zip(self.groups, self.joined, chunks,
+                                                           strict=True):  # fmt: skip
+                unique, inverse = torch.unique(chunk, return_inverse=True)
+                leaf = weight.detach()[unique].requires_grad_(trainer is not None)
                 counts = lengths[members].reshape(-1)
                 offsets = torch.cumsum(counts, 0) - counts
-                out = F.embedding_bag(torch.cat(inverse), leaf, offsets, mode=mode)
+                out = F.embedding_bag(inverse, leaf, offsets, mode=mode)
                 outs.append(out.view(len(members), batch, dim).transpose(0, 1).reshape(batch, -1))
                 leaves.append(leaf)
                 rows.append(unique)
@@ -207,12 +230,26 @@ class Server:
 
     # ---- checkpoints: pieces by table and row range, so any other split can load them
 
+    def piece_state(self, k: int) -> dict[str, Any]:
+        """Piece k's optimizer state: its rows of its group's per-row tensors, and the counts."""
+        rows = slice(self.first[k], self.first[k] + self.pieces[k].rows)
+        state = self.optimizer.state.get(self.joined[self.group_of[k]], {})
+        return {key: value[rows] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                for key, value in state.items()}  # fmt: skip
+
     def state(self) -> dict[str, Any]:
-        pieces = []
-        for p, weight in zip(self.pieces, self.weights, strict=True):
-            pieces.append({"table": p.table, "start": p.start, "stop": p.stop,
-                           "weight": weight.detach(),
-                           "state": dict(self.optimizer.state.get(weight, {}))})  # fmt: skip
+        """Every piece by table and row range (views of the groups: torch.save writes each
+        group's storage once)."""
+        pieces = [
+            {
+                "table": p.table,
+                "start": p.start,
+                "stop": p.stop,
+                "weight": weight,
+                "state": self.piece_state(k),
+            }
+            for k, (p, weight) in enumerate(zip(self.pieces, self.weights, strict=True))
+        ]
         return {"optimizer": self.spec.sparse_optimizer.name, "pieces": pieces}
 
     def load(self, saved: list[tuple[str, dict[str, Any]]]) -> None:
@@ -224,31 +261,35 @@ class Server:
                     f"{name} holds tables stepped by {s['optimizer']}, not by"
                     f" spec.sparseOptimizer {self.spec.sparse_optimizer.name}"
                 )  # fmt: skip
-        for p, weight in zip(self.pieces, self.weights, strict=True):
-            state = self.optimizer.state[weight]
-            covered = 0
-            for _, s in saved:
-                for q in s["pieces"]:
-                    lo, hi = max(p.start, q["start"]), min(p.stop, q["stop"])
-                    if q["table"] != p.table or lo >= hi:
-                        continue
-                    mine = slice(lo - p.start, hi - p.start)
-                    theirs = slice(lo - q["start"], hi - q["start"])
-                    with torch.no_grad():
-                        weight[mine] = q["weight"][theirs]
-                    for key, value in q["state"].items():
-                        if isinstance(value, torch.Tensor) and value.dim() > 0:  # per row
-                            if key not in state:
-                                state[key] = value.new_zeros((p.rows, *value.shape[1:]))
-                            state[key][mine] = value[theirs]
-                        else:  # a count: the same for every piece of every table
-                            state[key] = value.clone() if isinstance(value, torch.Tensor) else value
-                    covered += hi - lo
-            if covered != p.rows:
-                raise checkpoint.CheckpointError(
-                    f"the checkpoint holds {covered} of rows {p.start}..{p.stop - 1} of table"
-                    f" {p.table!r}: not a checkpoint of these tables"
-                )  # fmt: skip
+        for k in range(len(self.pieces)):
+            self._load_piece(k, saved)
+
+    def _load_piece(self, k: int, saved: list[tuple[str, dict[str, Any]]]) -> None:
+        """Piece k's rows and their optimizer state, from every saved piece overlapping it."""
+        p, first, weight = self.pieces[k], self.first[k], self.joined[self.group_of[k]]
+        state = self.optimizer.state[weight]
+        covered = 0
+        for q in (q for _, s in saved for q in s["pieces"]):
+            lo, hi = max(p.start, q["start"]), min(p.stop, q["stop"])
+            if q["table"] != p.table or lo >= hi:
+                continue
+            mine = slice(first + lo - p.start, first + hi - p.start)  # rows of the group's
+            theirs = slice(lo - q["start"], hi - q["start"])
+            with torch.no_grad():
+                weight[mine] = q["weight"][theirs]
+            for key, value in q["state"].items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:  # per row
+                    if key not in state:
+                        state[key] = value.new_zeros((len(weight), *value.shape[1:]))
+                    state[key][mine] = value[theirs]
+                else:  # a count: the same for every piece of every table
+                    state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            covered += hi - lo
+        if covered != p.rows:
+            raise checkpoint.CheckpointError(
+                f"the checkpoint holds {covered} of rows {p.start}..{p.stop - 1} of table"
+                f" {p.table!r}: not a checkpoint of these tables"
+            )  # fmt: skip
 
 
 def _finish(ready: list[tuple[Future, Any, BaseException | None]]) -> None:

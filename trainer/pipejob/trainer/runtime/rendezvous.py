@@ -99,7 +99,7 @@ def backend_options(env: Env, timeout: float, device_maps: dict[str, dict[int, i
         num_worker_threads=16,
         rpc_timeout=timeout,
         init_method=f"{SCHEME}://{env.master_addr}:{env.master_port}",
-        **tuning.rpc_backend_kwargs(env.kind, env.role, env.gpus),  # busy-polling where it pays
+        **tuning.rpc_backend_kwargs(env.kind, env.role, env.rank, env.roles, env.gpus),
     )
     for peer, mapping in (device_maps or {}).items():
         options.set_device_map(peer, mapping)

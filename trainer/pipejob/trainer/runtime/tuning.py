@@ -45,12 +45,15 @@ Each lever is measured (benchmarks/compare.py and the issue-6 note):
   lever, MKL takes its buffers from the malloc (MKL_DISABLE_FAST_MM=1).
 - transport: TensorPipe's shared-memory transport runs a reactor thread that busy-polls
   in every process (0.1-0.25 CPU-s per second when idle, 0.2-0.4 per batch when training),
-  taking CPU from the stages of a
-  CPU-bound pipeline; CPU-only processes use the uv (TCP) transport instead. Roles bound by
-  the latency of many small RPCs (a HybridJob's ps and trainers: `Role.latency_bound`), which
-  the polling shortens (uv: 0.82x the iterations/s of shm on a lightly loaded host), keep
-  torch's defaults; a HybridJob's master, which only starts the trainers and takes their
-  reports, uses uv and stops polling (its CPU per iteration 1.1-1.9 ms -> under 0.1).
+  taking CPU from the compute roles; CPU-only processes use the uv (TCP) transport instead.
+  Roles bound by the latency of many small RPCs (a HybridJob's ps and trainers:
+  `Role.latency_bound`), which the polling shortens (uv: 0.82x the iterations/s of shm on a
+  lightly loaded host), keep torch's defaults only where the polling has cores to spare: peers
+  on the same host (shm never crosses hosts or pods) and at least two CPUs for each compute
+  process there. Under fewer, the reactors took a third of a HybridJob's CPU (2 trainers and
+  2 servers on 2 cores: 4,400 samples per CPU-second with shm, 6,200-6,500 with uv, and
+  faster in wall time too). A HybridJob's master, which only starts the trainers and takes
+  their reports, uses uv and stops polling (its CPU per iteration 1.1-1.9 ms -> under 0.1).
   Processes with GPUs need the CUDA channels: torch's defaults.
 
 A variable the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, MALLOC_ARENA_MAX,
@@ -174,16 +177,16 @@ def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
             threads = max(1, math.floor(cpus))
     if "allocator" in enabled and malloc == "glibc":
         arena = 1
+    polling_pays = KINDS[kind].role(role).latency_bound and 1 < colocated <= cpus / 2
     return Settings(threads, passive, arena, "allocator" in enabled,
-                    *transport(kind, role, gpus, enabled))  # fmt: skip
+                    *transport(gpus, enabled, polling_pays))  # fmt: skip
 
 
-def transport(kind: str, role: str, gpus: int,
-              enabled: Collection[str]) -> tuple[list[str] | None, list[str] | None]:  # fmt: skip
-    """TensorPipe transports and channels: uv and basic for a PipelineJob's CPU-only
-    processes and a HybridJob's master; torch's defaults (None) otherwise, or when the lever
-    is off."""
-    polling_pays = KINDS[kind].role(role).latency_bound
+def transport(gpus: int, enabled: Collection[str],
+              polling_pays: bool) -> tuple[list[str] | None, list[str] | None]:  # fmt: skip
+    """TensorPipe transports and channels: uv and basic for CPU-only processes unless the
+    shared-memory transport's polling pays (see the module's docstring); torch's defaults
+    (None) otherwise, or when the lever is off."""
     if "transport" in enabled and gpus == 0 and not polling_pays:
         return list(CPU_TRANSPORTS), list(CPU_CHANNELS)
     return None, None
@@ -335,11 +338,12 @@ def _give_back_free_memory(libc: ctypes.CDLL) -> None:
         libc.malloc_trim(0)
 
 
-def rpc_backend_kwargs(kind: str, role: str, gpus: int,
+def rpc_backend_kwargs(kind: str, role: str, rank: int, roles: Sequence[str], gpus: int,
                        environ: Mapping[str, str] | None = None) -> dict[str, list]:  # fmt: skip
-    """TensorPipeRpcBackendOptions keyword arguments for the transport lever."""
+    """TensorPipeRpcBackendOptions keyword arguments for the transport lever: this process's
+    settings' transports (for_process)."""
     environ = os.environ if environ is None else environ
-    transports, channels = transport(kind, role, gpus, levers.parse(environ.get(TUNING)))
-    if transports is None:
+    settings = for_process(kind, role, rank, roles, gpus, environ)
+    if settings.transports is None:
         return {}
-    return {"_transports": transports, "_channels": channels}
+    return {"_transports": settings.transports, "_channels": settings.channels}

@@ -12,6 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from userpkg.libraries import (
+    ConditionedUNet,
+    Scripted,
+    lora_llama,
+    open_clip_text,
+    vit_pytorch,
+    x_transformers_decoder,
+)
 
 from pipejob.trainer.workloads import cut, materialize
 
@@ -83,18 +91,6 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
 
 
-def lora_llama() -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=16)  # fmt: skip
-    config._attn_implementation = "eager"
-    return get_peft_model(LlamaForCausalLM(config),
-                          LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))  # fmt: skip
-
-
 def test_peft_lora_over_a_causal_lm_cuts_exactly_with_its_base_frozen() -> None:
     """peft moves each adapter to its base layer's device: the build says the device a
     plain build has, so the adapters build, and the cut is exact (state, outputs, step-1
@@ -136,15 +132,6 @@ class ReadsAWeightsMetadata(nn.Module):
         return self.head(h.mean(1))
 
 
-def open_clip_text() -> nn.Module:
-    import open_clip
-
-    text = open_clip.model.CLIPTextCfg(context_length=8, vocab_size=64, width=16, heads=2,
-                                       layers=2)  # fmt: skip
-    tower = open_clip.model._build_text_tower(embed_dim=8, text_cfg=text)
-    return nn.Sequential(tower, nn.Linear(8, 3))
-
-
 @pytest.mark.parametrize("factory", [ReadsAWeightsMetadata, open_clip_text],
                          ids=lambda f: f.__name__)  # fmt: skip
 def test_reading_a_weights_metadata_is_not_a_use(factory) -> None:
@@ -160,14 +147,6 @@ def test_reading_a_weights_metadata_is_not_a_use(factory) -> None:
         assert cut.ties(traced.split([start])) == [], start
     row = _conform.run("user", factory.__name__, factory, _tokens)
     assert row.verdict == "exact", row.why
-
-
-def x_transformers_decoder() -> nn.Module:
-    from x_transformers import Decoder, TransformerWrapper
-
-    return TransformerWrapper(num_tokens=64, max_seq_len=16,
-                              attn_layers=Decoder(dim=16, depth=2, heads=2,
-                                                  rotary_pos_emb=True))  # fmt: skip
 
 
 def _sum(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -192,18 +171,6 @@ def test_the_fit_check_says_what_the_meta_device_cannot_run_and_blames_no_data()
     assert fits_model(mlp_model, torch.zeros(4, 6), labels, _sum) is None
     with pytest.raises(ValueError, match=r"inputs of shape \(2, 5\) float\d+ do not fit"):
         fits_model(mlp_model, torch.zeros(4, 5), labels, _sum)
-
-
-class Scripted(nn.Module):
-    """A `torch.jit.script`-ed submodule between two layers (issue 41 item 8)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
-        self.act = torch.jit.script(nn.Sequential(nn.ReLU()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.act(self.a(x)))
 
 
 def test_a_scripted_submodule_cuts_exactly() -> None:
@@ -257,39 +224,11 @@ def test_glue_traces_with_the_shapes_the_job_knows_and_refuses_another_shape() -
         first(torch.randn(2, 3, 6, 6))
 
 
-def vit_pytorch() -> nn.Module:
-    from vit_pytorch import ViT
-
-    return ViT(image_size=8, patch_size=4, num_classes=3, dim=8, depth=1, heads=2, mlp_dim=8,
-               dim_head=4)  # fmt: skip
-
-
 def test_vit_pytorch_cuts_exactly() -> None:
     """einops' `repeat` and `Rearrange` in its forward (issue 41 item 5)."""
     pytest.importorskip("vit_pytorch")
     row = _conform.run("user", "vit-pytorch", vit_pytorch, lambda: torch.randn(4, 3, 8, 8))
     assert row.verdict == "exact", row.why
-
-
-class ConditionedUNet(nn.Module):
-    """diffusers' UNet2DConditionModel with a fixed timestep and conditioning: its forward
-    loops over `sample.shape[-2:]` (issue 41 item 7)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from diffusers import UNet2DConditionModel
-
-        self.unet = UNet2DConditionModel(
-            sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
-            block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=8,
-            attention_head_dim=2, norm_num_groups=4,
-        )  # fmt: skip
-        self.register_buffer("condition", torch.randn(1, 4, 8))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        condition = self.condition.expand(x.shape[0], -1, -1)
-        return self.unet(x, 10, encoder_hidden_states=condition).sample
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from torch import nn
 from torchvision.models import get_model
 
 from pipejob.core.kinds.pipeline import auto_counts, micro_batch_counts
@@ -16,6 +17,7 @@ from pipejob.trainer.pipeline.partition import (
     LayerCosts,
     fastest,
     intra_op_threads,
+    measure_chain,
     measure_costs,
     min_max_partition,
     predict,
@@ -255,3 +257,37 @@ def test_costs_are_measured_with_the_threads_asked_for():
     assert torch.get_num_threads() == before  # restored on failure too
     with intra_op_threads(None):
         assert torch.get_num_threads() == before
+
+
+class Skips(nn.Module):
+    """A UNet's down block: its output and its skip connections, as a tuple in a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        h = self.a(x)
+        return self.b(h), (h, x * 2)
+
+
+class Joins(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor, skips: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.c(h + skips[0] + skips[1])
+
+
+def test_measuring_pieces_that_pass_tensors_inside_tuples_repeats_each_backward():
+    """Every run's inputs are fresh leaves, the ones inside a tuple too (a UNet's skip
+    connections once kept the last run's graph: 'backward through the graph a second time');
+    what the run passes on is detached, inside tuples too."""
+    costs, passed = measure_chain([Skips(), Joins()], ["down", "up"], (torch.randn(2, 4),),
+                                  first=True, repeats=2, on_copies=False)  # fmt: skip
+    assert len(costs.seconds) == 2 and all(c < float("inf") for c in costs.seconds)
+    assert all(not t.requires_grad for t in passed)
+    _, passed = measure_chain([Skips()], ["down"], (torch.randn(2, 4),), True, 1, False)
+    h, skips = passed
+    assert not h.requires_grad and all(not t.requires_grad for t in skips)

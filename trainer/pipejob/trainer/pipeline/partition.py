@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from pipejob.trainer.workloads.cut import tensors
 
@@ -147,13 +148,17 @@ def measure_chain(pieces: list[nn.Module], names: list[str], values: tuple[Any, 
                 costs[i] = min(costs[i], time.perf_counter() - start)
                 cpu[i] = min(cpu[i], time.process_time() - start_cpu)
             values = outs
-    passed = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in values)
+    passed = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, values)
     return LayerCosts(costs, cpu), passed
 
 
 def _as_input(value: Any, grad: bool) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
+    """A value passed between pieces, a fresh leaf of the graph (tensors inside tuples,
+    lists and dicts too: a UNet passes its skip connections on as a tuple)."""
+    return tree_map(lambda v: _leaf(v, grad) if isinstance(v, torch.Tensor) else v, value)
+
+
+def _leaf(value: torch.Tensor, grad: bool) -> torch.Tensor:
     value = value.detach()
     if grad and value.is_floating_point():
         return value.requires_grad_().clone()
@@ -161,9 +166,14 @@ def _as_input(value: Any, grad: bool) -> Any:
 
 
 def shape(value: Any) -> str:
-    """A value as an error message shows it: (32, 3, 224, 224) float32."""
+    """A value as an error message shows it: (32, 3, 224, 224) float32; inside tuples,
+    lists and dicts too."""
     if isinstance(value, torch.Tensor):
         return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(shape(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {shape(v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 

@@ -223,9 +223,12 @@ class Traced:
             except Exception as e:
                 where = tracer.failed_in
                 if not where or where in self.whole:
+                    kept = "".join(
+                        f"; {w} is kept whole, as {why}" for w, why in self.whole.items()
+                    )
                     raise CutError(
                         f"cannot trace {type(model).__name__}'s forward between its"
-                        f" modules: {construct(e)}; {way_past(where or '')}"
+                        f" modules: {construct(e)}{kept}; {way_past(where or '')}"
                     ) from None
                 self.whole[where] = construct(e)
             finally:

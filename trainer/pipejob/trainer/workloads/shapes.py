@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from pipejob.trainer.workloads import tracing
 from pipejob.trainer.workloads.standins import META
@@ -29,6 +30,9 @@ _SIZE_ATTRS = {"shape", "ndim", "dtype", "is_cuda"}
 _SIZE_METHODS = {"size", "dim", "ndimension", "numel", "nelement", "stride", "element_size",
                  "is_floating_point", "is_complex", "is_contiguous"}  # fmt: skip
 BATCHES = (2, 3)  # the two batch sizes every traced value is followed for
+# A function the meta device cannot run is run on the CPU (on made-up values of its inputs'
+# shapes) only for inputs up to this size: activations of a few samples, not a model's tables.
+CPU_BYTES = 64 << 20
 
 
 def _einops_functions() -> tuple[Callable[..., Any], ...]:
@@ -202,11 +206,35 @@ class ShapedTracer(tracing.Tracer):
             with _computing(self), torch.no_grad():
                 return self._value(node, 0), self._value(node, 1)
         except Exception:
-            return None
+            return self._on_cpu(node) if node.op == "call_function" else None
 
-    def _value(self, node: fx.Node, i: int) -> Any:
+    def _on_cpu(self, node: fx.Node) -> tuple[Any, Any] | None:
+        """A function the meta device cannot run (it reads a value into Python: a mask
+        builder's `.item()`), run on the CPU on inputs of the same shapes filled with zeros and
+        then with ones: its outputs as meta tensors where their shapes do not depend on those
+        values; else None (unknown)."""
+        inputs = tree_leaves([self.values.get(n) for n in node.all_input_nodes])
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        if sum(t.numel() * t.element_size() for t in tensors) > CPU_BYTES:
+            return None
+        try:
+            with _computing(self), torch.no_grad():
+                runs = [(self._value(node, 0, fill), self._value(node, 1, fill)) for fill in (0, 1)]
+        except Exception:
+            return None
+        shapes = [tree_map(lambda v: v.shape if isinstance(v, torch.Tensor) else v, run)
+                  for run in runs]  # fmt: skip
+        if shapes[0] != shapes[1]:
+            return None
+        return tree_map(_meta, runs[0])
+
+    def _value(self, node: fx.Node, i: int, fill: int | None = None) -> Any:
+        """`node`'s value for batch size i from its inputs' (with `fill`, on the CPU: the
+        inputs made of that value, of their shapes and dtypes)."""
+
         def of(a: Any) -> Any:
-            return self.values[a][i] if isinstance(a, fx.Node) else a  # type: ignore[index]
+            value = self.values[a][i] if isinstance(a, fx.Node) else a  # type: ignore[index]
+            return value if fill is None else tree_map(lambda v: _filled(v, fill), value)
 
         args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), of)
         if node.op == "placeholder":
@@ -243,6 +271,12 @@ class _computing:
 def _meta(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.device.type != "meta":
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=META)
+    return value
+
+
+def _filled(value: Any, fill: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        return torch.full(value.shape, fill, dtype=value.dtype)
     return value
 
 

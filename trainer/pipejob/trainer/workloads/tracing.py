@@ -338,8 +338,17 @@ def _traced(value: Any) -> bool:
     if isinstance(value, dict):
         return any(_traced(v) for v in value.values())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return any(_traced(getattr(value, f.name, None)) for f in dataclasses.fields(value))
+        return any(_traced(_stored(value, f.name)) for f in dataclasses.fields(value))
     return False
+
+
+def _stored(value: Any, name: str) -> Any:
+    """A field's value as stored, without the class's own attribute code (Gemma 4's config
+    raises on a global read of a per-layer attribute); None where even that raises."""
+    try:
+        return object.__getattribute__(value, name)
+    except Exception:  # a field that cannot be read holds no traced value
+        return None
 
 
 @contextmanager
@@ -382,8 +391,12 @@ def unchanged(model: nn.Module, flags: dict[nn.Module, str] | None = None) -> It
             for key, value in attributes.items():
                 if key not in _STATE:
                     now = vars(module).get(key)
-                    same = type(now) is type(value) and now == value
-                    if flags is not None and isinstance(value, str | int | float) and not same:
+                    # Only plain settings are compared: comparing other objects runs their
+                    # code (a Hugging Face config's __eq__ reads every attribute, and
+                    # Gemma 4's per-layer ones raise when read globally).
+                    plain = isinstance(value, str | int | float)
+                    same = now is value or (plain and type(now) is type(value) and now == value)
+                    if flags is not None and plain and not same:
                         flags.setdefault(module, f"{key}: {value!r} -> {now!r}")
                     vars(module)[key] = value
 

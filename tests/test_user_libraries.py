@@ -6,6 +6,7 @@ benchmarks/_conform.py), in float64."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -327,4 +328,49 @@ def test_a_forward_that_switches_a_setting_by_shape_keeps_that_module_whole() ->
     traced = cut.Traced(meta, want=4, sample=torch.zeros(2, 6))
     assert "encoder" in traced.whole and "mode" in traced.whole["encoder"]
     row = _conform.run("user", "switching", SwitchingModel, lambda: torch.randn(4, 6))
+    assert row.verdict == "exact", row.why
+
+
+@dataclasses.dataclass
+class PerLayer:
+    """Gemma 4's config's habit: a global read of a per-layer attribute raises."""
+
+    width: int = 6
+
+    def __getattribute__(self, name: str):
+        if name == "width":
+            raise RuntimeError("width is per layer: read it from a layer's config")
+        return object.__getattribute__(self, name)
+
+
+def item_mask(h: torch.Tensor, config: PerLayer) -> torch.Tensor:
+    """A mask builder that reads a value into Python (the meta device cannot run it)."""
+    keep = 1 + int((h[0, 0] * 0).item())
+    return torch.ones(h.shape[0], h.shape[1] * keep, dtype=h.dtype, device=h.device)
+
+
+torch.fx.wrap("item_mask")  # a call of its own in the graph, as transformers' mask builders
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = PerLayer()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        mask = item_mask(h, self.config)
+        if mask.shape[1] != h.shape[1]:
+            raise ValueError("the mask does not fit")
+        return self.b(h * mask)
+
+
+def test_a_mask_built_off_the_meta_device_and_a_config_that_refuses_reads_trace() -> None:
+    """The shaped trace runs a function the meta device cannot (`.item()`) on the CPU for its
+    output's shape, and neither walks nor compares a config by reading its attributes."""
+    meta, _ = materialize.build(Masked, ())
+    traced = cut.Traced(meta, want=4, sample=torch.zeros(2, 6))
+    assert traced.shaped and traced.units == ["a", "b"]
+    row = _conform.run("user", "masked", Masked, lambda: torch.randn(4, 6))
     assert row.verdict == "exact", row.why

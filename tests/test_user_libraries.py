@@ -374,3 +374,26 @@ def test_a_mask_built_off_the_meta_device_and_a_config_that_refuses_reads_trace(
     assert traced.shaped and traced.units == ["a", "b"]
     row = _conform.run("user", "masked", Masked, lambda: torch.randn(4, 6))
     assert row.verdict == "exact", row.why
+
+
+def test_a_factory_that_loads_pretrained_weights_builds_as_a_plain_build(tmp_path: Path) -> None:
+    """`from_pretrained` builds on the meta device and marks the weights it loaded, which its
+    initialisation then skips: a stage's build draws what a plain build draws, so the LoRA
+    adapters peft makes after it start where a plain build's do, with no seed of the user's."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora_llama().base_model.model.save_pretrained(tmp_path)
+
+    def factory() -> nn.Module:
+        torch.manual_seed(5)
+        base = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+        return get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    plain, _ = materialize.build(factory, None)
+    adapters = sorted(n for n, p in plain.named_parameters() if p.requires_grad)
+    numbered = materialize.numbering(*materialize.build(factory, ()))
+    part, _ = materialize.build(factory, materialize.numbers(numbered, adapters))
+    got, expected = dict(part.named_parameters()), dict(plain.named_parameters())
+    assert adapters and all(torch.equal(got[n], expected[n]) for n in adapters)

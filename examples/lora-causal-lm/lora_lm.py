@@ -34,7 +34,7 @@ def model(base: str = "base", lora: bool = True, r: int = 8, alpha: int = 16,
     pretrained = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
     if not lora:
         return pretrained
-    torch.manual_seed(seed)  # the adapters' initial values, whatever loading drew before
+    torch.manual_seed(seed)  # the adapters' initial values: the same at any seed of the job
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=["q_proj", "v_proj"],
                         lora_dropout=0.0, task_type="CAUSAL_LM")  # fmt: skip
     return get_peft_model(pretrained, config)

@@ -82,6 +82,9 @@ class Placeholder(nn.Parameter):
 def placeholder(like: torch.Tensor, device: torch.device, requires_grad: bool,
                  source: Placeholder | None = None) -> Placeholder:  # fmt: skip
     made = Placeholder(meta_like(like), requires_grad)
+    # What a library noted on the parameter, as on the parameter itself (Hugging Face marks
+    # the weights it loaded `_is_hf_initialized`, and its initialisation then skips them).
+    made.__dict__.update(getattr(like, "__dict__", {}))
     made.made_on, made.source = device, source
     return made
 
@@ -92,7 +95,9 @@ class Standins:
     tensor the factory made), swapped in where torch is called (`_Calls`, before any of
     torch's own code compares devices) and, for whatever reaches torch's operations with a
     placeholder still in it, there (`_Operations`); any other random operation on a meta
-    tensor runs again on a scratch tensor. So the random stream advances as in a plain build.
+    tensor runs again on a scratch tensor, unless the factory made that tensor on the meta
+    device itself (`from_pretrained` builds there and loads, drawing nothing). So the random
+    stream advances as in a plain build.
 
     And it follows where values come from: every storage is tainted with the numbers of the
     parameters whose true values its values need. A placeholder's scratch stand-in, made
@@ -107,6 +112,7 @@ class Standins:
         self._stand_in: torch.Tensor | None = None
         self._held: dict[int, frozenset[int]] = {}  # a placeholder's taint, off its stand-in
         self._taint = WeakIdKeyDictionary()  # a storage -> the numbers its values need
+        self._own_meta = WeakIdKeyDictionary()  # meta storages the factory made: meta plainly too
         self._modes = (_Calls(self), _Operations(self))
 
     def __enter__(self) -> Standins:
@@ -279,9 +285,7 @@ class Standins:
         if any(isinstance(v, Placeholder) for v in flat):
             result = self.call(func, args, kwargs)
         else:
-            if torch.Tag.nondeterministic_seeded in func.tags and any(map(_is_meta, flat)):
-                func(*tree_map(_scratch, args), **tree_map(_scratch, kwargs))
-            result = func(*args, **kwargs)
+            result = self.plain_operation(func, args, kwargs, flat)
         if overwrite and args:
             target = args[0]
             self.mark(target, sources, whole=isinstance(target, Placeholder) or _whole(target))
@@ -296,6 +300,28 @@ class Standins:
             if packet in _INTO_PYTHON:
                 self.registered.everywhere |= sources
         return result
+
+    def plain_operation(self, func: Any, args: Any, kwargs: Any, flat: list[Any]) -> Any:
+        """An operation with no placeholder: a random one on a meta tensor that stands for a
+        real one (not one the factory put there) draws on a scratch tensor too. What the
+        factory makes on the meta device from nothing else is its own meta, as in a plain
+        build."""
+        meta = [v for v in flat if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+        stands_for_real = [v for v in meta if not self._is_own_meta(v)]
+        if torch.Tag.nondeterministic_seeded in func.tags and stands_for_real:
+            func(*tree_map(_scratch, args), **tree_map(_scratch, kwargs))
+        result = func(*args, **kwargs)
+        if not stands_for_real:
+            for v in tree_flatten(result)[0]:
+                if isinstance(v, torch.Tensor) and v.device.type == "meta":
+                    self._own_meta[v.untyped_storage()] = True
+        return result
+
+    def _is_own_meta(self, value: torch.Tensor) -> bool:
+        try:
+            return value.untyped_storage() in self._own_meta
+        except (NotImplementedError, RuntimeError):  # no storage (sparse, nested)
+            return False
 
     def finish(self, model: nn.Module) -> None:
         """What each parameter's and buffer's final value needs."""

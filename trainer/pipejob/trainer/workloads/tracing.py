@@ -1,13 +1,11 @@
 """How torch.fx sees a model for the cut (workloads/cut.py): a tracer with the cut
-candidates as leaves (modules opened into candidates traced into, torch.nn's own too),
-calling the forward as the pipeline does (one positional input), that notes the innermost
-module whose forward failed to trace; and that keeps the objects a forward passes to calls
-as they are (a Hugging Face config, a ModelOutput), where fx would rebuild them. Hugging
-Face models trace as they are: their mask builders run as calls of their own (they branch
-on the inputs) and the key/value cache is off while tracing (training needs none). A random
-draw from no traced value (LayerDrop's `torch.rand([]) < p`) would be drawn once, while
-tracing, and frozen into the graph: the module whose forward draws it is kept whole, so the
-draw happens at every step as in the model."""
+candidates as leaves (modules opened into candidates traced into, torch.nn's own too), calling
+the forward as the pipeline does (one positional input), noting the innermost module whose
+forward failed to trace, keeping the objects a forward passes to calls as they are (a config,
+a ModelOutput). Hugging Face's mask builders run as calls of their own (they branch on the
+inputs) and its key/value cache is off while tracing. A random draw from no traced value
+(LayerDrop's `torch.rand([]) < p`) would be frozen into the graph: the module whose forward
+draws it is kept whole, so the draw happens at every step as in the model."""
 
 from __future__ import annotations
 
@@ -338,17 +336,10 @@ def _traced(value: Any) -> bool:
     if isinstance(value, dict):
         return any(_traced(v) for v in value.values())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return any(_traced(_stored(value, f.name)) for f in dataclasses.fields(value))
+        # As stored: a config's own attribute code may raise (Gemma 4's per-layer ones).
+        stored = getattr(value, "__dict__", {})
+        return any(_traced(stored.get(f.name)) for f in dataclasses.fields(value))
     return False
-
-
-def _stored(value: Any, name: str) -> Any:
-    """A field's value as stored, without the class's own attribute code (Gemma 4's config
-    raises on a global read of a per-layer attribute); None where even that raises."""
-    try:
-        return object.__getattribute__(value, name)
-    except Exception:  # a field that cannot be read holds no traced value
-        return None
 
 
 @contextmanager
@@ -391,9 +382,7 @@ def unchanged(model: nn.Module, flags: dict[nn.Module, str] | None = None) -> It
             for key, value in attributes.items():
                 if key not in _STATE:
                     now = vars(module).get(key)
-                    # Only plain settings are compared: comparing other objects runs their
-                    # code (a Hugging Face config's __eq__ reads every attribute, and
-                    # Gemma 4's per-layer ones raise when read globally).
+                    # Plain settings only: a config's __eq__ reads attributes that may raise.
                     plain = isinstance(value, str | int | float)
                     same = now is value or (plain and type(now) is type(value) and now == value)
                     if flags is not None and plain and not same:

@@ -175,7 +175,7 @@ class Server:
             rows = torch.cat([r for r, _ in parts])
             values = torch.cat([v for _, v in parts]) / self.trainers
             weight.grad = sparse.gradient(rows, values, weight.shape).coalesce()
-            self.rows_updated += weight.grad._nnz()
+            self.rows_updated += weight.grad.indices().shape[1]
         self.optimizer.step()
         for weight in self.joined:
             weight.grad = None

@@ -116,6 +116,10 @@ def test_dlrm_example(tmp_path: Path) -> None:
     labels = torch.tensor([float(val.sample(i)[2]) for i in range(val.size)])
     constant = F.binary_cross_entropy(torch.full_like(labels, rate), labels).item()
     assert summary["evalSamples"] == 250 and summary["evalStep"] == 75
+    # Each trainer's reader held a shuffle window of the logs' lines at most (1000 here).
+    assert all(0 < t["readerPeakBytes"] <= (folder / "train.tsv").stat().st_size
+               for t in summary["perTrainer"].values()), summary["perTrainer"]  # fmt: skip
+    assert "lines the readers held at most: trainer0" in out
     assert summary["evalLoss"] < constant and summary["evalAuc"] > 0.65, (summary, constant)
     assert f"eval step 75: loss {summary['evalLoss']:.4f}, AUC {summary['evalAuc']:.4f} on" \
            " 250 held-out samples" in out  # fmt: skip

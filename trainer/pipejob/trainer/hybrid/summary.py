@@ -68,7 +68,8 @@ def render(s: dict[str, Any]) -> list[str]:
         f" {s['embeddingChangeNorm']:.4g} since initialization (norm of the change; norm at"
         f" initialization {s['embeddingNormBefore']:.4g}); rows updated "
         + ", ".join(f"{name} {v['rowsUpdated']:,}" for name, v in s["perServer"].items()),
-        f"data: samples read twice in one pass over the data: {s['samplesRepeated']}",
+        f"data: samples read twice in one pass over the data: {s['samplesRepeated']}"
+        + _reader_peaks(s["perTrainer"]),
         *(
             [f"held-out: {said(s)} on {s['evalSamples']} {unit()} (after step {s['evalStep']})"]
             if s.get("evalLoss") is not None
@@ -86,3 +87,13 @@ def render(s: dict[str, Any]) -> list[str]:
             f" {t['denseChangeNorm']:>11.4g}"
         )
     return lines
+
+
+def _reader_peaks(trainers: dict[str, dict[str, Any]]) -> str:
+    """Click logs' readers: the most they held at once, whatever the logs' size."""
+    peaks = {name: t["readerPeakBytes"] for name, t in trainers.items()
+             if t.get("readerPeakBytes") is not None}  # fmt: skip
+    if not peaks:
+        return ""
+    held = ", ".join(f"{name} {peak / 1e6:.1f} MB" for name, peak in peaks.items())
+    return f"; lines the readers held at most: {held}"

@@ -199,6 +199,8 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
         "denseChangeNorm": torch.cat(moved).norm().item(),
         "share": len(drawn.sample_ids),
         "samplesRead": len({i for _, i in seen}),
+        # Click logs: the most bytes of lines the reader held at once (its shuffle windows).
+        "readerPeakBytes": getattr(dataset, "most_held", None),
         "read": torch.tensor(sorted(seen)).reshape(-1, 2),
         "dense": {k: v.detach().cpu() for k, v in module.state_dict().items()},
     }

@@ -101,6 +101,7 @@ class Server:
                 self.first.append(first)
                 self.weights.append(weight.detach()[first : first + self.pieces[k].rows])
                 first += self.pieces[k].rows
+        self.first_rows = torch.tensor(self.first)  # as a lookup adds them to its ids
         self.group_of = [g for g, (_, _, members) in enumerate(self.groups) for _ in members]
         self.optimizer = sparse.make(self.joined, spec.sparse_optimizer)
         self.lock = threading.Lock()
@@ -189,7 +190,7 @@ class Server:
         batch = lengths.shape[1]
         per_piece = lengths.sum(1)
         # Each id as a row of its group's parameter: the piece's row plus the piece's first.
-        ids = ids + torch.repeat_interleave(torch.tensor(self.first), per_piece)
+        ids = ids + torch.repeat_interleave(self.first_rows, per_piece)
         chunks = ids.split([int(per_piece[m].sum()) for _, _, m in self.groups])
         outs, leaves, rows = [], [], []
         with torch.set_grad_enabled(trainer is not None):

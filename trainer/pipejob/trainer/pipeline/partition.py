@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_map_only
 
 from pipejob.trainer.workloads.cut import tensors
 
@@ -148,14 +148,14 @@ def measure_chain(pieces: list[nn.Module], names: list[str], values: tuple[Any, 
                 costs[i] = min(costs[i], time.perf_counter() - start)
                 cpu[i] = min(cpu[i], time.process_time() - start_cpu)
             values = outs
-    passed = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, values)
+    passed = tree_map_only(torch.Tensor, torch.Tensor.detach, values)
     return LayerCosts(costs, cpu), passed
 
 
 def _as_input(value: Any, grad: bool) -> Any:
     """A value passed between pieces, a fresh leaf of the graph (tensors inside tuples,
     lists and dicts too: a UNet passes its skip connections on as a tuple)."""
-    return tree_map(lambda v: _leaf(v, grad) if isinstance(v, torch.Tensor) else v, value)
+    return tree_map_only(torch.Tensor, lambda v: _leaf(v, grad), value)
 
 
 def _leaf(value: torch.Tensor, grad: bool) -> torch.Tensor:

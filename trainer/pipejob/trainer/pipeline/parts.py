@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_map_only
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.partition import LayerCosts, measure_chain, min_max_partition
@@ -112,7 +112,7 @@ def measure_here(
 
 
 def _to(values: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
-    return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, values)
+    return tree_map_only(torch.Tensor, lambda v: v.to(device), values)
 
 
 def measure_on_stages(names: list[str], spec: PipelineSpec, traced: cut.Traced,

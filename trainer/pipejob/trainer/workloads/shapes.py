@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
 from pipejob.trainer.workloads import tracing
 from pipejob.trainer.workloads.standins import META
@@ -222,8 +222,7 @@ class ShapedTracer(tracing.Tracer):
                 runs = [(self._value(node, 0, fill), self._value(node, 1, fill)) for fill in (0, 1)]
         except Exception:
             return None
-        shapes = [tree_map(lambda v: v.shape if isinstance(v, torch.Tensor) else v, run)
-                  for run in runs]  # fmt: skip
+        shapes = [tree_map_only(torch.Tensor, lambda v: v.shape, run) for run in runs]
         if shapes[0] != shapes[1]:
             return None
         return tree_map(_meta, runs[0])

@@ -53,6 +53,10 @@ from pipejob.trainer.workloads.tracing import (
 )
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+# Modules never opened: in evaluation without gradients their forward picks a fused kernel
+# when its arguments are not traced, so a traced copy of it would run another kernel (and
+# other roundings) than the model does.
+FUSED_AT_RUN_TIME = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
 
 
 class CutError(ValueError):
@@ -64,7 +68,8 @@ def candidates(model: nn.Module, want: int = 0, required: Sequence[str] = (),
     """Module names where a stage may begin, in the module tree's order: the model's
     children, then the modules above each `required` name opened, then the largest
     candidate opened (most parameters; the first on a tie) while there are fewer than
-    `want`. Modules in `whole` (their forward does not trace) are never opened."""
+    `want`. Modules in `whole` (their forward does not trace) and FUSED_AT_RUN_TIME are never
+    opened."""
     modules = dict(model.named_modules())
 
     def children(prefix: str, module: nn.Module) -> list[str]:
@@ -77,7 +82,10 @@ def candidates(model: nn.Module, want: int = 0, required: Sequence[str] = (),
         return found
 
     def openable(name: str) -> bool:
-        return name not in whole and next(modules[name].children(), None) is not None
+        module = modules[name]
+        if name in whole or isinstance(module, FUSED_AT_RUN_TIME):
+            return False
+        return next(module.children(), None) is not None
 
     units = children("", model)
 

@@ -249,9 +249,8 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
 def _rpc_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple[Any, float, dict]:
     pipe = Pipeline(names, shards, "cpu", s.precision, s.activation_checkpointing)
     with dist_autograd.context() as context_id:
-        loss = forward_backward(pipe, pipe.read(s.micro_batches, batch), 0, context_id,
+        loss, _ = forward_backward(pipe, pipe.read(s.micro_batches, batch), 0, context_id,
                                 workloads.loss(s))  # fmt: skip
-        pipe.settle(0, s.micro_batches)
         pipe.combine_tied(context_id, shards.tied)
         return pipe, loss.item(), _gradients(pipe, context_id)
 

@@ -62,7 +62,7 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
                           recap, re.M)  # fmt: skip
         assert parts, recap
         said = re.findall(r"([a-z][a-z -]*?) [\d.]+ ms", parts[1].replace(",", ""))
-        assert said[:5] == ["read", "forwards", "loss", "backward", "settle"], said
+        assert said[:3] == ["forwards", "backward", "gradient norms"], said
     # overhead.py: each system's fit, pipejob's against torch's schedule.
     for system in ("rpc", "gpipe", "torch-gpipe"):
         assert re.search(rf"^\s+2\s+tiny\s+{system}\s+-?[\d.]+\s+-?[\d.]+", log["overhead"],

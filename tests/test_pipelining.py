@@ -27,7 +27,6 @@ from jobrun import (
     run_to_end,
 )
 from pipejob.core import spec
-from pipejob.trainer.pipeline.driver import Round
 from pipejob.trainer.pipeline.pipelining.schedule import even
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime.output import load_state_dict
@@ -167,5 +166,5 @@ def test_an_evaluation_with_a_smaller_last_batch_says_what_the_rpc_engine_says(
 def test_a_round_runs_in_equal_micro_batches():
     """A PipelineStage's buffers have one shape: a last, smaller held-out batch that its
     count does not divide runs in the most equal micro-batches below it."""
-    assert [even(Round(1, m, None, samples)) for m, samples in
+    assert [even(m, samples) for m, samples in
             [(4, 32), (4, 10), (4, 3), (8, 7), (2, 2)]] == [4, 2, 3, 7, 2]  # fmt: skip

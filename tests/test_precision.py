@@ -91,9 +91,8 @@ def _bf16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         shards = plan_shards(s, *models.build_meta(s), env.names("stage"))
         pipe = Pipeline(env.names("stage"), shards, "cpu", s.precision)
         with dist_autograd.context() as context_id:
-            loss = forward_backward(pipe, pipe.read(s.micro_batches, batch), 0, context_id,
+            loss, _ = forward_backward(pipe, pipe.read(s.micro_batches, batch), 0, context_id,
                                     workloads.loss(s))  # fmt: skip
-            pipe.settle(0, s.micro_batches)
             grads: dict[str, torch.Tensor] = {}
             for stage in pipe.stages:
                 grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))

@@ -67,7 +67,6 @@ def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         with dist_autograd.context() as context_id:
             forward_backward(pipe, pipe.read(s.micro_batches, (inputs, labels)), 0, context_id,
                              workloads.loss(s))  # fmt: skip
-            pipe.settle(0, s.micro_batches)
         stage0, name0 = pipe.stages[0], pipe.names[0]
         # A forward output that stays on its stage (what the next stage fetches).
         evaluation = (stage0, "forward", (inputs[:2],), pipe.rounds + 1, 0, None)

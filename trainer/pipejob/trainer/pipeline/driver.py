@@ -105,14 +105,22 @@ class Pipeline:
             self._training = samples
         return self._round(micro_batches, samples)
 
-    def unread(self, micro_batches: int) -> Round | None:
-        """The next training round, not read yet: the engine has its first stage read it in
-        the call that runs it (reader.read, then the labels wait for it). None until a
-        training round was read (`read`): its size is then known, as every one's."""
-        if self._training is None:
-            return None
-        self.rounds += 1
-        return self._round(micro_batches, self._training)
+    def read_round(self, micro_batches: int, given: Batch | None) -> tuple[Round, int | None]:
+        """The next training round and, where its first stage reads it in the call that runs
+        it (one call fewer a round; the labels wait for it), the micro-batches it is read
+        as; else read now: `given`, or before a training round was read (its size is then
+        known, as every one's), or where the engine cannot yet (`reads_in_run`)."""
+        samples = self._training
+        if given is None and samples is not None and self.reads_in_run(micro_batches, samples):
+            self.rounds += 1
+            return self._round(micro_batches, samples), micro_batches
+        round_ = self.read(micro_batches, given)
+        assert round_ is not None  # the training data has no end
+        return round_, None
+
+    def reads_in_run(self, micro_batches: int, samples: int) -> bool:
+        """Whether a training round of `samples` may be read in the call that runs it."""
+        return True
 
     def _round(self, micro_batches: int, samples: int) -> Round:
         args = (self.stages[0], "labels", self.rounds, rendezvous.RPC_TIMEOUT_SECONDS)
@@ -247,14 +255,15 @@ class Replicas:
 
     def finish(self, pipeline: Pipeline, context_id: int, losses: list[float],
                rounds: list[int], step: int, norms: list[float] | None = None,
-               zero: bool = False) -> Judged:  # fmt: skip
+               zero: bool = False, stepped: bool = False) -> Judged:  # fmt: skip
         """A replica's step's tail, on either engine, once its gradients are whole on its
         stages: judged (`judge`; `norms`: the stages' norms where they came with an earlier
         reply), then, in one call per stage (Shard.finish_step), clipped and stepped where it
-        is applied and, with `zero` (gradients in .grad), the gradients forgotten."""
+        is applied and, with `zero` (gradients in .grad), the gradients forgotten; `stepped`:
+        the stages did that already, judging alike (pipelining's Stage._finish)."""
         with phase("gradient norms"):
             judged = self.judge(pipeline, context_id, losses, rounds, step, norms)
-        if not (judged.apply or zero):
+        if stepped or not (judged.apply or zero):
             return judged
         with phase("optimizer step"):
             coefficient = clip_coefficient(judged.norm, self.optimizer.clip_grad_norm)

@@ -14,20 +14,22 @@ import torch.distributed.rpc as rpc
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import driver
 from pipejob.trainer.pipeline.driver import Round, StepResult
-from pipejob.trainer.pipeline.pipelining.stage import NO_CONTEXT, Stage
+from pipejob.trainer.pipeline.pipelining.stage import NO_CONTEXT, Finish, Stage
 from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Source
 from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import Shards
+from pipejob.trainer.runtime.optim import learning_rate
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
 
-def even(batch: Round) -> int:
-    """The micro-batches a PipelineStage runs a round in: the most, up to the round's count,
-    of equal size (its buffers have one shape). A training batch's count divides it; a last,
-    smaller held-out batch may run in fewer."""
-    return max(n for n in range(1, batch.micro_batches + 1) if batch.samples % n == 0)
+def even(micro_batches: int, samples: int) -> int:
+    """The micro-batches a PipelineStage runs a round of `samples` in: the most, up to its
+    count (`micro_batches`, no more than its samples), of equal size (its buffers have one
+    shape). A training batch's count divides it; a last, smaller held-out batch may run in
+    fewer."""
+    return max(n for n in range(1, micro_batches + 1) if samples % n == 0)
 
 
 class Pipeline(driver.Pipeline):
@@ -50,10 +52,10 @@ class Pipeline(driver.Pipeline):
     def learn(self, batch: Round, training: bool) -> None:
         """Before the first round of its kind: the shapes each piece takes and passes on, piece
         after piece from the first stage's inputs (Stage.learn)."""
-        key = (training, even(batch), batch.samples)
+        key = (training, even(batch.micro_batches, batch.samples), batch.samples)
         if key in self._learnt:
             return
-        size = batch.samples // even(batch)  # a micro-batch's samples, as the stages run them
+        size = batch.samples // key[1]  # a micro-batch's samples, as the stages run them
         metas = [((size, *shape[1:]), dtype) for shape, dtype in self.reader("metas", batch.number)]
         for piece in range(self.pieces):
             k = piece % len(self.stages)
@@ -61,31 +63,26 @@ class Pipeline(driver.Pipeline):
                                  args=(self.stages[k], "learn", key, piece, metas))  # fmt: skip
         self._learnt.add(key)
 
-    def read_round(self, micro_batches: int, given: Batch | None) -> tuple[Round, int | None]:
-        """The next training round and, where its first stage reads it in the call that runs
-        it (`run`: one call fewer a round), the micro-batches it is read as; else read now."""
-        if given is None and (round_ := self.unread(micro_batches)) is not None:
-            if (True, even(round_), round_.samples) in self._learnt:
-                return round_, micro_batches
-            self.rounds -= 1  # not this one: its shapes are learnt on a round read first
-        round_ = self.read(micro_batches, given)
-        assert round_ is not None  # the training data has no end
-        return round_, None
+    def reads_in_run(self, micro_batches: int, samples: int) -> bool:
+        # Not before the shapes of such a round are learnt, on a round read first.
+        return (True, even(min(micro_batches, samples), samples), samples) in self._learnt
 
     def run(self, batch: Round, step: int, loss_fn: Loss, weight: float,
-            unscale: float | None = None,
-            read: int | None = None) -> tuple[float, list[float] | None]:  # fmt: skip
+            unscale: float | None = None, read: int | None = None,
+            finish: Finish | None = None) -> tuple[float, list[float] | None]:  # fmt: skip
         """Training round `batch` of step `step` through every stage at once; its loss
         (weighted by `weight` for the backward) and, with `unscale` (1 / fp16's loss scale),
         each stage's gradient norm after it (Shard.norm), computed in the same call. `read`:
-        the first stage reads the round first, as that many micro-batches (`read_round`)."""
+        the first stage reads the round first, as that many micro-batches (`read_round`);
+        `finish` (with `unscale`): the stages finish the step themselves (Stage._finish)."""
         self.learn(batch, True)
+        runs = even(batch.micro_batches, batch.samples)
         last = len(self.stages) - 1  # holds the last piece (stage k is on process k % p)
         replies = torch.futures.wait_all([
             rpc.rpc_async(name, on_stage, args=(
-                stage, "train", batch.number, even(batch), batch.samples, step,
+                stage, "train", batch.number, runs, batch.samples, step,
                 loss_fn, weight, batch.labels if k == last else None, unscale,
-                read if k == 0 else None))
+                read if k == 0 else None, finish))
             for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
         ])  # fmt: skip
         norms = None if unscale is None else [norm for _, norm in replies]
@@ -99,9 +96,10 @@ class Pipeline(driver.Pipeline):
         last = len(self.stages) - 1
         while (batch := self.read(micro_batches, what=HELD_OUT)) is not None:
             self.learn(batch, False)
+            runs = even(batch.micro_batches, batch.samples)
             tallies = torch.futures.wait_all([
                 rpc.rpc_async(name, on_stage, args=(
-                    stage, "evaluate", batch.number, even(batch), batch.samples,
+                    stage, "evaluate", batch.number, runs, batch.samples,
                     batch.labels if k == last else None, loss_fn, tally if k == last else None))
                 for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
             ])  # fmt: skip
@@ -128,8 +126,13 @@ class Replicas(driver.Replicas):
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
         weight = scale / len(rounds)  # each batch's share of the step's loss
         # Where nothing changes the gradients after the last round's backwards (no ties, no
-        # other replica), its replies carry the stages' norms.
+        # other replica), its replies carry the stages' norms; where that round is the only
+        # one (the stages see its loss alone), its call finishes the step too.
         early = not self.tied and len(self.pipelines) == 1
+        stepped = early and len(rounds) == 1
+        lr = learning_rate(self.optimizer, self.steps, step)
+        finish = (self.optimizer.clip_grad_norm,
+                  lr if self.optimizer.schedule is not None else None)  # fmt: skip
         start = time.perf_counter()
         losses, numbers, norms = [], [], None
         for a, given in enumerate(rounds):
@@ -139,7 +142,8 @@ class Replicas(driver.Replicas):
             share = self.share(round_, batch)
             unscale = self.unscale() if early and a == len(rounds) - 1 else None
             with phase("schedule"):
-                loss, norms = pipeline.run(round_, step, loss_fn, weight * share, unscale, read)
+                loss, norms = pipeline.run(round_, step, loss_fn, weight * share, unscale, read,
+                                           finish if stepped else None)  # fmt: skip
             losses.append(loss * share)
         if self.tied:
             with phase("tied gradients"):
@@ -149,7 +153,8 @@ class Replicas(driver.Replicas):
         if len(self.pipelines) > 1:
             with phase("all-reduce"):
                 allreduce = max(pipeline.each("average_gradients", NO_CONTEXT))
-        judged = self.finish(pipeline, NO_CONTEXT, losses, numbers, step, norms, zero=True)
+        judged = self.finish(pipeline, NO_CONTEXT, losses, numbers, step, norms, zero=True,
+                             stepped=stepped)  # fmt: skip
         return judged.result(middle - start, time.perf_counter() - middle, allreduce)
 
     def activation_peaks(self) -> list[int] | None:

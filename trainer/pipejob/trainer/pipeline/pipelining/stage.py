@@ -18,16 +18,19 @@ every PipelineStage is built with them (a last, smaller held-out batch gets its 
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.rpc import RRef
 
 from pipejob.core.common import Optimizer
+from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.parts import Part
 from pipejob.trainer.pipeline.pipelining import groups, schedules
 from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
@@ -35,6 +38,7 @@ from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.timing import Clock, step_seconds
 from pipejob.trainer.runtime import nonfinite
+from pipejob.trainer.runtime.optim import clip_coefficient
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.cut import join
 from pipejob.trainer.workloads.metrics import Tally
@@ -42,6 +46,7 @@ from pipejob.trainer.workloads.metrics import Tally
 NO_CONTEXT = 0  # gradients are in .grad: no context names them
 Metas = list[tuple[tuple[int, ...], torch.dtype]]  # the shape and dtype of each value
 Key = tuple[bool, int, int]  # a kind of round: training?, micro-batches, samples
+Finish = tuple[float | None, float | None]  # the step's clipGradNorm and learning rate
 
 
 class Flat(nn.Module):
@@ -191,12 +196,14 @@ class Stage(Shard):
 
     def train(self, round: int, micro_batches: int, samples: int, step: int, loss_fn: Loss,
               weight: float, labels: RRef | None, unscale: float | None = None,
-              read: int | None = None) -> tuple[float | None, float | None]:  # fmt: skip
+              read: int | None = None,
+              finish: Finish | None = None) -> tuple[float | None, float | None]:  # fmt: skip
         """Training round `round` of step `step`: forwards and backwards of its
         `micro_batches` (of `samples` in all), the gradients added to .grad; `read`: the first
-        stage reads the round first, as that many micro-batches (Reader.read). Returns the
-        round's loss on the last stage (the mean of its micro-batches'; None elsewhere) and,
-        with `unscale`, the norm of the step's gradients (Shard.norm; else None)."""
+        stage reads the round first, as that many micro-batches (Reader.read); `finish`: the
+        step's tail too (`_finish`). Returns the round's loss on the last stage (the mean of
+        its micro-batches'; None elsewhere) and, with `unscale`, the norm of the step's
+        gradients (Shard.norm; else None)."""
         if read is not None:
             got = self.reader.read(round, read)
             if got != samples:
@@ -210,9 +217,26 @@ class Stage(Shard):
         self._begin(step)
         run.step(*args, target=target, return_outputs=False)
         norm = None if unscale is None else self.norm(NO_CONTEXT, unscale)
-        if not self.last:
-            return None, norm
-        return torch.stack(self._losses).mean().item(), norm
+        loss = torch.stack(self._losses).mean().item() if self.last else None
+        if finish is not None and norm is not None:
+            self._finish(norm, loss, *finish)
+        return loss, norm
+
+    def _finish(self, norm: float, loss: float | None, clip: float | None,
+                lr: float | None) -> None:  # fmt: skip
+        """The step's tail without a call from the master: the pipeline's stages gather
+        their norms and the loss over their group and judge the step as the master does
+        (Replicas.judge: applied where both are finite, clipped by the global norm), then
+        step and forget the gradients (Shard.finish_step)."""
+        device = self.device if dist.get_backend(self.pipeline) == "nccl" else "cpu"
+        mine = torch.tensor([norm, 0.0 if loss is None else loss, float(self.last)],
+                            dtype=torch.float64, device=device)  # fmt: skip
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.pipeline))]
+        dist.all_gather(every, mine, group=self.pipeline)
+        total = gradients.total_norm([float(row[0]) for row in every])
+        loss = next(float(row[1]) for row in every if row[2])
+        applied = math.isfinite(loss) and math.isfinite(total)
+        self.finish_step(NO_CONTEXT, clip_coefficient(total, clip), lr, applied, zero=True)
 
     def forwarded(self, output: Any) -> None:
         """A piece's forward of one micro-batch gave `output`: in training, whether it is

@@ -35,6 +35,7 @@ from pipejob.trainer.workloads.metrics import Tally
 
 # Micro-batches a stage holds at once; fewer than the RPC worker threads (runtime/rendezvous).
 IN_FLIGHT = 4
+Norms = list[float] | None  # each stage's gradient norm, where a call brings them
 
 
 class Pipeline(driver.Pipeline):
@@ -59,10 +60,11 @@ class Pipeline(driver.Pipeline):
             for i, name in enumerate(stage_names)
         ])  # fmt: skip
 
-    def forward(self, batch: Round, step: int | None) -> None:
+    def forward(self, batch: Round, step: int | None, read: int | None = None) -> None:
         """All micro-batches' forwards of `batch`, pipelined. `step` None: an evaluation's
         forwards (no autograd, shards in eval mode). The outputs stay on the last stage, for
-        `loss` or `tally`.
+        `backward` or `tally`. `read`: the first stage reads the round in its first forward,
+        as that many micro-batches (`read_round`: one call fewer a round).
 
         Stage k gets micro-batch i's input as stage k-1's RRef and fetches it from there. A
         stage holds at most IN_FLIGHT micro-batches at a time: each waits for its input, then
@@ -78,7 +80,8 @@ class Pipeline(driver.Pipeline):
 
         def launch(k: int, mb: int) -> None:
             given = None if k == 0 else refs[k - 1, mb]  # the first stage's reader has it
-            args = (self.stages[k], "forward", given, round, mb, step)
+            reads = (read, batch.samples) if k == 0 and mb == 0 and read is not None else None
+            args = (self.stages[k], "forward", given, round, mb, step, reads)
             if k == last:
                 future = rpc.rpc_async(self.names[k], on_stage, args=args)
             else:
@@ -111,11 +114,27 @@ class Pipeline(driver.Pipeline):
             busy[k] -= 1
             fill()
 
-    def loss(self, batch: Round, loss_fn: Loss) -> torch.Tensor:
-        """A training round's loss, computed on the last stage (Stage.loss)."""
-        return rpc.rpc_sync(self.names[-1], on_stage,
-                            args=(self.stages[-1], "loss", batch.number, batch.micro_batches,
-                                  batch.labels, loss_fn))  # fmt: skip
+    def backward(self, batch: Round, loss_fn: Loss, context_id: int, scale: float, step: int,
+                 unscale: float | None = None) -> tuple[torch.Tensor, Norms]:  # fmt: skip
+        """Training round `batch`'s loss and the distributed backward from it times `scale`,
+        run by the last stage in one call (Stage.loss_backward), while every other stage
+        waits until it has backpropagated the round (Stage.settle): only then are the
+        round's gradients whole. With `unscale` (the step's last round: 1 / fp16's loss
+        scale), each stage's gradient norm comes with its reply. Returns the loss, and the
+        norms or None."""
+        last = len(self.stages) - 1
+        settle = ("settle",) if unscale is None else ("settle_norm", context_id, unscale)
+        replies = torch.futures.wait_all([
+            *(rpc.rpc_async(name, on_stage, args=(stage, settle[0], step, batch.micro_batches,
+                                                  *settle[1:]))
+              for name, stage in zip(self.names[:last], self.stages[:last], strict=True)),
+            rpc.rpc_async(self.names[last], on_stage,
+                          args=(self.stages[last], "loss_backward", batch.number,
+                                batch.micro_batches, batch.labels, loss_fn, context_id, scale,
+                                step, unscale)),
+        ])  # fmt: skip
+        loss, norm = replies[-1]
+        return loss, None if unscale is None else [*replies[:-1], norm]
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0):
@@ -128,37 +147,19 @@ class Pipeline(driver.Pipeline):
             tally = rpc.rpc_sync(self.names[-1], on_stage, args=args)
         return tally
 
-    def settle(self, step: int, micro_batches: int,
-               norms: tuple[int, float] | None = None) -> list[float] | None:  # fmt: skip
-        """Return once every stage has backpropagated every micro-batch of `step`
-        (Stage.settle): only then are the step's gradients whole. With `norms` (the step's
-        context and fp16's unscale), each stage's gradient norm comes with its reply
-        (Stage.settle_norm): the gradients are then those the optimizer steps with."""
-        if norms is None:
-            self.each("settle", step, micro_batches)
-            return None
-        return self.each("settle_norm", step, micro_batches, *norms)
 
-
-def forward_backward(
-    pipeline: Pipeline,
-    batch: Round,
-    step: int,
-    context_id: int,
-    loss_fn: Loss,
-    scale: float = 1.0,
-) -> torch.Tensor:
+def forward_backward(pipeline: Pipeline, batch: Round, step: int, context_id: int,
+                     loss_fn: Loss, scale: float = 1.0, read: int | None = None,
+                     unscale: float | None = None) -> tuple[torch.Tensor, Norms]:  # fmt: skip
     """Every micro-batch of `batch` forward, one loss over the whole batch (the mean over
     its samples, as without a pipeline) on the last stage, then the backward across the
-    stages of the loss times `scale` (1 / gradientAccumulation, times fp16's loss scale).
-    Returns the loss."""
+    stages of the loss times `scale` (1 / gradientAccumulation, times fp16's loss scale),
+    every stage settled (Pipeline.backward). Returns the loss, and with `unscale` each
+    stage's gradient norm."""
     with phase("forwards"):
-        pipeline.forward(batch, step)
-    with phase("loss"):
-        loss = pipeline.loss(batch, loss_fn)
+        pipeline.forward(batch, step, read)
     with phase("backward"):
-        dist_autograd.backward(context_id, [loss * scale if scale != 1.0 else loss])
-    return loss
+        return pipeline.backward(batch, loss_fn, context_id, scale, step, unscale)
 
 
 class Replicas(driver.Replicas):
@@ -193,15 +194,13 @@ class Replicas(driver.Replicas):
 
         def one_round(given: Batch | None, context_id: int, last: bool) -> float:
             nonlocal norms
-            round_ = pipeline.read(micro_batches, given)
-            assert round_ is not None  # the training data has no end
+            round_, read = pipeline.read_round(micro_batches, given)
             numbers.append(round_.number)
             share = self.share(round_, batch)
             weight = scale * share / len(rounds)  # each batch's share of the step's loss
-            loss = forward_backward(pipeline, round_, step, context_id, loss_fn, weight)
-            with phase("settle"):
-                asked = (context_id, self.unscale()) if early and last else None
-                norms = pipeline.settle(step, round_.micro_batches, asked)
+            unscale = self.unscale() if early and last else None
+            loss, norms = forward_backward(pipeline, round_, step, context_id, loss_fn, weight,
+                                           read, unscale)  # fmt: skip
             return loss.item() * share
 
         start = time.perf_counter()

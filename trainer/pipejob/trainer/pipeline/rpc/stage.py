@@ -26,6 +26,7 @@ from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, step_seconds
 from pipejob.trainer.runtime import nonfinite, rendezvous
+from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.cut import join, tensors
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -103,24 +104,25 @@ class Stage(Shard):
         self._outputs: dict[tuple[int, int], Any] = {}
 
     def forward(self, x: tuple[Any, ...] | RRef | None, round: int, micro_batch: int,
-                step: int | None) -> Any:  # fmt: skip
+                step: int | None, read: tuple[int, int] | None = None) -> Any:  # fmt: skip
         """Micro-batch `micro_batch` of forward round `round` (the turnstile's order); a
         training step's (`step`, timed, with autograd) or, with `step` None, an
         evaluation's (no autograd, the shard in eval mode). `x`: the previous stage's
-        output (an RRef), or None on the first stage (the round its reader read)."""
+        output (an RRef), or None on the first stage (the round its reader read). `read`:
+        the first stage reads the round first, as (micro-batches, samples) (Reader.read)."""
         failed = None
         try:  # fetching waits for no turn: later inputs arrive while this stage computes
-            if x is None:
-                x = self.reader.input(round, micro_batch)
-            elif not isinstance(x, tuple):
-                x = x.to_here()  # an RRef, fetched from the previous stage, straight to this one
-            received = x
-            x = tuple(v.to(self.device) if isinstance(v, torch.Tensor) else v for v in x)
+            if x is not None and not isinstance(x, tuple):  # an RRef, fetched from the
+                x = x.to_here()  # previous stage, straight to this one
         except Exception as e:
             failed = e
         with self._order.turn(round, micro_batch):
             if failed is not None:
                 raise failed
+            if x is None:  # the first stage's: read in its turn, after micro-batch 0's read
+                x = self._input(round, micro_batch, read)
+            received = x
+            x = tuple(v.to(self.device) if isinstance(v, torch.Tensor) else v for v in x)
             if micro_batch == 0:
                 self.settle_device()
             if step is None:
@@ -139,6 +141,15 @@ class Stage(Shard):
                 self._outputs[round, micro_batch] = y
             return None
         return y
+
+    def _input(self, round: int, micro_batch: int, read: tuple[int, int] | None) -> Any:
+        """The first stage's input of a micro-batch; with `read`, the round read first."""
+        if read is not None:
+            micro_batches, samples = read
+            got = self.reader.read(round, micro_batches)
+            if got != samples:
+                raise RuntimeError(f"training round {round} has {got} samples, not {samples}")
+        return self.reader.input(round, micro_batch)
 
     def _on_device(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` where this stage computes: its GPU worker, or here on a CPU."""
@@ -161,13 +172,19 @@ class Stage(Shard):
             self._outputs = {k: v for k, v in self._outputs.items() if k[0] > round}
         return join(outputs), labels.to_here().to(self.device)
 
-    def loss(self, round: int, micro_batches: int, labels: RRef,
-             loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    def loss_backward(self, round: int, micro_batches: int, labels: RRef, loss_fn: Loss,
+                      context_id: int, scale: float, step: int,
+                      unscale: float | None) -> tuple[torch.Tensor, float | None]:  # fmt: skip
         """The last stage: the loss of training round `round` (the mean over the whole
-        batch, as in one process). The master starts the distributed backward from it: a
-        scalar crosses to the master, not the outputs."""
+        batch, as in one process), the distributed backward from it times `scale`, and this
+        stage settled (`settle`), in one call; with `unscale`, the norm of the step's
+        gradients too (Shard.norm). Only the loss's value crosses to the master."""
         outputs, labels = self._round_outputs(round, micro_batches, labels)
-        return self._on_device(loss_fn, outputs, labels).cpu()
+        loss = self._on_device(loss_fn, outputs, labels).cpu()
+        dist_autograd.backward(context_id, [loss * scale if scale != 1.0 else loss])
+        self.settle(step, micro_batches)
+        norm = None if unscale is None else self.norm(context_id, unscale)
+        return loss.detach(), norm
 
     def tally(self, round: int, micro_batches: int, labels: RRef, loss_fn: Callable[..., Any],
               tally: Tally) -> Tally:  # fmt: skip

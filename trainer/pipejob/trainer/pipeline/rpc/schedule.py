@@ -117,24 +117,25 @@ class Pipeline(driver.Pipeline):
     def backward(self, batch: Round, loss_fn: Loss, context_id: int, scale: float, step: int,
                  unscale: float | None = None) -> tuple[torch.Tensor, Norms]:  # fmt: skip
         """Training round `batch`'s loss and the distributed backward from it times `scale`,
-        run by the last stage in one call (Stage.loss_backward), while every other stage
-        waits until it has backpropagated the round (Stage.settle): only then are the
-        round's gradients whole. With `unscale` (the step's last round: 1 / fp16's loss
-        scale), each stage's gradient norm comes with its reply. Returns the loss, and the
-        norms or None."""
+        run by the last stage in one call (Stage.loss_backward), then every other stage
+        settled (Stage.settle): only then are the round's gradients whole. With `unscale`
+        (the step's last round: 1 / fp16's loss scale), each stage's gradient norm comes
+        with its reply. Returns the loss, and the norms or None.
+
+        The settle waits for the backward's return, not beside it: a stage's settle ends
+        when its nodes nearest the inputs have run, just before the gradients they give its
+        parameters are taken into the context, which the backward's return waits for."""
         last = len(self.stages) - 1
+        loss, norm = rpc.rpc_sync(self.names[last], on_stage, args=(
+            self.stages[last], "loss_backward", batch.number, batch.micro_batches,
+            batch.labels, loss_fn, context_id, scale, step, unscale))  # fmt: skip
         settle = ("settle",) if unscale is None else ("settle_norm", context_id, unscale)
-        replies = torch.futures.wait_all([
-            *(rpc.rpc_async(name, on_stage, args=(stage, settle[0], step, batch.micro_batches,
-                                                  *settle[1:]))
-              for name, stage in zip(self.names[:last], self.stages[:last], strict=True)),
-            rpc.rpc_async(self.names[last], on_stage,
-                          args=(self.stages[last], "loss_backward", batch.number,
-                                batch.micro_batches, batch.labels, loss_fn, context_id, scale,
-                                step, unscale)),
+        norms = torch.futures.wait_all([
+            rpc.rpc_async(name, on_stage, args=(stage, settle[0], step, batch.micro_batches,
+                                                *settle[1:]))
+            for name, stage in zip(self.names[:last], self.stages[:last], strict=True)
         ])  # fmt: skip
-        loss, norm = replies[-1]
-        return loss, None if unscale is None else [*replies[:-1], norm]
+        return loss, None if unscale is None else [*norms, norm]
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0):

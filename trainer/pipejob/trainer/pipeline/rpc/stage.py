@@ -232,10 +232,11 @@ class Stage(Shard):
     def settle(self, step: int, micro_batches: int) -> None:
         """Wait until every micro-batch of `step` has backpropagated through this shard.
 
-        The master's distributed backward can return before that: when several gradients of
-        one context reach a worker, torch waits only for the RPCs the first one started, so
-        the gradient a later one sends on may still be on its way (and a context released
-        then loses it). The master settles every stage before the optimizer steps."""
+        The distributed backward (the last stage's, `loss_backward`) can return before that:
+        when several gradients of one context reach a worker, torch waits only for the RPCs
+        the first one started, so the gradient a later one sends on may still be on its way
+        (and a context released then loses it). Every stage settles before the optimizer
+        steps."""
         with self._settled:
             if not self._settled.wait_for(lambda: self._done.get(step, 0) >= micro_batches,
                                           rendezvous.RPC_TIMEOUT_SECONDS):  # fmt: skip

@@ -78,6 +78,13 @@ class Reader:
             self._lock.notify_all()
         return len(inputs)
 
+    def read_planned(self, round: int, micro_batches: int, samples: int) -> None:
+        """A training round read in the call that runs it (`read`), refused unless it has the
+        `samples` the master planned the round with (every training round's size)."""
+        got = self.read(round, micro_batches)
+        if got != samples:
+            raise RuntimeError(f"training round {round} has {got} samples, not {samples}")
+
     def input(self, round: int, micro_batch: int) -> tuple[torch.Tensor]:
         """Micro-batch `micro_batch` of round `round`'s inputs, for the stage's forward. On
         a GPU the forward runs on its RPC call's stream (the RPC agent's pool), not on the

@@ -205,9 +205,7 @@ class Stage(Shard):
         its micro-batches'; None elsewhere) and, with `unscale`, the norm of the step's
         gradients (Shard.norm; else None)."""
         if read is not None:
-            got = self.reader.read(round, read)
-            if got != samples:
-                raise RuntimeError(f"training round {round} has {got} samples, not {samples}")
+            self.reader.read_planned(round, read, samples)
         run, _ = self._run(True, micro_batches, samples)
         args = (self.reader.inputs(round),) if self.first else ()
         # Contiguous, as torch 2.11's schedules check the strides of what they split.

@@ -145,10 +145,7 @@ class Stage(Shard):
     def _input(self, round: int, micro_batch: int, read: tuple[int, int] | None) -> Any:
         """The first stage's input of a micro-batch; with `read`, the round read first."""
         if read is not None:
-            micro_batches, samples = read
-            got = self.reader.read(round, micro_batches)
-            if got != samples:
-                raise RuntimeError(f"training round {round} has {got} samples, not {samples}")
+            self.reader.read_planned(round, *read)
         return self.reader.input(round, micro_batch)
 
     def _on_device(self, fn: Callable[..., T], *args: Any) -> T:

@@ -237,8 +237,9 @@ def result(payload: dict[str, Any]) -> None:
     print(f"{RESULT}{json.dumps(payload)}", flush=True)
 
 
-def timed_batches(step: Callable[[Any], None], name: str, batch: int, image: int,
-                  warmup: int, batches: int) -> list[float]:  # fmt: skip
+def timed_batches(
+    step: Callable[[Any], None], name: str, batch: int, image: int, warmup: int, batches: int
+) -> list[float]:
     """Seconds of `step` on each of `batches` random image batches after `warmup` ones, with
     marks `<name>-start` and `<name>-end` around the measured ones."""
     import torch
@@ -353,9 +354,16 @@ class PipejobWorkers(RunnerWorkers):
         super().on_line(name, line)
 
 
-def run_job(job: dict[str, Any], stem: Path, key: int | str, steps: int, warmup: int,
-                timeout: float, env: dict[str, str],
-                echo_line=None) -> tuple[dict[str, Any], float, dict[str, Counters]]:  # fmt: skip
+def run_job(
+    job: dict[str, Any],
+    stem: Path,
+    key: int | str,
+    steps: int,
+    warmup: int,
+    timeout: float,
+    env: dict[str, str],
+    echo_line=None,
+) -> tuple[dict[str, Any], float, dict[str, Counters]]:
     """`pipejob run` of `job` (written to <stem>.yaml; `steps` in all, the first `warmup` left
     out) in `env`: its summary (also in <stem>.json), and the wall seconds and per-process
     counters between the master's step lines around the measured steps. `key` names the run
@@ -364,8 +372,11 @@ def run_job(job: dict[str, Any], stem: Path, key: int | str, steps: int, warmup:
     path.write_text(yaml.safe_dump(job))
     summary_file.unlink(missing_ok=True)
     with PipejobWorkers(steps, warmup, key, echo_line) as w:
-        w.start("runner", [sys.executable, "-m", "pipejob.cli", "run", str(path)],
-                env | {"PIPEJOB_SUMMARY_FILE": str(summary_file)})  # fmt: skip
+        w.start(
+            "runner",
+            [sys.executable, "-m", "pipejob.cli", "run", str(path)],
+            env | {"PIPEJOB_SUMMARY_FILE": str(summary_file)},
+        )
         try:
             codes = w.wait(timeout)
         except TimeoutError as e:  # what the run said last tells where it was

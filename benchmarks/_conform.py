@@ -43,8 +43,10 @@ from pipejob.trainer.workloads.cut import CutError, Traced, join, ties, without_
 # float64 (a Mixtral's grouped matmul): the stages add the same terms as the model but a
 # tied weight's copies, summed once more; 1000 eps (1.2e-4) is far above that and far below
 # any real error (the issue's T5 was off by 0.16 of a gradient of norm 0.22).
-TOLERANCE = {torch.float64: 1e6 * torch.finfo(torch.float64).eps,
-             torch.float32: 1e3 * torch.finfo(torch.float32).eps}  # fmt: skip
+TOLERANCE = {
+    torch.float64: 1e6 * torch.finfo(torch.float64).eps,
+    torch.float32: 1e3 * torch.finfo(torch.float32).eps,
+}
 MAX_STAGES = 4
 SEED = 1234
 MICRO_BATCHES = 2
@@ -65,8 +67,13 @@ class Failed(Exception):
     """A check that did not hold: which, and how."""
 
 
-def run(zoo: str, name: str, factory: Callable[[], nn.Module], sample: Callable[[], Any],
-        float64: str | None = None) -> Row:  # fmt: skip
+def run(
+    zoo: str,
+    name: str,
+    factory: Callable[[], nn.Module],
+    sample: Callable[[], Any],
+    float64: str | None = None,
+) -> Row:
     """The verdict on `factory`'s model, fed `sample()` (a batch of MICRO_BATCHES * 2); in
     float32 alone where `float64` says why not in float64 (the memory it would need)."""
     start = time.perf_counter()
@@ -147,8 +154,13 @@ def _check(row: Row, build: Callable[[], nn.Module], sample: Callable[[], Any]) 
         _check_cut(build, meta, numbered, starts, x)
 
 
-def _check_cut(build: Callable[[], nn.Module], meta: nn.Module,
-               numbered: materialize.Numbering, starts: list[str], x: Any) -> None:  # fmt: skip
+def _check_cut(
+    build: Callable[[], nn.Module],
+    meta: nn.Module,
+    numbered: materialize.Numbering,
+    starts: list[str],
+    x: Any,
+) -> None:
     plain = build()  # a forward changes state (batch norm's statistics): a fresh one per cut
     want = 2 * MAX_STAGES
     planned = Traced(meta, want=want, sample=_sample_of(x)).split(starts)
@@ -171,8 +183,10 @@ def _sample_of(x: Any) -> torch.Tensor | None:
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(module.named_parameters(remove_duplicate=False)),
-            **dict(module.named_buffers(remove_duplicate=False))}  # fmt: skip
+    return {
+        **dict(module.named_parameters(remove_duplicate=False)),
+        **dict(module.named_buffers(remove_duplicate=False)),
+    }
 
 
 def _same_state(plain: nn.Module, stages: list[nn.Module], where: str) -> None:
@@ -183,14 +197,17 @@ def _same_state(plain: nn.Module, stages: list[nn.Module], where: str) -> None:
         for name, value in _state(stage).items():
             if name not in expected:
                 if name in kept:  # fx's own constants are held, but not as state
-                    raise Failed(f"(a) {where}: stage {k}'s state holds {name}, which the"
-                                 " model's has not")  # fmt: skip
+                    raise Failed(
+                        f"(a) {where}: stage {k}'s state holds {name}, which the model's has not"
+                    )
                 continue
             if value.device.type == "meta":
                 raise Failed(f"(a) {where}: stage {k} did not build {name}")
             if value.dtype != expected[name].dtype or not torch.equal(value, expected[name]):
-                raise Failed(f"(a) {where}: stage {k}'s {name} differs from a plain build's"
-                             f" ({_difference(value, expected[name])})")  # fmt: skip
+                raise Failed(
+                    f"(a) {where}: stage {k}'s {name} differs from a plain build's"
+                    f" ({_difference(value, expected[name])})"
+                )
 
 
 def _difference(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -231,16 +248,18 @@ def _same_outputs(plain: nn.Module, stages: list[nn.Module], x: Any, where: str)
         with torch.no_grad():
             got, expected = _outputs(stages, x, training), _outputs(plain, x, training)
         if type(got) is not type(expected):
-            raise Failed(f"(b) {where}: in {mode} the stages return a {type(got).__name__},"
-                         f" the model a {type(expected).__name__}")  # fmt: skip
+            raise Failed(
+                f"(b) {where}: in {mode} the stages return a {type(got).__name__},"
+                f" the model a {type(expected).__name__}"
+            )
         a, b = _leaves(got), _leaves(expected)
         if len(a) != len(b):
-            raise Failed(f"(b) {where}: in {mode} the stages return {len(a)} tensors, the"
-                         f" model {len(b)}")  # fmt: skip
+            raise Failed(
+                f"(b) {where}: in {mode} the stages return {len(a)} tensors, the model {len(b)}"
+            )
         for i, (u, v) in enumerate(zip(a, b, strict=True)):
             if u.shape != v.shape or not torch.equal(u, v):
-                raise Failed(f"(b) {where}: output {i} in {mode} differs"
-                             f" ({_difference(u, v)})")  # fmt: skip
+                raise Failed(f"(b) {where}: output {i} in {mode} differs ({_difference(u, v)})")
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:
@@ -260,8 +279,9 @@ def _generic_loss(outputs: Any, labels: Any = None) -> torch.Tensor:
     return total
 
 
-def _same_gradients(plain: nn.Module, stages: list[nn.Module],
-                    tied: list[list[tuple[int, str]]], x: Any, where: str) -> None:  # fmt: skip
+def _same_gradients(
+    plain: nn.Module, stages: list[nn.Module], tied: list[list[tuple[int, str]]], x: Any, where: str
+) -> None:
     """(c) One step's gradients: the stages', tied copies summed, against the model's."""
     for m in (plain, *stages):
         m.zero_grad(set_to_none=True)
@@ -271,8 +291,7 @@ def _same_gradients(plain: nn.Module, stages: list[nn.Module],
     loss.backward()
     bound = TOLERANCE[torch.get_default_dtype()]
     if abs(got_loss.item() - loss.item()) > bound * max(abs(loss.item()), 1e-30):
-        raise Failed(f"(c) {where}: the loss is {got_loss.item()!r}, one process's"
-                     f" {loss.item()!r}")  # fmt: skip
+        raise Failed(f"(c) {where}: the loss is {got_loss.item()!r}, one process's {loss.item()!r}")
     grads: dict[str, torch.Tensor | None] = {}
     for stage in stages:
         grads |= {n: p.grad for n, p in stage.named_parameters(remove_duplicate=False)}
@@ -295,13 +314,20 @@ def _same_gradients(plain: nn.Module, stages: list[nn.Module],
         scale = expected.abs().max().item()
         error = (got - expected).abs().max().item()
         if error > bound * scale:
-            raise Failed(f"(c) {where}: {name}'s gradient is off by {error:.3g} (its scale"
-                         f" {scale:.3g})")  # fmt: skip
+            raise Failed(
+                f"(c) {where}: {name}'s gradient is off by {error:.3g} (its scale {scale:.3g})"
+            )
 
 
-def _loads_back(build: Callable[[], nn.Module], plain: nn.Module, meta: nn.Module,
-                numbered: materialize.Numbering, planned: list[nn.Module],
-                stages: list[nn.Module], where: str) -> None:  # fmt: skip
+def _loads_back(
+    build: Callable[[], nn.Module],
+    plain: nn.Module,
+    meta: nn.Module,
+    numbered: materialize.Numbering,
+    planned: list[nn.Module],
+    stages: list[nn.Module],
+    where: str,
+) -> None:
     """(d) The output (the stages' states, the rest and the modules' metadata, as
     pipeline/shards.py builds them) loads strictly into a fresh build, with the plain
     build's values and module metadata."""
@@ -313,8 +339,13 @@ def _loads_back(build: Callable[[], nn.Module], plain: nn.Module, meta: nn.Modul
     states = [{k: v.detach() for k, v in s.state_dict().items()} for s in stages]
     expected = plain.state_dict()
     with tempfile.TemporaryDirectory() as directory:
-        output.write(directory, {"model": {**rest, **{k: v for s in states for k, v in s.items()}}},
-                     {}, "safetensors", output.module_metadata(meta))  # fmt: skip
+        output.write(
+            directory,
+            {"model": {**rest, **{k: v for s in states for k, v in s.items()}}},
+            {},
+            "safetensors",
+            output.module_metadata(meta),
+        )
         written = output.load_state_dict(directory)
     # A fresh build's, which a user loads into: a forward may change a model's modules
     # (BigBird's first swaps its attention's, adding a dropout's entry to the plain one's).
@@ -324,8 +355,9 @@ def _loads_back(build: Callable[[], nn.Module], plain: nn.Module, meta: nn.Modul
     if sorted(written) != sorted(expected):
         extra = sorted(set(written) - set(expected))[:3]
         missing = sorted(set(expected) - set(written))[:3]
-        raise Failed(f"(d) {where}: the output holds {extra} the model's state has not, and"
-                     f" lacks {missing}")  # fmt: skip
+        raise Failed(
+            f"(d) {where}: the output holds {extra} the model's state has not, and lacks {missing}"
+        )
     try:
         fresh.load_state_dict(written, strict=True)
     except Exception as e:

@@ -18,8 +18,14 @@ import torch
 from torch import nn
 
 Entry = tuple[Callable[[], nn.Module], Callable[[], Any]]
-LIBRARIES = ("diffusers", "peft", "open_clip", "x_transformers", "vit_pytorch",
-             "segmentation_models_pytorch")  # fmt: skip
+LIBRARIES = (
+    "diffusers",
+    "peft",
+    "open_clip",
+    "x_transformers",
+    "vit_pytorch",
+    "segmentation_models_pytorch",
+)
 PEFT_ROWS = ("causal:llama", "causal:gpt2", "classification:bert", "seq2seq:t5")
 
 
@@ -60,19 +66,48 @@ def _diffusers() -> dict[str, Entry]:
 
     small = {"block_out_channels": (8, 16), "norm_num_groups": 4, "layers_per_block": 1}
     return {
-        "UNet2DModel": (lambda: _Timestep(diffusers.UNet2DModel(
-            sample_size=8, in_channels=3, out_channels=3, attention_head_dim=2,
-            down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-            up_block_types=("AttnUpBlock2D", "UpBlock2D"), **small)), _images(8)),
-        "UNet2DConditionModel": (lambda: _Timestep(diffusers.UNet2DConditionModel(
-            sample_size=8, in_channels=3, out_channels=3, cross_attention_dim=8,
-            attention_head_dim=2, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), **small), 8), _images(8)),
-        "AutoencoderKL": (lambda: diffusers.AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=2,
-            down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-            **small), _images(8)),
-    }  # fmt: skip
+        "UNet2DModel": (
+            lambda: _Timestep(
+                diffusers.UNet2DModel(
+                    sample_size=8,
+                    in_channels=3,
+                    out_channels=3,
+                    attention_head_dim=2,
+                    down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                    up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+                    **small,
+                )
+            ),
+            _images(8),
+        ),
+        "UNet2DConditionModel": (
+            lambda: _Timestep(
+                diffusers.UNet2DConditionModel(
+                    sample_size=8,
+                    in_channels=3,
+                    out_channels=3,
+                    cross_attention_dim=8,
+                    attention_head_dim=2,
+                    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+                    **small,
+                ),
+                8,
+            ),
+            _images(8),
+        ),
+        "AutoencoderKL": (
+            lambda: diffusers.AutoencoderKL(
+                in_channels=3,
+                out_channels=3,
+                latent_channels=2,
+                down_block_types=("DownEncoderBlock2D",) * 2,
+                up_block_types=("UpDecoderBlock2D",) * 2,
+                **small,
+            ),
+            _images(8),
+        ),
+    }
 
 
 def _peft(row: str) -> Entry:
@@ -91,13 +126,15 @@ def _open_clip() -> dict[str, Entry]:
     import open_clip
 
     def text() -> nn.Module:
-        config = open_clip.model.CLIPTextCfg(context_length=8, vocab_size=64, width=16, heads=2,
-                                             layers=2)  # fmt: skip
+        config = open_clip.model.CLIPTextCfg(
+            context_length=8, vocab_size=64, width=16, heads=2, layers=2
+        )
         return nn.Sequential(open_clip.model._build_text_tower(8, config), nn.Linear(8, 3))
 
     def vision() -> nn.Module:
-        config = open_clip.model.CLIPVisionCfg(layers=2, width=16, head_width=8, image_size=16,
-                                               patch_size=8)  # fmt: skip
+        config = open_clip.model.CLIPVisionCfg(
+            layers=2, width=16, head_width=8, image_size=16, patch_size=8
+        )
         return nn.Sequential(open_clip.model._build_vision_tower(8, config), nn.Linear(8, 3))
 
     return {"text tower": (text, _tokens(64)), "vision tower": (vision, _images(16))}
@@ -107,21 +144,35 @@ def _x_transformers() -> dict[str, Entry]:
     from x_transformers import Decoder, Encoder, TransformerWrapper
 
     def wrapper(layers: type) -> nn.Module:
-        return TransformerWrapper(num_tokens=64, max_seq_len=16,
-                                  attn_layers=layers(dim=16, depth=2, heads=2,
-                                                     rotary_pos_emb=True))  # fmt: skip
+        return TransformerWrapper(
+            num_tokens=64,
+            max_seq_len=16,
+            attn_layers=layers(dim=16, depth=2, heads=2, rotary_pos_emb=True),
+        )
 
-    return {"decoder": (lambda: wrapper(Decoder), _tokens(64)),
-            "encoder": (lambda: wrapper(Encoder), _tokens(64))}  # fmt: skip
+    return {
+        "decoder": (lambda: wrapper(Decoder), _tokens(64)),
+        "encoder": (lambda: wrapper(Encoder), _tokens(64)),
+    }
 
 
 def _vit_pytorch() -> dict[str, Entry]:
     from vit_pytorch import SimpleViT, ViT
 
-    small = {"image_size": 8, "patch_size": 4, "num_classes": 3, "dim": 8, "depth": 1,
-             "heads": 2, "mlp_dim": 8, "dim_head": 4}  # fmt: skip
-    return {"ViT": (lambda: ViT(**small), _images(8)),
-            "SimpleViT": (lambda: SimpleViT(**small), _images(8))}  # fmt: skip
+    small = {
+        "image_size": 8,
+        "patch_size": 4,
+        "num_classes": 3,
+        "dim": 8,
+        "depth": 1,
+        "heads": 2,
+        "mlp_dim": 8,
+        "dim_head": 4,
+    }
+    return {
+        "ViT": (lambda: ViT(**small), _images(8)),
+        "SimpleViT": (lambda: SimpleViT(**small), _images(8)),
+    }
 
 
 def _segmentation() -> dict[str, Entry]:
@@ -130,16 +181,21 @@ def _segmentation() -> dict[str, Entry]:
     small = {"encoder_name": "resnet18", "encoder_weights": None, "classes": 2, "encoder_depth": 3}
     return {
         "Unet": (lambda: smp.Unet(decoder_channels=(16, 8, 4), **small), _images(32)),
-        "FPN": (lambda: smp.FPN(decoder_pyramid_channels=16, decoder_segmentation_channels=32,
-                                **small), _images(32)),
-    }  # fmt: skip
+        "FPN": (
+            lambda: smp.FPN(decoder_pyramid_channels=16, decoder_segmentation_channels=32, **small),
+            _images(32),
+        ),
+    }
 
 
 def _zoo(library: str) -> dict[str, Entry] | None:
     makers: dict[str, Callable[[], dict[str, Entry]]] = {
-        "diffusers": _diffusers, "open_clip": _open_clip, "x_transformers": _x_transformers,
-        "vit_pytorch": _vit_pytorch, "segmentation_models_pytorch": _segmentation,
-    }  # fmt: skip
+        "diffusers": _diffusers,
+        "open_clip": _open_clip,
+        "x_transformers": _x_transformers,
+        "vit_pytorch": _vit_pytorch,
+        "segmentation_models_pytorch": _segmentation,
+    }
     return makers[library]() if library in makers else None
 
 

@@ -38,8 +38,11 @@ MODELS = {
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
 # dist.barrier on pipejob's gloo group says it is a Backend used as a ProcessGroup, each time.
 warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
-TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-                   "interleaved-1f1b": ScheduleInterleaved1F1B}  # fmt: skip
+TORCH_SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+}
 
 
 def say(payload: dict[str, Any]) -> None:
@@ -63,15 +66,28 @@ class Bench:
         optimizer: dict[str, Any] = {"name": "sgd", "lr": 0.01}
         if self.config["clip"]:
             optimizer["clipGradNorm"] = self.config["clip"]
-        fields = {"model": {"transformer": MODELS[model]}, "stages": self.stages,
-                  "batchSize": m * self.config["samples"], "microBatches": m,
-                  "engine": "rpc" if system == "rpc" else "pipelining", "steps": 10**6,
-                  "optimizer": optimizer, "seed": 0, "preflight": {"enabled": False}}  # fmt: skip
+        fields = {
+            "model": {"transformer": MODELS[model]},
+            "stages": self.stages,
+            "batchSize": m * self.config["samples"],
+            "microBatches": m,
+            "engine": "rpc" if system == "rpc" else "pipelining",
+            "steps": 10**6,
+            "optimizer": optimizer,
+            "seed": 0,
+            "preflight": {"enabled": False},
+        }
         if system != "rpc":
-            fields |= {"schedule": schedule,
-                       "stagesPerProcess": 2 if schedule in INTERLEAVED else 1}  # fmt: skip
-        manifest = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob",
-                    "metadata": {"name": "overhead"}, "spec": fields}  # fmt: skip
+            fields |= {
+                "schedule": schedule,
+                "stagesPerProcess": 2 if schedule in INTERLEAVED else 1,
+            }
+        manifest = {
+            "apiVersion": "pipejob.dev/v1alpha1",
+            "kind": "PipelineJob",
+            "metadata": {"name": "overhead"},
+            "spec": fields,
+        }
         return spec_module.parse(manifest).settings
 
     def shards(self, s: Any) -> Shards:
@@ -124,9 +140,18 @@ class Bench:
                 times[system] += seconds
                 cpu[system].append(used / count)
         for system, ts in times.items():
-            say({"stages": self.stages, "model": model, "m": m, "system": system,
-                 "seconds": statistics.median(ts), "least": min(ts), "steps": ts,
-                 "cpu": statistics.median(cpu[system])})  # fmt: skip
+            say(
+                {
+                    "stages": self.stages,
+                    "model": model,
+                    "m": m,
+                    "system": system,
+                    "seconds": statistics.median(ts),
+                    "least": min(ts),
+                    "steps": ts,
+                    "cpu": statistics.median(cpu[system]),
+                }
+            )
         if m == 1 and model == "tiny" and not self.config["no_profile"]:
             for system in systems:
                 if not system.startswith("torch-"):
@@ -145,12 +170,14 @@ class Bench:
     def cpu(self, replicas: Any) -> float:
         """The CPU seconds the master and `replicas`' stage processes have used so far."""
         p = replicas.pipelines[0]
-        stages = torch.futures.wait_all([rpc.rpc_async(name, time.process_time)
-                                         for name in p.names])  # fmt: skip
+        stages = torch.futures.wait_all(
+            [rpc.rpc_async(name, time.process_time) for name in p.names]
+        )
         return time.process_time() + sum(stages)
 
-    def torch_steps(self, holder: Any, model: str, m: int, system: str, loss_fn: Any,
-                    count: int) -> tuple[list[float], float]:  # fmt: skip
+    def torch_steps(
+        self, holder: Any, model: str, m: int, system: str, loss_fn: Any, count: int
+    ) -> tuple[list[float], float]:
         """The seconds of each of `count` steps of torch's schedule run by the stages
         themselves, on the pieces of pipejob's pipelining stages `holder` holds: the first
         stage's (a step begins there and ends with its last backward); and the CPU seconds
@@ -161,10 +188,12 @@ class Bench:
         shape = (self.config["samples"] * m, MODELS[model]["seqLen"])
         vocab = MODELS[model]["vocabSize"]
         args = (system.removeprefix("torch-"), m, shape, vocab, loss_fn, count)
-        replies = torch.futures.wait_all([
-            rpc.rpc_async(name, torch_steps, args=(stage, *args))
-            for name, stage in zip(p.names, p.stages, strict=True)
-        ])  # fmt: skip
+        replies = torch.futures.wait_all(
+            [
+                rpc.rpc_async(name, torch_steps, args=(stage, *args))
+                for name, stage in zip(p.names, p.stages, strict=True)
+            ]
+        )
         return replies[0][0], sum(used for _, used in replies)
 
     def profile(self, replicas: Any, model: str, m: int, system: str, loss_fn: Any) -> None:
@@ -172,9 +201,17 @@ class Bench:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             self.steps(replicas, m, loss_fn, 1)
         parts = Phases(prof.events())
-        say({"stages": self.stages, "model": model, "m": m, "system": system,
-             "phases": dict(parts), "span": parts.span,
-             "between": parts.span - sum(parts.values())})  # fmt: skip
+        say(
+            {
+                "stages": self.stages,
+                "model": model,
+                "m": m,
+                "system": system,
+                "phases": dict(parts),
+                "span": parts.span,
+                "between": parts.span - sum(parts.values()),
+            }
+        )
 
 
 # ---------------------------------------------------------------------------- on a stage
@@ -182,8 +219,15 @@ class Bench:
 _runs: dict[tuple[int, str, int], tuple[Any, torch.optim.Optimizer, tuple, Any]] = {}
 
 
-def torch_steps(stage_ref: rpc.RRef, schedule: str, m: int, shape: tuple[int, int], vocab: int,
-                loss_fn: Any, count: int) -> tuple[list[float], float]:  # fmt: skip
+def torch_steps(
+    stage_ref: rpc.RRef,
+    schedule: str,
+    m: int,
+    shape: tuple[int, int],
+    vocab: int,
+    loss_fn: Any,
+    count: int,
+) -> tuple[list[float], float]:
     """Runs on a pipelining stage process: `count` steps of torch's `schedule` over this
     stage's pieces (schedule.step, SGD's step, zero_grad), as a user drives it without a
     master, after a barrier of the pipeline; the seconds of each step here, and the CPU
@@ -206,17 +250,25 @@ def torch_steps(stage_ref: rpc.RRef, schedule: str, m: int, shape: tuple[int, in
     return seconds, used
 
 
-def _build(stage: Any, schedule: str, m: int, shape: tuple[int, int], vocab: int,
-           loss_fn: Any) -> tuple[Any, torch.optim.Optimizer, tuple, Any]:  # fmt: skip
+def _build(
+    stage: Any, schedule: str, m: int, shape: tuple[int, int], vocab: int, loss_fn: Any
+) -> tuple[Any, torch.optim.Optimizer, tuple, Any]:
     """torch's PipelineStages over the pieces pipejob's stage built (the shapes they learnt
     for this count), the schedule, SGD, and the fixed batch the first and last stages use."""
     samples = shape[0]
     learnt = (True, m, samples)
-    stages = [PipelineStage(module, k, stage.count, stage.device,
-                            input_args=_meta(stage._metas[learnt, k][0], True),
-                            output_args=_meta(stage._metas[learnt, k][1], True),
-                            group=stage.pipeline)
-              for k, module in zip(stage.held, stage.modules, strict=True)]  # fmt: skip
+    stages = [
+        PipelineStage(
+            module,
+            k,
+            stage.count,
+            stage.device,
+            input_args=_meta(stage._metas[learnt, k][0], True),
+            output_args=_meta(stage._metas[learnt, k][1], True),
+            group=stage.pipeline,
+        )
+        for k, module in zip(stage.held, stage.modules, strict=True)
+    ]
 
     def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
         if isinstance(output, tuple | list) and len(output) == 1:

@@ -86,8 +86,13 @@ class Around(nn.Module):
     """A module between two linear layers: a feature vector in, one out, as the module's
     input and output ask (`before`, `after` reshape)."""
 
-    def __init__(self, module: nn.Module, width: int, before: Callable[[torch.Tensor], Any],
-                 after: Callable[[Any], torch.Tensor]):  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module,
+        width: int,
+        before: Callable[[torch.Tensor], Any],
+        after: Callable[[Any], torch.Tensor],
+    ):
         super().__init__()
         self.inp = nn.Linear(8, width)
         self.module = module
@@ -98,8 +103,12 @@ class Around(nn.Module):
         return self.out(self.after(self.module(self.before(self.inp(x)))))
 
 
-def _around(make: Callable[[], nn.Module], width: int, before: Callable[[torch.Tensor], Any],
-            after: Callable[[Any], torch.Tensor] = lambda y: y.flatten(1)) -> Entry:  # fmt: skip
+def _around(
+    make: Callable[[], nn.Module],
+    width: int,
+    before: Callable[[torch.Tensor], Any],
+    after: Callable[[Any], torch.Tensor] = lambda y: y.flatten(1),
+) -> Entry:
     def factory() -> nn.Module:
         model = Around(make(), width, before, after)
         model(torch.zeros(BATCH, 8))  # the dry run that makes the head's parameters
@@ -353,25 +362,76 @@ VOCAB = 128
 TINY = 20e6  # parameters: a tiny config that keeps more is taken as not made tiny
 _SIZES = {
     1: ("n_group", "topk_group", "first_k_dense_replace"),
-    2: ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers",
-        "decoder_layers", "num_encoder_layers", "num_decoder_layers", "num_attention_heads",
-        "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
-        "num_key_value_heads", "num_kv_heads", "multi_query_group_num", "num_experts_per_tok",
-        "moe_k", "num_heads"),
-    4: ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
-        "sliding_window"),
+    2: (
+        "num_hidden_layers",
+        "num_layers",
+        "n_layer",
+        "n_layers",
+        "encoder_layers",
+        "decoder_layers",
+        "num_encoder_layers",
+        "num_decoder_layers",
+        "num_attention_heads",
+        "n_head",
+        "n_heads",
+        "encoder_attention_heads",
+        "decoder_attention_heads",
+        "num_key_value_heads",
+        "num_kv_heads",
+        "multi_query_group_num",
+        "num_experts_per_tok",
+        "moe_k",
+        "num_heads",
+    ),
+    4: (
+        "num_local_experts",
+        "num_experts",
+        "n_routed_experts",
+        "moe_num_experts",
+        "sliding_window",
+    ),
     8: ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim"),
-    16: ("head_dim", "d_kv", "kv_channels", "attention_head_size", "v_head_dim", "q_lora_rank",
-         "kv_lora_rank"),
-    32: ("hidden_size", "d_model", "n_embd", "embed_dim", "embedding_size", "dim",
-         "word_embed_proj_dim", "projection_dim"),
-    64: ("intermediate_size", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
-         "n_inner", "moe_intermediate_size", "shared_expert_intermediate_size",
-         "ffn_hidden_size"),
-}  # fmt: skip
+    16: (
+        "head_dim",
+        "d_kv",
+        "kv_channels",
+        "attention_head_size",
+        "v_head_dim",
+        "q_lora_rank",
+        "kv_lora_rank",
+    ),
+    32: (
+        "hidden_size",
+        "d_model",
+        "n_embd",
+        "embed_dim",
+        "embedding_size",
+        "dim",
+        "word_embed_proj_dim",
+        "projection_dim",
+    ),
+    64: (
+        "intermediate_size",
+        "d_ff",
+        "ffn_dim",
+        "encoder_ffn_dim",
+        "decoder_ffn_dim",
+        "n_inner",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "ffn_hidden_size",
+    ),
+}
 _LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
-_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
-           "sep_token_id", "cls_token_id", "mask_token_id")  # fmt: skip
+_TOKENS = (
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "decoder_start_token_id",
+    "sep_token_id",
+    "cls_token_id",
+    "mask_token_id",
+)
 
 
 def tiny(config: Any, sub_configs: bool = True) -> dict[str, Any]:
@@ -388,8 +448,9 @@ def tiny(config: Any, sub_configs: bool = True) -> dict[str, Any]:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 kwargs[key] = min(value, size) if key == "sliding_window" else size
     layers = next((values[k] for k in _LAYERS if isinstance(values.get(k), int)), None)
-    per_layer = [k for k, v in values.items()
-                 if isinstance(v, list) and layers and len(v) == layers]  # fmt: skip
+    per_layer = [
+        k for k, v in values.items() if isinstance(v, list) and layers and len(v) == layers
+    ]
     if per_layer:  # layer_types, mlp_layer_types, ...: the first layer and the first other kind
         kinds = values["layer_types"] if "layer_types" in per_layer else values[per_layer[0]]
         other = next((i for i, kind in enumerate(kinds) if kind != kinds[0]), 1)

@@ -35,13 +35,21 @@ def manifest(args: argparse.Namespace, schedule: str, m: int) -> dict[str, Any]:
         "kind": "PipelineJob",
         "metadata": {"name": f"activations-{schedule}-m{m}"},
         "spec": {
-            "model": model, "engine": "pipelining", "schedule": schedule,
-            "stages": args.stages, "microBatches": m, "batchSize": m * args.micro_batch,
-            "imageSize": args.image, "numClasses": 100, "steps": 2, "seed": 0,
-            "optimizer": {"name": "sgd", "lr": 0.01}, "preflight": {"enabled": False},
+            "model": model,
+            "engine": "pipelining",
+            "schedule": schedule,
+            "stages": args.stages,
+            "microBatches": m,
+            "batchSize": m * args.micro_batch,
+            "imageSize": args.image,
+            "numClasses": 100,
+            "steps": 2,
+            "seed": 0,
+            "optimizer": {"name": "sgd", "lr": 0.01},
+            "preflight": {"enabled": False},
             "rendezvousTimeoutSeconds": 600,
         },
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -57,22 +65,36 @@ def main() -> None:
     counts = [int(m) for m in args.counts.split(",")]
     schedules = args.schedules.split(",")
     images = "" if args.model == "transformer" else f", {args.image}x{args.image} images"
-    print(f"machine: {machine()}; {args.model}, {args.stages} stages, micro-batches of"
-          f" {args.micro_batch}{images}")  # fmt: skip
+    print(
+        f"machine: {machine()}; {args.model}, {args.stages} stages, micro-batches of"
+        f" {args.micro_batch}{images}"
+    )
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="pipejob-activations-") as tmp:
         for m in counts:  # interleaved: the machine's drift hits both schedules alike
             for schedule in schedules:
                 job = manifest(args, schedule, m)
-                summary, _, _ = run_job(job, Path(tmp) / job["metadata"]["name"], m, 2, 1,
-                                        args.timeout, dict(os.environ))  # fmt: skip
+                summary, _, _ = run_job(
+                    job,
+                    Path(tmp) / job["metadata"]["name"],
+                    m,
+                    2,
+                    1,
+                    args.timeout,
+                    dict(os.environ),
+                )
                 rows[schedule, m] = summary
                 held = [st["peakActivationBytes"] / MB for st in summary["partition"]]
-                print(f"  {schedule:<6} m={m:<3} activations per stage (MB):"
-                      f" {', '.join(f'{h:.1f}' for h in held)}", flush=True)  # fmt: skip
+                print(
+                    f"  {schedule:<6} m={m:<3} activations per stage (MB):"
+                    f" {', '.join(f'{h:.1f}' for h in held)}",
+                    flush=True,
+                )
     stages = [st["stage"] for st in next(iter(rows.values()))["partition"]]
-    print(f"\npeak activations held for the backward, per stage (MB; peak RSS in brackets),"
-          f" micro-batches of {args.micro_batch}:")  # fmt: skip
+    print(
+        f"\npeak activations held for the backward, per stage (MB; peak RSS in brackets),"
+        f" micro-batches of {args.micro_batch}:"
+    )
     head = f"  {'schedule':<8} {'stage':<7}" + "".join(f" {f'm={m}':>16}" for m in counts)
     print(head)
     for schedule in schedules:
@@ -85,12 +107,16 @@ def main() -> None:
                 cells += f" {held:>7.1f} [{rss:>5.0f}]"
             print(f"  {schedule:<8} {stage:<7}{cells}")
     for k, stage in enumerate(stages):
-        growth = {s: rows[s, counts[-1]]["partition"][k]["peakActivationBytes"]
-                  / rows[s, counts[0]]["partition"][k]["peakActivationBytes"]
-                  for s in schedules}  # fmt: skip
+        growth = {
+            s: rows[s, counts[-1]]["partition"][k]["peakActivationBytes"]
+            / rows[s, counts[0]]["partition"][k]["peakActivationBytes"]
+            for s in schedules
+        }
         said = ", ".join(f"{s} {g:.2f}x" for s, g in growth.items())
-        print(f"  {stage}: from m={counts[0]} to m={counts[-1]} ({counts[-1] // counts[0]}x the"
-              f" micro-batches): {said}")  # fmt: skip
+        print(
+            f"  {stage}: from m={counts[0]} to m={counts[-1]} ({counts[-1] // counts[0]}x the"
+            f" micro-batches): {said}"
+        )
     print(f"\n{machine()}")
 
 

@@ -57,8 +57,10 @@ from pipejob.core.levers import DEFAULT_MALLOC, MALLOCS, find
 GB = 1e9
 # jemalloc's settings in torch's launcher (torch/backends/xeon/run_cpu.py, --enable-jemalloc):
 # freed memory is never decayed back to the kernel, large blocks get arenas of their own.
-KEEPING = ("oversize_threshold:1,background_thread:true,metadata_thp:auto,"
-           "dirty_decay_ms:9000000000,muzzy_decay_ms:9000000000")  # fmt: skip
+KEEPING = (
+    "oversize_threshold:1,background_thread:true,metadata_thp:auto,"
+    "dirty_decay_ms:9000000000,muzzy_decay_ms:9000000000"
+)
 NO_LEVER = {"PIPEJOB_TUNING": "threads,transport"}
 JEMALLOC = {"PIPEJOB_TUNING": "threads,transport,allocator=jemalloc"}
 TCMALLOC = {"PIPEJOB_TUNING": "threads,transport,allocator=tcmalloc"}
@@ -75,8 +77,15 @@ CHOICES: dict[str, dict[str, str]] = {
 # The choice the default is (what PIPEJOB_TUNING unset preloads): measured once, as "default".
 SAME_AS_DEFAULT = DEFAULT_MALLOC if DEFAULT_MALLOC != "glibc" else "glibc-lever"
 # What a choice sets, and what the caller's environment may not add to it.
-CLEARED = ("PIPEJOB_TUNING", "LD_PRELOAD", "MALLOC_CONF", "TCMALLOC_AGGRESSIVE_DECOMMIT",
-           "MKL_DISABLE_FAST_MM", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # fmt: skip
+CLEARED = (
+    "PIPEJOB_TUNING",
+    "LD_PRELOAD",
+    "MALLOC_CONF",
+    "TCMALLOC_AGGRESSIVE_DECOMMIT",
+    "MKL_DISABLE_FAST_MM",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+)
 MODELS = ("transformer", "resnet50")
 SAID = re.compile(r"(\w+)\s*\| performance settings: .*?malloc ([^,\n]+)")
 STEPS, WARMUP = 5, 1
@@ -96,14 +105,24 @@ class Run:
 
 def job(model: str) -> dict[str, Any]:
     if model == "resnet50":
-        cfg = Config(batch=48, image=64, counts=[2], warmup=WARMUP, batches=STEPS - WARMUP,
-                     pipejob_env={}, variants={}, stage_threads=0, timeout=0,
-                     verbose=False)  # fmt: skip
+        cfg = Config(
+            batch=48,
+            image=64,
+            counts=[2],
+            warmup=WARMUP,
+            batches=STEPS - WARMUP,
+            pipejob_env={},
+            variants={},
+            stage_threads=0,
+            timeout=0,
+            verbose=False,
+        )
         spec = pipejob_manifest(cfg, 2)
         spec["spec"]["splitPoints"] = ["layer3.0"]  # the tutorial's cut, a quiet machine's too
         return spec
-    shape = argparse.Namespace(vocab=256, width=1024, heads=16, seq_len=32, batch=4,
-                               micro_batches=2, steps=STEPS)  # fmt: skip
+    shape = argparse.Namespace(
+        vocab=256, width=1024, heads=16, seq_len=32, batch=4, micro_batches=2, steps=STEPS
+    )
     spec = transformer_manifest(shape, layers=24, stages=4)
     # The cut a quiet machine measures (6 blocks a stage), fixed: under load the measured cut
     # moves blocks between stages, and a stage's peak with them.
@@ -114,16 +133,24 @@ def job(model: str) -> dict[str, Any]:
 def measure(choice: str, model: str, tmp: Path, timeout: float) -> Run:
     env = {k: v for k, v in os.environ.items() if k not in CLEARED} | CHOICES[choice]
     spec = job(model)
-    summary, _, deltas = run_job(spec, tmp / f"{model}-{choice}", choice, STEPS, WARMUP,
-                                 timeout, env)  # fmt: skip
+    summary, _, deltas = run_job(
+        spec, tmp / f"{model}-{choice}", choice, STEPS, WARMUP, timeout, env
+    )
     cpu = sum(d.cpu for name, d in deltas.items() if name != "runner")
     samples = spec["spec"]["batchSize"] * (STEPS - WARMUP)
     log = (tmp / f"{model}-{choice}.log").read_text()
     said = dict(SAID.findall(log))
     cut = "/".join(str(len(st["layers"])) for st in summary["partition"])
-    return Run(choice, model, summary["secondsPerStep"], samples / cpu,
-               {m: f["rssPeakBytes"] for m, f in summary["memory"].items()}, said,
-               load_average(), cut)  # fmt: skip
+    return Run(
+        choice,
+        model,
+        summary["secondsPerStep"],
+        samples / cpu,
+        {m: f["rssPeakBytes"] for m, f in summary["memory"].items()},
+        said,
+        load_average(),
+        cut,
+    )
 
 
 def report(runs: list[Run], choices: list[str], models: list[str]) -> str:
@@ -131,22 +158,30 @@ def report(runs: list[Run], choices: list[str], models: list[str]) -> str:
     for model in models:
         mine = [r for r in runs if r.model == model]
         members = list(dict.fromkeys(m for r in mine for m in r.peaks))
-        lines += ["", f"{model}: s/step and samples per CPU-s, median [min-max] over repeats;"
-                      " peak resident GB of each process, median [min-max]",  # fmt: skip
-                  f"  {'choice':<18} {'s/step':>20} {'per CPU-s':>17}  "
-                  + "  ".join(f"{m:>17}" for m in members)]  # fmt: skip
+        lines += [
+            "",
+            f"{model}: s/step and samples per CPU-s, median [min-max] over repeats;"
+            " peak resident GB of each process, median [min-max]",
+            f"  {'choice':<18} {'s/step':>20} {'per CPU-s':>17}  "
+            + "  ".join(f"{m:>17}" for m in members),
+        ]
         for choice in choices:
             rs = [r for r in mine if r.choice == choice]
             if not rs:
                 continue
-            peaks = "  ".join(f"{fmt_spread([r.peaks[m] / GB for r in rs if m in r.peaks], 2):>17}"
-                              for m in members)  # fmt: skip
+            peaks = "  ".join(
+                f"{fmt_spread([r.peaks[m] / GB for r in rs if m in r.peaks], 2):>17}"
+                for m in members
+            )
             lines.append(
                 f"  {choice:<18} {fmt_spread([r.seconds_per_step for r in rs], 3):>20}"
                 f" {fmt_spread([r.samples_per_cpu_second for r in rs], 2):>17}  {peaks}"
             )
-        medians = {c: statistics.median(r.seconds_per_step for r in mine if r.choice == c)
-                   for c in choices if any(r.choice == c for r in mine)}  # fmt: skip
+        medians = {
+            c: statistics.median(r.seconds_per_step for r in mine if r.choice == c)
+            for c in choices
+            if any(r.choice == c for r in mine)
+        }
         first = choices[0]
         if first in medians:
             lines.append(
@@ -192,11 +227,14 @@ def main() -> int:
                         continue
                     runs.append(run)
                     peaks = " ".join(f"{m} {b / GB:.2f}" for m, b in run.peaks.items())
-                    print(f"[{time.monotonic() - started:5.0f}s] repeat {repeat}: {model:<11}"
-                          f" {choice:<18} {run.seconds_per_step:.3f} s/step,"
-                          f" {run.samples_per_cpu_second:.2f} samples/CPU-s; peak GB {peaks}"
-                          f" (cut {run.cut});"
-                          f" {run.load}", flush=True)  # fmt: skip
+                    print(
+                        f"[{time.monotonic() - started:5.0f}s] repeat {repeat}: {model:<11}"
+                        f" {choice:<18} {run.seconds_per_step:.3f} s/step,"
+                        f" {run.samples_per_cpu_second:.2f} samples/CPU-s; peak GB {peaks}"
+                        f" (cut {run.cut});"
+                        f" {run.load}",
+                        flush=True,
+                    )
     print(report(runs, choices, models))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))

@@ -33,11 +33,18 @@ def manifest(model: str, batch: int, image: int, m: int, steps: int) -> dict[str
         "kind": "PipelineJob",
         "metadata": {"name": f"auto-costs-m{m}"},
         "spec": {
-            "model": model, "stages": 2, "microBatches": m, "batchSize": batch,
-            "imageSize": image, "numClasses": 10, "steps": steps, "logEvery": 1,
-            "optimizer": {"name": "sgd", "lr": 0.05}, "seed": 0,
+            "model": model,
+            "stages": 2,
+            "microBatches": m,
+            "batchSize": batch,
+            "imageSize": image,
+            "numClasses": 10,
+            "steps": steps,
+            "logEvery": 1,
+            "optimizer": {"name": "sgd", "lr": 0.05},
+            "seed": 0,
         },
-    }  # fmt: skip
+    }
 
 
 def measure_costs(job: dict[str, Any], counts: list[int]) -> tuple[int, dict[int, Any]]:
@@ -50,8 +57,9 @@ def measure_costs(job: dict[str, Any], counts: list[int]) -> tuple[int, dict[int
     from pipejob.trainer.workloads import cut, data, models
 
     settings = spec.parse(job).settings
-    threads = tuning.decide("PipelineJob", "stage", 0, tuning.available_cpus(), 2,
-                            levers.parse(None)).threads  # fmt: skip
+    threads = tuning.decide(
+        "PipelineJob", "stage", 0, tuning.available_cpus(), 2, levers.parse(None)
+    ).threads
     torch.manual_seed(0)
     traced = cut.Traced(models.build(settings))
     pieces = traced.split(traced.units[1:])
@@ -60,8 +68,10 @@ def measure_costs(job: dict[str, Any], counts: list[int]) -> tuple[int, dict[int
     with intra_op_threads(threads):
         for m in counts:
             c = measure_costs(pieces, traced.units, inputs[: settings.batch_size // m])
-            costs[m] = {"seconds": [round(x, 6) for x in c.seconds],
-                        "cpuSeconds": [round(x, 6) for x in c.cpu_seconds]}  # fmt: skip
+            costs[m] = {
+                "seconds": [round(x, 6) for x in c.seconds],
+                "cpuSeconds": [round(x, 6) for x in c.cpu_seconds],
+            }
     return threads or 0, costs
 
 
@@ -82,14 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     from pipejob.trainer.runtime import tuning
 
     roles, loopback = ["master", "stage", "stage"], ",".join(["127.0.0.1"] * 3)
-    tuning.apply(tuning.for_process("PipelineJob", "master", 0, roles, 0,
-                                    {"PIPEJOB_ADDRESSES": loopback}))  # fmt: skip
+    tuning.apply(
+        tuning.for_process("PipelineJob", "master", 0, roles, 0, {"PIPEJOB_ADDRESSES": loopback})
+    )
     from pipejob.core.kinds.pipeline import micro_batch_counts
 
     counts = micro_batch_counts(args.batch)
     cores = len(os.sched_getaffinity(0))
-    print(f"auto_costs: {args.model}, batch {args.batch}, {args.image}px, counts {counts},"
-          f" {cores} cores; {machine()}", flush=True)  # fmt: skip
+    print(
+        f"auto_costs: {args.model}, batch {args.batch}, {args.image}px, counts {counts},"
+        f" {cores} cores; {machine()}",
+        flush=True,
+    )
     threads, costs = measure_costs(manifest(args.model, args.batch, args.image, 1, 1), counts)
     print(f"costs measured with {threads} intra-op thread(s) ({load_average()})", flush=True)
     env = {k: v for k, v in os.environ.items() if k not in UNSET}  # the runs' own tuning
@@ -99,25 +113,33 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             for m in counts:
                 job = manifest(args.model, args.batch, args.image, m, args.steps)
-                summary, _, _ = run_job(job, Path(tmp) / f"m{m}", m, args.steps, 1,
-                                        args.timeout, env)  # fmt: skip
+                summary, _, _ = run_job(
+                    job, Path(tmp) / f"m{m}", m, args.steps, 1, args.timeout, env
+                )
                 rates[m].append(summary["samplesPerSecond"])
                 loads.append(os.getloadavg()[0])
-                print(f"  repeat {repeat + 1}: m={m} {rates[m][-1]:.1f} samples/s"
-                      f" ({load_average()})", flush=True)  # fmt: skip
+                print(
+                    f"  repeat {repeat + 1}: m={m} {rates[m][-1]:.1f} samples/s ({load_average()})",
+                    flush=True,
+                )
     record = {
         "how": f"benchmarks/auto_costs.py --model {args.model} --batch {args.batch} --image"
-               f" {args.image} --steps {args.steps} --repeats {args.repeats}",
+        f" {args.image} --steps {args.steps} --repeats {args.repeats}",
         "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "where": args.where,
         "machine": f"{os.cpu_count()} CPUs, {cores} in this affinity; load (1 min) during the"
-                   f" runs {min(loads):.1f}-{max(loads):.1f}",
+        f" runs {min(loads):.1f}-{max(loads):.1f}",
         "torch": __import__("torch").__version__,
-        "model": args.model, "image": args.image, "stages": 2, "batch": args.batch,
-        "cores": cores, "threads": threads, "counts": counts,
+        "model": args.model,
+        "image": args.image,
+        "stages": 2,
+        "batch": args.batch,
+        "cores": cores,
+        "threads": threads,
+        "counts": counts,
         "costs": {str(m): costs[m] for m in counts},
         "samplesPerSecond": {str(m): rates[m] for m in counts},
-    }  # fmt: skip
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     medians = {m: statistics.median(r) for m, r in rates.items()}

@@ -64,16 +64,29 @@ class ResNetBase(nn.Module):
                 norm_layer(planes * self._block.expansion),
             )
         layers = [
-            self._block(self.inplanes, planes, stride, downsample, self.groups, self.base_width,
-                        self.dilation, norm_layer)
-        ]  # fmt: skip
+            self._block(
+                self.inplanes,
+                planes,
+                stride,
+                downsample,
+                self.groups,
+                self.base_width,
+                self.dilation,
+                norm_layer,
+            )
+        ]
         self.inplanes = planes * self._block.expansion
         for _ in range(1, blocks):
             layers.append(
-                self._block(self.inplanes, planes, groups=self.groups,
-                            base_width=self.base_width, dilation=self.dilation,
-                            norm_layer=norm_layer)
-            )  # fmt: skip
+                self._block(
+                    self.inplanes,
+                    planes,
+                    groups=self.groups,
+                    base_width=self.base_width,
+                    dilation=self.dilation,
+                    norm_layer=norm_layer,
+                )
+            )
         return nn.Sequential(*layers)
 
     def parameter_rrefs(self):
@@ -162,8 +175,14 @@ def run_master(micro_batches: list[int], batch: int, image: int, warmup: int, ba
                 opt.step(context_id)
 
         measured = timed_batches(step, f"m{m}", batch, image, warmup, batches)
-        result({"system": "baseline", "m": m, "batch_seconds": measured,
-                "samples_per_second": batch * len(measured) / sum(measured)})  # fmt: skip
+        result(
+            {
+                "system": "baseline",
+                "m": m,
+                "batch_seconds": measured,
+                "samples_per_second": batch * len(measured) / sum(measured),
+            }
+        )
 
 
 def main() -> None:

@@ -61,8 +61,9 @@ def shard(args: argparse.Namespace, names: list[str], seed: int, trained: bool) 
     from pipejob.core.workload import Transformer
     from pipejob.trainer.workloads.transformer import TransformerLM
 
-    spec = Transformer(vocab_size=256, layers=args.layers, width=args.width, heads=args.heads,
-                       seq_len=32)  # fmt: skip
+    spec = Transformer(
+        vocab_size=256, layers=args.layers, width=args.width, heads=args.heads, seq_len=32
+    )
     with torch.device("meta"):
         whole = TransformerLM(spec)
     root = nn.Module()
@@ -118,8 +119,9 @@ def op(args: argparse.Namespace) -> dict[str, float]:
     start = time.perf_counter()
     if args.op == "save" and args.format == "pipejob":
         directory = checkpoint.step_dir(root, 1)
-        entry = checkpoint.save_module(directory, f"stage{args.stage}.pt", module,
-                                       {"optimizer": optimizer})  # fmt: skip
+        entry = checkpoint.save_module(
+            directory, f"stage{args.stage}.pt", module, {"optimizer": optimizer}
+        )
         out = {"entry": entry}
     elif args.op == "save":
         dcp.save(_dcp_state(module, optimizer), checkpoint_id=str(root / f"stage{args.stage}"))
@@ -137,11 +139,16 @@ def op(args: argparse.Namespace) -> dict[str, float]:
         held = json.loads((root / "held.json").read_text())
         read = 0
         for directory, keys in held.items():
-            mine = {part: {k: v for k, v in state[part].items() if k in keys}
-                    for part in ("model", "optim")}  # fmt: skip
+            mine = {
+                part: {k: v for k, v in state[part].items() if k in keys}
+                for part in ("model", "optim")
+            }
             if any(mine.values()):
-                dcp.load(mine, checkpoint_id=directory,
-                         planner=DefaultLoadPlanner(allow_partial_load=True))  # fmt: skip
+                dcp.load(
+                    mine,
+                    checkpoint_id=directory,
+                    planner=DefaultLoadPlanner(allow_partial_load=True),
+                )
                 read += 1
         out = {"files": read}
     seconds = time.perf_counter() - start
@@ -169,10 +176,28 @@ class Sampler:
 
 
 def run_op(args: argparse.Namespace, what: str, fmt: str, stage: int, directory: Path) -> dict:
-    argv = [sys.executable, __file__, "--op", what, "--format", fmt, "--stage", str(stage),
-            "--dir", str(directory), "--layers", str(args.layers), "--width", str(args.width),
-            "--heads", str(args.heads), "--save-stages", str(args.save_stages),
-            "--load-stages", str(args.load_stages)]  # fmt: skip
+    argv = [
+        sys.executable,
+        __file__,
+        "--op",
+        what,
+        "--format",
+        fmt,
+        "--stage",
+        str(stage),
+        "--dir",
+        str(directory),
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--heads",
+        str(args.heads),
+        "--save-stages",
+        str(args.save_stages),
+        "--load-stages",
+        str(args.load_stages),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{what} {fmt} stage {stage} failed:\n{done.stderr[-3000:]}")
@@ -233,8 +258,10 @@ def main() -> None:
         f" {args.save_stages} stages, loaded by {args.load_stages} (each a process of its"
         f" own); {args.repeats} interleaved repeat(s), median [min-max]; {machine()}"
     )
-    print(f"  {'format':<8} {'op':<6} {'slowest stage s':>16} {'sum of stages s':>16}"
-          f" {'extra VmHWM GB':>16} {'extra anon GB':>16} {'on disk GB':>11}")  # fmt: skip
+    print(
+        f"  {'format':<8} {'op':<6} {'slowest stage s':>16} {'sum of stages s':>16}"
+        f" {'extra VmHWM GB':>16} {'extra anon GB':>16} {'on disk GB':>11}"
+    )
     for fmt, repeats in results.items():
         for what in ("save", "verify", "load") if fmt == "pipejob" else ("save", "load"):
             slowest = [max(s["seconds"] for s in r[what]) for r in repeats]
@@ -242,8 +269,10 @@ def main() -> None:
             extra = [max(s["extra"] for s in r[what]) / GB for r in repeats]
             anon = [max(s["anon"] for s in r[what]) / GB for r in repeats]
             disk = f"{repeats[0]['bytes'] / GB:>11.2f}" if what == "save" else f"{'':>11}"
-            print(f"  {fmt:<8} {what:<6} {fmt_spread(slowest, 2):>16} {fmt_spread(total, 2):>16}"
-                  f" {fmt_spread(extra, 2):>16} {fmt_spread(anon, 2):>16} {disk}")  # fmt: skip
+            print(
+                f"  {fmt:<8} {what:<6} {fmt_spread(slowest, 2):>16} {fmt_spread(total, 2):>16}"
+                f" {fmt_spread(extra, 2):>16} {fmt_spread(anon, 2):>16} {disk}"
+            )
     print(
         "  extra: the largest stage's peak over what it held before (VmHWM counts the pages of"
         " a memory-mapped file it touched, which the kernel may drop; anon does not); a loading"

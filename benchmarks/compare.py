@@ -72,13 +72,23 @@ from _common import (
 ROOT = Path(__file__).resolve().parent.parent
 # pipejob on its pipelining engine: system -> the spec's engine fields (issue 31)
 ENGINES = {
-    f"pipejob-{schedule}": {"engine": "pipelining", "schedule": schedule,
-                            "stagesPerProcess": 2 if schedule in ("interleaved-1f1b",
-                                                                  "zero-bubble") else 1}
+    f"pipejob-{schedule}": {
+        "engine": "pipelining",
+        "schedule": schedule,
+        "stagesPerProcess": 2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1,
+    }
     for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-}  # fmt: skip
-SYSTEMS = ("pipejob", "pipejob-auto", "baseline", "gpipe", "1f1b", "single-t1", "single-tN",
-           *ENGINES)  # fmt: skip
+}
+SYSTEMS = (
+    "pipejob",
+    "pipejob-auto",
+    "baseline",
+    "gpipe",
+    "1f1b",
+    "single-t1",
+    "single-tN",
+    *ENGINES,
+)
 AUTO = "auto"
 
 
@@ -138,12 +148,19 @@ def pipejob_manifest(
         "kind": "PipelineJob",
         "metadata": {"name": f"compare-m{m}"},
         "spec": {
-            "model": "resnet50", "stages": 2, "microBatches": m, "batchSize": cfg.batch,
-            "imageSize": cfg.image, "numClasses": 1000, "steps": cfg.warmup + cfg.batches,
-            "logEvery": 1, "optimizer": {"name": "sgd", "lr": 0.05}, "seed": 0,
+            "model": "resnet50",
+            "stages": 2,
+            "microBatches": m,
+            "batchSize": cfg.batch,
+            "imageSize": cfg.image,
+            "numClasses": 1000,
+            "steps": cfg.warmup + cfg.batches,
+            "logEvery": 1,
+            "optimizer": {"name": "sgd", "lr": 0.05},
+            "seed": 0,
             **(engine or {}),
         },
-    }  # fmt: skip
+    }
 
 
 def checkout(rev: str, tmp: Path) -> Path:
@@ -152,8 +169,11 @@ def checkout(rev: str, tmp: Path) -> Path:
     as pyproject.toml's package-dir maps them."""
     src, path = tmp / "src", tmp / "path"
     src.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "operator", "trainer"],
-                             capture_output=True, check=True).stdout  # fmt: skip
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "operator", "trainer"],
+        capture_output=True,
+        check=True,
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     (path / "pipejob").mkdir(parents=True)
     for entry in (src / "operator" / "pipejob").iterdir():
@@ -162,26 +182,49 @@ def checkout(rev: str, tmp: Path) -> Path:
     return path
 
 
-def run_pipejob(cfg: Config, tmp: Path, system: str = "pipejob",
-                extra: dict[str, str] | None = None) -> list[Run]:  # fmt: skip
+def run_pipejob(
+    cfg: Config, tmp: Path, system: str = "pipejob", extra: dict[str, str] | None = None
+) -> list[Run]:
     from pipejob.core.kinds.pipeline import schedule_refuses
 
     runs = []
     engine = ENGINES.get(system, {})
-    counts = [m for m in cfg.counts
-              if not engine or schedule_refuses(engine["schedule"], 2, m) is None]  # fmt: skip
+    counts = [
+        m for m in cfg.counts if not engine or schedule_refuses(engine["schedule"], 2, m) is None
+    ]
     for m in [AUTO] if system == "pipejob-auto" else counts:
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
-                                                                 "MKL_NUM_THREADS")}  # fmt: skip
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+        }
         env |= cfg.pipejob_env | (extra or {})
         summary, wall, deltas = run_job(
-            pipejob_manifest(cfg, m, engine), tmp / f"{system}-m{m}", m, cfg.warmup + cfg.batches,
-            cfg.warmup, cfg.timeout, env, echo(cfg.verbose))  # fmt: skip
+            pipejob_manifest(cfg, m, engine),
+            tmp / f"{system}-m{m}",
+            m,
+            cfg.warmup + cfg.batches,
+            cfg.warmup,
+            cfg.timeout,
+            env,
+            echo(cfg.verbose),
+        )
         rate, bubble = summary["samplesPerSecond"], summary["bubble"]["measured"]
         cut = ", ".join(st["layers"][0] for st in summary["partition"][1:])
-        runs.append(Run(system, m, rate, load_average(), wall, cfg.batches, _named(deltas),
-                        bubble, cfg.batch, summary["microBatches"], cut,
-                        summary["losses"]))  # fmt: skip
+        runs.append(
+            Run(
+                system,
+                m,
+                rate,
+                load_average(),
+                wall,
+                cfg.batches,
+                _named(deltas),
+                bubble,
+                cfg.batch,
+                summary["microBatches"],
+                cut,
+                summary["losses"],
+            )
+        )
     return runs
 
 
@@ -190,8 +233,13 @@ def _named(deltas: dict[str, Counters]) -> dict[str, Counters]:
     return {n: d for n, d in deltas.items() if n != "runner"}
 
 
-def run_world(cfg: Config, system: str, argvs: dict[str, list[str]], names: dict[str, str],
-              env: dict[str, str]) -> list[Run]:  # fmt: skip
+def run_world(
+    cfg: Config,
+    system: str,
+    argvs: dict[str, list[str]],
+    names: dict[str, str],
+    env: dict[str, str],
+) -> list[Run]:
     """Start one process per argv, wait for the first (it leads), collect its results."""
     runs = []
     with Workers(echo(cfg.verbose)) as w:
@@ -206,8 +254,18 @@ def run_world(cfg: Config, system: str, argvs: dict[str, list[str]], names: dict
             key = key or (f"m{r['m']}" if r["system"] == "baseline" else r["system"])
             wall, deltas = w.between(f"{key}-start", f"{key}-end")
             processes = {names[n]: d for n, d in deltas.items()}
-            runs.append(Run(_system_name(r), r["m"], r["samples_per_second"], load_average(),
-                            wall, len(r["batch_seconds"]), processes, batch=cfg.batch))  # fmt: skip
+            runs.append(
+                Run(
+                    _system_name(r),
+                    r["m"],
+                    r["samples_per_second"],
+                    load_average(),
+                    wall,
+                    len(r["batch_seconds"]),
+                    processes,
+                    batch=cfg.batch,
+                )
+            )
     return runs
 
 
@@ -218,17 +276,33 @@ def _system_name(r: dict[str, Any]) -> str:
 
 
 def common_args(cfg: Config) -> list[str]:
-    return ["--batch", str(cfg.batch), "--image", str(cfg.image), "--warmup", str(cfg.warmup),
-            "--batches", str(cfg.batches)]  # fmt: skip
+    return [
+        "--batch",
+        str(cfg.batch),
+        "--image",
+        str(cfg.image),
+        "--warmup",
+        str(cfg.warmup),
+        "--batches",
+        str(cfg.batches),
+    ]
 
 
 def run_baseline(cfg: Config) -> list[Run]:
     port, counts = str(free_port()), ",".join(map(str, cfg.counts))
     argvs = {
-        f"rank{r}": python("baseline_pipeline.py", "--rank", str(r), "--port", port,
-                           "--micro-batches", counts, *common_args(cfg))
+        f"rank{r}": python(
+            "baseline_pipeline.py",
+            "--rank",
+            str(r),
+            "--port",
+            port,
+            "--micro-batches",
+            counts,
+            *common_args(cfg),
+        )
         for r in range(3)
-    }  # fmt: skip
+    }
     names = {"rank0": "master", "rank1": "stage0", "rank2": "stage1"}
     return run_world(cfg, "baseline", argvs, names, thread_env(cfg.stage_threads))
 
@@ -236,11 +310,21 @@ def run_baseline(cfg: Config) -> list[Run]:
 def run_pipelining(cfg: Config, schedules: list[str]) -> list[Run]:
     port, counts = str(free_port()), ",".join(map(str, cfg.counts))
     argvs = {
-        f"rank{r}": python("references.py", "pipelining", "--rank", str(r), "--port", port,
-                           "--schedules", ",".join(schedules), "--micro-batches", counts,
-                           *common_args(cfg))
+        f"rank{r}": python(
+            "references.py",
+            "pipelining",
+            "--rank",
+            str(r),
+            "--port",
+            port,
+            "--schedules",
+            ",".join(schedules),
+            "--micro-batches",
+            counts,
+            *common_args(cfg),
+        )
         for r in range(2)
-    }  # fmt: skip
+    }
     names = {"rank0": "stage0", "rank1": "stage1"}
     return run_world(cfg, "pipelining", argvs, names, thread_env(cfg.stage_threads))
 
@@ -275,8 +359,10 @@ def report(runs: list[Run], cpus: int) -> str:
     for r in runs:
         by[r.system][r.m].append(r)
     for system in by:
-        cells = [f"m={m}: {_spread(by[system][m])}" + _chose(by[system][m])
-                 for m in sorted(by[system], key=str)]  # fmt: skip
+        cells = [
+            f"m={m}: {_spread(by[system][m])}" + _chose(by[system][m])
+            for m in sorted(by[system], key=str)
+        ]
         lines.append(f"  {system:<20} " + "   ".join(cells))
     chosen = best(runs)
     single = chosen.get("single-t1")
@@ -295,11 +381,14 @@ def report(runs: list[Run], cpus: int) -> str:
         lost = 1 - speedup / usable if single else float("nan")
         bubbles = [r.bubble for r in rs if r.bubble is not None]
         bubble = f"{spread(bubbles)[1]:>6.0%}" if bubbles else f"{'-':>6}"
-        per_cpu = spread([r.batch * r.batches / sum(d.cpu for d in r.processes.values())
-                          for r in rs])[1]  # fmt: skip
+        per_cpu = spread(
+            [r.batch * r.batches / sum(d.cpu for d in r.processes.values()) for r in rs]
+        )[1]
         m = "/".join(sorted({str(r.chosen) for r in rs})) if m == AUTO else m
-        lines.append(f"  {system:<20} {m:>2} {_spread(rs):>20} {rs[0].batch / rate:>7.2f}"
-                     f" {speedup:>10.2f}x {lost:>5.0%} {bubble} {per_cpu:>9.1f}")  # fmt: skip
+        lines.append(
+            f"  {system:<20} {m:>2} {_spread(rs):>20} {rs[0].batch / rate:>7.2f}"
+            f" {speedup:>10.2f}x {lost:>5.0%} {bubble} {per_cpu:>9.1f}"
+        )
         lines += _processes(rs)
     lines += ["", "ratios (targets of issue 6):"]
     rate = {s: median_rate(rs) for s, (_, rs) in chosen.items()}
@@ -353,10 +442,12 @@ def _same_results(runs: list[Run], label: str) -> list[str]:
         same = len(a.losses) == len(b.losses) and all(
             abs(x - y) <= 1e-5 * max(abs(y), 1) for x, y in zip(a.losses, b.losses, strict=True)
         )
-        lines += [f"    m={m}: cut: pipejob stage 1 begins at {a.cut}; {label} at {b.cut}",
-                  f"    m={m}: losses: pipejob {', '.join(f'{x:.5f}' for x in a.losses)};"
-                  f" {label} {', '.join(f'{x:.5f}' for x in b.losses)}:"
-                  f" {'the same' if same else 'DIFFERENT'}"]  # fmt: skip
+        lines += [
+            f"    m={m}: cut: pipejob stage 1 begins at {a.cut}; {label} at {b.cut}",
+            f"    m={m}: losses: pipejob {', '.join(f'{x:.5f}' for x in a.losses)};"
+            f" {label} {', '.join(f'{x:.5f}' for x in b.losses)}:"
+            f" {'the same' if same else 'DIFFERENT'}",
+        ]
     return lines
 
 
@@ -378,8 +469,10 @@ def _processes(runs: list[Run]) -> list[str]:
     out = []
     for name, d in sorted(run.processes.items()):
         faults = d.minflt / run.batches
-        out.append(f"      {name:<8} CPU/wall {d.cpu / run.wall:4.2f}  faults/batch {faults:>7.0f}"
-                   f"  {threads_summary(d, run.batches)}")  # fmt: skip
+        out.append(
+            f"      {name:<8} CPU/wall {d.cpu / run.wall:4.2f}  faults/batch {faults:>7.0f}"
+            f"  {threads_summary(d, run.batches)}"
+        )
     out.append(f"      ({run.load} at the end of this run)")
     return out
 
@@ -447,13 +540,23 @@ def main(argv: list[str] | None = None) -> int:
     for n in [n for n in sweep if n > len(mine)]:
         say(f"--cores: leaving out {n}: this process may use {len(mine)} CPUs")
     sweep = [n for n in sweep if n <= len(mine)]
-    cfg = Config(args.batch, args.image, [int(m) for m in args.micro_batches.split(",")],
-                 args.warmup, args.batches,
-                 dict(kv.split("=", 1) for kv in args.pipejob_env), variants(args.pipejob_variant),
-                 args.stage_threads or 0, args.timeout, args.verbose)  # fmt: skip
-    say(f"compare: ResNet-50, batch {cfg.batch}, {cfg.image}x{cfg.image}, micro-batches"
+    cfg = Config(
+        args.batch,
+        args.image,
+        [int(m) for m in args.micro_batches.split(",")],
+        args.warmup,
+        args.batches,
+        dict(kv.split("=", 1) for kv in args.pipejob_env),
+        variants(args.pipejob_variant),
+        args.stage_threads or 0,
+        args.timeout,
+        args.verbose,
+    )
+    say(
+        f"compare: ResNet-50, batch {cfg.batch}, {cfg.image}x{cfg.image}, micro-batches"
         f" {cfg.counts}, {args.repeats} repeat(s) of {cfg.batches} measured batches after"
-        f" {cfg.warmup} warm-up; {machine()}; {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
+        f" {cfg.warmup} warm-up; {machine()}; {time.strftime('%Y-%m-%d %H:%M')}"
+    )
     if cfg.pipejob_env:
         say(f"pipejob env: {cfg.pipejob_env}")
     runs: list[Run] = []
@@ -464,10 +567,20 @@ def main(argv: list[str] | None = None) -> int:
             with pinned(mine[:cores]):
                 # Each of the two stage processes of the baseline and pipelining its share.
                 threads = args.stage_threads or max(1, cores // 2)
-                say(f"\n{cores} cores (CPUs {_cpu_list(mine[:cores])}): baseline and pipelining"
-                    f" {threads} thread(s) per process, single-tN {cores}")  # fmt: skip
-                new = measure(replace(cfg, stage_threads=threads), systems, args.repeats,
-                              Path(tmp), args.at, before, cores, started)  # fmt: skip
+                say(
+                    f"\n{cores} cores (CPUs {_cpu_list(mine[:cores])}): baseline and pipelining"
+                    f" {threads} thread(s) per process, single-tN {cores}"
+                )
+                new = measure(
+                    replace(cfg, stage_threads=threads),
+                    systems,
+                    args.repeats,
+                    Path(tmp),
+                    args.at,
+                    before,
+                    cores,
+                    started,
+                )
             runs += new
             say(report(new, cores))
     if args.json:
@@ -478,8 +591,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure(cfg: Config, systems: list[str], repeats: int, tmp: Path, at: str | None,
-            before: str, cores: int, started: float) -> list[Run]:  # fmt: skip
+def measure(
+    cfg: Config,
+    systems: list[str],
+    repeats: int,
+    tmp: Path,
+    at: str | None,
+    before: str,
+    cores: int,
+    started: float,
+) -> list[Run]:
     """Every system at every micro-batch count, `repeats` times, interleaved; on `cores`."""
     runs: list[Run] = []
     schedules = [s for s in ("gpipe", "1f1b") if s in systems]
@@ -490,12 +611,21 @@ def measure(cfg: Config, systems: list[str], repeats: int, tmp: Path, at: str | 
         if "pipejob-auto" in systems:
             jobs.append(("pipejob-auto", lambda: run_pipejob(cfg, tmp, "pipejob-auto")))
         if at:
-            jobs.append((f"pipejob@{at}", lambda: run_pipejob(
-                cfg, tmp, f"pipejob@{at}", {"PYTHONPATH": before})))  # fmt: skip
+            jobs.append(
+                (
+                    f"pipejob@{at}",
+                    lambda: run_pipejob(cfg, tmp, f"pipejob@{at}", {"PYTHONPATH": before}),
+                )
+            )
         for label, extra in cfg.variants.items():
-            jobs.append((f"pipejob:{label}",
-                         lambda label=label, extra=extra: run_pipejob(
-                             cfg, tmp, f"pipejob:{label}", extra)))  # fmt: skip
+            jobs.append(
+                (
+                    f"pipejob:{label}",
+                    lambda label=label, extra=extra: run_pipejob(
+                        cfg, tmp, f"pipejob:{label}", extra
+                    ),
+                )
+            )
         for system in (s for s in ENGINES if s in systems):
             jobs.append((system, lambda system=system: run_pipejob(cfg, tmp, system)))
         if "baseline" in systems:
@@ -508,8 +638,10 @@ def measure(cfg: Config, systems: list[str], repeats: int, tmp: Path, at: str | 
             jobs.append((f"single-t{cores}", lambda: run_single(cfg, cores)))
         for label, job in jobs:
             t0 = time.monotonic()
-            say(f"[{time.monotonic() - started:5.0f}s] {cores} cores, repeat {repeat}/{repeats}:"
-                f" {label} ...")  # fmt: skip
+            say(
+                f"[{time.monotonic() - started:5.0f}s] {cores} cores, repeat {repeat}/{repeats}:"
+                f" {label} ..."
+            )
             try:
                 new = job()
             except (RuntimeError, TimeoutError) as e:  # the others are still measured
@@ -549,8 +681,9 @@ def trend(runs: list[Run], sweep: list[int]) -> str:
     head = f"  {'':<44}" + "".join(f" {f'{n} cores':>9}" for n in sweep)
     lines = ["", "across core counts: samples/s at each system's best count (median)", head]
     for system in systems:
-        cells = "".join(f" {rates[n][system]:>9.1f}" if system in rates[n] else f" {'-':>9}"
-                        for n in sweep)  # fmt: skip
+        cells = "".join(
+            f" {rates[n][system]:>9.1f}" if system in rates[n] else f" {'-':>9}" for n in sweep
+        )
         lines.append(f"  {system:<44}{cells}")
 
     def better_pipelining(by: dict[str, float]) -> str | None:

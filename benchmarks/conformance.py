@@ -47,16 +47,34 @@ from _common import machine  # noqa: E402
 # sliding attention window (Mistral), tied weights (T5's shared embedding), experts
 # (Mixtral), a state-space model (Mamba). The whole zoo is this script without --slice.
 CI = [
-    "torch:TransformerEncoder", "torch:weight_norm", "torch:BatchNorm2d",
-    "transformers:causal:mistral", "transformers:seq2seq:t5", "transformers:causal:mixtral",
+    "torch:TransformerEncoder",
+    "torch:weight_norm",
+    "torch:BatchNorm2d",
+    "transformers:causal:mistral",
+    "transformers:seq2seq:t5",
+    "transformers:causal:mixtral",
     "transformers:causal:mamba",
     # issue 41: one of each library users bring beside the zoos
-    "diffusers:UNet2DModel", "peft:lora causal:llama", "open_clip:text tower",
-    "x_transformers:decoder", "vit_pytorch:ViT", "segmentation_models_pytorch:Unet",
-]  # fmt: skip
+    "diffusers:UNet2DModel",
+    "peft:lora causal:llama",
+    "open_clip:text tower",
+    "x_transformers:decoder",
+    "vit_pytorch:ViT",
+    "segmentation_models_pytorch:Unet",
+]
 VERDICTS = ("exact", "refused", "failing", "not built", "not run")
-ZOO_ORDER = ["torch", "torchvision", "timm", "transformers", "diffusers", "peft", "open_clip",
-             "x_transformers", "vit_pytorch", "segmentation_models_pytorch"]  # fmt: skip
+ZOO_ORDER = [
+    "torch",
+    "torchvision",
+    "timm",
+    "transformers",
+    "diffusers",
+    "peft",
+    "open_clip",
+    "x_transformers",
+    "vit_pytorch",
+    "segmentation_models_pytorch",
+]
 
 
 def main() -> int:
@@ -66,9 +84,14 @@ def main() -> int:
     parser.add_argument("--slice", choices=["ci"], help="the representative slice CI runs")
     parser.add_argument("--table", type=Path, help="write the markdown table here")
     parser.add_argument("--rows", type=Path, help="append each row here, as a JSON line")
-    parser.add_argument("--render", type=Path, nargs="+", metavar="ROWS",
-                        help="only write --table from these files of rows (a later row of a"
-                        " model replaces an earlier one)")  # fmt: skip
+    parser.add_argument(
+        "--render",
+        type=Path,
+        nargs="+",
+        metavar="ROWS",
+        help="only write --table from these files of rows (a later row of a"
+        " model replaces an earlier one)",
+    )
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per model")
     parser.add_argument(
         "--max-params",
@@ -104,8 +127,12 @@ def main() -> int:
 
         rows = [(zoo, name) for zoo in args.zoo.split(",") for name in _zoos.names(zoo)]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the worker is stopped too
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+    commit = subprocess.run(
+        ["git", "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+    ).stdout.strip()
     started = time.perf_counter()
     done: list[dict[str, Any]] = []
     worker = Worker(args.max_params)
@@ -116,9 +143,11 @@ def main() -> int:
             if args.rows:
                 with args.rows.open("a") as f:
                     f.write(json.dumps(row) + "\n")
-            print(f"[{len(done)}/{len(rows)}] {zoo} {row['name']}: {row['verdict']}"
-                  f"{' (' + row['why'] + ')' if row['why'] else ''} in {row['seconds']:.1f}s",
-                  flush=True)  # fmt: skip
+            print(
+                f"[{len(done)}/{len(rows)}] {zoo} {row['name']}: {row['verdict']}"
+                f"{' (' + row['why'] + ')' if row['why'] else ''} in {row['seconds']:.1f}s",
+                flush=True,
+            )
             if args.table:
                 totals = dict(Counter(zoo for zoo, _ in rows))
                 args.table.write_text(table(done, time.perf_counter() - started, totals))
@@ -135,11 +164,15 @@ def counts(rows: list[dict[str, Any]], seconds: float) -> str:
     for zoo in dict.fromkeys(r["zoo"] for r in rows):
         mine = [r for r in rows if r["zoo"] == zoo]
         tally = Counter(r["verdict"] for r in mine)
-        lines.append(f"{zoo:<13}" + "".join(f"{tally[v]:>11}" for v in VERDICTS)
-                     + f"{sum(r['seconds'] for r in mine):>10.0f}")  # fmt: skip
+        lines.append(
+            f"{zoo:<13}"
+            + "".join(f"{tally[v]:>11}" for v in VERDICTS)
+            + f"{sum(r['seconds'] for r in mine):>10.0f}"
+        )
     tally = Counter(r["verdict"] for r in rows)
-    lines.append(f"{'all':<13}" + "".join(f"{tally[v]:>11}" for v in VERDICTS)
-                 + f"{seconds:>10.0f}")  # fmt: skip
+    lines.append(
+        f"{'all':<13}" + "".join(f"{tally[v]:>11}" for v in VERDICTS) + f"{seconds:>10.0f}"
+    )
     return "\n".join(lines)
 
 
@@ -148,8 +181,10 @@ def table(rows: list[dict[str, Any]], seconds: float, totals: dict[str, int]) ->
     the commit it was checked at."""
     partial = ""
     if len(rows) < sum(totals.values()):
-        per_zoo = ", ".join(f"{zoo} {sum(r['zoo'] == zoo for r in rows)} of {total}"
-                            for zoo, total in totals.items())  # fmt: skip
+        per_zoo = ", ".join(
+            f"{zoo} {sum(r['zoo'] == zoo for r in rows)} of {total}"
+            for zoo, total in totals.items()
+        )
         partial = f" (partial: {len(rows)} of {sum(totals.values())} rows so far: {per_zoo})"
     commits = sorted({r.get("commit", "?") for r in rows})
     lines = [
@@ -171,8 +206,10 @@ def table(rows: list[dict[str, Any]], seconds: float, totals: dict[str, int]) ->
     ]
     for r in rows:
         why = r["why"].replace("|", "\\|")
-        lines.append(f"| {r['zoo']} | {r['name']} | {r['verdict']} | {why} | {r['params']:,} |"
-                     f" {r['cuts']} | {r['seconds']:.0f} | {r.get('commit', '?')} |")  # fmt: skip
+        lines.append(
+            f"| {r['zoo']} | {r['name']} | {r['verdict']} | {why} | {r['params']:,} |"
+            f" {r['cuts']} | {r['seconds']:.0f} | {r.get('commit', '?')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -208,8 +245,15 @@ class Worker:
                         verdict = "failing"
                         why = f"the worker died (exit code {self.process.exitcode})"
                     self.stop()
-                    return {"zoo": zoo, "name": name, "verdict": verdict, "why": why,
-                            "seconds": timeout, "params": 0, "cuts": ""}  # fmt: skip
+                    return {
+                        "zoo": zoo,
+                        "name": name,
+                        "verdict": verdict,
+                        "why": why,
+                        "seconds": timeout,
+                        "params": 0,
+                        "cuts": "",
+                    }
 
     def stop(self) -> None:
         if self.process is not None and self.process.is_alive():
@@ -242,8 +286,13 @@ def _serve(requests: Any, replies: Any, max_params: float) -> None:
             count = _count(factory)
             over = _over(count, max_params)
             if over and count > 2 * max_params:
-                row = _conform.Row(zoo, shown, "not run", f"{over}; float32, half of it, is over"
-                                   " twice --max-params", params=count)  # fmt: skip
+                row = _conform.Row(
+                    zoo,
+                    shown,
+                    "not run",
+                    f"{over}; float32, half of it, is over twice --max-params",
+                    params=count,
+                )
             else:  # over the float64 budget alone: the checks in float32, half its memory
                 row = _conform.run(zoo, shown, factory, sample, over)
         row.seconds = time.perf_counter() - start
@@ -254,8 +303,10 @@ def _over(count: int, max_params: float) -> str | None:
     """Why a model of `count` parameters is over the float64 budget, or None."""
     if count <= max_params:
         return None
-    return (f"{count / 1e6:.0f}M parameters, over --max-params {max_params / 1e6:.0f}M (float64"
-            f" needs {count * 8 * 5 / 2**30:.0f} GiB here)")  # fmt: skip
+    return (
+        f"{count / 1e6:.0f}M parameters, over --max-params {max_params / 1e6:.0f}M (float64"
+        f" needs {count * 8 * 5 / 2**30:.0f} GiB here)"
+    )
 
 
 def _count(factory: Any) -> int:

@@ -92,15 +92,22 @@ def compare(name: str, model: nn.Module, x: torch.Tensor, at: str, repeats: int)
     pipe_seconds = time.perf_counter() - start
     units = traced.units[: traced.units.index(at)]
     layers = nn.Sequential(*(model.get_submodule(u) for u in units))
-    rows = [("fx", fx_seconds, fx_stage), ("pipelining", pipe_seconds, pipe_stage),
-            ("layers", None, layers)]  # fmt: skip
-    print(f"  {'':<11} {'trace+cut s':>11} {'stage 0 fwd+bwd s':>18} {'pickles':>18}"
-          "  eval leaves the buffers alone")  # fmt: skip
+    rows = [
+        ("fx", fx_seconds, fx_stage),
+        ("pipelining", pipe_seconds, pipe_stage),
+        ("layers", None, layers),
+    ]
+    print(
+        f"  {'':<11} {'trace+cut s':>11} {'stage 0 fwd+bwd s':>18} {'pickles':>18}"
+        "  eval leaves the buffers alone"
+    )
     for label, cut_seconds, module in rows:
         took = seconds(step(module, x), repeats)
         cut_text = f"{cut_seconds:.3f}" if cut_seconds is not None else "-"
-        print(f"  {label:<11} {cut_text:>11} {took:>18.4f} {pickles(module):>18}"
-              f"  {keeps_statistics(module, x)}")  # fmt: skip
+        print(
+            f"  {label:<11} {cut_text:>11} {took:>18.4f} {pickles(module):>18}"
+            f"  {keeps_statistics(module, x)}"
+        )
 
 
 def main() -> int:
@@ -109,11 +116,17 @@ def main() -> int:
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
-    compare("ResNet-50", get_model("resnet50", weights=None), torch.randn(8, 3, 64, 64),
-            "layer3.0", args.repeats)  # fmt: skip
+    compare(
+        "ResNet-50",
+        get_model("resnet50", weights=None),
+        torch.randn(8, 3, 64, 64),
+        "layer3.0",
+        args.repeats,
+    )
     spec = Transformer(vocab_size=256, layers=4, width=128, heads=4, seq_len=128)
-    compare("transformer", TransformerLM(spec), torch.randint(256, (8, 128)), "blocks.2",
-            args.repeats)  # fmt: skip
+    compare(
+        "transformer", TransformerLM(spec), torch.randint(256, (8, 128)), "blocks.2", args.repeats
+    )
     return 0
 
 

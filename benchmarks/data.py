@@ -72,8 +72,9 @@ def manifest(base: dict[str, Any], source: str, folder: Path, args: argparse.Nam
 def run(job: dict, tmp: Path, args: argparse.Namespace) -> dict[str, float]:
     name = job["metadata"]["name"]
     started = time.monotonic()
-    summary, wall, _ = run_job(job, tmp / name, name, args.warmup + args.steps,
-                               args.warmup, args.timeout, dict(os.environ))  # fmt: skip
+    summary, wall, _ = run_job(
+        job, tmp / name, name, args.warmup + args.steps, args.warmup, args.timeout, dict(os.environ)
+    )
     samples = job["spec"]["batchSize"] * job["spec"].get("replicas", 1) * args.steps
     return {
         "samplesPerSecond": samples / wall,  # wall clock: waiting for data included
@@ -105,17 +106,23 @@ def main() -> int:
     def write(folder: Path) -> None:
         start = time.monotonic()
         written = write_image_folder(folder, classes, args.per_class, source_size)
-        print(f"wrote {classes * args.per_class} PNG images of {source_size}x{source_size}"
-              f" ({written / 1e6:.1f} MB) in {classes} classes to {folder}"
-              f" in {time.monotonic() - start:.1f} s", flush=True)  # fmt: skip
+        print(
+            f"wrote {classes * args.per_class} PNG images of {source_size}x{source_size}"
+            f" ({written / 1e6:.1f} MB) in {classes} classes to {folder}"
+            f" in {time.monotonic() - start:.1f} s",
+            flush=True,
+        )
 
     if args.write_only:
         write(args.write_only)
         return 0
-    print(f"data: {spec.get('model')}, {spec.get('stages', 2)} stages, batch"
-          f" {spec.get('batchSize')}, {size}x{size}, {classes} classes, microBatches"
-          f" {args.micro_batches or spec.get('microBatches')}; {args.repeats} repeat(s) of"
-          f" {args.steps} measured steps after {args.warmup}; {machine()}", flush=True)  # fmt: skip
+    print(
+        f"data: {spec.get('model')}, {spec.get('stages', 2)} stages, batch"
+        f" {spec.get('batchSize')}, {size}x{size}, {classes} classes, microBatches"
+        f" {args.micro_batches or spec.get('microBatches')}; {args.repeats} repeat(s) of"
+        f" {args.steps} measured steps after {args.warmup}; {machine()}",
+        flush=True,
+    )
     results: dict[str, list[dict[str, float]]] = {s: [] for s in SOURCES}
     with tempfile.TemporaryDirectory(prefix="pipejob-data-") as tmp:
         folder = Path(tmp) / "images"
@@ -124,11 +131,13 @@ def main() -> int:
             for source in SOURCES:  # interleaved: drift in the load hits both alike
                 r = run(manifest(base, source, folder, args), Path(tmp), args)
                 results[source].append(r)
-                print(f"  repeat {repeat + 1}: {source:<11} {r['samplesPerSecond']:.1f}"
-                      f" samples/s by wall clock, {r['pipelineSamplesPerSecond']:.1f} in the"
-                      f" pipeline (m={r['microBatches']}, final loss {r['finalLoss']:.3f},"
-                      f" {r['seconds']:.0f} s with start-up; {load_average()})",
-                      flush=True)  # fmt: skip
+                print(
+                    f"  repeat {repeat + 1}: {source:<11} {r['samplesPerSecond']:.1f}"
+                    f" samples/s by wall clock, {r['pipelineSamplesPerSecond']:.1f} in the"
+                    f" pipeline (m={r['microBatches']}, final loss {r['finalLoss']:.3f},"
+                    f" {r['seconds']:.0f} s with start-up; {load_average()})",
+                    flush=True,
+                )
     print(f"\n{'source':>11} {'samples/s (wall)':>24} {'samples/s (pipeline)':>24}")
     for source, rs in results.items():
         cells = [

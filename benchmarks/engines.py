@@ -39,23 +39,42 @@ def model_spec(args: argparse.Namespace, model: str) -> dict[str, Any]:
     """The work: ResNet-50 as compare.py trains it, or the transformer on synthetic tokens."""
     if model == "transformer":
         layers = args.layers
-        return {"model": {"transformer": {"vocabSize": 256, "layers": layers, "width": args.width,
-                                          "heads": 4, "seqLen": args.seq_len}},
-                "batchSize": args.batch}  # fmt: skip
+        return {
+            "model": {
+                "transformer": {
+                    "vocabSize": 256,
+                    "layers": layers,
+                    "width": args.width,
+                    "heads": 4,
+                    "seqLen": args.seq_len,
+                }
+            },
+            "batchSize": args.batch,
+        }
     return {"model": model, "batchSize": args.batch, "imageSize": args.image, "numClasses": 1000}
 
 
-def manifest(args: argparse.Namespace, model: str, stages: int, m: int,
-             engine: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def manifest(
+    args: argparse.Namespace, model: str, stages: int, m: int, engine: dict[str, Any]
+) -> dict[str, Any]:
     name = "-".join(str(v) for v in [model, stages, m, *engine.values()])
     return {
-        "apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob",
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "PipelineJob",
         "metadata": {"name": name[:40].rstrip("-")},
-        "spec": {**model_spec(args, model), "stages": stages, "microBatches": m, **engine,
-                 "steps": args.warmup + args.batches, "logEvery": 1, "seed": 0,
-                 "optimizer": {"name": "sgd", "lr": 0.05}, "preflight": {"enabled": False},
-                 "rendezvousTimeoutSeconds": 600},
-    }  # fmt: skip
+        "spec": {
+            **model_spec(args, model),
+            "stages": stages,
+            "microBatches": m,
+            **engine,
+            "steps": args.warmup + args.batches,
+            "logEvery": 1,
+            "seed": 0,
+            "optimizer": {"name": "sgd", "lr": 0.05},
+            "preflight": {"enabled": False},
+            "rendezvousTimeoutSeconds": 600,
+        },
+    }
 
 
 def systems(args: argparse.Namespace, stages: int) -> dict[str, list[tuple[int, dict]]]:
@@ -101,10 +120,21 @@ def one_process(spec_json: str, warmup: int, batches: int) -> None:
 def run_one_process(args: argparse.Namespace, job: dict[str, Any]) -> float:
     threads = len(os.sched_getaffinity(0))
     out = subprocess.run(
-        [sys.executable, __file__, "--one-process", json.dumps(job), "--warmup",
-         str(args.warmup), "--batches", str(args.batches)],
-        env=thread_env(threads), capture_output=True, text=True, timeout=args.timeout,
-    )  # fmt: skip
+        [
+            sys.executable,
+            __file__,
+            "--one-process",
+            json.dumps(job),
+            "--warmup",
+            str(args.warmup),
+            "--batches",
+            str(args.batches),
+        ],
+        env=thread_env(threads),
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith(RESULT)]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"the one-process reference failed:\n{out.stdout}{out.stderr}")
@@ -139,13 +169,20 @@ def main() -> None:
         args.micro_batches = 4
     args.rpc_counts = [int(m) for m in args.rpc_counts.split(",")]
     args.schedules = [s for s in args.schedules.split(",") if s]
-    configs = [(model, int(stages)) for model in args.models.split(",")
-               for stages in args.stages.split(",")]  # fmt: skip
-    print(f"engines: {', '.join(f'{m} x {s} stages' for m, s in configs)}; batch {args.batch};"
-          f" {args.repeats} repeat(s) of {args.batches} measured steps after {args.warmup};"
-          f" {machine()}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)  # fmt: skip
+    configs = [
+        (model, int(stages))
+        for model in args.models.split(",")
+        for stages in args.stages.split(",")
+    ]
+    print(
+        f"engines: {', '.join(f'{m} x {s} stages' for m, s in configs)}; batch {args.batch};"
+        f" {args.repeats} repeat(s) of {args.batches} measured steps after {args.warmup};"
+        f" {machine()}; {time.strftime('%Y-%m-%d %H:%M')}",
+        flush=True,
+    )
     rates: dict[tuple[str, int], dict[str, dict[int, list[float]]]] = defaultdict(
-        lambda: defaultdict(lambda: defaultdict(list)))  # fmt: skip
+        lambda: defaultdict(lambda: defaultdict(list))
+    )
     extras: dict[tuple[str, int, str, int], list[float]] = defaultdict(list)  # bubbles
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pipejob-engines-") as tmp:
@@ -167,39 +204,48 @@ def main() -> None:
                         rate = summary["samplesPerSecond"]
                         rates[model, stages][system][m].append(rate)
                         extras[model, stages, system, m].append(summary["bubble"]["measured"])
-                        print(f"[{time.monotonic() - started:5.0f}s] repeat {repeat}: {model}"
-                              f" {stages} stages, {system} m={m}: {rate:.1f} samples/s"
-                              f" ({load_average()})", flush=True)  # fmt: skip
+                        print(
+                            f"[{time.monotonic() - started:5.0f}s] repeat {repeat}: {model}"
+                            f" {stages} stages, {system} m={m}: {rate:.1f} samples/s"
+                            f" ({load_average()})",
+                            flush=True,
+                        )
                 job = manifest(args, model, stages, 1, {})
                 rate = run_one_process(args, job)
                 rates[model, stages]["one process"][1].append(rate)
-                print(f"[{time.monotonic() - started:5.0f}s] repeat {repeat}: {model}, one"
-                      f" process on {len(os.sched_getaffinity(0))} threads: {rate:.1f}"
-                      f" samples/s ({load_average()})", flush=True)  # fmt: skip
+                print(
+                    f"[{time.monotonic() - started:5.0f}s] repeat {repeat}: {model}, one"
+                    f" process on {len(os.sched_getaffinity(0))} threads: {rate:.1f}"
+                    f" samples/s ({load_average()})",
+                    flush=True,
+                )
     print(report(rates, extras))
     print(f"\ntotal {time.monotonic() - started:.0f}s; {machine()}")
 
 
-def report(rates: dict[tuple[str, int], dict[str, dict[int, list[float]]]],
-           extras: dict[tuple[str, int, str, int], list[float]]) -> str:  # fmt: skip
+def report(
+    rates: dict[tuple[str, int], dict[str, dict[int, list[float]]]],
+    extras: dict[tuple[str, int, str, int], list[float]],
+) -> str:
     """Per configuration: each system at its best count (median [min-max] samples/s), its
     measured bubble, and its rate against the rpc engine's best and against one process."""
     lines = []
     for (model, stages), by in rates.items():
-        best = {s: max(counts, key=lambda m, c=counts: spread(c[m])[1])
-                for s, counts in by.items()}  # fmt: skip
+        best = {s: max(counts, key=lambda m, c=counts: spread(c[m])[1]) for s, counts in by.items()}
         median = {s: spread(by[s][m])[1] for s, m in best.items()}
-        lines += ["", f"{model}, {stages} stages: samples/s at each system's best count",
-                  f"  {'system':<30} {'m':>2} {'samples/s':>20} {'bubble':>6}"
-                  f" {'/ rpc best':>10} {'/ one process':>13}"]  # fmt: skip
+        lines += [
+            "",
+            f"{model}, {stages} stages: samples/s at each system's best count",
+            f"  {'system':<30} {'m':>2} {'samples/s':>20} {'bubble':>6}"
+            f" {'/ rpc best':>10} {'/ one process':>13}",
+        ]
         for s, m in best.items():
             bubbles = extras.get((model, stages, s, m))
             bubble = f"{spread(bubbles)[1]:>6.0%}" if bubbles else f"{'-':>6}"
             vs_rpc = f"{median[s] / median['rpc']:>9.2f}x" if "rpc" in median else f"{'-':>10}"
             one = median.get("one process")
             vs_one = f"{median[s] / one:>12.2f}x" if one else f"{'-':>13}"
-            lines.append(f"  {s:<30} {m:>2} {fmt_spread(by[s][m]):>20} {bubble} {vs_rpc}"
-                         f" {vs_one}")  # fmt: skip
+            lines.append(f"  {s:<30} {m:>2} {fmt_spread(by[s][m]):>20} {bubble} {vs_rpc} {vs_one}")
     return "\n".join(lines)
 
 

@@ -42,14 +42,18 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
-def world(experiment: str, extra: list[str], env: dict[str, str], timeout: float = 300,
-          ranks: int = 2) -> list[dict[str, Any]]:  # fmt: skip
+def world(
+    experiment: str, extra: list[str], env: dict[str, str], timeout: float = 300, ranks: int = 2
+) -> list[dict[str, Any]]:
     """Run `experiment` as an RPC world of `ranks` processes; rank 0's results."""
     port = str(free_port())
     with Workers(echo=lambda n, line: say(f"    {n}: {line}") if "rror" in line else None) as w:
         for r in range(ranks):
-            w.start(f"rank{r}", python("findings.py", experiment, "--rank", str(r), "--port",
-                                       port, *extra), env)  # fmt: skip
+            w.start(
+                f"rank{r}",
+                python("findings.py", experiment, "--rank", str(r), "--port", port, *extra),
+                env,
+            )
         codes = w.wait(timeout)
         if any(codes.values()):
             raise RuntimeError(f"{experiment} failed ({codes}):\n{w.tail()}")
@@ -97,15 +101,30 @@ def reactor() -> None:
         port = str(free_port())
         with Workers() as w:
             for r in range(2):
-                w.start(f"rank{r}", python("findings.py", "reactor", "--rank", str(r), "--port",
-                                           port, "--transports", transports, "--seconds", "5"),
-                        env)  # fmt: skip
+                w.start(
+                    f"rank{r}",
+                    python(
+                        "findings.py",
+                        "reactor",
+                        "--rank",
+                        str(r),
+                        "--port",
+                        port,
+                        "--transports",
+                        transports,
+                        "--seconds",
+                        "5",
+                    ),
+                    env,
+                )
             w.wait(120)
             for res in w.results:
                 busiest = sorted(res["threads"].items(), key=lambda kv: -kv[1])[:3]
                 threads = ", ".join(f"{n} {s / 5:.2f}" for n, s in busiest if s > 0)
-                say(f"  {transports or 'default':<10} rank {res['rank']}: {res['cpu'] / 5:.2f}"
-                    f" CPU-s/s ({threads}); {load_average()}")  # fmt: skip
+                say(
+                    f"  {transports or 'default':<10} rank {res['rank']}: {res['cpu'] / 5:.2f}"
+                    f" CPU-s/s ({threads}); {load_average()}"
+                )
 
 
 # ---------------------------------------------------------------------------- threads
@@ -164,11 +183,18 @@ def threads_rank(args: argparse.Namespace) -> None:
         after = rpc.rpc_sync("w1", own_counters)
         counts = rpc.rpc_sync("w1", thread_counts)
         omp = rpc.rpc_sync("w1", teams)
-        result({"omp": omp, "wall": wall / args.repeats,
+        result(
+            {
+                "omp": omp,
+                "wall": wall / args.repeats,
                 "cpu": (after["cpu"] - before["cpu"]) / args.repeats,
-                "threads": {n: (after["threads"].get(n, 0) - before["threads"].get(n, 0))
-                            / args.repeats for n in after["threads"]},
-                "counts": counts})  # fmt: skip
+                "threads": {
+                    n: (after["threads"].get(n, 0) - before["threads"].get(n, 0)) / args.repeats
+                    for n in after["threads"]
+                },
+                "counts": counts,
+            }
+        )
     rpc.shutdown()
 
 
@@ -187,16 +213,19 @@ def thread_counts() -> dict[str, int]:
 
 
 def threads() -> None:
-    say("threads: a stage's forward (RPC thread) and distributed backward, second half of the"
-        " split at micro-batch 24; per step, in the worker")  # fmt: skip
+    say(
+        "threads: a stage's forward (RPC thread) and distributed backward, second half of the"
+        " split at micro-batch 24; per step, in the worker"
+    )
     cases = {
         "torch defaults": ({}, []),
         "torch.set_num_threads(1)": ({}, ["--api-threads", "1"]),
         "OMP_NUM_THREADS=1": ({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, []),
     }
     for label, (extra_env, extra_args) in cases.items():
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
-                                                                 "MKL_NUM_THREADS")}  # fmt: skip
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+        }
         env |= extra_env
         [res] = world("threads", ["--repeats", "3", *extra_args], env)
         busiest = sorted(res["threads"].items(), key=lambda kv: -kv[1])[:4]
@@ -269,10 +298,12 @@ def lock() -> None:
             waits = [row[2] - row[1] for row in run]
             compute = [row[3] - row[2] for row in run]
             first_done = min(row[3] for row in run) - t0
-            say(f"  m={m}: ran in order {order} (arrived {arrived_order}); waits"
+            say(
+                f"  m={m}: ran in order {order} (arrived {arrived_order}); waits"
                 f" {min(waits):.2f}-{max(waits):.2f}s, compute {statistics.median(compute):.2f}s"
                 f" each; first output after {first_done:.2f}s, all after"
-                f" {max(row[3] for row in run) - t0:.2f}s; {load_average()}")  # fmt: skip
+                f" {max(row[3] for row in run) - t0:.2f}s; {load_average()}"
+            )
 
 
 # ---------------------------------------------------------------------------- balance
@@ -308,9 +339,16 @@ def balance_rank(args: argparse.Namespace) -> None:
             layers, torch.randn(micro, 3, IMAGE, IMAGE), repeats=args.repeats
         ).seconds
         cut_at = min_max_partition(costs, 2)[1].start
-        rows.append({"micro": micro, "first": halves[0], "second": halves[1],
-                     "cut": names[cut_at], "cut_share": sum(costs[:cut_at]) / sum(costs),
-                     "load": load_average()})  # fmt: skip
+        rows.append(
+            {
+                "micro": micro,
+                "first": halves[0],
+                "second": halves[1],
+                "cut": names[cut_at],
+                "cut_share": sum(costs[:cut_at]) / sum(costs),
+                "load": load_average(),
+            }
+        )
     result({"threads": torch.get_num_threads(), "rows": rows})
 
 
@@ -320,14 +358,18 @@ def balance() -> None:
         f"balance: {res['threads']} thread; CPU-seconds of forward+backward for a batch of"
         f" {BATCH} run as micro-batches (min of 2); tutorial split conv1..layer2 | layer3..fc"
     )
-    say(f"  {'micro':>5} {'first':>7} {'second':>7} {'2nd/1st':>7} {'sum':>6} {'vs 48':>6}"
-        "  pipejob's cut at this size (share before it)")  # fmt: skip
+    say(
+        f"  {'micro':>5} {'first':>7} {'second':>7} {'2nd/1st':>7} {'sum':>6} {'vs 48':>6}"
+        "  pipejob's cut at this size (share before it)"
+    )
     base = res["rows"][0]["first"] + res["rows"][0]["second"]
     for r in res["rows"]:
         total = r["first"] + r["second"]
-        say(f"  {r['micro']:>5} {r['first']:>7.3f} {r['second']:>7.3f}"
+        say(
+            f"  {r['micro']:>5} {r['first']:>7.3f} {r['second']:>7.3f}"
             f" {r['second'] / r['first']:>7.2f} {total:>6.2f} {total / base:>6.2f}"
-            f"  {r['cut']} ({r['cut_share']:.0%}); {r['load']}")  # fmt: skip
+            f"  {r['cut']} ({r['cut_share']:.0%}); {r['load']}"
+        )
 
 
 # ---------------------------------------------------------------------------- transfer
@@ -363,16 +405,21 @@ def transfer_rank(args: argparse.Namespace) -> None:
 
 
 def transfer() -> None:
-    say("transfer: RPC round trip (there and back) of each tensor a 2-stage step sends,"
-        " median of 10")  # fmt: skip
+    say(
+        "transfer: RPC round trip (there and back) of each tensor a 2-stage step sends,"
+        " median of 10"
+    )
     for transports in ("", "uv/basic"):
-        [res] = world("transfer", ["--transports", transports, "--repeats", "10"],
-                      thread_env(1))  # fmt: skip
+        [res] = world("transfer", ["--transports", transports, "--repeats", "10"], thread_env(1))
         for name, r in res.items():
-            say(f"  {transports or 'default':<9} {name:<40} {r['mb']:6.2f} MB"
-                f" {r['round_trip'] * 1000:7.1f} ms; {load_average()}")  # fmt: skip
-    say("  per step of batch 48 in 2 micro-batches: input x2 one way, activation x2 there and"
-        " its gradient back, output x2 there and its gradient back")  # fmt: skip
+            say(
+                f"  {transports or 'default':<9} {name:<40} {r['mb']:6.2f} MB"
+                f" {r['round_trip'] * 1000:7.1f} ms; {load_average()}"
+            )
+    say(
+        "  per step of batch 48 in 2 micro-batches: input x2 one way, activation x2 there and"
+        " its gradient back, output x2 there and its gradient back"
+    )
 
 
 EXPERIMENTS = {
@@ -382,8 +429,13 @@ EXPERIMENTS = {
     "balance": balance,
     "transfer": transfer,
 }
-RANKS = {"reactor": reactor_rank, "threads": threads_rank, "lock": lock_rank,
-         "balance": balance_rank, "transfer": transfer_rank}  # fmt: skip
+RANKS = {
+    "reactor": reactor_rank,
+    "threads": threads_rank,
+    "lock": lock_rank,
+    "balance": balance_rank,
+    "transfer": transfer_rank,
+}
 
 
 def main() -> int:

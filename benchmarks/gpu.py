@@ -40,21 +40,30 @@ from _common import free_port, machine, run_job
 WORKLOADS = {  # name -> (model, spec fields)
     "resnet50-224": ({"torchvision": "resnet50"}, {"imageSize": 224, "batchSize": 256}),
     "resnet50-64": ({"torchvision": "resnet50"}, {"imageSize": 64, "batchSize": 256}),
-    "transformer-12x768": ({"transformer": {"vocabSize": 256, "layers": 12, "width": 768,
-                                            "heads": 12, "seqLen": 256}},
-                           {"batchSize": 32}),
-}  # fmt: skip
+    "transformer-12x768": (
+        {"transformer": {"vocabSize": 256, "layers": 12, "width": 768, "heads": 12, "seqLen": 256}},
+        {"batchSize": 32},
+    ),
+}
 SMALL = {
     "resnet18-32": ({"torchvision": "resnet18"}, {"imageSize": 32, "batchSize": 8}),
-    "transformer-2x64": ({"transformer": {"vocabSize": 64, "layers": 2, "width": 64,
-                                          "heads": 4, "seqLen": 16}},
-                         {"batchSize": 8}),
-}  # fmt: skip
+    "transformer-2x64": (
+        {"transformer": {"vocabSize": 64, "layers": 2, "width": 64, "heads": 4, "seqLen": 16}},
+        {"batchSize": 8},
+    ),
+}
 
 
-def manifest(name: str, model: dict[str, Any], fields: dict[str, Any], stages: int,
-             steps: int, gpus: int, m: int | str = 1,
-             schedule: str | None = None) -> dict[str, Any]:  # fmt: skip
+def manifest(
+    name: str,
+    model: dict[str, Any],
+    fields: dict[str, Any],
+    stages: int,
+    steps: int,
+    gpus: int,
+    m: int | str = 1,
+    schedule: str | None = None,
+) -> dict[str, Any]:
     """A job of the workload; with `schedule`, on the pipelining engine (the interleaved
     schedules with 2 stages per process)."""
     engine = (
@@ -69,29 +78,52 @@ def manifest(name: str, model: dict[str, Any], fields: dict[str, Any], stages: i
     return {
         "apiVersion": "pipejob.dev/v1alpha1",
         "kind": "PipelineJob",
-        "metadata": {"name": f"gpu-{name}-{stages}-m{m}{'-' + schedule if schedule else ''}"
-                     .replace(".", "-")},
-        "spec": {"model": model, "stages": stages, "steps": steps, "logEvery": 1,
-                 "gpusPerStage": gpus, "seed": 0, "optimizer": {"name": "sgd", "lr": 0.01},
-                 "preflight": {"enabled": False}, "microBatches": m, **fields, **engine},
-    }  # fmt: skip
+        "metadata": {
+            "name": f"gpu-{name}-{stages}-m{m}{'-' + schedule if schedule else ''}".replace(
+                ".", "-"
+            )
+        },
+        "spec": {
+            "model": model,
+            "stages": stages,
+            "steps": steps,
+            "logEvery": 1,
+            "gpusPerStage": gpus,
+            "seed": 0,
+            "optimizer": {"name": "sgd", "lr": 0.01},
+            "preflight": {"enabled": False},
+            "microBatches": m,
+            **fields,
+            **engine,
+        },
+    }
 
 
-def pipelining(job: dict[str, Any], device: str, runs: Path, steps: int, warmup: int,
-               timeout: float) -> float | str:  # fmt: skip
+def pipelining(
+    job: dict[str, Any], device: str, runs: Path, steps: int, warmup: int, timeout: float
+) -> float | str:
     """Samples/s of `job` on pipejob's pipelining engine; or why it cannot run here."""
     from pipejob.core.kinds.pipeline import schedule_refuses
 
     spec = job["spec"]
     if device == "cuda" and torch.cuda.device_count() < spec["stages"]:
-        return (f"not run: NCCL needs a GPU per stage ({spec['stages']}), this machine has"
-                f" {torch.cuda.device_count()}")  # fmt: skip
+        return (
+            f"not run: NCCL needs a GPU per stage ({spec['stages']}), this machine has"
+            f" {torch.cuda.device_count()}"
+        )
     refused = schedule_refuses(spec["schedule"], spec["stages"], spec["microBatches"])
     if refused is not None:
         return f"not run: {refused}"
     try:
-        summary, _, _ = run_job(job, runs / job["metadata"]["name"], job["metadata"]["name"],
-                                steps, warmup, timeout, dict(os.environ))  # fmt: skip
+        summary, _, _ = run_job(
+            job,
+            runs / job["metadata"]["name"],
+            job["metadata"]["name"],
+            steps,
+            warmup,
+            timeout,
+            dict(os.environ),
+        )
     except (RuntimeError, TimeoutError) as e:  # the others are still measured
         return f"failed: {str(e).strip().splitlines()[0]}"
     return summary["samplesPerSecond"]
@@ -124,23 +156,33 @@ def one_process(job: dict[str, Any], device: str, steps: int, warmup: int) -> fl
     return spec.batch_size * (steps - warmup) / (time.perf_counter() - start)
 
 
-def one_f_one_b(job: dict[str, Any], device: str, split_points: list[str], steps: int,
-                warmup: int, timeout: float) -> float | str:  # fmt: skip
+def one_f_one_b(
+    job: dict[str, Any],
+    device: str,
+    split_points: list[str],
+    steps: int,
+    warmup: int,
+    timeout: float,
+) -> float | str:
     """Samples/s of torch.distributed.pipelining's Schedule1F1B on `job`'s work, cut at
     `split_points`, one process per stage; or why it cannot run here."""
     stages, m = len(split_points) + 1, job["spec"]["microBatches"]
     if m < stages:
         return f"not run: 1F1B needs at least {stages} micro-batches for {stages} stages"
     if device == "cuda" and torch.cuda.device_count() < stages:
-        return (f"not run: NCCL needs a GPU per stage ({stages}), this machine has"
-                f" {torch.cuda.device_count()}")  # fmt: skip
+        return (
+            f"not run: NCCL needs a GPU per stage ({stages}), this machine has"
+            f" {torch.cuda.device_count()}"
+        )
     with tempfile.TemporaryDirectory(prefix="pipejob-1f1b-") as tmp:
         out = Path(tmp) / "rate"
         context = mp.start_processes(
-            _one_f_one_b_rank, args=(stages, free_port(), job, device, split_points, steps,
-                                     warmup, str(out)),
-            nprocs=stages, join=False, start_method="spawn",
-        )  # fmt: skip
+            _one_f_one_b_rank,
+            args=(stages, free_port(), job, device, split_points, steps, warmup, str(out)),
+            nprocs=stages,
+            join=False,
+            start_method="spawn",
+        )
         deadline = time.monotonic() + timeout
         try:
             while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
@@ -155,8 +197,17 @@ def one_f_one_b(job: dict[str, Any], device: str, split_points: list[str], steps
         return float(out.read_text())
 
 
-def _one_f_one_b_rank(rank: int, stages: int, port: int, job: dict[str, Any], device: str,
-                      cut: list[str], steps: int, warmup: int, out: str) -> None:  # fmt: skip
+def _one_f_one_b_rank(
+    rank: int,
+    stages: int,
+    port: int,
+    job: dict[str, Any],
+    device: str,
+    cut: list[str],
+    steps: int,
+    warmup: int,
+    out: str,
+) -> None:
     """Stage `rank` of the 1F1B pipeline: the whole model built as pipejob builds it (under
     the job's seed), its stage cut out of it; the first reads the inputs, the last the labels
     (pipejob's feed), SGD on its own parameters. Rank 0 writes the measured samples/s."""
@@ -173,16 +224,20 @@ def _one_f_one_b_rank(rank: int, stages: int, port: int, job: dict[str, Any], de
     on = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
     if device == "cuda":
         torch.cuda.set_device(on)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=stages)  # fmt: skip
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=stages,
+    )
     try:
         torch.manual_seed(spec.seed)
         shard = trace(spec, models.build(spec)).split(cut)[rank].to(on)
         optimizer = torch.optim.SGD(shard.parameters(), lr=0.01)
         stage = PipelineStage(shard, rank, stages, on)
-        schedule = Schedule1F1B(stage, n_microbatches=spec.micro_batches,
-                                loss_fn=workloads.loss(spec))  # fmt: skip
+        schedule = Schedule1F1B(
+            stage, n_microbatches=spec.micro_batches, loss_fn=workloads.loss(spec)
+        )
         with data.Feed(spec) as feed:
             batches = [feed.batch() for _ in range(steps)]
         start = 0.0
@@ -215,22 +270,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny workloads (a smoke run)")
     ap.add_argument("--stages", default="2,4")
-    ap.add_argument("--micro-batches", default="auto",
-                    help="pipejob's microBatches, comma-separated (counts or auto); the table"
-                         " gives the best")  # fmt: skip
+    ap.add_argument(
+        "--micro-batches",
+        default="auto",
+        help="pipejob's microBatches, comma-separated (counts or auto); the table gives the best",
+    )
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--logs", type=Path,
-                    help="keep each pipejob run's manifest, summary and output here")  # fmt: skip
-    ap.add_argument("--schedules", default="1f1b",
-                    help="pipejob's pipelining engine with these schedules, comma-separated"
-                         " (empty: none): gpipe, 1f1b, interleaved-1f1b, zero-bubble")  # fmt: skip
+    ap.add_argument(
+        "--logs", type=Path, help="keep each pipejob run's manifest, summary and output here"
+    )
+    ap.add_argument(
+        "--schedules",
+        default="1f1b",
+        help="pipejob's pipelining engine with these schedules, comma-separated"
+        " (empty: none): gpipe, 1f1b, interleaved-1f1b, zero-bubble",
+    )
     args = ap.parse_args(argv)
     schedules = [s for s in args.schedules.split(",") if s]
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu.py: no CUDA GPU here, so nothing is measured; --device cpu runs the same"
-              " comparison on the CPU")  # fmt: skip
+        print(
+            "gpu.py: no CUDA GPU here, so nothing is measured; --device cpu runs the same"
+            " comparison on the CPU"
+        )
         return 0
     gpus = 1 if args.device == "cuda" else 0
     where = torch.cuda.get_device_name(0) if gpus else f"CPU ({machine()})"
@@ -241,8 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         runs = args.logs or Path(tmp)  # each pipejob run's manifest, summary and output
         runs.mkdir(parents=True, exist_ok=True)
         for name, (model, fields) in (SMALL if args.small else WORKLOADS).items():
-            alone = one_process(manifest(name, model, fields, 2, args.steps, gpus), args.device,
-                                args.steps, args.warmup)  # fmt: skip
+            alone = one_process(
+                manifest(name, model, fields, 2, args.steps, gpus),
+                args.device,
+                args.steps,
+                args.warmup,
+            )
             row = [name, f"{alone:.1f}"]
             print(f"  {name}: one process {alone:.1f} samples/s", flush=True)
             for stages in map(int, args.stages.split(",")):
@@ -250,16 +317,25 @@ def main(argv: list[str] | None = None) -> int:
                 for m in counts:
                     job = manifest(name, model, fields, stages, args.steps, gpus, m)
                     try:
-                        summary, _, _ = run_job(job, runs / job["metadata"]["name"],
-                                                f"{name}{stages}{m}", args.steps, args.warmup,
-                                                args.timeout, dict(os.environ))  # fmt: skip
+                        summary, _, _ = run_job(
+                            job,
+                            runs / job["metadata"]["name"],
+                            f"{name}{stages}{m}",
+                            args.steps,
+                            args.warmup,
+                            args.timeout,
+                            dict(os.environ),
+                        )
                     except (RuntimeError, TimeoutError) as e:  # the others are still measured
                         print(f"  {name}: pipejob {stages} stages, microBatches {m} FAILED: {e}")
                         continue
                     rate = summary["samplesPerSecond"]
                     chose = f", chose {summary['microBatches']}" if m == "auto" else ""
-                    print(f"  {name}: pipejob {stages} stages, microBatches {m}{chose}:"
-                          f" {rate:.1f} samples/s ({rate / alone:.2f}x)", flush=True)  # fmt: skip
+                    print(
+                        f"  {name}: pipejob {stages} stages, microBatches {m}{chose}:"
+                        f" {rate:.1f} samples/s ({rate / alone:.2f}x)",
+                        flush=True,
+                    )
                     if best is None or rate > best[0]:
                         best = rate, summary
                 if best is None:
@@ -269,22 +345,40 @@ def main(argv: list[str] | None = None) -> int:
                 row.append(f"{rate:.1f} ({rate / alone:.2f}x, m={summary['microBatches']})")
                 cut = [st["layers"][0] for st in summary["partition"][1:]]  # where pipejob cut
                 # 1F1B needs a micro-batch per stage at least: pipejob's count, or that.
-                job = manifest(name, model, fields, stages, args.steps, gpus,
-                               max(summary["microBatches"], stages))  # fmt: skip
-                other = one_f_one_b(job, args.device, cut, args.steps, args.warmup,
-                                    args.timeout)  # fmt: skip
-                said = other if isinstance(other, str) else (
-                    f"{other:.1f} samples/s ({other / alone:.2f}x)")  # fmt: skip
+                job = manifest(
+                    name,
+                    model,
+                    fields,
+                    stages,
+                    args.steps,
+                    gpus,
+                    max(summary["microBatches"], stages),
+                )
+                other = one_f_one_b(job, args.device, cut, args.steps, args.warmup, args.timeout)
+                said = (
+                    other
+                    if isinstance(other, str)
+                    else (f"{other:.1f} samples/s ({other / alone:.2f}x)")
+                )
                 print(f"  {name}: 1F1B {stages} stages {said}", flush=True)
                 row.append(said.replace(" samples/s", ""))
                 for schedule in schedules:  # at the count 1F1B ran
-                    job = manifest(name, model, fields, stages, args.steps, gpus,
-                                   max(summary["microBatches"], stages), schedule)  # fmt: skip
-                    got = pipelining(job, args.device, runs, args.steps, args.warmup,
-                                     args.timeout)  # fmt: skip
+                    job = manifest(
+                        name,
+                        model,
+                        fields,
+                        stages,
+                        args.steps,
+                        gpus,
+                        max(summary["microBatches"], stages),
+                        schedule,
+                    )
+                    got = pipelining(job, args.device, runs, args.steps, args.warmup, args.timeout)
                     said = got if isinstance(got, str) else f"{got:.1f} ({got / alone:.2f}x)"
-                    print(f"  {name}: pipejob pipelining {schedule} {stages} stages {said}",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"  {name}: pipejob pipelining {schedule} {stages} stages {said}",
+                        flush=True,
+                    )
                     row.append(said)
             rows.append(row)
     head = [

@@ -53,8 +53,9 @@ def baseline_package(rev: str, into: Path) -> Path:
     src = into / "src"
     src.mkdir(parents=True)
     paths = ["operator/pipejob", "trainer/pipejob/trainer"]
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, *paths],
-                             capture_output=True, check=True)  # fmt: skip
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, *paths], capture_output=True, check=True
+    )
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
     package = into / "package"
     shutil.copytree(src / "operator" / "pipejob", package / "pipejob")
@@ -63,32 +64,64 @@ def baseline_package(rev: str, into: Path) -> Path:
 
 
 def job(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    common = {"trainers": 2, "seed": 0, "preflight": {"megabytes": 0.5},
-              "rendezvousTimeoutSeconds": 120}  # fmt: skip
-    return {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
-            "metadata": {"name": name}, "spec": common | spec}  # fmt: skip
+    common = {
+        "trainers": 2,
+        "seed": 0,
+        "preflight": {"megabytes": 0.5},
+        "rendezvousTimeoutSeconds": 120,
+    }
+    return {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "HybridJob",
+        "metadata": {"name": name},
+        "spec": common | spec,
+    }
 
 
 def one_table(rows: int, batch: int, steps: int, warmup: int) -> dict[str, Any]:
-    return job("one-table", {
-        "embedding": {"numEmbeddings": rows, "dim": 16, "mode": "sum"},
-        "dense": {"outFeatures": 8}, "batchSize": batch, "bagSize": 10, "datasetSize": 8192,
-        "optimizer": {"name": "sgd", "lr": 0.05}, "steps": steps, "logEvery": warmup,
-    })  # fmt: skip
+    return job(
+        "one-table",
+        {
+            "embedding": {"numEmbeddings": rows, "dim": 16, "mode": "sum"},
+            "dense": {"outFeatures": 8},
+            "batchSize": batch,
+            "bagSize": 10,
+            "datasetSize": 8192,
+            "optimizer": {"name": "sgd", "lr": 0.05},
+            "steps": steps,
+            "logEvery": warmup,
+        },
+    )
 
 
 def dlrm(servers: int, rows: int, batch: int, steps: int, warmup: int) -> dict[str, Any]:
     tables = [{"name": f"C{i}", "rows": rows, "dim": 16} for i in range(1, CRITEO_TABLES + 1)]
-    return job("dlrm", {
-        "parameterServers": servers, "embeddings": tables, "bagSize": 1, "denseFeatures": 13,
-        "dense": {"dlrm": {"bottom": [64], "top": [64, 32]}}, "batchSize": batch,
-        "datasetSize": 16384, "sparseOptimizer": {"name": "rowwiseAdagrad", "lr": 0.05},
-        "optimizer": {"name": "adam", "lr": 0.001}, "steps": steps, "logEvery": warmup,
-    })  # fmt: skip
+    return job(
+        "dlrm",
+        {
+            "parameterServers": servers,
+            "embeddings": tables,
+            "bagSize": 1,
+            "denseFeatures": 13,
+            "dense": {"dlrm": {"bottom": [64], "top": [64, 32]}},
+            "batchSize": batch,
+            "datasetSize": 16384,
+            "sparseOptimizer": {"name": "rowwiseAdagrad", "lr": 0.05},
+            "optimizer": {"name": "adam", "lr": 0.001},
+            "steps": steps,
+            "logEvery": warmup,
+        },
+    )
 
 
-def measure(manifest: dict[str, Any], stem: Path, steps: int, warmup: int, env: dict[str, str],
-            timeout: float) -> float:  # fmt: skip
+def measure(
+    manifest: dict[str, Any],
+    stem: Path,
+    steps: int,
+    warmup: int,
+    env: dict[str, str],
+    timeout: float,
+) -> float:
     """Samples per second over every trainer, between the step lines of `warmup` and `steps`."""
     spec = manifest["spec"]
     _, wall, _ = run_job(manifest, stem, stem.name, steps, warmup, timeout, env)
@@ -126,29 +159,41 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.steps, args.warmup = 1, 60, 10
     rows = [int(r) for r in args.rows.split(",")]
     counts = [int(s) for s in args.servers.split(",")]
-    say(f"hybrid: 2 trainers; one table of {args.rows} rows x 16 ({args.batch} bags per"
+    say(
+        f"hybrid: 2 trainers; one table of {args.rows} rows x 16 ({args.batch} bags per"
         f" trainer); DLRM with {CRITEO_TABLES} tables of {args.table_rows} x 16"
         f" ({args.dlrm_batch} samples per trainer) on {args.servers} servers; {args.steps}"
         f" steps, the first {args.warmup} left out, x {args.repeats} repeat(s); {machine()};"
-        f" {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
+        f" {time.strftime('%Y-%m-%d %H:%M')}"
+    )
     rates: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="pipejob-hybrid-") as tmp:
         old = baseline_package(args.baseline_rev, Path(tmp) / "baseline")
         path = os.pathsep.join(filter(None, [str(old), os.environ.get("PYTHONPATH")]))
         designs = {"single-table": os.environ | {"PYTHONPATH": path}, "sparse": dict(os.environ)}
-        runs = [(f"{design} {r}", one_table(r, args.batch, args.steps, args.warmup), env)
-                for r in rows for design, env in designs.items()]  # fmt: skip
-        runs += [(f"dlrm {s} server(s)",
-                  dlrm(s, args.table_rows, args.dlrm_batch, args.steps, args.warmup),
-                  designs["sparse"]) for s in counts]  # fmt: skip
+        runs = [
+            (f"{design} {r}", one_table(r, args.batch, args.steps, args.warmup), env)
+            for r in rows
+            for design, env in designs.items()
+        ]
+        runs += [
+            (
+                f"dlrm {s} server(s)",
+                dlrm(s, args.table_rows, args.dlrm_batch, args.steps, args.warmup),
+                designs["sparse"],
+            )
+            for s in counts
+        ]
         for repeat in range(1, args.repeats + 1):
             for label, manifest, env in runs:
                 t0 = time.monotonic()
                 stem = Path(tmp) / label.replace(" ", "-").replace("(", "").replace(")", "")
                 rate = measure(manifest, stem, args.steps, args.warmup, env, args.timeout)
                 rates.setdefault(label, []).append(rate)
-                say(f"  repeat {repeat}: {label:<22} {rate:9,.0f} samples/s"
-                    f" ({time.monotonic() - t0:.0f}s with start-up; {load_average()})")  # fmt: skip
+                say(
+                    f"  repeat {repeat}: {label:<22} {rate:9,.0f} samples/s"
+                    f" ({time.monotonic() - t0:.0f}s with start-up; {load_average()})"
+                )
     say("\nsamples/s over both trainers: median [min-max] over repeats")
     median = {}
     for label, values in rates.items():

@@ -32,21 +32,30 @@ GB = 1e9
 
 
 def manifest(args: argparse.Namespace, layers: int, stages: int) -> dict[str, Any]:
-    transformer = {"vocabSize": args.vocab, "layers": layers, "width": args.width,
-                   "heads": args.heads, "seqLen": args.seq_len}  # fmt: skip
+    transformer = {
+        "vocabSize": args.vocab,
+        "layers": layers,
+        "width": args.width,
+        "heads": args.heads,
+        "seqLen": args.seq_len,
+    }
     return {
         "apiVersion": "pipejob.dev/v1alpha1",
         "kind": "PipelineJob",
         "metadata": {"name": f"memory-{layers}x{args.width}-{stages}"},
         "spec": {
             "model": {"transformer": transformer},
-            "stages": stages, "batchSize": args.batch, "microBatches": args.micro_batches,
-            "steps": args.steps, "logEvery": 1, "seed": 0,
+            "stages": stages,
+            "batchSize": args.batch,
+            "microBatches": args.micro_batches,
+            "steps": args.steps,
+            "logEvery": 1,
+            "seed": 0,
             "optimizer": {"name": "sgd", "lr": 0.01},
             "preflight": {"enabled": False},
             "rendezvousTimeoutSeconds": 600,
         },
-    }  # fmt: skip
+    }
 
 
 def parameter_bytes(args: argparse.Namespace, layers: int) -> dict[str, int]:
@@ -57,8 +66,13 @@ def parameter_bytes(args: argparse.Namespace, layers: int) -> dict[str, int]:
     from pipejob.core.workload import Transformer
     from pipejob.trainer.workloads.transformer import TransformerLM
 
-    spec = Transformer(vocab_size=args.vocab, layers=layers, width=args.width,
-                       heads=args.heads, seq_len=args.seq_len)  # fmt: skip
+    spec = Transformer(
+        vocab_size=args.vocab,
+        layers=layers,
+        width=args.width,
+        heads=args.heads,
+        seq_len=args.seq_len,
+    )
     with torch.device("meta"):
         model = TransformerLM(spec)
     return {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
@@ -66,8 +80,9 @@ def parameter_bytes(args: argparse.Namespace, layers: int) -> dict[str, int]:
 
 def share(sizes: dict[str, int], units: list[str]) -> int:
     """Bytes of the parameters under the modules named `units` (a stage's layers)."""
-    return sum(b for name, b in sizes.items()
-               if any(name == u or name.startswith(u + ".") for u in units))  # fmt: skip
+    return sum(
+        b for name, b in sizes.items() if any(name == u or name.startswith(u + ".") for u in units)
+    )
 
 
 def measure(args: argparse.Namespace, layers: int, stages: int, tmp: Path) -> dict[str, Any]:
@@ -80,25 +95,33 @@ def measure(args: argparse.Namespace, layers: int, stages: int, tmp: Path) -> di
     whole = sum(sizes.values())
     peaks: dict[str, dict[str, int]] = summary["memory"]
     shares = {st["stage"]: share(sizes, st["layers"]) for st in summary["partition"]}
-    print(f"\ntransformer {layers} layers x width {args.width}, {args.heads} heads, sequence"
-          f" {args.seq_len}, vocabulary {args.vocab}: {whole / 4 / 1e6:.0f}M parameters,"
-          f" {whole / GB:.2f} GB in float32; {stages} stages, SGD, {args.steps} steps,"
-          f" {summary['secondsPerStep']:.3f} s/step"
-          f" (PIPEJOB_TUNING={args.tuning or 'on'})")  # fmt: skip
-    print(f"  {'process':<8} {'peak RSS GB':>11} {'share GB':>9} {'peak/share':>10}"
-          f" {'peak/model':>10}")  # fmt: skip
+    print(
+        f"\ntransformer {layers} layers x width {args.width}, {args.heads} heads, sequence"
+        f" {args.seq_len}, vocabulary {args.vocab}: {whole / 4 / 1e6:.0f}M parameters,"
+        f" {whole / GB:.2f} GB in float32; {stages} stages, SGD, {args.steps} steps,"
+        f" {summary['secondsPerStep']:.3f} s/step"
+        f" (PIPEJOB_TUNING={args.tuning or 'on'})"
+    )
+    print(
+        f"  {'process':<8} {'peak RSS GB':>11} {'share GB':>9} {'peak/share':>10}"
+        f" {'peak/model':>10}"
+    )
     for member, figures in peaks.items():
         rss = figures["rssPeakBytes"]
         own = shares.get(member, 0)
         ratio = f"{rss / own:>9.2f}x" if own else f"{'-':>10}"
         print(f"  {member:<8} {rss / GB:>11.2f} {own / GB:>9.2f} {ratio} {rss / whole:>9.2f}x")
     total = sum(f["rssPeakBytes"] for f in peaks.values())
-    print(f"  {'all':<8} {total / GB:>11.2f} {whole / GB:>9.2f} {total / whole:>9.2f}x"
-          f" {total / whole:>9.2f}x")  # fmt: skip
+    print(
+        f"  {'all':<8} {total / GB:>11.2f} {whole / GB:>9.2f} {total / whole:>9.2f}x"
+        f" {total / whole:>9.2f}x"
+    )
     master = peaks["master"]["rssPeakBytes"]
     tightest = max((m for m in peaks if m in shares), key=lambda m: peaks[m]["rssPeakBytes"])
-    print(f"  master {master / GB:.2f} GB ({master / whole:.2f}x the model); the tightest stage"
-          f" {tightest} {peaks[tightest]['rssPeakBytes'] / GB:.2f} GB")  # fmt: skip
+    print(
+        f"  master {master / GB:.2f} GB ({master / whole:.2f}x the model); the tightest stage"
+        f" {tightest} {peaks[tightest]['rssPeakBytes'] / GB:.2f} GB"
+    )
     return {"whole": whole, "total": total}
 
 
@@ -120,12 +143,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=2)
-    parser.add_argument("--large", action="store_true",
-                        help="also run a model three times larger at twice the stages")  # fmt: skip
+    parser.add_argument(
+        "--large",
+        action="store_true",
+        help="also run a model three times larger at twice the stages",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    parser.add_argument("--tuning", default="",
-                        help="PIPEJOB_TUNING for the runs, e.g. threads,transport: no allocator"
-                             " lever, less memory for slower steps")  # fmt: skip
+    parser.add_argument(
+        "--tuning",
+        default="",
+        help="PIPEJOB_TUNING for the runs, e.g. threads,transport: no allocator"
+        " lever, less memory for slower steps",
+    )
     args = parser.parse_args()
     print(f"machine: {machine()}, {available_bytes() / GB:.1f} GB available")
     with tempfile.TemporaryDirectory(prefix="pipejob-memory-") as tmp:
@@ -135,13 +164,17 @@ def main() -> None:
         if args.large:
             measure(args, layers, stages, Path(tmp))
         else:
-            why = (f"it may not fit: up to {need / GB:.1f} GB, {have / GB:.1f} GB available"
-                   if need > have else
-                   f"it may fit ({need / GB:.1f} GB of {have / GB:.1f} GB available), but"
-                   f" {stages + 1} processes on {os.cpu_count()} cores take long")  # fmt: skip
-            print(f"\nskipped: {layers} layers at {stages} stages (--large runs it). The run"
-                  f" above held {first['total'] / GB:.1f} GB in all; three times the model:"
-                  f" {why}")  # fmt: skip
+            why = (
+                f"it may not fit: up to {need / GB:.1f} GB, {have / GB:.1f} GB available"
+                if need > have
+                else f"it may fit ({need / GB:.1f} GB of {have / GB:.1f} GB available), but"
+                f" {stages + 1} processes on {os.cpu_count()} cores take long"
+            )
+            print(
+                f"\nskipped: {layers} layers at {stages} stages (--large runs it). The run"
+                f" above held {first['total'] / GB:.1f} GB in all; three times the model:"
+                f" {why}"
+            )
 
 
 if __name__ == "__main__":

@@ -105,19 +105,37 @@ class Operator:
 
     def __init__(self, kubeconfig: Path, log: Path, log_level: str, resync: float):
         self.port = free_port()
-        argv = [str(PIPEJOB), "operator", "-n", NAMESPACE, "--log-level", log_level,
-                "--health-host", "127.0.0.1", "--health-port", str(self.port)]  # fmt: skip
-        if "--metrics-port" in subprocess.run([str(PIPEJOB), "operator", "--help"],
-                                              capture_output=True, text=True).stdout:  # fmt: skip
+        argv = [
+            str(PIPEJOB),
+            "operator",
+            "-n",
+            NAMESPACE,
+            "--log-level",
+            log_level,
+            "--health-host",
+            "127.0.0.1",
+            "--health-port",
+            str(self.port),
+        ]
+        if (
+            "--metrics-port"
+            in subprocess.run(
+                [str(PIPEJOB), "operator", "--help"], capture_output=True, text=True
+            ).stdout
+        ):
             argv += ["--metrics-host", "127.0.0.1", "--metrics-port", str(free_port())]
         guard = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
         env = os.environ | {"KUBECONFIG": str(kubeconfig), "PIPEJOB_RESYNC_SECONDS": str(resync)}
         self.log = log
         with log.open("ab") as out:
             self.process = subprocess.Popen(
-                [*guard, *argv], env=env, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                [*guard, *argv],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def wait_healthy(self, timeout: float = 60) -> None:
         import urllib.request
@@ -170,8 +188,9 @@ def pod_names(name: str, stages: int) -> list[str]:
     return [f"{name}-master-0"] + [f"{name}-stage-{i}" for i in range(stages)]
 
 
-def one_at_a_time(api: Api, watch: PodWatch, stages: int, count: int,
-                  timeout: float) -> list[float]:  # fmt: skip
+def one_at_a_time(
+    api: Api, watch: PodWatch, stages: int, count: int, timeout: float
+) -> list[float]:
     latencies = []
     for i in range(count):
         name = f"s{stages}-{i}"
@@ -221,13 +240,14 @@ def main(argv: list[str] | None = None) -> int:
         harness.cluster.ApiServer = LeanApiServer
     sizes = [int(s) for s in args.sizes.split(",")]
     emulator = "with kmock's request log" if args.kmock_request_log else "request log off"
-    say(f"operator_scale: {machine()}; operator log level {args.log_level}, resync"
-        f" {args.resync:g}s; emulator {emulator}; {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
+    say(
+        f"operator_scale: {machine()}; operator log level {args.log_level}, resync"
+        f" {args.resync:g}s; emulator {emulator}; {time.strftime('%Y-%m-%d %H:%M')}"
+    )
     with tempfile.TemporaryDirectory(prefix="pipejob-opscale-") as tmp, Cluster(Path(tmp)) as c:
         for path in sorted((REPO / "crds").glob("*.yaml")):
             jobs.apply_crd(c.api, yaml.safe_load(path.read_text()))
-        operator = Operator(c.kubeconfig, Path(tmp) / "operator.log", args.log_level,
-                            args.resync)  # fmt: skip
+        operator = Operator(c.kubeconfig, Path(tmp) / "operator.log", args.log_level, args.resync)
         watch = PodWatch(c.api)
         try:
             operator.wait_healthy()

@@ -58,13 +58,23 @@ def manifest(args: argparse.Namespace, stages: int) -> dict[str, Any]:
     if args.clip:
         optimizer["clipGradNorm"] = args.clip
     return {
-        "apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob",
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "PipelineJob",
         "metadata": {"name": f"overhead-{stages}"},
-        "spec": {"model": {"transformer": TINY}, "batchSize": 16, "microBatches": 1,
-                 "stages": stages, "engine": "pipelining", "schedule": "gpipe", "steps": 1,
-                 "seed": 0, "optimizer": optimizer, "preflight": {"enabled": False},
-                 "rendezvousTimeoutSeconds": 120},
-    }  # fmt: skip
+        "spec": {
+            "model": {"transformer": TINY},
+            "batchSize": 16,
+            "microBatches": 1,
+            "stages": stages,
+            "engine": "pipelining",
+            "schedule": "gpipe",
+            "steps": 1,
+            "seed": 0,
+            "optimizer": optimizer,
+            "preflight": {"enabled": False},
+            "rendezvousTimeoutSeconds": 120,
+        },
+    }
 
 
 def world(args: argparse.Namespace, stages: int) -> list[dict[str, Any]]:
@@ -82,10 +92,14 @@ def world(args: argparse.Namespace, stages: int) -> list[dict[str, Any]]:
         for p in processes:
             env = os.environ | p.env | {"PYTHONUNBUFFERED": "1"}
             role = ["--drive", config] if p.role == "master" else ["--serve"]
-            popens.append(subprocess.Popen([sys.executable, __file__, *role],
-                                           env=env | levers.preload(env), text=True,
-                                           stdout=subprocess.PIPE if p.role == "master" else
-                                           subprocess.DEVNULL))  # fmt: skip
+            popens.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, *role],
+                    env=env | levers.preload(env),
+                    text=True,
+                    stdout=subprocess.PIPE if p.role == "master" else subprocess.DEVNULL,
+                )
+            )
         return _results(popens[0], args.timeout)
     finally:
         for popen in popens:
@@ -103,10 +117,12 @@ def _results(master: subprocess.Popen, timeout: float) -> list[dict[str, Any]]:
             results.append(json.loads(line[len(RESULT) :]))
             r = results[-1]
             if "seconds" in r:
-                print(f"  {r['stages']} stages {r['model']:>5} m={r['m']:<2} {r['system']:>22}:"
-                      f" {r['seconds'] * 1e3:7.2f} ms/step (median; least"
-                      f" {r['least'] * 1e3:.2f}), {r['cpu'] * 1e3:.2f} CPU-ms/step",
-                      flush=True)  # fmt: skip
+                print(
+                    f"  {r['stages']} stages {r['model']:>5} m={r['m']:<2} {r['system']:>22}:"
+                    f" {r['seconds'] * 1e3:7.2f} ms/step (median; least"
+                    f" {r['least'] * 1e3:.2f}), {r['cpu'] * 1e3:.2f} CPU-ms/step",
+                    flush=True,
+                )
         else:
             print("  master | " + line.rstrip(), flush=True)
         if time.monotonic() > deadline:
@@ -122,8 +138,7 @@ def serve() -> None:
     from pipejob.trainer.runtime.world import read_env
 
     env = read_env()
-    tuning.apply(tuning.for_process(env.kind, env.role, env.rank, env.roles, env.gpus,
-                                    os.environ))  # fmt: skip
+    tuning.apply(tuning.for_process(env.kind, env.role, env.rank, env.roles, env.gpus, os.environ))
     # As the trainer's entry point: gloo's deprecation chatter says nothing useful.
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
     from pipejob.trainer import pipeline
@@ -140,8 +155,7 @@ def drive(config: dict[str, Any]) -> None:
     from pipejob.trainer.runtime.world import read_env
 
     env = read_env()
-    tuning.apply(tuning.for_process(env.kind, env.role, env.rank, env.roles, env.gpus,
-                                    os.environ))  # fmt: skip
+    tuning.apply(tuning.for_process(env.kind, env.role, env.rank, env.roles, env.gpus, os.environ))
     import torch.distributed.rpc as rpc
 
     rendezvous.join_rpc(env)
@@ -180,9 +194,12 @@ def table(results: list[dict[str, Any]], figure: str) -> str:
     for r in results:
         if "seconds" in r:
             timed.setdefault((r["stages"], r["model"], r["system"]), {}).setdefault(
-                r["m"], []).append(r[figure])  # fmt: skip
-    rows = [f"{'stages':>6} {'model':>5} {'system':>22} {'fixed ms':>9} {'per mb ms':>10}"
-            f" {'resid ms':>9} {'fixed/torch':>12} {'per mb/torch':>13}  counts"]  # fmt: skip
+                r["m"], []
+            ).append(r[figure])
+    rows = [
+        f"{'stages':>6} {'model':>5} {'system':>22} {'fixed ms':>9} {'per mb ms':>10}"
+        f" {'resid ms':>9} {'fixed/torch':>12} {'per mb/torch':>13}  counts"
+    ]
     fits: dict[tuple[int, str, str], tuple[float, float, float]] = {}
     for key, by_m in timed.items():
         fits[key] = fit(sorted((m, statistics.median(ts)) for m, ts in by_m.items()))
@@ -194,8 +211,10 @@ def table(results: list[dict[str, Any]], figure: str) -> str:
         best_per = min((f[1] for f in torch_fits), default=None)
         ratios = f" {_ratio(fixed, best_fixed, system):>12} {_ratio(per, best_per, system):>13}"
         counts = ",".join(str(m) for m in sorted(timed[key]))
-        rows.append(f"{stages:>6} {model:>5} {system:>22} {fixed * 1e3:>9.2f} {per * 1e3:>10.3f}"
-                    f" {rms * 1e3:>9.2f}{ratios}  {counts}")  # fmt: skip
+        rows.append(
+            f"{stages:>6} {model:>5} {system:>22} {fixed * 1e3:>9.2f} {per * 1e3:>10.3f}"
+            f" {rms * 1e3:>9.2f}{ratios}  {counts}"
+        )
     return "\n".join(rows)
 
 
@@ -218,9 +237,11 @@ def profiles(results: list[dict[str, Any]]) -> str:
     for r in results:
         if "phases" in r:
             parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in r["phases"].items())
-            lines.append(f"{r['stages']} stages {r['model']} {r['system']} m={r['m']}:"
-                         f" {parts}, between them {r['between'] * 1e3:.2f}"
-                         f" (of {r['span'] * 1e3:.2f} ms)")  # fmt: skip
+            lines.append(
+                f"{r['stages']} stages {r['model']} {r['system']} m={r['m']}:"
+                f" {parts}, between them {r['between'] * 1e3:.2f}"
+                f" (of {r['span'] * 1e3:.2f} ms)"
+            )
     return "\n".join(lines)
 
 
@@ -254,10 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         filter(None, [str(HERE), os.environ.get("PYTHONPATH")])
     )
     started = time.monotonic()
-    print(f"engine overhead: stages {args.stages}, models {args.models}, micro-batches"
-          f" {args.micro_batches} of {args.samples} samples, {args.repeats} turns of"
-          f" {args.steps} steps; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
-          " (a shared machine: compare ratios, not seconds)", flush=True)  # fmt: skip
+    print(
+        f"engine overhead: stages {args.stages}, models {args.models}, micro-batches"
+        f" {args.micro_batches} of {args.samples} samples, {args.repeats} turns of"
+        f" {args.steps} steps; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+        " (a shared machine: compare ratios, not seconds)",
+        flush=True,
+    )
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pipejob-overhead-"):
         for stages in [int(s) for s in args.stages.split(",")]:

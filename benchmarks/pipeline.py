@@ -89,8 +89,10 @@ def table(results: list[dict[str, Any]]) -> str:
     for r in (r for r in results if r["microBatchesRequested"] == AUTO and fixed):
         best = max(fixed, key=lambda f: f["samplesPerSecond"])
         ratio = r["samplesPerSecond"] / best["samplesPerSecond"]
-        rows.append(f"auto chose {r['microBatches']}; the best fixed count was"
-                    f" {best['microBatches']}: auto runs at {ratio:.2f}x its rate")  # fmt: skip
+        rows.append(
+            f"auto chose {r['microBatches']}; the best fixed count was"
+            f" {best['microBatches']}: auto runs at {ratio:.2f}x its rate"
+        )
     return "\n".join(rows)
 
 

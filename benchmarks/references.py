@@ -38,9 +38,15 @@ def run_single(args: argparse.Namespace) -> None:
 
     name = f"single-t{torch.get_num_threads()}"
     seconds = timed_batches(step, name, args.batch, args.image, args.warmup, args.batches)
-    result({"system": name, "m": 1, "threads": torch.get_num_threads(),
+    result(
+        {
+            "system": name,
+            "m": 1,
+            "threads": torch.get_num_threads(),
             "batch_seconds": seconds,
-            "samples_per_second": args.batch * len(seconds) / sum(seconds)})  # fmt: skip
+            "samples_per_second": args.batch * len(seconds) / sum(seconds),
+        }
+    )
 
 
 def run_pipelining(args: argparse.Namespace) -> None:
@@ -72,11 +78,18 @@ def run_pipelining(args: argparse.Namespace) -> None:
 
             name = f"{schedule_name}-m{m}"
             if args.rank == 0:
-                seconds = timed_batches(step, name, args.batch, args.image, args.warmup,
-                                        args.batches)  # fmt: skip
+                seconds = timed_batches(
+                    step, name, args.batch, args.image, args.warmup, args.batches
+                )
                 rate = args.batch * len(seconds) / sum(seconds)
-                result({"system": schedule_name, "m": m, "batch_seconds": seconds,
-                        "samples_per_second": rate})  # fmt: skip
+                result(
+                    {
+                        "system": schedule_name,
+                        "m": m,
+                        "batch_seconds": seconds,
+                        "samples_per_second": rate,
+                    }
+                )
             else:
                 for _ in range(args.warmup + args.batches):
                     step(torch.randn(args.batch, 3, args.image, args.image))

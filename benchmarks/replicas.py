@@ -32,19 +32,33 @@ def manifest(args: argparse.Namespace, replicas: int) -> dict:
         "kind": "PipelineJob",
         "metadata": {"name": f"replicas-{replicas}"},
         "spec": {
-            "model": args.model, "stages": 2, "replicas": replicas, "microBatches": 2,
-            "batchSize": args.batch, "imageSize": args.image, "numClasses": 100,
-            "steps": args.warmup + args.steps, "logEvery": 1, "seed": 0,
-            "optimizer": {"name": "sgd", "lr": 0.01}, "preflight": {"enabled": False},
+            "model": args.model,
+            "stages": 2,
+            "replicas": replicas,
+            "microBatches": 2,
+            "batchSize": args.batch,
+            "imageSize": args.image,
+            "numClasses": 100,
+            "steps": args.warmup + args.steps,
+            "logEvery": 1,
+            "seed": 0,
+            "optimizer": {"name": "sgd", "lr": 0.01},
+            "preflight": {"enabled": False},
         },
-    }  # fmt: skip
+    }
 
 
 def run(args: argparse.Namespace, tmp: Path, replicas: int) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    summary, wall, deltas = run_job(manifest(args, replicas), tmp / f"r{replicas}", replicas,
-                                        args.warmup + args.steps, args.warmup, args.timeout,
-                                        env)  # fmt: skip
+    summary, wall, deltas = run_job(
+        manifest(args, replicas),
+        tmp / f"r{replicas}",
+        replicas,
+        args.warmup + args.steps,
+        args.warmup,
+        args.timeout,
+        env,
+    )
     cpu = sum(d.cpu for name, d in deltas.items() if name != "runner")
     samples = args.batch * replicas * args.steps
     return {
@@ -69,20 +83,25 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.steps = 1, 2
-    print(f"replicas: {args.model}, 2 stages, {args.batch} samples per replica per step,"
-          f" {args.image}x{args.image}, {args.repeats} repeat(s) of {args.steps} measured steps;"
-          f" {machine()}, {load_average()}", flush=True)  # fmt: skip
+    print(
+        f"replicas: {args.model}, 2 stages, {args.batch} samples per replica per step,"
+        f" {args.image}x{args.image}, {args.repeats} repeat(s) of {args.steps} measured steps;"
+        f" {machine()}, {load_average()}",
+        flush=True,
+    )
     results: dict[int, list[dict[str, float]]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for replicas in (1, 2):  # interleaved: drift in the load hits both alike
                 results[replicas].append(run(args, Path(tmp), replicas))
                 r = results[replicas][-1]
-                print(f"  repeat {repeat + 1}: {replicas} replica(s):"
-                      f" {r['samplesPerSecond']:.1f} samples/s,"
-                      f" {r['samplesPerCpuSecond']:.2f} samples/CPU-s, all-reduce"
-                      f" {r['allreduceSecondsPerStep']:.3f} s/step ({load_average()})",
-                      flush=True)  # fmt: skip
+                print(
+                    f"  repeat {repeat + 1}: {replicas} replica(s):"
+                    f" {r['samplesPerSecond']:.1f} samples/s,"
+                    f" {r['samplesPerCpuSecond']:.2f} samples/CPU-s, all-reduce"
+                    f" {r['allreduceSecondsPerStep']:.3f} s/step ({load_average()})",
+                    flush=True,
+                )
     header = ("replicas", "samples/s", "samples/CPU-s", "all-reduce s/step")
     print("\n" + f"{header[0]:>8} " + " ".join(f"{h:>20}" for h in header[1:]))
     for replicas, rs in results.items():
@@ -94,8 +113,10 @@ def main() -> int:
         r["samplesPerCpuSecond"] for r in results[1]
     )
     worst = max(r["divergence"] for r in results[2])
-    print(f"\n2 replicas / 1: {ratio:.2f}x the samples per CPU-second (target >= 0.9);"
-          f" replicas differed by at most {worst:.3g}")  # fmt: skip
+    print(
+        f"\n2 replicas / 1: {ratio:.2f}x the samples per CPU-second (target >= 0.9);"
+        f" replicas differed by at most {worst:.3g}"
+    )
     print("(the largest difference between the replicas' parameter fingerprints)")
     return 0
 

@@ -50,8 +50,11 @@ def _rank(rank: int, port: int, megabytes: float, rounds: int, cuda: bool) -> No
     if rank == 0:
         for device in ("cuda", "cpu") if cuda else ("cpu",):
             seconds = _timed_sends(device, megabytes, rounds)
-            print(f"rpc, {device} tensor {megabytes:g} MB: {seconds * 1e3:8.2f} ms"
-                  f" ({megabytes / 1e3 / seconds:6.2f} GB/s)", flush=True)  # fmt: skip
+            print(
+                f"rpc, {device} tensor {megabytes:g} MB: {seconds * 1e3:8.2f} ms"
+                f" ({megabytes / 1e3 / seconds:6.2f} GB/s)",
+                flush=True,
+            )
     rpc.shutdown()
 
 
@@ -74,15 +77,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
-    print(f"rpc_transfer: {machine()}, torch {torch.__version__},"
-          f" {torch.cuda.get_device_name(0) if cuda else 'no CUDA'}", flush=True)  # fmt: skip
+    print(
+        f"rpc_transfer: {machine()}, torch {torch.__version__},"
+        f" {torch.cuda.get_device_name(0) if cuda else 'no CUDA'}",
+        flush=True,
+    )
     if cuda:
         seconds = host_round_trip(args.megabytes, args.rounds)
-        print(f"in one process, cuda -> host -> cuda {args.megabytes:g} MB: {seconds * 1e3:8.2f} ms"
-              f" ({args.megabytes / 1e3 / seconds:6.2f} GB/s)", flush=True)  # fmt: skip
+        print(
+            f"in one process, cuda -> host -> cuda {args.megabytes:g} MB: {seconds * 1e3:8.2f} ms"
+            f" ({args.megabytes / 1e3 / seconds:6.2f} GB/s)",
+            flush=True,
+        )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_rank, args=(free_port(), args.megabytes, args.rounds, cuda), nprocs=2,
-                       start_method="spawn")  # fmt: skip
+    mp.start_processes(
+        _rank, args=(free_port(), args.megabytes, args.rounds, cuda), nprocs=2, start_method="spawn"
+    )
 
 
 if __name__ == "__main__":

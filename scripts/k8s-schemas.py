@@ -24,10 +24,19 @@ KUBERNETES = "1.28.0"  # the oldest version pipejob supports (the CRDs' CEL rule
 OUT = Path(__file__).resolve().parent.parent / "operator/pipejob/core/k8s_schemas.json"
 CORE, NETWORKING = "io.k8s.api.core.v1.", "io.k8s.api.networking.v1."
 TYPES = {
-    **{name: CORE + name for name in ("EnvVar", "ResourceRequirements", "Volume", "VolumeMount",
-                                      "Affinity", "Toleration")},
+    **{
+        name: CORE + name
+        for name in (
+            "EnvVar",
+            "ResourceRequirements",
+            "Volume",
+            "VolumeMount",
+            "Affinity",
+            "Toleration",
+        )
+    },
     **{name: NETWORKING + name for name in ("NetworkPolicyPeer", "NetworkPolicyEgressRule")},
-}  # fmt: skip
+}
 
 QUANTITY = "io.k8s.apimachinery.pkg.api.resource.Quantity"
 INT_OR_STRING = "io.k8s.apimachinery.pkg.util.intstr.IntOrString"
@@ -46,8 +55,13 @@ TIGHTER: dict[tuple[str, str], dict[str, Any]] = {
     ("Toleration", "effect"): {"enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]},
 }
 # Kept from the OpenAPI: what a structural schema may hold and the API server enforces.
-KEEP = ("required", "enum", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
-        "x-kubernetes-map-type")  # fmt: skip
+KEEP = (
+    "required",
+    "enum",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+    "x-kubernetes-map-type",
+)
 
 
 def definitions() -> dict[str, Any]:
@@ -64,8 +78,10 @@ def structural(schema: dict[str, Any], defs: dict[str, Any], seen: tuple[str, ..
     if ref is not None:
         name = ref.rsplit("/", 1)[-1]
         if name in (QUANTITY, INT_OR_STRING):
-            out = {"x-kubernetes-int-or-string": True,
-                   "anyOf": [{"type": "integer"}, {"type": "string"}]}  # fmt: skip
+            out = {
+                "x-kubernetes-int-or-string": True,
+                "anyOf": [{"type": "integer"}, {"type": "string"}],
+            }
             if name == QUANTITY:
                 out["pattern"] = QUANTITY_PATTERN
             return out

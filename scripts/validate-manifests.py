@@ -28,8 +28,20 @@ import kubernetes_validate
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError
 
-_COPIED = ("type", "enum", "minimum", "maximum", "pattern", "maxLength", "minLength",
-           "minItems", "maxItems", "minProperties", "maxProperties", "required")  # fmt: skip
+_COPIED = (
+    "type",
+    "enum",
+    "minimum",
+    "maximum",
+    "pattern",
+    "maxLength",
+    "minLength",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "required",
+)
 
 
 def json_schema(s: dict[str, Any]) -> dict[str, Any]:
@@ -74,8 +86,10 @@ def defaulted(s: dict[str, Any], value: Any) -> Any:
 _CEL = celpy.Environment()
 # Property names the API server shows to CEL escaped, being CEL's reserved words: a rule on
 # a field `import` reads `self.__import__`.
-_RESERVED = frozenset("true false null in as break const continue else for function if import"
-                      " let loop package namespace return var void while".split())  # fmt: skip
+_RESERVED = frozenset(
+    "true false null in as break const continue else for function if import"
+    " let loop package namespace return var void while".split()
+)
 
 
 def as_cel_sees(value: Any) -> Any:
@@ -189,9 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="directory of CustomResourceDefinitions (repeatable)",
     )
-    parser.add_argument("--kubernetes-version", action="append", dest="versions",
-                        metavar="X.Y.Z", help="validate built-in kinds for this version "
-                        "(repeatable; default: kubernetes-validate's latest)")  # fmt: skip
+    parser.add_argument(
+        "--kubernetes-version",
+        action="append",
+        dest="versions",
+        metavar="X.Y.Z",
+        help="validate built-in kinds for this version "
+        "(repeatable; default: kubernetes-validate's latest)",
+    )
     args = parser.parse_args(argv)
     versions = args.versions or [kubernetes_validate.utils.latest_version()]
     crds = load_crds(args.crds)
@@ -209,11 +228,17 @@ def main(argv: list[str] | None = None) -> int:
                     validate_builtin(doc, versions),
                 )
             failed |= bool(errors)
-            print(json.dumps({
-                "file": str(path), "kind": doc.get("kind"),
-                "name": (doc.get("metadata") or {}).get("name"),
-                "schema": schema, "errors": errors,
-            }))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "file": str(path),
+                        "kind": doc.get("kind"),
+                        "name": (doc.get("metadata") or {}).get("name"),
+                        "schema": schema,
+                        "errors": errors,
+                    }
+                )
+            )
     return 1 if failed else 0
 
 

@@ -45,55 +45,102 @@ Path_ = tuple[str | int, ...]
 
 CKPT = {"path": "/ckpt", "everySteps": 5, "volume": "ckpt"}
 TEMPLATE = {
-    "image": "trainer:1", "imagePullPolicy": "IfNotPresent",
+    "image": "trainer:1",
+    "imagePullPolicy": "IfNotPresent",
     "resources": {"limits": {"memory": "64Gi", "cpu": "4"}},
     "nodeSelector": {"pool": "cpu"},
     "tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule"}],
     "volumes": [{"name": "ckpt", "emptyDir": {}}, {"name": "data", "emptyDir": {}}],
     "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-    "env": [{"name": "A", "value": "1"}], "serviceAccountName": "sa",
-}  # fmt: skip
+    "env": [{"name": "A", "value": "1"}],
+    "serviceAccountName": "sa",
+}
 COMMON = {
-    "steps": 20, "seed": 1, "logEvery": 2, "rendezvousTimeoutSeconds": 60,
-    "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weightDecay": 0.001,
-                  "clipGradNorm": 1.0, "schedule": {"warmupSteps": 2, "decay": "cosine",
-                                                    "minLr": 0.001}},
-    "eval": {"everySteps": 5, "batches": 2}, "output": {"path": "/out", "format": "torch"},
-    "logging": {"tensorboard": "/tb"}, "backoffLimit": 2, "activeDeadlineSeconds": 3600,
-    "ttlSecondsAfterFinished": 60, "suspend": False, "template": TEMPLATE,
-    "checkpoint": CKPT, "profile": {"steps": [2, 3], "path": "/prof", "rowLimit": 5},
+    "steps": 20,
+    "seed": 1,
+    "logEvery": 2,
+    "rendezvousTimeoutSeconds": 60,
+    "optimizer": {
+        "name": "sgd",
+        "lr": 0.1,
+        "momentum": 0.9,
+        "weightDecay": 0.001,
+        "clipGradNorm": 1.0,
+        "schedule": {"warmupSteps": 2, "decay": "cosine", "minLr": 0.001},
+    },
+    "eval": {"everySteps": 5, "batches": 2},
+    "output": {"path": "/out", "format": "torch"},
+    "logging": {"tensorboard": "/tb"},
+    "backoffLimit": 2,
+    "activeDeadlineSeconds": 3600,
+    "ttlSecondsAfterFinished": 60,
+    "suspend": False,
+    "template": TEMPLATE,
+    "checkpoint": CKPT,
+    "profile": {"steps": [2, 3], "path": "/prof", "rowLimit": 5},
     "preflight": {"enabled": True, "timeoutSeconds": 30, "megabytes": 1.0},
-    "watchdog": {"seconds": 60}, "elastic": {"pendingSeconds": 60},
-    "scheduling": {"provider": "volcano", "queue": "q", "priorityClassName": "p",
-                   "schedulerName": "volcano"},
-}  # fmt: skip
+    "watchdog": {"seconds": 60},
+    "elastic": {"pendingSeconds": 60},
+    "scheduling": {
+        "provider": "volcano",
+        "queue": "q",
+        "priorityClassName": "p",
+        "schedulerName": "volcano",
+    },
+}
 FULL = {
     "PipelineJob": {
-        "model": {"transformer": {"vocabSize": 64, "layers": 4, "width": 32, "heads": 2,
-                                  "seqLen": 16}},
-        "stages": 2, "splitPoints": ["blocks.2"], "engine": "pipelining",
-        "schedule": "1f1b", "stagesPerProcess": 1, "replicas": {"min": 1, "max": 2},
-        "microBatches": 2, "batchSize": 8, "imageSize": 32, "numClasses": 10,
-        "gpusPerStage": 0, "gradientAccumulation": 2, "precision": "bf16",
-        "skipNonFiniteSteps": 1, "activationCheckpointing": True,
-        "data": {"tokens": {"train": "/data/t.bin", "val": "/data/v.bin", "dtype": "uint16"},
-                 "workers": 1},
+        "model": {
+            "transformer": {"vocabSize": 64, "layers": 4, "width": 32, "heads": 2, "seqLen": 16}
+        },
+        "stages": 2,
+        "splitPoints": ["blocks.2"],
+        "engine": "pipelining",
+        "schedule": "1f1b",
+        "stagesPerProcess": 1,
+        "replicas": {"min": 1, "max": 2},
+        "microBatches": 2,
+        "batchSize": 8,
+        "imageSize": 32,
+        "numClasses": 10,
+        "gpusPerStage": 0,
+        "gradientAccumulation": 2,
+        "precision": "bf16",
+        "skipNonFiniteSteps": 1,
+        "activationCheckpointing": True,
+        "data": {
+            "tokens": {"train": "/data/t.bin", "val": "/data/v.bin", "dtype": "uint16"},
+            "workers": 1,
+        },
         "loss": {"import": "torch.nn:CrossEntropyLoss", "args": {"label_smoothing": 0.1}},
         **COMMON,
     },
     "HybridJob": {
-        "trainers": {"min": 1, "max": 2}, "parameterServers": 2,
-        "embeddings": [{"name": "C1", "rows": 100, "dim": 8, "mode": "mean"},
-                       {"name": "C2", "rows": 50, "dim": 8, "feature": "C2"}],
-        "sparseOptimizer": {"name": "adam", "lr": 0.01, "eps": 1e-8, "beta1": 0.8,
-                            "beta2": 0.99, "initialAccumulatorValue": 0.0},
+        "trainers": {"min": 1, "max": 2},
+        "parameterServers": 2,
+        "embeddings": [
+            {"name": "C1", "rows": 100, "dim": 8, "mode": "mean"},
+            {"name": "C2", "rows": 50, "dim": 8, "feature": "C2"},
+        ],
+        "sparseOptimizer": {
+            "name": "adam",
+            "lr": 0.01,
+            "eps": 1e-8,
+            "beta1": 0.8,
+            "beta2": 0.99,
+            "initialAccumulatorValue": 0.0,
+        },
         "dense": {"dlrm": {"bottom": [16], "top": [16, 8]}},
-        "batchSize": 8, "bagSize": 4, "datasetSize": 64, "denseFeatures": 13,
+        "batchSize": 8,
+        "bagSize": 4,
+        "datasetSize": 64,
+        "denseFeatures": 13,
         "data": {"criteo": {"train": "/data/train.tsv", "val": "/data/val.tsv"}},
-        "gpusPerTrainer": 0, "backend": "gloo",
+        "gpusPerTrainer": 0,
+        "backend": "gloo",
         **COMMON,
     },
-}  # fmt: skip
+}
 FULL["HybridJob"]["optimizer"] = {"name": "adam", "lr": 0.01, "weightDecay": 0.0}
 FULL["HybridJob"]["scheduling"] = {"provider": "coscheduling", "scheduleTimeoutSeconds": 60}
 
@@ -106,8 +153,12 @@ def seeds() -> list[dict]:
         if isinstance(doc, dict) and doc.get("kind") in KINDS and renders(doc):
             out.append(doc)
     for kind, body in FULL.items():
-        doc = {"apiVersion": spec.API_VERSION, "kind": kind, "metadata": {"name": "fuzz"},
-               "spec": copy.deepcopy(body)}  # fmt: skip
+        doc = {
+            "apiVersion": spec.API_VERSION,
+            "kind": kind,
+            "metadata": {"name": "fuzz"},
+            "spec": copy.deepcopy(body),
+        }
         spec.parse(doc, cluster=True)
         out.append(doc)
     return out
@@ -150,13 +201,31 @@ def candidates(rng: random.Random, field: Field, current: Any) -> list[Any]:
             out += [bound - 1, bound, bound + 1, bound - 1e-9, bound + 1e-9, bound * 2]
     for member in field.enum or ():
         if isinstance(member, str):
-            out += [member.upper(), member.capitalize(), member.swapcase(), f" {member}",
-                    f"{member}\n", member + "x"]  # fmt: skip
+            out += [
+                member.upper(),
+                member.capitalize(),
+                member.swapcase(),
+                f" {member}",
+                f"{member}\n",
+                member + "x",
+            ]
     if field.enum:
         out += ["bogus", rng.choice(field.enum)]
     if field.type in ("string", "string-or-object", "int-or-string"):
-        out += ["a b", "../x", "-x", "ü", "x" * 300, "x" * 70_000, "auto", "AUTO", "a:b",
-                "m.n:f", "/abs/path", "\t"]  # fmt: skip
+        out += [
+            "a b",
+            "../x",
+            "-x",
+            "ü",
+            "x" * 300,
+            "x" * 70_000,
+            "auto",
+            "AUTO",
+            "a:b",
+            "m.n:f",
+            "/abs/path",
+            "\t",
+        ]
     if isinstance(current, list):
         out += [current + current[:1], current * 2, [None], [current], current[:0]]
         out += [list(range(1 + (field.max_items or 70)))]
@@ -400,8 +469,9 @@ def sweep(seed: int = 0, per_field: int | None = None) -> tuple[int, list[str]]:
     return count, failures
 
 
-def _every(rng: random.Random, mine: list[dict], path: Path_, field: Field,
-           per_field: int | None) -> Iterator[tuple[dict, Mutation]]:  # fmt: skip
+def _every(
+    rng: random.Random, mine: list[dict], path: Path_, field: Field, per_field: int | None
+) -> Iterator[tuple[dict, Mutation]]:
     """The mutations of one field: its values on the seed with every section (FULL, the
     last of `mine`) and on one other seed, then a move and a duplicate."""
     for base in (mine[-1], rng.choice(mine[:-1])):
@@ -423,15 +493,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=1000, help="random manifests to try")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sweep", action="store_true",
-                        help="first every field with each of its candidate values")  # fmt: skip
+    parser.add_argument(
+        "--sweep", action="store_true", help="first every field with each of its candidate values"
+    )
     args = parser.parse_args(argv)
     start, failures = time.monotonic(), []
     if args.sweep:
         count, failures = sweep(args.seed)
         print(*failures, sep="\n") if failures else None
-        print(f"sweep: {count} examples in {time.monotonic() - start:.1f} s:"
-              f" {len(failures)} failures", flush=True)  # fmt: skip
+        print(
+            f"sweep: {count} examples in {time.monotonic() - start:.1f} s:"
+            f" {len(failures)} failures",
+            flush=True,
+        )
     start = time.monotonic()
     failures += run(args.examples, args.seed, report=sys.stdout)
     took = time.monotonic() - start

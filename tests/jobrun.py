@@ -58,8 +58,13 @@ def pipeline_job(name: str, **fields: Any) -> dict[str, Any]:
 
 
 class JobRun:
-    def __init__(self, manifest: dict[str, Any], directory: Path, name: str = "job",
-                 args: tuple[str, ...] = ()):  # fmt: skip
+    def __init__(
+        self,
+        manifest: dict[str, Any],
+        directory: Path,
+        name: str = "job",
+        args: tuple[str, ...] = (),
+    ):
         """`pipejob run` of `manifest` with `args` (e.g. ("--size", "2"))."""
         path = directory / f"{name}.yaml"
         path.write_text(yaml.safe_dump(manifest))
@@ -68,9 +73,11 @@ class JobRun:
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "pipejob.cli", "run", str(path), "--grace", "5", *args],
             env=os.environ | {"PIPEJOB_SUMMARY_FILE": str(self.summary_file)},
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         self.lines: list[str] = []
         self._new: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -112,11 +119,13 @@ class JobRun:
             seen = len(self.lines)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"no line matching {pattern!r} within {timeout}s:\n"
-                                     + self.output)  # fmt: skip
+                raise AssertionError(
+                    f"no line matching {pattern!r} within {timeout}s:\n" + self.output
+                )
             if not self._take(min(left, 0.5)) and seen == len(self.lines):
-                raise AssertionError(f"the run ended without a line matching {pattern!r}:\n"
-                                     + self.output)  # fmt: skip
+                raise AssertionError(
+                    f"the run ended without a line matching {pattern!r}:\n" + self.output
+                )
 
     def pid(self, name: str) -> int:
         pids = {m[1]: int(m[2]) for m in STARTED.finditer(self.output)}
@@ -127,8 +136,9 @@ class JobRun:
         try:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"pipejob run did not end within {timeout}s:\n"
-                                 + self.output) from None  # fmt: skip
+            raise AssertionError(
+                f"pipejob run did not end within {timeout}s:\n" + self.output
+            ) from None
         self._drain()
         return self.popen.returncode
 
@@ -174,8 +184,9 @@ def run_world(target: Any, envs: list[dict[str, str]], out: Path, timeout: float
     all of them (killing what is left after `timeout` seconds), and load what it saved."""
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(target, args=(envs, str(out)), nprocs=len(envs), join=False,
-                                 start_method="spawn")  # fmt: skip
+    context = mp.start_processes(
+        target, args=(envs, str(out)), nprocs=len(envs), join=False, start_method="spawn"
+    )
     try:
         deadline = time.monotonic() + timeout
         while not context.join(timeout=1):
@@ -197,8 +208,10 @@ def _stage_gradients(stage: rpc.RRef, context_id: int) -> dict[str, torch.Tensor
     shard = stage.local_value()
     params = dict(shard.layers.named_parameters())
     by_tensor = {id(params[n]): g for n, g in shard.gradients(context_id).items()}
-    return {name: by_tensor.get(id(p))
-            for name, p in shard.layers.named_parameters(remove_duplicate=False)}  # fmt: skip
+    return {
+        name: by_tensor.get(id(p))
+        for name, p in shard.layers.named_parameters(remove_duplicate=False)
+    }
 
 
 def master_of(rank: int, envs: list[dict[str, str]]) -> world.Env | None:
@@ -237,10 +250,17 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
                 pipe, loss, grads = _rpc_step(s, every[: s.stages], shards, batch)
             else:
                 pipe, loss, grads = _pipelining_step(s, every, shards, batch)
-            runs.append({"loss": loss, "grads": grads, "variant": variant,
-                         "stages": [shards.of(i) for i in range(len(shards.ranges))],
-                         "states": pipe.each("state"), "rest": shards.rest,
-                         "config": shards.config})  # fmt: skip
+            runs.append(
+                {
+                    "loss": loss,
+                    "grads": grads,
+                    "variant": variant,
+                    "stages": [shards.of(i) for i in range(len(shards.ranges))],
+                    "states": pipe.each("state"),
+                    "rest": shards.rest,
+                    "config": shards.config,
+                }
+            )
         torch.save(runs, out)
     finally:
         rpc.shutdown()
@@ -249,22 +269,24 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
 def _rpc_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple[Any, float, dict]:
     pipe = Pipeline(names, shards, "cpu", s.precision, s.activation_checkpointing)
     with dist_autograd.context() as context_id:
-        loss, _ = forward_backward(pipe, pipe.read(s.micro_batches, batch), 0, context_id,
-                                workloads.loss(s))  # fmt: skip
+        loss, _ = forward_backward(
+            pipe, pipe.read(s.micro_batches, batch), 0, context_id, workloads.loss(s)
+        )
         pipe.combine_tied(context_id, shards.tied)
         return pipe, loss.item(), _gradients(pipe, context_id)
 
 
-def _pipelining_step(s: Any, names: list[str], shards: Any,
-                     batch: Any) -> tuple[Any, float, dict]:  # fmt: skip
+def _pipelining_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple[Any, float, dict]:
     """Every replica's share through its pipeline at once (their gradients are averaged
     by a collective every replica's stage i joins), replica 0's gradients."""
     from concurrent.futures import ThreadPoolExecutor
 
     from pipejob.trainer.pipeline.pipelining import schedule
 
-    pipes = [schedule.Pipeline(names[r * s.stages : (r + 1) * s.stages], shards, s)
-             for r in range(s.replicas.max)]  # fmt: skip
+    pipes = [
+        schedule.Pipeline(names[r * s.stages : (r + 1) * s.stages], shards, s)
+        for r in range(s.replicas.max)
+    ]
     shares = list(zip(*(t.tensor_split(s.replicas.max) for t in batch), strict=True))
 
     def one(r: int) -> float:
@@ -308,8 +330,9 @@ def assert_gradient_close(name: str, grad: torch.Tensor, expected: torch.Tensor)
     assert (grad - expected).norm() <= TOLERANCE * expected.norm(), name
 
 
-def check_gradients(job: spec.Job, tmp_path, timeout: float = 150,
-                    schedules: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+def check_gradients(
+    job: spec.Job, tmp_path, timeout: float = 150, schedules: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """One step of `job` through a real pipeline world against the same model, seed and
     micro-batches in one process: the same loss and gradients (with replicas, the averaged
     gradients of every replica's share against the whole batch's). BatchNorm normalises each
@@ -341,8 +364,7 @@ def check_gradients(job: spec.Job, tmp_path, timeout: float = 150,
     loss.backward()
 
     # A parameter the forward never uses (the state no stage holds) has no gradient anywhere.
-    params = {n: p for n, p in model.named_parameters(remove_duplicate=False)
-              if p.grad is not None}  # fmt: skip
+    params = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
     for got in runs:
         pieces = dataclasses.replace(s, **got["variant"]).pieces
         assert len(got["stages"]) == pieces and all(got["stages"]), got["variant"]
@@ -359,8 +381,9 @@ def check_gradients(job: spec.Job, tmp_path, timeout: float = 150,
         for name, buffer in model.named_buffers():
             if name not in persistent:
                 continue
-            torch.testing.assert_close(held[name], buffer, rtol=TOLERANCE, atol=0,
-                                       msg=f"{name} ({got['variant']})")  # fmt: skip
+            torch.testing.assert_close(
+                held[name], buffer, rtol=TOLERANCE, atol=0, msg=f"{name} ({got['variant']})"
+            )
     return runs[-1]
 
 
@@ -394,10 +417,16 @@ def assert_states_close(got: dict[str, Any], expected: dict[str, Any]) -> None:
             continue
         assert sorted(got[name]["model"]) == sorted(expected[name]["model"])
         for key, value in expected[name]["model"].items():
-            torch.testing.assert_close(got[name]["model"][key], value, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, k=key, n=name: f"{n} {k}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                got[name]["model"][key],
+                value,
+                rtol=1e-4,
+                atol=1e-6,
+                msg=lambda m, k=key, n=name: f"{n} {k}: {m}",
+            )
         for owner, state in expected[name]["optimizers"].items():
             for param, tensors in state.items():
                 for key, value in tensors.items():
-                    torch.testing.assert_close(got[name]["optimizers"][owner][param][key], value,
-                                               rtol=1e-4, atol=1e-6)  # fmt: skip
+                    torch.testing.assert_close(
+                        got[name]["optimizers"][owner][param][key], value, rtol=1e-4, atol=1e-6
+                    )

@@ -28,8 +28,9 @@ def trained(spec: HybridSpec, steps: int) -> tuple[Recommender, torch.optim.Opti
     tables = sparse.make(list(model.tables.parameters()), spec.sparse_optimizer)
     features = sorted({t.feature for t in spec.embeddings})
     # Each step's whole batch, as the trainers' shares of it together.
-    reader = samples.stream(data, spec.batch_size * spec.trainers.max, (0, 1), spec.seed,
-                            features, spec.recommends)  # fmt: skip
+    reader = samples.stream(
+        data, spec.batch_size * spec.trainers.max, (0, 1), spec.seed, features, spec.recommends
+    )
     for _ in range(steps):
         batch = next(reader)
         offsets = {f: batch.offsets(f) for f in features}
@@ -38,8 +39,9 @@ def trained(spec: HybridSpec, steps: int) -> tuple[Recommender, torch.optim.Opti
             bag = model.tables[t.name]
             if not bag.sparse:  # max: torch has no sparse gradient; the rows looked up count
                 touched = torch.unique(batch.ids[t.feature] % t.rows)
-                bag.weight.grad = sparse.gradient(touched, bag.weight.grad[touched],
-                                                  bag.weight.shape)  # fmt: skip
+                bag.weight.grad = sparse.gradient(
+                    touched, bag.weight.grad[touched], bag.weight.shape
+                )
         for optimizer in (tables, dense_optimizer):
             optimizer.step()
             optimizer.zero_grad()

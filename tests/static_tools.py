@@ -20,9 +20,14 @@ RELEASE = "pipejob"
 NAMESPACE = "pipejob-system"
 
 # Every address but loopback is unreachable for the tools (checkov would like to download).
-OFFLINE = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
-           "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
-           "NO_PROXY": "", "no_proxy": ""}  # fmt: skip
+OFFLINE = {
+    "HTTP_PROXY": "http://127.0.0.1:9",
+    "HTTPS_PROXY": "http://127.0.0.1:9",
+    "http_proxy": "http://127.0.0.1:9",
+    "https_proxy": "http://127.0.0.1:9",
+    "NO_PROXY": "",
+    "no_proxy": "",
+}
 
 
 def missing(what: str) -> None:
@@ -49,13 +54,18 @@ def tools_python() -> str:
     return str(TOOLS_PYTHON)
 
 
-def run(cmd: list[str], timeout: float = 120, check: bool = True,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+def run(
+    cmd: list[str], timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run `cmd` offline, with `env` added to the environment."""
     proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**os.environ, **OFFLINE, **(env or {})},
-    )  # fmt: skip
+    )
     if check and proc.returncode != 0:
         pytest.fail(
             f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"

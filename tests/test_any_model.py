@@ -52,7 +52,7 @@ WORLDS: dict[str, tuple[str, dict[str, Any], dict[str, Any], int, list[str]]] = 
     "llama": ("llama", {}, TOKENS, 2, ["model.layers.1"]),
     "bert": ("bert", {}, CLASSES, 2, []),
     "dict": ("dict_model", {}, {}, 2, []),
-}  # fmt: skip
+}
 # T5 (its embedding the encoder's, the decoder's and the head's, held by no stage under its
 # own name, `shared`) and torch's TransformerEncoder (cloned layers, a non-persistent buffer)
 # are the conformance slice's (tests/test_conformance.py: gradients, tied ones included, and
@@ -67,9 +67,14 @@ IN_PROCESS: dict[str, tuple[str, dict[str, Any], tuple[int, ...], int]] = {
 }
 
 
-def loads_back(factory: str, args: dict[str, Any], states: list[dict[str, torch.Tensor]],
-               rest: dict[str, torch.Tensor], config: dict[str, Any] | None,
-               out: Path) -> None:  # fmt: skip
+def loads_back(
+    factory: str,
+    args: dict[str, Any],
+    states: list[dict[str, torch.Tensor]],
+    rest: dict[str, torch.Tensor],
+    config: dict[str, Any] | None,
+    out: Path,
+) -> None:
     """Written as spec.output writes it, a fresh model from the factory loads the file
     strictly (and its class `from_pretrained` the folder, for a Hugging Face model)."""
     output.write(out, "safetensors", states, rest, {"job": out.name}, config)
@@ -90,8 +95,12 @@ def loads_back(factory: str, args: dict[str, Any], states: list[dict[str, torch.
 @pytest.mark.parametrize("name", exhaustive(WORLDS, {"gpt2", "dict"}))
 def test_a_brought_model_trains_exactly_and_loads_back(name: str, tmp_path: Path):
     factory, args, data, stages, points = WORLDS[name]
-    fields: dict[str, Any] = {"model": {"import": f"userpkg.brought:{factory}", "args": args},
-                              "stages": stages, "steps": 1, "microBatches": 2}  # fmt: skip
+    fields: dict[str, Any] = {
+        "model": {"import": f"userpkg.brought:{factory}", "args": args},
+        "stages": stages,
+        "steps": 1,
+        "microBatches": 2,
+    }
     if data:
         fields["data"] = data
     if points:
@@ -193,25 +202,31 @@ def test_models_refused_before_are_planned():
     numbered = materialize.numbering(model, made)
     keep = materialize.numbers(numbered, ["model.backbone.layers.1.mixer.A_log"])
     part, _ = materialize.build(mamba, keep)
-    assert torch.equal(part.model.backbone.layers[1].mixer.A_log,
-                       plain.model.backbone.layers[1].mixer.A_log)  # fmt: skip
+    assert torch.equal(
+        part.model.backbone.layers[1].mixer.A_log, plain.model.backbone.layers[1].mixer.A_log
+    )
 
     mixtral, _ = materialize.build(brought.mixtral, ())
     ids = torch.randint(brought.VOCAB, (2, brought.SEQ))
     fits_model(mixtral, ids, ids, cross_entropy)  # no refusal
 
 
-def test_a_model_refused_before_trains_evaluates_and_writes_its_output(tmp_path: Path,
-                                                                       monkeypatch):  # fmt: skip
+def test_a_model_refused_before_trains_evaluates_and_writes_its_output(tmp_path: Path, monkeypatch):
     """Issue 30: Inception's shape (an auxiliary head in training only, a named tuple of both
     logits across the micro-batches, the main logits alone in evaluation) with weight-normed
     convolutions, the user's loss main + 0.4 aux: a job trains it to the end, evaluates it
     and writes a model that loads strictly into a fresh one."""
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
     out = tmp_path / "model"
-    job = pipeline_job("auxiliary", model={"import": "userpkg.brought:auxiliary"},
-                       loss={"import": "userpkg.brought:auxiliary_loss"}, steps=3,
-                       microBatches=2, eval={"batches": 1}, output={"path": str(out)})  # fmt: skip
+    job = pipeline_job(
+        "auxiliary",
+        model={"import": "userpkg.brought:auxiliary"},
+        loss={"import": "userpkg.brought:auxiliary_loss"},
+        steps=3,
+        microBatches=2,
+        eval={"batches": 1},
+        output={"path": str(out)},
+    )
     code, said, summary = run_to_end(job, tmp_path, timeout=240)
     assert code == 0, said[-3000:]
     assert summary is not None and math.isfinite(summary["evaluation"]["loss"])
@@ -228,9 +243,14 @@ def test_models_refused_at_their_build_before_train_to_the_end(tmp_path: Path, m
     end in one job; that their stages compute each model exactly is the conformance
     slice's (tests/test_conformance.py)."""
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
-    job = pipeline_job("mamba-mixtral", model={"import": "userpkg.brought:mamba_and_mixtral"},
-                       data=TOKENS, splitPoints=["models.1"], steps=2,
-                       microBatches=2)  # fmt: skip
+    job = pipeline_job(
+        "mamba-mixtral",
+        model={"import": "userpkg.brought:mamba_and_mixtral"},
+        data=TOKENS,
+        splitPoints=["models.1"],
+        steps=2,
+        microBatches=2,
+    )
     code, said, summary = run_to_end(job, tmp_path, timeout=240)
     assert code == 0, said[-3000:]
     assert summary is not None and summary["steps"] == 2, summary
@@ -247,9 +267,14 @@ def test_a_model_that_reads_its_version_loads_from_every_output(tmp_path: Path):
 
     out, ckpt = tmp_path / "model", tmp_path / "checkpoints"
     model = {"import": "torchvision.models:mnasnet0_5", "args": {"num_classes": 10}}
-    job = pipeline_job("mnasnet", model=model, steps=1, microBatches=2,
-                       output={"path": str(out), "format": "torch"},
-                       checkpoint={"path": str(ckpt), "everySteps": 1})  # fmt: skip
+    job = pipeline_job(
+        "mnasnet",
+        model=model,
+        steps=1,
+        microBatches=2,
+        output={"path": str(out), "format": "torch"},
+        checkpoint={"path": str(ckpt), "everySteps": 1},
+    )
     code, said, _ = run_to_end(job, tmp_path, timeout=240)
     assert code == 0, said[-3000:]
     found = checkpoint.latest(ckpt)

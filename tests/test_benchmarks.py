@@ -26,27 +26,48 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 def test_compare_measures_every_system_it_is_asked_for():
     systems = ["pipejob", "pipejob-auto", "pipejob-1f1b", "baseline", "gpipe", "single-t1"]
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "compare.py"), "--systems", ",".join(systems),
-         "--micro-batches", "2", "--batches", "1", "--repeats", "1", "--batch", "4",
-         "--image", "32", "--timeout", str(HANG - 60), "--at", "HEAD"],
-        capture_output=True, text=True, timeout=HANG,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCHMARKS / "compare.py"),
+            "--systems",
+            ",".join(systems),
+            "--micro-batches",
+            "2",
+            "--batches",
+            "1",
+            "--repeats",
+            "1",
+            "--batch",
+            "4",
+            "--image",
+            "32",
+            "--timeout",
+            str(HANG - 60),
+            "--at",
+            "HEAD",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for system in systems:
         rate = re.search(rf"^  {re.escape(system)}\s+\d+\s+([\d.]+) \[", out.stdout, re.M)
         assert rate and float(rate.group(1)) > 0, f"{system} not reported:\n{out.stdout}"
     assert re.search(r"pipejob / baseline\s+[\d.]+x", out.stdout)
     # auto is reported with the count it chose (of 1 and 2 for a batch of 4).
-    assert re.search(r"^  pipejob-auto\s+m=auto: [\d.]+ \[[\d.-]+\] \(chose [12]\)$", out.stdout,
-                     re.M), out.stdout  # fmt: skip
+    assert re.search(
+        r"^  pipejob-auto\s+m=auto: [\d.]+ \[[\d.-]+\] \(chose [12]\)$", out.stdout, re.M
+    ), out.stdout
     assert re.search(r"pipejob-auto / pipejob at its best m \(2\)\s+[\d.]+x", out.stdout)
     assert re.search(r"stage1\s+CPU/wall [\d.]+\s+faults/batch", out.stdout)
     # --at: pipejob as committed, from its own sources, cut and trained alike.
     assert re.search(r"^  pipejob@HEAD\s+\d+\s+[\d.]+ \[", out.stdout, re.M), out.stdout
     assert re.search(r"pipejob / pipejob@HEAD \(today against then\)\s+[\d.]+x", out.stdout)
     assert re.search(r"m=2: cut: pipejob stage 1 begins at \S+; pipejob@HEAD at \S+", out.stdout)
-    assert re.search(r"m=2: losses: pipejob [\d., ]+; pipejob@HEAD [\d., ]+: the same",
-                     out.stdout), out.stdout  # fmt: skip
+    assert re.search(
+        r"m=2: losses: pipejob [\d., ]+; pipejob@HEAD [\d., ]+: the same", out.stdout
+    ), out.stdout
 
 
 @pytest.mark.timeout(HANG + 60)
@@ -54,16 +75,36 @@ def test_compare_sweeps_core_counts_by_affinity():
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("a sweep needs 2 CPUs in this process's affinity")
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "compare.py"), "--systems", "pipejob,single-tN",
-         "--cores", "1,2,4096", "--micro-batches", "2", "--batches", "1", "--repeats", "1",
-         "--batch", "4", "--image", "32", "--timeout", str(HANG - 60)],
-        capture_output=True, text=True, timeout=HANG,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCHMARKS / "compare.py"),
+            "--systems",
+            "pipejob,single-tN",
+            "--cores",
+            "1,2,4096",
+            "--micro-batches",
+            "2",
+            "--batches",
+            "1",
+            "--repeats",
+            "1",
+            "--batch",
+            "4",
+            "--image",
+            "32",
+            "--timeout",
+            str(HANG - 60),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "--cores: leaving out 4096: this process may use" in out.stdout
     assert re.search(r"^1 cores \(CPUs \d+-\d+\): .* single-tN 1$", out.stdout, re.M), out.stdout
-    assert re.search(r"^2 cores \(CPUs .*\): baseline and pipelining 1 thread\(s\) per process",
-                     out.stdout, re.M), out.stdout  # fmt: skip
+    assert re.search(
+        r"^2 cores \(CPUs .*\): baseline and pipelining 1 thread\(s\) per process", out.stdout, re.M
+    ), out.stdout
     # The trend: pipejob at both counts, single-tN only where it differs from one thread.
     assert re.search(r"^ +1 cores +2 cores$", out.stdout, re.M), out.stdout
     assert re.search(r"^  pipejob +[\d.]+ +[\d.]+$", out.stdout, re.M), out.stdout
@@ -73,8 +114,12 @@ def test_compare_sweeps_core_counts_by_affinity():
 
 @pytest.mark.timeout(HANG + 60)
 def test_cut_compares_fx_with_torch_pipelining_and_the_layer_list():
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "cut.py"), "--repeats", "1"],
-                         capture_output=True, text=True, timeout=HANG)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "cut.py"), "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for label in ("fx", "pipelining", "layers"):
         assert len(re.findall(rf"^  {label}\s+[\d.-]+\s+[\d.]+", out.stdout, re.M)) == 2, out.stdout
@@ -83,11 +128,32 @@ def test_cut_compares_fx_with_torch_pipelining_and_the_layer_list():
 @pytest.mark.timeout(HANG + 60)
 def test_hybrid_compares_the_single_table_design_and_server_counts():
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "hybrid.py"), "--rows", "100", "--batch", "8",
-         "--table-rows", "100", "--dlrm-batch", "8", "--servers", "1,2", "--steps", "20",
-         "--warmup", "10", "--repeats", "1", "--timeout", str(HANG - 60)],
-        capture_output=True, text=True, timeout=HANG,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCHMARKS / "hybrid.py"),
+            "--rows",
+            "100",
+            "--batch",
+            "8",
+            "--table-rows",
+            "100",
+            "--dlrm-batch",
+            "8",
+            "--servers",
+            "1,2",
+            "--steps",
+            "20",
+            "--warmup",
+            "10",
+            "--repeats",
+            "1",
+            "--timeout",
+            str(HANG - 60),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for label in ("single-table 100", "sparse 100", r"dlrm 1 server\(s\)", r"dlrm 2 server\(s\)"):
         assert re.search(rf"^  {label}\s+[\d,]+ \[", out.stdout, re.M), out.stdout
@@ -98,10 +164,21 @@ def test_hybrid_compares_the_single_table_design_and_server_counts():
 @pytest.mark.timeout(HANG + 60)
 def test_replicas_compares_one_pipeline_with_two():
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "replicas.py"), "--quick", "--batch", "4",
-         "--image", "32", "--timeout", str(HANG - 60)],
-        capture_output=True, text=True, timeout=HANG,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCHMARKS / "replicas.py"),
+            "--quick",
+            "--batch",
+            "4",
+            "--image",
+            "32",
+            "--timeout",
+            str(HANG - 60),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for replicas in (1, 2):
         assert re.search(rf"^ +{replicas} +[\d.]+ \[", out.stdout, re.M), out.stdout
@@ -112,10 +189,24 @@ def test_replicas_compares_one_pipeline_with_two():
 @pytest.mark.timeout(HANG + 60)
 def test_memory_prints_each_processs_peak_against_its_share_of_the_model():
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "memory.py"), "--layers", "2", "--width", "64",
-         "--heads", "4", "--stages", "2", "--timeout", str(HANG - 60)],
-        capture_output=True, text=True, timeout=HANG,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCHMARKS / "memory.py"),
+            "--layers",
+            "2",
+            "--width",
+            "64",
+            "--heads",
+            "4",
+            "--stages",
+            "2",
+            "--timeout",
+            str(HANG - 60),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     title = r"^transformer 2 layers x width 64, .*: \d+M parameters, [\d.]+ GB"
     assert re.search(title, out.stdout, re.M), out.stdout
@@ -124,17 +215,35 @@ def test_memory_prints_each_processs_peak_against_its_share_of_the_model():
     for stage in ("stage0", "stage1"):
         row = re.search(rf"^  {stage}{figures}([\d.]+)x\s+([\d.]+)x$", out.stdout, re.M)
         assert row and float(row[1]) > 0 and float(row[2]) >= 0, out.stdout
-    assert re.search(r"^skipped: 6 layers at 4 stages \(--large runs it\)\. The run above held",
-                     out.stdout, re.M), out.stdout  # fmt: skip
+    assert re.search(
+        r"^skipped: 6 layers at 4 stages \(--large runs it\)\. The run above held", out.stdout, re.M
+    ), out.stdout
 
 
 @pytest.mark.timeout(HANG + 60)
 def test_checkpoint_compares_pipejob_s_files_with_dcp_resharded(tmp_path: Path):
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "checkpoint.py"), "--layers", "2", "--width", "32",
-         "--heads", "2", "--save-stages", "2", "--load-stages", "1", "--repeats", "1"],
-        capture_output=True, text=True, timeout=HANG, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCHMARKS / "checkpoint.py"),
+            "--layers",
+            "2",
+            "--width",
+            "32",
+            "--heads",
+            "2",
+            "--save-stages",
+            "2",
+            "--load-stages",
+            "1",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     figures = r"\s+[\d.]+ \[[\d.-]+\]" * 4
     for fmt in ("pipejob", "dcp"):
@@ -152,10 +261,14 @@ def test_overhead_fits_a_step_as_fixed_plus_per_micro_batch_and_reports_both_par
     found.loader.exec_module(overhead)
     fixed, per, residual = overhead.fit([(1, 0.012), (2, 0.014), (4, 0.018), (8, 0.026)])
     assert (fixed, per, residual) == pytest.approx((0.010, 0.002, 0.0), abs=1e-12)
-    results = [{"stages": 2, "model": "tiny", "m": m, "system": system, "seconds": s, "least": s}
-               for system, (a, b) in {"rpc": (0.004, 0.002), "torch-1f1b": (0.002, 0.001)}.items()
-               for m in (2, 4) for s in [a + b * m]]  # fmt: skip
+    results = [
+        {"stages": 2, "model": "tiny", "m": m, "system": system, "seconds": s, "least": s}
+        for system, (a, b) in {"rpc": (0.004, 0.002), "torch-1f1b": (0.002, 0.001)}.items()
+        for m in (2, 4)
+        for s in [a + b * m]
+    ]
     rows = overhead.table(results, "least").splitlines()
-    assert re.search(r"^\s+2\s+tiny\s+rpc\s+4\.00\s+2\.000\s+0\.00\s+2\.00x\s+2\.00x\s+2,4$",
-                     rows[1]), rows  # fmt: skip
+    assert re.search(
+        r"^\s+2\s+tiny\s+rpc\s+4\.00\s+2\.000\s+0\.00\s+2\.00x\s+2\.00x\s+2,4$", rows[1]
+    ), rows
     assert re.search(r"^\s+2\s+tiny\s+torch-1f1b\s+2\.00\s+1\.000\s+0\.00\s+2,4$", rows[2]), rows

@@ -48,14 +48,18 @@ pytestmark = pytest.mark.skipif(
 def user_model() -> torch.nn.Module:
     """The user's model, its parameters on the meta device (shapes only) until loaded."""
     with torch.device("meta"):
-        return TransformerLM(Transformer(vocab_size=256, layers=24, width=1024, heads=16,
-                                         seq_len=16))  # fmt: skip
+        return TransformerLM(
+            Transformer(vocab_size=256, layers=24, width=1024, heads=16, seq_len=16)
+        )
 
 
 def stage_bytes(model: torch.nn.Module, layers: list[str]) -> int:
     """Bytes of the parameters under the modules a stage holds."""
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-               if any(name == u or name.startswith(u + ".") for u in layers))  # fmt: skip
+    return sum(
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters()
+        if any(name == u or name.startswith(u + ".") for u in layers)
+    )
 
 
 def load_output(folder: Path) -> dict[str, torch.Tensor]:
@@ -74,8 +78,10 @@ def load_output(folder: Path) -> dict[str, torch.Tensor]:
 def test_a_process_over_its_limit_is_killed_and_one_under_it_is_not():
     """The harness's limits bite: a process that writes more than its limit is OOM-killed, as
     a container over its limit is; one that stays under finishes."""
-    grab = ("import sys; sys.stdin.readline(); block = bytearray(int(sys.argv[1]) << 20);"
-            " print(len(block) >> 20)")  # fmt: skip
+    grab = (
+        "import sys; sys.stdin.readline(); block = bytearray(int(sys.argv[1]) << 20);"
+        " print(len(block) >> 20)"
+    )
     with MemoryLimits(200 << 20) as limits:
         ends = {}
         for name, megabytes in (("under", 50), ("over", 400)):
@@ -102,11 +108,21 @@ def test_a_model_no_process_can_hold_trains_evaluates_and_writes_its_output(tmp_
     assert whole > LIMIT, f"the model ({whole / 1e9:.2f} GB) must not fit one process's limit"
     out = tmp_path / "out"
     job = pipeline_job(
-        "bigger-than-a-process", model={"transformer": TRANSFORMER}, data={"workers": 0},
-        stages=STAGES, splitPoints=SPLIT_POINTS, batchSize=2, microBatches=2, steps=2, seed=0,
-        optimizer={"name": "sgd", "lr": 0.01}, eval={"batches": 1},
-        output={"path": str(out)}, preflight={"enabled": False}, rendezvousTimeoutSeconds=300,
-    )  # fmt: skip
+        "bigger-than-a-process",
+        model={"transformer": TRANSFORMER},
+        data={"workers": 0},
+        stages=STAGES,
+        splitPoints=SPLIT_POINTS,
+        batchSize=2,
+        microBatches=2,
+        steps=2,
+        seed=0,
+        optimizer={"name": "sgd", "lr": 0.01},
+        eval={"batches": 1},
+        output={"path": str(out)},
+        preflight={"enabled": False},
+        rendezvousTimeoutSeconds=300,
+    )
     members = ["master", *(f"stage{i}" for i in range(STAGES))]
     with MemoryLimits(LIMIT) as limits, JobRun(job, tmp_path) as run:
         for name in members:  # each under its limit as soon as the runner says it started

@@ -35,13 +35,21 @@ def snake(key: str) -> str:
 
 
 def pipeline(**fields: Any) -> dict:
-    return {"apiVersion": spec.API_VERSION, "kind": "PipelineJob", "metadata": {"name": "b"},
-            "spec": {"stages": 2, "batchSize": 8, **fields}}  # fmt: skip
+    return {
+        "apiVersion": spec.API_VERSION,
+        "kind": "PipelineJob",
+        "metadata": {"name": "b"},
+        "spec": {"stages": 2, "batchSize": 8, **fields},
+    }
 
 
 def hybrid(**fields: Any) -> dict:
-    return {"apiVersion": spec.API_VERSION, "kind": "HybridJob", "metadata": {"name": "b"},
-            "spec": {"embeddings": [{"name": "a", "rows": 10, "dim": 4}], **fields}}  # fmt: skip
+    return {
+        "apiVersion": spec.API_VERSION,
+        "kind": "HybridJob",
+        "metadata": {"name": "b"},
+        "spec": {"embeddings": [{"name": "a", "rows": 10, "dim": 4}], **fields},
+    }
 
 
 def refused_at(manifest: dict, path: str) -> bool:
@@ -61,8 +69,11 @@ def torch_takes(build: Any) -> bool:
 
 
 def table_cases(table: dict[str, tuple[str, dict[str, bounds.Range]]]):
-    return [(name, field, bound) for name, (_, fields) in table.items()
-            for field, bound in fields.items()]  # fmt: skip
+    return [
+        (name, field, bound)
+        for name, (_, fields) in table.items()
+        for field, bound in fields.items()
+    ]
 
 
 PARAMS = [torch.zeros(10, 4, requires_grad=True)]
@@ -81,8 +92,9 @@ def test_the_optimizer_bounds_are_torch_optims(name: str, field: str, bound: bou
         assert torch_takes(lambda job=job: build(job.settings.optimizer)), (name, field, edge)
     accepted = spec.parse(pipeline(optimizer={"name": name})).settings.optimizer
     for value, torch_refuses in bound.past():
-        assert refused_at(pipeline(optimizer={"name": name, field: value}),
-                          f"spec.optimizer.{field}"), (name, field, value)  # fmt: skip
+        assert refused_at(
+            pipeline(optimizer={"name": name, field: value}), f"spec.optimizer.{field}"
+        ), (name, field, value)
         past = dataclasses.replace(accepted, **{snake(field): value})
         assert torch_takes(lambda past=past: build(past)) != torch_refuses, (name, field, value)
 
@@ -96,8 +108,9 @@ def test_the_sparse_optimizer_bounds_are_the_servers(name: str, field: str, boun
         opt = job.settings.sparse_optimizer
         assert torch_takes(lambda opt=opt: sparse.make(PARAMS, opt)), (name, field, edge)
     for value, torch_refuses in bound.past():
-        assert refused_at(hybrid(sparseOptimizer={"name": name, field: value}),
-                          f"spec.sparseOptimizer.{field}"), (name, field, value)  # fmt: skip
+        assert refused_at(
+            hybrid(sparseOptimizer={"name": name, field: value}), f"spec.sparseOptimizer.{field}"
+        ), (name, field, value)
         past = dataclasses.replace(accepted, **{snake(field): value})
         taken = torch_takes(lambda past=past: sparse.make(PARAMS, past))
         assert taken != torch_refuses, (name, field, value)
@@ -124,8 +137,9 @@ def test_the_dtype_names_are_the_trainers():
     for name, dtype in bounds.TOKEN_DTYPES.items():
         assert np.dtype(TOKEN_DTYPES[name]) == np.dtype(dtype)
     assert refused_at(pipeline(precision="fp64"), "spec.precision")
-    assert refused_at(pipeline(data={"tokens": {"train": "t", "dtype": "int8"}}),
-                      "spec.data.tokens.dtype")  # fmt: skip
+    assert refused_at(
+        pipeline(data={"tokens": {"train": "t", "dtype": "int8"}}), "spec.data.tokens.dtype"
+    )
 
 
 def torch_schedule_takes(schedule: str, stages: int, micro_batches: int) -> bool:
@@ -135,10 +149,15 @@ def torch_schedule_takes(schedule: str, stages: int, micro_batches: int) -> bool
     per = 2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=stages)
     try:
-        held = [PipelineStage(torch.nn.Linear(2, 2), k * stages, stages * per,
-                              torch.device("cpu")) for k in range(per)]  # fmt: skip
-        return torch_takes(lambda: cls(held[0] if per == 1 else held, micro_batches,
-                                       loss_fn=lambda out, target: out.sum()))  # fmt: skip
+        held = [
+            PipelineStage(torch.nn.Linear(2, 2), k * stages, stages * per, torch.device("cpu"))
+            for k in range(per)
+        ]
+        return torch_takes(
+            lambda: cls(
+                held[0] if per == 1 else held, micro_batches, loss_fn=lambda out, target: out.sum()
+            )
+        )
     finally:
         dist.destroy_process_group()
 

@@ -92,8 +92,10 @@ def test_no_checkpoint_yet(tmp_path: Path) -> None:
 
 def test_a_manifest_needs_every_part_where_the_master_sees_it(tmp_path: Path) -> None:
     entry = checkpoint.save_part(tmp_path / "elsewhere", "stage1.pt", {"w": 1})
-    with pytest.raises(checkpoint.CheckpointError, match="stage1.pt: missing, as the master"
-                       " sees it .* shared by every process"):  # fmt: skip
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match="stage1.pt: missing, as the master sees it .* shared by every process",
+    ):
         checkpoint.write_manifest(tmp_path, 4, [entry])
     assert checkpoint.latest(tmp_path) is None
 
@@ -105,8 +107,10 @@ def test_prune_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None:
     checkpoint.save_part(checkpoint.step_dir(tmp_path, 5), "stage0.pt", {})  # in progress
     checkpoint.prune(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step-00000002", "step-00000004", "step-00000005"
-    ]  # fmt: skip
+        "step-00000002",
+        "step-00000004",
+        "step-00000005",
+    ]
 
 
 def test_due_every_n_steps_and_at_the_last() -> None:
@@ -124,8 +128,15 @@ def test_optimizer_state_survives_a_checkpoint(name: str) -> None:
     """A stage's optimizer (optim.Functional) and a plain torch.optim one (NAdam, as a
     HybridJob trainer's), saved by name after step 1 and loaded into a fresh one: it
     continues exactly as the original does; a fresh state does not."""
-    spec = from_spec(Optimizer, {"name": "sgd" if name == "nadam" else name, "lr": 0.1,
-                                 "momentum": 0.5, "weightDecay": 0.0})  # fmt: skip
+    spec = from_spec(
+        Optimizer,
+        {
+            "name": "sgd" if name == "nadam" else name,
+            "lr": 0.1,
+            "momentum": 0.5,
+            "weightDecay": 0.0,
+        },
+    )
 
     def optimizer(model: torch.nn.Module) -> Any:
         if name == "nadam":
@@ -155,21 +166,29 @@ def test_optimizer_state_survives_a_checkpoint(name: str) -> None:
             checkpoint.load_optimizer_state(opt_b, b, saved)
         for _ in range(3):
             step(b, opt_b)
-        differ = max((p - q).abs().max().item()
-                     for p, q in zip(a.parameters(), b.parameters(), strict=True))  # fmt: skip
+        differ = max(
+            (p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True)
+        )
         assert differ == 0.0 if restore else differ > 1e-4, (restore, differ)
 
 
 # ------------------------------------------------------------------ worlds that resume
 
-PIPELINE = pipeline_job("resume", stages=2, microBatches=2, steps=8, seed=1,
-                        optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9},
-                        preflight={"megabytes": 0.5})  # fmt: skip
+PIPELINE = pipeline_job(
+    "resume",
+    stages=2,
+    microBatches=2,
+    steps=8,
+    seed=1,
+    optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9},
+    preflight={"megabytes": 0.5},
+)
 
 
 def with_checkpoint(manifest: dict[str, Any], path: Path, every: int) -> dict[str, Any]:
-    return manifest | {"spec": manifest["spec"] | {
-        "checkpoint": {"path": str(path), "everySteps": every}}}  # fmt: skip
+    return manifest | {
+        "spec": manifest["spec"] | {"checkpoint": {"path": str(path), "everySteps": every}}
+    }
 
 
 @pytest.mark.timeout(420)
@@ -198,8 +217,10 @@ def test_a_pipeline_world_killed_after_a_step_resumes_and_matches(tmp_path: Path
     assert trained == list(range(newest.step + 1, steps + 1)), output
     assert summary["resumedFromStep"] == newest.step
     assert summary["steps"] == steps - newest.step == len(summary["losses"])
-    assert_states_close(by_parameter(final_state(tmp_path / "broken", steps)),
-                        by_parameter(final_state(tmp_path / "straight", steps)))  # fmt: skip
+    assert_states_close(
+        by_parameter(final_state(tmp_path / "broken", steps)),
+        by_parameter(final_state(tmp_path / "straight", steps)),
+    )
 
 
 HYBRID = {
@@ -207,13 +228,20 @@ HYBRID = {
     "kind": "HybridJob",
     "metadata": {"name": "resume-hybrid"},
     "spec": {
-        "trainers": 1, "embedding": {"numEmbeddings": 64, "dim": 8}, "dense": {"outFeatures": 4},
-        "steps": 8, "batchSize": 8, "bagSize": 4, "datasetSize": 40, "seed": 2,
+        "trainers": 1,
+        "embedding": {"numEmbeddings": 64, "dim": 8},
+        "dense": {"outFeatures": 4},
+        "steps": 8,
+        "batchSize": 8,
+        "bagSize": 4,
+        "datasetSize": 40,
+        "seed": 2,
         "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.9},
         "sparseOptimizer": {"name": "adagrad", "lr": 0.2},
-        "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5},
+        "rendezvousTimeoutSeconds": 60,
+        "preflight": {"megabytes": 0.5},
     },
-}  # fmt: skip
+}
 
 
 @pytest.mark.slow  # the hybrid world resumed twice in test_operator_faults_e2e.py
@@ -233,8 +261,9 @@ def test_a_hybrid_world_resumes_table_dense_layer_and_momentum(tmp_path: Path) -
     with JobRun(broken, tmp_path, "broken") as run:
         assert run.finish(120) == 0, run.output
         output, summary = run.output, run.summary()
-    assert re.search(r"^master\s*\| checkpoint .*step-00000008 is not used: no manifest", output,
-                     re.M), output  # fmt: skip
+    assert re.search(
+        r"^master\s*\| checkpoint .*step-00000008 is not used: no manifest", output, re.M
+    ), output
     assert re.search(r"^master\s*\| resumed from step 4 \(", output, re.M), output
     assert summary["resumedFromStep"] == 4
     assert summary["perTrainer"]["trainer0"]["steps"] == 4

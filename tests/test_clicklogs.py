@@ -95,8 +95,9 @@ def test_an_epoch_reads_every_line_once_across_the_lanes_of_plain_and_gzip_files
     write(tmp_path / "day_0.tsv", lines[:140])
     write(tmp_path / "day_1.gz", lines[140:250])
     write(tmp_path / "day_2.gz", lines[250:])
-    logs = ClickLogs(str(tmp_path / "day_*"), "spec.data.criteo.train", lanes=3, chunk=2000,
-                     window=16)  # fmt: skip
+    logs = ClickLogs(
+        str(tmp_path / "day_*"), "spec.data.criteo.train", lanes=3, chunk=2000, window=16
+    )
     assert len(logs.pieces) > 3 and logs.files[0].endswith("day_0.tsv")
     for epoch in (0, 1):
         read = [row for lane in range(3) for row in epoch_rows(logs, lane, epoch)]
@@ -123,8 +124,9 @@ def test_a_step_s_batch_is_the_same_at_any_trainer_count_and_resumes_exactly(
     whole stream does, wherever the epochs end."""
     write(tmp_path / "a.tsv", log_lines(90, 2))
     write(tmp_path / "b.gz", log_lines(41, 3))
-    logs = ClickLogs(f"{tmp_path / 'a.tsv'},{tmp_path / 'b.gz'}", "train", lanes=2,
-                     chunk=3000, window=8)  # fmt: skip
+    logs = ClickLogs(
+        f"{tmp_path / 'a.tsv'},{tmp_path / 'b.gz'}", "train", lanes=2, chunk=3000, window=8
+    )
     batch, steps = 16, 14  # 14 x 16 = 224 samples: past epoch 0 of 131 lines
     whole = list(itertools.islice(samples.stream(logs, batch, (0, 1), 5, FEATURES, True), steps))
     assert max(max(b.epochs) for b in whole) >= 1
@@ -147,8 +149,7 @@ def test_the_reader_holds_a_window_per_lane_whatever_the_logs_size(
     """The bytes of lines a reader holds at once stay under a window per lane (plus a line),
     for logs 8 times larger as for small ones."""
     write(tmp_path / "day.tsv", log_lines(lines, 4))
-    logs = ClickLogs(str(tmp_path / "day.tsv"), "train", lanes=2, chunk=4000,
-                     window_bytes=3000)  # fmt: skip
+    logs = ClickLogs(str(tmp_path / "day.tsv"), "train", lanes=2, chunk=4000, window_bytes=3000)
     reader = samples.stream(logs, 32, (0, 1), 0, FEATURES, True)
     for _ in range(2 * lines // 32):  # two epochs
         next(reader)
@@ -161,8 +162,9 @@ def test_a_batch_parsed_at_once_is_the_lines_parsed_one_by_one(tmp_path: Path) -
     logs = ClickLogs(str(write(tmp_path / "day.tsv", lines)), "train")
     rows = list(enumerate(lines))
     fast = samples._click_batch(logs, rows, FEATURES[::5], True)
-    slow = samples.collate_samples([logs.parse(i, line) for i, line in rows], list(range(64)),
-                                   FEATURES[::5], True)  # fmt: skip
+    slow = samples.collate_samples(
+        [logs.parse(i, line) for i, line in rows], list(range(64)), FEATURES[::5], True
+    )
     for name in ("dense", "labels"):
         assert getattr(fast, name).equal(getattr(slow, name)), name
     assert all(fast.ids[f].equal(slow.ids[f]) for f in FEATURES[::5])
@@ -176,8 +178,11 @@ def test_a_bad_line_names_its_file_line_and_column(tmp_path: Path) -> None:
     lines[21] = b"\t".join(columns)
     path = write(tmp_path / "day.gz", lines)
     logs = ClickLogs(str(path), "spec.data.criteo.train", lanes=1)
-    with pytest.raises(ValueError, match=rf"^spec.data.criteo.train: {path} line 22: I2 is 'zz',"
-                                          " not an integer"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"^spec.data.criteo.train: {path} line 22: I2 is 'zz',"
+        " not an integer",
+    ):
         list(itertools.islice(samples.stream(logs, 10, (0, 1), 0, FEATURES, True), 3))
     assert logs.where(0) == f"{path} line 1"
     with pytest.raises(ValueError, match="matches no file"):
@@ -187,14 +192,21 @@ def test_a_bad_line_names_its_file_line_and_column(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- in a world
 
 CLICKS = {
-    "trainers": 2, "parameterServers": 2,
-    "embeddings": [{"name": "C1", "rows": 3000, "dim": 4},  # split across both servers
-                   {"name": "C2", "rows": 40, "dim": 4, "mode": "mean"},
-                   {"name": "peak", "rows": 60, "dim": 4, "mode": "max", "feature": "C3"}],
+    "trainers": 2,
+    "parameterServers": 2,
+    "embeddings": [
+        {"name": "C1", "rows": 3000, "dim": 4},  # split across both servers
+        {"name": "C2", "rows": 40, "dim": 4, "mode": "mean"},
+        {"name": "peak", "rows": 60, "dim": 4, "mode": "max", "feature": "C3"},
+    ],
     "dense": {"dlrm": {"bottom": [8], "top": [8]}},
-    "sparseOptimizer": {"name": "adagrad", "lr": 0.1}, "optimizer": {"name": "sgd", "lr": 0.1},
-    "batchSize": 8, "seed": 4, "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5},
-}  # fmt: skip
+    "sparseOptimizer": {"name": "adagrad", "lr": 0.1},
+    "optimizer": {"name": "sgd", "lr": 0.1},
+    "batchSize": 8,
+    "seed": 4,
+    "rendezvousTimeoutSeconds": 60,
+    "preflight": {"megabytes": 0.5},
+}
 
 
 @pytest.mark.slow
@@ -208,11 +220,11 @@ def test_streamed_gzip_logs_train_and_resume_as_one_process_in_float64(tmp_path:
     write(tmp_path / "day_0.gz", log_lines(25, 8))
     write(tmp_path / "day_1.tsv", log_lines(15, 9))
     data = {"criteo": {"train": str(tmp_path / "day_*")}}
-    spec = CLICKS | {"data": data, "checkpoint": {"path": str(tmp_path / "ckpt"),
-                                                  "everySteps": 1}}  # fmt: skip
+    spec = CLICKS | {"data": data, "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 1}}
     for steps in (2, 3):  # the second run resumes from step 2's checkpoint
-        code, output, _ = run_to_end(hybrid_job("clicks", spec | {"steps": steps}), tmp_path,
-                                     timeout=270)  # fmt: skip
+        code, output, _ = run_to_end(
+            hybrid_job("clicks", spec | {"steps": steps}), tmp_path, timeout=270
+        )
         assert code == 0, output
     assert "resumed from step 2" in output, output
     settings = specs.parse(hybrid_job("clicks", spec | {"steps": 3})).settings
@@ -227,8 +239,9 @@ def test_streamed_gzip_logs_train_and_resume_as_one_process_in_float64(tmp_path:
         got = reference.assembled(pieces, t.name, t.rows)
         weight = model.tables[t.name].weight.detach()
         torch.testing.assert_close(got["weight"], weight, rtol=1e-12, atol=1e-14)
-        torch.testing.assert_close(got["sum"], optimizer.state[model.tables[t.name].weight]["sum"],
-                                   rtol=1e-12, atol=1e-14)  # fmt: skip
+        torch.testing.assert_close(
+            got["sum"], optimizer.state[model.tables[t.name].weight]["sum"], rtol=1e-12, atol=1e-14
+        )
     dense = torch.load(directory / "dense.pt", weights_only=False)["model"]
     for name, value in model.dense.state_dict().items():
         torch.testing.assert_close(dense[name], value, rtol=1e-12, atol=1e-14, msg=name)

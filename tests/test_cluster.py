@@ -20,13 +20,25 @@ JOB = {
     "metadata": {"name": "j", "namespace": "ns", "uid": "u1"},
     "status": {"phase": "Running", "restarts": 0, "startTime": "t"},
 }
-POD = {"apiVersion": "v1", "kind": "Pod",
-       "metadata": {"name": "j-master-0", "namespace": "ns", "uid": "p1"}}  # fmt: skip
-OWNER = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob", "name": "j", "uid": "u1",
-         "controller": True, "blockOwnerDeletion": True}  # fmt: skip
-POLICY = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-          "metadata": {"name": "j", "namespace": "ns", "ownerReferences": [OWNER]},
-          "spec": {"podSelector": {"matchLabels": {"pipejob.dev/job": "j"}}}}  # fmt: skip
+POD = {
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "metadata": {"name": "j-master-0", "namespace": "ns", "uid": "p1"},
+}
+OWNER = {
+    "apiVersion": "pipejob.dev/v1alpha1",
+    "kind": "PipelineJob",
+    "name": "j",
+    "uid": "u1",
+    "controller": True,
+    "blockOwnerDeletion": True,
+}
+POLICY = {
+    "apiVersion": "networking.k8s.io/v1",
+    "kind": "NetworkPolicy",
+    "metadata": {"name": "j", "namespace": "ns", "ownerReferences": [OWNER]},
+    "spec": {"podSelector": {"matchLabels": {"pipejob.dev/job": "j"}}},
+}
 POLICIES = "/apis/networking.k8s.io/v1/namespaces/ns/networkpolicies"
 
 
@@ -40,10 +52,15 @@ class Recorder(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length)) if length else None
         url = urlparse(self.path)
-        self.requests.append({
-            "method": self.command, "path": url.path, "query": parse_qs(url.query),
-            "type": self.headers.get("Content-Type"), "body": body,
-        })  # fmt: skip
+        self.requests.append(
+            {
+                "method": self.command,
+                "path": url.path,
+                "query": parse_qs(url.query),
+                "type": self.headers.get("Content-Type"),
+                "body": body,
+            }
+        )
         status, reply = self.replies.get((self.command, url.path), (200, {}))
         data = json.dumps(reply).encode()
         self.send_response(status)
@@ -81,8 +98,12 @@ def permission(request) -> tuple[str, str, str]:
     resource, named = rest[2], len(rest) > 3
     if len(rest) > 4:
         resource += "/" + rest[4]
-    verb = {"GET": "get" if named else "list", "POST": "create", "PATCH": "patch",
-            "DELETE": "delete"}[request["method"]]  # fmt: skip
+    verb = {
+        "GET": "get" if named else "list",
+        "POST": "create",
+        "PATCH": "patch",
+        "DELETE": "delete",
+    }[request["method"]]
     return group, resource, verb
 
 
@@ -92,8 +113,9 @@ def test_every_call_is_granted_by_rbac(server):
     cluster.get_job("pipelinejobs", "ns", "j")
     cluster.list_pods("ns", "j")
     cluster.create(POD)
-    cluster.create({"apiVersion": "v1", "kind": "Service",
-                    "metadata": {"name": "j", "namespace": "ns"}})  # fmt: skip
+    cluster.create(
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "j", "namespace": "ns"}}
+    )
     rec.replies[("POST", POLICIES)] = (409, {"reason": "AlreadyExists"})
     cluster.apply(POLICY)  # exists: patched
     cluster.delete_pod(POD)
@@ -120,7 +142,8 @@ def test_an_existing_object_of_the_world_is_patched_only_if_it_is_the_jobs(serve
     cluster, rec = server
     cluster.apply(POLICY)
     assert [(r["method"], r["path"], r["body"]) for r in rec.requests] == [
-        ("POST", POLICIES, POLICY)]  # fmt: skip
+        ("POST", POLICIES, POLICY)
+    ]
     rec.replies[("POST", POLICIES)] = (409, {"reason": "AlreadyExists"})
     rec.replies[("PATCH", f"{POLICIES}/j")] = (422, {"message": "the test operation failed"})
     with pytest.raises(ApiError, match="HTTP 422"):  # another's: never overwritten

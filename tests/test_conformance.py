@@ -30,9 +30,12 @@ ROW = re.compile(r"^\[\d+/\d+\] (\S+) (.+?): (exact|refused|failing|not built|no
 @pytest.mark.timeout(900)
 def test_the_ci_slice_is_exact():
     """A bound on a hang, not on speed: about a minute on 2 quiet cores."""
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "conformance.py"), "--slice", "ci",
-                           "--timeout", "600"], capture_output=True, text=True,
-                          timeout=840)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "conformance.py"), "--slice", "ci", "--timeout", "600"],
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = ROW.findall(done.stdout)
     assert len(rows) == len(CI), done.stdout
@@ -67,6 +70,7 @@ def test_the_docs_table_has_no_failing_row_and_says_how_much_of_each_zoo_it_cove
         assert len(rows) == sum(totals.values())
     else:
         assert (int(partial[1]), int(partial[2])) == (len(rows), sum(totals.values()))
-        said = {zoo: (int(a), int(b)) for zoo, a, b in re.findall(r"(\w+) (\d+) of (\d+)",
-                                                                  partial[3])}  # fmt: skip
+        said = {
+            zoo: (int(a), int(b)) for zoo, a, b in re.findall(r"(\w+) (\d+) of (\d+)", partial[3])
+        }
         assert said == {z: (sum(r[0] == z for r in rows), n) for z, n in totals.items()}, said

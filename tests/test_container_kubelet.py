@@ -44,8 +44,12 @@ open("/tmp/report", "w").write(json.dumps(report))
 def pod(name: str, command: list[str], image: str, **spec) -> dict:
     container = {"name": "main", "image": image, "command": command}
     container |= spec.pop("container", {})
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "t"}},
-            "spec": {"restartPolicy": "Never", "containers": [container], **spec}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": "t"}},
+        "spec": {"restartPolicy": "Never", "containers": [container], **spec},
+    }
 
 
 def finished(api: Api, name: str, timeout: float = 120) -> dict:
@@ -64,36 +68,73 @@ def test_a_pod_runs_as_its_security_context_with_its_env_volumes_limits_and_dns_
     cluster, container_kubelet: ContainerKubelet, images
 ):
     api = cluster.api
-    api.create("v1/configmaps", {"apiVersion": "v1", "kind": "ConfigMap",
-                                 "metadata": {"name": "settings"}, "data": {"greeting": "hi"}},
-               NS)  # fmt: skip
-    api.create("v1/services", {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "t"},
-                               "spec": {"clusterIP": "None", "selector": {"app": "t"}}},
-               NS)  # fmt: skip
-    api.create(PODS, pod("peer", ["sleep", "300"], images.trainer, hostname="peer", subdomain="t"),
-               NS)  # fmt: skip
-    peer = api.wait("the peer's address", lambda: api.get(PODS, "peer", NS)["status"].get("podIP"),
-                    60)  # fmt: skip
+    api.create(
+        "v1/configmaps",
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "settings"},
+            "data": {"greeting": "hi"},
+        },
+        NS,
+    )
+    api.create(
+        "v1/services",
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "t"},
+            "spec": {"clusterIP": "None", "selector": {"app": "t"}},
+        },
+        NS,
+    )
+    api.create(
+        PODS, pod("peer", ["sleep", "300"], images.trainer, hostname="peer", subdomain="t"), NS
+    )
+    peer = api.wait(
+        "the peer's address", lambda: api.get(PODS, "peer", NS)["status"].get("podIP"), 60
+    )
     env = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "FROM_VAR", "value": "$(POD_NAME)-x"},
     ]
-    security = {"runAsUser": 10002, "runAsGroup": 10003, "runAsNonRoot": True,
-                "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                "capabilities": {"drop": ["ALL"]}}  # fmt: skip
+    security = {
+        "runAsUser": 10002,
+        "runAsGroup": 10003,
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
     container = {
-        "env": env, "securityContext": security, "terminationMessagePath": "/tmp/report",
+        "env": env,
+        "securityContext": security,
+        "terminationMessagePath": "/tmp/report",
         "resources": {"limits": {"cpu": "500m", "memory": "256Mi"}},
-        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"},
-                         {"name": "config", "mountPath": "/config"}],
-    }  # fmt: skip
-    volumes = [{"name": "scratch", "emptyDir": {}},
-               {"name": "config", "configMap": {"name": "settings"}}]  # fmt: skip
-    api.create(PODS, pod("probe", ["python", "-c", SELF_REPORT, "peer.t"], images.trainer,
-                         container=container, volumes=volumes, hostname="probe", subdomain="t"),
-               NS)  # fmt: skip
+        "volumeMounts": [
+            {"name": "scratch", "mountPath": "/scratch"},
+            {"name": "config", "mountPath": "/config"},
+        ],
+    }
+    volumes = [
+        {"name": "scratch", "emptyDir": {}},
+        {"name": "config", "configMap": {"name": "settings"}},
+    ]
+    api.create(
+        PODS,
+        pod(
+            "probe",
+            ["python", "-c", SELF_REPORT, "peer.t"],
+            images.trainer,
+            container=container,
+            volumes=volumes,
+            hostname="probe",
+            subdomain="t",
+        ),
+        NS,
+    )
     done = finished(api, "probe")
     assert done["status"]["phase"] == "Succeeded", done["status"]
     report = json.loads(terminated(done)["message"])
@@ -101,8 +142,12 @@ def test_a_pod_runs_as_its_security_context_with_its_env_volumes_limits_and_dns_
     assert int(report["caps"], 16) == 0 and report["no_new_privs"] == "1"
     assert report["root_writable"] is False and report["config"] == "hi"
     ip = done["status"]["podIP"]
-    assert report["env"] == {"POD_IP": ip, "POD_NAME": "probe", "POD_NAMESPACE": NS,
-                             "FROM_VAR": "probe-x"}  # fmt: skip
+    assert report["env"] == {
+        "POD_IP": ip,
+        "POD_NAME": "probe",
+        "POD_NAMESPACE": NS,
+        "FROM_VAR": "probe-x",
+    }
     assert report["memory"] in (None, 256 * 2**20)  # None: the host's cgroup is not v1
     assert report["peers"] == [peer]  # peer.t, its hostname.subdomain
     api.delete(PODS, "peer", NS)

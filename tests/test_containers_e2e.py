@@ -29,25 +29,46 @@ pytestmark = pytest.mark.timeout(600, func_only=True)
 
 NS = "default"
 # ResNet-18, not the example's ResNet-50: a third of the work for what the containers prove.
-PIPELINE = ("resnet50-pipeline.yaml", {"model": "resnet18", "stages": 2, "imageSize": 32,
-            "batchSize": 4, "microBatches": 2, "numClasses": 10, "steps": 3,
-            "logEvery": 1})  # fmt: skip
+PIPELINE = (
+    "resnet50-pipeline.yaml",
+    {
+        "model": "resnet18",
+        "stages": 2,
+        "imageSize": 32,
+        "batchSize": 4,
+        "microBatches": 2,
+        "numClasses": 10,
+        "steps": 3,
+        "logEvery": 1,
+    },
+)
 HYBRID = ("hybrid.yaml", {"steps": 10, "datasetSize": 512, "logEvery": 1})
 CLAIM = "results"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom-model"
 
 
 def claim(api: Api, name: str = CLAIM) -> dict:
-    return api.create("v1/persistentvolumeclaims", {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
-        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
-    }, NS)  # fmt: skip
+    return api.create(
+        "v1/persistentvolumeclaims",
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": name},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+        NS,
+    )
 
 
 def on_claim(mount: str = "/data", name: str = CLAIM) -> dict:
     """A job's template mounting the claim at `mount`."""
-    return {"volumes": [{"name": "shared", "persistentVolumeClaim": {"claimName": name}}],
-            "volumeMounts": [{"name": "shared", "mountPath": mount}]}  # fmt: skip
+    return {
+        "volumes": [{"name": "shared", "persistentVolumeClaim": {"claimName": name}}],
+        "volumeMounts": [{"name": "shared", "mountPath": mount}],
+    }
 
 
 def start(api: Api, example: tuple[str, dict], **spec) -> str:
@@ -88,10 +109,17 @@ def test_the_dlrm_example_trains_in_containers_on_logs_on_a_volume(
     volume.mkdir(parents=True, exist_ok=True)
     for log in ("train.tsv", "val.tsv"):
         shutil.copy(jobs.EXAMPLES / "dlrm" / log, volume / log)
-    name = start(api, ("dlrm/hybridjob.yaml", {}), steps=30, logEvery=10,
-                 eval={"everySteps": 30}, output={"path": "/data/out"},
-                 logging={"tensorboard": "/data/runs"}, template=on_claim(),
-                 data={"criteo": {"train": "/data/train.tsv", "val": "/data/val.tsv"}})  # fmt: skip
+    name = start(
+        api,
+        ("dlrm/hybridjob.yaml", {}),
+        steps=30,
+        logEvery=10,
+        eval={"everySteps": 30},
+        output={"path": "/data/out"},
+        logging={"tensorboard": "/data/runs"},
+        template=on_claim(),
+        data={"criteo": {"train": "/data/train.tsv", "val": "/data/val.tsv"}},
+    )
     done = jobs.wait_phase(api, "HybridJob", name, "Succeeded", timeout=400)
     assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
     assert len({r.name for r in node.runs(NS)}) == 5  # master, ps-0, ps-1, 2 trainers
@@ -144,8 +172,11 @@ def test_a_killed_stage_container_recreates_the_world_which_resumes_from_its_che
     checkpoint = {"path": "/data/checkpoints", "everySteps": 2}
     name = start(api, PIPELINE, steps=30, checkpoint=checkpoint, template=on_claim())
     master = f"{name}-master-0"
-    api.wait("a complete checkpoint of step 2 or later on the volume",
-             lambda: "step 4/30" in node.logs(NS, master), 300)  # fmt: skip
+    api.wait(
+        "a complete checkpoint of step 2 or later on the volume",
+        lambda: "step 4/30" in node.logs(NS, master),
+        300,
+    )
     first = node.run(NS, f"{name}-stage-1").pod["metadata"]["uid"]
     node.kill(NS, f"{name}-stage-1")  # docker kill: SIGKILL, as an OOM kill would
     done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=400)
@@ -170,11 +201,22 @@ def test_a_pipelining_job_with_replicas_resumes_after_a_killed_container(
     api, node = cluster.api, container_kubelet
     claim(api)
     checkpoint = {"path": "/data/checkpoints", "everySteps": 2}
-    name = start(api, PIPELINE, engine="pipelining", schedule="1f1b", replicas=2, steps=12,
-                 checkpoint=checkpoint, template=on_claim())  # fmt: skip
+    name = start(
+        api,
+        PIPELINE,
+        engine="pipelining",
+        schedule="1f1b",
+        replicas=2,
+        steps=12,
+        checkpoint=checkpoint,
+        template=on_claim(),
+    )
     master = f"{name}-master-0"
-    api.wait("a complete checkpoint of step 2 or later on the volume",
-             lambda: "step 4/12" in node.logs(NS, master), 300)  # fmt: skip
+    api.wait(
+        "a complete checkpoint of step 2 or later on the volume",
+        lambda: "step 4/12" in node.logs(NS, master),
+        300,
+    )
     node.kill(NS, f"{name}-r1-stage-0")
     done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=400)
     assert done["status"]["restarts"] == 1, (done["status"], jobs.warnings(api))
@@ -190,15 +232,32 @@ def test_the_custom_model_example_builds_on_the_trainer_image_and_trains(
 ):
     api, node = cluster.api, container_kubelet
     tag = "pipejob/custom-model:test"
-    subprocess.run(["docker", "build", "--network", "none", "-t", tag,
-                    "--build-arg", f"TRAINER_IMAGE={images.trainer}", str(EXAMPLE)],
-                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            "docker",
+            "build",
+            "--network",
+            "none",
+            "-t",
+            tag,
+            "--build-arg",
+            f"TRAINER_IMAGE={images.trainer}",
+            str(EXAMPLE),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     claim(api)
     manifest = yaml.safe_load((EXAMPLE / "pipelinejob.yaml").read_text())
-    manifest["spec"] |= {"steps": 10, "logEvery": 5, "eval": {"everySteps": 10},
-                         "output": {"path": "/data/out"}, "data": {**manifest["spec"]["data"],
-                         "workers": 0, "args": {"size": 200}},
-                         "template": on_claim() | {"image": tag}}  # fmt: skip
+    manifest["spec"] |= {
+        "steps": 10,
+        "logEvery": 5,
+        "eval": {"everySteps": 10},
+        "output": {"path": "/data/out"},
+        "data": {**manifest["spec"]["data"], "workers": 0, "args": {"size": 200}},
+        "template": on_claim() | {"image": tag},
+    }
     name = jobs.create(api, manifest)["metadata"]["name"]
     jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=300)
     pod = api.get("v1/pods", f"{name}-master-0", NS)
@@ -214,8 +273,10 @@ def test_a_job_whose_image_cannot_run_the_trainer_fails_at_once_saying_why(
     """An image no node has, or one without the trainer (the operator's: pipejob.core but no
     pipejob.trainer): Failed with the image named, no restart spent, nothing left running."""
     api, node = cluster.api, container_kubelet
-    image, reason = {"missing": ("pipejob/no-such-image:dev", "ImagePullFailed"),
-                     "operator": (images.operator, "ImageLacksPipejob")}[wrong]  # fmt: skip
+    image, reason = {
+        "missing": ("pipejob/no-such-image:dev", "ImagePullFailed"),
+        "operator": (images.operator, "ImageLacksPipejob"),
+    }[wrong]
     name = start(api, PIPELINE, template={"image": image})
     done = jobs.wait_phase(api, "PipelineJob", name, "Failed", timeout=180)
     assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
@@ -237,8 +298,9 @@ def test_the_operator_installed_from_its_chart_runs_from_its_image_and_a_job_suc
     releases = api.list("v1/secrets", pod["metadata"]["namespace"], labelSelector="owner=helm")
     assert [r["metadata"]["labels"]["status"] for r in releases] == ["deployed"]
     claim(api)
-    name = start(api, PIPELINE, eval={"everySteps": 3}, output={"path": "/data/out"},
-                 template=on_claim())  # fmt: skip
+    name = start(
+        api, PIPELINE, eval={"everySteps": 3}, output={"path": "/data/out"}, template=on_claim()
+    )
     done = jobs.wait_phase(api, "PipelineJob", name, "Succeeded", timeout=300)
     assert done["status"]["restarts"] == 0, (done["status"], jobs.warnings(api))
     master = api.get("v1/pods", f"{name}-master-0", NS)
@@ -289,8 +351,10 @@ MONITORING = "monitoring"
 @pytest.fixture
 def prometheus_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The operator's NetworkPolicy setting as the chart writes it for these values."""
-    peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": MONITORING}},
-            "podSelector": {"matchLabels": PROMETHEUS_LABELS}}  # fmt: skip
+    peer = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": MONITORING}},
+        "podSelector": {"matchLabels": PROMETHEUS_LABELS},
+    }
     monkeypatch.setenv(POLICY_ENV, json.dumps({"monitorFrom": [peer]}))
 
 
@@ -300,14 +364,27 @@ def address(api: Api, pod: str, port: str) -> str:
     return f"{found['status']['podIP']}:{jobs.env(found)[port]}"
 
 
-def probe_from_pod(api: Api, node: ContainerKubelet, image: str, name: str, namespace: str,
-                   labels: dict, targets: list[str]) -> dict[str, str]:  # fmt: skip
+def probe_from_pod(
+    api: Api,
+    node: ContainerKubelet,
+    image: str,
+    name: str,
+    namespace: str,
+    labels: dict,
+    targets: list[str],
+) -> dict[str, str]:
     """What a pod outside every world reaches of `targets`."""
     container = {"name": "probe", "image": image, "command": ["python", "-c", PROBE, *targets]}
-    api.create("v1/pods", {"apiVersion": "v1", "kind": "Pod",
-                           "metadata": {"name": name, "labels": labels},
-                           "spec": {"restartPolicy": "Never", "containers": [container]}},
-               namespace)  # fmt: skip
+    api.create(
+        "v1/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {"restartPolicy": "Never", "containers": [container]},
+        },
+        namespace,
+    )
 
     def finished() -> bool:
         phase = (api.get("v1/pods", name, namespace).get("status") or {}).get("phase")
@@ -343,18 +420,23 @@ def test_a_world_admits_only_its_members_and_its_monitor_port_the_allowed_promet
         api.wait(f"{master} training", lambda m=master, s=step: s in node.logs(NS, m), 300)
     rpc = {job: address(api, f"{job}-master-0", "MASTER_PORT") for job in (pipeline, hybrid)}
     ddp = address(api, f"{hybrid}-trainer-0", "PIPEJOB_DDP_PORT")
-    monitor = [f"http://{address(api, f'{job}-master-0', 'PIPEJOB_MONITOR_PORT')}/metrics"
-               for job in (pipeline, hybrid)]  # fmt: skip
+    monitor = [
+        f"http://{address(api, f'{job}-master-0', 'PIPEJOB_MONITOR_PORT')}/metrics"
+        for job in (pipeline, hybrid)
+    ]
     ports = [rpc[pipeline], rpc[hybrid], ddp]
     everything = [*ports, *monitor]
 
-    outside = probe_from_pod(api, node, images.trainer, "outsider", NS, PROMETHEUS_LABELS,
-                             everything)  # fmt: skip
+    outside = probe_from_pod(
+        api, node, images.trainer, "outsider", NS, PROMETHEUS_LABELS, everything
+    )
     assert outside == dict.fromkeys(everything, "blocked"), outside
-    prometheus = probe_from_pod(api, node, images.trainer, "prometheus", MONITORING,
-                                PROMETHEUS_LABELS, everything)  # fmt: skip
-    assert prometheus == {**dict.fromkeys(ports, "blocked"),
-                          **dict.fromkeys(monitor, "answers")}, prometheus  # fmt: skip
+    prometheus = probe_from_pod(
+        api, node, images.trainer, "prometheus", MONITORING, PROMETHEUS_LABELS, everything
+    )
+    assert prometheus == {**dict.fromkeys(ports, "blocked"), **dict.fromkeys(monitor, "answers")}, (
+        prometheus
+    )
     # A member of replica 1, and a trainer: their own world's ports, not the other's.
     stage = probe_from_member(node, f"{pipeline}-r1-stage-1", ports)
     assert stage == {rpc[pipeline]: "open", rpc[hybrid]: "blocked", ddp: "blocked"}, stage

@@ -52,9 +52,14 @@ def test_committed_crds_are_the_generated_ones():
 def test_every_field_is_typed_and_documented(kind):
     # Inside the embedded Kubernetes schemas (core/k8s.py) `kubectl explain` says too little:
     # their descriptions are left out to keep the CRD small; the fields are Kubernetes' own.
-    embedded = ("template.resources.", "template.affinity.", "template.env[].",
-                "template.volumes[].", "template.volumeMounts[].",
-                "template.tolerations[].")  # fmt: skip
+    embedded = (
+        "template.resources.",
+        "template.affinity.",
+        "template.env[].",
+        "template.volumes[].",
+        "template.volumeMounts[].",
+        "template.tolerations[].",
+    )
     for path, node in walk(root(kind), kind):
         if node.get("x-kubernetes-int-or-string"):  # the one structural schema without a type
             assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
@@ -80,8 +85,17 @@ def test_names_version_subresource_and_columns(kind):
     columns = [c["name"] for c in v["additionalPrinterColumns"] if not c.get("priority")]
     assert columns == ["Phase", "Progress", "Restarts", "Age"]
     status = root(kind)["properties"]["status"]["properties"]
-    for field in ("phase", "conditions", "roles", "startTime", "completionTime", "restarts",
-                  "observedGeneration", "progress", "training"):  # fmt: skip
+    for field in (
+        "phase",
+        "conditions",
+        "roles",
+        "startTime",
+        "completionTime",
+        "restarts",
+        "observedGeneration",
+        "progress",
+        "training",
+    ):
         assert field in status, field
     assert status["training"]["x-kubernetes-preserve-unknown-fields"] is True
 
@@ -107,7 +121,10 @@ def test_validations_the_schema_can_express():
     assert props["output"]["properties"]["format"]["default"] == "safetensors"
     assert props["optimizer"]["properties"]["lr"]["exclusiveMinimum"] is True
     assert props["template"]["properties"]["imagePullPolicy"]["enum"] == [
-        "Always", "IfNotPresent", "Never"]  # fmt: skip
+        "Always",
+        "IfNotPresent",
+        "Never",
+    ]
     assert "default" not in root("HybridJob")["properties"]["spec"]["properties"]["backend"]
 
 
@@ -163,9 +180,29 @@ def test_schema_defaults_equal_the_models(kind, given):
 
 
 # CEL's reserved words the API server escapes in property names (`import` is `__import__`).
-CEL_KEYWORDS = {"true", "false", "null", "in", "as", "break", "const", "continue", "else",
-                "for", "function", "if", "import", "let", "loop", "package", "namespace",
-                "return", "var", "void", "while"}  # fmt: skip
+CEL_KEYWORDS = {
+    "true",
+    "false",
+    "null",
+    "in",
+    "as",
+    "break",
+    "const",
+    "continue",
+    "else",
+    "for",
+    "function",
+    "if",
+    "import",
+    "let",
+    "loop",
+    "package",
+    "namespace",
+    "return",
+    "var",
+    "void",
+    "while",
+}
 
 
 def escaped(value):
@@ -186,43 +223,76 @@ def cel(rule: str, value, result=bool):
 
 
 CASES = {
-    "PipelineJob": [{}, {"batchSize": 30, "microBatches": 4}, {"batchSize": 64,
-                                                               "microBatches": 8},
-                    {"batchSize": 30, "microBatches": "auto"}, {"microBatches": "auto"},
-                    {"batchSize": 32, "microBatches": 3},
-                    {"stages": 3, "splitPoints": ["layer2", "layer3"]},
-                    {"stages": 3, "splitPoints": ["layer2"]},
-                    {"stages": 3, "splitPoints": ["layer2", "layer2"]},
-                    # the engines and their schedules (issue 31)
-                    {"schedule": "1f1b"}, {"engine": "pipelining"},
-                    {"engine": "pipelining", "stages": 4, "microBatches": 2, "batchSize": 8},
-                    {"engine": "pipelining", "schedule": "gpipe", "stages": 4,
-                     "microBatches": 2, "batchSize": 8},
-                    {"engine": "pipelining", "schedule": "interleaved-1f1b"},
-                    {"engine": "pipelining", "schedule": "zero-bubble", "stagesPerProcess": 2,
-                     "microBatches": 3, "batchSize": 9},
-                    {"engine": "pipelining", "schedule": "interleaved-1f1b",
-                     "stagesPerProcess": 2, "microBatches": 4, "splitPoints": ["layer2"]},
-                    {"engine": "pipelining", "stagesPerProcess": 2},
-                    {"stagesPerProcess": 3},
-                    # elastic acts only on a range (issue 43)
-                    {"replicas": 2, "elastic": {"pendingSeconds": 5}},
-                    {"replicas": {"min": 1, "max": 2}, "checkpoint": {"path": "/c"},
-                     "elastic": {"pendingSeconds": 5}}],
-    "HybridJob": [{}, {"backend": "nccl"}, {"backend": "nccl", "gpusPerTrainer": 1},
-                  {"backend": "gloo"}, {"trainers": 4, "batchSize": 50, "datasetSize": 199},
-                  {"trainers": 4, "batchSize": 50, "datasetSize": 200},
-                  {"trainers": 4, "batchSize": 50, "datasetSize": 199,
-                   "data": {"file": {"train": "a.npz"}}},
-                  {"trainers": 4, "batchSize": 50, "datasetSize": 199,
-                   "data": {"import": "m:f"}},
-                  {"trainers": 4, "batchSize": 50, "datasetSize": 199, "data": {}},
-                  {"trainers": {"min": 2, "max": 4}, "batchSize": 50, "datasetSize": 199,
-                   "checkpoint": {"path": "/c"}},
-                  {"elastic": {"pendingSeconds": 5}},
-                  {"trainers": {"min": 2, "max": 2}, "checkpoint": {"path": "/c"},
-                   "elastic": {"pendingSeconds": 5}}],
-}  # fmt: skip
+    "PipelineJob": [
+        {},
+        {"batchSize": 30, "microBatches": 4},
+        {"batchSize": 64, "microBatches": 8},
+        {"batchSize": 30, "microBatches": "auto"},
+        {"microBatches": "auto"},
+        {"batchSize": 32, "microBatches": 3},
+        {"stages": 3, "splitPoints": ["layer2", "layer3"]},
+        {"stages": 3, "splitPoints": ["layer2"]},
+        {"stages": 3, "splitPoints": ["layer2", "layer2"]},
+        # the engines and their schedules (issue 31)
+        {"schedule": "1f1b"},
+        {"engine": "pipelining"},
+        {"engine": "pipelining", "stages": 4, "microBatches": 2, "batchSize": 8},
+        {
+            "engine": "pipelining",
+            "schedule": "gpipe",
+            "stages": 4,
+            "microBatches": 2,
+            "batchSize": 8,
+        },
+        {"engine": "pipelining", "schedule": "interleaved-1f1b"},
+        {
+            "engine": "pipelining",
+            "schedule": "zero-bubble",
+            "stagesPerProcess": 2,
+            "microBatches": 3,
+            "batchSize": 9,
+        },
+        {
+            "engine": "pipelining",
+            "schedule": "interleaved-1f1b",
+            "stagesPerProcess": 2,
+            "microBatches": 4,
+            "splitPoints": ["layer2"],
+        },
+        {"engine": "pipelining", "stagesPerProcess": 2},
+        {"stagesPerProcess": 3},
+        # elastic acts only on a range (issue 43)
+        {"replicas": 2, "elastic": {"pendingSeconds": 5}},
+        {
+            "replicas": {"min": 1, "max": 2},
+            "checkpoint": {"path": "/c"},
+            "elastic": {"pendingSeconds": 5},
+        },
+    ],
+    "HybridJob": [
+        {},
+        {"backend": "nccl"},
+        {"backend": "nccl", "gpusPerTrainer": 1},
+        {"backend": "gloo"},
+        {"trainers": 4, "batchSize": 50, "datasetSize": 199},
+        {"trainers": 4, "batchSize": 50, "datasetSize": 200},
+        {"trainers": 4, "batchSize": 50, "datasetSize": 199, "data": {"file": {"train": "a.npz"}}},
+        {"trainers": 4, "batchSize": 50, "datasetSize": 199, "data": {"import": "m:f"}},
+        {"trainers": 4, "batchSize": 50, "datasetSize": 199, "data": {}},
+        {
+            "trainers": {"min": 2, "max": 4},
+            "batchSize": 50,
+            "datasetSize": 199,
+            "checkpoint": {"path": "/c"},
+        },
+        {"elastic": {"pendingSeconds": 5}},
+        {
+            "trainers": {"min": 2, "max": 2},
+            "checkpoint": {"path": "/c"},
+            "elastic": {"pendingSeconds": 5},
+        },
+    ],
+}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -255,16 +325,28 @@ def tables_with_rules(schema: Field, path: str = "spec"):
 
 # Objects inside the spec with rules: their cases, each broken or kept by some rule.
 NESTED_CASES = [
-    {}, {"import": "m:f"}, {"import": "m:f", "args": {"a": 1}}, {"args": {"a": 1}},
-    {"torchvision": "resnet18"}, {"torchvision": "resnet18", "import": "m:f"},
-    {"transformer": {}}, {"imageFolder": {"train": "t"}}, {"tokens": {"train": "t"}},
-    {"imageFolder": {"train": "t"}, "tokens": {"train": "t"}}, {"file": {"train": "t"}},
-    {"file": {"train": "t"}, "import": "m:f"}, {"width": 128, "heads": 4},
-    {"width": 128, "heads": 3}, {"name": "adam", "momentum": 0.5},
-    {"name": "adam", "eps": 0.0}, {"name": "adam", "eps": 1e-8}, {"name": "adagrad", "eps": 0.0},
-    {"stage": "m:f"}, {"layers": ["a"], "stage": "m:f"},
+    {},
+    {"import": "m:f"},
+    {"import": "m:f", "args": {"a": 1}},
+    {"args": {"a": 1}},
+    {"torchvision": "resnet18"},
+    {"torchvision": "resnet18", "import": "m:f"},
+    {"transformer": {}},
+    {"imageFolder": {"train": "t"}},
+    {"tokens": {"train": "t"}},
+    {"imageFolder": {"train": "t"}, "tokens": {"train": "t"}},
+    {"file": {"train": "t"}},
+    {"file": {"train": "t"}, "import": "m:f"},
+    {"width": 128, "heads": 4},
+    {"width": 128, "heads": 3},
+    {"name": "adam", "momentum": 0.5},
+    {"name": "adam", "eps": 0.0},
+    {"name": "adam", "eps": 1e-8},
+    {"name": "adagrad", "eps": 0.0},
+    {"stage": "m:f"},
+    {"layers": ["a"], "stage": "m:f"},
     {"resources": {"limits": {"nvidia.com/gpu": 1}}},
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -26,38 +26,83 @@ ROOT = Path(__file__).resolve().parents[1]
 # The refusals the API server makes from the CRD alone (the rest need the operator's
 # configuration, the model's structure, the YAML text or the env's size).
 BY_THE_CRD = [
-    "env-int-value", "env-no-name", "env-bad-name", "env-duplicate", "env-valuefrom-typo",
-    "env-not-a-list", "memory-lots", "resources-limit-typo", "cpu-float", "requests-list",
-    "volume-capitals", "volume-twice", "volume-type-typo", "pvc-without-claim",
-    "emptydir-size-big", "configmap-item-no-path", "mount-no-path", "mount-readonly-string",
-    "mount-path-twice", "affinity-hides-security-context", "affinity-typo",
-    "affinity-terms-not-list", "toleration-operator", "toleration-seconds-string",
-    "tolerations-mapping", "rendezvous-timeout-overflow", "deadline-overflow",
-    "preflight-timeout-overflow", "profile-after-last-step", "momentum-with-adam",
-    "two-gpus-per-stage", "four-gpus-per-trainer", "gpu-in-template-limits",
+    "env-int-value",
+    "env-no-name",
+    "env-bad-name",
+    "env-duplicate",
+    "env-valuefrom-typo",
+    "env-not-a-list",
+    "memory-lots",
+    "resources-limit-typo",
+    "cpu-float",
+    "requests-list",
+    "volume-capitals",
+    "volume-twice",
+    "volume-type-typo",
+    "pvc-without-claim",
+    "emptydir-size-big",
+    "configmap-item-no-path",
+    "mount-no-path",
+    "mount-readonly-string",
+    "mount-path-twice",
+    "affinity-hides-security-context",
+    "affinity-typo",
+    "affinity-terms-not-list",
+    "toleration-operator",
+    "toleration-seconds-string",
+    "tolerations-mapping",
+    "rendezvous-timeout-overflow",
+    "deadline-overflow",
+    "preflight-timeout-overflow",
+    "profile-after-last-step",
+    "momentum-with-adam",
+    "two-gpus-per-stage",
+    "four-gpus-per-trainer",
+    "gpu-in-template-limits",
     "gpu-in-template-requests",
     # issue 12: what the CRD can say of data, loss, dense, output and evaluation (the model is
     # a string or an object, which only pipejob checks)
-    "data-import-no-function", "data-two-sources", "hybrid-data-two-sources",
-    "data-args-without-import", "tokens-dtype",
-    "image-folder-without-train", "data-workers-many", "loss-import-malformed",
-    "loss-args-without-import", "split-points-count", "split-points-twice",
-    "dense-import-malformed", "dense-args-without-import", "hybrid-data-import-malformed",
-    "output-without-path", "output-format", "eval-negative",
-]  # fmt: skip
+    "data-import-no-function",
+    "data-two-sources",
+    "hybrid-data-two-sources",
+    "data-args-without-import",
+    "tokens-dtype",
+    "image-folder-without-train",
+    "data-workers-many",
+    "loss-import-malformed",
+    "loss-args-without-import",
+    "split-points-count",
+    "split-points-twice",
+    "dense-import-malformed",
+    "dense-args-without-import",
+    "hybrid-data-import-malformed",
+    "output-without-path",
+    "output-format",
+    "eval-negative",
+]
 
 GOOD_TEMPLATE = tpl(
-    env=[{"name": "A", "value": "1"},
-         {"name": "B", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+    env=[
+        {"name": "A", "value": "1"},
+        {"name": "B", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+    ],
     resources={"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": 2}},
-    volumes=[{"name": "data", "persistentVolumeClaim": {"claimName": "c"}},
-             {"name": "cfg", "configMap": {"name": "c", "items": [{"key": "k", "path": "p"}]}}],
+    volumes=[
+        {"name": "data", "persistentVolumeClaim": {"claimName": "c"}},
+        {"name": "cfg", "configMap": {"name": "c", "items": [{"key": "k", "path": "p"}]}},
+    ],
     volumeMounts=[{"name": "data", "mountPath": "/data"}, {"name": "cfg", "mountPath": "/cfg"}],
-    affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-        "nodeSelectorTerms": [{"matchExpressions": [
-            {"key": "k", "operator": "In", "values": ["v"]}]}]}}},
+    affinity={
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "k", "operator": "In", "values": ["v"]}]}
+                ]
+            }
+        }
+    },
     tolerations=[{"key": "k", "operator": "Exists", "effect": "NoSchedule"}],
-)  # fmt: skip
+)
 
 
 def validate_manifests(tmp_path: Path, docs: dict[str, dict]) -> dict[str, list[str]]:
@@ -68,8 +113,12 @@ def validate_manifests(tmp_path: Path, docs: dict[str, dict]) -> dict[str, list[
         path.write_text(yaml.safe_dump(doc, width=10**6))
         files.append(str(path))
     script = ROOT / "scripts" / "validate-manifests.py"
-    proc = subprocess.run([tools_python(), str(script), "--crds", str(ROOT / "crds"), *files],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [tools_python(), str(script), "--crds", str(ROOT / "crds"), *files],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     results = [json.loads(line) for line in proc.stdout.splitlines()]
     assert len(results) == len(docs), proc.stderr
     return {Path(r["file"]).stem: r["errors"] for r in results}
@@ -88,8 +137,12 @@ def test_the_crds_refuse_the_pass_through_mistakes_and_take_a_full_template(tmp_
 
 def test_the_embedded_schemas_are_generated_from_the_pinned_kubernetes():
     """If this fails, run scripts/k8s-schemas.py with the tools venv and commit the file."""
-    proc = subprocess.run([tools_python(), str(ROOT / "scripts" / "k8s-schemas.py"), "--check"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [tools_python(), str(ROOT / "scripts" / "k8s-schemas.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
 
 

@@ -31,8 +31,16 @@ def run(stages: list[nn.Module], *inputs: torch.Tensor):
 
 # One of each family (tests/test_models.py counts every model's cut candidates on the meta
 # device): the forwards between their modules differ (flatten, pooling, classifier).
-FAMILIES = ["resnet18", "resnext50_32x4d", "vgg11_bn", "alexnet", "mobilenet_v2",
-            "mobilenet_v3_small", "efficientnet_b0", "convnext_tiny"]  # fmt: skip
+FAMILIES = [
+    "resnet18",
+    "resnext50_32x4d",
+    "vgg11_bn",
+    "alexnet",
+    "mobilenet_v2",
+    "mobilenet_v3_small",
+    "efficientnet_b0",
+    "convnext_tiny",
+]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -112,8 +120,11 @@ def test_transformer_stages_keep_names_and_pickle():
 
 def test_split_points_must_be_candidates_in_order():
     traced = Traced(get_model("resnet18", weights=None))
-    with pytest.raises(CutError, match=r"layer3 is not where a stage can begin; the candidates,"
-                                       r" in order: conv1, bn1, .*layer3\.0"):  # fmt: skip
+    with pytest.raises(
+        CutError,
+        match=r"layer3 is not where a stage can begin; the candidates,"
+        r" in order: conv1, bn1, .*layer3\.0",
+    ):
         traced.split(["layer3"])
     with pytest.raises(CutError, match="must be distinct candidates in the order"):
         traced.split(["layer3.0", "layer2.0"])
@@ -168,19 +179,38 @@ class Wrapper(nn.Module):
 
 def test_the_cut_opens_the_largest_modules_until_it_has_enough_candidates():
     model = Wrapper()
-    assert candidates(model) == ["model.embed", "model.blocks.0", "model.blocks.1",
-                                 "model.blocks.2", "model.blocks.3", "model.head"]  # fmt: skip
-    deep = ["model.embed", "model.blocks.0.linear", "model.blocks.0.act", "model.blocks.1",
-            "model.blocks.2", "model.blocks.3", "model.head"]  # fmt: skip
+    assert candidates(model) == [
+        "model.embed",
+        "model.blocks.0",
+        "model.blocks.1",
+        "model.blocks.2",
+        "model.blocks.3",
+        "model.head",
+    ]
+    deep = [
+        "model.embed",
+        "model.blocks.0.linear",
+        "model.blocks.0.act",
+        "model.blocks.1",
+        "model.blocks.2",
+        "model.blocks.3",
+        "model.head",
+    ]
     assert candidates(model, want=7) == deep
     # A split point names any module: the modules above it open.
     assert candidates(model, required=["model.blocks.2.act"])[3:6] == [
-        "model.blocks.2.linear", "model.blocks.2.act", "model.blocks.3"]  # fmt: skip
+        "model.blocks.2.linear",
+        "model.blocks.2.act",
+        "model.blocks.3",
+    ]
     traced = Traced(model, required=["model.blocks.2.act"])
     stages = traced.split(["model.blocks.2.act"])
     assert list(stages[1].state_dict()) == [
-        "model.blocks.3.linear.weight", "model.blocks.3.linear.bias",
-        "model.head.weight", "model.head.bias"]  # fmt: skip
+        "model.blocks.3.linear.weight",
+        "model.blocks.3.linear.bias",
+        "model.head.weight",
+        "model.head.bias",
+    ]
     ids = torch.randint(10, (2, 5))
     torch.testing.assert_close(run(stages, ids), model(ids), rtol=0, atol=0)
 
@@ -197,13 +227,15 @@ class Opaque(nn.Module):
 
 
 def test_a_module_fx_cannot_trace_stays_whole_and_a_split_inside_it_says_why():
-    model = nn.Sequential(OrderedDict(first=nn.Linear(4, 4), opaque=Opaque(),
-                                      last=nn.Linear(4, 2)))  # fmt: skip
+    model = nn.Sequential(OrderedDict(first=nn.Linear(4, 4), opaque=Opaque(), last=nn.Linear(4, 2)))
     traced = Traced(model, want=5)
     assert traced.units == ["first", "opaque", "last"]
     assert "opaque" in traced.whole and "x.sum() > 0" in traced.whole["opaque"]
-    with pytest.raises(CutError, match=r"opaque\.b is not where a stage can begin: opaque is"
-                                       r" kept whole \(TraceError: "):  # fmt: skip
+    with pytest.raises(
+        CutError,
+        match=r"opaque\.b is not where a stage can begin: opaque is"
+        r" kept whole \(TraceError: ",
+    ):
         Traced(model, required=["opaque.b"]).split(["opaque.b"])
 
 
@@ -223,8 +255,9 @@ class LayerDrop(nn.Module):
 
 def test_a_forward_that_draws_a_random_number_stays_whole_so_it_draws_every_step():
     """fx would draw once while tracing and freeze which layers run into the graph."""
-    model = nn.Sequential(OrderedDict(first=nn.Linear(4, 4), drop=LayerDrop(),
-                                      last=nn.Linear(4, 2)))  # fmt: skip
+    model = nn.Sequential(
+        OrderedDict(first=nn.Linear(4, 4), drop=LayerDrop(), last=nn.Linear(4, 2))
+    )
     traced = Traced(model, want=6)
     assert traced.units == ["first", "drop", "last"]
     assert "torch.rand draws a random value outside the graph" in traced.whole["drop"]
@@ -242,8 +275,15 @@ def test_a_vit_whose_blocks_take_defaulted_arguments_compiles_into_stages():
     import timm
 
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", num_classes=5, img_size=32, patch_size=8,
-                              depth=3, embed_dim=32, num_heads=2).eval()  # fmt: skip
+    model = timm.create_model(
+        "vit_tiny_patch16_224",
+        num_classes=5,
+        img_size=32,
+        patch_size=8,
+        depth=3,
+        embed_dim=32,
+        num_heads=2,
+    ).eval()
     traced = Traced(model, want=8)
     stages = [pickle.loads(pickle.dumps(s)) for s in traced.split(["blocks.1", "norm"])]
     x = torch.randn(2, 3, 32, 32)
@@ -321,10 +361,17 @@ def test_a_sliding_attention_window_survives_the_cut(name):
     if name == "mistral":
         model = mistral(layers=4, window=4)
     else:
-        config = Gemma2Config(num_hidden_layers=4, hidden_size=32, num_attention_heads=2,
-                              num_key_value_heads=1, head_dim=16, intermediate_size=64,
-                              vocab_size=64, max_position_embeddings=64,
-                              sliding_window=4)  # fmt: skip
+        config = Gemma2Config(
+            num_hidden_layers=4,
+            hidden_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            intermediate_size=64,
+            vocab_size=64,
+            max_position_embeddings=64,
+            sliding_window=4,
+        )
         model = Logits(Gemma2ForCausalLM(config))
     traced = Traced(model, want=4)
     stages = [pickle.loads(pickle.dumps(s)) for s in traced.split(["model.model.layers.2"])]
@@ -370,8 +417,7 @@ def test_a_forward_that_branches_on_training_is_cut_in_each_mode():
             got = join([run(stages, part) for part in x.tensor_split(2)])
             expected = join([model(part) for part in x.tensor_split(2)])
             assert type(got) is type(expected)
-            for a, b in zip(got if mode else [got], expected if mode else [expected],
-                            strict=True):  # fmt: skip
+            for a, b in zip(got if mode else [got], expected if mode else [expected], strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -496,7 +542,9 @@ def test_a_buffer_the_forward_updates_in_place_is_updated_when_the_stages_run(wa
         torch.testing.assert_close(run(stages, x), plain(x), rtol=0, atol=0)
     held = {k: v for s in stages for k, v in s.state_dict().items()}
     assert {k: v.item() for k, v in held.items() if k.endswith("seen")} == {
-        "first.1.seen": 2, "second.1.seen": 2}  # fmt: skip
+        "first.1.seen": 2,
+        "second.1.seen": 2,
+    }
 
 
 class Periodic(nn.Module):

@@ -17,12 +17,16 @@ pytestmark = pytest.mark.timeout(60)
 SHAPES = [(10, 1), (10, 2), (10, 3), (11, 4), (100, 7), (4096, 2), (1000, 16), (5, 5)]
 
 
-def take(data: SyntheticBags, batch: int, share: tuple[int, int], steps: int,
-         start: int = 0) -> list[list[tuple[int, int]]]:  # fmt: skip
+def take(
+    data: SyntheticBags, batch: int, share: tuple[int, int], steps: int, start: int = 0
+) -> list[list[tuple[int, int]]]:
     """`steps` batches of one trainer's share, as (epoch, sample) pairs."""
-    return [list(zip(b.epochs, b.sample_ids, strict=True))
-            for b in itertools.islice(stream(OneFeature(data, "ids"), batch, share, 3, ["ids"],
-                                             False, start), steps)]  # fmt: skip
+    return [
+        list(zip(b.epochs, b.sample_ids, strict=True))
+        for b in itertools.islice(
+            stream(OneFeature(data, "ids"), batch, share, 3, ["ids"], False, start), steps
+        )
+    ]
 
 
 @pytest.mark.parametrize("size,parts", SHAPES)
@@ -59,8 +63,9 @@ def test_a_share_must_exist() -> None:
 
 @pytest.mark.parametrize("num_embeddings,classes", [(1000, 8), (100, 7), (3, 8), (1, 2)])
 def test_every_bag_draws_from_its_label_s_rows(num_embeddings: int, classes: int) -> None:
-    data = SyntheticBags(size=500, num_embeddings=num_embeddings, classes=classes, bag_size=6,
-                         seed=1)  # fmt: skip
+    data = SyntheticBags(
+        size=500, num_embeddings=num_embeddings, classes=classes, bag_size=6, seed=1
+    )
     labels = set()
     for i in range(data.size):
         ids, label = data.sample(i)
@@ -90,11 +95,15 @@ def test_samples_and_their_order_are_the_same_in_another_process() -> None:
     )
     outputs = {
         subprocess.run(
-            [sys.executable, "-c", code], env=os.environ | {"PYTHONHASHSEED": seed},
-            capture_output=True, text=True, check=True, timeout=30,
+            [sys.executable, "-c", code],
+            env=os.environ | {"PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
         ).stdout
         for seed in ("1", "2")
-    }  # fmt: skip
+    }
     data = SyntheticBags(size=50, num_embeddings=30, classes=3, bag_size=4, seed=9)
     assert outputs == {f"{[data.sample(i) for i in range(50)]} {order(50, 9, 2)}\n"}
 
@@ -116,8 +125,9 @@ def test_batches_are_in_embedding_bag_layout() -> None:
 
 
 def test_clicks_are_learnable_and_keep_to_their_tables_rows() -> None:
-    data = SyntheticClicks(size=400, features=(("a", 7), ("b", 1000)), dense_features=3,
-                           bag_size=3, seed=4)  # fmt: skip
+    data = SyntheticClicks(
+        size=400, features=(("a", 7), ("b", 1000)), dense_features=3, bag_size=3, seed=4
+    )
     own = total = 0
     for i in range(data.size):
         dense, sparse, label = data.sample(i)

@@ -25,13 +25,23 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
     out = tmp_path / "results"
     done = subprocess.run(
         [str(ROOT / "benchmarks" / "device.sh"), "--cpu", "--out", str(out), "--budget", "840"],
-        capture_output=True, text=True, timeout=HANG,
+        capture_output=True,
+        text=True,
+        timeout=HANG,
         env=os.environ | {"PYTHON": sys.executable, "TMPDIR": str(tmp_path)},
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = (out / "summary.txt").read_text()
-    steps = ("machine", "install", "gpu-tests", "gpu-bench", "hybrid", "transfer", "profile",
-             "overhead")  # fmt: skip
+    steps = (
+        "machine",
+        "install",
+        "gpu-tests",
+        "gpu-bench",
+        "hybrid",
+        "transfer",
+        "profile",
+        "overhead",
+    )
     for step in (*steps, "cores"):
         assert re.search(rf"^  {step}: ok \(\d+s\)$", summary, re.M), summary
     assert "cores-levers" not in summary  # only when asked for
@@ -39,14 +49,18 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
         logs.extractall(tmp_path / "logs", filter="data")
     log = {p.stem: p.read_text() for p in (tmp_path / "logs" / "logs").glob("*.log")}
     # Every `gpu` test was collected, and skipped here with the one reason.
-    assert re.search(r"SKIPPED \[\d+\] tests/conftest.py:\d+: gpu: torch.cuda is not available",
-                     log["gpu-tests"]), log["gpu-tests"]  # fmt: skip
+    assert re.search(
+        r"SKIPPED \[\d+\] tests/conftest.py:\d+: gpu: torch.cuda is not available", log["gpu-tests"]
+    ), log["gpu-tests"]
     # gpu.py: one process, pipejob (auto) and torch's 1F1B on each small workload.
     for workload in ("resnet18-32", "transformer-2x64"):
         bench = log["gpu-bench"]
         assert re.search(rf"{workload}: one process [\d.]+ samples/s", bench), bench
-        assert re.search(rf"{workload}: pipejob 2 stages, microBatches auto, chose \d+:"
-                         r" [\d.]+ samples/s \([\d.]+x\)", bench), bench  # fmt: skip
+        assert re.search(
+            rf"{workload}: pipejob 2 stages, microBatches auto, chose \d+:"
+            r" [\d.]+ samples/s \([\d.]+x\)",
+            bench,
+        ), bench
         assert re.search(rf"{workload}: 1F1B 2 stages [\d.]+ samples/s", bench), bench
     assert "HybridJob 'device-hybrid' succeeded" in log["hybrid"], log["hybrid"]
     # The transfer: a CPU tensor's send over RPC (CUDA ones where there is a GPU).
@@ -58,15 +72,17 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
     for workload in ("resnet50-32", "transformer-2x64"):
         traces = sorted(p.name for p in (profiles / workload).glob("*.json"))
         assert traces == ["master-step4.json", "stage0-step4.json", "stage1-step4.json"], traces
-        parts = re.search(rf"^{workload}:\nmaster \| profile of step 4, its parts: (.*)$",
-                          recap, re.M)  # fmt: skip
+        parts = re.search(
+            rf"^{workload}:\nmaster \| profile of step 4, its parts: (.*)$", recap, re.M
+        )
         assert parts, recap
         said = re.findall(r"([a-z][a-z -]*?) [\d.]+ ms", parts[1].replace(",", ""))
         assert said[:3] == ["forwards", "backward", "gradient norms"], said
     # overhead.py: each system's fit, pipejob's against torch's schedule.
     for system in ("rpc", "gpipe", "torch-gpipe"):
-        assert re.search(rf"^\s+2\s+tiny\s+{system}\s+-?[\d.]+\s+-?[\d.]+", log["overhead"],
-                         re.M), log["overhead"]  # fmt: skip
+        assert re.search(
+            rf"^\s+2\s+tiny\s+{system}\s+-?[\d.]+\s+-?[\d.]+", log["overhead"], re.M
+        ), log["overhead"]
     # The sweep: every system, at the core count the rehearsal has.
     cores = log["cores"]
     for system in ("pipejob", "pipejob-auto", "gpipe", "1f1b", "single-tN"):

@@ -36,8 +36,9 @@ SIZE, BATCH = 40, 4  # samples of the recorded images; batchSize (per replica at
 
 @pytest.fixture(autouse=True)
 def userpkg(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))  # fmt: skip
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
+    )
 
 
 def reads(folder: Path) -> dict[str, list[int]]:
@@ -99,16 +100,30 @@ def pipeline(stages: int, micro_batches: int, engine: dict[str, Any] | None = No
 
     def manifest(root: Path, folder: Path) -> dict[str, Any]:
         return pipeline_job(
-            "elastic", **(engine or {}), stages=stages, microBatches=micro_batches,
-            batchSize=BATCH, steps=STEPS,
-            replicas={"min": 1, "max": 2}, seed=3, logEvery=1, preflight={"megabytes": 0.25},
+            "elastic",
+            **(engine or {}),
+            stages=stages,
+            microBatches=micro_batches,
+            batchSize=BATCH,
+            steps=STEPS,
+            replicas={"min": 1, "max": 2},
+            seed=3,
+            logEvery=1,
+            preflight={"megabytes": 0.25},
             model={"import": "userpkg.recorded:mlp", "args": {"classes": 10}},
-            data={"import": "userpkg.recorded:recorded",
-                  "args": {"folder": str(folder), "size": SIZE}, "workers": 0},
-            optimizer={"name": "adamw", "lr": 0.01, "weightDecay": 0.01,
-                       "schedule": {"warmupSteps": 1, "decay": "linear"}},
+            data={
+                "import": "userpkg.recorded:recorded",
+                "args": {"folder": str(folder), "size": SIZE},
+                "workers": 0,
+            },
+            optimizer={
+                "name": "adamw",
+                "lr": 0.01,
+                "weightDecay": 0.01,
+                "schedule": {"warmupSteps": 1, "decay": "linear"},
+            },
             checkpoint={"path": str(root), "everySteps": K},
-        )  # fmt: skip
+        )
 
     return manifest
 
@@ -116,15 +131,23 @@ def pipeline(stages: int, micro_batches: int, engine: dict[str, Any] | None = No
 # The pipelining engine, each stage process holding 2 pieces: 4 pieces in all.
 INTERLEAVED = {"engine": "pipelining", "schedule": "interleaved-1f1b", "stagesPerProcess": 2}
 # name: (stages, micro-batches, replicas, engine)
-SHAPES = {"2x1m2": (2, 2, 1, None), "3x1m2": (3, 2, 1, None), "2x2m2": (2, 2, 2, None),
-          "2x1m4": (2, 4, 1, None), "2x1m2-interleaved": (2, 2, 1, INTERLEAVED)}  # fmt: skip
+SHAPES = {
+    "2x1m2": (2, 2, 1, None),
+    "3x1m2": (3, 2, 1, None),
+    "2x2m2": (2, 2, 2, None),
+    "2x1m4": (2, 4, 1, None),
+    "2x1m2-interleaved": (2, 2, 1, INTERLEAVED),
+}
 # `make test` resumes across engines and piece counts (2 pieces on rpc to 4 on interleaved
 # pipelining); the other pairs are `slow` (tests/README.md).
 EXHAUSTIVE = pytest.mark.slow
-PAIRS = [pytest.param("2x2m2", "2x1m2", marks=EXHAUSTIVE), ("2x1m2", "2x1m2-interleaved"),
-         pytest.param("2x1m2", "3x1m2", marks=EXHAUSTIVE),
-         pytest.param("2x1m2", "2x2m2", marks=EXHAUSTIVE),
-         pytest.param("2x1m2", "2x1m4", marks=EXHAUSTIVE)]  # fmt: skip
+PAIRS = [
+    pytest.param("2x2m2", "2x1m2", marks=EXHAUSTIVE),
+    ("2x1m2", "2x1m2-interleaved"),
+    pytest.param("2x1m2", "3x1m2", marks=EXHAUSTIVE),
+    pytest.param("2x1m2", "2x2m2", marks=EXHAUSTIVE),
+    pytest.param("2x1m2", "2x1m4", marks=EXHAUSTIVE),
+]
 
 
 @pytest.mark.parametrize("first,then", PAIRS, ids=lambda s: s)
@@ -152,8 +175,11 @@ def test_a_pipeline_resumes_on_another_shape_as_a_run_of_that_shape(
     names = ["stage0"] if r2 == 1 else [f"r{r}-stage0" for r in range(r2)]
     for r, name in enumerate(names):
         rows = share_of(whole, r, r2)
-        shares = [i for step in range(K, STEPS + 1)
-                  for i in stream.take(step * whole + rows.start, len(rows))]  # fmt: skip
+        shares = [
+            i
+            for step in range(K, STEPS + 1)
+            for i in stream.take(step * whole + rows.start, len(rows))
+        ]
         got = resumed["reads"][name]
         assert got[-len(shares) - 1 :] == [0, *shares], (name, got)
         assert got[: -len(shares) - 1] in ([], [0, *stream.take(0, BATCH)]), (name, got)
@@ -166,22 +192,33 @@ BAGS = 48  # one bag per row of the table: an epoch is exactly STEPS steps of 12
 
 def hybrid(root: Path, folder: Path, servers: int = 1) -> dict[str, Any]:
     return {
-        "apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "HybridJob",
         "metadata": {"name": "elastic-hybrid"},
         "spec": {
-            "trainers": {"min": 2, "max": 3}, "parameterServers": servers, "batchSize": BATCH,
-            "steps": STEPS, "seed": 2, "logEvery": 1,
+            "trainers": {"min": 2, "max": 3},
+            "parameterServers": servers,
+            "batchSize": BATCH,
+            "steps": STEPS,
+            "seed": 2,
+            "logEvery": 1,
             "embedding": {"numEmbeddings": BAGS, "dim": 4},
-            "dense": {"outFeatures": 4, "import": "userpkg.recorded:dense",
-                      "args": {"dim": 4, "classes": 4}},
-            "data": {"import": "userpkg.recorded:bags",
-                     "args": {"folder": str(folder), "size": BAGS}},
+            "dense": {
+                "outFeatures": 4,
+                "import": "userpkg.recorded:dense",
+                "args": {"dim": 4, "classes": 4},
+            },
+            "data": {
+                "import": "userpkg.recorded:bags",
+                "args": {"folder": str(folder), "size": BAGS},
+            },
             "optimizer": {"name": "sgd", "lr": 0.5},
             "sparseOptimizer": {"name": "adagrad", "lr": 0.5},
             "checkpoint": {"path": str(root), "everySteps": K},
-            "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.25},
+            "rendezvousTimeoutSeconds": 60,
+            "preflight": {"megabytes": 0.25},
         },
-    }  # fmt: skip
+    }
 
 
 # slow: two worlds: the pipeline's pair across engines and piece counts holds the resharding path
@@ -237,8 +274,11 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(runs: Runs, tmp_pa
     (tmp_path / "other" / "reads").mkdir()
     with JobRun(wider(root, tmp_path / "other" / "reads"), tmp_path / "other") as job:
         assert job.finish(200) == ExitCode.PERMANENT, job.output
-    assert re.search(r"^master\s*\| permanent: CheckpointUnusable: .*step-00000002 holds a"
-                     r" checkpoint of model \{.*'args': \{'classes': 10\}\}, not model \{.*"
-                     r"'width': 8\}\}; give this job another checkpoint.path", job.output,
-                     re.M), job.output  # fmt: skip
+    assert re.search(
+        r"^master\s*\| permanent: CheckpointUnusable: .*step-00000002 holds a"
+        r" checkpoint of model \{.*'args': \{'classes': 10\}\}, not model \{.*"
+        r"'width': 8\}\}; give this job another checkpoint.path",
+        job.output,
+        re.M,
+    ), job.output
     assert "Traceback" not in job.output

@@ -43,8 +43,12 @@ def event(api: Api, reason: str) -> str:
 
 def master_log(kubelet: Kubelet, name: str, world: int) -> str:
     """The log of world `world`'s master (the pods of every world share its name)."""
-    runs = [r for r in kubelet.runs(NS) if r.name == f"{name}-master-0"
-            and r.pod["metadata"]["labels"].get("pipejob.dev/restart") == str(world)]  # fmt: skip
+    runs = [
+        r
+        for r in kubelet.runs(NS)
+        if r.name == f"{name}-master-0"
+        and r.pod["metadata"]["labels"].get("pipejob.dev/restart") == str(world)
+    ]
     return "".join(r.log.read_text(errors="replace") for r in runs if r.log.exists())
 
 
@@ -52,16 +56,26 @@ def elastic_spec(ckpt: Path, steps: int) -> dict:
     """A small 2-stage pipeline of 1 to 2 replicas, each pod asking for a CPU, checkpointing
     every 4 steps on a directory of the host (the process-kubelet's pods share it)."""
     return {
-        "model": {"transformer": {"vocabSize": 64, "layers": 4, "width": 32, "heads": 2,
-                                  "seqLen": 16}},
-        "stages": 2, "replicas": {"min": 1, "max": 2}, "batchSize": 4, "microBatches": 2,
-        "steps": steps, "logEvery": 1, "backoffLimit": 0, "preflight": {"megabytes": 0.25},
+        "model": {
+            "transformer": {"vocabSize": 64, "layers": 4, "width": 32, "heads": 2, "seqLen": 16}
+        },
+        "stages": 2,
+        "replicas": {"min": 1, "max": 2},
+        "batchSize": 4,
+        "microBatches": 2,
+        "steps": steps,
+        "logEvery": 1,
+        "backoffLimit": 0,
+        "preflight": {"megabytes": 0.25},
         "elastic": {"pendingSeconds": PENDING},
         "checkpoint": {"path": str(ckpt), "everySteps": 4, "volume": "ckpt"},
-        "template": {"resources": {"requests": {"cpu": "1"}},
-                     "volumes": [{"name": "ckpt", "hostPath": {"path": str(ckpt),
-                                                               "type": "DirectoryOrCreate"}}]},
-    }  # fmt: skip
+        "template": {
+            "resources": {"requests": {"cpu": "1"}},
+            "volumes": [
+                {"name": "ckpt", "hostPath": {"path": str(ckpt), "type": "DirectoryOrCreate"}}
+            ],
+        },
+    }
 
 
 def test_a_world_shrinks_when_a_replica_cannot_be_placed_and_grows_back_when_it_can(
@@ -71,8 +85,7 @@ def test_a_world_shrinks_when_a_replica_cannot_be_placed_and_grows_back_when_it_
     kubelet.capacity = {"cpu": "5"}  # the master and 2 x 2 stages, a CPU each
     spec = elastic_spec(tmp_path / "checkpoints", steps=120)
     name = jobs.create(api, jobs.example("resnet50-pipeline.yaml", **spec))["metadata"]["name"]
-    api.wait("step 6 of the first world", lambda: "step 6/120" in master_log(kubelet, name, 0),
-             180)  # fmt: skip
+    api.wait("step 6 of the first world", lambda: "step 6/120" in master_log(kubelet, name, 0), 180)
     assert status(api, name)["replicas"] == 2
 
     # The node loses two CPUs, and a stage of replica 1 with them.
@@ -84,14 +97,19 @@ def test_a_world_shrinks_when_a_replica_cannot_be_placed_and_grows_back_when_it_
     said = event(api, "ScaledDown")
     # Replica 1's two pods are found unschedulable one after the other: on a loaded machine
     # the first may pass pendingSeconds alone, and the message counts those that had.
-    assert re.fullmatch(r"scaled from 2 to 1 replicas: [12] pods? Pending: Unschedulable: 0/1"
-                        r" nodes are available: 1 Insufficient cpu\.", said), said  # fmt: skip
+    assert re.fullmatch(
+        r"scaled from 2 to 1 replicas: [12] pods? Pending: Unschedulable: 0/1"
+        r" nodes are available: 1 Insufficient cpu\.",
+        said,
+    ), said
     resized = next(c for c in shrunk["conditions"] if c["type"] == "Resized")
     assert resized["reason"] == "ScaledDown" and resized["message"] == said
     world = shrunk["restarts"] + shrunk["preemptions"] + shrunk["resizes"]
-    api.wait("the 1-replica world to train on from its checkpoint",
-             lambda: re.search(r"resumed from step (\d+)", master_log(kubelet, name, world)),
-             120)  # fmt: skip
+    api.wait(
+        "the 1-replica world to train on from its checkpoint",
+        lambda: re.search(r"resumed from step (\d+)", master_log(kubelet, name, world)),
+        120,
+    )
     log = master_log(kubelet, name, world)
     assert "1 replica(s) of the pipeline (replicas 1 to 2)" in log, log
 
@@ -100,12 +118,18 @@ def test_a_world_shrinks_when_a_replica_cannot_be_placed_and_grows_back_when_it_
     assert all(p["status"].get("phase") == "Pending" for p in standby(api, name))
     kubelet.capacity = {"cpu": "5"}
     api.wait("a world of 2 replicas again", lambda: status(api, name).get("replicas") == 2, 120)
-    assert event(api, "ScaledUp").startswith("scaled from 1 to 2 replicas: 2 standby"
-                                                    " pods run (capacity returned); resuming"
-                                                    " from the checkpoint of step")  # fmt: skip
+    assert event(api, "ScaledUp").startswith(
+        "scaled from 1 to 2 replicas: 2 standby"
+        " pods run (capacity returned); resuming"
+        " from the checkpoint of step"
+    )
     done = jobs.wait_phase(api, KIND, name, "Succeeded", timeout=240)["status"]
     assert (done["restarts"], done["preemptions"], done["resizes"], done["replicas"]) == (
-        0, 1, 2, 2)  # fmt: skip
+        0,
+        1,
+        2,
+        2,
+    )
     last = master_log(kubelet, name, world + 1)
     assert re.search(r"resumed from step \d+", last) and "2 replica(s)" in last, last
     event(api, "MasterSucceeded")
@@ -119,8 +143,12 @@ def test_a_world_shrinks_when_a_replica_cannot_be_placed_and_grows_back_when_it_
 
 
 def standby(api: Api, name: str) -> list[dict]:
-    return [p for p in jobs.pods(api, name) if "pipejob.dev/standby" in p["metadata"]["labels"]
-            and not p["metadata"].get("deletionTimestamp")]  # fmt: skip
+    return [
+        p
+        for p in jobs.pods(api, name)
+        if "pipejob.dev/standby" in p["metadata"]["labels"]
+        and not p["metadata"].get("deletionTimestamp")
+    ]
 
 
 @pytest.mark.slow  # the shrink and regrowth below, Kueue's admission in test_scheduling_e2e.py
@@ -141,11 +169,15 @@ def test_kueue_admits_the_resized_group_and_then_the_regrown_one(
     api.wait("a world of 1 replica", lambda: status(api, name).get("replicas") == 1, 90)
     assert event(api, "ScaledDown").startswith(
         f"scaled from 2 to 1 replicas: not admitted in {PENDING}s: Kueue has not admitted pod"
-        f" group {name} (5 pods) from LocalQueue team-a yet")  # fmt: skip
+        f" group {name} (5 pods) from LocalQueue team-a yet"
+    )
     first = kueue.workload(NS, name)
     assert first.total == 5 and first.admissions == 0 and not first.admitted  # holds no quota
-    api.wait("the 3-pod group to be admitted",
-             lambda: (w := kueue.workload(NS, f"{name}-1")) and w.admissions == 1, 90)  # fmt: skip
+    api.wait(
+        "the 3-pod group to be admitted",
+        lambda: (w := kueue.workload(NS, f"{name}-1")) and w.admissions == 1,
+        90,
+    )
     assert kueue.workload(NS, f"{name}-1").total == 3
 
     kueue.queues["team-a"] = None  # quota for everything: the standby group is admitted

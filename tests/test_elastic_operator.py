@@ -20,17 +20,31 @@ pytestmark = pytest.mark.timeout(30)
 
 CKPT = {"path": "/ckpt", "everySteps": 2, "volume": "ckpt"}
 VOLUMES = {"volumes": [{"name": "ckpt", "emptyDir": {}}]}
-ELASTIC = {"stages": 2, "replicas": {"min": 1, "max": 2}, "checkpoint": CKPT,
-           "template": VOLUMES, "elastic": {"pendingSeconds": 60}}  # fmt: skip
+ELASTIC = {
+    "stages": 2,
+    "replicas": {"min": 1, "max": 2},
+    "checkpoint": CKPT,
+    "template": VOLUMES,
+    "elastic": {"pendingSeconds": 60},
+}
 NO_ROOM = "0/1 nodes are available: 1 Insufficient cpu."
 
 
 def unschedulable(sim: Sim, name: str) -> None:
     pod = sim.pods[name]
     pod["spec"].pop("nodeName", None)
-    pod["status"] = {"phase": "Pending", "conditions": [{
-        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-        "message": NO_ROOM, "lastTransitionTime": st.timestamp(sim.now)}]}  # fmt: skip
+    pod["status"] = {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": NO_ROOM,
+                "lastTransitionTime": st.timestamp(sim.now),
+            }
+        ],
+    }
 
 
 def placed(sim: Sim, *names: str, phase: str = "Pending") -> None:
@@ -60,13 +74,26 @@ def shrunk_to_one(sim: Sim) -> None:
 
 
 def test_an_elastic_size_needs_a_checkpoint_and_min_at_most_max():
-    with pytest.raises(InvalidSpec, match="spec.replicas: an elastic replicas .* needs"
-                       " spec.checkpoint"):  # fmt: skip
-        parse({"apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob",
-               "metadata": {"name": "j"}, "spec": {"replicas": {"max": 2}}})  # fmt: skip
+    with pytest.raises(
+        InvalidSpec, match="spec.replicas: an elastic replicas .* needs spec.checkpoint"
+    ):
+        parse(
+            {
+                "apiVersion": "pipejob.dev/v1alpha1",
+                "kind": "PipelineJob",
+                "metadata": {"name": "j"},
+                "spec": {"replicas": {"max": 2}},
+            }
+        )
     with pytest.raises(InvalidSpec, match="spec.trainers.min: min must be at most max"):
-        parse({"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
-               "metadata": {"name": "j"}, "spec": {"trainers": {"min": 3, "max": 2}}})  # fmt: skip
+        parse(
+            {
+                "apiVersion": "pipejob.dev/v1alpha1",
+                "kind": "HybridJob",
+                "metadata": {"name": "j"},
+                "spec": {"trainers": {"min": 3, "max": 2}},
+            }
+        )
 
 
 def test_pods_unschedulable_past_pending_seconds_restart_the_world_at_the_size_that_fits():
@@ -124,9 +151,11 @@ def test_standby_pods_hold_the_missing_replica_s_place_and_it_grows_back_at_a_ch
     sim.job["status"]["training"] = {"checkpointStep": 8, "checkpointTime": st.timestamp(later)}
     sim.reconcile(seconds=10)
     assert sim.events() == [("Normal", "ScaledUp")]
-    assert sim.acts.events[0].message == ("scaled from 1 to 2 replicas: 2 standby pods run"
-                                          " (capacity returned); resuming from the checkpoint"
-                                          " of step 8")  # fmt: skip
+    assert sim.acts.events[0].message == (
+        "scaled from 1 to 2 replicas: 2 standby pods run"
+        " (capacity returned); resuming from the checkpoint"
+        " of step 8"
+    )
     assert sim.status["replicas"] == 2 and sim.status["resizes"] == 2 and sim.pods == {}
     sim.reconcile()
     assert len(world(sim)) == 5 and standby(sim) == []
@@ -174,8 +203,9 @@ def test_kueue_admits_each_size_as_a_group_of_its_own_and_the_old_one_ends():
     sim.reconcile(seconds=61)
     assert sim.events() == [("Warning", "ScaledDown")]
     said = sim.acts.events[0].message
-    assert said.startswith("scaled from 2 to 1 replicas: not admitted in 60s: Kueue has not"
-                           " admitted pod group j")  # fmt: skip
+    assert said.startswith(
+        "scaled from 2 to 1 replicas: not admitted in 60s: Kueue has not admitted pod group j"
+    )
     assert len(sim.acts.end_group) == 5  # Kueue frees the 5-pod group's quota
     sim.reconcile()
     assert {kueue_group(p) for p in sim.pods.values()} == {("j-1", "3")}
@@ -183,8 +213,10 @@ def test_kueue_admits_each_size_as_a_group_of_its_own_and_the_old_one_ends():
 
 def kueue_group(pod: dict) -> tuple[str, str]:
     meta = pod["metadata"]
-    return (meta["labels"]["kueue.x-k8s.io/pod-group-name"],
-            meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"])  # fmt: skip
+    return (
+        meta["labels"]["kueue.x-k8s.io/pod-group-name"],
+        meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"],
+    )
 
 
 def test_volcano_s_podgroup_follows_the_world_s_size():
@@ -192,8 +224,9 @@ def test_volcano_s_podgroup_follows_the_world_s_size():
     sim.reconcile()
     assert sim.acts.podgroup["spec"]["minMember"] == 5
     sim.reconcile()
-    sim.job["status"] = st.with_phase(sim.status, "Queued", "WaitingForAdmission", "waiting",
-                                      sim.now)  # fmt: skip
+    sim.job["status"] = st.with_phase(
+        sim.status, "Queued", "WaitingForAdmission", "waiting", sim.now
+    )
     sim.reconcile(seconds=61)
     assert sim.events() == [("Warning", "ScaledDown")]
     sim.reconcile()

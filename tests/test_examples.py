@@ -28,17 +28,22 @@ pytestmark = pytest.mark.timeout(300)
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_example(name: str, tmp_path: Path,
-                manifest: str = "pipelinejob.yaml") -> tuple[dict, str, Path]:  # fmt: skip
+def run_example(
+    name: str, tmp_path: Path, manifest: str = "pipelinejob.yaml"
+) -> tuple[dict, str, Path]:
     folder = tmp_path / name
-    shutil.copytree(EXAMPLES / name, folder,
-                    ignore=shutil.ignore_patterns("out", "runs", "__pycache__"))  # fmt: skip
+    shutil.copytree(
+        EXAMPLES / name, folder, ignore=shutil.ignore_patterns("out", "runs", "__pycache__")
+    )
     summary_file = tmp_path / "summary.json"
     result = subprocess.run(
         [sys.executable, "-m", "pipejob.cli", "run", str(folder / manifest)],
-        env=os.environ | {"PIPEJOB_SUMMARY_FILE": str(summary_file)}, cwd=tmp_path,
-        capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+        env=os.environ | {"PIPEJOB_SUMMARY_FILE": str(summary_file)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     return json.loads(summary_file.read_text()), result.stdout, folder
 
@@ -117,12 +122,16 @@ def test_dlrm_example(tmp_path: Path) -> None:
     constant = F.binary_cross_entropy(torch.full_like(labels, rate), labels).item()
     assert summary["evalSamples"] == 250 and summary["evalStep"] == 75
     # Each trainer's reader held a shuffle window of the logs' lines at most (1000 here).
-    assert all(0 < t["readerPeakBytes"] <= (folder / "train.tsv").stat().st_size
-               for t in summary["perTrainer"].values()), summary["perTrainer"]  # fmt: skip
+    assert all(
+        0 < t["readerPeakBytes"] <= (folder / "train.tsv").stat().st_size
+        for t in summary["perTrainer"].values()
+    ), summary["perTrainer"]
     assert "lines the readers held at most: trainer0" in out
     assert summary["evalLoss"] < constant and summary["evalAuc"] > 0.65, (summary, constant)
-    assert f"eval step 75: loss {summary['evalLoss']:.4f}, AUC {summary['evalAuc']:.4f} on" \
-           " 250 held-out samples" in out  # fmt: skip
+    assert (
+        f"eval step 75: loss {summary['evalLoss']:.4f}, AUC {summary['evalAuc']:.4f} on"
+        " 250 held-out samples" in out
+    )
     board = scalars(folder / "runs" / "dlrm")
     assert sorted(board["eval/auc"]) == [25, 50, 75]
     assert board["eval/auc"][75][0] == pytest.approx(summary["evalAuc"], rel=1e-6)

@@ -22,10 +22,17 @@ pytestmark = pytest.mark.timeout(30)
     [
         (ModuleNotFoundError("No module named 'mymodels'"), "ImportFailed"),
         (ImportError("cannot import name 'Net' from 'mymodels'"), "ImportFailed"),
-        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x512 and 2048x10)"),
-         "ShapeMismatch"),
-        (RuntimeError("On WorkerInfo(id=1, name=stage0):\nRuntimeError('Given groups=1, weight"
-                      " of size [64, 3, 7, 7], expected input[2, 1, 32, 32]')"), "ShapeMismatch"),
+        (
+            RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x512 and 2048x10)"),
+            "ShapeMismatch",
+        ),
+        (
+            RuntimeError(
+                "On WorkerInfo(id=1, name=stage0):\nRuntimeError('Given groups=1, weight"
+                " of size [64, 3, 7, 7], expected input[2, 1, 32, 32]')"
+            ),
+            "ShapeMismatch",
+        ),
         (ValueError("Expected more than 1 value per channel when training"), "ShapeMismatch"),
         (ValueError("invalid literal for int()"), "InvalidConfiguration"),
         (TypeError("unsupported operand"), "InvalidConfiguration"),
@@ -34,7 +41,7 @@ pytestmark = pytest.mark.timeout(30)
         (RendezvousError("the RPC world did not form"), None),
         (OSError("No space left on device"), None),
     ],
-)  # fmt: skip
+)
 def test_the_trainer_tells_permanent_from_retryable(error, reason):
     assert permanent_reason(error) == reason
 
@@ -106,8 +113,11 @@ def test_a_spec_only_the_operator_refuses_makes_no_pod():
     acts = sim.reconcile()
     assert sim.status["phase"] == st.FAILED and acts.create == [] and sim.pods == {}
     failed = st.condition(sim.status, st.FAILED)
-    assert failed["reason"] == "InvalidSpec" and "spec.template.volumes[0].hostPath" in (
-        failed["message"])  # fmt: skip
-    allowed = reconcile.decide(sim.job | {"status": {}}, [], sim.now, "img",
-                               allow_node_volumes=True)  # fmt: skip
+    assert (
+        failed["reason"] == "InvalidSpec"
+        and "spec.template.volumes[0].hostPath" in (failed["message"])
+    )
+    allowed = reconcile.decide(
+        sim.job | {"status": {}}, [], sim.now, "img", allow_node_volumes=True
+    )
     assert len(allowed.create) == 3  # an operator that allows node volumes makes the world

@@ -29,20 +29,30 @@ SEQ = 64
 
 def make_spec(**fields: Any) -> PipelineSpec:
     base: dict[str, Any] = dict(
-        steps=10, seed=0, log_every=1, rendezvous_timeout_seconds=60,
+        steps=10,
+        seed=0,
+        log_every=1,
+        rendezvous_timeout_seconds=60,
         optimizer=Optimizer(name="sgd", lr=0.1, momentum=0.0, weight_decay=0.0),
         preflight=Preflight(enabled=False, timeout_seconds=10, megabytes=1.0),
-        model=Model(torchvision="resnet18"), stages=2, replicas=Size.of(1), micro_batches=2,
-        batch_size=8, image_size=16, num_classes=10, gpus_per_stage=0,
-    )  # fmt: skip
+        model=Model(torchvision="resnet18"),
+        stages=2,
+        replicas=Size.of(1),
+        micro_batches=2,
+        batch_size=8,
+        image_size=16,
+        num_classes=10,
+        gpus_per_stage=0,
+    )
     if isinstance(fields.get("replicas"), int):
         fields["replicas"] = Size.of(fields["replicas"])
     return PipelineSpec(**(base | fields))
 
 
 def transformer(vocab: int = BYTE_VOCAB) -> Model:
-    return Model(transformer=Transformer(vocab_size=vocab, layers=2, width=32, heads=2,
-                                         seq_len=SEQ))  # fmt: skip
+    return Model(
+        transformer=Transformer(vocab_size=vocab, layers=2, width=32, heads=2, seq_len=SEQ)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +70,18 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def folder_spec(digits: tuple[Path, Path | None], **fields: Any) -> PipelineSpec:
     train, val = digits
-    source = PipelineData(image_folder=Split(train=str(train), val=val and str(val)),
-                          workers=fields.pop("workers", 0))  # fmt: skip
+    source = PipelineData(
+        image_folder=Split(train=str(train), val=val and str(val)), workers=fields.pop("workers", 0)
+    )
     return make_spec(data=source, **fields)
 
 
 def token_spec(tokens: tuple[Path, Path], **fields: Any) -> PipelineSpec:
     train, val = tokens
-    source = PipelineData(tokens=Tokens(train=str(train), val=str(val), dtype="uint16"),
-                          workers=fields.pop("workers", 0))  # fmt: skip
+    source = PipelineData(
+        tokens=Tokens(train=str(train), val=str(val), dtype="uint16"),
+        workers=fields.pop("workers", 0),
+    )
     return make_spec(model=fields.pop("model", transformer()), data=source, **fields)
 
 
@@ -281,8 +294,9 @@ def test_image_folder_batches(digits: tuple[Path, Path]) -> None:
         digit = int(Path(path).stem)
         assert originals.target[digit] == label
         original = np.rint(originals.images[digit] * (255 / 16)) / 255
-        assert torch.allclose(pixels[row, 0], torch.tensor(original, dtype=torch.float32),
-                              atol=1e-5)  # fmt: skip
+        assert torch.allclose(
+            pixels[row, 0], torch.tensor(original, dtype=torch.float32), atol=1e-5
+        )
     assert task(spec) == "classification"
     bigger = Feed(folder_spec(digits, batch_size=4, image_size=32)).batch()[0]
     assert bigger.shape == (4, 3, 32, 32)
@@ -331,8 +345,9 @@ def test_token_windows(tokens: tuple[Path, Path]) -> None:
         window = torch.from_numpy(on_disk[i * SEQ : i * SEQ + SEQ + 1].astype(np.int64))
         assert torch.equal(x[row], window[:-1]) and torch.equal(y[row], window[1:])
     last = feed.dataset[windows - 1]  # the last whole window ends inside the file
-    assert torch.equal(last[1][-1:], torch.tensor(on_disk[windows * SEQ : windows * SEQ + 1],
-                                                  dtype=torch.int64))  # fmt: skip
+    assert torch.equal(
+        last[1][-1:], torch.tensor(on_disk[windows * SEQ : windows * SEQ + 1], dtype=torch.int64)
+    )
     assert task(spec) == "language"
     held = held_out(spec)
     assert held is not None and "tokens " + str(tokens[1]) in held.description
@@ -387,8 +402,11 @@ def test_token_errors_name_the_field(tmp_path: Path) -> None:
         Feed(spec(short))
     large = tmp_path / "large.bin"
     np.array([1, 2, 300] * 100, dtype=np.uint16).tofile(large)
-    with pytest.raises(DataError, match=r"spec\.data\.tokens\.train: .*token id 300, outside"
-                                        r" spec\.model\.transformer\.vocabSize 256"):  # fmt: skip
+    with pytest.raises(
+        DataError,
+        match=r"spec\.data\.tokens\.train: .*token id 300, outside"
+        r" spec\.model\.transformer\.vocabSize 256",
+    ):
         Feed(spec(large))
     with pytest.raises(DataError, match=r"spec\.data\.tokens\.seqLen is required"):
         Feed(spec(large, Model(import_="userpkg.brought:gpt2")))
@@ -428,9 +446,11 @@ def test_each_replica_s_feed_reads_its_share_of_the_whole_batch(which: str, toke
     """The first stage of replica r reads samples r*B .. (r+1)*B-1 of each step's batch:
     together the replicas read exactly the whole batch, in order, and their positions (what a
     checkpoint keeps) are the whole feed's."""
-    spec = {"synthetic": make_spec(batch_size=3, replicas=2, image_size=8),
-            "import": import_spec(workers=2, batch_size=3, replicas=2),
-            "tokens": token_spec(tokens, batch_size=3, replicas=2)}[which]  # fmt: skip
+    spec = {
+        "synthetic": make_spec(batch_size=3, replicas=2, image_size=8),
+        "import": import_spec(workers=2, batch_size=3, replicas=2),
+        "tokens": token_spec(tokens, batch_size=3, replicas=2),
+    }[which]
     with Feed(spec) as whole, Feed(spec, 0) as first, Feed(spec, 1) as second:
         for _ in range(9):  # beyond an epoch of the 21 squares
             x, y = whole.batch()

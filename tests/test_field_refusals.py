@@ -38,32 +38,59 @@ def refusal(manifest: dict) -> list[str]:
 
 CASES = [
     (changed(HYBRID, embedding=None, embeddings=[]), "spec.embeddings: must hold at least 1"),
-    (changed(DLRM, sparseOptimizer={"name": "adam", "beta2": 1.0}),
-     "spec.sparseOptimizer.beta2: must be < 1"),
-    (changed(DLRM, sparseOptimizer={"name": "adam", "beta1": -0.1}),
-     "spec.sparseOptimizer.beta1: must be >= 0"),
-    (changed(DLRM, sparseOptimizer={"name": "adam", "eps": 0}),
-     "spec.sparseOptimizer.eps: eps must be > 0 with adam"),
-    (changed(DLRM, sparseOptimizer={"name": "adagrad", "eps": -1e-9}),
-     "spec.sparseOptimizer.eps: must be >= 0"),
-    (changed(DLRM, sparseOptimizer={"name": "adagrad", "initialAccumulatorValue": -1}),
-     "spec.sparseOptimizer.initialAccumulatorValue: must be >= 0"),
-    (changed(DLRM, optimizer={"name": "rmsprop", "lr": 0.1, "weightDecay": -0.5}),
-     "spec.optimizer.weightDecay: must be >= 0"),
+    (
+        changed(DLRM, sparseOptimizer={"name": "adam", "beta2": 1.0}),
+        "spec.sparseOptimizer.beta2: must be < 1",
+    ),
+    (
+        changed(DLRM, sparseOptimizer={"name": "adam", "beta1": -0.1}),
+        "spec.sparseOptimizer.beta1: must be >= 0",
+    ),
+    (
+        changed(DLRM, sparseOptimizer={"name": "adam", "eps": 0}),
+        "spec.sparseOptimizer.eps: eps must be > 0 with adam",
+    ),
+    (
+        changed(DLRM, sparseOptimizer={"name": "adagrad", "eps": -1e-9}),
+        "spec.sparseOptimizer.eps: must be >= 0",
+    ),
+    (
+        changed(DLRM, sparseOptimizer={"name": "adagrad", "initialAccumulatorValue": -1}),
+        "spec.sparseOptimizer.initialAccumulatorValue: must be >= 0",
+    ),
+    (
+        changed(DLRM, optimizer={"name": "rmsprop", "lr": 0.1, "weightDecay": -0.5}),
+        "spec.optimizer.weightDecay: must be >= 0",
+    ),
     (changed(DLRM, data={"criteo": {"train": ""}}), "spec.data.criteo.train: must name"),
-    (changed(DLRM, data={"criteo": {"train": "t.tsv", "val": "  "}}),
-     "spec.data.criteo.val: must name"),
+    (
+        changed(DLRM, data={"criteo": {"train": "t.tsv", "val": "  "}}),
+        "spec.data.criteo.val: must name",
+    ),
     (changed(DLRM, output={"path": ""}), "spec.output.path: must name a directory"),
     (changed(PIPELINE, output={"path": ""}), "spec.output.path: must name a directory"),
-    (changed(PIPELINE, data={"imageFolder": {"train": ""}}),
-     "spec.data.imageFolder.train: must name"),
-    (changed(PIPELINE, replicas=2, elastic={"pendingSeconds": 30}),
-     "spec.elastic: acts only on a world whose replicas is a range"),
-    (changed(HYBRID, elastic={"pendingSeconds": 30}),
-     "spec.elastic: acts only on a world whose trainers is a range"),
-    (changed(PIPELINE, checkpoint={"path": "/c"}, replicas={"min": 2, "max": 2},
-             elastic={"pendingSeconds": 30}), "spec.elastic: acts only"),
-]  # fmt: skip
+    (
+        changed(PIPELINE, data={"imageFolder": {"train": ""}}),
+        "spec.data.imageFolder.train: must name",
+    ),
+    (
+        changed(PIPELINE, replicas=2, elastic={"pendingSeconds": 30}),
+        "spec.elastic: acts only on a world whose replicas is a range",
+    ),
+    (
+        changed(HYBRID, elastic={"pendingSeconds": 30}),
+        "spec.elastic: acts only on a world whose trainers is a range",
+    ),
+    (
+        changed(
+            PIPELINE,
+            checkpoint={"path": "/c"},
+            replicas={"min": 2, "max": 2},
+            elastic={"pendingSeconds": 30},
+        ),
+        "spec.elastic: acts only",
+    ),
+]
 
 
 @pytest.mark.parametrize(("manifest", "said"), CASES)
@@ -74,8 +101,14 @@ def test_each_mistake_is_refused_naming_its_field(manifest: dict, said: str) -> 
 
 
 def test_an_elastic_section_on_a_range_is_kept() -> None:
-    job = spec.parse(changed(PIPELINE, checkpoint={"path": "/c"}, replicas={"min": 1, "max": 2},
-                             elastic={"pendingSeconds": 30}))  # fmt: skip
+    job = spec.parse(
+        changed(
+            PIPELINE,
+            checkpoint={"path": "/c"},
+            replicas={"min": 1, "max": 2},
+            elastic={"pendingSeconds": 30},
+        )
+    )
     assert job.spec["elastic"] == {"pendingSeconds": 30}
 
 
@@ -100,8 +133,9 @@ def test_empty_tables_are_refused_by_validate_and_render_without_a_traceback(
         (HYBRID, "sparseOptimiser", "did you mean 'sparseOptimizer'"),
     ],
 )
-def test_an_unknown_field_names_at_most_three_near_ones(kind: dict, wrong: str,
-                                                         nearest: str) -> None:  # fmt: skip
+def test_an_unknown_field_names_at_most_three_near_ones(
+    kind: dict, wrong: str, nearest: str
+) -> None:
     (error,) = refusal(changed(kind, **{wrong: 1}))
     assert error.startswith(f"spec.{wrong}: unknown field") and nearest in error
     assert error.count("'") <= 6 and len(error) < 160, error  # three names at most
@@ -113,8 +147,9 @@ def test_an_unknown_field_near_nothing_says_so_briefly() -> None:
 
 
 def test_the_trainer_count_message_names_the_count_it_used() -> None:
-    elastic = changed(HYBRID, trainers={"min": 1, "max": 8}, datasetSize=100,
-                      checkpoint={"path": "/c"})  # fmt: skip
+    elastic = changed(
+        HYBRID, trainers={"min": 1, "max": 8}, datasetSize=100, checkpoint={"path": "/c"}
+    )
     (error,) = refusal(elastic)
     assert "trainers.max x batchSize = 256 samples, got 100" in error
     (error,) = refusal(changed(HYBRID, trainers=8, datasetSize=100))

@@ -34,17 +34,28 @@ def reads(folder: Path) -> dict[str, dict[str, list[int]]]:
 def test_each_replica_s_first_stage_reads_its_share_and_the_master_reads_no_batch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))  # fmt: skip
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
+    )
     folder = tmp_path / "reads"
     folder.mkdir()
     job = pipeline_job(
-        "reads", stages=2, replicas=REPLICAS, microBatches=2, batchSize=BATCH, steps=STEPS,
-        gradientAccumulation=ACCUMULATION, imageSize=32, model="resnet18",
-        data={"import": "userpkg.recorded:recorded", "args": {"folder": str(folder)},
-              "workers": 0},  # read in the first stage's own process: it counts them all
+        "reads",
+        stages=2,
+        replicas=REPLICAS,
+        microBatches=2,
+        batchSize=BATCH,
+        steps=STEPS,
+        gradientAccumulation=ACCUMULATION,
+        imageSize=32,
+        model="resnet18",
+        data={
+            "import": "userpkg.recorded:recorded",
+            "args": {"folder": str(folder)},
+            "workers": 0,
+        },  # read in the first stage's own process: it counts them all
         eval={"everySteps": 2, "batches": 2},
-    )  # fmt: skip
+    )
     code, output, summary = run_to_end(job, tmp_path, timeout=280)
     assert code == 0, output
     assert summary is not None and len(summary["losses"]) == STEPS, output

@@ -43,8 +43,15 @@ def gpu_job(name: str, **fields: Any) -> dict[str, Any]:
 
 def shares(output: str) -> bool:
     """Whether the runner said the processes share GPUs."""
-    return re.search(r"^pipejob: the job asks for \d+ GPUs and this machine has \d+ GPUs?:"
-                     r" its processes share them", output, re.M) is not None  # fmt: skip
+    return (
+        re.search(
+            r"^pipejob: the job asks for \d+ GPUs and this machine has \d+ GPUs?:"
+            r" its processes share them",
+            output,
+            re.M,
+        )
+        is not None
+    )
 
 
 def trained(code: int, output: str, summary: dict[str, Any] | None, steps: int) -> dict:
@@ -82,12 +89,26 @@ def test_the_transformer_learns_on_gpus(tmp_path: Path):
     train, val = tmp_path / "train.bin", tmp_path / "val.bin"
     write_stdlib_tokens(train, max_bytes=400_000)
     write_stdlib_tokens(val, max_bytes=60_000, split="val")
-    job = gpu_job("gpu-lm", stages=2, steps=60, logEvery=20, batchSize=16, microBatches=4,
-                  model={"transformer": {"vocabSize": BYTE_VOCAB, "layers": 3, "width": 64,
-                                         "heads": 4, "seqLen": 64}},
-                  data={"tokens": {"train": str(train), "val": str(val)}, "workers": 1},
-                  optimizer={"name": "adam", "lr": 0.003},
-                  eval={"everySteps": 60, "batches": 4})  # fmt: skip
+    job = gpu_job(
+        "gpu-lm",
+        stages=2,
+        steps=60,
+        logEvery=20,
+        batchSize=16,
+        microBatches=4,
+        model={
+            "transformer": {
+                "vocabSize": BYTE_VOCAB,
+                "layers": 3,
+                "width": 64,
+                "heads": 4,
+                "seqLen": 64,
+            }
+        },
+        data={"tokens": {"train": str(train), "val": str(val)}, "workers": 1},
+        optimizer={"name": "adam", "lr": 0.003},
+        eval={"everySteps": 60, "batches": 4},
+    )
     code, output, summary = run_to_end(job, tmp_path, timeout=TIMEOUT)
     s = trained(code, output, summary, 60)
     losses = s["losses"]
@@ -109,9 +130,13 @@ def test_gpu_stages_train_exactly_what_cpu_stages_train(tmp_path: Path, monkeypa
     fields = {
         "model": {"import": "userpkg.exact:resnet18", "args": {"classes": 10}},
         "data": {"import": "userpkg.exact:images", "args": {"image_size": 32}},
-        "stages": 2, "microBatches": 4, "batchSize": 16, "steps": 4, "splitPoints": ["layer3.0"],
+        "stages": 2,
+        "microBatches": 4,
+        "batchSize": 16,
+        "steps": 4,
+        "splitPoints": ["layer3.0"],
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-    }  # fmt: skip
+    }
     runs = {}
     for where, job in (("gpu", gpu_job), ("cpu", pipeline_job)):
         (tmp_path / where).mkdir()
@@ -151,13 +176,21 @@ HYBRID = {
     "kind": "HybridJob",
     "metadata": {"name": "gpu-hybrid"},
     "spec": {
-        "trainers": 2, "gpusPerTrainer": 1,
-        "embedding": {"numEmbeddings": 64, "dim": 8, "mode": "sum"}, "dense": {"outFeatures": 4},
-        "steps": 40, "batchSize": 8, "bagSize": 4, "datasetSize": 101, "seed": 3,
-        "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.5}, "logEvery": 10,
-        "eval": {"everySteps": 20}, "rendezvousTimeoutSeconds": 60,
+        "trainers": 2,
+        "gpusPerTrainer": 1,
+        "embedding": {"numEmbeddings": 64, "dim": 8, "mode": "sum"},
+        "dense": {"outFeatures": 4},
+        "steps": 40,
+        "batchSize": 8,
+        "bagSize": 4,
+        "datasetSize": 101,
+        "seed": 3,
+        "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.5},
+        "logEvery": 10,
+        "eval": {"everySteps": 20},
+        "rendezvousTimeoutSeconds": 60,
     },
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
@@ -191,10 +224,15 @@ def test_a_checkpoint_written_on_gpus_resumes_there(tmp_path: Path, monkeypatch)
     paths = [str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))  # userpkg for the processes
     ckpt = {"path": str(tmp_path / "ckpt"), "everySteps": 2}
-    common = {"stages": 2, "microBatches": 2, "batchSize": 16, "splitPoints": ["layer3.0"],
-              "model": {"import": "userpkg.exact:resnet18", "args": {"classes": 10}},
-              "data": {"import": "userpkg.exact:images", "args": {"image_size": 32}},
-              "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}}  # fmt: skip
+    common = {
+        "stages": 2,
+        "microBatches": 2,
+        "batchSize": 16,
+        "splitPoints": ["layer3.0"],
+        "model": {"import": "userpkg.exact:resnet18", "args": {"classes": 10}},
+        "data": {"import": "userpkg.exact:images", "args": {"image_size": 32}},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+    }
     first = gpu_job("gpu-resume", steps=4, checkpoint=ckpt, **common)
     trained(*run_to_end(first, tmp_path, timeout=TIMEOUT), 4)
     again = gpu_job("gpu-resume", steps=6, checkpoint=ckpt, **common)
@@ -209,8 +247,14 @@ def test_a_checkpoint_written_on_gpus_resumes_there(tmp_path: Path, monkeypatch)
 
 def test_evaluation_and_the_model_file_on_gpus_match_a_plain_cpu_model(tmp_path: Path):
     out = tmp_path / "model"
-    job = gpu_job("gpu-eval", stages=2, microBatches=2, steps=6,
-                  eval={"everySteps": 3, "batches": 4}, output={"path": str(out)})  # fmt: skip
+    job = gpu_job(
+        "gpu-eval",
+        stages=2,
+        microBatches=2,
+        steps=6,
+        eval={"everySteps": 3, "batches": 4},
+        output={"path": str(out)},
+    )
     code, output, summary = run_to_end(job, tmp_path, timeout=TIMEOUT)
     s = trained(code, output, summary, 6)
     evaluation = s["evaluation"]

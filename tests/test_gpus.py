@@ -130,9 +130,11 @@ def test_the_runner_gives_each_process_its_gpus_and_says_when_they_share(monkeyp
     assert run_job(job, grace=5, out=out, detect_gpus=lambda: ["0"]) == 0
     text = out.getvalue()
     notes = [line for line in text.splitlines() if "share them" in line]
-    assert notes == ["pipejob: the job asks for 2 GPUs and this machine has 1 GPU: its"
-                     " processes share them (stage0, stage1 on CUDA_VISIBLE_DEVICES=0), which"
-                     " trains, but slower"], text  # fmt: skip
+    assert notes == [
+        "pipejob: the job asks for 2 GPUs and this machine has 1 GPU: its"
+        " processes share them (stage0, stage1 on CUDA_VISIBLE_DEVICES=0), which"
+        " trains, but slower"
+    ], text
     assert re.search(r"^master\s*\| sees all$", text, re.M), text
     assert len(re.findall(r"^stage[01]\s*\| sees 0$", text, re.M)) == 2, text
 
@@ -146,8 +148,12 @@ def test_the_runner_refuses_before_starting_anything(monkeypatch, tmp_path):
     assert run_job(spec.parse(HYBRID), grace=5, out=out, detect_gpus=lambda: ["0"]) == 2
     text = out.getvalue()
     assert "started" not in text and "sees" not in text, text
-    assert re.search(r"^pipejob: cannot run HybridJob 'h' here: trainer0 and trainer1 would"
-                     r" share a GPU: .*backend: gloo$", text, re.M), text  # fmt: skip
+    assert re.search(
+        r"^pipejob: cannot run HybridJob 'h' here: trainer0 and trainer1 would"
+        r" share a GPU: .*backend: gloo$",
+        text,
+        re.M,
+    ), text
     # The manifest as users write it, through the CLI, on this machine without GPUs.
     path = tmp_path / "h.yaml"
     path.write_text(yaml.safe_dump(HYBRID))

@@ -41,10 +41,13 @@ def status(cluster: Cluster, name: str) -> dict:
 def finished(cluster: Cluster, name: str, timeout: float = 20) -> dict:
     return cluster.api.wait(
         f"pod {name} to finish",
-        lambda: status(cluster, name) if status(cluster, name).get("phase") in (
-            "Succeeded", "Failed") else None,
+        lambda: (
+            status(cluster, name)
+            if status(cluster, name).get("phase") in ("Succeeded", "Failed")
+            else None
+        ),
         timeout,
-    )  # fmt: skip
+    )
 
 
 def terminated(pod_status: dict) -> dict:
@@ -97,15 +100,20 @@ def test_status_subresource_is_isolated(cluster):
 @pytest.mark.timeout(30)
 def test_patch_semantics(cluster):
     api = cluster.api
-    created = api.create(SERVICES, {"metadata": {"name": "s", "labels": {"a": "1", "b": "2"}},
-                                    "spec": {"clusterIP": "None"}}, NS)  # fmt: skip
+    created = api.create(
+        SERVICES,
+        {"metadata": {"name": "s", "labels": {"a": "1", "b": "2"}}, "spec": {"clusterIP": "None"}},
+        NS,
+    )
     rv = created["metadata"]["resourceVersion"]
     same = api.patch(SERVICES, "s", {"metadata": {"labels": {"a": "1"}}}, NS)
     assert same["metadata"]["resourceVersion"] == rv  # a no-op write is no write
     changed = api.patch(SERVICES, "s", {"metadata": {"labels": {"b": None}}, "spec": {"x": 1}}, NS)
     assert changed["metadata"]["labels"] == {"a": "1"} and changed["metadata"]["generation"] == 2
-    stale = [{"op": "test", "path": "/metadata/resourceVersion", "value": rv},
-             {"op": "add", "path": "/metadata/finalizers", "value": ["f"]}]  # fmt: skip
+    stale = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+        {"op": "add", "path": "/metadata/finalizers", "value": ["f"]},
+    ]
     with pytest.raises(ApiError) as e:  # kopf's optimistic concurrency relies on this 422
         api.patch(SERVICES, "s", stale, NS, content_type=JSON_PATCH)
     assert e.value.status == 422
@@ -117,8 +125,12 @@ def test_patch_semantics(cluster):
 @pytest.mark.timeout(30)
 def test_label_and_field_selectors(cluster):
     api = cluster.api
-    labelled = [("a", {"job": "j", "role": "master"}), ("b", {"job": "j", "role": "stage"}),
-                ("c", {"job": "k"}), ("d", {})]  # fmt: skip
+    labelled = [
+        ("a", {"job": "j", "role": "master"}),
+        ("b", {"job": "j", "role": "stage"}),
+        ("c", {"job": "k"}),
+        ("d", {}),
+    ]
     for name, labels in labelled:
         api.create(PODS, pod(name, labels=labels), NS)
 
@@ -146,8 +158,9 @@ def test_watch_filters_and_replays_from_a_resource_version(cluster):
     api.create(PODS, pod("other", labels={"job": "k"}), NS)
     watch = api.watch(PODS, NS, labelSelector="job=j", resourceVersion=mark, timeoutSeconds="2")
     seen: list[tuple[str, str]] = []
-    reader = threading.Thread(target=lambda: seen.extend(
-        (e["type"], e["object"]["metadata"]["name"]) for e in watch))  # fmt: skip
+    reader = threading.Thread(
+        target=lambda: seen.extend((e["type"], e["object"]["metadata"]["name"]) for e in watch)
+    )
     reader.start()
     api.create(PODS, pod("new", labels={"job": "j"}), NS)
     reader.join(10)  # the server ends the watch after timeoutSeconds
@@ -181,8 +194,11 @@ def test_finalizers_preconditions_and_deletecollection(cluster):
     api = cluster.api
     held = api.create(SERVICES, {"metadata": {"name": "held", "finalizers": ["x/y"]}}, NS)
     with pytest.raises(ApiError) as e:
-        api.request("DELETE", "/api/v1/namespaces/default/services/held",
-                    {"preconditions": {"uid": "someone-else"}})  # fmt: skip
+        api.request(
+            "DELETE",
+            "/api/v1/namespaces/default/services/held",
+            {"preconditions": {"uid": "someone-else"}},
+        )
     assert e.value.status == 409
     marked = api.delete(SERVICES, "held", NS)
     assert marked["metadata"]["deletionTimestamp"] and api.find(SERVICES, "held", NS)
@@ -204,12 +220,20 @@ def test_writes_naming_a_uid_leave_a_recreated_pod_of_that_name_alone(cluster):
     api.delete(PODS, "p", NS, {"gracePeriodSeconds": 0})
     new = api.create(PODS, pod("p"), NS)["metadata"]["uid"]
     writes = [
-        lambda: api.patch(PODS, "p", {"metadata": {"uid": old}, "status": {"phase": "Failed"}},
-                          NS, subresource="status"),
-        lambda: api.request("POST", "/api/v1/namespaces/default/pods/p/binding", {
-            "metadata": {"name": "p", "uid": old}, "target": {"kind": "Node", "name": "n"}}),
+        lambda: api.patch(
+            PODS,
+            "p",
+            {"metadata": {"uid": old}, "status": {"phase": "Failed"}},
+            NS,
+            subresource="status",
+        ),
+        lambda: api.request(
+            "POST",
+            "/api/v1/namespaces/default/pods/p/binding",
+            {"metadata": {"name": "p", "uid": old}, "target": {"kind": "Node", "name": "n"}},
+        ),
         lambda: api.delete(PODS, "p", NS, {"gracePeriodSeconds": 0, "preconditions": {"uid": old}}),
-    ]  # fmt: skip
+    ]
     for write in writes:
         with pytest.raises(ApiError) as e:
             write()
@@ -225,25 +249,50 @@ def test_a_crd_serves_its_resource_with_discovery_and_tables(cluster):
     with pytest.raises(ApiError) as e:
         api.list("example.dev/v1/widgets", NS)
     assert e.value.status == 404
-    crd = api.create(CRDS, {
-        "metadata": {"name": "widgets.example.dev"},
-        "spec": {"group": "example.dev", "scope": "Namespaced", "names": {
-            "kind": "Widget", "plural": "widgets", "singular": "widget", "shortNames": ["wd"],
-            "categories": ["toys"]}, "versions": [{
-                "name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
-                "schema": {"openAPIV3Schema": {"type": "object"}},
-                "additionalPrinterColumns": [
-                    {"name": "Color", "type": "string", "jsonPath": ".spec.color"},
-                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                ]}]},
-    })  # fmt: skip
+    crd = api.create(
+        CRDS,
+        {
+            "metadata": {"name": "widgets.example.dev"},
+            "spec": {
+                "group": "example.dev",
+                "scope": "Namespaced",
+                "names": {
+                    "kind": "Widget",
+                    "plural": "widgets",
+                    "singular": "widget",
+                    "shortNames": ["wd"],
+                    "categories": ["toys"],
+                },
+                "versions": [
+                    {
+                        "name": "v1",
+                        "served": True,
+                        "storage": True,
+                        "subresources": {"status": {}},
+                        "schema": {"openAPIV3Schema": {"type": "object"}},
+                        "additionalPrinterColumns": [
+                            {"name": "Color", "type": "string", "jsonPath": ".spec.color"},
+                            {
+                                "name": "Age",
+                                "type": "date",
+                                "jsonPath": ".metadata.creationTimestamp",
+                            },
+                        ],
+                    }
+                ],
+            },
+        },
+    )
     assert {c["type"]: c["status"] for c in crd["status"]["conditions"]}["Established"] == "True"
     discovery = api.request("GET", "/apis/example.dev/v1")
     served = {r["name"]: r for r in discovery["resources"]}
     assert served["widgets"]["shortNames"] == ["wd"] and served["widgets"]["namespaced"]
     assert "widgets/status" in served
-    api.create("example.dev/v1/widgets", {"metadata": {"name": "w"}, "spec": {"color": "red"},
-                                          "status": {"ignored": True}}, NS)  # fmt: skip
+    api.create(
+        "example.dev/v1/widgets",
+        {"metadata": {"name": "w"}, "spec": {"color": "red"}, "status": {"ignored": True}},
+        NS,
+    )
     assert "status" not in api.get("example.dev/v1/widgets", "w", NS)
     url = "/apis/example.dev/v1/namespaces/default/widgets"
     assert api.request("GET", url)["kind"] == "WidgetList"
@@ -276,14 +325,21 @@ def test_pods_run_as_processes_and_report_their_exit(cluster, kubelet):
 @pytest.mark.timeout(60)
 def test_pod_dns_names_resolve_to_pod_addresses_inside_pods_only(cluster, kubelet):
     api = cluster.api
-    api.create(SERVICES, {"metadata": {"name": "sub"}, "spec": {
-        "clusterIP": "None", "selector": {"app": "x"}}}, NS)  # fmt: skip
-    server = ("import socket; s = socket.create_server((socket.gethostname(), 7000));"
-              "c, _ = s.accept(); c.sendall(socket.gethostname().encode())")  # fmt: skip
-    client = ("import socket, time\nfor _ in range(100):\n  try:\n"
-              "    print(socket.create_connection(('server.sub', 7000)).recv(99).decode()); break\n"
-              "  except OSError: time.sleep(0.1)\n"
-              "print(socket.gethostbyname('server.sub.default.svc.cluster.local'))")  # fmt: skip
+    api.create(
+        SERVICES,
+        {"metadata": {"name": "sub"}, "spec": {"clusterIP": "None", "selector": {"app": "x"}}},
+        NS,
+    )
+    server = (
+        "import socket; s = socket.create_server((socket.gethostname(), 7000));"
+        "c, _ = s.accept(); c.sendall(socket.gethostname().encode())"
+    )
+    client = (
+        "import socket, time\nfor _ in range(100):\n  try:\n"
+        "    print(socket.create_connection(('server.sub', 7000)).recv(99).decode()); break\n"
+        "  except OSError: time.sleep(0.1)\n"
+        "print(socket.gethostbyname('server.sub.default.svc.cluster.local'))"
+    )
     for name, code in (("server", server), ("client", client)):
         api.create(PODS, pod(name, code, labels={"app": "x"}, hostname=name, subdomain="sub"), NS)
     assert finished(cluster, "client")["phase"] == "Succeeded"
@@ -297,8 +353,10 @@ def test_pod_dns_names_resolve_to_pod_addresses_inside_pods_only(cluster, kubele
 @pytest.mark.timeout(60)
 def test_the_pod_network_is_private_and_bridged_only_where_asked(cluster, kubelet):
     api, network = cluster.api, kubelet.network
-    server = ("import http.server, socket; http.server.HTTPServer((socket.gethostname(), 8000),"
-              " http.server.SimpleHTTPRequestHandler).serve_forever()")  # fmt: skip
+    server = (
+        "import http.server, socket; http.server.HTTPServer((socket.gethostname(), 8000),"
+        " http.server.SimpleHTTPRequestHandler).serve_forever()"
+    )
     api.create(PODS, pod("web", server), NS)
     ip = api.wait("the pod's address", lambda: status(cluster, "web").get("podIP"), 20)
 
@@ -320,10 +378,13 @@ def test_the_pod_network_is_private_and_bridged_only_where_asked(cluster, kubele
 
 @pytest.mark.timeout(60)
 def test_env_field_refs_and_expansion(cluster, kubelet):
-    env = [{"name": "A", "value": "x"}, {"name": "B", "value": "$(A)-$$(A)"},
-           {"name": "A", "value": "later wins"},
-           {"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-           {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]  # fmt: skip
+    env = [
+        {"name": "A", "value": "x"},
+        {"name": "B", "value": "$(A)-$$(A)"},
+        {"name": "A", "value": "later wins"},
+        {"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
     code = "import os; print(os.environ['A'], os.environ['B'], os.environ['ME'], os.environ['IP'])"
     spec = pod("envy", code, container={"env": env, "args": ["$(ME)"]})
     cluster.api.create(PODS, spec, NS)
@@ -357,8 +418,10 @@ def test_kill_evict_and_graceful_delete(cluster, kubelet):
 
 @pytest.mark.timeout(60)
 def test_restart_policy_restarts_in_place(cluster, kubelet):
-    code = ("import os, sys; first = not os.path.exists('marker'); open('marker', 'w');"
-            "sys.exit(1 if first else 0)")  # fmt: skip
+    code = (
+        "import os, sys; first = not os.path.exists('marker'); open('marker', 'w');"
+        "sys.exit(1 if first else 0)"
+    )
     cluster.api.create(PODS, pod("flaky", code, restartPolicy="OnFailure"), NS)
     done = finished(cluster, "flaky")
     assert done["phase"] == "Succeeded"
@@ -370,9 +433,18 @@ def test_restart_policy_restarts_in_place(cluster, kubelet):
 def test_pods_asking_for_what_the_node_lacks_stay_pending(cluster, kubelet):
     gpu = pod("gpu", container={"resources": {"limits": {"nvidia.com/gpu": 1}}})
     cluster.api.create(PODS, gpu, NS)
-    scheduled = cluster.api.wait("the scheduling verdict", lambda: next(
-        (c for c in status(cluster, "gpu").get("conditions", []) if c["type"] == "PodScheduled"),
-        None), 10)  # fmt: skip
+    scheduled = cluster.api.wait(
+        "the scheduling verdict",
+        lambda: next(
+            (
+                c
+                for c in status(cluster, "gpu").get("conditions", [])
+                if c["type"] == "PodScheduled"
+            ),
+            None,
+        ),
+        10,
+    )
     assert scheduled["status"] == "False" and "nvidia.com/gpu" in scheduled["message"]
     assert status(cluster, "gpu")["phase"] == "Pending" and not kubelet.runs()
 
@@ -384,9 +456,11 @@ def test_stopping_the_kubelet_leaves_no_process(cluster, tmp_path):
     if network.unavailable():
         pytest.skip(network.unavailable())
     with Kubelet(cluster.api, tmp_path / "node2") as node:
-        code = ("import subprocess, sys, time;"
-                f"subprocess.Popen([{sys.executable!r}, '-c', 'import time; time.sleep(60)']);"
-                "time.sleep(60)")  # fmt: skip
+        code = (
+            "import subprocess, sys, time;"
+            f"subprocess.Popen([{sys.executable!r}, '-c', 'import time; time.sleep(60)']);"
+            "time.sleep(60)"
+        )
         cluster.api.create(PODS, pod("parent", code), NS)
         cluster.api.wait("the process", lambda: node.running(), 20)
         pid = node.running()[0].process.pid
@@ -397,9 +471,11 @@ def test_stopping_the_kubelet_leaves_no_process(cluster, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_container_ends_with_its_main_process(cluster, kubelet):
-    code = ("import subprocess, sys;"
-            f"child = subprocess.Popen([{sys.executable!r}, '-c', 'import time; time.sleep(60)']);"
-            "open('child', 'w').write(str(child.pid))")  # fmt: skip
+    code = (
+        "import subprocess, sys;"
+        f"child = subprocess.Popen([{sys.executable!r}, '-c', 'import time; time.sleep(60)']);"
+        "open('child', 'w').write(str(child.pid))"
+    )
     cluster.api.create(PODS, pod("orphaning", code), NS)
     assert finished(cluster, "orphaning")["phase"] == "Succeeded"
     child = int((kubelet.run(NS, "orphaning").dir / "child").read_text())
@@ -428,31 +504,61 @@ def test_the_network_plugin_isolates_selected_pods_and_admits_what_their_policie
     prometheus = Endpoint("mon", {"app": "prom"}, "10.9.0.5")
     elsewhere = Endpoint("other", {"job": "a"}, "10.9.0.6")  # job a's label, another namespace
     job_a = {"podSelector": {"matchLabels": {"job": "a"}}}
-    world = {"metadata": {"name": "a", "namespace": "ns"}, "spec": {
-        **job_a, "policyTypes": ["Ingress"], "ingress": [{"from": [job_a]}]}}  # fmt: skip
-    monitor = {"metadata": {"name": "m", "namespace": "ns"}, "spec": {**job_a, "ingress": [{
-        "from": [{"namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: "mon"}},
-                  "podSelector": {"matchExpressions": [{"key": "app", "operator": "Exists"}]}}],
-        "ports": [{"protocol": "TCP", "port": "monitor"}]}]}}  # fmt: skip
+    world = {
+        "metadata": {"name": "a", "namespace": "ns"},
+        "spec": {**job_a, "policyTypes": ["Ingress"], "ingress": [{"from": [job_a]}]},
+    }
+    monitor = {
+        "metadata": {"name": "m", "namespace": "ns"},
+        "spec": {
+            **job_a,
+            "ingress": [
+                {
+                    "from": [
+                        {
+                            "namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: "mon"}},
+                            "podSelector": {
+                                "matchExpressions": [{"key": "app", "operator": "Exists"}]
+                            },
+                        }
+                    ],
+                    "ports": [{"protocol": "TCP", "port": "monitor"}],
+                }
+            ],
+        },
+    }
     lines = rules([world, monitor], [a1, a2, b, prometheus, elsewhere], "PJ-x")
-    head = ["-A PJ-x -m conntrack --ctstate ESTABLISHED,RELATED -j RETURN",
-            "-A PJ-x -j PJ-x-IN", "-A PJ-x -j PJ-x-OUT"]  # fmt: skip
-    world_a = [f"-A PJ-x-IN -d {pod.address}/32 -s {peer.address}/32 -j RETURN"
-               for pod in (a1, a2) for peer in (a1, a2)]  # fmt: skip
-    assert lines == [*head, *world_a[:2],
-                     "-A PJ-x-IN -d 10.9.0.2/32 -s 10.9.0.5/32 -p tcp --dport 29503 -j RETURN",
-                     "-A PJ-x-IN -d 10.9.0.2/32 -j DROP",
-                     *world_a[2:],  # a2 has no port named monitor: that rule admits nothing
-                     "-A PJ-x-IN -d 10.9.0.3/32 -j DROP"]  # fmt: skip
+    head = [
+        "-A PJ-x -m conntrack --ctstate ESTABLISHED,RELATED -j RETURN",
+        "-A PJ-x -j PJ-x-IN",
+        "-A PJ-x -j PJ-x-OUT",
+    ]
+    world_a = [
+        f"-A PJ-x-IN -d {pod.address}/32 -s {peer.address}/32 -j RETURN"
+        for pod in (a1, a2)
+        for peer in (a1, a2)
+    ]
+    assert lines == [
+        *head,
+        *world_a[:2],
+        "-A PJ-x-IN -d 10.9.0.2/32 -s 10.9.0.5/32 -p tcp --dport 29503 -j RETURN",
+        "-A PJ-x-IN -d 10.9.0.2/32 -j DROP",
+        *world_a[2:],  # a2 has no port named monitor: that rule admits nothing
+        "-A PJ-x-IN -d 10.9.0.3/32 -j DROP",
+    ]
 
     dns = [{"ports": [{"protocol": "UDP", "port": 53}]}]
-    egress = {"metadata": {"name": "e", "namespace": "ns"},
-              "spec": {**job_a, "policyTypes": ["Egress"], "egress": dns}}  # fmt: skip
+    egress = {
+        "metadata": {"name": "e", "namespace": "ns"},
+        "spec": {**job_a, "policyTypes": ["Egress"], "egress": dns},
+    }
     assert rules([egress], [a1], "PJ-x")[3:] == [
         "-A PJ-x-OUT -s 10.9.0.2/32 -p udp --dport 53 -j RETURN",
         "-A PJ-x-OUT -s 10.9.0.2/32 -j DROP",
     ]
-    unsupported = {"metadata": {"name": "u", "namespace": "ns"}, "spec": {
-        **job_a, "ingress": [{"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}]}}  # fmt: skip
+    unsupported = {
+        "metadata": {"name": "u", "namespace": "ns"},
+        "spec": {**job_a, "ingress": [{"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}]},
+    }
     with pytest.raises(ValueError, match="ipBlock"):
         rules([unsupported], [a1], "PJ-x")

@@ -24,12 +24,16 @@ TINY = {
         "trainers": 2,
         "embedding": {"numEmbeddings": 64, "dim": 8, "mode": "sum"},
         "dense": {"outFeatures": 4},
-        "steps": 40, "batchSize": 8, "bagSize": 4,
+        "steps": 40,
+        "batchSize": 8,
+        "bagSize": 4,
         "datasetSize": 101,  # odd: epochs end inside a step's batch (40 x 16 > 6 epochs)
         "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.5},
-        "logEvery": 10, "seed": 3, "rendezvousTimeoutSeconds": 60,
+        "logEvery": 10,
+        "seed": 3,
+        "rendezvousTimeoutSeconds": 60,
     },
-}  # fmt: skip
+}
 
 
 @pytest.mark.slow  # the split tables' float64 test below trains two trainers exactly
@@ -42,8 +46,9 @@ def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_p
 
     # Progress on the master, then its summary.
     for step in (10, 20, 30, 40):
-        assert re.search(rf"^master\s*\| step {step}/40 +loss [\d.]+ +[\d,]+ samples/s$",
-                         output, re.M), output  # fmt: skip
+        assert re.search(
+            rf"^master\s*\| step {step}/40 +loss [\d.]+ +[\d,]+ samples/s$", output, re.M
+        ), output
     assert re.search(r"^master\s*\| done: 40 steps x 8 bags on 2 trainer", output, re.M), output
     assert summary["trainers"] == 2 and summary["steps"] == 40
     assert summary["samplesPerSecond"] > 0
@@ -51,8 +56,12 @@ def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_p
     memory = summary["memory"]
     assert list(memory) == ["master", "ps0", "trainer0", "trainer1"], memory
     assert all(50e6 < m["rssPeakBytes"] < 20e9 for m in memory.values()), memory
-    assert re.search(r"^master\s*\| peak memory: master \d+ MB, ps0 \d+ MB, trainer0 \d+ MB,"
-                     r" trainer1 \d+ MB$", output, re.M), output  # fmt: skip
+    assert re.search(
+        r"^master\s*\| peak memory: master \d+ MB, ps0 \d+ MB, trainer0 \d+ MB,"
+        r" trainer1 \d+ MB$",
+        output,
+        re.M,
+    ), output
 
     # DDP kept the dense replicas identical, and they did train.
     assert summary["denseMaxAbsDiff"] == 0.0
@@ -73,8 +82,12 @@ def test_two_trainers_train_with_identical_dense_weights_and_disjoint_data(tmp_p
 
 
 def hybrid_job(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
-            "metadata": {"name": name}, "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "HybridJob",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
 
 
 # Two servers and two trainers; "wide" is larger than a share, so it is split row-wise
@@ -82,19 +95,26 @@ def hybrid_job(name: str, spec: dict[str, Any]) -> dict[str, Any]:
 EXACT = hybrid_job(
     "exact-hybrid",
     {
-        "trainers": 2, "parameterServers": 2,
+        "trainers": 2,
+        "parameterServers": 2,
         "embeddings": [
             {"name": "wide", "rows": 3000, "dim": 4, "mode": "sum"},
             {"name": "narrow", "rows": 40, "dim": 4, "mode": "mean", "feature": "wide"},
             {"name": "peak", "rows": 60, "dim": 4, "mode": "max"},
         ],
-        "dense": {"dlrm": {"bottom": [8], "top": [8]}}, "denseFeatures": 3,
+        "dense": {"dlrm": {"bottom": [8], "top": [8]}},
+        "denseFeatures": 3,
         "sparseOptimizer": {"name": "adagrad", "lr": 0.1},
         "optimizer": {"name": "sgd", "lr": 0.1},
-        "steps": 3, "batchSize": 8, "bagSize": 5, "datasetSize": 64, "seed": 4,
-        "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5},
+        "steps": 3,
+        "batchSize": 8,
+        "bagSize": 5,
+        "datasetSize": 64,
+        "seed": 4,
+        "rendezvousTimeoutSeconds": 60,
+        "preflight": {"megabytes": 0.5},
     },
-)  # fmt: skip
+)
 
 # Every process of the world computes in float64: the runner puts the manifest's folder first
 # on PYTHONPATH, and Python imports this file from there as it starts.
@@ -112,14 +132,16 @@ def test_a_split_tables_updates_equal_one_process_s_in_float64(tmp_path: Path) -
     and the dense part equal one nn.Module of EmbeddingBag(sparse=True) tables stepped by the
     same optimizers on both trainers' batches together, to float64's rounding."""
     (tmp_path / "sitecustomize.py").write_text(FLOAT64)
-    manifest = EXACT | {"spec": EXACT["spec"] | {
-        "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 1}}}  # fmt: skip
+    manifest = EXACT | {
+        "spec": EXACT["spec"] | {"checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 1}}
+    }
     code, output, summary = run_to_end(manifest, tmp_path, timeout=170)
     assert code == 0, output
     spec = specs.parse(EXACT).settings
     assert [[(p.table, p.start, p.stop) for p in s] for s in spec.placement()] == [
-        [("wide", 0, 1500), ("peak", 0, 60)], [("narrow", 0, 40), ("wide", 1500, 3000)],
-    ]  # fmt: skip
+        [("wide", 0, 1500), ("peak", 0, 60)],
+        [("narrow", 0, 40), ("wide", 1500, 3000)],
+    ]
     for step in (2, 3):  # the checkpoints kept: those of the last two steps
         directory = checkpoint.step_dir(tmp_path / "ckpt", step)
         saved = [torch.load(directory / f"ps{i}.pt") for i in (0, 1)]
@@ -135,8 +157,9 @@ def test_a_split_tables_updates_equal_one_process_s_in_float64(tmp_path: Path) -
             weight = model.tables[t.name].weight
             assert got["weight"].dtype == torch.float64
             torch.testing.assert_close(got["weight"], weight.detach(), rtol=1e-12, atol=1e-14)
-            torch.testing.assert_close(got["sum"], optimizer.state[weight]["sum"], rtol=1e-12,
-                                       atol=1e-14)  # fmt: skip
+            torch.testing.assert_close(
+                got["sum"], optimizer.state[weight]["sum"], rtol=1e-12, atol=1e-14
+            )
         dense = torch.load(directory / "dense.pt", weights_only=False)["model"]
         for name, value in model.dense.state_dict().items():
             torch.testing.assert_close(dense[name], value, rtol=1e-12, atol=1e-14, msg=name)
@@ -150,15 +173,23 @@ HUGE_ROWS, LIMIT = 21_875_000, 1200 * 2**20
 HUGE = hybrid_job(
     "huge-table",
     {
-        "trainers": 1, "parameterServers": 4,
-        "embeddings": [{"name": "huge", "rows": HUGE_ROWS, "dim": 16},
-                       {"name": "small", "rows": 1000, "dim": 16}],
-        "denseFeatures": 2, "dense": {"dlrm": {"bottom": [8], "top": [8]}},
-        "steps": 4, "batchSize": 16, "datasetSize": 64, "logEvery": 2,
+        "trainers": 1,
+        "parameterServers": 4,
+        "embeddings": [
+            {"name": "huge", "rows": HUGE_ROWS, "dim": 16},
+            {"name": "small", "rows": 1000, "dim": 16},
+        ],
+        "denseFeatures": 2,
+        "dense": {"dlrm": {"bottom": [8], "top": [8]}},
+        "steps": 4,
+        "batchSize": 16,
+        "datasetSize": 64,
+        "logEvery": 2,
         "template": {"resources": {"limits": {"memory": "1200Mi"}}},
-        "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5},
+        "rendezvousTimeoutSeconds": 60,
+        "preflight": {"megabytes": 0.5},
     },
-)  # fmt: skip
+)
 
 
 @pytest.mark.timeout(300)
@@ -171,9 +202,12 @@ def test_a_table_too_big_for_one_server_trains_split_across_four_each_under_its_
     resident memory (what a memory limit counts, torch and the process itself included)
     stays under the plan's estimate and the pods' limit."""
     one = HUGE | {"spec": HUGE["spec"] | {"parameterServers": 1}}
-    with pytest.raises(specs.InvalidSpec, match=r"spec\.parameterServers: ps0 would hold 1\.4 GB"
-                                                r" of tables .* over the pods' memory limit"
-                                                r" 1200Mi .*: use 4 parameterServers"):  # fmt: skip
+    with pytest.raises(
+        specs.InvalidSpec,
+        match=r"spec\.parameterServers: ps0 would hold 1\.4 GB"
+        r" of tables .* over the pods' memory limit"
+        r" 1200Mi .*: use 4 parameterServers",
+    ):
         specs.parse(one)
     code, output, summary = run_to_end(HUGE, tmp_path, timeout=270)
     assert code == 0, output

@@ -45,12 +45,15 @@ def manifest(name: str, **spec: Any) -> dict[str, Any]:
             "trainers": 2,
             "embedding": {"numEmbeddings": ROWS, "dim": DIM, "mode": "sum"},
             "dense": {"outFeatures": CLASSES, "import": "userpkg.bags:mlp", "args": MLP},
-            "steps": 60, "batchSize": 16, "seed": 5, "logEvery": 20,
+            "steps": 60,
+            "batchSize": 16,
+            "seed": 5,
+            "logEvery": 20,
             "optimizer": {"name": "adam", "lr": 0.02},
             "rendezvousTimeoutSeconds": 60,
             **spec,
         },
-    }  # fmt: skip
+    }
 
 
 def settings(tmp_path: Path, **spec: Any) -> Any:
@@ -74,14 +77,18 @@ def user_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_file_in_the_one_line_format_reads_as_the_bags_it_holds(tmp_path: Path) -> None:
     path = str(tmp_path / "train.npz")
-    np.savez(path, ids=np.array([3, 1, 4, 1, 5]), offsets=np.array([0, 2, 2]),
-             labels=np.array([1, 0, 2]))  # fmt: skip
+    np.savez(
+        path, ids=np.array([3, 1, 4, 1, 5]), offsets=np.array([0, 2, 2]), labels=np.array([1, 0, 2])
+    )
     data = FileBags(path, "spec.data.file.train", num_embeddings=6)
     assert data.size == 3
     assert [data.sample(i) for i in range(3)] == [([3, 1], 1), ([], 0), ([4, 1, 5], 2)]
     [batch] = in_order(data, batch_size=8)
     assert [t.tolist() for t in (batch.ids["ids"], batch.offsets("ids"), batch.labels)] == [
-        [3, 1, 4, 1, 5], [0, 2, 2], [1, 0, 2]]  # fmt: skip
+        [3, 1, 4, 1, 5],
+        [0, 2, 2],
+        [1, 0, 2],
+    ]
     assert [b.labels.tolist() for b in in_order(data, 2)] == [[1, 0], [2]]
     assert len(in_order(data, 1, limit=2)) == 2
 
@@ -127,8 +134,11 @@ def test_data_by_import_gives_both_splits_and_checks_its_items(tmp_path: Path) -
     assert isinstance(label, int)
     assert train.sample(3) != val.sample(3)  # another seed
     assert len(next(stream(train, 50, (1, 2), 0, ["ids"], False)).labels) == 25  # any bags
-    small = settings(tmp_path, data={"import": "userpkg.bags:dataset", "args": args},
-                     embedding={"numEmbeddings": 3, "dim": DIM})  # fmt: skip
+    small = settings(
+        tmp_path,
+        data={"import": "userpkg.bags:dataset", "args": args},
+        embedding={"numEmbeddings": 3, "dim": DIM},
+    )
     with pytest.raises(ValueError, match=r"^spec.data.import: item 0 of the train split: ids"):
         [workloads.hybrid_data(small).sample(i) for i in range(50)]
 
@@ -138,8 +148,9 @@ def test_synthetic_data_stays_the_default_with_a_held_out_set_of_another_seed(
 ) -> None:
     spec = settings(tmp_path, datasetSize=500, bagSize=4)
     train, val = workloads.hybrid_data(spec), workloads.hybrid_held_out(spec)
-    assert train.bags == SyntheticBags(size=500, num_embeddings=ROWS, classes=CLASSES,
-                                       bag_size=4, seed=5)  # fmt: skip
+    assert train.bags == SyntheticBags(
+        size=500, num_embeddings=ROWS, classes=CLASSES, bag_size=4, seed=5
+    )
     assert isinstance(val.bags, SyntheticBags) and val.size == 50
     assert [val.sample(i) for i in range(5)] != [train.sample(i) for i in range(5)]
 
@@ -151,11 +162,13 @@ def test_the_loss_comes_from_an_import_with_its_args(tmp_path: Path) -> None:
     scores, labels = torch.randn(6, CLASSES), torch.tensor([0, 1, 2, 3, 2, 1])
     default = workloads.loss(settings(tmp_path))(scores, labels)
     torch.testing.assert_close(default, F.cross_entropy(scores, labels))
-    spec = settings(tmp_path, loss={"import": "torch.nn:CrossEntropyLoss",
-                                    "args": {"label_smoothing": 0.1}})  # fmt: skip
+    spec = settings(
+        tmp_path, loss={"import": "torch.nn:CrossEntropyLoss", "args": {"label_smoothing": 0.1}}
+    )
     made = pickle.loads(pickle.dumps(workloads.loss(spec)))  # as it crosses RPC: by its words
-    torch.testing.assert_close(made(scores, labels),
-                               F.cross_entropy(scores, labels, label_smoothing=0.1))  # fmt: skip
+    torch.testing.assert_close(
+        made(scores, labels), F.cross_entropy(scores, labels, label_smoothing=0.1)
+    )
 
 
 def test_the_dense_module_is_checked_against_the_embeddings_and_the_labels(
@@ -164,21 +177,29 @@ def test_the_dense_module_is_checked_against_the_embeddings_and_the_labels(
     spec = settings(tmp_path)
     dense = workloads.hybrid_dense(spec, dense_features=0)
     assert isinstance(dense, nn.Sequential)
-    batch = in_order(SyntheticBags(size=32, num_embeddings=ROWS, classes=8, bag_size=3,
-                                   seed=0), 32)[0]  # fmt: skip
+    batch = in_order(
+        SyntheticBags(size=32, num_embeddings=ROWS, classes=8, bag_size=3, seed=0), 32
+    )[0]
     assert max(batch.labels) == 7
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "spec.dense.import: the dense module outputs (32, 4) but the labels (32,) go up"
-            " to 7: IndexError")):  # fmt: skip
+            " to 7: IndexError"
+        ),
+    ):
         check_dense(spec, dense, F.cross_entropy, batch, cpu)
     narrow = settings(tmp_path, embedding={"numEmbeddings": ROWS, "dim": 5})
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "spec.dense.import: the dense module fails on the bags' embeddings of shape"
-            " (32, 5): RuntimeError: mat1 and mat2 shapes cannot be multiplied")):  # fmt: skip
+            " (32, 5): RuntimeError: mat1 and mat2 shapes cannot be multiplied"
+        ),
+    ):
         check_dense(narrow, dense, F.cross_entropy, batch, cpu)
-    fits = in_order(SyntheticBags(size=8, num_embeddings=ROWS, classes=4, bag_size=3,
-                                  seed=0), 8)[0]  # fmt: skip
+    fits = in_order(SyntheticBags(size=8, num_embeddings=ROWS, classes=4, bag_size=3, seed=0), 8)[0]
     check_dense(spec, dense, F.cross_entropy, fits, cpu)
 
 
@@ -207,9 +228,13 @@ def test_a_user_dense_module_trains_on_file_data_and_its_output_loads(
     user.write(train, ROWS, CLASSES, count=600, seed=1)
     user.write(val, ROWS, CLASSES, count=200, seed=2)
     out, ckpt = tmp_path / "model", tmp_path / "ckpt"
-    job = manifest("user-hybrid", data={"file": {"train": train, "val": val}},
-                   eval={"everySteps": 20}, output={"path": str(out)},
-                   checkpoint={"path": str(ckpt), "everySteps": 60})  # fmt: skip
+    job = manifest(
+        "user-hybrid",
+        data={"file": {"train": train, "val": val}},
+        eval={"everySteps": 20},
+        output={"path": str(out)},
+        checkpoint={"path": str(ckpt), "everySteps": 60},
+    )
     code, output, summary = run_to_end(job, tmp_path, timeout=210)
     assert code == 0, output
     assert summary is not None, output
@@ -217,17 +242,26 @@ def test_a_user_dense_module_trains_on_file_data_and_its_output_loads(
     # It trained: the loss fell, and the held-out figures were reported as it went.
     assert summary["finalLoss"] < 0.5 * summary["firstLoss"], summary
     for step in (20, 40, 60):
-        assert re.search(rf"^master\s*\| eval step {step}: loss [\d.]+, accuracy [\d.]+% on"
-                         r" 200 held-out bags$", output, re.M), output  # fmt: skip
+        assert re.search(
+            rf"^master\s*\| eval step {step}: loss [\d.]+, accuracy [\d.]+% on"
+            r" 200 held-out bags$",
+            output,
+            re.M,
+        ), output
     assert summary["evalStep"] == 60 and summary["evalSamples"] == 200
     assert summary["evalAccuracy"] > 0.7, summary  # chance is 0.25
-    assert re.search(r"^master\s*\| held-out: loss [\d.]+, accuracy [\d.]+% on 200 bags"
-                     r" \(after step 60\)$", output, re.M), output  # fmt: skip
+    assert re.search(
+        r"^master\s*\| held-out: loss [\d.]+, accuracy [\d.]+% on 200 bags"
+        r" \(after step 60\)$",
+        output,
+        re.M,
+    ), output
     assert summary["samplesRepeated"] == 0
     assert [t["share"] for t in summary["perTrainer"].values()] == [16, 16]
     wrote = r" table.safetensors, dense.safetensors, model.json$"
-    assert re.search(rf"^master\s*\| wrote the trained model to {re.escape(str(out))}:{wrote}",
-                     output, re.M), output  # fmt: skip
+    assert re.search(
+        rf"^master\s*\| wrote the trained model to {re.escape(str(out))}:{wrote}", output, re.M
+    ), output
 
     # The files load strictly into plain modules and give the run's held-out figures.
     loss, accuracy = plain_evaluation(out, val)
@@ -261,9 +295,17 @@ def test_a_user_dense_module_trains_on_file_data_and_its_output_loads(
 def test_a_dense_import_that_fails_in_the_pod_is_a_permanent_failure(
     tmp_path: Path, user_path: None
 ) -> None:
-    job = manifest("broken-dense", steps=2, preflight={"enabled": False},
-                   dense={"outFeatures": CLASSES, "import": "userpkg.missing:mlp"})  # fmt: skip
+    job = manifest(
+        "broken-dense",
+        steps=2,
+        preflight={"enabled": False},
+        dense={"outFeatures": CLASSES, "import": "userpkg.missing:mlp"},
+    )
     code, output, _ = run_to_end(job, tmp_path, timeout=120)
     assert code == ExitCode.PERMANENT, output
-    assert re.search(r"^master\s*\| permanent: ImportFailed: .*spec\.dense\.import: cannot"
-                     r" import 'userpkg\.missing'", output, re.M), output  # fmt: skip
+    assert re.search(
+        r"^master\s*\| permanent: ImportFailed: .*spec\.dense\.import: cannot"
+        r" import 'userpkg\.missing'",
+        output,
+        re.M,
+    ), output

@@ -43,8 +43,11 @@ def installed(image: str) -> dict[str, str]:
 
 
 def checkout(folder: Path, prefix: str = "") -> dict[str, str]:
-    return {prefix + str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*.py")) if "__pycache__" not in p.parts}  # fmt: skip
+    return {
+        prefix + str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*.py"))
+        if "__pycache__" not in p.parts
+    }
 
 
 def test_the_operator_image_starts_and_holds_the_checkouts_operator_code(images: Images):
@@ -74,8 +77,10 @@ def test_the_trainer_image_holds_the_checkouts_code_and_starts_the_trainer(image
 )
 def test_each_image_keeps_to_its_side_of_the_torch_line(images: Images, which, absent, present):
     image = getattr(images, which)
-    check = (f"import importlib.util as u; "
-             f"print(u.find_spec('{absent}'), u.find_spec('{present}') is not None)")  # fmt: skip
+    check = (
+        f"import importlib.util as u; "
+        f"print(u.find_spec('{absent}'), u.find_spec('{present}') is not None)"
+    )
     done = run(image, "-c", check, entrypoint="python")
     assert done.stdout.split() == ["None", "True"], done.stdout + done.stderr
 

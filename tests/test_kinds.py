@@ -478,8 +478,10 @@ def _class_drift(cls: type, table: Field, prefix: str, minimal: dict) -> list[st
             f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
         )
         if absent and not optional and not defaulted:
-            problems.append(f"{where}: {path} may be absent from a spec: type it X | None ="
-                            " None, or give it an empty default")  # fmt: skip
+            problems.append(
+                f"{where}: {path} may be absent from a spec: type it X | None ="
+                " None, or give it an empty default"
+            )
         if optional and not absent:
             problems.append(f"{where}: {path} is always in a defaulted spec: drop the | None")
         if optional and f.default is not None:

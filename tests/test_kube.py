@@ -64,8 +64,10 @@ def test_container_runs_the_trainer_and_exposes_the_rendezvous_ports():
         {"name": "monitor", "containerPort": 29503},  # /progress and /metrics
     ]
     assert by_role["ps"]["ports"] == [{"name": "rpc", "containerPort": 29500}]
-    assert by_role["trainer"]["ports"] == [{"name": "rpc", "containerPort": 29500},
-                                           {"name": "ddp", "containerPort": 29501}]  # fmt: skip
+    assert by_role["trainer"]["ports"] == [
+        {"name": "rpc", "containerPort": 29500},
+        {"name": "ddp", "containerPort": 29501},
+    ]
     trainer_env = {e["name"]: e["value"] for e in by_role["trainer"]["env"]}
     assert trainer_env[contract.DDP_ADDR] == "pj-trainer-0.pj"
 
@@ -81,9 +83,13 @@ def test_labels_owner_and_restart_generation():
     assert kube.restart_of(pod) == 2
     (owner,) = pod["metadata"]["ownerReferences"]
     assert owner == {
-        "apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob", "name": "pj", "uid": UID,
-        "controller": True, "blockOwnerDeletion": True,
-    }  # fmt: skip
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "PipelineJob",
+        "name": "pj",
+        "uid": UID,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
     assert pod["metadata"]["namespace"] == "team"
 
 
@@ -122,8 +128,13 @@ def test_gpus_per_role_become_nvidia_gpu_requests_and_limits():
 
 def test_hybrid_gpus_go_to_trainers_only():
     _, pods = world("HybridJob", trainers=2, gpusPerTrainer=1)
-    gpus = {p["metadata"]["name"]: p["spec"]["containers"][0].get("resources", {})
-            .get("limits", {}).get("nvidia.com/gpu") for p in pods}  # fmt: skip
+    gpus = {
+        p["metadata"]["name"]: p["spec"]["containers"][0]
+        .get("resources", {})
+        .get("limits", {})
+        .get("nvidia.com/gpu")
+        for p in pods
+    }
     assert gpus == {"pj-master-0": None, "pj-ps-0": None, "pj-trainer-0": 1, "pj-trainer-1": 1}
 
 
@@ -146,8 +157,15 @@ def test_template_overrides():
     assert container["image"] == "registry.example/trainer:dev"
     assert container["imagePullPolicy"] == "Always"
     assert container["volumeMounts"] == template["volumeMounts"]
-    for key in ("nodeSelector", "tolerations", "affinity", "volumes", "serviceAccountName",
-                "schedulerName", "priorityClassName"):  # fmt: skip
+    for key in (
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "volumes",
+        "serviceAccountName",
+        "schedulerName",
+        "priorityClassName",
+    ):
         assert pod_spec[key] == template[key], key
     assert pod_spec["automountServiceAccountToken"] is True  # the user asked for an account
 
@@ -174,7 +192,11 @@ def test_headless_service_publishes_not_ready_addresses():
     assert svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == {kube.JOB_LABEL: "pj"}
     assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [
-        ("rpc", 29500), ("ddp", 29501), ("preflight", 29502), ("monitor", 29503)]  # fmt: skip
+        ("rpc", 29500),
+        ("ddp", 29501),
+        ("preflight", 29502),
+        ("monitor", 29503),
+    ]
     pipeline = kube.service(spec.parse(manifest()), "team")
     assert [p["name"] for p in pipeline["spec"]["ports"]] == ["rpc", "preflight", "monitor"]
     assert svc["metadata"]["ownerReferences"][0]["uid"] == UID
@@ -183,13 +205,19 @@ def test_headless_service_publishes_not_ready_addresses():
 @pytest.mark.parametrize(
     ("template", "path", "words"),
     [
-        ({"env": [{"name": "MASTER_ADDR", "value": "x"}]}, "spec.template.env[0].name",
-         "set by pipejob"),
+        (
+            {"env": [{"name": "MASTER_ADDR", "value": "x"}]},
+            "spec.template.env[0].name",
+            "set by pipejob",
+        ),
         ({"env": [{"value": "x"}]}, "spec.template.env[0].name", "is required"),
-        ({"volumeMounts": [{"name": "data", "mountPath": "/d"}]},
-         "spec.template.volumeMounts[0].name", "no volume 'data'"),
+        (
+            {"volumeMounts": [{"name": "data", "mountPath": "/d"}]},
+            "spec.template.volumeMounts[0].name",
+            "no volume 'data'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_parse_names_what_no_pod_could_run_with(template, path, words):
     with pytest.raises(spec.InvalidSpec) as refused:
         spec.parse(manifest(template=template))
@@ -205,10 +233,12 @@ def test_a_failed_trainer_says_why_in_its_termination_message():
 
 
 CHECKPOINT_TEMPLATE = {
-    "volumes": [{"name": "data", "emptyDir": {}}, {"name": "ckpt", "persistentVolumeClaim":
-                {"claimName": "ckpt"}}],
+    "volumes": [
+        {"name": "data", "emptyDir": {}},
+        {"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}},
+    ],
     "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-}  # fmt: skip
+}
 
 
 def test_the_checkpoint_volume_is_mounted_at_the_checkpoint_path_in_every_pod():
@@ -225,22 +255,39 @@ def test_the_checkpoint_volume_is_mounted_at_the_checkpoint_path_in_every_pod():
     # Without a volume the template is expected to mount the path itself: nothing is added.
     _, pods = world(checkpoint={"path": "/data/ckpt"}, template=CHECKPOINT_TEMPLATE)
     assert pods[0]["spec"]["containers"][0]["volumeMounts"] == [
-        {"name": "data", "mountPath": "/data"}]  # fmt: skip
+        {"name": "data", "mountPath": "/data"}
+    ]
 
 
 @pytest.mark.parametrize(
     ("checkpoint", "template", "path", "words"),
     [
-        ({"path": "/ckpt", "volume": "ckpt"}, {}, "spec.checkpoint.volume",
-         "no volume 'ckpt' in spec.template.volumes"),
-        ({"path": "/ckpt", "volume": "nope"}, CHECKPOINT_TEMPLATE, "spec.checkpoint.volume",
-         "no volume 'nope'"),
-        ({"path": "ckpt", "volume": "ckpt"}, CHECKPOINT_TEMPLATE, "spec.checkpoint.path",
-         "must be an absolute path"),
-        ({"path": "/data/", "volume": "ckpt"}, CHECKPOINT_TEMPLATE, "spec.checkpoint.volume",
-         "spec.template.volumeMounts[0] mounts '/data/' already"),
+        (
+            {"path": "/ckpt", "volume": "ckpt"},
+            {},
+            "spec.checkpoint.volume",
+            "no volume 'ckpt' in spec.template.volumes",
+        ),
+        (
+            {"path": "/ckpt", "volume": "nope"},
+            CHECKPOINT_TEMPLATE,
+            "spec.checkpoint.volume",
+            "no volume 'nope'",
+        ),
+        (
+            {"path": "ckpt", "volume": "ckpt"},
+            CHECKPOINT_TEMPLATE,
+            "spec.checkpoint.path",
+            "must be an absolute path",
+        ),
+        (
+            {"path": "/data/", "volume": "ckpt"},
+            CHECKPOINT_TEMPLATE,
+            "spec.checkpoint.volume",
+            "spec.template.volumeMounts[0] mounts '/data/' already",
+        ),
     ],
-)  # fmt: skip
+)
 def test_parse_refuses_a_checkpoint_volume_no_pod_could_mount(checkpoint, template, path, words):
     with pytest.raises(spec.InvalidSpec) as refused:
         spec.parse(manifest(checkpoint=checkpoint, template=template))
@@ -250,8 +297,11 @@ def test_parse_refuses_a_checkpoint_volume_no_pod_could_mount(checkpoint, templa
 
 
 def test_parse_passes_a_good_template():
-    template = {"env": [{"name": "A", "value": "1"}], "volumes": [{"name": "d", "emptyDir": {}}],
-                "volumeMounts": [{"name": "d", "mountPath": "/d"}]}  # fmt: skip
+    template = {
+        "env": [{"name": "A", "value": "1"}],
+        "volumes": [{"name": "d", "emptyDir": {}}],
+        "volumeMounts": [{"name": "d", "mountPath": "/d"}],
+    }
     assert spec.parse(manifest(template=template)).spec["template"] == template
 
 
@@ -281,8 +331,13 @@ def test_render_refuses_a_bad_manifest_naming_the_field(tmp_path, capsys):
 def test_a_replicated_pipeline_renders_every_replica_and_its_groups():
     job, pods = world(stages=2, replicas=2)
     names = [p["metadata"]["name"] for p in pods]
-    assert names == ["pj-master-0", "pj-r0-stage-0", "pj-r0-stage-1", "pj-r1-stage-0",
-                     "pj-r1-stage-1"]  # fmt: skip
+    assert names == [
+        "pj-master-0",
+        "pj-r0-stage-0",
+        "pj-r0-stage-1",
+        "pj-r1-stage-0",
+        "pj-r1-stage-1",
+    ]
     for pod in pods[1:]:
         labels = pod["metadata"]["labels"]
         replica, index = int(labels[kube.REPLICA_LABEL]), int(labels[kube.INDEX_LABEL])

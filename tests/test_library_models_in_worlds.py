@@ -38,23 +38,34 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 
 def job(name: str, **fields: Any) -> dict[str, Any]:
     factory, args, data = MODELS[name]
-    fields |= {"model": {"import": f"userpkg.libraries:{factory}", "args": args},
-               "stages": 2, "microBatches": 2, "numClasses": 3}  # fmt: skip
+    fields |= {
+        "model": {"import": f"userpkg.libraries:{factory}", "args": args},
+        "stages": 2,
+        "microBatches": 2,
+        "numClasses": 3,
+    }
     return pipeline_job(f"library-{name}", **fields, **({"data": data} if data else {}))
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_library_model_trains_exactly_as_a_job(name: str, tmp_path: Path, monkeypatch):
-    pytest.importorskip({"peft-lora-llama": "peft", "open-clip-text": "open_clip",
-                         "x-transformers": "x_transformers", "vit-pytorch": "vit_pytorch",
-                         "unet2d-condition": "diffusers"}.get(name, "torch"))  # fmt: skip
+    pytest.importorskip(
+        {
+            "peft-lora-llama": "peft",
+            "open-clip-text": "open_clip",
+            "x-transformers": "x_transformers",
+            "vit-pytorch": "vit_pytorch",
+            "unet2d-condition": "diffusers",
+        }.get(name, "torch")
+    )
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
     got = check_gradients(spec.parse(job(name, steps=1)), tmp_path, timeout=400)
     assert len(got["stages"]) == 2 and all(got["stages"]), got["stages"]
 
     out = tmp_path / "model"
-    code, said, summary = run_to_end(job(name, steps=2, output={"path": str(out)}), tmp_path,
-                                     timeout=400)  # fmt: skip
+    code, said, summary = run_to_end(
+        job(name, steps=2, output={"path": str(out)}), tmp_path, timeout=400
+    )
     assert code == 0, said[-3000:]
     assert summary is not None and summary["steps"] == 2, summary
     factory, args, _ = MODELS[name]

@@ -36,9 +36,16 @@ RECIPE = Path(__file__).resolve().parent.parent / "examples" / "lora-causal-lm"
 def write_base(folder: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=32, tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
 
@@ -110,9 +117,15 @@ def test_adapter_files_and_merge_are_peft_s(tmp_path: Path) -> None:
     sharded.mkdir()
     names = sorted(state)
     halves = [names[: len(names) // 2], names[len(names) // 2 :]]
-    shards = [output.write_shard(sharded, output.shard_name(i + 1, 2, "safetensors"),
-                                 {k: state[k] for k in half}, "safetensors")
-              for i, half in enumerate(halves)]  # fmt: skip
+    shards = [
+        output.write_shard(
+            sharded,
+            output.shard_name(i + 1, 2, "safetensors"),
+            {k: state[k] for k in half},
+            "safetensors",
+        )
+        for i, half in enumerate(halves)
+    ]
     output.write_index(sharded, shards, {})
     adapters.write(sharded, configs, True, config)
     assert (sharded / adapters.MERGED / "model.safetensors.index.json").exists()
@@ -120,8 +133,9 @@ def test_adapter_files_and_merge_are_peft_s(tmp_path: Path) -> None:
         AutoModelForCausalLM.from_pretrained(base, attn_implementation=EAGER), sharded
     ).eval()
     torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
-    merged = AutoModelForCausalLM.from_pretrained(sharded / adapters.MERGED,
-                                                  attn_implementation=EAGER).eval()  # fmt: skip
+    merged = AutoModelForCausalLM.from_pretrained(
+        sharded / adapters.MERGED, attn_implementation=EAGER
+    ).eval()
     torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -132,10 +146,15 @@ def test_a_stage_steps_and_keeps_state_for_its_adapters_only(tmp_path: Path) -> 
     write_base(base)
     sys.path.insert(0, str(RECIPE))
     try:
-        s = spec.parse(pipeline_job(
-            "lora", model={"import": "lora_lm:model", "args": {"base": str(base)}},
-            batchSize=4, microBatches=1, optimizer={"name": "adamw", "lr": 0.01},
-        )).settings  # fmt: skip
+        s = spec.parse(
+            pipeline_job(
+                "lora",
+                model={"import": "lora_lm:model", "args": {"base": str(base)}},
+                batchSize=4,
+                microBatches=1,
+                optimizer={"name": "adamw", "lr": 0.01},
+            )
+        ).settings
         meta, numbered = models.build_meta(s)
         units = plan_units(s, meta)
         from pipejob.trainer.pipeline.shards import Partition
@@ -161,8 +180,9 @@ def test_a_stage_steps_and_keeps_state_for_its_adapters_only(tmp_path: Path) -> 
         adapted = sorted(n for n, p in stage.layers.named_parameters() if p.requires_grad)
         assert with_state == adapted and all("lora_" in n for n in adapted), with_state
         frozen = [n for n, p in stage.layers.named_parameters() if not p.requires_grad]
-        assert frozen and all(p.grad is None for p in stage.layers.parameters()
-                              if not p.requires_grad)  # fmt: skip
+        assert frozen and all(
+            p.grad is None for p in stage.layers.parameters() if not p.requires_grad
+        )
         after = stage.layers.state_dict()
         changed = sorted(n for n in after if not torch.equal(after[n], before[k][n]))
         assert changed and all("lora_" in n for n in changed), changed
@@ -189,16 +209,21 @@ def test_the_recipe_trains_and_peft_loads_its_adapters(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     folder = tmp_path / "lora-causal-lm"
-    shutil.copytree(RECIPE, folder, ignore=shutil.ignore_patterns("base", "data", "out",
-                                                                  "__pycache__"))  # fmt: skip
-    subprocess.run([sys.executable, "base.py"], cwd=folder, check=True, timeout=240,
-                   capture_output=True)  # fmt: skip
+    shutil.copytree(
+        RECIPE, folder, ignore=shutil.ignore_patterns("base", "data", "out", "__pycache__")
+    )
+    subprocess.run(
+        [sys.executable, "base.py"], cwd=folder, check=True, timeout=240, capture_output=True
+    )
     summary_file = tmp_path / "summary.json"
     result = subprocess.run(
         [sys.executable, "-m", "pipejob.cli", "run", str(folder / "pipelinejob.yaml")],
-        env=os.environ | {"PIPEJOB_SUMMARY_FILE": str(summary_file)}, cwd=tmp_path,
-        capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
+        env=os.environ | {"PIPEJOB_SUMMARY_FILE": str(summary_file)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     summary = json.loads(summary_file.read_text())
     assert summary["finalLoss"] < summary["losses"][0], summary["losses"]

@@ -42,15 +42,21 @@ def resnet() -> nn.Module:
 def vit() -> nn.Module:
     import timm
 
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10,
-                             depth=2)  # fmt: skip
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, depth=2)
 
 
 def gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                        bos_token_id=0, eos_token_id=0)  # fmt: skip
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)  # its output embedding is tied to its input one
 
 
@@ -66,8 +72,9 @@ def seeded(factory):
     return build
 
 
-@pytest.mark.parametrize("factory", [Custom, resnet, resnet_double, vit, gpt2],
-                         ids=lambda f: f.__name__)  # fmt: skip
+@pytest.mark.parametrize(
+    "factory", [Custom, resnet, resnet_double, vit, gpt2], ids=lambda f: f.__name__
+)
 def test_kept_parameters_equal_a_plain_build_wherever_the_cut_falls(factory) -> None:
     build = seeded(factory)
     plain, registered = materialize.build(build, None)
@@ -105,17 +112,19 @@ class InInit(nn.Module):
 
 
 def lazy() -> nn.Module:
-    model = nn.Sequential(nn.LazyConv2d(4, 3), nn.LazyBatchNorm2d(), nn.Flatten(),
-                          nn.LazyLinear(3))  # fmt: skip
+    model = nn.Sequential(nn.LazyConv2d(4, 3), nn.LazyBatchNorm2d(), nn.Flatten(), nn.LazyLinear(3))
     model(torch.randn(2, 3, 6, 6))  # the dry run that makes their parameters
     return model
 
 
 def parametrized() -> nn.Module:
     P = nn.utils.parametrizations
-    return nn.Sequential(P.weight_norm(nn.Conv2d(3, 8, 3)), P.spectral_norm(nn.Linear(8, 8)),
-                         P.orthogonal(nn.Linear(8, 8)),
-                         nn.utils.spectral_norm(nn.Linear(8, 8)))  # fmt: skip
+    return nn.Sequential(
+        P.weight_norm(nn.Conv2d(3, 8, 3)),
+        P.spectral_norm(nn.Linear(8, 8)),
+        P.orthogonal(nn.Linear(8, 8)),
+        nn.utils.spectral_norm(nn.Linear(8, 8)),
+    )
 
 
 CONSTRUCTS = {  # torch.nn's modules whose building reads values of parameters it made
@@ -125,7 +134,7 @@ CONSTRUCTS = {  # torch.nn's modules whose building reads values of parameters i
     "transformer": lambda: nn.Transformer(16, 2, 2, 2, 32),
     "recurrent": lambda: nn.Sequential(
         nn.LSTM(8, 16, 2, proj_size=4), nn.GRU(8, 8), nn.RNN(4, 4), nn.MultiheadAttention(8, 2)
-    ),  # fmt: skip
+    ),
     "parametrizations": parametrized,
     "lazy": lazy,
     "in-init": InInit,
@@ -142,8 +151,10 @@ def test_whatever_a_stage_keeps_equals_a_plain_build(name: str) -> None:
     plain, _ = materialize.build(build, None)
     after_plain = torch.rand(4)
     numbered = materialize.numbering(*materialize.build(build, ()))
-    expected = {**dict(plain.named_parameters(remove_duplicate=False)),
-                **dict(plain.named_buffers())}  # fmt: skip
+    expected = {
+        **dict(plain.named_parameters(remove_duplicate=False)),
+        **dict(plain.named_buffers()),
+    }
     names = sorted(expected)
     thirds = [names[k * len(names) // 3 : (k + 1) * len(names) // 3] for k in range(3)]
     for wanted in [*thirds, names[::2]]:
@@ -166,10 +177,15 @@ def test_ties_share_one_number_and_replaced_parameters_have_no_name() -> None:
 
 
 def test_the_jobs_model_on_the_meta_device_holds_no_parameter_memory() -> None:
-    model_spec = {"transformer": {"vocabSize": 256, "layers": 4, "width": 128, "heads": 4,
-                                  "seqLen": 16}}  # fmt: skip
-    manifest = {"apiVersion": spec.API_VERSION, "kind": "PipelineJob", "metadata": {"name": "m"},
-                "spec": {"model": model_spec, "stages": 2}}  # fmt: skip
+    model_spec = {
+        "transformer": {"vocabSize": 256, "layers": 4, "width": 128, "heads": 4, "seqLen": 16}
+    }
+    manifest = {
+        "apiVersion": spec.API_VERSION,
+        "kind": "PipelineJob",
+        "metadata": {"name": "m"},
+        "spec": {"model": model_spec, "stages": 2},
+    }
     job = spec.parse(manifest)
     model, numbered = models.build_meta(job.settings)
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -191,6 +207,7 @@ def test_building_leaves_torchs_compiler_unloaded() -> None:
         "assert model.weight.device.type == 'cpu' and model.bias.device.type == 'meta'\n"
         "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          timeout=90, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=90, check=True
+    )
     assert done.stdout.strip() == "[]", done.stdout + done.stderr

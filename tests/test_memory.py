@@ -33,9 +33,13 @@ def test_the_peak_follows_what_the_process_touched_and_starts_over_on_reset():
 
 def test_a_process_that_used_no_gpu_reports_no_gpu_figure():
     figures = memory.peak()
-    assert set(figures) == ({"rssPeakBytes", "cudaPeakBytes"}
-                            if torch.cuda.is_available() and torch.cuda.is_initialized()
-                            else {"rssPeakBytes"})  # fmt: skip
+    assert set(figures) == (
+        {"rssPeakBytes", "cudaPeakBytes"}
+        if torch.cuda.is_available() and torch.cuda.is_initialized()
+        else {"rssPeakBytes"}
+    )
     assert memory.megabytes({"rssPeakBytes": 812_000_000}) == "812 MB"
-    assert (memory.megabytes({"rssPeakBytes": 812_000_000, "cudaPeakBytes": 2_048_000_000})
-            == "812 MB, GPU 2048 MB")  # fmt: skip
+    assert (
+        memory.megabytes({"rssPeakBytes": 812_000_000, "cudaPeakBytes": 2_048_000_000})
+        == "812 MB, GPU 2048 MB"
+    )

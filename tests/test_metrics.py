@@ -52,17 +52,24 @@ def value(page: dict, name: str, **labels: str) -> float:
 
 def test_counters_follow_the_status_transitions_the_operator_writes():
     m = OperatorMetrics()
-    life = [{}, {"phase": st.PENDING, "restarts": 0}, {"phase": st.RUNNING, "restarts": 0},
-            {"phase": st.RESTARTING, "restarts": 1}, {"phase": st.RESTARTING, "restarts": 1},
-            {"phase": st.RUNNING, "restarts": 1}, {"phase": st.SUCCEEDED, "restarts": 1},
-            {"phase": st.SUCCEEDED, "restarts": 1}]  # fmt: skip
+    life = [
+        {},
+        {"phase": st.PENDING, "restarts": 0},
+        {"phase": st.RUNNING, "restarts": 0},
+        {"phase": st.RESTARTING, "restarts": 1},
+        {"phase": st.RESTARTING, "restarts": 1},
+        {"phase": st.RUNNING, "restarts": 1},
+        {"phase": st.SUCCEEDED, "restarts": 1},
+        {"phase": st.SUCCEEDED, "restarts": 1},
+    ]
     for old, new in zip(life, life[1:], strict=False):
         m.observe("a", PIPE, old, new)
     m.observe("b", HYBRID, {}, {"phase": st.FAILED})  # e.g. InvalidSpec at once
     m.observe("c", HYBRID, {}, {"phase": st.RUNNING, "restarts": 0})
     m.observe("c", HYBRID, {"phase": st.RUNNING}, {"phase": st.RESTARTING, "restarts": 1})
-    m.observe("c", HYBRID, {"phase": st.RESTARTING, "restarts": 1},
-              {"phase": st.FAILED, "restarts": 1})  # fmt: skip
+    m.observe(
+        "c", HYBRID, {"phase": st.RESTARTING, "restarts": 1}, {"phase": st.FAILED, "restarts": 1}
+    )
     get = m.registry.get_sample_value
     assert get("pipejob_operator_jobs_created_total", {"kind": PIPE}) == 1
     assert get("pipejob_operator_jobs_created_total", {"kind": HYBRID}) == 2
@@ -129,10 +136,18 @@ def master() -> Iterator[StandInMaster]:
 
 
 def report(step: int, steps: int = 5, **more) -> dict:
-    return {"phase": "training", "step": step, "steps": steps, "loss": 2.0 / (step + 1),
-            "samplesPerSecond": 10.0, "bubble": 0.4, "resumedFromStep": None,
-            "preflight": {"ok": True, "message": "2 links ok"}, "message": None,
-            **more}  # fmt: skip
+    return {
+        "phase": "training",
+        "step": step,
+        "steps": steps,
+        "loss": 2.0 / (step + 1),
+        "samplesPerSecond": 10.0,
+        "bubble": 0.4,
+        "resumedFromStep": None,
+        "preflight": {"ok": True, "message": "2 links ok"},
+        "message": None,
+        **more,
+    }
 
 
 def set_pod(api, name: str, status: dict) -> None:
@@ -141,8 +156,12 @@ def set_pod(api, name: str, status: dict) -> None:
 
 def test_the_operator_polls_progress_into_status_and_counts_the_job(cluster, operator, master):
     api = cluster.api
-    manifest = {"apiVersion": "pipejob.dev/v1alpha1", "kind": PIPE, "metadata": {"name": "pj"},
-                "spec": {"model": "resnet18", "stages": 2, "steps": 5}}  # fmt: skip
+    manifest = {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": PIPE,
+        "metadata": {"name": "pj"},
+        "spec": {"model": "resnet18", "stages": 2, "steps": 5},
+    }
     jobs.create(api, manifest)
     world = ["pj-master-0", "pj-stage-0", "pj-stage-1"]
     jobs.wait_pods(api, "pj", world, timeout=20)
@@ -162,8 +181,16 @@ def test_the_operator_polls_progress_into_status_and_counts_the_job(cluster, ope
     preflight = next(c for c in job["status"]["conditions"] if c["type"] == st.PREFLIGHT)
     assert (preflight["status"], preflight["message"]) == ("True", "2 links ok")
 
-    set_pod(api, "pj-master-0", {"phase": "Succeeded", "containerStatuses": [{"name": "trainer",
-            "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]})  # fmt: skip
+    set_pod(
+        api,
+        "pj-master-0",
+        {
+            "phase": "Succeeded",
+            "containerStatuses": [
+                {"name": "trainer", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}
+            ],
+        },
+    )
     done = jobs.wait_phase(api, PIPE, "pj", "Succeeded", timeout=20)
     assert done["status"]["progress"] == "5/5"
 
@@ -209,9 +236,12 @@ class Api:
 
 def test_only_timer_reconciles_poll_and_each_is_measured(master):
     """A watch event's reconcile never polls: the status a poll writes is a watch event."""
-    manifest = {"apiVersion": "pipejob.dev/v1alpha1", "kind": PIPE,
-                "metadata": {"name": "pj", "namespace": NS, "uid": "u", "generation": 1},
-                "spec": {"stages": 2, "steps": 5}}  # fmt: skip
+    manifest = {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": PIPE,
+        "metadata": {"name": "pj", "namespace": NS, "uid": "u", "generation": 1},
+        "spec": {"stages": 2, "steps": 5},
+    }
     pods = kube.world(parse(manifest), 0, NS, kube.owner_reference(manifest), "img")
     for i, pod in enumerate(pods):
         pod["metadata"]["uid"] = f"p{i}"

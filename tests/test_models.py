@@ -29,9 +29,19 @@ def forward_works(model: nn.Module, size: int) -> bool:
 
 # One of each family in `make test` (ResNet, VGG, EfficientNet, ConvNeXt), every model in
 # `make test-all`: the big ones take half a minute each to trace, even on the meta device.
-@pytest.mark.parametrize("name", exhaustive(PIPELINE_MODELS, {
-    "resnet18", "resnet50", "vgg11", "efficientnet_b0", "convnext_tiny",
-}))  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    exhaustive(
+        PIPELINE_MODELS,
+        {
+            "resnet18",
+            "resnet50",
+            "vgg11",
+            "efficientnet_b0",
+            "convnext_tiny",
+        },
+    ),
+)
 def test_the_table_knows_the_model_as_the_trainer_cuts_it(name):
     with torch.device("meta"):
         model = get_model(name, weights=None, num_classes=10).eval()

@@ -20,17 +20,47 @@ from jobrun import JobRun, pipeline_job
 from pipejob.core.contract import Progress
 from pipejob.trainer.runtime import monitor
 
-PROGRESS_KEYS = {"phase", "step", "steps", "loss", "samplesPerSecond", "bubble",
-                 "learningRate", "gradNorm", "resumedFromStep", "preflight", "message",
-                 "evalStep", "evalLoss", "evalAccuracy", "evalPerplexity", "evalAuc",
-                 "memory", "checkpointStep", "checkpointTime"}  # fmt: skip
+PROGRESS_KEYS = {
+    "phase",
+    "step",
+    "steps",
+    "loss",
+    "samplesPerSecond",
+    "bubble",
+    "learningRate",
+    "gradNorm",
+    "resumedFromStep",
+    "preflight",
+    "message",
+    "evalStep",
+    "evalLoss",
+    "evalAccuracy",
+    "evalPerplexity",
+    "evalAuc",
+    "memory",
+    "checkpointStep",
+    "checkpointTime",
+}
 # Exported only once the master evaluated, each figure only when known.
-EVAL_GAUGES = {"pipejob_eval_step", "pipejob_eval_loss", "pipejob_eval_accuracy",
-               "pipejob_eval_perplexity"}  # fmt: skip
-GAUGES = {"pipejob_step", "pipejob_steps", "pipejob_loss", "pipejob_samples_per_second",
-          "pipejob_step_seconds", "pipejob_bubble_ratio", "pipejob_stage_forward_seconds",
-          "pipejob_stage_backward_seconds", "pipejob_learning_rate",
-          "pipejob_grad_norm", "pipejob_rss_peak_bytes"}  # fmt: skip
+EVAL_GAUGES = {
+    "pipejob_eval_step",
+    "pipejob_eval_loss",
+    "pipejob_eval_accuracy",
+    "pipejob_eval_perplexity",
+}
+GAUGES = {
+    "pipejob_step",
+    "pipejob_steps",
+    "pipejob_loss",
+    "pipejob_samples_per_second",
+    "pipejob_step_seconds",
+    "pipejob_bubble_ratio",
+    "pipejob_stage_forward_seconds",
+    "pipejob_stage_backward_seconds",
+    "pipejob_learning_rate",
+    "pipejob_grad_norm",
+    "pipejob_rss_peak_bytes",
+}
 
 
 def get(url: str) -> tuple[int, str, str]:
@@ -74,16 +104,28 @@ def test_the_board_over_http() -> None:
         when = progress.pop("checkpointTime")
         assert Progress.parse(progress | {"checkpointTime": when}).checkpointTime == when
         assert progress == {
-            "phase": "training", "step": 12, "steps": 20, "loss": 0.75,
-            "samplesPerSecond": 128.0, "bubble": 0.25, "learningRate": 0.002, "gradNorm": 3.5,
+            "phase": "training",
+            "step": 12,
+            "steps": 20,
+            "loss": 0.75,
+            "samplesPerSecond": 128.0,
+            "bubble": 0.25,
+            "learningRate": 0.002,
+            "gradNorm": 3.5,
             "resumedFromStep": 10,
-            "preflight": {"ok": True, "message": "3 links"}, "message": None,
-            "evalStep": None, "evalLoss": None, "evalAccuracy": None, "evalPerplexity": None,
+            "preflight": {"ok": True, "message": "3 links"},
+            "message": None,
+            "evalStep": None,
+            "evalLoss": None,
+            "evalAccuracy": None,
+            "evalPerplexity": None,
             "evalAuc": None,
-            "memory": {"master": {"rssPeakBytes": 5 << 20},
-                       "stage0": {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20}},
+            "memory": {
+                "master": {"rssPeakBytes": 5 << 20},
+                "stage0": {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20},
+            },
             "checkpointStep": 12,
-        }  # fmt: skip
+        }
 
         code, kind, text = get(base + "/metrics")
         assert code == 200 and kind.startswith("text/plain")
@@ -121,7 +163,10 @@ def test_an_evaluation_is_reported_and_exported_once_known() -> None:
         progress = json.loads(get(base + "/progress")[2])
         assert set(progress) == PROGRESS_KEYS
         assert (progress["evalStep"], progress["evalLoss"], progress["evalAccuracy"]) == (
-            10, 1.25, 0.875)  # fmt: skip
+            10,
+            1.25,
+            0.875,
+        )
         assert progress["evalPerplexity"] is None and progress["loss"] == 1.5
         got = samples(get(base + "/metrics")[2])
         assert got["pipejob_eval_step", ()] == 10 and got["pipejob_eval_loss", ()] == 1.25
@@ -178,8 +223,7 @@ class Poller:
 @pytest.mark.slow  # the board over HTTP in process, above; the operator's poll in test_metrics.py
 @pytest.mark.timeout(240)
 def test_a_running_pipeline_master_reports_progress_and_metrics(tmp_path: Path) -> None:
-    job = pipeline_job("watched", stages=2, microBatches=2, steps=6,
-                       preflight={"megabytes": 0.5})  # fmt: skip
+    job = pipeline_job("watched", stages=2, microBatches=2, steps=6, preflight={"megabytes": 0.5})
     with JobRun(job, tmp_path) as run:
         url = run.wait_for(r"progress (http://127\.0\.0\.1:\d+)/progress", timeout=30)[1]
         poller = Poller(url)

@@ -20,23 +20,31 @@ from pipejob.operator import policy_settings as ps
 pytestmark = pytest.mark.timeout(30)
 
 NOW = datetime(2025, 1, 2, tzinfo=UTC)
-PROMETHEUS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
-              "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}  # fmt: skip
+PROMETHEUS = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
 STORE = {"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "ports": [{"port": 443}]}
 WORLD = {"podSelector": {"matchLabels": {kube.JOB_LABEL: "j"}}}
 
 
 def job_obj(kind: str = "HybridJob", **spec) -> dict:
-    return {"apiVersion": API_VERSION, "kind": kind,
-            "metadata": {"name": "j", "namespace": "ns", "uid": "u-1", "generation": 1},
-            "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": API_VERSION,
+        "kind": kind,
+        "metadata": {"name": "j", "namespace": "ns", "uid": "u-1", "generation": 1},
+        "spec": spec,
+    }
 
 
 def monitor_port(job) -> int:
     """The master pod's monitor port, as the world plan gives it to the pods."""
     master = kube.world(job, 0, "ns")[0]
-    return next(p["containerPort"] for p in master["spec"]["containers"][0]["ports"]
-                if p["name"] == "monitor")  # fmt: skip
+    return next(
+        p["containerPort"]
+        for p in master["spec"]["containers"][0]["ports"]
+        if p["name"] == "monitor"
+    )
 
 
 def test_the_default_policy_admits_the_world_only_and_leaves_egress_open() -> None:
@@ -44,12 +52,17 @@ def test_the_default_policy_admits_the_world_only_and_leaves_egress_open() -> No
     owner = kube.owner_reference(job_obj())
     policy = kube.network_policy(job, "ns", owner, ps.DEFAULT)
     assert policy["metadata"] == {
-        "name": "j", "namespace": "ns", "ownerReferences": [owner],
+        "name": "j",
+        "namespace": "ns",
+        "ownerReferences": [owner],
         "labels": {kube.JOB_LABEL: "j", "app.kubernetes.io/managed-by": "pipejob"},
-    }  # fmt: skip
+    }
     # Every pod of the job, of any world and any size: the job's label, not the restart's.
-    assert policy["spec"] == {"podSelector": WORLD["podSelector"], "policyTypes": ["Ingress"],
-                              "ingress": [{"from": [WORLD]}]}  # fmt: skip
+    assert policy["spec"] == {
+        "podSelector": WORLD["podSelector"],
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [WORLD]}],
+    }
 
 
 def test_the_monitor_port_admits_the_named_peers_and_egress_can_be_restricted() -> None:
@@ -102,7 +115,8 @@ def test_the_policy_comes_with_each_new_world_and_not_otherwise() -> None:
     obj = job_obj(trainers=2)
     first = reconcile.decide(obj, [], NOW, "img")
     assert first.create and first.policy == kube.network_policy(
-        parse(obj), "ns", kube.owner_reference(obj), ps.DEFAULT)  # fmt: skip
+        parse(obj), "ns", kube.owner_reference(obj), ps.DEFAULT
+    )
     pods = [dict(p, status={"phase": "Running"}) for p in first.create]
     assert reconcile.decide(obj, pods, NOW, "img").policy is None  # the world stands
     off = reconcile.decide(obj, [], NOW, "img", policy=None)
@@ -120,8 +134,7 @@ def test_a_refused_policy_makes_no_pods_and_says_why_once() -> None:
     reasons = [e.reason for e in acts.events]
     assert "NetworkPolicyRefused" in reasons and "CreatedPods" not in reasons
     obj["status"] = acts.status
-    again = refusals.without_policy(reconcile.decide(obj, [], NOW, "img"), acts.status, error,
-                                     NOW)  # fmt: skip
+    again = refusals.without_policy(reconcile.decide(obj, [], NOW, "img"), acts.status, error, NOW)
     assert "NetworkPolicyRefused" not in [e.reason for e in again.events]
 
 

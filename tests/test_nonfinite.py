@@ -37,12 +37,19 @@ def blowing_up(name: str, tmp_path: Path, backward: bool = False, **fields) -> d
     """A 3-stage job whose model gives NaN in step AT's forwards (or backwards), in stage
     1's module 6."""
     args = {"at": AT, "micro_batches": 2, "backward": backward}
-    return pipeline_job(name, **{
-        "model": {"import": "userpkg.blowup:cnn", "args": args},
-        "stages": 3, "splitPoints": ["3", "8"], "steps": 5, "microBatches": 2,
-        "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 1},
-        "output": {"path": str(tmp_path / "out")}, **fields,
-    })  # fmt: skip
+    return pipeline_job(
+        name,
+        **{
+            "model": {"import": "userpkg.blowup:cnn", "args": args},
+            "stages": 3,
+            "splitPoints": ["3", "8"],
+            "steps": 5,
+            "microBatches": 2,
+            "checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 1},
+            "output": {"path": str(tmp_path / "out")},
+            **fields,
+        },
+    )
 
 
 def test_a_step_that_goes_non_finite_fails_the_job_keeping_the_last_checkpoint(
@@ -53,8 +60,10 @@ def test_a_step_that_goes_non_finite_fails_the_job_keeping_the_last_checkpoint(
     job = blowing_up("nan", tmp_path, **PIPELINING)
     code, out, _ = run_to_end(job, tmp_path, timeout=240)
     assert code == ExitCode.PERMANENT, out
-    said = (f"permanent: NonFinite: training failed: NonFiniteError: step {AT}: the loss is nan,"
-            " first non-finite in stage1's forward; its update was not applied")  # fmt: skip
+    said = (
+        f"permanent: NonFinite: training failed: NonFiniteError: step {AT}: the loss is nan,"
+        " first non-finite in stage1's forward; its update was not applied"
+    )
     assert said in out, out[-3000:]
     assert f"step {AT}/" not in out  # the step never completed
     last = checkpoint.latest(tmp_path / "ckpt")  # the last good step's, whole (checksums)
@@ -73,8 +82,10 @@ def test_skipped_non_finite_steps_leave_the_weights_as_they_were(tmp_path: Path,
     job = blowing_up("skip", tmp_path, backward=True, skipNonFiniteSteps=1)
     code, out, _ = run_to_end(job, tmp_path, timeout=240)
     assert code == ExitCode.SUCCEEDED, out[-3000:]
-    assert (f"step {AT}: the gradient norm is nan, first non-finite in stage1's backward:"
-            " skipped, the weights left as they were (1 of 1 allowed)") in out  # fmt: skip
+    assert (
+        f"step {AT}: the gradient norm is nan, first non-finite in stage1's backward:"
+        " skipped, the weights left as they were (1 of 1 allowed)"
+    ) in out
     state = load_file(tmp_path / "out" / "model.safetensors")
     assert all(torch.isfinite(v).all() for v in state.values())
 
@@ -89,21 +100,35 @@ HYBRID_SAYS = {
 
 # The pipeline's stop on a non-finite step above holds the hybrid job's: both are `slow`.
 @pytest.mark.parametrize("phase", exhaustive(HYBRID_SAYS, set()))
-def test_a_hybrid_job_stops_on_a_non_finite_loss_or_held_out_output(phase: str, tmp_path: Path,
-                                                                     monkeypatch):  # fmt: skip
+def test_a_hybrid_job_stops_on_a_non_finite_loss_or_held_out_output(
+    phase: str, tmp_path: Path, monkeypatch
+):
     """A HybridJob stops too: on the trainer whose loss is not finite, before the backward
     that would update the tables on the parameter servers; or in an evaluation whose
     outputs are not finite, which reports no figure."""
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
     held_out = phase == "held-out"
-    job = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
-           "metadata": {"name": "nan-hybrid"},
-           "spec": {"trainers": 1, "embedding": {"numEmbeddings": 64, "dim": 8},
-                    "dense": {"outFeatures": 4, "import": "userpkg.blowup:dense",
-                              "args": {"at": AT, "dim": 8, "classes": 4, "held_out": held_out}},
-                    "steps": 5, "batchSize": 8, "bagSize": 4, "datasetSize": 40,
-                    **({"eval": {"everySteps": 1}} if held_out else {}),
-                    "rendezvousTimeoutSeconds": 60, "preflight": {"megabytes": 0.5}}}  # fmt: skip
+    job = {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "HybridJob",
+        "metadata": {"name": "nan-hybrid"},
+        "spec": {
+            "trainers": 1,
+            "embedding": {"numEmbeddings": 64, "dim": 8},
+            "dense": {
+                "outFeatures": 4,
+                "import": "userpkg.blowup:dense",
+                "args": {"at": AT, "dim": 8, "classes": 4, "held_out": held_out},
+            },
+            "steps": 5,
+            "batchSize": 8,
+            "bagSize": 4,
+            "datasetSize": 40,
+            **({"eval": {"everySteps": 1}} if held_out else {}),
+            "rendezvousTimeoutSeconds": 60,
+            "preflight": {"megabytes": 0.5},
+        },
+    }
     code, out, _ = run_to_end(job, tmp_path, timeout=240)
     assert code == ExitCode.PERMANENT, out
     said = r"permanent: NonFinite: training failed: NonFiniteError on trainer0: "
@@ -112,8 +137,11 @@ def test_a_hybrid_job_stops_on_a_non_finite_loss_or_held_out_output(phase: str, 
 
 
 def test_the_guard_stops_at_the_first_unless_told_to_skip():
-    with pytest.raises(NonFiniteError, match=r"step 7: the gradient norm is inf, first"
-                                             r" non-finite in stage0's backward"):  # fmt: skip
+    with pytest.raises(
+        NonFiniteError,
+        match=r"step 7: the gradient norm is inf, first"
+        r" non-finite in stage0's backward",
+    ):
         Guard().check(7, "gradient norm", math.inf, "stage0's backward")
     guard = Guard(allowed=2)
     assert "skipped" in guard.check(1, "loss", math.nan, "stage1's forward")
@@ -128,7 +156,8 @@ def test_the_evaluation_reports_no_figure_from_non_finite_outputs():
     tally = Tally(CLASSIFICATION)
     labels = torch.tensor([0, 1])
     tally.add(torch.tensor([[2.0, 0.0], [0.0, 2.0]]), labels, cross_entropy)
-    with pytest.raises(NonFiniteError, match="held-out batch after 2 samples: the model's"
-                                             " outputs are not finite"):  # fmt: skip
+    with pytest.raises(
+        NonFiniteError, match="held-out batch after 2 samples: the model's outputs are not finite"
+    ):
         tally.add(torch.tensor([[math.nan, 0.0], [0.0, 1.0]]), labels, cross_entropy)
     assert tally.result()["accuracy"] == 1.0 and tally.samples == 2  # the finite batch only

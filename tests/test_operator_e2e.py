@@ -19,8 +19,18 @@ pytestmark = pytest.mark.timeout(240)
 
 NS = "default"
 # The examples, cut down for 2 CPU cores.
-PIPELINE = ("resnet50-pipeline.yaml", {"stages": 2, "imageSize": 32, "batchSize": 4,
-            "microBatches": 2, "numClasses": 10, "steps": 3, "logEvery": 1})  # fmt: skip
+PIPELINE = (
+    "resnet50-pipeline.yaml",
+    {
+        "stages": 2,
+        "imageSize": 32,
+        "batchSize": 4,
+        "microBatches": 2,
+        "numClasses": 10,
+        "steps": 3,
+        "logEvery": 1,
+    },
+)
 HYBRID = ("hybrid.yaml", {"steps": 10, "datasetSize": 512, "logEvery": 1})
 
 
@@ -102,8 +112,10 @@ def test_a_killed_stage_of_replica_1_restarts_the_replicated_world(cluster, kube
     assert done["status"]["replicas"] == 2
     assert len([uid for uid in pod_uids(kubelet, name) if uid not in first_world]) == 5
     events = [e["message"] for e in api.list("v1/events", NS) if e["type"] == "Warning"]
-    assert any(f"stage 0 of replica 1 (pod {name}-r1-stage-0) failed with exit code 137" in m
-               for m in events), events  # fmt: skip
+    assert any(
+        f"stage 0 of replica 1 (pod {name}-r1-stage-0) failed with exit code 137" in m
+        for m in events
+    ), events
     log = kubelet.logs(NS, f"{name}-master-0")
     assert "2 replicas (all-reduce" in log and "largest difference between replicas 0)" in log
     all_stopped(api, kubelet)
@@ -151,24 +163,40 @@ def test_the_operator_killed_and_restarted_mid_job_makes_no_duplicates(cluster, 
 
 
 # The pipelining example, cut down likewise: 1F1B over the stages' pipe group.
-PIPELINING = ("resnet50-pipelining.yaml", {"model": "resnet18", "stages": 2, "imageSize": 32,
-              "batchSize": 4, "microBatches": 2, "numClasses": 10, "logEvery": 1,
-              "preflight": {"megabytes": 0.25}})  # fmt: skip
+PIPELINING = (
+    "resnet50-pipelining.yaml",
+    {
+        "model": "resnet18",
+        "stages": 2,
+        "imageSize": 32,
+        "batchSize": 4,
+        "microBatches": 2,
+        "numClasses": 10,
+        "logEvery": 1,
+        "preflight": {"megabytes": 0.25},
+    },
+)
 
 
 @pytest.mark.timeout(420)
-def test_a_pipelining_job_with_replicas_restarts_and_resumes(cluster, kubelet, operator,
-                                                             tmp_path):  # fmt: skip
+def test_a_pipelining_job_with_replicas_restarts_and_resumes(cluster, kubelet, operator, tmp_path):
     """The pipelining engine on the cluster: its stage pods open the group port the plan
     gives them, and a stage of replica 1 killed after a checkpoint restarts the world, which
     resumes from it and succeeds."""
     api = cluster.api
     steps, every = 8, 2
     ckpt = tmp_path / "checkpoints"  # the process-kubelet mounts nothing: a shared directory
-    spec = {"steps": steps, "replicas": 2, "backoffLimit": 2,
-            "checkpoint": {"path": str(ckpt), "everySteps": every, "volume": "ckpt"},
-            "template": {"volumes": [{"name": "ckpt", "hostPath": {
-                "path": str(ckpt), "type": "DirectoryOrCreate"}}]}}  # fmt: skip
+    spec = {
+        "steps": steps,
+        "replicas": 2,
+        "backoffLimit": 2,
+        "checkpoint": {"path": str(ckpt), "everySteps": every, "volume": "ckpt"},
+        "template": {
+            "volumes": [
+                {"name": "ckpt", "hostPath": {"path": str(ckpt), "type": "DirectoryOrCreate"}}
+            ]
+        },
+    }
     name = name_of(start(api, PIPELINING, **spec))
     master = f"{name}-master-0"
     stages = [f"{name}-r{r}-stage-{i}" for r in range(2) for i in range(2)]
@@ -201,13 +229,22 @@ def test_the_dlrm_example_restarts_as_one_world_when_a_server_dies_and_resumes(
     shows the held-out AUC."""
     api = cluster.api
     data, ckpt = jobs.EXAMPLES / "dlrm", tmp_path / "ckpt"
-    spec = {"steps": 30, "eval": {"everySteps": 10}, "logEvery": 5, "backoffLimit": 2,
-            "preflight": {"megabytes": 0.25}, "output": {"path": str(tmp_path / "out")},
-            "logging": {"tensorboard": str(tmp_path / "runs")},
-            "data": {"criteo": {"train": str(data / "train.tsv"), "val": str(data / "val.tsv")}},
-            "checkpoint": {"path": str(ckpt), "everySteps": 5, "volume": "ckpt"},
-            "template": {"volumes": [{"name": "ckpt", "hostPath": {
-                "path": str(ckpt), "type": "DirectoryOrCreate"}}]}}  # fmt: skip
+    spec = {
+        "steps": 30,
+        "eval": {"everySteps": 10},
+        "logEvery": 5,
+        "backoffLimit": 2,
+        "preflight": {"megabytes": 0.25},
+        "output": {"path": str(tmp_path / "out")},
+        "logging": {"tensorboard": str(tmp_path / "runs")},
+        "data": {"criteo": {"train": str(data / "train.tsv"), "val": str(data / "val.tsv")}},
+        "checkpoint": {"path": str(ckpt), "everySteps": 5, "volume": "ckpt"},
+        "template": {
+            "volumes": [
+                {"name": "ckpt", "hostPath": {"path": str(ckpt), "type": "DirectoryOrCreate"}}
+            ]
+        },
+    }
     name = name_of(jobs.create(api, jobs.example("dlrm/hybridjob.yaml", **spec)))
     master = f"{name}-master-0"
     pods = [master, f"{name}-ps-0", f"{name}-ps-1", f"{name}-trainer-0", f"{name}-trainer-1"]

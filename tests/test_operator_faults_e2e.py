@@ -35,27 +35,50 @@ def test_a_frozen_stage_restarts_the_world_as_stalled_and_it_resumes(
     ckpt = tmp_path / "checkpoints"  # the process-kubelet mounts nothing: a shared directory
     trigger = tmp_path / "stuck"  # while it exists, stage1 (rank 2) computes no forward
     model = {"import": "userpkg.stuck:cnn", "args": {"trigger": str(trigger), "rank": 2}}
-    spec = {**SMALL, "steps": steps, "backoffLimit": 3, "watchdog": {"seconds": bound},
-            "model": model,
-            "checkpoint": {"path": str(ckpt), "everySteps": every, "volume": "ckpt"},
-            "template": {"env": [{"name": "PYTHONPATH", "value": str(TESTS)}],
-                         "volumes": [{"name": "ckpt", "hostPath": {
-                             "path": str(ckpt), "type": "DirectoryOrCreate"}}]}}  # fmt: skip
+    spec = {
+        **SMALL,
+        "steps": steps,
+        "backoffLimit": 3,
+        "watchdog": {"seconds": bound},
+        "model": model,
+        "checkpoint": {"path": str(ckpt), "everySteps": every, "volume": "ckpt"},
+        "template": {
+            "env": [{"name": "PYTHONPATH", "value": str(TESTS)}],
+            "volumes": [
+                {"name": "ckpt", "hostPath": {"path": str(ckpt), "type": "DirectoryOrCreate"}}
+            ],
+        },
+    }
     job = jobs.create(api, jobs.example("resnet50-pipeline.yaml", **spec))
     name = job["metadata"]["name"]
     master, frozen = f"{name}-master-0", f"{name}-stage-1"
     jobs.wait_pods(api, name, [master, f"{name}-stage-0", frozen], 20)
     k = every + 1  # past a checkpoint
-    api.wait(f"step {k} done", lambda: max(log_steps(kubelet.logs(NS, master)), default=0) >= k,
-             180)  # fmt: skip
+    api.wait(
+        f"step {k} done", lambda: max(log_steps(kubelet.logs(NS, master)), default=0) >= k, 180
+    )
     kubelet.kill(NS, frozen, signal.SIGSTOP)  # a hung GPU or file read: alive, silent
     struck = time.monotonic()
     first_world = [kubelet.run(NS, f"{name}-{m}") for m in ("master-0", "stage-0")]
 
-    restarting = api.wait("the operator's restart", lambda: (
-        c if (c := next((c for c in status(api, name).get("conditions") or []
-                         if c["type"] == "Restarting" and c["status"] == "True"), None))
-        else None), 120)  # fmt: skip
+    restarting = api.wait(
+        "the operator's restart",
+        lambda: (
+            c
+            if (
+                c := next(
+                    (
+                        c
+                        for c in status(api, name).get("conditions") or []
+                        if c["type"] == "Restarting" and c["status"] == "True"
+                    ),
+                    None,
+                )
+            )
+            else None
+        ),
+        120,
+    )
     reacted = time.monotonic() - struck
     assert restarting["reason"] == "Stalled", restarting
     assert f"stage1 (pod {frozen}) stopped answering: no heartbeat for" in restarting["message"]
@@ -76,14 +99,35 @@ def test_a_frozen_stage_restarts_the_world_as_stalled_and_it_resumes(
     # The second world's stage1 gets stuck in its first forward: its work, not its process.
     trigger.touch()
     jobs.wait_pods(api, name, [master, f"{name}-stage-0", frozen], 60, restart=1)
-    second = api.wait("the second world's resumption", lambda: (
-        int(m[1]) if (m := re.search(r"resumed from step (\d+)", kubelet.logs(NS, master)))
-        else None), 180)  # fmt: skip
+    second = api.wait(
+        "the second world's resumption",
+        lambda: (
+            int(m[1])
+            if (m := re.search(r"resumed from step (\d+)", kubelet.logs(NS, master)))
+            else None
+        ),
+        180,
+    )
     struck = time.monotonic()  # its first step begins
-    restarting = api.wait("the second restart", lambda: (
-        c if (c := next((c for c in status(api, name).get("conditions") or []
-                         if c["type"] == "Restarting" and c["status"] == "True"), None))
-        and status(api, name).get("restarts") == 2 else None), 120)  # fmt: skip
+    restarting = api.wait(
+        "the second restart",
+        lambda: (
+            c
+            if (
+                c := next(
+                    (
+                        c
+                        for c in status(api, name).get("conditions") or []
+                        if c["type"] == "Restarting" and c["status"] == "True"
+                    ),
+                    None,
+                )
+            )
+            and status(api, name).get("restarts") == 2
+            else None
+        ),
+        120,
+    )
     stuck = time.monotonic() - struck
     trigger.unlink()  # the third world's stage1 computes again
     assert restarting["reason"] == "Stalled", restarting
@@ -97,9 +141,11 @@ def test_a_frozen_stage_restarts_the_world_as_stalled_and_it_resumes(
     assert done["status"]["restarts"] == 2, (done["status"], jobs.warnings(api))
     resumed = done["status"]["training"]["resumedFromStep"]
     assert resumed == second  # the stuck world took no step, so wrote no checkpoint
-    print(f"frozen stage on the emulated cluster: restart (Stalled) {reacted:.1f} s after the"
-          f" fault (bound {bound} s); stuck work: restart (Stalled) {stuck:.1f} s after its"
-          f" world resumed; resumed from steps {second}, then {resumed}")  # fmt: skip
+    print(
+        f"frozen stage on the emulated cluster: restart (Stalled) {reacted:.1f} s after the"
+        f" fault (bound {bound} s); stuck work: restart (Stalled) {stuck:.1f} s after its"
+        f" world resumed; resumed from steps {second}, then {resumed}"
+    )
 
 
 @pytest.mark.slow  # a restarted operator converges in test_operator_integration.py
@@ -123,8 +169,9 @@ def test_the_operator_converges_after_the_api_server_was_away(cluster, operator)
     api.wait("the operator refused a while", lambda: cluster.faults.refused >= 3, 15)
     assert jobs.pods(api, "later") == []  # nothing could be made meanwhile
 
-    later = jobs.wait_pods(api, "later", ["later-master-0", "later-stage-0", "later-stage-1"],
-                           timeout=60)  # fmt: skip
+    later = jobs.wait_pods(
+        api, "later", ["later-master-0", "later-stage-0", "later-stage-1"], timeout=60
+    )
     restarted = phase(api, "Restarting", "Pending")
     assert restarted["status"]["restarts"] == 1, (restarted["status"], jobs.warnings(api))
     assert restarted["status"]["conditions"]
@@ -135,21 +182,33 @@ def test_the_operator_converges_after_the_api_server_was_away(cluster, operator)
         names = [p["metadata"]["name"] for p in jobs.pods(api, job)]
         assert len(names) == len(set(names)) == count, names
     assert {p["metadata"]["uid"] for p in jobs.pods(api, "later")} == {
-        p["metadata"]["uid"] for p in later}  # fmt: skip
+        p["metadata"]["uid"] for p in later
+    }
     assert (jobs.get(api, "PipelineJob", "later") or {}).get("status", {}).get("phase")
 
 
 # A HybridJob cut down for 2 CPU cores: a tiny table, a few bags a step.
-HYBRID = {"trainers": 2, "embedding": {"numEmbeddings": 64, "dim": 8, "mode": "sum"},
-          "batchSize": 8, "datasetSize": 256, "logEvery": 1,
-          "preflight": {"megabytes": 0.25}}  # fmt: skip
+HYBRID = {
+    "trainers": 2,
+    "embedding": {"numEmbeddings": 64, "dim": 8, "mode": "sum"},
+    "batchSize": 8,
+    "datasetSize": 256,
+    "logEvery": 1,
+    "preflight": {"megabytes": 0.25},
+}
 
 
 def restarted(api: Api, name: str, count: int) -> dict | None:
     """The HybridJob's Restarting condition once it has restarted `count` times, else None."""
     s = (jobs.get(api, "HybridJob", name) or {}).get("status") or {}
-    found = next((c for c in s.get("conditions") or []
-                  if c["type"] == "Restarting" and c["status"] == "True"), None)  # fmt: skip
+    found = next(
+        (
+            c
+            for c in s.get("conditions") or []
+            if c["type"] == "Restarting" and c["status"] == "True"
+        ),
+        None,
+    )
     return found if found and s.get("restarts") == count else None
 
 
@@ -166,10 +225,18 @@ def test_a_frozen_trainer_then_a_killed_ps_restart_the_hybrid_world_which_resume
     # world's first step (its DDP group, the table's first lookups) took 12 s in a loaded CI run.
     steps, every, bound = 400, 5, 25
     ckpt = tmp_path / "checkpoints"  # the process-kubelet mounts nothing: a shared directory
-    spec = {**HYBRID, "steps": steps, "backoffLimit": 3, "watchdog": {"seconds": bound},
-            "checkpoint": {"path": str(ckpt), "everySteps": every, "volume": "ckpt"},
-            "template": {"volumes": [{"name": "ckpt", "hostPath": {
-                "path": str(ckpt), "type": "DirectoryOrCreate"}}]}}  # fmt: skip
+    spec = {
+        **HYBRID,
+        "steps": steps,
+        "backoffLimit": 3,
+        "watchdog": {"seconds": bound},
+        "checkpoint": {"path": str(ckpt), "everySteps": every, "volume": "ckpt"},
+        "template": {
+            "volumes": [
+                {"name": "ckpt", "hostPath": {"path": str(ckpt), "type": "DirectoryOrCreate"}}
+            ]
+        },
+    }
     job = jobs.create(api, jobs.example("hybrid.yaml", **spec))
     name = job["metadata"]["name"]
     master, ps, frozen = f"{name}-master-0", f"{name}-ps-0", f"{name}-trainer-1"
@@ -186,11 +253,17 @@ def test_a_frozen_trainer_then_a_killed_ps_restart_the_hybrid_world_which_resume
     restarting = api.wait("the restart after the freeze", lambda: restarted(api, name, 1), 120)
     frozen_restart = time.monotonic() - struck
     assert restarting["reason"] == "Stalled", (restarting, jobs.warnings(api))
-    assert f"trainer1 (pod {frozen}) stopped answering: no heartbeat for" in restarting[
-        "message"], restarting  # fmt: skip
+    assert (
+        f"trainer1 (pod {frozen}) stopped answering: no heartbeat for" in restarting["message"]
+    ), restarting
     assert f"(found by master 0, pod {master})" in restarting["message"], restarting
-    stalled = api.wait("the Stalled event", lambda: [  # kopf posts events after the status
-        e for e in api.list("v1/events", NS) if e.get("reason") == "Stalled"], 30)  # fmt: skip
+    stalled = api.wait(
+        "the Stalled event",
+        lambda: [  # kopf posts events after the status
+            e for e in api.list("v1/events", NS) if e.get("reason") == "Stalled"
+        ],
+        30,
+    )
     assert f"trainer1 (pod {frozen}) stopped answering" in stalled[0]["message"], stalled
     jobs.wait_pods(api, name, world, 60, restart=1)
     frozen_pods = time.monotonic() - struck
@@ -199,12 +272,19 @@ def test_a_frozen_trainer_then_a_killed_ps_restart_the_hybrid_world_which_resume
         log = run.log.read_text(errors="replace")
         assert "Traceback" not in log and "tensorpipe_agent" not in log, (run.name, log)
 
-    resumed = api.wait("the second world's resumption", lambda: (
-        int(m[1]) if (m := re.search(r"resumed from step (\d+)", kubelet.logs(NS, master)))
-        else None), 180)  # fmt: skip
+    resumed = api.wait(
+        "the second world's resumption",
+        lambda: (
+            int(m[1])
+            if (m := re.search(r"resumed from step (\d+)", kubelet.logs(NS, master)))
+            else None
+        ),
+        180,
+    )
     assert resumed >= every, resumed
-    api.wait(f"the checkpoint of step {resumed + every}",
-             lambda: checkpointed(resumed + every), 120)  # fmt: skip
+    api.wait(
+        f"the checkpoint of step {resumed + every}", lambda: checkpointed(resumed + every), 120
+    )
     kubelet.kill(NS, ps)  # SIGKILL, as an OOM kill would
     struck = time.monotonic()
     restarting = api.wait("the restart after the kill", lambda: restarted(api, name, 2), 120)
@@ -220,7 +300,9 @@ def test_a_frozen_trainer_then_a_killed_ps_restart_the_hybrid_world_which_resume
     again = done["status"]["training"]["resumedFromStep"]
     assert again >= resumed + every, (resumed, again)  # the second world's own checkpoint
     assert f"step {steps}/{steps}" in kubelet.logs(NS, master)
-    print(f"hybrid on the emulated cluster: frozen trainer1 -> restart (Stalled) after"
-          f" {frozen_restart:.1f} s, new pods after {frozen_pods:.1f} s (bound {bound} s);"
-          f" killed ps -> restart (PodFailed) after {killed_restart:.1f} s, new pods after"
-          f" {killed_pods:.1f} s; resumed from steps {resumed}, then {again}")  # fmt: skip
+    print(
+        f"hybrid on the emulated cluster: frozen trainer1 -> restart (Stalled) after"
+        f" {frozen_restart:.1f} s, new pods after {frozen_pods:.1f} s (bound {bound} s);"
+        f" killed ps -> restart (PodFailed) after {killed_restart:.1f} s, new pods after"
+        f" {killed_pods:.1f} s; resumed from steps {resumed}, then {again}"
+    )

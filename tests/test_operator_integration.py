@@ -38,9 +38,18 @@ def set_pod(api: Api, name: str, phase: str, exit_code: int | None = None) -> No
     """Report a pod's phase (and its container's exit) as the kubelet would."""
     status: dict = {"phase": phase}
     if exit_code is not None:
-        status["containerStatuses"] = [{"name": "trainer", "state": {"terminated": {
-            "exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
-            "finishedAt": "2030-01-01T00:00:00Z"}}}]  # fmt: skip
+        status["containerStatuses"] = [
+            {
+                "name": "trainer",
+                "state": {
+                    "terminated": {
+                        "exitCode": exit_code,
+                        "reason": "Completed" if exit_code == 0 else "Error",
+                        "finishedAt": "2030-01-01T00:00:00Z",
+                    }
+                },
+            }
+        ]
     api.patch(PODS, name, {"status": status}, NS, subresource="status")
 
 
@@ -56,9 +65,14 @@ def test_a_job_gets_its_headless_service_and_one_pod_per_process(cluster, operat
     api = cluster.api
     job = jobs.create(api, pipeline())
     pods = {p["metadata"]["name"]: p for p in world(api)}
-    owner = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob", "name": JOB,
-             "uid": job["metadata"]["uid"], "controller": True,
-             "blockOwnerDeletion": True}  # fmt: skip
+    owner = {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "PipelineJob",
+        "name": JOB,
+        "uid": job["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
     service = api.get("v1/services", JOB, NS)
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
@@ -75,9 +89,16 @@ def test_a_job_gets_its_headless_service_and_one_pod_per_process(cluster, operat
         assert container["command"] == ["python", "-m", "pipejob.trainer"]
         assert env["MASTER_ADDR"] == f"{JOB}-master-0.{JOB}" and env["WORLD_SIZE"] == "3"
         assert (env["RANK"], env["PIPEJOB_ROLE"], env["PIPEJOB_ROLE_INDEX"]) == (
-            str(rank), role, index)  # fmt: skip
-        labels = {"pipejob.dev/job": JOB, "pipejob.dev/role": role, "pipejob.dev/index": index,
-                  "pipejob.dev/restart": "0"}  # fmt: skip
+            str(rank),
+            role,
+            index,
+        )
+        labels = {
+            "pipejob.dev/job": JOB,
+            "pipejob.dev/role": role,
+            "pipejob.dev/index": index,
+            "pipejob.dev/restart": "0",
+        }
         assert labels.items() <= pod["metadata"]["labels"].items()
         assert pod["metadata"]["ownerReferences"] == [owner]
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
@@ -87,16 +108,26 @@ def test_a_job_gets_its_headless_service_and_one_pod_per_process(cluster, operat
     assert condition(pending, "Created")["status"] == "True"
     assert pending["status"]["restarts"] == 0
     uid = job["metadata"]["uid"]
-    events = api.wait("an Event about the job", lambda: [
-        e for e in api.list("v1/events", NS)
-        if e["involvedObject"].get("uid") == uid and e["reason"] == "CreatedPods"], 10)  # fmt: skip
+    events = api.wait(
+        "an Event about the job",
+        lambda: [
+            e
+            for e in api.list("v1/events", NS)
+            if e["involvedObject"].get("uid") == uid and e["reason"] == "CreatedPods"
+        ],
+        10,
+    )
     assert all(name in events[0]["message"] for name in WORLD)
 
 
 def test_a_hybrid_jobs_trainers_meet_for_ddp_on_trainer_0(cluster, operator):
     api = cluster.api
-    manifest = {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
-                "metadata": {"name": "hj"}, "spec": {"trainers": 2}}  # fmt: skip
+    manifest = {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "HybridJob",
+        "metadata": {"name": "hj"},
+        "spec": {"trainers": 2},
+    }
     jobs.create(api, manifest)
     names = ["hj-master-0", "hj-ps-0", "hj-trainer-0", "hj-trainer-1"]
     env = {p["metadata"]["name"]: jobs.env(p) for p in jobs.wait_pods(api, "hj", names, 20)}
@@ -109,10 +140,12 @@ def test_a_hybrid_jobs_trainers_meet_for_ddp_on_trainer_0(cluster, operator):
     assert "PIPEJOB_DDP_ADDR" not in env["hj-ps-0"] and env["hj-ps-0"]["RANK"] == "1"
     ports = {p["name"]: p["port"] for p in api.get("v1/services", "hj", NS)["spec"]["ports"]}
     master = env["hj-master-0"]
-    assert ports == {"rpc": int(master["MASTER_PORT"]),
-                     "ddp": int(env["hj-trainer-0"]["PIPEJOB_DDP_PORT"]),
-                     "preflight": int(master["PIPEJOB_PREFLIGHT_PORT"]),
-                     "monitor": int(master["PIPEJOB_MONITOR_PORT"])}  # fmt: skip
+    assert ports == {
+        "rpc": int(master["MASTER_PORT"]),
+        "ddp": int(env["hj-trainer-0"]["PIPEJOB_DDP_PORT"]),
+        "preflight": int(master["PIPEJOB_PREFLIGHT_PORT"]),
+        "monitor": int(master["PIPEJOB_MONITOR_PORT"]),
+    }
 
 
 def test_status_follows_the_pods_to_success(cluster, operator):
@@ -183,8 +216,14 @@ def test_deleting_a_job_deletes_what_it_made_and_nothing_else(cluster, operator)
     api = cluster.api
     jobs.create(api, pipeline())
     world(api)
-    api.create(PODS, {"metadata": {"name": "bystander", "labels": {"pipejob.dev/job": JOB}},
-                      "spec": {"containers": [{"name": "c", "image": "x"}]}}, NS)  # fmt: skip
+    api.create(
+        PODS,
+        {
+            "metadata": {"name": "bystander", "labels": {"pipejob.dev/job": JOB}},
+            "spec": {"containers": [{"name": "c", "image": "x"}]},
+        },
+        NS,
+    )
     api.delete(jobs.resource("PipelineJob"), JOB, NS)
     assert jobs.names(jobs.pods(api, JOB)) == ["bystander"]
     assert api.find("v1/services", JOB, NS) is None
@@ -195,8 +234,9 @@ def test_deadline_and_ttl(cluster, operator):
     jobs.create(api, pipeline("late", activeDeadlineSeconds=1, ttlSecondsAfterFinished=2))
     failed = jobs.wait_phase(api, "PipelineJob", "late", "Failed", timeout=20)
     assert condition(failed, "Failed")["reason"] == "DeadlineExceeded"
-    api.wait("the job deleted after its TTL",
-             lambda: jobs.get(api, "PipelineJob", "late") is None, 20)  # fmt: skip
+    api.wait(
+        "the job deleted after its TTL", lambda: jobs.get(api, "PipelineJob", "late") is None, 20
+    )
     assert jobs.pods(api, "late") == []
 
 
@@ -225,8 +265,15 @@ def test_each_world_has_a_network_policy_selecting_exactly_its_pods_that_goes_wi
 ):
     api = cluster.api
     job = jobs.create(api, pipeline())
-    jobs.create(api, {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
-                      "metadata": {"name": "hj"}, "spec": {"trainers": 2}})  # fmt: skip
+    jobs.create(
+        api,
+        {
+            "apiVersion": "pipejob.dev/v1alpha1",
+            "kind": "HybridJob",
+            "metadata": {"name": "hj"},
+            "spec": {"trainers": 2},
+        },
+    )
     pods = world(api)
     hybrid = ["hj-master-0", "hj-ps-0", "hj-trainer-0", "hj-trainer-1"]
     jobs.wait_pods(api, "hj", hybrid, 20)
@@ -259,9 +306,12 @@ def test_a_network_policy_of_the_jobs_name_that_is_not_its_own_is_left_alone_and
     cluster, operator
 ):
     api = cluster.api
-    foreign = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-               "metadata": {"name": JOB},
-               "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}  # fmt: skip
+    foreign = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": JOB},
+        "spec": {"podSelector": {}, "policyTypes": ["Ingress"]},
+    }
     api.create(POLICIES, foreign, NS)
     jobs.create(api, pipeline())
 

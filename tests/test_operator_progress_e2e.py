@@ -22,20 +22,37 @@ pytestmark = pytest.mark.timeout(240)
 NS = "default"
 KIND = "PipelineJob"
 # The example, cut down for 2 CPU cores: a small model on tiny images.
-SMALL = {"model": "resnet18", "stages": 2, "imageSize": 32, "batchSize": 4, "microBatches": 2,
-         "numClasses": 10, "logEvery": 1, "preflight": {"megabytes": 0.25}}  # fmt: skip
+SMALL = {
+    "model": "resnet18",
+    "stages": 2,
+    "imageSize": 32,
+    "batchSize": 4,
+    "microBatches": 2,
+    "numClasses": 10,
+    "logEvery": 1,
+    "preflight": {"megabytes": 0.25},
+}
 
 OPERATOR_FAMILIES = {
-    "pipejob_operator_jobs_created", "pipejob_operator_jobs_succeeded",
-    "pipejob_operator_jobs_failed", "pipejob_operator_jobs_restarted", "pipejob_operator_jobs",
+    "pipejob_operator_jobs_created",
+    "pipejob_operator_jobs_succeeded",
+    "pipejob_operator_jobs_failed",
+    "pipejob_operator_jobs_restarted",
+    "pipejob_operator_jobs",
     "pipejob_operator_reconcile_duration_seconds",
     "pipejob_operator_progress_poll_duration_seconds",
-}  # fmt: skip
+}
 TRAINER_FAMILIES = {
-    "pipejob_step", "pipejob_steps", "pipejob_loss", "pipejob_samples_per_second",
-    "pipejob_step_seconds", "pipejob_bubble_ratio", "pipejob_stage_forward_seconds",
-    "pipejob_stage_backward_seconds", "pipejob_rss_peak_bytes",
-}  # fmt: skip
+    "pipejob_step",
+    "pipejob_steps",
+    "pipejob_loss",
+    "pipejob_samples_per_second",
+    "pipejob_step_seconds",
+    "pipejob_bubble_ratio",
+    "pipejob_stage_forward_seconds",
+    "pipejob_stage_backward_seconds",
+    "pipejob_rss_peak_bytes",
+}
 
 
 def families(text: str) -> dict[str, dict[tuple, float]]:
@@ -141,31 +158,46 @@ def test_a_stage_killed_after_step_k_resumes_from_a_checkpoint_at_most_k(
     api = cluster.api
     steps, every = 16, 2
     ckpt = tmp_path / "checkpoints"  # the process-kubelet mounts nothing: a shared directory
-    spec = {**SMALL, "steps": steps, "backoffLimit": 2,
-            "checkpoint": {"path": str(ckpt), "everySteps": every, "volume": "ckpt"},
-            "template": {"volumes": [{"name": "ckpt", "hostPath": {
-                "path": str(ckpt), "type": "DirectoryOrCreate"}}]}}  # fmt: skip
+    spec = {
+        **SMALL,
+        "steps": steps,
+        "backoffLimit": 2,
+        "checkpoint": {"path": str(ckpt), "everySteps": every, "volume": "ckpt"},
+        "template": {
+            "volumes": [
+                {"name": "ckpt", "hostPath": {"path": str(ckpt), "type": "DirectoryOrCreate"}}
+            ]
+        },
+    }
     job = jobs.create(api, jobs.example("resnet50-pipeline.yaml", **spec))
     name = job["metadata"]["name"]
     master = f"{name}-master-0"
     world = jobs.wait_pods(api, name, [master, f"{name}-stage-0", f"{name}-stage-1"], 20)
     for pod in world:  # the operator mounts the checkpoint volume in every pod
         assert {"name": "ckpt", "mountPath": str(ckpt)} in pod["spec"]["containers"][0][
-            "volumeMounts"]  # fmt: skip
+            "volumeMounts"
+        ]
 
     k = every * 2 + 1  # past two checkpoints
-    api.wait(f"step {k} done", lambda: max(log_steps(kubelet.logs(NS, master)), default=0) >= k,
-             150)  # fmt: skip
+    api.wait(
+        f"step {k} done", lambda: max(log_steps(kubelet.logs(NS, master)), default=0) >= k, 150
+    )
     kubelet.kill(NS, f"{name}-stage-1")  # as an OOM kill would
     first_run = kubelet.run(NS, master)
     api.wait("the first master gone", lambda: not first_run.running, 60)
     last_done = max(log_steps(first_run.log.read_text(errors="replace")))
 
     # The restarted world reports where it resumed while it runs ...
-    resumed = api.wait("the new world's resume point in status", lambda: (
-        s["training"]["resumedFromStep"]
-        if (s := status(api, name)).get("restarts") == 1
-        and (s.get("training") or {}).get("resumedFromStep") else None), 150)  # fmt: skip
+    resumed = api.wait(
+        "the new world's resume point in status",
+        lambda: (
+            s["training"]["resumedFromStep"]
+            if (s := status(api, name)).get("restarts") == 1
+            and (s.get("training") or {}).get("resumedFromStep")
+            else None
+        ),
+        150,
+    )
     assert 0 < resumed <= last_done and resumed % every == 0
     done = jobs.wait_phase(api, KIND, name, "Succeeded", timeout=150)
     assert done["status"]["restarts"] == 1

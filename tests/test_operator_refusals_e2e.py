@@ -23,9 +23,18 @@ def pipeline(name: str, **spec) -> dict:
         "apiVersion": "pipejob.dev/v1alpha1",
         "kind": "PipelineJob",
         "metadata": {"name": name},
-        "spec": {"model": "resnet18", "stages": 2, "steps": 3, "batchSize": 4, "imageSize": 32,
-                 "numClasses": 10, "microBatches": 2, "rendezvousTimeoutSeconds": 60, **spec},
-    }  # fmt: skip
+        "spec": {
+            "model": "resnet18",
+            "stages": 2,
+            "steps": 3,
+            "batchSize": 4,
+            "imageSize": 32,
+            "numClasses": 10,
+            "microBatches": 2,
+            "rendezvousTimeoutSeconds": 60,
+            **spec,
+        },
+    }
 
 
 def failed_condition(job: dict) -> dict:
@@ -35,13 +44,14 @@ def failed_condition(job: dict) -> dict:
 @pytest.mark.parametrize(
     ("template", "path"),
     [
-        ({"volumes": [{"name": "root", "hostPath": {"path": "/"}}]},
-         "spec.template.volumes[0].hostPath"),
-        ({"env": [{"name": "MASTER_ADDR", "value": "evil.example"}]},
-         "spec.template.env[0].name"),
+        (
+            {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]},
+            "spec.template.volumes[0].hostPath",
+        ),
+        ({"env": [{"name": "MASTER_ADDR", "value": "evil.example"}]}, "spec.template.env[0].name"),
     ],
     ids=["hostpath", "reserved-env"],
-)  # fmt: skip
+)
 def test_a_spec_only_the_operator_refuses_fails_before_any_pod(cluster, operator, template, path):
     api: Api = cluster.api
     name = "refused"
@@ -88,8 +98,9 @@ def test_a_run_that_goes_non_finite_fails_permanently_saying_where(
     name = "nonfinite"
     model = {"import": "userpkg.blowup:cnn", "args": {"at": 2, "micro_batches": 2}}
     env = [{"name": "PYTHONPATH", "value": str(Path(__file__).parent)}]  # userpkg
-    jobs.create(api, pipeline(name, model=model, splitPoints=["8"], backoffLimit=3,
-                              template={"env": env}))  # fmt: skip
+    jobs.create(
+        api, pipeline(name, model=model, splitPoints=["8"], backoffLimit=3, template={"env": env})
+    )
     failed = jobs.wait_phase(api, "PipelineJob", name, "Failed", timeout=180)
     assert failed["status"]["restarts"] == 0
     condition = failed_condition(failed)

@@ -17,8 +17,9 @@ from pipejob.trainer.runtime.optim import Functional, optimizer_args, set_lr
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw", "rmsprop"])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_each_optimizer_steps_as_torch_optim_does(name: str, momentum: float) -> None:
-    opt = from_spec(Optimizer, {"name": name, "lr": 0.05, "momentum": momentum,
-                                "weightDecay": 0.01})  # fmt: skip
+    opt = from_spec(
+        Optimizer, {"name": name, "lr": 0.05, "momentum": momentum, "weightDecay": 0.01}
+    )
     torch.manual_seed(0)
     ours = [torch.randn(5, 3, dtype=torch.float64, requires_grad=True), torch.randn(4)]
     theirs = [p.detach().clone().requires_grad_() for p in ours]
@@ -55,7 +56,6 @@ p.grad = torch.ones(3)
 o.step()
 print(sorted(m for m in ("torch._dynamo", "torch.distributed.optim", "sympy") if m in sys.modules))
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", done.stdout

@@ -84,7 +84,7 @@ def test_with_sizes_the_split_holds_the_fewest_bytes_among_the_fast_enough():
             for cuts in itertools.combinations(range(1, n), parts - 1)
             if largest(costs, [range(a, b) for a, b in itertools.pairwise((0, *cuts, n))])
             <= bound + 1e-9
-        )  # fmt: skip
+        )
         assert largest(sizes, ranges) == pytest.approx(fewest), (costs, sizes, parts, ranges)
 
 
@@ -137,11 +137,17 @@ def test_a_part_that_cannot_take_the_input_is_named_with_the_shapes():
     torch.manual_seed(0)
     traced = Traced(get_model("alexnet", weights=None, num_classes=10))
     pieces = traced.split(traced.units[1:])
-    with pytest.raises(ValueError, match=r"features\.\S+ cannot process its input of shape"
-                                         r" \(1, \d+, \d+, \d+\) float32"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"features\.\S+ cannot process its input of shape"
+        r" \(1, \d+, \d+, \d+\) float32",
+    ):
         measure_costs(pieces, traced.units, torch.randn(1, 3, 32, 32), repeats=1)
-    with pytest.raises(ValueError, match=r"features\.0 cannot process the data's input of"
-                                         r" shape \(1, 5, 64, 64\) float32"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"features\.0 cannot process the data's input of"
+        r" shape \(1, 5, 64, 64\) float32",
+    ):
         measure_costs(pieces, traced.units, torch.randn(1, 5, 64, 64), repeats=1)
 
 
@@ -150,18 +156,32 @@ def test_a_part_that_cannot_take_the_input_is_named_with_the_shapes():
 
 @pytest.mark.parametrize(
     ("batch", "counts"),
-    [(48, [1, 2, 4, 8, 16]), (32, [1, 2, 4, 8, 16]), (64, [1, 2, 4, 8, 16, 32]), (30, [1, 2]),
-     (15, [1]), (4, [1, 2]), (2, [1]), (1, [1])],
-)  # fmt: skip
+    [
+        (48, [1, 2, 4, 8, 16]),
+        (32, [1, 2, 4, 8, 16]),
+        (64, [1, 2, 4, 8, 16, 32]),
+        (30, [1, 2]),
+        (15, [1]),
+        (4, [1, 2]),
+        (2, [1]),
+        (1, [1]),
+    ],
+)
 def test_auto_tries_powers_of_two_with_micro_batches_of_two_or_more(batch, counts):
     assert micro_batch_counts(batch) == counts
 
 
 @pytest.mark.parametrize(
     ("schedule", "stages", "counts"),
-    [("gpipe", 4, [1, 2, 4, 8]), ("1f1b", 4, [4, 8]), ("1f1b", 3, [4, 8]),
-     ("interleaved-1f1b", 2, [2, 4, 8]), ("zero-bubble", 4, [4, 8]), ("zero-bubble", 3, [])],
-)  # fmt: skip
+    [
+        ("gpipe", 4, [1, 2, 4, 8]),
+        ("1f1b", 4, [4, 8]),
+        ("1f1b", 3, [4, 8]),
+        ("interleaved-1f1b", 2, [2, 4, 8]),
+        ("zero-bubble", 4, [4, 8]),
+        ("zero-bubble", 3, []),
+    ],
+)
 def test_auto_measures_only_the_counts_the_schedule_can_run(schedule, stages, counts):
     assert auto_counts(16, schedule, stages) == counts
 
@@ -222,8 +242,10 @@ def test_stages_sharing_a_gpu_add_up_their_time_on_it():
     their own would take four."""
     batch, counts = 16, micro_batch_counts(16)
     costs = {m: LayerCosts([1 + batch / m] * 4, [0.1] * 4) for m in counts}
-    own = [predict(costs[m], 2, m, batch, [Host((0,), 1, gpu=True), Host((1,), 1, gpu=True)])
-           for m in counts]  # fmt: skip
+    own = [
+        predict(costs[m], 2, m, batch, [Host((0,), 1, gpu=True), Host((1,), 1, gpu=True)])
+        for m in counts
+    ]
     assert fastest(own).micro_batches == 4
     one = [predict(costs[m], 2, m, batch, [Host((0, 1), 1, gpu=True)]) for m in counts]
     assert [p.cores_seconds for p in one] == [68, 72, 80, 96]  # m (4 layers x (1 + 16/m))
@@ -284,8 +306,14 @@ def test_measuring_pieces_that_pass_tensors_inside_tuples_repeats_each_backward(
     """Every run's inputs are fresh leaves, the ones inside a tuple too (a UNet's skip
     connections once kept the last run's graph: 'backward through the graph a second time');
     what the run passes on is detached, inside tuples too."""
-    costs, passed = measure_chain([Skips(), Joins()], ["down", "up"], (torch.randn(2, 4),),
-                                  first=True, repeats=2, on_copies=False)  # fmt: skip
+    costs, passed = measure_chain(
+        [Skips(), Joins()],
+        ["down", "up"],
+        (torch.randn(2, 4),),
+        first=True,
+        repeats=2,
+        on_copies=False,
+    )
     assert len(costs.seconds) == 2 and all(c < float("inf") for c in costs.seconds)
     assert all(not t.requires_grad for t in passed)
     _, passed = measure_chain([Skips()], ["down"], (torch.randn(2, 4),), True, 1, False)

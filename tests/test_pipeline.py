@@ -55,8 +55,11 @@ def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
     assert all(50e6 < m["rssPeakBytes"] < 20e9 for m in memory.values()), memory
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     for st in stages:
-        own = sum(b for n, b in sizes.items()
-                  if any(n == u or n.startswith(u + ".") for u in st["layers"]))  # fmt: skip
+        own = sum(
+            b
+            for n, b in sizes.items()
+            if any(n == u or n.startswith(u + ".") for u in st["layers"])
+        )
         assert st["peakMemory"] == memory[st["stage"]]
         assert own < st["peakMemory"]["rssPeakBytes"], (own, st)
 
@@ -111,9 +114,15 @@ def test_auto_micro_batches_are_chosen_once_and_kept_on_resume(tmp_path):
     """microBatches auto measures every candidate count, runs the one with the shortest
     predicted step and keeps it in the checkpoint: a resumed run uses it again, and a resume
     with another explicit count runs with that count."""
-    job = pipeline_job("auto", stages=2, microBatches="auto", steps=2, logEvery=2,
-                   checkpoint={"path": str(tmp_path / "checkpoints"), "everySteps": 1},
-                   preflight={"megabytes": 0.5})  # fmt: skip
+    job = pipeline_job(
+        "auto",
+        stages=2,
+        microBatches="auto",
+        steps=2,
+        logEvery=2,
+        checkpoint={"path": str(tmp_path / "checkpoints"), "everySteps": 1},
+        preflight={"megabytes": 0.5},
+    )
     code, out, summary = run_to_end(job, tmp_path, timeout=150)
     assert code == 0, out
     check_summary(summary, job)
@@ -126,7 +135,8 @@ def test_auto_micro_batches_are_chosen_once_and_kept_on_resume(tmp_path):
     for c in candidates:
         assert c["predictedStepSeconds"] == max(c["pipelineBoundSeconds"], c["coresBoundSeconds"])
         assert c["predictedSamplesPerSecond"] == pytest.approx(
-            8 / c["predictedStepSeconds"], rel=1e-2)  # fmt: skip
+            8 / c["predictedStepSeconds"], rel=1e-2
+        )
     assert f"microBatches auto chose {m} (micro-batches of {8 // m}):" in out
     # m, micro-batch size, the two bounds, the prediction and its samples/s.
     assert re.search(rf"^master\s*\|\s+{m}\s+{8 // m}(\s+[\d.]+){{4}}  <- chosen$", out, re.M)
@@ -152,7 +162,8 @@ def test_pipeline_gradients_equal_single_process_gradients(tmp_path):
     job = spec.parse(pipeline_job("gradients", stages=3, microBatches=4, steps=1))
     got = check_gradients(job, tmp_path)
     assert [n for stage in got["stages"] for n in stage] == cut.Traced(
-        models.build(job.settings)).units  # fmt: skip
+        models.build(job.settings)
+    ).units
 
 
 # ------------------------------------------------------------------ pure pieces
@@ -193,16 +204,28 @@ def test_gpipe_bubble():
 @pytest.mark.parametrize(
     "opt, cls, kwargs",
     [
-        ({"name": "sgd", "lr": 0.1, "momentum": 0.9, "weightDecay": 0.0}, torch.optim.SGD,
-         {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}),
-        ({"name": "rmsprop", "lr": 0.1, "momentum": 0.5, "weightDecay": 0.1},
-         torch.optim.RMSprop, {"lr": 0.1, "momentum": 0.5, "weight_decay": 0.1}),
-        ({"name": "adam", "lr": 0.01, "momentum": 0.0, "weightDecay": 0.0}, torch.optim.Adam,
-         {"lr": 0.01, "weight_decay": 0.0}),
-        ({"name": "adamw", "lr": 0.01, "momentum": 0.0, "weightDecay": 0.1}, torch.optim.AdamW,
-         {"lr": 0.01, "weight_decay": 0.1}),
+        (
+            {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weightDecay": 0.0},
+            torch.optim.SGD,
+            {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0},
+        ),
+        (
+            {"name": "rmsprop", "lr": 0.1, "momentum": 0.5, "weightDecay": 0.1},
+            torch.optim.RMSprop,
+            {"lr": 0.1, "momentum": 0.5, "weight_decay": 0.1},
+        ),
+        (
+            {"name": "adam", "lr": 0.01, "momentum": 0.0, "weightDecay": 0.0},
+            torch.optim.Adam,
+            {"lr": 0.01, "weight_decay": 0.0},
+        ),
+        (
+            {"name": "adamw", "lr": 0.01, "momentum": 0.0, "weightDecay": 0.1},
+            torch.optim.AdamW,
+            {"lr": 0.01, "weight_decay": 0.1},
+        ),
     ],
-)  # fmt: skip
+)
 def test_optimizer_args(opt, cls, kwargs):
     assert optimizer_args(from_spec(Optimizer, opt)) == (cls, kwargs)
 
@@ -235,8 +258,9 @@ def test_stage_times_forward_and_backward_of_each_micro_batch():
                 end = time.perf_counter()
                 # Backward happened within this window, and was recorded in it.
                 # Keyed by step, then (round, micro-batch): here each step is one round.
-                (key, events), *_ = [(k, v) for k, v in stage._events.items()
-                                     if k == (step, (step, mb))]  # fmt: skip
+                (key, events), *_ = [
+                    (k, v) for k, v in stage._events.items() if k == (step, (step, mb))
+                ]
                 (times,) = stage._intervals([events])
                 b0, b1 = times["backward"]
                 assert start <= b0 <= b1 <= end
@@ -339,10 +363,12 @@ def test_settle_returns_once_every_micro_batch_has_backpropagated():
     """The master settles each stage before the optimizer steps: a stage in the middle of a
     pipeline (inputs with a gradient function, as received from the previous stage) counts a
     micro-batch once its gradient has gone back through every part of its shard."""
-    stage = Stage(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), last=False,
-                  device="cpu")  # fmt: skip
-    outputs = [stage.forward((torch.randn(4, 8, requires_grad=True) * 2,), 0, mb, 0)
-               for mb in range(2)]  # fmt: skip
+    stage = Stage(
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), last=False, device="cpu"
+    )
+    outputs = [
+        stage.forward((torch.randn(4, 8, requires_grad=True) * 2,), 0, mb, 0) for mb in range(2)
+    ]
     settled = threading.Event()
     waiter = _start(lambda: (stage.settle(0, 2), settled.set()))
     outputs[0].sum().backward()

@@ -53,27 +53,46 @@ def tokens(tmp_path_factory) -> str:
 
 WORLDS: dict[str, tuple[dict[str, Any], int, int]] = {
     # name: the job's fields, stage processes, replicas
-    "transformer": ({"model": {"transformer": TRANSFORMER}, "batchSize": 8, "microBatches": 2},
-                    2, 2),
+    "transformer": (
+        {"model": {"transformer": TRANSFORMER}, "batchSize": 8, "microBatches": 2},
+        2,
+        2,
+    ),
     "resnet50": ({"model": "resnet50", "batchSize": 8, "microBatches": 4}, 2, 1),
     "resnet18-4-stages": ({"model": "resnet18", "batchSize": 8, "microBatches": 4}, 4, 1),
-    "tied-3-stages": ({"model": {"import": "userpkg.tied:tied_lm"},
-                       "data": {"import": "userpkg.brought:windows"}, "batchSize": 6,
-                       "microBatches": 3}, 3, 1),
-}  # fmt: skip
+    "tied-3-stages": (
+        {
+            "model": {"import": "userpkg.tied:tied_lm"},
+            "data": {"import": "userpkg.brought:windows"},
+            "batchSize": 6,
+            "microBatches": 3,
+        },
+        3,
+        1,
+    ),
+}
 
 
 # The transformer (replicated) holds every schedule's exactness; the tied 3-stage world and
 # the ResNets (BatchNorm, blocks) are `slow` variants.
 @pytest.mark.parametrize("name", exhaustive(WORLDS, {"transformer"}))
-def test_every_schedule_computes_one_process_gradients(name: str, tokens: str, tmp_path: Path,
-                                                       monkeypatch) -> None:  # fmt: skip
+def test_every_schedule_computes_one_process_gradients(
+    name: str, tokens: str, tmp_path: Path, monkeypatch
+) -> None:
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # userpkg for the processes
     fields, stages, replicas = WORLDS[name]
     if "transformer" in fields["model"]:
         fields = fields | {"data": {"tokens": {"train": tokens}, "workers": 1}}
-    job = spec.parse(pipeline_job(f"pipelining-{name}", engine="pipelining", stages=stages,
-                                  replicas=replicas, steps=1, **fields))  # fmt: skip
+    job = spec.parse(
+        pipeline_job(
+            f"pipelining-{name}",
+            engine="pipelining",
+            stages=stages,
+            replicas=replicas,
+            steps=1,
+            **fields,
+        )
+    )
     got = check_gradients(job, tmp_path, timeout=360, schedules=SCHEDULES)
     assert len(got["stages"]) == 2 * stages  # the last schedule's pieces: two per process
 
@@ -81,13 +100,26 @@ def test_every_schedule_computes_one_process_gradients(name: str, tokens: str, t
 # ---------------------------------------------------------------- a job as a user runs it
 
 INTERLEAVED_JOB = {
-    "engine": "pipelining", "schedule": "interleaved-1f1b", "stagesPerProcess": 2,
-    "stages": 2, "replicas": 2, "microBatches": 2, "gradientAccumulation": 2, "steps": 6,
-    "seed": 1, "logEvery": 3, "preflight": {"megabytes": 0.5},
+    "engine": "pipelining",
+    "schedule": "interleaved-1f1b",
+    "stagesPerProcess": 2,
+    "stages": 2,
+    "replicas": 2,
+    "microBatches": 2,
+    "gradientAccumulation": 2,
+    "steps": 6,
+    "seed": 1,
+    "logEvery": 3,
+    "preflight": {"megabytes": 0.5},
     "eval": {"everySteps": 3, "batches": 2},
-    "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9, "clipGradNorm": 5.0,
-                  "schedule": {"warmupSteps": 2, "decay": "cosine", "minLr": 0.001}},
-}  # fmt: skip
+    "optimizer": {
+        "name": "sgd",
+        "lr": 0.01,
+        "momentum": 0.9,
+        "clipGradNorm": 5.0,
+        "schedule": {"warmupSteps": 2, "decay": "cosine", "minLr": 0.001},
+    },
+}
 
 
 # slow: test_checkpoint.py resumes exactly; test_operator_e2e.py resumes this replicated
@@ -101,9 +133,12 @@ def test_a_job_with_replicas_evaluates_writes_its_model_and_resumes_exactly(tmp_
     model and optimizer state, which the model file out holds under the model's names."""
 
     def job(name: str) -> dict[str, Any]:
-        return pipeline_job(name, **INTERLEAVED_JOB,
-                            checkpoint={"path": str(tmp_path / name / "ck"), "everySteps": 2},
-                            output={"path": str(tmp_path / name / "model")})  # fmt: skip
+        return pipeline_job(
+            name,
+            **INTERLEAVED_JOB,
+            checkpoint={"path": str(tmp_path / name / "ck"), "everySteps": 2},
+            output={"path": str(tmp_path / name / "model")},
+        )
 
     with JobRun(job("straight"), tmp_path, "straight") as run:
         assert run.finish(300) == 0, run.output
@@ -126,8 +161,10 @@ def test_a_job_with_replicas_evaluates_writes_its_model_and_resumes_exactly(tmp_
         output, resumed = run.output, run.summary()
     assert f"resumed from step {newest.step} (" in output
     assert resumed["losses"] == pytest.approx(straight["losses"][newest.step :], rel=1e-4)
-    assert_states_close(by_parameter(final_state(tmp_path / "broken" / "ck", 6)),
-                        by_parameter(final_state(tmp_path / "straight" / "ck", 6)))  # fmt: skip
+    assert_states_close(
+        by_parameter(final_state(tmp_path / "broken" / "ck", 6)),
+        by_parameter(final_state(tmp_path / "straight" / "ck", 6)),
+    )
 
     written = load_state_dict(tmp_path / "broken" / "model")
     model = models.build(spec.parse(job("broken")).settings)
@@ -151,10 +188,17 @@ def test_an_evaluation_with_a_smaller_last_batch_says_what_the_rpc_engine_says(
     write_stdlib_tokens(train, max_bytes=20_000)
     figures = {}
     for engine in ("rpc", "pipelining"):
-        job = pipeline_job(f"eval-{engine}", engine=engine, model={"transformer": TRANSFORMER},
-                           data={"tokens": {"train": str(train), "val": str(val)}},
-                           batchSize=8, microBatches=4, steps=1, eval={"batches": 0},
-                           optimizer={"name": "sgd", "lr": 1e-12})  # fmt: skip
+        job = pipeline_job(
+            f"eval-{engine}",
+            engine=engine,
+            model={"transformer": TRANSFORMER},
+            data={"tokens": {"train": str(train), "val": str(val)}},
+            batchSize=8,
+            microBatches=4,
+            steps=1,
+            eval={"batches": 0},
+            optimizer={"name": "sgd", "lr": 1e-12},
+        )
         code, out, summary = run_to_end(job, tmp_path, timeout=300)
         assert code == 0, out
         figures[engine] = summary["evaluation"]
@@ -166,5 +210,10 @@ def test_an_evaluation_with_a_smaller_last_batch_says_what_the_rpc_engine_says(
 def test_a_round_runs_in_equal_micro_batches():
     """A PipelineStage's buffers have one shape: a last, smaller held-out batch that its
     count does not divide runs in the most equal micro-batches below it."""
-    assert [even(m, samples) for m, samples in
-            [(4, 32), (4, 10), (4, 3), (8, 7), (2, 2)]] == [4, 2, 3, 7, 2]  # fmt: skip
+    assert [even(m, samples) for m, samples in [(4, 32), (4, 10), (4, 3), (8, 7), (2, 2)]] == [
+        4,
+        2,
+        3,
+        7,
+        2,
+    ]

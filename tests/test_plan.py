@@ -10,21 +10,38 @@ from pipejob.core import spec
 from pipejob.core.plan import Ports, members, plan_world
 
 COMMON_ENV = {
-    c.MASTER_ADDR, c.MASTER_PORT, c.RANK, c.WORLD_SIZE, c.KIND, c.JOB, c.ROLE, c.ROLE_INDEX,
-    c.RPC_NAME, c.WORLD, c.ROLES, c.SPEC, c.GPUS, c.RENDEZVOUS_TIMEOUT, c.ADDRESSES,
-    c.PREFLIGHT_PORT, c.MONITOR_PORT, c.REPLICA,
-}  # fmt: skip
+    c.MASTER_ADDR,
+    c.MASTER_PORT,
+    c.RANK,
+    c.WORLD_SIZE,
+    c.KIND,
+    c.JOB,
+    c.ROLE,
+    c.ROLE_INDEX,
+    c.RPC_NAME,
+    c.WORLD,
+    c.ROLES,
+    c.SPEC,
+    c.GPUS,
+    c.RENDEZVOUS_TIMEOUT,
+    c.ADDRESSES,
+    c.PREFLIGHT_PORT,
+    c.MONITOR_PORT,
+    c.REPLICA,
+}
 DDP_ENV = {c.DDP_GROUP, c.DDP_ADDR, c.DDP_PORT, c.DDP_RANK, c.DDP_WORLD_SIZE, c.DDP_BACKEND}
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def job(kind, **fields):
-    return spec.parse({
-        "apiVersion": "pipejob.dev/v1alpha1",
-        "kind": kind,
-        "metadata": {"name": "j" * spec.MAX_JOB_NAME},  # the longest name allowed
-        "spec": fields,
-    })  # fmt: skip
+    return spec.parse(
+        {
+            "apiVersion": "pipejob.dev/v1alpha1",
+            "kind": kind,
+            "metadata": {"name": "j" * spec.MAX_JOB_NAME},  # the longest name allowed
+            "spec": fields,
+        }
+    )
 
 
 def k8s_address(j):
@@ -109,8 +126,11 @@ def test_roles_and_counts():
     assert [p.rpc_name for p in pj] == ["master", "stage0", "stage1", "stage2"]
     hj = plan_world(job("HybridJob", trainers=2), lambda m: "127.0.0.1")
     assert [(p.rpc_name, p.rank) for p in hj] == [
-        ("master", 0), ("ps0", 1), ("trainer0", 2), ("trainer1", 3)
-    ]  # fmt: skip
+        ("master", 0),
+        ("ps0", 1),
+        ("trainer0", 2),
+        ("trainer1", 3),
+    ]
 
 
 def test_addresses_are_an_input():
@@ -171,8 +191,10 @@ def test_replicas_form_one_group_per_stage(stages, replicas):
         assert {s.port for s in seats} == {group_ports[i]}
         assert {p.env[c.DDP_PORT] for p in members_i} == {str(group_ports[i])}
     assert world[0].seat is None  # the master drives; it is in no group
-    layout = ";".join(f"dp{i}=" + ",".join(str(1 + r * stages + i) for r in range(replicas))
-                      for i in range(stages))  # fmt: skip
+    layout = ";".join(
+        f"dp{i}=" + ",".join(str(1 + r * stages + i) for r in range(replicas))
+        for i in range(stages)
+    )
     assert {p.env[c.GROUPS] for p in world} == {layout}
     # By default every group has a port of its own, none of the world's others.
     default = plan_world(j, k8s_address(j))
@@ -187,15 +209,22 @@ def test_the_pipelining_engine_seats_every_stage_in_one_group(replicas, gpus):
     across replicas: one group of every stage, on replica 0's first stage, which both
     divide (rank r * stages + i is stage i of replica r); the master is in none."""
     stages = 3
-    j = job("PipelineJob", engine="pipelining", stages=stages, replicas=replicas,
-            gpusPerStage=gpus, microBatches=4)  # fmt: skip
+    j = job(
+        "PipelineJob",
+        engine="pipelining",
+        stages=stages,
+        replicas=replicas,
+        gpusPerStage=gpus,
+        microBatches=4,
+    )
     world = plan_world(j, k8s_address(j), Ports(groups=(30000,)))
     stage_procs = [p for p in world if p.role == "stage"]
     assert world[0].seat is None
     seats = [p.seat for p in stage_procs]
     assert {s.group for s in seats} == {"pipe"}
-    assert [s.rank for s in seats] == [p.member.replica * stages + p.member.index
-                                       for p in stage_procs]  # fmt: skip
+    assert [s.rank for s in seats] == [
+        p.member.replica * stages + p.member.index for p in stage_procs
+    ]
     assert {s.size for s in seats} == {stages * replicas}
     assert {(s.address, s.port) for s in seats} == {(stage_procs[0].address, 30000)}
     assert {s.backend for s in seats} == {"nccl" if gpus else "gloo"}

@@ -53,10 +53,20 @@ def text(tmp_path_factory) -> dict[str, str]:
 
 
 def lm_job(text: dict[str, str], **fields: Any) -> spec.Job:
-    return spec.parse(pipeline_job("lm", **{
-        "model": {"transformer": TRANSFORMER}, "data": {"tokens": text, "workers": 1},
-        "batchSize": 8, "microBatches": 2, "stages": 2, "steps": 1, **fields,
-    }))  # fmt: skip
+    return spec.parse(
+        pipeline_job(
+            "lm",
+            **{
+                "model": {"transformer": TRANSFORMER},
+                "data": {"tokens": text, "workers": 1},
+                "batchSize": 8,
+                "microBatches": 2,
+                "stages": 2,
+                "steps": 1,
+                **fields,
+            },
+        )
+    )
 
 
 @pytest.mark.slow  # the pipelining engine's test below holds the same gradients
@@ -73,10 +83,14 @@ def test_activation_checkpointing_on_the_pipelining_engine_gives_the_same_gradie
     and zero-bubble, which splits each backward into the inputs' and the weights' gradients
     over the recomputed graph."""
     job = lm_job(text, activationCheckpointing=True, engine="pipelining")
-    check_gradients(job, tmp_path, schedules=[
-        {"schedule": "1f1b", "stages_per_process": 1},
-        {"schedule": "zero-bubble", "stages_per_process": 2},
-    ])  # fmt: skip
+    check_gradients(
+        job,
+        tmp_path,
+        schedules=[
+            {"schedule": "1f1b", "stages_per_process": 1},
+            {"schedule": "zero-bubble", "stages_per_process": 2},
+        ],
+    )
 
 
 def _bf16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
@@ -91,8 +105,9 @@ def _bf16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         shards = plan_shards(s, *models.build_meta(s), env.names("stage"))
         pipe = Pipeline(env.names("stage"), shards, "cpu", s.precision)
         with dist_autograd.context() as context_id:
-            loss, _ = forward_backward(pipe, pipe.read(s.micro_batches, batch), 0, context_id,
-                                    workloads.loss(s))  # fmt: skip
+            loss, _ = forward_backward(
+                pipe, pipe.read(s.micro_batches, batch), 0, context_id, workloads.loss(s)
+            )
             grads: dict[str, torch.Tensor] = {}
             for stage in pipe.stages:
                 grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))
@@ -142,12 +157,21 @@ def test_bf16_trains_the_language_model_as_far_as_float32(text, tmp_path: Path):
     ln 256 = 5.5."""
     means = {}
     for precision in ("fp32", "bf16"):
-        job = pipeline_job(f"lm-{precision}", **{
-            "model": {"transformer": TRANSFORMER}, "data": {"tokens": text, "workers": 1},
-            "batchSize": 16, "microBatches": 4, "stages": 2, "steps": 40, "logEvery": 20,
-            "precision": precision, "preflight": {"enabled": False},
-            "optimizer": {"name": "adamw", "lr": 0.003, "clipGradNorm": 1.0},
-        })  # fmt: skip
+        job = pipeline_job(
+            f"lm-{precision}",
+            **{
+                "model": {"transformer": TRANSFORMER},
+                "data": {"tokens": text, "workers": 1},
+                "batchSize": 16,
+                "microBatches": 4,
+                "stages": 2,
+                "steps": 40,
+                "logEvery": 20,
+                "precision": precision,
+                "preflight": {"enabled": False},
+                "optimizer": {"name": "adamw", "lr": 0.003, "clipGradNorm": 1.0},
+            },
+        )
         code, out, summary = run_to_end(job, tmp_path, timeout=150)
         assert code == 0, out
         assert summary["precision"] == precision
@@ -214,8 +238,12 @@ def _fp16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     try:
         s = dataclasses.replace(env.spec, precision="fp16")
         traced = cut.Traced(mlp32())
-        shards = Shards(traced.units, traced.split(["fc2"]),
-                        Partition([range(0, 2), range(2, 5)], [1.0] * 5, 2), {})  # fmt: skip
+        shards = Shards(
+            traced.units,
+            traced.split(["fc2"]),
+            Partition([range(0, 2), range(2, 5)], [1.0] * 5, 2),
+            {},
+        )
         replicas = Replicas([env.names("stage")], shards, s)
         before = {k: v for part in replicas.pipelines[0].each("state") for k, v in part.items()}
         (x1, y1), (x2, y2) = fp16_batches()
@@ -226,33 +254,51 @@ def _fp16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         replicas.loss_scale.scale = 2.0**16  # torch's GradScaler's start: no overflow
         second = replicas.step(2, 1, F.cross_entropy, (x2, y2))
         after = {k: v for part in replicas.pipelines[0].each("state") for k, v in part.items()}
-        torch.save({"first": first.grad_norm, "overflowed": overflowed, "before": before,
-                    "skipped": skipped, "second": (second.loss, second.grad_norm),
-                    "scale": replicas.loss_scale.scale, "after": after}, out)  # fmt: skip
+        torch.save(
+            {
+                "first": first.grad_norm,
+                "overflowed": overflowed,
+                "before": before,
+                "skipped": skipped,
+                "second": (second.loss, second.grad_norm),
+                "scale": replicas.loss_scale.scale,
+                "after": after,
+            },
+            out,
+        )
     finally:
         rpc.shutdown()
 
 
 def mlp32() -> nn.Sequential:
     torch.manual_seed(7)
-    return nn.Sequential(OrderedDict([
-        ("fc1", nn.Linear(5, 32)), ("act1", nn.Tanh()), ("fc2", nn.Linear(32, 32)),
-        ("act2", nn.Tanh()), ("fc3", nn.Linear(32, 3)),
-    ]))  # fmt: skip
+    return nn.Sequential(
+        OrderedDict(
+            [
+                ("fc1", nn.Linear(5, 32)),
+                ("act1", nn.Tanh()),
+                ("fc2", nn.Linear(32, 32)),
+                ("act2", nn.Tanh()),
+                ("fc3", nn.Linear(32, 3)),
+            ]
+        )
+    )
 
 
 def fp16_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
-    return [(torch.randn(16, 5, generator=g), torch.randint(3, (16,), generator=g))
-            for _ in range(2)]  # fmt: skip
+    return [
+        (torch.randn(16, 5, generator=g), torch.randint(3, (16,), generator=g)) for _ in range(2)
+    ]
 
 
 def test_fp16_loss_scaling_skips_an_overflow_and_unscales_the_gradients(tmp_path: Path):
     """The overflowed step changes no parameter and halves the scale; the next step's
     gradients, unscaled, are float32's to fp16 precision (10 bits of mantissa: 0.05% per
     operation, a 2% bound on the norm and the parameters' change), at the same scale."""
-    job = spec.parse(pipeline_job("fp16", stages=2, microBatches=2,
-                                  optimizer={"name": "sgd", "lr": 0.5}))  # fmt: skip
+    job = spec.parse(
+        pipeline_job("fp16", stages=2, microBatches=2, optimizer={"name": "sgd", "lr": 0.5})
+    )
     ports = free_ports(4 + 2)
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(*ports[:4], groups=()))
     got = run_world(_fp16_world, [p.env for p in processes], tmp_path / "fp16.pt")

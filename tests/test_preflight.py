@@ -27,13 +27,24 @@ SLACK = 60  # process start-up (importing torch on a busy machine) and teardown
 
 
 def job(timeout: int = TIMEOUT, megabytes: float = 0.5) -> spec.Job:
-    return spec.parse({
-        "apiVersion": "pipejob.dev/v1alpha1", "kind": "PipelineJob",
-        "metadata": {"name": "preflight"},
-        "spec": {"model": "resnet18", "stages": 2, "imageSize": 32, "numClasses": 10,
-                 "batchSize": 4, "microBatches": 2, "steps": 1, "rendezvousTimeoutSeconds": 60,
-                 "preflight": {"timeoutSeconds": timeout, "megabytes": megabytes}},
-    })  # fmt: skip
+    return spec.parse(
+        {
+            "apiVersion": "pipejob.dev/v1alpha1",
+            "kind": "PipelineJob",
+            "metadata": {"name": "preflight"},
+            "spec": {
+                "model": "resnet18",
+                "stages": 2,
+                "imageSize": 32,
+                "numClasses": 10,
+                "batchSize": 4,
+                "microBatches": 2,
+                "steps": 1,
+                "rendezvousTimeoutSeconds": 60,
+                "preflight": {"timeoutSeconds": timeout, "megabytes": megabytes},
+            },
+        }
+    )
 
 
 def world_plan(j: spec.Job) -> list[plan.Process]:
@@ -41,8 +52,9 @@ def world_plan(j: spec.Job) -> list[plan.Process]:
 
 
 @contextmanager
-def started(processes: list[plan.Process], tmp: Path,
-            stagger: float = 0.0) -> Iterator[dict[str, subprocess.Popen]]:  # fmt: skip
+def started(
+    processes: list[plan.Process], tmp: Path, stagger: float = 0.0
+) -> Iterator[dict[str, subprocess.Popen]]:
     """The trainers of `processes`, in this order, `stagger` seconds apart, each with its own
     termination-message file; every one of them is killed on the way out, whatever happened."""
     running: dict[str, subprocess.Popen] = {}
@@ -52,12 +64,17 @@ def started(processes: list[plan.Process], tmp: Path,
                 time.sleep(stagger)
             running[p.rpc_name] = subprocess.Popen(
                 [sys.executable, *plan.TRAINER_MODULE],
-                env=os.environ | p.env | {
+                env=os.environ
+                | p.env
+                | {
                     world.TERMINATION_LOG_ENV: str(tmp / f"{p.rpc_name}.termination"),
                     "PYTHONUNBUFFERED": "1",
                 },
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0,
-            )  # fmt: skip
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                process_group=0,
+            )
         yield running
     finally:
         for popen in running.values():
@@ -95,8 +112,10 @@ def test_a_peer_that_never_comes_up_is_named_within_the_deadline(tmp_path: Path)
     assert "\n" not in message.rstrip("\n")  # one line, as a termination message
     # The one that came up learns why the world stops, and says so too.
     assert stage_code == 4, stage_output
-    assert f"preflight: the master reports: preflight: no answer within {TIMEOUT}s from {named}" \
-        in stage_output, stage_output  # fmt: skip
+    assert (
+        f"preflight: the master reports: preflight: no answer within {TIMEOUT}s from {named}"
+        in stage_output
+    ), stage_output
     assert (tmp_path / "stage0.termination").read_text().startswith("preflight:")
 
 
@@ -140,10 +159,12 @@ def test_a_peer_answering_wrongly_in_the_all_reduce_is_named(tmp_path: Path) -> 
     assert code == 4, output
     # Every rank saw the same wrong entry; the master names whose it is, once per observer.
     wrong = "the entry of rank 2 (stage1, role stage, address 127.0.0.1) is 99, expected 3"
-    assert f"all_reduce seen by rank 0 (master, role master, address 127.0.0.1): {wrong}" \
-        in output, output  # fmt: skip
-    assert f"all_reduce seen by rank 1 (stage0, role stage, address 127.0.0.1): {wrong}" \
-        in output, output  # fmt: skip
+    assert (
+        f"all_reduce seen by rank 0 (master, role master, address 127.0.0.1): {wrong}" in output
+    ), output
+    assert (
+        f"all_reduce seen by rank 1 (stage0, role stage, address 127.0.0.1): {wrong}" in output
+    ), output
     # The ring still ran: the links that do not involve the wrong peer were measured.
     assert (tmp_path / "master.termination").read_text().startswith("preflight: all_reduce")
 
@@ -153,8 +174,11 @@ def test_a_peer_answering_wrongly_in_the_all_reduce_is_named(tmp_path: Path) -> 
 
 def test_the_link_table_names_both_ends_with_latency_and_bandwidth() -> None:
     env = world.read_env(world_plan(job())[0].env)
-    links = [preflight.Link(0, 1, 85e-6, 1.2e9), preflight.Link(2, 0, 1.5e-3, 250e6),
-             preflight.Link(1, 2, 60e-6, 2.5e9)]  # fmt: skip
+    links = [
+        preflight.Link(0, 1, 85e-6, 1.2e9),
+        preflight.Link(2, 0, 1.5e-3, 250e6),
+        preflight.Link(1, 2, 60e-6, 2.5e9),
+    ]
     lines = preflight.table(env, links)
     assert lines[0].split() == ["link", "latency", "bandwidth"]
     assert lines[1].split() == ["master", "->", "stage0", "85", "us", "1.20", "GB/s"]
@@ -178,8 +202,14 @@ def test_payloads_differ_by_sender_and_round() -> None:
     ],
 )
 def test_the_check_covers_the_ring_and_every_group(kind, fields, spokes) -> None:
-    job = spec.parse({"apiVersion": "pipejob.dev/v1alpha1", "kind": kind,
-                      "metadata": {"name": "links"}, "spec": fields})  # fmt: skip
+    job = spec.parse(
+        {
+            "apiVersion": "pipejob.dev/v1alpha1",
+            "kind": kind,
+            "metadata": {"name": "links"},
+            "spec": fields,
+        }
+    )
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(groups=(40001, 40002)))
     env = world.read_env(processes[0].env)
     n = len(processes)

@@ -43,16 +43,24 @@ def assert_rpc_lanes_within_the_step(events: list[dict[str, Any]]) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
-    job = pipeline_job("profiled", stages=2, microBatches=2, steps=2,
-                       preflight={"megabytes": 0.5}, checkpoint={"path": str(tmp_path / "ck")},
-                       profile={"steps": [2], "rowLimit": 7})  # fmt: skip
+    job = pipeline_job(
+        "profiled",
+        stages=2,
+        microBatches=2,
+        steps=2,
+        preflight={"megabytes": 0.5},
+        checkpoint={"path": str(tmp_path / "ck")},
+        profile={"steps": [2], "rowLimit": 7},
+    )
     with JobRun(job, tmp_path) as run:
         assert run.finish(200) == 0, run.output
         output = run.output
     directory = tmp_path / "ck" / "profiles"  # the default: under the checkpoint path
     assert sorted(p.name for p in directory.iterdir()) == [
-        "master-step2.json", "stage0-step2.json", "stage1-step2.json"
-    ]  # fmt: skip
+        "master-step2.json",
+        "stage0-step2.json",
+        "stage1-step2.json",
+    ]
 
     master = trace(directory / "master-step2.json")
     rpc = names(master)
@@ -62,8 +70,10 @@ def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
     # while the callee records its own trace (see the user guide): they must come back for
     # some of the step's calls to the stages; each call itself is always there, and its ops
     # are in its stage's trace (below).
-    assert any(re.match(r"rpc_(remote|async)#on_stage\(master -> stage[01]\)#remote_op: aten::",
-                        n) for n in rpc)  # fmt: skip
+    assert any(
+        re.match(r"rpc_(remote|async)#on_stage\(master -> stage[01]\)#remote_op: aten::", n)
+        for n in rpc
+    )
     assert "rpc_async#on_stage(master -> stage0)" in rpc  # the optimizer's step, at least
     assert_rpc_lanes_within_the_step(master)
 
@@ -81,20 +91,23 @@ def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
     for name in ("master", "stage0", "stage1"):
         assert re.search(rf"^{name}\s*\| profile of step 2, all threads \(", output, re.M), name
         assert re.search(rf"^master\s*\| profile: wrote .*/{name}-step2.json", output, re.M)
-    assert re.search(r"^master\s*\| RPC calls \(1 of 1\) and the ops they ran remotely",
-                     output, re.M)  # fmt: skip
+    assert re.search(
+        r"^master\s*\| RPC calls \(1 of 1\) and the ops they ran remotely", output, re.M
+    )
     # The master's lines only: the stages' output may come between them.
     own = "".join(line + "\n" for line in output.splitlines() if line.startswith("master"))
-    table = re.search(r"^master\s*\| RPC calls \(1 of 1\).*\n((?:master.*\n)+?)master\s*\| Self",
-                      own, re.M)  # fmt: skip
+    table = re.search(
+        r"^master\s*\| RPC calls \(1 of 1\).*\n((?:master.*\n)+?)master\s*\| Self", own, re.M
+    )
     assert table is not None
     # Its rows (RPC calls, with `#`, and the master's parts of the step), as many as rowLimit
     # at most; the header's "# of Calls" is not one.
     rows = [line for line in table[1].splitlines() if re.search(r"#\S|pipejob: ", line)]
     assert 1 <= len(rows) <= 7, table[1]
     # The master's parts of the step, in the order they began, each with its time.
-    parts = re.search(r"^master\s*\| profile of step 2, its parts: (.*) \(of ([\d.]+) ms\)$",
-                      output, re.M)  # fmt: skip
+    parts = re.search(
+        r"^master\s*\| profile of step 2, its parts: (.*) \(of ([\d.]+) ms\)$", output, re.M
+    )
     assert parts is not None, output
     said = dict(re.findall(r"([a-z][a-z -]*?) ([\d.]+) ms", parts[1].replace(",", "")))
     # The first stage reads step 2's round in its first forward; the last stage computes
@@ -121,8 +134,10 @@ def test_a_profiled_pipelining_step_traces_the_schedule_on_every_stage(tmp_path:
         assert run.finish(200) == 0, run.output
     directory = tmp_path / "traces"
     assert sorted(p.name for p in directory.iterdir()) == [
-        "master-step2.json", "stage0-step2.json", "stage1-step2.json"
-    ]  # fmt: skip
+        "master-step2.json",
+        "stage0-step2.json",
+        "stage1-step2.json",
+    ]
     assert "rpc_async#on_stage(master -> stage1)" in names(trace(directory / "master-step2.json"))
     for stage, passes in (("stage0", "gloo:send"), ("stage1", "gloo:recv")):
         ops = names(trace(directory / f"{stage}-step2.json"))
@@ -134,20 +149,30 @@ def test_a_profiled_pipelining_step_traces_the_schedule_on_every_stage(tmp_path:
 @pytest.mark.timeout(200)
 def test_profiled_hybrid_steps_trace_every_process(tmp_path: Path) -> None:
     job = {
-        "apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "HybridJob",
         "metadata": {"name": "profiled-hybrid"},
-        "spec": {"trainers": 2, "embedding": {"numEmbeddings": 64, "dim": 8},
-                 "dense": {"outFeatures": 4}, "steps": 4, "batchSize": 8, "bagSize": 4,
-                 "datasetSize": 64, "rendezvousTimeoutSeconds": 60,
-                 "preflight": {"megabytes": 0.5},
-                 "profile": {"steps": [2, 3], "path": str(tmp_path / "traces")}},
-    }  # fmt: skip
+        "spec": {
+            "trainers": 2,
+            "embedding": {"numEmbeddings": 64, "dim": 8},
+            "dense": {"outFeatures": 4},
+            "steps": 4,
+            "batchSize": 8,
+            "bagSize": 4,
+            "datasetSize": 64,
+            "rendezvousTimeoutSeconds": 60,
+            "preflight": {"megabytes": 0.5},
+            "profile": {"steps": [2, 3], "path": str(tmp_path / "traces")},
+        },
+    }
     with JobRun(job, tmp_path) as run:
         assert run.finish(150) == 0, run.output
     directory = tmp_path / "traces"
     assert sorted(p.name for p in directory.iterdir()) == sorted(
-        f"{name}-step{step}.json" for name in ("master", "ps0", "trainer0", "trainer1")
-        for step in (2, 3))  # fmt: skip
+        f"{name}-step{step}.json"
+        for name in ("master", "ps0", "trainer0", "trainer1")
+        for step in (2, 3)
+    )
     remote_ops = []
     for k, step in itertools.product((0, 1), (2, 3)):
         events = trace(directory / f"trainer{k}-step{step}.json")
@@ -155,8 +180,9 @@ def test_profiled_hybrid_steps_trace_every_process(tmp_path: Path) -> None:
         # The call to the parameter server (the last step's gradients through its pooling,
         # this step's lookup), and the dense layer's local optimizer step.
         assert f"rpc_async#exchange(trainer{k} -> ps0)" in ops
-        remote_ops.append(f"rpc_async#exchange(trainer{k} -> ps0)#remote_op: EmbeddingBagBackward0"
-                          in ops)  # fmt: skip
+        remote_ops.append(
+            f"rpc_async#exchange(trainer{k} -> ps0)#remote_op: EmbeddingBagBackward0" in ops
+        )
         assert "Optimizer.step#SGD.step" in ops
         assert "DistributedDataParallel.forward" in ops  # the whole step, not just the RPCs
         assert_rpc_lanes_within_the_step(events)

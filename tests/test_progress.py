@@ -23,10 +23,16 @@ pytestmark = pytest.mark.timeout(30)
 
 T0 = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 REPORT = {
-    "phase": "training", "step": 3, "steps": 20, "loss": 2.25, "samplesPerSecond": 41.5,
-    "bubble": 0.31, "resumedFromStep": None, "preflight": {"ok": True, "message": "3 links ok"},
+    "phase": "training",
+    "step": 3,
+    "steps": 20,
+    "loss": 2.25,
+    "samplesPerSecond": 41.5,
+    "bubble": 0.31,
+    "resumedFromStep": None,
+    "preflight": {"ok": True, "message": "3 links ok"},
     "message": None,
-}  # fmt: skip
+}
 
 
 # --- parse ------------------------------------------------------------------------------
@@ -34,40 +40,58 @@ REPORT = {
 
 def test_a_report_keeps_the_fields_the_status_shows():
     assert Progress.parse(REPORT) == Progress(
-        phase="training", step=3, steps=20, loss=2.25, samplesPerSecond=41.5, bubble=0.31,
+        phase="training",
+        step=3,
+        steps=20,
+        loss=2.25,
+        samplesPerSecond=41.5,
+        bubble=0.31,
         preflight=PreflightResult(True, "3 links ok"),
-    )  # fmt: skip
+    )
     resumed = Progress.parse(REPORT | {"resumedFromStep": 10, "step": 12, "loss": 1})
     assert resumed.resumedFromStep == 10 and resumed.loss == 1.0
 
 
 @pytest.mark.parametrize(
     "data",
-    [[], "3/20", {"steps": 20}, {"step": -1, "steps": 20}, {"step": True, "steps": 20},
-     {"step": 1.5, "steps": 20}],
-)  # fmt: skip
+    [
+        [],
+        "3/20",
+        {"steps": 20},
+        {"step": -1, "steps": 20},
+        {"step": True, "steps": 20},
+        {"step": 1.5, "steps": 20},
+    ],
+)
 def test_something_else_than_a_report_is_refused(data):
     with pytest.raises(ValueError):
         Progress.parse(data)
 
 
 def test_a_report_keeps_the_last_evaluation():
-    evaluated = REPORT | {"evalStep": 3, "evalLoss": 2, "evalAccuracy": 0.5,
-                          "evalPerplexity": None}  # fmt: skip
+    evaluated = REPORT | {"evalStep": 3, "evalLoss": 2, "evalAccuracy": 0.5, "evalPerplexity": None}
     report = Progress.parse(evaluated)
     assert (report.evalStep, report.evalLoss, report.evalAccuracy) == (3, 2.0, 0.5)
     assert report.evalPerplexity is None
     assert isinstance(report.evalLoss, float)
-    odd = Progress.parse(REPORT | {"evalStep": -1, "evalLoss": "low", "evalAccuracy": True,
-                                   "evalPerplexity": float("inf")})  # fmt: skip
+    odd = Progress.parse(
+        REPORT
+        | {"evalStep": -1, "evalLoss": "low", "evalAccuracy": True, "evalPerplexity": float("inf")}
+    )
     assert odd == Progress.parse(REPORT)  # each counts as absent
 
 
 def test_a_report_keeps_each_members_peak_memory_and_drops_what_is_not_one():
-    memory = {"master": {"rssPeakBytes": 5 << 20},
-              "stage0": {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20}}  # fmt: skip
-    odd = {"stage1": {"rssPeakBytes": -1}, "stage2": {"rssPeakBytes": 1.5}, "stage3": "big",
-           "stage4": {"rssPeakBytes": 9, "swapBytes": 4}}  # fmt: skip
+    memory = {
+        "master": {"rssPeakBytes": 5 << 20},
+        "stage0": {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20},
+    }
+    odd = {
+        "stage1": {"rssPeakBytes": -1},
+        "stage2": {"rssPeakBytes": 1.5},
+        "stage3": "big",
+        "stage4": {"rssPeakBytes": 9, "swapBytes": 4},
+    }
     report = Progress.parse(REPORT | {"memory": memory | odd})
     assert report.memory == memory | {"stage4": {"rssPeakBytes": 9}}
     assert Progress.parse(REPORT | {"memory": ["master"]}).memory is None
@@ -75,9 +99,17 @@ def test_a_report_keeps_each_members_peak_memory_and_drops_what_is_not_one():
 
 
 def test_unknown_or_ill_typed_figures_count_as_absent():
-    odd = {"step": 1, "steps": 2, "phase": "dancing", "loss": float("nan"), "bubble": "high",
-           "samplesPerSecond": True, "resumedFromStep": -3, "preflight": {"ok": "yes"},
-           "message": "x" * 1000}  # fmt: skip
+    odd = {
+        "step": 1,
+        "steps": 2,
+        "phase": "dancing",
+        "loss": float("nan"),
+        "bubble": "high",
+        "samplesPerSecond": True,
+        "resumedFromStep": -3,
+        "preflight": {"ok": "yes"},
+        "message": "x" * 1000,
+    }
     report = Progress.parse(odd)
     assert report == Progress(step=1, steps=2, message="x" * MAX_MESSAGE)
 
@@ -86,9 +118,12 @@ def test_unknown_or_ill_typed_figures_count_as_absent():
 
 
 def job_manifest(**spec) -> dict:
-    return {"apiVersion": API_VERSION, "kind": "PipelineJob",
-            "metadata": {"name": "j", "namespace": "ns", "uid": "uid-1", "generation": 1},
-            "spec": {"steps": 20, **spec}}  # fmt: skip
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "PipelineJob",
+        "metadata": {"name": "j", "namespace": "ns", "uid": "uid-1", "generation": 1},
+        "spec": {"steps": 20, **spec},
+    }
 
 
 def pods_of(manifest: dict, restart: int = 0, phase: str = "Running") -> list[dict]:
@@ -131,9 +166,16 @@ def test_fetch_reads_and_parses_the_report(master):
 
 
 @pytest.mark.parametrize(
-    "reply", [(404, b"no"), (500, b"{}"), (200, b"not json"), (200, b'{"step": "3"}'),
-              (200, b"\xff\xfe"), (200, b"[" * (progress.MAX_BYTES + 1))],
-)  # fmt: skip
+    "reply",
+    [
+        (404, b"no"),
+        (500, b"{}"),
+        (200, b"not json"),
+        (200, b'{"step": "3"}'),
+        (200, b"\xff\xfe"),
+        (200, b"[" * (progress.MAX_BYTES + 1)),
+    ],
+)
 def test_a_bad_answer_is_no_report(master, reply):
     master.reply = reply
     assert progress.fetch(master.url) is None
@@ -175,9 +217,14 @@ def test_a_report_becomes_progress_and_training_figures():
     status = decide(manifest, pods, Progress.parse(REPORT), seconds=2).status
     assert status["progress"] == "3/20"
     assert status["training"] == {
-        "phase": "training", "step": 3, "steps": 20, "loss": 2.25, "samplesPerSecond": 41.5,
-        "bubble": 0.31, "updateTime": "2025-01-02T03:04:07Z",
-    }  # fmt: skip
+        "phase": "training",
+        "step": 3,
+        "steps": 20,
+        "loss": 2.25,
+        "samplesPerSecond": 41.5,
+        "bubble": 0.31,
+        "updateTime": "2025-01-02T03:04:07Z",
+    }
     preflight = st.condition(status, st.PREFLIGHT)
     assert preflight["status"] == "True" and preflight["reason"] == "PreflightPassed"
     assert preflight["message"] == "3 links ok"
@@ -186,23 +233,31 @@ def test_a_report_becomes_progress_and_training_figures():
 
 def test_peak_memory_lands_in_the_training_figures():
     manifest, pods = running()
-    memory = {"master": {"rssPeakBytes": 5 << 20},
-              "stage0": {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20}}  # fmt: skip
+    memory = {
+        "master": {"rssPeakBytes": 5 << 20},
+        "stage0": {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20},
+    }
     status = decide(manifest, pods, Progress.parse(REPORT | {"memory": memory}), seconds=2).status
     assert status["training"]["memory"] == memory  # and it fits the schema (decide checks)
 
 
 def test_an_evaluation_lands_in_the_training_figures_and_stays_to_the_end():
     manifest, pods = running(eval={"everySteps": 5})
-    report = Progress.parse(REPORT | {"step": 10, "evalStep": 10, "evalLoss": 1.75,
-                                      "evalAccuracy": 0.625})  # fmt: skip
+    report = Progress.parse(
+        REPORT | {"step": 10, "evalStep": 10, "evalLoss": 1.75, "evalAccuracy": 0.625}
+    )
     manifest["status"] = decide(manifest, pods, report, seconds=2).status
     training = manifest["status"]["training"]
     assert (training["evalStep"], training["evalLoss"], training["evalAccuracy"]) == (
-        10, 1.75, 0.625)  # fmt: skip
+        10,
+        1.75,
+        0.625,
+    )
     assert "evalPerplexity" not in training  # unknown: not shown
-    pods[0]["status"] = {"phase": "Succeeded", "containerStatuses": [
-        {"name": "trainer", "state": {"terminated": {"exitCode": 0}}}]}  # fmt: skip
+    pods[0]["status"] = {
+        "phase": "Succeeded",
+        "containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": 0}}}],
+    }
     status = decide(manifest, pods, None, seconds=3).status
     assert status["phase"] == st.SUCCEEDED
     assert status["training"]["evalAccuracy"] == 0.625  # the last evaluation stays
@@ -213,13 +268,28 @@ def test_the_masters_last_report_in_its_termination_message_completes_the_figure
     that exits 0 leaves its last report as its termination message, and the status shows it."""
     manifest, pods = running(eval={"everySteps": 5})
     manifest["status"] = decide(manifest, pods, Progress.parse(REPORT), seconds=2).status
-    final = REPORT | {"step": 20, "phase": "finished", "evalStep": 20, "evalLoss": 0.5,
-                      "evalAccuracy": 0.875}  # fmt: skip
-    pods[0]["status"] = {"phase": "Succeeded", "containerStatuses": [{"name": "trainer",
-        "state": {"terminated": {"exitCode": 0, "message": json.dumps(final)}}}]}  # fmt: skip
+    final = REPORT | {
+        "step": 20,
+        "phase": "finished",
+        "evalStep": 20,
+        "evalLoss": 0.5,
+        "evalAccuracy": 0.875,
+    }
+    pods[0]["status"] = {
+        "phase": "Succeeded",
+        "containerStatuses": [
+            {
+                "name": "trainer",
+                "state": {"terminated": {"exitCode": 0, "message": json.dumps(final)}},
+            }
+        ],
+    }
     training = decide(manifest, pods, None, seconds=3).status["training"]
     assert (training["evalStep"], training["evalLoss"], training["evalAccuracy"]) == (
-        20, 0.5, 0.875)  # fmt: skip
+        20,
+        0.5,
+        0.875,
+    )
     assert training["phase"] == "finished" and training["step"] == 20
     pods[0]["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = "not a report"
     assert "evalStep" not in decide(manifest, pods, None, seconds=3).status["training"]
@@ -252,8 +322,10 @@ def test_a_resumed_world_reports_where_it_resumed():
 def test_success_shows_every_step_done_even_between_polls():
     manifest, pods = running()
     manifest["status"] = decide(manifest, pods, Progress.parse(REPORT), seconds=2).status
-    pods[0]["status"] = {"phase": "Succeeded", "containerStatuses": [
-        {"name": "trainer", "state": {"terminated": {"exitCode": 0}}}]}  # fmt: skip
+    pods[0]["status"] = {
+        "phase": "Succeeded",
+        "containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": 0}}}],
+    }
     status = decide(manifest, pods, None, seconds=3).status
     assert status["phase"] == st.SUCCEEDED
     assert status["progress"] == "20/20"
@@ -264,8 +336,9 @@ def test_success_shows_every_step_done_even_between_polls():
 def test_a_failed_preflight_reported_by_the_master_is_a_false_condition():
     manifest, pods = running()
     why = "stage 1 (rank 2, j-stage-1.j) did not join within 60s"
-    report = Progress.parse(REPORT | {"phase": "failed", "step": 0,
-                                      "preflight": {"ok": False, "message": why}})  # fmt: skip
+    report = Progress.parse(
+        REPORT | {"phase": "failed", "step": 0, "preflight": {"ok": False, "message": why}}
+    )
     status = decide(manifest, pods, report).status
     preflight = st.condition(status, st.PREFLIGHT)
     assert (preflight["status"], preflight["reason"]) == ("False", "PreflightFailed")
@@ -275,18 +348,35 @@ def test_a_failed_preflight_reported_by_the_master_is_a_false_condition():
 def test_a_preflight_termination_message_is_a_false_condition_and_the_restart_cause():
     manifest, pods = running(backoffLimit=2)
     why = "preflight: stage 1 (rank 2, address j-stage-1.j) did not take part within 60s"
-    pods[0]["status"] = {"phase": "Failed", "containerStatuses": [{"name": "trainer", "state": {
-        "terminated": {"exitCode": 1, "reason": "Error", "message": why,
-                       "finishedAt": "2025-01-02T03:04:06Z"}}}]}  # fmt: skip
+    pods[0]["status"] = {
+        "phase": "Failed",
+        "containerStatuses": [
+            {
+                "name": "trainer",
+                "state": {
+                    "terminated": {
+                        "exitCode": 1,
+                        "reason": "Error",
+                        "message": why,
+                        "finishedAt": "2025-01-02T03:04:06Z",
+                    }
+                },
+            }
+        ],
+    }
     acts = decide(manifest, pods, None)
     preflight = st.condition(acts.status, st.PREFLIGHT)
     assert (preflight["status"], preflight["reason"], preflight["message"]) == (
-        "False", "PreflightFailed", why)  # fmt: skip
+        "False",
+        "PreflightFailed",
+        why,
+    )
     assert acts.status["phase"] == st.RESTARTING
     assert why in st.condition(acts.status, st.RESTARTING)["message"]
     # A log tail that merely mentions the preflight is no verdict about it.
     pods[0]["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = (
-        "Traceback ...\nRuntimeError: preflight: ...")  # fmt: skip
+        "Traceback ...\nRuntimeError: preflight: ..."
+    )
     assert st.condition(decide(manifest, pods, None).status, st.PREFLIGHT) is None
 
 

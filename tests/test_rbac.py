@@ -127,8 +127,10 @@ def test_scheduling_permissions_are_off_by_default(tmp_path: Path) -> None:
 
 def test_no_secrets_no_wildcards_no_escalation(tmp_path: Path) -> None:
     everything = {"scheduling": {name: {"enabled": True} for name in INTEGRATIONS}}
-    for values in ({"replicas": 2, **everything},
-                   {"watchNamespaces": WATCHED, "replicas": 2, **everything}):  # fmt: skip
+    for values in (
+        {"replicas": 2, **everything},
+        {"watchNamespaces": WATCHED, "replicas": 2, **everything},
+    ):
         for doc in render(values, tmp_path):
             if doc["kind"] in ("Role", "ClusterRole"):
                 for group, resource, verb in grants_of(doc):

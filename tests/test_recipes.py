@@ -38,9 +38,13 @@ STEPS, SHARE = 3, 6  # optimizer steps; samples per replica per batch
 # Clipping at 0.05 is active in every step (the test checks that the norm exceeds it); SGD
 # with momentum and weight decay, whose update is linear in the clipped gradient and the lr.
 OPTIMIZER = {
-    "name": "sgd", "lr": 0.2, "momentum": 0.9, "weightDecay": 0.001, "clipGradNorm": 0.05,
+    "name": "sgd",
+    "lr": 0.2,
+    "momentum": 0.9,
+    "weightDecay": 0.001,
+    "clipGradNorm": 0.05,
     "schedule": {"warmupSteps": 2, "decay": "cosine", "minLr": 0.02},
-}  # fmt: skip
+}
 LAYERS = ["fc1", "act1", "fc2", "act2", "fc3"]
 CUTS = {2: ["fc2"], 3: ["fc2", "fc3"]}
 
@@ -50,10 +54,17 @@ def mlp(tied: bool = False) -> nn.Sequential:
     fc2's weight (as tied embeddings do), which 3 stages cut apart: the one tensor must count
     once in the global norm, as clip_grad_norm_ counts it in one process."""
     torch.manual_seed(7)
-    model = nn.Sequential(OrderedDict([
-        ("fc1", nn.Linear(5, 16)), ("act1", nn.Tanh()), ("fc2", nn.Linear(16, 16)),
-        ("act2", nn.Tanh()), ("fc3", nn.Linear(16, 16 if tied else 3)),
-    ])).double()  # fmt: skip
+    model = nn.Sequential(
+        OrderedDict(
+            [
+                ("fc1", nn.Linear(5, 16)),
+                ("act1", nn.Tanh()),
+                ("fc2", nn.Linear(16, 16)),
+                ("act2", nn.Tanh()),
+                ("fc3", nn.Linear(16, 16 if tied else 3)),
+            ]
+        )
+    ).double()
     if tied:
         model.fc3.weight = model.fc2.weight
     return model
@@ -67,8 +78,13 @@ def tied(stages: int) -> bool:
 def batches(samples: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each step's whole batch: every replica's share of every accumulated batch."""
     g = torch.Generator().manual_seed(3)
-    return [(torch.randn(samples, 5, generator=g, dtype=torch.float64),
-             torch.randint(3, (samples,), generator=g)) for _ in range(STEPS)]  # fmt: skip
+    return [
+        (
+            torch.randn(samples, 5, generator=g, dtype=torch.float64),
+            torch.randint(3, (samples,), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def _recipe_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
@@ -82,16 +98,25 @@ def _recipe_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         starts = [0, *(LAYERS.index(c) for c in CUTS[s.stages]), len(LAYERS)]
         ranges = [range(a, b) for a, b in zip(starts, starts[1:], strict=False)]
         stages = traced.split(CUTS[s.stages])
-        shards = Shards(traced.units, stages, Partition(ranges, [1.0] * len(LAYERS), 2), {},
-                        tied=cut.ties(stages))  # fmt: skip
+        shards = Shards(
+            traced.units,
+            stages,
+            Partition(ranges, [1.0] * len(LAYERS), 2),
+            {},
+            tied=cut.ties(stages),
+        )
         replicas = engine(s, "schedule").Replicas(per_replica, shards, s)
         samples = SHARE * s.replicas.max * s.gradient_accumulation
-        results = [replicas.step(2, step, F.cross_entropy, batch)
-                   for step, batch in enumerate(batches(samples))]  # fmt: skip
-        states = [{k: v for part in p.each("state") for k, v in part.items()}
-                  for p in replicas.pipelines]  # fmt: skip
-        torch.save({"results": [(r.loss, r.lr, r.grad_norm) for r in results],
-                    "states": states}, out)  # fmt: skip
+        results = [
+            replicas.step(2, step, F.cross_entropy, batch)
+            for step, batch in enumerate(batches(samples))
+        ]
+        states = [
+            {k: v for part in p.each("state") for k, v in part.items()} for p in replicas.pipelines
+        ]
+        torch.save(
+            {"results": [(r.loss, r.lr, r.grad_norm) for r in results], "states": states}, out
+        )
     finally:
         rpc.shutdown()
 
@@ -106,22 +131,38 @@ def cosine_lr(step: int) -> float:
 @pytest.mark.parametrize(
     ("stages", "replicas", "accumulation", "engine_fields"),
     # The replicated rpc world and the tied, accumulating pipelining one hold the others.
-    [pytest.param(2, 1, 1, {}, marks=pytest.mark.slow),
-     pytest.param(3, 1, 2, {}, marks=pytest.mark.slow), (2, 2, 2, {}),
-     (3, 1, 2, {"engine": "pipelining", "schedule": "gpipe"}),
-     pytest.param(2, 2, 2, {"engine": "pipelining", "schedule": "1f1b"}, marks=pytest.mark.slow),
-     pytest.param(2, 1, 2, {"engine": "pipelining", "schedule": "1f1b"},
-                  marks=pytest.mark.slow)],
-    ids=["2-stages", "3-stages-tied-accumulating-2", "2-replicas-accumulating-2",
-         "pipelining-3-stages-tied-accumulating-2", "pipelining-2-replicas-accumulating-2",
-         "pipelining-2-stages-accumulating-2"],
-)  # fmt: skip
+    [
+        pytest.param(2, 1, 1, {}, marks=pytest.mark.slow),
+        pytest.param(3, 1, 2, {}, marks=pytest.mark.slow),
+        (2, 2, 2, {}),
+        (3, 1, 2, {"engine": "pipelining", "schedule": "gpipe"}),
+        pytest.param(2, 2, 2, {"engine": "pipelining", "schedule": "1f1b"}, marks=pytest.mark.slow),
+        pytest.param(2, 1, 2, {"engine": "pipelining", "schedule": "1f1b"}, marks=pytest.mark.slow),
+    ],
+    ids=[
+        "2-stages",
+        "3-stages-tied-accumulating-2",
+        "2-replicas-accumulating-2",
+        "pipelining-3-stages-tied-accumulating-2",
+        "pipelining-2-replicas-accumulating-2",
+        "pipelining-2-stages-accumulating-2",
+    ],
+)
 def test_a_clipped_scheduled_step_equals_one_process(
     tmp_path: Path, stages: int, replicas: int, accumulation: int, engine_fields: dict[str, str]
 ) -> None:
-    job = spec.parse(pipeline_job("recipe", stages=stages, replicas=replicas, microBatches=2,
-                                  gradientAccumulation=accumulation, steps=STEPS,
-                                  optimizer=OPTIMIZER, **engine_fields))  # fmt: skip
+    job = spec.parse(
+        pipeline_job(
+            "recipe",
+            stages=stages,
+            replicas=replicas,
+            microBatches=2,
+            gradientAccumulation=accumulation,
+            steps=STEPS,
+            optimizer=OPTIMIZER,
+            **engine_fields,
+        )
+    )
     ports = free_ports(4 + stages)  # and one for each group (at most one per stage)
     world_ports = plan.Ports(*ports[:4], groups=tuple(ports[4:]))
     processes = plan.plan_world(job, lambda m: LOOPBACK, world_ports)
@@ -131,8 +172,9 @@ def test_a_clipped_scheduled_step_equals_one_process(
     # in one backward, clip_grad_norm_ over the whole model, the schedule's lr, one optimizer.
     model = mlp(tied(stages))
     o = OPTIMIZER
-    optimizer = torch.optim.SGD(model.parameters(), lr=o["lr"], momentum=o["momentum"],
-                                weight_decay=o["weightDecay"])  # fmt: skip
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=o["lr"], momentum=o["momentum"], weight_decay=o["weightDecay"]
+    )
     expected = []
     for step, (x, y) in enumerate(batches(SHARE * replicas * accumulation)):
         loss = F.cross_entropy(model(x), y)
@@ -145,8 +187,9 @@ def test_a_clipped_scheduled_step_equals_one_process(
         optimizer.zero_grad()
         expected.append((loss.item(), cosine_lr(step), norm))
 
-    for (loss, lr, norm), (want_loss, want_lr, want_norm) in zip(got["results"], expected,
-                                                                  strict=True):  # fmt: skip
+    for (loss, lr, norm), (want_loss, want_lr, want_norm) in zip(
+        got["results"], expected, strict=True
+    ):
         assert loss == pytest.approx(want_loss, rel=1e-9)
         assert lr == pytest.approx(want_lr, rel=1e-12)
         assert norm == pytest.approx(want_norm, rel=1e-9)
@@ -161,21 +204,30 @@ def test_a_clipped_scheduled_step_equals_one_process(
 
 
 def optimizer(decay: str, warmup: int = 4) -> Optimizer:
-    return Optimizer(name="sgd", lr=0.1, momentum=0.0, weight_decay=0.0,
-                     schedule=Schedule(warmup_steps=warmup, decay=decay, min_lr=0.01))  # fmt: skip
+    return Optimizer(
+        name="sgd",
+        lr=0.1,
+        momentum=0.0,
+        weight_decay=0.0,
+        schedule=Schedule(warmup_steps=warmup, decay=decay, min_lr=0.01),
+    )
 
 
 @pytest.mark.parametrize(
     ("decay", "step", "lr"),
     [
-        ("cosine", 0, 0.025), ("cosine", 3, 0.1),  # warmup: lr * (step + 1) / 4
+        ("cosine", 0, 0.025),
+        ("cosine", 3, 0.1),  # warmup: lr * (step + 1) / 4
         ("cosine", 4, 0.1),  # the decay's start: progress 0 of 10 steps
         ("cosine", 6, 0.01 + 0.09 * 0.5 * (1 + math.cos(0.2 * math.pi))),  # progress 0.2
-        ("cosine", 9, 0.055), ("linear", 9, 0.055),  # half way: the mean of lr and minLr
-        ("linear", 6, 0.01 + 0.09 * 0.8), ("linear", 13, 0.01 + 0.09 * 0.1),
-        ("constant", 2, 0.075), ("constant", 13, 0.1),
+        ("cosine", 9, 0.055),
+        ("linear", 9, 0.055),  # half way: the mean of lr and minLr
+        ("linear", 6, 0.01 + 0.09 * 0.8),
+        ("linear", 13, 0.01 + 0.09 * 0.1),
+        ("constant", 2, 0.075),
+        ("constant", 13, 0.1),
     ],
-)  # fmt: skip
+)
 def test_the_learning_rate_at_chosen_steps_is_the_formula(decay: str, step: int, lr: float):
     assert learning_rate(optimizer(decay), 14, step) == pytest.approx(lr, rel=1e-12)
 
@@ -208,16 +260,20 @@ def test_bad_recipes_are_refused_with_field_paths():
     ]
     (fp16,) = refusals(precision="fp16")
     assert fp16.startswith("spec.precision: fp16 needs GPUs") and "CPU job" in fp16
-    assert refusals(optimizer={"clipGradNorm": 0}) == ["spec.optimizer.clipGradNorm: must be > 0,"
-                                                        " got 0.0"]  # fmt: skip
+    assert refusals(optimizer={"clipGradNorm": 0}) == [
+        "spec.optimizer.clipGradNorm: must be > 0, got 0.0"
+    ]
     assert refusals(gradientAccumulation=0) == ["spec.gradientAccumulation: must be >= 1, got 0"]
     (decay,) = refusals(optimizer={"schedule": {"decay": "step"}})
     assert decay.startswith("spec.optimizer.schedule.decay: must be one of constant, linear")
     assert refusals(precision="fp8")[0].startswith("spec.precision: must be one of fp32, bf16")
     # What is allowed: fp16 with a GPU, warmup as long as the run, minLr equal to lr.
     ok = {"warmupSteps": 10, "decay": "linear", "minLr": 0.01}
-    spec.parse(pipeline_job("ok", steps=10, precision="fp16", gpusPerStage=1,
-                            optimizer={"lr": 0.01, "schedule": ok}))  # fmt: skip
+    spec.parse(
+        pipeline_job(
+            "ok", steps=10, precision="fp16", gpusPerStage=1, optimizer={"lr": 0.01, "schedule": ok}
+        )
+    )
 
 
 # ------------------------------------------- resume mid-warmup and mid-decay, TensorBoard
@@ -248,16 +304,28 @@ def test_resumes_mid_warmup_and_mid_decay_exactly_and_tensorboard_reads_every_st
     and ends. Their losses, learning rates and gradient norms are the uninterrupted run's,
     and TensorBoard reads one value per step of each, equal to the run's summary."""
     fields = {
-        "stages": 2, "steps": 10, "microBatches": 2, "splitPoints": ["layer3.0"],
-        "preflight": {"enabled": False}, "logEvery": 5,
-        "optimizer": {"name": "adamw", "lr": 0.003, "clipGradNorm": 1.0,
-                      "schedule": {"warmupSteps": 3, "decay": "cosine", "minLr": 0.0003}},
-    }  # fmt: skip
+        "stages": 2,
+        "steps": 10,
+        "microBatches": 2,
+        "splitPoints": ["layer3.0"],
+        "preflight": {"enabled": False},
+        "logEvery": 5,
+        "optimizer": {
+            "name": "adamw",
+            "lr": 0.003,
+            "clipGradNorm": 1.0,
+            "schedule": {"warmupSteps": 3, "decay": "cosine", "minLr": 0.0003},
+        },
+    }
 
     def job(name: str) -> dict[str, Any]:
         root = tmp_path / name
-        return pipeline_job(name, **fields, checkpoint={"path": str(root / "ck"), "everySteps": 2},
-                            logging={"tensorboard": str(root / "tb")})  # fmt: skip
+        return pipeline_job(
+            name,
+            **fields,
+            checkpoint={"path": str(root / "ck"), "everySteps": 2},
+            logging={"tensorboard": str(root / "tb")},
+        )
 
     code, out, whole = run_to_end(job("whole"), tmp_path, timeout=150)
     assert code == 0, out
@@ -288,8 +356,11 @@ def test_resumes_mid_warmup_and_mid_decay_exactly_and_tensorboard_reads_every_st
     # replaced what the failed ones wrote after their checkpoint), equal to the summaries.
     for name, summary, first in (("whole", whole, 0), ("part", got, 6)):
         board = scalars(tmp_path / name / "tb")
-        for tag, key in (("train/loss", "losses"), ("train/learning_rate", "learningRates"),
-                         ("train/grad_norm", "gradNorms")):  # fmt: skip
+        for tag, key in (
+            ("train/loss", "losses"),
+            ("train/learning_rate", "learningRates"),
+            ("train/grad_norm", "gradNorms"),
+        ):
             assert sorted(board[tag]) == list(range(1, 11)), (name, tag)
             assert all(len(v) == 1 for v in board[tag].values()), (name, tag, board[tag])
             values = [board[tag][s][0] for s in range(first + 1, 11)]

@@ -62,9 +62,18 @@ class Sim:
         pod = self.pods[name]
         pod["status"] = {"phase": phase}
         if exit_code is not None:
-            pod["status"]["containerStatuses"] = [{"name": "trainer", "state": {"terminated": {
-                "exitCode": exit_code, "reason": "Error" if exit_code else "Completed",
-                "finishedAt": finished}}}]  # fmt: skip
+            pod["status"]["containerStatuses"] = [
+                {
+                    "name": "trainer",
+                    "state": {
+                        "terminated": {
+                            "exitCode": exit_code,
+                            "reason": "Error" if exit_code else "Completed",
+                            "finishedAt": finished,
+                        }
+                    },
+                }
+            ]
 
     def run_all(self):
         for name in self.pods:
@@ -108,8 +117,12 @@ def test_running_when_every_pod_runs_with_counts_per_role():
     sim.set_phase("j-master-0", "Running")
     sim.reconcile()
     assert sim.status["phase"] == "Pending"
-    assert sim.status["roles"]["master"] == {"pending": 0, "running": 1, "succeeded": 0,
-                                             "failed": 0}  # fmt: skip
+    assert sim.status["roles"]["master"] == {
+        "pending": 0,
+        "running": 1,
+        "succeeded": 0,
+        "failed": 0,
+    }
     assert sim.status["roles"]["trainer"]["pending"] == 2
     sim.run_all()
     assert sim.status["phase"] == "Running"
@@ -149,7 +162,10 @@ def test_a_finished_replicated_world_keeps_its_replica_count_as_its_pods_go():
         sim.set_phase(name, "Succeeded", 0)  # replica 0 has finished, replica 1 is stopped
     sim.reconcile()
     assert sim.status["phase"] == "Succeeded" and sim.names() == [
-        "j-master-0", "j-r0-stage-0", "j-r0-stage-1"]  # fmt: skip
+        "j-master-0",
+        "j-r0-stage-0",
+        "j-r0-stage-1",
+    ]
     sim.reconcile()
     assert sim.status["replicas"] == 2
 
@@ -160,7 +176,10 @@ def test_a_failed_pod_restarts_the_whole_world():
     acts = sim.reconcile()
     assert sim.status["phase"] == "Restarting" and sim.status["restarts"] == 1
     assert sorted(p["metadata"]["name"] for p in acts.delete) == [
-        "j-master-0", "j-stage-0", "j-stage-1"]  # fmt: skip
+        "j-master-0",
+        "j-stage-0",
+        "j-stage-1",
+    ]
     (event,) = acts.events
     assert event.type == "Warning" and event.reason == "PodFailed"
     assert "stage 1 (pod j-stage-1) failed with exit code 137" in event.message
@@ -228,8 +247,11 @@ def test_backoff_limit_zero_fails_at_once():
 
 def test_evicted_pod_restarts_the_world():
     sim = started(stages=2)
-    sim.pods["j-stage-0"]["status"] = {"phase": "Failed", "reason": "Evicted",
-                                       "message": "The node was low on memory."}  # fmt: skip
+    sim.pods["j-stage-0"]["status"] = {
+        "phase": "Failed",
+        "reason": "Evicted",
+        "message": "The node was low on memory.",
+    }
     acts = sim.reconcile()
     assert acts.events[0].reason == "PodEvicted" and sim.status["restarts"] == 1
 
@@ -317,10 +339,15 @@ def test_name_too_long_for_pod_names_is_invalid():
 
 def test_pods_of_other_owners_are_left_alone_but_block_their_names():
     sim = Sim(stages=2)
-    stranger = {"metadata": {"name": "j-master-0", "uid": "u", "labels": {
-        kube.JOB_LABEL: "j", kube.RESTART_LABEL: "0"},
-        "ownerReferences": [{"controller": True, "uid": "older-job"}]},
-        "status": {"phase": "Running"}}  # fmt: skip
+    stranger = {
+        "metadata": {
+            "name": "j-master-0",
+            "uid": "u",
+            "labels": {kube.JOB_LABEL: "j", kube.RESTART_LABEL: "0"},
+            "ownerReferences": [{"controller": True, "uid": "older-job"}],
+        },
+        "status": {"phase": "Running"},
+    }
     sim.pods["j-master-0"] = stranger
     acts = sim.reconcile()
     assert sorted(p["metadata"]["name"] for p in acts.create) == ["j-stage-0", "j-stage-1"]

@@ -35,8 +35,12 @@ DLRM_EXAMPLE = ROOT / "examples" / "dlrm"
 
 
 def manifest(**spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob",
-            "metadata": {"name": "recsys"}, "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "HybridJob",
+        "metadata": {"name": "recsys"},
+        "spec": spec,
+    }
 
 
 def parse(**spec: Any) -> Any:
@@ -56,7 +60,8 @@ TABLES = [
 def test_the_one_table_form_is_one_table_fed_by_the_bags() -> None:
     job = parse(embedding={"numEmbeddings": 64, "dim": 8, "mode": "max"})
     assert job.spec["embeddings"] == [
-        {"name": "embedding", "rows": 64, "dim": 8, "mode": "max", "feature": "ids"}]  # fmt: skip
+        {"name": "embedding", "rows": 64, "dim": 8, "mode": "max", "feature": "ids"}
+    ]
     s = job.settings
     assert not s.recommends and s.parameter_servers == 1
     assert s.sparse_optimizer.name == "sgd" and s.sparse_optimizer.lr == 0.05  # optimizer.lr
@@ -73,25 +78,48 @@ def test_tables_are_completed_with_their_feature_and_the_optimizer_with_its_eps(
     ("fields", "path", "said"),
     [
         ({"embeddings": [{"name": "a", "rows": 0, "dim": 4}]}, "spec.embeddings[0].rows", ">= 1"),
-        ({"embeddings": [{"name": "a", "rows": 9, "dim": 5000}]}, "spec.embeddings[0].dim",
-         "<= 4096"),
+        (
+            {"embeddings": [{"name": "a", "rows": 9, "dim": 5000}]},
+            "spec.embeddings[0].dim",
+            "<= 4096",
+        ),
         ({"embeddings": [{"name": "a", "dim": 4}]}, "spec.embeddings[0].rows", "is required"),
-        ({"embeddings": [{"name": "a-b", "rows": 9, "dim": 4}]}, "spec.embeddings[0].name",
-         "Python identifier"),
-        ({"embeddings": [{"name": "a", "rows": 9, "dim": 4}, {"name": "a", "rows": 3, "dim": 4}]},
-         "spec.embeddings[1]", "duplicate name 'a'"),
+        (
+            {"embeddings": [{"name": "a-b", "rows": 9, "dim": 4}]},
+            "spec.embeddings[0].name",
+            "Python identifier",
+        ),
+        (
+            {
+                "embeddings": [
+                    {"name": "a", "rows": 9, "dim": 4},
+                    {"name": "a", "rows": 3, "dim": 4},
+                ]
+            },
+            "spec.embeddings[1]",
+            "duplicate name 'a'",
+        ),
         ({"embeddings": TABLES, "embedding": {"dim": 4}}, "spec.embeddings", "not both"),
-        ({"embeddings": [TABLES[0], TABLES[1] | {"dim": 8}]}, "spec.embeddings[1].dim",
-         "the built-in DLRM needs every table as wide as the first (4)"),
-        ({"embeddings": TABLES, "data": {"criteo": {"train": "t.tsv"}}},
-         "spec.embeddings[1].feature", "'wide' is not a Criteo categorical feature"),
+        (
+            {"embeddings": [TABLES[0], TABLES[1] | {"dim": 8}]},
+            "spec.embeddings[1].dim",
+            "the built-in DLRM needs every table as wide as the first (4)",
+        ),
+        (
+            {"embeddings": TABLES, "data": {"criteo": {"train": "t.tsv"}}},
+            "spec.embeddings[1].feature",
+            "'wide' is not a Criteo categorical feature",
+        ),
         ({"data": {"criteo": {"train": "t.tsv"}}}, "spec.data.criteo", "needs spec.embeddings"),
-        ({"embeddings": TABLES, "data": {"file": {"train": "t.npz"}}}, "spec.data.file",
-         "with embeddings use data.criteo or data.import"),
+        (
+            {"embeddings": TABLES, "data": {"file": {"train": "t.npz"}}},
+            "spec.data.file",
+            "with embeddings use data.criteo or data.import",
+        ),
         ({"parameterServers": 65}, "spec.parameterServers", "<= 64"),
         ({"sparseOptimizer": {"name": "rmsprop"}}, "spec.sparseOptimizer.name", "must be one of"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_table_spec_is_refused_naming_its_field(fields: dict, path: str, said: str) -> None:
     with pytest.raises(specs.InvalidSpec) as e:
         parse(**fields)
@@ -103,10 +131,13 @@ def test_a_bad_table_spec_is_refused_naming_its_field(fields: dict, path: str, s
 
 def test_a_table_larger_than_a_share_is_split_the_others_placed_by_size() -> None:
     placed = tables.place(
-        (tables.Table(name="big", rows=10_000, dim=8, feature="big"),
-         *(tables.Table(name=f"t{i}", rows=100 * (i + 1), dim=8, feature="f") for i in range(5))),
-        servers=4, optimizer="adagrad",
-    )  # fmt: skip
+        (
+            tables.Table(name="big", rows=10_000, dim=8, feature="big"),
+            *(tables.Table(name=f"t{i}", rows=100 * (i + 1), dim=8, feature="f") for i in range(5)),
+        ),
+        servers=4,
+        optimizer="adagrad",
+    )
     big = [[(p.start, p.stop) for p in s if p.table == "big"] for s in placed]
     assert big == [[(0, 2500)], [(2500, 5000)], [(5000, 7500)], [(7500, 10_000)]]
     whole = sorted((p.table, p.server) for s in placed for p in s if p.table != "big")
@@ -122,8 +153,13 @@ def test_plan_prints_every_server_s_pieces_and_bytes(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
     job = manifest(parameterServers=2, embeddings=TABLES)
     path.write_text(__import__("yaml").safe_dump(job))
-    out = subprocess.run([sys.executable, "-m", "pipejob.cli", "plan", str(path)],
-                         capture_output=True, text=True, timeout=60, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "pipejob.cli", "plan", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert re.search(r"^\s+1\s+ps0\s+ps\s+0\s+-\s+recsys-ps-0\.recsys$", out, re.M), out
     assert "embedding tables: 3, 17.3 kB of weights + 0 B of sgd state" in out
     # wide is larger than a share (half of all bytes): split; then peak, then narrow.
@@ -151,12 +187,16 @@ def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do
     assert tables.server_needs(tables.fullest(tables_of(big), 7, "sgd")[1]) <= 2**30
     assert tables.server_needs(tables.fullest(tables_of(big), 6, "sgd")[1]) > 2**30
     with pytest.raises(specs.InvalidSpec) as e:
-        parse(embeddings=big, parameterServers=2, sparseOptimizer={"name": "rowwiseAdagrad"},
-              template={"resources": {"limits": {"memory": "600M"}}})  # fmt: skip
+        parse(
+            embeddings=big,
+            parameterServers=2,
+            sparseOptimizer={"name": "rowwiseAdagrad"},
+            template={"resources": {"limits": {"memory": "600M"}}},
+        )
     assert [(x.path, x.reason.split(": ")[-1]) for x in e.value.errors] == [
         ("spec.template.resources.limits.memory", "give the pods more memory"),
         ("spec.parameterServers", "give the pods more memory"),
-    ]  # fmt: skip
+    ]
 
 
 def tables_of(specs_: list[dict[str, Any]]) -> tuple[tables.Table, ...]:
@@ -175,14 +215,23 @@ def world(spec: Any, steps: int, trainers: int = 2) -> list[Server]:
     torch.manual_seed(spec.seed)
     first = workloads.hybrid_dense(spec, spec.dense_features)
     dense = [first, *(copy.deepcopy(first) for _ in range(trainers - 1))]  # DDP's replicas
-    readers = [samples.stream(data, spec.batch_size * trainers, (k, trainers), spec.seed,
-                              router.features, True) for k in range(trainers)]  # fmt: skip
+    readers = [
+        samples.stream(
+            data, spec.batch_size * trainers, (k, trainers), spec.seed, router.features, True
+        )
+        for k in range(trainers)
+    ]
     pending: list[list[torch.Tensor | None]] = [[None] * len(servers) for _ in range(trainers)]
     for _ in range(steps):
         batches = [next(r) for r in readers]
         routed = [router.route(b) for b in batches]
-        calls = [[servers[s].exchange(f"t{k}", pending[k][s], *routed[k].requests[s])
-                  for s in router.servers] for k in range(trainers)]  # fmt: skip
+        calls = [
+            [
+                servers[s].exchange(f"t{k}", pending[k][s], *routed[k].requests[s])
+                for s in router.servers
+            ]
+            for k in range(trainers)
+        ]
         grads = [torch.zeros_like(p) for p in dense[0].parameters()]
         for k in range(trainers):
             replies = [c.wait().requires_grad_() for c in calls[k]]
@@ -207,9 +256,18 @@ def test_servers_step_a_split_table_as_one_module_does_for_every_sparse_optimize
 ) -> None:
     torch.set_default_dtype(torch.float64)
     try:
-        spec = parse(embeddings=TABLES, parameterServers=2, trainers=2, batchSize=6, bagSize=4,
-                     datasetSize=48, denseFeatures=3, dense={"dlrm": {"bottom": [5], "top": [6]}},
-                     sparseOptimizer={"name": optimizer, "lr": 0.1}, seed=1).settings  # fmt: skip
+        spec = parse(
+            embeddings=TABLES,
+            parameterServers=2,
+            trainers=2,
+            batchSize=6,
+            bagSize=4,
+            datasetSize=48,
+            denseFeatures=3,
+            dense={"dlrm": {"bottom": [5], "top": [6]}},
+            sparseOptimizer={"name": optimizer, "lr": 0.1},
+            seed=1,
+        ).settings
         servers = world(spec, steps=3)
         model, stepped = reference.trained(spec, steps=3)
     finally:
@@ -228,20 +286,27 @@ def test_servers_step_a_split_table_as_one_module_does_for_every_sparse_optimize
 
 def test_a_checkpoint_of_two_servers_loads_into_three_and_into_one() -> None:
     """Pieces are saved by table and row range: any other split of the tables loads them."""
-    two = parse(embeddings=TABLES, parameterServers=2, sparseOptimizer={"name": "adagrad"},
-                datasetSize=32, batchSize=4).settings  # fmt: skip
+    two = parse(
+        embeddings=TABLES,
+        parameterServers=2,
+        sparseOptimizer={"name": "adagrad"},
+        datasetSize=32,
+        batchSize=4,
+    ).settings
     saved = [(f"ps{s.index}.pt", s.state()) for s in world(two, steps=2)]
     for count in (3, 1):
-        other = parse(embeddings=TABLES, parameterServers=count,
-                      sparseOptimizer={"name": "adagrad"}).settings  # fmt: skip
+        other = parse(
+            embeddings=TABLES, parameterServers=count, sparseOptimizer={"name": "adagrad"}
+        ).settings
         loaded = [Server(other, i, trainers=2) for i in range(count)]
         for server in loaded:
             server.load(saved)
         pieces = [p for _, s in saved for p in s["pieces"]]
         for server in loaded:
             for k, (p, w) in enumerate(zip(server.pieces, server.weights, strict=True)):
-                whole = reference.assembled(pieces, p.table, next(
-                    t.rows for t in other.embeddings if t.name == p.table))  # fmt: skip
+                whole = reference.assembled(
+                    pieces, p.table, next(t.rows for t in other.embeddings if t.name == p.table)
+                )
                 torch.testing.assert_close(w.detach(), whole["weight"][p.start : p.stop])
                 state = server.piece_state(k)
                 torch.testing.assert_close(state["sum"], whole["sum"][p.start : p.stop])
@@ -253,9 +318,13 @@ def test_a_checkpoint_of_two_servers_loads_into_three_and_into_one() -> None:
 
 def test_max_and_mean_over_pieces_pool_as_one_embedding_bag() -> None:
     """A split table's bags: some ids in one piece, some in both, some in none."""
-    spec = parse(embeddings=[{"name": "m", "rows": 100, "dim": 3, "mode": "max", "feature": "f"},
-                             {"name": "a", "rows": 100, "dim": 3, "mode": "mean", "feature": "f"}],
-                 parameterServers=4).settings  # fmt: skip
+    spec = parse(
+        embeddings=[
+            {"name": "m", "rows": 100, "dim": 3, "mode": "max", "feature": "f"},
+            {"name": "a", "rows": 100, "dim": 3, "mode": "mean", "feature": "f"},
+        ],
+        parameterServers=4,
+    ).settings
     servers = [Server(spec, i, 1) for i in range(4)]
     router = Router(spec)
     ids = [[3], [60, 70], [1, 99, 50], [], [26, 27, 80]]
@@ -291,8 +360,11 @@ def test_initial_rows_are_the_same_whichever_server_makes_them() -> None:
 
 
 def test_the_shipped_click_logs_are_what_their_generator_writes(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, str(DLRM_EXAMPLE / "make_criteo.py"), "--out", str(tmp_path)],
-                   check=True, timeout=60)  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(DLRM_EXAMPLE / "make_criteo.py"), "--out", str(tmp_path)],
+        check=True,
+        timeout=60,
+    )
     for name in ("train.tsv", "val.tsv"):
         assert (tmp_path / name).read_bytes() == (DLRM_EXAMPLE / name).read_bytes(), name
     log = CriteoLog(str(DLRM_EXAMPLE / "train.tsv"), "spec.data.criteo.train")
@@ -342,25 +414,41 @@ def test_dlrm_interacts_every_pair_once() -> None:
 
 
 def test_the_model_file_holds_every_table_whole_under_its_name(tmp_path: Path) -> None:
-    spec = parse(embeddings=TABLES, parameterServers=2, datasetSize=16, batchSize=4,
-                 denseFeatures=3).settings  # fmt: skip
+    spec = parse(
+        embeddings=TABLES, parameterServers=2, datasetSize=16, batchSize=4, denseFeatures=3
+    ).settings
     servers = world(spec, steps=1)
-    pieces = [(p.table, p.start, p.stop, lambda lo, hi, p=p, w=w: w.detach()[lo - p.start :
-                                                                            hi - p.start])
-              for s in servers for p, w in zip(s.pieces, s.weights, strict=True)]  # fmt: skip
+    pieces = [
+        (p.table, p.start, p.stop, lambda lo, hi, p=p, w=w: w.detach()[lo - p.start : hi - p.start])
+        for s in servers
+        for p, w in zip(s.pieces, s.weights, strict=True)
+    ]
     torch.manual_seed(0)
     dense = workloads.hybrid_dense(spec, 3)
     model_spec = output.model_spec(spec)
     for format in ("safetensors", "torch"):
-        paths = output.write(model_spec, tmp_path / format, format, output.joined(pieces),
-                             dense.state_dict(), {"kind": "test"})  # fmt: skip
-        state = (load_file(paths[0]) if format == "safetensors"
-                 else torch.load(paths[0], weights_only=True))  # fmt: skip
+        paths = output.write(
+            model_spec,
+            tmp_path / format,
+            format,
+            output.joined(pieces),
+            dense.state_dict(),
+            {"kind": "test"},
+        )
+        state = (
+            load_file(paths[0])
+            if format == "safetensors"
+            else torch.load(paths[0], weights_only=True)
+        )
         model = Recommender(spec.embeddings, workloads.hybrid_dense(spec, 3), 0, True)
         model.load_state_dict(state, strict=True)
         for t in spec.embeddings:
-            held = sorted((p.start, s.weights[k].detach()) for s in servers
-                          for k, p in enumerate(s.pieces) if p.table == t.name)  # fmt: skip
+            held = sorted(
+                (p.start, s.weights[k].detach())
+                for s in servers
+                for k, p in enumerate(s.pieces)
+                if p.table == t.name
+            )
             assert len(held) == (2 if t.name == "wide" else 1)
             whole = torch.cat([w for _, w in held])
             assert torch.equal(model.tables[t.name].weight.detach(), whole), t.name
@@ -378,11 +466,14 @@ def userpkg(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
 
 
-USER = {"embeddings": [{"name": "user", "rows": 50, "dim": 4}, {"name": "item", "rows": 20,
-                                                                "dim": 4}],
-        "dense": {"import": "userpkg.clicks:Tower",
-                  "args": {"tables": ["user", "item"], "dim": 4, "dense": 2}},
-        "data": {"import": "userpkg.clicks:clicks", "args": {"count": 40}}}  # fmt: skip
+USER = {
+    "embeddings": [{"name": "user", "rows": 50, "dim": 4}, {"name": "item", "rows": 20, "dim": 4}],
+    "dense": {
+        "import": "userpkg.clicks:Tower",
+        "args": {"tables": ["user", "item"], "dim": 4, "dense": 2},
+    },
+    "data": {"import": "userpkg.clicks:clicks", "args": {"count": 40}},
+}
 
 
 def test_the_user_s_clicks_and_dense_module_are_read_and_checked(userpkg: None) -> None:
@@ -404,9 +495,13 @@ def test_the_user_s_clicks_and_dense_module_are_read_and_checked(userpkg: None) 
         check_dense(spec, workloads.hybrid_dense(narrow, 2), loss, batch, cpu)
     bad = {"import": "userpkg.clicks:clicks", "args": {"count": 40, "bad": 5}}
     broken = workloads.hybrid_data(parse(**(USER | {"data": bad})).settings)
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "spec.data.import: item 5 of the train split: feature 'user' has ids [77] outside"
-            " 0..49 (the rows of its smallest table)")):  # fmt: skip
+            " 0..49 (the rows of its smallest table)"
+        ),
+    ):
         broken.sample(5)
     lacking = parse(
         **(

@@ -104,8 +104,9 @@ def test_two_replicas_equal_one_pipeline_on_their_union(tmp_path: Path, monkeypa
     assert_first_sgd_step_equal(got, expected, COMMON["optimizer"]["lr"])
 
 
-def assert_first_sgd_step_equal(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                                lr: float) -> None:  # fmt: skip
+def assert_first_sgd_step_equal(
+    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], lr: float
+) -> None:
     """Both runs start from the same seeded float64 parameters p0, and after SGD's first step
     each momentum buffer is the gradient plus weight decay (b = g + wd * p0) and each
     parameter is p0 - lr * b. Summed in another order, a gradient may differ by some eps
@@ -159,17 +160,26 @@ def mlp() -> nn.Sequential:
     and one process must agree step after step, up to rounding (in float64: the check is
     about the algorithm)."""
     torch.manual_seed(7)
-    return nn.Sequential(OrderedDict([
-        ("fc1", nn.Linear(5, 16)), ("act1", nn.Tanh()), ("fc2", nn.Linear(16, 16)),
-        ("act2", nn.Tanh()), ("fc3", nn.Linear(16, 3)),
-    ])).double()  # fmt: skip
+    return nn.Sequential(
+        OrderedDict(
+            [
+                ("fc1", nn.Linear(5, 16)),
+                ("act1", nn.Tanh()),
+                ("fc2", nn.Linear(16, 16)),
+                ("act2", nn.Tanh()),
+                ("fc3", nn.Linear(16, 3)),
+            ]
+        )
+    ).double()
 
 
 def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     n = SHARE * replicas
-    return [(torch.randn(n, 5, generator=g, dtype=torch.float64),
-             torch.randint(3, (n,), generator=g)) for _ in range(EXACT_STEPS)]  # fmt: skip
+    return [
+        (torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randint(3, (n,), generator=g))
+        for _ in range(EXACT_STEPS)
+    ]
 
 
 def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
@@ -182,13 +192,20 @@ def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         names = env.names("stage")
         per_replica = [names[r * s.stages : (r + 1) * s.stages] for r in range(s.replicas.max)]
         traced = cut.Traced(mlp())
-        shards = Shards(traced.units, traced.split(["fc2"]),
-                        Partition([range(0, 2), range(2, 5)], [1.0] * 5, 2), {})  # fmt: skip
+        shards = Shards(
+            traced.units,
+            traced.split(["fc2"]),
+            Partition([range(0, 2), range(2, 5)], [1.0] * 5, 2),
+            {},
+        )
         replicas = Replicas(per_replica, shards, s)
-        losses = [replicas.step(2, step, F.cross_entropy, batch).loss
-                  for step, batch in enumerate(batches(s.replicas.max))]  # fmt: skip
-        states = [{k: v for part in p.each("state") for k, v in part.items()}
-                  for p in replicas.pipelines]  # fmt: skip
+        losses = [
+            replicas.step(2, step, F.cross_entropy, batch).loss
+            for step, batch in enumerate(batches(s.replicas.max))
+        ]
+        states = [
+            {k: v for part in p.each("state") for k, v in part.items()} for p in replicas.pipelines
+        ]
         torch.save({"losses": losses, "states": states}, out)
     finally:
         rpc.shutdown()
@@ -196,8 +213,9 @@ def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
 
 @pytest.mark.timeout(200)
 def test_replicas_train_exactly_what_one_process_trains_on_their_union(tmp_path: Path) -> None:
-    job = spec.parse(pipeline_job("exact", stages=2, replicas=2, microBatches=2,
-                                  optimizer=COMMON["optimizer"]))  # fmt: skip
+    job = spec.parse(
+        pipeline_job("exact", stages=2, replicas=2, microBatches=2, optimizer=COMMON["optimizer"])
+    )
     ports = free_ports(4 + 2)  # and one for each stage's group
     world_ports = plan.Ports(*ports[:4], groups=tuple(ports[4:]))
     processes = plan.plan_world(job, lambda m: LOOPBACK, world_ports)
@@ -206,8 +224,9 @@ def test_replicas_train_exactly_what_one_process_trains_on_their_union(tmp_path:
     # The reference: plain autograd on the whole batch, one optimizer, one process.
     model = mlp()  # the stages keep its names: fc1.weight, ...
     opt = COMMON["optimizer"]
-    optimizer = torch.optim.SGD(model.parameters(), lr=opt["lr"], momentum=opt["momentum"],
-                                weight_decay=opt["weightDecay"])  # fmt: skip
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=opt["lr"], momentum=opt["momentum"], weight_decay=opt["weightDecay"]
+    )
     losses = []
     for x, y in batches(2):
         loss = F.cross_entropy(model(x), y)
@@ -223,6 +242,7 @@ def test_replicas_train_exactly_what_one_process_trains_on_their_union(tmp_path:
         assert sorted(state) == sorted(expected)
         for name, value in expected.items():
             scale = value.abs().max().item()
-            torch.testing.assert_close(state[name], value, rtol=TOLERANCE,
-                                       atol=TOLERANCE * scale, msg=name)  # fmt: skip
+            torch.testing.assert_close(
+                state[name], value, rtol=TOLERANCE, atol=TOLERANCE * scale, msg=name
+            )
     assert all(torch.equal(got["states"][0][k], got["states"][1][k]) for k in expected)

@@ -49,8 +49,11 @@ def extraction(rref: rpc.RRef) -> dict[str, Any]:
     value = rref.local_value()
     found = {id(t) for t in _extract_tensors(value)}
     expected = held(value)
-    return {"type": type(value).__name__, "held": len(expected),
-            "missing": sum(id(t) not in found for t in expected)}  # fmt: skip
+    return {
+        "type": type(value).__name__,
+        "held": len(expected),
+        "missing": sum(id(t) not in found for t in expected),
+    }
 
 
 def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
@@ -65,8 +68,9 @@ def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         shards = plan_shards(s, *models.build_meta(s), env.names("stage"))
         pipe = Pipeline(env.names("stage"), shards, source=Source(s, 0))
         with dist_autograd.context() as context_id:
-            forward_backward(pipe, pipe.read(s.micro_batches, (inputs, labels)), 0, context_id,
-                             workloads.loss(s))  # fmt: skip
+            forward_backward(
+                pipe, pipe.read(s.micro_batches, (inputs, labels)), 0, context_id, workloads.loss(s)
+            )
         stage0, name0 = pipe.stages[0], pipe.names[0]
         # A forward output that stays on its stage (what the next stage fetches).
         evaluation = (stage0, "forward", (inputs[:2],), pipe.rounds + 1, 0, None)
@@ -95,8 +99,7 @@ def test_every_value_behind_an_rref_gives_torch_its_tensors(tmp_path):
 def test_a_stage_stepped_in_this_process_extracts_too():
     """The same without a world, after the locks were used: a stage's turnstile and
     conditions have had waiters."""
-    stage = Stage(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)),
-                  False, "cpu")  # fmt: skip
+    stage = Stage(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)), False, "cpu")
     x = torch.randn(6, 3)
     y = stage.forward((x,), 1, 0, 1)
     y.sum().backward()

@@ -79,11 +79,20 @@ def listening(pid: int) -> set[str]:
 
 
 HYBRID = {
-    "apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob", "metadata": {"name": "shared"},
-    "spec": {"trainers": 2, "embedding": {"numEmbeddings": 64, "dim": 8},
-             "dense": {"outFeatures": 4}, "steps": 100000, "batchSize": 8, "bagSize": 4,
-             "datasetSize": 2000000, "rendezvousTimeoutSeconds": 60},
-}  # fmt: skip
+    "apiVersion": "pipejob.dev/v1alpha1",
+    "kind": "HybridJob",
+    "metadata": {"name": "shared"},
+    "spec": {
+        "trainers": 2,
+        "embedding": {"numEmbeddings": 64, "dim": 8},
+        "dense": {"outFeatures": 4},
+        "steps": 100000,
+        "batchSize": 8,
+        "bagSize": 4,
+        "datasetSize": 2000000,
+        "rendezvousTimeoutSeconds": 60,
+    },
+}
 
 
 @pytest.mark.timeout(240)
@@ -97,8 +106,9 @@ def test_a_local_world_listens_on_loopback_only(tmp_path):
         run.finish(timeout=60)
     assert set(heard) == {"master", "ps0", "trainer0", "trainer1"}
     assert heard["master"] and heard["trainer0"], heard  # the stores, the monitor, RPC
-    wider = {n: a for n, a in heard.items() if not all(ipaddress.ip_address(x).is_loopback
-                                                       for x in a)}  # fmt: skip
+    wider = {
+        n: a for n, a in heard.items() if not all(ipaddress.ip_address(x).is_loopback for x in a)
+    }
     assert not wider, f"listening beyond loopback: {wider}"
 
 
@@ -107,8 +117,9 @@ def test_bad_manifest_starts_nothing(tmp_path):
     bad = dict(LONG_PIPELINE, spec={**LONG_PIPELINE["spec"], "stages": 1, "batchSize": 3})
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(bad))
-    result = subprocess.run([*PIPEJOB, "run", str(path)], capture_output=True, text=True,
-                            timeout=50)  # fmt: skip
+    result = subprocess.run(
+        [*PIPEJOB, "run", str(path)], capture_output=True, text=True, timeout=50
+    )
     assert result.returncode == 2
     assert "spec.stages: must be >= 2, got 1" in result.stderr
     assert "started" not in result.stdout + result.stderr
@@ -146,8 +157,10 @@ def test_run_imports_and_resolves_paths_from_the_manifest_folder(tmp_path, monke
     out = capfd.readouterr().out
     lines = [line for line in out.splitlines() if "| role " in line]
     assert len(lines) == 3, out  # master, stage0, stage1
-    want = (f"cwd {folder} found beside the manifest path {folder}{os.pathsep}/opt/theirs"
-            " data relative to the manifest")  # fmt: skip
+    want = (
+        f"cwd {folder} found beside the manifest path {folder}{os.pathsep}/opt/theirs"
+        " data relative to the manifest"
+    )
     assert all(line.endswith(want) for line in lines), out
 
 
@@ -172,8 +185,10 @@ def test_export_calls_the_trainers_module_only_when_invoked(monkeypatch, tmp_pat
     monkeypatch.setitem(sys.modules, "pipejob.trainer.export", fake)
     assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "model")]) == 0
     assert cli.main(["export", "ckpt/step-10", "out", "--format", "torch"]) == 0
-    assert calls == [(str(tmp_path / "ckpt"), str(tmp_path / "model"), "safetensors"),
-                     ("ckpt/step-10", "out", "torch")]  # fmt: skip
+    assert calls == [
+        (str(tmp_path / "ckpt"), str(tmp_path / "model"), "safetensors"),
+        ("ckpt/step-10", "out", "torch"),
+    ]
     fake.main = lambda checkpoint_dir, out, format: 1  # the export's own failure is the code
     assert cli.main(["export", "ckpt", "out"]) == 1
 
@@ -195,8 +210,7 @@ def test_the_cli_imports_no_torch_until_export_runs():
         "import sys; from pipejob.cli import main; main.build_parser();"
         " assert 'torch' not in sys.modules and 'pipejob.trainer' not in sys.modules"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=50)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stderr
 
 

@@ -17,8 +17,12 @@ GATE = [{"name": "kueue.x-k8s.io/admission"}]
 
 
 def manifest(**spec) -> dict:
-    return {"apiVersion": API_VERSION, "kind": "PipelineJob", "metadata": {"name": "j"},
-            "spec": {"stages": 2, **spec}}  # fmt: skip
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "PipelineJob",
+        "metadata": {"name": "j"},
+        "spec": {"stages": 2, **spec},
+    }
 
 
 def errors(**spec) -> list[str]:
@@ -30,25 +34,40 @@ def errors(**spec) -> list[str]:
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
-        ({"scheduling": {"provider": "kueue"}},
-         "spec.scheduling.queue: kueue needs the LocalQueue"),
+        (
+            {"scheduling": {"provider": "kueue"}},
+            "spec.scheduling.queue: kueue needs the LocalQueue",
+        ),
         ({"scheduling": {"provider": "slurm"}}, "spec.scheduling.provider: must be one of"),
         ({"scheduling": {"queue": "q"}}, "spec.scheduling.provider: is required"),
-        ({"scheduling": {"provider": "coscheduling", "queue": "q"}},
-         "spec.scheduling.queue: coscheduling has no queues"),
-        ({"scheduling": {"provider": "volcano", "scheduleTimeoutSeconds": 5}},
-         "spec.scheduling.scheduleTimeoutSeconds: scheduleTimeoutSeconds is read by coscheduling"),
-        ({"scheduling": {**KUEUE, "schedulerName": "volcano"}},
-         "spec.scheduling.schedulerName: kueue works with the pods' own scheduler"),
-        ({"scheduling": {"provider": "volcano"}, "template": {"schedulerName": "other"}},
-         "spec.template.schedulerName: volcano and coscheduling set the pods' scheduler"),
-        ({"scheduling": KUEUE, "template": {"priorityClassName": "high"}},
-         "spec.template.priorityClassName: with spec.scheduling, the priority class goes"),
+        (
+            {"scheduling": {"provider": "coscheduling", "queue": "q"}},
+            "spec.scheduling.queue: coscheduling has no queues",
+        ),
+        (
+            {"scheduling": {"provider": "volcano", "scheduleTimeoutSeconds": 5}},
+            "spec.scheduling.scheduleTimeoutSeconds: scheduleTimeoutSeconds is read by"
+            " coscheduling",
+        ),
+        (
+            {"scheduling": {**KUEUE, "schedulerName": "volcano"}},
+            "spec.scheduling.schedulerName: kueue works with the pods' own scheduler",
+        ),
+        (
+            {"scheduling": {"provider": "volcano"}, "template": {"schedulerName": "other"}},
+            "spec.template.schedulerName: volcano and coscheduling set the pods' scheduler",
+        ),
+        (
+            {"scheduling": KUEUE, "template": {"priorityClassName": "high"}},
+            "spec.template.priorityClassName: with spec.scheduling, the priority class goes",
+        ),
         ({"scheduling": {**KUEUE, "queue": "Team A"}}, "spec.scheduling.queue: must match"),
-        ({"scheduling": {"provider": "coscheduling", "scheduleTimeoutSeconds": 0}},
-         "spec.scheduling.scheduleTimeoutSeconds: must be >= 1"),
+        (
+            {"scheduling": {"provider": "coscheduling", "scheduleTimeoutSeconds": 0}},
+            "spec.scheduling.scheduleTimeoutSeconds: must be >= 1",
+        ),
     ],
-)  # fmt: skip
+)
 def test_refusals_name_the_field(spec: dict, expected: str) -> None:
     found = errors(**spec)
     assert any(e.startswith(expected) for e in found), found
@@ -71,17 +90,28 @@ def test_kueue_pods_form_one_group_with_names_unique_per_world() -> None:
 
 def test_volcano_pods_and_their_podgroup() -> None:
     resources = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
-    job = parse(manifest(scheduling={"provider": "volcano", "queue": "research",
-                                     "priorityClassName": "high"},
-                         template={"resources": resources}))  # fmt: skip
+    job = parse(
+        manifest(
+            scheduling={"provider": "volcano", "queue": "research", "priorityClassName": "high"},
+            template={"resources": resources},
+        )
+    )
     service, _, group, *pods = kube.render(job, "ns")
     assert group == {
-        "apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "PodGroup",
-        "metadata": {"name": "j", "namespace": "ns", "labels": {
-            "pipejob.dev/job": "j", "app.kubernetes.io/managed-by": "pipejob"}},
-        "spec": {"minMember": 3, "minResources": {"cpu": "1500m", "memory": "3221225472"},
-                 "queue": "research", "priorityClassName": "high"},
-    }  # fmt: skip
+        "apiVersion": "scheduling.volcano.sh/v1beta1",
+        "kind": "PodGroup",
+        "metadata": {
+            "name": "j",
+            "namespace": "ns",
+            "labels": {"pipejob.dev/job": "j", "app.kubernetes.io/managed-by": "pipejob"},
+        },
+        "spec": {
+            "minMember": 3,
+            "minResources": {"cpu": "1500m", "memory": "3221225472"},
+            "queue": "research",
+            "priorityClassName": "high",
+        },
+    }
     for pod in pods:
         assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "j"
         assert pod["spec"]["schedulerName"] == "volcano"
@@ -90,8 +120,14 @@ def test_volcano_pods_and_their_podgroup() -> None:
 
 def test_coscheduling_pods_and_their_podgroup() -> None:
     job = parse(manifest(scheduling={"provider": "coscheduling", "scheduleTimeoutSeconds": 120}))
-    owner = {"apiVersion": API_VERSION, "kind": "PipelineJob", "name": "j", "uid": "u",
-             "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+    owner = {
+        "apiVersion": API_VERSION,
+        "kind": "PipelineJob",
+        "name": "j",
+        "uid": "u",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
     pods = kube.world(job, 0, "ns", owner)
     group = gang.podgroup(job, pods, "ns", owner)
     assert group["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
@@ -104,9 +140,14 @@ def test_coscheduling_pods_and_their_podgroup() -> None:
 
 @pytest.mark.parametrize(
     ("amounts", "total"),
-    [(["100m", "250m"], "350m"), (["1", "500m"], "1500m"), (["1Gi", "1Gi"], "2147483648"),
-     ([1, 2], "3"), (["1k", "0.5k"], "1500")],
-)  # fmt: skip
+    [
+        (["100m", "250m"], "350m"),
+        (["1", "500m"], "1500m"),
+        (["1Gi", "1Gi"], "2147483648"),
+        ([1, 2], "3"),
+        (["1k", "0.5k"], "1500"),
+    ],
+)
 def test_requests_sum_as_quantities(amounts: list, total: str) -> None:
     pods = [{"spec": {"containers": [{"resources": {"requests": {"x": a}}}]}} for a in amounts]
     assert gang.requests(pods) == {"x": total}
@@ -145,9 +186,14 @@ def test_preemption_restarts_the_world_without_spending_backoff_limit() -> None:
     sim.reconcile()
     sim.run_all()
     sim.set_phase("j-master-0", "Failed", 3)  # its peer fails for losing it: not the cause
-    sim.pods["j-stage-1"]["status"]["conditions"] = [{
-        "type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
-        "message": "preempted by a higher priority pod"}]  # fmt: skip
+    sim.pods["j-stage-1"]["status"]["conditions"] = [
+        {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "reason": "PreemptionByScheduler",
+            "message": "preempted by a higher priority pod",
+        }
+    ]
     acts = sim.reconcile()
     assert sim.status["phase"] == "Restarting" and sim.status["restarts"] == 0
     assert sim.status["preemptions"] == 1 and sim.pods == {}
@@ -172,7 +218,10 @@ def test_kueue_waits_for_the_old_world_to_stop_before_the_new_one() -> None:
     assert sim.reconcile().create == []
     lingering["status"] = {"phase": "Failed"}
     assert sorted(p["metadata"]["name"] for p in sim.reconcile().create) == [
-        "j-master-0-r1", "j-stage-0-r1", "j-stage-1-r1"]  # fmt: skip
+        "j-master-0-r1",
+        "j-stage-0-r1",
+        "j-stage-1-r1",
+    ]
 
 
 def test_a_failed_kueue_job_ends_its_group() -> None:
@@ -183,7 +232,10 @@ def test_a_failed_kueue_job_ends_its_group() -> None:
     acts = sim.reconcile()
     assert sim.status["phase"] == "Failed"
     assert sorted(p["metadata"]["name"] for p in acts.end_group) == [
-        "j-master-0-r0", "j-stage-0-r0", "j-stage-1-r0"]  # fmt: skip
+        "j-master-0-r0",
+        "j-stage-0-r0",
+        "j-stage-1-r0",
+    ]
 
 
 def test_a_succeeded_kueue_job_lets_its_pods_exit_then_ends_a_group_they_did_not() -> None:
@@ -218,9 +270,14 @@ def test_a_world_its_gang_scheduler_has_not_placed_is_queued(provider: str) -> N
     acts = sim.reconcile()
     assert acts.podgroup["spec"]["minMember"] == 3 and acts.podgroup["kind"] == "PodGroup"
     for pod in sim.pods.values():
-        pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False",
-                                        "reason": "Unschedulable",
-                                        "message": "pod group is not ready"}]  # fmt: skip
+        pod["status"]["conditions"] = [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "pod group is not ready",
+            }
+        ]
     assert sim.reconcile().podgroup is None  # made with the pods, once
     assert sim.status["phase"] == "Queued"
     message = next(c for c in sim.status["conditions"] if c["type"] == "Queued")["message"]
@@ -231,8 +288,9 @@ def test_a_refused_podgroup_makes_no_pods_and_says_why_once() -> None:
     sim = Sim(stages=2, scheduling={"provider": "volcano"})
     old = sim.job.get("status") or {}
     error = "POST .../podgroups: HTTP 404: the server could not find the requested resource"
-    acts = refusals.without_podgroup(reconcile.decide(sim.job, [], sim.now, "img"), old, error,
-                                      sim.now)  # fmt: skip
+    acts = refusals.without_podgroup(
+        reconcile.decide(sim.job, [], sim.now, "img"), old, error, sim.now
+    )
     assert acts.create == [] and acts.podgroup is None
     assert acts.status["phase"] == "Pending"
     created = next(c for c in acts.status["conditions"] if c["type"] == "Created")
@@ -242,6 +300,7 @@ def test_a_refused_podgroup_makes_no_pods_and_says_why_once() -> None:
     reasons = [e.reason for e in acts.events]
     assert "PodGroupRefused" in reasons and "CreatedPods" not in reasons
     sim.job["status"] = acts.status  # the next reconcile, refused again: no second Warning
-    again = refusals.without_podgroup(reconcile.decide(sim.job, [], sim.now, "img"),
-                                       acts.status, error, sim.now)  # fmt: skip
+    again = refusals.without_podgroup(
+        reconcile.decide(sim.job, [], sim.now, "img"), acts.status, error, sim.now
+    )
     assert "PodGroupRefused" not in [e.reason for e in again.events]

@@ -19,8 +19,17 @@ pytestmark = pytest.mark.timeout(300)
 
 NS = "default"
 KIND = "PipelineJob"
-SMALL = {"model": "resnet18", "stages": 2, "imageSize": 32, "batchSize": 4, "microBatches": 2,
-         "numClasses": 10, "logEvery": 1, "steps": 3, "preflight": {"megabytes": 0.25}}  # fmt: skip
+SMALL = {
+    "model": "resnet18",
+    "stages": 2,
+    "imageSize": 32,
+    "batchSize": 4,
+    "microBatches": 2,
+    "numClasses": 10,
+    "logEvery": 1,
+    "steps": 3,
+    "preflight": {"megabytes": 0.25},
+}
 KUEUE = {"provider": "kueue", "queue": "team-a"}
 
 
@@ -61,7 +70,10 @@ def test_a_kueue_job_waits_queued_is_admitted_whole_trains_and_its_group_succeed
     assert "LocalQueue team-a" in message and "3/3 pods gated" in message, message
     pods = jobs.pods(api, name)
     assert sorted(p["metadata"]["name"] for p in pods) == [
-        f"{name}-master-0-r0", f"{name}-stage-0-r0", f"{name}-stage-1-r0"]  # fmt: skip
+        f"{name}-master-0-r0",
+        f"{name}-stage-0-r0",
+        f"{name}-stage-1-r0",
+    ]
     for pod in pods:  # as Kueue's webhook left them
         assert pod["spec"]["schedulingGates"] == [{"name": GATE}]
         assert MANAGED in pod["metadata"]["finalizers"]
@@ -92,10 +104,17 @@ def test_a_kueue_job_preempted_mid_run_is_requeued_and_resumes_from_its_checkpoi
 ):
     api = cluster.api
     ckpt = tmp_path / "checkpoints"  # the process-kubelet's pods share the host
-    spec = {"steps": 12, "backoffLimit": 0, "scheduling": KUEUE,
-            "checkpoint": {"path": str(ckpt), "everySteps": 2, "volume": "ckpt"},
-            "template": {"volumes": [{"name": "ckpt", "hostPath": {
-                "path": str(ckpt), "type": "DirectoryOrCreate"}}]}}  # fmt: skip
+    spec = {
+        "steps": 12,
+        "backoffLimit": 0,
+        "scheduling": KUEUE,
+        "checkpoint": {"path": str(ckpt), "everySteps": 2, "volume": "ckpt"},
+        "template": {
+            "volumes": [
+                {"name": "ckpt", "hostPath": {"path": str(ckpt), "type": "DirectoryOrCreate"}}
+            ]
+        },
+    }
     name = create(api, **spec)
     master = f"{name}-master-0-r0"
     api.wait("step 5 in the master's log", lambda: "step 5/12" in kubelet.logs(NS, master), 150)
@@ -133,9 +152,14 @@ def test_a_failing_kueue_job_ends_its_group(cluster, kubelet, kueue: Kueue, oper
     assert not workload.succeeded
     # Kueue ends the group once one pod is so annotated; the operator patches the others in
     # the same reconcile, one request each, so the last ones may land a moment later.
-    api.wait("every pod annotated retriable-in-group=false", lambda: all(
-        (p["metadata"].get("annotations") or {}).get(RETRIABLE) == "false"
-        for p in jobs.pods(api, name)), 30)  # fmt: skip
+    api.wait(
+        "every pod annotated retriable-in-group=false",
+        lambda: all(
+            (p["metadata"].get("annotations") or {}).get(RETRIABLE) == "false"
+            for p in jobs.pods(api, name)
+        ),
+        30,
+    )
     for pod in jobs.pods(api, name):
         assert MANAGED not in (pod["metadata"].get("finalizers") or [])
     all_stopped(api, kubelet)
@@ -143,9 +167,14 @@ def test_a_failing_kueue_job_ends_its_group(cluster, kubelet, kueue: Kueue, oper
 
 def test_a_kueue_group_is_not_admitted_before_all_its_pods_exist(cluster, kubelet, kueue):
     api = cluster.api
-    pods = [_pod(f"p{i}", {"kueue.x-k8s.io/queue-name": "team-a",
-                           "kueue.x-k8s.io/pod-group-name": "g"},
-                 {"kueue.x-k8s.io/pod-group-total-count": "3"}) for i in range(3)]  # fmt: skip
+    pods = [
+        _pod(
+            f"p{i}",
+            {"kueue.x-k8s.io/queue-name": "team-a", "kueue.x-k8s.io/pod-group-name": "g"},
+            {"kueue.x-k8s.io/pod-group-total-count": "3"},
+        )
+        for i in range(3)
+    ]
     for pod in pods[:2]:
         api.create("v1/pods", pod, NS)
     _stays_unbound(api, ["p0", "p1"])
@@ -159,8 +188,16 @@ def test_a_podgroup_starts_only_whole(cluster, kubelet, flavour, request):
     scheduler = request.getfixturevalue(flavour)
     api = cluster.api
     podgroups = scheduler.flavour.podgroups
-    api.create(podgroups, {"apiVersion": podgroups.rsplit("/", 1)[0], "kind": "PodGroup",
-                           "metadata": {"name": "g"}, "spec": {"minMember": 3}}, NS)  # fmt: skip
+    api.create(
+        podgroups,
+        {
+            "apiVersion": podgroups.rsplit("/", 1)[0],
+            "kind": "PodGroup",
+            "metadata": {"name": "g"},
+            "spec": {"minMember": 3},
+        },
+        NS,
+    )
     names = ["p0", "p1", "p2"]
     for name in names[:2]:
         pod = _pod(name, {}, {})
@@ -215,10 +252,15 @@ def _finalized(api: Api, name: str) -> bool:
 
 
 def _pod(name: str, labels: dict, annotations: dict) -> dict:
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "labels": dict(labels), "annotations": dict(annotations)},
-            "spec": {"restartPolicy": "Never", "containers": [{
-                "name": "c", "image": "python", "command": ["python", "-c", "pass"]}]}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": dict(labels), "annotations": dict(annotations)},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{"name": "c", "image": "python", "command": ["python", "-c", "pass"]}],
+        },
+    }
 
 
 def _bound(api: Api, name: str) -> bool:

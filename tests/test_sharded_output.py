@@ -70,8 +70,13 @@ MODELS: dict[str, tuple[Any, dict[str, Any], str, bool]] = {
     # and third, the second and fourth) whose state it writes as one shard
     "tied-interleaved": (tied.tied_lm, {}, "torch", False),
 }
-ENGINES = {"tied-interleaved": {"engine": "pipelining", "schedule": "interleaved-1f1b",
-                                "stagesPerProcess": 2}}  # fmt: skip
+ENGINES = {
+    "tied-interleaved": {
+        "engine": "pipelining",
+        "schedule": "interleaved-1f1b",
+        "stagesPerProcess": 2,
+    }
+}
 
 
 @pytest.mark.parametrize("name", exhaustive(MODELS, {"tied-interleaved"}))  # gpt2, tied: slow
@@ -79,11 +84,19 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
     factory, args, format, hugging_face = MODELS[name]
     out, ckpt, steps = tmp_path / "model", tmp_path / "checkpoints", 2
     importable = f"userpkg.{factory.__module__.rsplit('.', 1)[-1]}:{factory.__name__}"
-    job = spec.parse(pipeline_job(
-        f"sharded-{name}", model={"import": importable, "args": args}, data=TOKENS, stages=2,
-        steps=steps, microBatches=2, output={"path": str(out), "format": format},
-        checkpoint={"path": str(ckpt), "everySteps": steps}, **ENGINES.get(name, {}),
-    ))  # fmt: skip
+    job = spec.parse(
+        pipeline_job(
+            f"sharded-{name}",
+            model={"import": importable, "args": args},
+            data=TOKENS,
+            stages=2,
+            steps=steps,
+            microBatches=2,
+            output={"path": str(out), "format": format},
+            checkpoint={"path": str(ckpt), "everySteps": steps},
+            **ENGINES.get(name, {}),
+        )
+    )
     # A stale single file of an earlier run into the same folder, which from_pretrained
     # would prefer to the index: the sharded output removes it.
     out.mkdir()
@@ -142,8 +155,9 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
 
     # `pipejob export` from the checkpoint: the same files, the same tensors.
     exported = tmp_path / "exported"
-    pipeline_output.export_checkpoint(found.directory, found.manifest, exported, format,
-                                      single_file_bytes=0)  # fmt: skip
+    pipeline_output.export_checkpoint(
+        found.directory, found.manifest, exported, format, single_file_bytes=0
+    )
     assert files_of(exported) == files_of(out)
     assert json.loads((exported / index_name).read_text()) == index
     for got, wrote in zip(shard_states(exported, files, format), shards, strict=True):
@@ -198,8 +212,9 @@ def test_shards_with_ties_and_views_load_back_by_the_index(format: str, tmp_path
 def test_a_missing_model_and_a_shard_short_of_its_index_are_named(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="holds no model.safetensors, model.pt or index"):
         output.load_state_dict(tmp_path)
-    part = output.write_shard(tmp_path, "model-00001-of-00001.safetensors",
-                              {"w": torch.ones(2)}, "safetensors")  # fmt: skip
+    part = output.write_shard(
+        tmp_path, "model-00001-of-00001.safetensors", {"w": torch.ones(2)}, "safetensors"
+    )
     part["sizes"]["v"] = 8  # an index that says the shard holds more than it does
     output.write_index(tmp_path, [part], {}, "safetensors")
     with pytest.raises(ValueError, match="model-00001-of-00001.safetensors lacks v, which"):
@@ -209,8 +224,12 @@ def test_a_missing_model_and_a_shard_short_of_its_index_are_named(tmp_path: Path
 def test_a_shard_the_master_does_not_see_fails_naming_the_shared_path(tmp_path: Path):
     """A stage whose output.path is not the master's (no shared volume) wrote its shard where
     the master cannot see it: a configuration error (ValueError: permanent, no restarts)."""
-    wrote = output.write_shard(tmp_path / "stage", "model-00001-of-00001.safetensors",
-                               {"w": torch.ones(2)}, "safetensors")  # fmt: skip
-    with pytest.raises(ValueError, match=r"model-00001-of-00001.safetensors is missing where its"
-                       r" writer wrote \d+ bytes; .* shared by every process"):  # fmt: skip
+    wrote = output.write_shard(
+        tmp_path / "stage", "model-00001-of-00001.safetensors", {"w": torch.ones(2)}, "safetensors"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"model-00001-of-00001.safetensors is missing where its"
+        r" writer wrote \d+ bytes; .* shared by every process",
+    ):
         pipeline_output.finish(tmp_path / "master", "safetensors", [wrote], {}, None)

@@ -53,14 +53,20 @@ def test_workload_fields_default_and_convert_to_the_typed_spec():
     assert (typed.loss, typed.eval, typed.output, typed.split_points) == (Loss(), None, None, ())
     assert typed.data.image_folder is typed.data.tokens is typed.data.import_ is None
 
-    lm = spec.parse(pipeline(
-        model={"transformer": {"layers": 2}}, stages=3, splitPoints=["blocks.0", "blocks.1"],
-        data={"tokens": {"train": "train.bin", "val": "val.bin"}, "workers": 0},
-        loss={"import": "losses.text:smoothed", "args": {"eps": 0.1}},
-        eval={"everySteps": 50}, output={"path": "out"},
-    )).settings  # fmt: skip
-    assert lm.model == Model(transformer=Transformer(vocab_size=256, layers=2, width=128,
-                                                     heads=4, seq_len=128))  # fmt: skip
+    lm = spec.parse(
+        pipeline(
+            model={"transformer": {"layers": 2}},
+            stages=3,
+            splitPoints=["blocks.0", "blocks.1"],
+            data={"tokens": {"train": "train.bin", "val": "val.bin"}, "workers": 0},
+            loss={"import": "losses.text:smoothed", "args": {"eps": 0.1}},
+            eval={"everySteps": 50},
+            output={"path": "out"},
+        )
+    ).settings
+    assert lm.model == Model(
+        transformer=Transformer(vocab_size=256, layers=2, width=128, heads=4, seq_len=128)
+    )
     assert lm.split_points == ("blocks.0", "blocks.1")
     assert lm.data.tokens == Tokens(train="train.bin", val="val.bin", dtype="uint16")
     assert lm.data.workers == 0
@@ -68,17 +74,26 @@ def test_workload_fields_default_and_convert_to_the_typed_spec():
     assert lm.eval == Eval(every_steps=50, batches=0)
     assert lm.output == Output(path="out", format="safetensors")
 
-    mine = spec.parse(pipeline(
-        model={"import": "mypkg.models:small_cnn", "args": {"classes": 10}},
-        data={"imageFolder": {"train": "digits/train", "val": "digits/val"}},
-    )).settings  # fmt: skip
+    mine = spec.parse(
+        pipeline(
+            model={"import": "mypkg.models:small_cnn", "args": {"classes": 10}},
+            data={"imageFolder": {"train": "digits/train", "val": "digits/val"}},
+        )
+    ).settings
     assert mine.model == Model(import_="mypkg.models:small_cnn", args={"classes": 10})
     assert mine.data.image_folder == Split(train="digits/train", val="digits/val")
 
-    bags = spec.parse(hybrid(dense={"import": "mypkg.dense:Tower", "args": {"hidden": 32}},
-                             data={"file": {"train": "train.npz"}})).settings  # fmt: skip
+    bags = spec.parse(
+        hybrid(
+            dense={"import": "mypkg.dense:Tower", "args": {"hidden": 32}},
+            data={"file": {"train": "train.npz"}},
+        )
+    ).settings
     assert (bags.dense.import_, bags.dense.args, bags.dense.out_features) == (
-        "mypkg.dense:Tower", {"hidden": 32}, 8)  # fmt: skip
+        "mypkg.dense:Tower",
+        {"hidden": 32},
+        8,
+    )
     assert bags.data.file == Split(train="train.npz") and bags.data.import_ is None
     assert spec.parse(hybrid()).settings.data.file is None  # synthetic bags
 
@@ -111,10 +126,12 @@ def test_split_points_error_says_the_count_it_needs():
     ["mypkg.models", "a..b:c", "a:b:c", ":f", "m:", "1pkg:f", "m:f ", "pkg-name:f", ""],
 )
 def test_malformed_import_paths_are_refused_in_words(bad):
-    for manifest, path in ((pipeline(model={"import": bad}), "spec.model.import"),
-                           (pipeline(data={"import": bad}), "spec.data.import"),
-                           (pipeline(loss={"import": bad}), "spec.loss.import"),
-                           (hybrid(dense={"import": bad}), "spec.dense.import")):  # fmt: skip
+    for manifest, path in (
+        (pipeline(model={"import": bad}), "spec.model.import"),
+        (pipeline(data={"import": bad}), "spec.data.import"),
+        (pipeline(loss={"import": bad}), "spec.loss.import"),
+        (hybrid(dense={"import": bad}), "spec.dense.import"),
+    ):
         with pytest.raises(spec.InvalidSpec) as refused:
             spec.parse(manifest)
         (error,) = refused.value.errors
@@ -162,7 +179,11 @@ _DELETE = object()
 
 MISTAKES = [
     # (manifest, path the error names, words in the reason)
-    (_with(pipeline(), "apiVersion", "pipejob.dev/v1"), "apiVersion", "must be pipejob.dev/v1alpha1"),  # noqa: E501
+    (
+        _with(pipeline(), "apiVersion", "pipejob.dev/v1"),
+        "apiVersion",
+        "must be pipejob.dev/v1alpha1",
+    ),  # noqa: E501
     (_with(pipeline(), "kind", "PipeJob"), "kind", "must be one of PipelineJob, HybridJob"),
     (_with(pipeline(), "metadata", _DELETE), "metadata", "is required"),
     (_with(pipeline(), "metadata.name", "ResNet_50"), "metadata.name", "DNS label"),
@@ -174,8 +195,11 @@ MISTAKES = [
     (pipeline(batchSize=30, microBatches=4), "spec.microBatches", "divisible by microBatches"),
     (pipeline(batchSize=32, microBatches=3), "spec.microBatches", "divisible by microBatches"),
     (pipeline(microBatches=0), "spec.microBatches", "must be >= 1, got 0"),
-    (pipeline(microBatches="Auto"), "spec.microBatches",
-     "must be an integer or a string matching auto, got 'Auto'"),
+    (
+        pipeline(microBatches="Auto"),
+        "spec.microBatches",
+        "must be an integer or a string matching auto, got 'Auto'",
+    ),
     (pipeline(microBatches="4"), "spec.microBatches", "an integer is written without quotes"),
     (pipeline(microBatches=2.5), "spec.microBatches", "must be an integer or a string, got 2.5"),
     (pipeline(microBatches=True), "spec.microBatches", "must be an integer or a string"),
@@ -186,12 +210,21 @@ MISTAKES = [
     (pipeline(optimizer={"name": "lbfgs"}), "spec.optimizer.name", "must be one of"),
     (pipeline(optimizer={"momentum": 1.5}), "spec.optimizer.momentum", "<= 1"),
     (pipeline(optimizer="sgd"), "spec.optimizer", "must be a mapping"),
-    (pipeline(template={"imagePullPolicy": "Sometimes"}), "spec.template.imagePullPolicy",
-     "must be one of"),
-    (pipeline(template={"nodeSelector": {"gpu": 1}}), "spec.template.nodeSelector.gpu",
-     "must be a string"),
-    (pipeline(template={"tolerations": {"key": "x"}}), "spec.template.tolerations",
-     "must be a list"),
+    (
+        pipeline(template={"imagePullPolicy": "Sometimes"}),
+        "spec.template.imagePullPolicy",
+        "must be one of",
+    ),
+    (
+        pipeline(template={"nodeSelector": {"gpu": 1}}),
+        "spec.template.nodeSelector.gpu",
+        "must be a string",
+    ),
+    (
+        pipeline(template={"tolerations": {"key": "x"}}),
+        "spec.template.tolerations",
+        "must be a list",
+    ),
     (pipeline(suspend="yes"), "spec.suspend", "true or false"),
     (pipeline(activeDeadlineSeconds=0), "spec.activeDeadlineSeconds", ">= 1"),
     (_with(pipeline(), "spec", ["stages"]), "spec", "must be a mapping"),
@@ -204,7 +237,7 @@ MISTAKES = [
     (hybrid(dense={"outFeatures": 1}), "spec.dense.outFeatures", ">= 2"),
     (hybrid(datasetSize=10, batchSize=8), "spec.datasetSize", "at least one batch per trainer"),
     (hybrid(stages=2), "spec.stages", "unknown field"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("manifest", "path", "words"), MISTAKES, ids=[m[1] for m in MISTAKES])
@@ -222,8 +255,10 @@ def test_every_mistake_is_reported_at_once():
     with pytest.raises(spec.InvalidSpec) as caught:
         spec.parse(bad)
     assert {e.path for e in caught.value.errors} == {
-        "spec.stages", "spec.steps", "spec.microBatchs"
-    }  # fmt: skip
+        "spec.stages",
+        "spec.steps",
+        "spec.microBatchs",
+    }
 
 
 def test_load_names_the_file_and_yaml_line(tmp_path):

@@ -39,8 +39,11 @@ pytestmark = pytest.mark.timeout(240)
 
 GRU = {"import": "userpkg.staged:PackedGRU", "staged": {"stage": "userpkg.staged:gru_stage"}}
 TINY = {"width": 8, "blocks": [1, 1, 1, 1], "num_classes": 10}
-SHARDS_AS_LAYERS = {"import": "userpkg.staged:ResNetShards", "args": TINY,
-                    "staged": {"layers": ["shard1", "shard2"]}}  # fmt: skip
+SHARDS_AS_LAYERS = {
+    "import": "userpkg.staged:ResNetShards",
+    "args": TINY,
+    "staged": {"layers": ["shard1", "shard2"]},
+}
 SHARDS_BUILT = {"staged": {"stage": "userpkg.staged:resnet_shard"}, "args": TINY}
 PADDED = {"import": "userpkg.staged:padded"}
 
@@ -63,8 +66,7 @@ def shards_saved(s: Any) -> Any:
     units = trace(s, models.build_meta(s)[0]).units
     n = len(units)
     bounds = [k * n // s.pieces for k in range(s.pieces)] + [n]
-    return Partition([range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)],
-                     [1.0] * n, 2)  # fmt: skip
+    return Partition([range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)], [1.0] * n, 2)
 
 
 def step_one(
@@ -135,13 +137,20 @@ def test_layers_open_plain_containers_and_balance_between_them():
     model.add_module("blocks", nn.ModuleList(nn.Linear(8, 8) for _ in range(4)))
     model.add_module("head", nn.Linear(8, 2))
     assert staged.units(model, ["embed", "blocks", "head"]) == [
-        "embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]  # fmt: skip
+        "embed",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "blocks.3",
+        "head",
+    ]
     layers = staged.Layers(model, ["embed", "blocks", "head"])
     first, second = layers.split(["blocks.2"])
     x = torch.randn(3, 4)
     out = second(*first(x))
-    expected = model.head(model.blocks[3](model.blocks[2](model.blocks[1](model.blocks[0](
-        model.embed(x))))))  # fmt: skip
+    expected = model.head(
+        model.blocks[3](model.blocks[2](model.blocks[1](model.blocks[0](model.embed(x)))))
+    )
     torch.testing.assert_close(out, expected)
     assert sorted([*first.state_dict(), *second.state_dict()]) == sorted(model.state_dict())
     with pytest.raises(cut.CutError, match="'decoder' is not a module"):
@@ -151,18 +160,28 @@ def test_layers_open_plain_containers_and_balance_between_them():
 
 
 def test_a_stage_under_other_names_than_the_whole_model_is_refused():
-    s = settings({"import": "userpkg.staged:PackedGRU",
-                  "staged": {"stage": "userpkg.staged:resnet_shard"}})  # fmt: skip
+    s = settings(
+        {"import": "userpkg.staged:PackedGRU", "staged": {"stage": "userpkg.staged:resnet_shard"}}
+    )
     meta, _ = models.build_meta(s)
     with pytest.raises(cut.CutError, match="under the whole model's names"):
         trace(s, meta).split(["resnet_shard(1)"])
 
 
 def gru_job(out: Path, ckpt: Path, engine: str, steps: int) -> dict[str, Any]:
-    return pipeline_job("gru", model=GRU, data=PADDED, batchSize=8, numClasses=3,
-                        microBatches=2, steps=steps, engine=engine, eval={"batches": 1},
-                        output={"path": str(out)},
-                        checkpoint={"path": str(ckpt), "everySteps": 2})  # fmt: skip
+    return pipeline_job(
+        "gru",
+        model=GRU,
+        data=PADDED,
+        batchSize=8,
+        numClasses=3,
+        microBatches=2,
+        steps=steps,
+        engine=engine,
+        eval={"batches": 1},
+        output={"path": str(out)},
+        checkpoint={"path": str(ckpt), "everySteps": 2},
+    )
 
 
 def test_a_packed_gru_trains_evaluates_and_writes_in_a_world(tmp_path: Path, monkeypatch):
@@ -205,11 +224,20 @@ def test_a_layers_checkpoint_resumes_on_another_cut(tmp_path: Path, monkeypatch)
     model's, so any cut of the layers resumes any checkpoint)."""
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
     ckpt = tmp_path / "ckpt"
-    model = {"import": "userpkg.staged:Layered",
-             "staged": {"layers": ["embed", "blocks", "pool", "head"]}}  # fmt: skip
-    job = pipeline_job("layered", model=model, data=PADDED, batchSize=8, numClasses=3,
-                       microBatches=2, steps=2,
-                       checkpoint={"path": str(ckpt), "everySteps": 2})  # fmt: skip
+    model = {
+        "import": "userpkg.staged:Layered",
+        "staged": {"layers": ["embed", "blocks", "pool", "head"]},
+    }
+    job = pipeline_job(
+        "layered",
+        model=model,
+        data=PADDED,
+        batchSize=8,
+        numClasses=3,
+        microBatches=2,
+        steps=2,
+        checkpoint={"path": str(ckpt), "everySteps": 2},
+    )
     code, said, _ = run_to_end(job, tmp_path, timeout=200)
     assert code == 0, said[-3000:]
     job["spec"] |= {"steps": 3, "stages": 3}
@@ -222,11 +250,22 @@ def test_a_layers_checkpoint_resumes_on_another_cut(tmp_path: Path, monkeypatch)
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("engine,replicas", [("rpc", 1), ("pipelining", 2)])
-def test_a_staged_gru_step_through_a_world_equals_one_process(engine: str, replicas: int,
-                                                             tmp_path: Path):  # fmt: skip
+def test_a_staged_gru_step_through_a_world_equals_one_process(
+    engine: str, replicas: int, tmp_path: Path
+):
     """Step 1 through real stage processes on each engine (the pipelining one with 2
     replicas, their gradients averaged), against one process (float64)."""
-    job = spec.parse(pipeline_job("gru", model=GRU, data=PADDED, batchSize=8, numClasses=3,
-                                  microBatches=2, engine=engine, replicas=replicas))  # fmt: skip
+    job = spec.parse(
+        pipeline_job(
+            "gru",
+            model=GRU,
+            data=PADDED,
+            batchSize=8,
+            numClasses=3,
+            microBatches=2,
+            engine=engine,
+            replicas=replicas,
+        )
+    )
     got = check_gradients(job, tmp_path, timeout=400)  # spawned worlds: minutes on 2 cores
     assert got["stages"] == [["gru_stage(0)"], ["gru_stage(1)"]]

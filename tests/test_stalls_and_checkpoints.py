@@ -21,8 +21,10 @@ from pipejob.operator import status as st
 
 pytestmark = pytest.mark.timeout(60)
 
-STALLED = (f"{contract.STALLED_PREFIX} stage1 (pod j-stage-1) stopped answering: no heartbeat"
-           " for 61 s, last seen in training at step 34")  # fmt: skip
+STALLED = (
+    f"{contract.STALLED_PREFIX} stage1 (pod j-stage-1) stopped answering: no heartbeat"
+    " for 61 s, last seen in training at step 34"
+)
 
 
 def test_a_stalled_world_restarts_with_reason_stalled_and_an_event_naming_the_member():
@@ -37,7 +39,7 @@ def test_a_stalled_world_restarts_with_reason_stalled_and_an_event_naming_the_me
     assert restarting["message"].startswith(
         "stage1 (pod j-stage-1) stopped answering: no heartbeat for 61 s, last seen in training"
         " at step 34 (found by master 0, pod j-master-0); restarting the world (1/3)"
-    )  # fmt: skip
+    )
     assert [(e.type, e.reason) for e in acts.events] == [("Warning", "Stalled")]
     assert "stage1 (pod j-stage-1) stopped answering" in acts.events[0].message
     deleted = {p["metadata"]["name"] for p in acts.delete}  # the frozen pod too
@@ -137,8 +139,12 @@ def test_a_pod_waiting_for_its_config_is_named_in_the_pending_status():
 
 
 def manifest(checkpoint: dict, **spec) -> dict:
-    return {"apiVersion": API_VERSION, "kind": "PipelineJob", "metadata": {"name": "j"},
-            "spec": {"stages": 2, "checkpoint": checkpoint, **spec}}  # fmt: skip
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "PipelineJob",
+        "metadata": {"name": "j"},
+        "spec": {"stages": 2, "checkpoint": checkpoint, **spec},
+    }
 
 
 def refusal(obj: dict, **kw) -> str:
@@ -186,7 +192,7 @@ def test_a_checkpoint_on_no_volume_is_refused_on_a_cluster_saying_what_to_add():
         ({"path": "/shared/run1/ckpt"}, [{"name": "shared", "mountPath": "/shared"}]),
         ({"path": "/shared"}, [{"name": "shared", "mountPath": "/shared/"}]),
     ],
-)  # fmt: skip
+)
 def test_a_checkpoint_on_a_volume_passes_on_a_cluster(checkpoint, mounts):
     parse(manifest(checkpoint, template={**VOLUME, "volumeMounts": mounts}), cluster=True)
 
@@ -211,10 +217,12 @@ def test_render_refuses_it_and_validate_accepts_it_for_the_local_runner(tmp_path
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest({"path": "/ckpt"})))
     cli = [sys.executable, "-m", "pipejob.cli"]
-    rendered = subprocess.run([*cli, "render", str(path)], capture_output=True, text=True,
-                              timeout=50)  # fmt: skip
+    rendered = subprocess.run(
+        [*cli, "render", str(path)], capture_output=True, text=True, timeout=50
+    )
     assert rendered.returncode == 2 and "spec.checkpoint.path" in rendered.stderr
     assert "is on no volume" in rendered.stderr
-    validated = subprocess.run([*cli, "validate", str(path)], capture_output=True, text=True,
-                               timeout=50)  # fmt: skip
+    validated = subprocess.run(
+        [*cli, "validate", str(path)], capture_output=True, text=True, timeout=50
+    )
     assert validated.returncode == 0, validated.stderr

@@ -58,24 +58,46 @@ CUSTOM_VALUES: dict[str, Any] = {
         {"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}
     ],
     "metrics": {"enabled": False},
-    "networkPolicy": {"jobs": {
-        "monitorFrom": [{
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
-            "podSelector": {"matchExpressions": [
-                {"key": "app.kubernetes.io/name", "operator": "In", "values": ["prometheus"]}]},
-        }],
-        "restrictEgress": True,
-        "egress": [{"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "ports": [{"port": 443}]}],
-    }},
-}  # fmt: skip
+    "networkPolicy": {
+        "jobs": {
+            "monitorFrom": [
+                {
+                    "namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}
+                    },
+                    "podSelector": {
+                        "matchExpressions": [
+                            {
+                                "key": "app.kubernetes.io/name",
+                                "operator": "In",
+                                "values": ["prometheus"],
+                            }
+                        ]
+                    },
+                }
+            ],
+            "restrictEgress": True,
+            "egress": [{"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "ports": [{"port": 443}]}],
+        }
+    },
+}
 
 # Every security check must pass on the operator's Deployment and every rendered pod:
 # not privileged, no host namespaces or ports, no privilege escalation, not root, no added
 # capabilities and ALL dropped (NET_RAW included), the runtime's seccomp profile.
 SECURITY_CHECKS = {
-    "CKV_K8S_16", "CKV_K8S_17", "CKV_K8S_18", "CKV_K8S_19", "CKV_K8S_20", "CKV_K8S_23",
-    "CKV_K8S_25", "CKV_K8S_26", "CKV_K8S_28", "CKV_K8S_31", "CKV_K8S_37",
-}  # fmt: skip
+    "CKV_K8S_16",
+    "CKV_K8S_17",
+    "CKV_K8S_18",
+    "CKV_K8S_19",
+    "CKV_K8S_20",
+    "CKV_K8S_23",
+    "CKV_K8S_25",
+    "CKV_K8S_26",
+    "CKV_K8S_28",
+    "CKV_K8S_31",
+    "CKV_K8S_37",
+}
 READ_ONLY_ROOT = "CKV_K8S_22"  # the operator only: the trainer may write (checkpoints, /tmp)
 
 # Checks skipped, and why. Everything else checkov knows must pass on the chart.
@@ -108,15 +130,26 @@ def pod_renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("pods")
     out = {}
     for example in EXAMPLES:
-        proc = run([sys.executable, "-m", "pipejob.cli", "render", "-n", JOBS_NAMESPACE,
-                    str(example)])  # fmt: skip
+        proc = run(
+            [sys.executable, "-m", "pipejob.cli", "render", "-n", JOBS_NAMESPACE, str(example)]
+        )
         name = "-".join(example.relative_to(ROOT / "examples").parts)  # folder-file.yaml
         path = tmp / name
         path.write_text(proc.stdout)
         out[name] = path
     custom = policy_env(CUSTOM_VALUES, tmp)
-    proc = run([sys.executable, "-m", "pipejob.cli", "render", "-n", JOBS_NAMESPACE,
-                str(ROOT / "examples" / "hybrid.yaml")], env=custom)  # fmt: skip
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "pipejob.cli",
+            "render",
+            "-n",
+            JOBS_NAMESPACE,
+            str(ROOT / "examples" / "hybrid.yaml"),
+        ],
+        env=custom,
+    )
     out["hybrid-custom-policy.yaml"] = tmp / "hybrid-custom-policy.yaml"
     out["hybrid-custom-policy.yaml"].write_text(proc.stdout)
     return out
@@ -125,7 +158,8 @@ def pod_renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def policy_env(values: dict[str, Any] | None, tmp: Path) -> dict[str, str]:
     """PIPEJOB_NETWORK_POLICY as the chart rendered with `values` gives it to the operator."""
     container = _deployment(documents(helm_template(values, tmp)))["spec"]["template"]["spec"][
-        "containers"][0]  # fmt: skip
+        "containers"
+    ][0]
     return {
         e["name"]: e["value"] for e in container["env"] if e["name"] == policy_settings.POLICY_ENV
     }
@@ -200,8 +234,15 @@ def _deployment(docs: list[dict]) -> dict:
 def test_default_render(renders: dict[str, Path]) -> None:
     docs = documents(renders["default"].read_text())
     kinds = {d["kind"] for d in docs}
-    assert {"ClusterRole", "ClusterRoleBinding", "ServiceAccount", "Service", "Deployment",
-            "NetworkPolicy", "CustomResourceDefinition"} <= kinds  # fmt: skip
+    assert {
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ServiceAccount",
+        "Service",
+        "Deployment",
+        "NetworkPolicy",
+        "CustomResourceDefinition",
+    } <= kinds
     assert not kinds & {"Role", "RoleBinding", "ClusterKopfPeering", "KopfPeering"}
     deployment = _deployment(docs)
     assert deployment["spec"]["replicas"] == 1
@@ -209,12 +250,19 @@ def test_default_render(renders: dict[str, Path]) -> None:
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == "ghcr.io/pipejob/operator:0.1.0"
-    assert container["args"] == ["--all-namespaces", "--standalone", "--log-level=info",
-                                 "--health-port=8080", "--metrics-port=8081"]  # fmt: skip
+    assert container["args"] == [
+        "--all-namespaces",
+        "--standalone",
+        "--log-level=info",
+        "--health-port=8080",
+        "--metrics-port=8081",
+    ]
     assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in container["ports"]
     (service,) = by_kind(docs, "Service")
     assert [(p["name"], p["port"]) for p in service["spec"]["ports"]] == [
-        ("health", 8080), ("metrics", 8081)]  # fmt: skip
+        ("health", 8080),
+        ("metrics", 8081),
+    ]
     (policy,) = by_kind(docs, "NetworkPolicy")
     assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == ["health", "metrics"]
     env = {e["name"]: e.get("value") for e in container["env"]}
@@ -249,9 +297,14 @@ def test_custom_render(renders: dict[str, Path]) -> None:
     (container,) = pod["containers"]
     assert container["image"] == "registry.example.com/ml/pipejob-operator:1.2.3"
     assert container["imagePullPolicy"] == "Always"
-    assert container["args"] == ["--namespace=ml-team", "--namespace=research",
-                                 "--peering=ml-operators", "--log-level=debug",
-                                 "--health-port=8080", "--metrics-port=0"]  # fmt: skip
+    assert container["args"] == [
+        "--namespace=ml-team",
+        "--namespace=research",
+        "--peering=ml-operators",
+        "--log-level=debug",
+        "--health-port=8080",
+        "--metrics-port=0",
+    ]
     assert [p["name"] for p in container["ports"]] == ["health"]  # metrics disabled
     (service,) = by_kind(docs, "Service")
     assert [p["name"] for p in service["spec"]["ports"]] == ["health"]
@@ -275,8 +328,9 @@ def test_custom_render(renders: dict[str, Path]) -> None:
 def test_bad_values_are_refused_with_the_field(values: dict, message: str, tmp_path: Path) -> None:
     path = tmp_path / "values.yaml"
     path.write_text(json.dumps(values))
-    proc = run([tool("helm"), "template", "pipejob", str(CHART), "--values", str(path)],
-               check=False)  # fmt: skip
+    proc = run(
+        [tool("helm"), "template", "pipejob", str(CHART), "--values", str(path)], check=False
+    )
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
 
@@ -286,8 +340,9 @@ def test_operator_accepts_the_charts_arguments(renders: dict[str, Path]) -> None
     from pipejob.cli.main import build_parser
 
     for name in ("default", "custom"):
-        container = _deployment(documents(renders[name].read_text()))["spec"]["template"][
-            "spec"]["containers"][0]  # fmt: skip
+        container = _deployment(documents(renders[name].read_text()))["spec"]["template"]["spec"][
+            "containers"
+        ][0]
         args = build_parser().parse_args(["operator", *container["args"]])
         assert args.command == "operator"
         assert args.health_port == 8080
@@ -298,15 +353,20 @@ def test_operator_accepts_the_charts_arguments(renders: dict[str, Path]) -> None
 def test_the_operator_reads_the_charts_network_policy_setting(values: str, tmp_path: Path) -> None:
     """The chart's networkPolicy.jobs values reach the operator as settings it accepts, with
     the operator's own pods first among the peers of the monitor port (it polls /progress)."""
-    given = {"default": None, "custom": CUSTOM_VALUES,
-             "off": {"networkPolicy": {"jobs": {"enabled": False}}}}[values]  # fmt: skip
+    given = {
+        "default": None,
+        "custom": CUSTOM_VALUES,
+        "off": {"networkPolicy": {"jobs": {"enabled": False}}},
+    }[values]
     settings = policy_settings.from_env(policy_env(given, tmp_path))
     if values == "off":
         assert settings is None
         return
     pods = _deployment(documents(helm_template(given, tmp_path)))["spec"]["selector"]
-    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}},
-                "podSelector": {"matchLabels": pods["matchLabels"]}}  # fmt: skip
+    operator = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}},
+        "podSelector": {"matchLabels": pods["matchLabels"]},
+    }
     jobs = (given or {}).get("networkPolicy", {}).get("jobs", {})
     assert settings.monitor_from == (operator, *jobs.get("monitorFrom", []))
     assert settings.egress == (tuple(jobs["egress"]) if jobs.get("restrictEgress") else None)
@@ -318,9 +378,16 @@ def test_the_operator_reads_the_charts_network_policy_setting(values: str, tmp_p
 def _validate(files: list[Path], check: bool) -> list[dict]:
     # The PodGroups `pipejob render` shows for Volcano and coscheduling jobs are checked
     # against the test harness's copies of those CRDs (the chart does not ship them).
-    cmd = [tools_python(), str(ROOT / "scripts" / "validate-manifests.py"),
-           "--crds", str(ROOT / "crds"), "--crds", str(CHART / "crds"),
-           "--crds", str(ROOT / "tests" / "harness" / "crds")]  # fmt: skip
+    cmd = [
+        tools_python(),
+        str(ROOT / "scripts" / "validate-manifests.py"),
+        "--crds",
+        str(ROOT / "crds"),
+        "--crds",
+        str(CHART / "crds"),
+        "--crds",
+        str(ROOT / "tests" / "harness" / "crds"),
+    ]
     for version in KUBERNETES_VERSIONS:
         cmd += ["--kubernetes-version", version]
     proc = run([*cmd, *map(str, files)], check=check)
@@ -337,7 +404,7 @@ def test_manifests_match_kubernetes_and_crd_schemas(
         *sorted((ROOT / "crds").glob("*.yaml")),
         CHART / "crds" / "kopf-peering.yaml",
     ]
-    results = _validate(files, check=False)  # fmt: skip
+    results = _validate(files, check=False)
     problems = [r for r in results if r["errors"]]
     assert not problems, json.dumps(problems, indent=1)
     expected = sum(len(documents(f.read_text())) for f in files)
@@ -408,8 +475,7 @@ def test_schema_validation_rejects_bad_manifests(tmp_path: Path) -> None:
     assert results.keys() == {d["metadata"]["name"] for d in documents(BAD)}
     assert "'modle' was unexpected" in results["unknown-field"][0]
     assert "spec.stages: 1 is less than the minimum of 2" in results["unknown-field"]
-    assert results["cel-rule"] == ["spec.microBatches: batchSize must be divisible by "
-                                   "microBatches"]  # fmt: skip
+    assert results["cel-rule"] == ["spec.microBatches: batchSize must be divisible by microBatches"]
     assert results["micro-batches-word"] == ["spec.microBatches: 'Auto' does not match '^auto$'"]
     assert results["micro-batches-quoted"] == ["spec.microBatches: '4' does not match '^auto$'"]
     assert results["micro-batches-zero"] == ["spec.microBatches: 0 is less than the minimum of 1"]
@@ -435,11 +501,22 @@ def test_checkov(renders: dict[str, Path], pod_renders: dict[str, Path], tmp_pat
         for path in paths:
             (tmp_path / target / path.name).write_text(path.read_text())
     proc = run(
-        [tool("checkov"), "--directory", str(tmp_path), "--framework", "kubernetes",
-         "--output", "json", "--compact", "--skip-download",
-         "--skip-check", ",".join(CHECKOV_SKIPS)],
-        timeout=170, check=False,
-    )  # fmt: skip
+        [
+            tool("checkov"),
+            "--directory",
+            str(tmp_path),
+            "--framework",
+            "kubernetes",
+            "--output",
+            "json",
+            "--compact",
+            "--skip-download",
+            "--skip-check",
+            ",".join(CHECKOV_SKIPS),
+        ],
+        timeout=170,
+        check=False,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     results = json.loads(proc.stdout)["results"]
 
@@ -468,15 +545,29 @@ def test_checkov(renders: dict[str, Path], pod_renders: dict[str, Path], tmp_pat
 
 
 def test_shellcheck() -> None:
-    scripts = [ROOT / "scripts" / "install-tools.sh", ROOT / "tests" / "e2e" / "kind" / "run.sh",
-               ROOT / "scripts" / "images.sh", ROOT / "scripts" / "standin-base.sh",
-               ROOT / ".ci" / "run"]  # fmt: skip
+    scripts = [
+        ROOT / "scripts" / "install-tools.sh",
+        ROOT / "tests" / "e2e" / "kind" / "run.sh",
+        ROOT / "scripts" / "images.sh",
+        ROOT / "scripts" / "standin-base.sh",
+        ROOT / ".ci" / "run",
+    ]
     run([tool("shellcheck"), *map(str, scripts)])
 
 
 def test_yamllint() -> None:
-    run([tool("yamllint"), "--strict", "--config-file", str(ROOT / ".yamllint.yaml"),
-         "charts", "examples", "crds", ".github"])  # fmt: skip
+    run(
+        [
+            tool("yamllint"),
+            "--strict",
+            "--config-file",
+            str(ROOT / ".yamllint.yaml"),
+            "charts",
+            "examples",
+            "crds",
+            ".github",
+        ]
+    )
 
 
 def test_namespace_is_the_releases(renders: dict[str, Path]) -> None:

@@ -24,8 +24,10 @@ def terminated(exit_code, reason="Error", message="", finished="2025-01-02T03:04
 
 
 def test_failure_names_role_pod_exit_code_and_the_log_tail():
-    failed = pod(phase="Failed", containerStatuses=terminated(
-        3, message="RendezvousError: master unreachable"))  # fmt: skip
+    failed = pod(
+        phase="Failed",
+        containerStatuses=terminated(3, message="RendezvousError: master unreachable"),
+    )
     failure = st.pod_failure(failed, "stage 1")
     assert failure.reason == "PodFailed"
     assert failure.message == (
@@ -55,8 +57,13 @@ def test_no_failure_unless_failed(phase):
 
 
 def test_role_counts():
-    pods = [pod("a", "Running"), pod("b", "Pending"), pod("c", "Failed"), pod("d", "Running"),
-            {"metadata": {"name": "e"}}]  # fmt: skip
+    pods = [
+        pod("a", "Running"),
+        pod("b", "Pending"),
+        pod("c", "Failed"),
+        pod("d", "Running"),
+        {"metadata": {"name": "e"}},
+    ]
     roles = {"a": "stage", "b": "stage", "c": "stage", "d": "master", "e": "master"}
     counts = st.role_counts(pods, lambda p: roles[p["metadata"]["name"]])
     assert counts == {
@@ -73,9 +80,12 @@ def test_condition_transition_time_moves_only_when_status_flips():
     assert same[0]["message"] == "still 3"
     flipped = st.set_condition(same, "Created", False, "PodDeleted", "gone", later)
     assert flipped[0] == {
-        "type": "Created", "status": "False", "reason": "PodDeleted", "message": "gone",
+        "type": "Created",
+        "status": "False",
+        "reason": "PodDeleted",
+        "message": "gone",
         "lastTransitionTime": "2025-01-02T03:09:05Z",
-    }  # fmt: skip
+    }
 
 
 def test_with_phase_sets_its_condition_and_clears_the_previous_one():
@@ -95,8 +105,13 @@ def test_time_round_trip():
 
 
 def test_status_schema_accepts_what_with_phase_writes_and_rejects_strays():
-    status = st.with_phase({"restarts": 1, "roles": {"master": {"running": 1}}}, st.FAILED,
-                           "DeadlineExceeded", "too long", T0)  # fmt: skip
+    status = st.with_phase(
+        {"restarts": 1, "roles": {"master": {"running": 1}}},
+        st.FAILED,
+        "DeadlineExceeded",
+        "too long",
+        T0,
+    )
     errors = []
     apply(st.STATUS, status, "status", errors)
     assert errors == []
@@ -107,9 +122,21 @@ def test_status_schema_accepts_what_with_phase_writes_and_rejects_strays():
 def test_a_killed_pod_is_named_killed_by_its_signal():
     pod = {
         "metadata": {"name": "j-stage-1"},
-        "status": {"phase": "Failed", "containerStatuses": [{"state": {"terminated": {
-            "exitCode": 137, "reason": "Error", "message": "step 3/10 loss 2.1"}}}]},
-    }  # fmt: skip
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [
+                {
+                    "state": {
+                        "terminated": {
+                            "exitCode": 137,
+                            "reason": "Error",
+                            "message": "step 3/10 loss 2.1",
+                        }
+                    }
+                }
+            ],
+        },
+    }
     failure = st.pod_failure(pod, "stage 1")
     assert failure.message == (
         "stage 1 (pod j-stage-1) failed with exit code 137 (Error, killed by SIGKILL)"

@@ -166,8 +166,14 @@ def test_threads_follow_the_cpus_the_process_may_run_on():
     threads = {}
     for cpus in ([mine[0]], mine):
         pin = lambda cpus=cpus: os.sched_setaffinity(0, cpus)  # noqa: E731  (as taskset)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=50, check=True, preexec_fn=pin)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=50,
+            check=True,
+            preexec_fn=pin,
+        )
         available, threads[len(cpus)] = out.stdout.split()
         assert float(available) <= len(cpus)  # a cgroup quota may bound it further
         # 2 stages share the CPUs: twice each one's half, that is all of them.
@@ -263,10 +269,19 @@ def look():
 t = threading.Thread(target=look); t.start(); t.join()
 print(json.dumps({"main": torch.get_num_threads(), **seen, "arena": applied.arena_max}))
 """
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MALLOC_ARENA_MAX")}  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=50, check=True)  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MALLOC_ARENA_MAX")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=True,
+    )
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == {"main": 1, "other thread": 1, "arena": 1}
 
@@ -310,8 +325,14 @@ def test_mkl_takes_its_buffers_from_the_malloc_with_the_allocator_lever():
     env["LD_PRELOAD"] = library
     held = {}
     for lever in ("off", "on"):
-        out = subprocess.run([sys.executable, "-c", MKL_THREADS, lever], env=env,
-                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", MKL_THREADS, lever],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         held[lever] = int(out.stdout.split()[-1])
     assert held["on"] < held["off"] / 2, held
 
@@ -376,6 +397,7 @@ def test_the_trainer_s_entry_point_loads_no_torch_before_its_tuning():
     the entry point must not load it (a NonFiniteError imported from a torch module once did,
     and TensorPipe's warnings buried a failing world's one-line cause)."""
     code = "import sys, pipejob.trainer.__main__; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "False", out.stdout + out.stderr

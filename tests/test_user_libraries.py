@@ -133,8 +133,9 @@ class ReadsAWeightsMetadata(nn.Module):
         return self.head(h.mean(1))
 
 
-@pytest.mark.parametrize("factory", [ReadsAWeightsMetadata, open_clip_text],
-                         ids=lambda f: f.__name__)  # fmt: skip
+@pytest.mark.parametrize(
+    "factory", [ReadsAWeightsMetadata, open_clip_text], ids=lambda f: f.__name__
+)
 def test_reading_a_weights_metadata_is_not_a_use(factory) -> None:
     """Only values that flow into the computation place a parameter in a stage: a forward
     that reads another stage's weight's dtype, device, size or requires_grad makes no tie
@@ -235,8 +236,7 @@ def test_vit_pytorch_cuts_exactly() -> None:
 @pytest.mark.slow
 def test_diffusers_conditioned_unet_cuts_exactly() -> None:
     pytest.importorskip("diffusers")
-    row = _conform.run("user", "unet2d-condition", ConditionedUNet,
-                       lambda: torch.randn(4, 3, 8, 8))  # fmt: skip
+    row = _conform.run("user", "unet2d-condition", ConditionedUNet, lambda: torch.randn(4, 3, 8, 8))
     assert row.verdict == "exact", row.why
 
 

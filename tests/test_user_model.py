@@ -31,10 +31,14 @@ STEPS = 150
 
 def plain_accuracy(model: torch.nn.Module, folder: Path) -> float:
     """Held-out accuracy in this one process, with the standard transforms written out."""
-    standard = transforms.Compose([
-        transforms.Resize(32), transforms.CenterCrop(32), transforms.ToTensor(),
-        transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
-    ])  # fmt: skip
+    standard = transforms.Compose(
+        [
+            transforms.Resize(32),
+            transforms.CenterCrop(32),
+            transforms.ToTensor(),
+            transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        ]
+    )
     held = datasets.ImageFolder(str(folder), standard)
     model.eval()
     correct = 0
@@ -62,18 +66,24 @@ def test_digits_cnn_from_a_users_package_learns_and_its_model_loads(
             "data": {"imageFolder": {"train": str(train), "val": str(val)}, "workers": 2},
             "eval": {"everySteps": 75},
             "output": {"path": str(out)},
-            "stages": 2, "imageSize": 32, "batchSize": 64, "microBatches": 4,
-            "numClasses": 10, "steps": STEPS, "logEvery": 25,
+            "stages": 2,
+            "imageSize": 32,
+            "batchSize": 64,
+            "microBatches": 4,
+            "numClasses": 10,
+            "steps": STEPS,
+            "logEvery": 25,
             "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
             "preflight": {"megabytes": 0.25},
             "checkpoint": {"path": str(ckpt), "everySteps": 75, "volume": "ckpt"},
             "template": {
                 "env": [{"name": "PYTHONPATH", "value": str(TESTS)}],
-                "volumes": [{"name": "ckpt", "hostPath": {"path": str(ckpt),
-                                                          "type": "DirectoryOrCreate"}}],
+                "volumes": [
+                    {"name": "ckpt", "hostPath": {"path": str(ckpt), "type": "DirectoryOrCreate"}}
+                ],
             },
         },
-    }  # fmt: skip
+    }
     jobs.create(api, manifest)
     done = jobs.wait_phase(api, KIND, "digits", "Succeeded", timeout=240)
     training = done["status"]["training"]
@@ -97,8 +107,10 @@ def test_digits_cnn_from_a_users_package_learns_and_its_model_loads(
     exported = tmp_path / "exported"
     result = subprocess.run(
         [sys.executable, "-m", "pipejob.cli", "export", str(ckpt), str(exported)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert f"wrote {exported / 'model.safetensors'}" in result.stdout
     again, final = load_file(exported / "model.safetensors"), load_file(out / "model.safetensors")
@@ -113,26 +125,38 @@ def test_digits_cnn_from_a_users_package_learns_and_its_model_loads(
 # Each case is a world: `make test` runs a factory that cannot be imported and data that does
 # not fit; a factory's own error, too many stages and an untraceable forward are `slow` (the
 # same permanent failure path; test_cut.py and test_refusals.py hold their messages in process).
-@pytest.mark.parametrize("fields,says", [
-    ({"model": {"import": "userpkg.missing:build"}},
-     "permanent: ImportFailed: training failed: ImportError: spec.model.import: cannot import"
-     " 'userpkg.missing' (from 'userpkg.missing:build'): ModuleNotFoundError"),
-    pytest.param({"model": {"import": "userpkg.vision:broken"}},
-                 "spec.model.import: 'userpkg.vision:broken' raised RuntimeError: the factory's"
-                 " own bug", marks=pytest.mark.slow),
-    pytest.param({"model": {"import": "userpkg.vision:two_layers"}, "stages": 3},
-                 "the model has 2 places to cut; it can fill at most 2 stages, not 3",
-                 marks=pytest.mark.slow),
-    ({"model": {"import": "userpkg.vision:small_cnn"}, "imageSize": 48},
-     "spec.data: inputs of shape (2, 3, 48, 48) float32 do not fit spec.model"),
-    pytest.param({"model": {"import": "userpkg.brought:branchy"}},
-                 "spec.model userpkg.brought:branchy with 2 stages: cannot trace Branchy's"
-                 " forward between its modules: TraceError: symbolically traced variables"
-                 " cannot be used as inputs to control flow at brought.py:",
-                 marks=pytest.mark.slow),
-])  # fmt: skip
-def test_a_job_that_cannot_train_fails_permanently_saying_why(fields, says, tmp_path,
-                                                              monkeypatch):  # fmt: skip
+@pytest.mark.parametrize(
+    "fields,says",
+    [
+        (
+            {"model": {"import": "userpkg.missing:build"}},
+            "permanent: ImportFailed: training failed: ImportError: spec.model.import:"
+            " cannot import 'userpkg.missing' (from 'userpkg.missing:build'): ModuleNotFoundError",
+        ),
+        pytest.param(
+            {"model": {"import": "userpkg.vision:broken"}},
+            "spec.model.import: 'userpkg.vision:broken' raised RuntimeError: the factory's own bug",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            {"model": {"import": "userpkg.vision:two_layers"}, "stages": 3},
+            "the model has 2 places to cut; it can fill at most 2 stages, not 3",
+            marks=pytest.mark.slow,
+        ),
+        (
+            {"model": {"import": "userpkg.vision:small_cnn"}, "imageSize": 48},
+            "spec.data: inputs of shape (2, 3, 48, 48) float32 do not fit spec.model",
+        ),
+        pytest.param(
+            {"model": {"import": "userpkg.brought:branchy"}},
+            "spec.model userpkg.brought:branchy with 2 stages: cannot trace Branchy's"
+            " forward between its modules: TraceError: symbolically traced variables"
+            " cannot be used as inputs to control flow at brought.py:",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_a_job_that_cannot_train_fails_permanently_saying_why(fields, says, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
     job = pipeline_job("refused", **{"steps": 2, **fields})
     code, out, _ = run_to_end(job, tmp_path, timeout=120)

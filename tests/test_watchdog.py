@@ -69,8 +69,10 @@ def test_the_master_names_a_member_silent_for_longer_than_the_bound():
     assert members.silent(now + 4) is None
     members.seen["stage0"] = replace(members.seen["stage0"], at=now + 10)  # stage0 beat later
     verdict = members.silent(now + 6.4)
-    assert verdict == ("stage1 (pod w-stage-1) stopped answering: no heartbeat for 6 s, last"
-                       " seen in training at step 34")  # fmt: skip
+    assert verdict == (
+        "stage1 (pod w-stage-1) stopped answering: no heartbeat for 6 s, last"
+        " seen in training at step 34"
+    )
 
 
 def test_a_member_never_heard_from_is_named_once_the_preflight_passed():
@@ -184,8 +186,9 @@ def test_the_calls_a_master_makes_and_serves_are_counted_and_the_open_ones_kept(
     script = tmp_path / "calls.py"
     script.write_text(CALLS_WORLD)
     port = free_ports(1)[0]
-    done = subprocess.run([sys.executable, str(script), str(port)], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.split() == ["open:master:sleep", "ended:8"], done.stdout
 
@@ -215,21 +218,39 @@ rpc.shutdown()
 @pytest.mark.parametrize(
     ("error", "lost"),
     [
-        (RuntimeError("ECONNRESET: connection reset by peer (this error originated at"
-                      " tensorpipe/transport/uv/connection_impl.cc:132)"), True),
+        (
+            RuntimeError(
+                "ECONNRESET: connection reset by peer (this error originated at"
+                " tensorpipe/transport/uv/connection_impl.cc:132)"
+            ),
+            True,
+        ),
         (RuntimeError("EOF: end of file (this error originated at tensorpipe)"), True),
-        (RuntimeError("eof (this error originated at tensorpipe/transport/shm/"
-                      "connection_impl.cc:259)"), True),
-        (RuntimeError("RPC ran for more than set timeout (300000 ms) and will now be marked"
-                      " with an error"), True),
+        (
+            RuntimeError(
+                "eof (this error originated at tensorpipe/transport/shm/connection_impl.cc:259)"
+            ),
+            True,
+        ),
+        (
+            RuntimeError(
+                "RPC ran for more than set timeout (300000 ms) and will now be marked with an error"
+            ),
+            True,
+        ),
         (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"), True),
-        (RuntimeError("Error on Node 2: [gloo/transport/tcp/unbound_buffer.cc:78] Timed out"
-                      " waiting 59999ms for recv operation to complete"), True),
+        (
+            RuntimeError(
+                "Error on Node 2: [gloo/transport/tcp/unbound_buffer.cc:78] Timed out"
+                " waiting 59999ms for recv operation to complete"
+            ),
+            True,
+        ),
         (ConnectionRefusedError(111, "Connection refused"), True),
         (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
         (KeyError("layer4"), False),
     ],
-)  # fmt: skip
+)
 def test_a_lost_peer_is_told_from_a_bug(error, lost):
     assert lost_peer(error) is lost
 
@@ -253,38 +274,64 @@ def _quiet(output: str) -> None:
 
 
 WATCHED_HYBRID = {
-    "apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob", "metadata": {"name": "wdh"},
-    "spec": {"trainers": 2, "steps": 100000, "batchSize": 8, "datasetSize": 256,
-             "rendezvousTimeoutSeconds": 60, "watchdog": {"seconds": BOUND},
-             "preflight": {"megabytes": 0.25}},
-}  # fmt: skip
+    "apiVersion": "pipejob.dev/v1alpha1",
+    "kind": "HybridJob",
+    "metadata": {"name": "wdh"},
+    "spec": {
+        "trainers": 2,
+        "steps": 100000,
+        "batchSize": 8,
+        "datasetSize": 256,
+        "rendezvousTimeoutSeconds": 60,
+        "watchdog": {"seconds": BOUND},
+        "preflight": {"megabytes": 0.25},
+    },
+}
 FAULTS = {
     # (manifest, member, signal, the line after which the fault strikes, what the runner says)
     "frozen stage in training": (
-        pipeline_job("wd", stages=2, microBatches=2, batchSize=4, steps=100000,
-                     watchdog={"seconds": BOUND}),
-        "stage1", signal.SIGSTOP, r"^master\s*\|.*step 3/",
+        pipeline_job(
+            "wd", stages=2, microBatches=2, batchSize=4, steps=100000, watchdog={"seconds": BOUND}
+        ),
+        "stage1",
+        signal.SIGSTOP,
+        r"^master\s*\|.*step 3/",
         r"master \(role master, rank 0\) failed: exit code 6: stalled: stage1 \(pid {pid}\)"
         r" stopped answering: no heartbeat for \d+ s, last seen in \w+ at step \d+",
     ),
     "frozen stage in training on the pipelining engine": (
-        pipeline_job("wd", engine="pipelining", stages=2, microBatches=2, batchSize=4,
-                     steps=100000, watchdog={"seconds": BOUND}),
-        "stage0", signal.SIGSTOP, r"^master\s*\|.*step 3/",
+        pipeline_job(
+            "wd",
+            engine="pipelining",
+            stages=2,
+            microBatches=2,
+            batchSize=4,
+            steps=100000,
+            watchdog={"seconds": BOUND},
+        ),
+        "stage0",
+        signal.SIGSTOP,
+        r"^master\s*\|.*step 3/",
         r"master \(role master, rank 0\) failed: exit code 6: stalled: stage0 \(pid {pid}\)"
         r" stopped answering: no heartbeat for \d+ s, last seen in \w+ at step \d+",
     ),
     "frozen master in training": (
-        pipeline_job("wd", stages=2, microBatches=2, batchSize=4, steps=100000,
-                     watchdog={"seconds": BOUND}),
-        "master", signal.SIGSTOP, r"^master\s*\|.*step 3/",
+        pipeline_job(
+            "wd", stages=2, microBatches=2, batchSize=4, steps=100000, watchdog={"seconds": BOUND}
+        ),
+        "master",
+        signal.SIGSTOP,
+        r"^master\s*\|.*step 3/",
         r"stage\d \(role stage, rank \d\) failed: exit code 6: stalled: master \(pid {pid}\)"
         r" stopped answering: no reply to heartbeats for \d+ s, last seen in \w+ at step \d+",
     ),
     "frozen stage while the master measures": (
-        pipeline_job("wd", stages=2, microBatches=2, batchSize=4, steps=100000,
-                     watchdog={"seconds": BOUND}),
-        "stage0", signal.SIGSTOP, r"^master\s*\|.*preflight: passed",
+        pipeline_job(
+            "wd", stages=2, microBatches=2, batchSize=4, steps=100000, watchdog={"seconds": BOUND}
+        ),
+        "stage0",
+        signal.SIGSTOP,
+        r"^master\s*\|.*preflight: passed",
         # Last heard before the master's preflight began (starting), or frozen before its
         # first heartbeat reached the master (named without its pid).
         r"stalled: stage0 (\(pid {pid}\) stopped answering: no heartbeat for \d+ s, last seen"
@@ -293,27 +340,34 @@ FAULTS = {
     ),
     "frozen parameter server in training": (
         WATCHED_HYBRID,
-        "ps0", signal.SIGSTOP, r"^master\s*\|.*step \d+/",
+        "ps0",
+        signal.SIGSTOP,
+        r"^master\s*\|.*step \d+/",
         r"stalled: ps0 \(pid {pid}\) stopped answering: no heartbeat for \d+ s, last seen in"
         r" \w+ at step \d+",
     ),
     "frozen trainer in training": (
         WATCHED_HYBRID,
-        "trainer1", signal.SIGSTOP, r"^master\s*\|.*step \d+/",
+        "trainer1",
+        signal.SIGSTOP,
+        r"^master\s*\|.*step \d+/",
         r"stalled: trainer1 \(pid {pid}\) stopped answering: no heartbeat for \d+ s, last seen"
         r" in \w+ at step \d+",
     ),
     "killed trainer in training": (
         WATCHED_HYBRID,
-        "trainer1", signal.SIGKILL, r"^master\s*\|.*step \d+/",
+        "trainer1",
+        signal.SIGKILL,
+        r"^master\s*\|.*step \d+/",
         r"trainer1 \(role trainer, rank \d\) failed: killed by signal SIGKILL",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.timeout(240)
-def struck_run_ends(manifest: dict, member: str, sig: int, after: str, verdict: str, tmp_path,
-                    wait: float = 60) -> tuple[re.Match, float]:  # fmt: skip
+def struck_run_ends(
+    manifest: dict, member: str, sig: int, after: str, verdict: str, tmp_path, wait: float = 60
+) -> tuple[re.Match, float]:
     """Strike `member` with `sig` once the run says `after`: the run fails with `verdict` (a
     pattern, `{pid}` the struck process's), in lines. The verdict, and the seconds from the
     fault to it."""
@@ -332,14 +386,23 @@ def struck_run_ends(manifest: dict, member: str, sig: int, after: str, verdict: 
 
 # `make test` proves each verdict once: a frozen stage and master here, a killed member in
 # test_faults_by_phase.py; `make test-all` every role in every phase (tests/README.md).
-@pytest.mark.parametrize("fault", exhaustive(FAULTS, {
-    "frozen stage in training", "frozen master in training",
-}))  # fmt: skip
+@pytest.mark.parametrize(
+    "fault",
+    exhaustive(
+        FAULTS,
+        {
+            "frozen stage in training",
+            "frozen master in training",
+        },
+    ),
+)
 def test_a_fault_ends_the_local_run_naming_the_member_in_lines(fault, tmp_path):
     manifest, member, sig, after, verdict = FAULTS[fault]
     _, reacted = struck_run_ends(manifest, member, sig, after, verdict, tmp_path)
-    print(f"{fault}: {signal.Signals(sig).name} of {member}, verdict after {reacted:.1f} s"
-          f" (bound {BOUND} s)")  # fmt: skip
+    print(
+        f"{fault}: {signal.Signals(sig).name} of {member}, verdict after {reacted:.1f} s"
+        f" (bound {BOUND} s)"
+    )
 
 
 def test_the_watchdog_thread_leaves_with_the_world():
@@ -361,34 +424,53 @@ TESTS = Path(__file__).parent  # holds userpkg/, brought by `import:` as a user'
 
 def stuck_pipeline(trigger: Path) -> dict:
     model = {"import": "userpkg.stuck:cnn", "args": {"trigger": str(trigger)}}
-    return pipeline_job("wp", stages=2, microBatches=2, batchSize=4, steps=100000,
-                        watchdog={"seconds": BOUND}, model=model)  # fmt: skip
+    return pipeline_job(
+        "wp",
+        stages=2,
+        microBatches=2,
+        batchSize=4,
+        steps=100000,
+        watchdog={"seconds": BOUND},
+        model=model,
+    )
 
 
 def stuck_hybrid(trigger: Path, rank: int) -> dict:
     dense = {"trigger": str(trigger), "rank": rank, "dim": 8, "hidden": 16, "classes": 4}
-    return {"apiVersion": "pipejob.dev/v1alpha1", "kind": "HybridJob", "metadata": {"name": "wph"},
-            "spec": {"trainers": 2, "steps": 100000, "batchSize": 8, "datasetSize": 256,
-                     "embedding": {"numEmbeddings": 64, "dim": 8, "mode": "sum"},
-                     "dense": {"outFeatures": 4, "import": "userpkg.stuck:dense", "args": dense},
-                     "rendezvousTimeoutSeconds": 60, "watchdog": {"seconds": BOUND},
-                     "preflight": {"megabytes": 0.25}}}  # fmt: skip
+    return {
+        "apiVersion": "pipejob.dev/v1alpha1",
+        "kind": "HybridJob",
+        "metadata": {"name": "wph"},
+        "spec": {
+            "trainers": 2,
+            "steps": 100000,
+            "batchSize": 8,
+            "datasetSize": 256,
+            "embedding": {"numEmbeddings": 64, "dim": 8, "mode": "sum"},
+            "dense": {"outFeatures": 4, "import": "userpkg.stuck:dense", "args": dense},
+            "rendezvousTimeoutSeconds": 60,
+            "watchdog": {"seconds": BOUND},
+            "preflight": {"megabytes": 0.25},
+        },
+    }
 
 
 STUCK = {
     # (manifest of a trigger file, the member whose work gets stuck, what the runner says)
     "pipeline: a stage's forward": (
-        stuck_pipeline, "stage1",
+        stuck_pipeline,
+        "stage1",
         r"master \(role master, rank 0\) failed: exit code 6: stalled: no progress for \d+ s in"
         r" training at step \d+: waiting on stage1 \(pid {pid}\) for on_stage forward",
     ),
     "hybrid: a trainer's dense forward": (
-        lambda trigger: stuck_hybrid(trigger, rank=3), "trainer1",
+        lambda trigger: stuck_hybrid(trigger, rank=3),
+        "trainer1",
         r"master \(role master, rank 0\) failed: exit code 6: stalled: no progress for \d+ s in"
         r" training at step \d+: waiting on trainer\d \(pid \d+\) for train .*trainer1 \(pid"
         r" {pid}\)",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.timeout(240)
@@ -397,8 +479,9 @@ def test_a_world_whose_work_is_stuck_while_it_beats_ends_naming_whom_it_waits_on
     case, tmp_path, monkeypatch
 ):
     make, member, verdict = STUCK[case]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))  # fmt: skip
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
+    )
     trigger = tmp_path / "stuck"
     with JobRun(make(trigger), tmp_path) as run:
         run.wait_for(r"^master\s*\|.*step \d+/", timeout=180)
@@ -410,5 +493,7 @@ def test_a_world_whose_work_is_stuck_while_it_beats_ends_naming_whom_it_waits_on
         code = run.finish(timeout=60)
     assert code == c.ExitCode.STALLED
     _quiet(run.output)
-    print(f"{case}: stuck work on {member}, verdict after {reacted:.1f} s (bound {BOUND} s):"
-          f" {said.string}")  # fmt: skip
+    print(
+        f"{case}: stuck work on {member}, verdict after {reacted:.1f} s (bound {BOUND} s):"
+        f" {said.string}"
+    )

@@ -64,7 +64,7 @@ def hidden_world(rng: random.Random) -> dict:
         "values": [vocabulary(rng, n) for n in sizes],
         "weights": [
             [rng.gauss(0.0, s) for _ in range(n)] for n, s in zip(sizes, strength, strict=True)
-        ],  # fmt: skip
+        ],
     }
 
 

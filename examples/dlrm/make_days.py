@@ -20,9 +20,34 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 # Criteo Kaggle's vocabulary sizes of C1 ... C26, and the share of empty fields of each column.
-VOCABULARY = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593,
-              3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105,
-              142572]  # fmt: skip
+VOCABULARY = [
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+]
 EMPTY_DENSE = [0.45, 0.0, 0.21, 0.22, 0.03, 0.22, 0.04, 0.0, 0.04, 0.45, 0.04, 0.77, 0.22]
 EMPTY_CATEGORICAL = [0.0] * 19 + [0.44, 0.0, 0.76, 0.0, 0.04, 0.44, 0.44]
 SCALE = [3, 100, 20, 7, 18000, 110, 16, 12, 100, 1, 3, 1, 8]  # the integers' typical size
@@ -89,8 +114,14 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = ".tsv" if args.plain else ".gz"
-    jobs = [(args.out / f"day_{d}{suffix}", (d + 1) * args.lines // args.days
-             - d * args.lines // args.days, SEED + d) for d in range(args.days)]  # fmt: skip
+    jobs = [
+        (
+            args.out / f"day_{d}{suffix}",
+            (d + 1) * args.lines // args.days - d * args.lines // args.days,
+            SEED + d,
+        )
+        for d in range(args.days)
+    ]
     jobs.append((args.out / f"val{suffix}", args.val, SEED - 1))
     with ProcessPoolExecutor(args.workers) as pool:
         futures = [pool.submit(write, path, count, seed, args.level) for path, count, seed in jobs]

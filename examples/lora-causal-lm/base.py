@@ -22,10 +22,18 @@ HERE = Path(__file__).resolve().parent
 def write_base(folder: Path, layers: int, width: int, seed: int = 0) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=2 * width,
-                         num_hidden_layers=layers, num_attention_heads=max(1, width // 32),
-                         num_key_value_heads=max(1, width // 32), max_position_embeddings=512,
-                         bos_token_id=10, eos_token_id=10, tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, width // 32),
+        num_key_value_heads=max(1, width // 32),
+        max_position_embeddings=512,
+        bos_token_id=10,
+        eos_token_id=10,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(folder)
 

@@ -18,8 +18,9 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 
 
-def model(base: str = "base", lora: bool = True, r: int = 8, alpha: int = 16,
-          seed: int = 0) -> nn.Module:  # fmt: skip
+def model(
+    base: str = "base", lora: bool = True, r: int = 8, alpha: int = 16, seed: int = 0
+) -> nn.Module:
     """The base model from `base` (relative to this folder), with LoRA adapters unless
     `lora` is false; the adapters' initial values drawn from `seed`."""
     from peft import LoraConfig, get_peft_model
@@ -35,6 +36,11 @@ def model(base: str = "base", lora: bool = True, r: int = 8, alpha: int = 16,
     if not lora:
         return pretrained
     torch.manual_seed(seed)  # the adapters' initial values: the same at any seed of the job
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=["q_proj", "v_proj"],
-                        lora_dropout=0.0, task_type="CAUSAL_LM")  # fmt: skip
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=["q_proj", "v_proj"],
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(pretrained, config)

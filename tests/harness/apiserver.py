@@ -132,19 +132,33 @@ class ApiServer(kmock.KubernetesEmulator):
         `faults` says the server is away for this client, it gets 500."""
         if self.faults.hits(raw.headers.get("User-Agent")):
             self.faults.refused += 1
-            return aiohttp.web.json_response({
-                "kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500,
-                "reason": "InternalError", "message": "the API server is away (injected)",
-            }, status=500)  # fmt: skip
+            return aiohttp.web.json_response(
+                {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "status": "Failure",
+                    "code": 500,
+                    "reason": "InternalError",
+                    "message": "the API server is away (injected)",
+                },
+                status=500,
+            )
         if "protobuf" in raw.content_type:
             raw = raw.clone(headers={**raw.headers, "Content-Type": "application/json"})
             try:
                 obj = protobuf.decode(await raw.read())
             except ValueError as e:
-                return aiohttp.web.json_response({
-                    "kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 415,
-                    "reason": "UnsupportedMediaType", "message": str(e),
-                }, status=415)  # fmt: skip
+                return aiohttp.web.json_response(
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "status": "Failure",
+                        "code": 415,
+                        "reason": "UnsupportedMediaType",
+                        "message": str(e),
+                    },
+                    status=415,
+                )
             raw._read_bytes = json.dumps(obj).encode()  # what kmock's parser reads
         return await super().__call__(raw)
 
@@ -302,19 +316,35 @@ class ApiServer(kmock.KubernetesEmulator):
         self._validate(request, new)
         uid = new.get("metadata", {}).get("uid")  # a write naming another object (reused name)
         if uid and uid != old["metadata"]["uid"]:
-            raise error(409, "Conflict", f"Precondition failed: UID in precondition: {uid}, UID"
-                        f" in object meta: {old['metadata']['uid']}")  # fmt: skip
+            raise error(
+                409,
+                "Conflict",
+                f"Precondition failed: UID in precondition: {uid}, UID"
+                f" in object meta: {old['metadata']['uid']}",
+            )
         rv = new.get("metadata", {}).get("resourceVersion")
         if rv and rv != old["metadata"]["resourceVersion"]:
-            raise error(409, "Conflict", "the object has been modified; please apply your"
-                        " changes to the latest version and try again")  # fmt: skip
+            raise error(
+                409,
+                "Conflict",
+                "the object has been modified; please apply your"
+                " changes to the latest version and try again",
+            )
         if sub == "status":
             new = {**old, "status": new.get("status")}
         elif "status" in info.subresources:
             new = {**new, "status": old.get("status")}
         new = {k: v for k, v in new.items() if v is not None}
-        keep = ("uid", "name", "namespace", "creationTimestamp", "generation",
-                "resourceVersion", "deletionTimestamp", "deletionGracePeriodSeconds")  # fmt: skip
+        keep = (
+            "uid",
+            "name",
+            "namespace",
+            "creationTimestamp",
+            "generation",
+            "resourceVersion",
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+        )
         new["metadata"] = {
             **{k: v for k, v in new.get("metadata", {}).items() if k not in keep},
             **{k: old["metadata"][k] for k in keep if k in old["metadata"]},
@@ -354,8 +384,10 @@ class ApiServer(kmock.KubernetesEmulator):
         options = request.data if isinstance(request.data, dict) else {}
         grace = request.params.get("gracePeriodSeconds", options.get("gracePeriodSeconds"))
         grace = None if grace is None else int(grace)
-        orphan = "Orphan" in (request.params.get("propagationPolicy"),
-                              options.get("propagationPolicy"))  # fmt: skip
+        orphan = "Orphan" in (
+            request.params.get("propagationPolicy"),
+            options.get("propagationPolicy"),
+        )
         if request.name is not None:
             key = (request.resource, namespace, request.name)
             self._check_preconditions(key, options.get("preconditions") or {})
@@ -368,8 +400,12 @@ class ApiServer(kmock.KubernetesEmulator):
             for obj in self._live_items(request.resource, namespace)
             if matches(obj)
         ]
-        return {"apiVersion": "v1", "kind": f"{info.kind}List", "items": deleted,
-                "metadata": {"resourceVersion": str(self._revision)}}  # fmt: skip
+        return {
+            "apiVersion": "v1",
+            "kind": f"{info.kind}List",
+            "items": deleted,
+            "metadata": {"resourceVersion": str(self._revision)},
+        }
 
     def _check_preconditions(self, key: Key, preconditions: dict) -> None:
         obj = self._live(key)
@@ -392,8 +428,10 @@ class ApiServer(kmock.KubernetesEmulator):
                 grace = (
                     obj["spec"].get("terminationGracePeriodSeconds", 30) if grace is None else grace
                 )
-            patch = {"deletionTimestamp": meta.get("deletionTimestamp") or now(),
-                     "deletionGracePeriodSeconds": grace or 0}  # fmt: skip
+            patch = {
+                "deletionTimestamp": meta.get("deletionTimestamp") or now(),
+                "deletionGracePeriodSeconds": grace or 0,
+            }
             obj = await self._publish(key, "MODIFIED", merge_patch(obj, {"metadata": patch}))
             if not _releasable(obj):
                 return obj
@@ -428,9 +466,12 @@ class ApiServer(kmock.KubernetesEmulator):
         if tables.wants_table(request.headers.get("Accept")):
             columns = self._columns.get(request.resource)
             return tables.table(items, columns, str(self._revision))
-        return {"apiVersion": f"{request.resource.group}/{request.resource.version}".lstrip("/"),
-                "kind": f"{info.kind}List", "items": items,
-                "metadata": {"resourceVersion": str(self._revision)}}  # fmt: skip
+        return {
+            "apiVersion": f"{request.resource.group}/{request.resource.version}".lstrip("/"),
+            "kind": f"{info.kind}List",
+            "items": items,
+            "metadata": {"resourceVersion": str(self._revision)},
+        }
 
     async def _serve_fetch(self, request: kmock.Request) -> Obj:
         info = self._info(request.resource)
@@ -492,7 +533,9 @@ class ApiServer(kmock.KubernetesEmulator):
         """/version: a Kubernetes that has what this emulator serves (CRDs' CEL rules, which
         pipejob's chart requires with kubeVersion >=1.28); kmock says 1.26."""
         return await super()._serve_server_version(request) | {
-            "minor": "31", "gitVersion": "v1.31.0"}  # fmt: skip
+            "minor": "31",
+            "gitVersion": "v1.31.0",
+        }
 
     async def _serve_version(self, request: kmock.Request) -> Obj:
         """kmock's resource list, fixed: the core group version is `v1` (kmock says `/v1`, which

@@ -70,9 +70,11 @@ class MemoryLimits:
 
     def describe(self) -> str:
         """Each cgroup's peak usage and OOM kills, for a failure's message."""
-        return "; ".join(f"{name}: peak {self.peak(name) / 1e6:.0f} MB of"
-                         f" {self.limit / 1e6:.0f}, OOM kills {self.oom_kills(name)}"
-                         for name in self.groups)  # fmt: skip
+        return "; ".join(
+            f"{name}: peak {self.peak(name) / 1e6:.0f} MB of"
+            f" {self.limit / 1e6:.0f}, OOM kills {self.oom_kills(name)}"
+            for name in self.groups
+        )
 
     def close(self, timeout: float = 30.0) -> None:
         """Remove the cgroups once their processes are gone (a cgroup with a process in it

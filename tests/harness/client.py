@@ -26,8 +26,12 @@ class ApiError(Exception):
         super().__init__(f"{status} {self.reason}: {self.body.get('message', '')}")
 
 
-def path(resource: str, namespace: str | None = None, name: str | None = None,
-         subresource: str | None = None) -> str:  # fmt: skip
+def path(
+    resource: str,
+    namespace: str | None = None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> str:
     """`v1/pods` or `pipejob.dev/v1alpha1/pipelinejobs` -> the URL path of the collection/object."""
     group_version, plural = resource.rsplit("/", 1)
     parts = ["/api/v1" if group_version == "v1" else f"/apis/{group_version}"]
@@ -91,13 +95,26 @@ class Api:
     def list(self, resource: str, namespace: str | None = None, **params: str) -> list[dict]:
         return self.request("GET", path(resource, namespace), params=params)["items"]
 
-    def patch(self, resource: str, name: str, patch: Any, namespace: str | None = None,
-              subresource: str | None = None, content_type: str = MERGE_PATCH) -> dict:  # fmt: skip
+    def patch(
+        self,
+        resource: str,
+        name: str,
+        patch: Any,
+        namespace: str | None = None,
+        subresource: str | None = None,
+        content_type: str = MERGE_PATCH,
+    ) -> dict:
         url = path(resource, namespace, name, subresource)
         return self.request("PATCH", url, patch, content_type=content_type)
 
-    def delete(self, resource: str, name: str | None = None, namespace: str | None = None,
-               options: dict | None = None, **params: Any) -> dict:  # fmt: skip
+    def delete(
+        self,
+        resource: str,
+        name: str | None = None,
+        namespace: str | None = None,
+        options: dict | None = None,
+        **params: Any,
+    ) -> dict:
         """`options`: a DeleteOptions body (preconditions, gracePeriodSeconds)."""
         return self.request("DELETE", path(resource, namespace, name), options, params=params)
 

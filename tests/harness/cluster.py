@@ -66,7 +66,7 @@ class Cluster:
                         "namespace": self.namespace,
                     },
                 }
-            ],  # fmt: skip
+            ],
             "current-context": "emulator",
         }
 

@@ -75,8 +75,14 @@ class ContainerKubelet(Kubelet):
     NODE = "container-kubelet"
     Run = ContainerRun
 
-    def __init__(self, api: Api, workdir: Path, network: Network,
-                 in_cluster: InClusterAccess | None = None, **kwargs) -> None:  # fmt: skip
+    def __init__(
+        self,
+        api: Api,
+        workdir: Path,
+        network: Network,
+        in_cluster: InClusterAccess | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(api, workdir, **kwargs)
         self.network = network
         self.in_cluster = in_cluster  # the API server as pods reach it
@@ -123,8 +129,13 @@ class ContainerKubelet(Kubelet):
             return ""
         saved = run.log.read_text(errors="replace") if run.log.exists() else ""
         if run.running:
-            live = subprocess.run(["docker", "logs", run.container], capture_output=True,
-                                  text=True, errors="replace", timeout=30)  # fmt: skip
+            live = subprocess.run(
+                ["docker", "logs", run.container],
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=30,
+            )
             saved += live.stdout + live.stderr
         return saved
 
@@ -173,8 +184,10 @@ class ContainerKubelet(Kubelet):
         if sc.get("runAsNonRoot"):
             effective = str(uid) if uid is not None else image_user
             if not effective.isdigit():
-                raise ValueError(f"container has runAsNonRoot and image has non-numeric user "
-                                 f"({effective}), cannot verify user is non-root")  # fmt: skip
+                raise ValueError(
+                    f"container has runAsNonRoot and image has non-numeric user "
+                    f"({effective}), cannot verify user is non-root"
+                )
             if effective == "0":
                 raise ValueError("container has runAsNonRoot and image will run as root")
         if uid is None and gid is None:
@@ -236,8 +249,19 @@ class ContainerKubelet(Kubelet):
             if (ns, claim) not in self._claims:  # a docker volume backed by a node directory
                 folder = _shared_dir(self.workdir / "claims" / ns / claim)
                 volume_name = f"{self.network.name}-{ns}-{claim}"
-                cli("volume", "create", "--label", f"{LABEL}={self.node}", "--opt", "type=none",
-                    "--opt", "o=bind", "--opt", f"device={folder}", volume_name)  # fmt: skip
+                cli(
+                    "volume",
+                    "create",
+                    "--label",
+                    f"{LABEL}={self.node}",
+                    "--opt",
+                    "type=none",
+                    "--opt",
+                    "o=bind",
+                    "--opt",
+                    f"device={folder}",
+                    volume_name,
+                )
                 self._claims[ns, claim] = volume_name
             return self._claims[ns, claim]
         raise ValueError(f"the container-kubelet does not emulate volume {name!r}: {volume}")
@@ -260,11 +284,21 @@ class ContainerKubelet(Kubelet):
 
     def _endpoints(self) -> list[Endpoint]:
         """The pods on the bridge, for the network plugin: every one given an address."""
-        return [Endpoint(r.namespace, r.pod["metadata"].get("labels") or {}, r.address,
-                         {p["name"]: p["containerPort"]
-                          for c in r.pod["spec"]["containers"] for p in c.get("ports") or []
-                          if p.get("name")})
-                for r in self.runs() if r.address and not r.deleted]  # fmt: skip
+        return [
+            Endpoint(
+                r.namespace,
+                r.pod["metadata"].get("labels") or {},
+                r.address,
+                {
+                    p["name"]: p["containerPort"]
+                    for c in r.pod["spec"]["containers"]
+                    for p in c.get("ports") or []
+                    if p.get("name")
+                },
+            )
+            for r in self.runs()
+            if r.address and not r.deleted
+        ]
 
     # --- the container runtime --------------------------------------------------------------
 
@@ -272,35 +306,73 @@ class ContainerKubelet(Kubelet):
         container = run.pod["spec"]["containers"][0]
         image = inspect(container["image"], "image")
         if image is None:
-            self._patch_status(run.pod, {"phase": "Pending", "containerStatuses": [
-                self._container_status(run, {"waiting": {
-                    "reason": "ErrImagePull",
-                    "message": f"image {container['image']!r} is not on the node and no "
-                               "registry is reachable",
-                }}, ready=False),
-            ]})  # fmt: skip
+            self._patch_status(
+                run.pod,
+                {
+                    "phase": "Pending",
+                    "containerStatuses": [
+                        self._container_status(
+                            run,
+                            {
+                                "waiting": {
+                                    "reason": "ErrImagePull",
+                                    "message": f"image {container['image']!r} is not on the node"
+                                    " and no registry is reachable",
+                                }
+                            },
+                            ready=False,
+                        ),
+                    ],
+                },
+            )
             return
         try:
             user = self._user(run.pod, image) + self._security(container)
         except ValueError as e:
-            self._patch_status(run.pod, {"phase": "Pending", "containerStatuses": [
-                self._container_status(run, {"waiting": {
-                    "reason": "CreateContainerConfigError", "message": str(e),
-                }}, ready=False),
-            ]})  # fmt: skip
+            self._patch_status(
+                run.pod,
+                {
+                    "phase": "Pending",
+                    "containerStatuses": [
+                        self._container_status(
+                            run,
+                            {
+                                "waiting": {
+                                    "reason": "CreateContainerConfigError",
+                                    "message": str(e),
+                                }
+                            },
+                            ready=False,
+                        ),
+                    ],
+                },
+            )
             return
         path = container.get("terminationMessagePath") or "/dev/termination-log"
         message = run.dir / "termination-log"
         message.write_text("")
         message.chmod(0o666)  # whatever user the container runs as writes it
         name = f"{self.network.name}-{run.name}-{run.pod['metadata']['uid'][:8]}-{run.restarts}"
-        argv = ["run", "-d", "--name", name, "--label", f"{LABEL}={self.node}",
-                "--network", self.network.name, "--ip", run.address,
-                "--hostname", self._hostname(run.pod),
-                *[f"--network-alias={a}" for a in self._aliases(run)],
-                *user, *run.volumes,
-                "-v", f"{message}:{path}",
-                *[f"--env={k}={v}" for k, v in run.env.items()]]  # fmt: skip
+        argv = [
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--label",
+            f"{LABEL}={self.node}",
+            "--network",
+            self.network.name,
+            "--ip",
+            run.address,
+            "--hostname",
+            self._hostname(run.pod),
+            *[f"--network-alias={a}" for a in self._aliases(run)],
+            *user,
+            *run.volumes,
+            "-v",
+            f"{message}:{path}",
+            *[f"--env={k}={v}" for k, v in run.env.items()],
+        ]
         if container.get("command"):
             argv += ["--entrypoint", run.argv[0], container["image"], *run.argv[1:]]
         else:
@@ -313,20 +385,29 @@ class ContainerKubelet(Kubelet):
         except (RuntimeError, ValueError) as e:
             # docker or the network plugin refused it: as a kubelet's RunContainerError
             run.done = True
-            self._patch_status(run.pod, {"phase": "Failed", "reason": "RunContainerError",
-                                         "message": str(e)})  # fmt: skip
+            self._patch_status(
+                run.pod, {"phase": "Failed", "reason": "RunContainerError", "message": str(e)}
+            )
             return
         run.container = name
         run.waiter = threading.Thread(target=self._wait, args=(run, name), daemon=True)
         run.waiter.start()
-        self._patch_status(run.pod, {
-            "phase": "Running", "hostIP": self.network.gateway, "podIP": run.address,
-            "podIPs": [{"ip": run.address}], "startTime": run.started_at,
-            "conditions": _conditions("True"),
-            "containerStatuses": [self._container_status(
-                run, {"running": {"startedAt": run.container_started_at}}
-            )],
-        })  # fmt: skip
+        self._patch_status(
+            run.pod,
+            {
+                "phase": "Running",
+                "hostIP": self.network.gateway,
+                "podIP": run.address,
+                "podIPs": [{"ip": run.address}],
+                "startTime": run.started_at,
+                "conditions": _conditions("True"),
+                "containerStatuses": [
+                    self._container_status(
+                        run, {"running": {"startedAt": run.container_started_at}}
+                    )
+                ],
+            },
+        )
 
     def _wait(self, run: ContainerRun, name: str) -> None:
         """`docker wait` for the container's end; then its log and OOM flag, then its code."""
@@ -359,8 +440,13 @@ class ContainerKubelet(Kubelet):
             cli("kill", run.container, check=False)
         if run.waiter is not None:
             run.waiter.join(30)
-        names = cli("ps", "-aq", "--filter", f"name={self.network.name}-{run.name}-"
-                    f"{run.pod['metadata']['uid'][:8]}-", check=False).split()  # fmt: skip
+        names = cli(
+            "ps",
+            "-aq",
+            "--filter",
+            f"name={self.network.name}-{run.name}-{run.pod['metadata']['uid'][:8]}-",
+            check=False,
+        ).split()
         if names:
             cli("rm", "-f", *names, check=False)
 

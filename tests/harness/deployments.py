@@ -33,9 +33,12 @@ class DeploymentController(Controller):
         meta, spec = deployment["metadata"], deployment["spec"]
         template = spec["template"]
         digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
-        pods = [p for p in self.api.list("v1/pods", meta["namespace"])
-                if any(o["uid"] == meta["uid"] for o in p["metadata"].get("ownerReferences", []))
-                and not p["metadata"].get("deletionTimestamp")]  # fmt: skip
+        pods = [
+            p
+            for p in self.api.list("v1/pods", meta["namespace"])
+            if any(o["uid"] == meta["uid"] for o in p["metadata"].get("ownerReferences", []))
+            and not p["metadata"].get("deletionTimestamp")
+        ]
         current = [p for p in pods if p["metadata"]["labels"].get(HASH_LABEL) == digest]
         for pod in pods:
             if pod not in current:
@@ -43,25 +46,41 @@ class DeploymentController(Controller):
         for _ in range(spec.get("replicas", 1) - len(current)):
             self.api.create("v1/pods", self._pod(deployment, digest), meta["namespace"])
         ready = sum(p.get("status", {}).get("phase") == "Running" for p in current)
-        status = {"observedGeneration": meta.get("generation", 1), "replicas": len(current),
-                  "readyReplicas": ready, "availableReplicas": ready}  # fmt: skip
+        status = {
+            "observedGeneration": meta.get("generation", 1),
+            "replicas": len(current),
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+        }
         if deployment.get("status", {}) | status != deployment.get("status", {}):
-            self.api.patch(DEPLOYMENTS, meta["name"], {"status": status}, meta["namespace"],
-                           subresource="status")  # fmt: skip
+            self.api.patch(
+                DEPLOYMENTS,
+                meta["name"],
+                {"status": status},
+                meta["namespace"],
+                subresource="status",
+            )
 
     def _pod(self, deployment: dict, digest: str) -> dict:
         meta, template = deployment["metadata"], deployment["spec"]["template"]
         labels = {**template.get("metadata", {}).get("labels", {}), HASH_LABEL: digest}
         return {
-            "apiVersion": "v1", "kind": "Pod",
+            "apiVersion": "v1",
+            "kind": "Pod",
             "metadata": {
                 "name": f"{meta['name']}-{digest}-{secrets.token_hex(3)[:5]}",
                 "labels": labels,
                 "annotations": template.get("metadata", {}).get("annotations", {}),
-                "ownerReferences": [{
-                    "apiVersion": "apps/v1", "kind": "Deployment", "name": meta["name"],
-                    "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True,
-                }],
+                "ownerReferences": [
+                    {
+                        "apiVersion": "apps/v1",
+                        "kind": "Deployment",
+                        "name": meta["name"],
+                        "uid": meta["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
             },
             "spec": template["spec"],
-        }  # fmt: skip
+        }

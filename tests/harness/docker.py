@@ -69,8 +69,11 @@ def build_images() -> Images:
     start = time.monotonic()
     done = subprocess.run(
         [str(ROOT / "scripts" / "images.sh"), OPERATOR_TAG, TRAINER_TAG],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"scripts/images.sh failed:\n{done.stdout}\n{done.stderr}")
     return Images(OPERATOR_TAG, TRAINER_TAG, time.monotonic() - start)
@@ -90,10 +93,25 @@ class Network:
             self.subnet = ipaddress.ip_network(f"10.213.{third}.0/24")
             self.gateway = str(self.subnet.network_address + 1)
             done = subprocess.run(
-                ["docker", "network", "create", "--driver", "bridge", "--internal",
-                 "--subnet", str(self.subnet), "--gateway", self.gateway, "--label", LABEL,
-                 self.name], capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
+                [
+                    "docker",
+                    "network",
+                    "create",
+                    "--driver",
+                    "bridge",
+                    "--internal",
+                    "--subnet",
+                    str(self.subnet),
+                    "--gateway",
+                    self.gateway,
+                    "--label",
+                    LABEL,
+                    self.name,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             if done.returncode == 0:
                 break
             if "overlap" not in done.stderr:

@@ -74,13 +74,16 @@ def coscheduling(cluster: Cluster) -> Iterator[gang.GangScheduler]:
 @pytest.fixture
 def crds(cluster: Cluster) -> list[dict]:
     """The product's CRDs from crds/, applied."""
-    return [jobs.apply_crd(cluster.api, yaml.safe_load(p.read_text()))
-            for p in sorted(CRDS_DIR.glob("*.yaml"))]  # fmt: skip
+    return [
+        jobs.apply_crd(cluster.api, yaml.safe_load(p.read_text()))
+        for p in sorted(CRDS_DIR.glob("*.yaml"))
+    ]
 
 
 @pytest.fixture
-def operator(request: pytest.FixtureRequest, cluster: Cluster, crds: list[dict],
-             tmp_path: Path) -> Iterator[OperatorProcess]:  # fmt: skip
+def operator(
+    request: pytest.FixtureRequest, cluster: Cluster, crds: list[dict], tmp_path: Path
+) -> Iterator[OperatorProcess]:
     """`pipejob operator` serving the cluster's namespace. With a kubelet in the test, it runs
     in the pod network, as its own pod would (it reads the masters' /progress there)."""
     network = None
@@ -90,8 +93,9 @@ def operator(request: pytest.FixtureRequest, cluster: Cluster, crds: list[dict],
     # The process-kubelet's pods share one host: hostPath is how they share a directory
     # (a checkpoint), so this operator allows node-level volumes, as a kind cluster's might.
     args = ("--allow-node-volumes",) if network is not None else ()
-    op = OperatorProcess(cluster.kubeconfig, cluster.namespace, tmp_path / "operator.log",
-                         network=network, args=args)  # fmt: skip
+    op = OperatorProcess(
+        cluster.kubeconfig, cluster.namespace, tmp_path / "operator.log", network=network, args=args
+    )
     op.start()
     try:
         yield op
@@ -119,9 +123,13 @@ def bridge(images: docker.Images) -> Iterator[docker.Network]:
 
 
 @pytest.fixture
-def container_kubelet(cluster: Cluster, bridge: docker.Network, images: docker.Images,
-                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                      ) -> Iterator[ContainerKubelet]:  # fmt: skip
+def container_kubelet(
+    cluster: Cluster,
+    bridge: docker.Network,
+    images: docker.Images,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[ContainerKubelet]:
     """A container-kubelet node running the cluster's pods as docker containers on `bridge`.
     An operator started after it makes pods of the trainer image built from the checkout."""
     monkeypatch.setenv(IMAGE_ENV, images.trainer)
@@ -138,8 +146,9 @@ def container_kubelet(cluster: Cluster, bridge: docker.Network, images: docker.I
 
 
 @pytest.fixture
-def chart_operator(cluster: Cluster, container_kubelet: ContainerKubelet,
-                   images: docker.Images, tmp_path: Path) -> Iterator[dict]:  # fmt: skip
+def chart_operator(
+    cluster: Cluster, container_kubelet: ContainerKubelet, images: docker.Images, tmp_path: Path
+) -> Iterator[dict]:
     """The operator as users install it: `helm install` of the chart (CRDs included) into
     namespace pipejob-system, its Deployment made a Pod by a Deployment controller, run from
     the operator image by the container-kubelet. Yields that pod once it runs.
@@ -153,13 +162,28 @@ def chart_operator(cluster: Cluster, container_kubelet: ContainerKubelet,
     }
     with DeploymentController(cluster.api):
         done = subprocess.run(
-            [static_tools.tool("helm"), "install", "pipejob", str(static_tools.CHART),
-             "--namespace", static_tools.NAMESPACE, "--server-side=false",
-             "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-             "--set", f"trainerImage={images.trainer}", "--set", "logLevel=debug"],
+            [
+                static_tools.tool("helm"),
+                "install",
+                "pipejob",
+                str(static_tools.CHART),
+                "--namespace",
+                static_tools.NAMESPACE,
+                "--server-side=false",
+                "--set",
+                f"image.repository={repository}",
+                "--set",
+                f"image.tag={tag}",
+                "--set",
+                f"trainerImage={images.trainer}",
+                "--set",
+                "logLevel=debug",
+            ],
             env={**os.environ, **helm, "KUBECONFIG": str(cluster.kubeconfig)},
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, f"helm install failed:\n{done.stderr[-3000:]}"
 
         def running() -> dict | None:

@@ -38,11 +38,18 @@ class Flavour:
         return (meta.get("labels") or {}).get(self.label or "")
 
 
-VOLCANO = Flavour("volcano", "scheduling.volcano.sh/v1beta1/podgroups", "volcano-podgroups.yaml",
-                  annotation="scheduling.k8s.io/group-name")  # fmt: skip
-COSCHEDULING = Flavour("scheduler-plugins-scheduler", "scheduling.x-k8s.io/v1alpha1/podgroups",
-                       "coscheduling-podgroups.yaml",
-                       label="scheduling.x-k8s.io/pod-group")  # fmt: skip
+VOLCANO = Flavour(
+    "volcano",
+    "scheduling.volcano.sh/v1beta1/podgroups",
+    "volcano-podgroups.yaml",
+    annotation="scheduling.k8s.io/group-name",
+)
+COSCHEDULING = Flavour(
+    "scheduler-plugins-scheduler",
+    "scheduling.x-k8s.io/v1alpha1/podgroups",
+    "coscheduling-podgroups.yaml",
+    label="scheduling.x-k8s.io/pod-group",
+)
 
 
 def crd(flavour: Flavour) -> dict:
@@ -91,8 +98,7 @@ class GangScheduler(Controller):
                 )
                 self._phase(group, "Running")
                 return
-            why = (f"pod group is not ready, {len(pods)} Pending, {placed} placed,"
-                   f" {need} minMember")  # fmt: skip
+            why = f"pod group is not ready, {len(pods)} Pending, {placed} placed, {need} minMember"
             self._phase(group, "Pending")
         for pod in pods:
             self._unschedulable(pod, why)
@@ -100,10 +106,16 @@ class GangScheduler(Controller):
     def _bind(self, pod: dict) -> None:
         meta = pod["metadata"]
         try:
-            self.api.request("POST", path(PODS, meta["namespace"], meta["name"], "binding"), {
-                "apiVersion": "v1", "kind": "Binding", "metadata": {"name": meta["name"]},
-                "target": {"apiVersion": "v1", "kind": "Node", "name": self.node},
-            })  # fmt: skip
+            self.api.request(
+                "POST",
+                path(PODS, meta["namespace"], meta["name"], "binding"),
+                {
+                    "apiVersion": "v1",
+                    "kind": "Binding",
+                    "metadata": {"name": meta["name"]},
+                    "target": {"apiVersion": "v1", "kind": "Node", "name": self.node},
+                },
+            )
         except ApiError as e:
             if e.status not in (404, 409):  # deleted, or bound, meanwhile
                 raise
@@ -111,19 +123,34 @@ class GangScheduler(Controller):
     def _phase(self, group: dict, phase: str) -> None:
         if (group.get("status") or {}).get("phase") != phase:
             meta = group["metadata"]
-            self.api.patch(self.flavour.podgroups, meta["name"], {"status": {"phase": phase}},
-                           meta["namespace"], subresource="status")  # fmt: skip
+            self.api.patch(
+                self.flavour.podgroups,
+                meta["name"],
+                {"status": {"phase": phase}},
+                meta["namespace"],
+                subresource="status",
+            )
 
     def _unschedulable(self, pod: dict, why: str) -> None:
         conditions = pod["status"].get("conditions") or []
         if any(c.get("type") == "PodScheduled" and c.get("message") == why for c in conditions):
             return
-        condition = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                     "message": why, "lastTransitionTime": now()}  # fmt: skip
+        condition = {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": why,
+            "lastTransitionTime": now(),
+        }
         meta = pod["metadata"]
         try:
-            self.api.patch(PODS, meta["name"], {"status": {"conditions": [condition]}},
-                           meta["namespace"], subresource="status")  # fmt: skip
+            self.api.patch(
+                PODS,
+                meta["name"],
+                {"status": {"conditions": [condition]}},
+                meta["namespace"],
+                subresource="status",
+            )
         except ApiError as e:
             if e.status != 404:
                 raise

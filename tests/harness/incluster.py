@@ -27,11 +27,28 @@ class InClusterAccess:
         self.ca = self.workdir / "ca.crt"
         key = self.workdir / "tls.key"
         subprocess.run(
-            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-             "-keyout", str(key), "-out", str(self.ca), "-subj", "/CN=kube-apiserver",
-             "-addext", f"subjectAltName=IP:{address}"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-keyout",
+                str(key),
+                "-out",
+                str(self.ca),
+                "-subj",
+                "/CN=kube-apiserver",
+                "-addext",
+                f"subjectAltName=IP:{address}",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(self.ca, key)
         listener = context.wrap_socket(socket.create_server((address, 0)), server_side=True)

@@ -45,8 +45,14 @@ def pods(api: Api, job: str, namespace: str = "default") -> list[dict]:
     return api.list("v1/pods", namespace, labelSelector=f"{JOB_LABEL}={job}")
 
 
-def wait_pods(api: Api, job: str, names_: list[str], timeout: float, restart: int | None = None,
-              namespace: str = "default") -> list[dict]:  # fmt: skip
+def wait_pods(
+    api: Api,
+    job: str,
+    names_: list[str],
+    timeout: float,
+    restart: int | None = None,
+    namespace: str = "default",
+) -> list[dict]:
     """The job's pods (of that restart) once they are exactly `names_`."""
 
     def check() -> list[dict] | None:
@@ -66,8 +72,14 @@ def names(objects: list[dict]) -> list[str]:
     return sorted(o["metadata"]["name"] for o in objects)
 
 
-def wait_phase(api: Api, kind: str, name: str, phases: str | tuple[str, ...], timeout: float,
-               namespace: str = "default") -> dict:  # fmt: skip
+def wait_phase(
+    api: Api,
+    kind: str,
+    name: str,
+    phases: str | tuple[str, ...],
+    timeout: float,
+    namespace: str = "default",
+) -> dict:
     """The job once its status.phase is one of `phases`; fails early on an unexpected finish."""
     phases = (phases,) if isinstance(phases, str) else phases
 

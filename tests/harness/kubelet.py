@@ -113,9 +113,15 @@ class Kubelet:
     NODE = "process-kubelet"
     Run = PodRun  # what it keeps per pod
 
-    def __init__(self, api: Api, workdir: Path, node: str = NODE,
-                 max_grace: float = 5.0, restart_backoff: float = 1.0,
-                 capacity: dict[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        api: Api,
+        workdir: Path,
+        node: str = NODE,
+        max_grace: float = 5.0,
+        restart_backoff: float = 1.0,
+        capacity: dict[str, str] | None = None,
+    ):
         self.api = api
         self.capacity = dict(capacity or {})  # requests this node can hold, by resource
         self.workdir = Path(workdir)
@@ -268,21 +274,37 @@ class Kubelet:
                 )
         if unfit and meta["uid"] not in self._unschedulable:
             self._unschedulable.add(meta["uid"])
-            self._patch_status(pod, {"phase": "Pending", "conditions": [{
-                "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                "message": f"0/1 nodes are available: {unfit}.", "lastTransitionTime": now(),
-            }]})  # fmt: skip
+            self._patch_status(
+                pod,
+                {
+                    "phase": "Pending",
+                    "conditions": [
+                        {
+                            "type": "PodScheduled",
+                            "status": "False",
+                            "reason": "Unschedulable",
+                            "message": f"0/1 nodes are available: {unfit}.",
+                            "lastTransitionTime": now(),
+                        }
+                    ],
+                },
+            )
         if unfit:
             return
         run = self._runs[meta["uid"]]
         run.dir.mkdir(parents=True, exist_ok=True)
         try:
             if not pod.get("spec", {}).get("nodeName"):
-                self.api.request("POST", path(PODS, run.namespace, run.name, "binding"), {
-                    "apiVersion": "v1", "kind": "Binding",
-                    "metadata": {"name": run.name, "uid": meta["uid"]},
-                    "target": {"apiVersion": "v1", "kind": "Node", "name": self.node},
-                })  # fmt: skip
+                self.api.request(
+                    "POST",
+                    path(PODS, run.namespace, run.name, "binding"),
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Binding",
+                        "metadata": {"name": run.name, "uid": meta["uid"]},
+                        "target": {"apiVersion": "v1", "kind": "Node", "name": self.node},
+                    },
+                )
             run.address = self.network.address(run.namespace, run.name)
             run.argv, run.env = self._container(pod, run)
         except ApiError as e:  # deleted or bound elsewhere meanwhile
@@ -292,8 +314,9 @@ class Kubelet:
             return
         except ValueError as e:
             run.done = True
-            self._patch_status(pod, {"phase": "Failed", "reason": "CreateContainerError",
-                                     "message": str(e)})  # fmt: skip
+            self._patch_status(
+                pod, {"phase": "Failed", "reason": "CreateContainerError", "message": str(e)}
+            )
             return
         self._publish_dns(run)
         run.started_at = now()
@@ -330,9 +353,13 @@ class Kubelet:
             )
         if container.get("envFrom"):
             raise ValueError("the process-kubelet does not emulate envFrom")
-        env = {"PATH": PATH, "HOME": str(run.dir), "HOSTNAME": self._hostname(pod),
-               # The container's terminationMessagePath, as a file of the pod's own.
-               TERMINATION_LOG: str(run.dir / "termination-log")}  # fmt: skip
+        env = {
+            "PATH": PATH,
+            "HOME": str(run.dir),
+            "HOSTNAME": self._hostname(pod),
+            # The container's terminationMessagePath, as a file of the pod's own.
+            TERMINATION_LOG: str(run.dir / "termination-log"),
+        }
         for var in container.get("env") or []:  # in order: later entries win, $(VAR) expands
             if "valueFrom" in var:
                 env[var["name"]] = self._value_from(pod, run, var["valueFrom"])
@@ -343,11 +370,14 @@ class Kubelet:
 
     def _value_from(self, pod: dict, run: PodRun, source: dict) -> str:
         fields = {
-            "metadata.name": run.name, "metadata.namespace": run.namespace,
-            "metadata.uid": pod["metadata"]["uid"], "spec.nodeName": self.node,
+            "metadata.name": run.name,
+            "metadata.namespace": run.namespace,
+            "metadata.uid": pod["metadata"]["uid"],
+            "spec.nodeName": self.node,
             "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default"),
-            "status.podIP": run.address, "status.hostIP": "127.0.0.1",
-        }  # fmt: skip
+            "status.podIP": run.address,
+            "status.hostIP": "127.0.0.1",
+        }
         field_path = source.get("fieldRef", {}).get("fieldPath")
         if field_path in fields:
             return fields[field_path]
@@ -372,9 +402,15 @@ class Kubelet:
                 and selects(service["spec"].get("selector"), run.pod)
             ):
                 name = f"{host}.{subdomain}"
-                self.network.publish(run.address, [
-                    f"{name}.{ns}.svc.cluster.local", f"{name}.{ns}.svc", f"{name}.{ns}", name,
-                ])  # fmt: skip
+                self.network.publish(
+                    run.address,
+                    [
+                        f"{name}.{ns}.svc.cluster.local",
+                        f"{name}.{ns}.svc",
+                        f"{name}.{ns}",
+                        name,
+                    ],
+                )
                 run.fqdn_published = True
 
     # --- processes --------------------------------------------------------------------------
@@ -384,17 +420,29 @@ class Kubelet:
         with run.log.open("ab") as log:
             run.process = subprocess.Popen(
                 self.network.command(run.argv, self._hostname(run.pod)),
-                env=run.env, cwd=run.dir, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,  # its own process group
-            )  # fmt: skip
-        self._patch_status(run.pod, {
-            "phase": "Running", "hostIP": "127.0.0.1", "podIP": run.address,
-            "podIPs": [{"ip": run.address}], "startTime": run.started_at,
-            "conditions": _conditions("True"),
-            "containerStatuses": [self._container_status(
-                run, {"running": {"startedAt": run.container_started_at}}
-            )],
-        })  # fmt: skip
+                env=run.env,
+                cwd=run.dir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group
+            )
+        self._patch_status(
+            run.pod,
+            {
+                "phase": "Running",
+                "hostIP": "127.0.0.1",
+                "podIP": run.address,
+                "podIPs": [{"ip": run.address}],
+                "startTime": run.started_at,
+                "conditions": _conditions("True"),
+                "containerStatuses": [
+                    self._container_status(
+                        run, {"running": {"startedAt": run.container_started_at}}
+                    )
+                ],
+            },
+        )
 
     def _signal(self, run: PodRun, sig: int) -> None:
         if run.unreaped:  # the group may outlive its leader
@@ -434,20 +482,33 @@ class Kubelet:
             self._publish_dns(run)
 
     def _exited(self, run: PodRun, code: int) -> None:
-        terminated = {"terminated": {
-            "exitCode": code, "reason": self._exit_reason(run, code),
-            "startedAt": run.container_started_at, "finishedAt": now(),
-            "containerID": self._container_id(run),
-        }}  # fmt: skip
+        terminated = {
+            "terminated": {
+                "exitCode": code,
+                "reason": self._exit_reason(run, code),
+                "startedAt": run.container_started_at,
+                "finishedAt": now(),
+                "containerID": self._container_id(run),
+            }
+        }
         policy = run.pod["spec"].get("restartPolicy", "Always")
         restart = policy == "Always" or (policy == "OnFailure" and code != 0)
         if restart and run.kill_at is None and run.evicted is None:
             run.restarts += 1
             run.last_state = terminated
             run.restart_at = time.monotonic() + self.restart_backoff
-            self._patch_status(run.pod, {"containerStatuses": [self._container_status(
-                run, {"waiting": {"reason": "CrashLoopBackOff"}}, ready=False,
-            )]})  # fmt: skip
+            self._patch_status(
+                run.pod,
+                {
+                    "containerStatuses": [
+                        self._container_status(
+                            run,
+                            {"waiting": {"reason": "CrashLoopBackOff"}},
+                            ready=False,
+                        )
+                    ]
+                },
+            )
             return
         run.done = True
         # As a kubelet does: the file's content whatever the exit; the log's tail instead
@@ -467,10 +528,15 @@ class Kubelet:
         }
         if run.evicted is not None:  # as kubelets since Kubernetes 1.26 report an eviction
             status |= {"reason": "Evicted", "message": run.evicted}
-            status["conditions"].append({
-                "type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
-                "message": run.evicted, "lastTransitionTime": now(),
-            })  # fmt: skip
+            status["conditions"].append(
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "TerminationByKubelet",
+                    "message": run.evicted,
+                    "lastTransitionTime": now(),
+                }
+            )
         self._patch_status(run.pod, status)
         if run.kill_at is not None:
             self._final_delete(run.pod)
@@ -478,11 +544,16 @@ class Kubelet:
     def _container_status(self, run: PodRun, state: dict, ready: bool = True) -> dict:
         container = run.pod["spec"]["containers"][0]
         return {
-            "name": container["name"], "image": container.get("image", ""), "imageID": "",
+            "name": container["name"],
+            "image": container.get("image", ""),
+            "imageID": "",
             "containerID": self._container_id(run),
-            "ready": ready, "started": ready, "restartCount": run.restarts,
-            "state": state, "lastState": run.last_state,
-        }  # fmt: skip
+            "ready": ready,
+            "started": ready,
+            "restartCount": run.restarts,
+            "state": state,
+            "lastState": run.last_state,
+        }
 
     def _container_id(self, run: PodRun) -> str:
         return f"process://{run.process.pid}" if run.process else ""
@@ -498,8 +569,13 @@ class Kubelet:
     def _patch_status(self, pod: dict, status: dict) -> None:
         body = {"metadata": {"uid": pod["metadata"]["uid"]}, "status": status}
         try:
-            self.api.patch(PODS, pod["metadata"]["name"], body, pod["metadata"]["namespace"],
-                           subresource="status")  # fmt: skip
+            self.api.patch(
+                PODS,
+                pod["metadata"]["name"],
+                body,
+                pod["metadata"]["namespace"],
+                subresource="status",
+            )
         except ApiError as e:
             if e.status not in (404, 409):  # a pod deleted meanwhile has no status to report
                 raise
@@ -534,11 +610,20 @@ def _log_tail(log: Path) -> str:
 
 
 def _conditions(status: str) -> list[dict]:
-    return [{"type": t, "status": "True" if t in CONDITIONS[:2] else status,
-             "lastTransitionTime": now()} for t in CONDITIONS]  # fmt: skip
+    return [
+        {
+            "type": t,
+            "status": "True" if t in CONDITIONS[:2] else status,
+            "lastTransitionTime": now(),
+        }
+        for t in CONDITIONS
+    ]
 
 
 def _expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) references in env values, command and args; $$ escapes."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), text)  # fmt: skip
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]),
+        text,
+    )

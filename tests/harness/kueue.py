@@ -75,11 +75,15 @@ class Kueue(Controller):
         pod["metadata"]["finalizers"] = [*(pod["metadata"].get("finalizers") or []), MANAGED]
         spec = pod.setdefault("spec", {})
         spec["schedulingGates"] = [*(spec.get("schedulingGates") or []), {"name": GATE}]
-        pod["status"]["conditions"] = [{
-            "type": "PodScheduled", "status": "False", "reason": "SchedulingGated",
-            "message": "Scheduling is blocked due to non-empty scheduling gates",
-            "lastTransitionTime": now(),
-        }]  # fmt: skip
+        pod["status"]["conditions"] = [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "SchedulingGated",
+                "message": "Scheduling is blocked due to non-empty scheduling gates",
+                "lastTransitionTime": now(),
+            }
+        ]
 
     # --- what tests use -----------------------------------------------------------------------
 
@@ -87,8 +91,12 @@ class Kueue(Controller):
         with self._lock:
             return self.workloads.get((namespace, group))
 
-    def preempt(self, namespace: str, group: str, message: str = "Preempted to accommodate a"
-                " higher priority Workload") -> list[str]:  # fmt: skip
+    def preempt(
+        self,
+        namespace: str,
+        group: str,
+        message: str = "Preempted to accommodate a higher priority Workload",
+    ) -> list[str]:
         """Evict the group as Kueue's preemption does; returns the pods it deleted."""
         with self._lock:
             workload = self.workloads[(namespace, group)]
@@ -99,12 +107,24 @@ class Kueue(Controller):
             meta = pod["metadata"]
             if meta.get("deletionTimestamp") or _terminated(pod) or _gated(pod):
                 continue
-            conditions = [*(pod["status"].get("conditions") or []), {
-                "type": "DisruptionTarget", "status": "True", "reason": "Preempted",
-                "message": message, "lastTransitionTime": now(),
-            }]  # fmt: skip
-            self._write(self.api.patch, PODS, meta["name"], {"status": {"conditions": conditions}},
-                        namespace, subresource="status")  # fmt: skip
+            conditions = [
+                *(pod["status"].get("conditions") or []),
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "Preempted",
+                    "message": message,
+                    "lastTransitionTime": now(),
+                },
+            ]
+            self._write(
+                self.api.patch,
+                PODS,
+                meta["name"],
+                {"status": {"conditions": conditions}},
+                namespace,
+                subresource="status",
+            )
             self._write(self.api.delete, PODS, meta["name"], namespace)
             stopped.append(meta["name"])
         return stopped
@@ -125,8 +145,9 @@ class Kueue(Controller):
     def _reconcile(self, key: Key, pods: list[dict]) -> None:
         first = pods[0]["metadata"]
         with self._lock:
-            workload = self.workloads.setdefault(key, Workload(
-                first["labels"][QUEUE], int(first["annotations"][TOTAL])))  # fmt: skip
+            workload = self.workloads.setdefault(
+                key, Workload(first["labels"][QUEUE], int(first["annotations"][TOTAL]))
+            )
         if not workload.finished:
             succeeded = sum(1 for p in pods if p["status"].get("phase") == "Succeeded")
             unretriable = any(_annotation(p, RETRIABLE) == "false" for p in pods)
@@ -159,8 +180,9 @@ class Kueue(Controller):
         if workload.queue not in self.queues:
             return False  # no such LocalQueue
         quota = self.queues[workload.queue]
-        used = sum(w.total for w in self.workloads.values()
-                   if w.admitted and w.queue == workload.queue)  # fmt: skip
+        used = sum(
+            w.total for w in self.workloads.values() if w.admitted and w.queue == workload.queue
+        )
         return quota is None or used + workload.total <= quota
 
     def _ungate(self, pod: dict) -> None:
@@ -172,8 +194,13 @@ class Kueue(Controller):
     def _finalize(self, pod: dict) -> None:
         meta = pod["metadata"]
         rest = [f for f in meta.get("finalizers") or [] if f != MANAGED]
-        self._write(self.api.patch, PODS, meta["name"], {"metadata": {"finalizers": rest or None}},
-                    meta["namespace"])  # fmt: skip
+        self._write(
+            self.api.patch,
+            PODS,
+            meta["name"],
+            {"metadata": {"finalizers": rest or None}},
+            meta["namespace"],
+        )
 
     @staticmethod
     def _write(call: Any, *args: Any, **kwargs: Any) -> None:

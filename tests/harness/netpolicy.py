@@ -47,22 +47,30 @@ class Endpoint:
 
 # Per direction: the policy type, its rules' key, their peers' key, the pod's side of a
 # packet, the peer's side, and the chain's suffix.
-DIRECTIONS = (("Ingress", "ingress", "from", "-d", "-s", "IN"),
-              ("Egress", "egress", "to", "-s", "-d", "OUT"))  # fmt: skip
+DIRECTIONS = (
+    ("Ingress", "ingress", "from", "-d", "-s", "IN"),
+    ("Egress", "egress", "to", "-s", "-d", "OUT"),
+)
 
 
 def rules(policies: list[dict], pods: list[Endpoint], chain: str) -> list[str]:
     """The iptables rules (iptables-restore lines) of `chain` and its -IN and -OUT chains
     that enforce `policies` on `pods`."""
-    lines = [f"-A {chain} -m conntrack --ctstate ESTABLISHED,RELATED -j RETURN",
-             f"-A {chain} -j {chain}-IN", f"-A {chain} -j {chain}-OUT"]  # fmt: skip
+    lines = [
+        f"-A {chain} -m conntrack --ctstate ESTABLISHED,RELATED -j RETURN",
+        f"-A {chain} -j {chain}-IN",
+        f"-A {chain} -j {chain}-OUT",
+    ]
     for kind, key, peers_key, own, other, part in DIRECTIONS:
         for pod in pods:
             selecting = [p for p in policies if _isolates(p, kind, pod)]
-            allowed = [f"{peer}{port}" for policy in selecting
-                       for rule in policy["spec"].get(key) or []
-                       for peer in _peers(rule.get(peers_key), policy, pods, other)
-                       for port in _ports(rule, pod, kind)]  # fmt: skip
+            allowed = [
+                f"{peer}{port}"
+                for policy in selecting
+                for rule in policy["spec"].get(key) or []
+                for peer in _peers(rule.get(peers_key), policy, pods, other)
+                for port in _ports(rule, pod, kind)
+            ]
             lines += [f"-A {chain}-{part} {own} {pod.address}/32{m} -j RETURN" for m in allowed]
             if selecting:
                 lines.append(f"-A {chain}-{part} {own} {pod.address}/32 -j DROP")
@@ -73,15 +81,21 @@ def _peers(peers: list[dict] | None, policy: dict, pods: list[Endpoint], side: s
     """The addresses a rule's peers select, as iptables matches; no peers: anyone."""
     if not peers:
         return [""]
-    return [f" {side} {p.address}/32" for p in pods
-            if any(_peer_selects(peer, policy, p) for peer in peers)]  # fmt: skip
+    return [
+        f" {side} {p.address}/32"
+        for p in pods
+        if any(_peer_selects(peer, policy, p) for peer in peers)
+    ]
 
 
 def _isolates(policy: dict, direction: str, pod: Endpoint) -> bool:
     spec, meta = policy["spec"], policy["metadata"]
     types = spec.get("policyTypes") or ["Ingress", *(["Egress"] if "egress" in spec else [])]
-    return (direction in types and meta["namespace"] == pod.namespace
-            and matches(spec.get("podSelector") or {}, pod.labels))  # fmt: skip
+    return (
+        direction in types
+        and meta["namespace"] == pod.namespace
+        and matches(spec.get("podSelector") or {}, pod.labels)
+    )
 
 
 def _peer_selects(peer: dict, policy: dict, pod: Endpoint) -> bool:
@@ -130,14 +144,17 @@ class NetworkPlugin:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._watch = None
-        self._thread = threading.Thread(target=self._watch_policies, daemon=True,
-                                        name="network-plugin")  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._watch_policies, daemon=True, name="network-plugin"
+        )
 
     def start(self) -> NetworkPlugin:
         if not BRIDGED.exists() or BRIDGED.read_text().strip() != "1":
-            raise RuntimeError(f"{BRIDGED} is not 1 (`modprobe br_netfilter`, then `sysctl "
-                               "net.bridge.bridge-nf-call-iptables=1`): bridged traffic would "
-                               "bypass iptables, and no NetworkPolicy would hold")  # fmt: skip
+            raise RuntimeError(
+                f"{BRIDGED} is not 1 (`modprobe br_netfilter`, then `sysctl "
+                "net.bridge.bridge-nf-call-iptables=1`): bridged traffic would "
+                "bypass iptables, and no NetworkPolicy would hold"
+            )
         _sweep()
         self.sync()
         _iptables("-I", *self._jump[:1], "1", *self._jump[1:])
@@ -151,11 +168,17 @@ class NetworkPlugin:
             lines = rules(policies, self.pods(), self.chain)
             if lines == self._applied:
                 return
-            chains = [f":{c} - [0:0]" for c in (self.chain, f"{self.chain}-IN",
-                                                f"{self.chain}-OUT")]  # fmt: skip
+            chains = [
+                f":{c} - [0:0]" for c in (self.chain, f"{self.chain}-IN", f"{self.chain}-OUT")
+            ]
             text = "\n".join(["*filter", *chains, *lines, "COMMIT", ""])
-            done = subprocess.run(["iptables-restore", "-w", "--noflush"], input=text,
-                                  text=True, capture_output=True, timeout=30)  # fmt: skip
+            done = subprocess.run(
+                ["iptables-restore", "-w", "--noflush"],
+                input=text,
+                text=True,
+                capture_output=True,
+                timeout=30,
+            )
             if done.returncode != 0:
                 raise RuntimeError(f"iptables-restore failed: {done.stderr.strip()}")
             self._applied = lines
@@ -194,8 +217,9 @@ def _remove(jump: list[str], chain: str) -> None:
 
 def _sweep() -> None:
     """Remove what earlier runs left whose bridge is gone (a test killed before its end)."""
-    listing = subprocess.run(["iptables", "-w", "-S", "DOCKER-USER"], capture_output=True,
-                             text=True, timeout=30).stdout  # fmt: skip
+    listing = subprocess.run(
+        ["iptables", "-w", "-S", "DOCKER-USER"], capture_output=True, text=True, timeout=30
+    ).stdout
     for line in listing.splitlines():
         m = re.fullmatch(r"-A (DOCKER-USER -i (\S+) -o \S+ -j (PJ-\w+))", line)
         if m and not Path("/sys/class/net", m[2]).exists():

@@ -57,10 +57,22 @@ class PodNetwork:
         self._numbers = itertools.count(1)
         # The namespace lives as long as this holder process (killed with its parent, too).
         self._holder = subprocess.Popen(
-            ["setpriv", "--pdeathsig", "KILL", "--", "unshare", "--net", "--",
-             "sh", "-c", "ip link set lo up && echo up && exec sleep infinity"],
-            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+            [
+                "setpriv",
+                "--pdeathsig",
+                "KILL",
+                "--",
+                "unshare",
+                "--net",
+                "--",
+                "sh",
+                "-c",
+                "ip link set lo up && echo up && exec sleep infinity",
+            ],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         assert self._holder.stdout is not None
         if self._holder.stdout.readline().strip() != b"up":
             self.close()
@@ -85,11 +97,25 @@ class PodNetwork:
     def command(self, argv: list[str], hostname: str) -> list[str]:
         """`argv` as a pod's process: in the pod network, with its own hosts and hostname."""
         return [
-            "setpriv", "--pdeathsig", "KILL", "--",  # dies with the kubelet, whatever happens
-            "nsenter", f"--net=/proc/{self._holder.pid}/ns/net", "--",
-            "unshare", "--mount", "--uts", "--",
-            "sh", "-c", ENTER, "pod", str(self.hosts), hostname, *argv,
-        ]  # fmt: skip
+            "setpriv",
+            "--pdeathsig",
+            "KILL",
+            "--",  # dies with the kubelet, whatever happens
+            "nsenter",
+            f"--net=/proc/{self._holder.pid}/ns/net",
+            "--",
+            "unshare",
+            "--mount",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            ENTER,
+            "pod",
+            str(self.hosts),
+            hostname,
+            *argv,
+        ]
 
     def enter(self, argv: list[str]) -> list[str]:
         """`argv` run in the pod network only (no pod identity: e.g. the operator)."""

@@ -19,8 +19,11 @@ def serve(path: str, resources: kmock.ResourcesArray, schemas: dict[kmock.resour
     path = path.rstrip("/")
     served = {r for r in resources if r.plural and "/" not in r.plural}
     if path == "/openapi/v3":
-        return {"paths": {_gv_path(r): {"serverRelativeURL": f"/openapi/v3/{_gv_path(r)}"}
-                          for r in served}}  # fmt: skip
+        return {
+            "paths": {
+                _gv_path(r): {"serverRelativeURL": f"/openapi/v3/{_gv_path(r)}"} for r in served
+            }
+        }
     members = [r for r in served if path == f"/openapi/v3/{_gv_path(r)}"]
     if not members:
         raise kmock.KubernetesError(status=404, reason="NotFound", message=f"{path} not found")
@@ -29,17 +32,24 @@ def serve(path: str, resources: kmock.ResourcesArray, schemas: dict[kmock.resour
         info = resources[res]
         gvk = {"group": res.group, "version": res.version, "kind": info.kind}
         scope = "namespaces/{namespace}/" if info.namespaced else ""
-        paths[f"/{_gv_path(res)}/{scope}{res.plural}/{{name}}"] = {"patch": {
-            GVK: gvk,
-            "parameters": [{"name": "fieldValidation", "in": "query",
-                            "schema": {"type": "string"}}],
-            "responses": {"200": {"description": "OK"}},
-        }}  # fmt: skip
+        paths[f"/{_gv_path(res)}/{scope}{res.plural}/{{name}}"] = {
+            "patch": {
+                GVK: gvk,
+                "parameters": [
+                    {"name": "fieldValidation", "in": "query", "schema": {"type": "string"}}
+                ],
+                "responses": {"200": {"description": "OK"}},
+            }
+        }
         if res in schemas:
             reverse = ".".join(reversed(res.group.split(".")))
             components[f"{reverse}.{res.version}.{info.kind}"] = {**schemas[res], GVK: [gvk]}
-    return {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.26.4"},
-            "paths": paths, "components": {"schemas": components}}  # fmt: skip
+    return {
+        "openapi": "3.0.0",
+        "info": {"title": "Kubernetes", "version": "v1.26.4"},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
 
 
 def _gv_path(res: kmock.resource) -> str:
@@ -63,6 +73,9 @@ def unknown_fields(value: Any, schema: Any, path: str = "") -> list[str]:
                 found.append(at)
         return found
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
-        return [f for i, item in enumerate(value)
-                for f in unknown_fields(item, schema["items"], f"{path}[{i}]")]  # fmt: skip
+        return [
+            f
+            for i, item in enumerate(value)
+            for f in unknown_fields(item, schema["items"], f"{path}[{i}]")
+        ]
     return []

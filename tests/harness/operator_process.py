@@ -25,9 +25,16 @@ class OperatorProcess:
     the pods' addresses, e.g. a master's /progress); the API server must be forwarded into it
     (PodNetwork.forward), and its endpoints are reached with `get`."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path, resync_seconds: float = 2.0,
-                 network: PodNetwork | None = None, progress_seconds: float = 1.0,
-                 args: tuple[str, ...] = ()):  # fmt: skip
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespace: str,
+        log: Path,
+        resync_seconds: float = 2.0,
+        network: PodNetwork | None = None,
+        progress_seconds: float = 1.0,
+        args: tuple[str, ...] = (),
+    ):
         self.kubeconfig = kubeconfig
         self.namespace = namespace
         self.log = Path(log)
@@ -49,16 +56,33 @@ class OperatorProcess:
         }
         # Dies with the tests, even when they are killed: no operator outlives its cluster.
         guard = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
-        argv = [str(PIPEJOB), "operator", "-n", self.namespace, "--log-level", "debug",
-                "--health-host", "127.0.0.1", "--health-port", str(port),
-                "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port),
-                *self.args]  # fmt: skip
+        argv = [
+            str(PIPEJOB),
+            "operator",
+            "-n",
+            self.namespace,
+            "--log-level",
+            "debug",
+            "--health-host",
+            "127.0.0.1",
+            "--health-port",
+            str(port),
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            str(metrics_port),
+            *self.args,
+        ]
         argv = [*guard, *(self.network.enter(argv) if self.network else argv)]
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         atexit.register(self.kill)
         deadline = time.monotonic() + timeout
         while not self._healthy(port):

@@ -84,9 +84,12 @@ def matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
         return False
     for e in selector.get("matchExpressions") or []:
         key, op, values = e["key"], e["operator"], set(e.get("values") or ())
-        held = {"In": key in labels and labels[key] in values,
-                "NotIn": labels.get(key) not in values,
-                "Exists": key in labels, "DoesNotExist": key not in labels}  # fmt: skip
+        held = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }
         if op not in held:
             raise SelectorError(f"unknown selector operator {op!r}")
         if not held[op]:

@@ -9,18 +9,29 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-NAME = {"name": "Name", "type": "string", "format": "name", "priority": 0,
-        "description": "Name must be unique within a namespace."}  # fmt: skip
-AGE = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp", "priority": 0,
-       "description": "CreationTimestamp of the object."}  # fmt: skip
+NAME = {
+    "name": "Name",
+    "type": "string",
+    "format": "name",
+    "priority": 0,
+    "description": "Name must be unique within a namespace.",
+}
+AGE = {
+    "name": "Age",
+    "type": "date",
+    "jsonPath": ".metadata.creationTimestamp",
+    "priority": 0,
+    "description": "CreationTimestamp of the object.",
+}
 
 
 def wants_table(accept: str | None) -> bool:
     return "as=Table" in (accept or "")
 
 
-def table(objects: list[Mapping[str, Any]], columns: list[Mapping[str, Any]] | None,
-          resource_version: str) -> dict[str, Any]:  # fmt: skip
+def table(
+    objects: list[Mapping[str, Any]], columns: list[Mapping[str, Any]] | None, resource_version: str
+) -> dict[str, Any]:
     columns = list(columns or [AGE])
     return {
         "kind": "Table",
@@ -36,7 +47,7 @@ def table(objects: list[Mapping[str, Any]], columns: list[Mapping[str, Any]] | N
                 "priority": c.get("priority", 0),
             }
             for c in columns
-        ],  # fmt: skip
+        ],
         "rows": [
             {
                 "cells": [obj["metadata"]["name"]] + [_cell(obj, c) for c in columns],

@@ -24,8 +24,7 @@ class NanGradient(torch.autograd.Function):
 
 
 class Blowup(nn.Module):
-    def __init__(self, at: int, micro_batches: int, backward: bool = False,
-                 held_out: bool = False):  # fmt: skip
+    def __init__(self, at: int, micro_batches: int, backward: bool = False, held_out: bool = False):
         super().__init__()
         self.at, self.micro_batches, self.backward = at, micro_batches, backward
         self.held_out = held_out

@@ -13,15 +13,25 @@ from torch.utils.data import Dataset
 VOCAB, SEQ = 64, 16
 
 
-def gpt2(layers: int = 2, width: int = 32, tied: bool = True, wrapped: bool = False,
-         dropout: float = 0.0) -> nn.Module:  # fmt: skip
+def gpt2(
+    layers: int = 2, width: int = 32, tied: bool = True, wrapped: bool = False, dropout: float = 0.0
+) -> nn.Module:
     """GPT-2 with its default tied input and output embeddings."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=2, vocab_size=VOCAB,
-                        n_positions=4 * SEQ, resid_pdrop=dropout, embd_pdrop=dropout,
-                        attn_pdrop=dropout, tie_word_embeddings=tied, bos_token_id=0,
-                        eos_token_id=0)  # fmt: skip
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=width,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=4 * SEQ,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(config)
     return Logits(model) if wrapped else model
 
@@ -29,10 +39,17 @@ def gpt2(layers: int = 2, width: int = 32, tied: bool = True, wrapped: bool = Fa
 def llama(layers: int = 2, width: int = 32, wrapped: bool = False) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=2 * width, vocab_size=VOCAB,
-                         max_position_embeddings=4 * SEQ, bos_token_id=0,
-                         eos_token_id=0)  # fmt: skip
+    config = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=width,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=2 * width,
+        vocab_size=VOCAB,
+        max_position_embeddings=4 * SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = LlamaForCausalLM(config)
     return Logits(model) if wrapped else model
 
@@ -41,10 +58,17 @@ def bert(layers: int = 2, width: int = 32, classes: int = 3, wrapped: bool = Fal
     """A BERT encoder with a classification head."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=2,
-                        intermediate_size=2 * width, vocab_size=VOCAB,
-                        max_position_embeddings=4 * SEQ, num_labels=classes,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    config = BertConfig(
+        num_hidden_layers=layers,
+        hidden_size=width,
+        num_attention_heads=2,
+        intermediate_size=2 * width,
+        vocab_size=VOCAB,
+        max_position_embeddings=4 * SEQ,
+        num_labels=classes,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     model = BertForSequenceClassification(config)
     return Logits(model) if wrapped else model
 
@@ -53,10 +77,18 @@ def mistral(layers: int = 4, width: int = 32, window: int = 4, wrapped: bool = T
     """Mistral with a sliding attention window shorter than the windows it is fed."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=2,
-                           num_key_value_heads=1, intermediate_size=2 * width, vocab_size=VOCAB,
-                           max_position_embeddings=4 * SEQ, sliding_window=window,
-                           bos_token_id=0, eos_token_id=0)  # fmt: skip
+    config = MistralConfig(
+        num_hidden_layers=layers,
+        hidden_size=width,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=2 * width,
+        vocab_size=VOCAB,
+        max_position_embeddings=4 * SEQ,
+        sliding_window=window,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = MistralForCausalLM(config)
     return Logits(model) if wrapped else model
 
@@ -66,17 +98,25 @@ def mamba(layers: int = 2, width: int = 32) -> nn.Module:
     parameters' device."""
     from transformers import MambaConfig, MambaForCausalLM
 
-    return Logits(MambaForCausalLM(MambaConfig(num_hidden_layers=layers, hidden_size=width,
-                                               vocab_size=VOCAB)))  # fmt: skip
+    return Logits(
+        MambaForCausalLM(MambaConfig(num_hidden_layers=layers, hidden_size=width, vocab_size=VOCAB))
+    )
 
 
 def mixtral(layers: int = 2, width: int = 32) -> nn.Module:
     """Mixtral: 4 experts, each token routed to 2 (the experts' grouped matmul)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=2,
-                           num_key_value_heads=1, intermediate_size=2 * width, vocab_size=VOCAB,
-                           num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    config = MixtralConfig(
+        num_hidden_layers=layers,
+        hidden_size=width,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=2 * width,
+        vocab_size=VOCAB,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     return Logits(MixtralForCausalLM(config))
 
 
@@ -102,9 +142,17 @@ def t5(layers: int = 2, width: int = 32) -> nn.Module:
     behind the wrapper that feeds the ids to both sides."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(vocab_size=VOCAB, d_model=width, d_kv=width // 2, d_ff=2 * width,
-                      num_layers=layers, num_heads=2, dropout_rate=0.0,
-                      decoder_start_token_id=0, tie_word_embeddings=True)  # fmt: skip
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=width,
+        d_kv=width // 2,
+        d_ff=2 * width,
+        num_layers=layers,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        tie_word_embeddings=True,
+    )
     return Both(T5ForConditionalGeneration(config))
 
 
@@ -201,8 +249,9 @@ class DictModel(nn.Module):
 
     def __init__(self, classes: int = 10):
         super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(),
-                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())  # fmt: skip
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
+        )
         self.hidden = nn.Linear(8, 16)
         self.head = nn.Linear(16, classes)
 

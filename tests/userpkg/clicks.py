@@ -13,8 +13,10 @@ class Clicks(torch.utils.data.Dataset):
 
     def __init__(self, count: int, seed: int, bad: int | None = None):
         generator = torch.Generator().manual_seed(seed)
-        self.users = [torch.randint(0, 50, (int(n),), generator=generator)
-                      for n in torch.randint(1, 4, (count,), generator=generator)]  # fmt: skip
+        self.users = [
+            torch.randint(0, 50, (int(n),), generator=generator)
+            for n in torch.randint(1, 4, (count,), generator=generator)
+        ]
         self.items = torch.randint(0, 20, (count,), generator=generator)
         self.dense = torch.randn(count, 2, generator=generator)
         self.bad = bad
@@ -40,8 +42,9 @@ class Tower(nn.Module):
     def __init__(self, tables: list[str], dim: int, dense: int):
         super().__init__()
         self.tables = tables
-        self.mlp = nn.Sequential(nn.Linear(dense + dim * len(tables), 16), nn.ReLU(),
-                                 nn.Linear(16, 1))  # fmt: skip
+        self.mlp = nn.Sequential(
+            nn.Linear(dense + dim * len(tables), 16), nn.ReLU(), nn.Linear(16, 1)
+        )
 
     def forward(self, dense: torch.Tensor, pooled: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.mlp(torch.cat([dense, *(pooled[t] for t in self.tables)], dim=1))

@@ -12,8 +12,14 @@ from torch import nn
 
 def moved(inputs: int = 3 * 32 * 32, classes: int = 3) -> nn.Module:
     """A training script's habit: the model built, then moved to the device."""
-    model = nn.Sequential(nn.Flatten(), nn.Linear(inputs, 16), nn.ReLU(), nn.Linear(16, 16),
-                          nn.Tanh(), nn.Linear(16, classes))  # fmt: skip
+    model = nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(inputs, 16),
+        nn.ReLU(),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, classes),
+    )
     return model.to(torch.device("cpu"))
 
 
@@ -22,20 +28,28 @@ def lora_llama(length: int = 16) -> nn.Module:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=length)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=length,
+    )
     config._attn_implementation = "eager"
-    return get_peft_model(LlamaForCausalLM(config),
-                          LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))  # fmt: skip
+    return get_peft_model(
+        LlamaForCausalLM(config), LoraConfig(r=8, target_modules=["q_proj", "v_proj"])
+    )
 
 
 def open_clip_text(length: int = 8, classes: int = 3) -> nn.Module:
     """open_clip's text tower and a head: its forward reads a weight's dtype first."""
     import open_clip
 
-    text = open_clip.model.CLIPTextCfg(context_length=length, vocab_size=64, width=16, heads=2,
-                                       layers=2)  # fmt: skip
+    text = open_clip.model.CLIPTextCfg(
+        context_length=length, vocab_size=64, width=16, heads=2, layers=2
+    )
     tower = open_clip.model._build_text_tower(embed_dim=8, text_cfg=text)
     return nn.Sequential(tower, nn.Linear(8, classes))
 
@@ -44,17 +58,27 @@ def x_transformers_decoder() -> nn.Module:
     """Rotary embeddings that enter `torch.autocast` on the meta device."""
     from x_transformers import Decoder, TransformerWrapper
 
-    return TransformerWrapper(num_tokens=64, max_seq_len=16,
-                              attn_layers=Decoder(dim=16, depth=2, heads=2,
-                                                  rotary_pos_emb=True))  # fmt: skip
+    return TransformerWrapper(
+        num_tokens=64,
+        max_seq_len=16,
+        attn_layers=Decoder(dim=16, depth=2, heads=2, rotary_pos_emb=True),
+    )
 
 
 def vit_pytorch(size: int = 8, classes: int = 3) -> nn.Module:
     """einops' `repeat` and `Rearrange` in its forward."""
     from vit_pytorch import ViT
 
-    return ViT(image_size=size, patch_size=size // 2, num_classes=classes, dim=8, depth=1,
-               heads=2, mlp_dim=8, dim_head=4)  # fmt: skip
+    return ViT(
+        image_size=size,
+        patch_size=size // 2,
+        num_classes=classes,
+        dim=8,
+        depth=1,
+        heads=2,
+        mlp_dim=8,
+        dim_head=4,
+    )
 
 
 class ConditionedUNet(nn.Module):
@@ -67,11 +91,17 @@ class ConditionedUNet(nn.Module):
         from diffusers import UNet2DConditionModel
 
         self.unet = UNet2DConditionModel(
-            sample_size=size, in_channels=3, out_channels=3, layers_per_block=1,
-            block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=8,
-            attention_head_dim=2, norm_num_groups=4,
-        )  # fmt: skip
+            sample_size=size,
+            in_channels=3,
+            out_channels=3,
+            layers_per_block=1,
+            block_out_channels=(8, 16),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=8,
+            attention_head_dim=2,
+            norm_num_groups=4,
+        )
         self.register_buffer("condition", torch.randn(1, 4, 8))
         self.pooled = pooled
 

@@ -71,9 +71,14 @@ class Float64(nn.Module):
 def mlp(classes: int = 10, width: int = 16) -> nn.Module:
     """An image classifier in float64 with places to cut it in 2 or 3 stages."""
     return nn.Sequential(
-        Float64(), nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.Tanh(),
-        nn.Linear(width, width), nn.Tanh(), nn.Linear(width, classes),
-    ).double()  # fmt: skip
+        Float64(),
+        nn.Flatten(),
+        nn.Linear(3 * 32 * 32, width),
+        nn.Tanh(),
+        nn.Linear(width, width),
+        nn.Tanh(),
+        nn.Linear(width, classes),
+    ).double()
 
 
 def dense(dim: int, classes: int) -> nn.Module:

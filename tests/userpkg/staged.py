@@ -27,8 +27,9 @@ class PackedGRU(nn.Module):
 
     def encode(self, tokens: torch.Tensor) -> torch.Tensor:
         lengths = (tokens != 0).sum(1).clamp(min=1).cpu()
-        packed = pack_padded_sequence(self.embed(tokens), lengths, batch_first=True,
-                                      enforce_sorted=False)  # fmt: skip
+        packed = pack_padded_sequence(
+            self.embed(tokens), lengths, batch_first=True, enforce_sorted=False
+        )
         _, hidden = self.gru(packed)
         return hidden[-1]
 
@@ -112,10 +113,12 @@ class ResNetShard1(ResNetBase):
         super().__init__(width, width)
         self.seq = nn.Sequential(
             nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3, bias=False),
-            nn.BatchNorm2d(self.inplanes), nn.ReLU(inplace=True),
+            nn.BatchNorm2d(self.inplanes),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
-            self._make_layer(64, blocks[0]), self._make_layer(128, blocks[1], stride=2),
-        )  # fmt: skip
+            self._make_layer(64, blocks[0]),
+            self._make_layer(128, blocks[1], stride=2),
+        )
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -127,21 +130,28 @@ class ResNetShard1(ResNetBase):
 class ResNetShard2(ResNetBase):
     """The second shard: layer3, layer4, pooling and the classifier."""
 
-    def __init__(self, width: int = 64, blocks: tuple[int, ...] = (3, 4, 6, 3),
-                 num_classes: int = 10):  # fmt: skip
+    def __init__(
+        self, width: int = 64, blocks: tuple[int, ...] = (3, 4, 6, 3), num_classes: int = 10
+    ):
         super().__init__(8 * width, width)
         self.seq = nn.Sequential(
-            self._make_layer(256, blocks[2], stride=2), self._make_layer(512, blocks[3], stride=2),
+            self._make_layer(256, blocks[2], stride=2),
+            self._make_layer(512, blocks[3], stride=2),
             nn.AdaptiveAvgPool2d((1, 1)),
-        )  # fmt: skip
+        )
         self.fc = nn.Linear(self.inplanes, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.flatten(self.seq(x), 1))
 
 
-def resnet_shard(stage: int, stages: int, width: int = 64, blocks: tuple[int, ...] = (3, 4, 6, 3),
-                 num_classes: int = 10) -> nn.Module:  # fmt: skip
+def resnet_shard(
+    stage: int,
+    stages: int,
+    width: int = 64,
+    blocks: tuple[int, ...] = (3, 4, 6, 3),
+    num_classes: int = 10,
+) -> nn.Module:
     """The seeds' shard `stage` of 2 (torchtitan's way: each process builds its own)."""
     assert stages == 2, "the tutorial's ResNet-50 has 2 shards"
     blocks = tuple(blocks)
@@ -153,8 +163,9 @@ def resnet_shard(stage: int, stages: int, width: int = 64, blocks: tuple[int, ..
 class ResNetShards(nn.Module):
     """Both shards in one model (layers: [shard1, shard2])."""
 
-    def __init__(self, width: int = 64, blocks: tuple[int, ...] = (3, 4, 6, 3),
-                 num_classes: int = 10):  # fmt: skip
+    def __init__(
+        self, width: int = 64, blocks: tuple[int, ...] = (3, 4, 6, 3), num_classes: int = 10
+    ):
         super().__init__()
         self.shard1 = ResNetShard1(width, tuple(blocks))
         self.shard2 = ResNetShard2(width, tuple(blocks), num_classes)
@@ -175,8 +186,9 @@ class Layered(nn.Module):
     def __init__(self, width: int = 16, blocks: int = 3):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh())
-                                    for _ in range(blocks))  # fmt: skip
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)
+        )
         self.pool = Mean()
         self.head = nn.Linear(width, CLASSES)
 

@@ -15,8 +15,9 @@ class TiedLM(nn.Module):
     def __init__(self, width: int = 32):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, width)
-        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh())
-                                      for _ in range(4)))  # fmt: skip
+        self.blocks = nn.Sequential(
+            *(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(4))
+        )
         self.norm = nn.LayerNorm(width)
         self.spare = nn.Linear(width, 2)  # never called
 

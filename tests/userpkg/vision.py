@@ -11,10 +11,17 @@ from torch import nn
 def small_cnn(classes: int = 10, width: int = 16) -> nn.Module:
     """Two conv blocks and two linear layers for 3x32x32 images."""
     return nn.Sequential(
-        nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(2 * width * 8 * 8, 64), nn.ReLU(), nn.Linear(64, classes),
-    )  # fmt: skip
+        nn.Conv2d(3, width, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(width, 2 * width, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(2 * width * 8 * 8, 64),
+        nn.ReLU(),
+        nn.Linear(64, classes),
+    )
 
 
 def smoothed(smoothing: float = 0.1):

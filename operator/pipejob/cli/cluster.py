@@ -78,9 +78,10 @@ def allow_node_volumes(parser: argparse.ArgumentParser) -> None:
     """The flag that lets hostPath and other node-level volumes through (the operator's
     allowance, for checking a manifest the way an operator that allows them would)."""
     parser.add_argument(
-        "--allow-node-volumes", action="store_true",
+        "--allow-node-volumes",
+        action="store_true",
         help="accept hostPath, gitRepo and flexVolume volumes (refused by default)",
-    )  # fmt: skip
+    )
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -98,41 +99,59 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     )
     where = op.add_mutually_exclusive_group(required=True)
     where.add_argument(
-        "-n", "--namespace", action="append", dest="namespaces", metavar="NAMESPACE",
+        "-n",
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        metavar="NAMESPACE",
         help="serve this namespace (repeatable)",
-    )  # fmt: skip
+    )
     where.add_argument("-A", "--all-namespaces", action="store_true", help="serve all namespaces")
     op.add_argument(
-        "--health-port", type=int, metavar="PORT",
+        "--health-port",
+        type=int,
+        metavar="PORT",
         help="serve the liveness endpoint /healthz on this port",
-    )  # fmt: skip
+    )
     op.add_argument(
-        "--health-host", default="0.0.0.0", metavar="ADDRESS",
+        "--health-host",
+        default="0.0.0.0",
+        metavar="ADDRESS",
         help="address of the liveness endpoint (default 0.0.0.0)",
-    )  # fmt: skip
+    )
     op.add_argument(
-        "--metrics-port", type=int, default=METRICS_PORT, metavar="PORT",
+        "--metrics-port",
+        type=int,
+        default=METRICS_PORT,
+        metavar="PORT",
         help=f"serve Prometheus metrics on /metrics at this port (default {METRICS_PORT}; 0: off)",
-    )  # fmt: skip
+    )
     op.add_argument(
-        "--metrics-host", default="0.0.0.0", metavar="ADDRESS",
+        "--metrics-host",
+        default="0.0.0.0",
+        metavar="ADDRESS",
         help="address of the metrics endpoint (default 0.0.0.0)",
-    )  # fmt: skip
+    )
     op.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
     op.add_argument(
-        "--allow-node-volumes", action="store_true",
+        "--allow-node-volumes",
+        action="store_true",
         help="let jobs use hostPath, gitRepo and flexVolume volumes, which reach into the node"
         f" (refused by default, as Pod Security baseline does; also ${ALLOW_NODE_VOLUMES_ENV})",
-    )  # fmt: skip
+    )
     peers = op.add_mutually_exclusive_group()
     peers.add_argument(
-        "--standalone", dest="peering", action="store_const", const=None,
+        "--standalone",
+        dest="peering",
+        action="store_const",
+        const=None,
         help="run as the only operator, without kopf peering (the default)",
-    )  # fmt: skip
+    )
     peers.add_argument(
-        "--peering", metavar="NAME",
+        "--peering",
+        metavar="NAME",
         help="join the kopf peering object NAME: of several replicas only one is active",
-    )  # fmt: skip
+    )
     op.set_defaults(func=cmd_operator)
 
     render = sub.add_parser(
@@ -145,9 +164,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     )
     render.add_argument("file", help="PipelineJob or HybridJob manifest (YAML)")
     render.add_argument(
-        "-n", "--namespace",
+        "-n",
+        "--namespace",
         help="namespace of the objects (default: the manifest's, else default)",
-    )  # fmt: skip
+    )
     render.add_argument("--image", help="trainer image (default: $PIPEJOB_TRAINER_IMAGE)")
     allow_node_volumes(render)
     render.set_defaults(func=cmd_render)

@@ -110,15 +110,18 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a job manifest as local processes")
     run.add_argument("file", help="PipelineJob or HybridJob manifest (YAML)")
     run.add_argument(
-        "--grace", type=float, default=10.0,
+        "--grace",
+        type=float,
+        default=10.0,
         help="seconds a process gets to exit after SIGTERM before SIGKILL (default 10)",
-    )  # fmt: skip
+    )
     run.add_argument(
-        "--size", type=int,
+        "--size",
+        type=int,
         help="the world's size: its replicas (PipelineJob) or trainers (HybridJob), within"
         " the spec's {min, max} (default: max), as the operator would run it where only that"
         " many fit",
-    )  # fmt: skip
+    )
     cluster.allow_node_volumes(run)
     run.set_defaults(func=cmd_run)
 

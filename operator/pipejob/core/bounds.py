@@ -57,8 +57,12 @@ class Range:
 
     def schema(self) -> dict[str, float | bool | None]:
         """The range as a spec Field's keyword arguments."""
-        return {"minimum": self.minimum, "exclusive_minimum": self.exclusive_minimum,
-                "maximum": self.maximum, "exclusive_maximum": self.exclusive_maximum}  # fmt: skip
+        return {
+            "minimum": self.minimum,
+            "exclusive_minimum": self.exclusive_minimum,
+            "maximum": self.maximum,
+            "exclusive_maximum": self.exclusive_maximum,
+        }
 
     def edges(self) -> list[float]:
         """The values just inside each end (the edge itself where it is closed)."""
@@ -99,9 +103,8 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Range]]] = {
     "sgd": ("SGD", {"lr": LEARNING_RATE, "momentum": MOMENTUM, "weightDecay": AT_LEAST_0}),
     "adam": ("Adam", {"lr": LEARNING_RATE, "weightDecay": AT_LEAST_0}),
     "adamw": ("AdamW", {"lr": LEARNING_RATE, "weightDecay": AT_LEAST_0}),
-    "rmsprop": ("RMSprop", {"lr": LEARNING_RATE, "momentum": MOMENTUM,
-                            "weightDecay": AT_LEAST_0}),
-}  # fmt: skip
+    "rmsprop": ("RMSprop", {"lr": LEARNING_RATE, "momentum": MOMENTUM, "weightDecay": AT_LEAST_0}),
+}
 
 # spec.sparseOptimizer, by name: the class a parameter server builds (trainer/hybrid/sparse.py)
 # and the bound of each spec field it receives. rowwiseAdagrad is pipejob's own class: it
@@ -122,24 +125,32 @@ def loosest(table: dict[str, tuple[str, dict[str, Range]]], field: str) -> Range
     """The widest range any name of `table` gives `field`: the spec Field's own bound (a
     name's narrower one is a rule, `narrower`)."""
     ranges = [bounds[field] for _, bounds in table.values() if field in bounds]
-    low = min(ranges, key=lambda r: (-math.inf if r.minimum is None else r.minimum,
-                                     r.exclusive_minimum))  # fmt: skip
-    high = max(ranges, key=lambda r: (math.inf if r.maximum is None else r.maximum,
-                                      not r.exclusive_maximum))  # fmt: skip
+    low = min(
+        ranges, key=lambda r: (-math.inf if r.minimum is None else r.minimum, r.exclusive_minimum)
+    )
+    high = max(
+        ranges,
+        key=lambda r: (math.inf if r.maximum is None else r.maximum, not r.exclusive_maximum),
+    )
     return Range(low.minimum, low.exclusive_minimum, high.maximum, high.exclusive_maximum)
 
 
 def narrower(table: dict[str, tuple[str, dict[str, Range]]], field: str) -> dict[str, Range]:
     """The names whose range of `field` is narrower than the loosest: each needs a rule."""
     wide = loosest(table, field)
-    return {name: bounds[field] for name, (_, bounds) in table.items()
-            if field in bounds and bounds[field].schema() != wide.schema()}  # fmt: skip
+    return {
+        name: bounds[field]
+        for name, (_, bounds) in table.items()
+        if field in bounds and bounds[field].schema() != wide.schema()
+    }
 
 
 def name_rules(table: dict[str, tuple[str, dict[str, Range]]], field: str) -> tuple[Rule, ...]:
     """A rule for each name whose range of `field` is narrower than the Field's own bound."""
-    return tuple(_name_rule(name, table[name][0], field, bound)
-                 for name, bound in narrower(table, field).items())  # fmt: skip
+    return tuple(
+        _name_rule(name, table[name][0], field, bound)
+        for name, bound in narrower(table, field).items()
+    )
 
 
 def _name_rule(name: str, cls: str, field: str, bound: Range) -> Rule:

@@ -46,20 +46,24 @@ OPTIMIZER = Field(
     " spec.sparseOptimizer, on the parameter servers).",
     fields={
         "name": Field(
-            "string", "Optimizer from torch.optim.", default="sgd",
+            "string",
+            "Optimizer from torch.optim.",
+            default="sgd",
             enum=tuple(bounds.OPTIMIZERS),
         ),
         "lr": Field("number", "Learning rate.", default=0.05, **_bound("lr")),
-        "momentum": Field("number", "Momentum (sgd and rmsprop only).", default=0.0,
-                          **_bound("momentum")),
-        "weightDecay": Field("number", "L2 weight decay.", default=0.0,
-                             **_bound("weightDecay")),
+        "momentum": Field(
+            "number", "Momentum (sgd and rmsprop only).", default=0.0, **_bound("momentum")
+        ),
+        "weightDecay": Field("number", "L2 weight decay.", default=0.0, **_bound("weightDecay")),
         "clipGradNorm": Field(
-            "number", "Clip the gradients to this global L2 norm before each optimizer step:"
+            "number",
+            "Clip the gradients to this global L2 norm before each optimizer step:"
             " the norm over every parameter of the whole model (every stage; with replicas,"
             " after their average), as torch.nn.utils.clip_grad_norm_ on the model in one"
             " process. Omit it to step unclipped.",
-            minimum=0, exclusive_minimum=True,
+            minimum=0,
+            exclusive_minimum=True,
         ),
         "schedule": Field(
             "object",
@@ -68,11 +72,19 @@ OPTIMIZER = Field(
             " minLr over the remaining steps. Omit it for a constant lr.",
             fields={
                 "warmupSteps": integer("Optimizer steps of linear warmup.", default=0),
-                "decay": Field("string", "After the warmup: keep lr (constant), or decay it"
-                               " to minLr linearly or along a half cosine.",
-                               default="constant", enum=("constant", "linear", "cosine")),
-                "minLr": Field("number", "The learning rate the decay ends at (after the"
-                               " last step).", default=0.0, minimum=0),
+                "decay": Field(
+                    "string",
+                    "After the warmup: keep lr (constant), or decay it"
+                    " to minLr linearly or along a half cosine.",
+                    default="constant",
+                    enum=("constant", "linear", "cosine"),
+                ),
+                "minLr": Field(
+                    "number",
+                    "The learning rate the decay ends at (after the last step).",
+                    default=0.0,
+                    minimum=0,
+                ),
             },
             section=True,
         ),
@@ -91,7 +103,7 @@ OPTIMIZER = Field(
             lambda o: "schedule" not in o or o["schedule"]["minLr"] <= o["lr"],
         ),
     ),
-)  # fmt: skip
+)
 
 GPU = "nvidia.com/gpu"
 
@@ -125,7 +137,8 @@ TEMPLATE = Field(
             "Container resources; GPU counts come from the spec's GPU fields.",
         ),
         "nodeSelector": Field(
-            "object", "Node labels the pods must match.",
+            "object",
+            "Node labels the pods must match.",
             values=Field("string", "Label value.", max_length=63),
         ),
         "tolerations": _k8s_list("Toleration", "Taints the pods tolerate."),
@@ -137,7 +150,8 @@ TEMPLATE = Field(
         "env": _k8s_list("EnvVar", "Extra environment of the trainer container.", ("name",)),
         "serviceAccountName": Field("string", "Service account of the pods.", max_length=253),
         "schedulerName": Field(
-            "string", "Scheduler of the pods; a gang scheduler is set with spec.scheduling.",
+            "string",
+            "Scheduler of the pods; a gang scheduler is set with spec.scheduling.",
             max_length=253,
         ),
         "priorityClassName": Field("string", "Priority class of the pods.", max_length=253),
@@ -153,7 +167,7 @@ TEMPLATE = Field(
             _no_gpu,
         ),
     ),
-)  # fmt: skip
+)
 
 # Fields every kind has: how long to wait, how to restart, and when to clean up.
 COMMON: dict[str, Field] = {
@@ -169,21 +183,27 @@ COMMON: dict[str, Field] = {
         "Where the master writes its figures besides the log.",
         fields={
             "tensorboard": Field(
-                "string", "Directory of TensorBoard event files: the loss, learning rate,"
+                "string",
+                "Directory of TensorBoard event files: the loss, learning rate,"
                 " gradient norm, samples/s, bubble and evaluation figures per step (mount a"
                 " volume there on a cluster; `tensorboard --logdir` reads it).",
-                pattern=r".*\S.*", pattern_says="name a directory", max_length=4096,
+                pattern=r".*\S.*",
+                pattern_says="name a directory",
+                max_length=4096,
             ),
         },
         section=True,
     ),
     "rendezvousTimeoutSeconds": integer(
         "How long each process waits for the RPC world (and DDP group) to form.",
-        default=300, minimum=1, maximum=WEEK,
+        default=300,
+        minimum=1,
+        maximum=WEEK,
     ),
     "backoffLimit": integer("Whole-world restarts allowed before the job fails.", default=3),
     "activeDeadlineSeconds": integer(
-        "Fail the job (DeadlineExceeded) once it has been running this long.", minimum=1,
+        "Fail the job (DeadlineExceeded) once it has been running this long.",
+        minimum=1,
         maximum=INT32_MAX,
     ),
     "ttlSecondsAfterFinished": integer(
@@ -196,14 +216,17 @@ COMMON: dict[str, Field] = {
         "Save the world every few steps and resume from the newest complete checkpoint.",
         fields={
             "path": Field(
-                "string", "Directory shared by every process of the job. On a cluster, a"
+                "string",
+                "Directory shared by every process of the job. On a cluster, a"
                 " world of several pods needs it on a shared volume: `volume`, or a"
                 " template volume mounted at or above it.",
-                pattern=r".*\S.*", pattern_says="name a directory",
+                pattern=r".*\S.*",
+                pattern_says="name a directory",
             ),
             "everySteps": integer("Checkpoint every this many steps.", default=10, minimum=1),
             "volume": Field(
-                "string", "Name of a volume in template.volumes; the operator mounts it at"
+                "string",
+                "Name of a volume in template.volumes; the operator mounts it at"
                 " `path` in every pod. Omit it when the template already mounts `path`.",
                 pattern=DNS_LABEL,
             ),
@@ -215,12 +238,20 @@ COMMON: dict[str, Field] = {
         "object",
         "Run the torch profiler around chosen steps; one Chrome trace per process.",
         fields={
-            "steps": Field("array", "Steps (1-based) to profile.",
-                           items=integer("A step to profile.", minimum=1), default=[2],
-                           max_items=64),
-            "path": Field("string", "Directory for the traces (default: <checkpoint.path>/"
-                          "profiles).", pattern=r".*\S.*", pattern_says="name a directory",
-                          max_length=4096),
+            "steps": Field(
+                "array",
+                "Steps (1-based) to profile.",
+                items=integer("A step to profile.", minimum=1),
+                default=[2],
+                max_items=64,
+            ),
+            "path": Field(
+                "string",
+                "Directory for the traces (default: <checkpoint.path>/profiles).",
+                pattern=r".*\S.*",
+                pattern_says="name a directory",
+                max_length=4096,
+            ),
             "rowLimit": integer("Rows of the logged key_averages table.", default=15, minimum=1),
         },
         section=True,
@@ -230,10 +261,17 @@ COMMON: dict[str, Field] = {
         "A communication check of the whole world before training.",
         fields={
             "enabled": Field("boolean", "Run the check.", default=True),
-            "timeoutSeconds": integer("Deadline for every peer to take part.", default=60,
-                                   minimum=1, maximum=DAY),
-            "megabytes": Field("number", "Payload of the bandwidth test per link.", default=4.0,
-                               minimum=0, exclusive_minimum=True, maximum=1024),
+            "timeoutSeconds": integer(
+                "Deadline for every peer to take part.", default=60, minimum=1, maximum=DAY
+            ),
+            "megabytes": Field(
+                "number",
+                "Payload of the bandwidth test per link.",
+                default=4.0,
+                minimum=0,
+                exclusive_minimum=True,
+                maximum=1024,
+            ),
         },
     ),
     "watchdog": Field(
@@ -242,8 +280,9 @@ COMMON: dict[str, Field] = {
         " the job fails retryably, naming it. Without this section: max(60 s, 10x the"
         " longest measured step), at most 600 s.",
         fields={
-            "seconds": integer("Seconds without a heartbeat that make a member stalled.",
-                               minimum=2, maximum=DAY),
+            "seconds": integer(
+                "Seconds without a heartbeat that make a member stalled.", minimum=2, maximum=DAY
+            ),
         },
         required=("seconds",),
         section=True,
@@ -251,18 +290,19 @@ COMMON: dict[str, Field] = {
     "scheduling": SCHEDULING,
     "elastic": Field(
         "object",
-        "How an elastic world ({min, max} of replicas or trainers) follows the cluster's"
-        " capacity.",
+        "How an elastic world ({min, max} of replicas or trainers) follows the cluster's capacity.",
         fields={
             "pendingSeconds": integer(
                 "How long pods of the world may stay unschedulable before the world restarts"
-                " at the largest size that fits.", default=PENDING_SECONDS, minimum=1,
+                " at the largest size that fits.",
+                default=PENDING_SECONDS,
+                minimum=1,
                 maximum=DAY,
             ),
         },
         section=True,
     ),
-}  # fmt: skip
+}
 
 # Cross-field rules every kind shares.
 COMMON_RULES = (
@@ -291,8 +331,16 @@ COMMON_RULES = (
 )
 
 # Spec fields only the operator reads (they shape pods or steer the job, not training).
-OPERATOR_ONLY = ("template", "backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished",
-                 "suspend", "checkpoint.volume", "scheduling", "elastic")  # fmt: skip
+OPERATOR_ONLY = (
+    "template",
+    "backoffLimit",
+    "activeDeadlineSeconds",
+    "ttlSecondsAfterFinished",
+    "suspend",
+    "checkpoint.volume",
+    "scheduling",
+    "elastic",
+)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -230,9 +230,18 @@ class Progress:
         step, steps = data.get("step"), data.get("steps")
         if not _count(step) or not _count(steps):
             raise ValueError(f"a report has whole numbers step and steps, got {step!r}, {steps!r}")
-        figures = {k: float(data[k]) for k in ("loss", "samplesPerSecond", "bubble", "learningRate",
-                                               "gradNorm", *EVAL_FIGURES)
-                   if _number(data.get(k))}  # fmt: skip
+        figures = {
+            k: float(data[k])
+            for k in (
+                "loss",
+                "samplesPerSecond",
+                "bubble",
+                "learningRate",
+                "gradNorm",
+                *EVAL_FIGURES,
+            )
+            if _number(data.get(k))
+        }
         message = data.get("message")
         preflight = data.get("preflight")
         if isinstance(preflight, dict) and isinstance(preflight.get("ok"), bool):
@@ -263,9 +272,11 @@ def _memory(data: Any) -> dict[str, dict[str, int]] | None:
     figures; None if nothing is left."""
     if not isinstance(data, dict):
         return None
-    kept = {member: {k: v for k, v in figures.items() if k in MEMORY_FIGURES and _count(v)}
-            for member, figures in data.items()
-            if isinstance(member, str) and isinstance(figures, dict)}  # fmt: skip
+    kept = {
+        member: {k: v for k, v in figures.items() if k in MEMORY_FIGURES and _count(v)}
+        for member, figures in data.items()
+        if isinstance(member, str) and isinstance(figures, dict)
+    }
     return {member: figures for member, figures in kept.items() if figures} or None
 
 

@@ -45,14 +45,12 @@ def size_field(what: str, default: int, minimum: int, maximum: int) -> Field:
         " bigger share. Needs spec.checkpoint.",
         default=default,
         fields={
-            "min": Field(
-                "integer", "The smallest size the world may run at.", default=1, **bound
-            ),  # fmt: skip
+            "min": Field("integer", "The smallest size the world may run at.", default=1, **bound),
             "max": Field(
                 "integer",
                 "The size the world runs at when it fits; batchSize is per member at this size.",
                 **bound,
-            ),  # fmt: skip
+            ),
         },
         required=("max",),
         rules=(
@@ -62,7 +60,7 @@ def size_field(what: str, default: int, minimum: int, maximum: int) -> Field:
                 "min",
                 lambda s: s["min"] <= s["max"],
             ),
-        ),  # fmt: skip
+        ),
         **bound,
     )
 
@@ -91,13 +89,12 @@ def needs_checkpoint(field: str) -> Rule:
 def elastic_acts(field: str) -> Rule:
     """spec.elastic steers a world whose size may change: on a fixed size it cannot act."""
     return Rule(
-        f"!has(self.elastic) || (type(self.{field}) != int && self.{field}.min < self.{field}"
-        ".max)",
+        f"!has(self.elastic) || (type(self.{field}) != int && self.{field}.min < self.{field}.max)",
         f"acts only on a world whose {field} is a range ({{min, max}} with min < max);"
         f" {field} is fixed here: leave elastic out, or give {field} a range",
         "elastic",
         lambda s: "elastic" not in s or Size.of(s[field]).elastic,
-    )  # fmt: skip
+    )
 
 
 def bounds(kind: Kind, spec: dict[str, Any]) -> Size | None:
@@ -112,6 +109,7 @@ def shape(kind: Kind, spec: dict[str, Any], size: int | None = None) -> dict[str
     if found is None:
         return spec
     if size is not None and not found.min <= size <= found.max:
-        raise ValueError(f"spec.{kind.elastic}: a world of {size} is outside {found.min} to"
-                         f" {found.max}")  # fmt: skip
+        raise ValueError(
+            f"spec.{kind.elastic}: a world of {size} is outside {found.min} to {found.max}"
+        )
     return {**spec, kind.elastic: found.max if size is None else size}

@@ -32,8 +32,14 @@ def schema(name: str) -> dict[str, Any]:
     return schemas()[name]
 
 
-_NAMES = {"integer": "an integer", "number": "a number", "string": "a string",
-          "boolean": "true or false", "object": "a mapping", "array": "a list"}  # fmt: skip
+_NAMES = {
+    "integer": "an integer",
+    "number": "a number",
+    "string": "a string",
+    "boolean": "true or false",
+    "object": "a mapping",
+    "array": "a list",
+}
 
 
 def _is(kind: str, value: Any) -> bool:
@@ -48,8 +54,11 @@ def check(s: dict[str, Any], value: Any, path: str, errors: list[SpecError]) -> 
     """Append to `errors` every way `value` breaks schema `s`, each with its field path."""
     if s.get("x-kubernetes-int-or-string"):
         if not (_is("integer", value) or isinstance(value, str)):
-            hint = " (write a fraction as a string, e.g. \"0.5\" or 500m)" if isinstance(
-                value, float) else ""  # fmt: skip
+            hint = (
+                ' (write a fraction as a string, e.g. "0.5" or 500m)'
+                if isinstance(value, float)
+                else ""
+            )
             errors.append(
                 SpecError(path, f"must be an integer or a string, got {shown(value)}{hint}")
             )
@@ -118,9 +127,22 @@ def unique_by(items: list, keys: tuple[str, ...], path: str, errors: list[SpecEr
             first[key] = i
 
 
-_SUFFIXES = {"": 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-             "P": 10**15, "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
-             "Pi": 2**50, "Ei": 2**60}  # fmt: skip
+_SUFFIXES = {
+    "": 1,
+    "m": Decimal("0.001"),
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
 
 
 def quantity(value: Any) -> Decimal:

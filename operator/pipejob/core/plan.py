@@ -141,8 +141,10 @@ def plan_world(job: Job, address: Addresser, ports: Ports = Ports()) -> list[Pro
     world = members(job)
     places = seats(job, world, address, ports)
     ranks = {m: rank for rank, m in enumerate(world)}
-    layout = ";".join(f"{name}=" + ",".join(str(ranks[m]) for m in inside)
-                      for name, _, inside in groups(job, world))  # fmt: skip
+    layout = ";".join(
+        f"{name}=" + ",".join(str(ranks[m]) for m in inside)
+        for name, _, inside in groups(job, world)
+    )
     base = {
         c.MASTER_ADDR: address(world[0]),
         c.MASTER_PORT: str(ports.rpc),

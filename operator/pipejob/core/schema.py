@@ -171,8 +171,9 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
     if schema.max_items is not None and len(value) > schema.max_items:
         errors.append(SpecError(path, f"must hold at most {schema.max_items} items"))
     if schema.min_items is not None and len(value) < schema.min_items:
-        errors.append(SpecError(path, f"must hold at least {schema.min_items} item(s), got"
-                                f" {len(value)}"))  # fmt: skip
+        errors.append(
+            SpecError(path, f"must hold at least {schema.min_items} item(s), got {len(value)}")
+        )
     if schema.type == "array" and schema.items is not None:
         value = [apply(schema.items, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
     if schema.list_map_keys:
@@ -200,10 +201,13 @@ def _int_or_string(schema: Field, value: int | str, path: str, errors: list[Spec
         return apply(replace(schema, type="integer", pattern=None), value, path, errors)
     if schema.pattern is not None and not re.fullmatch(schema.pattern, value):
         hint = " (an integer is written without quotes)" if value.strip().isdigit() else ""
-        errors.append(SpecError(
-            path,
-            f"must be an integer or a string matching {schema.pattern}, got {shown(value)}{hint}",
-        ))  # fmt: skip
+        errors.append(
+            SpecError(
+                path,
+                f"must be an integer or a string matching {schema.pattern},"
+                f" got {shown(value)}{hint}",
+            )
+        )
     return value
 
 

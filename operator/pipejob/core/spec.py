@@ -70,8 +70,9 @@ class Job:
         return json.dumps(self.spec, sort_keys=True, separators=(",", ":"))
 
 
-def parse(manifest: Any, source: str = "manifest", allow_node_volumes: bool = False,
-          cluster: bool = False) -> Job:  # fmt: skip
+def parse(
+    manifest: Any, source: str = "manifest", allow_node_volumes: bool = False, cluster: bool = False
+) -> Job:
     """Validate and default one job manifest (a dict as loaded from YAML); node-level
     volumes (hostPath, ...) pass only with `allow_node_volumes`; `cluster` adds what only a
     cluster refuses (validate.on_cluster)."""
@@ -79,9 +80,11 @@ def parse(manifest: Any, source: str = "manifest", allow_node_volumes: bool = Fa
     if not isinstance(manifest, dict):
         raise InvalidSpec([SpecError("(document)", "must be a mapping")], source)
     if manifest.get("apiVersion") != API_VERSION:
-        errors.append(SpecError(
-            "apiVersion", f"must be {API_VERSION}, got {shown(manifest.get('apiVersion'))}"
-        ))  # fmt: skip
+        errors.append(
+            SpecError(
+                "apiVersion", f"must be {API_VERSION}, got {shown(manifest.get('apiVersion'))}"
+            )
+        )
     kind = manifest.get("kind")
     if kind not in KINDS:
         errors.append(SpecError("kind", f"must be one of {', '.join(KINDS)}, got {shown(kind)}"))
@@ -95,26 +98,33 @@ def parse(manifest: Any, source: str = "manifest", allow_node_volumes: bool = Fa
     else:
         name, namespace, uid = meta.get("name"), meta.get("namespace"), meta.get("uid")
         if namespace is not None and not (
-            isinstance(namespace, str) and len(namespace) <= 63
+            isinstance(namespace, str)
+            and len(namespace) <= 63
             and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", namespace)
-        ):  # fmt: skip
-            errors.append(SpecError(
-                "metadata.namespace", f"must be a DNS label of at most 63 characters,"
-                f" got {shown(namespace)}",
-            ))  # fmt: skip
+        ):
+            errors.append(
+                SpecError(
+                    "metadata.namespace",
+                    f"must be a DNS label of at most 63 characters, got {shown(namespace)}",
+                )
+            )
         if not isinstance(name, str) or not name:
             errors.append(SpecError("metadata.name", "is required"))
         elif not re.fullmatch(DNS_LABEL, name):
-            errors.append(SpecError(
-                "metadata.name",
-                f"must be a DNS label (lowercase letters, digits, '-', starting with a letter),"
-                f" got {shown(name)}",
-            ))  # fmt: skip
+            errors.append(
+                SpecError(
+                    "metadata.name",
+                    f"must be a DNS label (lowercase letters, digits, '-', starting with a letter),"
+                    f" got {shown(name)}",
+                )
+            )
         elif len(name) > MAX_JOB_NAME:
-            errors.append(SpecError(
-                "metadata.name",
-                f"must be at most {MAX_JOB_NAME} characters so pod names stay DNS labels",
-            ))  # fmt: skip
+            errors.append(
+                SpecError(
+                    "metadata.name",
+                    f"must be at most {MAX_JOB_NAME} characters so pod names stay DNS labels",
+                )
+            )
     spec_in = manifest.get("spec", {})
     spec: dict[str, Any] = {}
     if spec_in is None:

@@ -31,8 +31,9 @@ NODE_VOLUMES = {
 ALLOW_NODE_VOLUMES_ENV = "PIPEJOB_ALLOW_NODE_VOLUMES"
 
 
-def check(kind: str, spec: dict[str, Any], allow_node_volumes: bool = False,
-          cluster: bool = False) -> list[SpecError]:  # fmt: skip
+def check(
+    kind: str, spec: dict[str, Any], allow_node_volumes: bool = False, cluster: bool = False
+) -> list[SpecError]:
     """Everything wrong with a defaulted, table-valid `spec` of `kind` that no pod could run
     (with `cluster`, also what would go wrong on a cluster only)."""
     template = spec.get("template") or {}
@@ -44,11 +45,16 @@ def check(kind: str, spec: dict[str, Any], allow_node_volumes: bool = False,
     size = _bytes(spec)
     if size > MAX_SPEC_BYTES:
         where, most = _largest(spec, "spec")
-        errors.append(SpecError("spec", (
-            f"is {size} bytes as JSON; at most {MAX_SPEC_BYTES} fit in the {contract.SPEC}"
-            f" environment variable every process gets (Linux caps one at 128 KiB); the"
-            f" largest field is {where} ({most} bytes)"
-        )))  # fmt: skip
+        errors.append(
+            SpecError(
+                "spec",
+                (
+                    f"is {size} bytes as JSON; at most {MAX_SPEC_BYTES} fit in the {contract.SPEC}"
+                    f" environment variable every process gets (Linux caps one at 128 KiB); the"
+                    f" largest field is {where} ({most} bytes)"
+                ),
+            )
+        )
     return errors
 
 
@@ -89,10 +95,16 @@ def _volumes(template: dict, allow_node_volumes: bool) -> list[SpecError]:
     for i, volume in enumerate(template.get("volumes") or []):
         for source, what in NODE_VOLUMES.items():
             if source in volume and not allow_node_volumes:
-                errors.append(SpecError(f"spec.template.volumes[{i}].{source}", (
-                    f"a {source} volume {what}; the operator refuses node-level volumes unless"
-                    " it runs with --allow-node-volumes (chart value allowNodeVolumes)"
-                )))  # fmt: skip
+                errors.append(
+                    SpecError(
+                        f"spec.template.volumes[{i}].{source}",
+                        (
+                            f"a {source} volume {what}; the operator refuses node-level volumes"
+                            " unless it runs with --allow-node-volumes (chart value"
+                            " allowNodeVolumes)"
+                        ),
+                    )
+                )
     for i, mount in enumerate(template.get("volumeMounts") or []):
         if mount.get("name") not in names:
             why = f"no volume {shown(mount.get('name'))} in spec.template.volumes"
@@ -139,8 +151,9 @@ def on_cluster(kind: str, spec: dict[str, Any]) -> list[SpecError]:
     path = checkpoint.get("path")
     if not path or checkpoint.get("volume") or pods(kind, spec) < 2:
         return []
-    mounts = [m.get("mountPath") or "" for m in (spec.get("template") or {}).get("volumeMounts")
-              or []]  # fmt: skip
+    mounts = [
+        m.get("mountPath") or "" for m in (spec.get("template") or {}).get("volumeMounts") or []
+    ]
     if posixpath.isabs(path) and any(m and _under(path, m) for m in mounts):
         return []
     why = (

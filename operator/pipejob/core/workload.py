@@ -126,8 +126,10 @@ def import_field(returns: str) -> Field:
         f" `args` as keyword arguments and returns {returns}. The module must be importable"
         " in the trainer: in the image, on PYTHONPATH, or (with `pipejob run`) in the"
         " manifest's folder.",
-        pattern=_IMPORT_BODY, pattern_says=_IMPORT_SAYS, max_length=1024,
-    )  # fmt: skip
+        pattern=_IMPORT_BODY,
+        pattern_says=_IMPORT_SAYS,
+        max_length=1024,
+    )
 
 
 ARGS = Field(
@@ -279,8 +281,9 @@ NON_EMPTY = r".*\S.*"
 
 
 def _path(description: str, what: str) -> Field:
-    return Field("string", description, pattern=NON_EMPTY, pattern_says=f"name {what}",
-                 max_length=4096)  # fmt: skip
+    return Field(
+        "string", description, pattern=NON_EMPTY, pattern_says=f"name {what}", max_length=4096
+    )
 
 
 def _split(description: str, train: str, val: str, **fields: Field) -> Field:
@@ -316,11 +319,19 @@ PIPELINE_DATA = Field(
             " token at each position. For any model that takes token ids.",
             "Token file of the training set." + _RELATIVE,
             "Token file of the held-out set, for evaluation.",
-            dtype=Field("string", "Type of one token id in the files.", default="uint16",
-                        enum=("uint16", "uint32")),
-            seqLen=Field("integer", "Tokens per sample; required unless the model is the"
-                         " built-in transformer, whose seqLen it defaults to.", minimum=1),
-        ),  # fmt: skip
+            dtype=Field(
+                "string",
+                "Type of one token id in the files.",
+                default="uint16",
+                enum=("uint16", "uint32"),
+            ),
+            seqLen=Field(
+                "integer",
+                "Tokens per sample; required unless the model is the"
+                " built-in transformer, whose seqLen it defaults to.",
+                minimum=1,
+            ),
+        ),
         "import": import_field(
             "a map-style torch Dataset; it is called with split='train' or split='val' too"
         ),
@@ -328,7 +339,9 @@ PIPELINE_DATA = Field(
         "workers": Field(
             "integer",
             "DataLoader worker processes of each replica's first stage, which reads the batches.",
-            default=2, minimum=0, maximum=32,
+            default=2,
+            minimum=0,
+            maximum=32,
         ),
     },
     rules=(
@@ -338,7 +351,7 @@ PIPELINE_DATA = Field(
         ),
         args_need_import("data"),
     ),
-)  # fmt: skip
+)
 
 HYBRID_DATA = Field(
     "object",
@@ -369,11 +382,12 @@ HYBRID_DATA = Field(
         "args": ARGS,
     },
     rules=(
-        at_most_one(("file", "criteo", "import"),
-                    "give at most one data source: file, criteo or import"),
+        at_most_one(
+            ("file", "criteo", "import"), "give at most one data source: file, criteo or import"
+        ),
         args_need_import("data"),
     ),
-)  # fmt: skip
+)
 
 LOSS = Field(
     "object",
@@ -391,16 +405,20 @@ EVAL = Field(
     " loss, and accuracy for classification or perplexity for the language model.",
     fields={
         "everySteps": Field(
-            "integer", "Evaluate every this many steps; 0 evaluates only at the end.",
-            default=0, minimum=0,
+            "integer",
+            "Evaluate every this many steps; 0 evaluates only at the end.",
+            default=0,
+            minimum=0,
         ),
         "batches": Field(
-            "integer", "Held-out batches per evaluation; 0 evaluates the whole held-out set.",
-            default=0, minimum=0,
+            "integer",
+            "Held-out batches per evaluation; 0 evaluates the whole held-out set.",
+            default=0,
+            minimum=0,
         ),
     },
     section=True,
-)  # fmt: skip
+)
 
 OUTPUT = Field(
     "object",
@@ -415,11 +433,14 @@ OUTPUT = Field(
             "a directory",
         ),
         "format": Field(
-            "string", "File format: safetensors, or torch's own (torch.save).",
-            default="safetensors", enum=("safetensors", "torch"),
+            "string",
+            "File format: safetensors, or torch's own (torch.save).",
+            default="safetensors",
+            enum=("safetensors", "torch"),
         ),
         "merged": Field(
-            "boolean", "For a peft model (LoRA), also the model with its adapters merged into"
+            "boolean",
+            "For a peft model (LoRA), also the model with its adapters merged into"
             " its weights, under the base model's names, as a Hugging Face model folder"
             " `merged/`. A peft model's adapters are always written too, as"
             " PeftModel.save_pretrained writes them (adapter_model.safetensors,"
@@ -429,4 +450,4 @@ OUTPUT = Field(
     },
     required=("path",),
     section=True,
-)  # fmt: skip
+)

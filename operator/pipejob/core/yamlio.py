@@ -114,11 +114,12 @@ def _bool(loader: Constructor12, node: ScalarNode) -> bool:
 def _unsupported(loader: Constructor12, node: Node) -> None:
     tag = node.tag.replace("tag:yaml.org,2002:", "!!")
     raise ConstructorError(
-        None, None,
+        None,
+        None,
         f"the tag {tag} is not supported: a manifest holds strings, numbers, booleans,"
         " null, lists and mappings (as JSON does)",
         node.start_mark,
-    )  # fmt: skip
+    )
 
 
 Constructor12.add_constructor(STR, SafeConstructor.construct_yaml_str)
@@ -144,9 +145,11 @@ class BoundedComposer(Composer):
             event = self.peek_event()
             if event.anchor in self._open:
                 raise yaml.composer.ComposerError(
-                    None, None, f"alias *{event.anchor} refers to itself (a recursive value)",
+                    None,
+                    None,
+                    f"alias *{event.anchor} refers to itself (a recursive value)",
                     event.start_mark,
-                )  # fmt: skip
+                )
             return super().compose_node(parent, index)
         event = self.peek_event()
         self._depth += 1
@@ -197,8 +200,9 @@ def decode(data: bytes) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise YamlError(f"not UTF-8 text (byte 0x{data[e.start]:02x} cannot start a character)",
-                        line) from None  # fmt: skip
+        raise YamlError(
+            f"not UTF-8 text (byte 0x{data[e.start]:02x} cannot start a character)", line
+        ) from None
 
 
 def load_all(text: str) -> list[Any]:
@@ -211,9 +215,9 @@ def load_all(text: str) -> list[Any]:
             node = loader.get_node()
             if _expanded_size(node, {}) > MAX_NODES:
                 raise YamlError(
-                    f"the document expands to more than {MAX_NODES} values (aliases that"
-                    " multiply)", node.start_mark.line + 1,
-                )  # fmt: skip
+                    f"the document expands to more than {MAX_NODES} values (aliases that multiply)",
+                    node.start_mark.line + 1,
+                )
             value = loader.construct_document(node)
             if value is not None:
                 docs.append(value)

@@ -145,9 +145,16 @@ def kind_section(crd: dict[str, Any]) -> list[str]:
         out += ["`kubectl get` columns:", ""]
         out += _table(
             ["Column", "Type", "From", "Description"],
-            [[c["name"] + (" (`-o wide`)" if c.get("priority") else ""), c["type"],
-              f"`{c['jsonPath']}`", c.get("description", "")] for c in columns],
-        )  # fmt: skip
+            [
+                [
+                    c["name"] + (" (`-o wide`)" if c.get("priority") else ""),
+                    c["type"],
+                    f"`{c['jsonPath']}`",
+                    c.get("description", ""),
+                ]
+                for c in columns
+            ],
+        )
         out.append("")
     for part in ("spec", "status"):
         if part not in schema["properties"]:
@@ -158,11 +165,16 @@ def kind_section(crd: dict[str, Any]) -> list[str]:
         out.append("")
         rules = list(_rules(schema["properties"][part], part))
         if part == "spec":  # rules on the whole object (its name) belong with the spec's
-            rules = [("(object)", r["rule"], r.get("message", ""))
-                     for r in schema.get("x-kubernetes-validations", [])] + rules  # fmt: skip
+            rules = [
+                ("(object)", r["rule"], r.get("message", ""))
+                for r in schema.get("x-kubernetes-validations", [])
+            ] + rules
         if rules:
-            out += ["Cross-field rules (CEL, enforced by the API server; `pipejob validate` "
-                    "and the operator check the same):", ""]  # fmt: skip
+            out += [
+                "Cross-field rules (CEL, enforced by the API server; `pipejob validate` "
+                "and the operator check the same):",
+                "",
+            ]
             out += _table(
                 ["Field", "Rule", "Message"],
                 [[p if p.startswith("(") else f"`{p}`", f"`{r}`", m] for p, r, m in rules],

@@ -29,8 +29,12 @@ def _job_path(plural: str, namespace: str, name: str) -> str:
 
 
 # The kinds the operator makes, by their collection's name.
-PLURALS = {"Pod": "pods", "Service": "services", "NetworkPolicy": "networkpolicies",
-           "PodGroup": "podgroups"}  # fmt: skip
+PLURALS = {
+    "Pod": "pods",
+    "Service": "services",
+    "NetworkPolicy": "networkpolicies",
+    "PodGroup": "podgroups",
+}
 
 
 def _collection(obj: dict) -> str:
@@ -102,9 +106,10 @@ class Cluster:
         from pipejob.operator.kube import JOB_LABEL
 
         found = self._call(
-            "GET", f"/api/v1/namespaces/{namespace}/pods",
+            "GET",
+            f"/api/v1/namespaces/{namespace}/pods",
             query={"labelSelector": f"{JOB_LABEL}={job}"},
-        )  # fmt: skip
+        )
         items = found.get("items") or []
         # The selector is the server's job; checking it again costs nothing and keeps a
         # server that ignores it from handing us other jobs' pods.
@@ -132,10 +137,16 @@ class Cluster:
             if e.status != 409:
                 raise
             owner = obj["metadata"]["ownerReferences"][0]["uid"]
-            patch = [{"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": owner},
-                     {"op": "replace", "path": "/spec", "value": obj["spec"]}]  # fmt: skip
-            self._call("PATCH", f"{base}/{obj['metadata']['name']}", patch,
-                       content_type="application/json-patch+json")  # fmt: skip
+            patch = [
+                {"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": owner},
+                {"op": "replace", "path": "/spec", "value": obj["spec"]},
+            ]
+            self._call(
+                "PATCH",
+                f"{base}/{obj['metadata']['name']}",
+                patch,
+                content_type="application/json-patch+json",
+            )
 
     def end_kueue_group(self, pod: dict) -> None:
         """PATCH kueue.x-k8s.io/retriable-in-group=false onto a pod: Kueue then finishes its
@@ -143,8 +154,12 @@ class Cluster:
         meta = pod["metadata"]
         patch = {"metadata": {"annotations": {KUEUE_RETRIABLE: "false"}}}
         try:
-            self._call("PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
-                       patch, content_type="application/merge-patch+json")  # fmt: skip
+            self._call(
+                "PATCH",
+                f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                patch,
+                content_type="application/merge-patch+json",
+            )
         except ApiError as e:
             if e.status != 404:  # gone already: nothing left to end
                 raise
@@ -156,8 +171,9 @@ class Cluster:
         if meta.get("uid"):
             body["preconditions"] = {"uid": meta["uid"]}
         try:
-            self._call("DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
-                       body)  # fmt: skip
+            self._call(
+                "DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}", body
+            )
         except ApiError as e:
             if e.status not in (404, 409):
                 raise
@@ -170,9 +186,11 @@ class Cluster:
             return
         try:
             self._call(
-                "PATCH", _job_path(plural, meta["namespace"], meta["name"]) + "/status",
-                {"status": patch}, content_type="application/merge-patch+json",
-            )  # fmt: skip
+                "PATCH",
+                _job_path(plural, meta["namespace"], meta["name"]) + "/status",
+                {"status": patch},
+                content_type="application/merge-patch+json",
+            )
         except ApiError as e:
             if e.status != 404:  # the job was deleted while we looked at it: nothing to say
                 raise

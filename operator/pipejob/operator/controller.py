@@ -108,8 +108,9 @@ class Reconciler:
                 self.training.discard(key)
         report = self._poll(address) if poll and address is not None else None
         now = datetime.now(UTC)
-        acts = reconcile.decide(job, pods, now, self.image, report, self.allow_node_volumes,
-                                self.policy)  # fmt: skip
+        acts = reconcile.decide(
+            job, pods, now, self.image, report, self.allow_node_volumes, self.policy
+        )
         # Pods before status (a world counts as created once its pods exist), status before
         # deletes (a restart is recorded before its world goes), so a crash between any two
         # steps is repaired by the next reconcile.
@@ -117,8 +118,10 @@ class Reconciler:
             self.cluster.create(acts.service)
         # Before the pods: they must never run open, and a gang scheduler waits for its group.
         # Refused (not allowed, no such kind, another's of that name): no pods, status says why.
-        for made, without in ((acts.policy, refusals.without_policy),
-                              (acts.podgroup, refusals.without_podgroup)):  # fmt: skip
+        for made, without in (
+            (acts.policy, refusals.without_policy),
+            (acts.podgroup, refusals.without_podgroup),
+        ):
             if made is None or not acts.create:  # none, or the one before it was refused
                 continue
             try:
@@ -141,9 +144,11 @@ class Reconciler:
             except ApiError as e:  # not allowed: the job is done anyway; say what is left
                 if e.status != 403:
                     raise
-                log.warning(f"{namespace}/{name}: cannot end its Kueue pod group, which keeps"
-                            f" its quota until its pods go (chart value"
-                            f" scheduling.kueue.enabled): {e}")  # fmt: skip
+                log.warning(
+                    f"{namespace}/{name}: cannot end its Kueue pod group, which keeps"
+                    f" its quota until its pods go (chart value"
+                    f" scheduling.kueue.enabled): {e}"
+                )
         for pod in acts.delete:
             self.cluster.delete_pod(pod)
         if acts.delete:
@@ -196,9 +201,11 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.timers = [asyncio.create_task(_resync(memo.reconciler, resync_seconds()))]
     if progress_seconds() > 0:
         memo.timers.append(asyncio.create_task(_poll(memo.reconciler, progress_seconds())))
-    log.info(f"trainer image {memo.reconciler.image}; resync every {resync_seconds()}s;"
-             f" progress of running jobs every {progress_seconds() or 'never '}s;"
-             f" {policy_settings.describe(memo.reconciler.policy)}")  # fmt: skip
+    log.info(
+        f"trainer image {memo.reconciler.image}; resync every {resync_seconds()}s;"
+        f" progress of running jobs every {progress_seconds() or 'never '}s;"
+        f" {policy_settings.describe(memo.reconciler.policy)}"
+    )
 
 
 @kopf.on.cleanup(registry=REGISTRY)

@@ -23,21 +23,47 @@ HEADER = (
 
 # Columns of `kubectl get`; the wide ones (priority 1) show the size of the world.
 _COLUMNS = [
-    {"name": "Phase", "type": "string", "jsonPath": ".status.phase",
-     "description": "Pending, Queued, Running, Restarting, Suspended, Succeeded or Failed."},
-    {"name": "Progress", "type": "string", "jsonPath": ".status.progress",
-     "description": "Training steps done, as step/steps."},
-    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts",
-     "description": "Whole-world restarts so far."},
+    {
+        "name": "Phase",
+        "type": "string",
+        "jsonPath": ".status.phase",
+        "description": "Pending, Queued, Running, Restarting, Suspended, Succeeded or Failed.",
+    },
+    {
+        "name": "Progress",
+        "type": "string",
+        "jsonPath": ".status.progress",
+        "description": "Training steps done, as step/steps.",
+    },
+    {
+        "name": "Restarts",
+        "type": "integer",
+        "jsonPath": ".status.restarts",
+        "description": "Whole-world restarts so far.",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-    {"name": "Preemptions", "type": "integer", "jsonPath": ".status.preemptions", "priority": 1,
-     "description": "Whole-world restarts after a preemption (no backoffLimit spent)."},
-    {"name": "Eval-Loss", "type": "number", "jsonPath": ".status.training.evalLoss",
-     "priority": 1, "description": "Loss on the held-out data at the last evaluation."},
-    {"name": "Accuracy", "type": "number", "jsonPath": ".status.training.evalAccuracy",
-     "priority": 1,
-     "description": "Held-out accuracy (0 to 1) at the last evaluation (classification)."},
-]  # fmt: skip
+    {
+        "name": "Preemptions",
+        "type": "integer",
+        "jsonPath": ".status.preemptions",
+        "priority": 1,
+        "description": "Whole-world restarts after a preemption (no backoffLimit spent).",
+    },
+    {
+        "name": "Eval-Loss",
+        "type": "number",
+        "jsonPath": ".status.training.evalLoss",
+        "priority": 1,
+        "description": "Loss on the held-out data at the last evaluation.",
+    },
+    {
+        "name": "Accuracy",
+        "type": "number",
+        "jsonPath": ".status.training.evalAccuracy",
+        "priority": 1,
+        "description": "Held-out accuracy (0 to 1) at the last evaluation (classification).",
+    },
+]
 # Pod names are "<job>-<role>-<index>", hostnames of the job's Service: the job's name must
 # be a short DNS label. Only the root of the schema may look at metadata.name.
 _NAME_RULES = [

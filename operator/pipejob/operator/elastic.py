@@ -86,14 +86,17 @@ def _pending_since(pod: dict) -> datetime | None:
     """Since when the scheduler has found no place for `pod`, or None."""
     for c in (pod.get("status") or {}).get("conditions") or []:
         if (c.get("type"), c.get("status"), c.get("reason")) == (
-            "PodScheduled", "False", "Unschedulable"
-        ):  # fmt: skip
+            "PodScheduled",
+            "False",
+            "Unschedulable",
+        ):
             return st.parse_time(c.get("lastTransitionTime"))
     return None
 
 
-def shrink(job: Job, at: int, planned: list[dict], by_name: dict, old: dict,
-           now: datetime) -> Resize | None:  # fmt: skip
+def shrink(
+    job: Job, at: int, planned: list[dict], by_name: dict, old: dict, now: datetime
+) -> Resize | None:
     """The smaller size to restart the world `planned` (at size `at`) at, once pods of it
     stayed unplaced for pendingSeconds; None while they may yet be placed, or when no
     smaller size (of at least min) would fit either."""
@@ -110,8 +113,10 @@ def shrink(job: Job, at: int, planned: list[dict], by_name: dict, old: dict,
         # The size whose pods were placed, if the world's other pods were (they may need the
         # room of the elastic role's pods: then a size smaller).
         role = joiners(job, found.min)[0][1].role
-        placed = [(kube.role_of(p) == role, bool(o and o["spec"].get("nodeName")))
-                  for p, o in zip(planned, observed, strict=True)]  # fmt: skip
+        placed = [
+            (kube.role_of(p) == role, bool(o and o["spec"].get("nodeName")))
+            for p, o in zip(planned, observed, strict=True)
+        ]
         unit = sum(1 for n, _ in joiners(job, at - 1) if n == at)
         fits = sum(ok for grows, ok in placed if grows) // unit
         new = min(fits, at - 1) if all(ok for grows, ok in placed if not grows) else at - 1
@@ -131,8 +136,9 @@ def shrink(job: Job, at: int, planned: list[dict], by_name: dict, old: dict,
 # ------------------------------------------------------------------ larger
 
 
-def standby(job: Job, at: int | None, world: int, namespace: str, owner: dict | None,
-            image: str | None) -> list[dict]:  # fmt: skip
+def standby(
+    job: Job, at: int | None, world: int, namespace: str, owner: dict | None, image: str | None
+) -> list[dict]:
     """The standby pods beside world `world` at size `at`: one per member a larger world adds,
     shaped as that member's pod, running nothing."""
     found = bounds(job.definition, job.spec)
@@ -153,9 +159,13 @@ def _standing_by(job: Job, pod: dict, world: int, joins: int, k: int) -> dict:
     meta, spec = pod["metadata"], pod["spec"]
     container = spec["containers"][0]
     meta["name"] = f"{job.name}-standby-{world}-{k}"
-    meta["labels"] = {kube.JOB_LABEL: job.name, kube.ROLE_LABEL: kube.role_of(pod),
-                      STANDBY_LABEL: str(world), JOINS_LABEL: str(joins),
-                      **kube.MANAGED_BY}  # fmt: skip
+    meta["labels"] = {
+        kube.JOB_LABEL: job.name,
+        kube.ROLE_LABEL: kube.role_of(pod),
+        STANDBY_LABEL: str(world),
+        JOINS_LABEL: str(joins),
+        **kube.MANAGED_BY,
+    }
     meta["annotations"] = {}
     for key in ("hostname", "subdomain", "volumes", "schedulerName", "serviceAccountName"):
         spec.pop(key, None)
@@ -197,14 +207,25 @@ def grow(job: Job, at: int, pods: list[dict], training: dict) -> Resize | None:
     if written is None or None in starts or written <= max(starts):
         return None
     field = job.definition.elastic
-    return Resize(new, "ScaledUp", f"scaled from {at} to {new} {field}: {len(ready)} standby"
-                  f" pods run (capacity returned); resuming from the checkpoint of step"
-                  f" {training.get('checkpointStep')}")  # fmt: skip
+    return Resize(
+        new,
+        "ScaledUp",
+        f"scaled from {at} to {new} {field}: {len(ready)} standby"
+        f" pods run (capacity returned); resuming from the checkpoint of step"
+        f" {training.get('checkpointStep')}",
+    )
 
 
-def standby_changes(job: Job, at: int | None, world: int, pods: list[dict], running: bool,
-                    namespace: str, owner: dict | None,
-                    image: str) -> tuple[list[dict], list[dict]]:  # fmt: skip
+def standby_changes(
+    job: Job,
+    at: int | None,
+    world: int,
+    pods: list[dict],
+    running: bool,
+    namespace: str,
+    owner: dict | None,
+    image: str,
+) -> tuple[list[dict], list[dict]]:
     """The standby pods to make and those to delete beside world `world` at size `at`, given
     those that exist (`pods`): made once every pod of the world runs (`running`: never
     competing with it for room), gone once the world is not the one they wait beside, or no
@@ -217,8 +238,16 @@ def standby_changes(job: Job, at: int | None, world: int, pods: list[dict], runn
     return make, stale
 
 
-def resize(job: Job, at: int | None, planned: list[dict], by_name: dict, pods: list[dict],
-           old: dict, status: dict, now: datetime) -> Resize | None:  # fmt: skip
+def resize(
+    job: Job,
+    at: int | None,
+    planned: list[dict],
+    by_name: dict,
+    pods: list[dict],
+    old: dict,
+    status: dict,
+    now: datetime,
+) -> Resize | None:
     """Another size for an elastic world: larger while it runs (`grow`, its standby `pods`),
     smaller while it waits (`shrink`)."""
     if at is None:

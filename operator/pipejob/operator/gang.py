@@ -66,9 +66,11 @@ def podgroup(job: Job, pods: list[dict], namespace: str, owner: dict | None) -> 
     section = sch.of(job.spec)
     if section is None or section["provider"] == sch.KUEUE:
         return None
-    meta: dict[str, Any] = {"name": group_name(job), "namespace": namespace,
-                            "labels": {"pipejob.dev/job": job.name,
-                                       "app.kubernetes.io/managed-by": "pipejob"}}  # fmt: skip
+    meta: dict[str, Any] = {
+        "name": group_name(job),
+        "namespace": namespace,
+        "labels": {"pipejob.dev/job": job.name, "app.kubernetes.io/managed-by": "pipejob"},
+    }
     if owner is not None:
         meta["ownerReferences"] = [copy.deepcopy(owner)]
     spec: dict[str, Any] = {"minMember": len(pods)}
@@ -85,8 +87,7 @@ def podgroup(job: Job, pods: list[dict], namespace: str, owner: dict | None) -> 
         group, version, _ = sch.COSCHEDULING_API
         if section.get("scheduleTimeoutSeconds"):
             spec["scheduleTimeoutSeconds"] = section["scheduleTimeoutSeconds"]
-    return {"apiVersion": f"{group}/{version}", "kind": "PodGroup", "metadata": meta,
-            "spec": spec}  # fmt: skip
+    return {"apiVersion": f"{group}/{version}", "kind": "PodGroup", "metadata": meta, "spec": spec}
 
 
 def requests(pods: list[dict]) -> dict[str, str]:

@@ -19,7 +19,7 @@ from pipejob.core.plan import (
     groups,
     members,
     plan_world,
-)  # fmt: skip
+)
 from pipejob.core.spec import API_VERSION, Job
 from pipejob.operator import gang
 from pipejob.operator.policy_settings import DEFAULT, Settings
@@ -156,8 +156,11 @@ def network_policy(job: Job, namespace: str, owner: dict | None, settings: Setti
     spec: dict[str, Any] = {**world(), "policyTypes": ["Ingress"], "ingress": ingress}
     if settings.egress is not None:
         spec["policyTypes"].append("Egress")
-        spec["egress"] = [{"to": [world()]}, {"ports": copy.deepcopy(DNS)},
-                          *copy.deepcopy(list(settings.egress))]  # fmt: skip
+        spec["egress"] = [
+            {"to": [world()]},
+            {"ports": copy.deepcopy(DNS)},
+            *copy.deepcopy(list(settings.egress)),
+        ]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -200,8 +203,10 @@ def pod(
     if process.seat is not None:
         ports.append({"name": "ddp", "containerPort": process.seat.port})
     if process.rank == 0:  # the master holds the preflight group's store and serves /progress
-        ports += [{"name": "preflight", "containerPort": PORTS.preflight},
-                  {"name": "monitor", "containerPort": PORTS.monitor}]  # fmt: skip
+        ports += [
+            {"name": "preflight", "containerPort": PORTS.preflight},
+            {"name": "monitor", "containerPort": PORTS.monitor},
+        ]
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": template.get("image") or image or trainer_image(),

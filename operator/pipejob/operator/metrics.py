@@ -22,27 +22,37 @@ class OperatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.created = Counter(f"{PREFIX}_jobs_created", "Jobs the operator took on.",
-                               ["kind"], registry=r)  # fmt: skip
-        self.succeeded = Counter(f"{PREFIX}_jobs_succeeded", "Jobs that succeeded.",
-                                 ["kind"], registry=r)  # fmt: skip
+        self.created = Counter(
+            f"{PREFIX}_jobs_created", "Jobs the operator took on.", ["kind"], registry=r
+        )
+        self.succeeded = Counter(
+            f"{PREFIX}_jobs_succeeded", "Jobs that succeeded.", ["kind"], registry=r
+        )
         self.failed = Counter(f"{PREFIX}_jobs_failed", "Jobs that failed.", ["kind"], registry=r)
-        self.restarted = Counter(f"{PREFIX}_jobs_restarted", "Whole-world restarts of jobs.",
-                                 ["kind"], registry=r)  # fmt: skip
+        self.restarted = Counter(
+            f"{PREFIX}_jobs_restarted", "Whole-world restarts of jobs.", ["kind"], registry=r
+        )
         self.reconcile_seconds = Histogram(
             f"{PREFIX}_reconcile_duration_seconds",
             "Time of one reconcile of a job: read it and its pods, poll, decide, act.",
-            ["kind"], registry=r,
-        )  # fmt: skip
+            ["kind"],
+            registry=r,
+        )
         self.poll_seconds = Histogram(
             f"{PREFIX}_progress_poll_duration_seconds",
             "Time to fetch a running master's /progress; result ok or none (no report).",
-            ["result"], registry=r,
+            ["result"],
+            registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
-        )  # fmt: skip
+        )
         for kind in KINDS:  # every series exists from the start, at zero
-            for metric in (self.created, self.succeeded, self.failed, self.restarted,
-                           self.reconcile_seconds):  # fmt: skip
+            for metric in (
+                self.created,
+                self.succeeded,
+                self.failed,
+                self.restarted,
+                self.reconcile_seconds,
+            ):
                 metric.labels(kind)
         for result in ("ok", "none"):
             self.poll_seconds.labels(result)
@@ -95,8 +105,9 @@ class _Phases:
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        gauge = GaugeMetricFamily(f"{PREFIX}_jobs", "Jobs by kind and phase.",
-                                  labels=["kind", "phase"])  # fmt: skip
+        gauge = GaugeMetricFamily(
+            f"{PREFIX}_jobs", "Jobs by kind and phase.", labels=["kind", "phase"]
+        )
         for (kind, phase), n in sorted(self.metrics.phases().items()):
             gauge.add_metric([kind, phase], n)
         yield gauge

@@ -85,5 +85,7 @@ def describe(settings: Settings | None) -> str:
     if settings is None:
         return f"no NetworkPolicy per job ({POLICY_ENV}={OFF}): the worlds are open"
     egress = "open" if settings.egress is None else f"{len(settings.egress)} egress rule(s)"
-    return (f"a NetworkPolicy per job: monitor port also from {len(settings.monitor_from)}"
-            f" peer(s); egress {egress}")  # fmt: skip
+    return (
+        f"a NetworkPolicy per job: monitor port also from {len(settings.monitor_from)}"
+        f" peer(s); egress {egress}"
+    )

@@ -28,16 +28,19 @@ def queued(job: Job, planned: list[dict], by_name: dict) -> str | None:
         gated = [p for p in pods if _gated(p)]
         if not gated:
             return None
-        return (f"Kueue has not admitted pod group {group} ({size} pods) from LocalQueue"
-                f" {section['queue']} yet: {len(gated)}/{size} pods gated by {sch.KUEUE_GATE}"
-                " until its ClusterQueue has quota for all of them")  # fmt: skip
+        return (
+            f"Kueue has not admitted pod group {group} ({size} pods) from LocalQueue"
+            f" {section['queue']} yet: {len(gated)}/{size} pods gated by {sch.KUEUE_GATE}"
+            " until its ClusterQueue has quota for all of them"
+        )
     if any(p["spec"].get("nodeName") or st.pod_phase(p) != "Pending" for p in pods):
         return None
     scheduler = pods[0]["spec"].get("schedulerName") or section["provider"]
     queue = f" in queue {section['queue']}" if section.get("queue") else ""
     why = next((m for m in map(st.scheduled_message, pods) if m), "")
-    return (f"{scheduler} has not scheduled PodGroup {group} (minMember {size}){queue} yet"
-            + (f": {why}" if why else ""))  # fmt: skip
+    return f"{scheduler} has not scheduled PodGroup {group} (minMember {size}){queue} yet" + (
+        f": {why}" if why else ""
+    )
 
 
 def _gated(pod: dict) -> bool:
@@ -76,4 +79,4 @@ def end_kueue_group(status: dict, current: list[dict], now: datetime) -> tuple[b
         for p in current
         if (p["metadata"].get("annotations") or {}).get(sch.KUEUE_RETRIABLE) != "false"
     ]
-    return False, ending  # fmt: skip
+    return False, ending

@@ -45,33 +45,57 @@ def permissions() -> tuple[Permission, ...]:
 
 # Only with `pipejob operator --peering NAME` (several replicas, one active).
 PEERING: tuple[Permission, ...] = (
-    Permission("kopf.dev", ("kopfpeerings",), ("list", "watch", "patch"),
-               "kopf peering within the watched namespaces"),
-    Permission("kopf.dev", ("clusterkopfpeerings",), ("list", "watch", "patch"),
-               "kopf peering with --all-namespaces"),
-)  # fmt: skip
+    Permission(
+        "kopf.dev",
+        ("kopfpeerings",),
+        ("list", "watch", "patch"),
+        "kopf peering within the watched namespaces",
+    ),
+    Permission(
+        "kopf.dev",
+        ("clusterkopfpeerings",),
+        ("list", "watch", "patch"),
+        "kopf peering with --all-namespaces",
+    ),
+)
 
 
 # Only with the chart's networkPolicy.jobs.enabled (the default): a NetworkPolicy per world.
 NETWORK_POLICIES: tuple[Permission, ...] = (
-    Permission("networking.k8s.io", ("networkpolicies",), ("create", "patch"),
-               "the NetworkPolicy of each job's world (patched to a new world's when it differs)"),
-)  # fmt: skip
+    Permission(
+        "networking.k8s.io",
+        ("networkpolicies",),
+        ("create", "patch"),
+        "the NetworkPolicy of each job's world (patched to a new world's when it differs)",
+    ),
+)
 
 
 # Only with the chart's scheduling integrations on (spec.scheduling of the jobs).
 KUEUE: tuple[Permission, ...] = (
-    Permission("", ("pods",), ("patch",),
-               "kueue: mark a failed job's pods retriable-in-group=false, ending its pod group"),
-)  # fmt: skip
+    Permission(
+        "",
+        ("pods",),
+        ("patch",),
+        "kueue: mark a failed job's pods retriable-in-group=false, ending its pod group",
+    ),
+)
 VOLCANO: tuple[Permission, ...] = (
-    Permission("scheduling.volcano.sh", ("podgroups",), ("create", "patch"),
-               "volcano: the PodGroup of the job's world (patched when the spec changes)"),
-)  # fmt: skip
+    Permission(
+        "scheduling.volcano.sh",
+        ("podgroups",),
+        ("create", "patch"),
+        "volcano: the PodGroup of the job's world (patched when the spec changes)",
+    ),
+)
 COSCHEDULING: tuple[Permission, ...] = (
-    Permission("scheduling.x-k8s.io", ("podgroups",), ("create", "patch"),
-               "coscheduling: the PodGroup of the job's world (patched when the spec changes)"),
-)  # fmt: skip
+    Permission(
+        "scheduling.x-k8s.io",
+        ("podgroups",),
+        ("create", "patch"),
+        "coscheduling: the PodGroup of the job's world (patched when the spec changes)",
+    ),
+)
 SCHEDULING = {"kueue": KUEUE, "volcano": VOLCANO, "coscheduling": COSCHEDULING}
 
 

@@ -68,8 +68,7 @@ def decide(
     scheduling = (job_obj.get("spec") or {}).get("scheduling")
     if isinstance(scheduling, dict) and scheduling.get("provider") == sch.KUEUE:
         uid = job_obj["metadata"].get("uid")
-        current = [p for p in pods
-                   if owned(p, uid) and kube.restart_of(p) == st.world(acts.status)]  # fmt: skip
+        current = [p for p in pods if owned(p, uid) and kube.restart_of(p) == st.world(acts.status)]
         keep, ending = queueing.end_kueue_group(acts.status, current, now)
         acts.end_group += ending
         if keep:
@@ -109,8 +108,9 @@ def _decide(
         return acts
 
     try:
-        job = parse(job_obj, f"{job_obj.get('kind')} {meta.get('name')}", allow_node_volumes,
-                    cluster=True)  # fmt: skip
+        job = parse(
+            job_obj, f"{job_obj.get('kind')} {meta.get('name')}", allow_node_volumes, cluster=True
+        )
     except InvalidSpec as e:
         message = "; ".join(str(err) for err in e.errors)
         acts.delete = [p for p in live if not st.terminated(p)]
@@ -145,29 +145,43 @@ def _decide(
     # An older world's pods go; standby pods are kept or not below.
     acts.delete = [p for p in live if kube.restart_of(p) != restart and not elastic.is_standby(p)]
     by_name = {p["metadata"]["name"]: p for p in current}
-    planned = kube.world(job, restart, meta.get("namespace") or "default",
-                         kube.owner_reference(job_obj), image)  # fmt: skip
+    planned = kube.world(
+        job, restart, meta.get("namespace") or "default", kube.owner_reference(job_obj), image
+    )
     master = by_name.get(planned[0]["metadata"]["name"])
 
     if master is not None and st.pod_phase(master) == "Succeeded":
         acts.delete = [p for p in live if not st.terminated(p)]
         # The master exits 0 only after the last step: progress shows it, polled or not.
         steps = job.spec["steps"]
-        done = {**(acts.status.get("training") or {}), **final_report(master),
-                "phase": "finished", "step": steps, "steps": steps}  # fmt: skip
+        done = {
+            **(acts.status.get("training") or {}),
+            **final_report(master),
+            "phase": "finished",
+            "step": steps,
+            "steps": steps,
+        }
         acts.status = st.with_training(acts.status, done, now)
         return _transition(
-            acts, old, st.SUCCEEDED, "MasterSucceeded",
-            f"the master (pod {master['metadata']['name']}) exited 0", now,
-        )  # fmt: skip
+            acts,
+            old,
+            st.SUCCEEDED,
+            "MasterSucceeded",
+            f"the master (pod {master['metadata']['name']}) exited 0",
+            now,
+        )
 
     deadline = job.spec.get("activeDeadlineSeconds")
     if deadline is not None and now >= start + _s(deadline):
         acts.delete = [p for p in live if not st.terminated(p)]
         return _transition(
-            acts, old, st.FAILED, "DeadlineExceeded",
-            f"the job was active longer than activeDeadlineSeconds ({deadline}s)", now,
-        )  # fmt: skip
+            acts,
+            old,
+            st.FAILED,
+            "DeadlineExceeded",
+            f"the job was active longer than activeDeadlineSeconds ({deadline}s)",
+            now,
+        )
 
     # An edited spec makes a new world (an RPC world cannot change shape while it runs); that
     # is no failure, so it costs no restart.
@@ -213,17 +227,21 @@ def _decide(
     if len(present) + len(acts.create) == len(planned):
         if not st.is_true(old, st.CREATED):
             acts.status["conditions"] = _created(
-                acts.status, True, "PodsCreated",
-                f"the Service and {len(planned)} pods of restart {restart} exist", now,
-            )  # fmt: skip
+                acts.status,
+                True,
+                "PodsCreated",
+                f"the Service and {len(planned)} pods of restart {restart} exist",
+                now,
+            )
 
     # Workers leave rpc.shutdown() and exit 0 a moment before the master: that is the world
     # finishing, not pods going missing.
     running = sum(
-        1 for p in current
+        1
+        for p in current
         if not st.deleting(p)
         and (st.pod_phase(p) == "Running" or (st.pod_phase(p) == "Succeeded" and p is not master))
-    )  # fmt: skip
+    )
     _keep_standby(acts, job, at, restart, standby, running == len(planned), job_obj, image)
     queued = queueing.queued(job, planned, by_name)
     if old.get("phase") == st.QUEUED and queued is None:
@@ -238,9 +256,13 @@ def _decide(
         # Until the new world runs, the Restarting condition keeps saying what broke the old.
         cause = st.condition(old, st.RESTARTING) or {}
         return _transition(
-            acts, old, st.RESTARTING, cause.get("reason") or "Restarting",
-            cause.get("message") or f"restart {restart}", now,
-        )  # fmt: skip
+            acts,
+            old,
+            st.RESTARTING,
+            cause.get("reason") or "Restarting",
+            cause.get("message") or f"restart {restart}",
+            now,
+        )
     message = f"{running}/{len(planned)} pods running"
     stuck = [(p["metadata"]["name"], w) for p in current if (w := st.waiting_message(p))]
     if not stuck:
@@ -256,17 +278,20 @@ def _decide(
     return acts
 
 
-def _resize(acts: Actions, job: Job, old: dict, resize: elastic.Resize, live: list[dict],
-            now: datetime) -> Actions:  # fmt: skip
+def _resize(
+    acts: Actions, job: Job, old: dict, resize: elastic.Resize, live: list[dict], now: datetime
+) -> Actions:
     """A new world at another size (status.resizes counts it, as part of the world's number);
     it resumes from the last checkpoint, and spends no backoffLimit."""
     acts.delete = live
     acts.status[job.definition.elastic] = resize.size
     acts.status["resizes"] = int(old.get("resizes") or 0) + 1
-    conditions = _created(acts.status, False, resize.reason,
-                          f"the world is being recreated at {resize.size}", now)  # fmt: skip
-    acts.status["conditions"] = st.set_condition(conditions, st.RESIZED, True, resize.reason,
-                                                 resize.message, now)  # fmt: skip
+    conditions = _created(
+        acts.status, False, resize.reason, f"the world is being recreated at {resize.size}", now
+    )
+    acts.status["conditions"] = st.set_condition(
+        conditions, st.RESIZED, True, resize.reason, resize.message, now
+    )
     kind = WARNING if resize.reason == "ScaledDown" else NORMAL
     acts.events.append(Event(kind, resize.reason, resize.message))
     if gang.provider(job) == sch.KUEUE:  # a group of the old size: Kueue frees its quota
@@ -278,12 +303,21 @@ def _ended(pod: dict) -> bool:
     return (pod["metadata"].get("annotations") or {}).get(sch.KUEUE_RETRIABLE) == "false"
 
 
-def _keep_standby(acts: Actions, job: Job, at: int | None, restart: int, standby: list[dict],
-                  running: bool, job_obj: dict, image: str) -> None:  # fmt: skip
+def _keep_standby(
+    acts: Actions,
+    job: Job,
+    at: int | None,
+    restart: int,
+    standby: list[dict],
+    running: bool,
+    job_obj: dict,
+    image: str,
+) -> None:
     """The standby pods beside the world (elastic.standby_changes): made, and gone."""
     namespace = job_obj["metadata"].get("namespace") or "default"
-    make, stale = elastic.standby_changes(job, at, restart, standby, running, namespace,
-                                          kube.owner_reference(job_obj), image)  # fmt: skip
+    make, stale = elastic.standby_changes(
+        job, at, restart, standby, running, namespace, kube.owner_reference(job_obj), image
+    )
     acts.create += make
     acts.delete += stale
     if gang.provider(job) == sch.KUEUE:  # their groups end: Kueue frees their quota
@@ -316,9 +350,16 @@ def _first_failure(planned: list[dict], by_name: dict, created: bool) -> st.Fail
                 failures.append((failure.consequence, failure.at or "~", rank, failure))
                 continue
         if created and (observed is None or st.deleting(observed)):
-            failures.append((False, "~", rank, st.Failure(
-                "PodDeleted", f"{who} (pod {name}) was deleted while the job was running"
-            )))  # fmt: skip
+            failures.append(
+                (
+                    False,
+                    "~",
+                    rank,
+                    st.Failure(
+                        "PodDeleted", f"{who} (pod {name}) was deleted while the job was running"
+                    ),
+                )
+            )
     # The first pod to fail by cause: a pod that only lost its peers comes after the others.
     return min(failures, key=lambda f: f[:3])[3] if failures else None
 
@@ -360,8 +401,9 @@ def _preempt(
     acts.status["conditions"] = _created(
         acts.status, False, cause.reason, "the world is being recreated", now
     )
-    message = (f"{cause.message}; recreating the world (preemption {preemptions}, no"
-               " backoffLimit spent)")  # fmt: skip
+    message = (
+        f"{cause.message}; recreating the world (preemption {preemptions}, no backoffLimit spent)"
+    )
     acts.events.append(Event(WARNING, cause.reason, message))
     return _transition(acts, old, st.RESTARTING, cause.reason, message, now, event=False)
 
@@ -390,9 +432,13 @@ def _fail(
     if restart >= limit:
         acts.delete = [p for p in live if not st.terminated(p)]
         return _transition(
-            acts, old, st.FAILED, "BackoffLimitExceeded",
-            f"{failure.message}; no restarts left (backoffLimit {limit})", now,
-        )  # fmt: skip
+            acts,
+            old,
+            st.FAILED,
+            "BackoffLimitExceeded",
+            f"{failure.message}; no restarts left (backoffLimit {limit})",
+            now,
+        )
     acts.delete = live
     acts.status["restarts"] = restart + 1
     acts.status["conditions"] = _created(
@@ -421,8 +467,9 @@ def _transition(
 
 
 def _created(status: dict, true: bool, reason: str, message: str, now: datetime) -> list[dict]:
-    return st.set_condition(list(status.get("conditions") or []), st.CREATED, true, reason,
-                            message, now)  # fmt: skip
+    return st.set_condition(
+        list(status.get("conditions") or []), st.CREATED, true, reason, message, now
+    )
 
 
 def _created_message(pods: list[dict], restart: int) -> str:

@@ -31,8 +31,9 @@ class NotEnoughGPUs(ValueError):
     """The job cannot run with this machine's GPUs; the message says why, with the numbers."""
 
 
-def detect(environ: Mapping[str, str] = os.environ, devices: Path = DEVICES,
-           driver: Path = DRIVER) -> list[str]:  # fmt: skip
+def detect(
+    environ: Mapping[str, str] = os.environ, devices: Path = DEVICES, driver: Path = DRIVER
+) -> list[str]:
     """This machine's usable GPUs, as CUDA_VISIBLE_DEVICES entries: the caller's own, else
     as many as `nvidia-smi -L` lists, else /dev/nvidia<N> nodes (a container has those of
     its GPUs only), else the driver's list."""
@@ -81,9 +82,11 @@ def place(processes: Sequence[Process], gpus: Sequence[str]) -> Placement:
         return Placement({})
     have = f"this machine has {_count(len(gpus))}"
     if not gpus:
-        raise NotEnoughGPUs(f"the job asks for {_count(wanted)} and {have} (no NVIDIA driver"
-                            f" found, or {VISIBLE} hides them); run it where there are GPUs,"
-                            " or set its GPU fields to 0 to train on CPU")  # fmt: skip
+        raise NotEnoughGPUs(
+            f"the job asks for {_count(wanted)} and {have} (no NVIDIA driver"
+            f" found, or {VISIBLE} hides them); run it where there are GPUs,"
+            " or set its GPU fields to 0 to train on CPU"
+        )
     load = dict.fromkeys(gpus, 0)
     held: dict[str, dict[str, str]] = {}  # NCCL group -> GPU -> the member holding it
     visible = {}
@@ -112,8 +115,11 @@ def place(processes: Sequence[Process], gpus: Sequence[str]) -> Placement:
     for p in asking:
         sharing.setdefault(visible[p.rank], []).append(p.rpc_name)
     shared = "; ".join(f"{', '.join(names)} on {VISIBLE}={v}" for v, names in sharing.items())
-    return Placement(visible, f"the job asks for {_count(wanted)} and {have}: its processes"
-                              f" share them ({shared}), which trains, but slower")  # fmt: skip
+    return Placement(
+        visible,
+        f"the job asks for {_count(wanted)} and {have}: its processes"
+        f" share them ({shared}), which trains, but slower",
+    )
 
 
 def _count(n: int) -> str:

@@ -90,8 +90,10 @@ def main() -> int:
             reason = f"{BROKEN_PREFIX} {one_line(e)}; another member failed or stopped first"
             return fail(env, f"error: {reason}", reason, ExitCode.TRAINING_FAILED)
         reason = f"training failed: {type(e).__name__}: {e}"
-        trace = ("error: training failed with an unexpected error (a bug: please report it"
-                 " with this traceback):\n" + traceback.format_exc())  # fmt: skip
+        trace = (
+            "error: training failed with an unexpected error (a bug: please report it"
+            " with this traceback):\n" + traceback.format_exc()
+        )
         return fail(env, trace, reason, ExitCode.TRAINING_FAILED)
     monitor.board().phase("finished")
     if env.rank == 0:  # the final report, for an operator whose last poll came before the end

@@ -45,32 +45,47 @@ EMBEDDING = Field(
     fields={
         "numEmbeddings": integer("Rows of the table.", default=100, minimum=1),
         "dim": integer("Width of an embedding.", default=16, minimum=1),
-        "mode": Field("string", "How a bag is reduced.", default="sum",
-                      enum=("sum", "mean", "max")),
+        "mode": Field(
+            "string", "How a bag is reduced.", default="sum", enum=("sum", "mean", "max")
+        ),
     },
     section=True,
-)  # fmt: skip
+)
 
 TABLE = Field(
     "object",
     "One embedding table, pooled over the ids its feature gives each sample.",
     fields={
-        "name": Field("string", "The table's name: the key of its pooled embeddings and of"
-                      " its weight in the trained model.", pattern=NAME,
-                      pattern_says="be a Python identifier", max_length=63),
-        "rows": integer("Rows of the table. A feature's ids must lie below it; Criteo's"
-                        " categorical values are hashed into it (value mod rows).", minimum=1,
-                        maximum=2**40),
+        "name": Field(
+            "string",
+            "The table's name: the key of its pooled embeddings and of"
+            " its weight in the trained model.",
+            pattern=NAME,
+            pattern_says="be a Python identifier",
+            max_length=63,
+        ),
+        "rows": integer(
+            "Rows of the table. A feature's ids must lie below it; Criteo's"
+            " categorical values are hashed into it (value mod rows).",
+            minimum=1,
+            maximum=2**40,
+        ),
         "dim": integer("Width of an embedding.", minimum=1, maximum=4096),
-        "mode": Field("string", "How a sample's ids are pooled.", default="sum",
-                      enum=("sum", "mean", "max")),
-        "feature": Field("string", "The input feature whose ids the table looks up (C1 ..."
-                         " C26 for Criteo data); the table's name unless given. Tables may"
-                         " share a feature.", pattern=NAME, pattern_says="be a Python"
-                         " identifier", max_length=63),
+        "mode": Field(
+            "string", "How a sample's ids are pooled.", default="sum", enum=("sum", "mean", "max")
+        ),
+        "feature": Field(
+            "string",
+            "The input feature whose ids the table looks up (C1 ..."
+            " C26 for Criteo data); the table's name unless given. Tables may"
+            " share a feature.",
+            pattern=NAME,
+            pattern_says="be a Python identifier",
+            max_length=63,
+        ),
     },
     required=("name", "rows", "dim"),
-)  # fmt: skip
+)
 
 DLRM = Field(
     "object",
@@ -78,26 +93,37 @@ DLRM = Field(
     " features to the tables' width, the pairwise dot products of its output and the pooled"
     " embeddings, and a top MLP over them and the bottom output to one logit (click or not).",
     fields={
-        "bottom": Field("array", "Hidden widths of the bottom MLP; a last layer to the tables'"
-                        " dim follows.", items=integer("A width.", minimum=1), default=[64],
-                        max_items=16),
-        "top": Field("array", "Hidden widths of the top MLP; a last layer to one logit"
-                     " follows.", items=integer("A width.", minimum=1), default=[64, 32],
-                     max_items=16),
+        "bottom": Field(
+            "array",
+            "Hidden widths of the bottom MLP; a last layer to the tables' dim follows.",
+            items=integer("A width.", minimum=1),
+            default=[64],
+            max_items=16,
+        ),
+        "top": Field(
+            "array",
+            "Hidden widths of the top MLP; a last layer to one logit follows.",
+            items=integer("A width.", minimum=1),
+            default=[64, 32],
+            max_items=16,
+        ),
     },
-)  # fmt: skip
+)
 
 HYBRID_SPEC = Field(
     "object",
     "A hybrid job: embedding tables on parameter servers over RPC, DDP dense layers on trainers.",
     fields={
-        "trainers": size_field("Trainer pods; they form the DDP group.", default=2, minimum=1,
-                               maximum=256),
+        "trainers": size_field(
+            "Trainer pods; they form the DDP group.", default=2, minimum=1, maximum=256
+        ),
         "parameterServers": integer(
             "Parameter server pods. The tables are placed on them by size; a table larger than"
             " a share (all tables' bytes / parameterServers) is split row-wise across all of"
             " them (`pipejob plan` prints where each goes).",
-            default=1, minimum=1, maximum=MAX_SERVERS,
+            default=1,
+            minimum=1,
+            maximum=MAX_SERVERS,
         ),
         "embedding": EMBEDDING,
         "embeddings": Field(
@@ -106,11 +132,15 @@ HYBRID_SPEC = Field(
             " own rows, width, pooling and feature. With them the model takes dense features"
             " too, and the task is a click (label 0 or 1): the built-in DLRM (dense.dlrm) or"
             " dense.import, binary cross-entropy, and AUC on the held-out data.",
-            items=TABLE, min_items=1, max_items=1024, list_map_keys=("name",),
+            items=TABLE,
+            min_items=1,
+            max_items=1024,
+            list_map_keys=("name",),
         ),
         "sparseOptimizer": SPARSE_OPTIMIZER,
         "dense": Field(
-            "object", "The DDP-replicated dense model on every trainer. With spec.embedding: a"
+            "object",
+            "The DDP-replicated dense model on every trainer. With spec.embedding: a"
             " Linear layer from the bag's embedding to outFeatures classes, or the user's"
             " module (import) on it. With spec.embeddings: the built-in DLRM (dlrm), or the"
             " user's module (import) called with (dense features (batch, n), {table name:"
@@ -127,20 +157,31 @@ HYBRID_SPEC = Field(
             },
             rules=(args_need_import("dense"),),
         ),
-        "batchSize": integer("Samples per trainer step (at trainers.max when elastic); a step"
-                             " trains on batchSize x trainers.max.", default=32, minimum=1),
+        "batchSize": integer(
+            "Samples per trainer step (at trainers.max when elastic); a step"
+            " trains on batchSize x trainers.max.",
+            default=32,
+            minimum=1,
+        ),
         "bagSize": integer("Synthetic data: most ids in one bag.", default=10, minimum=1),
-        "datasetSize": integer("Synthetic data: samples, split disjointly across trainers.",
-                            default=10000, minimum=1),
-        "denseFeatures": integer("Synthetic data with spec.embeddings: dense features per"
-                                 " sample.", default=13, maximum=1024),
+        "datasetSize": integer(
+            "Synthetic data: samples, split disjointly across trainers.", default=10000, minimum=1
+        ),
+        "denseFeatures": integer(
+            "Synthetic data with spec.embeddings: dense features per sample.",
+            default=13,
+            maximum=1024,
+        ),
         "data": HYBRID_DATA,
         "gpusPerTrainer": integer(
             "GPUs per trainer pod (nvidia.com/gpu): 0 runs on CPU, 1 on a GPU (a trainer uses"
-            " one).", default=0, maximum=1,
+            " one).",
+            default=0,
+            maximum=1,
         ),
         "backend": Field(
-            "string", "DDP backend of the trainers: gloo without GPUs (the default), nccl with.",
+            "string",
+            "DDP backend of the trainers: gloo without GPUs (the default), nccl with.",
             enum=("gloo", "nccl"),
         ),
         **COMMON,
@@ -181,10 +222,12 @@ HYBRID_SPEC = Field(
             " (type(self.trainers) == int ? 'trainers' : 'trainers.max') + ' x batchSize = ' +"
             f" string({cel_full('trainers')} * self.batchSize) + ' samples, got ' +"
             " string(self.datasetSize)",
-            explain=lambda s: "datasetSize must hold at least one batch per trainer: "
-            + ("trainers" if isinstance(s["trainers"], int) else "trainers.max")
-            + f" x batchSize = {full(s['trainers']) * s['batchSize']} samples, got"
-            f" {s['datasetSize']}",
+            explain=lambda s: (
+                "datasetSize must hold at least one batch per trainer: "
+                + ("trainers" if isinstance(s["trainers"], int) else "trainers.max")
+                + f" x batchSize = {full(s['trainers']) * s['batchSize']} samples, got"
+                f" {s['datasetSize']}"
+            ),
         ),
         Rule(
             "!has(self.optimizer.schedule) && !has(self.optimizer.clipGradNorm)",
@@ -198,7 +241,7 @@ HYBRID_SPEC = Field(
         elastic_acts("trainers"),
         *COMMON_RULES,
     ),
-)  # fmt: skip
+)
 
 
 def _real_data(spec: dict[str, Any]) -> bool:
@@ -284,15 +327,23 @@ def _check(spec: Spec) -> list[SpecError]:
     recommends = "embedding" not in spec
     if recommends and "import" not in spec["dense"]:
         dim = embeddings[0]["dim"]
-        errors += [SpecError(f"spec.embeddings[{i}].dim", f"is {t['dim']}, but the built-in"
-                             f" DLRM needs every table as wide as the first ({dim}): its dot"
-                             " interaction multiplies them pairwise (or give dense.import)")
-                   for i, t in enumerate(embeddings) if t["dim"] != dim]  # fmt: skip
+        errors += [
+            SpecError(
+                f"spec.embeddings[{i}].dim",
+                f"is {t['dim']}, but the built-in"
+                f" DLRM needs every table as wide as the first ({dim}): its dot"
+                " interaction multiplies them pairwise (or give dense.import)",
+            )
+            for i, t in enumerate(embeddings)
+            if t["dim"] != dim
+        ]
     if "criteo" in (spec.get("data") or {}):
         said = "is not a Criteo categorical feature: C1 ... C26"
-        errors += [SpecError(f"spec.embeddings[{i}].feature", f"{shown(t['feature'])} {said}")
-                   for i, t in enumerate(embeddings)
-                   if t["feature"] not in CRITEO_FEATURES]  # fmt: skip
+        errors += [
+            SpecError(f"spec.embeddings[{i}].feature", f"{shown(t['feature'])} {said}")
+            for i, t in enumerate(embeddings)
+            if t["feature"] not in CRITEO_FEATURES
+        ]
     return errors + _memory(spec)
 
 
@@ -308,23 +359,43 @@ def _memory(spec: Spec) -> list[SpecError]:
     where = f"the pods' memory limit {limit} (spec.template.resources.limits.memory)"
     trainers = Size.of(spec["trainers"])
     trainer = tables.trainer_needs(-(-trainers.max // trainers.min))  # its lanes at the fewest
-    errors = [] if trainer <= fits else [SpecError("spec.template.resources.limits.memory", (
-        f"a trainer needs about {tables.size(trainer)} (torch, RPC, the dense model and its"
-        f" reader), over {where}: give the pods more memory"))]  # fmt: skip
+    errors = (
+        []
+        if trainer <= fits
+        else [
+            SpecError(
+                "spec.template.resources.limits.memory",
+                (
+                    f"a trainer needs about {tables.size(trainer)} (torch, RPC, the dense model"
+                    f" and its reader), over {where}: give the pods more memory"
+                ),
+            )
+        ]
+    )
     optimizer, typed = spec["sparseOptimizer"]["name"], _typed(spec)
     server, held = tables.fullest(typed, servers, optimizer)
     if tables.server_needs(held) <= fits:
         return errors
-    enough = next((n for n in range(servers + 1, MAX_SERVERS + 1)
-                   if tables.server_needs(tables.fullest(typed, n, optimizer)[1]) <= fits),
-                  None)  # fmt: skip
+    enough = next(
+        (
+            n
+            for n in range(servers + 1, MAX_SERVERS + 1)
+            if tables.server_needs(tables.fullest(typed, n, optimizer)[1]) <= fits
+        ),
+        None,
+    )
     advice = f"use {enough} parameterServers" if enough else "give the pods more memory"
-    return errors + [SpecError("spec.parameterServers", (
-        f"ps{server} would hold {tables.size(held)} of tables and {optimizer} state"
-        f" ({_largest(spec, typed, optimizer)}) and need about"
-        f" {tables.size(tables.server_needs(held))} with what the process holds besides them,"
-        f" over {where}: {advice}"
-    ))]  # fmt: skip
+    return errors + [
+        SpecError(
+            "spec.parameterServers",
+            (
+                f"ps{server} would hold {tables.size(held)} of tables and {optimizer} state"
+                f" ({_largest(spec, typed, optimizer)}) and need about"
+                f" {tables.size(tables.server_needs(held))} with what the process holds besides"
+                f" them, over {where}: {advice}"
+            ),
+        )
+    ]
 
 
 def _largest(spec: Spec, typed: tuple[Table, ...], optimizer: str) -> str:
@@ -364,7 +435,7 @@ HYBRID_JOB = Kind(
             computes=True,
             latency_bound=True,
         ),
-    ),  # fmt: skip
+    ),
     groups=(Group("ddp", "trainer", backend=lambda spec: spec["backend"]),),
     trainer="pipejob.trainer.hybrid",
     columns=(

@@ -16,12 +16,31 @@ from pipejob.core.workload import PIPELINE_DATA, Model, PipelineData, model_fiel
 
 # Models whose torchvision structure the trainer knows how to cut into sequential layers.
 PIPELINE_MODELS = (
-    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
-    "resnext50_32x4d", "resnext101_32x8d", "wide_resnet50_2", "wide_resnet101_2",
-    "vgg11", "vgg13", "vgg16", "vgg19", "vgg11_bn", "vgg13_bn", "vgg16_bn", "vgg19_bn",
-    "alexnet", "mobilenet_v2", "mobilenet_v3_small", "mobilenet_v3_large",
-    "efficientnet_b0", "efficientnet_b1", "convnext_tiny",
-)  # fmt: skip
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "resnext50_32x4d",
+    "resnext101_32x8d",
+    "wide_resnet50_2",
+    "wide_resnet101_2",
+    "vgg11",
+    "vgg13",
+    "vgg16",
+    "vgg19",
+    "vgg11_bn",
+    "vgg13_bn",
+    "vgg16_bn",
+    "vgg19_bn",
+    "alexnet",
+    "mobilenet_v2",
+    "mobilenet_v3_small",
+    "mobilenet_v3_large",
+    "efficientnet_b0",
+    "efficientnet_b1",
+    "convnext_tiny",
+)
 
 AUTO = "auto"  # spec.microBatches: the master chooses the count
 
@@ -51,11 +70,14 @@ def schedule_refuses(schedule: str, stages: int, micro_batches: int) -> str | No
     at least that many (torch's Schedule1F1B); the interleaved schedules run the micro-batches
     in rounds of `stages` (torch's rule, in the form every pinned torch version accepts)."""
     if schedule == ONE_F_ONE_B and micro_batches < stages:
-        return (f"1f1b needs at least as many micro-batches as stages ({stages}), got"
-                f" {micro_batches}")  # fmt: skip
+        return (
+            f"1f1b needs at least as many micro-batches as stages ({stages}), got {micro_batches}"
+        )
     if schedule in INTERLEAVING and micro_batches % stages:
-        return (f"{schedule} runs micro-batches in rounds of one per stage: microBatches must"
-                f" be a multiple of stages ({stages}), got {micro_batches}")  # fmt: skip
+        return (
+            f"{schedule} runs micro-batches in rounds of one per stage: microBatches must"
+            f" be a multiple of stages ({stages}), got {micro_batches}"
+        )
     return None
 
 
@@ -91,16 +113,19 @@ PIPELINE_SPEC = Field(
         ),
         "data": PIPELINE_DATA,
         "engine": Field(
-            "string", "What runs the pipeline. rpc: the master drives every micro-batch"
+            "string",
+            "What runs the pipeline. rpc: the master drives every micro-batch"
             " through the stages over torch.distributed.rpc, with distributed autograd"
             " (GPipe's schedule). pipelining: each stage process holds"
             " torch.distributed.pipelining PipelineStages, which pass activations and"
             " gradients to their neighbours over a process group and step `schedule`; the"
             " master still plans, steps and checkpoints them over RPC.",
-            default=RPC, enum=(RPC, PIPELINING),
+            default=RPC,
+            enum=(RPC, PIPELINING),
         ),
         "schedule": Field(
-            "string", "The order of each stage's forwards and backwards (engine pipelining;"
+            "string",
+            "The order of each stage's forwards and backwards (engine pipelining;"
             " the rpc engine runs gpipe). gpipe: every forward, then every backward (each"
             " stage keeps all micro-batches' activations). 1f1b: after a warm-up, one"
             " forward, one backward (at most `stages` micro-batches' activations; needs"
@@ -115,42 +140,57 @@ PIPELINE_SPEC = Field(
             "Stages each stage process holds, for the interleaved schedules (at least 2):"
             " the model is cut into stages x stagesPerProcess pieces and process k holds"
             " pieces k, k + stages, ..., which shrinks the bubble by that factor.",
-            default=1, minimum=1, maximum=8,
+            default=1,
+            minimum=1,
+            maximum=8,
         ),
         "replicas": size_field(
             "Copies of the pipeline, each on its own share of every batch (data parallel):"
             " stage i of every replica averages its gradients with the others' before each"
             " optimizer step, so the replicas stay identical.",
-            default=1, minimum=1, maximum=64,
+            default=1,
+            minimum=1,
+            maximum=64,
         ),
         "microBatches": Field(
             "int-or-string",
             "Micro-batches each batch is split into, or `auto`: the stages measure the"
             " model's layers at each candidate count (powers of two dividing batchSize, with"
             " micro-batches of at least 2) and runs the one with the shortest predicted step.",
-            default=4, minimum=1, pattern=AUTO,
+            default=4,
+            minimum=1,
+            pattern=AUTO,
         ),
-        "batchSize": integer("Samples per batch of each replica (at replicas.max when elastic);"
-                             " a step trains on batchSize x replicas.", default=32, minimum=1),
+        "batchSize": integer(
+            "Samples per batch of each replica (at replicas.max when elastic);"
+            " a step trains on batchSize x replicas.",
+            default=32,
+            minimum=1,
+        ),
         "imageSize": integer(
             "Height and width of the square input images.", default=224, minimum=32, maximum=1024
         ),
         "numClasses": integer("Classes of the classifier head.", default=1000, minimum=2),
         "gpusPerStage": integer(
             "GPUs per stage pod (nvidia.com/gpu): 0 runs on CPU, 1 on a GPU (a stage uses one).",
-            default=0, maximum=1,
+            default=0,
+            maximum=1,
         ),
         "gradientAccumulation": integer(
             "Batches per optimizer step: their gradients add up (each batch's loss weighted"
             " 1/gradientAccumulation), so a step equals one on a gradientAccumulation times"
             " bigger batch, with the memory of one batch.",
-            default=1, minimum=1, maximum=1024,
+            default=1,
+            minimum=1,
+            maximum=1024,
         ),
         "precision": Field(
-            "string", "What the stages compute in: fp32; bf16 (autocast, on CPU and GPU); or"
+            "string",
+            "What the stages compute in: fp32; bf16 (autocast, on CPU and GPU); or"
             " fp16 (autocast with loss scaling, GPU only). Weights and optimizer state stay"
             " float32.",
-            default="fp32", enum=("fp32", "bf16", "fp16"),
+            default="fp32",
+            enum=("fp32", "bf16", "fp16"),
         ),
         "skipNonFiniteSteps": integer(
             "Steps whose loss or gradient norm is not finite (NaN or infinite) that may be"
@@ -159,10 +199,12 @@ PIPELINE_SPEC = Field(
             " stage where the first non-finite value came from and the value, with its last"
             " checkpoint kept and no output written. With fp16, a step whose gradients"
             " overflow is skipped by the loss scaling and is not counted.",
-            default=0, minimum=0,
+            default=0,
+            minimum=0,
         ),
         "activationCheckpointing": Field(
-            "boolean", "Each stage keeps only its inputs in the forward and recomputes its"
+            "boolean",
+            "Each stage keeps only its inputs in the forward and recomputes its"
             " activations in the backward: less memory for about one more forward.",
             default=False,
         ),
@@ -180,16 +222,20 @@ PIPELINE_SPEC = Field(
             " self.stagesPerProcess - 1",
             "must list stages x stagesPerProcess - 1 module names, where stage 1, 2, ... begin",
             "splitPoints",
-            lambda s: "splitPoints" not in s
-            or len(s["splitPoints"]) == s["stages"] * s["stagesPerProcess"] - 1,
+            lambda s: (
+                "splitPoints" not in s
+                or len(s["splitPoints"]) == s["stages"] * s["stagesPerProcess"] - 1
+            ),
             message_expression="'must list ' + (self.stagesPerProcess == 1 ? 'stages - 1' :"
             " 'stages x stagesPerProcess - 1') + ' = ' + string(self.stages *"
             " self.stagesPerProcess - 1) + ' module names, where stage 1, 2, ... begin; got ' +"
             " string(size(self.splitPoints))",
-            explain=lambda s: "must list "
-            + ("stages - 1" if s["stagesPerProcess"] == 1 else "stages x stagesPerProcess - 1")
-            + f" = {s['stages'] * s['stagesPerProcess'] - 1} module names, where stage 1, 2,"
-            f" ... begin; got {len(s['splitPoints'])}",
+            explain=lambda s: (
+                "must list "
+                + ("stages - 1" if s["stagesPerProcess"] == 1 else "stages x stagesPerProcess - 1")
+                + f" = {s['stages'] * s['stagesPerProcess'] - 1} module names, where stage 1, 2,"
+                f" ... begin; got {len(s['splitPoints'])}"
+            ),
         ),
         Rule(
             "!has(self.splitPoints) || self.splitPoints.all(p,"
@@ -215,8 +261,10 @@ PIPELINE_SPEC = Field(
             lambda s: s["engine"] == PIPELINING or s.get("schedule", GPIPE) == GPIPE,
             message_expression="'the rpc engine (spec.engine) runs gpipe only; set"
             " spec.engine: pipelining for ' + self.schedule",
-            explain=lambda s: "the rpc engine (spec.engine) runs gpipe only; set spec.engine:"
-            f" pipelining for {s['schedule']}",
+            explain=lambda s: (
+                "the rpc engine (spec.engine) runs gpipe only; set spec.engine:"
+                f" pipelining for {s['schedule']}"
+            ),
         ),
         Rule(
             "has(self.schedule) && self.schedule in ['interleaved-1f1b', 'zero-bubble'] ?"
@@ -232,12 +280,15 @@ PIPELINE_SPEC = Field(
             " per process; spec.schedule is ' + (has(self.schedule) ? self.schedule :"
             " (self.engine == 'rpc' ? 'gpipe' : '1f1b') + ', the default of spec.engine ' +"
             " self.engine)",
-            explain=lambda s: f"spec.schedule {s['schedule']} interleaves several stages per"
-            " process: set stagesPerProcess to 2 or more" if s.get("schedule") in INTERLEAVING
-            else "only the interleaved schedules (spec.schedule interleaved-1f1b or"
-            " zero-bubble) hold several stages per process; spec.schedule is"
-            f" {s.get('schedule') or DEFAULT_SCHEDULE[s['engine']]}"
-            + ("" if "schedule" in s else f", the default of spec.engine {s['engine']}"),
+            explain=lambda s: (
+                f"spec.schedule {s['schedule']} interleaves several stages per"
+                " process: set stagesPerProcess to 2 or more"
+                if s.get("schedule") in INTERLEAVING
+                else "only the interleaved schedules (spec.schedule interleaved-1f1b or"
+                " zero-bubble) hold several stages per process; spec.schedule is"
+                f" {s.get('schedule') or DEFAULT_SCHEDULE[s['engine']]}"
+                + ("" if "schedule" in s else f", the default of spec.engine {s['engine']}")
+            ),
         ),
         Rule(
             f"type(self.microBatches) == string || ({SCHEDULE_CEL} == '1f1b' ?"
@@ -246,14 +297,18 @@ PIPELINE_SPEC = Field(
             "the schedule (spec.schedule) cannot run this many micro-batches: 1f1b needs at"
             " least stages, the interleaved schedules a multiple of stages",
             "microBatches",
-            lambda s: s["microBatches"] == AUTO
-            or schedule_refuses(schedule_of(s), s["stages"], s["microBatches"]) is None,
-            explain=lambda s: "spec.schedule "
-            + str(schedule_refuses(schedule_of(s), s["stages"], s["microBatches"])),
+            lambda s: (
+                s["microBatches"] == AUTO
+                or schedule_refuses(schedule_of(s), s["stages"], s["microBatches"]) is None
+            ),
+            explain=lambda s: (
+                "spec.schedule "
+                + str(schedule_refuses(schedule_of(s), s["stages"], s["microBatches"]))
+            ),
         ),
         *COMMON_RULES,
     ),
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,21 +350,30 @@ def _complete(spec: Spec) -> Spec:
 def _check(spec: Spec) -> list[SpecError]:
     """The model's own limits (models.py), and data the model cannot read."""
     errors = models.check(spec)
-    if spec["microBatches"] == AUTO and not auto_counts(spec["batchSize"], spec["schedule"],
-                                                         spec["stages"]):  # fmt: skip
+    if spec["microBatches"] == AUTO and not auto_counts(
+        spec["batchSize"], spec["schedule"], spec["stages"]
+    ):
         counts = micro_batch_counts(spec["batchSize"])
-        errors.append(SpecError("spec.microBatches", (
-            f"auto chooses among {', '.join(map(str, counts))} micro-batches (powers of two"
-            f" dividing batchSize {spec['batchSize']}), none of which spec.schedule can run:"
-            f" {schedule_refuses(spec['schedule'], spec['stages'], counts[-1])}"
-        )))  # fmt: skip
+        errors.append(
+            SpecError(
+                "spec.microBatches",
+                (
+                    f"auto chooses among {', '.join(map(str, counts))} micro-batches (powers of"
+                    f" two dividing batchSize {spec['batchSize']}), none of which spec.schedule can"
+                    f" run:"
+                    f" {schedule_refuses(spec['schedule'], spec['stages'], counts[-1])}"
+                ),
+            )
+        )
     tokens = spec["data"].get("tokens")
     if tokens is not None and "transformer" not in spec["model"] and "seqLen" not in tokens:
-        errors.append(SpecError(
-            "spec.data.tokens.seqLen",
-            "required: the tokens per sample (only the built-in transformer, model.transformer,"
-            " has a seqLen of its own)",
-        ))  # fmt: skip
+        errors.append(
+            SpecError(
+                "spec.data.tokens.seqLen",
+                "required: the tokens per sample (only the built-in transformer, model.transformer,"
+                " has a seqLen of its own)",
+            )
+        )
     return errors
 
 

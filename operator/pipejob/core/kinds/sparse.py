@@ -24,26 +24,45 @@ SPARSE_OPTIMIZER = Field(
     " sparse gradients, on the rows the step touched only; the state lives once per table"
     " (on the servers), not per trainer.",
     fields={
-        "name": Field("string", "sgd; adagrad; rowwiseAdagrad (one accumulator per row, the"
-                      " mean of its squared gradients, as FBGEMM's); or adam (lazy: the moments"
-                      " of touched rows move, as torch.optim.SparseAdam).", default="sgd",
-                      enum=tuple(EPS)),
-        "lr": Field("number", "Learning rate; spec.optimizer.lr unless given.",
-                    **_sparse_bound("lr")),
-        "eps": Field("number", "Added to the denominator (adagrad, rowwiseAdagrad, adam; > 0"
-                     " with adam); 1e-10 for the adagrads and 1e-8 for adam unless given.",
-                     **_sparse_bound("eps")),
-        "initialAccumulatorValue": Field("number", "Starting sum of squared gradients"
-                                         " (adagrad, rowwiseAdagrad).", default=0.0,
-                                         **_sparse_bound("initialAccumulatorValue")),
-        "beta1": Field("number", "adam's first-moment decay, in [0, 1).", default=0.9,
-                       **_sparse_bound("beta1")),
-        "beta2": Field("number", "adam's second-moment decay, in [0, 1).", default=0.999,
-                       **_sparse_bound("beta2")),
+        "name": Field(
+            "string",
+            "sgd; adagrad; rowwiseAdagrad (one accumulator per row, the"
+            " mean of its squared gradients, as FBGEMM's); or adam (lazy: the moments"
+            " of touched rows move, as torch.optim.SparseAdam).",
+            default="sgd",
+            enum=tuple(EPS),
+        ),
+        "lr": Field(
+            "number", "Learning rate; spec.optimizer.lr unless given.", **_sparse_bound("lr")
+        ),
+        "eps": Field(
+            "number",
+            "Added to the denominator (adagrad, rowwiseAdagrad, adam; > 0"
+            " with adam); 1e-10 for the adagrads and 1e-8 for adam unless given.",
+            **_sparse_bound("eps"),
+        ),
+        "initialAccumulatorValue": Field(
+            "number",
+            "Starting sum of squared gradients (adagrad, rowwiseAdagrad).",
+            default=0.0,
+            **_sparse_bound("initialAccumulatorValue"),
+        ),
+        "beta1": Field(
+            "number", "adam's first-moment decay, in [0, 1).", default=0.9, **_sparse_bound("beta1")
+        ),
+        "beta2": Field(
+            "number",
+            "adam's second-moment decay, in [0, 1).",
+            default=0.999,
+            **_sparse_bound("beta2"),
+        ),
     },
-    rules=tuple(r for f in ("lr", "eps", "initialAccumulatorValue", "beta1", "beta2")
-                for r in bounds.name_rules(_SPARSE, f)),
-)  # fmt: skip
+    rules=tuple(
+        r
+        for f in ("lr", "eps", "initialAccumulatorValue", "beta1", "beta2")
+        for r in bounds.name_rules(_SPARSE, f)
+    ),
+)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -135,12 +135,13 @@ def lines(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[str]:
     """The tables' bytes, and each server's pieces (`big[0:500000], c2`), as words."""
     weights = sum(t.rows * t.dim * FLOAT_BYTES for t in tables)
     state = sum(table_bytes(t, optimizer) for t in tables) - weights
-    out = [f"embedding tables: {len(tables)}, {size(weights)} of weights + {size(state)} of"
-           f" {optimizer} state",
-           f"{'server':<8} {'bytes':>12}  tables (rows start:stop where split)"]  # fmt: skip
+    out = [
+        f"embedding tables: {len(tables)}, {size(weights)} of weights + {size(state)} of"
+        f" {optimizer} state",
+        f"{'server':<8} {'bytes':>12}  tables (rows start:stop where split)",
+    ]
     for s, pieces in enumerate(place(tables, servers, optimizer)):
-        named = ", ".join(p.table if p.whole else f"{p.table}[{p.start}:{p.stop}]"
-                          for p in pieces)  # fmt: skip
+        named = ", ".join(p.table if p.whole else f"{p.table}[{p.start}:{p.stop}]" for p in pieces)
         out.append(f"{f'ps{s}':<8} {size(server_bytes(pieces, optimizer)):>12}  {named or '-'}")
     return out
 

@@ -54,8 +54,11 @@ def pod_failure(pod: dict, who: str) -> Failure | None:
     said = (state.get("message") or "").strip()
     if code == ExitCode.STALLED and said.startswith(STALLED_PREFIX):  # its watchdog named one
         stalled = said.removeprefix(STALLED_PREFIX).strip()
-        return Failure("Stalled", f"{tail(stalled)} (found by {who}, pod {name})",
-                       state.get("finishedAt") or "")  # fmt: skip
+        return Failure(
+            "Stalled",
+            f"{tail(stalled)} (found by {who}, pod {name})",
+            state.get("finishedAt") or "",
+        )
     message = f"{who} (pod {name}) failed with exit code {code if code is not None else '?'}"
     killed = _signal_name(code)
     if state.get("reason") or killed:
@@ -63,8 +66,12 @@ def pod_failure(pod: dict, who: str) -> Failure | None:
     detail = (state.get("message") or status.get("message") or "").strip()
     if detail and not killed:  # a killed process's last lines are not its error
         message += ": " + tail(detail)
-    return Failure("PodFailed", message, state.get("finishedAt") or "",
-                   consequence=said.startswith(BROKEN_PREFIX))  # fmt: skip
+    return Failure(
+        "PodFailed",
+        message,
+        state.get("finishedAt") or "",
+        consequence=said.startswith(BROKEN_PREFIX),
+    )
 
 
 def permanent_failure(pod: dict, who: str) -> Failure | None:
@@ -77,8 +84,9 @@ def permanent_failure(pod: dict, who: str) -> Failure | None:
     reason, detail = parsed or ("PermanentFailure", (state.get("message") or "").strip())
     name = pod["metadata"]["name"]
     message = f"{who} (pod {name}) failed permanently with exit code {state['exitCode']}"
-    return Failure(reason, message + (": " + tail(detail) if detail else ""),
-                   state.get("finishedAt") or "")  # fmt: skip
+    return Failure(
+        reason, message + (": " + tail(detail) if detail else ""), state.get("finishedAt") or ""
+    )
 
 
 # Waiting reasons no wait cures: the image cannot be had. The job fails at once, naming the

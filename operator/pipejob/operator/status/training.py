@@ -12,8 +12,9 @@ from pipejob.operator.status.pods import pod_phase, tail, trainer_state
 
 def with_preflight(status: dict, ok: bool, message: str, now: datetime) -> dict:
     reason = "PreflightPassed" if ok else "PreflightFailed"
-    conditions = set_condition(list(status.get("conditions") or []), PREFLIGHT, ok, reason,
-                               message or reason, now)  # fmt: skip
+    conditions = set_condition(
+        list(status.get("conditions") or []), PREFLIGHT, ok, reason, message or reason, now
+    )
     return dict(status, conditions=conditions)
 
 

@@ -43,8 +43,10 @@ def run(env: Env) -> dict[str, Any] | None:
         import torch.distributed as dist
 
         rendezvous.join_ddp(env)
-        world.log(env, f"joined the DDP group as rank {env.ddp_rank}/{env.ddp_world_size}"
-                       f" ({env.ddp_backend})")  # fmt: skip
+        world.log(
+            env,
+            f"joined the DDP group as rank {env.ddp_rank}/{env.ddp_world_size} ({env.ddp_backend})",
+        )
         roles.serve(env)  # serves the master's call to trainer.train until the world is done
         dist.destroy_process_group()
         return None
@@ -52,8 +54,9 @@ def run(env: Env) -> dict[str, Any] | None:
     return None
 
 
-def export_checkpoint(directory: Any, manifest: dict[str, Any], out: Any,
-                      format: str = "safetensors") -> list[Any]:  # fmt: skip
+def export_checkpoint(
+    directory: Any, manifest: dict[str, Any], out: Any, format: str = "safetensors"
+) -> list[Any]:
     """`pipejob export` of this kind's checkpoint: the files spec.output writes."""
     from pipejob.trainer.hybrid import output
 

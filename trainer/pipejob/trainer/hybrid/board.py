@@ -38,10 +38,16 @@ class Reports:
         loss, accuracy, auc = figures["loss"], figures["accuracy"], figures["auc"]
         count = figures["samples"]
         with self.lock:
-            self.evaluation = {"evalStep": step, "evalLoss": loss, "evalAccuracy": accuracy,
-                               "evalAuc": auc, "evalSamples": count}  # fmt: skip
-        world.log(self.env, f"eval step {step}: {said(self.evaluation)} on {count} held-out"
-                            f" {unit()}")  # fmt: skip
+            self.evaluation = {
+                "evalStep": step,
+                "evalLoss": loss,
+                "evalAccuracy": accuracy,
+                "evalAuc": auc,
+                "evalSamples": count,
+            }
+        world.log(
+            self.env, f"eval step {step}: {said(self.evaluation)} on {count} held-out {unit()}"
+        )
         monitor.board().evaluated(step, loss, accuracy=accuracy, auc=auc)
         with self.lock:
             self.events.scalars(step, eval_loss=loss, eval_accuracy=accuracy, eval_auc=auc)
@@ -61,11 +67,11 @@ class Reports:
                 rate = samples / max(now - self.last_time, 1e-9)
                 mean = sum(losses.values()) / len(losses)  # weighted by share: the batch's
                 self.losses[step] = mean
-                world.log(self.env, f"step {step}/{self.steps}  loss {mean:.4f}"
-                                    f"  {rate:,.0f} samples/s")  # fmt: skip
+                world.log(
+                    self.env, f"step {step}/{self.steps}  loss {mean:.4f}  {rate:,.0f} samples/s"
+                )
                 steps = step - self.last_step
-                monitor.board().step(step, mean, (now - self.last_time) / steps,
-                                     samples // steps)  # fmt: skip
+                monitor.board().step(step, mean, (now - self.last_time) / steps, samples // steps)
                 memory.refresh(self.env, monitor.board())  # each member's peak, not waited for
                 self.events.scalars(step, loss=mean, samples_per_second=rate)
             else:
@@ -129,11 +135,17 @@ def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> No
     files = [own, *files]
     # The model's spec and latest evaluation travel along, for `pipejob export`.
     evaluation = reports.evaluation or {}
-    checkpoint.write_manifest(root, step, files, kind=env.kind, job=env.job,
-                              trainerCount=len(env.names("trainer")),
-                              parameterServers=len(env.names("ps")),
-                              model=output.model_spec(env.spec),
-                              metrics=output.metrics(evaluation))  # fmt: skip
+    checkpoint.write_manifest(
+        root,
+        step,
+        files,
+        kind=env.kind,
+        job=env.job,
+        trainerCount=len(env.names("trainer")),
+        parameterServers=len(env.names("ps")),
+        model=output.model_spec(env.spec),
+        metrics=output.metrics(evaluation),
+    )
     checkpoint.prune(root)
     seconds += time.perf_counter() - start
     master.checkpoint_written(env, step, files, seconds, checkpoint.step_dir(root, step))

@@ -31,15 +31,21 @@ def _shape(value: Any) -> str:
     return str(tuple(shape)) if shape is not None else f"a {type(value).__name__}"
 
 
-def forward(spec: HybridSpec, dense: nn.Module, batch: Batch, pooled: dict[str, torch.Tensor],
-            device: torch.device) -> torch.Tensor:  # fmt: skip
+def forward(
+    spec: HybridSpec,
+    dense: nn.Module,
+    batch: Batch,
+    pooled: dict[str, torch.Tensor],
+    device: torch.device,
+) -> torch.Tensor:
     """The dense part on a batch's dense features and its tables' pooled embeddings."""
     pooled = {name: p.to(device) for name, p in pooled.items()}
     return call_dense(dense, spec.recommends, batch.dense.to(device), pooled, ONE_TABLE)
 
 
-def check_dense(spec: HybridSpec, dense: nn.Module, loss_fn: workloads.Loss, sample: Batch,
-                device: torch.device) -> None:  # fmt: skip
+def check_dense(
+    spec: HybridSpec, dense: nn.Module, loss_fn: workloads.Loss, sample: Batch, device: torch.device
+) -> None:
     """Run `dense` on zeros shaped like the pooled embeddings (with the batch's dense
     features), and the loss on its output with the batch's labels; a failure is a ValueError
     naming the field and the shapes. In eval mode and without gradient: the check changes no
@@ -62,16 +68,17 @@ def check_dense(spec: HybridSpec, dense: nn.Module, loss_fn: workloads.Loss, sam
                 out = forward(spec, dense, sample, zeros, device)
             except Exception as e:
                 said = f"{type(e).__name__}: {e}"
-                raise ValueError(f"{field}: the dense module fails on {shapes}:"
-                                 f" {said}") from None  # fmt: skip
+                raise ValueError(f"{field}: the dense module fails on {shapes}: {said}") from None
             try:
                 value = loss_fn(out, labels)
                 if not isinstance(value, torch.Tensor) or value.numel() != 1:
                     raise TypeError(f"the loss gives {_shape(value)}, not one number")
             except Exception as e:
-                raise ValueError(f"{field}: the dense module outputs {_shape(out)} but the"
-                                 f" labels {_shape(labels)} go up to {labels.max().item():g}:"
-                                 f" {type(e).__name__}: {e}") from None  # fmt: skip
+                raise ValueError(
+                    f"{field}: the dense module outputs {_shape(out)} but the"
+                    f" labels {_shape(labels)} go up to {labels.max().item():g}:"
+                    f" {type(e).__name__}: {e}"
+                ) from None
     finally:
         dense.train(training)
 
@@ -85,9 +92,15 @@ def due(spec: HybridSpec, step: int) -> bool:
     return step == spec.steps or (every > 0 and step % every == 0)
 
 
-def evaluate(spec: HybridSpec, router: Router, servers: list[str], dense: nn.Module,
-             batches: list[Batch], loss_fn: workloads.Loss,
-             device: torch.device) -> dict[str, Any]:  # fmt: skip
+def evaluate(
+    spec: HybridSpec,
+    router: Router,
+    servers: list[str],
+    dense: nn.Module,
+    batches: list[Batch],
+    loss_fn: workloads.Loss,
+    device: torch.device,
+) -> dict[str, Any]:
     """Loss (the mean over samples), accuracy (argmax against the label, for classes) and
     AUC (for clicks) of the tables and `dense` on `batches`; None where a figure does not
     apply to the outputs."""
@@ -100,8 +113,9 @@ def evaluate(spec: HybridSpec, router: Router, servers: list[str], dense: nn.Mod
             for batch in batches:
                 routed = router.route(batch)
                 asked = zip(servers, routed.requests, strict=True)
-                replies = [rpc.rpc_async(server, ps.held_out, args=request)
-                           for server, request in asked]  # fmt: skip
+                replies = [
+                    rpc.rpc_async(server, ps.held_out, args=request) for server, request in asked
+                ]
                 pooled = router.pool([r.wait() for r in replies], routed, batch)
                 out = forward(spec, dense, batch, pooled, device)
                 value = float(loss_fn(out, batch.labels.to(device)))
@@ -113,8 +127,11 @@ def evaluate(spec: HybridSpec, router: Router, servers: list[str], dense: nn.Mod
                 labels.append(batch.labels)
     finally:
         dense.train(training)
-    return {"loss": loss_sum / total, "samples": total, **figures(torch.cat(scores),
-                                                                  torch.cat(labels))}  # fmt: skip
+    return {
+        "loss": loss_sum / total,
+        "samples": total,
+        **figures(torch.cat(scores), torch.cat(labels)),
+    }
 
 
 def figures(scores: torch.Tensor, labels: torch.Tensor) -> dict[str, float | None]:

@@ -33,17 +33,24 @@ def train(env: Env) -> dict[str, Any]:
     first = 0 if resume is None else resume["step"]
     if first >= spec.steps:
         if spec.output is not None and found is not None:  # the model is in the checkpoint
-            paths = output.export_checkpoint(found.directory, found.manifest, spec.output.path,
-                                             spec.output.format)  # fmt: skip
-            world.log(env, f"wrote the trained model to {spec.output.path}:"
-                           f" {', '.join(p.name for p in paths)}")  # fmt: skip
+            paths = output.export_checkpoint(
+                found.directory, found.manifest, spec.output.path, spec.output.format
+            )
+            world.log(
+                env,
+                f"wrote the trained model to {spec.output.path}:"
+                f" {', '.join(p.name for p in paths)}",
+            )
         return master.nothing_left(env, first)
     placement = spec.placement()
     held = [tables.size(tables.server_bytes(p, spec.sparse_optimizer.name)) for p in placement]
-    world.log(env, f"training {spec.steps} steps x {spec.batch_size} samples on"
-                   f" {', '.join(trainers)}; {len(spec.embeddings)} table(s) on"
-                   f" {', '.join(f'{s} ({b})' for s, b in zip(servers, held, strict=True))},"
-                   f" made in {time.perf_counter() - began:.1f}s")  # fmt: skip
+    world.log(
+        env,
+        f"training {spec.steps} steps x {spec.batch_size} samples on"
+        f" {', '.join(trainers)}; {len(spec.embeddings)} table(s) on"
+        f" {', '.join(f'{s} ({b})' for s, b in zip(servers, held, strict=True))},"
+        f" made in {time.perf_counter() - began:.1f}s",
+    )
     reports = board.open_reports(env, trainers, first, 0 if resume is None else resume["samples"])
     monitor.board().phase("training")
     # A training loop may run for hours: no RPC timeout (0) on it. A trainer that dies fails
@@ -53,21 +60,38 @@ def train(env: Env) -> dict[str, Any]:
         results = dict(zip(trainers, _wait_all(futures), strict=True))
     finally:
         reports.events.close()
-    figures = dict(zip(servers, _wait_all([rpc.rpc_async(s, ps.figures, timeout=0)
-                                           for s in servers]), strict=True))  # fmt: skip
+    figures = dict(
+        zip(
+            servers,
+            _wait_all([rpc.rpc_async(s, ps.figures, timeout=0) for s in servers]),
+            strict=True,
+        )
+    )
     summary = summarize(env, results, figures, first, reports.evaluation)
     summary["losses"] = list(reports.losses.values())  # at each logged step
     for line in render(summary):
         world.log(env, line)
     if spec.output is not None:
-        meta = {"kind": env.kind, "job": env.job, "model": output.model_spec(spec),
-                "metrics": output.metrics(summary), "steps": spec.steps}  # fmt: skip
-        paths = output.write(meta["model"], spec.output.path, spec.output.format,
-                             output.live_rows(servers, placement),
-                             results[trainers[0]]["dense"], meta)  # fmt: skip
+        meta = {
+            "kind": env.kind,
+            "job": env.job,
+            "model": output.model_spec(spec),
+            "metrics": output.metrics(summary),
+            "steps": spec.steps,
+        }
+        paths = output.write(
+            meta["model"],
+            spec.output.path,
+            spec.output.format,
+            output.live_rows(servers, placement),
+            results[trainers[0]]["dense"],
+            meta,
+        )
         summary["output"] = [str(p) for p in paths]
-        world.log(env, f"wrote the trained model to {spec.output.path}:"
-                       f" {', '.join(p.name for p in paths)}")  # fmt: skip
+        world.log(
+            env,
+            f"wrote the trained model to {spec.output.path}: {', '.join(p.name for p in paths)}",
+        )
     return summary
 
 
@@ -81,11 +105,12 @@ def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
         raise checkpoint.CheckpointError(
             f"{found.directory} is a checkpoint of an older pipejob, whose parameter server"
             " saved one table whole: give this job another checkpoint.path"
-        )  # fmt: skip
+        )
     directory = str(found.directory)
     entries = output.server_entries(found.manifest)
-    _wait_all([rpc.rpc_async(s, ps.load, args=(directory, entries), timeout=0)
-               for s in env.names("ps")])  # fmt: skip
+    _wait_all(
+        [rpc.rpc_async(s, ps.load, args=(directory, entries), timeout=0) for s in env.names("ps")]
+    )
     own = found.load("master.pt")
     checkpoint.set_rng_state(own["rng"])
     batch = env.spec.batch_size * env.spec.trainers.max
@@ -96,11 +121,18 @@ def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
         "parameter server(s)": (manifest["parameterServers"], len(env.names("ps"))),
     }
     other = [f"{saved} {what}" for what, (saved, now) in shape.items() if saved not in (None, now)]
-    world.log(env, f"resumed from step {found.step} ({directory})"
-                   + (f", written by {' and '.join(other)}" if other else ""))  # fmt: skip
+    world.log(
+        env,
+        f"resumed from step {found.step} ({directory})"
+        + (f", written by {' and '.join(other)}" if other else ""),
+    )
     monitor.board().resumed(found.step)
-    return {"step": found.step, "directory": directory, "dense": found.entry("dense.pt"),
-            "samples": samples}  # fmt: skip
+    return {
+        "step": found.step,
+        "directory": directory,
+        "dense": found.entry("dense.pt"),
+        "samples": samples,
+    }
 
 
 def _wait_all(futures: list[torch.futures.Future]) -> list[Any]:

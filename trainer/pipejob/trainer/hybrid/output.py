@@ -33,8 +33,15 @@ from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime import output as written
 
 # Summary fields that describe the trained model (model.json's "metrics").
-METRICS = ("firstLoss", "finalLoss", "evalLoss", "evalAccuracy", "evalAuc", "evalSamples",
-           "evalStep")  # fmt: skip
+METRICS = (
+    "firstLoss",
+    "finalLoss",
+    "evalLoss",
+    "evalAccuracy",
+    "evalAuc",
+    "evalSamples",
+    "evalStep",
+)
 CHUNK_BYTES = 64 << 20
 Rows = Callable[[str, int, int], torch.Tensor]  # rows start..stop-1 of a table
 
@@ -47,13 +54,16 @@ def model_spec(spec: HybridSpec) -> dict[str, Any]:
         section = {"import": dense.import_, "args": dense.args}
     if spec.embedding is not None:
         one = spec.embedding
-        return {"embedding": {"numEmbeddings": one.num_embeddings, "dim": one.dim,
-                              "mode": one.mode},
-                "dense": {"outFeatures": dense.out_features, **section}}  # fmt: skip
+        return {
+            "embedding": {"numEmbeddings": one.num_embeddings, "dim": one.dim, "mode": one.mode},
+            "dense": {"outFeatures": dense.out_features, **section},
+        }
     if dense.import_ is None:
         section = {"dlrm": {"bottom": list(dense.dlrm.bottom), "top": list(dense.dlrm.top)}}
-    tables = [{"name": t.name, "rows": t.rows, "dim": t.dim, "mode": t.mode,
-               "feature": t.feature} for t in spec.embeddings]  # fmt: skip
+    tables = [
+        {"name": t.name, "rows": t.rows, "dim": t.dim, "mode": t.mode, "feature": t.feature}
+        for t in spec.embeddings
+    ]
     return {"embeddings": tables, "dense": section}
 
 
@@ -71,9 +81,11 @@ def joined(pieces: list[tuple[str, int, int, Callable[[int, int], torch.Tensor]]
     rows), whichever pieces a range spans."""
 
     def rows(table: str, start: int, stop: int) -> torch.Tensor:
-        parts = [fetch(max(start, lo), min(stop, hi)) for name, lo, hi, fetch in
-                 sorted(pieces, key=lambda p: p[1])
-                 if name == table and max(start, lo) < min(stop, hi)]  # fmt: skip
+        parts = [
+            fetch(max(start, lo), min(stop, hi))
+            for name, lo, hi, fetch in sorted(pieces, key=lambda p: p[1])
+            if name == table and max(start, lo) < min(stop, hi)
+        ]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     return rows
@@ -88,9 +100,13 @@ def live_rows(servers: list[str], placement: list[list[Piece]]) -> Rows:
 
         return rows
 
-    return joined([(p.table, p.start, p.stop, fetch(server, k, p))
-                   for server, pieces in zip(servers, placement, strict=True)
-                   for k, p in enumerate(pieces)])  # fmt: skip
+    return joined(
+        [
+            (p.table, p.start, p.stop, fetch(server, k, p))
+            for server, pieces in zip(servers, placement, strict=True)
+            for k, p in enumerate(pieces)
+        ]
+    )
 
 
 def saved_rows(directory: str | Path, manifest: dict[str, Any]) -> Rows:
@@ -106,8 +122,14 @@ def saved_rows(directory: str | Path, manifest: dict[str, Any]) -> Rows:
     return joined(pieces)
 
 
-def write(model: dict[str, Any], out: str | Path, format: str, rows: Rows,
-          dense: dict[str, torch.Tensor], meta: dict[str, Any]) -> list[Path]:  # fmt: skip
+def write(
+    model: dict[str, Any],
+    out: str | Path,
+    format: str,
+    rows: Rows,
+    dense: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+) -> list[Path]:
     """Write the files of `model` (a `model_spec`; see the module's docstring) and model.json
     (`meta` plus the format and the file names) into the directory `out`; the paths
     written."""
@@ -120,8 +142,12 @@ def write(model: dict[str, Any], out: str | Path, format: str, rows: Rows,
         files = {"table": ({"weight": ONE_TABLE}, {}), "dense": ({}, dense)}
     else:
         tables = {t["name"]: (t["rows"], t["dim"]) for t in model["embeddings"]}
-        files = {"model": ({f"tables.{name}.weight": name for name in tables},
-                           {f"dense.{k}": v for k, v in dense.items()})}  # fmt: skip
+        files = {
+            "model": (
+                {f"tables.{name}.weight": name for name in tables},
+                {f"dense.{k}": v for k, v in dense.items()},
+            )
+        }
     paths = []
     for stem, (streamed, whole) in files.items():
         path = directory / f"{stem}{written.SUFFIX[format]}"
@@ -150,14 +176,27 @@ def _chunks(rows: Rows, table: str, count: int, dim: int) -> Iterator[torch.Tens
 
 
 # safetensors' names of torch's dtypes.
-_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16",
-           torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-           torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}  # fmt: skip
+_DTYPES = {
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
-def _stream(f: BinaryIO, shapes: dict[str, tuple[int, int]], dtypes: dict[str, torch.dtype],
-            whole: dict[str, torch.Tensor],
-            chunks: dict[str, Iterator[torch.Tensor]]) -> None:  # fmt: skip
+def _stream(
+    f: BinaryIO,
+    shapes: dict[str, tuple[int, int]],
+    dtypes: dict[str, torch.dtype],
+    whole: dict[str, torch.Tensor],
+    chunks: dict[str, Iterator[torch.Tensor]],
+) -> None:
     """A safetensors file: the tensors of `whole` and, under the keys of `shapes` (and
     `dtypes`), tables written chunk by chunk as `chunks[key]` gives them; in name order."""
     kinds = {k: (dtypes[k], shape) for k, shape in shapes.items()}
@@ -169,8 +208,11 @@ def _stream(f: BinaryIO, shapes: dict[str, tuple[int, int]], dtypes: dict[str, t
         size = dtype.itemsize
         for n in shape:
             size *= n
-        header[key] = {"dtype": _DTYPES[dtype], "shape": list(shape),
-                       "data_offsets": [offset, offset + size]}  # fmt: skip
+        header[key] = {
+            "dtype": _DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
@@ -181,8 +223,9 @@ def _stream(f: BinaryIO, shapes: dict[str, tuple[int, int]], dtypes: dict[str, t
             f.write(memoryview(part.detach().cpu().contiguous().view(torch.uint8).numpy()))
 
 
-def export_checkpoint(directory: str | Path, manifest: dict[str, Any], out: str | Path,
-                      format: str = "safetensors") -> list[Path]:  # fmt: skip
+def export_checkpoint(
+    directory: str | Path, manifest: dict[str, Any], out: str | Path, format: str = "safetensors"
+) -> list[Path]:
     """The output files from a complete HybridJob checkpoint: `directory` is its step
     directory and `manifest` its manifest.json (as read); the tables come from the servers'
     files, the dense module from dense.pt (each checked against the manifest)."""
@@ -193,7 +236,12 @@ def export_checkpoint(directory: str | Path, manifest: dict[str, Any], out: str 
             " checkpoint of a job with embedding tables"
         )
     dense = checkpoint.load_part(directory, entries["dense.pt"])["model"]
-    meta = {"kind": manifest.get("kind"), "job": manifest.get("job"), "model": manifest["model"],
-            "metrics": manifest.get("metrics", {}), "steps": manifest["step"],
-            "checkpoint": str(directory)}  # fmt: skip
+    meta = {
+        "kind": manifest.get("kind"),
+        "job": manifest.get("job"),
+        "model": manifest["model"],
+        "metrics": manifest.get("metrics", {}),
+        "steps": manifest["step"],
+        "checkpoint": str(directory),
+    }
     return write(manifest["model"], out, format, saved_rows(directory, manifest), dense, meta)

@@ -69,8 +69,9 @@ class Lookup:
     rows: list[torch.Tensor]
 
 
-def joined(pieces: list[Piece], members: list[int], tables: dict[str, Any],
-           seed: int) -> nn.Parameter:  # fmt: skip
+def joined(
+    pieces: list[Piece], members: list[int], tables: dict[str, Any], seed: int
+) -> nn.Parameter:
     """A group's pieces at their initial rows, one after the other, made a block at a time
     (no piece is ever held twice)."""
     out = torch.empty(sum(pieces[k].rows for k in members), pieces[members[0]].dim)
@@ -79,8 +80,9 @@ def joined(pieces: list[Piece], members: list[int], tables: dict[str, Any],
         p = pieces[k]
         for lo in range(0, p.rows, BLOCK):
             hi = min(lo + BLOCK, p.rows)
-            out[first + lo : first + hi] = initial_rows(tables[p.table], seed, p.start + lo,
-                                                        p.start + hi)  # fmt: skip
+            out[first + lo : first + hi] = initial_rows(
+                tables[p.table], seed, p.start + lo, p.start + hi
+            )
         first += p.rows
     return nn.Parameter(out)
 
@@ -91,8 +93,9 @@ class Server:
         self.pieces = spec.placement()[index]
         tables = {t.name: t for t in spec.embeddings}
         self.groups = groups(self.pieces)
-        self.joined = [joined(self.pieces, members, tables, spec.seed)
-                       for _, _, members in self.groups]  # fmt: skip
+        self.joined = [
+            joined(self.pieces, members, tables, spec.seed) for _, _, members in self.groups
+        ]
         self.first: list[int] = []  # each piece's first row in its group's parameter
         self.weights: list[torch.Tensor] = []  # each piece: its rows of the group's parameter
         for weight, (_, _, members) in zip(self.joined, self.groups, strict=True):
@@ -112,8 +115,13 @@ class Server:
 
     # ---- the step
 
-    def exchange(self, trainer: str, grads: torch.Tensor | None, ids: torch.Tensor | None,
-                 lengths: torch.Tensor | None) -> Future:  # fmt: skip
+    def exchange(
+        self,
+        trainer: str,
+        grads: torch.Tensor | None,
+        ids: torch.Tensor | None,
+        lengths: torch.Tensor | None,
+    ) -> Future:
         """A trainer's call of a step: the gradients of its last lookup (None: none pending)
         and this step's ids (None: none, a flush). The future's value is the pooled
         embeddings (batch, the pieces' widths side by side), or None."""
@@ -160,11 +168,14 @@ class Server:
     def _collect(self, trainer: str, grads: torch.Tensor) -> None:
         lookup = self.kept.pop(trainer, None)
         if lookup is None or trainer in self.collected:
-            raise RuntimeError(f"ps{self.index}: gradients from {trainer} without a lookup of"
-                               " its own awaiting them")  # fmt: skip
+            raise RuntimeError(
+                f"ps{self.index}: gradients from {trainer} without a lookup of"
+                " its own awaiting them"
+            )
         torch.autograd.backward(lookup.reply, grads)
-        self.collected[trainer] = [(rows, leaf.grad) for rows, leaf in
-                                   zip(lookup.rows, lookup.leaves, strict=True)]  # fmt: skip
+        self.collected[trainer] = [
+            (rows, leaf.grad) for rows, leaf in zip(lookup.rows, lookup.leaves, strict=True)
+        ]
         if len(self.collected) == self.trainers:
             self._step()
 
@@ -183,8 +194,7 @@ class Server:
         self.collected.clear()
         self.steps += 1
 
-    def lookup(self, ids: torch.Tensor, lengths: torch.Tensor,
-                trainer: str | None) -> torch.Tensor:  # fmt: skip
+    def lookup(self, ids: torch.Tensor, lengths: torch.Tensor, trainer: str | None) -> torch.Tensor:
         """Pool `ids` (every piece's local row ids, concatenated, in the server's order) by
         `lengths` (pieces, batch); keep the graph for `trainer`'s gradients (None: none)."""
         batch = lengths.shape[1]
@@ -194,8 +204,9 @@ class Server:
         chunks = ids.split([int(per_piece[m].sum()) for _, _, m in self.groups])
         outs, leaves, rows = [], [], []
         with torch.set_grad_enabled(trainer is not None):
-            for (mode, dim, members), weight, chunk in zip(self.groups, self.joined, chunks,
-                                                           strict=True):  # fmt: skip
+            for (mode, dim, members), weight, chunk in zip(
+                self.groups, self.joined, chunks, strict=True
+            ):
                 unique, inverse = torch.unique(chunk, return_inverse=True)
                 leaf = weight.detach()[unique].requires_grad_(trainer is not None)
                 counts = lengths[members].reshape(-1)
@@ -226,8 +237,12 @@ class Server:
                 start = initial_rows(tables[p.table], self.spec.seed, p.start + lo, p.start + hi)
                 initial += float(start.double().pow(2).sum())
                 change += float((weight.detach()[lo:hi] - start).double().pow(2).sum())
-        return {"initialSquares": initial, "changeSquares": change, "steps": self.steps,
-                "rowsUpdated": self.rows_updated}  # fmt: skip
+        return {
+            "initialSquares": initial,
+            "changeSquares": change,
+            "steps": self.steps,
+            "rowsUpdated": self.rows_updated,
+        }
 
     # ---- checkpoints: pieces by table and row range, so any other split can load them
 
@@ -235,8 +250,10 @@ class Server:
         """Piece k's optimizer state: its rows of its group's per-row tensors, and the counts."""
         rows = slice(self.first[k], self.first[k] + self.pieces[k].rows)
         state = self.optimizer.state.get(self.joined[self.group_of[k]], {})
-        return {key: value[rows] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
-                for key, value in state.items()}  # fmt: skip
+        return {
+            key: value[rows] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+            for key, value in state.items()
+        }
 
     def state(self) -> dict[str, Any]:
         """Every piece by table and row range (views of the groups: torch.save writes each
@@ -261,7 +278,7 @@ class Server:
                 raise checkpoint.CheckpointError(
                     f"{name} holds tables stepped by {s['optimizer']}, not by"
                     f" spec.sparseOptimizer {self.spec.sparse_optimizer.name}"
-                )  # fmt: skip
+                )
         for k in range(len(self.pieces)):
             self._load_piece(k, saved)
 
@@ -290,7 +307,7 @@ class Server:
             raise checkpoint.CheckpointError(
                 f"the checkpoint holds {covered} of rows {p.start}..{p.stop - 1} of table"
                 f" {p.table!r}: not a checkpoint of these tables"
-            )  # fmt: skip
+            )
 
 
 def _finish(ready: list[tuple[Future, Any, BaseException | None]]) -> None:
@@ -321,8 +338,9 @@ def start(trainers: int) -> dict[str, Any]:
 
 
 @rpc.functions.async_execution
-def exchange(trainer: str, grads: torch.Tensor | None, ids: torch.Tensor | None,
-             lengths: torch.Tensor | None) -> Future:  # fmt: skip
+def exchange(
+    trainer: str, grads: torch.Tensor | None, ids: torch.Tensor | None, lengths: torch.Tensor | None
+) -> Future:
     return _server().exchange(trainer, grads, ids, lengths)
 
 

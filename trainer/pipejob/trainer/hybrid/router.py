@@ -76,12 +76,15 @@ class Router:
                     count = torch.bincount(owner[inside], minlength=size)
                 per_server[place.server][place.position] = (local, count)
                 counts[(table.name, piece.start)] = count
-        requests = [(torch.cat([local for local, _ in got]), torch.stack([c for _, c in got]))
-                    for got in per_server]  # fmt: skip
+        requests = [
+            (torch.cat([local for local, _ in got]), torch.stack([c for _, c in got]))
+            for got in per_server
+        ]
         return Routed(requests, counts)
 
-    def pool(self, replies: list[torch.Tensor], routed: Routed,
-             batch: Batch) -> dict[str, torch.Tensor]:  # fmt: skip
+    def pool(
+        self, replies: list[torch.Tensor], routed: Routed, batch: Batch
+    ) -> dict[str, torch.Tensor]:
         """Each table's pooled embeddings (batch, dim) from the servers' replies."""
         out = {}
         for table in self.tables:
@@ -89,8 +92,10 @@ class Router:
             parts = [replies[p.server][:, p.column : p.column + table.dim] for p in places]
             if table.mode == "max" and len(parts) > 1:
                 got = [routed.counts[(table.name, p.piece.start)] > 0 for p in places]
-                masked = [torch.where(g.unsqueeze(1), part, -torch.inf)
-                          for g, part in zip(got, parts, strict=True)]  # fmt: skip
+                masked = [
+                    torch.where(g.unsqueeze(1), part, -torch.inf)
+                    for g, part in zip(got, parts, strict=True)
+                ]
                 pooled = torch.stack(masked).amax(0)
                 pooled = torch.where(torch.stack(got).any(0).unsqueeze(1), pooled, 0.0)
             else:

@@ -23,8 +23,13 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     sum[r] += mean(g ** 2) and row r -= lr * g / (sqrt(sum[r]) + eps). Takes sparse
     gradients only."""
 
-    def __init__(self, params: Iterable[torch.Tensor], lr: float, eps: float = 1e-10,
-                 initial_accumulator_value: float = 0.0):  # fmt: skip
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        lr: float,
+        eps: float = 1e-10,
+        initial_accumulator_value: float = 0.0,
+    ):
         defaults = {"lr": lr, "eps": eps, "initial_accumulator_value": initial_accumulator_value}
         super().__init__(params, defaults)
 
@@ -38,8 +43,12 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     raise RuntimeError("RowWiseAdagrad takes sparse gradients only")
                 state = self.state[p]
                 if not state:
-                    state["sum"] = torch.full((p.shape[0],), group["initial_accumulator_value"],
-                                              dtype=p.dtype, device=p.device)  # fmt: skip
+                    state["sum"] = torch.full(
+                        (p.shape[0],),
+                        group["initial_accumulator_value"],
+                        dtype=p.dtype,
+                        device=p.device,
+                    )
                 grad = p.grad.coalesce()
                 rows, values = grad.indices()[0], grad.values()
                 if rows.numel() == 0:
@@ -55,11 +64,11 @@ def make(params: list[torch.Tensor], opt: SparseOptimizer) -> torch.optim.Optimi
         return torch.optim.SGD(params, lr=opt.lr)
     accumulator = opt.initial_accumulator_value
     if opt.name == "adagrad":
-        return torch.optim.Adagrad(params, lr=opt.lr, eps=opt.eps,
-                                   initial_accumulator_value=accumulator)  # fmt: skip
+        return torch.optim.Adagrad(
+            params, lr=opt.lr, eps=opt.eps, initial_accumulator_value=accumulator
+        )
     if opt.name == "rowwiseAdagrad":
-        return RowWiseAdagrad(params, lr=opt.lr, eps=opt.eps,
-                              initial_accumulator_value=accumulator)  # fmt: skip
+        return RowWiseAdagrad(params, lr=opt.lr, eps=opt.eps, initial_accumulator_value=accumulator)
     if opt.name == "adam":
         return torch.optim.SparseAdam(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
     raise ValueError(f"unknown sparse optimizer {opt.name!r}")

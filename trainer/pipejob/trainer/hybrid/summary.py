@@ -11,8 +11,13 @@ from pipejob.trainer.runtime import master, memory, monitor
 from pipejob.trainer.runtime.world import Env
 
 
-def summarize(env: Env, results: dict[str, dict[str, Any]], servers: dict[str, dict[str, Any]],
-              first: int, evaluation: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    env: Env,
+    results: dict[str, dict[str, Any]],
+    servers: dict[str, dict[str, Any]],
+    first: int,
+    evaluation: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The run's summary from each trainer's results (trainer.train), each server's figures
     (ps.Server.figures), the step the run resumed from and the last held-out evaluation
     (evalLoss, evalAccuracy, evalAuc, evalSamples, evalStep), if any. Asks every member of
@@ -37,7 +42,9 @@ def summarize(env: Env, results: dict[str, dict[str, Any]], servers: dict[str, d
     seconds = max(r["seconds"] for r in results.values())
     samples = sum(r["steps"] * r["share"] for r in results.values())
     return master.summary(
-        env, env.spec.steps - first, first,
+        env,
+        env.spec.steps - first,
+        first,
         trainers=len(names),
         parameterServers=len(servers),
         batchSize=env.spec.batch_size,
@@ -52,10 +59,12 @@ def summarize(env: Env, results: dict[str, dict[str, Any]], servers: dict[str, d
         samplesRepeated=repeated,
         **(evaluation or {}),
         perTrainer=per_trainer,
-        perServer={name: {"rowsUpdated": s["rowsUpdated"], "steps": s["steps"]}
-                   for name, s in servers.items()},  # fmt: skip
+        perServer={
+            name: {"rowsUpdated": s["rowsUpdated"], "steps": s["steps"]}
+            for name, s in servers.items()
+        },
         memory=peaks,
-    )  # fmt: skip
+    )
 
 
 def render(s: dict[str, Any]) -> list[str]:
@@ -91,8 +100,11 @@ def render(s: dict[str, Any]) -> list[str]:
 
 def _reader_peaks(trainers: dict[str, dict[str, Any]]) -> str:
     """Click logs' readers: the most they held at once, whatever the logs' size."""
-    peaks = {name: t["readerPeakBytes"] for name, t in trainers.items()
-             if t.get("readerPeakBytes") is not None}  # fmt: skip
+    peaks = {
+        name: t["readerPeakBytes"]
+        for name, t in trainers.items()
+        if t.get("readerPeakBytes") is not None
+    }
     if not peaks:
         return ""
     held = ", ".join(f"{name} {peak / 1e6:.1f} MB" for name, peak in peaks.items())

@@ -17,6 +17,7 @@ module fits the data; with spec.eval, DDP rank 0 evaluates on held-out samples
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from typing import Any
@@ -60,9 +61,12 @@ class Tables:
         else:
             self.routed = self.router.route(batch)
             requests = self.routed.requests
-        futures = [rpc.rpc_async(server, ps.exchange, args=(self.name, grads, ids, lengths))
-                   for server, grads, (ids, lengths) in
-                   zip(self.servers, self.pending, requests, strict=True)]  # fmt: skip
+        futures = [
+            rpc.rpc_async(server, ps.exchange, args=(self.name, grads, ids, lengths))
+            for server, grads, (ids, lengths) in zip(
+                self.servers, self.pending, requests, strict=True
+            )
+        ]
         self.pending = [None] * len(self.servers)
         return futures
 
@@ -143,8 +147,9 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
     # Every step reads one batch of batchSize x trainers.max (at any trainer count), each
     # trainer its share, from where the checkpoint's world stopped (samples consumed).
     batch, share = spec.batch_size * spec.trainers.max, (env.ddp_rank, env.ddp_world_size)
-    read = lambda start: samples.stream(dataset, batch, share, spec.seed,  # noqa: E731
-                                        router.features, spec.recommends, start)  # fmt: skip
+    read = functools.partial(
+        samples.stream, dataset, batch, share, spec.seed, router.features, spec.recommends
+    )
     evaluate.check_dense(spec, module, loss_fn, next(read(0)), device)
     batches = read(0 if resume is None else resume["samples"])
     held_out = _held_out(env, spec, router)
@@ -166,8 +171,9 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
         # the trainers' mean loss is the batch's.
         weight = len(drawn.sample_ids) * env.ddp_world_size / batch
         with profiling.window(env, profile, step, servers, sync=dist.barrier) as rpc_calls:
-            loss = _step(spec, tables, dense, dense_step, drawn, device, loss_fn, weight,
-                         rpc_calls, step)  # fmt: skip
+            loss = _step(
+                spec, tables, dense, dense_step, drawn, device, loss_fn, weight, rpc_calls, step
+            )
         if step == first + 1:
             loss_first = loss.item()
         if evaluate.due(spec, step):  # first: the step's checkpoint keeps its evaluation
@@ -180,8 +186,7 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
             _checkpoint(env, step, tables.servers, module, optimizer)
         if step % every == 0 or step == steps:
             report.wait()  # at most one report in flight; surfaces a failed one
-            report = rpc.rpc_async("master", board.report,
-                                   args=(env.rpc_name, step, loss.item()))  # fmt: skip
+            report = rpc.rpc_async("master", board.report, args=(env.rpc_name, step, loss.item()))
     tables.flush()
     dense_step.flush()
     seconds = time.perf_counter() - start
@@ -212,16 +217,27 @@ def _held_out(env: Env, spec: HybridSpec, router: Router) -> list[Batch] | None:
         return None
     data = workloads.hybrid_held_out(spec)
     if data is None:
-        world.log(env, "spec.eval: the data has no held-out split (spec.data's val, or"
-                       " spec.data.import's split='val'): not evaluating")  # fmt: skip
+        world.log(
+            env,
+            "spec.eval: the data has no held-out split (spec.data's val, or"
+            " spec.data.import's split='val'): not evaluating",
+        )
         return None
-    return samples.in_order(data, spec.batch_size, router.features, spec.recommends,
-                            spec.eval.batches)  # fmt: skip
+    return samples.in_order(
+        data, spec.batch_size, router.features, spec.recommends, spec.eval.batches
+    )
 
 
-def _evaluate(env: Env, step: int, router: Router, servers: list[str], dense: nn.Module,
-              held_out: list[Batch] | None, loss_fn: workloads.Loss,
-              device: torch.device) -> None:  # fmt: skip
+def _evaluate(
+    env: Env,
+    step: int,
+    router: Router,
+    servers: list[str],
+    dense: nn.Module,
+    held_out: list[Batch] | None,
+    loss_fn: workloads.Loss,
+    device: torch.device,
+) -> None:
     """DDP rank 0 evaluates after `step` and tells the master; the others wait, so the
     tables stay as they were after `step`."""
     dist.barrier()
@@ -231,8 +247,9 @@ def _evaluate(env: Env, step: int, router: Router, servers: list[str], dense: nn
     dist.barrier()
 
 
-def _checkpoint(env: Env, step: int, servers: list[str], module: nn.Module,
-                optimizer: torch.optim.Optimizer) -> None:  # fmt: skip
+def _checkpoint(
+    env: Env, step: int, servers: list[str], module: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
     """Once every trainer has finished `step`: DDP rank 0 saves the dense model (the same on
     every rank) with its optimizer state and has every server save its pieces of the tables;
     the master writes the manifest. The others wait, so nobody changes a table while it is
@@ -244,15 +261,24 @@ def _checkpoint(env: Env, step: int, servers: list[str], module: nn.Module,
         saving = [rpc.rpc_async(s, ps.save, args=(directory,)) for s in servers]
         dense = checkpoint.save_module(directory, "dense.pt", module, {"dense": optimizer})
         files = [*(f.wait() for f in saving), dense]
-        rpc.rpc_sync("master", board.write_manifest,
-                     args=(step, files, time.perf_counter() - begun))  # fmt: skip
+        rpc.rpc_sync(
+            "master", board.write_manifest, args=(step, files, time.perf_counter() - begun)
+        )
     dist.barrier()
 
 
-def _step(spec: HybridSpec, tables: Tables, dense: nn.Module, dense_step: DenseStep,
-          batch: Batch, device: torch.device, loss_fn: workloads.Loss, weight: float = 1.0,
-          rpc_calls: profiling.RpcCalls = contextlib.nullcontext,
-          step: int = 0) -> torch.Tensor:  # fmt: skip
+def _step(
+    spec: HybridSpec,
+    tables: Tables,
+    dense: nn.Module,
+    dense_step: DenseStep,
+    batch: Batch,
+    device: torch.device,
+    loss_fn: workloads.Loss,
+    weight: float = 1.0,
+    rpc_calls: profiling.RpcCalls = contextlib.nullcontext,
+    step: int = 0,
+) -> torch.Tensor:
     """One step; `rpc_calls` wraps its calls to the servers, not DDP's parts. The backward is
     of the loss times `weight` (the trainer's share, `train`); the dense layer's step (on
     gradients DDP averaged across the trainers during the backward) is deferred to overlap
@@ -264,8 +290,9 @@ def _step(spec: HybridSpec, tables: Tables, dense: nn.Module, dense_step: DenseS
         pooled = tables.pooled(futures, batch)
     loss = loss_fn(evaluate.forward(spec, dense, batch, pooled, device), batch.labels.to(device))
     if not nonfinite.finite(loss):
-        raise nonfinite.NonFiniteError(f"step {step}: the loss is {loss.item()} on"
-                                       f" {tables.name}; its update was not applied")  # fmt: skip
+        raise nonfinite.NonFiniteError(
+            f"step {step}: the loss is {loss.item()} on {tables.name}; its update was not applied"
+        )
     loss = loss * weight if weight != 1.0 else loss
     loss.backward()
     tables.backward_done()

@@ -38,8 +38,9 @@ def run(env: Env) -> dict[str, Any] | None:
     return None
 
 
-def export_checkpoint(directory: Any, manifest: dict[str, Any], out: Any,
-                      format: str = "safetensors") -> list[Any]:  # fmt: skip
+def export_checkpoint(
+    directory: Any, manifest: dict[str, Any], out: Any, format: str = "safetensors"
+) -> list[Any]:
     """`pipejob export` of this kind's checkpoint: the files spec.output writes."""
     from pipejob.trainer.pipeline import output
 

@@ -67,8 +67,9 @@ class Judged:
     def apply(self) -> bool:
         return self.nonfinite is None and (not self.scaled or math.isfinite(self.norm))
 
-    def result(self, pipeline_seconds: float, optimizer_seconds: float,
-               allreduce_seconds: float) -> StepResult:  # fmt: skip
+    def result(
+        self, pipeline_seconds: float, optimizer_seconds: float, allreduce_seconds: float
+    ) -> StepResult:
         return StepResult(
             self.loss,
             pipeline_seconds,
@@ -89,8 +90,9 @@ class Pipeline:
         self.rounds = 0  # forward rounds (training steps and evaluation batches) so far
         self._training: int | None = None  # a training round's samples (the data has no end)
 
-    def read(self, micro_batches: int, given: Batch | None = None,
-             what: str = TRAIN) -> Round | None:  # fmt: skip
+    def read(
+        self, micro_batches: int, given: Batch | None = None, what: str = TRAIN
+    ) -> Round | None:
         """The next round's batch, on the first stage: `given` (sent there), or read there,
         the next of `what` (TRAIN, or HELD_OUT once `start_held_out`); None when the
         held-out set is over."""
@@ -140,17 +142,25 @@ class Pipeline:
         process) gets the sum of its copies' gradients in every copy, as one shared tensor
         would (Megatron's way)."""
         for group in tied:
-            grads = torch.futures.wait_all([
-                rpc.rpc_async(self.names[k], on_stage,
-                              args=(self.stages[k], "gradient", context_id, name))
-                for k, name in group
-            ])  # fmt: skip
+            grads = torch.futures.wait_all(
+                [
+                    rpc.rpc_async(
+                        self.names[k], on_stage, args=(self.stages[k], "gradient", context_id, name)
+                    )
+                    for k, name in group
+                ]
+            )
             total = torch.stack(grads).sum(0)
-            torch.futures.wait_all([
-                rpc.rpc_async(self.names[k], on_stage,
-                              args=(self.stages[k], "set_gradient", context_id, name, total))
-                for k, name in group
-            ])  # fmt: skip
+            torch.futures.wait_all(
+                [
+                    rpc.rpc_async(
+                        self.names[k],
+                        on_stage,
+                        args=(self.stages[k], "set_gradient", context_id, name, total),
+                    )
+                    for k, name in group
+                ]
+            )
 
     def nonfinite_source(self, rounds: list[int]) -> str:
         """Where a non-finite loss of training rounds `rounds` came from: the first stage
@@ -161,25 +171,33 @@ class Pipeline:
             return f"{first}'s forward"
         return f"the loss on {self.names[-1]} (from finite outputs)"
 
-    def norms(self, context_id: int, unscale: float,
-              leave_out: dict[int, frozenset[str]]) -> list[float]:  # fmt: skip
+    def norms(
+        self, context_id: int, unscale: float, leave_out: dict[int, frozenset[str]]
+    ) -> list[float]:
         """Each stage's L2 norm of its step's gradients, computed there (Shard.norm): inf or
         nan when any is; `leave_out`: per stage index, the copies counted elsewhere."""
-        return torch.futures.wait_all([
-            rpc.rpc_async(name, on_stage, args=(stage, "norm", context_id, unscale,
-                                                leave_out.get(k, frozenset())))
-            for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
-        ])  # fmt: skip
+        return torch.futures.wait_all(
+            [
+                rpc.rpc_async(
+                    name,
+                    on_stage,
+                    args=(stage, "norm", context_id, unscale, leave_out.get(k, frozenset())),
+                )
+                for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
+            ]
+        )
 
     def timings(self) -> list[dict[int, tuple[float, float, float]]]:
         return self.each("timings")
 
     def each(self, method: str, *args: Any) -> list[Any]:
         """Call a method of every stage at once; their results."""
-        return torch.futures.wait_all([
-            rpc.rpc_async(name, on_stage, args=(stage, method, *args))
-            for name, stage in zip(self.names, self.stages, strict=True)
-        ])  # fmt: skip
+        return torch.futures.wait_all(
+            [
+                rpc.rpc_async(name, on_stage, args=(stage, method, *args))
+                for name, stage in zip(self.names, self.stages, strict=True)
+            ]
+        )
 
 
 class Replicas:
@@ -206,8 +224,9 @@ class Replicas:
         self.tied = shards.tied
         self._threads = ThreadPoolExecutor(len(pipelines)) if len(pipelines) > 1 else None
 
-    def step(self, micro_batches: int, step: int, loss_fn: Loss,
-             given: Batch | None = None) -> StepResult:  # fmt: skip
+    def step(
+        self, micro_batches: int, step: int, loss_fn: Loss, given: Batch | None = None
+    ) -> StepResult:
         """One optimizer step on gradientAccumulation batches, one after the other: the
         next ones each first stage reads, or `given` (inputs and labels of them all)."""
         replicas = len(self.pipelines)
@@ -216,11 +235,15 @@ class Replicas:
         if given is not None:
             inputs, labels = given
             batch = len(inputs) // self.accumulation
-            rounds = zip(inputs.tensor_split(self.accumulation),
-                         labels.tensor_split(self.accumulation), strict=True)  # fmt: skip
+            rounds = zip(
+                inputs.tensor_split(self.accumulation),
+                labels.tensor_split(self.accumulation),
+                strict=True,
+            )
             for a, (x, y) in enumerate(rounds):
-                for r, share in enumerate(zip(x.tensor_split(replicas), y.tensor_split(replicas),
-                                              strict=True)):  # fmt: skip
+                for r, share in enumerate(
+                    zip(x.tensor_split(replicas), y.tensor_split(replicas), strict=True)
+                ):
                     shares[r][a] = share
         args = [(r, share, micro_batches, step, loss_fn, batch) for r, share in enumerate(shares)]
         if self._threads is None:
@@ -242,8 +265,15 @@ class Replicas:
             skipped,
         )
 
-    def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
-             loss_fn: Loss, batch: int) -> StepResult:  # fmt: skip
+    def _one(
+        self,
+        r: int,
+        rounds: list[Batch | None],
+        micro_batches: int,
+        step: int,
+        loss_fn: Loss,
+        batch: int,
+    ) -> StepResult:
         """Replica r's part of a step: its share of each batch of the step (None: read by
         its first stage), of `batch` samples each."""
         raise NotImplementedError
@@ -253,9 +283,17 @@ class Replicas:
         scale (1.0 without one)."""
         return 1.0 if self.loss_scale is None else 1.0 / self.loss_scale.scale
 
-    def finish(self, pipeline: Pipeline, context_id: int, losses: list[float],
-               rounds: list[int], step: int, norms: list[float] | None = None,
-               zero: bool = False, stepped: bool = False) -> Judged:  # fmt: skip
+    def finish(
+        self,
+        pipeline: Pipeline,
+        context_id: int,
+        losses: list[float],
+        rounds: list[int],
+        step: int,
+        norms: list[float] | None = None,
+        zero: bool = False,
+        stepped: bool = False,
+    ) -> Judged:
         """A replica's step's tail, on either engine, once its gradients are whole on its
         stages: judged (`judge`; `norms`: the stages' norms where they came with an earlier
         reply), then, in one call per stage (Shard.finish_step), clipped and stepped where it
@@ -271,8 +309,15 @@ class Replicas:
             pipeline.each("finish_step", context_id, coefficient, lr, judged.apply, zero)
         return judged
 
-    def judge(self, pipeline: Pipeline, context_id: int, losses: list[float], rounds: list[int],
-              step: int, norms: list[float] | None = None) -> Judged:  # fmt: skip
+    def judge(
+        self,
+        pipeline: Pipeline,
+        context_id: int,
+        losses: list[float],
+        rounds: list[int],
+        step: int,
+        norms: list[float] | None = None,
+    ) -> Judged:
         """What the master makes of a replica's step once its gradients are in (on its
         stages, in dist-autograd context `context_id`): its mean loss over its training
         rounds `rounds`, the global gradient norm (from the stages' `norms`, asked for when
@@ -280,13 +325,17 @@ class Replicas:
         if norms is None:
             norms = pipeline.norms(context_id, self.unscale(), gradients.copies(self.tied))
         loss = sum(losses) / len(losses)
-        return Judged(loss, gradients.total_norm(norms),
-                      learning_rate(self.optimizer, self.steps, step),
-                      self.nonfinite(pipeline, loss, norms, rounds),
-                      self.loss_scale is not None)  # fmt: skip
+        return Judged(
+            loss,
+            gradients.total_norm(norms),
+            learning_rate(self.optimizer, self.steps, step),
+            self.nonfinite(pipeline, loss, norms, rounds),
+            self.loss_scale is not None,
+        )
 
-    def nonfinite(self, pipeline: Pipeline, loss: float, norms: list[float],
-                  rounds: list[int]) -> tuple[str, float, str] | None:  # fmt: skip
+    def nonfinite(
+        self, pipeline: Pipeline, loss: float, norms: list[float], rounds: list[int]
+    ) -> tuple[str, float, str] | None:
         """What of a replica's step (its training rounds `rounds`) was not finite, its value
         and where it came from: the loss, else the gradient norm (`norms`: per stage, which
         fp16's loss scale may overflow: its step is skipped as before); None when both are
@@ -326,9 +375,12 @@ class Replicas:
     def readers(self, method: str, *args: Any) -> None:
         """Call a method of every replica's first stage's Reader: `load_state` (a
         checkpoint's position), `close` (stop reading)."""
-        torch.futures.wait_all([rpc.rpc_async(p.names[0], on_reader,
-                                              args=(p.stages[0], method, *args))
-                                for p in self.pipelines])  # fmt: skip
+        torch.futures.wait_all(
+            [
+                rpc.rpc_async(p.names[0], on_reader, args=(p.stages[0], method, *args))
+                for p in self.pipelines
+            ]
+        )
 
     def divergence(self) -> float:
         """The largest difference between a replica's parameter fingerprints and replica
@@ -336,6 +388,11 @@ class Replicas:
         if len(self.pipelines) == 1:
             return 0.0
         prints = [p.each("fingerprint") for p in self.pipelines]
-        return max((torch.max((a - b).abs()).item()
-                    for other in prints[1:] for a, b in zip(prints[0], other, strict=True)),
-                   default=0.0)  # fmt: skip
+        return max(
+            (
+                torch.max((a - b).abs()).item()
+                for other in prints[1:]
+                for a, b in zip(prints[0], other, strict=True)
+            ),
+            default=0.0,
+        )

@@ -30,8 +30,9 @@ _SHAPES = re.compile(
 )
 
 
-def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-               loss: workloads.Loss) -> str | None:  # fmt: skip
+def fits_model(
+    model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss: workloads.Loss
+) -> str | None:
     """Refuse before the first step, saying both shapes, when the data does not fit the
     model: its input, or its labels against the model's output through the loss. Run on
     the meta device, in eval mode, with the model's buffers swapped for meta ones for the
@@ -45,8 +46,10 @@ def fits_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
     except Exception as e:
         if not _of_shapes(e):
             return _unchecked(f"whether inputs of shape {shape(inputs[:2])} fit spec.model", e)
-        raise ValueError(f"spec.data: inputs of shape {shape(inputs[:2])} do not fit spec.model:"
-                         f" {type(e).__name__}: {e}") from None  # fmt: skip
+        raise ValueError(
+            f"spec.data: inputs of shape {shape(inputs[:2])} do not fit spec.model:"
+            f" {type(e).__name__}: {e}"
+        ) from None
     finally:
         model.train(training)
     try:
@@ -76,6 +79,8 @@ def _of_shapes(error: Exception) -> bool:
 
 
 def _unchecked(what: str, error: Exception) -> str:
-    return (f"spec.data: {what} was not checked before the stages were built: the model does"
-            f" not run on the meta device ({construct(error)}); the stages check it on the"
-            " first batch")  # fmt: skip
+    return (
+        f"spec.data: {what} was not checked before the stages were built: the model does"
+        f" not run on the meta device ({construct(error)}); the stages check it on the"
+        " first batch"
+    )

@@ -46,8 +46,9 @@ def _gradients(stage: RRef, context_id: int) -> dict[str, torch.Tensor]:
     return stage.local_value().gradients(context_id)
 
 
-def norm_of(grads: dict[str, torch.Tensor], unscale: float = 1.0,
-            leave_out: frozenset[str] = frozenset()) -> float:  # fmt: skip
+def norm_of(
+    grads: dict[str, torch.Tensor], unscale: float = 1.0, leave_out: frozenset[str] = frozenset()
+) -> float:
     """Runs on a stage, where its gradients `grads` are: divide them by fp16's loss scale
     (`unscale` is 1 / scale; 1.0 without one) and return their L2 norm, one float64 scalar
     (inf or nan when any is), leaving out the parameters `leave_out` names (copies another
@@ -108,13 +109,16 @@ def release(names: list[str], stages: list[RRef], context_id: int) -> None:
     _on_every(names, stages, release_stage, context_id)
 
 
-def _on_every(names: list[str], stages: list[RRef], function: Callable[..., Any],
-              *args: Any) -> list[Any]:  # fmt: skip
+def _on_every(
+    names: list[str], stages: list[RRef], function: Callable[..., Any], *args: Any
+) -> list[Any]:
     """Call `function(stage, *args)` on every stage at once; their results."""
-    return torch.futures.wait_all([
-        rpc.rpc_async(name, function, args=(stage, *args))
-        for name, stage in zip(names, stages, strict=True)
-    ])  # fmt: skip
+    return torch.futures.wait_all(
+        [
+            rpc.rpc_async(name, function, args=(stage, *args))
+            for name, stage in zip(names, stages, strict=True)
+        ]
+    )
 
 
 def copies(tied: list[list[tuple[int, str]]]) -> dict[int, frozenset[str]]:

@@ -42,31 +42,52 @@ from pipejob.trainer.workloads import models
 SINGLE_FILE_BYTES = 256 * 2**20
 
 
-def info(kind: str, job: str, spec: PipelineSpec, steps: int,
-         evaluation: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+def info(
+    kind: str, job: str, spec: PipelineSpec, steps: int, evaluation: dict[str, Any] | None
+) -> dict[str, Any]:
     """What model.json says of the model file (a checkpoint's manifest keeps it too)."""
-    return {"kind": kind, "job": job, "model": models.as_spec(spec.model),
-            "numClasses": spec.num_classes, "imageSize": spec.image_size, "steps": steps,
-            "evaluation": evaluation}  # fmt: skip
+    return {
+        "kind": kind,
+        "job": job,
+        "model": models.as_spec(spec.model),
+        "numClasses": spec.num_classes,
+        "imageSize": spec.image_size,
+        "steps": steps,
+        "evaluation": evaluation,
+    }
 
 
-def write(out: str | Path, format: str, stages: list[dict[str, torch.Tensor]],
-          rest: dict[str, torch.Tensor], about: dict[str, Any],
-          config: dict[str, Any] | None = None,
-          metadata: output.Metadata | None = None) -> list[Path]:  # fmt: skip
+def write(
+    out: str | Path,
+    format: str,
+    stages: list[dict[str, torch.Tensor]],
+    rest: dict[str, torch.Tensor],
+    about: dict[str, Any],
+    config: dict[str, Any] | None = None,
+    metadata: output.Metadata | None = None,
+) -> list[Path]:
     """The stages' states and the rest as one model file in `out` (with the modules'
     `metadata`), and model.json (and a Hugging Face model's `config`, as config.json)."""
     state = dict(rest)
     for part in stages:
         state.update(part)
-    return [*output.write(out, {"model": state}, about, format, metadata),
-            *write_config(out, config)]  # fmt: skip
+    return [
+        *output.write(out, {"model": state}, about, format, metadata),
+        *write_config(out, config),
+    ]
 
 
-def write_live(out: str | Path, format: str, names: list[str], stages: list[RRef],
-               rest: dict[str, torch.Tensor], about: dict[str, Any],
-               config: dict[str, Any] | None = None, single_file_bytes: int | None = None,
-               metadata: output.Metadata | None = None) -> list[Path]:  # fmt: skip
+def write_live(
+    out: str | Path,
+    format: str,
+    names: list[str],
+    stages: list[RRef],
+    rest: dict[str, torch.Tensor],
+    about: dict[str, Any],
+    config: dict[str, Any] | None = None,
+    single_file_bytes: int | None = None,
+    metadata: output.Metadata | None = None,
+) -> list[Path]:
     """The model a run's stages hold (`stages`, their Stage RRefs on the workers `names`)
     and `rest`, the state no stage holds, written into `out`: one file when it is at most
     `single_file_bytes` (SINGLE_FILE_BYTES), else each stage writing its own shard, all at
@@ -82,11 +103,12 @@ def write_live(out: str | Path, format: str, names: list[str], stages: list[RRef
         )
         return write(out, format, states, rest, about, config, metadata)
     files = shard_files(len(stages), bool(rest), format)
-    writing = [rpc.rpc_async(n, on_stage, args=(s, "write_shard", str(out), f, format))
-               for (n, s), f in zip(pairs, files, strict=False)]  # fmt: skip
+    writing = [
+        rpc.rpc_async(n, on_stage, args=(s, "write_shard", str(out), f, format))
+        for (n, s), f in zip(pairs, files, strict=False)
+    ]
     mine = [output.write_shard(out, files[-1], rest, format)] if rest else []
-    return finish(out, format, [*torch.futures.wait_all(writing), *mine], about, config,
-                  metadata)  # fmt: skip
+    return finish(out, format, [*torch.futures.wait_all(writing), *mine], about, config, metadata)
 
 
 def held_bytes(stage: RRef) -> int:
@@ -100,9 +122,14 @@ def shard_files(stages: int, rest: bool, format: str) -> list[str]:
     return [output.shard_name(k + 1, count, format) for k in range(count)]
 
 
-def finish(out: str | Path, format: str, shards: list[dict[str, Any]], about: dict[str, Any],
-           config: dict[str, Any] | None,
-           metadata: output.Metadata | None = None) -> list[Path]:  # fmt: skip
+def finish(
+    out: str | Path,
+    format: str,
+    shards: list[dict[str, Any]],
+    about: dict[str, Any],
+    config: dict[str, Any] | None,
+    metadata: output.Metadata | None = None,
+) -> list[Path]:
     """After the shards: the index, model.json and config.json. A shard the master cannot
     see as its writer wrote it means the stages wrote into directories of their own."""
     out = Path(out)
@@ -116,8 +143,10 @@ def finish(out: str | Path, format: str, shards: list[dict[str, Any]], about: di
                 " of a model this big, so the path must be one directory shared by every"
                 " process of the job (e.g. a ReadWriteMany volume)"
             )
-    return [*output.write_index(out, shards, about, format, metadata=metadata),
-            *write_config(out, config)]  # fmt: skip
+    return [
+        *output.write_index(out, shards, about, format, metadata=metadata),
+        *write_config(out, config),
+    ]
 
 
 def write_config(out: str | Path, config: dict[str, Any] | None) -> list[Path]:
@@ -128,9 +157,13 @@ def write_config(out: str | Path, config: dict[str, Any] | None) -> list[Path]:
     return [path]
 
 
-def export_checkpoint(directory: str | Path, manifest: dict[str, Any], out: str | Path,
-                      format: str = "safetensors",
-                      single_file_bytes: int | None = None) -> list[Path]:  # fmt: skip
+def export_checkpoint(
+    directory: str | Path,
+    manifest: dict[str, Any],
+    out: str | Path,
+    format: str = "safetensors",
+    single_file_bytes: int | None = None,
+) -> list[Path]:
     """The model of a complete PipelineJob checkpoint (`pipejob export`): the files a run
     writes. A model over the limit is written one stage's checkpoint file at a time, so
     the export never holds more than one stage's."""

@@ -31,8 +31,9 @@ from pipejob.trainer.workloads.cut import tensors
 COST_SLACK = 0.1
 
 
-def min_max_partition(costs: Sequence[float], parts: int,
-                      sizes: Sequence[float] | None = None) -> list[range]:  # fmt: skip
+def min_max_partition(
+    costs: Sequence[float], parts: int, sizes: Sequence[float] | None = None
+) -> list[range]:
     """Split layers 0..n-1 into `parts` non-empty contiguous ranges, minimising the largest
     range's total cost; with `sizes` (each layer's parameter bytes), of the splits within
     COST_SLACK of that, the one minimising the largest range's bytes. Among equally good
@@ -52,8 +53,9 @@ def min_max_partition(costs: Sequence[float], parts: int,
     return _min_max(sizes, parts, fastest * (1 + COST_SLACK), costs)[1]
 
 
-def _min_max(weights: Sequence[float], parts: int, bound: float,
-             costs: Sequence[float] | None = None) -> tuple[float, list[range]]:  # fmt: skip
+def _min_max(
+    weights: Sequence[float], parts: int, bound: float, costs: Sequence[float] | None = None
+) -> tuple[float, list[range]]:
     """The split of the layers into `parts` ranges minimising the largest range's total
     weight, of those whose ranges each cost at most `bound` (`costs`: per layer), and that
     largest weight."""
@@ -96,17 +98,23 @@ class LayerCosts:
     sizes: list[float] | None = None  # parameter bytes, where known: the split's tie-break
 
 
-def measure_costs(pieces: list[nn.Module], names: list[str], sample: torch.Tensor,
-                  repeats: int = 3) -> LayerCosts:  # fmt: skip
+def measure_costs(
+    pieces: list[nn.Module], names: list[str], sample: torch.Tensor, repeats: int = 3
+) -> LayerCosts:
     """What each piece of the model (cut at every candidate, cut.Traced) costs for forward
     + backward on `sample` (a micro-batch of the model's input): `measure_chain` from the
     model's input."""
     return measure_chain(pieces, names, (sample,), True, repeats)[0]
 
 
-def measure_chain(pieces: list[nn.Module], names: list[str], values: tuple[Any, ...],
-                  first: bool, repeats: int = 3,
-                  on_copies: bool = True) -> tuple[LayerCosts, tuple[Any, ...]]:  # fmt: skip
+def measure_chain(
+    pieces: list[nn.Module],
+    names: list[str],
+    values: tuple[Any, ...],
+    first: bool,
+    repeats: int = 3,
+    on_copies: bool = True,
+) -> tuple[LayerCosts, tuple[Any, ...]]:
     """What each of a run of consecutive pieces costs for forward + backward on `values`
     (what the model passes the first of them; the model's own input when `first`), the
     minimum over `repeats` runs after one untimed warm-up run (first calls set up kernels
@@ -221,9 +229,15 @@ class Prediction:
         return self.micro_batches * self.micro_batch_size / self.step_seconds
 
 
-def predict(costs: LayerCosts, stages: int, micro_batches: int, batch: int,
-            hosts: Sequence[Host] = (), ranges: list[range] | None = None,
-            per_process: int = 1) -> Prediction:  # fmt: skip
+def predict(
+    costs: LayerCosts,
+    stages: int,
+    micro_batches: int,
+    batch: int,
+    hosts: Sequence[Host] = (),
+    ranges: list[range] | None = None,
+    per_process: int = 1,
+) -> Prediction:
     """Split `costs` (per layer, one micro-batch of batch // micro_batches) over `stages` by
     wall-clock time (over stages x `per_process` pieces, process k holding pieces k,
     k + stages, ..., for an interleaved schedule) and predict the step from two lower bounds:
@@ -240,14 +254,19 @@ def predict(costs: LayerCosts, stages: int, micro_batches: int, batch: int,
     slowest = max(sum(costs.seconds[i] for i in r) for r in ranges)
     crowded = (
         micro_batches
-        * sum((costs.seconds if host.gpu else costs.cpu_seconds)[i]
-              for k in range(len(ranges)) if k % stages in host.stages for i in ranges[k])
+        * sum(
+            (costs.seconds if host.gpu else costs.cpu_seconds)[i]
+            for k in range(len(ranges))
+            if k % stages in host.stages
+            for i in ranges[k]
+        )
         / host.cpus
         for host in hosts
-    )  # fmt: skip
+    )
     pipelined = (micro_batches * per_process + stages - 1) * slowest
-    return Prediction(micro_batches, batch // micro_batches, ranges, pipelined,
-                      max(crowded, default=0.0))  # fmt: skip
+    return Prediction(
+        micro_batches, batch // micro_batches, ranges, pipelined, max(crowded, default=0.0)
+    )
 
 
 def fastest(predictions: Sequence[Prediction]) -> Prediction:

@@ -44,8 +44,12 @@ def trace(spec: PipelineSpec, model: nn.Module) -> cut.Traced | staged.Layers | 
     if spec.model.staged is not None:
         return staged.of(spec, model)
     # The data's shapes, read only where fx's plain trace does not do (workloads/shapes.py).
-    return cut.Traced(model, CANDIDATES_PER_STAGE * spec.pieces, spec.split_points,
-                      sample=lambda: data.sample(spec, 2)[0])  # fmt: skip
+    return cut.Traced(
+        model,
+        CANDIDATES_PER_STAGE * spec.pieces,
+        spec.split_points,
+        sample=lambda: data.sample(spec, 2)[0],
+    )
 
 
 @dataclass(frozen=True)
@@ -97,9 +101,10 @@ def measure_here(
         pieces = [piece.to(device) for piece in part.build()]  # no copies: the stage's own
         try:
             with torch.random.fork_rng(devices=[]):  # dropout here leaves training's draws be
-                measured = [measure_chain(pieces, units, _to(values, device), first,
-                                          on_copies=False)
-                            for values in given]  # fmt: skip
+                measured = [
+                    measure_chain(pieces, units, _to(values, device), first, on_copies=False)
+                    for values in given
+                ]
         except ValueError as e:
             return str(e)
         finally:
@@ -115,16 +120,21 @@ def _to(values: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
     return tree_map_only(torch.Tensor, lambda v: v.to(device), values)
 
 
-def measure_on_stages(names: list[str], spec: PipelineSpec, traced: cut.Traced,
-                      numbered: materialize.Numbering, batches: list[int],
-                      ) -> list[LayerCosts]:  # fmt: skip
+def measure_on_stages(
+    names: list[str],
+    spec: PipelineSpec,
+    traced: cut.Traced,
+    numbered: materialize.Numbering,
+    batches: list[int],
+) -> list[LayerCosts]:
     """Every unit's cost on a micro-batch of each size of `batches`, measured on stage
     processes `names` (one pipeline's), each building a run of units of about equal
     parameter bytes; the first reads the samples."""
     units = traced.units
     pieces = traced.split(units[1:])  # on the meta device: sizes only
-    sizes = [float(sum(p.numel() * p.element_size() for p in piece.parameters()))
-             for piece in pieces]  # fmt: skip
+    sizes = [
+        float(sum(p.numel() * p.element_size() for p in piece.parameters())) for piece in pieces
+    ]
     runs = min_max_partition(sizes, min(len(names), len(units)))
     dtype = torch.get_default_dtype()
     values: list[tuple[Any, ...]] | None = None  # the first stage reads its samples
@@ -132,10 +142,12 @@ def measure_on_stages(names: list[str], spec: PipelineSpec, traced: cut.Traced,
     cpu: list[list[float]] = [[] for _ in batches]
     for k, run in enumerate(runs):
         held = [n for i in run for n in cut.state_names(pieces[i])]
-        part = Part(spec, dtype, tuple(materialize.numbers(numbered, held)), tuple(units[1:]),
-                    tuple(run))  # fmt: skip
-        got = rpc.rpc_sync(names[k], measure_here,
-                           args=(part, [units[i] for i in run], values, batches))  # fmt: skip
+        part = Part(
+            spec, dtype, tuple(materialize.numbers(numbered, held)), tuple(units[1:]), tuple(run)
+        )
+        got = rpc.rpc_sync(
+            names[k], measure_here, args=(part, [units[i] for i in run], values, batches)
+        )
         if isinstance(got, str):
             raise ValueError(got)
         costs, values = got

@@ -59,8 +59,9 @@ class Reader:
         self._inputs: dict[tuple[int, int], tuple[torch.Tensor]] = {}
         self._labels: dict[int, torch.Tensor] = {}
 
-    def read(self, round: int, micro_batches: int, what: str = TRAIN,
-             given: Batch | None = None) -> int:  # fmt: skip
+    def read(
+        self, round: int, micro_batches: int, what: str = TRAIN, given: Batch | None = None
+    ) -> int:
         """Round `round`'s batch: `given`, or the next one of `what` (TRAIN or HELD_OUT),
         kept as at most `micro_batches` micro-batches; its sample count, 0 when the held-out
         set is over."""

@@ -40,15 +40,24 @@ class Computed(nn.Module):
     engine drives it, distributed autograd's too, where a reentrant one would put the
     gradients outside the step's context). The last piece hands float32 to the loss."""
 
-    def __init__(self, layers: nn.Module, device: torch.device, autocast: torch.dtype | None,
-                 recompute: bool, last: bool):  # fmt: skip
+    def __init__(
+        self,
+        layers: nn.Module,
+        device: torch.device,
+        autocast: torch.dtype | None,
+        recompute: bool,
+        last: bool,
+    ):
         super().__init__()
         self.layers, self.device_type = layers, device.type
         self.autocast, self.recompute, self.last = autocast, recompute, last
 
     def forward(self, *x: Any) -> Any:
-        with torch.autocast(self.device_type, dtype=self.autocast or torch.bfloat16,
-                            enabled=self.autocast is not None):  # fmt: skip
+        with torch.autocast(
+            self.device_type,
+            dtype=self.autocast or torch.bfloat16,
+            enabled=self.autocast is not None,
+        ):
             if self.recompute and torch.is_grad_enabled():  # an evaluation keeps nothing
                 y = torch.utils.checkpoint.checkpoint(self.layers, *x, use_reentrant=False)
             else:
@@ -110,9 +119,15 @@ class Shard:
     # The rpc engine's GPU stage computes on a thread and stream of its own (gpu_worker.py).
     gpu: GpuWorker | None = None
 
-    def __init__(self, part: Part | nn.Module, device: str, precision: str = "fp32",
-                 recompute: bool = False, source: Source | None = None,
-                 optimizer: Optimizer | None = None):  # fmt: skip
+    def __init__(
+        self,
+        part: Part | nn.Module,
+        device: str,
+        precision: str = "fp32",
+        recompute: bool = False,
+        source: Source | None = None,
+        optimizer: Optimizer | None = None,
+    ):
         self.device = torch.device(device)
         self.reader = Reader(source, self.device)  # reads only on a first stage
         # Built here from a Part: only this process's parameters exist.
@@ -242,8 +257,10 @@ class Shard:
     def fingerprint(self) -> torch.Tensor:
         """Per parameter, its sum and sum of squares in float64: equal in every replica whose
         shard is the same (replicas must stay identical)."""
-        rows = [(p.detach().double().sum(), p.detach().double().square().sum())
-                for p in self.layers.parameters()]  # fmt: skip
+        rows = [
+            (p.detach().double().sum(), p.detach().double().square().sum())
+            for p in self.layers.parameters()
+        ]
         return torch.tensor([[a.item(), b.item()] for a, b in rows], dtype=torch.float64)
 
     def step_optimizer(self, context_id: int, lr: float | None) -> None:
@@ -255,14 +272,16 @@ class Shard:
         params = dict(self.layers.named_parameters())
         self.optimizer.step({params[n]: g for n, g in self.gradients(context_id).items()})
 
-    def norm(self, context_id: int, unscale: float = 1.0,
-             leave_out: frozenset[str] = frozenset()) -> float:  # fmt: skip
+    def norm(
+        self, context_id: int, unscale: float = 1.0, leave_out: frozenset[str] = frozenset()
+    ) -> float:
         """The L2 norm of this step's gradients, after dividing them by fp16's loss scale
         (gradients.norm_of): what the master judges and clips the step by."""
         return gradients.norm_of(self.gradients(context_id), unscale, leave_out)
 
-    def finish_step(self, context_id: int, coefficient: float, lr: float | None, apply: bool,
-                    zero: bool) -> None:  # fmt: skip
+    def finish_step(
+        self, context_id: int, coefficient: float, lr: float | None, apply: bool, zero: bool
+    ) -> None:
         """The step's tail in one call: where it is applied (`apply`), its gradients scaled
         by the clipping `coefficient` and the optimizer stepped with `lr`
         (`step_optimizer`); with `zero`, .grad forgotten (stepped or skipped)."""

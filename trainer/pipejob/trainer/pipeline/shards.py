@@ -23,7 +23,7 @@ from pipejob.trainer.pipeline.partition import (
     Prediction,
     fastest,
     predict,
-)  # fmt: skip
+)
 from pipejob.trainer.pipeline.parts import Part, measure_on_stages, trace
 from pipejob.trainer.pipeline.shard import compute_resources
 from pipejob.trainer.runtime import adapters, output, tuning
@@ -139,8 +139,16 @@ def plan_shards(
     starts = [units[r.start] for r in saved.ranges[1:]]
     stages = traced.split(starts)
     dtype = torch.get_default_dtype()
-    parts = [Part(spec, dtype, tuple(materialize.numbers(numbered, cut.state_names(stage))),
-                  tuple(starts), (k,)) for k, stage in enumerate(stages)]  # fmt: skip
+    parts = [
+        Part(
+            spec,
+            dtype,
+            tuple(materialize.numbers(numbered, cut.state_names(stage))),
+            tuple(starts),
+            (k,),
+        )
+        for k, stage in enumerate(stages)
+    ]
     rest = cut.unused(model, stages)
     # Parameters no stage holds, or buffers computed from parameters (the master's are not
     # right: it has no parameters), are built here.
@@ -151,8 +159,18 @@ def plan_shards(
             )
         rest = {k: v for k, v in whole.state_dict().items() if k in rest}
     tied = by_process(cut.ties(stages), spec.stages)
-    return Shards(units, stages, saved, rest, tied, hf_config(model), parts, spec.stages,
-                  output.module_metadata(model), adapters.configs(model))  # fmt: skip
+    return Shards(
+        units,
+        stages,
+        saved,
+        rest,
+        tied,
+        hf_config(model),
+        parts,
+        spec.stages,
+        output.module_metadata(model),
+        adapters.configs(model),
+    )
 
 
 def by_process(ties: list[list[tuple[int, str]]], processes: int) -> list[list[tuple[int, str]]]:
@@ -169,9 +187,15 @@ def by_process(ties: list[list[tuple[int, str]]], processes: int) -> list[list[t
     return out
 
 
-def _measure(spec: PipelineSpec, stage_names: list[str], traced: cut.Traced,
-             numbered: materialize.Numbering, hosts: list[Host], fixed: list[range] | None,
-             progress: Callable[[str], None]) -> Partition:  # fmt: skip
+def _measure(
+    spec: PipelineSpec,
+    stage_names: list[str],
+    traced: cut.Traced,
+    numbered: materialize.Numbering,
+    hosts: list[Host],
+    fixed: list[range] | None,
+    progress: Callable[[str], None],
+) -> Partition:
     auto = spec.micro_batches == AUTO
     batch = spec.batch_size
     counts = auto_counts(batch, spec.schedule, spec.stages) if auto else [spec.micro_batches]
@@ -179,10 +203,13 @@ def _measure(spec: PipelineSpec, stage_names: list[str], traced: cut.Traced,
         progress(f"  micro-batch {batch // m} ({m} per batch)")
     sizes = [batch // m for m in counts]
     measured: dict[int, tuple[Prediction, LayerCosts]] = {}
-    for m, costs in zip(counts, measure_on_stages(stage_names, spec, traced, numbered, sizes),
-                        strict=True):  # fmt: skip
-        measured[m] = predict(costs, spec.stages, m, batch, hosts, fixed,
-                              spec.stages_per_process), costs  # fmt: skip
+    for m, costs in zip(
+        counts, measure_on_stages(stage_names, spec, traced, numbered, sizes), strict=True
+    ):
+        measured[m] = (
+            predict(costs, spec.stages, m, batch, hosts, fixed, spec.stages_per_process),
+            costs,
+        )
     chosen, costs = measured[fastest([p for p, _ in measured.values()]).micro_batches]
     table = [candidate(p) for p, _ in measured.values()] if auto else []
     return Partition(chosen.ranges, costs.seconds, chosen.micro_batches, table)
@@ -202,14 +229,18 @@ def candidate(p: Prediction) -> dict[str, Any]:
 
 def candidate_table(candidates: list[dict[str, Any]], chosen: int) -> str:
     """Per candidate: both bounds of the step (see partition.predict), the prediction."""
-    lines = [f"  {'m':>3} {'micro':>5} {'pipeline s':>10} {'cores s':>7} {'predicted s/step':>16}"
-             f" {'samples/s':>9}"]  # fmt: skip
+    lines = [
+        f"  {'m':>3} {'micro':>5} {'pipeline s':>10} {'cores s':>7} {'predicted s/step':>16}"
+        f" {'samples/s':>9}"
+    ]
     for c in candidates:
         mark = "  <- chosen" if c["microBatches"] == chosen else ""
-        lines.append(f"  {c['microBatches']:>3} {c['microBatchSize']:>5}"
-                     f" {c['pipelineBoundSeconds']:>10.3f} {c['coresBoundSeconds']:>7.3f}"
-                     f" {c['predictedStepSeconds']:>16.3f}"
-                     f" {c['predictedSamplesPerSecond']:>9.1f}{mark}")  # fmt: skip
+        lines.append(
+            f"  {c['microBatches']:>3} {c['microBatchSize']:>5}"
+            f" {c['pipelineBoundSeconds']:>10.3f} {c['coresBoundSeconds']:>7.3f}"
+            f" {c['predictedStepSeconds']:>16.3f}"
+            f" {c['predictedSamplesPerSecond']:>9.1f}{mark}"
+        )
     return "\n".join(lines)
 
 

@@ -14,9 +14,11 @@ from pipejob.trainer.workloads import metrics, models
 
 
 def stage_report(
-    names: list[str], timings: list[dict[int, tuple[float, float, float]]], step: int,
+    names: list[str],
+    timings: list[dict[int, tuple[float, float, float]]],
+    step: int,
     result: StepResult,
-) -> tuple[float, dict[str, tuple[float, float]]]:  # fmt: skip
+) -> tuple[float, dict[str, tuple[float, float]]]:
     """One step's measured bubble and each stage's (forward, backward) seconds."""
     per_stage = [t.get(step, (0.0, 0.0, 0.0)) for t in timings]
     busy = sum(b for _, _, b in per_stage)
@@ -73,7 +75,9 @@ def summarize(
             per_stage[-1]["peakActivationBytes"] = activations[i]
     p, m = spec.stages, shards.partition.micro_batches
     return master.summary(
-        env, len(results), first,
+        env,
+        len(results),
+        first,
         model=models.name(spec.model),
         engine=spec.engine,
         schedule=spec.schedule,
@@ -96,8 +100,14 @@ def summarize(
         gradNorms=[r.grad_norm for r in results],
         finalGradNorm=results[-1].grad_norm,
         clipGradNorm=spec.optimizer.clip_grad_norm,
-        samplesPerSecond=round(spec.batch_size * spec.replicas.max * spec.gradient_accumulation
-                               * len(measured) / seconds, 3),  # fmt: skip
+        samplesPerSecond=round(
+            spec.batch_size
+            * spec.replicas.max
+            * spec.gradient_accumulation
+            * len(measured)
+            / seconds,
+            3,
+        ),
         secondsPerStep=round(seconds / len(measured), 4),
         allreduceSecondsPerStep=round(
             sum(r.allreduce_seconds for r in measured) / len(measured), 4
@@ -112,7 +122,7 @@ def summarize(
             "gpipeIdeal": round(gpipe_bubble(p, m), 4),
             "scheduleIdeal": round(gpipe_bubble(p, m, spec.stages_per_process), 4),
         },
-    )  # fmt: skip
+    )
 
 
 def auto_line(s: dict[str, Any]) -> list[str]:
@@ -121,20 +131,24 @@ def auto_line(s: dict[str, Any]) -> list[str]:
     if s["microBatchesRequested"] != AUTO or not chosen:
         return []
     measured = s["secondsPerStep"] - s["optimizerSecondsPerStep"]
-    return [f"  microBatches auto chose {s['microBatches']} of"
-            f" {', '.join(str(c['microBatches']) for c in s['microBatchCandidates'])}:"
-            f" predicted {chosen[0]['predictedStepSeconds']:.3f} s of forwards and backwards"
-            f" per step, measured {measured:.3f}"]  # fmt: skip
+    return [
+        f"  microBatches auto chose {s['microBatches']} of"
+        f" {', '.join(str(c['microBatches']) for c in s['microBatchCandidates'])}:"
+        f" predicted {chosen[0]['predictedStepSeconds']:.3f} s of forwards and backwards"
+        f" per step, measured {measured:.3f}"
+    ]
 
 
 def recipe_line(s: dict[str, Any]) -> list[str]:
     """The learning rate, gradient norm and clipping of the last step, and the recipe."""
     clip = s["clipGradNorm"]
     clipped = sum(1 for n in s["gradNorms"] if clip is not None and n > clip)
-    parts = [f"last step lr {s['learningRates'][-1]:.3g}",
-             f"gradient norm {s['finalGradNorm']:.4g}"
-             + (f" (clipped to {clip:g} in {clipped} of {s['steps']} steps)" if clip else ""),
-             s["precision"]]  # fmt: skip
+    parts = [
+        f"last step lr {s['learningRates'][-1]:.3g}",
+        f"gradient norm {s['finalGradNorm']:.4g}"
+        + (f" (clipped to {clip:g} in {clipped} of {s['steps']} steps)" if clip else ""),
+        s["precision"],
+    ]
     if s["gradientAccumulation"] > 1:
         parts.append(f"{s['gradientAccumulation']} batches per optimizer step")
     if s["activationCheckpointing"]:
@@ -147,8 +161,9 @@ def evaluation_line(s: dict[str, Any]) -> list[str]:
     if e is None:
         return []
     metric = "".join(f", {m}" for m in [metrics.describe(e)] if m)
-    return [f"  held-out after step {e['step']}: loss {e['loss']:.4f}{metric}"
-            f" ({e['samples']} samples)"]  # fmt: skip
+    return [
+        f"  held-out after step {e['step']}: loss {e['loss']:.4f}{metric} ({e['samples']} samples)"
+    ]
 
 
 def render(summary: dict[str, Any]) -> str:
@@ -184,8 +199,11 @@ def render(summary: dict[str, Any]) -> str:
             + (f"  ({held / 1e6:.1f} MB)" if held is not None else "")
         )
     staged = {st["stage"] for st in s["partition"]}
-    others = [f"{name} {memory.megabytes(peak)}" for name, peak in s.get("memory", {}).items()
-              if name not in staged]  # fmt: skip
+    others = [
+        f"{name} {memory.megabytes(peak)}"
+        for name, peak in s.get("memory", {}).items()
+        if name not in staged
+    ]
     if others:
         lines.append(f"  peak memory besides the stages above: {', '.join(others)}")
     b = s["bubble"]

@@ -62,8 +62,9 @@ def train(env: Env) -> dict[str, Any]:
         world.log(env, f"data: {feed.description}")
         inputs, labels = feed.sample(2)
     # A staged model runs as its stages call it (its own forward is not used).
-    unchecked = fits_model(staged.as_called(spec, model) if spec.model.staged else model,
-                           inputs, labels, loss)  # fmt: skip
+    unchecked = fits_model(
+        staged.as_called(spec, model) if spec.model.staged else model, inputs, labels, loss
+    )
     if unchecked is not None:
         world.log(env, unchecked)
     found = checkpoint.latest_for(env)
@@ -76,38 +77,52 @@ def train(env: Env) -> dict[str, Any]:
                 saved = None  # its cut is not this model's: measure anew
         if saved is None:
             threads, hosts = stage_resources(env, spec.stages, spec.gpus_per_stage > 0)
-            shared = "; ".join(f"{', '.join(names[k] for k in h.stages)} share "
-                               + ("a GPU" if h.gpu else f"{h.cpus:g} CPU(s)")
-                               for h in hosts if len(h.stages) > 1)  # fmt: skip
-            world.log(env, f"{title}: the stages measure what each part costs on samples of"
-                           f" shape {shape(inputs[0])}, with their {threads} intra-op"
-                           " thread(s)" + (f" ({shared})" if shared else ""))  # fmt: skip
-            shards = plan_shards(spec, model, numbered, names, None, hosts,
-                                 lambda message: world.log(env, message))  # fmt: skip
+            shared = "; ".join(
+                f"{', '.join(names[k] for k in h.stages)} share "
+                + ("a GPU" if h.gpu else f"{h.cpus:g} CPU(s)")
+                for h in hosts
+                if len(h.stages) > 1
+            )
+            world.log(
+                env,
+                f"{title}: the stages measure what each part costs on samples of"
+                f" shape {shape(inputs[0])}, with their {threads} intra-op"
+                " thread(s)" + (f" ({shared})" if shared else ""),
+            )
+            shards = plan_shards(
+                spec, model, numbered, names, None, hosts, lambda message: world.log(env, message)
+            )
     except ValueError as e:
         raise ValueError(f"spec.model {title} with {spec.stages} stages: {e}") from None
     m, candidates = shards.partition.micro_batches, shards.partition.candidates
     if spec.micro_batches == AUTO:
         how = "chose" if saved is None else "resumes with the checkpoint's"
         table = ":\n" + candidate_table(candidates, m) if candidates else ""
-        world.log(env, f"microBatches auto {how} {m} (micro-batches of"
-                       f" {spec.batch_size // m}){table}")  # fmt: skip
+        world.log(
+            env, f"microBatches auto {how} {m} (micro-batches of {spec.batch_size // m}){table}"
+        )
     for i in range(spec.stages):
-        world.log(env, f"stage {i}: {shards.describe(i)}, {share(shards, i):.0%} of"
-                       " measured cost")  # fmt: skip
+        world.log(env, f"stage {i}: {shards.describe(i)}, {share(shards, i):.0%} of measured cost")
     batch = spec.batch_size * spec.replicas.max  # of every round, at every size
     if count > 1 or spec.replicas.elastic:
         shares = sorted({len(share_of(batch, r, count)) for r in range(count)})
-        world.log(env, f"{count} replica(s) of the pipeline (replicas {spec.replicas.min} to"
-                       f" {spec.replicas.max}), {' or '.join(map(str, shares))} of each batch's"
-                       f" {batch} samples each; stage i of every replica averages its"
-                       " gradients")  # fmt: skip
+        world.log(
+            env,
+            f"{count} replica(s) of the pipeline (replicas {spec.replicas.min} to"
+            f" {spec.replicas.max}), {' or '.join(map(str, shares))} of each batch's"
+            f" {batch} samples each; stage i of every replica averages its"
+            " gradients",
+        )
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
     pipelines = engine(spec, "schedule").Replicas(replicas, shards, spec, device)
     held = pipelines.pipelines[0].reader("held_out") if spec.eval is not None else None
     if spec.eval is not None:
-        world.log(env, f"evaluation: {held}" if held else
-                       "evaluation: the data has no held-out set; nothing to evaluate")  # fmt: skip
+        world.log(
+            env,
+            f"evaluation: {held}"
+            if held
+            else "evaluation: the data has no held-out set; nothing to evaluate",
+        )
     first = 0 if found is None else resume(env, found, pipelines, shards)
     profile = profiling.settings(spec)
     results: list[StepResult] = []
@@ -124,18 +139,27 @@ def train(env: Env) -> dict[str, Any]:
             if result.skipped is not None:  # a non-finite step skipped (spec.skipNonFiniteSteps)
                 world.log(env, result.skipped)
             seconds = result.pipeline_seconds + result.optimizer_seconds
-            board.step(step + 1, result.loss, seconds, samples, lr=result.lr,
-                       grad_norm=result.grad_norm)  # fmt: skip
-            events.scalars(step + 1, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
-                           samples_per_second=samples / seconds)  # fmt: skip
+            board.step(
+                step + 1, result.loss, seconds, samples, lr=result.lr, grad_norm=result.grad_norm
+            )
+            events.scalars(
+                step + 1,
+                loss=result.loss,
+                lr=result.lr,
+                grad_norm=result.grad_norm,
+                samples_per_second=samples / seconds,
+            )
             if checkpoint.due(spec, step + 1):
                 save_checkpoint(env, step + 1, pipelines, shards)
                 events.flush()
             if (step + 1) % spec.log_every == 0 or step + 1 == steps:
                 rate = samples / seconds
-                world.log(env, f"step {step + 1}/{steps}  loss {result.loss:.4f}"
-                               f"  {rate:.1f} samples/s  lr {result.lr:.3g}"
-                               f"  grad norm {result.grad_norm:.4g}")  # fmt: skip
+                world.log(
+                    env,
+                    f"step {step + 1}/{steps}  loss {result.loss:.4f}"
+                    f"  {rate:.1f} samples/s  lr {result.lr:.3g}"
+                    f"  grad norm {result.grad_norm:.4g}",
+                )
                 bubble, times = stage_report(names, pipelines.timings(), step, result)
                 board.stages(bubble, times)
                 memory.refresh(env, board)  # each member's peak, for /progress and /metrics
@@ -143,9 +167,12 @@ def train(env: Env) -> dict[str, Any]:
             if held is not None and evaluation_due(spec, step + 1):
                 evaluations.append(evaluate(env, pipelines, m, loss, step + 1))
                 figures = evaluations[-1]
-                events.scalars(step + 1, eval_loss=figures["loss"],
-                               eval_accuracy=figures.get("accuracy"),
-                               eval_perplexity=figures.get("perplexity"))  # fmt: skip
+                events.scalars(
+                    step + 1,
+                    eval_loss=figures["loss"],
+                    eval_accuracy=figures.get("accuracy"),
+                    eval_perplexity=figures.get("perplexity"),
+                )
     finally:
         events.close()
     pipelines.readers("close")
@@ -153,8 +180,9 @@ def train(env: Env) -> dict[str, Any]:
         write_output(env, pipelines, shards, evaluations[-1] if evaluations else None)
     if not results:
         return master.nothing_left(env, first)
-    summary = summarize(env, names, shards, results, pipelines.timings(), first,
-                        pipelines.activation_peaks())  # fmt: skip
+    summary = summarize(
+        env, names, shards, results, pipelines.timings(), first, pipelines.activation_peaks()
+    )
     summary["replicaDivergence"] = pipelines.divergence()
     summary["wallSeconds"] = round(time.perf_counter() - started, 3)
     if evaluations:
@@ -170,13 +198,15 @@ def evaluation_due(spec: PipelineSpec, step: int) -> bool:
     return step == spec.steps or (every > 0 and step % every == 0)
 
 
-def evaluate(env: Env, pipelines: Replicas, micro_batches: int, loss: workloads.Loss,
-             step: int) -> dict[str, Any]:  # fmt: skip
+def evaluate(
+    env: Env, pipelines: Replicas, micro_batches: int, loss: workloads.Loss, step: int
+) -> dict[str, Any]:
     """The held-out figures after `step`, through replica 0 (the replicas are identical)."""
     assert env.spec.eval is not None
     start = time.perf_counter()
-    tally = pipelines.evaluate(micro_batches, env.spec.eval.batches, loss,
-                               Tally(data.task(env.spec)))  # fmt: skip
+    tally = pipelines.evaluate(
+        micro_batches, env.spec.eval.batches, loss, Tally(data.task(env.spec))
+    )
     figures = {"step": step, **tally.result()}
     metric = "".join(f", {m}" for m in [metrics.describe(figures)] if m)
     world.log(
@@ -184,13 +214,18 @@ def evaluate(env: Env, pipelines: Replicas, micro_batches: int, loss: workloads.
         f"eval step {step}: loss {figures['loss']:.4f}{metric} on"
         f" {figures['samples']} held-out samples ({time.perf_counter() - start:.1f}s)",
     )
-    monitor.board().evaluated(step, figures["loss"], accuracy=figures.get("accuracy"),
-                              perplexity=figures.get("perplexity"))  # fmt: skip
+    monitor.board().evaluated(
+        step,
+        figures["loss"],
+        accuracy=figures.get("accuracy"),
+        perplexity=figures.get("perplexity"),
+    )
     return figures
 
 
-def write_output(env: Env, pipelines: Replicas, shards: Shards,
-                 evaluation: dict[str, Any] | None) -> None:  # fmt: skip
+def write_output(
+    env: Env, pipelines: Replicas, shards: Shards, evaluation: dict[str, Any] | None
+) -> None:
     """Every stage's state (replica 0's) and the state no stage holds under the model's own
     names: one file for a small model, else each stage writes its own shard
     (pipeline/output.py); the JSON beside them."""
@@ -198,12 +233,20 @@ def write_output(env: Env, pipelines: Replicas, shards: Shards,
     assert spec.output is not None
     about = model_output.info(env.kind, env.job, spec, spec.steps, evaluation)
     pipeline = pipelines.pipelines[0]
-    paths = model_output.write_live(spec.output.path, spec.output.format, pipeline.names,
-                                    pipeline.stages, shards.rest, about, shards.config,
-                                    metadata=shards.metadata)  # fmt: skip
+    paths = model_output.write_live(
+        spec.output.path,
+        spec.output.format,
+        pipeline.names,
+        pipeline.stages,
+        shards.rest,
+        about,
+        shards.config,
+        metadata=shards.metadata,
+    )
     if shards.adapters:  # a peft model: its adapters as peft writes them, merged on request
-        paths += adapters.write(spec.output.path, shards.adapters, spec.output.merged,
-                                shards.config)  # fmt: skip
+        paths += adapters.write(
+            spec.output.path, shards.adapters, spec.output.merged, shards.config
+        )
     elif spec.output.merged:
         world.log(env, "output.merged: the model has no peft adapters; nothing to merge")
     world.log(env, f"model written: {', '.join(str(p) for p in paths)}")
@@ -226,23 +269,35 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
         rpc.rpc_async(name, on_stage, args=(stage, "save", directory, f"stage{i}.pt"))
         for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True))
     ]
-    own = {"rng": checkpoint.rng_state(), "data": pipelines.data_state(), "rest": shards.rest,
-           "config": shards.config, "metadata": shards.metadata}  # fmt: skip
+    own = {
+        "rng": checkpoint.rng_state(),
+        "data": pipelines.data_state(),
+        "rest": shards.rest,
+        "config": shards.config,
+        "metadata": shards.metadata,
+    }
     if pipelines.loss_scale is not None:
         own["lossScale"] = pipelines.loss_scale.state()
     files = [checkpoint.save_part(directory, "master.pt", own), *torch.futures.wait_all(saving)]
     checkpoint.write_manifest(
-        root, step, files, kind=env.kind, job=env.job, model=models.as_spec(env.spec.model),
+        root,
+        step,
+        files,
+        kind=env.kind,
+        job=env.job,
+        model=models.as_spec(env.spec.model),
         stageCount=len(pipeline.stages),  # files stage0.pt, stage1.pt, ...: one per process
         stages=[shards.of(i) for i in range(len(shards.ranges))],  # per piece of the cut
-        engine=env.spec.engine, schedule=env.spec.schedule,
+        engine=env.spec.engine,
+        schedule=env.spec.schedule,
         stagesPerProcess=env.spec.stages_per_process,
         info=model_output.info(env.kind, env.job, env.spec, step, None),
-        ranges=[[r.start, r.stop] for r in shards.ranges], costs=shards.costs,
+        ranges=[[r.start, r.stop] for r in shards.ranges],
+        costs=shards.costs,
         microBatches=shards.partition.micro_batches,
         microBatchCandidates=shards.partition.candidates,
         replicas=len(pipelines.pipelines),
-    )  # fmt: skip
+    )
     checkpoint.prune(root)
     master.checkpoint_written(env, step, files, time.perf_counter() - start, directory)
 
@@ -280,8 +335,9 @@ def resume(env: Env, found: checkpoint.Checkpoint, pipelines: Replicas, shards: 
     step, stage)."""
     index = checkpoint.index_of(found)
     manifest = found.manifest
-    same = ([shards.of(i) for i in range(len(shards.ranges))] == manifest.get("stages")
-            and manifest.get("stagesPerProcess", 1) == env.spec.stages_per_process)  # fmt: skip
+    same = [shards.of(i) for i in range(len(shards.ranges))] == manifest.get(
+        "stages"
+    ) and manifest.get("stagesPerProcess", 1) == env.spec.stages_per_process
     directory = str(found.directory)
     plans = []
     for k in range(env.spec.stages):
@@ -291,8 +347,9 @@ def resume(env: Env, found: checkpoint.Checkpoint, pipelines: Replicas, shards: 
         plans.append((entries, seed))
     loading = []
     for pipeline in pipelines.pipelines:
-        for name, stage, (entries, seed) in zip(pipeline.names, pipeline.stages, plans,
-                                                strict=True):  # fmt: skip
+        for name, stage, (entries, seed) in zip(
+            pipeline.names, pipeline.stages, plans, strict=True
+        ):
             args = (stage, "load", directory, entries, seed)
             loading.append(rpc.rpc_async(name, on_stage, args=args))
     own = found.load("master.pt")

@@ -60,12 +60,16 @@ def adapter_state(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.
     """Adapter `name`'s weights under the names peft saves them (get_peft_model_state_dict:
     the LoRA matrices, the adapter's name left out)."""
     mark = f".{name}."
-    return {k.replace(f".{name}", ""): v.contiguous() for k, v in state.items()
-            if "lora_" in k and mark in k}  # fmt: skip
+    return {
+        k.replace(f".{name}", ""): v.contiguous()
+        for k, v in state.items()
+        if "lora_" in k and mark in k
+    }
 
 
-def merged_state(state: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], name: str,
-                 config: dict[str, Any]) -> dict[str, torch.Tensor]:  # fmt: skip
+def merged_state(
+    state: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], name: str, config: dict[str, Any]
+) -> dict[str, torch.Tensor]:
     """The base model's tensors of `state` (the whole model's, or a file's share) with
     adapter `name` (its LoRA matrices in `lora`, under the model's names) merged into each
     adapted Linear's weight (W + scaling B A, as peft's merge; transposed for fan_in_fan_out
@@ -91,11 +95,15 @@ def merged_state(state: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], 
 def _scaling(name: str, config: dict[str, Any]) -> float:
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
-            raise ValueError(f"spec.output.merged: adapter {name!r} has a {key}; merge it"
-                             " with peft's merge_and_unload")  # fmt: skip
+            raise ValueError(
+                f"spec.output.merged: adapter {name!r} has a {key}; merge it"
+                " with peft's merge_and_unload"
+            )
     if config.get("use_dora") or config.get("bias", "none") != "none":
-        raise ValueError(f"spec.output.merged: adapter {name!r} uses DoRA or trains biases;"
-                         " merge it with peft's merge_and_unload")  # fmt: skip
+        raise ValueError(
+            f"spec.output.merged: adapter {name!r} uses DoRA or trains biases;"
+            " merge it with peft's merge_and_unload"
+        )
     r, alpha = config["r"], config["lora_alpha"]
     return alpha / (math.sqrt(r) if config.get("use_rslora") else r)
 
@@ -110,8 +118,10 @@ class Files:
         self.whole: dict[str, torch.Tensor] | None = None
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {f: [k for k, g in weight_map.items() if g == f]
-                          for f in dict.fromkeys(weight_map.values())}  # fmt: skip
+            self.files = {
+                f: [k for k, g in weight_map.items() if g == f]
+                for f in dict.fromkeys(weight_map.values())
+            }
         elif single.exists():
             with safe_open(single, "pt") as f:
                 self.files = {single.name: list(f.keys())}
@@ -134,8 +144,12 @@ class Files:
         return found
 
 
-def write(out: str | Path, adapters: dict[str, dict[str, Any]], merged: bool,
-          hf_config: dict[str, Any] | None) -> list[Path]:  # fmt: skip
+def write(
+    out: str | Path,
+    adapters: dict[str, dict[str, Any]],
+    merged: bool,
+    hf_config: dict[str, Any] | None,
+) -> list[Path]:
     """Write the adapters of the model files in `out` (and the merged model, when
     `merged`); the paths written."""
     out = Path(out)
@@ -154,29 +168,39 @@ def write(out: str | Path, adapters: dict[str, dict[str, Any]], merged: bool,
     return written
 
 
-def _write_merged(files: Files, lora: dict[str, torch.Tensor], name: str,
-                  config: dict[str, Any],
-                  hf_config: dict[str, Any] | None) -> list[Path]:  # fmt: skip
+def _write_merged(
+    files: Files,
+    lora: dict[str, torch.Tensor],
+    name: str,
+    config: dict[str, Any],
+    hf_config: dict[str, Any] | None,
+) -> list[Path]:
     """The merged model in out/merged/, one file per file of the output (read one at a
     time), with an index where there are several; its config.json."""
     folder = files.out / MERGED
     folder.mkdir(exist_ok=True)
     written, shards = [], []
     for file, names in files.files.items():
-        state = merged_state(files.read(file, [k for k in names if "lora_" not in k]), lora,
-                             name, config)  # fmt: skip
+        state = merged_state(
+            files.read(file, [k for k in names if "lora_" not in k]), lora, name, config
+        )
         save_file(state, str(folder / file), {"format": "pt"})
         written.append(folder / file)
-        shards.append({"file": file, "sizes": {k: v.numel() * v.element_size()
-                                               for k, v in state.items()}})  # fmt: skip
+        shards.append(
+            {"file": file, "sizes": {k: v.numel() * v.element_size() for k, v in state.items()}}
+        )
         del state
     if len(shards) > 1:
         weight_map = {k: s["file"] for s in shards for k in s["sizes"]}
         total = sum(size for s in shards for size in s["sizes"].values())
         index = folder / output.index_name("safetensors")
-        index.write_text(json.dumps({"metadata": {"total_size": total},
-                                     "weight_map": dict(sorted(weight_map.items()))},
-                                    indent=2) + "\n")  # fmt: skip
+        index.write_text(
+            json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                indent=2,
+            )
+            + "\n"
+        )
         written.append(index)
     if hf_config is not None:
         (folder / "config.json").write_text(json.dumps(hf_config, indent=2))

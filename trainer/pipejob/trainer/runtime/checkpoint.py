@@ -155,8 +155,9 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_part(directory: str | Path, entry: dict[str, Any], mmap: bool = False,
-              checksum: bool = True) -> Any:  # fmt: skip
+def load_part(
+    directory: str | Path, entry: dict[str, Any], mmap: bool = False, checksum: bool = True
+) -> Any:
     """torch.load a part after checking it is exactly what the manifest says (its size, and
     its SHA-256 unless the caller knows it was checked); with `mmap`, its tensors stay in the
     file until they are read."""
@@ -182,8 +183,7 @@ def _mismatch(path: Path, entry: dict[str, Any], checksum: bool = True) -> str |
 # ---------------------------------------------------------------------------- manifests
 
 
-def write_manifest(root: str | Path, step: int, files: list[dict[str, Any]],
-                   **meta: Any) -> Path:  # fmt: skip
+def write_manifest(root: str | Path, step: int, files: list[dict[str, Any]], **meta: Any) -> Path:
     """Complete the checkpoint of `step`: every file must be there, as its writer said.
 
     The files were written by other processes; checking their sizes here also catches a
@@ -202,8 +202,14 @@ def write_manifest(root: str | Path, step: int, files: list[dict[str, Any]],
         for name in entry.get("holds", ()):
             index.setdefault(name, entry["name"])
     files = [{k: v for k, v in entry.items() if k != "holds"} for entry in files]
-    manifest = {"format": FORMAT, "step": step, "time": time.time(), "files": files,
-                "index": index, **meta}  # fmt: skip
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "time": time.time(),
+        "files": files,
+        "index": index,
+        **meta,
+    }
     body = json.dumps(manifest, indent=1).encode()
     write_atomic(directory / MANIFEST, lambda f: f.write(body))
     return directory
@@ -287,8 +293,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def optimizer_state(optim: Any, module: nn.Module,
-                    copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:  # fmt: skip
+def optimizer_state(
+    optim: Any, module: nn.Module, copy: bool = True
+) -> dict[str, dict[str, torch.Tensor]]:
     """The state of a torch.optim optimizer (or an `optim.Functional` one) by name of
     `module`'s parameters, on the CPU: a copy, or (`copy` False, for a caller that writes it
     at once) the live tensors where they are on the CPU already."""
@@ -301,20 +308,24 @@ def optimizer_state(optim: Any, module: nn.Module,
     }
 
 
-def load_optimizer_state(optim: Any, module: nn.Module,
-                         saved: dict[str, dict[str, torch.Tensor]]) -> None:  # fmt: skip
+def load_optimizer_state(
+    optim: Any, module: nn.Module, saved: dict[str, dict[str, torch.Tensor]]
+) -> None:
     """Give a fresh optimizer the state `optimizer_state` saved."""
     params = dict(module.named_parameters())
     unknown = sorted(set(saved) - set(params))
     if unknown:
         raise CheckpointError(f"optimizer state for parameters this model lacks: {unknown[:5]}")
     # As torch.optim's load_state_dict does: "step" counters stay on the CPU.
-    optim.state.update({
-        params[n]: {k: _to(v, torch.device("cpu") if k == "step" else params[n].device,
-                           copy=True)
-                    for k, v in s.items()}
-        for n, s in saved.items()
-    })  # fmt: skip
+    optim.state.update(
+        {
+            params[n]: {
+                k: _to(v, torch.device("cpu") if k == "step" else params[n].device, copy=True)
+                for k, v in s.items()
+            }
+            for n, s in saved.items()
+        }
+    )
 
 
 def _to(value: Any, device: torch.device, copy: bool = False) -> Any:
@@ -322,8 +333,9 @@ def _to(value: Any, device: torch.device, copy: bool = False) -> Any:
     return value.detach().to(device, copy=copy) if isinstance(value, torch.Tensor) else value
 
 
-def save_module(directory: str | Path, name: str, module: nn.Module,
-                optimizers: dict[str, Any], **extra: Any) -> dict[str, Any]:  # fmt: skip
+def save_module(
+    directory: str | Path, name: str, module: nn.Module, optimizers: dict[str, Any], **extra: Any
+) -> dict[str, Any]:
     """Save a module's weights and buffers under its own names, its optimizers' state
     (keyed, e.g. by the trainer that created each) and this process's RNG state; the
     manifest entry, which says the names the file holds (write_manifest indexes them)."""
@@ -332,7 +344,7 @@ def save_module(directory: str | Path, name: str, module: nn.Module,
         "optimizers": {
             key: optimizer_state(o, module, copy=False)  # written at once
             for key, o in optimizers.items()
-        },  # fmt: skip
+        },
         "rng": rng_state(),
         **extra,
     }
@@ -370,8 +382,12 @@ def sources(found: Checkpoint, index: dict[str, str], names: list[str]) -> list[
     return [found.entry(f) for f in sorted({index[n] for n in names})]
 
 
-def load_named(directory: str | Path, entries: list[dict[str, Any]], module: nn.Module,
-               optimizers: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
+def load_named(
+    directory: str | Path,
+    entries: list[dict[str, Any]],
+    module: nn.Module,
+    optimizers: dict[str, Any],
+) -> list[dict[str, Any]]:
     """Load `module`'s state, each name from the first of the files `entries` that holds it
     (files `save_module` wrote for modules that may hold other parts of the model), and its
     optimizers' state (by key, as saved) for its parameters. One file at a time,

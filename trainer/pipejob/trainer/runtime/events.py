@@ -38,8 +38,9 @@ class Events:
                 f"spec.logging.tensorboard needs tensorboardX in the trainer image: {e}"
             ) from None
         # purge_step: the steps after `first` that an earlier, failed run wrote go away.
-        self._writer = SummaryWriter(directory, purge_step=first + 1 if first else None,
-                                     flush_secs=10)  # fmt: skip
+        self._writer = SummaryWriter(
+            directory, purge_step=first + 1 if first else None, flush_secs=10
+        )
 
     def scalars(self, step: int, **figures: float | None) -> None:
         """The figures of `step` (1-based) under their TAGS; None and non-finite ones left out."""

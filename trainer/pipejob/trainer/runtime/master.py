@@ -33,8 +33,9 @@ def drive(env: Env, train: Callable[[Env], Summary]) -> Summary:
     return result
 
 
-def serve(env: Env, device_maps: dict[str, dict[int, int]] | None = None,
-          devices: list[int] | None = None) -> None:  # fmt: skip
+def serve(
+    env: Env, device_maps: dict[str, dict[int, int]] | None = None, devices: list[int] | None = None
+) -> None:
     """Any other role's life: join the RPC world and serve the master's calls until it is
     done (rpc.shutdown waits for the whole world)."""
     import torch.distributed.rpc as rpc
@@ -46,20 +47,32 @@ def serve(env: Env, device_maps: dict[str, dict[int, int]] | None = None,
 def summary(env: Env, steps: int, first: int, **figures: Any) -> Summary:
     """A run's summary: the fields every kind has, then the kind's own (camelCase, as JSON).
     `first` is the step the run resumed from (0 for a fresh one)."""
-    return {"kind": env.kind, "job": env.job, "steps": steps,
-            "resumedFromStep": first or None, **figures}  # fmt: skip
+    return {
+        "kind": env.kind,
+        "job": env.job,
+        "steps": steps,
+        "resumedFromStep": first or None,
+        **figures,
+    }
 
 
 def nothing_left(env: Env, first: int) -> Summary:
     """A resumed run whose checkpoint already holds every step."""
-    world.log(env, f"the checkpoint of step {first} completes all {env.spec.steps} steps:"
-                   " nothing left to train")  # fmt: skip
+    world.log(
+        env,
+        f"the checkpoint of step {first} completes all {env.spec.steps} steps:"
+        " nothing left to train",
+    )
     return summary(env, 0, first)
 
 
-def checkpoint_written(env: Env, step: int, files: list[dict[str, Any]], seconds: float,
-                       directory: Any) -> None:  # fmt: skip
+def checkpoint_written(
+    env: Env, step: int, files: list[dict[str, Any]], seconds: float, directory: Any
+) -> None:
     size = sum(f["bytes"] for f in files) / 1e6
-    world.log(env, f"checkpoint of step {step}: {len(files)} files, {size:.1f} MB in"
-                   f" {seconds:.2f}s ({directory})")  # fmt: skip
+    world.log(
+        env,
+        f"checkpoint of step {step}: {len(files)} files, {size:.1f} MB in"
+        f" {seconds:.2f}s ({directory})",
+    )
     monitor.board().checkpointed(step)

@@ -58,8 +58,11 @@ def gather(env: Env) -> dict[str, Peak]:
     not answer in time is left out (its failure is reported where it happens)."""
     import torch.distributed.rpc as rpc
 
-    asked = {name: rpc.rpc_async(name, peak, timeout=TIMEOUT)
-             for name in env.world if name != env.rpc_name}  # fmt: skip
+    asked = {
+        name: rpc.rpc_async(name, peak, timeout=TIMEOUT)
+        for name in env.world
+        if name != env.rpc_name
+    }
     figures = {}
     for name in env.world:
         try:

@@ -45,13 +45,15 @@ class Board:
             "pipejob_stage_forward_seconds", "Seconds a stage computed forwards in a step.", "stage"
         )
         self._backward = gauge(
-            "pipejob_stage_backward_seconds", "Seconds a stage computed backwards in a step.",
+            "pipejob_stage_backward_seconds",
+            "Seconds a stage computed backwards in a step.",
             "stage",
-        )  # fmt: skip
+        )
         self._rss_peak = gauge(
-            "pipejob_rss_peak_bytes", "Peak resident memory (VmHWM) of a member of the world.",
+            "pipejob_rss_peak_bytes",
+            "Peak resident memory (VmHWM) of a member of the world.",
             "member",
-        )  # fmt: skip
+        )
         self._cuda_peak = gauge(
             "pipejob_cuda_peak_bytes",
             "Peak GPU memory torch allocated in a member of the world (one that uses a GPU).",
@@ -71,8 +73,9 @@ class Board:
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}")
         with self._lock:
-            self._progress = replace(self._progress, phase=phase,
-                                     message=message or self._progress.message)  # fmt: skip
+            self._progress = replace(
+                self._progress, phase=phase, message=message or self._progress.message
+            )
 
     def preflight(self, ok: bool, message: str) -> None:
         with self._lock:
@@ -89,15 +92,27 @@ class Board:
             self._progress = replace(self._progress, resumedFromStep=step, step=step)
         self._step.set(step)
 
-    def step(self, step: int, loss: float, seconds: float, samples: int,
-             lr: float | None = None, grad_norm: float | None = None) -> None:  # fmt: skip
+    def step(
+        self,
+        step: int,
+        loss: float,
+        seconds: float,
+        samples: int,
+        lr: float | None = None,
+        grad_norm: float | None = None,
+    ) -> None:
         """A completed step: `samples` trained in `seconds` of wall time, with learning rate
         `lr` and global gradient norm `grad_norm` where known."""
         rate = samples / seconds if seconds > 0 else None
         with self._lock:
-            self._progress = replace(self._progress, step=step, loss=_finite(loss),
-                                     samplesPerSecond=rate, learningRate=_finite(lr),
-                                     gradNorm=_finite(grad_norm))  # fmt: skip
+            self._progress = replace(
+                self._progress,
+                step=step,
+                loss=_finite(loss),
+                samplesPerSecond=rate,
+                learningRate=_finite(lr),
+                gradNorm=_finite(grad_norm),
+            )
         self._step.set(step)
         for gauge, value in ((self._lr, lr), (self._grad_norm, grad_norm)):
             if _finite(value) is not None:
@@ -119,8 +134,12 @@ class Board:
     ) -> None:
         """An evaluation on held-out data after `step`: its loss, and accuracy
         (classification), perplexity (the language model) or AUC (clicks) where known."""
-        figures = {"evalLoss": _finite(loss), "evalAccuracy": _finite(accuracy),
-                   "evalPerplexity": _finite(perplexity), "evalAuc": _finite(auc)}  # fmt: skip
+        figures = {
+            "evalLoss": _finite(loss),
+            "evalAccuracy": _finite(accuracy),
+            "evalPerplexity": _finite(perplexity),
+            "evalAuc": _finite(auc),
+        }
         with self._lock:
             self._progress = replace(self._progress, evalStep=step, **figures)
         # Made on first use: a job that never evaluates exports no eval series (a 0 would
@@ -161,15 +180,18 @@ class Board:
 _EVAL_GAUGES = {
     "evalLoss": ("pipejob_eval_loss", "Loss on the held-out data at the last evaluation."),
     "evalAccuracy": (
-        "pipejob_eval_accuracy", "Held-out accuracy (0 to 1) at the last evaluation.",
+        "pipejob_eval_accuracy",
+        "Held-out accuracy (0 to 1) at the last evaluation.",
     ),
     "evalPerplexity": (
-        "pipejob_eval_perplexity", "Held-out perplexity at the last evaluation (language model).",
+        "pipejob_eval_perplexity",
+        "Held-out perplexity at the last evaluation (language model).",
     ),
     "evalAuc": (
-        "pipejob_eval_auc", "Held-out AUC at the last evaluation (a HybridJob's clicks).",
+        "pipejob_eval_auc",
+        "Held-out AUC at the last evaluation (a HybridJob's clicks).",
     ),
-}  # fmt: skip
+}
 
 
 def _finite(value: float | None) -> float | None:

@@ -60,15 +60,18 @@ class Guard:
             more = f" ({self.allowed} such step(s) skipped before)" if self.allowed else ""
             raise NonFiniteError(f"{said}{more}; its update was not applied")
         self.skipped += 1
-        return f"{said}: skipped, the weights left as they were ({self.skipped} of" \
-            f" {self.allowed} allowed)"  # fmt: skip
+        return (
+            f"{said}: skipped, the weights left as they were ({self.skipped} of"
+            f" {self.allowed} allowed)"
+        )
 
 
 def check_outputs(outputs: Any, loss: float, where: str) -> None:
     """A held-out batch's figures are computed from finite outputs only: else the
     evaluation fails (NonFiniteError), never reporting a figure made from NaN."""
     if not bool(all_finite(outputs)):
-        raise NonFiniteError(f"{where}: the model's outputs are not finite; no figure is"
-                             " reported from them")  # fmt: skip
+        raise NonFiniteError(
+            f"{where}: the model's outputs are not finite; no figure is reported from them"
+        )
     if not math.isfinite(loss):
         raise NonFiniteError(f"{where}: the loss is {loss} on finite outputs")

@@ -109,8 +109,17 @@ class Functional:
 def _sgd(o: Functional, group: dict[str, Any], params: list, grads: list) -> None:
     momentum = group["momentum"]
     buffers = [o.state[p].get("momentum_buffer") for p in params]
-    sgd.sgd(params, grads, buffers, weight_decay=group["weight_decay"], momentum=momentum,
-            lr=group["lr"], dampening=0.0, nesterov=False, maximize=False)  # fmt: skip
+    sgd.sgd(
+        params,
+        grads,
+        buffers,
+        weight_decay=group["weight_decay"],
+        momentum=momentum,
+        lr=group["lr"],
+        dampening=0.0,
+        nesterov=False,
+        maximize=False,
+    )
     if momentum != 0:  # the functional form makes a buffer where there was none
         for p, buffer in zip(params, buffers, strict=True):
             o.state[p]["momentum_buffer"] = buffer
@@ -119,20 +128,43 @@ def _sgd(o: Functional, group: dict[str, Any], params: list, grads: list) -> Non
 def _adam(o: Functional, group: dict[str, Any], params: list, grads: list) -> None:
     step = adamw.adamw if o.name == "adamw" else adam.adam
     steps = o._steps(params)
-    step(params, grads, o._zeros(params, "exp_avg"), o._zeros(params, "exp_avg_sq"), [], steps,
-         has_complex=any(torch.is_complex(p) for p in params), amsgrad=False, beta1=0.9,
-         beta2=0.999, lr=group["lr"], weight_decay=group["weight_decay"], eps=1e-8,
-         maximize=False)  # fmt: skip
+    step(
+        params,
+        grads,
+        o._zeros(params, "exp_avg"),
+        o._zeros(params, "exp_avg_sq"),
+        [],
+        steps,
+        has_complex=any(torch.is_complex(p) for p in params),
+        amsgrad=False,
+        beta1=0.9,
+        beta2=0.999,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=1e-8,
+        maximize=False,
+    )
 
 
 def _rmsprop(o: Functional, group: dict[str, Any], params: list, grads: list) -> None:
     momentum = group["momentum"]
     steps = o._steps(params)
     buffers = o._zeros(params, "momentum_buffer") if momentum > 0 else []
-    rmsprop.rmsprop(params, grads, o._zeros(params, "square_avg"), [], buffers, steps,
-                    has_complex=any(torch.is_complex(p) for p in params), lr=group["lr"],
-                    alpha=0.99, eps=1e-8, weight_decay=group["weight_decay"],
-                    momentum=momentum, centered=False)  # fmt: skip
+    rmsprop.rmsprop(
+        params,
+        grads,
+        o._zeros(params, "square_avg"),
+        [],
+        buffers,
+        steps,
+        has_complex=any(torch.is_complex(p) for p in params),
+        lr=group["lr"],
+        alpha=0.99,
+        eps=1e-8,
+        weight_decay=group["weight_decay"],
+        momentum=momentum,
+        centered=False,
+    )
 
 
 _STEPS = {"sgd": _sgd, "adam": _adam, "adamw": _adam, "rmsprop": _rmsprop}

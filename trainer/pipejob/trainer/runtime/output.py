@@ -43,8 +43,9 @@ def module_metadata(model: nn.Module) -> Metadata:
     return dict(model.state_dict(keep_vars=True)._metadata)  # type: ignore[attr-defined]
 
 
-def with_metadata(state: dict[str, torch.Tensor],
-                  metadata: Metadata | None) -> dict[str, torch.Tensor]:  # fmt: skip
+def with_metadata(
+    state: dict[str, torch.Tensor], metadata: Metadata | None
+) -> dict[str, torch.Tensor]:
     """`state` as `load_state_dict` reads a plain state dict: an OrderedDict whose
     `_metadata` is `metadata` (or `state` itself, where there is none)."""
     if metadata is None:
@@ -90,8 +91,9 @@ def writable(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(path: Path, state: dict[str, torch.Tensor], format: str,
-         metadata: Metadata | None = None) -> None:  # fmt: skip
+def save(
+    path: Path, state: dict[str, torch.Tensor], format: str, metadata: Metadata | None = None
+) -> None:
     """One state dict as one file, with the modules' `metadata` where given: written beside
     it and renamed, never a half-written model."""
     check_format(format)
@@ -109,8 +111,9 @@ def save(path: Path, state: dict[str, torch.Tensor], format: str,
     os.replace(partial, path)
 
 
-def write_shard(directory: str | Path, filename: str, state: dict[str, torch.Tensor],
-                format: str) -> dict[str, Any]:  # fmt: skip
+def write_shard(
+    directory: str | Path, filename: str, state: dict[str, torch.Tensor], format: str
+) -> dict[str, Any]:
     """One shard of a sharded model, written by whichever process holds `state`; what the
     index needs of it: the file's name, each name's bytes, and the file's bytes (which the
     master checks, as it sees the file)."""
@@ -122,18 +125,22 @@ def write_shard(directory: str | Path, filename: str, state: dict[str, torch.Ten
     return {"file": filename, "sizes": sizes, "bytes": path.stat().st_size}
 
 
-def write_info(directory: Path, info: dict[str, Any], format: str,
-               files: dict[str, str]) -> Path:  # fmt: skip
+def write_info(directory: Path, info: dict[str, Any], format: str, files: dict[str, str]) -> Path:
     """model.json: `info`, the format and the files (by stem), written last."""
     path = directory / INFO
-    path.write_text(json.dumps({**info, "format": format, "files": files}, indent=2,
-                               default=str) + "\n")  # fmt: skip
+    path.write_text(
+        json.dumps({**info, "format": format, "files": files}, indent=2, default=str) + "\n"
+    )
     return path
 
 
-def write(directory: str | Path, files: dict[str, dict[str, torch.Tensor]],
-          info: dict[str, Any], format: str = "safetensors",
-          metadata: Metadata | None = None) -> list[Path]:  # fmt: skip
+def write(
+    directory: str | Path,
+    files: dict[str, dict[str, torch.Tensor]],
+    info: dict[str, Any],
+    format: str = "safetensors",
+    metadata: Metadata | None = None,
+) -> list[Path]:
     """Each state dict of `files` as <name><suffix> in `directory` (with the modules'
     `metadata`, where given), and model.json with `info` and the files' names; the paths
     written (the JSON last)."""
@@ -151,9 +158,14 @@ def write(directory: str | Path, files: dict[str, dict[str, torch.Tensor]],
     return [*written, write_info(directory, info, format, names)]
 
 
-def write_index(directory: str | Path, shards: list[dict[str, Any]], info: dict[str, Any],
-                format: str = "safetensors", stem: str = "model",
-                metadata: Metadata | None = None) -> list[Path]:  # fmt: skip
+def write_index(
+    directory: str | Path,
+    shards: list[dict[str, Any]],
+    info: dict[str, Any],
+    format: str = "safetensors",
+    stem: str = "model",
+    metadata: Metadata | None = None,
+) -> list[Path]:
     """The index of `shards` (what `write_shard` returned, in order), with the modules'
     `metadata` where given, and model.json. A name several shards hold (a weight tied
     across stages under one name) maps to the first: the weight_map has each name once;
@@ -168,8 +180,10 @@ def write_index(directory: str | Path, shards: list[dict[str, Any]], info: dict[
                 weight_map[name] = shard["file"]
                 total += size
     index = directory / index_name(format, stem)
-    body: dict[str, Any] = {"metadata": {"total_size": total},
-                            "weight_map": dict(sorted(weight_map.items()))}  # fmt: skip
+    body: dict[str, Any] = {
+        "metadata": {"total_size": total},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     if metadata is not None:  # beside Hugging Face's keys, which its readers keep to
         body[METADATA] = metadata
     index.write_text(json.dumps(body, indent=2) + "\n")
@@ -207,8 +221,10 @@ def load_state_dict(directory: str | Path, stem: str = "model") -> dict[str, tor
                 part = _load(directory / file, format)
                 names = [k for k, f in weight_map.items() if f == file]
                 if missing := [k for k in names if k not in part]:
-                    raise ValueError(f"{directory / file} lacks {', '.join(missing[:5])},"
-                                     f" which {index.name} says it holds")  # fmt: skip
+                    raise ValueError(
+                        f"{directory / file} lacks {', '.join(missing[:5])},"
+                        f" which {index.name} says it holds"
+                    )
                 state |= {k: part[k] for k in names}
             return with_metadata(state, body.get(METADATA))
         single = directory / f"{stem}{SUFFIX[format]}"

@@ -75,8 +75,14 @@ def check(env: Env) -> Report | None:
 # ---------------------------------------------------------------------------- the master
 
 
-def _lead(env: Env, store: dist.TCPStore, deadline: float, timeout: float, megabytes: float,
-          started: float) -> Report:  # fmt: skip
+def _lead(
+    env: Env,
+    store: dist.TCPStore,
+    deadline: float,
+    timeout: float,
+    megabytes: float,
+    started: float,
+) -> Report:
     present = list(range(1, env.world_size))
     try:
         missing = _await_keys(store, "checkin", present, deadline)
@@ -88,8 +94,9 @@ def _lead(env: Env, store: dist.TCPStore, deadline: float, timeout: float, megab
                 f" reach the master at {env.master_addr}:{env.preflight_port}"
             )
         checked_in = time.monotonic() - started
-        world.log(env, f"preflight: all {env.world_size} processes checked in after"
-                       f" {checked_in:.1f}s")  # fmt: skip
+        world.log(
+            env, f"preflight: all {env.world_size} processes checked in after {checked_in:.1f}s"
+        )
         store.set("verdict/checkin", json.dumps({"ok": True}))
         _measure(env, store, deadline, megabytes)
         results = _results(env, store, deadline, timeout)
@@ -113,11 +120,13 @@ def _lead(env: Env, store: dist.TCPStore, deadline: float, timeout: float, megab
 
 def _results(env: Env, store: dist.TCPStore, deadline: float, timeout: float) -> dict[int, Any]:
     missing = _await_keys(store, "result", range(env.world_size), deadline)
-    results = {r: json.loads(store.get(f"result/{r}")) for r in range(env.world_size)
-               if r not in missing}  # fmt: skip
+    results = {
+        r: json.loads(store.get(f"result/{r}")) for r in range(env.world_size) if r not in missing
+    }
     for r in missing:
-        results[r] = {"problems": [f"{world.describe(env, r)} did not finish the check within"
-                                   f" {timeout:g}s"]}  # fmt: skip
+        results[r] = {
+            "problems": [f"{world.describe(env, r)} did not finish the check within {timeout:g}s"]
+        }
     return results
 
 
@@ -142,8 +151,10 @@ def _summary(links: list[Link]) -> str:
         return "no links to measure"
     latencies = [k.latency * 1e6 for k in links]
     slowest = min(k.bandwidth for k in links)
-    return (f"{len(links)} links, latency {min(latencies):.0f}-{max(latencies):.0f} us,"
-            f" bandwidth at least {_rate(slowest)}")  # fmt: skip
+    return (
+        f"{len(links)} links, latency {min(latencies):.0f}-{max(latencies):.0f} us,"
+        f" bandwidth at least {_rate(slowest)}"
+    )
 
 
 def _rate(bytes_per_second: float) -> str:
@@ -155,8 +166,9 @@ def _rate(bytes_per_second: float) -> str:
 # ---------------------------------------------------------------------------- everyone else
 
 
-def _follow(env: Env, store: dist.TCPStore, deadline: float, timeout: float,
-            megabytes: float) -> None:  # fmt: skip
+def _follow(
+    env: Env, store: dist.TCPStore, deadline: float, timeout: float, megabytes: float
+) -> None:
     info = {"host": socket.gethostname(), "pid": os.getpid()}
     store.set(f"checkin/{env.rank}", json.dumps(info))
     try:
@@ -190,28 +202,34 @@ def _store(env: Env, deadline: float, timeout: float) -> dist.TCPStore:
     left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
     if env.rank == 0:
         try:
-            return rendezvous.store(env.master_addr, env.preflight_port, None, True, left,
-                                    wait_for_workers=False)  # fmt: skip
+            return rendezvous.store(
+                env.master_addr, env.preflight_port, None, True, left, wait_for_workers=False
+            )
         except (RuntimeError, OSError) as e:
             raise PreflightError(
                 f"the master cannot listen on port {env.preflight_port}: {e}"
             ) from None
-    unreachable = (f"{world.describe(env, env.rank)} could not reach {world.describe(env, 0)}"
-                   f" at {env.master_addr}:{env.preflight_port} within {timeout:g}s")  # fmt: skip
+    unreachable = (
+        f"{world.describe(env, env.rank)} could not reach {world.describe(env, 0)}"
+        f" at {env.master_addr}:{env.preflight_port} within {timeout:g}s"
+    )
     try:
-        rendezvous.wait_reachable(env.master_addr, env.preflight_port, deadline,
-                             "the master's preflight store", env)  # fmt: skip
+        rendezvous.wait_reachable(
+            env.master_addr, env.preflight_port, deadline, "the master's preflight store", env
+        )
     except world.RendezvousError:
         raise PreflightError(unreachable) from None
     try:
-        return rendezvous.store(env.master_addr, env.preflight_port, None, False, left,
-                                wait_for_workers=False)  # fmt: skip
+        return rendezvous.store(
+            env.master_addr, env.preflight_port, None, False, left, wait_for_workers=False
+        )
     except RuntimeError as e:
         raise PreflightError(f"{unreachable}: {' '.join(str(e).split())[:200]}") from None
 
 
-def _await_keys(store: dist.TCPStore, prefix: str, ranks: range | list[int],
-                deadline: float) -> list[int]:  # fmt: skip
+def _await_keys(
+    store: dist.TCPStore, prefix: str, ranks: range | list[int], deadline: float
+) -> list[int]:
     """Wait until `prefix/r` exists for every rank; the ranks still missing at the deadline."""
     missing = list(ranks)
     while missing:
@@ -233,8 +251,10 @@ def _measure(env: Env, store: dist.TCPStore, deadline: float, megabytes: float) 
         links, found = _links(env, group, megabytes)
         problems += found
     except RuntimeError as e:  # gloo: a peer vanished or stopped answering until the timeout
-        problems.append(f"{world.describe(env, env.rank)} could not complete the check: "
-                        + " ".join(str(e).split())[:300])  # fmt: skip
+        problems.append(
+            f"{world.describe(env, env.rank)} could not complete the check: "
+            + " ".join(str(e).split())[:300]
+        )
     finally:
         if group is not None:
             group.shutdown()
@@ -247,12 +267,14 @@ def _group(env: Env, store: dist.TCPStore, deadline: float) -> dist.ProcessGroup
     options._timeout = timedelta(seconds=max(1.0, deadline - time.monotonic()))
     interfaces = os.environ.get("GLOO_SOCKET_IFNAME")  # as torch's own gloo groups do
     if interfaces:
-        options._devices = [dist.ProcessGroupGloo.create_device(interface=i)
-                            for i in interfaces.split(",")]  # fmt: skip
+        options._devices = [
+            dist.ProcessGroupGloo.create_device(interface=i) for i in interfaces.split(",")
+        ]
     else:
         options._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(dist.PrefixStore("group", store), env.rank, env.world_size,
-                                 options)  # fmt: skip
+    return dist.ProcessGroupGloo(
+        dist.PrefixStore("group", store), env.rank, env.world_size, options
+    )
 
 
 def all_reduce_problems(env: Env, group: dist.ProcessGroup) -> list[str]:
@@ -301,8 +323,7 @@ def _links(env: Env, group: dist.ProcessGroup, megabytes: float) -> tuple[list[L
     return links, problems
 
 
-def _send_side(env: Env, group: dist.ProcessGroup, dst: int,
-               count: int) -> tuple[Link, list[str]]:  # fmt: skip
+def _send_side(env: Env, group: dist.ProcessGroup, dst: int, count: int) -> tuple[Link, list[str]]:
     me, problems = env.rank, []
     # float32 throughout, whatever default dtype the process runs with (a user's code may
     # set float64): both sides must agree on the bytes.
@@ -316,8 +337,10 @@ def _send_side(env: Env, group: dist.ProcessGroup, dst: int,
         round_trips.append(time.perf_counter() - start)
         wrong_echoes += pong.item() != i + 1
     if wrong_echoes:
-        problems.append(f"link {env.world[me]} -> {env.world[dst]}: {world.describe(env, dst)}"
-                        f" echoed {wrong_echoes} small messages wrongly")  # fmt: skip
+        problems.append(
+            f"link {env.world[me]} -> {env.world[dst]}: {world.describe(env, dst)}"
+            f" echoed {wrong_echoes} small messages wrongly"
+        )
     transfers, ack = [], torch.zeros(1, dtype=torch.float32)
     for r in range(BANDWIDTH_ROUNDS):
         data = payload(me, r, count)

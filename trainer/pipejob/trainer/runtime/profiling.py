@@ -118,8 +118,11 @@ class _Window:
             table = profile.key_averages().table(
                 sort_by=SORT_BY, row_limit=self.row_limit, max_name_column_width=100
             )
-            lines += [f"RPC calls ({i} of {len(self.rpc_profiles)}) and the ops they ran"
-                      " remotely (Node ID: rank):", table]  # fmt: skip
+            lines += [
+                f"RPC calls ({i} of {len(self.rpc_profiles)}) and the ops they ran"
+                " remotely (Node ID: rank):",
+                table,
+            ]
         print("\n".join(lines), flush=True)
         return str(path), path.stat().st_size
 
@@ -130,8 +133,9 @@ class Phases(dict[str, float]):
 
     def __init__(self, events: Any):
         super().__init__()
-        marked = sorted((e for e in events if e.name.startswith(PHASE)),
-                        key=lambda e: e.time_range.start)  # fmt: skip
+        marked = sorted(
+            (e for e in events if e.name.startswith(PHASE)), key=lambda e: e.time_range.start
+        )
         for e in marked:
             name = e.name.removeprefix(PHASE)
             self[name] = self.get(name, 0.0) + e.time_range.elapsed_us() / 1e6
@@ -159,14 +163,28 @@ def _add_rpc_lanes(path: Path, profiles: list[tuple[float, Any]]) -> None:
             if "#" not in e.name:
                 continue  # a local op: Kineto has it already
             lanes.add(e.node_id)
-            events.append({
-                "ph": "X", "cat": "rpc", "name": e.name, "pid": pid, "tid": RPC_LANE + e.node_id,
-                "ts": started * 1e6 + e.time_range.start - base,
-                "dur": e.time_range.elapsed_us(), "args": {"node id (rank)": e.node_id},
-            })  # fmt: skip
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "rpc",
+                    "name": e.name,
+                    "pid": pid,
+                    "tid": RPC_LANE + e.node_id,
+                    "ts": started * 1e6 + e.time_range.start - base,
+                    "dur": e.time_range.elapsed_us(),
+                    "args": {"node id (rank)": e.node_id},
+                }
+            )
     for node in lanes:
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": RPC_LANE + node,
-                       "args": {"name": f"RPC events, ops on rank {node}"}})  # fmt: skip
+        events.append(
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": pid,
+                "tid": RPC_LANE + node,
+                "args": {"name": f"RPC events, ops on rank {node}"},
+            }
+        )
     path.write_text(json.dumps(trace))
 
 
@@ -200,8 +218,13 @@ RpcCalls = Callable[[], AbstractContextManager[None]]
 
 
 @contextmanager
-def window(env: Env, settings: Settings | None, step: int, servers: list[str] = (),
-           sync: Callable[[], None] = lambda: None) -> Iterator[RpcCalls]:  # fmt: skip
+def window(
+    env: Env,
+    settings: Settings | None,
+    step: int,
+    servers: list[str] = (),
+    sync: Callable[[], None] = lambda: None,
+) -> Iterator[RpcCalls]:
     """Profile step `step` (1-based) here and on `servers` if the spec chose it. Yields
     `rpc_calls`: wrap the parts of the step that make RPCs in `with rpc_calls():`.
 

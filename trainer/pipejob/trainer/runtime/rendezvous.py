@@ -58,27 +58,38 @@ def require_rpc() -> None:
         )
 
 
-def store(host: str, port: int, world_size: int | None, server: bool, timeout: timedelta,
-          wait_for_workers: bool = True) -> Any:  # fmt: skip
+def store(
+    host: str,
+    port: int,
+    world_size: int | None,
+    server: bool,
+    timeout: timedelta,
+    wait_for_workers: bool = True,
+) -> Any:
     """A TCPStore at host:port; the `server`'s listens where world.listen_address says."""
     from torch.distributed import TCPStore
 
     listening = None
     if server:
         listening = socket.create_server((listen_address(host), port), backlog=1024).detach()
-    return TCPStore(host, port, world_size, server, timeout, wait_for_workers,
-                    master_listen_fd=listening)  # fmt: skip
+    return TCPStore(
+        host, port, world_size, server, timeout, wait_for_workers, master_listen_fd=listening
+    )
 
 
-def _rendezvous(url: str, timeout: timedelta = timedelta(minutes=30),
-                **kwargs: Any) -> Iterator[tuple[Any, int, int]]:  # fmt: skip
+def _rendezvous(
+    url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any
+) -> Iterator[tuple[Any, int, int]]:
     """torch.distributed's rendezvous handler for `pipejob://HOST:PORT?rank=R&world_size=N`:
     rank 0 serves the store."""
     parsed = urlparse(url)
     query = dict(parse_qsl(parsed.query))
     rank, world_size = int(query["rank"]), int(query["world_size"])
-    yield store(parsed.hostname or "", parsed.port or 0, world_size, rank == 0, timeout), \
-        rank, world_size  # fmt: skip
+    yield (
+        store(parsed.hostname or "", parsed.port or 0, world_size, rank == 0, timeout),
+        rank,
+        world_size,
+    )
     raise RuntimeError(f"{SCHEME}:// cannot rendezvous again: a world that broke restarts whole")
 
 
@@ -91,8 +102,12 @@ def _register() -> None:
         pass
 
 
-def backend_options(env: Env, timeout: float, device_maps: dict[str, dict[int, int]] | None = None,
-                    devices: list[int] | None = None):  # fmt: skip
+def backend_options(
+    env: Env,
+    timeout: float,
+    device_maps: dict[str, dict[int, int]] | None = None,
+    devices: list[int] | None = None,
+):
     import torch.distributed.rpc as rpc
 
     options = rpc.TensorPipeRpcBackendOptions(
@@ -108,8 +123,9 @@ def backend_options(env: Env, timeout: float, device_maps: dict[str, dict[int, i
     return options
 
 
-def join_rpc(env: Env, device_maps: dict[str, dict[int, int]] | None = None,
-             devices: list[int] | None = None) -> None:  # fmt: skip
+def join_rpc(
+    env: Env, device_maps: dict[str, dict[int, int]] | None = None, devices: list[int] | None = None
+) -> None:
     """init_rpc with a rendezvous deadline; afterwards calls use RPC_TIMEOUT_SECONDS."""
     import torch.distributed.rpc as rpc
 

@@ -159,8 +159,15 @@ def colocated_compute(kind: str, roles: Sequence[str], addresses: Sequence[str],
     )
 
 
-def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
-           enabled: Collection[str], malloc: str = "glibc") -> Settings:  # fmt: skip
+def decide(
+    kind: str,
+    role: str,
+    gpus: int,
+    cpus: float,
+    colocated: int,
+    enabled: Collection[str],
+    malloc: str = "glibc",
+) -> Settings:
     """The settings of one process: its job kind and role, its GPUs, the CPUs it may use, how
     many compute processes share them, and the malloc it runs with (running_malloc)."""
     threads = arena = None
@@ -178,12 +185,14 @@ def decide(kind: str, role: str, gpus: int, cpus: float, colocated: int,
     if "allocator" in enabled and malloc == "glibc":
         arena = 1
     polling_pays = KINDS[kind].role(role).latency_bound and 1 < colocated <= cpus / 2
-    return Settings(threads, passive, arena, "allocator" in enabled,
-                    *transport(gpus, enabled, polling_pays))  # fmt: skip
+    return Settings(
+        threads, passive, arena, "allocator" in enabled, *transport(gpus, enabled, polling_pays)
+    )
 
 
-def transport(gpus: int, enabled: Collection[str],
-              polling_pays: bool) -> tuple[list[str] | None, list[str] | None]:  # fmt: skip
+def transport(
+    gpus: int, enabled: Collection[str], polling_pays: bool
+) -> tuple[list[str] | None, list[str] | None]:
     """TensorPipe transports and channels: uv and basic for CPU-only processes unless the
     shared-memory transport's polling pays (see the module's docstring); torch's defaults
     (None) otherwise, or when the lever is off."""
@@ -205,8 +214,9 @@ def available_cpus() -> float:
     return min(cpus, quota) if quota else cpus
 
 
-def for_process(kind: str, role: str, rank: int, roles: Sequence[str], gpus: int,
-                environ: Mapping[str, str]) -> Settings:  # fmt: skip
+def for_process(
+    kind: str, role: str, rank: int, roles: Sequence[str], gpus: int, environ: Mapping[str, str]
+) -> Settings:
     addresses = [a for a in environ.get(c.ADDRESSES, "").split(",") if a]
     colocated = colocated_compute(kind, roles, addresses, rank)
     enabled = levers.parse(environ.get(TUNING))
@@ -274,8 +284,9 @@ def apply(settings: Settings, environ: dict[str, str] | None = None) -> Settings
     mkl = settings.mkl_from_malloc and not environ.get(MKL_CACHE_VARIABLE)
     if mkl:
         environ[MKL_CACHE_VARIABLE] = "1"
-    return replace(settings, threads=threads, passive_wait=passive, arena_max=arena,
-                   mkl_from_malloc=mkl)  # fmt: skip
+    return replace(
+        settings, threads=threads, passive_wait=passive, arena_max=arena, mkl_from_malloc=mkl
+    )
 
 
 def _keep_memory(arenas: int) -> bool:
@@ -283,8 +294,11 @@ def _keep_memory(arenas: int) -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    settings = ((M_ARENA_MAX, arenas), (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-                (M_MMAP_THRESHOLD, MMAP_THRESHOLD))  # fmt: skip
+    settings = (
+        (M_ARENA_MAX, arenas),
+        (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+        (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+    )
     kept = all([bool(libc.mallopt(parameter, value)) for parameter, value in settings])
     if kept:
         _mmap_threshold = MMAP_THRESHOLD
@@ -338,8 +352,14 @@ def _give_back_free_memory(libc: ctypes.CDLL) -> None:
         libc.malloc_trim(0)
 
 
-def rpc_backend_kwargs(kind: str, role: str, rank: int, roles: Sequence[str], gpus: int,
-                       environ: Mapping[str, str] | None = None) -> dict[str, list]:  # fmt: skip
+def rpc_backend_kwargs(
+    kind: str,
+    role: str,
+    rank: int,
+    roles: Sequence[str],
+    gpus: int,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, list]:
     """TensorPipeRpcBackendOptions keyword arguments for the transport lever: this process's
     settings' transports (for_process)."""
     environ = os.environ if environ is None else environ

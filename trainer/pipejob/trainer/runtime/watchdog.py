@@ -74,8 +74,12 @@ def stall(env: Env, message: str) -> None:
 
 
 def _me(env: Env) -> dict[str, Any]:
-    return {"member": env.rpc_name, "pod": os.environ.get(c.POD_NAME) or None,
-            "pid": os.getpid(), "ended": calls.LEDGER.ended()}  # fmt: skip
+    return {
+        "member": env.rpc_name,
+        "pod": os.environ.get(c.POD_NAME) or None,
+        "pid": os.getpid(),
+        "ended": calls.LEDGER.ended(),
+    }
 
 
 @dataclass(frozen=True)
@@ -111,13 +115,22 @@ class Members:
         name = report.get("member") if isinstance(report, dict) else None
         if name in self.env.world[1:]:
             pod, pid, ended = report.get("pod"), report.get("pid"), report.get("ended")
-            seen = Seen(time.monotonic(), pod if isinstance(pod, str) else None,
-                        pid if isinstance(pid, int) else None, progress["phase"],
-                        progress["step"], ended if isinstance(ended, int) else 0)  # fmt: skip
+            seen = Seen(
+                time.monotonic(),
+                pod if isinstance(pod, str) else None,
+                pid if isinstance(pid, int) else None,
+                progress["phase"],
+                progress["step"],
+                ended if isinstance(ended, int) else 0,
+            )
             with self.lock:
                 self.seen[name] = seen
-        return {**_me(self.env), "phase": progress["phase"], "step": progress["step"],
-                "seconds": bound(self.env, self.board)}  # fmt: skip
+        return {
+            **_me(self.env),
+            "phase": progress["phase"],
+            "step": progress["step"],
+            "seconds": bound(self.env, self.board),
+        }
 
     def silent(self, now: float) -> str | None:
         """What is wrong if a member has been silent for longer than the bound, else None.
@@ -131,9 +144,11 @@ class Members:
             for name in self.env.world[1:]:
                 seen = self.seen.get(name)
                 if seen is not None and now - seen.at > limit:
-                    return (f"{whom(name, seen.pod, seen.pid)} stopped answering: no heartbeat"
-                            f" for {now - seen.at:.0f} s, last seen in {seen.phase} at step"
-                            f" {seen.step}")  # fmt: skip
+                    return (
+                        f"{whom(name, seen.pod, seen.pid)} stopped answering: no heartbeat"
+                        f" for {now - seen.at:.0f} s, last seen in {seen.phase} at step"
+                        f" {seen.step}"
+                    )
                 if seen is None and self.formed is not None and now - self.formed > limit:
                     into = now - self.formed
                     return (
@@ -157,8 +172,13 @@ class Members:
         with self.lock:
             served = sum(seen.ended for seen in self.seen.values())
             quiet = any(now - seen.at > limit / 2 for seen in self.seen.values())
-        marker = (progress["phase"], progress["step"], progress.get("evalStep"),
-                  self.ledger.ended(), served)  # fmt: skip
+        marker = (
+            progress["phase"],
+            progress["step"],
+            progress.get("evalStep"),
+            self.ledger.ended(),
+            served,
+        )
         # Only training is judged: building and measuring a big model's stages, before it,
         # are single calls that may rightly run longer than the bound.
         training = progress["phase"] == "training"
@@ -171,9 +191,11 @@ class Members:
         first = waiting[0]
         others = dict.fromkeys(m for call in waiting[1:] for m in call.to if m not in first.to)
         also = f"; also on {', '.join(map(self.named, others))}" if others else ""
-        return (f"no progress for {idle:.0f} s in {progress['phase']} at step"
-                f" {progress['step']}: waiting on {', '.join(self.named(m) for m in first.to)}"
-                f" for {first.what} (called {now - first.since:.0f} s ago){also}")  # fmt: skip
+        return (
+            f"no progress for {idle:.0f} s in {progress['phase']} at step"
+            f" {progress['step']}: waiting on {', '.join(self.named(m) for m in first.to)}"
+            f" for {first.what} (called {now - first.since:.0f} s ago){also}"
+        )
 
     def watch(self) -> None:
         looked = time.monotonic()
@@ -230,23 +252,30 @@ def beat(env: Env) -> None:
             if heard is not None and silent > seconds:
                 last = heard[1]
                 master = whom(env.world[0], last.get("pod"), last.get("pid"))
-                stall(env, f"{master} stopped answering: no reply to heartbeats for"
-                           f" {silent:.0f} s, last seen in {last.get('phase')} at step"
-                           f" {last.get('step')}")  # fmt: skip
+                stall(
+                    env,
+                    f"{master} stopped answering: no reply to heartbeats for"
+                    f" {silent:.0f} s, last seen in {last.get('phase')} at step"
+                    f" {last.get('step')}",
+                )
             if heard is None and _timed_out(e):
                 unanswered = sent if unanswered is None else unanswered
                 if time.monotonic() - unanswered > seconds:
-                    stall(env, f"{env.world[0]} stopped answering: no reply to heartbeats for"
-                               f" {time.monotonic() - unanswered:.0f} s, none answered"
-                               " since it started")  # fmt: skip
+                    stall(
+                        env,
+                        f"{env.world[0]} stopped answering: no reply to heartbeats for"
+                        f" {time.monotonic() - unanswered:.0f} s, none answered"
+                        " since it started",
+                    )
         time.sleep(interval(seconds))
 
 
 def _timed_out(error: BaseException) -> bool:
     """Whether a heartbeat reached a listening master that did not answer in time (not
     refused: nothing listening yet)."""
-    return isinstance(error, TimeoutError) or isinstance(getattr(error, "reason", None),
-                                                         TimeoutError)  # fmt: skip
+    return isinstance(error, TimeoutError) or isinstance(
+        getattr(error, "reason", None), TimeoutError
+    )
 
 
 def start(env: Env, board: monitor.Board | None = None) -> None:
@@ -262,8 +291,14 @@ def start(env: Env, board: monitor.Board | None = None) -> None:
         target = lambda: beat(env)  # noqa: E731
     threading.Thread(target=target, name="pipejob-watchdog", daemon=True).start()
     if env.rank == 0:
-        said = (f"{env.spec.watchdog.seconds} s (spec.watchdog.seconds)" if env.spec.watchdog
-                else f"max({c.WATCHDOG_FLOOR:g} s, {c.WATCHDOG_FACTOR:g}x the slowest step),"
-                f" at most {c.WATCHDOG_CAP:g} s")  # fmt: skip
-        log(env, f"watchdog: a member that stops answering, or a world that makes no progress,"
-                 f" for {said} fails the job")  # fmt: skip
+        said = (
+            f"{env.spec.watchdog.seconds} s (spec.watchdog.seconds)"
+            if env.spec.watchdog
+            else f"max({c.WATCHDOG_FLOOR:g} s, {c.WATCHDOG_FACTOR:g}x the slowest step),"
+            f" at most {c.WATCHDOG_CAP:g} s"
+        )
+        log(
+            env,
+            f"watchdog: a member that stops answering, or a world that makes no progress,"
+            f" for {said} fails the job",
+        )

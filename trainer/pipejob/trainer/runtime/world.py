@@ -101,8 +101,10 @@ def _int(environ: dict[str, str], name: str) -> int:
 
 def _groups(text: str) -> dict[str, tuple[int, ...]]:
     try:
-        return {name: tuple(int(r) for r in ranks.split(","))
-                for name, _, ranks in (g.partition("=") for g in text.split(";") if g)}  # fmt: skip
+        return {
+            name: tuple(int(r) for r in ranks.split(","))
+            for name, _, ranks in (g.partition("=") for g in text.split(";") if g)
+        }
     except ValueError:
         raise ContractError(f"{c.GROUPS}={text!r} is not name=rank,...;...") from None
 
@@ -150,8 +152,12 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         summary_file=environ.get(c.SUMMARY_FILE) or None,
         **ddp,
     )
-    if (len(env.world) != env.world_size or env.world[env.rank] != env.rpc_name
-            or len(env.roles) != env.world_size or env.roles[env.rank] != env.role):  # fmt: skip
+    if (
+        len(env.world) != env.world_size
+        or env.world[env.rank] != env.rpc_name
+        or len(env.roles) != env.world_size
+        or env.roles[env.rank] != env.role
+    ):
         raise ContractError(
             f"{c.WORLD}={','.join(env.world)} and {c.ROLES}={','.join(env.roles)} do not agree"
             f" with {c.WORLD_SIZE}={env.world_size}, {c.RANK}={env.rank},"

@@ -70,12 +70,15 @@ def hybrid_dense(spec: HybridSpec, dense_features: int) -> nn.Module:
         if not spec.recommends:
             return nn.Linear(spec.embeddings[0].dim, dense.out_features)
         names = [t.name for t in spec.embeddings]
-        return recsys.DLRM(dense_features, spec.embeddings[0].dim, names, dense.dlrm.bottom,
-                           dense.dlrm.top)  # fmt: skip
+        return recsys.DLRM(
+            dense_features, spec.embeddings[0].dim, names, dense.dlrm.bottom, dense.dlrm.top
+        )
     made = imports.call(dense.import_, "spec.dense.import", dense.args)
     if not isinstance(made, nn.Module):
-        raise TypeError(f"spec.dense.import: {dense.import_!r} returned a"
-                        f" {type(made).__name__}, not an nn.Module")  # fmt: skip
+        raise TypeError(
+            f"spec.dense.import: {dense.import_!r} returned a"
+            f" {type(made).__name__}, not an nn.Module"
+        )
     return made
 
 

@@ -37,18 +37,26 @@ class FileBags:
             raise ValueError(f"{where}: holds no bags (labels is empty)")
         for name, a in (("ids", ids), ("offsets", offsets), ("labels", labels)):
             if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-                raise ValueError(f"{where}: {name} must be a 1-d array of integers, got"
-                                 f" {a.dtype} of shape {a.shape}")  # fmt: skip
+                raise ValueError(
+                    f"{where}: {name} must be a 1-d array of integers, got"
+                    f" {a.dtype} of shape {a.shape}"
+                )
         if len(offsets) != len(labels):
-            raise ValueError(f"{where}: {len(offsets)} offsets but {len(labels)} labels:"
-                             " one offset and one label per bag")  # fmt: skip
+            raise ValueError(
+                f"{where}: {len(offsets)} offsets but {len(labels)} labels:"
+                " one offset and one label per bag"
+            )
         if offsets[0] != 0 or (np.diff(offsets) < 0).any() or offsets[-1] > len(ids):
-            raise ValueError(f"{where}: offsets must start at 0, never decrease and stay within"
-                             f" the {len(ids)} ids (where each bag starts in ids)")  # fmt: skip
+            raise ValueError(
+                f"{where}: offsets must start at 0, never decrease and stay within"
+                f" the {len(ids)} ids (where each bag starts in ids)"
+            )
         if len(ids) and (ids.min() < 0 or ids.max() >= num_embeddings):
             bad = int(ids.max()) if ids.max() >= num_embeddings else int(ids.min())
-            raise ValueError(f"{where}: id {bad} is outside the table's rows 0.."
-                             f"{num_embeddings - 1} (spec.embedding.numEmbeddings)")  # fmt: skip
+            raise ValueError(
+                f"{where}: id {bad} is outside the table's rows 0.."
+                f"{num_embeddings - 1} (spec.embedding.numEmbeddings)"
+            )
         if labels.min() < 0:
             raise ValueError(f"{where}: labels must be classes 0, 1, ..., got {labels.min()}")
         self.ids = ids.astype(np.int64)
@@ -72,12 +80,15 @@ def _load(path: str, field: str) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
     except Exception as e:  # not a zip, a pickled array, ...
-        raise ValueError(f"{field}: {path} is not an .npz file of arrays ({FORMAT}):"
-                         f" {type(e).__name__}: {e}") from None  # fmt: skip
+        raise ValueError(
+            f"{field}: {path} is not an .npz file of arrays ({FORMAT}): {type(e).__name__}: {e}"
+        ) from None
     missing = [k for k in ("ids", "offsets", "labels") if k not in arrays]
     if missing:
-        raise ValueError(f"{field}: {path} lacks the array(s) {', '.join(missing)} (it has"
-                         f" {', '.join(arrays) or 'none'}); write it with {FORMAT}")  # fmt: skip
+        raise ValueError(
+            f"{field}: {path} lacks the array(s) {', '.join(missing)} (it has"
+            f" {', '.join(arrays) or 'none'}); write it with {FORMAT}"
+        )
     return arrays
 
 
@@ -90,8 +101,10 @@ class Imported:
         try:
             self._size = len(dataset)
         except TypeError:
-            raise TypeError(f"{field}: the {split} split is a {type(dataset).__name__}, not a"
-                            " map-style Dataset (it has no len())") from None  # fmt: skip
+            raise TypeError(
+                f"{field}: the {split} split is a {type(dataset).__name__}, not a"
+                " map-style Dataset (it has no len())"
+            ) from None
         if self._size == 0:
             raise ValueError(f"{field}: the {split} split is empty")
 
@@ -119,12 +132,16 @@ class ImportedBags(Imported):
             ids, label = self.dataset[i]
             bag, label = _ids(ids), int(label)
         except Exception as e:
-            raise ValueError(f"{self.where(i)} is not (ids, label) with integer ids and an"
-                             f" integer label: {type(e).__name__}: {e}") from None  # fmt: skip
+            raise ValueError(
+                f"{self.where(i)} is not (ids, label) with integer ids and an"
+                f" integer label: {type(e).__name__}: {e}"
+            ) from None
         if any(not 0 <= x < self.num_embeddings for x in bag):
             last = self.num_embeddings - 1
-            raise ValueError(f"{self.where(i)}: ids {bag} go outside the table's rows 0..{last}"
-                             " (spec.embedding.numEmbeddings)")  # fmt: skip
+            raise ValueError(
+                f"{self.where(i)}: ids {bag} go outside the table's rows 0..{last}"
+                " (spec.embedding.numEmbeddings)"
+            )
         if label < 0:
             raise ValueError(f"{self.where(i)}: label {label} is negative")
         return bag, label
@@ -146,13 +163,17 @@ class ImportedClicks(Imported):
             ids = {str(f): _ids(v) for f, v in dict(sparse).items()}
             label = int(label)
         except Exception as e:
-            raise ValueError(f"{self.where(i)} is not (dense features, {{feature: ids}},"
-                             f" label): {type(e).__name__}: {e}") from None  # fmt: skip
+            raise ValueError(
+                f"{self.where(i)} is not (dense features, {{feature: ids}},"
+                f" label): {type(e).__name__}: {e}"
+            ) from None
         for feature, rows in self.rows.items():
             bad = [x for x in ids.get(feature, []) if not 0 <= x < rows]
             if bad:
-                raise ValueError(f"{self.where(i)}: feature {feature!r} has ids {bad} outside"
-                                 f" 0..{rows - 1} (the rows of its smallest table)")  # fmt: skip
+                raise ValueError(
+                    f"{self.where(i)}: feature {feature!r} has ids {bad} outside"
+                    f" 0..{rows - 1} (the rows of its smallest table)"
+                )
         if label not in (0, 1):
             raise ValueError(f"{self.where(i)}: label {label} is not a click (0 or 1)")
         return dense, ids, label

@@ -94,13 +94,18 @@ def cut(files: list[str], lanes: int, chunk: int = CHUNK_BYTES) -> list[Piece]:
             pieces.append(Piece(i, path, 0, -1, size))
             continue
         count = max(-(-size // chunk), lanes)
-        pieces += [Piece(i, path, k * size // count, (k + 1) * size // count, size // count)
-                   for k in range(count)]  # fmt: skip
+        pieces += [
+            Piece(i, path, k * size // count, (k + 1) * size // count, size // count)
+            for k in range(count)
+        ]
     if len(pieces) >= lanes:
         return pieces
     n = -(-lanes // len(pieces))  # only gzip files: each read by n lanes, every n-th line
-    return [dataclasses.replace(p, weight=max(p.weight // n, 1), stride=n, phase=r)
-            for p in pieces for r in range(n)]  # fmt: skip
+    return [
+        dataclasses.replace(p, weight=max(p.weight // n, 1), stride=n, phase=r)
+        for p in pieces
+        for r in range(n)
+    ]
 
 
 def lines(piece: Piece) -> Iterator[tuple[int, bytes]]:
@@ -122,8 +127,15 @@ def lines(piece: Piece) -> Iterator[tuple[int, bytes]]:
 class ClickLogs:
     """The logs `pattern` names, read as `lanes` streams (the module's docstring)."""
 
-    def __init__(self, pattern: str, field: str, lanes: int = 1, chunk: int = CHUNK_BYTES,
-                 window: int = WINDOW_LINES, window_bytes: int = WINDOW_BYTES):  # fmt: skip
+    def __init__(
+        self,
+        pattern: str,
+        field: str,
+        lanes: int = 1,
+        chunk: int = CHUNK_BYTES,
+        window: int = WINDOW_LINES,
+        window_bytes: int = WINDOW_BYTES,
+    ):
         self.field, self.lanes = field, lanes
         self.files = paths(pattern, field)
         self.pieces = cut(self.files, lanes, chunk)
@@ -188,9 +200,11 @@ class ClickLogs:
 
     def _check_lines(self, total: int, lane: int, epoch: int) -> None:
         if total == 0:
-            raise ValueError(f"{self.field}: lane {lane} of {self.lanes} (trainers.max) has no"
-                             f" lines in epoch {epoch}: the logs ({', '.join(self.files)}) have"
-                             " too few lines for so many trainers")  # fmt: skip
+            raise ValueError(
+                f"{self.field}: lane {lane} of {self.lanes} (trainers.max) has no"
+                f" lines in epoch {epoch}: the logs ({', '.join(self.files)}) have"
+                " too few lines for so many trainers"
+            )
 
     def _windows(self, pieces: list[Piece]) -> Iterator[list[tuple[int, bytes]]]:
         """The pieces' lines, a window at a time (held while the caller reads it)."""

@@ -81,10 +81,14 @@ def parse_many(lines: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray] 
         return None
     try:
         labels = np.array([int(x) for x in fields[0::COLUMNS]], dtype=np.int64)
-        dense = np.array([int(x) if x else 0 for k in range(1, 1 + DENSE)
-                          for x in fields[k::COLUMNS]], dtype=np.float64)  # fmt: skip
-        categorical = np.array([int(x, 16) if x else 0 for k in range(1 + DENSE, COLUMNS)
-                                for x in fields[k::COLUMNS]], dtype=np.int64)  # fmt: skip
+        dense = np.array(
+            [int(x) if x else 0 for k in range(1, 1 + DENSE) for x in fields[k::COLUMNS]],
+            dtype=np.float64,
+        )
+        categorical = np.array(
+            [int(x, 16) if x else 0 for k in range(1 + DENSE, COLUMNS) for x in fields[k::COLUMNS]],
+            dtype=np.int64,
+        )
     except (ValueError, OverflowError):
         return None
     if ((labels != 0) & (labels != 1)).any():

@@ -63,8 +63,12 @@ class CutError(ValueError):
     """The model cannot be cut as asked: the message says why and what can be done."""
 
 
-def candidates(model: nn.Module, want: int = 0, required: Sequence[str] = (),
-               whole: frozenset[str] = frozenset()) -> list[str]:  # fmt: skip
+def candidates(
+    model: nn.Module,
+    want: int = 0,
+    required: Sequence[str] = (),
+    whole: frozenset[str] = frozenset(),
+) -> list[str]:
     """Module names where a stage may begin, in the module tree's order: the model's
     children, then the modules above each `required` name opened, then the largest
     candidate opened (most parameters; the first on a tie) while there are fewer than
@@ -141,8 +145,11 @@ class _Forward:
 
     def live(self, at: int) -> list[fx.Node]:
         """Values made before node `at` that nodes from `at` on use, in the order made."""
-        return [n for n in self.nodes[:at]
-                if n.op != "output" and any(self.position[u] >= at for u in n.users)]  # fmt: skip
+        return [
+            n
+            for n in self.nodes[:at]
+            if n.op != "output" and any(self.position[u] >= at for u in n.users)
+        ]
 
     def code(self) -> str:
         return self.graph.python_code("self").src
@@ -157,8 +164,13 @@ class Traced:
     in training mode and in evaluation mode; where the two differ, each stage holds both
     (`Piece`), and the candidates are those both call."""
 
-    def __init__(self, model: nn.Module, want: int = 0, required: Sequence[str] = (),
-                 sample: torch.Tensor | Callable[[], torch.Tensor] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        want: int = 0,
+        required: Sequence[str] = (),
+        sample: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+    ):
         self.model = model
         self.whole: dict[str, str] = {}  # modules kept whole: why their forward did not trace
         self.shaped = False  # traced with the shapes of `sample` (workloads/shapes.py)
@@ -167,16 +179,20 @@ class Traced:
         self.forward = _Forward(graphs[0], leaves)  # training's
         evaluation = _Forward(graphs[1], leaves)
         self.evaluation = None if evaluation.code() == self.forward.code() else evaluation
-        both = [u for u in self.forward.starts
-                if self.evaluation is None or u in self.evaluation.starts]  # fmt: skip
+        both = [
+            u for u in self.forward.starts if self.evaluation is None or u in self.evaluation.starts
+        ]
         self.units = sorted(both, key=self.forward.starts.__getitem__)  # in calling order
         if self.evaluation is not None:
             order = sorted(self.units, key=self.evaluation.starts.__getitem__)
             self.units = [u for u, v in zip(self.units, order, strict=True) if u == v]
 
-    def _traced(self, want: int, required: Sequence[str],
-                sample: torch.Tensor | Callable[[], torch.Tensor] | None,
-                ) -> tuple[list[fx.Graph], set[str]]:  # fmt: skip
+    def _traced(
+        self,
+        want: int,
+        required: Sequence[str],
+        sample: torch.Tensor | Callable[[], torch.Tensor] | None,
+    ) -> tuple[list[fx.Graph], set[str]]:
         """The graphs of training's and evaluation's forward, and their leaves: traced as
         fx traces; where that fails or keeps a module whole and the job's input is known
         (`sample`, or what gives it: read only then), traced again with its shapes
@@ -206,8 +222,9 @@ class Traced:
         self.shaped = True
         return shaped
 
-    def _trace(self, want: int, required: Sequence[str],
-               sample: torch.Tensor | None) -> tuple[list[fx.Graph], set[str]]:  # fmt: skip
+    def _trace(
+        self, want: int, required: Sequence[str], sample: torch.Tensor | None
+    ) -> tuple[list[fx.Graph], set[str]]:
         """One way of tracing (with `sample`'s shapes or without), keeping whole each module
         whose forward does not trace, until the rest does (or refusing, saying why)."""
         model, training = self.model, self.model.training
@@ -253,8 +270,10 @@ class Traced:
         name = changed.rpartition(".")[0] if changed in leaves else changed
         why = f"its forward changes a setting by the input's shape ({setting})"
         if not name or name in self.whole:
-            raise CutError(f"cannot trace {type(self.model).__name__}'s forward between its"
-                           f" modules: {why}; {way_past(name)}")  # fmt: skip
+            raise CutError(
+                f"cannot trace {type(self.model).__name__}'s forward between its"
+                f" modules: {why}; {way_past(name)}"
+            )
         self.whole[name] = why
 
     @property
@@ -266,8 +285,11 @@ class Traced:
         unless they are distinct candidates in calling order)."""
         unknown = [s for s in starts if s not in self.units]
         if unknown:
-            inside = [f"{w} is kept whole ({why})" for w, why in self.whole.items()
-                      if any(s.startswith(f"{w}.") for s in unknown)]  # fmt: skip
+            inside = [
+                f"{w} is kept whole ({why})"
+                for w, why in self.whole.items()
+                if any(s.startswith(f"{w}.") for s in unknown)
+            ]
             raise CutError(
                 f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not where a"
                 f" stage can begin{': ' + '; '.join(inside) if inside else ''}; the"
@@ -379,15 +401,19 @@ def cut_count_error(units: int, stages: int, whole: dict[str, str] | None = None
     """Too few places to cut: and, where modules were kept whole, which and why (the line
     of the model's source), and the way past."""
     why = f"{kept_whole(whole)}; {way_past()}" if whole else ""
-    return CutError(f"the model has {units} places to cut; it can fill at most {units} stages,"
-                    f" not {stages}{why}")  # fmt: skip
+    return CutError(
+        f"the model has {units} places to cut; it can fill at most {units} stages,"
+        f" not {stages}{why}"
+    )
 
 
 def state_names(module: nn.Module) -> list[str]:
     """The names of a stage's parameters and buffers: what the process holding it builds
     (workloads/materialize.py)."""
-    return [*(n for n, _ in module.named_parameters(remove_duplicate=False)),
-            *(n for n, _ in module.named_buffers(remove_duplicate=False))]  # fmt: skip
+    return [
+        *(n for n, _ in module.named_parameters(remove_duplicate=False)),
+        *(n for n, _ in module.named_buffers(remove_duplicate=False)),
+    ]
 
 
 def unused(model: nn.Module, stages: list[nn.Module]) -> dict[str, torch.Tensor]:

@@ -52,8 +52,9 @@ class StreamSampler(Sampler[list[int]]):
     two epochs. With `share` (r, R), only the r-th of R parts of each batch (a replica's, see
     synthetic.share_of)."""
 
-    def __init__(self, size: int, batch: int, seed: int, start: int = 0,
-                 share: tuple[int, int] = (0, 1)):  # fmt: skip
+    def __init__(
+        self, size: int, batch: int, seed: int, start: int = 0, share: tuple[int, int] = (0, 1)
+    ):
         self.size, self.batch, self.seed, self.start = size, batch, seed, start
         self.share = share
         self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
@@ -95,12 +96,15 @@ class _Indexed(Dataset):
 
 def _loader(dataset: Any, batches: Any, workers: int, seed: int) -> DataLoader:
     return DataLoader(
-        _Indexed(dataset), batch_sampler=batches, num_workers=workers,
-        persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
+        _Indexed(dataset),
+        batch_sampler=batches,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers > 0 else None,
         # Its own generator: making an iterator then never draws from the global RNG (the
         # master's seeded state), and workers' seeds are the same in every run.
         generator=torch.Generator().manual_seed(seed),
-    )  # fmt: skip
+    )
 
 
 def _shutdown(iterator: Any) -> None:
@@ -118,8 +122,7 @@ class Feed:
     of it, among `replicas` (the world's; default replicas.max): the first stage of each
     replica reads its own (pipeline/reader.py)."""
 
-    def __init__(self, spec: PipelineSpec, replica: int | None = None,
-                 replicas: int | None = None):  # fmt: skip
+    def __init__(self, spec: PipelineSpec, replica: int | None = None, replicas: int | None = None):
         self.spec = spec
         self.batch_size = spec.batch_size * spec.replicas.max  # a step's whole batch
         # Which part of each batch this feed gives: (r, R), the r-th of R parts.
@@ -147,8 +150,13 @@ class Feed:
             part = slice(rows.start, rows.stop)
             return inputs[part].clone(), labels[part].clone()  # not the whole batch's storage
         if self._iterator is None:
-            sampler = StreamSampler(len(self.dataset), self.batch_size, self.spec.seed,
-                                    start=self.samples, share=self.share)  # fmt: skip
+            sampler = StreamSampler(
+                len(self.dataset),
+                self.batch_size,
+                self.spec.seed,
+                start=self.samples,
+                share=self.share,
+            )
             loader = _loader(self.dataset, sampler, self.spec.data.workers, self.spec.seed)
             self._iterator = iter(loader)
         indices, inputs, labels = next(self._iterator)
@@ -169,8 +177,11 @@ class Feed:
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the position, and a synthetic stream's generator."""
-        state: dict[str, Any] = {"samples": self.samples, "batchSize": self.batch_size,
-                                 "description": self.description}  # fmt: skip
+        state: dict[str, Any] = {
+            "samples": self.samples,
+            "batchSize": self.batch_size,
+            "description": self.description,
+        }
         if self.stream is not None:
             state["generator"] = self.stream.generator.get_state()
         else:
@@ -187,14 +198,18 @@ class Feed:
         if isinstance(state, torch.Tensor):
             state = {"generator": state, "batches": 0}
         if (self.stream is None) != ("generator" not in state):
-            raise DataError(f"the checkpoint's data was {state.get('description', 'synthetic')!r},"
-                            f" this job's is {self.description!r}: spec.data changed")  # fmt: skip
+            raise DataError(
+                f"the checkpoint's data was {state.get('description', 'synthetic')!r},"
+                f" this job's is {self.description!r}: spec.data changed"
+            )
         if self.stream is not None:
             self.stream.generator.set_state(state["generator"])
         elif state["size"] != len(self.dataset):
-            raise DataError(f"the checkpoint's data held {state['size']} samples, spec.data now"
-                            f" holds {len(self.dataset)} ({self.description}): resuming would"
-                            " repeat or skip samples")  # fmt: skip
+            raise DataError(
+                f"the checkpoint's data held {state['size']} samples, spec.data now"
+                f" holds {len(self.dataset)} ({self.description}): resuming would"
+                " repeat or skip samples"
+            )
         self.samples = int(state.get("samples", state.get("batches", 0) * self.batch_size))
         self.close()  # the next batch restarts the stream at the saved position
 
@@ -232,8 +247,10 @@ class HeldOut:
             return
         if limit not in self._loaders:
             size = len(self.dataset)
-            chunks = [list(range(i, min(i + self.batch_size, size)))
-                      for i in range(0, size, self.batch_size)]  # fmt: skip
+            chunks = [
+                list(range(i, min(i + self.batch_size, size)))
+                for i in range(0, size, self.batch_size)
+            ]
             chunks = chunks[:limit] if limit else chunks
             workers = min(self.spec.data.workers, len(chunks))
             self._loaders[limit] = _loader(self.dataset, chunks, workers, self.spec.seed)
@@ -287,6 +304,8 @@ def _synthetic(spec: PipelineSpec, batch: int, held_out: bool = False) -> Any:
 def _synthetic_description(spec: PipelineSpec) -> str:
     t = spec.model.transformer
     if t is not None:
-        return (f"synthetic tokens: vocabulary {t.vocab_size:,}, windows of {t.seq_len + 1}"
-                " following a seeded rule t[i+1] = (a*t[i] + b) mod vocabulary")  # fmt: skip
+        return (
+            f"synthetic tokens: vocabulary {t.vocab_size:,}, windows of {t.seq_len + 1}"
+            " following a seeded rule t[i+1] = (a*t[i] + b) mod vocabulary"
+        )
     return f"synthetic {spec.image_size}x{spec.image_size} images, {spec.num_classes} classes"

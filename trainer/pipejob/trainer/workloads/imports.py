@@ -16,14 +16,16 @@ def resolve(path: str, field: str) -> Any:
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as e:  # a syntax error or a failing import inside the user's module, too
-        raise ImportError(f"{field}: cannot import {module_name!r} (from {path!r}):"
-                          f" {type(e).__name__}: {e}") from None  # fmt: skip
+        raise ImportError(
+            f"{field}: cannot import {module_name!r} (from {path!r}): {type(e).__name__}: {e}"
+        ) from None
     for part in attribute.split("."):
         try:
             target = getattr(target, part)
         except AttributeError:
-            raise ImportError(f"{field}: module {module_name!r} has no {attribute!r}"
-                              f" (from {path!r})") from None  # fmt: skip
+            raise ImportError(
+                f"{field}: module {module_name!r} has no {attribute!r} (from {path!r})"
+            ) from None
     if not callable(target):
         raise ImportError(f"{field}: {path!r} is a {type(target).__name__}, not a function")
     return target

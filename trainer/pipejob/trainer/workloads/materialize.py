@@ -73,8 +73,10 @@ class Numbering(list[list[str]]):
         self.everywhere = frozenset(registered.everywhere)
 
 
-def build(factory: Callable[[], nn.Module], keep: Collection[int] | None,
-          ) -> tuple[nn.Module, Registrations]:  # fmt: skip
+def build(
+    factory: Callable[[], nn.Module],
+    keep: Collection[int] | None,
+) -> tuple[nn.Module, Registrations]:
     """`factory()` with the parameters made `keep`-th (counting from 0) in memory and
     every other on the meta device; `keep` None keeps all (a plain build). Also returns
     what was made, which is how `numbering` names each number."""
@@ -148,8 +150,9 @@ def _settle(model: nn.Module, registered: Registrations, keep: set[int]) -> None
                 continue
             number = registered.number.get(id(param))
             real = not isinstance(param, Placeholder) and param.device.type != "meta"
-            if isinstance(param, Placeholder) or (real and number is not None
-                                                   and number not in keep):  # fmt: skip
+            if isinstance(param, Placeholder) or (
+                real and number is not None and number not in keep
+            ):
                 if id(param) not in plain:
                     plain[id(param)] = nn.Parameter(meta_like(param), param.requires_grad)
                 module._parameters[name] = plain[id(param)]

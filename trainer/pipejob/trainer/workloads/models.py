@@ -30,8 +30,10 @@ def build(spec: PipelineSpec) -> nn.Module:
         return staged.whole(spec)
     built = imports.call(model.import_, "spec.model.import", model.args)
     if not isinstance(built, nn.Module):
-        raise ValueError(f"spec.model.import: {model.import_!r} returned a"
-                         f" {type(built).__name__}, not a torch.nn.Module")  # fmt: skip
+        raise ValueError(
+            f"spec.model.import: {model.import_!r} returned a"
+            f" {type(built).__name__}, not a torch.nn.Module"
+        )
     return built
 
 
@@ -49,8 +51,11 @@ def as_spec(model: Model) -> dict[str, Any]:
 
     def plain(value: Any) -> Any:
         if dataclasses.is_dataclass(value):
-            return {key(f.name): plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-                    if getattr(value, f.name) not in (None, {}, ())}  # fmt: skip
+            return {
+                key(f.name): plain(getattr(value, f.name))
+                for f in dataclasses.fields(value)
+                if getattr(value, f.name) not in (None, {}, ())
+            }
         return list(value) if isinstance(value, tuple) else value  # as JSON reads it back
 
     return plain(model)

@@ -58,8 +58,14 @@ class DLRM(nn.Module):
     its output and every table's pooled embedding (each pair once, none with itself); the
     top MLP takes them and the bottom output to one logit."""
 
-    def __init__(self, dense_features: int, dim: int, tables: Sequence[str],
-                 bottom: Sequence[int], top: Sequence[int]):  # fmt: skip
+    def __init__(
+        self,
+        dense_features: int,
+        dim: int,
+        tables: Sequence[str],
+        bottom: Sequence[int],
+        top: Sequence[int],
+    ):
         super().__init__()
         self.tables = list(tables)
         self.bottom = mlp([dense_features, *bottom, dim], last_activation=True)
@@ -77,8 +83,13 @@ class DLRM(nn.Module):
         return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
 
 
-def call_dense(dense: nn.Module, recommends: bool, values: torch.Tensor,
-               pooled: dict[str, torch.Tensor], one_table: str) -> torch.Tensor:  # fmt: skip
+def call_dense(
+    dense: nn.Module,
+    recommends: bool,
+    values: torch.Tensor,
+    pooled: dict[str, torch.Tensor],
+    one_table: str,
+) -> torch.Tensor:
     """The dense part on a batch: (dense features, {table: pooled}) for a recommendation
     model; the bag's pooled embedding alone for spec.embedding's classifier."""
     return dense(values, pooled) if recommends else dense(pooled[one_table])
@@ -127,8 +138,9 @@ class Recommender(nn.Module):
             self.tables[t.name] = bag
         self.dense = dense
 
-    def forward(self, values: torch.Tensor, ids: dict[str, torch.Tensor],
-                offsets: dict[str, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, values: torch.Tensor, ids: dict[str, torch.Tensor], offsets: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         pooled = {}
         for name, bag in self.tables.items():
             feature = self.features[name]

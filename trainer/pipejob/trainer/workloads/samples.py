@@ -89,8 +89,9 @@ def collate(data: Samples, chosen: list[int], features: Sequence[str], clicks: b
     return collate_samples([data.sample(i) for i in chosen], chosen, features, clicks)
 
 
-def collate_samples(drawn: Sequence[Sample], chosen: list[int], features: Sequence[str],
-                    clicks: bool) -> Batch:  # fmt: skip
+def collate_samples(
+    drawn: Sequence[Sample], chosen: list[int], features: Sequence[str], clicks: bool
+) -> Batch:
     """`drawn`, the samples numbered `chosen`, as one batch (see `collate`)."""
     dense, labels = [], []
     ids: dict[str, list[int]] = {f: [] for f in features}
@@ -98,9 +99,11 @@ def collate_samples(drawn: Sequence[Sample], chosen: list[int], features: Sequen
     for i, (values, sparse, label) in zip(chosen, drawn, strict=True):
         missing = [f for f in features if f not in sparse]
         if missing:
-            raise ValueError(f"sample {i} has no ids for feature(s) {', '.join(missing)} (it"
-                             f" has {', '.join(sparse) or 'none'}); every table's feature"
-                             " must be in every sample")  # fmt: skip
+            raise ValueError(
+                f"sample {i} has no ids for feature(s) {', '.join(missing)} (it"
+                f" has {', '.join(sparse) or 'none'}); every table's feature"
+                " must be in every sample"
+            )
         for f in features:
             ids[f].extend(sparse[f])
             lengths[f].append(len(sparse[f]))
@@ -108,8 +111,10 @@ def collate_samples(drawn: Sequence[Sample], chosen: list[int], features: Sequen
         labels.append(label)
     widths = {len(d) for d in dense}
     if len(widths) > 1:
-        raise ValueError(f"samples {chosen[0]}..{chosen[-1]} have {sorted(widths)} dense"
-                         " features: every sample must have the same number")  # fmt: skip
+        raise ValueError(
+            f"samples {chosen[0]}..{chosen[-1]} have {sorted(widths)} dense"
+            " features: every sample must have the same number"
+        )
     as_long = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     real = torch.get_default_dtype()  # float32 unless a process chose float64
     return Batch(
@@ -128,8 +133,15 @@ def order(size: int, seed: int, epoch: int) -> list[int]:
     return indices
 
 
-def stream(data: Samples, batch: int, share: tuple[int, int], seed: int,
-           features: Sequence[str], clicks: bool, start: int = 0) -> Iterator[Batch]:  # fmt: skip
+def stream(
+    data: Samples,
+    batch: int,
+    share: tuple[int, int],
+    seed: int,
+    features: Sequence[str],
+    clicks: bool,
+    start: int = 0,
+) -> Iterator[Batch]:
     """Trainer k of T's share, `share` (k, T), of every step's batch, forever: the steps read
     the stream of epoch 0's order of the samples, then epoch 1's, ..., `batch` samples at a
     time from sample `start` of the stream on, and trainer k takes samples k*batch//T to
@@ -142,29 +154,47 @@ def stream(data: Samples, batch: int, share: tuple[int, int], seed: int,
     return _indexed(data, batch, share, seed, features, clicks, start)
 
 
-def _indexed(data: Samples, batch: int, share: tuple[int, int], seed: int,
-             features: Sequence[str], clicks: bool, start: int) -> Iterator[Batch]:  # fmt: skip
+def _indexed(
+    data: Samples,
+    batch: int,
+    share: tuple[int, int],
+    seed: int,
+    features: Sequence[str],
+    clicks: bool,
+    start: int,
+) -> Iterator[Batch]:
     """`stream` of samples read by index (each epoch's order a shuffle of them all)."""
     rows = share_of(batch, *share)
     orders: dict[int, list[int]] = {}  # the epochs the last batch read
     for position in itertools.count(start, batch):
         places = [divmod(position + r, data.size) for r in rows]
         # Each epoch's order once: the share's samples span one epoch, or two at its end.
-        orders = {e: orders[e] if e in orders else order(data.size, seed, e)
-                  for e in sorted({e for e, _ in places})}  # fmt: skip
+        orders = {
+            e: orders[e] if e in orders else order(data.size, seed, e)
+            for e in sorted({e for e, _ in places})
+        }
         chosen = collate(data, [orders[e][i] for e, i in places], features, clicks)
         yield dataclasses.replace(chosen, epochs=[e for e, _ in places])
 
 
-def _lanes(logs: ClickLogs, batch: int, share: tuple[int, int], seed: int,
-           features: Sequence[str], clicks: bool, start: int) -> Iterator[Batch]:  # fmt: skip
+def _lanes(
+    logs: ClickLogs,
+    batch: int,
+    share: tuple[int, int],
+    seed: int,
+    features: Sequence[str],
+    clicks: bool,
+    start: int,
+) -> Iterator[Batch]:
     """`stream` of click logs: a step's batch is batch/lanes lines of every lane, trainer k
     of T reading lanes share_of(lanes, k, T) (clicklogs.py)."""
     lanes = logs.lanes
     mine = share_of(lanes, *share)
     if batch % lanes or start % lanes or not mine:
-        raise ValueError(f"cannot read share {share[0]} of {share[1]} of {lanes} lanes"
-                         f" (trainers.max) in batches of {batch} from sample {start}")  # fmt: skip
+        raise ValueError(
+            f"cannot read share {share[0]} of {share[1]} of {lanes} lanes"
+            f" (trainers.max) in batches of {batch} from sample {start}"
+        )
     per = batch // lanes
     readers = [logs.read(lane, seed, start // lanes) for lane in mine]
     while True:
@@ -173,8 +203,9 @@ def _lanes(logs: ClickLogs, batch: int, share: tuple[int, int], seed: int,
         yield dataclasses.replace(made, epochs=[epoch for epoch, _, _ in rows])
 
 
-def _click_batch(logs: ClickLogs, lines: list[tuple[int, bytes]], features: Sequence[str],
-                 clicks: bool) -> Batch:  # fmt: skip
+def _click_batch(
+    logs: ClickLogs, lines: list[tuple[int, bytes]], features: Sequence[str], clicks: bool
+) -> Batch:
     """Lines (id, line) of click logs as one batch, parsed all at once (criteo.parse_many);
     a bad line is read alone, which names it."""
     ids = [line_id for line_id, _ in lines]
@@ -200,19 +231,29 @@ def first(data: Samples | ClickLogs) -> Sample:
     return data.first if isinstance(data, ClickLogs) else data.sample(0)
 
 
-def in_order(data: Samples, batch_size: int, features: Sequence[str], clicks: bool,
-             limit: int = 0) -> list[Batch]:  # fmt: skip
+def in_order(
+    data: Samples, batch_size: int, features: Sequence[str], clicks: bool, limit: int = 0
+) -> list[Batch]:
     """`data` in order as batches of `batch_size` (the last may be smaller); only the first
     `limit` batches when it is not 0. For evaluation: every sample once, no cycling."""
     if isinstance(data, ClickLogs):
         rows = data.lines_in_order()
         chunks = iter(lambda: list(itertools.islice(rows, batch_size)), [])
-        return [_click_batch(data, chunk, features, clicks)
-                for chunk in itertools.islice(chunks, limit or None)]  # fmt: skip
+        return [
+            _click_batch(data, chunk, features, clicks)
+            for chunk in itertools.islice(chunks, limit or None)
+        ]
     count = -(-data.size // batch_size)
     count = min(count, limit) if limit else count
-    return [collate(data, list(range(b * batch_size, min((b + 1) * batch_size, data.size))),
-                    features, clicks) for b in range(count)]  # fmt: skip
+    return [
+        collate(
+            data,
+            list(range(b * batch_size, min((b + 1) * batch_size, data.size))),
+            features,
+            clicks,
+        )
+        for b in range(count)
+    ]
 
 
 def of(spec: HybridSpec, split: str) -> Samples | None:
@@ -221,8 +262,10 @@ def of(spec: HybridSpec, split: str) -> Samples | None:
     with another seed."""
     d = spec.data
     # A feature's ids must lie below the rows of every table it feeds.
-    rows = {f: min(t.rows for t in spec.embeddings if t.feature == f)
-            for f in {t.feature for t in spec.embeddings}}  # fmt: skip
+    rows = {
+        f: min(t.rows for t in spec.embeddings if t.feature == f)
+        for f in {t.feature for t in spec.embeddings}
+    }
     if d.file is not None:
         path = d.file.train if split == "train" else d.file.val
         field = f"spec.data.file.{split}"
@@ -244,9 +287,18 @@ def of(spec: HybridSpec, split: str) -> Samples | None:
     # Seeds are >= 0: -1 - seed is a stream no training set is drawn from.
     seed = spec.seed if split == "train" else -1 - spec.seed
     if spec.recommends:
-        return SyntheticClicks(size=size, features=tuple(sorted(rows.items())),
-                               dense_features=spec.dense_features, bag_size=spec.bag_size,
-                               seed=seed)  # fmt: skip
-    bags = SyntheticBags(size=size, num_embeddings=rows[BAGS], classes=spec.dense.out_features,
-                         bag_size=spec.bag_size, seed=seed)  # fmt: skip
+        return SyntheticClicks(
+            size=size,
+            features=tuple(sorted(rows.items())),
+            dense_features=spec.dense_features,
+            bag_size=spec.bag_size,
+            seed=seed,
+        )
+    bags = SyntheticBags(
+        size=size,
+        num_embeddings=rows[BAGS],
+        classes=spec.dense.out_features,
+        bag_size=spec.bag_size,
+        seed=seed,
+    )
     return OneFeature(bags, BAGS)

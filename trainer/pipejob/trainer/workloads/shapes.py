@@ -27,8 +27,18 @@ from pipejob.trainer.workloads.standins import META
 _EINOPS = ("rearrange", "repeat", "reduce", "einsum", "pack", "unpack", "parse_shape")
 _CONCRETE = (int, bool, float, str, torch.Size, torch.dtype, type(None))
 _SIZE_ATTRS = {"shape", "ndim", "dtype", "is_cuda"}
-_SIZE_METHODS = {"size", "dim", "ndimension", "numel", "nelement", "stride", "element_size",
-                 "is_floating_point", "is_complex", "is_contiguous"}  # fmt: skip
+_SIZE_METHODS = {
+    "size",
+    "dim",
+    "ndimension",
+    "numel",
+    "nelement",
+    "stride",
+    "element_size",
+    "is_floating_point",
+    "is_complex",
+    "is_contiguous",
+}
 BATCHES = (2, 3)  # the two batch sizes every traced value is followed for
 # A function the meta device cannot run is run on the CPU (on made-up values of its inputs'
 # shapes) only for inputs up to this size: activations of a few samples, not a model's tables.
@@ -118,20 +128,28 @@ class ShapedTracer(tracing.Tracer):
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
 
-    def create_args_for_root(self, root_fn: Any, is_module: bool,
-                             concrete_args: Any = None) -> tuple[Any, list[Any]]:  # fmt: skip
+    def create_args_for_root(
+        self, root_fn: Any, is_module: bool, concrete_args: Any = None
+    ) -> tuple[Any, list[Any]]:
         fn, (root, x) = super().create_args_for_root(root_fn, is_module, concrete_args)
         shape = tuple(self.sample.shape[1:])
         guarded = self.create_proxy("call_function", guard, (x, shape), {})
         return fn, [root, guarded]
 
-    def create_proxy(self, kind: str, target: Any, args: Any, kwargs: Any, name: Any = None,
-                     type_expr: Any = None, proxy_factory_fn: Any = None) -> Any:  # fmt: skip
+    def create_proxy(
+        self,
+        kind: str,
+        target: Any,
+        args: Any,
+        kwargs: Any,
+        name: Any = None,
+        type_expr: Any = None,
+        proxy_factory_fn: Any = None,
+    ) -> Any:
         """A traced value; a size read from traced tensors that is the same for both batch
         sizes, as that concrete value (what it is read from is followed on the meta device
         only then: the rest of the trace costs what fx's costs)."""
-        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr,
-                                     proxy_factory_fn)  # fmt: skip
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         node = proxy.node
         if not self._reads_a_size(node):
             return proxy
@@ -237,8 +255,9 @@ class ShapedTracer(tracing.Tracer):
 
         args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), of)
         if node.op == "placeholder":
-            return torch.empty((BATCHES[i], *self.sample.shape[1:]), dtype=self.sample.dtype,
-                               device=META)  # fmt: skip
+            return torch.empty(
+                (BATCHES[i], *self.sample.shape[1:]), dtype=self.sample.dtype, device=META
+            )
         if node.op == "get_attr":
             return _meta(fx.graph_module._get_attr(self.root, str(node.target)))
         if node.op == "call_function":
@@ -292,5 +311,7 @@ def _reads_only(node: fx.Node) -> bool:
 
 
 def _state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [*module.named_parameters(remove_duplicate=False),
-            *module.named_buffers(remove_duplicate=False)]  # fmt: skip
+    return [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]

@@ -38,14 +38,17 @@ def _imported(spec: PipelineSpec, split: str) -> tuple[Any, str] | None:
         return None
     what = f"{spec.data.import_!r} (split={split!r})"
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise DataError(f"{field}: {what} returned {type(dataset).__name__!r}, not a map-style"
-                        " Dataset (with __len__ and __getitem__)")  # fmt: skip
+        raise DataError(
+            f"{field}: {what} returned {type(dataset).__name__!r}, not a map-style"
+            " Dataset (with __len__ and __getitem__)"
+        )
     if len(dataset) == 0:
         raise DataError(f"{field}: {what} returned an empty dataset")
     first = dataset[0]
     if not (isinstance(first, tuple | list) and len(first) == 2):
-        raise DataError(f"{field}: {what}'s item 0 is {type(first).__name__!r}, not an"
-                        " (input, label) pair")  # fmt: skip
+        raise DataError(
+            f"{field}: {what}'s item 0 is {type(first).__name__!r}, not an (input, label) pair"
+        )
     return dataset, f"import {spec.data.import_} ({split}): {len(dataset):,} samples"
 
 
@@ -70,10 +73,14 @@ def _image_folder(spec: PipelineSpec, split: str) -> tuple[Any, str] | None:
     if not os.path.isdir(path):
         raise DataError(f"{field}: {path!r} is not a directory")
     size = spec.image_size  # Resize(size): the shorter side; CenterCrop: the square
-    transform = transforms.Compose([
-        transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])  # fmt: skip
+    transform = transforms.Compose(
+        [
+            transforms.Resize(size),
+            transforms.CenterCrop(size),
+            transforms.ToTensor(),
+            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
     try:
         dataset = datasets.ImageFolder(path, transform=transform)
     except OSError as e:  # no class folders, or a class folder without images
@@ -82,12 +89,13 @@ def _image_folder(spec: PipelineSpec, split: str) -> tuple[Any, str] | None:
         # Labels are indices into the sorted class list: other lists would mean other labels.
         train, val = _class_folders(folders.train), _class_folders(folders.val)
         if train != val:
-            raise DataError(f"spec.data.imageFolder.val: {folders.val!r} has other classes than"
-                            f" spec.data.imageFolder.train {folders.train!r} (only in train:"
-                            f" {sorted(set(train) - set(val))}, only in val:"
-                            f" {sorted(set(val) - set(train))})")  # fmt: skip
-    return dataset, (f"imageFolder {path}: {len(dataset):,} images, {len(dataset.classes)}"
-                     " classes")  # fmt: skip
+            raise DataError(
+                f"spec.data.imageFolder.val: {folders.val!r} has other classes than"
+                f" spec.data.imageFolder.train {folders.train!r} (only in train:"
+                f" {sorted(set(train) - set(val))}, only in val:"
+                f" {sorted(set(val) - set(train))})"
+            )
+    return dataset, (f"imageFolder {path}: {len(dataset):,} images, {len(dataset.classes)} classes")
 
 
 class TokenWindows(Dataset):
@@ -134,25 +142,36 @@ def _tokens(spec: PipelineSpec, split: str) -> tuple[Any, str] | None:
     t = spec.model.transformer
     seq_len = tokens.seq_len or (t.seq_len if t is not None else None)
     if seq_len is None:
-        raise DataError("spec.data.tokens.seqLen is required: only the built-in transformer"
-                        " has a seqLen of its own")  # fmt: skip
+        raise DataError(
+            "spec.data.tokens.seqLen is required: only the built-in transformer"
+            " has a seqLen of its own"
+        )
     if tokens.dtype not in TOKEN_DTYPES:
-        raise DataError(f"spec.data.tokens.dtype: {tokens.dtype!r} is not one of"
-                        f" {sorted(TOKEN_DTYPES)}")  # fmt: skip
+        raise DataError(
+            f"spec.data.tokens.dtype: {tokens.dtype!r} is not one of {sorted(TOKEN_DTYPES)}"
+        )
     if not os.path.isfile(path):
         raise DataError(f"{field}: {path!r} is not a file")
     itemsize, stat = np.dtype(TOKEN_DTYPES[tokens.dtype]).itemsize, os.stat(path)
     size = stat.st_size
     if size % itemsize:
-        raise DataError(f"{field}: {path!r} holds {size:,} bytes, not a multiple of"
-                        f" {itemsize} ({tokens.dtype} token ids): is dtype right?")  # fmt: skip
+        raise DataError(
+            f"{field}: {path!r} holds {size:,} bytes, not a multiple of"
+            f" {itemsize} ({tokens.dtype} token ids): is dtype right?"
+        )
     dataset = TokenWindows(path, tokens.dtype, seq_len)
     if dataset.tokens < seq_len + 1:
-        raise DataError(f"{field}: {path!r} holds {dataset.tokens:,} tokens, fewer than one"
-                        f" window of seqLen + 1 = {seq_len + 1}")  # fmt: skip
+        raise DataError(
+            f"{field}: {path!r} holds {dataset.tokens:,} tokens, fewer than one"
+            f" window of seqLen + 1 = {seq_len + 1}"
+        )
     largest = _largest_token(path, tokens.dtype, stat.st_size, stat.st_mtime_ns)
     if t is not None and largest >= t.vocab_size:  # another model's vocabulary is its own
-        raise DataError(f"{field}: {path!r} holds token id {largest:,}, outside"
-                        f" spec.model.transformer.vocabSize {t.vocab_size:,}")  # fmt: skip
-    return dataset, (f"tokens {path}: {dataset.tokens:,} {tokens.dtype} tokens,"
-                     f" {len(dataset):,} windows of {seq_len + 1}")  # fmt: skip
+        raise DataError(
+            f"{field}: {path!r} holds token id {largest:,}, outside"
+            f" spec.model.transformer.vocabSize {t.vocab_size:,}"
+        )
+    return dataset, (
+        f"tokens {path}: {dataset.tokens:,} {tokens.dtype} tokens,"
+        f" {len(dataset):,} windows of {seq_len + 1}"
+    )

@@ -104,8 +104,10 @@ class Layers:
 
     def split(self, starts: Sequence[str]) -> list[nn.Module]:
         ranges = self.ranges(starts)
-        return [Run(self.model, [self.units[i] for i in r], k == len(ranges) - 1)
-                for k, r in enumerate(ranges)]  # fmt: skip
+        return [
+            Run(self.model, [self.units[i] for i in r], k == len(ranges) - 1)
+            for k, r in enumerate(ranges)
+        ]
 
 
 def units(model: nn.Module, layers: Sequence[str]) -> list[str]:
@@ -117,14 +119,18 @@ def units(model: nn.Module, layers: Sequence[str]) -> list[str]:
     for name in layers:
         if name not in modules or name == "":
             children = ", ".join(n for n, _ in model.named_children())
-            raise cut.CutError(f"spec.model.staged.layers: {name!r} is not a module of"
-                               f" {type(model).__name__} (its children: {children})")  # fmt: skip
+            raise cut.CutError(
+                f"spec.model.staged.layers: {name!r} is not a module of"
+                f" {type(model).__name__} (its children: {children})"
+            )
         found += _opened(name, modules[name])
     for a in found:
         inside = [b for b in found if a == b or a.startswith(f"{b}.")]
         if len(inside) > 1:
-            raise cut.CutError(f"spec.model.staged.layers: {a} is named twice or inside"
-                               f" {inside[-1] if inside[-1] != a else inside[0]}")  # fmt: skip
+            raise cut.CutError(
+                f"spec.model.staged.layers: {a} is named twice or inside"
+                f" {inside[-1] if inside[-1] != a else inside[0]}"
+            )
     return found
 
 
@@ -150,8 +156,9 @@ class Built:
     def split(self, starts: Sequence[str]) -> list[nn.Module]:
         self.ranges(starts)  # one unit per piece: refuses other split points
         if self.spec.model.import_ is None:  # the model is the Chain of the stages
-            return [Run(self.model, [str(i)], i == len(self.units) - 1)
-                    for i in range(len(self.units))]  # fmt: skip
+            return [
+                Run(self.model, [str(i)], i == len(self.units) - 1) for i in range(len(self.units))
+            ]
         names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         names |= {n for n, _ in self.model.named_buffers(remove_duplicate=False)}
         stages = []
@@ -174,12 +181,15 @@ def stage(spec: PipelineSpec, i: int) -> nn.Module:
     assert spec.model.staged is not None and spec.model.staged.stage is not None
     torch.manual_seed(spec.seed)
     path = spec.model.staged.stage
-    built = imports.call(path, "spec.model.staged.stage", spec.model.args, stage=i,
-                         stages=spec.pieces)  # fmt: skip
+    built = imports.call(
+        path, "spec.model.staged.stage", spec.model.args, stage=i, stages=spec.pieces
+    )
     if not isinstance(built, nn.Module):
         got = type(built).__name__
-        raise ValueError(f"spec.model.staged.stage: {path!r} returned a {got} for stage {i},"
-                         " not a torch.nn.Module")  # fmt: skip
+        raise ValueError(
+            f"spec.model.staged.stage: {path!r} returned a {got} for stage {i},"
+            " not a torch.nn.Module"
+        )
     return built
 
 

@@ -26,13 +26,34 @@ META = torch.device("meta")
 aten = torch.ops.aten
 
 # In-place operations that write all of their first argument without reading it.
-_OVERWRITES = {aten.uniform_, aten.normal_, aten.fill_, aten.zero_, aten.random_,
-               aten.bernoulli_, aten.exponential_, aten.geometric_, aten.log_normal_,
-               aten.cauchy_, aten.copy_}  # fmt: skip
+_OVERWRITES = {
+    aten.uniform_,
+    aten.normal_,
+    aten.fill_,
+    aten.zero_,
+    aten.random_,
+    aten.bernoulli_,
+    aten.exponential_,
+    aten.geometric_,
+    aten.log_normal_,
+    aten.cauchy_,
+    aten.copy_,
+}
 # Operations that read only their arguments' shapes, not their values.
-_SHAPES_ONLY = {aten.empty_like, aten.new_empty, aten.new_empty_strided, aten.new_zeros,
-                aten.new_ones, aten.new_full, aten.zeros_like, aten.ones_like, aten.full_like,
-                aten.rand_like, aten.randn_like, aten.randint_like}  # fmt: skip
+_SHAPES_ONLY = {
+    aten.empty_like,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten.new_zeros,
+    aten.new_ones,
+    aten.new_full,
+    aten.zeros_like,
+    aten.ones_like,
+    aten.full_like,
+    aten.rand_like,
+    aten.randn_like,
+    aten.randint_like,
+}
 # Operations that read a tensor's values into Python (a branch may follow).
 _INTO_PYTHON = {aten._local_scalar_dense, aten.is_nonzero, aten.equal}
 
@@ -79,8 +100,9 @@ class Placeholder(nn.Parameter):
         return self if self.source is None else self.source
 
 
-def placeholder(like: torch.Tensor, device: torch.device, requires_grad: bool,
-                 source: Placeholder | None = None) -> Placeholder:  # fmt: skip
+def placeholder(
+    like: torch.Tensor, device: torch.device, requires_grad: bool, source: Placeholder | None = None
+) -> Placeholder:
     made = Placeholder(meta_like(like), requires_grad)
     # What a library noted on the parameter, as on the parameter itself (Hugging Face marks
     # the weights it loaded `_is_hf_initialized`, and its initialisation then skips them).
@@ -156,8 +178,7 @@ class Standins:
                 raise _unbuildable(param)
             made: nn.Parameter = nn.Parameter(param.detach().clone(), param.requires_grad)
         else:  # no stand-in: building it must not lose another placeholder's value
-            made = placeholder(param, getattr(param, "made_on", param.device),
-                                param.requires_grad)  # fmt: skip
+            made = placeholder(param, getattr(param, "made_on", param.device), param.requires_grad)
             self._held[id(made)] = sources
         self.registered.add(made)
         self.registered.needs[number] = sources
@@ -207,8 +228,9 @@ class Standins:
 
     # ---------------------------------------------------------------- stand-ins
 
-    def _switch(self, placeholder: Placeholder, stand_in: torch.Tensor,
-                needs: frozenset[int]) -> None:  # fmt: skip
+    def _switch(
+        self, placeholder: Placeholder, stand_in: torch.Tensor, needs: frozenset[int]
+    ) -> None:
         """`stand_in` holds `placeholder`'s value from now on, needing `needs`; the last
         one's value is lost."""
         previous = self._for
@@ -260,15 +282,15 @@ class Standins:
     def call(self, func: Any, args: Any, kwargs: Any) -> Any:
         """`func` with its placeholders' stand-ins; the stand-in it returns (an in-place
         operation's result) as the placeholder given."""
-        first = next((v for v in tree_flatten((args, kwargs))[0] if isinstance(v, Placeholder)),
-                     None)  # fmt: skip
+        first = next(
+            (v for v in tree_flatten((args, kwargs))[0] if isinstance(v, Placeholder)), None
+        )
         args, kwargs = tree_map(self.standing_in, (args, kwargs))
         stand_in = self._stand_in
         result = func(*args, **kwargs)
         if first is None:
             return result
-        return tree_map(lambda v: first if v is stand_in and first.root is self._for else v,
-                        result)  # fmt: skip
+        return tree_map(lambda v: first if v is stand_in and first.root is self._for else v, result)
 
     def operation(self, func: Any, args: Any, kwargs: Any) -> Any:
         """One of torch's operations: run (on stand-ins), and its taint followed."""
@@ -340,9 +362,23 @@ _MOVED_TO = WeakIdKeyDictionary()  # a placeholder's conversion -> the device it
 
 # Calls that read or set what a placeholder is (not its values), or convert it (which keeps
 # it a placeholder: a conversion's result is on the meta device, _Operations): not swapped.
-_AS_IS = {"__get__", "__set__", "requires_grad_", "register_hook", "retain_grad", "to",
-          "double", "float", "half", "bfloat16", "type", "cpu", "cuda", "type_as",
-          "_has_compatible_shallow_copy_type"}  # fmt: skip
+_AS_IS = {
+    "__get__",
+    "__set__",
+    "requires_grad_",
+    "register_hook",
+    "retain_grad",
+    "to",
+    "double",
+    "float",
+    "half",
+    "bfloat16",
+    "type",
+    "cpu",
+    "cuda",
+    "type_as",
+    "_has_compatible_shallow_copy_type",
+}
 # Calls that read a tensor's values into Python without an operation of torch's.
 _OUT_OF_TORCH = {"numpy", "tolist", "__array__"}
 
@@ -438,8 +474,9 @@ def _is_meta(value: Any) -> bool:
 
 def _scratch(value: Any) -> Any:
     if isinstance(value, Placeholder):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                   device=value.made_on)  # fmt: skip
+        return torch.empty_strided(
+            value.shape, value.stride(), dtype=value.dtype, device=value.made_on
+        )
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
     return torch.device("cpu") if _is_meta(value) else value

@@ -74,9 +74,12 @@ class SyntheticClicks:
         sparse = {}
         for feature, rows in self.features:
             own = (rows - label + 1) // 2  # rows r with r % 2 == label
-            sparse[feature] = [2 * rng.randrange(own) + label if own and rng.random() < 0.8
-                               else rng.randrange(rows)
-                               for _ in range(rng.randint(1, self.bag_size))]  # fmt: skip
+            sparse[feature] = [
+                2 * rng.randrange(own) + label
+                if own and rng.random() < 0.8
+                else rng.randrange(rows)
+                for _ in range(rng.randint(1, self.bag_size))
+            ]
         dense = [rng.gauss(label - 0.5, 1.0) for _ in range(self.dense_features)]
         return dense, sparse, label
 
@@ -124,8 +127,9 @@ def _drawing() -> ThreadPoolExecutor:
 os.register_at_fork(after_in_child=_drawing.cache_clear)  # a forked child has no threads
 
 
-def held_out_images(seed: int, batch_size: int, image_size: int, classes: int,
-                    offset: int = 1_000_003) -> SyntheticImages:  # fmt: skip
+def held_out_images(
+    seed: int, batch_size: int, image_size: int, classes: int, offset: int = 1_000_003
+) -> SyntheticImages:
     """The held-out stream of `SyntheticImages(seed, ...)`: the same classes' colours (the same
     task), other images (its generator reseeded with seed + offset after the colours)."""
     images = SyntheticImages(seed, batch_size, image_size, classes)
@@ -140,16 +144,22 @@ class SyntheticTokens:
     alone (the held-out stream shares it); `generator` is the whole state a checkpoint keeps.
     A batch is (inputs, labels), int64 (batch, seq_len) each, labels the inputs shifted by one."""
 
-    def __init__(self, seed: int, batch_size: int, seq_len: int, vocab: int,
-                 rule_seed: int | None = None):  # fmt: skip
+    def __init__(
+        self, seed: int, batch_size: int, seq_len: int, vocab: int, rule_seed: int | None = None
+    ):
         if vocab < 2 or seq_len < 1 or batch_size < 1:
-            raise ValueError(f"need vocab >= 2, seq_len >= 1, batch_size >= 1; got {vocab},"
-                             f" {seq_len}, {batch_size}")  # fmt: skip
+            raise ValueError(
+                f"need vocab >= 2, seq_len >= 1, batch_size >= 1; got {vocab},"
+                f" {seq_len}, {batch_size}"
+            )
         rule = random.Random(f"pipejob-tokens:{seed if rule_seed is None else rule_seed}")
         # a coprime with vocab: t -> a*t + b is a permutation, so windows do not collapse
         # into a short cycle and every token occurs.
-        self.a = next(a for a in iter(lambda: rule.randrange(1, vocab), None)
-                      if math.gcd(a, vocab) == 1 and (a > 1 or vocab == 2))  # fmt: skip
+        self.a = next(
+            a
+            for a in iter(lambda: rule.randrange(1, vocab), None)
+            if math.gcd(a, vocab) == 1 and (a > 1 or vocab == 2)
+        )
         self.b = rule.randrange(vocab)
         self.vocab, self.seq_len, self.batch_size = vocab, seq_len, batch_size
         self.generator = torch.Generator().manual_seed(seed)

@@ -70,9 +70,12 @@ class Objects(fx.Tracer):
             if name is not None:
                 if name not in parameter_proxy_cache:
                     parameter_proxy_cache[name] = self.create_proxy(
-                        "get_attr", name, (), {},
+                        "get_attr",
+                        name,
+                        (),
+                        {},
                         proxy_factory_fn=lambda node: ParameterProxy(node, self, attr_val),
-                    )  # fmt: skip
+                    )
                 return parameter_proxy_cache[name]
         # fx's `proxy_buffer_attributes`, with a proxy that knows the buffer's size.
         if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter):
@@ -80,9 +83,12 @@ class Objects(fx.Tracer):
             if name is not None:  # one traced value per buffer, as fx keeps for parameters
                 if name not in parameter_proxy_cache:
                     parameter_proxy_cache[name] = self.create_proxy(
-                        "get_attr", name, (), {},
+                        "get_attr",
+                        name,
+                        (),
+                        {},
                         proxy_factory_fn=lambda node: BufferProxy(node, self, attr_val),
-                    )  # fmt: skip
+                    )
                 return parameter_proxy_cache[name]
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
@@ -208,8 +214,9 @@ class Tracer(Objects):
             self._autowrap_search = [*self._autowrap_search, *filter(None, found)]
         self.leaves = leaves
         # Modules opened into candidates: traced into, even torch.nn's own (fx's leaves).
-        self.opened = {name.rsplit(".", i)[0] for name in leaves
-                       for i in range(1, name.count(".") + 1)}  # fmt: skip
+        self.opened = {
+            name.rsplit(".", i)[0] for name in leaves for i in range(1, name.count(".") + 1)
+        }
         self.failed_in: str | None = None  # "" for the model's own forward
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -217,8 +224,9 @@ class Tracer(Objects):
             return False
         return qualname in self.leaves or super().is_leaf_module(m, qualname)
 
-    def create_args_for_root(self, root_fn: Any, is_module: bool,
-                             concrete_args: Any = None) -> tuple[Any, list[Any]]:  # fmt: skip
+    def create_args_for_root(
+        self, root_fn: Any, is_module: bool, concrete_args: Any = None
+    ) -> tuple[Any, list[Any]]:
         # The pipeline calls the model with one positional input; tracing that call (rather
         # than the signature, which may be `(*args, **kwargs)` behind a decorator) keeps
         # every other argument's default and gives stage 0 one placeholder.
@@ -262,8 +270,9 @@ class _Alone(Objects):
         super().__init__()
         self.call = (args, kwargs)
 
-    def create_args_for_root(self, root_fn: Any, is_module: bool,
-                             concrete_args: Any = None) -> tuple[Any, list[Any]]:  # fmt: skip
+    def create_args_for_root(
+        self, root_fn: Any, is_module: bool, concrete_args: Any = None
+    ) -> tuple[Any, list[Any]]:
         count = iter(range(sys.maxsize))
 
         def placeholder(a: Any) -> Any:
@@ -307,10 +316,21 @@ def _holds_none(value: Any) -> bool:
 
 # torch's functions that draw random values: called on no traced value while tracing, their
 # draw would be a constant of the graph.
-RANDOM = frozenset({
-    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
-    torch.randint_like, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson,
-})  # fmt: skip
+RANDOM = frozenset(
+    {
+        torch.rand,
+        torch.randn,
+        torch.randint,
+        torch.randperm,
+        torch.rand_like,
+        torch.randn_like,
+        torch.randint_like,
+        torch.bernoulli,
+        torch.multinomial,
+        torch.normal,
+        torch.poisson,
+    }
+)
 
 
 class RandomDraws(TorchFunctionMode):
@@ -322,8 +342,10 @@ class RandomDraws(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
         if func in RANDOM and not self.allowed and not _traced((args, kwargs)):
-            raise fx.proxy.TraceError(f"torch.{func.__name__} draws a random value outside"
-                                      " the graph (fx would freeze one draw)")  # fmt: skip
+            raise fx.proxy.TraceError(
+                f"torch.{func.__name__} draws a random value outside"
+                " the graph (fx would freeze one draw)"
+            )
         return func(*args, **kwargs)
 
 
@@ -395,6 +417,7 @@ _STATE = ("_parameters", "_buffers", "_modules")
 
 def cache_configs(model: nn.Module) -> list[Any]:
     """The Hugging Face configs of a model's modules that say whether to keep a cache."""
-    configs = {id(c): c for m in model.modules()
-               if hasattr(c := getattr(m, "config", None), "use_cache")}  # fmt: skip
+    configs = {
+        id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None), "use_cache")
+    }
     return list(configs.values())

@@ -21,10 +21,18 @@ def divide(stages: int, replicas: int, replica: int, index: int) -> None:
 
     global _mine
     timeout = timedelta(seconds=rendezvous.RPC_TIMEOUT_SECONDS)  # a step's calls' bound
-    pipelines = [dist.new_group([r * stages + i for i in range(stages)], timeout=timeout)
-                 for r in range(replicas)]  # fmt: skip
-    across = [dist.new_group([r * stages + i for r in range(replicas)], timeout=timeout)
-              for i in range(stages)] if replicas > 1 else [None] * stages  # fmt: skip
+    pipelines = [
+        dist.new_group([r * stages + i for i in range(stages)], timeout=timeout)
+        for r in range(replicas)
+    ]
+    across = (
+        [
+            dist.new_group([r * stages + i for r in range(replicas)], timeout=timeout)
+            for i in range(stages)
+        ]
+        if replicas > 1
+        else [None] * stages
+    )
     _mine = pipelines[replica], across[index]
 
 

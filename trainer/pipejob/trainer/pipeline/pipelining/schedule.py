@@ -36,16 +36,37 @@ class Pipeline(driver.Pipeline):
     """The master's handle on one replica's stage processes: creates their Stages (each
     building its own pieces) and runs rounds through them."""
 
-    def __init__(self, stage_names: list[str], shards: Shards, spec: PipelineSpec,
-                 device: str = "cpu", source: Source | None = None):  # fmt: skip
+    def __init__(
+        self,
+        stage_names: list[str],
+        shards: Shards,
+        spec: PipelineSpec,
+        device: str = "cpu",
+        source: Source | None = None,
+    ):
         processes = len(stage_names)
-        super().__init__(stage_names, [
-            rpc.remote(name, Stage, args=(
-                shards.part(k) if shards.parts else shards.stages[k], k, processes,
-                shards.held(k), spec.schedule, spec.optimizer, device, spec.precision,
-                spec.activation_checkpointing, source if k == 0 else None))
-            for k, name in enumerate(stage_names)
-        ])  # fmt: skip
+        super().__init__(
+            stage_names,
+            [
+                rpc.remote(
+                    name,
+                    Stage,
+                    args=(
+                        shards.part(k) if shards.parts else shards.stages[k],
+                        k,
+                        processes,
+                        shards.held(k),
+                        spec.schedule,
+                        spec.optimizer,
+                        device,
+                        spec.precision,
+                        spec.activation_checkpointing,
+                        source if k == 0 else None,
+                    ),
+                )
+                for k, name in enumerate(stage_names)
+            ],
+        )
         self.pieces = len(shards.ranges)
         self._learnt: set[tuple[bool, int, int]] = set()
 
@@ -59,17 +80,25 @@ class Pipeline(driver.Pipeline):
         metas = [((size, *shape[1:]), dtype) for shape, dtype in self.reader("metas", batch.number)]
         for piece in range(self.pieces):
             k = piece % len(self.stages)
-            metas = rpc.rpc_sync(self.names[k], on_stage,
-                                 args=(self.stages[k], "learn", key, piece, metas))  # fmt: skip
+            metas = rpc.rpc_sync(
+                self.names[k], on_stage, args=(self.stages[k], "learn", key, piece, metas)
+            )
         self._learnt.add(key)
 
     def reads_in_run(self, micro_batches: int, samples: int) -> bool:
         # Not before the shapes of such a round are learnt, on a round read first.
         return (True, even(min(micro_batches, samples), samples), samples) in self._learnt
 
-    def run(self, batch: Round, step: int, loss_fn: Loss, weight: float,
-            unscale: float | None = None, read: int | None = None,
-            finish: Finish | None = None) -> tuple[float, list[float] | None]:  # fmt: skip
+    def run(
+        self,
+        batch: Round,
+        step: int,
+        loss_fn: Loss,
+        weight: float,
+        unscale: float | None = None,
+        read: int | None = None,
+        finish: Finish | None = None,
+    ) -> tuple[float, list[float] | None]:
         """Training round `batch` of step `step` through every stage at once; its loss
         (weighted by `weight` for the backward) and, with `unscale` (1 / fp16's loss scale),
         each stage's gradient norm after it (Shard.norm), computed in the same call. `read`:
@@ -78,13 +107,29 @@ class Pipeline(driver.Pipeline):
         self.learn(batch, True)
         runs = even(batch.micro_batches, batch.samples)
         last = len(self.stages) - 1  # holds the last piece (stage k is on process k % p)
-        replies = torch.futures.wait_all([
-            rpc.rpc_async(name, on_stage, args=(
-                stage, "train", batch.number, runs, batch.samples, step,
-                loss_fn, weight, batch.labels if k == last else None, unscale,
-                read if k == 0 else None, finish))
-            for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
-        ])  # fmt: skip
+        replies = torch.futures.wait_all(
+            [
+                rpc.rpc_async(
+                    name,
+                    on_stage,
+                    args=(
+                        stage,
+                        "train",
+                        batch.number,
+                        runs,
+                        batch.samples,
+                        step,
+                        loss_fn,
+                        weight,
+                        batch.labels if k == last else None,
+                        unscale,
+                        read if k == 0 else None,
+                        finish,
+                    ),
+                )
+                for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
+            ]
+        )
         norms = None if unscale is None else [norm for _, norm in replies]
         return replies[last][0], norms
 
@@ -97,12 +142,25 @@ class Pipeline(driver.Pipeline):
         while (batch := self.read(micro_batches, what=HELD_OUT)) is not None:
             self.learn(batch, False)
             runs = even(batch.micro_batches, batch.samples)
-            tallies = torch.futures.wait_all([
-                rpc.rpc_async(name, on_stage, args=(
-                    stage, "evaluate", batch.number, runs, batch.samples,
-                    batch.labels if k == last else None, loss_fn, tally if k == last else None))
-                for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
-            ])  # fmt: skip
+            tallies = torch.futures.wait_all(
+                [
+                    rpc.rpc_async(
+                        name,
+                        on_stage,
+                        args=(
+                            stage,
+                            "evaluate",
+                            batch.number,
+                            runs,
+                            batch.samples,
+                            batch.labels if k == last else None,
+                            loss_fn,
+                            tally if k == last else None,
+                        ),
+                    )
+                    for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
+                ]
+            )
             tally = tallies[last]
         return tally
 
@@ -113,14 +171,24 @@ class Replicas(driver.Replicas):
     average them with the same stage of the other replicas (Shard.average_gradients), give
     their global norm, which clips them (gradients.py), and step."""
 
-    def __init__(self, names: list[list[str]], shards: Shards, spec: PipelineSpec,
-                 device: str = "cpu"):  # fmt: skip
-        pipelines = [Pipeline(stage_names, shards, spec, device, Source(spec, r, len(names)))
-                     for r, stage_names in enumerate(names)]  # fmt: skip
+    def __init__(
+        self, names: list[list[str]], shards: Shards, spec: PipelineSpec, device: str = "cpu"
+    ):
+        pipelines = [
+            Pipeline(stage_names, shards, spec, device, Source(spec, r, len(names)))
+            for r, stage_names in enumerate(names)
+        ]
         super().__init__(pipelines, shards, spec)
 
-    def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
-             loss_fn: Loss, batch: int) -> StepResult:  # fmt: skip
+    def _one(
+        self,
+        r: int,
+        rounds: list[Batch | None],
+        micro_batches: int,
+        step: int,
+        loss_fn: Loss,
+        batch: int,
+    ) -> StepResult:
         pipeline = self.pipelines[r]
         assert isinstance(pipeline, Pipeline)
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
@@ -131,8 +199,10 @@ class Replicas(driver.Replicas):
         early = not self.tied and len(self.pipelines) == 1
         stepped = early and len(rounds) == 1
         lr = learning_rate(self.optimizer, self.steps, step)
-        finish = (self.optimizer.clip_grad_norm,
-                  lr if self.optimizer.schedule is not None else None)  # fmt: skip
+        finish = (
+            self.optimizer.clip_grad_norm,
+            lr if self.optimizer.schedule is not None else None,
+        )
         start = time.perf_counter()
         losses, numbers, norms = [], [], None
         for a, given in enumerate(rounds):
@@ -142,8 +212,15 @@ class Replicas(driver.Replicas):
             share = self.share(round_, batch)
             unscale = self.unscale() if early and a == len(rounds) - 1 else None
             with phase("schedule"):
-                loss, norms = pipeline.run(round_, step, loss_fn, weight * share, unscale, read,
-                                           finish if stepped else None)  # fmt: skip
+                loss, norms = pipeline.run(
+                    round_,
+                    step,
+                    loss_fn,
+                    weight * share,
+                    unscale,
+                    read,
+                    finish if stepped else None,
+                )
             losses.append(loss * share)
         if self.tied:
             with phase("tied gradients"):
@@ -153,8 +230,9 @@ class Replicas(driver.Replicas):
         if len(self.pipelines) > 1:
             with phase("all-reduce"):
                 allreduce = max(pipeline.each("average_gradients", NO_CONTEXT))
-        judged = self.finish(pipeline, NO_CONTEXT, losses, numbers, step, norms, zero=True,
-                             stepped=stepped)  # fmt: skip
+        judged = self.finish(
+            pipeline, NO_CONTEXT, losses, numbers, step, norms, zero=True, stepped=stepped
+        )
         return judged.result(middle - start, time.perf_counter() - middle, allreduce)
 
     def activation_peaks(self) -> list[int] | None:

@@ -23,8 +23,9 @@ SINGLE = {GPIPE: ScheduleGPipe, ONE_F_ONE_B: Schedule1F1B}
 MULTI = {INTERLEAVED: ScheduleInterleaved1F1B, ZERO_BUBBLE: ScheduleInterleavedZeroBubble}
 
 
-def training(schedule: str, stages: list[PipelineStage], micro_batches: int,
-             loss: Callable[..., Any]) -> Any:  # fmt: skip
+def training(
+    schedule: str, stages: list[PipelineStage], micro_batches: int, loss: Callable[..., Any]
+) -> Any:
     """The job's schedule over this process's `stages`. Gradients are not divided by the
     micro-batch count after the backwards (scale_grads): the loss is weighted instead, so the
     rounds of gradientAccumulation add up in .grad as they come."""

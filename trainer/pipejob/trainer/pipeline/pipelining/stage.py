@@ -128,19 +128,32 @@ class Stage(Shard):
     `Part`) as PipelineStages, the job's schedule over them, and the optimizer that steps
     them."""
 
-    def __init__(self, part: Part | nn.Module, index: int, processes: int, pieces: list[int],
-                 schedule: str, optimizer: Optimizer, device: str, precision: str = "fp32",
-                 recompute: bool = False, source: Source | None = None):  # fmt: skip
+    def __init__(
+        self,
+        part: Part | nn.Module,
+        index: int,
+        processes: int,
+        pieces: list[int],
+        schedule: str,
+        optimizer: Optimizer,
+        device: str,
+        precision: str = "fp32",
+        recompute: bool = False,
+        source: Source | None = None,
+    ):
         super().__init__(part, device, precision, recompute, source, optimizer)
         self.index, self.held, self.schedule = index, pieces, schedule
         self.count = processes * len(pieces)  # pieces in the pipeline
         self.pipeline, self.replicas_group = groups.mine()
         self.first, self.last = 0 in pieces, self.count - 1 in pieces
         self.modules = [
-            Flat(self.computed(piece, k == self.count - 1), k == self.count - 1,
-                 f"the end of stage {k}")
+            Flat(
+                self.computed(piece, k == self.count - 1),
+                k == self.count - 1,
+                f"the end of stage {k}",
+            )
             for k, piece in zip(pieces, self.pieces, strict=True)
-        ]  # fmt: skip
+        ]
         self.meter = ActivationMeter(self.layers.parameters())
         self._runs: dict[Key, tuple[Any, list[Timed]]] = {}
         self._metas: dict[tuple[Key, int], tuple[Metas, Metas]] = {}  # (in, out) per piece
@@ -174,8 +187,18 @@ class Stage(Shard):
             stages = []
             for k, module in zip(self.held, self.modules, strict=True):
                 given, passed = (_meta(m, training) for m in self._metas[key, k])
-                stages.append(Timed(self, module, k, self.count, self.device, input_args=given,
-                                    output_args=passed, group=self.pipeline))  # fmt: skip
+                stages.append(
+                    Timed(
+                        self,
+                        module,
+                        k,
+                        self.count,
+                        self.device,
+                        input_args=given,
+                        output_args=passed,
+                        group=self.pipeline,
+                    )
+                )
             if training:
                 run = schedules.training(self.schedule, stages, micro_batches, self._micro_loss)
             else:
@@ -194,10 +217,19 @@ class Stage(Shard):
         self._losses.append(loss.detach())
         return loss * weight
 
-    def train(self, round: int, micro_batches: int, samples: int, step: int, loss_fn: Loss,
-              weight: float, labels: RRef | None, unscale: float | None = None,
-              read: int | None = None,
-              finish: Finish | None = None) -> tuple[float | None, float | None]:  # fmt: skip
+    def train(
+        self,
+        round: int,
+        micro_batches: int,
+        samples: int,
+        step: int,
+        loss_fn: Loss,
+        weight: float,
+        labels: RRef | None,
+        unscale: float | None = None,
+        read: int | None = None,
+        finish: Finish | None = None,
+    ) -> tuple[float | None, float | None]:
         """Training round `round` of step `step`: forwards and backwards of its
         `micro_batches` (of `samples` in all), the gradients added to .grad; `read`: the first
         stage reads the round first, as that many micro-batches (Reader.read); `finish`: the
@@ -220,15 +252,19 @@ class Stage(Shard):
             self._finish(norm, loss, *finish)
         return loss, norm
 
-    def _finish(self, norm: float, loss: float | None, clip: float | None,
-                lr: float | None) -> None:  # fmt: skip
+    def _finish(
+        self, norm: float, loss: float | None, clip: float | None, lr: float | None
+    ) -> None:
         """The step's tail without a call from the master: the pipeline's stages gather
         their norms and the loss over their group and judge the step as the master does
         (Replicas.judge: applied where both are finite, clipped by the global norm), then
         step and forget the gradients (Shard.finish_step)."""
         device = self.device if dist.get_backend(self.pipeline) == "nccl" else "cpu"
-        mine = torch.tensor([norm, 0.0 if loss is None else loss, float(self.last)],
-                            dtype=torch.float64, device=device)  # fmt: skip
+        mine = torch.tensor(
+            [norm, 0.0 if loss is None else loss, float(self.last)],
+            dtype=torch.float64,
+            device=device,
+        )
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.pipeline))]
         dist.all_gather(every, mine, group=self.pipeline)
         total = gradients.total_norm([float(row[0]) for row in every])
@@ -242,8 +278,15 @@ class Stage(Shard):
         if self._step is not None:
             self.note_finite(self._step, self._round, nonfinite.all_finite(output, quick=True))
 
-    def evaluate(self, round: int, micro_batches: int, samples: int, labels: RRef | None,
-                 loss_fn: Loss, tally: Tally | None) -> Tally | None:  # fmt: skip
+    def evaluate(
+        self,
+        round: int,
+        micro_batches: int,
+        samples: int,
+        labels: RRef | None,
+        loss_fn: Loss,
+        tally: Tally | None,
+    ) -> Tally | None:
         """Evaluation round `round`: forwards only, the shard in eval mode; the last stage
         returns `tally` with the round's figures added."""
         run, stages = self._run(False, micro_batches, samples)
@@ -305,9 +348,12 @@ class Stage(Shard):
 def _meta(metas: Metas, training: bool) -> tuple[torch.Tensor, ...]:
     """Stand-ins of the values a PipelineStage takes or passes on; in training, floating ones
     carry gradients (torch sends a gradient back for those only)."""
-    return tuple(torch.empty(shape, dtype=dtype, device="meta",
-                             requires_grad=training and dtype.is_floating_point)
-                 for shape, dtype in metas)  # fmt: skip
+    return tuple(
+        torch.empty(
+            shape, dtype=dtype, device="meta", requires_grad=training and dtype.is_floating_point
+        )
+        for shape, dtype in metas
+    )
 
 
 class _Interval:

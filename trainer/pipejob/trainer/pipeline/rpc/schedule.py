@@ -46,19 +46,39 @@ class Pipeline(driver.Pipeline):
     outside the distributed autograd context, which silently drops that micro-batch's
     gradients."""
 
-    def __init__(self, stage_names: list[str], shards: Shards, device: str = "cpu",
-                 precision: str = "fp32", recompute: bool = False,
-                 source: Source | None = None, optimizer: Optimizer | None = None):  # fmt: skip
+    def __init__(
+        self,
+        stage_names: list[str],
+        shards: Shards,
+        device: str = "cpu",
+        precision: str = "fp32",
+        recompute: bool = False,
+        source: Source | None = None,
+        optimizer: Optimizer | None = None,
+    ):
         """`source`: where the first stage reads the training and held-out batches; without
         it, every round's batch is given (`read`). `optimizer`: what each stage steps its
         shard with (none: the caller steps the parameters itself)."""
         last = len(stage_names) - 1
-        super().__init__(stage_names, [
-            rpc.remote(name, Stage, args=(shards.parts[i] if shards.parts else shards.stages[i],
-                                          i == last, device, precision, recompute,
-                                          source if i == 0 else None, optimizer))
-            for i, name in enumerate(stage_names)
-        ])  # fmt: skip
+        super().__init__(
+            stage_names,
+            [
+                rpc.remote(
+                    name,
+                    Stage,
+                    args=(
+                        shards.parts[i] if shards.parts else shards.stages[i],
+                        i == last,
+                        device,
+                        precision,
+                        recompute,
+                        source if i == 0 else None,
+                        optimizer,
+                    ),
+                )
+                for i, name in enumerate(stage_names)
+            ],
+        )
 
     def forward(self, batch: Round, step: int | None, read: int | None = None) -> None:
         """All micro-batches' forwards of `batch`, pipelined. `step` None: an evaluation's
@@ -96,8 +116,11 @@ class Pipeline(driver.Pipeline):
             # Completions arrive in any order (stage k may report micro-batch i before stage
             # k-1 does): launch only once the input's RRef exists and the stage has a slot.
             for k in range(last + 1):
-                while (launched[k] < micro_batches and busy[k] < IN_FLIGHT
-                       and (k == 0 or launched[k] < launched[k - 1])):  # fmt: skip
+                while (
+                    launched[k] < micro_batches
+                    and busy[k] < IN_FLIGHT
+                    and (k == 0 or launched[k] < launched[k - 1])
+                ):
                     launch(k, launched[k])
                     launched[k] += 1
                     busy[k] += 1
@@ -114,8 +137,15 @@ class Pipeline(driver.Pipeline):
             busy[k] -= 1
             fill()
 
-    def backward(self, batch: Round, loss_fn: Loss, context_id: int, scale: float, step: int,
-                 unscale: float | None = None) -> tuple[torch.Tensor, Norms]:  # fmt: skip
+    def backward(
+        self,
+        batch: Round,
+        loss_fn: Loss,
+        context_id: int,
+        scale: float,
+        step: int,
+        unscale: float | None = None,
+    ) -> tuple[torch.Tensor, Norms]:
         """Training round `batch`'s loss and the distributed backward from it times `scale`,
         run by the last stage in one call (Stage.loss_backward), then every other stage
         settled (Stage.settle): only then are the round's gradients whole. With `unscale`
@@ -126,15 +156,31 @@ class Pipeline(driver.Pipeline):
         when its nodes nearest the inputs have run, just before the gradients they give its
         parameters are taken into the context, which the backward's return waits for."""
         last = len(self.stages) - 1
-        loss, norm = rpc.rpc_sync(self.names[last], on_stage, args=(
-            self.stages[last], "loss_backward", batch.number, batch.micro_batches,
-            batch.labels, loss_fn, context_id, scale, step, unscale))  # fmt: skip
+        loss, norm = rpc.rpc_sync(
+            self.names[last],
+            on_stage,
+            args=(
+                self.stages[last],
+                "loss_backward",
+                batch.number,
+                batch.micro_batches,
+                batch.labels,
+                loss_fn,
+                context_id,
+                scale,
+                step,
+                unscale,
+            ),
+        )
         settle = ("settle",) if unscale is None else ("settle_norm", context_id, unscale)
-        norms = torch.futures.wait_all([
-            rpc.rpc_async(name, on_stage, args=(stage, settle[0], step, batch.micro_batches,
-                                                *settle[1:]))
-            for name, stage in zip(self.names[:last], self.stages[:last], strict=True)
-        ])  # fmt: skip
+        norms = torch.futures.wait_all(
+            [
+                rpc.rpc_async(
+                    name, on_stage, args=(stage, settle[0], step, batch.micro_batches, *settle[1:])
+                )
+                for name, stage in zip(self.names[:last], self.stages[:last], strict=True)
+            ]
+        )
         return loss, None if unscale is None else [*norms, norm]
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
@@ -143,15 +189,29 @@ class Pipeline(driver.Pipeline):
         self.reader("start_held_out", limit)
         while (batch := self.read(micro_batches, what=HELD_OUT)) is not None:
             self.forward(batch, None)
-            args = (self.stages[-1], "tally", batch.number, batch.micro_batches, batch.labels,
-                    loss_fn, tally)  # fmt: skip
+            args = (
+                self.stages[-1],
+                "tally",
+                batch.number,
+                batch.micro_batches,
+                batch.labels,
+                loss_fn,
+                tally,
+            )
             tally = rpc.rpc_sync(self.names[-1], on_stage, args=args)
         return tally
 
 
-def forward_backward(pipeline: Pipeline, batch: Round, step: int, context_id: int,
-                     loss_fn: Loss, scale: float = 1.0, read: int | None = None,
-                     unscale: float | None = None) -> tuple[torch.Tensor, Norms]:  # fmt: skip
+def forward_backward(
+    pipeline: Pipeline,
+    batch: Round,
+    step: int,
+    context_id: int,
+    loss_fn: Loss,
+    scale: float = 1.0,
+    read: int | None = None,
+    unscale: float | None = None,
+) -> tuple[torch.Tensor, Norms]:
     """Every micro-batch of `batch` forward, one loss over the whole batch (the mean over
     its samples, as without a pipeline) on the last stage, then the backward across the
     stages of the loss times `scale` (1 / gradientAccumulation, times fp16's loss scale),
@@ -173,16 +233,32 @@ class Replicas(driver.Replicas):
     optimizer steps, the replica's stages give their gradients' global norm, which clips
     them (gradients.py), and the stages step with the schedule's learning rate."""
 
-    def __init__(self, names: list[list[str]], shards: Shards, spec: PipelineSpec,
-                 device: str = "cpu"):  # fmt: skip
-        pipelines = [Pipeline(stage_names, shards, device, spec.precision,
-                              spec.activation_checkpointing, Source(spec, r, len(names)),
-                              spec.optimizer)
-                     for r, stage_names in enumerate(names)]  # fmt: skip
+    def __init__(
+        self, names: list[list[str]], shards: Shards, spec: PipelineSpec, device: str = "cpu"
+    ):
+        pipelines = [
+            Pipeline(
+                stage_names,
+                shards,
+                device,
+                spec.precision,
+                spec.activation_checkpointing,
+                Source(spec, r, len(names)),
+                spec.optimizer,
+            )
+            for r, stage_names in enumerate(names)
+        ]
         super().__init__(pipelines, shards, spec)
 
-    def _one(self, r: int, rounds: list[Batch | None], micro_batches: int, step: int,
-             loss_fn: Loss, batch: int) -> StepResult:  # fmt: skip
+    def _one(
+        self,
+        r: int,
+        rounds: list[Batch | None],
+        micro_batches: int,
+        step: int,
+        loss_fn: Loss,
+        batch: int,
+    ) -> StepResult:
         pipeline = self.pipelines[r]
         names, stages = pipeline.names, pipeline.stages
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
@@ -200,8 +276,9 @@ class Replicas(driver.Replicas):
             share = self.share(round_, batch)
             weight = scale * share / len(rounds)  # each batch's share of the step's loss
             unscale = self.unscale() if early and last else None
-            loss, norms = forward_backward(pipeline, round_, step, context_id, loss_fn, weight,
-                                           read, unscale)  # fmt: skip
+            loss, norms = forward_backward(
+                pipeline, round_, step, context_id, loss_fn, weight, read, unscale
+            )
             return loss.item() * share
 
         start = time.perf_counter()

@@ -80,9 +80,16 @@ class Stage(Shard):
     records when it computes, forward and backward, per micro-batch, and keeps per-step
     totals, so the master can report per-stage time and the pipeline's bubble."""
 
-    def __init__(self, module: nn.Module | Part, last: bool, device: str,
-                 precision: str = "fp32", recompute: bool = False,
-                 source: Source | None = None, optimizer: Optimizer | None = None):  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module | Part,
+        last: bool,
+        device: str,
+        precision: str = "fp32",
+        recompute: bool = False,
+        source: Source | None = None,
+        optimizer: Optimizer | None = None,
+    ):
         super().__init__(module, device, precision, recompute, source, optimizer)
         # A GPU stage computes on a thread and stream of its own (pipeline/gpu_worker.py).
         self.gpu = GpuWorker(self.device) if self.device.type == "cuda" else None
@@ -103,8 +110,14 @@ class Stage(Shard):
         # The last stage's outputs per (round, micro-batch), until their loss or tally.
         self._outputs: dict[tuple[int, int], Any] = {}
 
-    def forward(self, x: tuple[Any, ...] | RRef | None, round: int, micro_batch: int,
-                step: int | None, read: tuple[int, int] | None = None) -> Any:  # fmt: skip
+    def forward(
+        self,
+        x: tuple[Any, ...] | RRef | None,
+        round: int,
+        micro_batch: int,
+        step: int | None,
+        read: tuple[int, int] | None = None,
+    ) -> Any:
         """Micro-batch `micro_batch` of forward round `round` (the turnstile's order); a
         training step's (`step`, timed, with autograd) or, with `step` None, an
         evaluation's (no autograd, the shard in eval mode). `x`: the previous stage's
@@ -169,9 +182,17 @@ class Stage(Shard):
             self._outputs = {k: v for k, v in self._outputs.items() if k[0] > round}
         return join(outputs), labels.to_here().to(self.device)
 
-    def loss_backward(self, round: int, micro_batches: int, labels: RRef, loss_fn: Loss,
-                      context_id: int, scale: float, step: int,
-                      unscale: float | None) -> tuple[torch.Tensor, float | None]:  # fmt: skip
+    def loss_backward(
+        self,
+        round: int,
+        micro_batches: int,
+        labels: RRef,
+        loss_fn: Loss,
+        context_id: int,
+        scale: float,
+        step: int,
+        unscale: float | None,
+    ) -> tuple[torch.Tensor, float | None]:
         """The last stage: the loss of training round `round` (the mean over the whole
         batch, as in one process), the distributed backward from it times `scale`, and this
         stage settled (`settle`), in one call; with `unscale`, the norm of the step's
@@ -183,8 +204,14 @@ class Stage(Shard):
         norm = None if unscale is None else self.norm(context_id, unscale)
         return loss.detach(), norm
 
-    def tally(self, round: int, micro_batches: int, labels: RRef, loss_fn: Callable[..., Any],
-              tally: Tally) -> Tally:  # fmt: skip
+    def tally(
+        self,
+        round: int,
+        micro_batches: int,
+        labels: RRef,
+        loss_fn: Callable[..., Any],
+        tally: Tally,
+    ) -> Tally:
         """The last stage: `tally` with evaluation round `round`'s figures added."""
         outputs, labels = self._round_outputs(round, micro_batches, labels)
         self._on_device(tally.add, outputs, labels, loss_fn)
@@ -235,16 +262,16 @@ class Stage(Shard):
         (and a context released then loses it). Every stage settles before the optimizer
         steps."""
         with self._settled:
-            if not self._settled.wait_for(lambda: self._done.get(step, 0) >= micro_batches,
-                                          rendezvous.RPC_TIMEOUT_SECONDS):  # fmt: skip
+            if not self._settled.wait_for(
+                lambda: self._done.get(step, 0) >= micro_batches, rendezvous.RPC_TIMEOUT_SECONDS
+            ):
                 raise TimeoutError(
                     f"{self._done.get(step, 0)} of {micro_batches} micro-batches of step"
                     f" {step} backpropagated within {rendezvous.RPC_TIMEOUT_SECONDS:g}s"
                 )
             self._done = {s: n for s, n in self._done.items() if s > step}
 
-    def settle_norm(self, step: int, micro_batches: int, context_id: int,
-                    unscale: float) -> float:  # fmt: skip
+    def settle_norm(self, step: int, micro_batches: int, context_id: int, unscale: float) -> float:
         """`settle`, then the norm of the step's gradients (Shard.norm), in one call."""
         self.settle(step, micro_batches)
         return self.norm(context_id, unscale)

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from pipejob.trainer.pipeline.train import fits_model
-from pipejob.trainer.runtime import nonfinite, output
+from pipejob.trainer.runtime import model_files, nonfinite
 from pipejob.trainer.workloads import cut, materialize
 from pipejob.trainer.workloads.cut import CutError, Traced, join, ties, without_cache
 
@@ -339,14 +339,14 @@ def _loads_back(
     states = [{k: v.detach() for k, v in s.state_dict().items()} for s in stages]
     expected = plain.state_dict()
     with tempfile.TemporaryDirectory() as directory:
-        output.write(
+        model_files.write(
             directory,
             {"model": {**rest, **{k: v for s in states for k, v in s.items()}}},
             {},
             "safetensors",
-            output.module_metadata(meta),
+            model_files.module_metadata(meta),
         )
-        written = output.load_state_dict(directory)
+        written = model_files.load_state_dict(directory)
     # A fresh build's, which a user loads into: a forward may change a model's modules
     # (BigBird's first swaps its attention's, adding a dropout's entry to the plain one's).
     fresh = build()

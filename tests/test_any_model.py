@@ -34,7 +34,7 @@ from jobrun import (
 from pipejob.core import spec
 from pipejob.trainer.pipeline import output
 from pipejob.trainer.runtime import checkpoint
-from pipejob.trainer.runtime.output import load_state_dict
+from pipejob.trainer.runtime.model_files import load_state_dict
 from pipejob.trainer.workloads.cut import Traced, join, unused, without_cache
 from pipejob.trainer.workloads.metrics import cross_entropy
 

@@ -23,7 +23,7 @@ from jobrun import pipeline_job
 from pipejob.core import spec
 from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import plan_shards
-from pipejob.trainer.runtime import adapters, output
+from pipejob.trainer.runtime import adapters, model_files
 from pipejob.trainer.workloads import metrics, models
 
 pytest.importorskip("peft")
@@ -118,15 +118,15 @@ def test_adapter_files_and_merge_are_peft_s(tmp_path: Path) -> None:
     names = sorted(state)
     halves = [names[: len(names) // 2], names[len(names) // 2 :]]
     shards = [
-        output.write_shard(
+        model_files.write_shard(
             sharded,
-            output.shard_name(i + 1, 2, "safetensors"),
+            model_files.shard_name(i + 1, 2, "safetensors"),
             {k: state[k] for k in half},
             "safetensors",
         )
         for i, half in enumerate(halves)
     ]
-    output.write_index(sharded, shards, {})
+    model_files.write_index(sharded, shards, {})
     adapters.write(sharded, configs, True, config)
     assert (sharded / adapters.MERGED / "model.safetensors.index.json").exists()
     loaded = PeftModel.from_pretrained(

@@ -29,7 +29,7 @@ from jobrun import (
 from pipejob.core import spec
 from pipejob.trainer.pipeline.pipelining.schedule import even
 from pipejob.trainer.runtime import checkpoint
-from pipejob.trainer.runtime.output import load_state_dict
+from pipejob.trainer.runtime.model_files import load_state_dict
 from pipejob.trainer.workloads import models
 
 pytestmark = pytest.mark.timeout(400)

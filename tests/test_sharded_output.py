@@ -24,7 +24,7 @@ from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline
 from pipejob.trainer.pipeline import output as pipeline_output
-from pipejob.trainer.runtime import checkpoint, output, world
+from pipejob.trainer.runtime import checkpoint, model_files, world
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -100,7 +100,7 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
     # A stale single file of an earlier run into the same folder, which from_pretrained
     # would prefer to the index: the sharded output removes it.
     out.mkdir()
-    (out / f"model{output.SUFFIX[format]}").write_bytes(b"stale")
+    (out / f"model{model_files.SUFFIX[format]}").write_bytes(b"stale")
     rpc_port, ddp_port = free_ports(2)
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
     summary = run_world(_member, [p.env for p in processes], tmp_path / "summary.pt", 240)
@@ -113,8 +113,8 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
     rest = found.load("master.pt")["rest"]
     assert bool(rest) == name.startswith("tied")  # the unused layer
     files = pipeline_output.shard_files(2, bool(rest), format)
-    assert files[0] == f"model-00001-of-0000{len(files)}{output.SUFFIX[format]}"
-    index_name = output.index_name(format)
+    assert files[0] == f"model-00001-of-0000{len(files)}{model_files.SUFFIX[format]}"
+    index_name = model_files.index_name(format)
     extra = ["config.json"] if hugging_face else []
     assert files_of(out) == sorted([*files, index_name, "model.json", *extra])
     info = json.loads((out / "model.json").read_text())
@@ -144,7 +144,7 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
     trained: dict[str, torch.Tensor] = dict(rest)
     for state in stages:
         trained |= state
-    loaded = output.load_state_dict(out)
+    loaded = model_files.load_state_dict(out)
     assert loaded._metadata == dict(fresh.state_dict()._metadata)  # the modules' versions
     fresh.load_state_dict(loaded, strict=True)
     assert_same_states(dict(fresh.state_dict()), trained)
@@ -166,7 +166,7 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
     single = tmp_path / "single"
     pipeline_output.export_checkpoint(found.directory, found.manifest, single, "safetensors")
     assert files_of(single) == sorted(["model.safetensors", "model.json", *extra])
-    assert_same_states(output.load_state_dict(single), trained)
+    assert_same_states(model_files.load_state_dict(single), trained)
 
 
 class Shared(nn.Module):
@@ -183,7 +183,7 @@ class Shared(nn.Module):
         self.register_buffer("transposed", whole.reshape(4, 6).t())
 
 
-@pytest.mark.parametrize("format", list(output.SUFFIX))
+@pytest.mark.parametrize("format", list(model_files.SUFFIX))
 def test_shards_with_ties_and_views_load_back_by_the_index(format: str, tmp_path: Path):
     model = Shared()
     state = model.state_dict()
@@ -193,38 +193,38 @@ def test_shards_with_ties_and_views_load_back_by_the_index(format: str, tmp_path
     }
     names = pipeline_output.shard_files(2, False, format)
     parts = [
-        output.write_shard(tmp_path, f, s, format)
+        model_files.write_shard(tmp_path, f, s, format)
         for f, s in zip(names, (first, second), strict=True)
     ]
     assert [p["file"] for p in parts] == names
     assert all(p["bytes"] == (tmp_path / p["file"]).stat().st_size for p in parts)
-    output.write_index(tmp_path, parts, {"job": "t"}, format)
-    index = json.loads((tmp_path / output.index_name(format)).read_text())
+    model_files.write_index(tmp_path, parts, {"job": "t"}, format)
+    index = json.loads((tmp_path / model_files.index_name(format)).read_text())
     assert index["weight_map"]["a.bias"] == names[0]  # held by both: the first shard's
     assert sorted(index["weight_map"]) == sorted(state)
     fresh = Shared()
-    fresh.load_state_dict(output.load_state_dict(tmp_path), strict=True)
+    fresh.load_state_dict(model_files.load_state_dict(tmp_path), strict=True)
     assert_same_states(dict(fresh.state_dict()), dict(state))
     # Written as they were: the model's own tensors are not copied where they need not be.
-    assert output.writable(first)["a.weight"].data_ptr() == model.a.weight.data_ptr()
+    assert model_files.writable(first)["a.weight"].data_ptr() == model.a.weight.data_ptr()
 
 
 def test_a_missing_model_and_a_shard_short_of_its_index_are_named(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="holds no model.safetensors, model.pt or index"):
-        output.load_state_dict(tmp_path)
-    part = output.write_shard(
+        model_files.load_state_dict(tmp_path)
+    part = model_files.write_shard(
         tmp_path, "model-00001-of-00001.safetensors", {"w": torch.ones(2)}, "safetensors"
     )
     part["sizes"]["v"] = 8  # an index that says the shard holds more than it does
-    output.write_index(tmp_path, [part], {}, "safetensors")
+    model_files.write_index(tmp_path, [part], {}, "safetensors")
     with pytest.raises(ValueError, match="model-00001-of-00001.safetensors lacks v, which"):
-        output.load_state_dict(tmp_path)
+        model_files.load_state_dict(tmp_path)
 
 
 def test_a_shard_the_master_does_not_see_fails_naming_the_shared_path(tmp_path: Path):
     """A stage whose output.path is not the master's (no shared volume) wrote its shard where
     the master cannot see it: a configuration error (ValueError: permanent, no restarts)."""
-    wrote = output.write_shard(
+    wrote = model_files.write_shard(
         tmp_path / "stage", "model-00001-of-00001.safetensors", {"w": torch.ones(2)}, "safetensors"
     )
     with pytest.raises(

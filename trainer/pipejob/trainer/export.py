@@ -1,5 +1,5 @@
 """`pipejob export CHECKPOINT_DIR OUT`: the trained model out of a complete checkpoint, as
-the files a finished run's `spec.output` writes (runtime/output.py), for either kind.
+the files a finished run's `spec.output` writes (runtime/model_files.py), for either kind.
 CHECKPOINT_DIR is a job's checkpoint.path (its newest complete checkpoint is taken) or one
 step's directory in it."""
 

@@ -29,8 +29,7 @@ import torch.distributed.rpc as rpc
 from pipejob.core.kinds.hybrid import ONE_TABLE, HybridSpec
 from pipejob.core.kinds.tables import Piece
 from pipejob.trainer.hybrid import ps
-from pipejob.trainer.runtime import checkpoint
-from pipejob.trainer.runtime import output as written
+from pipejob.trainer.runtime import checkpoint, model_files
 
 # Summary fields that describe the trained model (model.json's "metrics").
 METRICS = (
@@ -133,7 +132,7 @@ def write(
     """Write the files of `model` (a `model_spec`; see the module's docstring) and model.json
     (`meta` plus the format and the file names) into the directory `out`; the paths
     written."""
-    written.check_format(format)
+    model_files.check_format(format)
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     if "embedding" in model:
@@ -150,7 +149,7 @@ def write(
         }
     paths = []
     for stem, (streamed, whole) in files.items():
-        path = directory / f"{stem}{written.SUFFIX[format]}"
+        path = directory / f"{stem}{model_files.SUFFIX[format]}"
         partial = path.with_name(path.name + ".partial")
         if format == "safetensors":
             shapes = {key: tables[name] for key, name in streamed.items()}
@@ -160,13 +159,13 @@ def write(
                 _stream(f, shapes, dtypes, whole, chunks)
         else:
             state = {key: rows(name, 0, tables[name][0]) for key, name in streamed.items()}
-            torch.save(written.writable({**state, **whole}), partial)
+            torch.save(model_files.writable({**state, **whole}), partial)
         os.replace(partial, path)
         paths.append(path)
     for stem in files:
-        written.remove_stale(directory, [p.name for p in paths], stem)
+        model_files.remove_stale(directory, [p.name for p in paths], stem)
     names = {stem: p.name for stem, p in zip(files, paths, strict=True)}
-    return [*paths, written.write_info(directory, meta, format, names)]
+    return [*paths, model_files.write_info(directory, meta, format, names)]
 
 
 def _chunks(rows: Rows, table: str, count: int, dim: int) -> Iterator[torch.Tensor]:

@@ -1,6 +1,6 @@
 """A PipelineJob's trained model as files anyone can load: what spec.output writes at the end
 of a run, and what `pipejob export` writes from a complete checkpoint, the same files either
-way (written by runtime/output.py, the writer both kinds share):
+way (written by runtime/model_files.py, the writer both kinds share):
 
 - a model of at most `SINGLE_FILE_BYTES` of parameters and buffers: `model.safetensors`
   (`model.pt` with format torch), every stage's state and the state no stage holds, under
@@ -16,8 +16,8 @@ way (written by runtime/output.py, the writer both kinds share):
   `from_pretrained(path)` loads the folder as well, one file or sharded.
 
 Either layout carries the modules' versions a plain `model.state_dict()` carries (its
-`_metadata`, from the master's meta build: runtime/output.py says where);
-`pipejob.trainer.runtime.output.load_state_dict(path)` reads either layout back with them."""
+`_metadata`, from the master's meta build: runtime/model_files.py says where);
+`pipejob.trainer.runtime.model_files.load_state_dict(path)` reads either layout back with them."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from torch.distributed.rpc import RRef
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.shard import on_stage
-from pipejob.trainer.runtime import checkpoint, output
+from pipejob.trainer.runtime import checkpoint, model_files
 from pipejob.trainer.workloads import models
 
 # Up to this many bytes of parameters and buffers the master gathers the model and writes
@@ -64,7 +64,7 @@ def write(
     rest: dict[str, torch.Tensor],
     about: dict[str, Any],
     config: dict[str, Any] | None = None,
-    metadata: output.Metadata | None = None,
+    metadata: model_files.Metadata | None = None,
 ) -> list[Path]:
     """The stages' states and the rest as one model file in `out` (with the modules'
     `metadata`), and model.json (and a Hugging Face model's `config`, as config.json)."""
@@ -72,7 +72,7 @@ def write(
     for part in stages:
         state.update(part)
     return [
-        *output.write(out, {"model": state}, about, format, metadata),
+        *model_files.write(out, {"model": state}, about, format, metadata),
         *write_config(out, config),
     ]
 
@@ -86,18 +86,18 @@ def write_live(
     about: dict[str, Any],
     config: dict[str, Any] | None = None,
     single_file_bytes: int | None = None,
-    metadata: output.Metadata | None = None,
+    metadata: model_files.Metadata | None = None,
 ) -> list[Path]:
     """The model a run's stages hold (`stages`, their Stage RRefs on the workers `names`)
     and `rest`, the state no stage holds, written into `out`: one file when it is at most
     `single_file_bytes` (SINGLE_FILE_BYTES), else each stage writing its own shard, all at
     once, and the master the rest's and the index (which holds the modules' `metadata`).
     The paths written."""
-    output.check_format(format)
+    model_files.check_format(format)
     limit = SINGLE_FILE_BYTES if single_file_bytes is None else single_file_bytes
     pairs = list(zip(names, stages, strict=True))
     held = torch.futures.wait_all([rpc.rpc_async(n, held_bytes, args=(s,)) for n, s in pairs])
-    if sum(held) + output.state_bytes(rest) <= limit:
+    if sum(held) + model_files.state_bytes(rest) <= limit:
         states = torch.futures.wait_all(
             [rpc.rpc_async(n, on_stage, args=(s, "state")) for n, s in pairs]
         )
@@ -107,19 +107,19 @@ def write_live(
         rpc.rpc_async(n, on_stage, args=(s, "write_shard", str(out), f, format))
         for (n, s), f in zip(pairs, files, strict=False)
     ]
-    mine = [output.write_shard(out, files[-1], rest, format)] if rest else []
+    mine = [model_files.write_shard(out, files[-1], rest, format)] if rest else []
     return finish(out, format, [*torch.futures.wait_all(writing), *mine], about, config, metadata)
 
 
 def held_bytes(stage: RRef) -> int:
     """Runs on a stage's worker: the bytes of its shard's state, as a file holds them."""
-    return output.state_bytes(stage.local_value().layers.state_dict())
+    return model_files.state_bytes(stage.local_value().layers.state_dict())
 
 
 def shard_files(stages: int, rest: bool, format: str) -> list[str]:
     """The shards' names: one per stage, and one more for the rest when there is some."""
     count = stages + int(rest)
-    return [output.shard_name(k + 1, count, format) for k in range(count)]
+    return [model_files.shard_name(k + 1, count, format) for k in range(count)]
 
 
 def finish(
@@ -128,7 +128,7 @@ def finish(
     shards: list[dict[str, Any]],
     about: dict[str, Any],
     config: dict[str, Any] | None,
-    metadata: output.Metadata | None = None,
+    metadata: model_files.Metadata | None = None,
 ) -> list[Path]:
     """After the shards: the index, model.json and config.json. A shard the master cannot
     see as its writer wrote it means the stages wrote into directories of their own."""
@@ -144,7 +144,7 @@ def finish(
                 " process of the job (e.g. a ReadWriteMany volume)"
             )
     return [
-        *output.write_index(out, shards, about, format, metadata=metadata),
+        *model_files.write_index(out, shards, about, format, metadata=metadata),
         *write_config(out, config),
     ]
 
@@ -173,22 +173,22 @@ def export_checkpoint(
             f"{directory} was written before checkpoints kept the model's names;"
             " it cannot be exported"
         )
-    output.check_format(format)
+    model_files.check_format(format)
     limit = SINGLE_FILE_BYTES if single_file_bytes is None else single_file_bytes
     parts = [f"stage{i}.pt" for i in range(manifest["stageCount"])]
     own = found.load("master.pt")
     # A checkpoint of an older pipejob keeps no module metadata: written without it.
     rest, config, metadata = own.get("rest", {}), own.get("config"), own.get("metadata")
     about = {**manifest["info"], "steps": found.step, "checkpoint": str(found.directory)}
-    if sum(_model_bytes(found, part) for part in parts) + output.state_bytes(rest) <= limit:
+    if sum(_model_bytes(found, part) for part in parts) + model_files.state_bytes(rest) <= limit:
         stages = [found.load(part)["model"] for part in parts]
         return write(out, format, stages, rest, about, config, metadata)
     files = shard_files(len(parts), bool(rest), format)
     shards = []
     for part, file in zip(parts, files, strict=False):  # one stage's file in memory at a time
-        shards.append(output.write_shard(out, file, found.load(part)["model"], format))
+        shards.append(model_files.write_shard(out, file, found.load(part)["model"], format))
     if rest:
-        shards.append(output.write_shard(out, files[-1], rest, format))
+        shards.append(model_files.write_shard(out, files[-1], rest, format))
     return finish(out, format, shards, about, config, metadata)
 
 
@@ -197,4 +197,4 @@ def _model_bytes(found: checkpoint.Checkpoint, part: str) -> int:
     read: its tensors' sizes without their data."""
     found.entry(part)  # listed in the manifest
     state = torch.load(found.directory / part, mmap=True, weights_only=False)
-    return output.state_bytes(state["model"])
+    return model_files.state_bytes(state["model"])

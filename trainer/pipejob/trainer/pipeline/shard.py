@@ -26,7 +26,7 @@ from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.parts import Part
 from pipejob.trainer.pipeline.reader import Reader, Source
-from pipejob.trainer.runtime import checkpoint, output, tuning
+from pipejob.trainer.runtime import checkpoint, model_files, tuning
 from pipejob.trainer.runtime.optim import Functional, set_lr
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -251,8 +251,8 @@ class Shard:
 
     def write_shard(self, directory: str, filename: str, format: str) -> dict[str, Any]:
         """Write the shard's state as one file of the model's sharded output, in `directory`
-        (which the master sees too); what the index needs of it (runtime/output.py)."""
-        return output.write_shard(directory, filename, self.state(), format)
+        (which the master sees too); what the index needs of it (runtime/model_files.py)."""
+        return model_files.write_shard(directory, filename, self.state(), format)
 
     def fingerprint(self) -> torch.Tensor:
         """Per parameter, its sum and sum of squares in float64: equal in every replica whose

@@ -26,7 +26,7 @@ from pipejob.trainer.pipeline.partition import (
 )
 from pipejob.trainer.pipeline.parts import Part, measure_on_stages, trace
 from pipejob.trainer.pipeline.shard import compute_resources
-from pipejob.trainer.runtime import adapters, output, tuning
+from pipejob.trainer.runtime import adapters, model_files, tuning
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, materialize, models
 
@@ -73,7 +73,7 @@ class Shards:
     processes: int = 0  # stage processes; 0: one per piece
     # The modules' versions a plain `model.state_dict()` carries (its `_metadata`), for the
     # model file: a fresh build of some modules (MNASNet) loads no state without them.
-    metadata: output.Metadata | None = None
+    metadata: model_files.Metadata | None = None
     # A peft model's adapters' configs (runtime/adapters.py), for the adapter files.
     adapters: dict[str, dict[str, Any]] | None = None
 
@@ -168,7 +168,7 @@ def plan_shards(
         hf_config(model),
         parts,
         spec.stages,
-        output.module_metadata(model),
+        model_files.module_metadata(model),
         adapters.configs(model),
     )
 

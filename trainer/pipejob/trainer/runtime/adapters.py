@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipejob.trainer.runtime import output
+from pipejob.trainer.runtime import model_files
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -113,7 +113,7 @@ class Files:
     A torch-format output is read whole (torch.load cannot read part of a file)."""
 
     def __init__(self, out: Path):
-        index = out / output.index_name("safetensors")
+        index = out / model_files.index_name("safetensors")
         single = out / "model.safetensors"
         self.whole: dict[str, torch.Tensor] | None = None
         if index.exists():
@@ -126,7 +126,7 @@ class Files:
             with safe_open(single, "pt") as f:
                 self.files = {single.name: list(f.keys())}
         else:
-            self.whole = output.load_state_dict(out)
+            self.whole = model_files.load_state_dict(out)
             self.files = {"model.safetensors": list(self.whole)}
         self.out = out
 
@@ -193,7 +193,7 @@ def _write_merged(
     if len(shards) > 1:
         weight_map = {k: s["file"] for s in shards for k in s["sizes"]}
         total = sum(size for s in shards for size in s["sizes"].values())
-        index = folder / output.index_name("safetensors")
+        index = folder / model_files.index_name("safetensors")
         index.write_text(
             json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pipejob.core import contract as c
 from pipejob.core.common import CommonSpec, from_spec
@@ -46,8 +46,14 @@ def listen_address(address: str) -> str:
     return address if loopback(address) else "0.0.0.0"
 
 
+S = TypeVar("S", bound=CommonSpec)  # the kind's typed spec (core/kinds/)
+
+
 @dataclass(frozen=True)
-class Env:
+class Env(Generic[S]):
+    """This process's place in the world, as the env contract gives it: `Env[PipelineSpec]`
+    in a PipelineJob's processes, `Env[HybridSpec]` in a HybridJob's."""
+
     kind: str
     job: str
     role: str
@@ -64,7 +70,7 @@ class Env:
     addresses: tuple[str, ...]  # where each rank is reached, in rank order (for messages)
     preflight_port: int
     monitor_port: int
-    spec: Any  # the kind's typed spec (core/kinds/), a CommonSpec
+    spec: S
     gpus: int
     rendezvous_timeout: float
     ddp_group: str | None = None  # the collective group this process is a member of
@@ -109,7 +115,8 @@ def _groups(text: str) -> dict[str, tuple[int, ...]]:
         raise ContractError(f"{c.GROUPS}={text!r} is not name=rank,...;...") from None
 
 
-def read_env(environ: dict[str, str] | None = None) -> Env:
+def read_env(environ: dict[str, str] | None = None) -> Env[Any]:
+    """This process's env, read from `environ` (the process's own by default) and checked."""
     environ = dict(os.environ if environ is None else environ)
     kind = _get(environ, c.KIND)
     if kind not in KINDS:
@@ -118,21 +125,10 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         spec: CommonSpec = from_spec(KINDS[kind].settings, json.loads(_get(environ, c.SPEC)))
     except (json.JSONDecodeError, TypeError) as e:
         raise ContractError(f"environment variable {c.SPEC} is not the job's spec: {e}") from None
-    role = _get(environ, c.ROLE)
-    ddp: dict[str, Any] = {}
-    if environ.get(c.DDP_GROUP):  # the plan seated this process in a collective group
-        ddp = {
-            "ddp_group": _get(environ, c.DDP_GROUP),
-            "ddp_addr": _get(environ, c.DDP_ADDR),
-            "ddp_port": _int(environ, c.DDP_PORT),
-            "ddp_rank": _int(environ, c.DDP_RANK),
-            "ddp_world_size": _int(environ, c.DDP_WORLD_SIZE),
-            "ddp_backend": _get(environ, c.DDP_BACKEND),
-        }
     env = Env(
         kind=kind,
         job=_get(environ, c.JOB),
-        role=role,
+        role=_get(environ, c.ROLE),
         role_index=_int(environ, c.ROLE_INDEX),
         replica=_int(environ, c.REPLICA),
         rpc_name=_get(environ, c.RPC_NAME),
@@ -150,8 +146,28 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         gpus=_int(environ, c.GPUS),
         rendezvous_timeout=float(_int(environ, c.RENDEZVOUS_TIMEOUT)),
         summary_file=environ.get(c.SUMMARY_FILE) or None,
-        **ddp,
+        **_ddp(environ),
     )
+    _check_world(env)
+    return env
+
+
+def _ddp(environ: dict[str, str]) -> dict[str, Any]:
+    """The collective group's fields, where the plan seated this process in one."""
+    if not environ.get(c.DDP_GROUP):
+        return {}
+    return {
+        "ddp_group": _get(environ, c.DDP_GROUP),
+        "ddp_addr": _get(environ, c.DDP_ADDR),
+        "ddp_port": _int(environ, c.DDP_PORT),
+        "ddp_rank": _int(environ, c.DDP_RANK),
+        "ddp_world_size": _int(environ, c.DDP_WORLD_SIZE),
+        "ddp_backend": _get(environ, c.DDP_BACKEND),
+    }
+
+
+def _check_world(env: Env[Any]) -> None:
+    """The world's names, roles and addresses agree with this process's rank and size."""
     if (
         len(env.world) != env.world_size
         or env.world[env.rank] != env.rpc_name
@@ -167,11 +183,10 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         raise ContractError(
             f"{c.ADDRESSES} names {len(env.addresses)} addresses for a world of {env.world_size}"
         )
-    return env
 
 
 @functools.cache
-def current() -> Env:
+def current() -> Env[Any]:
     """This process's env, read once: for the functions other processes call over RPC."""
     return read_env()
 

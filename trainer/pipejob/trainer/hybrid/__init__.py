@@ -28,8 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipejob.trainer.runtime import master as roles
-from pipejob.trainer.runtime import rendezvous, world
+from pipejob.trainer.runtime import rendezvous, roles, world
 from pipejob.trainer.runtime.world import Env
 
 

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from pipejob.trainer.hybrid import output
-from pipejob.trainer.runtime import checkpoint, master, memory, monitor, world
+from pipejob.trainer.runtime import checkpoint, memory, monitor, roles, world
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
 
@@ -148,4 +148,4 @@ def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> No
     )
     checkpoint.prune(root)
     seconds += time.perf_counter() - start
-    master.checkpoint_written(env, step, files, seconds, checkpoint.step_dir(root, step))
+    roles.checkpoint_written(env, step, files, seconds, checkpoint.step_dir(root, step))

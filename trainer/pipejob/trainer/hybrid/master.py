@@ -18,7 +18,7 @@ from pipejob.core.kinds import tables
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer.hybrid import board, output, ps, trainer
 from pipejob.trainer.hybrid.summary import render, summarize
-from pipejob.trainer.runtime import checkpoint, master, monitor, world
+from pipejob.trainer.runtime import checkpoint, monitor, roles, world
 from pipejob.trainer.runtime.world import Env
 
 
@@ -41,7 +41,7 @@ def train(env: Env) -> dict[str, Any]:
                 f"wrote the trained model to {spec.output.path}:"
                 f" {', '.join(p.name for p in paths)}",
             )
-        return master.nothing_left(env, first)
+        return roles.nothing_left(env, first)
     placement = spec.placement()
     held = [tables.size(tables.server_bytes(p, spec.sparse_optimizer.name)) for p in placement]
     world.log(

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from pipejob.trainer.hybrid.board import said, unit
-from pipejob.trainer.runtime import master, memory, monitor
+from pipejob.trainer.runtime import memory, monitor, roles
 from pipejob.trainer.runtime.world import Env
 
 
@@ -41,7 +41,7 @@ def summarize(
     }
     seconds = max(r["seconds"] for r in results.values())
     samples = sum(r["steps"] * r["share"] for r in results.values())
-    return master.summary(
+    return roles.summary(
         env,
         env.spec.steps - first,
         first,

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.runtime import master
+from pipejob.trainer.runtime import roles
 from pipejob.trainer.runtime.world import Env
 
 
@@ -33,7 +33,7 @@ def run(env: Env) -> dict[str, Any] | None:
     if env.role == "master":
         from pipejob.trainer.pipeline import train
 
-        return master.drive(env, train.train)
+        return roles.drive(env, train.train)
     engine(env.spec).serve(env)
     return None
 

@@ -8,7 +8,7 @@ from typing import Any
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer.pipeline.driver import StepResult
 from pipejob.trainer.pipeline.shards import Shards, share
-from pipejob.trainer.runtime import master, memory, monitor
+from pipejob.trainer.runtime import memory, monitor, roles
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import metrics, models
 
@@ -74,7 +74,7 @@ def summarize(
         if activations is not None:
             per_stage[-1]["peakActivationBytes"] = activations[i]
     p, m = spec.stages, shards.partition.micro_batches
-    return master.summary(
+    return roles.summary(
         env,
         len(results),
         first,

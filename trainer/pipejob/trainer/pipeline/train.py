@@ -30,10 +30,10 @@ from pipejob.trainer.pipeline.summary import render, stage_report, summarize
 from pipejob.trainer.runtime import (
     adapters,
     checkpoint,
-    master,
     memory,
     monitor,
     profiling,
+    roles,
     world,
 )
 from pipejob.trainer.runtime.events import Events
@@ -179,7 +179,7 @@ def train(env: Env) -> dict[str, Any]:
     if spec.output is not None:
         write_output(env, pipelines, shards, evaluations[-1] if evaluations else None)
     if not results:
-        return master.nothing_left(env, first)
+        return roles.nothing_left(env, first)
     summary = summarize(
         env, names, shards, results, pipelines.timings(), first, pipelines.activation_peaks()
     )
@@ -299,7 +299,7 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
         replicas=len(pipelines.pipelines),
     )
     checkpoint.prune(root)
-    master.checkpoint_written(env, step, files, time.perf_counter() - start, directory)
+    roles.checkpoint_written(env, step, files, time.perf_counter() - start, directory)
 
 
 def saved_partition(env: Env, found: checkpoint.Checkpoint) -> Partition | None:

@@ -11,7 +11,7 @@ and checkpoints over RPC, as on the rpc engine, but no activation passes through
 
 from __future__ import annotations
 
-from pipejob.trainer.runtime import master, rendezvous
+from pipejob.trainer.runtime import rendezvous, roles
 from pipejob.trainer.runtime.world import Env
 
 
@@ -28,5 +28,5 @@ def serve(env: Env) -> None:
     rendezvous.join_ddp(env)
     replicas = len(env.names("stage")) // env.spec.stages  # the world's size (elastic: any)
     groups.divide(env.spec.stages, replicas, env.replica, env.role_index)
-    master.serve(env)
+    roles.serve(env)
     dist.destroy_process_group()

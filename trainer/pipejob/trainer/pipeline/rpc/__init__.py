@@ -7,7 +7,7 @@ the backward across them, and each stage's optimizer steps its shard where it li
 
 from __future__ import annotations
 
-from pipejob.trainer.runtime import master, rendezvous
+from pipejob.trainer.runtime import rendezvous, roles
 from pipejob.trainer.runtime.world import Env
 
 
@@ -19,10 +19,10 @@ def serve(env: Env) -> None:
     stages = env.spec.stages
     own = env.names("stage")[env.replica * stages : (env.replica + 1) * stages]
     if env.ddp_group is None:
-        master.serve(env, *stage_devices(env.role_index, own, env.gpus))
+        roles.serve(env, *stage_devices(env.role_index, own, env.gpus))
         return
     import torch.distributed as dist
 
     rendezvous.join_ddp(env)
-    master.serve(env, *stage_devices(env.role_index, own, env.gpus))
+    roles.serve(env, *stage_devices(env.role_index, own, env.gpus))
     dist.destroy_process_group()

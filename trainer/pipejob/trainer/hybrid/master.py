@@ -22,8 +22,8 @@ from pipejob.trainer.runtime import checkpoint, monitor, roles, world
 from pipejob.trainer.runtime.world import Env
 
 
-def train(env: Env) -> dict[str, Any]:
-    spec: HybridSpec = env.spec
+def train(env: Env[HybridSpec]) -> dict[str, Any]:
+    spec = env.spec
     servers, trainers = env.names("ps"), env.names("trainer")
     began = time.perf_counter()
     # Making a large table's rows takes a while: no RPC timeout (0) on it.

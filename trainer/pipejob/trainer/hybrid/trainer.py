@@ -120,9 +120,9 @@ def _device(env: Env) -> torch.device:
 def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
     """One trainer's whole loop; the master calls it over RPC and gets its results. With
     `resume` (see master._resume) it continues after the checkpoint's step."""
-    env = world.current()
+    env: Env[HybridSpec] = world.current()
     assert env.ddp_rank is not None and env.ddp_world_size is not None
-    spec: HybridSpec = env.spec
+    spec = env.spec
     device = _device(env)
     dataset, loss_fn = workloads.hybrid_data(spec), workloads.loss(spec)
     torch.manual_seed(spec.seed)  # DDP broadcasts rank 0's dense weights: runs repeat

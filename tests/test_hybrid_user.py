@@ -24,7 +24,7 @@ from pipejob.core import spec as specs
 from pipejob.core.contract import ExitCode
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid.evaluate import check_dense
-from pipejob.trainer.hybrid.output import export_checkpoint
+from pipejob.trainer.hybrid.model_writer import export_checkpoint
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.workloads import samples
 from pipejob.trainer.workloads.bags import FileBags

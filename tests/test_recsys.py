@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from pipejob.core import spec as specs
 from pipejob.core.kinds import tables
 from pipejob.trainer import workloads
-from pipejob.trainer.hybrid import output
+from pipejob.trainer.hybrid import model_writer
 from pipejob.trainer.hybrid.evaluate import check_dense
 from pipejob.trainer.hybrid.ps import Server
 from pipejob.trainer.hybrid.router import Router
@@ -425,13 +425,13 @@ def test_the_model_file_holds_every_table_whole_under_its_name(tmp_path: Path) -
     ]
     torch.manual_seed(0)
     dense = workloads.hybrid_dense(spec, 3)
-    model_spec = output.model_spec(spec)
+    model_spec = model_writer.model_spec(spec)
     for format in ("safetensors", "torch"):
-        paths = output.write(
+        paths = model_writer.write(
             model_spec,
             tmp_path / format,
             format,
-            output.joined(pieces),
+            model_writer.joined(pieces),
             dense.state_dict(),
             {"kind": "test"},
         )

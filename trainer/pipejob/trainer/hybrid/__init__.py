@@ -14,7 +14,7 @@
   and runs the loop the master calls;
 - evaluate.py: the check that the dense module fits the data (before the first step) and
   the held-out evaluation (spec.eval), on DDP rank 0;
-- output.py: the trained tables and dense module as files (spec.output, `pipejob export`);
+- model_writer.py: the trained tables and dense module as files (spec.output, `pipejob export`);
 - summary.py: the run's summary.
 
 Per step, each trainer makes one call to each server, all at once: the tutorial's design
@@ -57,6 +57,6 @@ def export_checkpoint(
     directory: Any, manifest: dict[str, Any], out: Any, format: str = "safetensors"
 ) -> list[Any]:
     """`pipejob export` of this kind's checkpoint: the files spec.output writes."""
-    from pipejob.trainer.hybrid import output
+    from pipejob.trainer.hybrid import model_writer
 
-    return output.export_checkpoint(directory, manifest, out, format)
+    return model_writer.export_checkpoint(directory, manifest, out, format)

@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any
 
-from pipejob.trainer.hybrid import output
+from pipejob.trainer.hybrid import model_writer
 from pipejob.trainer.runtime import checkpoint, memory, monitor, roles, world
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
@@ -143,8 +143,8 @@ def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> No
         job=env.job,
         trainerCount=len(env.names("trainer")),
         parameterServers=len(env.names("ps")),
-        model=output.model_spec(env.spec),
-        metrics=output.metrics(evaluation),
+        model=model_writer.model_spec(env.spec),
+        metrics=model_writer.metrics(evaluation),
     )
     checkpoint.prune(root)
     seconds += time.perf_counter() - start

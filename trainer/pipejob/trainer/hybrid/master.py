@@ -1,6 +1,6 @@
 """The HybridJob master: has every parameter server make its pieces of the tables (and load
 them from a checkpoint), starts every trainer's loop over RPC, prints their progress and
-evaluations (board.py), writes the trained model (spec.output, output.py), and returns the
+evaluations (board.py), writes the trained model (spec.output, model_writer.py), and returns the
 run's summary."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.distributed.rpc as rpc
 
 from pipejob.core.kinds import tables
 from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.trainer.hybrid import board, output, ps, trainer
+from pipejob.trainer.hybrid import board, model_writer, ps, trainer
 from pipejob.trainer.hybrid.summary import render, summarize
 from pipejob.trainer.runtime import checkpoint, monitor, roles, world
 from pipejob.trainer.runtime.world import Env
@@ -33,7 +33,7 @@ def train(env: Env[HybridSpec]) -> dict[str, Any]:
     first = 0 if resume is None else resume["step"]
     if first >= spec.steps:
         if spec.output is not None and found is not None:  # the model is in the checkpoint
-            paths = output.export_checkpoint(
+            paths = model_writer.export_checkpoint(
                 found.directory, found.manifest, spec.output.path, spec.output.format
             )
             world.log(
@@ -75,15 +75,15 @@ def train(env: Env[HybridSpec]) -> dict[str, Any]:
         meta = {
             "kind": env.kind,
             "job": env.job,
-            "model": output.model_spec(spec),
-            "metrics": output.metrics(summary),
+            "model": model_writer.model_spec(spec),
+            "metrics": model_writer.metrics(summary),
             "steps": spec.steps,
         }
-        paths = output.write(
+        paths = model_writer.write(
             meta["model"],
             spec.output.path,
             spec.output.format,
-            output.live_rows(servers, placement),
+            model_writer.live_rows(servers, placement),
             results[trainers[0]]["dense"],
             meta,
         )
@@ -107,7 +107,7 @@ def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
             " saved one table whole: give this job another checkpoint.path"
         )
     directory = str(found.directory)
-    entries = output.server_entries(found.manifest)
+    entries = model_writer.server_entries(found.manifest)
     _wait_all(
         [rpc.rpc_async(s, ps.load, args=(directory, entries), timeout=0) for s in env.names("ps")]
     )

@@ -15,7 +15,7 @@
 - evaluate.py: the check that the dense module fits the data (before the first step) and
   the held-out evaluation (spec.eval), on DDP rank 0;
 - model_writer.py: the trained tables and dense module as files (spec.output, `pipejob export`);
-- summary.py: the run's summary.
+- run_summary.py: the run's summary and its lines.
 
 Per step, each trainer makes one call to each server, all at once: the tutorial's design
 (seed 002: a DistributedOptimizer over the table's and the dense parameters) makes four

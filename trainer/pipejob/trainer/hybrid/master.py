@@ -17,7 +17,7 @@ import torch.distributed.rpc as rpc
 from pipejob.core.kinds import tables
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer.hybrid import board, model_writer, ps, trainer
-from pipejob.trainer.hybrid.summary import render, summarize
+from pipejob.trainer.hybrid.run_summary import render, summarize
 from pipejob.trainer.runtime import checkpoint, monitor, roles, world
 from pipejob.trainer.runtime.world import Env
 

@@ -105,7 +105,7 @@ def plain_only(args: argparse.Namespace) -> None:
 
     from pipejob.core.kinds.sparse import SparseOptimizer
     from pipejob.core.kinds.tables import Table
-    from pipejob.trainer.hybrid import sparse
+    from pipejob.trainer.hybrid import sparse_optimizers
     from pipejob.trainer.workloads import samples
     from pipejob.trainer.workloads.clicklogs import ClickLogs
     from pipejob.trainer.workloads.recsys import DLRM, Recommender, click_loss
@@ -115,7 +115,7 @@ def plain_only(args: argparse.Namespace) -> None:
     dense = DLRM(13, 16, TABLES, [64], [64, 32])
     model = Recommender(tables, dense, 0, True)
     optimizers = [
-        sparse.make(
+        sparse_optimizers.make(
             list(model.tables.parameters()),
             SparseOptimizer(
                 name="rowwiseAdagrad",

@@ -407,7 +407,7 @@ def trainer_accepts(env: dict[str, str]) -> None:
     kind's typed settings), and build its optimizers (torch refuses bad settings there)."""
     import torch
 
-    from pipejob.trainer.hybrid import sparse
+    from pipejob.trainer.hybrid import sparse_optimizers
     from pipejob.trainer.runtime.optim import optimizer_args
     from pipejob.trainer.runtime.world import read_env
 
@@ -416,7 +416,7 @@ def trainer_accepts(env: dict[str, str]) -> None:
     cls, kwargs = optimizer_args(read.spec.optimizer)
     cls(params, **kwargs)
     if read.kind == "HybridJob" and read.role == "ps":
-        sparse.make(params, read.spec.sparse_optimizer)
+        sparse_optimizers.make(params, read.spec.sparse_optimizer)
 
 
 def check(manifest: dict, mutations: list[Mutation]) -> str | None:

@@ -11,7 +11,7 @@ import torch
 
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer import workloads
-from pipejob.trainer.hybrid import sparse
+from pipejob.trainer.hybrid import sparse_optimizers
 from pipejob.trainer.runtime.optim import optimizer_args
 from pipejob.trainer.workloads import samples
 from pipejob.trainer.workloads.recsys import Recommender
@@ -25,7 +25,7 @@ def trained(spec: HybridSpec, steps: int) -> tuple[Recommender, torch.optim.Opti
     model = Recommender(spec.embeddings, dense, spec.seed, spec.recommends)
     optimizer_class, kwargs = optimizer_args(spec.optimizer)
     dense_optimizer = optimizer_class(dense.parameters(), **kwargs)
-    tables = sparse.make(list(model.tables.parameters()), spec.sparse_optimizer)
+    tables = sparse_optimizers.make(list(model.tables.parameters()), spec.sparse_optimizer)
     features = sorted({t.feature for t in spec.embeddings})
     # Each step's whole batch, as the trainers' shares of it together.
     reader = samples.stream(
@@ -39,7 +39,7 @@ def trained(spec: HybridSpec, steps: int) -> tuple[Recommender, torch.optim.Opti
             bag = model.tables[t.name]
             if not bag.sparse:  # max: torch has no sparse gradient; the rows looked up count
                 touched = torch.unique(batch.ids[t.feature] % t.rows)
-                bag.weight.grad = sparse.gradient(
+                bag.weight.grad = sparse_optimizers.gradient(
                     touched, bag.weight.grad[touched], bag.weight.shape
                 )
         for optimizer in (tables, dense_optimizer):

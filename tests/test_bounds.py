@@ -20,7 +20,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from pipejob.core import bounds, spec
 from pipejob.core.kinds.pipeline import PIPELINE_SPEC, SCHEDULES, schedule_refuses
-from pipejob.trainer.hybrid import sparse
+from pipejob.trainer.hybrid import sparse_optimizers
 from pipejob.trainer.pipeline.pipelining import schedules as trainer_schedules
 from pipejob.trainer.pipeline.shard import AUTOCAST
 from pipejob.trainer.runtime.optim import OPTIMIZERS, optimizer_args
@@ -102,17 +102,19 @@ def test_the_optimizer_bounds_are_torch_optims(name: str, field: str, bound: bou
 @pytest.mark.parametrize(("name", "field", "bound"), table_cases(bounds.SPARSE_OPTIMIZERS))
 def test_the_sparse_optimizer_bounds_are_the_servers(name: str, field: str, bound: bounds.Range):
     accepted = spec.parse(hybrid(sparseOptimizer={"name": name})).settings.sparse_optimizer
-    assert type(sparse.make(PARAMS, accepted)).__name__ == bounds.SPARSE_OPTIMIZERS[name][0]
+    assert (
+        type(sparse_optimizers.make(PARAMS, accepted)).__name__ == bounds.SPARSE_OPTIMIZERS[name][0]
+    )
     for edge in bound.edges():
         job = spec.parse(hybrid(sparseOptimizer={"name": name, field: edge}))
         opt = job.settings.sparse_optimizer
-        assert torch_takes(lambda opt=opt: sparse.make(PARAMS, opt)), (name, field, edge)
+        assert torch_takes(lambda opt=opt: sparse_optimizers.make(PARAMS, opt)), (name, field, edge)
     for value, torch_refuses in bound.past():
         assert refused_at(
             hybrid(sparseOptimizer={"name": name, field: value}), f"spec.sparseOptimizer.{field}"
         ), (name, field, value)
         past = dataclasses.replace(accepted, **{snake(field): value})
-        taken = torch_takes(lambda past=past: sparse.make(PARAMS, past))
+        taken = torch_takes(lambda past=past: sparse_optimizers.make(PARAMS, past))
         assert taken != torch_refuses, (name, field, value)
 
 
@@ -122,7 +124,7 @@ def test_every_value_the_optimizers_receive_has_a_bound():
         opt = spec.parse(pipeline(optimizer={"name": name})).settings.optimizer
         given = {k for k in optimizer_args(opt)[1]}
         assert given == {snake(f) for f in bounds.OPTIMIZERS[name][1]}, name
-    fields = {f.name for f in dataclasses.fields(sparse.SparseOptimizer)} - {"name"}
+    fields = {f.name for f in dataclasses.fields(sparse_optimizers.SparseOptimizer)} - {"name"}
     named = {snake(f) for _, table in bounds.SPARSE_OPTIMIZERS.values() for f in table}
     assert fields == named
 

@@ -106,9 +106,10 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Range]]] = {
     "rmsprop": ("RMSprop", {"lr": LEARNING_RATE, "momentum": MOMENTUM, "weightDecay": AT_LEAST_0}),
 }
 
-# spec.sparseOptimizer, by name: the class a parameter server builds (trainer/hybrid/sparse.py)
-# and the bound of each spec field it receives. rowwiseAdagrad is pipejob's own class: it
-# checks nothing itself and takes Adagrad's bounds (own: torch has no class to refuse).
+# spec.sparseOptimizer, by name: the class a parameter server builds
+# (trainer/hybrid/sparse_optimizers.py) and the bound of each spec field it receives.
+# rowwiseAdagrad is pipejob's own class: it checks nothing itself and takes Adagrad's bounds
+# (own: torch has no class to refuse).
 _ADAGRAD = {"lr": LEARNING_RATE, "eps": AT_LEAST_0, "initialAccumulatorValue": AT_LEAST_0}
 _ROWWISE = {name: Range(**bound.schema(), own_minimum=True) for name, bound in _ADAGRAD.items()}
 SPARSE_OPTIMIZERS: dict[str, tuple[str, dict[str, Range]]] = {

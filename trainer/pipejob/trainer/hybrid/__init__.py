@@ -5,7 +5,7 @@
 - board.py: what the master hears from the trainers (progress, evaluations, checkpoints to
   complete), over RPC;
 - ps.py: a parameter server: its pieces of the tables (core/kinds/tables.py places them) and
-  their sparse optimizer (sparse.py); answers each trainer's one call a step with the
+  their sparse optimizer (sparse_optimizers.py); answers each trainer's one call a step with the
   step's pooled embeddings, and steps the rows the trainers' gradients touch, once every
   trainer's are in;
 - router.py: where a trainer's lookups go, and how the replies join into each table's

@@ -1,5 +1,5 @@
 """A HybridJob parameter server: its pieces of the tables (core/kinds/tables.py places them)
-and the sparse optimizer that steps them (sparse.py).
+and the sparse optimizer that steps them (sparse_optimizers.py).
 
 Each trainer calls `exchange` once a step: the call brings the gradients of the trainer's
 previous lookup (with respect to the pooled embeddings it got) and this step's ids, and its
@@ -36,7 +36,7 @@ from torch import nn
 
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.core.kinds.tables import Piece
-from pipejob.trainer.hybrid import sparse
+from pipejob.trainer.hybrid import sparse_optimizers
 from pipejob.trainer.runtime import checkpoint, world
 from pipejob.trainer.workloads.recsys import BLOCK, initial_rows
 
@@ -106,7 +106,7 @@ class Server:
                 first += self.pieces[k].rows
         self.first_rows = torch.tensor(self.first)  # as a lookup adds them to its ids
         self.group_of = [g for g, (_, _, members) in enumerate(self.groups) for _ in members]
-        self.optimizer = sparse.make(self.joined, spec.sparse_optimizer)
+        self.optimizer = sparse_optimizers.make(self.joined, spec.sparse_optimizer)
         self.lock = threading.Lock()
         self.kept: dict[str, Lookup] = {}  # each trainer's last lookup, until its gradients
         self.collected: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -186,7 +186,7 @@ class Server:
             parts = [self.collected[t][g] for t in sorted(self.collected)]
             rows = torch.cat([r for r, _ in parts])
             values = torch.cat([v for _, v in parts]) / self.trainers
-            weight.grad = sparse.gradient(rows, values, weight.shape).coalesce()
+            weight.grad = sparse_optimizers.gradient(rows, values, weight.shape).coalesce()
             self.rows_updated += weight.grad.indices().shape[1]
         self.optimizer.step()
         for weight in self.joined:

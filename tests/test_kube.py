@@ -342,7 +342,7 @@ def test_a_replicated_pipeline_renders_every_replica_and_its_groups():
         labels = pod["metadata"]["labels"]
         replica, index = int(labels[kube.REPLICA_LABEL]), int(labels[kube.INDEX_LABEL])
         assert pod["spec"]["hostname"] == pod["metadata"]["name"]
-        assert kube.who(pod) == f"stage {index} of replica {replica}"
+        assert kube.process_name(pod) == f"stage {index} of replica {replica}"
         env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
         # stage i of every replica: group dp<i>, rendezvous on replica 0's stage i
         assert env[contract.DDP_GROUP] == f"dp{index}"

@@ -286,7 +286,7 @@ def restart_of(pod_obj: dict) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
-def who(pod_obj: dict) -> str:
+def process_name(pod_obj: dict) -> str:
     """How a user names a pod's process: "master 0", "stage 1", "trainer 0"."""
     labels = pod_obj["metadata"].get("labels", {})
     name = f"{labels.get(ROLE_LABEL, '?')} {labels.get(INDEX_LABEL, '?')}"

@@ -342,7 +342,7 @@ def _first_failure(planned: list[dict], by_name: dict, created: bool) -> st.Fail
     for rank, planned_pod in enumerate(planned):
         name = planned_pod["metadata"]["name"]
         observed = by_name.get(name)
-        who = kube.who(planned_pod)
+        who = kube.process_name(planned_pod)
         # A pod deleted while no world stood (suspend) is no failure; it is going anyway.
         if observed is not None and (created or not st.deleting(observed)):
             failure = st.pod_failure(observed, who)
@@ -385,7 +385,7 @@ def _preemption(planned: list[dict], by_name: dict) -> st.Failure | None:
     """The first pod of the current world (by rank) preempted, evicted or disrupted."""
     for planned_pod in planned:
         observed = by_name.get(planned_pod["metadata"]["name"])
-        found = st.disruption(observed, kube.who(planned_pod)) if observed else None
+        found = st.disruption(observed, kube.process_name(planned_pod)) if observed else None
         if found is not None:
             return found
     return None
@@ -414,7 +414,7 @@ def _permanent_failure(planned: list[dict], by_name: dict) -> st.Failure | None:
     found = []
     for rank, planned_pod in enumerate(planned):
         observed = by_name.get(planned_pod["metadata"]["name"])
-        who = kube.who(planned_pod)
+        who = kube.process_name(planned_pod)
         failure = None
         if observed is not None:
             failure = st.permanent_failure(observed, who) or st.image_failure(observed, who)

@@ -431,7 +431,7 @@ def test_the_model_file_holds_every_table_whole_under_its_name(tmp_path: Path) -
             model_spec,
             tmp_path / format,
             format,
-            model_writer.joined(pieces),
+            model_writer.rows_from_pieces(pieces),
             dense.state_dict(),
             {"kind": "test"},
         )

@@ -46,7 +46,9 @@ class Reports:
                 "evalSamples": count,
             }
         world.log(
-            self.env, f"eval step {step}: {said(self.evaluation)} on {count} held-out {unit()}"
+            self.env,
+            f"eval step {step}: {evaluation_text(self.evaluation)} on {count} held-out"
+            f" {sample_noun()}",
         )
         monitor.board().evaluated(step, loss, accuracy=accuracy, auc=auc)
         with self.lock:
@@ -79,7 +81,7 @@ class Reports:
             self.last_step, self.last_time = step, now
 
 
-def said(evaluation: dict[str, Any]) -> str:
+def evaluation_text(evaluation: dict[str, Any]) -> str:
     """An evaluation's figures in words: `loss 0.4321, AUC 0.7712` (clicks) or `loss 0.1234,
     accuracy 95.0%` (spec.embedding's classes)."""
     words = f"loss {evaluation['evalLoss']:.4f}"
@@ -90,7 +92,7 @@ def said(evaluation: dict[str, Any]) -> str:
     return words
 
 
-def unit() -> str:
+def sample_noun() -> str:
     """What the job's samples are called: bags (spec.embedding) or samples."""
     return "bags" if world.current().spec.embedding is not None else "samples"
 
@@ -105,19 +107,19 @@ def open_reports(env: Env, trainers: list[str], first: int, samples: int = 0) ->
     return _REPORTS
 
 
-def _reports() -> Reports:
+def _master_reports() -> Reports:
     assert _REPORTS is not None, "a trainer's report reached a process that is not the master"
     return _REPORTS
 
 
 def report(trainer: str, step: int, loss: float) -> None:
     """Runs on the master: a trainer finished `step` with `loss`."""
-    _reports().report(trainer, step, loss)
+    _master_reports().report(trainer, step, loss)
 
 
 def evaluated(step: int, figures: dict[str, Any]) -> None:
     """Runs on the master: DDP rank 0's evaluation after `step` (evaluate.evaluate)."""
-    _reports().evaluated(step, figures)
+    _master_reports().evaluated(step, figures)
 
 
 def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> None:
@@ -125,7 +127,7 @@ def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> No
     env = world.current()
     root = env.spec.checkpoint.path
     start = time.perf_counter()
-    reports = _reports()
+    reports = _master_reports()
     samples = reports.samples + (step - reports.first) * reports.batch  # the data's position
     own = checkpoint.save_part(
         checkpoint.step_dir(root, step),

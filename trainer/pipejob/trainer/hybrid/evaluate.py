@@ -130,11 +130,11 @@ def evaluate(
     return {
         "loss": loss_sum / total,
         "samples": total,
-        **figures(torch.cat(scores), torch.cat(labels)),
+        **accuracy_and_auc(torch.cat(scores), torch.cat(labels)),
     }
 
 
-def figures(scores: torch.Tensor, labels: torch.Tensor) -> dict[str, float | None]:
+def accuracy_and_auc(scores: torch.Tensor, labels: torch.Tensor) -> dict[str, float | None]:
     """Accuracy when the outputs are (samples, classes) and the labels class ids; AUC when
     they are one logit per sample and the labels clicks."""
     accuracy = area = None

@@ -146,7 +146,7 @@ def _wait_all(futures: list[torch.futures.Future]) -> list[Any]:
         try:
             future.wait()
         except Exception as e:
-            original = _original(e)
+            original = _remote_exception(e)
             if original is e:
                 raise
             raise original from e
@@ -157,7 +157,7 @@ def _wait_all(futures: list[torch.futures.Future]) -> list[Any]:
 _REMOTE = re.compile(r"(\w+): On WorkerInfo\(id=\d+, name=([^)]+)\):")
 
 
-def _original(error: Exception) -> Exception:
+def _remote_exception(error: Exception) -> Exception:
     """The remote exception as its own (builtin) type with its own message and the worker's
     name, as rpc_sync would raise it: so a permanent failure (an ImportError from
     spec.dense.import, a ValueError from the data) is told apart from a lost peer."""

@@ -75,7 +75,9 @@ def server_entries(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in manifest["files"] if e["name"].startswith("ps")]
 
 
-def joined(pieces: list[tuple[str, int, int, Callable[[int, int], torch.Tensor]]]) -> Rows:
+def rows_from_pieces(
+    pieces: list[tuple[str, int, int, Callable[[int, int], torch.Tensor]]],
+) -> Rows:
     """Rows of a table from its pieces, (table, start, stop, fetch(start, stop) in table
     rows), whichever pieces a range spans."""
 
@@ -99,7 +101,7 @@ def live_rows(servers: list[str], placement: list[list[Piece]]) -> Rows:
 
         return rows
 
-    return joined(
+    return rows_from_pieces(
         [
             (p.table, p.start, p.stop, fetch(server, k, p))
             for server, pieces in zip(servers, placement, strict=True)
@@ -118,7 +120,7 @@ def saved_rows(directory: str | Path, manifest: dict[str, Any]) -> Rows:
         for q in state["pieces"]:
             fetch = lambda lo, hi, q=q: q["weight"][lo - q["start"] : hi - q["start"]]  # noqa: E731
             pieces.append((q["table"], q["start"], q["stop"], fetch))
-    return joined(pieces)
+    return rows_from_pieces(pieces)
 
 
 def write(

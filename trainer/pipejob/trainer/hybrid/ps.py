@@ -69,7 +69,7 @@ class Lookup:
     rows: list[torch.Tensor]
 
 
-def joined(
+def group_parameter(
     pieces: list[Piece], members: list[int], tables: dict[str, Any], seed: int
 ) -> nn.Parameter:
     """A group's pieces at their initial rows, one after the other, made a block at a time
@@ -94,7 +94,8 @@ class Server:
         tables = {t.name: t for t in spec.embeddings}
         self.groups = groups(self.pieces)
         self.joined = [
-            joined(self.pieces, members, tables, spec.seed) for _, _, members in self.groups
+            group_parameter(self.pieces, members, tables, spec.seed)
+            for _, _, members in self.groups
         ]
         self.first: list[int] = []  # each piece's first row in its group's parameter
         self.weights: list[torch.Tensor] = []  # each piece: its rows of the group's parameter

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pipejob.trainer.hybrid.board import said, unit
+from pipejob.trainer.hybrid.board import evaluation_text, sample_noun
 from pipejob.trainer.runtime import memory, monitor, roles
 from pipejob.trainer.runtime.world import Env
 
@@ -69,7 +69,7 @@ def summarize(
 
 def render(s: dict[str, Any]) -> list[str]:
     lines = [
-        f"done: {s['steps']} steps x {s['batchSize']} {unit()} on {s['trainers']} trainer(s)"
+        f"done: {s['steps']} steps x {s['batchSize']} {sample_noun()} on {s['trainers']} trainer(s)"
         f" in {s['seconds']:.2f}s, {s['samplesPerSecond']:,.0f} samples/s",
         f"loss {s['firstLoss']:.4f} -> {s['finalLoss']:.4f} (mean over trainers)",
         f"dense replicas: max |difference| across trainers {s['denseMaxAbsDiff']:.3g}",
@@ -80,7 +80,10 @@ def render(s: dict[str, Any]) -> list[str]:
         f"data: samples read twice in one pass over the data: {s['samplesRepeated']}"
         + _reader_peaks(s["perTrainer"]),
         *(
-            [f"held-out: {said(s)} on {s['evalSamples']} {unit()} (after step {s['evalStep']})"]
+            [
+                f"held-out: {evaluation_text(s)} on {s['evalSamples']} {sample_noun()}"
+                f" (after step {s['evalStep']})"
+            ]
             if s.get("evalLoss") is not None
             else []
         ),

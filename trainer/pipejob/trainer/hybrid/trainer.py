@@ -152,7 +152,7 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
     )
     evaluate.check_dense(spec, module, loss_fn, next(read(0)), device)
     batches = read(0 if resume is None else resume["samples"])
-    held_out = _held_out(env, spec, router)
+    held_out = _held_out_batches(env, spec, router)
     seen: set[tuple[int, int]] = set()  # (epoch, sample), of the first SEEN samples read
 
     steps, every = spec.steps, spec.log_every
@@ -211,7 +211,7 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
     }
 
 
-def _held_out(env: Env, spec: HybridSpec, router: Router) -> list[Batch] | None:
+def _held_out_batches(env: Env, spec: HybridSpec, router: Router) -> list[Batch] | None:
     """DDP rank 0's held-out batches when spec.eval asks for them (it alone evaluates)."""
     if spec.eval is None or env.ddp_rank != 0:
         return None

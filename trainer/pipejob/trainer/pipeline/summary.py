@@ -33,7 +33,7 @@ def gpipe_bubble(stages: int, micro_batches: int, per_process: int = 1) -> float
 
 
 def summarize(
-    env: Env,
+    env: Env[PipelineSpec],
     names: list[str],
     shards: Shards,
     results: list[StepResult],
@@ -46,68 +46,106 @@ def summarize(
     one. Asks every member of the world for its peak memory (runtime/memory.py).
     `activations`: each stage's most bytes of activations held for its backwards, where its
     engine counts them."""
-    spec: PipelineSpec = env.spec
+    spec = env.spec
     warmup = 1 if len(results) > 1 else 0
     measured = results[warmup:]
     steps = range(first + warmup, first + len(results))
-    seconds = sum(r.pipeline_seconds + r.optimizer_seconds for r in measured)
     pipeline_wall = sum(r.pipeline_seconds for r in measured)
     peaks = memory.gather(env)
     for member, figures in peaks.items():
         monitor.board().memory(member, figures)  # the last /progress report has them too
-    per_stage, busy_total = [], 0.0
-    for i, (name, per_step) in enumerate(zip(names, timings, strict=True)):
-        forward, backward, busy = (sum(per_step[s][k] for s in steps) for k in range(3))
-        busy_total += busy
-        per_stage.append(
-            {
-                "stage": name,
-                "layers": shards.units_of(i),
-                "pieces": shards.describe(i),
-                "costShare": round(share(shards, i), 4),
-                "forwardSeconds": round(forward / len(measured), 4),
-                "backwardSeconds": round(backward / len(measured), 4),
-                "idleFraction": round(1 - busy / pipeline_wall, 4),
-                "peakMemory": peaks.get(name),
-            }
-        )
-        if activations is not None:
-            per_stage[-1]["peakActivationBytes"] = activations[i]
+    rows, busy_total = stage_rows(names, shards, timings, steps, pipeline_wall, peaks)
+    if activations is not None:
+        for i, row in enumerate(rows):
+            row["peakActivationBytes"] = activations[i]
     p, m = spec.stages, shards.partition.micro_batches
     return roles.summary(
         env,
         len(results),
         first,
-        model=models.name(spec.model),
-        engine=spec.engine,
-        schedule=spec.schedule,
-        stages=p,
-        stagesPerProcess=spec.stages_per_process,
-        replicas=len(env.names("stage")) // p,  # the world's (elastic: any of min..max)
-        microBatches=m,
-        microBatchesRequested=spec.micro_batches,  # a count, or "auto"
-        microBatchCandidates=shards.partition.candidates,  # auto's predictions
-        batchSize=spec.batch_size,
-        imageSize=spec.image_size,
+        **setup_figures(env, shards),
         warmupStepsExcluded=warmup,
         gradientAccumulation=spec.gradient_accumulation,
         precision=spec.precision,
         activationCheckpointing=spec.activation_checkpointing,
+        **curve_figures(results),
+        clipGradNorm=spec.optimizer.clip_grad_norm,
+        **rate_figures(spec, measured),
+        partition=rows,
+        memory=peaks,  # every member's, the master's and every replica's stages' included
+        bubble={
+            "measured": round(1 - busy_total / (p * pipeline_wall), 4),
+            "gpipeIdeal": round(gpipe_bubble(p, m), 4),
+            "scheduleIdeal": round(gpipe_bubble(p, m, spec.stages_per_process), 4),
+        },
+    )
+
+
+def stage_rows(
+    names: list[str],
+    shards: Shards,
+    timings: list[dict[int, tuple[float, float, float]]],
+    steps: range,
+    pipeline_wall: float,
+    peaks: dict[str, Any],
+) -> tuple[list[dict[str, Any]], float]:
+    """Each stage process's row of the summary's partition over the measured `steps`, and
+    the seconds all of them were busy."""
+    rows, busy_total = [], 0.0
+    for i, (name, per_step) in enumerate(zip(names, timings, strict=True)):
+        forward, backward, busy = (sum(per_step[s][k] for s in steps) for k in range(3))
+        busy_total += busy
+        rows.append(
+            {
+                "stage": name,
+                "layers": shards.units_of(i),
+                "pieces": shards.describe(i),
+                "costShare": round(share(shards, i), 4),
+                "forwardSeconds": round(forward / len(steps), 4),
+                "backwardSeconds": round(backward / len(steps), 4),
+                "idleFraction": round(1 - busy / pipeline_wall, 4),
+                "peakMemory": peaks.get(name),
+            }
+        )
+    return rows, busy_total
+
+
+def setup_figures(env: Env[PipelineSpec], shards: Shards) -> dict[str, Any]:
+    """The summary's fields that say how the job was set up: model, engine, cut, batches."""
+    spec = env.spec
+    return dict(
+        model=models.name(spec.model),
+        engine=spec.engine,
+        schedule=spec.schedule,
+        stages=spec.stages,
+        stagesPerProcess=spec.stages_per_process,
+        replicas=len(env.names("stage")) // spec.stages,  # the world's (elastic: any of min..max)
+        microBatches=shards.partition.micro_batches,
+        microBatchesRequested=spec.micro_batches,  # a count, or "auto"
+        microBatchCandidates=shards.partition.candidates,  # auto's predictions
+        batchSize=spec.batch_size,
+        imageSize=spec.image_size,
+    )
+
+
+def curve_figures(results: list[StepResult]) -> dict[str, Any]:
+    """Every step's loss, learning rate and gradient norm, and the first and last."""
+    return dict(
         losses=[r.loss for r in results],  # in full: exactness tests compare them
         firstLoss=results[0].loss,
         finalLoss=results[-1].loss,
         learningRates=[r.lr for r in results],
         gradNorms=[r.grad_norm for r in results],
         finalGradNorm=results[-1].grad_norm,
-        clipGradNorm=spec.optimizer.clip_grad_norm,
-        samplesPerSecond=round(
-            spec.batch_size
-            * spec.replicas.max
-            * spec.gradient_accumulation
-            * len(measured)
-            / seconds,
-            3,
-        ),
+    )
+
+
+def rate_figures(spec: PipelineSpec, measured: list[StepResult]) -> dict[str, Any]:
+    """Samples a second and seconds a step, over the `measured` steps."""
+    seconds = sum(r.pipeline_seconds + r.optimizer_seconds for r in measured)
+    samples = spec.batch_size * spec.replicas.max * spec.gradient_accumulation * len(measured)
+    return dict(
+        samplesPerSecond=round(samples / seconds, 3),
         secondsPerStep=round(seconds / len(measured), 4),
         allreduceSecondsPerStep=round(
             sum(r.allreduce_seconds for r in measured) / len(measured), 4
@@ -115,13 +153,6 @@ def summarize(
         optimizerSecondsPerStep=round(
             sum(r.optimizer_seconds for r in measured) / len(measured), 4
         ),
-        partition=per_stage,
-        memory=peaks,  # every member's, the master's and every replica's stages' included
-        bubble={
-            "measured": round(1 - busy_total / (p * pipeline_wall), 4),
-            "gpipeIdeal": round(gpipe_bubble(p, m), 4),
-            "scheduleIdeal": round(gpipe_bubble(p, m, spec.stages_per_process), 4),
-        },
     )
 
 

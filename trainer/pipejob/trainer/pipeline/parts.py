@@ -42,7 +42,7 @@ def trace(spec: PipelineSpec, model: nn.Module) -> cut.Traced | staged.Layers | 
     """The model's cut candidates, found the same way in every process: traced, or as the
     user stages it (spec.model.staged)."""
     if spec.model.staged is not None:
-        return staged.of(spec, model)
+        return staged.as_traced(spec, model)
     # The data's shapes, read only where fx's plain trace does not do (workloads/shapes.py).
     return cut.Traced(
         model,

@@ -56,7 +56,7 @@ def interval(seconds: float) -> float:
     return min(2.0, max(0.2, seconds / 10))
 
 
-def whom(name: str, pod: str | None, pid: int | None) -> str:
+def member_label(name: str, pod: str | None, pid: int | None) -> str:
     """A member as the watchdog names it: "stage1 (pod x-stage-1)", "stage1 (pid 4242)"."""
     if pod:
         return f"{name} (pod {pod})"
@@ -73,7 +73,8 @@ def stall(env: Env, message: str) -> None:
     os._exit(c.ExitCode.STALLED)
 
 
-def _me(env: Env) -> dict[str, Any]:
+def _heartbeat(env: Env) -> dict[str, Any]:
+    """The heartbeat this member posts: who it is, where, and how many calls it has served."""
     return {
         "member": env.rpc_name,
         "pod": os.environ.get(c.POD_NAME) or None,
@@ -126,7 +127,7 @@ class Members:
             with self.lock:
                 self.seen[name] = seen
         return {
-            **_me(self.env),
+            **_heartbeat(self.env),
             "phase": progress["phase"],
             "step": progress["step"],
             "seconds": bound(self.env, self.board),
@@ -145,7 +146,7 @@ class Members:
                 seen = self.seen.get(name)
                 if seen is not None and now - seen.at > limit:
                     return (
-                        f"{whom(name, seen.pod, seen.pid)} stopped answering: no heartbeat"
+                        f"{member_label(name, seen.pod, seen.pid)} stopped answering: no heartbeat"
                         f" for {now - seen.at:.0f} s, last seen in {seen.phase} at step"
                         f" {seen.step}"
                     )
@@ -160,7 +161,7 @@ class Members:
     def named(self, name: str) -> str:
         with self.lock:
             seen = self.seen.get(name)
-        return whom(name, seen.pod, seen.pid) if seen else name
+        return member_label(name, seen.pod, seen.pid) if seen else name
 
     def stuck(self, now: float) -> str | None:
         """What the world waits on if it has made no progress for longer than the bound
@@ -243,7 +244,7 @@ def beat(env: Env) -> None:
         looked = now
         sent = time.monotonic()
         try:
-            reply = _post(url, json.dumps(_me(env)).encode(), timeout)
+            reply = _post(url, json.dumps(_heartbeat(env)).encode(), timeout)
             heard = (time.monotonic(), reply)
             if isinstance(reply.get("seconds"), int | float):
                 seconds = float(reply["seconds"])
@@ -251,7 +252,7 @@ def beat(env: Env) -> None:
             silent = time.monotonic() - heard[0] if heard else 0.0
             if heard is not None and silent > seconds:
                 last = heard[1]
-                master = whom(env.world[0], last.get("pod"), last.get("pid"))
+                master = member_label(env.world[0], last.get("pod"), last.get("pid"))
                 stall(
                     env,
                     f"{master} stopped answering: no reply to heartbeats for"

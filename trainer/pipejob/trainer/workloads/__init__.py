@@ -85,11 +85,11 @@ def hybrid_dense(spec: HybridSpec, dense_features: int) -> nn.Module:
 def hybrid_data(spec: HybridSpec) -> Samples:
     """The training samples: synthetic, from files (spec.data.file, spec.data.criteo) or
     from the user's Dataset (spec.data.import); see workloads/samples.py."""
-    train = samples.of(spec, "train")
+    train = samples.split_samples(spec, "train")
     assert train is not None  # every source has a training split
     return train
 
 
 def hybrid_held_out(spec: HybridSpec) -> Samples | None:
     """The held-out samples spec.eval measures on; None when the data has none."""
-    return samples.of(spec, "val")
+    return samples.split_samples(spec, "val")

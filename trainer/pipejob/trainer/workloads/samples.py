@@ -256,7 +256,7 @@ def in_order(
     ]
 
 
-def of(spec: HybridSpec, split: str) -> Samples | None:
+def split_samples(spec: HybridSpec, split: str) -> Samples | None:
     """The `split` ("train" or "val") of the spec's data source; None when it has no
     held-out set. Synthetic samples (the default) hold out `held_out_size` samples drawn
     with another seed."""

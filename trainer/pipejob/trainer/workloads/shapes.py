@@ -249,11 +249,11 @@ class ShapedTracer(tracing.Tracer):
         """`node`'s value for batch size i from its inputs' (with `fill`, on the CPU: the
         inputs made of that value, of their shapes and dtypes)."""
 
-        def of(a: Any) -> Any:
+        def argument_value(a: Any) -> Any:
             value = self.values[a][i] if isinstance(a, fx.Node) else a  # type: ignore[index]
             return value if fill is None else tree_map(lambda v: _filled(v, fill), value)
 
-        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), of)
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), argument_value)
         if node.op == "placeholder":
             return torch.empty(
                 (BATCHES[i], *self.sample.shape[1:]), dtype=self.sample.dtype, device=META

@@ -219,7 +219,7 @@ def builds(spec: PipelineSpec) -> bool:
     return spec.model.staged is not None and spec.model.staged.stage is not None
 
 
-def of(spec: PipelineSpec, model: nn.Module) -> Layers | Built:
+def as_traced(spec: PipelineSpec, model: nn.Module) -> Layers | Built:
     """The staged model's units and cut (spec.model.staged), as cut.Traced gives them."""
     staged = spec.model.staged
     assert staged is not None
@@ -231,5 +231,5 @@ def of(spec: PipelineSpec, model: nn.Module) -> Layers | Built:
 def as_called(spec: PipelineSpec, model: nn.Module) -> nn.Module:
     """The staged model as the pipeline calls it (its pieces in turn), for the master's fit
     check: its own forward is not what runs."""
-    staged = of(spec, model)
+    staged = as_traced(spec, model)
     return Chain(*staged.split(staged.units[1:]))

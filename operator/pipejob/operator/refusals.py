@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from pipejob.operator import status as st
-from pipejob.operator.reconcile import WARNING, Actions, Event
+from pipejob.operator.actions import WARNING, Actions, Event
 
 
 def without_podgroup(acts: Actions, old: dict, error: str, now: datetime) -> Actions:

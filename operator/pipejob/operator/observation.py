@@ -1,0 +1,156 @@
+"""What one reconcile sees of a job (`Observed`): its object and pods as read, the time, the
+operator's settings, and the views every situation reads (the current world's pods, the pods
+it should have, its master, the size it runs at). Pure: docs/architecture.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from datetime import datetime
+from functools import cached_property
+
+from pipejob.core.contract import Progress
+from pipejob.core.spec import InvalidSpec, Job, parse
+from pipejob.operator import elastic, kube
+from pipejob.operator import status as st
+from pipejob.operator.policy_settings import DEFAULT, Settings
+
+
+def owned(pod: dict, uid: str | None) -> bool:
+    return any(
+        ref.get("controller") and ref.get("uid") == uid
+        for ref in pod["metadata"].get("ownerReferences") or []
+    )
+
+
+@dataclass(frozen=True)
+class Observed:
+    """The job object, every pod labelled with its name, and, when the caller polled it, the
+    `progress` its current world's master reported. `allow_node_volumes` is the operator's
+    allowance of hostPath and other node-level volumes; `policy` its settings of the worlds'
+    NetworkPolicies (None: none)."""
+
+    job_obj: dict
+    pods: list[dict]
+    now: datetime
+    image: str
+    progress: Progress | None = None
+    allow_node_volumes: bool = False
+    policy: Settings | None = DEFAULT
+
+    @property
+    def meta(self) -> dict:
+        return self.job_obj["metadata"]
+
+    @property
+    def old(self) -> dict:
+        """The status as the last reconcile wrote it."""
+        return self.job_obj.get("status") or {}
+
+    @property
+    def restart(self) -> int:
+        """The current world's number: restarts + preemptions + resizes."""
+        return st.world(self.old)
+
+    @property
+    def namespace(self) -> str:
+        return self.meta.get("namespace") or "default"
+
+    @property
+    def owner(self) -> dict:
+        return kube.owner_reference(self.job_obj)
+
+    @cached_property
+    def everything(self) -> list[dict]:
+        """The job's own pods, of every world, standby ones included."""
+        return [p for p in self.pods if owned(p, self.meta.get("uid"))]
+
+    @cached_property
+    def standby(self) -> list[dict]:
+        """The standby pods: beside the world, not of it."""
+        return [p for p in self.everything if elastic.is_standby(p)]
+
+    @cached_property
+    def ours(self) -> list[dict]:
+        """The job's pods of every world, standby ones left out."""
+        return [p for p in self.everything if not elastic.is_standby(p)]
+
+    @cached_property
+    def current(self) -> list[dict]:
+        """The current world's pods."""
+        return [p for p in self.ours if kube.restart_of(p) == self.restart]
+
+    @cached_property
+    def live(self) -> list[dict]:
+        """The job's pods not being deleted."""
+        return [p for p in self.everything if not st.deleting(p)]
+
+    @cached_property
+    def parsed(self) -> Job | InvalidSpec:
+        """The job as its spec says, or what is wrong with the spec."""
+        name = f"{self.job_obj.get('kind')} {self.meta.get('name')}"
+        try:
+            return parse(self.job_obj, name, self.allow_node_volumes, cluster=True)
+        except InvalidSpec as e:
+            return e
+
+    @cached_property
+    def size(self) -> int | None:
+        """The size the world runs at, elastic or fixed; None: the kind has no size."""
+        return elastic.size(self.parsed, self.old) if isinstance(self.parsed, Job) else None
+
+    @cached_property
+    def job(self) -> Job:
+        """The job at the size its world runs at (its spec valid: after situations.invalid)."""
+        if isinstance(self.parsed, InvalidSpec):
+            raise self.parsed
+        if self.size is None:
+            return self.parsed
+        return replace(self.parsed, size=self.size, resizes=int(self.old.get("resizes") or 0))
+
+    @cached_property
+    def planned(self) -> list[dict]:
+        """The current world's pods as they should be, in rank order (the master first)."""
+        return kube.world(self.job, self.restart, self.namespace, self.owner, self.image)
+
+    @cached_property
+    def by_name(self) -> dict[str, dict]:
+        """The current world's pods by name."""
+        return {p["metadata"]["name"]: p for p in self.current}
+
+    @property
+    def master(self) -> dict | None:
+        """The current world's master pod, if it exists."""
+        return self.by_name.get(self.planned[0]["metadata"]["name"])
+
+    @cached_property
+    def start(self) -> datetime:
+        """When the job started (its deadline counts from it): now, the first time."""
+        return st.parse_time(self.old.get("startTime")) or self.now
+
+    def status(self) -> dict:
+        """A new status to start from: the old one with the current world's counts."""
+        counts = st.role_counts(self.current, kube.role_of)
+        new = dict(self.old, restarts=int(self.old.get("restarts") or 0), roles=counts)
+        new["observedGeneration"] = (
+            self.meta.get("generation") or self.old.get("observedGeneration") or 0
+        )
+        return new
+
+    def sized_status(self) -> dict:
+        """`status()` with the size the world runs at (a valid spec's)."""
+        new = self.status()
+        if self.size is not None:
+            new[self.job.definition.elastic] = self.size
+        return new
+
+    def active_status(self) -> dict:
+        """`sized_status()` of a job that is not suspended: with what the master reported, a
+        failed preflight, and the job's start time."""
+        new = self.sized_status()
+        if self.progress is not None:
+            new = st.with_report(new, self.progress, self.now)
+        preflight = st.preflight_failure(self.current)
+        if preflight is not None:
+            new = st.with_preflight(new, False, preflight, self.now)
+        new["startTime"] = st.timestamp(self.start)
+        return new

@@ -37,7 +37,7 @@ def make_spec(**fields: Any) -> PipelineSpec:
         preflight=Preflight(enabled=False, timeout_seconds=10, megabytes=1.0),
         model=Model(torchvision="resnet18"),
         stages=2,
-        replicas=Size.of(1),
+        replicas=Size.parse(1),
         micro_batches=2,
         batch_size=8,
         image_size=16,
@@ -45,7 +45,7 @@ def make_spec(**fields: Any) -> PipelineSpec:
         gpus_per_stage=0,
     )
     if isinstance(fields.get("replicas"), int):
-        fields["replicas"] = Size.of(fields["replicas"])
+        fields["replicas"] = Size.parse(fields["replicas"])
     return PipelineSpec(**(base | fields))
 
 

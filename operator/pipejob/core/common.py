@@ -433,7 +433,7 @@ def _value(hint: Any, value: Any) -> Any:
         others = [a for a in hint.__args__ if a is not type(None)]
         hint = others[0] if len(others) == 1 else hint
     if hint is Size:  # an int-or-object size: n is {min: n, max: n}
-        return Size.of(value)
+        return Size.parse(value)
     if dataclasses.is_dataclass(hint):
         return from_spec(hint, value)
     if typing.get_origin(hint) is tuple:

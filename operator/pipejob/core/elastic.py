@@ -22,7 +22,7 @@ class Size:
     max: int
 
     @classmethod
-    def of(cls, value: int | dict[str, Any]) -> Size:
+    def parse(cls, value: int | dict[str, Any]) -> Size:
         if isinstance(value, dict):
             return cls(min=value["min"], max=value["max"])
         return cls(min=value, max=value)
@@ -67,7 +67,7 @@ def size_field(what: str, default: int, minimum: int, maximum: int) -> Field:
 
 def full(value: int | dict[str, Any]) -> int:
     """The largest size: what the spec's batch is given for."""
-    return Size.of(value).max
+    return Size.parse(value).max
 
 
 def cel_full(field: str) -> str:
@@ -93,13 +93,13 @@ def elastic_acts(field: str) -> Rule:
         f"acts only on a world whose {field} is a range ({{min, max}} with min < max);"
         f" {field} is fixed here: leave elastic out, or give {field} a range",
         "elastic",
-        lambda s: "elastic" not in s or Size.of(s[field]).elastic,
+        lambda s: "elastic" not in s or Size.parse(s[field]).elastic,
     )
 
 
 def bounds(kind: Kind, spec: dict[str, Any]) -> Size | None:
     """The kind's elastic size in `spec`, or None when the kind has none."""
-    return None if kind.elastic is None else Size.of(spec[kind.elastic])
+    return None if kind.elastic is None else Size.parse(spec[kind.elastic])
 
 
 def shape(kind: Kind, spec: dict[str, Any], size: int | None = None) -> dict[str, Any]:

@@ -132,6 +132,6 @@ RULES = (
 )
 
 
-def of(spec: dict[str, Any]) -> dict[str, Any] | None:
+def section(spec: dict[str, Any]) -> dict[str, Any] | None:
     """The spec's scheduling section, or None when the default scheduler runs the pods."""
     return spec.get("scheduling") or None

@@ -173,7 +173,7 @@ def _standing_by(job: Job, pod: dict, world: int, joins: int, k: int) -> dict:
     for key in ("env", "ports", "volumeMounts"):
         container.pop(key, None)
     container["command"] = list(STANDBY_COMMAND)
-    section = sch.of(job.spec)
+    section = sch.section(job.spec)
     if section is not None and section["provider"] == sch.KUEUE:  # a pod group per size
         unit = sum(1 for n, _ in joiners(job, joins - 1) if n == joins)
         meta["labels"][sch.KUEUE_QUEUE_LABEL] = section["queue"]

@@ -19,7 +19,7 @@ from pipejob.core.spec import Job
 
 
 def provider(job: Job) -> str | None:
-    section = sch.of(job.spec)
+    section = sch.section(job.spec)
     return section["provider"] if section else None
 
 
@@ -39,7 +39,7 @@ def pod_name(job: Job, hostname: str, world: int) -> str:
 
 def decorate(job: Job, pod: dict[str, Any], size: int) -> dict[str, Any]:
     """`pod` (one of a world of `size`) as its gang scheduler wants it."""
-    section = sch.of(job.spec)
+    section = sch.section(job.spec)
     if section is None:
         return pod
     meta, spec = pod["metadata"], pod["spec"]
@@ -63,7 +63,7 @@ def decorate(job: Job, pod: dict[str, Any], size: int) -> dict[str, Any]:
 
 def podgroup(job: Job, pods: list[dict], namespace: str, owner: dict | None) -> dict | None:
     """The PodGroup of the world `pods` (Volcano or coscheduling), or None."""
-    section = sch.of(job.spec)
+    section = sch.section(job.spec)
     if section is None or section["provider"] == sch.KUEUE:
         return None
     meta: dict[str, Any] = {

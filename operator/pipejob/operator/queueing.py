@@ -19,7 +19,7 @@ KUEUE_SUCCESS_GRACE = 30
 def queued(job: Job, planned: list[dict], by_name: dict) -> str | None:
     """Why the world waits for its gang scheduler, when every pod exists and it has not
     admitted them yet; else None."""
-    section = sch.of(job.spec)
+    section = sch.section(job.spec)
     pods = [by_name.get(p["metadata"]["name"]) for p in planned]
     if section is None or any(p is None or st.deleting(p) for p in pods):
         return None
@@ -49,7 +49,7 @@ def _gated(pod: dict) -> bool:
 
 def admitted(job: Job, size: int) -> str:
     """The Admitted Event's message."""
-    section = sch.of(job.spec) or {}
+    section = sch.section(job.spec) or {}
     if section.get("provider") == sch.KUEUE:
         return (
             f"Kueue admitted pod group {gang.group_name(job)} ({size} pods) from LocalQueue"

@@ -357,7 +357,7 @@ def _memory(spec: Spec) -> list[SpecError]:
         return []
     fits, servers = int(k8s.quantity(limit)), spec["parameterServers"]
     where = f"the pods' memory limit {limit} (spec.template.resources.limits.memory)"
-    trainers = Size.of(spec["trainers"])
+    trainers = Size.parse(spec["trainers"])
     trainer = tables.trainer_needs(-(-trainers.max // trainers.min))  # its lanes at the fewest
     errors = (
         []

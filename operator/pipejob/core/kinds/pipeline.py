@@ -87,12 +87,12 @@ def auto_counts(batch: int, schedule: str, stages: int) -> list[int]:
     return [m for m in micro_batch_counts(batch) if schedule_refuses(schedule, stages, m) is None]
 
 
-def schedule_of(spec: dict) -> str:
+def effective_schedule(spec: dict) -> str:
     """The schedule a defaulted spec runs: its own, or its engine's default."""
     return spec.get("schedule") or DEFAULT_SCHEDULE[spec["engine"]]
 
 
-# `schedule_of` in CEL, for the rules the API server checks.
+# `effective_schedule` in CEL, for the rules the API server checks.
 SCHEDULE_CEL = "(has(self.schedule) ? self.schedule : (self.engine == 'rpc' ? 'gpipe' : '1f1b'))"
 
 
@@ -299,11 +299,11 @@ PIPELINE_SPEC = Field(
             "microBatches",
             lambda s: (
                 s["microBatches"] == AUTO
-                or schedule_refuses(schedule_of(s), s["stages"], s["microBatches"]) is None
+                or schedule_refuses(effective_schedule(s), s["stages"], s["microBatches"]) is None
             ),
             explain=lambda s: (
                 "spec.schedule "
-                + str(schedule_refuses(schedule_of(s), s["stages"], s["microBatches"]))
+                + str(schedule_refuses(effective_schedule(s), s["stages"], s["microBatches"]))
             ),
         ),
         *COMMON_RULES,
@@ -343,7 +343,7 @@ def _complete(spec: Spec) -> Spec:
     if isinstance(spec.get("model"), str):
         spec["model"] = {"torchvision": spec["model"]}
     if "engine" in spec:
-        spec["schedule"] = schedule_of(spec)
+        spec["schedule"] = effective_schedule(spec)
     return spec
 
 

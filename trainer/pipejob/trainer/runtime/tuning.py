@@ -1,66 +1,9 @@
-"""Per-process performance settings, decided from the env contract and the host, applied at
-trainer start before torch loads.
-
-Each lever is measured (benchmarks/compare.py and the issue-6 note):
-- threads: intra-op threads of a compute role = its share of its host's CPUs (the compute
-  processes of the world on its host split them; the local runner puts the whole world on
-  one host), twice that where the share is under 2 CPUs, at most all of them. The CPUs are
-  those the process may run on, its affinity (taskset, a cpuset, Kubernetes' static CPU
-  manager), not the machine's count: 2 stages pinned to 2 of 16 cores get 2 threads each, on
-  all 16 they get 8. Oversubscribing a core on purpose lets a stage that is busy use the core
-  of one that waits in the pipeline's bubble (2 stages on 2 cores, m=2: 60 samples/s with 2
-  threads each against 55 with 1, load 2-3); on 16 cores, 16 threads each made two stages
-  computing at once fight (ResNet-50, batch 48, an H200 machine's 16 cores: at m=2, 111
-  samples/s with 8 threads each against 86 with 16; with 16, 131 at m=1, where the stages
-  never compute at once, 80 at m=2, 62 at m=4). A pod with a CPU limit counts its quota,
-  which torch's default ignores. A light role
-  (the pipeline master) sharing a host with compute roles gets one thread. Set through
-  OMP_NUM_THREADS before torch loads: OpenMP reads it once, and it is the only bound that
-  reaches the threads torch does not initialise itself (the RPC agent's workers run the
-  stages' forwards). Where compute processes share cores, OpenMP's threads also sleep rather
-  than spin while they wait (OMP_WAIT_POLICY=PASSIVE): a spinning team whose other thread
-  was preempted burns its core (3.4x the CPU and 3.3x the time per batch measured for a
-  2-thread process on a shared host).
-- allocator: which malloc the process runs with (issue 35, benchmarks/allocators.py; the
-  table is in the user guide). PyTorch frees and allocates activations and gradients of the
-  same sizes on every micro-batch and step. glibc's malloc hands freed memory back to the
-  kernel and faults it in again (a stage's page faults per batch: 86k with its defaults), and
-  its arenas do not reuse what other threads freed. tcmalloc, preloaded by default
-  (pipejob.core.levers: LD_PRELOAD, set before the process starts), keeps freed memory for
-  reuse by every thread: the most samples per CPU-second on ResNet-50, and less memory held
-  than glibc with the settings below; what gives freed memory back at once (glibc's
-  defaults, tcmalloc with TCMALLOC_AGGRESSIVE_DECOMMIT) holds less and takes twice the CPU.
-  Where it is missing, or with `allocator=glibc`, glibc gets one arena, a trim threshold of
-  1 GiB and a fixed mmap threshold of 32 MiB, which keep freed memory in the process (86k ->
-  36k with one arena -> 9k with the thresholds) and hold more of it: set with `mallopt`,
-  which only shapes arenas made later, so it runs before any other thread allocates. The
-  settings line names the malloc the process runs with, read from the libraries loaded in
-  it, not the one asked for. MKL, whose matrix products torch's CPU linear layers call,
-  keeps the buffers it takes in a cache of its own, which grows with the threads that call
-  it (the RPC threads that run a stage's forwards and backwards; 3 MB a thread for a
-  1024x4096 layer): memory.py's acceptance transformer's stages held 0.02-0.04 GB more
-  between steps over 6 steps (tcmalloc's bytes in use: 0.44-0.46 -> 0.46-0.48 GB; without
-  the cache flat at 0.42-0.44, the weights and what torch itself holds) and peaked at
-  1.39-1.43 GB against 1.35-1.37, at the same speed (benchmarks/allocators.py). With the
-  lever, MKL takes its buffers from the malloc (MKL_DISABLE_FAST_MM=1).
-- transport: TensorPipe's shared-memory transport runs a reactor thread that busy-polls
-  in every process (0.1-0.25 CPU-s per second when idle, 0.2-0.4 per batch when training),
-  taking CPU from the compute roles; CPU-only processes use the uv (TCP) transport instead.
-  Roles bound by the latency of many small RPCs (a HybridJob's ps and trainers:
-  `Role.latency_bound`), which the polling shortens (uv: 0.82x the iterations/s of shm on a
-  lightly loaded host), keep torch's defaults only where the polling has cores to spare: peers
-  on the same host (shm never crosses hosts or pods) and at least two CPUs for each compute
-  process there. Under fewer, the reactors took a third of a HybridJob's CPU (2 trainers and
-  2 servers on 2 cores: 4,400 samples per CPU-second with shm, 6,200-6,500 with uv, and
-  faster in wall time too). A HybridJob's master, which only starts the trainers and takes
-  their reports, uses uv and stops polling (its CPU per iteration 1.1-1.9 ms -> under 0.1).
-  Processes with GPUs need the CUDA channels: torch's defaults.
-
+"""Per-process performance settings (intra-op threads, the malloc, TensorPipe's transport),
+decided from the env contract and the host and applied at trainer start, before torch loads.
 A variable the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, MALLOC_ARENA_MAX,
-MKL_DISABLE_FAST_MM, an LD_PRELOAD that names a malloc, the malloc's own settings) always
-wins. PIPEJOB_TUNING picks levers (pipejob.core.levers): unset or "on" for all, "off" for
-none, or a comma-separated list of levers, the allocator's with its choice where it is not
-the default ("allocator=tcmalloc")."""
+MKL_DISABLE_FAST_MM, an LD_PRELOAD naming a malloc, the malloc's own settings) always wins;
+PIPEJOB_TUNING picks the levers (pipejob.core.levers). What each lever does and the
+measurements behind it: docs/user-guide.md, "Performance settings"."""
 
 from __future__ import annotations
 

@@ -1,36 +1,8 @@
-"""Any model cut into pipeline stages at module names, keeping the original parameter names.
-
-Cut candidates come from the module tree: the model's children (plain `Sequential`,
-`ModuleList` and `ModuleDict` containers opened into their items), and, while there are
-fewer than the balance needs, the children of the largest candidate (a wrapper opens into
-what it wraps, a Hugging Face `transformer` into its embeddings, `h.0`, `h.1`, ... and
-norm); `splitPoints` open whatever is above the modules they name. torch.fx traces the
-model's forward with every candidate as a leaf, so only the glue between candidates must be
-traceable (a candidate's own forward may hold any Python). Where fx cannot trace a module's
-forward, that module stays whole (a unit of its own) and tracing starts again; only the
-model's own forward must trace.
-
-The forward is traced as the pipeline calls it: with one positional input (a batch of the
-data's inputs); other arguments keep their defaults (workloads/tracing.py). fx decides a
-branch on `self.training` while tracing, so the forward is traced in training mode and in
-evaluation mode, and where the two differ each stage holds both.
-
-The graph is then cut where stages begin: each stage is a `Piece` (workloads/piece.py): fx's
-generated code run on the original model's modules, so its parameters and buffers keep their
-original names (`transformer.h.3.attn.c_attn.weight`), and the stages' state dicts together
-are the model's (its non-persistent buffers stay out of them; a parameter held under names
-the forward never uses, T5's `shared` embedding, is held by a stage under those too). Whatever
-the forward carries across a cut (one tensor or several: a residual stream, a mask, a size)
-is passed on: stage k takes the values live at its start as positional arguments and
-returns those live at its end, as a tuple; the last stage returns the model's output. A
-parameter two stages use (tied input and output embeddings) is in both, and `ties` names it
-so the pipeline can combine its gradients.
-
-Why not torch.distributed.pipelining's tracer (torch.export): it bakes training mode into
-the graph (a BatchNorm in `.eval()` still updates its statistics, measured), its stages do
-not pickle, tracing ResNet-18 takes 1.4 s against fx's 0.02 s, and it cannot capture
-transformers 5's GPT-2 at all ("cannot capture your model as a full graph", measured), which
-this tracer cuts in 0.03 s."""
+"""Any model cut into pipeline stages at module names, keeping the original parameter names:
+cut candidates from the module tree, fx's trace of the forward with them as leaves
+(workloads/tracing.py), the graph cut into `Piece`s (workloads/piece.py), and the parameters
+two stages share (`ties`). How and why (the candidates, both modes traced, what crosses a
+cut, why not torch.export): docs/architecture.md, "How any model is cut"."""
 
 from __future__ import annotations
 

@@ -111,13 +111,42 @@ class Reconciler:
         acts = reconcile.decide(
             job, pods, now, self.image, report, self.allow_node_volumes, self.policy
         )
-        # Pods before status (a world counts as created once its pods exist), status before
-        # deletes (a restart is recorded before its world goes), so a crash between any two
-        # steps is repaired by the next reconcile.
+        self._apply(key, job, acts, now)
+
+    def _apply(self, key: Key, job: dict, acts: reconcile.Actions, now: datetime) -> None:
+        """Carry out `acts`. Pods before status (a world counts as created once its pods
+        exist), status before deletes (a restart is recorded before its world goes), so a
+        crash between any two steps is repaired by the next reconcile."""
+        plural, namespace, name = key
         if acts.service is not None:
             self.cluster.create(acts.service)
-        # Before the pods: they must never run open, and a gang scheduler waits for its group.
-        # Refused (not allowed, no such kind, another's of that name): no pods, status says why.
+        acts = self._apply_policy_and_podgroup(job, acts, now)
+        for pod in acts.create:
+            self.cluster.create(pod)
+        old = job.get("status") or {}
+        if acts.status != old:
+            self.cluster.patch_status(plural, job, acts.status)
+            if acts.status.get("phase") != old.get("phase"):
+                log.info(f"{namespace}/{name}: {old.get('phase')} -> {acts.status['phase']}")
+        self.metrics.observe(key, job.get("kind") or _kind_name(plural), old, acts.status)
+        self._end_groups(key, acts.end_group)  # before the deletes: Kueue must see it on a pod
+        for pod in acts.delete:
+            self.cluster.delete_pod(pod)
+        if acts.delete:
+            names = ", ".join(p["metadata"]["name"] for p in acts.delete)
+            log.info(f"{namespace}/{name}: deleted pods {names}")
+        self._post_events(key, job, acts.events)
+        if acts.delete_job:
+            log.info(f"{namespace}/{name}: ttlSecondsAfterFinished passed: deleting the job")
+            self.cluster.delete_job(plural, job)
+            self.forget(key)
+
+    def _apply_policy_and_podgroup(
+        self, job: dict, acts: reconcile.Actions, now: datetime
+    ) -> reconcile.Actions:
+        """The world's NetworkPolicy and PodGroup, before its pods: they must never run open,
+        and a gang scheduler waits for its group. Refused (not allowed, no such kind, another's
+        of that name): `acts` without pods, the status saying why."""
         for made, without in (
             (acts.policy, refusals.without_policy),
             (acts.podgroup, refusals.without_podgroup),
@@ -130,41 +159,31 @@ class Reconciler:
                 if e.status not in (403, 404, 422):
                     raise
                 acts = without(acts, job.get("status") or {}, str(e), now)
-        for pod in acts.create:
-            self.cluster.create(pod)
-        old = job.get("status") or {}
-        if acts.status != old:
-            self.cluster.patch_status(plural, job, acts.status)
-            if acts.status.get("phase") != old.get("phase"):
-                log.info(f"{namespace}/{name}: {old.get('phase')} -> {acts.status['phase']}")
-        self.metrics.observe(key, job.get("kind") or _kind_name(plural), old, acts.status)
-        for pod in acts.end_group:  # before the deletes: Kueue must see it on a pod
+        return acts
+
+    def _end_groups(self, key: Key, pods: list[dict]) -> None:
+        """End the Kueue pod groups of `pods`; not allowed, say what is left."""
+        for pod in pods:
             try:
                 self.cluster.end_kueue_group(pod)
             except ApiError as e:  # not allowed: the job is done anyway; say what is left
                 if e.status != 403:
                     raise
                 log.warning(
-                    f"{namespace}/{name}: cannot end its Kueue pod group, which keeps"
+                    f"{key[1]}/{key[2]}: cannot end its Kueue pod group, which keeps"
                     f" its quota until its pods go (chart value"
                     f" scheduling.kueue.enabled): {e}"
                 )
-        for pod in acts.delete:
-            self.cluster.delete_pod(pod)
-        if acts.delete:
-            names = ", ".join(p["metadata"]["name"] for p in acts.delete)
-            log.info(f"{namespace}/{name}: deleted pods {names}")
-        for event in acts.events:
+
+    def _post_events(self, key: Key, job: dict, events: list[reconcile.Event]) -> None:
+        """Log `events` and post them on the job; Events inform, they never stop a reconcile."""
+        for event in events:
             level = logging.WARNING if event.type == reconcile.WARNING else logging.INFO
-            log.log(level, f"{namespace}/{name}: {event.reason}: {event.message}")
+            log.log(level, f"{key[1]}/{key[2]}: {event.reason}: {event.message}")
             try:
                 self.cluster.post_event(job, event.type, event.reason, event.message)
-            except ApiError as e:  # Events inform; they must not stop the reconcile
-                log.warning(f"{namespace}/{name}: could not post an Event: {e}")
-        if acts.delete_job:
-            log.info(f"{namespace}/{name}: ttlSecondsAfterFinished passed: deleting the job")
-            self.cluster.delete_job(plural, job)
-            self.forget(key)
+            except ApiError as e:
+                log.warning(f"{key[1]}/{key[2]}: could not post an Event: {e}")
 
 
 def _kind_name(plural: str) -> str:

@@ -195,24 +195,45 @@ def pod(
     template = job.spec.get("template") or {}
     hostname = pod_name(job.name, process.member)  # the DNS name stays across worlds
     name = gang.pod_name(job, hostname, restart)
+    spec: dict[str, Any] = {
+        "hostname": hostname,
+        "subdomain": job.name,
+        "restartPolicy": "Never",  # the operator restarts the whole world, never one pod
+        "enableServiceLinks": False,
+        # Training pods never talk to the Kubernetes API unless the user gives them an account.
+        "automountServiceAccountToken": bool(template.get("serviceAccountName")),
+        "securityContext": copy.deepcopy(POD_SECURITY),
+        "containers": [_container(job, process, name, image)],
+    }
+    for key in _POD_FIELDS:
+        if template.get(key):
+            spec[key] = copy.deepcopy(template[key])
+    labels = {
+        ROLE_LABEL: process.role,
+        INDEX_LABEL: str(process.member.index),
+        **({REPLICA_LABEL: str(process.member.replica)} if process.member.replicated else {}),
+        RESTART_LABEL: str(restart),
+    }
+    meta = _metadata(job, name, namespace, owner, labels)
+    meta["annotations"] = {SPEC_HASH: spec_hash(job)}
+    pod_obj = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+    return gang.decorate(job, pod_obj, process.world_size)
+
+
+def _container(job: Job, process: Process, name: str, image: str | None) -> dict:
+    """The trainer's container of the pod `name` of `process`: its env, ports, image,
+    resources and volumes."""
+    template = job.spec.get("template") or {}
     env = [{"name": k, "value": v} for k, v in process.env.items()]
     # The watchdog names a member by its pod (the name changes with every restart).
     env.append({"name": POD_NAME, "value": name})
     env += copy.deepcopy(template.get("env") or [])
-    ports = [{"name": "rpc", "containerPort": PORTS.rpc}]
-    if process.seat is not None:
-        ports.append({"name": "ddp", "containerPort": process.seat.port})
-    if process.rank == 0:  # the master holds the preflight group's store and serves /progress
-        ports += [
-            {"name": "preflight", "containerPort": PORTS.preflight},
-            {"name": "monitor", "containerPort": PORTS.monitor},
-        ]
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": template.get("image") or image or trainer_image(),
         "command": ["python", *TRAINER_MODULE],
         "env": env,
-        "ports": ports,
+        "ports": _container_ports(process),
         "securityContext": copy.deepcopy(CONTAINER_SECURITY),
         # A failed trainer writes its one-line reason to the termination message (else its
         # last log lines become it), so the job's status can say why it failed.
@@ -229,29 +250,19 @@ def pod(
         mounts.append({"name": checkpoint["volume"], "mountPath": checkpoint["path"]})
     if mounts:
         container["volumeMounts"] = mounts
-    spec: dict[str, Any] = {
-        "hostname": hostname,
-        "subdomain": job.name,
-        "restartPolicy": "Never",  # the operator restarts the whole world, never one pod
-        "enableServiceLinks": False,
-        # Training pods never talk to the Kubernetes API unless the user gives them an account.
-        "automountServiceAccountToken": bool(template.get("serviceAccountName")),
-        "securityContext": copy.deepcopy(POD_SECURITY),
-        "containers": [container],
-    }
-    for key in _POD_FIELDS:
-        if template.get(key):
-            spec[key] = copy.deepcopy(template[key])
-    labels = {
-        ROLE_LABEL: process.role,
-        INDEX_LABEL: str(process.member.index),
-        **({REPLICA_LABEL: str(process.member.replica)} if process.member.replicated else {}),
-        RESTART_LABEL: str(restart),
-    }
-    meta = _metadata(job, name, namespace, owner, labels)
-    meta["annotations"] = {SPEC_HASH: spec_hash(job)}
-    pod_obj = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
-    return gang.decorate(job, pod_obj, process.world_size)
+    return container
+
+
+def _container_ports(process: Process) -> list[dict]:
+    ports = [{"name": "rpc", "containerPort": PORTS.rpc}]
+    if process.seat is not None:
+        ports.append({"name": "ddp", "containerPort": process.seat.port})
+    if process.rank == 0:  # the master holds the preflight group's store and serves /progress
+        ports += [
+            {"name": "preflight", "containerPort": PORTS.preflight},
+            {"name": "monitor", "containerPort": PORTS.monitor},
+        ]
+    return ports
 
 
 def world(

@@ -85,17 +85,34 @@ def allow_node_volumes(parser: argparse.ArgumentParser) -> None:
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """`operator`, `render` and `crds`, each with its flags."""
+    _add_operator(sub)
+    _add_render(sub)
+    crds = sub.add_parser(
+        "crds",
+        help="print the CustomResourceDefinitions (or write them with --output-dir)",
+    )
+    crds.add_argument("-o", "--output-dir", metavar="DIR", help="write one file per CRD here")
+    crds.set_defaults(func=cmd_crds)
+
+
+OPERATOR_DESCRIPTION = (
+    "Run the pipejob operator: it watches PipelineJobs and HybridJobs and "
+    "makes, tracks, restarts and cleans up their pods. Credentials come from the "
+    "in-cluster service account or the kubeconfig ($KUBECONFIG). The default trainer "
+    "image is $PIPEJOB_TRAINER_IMAGE; $PIPEJOB_NETWORK_POLICY sets the NetworkPolicy of each "
+    "job's world (unset: its pods admit only each other; off: none; or JSON, as the chart "
+    "writes it); $PIPEJOB_RESYNC_SECONDS sets how often every job "
+    "is looked at again (default 10); $PIPEJOB_PROGRESS_SECONDS how often the progress of "
+    "a running job is read from its master's monitor port (default 3; 0: never)."
+)
+
+
+def _add_operator(sub: argparse._SubParsersAction) -> None:
     op = sub.add_parser(
         "operator",
         help="run the Kubernetes operator (kubeconfig or in-cluster service account)",
-        description="Run the pipejob operator: it watches PipelineJobs and HybridJobs and "
-        "makes, tracks, restarts and cleans up their pods. Credentials come from the "
-        "in-cluster service account or the kubeconfig ($KUBECONFIG). The default trainer "
-        "image is $PIPEJOB_TRAINER_IMAGE; $PIPEJOB_NETWORK_POLICY sets the NetworkPolicy of each "
-        "job's world (unset: its pods admit only each other; off: none; or JSON, as the chart "
-        "writes it); $PIPEJOB_RESYNC_SECONDS sets how often every job "
-        "is looked at again (default 10); $PIPEJOB_PROGRESS_SECONDS how often the progress of "
-        "a running job is read from its master's monitor port (default 3; 0: never).",
+        description=OPERATOR_DESCRIPTION,
     )
     where = op.add_mutually_exclusive_group(required=True)
     where.add_argument(
@@ -107,6 +124,32 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="serve this namespace (repeatable)",
     )
     where.add_argument("-A", "--all-namespaces", action="store_true", help="serve all namespaces")
+    _add_endpoints(op)
+    op.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
+    op.add_argument(
+        "--allow-node-volumes",
+        action="store_true",
+        help="let jobs use hostPath, gitRepo and flexVolume volumes, which reach into the node"
+        f" (refused by default, as Pod Security baseline does; also ${ALLOW_NODE_VOLUMES_ENV})",
+    )
+    peers = op.add_mutually_exclusive_group()
+    peers.add_argument(
+        "--standalone",
+        dest="peering",
+        action="store_const",
+        const=None,
+        help="run as the only operator, without kopf peering (the default)",
+    )
+    peers.add_argument(
+        "--peering",
+        metavar="NAME",
+        help="join the kopf peering object NAME: of several replicas only one is active",
+    )
+    op.set_defaults(func=cmd_operator)
+
+
+def _add_endpoints(op: argparse.ArgumentParser) -> None:
+    """The operator's liveness and metrics endpoints."""
     op.add_argument(
         "--health-port",
         type=int,
@@ -132,28 +175,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         metavar="ADDRESS",
         help="address of the metrics endpoint (default 0.0.0.0)",
     )
-    op.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="default info")
-    op.add_argument(
-        "--allow-node-volumes",
-        action="store_true",
-        help="let jobs use hostPath, gitRepo and flexVolume volumes, which reach into the node"
-        f" (refused by default, as Pod Security baseline does; also ${ALLOW_NODE_VOLUMES_ENV})",
-    )
-    peers = op.add_mutually_exclusive_group()
-    peers.add_argument(
-        "--standalone",
-        dest="peering",
-        action="store_const",
-        const=None,
-        help="run as the only operator, without kopf peering (the default)",
-    )
-    peers.add_argument(
-        "--peering",
-        metavar="NAME",
-        help="join the kopf peering object NAME: of several replicas only one is active",
-    )
-    op.set_defaults(func=cmd_operator)
 
+
+def _add_render(sub: argparse._SubParsersAction) -> None:
     render = sub.add_parser(
         "render",
         help="print the Service, NetworkPolicy and Pods the operator would create for a manifest",
@@ -171,10 +195,3 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     render.add_argument("--image", help="trainer image (default: $PIPEJOB_TRAINER_IMAGE)")
     allow_node_volumes(render)
     render.set_defaults(func=cmd_render)
-
-    crds = sub.add_parser(
-        "crds",
-        help="print the CustomResourceDefinitions (or write them with --output-dir)",
-    )
-    crds.add_argument("-o", "--output-dir", metavar="DIR", help="write one file per CRD here")
-    crds.set_defaults(func=cmd_crds)

@@ -255,7 +255,7 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
                     "loss": loss,
                     "grads": grads,
                     "variant": variant,
-                    "stages": [shards.of(i) for i in range(len(shards.ranges))],
+                    "stages": [shards.piece_units(i) for i in range(len(shards.ranges))],
                     "states": pipe.each("state"),
                     "rest": shards.rest,
                     "config": shards.config,

@@ -85,28 +85,30 @@ class Shards:
     def costs(self) -> list[float]:
         return self.partition.costs
 
-    def of(self, piece: int) -> list[str]:
+    def piece_units(self, piece: int) -> list[str]:
         """The names of the units piece `piece` holds."""
         return [self.units[i] for i in self.ranges[piece]]
 
-    def held(self, process: int) -> list[int]:
+    def process_pieces(self, process: int) -> list[int]:
         """The pieces stage process `process` holds."""
         return list(range(process, len(self.ranges), self.processes or len(self.ranges)))
 
-    def units_of(self, process: int) -> list[str]:
+    def process_units(self, process: int) -> list[str]:
         """The names of the units stage process `process` holds, piece by piece."""
-        return [u for piece in self.held(process) for u in self.of(piece)]
+        return [u for piece in self.process_pieces(process) for u in self.piece_units(piece)]
 
     def describe(self, process: int) -> str:
         """What stage process `process` holds, piece by piece: "conv1 .. layer1.2 (5 layers)
         + layer3.0 .. layer3.3 (4 layers)"."""
-        return " + ".join(describe(self.of(piece)) for piece in self.held(process))
+        return " + ".join(
+            describe(self.piece_units(piece)) for piece in self.process_pieces(process)
+        )
 
     def part(self, process: int) -> Part:
         """How stage process `process` builds its pieces: from one build of the model, so a
         tensor two of them use (tied weights) stays one."""
         assert self.parts is not None
-        parts = [self.parts[piece] for piece in self.held(process)]
+        parts = [self.parts[piece] for piece in self.process_pieces(process)]
         keep = tuple(sorted({n for part in parts for n in part.keep}))
         pieces = tuple(n for part in parts for n in part.pieces)
         return dataclasses.replace(parts[0], keep=keep, pieces=pieces)
@@ -279,7 +281,9 @@ def stage_resources(env: Env, stages: int, gpu: bool) -> tuple[int, list[Host]]:
 
 def share(shards: Shards, process: int) -> float:
     """Stage process `process`'s share of the measured cost."""
-    mine = sum(shards.costs[i] for piece in shards.held(process) for i in shards.ranges[piece])
+    mine = sum(
+        shards.costs[i] for piece in shards.process_pieces(process) for i in shards.ranges[piece]
+    )
     return mine / sum(shards.costs)
 
 

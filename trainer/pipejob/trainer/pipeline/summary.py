@@ -98,7 +98,7 @@ def stage_rows(
         rows.append(
             {
                 "stage": name,
-                "layers": shards.units_of(i),
+                "layers": shards.process_units(i),
                 "pieces": shards.describe(i),
                 "costShare": round(share(shards, i), 4),
                 "forwardSeconds": round(forward / len(steps), 4),

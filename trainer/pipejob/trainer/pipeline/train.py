@@ -72,7 +72,7 @@ def train(env: Env) -> dict[str, Any]:
     try:
         if saved is not None:
             shards = plan_shards(spec, model, numbered, names, saved)
-            pieces = [shards.of(i) for i in range(len(shards.ranges))]
+            pieces = [shards.piece_units(i) for i in range(len(shards.ranges))]
             if pieces != found.manifest.get("stages"):
                 saved = None  # its cut is not this model's: measure anew
         if saved is None:
@@ -287,7 +287,7 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
         job=env.job,
         model=models.as_spec(env.spec.model),
         stageCount=len(pipeline.stages),  # files stage0.pt, stage1.pt, ...: one per process
-        stages=[shards.of(i) for i in range(len(shards.ranges))],  # per piece of the cut
+        stages=[shards.piece_units(i) for i in range(len(shards.ranges))],  # per piece of the cut
         engine=env.spec.engine,
         schedule=env.spec.schedule,
         stagesPerProcess=env.spec.stages_per_process,
@@ -335,13 +335,13 @@ def resume(env: Env, found: checkpoint.Checkpoint, pipelines: Replicas, shards: 
     step, stage)."""
     index = checkpoint.index_of(found)
     manifest = found.manifest
-    same = [shards.of(i) for i in range(len(shards.ranges))] == manifest.get(
+    same = [shards.piece_units(i) for i in range(len(shards.ranges))] == manifest.get(
         "stages"
     ) and manifest.get("stagesPerProcess", 1) == env.spec.stages_per_process
     directory = str(found.directory)
     plans = []
     for k in range(env.spec.stages):
-        names = [n for piece in shards.held(k) for n in shards.stages[piece].state_dict()]
+        names = [n for piece in shards.process_pieces(k) for n in shards.stages[piece].state_dict()]
         entries = checkpoint.sources(found, index, list(dict.fromkeys(names)))
         seed = None if same else env.spec.seed + 1_000_003 * found.step + k
         plans.append((entries, seed))

@@ -55,7 +55,7 @@ class Pipeline(driver.Pipeline):
                         shards.part(k) if shards.parts else shards.stages[k],
                         k,
                         processes,
-                        shards.held(k),
+                        shards.process_pieces(k),
                         spec.schedule,
                         spec.optimizer,
                         device,

@@ -26,7 +26,7 @@ from torch import nn
 
 from jobrun import master_of, pipeline_job, run_to_end, run_world
 from pipejob.core import plan, spec
-from pipejob.core.common import Optimizer, Schedule
+from pipejob.core.optimizer import Optimizer, Schedule
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer.pipeline import engine
 from pipejob.trainer.pipeline.shards import Partition, Shards

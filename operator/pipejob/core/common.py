@@ -1,10 +1,7 @@
 """What every kind's spec has (steps, seed, optimizer, loss, evaluation, output, restarts, pod
-template, checkpoint, profile, preflight): its table, and the typed objects the trainer reads
-a spec through.
-
-`from_spec` turns a defaulted spec (camelCase, as in the manifest) into those dataclasses:
-field `weight_decay` reads key `weightDecay`. tests/test_kinds.py checks every dataclass
-against its table, so the two cannot drift."""
+template, checkpoint, profile, preflight): its table, and the typed objects the trainer reads.
+`from_spec` fills those dataclasses from a defaulted spec (field `weight_decay` reads key
+`weightDecay`); tests/test_kinds.py checks each against its table."""
 
 from __future__ import annotations
 
@@ -14,11 +11,12 @@ import typing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pipejob.core import bounds
 from pipejob.core.elastic import Size
+from pipejob.core.optimizer import OPTIMIZER, Optimizer
+from pipejob.core.pod_template import TEMPLATE
 from pipejob.core.scheduling import RULES as SCHEDULING_RULES
 from pipejob.core.scheduling import SCHEDULING
-from pipejob.core.schema import Field, Rule
+from pipejob.core.schema import Field, Rule, integer, integer_list
 from pipejob.core.workload import EVAL, LOSS, OUTPUT, Eval, Loss, Output
 
 DNS_LABEL = r"[a-z]([-a-z0-9]*[a-z0-9])?"
@@ -28,146 +26,6 @@ DAY = 24 * 3600
 WEEK = 7 * DAY
 INT32_MAX = 2**31 - 1  # 68 years
 PENDING_SECONDS = 120  # spec.elastic.pendingSeconds when the section is left out
-
-
-def integer(description: str, default: int | None = None, minimum: int | None = 0, **kw) -> Field:
-    return Field("integer", description, default=default, minimum=minimum, **kw)
-
-
-def _bound(field: str) -> dict[str, Any]:
-    """A spec.optimizer field's bound: the loosest torch.optim's classes put on it (bounds.py)."""
-    return bounds.loosest(bounds.OPTIMIZERS, field).schema()
-
-
-OPTIMIZER = Field(
-    "object",
-    "The optimizer every parameter is stepped with: a PipelineJob's by each stage, where its"
-    " parameters live; a HybridJob's dense layers by each trainer's own (its tables by"
-    " spec.sparseOptimizer, on the parameter servers).",
-    fields={
-        "name": Field(
-            "string",
-            "Optimizer from torch.optim.",
-            default="sgd",
-            enum=tuple(bounds.OPTIMIZERS),
-        ),
-        "lr": Field("number", "Learning rate.", default=0.05, **_bound("lr")),
-        "momentum": Field(
-            "number", "Momentum (sgd and rmsprop only).", default=0.0, **_bound("momentum")
-        ),
-        "weightDecay": Field("number", "L2 weight decay.", default=0.0, **_bound("weightDecay")),
-        "clipGradNorm": Field(
-            "number",
-            "Clip the gradients to this global L2 norm before each optimizer step:"
-            " the norm over every parameter of the whole model (every stage; with replicas,"
-            " after their average), as torch.nn.utils.clip_grad_norm_ on the model in one"
-            " process. Omit it to step unclipped.",
-            minimum=0,
-            exclusive_minimum=True,
-        ),
-        "schedule": Field(
-            "object",
-            "How the learning rate changes per optimizer step: linear warmup from lr /"
-            " warmupSteps to lr over the first warmupSteps steps, then `decay` from lr to"
-            " minLr over the remaining steps. Omit it for a constant lr.",
-            fields={
-                "warmupSteps": integer("Optimizer steps of linear warmup.", default=0),
-                "decay": Field(
-                    "string",
-                    "After the warmup: keep lr (constant), or decay it"
-                    " to minLr linearly or along a half cosine.",
-                    default="constant",
-                    enum=("constant", "linear", "cosine"),
-                ),
-                "minLr": Field(
-                    "number",
-                    "The learning rate the decay ends at (after the last step).",
-                    default=0.0,
-                    minimum=0,
-                ),
-            },
-            section=True,
-        ),
-    },
-    rules=(
-        Rule(
-            "!(self.name in ['adam', 'adamw']) || self.momentum == 0.0",
-            "adam and adamw have no momentum (they use betas): leave momentum out",
-            "momentum",
-            lambda o: o["name"] not in ("adam", "adamw") or o["momentum"] == 0.0,
-        ),
-        Rule(
-            "!has(self.schedule) || self.schedule.minLr <= self.lr",
-            "schedule.minLr must be at most lr (the decay goes down from lr to minLr)",
-            "schedule.minLr",
-            lambda o: "schedule" not in o or o["schedule"]["minLr"] <= o["lr"],
-        ),
-    ),
-)
-
-GPU = "nvidia.com/gpu"
-
-
-def _k8s(name: str, description: str) -> Field:
-    """A Kubernetes object passed to the pods, checked against its real schema (core/k8s.py)."""
-    return Field("object", f"{description.rstrip('.')} (Kubernetes core/v1 {name}).", k8s=name)
-
-
-def _k8s_list(name: str, description: str, keys: tuple[str, ...] = ()) -> Field:
-    item = _k8s(name, f"One {name}.")
-    what = f"{description.rstrip('.')} (Kubernetes core/v1 {name} list)."
-    return Field("array", what, items=item, list_map_keys=keys)
-
-
-def _no_gpu(template: dict[str, Any]) -> bool:
-    resources = template.get("resources") or {}
-    return all(GPU not in (resources.get(k) or {}) for k in ("requests", "limits"))
-
-
-TEMPLATE = Field(
-    "object",
-    "Overrides for every pod of the job: the operator's defaults apply where this is silent.",
-    fields={
-        "image": Field("string", "Trainer container image.", max_length=4096),
-        "imagePullPolicy": Field(
-            "string", "Image pull policy.", enum=("Always", "IfNotPresent", "Never")
-        ),
-        "resources": _k8s(
-            "ResourceRequirements",
-            "Container resources; GPU counts come from the spec's GPU fields.",
-        ),
-        "nodeSelector": Field(
-            "object",
-            "Node labels the pods must match.",
-            values=Field("string", "Label value.", max_length=63),
-        ),
-        "tolerations": _k8s_list("Toleration", "Taints the pods tolerate."),
-        "affinity": _k8s("Affinity", "Node and pod affinity of the pods."),
-        "volumes": _k8s_list("Volume", "Volumes of the pods.", ("name",)),
-        "volumeMounts": _k8s_list(
-            "VolumeMount", "Where the trainer container mounts them.", ("mountPath",)
-        ),
-        "env": _k8s_list("EnvVar", "Extra environment of the trainer container.", ("name",)),
-        "serviceAccountName": Field("string", "Service account of the pods.", max_length=253),
-        "schedulerName": Field(
-            "string",
-            "Scheduler of the pods; a gang scheduler is set with spec.scheduling.",
-            max_length=253,
-        ),
-        "priorityClassName": Field("string", "Priority class of the pods.", max_length=253),
-    },
-    rules=(
-        Rule(
-            "!has(self.resources) || ((!has(self.resources.limits) || !('nvidia.com/gpu' in"
-            " self.resources.limits)) && (!has(self.resources.requests) || !('nvidia.com/gpu'"
-            " in self.resources.requests)))",
-            "nvidia.com/gpu comes from the spec's GPU field (gpusPerStage, gpusPerTrainer),"
-            " never from template.resources",
-            "resources",
-            _no_gpu,
-        ),
-    ),
-)
 
 # Fields every kind has: how long to wait, how to restart, and when to clean up.
 COMMON: dict[str, Field] = {
@@ -238,12 +96,8 @@ COMMON: dict[str, Field] = {
         "object",
         "Run the torch profiler around chosen steps; one Chrome trace per process.",
         fields={
-            "steps": Field(
-                "array",
-                "Steps (1-based) to profile.",
-                items=integer("A step to profile.", minimum=1),
-                default=[2],
-                max_items=64,
+            "steps": integer_list(
+                "Steps (1-based) to profile.", "A step to profile.", default=[2], max_items=64
             ),
             "path": Field(
                 "string",
@@ -344,31 +198,33 @@ OPERATOR_ONLY = (
 
 
 @dataclass(frozen=True, kw_only=True)
-class Schedule:
-    warmup_steps: int
-    decay: str
-    min_lr: float
+class CommonSpec:
+    """The fields of COMMON the trainer reads, in the table's order."""
+
+    steps: int
+    seed: int
+    optimizer: Optimizer
+    loss: Loss = Loss()
+    eval: Eval | None = None
+    output: Output | None = None
+    log_every: int
+    logging: Logging | None = None
+    rendezvous_timeout_seconds: int
+    checkpoint: Checkpoint | None = None
+    profile: Profile | None = None
+    preflight: Preflight
+    watchdog: Watchdog | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
-class Optimizer:
-    name: str
-    lr: float
-    momentum: float
-    weight_decay: float
-    clip_grad_norm: float | None = None
-    schedule: Schedule | None = None
+class Logging:
+    tensorboard: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class Checkpoint:
     path: str
     every_steps: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class Logging:
-    tensorboard: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -388,25 +244,6 @@ class Preflight:
     enabled: bool
     timeout_seconds: int
     megabytes: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class CommonSpec:
-    """The fields of COMMON the trainer reads."""
-
-    steps: int
-    seed: int
-    optimizer: Optimizer
-    log_every: int
-    rendezvous_timeout_seconds: int
-    preflight: Preflight
-    watchdog: Watchdog | None = None
-    checkpoint: Checkpoint | None = None
-    profile: Profile | None = None
-    logging: Logging | None = None
-    loss: Loss = Loss()
-    eval: Eval | None = None
-    output: Output | None = None
 
 
 T = TypeVar("T")

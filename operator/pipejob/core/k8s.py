@@ -32,7 +32,8 @@ def schema(name: str) -> dict[str, Any]:
     return schemas()[name]
 
 
-_NAMES = {
+# An OpenAPI type as a message names it (schema.py adds pipejob's own either-or types).
+TYPE_NAMES = {
     "integer": "an integer",
     "number": "a number",
     "string": "a string",
@@ -42,7 +43,8 @@ _NAMES = {
 }
 
 
-def _is(kind: str, value: Any) -> bool:
+def is_type(kind: str, value: Any) -> bool:
+    """Whether `value` is of OpenAPI type `kind` (a bool is no integer or number)."""
     if kind == "integer":
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == "number":
@@ -53,7 +55,7 @@ def _is(kind: str, value: Any) -> bool:
 def check(s: dict[str, Any], value: Any, path: str, errors: list[SpecError]) -> None:
     """Append to `errors` every way `value` breaks schema `s`, each with its field path."""
     if s.get("x-kubernetes-int-or-string"):
-        if not (_is("integer", value) or isinstance(value, str)):
+        if not (is_type("integer", value) or isinstance(value, str)):
             hint = (
                 ' (write a fraction as a string, e.g. "0.5" or 500m)'
                 if isinstance(value, float)
@@ -66,8 +68,8 @@ def check(s: dict[str, Any], value: Any, path: str, errors: list[SpecError]) -> 
             errors.append(SpecError(path, f"is not a Kubernetes quantity: {shown(value)}"))
         return
     kind = s.get("type")
-    if kind is not None and not _is(kind, value):
-        errors.append(SpecError(path, f"must be {_NAMES[kind]}, got {shown(value)}"))
+    if kind is not None and not is_type(kind, value):
+        errors.append(SpecError(path, f"must be {TYPE_NAMES[kind]}, got {shown(value)}"))
         return
     if isinstance(value, float) and not math.isfinite(value):
         errors.append(SpecError(path, f"must be a finite number, got {shown(value)}"))

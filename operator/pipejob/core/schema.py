@@ -74,13 +74,19 @@ class Rule:
         return self.explain(obj) if self.explain is not None else self.message
 
 
+def integer(description: str, default: int | None = None, minimum: int | None = 0, **kw) -> Field:
+    """An integer field, by default at least 0."""
+    return Field("integer", description, default=default, minimum=minimum, **kw)
+
+
+def integer_list(description: str, item: str, default: list[int], max_items: int) -> Field:
+    """A list field of integers, each at least 1 (`item` says what one is)."""
+    items = integer(item, minimum=1)
+    return Field("array", description, items=items, default=default, max_items=max_items)
+
+
 _TYPE_NAMES = {
-    "integer": "an integer",
-    "number": "a number",
-    "string": "a string",
-    "boolean": "true or false",
-    "object": "a mapping",
-    "array": "a list",
+    **k8s.TYPE_NAMES,
     "int-or-string": "an integer or a string",
     "string-or-object": "a string or a mapping",
     "int-or-object": "an integer or a mapping",
@@ -88,24 +94,14 @@ _TYPE_NAMES = {
 
 
 def _type_ok(kind: str, value: Any) -> bool:
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "number":
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if kind == "string":
-        return isinstance(value, str)
-    if kind == "boolean":
-        return isinstance(value, bool)
-    if kind == "object":
-        return isinstance(value, dict)
-    if kind == "array":
-        return isinstance(value, list)
     if kind == "int-or-string":
-        return _type_ok("integer", value) or isinstance(value, str)
+        return k8s.is_type("integer", value) or isinstance(value, str)
     if kind == "string-or-object":
         return isinstance(value, str | dict)
     if kind == "int-or-object":
-        return _type_ok("integer", value) or isinstance(value, dict)
+        return k8s.is_type("integer", value) or isinstance(value, dict)
+    if kind in k8s.TYPE_NAMES:
+        return k8s.is_type(kind, value)
     raise ValueError(f"unknown schema type {kind}")
 
 
@@ -126,20 +122,8 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
     if not _type_ok(schema.type, value):
         errors.append(SpecError(path, f"must be {_TYPE_NAMES[schema.type]}, got {shown(value)}"))
         return value
-    if schema.type == "int-or-string":
-        return _int_or_string(schema, value, path, errors)
-    if schema.type == "string-or-object":
-        if isinstance(value, str):  # the shortcut: enum and pattern are about it
-            as_string = replace(schema, type="string", fields=None, rules=(), required=())
-            return apply(as_string, value, path, errors)
-        as_object = replace(schema, type="object", enum=None, pattern=None, max_length=None)
-        return _apply_object(as_object, value, path, errors)
-    if schema.type == "int-or-object":
-        if isinstance(value, int):  # the shortcut: minimum and maximum are about it
-            as_integer = replace(schema, type="integer", fields=None, rules=(), required=())
-            return apply(as_integer, value, path, errors)
-        as_object = replace(schema, type="object", minimum=None, maximum=None)
-        return _apply_object(as_object, value, path, errors)
+    if schema.type in ("int-or-string", "string-or-object", "int-or-object"):
+        return _apply_either(schema, value, path, errors)
     if schema.type == "number":
         # float(10**400) raises: such an integer is as good as infinite here
         value = math.inf if isinstance(value, int) and abs(value) > 10**308 else float(value)
@@ -151,6 +135,37 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
             SpecError(path, f"must fit in 64 bits (at most {INT64_MAX}), got {shown(value)}")
         )
         return value
+    errors += _value_errors(schema, value, path)
+    if schema.type == "array" and schema.items is not None:
+        value = [apply(schema.items, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+    if schema.list_map_keys:
+        k8s.unique_by(value, schema.list_map_keys, path, errors)
+    if schema.type == "object" and not schema.free_form:
+        value = _apply_object(schema, value, path, errors)
+    return value
+
+
+def _apply_either(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
+    """A value of an either-or type, applied as the form it has: the shortcut (a string or
+    an integer, which enum, pattern, minimum and maximum are about) or the object."""
+    if schema.type == "int-or-string":
+        return _int_or_string(schema, value, path, errors)
+    if schema.type == "string-or-object":
+        if isinstance(value, str):
+            as_string = replace(schema, type="string", fields=None, rules=(), required=())
+            return apply(as_string, value, path, errors)
+        as_object = replace(schema, type="object", enum=None, pattern=None, max_length=None)
+        return _apply_object(as_object, value, path, errors)
+    if isinstance(value, int):  # int-or-object
+        as_integer = replace(schema, type="integer", fields=None, rules=(), required=())
+        return apply(as_integer, value, path, errors)
+    as_object = replace(schema, type="object", minimum=None, maximum=None)
+    return _apply_object(as_object, value, path, errors)
+
+
+def _value_errors(schema: Field, value: Any, path: str) -> list[SpecError]:
+    """What a value of the right type breaks: enum, bounds, pattern, length and item count."""
+    errors = []
     if schema.enum is not None and value not in schema.enum:
         errors.append(SpecError(path, _not_a_member(schema.enum, value)))
     if schema.minimum is not None:
@@ -174,13 +189,7 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
         errors.append(
             SpecError(path, f"must hold at least {schema.min_items} item(s), got {len(value)}")
         )
-    if schema.type == "array" and schema.items is not None:
-        value = [apply(schema.items, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
-    if schema.list_map_keys:
-        k8s.unique_by(value, schema.list_map_keys, path, errors)
-    if schema.type == "object" and not schema.free_form:
-        value = _apply_object(schema, value, path, errors)
-    return value
+    return errors
 
 
 def _not_a_member(enum: tuple[Any, ...], value: Any) -> str:

@@ -76,55 +76,17 @@ def parse(
     """Validate and default one job manifest (a dict as loaded from YAML); node-level
     volumes (hostPath, ...) pass only with `allow_node_volumes`; `cluster` adds what only a
     cluster refuses (validate.on_cluster)."""
-    errors: list[SpecError] = []
     if not isinstance(manifest, dict):
         raise InvalidSpec([SpecError("(document)", "must be a mapping")], source)
-    if manifest.get("apiVersion") != API_VERSION:
-        errors.append(
-            SpecError(
-                "apiVersion", f"must be {API_VERSION}, got {shown(manifest.get('apiVersion'))}"
-            )
-        )
-    kind = manifest.get("kind")
-    if kind not in KINDS:
-        errors.append(SpecError("kind", f"must be one of {', '.join(KINDS)}, got {shown(kind)}"))
-    for key in manifest:
-        if key not in ("apiVersion", "kind", "metadata", "spec", "status"):
-            errors.append(SpecError(key, "unknown top-level field"))
+    errors = _header_errors(manifest)
     meta = manifest.get("metadata")
     name = namespace = uid = None
     if not isinstance(meta, dict):
         errors.append(SpecError("metadata", "is required and must be a mapping"))
     else:
         name, namespace, uid = meta.get("name"), meta.get("namespace"), meta.get("uid")
-        if namespace is not None and not (
-            isinstance(namespace, str)
-            and len(namespace) <= 63
-            and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", namespace)
-        ):
-            errors.append(
-                SpecError(
-                    "metadata.namespace",
-                    f"must be a DNS label of at most 63 characters, got {shown(namespace)}",
-                )
-            )
-        if not isinstance(name, str) or not name:
-            errors.append(SpecError("metadata.name", "is required"))
-        elif not re.fullmatch(DNS_LABEL, name):
-            errors.append(
-                SpecError(
-                    "metadata.name",
-                    f"must be a DNS label (lowercase letters, digits, '-', starting with a letter),"
-                    f" got {shown(name)}",
-                )
-            )
-        elif len(name) > MAX_JOB_NAME:
-            errors.append(
-                SpecError(
-                    "metadata.name",
-                    f"must be at most {MAX_JOB_NAME} characters so pod names stay DNS labels",
-                )
-            )
+        errors += _namespace_errors(namespace) + _name_errors(name)
+    kind = manifest.get("kind")
     spec_in = manifest.get("spec", {})
     spec: dict[str, Any] = {}
     if spec_in is None:
@@ -138,6 +100,62 @@ def parse(
     if errors:
         raise InvalidSpec(errors, source)
     return Job(kind=kind, name=name, namespace=namespace, spec=spec, uid=uid)
+
+
+def _header_errors(manifest: dict[str, Any]) -> list[SpecError]:
+    """A wrong apiVersion or kind, and top-level keys a manifest does not have."""
+    errors = []
+    if manifest.get("apiVersion") != API_VERSION:
+        errors.append(
+            SpecError(
+                "apiVersion", f"must be {API_VERSION}, got {shown(manifest.get('apiVersion'))}"
+            )
+        )
+    kind = manifest.get("kind")
+    if kind not in KINDS:
+        errors.append(SpecError("kind", f"must be one of {', '.join(KINDS)}, got {shown(kind)}"))
+    for key in manifest:
+        if key not in ("apiVersion", "kind", "metadata", "spec", "status"):
+            errors.append(SpecError(key, "unknown top-level field"))
+    return errors
+
+
+def _namespace_errors(namespace: Any) -> list[SpecError]:
+    """A namespace, when given, is a DNS label."""
+    if namespace is None or (
+        isinstance(namespace, str)
+        and len(namespace) <= 63
+        and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", namespace)
+    ):
+        return []
+    return [
+        SpecError(
+            "metadata.namespace",
+            f"must be a DNS label of at most 63 characters, got {shown(namespace)}",
+        )
+    ]
+
+
+def _name_errors(name: Any) -> list[SpecError]:
+    """A job's name is a DNS label short enough for its pods' names."""
+    if not isinstance(name, str) or not name:
+        return [SpecError("metadata.name", "is required")]
+    if not re.fullmatch(DNS_LABEL, name):
+        return [
+            SpecError(
+                "metadata.name",
+                f"must be a DNS label (lowercase letters, digits, '-', starting with a letter),"
+                f" got {shown(name)}",
+            )
+        ]
+    if len(name) > MAX_JOB_NAME:
+        return [
+            SpecError(
+                "metadata.name",
+                f"must be at most {MAX_JOB_NAME} characters so pod names stay DNS labels",
+            )
+        ]
+    return []
 
 
 def load(path: str | Path, allow_node_volumes: bool = False, cluster: bool = False) -> Job:

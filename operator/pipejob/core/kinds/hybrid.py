@@ -250,27 +250,6 @@ def _real_data(spec: dict[str, Any]) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Embedding:
-    num_embeddings: int
-    dim: int
-    mode: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class Dlrm:
-    bottom: tuple[int, ...]
-    top: tuple[int, ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Dense:
-    out_features: int
-    dlrm: Dlrm
-    import_: str | None = None  # the user's dense module
-    args: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True)
 class HybridSpec(CommonSpec):
     trainers: Size  # the world runs at a size the plan gives; the batch is max's
     parameter_servers: int
@@ -295,6 +274,27 @@ class HybridSpec(CommonSpec):
     def placement(self) -> list[list[tables.Piece]]:
         """Every parameter server's pieces of the tables (core/kinds/tables.py)."""
         return tables.place(self.embeddings, self.parameter_servers, self.sparse_optimizer.name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dlrm:
+    bottom: tuple[int, ...]
+    top: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dense:
+    out_features: int
+    dlrm: Dlrm
+    import_: str | None = None  # the user's dense module
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Embedding:
+    num_embeddings: int
+    dim: int
+    mode: str
 
 
 def _complete(spec: Spec) -> Spec:

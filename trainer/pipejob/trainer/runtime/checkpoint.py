@@ -1,29 +1,8 @@
-"""Checkpoints that a crash can never leave half-used.
-
-Layout: `<path>/step-00000010/` holds one file per part of the world (a stage's shard, the
-parameter server's table, ...) and `manifest.json`, which the master writes last and which
-lists every file of that step with its size and SHA-256. A step counts only when its
-manifest exists and every file it lists matches; resuming picks the newest such step and
-says why it passed over any newer one.
-
-A module's state is saved under the model's own names (parameters, buffers and their
-optimizer state), and the manifest's `index` says which file holds each name, so a world cut
-another way resumes it: each part loads its own names from whichever files hold them
-(`load_named`), memory-mapped, so a part reads no more of a file than its names. Nothing here
-depends on the engine that cut the model or on how many copies of it ran. Over 400 lines
-because the files, the manifest and the state they hold by name are one format, written and
-read in this one place by every engine and role.
-
-Every file is written atomically: a temporary file in the same directory, fsync, rename,
-fsync of the directory. A crash leaves the old file or the new one, never a mix, and a
-step directory without its manifest is simply not a checkpoint.
-
-Optimizer state: a HybridJob's optimizers are plain torch.optim ones (each parameter
-server's sparse one over its pieces of the tables, saved by table and row range in
-hybrid/ps.py; each trainer's for its dense layer); a PipelineJob stage's is its own
-`optim.Functional`, which keeps its state as torch.optim does (momentum buffers, Adam's
-moments and step, per parameter). Either's `state` is used directly and stored by parameter
-name, so it does not depend on object identities or orders."""
+"""Checkpoints that a crash can never leave half-used: `<path>/step-NNNNNNNN/` holds one file
+per part of the world and `manifest.json`, written last, with each file's size and SHA-256;
+every file is written atomically. State is saved under the model's own names, so a world cut
+another way resumes it (`load_named`). The layout, the writes and the optimizer state:
+docs/architecture.md, "Checkpoint files"."""
 
 from __future__ import annotations
 
@@ -202,15 +181,8 @@ def write_manifest(root: str | Path, step: int, files: list[dict[str, Any]], **m
         for name in entry.get("holds", ()):
             index.setdefault(name, entry["name"])
     files = [{k: v for k, v in entry.items() if k != "holds"} for entry in files]
-    manifest = {
-        "format": FORMAT,
-        "step": step,
-        "time": time.time(),
-        "files": files,
-        "index": index,
-        **meta,
-    }
-    body = json.dumps(manifest, indent=1).encode()
+    head = {"format": FORMAT, "step": step, "time": time.time()}
+    body = json.dumps({**head, "files": files, "index": index, **meta}, indent=1).encode()
     write_atomic(directory / MANIFEST, lambda f: f.write(body))
     return directory
 

@@ -86,7 +86,7 @@ class Reconciler:
             self.training.discard(key)
         self.metrics.forget(key)
 
-    def _poll(self, address: str) -> dict | None:
+    def _fetch_progress(self, address: str) -> dict | None:
         started = time.perf_counter()
         report = progress.fetch(address)
         result = "none" if report is None else "ok"
@@ -106,7 +106,7 @@ class Reconciler:
                 self.training.add(key)
             else:
                 self.training.discard(key)
-        report = self._poll(address) if poll and address is not None else None
+        report = self._fetch_progress(address) if poll and address is not None else None
         now = datetime.now(UTC)
         acts = reconcile.decide(
             job, pods, now, self.image, report, self.allow_node_volumes, self.policy
@@ -255,13 +255,13 @@ async def _poll(reconciler: Reconciler, interval: float) -> None:
 async def _round(reconciler: Reconciler, keys: list[Key]) -> None:
     """Reconcile (and poll) `keys` side by side: a master slow to answer delays only its job."""
 
-    def one(key: Key) -> None:
+    def reconcile_and_poll(key: Key) -> None:
         try:
             reconciler.kick(key, poll=True)
         except Exception as e:  # the next round tries again; the operator keeps going
             log.error(f"reconcile of {key[1]}/{key[2]} failed: {e}")
 
-    await asyncio.gather(*(asyncio.to_thread(one, key) for key in keys))
+    await asyncio.gather(*(asyncio.to_thread(reconcile_and_poll, key) for key in keys))
 
 
 def on_job(event: dict, resource: Any, namespace: str, name: str, memo: kopf.Memo, **_: Any):

@@ -146,18 +146,18 @@ def network_policy(job: Job, namespace: str, owner: dict | None, settings: Setti
     ports are fixed, and a member is trusted with everything anyway (RPC runs what it is
     sent). Egress stays open unless `settings` restrict it."""
 
-    def world() -> dict:  # a fresh dict per use: YAML would print a shared one as an alias
+    def peers() -> dict:  # a fresh dict per use: YAML would print a shared one as an alias
         return {"podSelector": {"matchLabels": {JOB_LABEL: job.name}}}
 
-    ingress: list[dict] = [{"from": [world()]}]
+    ingress: list[dict] = [{"from": [peers()]}]
     if settings.monitor_from:  # an empty `from` would admit everyone
         monitor = [{"protocol": "TCP", "port": PORTS.monitor}]
         ingress.append({"from": copy.deepcopy(list(settings.monitor_from)), "ports": monitor})
-    spec: dict[str, Any] = {**world(), "policyTypes": ["Ingress"], "ingress": ingress}
+    spec: dict[str, Any] = {**peers(), "policyTypes": ["Ingress"], "ingress": ingress}
     if settings.egress is not None:
         spec["policyTypes"].append("Egress")
         spec["egress"] = [
-            {"to": [world()]},
+            {"to": [peers()]},
             {"ports": copy.deepcopy(DNS)},
             *copy.deepcopy(list(settings.egress)),
         ]

@@ -41,7 +41,7 @@ def finished(seen: Observed) -> Actions | None:
     acts = Actions(status=seen.status(), delete=_unfinished(seen.live))
     ttl = (seen.job_obj.get("spec") or {}).get("ttlSecondsAfterFinished")
     done = st.parse_time(old.get("completionTime"))
-    acts.delete_job = isinstance(ttl, int) and done is not None and seen.now >= done + _s(ttl)
+    acts.delete_job = isinstance(ttl, int) and done is not None and seen.now >= done + _seconds(ttl)
     return acts
 
 
@@ -96,7 +96,7 @@ def succeeded(seen: Observed) -> Actions | None:
 def past_deadline(seen: Observed) -> Actions | None:
     """Active longer than spec.activeDeadlineSeconds: the job fails."""
     deadline = seen.job.spec.get("activeDeadlineSeconds")
-    if deadline is None or seen.now < seen.start + _s(deadline):
+    if deadline is None or seen.now < seen.start + _seconds(deadline):
         return None
     acts = Actions(status=seen.active_status(), delete=_unfinished(seen.live))
     message = f"the job was active longer than activeDeadlineSeconds ({deadline}s)"
@@ -330,7 +330,7 @@ def _unfinished(pods: list[dict]) -> list[dict]:
     return [p for p in pods if not st.terminated(p)]
 
 
-def _s(seconds: int) -> timedelta:
+def _seconds(seconds: int) -> timedelta:
     return timedelta(seconds=seconds)
 
 

@@ -44,7 +44,11 @@ def detect(
                 break
             usable.append(entry)
         return usable
-    counts = (_listed_by_smi(), _count_of(devices, NODE), _count_of(driver, re.compile(".+")))
+    counts = (
+        _listed_by_smi(),
+        _entries_matching(devices, NODE),
+        _entries_matching(driver, re.compile(".+")),
+    )
     return [str(i) for i in range(next((n for n in counts if n), 0))]
 
 
@@ -59,7 +63,7 @@ def _listed_by_smi() -> int:
     return sum(line.startswith("GPU ") for line in listed.splitlines())
 
 
-def _count_of(folder: Path, name: re.Pattern[str]) -> int:
+def _entries_matching(folder: Path, name: re.Pattern[str]) -> int:
     try:
         return sum(1 for entry in folder.iterdir() if name.fullmatch(entry.name))
     except OSError:
@@ -80,10 +84,10 @@ def place(processes: Sequence[Process], gpus: Sequence[str]) -> Placement:
     wanted = sum(p.gpus for p in asking)
     if not asking:
         return Placement({})
-    have = f"this machine has {_count(len(gpus))}"
+    have = f"this machine has {_gpus_phrase(len(gpus))}"
     if not gpus:
         raise NotEnoughGPUs(
-            f"the job asks for {_count(wanted)} and {have} (no NVIDIA driver"
+            f"the job asks for {_gpus_phrase(wanted)} and {have} (no NVIDIA driver"
             f" found, or {VISIBLE} hides them); run it where there are GPUs,"
             " or set its GPU fields to 0 to train on CPU"
         )
@@ -94,13 +98,13 @@ def place(processes: Sequence[Process], gpus: Sequence[str]) -> Placement:
         group = p.seat.group if p.seat is not None and p.seat.backend == "nccl" else None
         mates = held.setdefault(group, {}) if group else {}
         if p.gpus > len(gpus):
-            raise NotEnoughGPUs(f"{p.rpc_name} asks for {_count(p.gpus)} and {have}")
+            raise NotEnoughGPUs(f"{p.rpc_name} asks for {_gpus_phrase(p.gpus)} and {have}")
         free = [g for g in gpus if g not in mates]
         if len(free) < p.gpus:
             other = mates[min(gpus, key=load.__getitem__)]
             raise NotEnoughGPUs(
                 f"{other} and {p.rpc_name} would share a GPU: the job asks for"
-                f" {_count(wanted)} and {have}, and NCCL cannot run two members of one group"
+                f" {_gpus_phrase(wanted)} and {have}, and NCCL cannot run two members of one group"
                 f" ({group}) on one GPU; run it where each has its own, with fewer members"
                 " (trainers or replicas), or, for a HybridJob, with backend: gloo"
             )
@@ -117,10 +121,10 @@ def place(processes: Sequence[Process], gpus: Sequence[str]) -> Placement:
     shared = "; ".join(f"{', '.join(names)} on {VISIBLE}={v}" for v, names in sharing.items())
     return Placement(
         visible,
-        f"the job asks for {_count(wanted)} and {have}: its processes"
+        f"the job asks for {_gpus_phrase(wanted)} and {have}: its processes"
         f" share them ({shared}), which trains, but slower",
     )
 
 
-def _count(n: int) -> str:
+def _gpus_phrase(n: int) -> str:
     return f"{n} GPU" + ("" if n == 1 else "s")

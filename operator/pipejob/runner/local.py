@@ -86,22 +86,22 @@ class Running:
     process: Process
     popen: subprocess.Popen
     pump: threading.Thread
-    said: Path  # where it leaves its termination message
+    message_file: Path  # where it leaves its termination message
 
     @property
     def name(self) -> str:
         return self.process.rpc_name
 
-    def words(self, code: int) -> str:
+    def termination_message(self, code: int) -> str:
         """Why it failed, in its own words (its termination message), or ""."""
         try:
-            return self.said.read_text().strip() if code > 0 else ""
+            return self.message_file.read_text().strip() if code > 0 else ""
         except OSError:
             return ""
 
-    def why(self, code: int) -> str:
+    def ending(self, code: int) -> str:
         """How it ended, and in its own words when it said why."""
-        words = self.words(code)
+        words = self.termination_message(code)
         return describe_exit(code) + (f": {words}" if words else "")
 
 
@@ -134,8 +134,8 @@ class World:
         if self.directory is not None:
             extra["PYTHONPATH"] = python_path(self.directory, os.environ.get("PYTHONPATH"))
         for p in processes:
-            said = Path(self._messages.name) / p.rpc_name
-            own = gpu_env((visible or {}).get(p.rank)) | {TERMINATION_LOG: str(said)}
+            message_file = Path(self._messages.name) / p.rpc_name
+            own = gpu_env((visible or {}).get(p.rank)) | {TERMINATION_LOG: str(message_file)}
             env = os.environ | p.env | extra | own
             popen = subprocess.Popen(
                 [sys.executable, *TRAINER_MODULE],
@@ -153,7 +153,7 @@ class World:
                 target=self._pump, args=(popen.stdout, p.rpc_name.ljust(width)), daemon=True
             )
             pump.start()
-            self.members.append(Running(p, popen, pump, said))
+            self.members.append(Running(p, popen, pump, message_file))
             self.say(f"started {p.rpc_name} (rank {p.rank}, pid {popen.pid})")
 
     def stop(self, grace: float) -> None:
@@ -186,7 +186,7 @@ class World:
                     return self._finish(grace)
                 m, code = self._cause(m, code)
                 p = m.process
-                self.say(f"{m.name} (role {p.role}, rank {p.rank}) failed: {m.why(code)}")
+                self.say(f"{m.name} (role {p.role}, rank {p.rank}) failed: {m.ending(code)}")
                 self.say("stopping the other processes")
                 self.stop(grace)
                 return code if m is master and code > 0 else 1
@@ -196,10 +196,15 @@ class World:
         """The failure to name: `first`, unless it only lost a peer (BROKEN_PREFIX) and
         another process ends within SETTLE_SECONDS saying something else."""
         deadline = time.monotonic() + SETTLE_SECONDS
-        while first.words(code).startswith(BROKEN_PREFIX) and time.monotonic() < deadline:
+        while (
+            first.termination_message(code).startswith(BROKEN_PREFIX)
+            and time.monotonic() < deadline
+        ):
             for m in self.members:
                 other = m.popen.poll()
-                if other not in (None, 0) and not m.words(other).startswith(BROKEN_PREFIX):
+                if other not in (None, 0) and not m.termination_message(other).startswith(
+                    BROKEN_PREFIX
+                ):
                     return m, other
             time.sleep(POLL_SECONDS)
         return first, code

@@ -30,36 +30,40 @@ class Failure:
 DISRUPTION_CONDITIONS = ("DisruptionTarget", "TerminationTarget")
 
 
-def disruption(pod: dict, who: str) -> Failure | None:
+def disruption(pod: dict, process: str) -> Failure | None:
     """The preemption, eviction or disruption of a pod (its DisruptionTarget condition, set by
     the scheduler, the kubelet, the eviction API, the taint manager or Kueue), else None."""
     for c in (pod.get("status") or {}).get("conditions") or []:
         if c.get("type") in DISRUPTION_CONDITIONS and c.get("status") == "True":
             why = ": ".join(filter(None, (c.get("reason"), c.get("message"))))
             name = pod["metadata"]["name"]
-            return Failure("Preempted", f"{who} (pod {name}) was preempted ({why or 'disrupted'})")
+            return Failure(
+                "Preempted", f"{process} (pod {name}) was preempted ({why or 'disrupted'})"
+            )
     return None
 
 
-def pod_failure(pod: dict, who: str) -> Failure | None:
-    """The failure of a Failed pod (`who` names its role, e.g. "stage 1"), else None."""
+def pod_failure(pod: dict, process: str) -> Failure | None:
+    """The failure of a Failed pod (`process` names its process, e.g. "stage 1"), else None."""
     if pod_phase(pod) != "Failed":
         return None
     name = pod["metadata"]["name"]
     status = pod.get("status") or {}
     if status.get("reason") == "Evicted":
-        return Failure("PodEvicted", f"{who} (pod {name}) was evicted: {status.get('message')}")
+        return Failure("PodEvicted", f"{process} (pod {name}) was evicted: {status.get('message')}")
     state = trainer_state(pod)
     code = state.get("exitCode")
-    said = (state.get("message") or "").strip()
-    if code == ExitCode.STALLED and said.startswith(STALLED_PREFIX):  # its watchdog named one
-        stalled = said.removeprefix(STALLED_PREFIX).strip()
+    termination = (state.get("message") or "").strip()
+    if code == ExitCode.STALLED and termination.startswith(
+        STALLED_PREFIX
+    ):  # its watchdog named one
+        stalled = termination.removeprefix(STALLED_PREFIX).strip()
         return Failure(
             "Stalled",
-            f"{tail(stalled)} (found by {who}, pod {name})",
+            f"{tail(stalled)} (found by {process}, pod {name})",
             state.get("finishedAt") or "",
         )
-    message = f"{who} (pod {name}) failed with exit code {code if code is not None else '?'}"
+    message = f"{process} (pod {name}) failed with exit code {code if code is not None else '?'}"
     killed = _signal_name(code)
     if state.get("reason") or killed:
         message += f" ({', '.join(filter(None, (state.get('reason'), killed)))})"
@@ -70,11 +74,11 @@ def pod_failure(pod: dict, who: str) -> Failure | None:
         "PodFailed",
         message,
         state.get("finishedAt") or "",
-        consequence=said.startswith(BROKEN_PREFIX),
+        consequence=termination.startswith(BROKEN_PREFIX),
     )
 
 
-def permanent_failure(pod: dict, who: str) -> Failure | None:
+def permanent_failure(pod: dict, process: str) -> Failure | None:
     """A Failed pod's failure if the trainer said a restart cannot cure it (its exit code
     and termination message, core/contract.py), else None. The reason is the trainer's."""
     state = trainer_state(pod)
@@ -83,7 +87,7 @@ def permanent_failure(pod: dict, who: str) -> Failure | None:
     parsed = parse_permanent((state.get("message") or "").strip())
     reason, detail = parsed or ("PermanentFailure", (state.get("message") or "").strip())
     name = pod["metadata"]["name"]
-    message = f"{who} (pod {name}) failed permanently with exit code {state['exitCode']}"
+    message = f"{process} (pod {name}) failed permanently with exit code {state['exitCode']}"
     return Failure(
         reason, message + (": " + tail(detail) if detail else ""), state.get("finishedAt") or ""
     )
@@ -97,21 +101,21 @@ NO_PIPEJOB = re.compile(r"No module named '?pipejob(\.\w+)*'?(\W|$)")
 FROM_TRAINER = "use the trainer image, or an image built FROM it, in spec.template.image"
 
 
-def image_failure(pod: dict, who: str) -> Failure | None:
+def image_failure(pod: dict, process: str) -> Failure | None:
     """The pod's image cannot be pulled, or has no pipejob: no restart can help."""
     image = pod["spec"]["containers"][0].get("image")
     name = pod["metadata"]["name"]
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         waiting = (cs.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in IMAGE_FAILURES:
-            said = ": ".join(filter(None, (waiting["reason"], waiting.get("message"))))
-            why = f"image {image!r} cannot be pulled ({tail(said)}); {FROM_TRAINER}"
-            return Failure("ImagePullFailed", f"{who} (pod {name}) cannot start: {why}")
+            pulling = ": ".join(filter(None, (waiting["reason"], waiting.get("message"))))
+            why = f"image {image!r} cannot be pulled ({tail(pulling)}); {FROM_TRAINER}"
+            return Failure("ImagePullFailed", f"{process} (pod {name}) cannot start: {why}")
     state = trainer_state(pod)
     if pod_phase(pod) == "Failed" and NO_PIPEJOB.search(state.get("message") or ""):
         why = f"image {image!r} cannot import pipejob; {FROM_TRAINER}"
         return Failure(
-            "ImageLacksPipejob", f"{who} (pod {name}): {why}", state.get("finishedAt") or ""
+            "ImageLacksPipejob", f"{process} (pod {name}): {why}", state.get("finishedAt") or ""
         )
     return None
 

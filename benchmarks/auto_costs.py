@@ -1,6 +1,6 @@
 """Record what `microBatches: auto` decides from, and what it should decide: for a 2-stage
 PipelineJob, each cut candidate's cost at every candidate micro-batch count, measured as the
-master measures them (partition.measure_costs, with the stage processes' intra-op threads,
+master measures them (balance.measure_costs, with the stage processes' intra-op threads,
 which pipejob's tuning derives from this process's CPU affinity), and each count's samples/s
 measured through `pipejob run` (interleaved repeats, rate from the master's summary).
 
@@ -52,7 +52,7 @@ def measure_costs(job: dict[str, Any], counts: list[int]) -> tuple[int, dict[int
     import torch
 
     from pipejob.core import levers, spec
-    from pipejob.trainer.pipeline.partition import intra_op_threads, measure_costs
+    from pipejob.trainer.pipeline.balance import intra_op_threads, measure_costs
     from pipejob.trainer.runtime import tuning
     from pipejob.trainer.workloads import cut, data, models
 

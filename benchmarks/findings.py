@@ -316,7 +316,7 @@ def balance_rank(args: argparse.Namespace) -> None:
     wall-clock cost measurement) at each size."""
     import torch
 
-    from pipejob.trainer.pipeline.partition import measure_costs, min_max_partition
+    from pipejob.trainer.pipeline.balance import measure_costs, min_max_partition
     from pipejob.trainer.workloads.torchvision import build_model, cut
 
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipejob.trainer.pipeline.partition import Host, LayerCosts, Prediction, fastest, predict
+from pipejob.trainer.pipeline.balance import Host, LayerCosts, Prediction, fastest, predict
 
 RECORDINGS = sorted((Path(__file__).parent / "data").glob("auto-costs-*.json"))
 # Two counts are measurably apart when every repeat of one beat every repeat of the other and

@@ -11,7 +11,7 @@ from torch import nn
 from torchvision.models import get_model
 
 from pipejob.core.kinds.pipeline import auto_counts, micro_batch_counts
-from pipejob.trainer.pipeline.partition import (
+from pipejob.trainer.pipeline.balance import (
     COST_SLACK,
     Host,
     LayerCosts,

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pipejob.trainer import workloads
-from pipejob.trainer.pipeline.partition import shape
+from pipejob.trainer.pipeline.balance import shape
 from pipejob.trainer.workloads import cut
 from pipejob.trainer.workloads.refusals import construct
 from pipejob.trainer.workloads.standins import META

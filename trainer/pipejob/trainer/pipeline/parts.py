@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.pipeline.partition import LayerCosts, measure_chain, min_max_partition
+from pipejob.trainer.pipeline.balance import LayerCosts, measure_chain, min_max_partition
 from pipejob.trainer.runtime import tuning
 from pipejob.trainer.workloads import cut, data, materialize, models, staged
 

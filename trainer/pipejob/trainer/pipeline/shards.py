@@ -1,5 +1,5 @@
 """The model cut into layers and balanced across the stages by measured cost; with
-`microBatches: auto`, the micro-batch count with the shortest predicted step (partition.py).
+`microBatches: auto`, the micro-batch count with the shortest predicted step (balance.py).
 The master plans all of it on a model none of whose parameters exist; the stages build their
 shards and measure the costs (parts.py)."""
 
@@ -17,7 +17,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec, auto_counts
-from pipejob.trainer.pipeline.partition import (
+from pipejob.trainer.pipeline.balance import (
     Host,
     LayerCosts,
     Prediction,
@@ -230,7 +230,7 @@ def candidate(p: Prediction) -> dict[str, Any]:
 
 
 def candidate_table(candidates: list[dict[str, Any]], chosen: int) -> str:
-    """Per candidate: both bounds of the step (see partition.predict), the prediction."""
+    """Per candidate: both bounds of the step (see balance.predict), the prediction."""
     lines = [
         f"  {'m':>3} {'micro':>5} {'pipeline s':>10} {'cores s':>7} {'predicted s/step':>16}"
         f" {'samples/s':>9}"

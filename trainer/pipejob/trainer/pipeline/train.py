@@ -14,9 +14,9 @@ from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import engine
 from pipejob.trainer.pipeline import output as model_output
+from pipejob.trainer.pipeline.balance import shape
 from pipejob.trainer.pipeline.driver import Replicas, StepResult
 from pipejob.trainer.pipeline.fit import fits_model
-from pipejob.trainer.pipeline.partition import shape
 from pipejob.trainer.pipeline.shard import on_stage
 from pipejob.trainer.pipeline.shards import (
     Partition,

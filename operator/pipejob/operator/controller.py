@@ -1,12 +1,8 @@
 """The kopf wiring, thin on purpose: every trigger -- a job's watch event, an event of one of
 its pods, a periodic resync -- runs the same reconcile of that job: read the job and its
 pods, `reconcile.decide`, apply the actions. Nothing is remembered between reconciles but a
-per-job lock (and, to schedule progress polls, which jobs had a running master), so a killed
-and restarted operator simply converges again.
-
-Progress is polled only by the timers (every few seconds for jobs whose master runs, and on
-each resync), never by watch events: the status the poll writes triggers a watch event, and
-that reconcile must not poll again."""
+per-job lock (and which jobs had a running master, whose progress the timers poll), so a
+killed and restarted operator simply converges again (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -246,7 +242,9 @@ async def _resync(reconciler: Reconciler, interval: float) -> None:
 
 
 async def _poll(reconciler: Reconciler, interval: float) -> None:
-    """The jobs whose master runs, every `interval`: their live progress."""
+    """The jobs whose master runs, every `interval`: their live progress. Only the timers
+    poll (this one and the resync), never watch events: the status a poll writes triggers a
+    watch event, and that reconcile must not poll again."""
     while True:
         await asyncio.sleep(interval)
         await _round(reconciler, sorted(reconciler.training))

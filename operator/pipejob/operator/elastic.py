@@ -1,22 +1,8 @@
 """An elastic world ({min, max} of a PipelineJob's replicas or a HybridJob's trainers): the size
-the current world runs at, when to restart it smaller or larger, and the standby pods that
-show when capacity returns. Pure helpers of reconcile.decide.
-
-- **Smaller**: pods of the world that stay unschedulable (their PodScheduled condition False,
-  reason Unschedulable) for spec.elastic.pendingSeconds restart the world at the largest size
-  whose pods were placed (the world's other pods placed too; never below min). A world a gang
-  scheduler keeps Queued that long restarts one size smaller: nothing of it is placed until
-  all is, so the size that fits is found a step at a time.
-- **Larger**: while the world runs below max, one standby pod per missing member holds its
-  place: shaped as that member's pod (resources, node selector, tolerations, affinity,
-  priority) but running nothing. Once every standby pod of a size runs, capacity is back, and
-  the first checkpoint the master writes after that restarts the world at the larger size, so
-  that no step is lost. Under Kueue each size's standby pods are a pod group of their own in
-  the job's queue (admitted only with quota); under Volcano or coscheduling the default
-  scheduler places them (node capacity, not the queue's, is what they see).
-
-Every restart at another size resumes from the last checkpoint, whose files any size reads
-(trainer/runtime/checkpoint.py), and spends no backoffLimit (status.resizes counts them)."""
+the current world runs at, when to restart it smaller (`shrink`: pods unschedulable for
+spec.elastic.pendingSeconds) or larger (`grow`: its standby pods run, and a checkpoint came
+after), and the standby pods that show when capacity returns. Pure helpers of the reconcile's
+situations; docs/user-guide.md, "Elastic worlds", tells what a user sees."""
 
 from __future__ import annotations
 
@@ -98,8 +84,10 @@ def shrink(
     job: Job, at: int, planned: list[dict], by_name: dict, old: dict, now: datetime
 ) -> Resize | None:
     """The smaller size to restart the world `planned` (at size `at`) at, once pods of it
-    stayed unplaced for pendingSeconds; None while they may yet be placed, or when no
-    smaller size (of at least min) would fit either."""
+    stayed unplaced for pendingSeconds: the largest whose pods were placed (the world's other
+    pods placed too), or, for a world a gang scheduler keeps Queued (nothing of it is placed
+    until all is), one size smaller; None while they may yet be placed, or when no smaller
+    size (of at least min) would fit either."""
     found = bounds(job.definition, job.spec)
     if found is None or at <= found.min:
         return None

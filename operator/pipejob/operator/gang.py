@@ -1,11 +1,6 @@
 """What gang admission (spec.scheduling) adds to a job's objects: the labels, annotations and
 scheduler of its pods, and, for Volcano and coscheduling, the PodGroup of its world. Pure,
-like kube.py, which calls it.
-
-Kueue's plain-pod groups: the group is the job (one name for every world of one size, so a
-restarted world's pods are the replacements Kueue expects); its pods' names carry the world's
-number, since a pod Kueue finalizes lingers while it terminates, while their hostnames, and so
-the world's DNS names, stay fixed."""
+like kube.py, which calls it; docs/user-guide.md, "Gang scheduling", tells what a user sees."""
 
 from __future__ import annotations
 
@@ -33,7 +28,12 @@ def group_name(job: Job) -> str:
 
 
 def pod_name(job: Job, hostname: str, world: int) -> str:
-    """Under Kueue, names unique per world (`<hostname>-r<world>`); else the hostname."""
+    """Under Kueue, names unique per world (`<hostname>-r<world>`); else the hostname.
+
+    Kueue's plain-pod group is the job (one name for every world of one size, so a restarted
+    world's pods are the replacements Kueue expects); its pods' names carry the world's number,
+    since a pod Kueue finalizes lingers while it terminates, while their hostnames, and so the
+    world's DNS names, stay fixed."""
     return f"{hostname}-r{world}" if provider(job) == sch.KUEUE else hostname
 
 

@@ -1,14 +1,7 @@
-"""GPUs for a job run as local processes: how many this machine has, and which each process
-sees, as a cluster's device plugin would hand them out.
-
-Counted without torch (the runner is torch-free): the caller's CUDA_VISIBLE_DEVICES where it
-is set, else the GPUs `nvidia-smi -L` lists, else those the NVIDIA driver shows (`detect`).
-Each process that asks for GPUs gets its own through CUDA_VISIBLE_DEVICES, so every stage's
-`cuda:0` is a GPU of its own where there are enough. With fewer than the job asks,
-processes share them round-robin (pipeline stages on one GPU train, only slower) and the
-runner says so in one line; but two members of one NCCL group never share a GPU (NCCL stops
-such a world mid-run: "Duplicate GPU detected"), so where that cannot be avoided the job is
-refused before anything starts, with the numbers and what to change."""
+"""GPUs for a job run as local processes: how many this machine has (`detect`, without torch:
+the runner is torch-free), and which each process sees (`place`), as a cluster's device
+plugin would hand them out; shared round-robin where there are fewer, never by two members of
+one NCCL group. docs/user-guide.md, "GPU jobs", tells what a user sees."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The embedded default: run a job's world plan as local processes on loopback.
-
-Each process gets exactly the env a pod would get (plus the caller's environment, for PATH
-and friends). With a `directory` (`pipejob run` gives the manifest's folder), the processes
-run there and have it first on PYTHONPATH: the user's code beside the manifest imports, and
-the manifest's relative paths (data, output, checkpoint) mean the same from any shell.
-The runner streams their output with role prefixes, and treats the world as Kubernetes
-would under pipejob: the master's exit decides; any other process dying stops everything,
-since an RPC world cannot re-admit a member. When one fails, the runner says which, how, and
-why in its own words (its termination message, kept in a file per process)."""
+"""The embedded default (`pipejob run`): a job's world plan as local processes on loopback, each
+with exactly the env a pod would get (plus the caller's, for PATH and friends), their output
+streamed with role prefixes. As under the operator, the master's exit decides and any other
+process dying stops everything (an RPC world cannot re-admit a member); docs/user-guide.md."""
 
 from __future__ import annotations
 
@@ -106,7 +100,8 @@ class Running:
 
 
 class World:
-    """The started processes of one job and their output."""
+    """The started processes of one job and their output. When one fails, the runner says
+    which, how, and why in its own words (its termination message, a file per process)."""
 
     def __init__(self, out: TextIO, directory: Path | None = None):
         self.out = out
@@ -246,8 +241,10 @@ def run_job(
 ) -> int:
     """Run `job` locally; return the master's exit code (non-zero if any member failed),
     or 2 when PIPEJOB_TUNING is wrong or this machine's GPUs (`detect_gpus`) cannot run it.
-    Output goes to `out` (sys.stdout as it is at the call). With `directory`, the processes
-    run in it and import from it first."""
+    Output goes to `out` (sys.stdout as it is at the call). With `directory` (`pipejob run`
+    gives the manifest's folder), the processes run in it and import from it first: the user's
+    code beside the manifest imports, and the manifest's relative paths (data, output,
+    checkpoint) mean the same from any shell."""
     try:
         levers.parse(os.environ.get(TUNING))  # each process would refuse it: say it once, first
     except ValueError as e:

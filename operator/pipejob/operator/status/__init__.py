@@ -1,7 +1,7 @@
 """A job's status: its schema, and pure helpers that read pods and write phase and conditions.
 
 Nothing here talks to Kubernetes; everything takes and returns plain dicts. One module per
-job: conditions.py (phases and conditions), fields.py (the status's schema), pods.py (what a
+concern: conditions.py (phases and conditions), fields.py (the status's schema), pods.py (what a
 pod says), failures.py (why a world broke), training.py (the master's figures). Callers use
 the names below, whichever module holds them."""
 

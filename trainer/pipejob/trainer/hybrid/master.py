@@ -9,6 +9,7 @@ import builtins
 import queue
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,35 +24,63 @@ from pipejob.trainer.runtime.world import Env
 
 
 def train(env: Env[HybridSpec]) -> dict[str, Any]:
-    spec = env.spec
-    servers, trainers = env.names("ps"), env.names("trainer")
+    """The run: the servers make (or load) the tables, the trainers train, and the summary
+    returns, with the trained model written (spec.output)."""
     began = time.perf_counter()
     # Making a large table's rows takes a while: no RPC timeout (0) on it.
-    _wait_all([rpc.rpc_async(s, ps.start, args=(len(trainers),), timeout=0) for s in servers])
+    trainers = len(env.names("trainer"))
+    _wait_all([rpc.rpc_async(s, ps.start, args=(trainers,), timeout=0) for s in env.names("ps")])
     found = checkpoint.latest_for(env)
     resume = None if found is None else _resume(env, found)
     first = 0 if resume is None else resume["step"]
-    if first >= spec.steps:
-        if spec.output is not None and found is not None:  # the model is in the checkpoint
-            paths = model_writer.export_checkpoint(
-                found.directory, found.manifest, spec.output.path, spec.output.format
-            )
-            world.log(
-                env,
-                f"wrote the trained model to {spec.output.path}:"
-                f" {', '.join(p.name for p in paths)}",
-            )
-        return roles.nothing_left(env, first)
-    placement = spec.placement()
-    held = [tables.size(tables.server_bytes(p, spec.sparse_optimizer.name)) for p in placement]
+    if first >= env.spec.steps:
+        return _nothing_left(env, found, first)
+    _log_start(env, began)
+    results, reports = _train_all(env, resume, first)
+    summary = _summary(env, results, reports, first)
+    if env.spec.output is not None:
+        summary["output"] = [str(p) for p in _write_model(env, summary, results)]
+    return summary
+
+
+def _nothing_left(
+    env: Env[HybridSpec], found: checkpoint.Checkpoint | None, first: int
+) -> dict[str, Any]:
+    """The summary of a run whose checkpoint holds every step, its model written from the
+    checkpoint (spec.output)."""
+    output = env.spec.output
+    if output is not None and found is not None:  # the model is in the checkpoint
+        paths = model_writer.export_checkpoint(
+            found.directory, found.manifest, output.path, output.format
+        )
+        _log_model_written(env, output.path, paths)
+    return roles.nothing_left(env, first)
+
+
+def _log_start(env: Env[HybridSpec], began: float) -> None:
+    """The line that starts training: the steps, the trainers, each server's tables and the
+    seconds since `began` that making them took."""
+    spec = env.spec
+    servers, trainers = env.names("ps"), env.names("trainer")
+    sizes = [
+        tables.size(tables.server_bytes(p, spec.sparse_optimizer.name)) for p in spec.placement()
+    ]
     world.log(
         env,
         f"training {spec.steps} steps x {spec.batch_size} samples on"
         f" {', '.join(trainers)}; {len(spec.embeddings)} table(s) on"
-        f" {', '.join(f'{s} ({b})' for s, b in zip(servers, held, strict=True))},"
+        f" {', '.join(f'{s} ({b})' for s, b in zip(servers, sizes, strict=True))},"
         f" made in {time.perf_counter() - began:.1f}s",
     )
-    reports = board.open_reports(env, trainers, first, 0 if resume is None else resume["samples"])
+
+
+def _train_all(
+    env: Env[HybridSpec], resume: dict[str, Any] | None, first: int
+) -> tuple[dict[str, dict[str, Any]], board.Reports]:
+    """Every trainer's results (trainer.train) by name, and the reports they sent meanwhile."""
+    trainers = env.names("trainer")
+    samples = 0 if resume is None else resume["samples"]
+    reports = board.open_reports(env, trainers, first, samples)
     monitor.board().phase("training")
     # A training loop may run for hours: no RPC timeout (0) on it. A trainer that dies fails
     # its future when its connection breaks.
@@ -60,39 +89,56 @@ def train(env: Env[HybridSpec]) -> dict[str, Any]:
         results = dict(zip(trainers, _wait_all(futures), strict=True))
     finally:
         reports.events.close()
-    figures = dict(
-        zip(
-            servers,
-            _wait_all([rpc.rpc_async(s, ps.figures, timeout=0) for s in servers]),
-            strict=True,
-        )
+    return results, reports
+
+
+def _summary(
+    env: Env[HybridSpec],
+    results: dict[str, dict[str, Any]],
+    reports: board.Reports,
+    first: int,
+) -> dict[str, Any]:
+    """The run's summary, with each server's figures and the loss at each logged step; its
+    lines logged."""
+    servers = env.names("ps")
+    figures = _wait_all([rpc.rpc_async(s, ps.figures, timeout=0) for s in servers])
+    summary = summarize(
+        env, results, dict(zip(servers, figures, strict=True)), first, reports.evaluation
     )
-    summary = summarize(env, results, figures, first, reports.evaluation)
     summary["losses"] = list(reports.losses.values())  # at each logged step
     for line in render(summary):
         world.log(env, line)
-    if spec.output is not None:
-        meta = {
-            "kind": env.kind,
-            "job": env.job,
-            "model": model_writer.model_spec(spec),
-            "metrics": model_writer.metrics(summary),
-            "steps": spec.steps,
-        }
-        paths = model_writer.write(
-            meta["model"],
-            spec.output.path,
-            spec.output.format,
-            model_writer.live_rows(servers, placement),
-            results[trainers[0]]["dense"],
-            meta,
-        )
-        summary["output"] = [str(p) for p in paths]
-        world.log(
-            env,
-            f"wrote the trained model to {spec.output.path}: {', '.join(p.name for p in paths)}",
-        )
     return summary
+
+
+def _write_model(
+    env: Env[HybridSpec], summary: dict[str, Any], results: dict[str, dict[str, Any]]
+) -> list[Path]:
+    """The trained model's files (spec.output): the tables from the servers, the dense
+    module from the first trainer."""
+    spec = env.spec
+    assert spec.output is not None
+    meta = {
+        "kind": env.kind,
+        "job": env.job,
+        "model": model_writer.model_spec(spec),
+        "metrics": model_writer.metrics(summary),
+        "steps": spec.steps,
+    }
+    paths = model_writer.write(
+        meta["model"],
+        spec.output.path,
+        spec.output.format,
+        model_writer.live_rows(env.names("ps"), spec.placement()),
+        results[env.names("trainer")[0]]["dense"],
+        meta,
+    )
+    _log_model_written(env, spec.output.path, paths)
+    return paths
+
+
+def _log_model_written(env: Env[HybridSpec], directory: str, paths: list[Path]) -> None:
+    world.log(env, f"wrote the trained model to {directory}: {', '.join(p.name for p in paths)}")
 
 
 def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:

@@ -20,6 +20,8 @@ import contextlib
 import functools
 import math
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -117,14 +119,85 @@ def _device(env: Env) -> torch.device:
     return torch.device("cuda", env.ddp_rank % torch.cuda.device_count())
 
 
+@dataclass
+class Trainer:
+    """What a trainer's loop works with, made once before its first step (`_set_up`)."""
+
+    env: Env[HybridSpec]
+    device: torch.device
+    dataset: samples.Samples
+    loss_fn: workloads.Loss
+    module: nn.Module  # the dense model
+    dense: nn.Module  # the module in DDP
+    initial: list[torch.Tensor]  # the module's parameters before the first step
+    optimizer: torch.optim.Optimizer
+    dense_step: DenseStep
+    router: Router
+    tables: Tables
+    batch: int  # the samples a step reads, over all the trainers
+    batches: Iterator[Batch]  # this trainer's shares of them, from where the run resumes
+    held_out: list[Batch] | None
+
+
+@dataclass
+class Trained:
+    """What the loop leaves for the results (`_results`)."""
+
+    share: int  # the last step's samples on this trainer
+    first_loss: float
+    loss: torch.Tensor  # the last step's
+    seen: set[tuple[int, int]]  # (epoch, sample), of the first SEEN samples read
+    seconds: float
+
+
 def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
     """One trainer's whole loop; the master calls it over RPC and gets its results. With
     `resume` (see master._resume) it continues after the checkpoint's step."""
     env: Env[HybridSpec] = world.current()
+    first = 0 if resume is None else resume["step"]
+    trainer = _set_up(env, resume)
+    return _results(trainer, first, _loop(trainer, first))
+
+
+def _set_up(env: Env[HybridSpec], resume: dict[str, Any] | None) -> Trainer:
+    """The dense model, the tables' side, and the data from the run's position (the dense
+    module checked to fit it first)."""
     assert env.ddp_rank is not None and env.ddp_world_size is not None
     spec = env.spec
     device = _device(env)
     dataset, loss_fn = workloads.hybrid_data(spec), workloads.loss(spec)
+    module, dense, optimizer = _dense_model(spec, dataset, device, resume)
+    router = Router(spec)
+    # Every step reads one batch of batchSize x trainers.max (at any trainer count), each
+    # trainer its share, from where the checkpoint's world stopped (samples consumed).
+    batch, share = spec.batch_size * spec.trainers.max, (env.ddp_rank, env.ddp_world_size)
+    read = functools.partial(
+        samples.stream, dataset, batch, share, spec.seed, router.features, spec.recommends
+    )
+    evaluate.check_dense(spec, module, loss_fn, next(read(0)), device)
+    return Trainer(
+        env=env,
+        device=device,
+        dataset=dataset,
+        loss_fn=loss_fn,
+        module=module,
+        dense=dense,
+        initial=[p.detach().clone() for p in module.parameters()],
+        optimizer=optimizer,
+        dense_step=DenseStep(optimizer),
+        router=router,
+        tables=Tables(env, router),
+        batch=batch,
+        batches=read(0 if resume is None else resume["samples"]),
+        held_out=_held_out_batches(env, spec, router),
+    )
+
+
+def _dense_model(
+    spec: HybridSpec, dataset: samples.Samples, device: torch.device, resume: dict[str, Any] | None
+) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+    """The dense module (restored from the checkpoint with `resume`), the same module in DDP,
+    and its optimizer (the servers step the tables)."""
     torch.manual_seed(spec.seed)  # DDP broadcasts rank 0's dense weights: runs repeat
     module = workloads.hybrid_dense(spec, len(samples.first(dataset)[0])).to(device)
     restored = None
@@ -134,80 +207,70 @@ def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
     dense = DistributedDataParallel(
         module, device_ids=[device.index] if device.type == "cuda" else None
     )
-    initial = [p.detach().clone() for p in module.parameters()]
     optimizer_class, kwargs = optimizer_args(spec.optimizer)
-    optimizer = optimizer_class(module.parameters(), **kwargs)  # the servers step the tables
+    optimizer = optimizer_class(module.parameters(), **kwargs)
     if restored is not None:
         checkpoint.load_optimizer_state(optimizer, module, restored["optimizers"]["dense"])
-    dense_step = DenseStep(optimizer)
-    router = Router(spec)
-    tables = Tables(env, router)
+    return module, dense, optimizer
 
-    first = 0 if resume is None else resume["step"]
-    # Every step reads one batch of batchSize x trainers.max (at any trainer count), each
-    # trainer its share, from where the checkpoint's world stopped (samples consumed).
-    batch, share = spec.batch_size * spec.trainers.max, (env.ddp_rank, env.ddp_world_size)
-    read = functools.partial(
-        samples.stream, dataset, batch, share, spec.seed, router.features, spec.recommends
-    )
-    evaluate.check_dense(spec, module, loss_fn, next(read(0)), device)
-    batches = read(0 if resume is None else resume["samples"])
-    held_out = _held_out_batches(env, spec, router)
-    seen: set[tuple[int, int]] = set()  # (epoch, sample), of the first SEEN samples read
 
-    steps, every = spec.steps, spec.log_every
+def _loop(t: Trainer, first: int) -> Trained:
+    """The steps after `first`, reported to the master every spec.logEvery steps and at the
+    last; at the end, the tables and the dense model stepped to the last step's."""
+    env, spec = t.env, t.env.spec
+    assert env.ddp_world_size is not None
     profile = profiling.settings(spec)
-    servers = [*tables.servers, "master"] if env.ddp_rank == 0 else []  # profiled alongside
+    servers = [*t.tables.servers, "master"] if env.ddp_rank == 0 else []  # profiled alongside
     report = rpc.rpc_async("master", board.report, args=(env.rpc_name, first, math.nan))
-    loss_first = math.nan
+    seen: set[tuple[int, int]] = set()
+    first_loss = math.nan
     start = time.perf_counter()
-    for step in range(first + 1, steps + 1):
-        drawn = next(batches)
+    for step in range(first + 1, spec.steps + 1):
+        drawn = next(t.batches)
         if len(seen) < SEEN:
             seen.update(zip(drawn.epochs, drawn.sample_ids, strict=True))
         # The step is the same at any trainer count: each trainer's loss is weighted by its
         # share of the batch times the trainers (1 for equal shares), so the servers' and
         # DDP's averages of the trainers' gradients are the whole batch's mean gradient, and
         # the trainers' mean loss is the batch's.
-        weight = len(drawn.sample_ids) * env.ddp_world_size / batch
+        weight = len(drawn.sample_ids) * env.ddp_world_size / t.batch
         with profiling.window(env, profile, step, servers, sync=dist.barrier) as rpc_calls:
-            loss = _step(
-                spec, tables, dense, dense_step, drawn, device, loss_fn, weight, rpc_calls, step
-            )
+            loss = _step(t, drawn, weight, rpc_calls, step)
         if step == first + 1:
-            loss_first = loss.item()
+            first_loss = loss.item()
         if evaluate.due(spec, step):  # first: the step's checkpoint keeps its evaluation
-            tables.flush()
-            dense_step.flush()
-            _evaluate(env, step, router, tables.servers, module, held_out, loss_fn, device)
+            _evaluate(t, step)
         if checkpoint.due(spec, step):
-            tables.flush()
-            dense_step.flush()
-            _checkpoint(env, step, tables.servers, module, optimizer)
-        if step % every == 0 or step == steps:
+            _checkpoint(t, step)
+        if step % spec.log_every == 0 or step == spec.steps:
             report.wait()  # at most one report in flight; surfaces a failed one
             report = rpc.rpc_async("master", board.report, args=(env.rpc_name, step, loss.item()))
-    tables.flush()
-    dense_step.flush()
+    _flush(t)
     seconds = time.perf_counter() - start
     report.wait()
-    moved = [(p.detach() - q).flatten() for p, q in zip(module.parameters(), initial, strict=True)]
+    return Trained(len(drawn.sample_ids), first_loss, loss, seen, seconds)
 
+
+def _results(t: Trainer, first: int, trained: Trained) -> dict[str, Any]:
+    """The trainer's results, for the master's summary (run_summary.py)."""
+    spec, steps = t.env.spec, t.env.spec.steps
+    params = zip(t.module.parameters(), t.initial, strict=True)
+    moved = [(p.detach() - q).flatten() for p, q in params]
     return {
-        "ddpRank": env.ddp_rank,
+        "ddpRank": t.env.ddp_rank,
         "steps": steps - first,
         "batchSize": spec.batch_size,
-        "seconds": seconds,
-        "samplesPerSecond": (steps - first) * len(drawn.sample_ids) / seconds,
-        "firstLoss": loss_first,
-        "finalLoss": loss.item(),
+        "seconds": trained.seconds,
+        "samplesPerSecond": (steps - first) * trained.share / trained.seconds,
+        "firstLoss": trained.first_loss,
+        "finalLoss": trained.loss.item(),
         "denseChangeNorm": torch.cat(moved).norm().item(),
-        "share": len(drawn.sample_ids),
-        "samplesRead": len({i for _, i in seen}),
+        "share": trained.share,
+        "samplesRead": len({i for _, i in trained.seen}),
         # Click logs: the most bytes of lines the reader held at once (its shuffle windows).
-        "readerPeakBytes": getattr(dataset, "most_held", None),
-        "read": torch.tensor(sorted(seen)).reshape(-1, 2),
-        "dense": {k: v.detach().cpu() for k, v in module.state_dict().items()},
+        "readerPeakBytes": getattr(t.dataset, "most_held", None),
+        "read": torch.tensor(sorted(trained.seen)).reshape(-1, 2),
+        "dense": {k: v.detach().cpu() for k, v in t.module.state_dict().items()},
     }
 
 
@@ -228,38 +291,38 @@ def _held_out_batches(env: Env, spec: HybridSpec, router: Router) -> list[Batch]
     )
 
 
-def _evaluate(
-    env: Env,
-    step: int,
-    router: Router,
-    servers: list[str],
-    dense: nn.Module,
-    held_out: list[Batch] | None,
-    loss_fn: workloads.Loss,
-    device: torch.device,
-) -> None:
+def _flush(t: Trainer) -> None:
+    """The servers and the dense optimizer take their pending steps (before an evaluation, a
+    checkpoint, the end)."""
+    t.tables.flush()
+    t.dense_step.flush()
+
+
+def _evaluate(t: Trainer, step: int) -> None:
     """DDP rank 0 evaluates after `step` and tells the master; the others wait, so the
     tables stay as they were after `step`."""
+    _flush(t)
     dist.barrier()
-    if held_out is not None:
-        figures = evaluate.evaluate(env.spec, router, servers, dense, held_out, loss_fn, device)
+    if t.held_out is not None:
+        figures = evaluate.evaluate(
+            t.env.spec, t.router, t.tables.servers, t.module, t.held_out, t.loss_fn, t.device
+        )
         rpc.rpc_sync("master", board.evaluated, args=(step, figures))
     dist.barrier()
 
 
-def _checkpoint(
-    env: Env, step: int, servers: list[str], module: nn.Module, optimizer: torch.optim.Optimizer
-) -> None:
+def _checkpoint(t: Trainer, step: int) -> None:
     """Once every trainer has finished `step`: DDP rank 0 saves the dense model (the same on
     every rank) with its optimizer state and has every server save its pieces of the tables;
     the master writes the manifest. The others wait, so nobody changes a table while it is
     saved."""
+    _flush(t)
     dist.barrier()
-    if env.ddp_rank == 0:
+    if t.env.ddp_rank == 0:
         begun = time.perf_counter()
-        directory = str(checkpoint.step_dir(env.spec.checkpoint.path, step))
-        saving = [rpc.rpc_async(s, ps.save, args=(directory,)) for s in servers]
-        dense = checkpoint.save_module(directory, "dense.pt", module, {"dense": optimizer})
+        directory = str(checkpoint.step_dir(t.env.spec.checkpoint.path, step))
+        saving = [rpc.rpc_async(s, ps.save, args=(directory,)) for s in t.tables.servers]
+        dense = checkpoint.save_module(directory, "dense.pt", t.module, {"dense": t.optimizer})
         files = [*(f.wait() for f in saving), dense]
         rpc.rpc_sync(
             "master", board.write_manifest, args=(step, files, time.perf_counter() - begun)
@@ -268,33 +331,29 @@ def _checkpoint(
 
 
 def _step(
-    spec: HybridSpec,
-    tables: Tables,
-    dense: nn.Module,
-    dense_step: DenseStep,
+    t: Trainer,
     batch: Batch,
-    device: torch.device,
-    loss_fn: workloads.Loss,
-    weight: float = 1.0,
+    weight: float,
     rpc_calls: profiling.RpcCalls = contextlib.nullcontext,
     step: int = 0,
 ) -> torch.Tensor:
     """One step; `rpc_calls` wraps its calls to the servers, not DDP's parts. The backward is
-    of the loss times `weight` (the trainer's share, `train`); the dense layer's step (on
+    of the loss times `weight` (the trainer's share, `_loop`); the dense layer's step (on
     gradients DDP averaged across the trainers during the backward) is deferred to overlap
     the next step's calls. Returns the loss times `weight`. A loss that is not finite stops
     the job before its backward changes anything (runtime/nonfinite.py)."""
     with rpc_calls():  # open until the replies: they bring the remote ops' profile
-        futures = tables.call(batch)
-        dense_step.flush()  # the previous step's, while the calls are in flight
-        pooled = tables.pooled(futures, batch)
-    loss = loss_fn(evaluate.forward(spec, dense, batch, pooled, device), batch.labels.to(device))
+        futures = t.tables.call(batch)
+        t.dense_step.flush()  # the previous step's, while the calls are in flight
+        pooled = t.tables.pooled(futures, batch)
+    out = evaluate.forward(t.env.spec, t.dense, batch, pooled, t.device)
+    loss = t.loss_fn(out, batch.labels.to(t.device))
     if not nonfinite.finite(loss):
         raise nonfinite.NonFiniteError(
-            f"step {step}: the loss is {loss.item()} on {tables.name}; its update was not applied"
+            f"step {step}: the loss is {loss.item()} on {t.tables.name}; its update was not applied"
         )
     loss = loss * weight if weight != 1.0 else loss
     loss.backward()
-    tables.backward_done()
-    dense_step.defer()
+    t.tables.backward_done()
+    t.dense_step.defer()
     return loss

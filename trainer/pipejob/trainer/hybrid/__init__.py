@@ -1,28 +1,10 @@
 """HybridJob: embedding tables on parameter servers, DDP dense models on the trainers.
 
-- master.py: has every parameter server make its pieces of the tables, starts every
-  trainer's loop (`rpc_async`), and returns the run's summary;
-- board.py: what the master hears from the trainers (progress, evaluations, checkpoints to
-  complete), over RPC;
-- ps.py: a parameter server: its pieces of the tables (core/kinds/tables.py places them) and
-  their sparse optimizer (sparse_optimizers.py); answers each trainer's one call a step with the
-  step's pooled embeddings, and steps the rows the trainers' gradients touch, once every
-  trainer's are in;
-- router.py: where a trainer's lookups go, and how the replies join into each table's
-  pooled embeddings;
-- trainer.py: forms the DDP group with the other trainers (its own port), then joins RPC
-  and runs the loop the master calls;
-- evaluate.py: the check that the dense module fits the data (before the first step) and
-  the held-out evaluation (spec.eval), on DDP rank 0;
-- model_writer.py: the trained tables and dense module as files (spec.output, `pipejob export`);
-- run_summary.py: the run's summary and its lines.
-
-Per step, each trainer makes one call to each server, all at once: the tutorial's design
-(seed 002: a DistributedOptimizer over the table's and the dense parameters) makes four
-round trips, a dense gradient of the whole table and one optimizer per trainer over it. Here
-the call carries the ids the batch touches and the gradients of the previous step's pooled
-embeddings, and only the rows they touch change, stepped once per step by one optimizer per
-table."""
+master.py drives the run (board.py: what it hears from the trainers; run_summary.py: the
+summary; model_writer.py: the trained model as files); trainer.py is a trainer's loop
+(router.py: where its lookups go; evaluate.py: its checks and held-out figures); ps.py is a
+parameter server (sparse_optimizers.py: how it steps the tables). How a step moves, and
+why: docs/architecture.md, "A HybridJob's step"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""A HybridJob trainer's checks and evaluation around its loop: that the dense module fits
-the pooled embeddings, the dense features and the labels (before the first step, so a misfit
-fails at once, saying the shapes), and the figures on held-out samples (spec.eval): the loss,
-and accuracy for classes or AUC for clicks.
-
-Evaluation runs on DDP rank 0, not on the master: rank 0 holds the live dense replica (the
-master sees the dense weights only in the trainers' final results) and looks samples up on
-the servers directly. The other trainers wait at a barrier meanwhile, so nobody steps the
-tables and the figures are exactly those of the model after that step. Its lookups
-(`ps.held_out`) keep no graph: they never train the tables."""
+"""A HybridJob trainer's checks and evaluation around its loop: that the dense module fits the
+data, before the first step (`check_dense`), and the figures on held-out samples (spec.eval:
+the loss, and accuracy for classes or AUC for clicks), on DDP rank 0 while the other trainers
+wait. Why there: docs/architecture.md, "A HybridJob's step"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
 """A HybridJob's trained model as files anyone can load: what spec.output writes at the end
-of a run, and what `pipejob export` writes from a complete checkpoint, through one `write`:
-
-- spec.embeddings: `model.safetensors` (`model.pt` with format torch), one file holding
-  every table whole again under its name, `tables.<name>.weight`, and the dense part,
-  `dense.<name>`: the state_dict of workloads.recsys.Recommender, which loads it strictly;
-- spec.embedding: `table.safetensors` (`table.pt`), the EmbeddingBag's state_dict (key
-  `weight`), and `dense.safetensors` (`dense.pt`), the dense module's;
-- `model.json`: the kind, the model spec (the tables and the dense section), the final
-  metrics (with the held-out evaluation), the step count and the files.
-
-The tables come from where they live, the servers (a run's end) or the servers' checkpoint
-files (an export), in chunks of about CHUNK_BYTES: a safetensors file is written as they
-come, so the writer never holds a table whole. torch's format has no such layout: it is
-saved from the tables assembled in memory."""
+of a run and `pipejob export` from a complete checkpoint, through one `write`. The tables
+come in chunks of about CHUNK_BYTES from the servers or their checkpoint files, so no
+process holds a table whole. The files and how to load them: docs/user-guide.md, "The
+trained model"."""
 
 from __future__ import annotations
 
@@ -131,9 +121,11 @@ def write(
     dense: dict[str, torch.Tensor],
     meta: dict[str, Any],
 ) -> list[Path]:
-    """Write the files of `model` (a `model_spec`; see the module's docstring) and model.json
-    (`meta` plus the format and the file names) into the directory `out`; the paths
-    written."""
+    """Write the files of `model` (a `model_spec`) and model.json (`meta` plus the format and
+    the file names) into the directory `out`; the paths written. spec.embeddings: one file,
+    `model`, every table whole under `tables.<name>.weight` and the dense part under
+    `dense.<name>` (workloads.recsys.Recommender's state_dict); spec.embedding: `table` (key
+    `weight`) and `dense`, each a state_dict."""
     model_files.check_format(format)
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)

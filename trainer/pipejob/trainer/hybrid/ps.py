@@ -1,25 +1,8 @@
 """A HybridJob parameter server: its pieces of the tables (core/kinds/tables.py places them)
-and the sparse optimizer that steps them (sparse_optimizers.py).
-
-Each trainer calls `exchange` once a step: the call brings the gradients of the trainer's
-previous lookup (with respect to the pooled embeddings it got) and this step's ids, and its
-reply is this step's pooled embeddings. Only the rows a batch touches travel and change: the
-server pools over the rows it gathers for the call, keeps that little graph, and turns the
-gradients that come back through it into gradients of those rows.
-
-Updates are synchronous. Once every trainer's gradients for a step are in, the server
-averages them (as DDP averages the dense layers') and steps each piece once; anything that
-reads the tables (a lookup, the held-out evaluation, a checkpoint, the output) waits while a
-step is half collected. So every trainer's lookups see the same tables, and a step's update
-is that of one process training on all the trainers' batches together.
-
-A server pools a piece by sum (tables of mode sum or mean) or max; the trainer divides a
-mean by the bag's length and joins the pieces of a split table (router.py). Replies carry
-the pieces side by side, in the server's order (tables.ordered). Each run of pieces pooled
-alike and of one width (a group) is one parameter, the pieces its row ranges: a step looks
-up, pools and steps a group at once, not a piece at a time (per-op costs dominate at a
-batch's few hundred rows a table). The functions at the end run on the server, called over
-RPC by the master and the trainers."""
+and the sparse optimizer that steps them (sparse_optimizers.py). Each trainer calls
+`exchange` once a step; the server steps the rows a step touched once every trainer's
+gradients are in. The functions at the end run on the server, called over RPC by the master
+and the trainers. How and why: docs/architecture.md, "A HybridJob's step"."""
 
 from __future__ import annotations
 

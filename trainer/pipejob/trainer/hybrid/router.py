@@ -1,14 +1,7 @@
-"""Where a trainer's lookups go and how their replies come together, from the placement
-(core/kinds/tables.py) every process computes alike.
-
-`route` splits a batch: each table's ids (its feature's, hashed into its rows: id mod rows)
-go to the servers holding their rows, as row numbers within each piece, with how many of
-each sample's ids each piece got. One request per server, the pieces in the server's order
-(ps.py pools them side by side). `pool` joins the replies into each table's pooled
-embeddings, as one nn.EmbeddingBag over the whole table would give them: a split table's
-sums add up, a mean divides the sum by the bag's length, a max takes the largest of the
-pieces that got ids (an empty bag pools to zeros). Gradients flow back through it to the
-replies, which the next `exchange` takes to the servers."""
+"""Where a trainer's lookups go (`Router.route`: one request per server) and how the replies
+join into each table's pooled embeddings (`Router.pool`), from the placement
+(core/kinds/tables.py) every process computes alike. docs/architecture.md, "A HybridJob's
+step", says how a split table pools."""
 
 from __future__ import annotations
 

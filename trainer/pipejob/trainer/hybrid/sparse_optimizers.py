@@ -1,13 +1,7 @@
 """The sparse optimizers a parameter server steps its pieces of the tables with
-(spec.sparseOptimizer): each takes a sparse gradient (the rows a step touched) and changes
-only those rows and their state. sgd, adagrad and adam are torch.optim's own (SGD, Adagrad,
-SparseAdam), so a table stepped here equals an nn.EmbeddingBag(sparse=True) stepped by the
-same class in one process; rowwiseAdagrad is FBGEMM's (TorchRec's default for tables),
-written here.
-
-Every state tensor of a piece has one entry per row (first dimension) or is a count
-("step"): a checkpoint keeps them by table and row range, and any other split of the table
-slices them back (hybrid/ps.py)."""
+(spec.sparseOptimizer): each changes only the rows a step touched, and their state. sgd,
+adagrad and adam are torch.optim's own; rowwiseAdagrad (FBGEMM's, TorchRec's default for
+tables) is written here. docs/architecture.md, "A HybridJob's step", says more."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""A HybridJob trainer: forms the DDP group with the other trainers (its own port), joins
-RPC and waits for the master's call of `train`.
-
-Its step makes one call to each parameter server, all at once (`ps.exchange`): it carries
-the gradients of the previous step's pooled embeddings and this step's ids, routed to the
-servers that hold their rows (router.py), and brings back this step's pooled embeddings. It
-runs the DDP-replicated dense model on them and the batch's dense features and
-backpropagates with plain autograd (DDP averages the dense gradients); the gradients of the
-pooled embeddings wait for the next call. The dense optimizer step is taken while that call
-is in flight. Before an evaluation, a checkpoint and the end, every trainer sends its last
-gradients alone (`flush`), so the servers' tables are those after the step.
-
-It reads only its own share of the data. Before the first step it checks that the dense
-module fits the data; with spec.eval, DDP rank 0 evaluates on held-out samples
-(evaluate.py)."""
+"""A HybridJob trainer's loop, which the master calls over RPC (`train`; hybrid/__init__.py
+has the trainer join the DDP group and RPC first): its set-up, its steps, its results. A step
+makes one call to each parameter server at once (`Tables`) and overlaps the dense optimizer's
+step with the next one's (`DenseStep`). How and why: docs/architecture.md, "A HybridJob's
+step"."""
 
 from __future__ import annotations
 

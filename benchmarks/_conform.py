@@ -165,7 +165,7 @@ def _check_cut(
     want = 2 * MAX_STAGES
     planned = Traced(meta, want=want, sample=_sample_of(x)).split(starts)
     stages = []
-    for k, planned_stage in enumerate(planned):  # as pipeline/parts.py's Part.build
+    for k, planned_stage in enumerate(planned):  # as pipeline/stage_parts.py's Part.build
         keep = materialize.numbers(numbered, cut.state_names(planned_stage))
         with torch.random.fork_rng(devices=[]):
             model, _ = materialize.build(build, keep)

@@ -193,7 +193,7 @@ def test_a_stage_steps_and_keeps_state_for_its_adapters_only(tmp_path: Path) -> 
 
 
 def plan_units(s, meta) -> list[str]:
-    from pipejob.trainer.pipeline.parts import trace
+    from pipejob.trainer.pipeline.stage_parts import trace
 
     return trace(s, meta).units
 

@@ -29,8 +29,8 @@ from jobrun import (
     run_to_end,
 )
 from pipejob.core import spec
-from pipejob.trainer.pipeline.parts import Part, trace
 from pipejob.trainer.pipeline.shards import plan_shards
+from pipejob.trainer.pipeline.stage_parts import Part, trace
 from pipejob.trainer.workloads import cut, models, staged
 from pipejob.trainer.workloads.cut import join
 from pipejob.trainer.workloads.metrics import cross_entropy

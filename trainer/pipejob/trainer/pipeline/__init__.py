@@ -4,7 +4,7 @@ autograd) or pipelining/ (torch.distributed.pipelining's stages and schedules). 
 this room, and neither imports the other:
 
 - train.py: the master's loop (model, cut, steps, evaluation, checkpoints, output, summary);
-- shards.py, balance.py, parts.py: the model cut into pieces balanced by measured cost,
+- shards.py, balance.py, stage_parts.py: the model cut into pieces balanced by measured cost,
   each stage building its own, and `microBatches: auto`'s choice;
 - driver.py: what every engine's step driver does on the master;
 - shard.py: what every engine's stage holds; reader.py: the first stage's data;

@@ -4,7 +4,7 @@ shapes only. It refuses only what it can tell from shapes: an error of shapes (s
 do not match, a wrong channel count). What it cannot evaluate on the meta device (values
 read into Python, `torch.autocast("meta")`, a kernel the meta device lacks) is not the
 data's fault: it says what it could not check and why, and the stages check it on the
-first batch, before training (pipeline/parts.py's measuring runs the real data through
+first batch, before training (pipeline/stage_parts.py's measuring runs the real data through
 every piece)."""
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from torch.distributed.rpc import RRef
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
-from pipejob.trainer.pipeline.parts import Part
 from pipejob.trainer.pipeline.reader import Reader, Source
+from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.runtime import checkpoint, model_files, tuning
 from pipejob.trainer.runtime.optim import Functional, set_lr
 

@@ -1,7 +1,7 @@
 """The model cut into layers and balanced across the stages by measured cost; with
 `microBatches: auto`, the micro-batch count with the shortest predicted step (balance.py).
 The master plans all of it on a model none of whose parameters exist; the stages build their
-shards and measure the costs (parts.py)."""
+shards and measure the costs (stage_parts.py)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from pipejob.trainer.pipeline.balance import (
     fastest,
     predict,
 )
-from pipejob.trainer.pipeline.parts import Part, measure_on_stages, trace
 from pipejob.trainer.pipeline.shard import compute_resources
+from pipejob.trainer.pipeline.stage_parts import Part, measure_on_stages, trace
 from pipejob.trainer.runtime import adapters, model_files, tuning
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, materialize, models

@@ -12,7 +12,7 @@ no tracer reads (data-dependent Python, packed sequences, libraries that inspect
 
 Either gives what the automatic cut gives the pipeline (`Layers` and `Built` have cut.Traced's
 `units`, `ranges` and `split`), so the engines, checkpoints, replicas, evaluation, elastic
-resume and the output are the same code on this path (pipeline/parts.py dispatches)."""
+resume and the output are the same code on this path (pipeline/stage_parts.py dispatches)."""
 
 from __future__ import annotations
 

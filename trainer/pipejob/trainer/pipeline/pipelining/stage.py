@@ -31,11 +31,11 @@ from torch.distributed.rpc import RRef
 
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline import gradients
-from pipejob.trainer.pipeline.parts import Part
 from pipejob.trainer.pipeline.pipelining import groups, schedules
 from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.shard import Shard
+from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.pipeline.timing import Clock, step_seconds
 from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.optim import clip_coefficient

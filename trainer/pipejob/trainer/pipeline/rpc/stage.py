@@ -21,9 +21,9 @@ from torch.distributed.rpc import RRef
 
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
-from pipejob.trainer.pipeline.parts import Part
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.shard import Shard
+from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, step_seconds
 from pipejob.trainer.runtime import nonfinite, rendezvous
 from pipejob.trainer.workloads import Loss

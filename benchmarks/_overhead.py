@@ -22,7 +22,7 @@ from torch.distributed.pipelining import (
 )
 
 from pipejob.core import spec as spec_module
-from pipejob.core.kinds.pipeline import schedule_refuses
+from pipejob.core.kinds.pipeline_schedules import schedule_refuses
 from pipejob.trainer import pipeline, workloads
 from pipejob.trainer.pipeline.pipelining.stage import _meta
 from pipejob.trainer.pipeline.shards import Shards, plan_shards

@@ -185,7 +185,7 @@ def checkout(rev: str, tmp: Path) -> Path:
 def run_pipejob(
     cfg: Config, tmp: Path, system: str = "pipejob", extra: dict[str, str] | None = None
 ) -> list[Run]:
-    from pipejob.core.kinds.pipeline import schedule_refuses
+    from pipejob.core.kinds.pipeline_schedules import schedule_refuses
 
     runs = []
     engine = ENGINES.get(system, {})

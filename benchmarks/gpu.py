@@ -103,7 +103,7 @@ def pipelining(
     job: dict[str, Any], device: str, runs: Path, steps: int, warmup: int, timeout: float
 ) -> float | str:
     """Samples/s of `job` on pipejob's pipelining engine; or why it cannot run here."""
-    from pipejob.core.kinds.pipeline import schedule_refuses
+    from pipejob.core.kinds.pipeline_schedules import schedule_refuses
 
     spec = job["spec"]
     if device == "cuda" and torch.cuda.device_count() < spec["stages"]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from pipejob.core.kinds.pipeline import AUTO
+from pipejob.core.kinds.pipeline_schedules import AUTO
 from pipejob.core.spec import InvalidSpec, parse
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "resnet50-pipeline.yaml"

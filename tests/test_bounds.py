@@ -19,7 +19,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from pipejob.core import bounds, spec
-from pipejob.core.kinds.pipeline import PIPELINE_SPEC, SCHEDULES, schedule_refuses
+from pipejob.core.kinds.pipeline import PIPELINE_SPEC
+from pipejob.core.kinds.pipeline_schedules import SCHEDULES, schedule_refuses
 from pipejob.trainer.hybrid import sparse_optimizers
 from pipejob.trainer.pipeline.pipelining import schedules as trainer_schedules
 from pipejob.trainer.pipeline.shard import AUTOCAST

@@ -74,7 +74,7 @@ TOY = Kind(
     settings=ToySpec,
     roles=(
         Role("master"),
-        Role("worker", count=lambda s: s["workers"], gpus="gpusPerWorker", computes=True),
+        Role("worker", count="workers", gpus="gpusPerWorker", computes=True),
     ),
     groups=(Group("ddp", "worker", backend=lambda s: "nccl" if s["gpusPerWorker"] else "gloo"),),
     trainer="pipejob.trainer.toy",  # never imported here: only the trainer's pods do

@@ -19,9 +19,10 @@ class Role:
     """Processes of one kind of work in a world, e.g. the stages of a pipeline."""
 
     name: str  # master | stage | ps | trainer
-    count: Callable[[Spec], int] | None = None  # how many; None: exactly one
-    # Copies of the role's members (PipelineJob replicas); their names carry the replica.
-    replicas: Callable[[Spec], int] = lambda spec: 1
+    count: str | None = None  # the spec field with how many members; None: exactly one
+    # The spec field with the copies of the role's members (PipelineJob replicas), whose
+    # names carry the replica; None: one copy.
+    replicas: str | None = None
     gpus: str | None = None  # the spec field with the GPUs of each of its pods
     computes: bool = False  # does the model's arithmetic (gets the cores, see tuning)
     # Bound by the latency of many small RPCs: keeps TensorPipe's busy-polling transport.
@@ -29,7 +30,11 @@ class Role:
 
     def members(self, spec: Spec) -> int:
         """Members of one replica."""
-        return 1 if self.count is None else self.count(spec)
+        return 1 if self.count is None else spec[self.count]
+
+    def copies(self, spec: Spec) -> int:
+        """Copies of the role's members: its replicas, or 1."""
+        return 1 if self.replicas is None else spec[self.replicas]
 
     def rpc_name(self, index: int, replica: int = 0, replicated: bool = False) -> str:
         """The RPC worker name: the role's name for a single member, else with its index;
@@ -49,6 +54,12 @@ class Group:
     backend: Callable[[Spec], str]  # gloo or nccl
     by_index: bool = False
     when: Callable[[Spec], bool] = lambda spec: True  # formed only when this holds
+
+
+def column(name: str, type: str, json_path: str, description: str = "") -> dict[str, Any]:
+    """A column of a kind's own in `kubectl get -o wide` (priority 1)."""
+    out: dict[str, Any] = {"name": name, "type": type, "jsonPath": json_path, "priority": 1}
+    return out | ({"description": description} if description else {})
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,7 @@ def members(job: Job) -> list[Member]:
     out = []
     shape = job.shape
     for role in job.definition.roles:
-        replicas = role.replicas(shape)
+        replicas = role.copies(shape)
         for r in range(replicas):
             for i in range(role.members(shape)):
                 name = role.rpc_name(i, r, replicas > 1)

@@ -136,7 +136,7 @@ def _checkpoint(spec: dict, template: dict) -> list[SpecError]:
 def pods(kind: str, spec: dict[str, Any]) -> int:
     """How many pods the job's world has (at its largest size)."""
     shape = elastic.shape(KINDS[kind], spec)
-    return sum(role.members(shape) * role.replicas(shape) for role in KINDS[kind].roles)
+    return sum(role.members(shape) * role.copies(shape) for role in KINDS[kind].roles)
 
 
 def _under(path: str, mount: str) -> bool:

@@ -7,22 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipejob.core import k8s
-from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, from_spec, integer
-from pipejob.core.elastic import (
-    Size,
-    cel_full,
-    elastic_acts,
-    full,
-    needs_checkpoint,
-    size_field,
-)
+from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec
+from pipejob.core.elastic import Size, cel_full, elastic_acts, full, needs_checkpoint, size_field
 from pipejob.core.errors import shown
-from pipejob.core.kind import Group, Kind, Role, Spec
+from pipejob.core.kind import Group, Kind, Role, Spec, column
 from pipejob.core.kinds import tables
+from pipejob.core.kinds.hybrid_memory import memory_errors
 from pipejob.core.kinds.sparse import EPS, SPARSE_OPTIMIZER, SparseOptimizer
-from pipejob.core.kinds.tables import Table
-from pipejob.core.schema import Field, Rule, SpecError, apply
+from pipejob.core.kinds.tables import MAX_SERVERS, Table
+from pipejob.core.schema import Field, Rule, SpecError, apply, integer, integer_list
 from pipejob.core.workload import ARGS, HYBRID_DATA, HybridData, args_need_import, import_field
 
 # The samples come from files or the user's code, not from datasetSize and bagSize.
@@ -35,7 +28,6 @@ ONE_TABLE, BAGS = "embedding", "ids"
 # Criteo's columns: 13 integer (dense) features I1..I13, and the categorical ones C1..C26.
 CRITEO_DENSE = 13
 CRITEO_FEATURES = tuple(f"C{i}" for i in range(1, 27))
-MAX_SERVERS = 64
 
 EMBEDDING = Field(
     "object",
@@ -93,17 +85,15 @@ DLRM = Field(
     " features to the tables' width, the pairwise dot products of its output and the pooled"
     " embeddings, and a top MLP over them and the bottom output to one logit (click or not).",
     fields={
-        "bottom": Field(
-            "array",
+        "bottom": integer_list(
             "Hidden widths of the bottom MLP; a last layer to the tables' dim follows.",
-            items=integer("A width.", minimum=1),
+            "A width.",
             default=[64],
             max_items=16,
         ),
-        "top": Field(
-            "array",
+        "top": integer_list(
             "Hidden widths of the top MLP; a last layer to one logit follows.",
-            items=integer("A width.", minimum=1),
+            "A width.",
             default=[64, 32],
             max_items=16,
         ),
@@ -316,10 +306,6 @@ def _complete(spec: Spec) -> Spec:
     return spec
 
 
-def _typed(spec: Spec) -> tuple[Table, ...]:
-    return tuple(from_spec(Table, t) for t in spec["embeddings"])
-
-
 def _check(spec: Spec) -> list[SpecError]:
     """The built-in DLRM's one width, Criteo's feature names, and the servers' memory."""
     errors = []
@@ -344,71 +330,13 @@ def _check(spec: Spec) -> list[SpecError]:
             for i, t in enumerate(embeddings)
             if t["feature"] not in CRITEO_FEATURES
         ]
-    return errors + _memory(spec)
-
-
-def _memory(spec: Spec) -> list[SpecError]:
-    """A parameter server or a trainer that would pass its pods' memory limit (its tables and
-    their optimizer state, or its reader, plus what the process holds besides them:
-    tables.py) would be killed: refuse it now, saying how many servers would do."""
-    resources = (spec.get("template") or {}).get("resources") or {}
-    limit = (resources.get("limits") or {}).get("memory")
-    if limit is None:
-        return []
-    fits, servers = int(k8s.quantity(limit)), spec["parameterServers"]
-    where = f"the pods' memory limit {limit} (spec.template.resources.limits.memory)"
-    trainers = Size.parse(spec["trainers"])
-    trainer = tables.trainer_needs(-(-trainers.max // trainers.min))  # its lanes at the fewest
-    errors = (
-        []
-        if trainer <= fits
-        else [
-            SpecError(
-                "spec.template.resources.limits.memory",
-                (
-                    f"a trainer needs about {tables.size(trainer)} (torch, RPC, the dense model"
-                    f" and its reader), over {where}: give the pods more memory"
-                ),
-            )
-        ]
-    )
-    optimizer, typed = spec["sparseOptimizer"]["name"], _typed(spec)
-    server, held = tables.fullest(typed, servers, optimizer)
-    if tables.server_needs(held) <= fits:
-        return errors
-    enough = next(
-        (
-            n
-            for n in range(servers + 1, MAX_SERVERS + 1)
-            if tables.server_needs(tables.fullest(typed, n, optimizer)[1]) <= fits
-        ),
-        None,
-    )
-    advice = f"use {enough} parameterServers" if enough else "give the pods more memory"
-    return errors + [
-        SpecError(
-            "spec.parameterServers",
-            (
-                f"ps{server} would hold {tables.size(held)} of tables and {optimizer} state"
-                f" ({_largest(spec, typed, optimizer)}) and need about"
-                f" {tables.size(tables.server_needs(held))} with what the process holds besides"
-                f" them, over {where}: {advice}"
-            ),
-        )
-    ]
-
-
-def _largest(spec: Spec, typed: tuple[Table, ...], optimizer: str) -> str:
-    """The table that weighs most, by its field path: what a memory refusal is most about."""
-    i = max(range(len(typed)), key=lambda k: tables.table_bytes(typed[k], optimizer))
-    where = "spec.embedding" if "embedding" in spec else f"spec.embeddings[{i}]"
-    return f"the largest, {where}: {typed[i].rows:,} rows of dim {typed[i].dim}"
+    return errors + memory_errors(spec)
 
 
 def _describe(spec: Spec) -> list[str]:
     """`pipejob plan`'s lines on the tables."""
     optimizer = spec["sparseOptimizer"]["name"]
-    return tables.lines(_typed(spec), spec["parameterServers"], optimizer)
+    return tables.lines(tables.spec_tables(spec), spec["parameterServers"], optimizer)
 
 
 HYBRID_JOB = Kind(
@@ -422,43 +350,20 @@ HYBRID_JOB = Kind(
     settings=HybridSpec,
     roles=(
         Role("master"),
-        Role(
-            "ps",
-            count=lambda spec: spec["parameterServers"],
-            computes=True,
-            latency_bound=True,
-        ),
-        Role(
-            "trainer",
-            count=lambda spec: spec["trainers"],
-            gpus="gpusPerTrainer",
-            computes=True,
-            latency_bound=True,
-        ),
+        Role("ps", count="parameterServers", computes=True, latency_bound=True),
+        Role("trainer", count="trainers", gpus="gpusPerTrainer", computes=True, latency_bound=True),
     ),
     groups=(Group("ddp", "trainer", backend=lambda spec: spec["backend"]),),
     trainer="pipejob.trainer.hybrid",
     columns=(
-        {
-            "name": "AUC",
-            "type": "number",
-            "jsonPath": ".status.training.evalAuc",
-            "priority": 1,
-            "description": "Held-out AUC at the last evaluation (spec.embeddings: clicks).",
-        },
-        {
-            "name": "Trainers",
-            "type": "integer",
-            "jsonPath": ".status.trainers",
-            "priority": 1,
-            "description": "Trainers the current world runs.",
-        },
-        {
-            "name": "Servers",
-            "type": "integer",
-            "jsonPath": ".spec.parameterServers",
-            "priority": 1,
-        },
+        column(
+            "AUC",
+            "number",
+            ".status.training.evalAuc",
+            "Held-out AUC at the last evaluation (spec.embeddings: clicks).",
+        ),
+        column("Trainers", "integer", ".status.trainers", "Trainers the current world runs."),
+        column("Servers", "integer", ".spec.parameterServers"),
     ),
     complete=_complete,
     check=_check,

@@ -6,95 +6,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec, integer
+from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec
 from pipejob.core.elastic import Size, elastic_acts, needs_checkpoint, size_field
 from pipejob.core.errors import SpecError
-from pipejob.core.kind import Group, Kind, Role, Spec
+from pipejob.core.kind import Group, Kind, Role, Spec, column
 from pipejob.core.kinds import models
-from pipejob.core.schema import Field, Rule
+from pipejob.core.kinds.pipeline_schedules import (
+    AUTO,
+    DEFAULT_SCHEDULE,
+    GPIPE,
+    INTERLEAVING,
+    PIPELINING,
+    RPC,
+    SCHEDULE_CEL,
+    SCHEDULES,
+    auto_counts,
+    effective_schedule,
+    micro_batch_counts,
+    schedule_refuses,
+)
+from pipejob.core.schema import Field, Rule, integer
 from pipejob.core.workload import PIPELINE_DATA, Model, PipelineData, model_field
 
-# Models whose torchvision structure the trainer knows how to cut into sequential layers.
-PIPELINE_MODELS = (
-    "resnet18",
-    "resnet34",
-    "resnet50",
-    "resnet101",
-    "resnet152",
-    "resnext50_32x4d",
-    "resnext101_32x8d",
-    "wide_resnet50_2",
-    "wide_resnet101_2",
-    "vgg11",
-    "vgg13",
-    "vgg16",
-    "vgg19",
-    "vgg11_bn",
-    "vgg13_bn",
-    "vgg16_bn",
-    "vgg19_bn",
-    "alexnet",
-    "mobilenet_v2",
-    "mobilenet_v3_small",
-    "mobilenet_v3_large",
-    "efficientnet_b0",
-    "efficientnet_b1",
-    "convnext_tiny",
-)
-
-AUTO = "auto"  # spec.microBatches: the master chooses the count
-
-# spec.engine: what moves the micro-batches between the stages.
-RPC, PIPELINING = "rpc", "pipelining"
-# spec.schedule: the order of a stage's forwards and backwards. The rpc engine runs GPipe.
-GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
-SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
-INTERLEAVING = (INTERLEAVED, ZERO_BUBBLE)  # several stages per process
-DEFAULT_SCHEDULE = {RPC: GPIPE, PIPELINING: ONE_F_ONE_B}
-
-
-def micro_batch_counts(batch: int) -> list[int]:
-    """The micro-batch counts `microBatches: auto` considers: 1 and the powers of two that
-    divide the batch and leave micro-batches of at least 2 samples (training BatchNorm needs
-    two). Doubling spans the range in log2(batch) measurements, whose work adds up to less
-    than two batches; finer steps move the predicted step less than its measurement noise."""
-    counts = [1]
-    while batch % (2 * counts[-1]) == 0 and batch // (2 * counts[-1]) >= 2:
-        counts.append(2 * counts[-1])
-    return counts
-
-
-def schedule_refuses(schedule: str, stages: int, micro_batches: int) -> str | None:
-    """Why `schedule` cannot run `micro_batches` micro-batches through `stages` stage
-    processes, or None when it can: 1F1B keeps `stages` micro-batches in flight, so it needs
-    at least that many (torch's Schedule1F1B); the interleaved schedules run the micro-batches
-    in rounds of `stages` (torch's rule, in the form every pinned torch version accepts)."""
-    if schedule == ONE_F_ONE_B and micro_batches < stages:
-        return (
-            f"1f1b needs at least as many micro-batches as stages ({stages}), got {micro_batches}"
-        )
-    if schedule in INTERLEAVING and micro_batches % stages:
-        return (
-            f"{schedule} runs micro-batches in rounds of one per stage: microBatches must"
-            f" be a multiple of stages ({stages}), got {micro_batches}"
-        )
-    return None
-
-
-def auto_counts(batch: int, schedule: str, stages: int) -> list[int]:
-    """The micro-batch counts `microBatches: auto` measures: those of `micro_batch_counts`
-    the schedule can run."""
-    return [m for m in micro_batch_counts(batch) if schedule_refuses(schedule, stages, m) is None]
-
-
-def effective_schedule(spec: dict) -> str:
-    """The schedule a defaulted spec runs: its own, or its engine's default."""
-    return spec.get("schedule") or DEFAULT_SCHEDULE[spec["engine"]]
-
-
-# `effective_schedule` in CEL, for the rules the API server checks.
-SCHEDULE_CEL = "(has(self.schedule) ? self.schedule : (self.engine == 'rpc' ? 'gpipe' : '1f1b'))"
-
+# The torchvision models the trainer knows how to cut: those whose cut models.py records.
+PIPELINE_MODELS = tuple(models.LAYERS)
 
 PIPELINE_SPEC = Field(
     "object",
@@ -389,13 +324,7 @@ PIPELINE_JOB = Kind(
     settings=PipelineSpec,
     roles=(
         Role("master"),
-        Role(
-            "stage",
-            count=lambda spec: spec["stages"],
-            gpus="gpusPerStage",
-            computes=True,
-            replicas=lambda spec: spec["replicas"],
-        ),
+        Role("stage", count="stages", gpus="gpusPerStage", computes=True, replicas="replicas"),
     ),
     groups=(
         Group(
@@ -416,30 +345,26 @@ PIPELINE_JOB = Kind(
     ),
     trainer="pipejob.trainer.pipeline",
     columns=(
-        {
-            "name": "Perplexity",
-            "type": "number",
-            "jsonPath": ".status.training.evalPerplexity",
-            "priority": 1,
-            "description": "Perplexity on the held-out tokens at the last evaluation"
-            " (the language model).",
-        },
-        {
-            "name": "Model",
-            "type": "string",
-            "jsonPath": ".spec.model",
-            "priority": 1,
-            "description": "The model as written: a torchvision name, or its object as JSON.",
-        },
-        {"name": "Stages", "type": "integer", "jsonPath": ".spec.stages", "priority": 1},
-        {"name": "Engine", "type": "string", "jsonPath": ".spec.engine", "priority": 1},
-        {
-            "name": "Replicas",
-            "type": "integer",
-            "jsonPath": ".status.replicas",
-            "priority": 1,
-            "description": "Copies of the pipeline the current world runs.",
-        },
+        column(
+            "Perplexity",
+            "number",
+            ".status.training.evalPerplexity",
+            "Perplexity on the held-out tokens at the last evaluation (the language model).",
+        ),
+        column(
+            "Model",
+            "string",
+            ".spec.model",
+            "The model as written: a torchvision name, or its object as JSON.",
+        ),
+        column("Stages", "integer", ".spec.stages"),
+        column("Engine", "string", ".spec.engine"),
+        column(
+            "Replicas",
+            "integer",
+            ".status.replicas",
+            "Copies of the pipeline the current world runs.",
+        ),
     ),
     complete=_complete,
     check=_check,

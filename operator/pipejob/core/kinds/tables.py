@@ -12,7 +12,11 @@ order its replies carry them (`ordered`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from pipejob.core.common import from_spec
+
+MAX_SERVERS = 64  # spec.parameterServers at the most
 FLOAT_BYTES = 4  # tables and their optimizer state are float32
 
 # What a HybridJob process holds besides its tables, for the plan's memory advice: measured
@@ -65,6 +69,11 @@ class Piece:
     @property
     def whole(self) -> bool:
         return self.start == 0 and self.stop == self.table_rows
+
+
+def spec_tables(spec: dict[str, Any]) -> tuple[Table, ...]:
+    """A completed spec's spec.embeddings as `Table`s."""
+    return tuple(from_spec(Table, t) for t in spec["embeddings"])
 
 
 def row_bytes(dim: int, optimizer: str) -> int:

@@ -16,7 +16,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from pipejob.core.kinds.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
+from pipejob.core.kinds.pipeline_schedules import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
 
 # One stage per process, or several (the interleaved ones: stage k on process k % processes).
 SINGLE = {GPIPE: ScheduleGPipe, ONE_F_ONE_B: Schedule1F1B}

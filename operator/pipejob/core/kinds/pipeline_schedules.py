@@ -1,0 +1,57 @@
+"""A PipelineJob's engines and schedules (spec.engine, spec.schedule), and which micro-batch
+counts a schedule can run (spec.microBatches, and the counts `auto` measures)."""
+
+from __future__ import annotations
+
+AUTO = "auto"  # spec.microBatches: the master chooses the count
+
+# spec.engine: what moves the micro-batches between the stages.
+RPC, PIPELINING = "rpc", "pipelining"
+# spec.schedule: the order of a stage's forwards and backwards. The rpc engine runs GPipe.
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
+INTERLEAVING = (INTERLEAVED, ZERO_BUBBLE)  # several stages per process
+DEFAULT_SCHEDULE = {RPC: GPIPE, PIPELINING: ONE_F_ONE_B}
+
+
+def micro_batch_counts(batch: int) -> list[int]:
+    """The micro-batch counts `microBatches: auto` considers: 1 and the powers of two that
+    divide the batch and leave micro-batches of at least 2 samples (training BatchNorm needs
+    two). Doubling spans the range in log2(batch) measurements, whose work adds up to less
+    than two batches; finer steps move the predicted step less than its measurement noise."""
+    counts = [1]
+    while batch % (2 * counts[-1]) == 0 and batch // (2 * counts[-1]) >= 2:
+        counts.append(2 * counts[-1])
+    return counts
+
+
+def schedule_refuses(schedule: str, stages: int, micro_batches: int) -> str | None:
+    """Why `schedule` cannot run `micro_batches` micro-batches through `stages` stage
+    processes, or None when it can: 1F1B keeps `stages` micro-batches in flight, so it needs
+    at least that many (torch's Schedule1F1B); the interleaved schedules run the micro-batches
+    in rounds of `stages` (torch's rule, in the form every pinned torch version accepts)."""
+    if schedule == ONE_F_ONE_B and micro_batches < stages:
+        return (
+            f"1f1b needs at least as many micro-batches as stages ({stages}), got {micro_batches}"
+        )
+    if schedule in INTERLEAVING and micro_batches % stages:
+        return (
+            f"{schedule} runs micro-batches in rounds of one per stage: microBatches must"
+            f" be a multiple of stages ({stages}), got {micro_batches}"
+        )
+    return None
+
+
+def auto_counts(batch: int, schedule: str, stages: int) -> list[int]:
+    """The micro-batch counts `microBatches: auto` measures: those of `micro_batch_counts`
+    the schedule can run."""
+    return [m for m in micro_batch_counts(batch) if schedule_refuses(schedule, stages, m) is None]
+
+
+def effective_schedule(spec: dict) -> str:
+    """The schedule a defaulted spec runs: its own, or its engine's default."""
+    return spec.get("schedule") or DEFAULT_SCHEDULE[spec["engine"]]
+
+
+# `effective_schedule` in CEL, for the rules the API server checks.
+SCHEDULE_CEL = "(has(self.schedule) ? self.schedule : (self.engine == 'rpc' ? 'gpipe' : '1f1b'))"

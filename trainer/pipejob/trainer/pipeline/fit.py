@@ -17,9 +17,9 @@ from torch import nn
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.balance import shape
 from pipejob.trainer.workloads import cut
+from pipejob.trainer.workloads.model_guards import unchanged
 from pipejob.trainer.workloads.refusals import construct
 from pipejob.trainer.workloads.standins import META
-from pipejob.trainer.workloads.tracing import unchanged
 
 # What torch and the libraries say when shapes do not fit (the meta kernels check shapes
 # as the real ones do): only these are the data's fault.

@@ -12,17 +12,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from pipejob.trainer.workloads.model_guards import unchanged, without_cache
 from pipejob.trainer.workloads.piece import Piece, attach
 from pipejob.trainer.workloads.refusals import construct, kept_whole, way_past
 from pipejob.trainer.workloads.shapes import ShapedTracer
-from pipejob.trainer.workloads.tracing import (
-    Objects,
-    Tracer,
-    materialize_masks,
-    place_parameters,
-    unchanged,
-    without_cache,
-)
+from pipejob.trainer.workloads.tracing import Objects, Tracer, materialize_masks, place_parameters
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 # Modules never opened: in evaluation without gradients their forward picks a fused kernel

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from pipejob.trainer.workloads.tracing import cache_configs, running_on, without_cache
+from pipejob.trainer.workloads.model_guards import cache_configs, without_cache
+from pipejob.trainer.workloads.tracing import running_on
 
 _STATE = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
 

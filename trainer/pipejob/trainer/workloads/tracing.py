@@ -3,9 +3,10 @@ candidates as leaves (modules opened into candidates traced into, torch.nn's own
 the forward as the pipeline does (one positional input), noting the innermost module whose
 forward failed to trace, keeping the objects a forward passes to calls as they are (a config,
 a ModelOutput). Hugging Face's mask builders run as calls of their own (they branch on the
-inputs) and its key/value cache is off while tracing. A random draw from no traced value
-(LayerDrop's `torch.rand([]) < p`) would be frozen into the graph: the module whose forward
-draws it is kept whole, so the draw happens at every step as in the model."""
+inputs) and its key/value cache is off while tracing (workloads/model_guards.py). A random
+draw from no traced value (LayerDrop's `torch.rand([]) < p`) would be frozen into the graph:
+the module whose forward draws it is kept whole, so the draw happens at every step as in the
+model."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
+
+from pipejob.trainer.workloads.model_guards import holds_traced, unchanged
 
 
 def _mask_builders() -> tuple[Any, ...]:
@@ -98,7 +101,7 @@ class Objects(fx.Tracer):
             node = self.create_node("call_function", type(a), (), fields)
             node.meta["is_wrapped"] = True
             return node
-        if dataclasses.is_dataclass(a) and not isinstance(a, type) and not _traced(a):
+        if dataclasses.is_dataclass(a) and not isinstance(a, type) and not holds_traced(a):
             held = next((k for k, v in vars(self.root).items() if v is a), None)
             if held is None:
                 held = self.get_fresh_qualname(f"_{type(a).__name__}_constant_")
@@ -341,83 +344,9 @@ class RandomDraws(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        if func in RANDOM and not self.allowed and not _traced((args, kwargs)):
+        if func in RANDOM and not self.allowed and not holds_traced((args, kwargs)):
             raise fx.proxy.TraceError(
                 f"torch.{func.__name__} draws a random value outside"
                 " the graph (fx would freeze one draw)"
             )
         return func(*args, **kwargs)
-
-
-def _traced(value: Any) -> bool:
-    """Whether a value holds a traced value (a Proxy) anywhere in its containers."""
-    if isinstance(value, fx.Proxy):
-        return True
-    if isinstance(value, tuple | list | set | frozenset):
-        return any(_traced(v) for v in value)
-    if isinstance(value, dict):
-        return any(_traced(v) for v in value.values())
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        # As stored: a config's own attribute code may raise (Gemma 4's per-layer ones).
-        stored = getattr(value, "__dict__", {})
-        return any(_traced(stored.get(f.name)) for f in dataclasses.fields(value))
-    return False
-
-
-@contextmanager
-def without_cache(model: nn.Module, configs: list[Any] | None = None) -> Iterator[None]:
-    """A Hugging Face model traced, or a stage run, with its key/value cache off
-    (`config.use_cache`, of `configs` when given: `cache_configs(model)`'s): training needs
-    none, and the cache object cannot be passed between stages."""
-    configs = cache_configs(model) if configs is None else configs
-    before = [c.use_cache for c in configs]
-    for c in configs:
-        c.use_cache = False
-    try:
-        yield
-    finally:
-        for c, value in zip(configs, before, strict=True):
-            c.use_cache = value
-
-
-@contextmanager
-def unchanged(model: nn.Module, flags: dict[nn.Module, str] | None = None) -> Iterator[None]:
-    """A forward traced without changing the model: a forward that assigns to its modules
-    (CTRL's `self.pos_encoding = self.pos_encoding.to(...)`) would leave a traced value in
-    them, which the next trace, or the stages, would read. Its parameters, buffers, modules
-    and attributes are put back as they were; attributes fx adds (its constants) stay. A
-    scripted module (`torch.jit.script`) is run, never changed, by a trace: left alone.
-    `flags` gets each module whose plain settings (a str, int, float or bool) the forward
-    changed, and which (BigBird's `attention_type`, switched by the sequence's length)."""
-    modules = [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]
-    kept = [(m, {k: dict(getattr(m, k)) for k in _STATE}, dict(vars(m))) for m in modules]
-    try:
-        yield
-    finally:
-        for module, state, attributes in kept:
-            for key, values in state.items():
-                getattr(module, key).clear()
-                getattr(module, key).update(values)
-            for key in [k for k in vars(module) if k not in attributes]:
-                if _traced(vars(module)[key]):
-                    del vars(module)[key]
-            for key, value in attributes.items():
-                if key not in _STATE:
-                    now = vars(module).get(key)
-                    # Plain settings only: a config's __eq__ reads attributes that may raise.
-                    plain = isinstance(value, str | int | float)
-                    same = now is value or (plain and type(now) is type(value) and now == value)
-                    if flags is not None and plain and not same:
-                        flags.setdefault(module, f"{key}: {value!r} -> {now!r}")
-                    vars(module)[key] = value
-
-
-_STATE = ("_parameters", "_buffers", "_modules")
-
-
-def cache_configs(model: nn.Module) -> list[Any]:
-    """The Hugging Face configs of a model's modules that say whether to keep a cache."""
-    configs = {
-        id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None), "use_cache")
-    }
-    return list(configs.values())

@@ -1,14 +1,7 @@
-"""Balance layers across pipeline stages: measure what each layer costs, then split exactly;
-and predict which micro-batch count gives the shortest step.
-
-A pipeline runs at the pace of its slowest stage, so the split minimises the largest stage
-cost over all contiguous splits (an exact dynamic program, not a heuristic). Where the layers'
-sizes are known, splits whose largest cost is within `COST_SLACK` of the best count as
-equally fast, and of those the one whose largest stage holds the fewest parameter bytes is
-taken: stages of equal layers get equal memory, not one layer more because of a measurement's
-noise. Costs depend on the micro-batch size (small micro-batches use the cores less well), so
-each candidate count is measured and split on its own, and its step predicted from the
-pipeline's schedule and from the cores its stages share (`predict`)."""
+"""Balance the layers across the pipeline's stages: measure what each layer costs, split them
+exactly (the smallest largest-stage cost over all contiguous splits, a dynamic program), and
+predict which micro-batch count gives the shortest step. How and why: the user guide's "The
+model: `spec.model`" (the cut) and "Micro-batches" (`microBatches: auto`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The master's check that the data fits the model, before any stage is built: the model
-(whose parameters do not exist: models.build_meta) runs two samples on the meta device,
-shapes only. It refuses only what it can tell from shapes: an error of shapes (sizes that
-do not match, a wrong channel count). What it cannot evaluate on the meta device (values
-read into Python, `torch.autocast("meta")`, a kernel the meta device lacks) is not the
-data's fault: it says what it could not check and why, and the stages check it on the
-first batch, before training (pipeline/stage_parts.py's measuring runs the real data through
-every piece)."""
+"""The master's check that the data fits the model before any stage is built: two samples run
+through the model on the meta device (shapes only). It refuses only errors of shapes; what
+the meta device cannot evaluate it reports, and the stages check it on the first batch (their
+cost measuring runs the real data through every piece: stage_parts.py)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""Where a stage on a GPU computes: one thread and one CUDA stream of its own.
-
-The RPC agent runs each request on one of its worker threads, on a stream from CUDA's pool.
-Computing there costs a GPU stage three ways, each seen on an H200: cuDNN keeps its
-convolution plans per thread (each of the agent's threads planned every convolution again,
-0.7 ms of CPU per call against 28 us on the GPU); the caching allocator keeps freed blocks
-per stream (a fresh `cudaMalloc` for many steps); and CUDA orders work only within a stream,
-so a forward could read parameters that the last step's optimizer was still writing on
-another. So a GPU stage's forwards and losses run here, in order on one stream; the
-autograd engine runs their backwards on the same stream, on its own single device thread.
-What runs elsewhere (the optimizer's step on the agent's streams) is waited
-for with `settle`, once a round, before the stage's state is touched again."""
+"""Where a stage on a GPU computes: one thread and one CUDA stream of its own, not the RPC
+agent's threads and streams (why, with what was measured: docs/architecture.md, "A
+PipelineJob's step across its stages")."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
 """A step's gradients between the backward and the optimizer's step, across every stage: the
 global L2 norm, clipping to `optimizer.clipGradNorm`, fp16's loss scale, and the sum of
-gradientAccumulation's rounds.
-
-Each stage's gradients are where its engine keeps them (Shard.gradients: the step's
-distributed autograd context on the rpc engine, the parameters' .grad on the pipelining
-engine), where its optimizer's step reads them; each stage works on its own in place. The global
-norm is the norm of every stage's per-parameter norms (as torch.nn.utils.clip_grad_norm_
-computes it over the whole model): each stage sends the master the norm of its own (one
-scalar, `norm_of`), and the master sends back, with the optimizer's step, the one
-coefficient every stage multiplies its gradients by (`scale`, Shard.finish_step). A
-parameter several stages hold (tied weights, whose copies carry the same summed gradient)
-counts once, as the one tensor it is in a single process."""
+gradientAccumulation's rounds. Where each stage's gradients are and how the norm crosses:
+docs/architecture.md, "A PipelineJob's step across its stages"."""
 
 from __future__ import annotations
 
@@ -133,7 +124,7 @@ def copies(tied: list[list[tuple[int, str]]]) -> dict[int, frozenset[str]]:
 
 def total_norm(norms: list[float]) -> float:
     """The global L2 norm over every parameter of every stage, from the stages' norms
-    (`stage_norms_of`): inf or nan when any is."""
+    (`norm_of`): inf or nan when any is."""
     return torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float64), 2).item()
 
 

@@ -1,17 +1,6 @@
-"""A PipelineJob's data, read where it is first needed: on the first stage of each replica.
-The master never holds an input batch; it tells the first stage which round to read, and
-gets back the number of samples.
-
-The first stage of replica r reads its share of every training batch from the job's feed
-(workloads/data.py), one batch ahead in a thread of its own, so reading (decoding, a
-synthetic batch's drawing, the copy to the GPU) overlaps the computing of the batch before.
-It keeps the round's inputs, split into micro-batches on its device, for its own forwards,
-and the labels for the last stage, which fetches them from here (an RRef) to compute the
-loss. Replica 0's first stage reads the held-out set for evaluations the same way. A caller
-may also give a round's batch itself (tests, and anything that brings its own tensors).
-
-Everything that touches a DataLoader runs in the reading thread: worker processes forked
-from one thread fail on exit when another thread shuts them down."""
+"""A PipelineJob's data, read where it is first needed: on the first stage of each replica,
+one batch ahead in a thread of its own; the master never holds an input batch.
+docs/architecture.md ("Where a PipelineJob's model and data live") says where each part lives."""
 
 from __future__ import annotations
 
@@ -53,6 +42,10 @@ class Reader:
         # The next training batch, being read, and the feed's state before it (what a
         # checkpoint keeps: the batches handed out, not the one read ahead).
         self._ahead: tuple[dict[str, Any], Future[Batch]] | None = None
+        # Everything that touches a DataLoader runs in this thread: worker processes forked
+        # from one thread fail on exit when another thread shuts them down. Reading here
+        # (decoding, a synthetic batch's drawing, the copy to the GPU) overlaps the
+        # computing of the batch before.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pipejob-reader")
         # A lock that also says when a round's labels arrive (`labels` may be asked first).
         self._lock = threading.Condition()
@@ -62,9 +55,9 @@ class Reader:
     def read(
         self, round: int, micro_batches: int, what: str = TRAIN, given: Batch | None = None
     ) -> int:
-        """Round `round`'s batch: `given`, or the next one of `what` (TRAIN or HELD_OUT),
-        kept as at most `micro_batches` micro-batches; its sample count, 0 when the held-out
-        set is over."""
+        """Round `round`'s batch: `given` (tests, and anything that brings its own tensors),
+        or the next one of `what` (TRAIN or HELD_OUT), kept as at most `micro_batches`
+        micro-batches; its sample count, 0 when the held-out set is over."""
         batch = given if given is not None else self._next(what)
         if batch is None:
             return 0

@@ -125,29 +125,22 @@ def evaluated(step: int, figures: dict[str, Any]) -> None:
 def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> None:
     """Runs on the master (called by DDP rank 0): complete the checkpoint of `step`."""
     env = world.current()
-    root = env.spec.checkpoint.path
     start = time.perf_counter()
     reports = _master_reports()
     samples = reports.samples + (step - reports.first) * reports.batch  # the data's position
     own = checkpoint.save_part(
-        checkpoint.step_dir(root, step),
+        checkpoint.step_dir(env.spec.checkpoint.path, step),
         "master.pt",
         {"rng": checkpoint.rng_state(), "data": {"samples": samples}},
     )
-    files = [own, *files]
     # The model's spec and latest evaluation travel along, for `pipejob export`.
-    evaluation = reports.evaluation or {}
-    checkpoint.write_manifest(
-        root,
+    roles.complete_checkpoint(
+        env,
         step,
-        files,
-        kind=env.kind,
-        job=env.job,
+        [own, *files],
+        seconds + time.perf_counter() - start,
         trainerCount=len(env.names("trainer")),
         parameterServers=len(env.names("ps")),
         model=model_writer.model_spec(env.spec),
-        metrics=model_writer.metrics(evaluation),
+        metrics=model_writer.metrics(reports.evaluation or {}),
     )
-    checkpoint.prune(root)
-    seconds += time.perf_counter() - start
-    roles.checkpoint_written(env, step, files, seconds, checkpoint.step_dir(root, step))

@@ -5,6 +5,7 @@ Also the lines and summary fields both kinds' masters share."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +65,21 @@ def nothing_left(env: Env, first: int) -> Summary:
         " nothing left to train",
     )
     return summary(env, 0, first)
+
+
+def complete_checkpoint(
+    env: Env, step: int, files: list[dict[str, Any]], seconds: float, **fields: Any
+) -> None:
+    """The master's end of a checkpoint of `step` whose `files` took `seconds` so far: its
+    manifest (the fields every kind's has, then the kind's own), the older steps pruned, and
+    its line."""
+    from pipejob.trainer.runtime import checkpoint  # imports torch: only once a role runs
+
+    root = env.spec.checkpoint.path
+    start = time.perf_counter()
+    directory = checkpoint.write_manifest(root, step, files, kind=env.kind, job=env.job, **fields)
+    checkpoint.prune(root)
+    checkpoint_written(env, step, files, seconds + time.perf_counter() - start, directory)
 
 
 def checkpoint_written(

@@ -8,7 +8,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from pipejob.cli import cluster
+from pipejob.cli import cluster_commands
 from pipejob.core import spec
 from pipejob.core.plan import plan_world
 from pipejob.operator import kube
@@ -122,17 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
         " the spec's {min, max} (default: max), as the operator would run it where only that"
         " many fit",
     )
-    cluster.allow_node_volumes(run)
+    cluster_commands.allow_node_volumes(run)
     run.set_defaults(func=cmd_run)
 
     validate = sub.add_parser("validate", help="check manifests; print every error")
     validate.add_argument("files", nargs="+", metavar="FILE")
-    cluster.allow_node_volumes(validate)
+    cluster_commands.allow_node_volumes(validate)
     validate.set_defaults(func=cmd_validate)
 
     plan = sub.add_parser("plan", help="print the world plan: ranks, roles, addresses, tables")
     plan.add_argument("file")
-    cluster.allow_node_volumes(plan)
+    cluster_commands.allow_node_volumes(plan)
     plan.set_defaults(func=cmd_plan)
 
     export = sub.add_parser(
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(func=cmd_export)
 
-    cluster.add_subcommands(sub)  # operator, render, crds
+    cluster_commands.add_subcommands(sub)  # operator, render, crds
     return parser
 
 

@@ -1,22 +1,8 @@
-"""A trained model out: state dicts written as files a plain process loads, and a JSON
-beside them saying what they are. One path for a live run's `spec.output` and for
-`pipejob export` from a checkpoint, for both kinds; and `load_state_dict`, which reads a
-model back from either layout.
-
-safetensors by default (no pickle: safe to load from anywhere), torch's own format on
-request. A model is one file (`model.safetensors`), or shards written by several processes
-(`model-00001-of-00004.safetensors` ...) with an index in Hugging Face's layout
-(`model.safetensors.index.json`: `{"metadata": {"total_size": N}, "weight_map": {name:
-file}}`), which `from_pretrained` and other tools read. Tensors go out on the CPU, each
-contiguous and whole: safetensors refuses views and shared storage, so a view or a second
-name of a tied weight is written as a copy of its own, and every name loads with
-`load_state_dict` (strict).
-
-The state dict's `_metadata` (each module's version, as a plain `model.state_dict()` carries
-it) goes with it: some modules read their version when loading (torchvision's MNASNet
-refuses a state without one). A torch file keeps it as the dict's own attribute, as
-`torch.save(model.state_dict())` does; a safetensors file in its header (`module_metadata`,
-JSON); a sharded model in its index (`module_metadata`). `load_state_dict` gives it back."""
+"""A trained model out: state dicts written as files a plain process loads (safetensors by
+default, or torch's format; one file, or shards with an index in Hugging Face's layout),
+with the modules' versions, and a JSON beside them saying what they are; and
+`load_state_dict`, which reads a model back from either layout. For `spec.output` and
+`pipejob export`, both kinds. The layout: docs/architecture.md, "The model files out"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""Preflight: before training, every process of the world proves it can talk to the others.
-
-Runs before the RPC world and the DDP group form, in a gloo process group of the whole world
-of its own (the default group of a HybridJob's trainers is their DDP group, so it is never
-used here), built directly on a TCPStore on the master at PIPEJOB_PREFLIGHT_PORT:
-
-1. check-in: every process writes its name into the store; the master waits for all of them
-   until the deadline and names each one missing (rank, role, RPC name, address);
-2. all_reduce: each rank contributes rank+1 at its own index of a zero vector, so every rank
-   knows the exact sum to expect and a wrong entry names the rank that answered wrongly;
-3. point-to-point links, measured in turn: the ring r -> r+1, then from the rank 0 of each
-   collective group (DDP, a replicated stage's) to its other members; ping-pong of small
-   messages for latency and `megabytes` of checked payload for bandwidth (seed 001's
-   send/recv).
-
-Each rank publishes what it found; the master prints the per-link table and the verdict every
-process acts on, so the whole world passes or fails together, within `timeoutSeconds`."""
+"""Preflight: before training, every process of the world proves it can talk to the others,
+in a gloo group of its own on a TCPStore at the master (check-in, a checked all_reduce, each
+link's latency and bandwidth); the master prints the table and the verdict every process
+acts on. The steps: docs/architecture.md, "Preflight"."""
 
 from __future__ import annotations
 

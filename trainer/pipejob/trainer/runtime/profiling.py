@@ -1,24 +1,7 @@
-"""Profiles of chosen steps: one Chrome trace per process per step, and key_averages tables.
-
-Every process of the world profiles the step with Kineto (`torch.profiler`) across all its
-threads: a stage's or the parameter server's work runs on RPC and autograd threads, which a
-thread-local profiler would miss; on a GPU its kernels too, and a second table sorts by
-their time. The driver of the step (the pipeline master, each hybrid
-trainer) starts and stops the others over RPC.
-
-RPC calls and their remote ops (seed 004) are seen only by the autograd profiler in its
-legacy form: its RPCs carry profiling to the callee, which sends its ops back as
-`rpc_async#f(a -> b)#remote_op: aten::...` events (Kineto profiles just the caller). So the
-driver also runs that profiler around the parts of the step that make RPCs (`rpc_calls`), and
-its RPC events join the trace as lanes of their own. (It cannot cover a HybridJob's backward:
-it fails on collectives, like DDP's allreduce, that end on another thread than they began.)
-
-The driver names the parts of its step (`phase`: reading, forwards, backward, the gradients'
-norms, the optimizer's step...); its log then says how long each took in the profiled step
-and what is left, so where a pipeline's time goes reads off one line.
-
-Traces go to `<profile.path>/<rpc name>-step<N>.json`; open them in https://ui.perfetto.dev
-or chrome://tracing."""
+"""Profiles of chosen steps: one Chrome trace per process per step (Kineto, all threads),
+the driver's RPC calls with their remote ops from the legacy autograd profiler, the step's
+named phases timed, and key_averages tables. Why two profilers: docs/architecture.md,
+"Profiles"; what users get: docs/user-guide.md, "Profiles"."""
 
 from __future__ import annotations
 

@@ -1,27 +1,8 @@
 """The watchdog: a member that stops answering, or a world whose progress stops, is found
-within a bound and named.
-
-A frozen process (SIGSTOP, a hung GPU driver call, a network partition) keeps its sockets
-open, so torch RPC calls to it fail only after RPC's own timeout (300 s), and a frozen
-master leaves everyone waiting. So every member also sends a small heartbeat over HTTP to the
-master's monitor port (core/contract.py HEARTBEAT_PATH), from a thread of its own and in
-every phase from its start to its end, independent of torch. The master names a member it
-has not heard from within the bound; a member names the master once it stops answering.
-Whoever notices says so in one line, leaves it as its termination message (`stalled: ...`)
-and exits STALLED at once (its main thread may be stuck in a call that never returns). The
-operator then restarts the world, which resumes from its checkpoint.
-
-A world can also stop while every member still beats: a stage's forward blocked on a lock, a
-data read that never returns, a collective that never completes. So the master also watches
-the world's progress: its phase and step, the calls it made that ended, and the calls each
-member served that ended (each heartbeat carries its count; runtime/calls.py). When none of
-these moved for longer than the bound while the master waited on calls, the world is stuck:
-the master names the member its oldest outstanding call waits on. Only training (with its
-evaluations, checkpoints and output) is judged: before it, a stage building and measuring a
-big model's part runs one long call. One call that runs longer than the bound counts as
-stuck too (a member's CPU time cannot tell: TensorPipe and gloo threads use a third of a core
-while they only wait). A master busy with its own work (writing the model out) waits on
-nobody and is not judged."""
+within a bound and named. Every member beats over HTTP to the master's monitor port,
+independent of torch RPC; the master also watches the world's progress (its calls and the
+calls each member served). Whoever notices exits STALLED with a one-line termination
+message. Why and how: docs/architecture.md, "The watchdog"."""
 
 from __future__ import annotations
 

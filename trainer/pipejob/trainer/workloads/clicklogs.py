@@ -1,23 +1,7 @@
-"""Click logs of any size, streamed (spec.data.criteo): plain or gzip-compressed files given
-as one path, a glob (Criteo's day files: `day_*.gz`) or several separated by commas.
-
-The logs are cut into pieces: a plain file into byte ranges of about CHUNK_BYTES (a piece
-owns the lines that start inside it), a gzip file is one piece (it cannot be entered in the
-middle). A job reads them as `lanes` (trainers.max) streams. Each epoch the pieces are
-shuffled by (seed, epoch) and dealt to the lanes by size (each to the lane with the fewest
-bytes so far), so an epoch's lanes read every line once between them; a lane reads its pieces
-in turn through a window of at most WINDOW_LINES lines or WINDOW_BYTES bytes, shuffled by
-(seed, lane, epoch, window). Where there are fewer pieces than lanes (one gzip file, two
-trainers), each piece is read by several lanes, each taking every n-th line.
-
-A step takes batchSize lines from every lane, so trainer k of T reads lanes
-share_of(lanes, k, T) (its own pieces, no one else's) and a step's batch is the same at any
-trainer count. A position (samples consumed) resumes exactly at any count: each lane skips
-its lines before it, counting the lines of earlier epochs' pieces where it must.
-
-A reader holds one window per lane and one read buffer per open file: its memory does not
-grow with the logs (`held` counts the lines' bytes it holds). A bad line is a ValueError
-naming the file, the line and the column."""
+"""Click logs of any size, streamed (spec.data.criteo): plain or gzip files cut into pieces,
+dealt each epoch to `lanes` (trainers.max) streams read through shuffled windows, so a
+step's batch is the same at any trainer count and a position resumes exactly; memory does
+not grow with the logs. How: docs/architecture.md, "Click logs of any size"."""
 
 from __future__ import annotations
 

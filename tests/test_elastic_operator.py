@@ -1,4 +1,4 @@
-"""Elastic worlds in the operator's decision (reconcile.decide, operator/elastic.py), over
+"""Elastic worlds in the operator's decision (reconcile.decide, operator/elastic_world.py), over
 plain dicts: the size a world starts at, when it restarts smaller (pods unschedulable for
 elastic.pendingSeconds, or a gang left unadmitted) and larger (its standby pods run and a
 checkpoint is written after), what the status, the conditions and the Events say, and what
@@ -13,7 +13,7 @@ import pytest
 from test_reconcile import Sim
 
 from pipejob.core.spec import InvalidSpec, parse
-from pipejob.operator import elastic, kube
+from pipejob.operator import elastic_world, kube
 from pipejob.operator import status as st
 
 pytestmark = pytest.mark.timeout(30)
@@ -54,11 +54,11 @@ def placed(sim: Sim, *names: str, phase: str = "Pending") -> None:
 
 
 def world(sim: Sim) -> list[str]:
-    return sorted(n for n, p in sim.pods.items() if not elastic.is_standby(p))
+    return sorted(n for n, p in sim.pods.items() if not elastic_world.is_standby(p))
 
 
 def standby(sim: Sim) -> list[str]:
-    return sorted(n for n, p in sim.pods.items() if elastic.is_standby(p))
+    return sorted(n for n, p in sim.pods.items() if elastic_world.is_standby(p))
 
 
 def shrunk_to_one(sim: Sim) -> None:
@@ -137,9 +137,9 @@ def test_standby_pods_hold_the_missing_replica_s_place_and_it_grows_back_at_a_ch
     pod = sim.pods["j-standby-1-0"]
     stage = sim.pods["j-stage-0"]["spec"]["containers"][0]
     container = pod["spec"]["containers"][0]
-    assert container["command"] == elastic.STANDBY_COMMAND and "env" not in container
+    assert container["command"] == elastic_world.STANDBY_COMMAND and "env" not in container
     assert container["resources"] == stage["resources"]  # the room a stage needs
-    assert pod["metadata"]["labels"][elastic.JOINS_LABEL] == "2"
+    assert pod["metadata"]["labels"][elastic_world.JOINS_LABEL] == "2"
     assert sim.status["roles"]["stage"]["running"] == 2  # standby pods are not the world's
 
     training = {"checkpointStep": 6, "checkpointTime": st.timestamp(sim.now)}

@@ -10,7 +10,7 @@ from functools import cached_property
 
 from pipejob.core.contract import Progress
 from pipejob.core.spec import InvalidSpec, Job, parse
-from pipejob.operator import elastic, kube
+from pipejob.operator import elastic_world, kube
 from pipejob.operator import status as st
 from pipejob.operator.policy_settings import DEFAULT, Settings
 
@@ -67,12 +67,12 @@ class Observed:
     @cached_property
     def standby(self) -> list[dict]:
         """The standby pods: beside the world, not of it."""
-        return [p for p in self.everything if elastic.is_standby(p)]
+        return [p for p in self.everything if elastic_world.is_standby(p)]
 
     @cached_property
     def ours(self) -> list[dict]:
         """The job's pods of every world, standby ones left out."""
-        return [p for p in self.everything if not elastic.is_standby(p)]
+        return [p for p in self.everything if not elastic_world.is_standby(p)]
 
     @cached_property
     def current(self) -> list[dict]:
@@ -96,7 +96,7 @@ class Observed:
     @cached_property
     def size(self) -> int | None:
         """The size the world runs at, elastic or fixed; None: the kind has no size."""
-        return elastic.size(self.parsed, self.old) if isinstance(self.parsed, Job) else None
+        return elastic_world.size(self.parsed, self.old) if isinstance(self.parsed, Job) else None
 
     @cached_property
     def job(self) -> Job:

@@ -1,7 +1,7 @@
 """The situations a job can be in, one function each, and `SITUATIONS`: the order in which they
 take precedence. Each reads what a reconcile observed and returns the Actions for its
 situation, or None when the job is not in it; reconcile.decide takes the first answer. What
-gang schedulers and elastic sizes add is decided in queueing.py, gang.py and elastic.py;
+gang schedulers and elastic sizes add is decided in queueing.py, gang.py and elastic_world.py;
 docs/architecture.md tells the whole path."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from datetime import timedelta
 
 from pipejob.core import scheduling as sch
 from pipejob.core.spec import InvalidSpec
-from pipejob.operator import elastic, gang, kube, queueing
+from pipejob.operator import elastic_world, gang, kube, queueing
 from pipejob.operator import status as st
 from pipejob.operator.actions import (
     NORMAL,
@@ -172,11 +172,11 @@ def failed(seen: Observed) -> Actions | None:
 
 
 def resized(seen: Observed) -> Actions | None:
-    """An elastic world of another size (elastic.resize), resumed from its checkpoint: counted
+    """An elastic world of another size (elastic_world.resize), resumed from its checkpoint: counted
     in status.resizes (part of the world's number), spending no backoffLimit."""
     acts = Actions(status=seen.active_status(), delete=seen.live)
     job, old, now = seen.job, seen.old, seen.now
-    found = elastic.resize(
+    found = elastic_world.resize(
         job, seen.size, seen.planned, seen.by_name, seen.standby, old, acts.status, now
     )
     if found is None:
@@ -201,7 +201,9 @@ def starting_or_running(seen: Observed) -> Actions:
     the phase says how far the world got (running, queued, restarting or pending)."""
     acts = Actions(status=seen.active_status())
     acts.delete = [
-        p for p in seen.live if kube.restart_of(p) != seen.restart and not elastic.is_standby(p)
+        p
+        for p in seen.live
+        if kube.restart_of(p) != seen.restart and not elastic_world.is_standby(p)
     ]
     _create_missing(seen, acts)
     running = _running(seen)
@@ -304,8 +306,8 @@ def _pending(seen: Observed, acts: Actions, message: str) -> Actions:
 
 
 def _keep_standby(seen: Observed, acts: Actions, running: bool) -> None:
-    """The standby pods beside the world (elastic.standby_changes): made, and gone."""
-    make, stale = elastic.standby_changes(
+    """The standby pods beside the world (elastic_world.standby_changes): made, and gone."""
+    make, stale = elastic_world.standby_changes(
         seen.job,
         seen.size,
         seen.restart,

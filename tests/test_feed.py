@@ -13,9 +13,10 @@ import torch
 from userdata import BYTE_VOCAB, write_digits, write_stdlib_tokens
 
 from pipejob.core.common import Optimizer, Preflight
+from pipejob.core.data_sources import PipelineData, Split, Tokens
 from pipejob.core.elastic import Size
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.core.workload import Model, PipelineData, Split, Tokens, Transformer
+from pipejob.core.workload import Model, Transformer
 from pipejob.trainer.workloads import data, sources
 from pipejob.trainer.workloads.data import DataError, Feed, StreamSampler, held_out, sample, task
 from pipejob.trainer.workloads.synthetic import SyntheticImages

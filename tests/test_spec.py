@@ -41,8 +41,9 @@ def test_defaults_fill_every_field():
 
 
 def test_workload_fields_default_and_convert_to_the_typed_spec():
-    """The user's model, data, loss, evaluation and output (core/workload.py)."""
-    from pipejob.core.workload import Eval, Loss, Model, Output, Split, Tokens, Transformer
+    """The user's model, data, loss, evaluation and output (core/workload.py, data_sources.py)."""
+    from pipejob.core.data_sources import Split, Tokens
+    from pipejob.core.workload import Eval, Loss, Model, Output, Transformer
 
     plain = spec.parse(pipeline(model="resnet18"))
     assert plain.spec["data"] == {"workers": 2}  # synthetic, with its loader's workers

@@ -1,22 +1,14 @@
-"""What a job trains, as the spec says it: the model, the data, the loss, the evaluation and
-the output. Torch-free: the trainer reads these typed objects (trainer/workloads/ makes the
-real things from them); validation and the CRDs read the field tables.
-
-Every user hook is an import path, "package.module:function", whose function is called with
-`args` and returns the thing (an nn.Module, a Dataset, a loss callable).
-
-The tables below are the spec's side of the same objects (core/kinds/ and core/common.py
-put them in the kinds' specs); tests/test_kinds.py checks each dataclass against its table.
-In CEL a field named `import` (a CEL keyword) is written `self.__import__`, as the API server
-escapes it. Long because it holds the field tables of every workload section of both kinds
-(model, data, loss, evaluation, output), which the validation and the CRDs read together."""
+"""What a job trains, as the spec says it: the model, the loss, the evaluation and the output
+(spec.data is core/data_sources.py), as field tables and as the torch-free objects the
+trainer reads; and the fields every user hook is named by, an import path
+"package.module:function" called with `args`. docs/architecture.md, "Adding a model"."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipejob.core.schema import Field, Rule
+from pipejob.core.schema import Field, Rule, integer
 
 # "package.module:function": dotted identifiers, one colon.
 IMPORT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"  # noqa: E501
@@ -53,41 +45,6 @@ class Model:
     import_: str | None = None  # spec key "import"
     args: dict[str, Any] = field(default_factory=dict)
     staged: Staged | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Split:
-    """Where the data lives: a training set and, optionally, a held-out one."""
-
-    train: str
-    val: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Tokens(Split):
-    dtype: str  # "uint16" or "uint32"
-    seq_len: int | None = None  # the window; the transformer's seqLen when it is the model
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineData:
-    """At most one source; none is synthetic data."""
-
-    image_folder: Split | None = None
-    tokens: Tokens | None = None
-    import_: str | None = None  # called with split="train" / split="val" and `args`
-    args: dict[str, Any] = field(default_factory=dict)
-    workers: int = 2  # DataLoader worker processes
-
-
-@dataclass(frozen=True, kw_only=True)
-class HybridData:
-    """At most one source; none is synthetic samples (datasetSize, bagSize, denseFeatures)."""
-
-    file: Split | None = None  # .npz files with arrays ids, offsets, labels
-    criteo: Split | None = None  # click logs in the Criteo layout (tab-separated text)
-    import_: str | None = None  # called with split="train" / split="val" and `args`
-    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,20 +121,16 @@ def _cel_name(key: str) -> str:
     return f"__{key}__" if key in ("import", "in", "as", "package", "namespace") else key
 
 
-def _positive(description: str, default: int) -> Field:
-    return Field("integer", description, default=default, minimum=1)
-
-
 TRANSFORMER = Field(
     "object",
     "pipejob's own decoder-only transformer language model (token embedding, `layers`"
     " pre-norm blocks, a final norm and the output head), trained on next-token cross-entropy.",
     fields={
-        "vocabSize": _positive("Tokens in the vocabulary (256 for bytes).", 256),
-        "layers": _positive("Transformer blocks.", 4),
-        "width": _positive("Embedding width; divisible by heads.", 128),
-        "heads": _positive("Attention heads per block.", 4),
-        "seqLen": _positive("Tokens per sample (the context length).", 128),
+        "vocabSize": integer("Tokens in the vocabulary (256 for bytes).", default=256, minimum=1),
+        "layers": integer("Transformer blocks.", default=4, minimum=1),
+        "width": integer("Embedding width; divisible by heads.", default=128, minimum=1),
+        "heads": integer("Attention heads per block.", default=4, minimum=1),
+        "seqLen": integer("Tokens per sample (the context length).", default=128, minimum=1),
     },
     rules=(
         Rule(
@@ -280,114 +233,13 @@ STAGED = Field(
 NON_EMPTY = r".*\S.*"
 
 
-def _path(description: str, what: str) -> Field:
+def path_field(description: str, what: str) -> Field:
     return Field(
         "string", description, pattern=NON_EMPTY, pattern_says=f"name {what}", max_length=4096
     )
 
 
-def _split(description: str, train: str, val: str, **fields: Field) -> Field:
-    return Field(
-        "object",
-        description,
-        fields={
-            "train": _path(train, "a file or folder"),
-            "val": _path(val, "a file or folder"),
-            **fields,
-        },
-        required=("train",),
-        section=True,
-    )
-
-
-_RELATIVE = " A relative path is relative to the manifest's folder with `pipejob run`."
-
-PIPELINE_DATA = Field(
-    "object",
-    "What the pipeline trains on: at most one of imageFolder, tokens or import; none is"
-    " synthetic data (random images, or random tokens for the transformer).",
-    fields={
-        "imageFolder": _split(
-            "Images in torchvision's ImageFolder layout (one subfolder per class), with its"
-            " standard transforms to imageSize.",
-            "Folder of the training images." + _RELATIVE,
-            "Folder of the held-out images, for evaluation.",
-        ),
-        "tokens": _split(
-            "A flat binary file of token ids (nanoGPT's format), read as windows of"
-            " seqLen + 1 tokens: a sample's input is the first seqLen, its labels the next"
-            " token at each position. For any model that takes token ids.",
-            "Token file of the training set." + _RELATIVE,
-            "Token file of the held-out set, for evaluation.",
-            dtype=Field(
-                "string",
-                "Type of one token id in the files.",
-                default="uint16",
-                enum=("uint16", "uint32"),
-            ),
-            seqLen=Field(
-                "integer",
-                "Tokens per sample; required unless the model is the"
-                " built-in transformer, whose seqLen it defaults to.",
-                minimum=1,
-            ),
-        ),
-        "import": import_field(
-            "a map-style torch Dataset; it is called with split='train' or split='val' too"
-        ),
-        "args": ARGS,
-        "workers": Field(
-            "integer",
-            "DataLoader worker processes of each replica's first stage, which reads the batches.",
-            default=2,
-            minimum=0,
-            maximum=32,
-        ),
-    },
-    rules=(
-        at_most_one(
-            ("imageFolder", "tokens", "import"),
-            "give at most one data source: imageFolder, tokens or import",
-        ),
-        args_need_import("data"),
-    ),
-)
-
-HYBRID_DATA = Field(
-    "object",
-    "What the trainers train on: at most one of file, criteo or import; none is synthetic"
-    " samples (datasetSize samples of up to bagSize ids per feature, and denseFeatures dense"
-    " values with spec.embeddings).",
-    fields={
-        "file": _split(
-            "Bags for spec.embedding's one table in .npz files (numpy.savez) with three"
-            " arrays: ids (every bag's indices, concatenated), offsets (where each bag starts"
-            " in ids) and labels (one class per bag).",
-            "The training samples' .npz file." + _RELATIVE,
-            "The held-out samples' .npz file, for evaluation.",
-        ),
-        "criteo": _split(
-            "Click logs in the Criteo layout (spec.embeddings), one sample a line, tab-separated:"
-            " the label (0 or 1), 13 integer features (I1 ... I13, read as log(1 + x), an empty"
-            " or negative one as 0) and 26 categorical features (C1 ... C26, hexadecimal"
-            " strings, each hashed into its tables' rows; an empty one is 0).",
-            "The training log's file." + _RELATIVE,
-            "The held-out log's file, for evaluation.",
-        ),
-        "import": import_field(
-            "a map-style torch Dataset; it is called with split='train' or split='val' too."
-            " With spec.embedding an item is (ids, label); with spec.embeddings it is (dense"
-            " features, {feature: ids}, label) with a label of 0 or 1"
-        ),
-        "args": ARGS,
-    },
-    rules=(
-        at_most_one(
-            ("file", "criteo", "import"), "give at most one data source: file, criteo or import"
-        ),
-        args_need_import("data"),
-    ),
-)
+RELATIVE = " A relative path is relative to the manifest's folder with `pipejob run`."
 
 LOSS = Field(
     "object",
@@ -427,9 +279,9 @@ OUTPUT = Field(
     " final metrics: one file, or, for a PipelineJob model over 256 MiB, one shard per stage"
     " with an index in Hugging Face's layout.",
     fields={
-        "path": _path(
+        "path": path_field(
             "Directory the model files and their JSON go in. Each stage writes its own shard"
-            " of a sharded model: on a cluster, a volume every pod shares." + _RELATIVE,
+            " of a sharded model: on a cluster, a volume every pod shares." + RELATIVE,
             "a directory",
         ),
         "format": Field(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec
+from pipejob.core.data_sources import HYBRID_DATA, HybridData
 from pipejob.core.elastic import Size, cel_full, elastic_acts, full, needs_checkpoint, size_field
 from pipejob.core.errors import shown
 from pipejob.core.kind import Group, Kind, Role, Spec, column
@@ -16,7 +17,7 @@ from pipejob.core.kinds.hybrid_memory import memory_errors
 from pipejob.core.kinds.sparse import EPS, SPARSE_OPTIMIZER, SparseOptimizer
 from pipejob.core.kinds.tables import MAX_SERVERS, Table
 from pipejob.core.schema import Field, Rule, SpecError, apply, integer, integer_list
-from pipejob.core.workload import ARGS, HYBRID_DATA, HybridData, args_need_import, import_field
+from pipejob.core.workload import ARGS, args_need_import, import_field
 
 # The samples come from files or the user's code, not from datasetSize and bagSize.
 _REAL_DATA = (

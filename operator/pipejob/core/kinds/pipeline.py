@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec
+from pipejob.core.data_sources import PIPELINE_DATA, PipelineData
 from pipejob.core.elastic import Size, elastic_acts, needs_checkpoint, size_field
 from pipejob.core.errors import SpecError
 from pipejob.core.kind import Group, Kind, Role, Spec, column
@@ -26,7 +27,7 @@ from pipejob.core.kinds.pipeline_schedules import (
     schedule_refuses,
 )
 from pipejob.core.schema import Field, Rule, integer
-from pipejob.core.workload import PIPELINE_DATA, Model, PipelineData, model_field
+from pipejob.core.workload import Model, model_field
 
 # The torchvision models the trainer knows how to cut: those whose cut models.py records.
 PIPELINE_MODELS = tuple(models.LAYERS)

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from pipejob.core.data_sources import Split
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.core.workload import Split
 from pipejob.trainer.workloads import imports
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

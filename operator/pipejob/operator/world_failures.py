@@ -1,5 +1,5 @@
-"""Which failure broke a job's current world, read from its pods (status/failures.py reads one
-pod): the first preemption, the first permanent failure, the first failure by cause, and
+"""Which failure broke a job's current world, read from its pods (status/pod_failures.py reads
+one pod): the first preemption, the first permanent failure, the first failure by cause, and
 whether its cause may still follow. The situations in situations.py act on them."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Nothing here talks to Kubernetes; everything takes and returns plain dicts. One module per
 concern: conditions.py (phases and conditions), fields.py (the status's schema), pods.py (what a
-pod says), failures.py (why a world broke), training.py (the master's figures). Callers use
+pod says), pod_failures.py (why a pod failed), training.py (the master's figures). Callers use
 the names below, whichever module holds them."""
 
 from pipejob.operator.status.conditions import (
@@ -28,7 +28,8 @@ from pipejob.operator.status.conditions import (
     with_phase,
     world,
 )
-from pipejob.operator.status.failures import (
+from pipejob.operator.status.fields import STATUS
+from pipejob.operator.status.pod_failures import (
     DISRUPTION_CONDITIONS,
     FROM_TRAINER,
     IMAGE_FAILURES,
@@ -40,7 +41,6 @@ from pipejob.operator.status.failures import (
     permanent_failure,
     pod_failure,
 )
-from pipejob.operator.status.fields import STATUS
 from pipejob.operator.status.pods import (
     deleting,
     pod_phase,

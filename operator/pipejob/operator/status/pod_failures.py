@@ -1,5 +1,6 @@
-"""Why a world broke, in words: a pod failed (permanently, or for losing a peer), was
-evicted, preempted or disrupted, or its image cannot run the trainer."""
+"""Why one pod of a world failed, in words: it failed (permanently, or for losing a peer), was
+evicted, preempted or disrupted, or its image cannot run the trainer (which of a world's
+failures broke it: world_failures.py)."""
 
 from __future__ import annotations
 

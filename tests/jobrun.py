@@ -30,6 +30,7 @@ from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, workloads
 from pipejob.trainer.pipeline.rpc.schedule import Pipeline, forward_backward
+from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import plan_shards
 from pipejob.trainer.runtime import checkpoint, rendezvous, world
 from pipejob.trainer.workloads import cut, data, models
@@ -256,7 +257,7 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
                     "grads": grads,
                     "variant": variant,
                     "stages": [shards.piece_units(i) for i in range(len(shards.ranges))],
-                    "states": pipe.each("state"),
+                    "states": pipe.stage_results(Shard.state),
                     "rest": shards.rest,
                     "config": shards.config,
                 }
@@ -294,7 +295,7 @@ def _pipelining_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple
         loss, _ = pipe.run(pipe.read(s.micro_batches, shares[r]), 0, workloads.loss(s), 1.0)
         pipe.combine_tied(0, shards.tied)
         if s.replicas.max > 1:
-            pipe.each("average_gradients", 0)
+            pipe.stage_results(Shard.average_gradients, 0)
         return loss
 
     with ThreadPoolExecutor(s.replicas.max) as threads:

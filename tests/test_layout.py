@@ -184,3 +184,31 @@ def test_importing_the_whole_operator_side_loads_no_torch() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"loaded with the operator side: {done.stdout.strip()}"
+
+
+# A Stage or Reader method named by a string in a call to a stage process: `rpc.rpc_async(name,
+# on_stage, args=(stage, "save", ...))`, `pipeline.each("timings")`. The typed calls of
+# pipeline/stage_calls.py take the method itself, so a misspelt one fails where it is written.
+STRING_NAMED_CALL = re.compile(
+    r"\bon_(?:stage|reader)\s*,\s*args\s*=\s*\(\s*[^,()]+,\s*[rbf]?[\"']"
+    r"|\.(?:each|stage_results|reader|readers)\(\s*[rbf]?[\"']"
+    r"|\bon_(?:stage|reader)_\w+\(\s*[^,()]+,\s*[^,()]+,\s*[rbf]?[\"']"
+    r"|\bon_every_stage\(\s*[^,()]+,\s*[^,()]+,\s*[rbf]?[\"']"
+)
+
+
+def test_no_stage_call_names_its_method_by_a_string() -> None:
+    bad = [
+        'rpc.rpc_async(name, on_stage, args=(stage, "save", directory))',
+        "rpc.remote(self.names[0], on_reader, args=(self.stages[0], 'labels', 3))",
+        'pipeline.each("timings")',
+        'on_stage_async(self.names[k], self.stages[k], "gradient", context_id)',
+    ]
+    assert all(STRING_NAMED_CALL.search(line) for line in bad)
+    assert not STRING_NAMED_CALL.search("on_stage_async(name, stage, Shard.save, directory)")
+    found = [
+        f"{path.relative_to(ROOT)}:{path.read_text()[: m.start()].count(chr(10)) + 1}"
+        for path in [*_modules(OPERATOR), *_modules(TRAINER)]
+        for m in STRING_NAMED_CALL.finditer(path.read_text())
+    ]
+    assert not found, f"name the Stage method itself (pipeline/stage_calls.py): {found}"

@@ -34,6 +34,7 @@ from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.rpc.schedule import Pipeline, Replicas, forward_backward
 from pipejob.trainer.pipeline.rpc.stage import Stage
+from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Partition, Shards, plan_shards
 from pipejob.trainer.runtime import memory
 from pipejob.trainer.workloads import cut, data, models
@@ -245,15 +246,27 @@ def _fp16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             {},
         )
         replicas = Replicas([env.names("stage")], shards, s)
-        before = {k: v for part in replicas.pipelines[0].each("state") for k, v in part.items()}
+        before = {
+            k: v
+            for part in replicas.pipelines[0].stage_results(Shard.state)
+            for k, v in part.items()
+        }
         (x1, y1), (x2, y2) = fp16_batches()
         replicas.loss_scale.scale = 2.0**200  # the scaled loss is inf in float32
         first = replicas.step(2, 0, F.cross_entropy, (x1, y1))
         overflowed = replicas.loss_scale.scale
-        skipped = {k: v for part in replicas.pipelines[0].each("state") for k, v in part.items()}
+        skipped = {
+            k: v
+            for part in replicas.pipelines[0].stage_results(Shard.state)
+            for k, v in part.items()
+        }
         replicas.loss_scale.scale = 2.0**16  # torch's GradScaler's start: no overflow
         second = replicas.step(2, 1, F.cross_entropy, (x2, y2))
-        after = {k: v for part in replicas.pipelines[0].each("state") for k, v in part.items()}
+        after = {
+            k: v
+            for part in replicas.pipelines[0].stage_results(Shard.state)
+            for k, v in part.items()
+        }
         torch.save(
             {
                 "first": first.grad_norm,

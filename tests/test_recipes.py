@@ -29,6 +29,7 @@ from pipejob.core import plan, spec
 from pipejob.core.optimizer import Optimizer, Schedule
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer.pipeline import engine
+from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Partition, Shards
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime.optim import learning_rate
@@ -112,7 +113,8 @@ def _recipe_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             for step, batch in enumerate(batches(samples))
         ]
         states = [
-            {k: v for part in p.each("state") for k, v in part.items()} for p in replicas.pipelines
+            {k: v for part in p.stage_results(Shard.state) for k, v in part.items()}
+            for p in replicas.pipelines
         ]
         torch.save(
             {"results": [(r.loss, r.lr, r.grad_norm) for r in results], "states": states}, out

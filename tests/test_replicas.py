@@ -21,6 +21,7 @@ from jobrun import TOLERANCE, JobRun, master_of, pipeline_job, run_world
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer.pipeline.rpc.schedule import Replicas
+from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Partition, Shards
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.workloads import cut
@@ -204,7 +205,8 @@ def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             for step, batch in enumerate(batches(s.replicas.max))
         ]
         states = [
-            {k: v for part in p.each("state") for k, v in part.items()} for p in replicas.pipelines
+            {k: v for part in p.stage_results(Shard.state) for k, v in part.items()}
+            for p in replicas.pipelines
         ]
         torch.save({"losses": losses, "states": states}, out)
     finally:

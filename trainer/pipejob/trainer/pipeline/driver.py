@@ -9,76 +9,34 @@ with how a round's micro-batches go forward and backward and how the optimizer s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate
 
 import torch
-import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import gradients
-from pipejob.trainer.pipeline.reader import TRAIN, Batch
-from pipejob.trainer.pipeline.shard import on_reader, on_stage
+from pipejob.trainer.pipeline.reader import TRAIN, Batch, Reader
+from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Shards
+from pipejob.trainer.pipeline.stage_calls import (
+    P,
+    R,
+    S,
+    on_every_stage,
+    on_reader_async,
+    on_reader_remote,
+    on_reader_sync,
+    on_stage_async,
+)
+from pipejob.trainer.pipeline.step_records import Judged, Round, StepResult
 from pipejob.trainer.runtime import nonfinite, rendezvous
 from pipejob.trainer.runtime.optim import clip_coefficient, learning_rate
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
-
-
-@dataclass(frozen=True)
-class Round:
-    """A forward round's batch, read on the first stage: training or evaluation."""
-
-    number: int  # the stages' order of rounds
-    micro_batches: int  # as the first stage split it: no more than its samples
-    labels: RRef  # on the first stage; the last fetches them from there
-    samples: int = 0  # in the batch
-
-
-@dataclass(frozen=True)
-class StepResult:
-    loss: float  # the mean over every replica's batch
-    pipeline_seconds: float  # forwards and backwards, all micro-batches (slowest replica)
-    optimizer_seconds: float  # averaging gradients across replicas, then stepping
-    allreduce_seconds: float = 0.0  # of which the slowest stage's all-reduce
-    lr: float | None = None  # the learning rate the optimizer stepped with
-    grad_norm: float | None = None  # the global gradient norm before clipping
-    # A figure that was not finite, its value and where it came from (runtime/nonfinite.py):
-    # the step was not applied.
-    nonfinite: tuple[str, float, str] | None = None
-    skipped: str | None = None  # the line saying that the Guard let the step be skipped
-
-
-@dataclass(frozen=True)
-class Judged:
-    """A replica's step as the master judged it before the optimizer steps (Replicas.judge)."""
-
-    loss: float  # the mean over its rounds
-    norm: float  # the global gradient norm before clipping
-    lr: float | None  # what the optimizer steps with
-    nonfinite: tuple[str, float, str] | None  # what was not finite: the step is not applied
-    scaled: bool  # fp16's loss scale: an overflowed step is skipped, not judged non-finite
-
-    @property
-    def apply(self) -> bool:
-        return self.nonfinite is None and (not self.scaled or math.isfinite(self.norm))
-
-    def result(
-        self, pipeline_seconds: float, optimizer_seconds: float, allreduce_seconds: float
-    ) -> StepResult:
-        return StepResult(
-            self.loss,
-            pipeline_seconds,
-            optimizer_seconds,
-            allreduce_seconds,
-            self.lr,
-            self.norm,
-            self.nonfinite,
-        )
 
 
 class Pipeline:
@@ -100,7 +58,7 @@ class Pipeline:
         if given is not None:  # a view would ship its whole storage
             given = (given[0].clone(), given[1].clone())
         with phase("read"):
-            samples = self.reader("read", self.rounds, micro_batches, what, given)
+            samples = self.reader(Reader.read, self.rounds, micro_batches, what, given)
         if samples == 0:
             return None
         if what == TRAIN and given is None:
@@ -125,17 +83,21 @@ class Pipeline:
         return True
 
     def _round(self, micro_batches: int, samples: int) -> Round:
-        args = (self.stages[0], "labels", self.rounds, rendezvous.RPC_TIMEOUT_SECONDS)
-        labels = rpc.remote(self.names[0], on_reader, args=args)
+        timeout = rendezvous.RPC_TIMEOUT_SECONDS
+        labels = on_reader_remote(
+            self.names[0], self.stages[0], Reader.labels, self.rounds, timeout
+        )
         return Round(self.rounds, min(micro_batches, samples), labels, samples)
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0)."""
         raise NotImplementedError
 
-    def reader(self, method: str, *args: Any) -> Any:
-        """Call a method of the first stage's Reader (pipeline/reader.py)."""
-        return rpc.rpc_sync(self.names[0], on_reader, args=(self.stages[0], method, *args))
+    def reader(
+        self, method: Callable[Concatenate[Reader, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """What `method` of the first stage's Reader (pipeline/reader.py) returns."""
+        return on_reader_sync(self.names[0], self.stages[0], method, *args, **kwargs)
 
     def combine_tied(self, context_id: int, tied: list[list[tuple[int, str]]]) -> None:
         """Each parameter several stages hold (tied embeddings, cut.ties; `tied` by stage
@@ -144,19 +106,15 @@ class Pipeline:
         for group in tied:
             grads = torch.futures.wait_all(
                 [
-                    rpc.rpc_async(
-                        self.names[k], on_stage, args=(self.stages[k], "gradient", context_id, name)
-                    )
+                    on_stage_async(self.names[k], self.stages[k], Shard.gradient, context_id, name)
                     for k, name in group
                 ]
             )
             total = torch.stack(grads).sum(0)
             torch.futures.wait_all(
                 [
-                    rpc.rpc_async(
-                        self.names[k],
-                        on_stage,
-                        args=(self.stages[k], "set_gradient", context_id, name, total),
+                    on_stage_async(
+                        self.names[k], self.stages[k], Shard.set_gradient, context_id, name, total
                     )
                     for k, name in group
                 ]
@@ -165,7 +123,7 @@ class Pipeline:
     def nonfinite_source(self, rounds: list[int]) -> str:
         """Where a non-finite loss of training rounds `rounds` came from: the first stage
         whose forward gave a non-finite output, else the loss on the last stage."""
-        flags = self.each("nonfinite", rounds)
+        flags = self.stage_results(Shard.nonfinite, rounds)
         first = next((name for name, bad in zip(self.names, flags, strict=True) if bad), None)
         if first is not None:
             return f"{first}'s forward"
@@ -178,26 +136,21 @@ class Pipeline:
         nan when any is; `leave_out`: per stage index, the copies counted elsewhere."""
         return torch.futures.wait_all(
             [
-                rpc.rpc_async(
-                    name,
-                    on_stage,
-                    args=(stage, "norm", context_id, unscale, leave_out.get(k, frozenset())),
+                on_stage_async(
+                    name, stage, Shard.norm, context_id, unscale, leave_out.get(k, frozenset())
                 )
                 for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
             ]
         )
 
     def timings(self) -> list[dict[int, tuple[float, float, float]]]:
-        return self.each("timings")
+        return self.stage_results(Shard.timings)
 
-    def each(self, method: str, *args: Any) -> list[Any]:
-        """Call a method of every stage at once; their results."""
-        return torch.futures.wait_all(
-            [
-                rpc.rpc_async(name, on_stage, args=(stage, method, *args))
-                for name, stage in zip(self.names, self.stages, strict=True)
-            ]
-        )
+    def stage_results(
+        self, method: Callable[Concatenate[S, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
+        """What `method` of every stage, called at once, returns."""
+        return on_every_stage(self.names, self.stages, method, *args, **kwargs)
 
 
 class Replicas:
@@ -306,7 +259,9 @@ class Replicas:
         with phase("optimizer step"):
             coefficient = clip_coefficient(judged.norm, self.optimizer.clip_grad_norm)
             lr = judged.lr if self.optimizer.schedule is not None else None
-            pipeline.each("finish_step", context_id, coefficient, lr, judged.apply, zero)
+            pipeline.stage_results(
+                Shard.finish_step, context_id, coefficient, lr, judged.apply, zero
+            )
         return judged
 
     def judge(
@@ -370,14 +325,16 @@ class Replicas:
 
     def data_state(self) -> dict[str, Any]:
         """The training data's position (every replica's first stage is at the same one)."""
-        return self.pipelines[0].reader("state")
+        return self.pipelines[0].reader(Reader.state)
 
-    def readers(self, method: str, *args: Any) -> None:
-        """Call a method of every replica's first stage's Reader: `load_state` (a
+    def readers(
+        self, method: Callable[Concatenate[Reader, P], Any], *args: P.args, **kwargs: P.kwargs
+    ) -> None:
+        """Call `method` of every replica's first stage's Reader at once: `load_state` (a
         checkpoint's position), `close` (stop reading)."""
         torch.futures.wait_all(
             [
-                rpc.rpc_async(p.names[0], on_reader, args=(p.stages[0], method, *args))
+                on_reader_async(p.names[0], p.stages[0], method, *args, **kwargs)
                 for p in self.pipelines
             ]
         )
@@ -387,7 +344,7 @@ class Replicas:
         0's (Shard.fingerprint): 0.0 while the replicas stay identical, as they must."""
         if len(self.pipelines) == 1:
             return 0.0
-        prints = [p.each("fingerprint") for p in self.pipelines]
+        prints = [p.stage_results(Shard.fingerprint) for p in self.pipelines]
         return max(
             (
                 torch.max((a - b).abs()).item()

@@ -30,7 +30,8 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.pipeline.shard import on_stage
+from pipejob.trainer.pipeline.shard import Shard
+from pipejob.trainer.pipeline.stage_calls import on_stage_async
 from pipejob.trainer.runtime import checkpoint, model_files
 from pipejob.trainer.workloads import models
 
@@ -98,13 +99,11 @@ def write_live(
     pairs = list(zip(names, stages, strict=True))
     held = torch.futures.wait_all([rpc.rpc_async(n, held_bytes, args=(s,)) for n, s in pairs])
     if sum(held) + model_files.state_bytes(rest) <= limit:
-        states = torch.futures.wait_all(
-            [rpc.rpc_async(n, on_stage, args=(s, "state")) for n, s in pairs]
-        )
+        states = torch.futures.wait_all([on_stage_async(n, s, Shard.state) for n, s in pairs])
         return write(out, format, states, rest, about, config, metadata)
     files = shard_files(len(stages), bool(rest), format)
     writing = [
-        rpc.rpc_async(n, on_stage, args=(s, "write_shard", str(out), f, format))
+        on_stage_async(n, s, Shard.write_shard, str(out), f, format)
         for (n, s), f in zip(pairs, files, strict=False)
     ]
     mine = [model_files.write_shard(out, files[-1], rest, format)] if rest else []

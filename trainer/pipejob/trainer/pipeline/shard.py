@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.distributed.rpc import RRef
 
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline import gradients
@@ -213,6 +212,11 @@ class Shard:
         place where the optimizer's step reads them."""
         raise NotImplementedError
 
+    def timings(self) -> dict[int, tuple[float, float, float]]:
+        """Per step: seconds this stage spent in forward, in backward, and busy at all (each
+        engine's Stage keeps them its way)."""
+        raise NotImplementedError
+
     def average_gradients(self, context_id: int) -> float:
         """With replicas: average this shard's gradients of a step with those of the same
         stage of every other replica (`replicas_group`), in place. Returns the seconds the
@@ -310,18 +314,3 @@ class Shard:
     def _optimizers(self) -> dict[str, Any]:
         """The optimizers a checkpoint keeps with the shard, by key."""
         return {} if self.optimizer is None else {"optimizer": self.optimizer}
-
-
-def on_stage(stage: RRef, method: str, *args: Any) -> Any:
-    """Runs on the stage's worker: call a method of the Stage object held there (on a GPU,
-    settled: the rpc engine's forward settles the device itself, once a round)."""
-    held = stage.local_value()
-    if method == "forward":
-        return held.forward(*args)
-    with held.settled():
-        return getattr(held, method)(*args)
-
-
-def on_reader(stage: RRef, method: str, *args: Any) -> Any:
-    """Runs on a first stage's worker: call a method of its Reader (the rounds' data)."""
-    return getattr(stage.local_value().reader, method)(*args)

@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed.rpc as rpc
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer import workloads
@@ -17,7 +16,8 @@ from pipejob.trainer.pipeline import output as model_output
 from pipejob.trainer.pipeline.balance import shape
 from pipejob.trainer.pipeline.driver import Replicas, StepResult
 from pipejob.trainer.pipeline.fit import fits_model
-from pipejob.trainer.pipeline.shard import on_stage
+from pipejob.trainer.pipeline.reader import Reader
+from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import (
     Partition,
     Shards,
@@ -26,6 +26,7 @@ from pipejob.trainer.pipeline.shards import (
     share,
     stage_resources,
 )
+from pipejob.trainer.pipeline.stage_calls import on_stage_async
 from pipejob.trainer.pipeline.summary import render, stage_report, summarize
 from pipejob.trainer.runtime import (
     adapters,
@@ -115,7 +116,7 @@ def train(env: Env) -> dict[str, Any]:
         )
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
     pipelines = engine(spec, "schedule").Replicas(replicas, shards, spec, device)
-    held = pipelines.pipelines[0].reader("held_out") if spec.eval is not None else None
+    held = pipelines.pipelines[0].reader(Reader.held_out) if spec.eval is not None else None
     if spec.eval is not None:
         world.log(
             env,
@@ -175,7 +176,7 @@ def train(env: Env) -> dict[str, Any]:
                 )
     finally:
         events.close()
-    pipelines.readers("close")
+    pipelines.readers(Reader.close)
     if spec.output is not None:
         write_output(env, pipelines, shards, evaluations[-1] if evaluations else None)
     if not results:
@@ -266,7 +267,7 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
     directory = str(checkpoint.step_dir(root, step))
     start = time.perf_counter()
     saving = [
-        rpc.rpc_async(name, on_stage, args=(stage, "save", directory, f"stage{i}.pt"))
+        on_stage_async(name, stage, Shard.save, directory, f"stage{i}.pt")
         for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True))
     ]
     own = {
@@ -350,14 +351,13 @@ def resume(env: Env, found: checkpoint.Checkpoint, pipelines: Replicas, shards: 
         for name, stage, (entries, seed) in zip(
             pipeline.names, pipeline.stages, plans, strict=True
         ):
-            args = (stage, "load", directory, entries, seed)
-            loading.append(rpc.rpc_async(name, on_stage, args=args))
+            loading.append(on_stage_async(name, stage, Shard.load, directory, entries, seed))
     own = found.load("master.pt")
     checkpoint.set_rng_state(own["rng"])
     if pipelines.loss_scale is not None and "lossScale" in own:
         pipelines.loss_scale.load(own["lossScale"])
     torch.futures.wait_all(loading)
-    pipelines.readers("load_state", own["data"])
+    pipelines.readers(Reader.load_state, own["data"])
     world.log(
         env, f"resumed from step {found.step} ({found.directory})" + _origin(found.manifest, same)
     )

@@ -77,8 +77,9 @@ def _name(to: Any) -> str:
 
 
 def _what(func: Any, args: Any) -> str:
-    """The function called, with its first string argument when it has one (the method that
-    `on_stage(stage, "forward", ...)` runs)."""
+    """The function called, with its first string argument when it has one (the name of the
+    Stage method that `on_stage` runs, as pipeline/stage_calls.py sends it: "on_stage
+    forward")."""
     name = getattr(func, "__name__", None) or type(func).__name__
     said = next((a for a in (args or ())[:2] if isinstance(a, str)), None)
     return f"{name} {said}" if said else name

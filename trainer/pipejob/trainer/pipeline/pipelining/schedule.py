@@ -15,9 +15,10 @@ from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import driver
 from pipejob.trainer.pipeline.driver import Round, StepResult
 from pipejob.trainer.pipeline.pipelining.stage import NO_CONTEXT, Finish, Stage
-from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Source
-from pipejob.trainer.pipeline.shard import on_stage
+from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Reader, Source
+from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Shards
+from pipejob.trainer.pipeline.stage_calls import on_stage_async, on_stage_sync
 from pipejob.trainer.runtime.optim import learning_rate
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
@@ -77,12 +78,11 @@ class Pipeline(driver.Pipeline):
         if key in self._learnt:
             return
         size = batch.samples // key[1]  # a micro-batch's samples, as the stages run them
-        metas = [((size, *shape[1:]), dtype) for shape, dtype in self.reader("metas", batch.number)]
+        read = self.reader(Reader.metas, batch.number)
+        metas = [((size, *shape[1:]), dtype) for shape, dtype in read]
         for piece in range(self.pieces):
             k = piece % len(self.stages)
-            metas = rpc.rpc_sync(
-                self.names[k], on_stage, args=(self.stages[k], "learn", key, piece, metas)
-            )
+            metas = on_stage_sync(self.names[k], self.stages[k], Stage.learn, key, piece, metas)
         self._learnt.add(key)
 
     def reads_in_run(self, micro_batches: int, samples: int) -> bool:
@@ -109,23 +109,20 @@ class Pipeline(driver.Pipeline):
         last = len(self.stages) - 1  # holds the last piece (stage k is on process k % p)
         replies = torch.futures.wait_all(
             [
-                rpc.rpc_async(
+                on_stage_async(
                     name,
-                    on_stage,
-                    args=(
-                        stage,
-                        "train",
-                        batch.number,
-                        runs,
-                        batch.samples,
-                        step,
-                        loss_fn,
-                        weight,
-                        batch.labels if k == last else None,
-                        unscale,
-                        read if k == 0 else None,
-                        finish,
-                    ),
+                    stage,
+                    Stage.train,
+                    batch.number,
+                    runs,
+                    batch.samples,
+                    step,
+                    loss_fn,
+                    weight,
+                    batch.labels if k == last else None,
+                    unscale,
+                    read if k == 0 else None,
+                    finish,
                 )
                 for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
             ]
@@ -137,26 +134,23 @@ class Pipeline(driver.Pipeline):
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0):
         the first stage reads each batch, every stage runs its forwards, the last adds the
         figures (Stage.evaluate)."""
-        self.reader("start_held_out", limit)
+        self.reader(Reader.start_held_out, limit)
         last = len(self.stages) - 1
         while (batch := self.read(micro_batches, what=HELD_OUT)) is not None:
             self.learn(batch, False)
             runs = even(batch.micro_batches, batch.samples)
             tallies = torch.futures.wait_all(
                 [
-                    rpc.rpc_async(
+                    on_stage_async(
                         name,
-                        on_stage,
-                        args=(
-                            stage,
-                            "evaluate",
-                            batch.number,
-                            runs,
-                            batch.samples,
-                            batch.labels if k == last else None,
-                            loss_fn,
-                            tally if k == last else None,
-                        ),
+                        stage,
+                        Stage.evaluate,
+                        batch.number,
+                        runs,
+                        batch.samples,
+                        batch.labels if k == last else None,
+                        loss_fn,
+                        tally if k == last else None,
                     )
                     for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
                 ]
@@ -229,11 +223,11 @@ class Replicas(driver.Replicas):
         allreduce = 0.0
         if len(self.pipelines) > 1:
             with phase("all-reduce"):
-                allreduce = max(pipeline.each("average_gradients", NO_CONTEXT))
+                allreduce = max(pipeline.stage_results(Shard.average_gradients, NO_CONTEXT))
         judged = self.finish(
             pipeline, NO_CONTEXT, losses, numbers, step, norms, zero=True, stepped=stepped
         )
         return judged.result(middle - start, time.perf_counter() - middle, allreduce)
 
     def activation_peaks(self) -> list[int] | None:
-        return self.pipelines[0].each("activation_peak")
+        return self.pipelines[0].stage_results(Stage.activation_peak)

@@ -24,10 +24,11 @@ from pipejob.core.common import Optimizer
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import driver, gradients
 from pipejob.trainer.pipeline.driver import Round, StepResult
-from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Source
+from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Reader, Source
 from pipejob.trainer.pipeline.rpc.stage import Stage
-from pipejob.trainer.pipeline.shard import on_stage
+from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Shards
+from pipejob.trainer.pipeline.stage_calls import on_stage_async, on_stage_remote, on_stage_sync
 from pipejob.trainer.runtime import rendezvous
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
@@ -39,12 +40,8 @@ Norms = list[float] | None  # each stage's gradient norm, where a call brings th
 
 
 class Pipeline(driver.Pipeline):
-    """The master's handle on the remote shards: creates them and runs micro-batches.
-
-    Calls go through `on_stage` rather than RRef proxies (`rref.rpc_async().forward`): a
-    proxy's first call is sent from a callback thread once it has fetched the RRef's type,
-    outside the distributed autograd context, which silently drops that micro-batch's
-    gradients."""
+    """The master's handle on the remote shards: creates them and runs micro-batches (every
+    call through pipeline/stage_calls.py, which says why)."""
 
     def __init__(
         self,
@@ -101,11 +98,13 @@ class Pipeline(driver.Pipeline):
         def launch(k: int, mb: int) -> None:
             given = None if k == 0 else refs[k - 1, mb]  # the first stage's reader has it
             reads = (read, batch.samples) if k == 0 and mb == 0 and read is not None else None
-            args = (self.stages[k], "forward", given, round, mb, step, reads)
+            name, stage = self.names[k], self.stages[k]
             if k == last:
-                future = rpc.rpc_async(self.names[k], on_stage, args=args)
+                future = on_stage_async(name, stage, Stage.forward, given, round, mb, step, reads)
             else:
-                refs[k, mb] = rpc.remote(self.names[k], on_stage, args=args)
+                refs[k, mb] = on_stage_remote(
+                    name, stage, Stage.forward, given, round, mb, step, reads
+                )
                 future = refs[k, mb]._get_future()  # done once the stage has computed it
             future.then(lambda f: finished.put((k, mb, f)))
 
@@ -156,49 +155,51 @@ class Pipeline(driver.Pipeline):
         when its nodes nearest the inputs have run, just before the gradients they give its
         parameters are taken into the context, which the backward's return waits for."""
         last = len(self.stages) - 1
-        loss, norm = rpc.rpc_sync(
+        loss, norm = on_stage_sync(
             self.names[last],
-            on_stage,
-            args=(
-                self.stages[last],
-                "loss_backward",
-                batch.number,
-                batch.micro_batches,
-                batch.labels,
-                loss_fn,
-                context_id,
-                scale,
-                step,
-                unscale,
-            ),
+            self.stages[last],
+            Stage.loss_backward,
+            batch.number,
+            batch.micro_batches,
+            batch.labels,
+            loss_fn,
+            context_id,
+            scale,
+            step,
+            unscale,
         )
-        settle = ("settle",) if unscale is None else ("settle_norm", context_id, unscale)
-        norms = torch.futures.wait_all(
-            [
-                rpc.rpc_async(
-                    name, on_stage, args=(stage, settle[0], step, batch.micro_batches, *settle[1:])
-                )
-                for name, stage in zip(self.names[:last], self.stages[:last], strict=True)
+        others = zip(self.names[:last], self.stages[:last], strict=True)
+        if unscale is None:
+            settling = [
+                on_stage_async(name, stage, Stage.settle, step, batch.micro_batches)
+                for name, stage in others
             ]
-        )
+        else:
+            settling = [
+                on_stage_async(
+                    name, stage, Stage.settle_norm, step, batch.micro_batches, context_id, unscale
+                )
+                for name, stage in others
+            ]
+        norms = torch.futures.wait_all(settling)
         return loss, None if unscale is None else [*norms, norm]
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0):
         the first stage reads each batch, the last adds its figures (Stage.tally)."""
-        self.reader("start_held_out", limit)
+        self.reader(Reader.start_held_out, limit)
         while (batch := self.read(micro_batches, what=HELD_OUT)) is not None:
             self.forward(batch, None)
-            args = (
+            tally = on_stage_sync(
+                self.names[-1],
                 self.stages[-1],
-                "tally",
+                Stage.tally,
                 batch.number,
                 batch.micro_batches,
                 batch.labels,
                 loss_fn,
                 tally,
             )
-            tally = rpc.rpc_sync(self.names[-1], on_stage, args=args)
         return tally
 
 
@@ -302,6 +303,6 @@ class Replicas(driver.Replicas):
             allreduce = 0.0
             if len(self.pipelines) > 1:
                 with phase("all-reduce"):
-                    allreduce = max(pipeline.each("average_gradients", context_id))
+                    allreduce = max(pipeline.stage_results(Shard.average_gradients, context_id))
             judged = self.finish(pipeline, context_id, losses, numbers, step, norms)
         return judged.result(middle - start, time.perf_counter() - middle, allreduce)

@@ -1,26 +1,8 @@
-"""The user's model built with only some of its parameters in memory: the rest live on the
-meta device (a shape and a dtype, no storage). The master plans the cut on a model none of
-whose parameters exist; each stage process builds the model again keeping only its own.
-
-Which parameters to keep is said by their place in the order the factory makes them
-(`nn.Module.register_parameter`, which assigning a Parameter to a module calls, and the deep
-copies of parameters, which `nn.TransformerEncoder` makes of its layer): the same factory
-with the same arguments makes the same parameters in the same order in every process, so
-the master, having built the model once, can name each stage's by number.
-
-The kept parameters and the buffers get exactly the values a plain build gives them,
-wherever the cut falls. Every parameter not kept is a placeholder while the factory runs
-(`Placeholder`: on the meta device, but saying it is on the device it was made on), and
-what the factory does to it runs on a scratch tensor standing in for it, one at a time
-(`Standins`), so the random stream advances as in a plain build, even through
-initialisations that draw until their values fit. A placeholder's value lives only while
-its stand-in does; where the factory reads it later (a deep copy of a layer, a weight norm's
-magnitude computed from the weight, a spectral norm's vectors, a value read into Python),
-the build notes that what it made depends on that parameter, and the master's plan keeps
-that parameter too, for the build only, wherever what depends on it is kept
-(`Numbering`, `numbers`). The cost: each process computes the whole model's
-initialisation, and holds its own parameters, what they are computed from, the buffers
-(small) and one stand-in at a time."""
+"""The user's model built with only some of its parameters in memory, the rest on the meta
+device: the master plans the cut on a model none of whose parameters exist, and each stage
+process builds it again keeping only its own (named by the order the factory makes them),
+with the values a plain build gives them wherever the cut falls (workloads/standins.py).
+How and at what cost: docs/architecture.md, "A model built in part"."""
 
 from __future__ import annotations
 
@@ -32,7 +14,8 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipejob.trainer.runtime import tuning
-from pipejob.trainer.workloads.standins import Placeholder, Standins, meta_like
+from pipejob.trainer.workloads.op_effects import meta_like
+from pipejob.trainer.workloads.standins import Placeholder, Standins
 
 
 class Registrations:

@@ -1,12 +1,9 @@
 """The parameters a process does not keep, while the user's factory builds the model
-(workloads/materialize.py): each is a placeholder on the meta device, and what the factory
-does to it runs on a scratch tensor standing in for it, one placeholder's at a time, so the
-random stream advances as in a plain build. A placeholder's value lives only while its
-stand-in does; values computed from one whose stand-in was lost are followed (tainted with
-its number) into the parameters and buffers they end in, which then need it: so the plan can
-keep it where they are kept. Over 400 lines because the stand-ins' bookkeeping (which
-placeholder's value which scratch tensor holds, and the taint) is one state that torch's
-two hooks, its function mode and its dispatch mode, share."""
+(workloads/materialize.py): placeholders on the meta device, what the factory does to each
+run on a scratch tensor standing in for it, one at a time, so the random stream advances as
+in a plain build; a value lives only while its stand-in does, and values computed from a lost
+one are followed (tainted with its number) into the parameters and buffers that then need it.
+Torch's operations' effects: workloads/op_effects.py; the whole: docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -19,43 +16,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from pipejob.trainer.workloads.op_effects import (
+    AS_IS,
+    INTO_PYTHON,
+    META,
+    OUT_OF_TORCH,
+    OVERWRITES,
+    SHAPES_ONLY,
+    is_meta,
+    is_whole,
+    meta_like,
+    written_arguments,
+)
+
 if TYPE_CHECKING:
     from pipejob.trainer.workloads.materialize import Registrations
 
-META = torch.device("meta")
 aten = torch.ops.aten
-
-# In-place operations that write all of their first argument without reading it.
-_OVERWRITES = {
-    aten.uniform_,
-    aten.normal_,
-    aten.fill_,
-    aten.zero_,
-    aten.random_,
-    aten.bernoulli_,
-    aten.exponential_,
-    aten.geometric_,
-    aten.log_normal_,
-    aten.cauchy_,
-    aten.copy_,
-}
-# Operations that read only their arguments' shapes, not their values.
-_SHAPES_ONLY = {
-    aten.empty_like,
-    aten.new_empty,
-    aten.new_empty_strided,
-    aten.new_zeros,
-    aten.new_ones,
-    aten.new_full,
-    aten.zeros_like,
-    aten.ones_like,
-    aten.full_like,
-    aten.rand_like,
-    aten.randn_like,
-    aten.randint_like,
-}
-# Operations that read a tensor's values into Python (a branch may follow).
-_INTO_PYTHON = {aten._local_scalar_dense, aten.is_nonzero, aten.equal}
 
 
 class Placeholder(nn.Parameter):
@@ -298,11 +275,11 @@ class Standins:
         if func is aten._to_copy.default and isinstance(args[0], Placeholder):
             return self.converted(args[0], kwargs)
         flat, _ = tree_flatten((args, kwargs))
-        overwrite = packet in _OVERWRITES
+        overwrite = packet in OVERWRITES
         if overwrite:  # all of the first argument written; copy_ reads its source
             read = flat[1:] if packet is aten.copy_ else []
         else:
-            read = [] if packet in _SHAPES_ONLY else flat
+            read = [] if packet in SHAPES_ONLY else flat
         sources = frozenset().union(*(self.sources(v) for v in read))
         if any(isinstance(v, Placeholder) for v in flat):
             result = self.call(func, args, kwargs)
@@ -310,16 +287,16 @@ class Standins:
             result = self.plain_operation(func, args, kwargs, flat)
         if overwrite and args:
             target = args[0]
-            self.mark(target, sources, whole=isinstance(target, Placeholder) or _whole(target))
+            self.mark(target, sources, whole=isinstance(target, Placeholder) or is_whole(target))
         else:
-            for v in _written(func, args, kwargs):
+            for v in written_arguments(func, args, kwargs):
                 self.mark(v, sources)
         if sources:
             outputs, _ = tree_flatten(result)
             for v in outputs:
                 if isinstance(v, torch.Tensor):
                     self.mark(v, sources)
-            if packet in _INTO_PYTHON:
+            if packet in INTO_PYTHON:
                 self.registered.everywhere |= sources
         return result
 
@@ -360,28 +337,6 @@ class Standins:
 _ACTIVE: Standins | None = None  # the build under way (one at a time, as its hooks are)
 _MOVED_TO = WeakIdKeyDictionary()  # a placeholder's conversion -> the device it is said to be on
 
-# Calls that read or set what a placeholder is (not its values), or convert it (which keeps
-# it a placeholder: a conversion's result is on the meta device, _Operations): not swapped.
-_AS_IS = {
-    "__get__",
-    "__set__",
-    "requires_grad_",
-    "register_hook",
-    "retain_grad",
-    "to",
-    "double",
-    "float",
-    "half",
-    "bfloat16",
-    "type",
-    "cpu",
-    "cuda",
-    "type_as",
-    "_has_compatible_shallow_copy_type",
-}
-# Calls that read a tensor's values into Python without an operation of torch's.
-_OUT_OF_TORCH = {"numpy", "tolist", "__array__"}
-
 
 class _Calls(TorchFunctionMode):
     """Swaps a placeholder for its stand-in where torch is called, before torch's own code
@@ -395,10 +350,10 @@ class _Calls(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         flat = tree_flatten((args, kwargs))[0]
-        if name in _OUT_OF_TORCH:  # values read where no operation of torch's sees them
+        if name in OUT_OF_TORCH:  # values read where no operation of torch's sees them
             sources = frozenset().union(*(self.standins.sources(v) for v in flat))
             self.standins.registered.everywhere |= sources
-        if name in _AS_IS or not any(isinstance(v, Placeholder) for v in flat):
+        if name in AS_IS or not any(isinstance(v, Placeholder) for v in flat):
             return func(*args, **kwargs)
         return self.standins.call(func, args, kwargs)
 
@@ -422,10 +377,6 @@ class _Operations(TorchDispatchMode):
         return self.standins.operation(func, args, kwargs or {})
 
 
-def meta_like(like: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=META)
-
-
 def _unbuildable(param: nn.Parameter) -> RuntimeError:
     return RuntimeError(
         f"a parameter of shape {tuple(param.shape)} is kept but what it is made from is not"
@@ -438,40 +389,6 @@ def _is_lazy(param: nn.Parameter) -> bool:
     return isinstance(param, nn.parameter.UninitializedTensorMixin)
 
 
-def _whole(value: Any) -> bool:
-    """Whether a tensor is all of its storage (writing it replaces every value there)."""
-    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
-        return False
-    try:
-        storage = value.untyped_storage()
-    except (NotImplementedError, RuntimeError):
-        return False
-    return value.storage_offset() == 0 and value.nbytes == storage.nbytes()
-
-
-# Operations that write arguments their schema does not say they write: batch norm's
-# running statistics (arguments 3 and 4), when it trains (argument 5).
-_UNDECLARED = {aten.native_batch_norm, aten.cudnn_batch_norm, aten.miopen_batch_norm}
-
-
-def _written(func: Any, args: Any, kwargs: Any) -> list[Any]:
-    """The arguments an in-place or out= operation writes."""
-    if func.overloadpacket in _UNDECLARED:
-        return list(args[3:5]) if len(args) > 5 and args[5] else []
-    written = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-            written.append(value)
-    return written
-
-
-def _is_meta(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.device.type == "meta"
-    return isinstance(value, torch.device) and value.type == "meta"
-
-
 def _scratch(value: Any) -> Any:
     if isinstance(value, Placeholder):
         return torch.empty_strided(
@@ -479,4 +396,4 @@ def _scratch(value: Any) -> Any:
         )
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
-    return torch.device("cpu") if _is_meta(value) else value
+    return torch.device("cpu") if is_meta(value) else value

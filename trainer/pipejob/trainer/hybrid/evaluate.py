@@ -61,8 +61,8 @@ def check_dense(
             try:
                 out = forward(spec, dense, sample, zeros, device)
             except Exception as e:
-                said = f"{type(e).__name__}: {e}"
-                raise ValueError(f"{field}: the dense module fails on {shapes}: {said}") from None
+                error = f"{type(e).__name__}: {e}"
+                raise ValueError(f"{field}: the dense module fails on {shapes}: {error}") from None
             try:
                 value = loss_fn(out, labels)
                 if not isinstance(value, torch.Tensor) or value.numel() != 1:

@@ -212,5 +212,5 @@ def _remote_exception(error: Exception) -> Exception:
     kind = getattr(builtins, match[1], None) if match else None
     if match is None or not (isinstance(kind, type) and issubclass(kind, Exception)):
         return error
-    said = [line for line in text.splitlines() if line.startswith(f"{match[1]}: ")]
-    return kind(f"{match[2]}: {said[-1][len(match[1]) + 2 :]}")
+    lines = [line for line in text.splitlines() if line.startswith(f"{match[1]}: ")]
+    return kind(f"{match[2]}: {lines[-1][len(match[1]) + 2 :]}")

@@ -37,7 +37,7 @@ from pipejob.core.schema import Field
 # computes at import (kopf's handlers, a permission list) cannot see the toy, nor keep it.
 from pipejob.operator import apidoc, controller, crd, kube, rbac, reconcile
 from pipejob.operator import status as st
-from pipejob.operator.metrics import PREFIX, OperatorMetrics
+from pipejob.operator.operator_metrics import PREFIX, OperatorMetrics
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,5 +1,5 @@
-"""The operator's Prometheus metrics (metrics.py): what they count, that /metrics parses, and
-the unmodified operator against the API server emulator polling a stand-in master's
+"""The operator's Prometheus metrics (operator_metrics.py): what they count, that /metrics parses,
+and the unmodified operator against the API server emulator polling a stand-in master's
 /progress into the job's status while counting the job in its metrics."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pipejob.core.spec import parse
 from pipejob.operator import kube
 from pipejob.operator import status as st
 from pipejob.operator.controller import Reconciler
-from pipejob.operator.metrics import OperatorMetrics
+from pipejob.operator.operator_metrics import OperatorMetrics
 
 pytestmark = pytest.mark.timeout(60)
 

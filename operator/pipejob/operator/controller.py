@@ -22,7 +22,7 @@ from pipejob.core.kinds import KINDS, by_plural
 from pipejob.core.spec import API_VERSION, GROUP, VERSION
 from pipejob.operator import kube, policy_settings, progress, reconcile, refusals, status
 from pipejob.operator.cluster import ApiError, Cluster
-from pipejob.operator.metrics import OperatorMetrics
+from pipejob.operator.operator_metrics import OperatorMetrics
 
 RESYNC_ENV = "PIPEJOB_RESYNC_SECONDS"
 DEFAULT_RESYNC = 10.0  # deadlines, TTLs and missed events are seen within this

@@ -1,17 +1,9 @@
-"""A peft model's output as peft users expect it, beside the whole model's files: the adapters
-(`adapter_model.safetensors` and `adapter_config.json`, as `PeftModel.save_pretrained` writes
-them: the default adapter in the folder, any other in a subfolder of its name), which
-`PeftModel.from_pretrained(base, path)` loads; and, on request (spec.output.merged), the model
-with the LoRA adapters merged into its weights under the base model's names, in `merged/`
-(with its config.json: `AutoModelForCausalLM.from_pretrained(path / "merged")` loads it).
-
-Both are read from the model files the run has just written, so the master, which holds no
-weights while training, reads them only here: the adapters alone, and for the merged model
-one of the output's files at a time (a safetensors output; a torch one is read whole),
-written as a file of the same name (sharded as the output is, with its index). peft is not
-needed to write them: the names and the arithmetic are peft's own (its
-get_peft_model_state_dict and LoraLayer.merge for Linear layers), checked against peft by
-tests/test_lora.py."""
+"""A peft model's output as peft users expect it, beside the whole model's files: the
+adapters as `PeftModel.save_pretrained` writes them, and on request (spec.output.merged) the
+model with the LoRA adapters merged, in `merged/` (the user guide's "Fine-tuning"). Both are
+read from the model files just written, one file at a time for a safetensors output (a
+torch one is read whole); no peft needed: the names and arithmetic are peft's own
+(get_peft_model_state_dict, LoraLayer.merge for Linear), checked by tests/test_lora.py."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""A run that goes non-finite stops: a step whose loss or gradient norm is NaN or infinite
-is not applied (the weights stay as the last good step left them), and the job fails
-permanently (reason NonFinite, core/contract.py) saying the step, where the first
-non-finite value came from and the value, in one line; its last checkpoint, written after a
-good step, is kept, and no output is written. As Megatron-LM does by default: training on
-from broken weights only wastes the run, and a restart would resume from the checkpoint
-only to reach the same step again. `spec.skipNonFiniteSteps` may allow some such steps to
-be skipped first. With fp16's loss scaling, a step whose gradients overflow is skipped by
-the loss scale as before and is not counted here.
-
-What every engine's master calls: `finite` on its figures before it applies a step, and
-`Guard.check` when one is not; a held-out figure goes through `check_outputs`."""
+"""A run that goes non-finite stops: a step whose loss or gradient norm is NaN or infinite is
+not applied and the job fails permanently (reason NonFinite), naming the step, where the
+first non-finite value came from and the value, unless `spec.skipNonFiniteSteps` allows a
+skip (as Megatron-LM does; the user guide's "Training recipes" says why). Every engine's
+master calls `finite` on its figures before it applies a step, and `Guard.check` when one is
+not; a held-out figure goes through `check_outputs`."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""spec.embedding's bags from the user: .npz files, or a Dataset from the user's factory.
-
-Both give what synthetic bags (`synthetic.SyntheticBags`) give: a `size` and `sample(i)` ->
-(the bag's embedding ids, its label); samples.py reads every source alike.
-
-The file format is EmbeddingBag's own input layout, written in one line with numpy:
-
-    np.savez(path, ids=ids, offsets=offsets, labels=labels)
-
-`ids` holds every bag's embedding ids concatenated (integers below embedding.numEmbeddings),
-`offsets` where each bag starts in `ids` (integers, the first 0, never decreasing: an empty
-bag is allowed, as in EmbeddingBag), `labels` one integer class per bag (at least 0). The
-file is checked whole on load, so a bad one fails before the first step, naming its field."""
+"""spec.embedding's bags from the user: .npz files in EmbeddingBag's own input layout (`ids`,
+`offsets`, `labels`, written with one `np.savez`), checked whole on load so a bad one fails
+before the first step naming its field, or a Dataset from the user's factory. Both give what
+`synthetic.SyntheticBags` gives (a `size` and `sample(i)` -> (ids, label)), which samples.py
+reads alike. The format: docs/user-guide.md, "Your bags"."""
 
 from __future__ import annotations
 

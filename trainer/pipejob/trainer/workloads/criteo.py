@@ -1,15 +1,9 @@
-"""Click logs in the Criteo layout (the Kaggle Display Advertising Challenge's and the
-Terabyte log's): one sample a line, 40 tab-separated columns,
-
-    label  I1 ... I13  C1 ... C26
-
-the label 0 or 1; I1..I13 integer counts, read as log(1 + x) (an empty or negative one as 0,
-as DLRM's preprocessing does); C1..C26 categorical values as hexadecimal strings (an empty one
-as 0), which the trainers hash into each table's rows (value mod rows).
-
-`parse` reads one line; the trainers stream the logs (clicklogs.py). `CriteoLog` maps one
-plain file and finds where every line starts (8 bytes a line): random access, for small
-files and the tests. A bad line is a ValueError naming the file, the line and the column."""
+"""Click logs in the Criteo layout: one sample a line, `label I1 ... I13 C1 ... C26`
+tab-separated; the counts read as log(1 + x), the categorical values hexadecimal (the
+user guide's "HybridJob at recommendation scale" says it all). `parse` reads one line; the
+trainers stream the logs (clicklogs.py); `CriteoLog` maps one plain file and finds where
+every line starts (8 bytes a line), for small files and the tests. A bad line is a
+ValueError naming the file, the line and the column."""
 
 from __future__ import annotations
 

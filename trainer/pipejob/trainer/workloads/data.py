@@ -1,15 +1,8 @@
 """A PipelineJob's data: the training batches step by step (`Feed`), the held-out set
-(`held_out`), a first batch to measure the model with (`sample`) and the kind of task (`task`).
-
-Sources, exactly one by `spec.data` (none is synthetic): `synthetic` (today's seeded image
-stream, or token windows following a rule for the transformer), or a map-style dataset
-(sources.py: `imageFolder`, `tokens` or `import`).
-
-The order is the point: a map-style source is read through a DataLoader with workers fed by
-`StreamSampler`, whose index stream is the concatenation of per-epoch permutations that depend
-on (seed, epoch) only; step k's batch is stream[k*B:(k+1)*B]. A checkpoint keeps the number of
-samples consumed, so a resumed run sees exactly the samples an uninterrupted run sees, whatever
-the replica count it resumes with. Every error names the spec field to fix."""
+(`held_out`), a first batch to measure the model with (`sample`) and the kind of task
+(`task`), from the one source `spec.data` names. Step k's batch is a fixed slice of a
+stream of per-epoch permutations of (seed, epoch), so a run resumes on exactly its samples
+at any replica count. How: docs/architecture.md, "The data's order"."""
 
 from __future__ import annotations
 

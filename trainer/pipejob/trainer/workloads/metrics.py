@@ -1,13 +1,9 @@
 """The default loss and the held-out figures: loss, and accuracy for classification, or
-per-token accuracy and perplexity for a language model, whatever model made the logits.
-
-What the figures are follows the shapes, not the model's name: labels with one class id per
-sample (batch,) against logits (batch, classes) is classification; labels with one token id
-per position (batch, length) against logits (batch, length, vocabulary) is language
-modelling. A model's output is its logits when it is a tensor, or the `logits` of a dict (a
-Hugging Face ModelOutput). A figure that cannot be computed (a tuple output, a user's loss
-over other shapes) is left out, never shown as 0; and none is computed from outputs that
-are not finite (the evaluation fails instead, runtime/nonfinite.py)."""
+per-token accuracy and perplexity for a language model, told by the shapes of labels and
+logits (the output, or a dict's `logits`), whatever model made them. A figure that cannot be
+computed is left out, never 0, and none is computed from outputs that are not finite
+(runtime/nonfinite.py). What users see: docs/user-guide.md, "The loss, the evaluation and
+the output"."""
 
 from __future__ import annotations
 

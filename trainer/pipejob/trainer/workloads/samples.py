@@ -1,17 +1,8 @@
-"""A HybridJob's samples as its trainers read them, whatever the source (synthetic, .npz bags,
-Criteo logs, the user's Dataset): `size` samples, sample i being (dense features, {feature:
-ids}, label). The steps read one stream of them (`stream`: a seeded order of the samples
-per epoch), batchSize x trainers.max samples a step whatever the trainer count, and each
-trainer takes its share of every step's batch (synthetic.share_of, by DDP rank). A position
-in the stream (samples consumed) resumes at any trainer count: the batches of a run resumed
-after step k are exactly those the whole run takes after step k. Click logs (spec.data.criteo)
-are streamed instead, with no index: trainers.max lanes, each trainer reading its own
-(clicklogs.py), with the same guarantees.
-
-A batch holds each feature's ids in EmbeddingBag's layout (every sample's ids concatenated,
-and how many each sample has), the dense features as one (batch, n) tensor and the labels:
-class ids (int64) for bags, clicks 0/1 for a recommendation model. Real numbers are torch's
-default dtype: float32, unless a process set float64 (the exactness tests do)."""
+"""A HybridJob's samples as its trainers read them, whatever the source (synthetic, .npz
+bags, Criteo logs, the user's Dataset): one seeded stream of them (`stream`), each trainer
+taking its share of every step's batch, a position resuming at any trainer count; a batch
+holds each feature's ids in EmbeddingBag's layout. How: docs/architecture.md, "The data's
+order"."""
 
 from __future__ import annotations
 

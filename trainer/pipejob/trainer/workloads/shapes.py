@@ -1,13 +1,8 @@
-"""Tracing with the shapes the job knows (workloads/cut.py uses it where the plain trace
-fails): every traced value also carries what it is for the job's input on the meta device,
-twice, for two batch sizes. A size, a dtype or a test read from traced tensors that is the
-same for both (an image's height, a sequence's length, `for dim in sample.shape[-2:]`,
-`if H != n`) is a concrete value while tracing, as Hugging Face's tracer and torch.export's
-static shapes make it; one that follows the batch stays traced. The graph then begins with
-a guard that refuses, when it runs, an input of another shape than the one it was traced
-for (the batch size aside). Also: item assignment on traced tensors (a `setitem` node), a
-module made inside a forward (`nn.ReLU()(x)`) traced through, and einops' functions and
-layers as calls of their own (einops checks its tensors' type)."""
+"""Tracing with the shapes the job knows, where the plain trace fails (workloads/cut.py):
+every traced value also carries what it is for the job's input on the meta device, for two
+batch sizes, so what is the same for both is concrete while tracing; the graph begins with a
+guard on the input's shape. How and what else: docs/architecture.md, "Tracing with the
+job's shapes"."""
 
 from __future__ import annotations
 

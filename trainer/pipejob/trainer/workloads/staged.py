@@ -1,18 +1,9 @@
-"""A model the user stages, past the tracer (spec.model.staged), for glue between modules that
-no tracer reads (data-dependent Python, packed sequences, libraries that inspect tensor types):
-
-- `layers` (DeepSpeed's PipelineModule): the model is these modules of it called one after
-  another, each with what the previous returned (a plain tuple as positional arguments; any
-  other value, a PackedSequence too, as one); its own forward is not used. Stages begin at
-  any of them, balanced by measured cost as the automatic cut's units are;
-- `stage` (torchtitan's and Megatron's way): a function that builds stage i of n; each
-  process builds only its own stages. With `import` (the whole model) the stages hold their
-  parameters under the whole model's names; without, stage i's names are prefixed `i.` and
-  the model is the stages in order (`Chain`).
-
-Either gives what the automatic cut gives the pipeline (`Layers` and `Built` have cut.Traced's
-`units`, `ranges` and `split`), so the engines, checkpoints, replicas, evaluation, elastic
-resume and the output are the same code on this path (pipeline/stage_parts.py dispatches)."""
+"""A model the user stages, past the tracer (spec.model.staged): `layers` (DeepSpeed's
+PipelineModule: these modules called in turn) or `stage` (torchtitan's and Megatron's way: a
+function that builds stage i of n, in that stage's process only). `Layers` and `Built` have
+cut.Traced's `units`, `ranges` and `split`, so everything after the cut is the same code
+(pipeline/stage_parts.py dispatches). What users write: docs/user-guide.md, "Past the
+tracer: `model.staged`"."""
 
 from __future__ import annotations
 

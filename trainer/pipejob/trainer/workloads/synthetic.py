@@ -1,13 +1,6 @@
-"""Synthetic data, seeded and learnable: images or tokens for a PipelineJob, bags or clicks for
-a HybridJob.
-
-Bags and clicks are pure Python so every piece is unit-testable and identical in every
-process: a sample is a function of (seed, index) alone (samples.py reads them in one seeded
-order, each step's batch shared among the trainers by `share_of`).
-
-The tasks are learnable on purpose, so a falling loss shows training works: every bag draws
-all its ids from one class's rows of the table (row r belongs to class r mod classes), and
-its label is that class; clicks: see SyntheticClicks."""
+"""Synthetic data, seeded and learnable: images or tokens for a PipelineJob, bags or clicks
+for a HybridJob; a sample is a function of (seed, index) alone, and a falling loss shows
+training works. Why so: docs/architecture.md, "The data's order"."""
 
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ class Bench:
 
     def replicas(self, model: str, m: int, system: str) -> Any:
         s = self.spec(model, m, system)
-        return pipeline.engine(s, "schedule").Replicas([self.names], self.shards(s), s)
+        return pipeline.engine(s, "driver").Replicas([self.names], self.shards(s), s)
 
     def refuses(self, system: str, m: int) -> bool:
         schedule = "gpipe" if system == "rpc" else system.removeprefix("torch-")

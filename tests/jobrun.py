@@ -29,7 +29,7 @@ import yaml
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, workloads
-from pipejob.trainer.pipeline.rpc.schedule import Pipeline, forward_backward
+from pipejob.trainer.pipeline.rpc.driver import Pipeline, forward_backward
 from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import plan_shards
 from pipejob.trainer.runtime import checkpoint, rendezvous, world
@@ -282,10 +282,10 @@ def _pipelining_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple
     by a collective every replica's stage i joins), replica 0's gradients."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pipejob.trainer.pipeline.pipelining import schedule
+    from pipejob.trainer.pipeline.pipelining import driver
 
     pipes = [
-        schedule.Pipeline(names[r * s.stages : (r + 1) * s.stages], shards, s)
+        driver.Pipeline(names[r * s.stages : (r + 1) * s.stages], shards, s)
         for r in range(s.replicas.max)
     ]
     shares = list(zip(*(t.tensor_split(s.replicas.max) for t in batch), strict=True))

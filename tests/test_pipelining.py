@@ -27,7 +27,7 @@ from jobrun import (
     run_to_end,
 )
 from pipejob.core import spec
-from pipejob.trainer.pipeline.pipelining.schedule import even
+from pipejob.trainer.pipeline.pipelining.driver import even
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime.model_files import load_state_dict
 from pipejob.trainer.workloads import models

@@ -32,7 +32,7 @@ from pipejob.core import plan, spec
 from pipejob.core.workload import Transformer
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
-from pipejob.trainer.pipeline.rpc.schedule import Pipeline, Replicas, forward_backward
+from pipejob.trainer.pipeline.rpc.driver import Pipeline, Replicas, forward_backward
 from pipejob.trainer.pipeline.rpc.stage import Stage
 from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Partition, Shards, plan_shards

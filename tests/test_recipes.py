@@ -106,7 +106,7 @@ def _recipe_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             {},
             tied=cut.ties(stages),
         )
-        replicas = engine(s, "schedule").Replicas(per_replica, shards, s)
+        replicas = engine(s, "driver").Replicas(per_replica, shards, s)
         samples = SHARE * s.replicas.max * s.gradient_accumulation
         results = [
             replicas.step(2, step, F.cross_entropy, batch)

@@ -25,7 +25,7 @@ from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.reader import Source
-from pipejob.trainer.pipeline.rpc.schedule import Pipeline, forward_backward
+from pipejob.trainer.pipeline.rpc.driver import Pipeline, forward_backward
 from pipejob.trainer.pipeline.rpc.stage import Stage
 from pipejob.trainer.pipeline.shards import plan_shards
 from pipejob.trainer.pipeline.stage_calls import on_stage_remote

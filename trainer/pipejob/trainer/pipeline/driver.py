@@ -4,7 +4,7 @@ gradients, the stages' timings) and on every replica (`Replicas`: a step's batch
 out, the replicas run at once and their results joined, the data's position, evaluation
 through replica 0, the check that replicas stay identical). Each engine subclasses both
 with how a round's micro-batches go forward and backward and how the optimizer steps
-(rpc/schedule.py, pipelining/schedule.py); the master's loop (train.py) sees only these."""
+(rpc/driver.py, pipelining/driver.py); the master's loop (train.py) sees only these."""
 
 from __future__ import annotations
 

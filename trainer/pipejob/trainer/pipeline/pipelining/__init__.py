@@ -4,7 +4,7 @@ torch schedule (spec.schedule) together, passing activations and gradients to it
 neighbours over a process group. The master plans, starts each round, applies the recipe
 and checkpoints over RPC, as on the rpc engine, but no activation passes through RPC.
 
-- schedule.py: the master's step driver;
+- driver.py: the master's step driver;
 - stage.py: a stage process's PipelineStages, schedule and optimizer;
 - schedules.py: spec.schedule as torch's schedule classes;
 - groups.py: the process groups; activations.py: the activations a stage holds."""

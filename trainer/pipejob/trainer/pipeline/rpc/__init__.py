@@ -2,7 +2,7 @@
 torch.distributed.rpc (stage i + 1 fetches its input from stage i), distributed autograd runs
 the backward across them, and each stage's optimizer steps its shard where it lives.
 
-- schedule.py: the master's step driver (GPipe);
+- driver.py: the master's step driver (GPipe);
 - stage.py: a stage worker's shard, computing micro-batches in order."""
 
 from __future__ import annotations

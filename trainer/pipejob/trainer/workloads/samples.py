@@ -11,7 +11,7 @@ import itertools
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -138,23 +138,28 @@ def stream(
     time from sample `start` of the stream on, and trainer k takes samples k*batch//T to
     (k+1)*batch//T - 1 of each (equal shares where T divides the batch). A step's batch is
     the same at any T, and no sample is read twice in one epoch."""
+    reading = _Reading(batch, share, seed, features, clicks, start)
     if isinstance(data, ClickLogs):
-        return _lanes(data, batch, share, seed, features, clicks, start)
+        return _lanes(data, reading)
     if data.size < 1 or not 0 <= share[0] < share[1]:
         raise ValueError(f"cannot read share {share[0]} of {share[1]} of {data.size} samples")
-    return _indexed(data, batch, share, seed, features, clicks, start)
+    return _indexed(data, reading)
 
 
-def _indexed(
-    data: Samples,
-    batch: int,
-    share: tuple[int, int],
-    seed: int,
-    features: Sequence[str],
-    clicks: bool,
-    start: int,
-) -> Iterator[Batch]:
+class _Reading(NamedTuple):
+    """What a `stream` reads, as its arguments say."""
+
+    batch: int
+    share: tuple[int, int]
+    seed: int
+    features: Sequence[str]
+    clicks: bool
+    start: int
+
+
+def _indexed(data: Samples, reading: _Reading) -> Iterator[Batch]:
     """`stream` of samples read by index (each epoch's order a shuffle of them all)."""
+    batch, share, seed, features, clicks, start = reading
     rows = share_of(batch, *share)
     orders: dict[int, list[int]] = {}  # the epochs the last batch read
     for position in itertools.count(start, batch):
@@ -168,17 +173,10 @@ def _indexed(
         yield dataclasses.replace(chosen, epochs=[e for e, _ in places])
 
 
-def _lanes(
-    logs: ClickLogs,
-    batch: int,
-    share: tuple[int, int],
-    seed: int,
-    features: Sequence[str],
-    clicks: bool,
-    start: int,
-) -> Iterator[Batch]:
+def _lanes(logs: ClickLogs, reading: _Reading) -> Iterator[Batch]:
     """`stream` of click logs: a step's batch is batch/lanes lines of every lane, trainer k
     of T reading lanes share_of(lanes, k, T) (clicklogs.py)."""
+    batch, share, seed, features, clicks, start = reading
     lanes = logs.lanes
     mine = share_of(lanes, *share)
     if batch % lanes or start % lanes or not mine:

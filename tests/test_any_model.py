@@ -32,7 +32,7 @@ from jobrun import (
     run_to_end,
 )
 from pipejob.core import spec
-from pipejob.trainer.pipeline import output
+from pipejob.trainer.pipeline import trained_model
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime.model_files import load_state_dict
 from pipejob.trainer.workloads.cut import Traced, join, unused, without_cache
@@ -77,7 +77,7 @@ def loads_back(
 ) -> None:
     """Written as spec.output writes it, a fresh model from the factory loads the file
     strictly (and its class `from_pretrained` the folder, for a Hugging Face model)."""
-    output.write(out, "safetensors", states, rest, {"job": out.name}, config)
+    trained_model.write(out, "safetensors", states, rest, {"job": out.name}, config)
     fresh = getattr(brought, factory)(**args)
     fresh.load_state_dict(load_file(out / "model.safetensors"), strict=True)
     mine = fresh.state_dict()
@@ -286,7 +286,7 @@ def test_a_model_that_reads_its_version_loads_from_every_output(tmp_path: Path):
     loaded = {"run": torch.load(out / "model.pt", weights_only=True)}
     for format, limit in [("safetensors", None), ("safetensors", 0), ("torch", 0)]:
         folder = tmp_path / f"{format}-{limit}"
-        output.export_checkpoint(found.directory, found.manifest, folder, format, limit)
+        trained_model.export_checkpoint(found.directory, found.manifest, folder, format, limit)
         loaded[folder.name] = load_state_dict(folder)
     for name, state in loaded.items():
         fresh = mnasnet0_5(num_classes=10)

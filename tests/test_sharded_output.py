@@ -23,7 +23,7 @@ from jobrun import pipeline_job, run_world
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline
-from pipejob.trainer.pipeline import output as pipeline_output
+from pipejob.trainer.pipeline import trained_model
 from pipejob.trainer.runtime import checkpoint, model_files, world
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,7 +39,7 @@ def _member(rank: int, envs: list[dict[str, str]], out: str) -> None:
     if env.role != "master":
         pipeline.run(env)
         return
-    pipeline_output.SINGLE_FILE_BYTES = 0
+    trained_model.SINGLE_FILE_BYTES = 0
     torch.save(pipeline.run(env), out)
 
 
@@ -112,7 +112,7 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
     stages = [found.load(f"stage{i}.pt")["model"] for i in range(2)]
     rest = found.load("master.pt")["rest"]
     assert bool(rest) == name.startswith("tied")  # the unused layer
-    files = pipeline_output.shard_files(2, bool(rest), format)
+    files = trained_model.shard_files(2, bool(rest), format)
     assert files[0] == f"model-00001-of-0000{len(files)}{model_files.SUFFIX[format]}"
     index_name = model_files.index_name(format)
     extra = ["config.json"] if hugging_face else []
@@ -155,7 +155,7 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
 
     # `pipejob export` from the checkpoint: the same files, the same tensors.
     exported = tmp_path / "exported"
-    pipeline_output.export_checkpoint(
+    trained_model.export_checkpoint(
         found.directory, found.manifest, exported, format, single_file_bytes=0
     )
     assert files_of(exported) == files_of(out)
@@ -164,7 +164,7 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
         assert_same_states(got, wrote)
     # Under the limit (the default's, for this tiny model): one file, the same model.
     single = tmp_path / "single"
-    pipeline_output.export_checkpoint(found.directory, found.manifest, single, "safetensors")
+    trained_model.export_checkpoint(found.directory, found.manifest, single, "safetensors")
     assert files_of(single) == sorted(["model.safetensors", "model.json", *extra])
     assert_same_states(model_files.load_state_dict(single), trained)
 
@@ -191,7 +191,7 @@ def test_shards_with_ties_and_views_load_back_by_the_index(format: str, tmp_path
     second = {k: v for k, v in state.items() if not k.startswith("a.")} | {
         "a.bias": state["a.bias"]
     }
-    names = pipeline_output.shard_files(2, False, format)
+    names = trained_model.shard_files(2, False, format)
     parts = [
         model_files.write_shard(tmp_path, f, s, format)
         for f, s in zip(names, (first, second), strict=True)
@@ -232,4 +232,4 @@ def test_a_shard_the_master_does_not_see_fails_naming_the_shared_path(tmp_path: 
         match=r"model-00001-of-00001.safetensors is missing where its"
         r" writer wrote \d+ bytes; .* shared by every process",
     ):
-        pipeline_output.finish(tmp_path / "master", "safetensors", [wrote], {}, None)
+        trained_model.finish(tmp_path / "master", "safetensors", [wrote], {}, None)

@@ -9,7 +9,7 @@ this room, and neither imports the other:
 - driver.py: what every engine's step driver does on the master;
 - shard.py: what every engine's stage holds; reader.py: the first stage's data;
 - gradients.py: the recipe between the backward and the optimizer's step;
-- output.py, summary.py, timing.py: the model out, the run's summary, when stages compute."""
+- trained_model.py, summary.py, timing.py: the model out, the run's summary, when stages compute."""
 
 from __future__ import annotations
 
@@ -42,6 +42,6 @@ def export_checkpoint(
     directory: Any, manifest: dict[str, Any], out: Any, format: str = "safetensors"
 ) -> list[Any]:
     """`pipejob export` of this kind's checkpoint: the files spec.output writes."""
-    from pipejob.trainer.pipeline import output
+    from pipejob.trainer.pipeline import trained_model
 
-    return output.export_checkpoint(directory, manifest, out, format)
+    return trained_model.export_checkpoint(directory, manifest, out, format)

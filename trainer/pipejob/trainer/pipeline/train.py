@@ -11,8 +11,7 @@ import torch
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer import workloads
-from pipejob.trainer.pipeline import engine
-from pipejob.trainer.pipeline import output as model_output
+from pipejob.trainer.pipeline import engine, trained_model
 from pipejob.trainer.pipeline.balance import shape
 from pipejob.trainer.pipeline.driver import Replicas, StepResult
 from pipejob.trainer.pipeline.fit import fits_model
@@ -229,12 +228,12 @@ def write_output(
 ) -> None:
     """Every stage's state (replica 0's) and the state no stage holds under the model's own
     names: one file for a small model, else each stage writes its own shard
-    (pipeline/output.py); the JSON beside them."""
+    (pipeline/trained_model.py); the JSON beside them."""
     spec: PipelineSpec = env.spec
     assert spec.output is not None
-    about = model_output.info(env.kind, env.job, spec, spec.steps, evaluation)
+    about = trained_model.info(env.kind, env.job, spec, spec.steps, evaluation)
     pipeline = pipelines.pipelines[0]
-    paths = model_output.write_live(
+    paths = trained_model.write_live(
         spec.output.path,
         spec.output.format,
         pipeline.names,
@@ -292,7 +291,7 @@ def save_checkpoint(env: Env, step: int, pipelines: Replicas, shards: Shards) ->
         engine=env.spec.engine,
         schedule=env.spec.schedule,
         stagesPerProcess=env.spec.stages_per_process,
-        info=model_output.info(env.kind, env.job, env.spec, step, None),
+        info=trained_model.info(env.kind, env.job, env.spec, step, None),
         ranges=[[r.start, r.stop] for r in shards.ranges],
         costs=shards.costs,
         microBatches=shards.partition.micro_batches,

@@ -23,7 +23,7 @@ from pipejob.trainer.runtime.world import Env
 
 
 def engine(spec: PipelineSpec, module: str = "") -> ModuleType:
-    """The job's engine's package (its `serve`), or one of its modules (`schedule`: the
+    """The job's engine's package (its `serve`), or one of its modules (`driver`: the
     master's step driver)."""
     return importlib.import_module(f"{__name__}.{spec.engine}" + (f".{module}" if module else ""))
 

@@ -114,7 +114,7 @@ def train(env: Env) -> dict[str, Any]:
             " gradients",
         )
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
-    pipelines = engine(spec, "schedule").Replicas(replicas, shards, spec, device)
+    pipelines = engine(spec, "driver").Replicas(replicas, shards, spec, device)
     held = pipelines.pipelines[0].reader(Reader.held_out) if spec.eval is not None else None
     if spec.eval is not None:
         world.log(

@@ -228,7 +228,7 @@ class Progress:
         if not isinstance(data, dict):
             raise ValueError(f"a report is a JSON object, got {type(data).__name__}")
         step, steps = data.get("step"), data.get("steps")
-        if not _count(step) or not _count(steps):
+        if not _is_count(step) or not _is_count(steps):
             raise ValueError(f"a report has whole numbers step and steps, got {step!r}, {steps!r}")
         figures = {
             k: float(data[k])
@@ -240,7 +240,7 @@ class Progress:
                 "gradNorm",
                 *EVAL_FIGURES,
             )
-            if _number(data.get(k))
+            if _is_number(data.get(k))
         }
         message = data.get("message")
         preflight = data.get("preflight")
@@ -255,41 +255,43 @@ class Progress:
             steps=steps,
             phase=data["phase"] if data.get("phase") in PHASES else None,
             resumedFromStep=data["resumedFromStep"]
-            if _count(data.get("resumedFromStep"))
+            if _is_count(data.get("resumedFromStep"))
             else None,
-            evalStep=data["evalStep"] if _count(data.get("evalStep")) else None,
-            checkpointStep=data["checkpointStep"] if _count(data.get("checkpointStep")) else None,
-            checkpointTime=_time(data.get("checkpointTime")),
+            evalStep=data["evalStep"] if _is_count(data.get("evalStep")) else None,
+            checkpointStep=data["checkpointStep"]
+            if _is_count(data.get("checkpointStep"))
+            else None,
+            checkpointTime=_rfc3339_time(data.get("checkpointTime")),
             message=message[:MAX_MESSAGE] if isinstance(message, str) and message else None,
             preflight=preflight,
-            memory=_memory(data.get("memory")),
+            memory=_memory_figures(data.get("memory")),
             **figures,
         )
 
 
-def _memory(data: Any) -> dict[str, dict[str, int]] | None:
+def _memory_figures(data: Any) -> dict[str, dict[str, int]] | None:
     """A report's `memory`, keeping only members named by a string with whole-number
     figures; None if nothing is left."""
     if not isinstance(data, dict):
         return None
     kept = {
-        member: {k: v for k, v in figures.items() if k in MEMORY_FIGURES and _count(v)}
+        member: {k: v for k, v in figures.items() if k in MEMORY_FIGURES and _is_count(v)}
         for member, figures in data.items()
         if isinstance(member, str) and isinstance(figures, dict)
     }
     return {member: figures for member, figures in kept.items() if figures} or None
 
 
-def _time(value: Any) -> str | None:
+def _rfc3339_time(value: Any) -> str | None:
     """An RFC 3339 time as the trainer writes it (2026-11-27T10:00:00Z), else None."""
     if isinstance(value, str) and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", value):
         return value
     return None
 
 
-def _count(value: Any) -> bool:
+def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _number(value: Any) -> bool:
+def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -65,12 +65,12 @@ def size_field(what: str, default: int, minimum: int, maximum: int) -> Field:
     )
 
 
-def full(value: int | dict[str, Any]) -> int:
+def full_size(value: int | dict[str, Any]) -> int:
     """The largest size: what the spec's batch is given for."""
     return Size.parse(value).max
 
 
-def cel_full(field: str) -> str:
+def cel_full_size(field: str) -> str:
     """`full` of `self.<field>` in CEL."""
     return f"(type(self.{field}) == int ? self.{field} : self.{field}.max)"
 
@@ -97,7 +97,7 @@ def elastic_acts(field: str) -> Rule:
     )
 
 
-def bounds(kind: Kind, spec: dict[str, Any]) -> Size | None:
+def elastic_size(kind: Kind, spec: dict[str, Any]) -> Size | None:
     """The kind's elastic size in `spec`, or None when the kind has none."""
     return None if kind.elastic is None else Size.parse(spec[kind.elastic])
 
@@ -105,7 +105,7 @@ def bounds(kind: Kind, spec: dict[str, Any]) -> Size | None:
 def shape(kind: Kind, spec: dict[str, Any], size: int | None = None) -> dict[str, Any]:
     """`spec` with its elastic size made a number: `size`, or the largest. What the world
     plan counts members from."""
-    found = bounds(kind, spec)
+    found = elastic_size(kind, spec)
     if found is None:
         return spec
     if size is not None and not found.min <= size <= found.max:

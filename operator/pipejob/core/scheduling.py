@@ -32,7 +32,7 @@ COSCHEDULING_SCHEDULER = "scheduler-plugins-scheduler"
 DEFAULT_SCHEDULERS = {VOLCANO: VOLCANO_SCHEDULER, COSCHEDULING: COSCHEDULING_SCHEDULER}
 
 
-def _only(provider: str, key: str) -> Rule:
+def _read_by_only(provider: str, key: str) -> Rule:
     return Rule(
         f"!has(self.{key}) || self.provider == '{provider}'",
         f"{key} is read by {provider} only",
@@ -92,7 +92,7 @@ SCHEDULING = Field(
             "queue",
             lambda s: "queue" not in s or s["provider"] != COSCHEDULING,
         ),
-        _only(COSCHEDULING, "scheduleTimeoutSeconds"),
+        _read_by_only(COSCHEDULING, "scheduleTimeoutSeconds"),
         Rule(
             "!has(self.schedulerName) || self.provider != 'kueue'",
             "kueue works with the pods' own scheduler: set template.schedulerName instead",
@@ -103,7 +103,7 @@ SCHEDULING = Field(
 )
 
 
-def _no_template(key: str, why: str) -> Rule:
+def _not_in_template(key: str, why: str) -> Rule:
     return Rule(
         f"!has(self.scheduling) || !has(self.template) || !has(self.template.{key})",
         why,
@@ -125,7 +125,7 @@ RULES = (
             or "schedulerName" not in (s.get("template") or {})
         ),
     ),
-    _no_template(
+    _not_in_template(
         "priorityClassName",
         "with spec.scheduling, the priority class goes in spec.scheduling.priorityClassName",
     ),

@@ -37,14 +37,14 @@ def check(
     """Everything wrong with a defaulted, table-valid `spec` of `kind` that no pod could run
     (with `cluster`, also what would go wrong on a cluster only)."""
     template = spec.get("template") or {}
-    errors = _env(template) + _volumes(template, allow_node_volumes)
-    errors += _checkpoint(spec, template)
+    errors = _env_errors(template) + _volume_errors(template, allow_node_volumes)
+    errors += _checkpoint_errors(spec, template)
     if cluster and not errors:
         errors += on_cluster(kind, spec)
     errors += KINDS[kind].check(spec)  # the kind's own (a model too small to cut, ...)
-    size = _bytes(spec)
+    size = _json_bytes(spec)
     if size > MAX_SPEC_BYTES:
-        where, most = _largest(spec, "spec")
+        where, most = _largest_field(spec, "spec")
         errors.append(
             SpecError(
                 "spec",
@@ -58,20 +58,20 @@ def check(
     return errors
 
 
-def _bytes(value: Any) -> int:
+def _json_bytes(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":")).encode())
 
 
-def _largest(value: Any, path: str) -> tuple[str, int]:
+def _largest_field(value: Any, path: str) -> tuple[str, int]:
     """The innermost field holding most of `value`'s bytes, and its bytes: what to shorten."""
     items = value.items() if isinstance(value, dict) else enumerate(value)
     parts = [(f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]", v) for k, v in items]
     if not parts:
-        return path, _bytes(value)
-    where, inner = max(parts, key=lambda part: _bytes(part[1]))
-    if isinstance(inner, dict | list) and _bytes(inner) * 2 > _bytes(value):
-        return _largest(inner, where)
-    return where, _bytes(inner)
+        return path, _json_bytes(value)
+    where, inner = max(parts, key=lambda part: _json_bytes(part[1]))
+    if isinstance(inner, dict | list) and _json_bytes(inner) * 2 > _json_bytes(value):
+        return _largest_field(inner, where)
+    return where, _json_bytes(inner)
 
 
 def allowed_by_env(environ: dict[str, str]) -> bool:
@@ -79,7 +79,7 @@ def allowed_by_env(environ: dict[str, str]) -> bool:
     return environ.get(ALLOW_NODE_VOLUMES_ENV, "").lower() in ("1", "true", "yes")
 
 
-def _env(template: dict) -> list[SpecError]:
+def _env_errors(template: dict) -> list[SpecError]:
     errors = []
     for i, entry in enumerate(template.get("env") or []):
         name = entry.get("name")
@@ -89,7 +89,7 @@ def _env(template: dict) -> list[SpecError]:
     return errors
 
 
-def _volumes(template: dict, allow_node_volumes: bool) -> list[SpecError]:
+def _volume_errors(template: dict, allow_node_volumes: bool) -> list[SpecError]:
     errors = []
     names = {v.get("name") for v in template.get("volumes") or []}
     for i, volume in enumerate(template.get("volumes") or []):
@@ -112,7 +112,7 @@ def _volumes(template: dict, allow_node_volumes: bool) -> list[SpecError]:
     return errors
 
 
-def _checkpoint(spec: dict, template: dict) -> list[SpecError]:
+def _checkpoint_errors(spec: dict, template: dict) -> list[SpecError]:
     """The checkpoint volume must exist and mount where no template mount already is."""
     checkpoint = spec.get("checkpoint") or {}
     name, path = checkpoint.get("volume"), checkpoint.get("path") or ""
@@ -133,13 +133,13 @@ def _checkpoint(spec: dict, template: dict) -> list[SpecError]:
     return []
 
 
-def pods(kind: str, spec: dict[str, Any]) -> int:
+def pod_count(kind: str, spec: dict[str, Any]) -> int:
     """How many pods the job's world has (at its largest size)."""
     shape = elastic.shape(KINDS[kind], spec)
     return sum(role.members(shape) * role.copies(shape) for role in KINDS[kind].roles)
 
 
-def _under(path: str, mount: str) -> bool:
+def _is_under(path: str, mount: str) -> bool:
     path, mount = posixpath.normpath(path), posixpath.normpath(mount)
     return path == mount or path.startswith(mount.rstrip("/") + "/")
 
@@ -149,15 +149,15 @@ def on_cluster(kind: str, spec: dict[str, Any]) -> list[SpecError]:
     own container filesystem, and a restarted world would find no checkpoint, silently."""
     checkpoint = spec.get("checkpoint") or {}
     path = checkpoint.get("path")
-    if not path or checkpoint.get("volume") or pods(kind, spec) < 2:
+    if not path or checkpoint.get("volume") or pod_count(kind, spec) < 2:
         return []
     mounts = [
         m.get("mountPath") or "" for m in (spec.get("template") or {}).get("volumeMounts") or []
     ]
-    if posixpath.isabs(path) and any(m and _under(path, m) for m in mounts):
+    if posixpath.isabs(path) and any(m and _is_under(path, m) for m in mounts):
         return []
     why = (
-        f"{shown(path)} is on no volume: each of the job's {pods(kind, spec)} pods would write"
+        f"{shown(path)} is on no volume: each of the job's {pod_count(kind, spec)} pods would write"
         " its own container filesystem and a restarted world would find no checkpoint;"
         " add checkpoint.volume (a volume of template.volumes that every pod mounts at"
         " this path), or mount a shared volume at or above it in template.volumeMounts"

@@ -166,7 +166,7 @@ def model_field(torchvision: tuple[str, ...], default: str) -> Field:
             "staged": STAGED,
         },
         rules=(
-            _one_source(),
+            _one_source_rule(),
             Rule(
                 "!has(self.args) || has(self.__import__) || (has(self.staged) &&"
                 " has(self.staged.stage))",
@@ -179,7 +179,7 @@ def model_field(torchvision: tuple[str, ...], default: str) -> Field:
     )
 
 
-def _one_source() -> Rule:
+def _one_source_rule() -> Rule:
     """Exactly one of torchvision, transformer or import; or none where staged.stage builds
     the stages (the model is then the stages in order)."""
     names = ("torchvision", "transformer", "import")

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 
 from pipejob.core import scheduling as sch
 from pipejob.core.common import PENDING_SECONDS
-from pipejob.core.elastic import bounds
+from pipejob.core.elastic import elastic_size
 from pipejob.core.plan import Member, members, plan_world
 from pipejob.core.spec import Job
 from pipejob.operator import gang, kube
@@ -35,7 +35,7 @@ def size(job: Job, status: dict) -> int | None:
     """The size the current world runs at: the one the operator chose (status.replicas or
     status.trainers) within the spec's bounds; at first the largest. None: the kind has no
     size."""
-    found = bounds(job.definition, job.spec)
+    found = elastic_size(job.definition, job.spec)
     if found is None:
         return None
     chosen = status.get(job.definition.elastic or "")
@@ -53,7 +53,7 @@ def _key(m: Member) -> tuple[str, int, int]:
 def joiners(job: Job, at: int) -> list[tuple[int, Member]]:
     """The members larger worlds add to one of size `at`, each with the size it joins at,
     in rank order (a replica's stages, or a trainer, per size)."""
-    found = bounds(job.definition, job.spec)
+    found = elastic_size(job.definition, job.spec)
     assert found is not None
     seen = {_key(m) for m in members(replace(job, size=at))}
     out = []
@@ -88,7 +88,7 @@ def shrink(
     pods placed too), or, for a world a gang scheduler keeps Queued (nothing of it is placed
     until all is), one size smaller; None while they may yet be placed, or when no smaller
     size (of at least min) would fit either."""
-    found = bounds(job.definition, job.spec)
+    found = elastic_size(job.definition, job.spec)
     if found is None or at <= found.min:
         return None
     wait = (job.spec.get("elastic") or {}).get("pendingSeconds", PENDING_SECONDS)
@@ -129,7 +129,7 @@ def standby(
 ) -> list[dict]:
     """The standby pods beside world `world` at size `at`: one per member a larger world adds,
     shaped as that member's pod, running nothing."""
-    found = bounds(job.definition, job.spec)
+    found = elastic_size(job.definition, job.spec)
     if found is None or at is None or at >= found.max:
         return []
     full = replace(job, size=None)
@@ -173,7 +173,7 @@ def _standing_by(job: Job, pod: dict, world: int, joins: int, k: int) -> dict:
 def grow(job: Job, at: int, pods: list[dict], training: dict) -> Resize | None:
     """The larger size to restart the world (at size `at`) at: the largest whose standby
     `pods` all run, once the master has written a checkpoint since the last of them started."""
-    found = bounds(job.definition, job.spec)
+    found = elastic_size(job.definition, job.spec)
     if found is None or at >= found.max:
         return None
     by_size: dict[int, list[dict]] = {}

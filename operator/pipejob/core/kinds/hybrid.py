@@ -9,7 +9,14 @@ from typing import Any
 
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec
 from pipejob.core.data_sources import HYBRID_DATA, HybridData
-from pipejob.core.elastic import Size, cel_full, elastic_acts, full, needs_checkpoint, size_field
+from pipejob.core.elastic import (
+    Size,
+    cel_full_size,
+    elastic_acts,
+    full_size,
+    needs_checkpoint,
+    size_field,
+)
 from pipejob.core.errors import shown
 from pipejob.core.kind import Group, Kind, Role, Spec, column
 from pipejob.core.kinds import tables
@@ -205,18 +212,20 @@ HYBRID_SPEC = Field(
             lambda s: s.get("backend") != "nccl" or s["gpusPerTrainer"] > 0,
         ),
         Rule(
-            f"({_REAL_DATA}) || self.datasetSize >= {cel_full('trainers')} * self.batchSize",
+            f"({_REAL_DATA}) || self.datasetSize >= {cel_full_size('trainers')} * self.batchSize",
             "datasetSize must hold at least one batch per trainer (trainers * batchSize)",
             "datasetSize",
-            lambda s: _real_data(s) or s["datasetSize"] >= full(s["trainers"]) * s["batchSize"],
+            lambda s: (
+                _has_real_data(s) or s["datasetSize"] >= full_size(s["trainers"]) * s["batchSize"]
+            ),
             message_expression="'datasetSize must hold at least one batch per trainer: ' +"
             " (type(self.trainers) == int ? 'trainers' : 'trainers.max') + ' x batchSize = ' +"
-            f" string({cel_full('trainers')} * self.batchSize) + ' samples, got ' +"
+            f" string({cel_full_size('trainers')} * self.batchSize) + ' samples, got ' +"
             " string(self.datasetSize)",
             explain=lambda s: (
                 "datasetSize must hold at least one batch per trainer: "
                 + ("trainers" if isinstance(s["trainers"], int) else "trainers.max")
-                + f" x batchSize = {full(s['trainers']) * s['batchSize']} samples, got"
+                + f" x batchSize = {full_size(s['trainers']) * s['batchSize']} samples, got"
                 f" {s['datasetSize']}"
             ),
         ),
@@ -235,7 +244,7 @@ HYBRID_SPEC = Field(
 )
 
 
-def _real_data(spec: dict[str, Any]) -> bool:
+def _has_real_data(spec: dict[str, Any]) -> bool:
     data = spec.get("data") or {}
     return "file" in data or "import" in data or "criteo" in data
 
@@ -288,7 +297,7 @@ class Embedding:
     mode: str
 
 
-def _complete(spec: Spec) -> Spec:
+def _completed(spec: Spec) -> Spec:
     """The DDP backend follows the GPUs unless the user chose it; spec.embedding (by default
     when neither is given) becomes its one table in spec.embeddings, fed by the bags' ids;
     a table's feature is its name unless given; the sparse optimizer's lr and eps are filled
@@ -307,7 +316,7 @@ def _complete(spec: Spec) -> Spec:
     return spec
 
 
-def _check(spec: Spec) -> list[SpecError]:
+def _spec_errors(spec: Spec) -> list[SpecError]:
     """The built-in DLRM's one width, Criteo's feature names, and the servers' memory."""
     errors = []
     embeddings = spec["embeddings"]
@@ -334,10 +343,10 @@ def _check(spec: Spec) -> list[SpecError]:
     return errors + memory_errors(spec)
 
 
-def _describe(spec: Spec) -> list[str]:
+def _placement_lines(spec: Spec) -> list[str]:
     """`pipejob plan`'s lines on the tables."""
     optimizer = spec["sparseOptimizer"]["name"]
-    return tables.lines(tables.spec_tables(spec), spec["parameterServers"], optimizer)
+    return tables.placement_lines(tables.spec_tables(spec), spec["parameterServers"], optimizer)
 
 
 HYBRID_JOB = Kind(
@@ -366,8 +375,8 @@ HYBRID_JOB = Kind(
         column("Trainers", "integer", ".status.trainers", "Trainers the current world runs."),
         column("Servers", "integer", ".spec.parameterServers"),
     ),
-    complete=_complete,
-    check=_check,
-    describe=_describe,
+    complete=_completed,
+    check=_spec_errors,
+    describe=_placement_lines,
     elastic="trainers",
 )

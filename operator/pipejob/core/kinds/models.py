@@ -67,7 +67,7 @@ BATCHNORM: frozenset[str] = frozenset(
 )
 
 
-def check(spec: dict[str, Any]) -> list[SpecError]:
+def model_errors(spec: dict[str, Any]) -> list[SpecError]:
     """What would make a valid-looking pipeline crash once its world has started."""
     errors = []
     model, stages = spec["model"].get("torchvision"), spec["stages"] * spec["stagesPerProcess"]

@@ -273,7 +273,7 @@ class PipelineSpec(CommonSpec):
         return self.stages * self.stages_per_process
 
 
-def _complete(spec: Spec) -> Spec:
+def _completed(spec: Spec) -> Spec:
     """`model: resnet50` is short for `model: {torchvision: resnet50}`; a spec without a
     schedule runs its engine's."""
     if isinstance(spec.get("model"), str):
@@ -283,9 +283,9 @@ def _complete(spec: Spec) -> Spec:
     return spec
 
 
-def _check(spec: Spec) -> list[SpecError]:
+def _spec_errors(spec: Spec) -> list[SpecError]:
     """The model's own limits (models.py), and data the model cannot read."""
-    errors = models.check(spec)
+    errors = models.model_errors(spec)
     if spec["microBatches"] == AUTO and not auto_counts(
         spec["batchSize"], spec["schedule"], spec["stages"]
     ):
@@ -367,7 +367,7 @@ PIPELINE_JOB = Kind(
             "Copies of the pipeline the current world runs.",
         ),
     ),
-    complete=_complete,
-    check=_check,
+    complete=_completed,
+    check=_spec_errors,
     elastic="replicas",
 )

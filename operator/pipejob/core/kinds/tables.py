@@ -96,20 +96,20 @@ def place(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[list[
         if servers > 1 and table_bytes(t, optimizer) > share:
             count = min(servers, t.rows)  # a row is never split
             for i in range(count):
-                server = i if count == servers else _least(load)
+                server = i if count == servers else _least_loaded(load)
                 start, stop = i * t.rows // count, (i + 1) * t.rows // count
                 held[server].append(Piece(t.name, server, start, stop, t.dim, t.mode, t.rows))
                 load[server] += (stop - start) * row_bytes(t.dim, optimizer)
         else:
             whole.append(t)
     for t in sorted(whole, key=lambda t: (-table_bytes(t, optimizer), t.name)):
-        server = _least(load)
+        server = _least_loaded(load)
         held[server].append(Piece(t.name, server, 0, t.rows, t.dim, t.mode, t.rows))
         load[server] += table_bytes(t, optimizer)
     return [ordered(pieces) for pieces in held]
 
 
-def _least(load: list[int]) -> int:
+def _least_loaded(load: list[int]) -> int:
     return min(range(len(load)), key=lambda s: (load[s], s))
 
 
@@ -140,7 +140,7 @@ def trainer_needs(lanes: int) -> int:
     return PROCESS_BYTES + lanes * READER_BYTES
 
 
-def lines(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[str]:
+def placement_lines(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[str]:
     """The tables' bytes, and each server's pieces (`big[0:500000], c2`), as words."""
     weights = sum(t.rows * t.dim * FLOAT_BYTES for t in tables)
     state = sum(table_bytes(t, optimizer) for t in tables) - weights

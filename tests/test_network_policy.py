@@ -14,7 +14,7 @@ import yaml
 
 from pipejob.cli import main as cli
 from pipejob.core.spec import API_VERSION, parse
-from pipejob.operator import kube, reconcile, refusals
+from pipejob.operator import api_refusals, kube, reconcile
 from pipejob.operator import policy_settings as ps
 
 pytestmark = pytest.mark.timeout(30)
@@ -126,7 +126,7 @@ def test_the_policy_comes_with_each_new_world_and_not_otherwise() -> None:
 def test_a_refused_policy_makes_no_pods_and_says_why_once() -> None:
     obj = job_obj(trainers=2)
     error = "PATCH .../networkpolicies/j: HTTP 422: the test operation failed"
-    acts = refusals.without_policy(reconcile.decide(obj, [], NOW, "img"), {}, error, NOW)
+    acts = api_refusals.without_policy(reconcile.decide(obj, [], NOW, "img"), {}, error, NOW)
     assert acts.create == [] and acts.policy is None and acts.status["phase"] == "Pending"
     created = next(c for c in acts.status["conditions"] if c["type"] == "Created")
     assert (created["status"], created["reason"]) == ("False", "NetworkPolicyRefused")
@@ -134,7 +134,9 @@ def test_a_refused_policy_makes_no_pods_and_says_why_once() -> None:
     reasons = [e.reason for e in acts.events]
     assert "NetworkPolicyRefused" in reasons and "CreatedPods" not in reasons
     obj["status"] = acts.status
-    again = refusals.without_policy(reconcile.decide(obj, [], NOW, "img"), acts.status, error, NOW)
+    again = api_refusals.without_policy(
+        reconcile.decide(obj, [], NOW, "img"), acts.status, error, NOW
+    )
     assert "NetworkPolicyRefused" not in [e.reason for e in again.events]
 
 

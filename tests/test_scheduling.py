@@ -8,7 +8,7 @@ import pytest
 from test_reconcile import Sim
 
 from pipejob.core.spec import API_VERSION, InvalidSpec, parse
-from pipejob.operator import gang, kube, queueing, reconcile, refusals
+from pipejob.operator import api_refusals, gang, kube, queueing, reconcile
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -288,7 +288,7 @@ def test_a_refused_podgroup_makes_no_pods_and_says_why_once() -> None:
     sim = Sim(stages=2, scheduling={"provider": "volcano"})
     old = sim.job.get("status") or {}
     error = "POST .../podgroups: HTTP 404: the server could not find the requested resource"
-    acts = refusals.without_podgroup(
+    acts = api_refusals.without_podgroup(
         reconcile.decide(sim.job, [], sim.now, "img"), old, error, sim.now
     )
     assert acts.create == [] and acts.podgroup is None
@@ -300,7 +300,7 @@ def test_a_refused_podgroup_makes_no_pods_and_says_why_once() -> None:
     reasons = [e.reason for e in acts.events]
     assert "PodGroupRefused" in reasons and "CreatedPods" not in reasons
     sim.job["status"] = acts.status  # the next reconcile, refused again: no second Warning
-    again = refusals.without_podgroup(
+    again = api_refusals.without_podgroup(
         reconcile.decide(sim.job, [], sim.now, "img"), acts.status, error, sim.now
     )
     assert "PodGroupRefused" not in [e.reason for e in again.events]

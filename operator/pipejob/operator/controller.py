@@ -20,7 +20,7 @@ import kopf
 from pipejob.core import validate
 from pipejob.core.kinds import KINDS, by_plural
 from pipejob.core.spec import API_VERSION, GROUP, VERSION
-from pipejob.operator import kube, policy_settings, progress, reconcile, refusals, status
+from pipejob.operator import api_refusals, kube, policy_settings, progress, reconcile, status
 from pipejob.operator.cluster import ApiError, Cluster
 from pipejob.operator.operator_metrics import OperatorMetrics
 
@@ -144,8 +144,8 @@ class Reconciler:
         and a gang scheduler waits for its group. Refused (not allowed, no such kind, another's
         of that name): `acts` without pods, the status saying why."""
         for made, without in (
-            (acts.policy, refusals.without_policy),
-            (acts.podgroup, refusals.without_podgroup),
+            (acts.policy, api_refusals.without_policy),
+            (acts.podgroup, api_refusals.without_podgroup),
         ):
             if made is None or not acts.create:  # none, or the one before it was refused
                 continue

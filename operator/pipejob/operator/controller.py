@@ -96,7 +96,7 @@ class Reconciler:
             self.forget(key)  # garbage collection removes what it made
             return
         pods = self.cluster.list_pods(namespace, name)
-        address = progress.url(pods, status.world(job.get("status") or {}))
+        address = progress.url(pods, status.world_number(job.get("status") or {}))
         with self._guard:
             if address is not None and key in self.jobs:
                 self.training.add(key)

@@ -49,7 +49,7 @@ class Observed:
     @property
     def restart(self) -> int:
         """The current world's number: restarts + preemptions + resizes."""
-        return st.world(self.old)
+        return st.world_number(self.old)
 
     @property
     def namespace(self) -> str:

@@ -40,8 +40,8 @@ def decide(
     acts = _decide(seen)
     scheduling = (job_obj.get("spec") or {}).get("scheduling")
     if isinstance(scheduling, dict) and scheduling.get("provider") == sch.KUEUE:
-        uid = job_obj["metadata"].get("uid")
-        current = [p for p in pods if owned(p, uid) and kube.restart_of(p) == st.world(acts.status)]
+        uid, world = job_obj["metadata"].get("uid"), st.world_number(acts.status)
+        current = [p for p in pods if owned(p, uid) and kube.restart_of(p) == world]
         keep, ending = queueing.end_kueue_group(acts.status, current, now)
         acts.end_group += ending
         if keep:

@@ -26,7 +26,7 @@ from pipejob.operator.status.conditions import (
     set_condition,
     timestamp,
     with_phase,
-    world,
+    world_number,
 )
 from pipejob.operator.status.fields import STATUS
 from pipejob.operator.status.pod_failures import (
@@ -102,5 +102,5 @@ __all__ = [
     "with_preflight",
     "with_report",
     "with_training",
-    "world",
+    "world_number",
 ]

@@ -36,7 +36,7 @@ def parse_time(s: str | None) -> datetime | None:
     return datetime.fromisoformat(s.replace("Z", "+00:00"))
 
 
-def world(status: dict) -> int:
+def world_number(status: dict) -> int:
     """The number of the job's current world: every restart, failed, preempted or resized,
     makes one."""
     counts = ("restarts", "preemptions", "resizes")

@@ -1,12 +1,7 @@
-"""The bounds the runtime enforces on what a spec hands to torch, in one torch-free table: an
-optimizer's settings (torch.optim's constructors refuse values outside them), the dtypes a
-name stands for, and the schedules' micro-batch rule (core/kinds/pipeline.py). The spec
-tables take their minimum and maximum from here, so `pipejob validate` refuses exactly what
-a process would fail on at start; tests/test_bounds.py checks every entry against torch
-itself (each edge accepted by both, each value past it refused by both).
-
-A bound marked `own` is pipejob's and stricter than torch's (a zero learning rate, a
-momentum over 1): torch accepts the value past it, the validation does not."""
+"""The bounds the runtime enforces on what a spec hands to torch (an optimizer's settings, the
+dtypes a name stands for, the class a schedule runs), in one torch-free table the spec tables
+take their minimum and maximum from: `pipejob validate` refuses exactly what a process would
+fail on at start. docs/architecture.md, "The spec and its validation, part by part"."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Elastic sizes: a PipelineJob's `replicas` and a HybridJob's `trainers` are a number (the
-world's size, always) or `{min, max}`: the operator runs the largest world between the two
-that fits, and restarts it at another size when pods stay unschedulable or capacity returns
-(operator/elastic_world.py). The trainer reads the size its world runs at from the world plan (how
-many members its env names) and the full size (`max`) from the spec: a step trains on the
-batch of the full size at every size, so the training is the same at any size."""
+"""Elastic sizes: a PipelineJob's `replicas` and a HybridJob's `trainers` are a number or
+`{min, max}`; the operator runs the largest world between them that fits
+(operator/elastic_world.py), and a step trains on the full size's batch at every size.
+docs/architecture.md, "From manifest to processes", step 3."""
 
 from __future__ import annotations
 

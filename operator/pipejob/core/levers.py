@@ -1,11 +1,7 @@
-"""PIPEJOB_TUNING, the performance levers of a training process, and the one of them that must
-act before the process starts: which malloc it runs with.
-
-The dynamic linker reads LD_PRELOAD only when a program starts, so the allocator is preloaded
-by whoever starts the process, from this one rule (`preload`): the local runner puts it in its
-processes' env, and the trainer re-executes itself with it where its launcher did not (a pod:
-the operator's Pods, or any other launcher). The rest of the levers are applied by the trainer
-(pipejob.trainer.runtime.tuning). Torch-free: the runner uses it."""
+"""PIPEJOB_TUNING, the performance levers of a training process, and the one that must act
+before the process starts: its malloc, preloaded by whoever starts it (`preload`: the local
+runner, or the trainer re-executing itself). Torch-free: the runner uses it. Why:
+docs/architecture.md, "The spec and its validation, part by part"."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""A job manifest read, defaulted and validated against its kind's table (core/kinds/).
-
-The manifest is the very YAML a user `kubectl apply`s, read as kubectl reads it (yamlio).
-`parse` is pipejob's one validation: the kind's table, its rules and the checks no table can
-express (core/validate.py); `pipejob validate`, `run`, `plan`, `render` and the operator all
-go through it. Every error names its field path."""
+"""A job manifest read as kubectl reads it (yamlio), defaulted and validated against its kind's
+table (core/kinds/): `parse` is pipejob's one validation, which `pipejob validate`, `run`,
+`plan`, `render` and the operator all go through. Every error names its field path."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The checks a spec's table cannot express: each names its field path and the reason.
-
-`spec.parse` runs them after the table's defaults and rules, so `pipejob validate`, `run`,
-`plan`, `render` and the operator refuse exactly the same manifests. What depends on the
-operator's configuration (node-level volumes) comes in as a parameter, and so does what only
-a cluster refuses (`on_cluster`: `render` and the operator; the local runner's processes
-share one filesystem)."""
+"""The checks a spec's table cannot express, each naming its field path and the reason;
+`spec.parse` runs them after the table's defaults and rules. What depends on the operator's
+configuration or only a cluster refuses (`on_cluster`) comes in as a parameter.
+docs/architecture.md, "The spec and its validation, part by part"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Manifests read as kubectl reads them: YAML 1.2 core-schema values (`10:00` and `yes` are
-strings, `012` is twelve), merge keys (`<<: *defaults`), duplicate keys refused, and hostile
-input (not UTF-8, nesting thousands deep, recursive or exploding aliases, tags such as
-`!!binary`) refused with the line it is on instead of a traceback or a hang.
-
-PyYAML's pure-Python SafeLoader does the scanning and parsing; this module replaces its
-YAML 1.1 resolvers and constructors and bounds what composing may build."""
+"""Manifests read as kubectl reads them (YAML 1.2 core-schema values, merge keys, duplicate
+keys refused) and hostile input refused with the line it is on, on PyYAML's pure-Python
+SafeLoader with its resolvers and constructors replaced. docs/architecture.md, "The spec and
+its validation, part by part"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""What the validation must know of each PipelineJob model without importing torch: how many
-layers the trainer cuts it into, the smallest image it can take, and whether it has
-BatchNorm (which cannot train on one image); and `check`, the PipelineJob's own checks
-built on them. tests/test_models.py measures every entry with the trainer's own cutter, so
-this table cannot drift from it."""
+"""What the validation must know of each PipelineJob model without importing torch (how many
+places the trainer may cut it at, the smallest image it takes, whether it has BatchNorm) and
+`model_errors`, the checks built on them. tests/test_models.py measures every entry with the
+trainer's own cutter."""
 
 from __future__ import annotations
 

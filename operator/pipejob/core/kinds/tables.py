@@ -1,13 +1,7 @@
 """A HybridJob's embedding tables on its parameter servers: what each row costs, and where
-every table goes (the placement). Torch-free and pure: `pipejob plan` prints the placement,
-the validation checks it against the pods' memory limit, and every parameter server and
-trainer computes the very same one from the spec.
-
-Placement, by bytes (the weights and the sparse optimizer's state): a share is the total
-over the servers. A table larger than a share is split row-wise, in even row ranges, across
-every server; the others go whole, largest first, each to the server holding the fewest
-bytes so far (ties: the lower index, then the name). Each server's pieces are kept in the
-order its replies carry them (`ordered`)."""
+every table goes (the placement), torch-free and pure: `pipejob plan` prints it, the
+validation checks it against the pods' memory limit, and every parameter server and trainer
+computes the same one. The rule: docs/architecture.md, "The spec and its validation"."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ from _common import fmt_spread, load_average, machine, run_job
 from compare import Config, pipejob_manifest
 from memory import manifest as transformer_manifest
 
-from pipejob.core.levers import DEFAULT_MALLOC, MALLOCS, find
+from pipejob.core.levers import DEFAULT_MALLOC, MALLOCS, library_file
 
 GB = 1e9
 # jemalloc's settings in torch's launcher (torch/backends/xeon/run_cpu.py, --enable-jemalloc):
@@ -72,7 +72,8 @@ CHOICES: dict[str, dict[str, str]] = {
     "jemalloc-decay": JEMALLOC | {"MALLOC_CONF": KEEPING},
     "tcmalloc": TCMALLOC,
     "tcmalloc-decommit": TCMALLOC | {"TCMALLOC_AGGRESSIVE_DECOMMIT": "true"},
-    "tcmalloc-mkl-cache": NO_LEVER | {"LD_PRELOAD": find(MALLOCS["tcmalloc"].library) or ""},
+    "tcmalloc-mkl-cache": NO_LEVER
+    | {"LD_PRELOAD": library_file(MALLOCS["tcmalloc"].library) or ""},
 }
 # The choice the default is (what PIPEJOB_TUNING unset preloads): measured once, as "default".
 SAME_AS_DEFAULT = DEFAULT_MALLOC if DEFAULT_MALLOC != "glibc" else "glibc-lever"

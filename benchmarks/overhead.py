@@ -95,7 +95,7 @@ def world(args: argparse.Namespace, stages: int) -> list[dict[str, Any]]:
             popens.append(
                 subprocess.Popen(
                     [sys.executable, __file__, *role],
-                    env=env | levers.preload(env),
+                    env=env | levers.preload_env(env),
                     text=True,
                     stdout=subprocess.PIPE if p.role == "master" else subprocess.DEVNULL,
                 )

@@ -93,7 +93,7 @@ def plain(logs: str, args: argparse.Namespace, tuned: bool = False) -> dict:
     if tuned:
         from pipejob.core import levers
 
-        env |= levers.preload(env) | {"OMP_WAIT_POLICY": "PASSIVE"}
+        env |= levers.preload_env(env) | {"OMP_WAIT_POLICY": "PASSIVE"}
     out = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"the plain process failed:\n{out.stderr[-3000:]}")

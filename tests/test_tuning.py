@@ -63,27 +63,27 @@ def test_pipejob_run_refuses_an_unknown_choice_before_anything_starts(monkeypatc
 
 
 def test_the_allocator_lever_asks_for_tcmalloc_unless_told_otherwise():
-    assert levers.wanted({}).name == "tcmalloc"
-    assert levers.wanted({levers.TUNING: "allocator=jemalloc"}).name == "jemalloc"
-    assert levers.wanted({levers.TUNING: "threads,allocator=glibc"}).name == "glibc"
-    assert levers.wanted({levers.TUNING: "threads,transport"}) is None
-    assert levers.wanted({levers.TUNING: "off"}) is None
+    assert levers.wanted_malloc({}).name == "tcmalloc"
+    assert levers.wanted_malloc({levers.TUNING: "allocator=jemalloc"}).name == "jemalloc"
+    assert levers.wanted_malloc({levers.TUNING: "threads,allocator=glibc"}).name == "glibc"
+    assert levers.wanted_malloc({levers.TUNING: "threads,transport"}) is None
+    assert levers.wanted_malloc({levers.TUNING: "off"}) is None
 
 
 def test_preload_names_the_wanted_library_unless_a_malloc_is_preloaded_already(monkeypatch):
     """The env a process must start with (the host's libraries are the boundary: `find`)."""
     found = {"jemalloc": "libjemalloc.so.2", "tcmalloc_minimal": "libtcmalloc_minimal.so.4"}
-    monkeypatch.setattr(levers, "find", found.get)
+    monkeypatch.setattr(levers, "library_file", found.get)
     tcmalloc = {"LD_PRELOAD": "libtcmalloc_minimal.so.4"}
-    assert levers.preload({}) == tcmalloc
+    assert levers.preload_env({}) == tcmalloc
     theirs = {"LD_PRELOAD": "libfaketime.so.1", levers.TUNING: "allocator=jemalloc"}
-    assert levers.preload(theirs) == {"LD_PRELOAD": "libjemalloc.so.2 libfaketime.so.1"}
-    assert levers.preload({"LD_PRELOAD": "/opt/lib/libmimalloc.so.2"}) == {}  # theirs wins
-    assert levers.preload(tcmalloc) == {}  # started with it: nothing more (no second start)
-    assert levers.preload({levers.TUNING: "threads,transport"}) == {}
-    assert levers.preload({levers.TUNING: "allocator=glibc"}) == {}
-    monkeypatch.setattr(levers, "find", lambda library: None)
-    assert levers.preload({}) == {}  # not on this host: glibc, and the process says why
+    assert levers.preload_env(theirs) == {"LD_PRELOAD": "libjemalloc.so.2 libfaketime.so.1"}
+    assert levers.preload_env({"LD_PRELOAD": "/opt/lib/libmimalloc.so.2"}) == {}  # theirs wins
+    assert levers.preload_env(tcmalloc) == {}  # started with it: nothing more (no second start)
+    assert levers.preload_env({levers.TUNING: "threads,transport"}) == {}
+    assert levers.preload_env({levers.TUNING: "allocator=glibc"}) == {}
+    monkeypatch.setattr(levers, "library_file", lambda library: None)
+    assert levers.preload_env({}) == {}  # not on this host: glibc, and the process says why
 
 
 MAPS = """\
@@ -318,7 +318,7 @@ def test_mkl_takes_its_buffers_from_the_malloc_with_the_allocator_lever():
     """In fresh interpreters under tcmalloc, as a stage's RPC threads run its layers: with
     MKL's own cache, each thread that ran a matrix product holds buffers after it; with the
     lever's setting they go back to the malloc."""
-    library = levers.find(levers.MALLOCS["tcmalloc"].library)
+    library = levers.library_file(levers.MALLOCS["tcmalloc"].library)
     if library is None:
         pytest.skip("tcmalloc is not installed here")
     env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
@@ -366,9 +366,9 @@ def test_every_process_runs_with_the_chosen_malloc_whoever_started_it(monkeypatc
 
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv(levers.TUNING, raising=False)
-    by_runner = levers.preload
+    by_runner = levers.preload_env
     not_stage0 = lambda env: {} if env[c.RPC_NAME] == "stage0" else by_runner(env)  # noqa: E731
-    monkeypatch.setattr(local.levers, "preload", not_stage0)
+    monkeypatch.setattr(local.levers, "preload_env", not_stage0)
     job = spec.parse(pipeline_job("malloc", stages=2))
     processes = plan.plan_world(job, lambda m: local.LOOPBACK, plan.Ports(*local.free_ports(4)))
     out = io.StringIO()
@@ -383,7 +383,7 @@ def test_every_process_runs_with_the_chosen_malloc_whoever_started_it(monkeypatc
         world.stop(grace=5)
     said = dict(pattern.findall(out.getvalue()))
     default = levers.MALLOCS[levers.DEFAULT_MALLOC]
-    library = levers.find(default.library)
+    library = levers.library_file(default.library)
     if library:  # the linker's name (libtcmalloc_minimal.so.4) begins the mapped file's
         want = f"{default.name} ({library}"
     else:

@@ -1,5 +1,5 @@
 """PIPEJOB_TUNING, the performance levers of a training process, and the one that must act
-before the process starts: its malloc, preloaded by whoever starts it (`preload`: the local
+before the process starts: its malloc, preloaded by whoever starts it (`preload_env`: the local
 runner, or the trainer re-executing itself). Torch-free: the runner uses it. Why:
 docs/architecture.md, "The spec and its validation, part by part"."""
 
@@ -63,7 +63,7 @@ def parse(value: str | None) -> dict[str, str]:
     return chosen
 
 
-def wanted(environ: Mapping[str, str]) -> Malloc | None:
+def wanted_malloc(environ: Mapping[str, str]) -> Malloc | None:
     """The malloc PIPEJOB_TUNING asks for; None when the allocator lever is off."""
     enabled = parse(environ.get(TUNING))
     if "allocator" not in enabled:
@@ -71,28 +71,28 @@ def wanted(environ: Mapping[str, str]) -> Malloc | None:
     return MALLOCS[enabled["allocator"] or DEFAULT_MALLOC]
 
 
-def preloaded(environ: Mapping[str, str]) -> str:
+def preloaded_malloc(environ: Mapping[str, str]) -> str:
     """The malloc library LD_PRELOAD names already (the user's, or ours), or ""."""
     names = environ.get(PRELOAD, "").replace(":", " ").split()
     return next((n for n in names if "malloc" in os.path.basename(n)), "")
 
 
 @cache
-def find(library: str) -> str | None:
+def library_file(library: str) -> str | None:
     """The file name the dynamic linker knows `library` by (e.g. libjemalloc.so.2), or None
     where this host lacks it."""
     return ctypes.util.find_library(library)
 
 
-def preload(environ: Mapping[str, str]) -> dict[str, str]:
+def preload_env(environ: Mapping[str, str]) -> dict[str, str]:
     """What to add to a process's env (`environ`, all of it) so that it starts with the malloc
     PIPEJOB_TUNING asks for: LD_PRELOAD naming it first. Nothing where the lever is off or
     asks for glibc, where LD_PRELOAD names a malloc already (the user's wins), or where this
     host lacks the library (the trainer says so, and keeps glibc's malloc with the lever)."""
-    malloc = wanted(environ)
-    if malloc is None or not malloc.library or preloaded(environ):
+    malloc = wanted_malloc(environ)
+    if malloc is None or not malloc.library or preloaded_malloc(environ):
         return {}
-    found = find(malloc.library)
+    found = library_file(malloc.library)
     if found is None:
         return {}
     return {PRELOAD: f"{found} {environ.get(PRELOAD, '')}".strip()}

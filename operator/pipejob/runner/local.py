@@ -134,7 +134,8 @@ class World:
             env = os.environ | p.env | extra | own
             popen = subprocess.Popen(
                 [sys.executable, *TRAINER_MODULE],
-                env=env | levers.preload(env),  # before it starts: the dynamic linker reads it then
+                # the malloc before it starts: the dynamic linker reads LD_PRELOAD only then
+                env=env | levers.preload_env(env),
                 cwd=self.directory,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

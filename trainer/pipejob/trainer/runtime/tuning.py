@@ -166,7 +166,7 @@ def for_process(
     malloc, library = running_malloc()
     settings = decide(kind, role, gpus, available_cpus(), colocated, enabled, malloc)
     words = f"{malloc} ({library})" if library else malloc
-    return replace(settings, malloc=words, missing=missing(library, levers.wanted(environ)))
+    return replace(settings, malloc=words, missing=missing(library, levers.wanted_malloc(environ)))
 
 
 def running_malloc(maps: str | None = None) -> tuple[str, str]:
@@ -196,7 +196,7 @@ def preload_malloc() -> None:
     """Start this process over with the malloc PIPEJOB_TUNING asks for preloaded, where its
     launcher did not preload it (a pod; the local runner does): the dynamic linker reads
     LD_PRELOAD only when a program starts. Call it first: the process begins again."""
-    extra = levers.preload(os.environ)
+    extra = levers.preload_env(os.environ)
     if extra:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], os.environ | extra)
 

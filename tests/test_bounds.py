@@ -88,11 +88,11 @@ def test_the_optimizer_bounds_are_torch_optims(name: str, field: str, bound: bou
         cls, kwargs = optimizer_args(opt)
         return cls(PARAMS, **kwargs)
 
-    for edge in bound.edges():
+    for edge in bound.inside_edges():
         job = spec.parse(pipeline(optimizer={"name": name, field: edge}))
         assert torch_takes(lambda job=job: build(job.settings.optimizer)), (name, field, edge)
     accepted = spec.parse(pipeline(optimizer={"name": name})).settings.optimizer
-    for value, torch_refuses in bound.past():
+    for value, torch_refuses in bound.outside_values():
         assert refused_at(
             pipeline(optimizer={"name": name, field: value}), f"spec.optimizer.{field}"
         ), (name, field, value)
@@ -106,11 +106,11 @@ def test_the_sparse_optimizer_bounds_are_the_servers(name: str, field: str, boun
     assert (
         type(sparse_optimizers.make(PARAMS, accepted)).__name__ == bounds.SPARSE_OPTIMIZERS[name][0]
     )
-    for edge in bound.edges():
+    for edge in bound.inside_edges():
         job = spec.parse(hybrid(sparseOptimizer={"name": name, field: edge}))
         opt = job.settings.sparse_optimizer
         assert torch_takes(lambda opt=opt: sparse_optimizers.make(PARAMS, opt)), (name, field, edge)
-    for value, torch_refuses in bound.past():
+    for value, torch_refuses in bound.outside_values():
         assert refused_at(
             hybrid(sparseOptimizer={"name": name, field: value}), f"spec.sparseOptimizer.{field}"
         ), (name, field, value)

@@ -349,7 +349,7 @@ def test_a_replicated_pipeline_renders_every_replica_and_its_groups():
         assert env[contract.DDP_ADDR] == f"pj-r0-stage-{index}.pj"
         assert env[contract.DDP_RANK] == str(replica)
         ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
-        assert ports["ddp"] == kube.PORTS.group(index)  # dp0 on 29501, dp1 on 29511
+        assert ports["ddp"] == kube.PORTS.group_port(index)  # dp0 on 29501, dp1 on 29511
     assert kube.REPLICA_LABEL not in pods[0]["metadata"]["labels"]
     service = kube.service(job, "team")
     assert "ddp" in {p["name"] for p in service["spec"]["ports"]}

@@ -22,7 +22,7 @@ class Range:
     own_minimum: bool = False  # torch accepts values below the minimum (pipejob does not)
     own_maximum: bool = False
 
-    def holds(self, value: float) -> bool:
+    def contains(self, value: float) -> bool:
         """Whether `value` lies in the range (NaN never does)."""
         if math.isnan(value):
             return False
@@ -31,7 +31,7 @@ class Range:
         below = high is None or (value < high if self.exclusive_maximum else value <= high)
         return above and below
 
-    def words(self) -> str:
+    def in_words(self) -> str:
         """The range as a message says it: `>= 0`, `in [0, 1)`."""
         low, high = self.minimum, self.maximum
         if high is None:
@@ -59,7 +59,7 @@ class Range:
             "exclusive_maximum": self.exclusive_maximum,
         }
 
-    def edges(self) -> list[float]:
+    def inside_edges(self) -> list[float]:
         """The values just inside each end (the edge itself where it is closed)."""
         out = []
         if self.minimum is not None:
@@ -70,7 +70,7 @@ class Range:
             out.append(math.nextafter(high, -math.inf) if self.exclusive_maximum else high)
         return out
 
-    def past(self) -> list[tuple[float, bool]]:
+    def outside_values(self) -> list[tuple[float, bool]]:
         """The values just outside each end, each with whether torch refuses it too."""
         out = []
         if self.minimum is not None:
@@ -152,9 +152,9 @@ def name_rules(table: dict[str, tuple[str, dict[str, Range]]], field: str) -> tu
 def _name_rule(name: str, cls: str, field: str, bound: Range) -> Rule:
     return Rule(
         f"!has(self.{field}) || self.name != '{name}' || ({bound.cel(f'self.{field}')})",
-        f"{field} must be {bound.words()} with {name} (torch's {cls} refuses any other)",
+        f"{field} must be {bound.in_words()} with {name} (torch's {cls} refuses any other)",
         field,
-        lambda o: field not in o or o["name"] != name or bound.holds(o[field]),
+        lambda o: field not in o or o["name"] != name or bound.contains(o[field]),
     )
 
 

@@ -53,7 +53,7 @@ class HybridData:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-def _split(description: str, train: str, val: str, **fields: Field) -> Field:
+def _split_field(description: str, train: str, val: str, **fields: Field) -> Field:
     return Field(
         "object",
         description,
@@ -72,13 +72,13 @@ PIPELINE_DATA = Field(
     "What the pipeline trains on: at most one of imageFolder, tokens or import; none is"
     " synthetic data (random images, or random tokens for the transformer).",
     fields={
-        "imageFolder": _split(
+        "imageFolder": _split_field(
             "Images in torchvision's ImageFolder layout (one subfolder per class), with its"
             " standard transforms to imageSize.",
             "Folder of the training images." + RELATIVE,
             "Folder of the held-out images, for evaluation.",
         ),
-        "tokens": _split(
+        "tokens": _split_field(
             "A flat binary file of token ids (nanoGPT's format), read as windows of"
             " seqLen + 1 tokens: a sample's input is the first seqLen, its labels the next"
             " token at each position. For any model that takes token ids.",
@@ -124,14 +124,14 @@ HYBRID_DATA = Field(
     " samples (datasetSize samples of up to bagSize ids per feature, and denseFeatures dense"
     " values with spec.embeddings).",
     fields={
-        "file": _split(
+        "file": _split_field(
             "Bags for spec.embedding's one table in .npz files (numpy.savez) with three"
             " arrays: ids (every bag's indices, concatenated), offsets (where each bag starts"
             " in ids) and labels (one class per bag).",
             "The training samples' .npz file." + RELATIVE,
             "The held-out samples' .npz file, for evaluation.",
         ),
-        "criteo": _split(
+        "criteo": _split_field(
             "Click logs in the Criteo layout (spec.embeddings), one sample a line, tab-separated:"
             " the label (0 or 1), 13 integer features (I1 ... I13, read as log(1 + x), an empty"
             " or negative one as 0) and 26 categorical features (C1 ... C26, hexadecimal"

@@ -10,7 +10,7 @@ from pipejob.core import bounds
 from pipejob.core.schema import Field, Rule, integer
 
 
-def _bound(field: str) -> dict[str, Any]:
+def _torch_bounds(field: str) -> dict[str, Any]:
     """A spec.optimizer field's bound: the loosest torch.optim's classes put on it (bounds.py)."""
     return bounds.loosest(bounds.OPTIMIZERS, field).schema()
 
@@ -27,11 +27,13 @@ OPTIMIZER = Field(
             default="sgd",
             enum=tuple(bounds.OPTIMIZERS),
         ),
-        "lr": Field("number", "Learning rate.", default=0.05, **_bound("lr")),
+        "lr": Field("number", "Learning rate.", default=0.05, **_torch_bounds("lr")),
         "momentum": Field(
-            "number", "Momentum (sgd and rmsprop only).", default=0.0, **_bound("momentum")
+            "number", "Momentum (sgd and rmsprop only).", default=0.0, **_torch_bounds("momentum")
         ),
-        "weightDecay": Field("number", "L2 weight decay.", default=0.0, **_bound("weightDecay")),
+        "weightDecay": Field(
+            "number", "L2 weight decay.", default=0.0, **_torch_bounds("weightDecay")
+        ),
         "clipGradNorm": Field(
             "number",
             "Clip the gradients to this global L2 norm before each optimizer step:"

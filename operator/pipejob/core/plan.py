@@ -28,12 +28,12 @@ class Ports:
     groups: tuple[int, ...] = ()
     more_groups: int = 29510
 
-    def group(self, g: int) -> int:
+    def group_port(self, g: int) -> int:
         if self.groups:
             return self.groups[g]
         return self.ddp if g == 0 else self.more_groups + g
 
-    def distinct(self) -> bool:
+    def all_distinct(self) -> bool:
         every = [self.rpc, self.ddp, self.preflight, self.monitor, *self.groups]
         return len(set(every)) == len(every)
 
@@ -130,13 +130,13 @@ def seats(job: Job, world: list[Member], address: Addresser, ports: Ports) -> di
     out = {}
     for g, (name, backend, inside) in enumerate(groups(job, world)):
         for rank, m in enumerate(inside):
-            out[m] = Seat(name, rank, len(inside), address(inside[0]), ports.group(g), backend)
+            out[m] = Seat(name, rank, len(inside), address(inside[0]), ports.group_port(g), backend)
     return out
 
 
 def plan_world(job: Job, address: Addresser, ports: Ports = Ports()) -> list[Process]:
     """Every process of the job with its rank, GPUs, address, group seat and complete env."""
-    if not ports.distinct():
+    if not ports.all_distinct():
         raise ValueError(f"the job's ports must differ, got {ports}")
     world = members(job)
     places = seats(job, world, address, ports)

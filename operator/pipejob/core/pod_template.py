@@ -11,18 +11,18 @@ from pipejob.core.schema import Field, Rule
 GPU = "nvidia.com/gpu"
 
 
-def _k8s(name: str, description: str) -> Field:
+def _k8s_field(name: str, description: str) -> Field:
     """A Kubernetes object passed to the pods, checked against its real schema (core/k8s.py)."""
     return Field("object", f"{description.rstrip('.')} (Kubernetes core/v1 {name}).", k8s=name)
 
 
-def _k8s_list(name: str, description: str, keys: tuple[str, ...] = ()) -> Field:
-    item = _k8s(name, f"One {name}.")
+def _k8s_list_field(name: str, description: str, keys: tuple[str, ...] = ()) -> Field:
+    item = _k8s_field(name, f"One {name}.")
     what = f"{description.rstrip('.')} (Kubernetes core/v1 {name} list)."
     return Field("array", what, items=item, list_map_keys=keys)
 
 
-def _no_gpu(template: dict[str, Any]) -> bool:
+def _has_no_gpu(template: dict[str, Any]) -> bool:
     resources = template.get("resources") or {}
     return all(GPU not in (resources.get(k) or {}) for k in ("requests", "limits"))
 
@@ -35,7 +35,7 @@ TEMPLATE = Field(
         "imagePullPolicy": Field(
             "string", "Image pull policy.", enum=("Always", "IfNotPresent", "Never")
         ),
-        "resources": _k8s(
+        "resources": _k8s_field(
             "ResourceRequirements",
             "Container resources; GPU counts come from the spec's GPU fields.",
         ),
@@ -44,13 +44,13 @@ TEMPLATE = Field(
             "Node labels the pods must match.",
             values=Field("string", "Label value.", max_length=63),
         ),
-        "tolerations": _k8s_list("Toleration", "Taints the pods tolerate."),
-        "affinity": _k8s("Affinity", "Node and pod affinity of the pods."),
-        "volumes": _k8s_list("Volume", "Volumes of the pods.", ("name",)),
-        "volumeMounts": _k8s_list(
+        "tolerations": _k8s_list_field("Toleration", "Taints the pods tolerate."),
+        "affinity": _k8s_field("Affinity", "Node and pod affinity of the pods."),
+        "volumes": _k8s_list_field("Volume", "Volumes of the pods.", ("name",)),
+        "volumeMounts": _k8s_list_field(
             "VolumeMount", "Where the trainer container mounts them.", ("mountPath",)
         ),
-        "env": _k8s_list("EnvVar", "Extra environment of the trainer container.", ("name",)),
+        "env": _k8s_list_field("EnvVar", "Extra environment of the trainer container.", ("name",)),
         "serviceAccountName": Field("string", "Service account of the pods.", max_length=253),
         "schedulerName": Field(
             "string",
@@ -67,7 +67,7 @@ TEMPLATE = Field(
             "nvidia.com/gpu comes from the spec's GPU field (gpusPerStage, gpusPerTrainer),"
             " never from template.resources",
             "resources",
-            _no_gpu,
+            _has_no_gpu,
         ),
     ),
 )

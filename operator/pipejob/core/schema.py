@@ -93,7 +93,7 @@ _TYPE_NAMES = {
 }
 
 
-def _type_ok(kind: str, value: Any) -> bool:
+def _has_type(kind: str, value: Any) -> bool:
     if kind == "int-or-string":
         return k8s.is_type("integer", value) or isinstance(value, str)
     if kind == "string-or-object":
@@ -119,7 +119,7 @@ def apply(schema: Field, value: Any, path: str, errors: list[SpecError]) -> Any:
     if schema.k8s is not None:
         k8s.check(k8s.schema(schema.k8s), value, path, errors)
         return value
-    if not _type_ok(schema.type, value):
+    if not _has_type(schema.type, value):
         errors.append(SpecError(path, f"must be {_TYPE_NAMES[schema.type]}, got {shown(value)}"))
         return value
     if schema.type in ("int-or-string", "string-or-object", "int-or-object"):
@@ -170,14 +170,22 @@ def _value_errors(schema: Field, value: Any, path: str) -> list[SpecError]:
         errors.append(SpecError(path, _not_a_member(schema.enum, value)))
     if schema.minimum is not None:
         if schema.exclusive_minimum and value <= schema.minimum:
-            errors.append(SpecError(path, f"must be > {_num(schema.minimum)}, got {shown(value)}"))
+            errors.append(
+                SpecError(path, f"must be > {_number_text(schema.minimum)}, got {shown(value)}")
+            )
         elif value < schema.minimum:
-            errors.append(SpecError(path, f"must be >= {_num(schema.minimum)}, got {shown(value)}"))
+            errors.append(
+                SpecError(path, f"must be >= {_number_text(schema.minimum)}, got {shown(value)}")
+            )
     if schema.maximum is not None:
         if schema.exclusive_maximum and value >= schema.maximum:
-            errors.append(SpecError(path, f"must be < {_num(schema.maximum)}, got {shown(value)}"))
+            errors.append(
+                SpecError(path, f"must be < {_number_text(schema.maximum)}, got {shown(value)}")
+            )
         elif value > schema.maximum:
-            errors.append(SpecError(path, f"must be <= {_num(schema.maximum)}, got {shown(value)}"))
+            errors.append(
+                SpecError(path, f"must be <= {_number_text(schema.maximum)}, got {shown(value)}")
+            )
     if schema.pattern is not None and not re.fullmatch(schema.pattern, value):
         wanted = schema.pattern_says or f"match {schema.pattern}"
         errors.append(SpecError(path, f"must {wanted}, got {shown(value)}"))
@@ -196,10 +204,10 @@ def _not_a_member(enum: tuple[Any, ...], value: Any) -> str:
     """A value outside a short enum: every member; outside a long one: the nearest three."""
     if len(enum) <= MAX_LISTED:
         return f"must be one of {', '.join(str(c) for c in enum)}; got {shown(value)}"
-    return f"must be one of its {len(enum)} names, got {shown(value)}{_closest(value, enum)}"
+    return f"must be one of its {len(enum)} names, got {shown(value)}{_closest_names(value, enum)}"
 
 
-def _num(bound: float) -> str:
+def _number_text(bound: float) -> str:
     return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
 
@@ -227,13 +235,13 @@ def _apply_object(schema: Field, value: dict, path: str, errors: list[SpecError]
     out: dict[str, Any] = {}
     for key in value:
         if key not in known:
-            hint = _closest(key, known)
+            hint = _closest_names(key, known)
             errors.append(SpecError(f"{path}.{key}", "unknown field" + hint))
     for key, sub in known.items():
         if key in value and value[key] is not None:
             out[key] = apply(sub, value[key], f"{path}.{key}", errors)
         elif sub.default is not None:
-            out[key] = apply(sub, _copy(sub.default), f"{path}.{key}", errors)
+            out[key] = apply(sub, _copied(sub.default), f"{path}.{key}", errors)
         elif _filled_in(sub):
             out[key] = _apply_object(sub, {}, f"{path}.{key}", errors)
         elif key in schema.required:
@@ -259,15 +267,15 @@ def _filled_in(schema: Field) -> bool:
     )
 
 
-def _copy(value: Any) -> Any:
+def _copied(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
+        return {k: _copied(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_copy(v) for v in value]
+        return [_copied(v) for v in value]
     return value
 
 
-def _closest(key: Any, known: Iterable[Any]) -> str:
+def _closest_names(key: Any, known: Iterable[Any]) -> str:
     """The nearest known names (at most three, compared without case), not the whole list."""
     import difflib
 
@@ -333,11 +341,11 @@ def openapi(schema: Field) -> dict[str, Any]:
     if schema.required:
         out["required"] = list(schema.required)
     if schema.rules:
-        out["x-kubernetes-validations"] = [_validation(r) for r in schema.rules]
+        out["x-kubernetes-validations"] = [_crd_validation(r) for r in schema.rules]
     return out
 
 
-def _validation(rule: Rule) -> dict[str, Any]:
+def _crd_validation(rule: Rule) -> dict[str, Any]:
     out = {"rule": rule.cel, "message": rule.message}
     if rule.path:
         out["fieldPath"] = f".{rule.path}"
@@ -354,7 +362,7 @@ def _in_words(schema: Field) -> str:
         if sub.default is not None:
             facts.append(f"default {sub.default}")
         if sub.minimum is not None:
-            facts.append(f">= {_num(sub.minimum)}")
+            facts.append(f">= {_number_text(sub.minimum)}")
         if sub.pattern_says:
             facts.append(sub.pattern_says.removeprefix("be "))
         if sub.fields:

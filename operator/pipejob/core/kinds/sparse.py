@@ -14,7 +14,7 @@ EPS = bounds.SPARSE_EPS
 _SPARSE = bounds.SPARSE_OPTIMIZERS
 
 
-def _sparse_bound(field: str) -> dict[str, Any]:
+def _torch_bounds(field: str) -> dict[str, Any]:
     return bounds.loosest(_SPARSE, field).schema()
 
 
@@ -33,28 +33,28 @@ SPARSE_OPTIMIZER = Field(
             enum=tuple(EPS),
         ),
         "lr": Field(
-            "number", "Learning rate; spec.optimizer.lr unless given.", **_sparse_bound("lr")
+            "number", "Learning rate; spec.optimizer.lr unless given.", **_torch_bounds("lr")
         ),
         "eps": Field(
             "number",
             "Added to the denominator (adagrad, rowwiseAdagrad, adam; > 0"
             " with adam); 1e-10 for the adagrads and 1e-8 for adam unless given.",
-            **_sparse_bound("eps"),
+            **_torch_bounds("eps"),
         ),
         "initialAccumulatorValue": Field(
             "number",
             "Starting sum of squared gradients (adagrad, rowwiseAdagrad).",
             default=0.0,
-            **_sparse_bound("initialAccumulatorValue"),
+            **_torch_bounds("initialAccumulatorValue"),
         ),
         "beta1": Field(
-            "number", "adam's first-moment decay, in [0, 1).", default=0.9, **_sparse_bound("beta1")
+            "number", "adam's first-moment decay, in [0, 1).", default=0.9, **_torch_bounds("beta1")
         ),
         "beta2": Field(
             "number",
             "adam's second-moment decay, in [0, 1).",
             default=0.999,
-            **_sparse_bound("beta2"),
+            **_torch_bounds("beta2"),
         ),
     },
     rules=tuple(

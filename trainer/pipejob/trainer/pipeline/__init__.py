@@ -3,7 +3,8 @@ workers, on one of two engines (spec.engine): rpc/ (torch.distributed.rpc and di
 autograd) or pipelining/ (torch.distributed.pipelining's stages and schedules). Both share
 this room, and neither imports the other:
 
-- train.py: the master's loop (model, cut, steps, evaluation, checkpoints, output, summary);
+- run_plan.py: what the master decides before the first step (the cut, the micro-batches);
+- train.py: the master's run (the steps, evaluation, checkpoints, output, summary);
 - shards.py, balance.py, stage_parts.py: the model cut into pieces balanced by measured cost,
   each stage building its own, and `microBatches: auto`'s choice;
 - driver.py: what every engine's step driver does on the master;

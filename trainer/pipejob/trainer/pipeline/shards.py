@@ -89,6 +89,10 @@ class Shards:
         """The names of the units piece `piece` holds."""
         return [self.units[i] for i in self.ranges[piece]]
 
+    def units_by_piece(self) -> list[list[str]]:
+        """The names of the units each piece holds, piece by piece (a checkpoint's `stages`)."""
+        return [self.piece_units(piece) for piece in range(len(self.ranges))]
+
     def process_pieces(self, process: int) -> list[int]:
         """The pieces stage process `process` holds."""
         return list(range(process, len(self.ranges), self.processes or len(self.ranges)))

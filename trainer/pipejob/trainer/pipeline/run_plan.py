@@ -1,0 +1,187 @@
+"""What the PipelineJob master decides before the first step (`plan`): the stage processes
+of each replica, the model's cut among them (a checkpoint's, or measured on the stages) and
+the micro-batch count, checked against the data. docs/architecture.md ("Where a
+PipelineJob's model and data live") says where each part of the model is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
+from pipejob.trainer import workloads
+from pipejob.trainer.pipeline.balance import Host, shape
+from pipejob.trainer.pipeline.fit import fits_model
+from pipejob.trainer.pipeline.shards import (
+    Partition,
+    Shards,
+    candidate_table,
+    plan_shards,
+    share,
+    stage_resources,
+)
+from pipejob.trainer.runtime import checkpoint, world
+from pipejob.trainer.runtime.world import Env
+from pipejob.trainer.workloads import data, materialize, models, staged
+from pipejob.trainer.workloads.synthetic import share_of
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the master decides before the first step: which stage processes run the
+    pipelines, how the model is cut among them (with the micro-batch count its costs were
+    measured for, or the checkpoint's), the loss, and the checkpoint to resume from."""
+
+    replicas: list[list[str]]  # replica r's stage processes, in order: each holds the cut
+    shards: Shards
+    loss: workloads.Loss
+    found: checkpoint.Checkpoint | None  # the newest complete checkpoint, if any
+
+    @property
+    def names(self) -> list[str]:
+        """Replica 0's stage processes (what the cut is measured on, and the summary's)."""
+        return self.replicas[0]
+
+    @property
+    def micro_batches(self) -> int:
+        return self.shards.partition.micro_batches
+
+
+def plan(env: Env[PipelineSpec]) -> Plan:
+    """Decide the run before any step: the model built with none of its parameters (the
+    stages build their own shards), the data checked against it, and its cut, the
+    checkpoint's where it fits this job, else measured on the stages, with the micro-batch
+    count (`microBatches: auto`: the fastest predicted)."""
+    spec = env.spec
+    # Replica r's stages, in order: every replica holds the same shards. The world runs as
+    # many replicas as the plan gave it stages for (an elastic world: any of min..max).
+    every = env.names("stage")
+    count = len(every) // spec.stages
+    replicas = [every[r * spec.stages : (r + 1) * spec.stages] for r in range(count)]
+    model, numbered = models.build_meta(spec)  # the stages build their own shards
+    loss = workloads.loss(spec)
+    inputs = checked_inputs(env, model, loss)
+    found = checkpoint.latest_for(env)
+    shards, resumed = cut(env, model, numbered, replicas[0], found, inputs)
+    log_cut(env, shards, resumed)
+    log_replicas(env, count)
+    return Plan(replicas, shards, loss, found)
+
+
+def checked_inputs(env: Env[PipelineSpec], model: nn.Module, loss: workloads.Loss) -> torch.Tensor:
+    """The inputs of two samples of the data, once they are checked to fit the model (data
+    that does not is refused: fit.py). The first stage of each replica reads the batches
+    (pipeline/reader.py): the master reads these two only."""
+    spec = env.spec
+    with data.Feed(spec) as feed:
+        world.log(env, f"data: {feed.description}")
+        inputs, labels = feed.sample(2)
+    # A staged model runs as its stages call it (its own forward is not used).
+    unchecked = fits_model(
+        staged.as_called(spec, model) if spec.model.staged else model, inputs, labels, loss
+    )
+    if unchecked is not None:
+        world.log(env, unchecked)
+    return inputs
+
+
+def cut(
+    env: Env[PipelineSpec],
+    model: nn.Module,
+    numbered: materialize.Numbering,
+    names: list[str],
+    found: checkpoint.Checkpoint | None,
+    inputs: torch.Tensor,
+) -> tuple[Shards, bool]:
+    """The model's cut among the stage processes `names`: the checkpoint's (`found`) where
+    this job cuts the model as it did, else measured on the stages; and whether it is the
+    checkpoint's."""
+    spec = env.spec
+    saved = None if found is None else saved_partition(env, found)
+    try:
+        if found is not None and saved is not None:
+            shards = plan_shards(spec, model, numbered, names, saved)
+            if shards.units_by_piece() == found.manifest.get("stages"):
+                return shards, True
+            # its cut is not this model's: measure anew
+        threads, hosts = stage_resources(env, spec.stages, spec.gpus_per_stage > 0)
+        world.log(env, measuring_line(env, names, threads, hosts, inputs))
+        shards = plan_shards(
+            spec, model, numbered, names, None, hosts, lambda message: world.log(env, message)
+        )
+        return shards, False
+    except ValueError as e:
+        raise ValueError(
+            f"spec.model {models.name(spec.model)} with {spec.stages} stages: {e}"
+        ) from None
+
+
+def measuring_line(
+    env: Env[PipelineSpec], names: list[str], threads: int, hosts: list[Host], inputs: torch.Tensor
+) -> str:
+    """What the stages measure the cut's costs on, with what, and which of them share."""
+    shared = "; ".join(
+        f"{', '.join(names[k] for k in h.stages)} share "
+        + ("a GPU" if h.gpu else f"{h.cpus:g} CPU(s)")
+        for h in hosts
+        if len(h.stages) > 1
+    )
+    return (
+        f"{models.name(env.spec.model)}: the stages measure what each part costs on samples of"
+        f" shape {shape(inputs[0])}, with their {threads} intra-op"
+        " thread(s)" + (f" ({shared})" if shared else "")
+    )
+
+
+def log_cut(env: Env[PipelineSpec], shards: Shards, resumed: bool) -> None:
+    """`microBatches: auto`'s choice (or the checkpoint's count) and what each stage holds."""
+    spec = env.spec
+    m, candidates = shards.partition.micro_batches, shards.partition.candidates
+    if spec.micro_batches == AUTO:
+        how = "resumes with the checkpoint's" if resumed else "chose"
+        table = ":\n" + candidate_table(candidates, m) if candidates else ""
+        world.log(
+            env, f"microBatches auto {how} {m} (micro-batches of {spec.batch_size // m}){table}"
+        )
+    for i in range(spec.stages):
+        world.log(env, f"stage {i}: {shards.describe(i)}, {share(shards, i):.0%} of measured cost")
+
+
+def log_replicas(env: Env[PipelineSpec], count: int) -> None:
+    """How the `count` replicas share each batch, where there are or may be several."""
+    spec = env.spec
+    batch = spec.batch_size * spec.replicas.max  # of every round, at every size
+    if count > 1 or spec.replicas.elastic:
+        shares = sorted({len(share_of(batch, r, count)) for r in range(count)})
+        world.log(
+            env,
+            f"{count} replica(s) of the pipeline (replicas {spec.replicas.min} to"
+            f" {spec.replicas.max}), {' or '.join(map(str, shares))} of each batch's"
+            f" {batch} samples each; stage i of every replica averages its"
+            " gradients",
+        )
+
+
+def saved_partition(env: Env[PipelineSpec], found: checkpoint.Checkpoint) -> Partition | None:
+    """The checkpoint's cut, when this job cuts the model into as many stages (at the same
+    split points, if it names them): its measured costs need no new measuring, and each
+    stage resumes from its own file. The micro-batch count is the job's, or with `auto` the
+    checkpoint's. None: the job is shaped otherwise (or the checkpoint keeps no cut), and
+    the stages measure anew; any cut resumes any checkpoint of the model."""
+    spec, manifest = env.spec, found.manifest
+    checkpoint.fits(found, env, model=models.as_spec(spec.model))
+    ranges, stages = manifest.get("ranges"), manifest.get("stages")
+    recorded = manifest.get("microBatches")  # None: written before the count was kept
+    count = recorded if spec.micro_batches == AUTO else spec.micro_batches
+    if ranges is None or len(ranges) != spec.pieces or count is None:
+        return None
+    if spec.split_points and list(spec.split_points) != [s[0] for s in stages[1:]]:
+        return None
+    return Partition(
+        [range(a, b) for a, b in ranges],
+        manifest["costs"],
+        count,
+        manifest.get("microBatchCandidates", []) if count == recorded else [],
+    )

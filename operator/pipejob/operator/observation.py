@@ -16,6 +16,7 @@ from pipejob.operator.policy_settings import DEFAULT, Settings
 
 
 def owned(pod: dict, uid: str | None) -> bool:
+    """Whether the object of `uid` (the job) is `pod`'s controller."""
     return any(
         ref.get("controller") and ref.get("uid") == uid
         for ref in pod["metadata"].get("ownerReferences") or []

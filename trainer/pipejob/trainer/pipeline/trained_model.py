@@ -1,23 +1,9 @@
-"""A PipelineJob's trained model as files anyone can load: what spec.output writes at the end
-of a run, and what `pipejob export` writes from a complete checkpoint, the same files either
-way (written by runtime/model_files.py, the writer both kinds share):
-
-- a model of at most `SINGLE_FILE_BYTES` of parameters and buffers: `model.safetensors`
-  (`model.pt` with format torch), every stage's state and the state no stage holds, under
-  the model's own names: a fresh model from the user's factory loads it with
-  `load_state_dict(strict=True)`;
-- a bigger one: one shard per stage, written by the stage itself (a run) or one stage's
-  checkpoint file at a time (export), named as Hugging Face names them
-  (`model-00001-of-00004.safetensors`, `model-00001-of-00004.pt`), the state no stage holds
-  as one more shard written by the master, and `model.safetensors.index.json`
-  (`model.pt.index.json`) mapping every name to its shard;
-- `model.json`: the kind, the model spec, the held-out evaluation, the step count, the files;
-- `config.json` for a Hugging Face model (a PreTrainedModel): its config, so that its class's
-  `from_pretrained(path)` loads the folder as well, one file or sharded.
-
-Either layout carries the modules' versions a plain `model.state_dict()` carries (its
-`_metadata`, from the master's meta build: runtime/model_files.py says where);
-`pipejob.trainer.runtime.model_files.load_state_dict(path)` reads either layout back with them."""
+"""A PipelineJob's trained model as files anyone can load, the same whether a run writes them
+at its end (spec.output) or `pipejob export` from a complete checkpoint: one file gathered
+by the master up to `SINGLE_FILE_BYTES`, else one shard per stage and an index (Hugging Face's
+layout), with model.json and a Hugging Face model's config.json. The files and how to load
+them: the user guide's "The loss, the evaluation and the output"; the writer both kinds
+share: runtime/model_files.py."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.rpc.driver import Pipeline, forward_backward
 from pipejob.trainer.pipeline.rpc.stage import Stage
 from pipejob.trainer.pipeline.shards import plan_shards
-from pipejob.trainer.pipeline.stage_calls import on_stage_remote
+from pipejob.trainer.pipeline.stage_calls import remote_stage
 from pipejob.trainer.workloads import data, models
 
 
@@ -73,8 +73,8 @@ def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             )
         stage0, name0 = pipe.stages[0], pipe.names[0]
         # A forward output that stays on its stage (what the next stage fetches).
-        output = on_stage_remote(
-            name0, stage0, Stage.forward, (inputs[:2],), pipe.rounds + 1, 0, None
+        output = remote_stage(name0, stage0).rref(
+            Stage.forward, (inputs[:2],), pipe.rounds + 1, 0, None
         )
         # Labels a first stage read, which the last stage fetches.
         labels_read = pipe.read(s.micro_batches)

@@ -9,9 +9,9 @@ with how a round's micro-batches go forward and backward and how the optimizer s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Concatenate
+from typing import Any
 
 import torch
 from torch.distributed.rpc import RRef
@@ -22,16 +22,20 @@ from pipejob.trainer.pipeline.reader import TRAIN, Batch, Reader
 from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.pipeline.stage_calls import (
+    Method,
     P,
     R,
-    S,
-    on_every_stage,
-    on_reader_async,
-    on_reader_remote,
-    on_reader_sync,
-    on_stage_async,
+    every_stage_result,
+    remote_reader,
+    remote_stage,
 )
-from pipejob.trainer.pipeline.step_records import Judged, Round, StepResult
+from pipejob.trainer.pipeline.step_records import (
+    Judged,
+    ReplicaShare,
+    Round,
+    RoundsRun,
+    StepResult,
+)
 from pipejob.trainer.runtime import nonfinite, rendezvous
 from pipejob.trainer.runtime.optim import clip_coefficient, learning_rate
 from pipejob.trainer.runtime.profiling import phase
@@ -84,8 +88,8 @@ class Pipeline:
 
     def _round(self, micro_batches: int, samples: int) -> Round:
         timeout = rendezvous.RPC_TIMEOUT_SECONDS
-        labels = on_reader_remote(
-            self.names[0], self.stages[0], Reader.labels, self.rounds, timeout
+        labels = remote_reader(self.names[0], self.stages[0]).rref(
+            Reader.labels, self.rounds, timeout
         )
         return Round(self.rounds, min(micro_batches, samples), labels, samples)
 
@@ -93,11 +97,9 @@ class Pipeline:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0)."""
         raise NotImplementedError
 
-    def reader(
-        self, method: Callable[Concatenate[Reader, P], R], *args: P.args, **kwargs: P.kwargs
-    ) -> R:
+    def reader(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """What `method` of the first stage's Reader (pipeline/reader.py) returns."""
-        return on_reader_sync(self.names[0], self.stages[0], method, *args, **kwargs)
+        return remote_reader(self.names[0], self.stages[0]).result(method, *args, **kwargs)
 
     def combine_tied(self, context_id: int, tied: list[list[tuple[int, str]]]) -> None:
         """Each parameter several stages hold (tied embeddings, cut.ties; `tied` by stage
@@ -106,15 +108,17 @@ class Pipeline:
         for group in tied:
             grads = torch.futures.wait_all(
                 [
-                    on_stage_async(self.names[k], self.stages[k], Shard.gradient, context_id, name)
+                    remote_stage(self.names[k], self.stages[k]).future(
+                        Shard.gradient, context_id, name
+                    )
                     for k, name in group
                 ]
             )
             total = torch.stack(grads).sum(0)
             torch.futures.wait_all(
                 [
-                    on_stage_async(
-                        self.names[k], self.stages[k], Shard.set_gradient, context_id, name, total
+                    remote_stage(self.names[k], self.stages[k]).future(
+                        Shard.set_gradient, context_id, name, total
                     )
                     for k, name in group
                 ]
@@ -136,8 +140,8 @@ class Pipeline:
         nan when any is; `leave_out`: per stage index, the copies counted elsewhere."""
         return torch.futures.wait_all(
             [
-                on_stage_async(
-                    name, stage, Shard.norm, context_id, unscale, leave_out.get(k, frozenset())
+                remote_stage(name, stage).future(
+                    Shard.norm, context_id, unscale, leave_out.get(k, frozenset())
                 )
                 for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
             ]
@@ -146,11 +150,9 @@ class Pipeline:
     def timings(self) -> list[dict[int, tuple[float, float, float]]]:
         return self.stage_results(Shard.timings)
 
-    def stage_results(
-        self, method: Callable[Concatenate[S, P], R], *args: P.args, **kwargs: P.kwargs
-    ) -> list[R]:
+    def stage_results(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """What `method` of every stage, called at once, returns."""
-        return on_every_stage(self.names, self.stages, method, *args, **kwargs)
+        return every_stage_result(self.names, self.stages, method, *args, **kwargs)
 
 
 class Replicas:
@@ -160,12 +162,16 @@ class Replicas:
 
     One step: each replica's first stage reads the replica's share of the batch (or a given
     batch is split into one share per replica); each replica runs its share in a thread of
-    its own (`_one`, the engine's), so the replicas' pipelines overlap. A replica's loss is
-    weighted by its share of the batch (`share`): the replicas' average is the whole batch's
-    mean, in the loss and the gradients, at any replica count (an elastic world's shares of
-    the one batch of replicas.max may differ by a sample). With gradientAccumulation N the
-    step's batch is N batches, run one after the other, each loss weighted 1/N; with fp16
-    the loss is scaled and an overflowed step skipped."""
+    its own (`_replica_result`, the engine's), so the replicas' pipelines overlap. A
+    replica's loss is weighted by its share of the batch (`share`): the replicas' average is
+    the whole batch's mean, in the loss and the gradients, at any replica count (an elastic
+    world's shares of the one batch of replicas.max may differ by a sample). With
+    gradientAccumulation N the step's batch is N batches, run one after the other, each loss
+    weighted 1/N; with fp16 the loss is scaled and an overflowed step skipped."""
+
+    # Whether the stages forget a step's gradients once it is stepped or skipped: the
+    # pipelining engine's, in .grad (the rpc engine's go with their autograd context).
+    zero_grad = False
 
     def __init__(self, pipelines: list[Pipeline], shards: Shards, spec: PipelineSpec):
         self.pipelines = pipelines
@@ -182,27 +188,15 @@ class Replicas:
     ) -> StepResult:
         """One optimizer step on gradientAccumulation batches, one after the other: the
         next ones each first stage reads, or `given` (inputs and labels of them all)."""
-        replicas = len(self.pipelines)
-        shares: list[list[Batch | None]] = [[None] * self.accumulation for _ in range(replicas)]
-        batch = self.batch
-        if given is not None:
-            inputs, labels = given
-            batch = len(inputs) // self.accumulation
-            rounds = zip(
-                inputs.tensor_split(self.accumulation),
-                labels.tensor_split(self.accumulation),
-                strict=True,
-            )
-            for a, (x, y) in enumerate(rounds):
-                for r, share in enumerate(
-                    zip(x.tensor_split(replicas), y.tensor_split(replicas), strict=True)
-                ):
-                    shares[r][a] = share
-        args = [(r, share, micro_batches, step, loss_fn, batch) for r, share in enumerate(shares)]
+        shares, batch = self._shares(given)
+        parts = [
+            ReplicaShare(r, rounds, micro_batches, step, loss_fn, batch)
+            for r, rounds in enumerate(shares)
+        ]
         if self._threads is None:
-            results = [self._one(*args[0])]
+            results = [self._replica_result(parts[0])]
         else:
-            results = list(self._threads.map(lambda a: self._one(*a), args))
+            results = list(self._threads.map(self._replica_result, parts))
         bad = next((r.nonfinite for r in results if r.nonfinite is not None), None)
         skipped = None if bad is None else self.guard.check(step + 1, *bad)  # or raises
         if self.loss_scale is not None:  # every replica saw the same averaged gradients
@@ -218,17 +212,28 @@ class Replicas:
             skipped,
         )
 
-    def _one(
-        self,
-        r: int,
-        rounds: list[Batch | None],
-        micro_batches: int,
-        step: int,
-        loss_fn: Loss,
-        batch: int,
-    ) -> StepResult:
-        """Replica r's part of a step: its share of each batch of the step (None: read by
-        its first stage), of `batch` samples each."""
+    def _shares(self, given: Batch | None) -> tuple[list[list[Batch | None]], int]:
+        """Each replica's share of each of a step's batches (None: read by its first stage,
+        without `given`) and the samples of each batch."""
+        replicas = len(self.pipelines)
+        shares: list[list[Batch | None]] = [[None] * self.accumulation for _ in range(replicas)]
+        if given is None:
+            return shares, self.batch
+        inputs, labels = given
+        rounds = zip(
+            inputs.tensor_split(self.accumulation),
+            labels.tensor_split(self.accumulation),
+            strict=True,
+        )
+        for a, (x, y) in enumerate(rounds):
+            for r, share in enumerate(
+                zip(x.tensor_split(replicas), y.tensor_split(replicas), strict=True)
+            ):
+                shares[r][a] = share
+        return shares, len(inputs) // self.accumulation
+
+    def _replica_result(self, part: ReplicaShare) -> StepResult:
+        """A replica's part of a step, run on the engine."""
         raise NotImplementedError
 
     def unscale(self) -> float:
@@ -236,55 +241,52 @@ class Replicas:
         scale (1.0 without one)."""
         return 1.0 if self.loss_scale is None else 1.0 / self.loss_scale.scale
 
-    def finish(
-        self,
-        pipeline: Pipeline,
-        context_id: int,
-        losses: list[float],
-        rounds: list[int],
-        step: int,
-        norms: list[float] | None = None,
-        zero: bool = False,
-        stepped: bool = False,
-    ) -> Judged:
-        """A replica's step's tail, on either engine, once its gradients are whole on its
-        stages: judged (`judge`; `norms`: the stages' norms where they came with an earlier
-        reply), then, in one call per stage (Shard.finish_step), clipped and stepped where it
-        is applied and, with `zero` (gradients in .grad), the gradients forgotten; `stepped`:
-        the stages did that already, judging alike (pipelining's Stage._finish)."""
+    def step_result(
+        self, pipeline: Pipeline, context_id: int, step: int, ran: RoundsRun, stepped: bool = False
+    ) -> StepResult:
+        """A replica's step, on either engine, once its rounds' backwards have run (`ran`):
+        the tied weights' gradients summed, the replicas' averaged, the step judged (`judge`)
+        and, in one call per stage, clipped and stepped where it is applied and, with
+        `zero_grad`, the gradients forgotten (`_step_stages`); `stepped`: the stages did that
+        already, judging alike (pipelining's Stage._finish)."""
+        if self.tied:
+            with phase("tied gradients"):
+                pipeline.combine_tied(context_id, self.tied)
+        middle = time.perf_counter()
+        allreduce = 0.0
+        if len(self.pipelines) > 1:
+            with phase("all-reduce"):
+                allreduce = max(pipeline.stage_results(Shard.average_gradients, context_id))
         with phase("gradient norms"):
-            judged = self.judge(pipeline, context_id, losses, rounds, step, norms)
-        if stepped or not (judged.apply or zero):
-            return judged
+            judged = self.judge(pipeline, context_id, step, ran)
+        if not stepped and (judged.apply or self.zero_grad):
+            self._step_stages(pipeline, context_id, judged)
+        return judged.result(middle - ran.start, time.perf_counter() - middle, allreduce)
+
+    def _step_stages(self, pipeline: Pipeline, context_id: int, judged: Judged) -> None:
+        """In one call per stage (Shard.finish_step): the gradients clipped and the optimizer
+        stepped where the step is applied and, with `zero_grad`, the gradients forgotten."""
         with phase("optimizer step"):
             coefficient = clip_coefficient(judged.norm, self.optimizer.clip_grad_norm)
             lr = judged.lr if self.optimizer.schedule is not None else None
             pipeline.stage_results(
-                Shard.finish_step, context_id, coefficient, lr, judged.apply, zero
+                Shard.finish_step, context_id, coefficient, lr, judged.apply, self.zero_grad
             )
-        return judged
 
-    def judge(
-        self,
-        pipeline: Pipeline,
-        context_id: int,
-        losses: list[float],
-        rounds: list[int],
-        step: int,
-        norms: list[float] | None = None,
-    ) -> Judged:
+    def judge(self, pipeline: Pipeline, context_id: int, step: int, ran: RoundsRun) -> Judged:
         """What the master makes of a replica's step once its gradients are in (on its
         stages, in dist-autograd context `context_id`): its mean loss over its training
-        rounds `rounds`, the global gradient norm (from the stages' `norms`, asked for when
-        not given), the learning rate and what was not finite."""
+        rounds (`ran`), the global gradient norm (from the stages' norms, asked for where the
+        rounds' replies did not bring them), the learning rate and what was not finite."""
+        norms = ran.norms
         if norms is None:
             norms = pipeline.norms(context_id, self.unscale(), gradients.copies(self.tied))
-        loss = sum(losses) / len(losses)
+        loss = sum(ran.losses) / len(ran.losses)
         return Judged(
             loss,
             gradients.total_norm(norms),
             learning_rate(self.optimizer, self.steps, step),
-            self.nonfinite(pipeline, loss, norms, rounds),
+            self.nonfinite(pipeline, loss, norms, ran.numbers),
             self.loss_scale is not None,
         )
 
@@ -327,14 +329,12 @@ class Replicas:
         """The training data's position (every replica's first stage is at the same one)."""
         return self.pipelines[0].reader(Reader.state)
 
-    def readers(
-        self, method: Callable[Concatenate[Reader, P], Any], *args: P.args, **kwargs: P.kwargs
-    ) -> None:
+    def readers(self, method: Method[P, Any], *args: P.args, **kwargs: P.kwargs) -> None:
         """Call `method` of every replica's first stage's Reader at once: `load_state` (a
         checkpoint's position), `close` (stop reading)."""
         torch.futures.wait_all(
             [
-                on_reader_async(p.names[0], p.stages[0], method, *args, **kwargs)
+                remote_reader(p.names[0], p.stages[0]).future(method, *args, **kwargs)
                 for p in self.pipelines
             ]
         )

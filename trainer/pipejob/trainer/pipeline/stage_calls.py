@@ -1,5 +1,5 @@
 """How the master calls a stage process's objects: a method of the Stage an RRef holds, or of
-the first stage's Reader, named by the method itself (`on_stage_async(name, stage,
+the first stage's Reader, named by the method itself (`remote_stage(name, stage).future(
 Shard.save, directory, file)`), so a misspelt call fails where it is written and in a type
 checker. Why the calls go through a function of this module, not the RRef's proxy: `on_stage`.
 More in docs/architecture.md ("Stage calls")."""
@@ -7,19 +7,17 @@ More in docs/architecture.md ("Stage calls")."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
-
-if TYPE_CHECKING:
-    from pipejob.trainer.pipeline.reader import Reader
-    from pipejob.trainer.pipeline.shard import Shard
+from torch.futures import Future
 
 P = ParamSpec("P")
 R = TypeVar("R")
-S = TypeVar("S", bound="Shard")
+# A method of a Stage (or a Reader) as its class holds it: the object, then its arguments.
+Method = Callable[Concatenate[Any, P], R]
 
 
 def on_stage(stage: RRef, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -43,85 +41,53 @@ def on_reader(stage: RRef, method: str, *args: Any, **kwargs: Any) -> Any:
     return getattr(stage.local_value().reader, method)(*args, **kwargs)
 
 
-def on_stage_async(
-    name: str,
-    stage: RRef,
-    method: Callable[Concatenate[S, P], R],
-    *args: P.args,
-    **kwargs: P.kwargs,
-) -> torch.futures.Future[R]:
-    """The future of `method` of the Stage `stage` holds on worker `name` (rpc_async)."""
-    return rpc.rpc_async(name, on_stage, args=(stage, method.__name__, *args), kwargs=kwargs)
+class Remote:
+    """A Stage on worker `name` (`stage`, its RRef), or its Reader, as the master calls it:
+    through `function` (`on_stage` or `on_reader`), with the method's name."""
+
+    def __init__(self, function: Callable[..., Any], name: str, stage: RRef):
+        self.function, self.name, self.stage = function, name, stage
+
+    def future(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[R]:
+        """The future of `method`'s result, called there (rpc_async)."""
+        call = (self.stage, method.__name__, *args)
+        return rpc.rpc_async(self.name, self.function, args=call, kwargs=kwargs)
+
+    def result(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """`method`'s result, called there, once it returns (rpc_sync)."""
+        call = (self.stage, method.__name__, *args)
+        return rpc.rpc_sync(self.name, self.function, args=call, kwargs=kwargs)
+
+    def rref(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> RRef[R]:
+        """An RRef to `method`'s result, which stays there (rpc.remote)."""
+        call = (self.stage, method.__name__, *args)
+        return rpc.remote(self.name, self.function, args=call, kwargs=kwargs)
 
 
-def on_stage_sync(
-    name: str,
-    stage: RRef,
-    method: Callable[Concatenate[S, P], R],
-    *args: P.args,
-    **kwargs: P.kwargs,
-) -> R:
-    """What `method` of the Stage `stage` holds on worker `name` returns (rpc_sync)."""
-    return rpc.rpc_sync(name, on_stage, args=(stage, method.__name__, *args), kwargs=kwargs)
+def created_stages(
+    names: list[str], stage: Callable[..., Any], args: list[tuple[Any, ...]]
+) -> list[RRef]:
+    """RRefs to a new `stage(*args[k])` on each worker `names[k]`, held there (rpc.remote)."""
+    return [rpc.remote(name, stage, args=a) for name, a in zip(names, args, strict=True)]
 
 
-def on_stage_remote(
-    name: str,
-    stage: RRef,
-    method: Callable[Concatenate[S, P], R],
-    *args: P.args,
-    **kwargs: P.kwargs,
-) -> RRef[R]:
-    """An RRef, owned by worker `name`, to what `method` of the Stage `stage` holds there
-    returns (rpc.remote)."""
-    return rpc.remote(name, on_stage, args=(stage, method.__name__, *args), kwargs=kwargs)
+def remote_stage(name: str, stage: RRef) -> Remote:
+    """The Stage `stage` holds on worker `name`, to call its methods."""
+    return Remote(on_stage, name, stage)
 
 
-def on_reader_async(
-    name: str,
-    stage: RRef,
-    method: Callable[Concatenate[Reader, P], R],
-    *args: P.args,
-    **kwargs: P.kwargs,
-) -> torch.futures.Future[R]:
-    """The future of `method` of the Reader of the first stage `stage` (rpc_async)."""
-    return rpc.rpc_async(name, on_reader, args=(stage, method.__name__, *args), kwargs=kwargs)
+def remote_reader(name: str, stage: RRef) -> Remote:
+    """The Reader of the first stage `stage` on worker `name`, to call its methods."""
+    return Remote(on_reader, name, stage)
 
 
-def on_reader_sync(
-    name: str,
-    stage: RRef,
-    method: Callable[Concatenate[Reader, P], R],
-    *args: P.args,
-    **kwargs: P.kwargs,
-) -> R:
-    """What `method` of the Reader of the first stage `stage` returns (rpc_sync)."""
-    return rpc.rpc_sync(name, on_reader, args=(stage, method.__name__, *args), kwargs=kwargs)
-
-
-def on_reader_remote(
-    name: str,
-    stage: RRef,
-    method: Callable[Concatenate[Reader, P], R],
-    *args: P.args,
-    **kwargs: P.kwargs,
-) -> RRef[R]:
-    """An RRef, owned by worker `name`, to what `method` of the Reader of the first stage
-    `stage` returns (rpc.remote)."""
-    return rpc.remote(name, on_reader, args=(stage, method.__name__, *args), kwargs=kwargs)
-
-
-def on_every_stage(
-    names: list[str],
-    stages: list[RRef],
-    method: Callable[Concatenate[S, P], R],
-    *args: P.args,
-    **kwargs: P.kwargs,
+def every_stage_result(
+    names: list[str], stages: list[RRef], method: Method[P, R], *args: P.args, **kwargs: P.kwargs
 ) -> list[R]:
     """What `method` of every Stage (`stages`, on workers `names`), called at once, returns."""
     return torch.futures.wait_all(
         [
-            on_stage_async(name, stage, method, *args, **kwargs)
+            remote_stage(name, stage).future(method, *args, **kwargs)
             for name, stage in zip(names, stages, strict=True)
         ]
     )

@@ -1,6 +1,7 @@
-"""The records of the master's step driver (driver.py): a forward round's batch on the first
-stage (`Round`), a replica's step as the master judged it (`Judged`) and a step's figures
-(`StepResult`)."""
+"""The records of the master's step driver (driver.py): a replica's part of a step
+(`ReplicaShare`), a forward round's batch on the first stage (`Round`), what a replica's
+rounds gave (`RoundsRun`), a replica's step as the master judged it (`Judged`) and a step's
+figures (`StepResult`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,22 @@ import math
 from dataclasses import dataclass
 
 from torch.distributed.rpc import RRef
+
+from pipejob.trainer.pipeline.reader import Batch
+from pipejob.trainer.workloads import Loss
+
+
+@dataclass(frozen=True)
+class ReplicaShare:
+    """Replica `replica`'s part of an optimizer step (Replicas.step): its share of each of
+    the step's batches (`rounds`; None: read by its first stage), of `batch` samples each."""
+
+    replica: int
+    rounds: list[Batch | None]
+    micro_batches: int
+    step: int
+    loss_fn: Loss
+    batch: int
 
 
 @dataclass(frozen=True)
@@ -18,6 +35,18 @@ class Round:
     micro_batches: int  # as the first stage split it: no more than its samples
     labels: RRef  # on the first stage; the last fetches them from there
     samples: int = 0  # in the batch
+
+
+@dataclass(frozen=True)
+class RoundsRun:
+    """A replica's training rounds of a step, run: each one's loss (times its share of the
+    batch), their numbers (the stages' order of rounds), each stage's gradient norm where the
+    last round's replies brought them, and when the first began (time.perf_counter)."""
+
+    losses: list[float]
+    numbers: list[int]
+    norms: list[float] | None
+    start: float
 
 
 @dataclass(frozen=True)

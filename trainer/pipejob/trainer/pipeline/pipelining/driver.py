@@ -9,16 +9,14 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed.rpc as rpc
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import driver
-from pipejob.trainer.pipeline.driver import Round, StepResult
 from pipejob.trainer.pipeline.pipelining.stage import NO_CONTEXT, Finish, Stage
-from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Reader, Source
-from pipejob.trainer.pipeline.shard import Shard
+from pipejob.trainer.pipeline.reader import HELD_OUT, Reader, Source
 from pipejob.trainer.pipeline.shards import Shards
-from pipejob.trainer.pipeline.stage_calls import on_stage_async, on_stage_sync
+from pipejob.trainer.pipeline.stage_calls import created_stages, remote_stage
+from pipejob.trainer.pipeline.step_records import ReplicaShare, Round, RoundsRun, StepResult
 from pipejob.trainer.runtime.optim import learning_rate
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
@@ -46,28 +44,22 @@ class Pipeline(driver.Pipeline):
         source: Source | None = None,
     ):
         processes = len(stage_names)
-        super().__init__(
-            stage_names,
-            [
-                rpc.remote(
-                    name,
-                    Stage,
-                    args=(
-                        shards.part(k) if shards.parts else shards.stages[k],
-                        k,
-                        processes,
-                        shards.process_pieces(k),
-                        spec.schedule,
-                        spec.optimizer,
-                        device,
-                        spec.precision,
-                        spec.activation_checkpointing,
-                        source if k == 0 else None,
-                    ),
-                )
-                for k, name in enumerate(stage_names)
-            ],
-        )
+        args = [
+            (
+                shards.part(k) if shards.parts else shards.stages[k],
+                k,
+                processes,
+                shards.process_pieces(k),
+                spec.schedule,
+                spec.optimizer,
+                device,
+                spec.precision,
+                spec.activation_checkpointing,
+                source if k == 0 else None,
+            )
+            for k in range(processes)
+        ]
+        super().__init__(stage_names, created_stages(stage_names, Stage, args))
         self.pieces = len(shards.ranges)
         self._learnt: set[tuple[bool, int, int]] = set()
 
@@ -82,7 +74,9 @@ class Pipeline(driver.Pipeline):
         metas = [((size, *shape[1:]), dtype) for shape, dtype in read]
         for piece in range(self.pieces):
             k = piece % len(self.stages)
-            metas = on_stage_sync(self.names[k], self.stages[k], Stage.learn, key, piece, metas)
+            metas = remote_stage(self.names[k], self.stages[k]).result(
+                Stage.learn, key, piece, metas
+            )
         self._learnt.add(key)
 
     def reads_in_run(self, micro_batches: int, samples: int) -> bool:
@@ -107,15 +101,12 @@ class Pipeline(driver.Pipeline):
         self.learn(batch, True)
         runs = even(batch.micro_batches, batch.samples)
         last = len(self.stages) - 1  # holds the last piece (stage k is on process k % p)
+        round_ = (batch.number, runs, batch.samples)  # as the stages run it
         replies = torch.futures.wait_all(
             [
-                on_stage_async(
-                    name,
-                    stage,
+                remote_stage(name, stage).future(
                     Stage.train,
-                    batch.number,
-                    runs,
-                    batch.samples,
+                    *round_,
                     step,
                     loss_fn,
                     weight,
@@ -141,9 +132,7 @@ class Pipeline(driver.Pipeline):
             runs = even(batch.micro_batches, batch.samples)
             tallies = torch.futures.wait_all(
                 [
-                    on_stage_async(
-                        name,
-                        stage,
+                    remote_stage(name, stage).future(
                         Stage.evaluate,
                         batch.number,
                         runs,
@@ -165,6 +154,8 @@ class Replicas(driver.Replicas):
     average them with the same stage of the other replicas (Shard.average_gradients), give
     their global norm, which clips them (gradients.py), and step."""
 
+    zero_grad = True  # the gradients are in .grad
+
     def __init__(
         self, names: list[list[str]], shards: Shards, spec: PipelineSpec, device: str = "cpu"
     ):
@@ -174,16 +165,9 @@ class Replicas(driver.Replicas):
         ]
         super().__init__(pipelines, shards, spec)
 
-    def _one(
-        self,
-        r: int,
-        rounds: list[Batch | None],
-        micro_batches: int,
-        step: int,
-        loss_fn: Loss,
-        batch: int,
-    ) -> StepResult:
-        pipeline = self.pipelines[r]
+    def _replica_result(self, part: ReplicaShare) -> StepResult:
+        pipeline = self.pipelines[part.replica]
+        rounds, step = part.rounds, part.step
         assert isinstance(pipeline, Pipeline)
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
         weight = scale / len(rounds)  # each batch's share of the step's loss
@@ -201,33 +185,23 @@ class Replicas(driver.Replicas):
         losses, numbers, norms = [], [], None
         for a, given in enumerate(rounds):
             with phase("read"):
-                round_, read = pipeline.read_round(micro_batches, given)
+                round_, read = pipeline.read_round(part.micro_batches, given)
             numbers.append(round_.number)
-            share = self.share(round_, batch)
+            share = self.share(round_, part.batch)
             unscale = self.unscale() if early and a == len(rounds) - 1 else None
             with phase("schedule"):
                 loss, norms = pipeline.run(
                     round_,
                     step,
-                    loss_fn,
+                    part.loss_fn,
                     weight * share,
                     unscale,
                     read,
                     finish if stepped else None,
                 )
             losses.append(loss * share)
-        if self.tied:
-            with phase("tied gradients"):
-                pipeline.combine_tied(NO_CONTEXT, self.tied)
-        middle = time.perf_counter()
-        allreduce = 0.0
-        if len(self.pipelines) > 1:
-            with phase("all-reduce"):
-                allreduce = max(pipeline.stage_results(Shard.average_gradients, NO_CONTEXT))
-        judged = self.finish(
-            pipeline, NO_CONTEXT, losses, numbers, step, norms, zero=True, stepped=stepped
-        )
-        return judged.result(middle - start, time.perf_counter() - middle, allreduce)
+        ran = RoundsRun(losses, numbers, norms, start)
+        return self.step_result(pipeline, NO_CONTEXT, step, ran, stepped)
 
     def activation_peaks(self) -> list[int] | None:
         return self.pipelines[0].stage_results(Stage.activation_peak)

@@ -17,18 +17,16 @@ import time
 
 import torch
 import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
 from pipejob.core.common import Optimizer
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import driver, gradients
-from pipejob.trainer.pipeline.driver import Round, StepResult
 from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Reader, Source
 from pipejob.trainer.pipeline.rpc.stage import Stage
-from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Shards
-from pipejob.trainer.pipeline.stage_calls import on_stage_async, on_stage_remote, on_stage_sync
+from pipejob.trainer.pipeline.stage_calls import created_stages, remote_stage
+from pipejob.trainer.pipeline.step_records import ReplicaShare, Round, RoundsRun, StepResult
 from pipejob.trainer.runtime import rendezvous
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
@@ -57,25 +55,19 @@ class Pipeline(driver.Pipeline):
         it, every round's batch is given (`read`). `optimizer`: what each stage steps its
         shard with (none: the caller steps the parameters itself)."""
         last = len(stage_names) - 1
-        super().__init__(
-            stage_names,
-            [
-                rpc.remote(
-                    name,
-                    Stage,
-                    args=(
-                        shards.parts[i] if shards.parts else shards.stages[i],
-                        i == last,
-                        device,
-                        precision,
-                        recompute,
-                        source if i == 0 else None,
-                        optimizer,
-                    ),
-                )
-                for i, name in enumerate(stage_names)
-            ],
-        )
+        args = [
+            (
+                shards.parts[i] if shards.parts else shards.stages[i],
+                i == last,
+                device,
+                precision,
+                recompute,
+                source if i == 0 else None,
+                optimizer,
+            )
+            for i in range(last + 1)
+        ]
+        super().__init__(stage_names, created_stages(stage_names, Stage, args))
 
     def forward(self, batch: Round, step: int | None, read: int | None = None) -> None:
         """All micro-batches' forwards of `batch`, pipelined. `step` None: an evaluation's
@@ -100,10 +92,12 @@ class Pipeline(driver.Pipeline):
             reads = (read, batch.samples) if k == 0 and mb == 0 and read is not None else None
             name, stage = self.names[k], self.stages[k]
             if k == last:
-                future = on_stage_async(name, stage, Stage.forward, given, round, mb, step, reads)
+                future = remote_stage(name, stage).future(
+                    Stage.forward, given, round, mb, step, reads
+                )
             else:
-                refs[k, mb] = on_stage_remote(
-                    name, stage, Stage.forward, given, round, mb, step, reads
+                refs[k, mb] = remote_stage(name, stage).rref(
+                    Stage.forward, given, round, mb, step, reads
                 )
                 future = refs[k, mb]._get_future()  # done once the stage has computed it
             future.then(lambda f: finished.put((k, mb, f)))
@@ -155,9 +149,7 @@ class Pipeline(driver.Pipeline):
         when its nodes nearest the inputs have run, just before the gradients they give its
         parameters are taken into the context, which the backward's return waits for."""
         last = len(self.stages) - 1
-        loss, norm = on_stage_sync(
-            self.names[last],
-            self.stages[last],
+        loss, norm = remote_stage(self.names[last], self.stages[last]).result(
             Stage.loss_backward,
             batch.number,
             batch.micro_batches,
@@ -171,13 +163,13 @@ class Pipeline(driver.Pipeline):
         others = zip(self.names[:last], self.stages[:last], strict=True)
         if unscale is None:
             settling = [
-                on_stage_async(name, stage, Stage.settle, step, batch.micro_batches)
+                remote_stage(name, stage).future(Stage.settle, step, batch.micro_batches)
                 for name, stage in others
             ]
         else:
             settling = [
-                on_stage_async(
-                    name, stage, Stage.settle_norm, step, batch.micro_batches, context_id, unscale
+                remote_stage(name, stage).future(
+                    Stage.settle_norm, step, batch.micro_batches, context_id, unscale
                 )
                 for name, stage in others
             ]
@@ -190,9 +182,7 @@ class Pipeline(driver.Pipeline):
         self.reader(Reader.start_held_out, limit)
         while (batch := self.read(micro_batches, what=HELD_OUT)) is not None:
             self.forward(batch, None)
-            tally = on_stage_sync(
-                self.names[-1],
-                self.stages[-1],
+            tally = remote_stage(self.names[-1], self.stages[-1]).result(
                 Stage.tally,
                 batch.number,
                 batch.micro_batches,
@@ -251,16 +241,9 @@ class Replicas(driver.Replicas):
         ]
         super().__init__(pipelines, shards, spec)
 
-    def _one(
-        self,
-        r: int,
-        rounds: list[Batch | None],
-        micro_batches: int,
-        step: int,
-        loss_fn: Loss,
-        batch: int,
-    ) -> StepResult:
-        pipeline = self.pipelines[r]
+    def _replica_result(self, part: ReplicaShare) -> StepResult:
+        pipeline = self.pipelines[part.replica]
+        rounds, step = part.rounds, part.step
         names, stages = pipeline.names, pipeline.stages
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
 
@@ -270,15 +253,15 @@ class Replicas(driver.Replicas):
         early = len(rounds) == 1 and not self.tied and len(self.pipelines) == 1
         norms: list[float] | None = None
 
-        def one_round(given: Batch | None, context_id: int, last: bool) -> float:
+        def round_loss(given: Batch | None, context_id: int, last: bool) -> float:
             nonlocal norms
-            round_, read = pipeline.read_round(micro_batches, given)
+            round_, read = pipeline.read_round(part.micro_batches, given)
             numbers.append(round_.number)
-            share = self.share(round_, batch)
+            share = self.share(round_, part.batch)
             weight = scale * share / len(rounds)  # each batch's share of the step's loss
             unscale = self.unscale() if early and last else None
             loss, norms = forward_backward(
-                pipeline, round_, step, context_id, loss_fn, weight, read, unscale
+                pipeline, round_, step, context_id, part.loss_fn, weight, read, unscale
             )
             return loss.item() * share
 
@@ -288,21 +271,13 @@ class Replicas(driver.Replicas):
         # the stages hold their gradients until the last round's context, where they add up.
         for given in rounds[:-1]:
             with dist_autograd.context() as context_id:
-                losses.append(one_round(given, context_id, False))
+                losses.append(round_loss(given, context_id, False))
                 with phase("accumulate"):
                     gradients.hold(names, stages, context_id)
         with dist_autograd.context() as context_id:
-            losses.append(one_round(rounds[-1], context_id, True))
+            losses.append(round_loss(rounds[-1], context_id, True))
             if len(rounds) > 1:
                 with phase("accumulate"):
                     gradients.release(names, stages, context_id)
-            if self.tied:
-                with phase("tied gradients"):
-                    pipeline.combine_tied(context_id, self.tied)
-            middle = time.perf_counter()
-            allreduce = 0.0
-            if len(self.pipelines) > 1:
-                with phase("all-reduce"):
-                    allreduce = max(pipeline.stage_results(Shard.average_gradients, context_id))
-            judged = self.finish(pipeline, context_id, losses, numbers, step, norms)
-        return judged.result(middle - start, time.perf_counter() - middle, allreduce)
+            ran = RoundsRun(losses, numbers, norms, start)
+            return self.step_result(pipeline, context_id, step, ran)

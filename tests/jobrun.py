@@ -30,8 +30,8 @@ from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, workloads
 from pipejob.trainer.pipeline.rpc.driver import Pipeline, forward_backward
-from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import plan_shards
+from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.runtime import checkpoint, rendezvous, world
 from pipejob.trainer.workloads import cut, data, models
 from pipejob.trainer.workloads.cut import join

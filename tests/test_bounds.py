@@ -23,7 +23,7 @@ from pipejob.core.kinds.pipeline import PIPELINE_SPEC
 from pipejob.core.kinds.pipeline_schedules import SCHEDULES, schedule_refuses
 from pipejob.trainer.hybrid import sparse_optimizers
 from pipejob.trainer.pipeline.pipelining import schedules as trainer_schedules
-from pipejob.trainer.pipeline.shard import AUTOCAST
+from pipejob.trainer.pipeline.stage_base import AUTOCAST
 from pipejob.trainer.runtime.optim import OPTIMIZERS, optimizer_args
 from pipejob.trainer.workloads.sources import TOKEN_DTYPES
 

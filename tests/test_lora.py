@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from jobrun import pipeline_job
 from pipejob.core import spec
-from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import plan_shards
+from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.runtime import adapters, model_files
 from pipejob.trainer.workloads import metrics, models
 

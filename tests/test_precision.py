@@ -34,8 +34,8 @@ from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.rpc.driver import Pipeline, Replicas, forward_backward
 from pipejob.trainer.pipeline.rpc.stage import Stage
-from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Partition, Shards, plan_shards
+from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.runtime import memory
 from pipejob.trainer.workloads import cut, data, models
 from pipejob.trainer.workloads.transformer import TransformerLM

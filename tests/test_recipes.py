@@ -29,8 +29,8 @@ from pipejob.core import plan, spec
 from pipejob.core.optimizer import Optimizer, Schedule
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer.pipeline import engine
-from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Partition, Shards
+from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime.optim import learning_rate
 from pipejob.trainer.workloads import cut

@@ -21,8 +21,8 @@ from jobrun import TOLERANCE, JobRun, master_of, pipeline_job, run_world
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer.pipeline.rpc.driver import Replicas
-from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Partition, Shards
+from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.workloads import cut
 

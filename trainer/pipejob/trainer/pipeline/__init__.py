@@ -8,7 +8,7 @@ this room, and neither imports the other:
 - shards.py, balance.py, stage_parts.py: the model cut into pieces balanced by measured cost,
   each stage building its own, and `microBatches: auto`'s choice;
 - driver.py: what every engine's step driver does on the master;
-- shard.py: what every engine's stage holds; reader.py: the first stage's data;
+- stage_base.py: what every engine's stage holds; reader.py: the first stage's data;
 - gradients.py: the recipe between the backward and the optimizer's step;
 - trained_model.py, summary.py, timing.py: the model out, the run's summary, when stages compute."""
 

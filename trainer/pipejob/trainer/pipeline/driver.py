@@ -19,8 +19,8 @@ from torch.distributed.rpc import RRef
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.reader import TRAIN, Batch, Reader
-from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Shards
+from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_calls import (
     Method,
     P,

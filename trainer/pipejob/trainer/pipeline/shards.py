@@ -24,7 +24,7 @@ from pipejob.trainer.pipeline.balance import (
     fastest,
     predict,
 )
-from pipejob.trainer.pipeline.shard import compute_resources
+from pipejob.trainer.pipeline.stage_base import compute_resources
 from pipejob.trainer.pipeline.stage_parts import Part, measure_on_stages, trace
 from pipejob.trainer.runtime import adapters, model_files, tuning
 from pipejob.trainer.runtime.world import Env

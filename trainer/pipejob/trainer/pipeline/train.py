@@ -14,8 +14,8 @@ from pipejob.trainer.pipeline import engine, trained_model
 from pipejob.trainer.pipeline.driver import Replicas
 from pipejob.trainer.pipeline.reader import Reader
 from pipejob.trainer.pipeline.run_plan import Plan, plan
-from pipejob.trainer.pipeline.shard import Shard
 from pipejob.trainer.pipeline.shards import Shards
+from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_calls import remote_stage
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import render, stage_report, summarize

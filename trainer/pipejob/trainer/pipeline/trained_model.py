@@ -16,7 +16,7 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.pipeline.shard import Shard
+from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_calls import remote_stage
 from pipejob.trainer.runtime import checkpoint, model_files
 from pipejob.trainer.workloads import models

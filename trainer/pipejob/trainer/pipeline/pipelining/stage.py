@@ -34,7 +34,7 @@ from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.pipelining import groups, schedules
 from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
 from pipejob.trainer.pipeline.reader import Source
-from pipejob.trainer.pipeline.shard import Shard
+from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.pipeline.timing import Clock, step_seconds
 from pipejob.trainer.runtime import nonfinite

@@ -1,6 +1,6 @@
 """The rpc engine's stage side: a shard of the model on a stage worker, called by the master
 over RPC for every micro-batch; it computes them in order and times its forwards and
-backwards (what every engine's stage holds is pipeline/shard.py's).
+backwards (what every engine's stage holds is pipeline/stage_base.py's).
 
 Stage workers only serve: they join the RPC world and wait in `rpc.shutdown()` until the
 master is done. Each process computes with the threads it was started with (OMP_NUM_THREADS,
@@ -22,7 +22,7 @@ from torch.distributed.rpc import RRef
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Source
-from pipejob.trainer.pipeline.shard import Shard
+from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, step_seconds
 from pipejob.trainer.runtime import nonfinite, rendezvous

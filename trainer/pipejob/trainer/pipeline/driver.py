@@ -1,10 +1,8 @@
-"""What the master's step driver does on either engine: its handle on one pipeline's remote
-stages (`Pipeline`: the rounds the first stage reads, the reader's calls, the tied weights'
-gradients, the stages' timings) and on every replica (`Replicas`: a step's batches shared
-out, the replicas run at once and their results joined, the data's position, evaluation
-through replica 0, the check that replicas stay identical). Each engine subclasses both
-with how a round's micro-batches go forward and backward and how the optimizer steps
-(rpc/driver.py, pipelining/driver.py); the master's loop (train.py) sees only these."""
+"""What the master's step driver does on either engine: `Pipeline`, its handle on one
+replica's remote stages, and `Replicas`, on every replica, whose `step` runs an optimizer
+step and ends it with the tail both engines share (`step_result`). Each engine subclasses
+both (rpc/driver.py, pipelining/driver.py); the master's loop (train.py) sees only these.
+More in docs/architecture.md ("Two pipeline engines, one PipelineJob")."""
 
 from __future__ import annotations
 

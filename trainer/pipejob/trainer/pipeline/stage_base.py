@@ -1,12 +1,8 @@
-"""What a stage process holds on either engine: its part of the model, built there from a
-`Part`, and what the master asks of it over RPC whatever moves its micro-batches: its state
-under the model's own names, checkpoints, the model file's shard, fingerprints that prove
-replicas identical, its gradients (the recipe's clipping, tied weights, the replicas'
-average), the forward in the job's precision and with activation checkpointing, and the
-first stage's reader.
-
-Each engine's Stage (rpc/stage.py, pipelining/stage.py) extends `Shard` with how its
-micro-batches run and where its gradients live (`gradients`)."""
+"""What a stage process holds on either engine (`Shard`): its part of the model, built there
+from a `Part`, and what the master asks of it over RPC whatever moves its micro-batches (its
+state, checkpoints, the model file's shard, fingerprints, gradients, the forward in the job's
+precision). Each engine's Stage (rpc/stage.py, pipelining/stage.py) extends it with how its
+micro-batches run and where its gradients live (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""The RPC calls a process makes and serves, counted, so the watchdog can tell a stuck world
-from a busy one (runtime/watchdog.py).
-
-Every member of a stuck world may still beat: a stage's forward blocked on a lock, a data read
-that never returns, a collective that never completes, all leave the heartbeat thread
-running. What stops is calls ending. Each process counts the calls it has served
-(failures.py's wrapper of torch's `_run_function` calls `served`), and the master also counts
-the calls it makes and keeps the ones still outstanding: `trace` wraps torch's
-`rpc.rpc_async`, `rpc.rpc_sync`, `rpc.remote` and `dist_autograd.backward` in the master's
-process, so every call of every kind's master is seen without its call sites knowing. The
-oldest outstanding call says whom the master waits on."""
+"""The RPC calls a process makes and serves, counted, so the watchdog (runtime/watchdog.py) can
+tell a stuck world from a busy one, and the master's oldest outstanding call says whom it
+waits on. Why and how: docs/architecture.md ("The watchdog")."""
 
 from __future__ import annotations
 
@@ -76,19 +68,19 @@ def _name(to: Any) -> str:
     return to if isinstance(to, str) else str(getattr(to, "name", to))
 
 
-def _what(func: Any, args: Any) -> str:
+def _call_text(func: Any, args: Any) -> str:
     """The function called, with its first string argument when it has one (the name of the
     Stage method that `on_stage` runs, as pipeline/stage_calls.py sends it: "on_stage
     forward")."""
     name = getattr(func, "__name__", None) or type(func).__name__
-    said = next((a for a in (args or ())[:2] if isinstance(a, str)), None)
-    return f"{name} {said}" if said else name
+    method = next((a for a in (args or ())[:2] if isinstance(a, str)), None)
+    return f"{name} {method}" if method else name
 
 
-def _made(call: Callable[..., Any], *, blocks: bool, remote: bool = False) -> Callable[..., Any]:
+def _traced(call: Callable[..., Any], *, blocks: bool, remote: bool = False) -> Callable[..., Any]:
     @functools.wraps(call)
     def traced(to: Any, func: Any, args: Any = None, *rest: Any, **kwargs: Any) -> Any:
-        token = LEDGER.begin((_name(to),), _what(func, args))
+        token = LEDGER.begin((_name(to),), _call_text(func, args))
         try:
             result = call(to, func, args, *rest, **kwargs)
         except BaseException:
@@ -116,9 +108,9 @@ def trace(members: list[str]) -> None:
 
     if getattr(rpc.rpc_async, "traced", False):
         return
-    rpc.rpc_async = _made(rpc.rpc_async, blocks=False)
-    rpc.rpc_sync = _made(rpc.rpc_sync, blocks=True)
-    rpc.remote = _made(rpc.remote, blocks=False, remote=True)
+    rpc.rpc_async = _traced(rpc.rpc_async, blocks=False)
+    rpc.rpc_sync = _traced(rpc.rpc_sync, blocks=True)
+    rpc.remote = _traced(rpc.remote, blocks=False, remote=True)
     backward = dist_autograd.backward
 
     @functools.wraps(backward)

@@ -1,8 +1,7 @@
-"""The pipelining engine: each stage process holds torch.distributed.pipelining
-PipelineStages built from pipejob's own cut, and every stage of a replica steps the job's
-torch schedule (spec.schedule) together, passing activations and gradients to its
-neighbours over a process group. The master plans, starts each round, applies the recipe
-and checkpoints over RPC, as on the rpc engine, but no activation passes through RPC.
+"""The pipelining engine: each stage process holds torch.distributed.pipelining PipelineStages
+built from pipejob's own cut, and every stage of a replica steps the job's torch schedule
+together over a process group; the master drives the rounds over RPC, but no activation
+passes through it (docs/architecture.md, "Two pipeline engines, one PipelineJob").
 
 - driver.py: the master's step driver;
 - stage.py: a stage process's PipelineStages, schedule and optimizer;

@@ -1,20 +1,7 @@
 """The pipelining engine's stage side: a stage process's pieces of the model as
 torch.distributed.pipelining PipelineStages over its pipeline's process group, stepping the
-job's torch schedule (schedules.py) when the master says so.
-
-Each call from the master (over RPC) is a whole round: the first stage hands the schedule
-the round's batch (its reader read it), the last the labels (fetched from the first stage)
-and the loss, and every stage of the replica runs its part of the schedule at once,
-activations and gradients passing between neighbours over the group. The loss is computed
-per micro-batch, weighted 1/microBatches (the mean over the batch, for a loss that is a mean
-over its samples), and gradients add up in the parameters' .grad over the rounds of a step
-until the optimizer here steps them. Evaluation runs a forward-only schedule.
-
-A PipelineStage needs the shapes of what each piece takes and passes on. torch would infer
-them by running the pieces on stand-in values in training mode, which moves BatchNorm's
-running statistics (and, in torch 2.13, runs the loss); instead the master has each piece
-learn them once per kind of round (`learn`: on zeros, in eval mode, nothing recorded), and
-every PipelineStage is built with them (a last, smaller held-out batch gets its own)."""
+job's torch schedule (schedules.py) a whole round per call from the master. How a round runs
+and why each piece learns its shapes: docs/architecture.md ("The pipelining engine")."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """The rpc engine's step driver, on the master: micro-batches pipelined through the remote
-stages (GPipe: all forwards of a step, then all backwards, then every stage's optimizer
-step); what both engines' drivers share is pipeline/driver.py's.
-
-The master only sends control messages. The first stage reads each round's batch itself
-(pipeline/reader.py); for every micro-batch the master chains RRefs, so stage i+1 fetches
-its input from stage i (activations never pass through the master). The last stage keeps
-the model's outputs, computes the loss against the labels it fetches from the first stage
-and runs the backward from it across the stages (`dist_autograd`), and each stage's own
-optimizer steps its shard with the gradients of the step's context (Shard.step_optimizer).
-Evaluation takes the same path, the last stage adding each round's figures to a `Tally`."""
+stages over RPC (GPipe: all forwards of a step, then all backwards, then every stage's
+optimizer step); what both engines' drivers share is pipeline/driver.py's. How a step moves:
+docs/architecture.md ("The rpc engine")."""
 
 from __future__ import annotations
 

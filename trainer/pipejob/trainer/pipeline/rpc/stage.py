@@ -1,10 +1,6 @@
-"""The rpc engine's stage side: a shard of the model on a stage worker, called by the master
-over RPC for every micro-batch; it computes them in order and times its forwards and
-backwards (what every engine's stage holds is pipeline/stage_base.py's).
-
-Stage workers only serve: they join the RPC world and wait in `rpc.shutdown()` until the
-master is done. Each process computes with the threads it was started with (OMP_NUM_THREADS,
-which runtime/tuning.py sets per role before torch loads)."""
+"""The rpc engine's stage side: a shard of the model on a stage worker (pipeline/stage_base.py's
+Shard), called by the master over RPC for every micro-batch; it computes them in order and
+times its forwards and backwards. More in docs/architecture.md ("The rpc engine")."""
 
 from __future__ import annotations
 

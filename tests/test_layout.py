@@ -192,8 +192,8 @@ def test_importing_the_whole_operator_side_loads_no_torch() -> None:
 STRING_NAMED_CALL = re.compile(
     r"\bon_(?:stage|reader)\s*,\s*args\s*=\s*\(\s*[^,()]+,\s*[rbf]?[\"']"
     r"|\.(?:each|stage_results|reader|readers)\(\s*[rbf]?[\"']"
-    r"|\bon_(?:stage|reader)_\w+\(\s*[^,()]+,\s*[^,()]+,\s*[rbf]?[\"']"
-    r"|\bon_every_stage\(\s*[^,()]+,\s*[^,()]+,\s*[rbf]?[\"']"
+    r"|\bremote_(?:stage|reader)\([^()]*\)\s*\.\w+\(\s*[rbf]?[\"']"
+    r"|\bevery_stage_result\(\s*[^,()]+,\s*[^,()]+,\s*[rbf]?[\"']"
 )
 
 
@@ -202,10 +202,11 @@ def test_no_stage_call_names_its_method_by_a_string() -> None:
         'rpc.rpc_async(name, on_stage, args=(stage, "save", directory))',
         "rpc.remote(self.names[0], on_reader, args=(self.stages[0], 'labels', 3))",
         'pipeline.each("timings")',
-        'on_stage_async(self.names[k], self.stages[k], "gradient", context_id)',
+        'remote_stage(self.names[k], self.stages[k]).future("gradient", context_id)',
+        "every_stage_result(names, stages, 'timings')",
     ]
     assert all(STRING_NAMED_CALL.search(line) for line in bad)
-    assert not STRING_NAMED_CALL.search("on_stage_async(name, stage, Shard.save, directory)")
+    assert not STRING_NAMED_CALL.search("remote_stage(name, stage).future(Shard.save, directory)")
     found = [
         f"{path.relative_to(ROOT)}:{path.read_text()[: m.start()].count(chr(10)) + 1}"
         for path in [*_modules(OPERATOR), *_modules(TRAINER)]

@@ -26,7 +26,7 @@ import pytest
 import pipejob.core.kinds
 from pipejob.core import contract as c
 from pipejob.core import spec
-from pipejob.core.common import COMMON, COMMON_RULES, OPERATOR_ONLY, CommonSpec, integer, key
+from pipejob.core.common import COMMON, COMMON_RULES, OPERATOR_ONLY, CommonSpec, integer, spec_key
 from pipejob.core.elastic import Size
 from pipejob.core.kind import Group, Kind, Role
 from pipejob.core.kinds import KINDS
@@ -455,7 +455,7 @@ def _class_drift(cls: type, table: Field, prefix: str, minimal: dict) -> list[st
     problems = []
     hints = typing.get_type_hints(cls)
     fields = table.fields or {}
-    typed = {key(f.name): f for f in dataclasses.fields(cls)}
+    typed = {spec_key(f.name): f for f in dataclasses.fields(cls)}
     for name, f in typed.items():
         path = f"{prefix}.{name}" if prefix else name
         where = f"{cls.__name__}.{f.name}"
@@ -530,10 +530,12 @@ def test_operator_only_fields_exist(kind: Kind) -> None:
 
 
 def test_key_is_the_camel_case_of_a_field() -> None:
-    assert key("weight_decay") == "weightDecay"
-    assert key("rendezvous_timeout_seconds") == "rendezvousTimeoutSeconds"
-    assert key("lr") == "lr"
-    assert all(key(_snake(name)) == name for kind in KINDS.values() for name in kind.spec.fields)
+    assert spec_key("weight_decay") == "weightDecay"
+    assert spec_key("rendezvous_timeout_seconds") == "rendezvousTimeoutSeconds"
+    assert spec_key("lr") == "lr"
+    assert all(
+        spec_key(_snake(name)) == name for kind in KINDS.values() for name in kind.spec.fields
+    )
 
 
 def _as_spec(value: Any) -> Any:
@@ -543,7 +545,7 @@ def _as_spec(value: Any) -> Any:
         return value.max
     if dataclasses.is_dataclass(value):
         return {
-            key(f.name): _as_spec(getattr(value, f.name))
+            spec_key(f.name): _as_spec(getattr(value, f.name))
             for f in dataclasses.fields(value)
             if getattr(value, f.name) is not None
         }

@@ -249,7 +249,7 @@ class Preflight:
 T = TypeVar("T")
 
 
-def key(name: str) -> str:
+def spec_key(name: str) -> str:
     """The spec key of a dataclass field: weight_decay -> weightDecay."""
     first, *rest = name.split("_")
     return first + "".join(part.title() for part in rest)
@@ -260,12 +260,12 @@ def from_spec(cls: type[T], data: dict[str, Any]) -> T:
     hints = typing.get_type_hints(cls)
     values = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if key(f.name) in data:
-            values[f.name] = _value(hints[f.name], data[key(f.name)])
+        if spec_key(f.name) in data:
+            values[f.name] = _typed_value(hints[f.name], data[spec_key(f.name)])
     return cls(**values)
 
 
-def _value(hint: Any, value: Any) -> Any:
+def _typed_value(hint: Any, value: Any) -> Any:
     if isinstance(hint, types.UnionType) and type(None) in hint.__args__:
         others = [a for a in hint.__args__ if a is not type(None)]
         hint = others[0] if len(others) == 1 else hint
@@ -275,7 +275,7 @@ def _value(hint: Any, value: Any) -> Any:
         return from_spec(hint, value)
     if typing.get_origin(hint) is tuple:
         (item, _) = typing.get_args(hint)
-        return tuple(_value(item, v) for v in value)
+        return tuple(_typed_value(item, v) for v in value)
     if hint is float:
         return float(value)
     return value

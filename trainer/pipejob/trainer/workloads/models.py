@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipejob.core.common import key
+from pipejob.core.common import spec_key
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.core.workload import Model
 from pipejob.trainer.workloads import imports, materialize, staged
@@ -52,7 +52,7 @@ def as_spec(model: Model) -> dict[str, Any]:
     def plain(value: Any) -> Any:
         if dataclasses.is_dataclass(value):
             return {
-                key(f.name): plain(getattr(value, f.name))
+                spec_key(f.name): plain(getattr(value, f.name))
                 for f in dataclasses.fields(value)
                 if getattr(value, f.name) not in (None, {}, ())
             }

@@ -25,7 +25,11 @@ from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
-# Micro-batches a stage holds at once; fewer than the RPC worker threads (runtime/rendezvous).
+# Micro-batches a stage holds at once; fewer than the RPC worker threads (runtime/rendezvous):
+# each waits for its input, then for its turn (the stage computes them in order), on one of the
+# stage's RPC threads, and once every thread waits, none is left to complete the fetches they
+# wait for. Each stage's micro-batches are launched in order (Pipeline.forward), so the one
+# whose turn it is is always among those it holds.
 IN_FLIGHT = 4
 Norms = list[float] | None  # each stage's gradient norm, where a call brings them
 
@@ -68,13 +72,10 @@ class Pipeline(driver.Pipeline):
         `backward` or `tally`. `read`: the first stage reads the round in its first forward,
         as that many micro-batches (`read_round`: one call fewer a round).
 
-        Stage k gets micro-batch i's input as stage k-1's RRef and fetches it from there. A
-        stage holds at most IN_FLIGHT micro-batches at a time: each waits for its input, then
-        for its turn (the stage computes them in order), on one of the stage's RPC threads,
-        and once every thread waits, none is left to complete the fetches they wait for. Each
-        stage's micro-batches are launched in order, so the one whose turn it is is always
-        among those it holds. Completions only post to a queue; every call is issued from
-        this thread, inside the distributed autograd context."""
+        Stage k gets micro-batch i's input as stage k-1's RRef and fetches it from there,
+        holding at most IN_FLIGHT micro-batches at a time, launched in order. Completions
+        only post to a queue; every call is issued from this thread, inside the distributed
+        autograd context."""
         last = len(self.stages) - 1
         micro_batches, round = batch.micro_batches, batch.number
         refs: dict[tuple[int, int], RRef] = {}

@@ -40,28 +40,35 @@ def fits_model(
         with torch.no_grad(), unchanged(model):  # a forward's settings stay as built
             outputs = torch.func.functional_call(model.eval(), buffers, (inputs[:2].to(META),))
     except Exception as e:
-        if not _of_shapes(e):
-            return _unchecked(f"whether inputs of shape {shape(inputs[:2])} fit spec.model", e)
-        raise ValueError(
-            f"spec.data: inputs of shape {shape(inputs[:2])} do not fit spec.model:"
-            f" {type(e).__name__}: {e}"
-        ) from None
+        return _unchecked_or_refused(
+            e,
+            f"whether inputs of shape {shape(inputs[:2])} fit spec.model",
+            f"spec.data: inputs of shape {shape(inputs[:2])} do not fit spec.model",
+        )
     finally:
         model.train(training)
     try:
         loss(outputs, labels[:2].to(META))
     except Exception as e:
         got = ", ".join(shape(t) for t in cut.tensors(outputs))  # a dict's, a ModelOutput's
-        if not _of_shapes(e):
-            return _unchecked(f"whether the model's output {got} fits the labels", e)
-        raise ValueError(
+        return _unchecked_or_refused(
+            e,
+            f"whether the model's output {got} fits the labels",
             f"spec.data: the model's output {got} does not fit the labels"
-            f" {shape(labels[:2])} in spec.loss: {type(e).__name__}: {e}"
-        ) from None
+            f" {shape(labels[:2])} in spec.loss",
+        )
     return None
 
 
-def _of_shapes(error: Exception) -> bool:
+def _unchecked_or_refused(error: Exception, what: str, refusal: str) -> str:
+    """What a check that failed on the meta device means: where the shapes do not fit, the
+    data's fault (refused: `refusal`, then the error); else `what` could not be checked."""
+    if not _about_shapes(error):
+        return _unchecked(what, error)
+    raise ValueError(f"{refusal}: {type(error).__name__}: {error}") from None
+
+
+def _about_shapes(error: Exception) -> bool:
     """Whether an error on the meta device says the shapes do not fit (not that the meta
     device cannot run something: a value read into Python, an autocast, a kernel it lacks,
     a rule of a meta kernel about dtypes, which mirror CUDA's: a Mixtral's experts'

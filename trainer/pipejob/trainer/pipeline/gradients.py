@@ -37,7 +37,7 @@ def _gradients(stage: RRef, context_id: int) -> dict[str, torch.Tensor]:
     return stage.local_value().gradients(context_id)
 
 
-def norm_of(
+def unscaled_norm(
     grads: dict[str, torch.Tensor], unscale: float = 1.0, leave_out: frozenset[str] = frozenset()
 ) -> float:
     """Runs on a stage, where its gradients `grads` are: divide them by fp16's loss scale
@@ -124,7 +124,7 @@ def copies(tied: list[list[tuple[int, str]]]) -> dict[int, frozenset[str]]:
 
 def total_norm(norms: list[float]) -> float:
     """The global L2 norm over every parameter of every stage, from the stages' norms
-    (`norm_of`): inf or nan when any is."""
+    (`unscaled_norm`): inf or nan when any is."""
     return torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float64), 2).item()
 
 

@@ -276,8 +276,8 @@ class Shard:
         self, context_id: int, unscale: float = 1.0, leave_out: frozenset[str] = frozenset()
     ) -> float:
         """The L2 norm of this step's gradients, after dividing them by fp16's loss scale
-        (gradients.norm_of): what the master judges and clips the step by."""
-        return gradients.norm_of(self.gradients(context_id), unscale, leave_out)
+        (gradients.unscaled_norm): what the master judges and clips the step by."""
+        return gradients.unscaled_norm(self.gradients(context_id), unscale, leave_out)
 
     def finish_step(
         self, context_id: int, coefficient: float, lr: float | None, apply: bool, zero: bool

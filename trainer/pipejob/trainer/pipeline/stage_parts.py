@@ -1,9 +1,7 @@
-"""Each process builds its own part of the model: the master plans the cut on a model none
-of whose parameters exist (workloads/materialize.py) and sends each stage a `Part`, which
-says how to build its shard from the user's factory, keeping only its own parameters. The
-cut's costs are measured the same way: stage k builds a provisional run of the units (split
-by parameter bytes, so none holds much more than its share), times them on what the units
-before it pass on, and hands its output to stage k + 1."""
+"""Each stage process builds its own part of the model from a `Part` (the user's factory,
+keeping only its own parameters), and measures the cut's costs the same way, on what the
+stages before it pass on. How and why: docs/architecture.md, "Where a PipelineJob's model
+and data live" (steps 2 and 3)."""
 
 from __future__ import annotations
 

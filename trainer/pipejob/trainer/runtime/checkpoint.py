@@ -344,12 +344,11 @@ def index_of(found: Checkpoint) -> dict[str, str]:
 def sources(found: Checkpoint, index: dict[str, str], names: list[str]) -> list[dict[str, Any]]:
     """The manifest entries of the files that hold `names` (a module's state); refuses a
     module with names the checkpoint does not have (another model)."""
-    missing = [n for n in names if n not in index]
-    if missing:
+    if missing := [n for n in names if n not in index]:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(
-            f"{found.directory} holds no {', '.join(missing[:5])}"
-            f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}: it was written"
-            " for another model; give this job another checkpoint.path"
+            f"{found.directory} holds no {', '.join(missing[:5])}{more}: it was written for"
+            " another model; give this job another checkpoint.path"
         )
     return [found.entry(f) for f in sorted({index[n] for n in names})]
 

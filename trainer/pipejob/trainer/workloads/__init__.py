@@ -73,13 +73,7 @@ def hybrid_dense(spec: HybridSpec, dense_features: int) -> nn.Module:
         return recsys.DLRM(
             dense_features, spec.embeddings[0].dim, names, dense.dlrm.bottom, dense.dlrm.top
         )
-    made = imports.call(dense.import_, "spec.dense.import", dense.args)
-    if not isinstance(made, nn.Module):
-        raise TypeError(
-            f"spec.dense.import: {dense.import_!r} returned a"
-            f" {type(made).__name__}, not an nn.Module"
-        )
-    return made
+    return imports.module(dense.import_, "spec.dense.import", dense.args)
 
 
 def hybrid_data(spec: HybridSpec) -> Samples:

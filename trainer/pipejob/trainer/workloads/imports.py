@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from torch import nn
+
 
 def resolve(path: str, field: str) -> Any:
     """The object `path` names; `field` is the spec field that named it (spec.model.import)."""
@@ -41,3 +43,14 @@ def call(path: str, field: str, args: dict[str, Any], /, **given: Any) -> Any:
         raised = f"{type(e).__name__}: {e}"
         with_args = f" with args {args}" if args else ""
         raise ValueError(f"{field}: {path!r}{with_args} raised {raised}") from e
+
+
+def module(path: str, field: str, args: dict[str, Any], /, **given: Any) -> nn.Module:
+    """`call`'s result, refused unless it is a torch module (what a model factory returns)."""
+    built = call(path, field, args, **given)
+    if not isinstance(built, nn.Module):
+        for_stage = f" for stage {given['stage']}" if "stage" in given else ""
+        raise ValueError(
+            f"{field}: {path!r} returned a {type(built).__name__}{for_stage}, not a torch.nn.Module"
+        )
+    return built

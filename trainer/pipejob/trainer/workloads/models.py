@@ -28,13 +28,7 @@ def build(spec: PipelineSpec) -> nn.Module:
         return TransformerLM(model.transformer)
     if model.import_ is None:  # the user's function builds the stages: the model is them
         return staged.whole(spec)
-    built = imports.call(model.import_, "spec.model.import", model.args)
-    if not isinstance(built, nn.Module):
-        raise ValueError(
-            f"spec.model.import: {model.import_!r} returned a"
-            f" {type(built).__name__}, not a torch.nn.Module"
-        )
-    return built
+    return imports.module(model.import_, "spec.model.import", model.args)
 
 
 def build_meta(spec: PipelineSpec) -> tuple[nn.Module, materialize.Numbering]:

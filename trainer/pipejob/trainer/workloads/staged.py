@@ -172,16 +172,9 @@ def stage(spec: PipelineSpec, i: int) -> nn.Module:
     assert spec.model.staged is not None and spec.model.staged.stage is not None
     torch.manual_seed(spec.seed)
     path = spec.model.staged.stage
-    built = imports.call(
+    return imports.module(
         path, "spec.model.staged.stage", spec.model.args, stage=i, stages=spec.pieces
     )
-    if not isinstance(built, nn.Module):
-        got = type(built).__name__
-        raise ValueError(
-            f"spec.model.staged.stage: {path!r} returned a {got} for stage {i},"
-            " not a torch.nn.Module"
-        )
-    return built
 
 
 def whole(spec: PipelineSpec) -> Chain:

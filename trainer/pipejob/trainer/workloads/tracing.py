@@ -68,32 +68,30 @@ class Objects(fx.Tracer):
     periods' `numel()`), which a traced value could not answer."""
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
-        if isinstance(attr_val, nn.Parameter):  # one traced value per parameter, as fx's
-            name = next((n for n, p in self.root.named_parameters() if p is attr_val), None)
-            if name is not None:
-                if name not in parameter_proxy_cache:
-                    parameter_proxy_cache[name] = self.create_proxy(
-                        "get_attr",
-                        name,
-                        (),
-                        {},
-                        proxy_factory_fn=lambda node: ParameterProxy(node, self, attr_val),
-                    )
-                return parameter_proxy_cache[name]
-        # fx's `proxy_buffer_attributes`, with a proxy that knows the buffer's size.
-        if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter):
-            name = next((n for n, b in self.root.named_buffers() if b is attr_val), None)
-            if name is not None:  # one traced value per buffer, as fx keeps for parameters
-                if name not in parameter_proxy_cache:
-                    parameter_proxy_cache[name] = self.create_proxy(
-                        "get_attr",
-                        name,
-                        (),
-                        {},
-                        proxy_factory_fn=lambda node: BufferProxy(node, self, attr_val),
-                    )
-                return parameter_proxy_cache[name]
+        if isinstance(attr_val, torch.Tensor):
+            proxy = self._held_tensor(attr_val, parameter_proxy_cache)
+            if proxy is not None:
+                return proxy
         return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def _held_tensor(self, value: torch.Tensor, cache: dict[str, Any]) -> Any:
+        """The one traced value of the root's parameter or buffer `value` (fx keeps one per
+        parameter; buffers get the same, as fx's `proxy_buffer_attributes` with a proxy that
+        knows their size); None where the root holds no such tensor."""
+        if isinstance(value, nn.Parameter):
+            held, proxy_class = self.root.named_parameters(), ParameterProxy
+        else:
+            held, proxy_class = self.root.named_buffers(), BufferProxy
+        name = next((n for n, t in held if t is value), None)
+        if name is not None and name not in cache:
+            cache[name] = self.create_proxy(
+                "get_attr",
+                name,
+                (),
+                {},
+                proxy_factory_fn=lambda node: proxy_class(node, self, value),
+            )
+        return None if name is None else cache[name]
 
     def create_arg(self, a: Any) -> Any:
         if isinstance(a, dict) and dataclasses.is_dataclass(a):
@@ -112,6 +110,11 @@ class Objects(fx.Tracer):
         return super().create_arg(a)
 
 
+def _answered(attribute: str) -> property:
+    """A proxy's attribute answered as its tensor's while tracing, not traced."""
+    return property(lambda proxy: getattr(proxy.buffer, attribute))
+
+
 class BufferProxy(fx.Proxy):
     """A traced buffer that answers its size as the buffer's (as fx's ParameterProxy does
     for parameters): what it holds is read when the graph runs, its size while tracing.
@@ -121,13 +124,8 @@ class BufferProxy(fx.Proxy):
         super().__init__(node, tracer)
         self.buffer = buffer
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.buffer.shape
-
-    @property
-    def ndim(self) -> int:
-        return self.buffer.ndim
+    shape = _answered("shape")
+    ndim = _answered("ndim")
 
     def size(self, dim: int | None = None) -> Any:
         return self.buffer.size() if dim is None else self.buffer.size(dim)
@@ -154,13 +152,8 @@ class ParameterProxy(BufferProxy):
     stage that reads them (`place_parameters`), so no stage holds a copy for them (open_clip
     reads a later block's weight's dtype at its start)."""
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.buffer.dtype
-
-    @property
-    def requires_grad(self) -> bool:
-        return self.buffer.requires_grad
+    dtype = _answered("dtype")
+    requires_grad = _answered("requires_grad")
 
     def is_floating_point(self) -> bool:
         return self.buffer.is_floating_point()

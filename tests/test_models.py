@@ -1,4 +1,4 @@
-"""The validation's torch-free facts about each PipelineJob model (core/kinds/models.py)
+"""The validation's torch-free facts about each PipelineJob model (core/kinds/model_facts.py)
 measured with the trainer's own cutter, on the meta device (no memory, no arithmetic)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from torch import nn
 from torchvision.models import get_model
 
 from harness.variants import exhaustive
-from pipejob.core.kinds.models import BATCHNORM, LAYERS, MIN_IMAGE_SIZE
+from pipejob.core.kinds.model_facts import BATCHNORM, LAYERS, MIN_IMAGE_SIZE
 from pipejob.core.kinds.pipeline import PIPELINE_MODELS
 from pipejob.trainer.workloads.cut import Traced
 

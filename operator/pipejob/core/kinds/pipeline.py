@@ -11,7 +11,7 @@ from pipejob.core.data_sources import PIPELINE_DATA, PipelineData
 from pipejob.core.elastic import Size, elastic_acts, needs_checkpoint, size_field
 from pipejob.core.errors import SpecError
 from pipejob.core.kind import Group, Kind, Role, Spec, column
-from pipejob.core.kinds import models
+from pipejob.core.kinds import model_facts
 from pipejob.core.kinds.pipeline_schedules import (
     AUTO,
     DEFAULT_SCHEDULE,
@@ -29,8 +29,8 @@ from pipejob.core.kinds.pipeline_schedules import (
 from pipejob.core.schema import Field, Rule, integer
 from pipejob.core.workload import Model, model_field
 
-# The torchvision models the trainer knows how to cut: those whose cut models.py records.
-PIPELINE_MODELS = tuple(models.LAYERS)
+# The torchvision models the trainer knows how to cut: those whose cut model_facts.py records.
+PIPELINE_MODELS = tuple(model_facts.LAYERS)
 
 PIPELINE_SPEC = Field(
     "object",
@@ -284,8 +284,8 @@ def _completed(spec: Spec) -> Spec:
 
 
 def _spec_errors(spec: Spec) -> list[SpecError]:
-    """The model's own limits (models.py), and data the model cannot read."""
-    errors = models.model_errors(spec)
+    """The model's own limits (model_facts.py), and data the model cannot read."""
+    errors = model_facts.model_errors(spec)
     if spec["microBatches"] == AUTO and not auto_counts(
         spec["batchSize"], spec["schedule"], spec["stages"]
     ):

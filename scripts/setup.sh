@@ -106,8 +106,8 @@ fi
 # every training process's default, and jemalloc. Debian's packages where this runs as root
 # with apt; elsewhere one line says what is missing, and the processes use glibc's malloc.
 missing_mallocs() {
-  "$VENV/bin/python" -c 'from pipejob.core.levers import MALLOCS, find
-print(" ".join(m.package for m in MALLOCS.values() if m.library and not find(m.library)))'
+  "$VENV/bin/python" -c 'from pipejob.core.levers import MALLOCS, library_file
+print(" ".join(m.package for m in MALLOCS.values() if m.library and not library_file(m.library)))'
 }
 if has trainer "$EXTRAS"; then
   missing=$(missing_mallocs)

@@ -122,9 +122,8 @@ def record_step(env: Env[PipelineSpec], step: int, result: StepResult, events: E
     if result.skipped is not None:  # a non-finite step skipped (spec.skipNonFiniteSteps)
         world.log(env, result.skipped)
     seconds = result.pipeline_seconds + result.optimizer_seconds
-    monitor.board().step(
-        step + 1, result.loss, seconds, samples, lr=result.lr, grad_norm=result.grad_norm
-    )
+    monitor.board().step(step + 1, result.loss, seconds, samples)
+    monitor.board().optimizer_figures(result.lr, result.grad_norm)
     events.scalars(
         step + 1,
         loss=result.loss,

@@ -92,37 +92,30 @@ class Board:
             self._progress = replace(self._progress, resumedFromStep=step, step=step)
         self._step.set(step)
 
-    def step(
-        self,
-        step: int,
-        loss: float,
-        seconds: float,
-        samples: int,
-        lr: float | None = None,
-        grad_norm: float | None = None,
-    ) -> None:
-        """A completed step: `samples` trained in `seconds` of wall time, with learning rate
-        `lr` and global gradient norm `grad_norm` where known."""
+    def step(self, step: int, loss: float, seconds: float, samples: int) -> None:
+        """A completed step: `samples` trained in `seconds` of wall time."""
         rate = samples / seconds if seconds > 0 else None
         with self._lock:
             self._progress = replace(
-                self._progress,
-                step=step,
-                loss=_finite(loss),
-                samplesPerSecond=rate,
-                learningRate=_finite(lr),
-                gradNorm=_finite(grad_norm),
+                self._progress, step=step, loss=_finite(loss), samplesPerSecond=rate
             )
         self._step.set(step)
-        for gauge, value in ((self._lr, lr), (self._grad_norm, grad_norm)):
-            if _finite(value) is not None:
-                gauge.set(value)
         self.longest_step = max(self.longest_step, seconds)
         if _finite(loss) is not None:
             self._loss.set(loss)
         self._seconds.set(seconds)
         if rate is not None:
             self._rate.set(rate)
+
+    def optimizer_figures(self, lr: float | None, grad_norm: float | None) -> None:
+        """The last step's learning rate and global gradient norm (None: not known)."""
+        with self._lock:
+            self._progress = replace(
+                self._progress, learningRate=_finite(lr), gradNorm=_finite(grad_norm)
+            )
+        for gauge, value in ((self._lr, lr), (self._grad_norm, grad_norm)):
+            if _finite(value) is not None:
+                gauge.set(value)
 
     def evaluated(
         self,

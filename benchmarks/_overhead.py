@@ -158,13 +158,14 @@ class Bench:
                     self.profile(held[system], model, m, system, loss_fn)
 
     def steps(self, replicas: Any, m: int, loss_fn: Any, count: int) -> list[float]:
-        """The seconds of each of `count` steps through pipejob's step driver."""
-        seconds = []
-        for _ in range(count):
-            start = time.perf_counter()
-            replicas.step(m, self.step, loss_fn)
-            seconds.append(time.perf_counter() - start)
-            self.step += 1
+        """The seconds of each of `count` steps through pipejob's step driver, run as the
+        master's loop runs them (Replicas.run_steps): from one step's result to the next's."""
+        seconds, last = [], time.perf_counter()
+        for _ in replicas.run_steps(m, range(self.step, self.step + count), loss_fn):
+            now = time.perf_counter()
+            seconds.append(now - last)
+            last = now
+        self.step += count
         return seconds
 
     def cpu(self, replicas: Any) -> float:

@@ -4,10 +4,10 @@ An RPC agent with CUDA devices finds the tensors of every RRef's value by pickli
 (torch._jit_internal._extract_tensors, called from C++ when the value's future completes) and
 fails the RRef when that raises, as a Stage holding locks once did ("cannot pickle
 '_thread.RLock' object") on every GPU pipeline. A CPU agent never extracts, so this calls the
-same function on the values a real world made: a PipelineJob's stages after a training step,
-their forward outputs and the labels a first stage read (which the last stage fetches), and
-checks that each yields the tensors it holds (those torch must synchronise). (A HybridJob's
-parameter servers keep their tables as their process's own state, behind no RRef.)"""
+same function on the values a real world made: a PipelineJob's stages after a training step
+and their forward outputs, and checks that each yields the tensors it holds (those torch must
+synchronise). (The labels a first stage read reach the last stage as a call's result, behind
+no RRef; a HybridJob's parameter servers keep their tables as their process's own state.)"""
 
 from __future__ import annotations
 
@@ -76,10 +76,7 @@ def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         output = remote_stage(name0, stage0).rref(
             Stage.forward, (inputs[:2],), pipe.rounds + 1, 0, None
         )
-        # Labels a first stage read, which the last stage fetches.
-        labels_read = pipe.read(s.micro_batches)
-        assert labels_read is not None
-        rrefs = [*pipe.stages, output, labels_read.labels]
+        rrefs = [*pipe.stages, output]
         torch.save([rpc.rpc_sync(r.owner(), extraction, args=(r,)) for r in rrefs], out)
     finally:
         rpc.shutdown()
@@ -92,7 +89,7 @@ def test_every_value_behind_an_rref_gives_torch_its_tensors(tmp_path):
     ports = plan.Ports(*free_ports(4))
     envs = [p.env for p in plan.plan_world(job, lambda m: LOOPBACK, ports)]
     found = run_world(_world, envs, tmp_path / "found.pt", timeout=180)
-    assert [f["type"] for f in found] == ["Stage", "Stage", "tuple", "Tensor"]
+    assert [f["type"] for f in found] == ["Stage", "Stage", "tuple"]
     for f in found:
         assert f["held"] > 0 and f["missing"] == 0, f
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -34,7 +35,7 @@ from pipejob.trainer.pipeline.step_records import (
     RoundsRun,
     StepResult,
 )
-from pipejob.trainer.runtime import nonfinite, rendezvous
+from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.optim import clip_coefficient, learning_rate
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
@@ -47,6 +48,7 @@ class Pipeline:
 
     def __init__(self, names: list[str], stages: list[RRef]):
         self.names, self.stages = names, stages
+        remote_stage(names[-1], stages[-1]).result(Shard.meet_first, names[0], stages[0])
         self.rounds = 0  # forward rounds (training steps and evaluation batches) so far
         self._training: int | None = None  # a training round's samples (the data has no end)
 
@@ -72,24 +74,25 @@ class Pipeline:
         it (one call fewer a round; the labels wait for it), the micro-batches it is read
         as; else read now: `given`, or before a training round was read (its size is then
         known, as every one's), or where the engine cannot yet (`reads_in_run`)."""
-        samples = self._training
-        if given is None and samples is not None and self.reads_in_run(micro_batches, samples):
+        if given is None and self.reads_next_in_run(micro_batches):
+            assert self._training is not None
             self.rounds += 1
-            return self._round(micro_batches, samples), micro_batches
+            return self._round(micro_batches, self._training), micro_batches
         round_ = self.read(micro_batches, given)
         assert round_ is not None  # the training data has no end
         return round_, None
+
+    def reads_next_in_run(self, micro_batches: int) -> bool:
+        """Whether the next training round is read in the call that runs it (no call before)."""
+        samples = self._training
+        return samples is not None and self.reads_in_run(micro_batches, samples)
 
     def reads_in_run(self, micro_batches: int, samples: int) -> bool:
         """Whether a training round of `samples` may be read in the call that runs it."""
         return True
 
     def _round(self, micro_batches: int, samples: int) -> Round:
-        timeout = rendezvous.RPC_TIMEOUT_SECONDS
-        labels = remote_reader(self.names[0], self.stages[0]).rref(
-            Reader.labels, self.rounds, timeout
-        )
-        return Round(self.rounds, min(micro_batches, samples), labels, samples)
+        return Round(self.rounds, min(micro_batches, samples), samples)
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0)."""
@@ -145,8 +148,8 @@ class Pipeline:
             ]
         )
 
-    def timings(self) -> list[dict[int, tuple[float, float, float]]]:
-        return self.stage_results(Shard.timings)
+    def timings(self, step: int | None = None) -> list[dict[int, tuple[float, float, float]]]:
+        return self.stage_results(Shard.timings, step)
 
     def stage_results(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """What `method` of every stage, called at once, returns."""
@@ -195,6 +198,17 @@ class Replicas:
             results = [self._replica_result(parts[0])]
         else:
             results = list(self._threads.map(self._replica_result, parts))
+        return self.combined(step, results)
+
+    def run_steps(self, micro_batches: int, steps: range, loss_fn: Loss) -> Iterator[StepResult]:
+        """Steps `steps` (0-based), each one's result as it comes: here one after the other;
+        an engine may send a step before the last one's result is in (pipelining's)."""
+        for step in steps:
+            yield self.step(micro_batches, step, loss_fn)
+
+    def combined(self, step: int, results: list[StepResult]) -> StepResult:
+        """Step `step` from its replicas' `results`: a non-finite one skipped or failed
+        (nonfinite.Guard), fp16's loss scale updated, the figures merged."""
         bad = next((r.nonfinite for r in results if r.nonfinite is not None), None)
         skipped = None if bad is None else self.guard.check(step + 1, *bad)  # or raises
         if self.loss_scale is not None:  # every replica saw the same averaged gradients
@@ -319,9 +333,10 @@ class Replicas:
         """The held-out figures through replica 0 (the replicas are identical)."""
         return self.pipelines[0].evaluate(micro_batches, limit, loss_fn, tally)
 
-    def timings(self) -> list[dict[int, tuple[float, float, float]]]:
-        """Replica 0's stages' timings (every replica runs the same schedule)."""
-        return self.pipelines[0].timings()
+    def timings(self, step: int | None = None) -> list[dict[int, tuple[float, float, float]]]:
+        """Replica 0's stages' timings, of every finished step or only `step` (every replica
+        runs the same schedule)."""
+        return self.pipelines[0].timings(step)
 
     def data_state(self) -> dict[str, Any]:
         """The training data's position (every replica's first stage is at the same one)."""

@@ -15,14 +15,17 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.distributed.rpc import RRef
 
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Reader, Source
+from pipejob.trainer.pipeline.stage_calls import remote_reader
 from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.runtime import checkpoint, model_files, tuning
 from pipejob.trainer.runtime.optim import Functional, set_lr
+from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -135,11 +138,12 @@ class Shard:
         )
         self.autocast = AUTOCAST[precision]  # spec.precision
         self.recompute = recompute  # spec.activationCheckpointing
-        # Per training round of the last step: whether each forward's outputs were finite
-        # (tensors, read only when the master asks where a non-finite loss came from).
-        self._finite: dict[int, list[torch.Tensor]] = {}
-        self._finite_step = -1
+        # Per step, of the last two (the master may send a step before it has judged the
+        # last one), per training round: whether each forward's outputs were finite (tensors,
+        # read only when the master asks where a non-finite loss came from).
+        self._finite: dict[int, dict[int, list[torch.Tensor]]] = {}
         self._finite_lock = threading.Lock()
+        self._first: tuple[str, RRef] | None = None  # the first stage: its reader has labels
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickling a Stage gives: the tensors it holds. An RPC agent with CUDA devices
@@ -183,21 +187,35 @@ class Shard:
     def computed(self, piece: nn.Module, last: bool) -> Computed:
         return Computed(piece, self.device, self.autocast, self.recompute, last)
 
+    def meet_first(self, name: str, stage: RRef) -> None:
+        """Remember the first stage (`stage`, on worker `name`), whose reader has each round's
+        labels (`labels`): the last stage's loss needs them."""
+        self._first = name, stage
+
+    def labels(self, round: int) -> torch.Tensor:
+        """Round `round`'s labels on this stage's device, from the first stage's reader,
+        which waits for the round to be read. A call of the stage's own, with an RRef it
+        holds: the master passing one RRef a round cost several messages more."""
+        assert self._first is not None, "the master names the first stage to the last"
+        name, stage = self._first
+        labels = remote_reader(name, stage).result(Reader.labels, round, RPC_TIMEOUT_SECONDS)
+        return labels.to(self.device)
+
     # ------------------------------------------------------------------ non-finite values
 
     def note_finite(self, step: int, round: int, finite: torch.Tensor) -> None:
         """Whether a training forward of round `round` of step `step` gave finite outputs
-        (nonfinite.all_finite); an earlier step's are forgotten."""
+        (nonfinite.all_finite); steps before the last two are forgotten."""
         with self._finite_lock:
-            if step != self._finite_step:
-                self._finite, self._finite_step = {}, step
-            self._finite.setdefault(round, []).append(finite)
+            self._finite.setdefault(step, {}).setdefault(round, []).append(finite)
+            while len(self._finite) > 2:
+                del self._finite[next(iter(self._finite))]
 
     def nonfinite(self, rounds: list[int]) -> bool:
-        """Whether any of this stage's outputs in training rounds `rounds` (of the last
-        step) was not finite."""
+        """Whether any of this stage's outputs in training rounds `rounds` (of one of the last
+        two steps) was not finite."""
         with self._finite_lock:
-            flags = [f for r in rounds for f in self._finite.get(r, [])]
+            flags = [f for step in self._finite.values() for r in rounds for f in step.get(r, [])]
         return not all(bool(f) for f in flags)
 
     # ------------------------------------------------------------------ gradients
@@ -208,9 +226,9 @@ class Shard:
         place where the optimizer's step reads them."""
         raise NotImplementedError
 
-    def timings(self) -> dict[int, tuple[float, float, float]]:
-        """Per step: seconds this stage spent in forward, in backward, and busy at all (each
-        engine's Stage keeps them its way)."""
+    def timings(self, step: int | None = None) -> dict[int, tuple[float, float, float]]:
+        """Per step (of every finished one, or only `step`): seconds this stage spent in
+        forward, in backward, and busy at all (each engine's Stage keeps them its way)."""
         raise NotImplementedError
 
     def average_gradients(self, context_id: int) -> float:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torch.distributed.rpc import RRef
-
 from pipejob.trainer.pipeline.reader import Batch
 from pipejob.trainer.workloads import Loss
 
@@ -31,9 +29,8 @@ class ReplicaShare:
 class Round:
     """A forward round's batch, read on the first stage: training or evaluation."""
 
-    number: int  # the stages' order of rounds
+    number: int  # the stages' order of rounds; the last fetches its labels by it
     micro_batches: int  # as the first stage split it: no more than its samples
-    labels: RRef  # on the first stage; the last fetches them from there
     samples: int = 0  # in the batch
 
 

@@ -71,3 +71,13 @@ def step_seconds(events: list[dict[str, list[float]]]) -> tuple[float, float, fl
     forward = [tuple(e["forward"]) for e in events if "forward" in e]
     backward = [tuple(e["backward"]) for e in events if "backward" in e]
     return busy_seconds(forward), busy_seconds(backward), busy_seconds(forward + backward)
+
+
+def only(
+    totals: dict[int, tuple[float, float, float]], step: int | None
+) -> dict[int, tuple[float, float, float]]:
+    """A stage's `totals` per step, or only step `step`'s: a progress line asks for one step,
+    not every step's again."""
+    if step is None:
+        return dict(totals)
+    return {step: totals[step]} if step in totals else {}

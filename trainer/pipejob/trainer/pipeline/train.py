@@ -5,6 +5,7 @@ the trained model written out (trained_model.py) and the run's summary (summary.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -96,23 +97,54 @@ def train_steps(
     evaluations: list[dict[str, Any]] = []
     monitor.board().phase("training")
     events = Events(spec.logging.tensorboard if spec.logging else None, first)
-    every = env.names("stage")
     try:
-        for step in range(first, spec.steps):
-            with profiling.window(env, profile, step + 1, every) as rpc_calls, rpc_calls():
-                result = pipelines.step(planned.micro_batches, step, planned.loss)
-            results.append(result)
-            record_step(env, step, result, events)
-            if checkpoint.due(spec, step + 1):
-                save_checkpoint(env, step + 1, pipelines, planned.shards)
-                events.flush()
-            if (step + 1) % spec.log_every == 0 or step + 1 == spec.steps:
-                log_step(env, planned.names, pipelines, step, result, events)
-            if evaluates and evaluation_due(spec, step + 1):
-                evaluations.append(evaluate(env, pipelines, planned, step + 1, events))
+        for steps in runs(spec, first, profile, evaluates):
+            for result, step in zip(
+                run_results(env, pipelines, planned, steps, profile), steps, strict=True
+            ):
+                results.append(result)
+                record_step(env, step, result, events)
+                if checkpoint.due(spec, step + 1):
+                    save_checkpoint(env, step + 1, pipelines, planned.shards)
+                    events.flush()
+                if (step + 1) % spec.log_every == 0 or step + 1 == spec.steps:
+                    log_step(env, planned.names, pipelines, step, result, events)
+                if evaluates and evaluation_due(spec, step + 1):
+                    evaluations.append(evaluate(env, pipelines, planned, step + 1, events))
     finally:
         events.close()
     return results, evaluations
+
+
+def runs(
+    spec: PipelineSpec, first: int, profile: profiling.Settings | None, evaluates: bool
+) -> Iterator[range]:
+    """Steps first .. spec.steps - 1 (0-based) as runs the engine may send back to back
+    (Replicas.run_steps): a run ends where the loop does more after a step than record and
+    log it (a checkpoint, an evaluation); a profiled step runs alone."""
+    start = first
+    for after in range(first + 1, spec.steps + 1):  # 1-based: after step `after`
+        profiled = profile is not None and not profile.steps.isdisjoint({after, after + 1})
+        evaluated = evaluates and evaluation_due(spec, after)
+        if after == spec.steps or profiled or evaluated or checkpoint.due(spec, after):
+            yield range(start, after)
+            start = after
+
+
+def run_results(
+    env: Env[PipelineSpec],
+    pipelines: Replicas,
+    planned: Plan,
+    steps: range,
+    profile: profiling.Settings | None,
+) -> Iterable[StepResult]:
+    """The results of a run of steps (`runs`), as they come; a step alone in its run is
+    profiled where the spec asks (profiling.window)."""
+    if len(steps) > 1:
+        return pipelines.run_steps(planned.micro_batches, steps, planned.loss)
+    with profiling.window(env, profile, steps.start + 1, env.names("stage")) as rpc_calls:
+        with rpc_calls():
+            return [pipelines.step(planned.micro_batches, steps.start, planned.loss)]
 
 
 def record_step(env: Env[PipelineSpec], step: int, result: StepResult, events: Events) -> None:
@@ -152,7 +184,7 @@ def log_step(
         f"  grad norm {result.grad_norm:.4g}",
     )
     board = monitor.board()
-    bubble, times = stage_report(names, pipelines.timings(), step, result)
+    bubble, times = stage_report(names, pipelines.timings(step), step, result)
     board.stages(bubble, times)
     memory.refresh(env, board)  # each member's peak, for /progress and /metrics
     events.scalars(step + 1, bubble=bubble)

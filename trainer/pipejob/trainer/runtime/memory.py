@@ -9,6 +9,7 @@ feeding /progress and /metrics)."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 TIMEOUT = 30.0
 
 Peak = dict[str, int]  # rssPeakBytes, and cudaPeakBytes where CUDA is in use
+REFRESH_SECONDS = 1.0
+_refreshed = float("-inf")  # time.monotonic() of the last refresh
 
 
 def peak() -> Peak:
@@ -73,10 +76,15 @@ def gather(env: Env) -> dict[str, Peak]:
 
 
 def refresh(env: Env, board: Board) -> None:
-    """Ask every member for its peak without waiting; each answer goes to `board`
+    """Ask every member for its peak without waiting, at most once every REFRESH_SECONDS
+    (a progress line may come every few milliseconds); each answer goes to `board`
     (monitor.Board.memory) when it comes."""
     import torch.distributed.rpc as rpc
 
+    global _refreshed
+    if time.monotonic() - _refreshed < REFRESH_SECONDS:
+        return
+    _refreshed = time.monotonic()
     board.memory(env.rpc_name, peak())
     for name in env.world:
         if name != env.rpc_name:

@@ -7,8 +7,11 @@ learning rate of the step. What both engines' drivers share is pipeline/driver.p
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import torch
+from torch.futures import Future
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import driver
@@ -21,6 +24,41 @@ from pipejob.trainer.runtime.optim import learning_rate
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
+
+Reply = tuple[float | None, float | None]  # a stage's to Stage.train: loss (the last's), norm
+
+
+def outcome(replies: list[Reply], norms: bool) -> tuple[float, list[float] | None]:
+    """A round's loss (the last stage's reply) and, where they were asked for, each stage's
+    gradient norm."""
+    loss = replies[-1][0]
+    assert loss is not None
+    return loss, [norm for _, norm in replies] if norms else None  # type: ignore[misc]
+
+
+@dataclass
+class InFlight:
+    """A step sent to the stages (Replicas.run_steps) whose replies are not yet read: its
+    one training round's number and share of the batch, when it was sent and, where it was
+    sent while the step before ran, when that one's replies were in."""
+
+    step: int
+    round: int
+    share: float
+    sent: float  # time.perf_counter()
+    replies: list[Future[Reply]]
+    follows: Future[float] | None
+
+    def __post_init__(self) -> None:
+        self.ended = torch.futures.collect_all(self.replies).then(lambda _: time.perf_counter())
+
+    def began(self) -> float:
+        """When its stages began it, as the master sees it."""
+        return self.sent if self.follows is None else max(self.sent, self.follows.wait())
+
+    def settle(self) -> None:
+        """Wait for its replies, whatever they are: nothing sent is left running."""
+        self.ended.wait()
 
 
 def even(micro_batches: int, samples: int) -> int:
@@ -93,33 +131,48 @@ class Pipeline(driver.Pipeline):
         read: int | None = None,
         finish: Finish | None = None,
     ) -> tuple[float, list[float] | None]:
-        """Training round `batch` of step `step` through every stage at once; its loss
-        (weighted by `weight` for the backward) and, with `unscale` (1 / fp16's loss scale),
-        each stage's gradient norm after it (Shard.norm), computed in the same call. `read`:
-        the first stage reads the round first, as that many micro-batches (`read_round`);
-        `finish` (with `unscale`): the stages finish the step themselves (Stage._finish)."""
+        """Training round `batch` of step `step` through every stage at once (`launch`); its
+        loss and, with `unscale`, each stage's gradient norm after it."""
+        replies = torch.futures.wait_all(
+            self.launch(batch, step, loss_fn, weight, unscale, read, finish)
+        )
+        return outcome(replies, unscale is not None)
+
+    def launch(
+        self,
+        batch: Round,
+        step: int,
+        loss_fn: Loss,
+        weight: float,
+        unscale: float | None = None,
+        read: int | None = None,
+        finish: Finish | None = None,
+        after: int | None = None,
+    ) -> list[Future[Reply]]:
+        """Sends training round `batch` of step `step` to every stage (Stage.train): its loss
+        weighted by `weight` for the backward; with `unscale` (1 / fp16's loss scale), each
+        stage's gradient norm after it, computed in the same call; `read`: the first stage
+        reads the round first, as that many micro-batches (`read_round`); `finish` (with
+        `unscale`): the stages finish the step themselves (Stage._finish); `after`: each
+        stage runs it once round `after` has run there. The futures of the stages' replies."""
         self.learn(batch, True)
         runs = even(batch.micro_batches, batch.samples)
         last = len(self.stages) - 1  # holds the last piece (stage k is on process k % p)
         round_ = (batch.number, runs, batch.samples)  # as the stages run it
-        replies = torch.futures.wait_all(
-            [
-                remote_stage(name, stage).future(
-                    Stage.train,
-                    *round_,
-                    step,
-                    loss_fn,
-                    weight,
-                    batch.labels if k == last else None,
-                    unscale,
-                    read if k == 0 else None,
-                    finish,
-                )
-                for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
-            ]
-        )
-        norms = None if unscale is None else [norm for _, norm in replies]
-        return replies[last][0], norms
+        return [
+            remote_stage(name, stage).future(
+                Stage.train,
+                *round_,
+                step,
+                loss_fn if k == last else None,
+                weight,
+                unscale,
+                read if k == 0 else None,
+                finish,
+                after,
+            )
+            for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
+        ]
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0):
@@ -137,7 +190,6 @@ class Pipeline(driver.Pipeline):
                         batch.number,
                         runs,
                         batch.samples,
-                        batch.labels if k == last else None,
                         loss_fn,
                         tally if k == last else None,
                     )
@@ -165,6 +217,73 @@ class Replicas(driver.Replicas):
         ]
         super().__init__(pipelines, shards, spec)
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether a step may be sent before the last one's result is in: where the stages
+        finish every step themselves (one pipeline, one round a step, no tied weights) and
+        nothing of a step waits on the master's judgement of the last (fp16's loss scale)."""
+        return (
+            not self.tied
+            and len(self.pipelines) == 1
+            and self.accumulation == 1
+            and self.loss_scale is None
+        )
+
+    def run_steps(self, micro_batches: int, steps: range, loss_fn: Loss) -> Iterator[StepResult]:
+        """As driver.Replicas.run_steps; where the engine `runs_ahead`, each step is sent
+        while the last runs, so the stages never wait for the master between steps (the
+        master reads a step's result while the next one runs). A round whose shapes are not
+        yet learnt is sent alone."""
+        if not self.runs_ahead:
+            yield from super().run_steps(micro_batches, steps, loss_fn)
+            return
+        pipeline = self.pipelines[0]
+        sent: list[InFlight] = []  # the step running, and the next one
+        try:
+            for step in steps:
+                if sent and not pipeline.reads_next_in_run(micro_batches):
+                    yield self._landed(sent.pop())
+                sent.append(self._send(micro_batches, step, loss_fn, sent[-1] if sent else None))
+                if len(sent) == 2:
+                    yield self._landed(sent.pop(0))
+            while sent:
+                yield self._landed(sent.pop(0))
+        finally:
+            for flight in sent:
+                flight.settle()
+
+    def _send(
+        self, micro_batches: int, step: int, loss_fn: Loss, running: InFlight | None
+    ) -> InFlight:
+        """Step `step`'s one round, sent (after step `running`'s, where one runs)."""
+        sent = time.perf_counter()
+        pipeline = self.pipelines[0]
+        round_, read = pipeline.read_round(micro_batches, None)
+        share = self.share(round_, self.batch)
+        after = None if running is None else running.round
+        replies = pipeline.launch(
+            round_, step, loss_fn, share, 1.0, read, self._finish(step), after
+        )
+        follows = None if running is None else running.ended
+        return InFlight(step, round_.number, share, sent, replies, follows)
+
+    def _landed(self, flight: InFlight) -> StepResult:
+        """A sent step's result, once its replies are in. Its seconds run from when the
+        stages began it to when they were done: stepping was part of their call."""
+        pipeline = self.pipelines[0]
+        loss, norms = outcome(torch.futures.wait_all(flight.replies), True)
+        ran = RoundsRun([loss * flight.share], [flight.round], norms, flight.began())
+        result = self.step_result(pipeline, NO_CONTEXT, flight.step, ran, stepped=True)
+        seconds = flight.ended.wait() - ran.start
+        return self.combined(
+            flight.step, [replace(result, pipeline_seconds=seconds, optimizer_seconds=0.0)]
+        )
+
+    def _finish(self, step: int) -> Finish:
+        """Step `step`'s clipping and learning rate, for stages that finish it themselves."""
+        lr = learning_rate(self.optimizer, self.steps, step)
+        return self.optimizer.clip_grad_norm, lr if self.optimizer.schedule is not None else None
+
     def _replica_result(self, part: ReplicaShare) -> StepResult:
         pipeline = self.pipelines[part.replica]
         rounds, step = part.rounds, part.step
@@ -176,11 +295,6 @@ class Replicas(driver.Replicas):
         # one (the stages see its loss alone), its call finishes the step too.
         early = not self.tied and len(self.pipelines) == 1
         stepped = early and len(rounds) == 1
-        lr = learning_rate(self.optimizer, self.steps, step)
-        finish = (
-            self.optimizer.clip_grad_norm,
-            lr if self.optimizer.schedule is not None else None,
-        )
         start = time.perf_counter()
         losses, numbers, norms = [], [], None
         for a, given in enumerate(rounds):
@@ -197,7 +311,7 @@ class Replicas(driver.Replicas):
                     weight * share,
                     unscale,
                     read,
-                    finish if stepped else None,
+                    self._finish(step) if stepped else None,
                 )
             losses.append(loss * share)
         ran = RoundsRun(losses, numbers, norms, start)

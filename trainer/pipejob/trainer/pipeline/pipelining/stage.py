@@ -8,13 +8,13 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.rpc import RRef
 
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline import gradients
@@ -23,9 +23,10 @@ from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_parts import Part
-from pipejob.trainer.pipeline.timing import Clock, step_seconds
+from pipejob.trainer.pipeline.timing import Clock, only, step_seconds
 from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.optim import clip_coefficient
+from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.cut import join
 from pipejob.trainer.workloads.metrics import Tally
@@ -34,6 +35,7 @@ NO_CONTEXT = 0  # gradients are in .grad: no context names them
 Metas = list[tuple[tuple[int, ...], torch.dtype]]  # the shape and dtype of each value
 Key = tuple[bool, int, int]  # a kind of round: training?, micro-batches, samples
 Finish = tuple[float | None, float | None]  # the step's clipGradNorm and learning rate
+METERED_ROUNDS = 2  # training rounds of each kind whose activations are counted
 
 
 class Flat(nn.Module):
@@ -96,7 +98,7 @@ class Timed(PipelineStage):
         self.owner = owner
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.owner.timed("forward"), self.owner.meter.counting():
+        with self.owner.timed("forward"), self.owner.counting():
             output = super().forward_one_chunk(*args, **kwargs)
         self.owner.forwarded(output)
         return output
@@ -142,14 +144,19 @@ class Stage(Shard):
             for k, piece in zip(pieces, self.pieces, strict=True)
         ]
         self.meter = ActivationMeter(self.layers.parameters())
+        self._metered: dict[Key, int] = {}  # training rounds counted, per kind
+        self._counting = False  # the meter counts this round's activations
         self._runs: dict[Key, tuple[Any, list[Timed]]] = {}
         self._metas: dict[tuple[Key, int], tuple[Metas, Metas]] = {}  # (in, out) per piece
-        self._loss: tuple[Loss, float] | None = None  # the round's loss and its weight
+        self._loss: tuple[Loss | None, float] | None = None  # the round's loss and its weight
         self._losses: list[torch.Tensor] = []
         self._clock = Clock(self.device)
         self._record = threading.Lock()
         self._step: int | None = None
+        self._training = False  # a training round is running (its step's marks still come)
         self._round = 0  # the training round running
+        self._ran = threading.Condition()
+        self._last_ran = -1  # the last training round that ran here
         self._events: dict[int, list[dict[str, list[Any]]]] = {}
         self._totals: dict[int, tuple[float, float, float]] = {}
 
@@ -197,9 +204,9 @@ class Stage(Shard):
         """One micro-batch's loss, as the schedule asks for it on the last stage: the job's
         loss of the model's output, weighted for the step (1 / micro-batches, / rounds, x
         fp16's loss scale)."""
-        assert self._loss is not None
+        assert self._loss is not None and self._loss[0] is not None  # given to the last stage
         loss_fn, weight = self._loss
-        with self.meter.counting():
+        with self.counting():
             loss = loss_fn(self.modules[-1].rebuild(output), target)
         self._losses.append(loss.detach())
         return loss * weight
@@ -210,28 +217,69 @@ class Stage(Shard):
         micro_batches: int,
         samples: int,
         step: int,
-        loss_fn: Loss,
+        loss_fn: Loss | None,
         weight: float,
-        labels: RRef | None,
         unscale: float | None = None,
         read: int | None = None,
         finish: Finish | None = None,
+        after: int | None = None,
     ) -> tuple[float | None, float | None]:
         """Training round `round` of step `step`: forwards and backwards of its
         `micro_batches` (of `samples` in all), the gradients added to .grad; `read`: the first
         stage reads the round first, as that many micro-batches (Reader.read); `finish`: the
-        step's tail too (`_finish`). Returns the round's loss on the last stage (the mean of
-        its micro-batches'; None elsewhere) and, with `unscale`, the norm of the step's
-        gradients (Shard.norm; else None)."""
+        step's tail too (`_finish`); `after`: once round `after` has run here (`_follow`).
+        Returns the round's loss on the last stage (the mean of its micro-batches'; None
+        elsewhere) and, with `unscale`, the norm of the step's gradients (Shard.norm; else
+        None)."""
+        self._follow(after)
+        try:
+            return self._train(
+                round, micro_batches, samples, step, loss_fn, weight, unscale, read, finish
+            )
+        finally:
+            with self._record:
+                self._training = False
+            with self._ran:
+                self._last_ran = max(self._last_ran, round)
+                self._ran.notify_all()
+
+    def _follow(self, round: int | None) -> None:
+        """Wait until training round `round` has run here: the master sends a step before
+        the last one's replies are in (Replicas.run_steps), and this process's RPC threads
+        may start the two calls in either order."""
+        if round is None:
+            return
+        with self._ran:
+            if not self._ran.wait_for(lambda: self._last_ran >= round, RPC_TIMEOUT_SECONDS):
+                raise TimeoutError(
+                    f"training round {round} did not end here within {RPC_TIMEOUT_SECONDS:g}s"
+                    f" (the last that did: {self._last_ran})"
+                )
+
+    def _train(
+        self,
+        round: int,
+        micro_batches: int,
+        samples: int,
+        step: int,
+        loss_fn: Loss | None,
+        weight: float,
+        unscale: float | None,
+        read: int | None,
+        finish: Finish | None,
+    ) -> tuple[float | None, float | None]:
         if read is not None:
             self.reader.read_planned(round, read, samples)
         run, _ = self._run(True, micro_batches, samples)
+        key = (True, micro_batches, samples)
+        self._metered[key] = self._metered.get(key, 0) + 1
+        self._counting = self._metered[key] <= METERED_ROUNDS
         args = (self.reader.inputs(round),) if self.first else ()
         # Contiguous, as torch 2.11's schedules check the strides of what they split.
-        target = labels.to_here().to(self.device).contiguous() if self.last else None
+        target = self.labels(round).contiguous() if self.last else None
         self._loss, self._losses = (loss_fn, weight / micro_batches), []
         self._round = round
-        self._begin(step)
+        self._begin(step, training=True)
         run.step(*args, target=target, return_outputs=False)
         norm = None if unscale is None else self.norm(NO_CONTEXT, unscale)
         loss = torch.stack(self._losses).mean().item() if self.last else None
@@ -270,7 +318,6 @@ class Stage(Shard):
         round: int,
         micro_batches: int,
         samples: int,
-        labels: RRef | None,
         loss_fn: Loss,
         tally: Tally | None,
     ) -> Tally | None:
@@ -283,11 +330,11 @@ class Stage(Shard):
             run.step(*args)
         if not self.last:
             return None
-        assert tally is not None and labels is not None
+        assert tally is not None
         last = stages[-1]
         outputs = join([self.modules[-1].rebuild(chunk) for chunk in last.output_chunks])
         last.output_chunks.clear()
-        tally.add(outputs, labels.to_here().to(self.device), loss_fn)
+        tally.add(outputs, self.labels(round), loss_fn)
         return tally
 
     def gradients(self, context_id: int) -> dict[str, torch.Tensor]:
@@ -299,18 +346,25 @@ class Stage(Shard):
         assert self.optimizer is not None
         self.optimizer.zero_grad()
 
+    def counting(self) -> AbstractContextManager[None]:
+        """Where the meter counts what autograd saves: in the first training rounds of each
+        kind (METERED_ROUNDS); every later one holds the same, and its hooks cost a Python
+        call per saved tensor."""
+        return self.meter.counting() if self._counting else nullcontext()
+
     def activation_peak(self) -> int:
         """The most bytes of activations this stage has held for its backwards."""
         return self.meter.peak
 
     # ------------------------------------------------------------------ timing
 
-    def _begin(self, step: int | None) -> None:
-        """Record the forwards and backwards from here on as step `step`'s (None: none)."""
+    def _begin(self, step: int | None, training: bool = False) -> None:
+        """Record the forwards and backwards from here on as step `step`'s (None: none),
+        in a training round (`training`) or not."""
         with self._record:
             if self._step is not None and self._step != step:
                 self._fold(self._step)
-            self._step = step
+            self._step, self._training = step, training
 
     def timed(self, what: str):
         return _Interval(self, what)
@@ -323,13 +377,13 @@ class Stage(Shard):
             [{k: [at[id(m)] for m in pair] for k, pair in e.items()} for e in events]
         )
 
-    def timings(self) -> dict[int, tuple[float, float, float]]:
-        """Per step: seconds this stage spent in forward, in backward, and busy at all."""
+    def timings(self, step: int | None = None) -> dict[int, tuple[float, float, float]]:
+        # A round still running (the next step, sent early) is folded once it has ended.
         with self._record:
-            if self._step is not None:
+            if self._step is not None and not self._training:
                 self._fold(self._step)
                 self._step = None
-            return dict(self._totals)
+            return only(self._totals, step)
 
 
 def _meta(metas: Metas, training: bool) -> tuple[torch.Tensor, ...]:

@@ -147,7 +147,6 @@ class Pipeline(driver.Pipeline):
             Stage.loss_backward,
             batch.number,
             batch.micro_batches,
-            batch.labels,
             loss_fn,
             context_id,
             scale,
@@ -180,7 +179,6 @@ class Pipeline(driver.Pipeline):
                 Stage.tally,
                 batch.number,
                 batch.micro_batches,
-                batch.labels,
                 loss_fn,
                 tally,
             )

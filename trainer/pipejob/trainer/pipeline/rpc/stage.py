@@ -20,7 +20,7 @@ from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_parts import Part
-from pipejob.trainer.pipeline.timing import Clock, input_nodes, step_seconds
+from pipejob.trainer.pipeline.timing import Clock, input_nodes, only, step_seconds
 from pipejob.trainer.runtime import nonfinite, rendezvous
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.cut import join, tensors
@@ -169,20 +169,19 @@ class Stage(Shard):
         end = self._clock.mark()
         return start, y, end, nonfinite.all_finite(y, quick=True)
 
-    def _round_outputs(self, round: int, micro_batches: int, labels: RRef) -> tuple[Any, Any]:
+    def _round_outputs(self, round: int, micro_batches: int) -> tuple[Any, Any]:
         """The last stage: forward round `round`'s outputs, its micro-batches' joined, and
-        its labels, fetched from the first stage."""
+        its labels, fetched from the first stage (Shard.labels)."""
         with self._record:
             outputs = [self._outputs.pop((round, mb)) for mb in range(micro_batches)]
             # A round that failed half-way leaves outputs no loss will take.
             self._outputs = {k: v for k, v in self._outputs.items() if k[0] > round}
-        return join(outputs), labels.to_here().to(self.device)
+        return join(outputs), self.labels(round)
 
     def loss_backward(
         self,
         round: int,
         micro_batches: int,
-        labels: RRef,
         loss_fn: Loss,
         context_id: int,
         scale: float,
@@ -193,7 +192,7 @@ class Stage(Shard):
         batch, as in one process), the distributed backward from it times `scale`, and this
         stage settled (`settle`), in one call; with `unscale`, the norm of the step's
         gradients too (Shard.norm). Only the loss's value crosses to the master."""
-        outputs, labels = self._round_outputs(round, micro_batches, labels)
+        outputs, labels = self._round_outputs(round, micro_batches)
         loss = self._on_device(loss_fn, outputs, labels).cpu()
         dist_autograd.backward(context_id, [loss * scale if scale != 1.0 else loss])
         self.settle(step, micro_batches)
@@ -204,12 +203,11 @@ class Stage(Shard):
         self,
         round: int,
         micro_batches: int,
-        labels: RRef,
         loss_fn: Callable[..., Any],
         tally: Tally,
     ) -> Tally:
         """The last stage: `tally` with evaluation round `round`'s figures added."""
-        outputs, labels = self._round_outputs(round, micro_batches, labels)
+        outputs, labels = self._round_outputs(round, micro_batches)
         self._on_device(tally.add, outputs, labels, loss_fn)
         return tally
 
@@ -300,11 +298,10 @@ class Stage(Shard):
             intervals.append(interval)
         return intervals
 
-    def timings(self) -> dict[int, tuple[float, float, float]]:
-        """Per step: seconds this stage spent in forward, in backward, and busy at all."""
+    def timings(self, step: int | None = None) -> dict[int, tuple[float, float, float]]:
         with self._record:
             self._fold(before=float("inf"))
-            return dict(self._totals)
+            return only(self._totals, step)
 
     def gradients(self, context_id: int) -> dict[str, torch.Tensor]:
         """The step's gradients, in its distributed autograd context."""

@@ -3,7 +3,8 @@ computes one process's loss and gradients (float64, as jobrun.check_gradients), 
 transformer language model, ResNet-50 and a model whose tied weight the cut separates, in 2
 to 4 stage processes, with replicas; each world runs every schedule on the same processes.
 And a job as a user runs it, with replicas, evaluation, its model out and a restart that
-resumes exactly."""
+resumes exactly; and steps sent ahead, each while the last runs, computing what steps one
+after the other do."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.rpc as rpc
 from userdata import BYTE_VOCAB, write_stdlib_tokens
 
 from harness.variants import exhaustive
@@ -23,12 +25,19 @@ from jobrun import (
     by_parameter,
     check_gradients,
     final_state,
+    master_of,
     pipeline_job,
     run_to_end,
+    run_world,
 )
-from pipejob.core import spec
-from pipejob.trainer.pipeline.pipelining.driver import even
-from pipejob.trainer.runtime import checkpoint
+from pipejob.core import plan, spec
+from pipejob.runner.local import LOOPBACK, free_ports
+from pipejob.trainer import workloads
+from pipejob.trainer.pipeline.pipelining.driver import Replicas, even
+from pipejob.trainer.pipeline.shards import plan_shards
+from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.train import runs
+from pipejob.trainer.runtime import checkpoint, profiling
 from pipejob.trainer.runtime.model_files import load_state_dict
 from pipejob.trainer.workloads import models
 
@@ -205,6 +214,89 @@ def test_an_evaluation_with_a_smaller_last_batch_says_what_the_rpc_engine_says(
     assert figures["pipelining"]["samples"] == figures["rpc"]["samples"] == 14
     for key in ("loss", "accuracy", "perplexity"):
         assert figures["pipelining"][key] == pytest.approx(figures["rpc"][key], rel=1e-5), key
+
+
+# ---------------------------------------------------------------- steps sent ahead
+
+AHEAD_STEPS = 5
+
+
+def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
+    """The master drives the same job twice on the same stage processes, from the same
+    start: a step after the last one's result (Replicas.step), and sent ahead
+    (Replicas.run_steps), noting when it sent each step and read its result."""
+    if (env := master_of(rank, envs)) is None:
+        return
+    try:
+        s, names = env.spec, env.names("stage")
+        shards = plan_shards(s, *models.build_meta(s), names)
+        loss = workloads.loss(s)
+        one_by_one = Replicas([names], shards, s)
+        stepped = [one_by_one.step(s.micro_batches, k, loss) for k in range(AHEAD_STEPS)]
+        ahead = Replicas([names], shards, s)
+        order: list[str] = []
+        send, land = ahead._send, ahead._landed
+        ahead._send = lambda m, step, *a: order.append(f"send {step}") or send(m, step, *a)
+        ahead._landed = lambda flight: order.append(f"read {flight.step}") or land(flight)
+        sent = list(ahead.run_steps(s.micro_batches, range(AHEAD_STEPS), loss))
+        figures = [[(r.loss, r.grad_norm, r.lr) for r in rs] for rs in (stepped, sent)]
+        prints = [r.pipelines[0].stage_results(Shard.fingerprint) for r in (one_by_one, ahead)]
+        torch.save({"figures": figures, "prints": prints, "order": order}, out)
+    finally:
+        rpc.shutdown()
+
+
+def test_steps_sent_ahead_compute_what_steps_one_after_the_other_do(tmp_path: Path):
+    """The pipelining engine's master sends a step while the last one runs: every step but
+    the first (sent alone: its shapes are learnt in it) goes before the last one's result is
+    read, and the losses, gradient norms, learning rates and weights are those of the same
+    steps run one after the other, bit for bit (momentum, clipping and a schedule)."""
+    job = spec.parse(
+        pipeline_job(
+            "ahead",
+            model={"transformer": TRANSFORMER},
+            engine="pipelining",
+            schedule="1f1b",
+            stages=2,
+            batchSize=4,
+            microBatches=2,
+            steps=AHEAD_STEPS,
+            optimizer={
+                "name": "sgd",
+                "lr": 0.05,
+                "momentum": 0.9,
+                "clipGradNorm": 0.5,
+                "schedule": {"warmupSteps": 2},
+            },
+        )
+    )
+    envs = [p.env for p in plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(*free_ports(2)))]
+    got = run_world(_ahead_world, envs, tmp_path / "ahead.pt", timeout=200)
+    ahead = [line for k in range(1, AHEAD_STEPS) for line in (f"send {k}", f"read {k - 1}")]
+    assert got["order"] == ["send 0", *ahead, f"read {AHEAD_STEPS - 1}"]
+    stepped, sent = got["figures"]
+    assert sent == stepped and len({loss for loss, _, _ in sent}) == AHEAD_STEPS
+    for a, b in zip(*got["prints"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_loop_runs_steps_back_to_back_up_to_a_checkpoint_an_evaluation_or_a_profile():
+    """The master's loop sends steps ahead within a run (train.runs): a run ends after a step
+    that a checkpoint or an evaluation follows, and a profiled step runs alone."""
+    job = spec.parse(
+        pipeline_job(
+            "runs",
+            steps=12,
+            checkpoint={"path": "/tmp/unused", "everySteps": 5},
+            eval={"everySteps": 4},
+        )
+    ).settings
+    profile = profiling.Settings(frozenset({7}), Path("/tmp/unused"), 10)
+    spans = [(r.start, r.stop) for r in runs(job, 0, profile, evaluates=True)]
+    assert spans == [(0, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 10), (10, 12)]
+    # Without an evaluation or a profile, from a resumed step 3.
+    spans = [(r.start, r.stop) for r in runs(job, 3, None, evaluates=False)]
+    assert spans == [(3, 5), (5, 10), (10, 12)]
 
 
 def test_a_round_runs_in_equal_micro_batches():

@@ -33,7 +33,7 @@ def outcome(replies: list[Reply], norms: bool) -> tuple[float, list[float] | Non
     gradient norm."""
     loss = replies[-1][0]
     assert loss is not None
-    return loss, [norm for _, norm in replies] if norms else None  # type: ignore[misc]
+    return loss, [norm for _, norm in replies] if norms else None
 
 
 @dataclass

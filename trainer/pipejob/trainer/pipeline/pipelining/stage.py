@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -20,6 +19,7 @@ from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.pipelining import groups, schedules
 from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
+from pipejob.trainer.pipeline.pipelining.flat import Flat
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_parts import Part
@@ -36,57 +36,6 @@ Metas = list[tuple[tuple[int, ...], torch.dtype]]  # the shape and dtype of each
 Key = tuple[bool, int, int]  # a kind of round: training?, micro-batches, samples
 Finish = tuple[float | None, float | None]  # the step's clipGradNorm and learning rate
 METERED_ROUNDS = 2  # training rounds of each kind whose activations are counted
-
-
-class Flat(nn.Module):
-    """A piece as a PipelineStage runs it: the last one's output as a tuple of its tensors,
-    its structure (a dict, a Hugging Face ModelOutput) kept to rebuild it for the loss; any
-    other piece's outputs are sent to the next stage, so they must be tensors. An output
-    that is a view of another tensor is passed on as a copy: torch's backwards detach their
-    outputs in place, which a view refuses."""
-
-    def __init__(self, piece: nn.Module, last: bool, where: str):
-        super().__init__()
-        self.piece, self.last, self.where = piece, last, where
-        self.rebuild: Callable[[tuple[torch.Tensor, ...]], Any] = lambda ts: ts
-
-    def forward(self, *x: Any) -> Any:
-        y = self.piece(*x)
-        if self.last:
-            values, self.rebuild = flatten(y)
-        else:
-            values = y if isinstance(y, tuple) else (y,)
-            others = [type(v).__name__ for v in values if not isinstance(v, torch.Tensor)]
-            if others:
-                raise ValueError(
-                    f"spec.engine pipelining passes only tensors between stages; the model"
-                    f" passes {', '.join(others)} at {self.where}: cut elsewhere"
-                    " (spec.splitPoints) or use spec.engine rpc"
-                )
-        return tuple(v.clone() if v._base is not None else v for v in values)
-
-
-def flatten(value: Any) -> tuple[tuple[torch.Tensor, ...], Callable[..., Any]]:
-    """The tensors of an output (a tensor, a tuple or list, a dict or ModelOutput of them),
-    and what makes the output again from them."""
-    if isinstance(value, torch.Tensor):
-        return (value,), lambda ts: ts[0]
-    if isinstance(value, tuple | list | dict):
-        keys = list(value) if isinstance(value, dict) else list(range(len(value)))
-        parts = [flatten(value[k]) for k in keys]
-        sizes = [len(ts) for ts, _ in parts]
-
-        def rebuild(ts: tuple[torch.Tensor, ...]) -> Any:
-            items, at = [], 0
-            for (_, make), n in zip(parts, sizes, strict=True):
-                items.append(make(ts[at : at + n]))
-                at += n
-            if isinstance(value, dict):
-                return type(value)(**dict(zip(keys, items, strict=True)))
-            return type(value)(items)
-
-        return tuple(t for ts, _ in parts for t in ts), rebuild
-    return (), lambda ts: value  # a constant: the same in every micro-batch
 
 
 class Timed(PipelineStage):

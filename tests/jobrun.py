@@ -292,7 +292,8 @@ def _pipelining_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple
 
     def one(r: int) -> float:
         pipe = pipes[r]
-        loss, _ = pipe.run(pipe.read(s.micro_batches, shares[r]), 0, workloads.loss(s), 1.0)
+        sent = pipe.launch(pipe.read(s.micro_batches, shares[r]), 0, workloads.loss(s), 1.0)
+        loss, _ = driver.outcome(torch.futures.wait_all(sent), norms=False)
         pipe.combine_tied(0, shards.tied)
         if s.replicas.max > 1:
             pipe.stage_results(Shard.average_gradients, 0)

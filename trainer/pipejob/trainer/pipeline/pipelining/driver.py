@@ -121,23 +121,6 @@ class Pipeline(driver.Pipeline):
         # Not before the shapes of such a round are learnt, on a round read first.
         return (True, even(min(micro_batches, samples), samples), samples) in self._learnt
 
-    def run(
-        self,
-        batch: Round,
-        step: int,
-        loss_fn: Loss,
-        weight: float,
-        unscale: float | None = None,
-        read: int | None = None,
-        finish: Finish | None = None,
-    ) -> tuple[float, list[float] | None]:
-        """Training round `batch` of step `step` through every stage at once (`launch`); its
-        loss and, with `unscale`, each stage's gradient norm after it."""
-        replies = torch.futures.wait_all(
-            self.launch(batch, step, loss_fn, weight, unscale, read, finish)
-        )
-        return outcome(replies, unscale is not None)
-
     def launch(
         self,
         batch: Round,
@@ -303,16 +286,12 @@ class Replicas(driver.Replicas):
             numbers.append(round_.number)
             share = self.share(round_, part.batch)
             unscale = self.unscale() if early and a == len(rounds) - 1 else None
+            finish = self._finish(step) if stepped else None
             with phase("schedule"):
-                loss, norms = pipeline.run(
-                    round_,
-                    step,
-                    part.loss_fn,
-                    weight * share,
-                    unscale,
-                    read,
-                    self._finish(step) if stepped else None,
+                replies = pipeline.launch(
+                    round_, step, part.loss_fn, weight * share, unscale, read, finish
                 )
+                loss, norms = outcome(torch.futures.wait_all(replies), unscale is not None)
             losses.append(loss * share)
         ran = RoundsRun(losses, numbers, norms, start)
         return self.step_result(pipeline, NO_CONTEXT, step, ran, stepped)

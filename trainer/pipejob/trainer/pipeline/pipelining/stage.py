@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import threading
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -176,65 +177,50 @@ class Stage(Shard):
         """Training round `round` of step `step`: forwards and backwards of its
         `micro_batches` (of `samples` in all), the gradients added to .grad; `read`: the first
         stage reads the round first, as that many micro-batches (Reader.read); `finish`: the
-        step's tail too (`_finish`); `after`: once round `after` has run here (`_follow`).
+        step's tail too (`_finish`); `after`: once round `after` has run here (`_in_turn`).
         Returns the round's loss on the last stage (the mean of its micro-batches'; None
         elsewhere) and, with `unscale`, the norm of the step's gradients (Shard.norm; else
         None)."""
-        self._follow(after)
+        with self._in_turn(round, after):
+            if read is not None:
+                self.reader.read_planned(round, read, samples)
+            run, _ = self._run(True, micro_batches, samples)
+            key = (True, micro_batches, samples)
+            self._metered[key] = self._metered.get(key, 0) + 1
+            self._counting = self._metered[key] <= METERED_ROUNDS
+            args = (self.reader.inputs(round),) if self.first else ()
+            # Contiguous, as torch 2.11's schedules check the strides of what they split.
+            target = self.labels(round).contiguous() if self.last else None
+            self._loss, self._losses = (loss_fn, weight / micro_batches), []
+            self._round = round
+            self._begin(step, training=True)
+            run.step(*args, target=target, return_outputs=False)
+            norm = None if unscale is None else self.norm(NO_CONTEXT, unscale)
+            loss = torch.stack(self._losses).mean().item() if self.last else None
+            if finish is not None and norm is not None:
+                self._finish(norm, loss, *finish)
+            return loss, norm
+
+    @contextmanager
+    def _in_turn(self, round: int, after: int | None) -> Iterator[None]:
+        """Training round `round`, once round `after` has run here (None: at once): the
+        master sends a step before the last one's replies are in (Replicas.run_steps), and
+        this process's RPC threads may start the two calls in either order."""
+        if after is not None:
+            with self._ran:
+                if not self._ran.wait_for(lambda: self._last_ran >= after, RPC_TIMEOUT_SECONDS):
+                    raise TimeoutError(
+                        f"training round {after} did not end here within"
+                        f" {RPC_TIMEOUT_SECONDS:g}s (the last that did: {self._last_ran})"
+                    )
         try:
-            return self._train(
-                round, micro_batches, samples, step, loss_fn, weight, unscale, read, finish
-            )
+            yield
         finally:
             with self._record:
                 self._training = False
             with self._ran:
                 self._last_ran = max(self._last_ran, round)
                 self._ran.notify_all()
-
-    def _follow(self, round: int | None) -> None:
-        """Wait until training round `round` has run here: the master sends a step before
-        the last one's replies are in (Replicas.run_steps), and this process's RPC threads
-        may start the two calls in either order."""
-        if round is None:
-            return
-        with self._ran:
-            if not self._ran.wait_for(lambda: self._last_ran >= round, RPC_TIMEOUT_SECONDS):
-                raise TimeoutError(
-                    f"training round {round} did not end here within {RPC_TIMEOUT_SECONDS:g}s"
-                    f" (the last that did: {self._last_ran})"
-                )
-
-    def _train(
-        self,
-        round: int,
-        micro_batches: int,
-        samples: int,
-        step: int,
-        loss_fn: Loss | None,
-        weight: float,
-        unscale: float | None,
-        read: int | None,
-        finish: Finish | None,
-    ) -> tuple[float | None, float | None]:
-        if read is not None:
-            self.reader.read_planned(round, read, samples)
-        run, _ = self._run(True, micro_batches, samples)
-        key = (True, micro_batches, samples)
-        self._metered[key] = self._metered.get(key, 0) + 1
-        self._counting = self._metered[key] <= METERED_ROUNDS
-        args = (self.reader.inputs(round),) if self.first else ()
-        # Contiguous, as torch 2.11's schedules check the strides of what they split.
-        target = self.labels(round).contiguous() if self.last else None
-        self._loss, self._losses = (loss_fn, weight / micro_batches), []
-        self._round = round
-        self._begin(step, training=True)
-        run.step(*args, target=target, return_outputs=False)
-        norm = None if unscale is None else self.norm(NO_CONTEXT, unscale)
-        loss = torch.stack(self._losses).mean().item() if self.last else None
-        if finish is not None and norm is not None:
-            self._finish(norm, loss, *finish)
-        return loss, norm
 
     def _finish(
         self, norm: float, loss: float | None, clip: float | None, lr: float | None

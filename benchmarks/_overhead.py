@@ -159,12 +159,10 @@ class Bench:
 
     def steps(self, replicas: Any, m: int, loss_fn: Any, count: int) -> list[float]:
         """The seconds of each of `count` steps through pipejob's step driver, run as the
-        master's loop runs them (Replicas.run_steps): from one step's result to the next's."""
-        seconds, last = [], time.perf_counter()
-        for _ in replicas.run_steps(m, range(self.step, self.step + count), loss_fn):
-            now = time.perf_counter()
-            seconds.append(now - last)
-            last = now
+        master's loop runs them (Replicas.run_steps), as each step's result gives them (the
+        pipelining engine's calls of several steps bring their results together)."""
+        results = replicas.run_steps(m, range(self.step, self.step + count), loss_fn)
+        seconds = [r.pipeline_seconds + r.optimizer_seconds for r in results]
         self.step += count
         return seconds
 

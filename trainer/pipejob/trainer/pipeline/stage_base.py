@@ -28,6 +28,10 @@ from pipejob.trainer.runtime.optim import Functional, set_lr
 from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+MOST_STEPS_A_CALL = 32  # in one call of the pipelining engine (its Stage.train)
+# Each stage's finite flags of the steps the master may still judge: those of the call it
+# reads and of the one sent after it.
+FINITE_STEPS_KEPT = 2 * MOST_STEPS_A_CALL
 
 
 class Computed(nn.Module):
@@ -132,15 +136,18 @@ class Shard:
         pieces = part.build() if isinstance(part, Part) else [part]
         self.pieces = [piece.to(self.device) for piece in pieces]
         self.layers = union(self.pieces)
+        # By name, looked up every step (named_parameters walks the modules each time); the
+        # same tensors as the optimizer's, for the shard's life.
+        self.parameters_by_name = dict(self.layers.named_parameters())
         # None: a pipeline that only computes (tests, evaluation); the master steps none.
         self.optimizer = (
             None if optimizer is None else Functional(optimizer, self.layers.parameters())
         )
         self.autocast = AUTOCAST[precision]  # spec.precision
         self.recompute = recompute  # spec.activationCheckpointing
-        # Per step, of the last two (the master may send a step before it has judged the
-        # last one), per training round: whether each forward's outputs were finite (tensors,
-        # read only when the master asks where a non-finite loss came from).
+        # Per step, of the last FINITE_STEPS_KEPT (the master may send steps before it has
+        # judged the last), per training round: whether each forward's outputs were finite
+        # (tensors, read only when the master asks where a non-finite loss came from).
         self._finite: dict[int, dict[int, list[torch.Tensor]]] = {}
         self._finite_lock = threading.Lock()
         self._first: tuple[str, RRef] | None = None  # the first stage: its reader has labels
@@ -205,15 +212,15 @@ class Shard:
 
     def note_finite(self, step: int, round: int, finite: torch.Tensor) -> None:
         """Whether a training forward of round `round` of step `step` gave finite outputs
-        (nonfinite.all_finite); steps before the last two are forgotten."""
+        (nonfinite.all_finite); steps before the last FINITE_STEPS_KEPT are forgotten."""
         with self._finite_lock:
             self._finite.setdefault(step, {}).setdefault(round, []).append(finite)
-            while len(self._finite) > 2:
+            while len(self._finite) > FINITE_STEPS_KEPT:
                 del self._finite[next(iter(self._finite))]
 
     def nonfinite(self, rounds: list[int]) -> bool:
         """Whether any of this stage's outputs in training rounds `rounds` (of one of the last
-        two steps) was not finite."""
+        FINITE_STEPS_KEPT steps) was not finite."""
         with self._finite_lock:
             flags = [f for step in self._finite.values() for r in rounds for f in step.get(r, [])]
         return not all(bool(f) for f in flags)
@@ -281,14 +288,14 @@ class Shard:
         ]
         return torch.tensor([[a.item(), b.item()] for a, b in rows], dtype=torch.float64)
 
-    def step_optimizer(self, context_id: int, lr: float | None) -> None:
-        """Step the shard's parameters with the step's gradients (`gradients`), with the
-        schedule's learning rate `lr` (None: the optimizer's own)."""
+    def step_optimizer(self, grads: dict[str, torch.Tensor], lr: float | None) -> None:
+        """Step the shard's parameters with the step's gradients `grads` (`gradients`), with
+        the schedule's learning rate `lr` (None: the optimizer's own)."""
         assert self.optimizer is not None, "this stage was built without an optimizer"
         if lr is not None:
             set_lr(self.optimizer, lr)
-        params = dict(self.layers.named_parameters())
-        self.optimizer.step({params[n]: g for n, g in self.gradients(context_id).items()})
+        params = self.parameters_by_name
+        self.optimizer.step({params[n]: g for n, g in grads.items()})
 
     def norm(
         self, context_id: int, unscale: float = 1.0, leave_out: frozenset[str] = frozenset()
@@ -304,8 +311,9 @@ class Shard:
         by the clipping `coefficient` and the optimizer stepped with `lr`
         (`step_optimizer`); with `zero`, .grad forgotten (stepped or skipped)."""
         if apply:
-            gradients.scale(self.gradients(context_id), coefficient)
-            self.step_optimizer(context_id, lr)
+            grads = self.gradients(context_id)
+            gradients.scale(grads, coefficient)
+            self.step_optimizer(grads, lr)
         if zero:
             assert self.optimizer is not None, "this stage was built without an optimizer"
             self.optimizer.zero_grad()

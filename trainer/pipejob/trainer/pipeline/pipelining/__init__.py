@@ -6,7 +6,10 @@ passes through it (docs/architecture.md, "Two pipeline engines, one PipelineJob"
 - driver.py: the master's step driver;
 - stage.py: a stage process's PipelineStages, schedule and optimizer;
 - schedules.py: spec.schedule as torch's schedule classes;
-- groups.py: the process groups; activations.py: the activations a stage holds."""
+- groups.py: the process groups; messages.py: what the stage processes tell each other
+  besides activations (a round's labels, a step's figures);
+- activations.py: the activations a stage holds; flat.py: a piece's outputs as the
+  schedules pass them."""
 
 from __future__ import annotations
 

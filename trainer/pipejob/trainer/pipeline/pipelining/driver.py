@@ -2,7 +2,8 @@
 its batch and every stage of the replica runs the round through its torch schedule at once
 (Stage.train); then the recipe, as on the rpc engine: tied weights' gradients summed, the
 replicas' averaged, the global norm clipped, and each stage's optimizer stepped with the
-learning rate of the step. What both engines' drivers share is pipeline/driver.py's."""
+learning rate of the step, or, where the stages finish each step themselves, several steps
+in one call. What both engines' drivers share is pipeline/driver.py's."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from torch.futures import Future
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import driver
-from pipejob.trainer.pipeline.pipelining.stage import NO_CONTEXT, Finish, Stage
+from pipejob.trainer.pipeline.pipelining.stage import NO_CONTEXT, Finish, Stage, StepReply
 from pipejob.trainer.pipeline.reader import HELD_OUT, Reader, Source
 from pipejob.trainer.pipeline.shards import Shards
+from pipejob.trainer.pipeline.stage_base import MOST_STEPS_A_CALL
 from pipejob.trainer.pipeline.stage_calls import created_stages, remote_stage
 from pipejob.trainer.pipeline.step_records import ReplicaShare, Round, RoundsRun, StepResult
 from pipejob.trainer.runtime.optim import learning_rate
@@ -25,40 +27,34 @@ from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
-Reply = tuple[float | None, float | None]  # a stage's to Stage.train: loss (the last's), norm
 
-
-def outcome(replies: list[Reply], norms: bool) -> tuple[float, list[float] | None]:
-    """A round's loss (the last stage's reply) and, where they were asked for, each stage's
-    gradient norm."""
+def outcome(replies: list[StepReply]) -> tuple[float, list[float] | None, float]:
+    """A step's round's loss (the last stage's), each stage's gradient norm (None where
+    they were not asked for) and the slowest stage's seconds, from the stages' replies."""
     loss = replies[-1][0]
     assert loss is not None
-    return loss, [norm for _, norm in replies] if norms else None
+    norms = [norm for _, norm, _ in replies if norm is not None]
+    seconds = max(seconds for *_, seconds in replies)
+    return loss, norms if len(norms) == len(replies) else None, seconds
 
 
 @dataclass
 class InFlight:
-    """A step sent to the stages (Replicas.run_steps) whose replies are not yet read: its
-    one training round's number and share of the batch, when it was sent and, where it was
-    sent while the step before ran, when that one's replies were in."""
+    """Steps sent to the stages in one call each (Stage.train) whose replies are not yet
+    read: the steps, their first training round and their share of the batch."""
 
-    step: int
+    steps: range
     round: int
     share: float
-    sent: float  # time.perf_counter()
-    replies: list[Future[Reply]]
-    follows: Future[float] | None
+    replies: list[Future[list[StepReply]]]
 
-    def __post_init__(self) -> None:
-        self.ended = torch.futures.collect_all(self.replies).then(lambda _: time.perf_counter())
-
-    def began(self) -> float:
-        """When its stages began it, as the master sees it."""
-        return self.sent if self.follows is None else max(self.sent, self.follows.wait())
+    @property
+    def last_round(self) -> int:
+        return self.round + len(self.steps) - 1
 
     def settle(self) -> None:
         """Wait for its replies, whatever they are: nothing sent is left running."""
-        self.ended.wait()
+        torch.futures.collect_all(self.replies).wait()
 
 
 def even(micro_batches: int, samples: int) -> int:
@@ -124,34 +120,36 @@ class Pipeline(driver.Pipeline):
     def launch(
         self,
         batch: Round,
-        step: int,
+        steps: range,
         loss_fn: Loss,
         weight: float,
         unscale: float | None = None,
         read: int | None = None,
-        finish: Finish | None = None,
+        finishes: list[Finish] | None = None,
         after: int | None = None,
-    ) -> list[Future[Reply]]:
-        """Sends training round `batch` of step `step` to every stage (Stage.train): its loss
-        weighted by `weight` for the backward; with `unscale` (1 / fp16's loss scale), each
-        stage's gradient norm after it, computed in the same call; `read`: the first stage
-        reads the round first, as that many micro-batches (`read_round`); `finish` (with
-        `unscale`): the stages finish the step themselves (Stage._finish); `after`: each
-        stage runs it once round `after` has run there. The futures of the stages' replies."""
+    ) -> list[Future[list[StepReply]]]:
+        """Sends `steps`, one training round each from round `batch` on, to every stage in
+        one call (Stage.train): each loss weighted by `weight` for the backward; with
+        `unscale` (1 / fp16's loss scale), each stage's gradient norm after it; `read`: the
+        first stage reads each round first, as that many micro-batches (`read_round`);
+        `finishes` (with `unscale`): the stages finish each step themselves
+        (Stage._finish); `after`: they run them once round `after` has run there. The
+        futures of the stages' replies."""
         self.learn(batch, True)
         runs = even(batch.micro_batches, batch.samples)
         last = len(self.stages) - 1  # holds the last piece (stage k is on process k % p)
-        round_ = (batch.number, runs, batch.samples)  # as the stages run it
         return [
             remote_stage(name, stage).future(
                 Stage.train,
-                *round_,
-                step,
+                batch.number,
+                runs,
+                batch.samples,
+                steps,
                 loss_fn if k == last else None,
                 weight,
                 unscale,
                 read if k == 0 else None,
-                finish,
+                finishes,
                 after,
             )
             for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
@@ -190,6 +188,7 @@ class Replicas(driver.Replicas):
     their global norm, which clips them (gradients.py), and step."""
 
     zero_grad = True  # the gradients are in .grad
+    call_seconds = 0.5  # about the longest a call of several steps runs (Stage.train)
 
     def __init__(
         self, names: list[list[str]], shards: Shards, spec: PipelineSpec, device: str = "cpu"
@@ -199,6 +198,7 @@ class Replicas(driver.Replicas):
             for r, stage_names in enumerate(names)
         ]
         super().__init__(pipelines, shards, spec)
+        self._seconds: float | None = None  # the latest step's, sent ahead
 
     @property
     def runs_ahead(self) -> bool:
@@ -213,54 +213,66 @@ class Replicas(driver.Replicas):
         )
 
     def run_steps(self, micro_batches: int, steps: range, loss_fn: Loss) -> Iterator[StepResult]:
-        """As driver.Replicas.run_steps; where the engine `runs_ahead`, each step is sent
-        while the last runs, so the stages never wait for the master between steps (the
-        master reads a step's result while the next one runs). A round whose shapes are not
-        yet learnt is sent alone."""
+        """As driver.Replicas.run_steps; where the engine `runs_ahead`, several steps go to
+        the stages in one call (`_call_steps`), and each call is sent while the last runs, so
+        the stages never wait for the master between steps (the master reads a call's
+        results while the next one runs). A round whose shapes are not yet learnt is sent
+        alone."""
         if not self.runs_ahead:
             yield from super().run_steps(micro_batches, steps, loss_fn)
             return
         pipeline = self.pipelines[0]
-        sent: list[InFlight] = []  # the step running, and the next one
+        sent: list[InFlight] = []  # the call running, and the next one
         try:
-            for step in steps:
-                if sent and not pipeline.reads_next_in_run(micro_batches):
-                    yield self._landed(sent.pop())
-                sent.append(self._send(micro_batches, step, loss_fn, sent[-1] if sent else None))
+            while (at := sent[-1].steps.stop if sent else steps.start) < steps.stop:
+                alone = not pipeline.reads_next_in_run(micro_batches)
+                if sent and alone:
+                    yield from self._landed(sent.pop())
+                call = range(at, min(steps.stop, at + (1 if alone else self._call_steps())))
+                sent.append(self._send(micro_batches, call, loss_fn, sent[-1] if sent else None))
                 if len(sent) == 2:
-                    yield self._landed(sent.pop(0))
+                    yield from self._landed(sent.pop(0))
             while sent:
-                yield self._landed(sent.pop(0))
+                yield from self._landed(sent.pop(0))
         finally:
             for flight in sent:
                 flight.settle()
 
-    def _send(
-        self, micro_batches: int, step: int, loss_fn: Loss, running: InFlight | None
-    ) -> InFlight:
-        """Step `step`'s one round, sent (after step `running`'s, where one runs)."""
-        sent = time.perf_counter()
-        pipeline = self.pipelines[0]
-        round_, read = pipeline.read_round(micro_batches, None)
-        share = self.share(round_, self.batch)
-        after = None if running is None else running.round
-        replies = pipeline.launch(
-            round_, step, loss_fn, share, 1.0, read, self._finish(step), after
-        )
-        follows = None if running is None else running.ended
-        return InFlight(step, round_.number, share, sent, replies, follows)
+    def _call_steps(self) -> int:
+        """How many steps the next call runs: those that last about `call_seconds` at the
+        latest step's seconds (a call's results come together), up to the stages' most; one
+        before a step's seconds are known."""
+        if self._seconds is None:
+            return 1
+        return max(1, int(min(self.call_seconds / self._seconds, MOST_STEPS_A_CALL)))
 
-    def _landed(self, flight: InFlight) -> StepResult:
-        """A sent step's result, once its replies are in. Its seconds run from when the
-        stages began it to when they were done: stepping was part of their call."""
+    def _send(
+        self, micro_batches: int, steps: range, loss_fn: Loss, running: InFlight | None
+    ) -> InFlight:
+        """Steps `steps`, a round each, sent in one call (after the call `running`, where one
+        runs)."""
         pipeline = self.pipelines[0]
-        loss, norms = outcome(torch.futures.wait_all(flight.replies), True)
-        ran = RoundsRun([loss * flight.share], [flight.round], norms, flight.began())
-        result = self.step_result(pipeline, NO_CONTEXT, flight.step, ran, stepped=True)
-        seconds = flight.ended.wait() - ran.start
-        return self.combined(
-            flight.step, [replace(result, pipeline_seconds=seconds, optimizer_seconds=0.0)]
-        )
+        rounds = [pipeline.read_round(micro_batches, None) for _ in steps]
+        first, read = rounds[0]
+        share = self.share(first, self.batch)
+        after = None if running is None else running.last_round
+        finishes = [self._finish(step) for step in steps]
+        replies = pipeline.launch(first, steps, loss_fn, share, 1.0, read, finishes, after)
+        return InFlight(steps, first.number, share, replies)
+
+    def _landed(self, flight: InFlight) -> Iterator[StepResult]:
+        """A call's steps' results, once its replies are in. A step's seconds are its
+        slowest stage's, from the step before to its end there: stepping was part of it."""
+        pipeline = self.pipelines[0]
+        replies = torch.futures.wait_all(flight.replies)
+        for k, step in enumerate(flight.steps):
+            loss, norms, seconds = outcome([stage[k] for stage in replies])
+            ran = RoundsRun([loss * flight.share], [flight.round + k], norms, time.perf_counter())
+            result = self.step_result(pipeline, NO_CONTEXT, step, ran, stepped=True)
+            self._seconds = seconds
+            yield self.combined(
+                step, [replace(result, pipeline_seconds=seconds, optimizer_seconds=0.0)]
+            )
 
     def _finish(self, step: int) -> Finish:
         """Step `step`'s clipping and learning rate, for stages that finish it themselves."""
@@ -286,12 +298,18 @@ class Replicas(driver.Replicas):
             numbers.append(round_.number)
             share = self.share(round_, part.batch)
             unscale = self.unscale() if early and a == len(rounds) - 1 else None
-            finish = self._finish(step) if stepped else None
+            finishes = [self._finish(step)] if stepped else None
             with phase("schedule"):
                 replies = pipeline.launch(
-                    round_, step, part.loss_fn, weight * share, unscale, read, finish
+                    round_,
+                    range(step, step + 1),
+                    part.loss_fn,
+                    weight * share,
+                    unscale,
+                    read,
+                    finishes,
                 )
-                loss, norms = outcome(torch.futures.wait_all(replies), unscale is not None)
+                loss, norms, _ = outcome([r[0] for r in torch.futures.wait_all(replies)])
             losses.append(loss * share)
         ran = RoundsRun(losses, numbers, norms, start)
         return self.step_result(pipeline, NO_CONTEXT, step, ran, stepped)

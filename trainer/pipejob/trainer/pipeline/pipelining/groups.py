@@ -1,7 +1,8 @@
 """The pipelining engine's process groups. The world plan seats every stage of every replica
 in one group (`pipe`, stage i of replica r at rank r x stages + i), which each stage process
 divides the same way: one group per replica's pipeline (its stages' activations and
-gradients, point to point) and, with replicas, one per stage index (the all-reduce that
+gradients, point to point), its twin on gloo whatever the pipeline's backend (the stages'
+own messages, messages.py) and, with replicas, one per stage index (the all-reduce that
 averages a stage's gradients across replicas)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from pipejob.trainer.runtime import rendezvous
 
-_mine: tuple[Any, Any] | None = None
+_mine: tuple[Any, Any, Any] | None = None
 
 
 def divide(stages: int, replicas: int, replica: int, index: int) -> None:
@@ -25,6 +26,10 @@ def divide(stages: int, replicas: int, replica: int, index: int) -> None:
         dist.new_group([r * stages + i for i in range(stages)], timeout=timeout)
         for r in range(replicas)
     ]
+    twins = [
+        dist.new_group([r * stages + i for i in range(stages)], timeout=timeout, backend="gloo")
+        for r in range(replicas)
+    ]
     across = (
         [
             dist.new_group([r * stages + i for r in range(replicas)], timeout=timeout)
@@ -33,11 +38,12 @@ def divide(stages: int, replicas: int, replica: int, index: int) -> None:
         if replicas > 1
         else [None] * stages
     )
-    _mine = pipelines[replica], across[index]
+    _mine = pipelines[replica], across[index], twins[replica]
 
 
-def mine() -> tuple[Any, Any]:
-    """This process's pipeline group and its replicas' group (None without replicas)."""
+def mine() -> tuple[Any, Any, Any]:
+    """This process's pipeline group, its replicas' group (None without replicas) and its
+    pipeline's twin on gloo."""
     if _mine is None:
         raise RuntimeError("this process is not a stage of a pipelining engine's world")
     return _mine

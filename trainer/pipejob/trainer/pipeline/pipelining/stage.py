@@ -1,24 +1,25 @@
 """The pipelining engine's stage side: a stage process's pieces of the model as
 torch.distributed.pipelining PipelineStages over its pipeline's process group, stepping the
-job's torch schedule (schedules.py) a whole round per call from the master. How a round runs
-and why each piece learns its shapes: docs/architecture.md ("The pipelining engine")."""
+job's torch schedule (schedules.py) a whole round, or several steps of a round each, per
+call from the master. How a round runs and why each piece learns its shapes:
+docs/architecture.md ("The pipelining engine")."""
 
 from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline import gradients
-from pipejob.trainer.pipeline.pipelining import groups, schedules
+from pipejob.trainer.pipeline.pipelining import groups, messages, schedules
 from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
 from pipejob.trainer.pipeline.pipelining.flat import Flat
 from pipejob.trainer.pipeline.reader import Source
@@ -36,6 +37,7 @@ NO_CONTEXT = 0  # gradients are in .grad: no context names them
 Metas = list[tuple[tuple[int, ...], torch.dtype]]  # the shape and dtype of each value
 Key = tuple[bool, int, int]  # a kind of round: training?, micro-batches, samples
 Finish = tuple[float | None, float | None]  # the step's clipGradNorm and learning rate
+StepReply = tuple[float | None, float | None, float]  # Stage.train's: loss, norm, seconds
 METERED_ROUNDS = 2  # training rounds of each kind whose activations are counted
 
 
@@ -83,7 +85,8 @@ class Stage(Shard):
         super().__init__(part, device, precision, recompute, source, optimizer)
         self.index, self.held, self.schedule = index, pieces, schedule
         self.count = processes * len(pieces)  # pieces in the pipeline
-        self.pipeline, self.replicas_group = groups.mine()
+        self.pipeline, self.replicas_group, self.host = groups.mine()
+        self._passing: messages.Sending = []  # the first stage's sends of a round's labels
         self.first, self.last = 0 in pieces, self.count - 1 in pieces
         self.modules = [
             Flat(
@@ -166,46 +169,83 @@ class Stage(Shard):
         round: int,
         micro_batches: int,
         samples: int,
-        step: int,
+        steps: range,
         loss_fn: Loss | None,
         weight: float,
         unscale: float | None = None,
         read: int | None = None,
-        finish: Finish | None = None,
+        finishes: list[Finish] | None = None,
         after: int | None = None,
+    ) -> list[StepReply]:
+        """Training rounds `round`, `round` + 1, ... of steps `steps`, one each: forwards and
+        backwards of its `micro_batches` (of `samples` in all), the gradients added to
+        .grad; `read`: the first stage reads each round first, as that many micro-batches
+        (Reader.read); `finishes`: each step's tail too (`_finish`); `after`: once round
+        `after` has run here (`_in_turn`). Per step: its loss on the last stage (the mean of
+        its micro-batches'; None elsewhere), with `unscale` the norm of its gradients
+        (Shard.norm; else None), and its seconds here, from the end of the step before."""
+        rounds = range(round, round + len(steps))
+        replies: list[StepReply] = []
+        with self._in_turn(rounds[-1], after):
+            begun = time.perf_counter()
+            for k, (number, step) in enumerate(zip(rounds, steps, strict=True)):
+                finish = None if finishes is None else finishes[k]
+                loss, norm = self._train_round(
+                    number, micro_batches, samples, step, loss_fn, weight, unscale, read, finish
+                )
+                ended = time.perf_counter()
+                replies.append((loss, norm, ended - begun))
+                begun = ended
+        return replies
+
+    def _train_round(
+        self,
+        round: int,
+        micro_batches: int,
+        samples: int,
+        step: int,
+        loss_fn: Loss | None,
+        weight: float,
+        unscale: float | None,
+        read: int | None,
+        finish: Finish | None,
     ) -> tuple[float | None, float | None]:
-        """Training round `round` of step `step`: forwards and backwards of its
-        `micro_batches` (of `samples` in all), the gradients added to .grad; `read`: the first
-        stage reads the round first, as that many micro-batches (Reader.read); `finish`: the
-        step's tail too (`_finish`); `after`: once round `after` has run here (`_in_turn`).
-        Returns the round's loss on the last stage (the mean of its micro-batches'; None
-        elsewhere) and, with `unscale`, the norm of the step's gradients (Shard.norm; else
-        None)."""
-        with self._in_turn(round, after):
-            if read is not None:
-                self.reader.read_planned(round, read, samples)
-            run, _ = self._run(True, micro_batches, samples)
-            key = (True, micro_batches, samples)
-            self._metered[key] = self._metered.get(key, 0) + 1
-            self._counting = self._metered[key] <= METERED_ROUNDS
-            args = (self.reader.inputs(round),) if self.first else ()
-            # Contiguous, as torch 2.11's schedules check the strides of what they split.
-            target = self.labels(round).contiguous() if self.last else None
-            self._loss, self._losses = (loss_fn, weight / micro_batches), []
-            self._round = round
-            self._begin(step, training=True)
-            run.step(*args, target=target, return_outputs=False)
-            norm = None if unscale is None else self.norm(NO_CONTEXT, unscale)
-            loss = torch.stack(self._losses).mean().item() if self.last else None
-            if finish is not None and norm is not None:
-                self._finish(norm, loss, *finish)
-            return loss, norm
+        """One round of `train`, in its turn."""
+        if read is not None:
+            self.reader.read_planned(round, read, samples)
+        run, _ = self._run(True, micro_batches, samples)
+        key = (True, micro_batches, samples)
+        self._metered[key] = self._metered.get(key, 0) + 1
+        self._counting = self._metered[key] <= METERED_ROUNDS
+        args = (self.reader.inputs(round),) if self.first else ()
+        target = self._training_labels(round)
+        self._loss, self._losses = (loss_fn, weight / micro_batches), []
+        self._round = round
+        self._begin(step, training=True)
+        run.step(*args, target=target, return_outputs=False)
+        norm = None if unscale is None else self.norm(NO_CONTEXT, unscale)
+        loss = torch.stack(self._losses).mean().item() if self.last else None
+        if finish is not None and norm is not None:
+            self._finish(norm, loss, *finish)
+        return loss, norm
+
+    def _training_labels(self, round: int) -> torch.Tensor | None:
+        """Training round `round`'s labels, on the last stage process, from the first's
+        reader; the first passes them on (messages.py)."""
+        if self.first and not self.last:
+            given = self.reader.labels(round)
+            self._passing = messages.pass_labels(given, self.host, self._passing)
+        if not self.last:
+            return None
+        got = self.reader.labels(round) if self.first else messages.take_labels(self.host)
+        # Contiguous, as torch 2.11's schedules check the strides of what they split.
+        return got.to(self.device).contiguous()
 
     @contextmanager
     def _in_turn(self, round: int, after: int | None) -> Iterator[None]:
-        """Training round `round`, once round `after` has run here (None: at once): the
-        master sends a step before the last one's replies are in (Replicas.run_steps), and
-        this process's RPC threads may start the two calls in either order."""
+        """Training rounds up to `round`, once round `after` has run here (None: at once):
+        the master sends a call before the last one's replies are in (Replicas.run_steps),
+        and this process's RPC threads may start the two calls in either order."""
         if after is not None:
             with self._ran:
                 if not self._ran.wait_for(lambda: self._last_ran >= after, RPC_TIMEOUT_SECONDS):
@@ -226,19 +266,13 @@ class Stage(Shard):
         self, norm: float, loss: float | None, clip: float | None, lr: float | None
     ) -> None:
         """The step's tail without a call from the master: the pipeline's stages gather
-        their norms and the loss over their group and judge the step as the master does
+        their norms and the loss (messages.gather) and judge the step as the master does
         (Replicas.judge: applied where both are finite, clipped by the global norm), then
         step and forget the gradients (Shard.finish_step)."""
-        device = self.device if dist.get_backend(self.pipeline) == "nccl" else "cpu"
-        mine = torch.tensor(
-            [norm, 0.0 if loss is None else loss, float(self.last)],
-            dtype=torch.float64,
-            device=device,
-        )
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.pipeline))]
-        dist.all_gather(every, mine, group=self.pipeline)
-        total = gradients.total_norm([float(row[0]) for row in every])
-        loss = next(float(row[1]) for row in every if row[2])
+        mine = [norm, 0.0 if loss is None else loss, float(self.last)]
+        every = messages.gather(mine, self.host).tolist()
+        total = gradients.total_norm([row[0] for row in every])
+        loss = next(row[1] for row in every if row[2])
         applied = math.isfinite(loss) and math.isfinite(total)
         self.finish_step(NO_CONTEXT, clip_coefficient(total, clip), lr, applied, zero=True)
 
@@ -274,7 +308,7 @@ class Stage(Shard):
 
     def gradients(self, context_id: int) -> dict[str, torch.Tensor]:
         """The step's gradients, in the parameters' .grad."""
-        return {n: p.grad for n, p in self.layers.named_parameters() if p.grad is not None}
+        return {n: p.grad for n, p in self.parameters_by_name.items() if p.grad is not None}
 
     def zero_grad(self) -> None:
         """Forget the step's gradients (stepped, or skipped: fp16 overflowed)."""

@@ -306,7 +306,7 @@ class Stage(Shard):
     def gradients(self, context_id: int) -> dict[str, torch.Tensor]:
         """The step's gradients, in its distributed autograd context."""
         grads = dist_autograd.get_gradients(context_id)
-        return {n: grads[p] for n, p in self.layers.named_parameters() if p in grads}
+        return {n: grads[p] for n, p in self.parameters_by_name.items() if p in grads}
 
 
 def stage_devices(

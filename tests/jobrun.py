@@ -292,8 +292,9 @@ def _pipelining_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple
 
     def one(r: int) -> float:
         pipe = pipes[r]
-        sent = pipe.launch(pipe.read(s.micro_batches, shares[r]), 0, workloads.loss(s), 1.0)
-        loss, _ = driver.outcome(torch.futures.wait_all(sent), norms=False)
+        batch = pipe.read(s.micro_batches, shares[r])
+        sent = pipe.launch(batch, range(0, 1), workloads.loss(s), 1.0)
+        loss, _, _ = driver.outcome([replies[0] for replies in torch.futures.wait_all(sent)])
         pipe.combine_tied(0, shards.tied)
         if s.replicas.max > 1:
             pipe.stage_results(Shard.average_gradients, 0)

@@ -55,9 +55,12 @@ def blowing_up(name: str, tmp_path: Path, backward: bool = False, **fields) -> d
 def test_a_step_that_goes_non_finite_fails_the_job_keeping_the_last_checkpoint(
     tmp_path: Path, monkeypatch
 ):
-    """On the pipelining engine (the rpc engine's is the emulated cluster's test)."""
+    """On the pipelining engine (the rpc engine's is the emulated cluster's test), its
+    checkpoints two steps apart: the steps between go to the stages in calls of several
+    (where a step takes under a quarter of a second), which the non-finite one stops."""
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
     job = blowing_up("nan", tmp_path, **PIPELINING)
+    job["spec"]["checkpoint"]["everySteps"] = 2
     code, out, _ = run_to_end(job, tmp_path, timeout=240)
     assert code == ExitCode.PERMANENT, out
     said = (

@@ -8,6 +8,7 @@ after the other do."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from userdata import BYTE_VOCAB, write_stdlib_tokens
 
@@ -33,6 +35,7 @@ from jobrun import (
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
+from pipejob.trainer.pipeline.pipelining import messages
 from pipejob.trainer.pipeline.pipelining.driver import Replicas, even
 from pipejob.trainer.pipeline.shards import plan_shards
 from pipejob.trainer.pipeline.stage_base import Shard
@@ -218,13 +221,14 @@ def test_an_evaluation_with_a_smaller_last_batch_says_what_the_rpc_engine_says(
 
 # ---------------------------------------------------------------- steps sent ahead
 
-AHEAD_STEPS = 5
+AHEAD_STEPS = 6
 
 
 def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     """The master drives the same job twice on the same stage processes, from the same
-    start: a step after the last one's result (Replicas.step), and sent ahead
-    (Replicas.run_steps), noting when it sent each step and read its result."""
+    start: a step after the last one's result (Replicas.step), and sent ahead in calls of
+    several steps (Replicas.run_steps, its calls unbounded in time), noting when it sent
+    each call and read its results."""
     if (env := master_of(rank, envs)) is None:
         return
     try:
@@ -234,10 +238,11 @@ def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         one_by_one = Replicas([names], shards, s)
         stepped = [one_by_one.step(s.micro_batches, k, loss) for k in range(AHEAD_STEPS)]
         ahead = Replicas([names], shards, s)
+        ahead.call_seconds = math.inf
         order: list[str] = []
         send, land = ahead._send, ahead._landed
-        ahead._send = lambda m, step, *a: order.append(f"send {step}") or send(m, step, *a)
-        ahead._landed = lambda flight: order.append(f"read {flight.step}") or land(flight)
+        ahead._send = lambda m, steps, *a: order.append(f"send {[*steps]}") or send(m, steps, *a)
+        ahead._landed = lambda flight: order.append(f"read {[*flight.steps]}") or land(flight)
         sent = list(ahead.run_steps(s.micro_batches, range(AHEAD_STEPS), loss))
         figures = [[(r.loss, r.grad_norm, r.lr) for r in rs] for rs in (stepped, sent)]
         prints = [r.pipelines[0].stage_results(Shard.fingerprint) for r in (one_by_one, ahead)]
@@ -247,10 +252,11 @@ def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
 
 
 def test_steps_sent_ahead_compute_what_steps_one_after_the_other_do(tmp_path: Path):
-    """The pipelining engine's master sends a step while the last one runs: every step but
-    the first (sent alone: its shapes are learnt in it) goes before the last one's result is
-    read, and the losses, gradient norms, learning rates and weights are those of the same
-    steps run one after the other, bit for bit (momentum, clipping and a schedule)."""
+    """The pipelining engine's master sends a call of steps while the last one runs: the
+    first step alone (its shapes are learnt in it), the second before the first's result is
+    read (its seconds are not yet known), then every step left in one call; and the losses,
+    gradient norms, learning rates and weights are those of the same steps run one after
+    the other, bit for bit (momentum, clipping and a schedule)."""
     job = spec.parse(
         pipeline_job(
             "ahead",
@@ -272,12 +278,74 @@ def test_steps_sent_ahead_compute_what_steps_one_after_the_other_do(tmp_path: Pa
     )
     envs = [p.env for p in plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(*free_ports(2)))]
     got = run_world(_ahead_world, envs, tmp_path / "ahead.pt", timeout=200)
-    ahead = [line for k in range(1, AHEAD_STEPS) for line in (f"send {k}", f"read {k - 1}")]
-    assert got["order"] == ["send 0", *ahead, f"read {AHEAD_STEPS - 1}"]
+    rest = [*range(2, AHEAD_STEPS)]
+    assert got["order"] == [
+        "send [0]",
+        "send [1]",
+        "read [0]",
+        f"send {rest}",
+        "read [1]",
+        f"read {rest}",
+    ]
     stepped, sent = got["figures"]
     assert sent == stepped and len({loss for loss, _, _ in sent}) == AHEAD_STEPS
     for a, b in zip(*got["prints"], strict=True):
         assert torch.equal(a, b)
+
+
+LABELS = [
+    torch.arange(6),
+    torch.rand(2, 3, 4, generator=torch.Generator().manual_seed(0)),  # alike in every process
+    torch.tensor([True, False]),
+    torch.ones(1).half(),
+]
+FIGURES = [[0.0, math.nan], [1.0, 2.5], [2.0, math.inf]]  # each process's
+
+
+def _messages_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
+    """Three stage processes' gloo group: the first passes LABELS to the last (and refuses
+    complex ones), and each gathers every one's FIGURES."""
+    address = f"tcp://{LOOPBACK}:{envs[0]['port']}"
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=len(envs))
+    try:
+        group = dist.new_group(list(range(len(envs))))
+        said: Any = None
+        if rank == 0:
+            sending: messages.Sending = []
+            for labels in LABELS:
+                sending = messages.pass_labels(labels, group, sending)
+            with pytest.raises(ValueError) as refused:
+                messages.pass_labels(torch.zeros(2, dtype=torch.complex64), group, sending)
+            said = str(refused.value)
+        elif rank == len(envs) - 1:
+            said = [messages.take_labels(group) for _ in LABELS]
+        gathered = messages.gather(FIGURES[rank], group)
+        every: list[Any] = [None] * len(envs)
+        dist.all_gather_object(every, (said, gathered))
+        if rank == 0:
+            torch.save(every, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_stage_processes_pass_labels_and_gather_figures_in_messages(tmp_path: Path):
+    """What a pipeline's stage processes tell each other besides the schedule's activations
+    (pipelining/messages.py), over a real gloo group of three: a round's labels of any
+    dtype and shape reach the last process as they were, labels no message carries are
+    refused by name, and every process gathers every one's figures, NaN and inf as they
+    are, in rank order."""
+    port = free_ports(1)[0]
+    every = run_world(_messages_world, [{"port": str(port)}] * 3, tmp_path / "m.pt", timeout=100)
+    (refusal, _), _, (taken, _) = every
+    assert "torch.complex64 of 1 dimensions" in refusal
+    assert len(taken) == len(LABELS)
+    for got, sent in zip(taken, LABELS, strict=True):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+    for _, gathered in every:
+        torch.testing.assert_close(
+            gathered, torch.tensor(FIGURES, dtype=torch.float64), equal_nan=True
+        )
 
 
 def test_the_loop_runs_steps_back_to_back_up_to_a_checkpoint_an_evaluation_or_a_profile():

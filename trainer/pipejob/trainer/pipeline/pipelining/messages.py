@@ -71,7 +71,7 @@ def gather(row: list[float], group: Any) -> torch.Tensor:
         dist.recv(below, _rank(group, me + 1), group=group, tag=FIGURES)
         rows[me + 1 :] = below
     if me > 0:
-        dist.send(rows[me:].contiguous(), _rank(group, me - 1), group=group, tag=FIGURES)
+        dist.send(rows[me:], _rank(group, me - 1), group=group, tag=FIGURES)  # rows: contiguous
         dist.recv(rows, _rank(group, 0), group=group, tag=FIGURES)
         return rows
     sends = [dist.isend(rows, _rank(group, k), group=group, tag=FIGURES) for k in range(1, count)]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.standin import StandInMaster
 from harness.variants import exhaustive
 from jobrun import JobRun, pipeline_job
 from pipejob.core import contract as c
@@ -123,6 +124,18 @@ def test_heartbeats_travel_over_http_to_the_masters_monitor():
             watchdog._post(url, b"{not json", timeout=5)
     finally:
         server.close()
+
+
+def test_a_reply_cut_short_by_a_master_dying_counts_as_unanswered():
+    """A master that dies mid-reply leaves its body short: an OSError like any lost
+    heartbeat, never a traceback in the member's watchdog thread."""
+    master = StandInMaster(path=c.HEARTBEAT_PATH)
+    master.reply, master.cut_short = (200, b"{"), True
+    try:
+        with pytest.raises(ConnectionError, match="cut short"):
+            watchdog._post(master.url, b"{}", timeout=5)
+    finally:
+        master.close()
 
 
 def test_the_master_names_whom_it_waits_on_once_no_call_ended_for_longer_than_the_bound():

@@ -6,6 +6,7 @@ message. Why and how: docs/architecture.md, "The watchdog"."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import sys
@@ -197,8 +198,11 @@ def _post(url: str, body: bytes, timeout: float) -> dict[str, Any]:
     # No proxy: the master is in the same network, whatever HTTP_PROXY the image sets.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
-    with opener.open(request, timeout=timeout) as response:
-        reply = json.load(response)
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            reply = json.load(response)
+    except http.client.HTTPException as e:  # a master that died mid-reply cut it short
+        raise ConnectionError(f"a heartbeat's reply was cut short: {e!r}") from e
     if not isinstance(reply, dict):
         raise ValueError("a heartbeat's reply is a JSON object")
     return reply

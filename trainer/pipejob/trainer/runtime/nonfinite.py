@@ -34,6 +34,8 @@ def all_finite(value: Any, quick: bool = False) -> torch.Tensor:
     leaves, _ = tree_flatten(value)  # a Hugging Face ModelOutput too
     floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
     checks = [torch.isfinite(t.sum()) if quick else torch.isfinite(t).all() for t in floats]
+    if len(checks) == 1:  # most outputs: one tensor, and stacking it cost twice its check
+        return checks[0]
     return torch.stack(checks).all() if checks else torch.tensor(True)
 
 

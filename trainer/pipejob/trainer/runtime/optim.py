@@ -69,7 +69,8 @@ class Functional:
     arithmetic, defaults and state, without building the class, which imports torch._dynamo
     (+150 MB a process) and DistributedOptimizer torch.distributed.optim (+50 MB: sympy,
     FSDP). `param_groups` and `state` are torch.optim's, so learning rates and checkpoints
-    treat it as one."""
+    treat it as one. Always the multi-tensor form (torch's default only on GPUs): on a CPU it
+    gives the single-tensor form's values to the bit, in a loop in C++ rather than Python."""
 
     def __init__(self, opt: Optimizer, params: Iterable[torch.Tensor]):
         self.name = opt.name
@@ -119,6 +120,7 @@ def _sgd(o: Functional, group: dict[str, Any], params: list, grads: list) -> Non
         dampening=0.0,
         nesterov=False,
         maximize=False,
+        foreach=True,
     )
     if momentum != 0:  # the functional form makes a buffer where there was none
         for p, buffer in zip(params, buffers, strict=True):
@@ -143,6 +145,7 @@ def _adam(o: Functional, group: dict[str, Any], params: list, grads: list) -> No
         weight_decay=group["weight_decay"],
         eps=1e-8,
         maximize=False,
+        foreach=True,
     )
 
 
@@ -164,6 +167,7 @@ def _rmsprop(o: Functional, group: dict[str, Any], params: list, grads: list) ->
         weight_decay=group["weight_decay"],
         momentum=momentum,
         centered=False,
+        foreach=True,
     )
 
 

@@ -49,10 +49,10 @@ class Timed(PipelineStage):
         super().__init__(*args, **kwargs)
         self.owner = owner
 
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+    def forward_one_chunk(self, chunk: int, *args: Any, **kwargs: Any) -> Any:
         with self.owner.timed("forward"), self.owner.counting():
-            output = super().forward_one_chunk(*args, **kwargs)
-        self.owner.forwarded(output)
+            output = super().forward_one_chunk(chunk, *args, **kwargs)
+        self.owner.forwarded(output, self.stage_index, chunk)
         return output
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
@@ -87,6 +87,10 @@ class Stage(Shard):
         self.count = processes * len(pieces)  # pieces in the pipeline
         self.pipeline, self.replicas_group, self.host = groups.mine()
         self._passing: messages.Sending = []  # the first stage's sends of a round's labels
+        self._taken = -1  # the last training round read here, its labels passed on
+        # The call's next training round to read (its round, micro-batches, samples) after
+        # the first piece's forward of which micro-batch.
+        self._next: tuple[int, tuple[int, int, int]] | None = None
         self.first, self.last = 0 in pieces, self.count - 1 in pieces
         self.modules = [
             Flat(
@@ -190,6 +194,8 @@ class Stage(Shard):
             begun = time.perf_counter()
             for k, (number, step) in enumerate(zip(rounds, steps, strict=True)):
                 finish = None if finishes is None else finishes[k]
+                more = read is not None and number < rounds[-1]
+                self._next = (micro_batches - 1, (number + 1, read, samples)) if more else None
                 loss, norm = self._train_round(
                     number, micro_batches, samples, step, loss_fn, weight, unscale, read, finish
                 )
@@ -211,14 +217,14 @@ class Stage(Shard):
         finish: Finish | None,
     ) -> tuple[float | None, float | None]:
         """One round of `train`, in its turn."""
-        if read is not None:
-            self.reader.read_planned(round, read, samples)
+        if self.first and self._taken != round:
+            self._take_round(round, read, samples)
         run, _ = self._run(True, micro_batches, samples)
         key = (True, micro_batches, samples)
         self._metered[key] = self._metered.get(key, 0) + 1
         self._counting = self._metered[key] <= METERED_ROUNDS
         args = (self.reader.inputs(round),) if self.first else ()
-        target = self._training_labels(round)
+        target = self._last_labels(round) if self.last else None
         self._loss, self._losses = (loss_fn, weight / micro_batches), []
         self._round = round
         self._begin(step, training=True)
@@ -229,14 +235,19 @@ class Stage(Shard):
             self._finish(norm, loss, *finish)
         return loss, norm
 
-    def _training_labels(self, round: int) -> torch.Tensor | None:
-        """Training round `round`'s labels, on the last stage process, from the first's
-        reader; the first passes them on (messages.py)."""
-        if self.first and not self.last:
+    def _take_round(self, round: int, read: int | None, samples: int) -> None:
+        """On the first stage process: training round `round` read (as `read` micro-batches;
+        None: given before the call), its labels passed on to the last (messages.py)."""
+        if read is not None:
+            self.reader.read_planned(round, read, samples)
+        self._taken = round
+        if not self.last:
             given = self.reader.labels(round)
             self._passing = messages.pass_labels(given, self.host, self._passing)
-        if not self.last:
-            return None
+
+    def _last_labels(self, round: int) -> torch.Tensor:
+        """Training round `round`'s labels on the last stage process: from the first's
+        reader."""
         got = self.reader.labels(round) if self.first else messages.take_labels(self.host)
         # Contiguous, as torch 2.11's schedules check the strides of what they split.
         return got.to(self.device).contiguous()
@@ -276,11 +287,16 @@ class Stage(Shard):
         applied = math.isfinite(loss) and math.isfinite(total)
         self.finish_step(NO_CONTEXT, clip_coefficient(total, clip), lr, applied, zero=True)
 
-    def forwarded(self, output: Any) -> None:
-        """A piece's forward of one micro-batch gave `output`: in training, whether it is
-        finite is noted (Shard.note_finite)."""
-        if self._step is not None:
-            self.note_finite(self._step, self._round, nonfinite.all_finite(output, quick=True))
+    def forwarded(self, output: Any, piece: int, micro_batch: int) -> None:
+        """Piece `piece`'s forward of `micro_batch` gave `output`: in training, whether it is
+        finite is noted (Shard.note_finite). After the first piece's last one, the call's
+        next round is read while this process waits for the gradients to come back."""
+        if self._step is None:
+            return
+        self.note_finite(self._step, self._round, nonfinite.all_finite(output, quick=True))
+        if piece == 0 and self._next is not None and micro_batch == self._next[0]:
+            self._take_round(*self._next[1])
+            self._next = None
 
     def evaluate(
         self,

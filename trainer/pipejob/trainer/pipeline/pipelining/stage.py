@@ -22,10 +22,10 @@ from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.pipelining import groups, messages, schedules
 from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
 from pipejob.trainer.pipeline.pipelining.flat import Flat
+from pipejob.trainer.pipeline.pipelining.marks import Marks
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_parts import Part
-from pipejob.trainer.pipeline.timing import Clock, only, step_seconds
 from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.optim import clip_coefficient
 from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS
@@ -42,25 +42,25 @@ METERED_ROUNDS = 2  # training rounds of each kind whose activations are counted
 
 
 class Timed(PipelineStage):
-    """A PipelineStage that marks when it computes (Stage.note), for the summary's
-    per-stage times and bubble."""
+    """A PipelineStage that marks when it computes (marks.py), for the summary's per-stage
+    times and bubble."""
 
     def __init__(self, owner: Stage, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.owner = owner
 
     def forward_one_chunk(self, chunk: int, *args: Any, **kwargs: Any) -> Any:
-        with self.owner.timed("forward"), self.owner.counting():
+        with self.owner.marks.interval("forward"), self.owner.counting():
             output = super().forward_one_chunk(chunk, *args, **kwargs)
         self.owner.forwarded(output, self.stage_index, chunk)
         return output
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.owner.timed("backward"):
+        with self.owner.marks.interval("backward"):
             return super().backward_one_chunk(*args, **kwargs)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.owner.timed("backward"):
+        with self.owner.marks.interval("backward"):
             return super().backward_weight_one_chunk(*args, **kwargs)
 
 
@@ -107,15 +107,10 @@ class Stage(Shard):
         self._metas: dict[tuple[Key, int], tuple[Metas, Metas]] = {}  # (in, out) per piece
         self._loss: tuple[Loss | None, float] | None = None  # the round's loss and its weight
         self._losses: list[torch.Tensor] = []
-        self._clock = Clock(self.device)
-        self._record = threading.Lock()
-        self._step: int | None = None
-        self._training = False  # a training round is running (its step's marks still come)
+        self.marks = Marks(self.device)
         self._round = 0  # the training round running
         self._ran = threading.Condition()
         self._last_ran = -1  # the last training round that ran here
-        self._events: dict[int, list[dict[str, list[Any]]]] = {}
-        self._totals: dict[int, tuple[float, float, float]] = {}
 
     def learn(self, key: Key, piece: int, given: Metas) -> Metas:
         """What piece `piece` passes on in a round of kind `key` when given values of the
@@ -227,7 +222,7 @@ class Stage(Shard):
         target = self._last_labels(round) if self.last else None
         self._loss, self._losses = (loss_fn, weight / micro_batches), []
         self._round = round
-        self._begin(step, training=True)
+        self.marks.begin(step, training=True)
         run.step(*args, target=target, return_outputs=False)
         norm = None if unscale is None else self.norm(NO_CONTEXT, unscale)
         loss = torch.stack(self._losses).mean().item() if self.last else None
@@ -267,8 +262,7 @@ class Stage(Shard):
         try:
             yield
         finally:
-            with self._record:
-                self._training = False
+            self.marks.ended()
             with self._ran:
                 self._last_ran = max(self._last_ran, round)
                 self._ran.notify_all()
@@ -291,9 +285,9 @@ class Stage(Shard):
         """Piece `piece`'s forward of `micro_batch` gave `output`: in training, whether it is
         finite is noted (Shard.note_finite). After the first piece's last one, the call's
         next round is read while this process waits for the gradients to come back."""
-        if self._step is None:
+        if self.marks.step is None:
             return
-        self.note_finite(self._step, self._round, nonfinite.all_finite(output, quick=True))
+        self.note_finite(self.marks.step, self._round, nonfinite.all_finite(output, quick=True))
         if piece == 0 and self._next is not None and micro_batch == self._next[0]:
             self._take_round(*self._next[1])
             self._next = None
@@ -310,7 +304,7 @@ class Stage(Shard):
         returns `tally` with the round's figures added."""
         run, stages = self._run(False, micro_batches, samples)
         args = (self.reader.inputs(round),) if self.first else ()
-        self._begin(None)  # an evaluation's forwards are not the step's
+        self.marks.begin(None)  # an evaluation's forwards are not the step's
         with self.evaluating():
             run.step(*args)
         if not self.last:
@@ -341,34 +335,8 @@ class Stage(Shard):
         """The most bytes of activations this stage has held for its backwards."""
         return self.meter.peak
 
-    # ------------------------------------------------------------------ timing
-
-    def _begin(self, step: int | None, training: bool = False) -> None:
-        """Record the forwards and backwards from here on as step `step`'s (None: none),
-        in a training round (`training`) or not."""
-        with self._record:
-            if self._step is not None and self._step != step:
-                self._fold(self._step)
-            self._step, self._training = step, training
-
-    def timed(self, what: str):
-        return _Interval(self, what)
-
-    def _fold(self, step: int) -> None:
-        events = self._events.pop(step, [])
-        marks = [m for e in events for pair in e.values() for m in pair]
-        at = dict(zip(map(id, marks), self._clock.seconds(marks), strict=True))
-        self._totals[step] = step_seconds(
-            [{k: [at[id(m)] for m in pair] for k, pair in e.items()} for e in events]
-        )
-
     def timings(self, step: int | None = None) -> dict[int, tuple[float, float, float]]:
-        # A round still running (the next step, sent early) is folded once it has ended.
-        with self._record:
-            if self._step is not None and not self._training:
-                self._fold(self._step)
-                self._step = None
-            return only(self._totals, step)
+        return self.marks.timings(step)
 
 
 def _meta(metas: Metas, training: bool) -> tuple[torch.Tensor, ...]:
@@ -380,20 +348,3 @@ def _meta(metas: Metas, training: bool) -> tuple[torch.Tensor, ...]:
         )
         for shape, dtype in metas
     )
-
-
-class _Interval:
-    """Marks a stage's forward or backward of one micro-batch in its step's events."""
-
-    def __init__(self, stage: Stage, what: str):
-        self.stage, self.what = stage, what
-
-    def __enter__(self) -> None:
-        self.start = self.stage._clock.mark()
-
-    def __exit__(self, *exc: object) -> None:
-        end = self.stage._clock.mark()
-        stage = self.stage
-        with stage._record:
-            if stage._step is not None:
-                stage._events.setdefault(stage._step, []).append({self.what: [self.start, end]})

@@ -1,0 +1,69 @@
+"""When a pipelining stage computes: each training forward and backward of a micro-batch
+marked on its device's timeline (timing.Clock), by step, and folded into the step's busy
+seconds (timing.step_seconds) once its round has ended, for the summary's per-stage times
+and bubble."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from pipejob.trainer.pipeline.timing import Clock, only, step_seconds
+
+
+class Marks:
+    """A stage's marks. `step` is the step whose forwards and backwards are marked (None:
+    none, as in an evaluation)."""
+
+    def __init__(self, device: torch.device):
+        self._clock = Clock(device)
+        self._lock = threading.Lock()
+        self.step: int | None = None
+        self._training = False  # a training round is running (its step's marks still come)
+        self._events: dict[int, list[dict[str, list[Any]]]] = {}
+        self._totals: dict[int, tuple[float, float, float]] = {}
+
+    def begin(self, step: int | None, training: bool = False) -> None:
+        """Mark the forwards and backwards from here on as step `step`'s (None: none), in a
+        training round (`training`) or not."""
+        with self._lock:
+            if self.step is not None and self.step != step:
+                self._fold(self.step)
+            self.step, self._training = step, training
+
+    def ended(self) -> None:
+        """The training rounds of a call have ended: their step can be folded."""
+        with self._lock:
+            self._training = False
+
+    @contextmanager
+    def interval(self, what: str) -> Iterator[None]:
+        """Mark a forward or backward (`what`) of one micro-batch in its step's events."""
+        start = self._clock.mark()
+        yield
+        end = self._clock.mark()
+        with self._lock:
+            if self.step is not None:
+                self._events.setdefault(self.step, []).append({what: [start, end]})
+
+    def timings(self, step: int | None = None) -> dict[int, tuple[float, float, float]]:
+        """Per step (every one folded, or only `step`): its forward, backward and busy
+        seconds. A round still running (the next step, sent early) is folded once it has
+        ended."""
+        with self._lock:
+            if self.step is not None and not self._training:
+                self._fold(self.step)
+                self.step = None
+            return only(self._totals, step)
+
+    def _fold(self, step: int) -> None:
+        events = self._events.pop(step, [])
+        marks = [m for e in events for pair in e.values() for m in pair]
+        at = dict(zip(map(id, marks), self._clock.seconds(marks), strict=True))
+        self._totals[step] = step_seconds(
+            [{k: [at[id(m)] for m in pair] for k, pair in e.items()} for e in events]
+        )

@@ -27,11 +27,14 @@ from pipejob.trainer.workloads.cut import Traced
 # One model per torchvision family the trainer cuts, with an input size it can take.
 
 
-def brute_force(costs: list[float], parts: int) -> float:
-    """The smallest largest stage cost over every contiguous split."""
+def brute_force(costs: list[float], parts: int, starts: list[bool] | None = None) -> float:
+    """The smallest largest stage cost over every contiguous split (whose stages begin only
+    where `starts` allows)."""
     n = len(costs)
     best = float("inf")
     for cuts in itertools.combinations(range(1, n), parts - 1):
+        if starts is not None and not all(starts[c] for c in cuts):
+            continue
         bounds = (0, *cuts, n)
         best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)))
     return best
@@ -49,6 +52,27 @@ def test_partition_is_the_exact_min_max_split():
         assert [i for r in ranges for i in r] == list(range(n))  # contiguous, in order, all
         worst = max(sum(costs[i] for i in r) for r in ranges)
         assert worst == pytest.approx(brute_force(costs, parts)), (costs, parts, ranges)
+
+
+def test_partition_begins_stages_only_where_allowed():
+    """The exact min-max split of those whose stages begin at layers marked in `starts`
+    (the pipelining engine's: where the model passes only tensors); too few marked, refused."""
+    rng = random.Random(5)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        parts = rng.randint(1, n)
+        starts = [True, *(rng.random() < 0.6 for _ in range(n - 1))]
+        costs = [rng.choice([0.0, rng.random(), rng.randint(1, 5)]) for _ in range(n)]
+        if sum(starts) < parts:
+            with pytest.raises(ValueError, match=f"of {n} layers may begin a stage"):
+                min_max_partition(costs, parts, starts=starts)
+            continue
+        for sizes in (None, [rng.random() for _ in range(n)]):
+            ranges = min_max_partition(costs, parts, sizes, starts)
+            assert [i for r in ranges for i in r] == list(range(n)) and all(ranges)
+            assert all(starts[r.start] for r in ranges), (starts, ranges)
+            best = brute_force(costs, parts, starts) * (1 if sizes is None else 1 + COST_SLACK)
+            assert largest(costs, ranges) <= best + 1e-9, (costs, starts, ranges)
 
 
 def test_partition_examples():

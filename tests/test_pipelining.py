@@ -35,14 +35,16 @@ from jobrun import (
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
+from pipejob.trainer.pipeline.balance import LayerCosts, measure_chain, min_max_partition, predict
 from pipejob.trainer.pipeline.pipelining import messages
 from pipejob.trainer.pipeline.pipelining.driver import Replicas, even
-from pipejob.trainer.pipeline.shards import plan_shards
+from pipejob.trainer.pipeline.shards import piece_starts, plan_shards
 from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.stage_parts import CANDIDATES_PER_STAGE
 from pipejob.trainer.pipeline.train import runs
 from pipejob.trainer.runtime import checkpoint, profiling
 from pipejob.trainer.runtime.model_files import load_state_dict
-from pipejob.trainer.workloads import models
+from pipejob.trainer.workloads import cut, models
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -107,6 +109,40 @@ def test_every_schedule_computes_one_process_gradients(
     )
     got = check_gradients(job, tmp_path, timeout=360, schedules=SCHEDULES)
     assert len(got["stages"]) == 2 * stages  # the last schedule's pieces: two per process
+
+
+def test_pieces_begin_only_where_the_model_passes_tensors():
+    """The transformer's first block reads its input's shape first, so ints cross the cuts
+    at blocks.0.norm1 and blocks.0.qkv (candidates once 4 pieces open that block): on the
+    pipelining engine no piece begins there even where the cheapest split would, and a
+    split point there is refused before any step; the rpc engine begins pieces anywhere."""
+    fields = {"model": {"transformer": TRANSFORMER}, "stages": 2}
+    four = {"schedule": "interleaved-1f1b", "stagesPerProcess": 2}
+    job = spec.parse(pipeline_job("cuts", engine="pipelining", **fields, **four)).settings
+    traced = cut.Traced(models.build(job), CANDIDATES_PER_STAGE * job.pieces)
+    units, pieces = traced.units, traced.split(traced.units[1:])
+    measured, _ = measure_chain(pieces, units, (torch.randint(0, 9, (2, 32)),), True, 1)
+    assert measured.passes_tensors[:3] == [False, False, True]  # ints after embed and norm1
+    seconds = [10.0 if u == "embed" else 1.0 for u in units]  # embed alone is cheapest
+    costs = LayerCosts(seconds, seconds, None, measured.passes_tensors)
+    anywhere = min_max_partition(costs.seconds, 4)
+    assert units[anywhere[1].start] == "blocks.0.norm1"
+    starts = piece_starts(job, units, costs, None)
+    ranges = predict(costs, 2, 1, 8, per_process=2, starts=starts).ranges
+    assert [units[r.start] for r in ranges] == [
+        "embed",
+        "blocks.0.proj",
+        "blocks.0.norm2",
+        "blocks.0.mlp.0",
+    ]
+    with pytest.raises(
+        cut.CutError,
+        match="passes other values .ints, tuples. where blocks.0.norm1, blocks.0.qkv begin:"
+        " split elsewhere than blocks.0.qkv .spec.splitPoints.",
+    ):
+        piece_starts(job, units, costs, traced.ranges(["blocks.0.qkv", "blocks.1", "norm"]))
+    rpc_job = spec.parse(pipeline_job("cuts", engine="rpc", **fields)).settings
+    assert piece_starts(rpc_job, units, costs, None) is None
 
 
 # ---------------------------------------------------------------- a job as a user runs it

@@ -25,12 +25,16 @@ COST_SLACK = 0.1
 
 
 def min_max_partition(
-    costs: Sequence[float], parts: int, sizes: Sequence[float] | None = None
+    costs: Sequence[float],
+    parts: int,
+    sizes: Sequence[float] | None = None,
+    starts: Sequence[bool] | None = None,
 ) -> list[range]:
     """Split layers 0..n-1 into `parts` non-empty contiguous ranges, minimising the largest
     range's total cost; with `sizes` (each layer's parameter bytes), of the splits within
-    COST_SLACK of that, the one minimising the largest range's bytes. Among equally good
-    splits, earlier stages get fewer layers."""
+    COST_SLACK of that, the one minimising the largest range's bytes; with `starts`, only
+    splits whose ranges each begin at a layer marked True. Among equally good splits,
+    earlier stages get fewer layers."""
     n = len(costs)
     if parts < 1:
         raise ValueError(f"need at least one part, got {parts}")
@@ -40,18 +44,25 @@ def min_max_partition(
         raise ValueError("layer costs must not be negative")
     if sizes is not None and len(sizes) != n:
         raise ValueError(f"{len(sizes)} layer sizes for {n} layer costs")
-    fastest, bounds = _min_max(costs, parts, float("inf"))
+    starts = [True] * n if starts is None else [True, *starts[1:]]
+    if sum(starts) < parts:
+        raise ValueError(f"only {sum(starts)} of {n} layers may begin a stage, for {parts}")
+    fastest, bounds = _min_max(costs, parts, float("inf"), starts)
     if sizes is None:
         return bounds
-    return _min_max(sizes, parts, fastest * (1 + COST_SLACK), costs)[1]
+    return _min_max(sizes, parts, fastest * (1 + COST_SLACK), starts, costs)[1]
 
 
 def _min_max(
-    weights: Sequence[float], parts: int, bound: float, costs: Sequence[float] | None = None
+    weights: Sequence[float],
+    parts: int,
+    bound: float,
+    starts: Sequence[bool],
+    costs: Sequence[float] | None = None,
 ) -> tuple[float, list[range]]:
     """The split of the layers into `parts` ranges minimising the largest range's total
-    weight, of those whose ranges each cost at most `bound` (`costs`: per layer), and that
-    largest weight."""
+    weight, of those whose ranges each begin where `starts` allows and cost at most `bound`
+    (`costs`: per layer), and that largest weight."""
     n = len(weights)
     weight, cost = _prefix(weights), _prefix(weights if costs is None else costs)
     inf = float("inf")
@@ -63,7 +74,7 @@ def _min_max(
     for k in range(1, parts + 1):
         for i in range(k, n - (parts - k) + 1):
             for s in range(k - 1, i):  # the last stage is layers s..i-1
-                if cost[i] - cost[s] > bound:
+                if not starts[s] or cost[i] - cost[s] > bound:
                     continue
                 worst = max(best[k - 1][s], weight[i] - weight[s])
                 if worst < best[k][i]:
@@ -89,6 +100,8 @@ class LayerCosts:
     seconds: list[float]  # wall-clock: how long a stage computing alone takes
     cpu_seconds: list[float]  # CPU time of all threads: what it takes from shared cores
     sizes: list[float] | None = None  # parameter bytes, where known: the split's tie-break
+    # Per layer, whether all it passes on are tensors (torch's PipelineStages send only them)
+    passes_tensors: list[bool] | None = None
 
 
 def measure_costs(
@@ -119,6 +132,7 @@ def measure_chain(
         pieces = copy.deepcopy(pieces)
     costs = [float("inf")] * len(pieces)
     cpu = [float("inf")] * len(pieces)
+    passes_tensors = [True] * len(pieces)
     given = values
     for run in range(repeats + 1):
         values = given
@@ -148,9 +162,10 @@ def measure_chain(
             if run > 0:
                 costs[i] = min(costs[i], time.perf_counter() - start)
                 cpu[i] = min(cpu[i], time.process_time() - start_cpu)
+            passes_tensors[i] = all(isinstance(v, torch.Tensor) for v in outs)
             values = outs
     passed = tree_map_only(torch.Tensor, torch.Tensor.detach, values)
-    return LayerCosts(costs, cpu), passed
+    return LayerCosts(costs, cpu, passes_tensors=passes_tensors), passed
 
 
 def _as_input(value: Any, grad: bool) -> Any:
@@ -230,6 +245,7 @@ def predict(
     hosts: Sequence[Host] = (),
     ranges: list[range] | None = None,
     per_process: int = 1,
+    starts: Sequence[bool] | None = None,
 ) -> Prediction:
     """Split `costs` (per layer, one micro-batch of batch // micro_batches) over `stages` by
     wall-clock time (over stages x `per_process` pieces, process k holding pieces k,
@@ -242,8 +258,10 @@ def predict(
       lose where stages share cores: a stage idle in the bubble lends the others its cores,
       while small micro-batches cost more CPU time per sample. Stages sharing a GPU need at
       least the sum of their times on it.
-    `ranges` given (spec.splitPoints): that split, predicted, instead of the balanced one."""
-    ranges = ranges or min_max_partition(costs.seconds, stages * per_process, costs.sizes)
+    `ranges` given (spec.splitPoints): that split, predicted, instead of the balanced one;
+    `starts`: per layer, whether a piece may begin there."""
+    pieces = stages * per_process
+    ranges = ranges or min_max_partition(costs.seconds, pieces, costs.sizes, starts)
     slowest = max(sum(costs.seconds[i] for i in r) for r in ranges)
     crowded = (
         micro_batches

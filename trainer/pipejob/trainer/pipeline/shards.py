@@ -16,7 +16,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from pipejob.core.kinds.pipeline import AUTO, PipelineSpec, auto_counts
+from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec, auto_counts
 from pipejob.trainer.pipeline.balance import (
     Host,
     LayerCosts,
@@ -212,13 +212,39 @@ def _measure(
     for m, costs in zip(
         counts, measure_on_stages(stage_names, spec, traced, numbered, sizes), strict=True
     ):
+        starts = piece_starts(spec, traced.units, costs, fixed)
         measured[m] = (
-            predict(costs, spec.stages, m, batch, hosts, fixed, spec.stages_per_process),
+            predict(costs, spec.stages, m, batch, hosts, fixed, spec.stages_per_process, starts),
             costs,
         )
     chosen, costs = measured[fastest([p for p, _ in measured.values()]).micro_batches]
     table = [candidate(p) for p, _ in measured.values()] if auto else []
     return Partition(chosen.ranges, costs.seconds, chosen.micro_batches, table)
+
+
+def piece_starts(
+    spec: PipelineSpec, units: list[str], costs: LayerCosts, fixed: list[range] | None
+) -> list[bool] | None:
+    """Per unit, whether a piece may begin there: anywhere on the rpc engine; on the
+    pipelining engine only where the model passes nothing but tensors (torch's
+    PipelineStages send no ints or tuples). Refuses split points, or a model, that leave
+    too few such places."""
+    if spec.engine != PIPELINING or costs.passes_tensors is None:
+        return None
+    starts = [True, *costs.passes_tensors[:-1]]
+    others = [u for u, ok in zip(units, starts, strict=True) if not ok]
+    why = (
+        "spec.engine pipelining passes only tensors between stages, and the model passes"
+        f" other values (ints, tuples) where {', '.join(others)} begin"
+    )
+    refused = [units[r.start] for r in fixed or [] if not starts[r.start]]
+    if refused:
+        raise cut.CutError(f"{why}: split elsewhere than {', '.join(refused)} (spec.splitPoints)")
+    if sum(starts) < spec.pieces:
+        raise cut.CutError(
+            f"{why}: too few places are left for {spec.pieces} pieces; use spec.engine rpc"
+        )
+    return starts
 
 
 def candidate(p: Prediction) -> dict[str, Any]:

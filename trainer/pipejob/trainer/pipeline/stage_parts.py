@@ -138,6 +138,7 @@ def measure_on_stages(
     values: list[tuple[Any, ...]] | None = None  # the first stage reads its samples
     seconds: list[list[float]] = [[] for _ in batches]
     cpu: list[list[float]] = [[] for _ in batches]
+    tensors: list[list[bool]] = [[] for _ in batches]
     for k, run in enumerate(runs):
         held = [n for i in run for n in cut.state_names(pieces[i])]
         part = Part(
@@ -152,4 +153,5 @@ def measure_on_stages(
         for j, c in enumerate(costs):
             seconds[j] += c.seconds
             cpu[j] += c.cpu_seconds
-    return [LayerCosts(s, c, sizes) for s, c in zip(seconds, cpu, strict=True)]
+            tensors[j] += c.passes_tensors or [True] * len(c.seconds)
+    return [LayerCosts(s, c, sizes, t) for s, c, t in zip(seconds, cpu, tensors, strict=True)]

@@ -22,8 +22,12 @@ from typing import Any
 import pytest
 
 from jobrun import TOLERANCE, JobRun, pipeline_job
+from pipejob.core import plan, spec
 from pipejob.core.contract import ExitCode
-from pipejob.trainer.runtime import checkpoint
+from pipejob.runner.local import LOOPBACK, free_ports
+from pipejob.trainer.pipeline.run_plan import saved_partition
+from pipejob.trainer.runtime import checkpoint, world
+from pipejob.trainer.workloads import models
 from pipejob.trainer.workloads.data import StreamSampler
 from pipejob.trainer.workloads.samples import order
 from pipejob.trainer.workloads.synthetic import share_of
@@ -183,6 +187,29 @@ def test_a_pipeline_resumes_on_another_shape_as_a_run_of_that_shape(
         got = resumed["reads"][name]
         assert got[-len(shares) - 1 :] == [0, *shares], (name, got)
         assert got[: -len(shares) - 1] in ([], [0, *stream.take(0, BATCH)]), (name, got)
+
+
+def test_the_pipelining_engine_takes_no_cut_the_rpc_engine_saved(tmp_path: Path) -> None:
+    """The rpc engine may cut where the model passes ints, which the pipelining engine's
+    stages cannot send: on it a checkpoint's cut is taken only where its own engine saved it
+    (else the stages measure anew); the rpc engine takes either's."""
+    saved = {"kind": "PipelineJob", "ranges": [[0, 3], [3, 6]], "costs": [1.0] * 6}
+    for engine, saved_by, taken in [
+        ("pipelining", "rpc", False),
+        ("pipelining", "pipelining", True),
+        ("rpc", "pipelining", True),
+    ]:
+        job = spec.parse(pipeline_job("cut", engine=engine, stages=2, microBatches=2))
+        manifest = saved | {
+            "engine": saved_by,
+            "microBatches": 2,
+            "model": models.as_spec(job.settings.model),
+        }
+        found = checkpoint.Checkpoint(4, tmp_path, manifest)
+        ports = plan.Ports(*free_ports(2))
+        env = world.read_env(plan.plan_world(job, lambda m: LOOPBACK, ports)[0].env)
+        partition = saved_partition(env, found)
+        assert (partition is not None) == taken, (engine, saved_by)
 
 
 # ------------------------------------------------------------------ HybridJob

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
+from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.balance import Host, shape
 from pipejob.trainer.pipeline.fit import fits_model
@@ -168,14 +168,17 @@ def saved_partition(env: Env[PipelineSpec], found: checkpoint.Checkpoint) -> Par
     """The checkpoint's cut, when this job cuts the model into as many stages (at the same
     split points, if it names them): its measured costs need no new measuring, and each
     stage resumes from its own file. The micro-batch count is the job's, or with `auto` the
-    checkpoint's. None: the job is shaped otherwise (or the checkpoint keeps no cut), and
-    the stages measure anew; any cut resumes any checkpoint of the model."""
+    checkpoint's. None: the job is shaped otherwise (or the checkpoint keeps no cut, or the
+    rpc engine's, which may pass what the pipelining engine cannot), and the stages measure
+    anew; any cut resumes any checkpoint of the model."""
     spec, manifest = env.spec, found.manifest
     checkpoint.fits(found, env, model=models.as_spec(spec.model))
     ranges, stages = manifest.get("ranges"), manifest.get("stages")
     recorded = manifest.get("microBatches")  # None: written before the count was kept
     count = recorded if spec.micro_batches == AUTO else spec.micro_batches
     if ranges is None or len(ranges) != spec.pieces or count is None:
+        return None
+    if spec.engine == PIPELINING and manifest.get("engine") != PIPELINING:
         return None
     if spec.split_points and list(spec.split_points) != [s[0] for s in stages[1:]]:
         return None

@@ -74,6 +74,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return Runs(tmp_path_factory.mktemp("uninterrupted"))
 
 
+# The tests that share an uninterrupted run go to one worker under pytest-xdist, which makes
+# each run once (a module's fixture is made once per worker).
+SHARES_RUNS = pytest.mark.xdist_group("elastic-runs")
+
+
 def run(manifest_of: Any, directory: Path, size: int, root: Path | None = None) -> dict[str, Any]:
     """`pipejob run --size` of the manifest `manifest_of(checkpoint root, reads folder)` to
     its end; its summary, checkpoint root and reads."""
@@ -154,6 +159,7 @@ PAIRS = [
 ]
 
 
+@SHARES_RUNS
 @pytest.mark.parametrize("first,then", PAIRS, ids=lambda s: s)
 def test_a_pipeline_resumes_on_another_shape_as_a_run_of_that_shape(
     first: str, then: str, runs: Runs, tmp_path: Path
@@ -249,6 +255,7 @@ def hybrid(root: Path, folder: Path, servers: int = 1) -> dict[str, Any]:
 
 
 # slow: two worlds: the pipeline's pair across engines and piece counts holds the resharding path
+@SHARES_RUNS
 @pytest.mark.slow
 def test_a_hybrid_job_resumes_with_other_trainer_and_server_counts_as_a_run_of_those(
     runs: Runs, tmp_path: Path
@@ -286,6 +293,7 @@ def test_a_hybrid_job_resumes_with_other_trainer_and_server_counts_as_a_run_of_t
     assert sorted(before + trained) == list(range(BAGS))
 
 
+@SHARES_RUNS
 def test_a_checkpoint_of_another_model_is_refused_in_one_line(runs: Runs, tmp_path: Path) -> None:
     """What no shape can resume: the job fails at once, permanently, saying why (no
     traceback, no restart spent)."""

@@ -5,12 +5,10 @@ docs/architecture.md ("The rpc engine")."""
 
 from __future__ import annotations
 
-import queue
 import time
 
 import torch
 import torch.distributed.autograd as dist_autograd
-from torch.distributed.rpc import RRef
 
 from pipejob.core.common import Optimizer
 from pipejob.core.kinds.pipeline import PipelineSpec
@@ -20,17 +18,10 @@ from pipejob.trainer.pipeline.rpc.stage import Stage
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.pipeline.stage_calls import created_stages, remote_stage
 from pipejob.trainer.pipeline.step_records import ReplicaShare, Round, RoundsRun, StepResult
-from pipejob.trainer.runtime import rendezvous
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
-# Micro-batches a stage holds at once; fewer than the RPC worker threads (runtime/rendezvous):
-# each waits for its input, then for its turn (the stage computes them in order), on one of the
-# stage's RPC threads, and once every thread waits, none is left to complete the fetches they
-# wait for. Each stage's micro-batches are launched in order (Pipeline.forward), so the one
-# whose turn it is is always among those it holds.
-IN_FLIGHT = 4
 Norms = list[float] | None  # each stage's gradient norm, where a call brings them
 
 
@@ -65,64 +56,23 @@ class Pipeline(driver.Pipeline):
             for i in range(last + 1)
         ]
         super().__init__(stage_names, created_stages(stage_names, Stage, args))
+        # Each stage passes its outputs straight to the next (Stage.pass_on).
+        pairs = zip(self.names, self.stages, self.names[1:], self.stages[1:], strict=False)
+        torch.futures.wait_all(
+            [remote_stage(n, s).future(Stage.link, *after) for n, s, *after in pairs]
+        )
 
     def forward(self, batch: Round, step: int | None, read: int | None = None) -> None:
-        """All micro-batches' forwards of `batch`, pipelined. `step` None: an evaluation's
-        forwards (no autograd, shards in eval mode). The outputs stay on the last stage, for
-        `backward` or `tally`. `read`: the first stage reads the round in its first forward,
-        as that many micro-batches (`read_round`: one call fewer a round).
-
-        Stage k gets micro-batch i's input as stage k-1's RRef and fetches it from there,
-        holding at most IN_FLIGHT micro-batches at a time, launched in order. Completions
-        only post to a queue; every call is issued from this thread, inside the distributed
-        autograd context."""
-        last = len(self.stages) - 1
-        micro_batches, round = batch.micro_batches, batch.number
-        refs: dict[tuple[int, int], RRef] = {}
-        finished: queue.SimpleQueue = queue.SimpleQueue()
-
-        def launch(k: int, mb: int) -> None:
-            given = None if k == 0 else refs[k - 1, mb]  # the first stage's reader has it
-            reads = (read, batch.samples) if k == 0 and mb == 0 and read is not None else None
-            name, stage = self.names[k], self.stages[k]
-            if k == last:
-                future = remote_stage(name, stage).future(
-                    Stage.forward, given, round, mb, step, reads
-                )
-            else:
-                refs[k, mb] = remote_stage(name, stage).rref(
-                    Stage.forward, given, round, mb, step, reads
-                )
-                future = refs[k, mb]._get_future()  # done once the stage has computed it
-            future.then(lambda f: finished.put((k, mb, f)))
-
-        launched = [0] * (last + 1)  # micro-batches launched on each stage, in order
-        busy = [0] * (last + 1)
-
-        def fill() -> None:
-            # Completions arrive in any order (stage k may report micro-batch i before stage
-            # k-1 does): launch only once the input's RRef exists and the stage has a slot.
-            for k in range(last + 1):
-                while (
-                    launched[k] < micro_batches
-                    and busy[k] < IN_FLIGHT
-                    and (k == 0 or launched[k] < launched[k - 1])
-                ):
-                    launch(k, launched[k])
-                    launched[k] += 1
-                    busy[k] += 1
-
-        fill()
-        for _ in range((last + 1) * micro_batches):
-            try:
-                k, mb, future = finished.get(timeout=rendezvous.RPC_TIMEOUT_SECONDS)
-            except queue.Empty:
-                raise TimeoutError(
-                    f"no stage finished a forward within {rendezvous.RPC_TIMEOUT_SECONDS:g}s"
-                ) from None
-            future.wait()  # raises if the stage failed
-            busy[k] -= 1
-            fill()
+        """All micro-batches' forwards of `batch`, pipelined: one call to the first stage,
+        which passes each micro-batch on as it computes it, each stage to the next
+        (Stage.forward_round). `step` None: an evaluation's forwards (no autograd, shards in
+        eval mode). The outputs stay on the last stage, for `backward` or `tally`. `read`:
+        the first stage reads the round in its first forward, as that many micro-batches
+        (`read_round`: one call fewer a round)."""
+        reads = None if read is None else (read, batch.samples)
+        remote_stage(self.names[0], self.stages[0]).result(
+            Stage.forward_round, batch.number, batch.micro_batches, step, reads
+        )
 
     def backward(
         self,

@@ -5,15 +5,17 @@ times its forwards and backwards. More in docs/architecture.md ("The rpc engine"
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 from torch import nn
 from torch.distributed.rpc import RRef
+from torch.futures import Future
 
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
@@ -27,6 +29,11 @@ from pipejob.trainer.workloads.cut import join, tensors
 from pipejob.trainer.workloads.metrics import Tally
 
 T = TypeVar("T")
+# Micro-batches on their way through the pipeline at once (`Stage.forward_round`); fewer than
+# a stage's RPC worker threads (runtime/rendezvous): each may hold one of some stage's while it
+# waits for its turn there (it arrived before the micro-batch ahead of it), and once every
+# thread waits, none is left to take the micro-batch whose turn it is.
+IN_FLIGHT = 8
 
 
 class Turnstile:
@@ -35,10 +42,10 @@ class Turnstile:
     have all ended). A step's forwards reach a stage's RPC threads in any order; run as they
     came, stage k could hold back micro-batch 0, which stage k + 1 needs first.
 
-    Every caller must take its turn, even one that failed before computing (it then passes
-    the turn on at once), so a failure never leaves the micro-batches after it waiting. The
-    master launches each stage's micro-batches in order, so the one whose turn it is has
-    always been sent; a turn that does not come within `timeout` is an error, not a hang."""
+    A caller whose forward fails passes the turn on, so a failure never leaves the
+    micro-batches after it waiting. The stage before sends a stage its micro-batches in
+    order, so the one whose turn it is has always been sent; a turn that does not come
+    within `timeout` is an error, not a hang."""
 
     def __init__(self, timeout: float):
         self.timeout = timeout
@@ -90,6 +97,7 @@ class Stage(Shard):
         # A GPU stage computes on a thread and stream of its own (pipeline/gpu_worker.py).
         self.gpu = GpuWorker(self.device) if self.device.type == "cuda" else None
         self.last = last
+        self._following: tuple[str, RRef] | None = None  # the next stage (`link`)
         self.compute = self.computed(self.layers, last)
         # One forward at a time, in micro-batch order: micro-batches would otherwise fight
         # over the same cores and race on BatchNorm's running statistics.
@@ -106,9 +114,47 @@ class Stage(Shard):
         # The last stage's outputs per (round, micro-batch), until their loss or tally.
         self._outputs: dict[tuple[int, int], Any] = {}
 
+    def link(self, name: str, stage: RRef) -> None:
+        """The next stage (worker `name`, its Stage's RRef), where `pass_on` sends outputs."""
+        self._following = (name, stage)
+
+    def forward_round(
+        self, round: int, micro_batches: int, step: int | None, read: tuple[int, int] | None
+    ) -> None:
+        """The first stage: every micro-batch of round `round` forward, each passed on to
+        the next stage as it is computed (`pass_on`); returns once every one has reached the
+        last stage. At most IN_FLIGHT are on their way at once (each may hold an RPC thread
+        of a stage while it waits for its turn there)."""
+        under_way: deque[Future] = deque()
+        for mb in range(micro_batches):
+            if len(under_way) == IN_FLIGHT:
+                under_way.popleft().wait()  # raises if a stage failed
+            under_way.append(self.pass_on(None, round, mb, step, read if mb == 0 else None))
+        for future in under_way:
+            future.wait()
+
+    def pass_on(
+        self,
+        x: tuple[Any, ...] | None,
+        round: int,
+        micro_batch: int,
+        step: int | None,
+        read: tuple[int, int] | None = None,
+    ) -> Future:
+        """`forward`, and its output sent on to the next stage's `pass_on`: the future of
+        the micro-batch's arrival at the last stage. Sent from inside this call, so that in
+        training the distributed autograd context records the send."""
+        y = self.forward(x, round, micro_batch, step, read)
+        if self.last:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        name, stage = self._following
+        return rpc.rpc_async(name, passed_on, args=(stage, y, round, micro_batch, step))
+
     def forward(
         self,
-        x: tuple[Any, ...] | RRef | None,
+        x: tuple[Any, ...] | None,
         round: int,
         micro_batch: int,
         step: int | None,
@@ -117,17 +163,9 @@ class Stage(Shard):
         """Micro-batch `micro_batch` of forward round `round` (the turnstile's order); a
         training step's (`step`, timed, with autograd) or, with `step` None, an
         evaluation's (no autograd, the shard in eval mode). `x`: the previous stage's
-        output (an RRef), or None on the first stage (the round its reader read). `read`:
-        the first stage reads the round first, as (micro-batches, samples) (Reader.read)."""
-        failed = None
-        try:  # fetching waits for no turn: later inputs arrive while this stage computes
-            if x is not None and not isinstance(x, tuple):  # an RRef, fetched from the
-                x = x.to_here()  # previous stage, straight to this one
-        except Exception as e:
-            failed = e
+        output, or None on the first stage (the round its reader read). `read`: the first
+        stage reads the round first, as (micro-batches, samples) (Reader.read)."""
         with self._order.turn(round, micro_batch):
-            if failed is not None:
-                raise failed
             if x is None:  # the first stage's: read in its turn, after micro-batch 0's read
                 x = self._input(round, micro_batch, read)
             received = x
@@ -307,6 +345,12 @@ class Stage(Shard):
         """The step's gradients, in its distributed autograd context."""
         grads = dist_autograd.get_gradients(context_id)
         return {n: grads[p] for n, p in self.parameters_by_name.items() if p in grads}
+
+
+@rpc.functions.async_execution
+def passed_on(stage: RRef, x: tuple[Any, ...], round: int, micro_batch: int, step: int | None):
+    """Runs on the next stage's worker: `Stage.pass_on` of the Stage held there."""
+    return stage.local_value().pass_on(x, round, micro_batch, step)
 
 
 def stage_devices(

@@ -16,6 +16,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.rpc import RRef
+from torch.futures import Future
 
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline import gradients
@@ -200,13 +201,16 @@ class Shard:
         self._first = name, stage
 
     def labels(self, round: int) -> torch.Tensor:
-        """Round `round`'s labels on this stage's device, from the first stage's reader,
-        which waits for the round to be read. A call of the stage's own, with an RRef it
-        holds: the master passing one RRef a round cost several messages more."""
+        """Round `round`'s labels on this stage's device (`ask_labels`)."""
+        return self.ask_labels(round).wait().to(self.device)
+
+    def ask_labels(self, round: int) -> Future[torch.Tensor]:
+        """The future of round `round`'s labels, from the first stage's reader, which waits
+        for the round to be read. A call of the stage's own, with an RRef it holds: the
+        master passing one RRef a round cost several messages more."""
         assert self._first is not None, "the master names the first stage to the last"
         name, stage = self._first
-        labels = remote_reader(name, stage).result(Reader.labels, round, RPC_TIMEOUT_SECONDS)
-        return labels.to(self.device)
+        return remote_reader(name, stage).future(Reader.labels, round, RPC_TIMEOUT_SECONDS)
 
     # ------------------------------------------------------------------ non-finite values
 

@@ -6,6 +6,7 @@ docs/architecture.md ("The rpc engine")."""
 from __future__ import annotations
 
 import time
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -16,13 +17,14 @@ from pipejob.trainer.pipeline import driver, gradients
 from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Reader, Source
 from pipejob.trainer.pipeline.rpc.stage import Stage
 from pipejob.trainer.pipeline.shards import Shards
-from pipejob.trainer.pipeline.stage_calls import created_stages, remote_stage
+from pipejob.trainer.pipeline.stage_calls import Method, created_stages, remote_stage
 from pipejob.trainer.pipeline.step_records import ReplicaShare, Round, RoundsRun, StepResult
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
 Norms = list[float] | None  # each stage's gradient norm, where a call brings them
+R = TypeVar("R")
 
 
 class Pipeline(driver.Pipeline):
@@ -62,48 +64,39 @@ class Pipeline(driver.Pipeline):
             [remote_stage(n, s).future(Stage.link, *after) for n, s, *after in pairs]
         )
 
-    def forward(self, batch: Round, step: int | None, read: int | None = None) -> None:
-        """All micro-batches' forwards of `batch`, pipelined: one call to the first stage,
-        which passes each micro-batch on as it computes it, each stage to the next
-        (Stage.forward_round). `step` None: an evaluation's forwards (no autograd, shards in
-        eval mode). The outputs stay on the last stage, for `backward` or `tally`. `read`:
-        the first stage reads the round in its first forward, as that many micro-batches
-        (`read_round`: one call fewer a round)."""
-        reads = None if read is None else (read, batch.samples)
-        remote_stage(self.names[0], self.stages[0]).result(
-            Stage.forward_round, batch.number, batch.micro_batches, step, reads
-        )
-
-    def backward(
+    def forward(
         self,
         batch: Round,
-        loss_fn: Loss,
-        context_id: int,
-        scale: float,
-        step: int,
-        unscale: float | None = None,
-    ) -> tuple[torch.Tensor, Norms]:
-        """Training round `batch`'s loss and the distributed backward from it times `scale`,
-        run by the last stage in one call (Stage.loss_backward), then every other stage
-        settled (Stage.settle): only then are the round's gradients whole. With `unscale`
-        (the step's last round: 1 / fp16's loss scale), each stage's gradient norm comes
-        with its reply. Returns the loss, and the norms or None.
-
-        The settle waits for the backward's return, not beside it: a stage's settle ends
-        when its nodes nearest the inputs have run, just before the gradients they give its
-        parameters are taken into the context, which the backward's return waits for."""
-        last = len(self.stages) - 1
-        loss, norm = remote_stage(self.names[last], self.stages[last]).result(
-            Stage.loss_backward,
+        step: int | None,
+        end: Method[..., R],
+        *args: Any,
+        read: int | None = None,
+    ) -> R:
+        """All micro-batches' forwards of `batch`, pipelined, and then `end(round's number,
+        its micro-batches, *args)` on the last stage, whose result this returns: one call to
+        the first stage, which passes each micro-batch on as it computes it, each stage to
+        the next, the last ending the round (Stage.forward_round). `step` None: an
+        evaluation's forwards (no autograd, shards in eval mode). `read`: the first stage
+        reads the round in its first forward, as that many micro-batches (`read_round`)."""
+        reads = None if read is None else (read, batch.samples)
+        return remote_stage(self.names[0], self.stages[0]).result(
+            Stage.forward_round,
             batch.number,
             batch.micro_batches,
-            loss_fn,
-            context_id,
-            scale,
             step,
-            unscale,
+            reads,
+            (end.__name__, args),
         )
-        others = zip(self.names[:last], self.stages[:last], strict=True)
+
+    def settle(self, batch: Round, step: int, context_id: int, unscale: float | None) -> Norms:
+        """Every stage but the last settled (Stage.settle) once the last stage's backward
+        has returned: only then are the round's gradients whole. With `unscale` (the step's
+        last round: 1 / fp16's loss scale), each one's gradient norm comes with its reply.
+
+        Not beside the backward: a stage's settle ends when its nodes nearest the inputs
+        have run, just before the gradients they give its parameters are taken into the
+        context, which the backward's return waits for."""
+        others = zip(self.names[:-1], self.stages[:-1], strict=True)
         if unscale is None:
             settling = [
                 remote_stage(name, stage).future(Stage.settle, step, batch.micro_batches)
@@ -117,21 +110,14 @@ class Pipeline(driver.Pipeline):
                 for name, stage in others
             ]
         norms = torch.futures.wait_all(settling)
-        return loss, None if unscale is None else [*norms, norm]
+        return None if unscale is None else norms
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0):
         the first stage reads each batch, the last adds its figures (Stage.tally)."""
         self.reader(Reader.start_held_out, limit)
         while (batch := self.read(micro_batches, what=HELD_OUT)) is not None:
-            self.forward(batch, None)
-            tally = remote_stage(self.names[-1], self.stages[-1]).result(
-                Stage.tally,
-                batch.number,
-                batch.micro_batches,
-                loss_fn,
-                tally,
-            )
+            tally = self.forward(batch, None, Stage.tally, loss_fn, tally)
         return tally
 
 
@@ -145,15 +131,18 @@ def forward_backward(
     read: int | None = None,
     unscale: float | None = None,
 ) -> tuple[torch.Tensor, Norms]:
-    """Every micro-batch of `batch` forward, one loss over the whole batch (the mean over
-    its samples, as without a pipeline) on the last stage, then the backward across the
+    """Every micro-batch of `batch` forward, then on the last stage one loss over the whole
+    batch (the mean over its samples, as without a pipeline) and the backward across the
     stages of the loss times `scale` (1 / gradientAccumulation, times fp16's loss scale),
-    every stage settled (Pipeline.backward). Returns the loss, and with `unscale` each
-    stage's gradient norm."""
-    with phase("forwards"):
-        pipeline.forward(batch, step, read)
-    with phase("backward"):
-        return pipeline.backward(batch, loss_fn, context_id, scale, step, unscale)
+    in one call (Stage.loss_backward at the round's end); then every other stage settled
+    (Pipeline.settle). Returns the loss, and with `unscale` each stage's gradient norm."""
+    with phase("forwards and backward"):
+        loss, norm = pipeline.forward(
+            batch, step, Stage.loss_backward, loss_fn, context_id, scale, step, unscale, read=read
+        )
+    with phase("settle"):
+        norms = pipeline.settle(batch, step, context_id, unscale)
+    return loss, None if norms is None else [*norms, norm]
 
 
 class Replicas(driver.Replicas):

@@ -34,6 +34,9 @@ T = TypeVar("T")
 # waits for its turn there (it arrived before the micro-batch ahead of it), and once every
 # thread waits, none is left to take the micro-batch whose turn it is.
 IN_FLIGHT = 8
+# What ends a round on the last stage: the name of its method (`loss_backward`, `tally`) and
+# the arguments after the round's number and micro-batch count (Stage.pass_on).
+RoundEnd = tuple[str, tuple[Any, ...]]
 
 
 class Turnstile:
@@ -113,25 +116,31 @@ class Stage(Shard):
         self._done: dict[int, int] = {}
         # The last stage's outputs per (round, micro-batch), until their loss or tally.
         self._outputs: dict[tuple[int, int], Any] = {}
+        self._labels: dict[int, Future] = {}  # and the labels asked for (`_ask_labels`)
 
     def link(self, name: str, stage: RRef) -> None:
         """The next stage (worker `name`, its Stage's RRef), where `pass_on` sends outputs."""
         self._following = (name, stage)
 
     def forward_round(
-        self, round: int, micro_batches: int, step: int | None, read: tuple[int, int] | None
-    ) -> None:
+        self,
+        round: int,
+        micro_batches: int,
+        step: int | None,
+        read: tuple[int, int] | None,
+        end: RoundEnd | None = None,
+    ) -> Any:
         """The first stage: every micro-batch of round `round` forward, each passed on to
         the next stage as it is computed (`pass_on`); returns once every one has reached the
-        last stage. At most IN_FLIGHT are on their way at once (each may hold an RPC thread
-        of a stage while it waits for its turn there)."""
+        last stage, with what the last stage's `end` gave. At most IN_FLIGHT are on their
+        way at once (each may hold an RPC thread of a stage while it waits for its turn)."""
         under_way: deque[Future] = deque()
         for mb in range(micro_batches):
             if len(under_way) == IN_FLIGHT:
                 under_way.popleft().wait()  # raises if a stage failed
-            under_way.append(self.pass_on(None, round, mb, step, read if mb == 0 else None))
-        for future in under_way:
-            future.wait()
+            ending = end if mb == micro_batches - 1 else None
+            under_way.append(self.pass_on(None, round, mb, step, read if mb == 0 else None, ending))
+        return [future.wait() for future in under_way][-1]
 
     def pass_on(
         self,
@@ -140,17 +149,29 @@ class Stage(Shard):
         micro_batch: int,
         step: int | None,
         read: tuple[int, int] | None = None,
+        end: RoundEnd | None = None,
     ) -> Future:
         """`forward`, and its output sent on to the next stage's `pass_on`: the future of
-        the micro-batch's arrival at the last stage. Sent from inside this call, so that in
-        training the distributed autograd context records the send."""
+        the micro-batch's arrival at the last stage, there given `end` (the round's last
+        micro-batch: the name of the method of the last stage that ends the round, and its
+        arguments after the round's), whose result it brings. Sent from inside this call,
+        so that in training the distributed autograd context records the send."""
+        if self.last and micro_batch == 0:  # asked for now, here by the round's loss
+            with self._record:
+                self._labels[round] = self.ask_labels(round)
         y = self.forward(x, round, micro_batch, step, read)
-        if self.last:
-            done: Future = Future()
-            done.set_result(None)
-            return done
-        name, stage = self._following
-        return rpc.rpc_async(name, passed_on, args=(stage, y, round, micro_batch, step))
+        if not self.last:
+            name, stage = self._following
+            args = (stage, y, round, micro_batch, step, end)
+            return rpc.rpc_async(name, passed_on, args=args)
+        ended: Future = Future()
+        if end is None:
+            ended.set_result(None)
+        else:
+            with self.settled():
+                method, rest = end
+                ended.set_result(getattr(self, method)(round, micro_batch + 1, *rest))
+        return ended
 
     def forward(
         self,
@@ -164,7 +185,9 @@ class Stage(Shard):
         training step's (`step`, timed, with autograd) or, with `step` None, an
         evaluation's (no autograd, the shard in eval mode). `x`: the previous stage's
         output, or None on the first stage (the round its reader read). `read`: the first
-        stage reads the round first, as (micro-batches, samples) (Reader.read)."""
+        stage reads the round first, as (micro-batches, samples) (Reader.read). All in the
+        micro-batch's turn: once the round's last has run, every other's backward is timed
+        and (the last stage) its output kept."""
         with self._order.turn(round, micro_batch):
             if x is None:  # the first stage's: read in its turn, after micro-batch 0's read
                 x = self._input(round, micro_batch, read)
@@ -176,17 +199,16 @@ class Stage(Shard):
                 y = self._on_device(self._evaluate, x)
             else:
                 start, y, end, finite = self._on_device(self._timed, x)
-        if step is not None:
-            with self._record:
-                self._fold(before=step)
-                # By round too: with gradientAccumulation a step runs several rounds.
-                self._events[step, (round, micro_batch)]["forward"] = [start, end]
-            self.note_finite(step, round, finite)
-            self._time_backward((step, (round, micro_batch)), y, received)
-        if self.last:  # kept for `loss` or `tally`: the model's output never leaves the stage
-            with self._record:
-                self._outputs[round, micro_batch] = y
-            return None
+                with self._record:
+                    self._fold(before=step)
+                    # By round too: with gradientAccumulation a step runs several rounds.
+                    self._events[step, (round, micro_batch)]["forward"] = [start, end]
+                self.note_finite(step, round, finite)
+                self._time_backward((step, (round, micro_batch)), y, received)
+            if self.last:  # kept for its loss or tally: the model's output stays here
+                with self._record:
+                    self._outputs[round, micro_batch] = y
+                return None
         return y
 
     def _input(self, round: int, micro_batch: int, read: tuple[int, int] | None) -> Any:
@@ -212,9 +234,13 @@ class Stage(Shard):
         its labels, fetched from the first stage (Shard.labels)."""
         with self._record:
             outputs = [self._outputs.pop((round, mb)) for mb in range(micro_batches)]
-            # A round that failed half-way leaves outputs no loss will take.
+            # A round that failed half-way leaves outputs and labels no loss will take.
             self._outputs = {k: v for k, v in self._outputs.items() if k[0] > round}
-        return join(outputs), self.labels(round)
+            labels = self._labels.pop(round, None)
+            self._labels = {r: f for r, f in self._labels.items() if r > round}
+        if labels is None:  # not asked for ahead: a stage given its outputs (tests)
+            labels = self.ask_labels(round)
+        return join(outputs), labels.wait().to(self.device)
 
     def loss_backward(
         self,
@@ -348,9 +374,16 @@ class Stage(Shard):
 
 
 @rpc.functions.async_execution
-def passed_on(stage: RRef, x: tuple[Any, ...], round: int, micro_batch: int, step: int | None):
+def passed_on(
+    stage: RRef,
+    x: tuple[Any, ...],
+    round: int,
+    micro_batch: int,
+    step: int | None,
+    end: RoundEnd | None,
+) -> Future:
     """Runs on the next stage's worker: `Stage.pass_on` of the Stage held there."""
-    return stage.local_value().pass_on(x, round, micro_batch, step)
+    return stage.local_value().pass_on(x, round, micro_batch, step, None, end)
 
 
 def stage_devices(

@@ -6,7 +6,7 @@ docs/architecture.md ("The rpc engine")."""
 from __future__ import annotations
 
 import time
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -15,16 +15,14 @@ from pipejob.core.common import Optimizer
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import driver, gradients
 from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Reader, Source
+from pipejob.trainer.pipeline.rpc.round_end import Backward, Figures, Norms, RoundEnd
 from pipejob.trainer.pipeline.rpc.stage import Stage
 from pipejob.trainer.pipeline.shards import Shards
-from pipejob.trainer.pipeline.stage_calls import Method, created_stages, remote_stage
+from pipejob.trainer.pipeline.stage_calls import created_stages, remote_stage
 from pipejob.trainer.pipeline.step_records import ReplicaShare, Round, RoundsRun, StepResult
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
-
-Norms = list[float] | None  # each stage's gradient norm, where a call brings them
-R = TypeVar("R")
 
 
 class Pipeline(driver.Pipeline):
@@ -65,59 +63,25 @@ class Pipeline(driver.Pipeline):
         )
 
     def forward(
-        self,
-        batch: Round,
-        step: int | None,
-        end: Method[..., R],
-        *args: Any,
-        read: int | None = None,
-    ) -> R:
-        """All micro-batches' forwards of `batch`, pipelined, and then `end(round's number,
-        its micro-batches, *args)` on the last stage, whose result this returns: one call to
-        the first stage, which passes each micro-batch on as it computes it, each stage to
-        the next, the last ending the round (Stage.forward_round). `step` None: an
-        evaluation's forwards (no autograd, shards in eval mode). `read`: the first stage
-        reads the round in its first forward, as that many micro-batches (`read_round`)."""
+        self, batch: Round, step: int | None, end: RoundEnd, read: int | None = None
+    ) -> Any:
+        """All micro-batches' forwards of `batch`, pipelined, and the round ended by `end`
+        (round_end.py), whose result this returns: one call to the first stage, which passes
+        each micro-batch on as it computes it, each stage to the next, the last ending the
+        round (Stage.forward_round). `step` None: an evaluation's forwards (no autograd,
+        shards in eval mode). `read`: the first stage reads the round in its first forward,
+        as that many micro-batches (`read_round`: one call fewer a round)."""
         reads = None if read is None else (read, batch.samples)
         return remote_stage(self.names[0], self.stages[0]).result(
-            Stage.forward_round,
-            batch.number,
-            batch.micro_batches,
-            step,
-            reads,
-            (end.__name__, args),
+            Stage.forward_round, batch.number, batch.micro_batches, step, reads, end
         )
-
-    def settle(self, batch: Round, step: int, context_id: int, unscale: float | None) -> Norms:
-        """Every stage but the last settled (Stage.settle) once the last stage's backward
-        has returned: only then are the round's gradients whole. With `unscale` (the step's
-        last round: 1 / fp16's loss scale), each one's gradient norm comes with its reply.
-
-        Not beside the backward: a stage's settle ends when its nodes nearest the inputs
-        have run, just before the gradients they give its parameters are taken into the
-        context, which the backward's return waits for."""
-        others = zip(self.names[:-1], self.stages[:-1], strict=True)
-        if unscale is None:
-            settling = [
-                remote_stage(name, stage).future(Stage.settle, step, batch.micro_batches)
-                for name, stage in others
-            ]
-        else:
-            settling = [
-                remote_stage(name, stage).future(
-                    Stage.settle_norm, step, batch.micro_batches, context_id, unscale
-                )
-                for name, stage in others
-            ]
-        norms = torch.futures.wait_all(settling)
-        return None if unscale is None else norms
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0):
         the first stage reads each batch, the last adds its figures (Stage.tally)."""
         self.reader(Reader.start_held_out, limit)
         while (batch := self.read(micro_batches, what=HELD_OUT)) is not None:
-            tally = self.forward(batch, None, Stage.tally, loss_fn, tally)
+            tally = self.forward(batch, None, Figures(loss_fn, tally))
         return tally
 
 
@@ -134,15 +98,11 @@ def forward_backward(
     """Every micro-batch of `batch` forward, then on the last stage one loss over the whole
     batch (the mean over its samples, as without a pipeline) and the backward across the
     stages of the loss times `scale` (1 / gradientAccumulation, times fp16's loss scale),
-    in one call (Stage.loss_backward at the round's end); then every other stage settled
-    (Pipeline.settle). Returns the loss, and with `unscale` each stage's gradient norm."""
+    every other stage settled as the reply passes back (round_end.Backward), in one call.
+    Returns the loss, and with `unscale` each stage's gradient norm."""
     with phase("forwards and backward"):
-        loss, norm = pipeline.forward(
-            batch, step, Stage.loss_backward, loss_fn, context_id, scale, step, unscale, read=read
-        )
-    with phase("settle"):
-        norms = pipeline.settle(batch, step, context_id, unscale)
-    return loss, None if norms is None else [*norms, norm]
+        end = Backward(loss_fn, context_id, scale, step, unscale)
+        return pipeline.forward(batch, step, end, read)
 
 
 class Replicas(driver.Replicas):

@@ -20,6 +20,7 @@ from torch.futures import Future
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Source
+from pipejob.trainer.pipeline.rpc.round_end import RoundEnd
 from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, only, step_seconds
@@ -34,9 +35,6 @@ T = TypeVar("T")
 # waits for its turn there (it arrived before the micro-batch ahead of it), and once every
 # thread waits, none is left to take the micro-batch whose turn it is.
 IN_FLIGHT = 8
-# What ends a round on the last stage: the name of its method (`loss_backward`, `tally`) and
-# the arguments after the round's number and micro-batch count (Stage.pass_on).
-RoundEnd = tuple[str, tuple[Any, ...]]
 
 
 class Turnstile:
@@ -128,12 +126,13 @@ class Stage(Shard):
         micro_batches: int,
         step: int | None,
         read: tuple[int, int] | None,
-        end: RoundEnd | None = None,
+        end: RoundEnd,
     ) -> Any:
         """The first stage: every micro-batch of round `round` forward, each passed on to
         the next stage as it is computed (`pass_on`); returns once every one has reached the
-        last stage, with what the last stage's `end` gave. At most IN_FLIGHT are on their
-        way at once (each may hold an RPC thread of a stage while it waits for its turn)."""
+        last stage, with what ending the round gave (`end`, round_end.py). At most
+        IN_FLIGHT are on their way at once (each may hold an RPC thread of a stage while it
+        waits for its turn there)."""
         under_way: deque[Future] = deque()
         for mb in range(micro_batches):
             if len(under_way) == IN_FLIGHT:
@@ -152,26 +151,28 @@ class Stage(Shard):
         end: RoundEnd | None = None,
     ) -> Future:
         """`forward`, and its output sent on to the next stage's `pass_on`: the future of
-        the micro-batch's arrival at the last stage, there given `end` (the round's last
-        micro-batch: the name of the method of the last stage that ends the round, and its
-        arguments after the round's), whose result it brings. Sent from inside this call,
-        so that in training the distributed autograd context records the send."""
+        the micro-batch's arrival at the last stage. With the round's last micro-batch
+        comes what ends the round (round_end.py): the future then brings its result, which
+        the last stage gives and each other adds to as it passes back. Sent from inside this
+        call, so that in training the distributed autograd context records the send."""
         if self.last and micro_batch == 0:  # asked for now, here by the round's loss
             with self._record:
                 self._labels[round] = self.ask_labels(round)
         y = self.forward(x, round, micro_batch, step, read)
         if not self.last:
             name, stage = self._following
-            args = (stage, y, round, micro_batch, step, end)
-            return rpc.rpc_async(name, passed_on, args=args)
+            sent = rpc.rpc_async(name, passed_on, args=(stage, y, round, micro_batch, step, end))
+            if end is None:
+                return sent
+            return sent.then(lambda back: self._end(end.on_the_way, micro_batch + 1, back.value()))
         ended: Future = Future()
-        if end is None:
-            ended.set_result(None)
-        else:
-            with self.settled():
-                method, rest = end
-                ended.set_result(getattr(self, method)(round, micro_batch + 1, *rest))
+        ended.set_result(None if end is None else self._end(end.at_last, round, micro_batch + 1))
         return ended
+
+    def _end(self, part: Callable[..., T], *args: Any) -> T:
+        """This stage's `part` of a round's end (round_end.py), settled on a GPU."""
+        with self.settled():
+            return part(self, *args)
 
     def forward(
         self,
@@ -328,11 +329,6 @@ class Stage(Shard):
                     f" {step} backpropagated within {rendezvous.RPC_TIMEOUT_SECONDS:g}s"
                 )
             self._done = {s: n for s, n in self._done.items() if s > step}
-
-    def settle_norm(self, step: int, micro_batches: int, context_id: int, unscale: float) -> float:
-        """`settle`, then the norm of the step's gradients (Shard.norm), in one call."""
-        self.settle(step, micro_batches)
-        return self.norm(context_id, unscale)
 
     def _note(self, key: tuple[int, int], what: str) -> None:
         mark = self._clock.mark()

@@ -77,7 +77,7 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
         )
         assert parts, recap
         said = re.findall(r"([a-z][a-z -]*?) [\d.]+ ms", parts[1].replace(",", ""))
-        assert said[:3] == ["forwards and backward", "gradient norms", "optimizer step"], said
+        assert said[:2] == ["forwards and backward", "gradient norms"], said
     # overhead.py: each system's fit, pipejob's against torch's schedule.
     for system in ("rpc", "gpipe", "torch-gpipe"):
         assert re.search(

@@ -16,7 +16,8 @@ from torch import nn
 from jobrun import check_gradients, pipeline_job, run_to_end
 from pipejob.core import spec
 from pipejob.core.common import Optimizer, from_spec
-from pipejob.trainer.pipeline.rpc.stage import Stage, Turnstile, stage_devices
+from pipejob.trainer.pipeline.rpc.stage import Stage, stage_devices
+from pipejob.trainer.pipeline.rpc.turnstile import Turnstile
 from pipejob.trainer.pipeline.summary import gpipe_bubble
 from pipejob.trainer.pipeline.timing import busy_seconds, step_seconds
 from pipejob.trainer.runtime.optim import optimizer_args

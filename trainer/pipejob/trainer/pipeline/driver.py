@@ -29,6 +29,7 @@ from pipejob.trainer.pipeline.stage_calls import (
     remote_stage,
 )
 from pipejob.trainer.pipeline.step_records import (
+    Finish,
     Judged,
     ReplicaShare,
     Round,
@@ -284,6 +285,11 @@ class Replicas:
             pipeline.stage_results(
                 Shard.finish_step, context_id, coefficient, lr, judged.apply, self.zero_grad
             )
+
+    def finish(self, step: int) -> Finish:
+        """Step `step`'s clipping and learning rate, for stages that finish it themselves."""
+        lr = learning_rate(self.optimizer, self.steps, step)
+        return self.optimizer.clip_grad_norm, lr if self.optimizer.schedule is not None else None
 
     def judge(self, pipeline: Pipeline, context_id: int, step: int, ran: RoundsRun) -> Judged:
         """What the master makes of a replica's step once its gradients are in (on its

@@ -16,6 +16,8 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
+from pipejob.trainer.runtime.optim import clip_coefficient
+
 T = TypeVar("T")
 
 
@@ -126,6 +128,14 @@ def total_norm(norms: list[float]) -> float:
     """The global L2 norm over every parameter of every stage, from the stages' norms
     (`unscaled_norm`): inf or nan when any is."""
     return torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float64), 2).item()
+
+
+def judged_here(loss: float, norms: list[float], clip: float | None) -> tuple[float, bool]:
+    """A step judged on a stage that finishes it itself, as the master judges it
+    (Replicas.judge): its clipping coefficient, and whether it is applied (its loss and
+    global norm finite), from the loss and every stage's norm."""
+    total = total_norm(norms)
+    return clip_coefficient(total, clip), math.isfinite(loss) and math.isfinite(total)
 
 
 @dataclass

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pipejob.trainer.pipeline.reader import Batch
 from pipejob.trainer.workloads import Loss
 
+Finish = tuple[float | None, float | None]  # a step's clipGradNorm and learning rate
+
 
 @dataclass(frozen=True)
 class ReplicaShare:

@@ -16,13 +16,18 @@ from torch.futures import Future
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import driver
-from pipejob.trainer.pipeline.pipelining.stage import NO_CONTEXT, Finish, Stage, StepReply
+from pipejob.trainer.pipeline.pipelining.stage import NO_CONTEXT, Stage, StepReply
 from pipejob.trainer.pipeline.reader import HELD_OUT, Reader, Source
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.pipeline.stage_base import MOST_STEPS_A_CALL
 from pipejob.trainer.pipeline.stage_calls import created_stages, remote_stage
-from pipejob.trainer.pipeline.step_records import ReplicaShare, Round, RoundsRun, StepResult
-from pipejob.trainer.runtime.optim import learning_rate
+from pipejob.trainer.pipeline.step_records import (
+    Finish,
+    ReplicaShare,
+    Round,
+    RoundsRun,
+    StepResult,
+)
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
@@ -256,7 +261,7 @@ class Replicas(driver.Replicas):
         first, read = rounds[0]
         share = self.share(first, self.batch)
         after = None if running is None else running.last_round
-        finishes = [self._finish(step) for step in steps]
+        finishes = [self.finish(step) for step in steps]
         replies = pipeline.launch(first, steps, loss_fn, share, 1.0, read, finishes, after)
         return InFlight(steps, first.number, share, replies)
 
@@ -273,11 +278,6 @@ class Replicas(driver.Replicas):
             yield self.combined(
                 step, [replace(result, pipeline_seconds=seconds, optimizer_seconds=0.0)]
             )
-
-    def _finish(self, step: int) -> Finish:
-        """Step `step`'s clipping and learning rate, for stages that finish it themselves."""
-        lr = learning_rate(self.optimizer, self.steps, step)
-        return self.optimizer.clip_grad_norm, lr if self.optimizer.schedule is not None else None
 
     def _replica_result(self, part: ReplicaShare) -> StepResult:
         pipeline = self.pipelines[part.replica]
@@ -298,7 +298,7 @@ class Replicas(driver.Replicas):
             numbers.append(round_.number)
             share = self.share(round_, part.batch)
             unscale = self.unscale() if early and a == len(rounds) - 1 else None
-            finishes = [self._finish(step)] if stepped else None
+            finishes = [self.finish(step)] if stepped else None
             with phase("schedule"):
                 replies = pipeline.launch(
                     round_,

@@ -6,7 +6,6 @@ docs/architecture.md ("The pipelining engine")."""
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Iterator
@@ -26,8 +25,8 @@ from pipejob.trainer.pipeline.pipelining.marks import Marks
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_parts import Part
+from pipejob.trainer.pipeline.step_records import Finish
 from pipejob.trainer.runtime import nonfinite
-from pipejob.trainer.runtime.optim import clip_coefficient
 from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.cut import join
@@ -36,7 +35,6 @@ from pipejob.trainer.workloads.metrics import Tally
 NO_CONTEXT = 0  # gradients are in .grad: no context names them
 Metas = list[tuple[tuple[int, ...], torch.dtype]]  # the shape and dtype of each value
 Key = tuple[bool, int, int]  # a kind of round: training?, micro-batches, samples
-Finish = tuple[float | None, float | None]  # the step's clipGradNorm and learning rate
 StepReply = tuple[float | None, float | None, float]  # Stage.train's: loss, norm, seconds
 METERED_ROUNDS = 2  # training rounds of each kind whose activations are counted
 
@@ -276,10 +274,9 @@ class Stage(Shard):
         step and forget the gradients (Shard.finish_step)."""
         mine = [norm, 0.0 if loss is None else loss, float(self.last)]
         every = messages.gather(mine, self.host).tolist()
-        total = gradients.total_norm([row[0] for row in every])
         loss = next(row[1] for row in every if row[2])
-        applied = math.isfinite(loss) and math.isfinite(total)
-        self.finish_step(NO_CONTEXT, clip_coefficient(total, clip), lr, applied, zero=True)
+        coefficient, applied = gradients.judged_here(loss, [row[0] for row in every], clip)
+        self.finish_step(NO_CONTEXT, coefficient, lr, applied, zero=True)
 
     def forwarded(self, output: Any, piece: int, micro_batch: int) -> None:
         """Piece `piece`'s forward of `micro_batch` gave `output`: in training, whether it is

@@ -19,7 +19,13 @@ from pipejob.trainer.pipeline.rpc.round_end import Backward, Figures, Norms, Rou
 from pipejob.trainer.pipeline.rpc.stage import Stage
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.pipeline.stage_calls import created_stages, remote_stage
-from pipejob.trainer.pipeline.step_records import ReplicaShare, Round, RoundsRun, StepResult
+from pipejob.trainer.pipeline.step_records import (
+    Finish,
+    ReplicaShare,
+    Round,
+    RoundsRun,
+    StepResult,
+)
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
@@ -57,9 +63,9 @@ class Pipeline(driver.Pipeline):
         ]
         super().__init__(stage_names, created_stages(stage_names, Stage, args))
         # Each stage passes its outputs straight to the next (Stage.pass_on).
-        pairs = zip(self.names, self.stages, self.names[1:], self.stages[1:], strict=False)
+        every = list(zip(self.names, self.stages, strict=True))
         torch.futures.wait_all(
-            [remote_stage(n, s).future(Stage.link, *after) for n, s, *after in pairs]
+            [remote_stage(*every[k]).future(Stage.link, every[k + 1 :]) for k in range(last)]
         )
 
     def forward(
@@ -94,14 +100,16 @@ def forward_backward(
     scale: float = 1.0,
     read: int | None = None,
     unscale: float | None = None,
+    finish: Finish | None = None,
 ) -> tuple[torch.Tensor, Norms]:
     """Every micro-batch of `batch` forward, then on the last stage one loss over the whole
     batch (the mean over its samples, as without a pipeline) and the backward across the
     stages of the loss times `scale` (1 / gradientAccumulation, times fp16's loss scale),
     every other stage settled as the reply passes back (round_end.Backward), in one call.
-    Returns the loss, and with `unscale` each stage's gradient norm."""
+    Returns the loss, and with `unscale` each stage's gradient norm; with `finish` too, the
+    first stage has finished the step."""
     with phase("forwards and backward"):
-        end = Backward(loss_fn, context_id, scale, step, unscale)
+        end = Backward(loss_fn, context_id, scale, step, unscale, finish)
         return pipeline.forward(batch, step, end, read)
 
 
@@ -140,8 +148,10 @@ class Replicas(driver.Replicas):
 
         numbers: list[int] = []  # the forward rounds of the step
         # Where nothing changes the gradients between the backward and the norms (one
-        # round, no ties, no other replica), the norms come with the settle's replies.
+        # round, no ties, no other replica), the norms come with the round's reply, and
+        # without fp16's loss scale (which the master keeps) its call finishes the step too.
         early = len(rounds) == 1 and not self.tied and len(self.pipelines) == 1
+        stepped = early and self.loss_scale is None
         norms: list[float] | None = None
 
         def round_loss(given: Batch | None, context_id: int, last: bool) -> float:
@@ -151,8 +161,9 @@ class Replicas(driver.Replicas):
             share = self.share(round_, part.batch)
             weight = scale * share / len(rounds)  # each batch's share of the step's loss
             unscale = self.unscale() if early and last else None
+            finish = self.finish(step) if stepped and last else None
             loss, norms = forward_backward(
-                pipeline, round_, step, context_id, part.loss_fn, weight, read, unscale
+                pipeline, round_, step, context_id, part.loss_fn, weight, read, unscale, finish
             )
             return loss.item() * share
 
@@ -171,4 +182,4 @@ class Replicas(driver.Replicas):
                 with phase("accumulate"):
                     gradients.release(names, stages, context_id)
             ran = RoundsRun(losses, numbers, norms, start)
-            return self.step_result(pipeline, context_id, step, ran)
+            return self.step_result(pipeline, context_id, step, ran, stepped)

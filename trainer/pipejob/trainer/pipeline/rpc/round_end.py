@@ -1,7 +1,8 @@
 """What ends a round on the rpc engine, sent along the pipeline with the round's last
 micro-batch (Stage.pass_on): the last stage ends the round (`at_last`), and each other stage
-adds its part to the result as it passes back to the first (`on_the_way`), whose reply to the
-master brings it. One call from the master a round, where the settle was a call a stage."""
+adds its part to the result as it passes back to the first (`on_the_way`), which may finish
+the step (`at_first`) before its reply brings the result to the master: one call from the
+master a round, where the settle and the optimizer's step were a call a stage each."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pipejob.trainer.pipeline import gradients
+from pipejob.trainer.pipeline.step_records import Finish
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -26,13 +29,15 @@ class Backward:
     (Stage.settle), only after the backward has returned there: a stage's settle ends just
     before the gradients its nodes nearest the inputs give its parameters are taken into the
     context, which that return waits for. With `unscale` (the step's last round: 1 / fp16's
-    loss scale) each stage's gradient norm comes too. Gives the loss and the norms."""
+    loss scale) each stage's gradient norm comes too. Gives the loss and the norms. With
+    `finish` (and `unscale`), the first stage then finishes the step itself (`at_first`)."""
 
     loss_fn: Loss
     context_id: int
     scale: float
     step: int
     unscale: float | None
+    finish: Finish | None = None
 
     def at_last(self, stage: Stage, round: int, micro_batches: int) -> tuple[torch.Tensor, Norms]:
         loss, norm = stage.loss_backward(
@@ -49,6 +54,18 @@ class Backward:
             return ended
         return loss, [stage.norm(self.context_id, self.unscale), *norms]
 
+    def at_first(self, stage: Stage, ended: tuple[torch.Tensor, Norms]) -> Any:
+        """With `finish`, the step judged as the master judges it, then clipped and stepped
+        on every stage at once (Stage.finish_all): the step's tail without a call from the
+        master, which judges the same figures alike."""
+        loss, norms = ended
+        if self.finish is None or norms is None:
+            return ended
+        clip, lr = self.finish
+        coefficient, applied = gradients.judged_here(loss.item(), norms, clip)
+        stage.finish_all(self.context_id, coefficient, lr, applied)
+        return ended
+
 
 @dataclass(frozen=True)
 class Figures:
@@ -62,6 +79,9 @@ class Figures:
         return stage.tally(round, micro_batches, self.loss_fn, self.tally)
 
     def on_the_way(self, stage: Stage, micro_batches: int, ended: Any) -> Any:
+        return ended
+
+    def at_first(self, stage: Stage, ended: Any) -> Any:
         return ended
 
 

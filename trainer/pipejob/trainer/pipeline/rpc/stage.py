@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -21,7 +20,9 @@ from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.rpc.round_end import RoundEnd
+from pipejob.trainer.pipeline.rpc.turnstile import Turnstile
 from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.stage_calls import remote_stage
 from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, only, step_seconds
 from pipejob.trainer.runtime import nonfinite, rendezvous
@@ -35,43 +36,6 @@ T = TypeVar("T")
 # waits for its turn there (it arrived before the micro-batch ahead of it), and once every
 # thread waits, none is left to take the micro-batch whose turn it is.
 IN_FLIGHT = 8
-
-
-class Turnstile:
-    """Lets callers through one at a time in micro-batch order: (step, 0), (step, 1), ...; a
-    later step starts again at 0 (the master begins a step's forwards once the last step's
-    have all ended). A step's forwards reach a stage's RPC threads in any order; run as they
-    came, stage k could hold back micro-batch 0, which stage k + 1 needs first.
-
-    A caller whose forward fails passes the turn on, so a failure never leaves the
-    micro-batches after it waiting. The stage before sends a stage its micro-batches in
-    order, so the one whose turn it is has always been sent; a turn that does not come
-    within `timeout` is an error, not a hang."""
-
-    def __init__(self, timeout: float):
-        self.timeout = timeout
-        self._changed = threading.Condition()
-        self._step, self._next = -1, 0  # the last step seen, and its next micro-batch
-
-    def _due(self, step: int, index: int) -> bool:
-        if step == self._step:
-            return index == self._next
-        return step > self._step and index == 0
-
-    @contextmanager
-    def turn(self, step: int, index: int) -> Iterator[None]:
-        with self._changed:
-            if not self._changed.wait_for(lambda: self._due(step, index), self.timeout):
-                raise TimeoutError(
-                    f"micro-batch {index} of step {step} waited {self.timeout:g}s for its turn"
-                    f" (the stage last ran micro-batch {self._next - 1} of step {self._step})"
-                )
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._step, self._next = step, index + 1
-                self._changed.notify_all()
 
 
 class Stage(Shard):
@@ -98,7 +62,7 @@ class Stage(Shard):
         # A GPU stage computes on a thread and stream of its own (pipeline/gpu_worker.py).
         self.gpu = GpuWorker(self.device) if self.device.type == "cuda" else None
         self.last = last
-        self._following: tuple[str, RRef] | None = None  # the next stage (`link`)
+        self._after: list[tuple[str, RRef]] = []  # the stages after this one (`link`)
         self.compute = self.computed(self.layers, last)
         # One forward at a time, in micro-batch order: micro-batches would otherwise fight
         # over the same cores and race on BatchNorm's running statistics.
@@ -116,9 +80,23 @@ class Stage(Shard):
         self._outputs: dict[tuple[int, int], Any] = {}
         self._labels: dict[int, Future] = {}  # and the labels asked for (`_ask_labels`)
 
-    def link(self, name: str, stage: RRef) -> None:
-        """The next stage (worker `name`, its Stage's RRef), where `pass_on` sends outputs."""
-        self._following = (name, stage)
+    def link(self, after: list[tuple[str, RRef]]) -> None:
+        """The stages after this one (worker and Stage's RRef each): `pass_on` sends outputs
+        to the first of them; the first stage finishes a step on all (`finish_all`)."""
+        self._after = after
+
+    def finish_all(self, context_id: int, coefficient: float, lr: float | None, apply: bool):
+        """The first stage: the step's tail (Shard.finish_step) here and on every stage after
+        it, at once."""
+        others = [
+            remote_stage(name, stage).future(
+                Shard.finish_step, context_id, coefficient, lr, apply, False
+            )
+            for name, stage in self._after
+        ]
+        with self.settled():
+            self.finish_step(context_id, coefficient, lr, apply, False)
+        torch.futures.wait_all(others)
 
     def forward_round(
         self,
@@ -139,7 +117,7 @@ class Stage(Shard):
                 under_way.popleft().wait()  # raises if a stage failed
             ending = end if mb == micro_batches - 1 else None
             under_way.append(self.pass_on(None, round, mb, step, read if mb == 0 else None, ending))
-        return [future.wait() for future in under_way][-1]
+        return end.at_first(self, [future.wait() for future in under_way][-1])
 
     def pass_on(
         self,
@@ -160,7 +138,7 @@ class Stage(Shard):
                 self._labels[round] = self.ask_labels(round)
         y = self.forward(x, round, micro_batch, step, read)
         if not self.last:
-            name, stage = self._following
+            name, stage = self._after[0]
             sent = rpc.rpc_async(name, passed_on, args=(stage, y, round, micro_batch, step, end))
             if end is None:
                 return sent

@@ -3,7 +3,7 @@
 counts 1 to 16, each step's seconds fitted as a fixed part plus a part per micro-batch (least
 squares, with the fit's residual), for
 
-  rpc                    pipejob's rpc engine (GPipe, the master driving every micro-batch)
+  rpc                    pipejob's rpc engine (GPipe, each stage passing micro-batches on)
   gpipe, 1f1b, interleaved-1f1b, zero-bubble
                          pipejob's pipelining engine with that schedule
   torch-gpipe, torch-1f1b, torch-interleaved-1f1b

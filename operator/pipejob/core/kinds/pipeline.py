@@ -50,9 +50,9 @@ PIPELINE_SPEC = Field(
         "data": PIPELINE_DATA,
         "engine": Field(
             "string",
-            "What runs the pipeline. rpc: the master drives every micro-batch"
-            " through the stages over torch.distributed.rpc, with distributed autograd"
-            " (GPipe's schedule). pipelining: each stage process holds"
+            "What runs the pipeline. rpc: each stage passes every micro-batch on to the"
+            " next over torch.distributed.rpc, a round one call from the master, with"
+            " distributed autograd (GPipe's schedule). pipelining: each stage process holds"
             " torch.distributed.pipelining PipelineStages, which pass activations and"
             " gradients to their neighbours over a process group and step `schedule`; the"
             " master still plans, steps and checkpoints them over RPC.",

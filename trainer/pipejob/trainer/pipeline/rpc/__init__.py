@@ -1,9 +1,11 @@
-"""The rpc engine: the master drives every micro-batch through the stages over
-torch.distributed.rpc (stage i + 1 fetches its input from stage i), distributed autograd runs
+"""The rpc engine: a round is one call from the master to the first stage, and each stage
+passes every micro-batch on to the next over torch.distributed.rpc; distributed autograd runs
 the backward across them, and each stage's optimizer steps its shard where it lives.
 
 - driver.py: the master's step driver (GPipe);
-- stage.py: a stage worker's shard, computing micro-batches in order."""
+- stage.py: a stage worker's shard, computing micro-batches in order (turnstile.py) and
+  passing them on;
+- round_end.py: what ends a round, on the last stage and on the way back."""
 
 from __future__ import annotations
 

@@ -78,14 +78,16 @@ class Stage(Shard):
         self._done: dict[int, int] = {}
         # The last stage's outputs per (round, micro-batch), until their loss or tally.
         self._outputs: dict[tuple[int, int], Any] = {}
-        self._labels: dict[int, Future] = {}  # and the labels asked for (`_ask_labels`)
+        self._labels: dict[int, Future] = {}  # and its labels asked for (`pass_on`)
 
     def link(self, after: list[tuple[str, RRef]]) -> None:
         """The stages after this one (worker and Stage's RRef each): `pass_on` sends outputs
         to the first of them; the first stage finishes a step on all (`finish_all`)."""
         self._after = after
 
-    def finish_all(self, context_id: int, coefficient: float, lr: float | None, apply: bool):
+    def finish_all(
+        self, context_id: int, coefficient: float, lr: float | None, apply: bool
+    ) -> None:
         """The first stage: the step's tail (Shard.finish_step) here and on every stage after
         it, at once."""
         others = [
@@ -210,7 +212,7 @@ class Stage(Shard):
 
     def _round_outputs(self, round: int, micro_batches: int) -> tuple[Any, Any]:
         """The last stage: forward round `round`'s outputs, its micro-batches' joined, and
-        its labels, fetched from the first stage (Shard.labels)."""
+        its labels, from the first stage's reader (asked for as its first micro-batch came)."""
         with self._record:
             outputs = [self._outputs.pop((round, mb)) for mb in range(micro_batches)]
             # A round that failed half-way leaves outputs and labels no loss will take.

@@ -132,8 +132,9 @@ def test_a_frozen_stage_restarts_the_world_as_stalled_and_it_resumes(
     trigger.unlink()  # the third world's stage1 computes again
     assert restarting["reason"] == "Stalled", restarting
     assert re.search(
-        rf"no progress for \d+ s in training at step {second}: waiting on stage1"
-        rf" \(pod {frozen}\) for on_stage forward",
+        rf"no progress for \d+ s in training at step {second}: waiting on stage0"
+        rf" \(pod [^)]+\) for on_stage forward_round \(called \d+ s ago\), which waits on"
+        rf" stage1 \(pod {frozen}\) for passed_on",
         restarting["message"],
     ), restarting
 

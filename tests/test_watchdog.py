@@ -169,6 +169,16 @@ def test_the_master_names_whom_it_waits_on_once_no_call_ended_for_longer_than_th
         "no progress for 6 s in training at step 34: waiting on stage1 (pod w-stage-1) for"
         " on_stage forward (called 12 s ago); also on stage0 (pid 8)"
     )
+    # The call went on from stage1, whose heartbeats say so: the verdict follows it.
+    waits = [["stage0"], "passed_on", 11.6]
+    members.heartbeat(
+        {"member": "stage1", "pod": "w-stage-1", "pid": 9, "ended": 40, "waits": waits}
+    )
+    assert members.stuck(beating(start + 12.5)) == (
+        "no progress for 6 s in training at step 34: waiting on stage1 (pod w-stage-1) for"
+        " on_stage forward (called 12 s ago), which waits on stage0 (pid 8) for passed_on"
+        " (12 s); also on stage0 (pid 8)"
+    )
     members.heartbeat({"member": "stage0", "pid": 8, "ended": 41})  # stage0 served a call
     assert members.stuck(beating(start + 13)) is None  # progress: the clock starts again
     members.seen["stage0"] = replace(members.seen["stage0"], at=start + 13)
@@ -474,7 +484,8 @@ STUCK = {
         stuck_pipeline,
         "stage1",
         r"master \(role master, rank 0\) failed: exit code 6: stalled: no progress for \d+ s in"
-        r" training at step \d+: waiting on stage1 \(pid {pid}\) for on_stage forward",
+        r" training at step \d+: waiting on stage0 \(pid \d+\) for on_stage forward_round"
+        r" \(called \d+ s ago\), which waits on stage1 \(pid {pid}\) for passed_on",
     ),
     "hybrid: a trainer's dense forward": (
         lambda trigger: stuck_hybrid(trigger, rank=3),

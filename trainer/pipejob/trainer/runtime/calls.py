@@ -101,8 +101,9 @@ def _traced(call: Callable[..., Any], *, blocks: bool, remote: bool = False) -> 
 
 
 def trace(members: list[str]) -> None:
-    """Count and keep every call this process (the master) makes from now on; `members` are
-    the ones a distributed backward may reach. Idempotent."""
+    """Count and keep every call this process makes from now on (the master's: whom it waits
+    on; a member's: what its heartbeats say it waits on); `members` are the ones a
+    distributed backward may reach. Idempotent."""
     import torch.distributed.autograd as dist_autograd
     import torch.distributed.rpc as rpc
 

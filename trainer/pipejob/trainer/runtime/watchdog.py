@@ -56,13 +56,28 @@ def stall(env: Env, message: str) -> None:
 
 
 def _heartbeat(env: Env) -> dict[str, Any]:
-    """The heartbeat this member posts: who it is, where, and how many calls it has served."""
+    """The heartbeat this member posts: who it is, where, how many calls it has served and
+    made, and the oldest call of its own it waits on (whom, for what, since how long)."""
+    now, open_calls = time.monotonic(), calls.LEDGER.outstanding()
+    waits = [[list(call.to), call.what, now - call.since] for call in open_calls[:1]]
     return {
         "member": env.rpc_name,
         "pod": os.environ.get(c.POD_NAME) or None,
         "pid": os.getpid(),
         "ended": calls.LEDGER.ended(),
+        "waits": waits[0] if waits else None,
     }
+
+
+def _waits(report: dict[str, Any]) -> tuple[tuple[str, ...], str, float] | None:
+    """The call a member's heartbeat says it waits on, as (members, what, seconds), or None."""
+    waits = report.get("waits")
+    if not (isinstance(waits, list) and len(waits) == 3):
+        return None
+    to, what, seconds = waits
+    if not (to and isinstance(to, list) and isinstance(what, str)):
+        return None
+    return tuple(map(str, to)), what, float(seconds) if isinstance(seconds, int | float) else 0.0
 
 
 @dataclass(frozen=True)
@@ -74,7 +89,8 @@ class Seen:
     pid: int | None
     phase: str
     step: int
-    ended: int = 0  # the calls it had served by then
+    ended: int = 0  # the calls it had served (and made) by then
+    waits: tuple[tuple[str, ...], str, float] | None = None  # the call it waited on (`_waits`)
 
 
 class Members:
@@ -105,6 +121,7 @@ class Members:
                 progress["phase"],
                 progress["step"],
                 ended if isinstance(ended, int) else 0,
+                _waits(report),
             )
             with self.lock:
                 self.seen[name] = seen
@@ -177,8 +194,25 @@ class Members:
         return (
             f"no progress for {idle:.0f} s in {progress['phase']} at step"
             f" {progress['step']}: waiting on {', '.join(self.named(m) for m in first.to)}"
-            f" for {first.what} (called {now - first.since:.0f} s ago){also}"
+            f" for {first.what} (called {now - first.since:.0f} s ago)"
+            f"{self.passed_on(first.to)}{also}"
         )
+
+    def passed_on(self, to: tuple[str, ...]) -> str:
+        """Where a call the master waits on waits in turn: the calls each member it went to
+        makes and waits on, followed member by member (the rpc engine's first stage waits on
+        the next, which waits on the one after it...), as ", which waits on ..." each."""
+        said, passed = "", {self.env.world[0]}
+        while len(to) == 1 and to[0] not in passed:
+            passed.add(to[0])
+            with self.lock:
+                seen = self.seen.get(to[0])
+            if seen is None or seen.waits is None:
+                break
+            to, what, seconds = seen.waits
+            whom = ", ".join(map(self.named, to))
+            said += f", which waits on {whom} for {what} ({seconds:.0f} s)"
+        return said
 
     def watch(self) -> None:
         looked = time.monotonic()
@@ -274,6 +308,7 @@ def start(env: Env, board: monitor.Board | None = None) -> None:
         calls.trace(env.world[1:])  # the calls the master makes: whom it waits on
         target = members.watch
     else:
+        calls.trace([m for m in env.world[1:] if m != env.rpc_name])  # to say what it waits on
         target = lambda: beat(env)  # noqa: E731
     threading.Thread(target=target, name="pipejob-watchdog", daemon=True).start()
     if env.rank == 0:

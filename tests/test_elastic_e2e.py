@@ -19,6 +19,8 @@ from harness.client import Api
 from harness.kubelet import Kubelet
 from harness.kueue import Kueue
 
+TESTS = Path(__file__).parent  # holds userpkg/: on the pods' PYTHONPATH through the template
+
 pytestmark = pytest.mark.timeout(400)
 
 NS = "default"
@@ -78,14 +80,23 @@ def elastic_spec(ckpt: Path, steps: int) -> dict:
     }
 
 
+def paced(spec: dict, seconds: float) -> dict:
+    """`spec` with a model whose every micro-batch takes at least `seconds` on its last stage
+    (tests/userpkg/paced.py): the shrunk world is still training when the room comes back,
+    however fast the engine's steps are (at 26 ms a step, 120 steps ended before)."""
+    template = {**spec["template"], "env": [{"name": "PYTHONPATH", "value": str(TESTS)}]}
+    model = {"import": "userpkg.paced:cnn", "args": {"seconds": seconds}}
+    return spec | {"model": model, "imageSize": 32, "numClasses": 10, "template": template}
+
+
 def test_a_world_shrinks_when_a_replica_cannot_be_placed_and_grows_back_when_it_can(
     cluster, kubelet: Kubelet, operator, tmp_path
 ):
     api = cluster.api
     kubelet.capacity = {"cpu": "5"}  # the master and 2 x 2 stages, a CPU each
-    spec = elastic_spec(tmp_path / "checkpoints", steps=120)
+    spec = paced(elastic_spec(tmp_path / "checkpoints", steps=300), seconds=0.05)
     name = jobs.create(api, jobs.example("resnet50-pipeline.yaml", **spec))["metadata"]["name"]
-    api.wait("step 6 of the first world", lambda: "step 6/120" in master_log(kubelet, name, 0), 180)
+    api.wait("step 6 of the first world", lambda: "step 6/300" in master_log(kubelet, name, 0), 180)
     assert status(api, name)["replicas"] == 2
 
     # The node loses two CPUs, and a stage of replica 1 with them.

@@ -58,14 +58,16 @@ def stall(env: Env, message: str) -> None:
 def _heartbeat(env: Env) -> dict[str, Any]:
     """The heartbeat this member posts: who it is, where, how many calls it has served and
     made, and the oldest call of its own it waits on (whom, for what, since how long)."""
-    now, open_calls = time.monotonic(), calls.LEDGER.outstanding()
-    waits = [[list(call.to), call.what, now - call.since] for call in open_calls[:1]]
+    oldest = next(iter(calls.LEDGER.outstanding()), None)
+    waits = (
+        None if oldest is None else [list(oldest.to), oldest.what, time.monotonic() - oldest.since]
+    )
     return {
         "member": env.rpc_name,
         "pod": os.environ.get(c.POD_NAME) or None,
         "pid": os.getpid(),
         "ended": calls.LEDGER.ended(),
-        "waits": waits[0] if waits else None,
+        "waits": waits,
     }
 
 

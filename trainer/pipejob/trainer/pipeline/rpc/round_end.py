@@ -50,7 +50,7 @@ class Backward:
     ) -> tuple[torch.Tensor, Norms]:
         stage.settle(self.step, micro_batches)
         loss, norms = ended
-        if self.unscale is None or norms is None:
+        if norms is None:  # no `unscale`: the norms are not asked for
             return ended
         return loss, [stage.norm(self.context_id, self.unscale), *norms]
 

@@ -334,28 +334,40 @@ LABELS = [
     torch.rand(2, 3, 4, generator=torch.Generator().manual_seed(0)),  # alike in every process
     torch.tensor([True, False]),
     torch.ones(1).half(),
+    torch.tensor(7, dtype=torch.int8),  # no dimensions
+    torch.arange(messages.ROOM // 8 + 1),  # more than a receive posted ahead holds
+    torch.zeros(0, 3, dtype=torch.bfloat16),
 ]
 FIGURES = [[0.0, math.nan], [1.0, 2.5], [2.0, math.inf]]  # each process's
 
 
 def _messages_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     """Three stage processes' gloo group: the first passes LABELS to the last (and refuses
-    complex ones), and each gathers every one's FIGURES."""
+    complex ones), which posts every other receive ahead; each gathers every one's FIGURES
+    twice, the second time with its receives posted ahead."""
     address = f"tcp://{LOOPBACK}:{envs[0]['port']}"
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=len(envs))
     try:
         group = dist.new_group(list(range(len(envs))))
         said: Any = None
         if rank == 0:
-            sending: messages.Sending = []
+            sent = messages.LabelsOut(group)
             for labels in LABELS:
-                sending = messages.pass_labels(labels, group, sending)
+                sent.send(labels)
             with pytest.raises(ValueError) as refused:
-                messages.pass_labels(torch.zeros(2, dtype=torch.complex64), group, sending)
+                sent.send(torch.zeros(2, dtype=torch.complex64))
             said = str(refused.value)
         elif rank == len(envs) - 1:
-            said = [messages.take_labels(group) for _ in LABELS]
-        gathered = messages.gather(FIGURES[rank], group)
+            taken = messages.LabelsIn(group)
+            said = []
+            for k in range(len(LABELS)):
+                if k % 2:
+                    taken.expect()
+                said.append(taken.take().clone())
+        figures = messages.Figures(group, 2)
+        gathered = [figures.gather(FIGURES[rank])]
+        figures.expect()
+        gathered.append(figures.gather(FIGURES[rank]))
         every: list[Any] = [None] * len(envs)
         dist.all_gather_object(every, (said, gathered))
         if rank == 0:
@@ -368,8 +380,9 @@ def _messages_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
 def test_stage_processes_pass_labels_and_gather_figures_in_messages(tmp_path: Path):
     """What a pipeline's stage processes tell each other besides the schedule's activations
     (pipelining/messages.py), over a real gloo group of three: a round's labels of any
-    dtype and shape reach the last process as they were, labels no message carries are
-    refused by name, and every process gathers every one's figures, NaN and inf as they
+    dtype and shape, larger than a receive posted ahead holds too, reach the last process
+    as they were, whether its receive was posted ahead or not; labels no message carries are
+    refused by name; and every process gathers every one's figures, NaN and inf as they
     are, in rank order."""
     port = free_ports(1)[0]
     every = run_world(_messages_world, [{"port": str(port)}] * 3, tmp_path / "m.pt", timeout=100)
@@ -377,11 +390,12 @@ def test_stage_processes_pass_labels_and_gather_figures_in_messages(tmp_path: Pa
     assert "torch.complex64 of 1 dimensions" in refusal
     assert len(taken) == len(LABELS)
     for got, sent in zip(taken, LABELS, strict=True):
-        assert got.dtype == sent.dtype and torch.equal(got, sent)
+        assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
     for _, gathered in every:
-        torch.testing.assert_close(
-            gathered, torch.tensor(FIGURES, dtype=torch.float64), equal_nan=True
-        )
+        for rows in gathered:
+            torch.testing.assert_close(
+                rows, torch.tensor(FIGURES, dtype=torch.float64), equal_nan=True
+            )
 
 
 def test_the_loop_runs_steps_back_to_back_up_to_a_checkpoint_an_evaluation_or_a_profile():

@@ -3,7 +3,11 @@ point-to-point messages on the pipeline's gloo group (groups.py: CPU tensors, wh
 pipeline's own backend): a training round's labels, from the first process, whose reader
 has them, to the last, whose loss needs them; and a step's figures, gathered by every
 process. Messages, not RPCs or gloo's collectives: on 2 cores shared by 4 processes, gloo's
-all_gather of a few numbers measured 6.6 CPU-ms a call, a chain of 3 messages 1.1
+all_gather of a few numbers measured 6.6 CPU-ms a call, a chain of 3 messages 1.1.
+
+gloo sends a message once its receiver has posted the receive, so a receive posted only when
+its value is needed waits a round trip more: each side posts its receives ahead (`expect`),
+and a round's labels travel as one message, their dtype and shape in front of their bytes
 (docs/user-guide.md, "The engines' own costs")."""
 
 from __future__ import annotations
@@ -27,57 +31,116 @@ DTYPES = [
     torch.bfloat16,
 ]
 MOST_DIMS = 8
-Sending = list[tuple[Any, torch.Tensor]]  # the sends under way and the tensors they hold
+HEADER = 8 * (2 + MOST_DIMS)  # bytes in front of a message's labels: dtype, dims, shape
+ROOM = 1 << 20  # bytes a receive posted ahead holds: larger labels follow their header alone
 
 
-def pass_labels(labels: torch.Tensor, group: Any, before: Sending) -> Sending:
-    """Send a round's `labels` from the first process of `group` to its last: their dtype
-    and shape, then their values. The sends `before` (the last round's) end first, so their
-    tensors may go."""
-    for work, _ in before:
+class LabelsOut:
+    """The first process of `group`: sends each training round's labels to its last."""
+
+    def __init__(self, group: Any):
+        self.group = group
+        self._sending: list[tuple[Any, torch.Tensor]] = []  # the sends under way, their data
+
+    def send(self, labels: torch.Tensor) -> None:
+        """Send a round's `labels`: in one message where they fit in ROOM, else their header,
+        then their bytes. The last round's sends end first, so their tensors may go."""
+        for work, _ in self._sending:
+            work.wait()
+        if labels.dtype not in DTYPES or labels.dim() > MOST_DIMS:
+            raise ValueError(
+                f"the data's labels are {labels.dtype} of {labels.dim()} dimensions: a pipeline"
+                f" passes labels of {', '.join(map(str, DTYPES))} of at most {MOST_DIMS}"
+            )
+        data = labels.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        shape = [*labels.shape, *[0] * (MOST_DIMS - labels.dim())]
+        header = torch.tensor([DTYPES.index(labels.dtype), labels.dim(), *shape]).view(torch.uint8)
+        parts = [torch.cat([header, data])] if HEADER + data.numel() <= ROOM else [header, data]
+        last = _rank(self.group, dist.get_world_size(self.group) - 1)
+        self._sending = [
+            (dist.isend(part, last, group=self.group, tag=LABELS), part) for part in parts
+        ]
+
+
+class LabelsIn:
+    """The last process of `group`: takes each training round's labels from its first."""
+
+    def __init__(self, group: Any):
+        self.group = group
+        self._first = _rank(group, 0)
+        self._posted: tuple[Any, torch.Tensor] | None = None  # the next message's receive
+
+    def expect(self) -> None:
+        """Post the receive of the next round's labels (sent while this round runs)."""
+        room = torch.empty(ROOM, dtype=torch.uint8)
+        self._posted = dist.irecv(room, self._first, group=self.group, tag=LABELS), room
+
+    def take(self) -> torch.Tensor:
+        """The next round's labels, once they are in."""
+        if self._posted is None:
+            self.expect()
+        assert self._posted is not None
+        (work, room), self._posted = self._posted, None
         work.wait()
-    if labels.dtype not in DTYPES or labels.dim() > MOST_DIMS:
-        raise ValueError(
-            f"the data's labels are {labels.dtype} of {labels.dim()} dimensions: a pipeline"
-            f" passes labels of {', '.join(map(str, DTYPES))} of at most {MOST_DIMS}"
-        )
-    labels = labels.detach().cpu().contiguous()
-    shape = [*labels.shape, *[0] * (MOST_DIMS - labels.dim())]
-    header = torch.tensor([DTYPES.index(labels.dtype), labels.dim(), *shape])
-    last = _rank(group, dist.get_world_size(group) - 1)
-    return [(dist.isend(t, last, group=group, tag=LABELS), t) for t in (header, labels)]
+        header = room[:HEADER].view(torch.int64).tolist()
+        dtype, dims = DTYPES[header[0]], header[1]
+        shape = header[2 : 2 + dims]
+        size = dtype.itemsize * torch.Size(shape).numel()
+        if HEADER + size <= ROOM:
+            data = room[HEADER : HEADER + size]
+        else:
+            data = torch.empty(size, dtype=torch.uint8)
+            dist.recv(data, self._first, group=self.group, tag=LABELS)
+        return data.view(dtype).reshape(shape)
 
 
-def take_labels(group: Any) -> torch.Tensor:
-    """On the last process of `group`: the next round's labels, from the first."""
-    first = _rank(group, 0)
-    header = torch.empty(2 + MOST_DIMS, dtype=torch.int64)
-    dist.recv(header, first, group=group, tag=LABELS)
-    dtype, dims = DTYPES[int(header[0])], int(header[1])
-    labels = torch.empty(header[2 : 2 + dims].tolist(), dtype=dtype)
-    dist.recv(labels, first, group=group, tag=LABELS)
-    return labels
+class Figures:
+    """A step's figures: every process's row of `width` numbers, by its rank in `group`, on
+    every process, passed from the last process to the first, as the backward ends there
+    last, each adding its own, then sent by the first to every other."""
 
+    def __init__(self, group: Any, width: int):
+        self.group, self.width = group, width
+        self.count, self.me = dist.get_world_size(group), dist.get_rank(group)
+        self._below: tuple[Any, torch.Tensor] | None = None  # the rows after this one's
+        self._every: tuple[Any, torch.Tensor] | None = None  # every row, from the first
 
-def gather(row: list[float], group: Any) -> torch.Tensor:
-    """Every process's `row` (one length for all), by its rank in `group`, on every
-    process: passed from the last process to the first, as the backward ends there last,
-    each adding its own, then sent by the first to every other."""
-    count, me = dist.get_world_size(group), dist.get_rank(group)
-    rows = torch.zeros(count, len(row), dtype=torch.float64)
-    rows[me] = torch.tensor(row, dtype=torch.float64)
-    if me < count - 1:
-        below = torch.empty(count - me - 1, len(row), dtype=torch.float64)
-        dist.recv(below, _rank(group, me + 1), group=group, tag=FIGURES)
-        rows[me + 1 :] = below
-    if me > 0:
-        dist.send(rows[me:], _rank(group, me - 1), group=group, tag=FIGURES)  # rows: contiguous
-        dist.recv(rows, _rank(group, 0), group=group, tag=FIGURES)
+    def expect(self) -> None:
+        """Post this process's receives of the next step's figures."""
+        if self.me < self.count - 1:
+            below = torch.empty(self.count - self.me - 1, self.width, dtype=torch.float64)
+            self._below = self._recv(below, self.me + 1), below
+        if self.me > 0:
+            every = torch.empty(self.count, self.width, dtype=torch.float64)
+            self._every = self._recv(every, 0), every
+
+    def gather(self, row: list[float]) -> torch.Tensor:
+        """Every process's row of the step, this one's `row` among them."""
+        if self._below is None and self._every is None:
+            self.expect()
+        rows = torch.zeros(self.count, self.width, dtype=torch.float64)
+        rows[self.me] = torch.tensor(row, dtype=torch.float64)
+        if self._below is not None:
+            (work, below), self._below = self._below, None
+            work.wait()
+            rows[self.me + 1 :] = below
+        if self._every is not None:
+            (work, every), self._every = self._every, None
+            dist.send(rows[self.me :], self._global(self.me - 1), group=self.group, tag=FIGURES)
+            work.wait()
+            return every
+        for work in [self._send(rows, k) for k in range(1, self.count)]:
+            work.wait()
         return rows
-    sends = [dist.isend(rows, _rank(group, k), group=group, tag=FIGURES) for k in range(1, count)]
-    for work in sends:
-        work.wait()
-    return rows
+
+    def _recv(self, tensor: torch.Tensor, rank: int) -> Any:
+        return dist.irecv(tensor, self._global(rank), group=self.group, tag=FIGURES)
+
+    def _send(self, tensor: torch.Tensor, rank: int) -> Any:
+        return dist.isend(tensor, self._global(rank), group=self.group, tag=FIGURES)
+
+    def _global(self, rank: int) -> int:
+        return _rank(self.group, rank)
 
 
 def _rank(group: Any, rank: int) -> int:

@@ -84,12 +84,15 @@ class Stage(Shard):
         self.index, self.held, self.schedule = index, pieces, schedule
         self.count = processes * len(pieces)  # pieces in the pipeline
         self.pipeline, self.replicas_group, self.host = groups.mine()
-        self._passing: messages.Sending = []  # the first stage's sends of a round's labels
         self._taken = -1  # the last training round read here, its labels passed on
         # The call's next training round to read (its round, micro-batches, samples) after
         # the first piece's forward of which micro-batch.
         self._next: tuple[int, tuple[int, int, int]] | None = None
         self.first, self.last = 0 in pieces, self.count - 1 in pieces
+        apart = not (self.first and self.last)  # the labels pass from the first to the last
+        self._labels_out = messages.LabelsOut(self.host) if apart and self.first else None
+        self._labels_in = messages.LabelsIn(self.host) if apart and self.last else None
+        self._figures = messages.Figures(self.host, 3)  # a step's norm, loss, last? a stage
         self.modules = [
             Flat(
                 self.computed(piece, k == self.count - 1),
@@ -107,6 +110,7 @@ class Stage(Shard):
         self._losses: list[torch.Tensor] = []
         self.marks = Marks(self.device)
         self._round = 0  # the training round running
+        self._more = False  # another training round follows in the call
         self._ran = threading.Condition()
         self._last_ran = -1  # the last training round that ran here
 
@@ -189,6 +193,7 @@ class Stage(Shard):
                 finish = None if finishes is None else finishes[k]
                 more = read is not None and number < rounds[-1]
                 self._next = (micro_batches - 1, (number + 1, read, samples)) if more else None
+                self._more = number < rounds[-1]
                 loss, norm = self._train_round(
                     number, micro_batches, samples, step, loss_fn, weight, unscale, read, finish
                 )
@@ -218,6 +223,8 @@ class Stage(Shard):
         self._counting = self._metered[key] <= METERED_ROUNDS
         args = (self.reader.inputs(round),) if self.first else ()
         target = self._last_labels(round) if self.last else None
+        if finish is not None and unscale is not None:
+            self._figures.expect()  # posted now, so they are in when the backward ends
         self._loss, self._losses = (loss_fn, weight / micro_batches), []
         self._round = round
         self.marks.begin(step, training=True)
@@ -234,14 +241,18 @@ class Stage(Shard):
         if read is not None:
             self.reader.read_planned(round, read, samples)
         self._taken = round
-        if not self.last:
-            given = self.reader.labels(round)
-            self._passing = messages.pass_labels(given, self.host, self._passing)
+        if self._labels_out is not None:
+            self._labels_out.send(self.reader.labels(round))
 
     def _last_labels(self, round: int) -> torch.Tensor:
         """Training round `round`'s labels on the last stage process: from the first's
-        reader."""
-        got = self.reader.labels(round) if self.first else messages.take_labels(self.host)
+        reader (the next round's receive posted at once where the call runs one)."""
+        if self._labels_in is None:
+            got = self.reader.labels(round)
+        else:
+            got = self._labels_in.take()
+            if self._more:
+                self._labels_in.expect()
         # Contiguous, as torch 2.11's schedules check the strides of what they split.
         return got.to(self.device).contiguous()
 
@@ -269,11 +280,11 @@ class Stage(Shard):
         self, norm: float, loss: float | None, clip: float | None, lr: float | None
     ) -> None:
         """The step's tail without a call from the master: the pipeline's stages gather
-        their norms and the loss (messages.gather) and judge the step as the master does
+        their norms and the loss (messages.Figures) and judge the step as the master does
         (Replicas.judge: applied where both are finite, clipped by the global norm), then
         step and forget the gradients (Shard.finish_step)."""
         mine = [norm, 0.0 if loss is None else loss, float(self.last)]
-        every = messages.gather(mine, self.host).tolist()
+        every = self._figures.gather(mine).tolist()
         loss = next(row[1] for row in every if row[2])
         coefficient, applied = gradients.judged_here(loss, [row[0] for row in every], clip)
         self.finish_step(NO_CONTEXT, coefficient, lr, applied, zero=True)

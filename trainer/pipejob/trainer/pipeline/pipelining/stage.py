@@ -92,7 +92,7 @@ class Stage(Shard):
         apart = not (self.first and self.last)  # the labels pass from the first to the last
         self._labels_out = messages.LabelsOut(self.host) if apart and self.first else None
         self._labels_in = messages.LabelsIn(self.host) if apart and self.last else None
-        self._figures = messages.Figures(self.host, 3)  # a step's norm, loss, last? a stage
+        self._figures = messages.Figures(self.host, 3)  # each stage's norm, loss, last or not
         self.modules = [
             Flat(
                 self.computed(piece, k == self.count - 1),

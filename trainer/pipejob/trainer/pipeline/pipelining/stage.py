@@ -191,9 +191,9 @@ class Stage(Shard):
             begun = time.perf_counter()
             for k, (number, step) in enumerate(zip(rounds, steps, strict=True)):
                 finish = None if finishes is None else finishes[k]
-                more = read is not None and number < rounds[-1]
-                self._next = (micro_batches - 1, (number + 1, read, samples)) if more else None
                 self._more = number < rounds[-1]
+                ahead = read is not None and self._more  # the next round read here, ahead
+                self._next = (micro_batches - 1, (number + 1, read, samples)) if ahead else None
                 loss, norm = self._train_round(
                     number, micro_batches, samples, step, loss_fn, weight, unscale, read, finish
                 )

@@ -125,7 +125,7 @@ class Bench:
                 self.steps(held[own], m, loss_fn, max(1, self.config["warmup"]))
             if system.startswith("torch-"):
                 self.torch_steps(held[own], model, m, system, loss_fn, self.config["warmup"])
-        times: dict[str, list[float]] = {s: [] for s in systems}
+        times: dict[str, list[list[float]]] = {s: [] for s in systems}
         cpu: dict[str, list[float]] = {s: [] for s in systems}
         count = self.config["steps"]
         for _ in range(self.config["repeats"]):
@@ -137,9 +137,10 @@ class Bench:
                     before = self.cpu(own)
                     seconds = self.steps(own, m, loss_fn, count)
                     used = self.cpu(own) - before
-                times[system] += seconds
+                times[system].append(seconds)
                 cpu[system].append(used / count)
-        for system, ts in times.items():
+        for system, turns in times.items():
+            ts = [t for turn in turns for t in turn]
             say(
                 {
                     "stages": self.stages,
@@ -150,6 +151,10 @@ class Bench:
                     "least": min(ts),
                     "steps": ts,
                     "cpu": statistics.median(cpu[system]),
+                    # Each turn's median step and CPU a step: overhead.py pairs them with
+                    # torch's schedule's in the same turn (`gaps`).
+                    "turns": [statistics.median(turn) for turn in turns],
+                    "cpu_turns": cpu[system],
                 }
             )
         if m == 1 and model == "tiny" and not self.config["no_profile"]:

@@ -16,7 +16,9 @@ fixed part is what a step costs whatever its micro-batches (the master's calls, 
 the optimizer steps), the per-micro-batch part their forwards, backwards and transfers.
 Every system runs in one world per stage count (the stage processes are pipejob's own, on
 its pipelining engine's world; the rpc engine's stages are made in the same processes), and
-at each count the systems take turns, --repeats times, each reported by its median. Then,
+at each count the systems take turns, --repeats times, each reported by its median, and each
+pipejob system by its gap to torch's same schedule in the same turn (the gap the machine's
+other work moves least; the rpc engine against torch's GPipe), fitted in turn. Then,
 for pipejob's systems at one micro-batch, the master's profile of a step: which part of the
 step each fixed cost is. It measures; it asserts nothing.
 
@@ -47,6 +49,14 @@ TINY = {"vocabSize": 16, "layers": 8, "width": 8, "heads": 1, "seqLen": 4}
 PIPEJOB = ("rpc", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 TORCH = ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b")
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
+# The torch schedule each pipejob system is paired with, turn by turn (`gaps`).
+PARTNER = {
+    "rpc": "torch-gpipe",
+    "gpipe": "torch-gpipe",
+    "1f1b": "torch-1f1b",
+    "interleaved-1f1b": "torch-interleaved-1f1b",
+    "zero-bubble": "torch-interleaved-1f1b",
+}
 
 
 # ---------------------------------------------------------------------------- the world
@@ -218,6 +228,33 @@ def table(results: list[dict[str, Any]], figure: str) -> str:
     return "\n".join(rows)
 
 
+def gaps(results: list[dict[str, Any]], figure: str) -> str:
+    """Per stage count, model and pipejob system: at each count, the median over the turns
+    of its `figure` ("turns": the step, "cpu_turns": CPU a step) minus that of torch's same
+    schedule in the same turn (what the machine's other work moves least), in ms; and the fit
+    of those gaps, its fixed and per-micro-batch parts: at most 0 is at torch's."""
+    by_turn = {(r["stages"], r["model"], r["m"], r["system"]): r[figure] for r in results}
+    rows = [
+        f"{'stages':>6} {'model':>5} {'system':>22} {'against':>22} {'fixed ms':>9}"
+        f" {'per mb ms':>10} {'resid ms':>9}  each count's gap (m: ms)"
+    ]
+    paired: dict[tuple[int, str, str], list[tuple[int, float]]] = {}
+    for (stages, model, m, system), turns in sorted(by_turn.items()):
+        against = by_turn.get((stages, model, m, PARTNER.get(system, "")))
+        if against:
+            gap = statistics.median(a - b for a, b in zip(turns, against, strict=True))
+            paired.setdefault((stages, model, system), []).append((m, gap))
+    for key in sorted(paired, key=lambda k: (k[0], k[1], _order(k[2]))):
+        stages, model, system = key
+        fixed, per, rms = fit(paired[key])
+        each = " ".join(f"{m}:{gap * 1e3:+.1f}" for m, gap in paired[key])
+        rows.append(
+            f"{stages:>6} {model:>5} {system:>22} {PARTNER[system]:>22} {fixed * 1e3:>9.2f}"
+            f" {per * 1e3:>10.3f} {rms * 1e3:>9.2f}  {each}"
+        )
+    return "\n".join(rows)
+
+
 def _ratio(value: float, torch_best: float | None, system: str) -> str:
     """A pipejob figure over torch's best; nothing for torch's own, 'n/a' where either fit
     is not positive (noise larger than the part)."""
@@ -295,6 +332,14 @@ def main(argv: list[str] | None = None) -> int:
         " master too; the figure least moved by the machine's other work):"
     )
     print(table(results, "cpu"))
+    print(
+        "\npipejob over torch's same schedule in the same turn, the median of the turns (the"
+        " figure the machine's other work moves least), and its fit (at most 0: at torch's):"
+    )
+    print("the step:")
+    print(gaps(results, "turns"))
+    print("CPU a step, every process of the system:")
+    print(gaps(results, "cpu_turns"))
     if not args.no_profile:
         print()
         print("the master's profile of one step (ms):")

@@ -272,3 +272,24 @@ def test_overhead_fits_a_step_as_fixed_plus_per_micro_batch_and_reports_both_par
         r"^\s+2\s+tiny\s+rpc\s+4\.00\s+2\.000\s+0\.00\s+2\.00x\s+2\.00x\s+2,4$", rows[1]
     ), rows
     assert re.search(r"^\s+2\s+tiny\s+torch-1f1b\s+2\.00\s+1\.000\s+0\.00\s+2,4$", rows[2]), rows
+    # Paired turn by turn with torch's same schedule: the median gap of the turns (one turn
+    # disturbed by 50 ms), fitted as 2 ms a step plus 1 ms a micro-batch.
+    turns = {
+        "torch-gpipe": lambda m: [0.010 * m, 0.011 * m, 0.009 * m],
+        "rpc": lambda m: [
+            0.010 * m + 0.002 + 0.001 * m,
+            0.011 * m + 0.052,
+            0.009 * m + 0.002 + 0.001 * m,
+        ],
+    }
+    paired = [
+        {"stages": 4, "model": "tiny", "m": m, "system": system, "turns": each(m)}
+        for system, each in turns.items()
+        for m in (1, 2, 8)
+    ]
+    rows = overhead.gaps(paired, "turns").splitlines()
+    assert len(rows) == 2, rows
+    assert re.search(
+        r"^\s+4\s+tiny\s+rpc\s+torch-gpipe\s+2\.00\s+1\.000\s+0\.00  1:\+3\.0 2:\+4\.0 8:\+10\.0$",
+        rows[1],
+    ), rows

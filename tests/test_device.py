@@ -83,6 +83,13 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
         assert re.search(
             rf"^\s+2\s+tiny\s+{system}\s+-?[\d.]+\s+-?[\d.]+", log["overhead"], re.M
         ), log["overhead"]
+    # and each pipejob system's gap to torch's same schedule, turn by turn.
+    for system in ("rpc", "gpipe"):
+        assert re.search(
+            rf"^\s+2\s+tiny\s+{system}\s+torch-gpipe\s+-?[\d.]+\s+-?[\d.]+\s+[\d.]+  1:[+-]",
+            log["overhead"],
+            re.M,
+        ), log["overhead"]
     # The sweep: every system, at the core count the rehearsal has.
     cores = log["cores"]
     for system in ("pipejob", "pipejob-auto", "gpipe", "1f1b", "single-tN"):

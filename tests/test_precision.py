@@ -111,7 +111,7 @@ def _bf16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             )
             grads: dict[str, torch.Tensor] = {}
             for stage in pipe.stages:
-                grads |= rpc.rpc_sync(stage.owner(), _stage_gradients, args=(stage, context_id))
+                grads |= rpc.rpc_sync(stage.name, _stage_gradients, args=(stage, context_id))
         torch.save({"loss": loss.item(), "grads": grads}, out)
     finally:
         rpc.shutdown()

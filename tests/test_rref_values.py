@@ -76,7 +76,7 @@ def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         output = remote_stage(name0, stage0).rref(
             Stage.forward, (inputs[:2],), pipe.rounds + 1, 0, None
         )
-        rrefs = [*pipe.stages, output]
+        rrefs = [*(stage.rref for stage in pipe.stages), output]  # each Stage's own
         torch.save([rpc.rpc_sync(r.owner(), extraction, args=(r,)) for r in rrefs], out)
     finally:
         rpc.shutdown()

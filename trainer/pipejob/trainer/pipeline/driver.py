@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.distributed.rpc import RRef
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import gradients
@@ -24,6 +23,7 @@ from pipejob.trainer.pipeline.stage_calls import (
     Method,
     P,
     R,
+    StageRef,
     every_stage_result,
     remote_reader,
     remote_stage,
@@ -44,10 +44,10 @@ from pipejob.trainer.workloads.metrics import Tally
 
 
 class Pipeline:
-    """The master's handle on one pipeline's remote stages (`stages`, Stage RRefs on the
-    workers `names`, created by the engine)."""
+    """The master's handle on one pipeline's remote stages (`stages`, on the workers `names`,
+    created by the engine)."""
 
-    def __init__(self, names: list[str], stages: list[RRef]):
+    def __init__(self, names: list[str], stages: list[StageRef]):
         self.names, self.stages = names, stages
         remote_stage(names[-1], stages[-1]).result(Shard.meet_first, names[0], stages[0])
         self.rounds = 0  # forward rounds (training steps and evaluation batches) so far

@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
-from torch.distributed.rpc import RRef
 
+from pipejob.trainer.pipeline.stage_calls import StageRef
 from pipejob.trainer.runtime.optim import clip_coefficient
 
 T = TypeVar("T")
@@ -27,14 +27,14 @@ def _settled(function: Callable[..., T]) -> Callable[..., T]:
     the optimizer's step, on an RPC thread's, reads what it leaves."""
 
     @functools.wraps(function)
-    def settled(stage: RRef, *args: Any) -> T:
+    def settled(stage: StageRef, *args: Any) -> T:
         with stage.local_value().settled():
             return function(stage, *args)
 
     return settled
 
 
-def _gradients(stage: RRef, context_id: int) -> dict[str, torch.Tensor]:
+def _gradients(stage: StageRef, context_id: int) -> dict[str, torch.Tensor]:
     """A stage's gradients in a step, by parameter name (on the stage)."""
     return stage.local_value().gradients(context_id)
 
@@ -68,7 +68,7 @@ _held_lock = threading.Lock()
 
 
 @_settled
-def hold_stage(stage: RRef, context_id: int) -> None:
+def hold_stage(stage: StageRef, context_id: int) -> None:
     """Runs on a stage: add a round's gradients to those it holds for the step."""
     with _held_lock:
         held = _held.setdefault(id(stage.local_value()), {})
@@ -80,7 +80,7 @@ def hold_stage(stage: RRef, context_id: int) -> None:
 
 
 @_settled
-def release_stage(stage: RRef, context_id: int) -> None:
+def release_stage(stage: StageRef, context_id: int) -> None:
     """Runs on a stage: add what it holds to the last round's gradients, in that context."""
     with _held_lock:
         held = _held.pop(id(stage.local_value()), {})
@@ -94,16 +94,16 @@ def release_stage(stage: RRef, context_id: int) -> None:
         grads[name].add_(g)
 
 
-def hold(names: list[str], stages: list[RRef], context_id: int) -> None:
+def hold(names: list[str], stages: list[StageRef], context_id: int) -> None:
     _on_every(names, stages, hold_stage, context_id)
 
 
-def release(names: list[str], stages: list[RRef], context_id: int) -> None:
+def release(names: list[str], stages: list[StageRef], context_id: int) -> None:
     _on_every(names, stages, release_stage, context_id)
 
 
 def _on_every(
-    names: list[str], stages: list[RRef], function: Callable[..., Any], *args: Any
+    names: list[str], stages: list[StageRef], function: Callable[..., Any], *args: Any
 ) -> list[Any]:
     """Call `function(stage, *args)` on every stage at once; their results."""
     return torch.futures.wait_all(

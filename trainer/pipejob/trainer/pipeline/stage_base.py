@@ -15,14 +15,13 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.distributed.rpc import RRef
 from torch.futures import Future
 
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Reader, Source
-from pipejob.trainer.pipeline.stage_calls import remote_reader
+from pipejob.trainer.pipeline.stage_calls import StageRef, remote_reader
 from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.runtime import checkpoint, model_files, tuning
 from pipejob.trainer.runtime.optim import Functional, set_lr
@@ -151,7 +150,7 @@ class Shard:
         # (tensors, read only when the master asks where a non-finite loss came from).
         self._finite: dict[int, dict[int, list[torch.Tensor]]] = {}
         self._finite_lock = threading.Lock()
-        self._first: tuple[str, RRef] | None = None  # the first stage: its reader has labels
+        self._first: tuple[str, StageRef] | None = None  # the first stage: its reader has labels
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickling a Stage gives: the tensors it holds. An RPC agent with CUDA devices
@@ -195,7 +194,7 @@ class Shard:
     def computed(self, piece: nn.Module, last: bool) -> Computed:
         return Computed(piece, self.device, self.autocast, self.recompute, last)
 
-    def meet_first(self, name: str, stage: RRef) -> None:
+    def meet_first(self, name: str, stage: StageRef) -> None:
         """Remember the first stage (`stage`, on worker `name`), whose reader has each round's
         labels (`labels`): the last stage's loss needs them."""
         self._first = name, stage

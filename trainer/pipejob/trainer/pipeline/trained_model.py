@@ -13,11 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
-from torch.distributed.rpc import RRef
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.stage_base import Shard
-from pipejob.trainer.pipeline.stage_calls import remote_stage
+from pipejob.trainer.pipeline.stage_calls import StageRef, remote_stage
 from pipejob.trainer.runtime import checkpoint, model_files
 from pipejob.trainer.workloads import models
 
@@ -68,14 +67,14 @@ def write_live(
     out: str | Path,
     format: str,
     names: list[str],
-    stages: list[RRef],
+    stages: list[StageRef],
     rest: dict[str, torch.Tensor],
     about: dict[str, Any],
     config: dict[str, Any] | None = None,
     single_file_bytes: int | None = None,
     metadata: model_files.Metadata | None = None,
 ) -> list[Path]:
-    """The model a run's stages hold (`stages`, their Stage RRefs on the workers `names`)
+    """The model a run's stages hold (`stages`, on the workers `names`)
     and `rest`, the state no stage holds, written into `out`: one file when it is at most
     `single_file_bytes` (SINGLE_FILE_BYTES), else each stage writing its own shard, all at
     once, and the master the rest's and the index (which holds the modules' `metadata`).
@@ -96,7 +95,7 @@ def write_live(
     return finish(out, format, [*torch.futures.wait_all(writing), *mine], about, config, metadata)
 
 
-def held_bytes(stage: RRef) -> int:
+def held_bytes(stage: StageRef) -> int:
     """Runs on a stage's worker: the bytes of its shard's state, as a file holds them."""
     return model_files.state_bytes(stage.local_value().layers.state_dict())
 

@@ -13,7 +13,6 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
-from torch.distributed.rpc import RRef
 from torch.futures import Future
 
 from pipejob.core.common import Optimizer
@@ -22,7 +21,7 @@ from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.rpc.round_end import RoundEnd
 from pipejob.trainer.pipeline.rpc.turnstile import Turnstile
 from pipejob.trainer.pipeline.stage_base import Shard
-from pipejob.trainer.pipeline.stage_calls import remote_stage
+from pipejob.trainer.pipeline.stage_calls import StageRef, remote_stage
 from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, only, step_seconds
 from pipejob.trainer.runtime import nonfinite, rendezvous
@@ -62,7 +61,7 @@ class Stage(Shard):
         # A GPU stage computes on a thread and stream of its own (pipeline/gpu_worker.py).
         self.gpu = GpuWorker(self.device) if self.device.type == "cuda" else None
         self.last = last
-        self._after: list[tuple[str, RRef]] = []  # the stages after this one (`link`)
+        self._after: list[tuple[str, StageRef]] = []  # the stages after this one (`link`)
         self.compute = self.computed(self.layers, last)
         # One forward at a time, in micro-batch order: micro-batches would otherwise fight
         # over the same cores and race on BatchNorm's running statistics.
@@ -80,8 +79,8 @@ class Stage(Shard):
         self._outputs: dict[tuple[int, int], Any] = {}
         self._labels: dict[int, Future] = {}  # and its labels asked for (`pass_on`)
 
-    def link(self, after: list[tuple[str, RRef]]) -> None:
-        """The stages after this one (worker and Stage's RRef each): `pass_on` sends outputs
+    def link(self, after: list[tuple[str, StageRef]]) -> None:
+        """The stages after this one (worker and StageRef each): `pass_on` sends outputs
         to the first of them; the first stage finishes a step on all (`finish_all`)."""
         self._after = after
 
@@ -349,7 +348,7 @@ class Stage(Shard):
 
 @rpc.functions.async_execution
 def passed_on(
-    stage: RRef,
+    stage: StageRef,
     x: tuple[Any, ...],
     round: int,
     micro_batch: int,

@@ -40,7 +40,10 @@ class StageRef:
 
     def local_value(self) -> Any:
         """The Stage itself, in the process that holds it."""
-        return _HERE[self.key]
+        held = _HERE.get(self.key)
+        if held is None:
+            raise LookupError(f"stage {self.key} of {self.name} is not held in this process")
+        return held
 
 
 def on_stage(stage: StageRef, method: str, *args: Any, **kwargs: Any) -> Any:

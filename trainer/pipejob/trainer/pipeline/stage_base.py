@@ -205,8 +205,9 @@ class Shard:
 
     def ask_labels(self, round: int) -> Future[torch.Tensor]:
         """The future of round `round`'s labels, from the first stage's reader, which waits
-        for the round to be read. A call of the stage's own, with an RRef it holds: the
-        master passing one RRef a round cost several messages more."""
+        for the round to be read. A call of the stage's own, naming the first stage as the
+        master did once (`meet_first`): the master passing an RRef a round cost several
+        messages more."""
         assert self._first is not None, "the master names the first stage to the last"
         name, stage = self._first
         return remote_reader(name, stage).future(Reader.labels, round, RPC_TIMEOUT_SECONDS)

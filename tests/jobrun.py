@@ -307,8 +307,8 @@ def _pipelining_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple
 
 def _gradients(pipe: Any, context_id: int) -> dict[str, torch.Tensor]:
     grads: dict[str, torch.Tensor] = {}
-    for stage in pipe.stages:
-        grads |= rpc.rpc_sync(stage.name, _stage_gradients, args=(stage, context_id))
+    for name, stage in zip(pipe.names, pipe.stages, strict=True):
+        grads |= rpc.rpc_sync(name, _stage_gradients, args=(stage, context_id))
     return grads
 
 

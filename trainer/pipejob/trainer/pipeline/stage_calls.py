@@ -27,22 +27,23 @@ _KEYS = itertools.count()
 
 
 class StageRef:
-    """A Stage made on worker `name`, as its callers name it: by `key`, which its process knows
-    it by and is all a call carries (an RRef in a call costs its sender and its owner the RRef
-    protocol's messages: 0.35 CPU-ms a call, measured on 2 cores); and, in the process that
-    made it (the master), by its RRef, which keeps it alive there."""
+    """A Stage made on a worker (whose name its callers hold beside it), as they name it: by
+    `key`, which its process knows it by and is all a call carries (an RRef in a call costs
+    its sender and its owner the RRef protocol's messages: 0.35 CPU-ms a call, measured on 2
+    cores); and, in the process that made it (the master), by its RRef, which keeps it alive
+    there."""
 
-    def __init__(self, name: str, key: int, rref: RRef | None = None):
-        self.name, self.key, self.rref = name, key, rref
+    def __init__(self, key: int, rref: RRef | None = None):
+        self.key, self.rref = key, rref
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return StageRef, (self.name, self.key)  # travels without its RRef
+        return StageRef, (self.key,)  # travels without its RRef
 
     def local_value(self) -> Any:
         """The Stage itself, in the process that holds it."""
         held = _HERE.get(self.key)
         if held is None:
-            raise LookupError(f"stage {self.key} of {self.name} is not held in this process")
+            raise LookupError(f"stage {self.key} is not held in this process")
         return held
 
 
@@ -95,11 +96,13 @@ def created_stages(
 ) -> list[StageRef]:
     """A new `stage(*args[k])` on each worker `names[k]`, held there (rpc.remote), once made."""
     made = [
-        (name, next(_KEYS), rpc.remote(name, stage, args=a))
+        StageRef(next(_KEYS), rpc.remote(name, stage, args=a))
         for name, a in zip(names, args, strict=True)
     ]
-    torch.futures.wait_all([rpc.rpc_async(n, _keep, args=(key, r)) for n, key, r in made])
-    return [StageRef(*each) for each in made]
+    torch.futures.wait_all(
+        [rpc.rpc_async(n, _keep, args=(s.key, s.rref)) for n, s in zip(names, made, strict=True)]
+    )
+    return made
 
 
 def _keep(key: int, made: RRef) -> None:

@@ -233,7 +233,10 @@ def gaps(results: list[dict[str, Any]], figure: str) -> str:
     of its `figure` ("turns": the step, "cpu_turns": CPU a step) minus that of torch's same
     schedule in the same turn (what the machine's other work moves least), in ms; and the fit
     of those gaps, its fixed and per-micro-batch parts: at most 0 is at torch's."""
-    by_turn = {(r["stages"], r["model"], r["m"], r["system"]): r[figure] for r in results}
+    # Only the timed results: a profiled step (at one micro-batch) has the same key.
+    by_turn = {
+        (r["stages"], r["model"], r["m"], r["system"]): r[figure] for r in results if figure in r
+    }
     rows = [
         f"{'stages':>6} {'model':>5} {'system':>22} {'against':>22} {'fixed ms':>9}"
         f" {'per mb ms':>10} {'resid ms':>9}  each count's gap (m: ms)"

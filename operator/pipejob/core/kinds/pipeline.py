@@ -14,9 +14,11 @@ from pipejob.core.kind import Group, Kind, Role, Spec, column
 from pipejob.core.kinds import model_facts
 from pipejob.core.kinds.pipeline_schedules import (
     AUTO,
-    DEFAULT_SCHEDULE,
+    DEFAULT_SCHEDULE_CEL,
+    ENGINES,
     GPIPE,
     INTERLEAVING,
+    ONE_F_ONE_B,
     PIPELINING,
     RPC,
     SCHEDULE_CEL,
@@ -55,9 +57,12 @@ PIPELINE_SPEC = Field(
             " distributed autograd (GPipe's schedule). pipelining: each stage process holds"
             " torch.distributed.pipelining PipelineStages, which pass activations and"
             " gradients to their neighbours over a process group and step `schedule`; the"
-            " master still plans, steps and checkpoints them over RPC.",
+            " master still plans, steps and checkpoints them over RPC. auto: the master"
+            " chooses when it cuts the model: pipelining where the stages pass each other"
+            " only tensors, rpc where the cut must pass other values (ints, tuples) and the"
+            " schedule is gpipe or 1f1b (rpc runs gpipe); the summary says which and why.",
             default=RPC,
-            enum=(RPC, PIPELINING),
+            enum=ENGINES,
         ),
         "schedule": Field(
             "string",
@@ -190,11 +195,11 @@ PIPELINE_SPEC = Field(
         needs_checkpoint("replicas"),
         elastic_acts("replicas"),
         Rule(
-            "self.engine == 'pipelining' || !has(self.schedule) || self.schedule == 'gpipe'",
+            "self.engine != 'rpc' || !has(self.schedule) || self.schedule == 'gpipe'",
             "the rpc engine (spec.engine) runs gpipe only; set spec.engine: pipelining for"
             " another schedule",
             "schedule",
-            lambda s: s["engine"] == PIPELINING or s.get("schedule", GPIPE) == GPIPE,
+            lambda s: s["engine"] != RPC or s.get("schedule", GPIPE) == GPIPE,
             message_expression="'the rpc engine (spec.engine) runs gpipe only; set"
             " spec.engine: pipelining for ' + self.schedule",
             explain=lambda s: (
@@ -214,15 +219,14 @@ PIPELINE_SPEC = Field(
             " per process: set stagesPerProcess to 2 or more' : 'only the interleaved"
             " schedules (spec.schedule interleaved-1f1b or zero-bubble) hold several stages"
             " per process; spec.schedule is ' + (has(self.schedule) ? self.schedule :"
-            " (self.engine == 'rpc' ? 'gpipe' : '1f1b') + ', the default of spec.engine ' +"
-            " self.engine)",
+            f" {DEFAULT_SCHEDULE_CEL} + ', the default of spec.engine ' + self.engine)",
             explain=lambda s: (
                 f"spec.schedule {s['schedule']} interleaves several stages per"
                 " process: set stagesPerProcess to 2 or more"
                 if s.get("schedule") in INTERLEAVING
                 else "only the interleaved schedules (spec.schedule interleaved-1f1b or"
                 " zero-bubble) hold several stages per process; spec.schedule is"
-                f" {s.get('schedule') or DEFAULT_SCHEDULE[s['engine']]}"
+                f" {effective_schedule(s)}"
                 + ("" if "schedule" in s else f", the default of spec.engine {s['engine']}")
             ),
         ),
@@ -341,7 +345,7 @@ PIPELINE_JOB = Kind(
             "pipe",
             "stage",
             backend=lambda spec: "nccl" if spec["gpusPerStage"] else "gloo",
-            when=lambda spec: spec["engine"] == PIPELINING,
+            when=lambda spec: spec["engine"] in (PIPELINING, AUTO),
         ),
     ),
     trainer="pipejob.trainer.pipeline",
@@ -370,4 +374,17 @@ PIPELINE_JOB = Kind(
     complete=_completed,
     check=_spec_errors,
     elastic="replicas",
+    describe=lambda spec: [engine_line(spec)],
 )
+
+
+def engine_line(spec: Spec) -> str:
+    """What `pipejob plan` says of the engine: the spec's, or what auto will choose between."""
+    schedule = effective_schedule(spec)
+    if spec["engine"] != AUTO:
+        return f"engine {spec['engine']}, schedule {schedule}"
+    fallback = "rpc (gpipe)" if schedule in (GPIPE, ONE_F_ONE_B) else "no other (refused)"
+    return (
+        f"engine auto: pipelining (schedule {schedule}) where the stages pass each other only"
+        f" tensors, else {fallback}; the master chooses when it cuts the model"
+    )

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 AUTO = "auto"  # spec.microBatches: the master chooses the count
 
-# spec.engine: what moves the micro-batches between the stages.
+# spec.engine: what moves the micro-batches between the stages (auto: the master chooses).
 RPC, PIPELINING = "rpc", "pipelining"
+ENGINES = (AUTO, RPC, PIPELINING)
 # spec.schedule: the order of a stage's forwards and backwards. The rpc engine runs GPipe.
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
 SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
@@ -50,8 +51,23 @@ def auto_counts(batch: int, schedule: str, stages: int) -> list[int]:
 
 def effective_schedule(spec: dict) -> str:
     """The schedule a defaulted spec runs: its own, or its engine's default."""
-    return spec.get("schedule") or DEFAULT_SCHEDULE[spec["engine"]]
+    return spec.get("schedule") or default_schedule(spec)
 
 
-# `effective_schedule` in CEL, for the rules the API server checks.
-SCHEDULE_CEL = "(has(self.schedule) ? self.schedule : (self.engine == 'rpc' ? 'gpipe' : '1f1b'))"
+def default_schedule(spec: dict) -> str:
+    """The schedule of a spec that names none: gpipe on rpc, 1f1b on pipelining; with
+    `engine: auto`, 1f1b where the micro-batch count lets it run (auto, or at least as many
+    as stages), else gpipe (which both engines run)."""
+    if spec["engine"] != AUTO:
+        return DEFAULT_SCHEDULE[spec["engine"]]
+    count = spec.get("microBatches", AUTO)
+    return ONE_F_ONE_B if count == AUTO or count >= spec["stages"] else GPIPE
+
+
+# `default_schedule` and `effective_schedule` in CEL, for the rules the API server checks.
+DEFAULT_SCHEDULE_CEL = (
+    "(self.engine == 'rpc' ? 'gpipe' : (self.engine == 'pipelining' ? '1f1b' :"
+    " (type(self.microBatches) == string || self.microBatches >= self.stages ? '1f1b' :"
+    " 'gpipe')))"
+)
+SCHEDULE_CEL = f"(has(self.schedule) ? self.schedule : {DEFAULT_SCHEDULE_CEL})"

@@ -1,7 +1,7 @@
 """PipelineJob: the master drives micro-batches through the model's shards on the stage
 workers, on one of two engines (spec.engine): rpc/ (torch.distributed.rpc and distributed
-autograd) or pipelining/ (torch.distributed.pipelining's stages and schedules). Both share
-this room, and neither imports the other:
+autograd) or pipelining/ (torch.distributed.pipelining's stages and schedules), or the one the
+master chooses (auto: engine_choice.py). Both share this room, and neither imports the other:
 
 - run_plan.py: what the master decides before the first step (the cut, the micro-batches);
 - train.py: the master's run (the steps, evaluation, checkpoints, output, summary);
@@ -18,7 +18,8 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
+from pipejob.trainer.pipeline import engine_choice
 from pipejob.trainer.runtime import roles
 from pipejob.trainer.runtime.world import Env
 
@@ -35,7 +36,10 @@ def run(env: Env) -> dict[str, Any] | None:
         from pipejob.trainer.pipeline import train
 
         return roles.drive(env, train.train)
-    engine(env.spec).serve(env)
+    if env.spec.engine == AUTO:
+        engine_choice.serve(env)
+    else:
+        engine(env.spec).serve(env)
     return None
 
 

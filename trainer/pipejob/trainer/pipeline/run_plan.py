@@ -5,14 +5,17 @@ PipelineJob's model and data live") says where each part of the model is built."
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec
+from pipejob.core.kinds.pipeline import AUTO, INTERLEAVING, PIPELINING, RPC, PipelineSpec
 from pipejob.trainer import workloads
+from pipejob.trainer.pipeline import engine_choice
 from pipejob.trainer.pipeline.balance import Host, shape
+from pipejob.trainer.pipeline.engine_choice import Choice
 from pipejob.trainer.pipeline.fit import fits_model
 from pipejob.trainer.pipeline.shards import (
     Partition,
@@ -34,6 +37,7 @@ class Plan:
     pipelines, how the model is cut among them (with the micro-batch count its costs were
     measured for, or the checkpoint's), the loss, and the checkpoint to resume from."""
 
+    env: Env[PipelineSpec]  # the master's, its spec on the engine it runs (engine auto's choice)
     replicas: list[list[str]]  # replica r's stage processes, in order: each holds the cut
     shards: Shards
     loss: workloads.Loss
@@ -65,9 +69,19 @@ def plan(env: Env[PipelineSpec]) -> Plan:
     inputs = checked_inputs(env, model, loss)
     found = checkpoint.latest_for(env)
     shards, resumed = cut(env, model, numbered, replicas[0], found, inputs)
+    env = on_chosen_engine(env, shards.partition.engine)
     log_cut(env, shards, resumed)
     log_replicas(env, count)
-    return Plan(replicas, shards, loss, found)
+    return Plan(env, replicas, shards, loss, found)
+
+
+def on_chosen_engine(env: Env[PipelineSpec], choice: Choice | None) -> Env[PipelineSpec]:
+    """With `engine: auto`: the master's env with its spec on the engine the cut chose,
+    said in the log; else `env` as it is."""
+    if choice is None:
+        return env
+    world.log(env, f"engine auto chose {choice.engine}: {choice.why}")
+    return dataclasses.replace(env, spec=engine_choice.resolved(env.spec, choice.engine))
 
 
 def checked_inputs(env: Env[PipelineSpec], model: nn.Module, loss: workloads.Loss) -> torch.Tensor:
@@ -178,8 +192,11 @@ def saved_partition(env: Env[PipelineSpec], found: checkpoint.Checkpoint) -> Par
     count = recorded if spec.micro_batches == AUTO else spec.micro_batches
     if ranges is None or len(ranges) != spec.pieces or count is None:
         return None
-    if spec.engine == PIPELINING and manifest.get("engine") != PIPELINING:
+    engine = manifest.get("engine") or RPC  # written before engines were kept: rpc's
+    if engine != PIPELINING and (spec.engine == PIPELINING or spec.schedule in INTERLEAVING):
         return None
+    # auto resumes on the engine its cut was made for
+    choice = Choice(engine, "the checkpoint's cut was made for it") if spec.engine == AUTO else None
     if spec.split_points and list(spec.split_points) != [s[0] for s in stages[1:]]:
         return None
     return Partition(
@@ -187,4 +204,5 @@ def saved_partition(env: Env[PipelineSpec], found: checkpoint.Checkpoint) -> Par
         manifest["costs"],
         count,
         manifest.get("microBatchCandidates", []) if count == recorded else [],
+        choice,
     )

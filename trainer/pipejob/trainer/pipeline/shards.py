@@ -17,6 +17,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec, auto_counts
+from pipejob.trainer.pipeline import engine_choice
 from pipejob.trainer.pipeline.balance import (
     Host,
     LayerCosts,
@@ -24,6 +25,7 @@ from pipejob.trainer.pipeline.balance import (
     fastest,
     predict,
 )
+from pipejob.trainer.pipeline.engine_choice import Choice
 from pipejob.trainer.pipeline.stage_base import compute_resources
 from pipejob.trainer.pipeline.stage_parts import Part, measure_on_stages, trace
 from pipejob.trainer.runtime import adapters, model_files, tuning
@@ -49,6 +51,8 @@ class Partition:
     micro_batches: int  # the count the costs were measured for, and the run uses
     # With `microBatches: auto`: every candidate's prediction (see `candidate_table`).
     candidates: list[dict[str, Any]] = field(default_factory=list)
+    # With `engine: auto`: the engine this cut was made for, and why.
+    engine: Choice | None = None
 
 
 @dataclass(frozen=True)
@@ -209,9 +213,13 @@ def _measure(
         progress(f"  micro-batch {batch // m} ({m} per batch)")
     sizes = [batch // m for m in counts]
     measured: dict[int, tuple[Prediction, LayerCosts]] = {}
+    choice = None
     for m, costs in zip(
         counts, measure_on_stages(stage_names, spec, traced, numbered, sizes), strict=True
     ):
+        if spec.engine == AUTO:  # the costs say where the model passes only tensors
+            choice = engine_choice.choose(spec, traced.units, tensor_starts(costs), fixed)
+            spec = engine_choice.resolved(spec, choice.engine)
         starts = piece_starts(spec, traced.units, costs, fixed)
         measured[m] = (
             predict(costs, spec.stages, m, batch, hosts, fixed, spec.stages_per_process, starts),
@@ -219,7 +227,7 @@ def _measure(
         )
     chosen, costs = measured[fastest([p for p, _ in measured.values()]).micro_batches]
     table = [candidate(p) for p, _ in measured.values()] if auto else []
-    return Partition(chosen.ranges, costs.seconds, chosen.micro_batches, table)
+    return Partition(chosen.ranges, costs.seconds, chosen.micro_batches, table, choice)
 
 
 def piece_starts(
@@ -231,7 +239,7 @@ def piece_starts(
     too few such places."""
     if spec.engine != PIPELINING or costs.passes_tensors is None:
         return None
-    starts = [True, *costs.passes_tensors[:-1]]
+    starts = tensor_starts(costs)
     others = [u for u, ok in zip(units, starts, strict=True) if not ok]
     why = (
         "spec.engine pipelining passes only tensors between stages, and the model passes"
@@ -245,6 +253,13 @@ def piece_starts(
             f"{why}: too few places are left for {spec.pieces} pieces; use spec.engine rpc"
         )
     return starts
+
+
+def tensor_starts(costs: LayerCosts) -> list[bool]:
+    """Per unit, whether the model passes only tensors into it (the first: its inputs)."""
+    if costs.passes_tensors is None:
+        return [True] * len(costs.seconds)
+    return [True, *costs.passes_tensors[:-1]]
 
 
 def candidate(p: Prediction) -> dict[str, Any]:

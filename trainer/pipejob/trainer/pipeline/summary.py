@@ -116,6 +116,7 @@ def setup_figures(env: Env[PipelineSpec], shards: Shards) -> dict[str, Any]:
     return dict(
         model=models.name(spec.model),
         engine=spec.engine,
+        engineChosen=choice.why if (choice := shards.partition.engine) else None,  # auto's
         schedule=spec.schedule,
         stages=spec.stages,
         stagesPerProcess=spec.stages_per_process,

@@ -38,8 +38,8 @@ from pipejob.trainer.workloads.metrics import Tally
 def train(env: Env[PipelineSpec]) -> dict[str, Any]:
     """The PipelineJob master's run: the plan, the engine's pipelines, the steps, the model
     written out; the run's summary."""
-    spec = env.spec
     planned = plan(env)
+    env, spec = planned.env, planned.env.spec  # on the engine it runs (engine auto's choice)
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
     pipelines = engine(spec, "driver").Replicas(planned.replicas, planned.shards, spec, device)
     evaluates = held_out_description(env, pipelines) is not None

@@ -6,29 +6,24 @@ passes through it (docs/architecture.md, "Two pipeline engines, one PipelineJob"
 - driver.py: the master's step driver;
 - stage.py: a stage process's PipelineStages, schedule and optimizer;
 - schedules.py: spec.schedule as torch's schedule classes;
-- groups.py: the process groups; messages.py: what the stage processes tell each other
+- messages.py: what the stage processes tell each other
   besides activations (a round's labels, a step's figures);
 - activations.py: the activations a stage holds; flat.py: a piece's outputs as the
   schedules pass them."""
 
 from __future__ import annotations
 
-from pipejob.trainer.runtime import rendezvous, roles
+from pipejob.trainer.runtime import roles
 from pipejob.trainer.runtime.world import Env
 
 
 def serve(env: Env) -> None:
-    """A stage's life: join every stage in the pipe group and divide it (groups.py), then
-    serve the master's calls until it is done."""
-    import torch
+    """A stage's life: join every stage in the pipe group and divide it
+    (stage_groups.py), then serve the master's calls until it is done."""
     import torch.distributed as dist
 
-    from pipejob.trainer.pipeline.pipelining import groups
+    from pipejob.trainer.pipeline import stage_groups
 
-    if env.gpus > 0:
-        torch.cuda.set_device(0)  # NCCL's communicators live on the stage's GPU
-    rendezvous.join_ddp(env)
-    replicas = len(env.names("stage")) // env.spec.stages  # the world's size (elastic: any)
-    groups.divide(env.spec.stages, replicas, env.replica, env.role_index)
+    stage_groups.join(env)
     roles.serve(env)
     dist.destroy_process_group()

@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from pipejob.core.common import Optimizer
-from pipejob.trainer.pipeline import gradients
-from pipejob.trainer.pipeline.pipelining import groups, messages, schedules
+from pipejob.trainer.pipeline import gradients, stage_groups
+from pipejob.trainer.pipeline.pipelining import messages, schedules
 from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
 from pipejob.trainer.pipeline.pipelining.flat import Flat
 from pipejob.trainer.pipeline.pipelining.marks import Marks
@@ -83,7 +83,7 @@ class Stage(Shard):
         super().__init__(part, device, precision, recompute, source, optimizer)
         self.index, self.held, self.schedule = index, pieces, schedule
         self.count = processes * len(pieces)  # pieces in the pipeline
-        self.pipeline, self.replicas_group, self.host = groups.mine()
+        self.pipeline, self.replicas_group, self.host = stage_groups.mine()
         self._taken = -1  # the last training round read here, its labels passed on
         # The call's next training round to read (its round, micro-batches, samples) after
         # the first piece's forward of which micro-batch.

@@ -16,6 +16,7 @@ from torch import nn
 from torch.futures import Future
 
 from pipejob.core.common import Optimizer
+from pipejob.trainer.pipeline import stage_groups
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.rpc.round_end import RoundEnd
@@ -58,6 +59,8 @@ class Stage(Shard):
         optimizer: Optimizer | None = None,
     ):
         super().__init__(module, device, precision, recompute, source, optimizer)
+        if stage_groups.divided():  # an auto world: its stages' groups, not one dp group
+            self.replicas_group = stage_groups.mine()[1]
         # A GPU stage computes on a thread and stream of its own (pipeline/gpu_worker.py).
         self.gpu = GpuWorker(self.device) if self.device.type == "cuda" else None
         self.last = last

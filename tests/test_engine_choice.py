@@ -1,0 +1,82 @@
+"""`spec.engine: auto` (issue 61): the spec's defaults and world for it, the master's choice
+(pipelining where the stages pass each other only tensors, rpc where the cut must pass other
+values), and a job that takes the rpc engine by itself in a world seated for either."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from userdata import BYTE_VOCAB, write_stdlib_tokens
+
+from jobrun import pipeline_job, run_to_end
+from pipejob.core import plan, spec
+from pipejob.core.kinds.pipeline import engine_line
+from pipejob.trainer.pipeline.engine_choice import choose, resolved
+
+TRANSFORMER = {"vocabSize": BYTE_VOCAB, "layers": 2, "width": 32, "heads": 2, "seqLen": 32}
+
+
+def settings(**fields):
+    return spec.parse(pipeline_job("auto", engine="auto", **fields)).settings
+
+
+def test_auto_runs_1f1b_where_the_count_lets_it_and_seats_the_stages_for_either_engine():
+    assert settings(microBatches=4).schedule == "1f1b"
+    assert settings(microBatches="auto").schedule == "1f1b"
+    assert settings(microBatches=1).schedule == "gpipe"  # 1f1b needs at least `stages`
+    assert settings(microBatches=4, schedule="gpipe").schedule == "gpipe"
+    job = spec.parse(pipeline_job("auto", engine="auto", replicas=2, microBatches=2))
+    groups = [name for name, _, _ in plan.groups(job, plan.members(job))]
+    assert groups == ["pipe"]  # every stage of every replica, divided on the stages
+    assert engine_line(job.spec).startswith("engine auto: pipelining (schedule 1f1b) where")
+    assert engine_line({**job.spec, "engine": "rpc", "schedule": "gpipe"}) == (
+        "engine rpc, schedule gpipe"
+    )
+
+
+def test_auto_chooses_pipelining_unless_the_cut_must_pass_other_values():
+    units = ["embed", "blocks.0.norm1", "blocks.0.qkv", "blocks.0.proj", "norm"]
+    starts = [True, False, False, True, True]  # ints go into norm1 and qkv
+    job = settings(microBatches=4, stages=2)
+    assert choose(job, units, starts, None).engine == "pipelining"
+    fixed = [range(0, 2), range(2, 5)]  # a split point at blocks.0.qkv
+    choice = choose(job, units, starts, fixed)
+    assert choice.engine == "rpc"
+    assert choice.why == (
+        "the model passes values other than tensors (ints, tuples) where blocks.0.qkv begin;"
+        " rpc runs gpipe, not 1f1b"
+    )
+    assert resolved(job, "rpc").schedule == "gpipe" and resolved(job, "rpc").engine == "rpc"
+    four = settings(microBatches=4, stages=4)
+    assert choose(four, units, starts, None).engine == "rpc"  # 3 places for 4 pieces
+    interleaved = settings(
+        microBatches=4, stages=2, schedule="interleaved-1f1b", stagesPerProcess=2
+    )
+    assert choose(interleaved, units, starts, fixed).engine == "pipelining"  # refused there
+
+
+@pytest.mark.timeout(400)
+def test_a_split_where_ints_cross_takes_the_rpc_engine_with_replicas(tmp_path: Path):
+    """The transformer passes ints into blocks.0.qkv: a split point there runs on rpc (its
+    replicas averaging in the groups of a world seated for pipelining) and trains."""
+    tokens = tmp_path / "train.bin"
+    write_stdlib_tokens(tokens, max_bytes=20_000)
+    manifest = pipeline_job(
+        "auto-rpc",
+        model={"transformer": TRANSFORMER},
+        engine="auto",
+        splitPoints=["blocks.0.qkv"],
+        replicas=2,
+        microBatches=2,
+        batchSize=8,
+        steps=2,
+        seed=3,
+        data={"tokens": {"train": str(tokens)}, "workers": 1},
+    )
+    code, out, summary = run_to_end(manifest, tmp_path, timeout=360)
+    assert code == 0, out[-3000:]
+    assert "engine auto chose rpc: the model passes values other than tensors" in out, out
+    assert summary is not None and summary["engine"] == "rpc" and summary["schedule"] == "gpipe"
+    assert summary["engineChosen"].endswith("where blocks.0.qkv begin; rpc runs gpipe, not 1f1b")
+    assert summary["replicas"] == 2 and summary["replicaDivergence"] == 0.0

@@ -1,0 +1,71 @@
+"""`spec.engine: auto`: which engine runs a job, chosen by the master when it cuts the model
+(`choose`: pipelining where the stages pass each other only tensors, else rpc), and the life
+of a stage process in such a world (`serve`): seated in the pipe group as on the pipelining
+engine, serving whichever engine's Stage the master makes there."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.core.kinds.pipeline_schedules import (
+    AUTO,
+    GPIPE,
+    INTERLEAVING,
+    PIPELINING,
+    RPC,
+)
+from pipejob.trainer.runtime import roles
+from pipejob.trainer.runtime.world import Env
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The engine a job runs on, and why (what the summary and the log say)."""
+
+    engine: str
+    why: str
+
+
+def choose(
+    spec: PipelineSpec, units: list[str], starts: list[bool], fixed: list[range] | None
+) -> Choice:
+    """auto's engine for a cut of `units`, given where a piece may begin on the pipelining
+    engine (`starts`: where the model passes only tensors). rpc only where pipelining cannot
+    place the cut and the schedule lets rpc run it (gpipe, or 1f1b run as gpipe)."""
+    others = [u for u, ok in zip(units, starts, strict=True) if not ok]
+    refused = [units[r.start] for r in fixed or [] if not starts[r.start]]
+    if not refused and sum(starts) >= spec.pieces:
+        return Choice(PIPELINING, "the stages pass each other only tensors")
+    if spec.schedule in INTERLEAVING:
+        return Choice(PIPELINING, f"spec.schedule {spec.schedule} runs on pipelining only")
+    where = ", ".join(refused or others)
+    why = f"the model passes values other than tensors (ints, tuples) where {where} begin"
+    if spec.schedule != GPIPE:
+        why += f"; rpc runs gpipe, not {spec.schedule}"
+    return Choice(RPC, why)
+
+
+def resolved(spec: PipelineSpec, engine: str) -> PipelineSpec:
+    """`spec` as it runs on `engine` (rpc runs gpipe)."""
+    if spec.engine != AUTO:
+        return spec
+    schedule = GPIPE if engine == RPC else spec.schedule
+    return dataclasses.replace(spec, engine=engine, schedule=schedule)
+
+
+def serve(env: Env) -> None:
+    """A stage's life in an auto world: join the pipe group and divide it, as the
+    pipelining engine does (the rpc engine's replicas average in its stage's group), with
+    the rpc engine's device maps; then serve the master's calls."""
+    import torch.distributed as dist
+
+    from pipejob.trainer.pipeline import stage_groups
+    from pipejob.trainer.pipeline.rpc.stage import stage_devices
+
+    stages = env.spec.stages
+    own = env.names("stage")[env.replica * stages : (env.replica + 1) * stages]
+    stage_groups.join(env)
+    roles.serve(env, *stage_devices(env.role_index, own, env.gpus))
+    dist.destroy_process_group()

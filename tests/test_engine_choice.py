@@ -56,6 +56,27 @@ def test_auto_chooses_pipelining_unless_the_cut_must_pass_other_values():
     assert choose(interleaved, units, starts, fixed).engine == "pipelining"  # refused there
 
 
+def test_auto_takes_rpc_for_a_loss_not_known_to_be_a_mean_over_samples():
+    """The pipelining engine weighs each micro-batch's loss 1/microBatches: exact for a mean
+    over samples (pipejob's own, torch's mean-reduced losses), not for a sum."""
+    units, starts = ["a", "b", "c"], [True, True, True]
+    for loss, engine in (
+        (None, "pipelining"),
+        ({"import": "torch.nn:MSELoss"}, "pipelining"),
+        ({"import": "torch.nn:MSELoss", "args": {"reduction": "sum"}}, "rpc"),
+        ({"import": "torch.nn:CrossEntropyLoss", "args": {"weight": [1.0, 2.0]}}, "rpc"),
+        ({"import": "userpkg.losses:focal"}, "rpc"),
+    ):
+        job = settings(microBatches=2, **({"loss": loss} if loss else {}))
+        assert choose(job, units, starts, None).engine == engine, loss
+    job = spec.parse(pipeline_job("auto", engine="auto", loss={"import": "userpkg.losses:focal"}))
+    assert engine_line(job.spec) == (
+        "engine auto: rpc (gpipe): spec.loss userpkg.losses:focal is not known to be a mean over"
+        " the batch's samples, which the pipelining engine's per-micro-batch losses need (name"
+        " spec.engine pipelining where it is one)"
+    )
+
+
 @pytest.mark.timeout(400)
 def test_a_split_where_ints_cross_takes_the_rpc_engine_with_replicas(tmp_path: Path):
     """The transformer passes ints into blocks.0.qkv: a split point there runs on rpc (its

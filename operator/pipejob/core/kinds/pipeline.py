@@ -25,6 +25,7 @@ from pipejob.core.kinds.pipeline_schedules import (
     SCHEDULES,
     auto_counts,
     effective_schedule,
+    loss_needs_rpc,
     micro_batch_counts,
     schedule_refuses,
 )
@@ -383,6 +384,10 @@ def engine_line(spec: Spec) -> str:
     schedule = effective_schedule(spec)
     if spec["engine"] != AUTO:
         return f"engine {spec['engine']}, schedule {schedule}"
+    loss = spec.get("loss") or {}
+    why = loss_needs_rpc(loss.get("import"), loss.get("args") or {})
+    if why is not None and schedule not in INTERLEAVING:
+        return f"engine auto: rpc (gpipe): {why}"
     fallback = "rpc (gpipe)" if schedule in (GPIPE, ONE_F_ONE_B) else "no other (refused)"
     return (
         f"engine auto: pipelining (schedule {schedule}) where the stages pass each other only"

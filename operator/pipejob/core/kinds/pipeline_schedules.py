@@ -71,3 +71,34 @@ DEFAULT_SCHEDULE_CEL = (
     " 'gpipe')))"
 )
 SCHEDULE_CEL = f"(has(self.schedule) ? self.schedule : {DEFAULT_SCHEDULE_CEL})"
+
+
+# torch.nn's losses whose default reduction is a mean over the samples (the elementwise ones,
+# and cross-entropy without class weights, as pipejob's own): the pipelining engine weighs
+# each micro-batch's loss 1/microBatches, which equals the batch's loss only for such a mean.
+SAMPLE_MEANS = tuple(
+    f"torch.nn:{name}"
+    for name in (
+        "CrossEntropyLoss",
+        "MSELoss",
+        "L1Loss",
+        "SmoothL1Loss",
+        "HuberLoss",
+        "BCEWithLogitsLoss",
+    )
+)
+
+
+def loss_needs_rpc(name: str | None, args: dict) -> str | None:
+    """Why `engine: auto` runs the loss `name` (spec.loss.import; None: pipejob's own
+    cross-entropy) with `args` on the rpc engine, which computes the whole batch's loss at
+    once; None where the pipelining engine's per-micro-batch losses add up to it."""
+    if name is None:
+        return None
+    if name in SAMPLE_MEANS and args.get("reduction", "mean") == "mean" and "weight" not in args:
+        return None
+    return (
+        f"spec.loss {name} is not known to be a mean over the batch's samples, which the"
+        " pipelining engine's per-micro-batch losses need (name spec.engine pipelining"
+        " where it is one)"
+    )

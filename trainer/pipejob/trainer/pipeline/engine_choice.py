@@ -15,6 +15,7 @@ from pipejob.core.kinds.pipeline_schedules import (
     INTERLEAVING,
     PIPELINING,
     RPC,
+    loss_needs_rpc,
 )
 from pipejob.trainer.runtime import roles
 from pipejob.trainer.runtime.world import Env
@@ -32,16 +33,17 @@ def choose(
     spec: PipelineSpec, units: list[str], starts: list[bool], fixed: list[range] | None
 ) -> Choice:
     """auto's engine for a cut of `units`, given where a piece may begin on the pipelining
-    engine (`starts`: where the model passes only tensors). rpc only where pipelining cannot
-    place the cut and the schedule lets rpc run it (gpipe, or 1f1b run as gpipe)."""
-    others = [u for u, ok in zip(units, starts, strict=True) if not ok]
+    engine (`starts`: where the model passes only tensors). rpc where the pipelining engine
+    cannot place the cut or compute the loss exactly, and the schedule lets rpc run it
+    (gpipe, or 1f1b run as gpipe); an interleaved schedule runs on pipelining only."""
+    loss = loss_needs_rpc(spec.loss.import_, spec.loss.args)
     refused = [units[r.start] for r in fixed or [] if not starts[r.start]]
-    if not refused and sum(starts) >= spec.pieces:
+    if loss is None and not refused and sum(starts) >= spec.pieces:
         return Choice(PIPELINING, "the stages pass each other only tensors")
     if spec.schedule in INTERLEAVING:
         return Choice(PIPELINING, f"spec.schedule {spec.schedule} runs on pipelining only")
-    where = ", ".join(refused or others)
-    why = f"the model passes values other than tensors (ints, tuples) where {where} begin"
+    others = ", ".join(refused or [u for u, ok in zip(units, starts, strict=True) if not ok])
+    why = loss or f"the model passes values other than tensors (ints, tuples) where {others} begin"
     if spec.schedule != GPIPE:
         why += f"; rpc runs gpipe, not {spec.schedule}"
     return Choice(RPC, why)

@@ -21,9 +21,10 @@
 #   overhead    benchmarks/overhead.py on the machine's CPUs (GPU hidden): each engine's fixed
 #               and per-micro-batch costs a step against torch's schedules on a tiny model, 2
 #               and 4 stages (the costs issue 44 takes down, measured on quiet fast cores)
-#   cores       benchmarks/compare.py on 16 cores, GPU hidden: pipejob at each micro-batch
-#               count, `auto`, torch.distributed.pipelining's GPipe and 1F1B, one process on
-#               16 threads, 3 interleaved repeats
+#   cores       benchmarks/compare.py on 16 cores, GPU hidden: pipejob (the rpc engine) at
+#               each micro-batch count, the pipelining engine's 1F1B (pipejob-1f1b), `auto`,
+#               torch.distributed.pipelining's GPipe and 1F1B, one process on 16 threads, 3
+#               interleaved repeats
 # and one more, run only when --only names it:
 #   cores-levers  on 16 cores, one repeat at 1 and 2 micro-batches: pipejob, pipejob with all
 #               the cores a stage (waiting passively, or spinning as OpenMP's default), GPipe,
@@ -246,11 +247,11 @@ overhead() {
 cores() {
   if [[ $MODE == gpu ]]; then
     CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/compare.py --cores 16 \
-      --systems pipejob,pipejob-auto,gpipe,1f1b,single-tN --micro-batches 1,2,4 \
+      --systems pipejob,pipejob-1f1b,pipejob-auto,gpipe,1f1b,single-tN --micro-batches 1,2,4 \
       --repeats "$CORES_REPEATS" --timeout 120 --json "$LOGS/cores.json"
   else
     CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/compare.py --cores 2 \
-      --systems pipejob,pipejob-auto,gpipe,1f1b,single-tN --micro-batches 2 --repeats 1 \
+      --systems pipejob,pipejob-1f1b,pipejob-auto,gpipe,1f1b,single-tN --micro-batches 2 --repeats 1 \
       --batches 1 --batch 4 --image 32 --timeout 300 --json "$LOGS/cores.json"
   fi
 }

@@ -92,5 +92,5 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
         ), log["overhead"]
     # The sweep: every system, at the core count the rehearsal has.
     cores = log["cores"]
-    for system in ("pipejob", "pipejob-auto", "gpipe", "1f1b", "single-tN"):
+    for system in ("pipejob", "pipejob-1f1b", "pipejob-auto", "gpipe", "1f1b", "single-tN"):
         assert re.search(rf"^  {re.escape(system)}\s+\S+\s+[\d.]+ \[", cores, re.M), cores

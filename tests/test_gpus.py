@@ -8,6 +8,7 @@ detector), and a stand-in trainer shows what each process was given."""
 from __future__ import annotations
 
 import io
+import json
 import re
 
 import pytest
@@ -16,7 +17,7 @@ import yaml
 from jobrun import pipeline_job
 from pipejob.core import plan, spec
 from pipejob.runner import gpus
-from pipejob.runner.local import run_job
+from pipejob.runner.local import placed, run_job
 
 HYBRID = {
     "apiVersion": "pipejob.dev/v1alpha1",
@@ -137,6 +138,26 @@ def test_the_runner_gives_each_process_its_gpus_and_says_when_they_share(monkeyp
     ], text
     assert re.search(r"^master\s*\| sees all$", text, re.M), text
     assert len(re.findall(r"^stage[01]\s*\| sees 0$", text, re.M)) == 2, text
+
+
+def test_engine_auto_on_shared_gpus_runs_on_rpc_and_says_why():
+    """The pipelining engine's stages form one NCCL group (pipe), which one GPU cannot seat:
+    `engine: auto` runs the rpc engine there, whose stages share it; `pipelining` is refused."""
+    auto = spec.parse(pipeline_job("a", stages=2, microBatches=2, gpusPerStage=1, engine="auto"))
+    processes, _, placement, notes = placed(auto, lambda: ["0"])
+    assert notes[0] == (
+        "engine auto runs on rpc: its stages share GPUs here, which the pipelining engine cannot"
+    )
+    assert [p.seat for p in processes] == [None, None, None]  # no pipe group: rpc's world
+    assert json.loads(processes[1].env["PIPEJOB_SPEC"])["engine"] == "rpc"
+    assert set(placement.visible.values()) == {"0"}
+    processes, _, _, notes = placed(auto, lambda: ["0", "1"])  # a GPU each: as asked
+    assert notes == [] and json.loads(processes[1].env["PIPEJOB_SPEC"])["engine"] == "auto"
+    pipelining = spec.parse(
+        pipeline_job("p", stages=2, microBatches=2, gpusPerStage=1, engine="pipelining")
+    )
+    with pytest.raises(gpus.NotEnoughGPUs, match="NCCL cannot run two members of one group"):
+        placed(pipelining, lambda: ["0"])
 
 
 @pytest.mark.timeout(60)

@@ -87,6 +87,10 @@ class Kind:
     # What `pipejob plan` says after the world, for a completed spec (a HybridJob's tables on
     # its parameter servers).
     describe: Callable[[Spec], list[str]] = lambda spec: []
+    # Where its world's NCCL group members would have to share GPUs (the local runner, with
+    # fewer GPUs than they ask): the spec to run instead and why, or None (a PipelineJob's
+    # `engine: auto` runs on rpc, whose stages may share one).
+    on_shared_gpus: Callable[[Spec], tuple[Spec, str] | None] = lambda spec: None
 
     def role(self, name: str) -> Role:
         for role in self.roles:

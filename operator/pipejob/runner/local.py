@@ -5,6 +5,7 @@ process dying stops everything (an RPC world cannot re-admit a member); docs/use
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -21,7 +22,15 @@ from typing import TextIO
 
 from pipejob.core import levers
 from pipejob.core.contract import BROKEN_PREFIX, TERMINATION_LOG, TUNING
-from pipejob.core.plan import TRAINER_MODULE, Ports, Process, groups, members, plan_world
+from pipejob.core.plan import (
+    TRAINER_MODULE,
+    Ports,
+    Process,
+    gpus_for,
+    groups,
+    members,
+    plan_world,
+)
 from pipejob.core.spec import Job
 from pipejob.runner import gpus
 
@@ -251,18 +260,14 @@ def run_job(
     except ValueError as e:
         print(f"pipejob: cannot run {job.kind} {job.name!r}: {e}", file=out or sys.stdout)
         return 2
-    # Every process shares one address here: each collective group needs a port of its own.
-    free = free_ports(4 + len(groups(job, members(job))))
-    ports = Ports(*free[:4], groups=tuple(free[4:]))
-    processes = plan_world(job, lambda m: LOOPBACK, ports)
     try:
-        placement = gpus.place(processes, detect_gpus() if any(p.gpus for p in processes) else [])
+        processes, ports, placement, notes = placed(job, detect_gpus)
     except gpus.NotEnoughGPUs as e:
         print(f"pipejob: cannot run {job.kind} {job.name!r} here: {e}", file=out or sys.stdout)
         return 2
     world = World(out or sys.stdout, Path(directory).resolve() if directory is not None else None)
-    if placement.note:
-        world.say(placement.note)
+    for note in notes:
+        world.say(note)
     world.say(
         f"running {job.kind} {job.name!r} as {len(processes)} local processes"
         f" ({', '.join(p.rpc_name for p in processes)}); rendezvous {LOOPBACK}:{ports.rpc},"
@@ -281,6 +286,34 @@ def run_job(
         signal.signal(signal.SIGTERM, previous)
     world.say(f"{job.kind} {job.name!r} " + ("succeeded" if code == 0 else "failed"))
     return code
+
+
+def placed(
+    job: Job, detect_gpus: Callable[[], list[str]]
+) -> tuple[list[Process], Ports, gpus.Placement, list[str]]:
+    """The job's processes on loopback, their ports and GPUs, and what to say of them; where
+    its NCCL group members would share GPUs, the spec its kind runs instead
+    (Kind.on_shared_gpus), and why. NotEnoughGPUs where neither fits this machine's GPUs."""
+    found = detect_gpus() if any(gpus_for(job, m) for m in members(job)) else []
+    notes = []
+    try:
+        processes, ports, placement = _placed(job, found)
+    except gpus.NotEnoughGPUs:
+        instead = job.definition.on_shared_gpus(job.spec)
+        if instead is None:
+            raise
+        spec, why = instead
+        processes, ports, placement = _placed(dataclasses.replace(job, spec=spec), found)
+        notes.append(why)
+    return processes, ports, placement, notes + ([placement.note] if placement.note else [])
+
+
+def _placed(job: Job, found: list[str]) -> tuple[list[Process], Ports, gpus.Placement]:
+    # Every process shares one address here: each collective group needs a port of its own.
+    free = free_ports(4 + len(groups(job, members(job))))
+    ports = Ports(*free[:4], groups=tuple(free[4:]))
+    processes = plan_world(job, lambda m: LOOPBACK, ports)
+    return processes, ports, gpus.place(processes, found)
 
 
 def _raise_interrupt() -> None:

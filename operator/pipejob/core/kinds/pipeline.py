@@ -376,7 +376,17 @@ PIPELINE_JOB = Kind(
     check=_spec_errors,
     elastic="replicas",
     describe=lambda spec: [engine_line(spec)],
+    on_shared_gpus=lambda spec: _on_rpc(spec),
 )
+
+
+def _on_rpc(spec: Spec) -> tuple[Spec, str] | None:
+    """`engine: auto` where the stages would share GPUs: the rpc engine (NCCL refuses two
+    ranks of the pipelining engine's group on one GPU; rpc stages share it)."""
+    if spec["engine"] != AUTO or effective_schedule(spec) in INTERLEAVING:
+        return None
+    why = "engine auto runs on rpc: its stages share GPUs here, which the pipelining engine cannot"
+    return {**spec, "engine": RPC, "schedule": GPIPE}, why
 
 
 def engine_line(spec: Spec) -> str:

@@ -81,13 +81,26 @@ def as_dlrm_reads(lines: list[bytes]) -> Batch:
 
 
 def assembled(pieces: list[dict[str, Any]], table: str, rows: int) -> dict[str, torch.Tensor]:
-    """A table's weight and per-row optimizer state whole again, from the servers' saved
-    pieces (ps<i>.pt's "pieces")."""
-    mine = sorted((p for p in pieces if p["table"] == table), key=lambda p: p["start"])
-    assert [p["start"] for p in mine] == [0, *(p["stop"] for p in mine[:-1])]
-    assert mine[-1]["stop"] == rows
-    out = {"weight": torch.cat([p["weight"] for p in mine])}
+    """A table's weight and per-row (or per-element) optimizer state whole again, from the
+    servers' saved pieces (ps<i>.pt's "pieces"): split by rows or by columns."""
+    mine = [p for p in pieces if p["table"] == table]
+    columns = sorted({p["column"] for p in mine})
+    by_column = [
+        sorted((p for p in mine if p["column"] == c), key=lambda p: p["start"]) for c in columns
+    ]
+    for run in by_column:  # each column slice's rows, 0 to the end, once
+        assert [p["start"] for p in run] == [0, *(p["stop"] for p in run[:-1])]
+        assert run[-1]["stop"] == rows
+    assert [run[0]["column"] for run in by_column[1:]] == [
+        run[0]["column"] + run[0]["weight"].shape[1] for run in by_column[:-1]
+    ]
+
+    def joined(get: Any) -> torch.Tensor:
+        slices = [torch.cat([get(p) for p in run]) for run in by_column]
+        return torch.cat(slices, dim=1) if len(slices) > 1 else slices[0]
+
+    out = {"weight": joined(lambda p: p["weight"])}
     for key, value in mine[0]["state"].items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
-            out[key] = torch.cat([p["state"][key] for p in mine])
+            out[key] = joined(lambda p, key=key: p["state"][key])
     return out

@@ -266,8 +266,16 @@ def test_streamed_gzip_logs_train_and_resume_as_one_process_in_float64(tmp_path:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "dim",
+    [
+        4,  # C1 split by rows
+        # C1 split by columns: tests/test_recsys.py's column tests hold it, in one process
+        pytest.param(16, marks=pytest.mark.slow),
+    ],
+)
 def test_logs_with_empty_and_negative_fields_train_as_dlrm_reads_them_in_float64(
-    tmp_path: Path,
+    tmp_path: Path, dim: int
 ) -> None:
     """Two trainers and two servers, 2 steps on 256 lines with empty and negative fields (two
     gzip files of 128: a lane each, so a step reads every line): the tables, their Adagrad
@@ -280,11 +288,14 @@ def test_logs_with_empty_and_negative_fields_train_as_dlrm_reads_them_in_float64
     write(tmp_path / "day_0.gz", lines[:128])
     write(tmp_path / "day_1.gz", lines[128:])
     data = {"criteo": {"train": str(tmp_path / "day_*.gz")}}
-    spec = CLICKS | {"data": data, "batchSize": 128, "steps": 2}
+    embeddings = [t | {"dim": dim} for t in CLICKS["embeddings"]]
+    spec = CLICKS | {"data": data, "batchSize": 128, "steps": 2, "embeddings": embeddings}
     ckpt = {"path": str(tmp_path / "ckpt"), "everySteps": 2}
     code, output, _ = run_to_end(hybrid_job("clicks", spec | {"checkpoint": ckpt}), tmp_path, 170)
     assert code == 0, output
     settings = specs.parse(hybrid_job("clicks", spec)).settings
+    c1 = [p.name for s in settings.placement() for p in s if p.table == "C1"]
+    assert c1 == (["C1[0:1500]", "C1[1500:3000]"] if dim == 4 else ["C1[:, 0:8]", "C1[:, 8:16]"])
     directory = checkpoint.step_dir(tmp_path / "ckpt", 2)
     pieces = [p for i in (0, 1) for p in torch.load(directory / f"ps{i}.pt")["pieces"]]
     torch.set_default_dtype(torch.float64)

@@ -214,7 +214,8 @@ def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do
         "ps0 would hold 1.3 GB of tables and sgd state (the largest, spec.embeddings[0]:"
         " 20,000,000 rows of dim 16) and need about 2.3 GB with what the process holds"
         " besides them, over the pods' memory limit 1Gi"
-        " (spec.template.resources.limits.memory): use 7 parameterServers"
+        " (spec.template.resources.limits.memory): use 7 parameterServers (big split by rows,"
+        " 2,857,143 at most on each)"
     )
     parse(embeddings=big, parameterServers=7, **limited)
     assert tables.server_needs(tables.fullest(tables_of(big), 7, "sgd")[1]) <= 2**30
@@ -230,6 +231,15 @@ def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do
         ("spec.template.resources.limits.memory", "give the pods more memory"),
         ("spec.parameterServers", "give the pods more memory"),
     ]
+    # A wide table stepped by adam fits split by columns, 8 of its 64 on each of 8 servers.
+    wide = [{"name": "wide", "rows": 2_000_000, "dim": 64}]
+    with pytest.raises(specs.InvalidSpec) as e:
+        parse(embeddings=wide, sparseOptimizer={"name": "adam"}, **limited)
+    assert e.value.errors[0].reason.endswith(
+        "use 8 parameterServers (wide split by columns, 8 of 64 on each)"
+    ), e.value.errors[0].reason
+    fits = parse(embeddings=wide, parameterServers=8, sparseOptimizer={"name": "adam"}, **limited)
+    assert [p.name for s in fits.settings.placement() for p in s][-1] == "wide[:, 56:64]"
 
 
 def tables_of(specs_: list[dict[str, Any]]) -> tuple[tables.Table, ...]:

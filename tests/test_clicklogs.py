@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import recsys_reference as reference
 import torch
+import torch.nn.functional as F
 from test_hybrid import FLOAT64, hybrid_job
 
 from jobrun import run_to_end
@@ -291,7 +292,9 @@ def test_logs_with_empty_and_negative_fields_train_as_dlrm_reads_them_in_float64
     embeddings = [t | {"dim": dim} for t in CLICKS["embeddings"]]
     spec = CLICKS | {"data": data, "batchSize": 128, "steps": 2, "embeddings": embeddings}
     ckpt = {"path": str(tmp_path / "ckpt"), "everySteps": 2}
-    code, output, _ = run_to_end(hybrid_job("clicks", spec | {"checkpoint": ckpt}), tmp_path, 170)
+    code, output, summary = run_to_end(
+        hybrid_job("clicks", spec | {"checkpoint": ckpt}), tmp_path, 170
+    )
     assert code == 0, output
     settings = specs.parse(hybrid_job("clicks", spec)).settings
     c1 = [p.name for s in settings.placement() for p in s if p.table == "C1"]
@@ -302,8 +305,14 @@ def test_logs_with_empty_and_negative_fields_train_as_dlrm_reads_them_in_float64
     try:
         whole = itertools.repeat(reference.as_dlrm_reads(lines))  # every step reads them all
         model, optimizer = reference.trained_on(settings, 13, whole, 2)
+        start, _ = reference.trained_on(settings, 13, whole, 0)
+        values, ids, offsets, labels = next(whole)
+        logits = start(values, ids, offsets)
+        first_loss = F.binary_cross_entropy_with_logits(logits, labels).item()
     finally:
         torch.set_default_dtype(torch.float32)
+    assert summary is not None  # the trainers' mean step-1 loss, each over its half
+    assert summary["firstLoss"] == pytest.approx(first_loss, rel=1e-12, abs=0)
     for t in settings.embeddings:
         got, weight = reference.assembled(pieces, t.name, t.rows), model.tables[t.name].weight
         torch.testing.assert_close(got["weight"], weight.detach(), rtol=1e-9, atol=1e-12)

@@ -3,12 +3,14 @@ HybridJob (1 and 2 trainers x 1 and 2 parameter servers, through `pipejob run`) 
 plain process training the same model (pipejob's Recommender: 26 EmbeddingBag tables with
 sparse gradients and the same DLRM) on the same data, the same reader and the same batch
 (a step's whole batch, --batch, at every trainer count), with the same optimizers
-(rowwise Adagrad for the tables, Adam for the dense part).
+(rowwise Adagrad for the tables, Adam for the dense part), and against TorchRec's DLRM
+(benchmarks/_torchrec.py: 2 ranks, DistributedModelParallel with its planner's plan,
+fused rowwise Adagrad, in an environment of its own that it makes once). Each run's held-out
+AUC after its steps, on the same held-out lines, is in the table too.
 
 CPU seconds are each process's user + system time (/proc) between the step lines of
---warmup and --steps (start-up left out); the plain process times itself the same way.
-Configurations interleave within each repeat. TorchRec's EmbeddingBagCollection is tried
-if it imports (torchrec with fbgemm-gpu-cpu); the table says why where it does not.
+--warmup and --steps (start-up left out); the plain processes and TorchRec's ranks time
+themselves the same way. Configurations interleave within each repeat.
 It measures; it asserts nothing.
 
     python benchmarks/recsys.py                  # 2 repeats
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,10 +31,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _torchrec
 from _common import load_average, machine, run_job, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = [f"C{i}" for i in range(1, 27)]
+TORCHREC = "TorchRec DLRM, 2 ranks (DMP)"
+TORCHREC_TUNED = "TorchRec DLRM, 2 ranks, tcmalloc + passive waits"
 
 
 def say(message: str) -> None:
@@ -48,7 +54,8 @@ def manifest(logs: str, trainers: int, servers: int, args: argparse.Namespace) -
             "trainers": trainers,
             "parameterServers": servers,
             "embeddings": tables,
-            "data": {"criteo": {"train": logs}},
+            "data": {"criteo": {"train": logs, "val": args.val_logs}},
+            "eval": {},  # at the end, after the measured steps
             "dense": {"dlrm": {"bottom": [64], "top": [64, 32]}},
             "sparseOptimizer": {"name": "rowwiseAdagrad", "lr": 0.02},
             "optimizer": {"name": "adam", "lr": 0.001},
@@ -64,11 +71,12 @@ def manifest(logs: str, trainers: int, servers: int, args: argparse.Namespace) -
 
 def hybrid(logs: str, trainers: int, servers: int, stem: Path, args: argparse.Namespace) -> dict:
     job = manifest(logs, trainers, servers, args)
-    _, wall, deltas = run_job(
+    summary, wall, deltas = run_job(
         job, stem, stem.name, args.steps, args.warmup, args.timeout, dict(os.environ)
     )
     cpu = sum(d.cpu for d in deltas.values())
-    return {"samples": args.batch * (args.steps - args.warmup), "wall": wall, "cpu": cpu}
+    samples = args.batch * (args.steps - args.warmup)
+    return {"samples": samples, "wall": wall, "cpu": cpu, "auc": summary.get("evalAuc")}
 
 
 def plain(logs: str, args: argparse.Namespace, tuned: bool = False) -> dict:
@@ -80,6 +88,8 @@ def plain(logs: str, args: argparse.Namespace, tuned: bool = False) -> dict:
         "--plain-only",
         "--logs",
         logs,
+        "--val-logs",
+        args.val_logs,
         "--rows",
         str(args.rows),
         "--batch",
@@ -89,15 +99,23 @@ def plain(logs: str, args: argparse.Namespace, tuned: bool = False) -> dict:
         "--warmup",
         str(args.warmup),
     ]
-    env = dict(os.environ)
-    if tuned:
-        from pipejob.core import levers
-
-        env |= levers.preload_env(env) | {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = tuned_env() if tuned else dict(os.environ)
     out = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"the plain process failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def torchrec(logs: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
+    return _torchrec.run(logs, args.val_logs, args, env)
+
+
+def tuned_env() -> dict[str, str]:
+    """The environment with pipejob's malloc (tcmalloc) and passive OpenMP waits."""
+    from pipejob.core import levers
+
+    env = dict(os.environ)
+    return env | levers.preload_env(env) | {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def plain_only(args: argparse.Namespace) -> None:
@@ -108,7 +126,7 @@ def plain_only(args: argparse.Namespace) -> None:
     from pipejob.trainer.hybrid import sparse_optimizers
     from pipejob.trainer.workloads import samples
     from pipejob.trainer.workloads.clicklogs import ClickLogs
-    from pipejob.trainer.workloads.recsys import DLRM, Recommender, click_loss
+    from pipejob.trainer.workloads.recsys import DLRM, Recommender, auc, click_loss
 
     tables = [Table(name=name, rows=args.rows, dim=16, feature=name) for name in TABLES]
     torch.manual_seed(0)
@@ -138,28 +156,16 @@ def plain_only(args: argparse.Namespace) -> None:
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    print(
-        json.dumps(
-            {
-                "samples": args.batch * (args.steps - args.warmup),
-                "wall": time.perf_counter() - wall,
-                "cpu": time.process_time() - cpu,
-            }
-        )
-    )
-
-
-def torchrec_status() -> str:
-    """Whether TorchRec's EmbeddingBagCollection (fbgemm's CPU kernels) runs with this torch."""
-    probe = (
-        "import torch, fbgemm_gpu; from torchrec import EmbeddingBagCollection;"
-        " print(torch.__version__)"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    if out.returncode == 0:
-        return "importable (not yet measured here)"
-    last = (out.stderr.strip().splitlines() or ["?"])[-1]
-    return f"not run: {last[:160]}"
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    held_out = ClickLogs(args.val_logs, "val")
+    with torch.no_grad():
+        scored = [
+            (model(b.dense, b.ids, {f: b.offsets(f) for f in TABLES}), b.labels)
+            for b in samples.in_order(held_out, args.batch, TABLES, True)
+        ]
+    figure = auc(torch.cat([s for s, _ in scored]), torch.cat([y for _, y in scored]))
+    samples_ = args.batch * (args.steps - args.warmup)
+    print(json.dumps({"samples": samples_, "wall": wall, "cpu": cpu, "auc": figure}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         help="Criteo-format logs (default: 100k lines written by examples/dlrm/make_days.py)",
     )
     ap.add_argument("--lines", type=int, default=100_000)
+    ap.add_argument("--val-lines", type=int, default=20_000, help="held-out lines (for the AUC)")
+    ap.add_argument("--val-logs", default="", help="held-out logs (default: written with --logs)")
+    ap.add_argument("--no-torchrec", action="store_true", help="leave TorchRec's run out")
     ap.add_argument("--rows", type=int, default=100_000, help="rows of each of the 26 tables")
     ap.add_argument("--batch", type=int, default=512, help="a step's whole batch (512)")
     ap.add_argument("--steps", type=int, default=60)
@@ -187,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plain_only:
         plain_only(args)
         return 0
+    if args.logs and not args.val_logs:
+        ap.error("--logs needs --val-logs: the held-out lines every run's AUC is measured on")
     if args.quick:
         args.repeats, args.steps, args.warmup = 1, 30, 5
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",") if c != "none"]
@@ -208,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--days",
                     "1",
                     "--val",
-                    "10",
+                    str(args.val_lines),
                     "--plain",
                     "--out",
                     tmp,
@@ -216,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 check=True,
                 capture_output=True,
             )
-            logs = str(Path(tmp) / "day_0.tsv")
+            logs, args.val_logs = str(Path(tmp) / "day_0.tsv"), str(Path(tmp) / "val.tsv")
         for repeat in range(1, args.repeats + 1):
             runs: list[tuple[str, Any]] = [
                 ("one process", lambda: plain(logs, args)),
@@ -226,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                 stem = Path(tmp) / f"hybrid-{t}t-{s}s-{repeat}"
                 label = f"HybridJob {t} trainer(s), {s} server(s)"
                 runs.append((label, lambda t=t, s=s, stem=stem: hybrid(logs, t, s, stem, args)))
+            if not args.no_torchrec:
+                runs += [
+                    (TORCHREC, lambda: torchrec(logs, args, dict(os.environ))),
+                    (TORCHREC_TUNED, lambda: torchrec(logs, args, tuned_env())),
+                ]
             for label, run in runs:
                 try:
                     got = run()
@@ -233,25 +249,35 @@ def main(argv: list[str] | None = None) -> int:
                     say(f"  repeat {repeat}: {label}: failed, left out: {str(e)[-300:]}")
                     continue
                 results.setdefault(label, []).append(got)
+                said = f"; the planner chose {got['sharding']}" if "sharding" in got else ""
                 say(
                     f"  repeat {repeat}: {label:<36} {got['samples'] / got['cpu']:8,.0f}"
-                    f" samples/CPU-s {got['samples'] / got['wall']:8,.0f} samples/s"
-                    f" ({load_average()})"
+                    f" samples/CPU-s {got['samples'] / got['wall']:8,.0f} samples/s,"
+                    f" AUC {got['auc'] or float('nan'):.4f} ({load_average()}){said}"
                 )
-    report(results, torchrec_status())
+    report(results)
     return 0
 
 
-def report(results: dict[str, list[dict]], torchrec: str) -> None:
-    say("\n| run | samples per CPU-second | vs one process | samples/s (wall) |")
-    say("|---|---|---|---|")
+def report(results: dict[str, list[dict]]) -> None:
+    say(
+        "\n| run | samples per CPU-second | vs one process | vs TorchRec tuned | samples/s (wall)"
+        " | held-out AUC |"
+    )
+    say("|---|---|---|---|---|---|")
     per_cpu = {k: spread([r["samples"] / r["cpu"] for r in v]) for k, v in results.items()}
-    base = per_cpu["one process"][1]
+    base = per_cpu["one process"][1] if "one process" in per_cpu else math.nan
+    # TorchRec as the one process is compared best: with tcmalloc and passive waits.
+    torchrec = next((per_cpu[k][1] for k in (TORCHREC_TUNED, TORCHREC) if k in per_cpu), math.nan)
     for label, values in results.items():
         lo, mid, hi = per_cpu[label]
         wall = spread([r["samples"] / r["wall"] for r in values])[1]
-        say(f"| {label} | {mid:,.0f} [{lo:,.0f}-{hi:,.0f}] | {mid / base:.2f}x | {wall:,.0f} |")
-    say(f"| TorchRec EmbeddingBagCollection | {torchrec} | | |")
+        aucs = [r["auc"] for r in values if r.get("auc") is not None]
+        figure = f"{spread(aucs)[1]:.4f}" if aucs else "-"
+        say(
+            f"| {label} | {mid:,.0f} [{lo:,.0f}-{hi:,.0f}] | {mid / base:.2f}x"
+            f" | {mid / torchrec:.2f}x | {wall:,.0f} | {figure} |"
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import recsys_reference as reference
 import torch
+import torch.nn.functional as F
 from test_hybrid import FLOAT64, hybrid_job
 
 from jobrun import run_to_end
@@ -189,6 +190,24 @@ def test_a_bad_line_names_its_file_line_and_column(tmp_path: Path) -> None:
         ClickLogs(str(tmp_path / "none_*.gz"), "spec.data.criteo.train")
 
 
+def test_a_stream_s_batches_are_the_lines_as_dlrm_reads_them(tmp_path: Path) -> None:
+    """Every batch two lanes read from a gzip log, with empty and negative fields, holds the
+    values DLRM's preprocessing reads from the lines it names (an empty categorical field
+    is id 0), as a reader written apart from pipejob's (recsys_reference) reads them."""
+    lines = log_lines(96, 12)
+    assert sum(line.count(b"\t\t") for line in lines) > 20  # many empty fields
+    logs = ClickLogs(str(write(tmp_path / "day.gz", lines)), "train", lanes=2, window=16)
+    by_id = dict(logs.lines_in_order())
+    reader = samples.stream(logs, 32, (0, 1), 3, FEATURES, True)
+    for _ in range(6):  # two epochs
+        batch = next(reader)
+        dense, ids, _, labels = reference.as_dlrm_reads([by_id[i] for i in batch.sample_ids])
+        assert batch.dense.double().equal(dense.to(batch.dense.dtype).double())
+        assert batch.labels.double().equal(labels)
+        assert all(batch.ids[f].equal(ids[f]) for f in FEATURES)
+        assert all(batch.lengths[f].eq(1).all() for f in FEATURES)
+
+
 # ---------------------------------------------------------------------------- in a world
 
 CLICKS = {
@@ -245,3 +264,61 @@ def test_streamed_gzip_logs_train_and_resume_as_one_process_in_float64(tmp_path:
     dense = torch.load(directory / "dense.pt", weights_only=False)["model"]
     for name, value in model.dense.state_dict().items():
         torch.testing.assert_close(dense[name], value, rtol=1e-12, atol=1e-14, msg=name)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "dim",
+    [
+        4,  # C1 split by rows
+        # C1 split by columns: tests/test_recsys.py's column tests hold it, in one process
+        pytest.param(16, marks=pytest.mark.slow),
+    ],
+)
+def test_logs_with_empty_and_negative_fields_train_as_dlrm_reads_them_in_float64(
+    tmp_path: Path, dim: int
+) -> None:
+    """Two trainers and two servers, 2 steps on 256 lines with empty and negative fields (two
+    gzip files of 128: a lane each, so a step reads every line): the tables, their Adagrad
+    state and the dense part equal one process's that reads the lines by itself as DLRM's
+    preprocessing does (an empty categorical field is value 0, hashed to row 0), to 1e-9."""
+    (tmp_path / "sitecustomize.py").write_text(FLOAT64)
+    lines = log_lines(256, 10)
+    empty = [[k for k, x in enumerate(line.split(b"\t")) if not x] for line in lines]
+    assert sum(1 for e in empty if {14, 15, 16} & set(e)) > 40  # C1-C3 empty: row 0
+    write(tmp_path / "day_0.gz", lines[:128])
+    write(tmp_path / "day_1.gz", lines[128:])
+    data = {"criteo": {"train": str(tmp_path / "day_*.gz")}}
+    embeddings = [t | {"dim": dim} for t in CLICKS["embeddings"]]
+    spec = CLICKS | {"data": data, "batchSize": 128, "steps": 2, "embeddings": embeddings}
+    ckpt = {"path": str(tmp_path / "ckpt"), "everySteps": 2}
+    code, output, summary = run_to_end(
+        hybrid_job("clicks", spec | {"checkpoint": ckpt}), tmp_path, 170
+    )
+    assert code == 0, output
+    settings = specs.parse(hybrid_job("clicks", spec)).settings
+    c1 = [p.name for s in settings.placement() for p in s if p.table == "C1"]
+    assert c1 == (["C1[0:1500]", "C1[1500:3000]"] if dim == 4 else ["C1[:, 0:8]", "C1[:, 8:16]"])
+    directory = checkpoint.step_dir(tmp_path / "ckpt", 2)
+    pieces = [p for i in (0, 1) for p in torch.load(directory / f"ps{i}.pt")["pieces"]]
+    torch.set_default_dtype(torch.float64)
+    try:
+        whole = itertools.repeat(reference.as_dlrm_reads(lines))  # every step reads them all
+        model, optimizer = reference.trained_on(settings, 13, whole, 2)
+        start, _ = reference.trained_on(settings, 13, whole, 0)
+        values, ids, offsets, labels = next(whole)
+        logits = start(values, ids, offsets)
+        first_loss = F.binary_cross_entropy_with_logits(logits, labels).item()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert summary is not None  # the trainers' mean step-1 loss, each over its half
+    assert summary["firstLoss"] == pytest.approx(first_loss, rel=1e-12, abs=0)
+    for t in settings.embeddings:
+        got, weight = reference.assembled(pieces, t.name, t.rows), model.tables[t.name].weight
+        torch.testing.assert_close(got["weight"], weight.detach(), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(
+            got["sum"], optimizer.state[weight]["sum"], rtol=1e-9, atol=1e-12, msg=t.name
+        )
+    dense = torch.load(directory / "dense.pt", weights_only=False)["model"]
+    for name, value in model.dense.state_dict().items():
+        torch.testing.assert_close(dense[name], value, rtol=1e-9, atol=1e-12, msg=name)

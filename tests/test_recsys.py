@@ -52,6 +52,13 @@ TABLES = [
     {"name": "narrow", "rows": 30, "dim": 4, "mode": "mean", "feature": "wide"},
     {"name": "peak", "rows": 50, "dim": 4, "mode": "max"},
 ]
+# Over four servers each table is over a share (a quarter of all bytes) and 32 columns wide:
+# split by columns, 8 each (but for rowwiseAdagrad, by rows); every pooling mode.
+COLUMNS = [
+    {"name": "wide", "rows": 100, "dim": 32},
+    {"name": "narrow", "rows": 90, "dim": 32, "mode": "mean", "feature": "wide"},
+    {"name": "peak", "rows": 80, "dim": 32, "mode": "max"},
+]
 
 
 # ---------------------------------------------------------------------------- the spec
@@ -149,6 +156,21 @@ def test_a_table_larger_than_a_share_is_split_the_others_placed_by_size() -> Non
     assert tables.row_bytes(16, "adam") == 4 * 48 and tables.row_bytes(16, "sgd") == 64
 
 
+def test_a_wide_table_is_split_by_columns_where_its_optimizer_keeps_state_per_element() -> None:
+    wide = tables.Table(name="wide", rows=1000, dim=32, feature="wide")
+    small = tables.Table(name="small", rows=10, dim=32, feature="wide")
+    placed = tables.place((wide, small), servers=2, optimizer="adam")
+    assert [[p.name for p in s] for s in placed] == [["wide[:, 0:16]", "small"], ["wide[:, 16:32]"]]
+    assert [(p.start, p.stop, p.column, p.dim) for p in placed[1]] == [(0, 1000, 16, 16)]
+    # rowwiseAdagrad's state is a mean over each row: split by rows.
+    rowwise = tables.place((wide, small), servers=2, optimizer="rowwiseAdagrad")
+    assert [[p.name for p in s] for s in rowwise] == [["small", "wide[0:500]"], ["wide[500:1000]"]]
+    # Slices under MIN_COLUMNS (4 servers: 8 columns of 32 are the least), or uneven: rows.
+    assert tables.by_columns(wide, 4, "adagrad") and not tables.by_columns(wide, 5, "adagrad")
+    narrow = tables.Table(name="narrow", rows=1000, dim=8, feature="narrow")
+    assert not tables.by_columns(narrow, 2, "sgd")
+
+
 def test_plan_prints_every_server_s_pieces_and_bytes(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
     job = manifest(parameterServers=2, embeddings=TABLES)
@@ -165,6 +187,17 @@ def test_plan_prints_every_server_s_pieces_and_bytes(tmp_path: Path) -> None:
     # wide is larger than a share (half of all bytes): split; then peak, then narrow.
     assert re.search(r"^ps0\s+8.8 kB\s+wide\[0:500\], peak$", out, re.M), out
     assert re.search(r"^ps1\s+8.5 kB\s+narrow, wide\[500:1000\]$", out, re.M), out
+    path.write_text(__import__("yaml").safe_dump(manifest(parameterServers=4, embeddings=COLUMNS)))
+    out = subprocess.run(
+        [sys.executable, "-m", "pipejob.cli", "plan", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    for s, (lo, hi) in enumerate([(0, 8), (8, 16), (16, 24), (24, 32)]):
+        named = ", ".join(rf"{t}\[:, {lo}:{hi}\]" for t in ("narrow", "wide", "peak"))
+        assert re.search(rf"^ps{s}\s+8.6 kB\s+{named}$", out, re.M), out
 
 
 def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do() -> None:
@@ -181,7 +214,8 @@ def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do
         "ps0 would hold 1.3 GB of tables and sgd state (the largest, spec.embeddings[0]:"
         " 20,000,000 rows of dim 16) and need about 2.3 GB with what the process holds"
         " besides them, over the pods' memory limit 1Gi"
-        " (spec.template.resources.limits.memory): use 7 parameterServers"
+        " (spec.template.resources.limits.memory): use 7 parameterServers (big split by rows,"
+        " 2,857,143 at most on each)"
     )
     parse(embeddings=big, parameterServers=7, **limited)
     assert tables.server_needs(tables.fullest(tables_of(big), 7, "sgd")[1]) <= 2**30
@@ -197,6 +231,15 @@ def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do
         ("spec.template.resources.limits.memory", "give the pods more memory"),
         ("spec.parameterServers", "give the pods more memory"),
     ]
+    # A wide table stepped by adam fits split by columns, 8 of its 64 on each of 8 servers.
+    wide = [{"name": "wide", "rows": 2_000_000, "dim": 64}]
+    with pytest.raises(specs.InvalidSpec) as e:
+        parse(embeddings=wide, sparseOptimizer={"name": "adam"}, **limited)
+    assert e.value.errors[0].reason.endswith(
+        "use 8 parameterServers (wide split by columns, 8 of 64 on each)"
+    ), e.value.errors[0].reason
+    fits = parse(embeddings=wide, parameterServers=8, sparseOptimizer={"name": "adam"}, **limited)
+    assert [p.name for s in fits.settings.placement() for p in s][-1] == "wide[:, 56:64]"
 
 
 def tables_of(specs_: list[dict[str, Any]]) -> tuple[tables.Table, ...]:
@@ -284,34 +327,74 @@ def test_servers_step_a_split_table_as_one_module_does_for_every_sparse_optimize
     assert all(s.steps == 3 for s in servers)
 
 
-def test_a_checkpoint_of_two_servers_loads_into_three_and_into_one() -> None:
-    """Pieces are saved by table and row range: any other split of the tables loads them."""
-    two = parse(
-        embeddings=TABLES,
-        parameterServers=2,
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwiseAdagrad", "adam"])
+def test_tables_split_by_columns_step_as_one_module_does(optimizer: str) -> None:
+    """Four servers, every table split by columns (by rows for rowwiseAdagrad), two
+    trainers, three steps: the tables and their state equal one module's in float64."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        spec = parse(
+            embeddings=COLUMNS,
+            parameterServers=4,
+            trainers=2,
+            batchSize=6,
+            bagSize=4,
+            datasetSize=48,
+            denseFeatures=3,
+            dense={"dlrm": {"bottom": [5], "top": [6]}},
+            sparseOptimizer={"name": optimizer, "lr": 0.1},
+            seed=2,
+        ).settings
+        servers = world(spec, steps=3)
+        model, stepped = reference.trained(spec, steps=3)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    split = {p.dim for s in spec.placement() for p in s}
+    assert split == ({32} if optimizer == "rowwiseAdagrad" else {8})
+    pieces = [piece for s in servers for piece in s.state()["pieces"]]
+    for t in spec.embeddings:
+        got = reference.assembled(pieces, t.name, t.rows)
+        weight = model.tables[t.name].weight
+        torch.testing.assert_close(got["weight"], weight.detach(), rtol=1e-12, atol=1e-14)
+        for key, value in stepped.state[weight].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-14, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("table_set", "servers", "into"), [(TABLES, 2, (3, 1)), (COLUMNS, 4, (2, 3, 1))]
+)
+def test_a_checkpoint_of_some_servers_loads_into_others(
+    table_set: list[dict[str, Any]], servers: int, into: tuple[int, ...]
+) -> None:
+    """Pieces are saved by table, row range and columns: any other split of the tables loads
+    them (rows into rows; columns into other columns, into rows (3 servers), into one)."""
+    saved_spec = parse(
+        embeddings=table_set,
+        parameterServers=servers,
         sparseOptimizer={"name": "adagrad"},
         datasetSize=32,
         batchSize=4,
     ).settings
-    saved = [(f"ps{s.index}.pt", s.state()) for s in world(two, steps=2)]
-    for count in (3, 1):
+    saved = [(f"ps{s.index}.pt", s.state()) for s in world(saved_spec, steps=2)]
+    pieces = [p for _, s in saved for p in s["pieces"]]
+    for count in into:
         other = parse(
-            embeddings=TABLES, parameterServers=count, sparseOptimizer={"name": "adagrad"}
+            embeddings=table_set, parameterServers=count, sparseOptimizer={"name": "adagrad"}
         ).settings
         loaded = [Server(other, i, trainers=2) for i in range(count)]
         for server in loaded:
             server.load(saved)
-        pieces = [p for _, s in saved for p in s["pieces"]]
         for server in loaded:
             for k, (p, w) in enumerate(zip(server.pieces, server.weights, strict=True)):
                 whole = reference.assembled(
                     pieces, p.table, next(t.rows for t in other.embeddings if t.name == p.table)
                 )
-                torch.testing.assert_close(w.detach(), whole["weight"][p.start : p.stop])
+                torch.testing.assert_close(w.detach(), whole["weight"][p.start : p.stop, p.columns])
                 state = server.piece_state(k)
-                torch.testing.assert_close(state["sum"], whole["sum"][p.start : p.stop])
+                torch.testing.assert_close(state["sum"], whole["sum"][p.start : p.stop, p.columns])
                 assert int(state["step"]) == 2
-    other = parse(embeddings=TABLES, sparseOptimizer={"name": "sgd"}).settings
+    other = parse(embeddings=table_set, sparseOptimizer={"name": "sgd"}).settings
     with pytest.raises(RuntimeError, match="stepped by adagrad, not by spec.sparseOptimizer sgd"):
         Server(other, 0, trainers=2).load(saved)
 
@@ -413,13 +496,28 @@ def test_dlrm_interacts_every_pair_once() -> None:
     assert out.shape == (7,)
 
 
-def test_the_model_file_holds_every_table_whole_under_its_name(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("table_set", "count"), [(TABLES, 2), (COLUMNS, 4)])
+def test_the_model_file_holds_every_table_whole_under_its_name(
+    tmp_path: Path, table_set: list[dict[str, Any]], count: int
+) -> None:
+    """Tables split by rows (TABLES) or by columns (COLUMNS) are written whole."""
     spec = parse(
-        embeddings=TABLES, parameterServers=2, datasetSize=16, batchSize=4, denseFeatures=3
+        embeddings=table_set,
+        parameterServers=count,
+        datasetSize=16,
+        batchSize=4,
+        denseFeatures=3,
+        sparseOptimizer={"name": "adagrad"},
     ).settings
     servers = world(spec, steps=1)
     pieces = [
-        (p.table, p.start, p.stop, lambda lo, hi, p=p, w=w: w.detach()[lo - p.start : hi - p.start])
+        (
+            p.table,
+            p.start,
+            p.stop,
+            p.column,
+            lambda lo, hi, p=p, w=w: w.detach()[lo - p.start : hi - p.start],
+        )
         for s in servers
         for p, w in zip(s.pieces, s.weights, strict=True)
     ]
@@ -442,15 +540,11 @@ def test_the_model_file_holds_every_table_whole_under_its_name(tmp_path: Path) -
         )
         model = Recommender(spec.embeddings, workloads.hybrid_dense(spec, 3), 0, True)
         model.load_state_dict(state, strict=True)
+        saved = [piece for s in servers for piece in s.state()["pieces"]]
         for t in spec.embeddings:
-            held = sorted(
-                (p.start, s.weights[k].detach())
-                for s in servers
-                for k, p in enumerate(s.pieces)
-                if p.table == t.name
-            )
-            assert len(held) == (2 if t.name == "wide" else 1)
-            whole = torch.cat([w for _, w in held])
+            split = t.name == "wide" or table_set is COLUMNS  # over a share: a piece a server
+            assert len([p for p in saved if p["table"] == t.name]) == (count if split else 1)
+            whole = reference.assembled(saved, t.name, t.rows)["weight"]
             assert torch.equal(model.tables[t.name].weight.detach(), whole), t.name
         for name, value in dense.state_dict().items():
             assert torch.equal(model.dense.state_dict()[name], value)

@@ -54,7 +54,9 @@ def _server_errors(spec: Spec, fits: int, where: str) -> list[SpecError]:
         ),
         None,
     )
-    advice = f"use {enough} parameterServers" if enough else "give the pods more memory"
+    advice = "give the pods more memory"
+    if enough:
+        advice = f"use {enough} parameterServers ({_split_at(typed, enough, optimizer)})"
     return [
         SpecError(
             "spec.parameterServers",
@@ -73,3 +75,15 @@ def _largest_table(spec: Spec, typed: tuple[Table, ...], optimizer: str) -> str:
     i = max(range(len(typed)), key=lambda k: tables.table_bytes(typed[k], optimizer))
     where = "spec.embedding" if "embedding" in spec else f"spec.embeddings[{i}]"
     return f"the largest, {where}: {typed[i].rows:,} rows of dim {typed[i].dim}"
+
+
+def _split_at(typed: tuple[Table, ...], servers: int, optimizer: str) -> str:
+    """How the largest table is placed on `servers` servers: whole, by columns or by rows."""
+    largest = max(typed, key=lambda t: tables.table_bytes(t, optimizer))
+    placed = tables.place(typed, servers, optimizer)
+    pieces = [p for held in placed for p in held if p.table == largest.name]
+    if len(pieces) == 1:
+        return f"{largest.name} whole on one"
+    if pieces[0].dim < largest.dim:
+        return f"{largest.name} split by columns, {pieces[0].dim} of {largest.dim} on each"
+    return f"{largest.name} split by rows, {max(p.rows for p in pieces):,} at most on each"

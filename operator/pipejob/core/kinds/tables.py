@@ -1,7 +1,9 @@
 """A HybridJob's embedding tables on its parameter servers: what each row costs, and where
 every table goes (the placement), torch-free and pure: `pipejob plan` prints it, the
 validation checks it against the pods' memory limit, and every parameter server and trainer
-computes the same one. The rule: docs/architecture.md, "The spec and its validation"."""
+computes the same one. A table over a server's share is split by columns where it is wide
+and its optimizer's state is per element (`by_columns`), else by rows. The rule:
+docs/architecture.md, "The spec and its validation"."""
 
 from __future__ import annotations
 
@@ -46,15 +48,18 @@ class Table:
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows start..stop-1 of a table, held by parameter server `server`."""
+    """Rows start..stop-1 of a table, columns column..column+dim-1 of them, held by
+    parameter server `server`."""
 
     table: str
     server: int
     start: int
     stop: int
-    dim: int
+    dim: int  # the piece's columns
     mode: str
     table_rows: int  # rows of the whole table
+    column: int = 0  # its first column in the table's
+    table_dim: int = 0  # columns of the whole table (0: dim, the piece's)
 
     @property
     def rows(self) -> int:
@@ -62,7 +67,19 @@ class Piece:
 
     @property
     def whole(self) -> bool:
+        """Whether it holds every row (every id of the table's feature comes to it)."""
         return self.start == 0 and self.stop == self.table_rows
+
+    @property
+    def columns(self) -> slice:
+        return slice(self.column, self.column + self.dim)
+
+    @property
+    def name(self) -> str:
+        """As the plan prints it: `big`, `big[0:500]` (rows), `wide[:, 0:32]` (columns)."""
+        if 0 < self.table_dim != self.dim:
+            return f"{self.table}[:, {self.column}:{self.column + self.dim}]"
+        return self.table if self.whole else f"{self.table}[{self.start}:{self.stop}]"
 
 
 def spec_tables(spec: dict[str, Any]) -> tuple[Table, ...]:
@@ -79,6 +96,21 @@ def table_bytes(table: Table, optimizer: str) -> int:
     return table.rows * row_bytes(table.dim, optimizer)
 
 
+# A table split by columns gives each server this many columns at the least: narrower
+# slices would send every id to every server for little memory each.
+MIN_COLUMNS = 8
+
+
+def by_columns(table: Table, count: int, optimizer: str) -> bool:
+    """Whether a table split over `count` servers is split by columns (TorchRec's column-wise
+    sharding): every server then holds every row, so a row hot in the data (an empty field's
+    row 0) loads them alike, and each reply is narrower. Only where the width splits evenly
+    into slices of MIN_COLUMNS or more, and the optimizer's state is per element
+    (rowwiseAdagrad's per-row mean would become a mean over each slice)."""
+    even = table.dim % count == 0 and table.dim >= MIN_COLUMNS * count
+    return even and optimizer != "rowwiseAdagrad"
+
+
 def place(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[list[Piece]]:
     """Every server's pieces (see the module's docstring), server 0 first."""
     total = sum(table_bytes(t, optimizer) for t in tables)
@@ -88,12 +120,8 @@ def place(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[list[
     whole = []
     for t in tables:
         if servers > 1 and table_bytes(t, optimizer) > share:
-            count = min(servers, t.rows)  # a row is never split
-            for i in range(count):
-                server = i if count == servers else _least_loaded(load)
-                start, stop = i * t.rows // count, (i + 1) * t.rows // count
-                held[server].append(Piece(t.name, server, start, stop, t.dim, t.mode, t.rows))
-                load[server] += (stop - start) * row_bytes(t.dim, optimizer)
+            for piece in _split(t, servers, optimizer, load):
+                held[piece.server].append(piece)
         else:
             whole.append(t)
     for t in sorted(whole, key=lambda t: (-table_bytes(t, optimizer), t.name)):
@@ -103,6 +131,28 @@ def place(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[list[
     return [ordered(pieces) for pieces in held]
 
 
+def _split(t: Table, servers: int, optimizer: str, load: list[int]) -> list[Piece]:
+    """A table over a share, split over the servers by columns or by rows (`by_columns`);
+    `load` (each server's bytes) counts the pieces."""
+    if by_columns(t, servers, optimizer):
+        width = t.dim // servers
+        pieces = [
+            Piece(t.name, i, 0, t.rows, width, t.mode, t.rows, i * width, t.dim)
+            for i in range(servers)
+        ]
+        for piece in pieces:
+            load[piece.server] += piece.rows * row_bytes(width, optimizer)
+        return pieces
+    count = min(servers, t.rows)  # a row is never split
+    pieces = []
+    for i in range(count):
+        server = i if count == servers else _least_loaded(load)
+        start, stop = i * t.rows // count, (i + 1) * t.rows // count
+        pieces.append(Piece(t.name, server, start, stop, t.dim, t.mode, t.rows))
+        load[server] += (stop - start) * row_bytes(t.dim, optimizer)
+    return pieces
+
+
 def _least_loaded(load: list[int]) -> int:
     return min(range(len(load)), key=lambda s: (load[s], s))
 
@@ -110,7 +160,7 @@ def _least_loaded(load: list[int]) -> int:
 def ordered(pieces: list[Piece]) -> list[Piece]:
     """A server's pieces in the order its replies carry them: summed ones (sum and mean)
     before max ones, then by width and name, so pieces pooled alike sit side by side."""
-    return sorted(pieces, key=lambda p: (p.mode == "max", p.dim, p.table, p.start))
+    return sorted(pieces, key=lambda p: (p.mode == "max", p.dim, p.table, p.start, p.column))
 
 
 def server_bytes(pieces: list[Piece], optimizer: str) -> int:
@@ -141,10 +191,10 @@ def placement_lines(tables: tuple[Table, ...], servers: int, optimizer: str) -> 
     out = [
         f"embedding tables: {len(tables)}, {size(weights)} of weights + {size(state)} of"
         f" {optimizer} state",
-        f"{'server':<8} {'bytes':>12}  tables (rows start:stop where split)",
+        f"{'server':<8} {'bytes':>12}  tables (rows start:stop, or [:, columns], where split)",
     ]
     for s, pieces in enumerate(place(tables, servers, optimizer)):
-        named = ", ".join(p.table if p.whole else f"{p.table}[{p.start}:{p.stop}]" for p in pieces)
+        named = ", ".join(p.name for p in pieces)
         out.append(f"{f'ps{s}':<8} {size(server_bytes(pieces, optimizer)):>12}  {named or '-'}")
     return out
 

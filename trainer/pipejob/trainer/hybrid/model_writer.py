@@ -66,18 +66,22 @@ def server_entries(manifest: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def rows_from_pieces(
-    pieces: list[tuple[str, int, int, Callable[[int, int], torch.Tensor]]],
+    pieces: list[tuple[str, int, int, int, Callable[[int, int], torch.Tensor]]],
 ) -> Rows:
-    """Rows of a table from its pieces, (table, start, stop, fetch(start, stop) in table
-    rows), whichever pieces a range spans."""
+    """Rows of a table from its pieces, (table, start, stop, first column, fetch(start,
+    stop) in table rows), whichever pieces a range spans: rows joined, then columns."""
 
     def rows(table: str, start: int, stop: int) -> torch.Tensor:
-        parts = [
-            fetch(max(start, lo), min(stop, hi))
-            for name, lo, hi, fetch in sorted(pieces, key=lambda p: p[1])
-            if name == table and max(start, lo) < min(stop, hi)
-        ]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        mine = sorted((p for p in pieces if p[0] == table), key=lambda p: (p[3], p[1]))
+        columns = []
+        for column in sorted({p[3] for p in mine}):
+            parts = [
+                fetch(max(start, lo), min(stop, hi))
+                for _, lo, hi, first, fetch in mine
+                if first == column and max(start, lo) < min(stop, hi)
+            ]
+            columns.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+        return torch.cat(columns, dim=1) if len(columns) > 1 else columns[0]
 
     return rows
 
@@ -93,7 +97,7 @@ def live_rows(servers: list[str], placement: list[list[Piece]]) -> Rows:
 
     return rows_from_pieces(
         [
-            (p.table, p.start, p.stop, fetch(server, k, p))
+            (p.table, p.start, p.stop, p.column, fetch(server, k, p))
             for server, pieces in zip(servers, placement, strict=True)
             for k, p in enumerate(pieces)
         ]
@@ -109,7 +113,7 @@ def saved_rows(directory: str | Path, manifest: dict[str, Any]) -> Rows:
         state = torch.load(Path(directory) / entry["name"], mmap=True, weights_only=True)
         for q in state["pieces"]:
             fetch = lambda lo, hi, q=q: q["weight"][lo - q["start"] : hi - q["start"]]  # noqa: E731
-            pieces.append((q["table"], q["start"], q["stop"], fetch))
+            pieces.append((q["table"], q["start"], q["stop"], q.get("column", 0), fetch))
     return rows_from_pieces(pieces)
 
 

@@ -63,9 +63,8 @@ def group_parameter(
         p = pieces[k]
         for lo in range(0, p.rows, BLOCK):
             hi = min(lo + BLOCK, p.rows)
-            out[first + lo : first + hi] = initial_rows(
-                tables[p.table], seed, p.start + lo, p.start + hi
-            )
+            made = initial_rows(tables[p.table], seed, p.start + lo, p.start + hi)
+            out[first + lo : first + hi] = made[:, p.columns]
         first += p.rows
     return nn.Parameter(out)
 
@@ -218,7 +217,8 @@ class Server:
         for p, weight in zip(self.pieces, self.weights, strict=True):
             for lo in range(0, p.rows, BLOCK):  # a block at a time: no copy of the table
                 hi = min(lo + BLOCK, p.rows)
-                start = initial_rows(tables[p.table], self.spec.seed, p.start + lo, p.start + hi)
+                made = initial_rows(tables[p.table], self.spec.seed, p.start + lo, p.start + hi)
+                start = made[:, p.columns]
                 initial += float(start.double().pow(2).sum())
                 change += float((weight.detach()[lo:hi] - start).double().pow(2).sum())
         return {
@@ -247,6 +247,7 @@ class Server:
                 "table": p.table,
                 "start": p.start,
                 "stop": p.stop,
+                "column": p.column,
                 "weight": weight,
                 "state": self.piece_state(k),
             }
@@ -267,30 +268,38 @@ class Server:
             self._load_piece(k, saved)
 
     def _load_piece(self, k: int, saved: list[tuple[str, dict[str, Any]]]) -> None:
-        """Piece k's rows and their optimizer state, from every saved piece overlapping it."""
+        """Piece k's rows and their optimizer state, from every saved piece overlapping it
+        (in rows and columns)."""
         p, first, weight = self.pieces[k], self.first[k], self.joined[self.group_of[k]]
         state = self.optimizer.state[weight]
         covered = 0
         for q in (q for _, s in saved for q in s["pieces"]):
             lo, hi = max(p.start, q["start"]), min(p.stop, q["stop"])
-            if q["table"] != p.table or lo >= hi:
+            at = q.get("column", 0)  # a checkpoint of before columns: whole rows
+            left, right = max(p.column, at), min(p.column + p.dim, at + q["weight"].shape[1])
+            if q["table"] != p.table or lo >= hi or left >= right:
                 continue
             mine = slice(first + lo - p.start, first + hi - p.start)  # rows of the group's
             theirs = slice(lo - q["start"], hi - q["start"])
+            cols = slice(left - p.column, right - p.column)
+            their_cols = slice(left - at, right - at)
             with torch.no_grad():
-                weight[mine] = q["weight"][theirs]
+                weight[mine, cols] = q["weight"][theirs, their_cols]
             for key, value in q["state"].items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:  # per row
+                if isinstance(value, torch.Tensor) and value.dim() > 0:  # per row or element
                     if key not in state:
-                        state[key] = value.new_zeros((len(weight), *value.shape[1:]))
-                    state[key][mine] = value[theirs]
+                        state[key] = value.new_zeros((len(weight), *weight.shape[1 : value.dim()]))
+                    if value.dim() == 1:
+                        state[key][mine] = value[theirs]
+                    else:
+                        state[key][mine, cols] = value[theirs, their_cols]
                 else:  # a count: the same for every piece of every table
                     state[key] = value.clone() if isinstance(value, torch.Tensor) else value
-            covered += hi - lo
-        if covered != p.rows:
+            covered += (hi - lo) * (right - left)
+        if covered != p.rows * p.dim:
             raise checkpoint.CheckpointError(
-                f"the checkpoint holds {covered} of rows {p.start}..{p.stop - 1} of table"
-                f" {p.table!r}: not a checkpoint of these tables"
+                f"the checkpoint holds {covered} of the {p.rows * p.dim} values of {p.name} of"
+                f" table {p.table!r}: not a checkpoint of these tables"
             )
 
 

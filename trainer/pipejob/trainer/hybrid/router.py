@@ -44,7 +44,7 @@ class Router:
                 self.places[piece.table].append(Place(piece, s, position, column))
                 column += piece.dim
         for places in self.places.values():
-            places.sort(key=lambda p: p.piece.start)
+            places.sort(key=lambda p: (p.piece.start, p.piece.column))
         self.features = sorted({t.feature for t in self.tables})
 
     def route(self, batch: Batch) -> Routed:
@@ -82,8 +82,10 @@ class Router:
         out = {}
         for table in self.tables:
             places = self.places[table.name]
-            parts = [replies[p.server][:, p.column : p.column + table.dim] for p in places]
-            if table.mode == "max" and len(parts) > 1:
+            parts = [replies[p.server][:, p.column : p.column + p.piece.dim] for p in places]
+            if places[0].piece.dim < table.dim:  # split by columns: each piece pools its own
+                pooled = torch.cat(parts, dim=1)
+            elif table.mode == "max" and len(parts) > 1:
                 got = [routed.counts[(table.name, p.piece.start)] > 0 for p in places]
                 masked = [
                     torch.where(g.unsqueeze(1), part, -torch.inf)

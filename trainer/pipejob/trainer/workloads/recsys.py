@@ -96,8 +96,9 @@ def call_dense(
 
 
 def click_loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Binary cross-entropy of one logit per sample ((batch,) or (batch, 1)) against clicks."""
-    return F.binary_cross_entropy_with_logits(outputs.reshape(-1), labels.float())
+    """Binary cross-entropy of one logit per sample ((batch,) or (batch, 1)) against clicks,
+    in the outputs' precision (float32 labels made a float64 model's loss float32)."""
+    return F.binary_cross_entropy_with_logits(outputs.reshape(-1), labels.to(outputs.dtype))
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:

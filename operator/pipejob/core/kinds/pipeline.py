@@ -190,6 +190,18 @@ PIPELINE_SPEC = Field(
         needs_checkpoint("replicas"),
         elastic_acts("replicas"),
         Rule(
+            "type(self.model) == string || !has(self.model.cut) || self.model.cut != 'eager'"
+            " || self.engine == 'rpc'",
+            "the eager path (model.cut: eager) runs on the rpc engine only: set spec.engine:"
+            " rpc, or leave model.cut out",
+            "model.cut",
+            lambda s: (
+                not isinstance(s["model"], dict)
+                or s["model"].get("cut") != "eager"
+                or s["engine"] == "rpc"
+            ),
+        ),
+        Rule(
             "self.engine == 'pipelining' || !has(self.schedule) || self.schedule == 'gpipe'",
             "the rpc engine (spec.engine) runs gpipe only; set spec.engine: pipelining for"
             " another schedule",

@@ -11,8 +11,10 @@ from typing import Any
 import torch
 
 from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.core.workload import CUT_EAGER, CUT_TRACED
 from pipejob.trainer.pipeline import engine, trained_model
 from pipejob.trainer.pipeline.driver import Replicas
+from pipejob.trainer.pipeline.eager import run as eager_run
 from pipejob.trainer.pipeline.reader import Reader
 from pipejob.trainer.pipeline.run_plan import Plan, plan
 from pipejob.trainer.pipeline.shards import Shards
@@ -32,6 +34,7 @@ from pipejob.trainer.runtime import (
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data, metrics, models
+from pipejob.trainer.workloads.cut import CutError
 from pipejob.trainer.workloads.metrics import Tally
 
 
@@ -39,7 +42,14 @@ def train(env: Env[PipelineSpec]) -> dict[str, Any]:
     """The PipelineJob master's run: the plan, the engine's pipelines, the steps, the model
     written out; the run's summary."""
     spec = env.spec
-    planned = plan(env)
+    if spec.model.cut == CUT_EAGER:
+        return eager_run.train(env, "spec.model.cut: eager")
+    try:
+        planned = plan(env)
+    except CutError as e:
+        if spec.model.cut == CUT_TRACED:
+            raise
+        return eager_run.train(env, f"the trace was refused: {e}")
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
     pipelines = engine(spec, "driver").Replicas(planned.replicas, planned.shards, spec, device)
     evaluates = held_out_description(env, pipelines) is not None
@@ -60,6 +70,7 @@ def train(env: Env[PipelineSpec]) -> dict[str, Any]:
         first,
         pipelines.activation_peaks(),
     )
+    summary["path"] = "traced"
     summary["replicaDivergence"] = pipelines.divergence()
     summary["wallSeconds"] = round(time.perf_counter() - started, 3)
     if evaluations:

@@ -113,17 +113,16 @@ def test_the_eager_path_on_the_pipelining_engine_is_refused_naming_the_field():
 
 
 def _esm_job(**fields) -> dict:
-    return pipeline_job(
-        "esm",
-        model={"import": "userpkg.esmlike:esm2"},
-        data={"import": "userpkg.esmlike:sequences"},
-        stages=2,
-        batchSize=8,
-        microBatches=4,
-        numClasses=5,
-        optimizer={"name": "sgd", "lr": 0.5, "momentum": 0},
-        **fields,
-    )
+    defaults = {
+        "model": {"import": "userpkg.esmlike:esm2"},
+        "data": {"import": "userpkg.esmlike:sequences"},
+        "stages": 2,
+        "batchSize": 8,
+        "microBatches": 4,
+        "numClasses": 5,
+        "optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0},
+    }
+    return pipeline_job("esm", **(defaults | fields))
 
 
 def _one_process_step(manifest: dict, lr: float) -> tuple[float, dict[str, torch.Tensor]]:
@@ -156,3 +155,35 @@ def test_a_model_the_trace_refuses_trains_on_the_eager_path_as_one_process(tmp_p
     assert sorted(trained) == sorted(models.build(spec.parse(manifest).settings).state_dict())
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def _losses_and_evaluation(manifest: dict, tmp_path: Path, name: str) -> tuple[list, dict]:
+    code, output, summary = run_to_end(manifest, tmp_path / name, timeout=240)
+    assert code == 0 and summary is not None, output[-3000:]
+    return summary["losses"], summary["evaluation"]
+
+
+@pytest.mark.slow  # two more worlds; the path, placement and exact step: the test above
+def test_a_run_stopped_and_resumed_on_the_eager_path_gives_the_straight_runs_bits(
+    tmp_path, monkeypatch
+):
+    """Adam (state in every process), evaluation, a checkpoint at step 2: steps 3-4 resumed
+    from it give the losses and held-out figures of a straight run of 4, to the bit."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    for name in ("straight", "stopped", "resumed"):
+        (tmp_path / name).mkdir()
+
+    def job(steps: int, path: Path) -> dict:
+        return _esm_job(
+            model={"import": "userpkg.esmlike:esm2", "cut": "eager"},
+            optimizer={"name": "adam", "lr": 0.01},
+            steps=steps,
+            eval={"everySteps": 2},
+            checkpoint={"path": str(path), "everySteps": 2},
+        )
+
+    straight, evaluated = _losses_and_evaluation(job(4, tmp_path / "a"), tmp_path, "straight")
+    stopped, _ = _losses_and_evaluation(job(2, tmp_path / "b"), tmp_path, "stopped")
+    resumed, again = _losses_and_evaluation(job(4, tmp_path / "b"), tmp_path, "resumed")
+    assert stopped + resumed == straight
+    assert again == evaluated

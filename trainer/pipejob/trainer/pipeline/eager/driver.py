@@ -38,6 +38,10 @@ class Stages:
         ]
         return torch.futures.wait_all(futures)
 
+    def call_async(self, i: int, function: Callable[..., Any], *args: Any) -> Any:
+        """`function(held, *args)` on stage i, as a future."""
+        return rpc.rpc_async(self.workers[i], function, args=(self.held[i], *args))
+
 
 def split(value: Any, parts: int) -> list[Any]:
     """`value` (a tensor, or tuples, lists and dicts of them) in `parts` micro-batches along

@@ -65,7 +65,8 @@ class Held:
         self.turns.wait((name, nth), first, number, TURN_SECONDS)
         try:
             args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(self.device), (args, kwargs))
-            out = self.by_name[name](*args, **kwargs)
+            with torch.set_grad_enabled(self.modules.training):  # evaluation: no graph
+                out = self.by_name[name](*args, **kwargs)
         finally:
             self.turns.made((name, nth), number)
         return tree_map_only(torch.Tensor, lambda t: t.to("cpu"), out)
@@ -114,6 +115,12 @@ class Held:
         assert self.optimizer is not None
         return checkpoint.save_module(directory, name, self._named(), {"optimizer": self.optimizer})
 
+    def load(self, directory: str, entries: list[dict[str, Any]]) -> None:
+        load(self, directory, entries)
+
+    def state_names(self) -> list[str]:
+        return list(self._named().state_dict())
+
     def _named(self) -> nn.Module:
         return _Named(self.by_name)
 
@@ -131,3 +138,10 @@ class _Named(nn.Module):
                     parent._modules[part] = nn.Module()
                 parent = parent._modules[part]  # type: ignore[assignment]
             parent._modules[last] = module
+
+
+def load(held: Held, directory: str, entries: list[dict[str, Any]]) -> None:
+    """`held`'s modules and optimizer state by the model's names from the checkpoint files
+    `entries` (written by any path and any cut: runtime/checkpoint.py load_named)."""
+    assert held.optimizer is not None
+    checkpoint.load_named(directory, entries, held._named(), {"optimizer": held.optimizer})

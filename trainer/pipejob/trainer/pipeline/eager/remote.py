@@ -75,6 +75,18 @@ def gradient_state(held: rpc.RRef) -> dict:
     return held.local_value().gradient_state()
 
 
+def save(held: rpc.RRef, directory: str, name: str) -> dict:
+    return held.local_value().save(directory, name)
+
+
+def load(held: rpc.RRef, directory: str, entries: list) -> None:
+    held.local_value().load(directory, entries)
+
+
+def state_names(held: rpc.RRef) -> list[str]:
+    return held.local_value().state_names()
+
+
 def set_training(held: rpc.RRef, training: bool) -> None:
     held.local_value().set_training(training)
 

@@ -13,12 +13,12 @@ from torch import nn
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import trained_model
-from pipejob.trainer.pipeline.eager import driver, remote
+from pipejob.trainer.pipeline.eager import driver, held_out, remote, saved
 from pipejob.trainer.pipeline.eager.check import check
 from pipejob.trainer.pipeline.eager.placement import Placement, describe, no_grad_run, place
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import curve_figures, rate_figures
-from pipejob.trainer.runtime import monitor, roles, world
+from pipejob.trainer.runtime import checkpoint, monitor, roles, world
 from pipejob.trainer.runtime.optim import Functional, learning_rate
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data, models
@@ -90,49 +90,76 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
     stages = distribute(env, model, placement)
     params = [p for p in model.parameters() if p.requires_grad]
     glue = Functional(spec.optimizer, params) if params else None
-    loss = workloads.loss(spec)
-    monitor.board().phase("training")
-    results: list[StepResult] = []
     started = time.perf_counter()
     with data.Feed(spec) as feed:
-        for number in range(spec.steps):
-            lr = learning_rate(spec.optimizer, spec.steps, number)
-            done = driver.step(
-                model,
-                glue,
-                stages,
-                feed.batch(),
-                m,
-                number,
-                loss,
-                spec.optimizer.clip_grad_norm,
-                lr,
-            )
-            results.append(
-                StepResult(done.loss, done.seconds, 0.0, lr=lr, grad_norm=done.grad_norm)
-            )
-            monitor.board().step(number + 1, done.loss, done.seconds, spec.batch_size)
-            if (number + 1) % spec.log_every == 0 or number + 1 == spec.steps:
-                world.log(
-                    env,
-                    f"step {number + 1}/{spec.steps}  loss {done.loss:.4f}"
-                    f"  {spec.batch_size / done.seconds:.1f} samples/s  lr {lr:.3g}"
-                    f"  grad norm {done.grad_norm:.4g}",
-                )
+        found = checkpoint.latest_for(env)
+        first = 0 if found is None else saved.resume(env, found, model, glue, stages, feed)
+        results, evaluations = steps(env, model, glue, stages, feed, m, first, placement)
     if spec.output is not None:
-        write_output(env, model, stages)
-    summary = summarize(env, why, placement, m, results)
+        write_output(env, model, stages, evaluations[-1] if evaluations else None)
+    if not results:
+        return roles.nothing_left(env, first)
+    summary = summarize(env, why, placement, m, results, first)
     summary["wallSeconds"] = round(time.perf_counter() - started, 3)
+    if evaluations:
+        summary["evaluation"] = evaluations[-1]
+        summary["evaluations"] = evaluations
     world.log(env, "summary:\n" + render(summary))
     return summary
 
 
-def write_output(env: Env[PipelineSpec], model: nn.Module, stages: driver.Stages) -> None:
+def steps(
+    env: Env[PipelineSpec],
+    model: nn.Module,
+    glue: Functional | None,
+    stages: driver.Stages,
+    feed: data.Feed,
+    m: int,
+    first: int,
+    placement: Placement,
+) -> tuple[list[StepResult], list[dict[str, Any]]]:
+    """Steps first + 1 .. spec.steps, each logged, checkpointed and evaluated when due."""
+    spec = env.spec
+    loss = workloads.loss(spec)
+    held = data.held_out(spec) if spec.eval is not None else None
+    if spec.eval is not None and held is None:
+        world.log(env, "evaluation: the data has no held-out set; nothing to evaluate")
+    monitor.board().phase("training")
+    results: list[StepResult] = []
+    evaluations: list[dict[str, Any]] = []
+    clip = spec.optimizer.clip_grad_norm
+    for number in range(first, spec.steps):
+        lr = learning_rate(spec.optimizer, spec.steps, number)
+        done = driver.step(model, glue, stages, feed.batch(), m, number, loss, clip, lr)
+        results.append(StepResult(done.loss, done.seconds, 0.0, lr=lr, grad_norm=done.grad_norm))
+        monitor.board().step(number + 1, done.loss, done.seconds, spec.batch_size)
+        if (number + 1) % spec.log_every == 0 or number + 1 == spec.steps:
+            world.log(
+                env,
+                f"step {number + 1}/{spec.steps}  loss {done.loss:.4f}"
+                f"  {spec.batch_size / done.seconds:.1f} samples/s  lr {lr:.3g}"
+                f"  grad norm {done.grad_norm:.4g}",
+            )
+        if checkpoint.due(spec, number + 1):
+            saved.save(env, number + 1, model, glue, stages, feed, placement.stages)
+        if held is not None and held_out.due(spec, number + 1):
+            evaluations.append(held_out.evaluate(env, held, model, stages, loss, number + 1))
+    if held is not None:
+        held.close()
+    return results, evaluations
+
+
+def write_output(
+    env: Env[PipelineSpec],
+    model: nn.Module,
+    stages: driver.Stages,
+    evaluation: dict[str, Any] | None,
+) -> None:
     """The trained model as one file under the model's own names: the glue's state (the
     master's) and every stage's."""
     spec = env.spec
     assert spec.output is not None
-    about = trained_model.info(env.kind, env.job, spec, spec.steps, None)
+    about = trained_model.info(env.kind, env.job, spec, spec.steps, evaluation)
     glue = {k: v for k, v in model.state_dict().items()}
     paths = trained_model.write(
         spec.output.path, spec.output.format, stages.on_each(remote.state), glue, about
@@ -141,14 +168,19 @@ def write_output(env: Env[PipelineSpec], model: nn.Module, stages: driver.Stages
 
 
 def summarize(
-    env: Env[PipelineSpec], why: str, placement: Placement, m: int, results: list[StepResult]
+    env: Env[PipelineSpec],
+    why: str,
+    placement: Placement,
+    m: int,
+    results: list[StepResult],
+    first: int,
 ) -> dict[str, Any]:
     spec = env.spec
     measured = results[1:] or results
     return roles.summary(
         env,
         len(results),
-        0,
+        first,
         path="eager",
         pathReason=why,
         model=models.name(spec.model),

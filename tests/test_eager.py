@@ -104,6 +104,35 @@ def test_a_stage_computes_a_modules_micro_batches_in_order():
     assert order == [10, 12]
 
 
+class Tied(nn.Module):
+    """An embedding and an output layer sharing one weight, the first and last modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+        self.out = nn.Linear(8, 16, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.embed(tokens)))
+
+
+def test_a_weight_used_in_two_places_lives_in_one():
+    model = Tied()
+    placement = place(model, no_grad_run(model, torch.randint(16, (2, 5))), 2)
+    where = placement.stage_of()
+    assert where["out"] == where["embed"] == 0
+    assert len(placement.stages) == 2 and all(placement.stages)
+
+
+def test_plan_says_the_path_where_the_spec_asks_for_it():
+    job = spec.parse(_esm_job(model={"import": "userpkg.esmlike:esm2", "cut": "eager"}))
+    assert any(line.startswith("path: eager") for line in job.definition.describe(job.spec))
+    job = spec.parse(_esm_job())
+    assert not any(line.startswith("path:") for line in job.definition.describe(job.spec))
+
+
 def test_the_eager_path_on_the_pipelining_engine_is_refused_naming_the_field():
     manifest = pipeline_job(
         "e", model={"import": "userpkg.esmlike:esm2", "cut": "eager"}, engine="pipelining"

@@ -325,6 +325,18 @@ def _spec_errors(spec: Spec) -> list[SpecError]:
     return errors
 
 
+def _path_lines(spec: Spec) -> list[str]:
+    """What `pipejob plan` can say of the path before the model is built: only where the
+    spec asks for one (auto's choice is made when the job starts; its summary says it)."""
+    model = spec["model"]
+    if isinstance(model, dict) and model.get("cut") == "eager":
+        return [
+            "path: eager (spec.model.cut: eager): the master runs the model's own forward and"
+            " the stages its costly modules, placed by measured cost when the job starts"
+        ]
+    return []
+
+
 PIPELINE_JOB = Kind(
     name="PipelineJob",
     plural="pipelinejobs",
@@ -357,6 +369,7 @@ PIPELINE_JOB = Kind(
         ),
     ),
     trainer="pipejob.trainer.pipeline",
+    describe=_path_lines,
     columns=(
         column(
             "Perplexity",

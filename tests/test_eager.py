@@ -216,3 +216,29 @@ def test_a_run_stopped_and_resumed_on_the_eager_path_gives_the_straight_runs_bit
     resumed, again = _losses_and_evaluation(job(4, tmp_path / "b"), tmp_path, "resumed")
     assert stopped + resumed == straight
     assert again == evaluated
+
+
+def test_the_conformance_harness_tries_a_refused_model_on_the_eager_path(monkeypatch):
+    """The ESM-like encoder, which the trace refuses: exact on the eager path (benchmarks/
+    _conform_eager.py); with the eager path's gradients broken, still refused, saying why."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(TESTS.parent / "benchmarks"))
+    sys.modules.pop("_conform", None)
+    import _conform
+    import _conform_eager
+
+    row = _conform.run("esm", "esm2", lambda: esmlike.ESM2(num_layers=2), _tokens)
+    assert row.verdict == "eager", row
+    assert row.why.startswith("the trace refused it") and row.cuts.startswith("eager: ")
+
+    # The embedding's stage gives its output without its graph: it gets no gradient.
+    class Detached(_conform_eager._Copying):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            return out.detach() if isinstance(self.held, nn.Embedding) else out
+
+    monkeypatch.setattr(_conform_eager, "_Copying", Detached)
+    row = _conform.run("esm", "esm2", lambda: esmlike.ESM2(num_layers=2), _tokens)
+    assert row.verdict == "refused", row
+    assert "on the eager path: (c) eager: embed_tokens.weight got no gradient" in row.why, row

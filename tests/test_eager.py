@@ -133,6 +133,16 @@ def test_plan_says_the_path_where_the_spec_asks_for_it():
     assert not any(line.startswith("path:") for line in job.definition.describe(job.spec))
 
 
+def test_what_the_eager_path_does_not_carry_is_refused_naming_the_field_never_ignored():
+    from pipejob.trainer.pipeline.eager.run import refusal
+
+    assert refusal(spec.parse(_esm_job()).settings) is None
+    refused = refusal(spec.parse(_esm_job(gradientAccumulation=2)).settings)
+    assert refused is not None and "spec.gradientAccumulation" in refused
+    refused = refusal(spec.parse(_esm_job(replicas=2)).settings)
+    assert refused is not None and "spec.replicas" in refused
+
+
 def test_the_eager_path_on_the_pipelining_engine_is_refused_naming_the_field():
     manifest = pipeline_job(
         "e", model={"import": "userpkg.esmlike:esm2", "cut": "eager"}, engine="pipelining"
@@ -178,6 +188,7 @@ def test_a_model_the_trace_refuses_trains_on_the_eager_path_as_one_process(tmp_p
     assert summary is not None and summary["path"] == "eager"
     assert summary["pathReason"].startswith("the trace was refused")
     assert "padding_mask.any()" in summary["pathReason"]
+    assert summary["glueParameters"] == 0  # every module with parameters lives on a stage
     loss, expected = _one_process_step(manifest, lr=0.5)
     assert summary["losses"][0] == pytest.approx(loss, rel=1e-12)
     trained = model_files.load_state_dict(out)

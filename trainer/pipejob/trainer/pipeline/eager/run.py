@@ -32,6 +32,17 @@ def refusal(spec: PipelineSpec) -> str | None:
         return "the eager path runs one pipeline: set spec.replicas to 1"
     if spec.model.staged is not None:
         return "spec.model.staged replaces the model's forward, which the eager path runs"
+    # Parts of the recipe the eager path does not carry yet: refused, never ignored.
+    for field, value, plain in (
+        ("gradientAccumulation", spec.gradient_accumulation, 1),
+        ("precision", spec.precision, "fp32"),
+        ("activationCheckpointing", spec.activation_checkpointing, False),
+        ("skipNonFiniteSteps", spec.skip_non_finite_steps, 0),
+    ):
+        if value != plain:
+            return f"the eager path does not carry spec.{field} yet: leave it out"
+    if spec.profile is not None:
+        return "the eager path does not profile yet: leave spec.profile out"
     return None
 
 
@@ -99,7 +110,8 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
         write_output(env, model, stages, evaluations[-1] if evaluations else None)
     if not results:
         return roles.nothing_left(env, first)
-    summary = summarize(env, why, placement, m, results, first)
+    held = sum(p.numel() for p in model.parameters())  # the stand-ins hold none
+    summary = summarize(env, why, placement, m, results, first, held)
     summary["wallSeconds"] = round(time.perf_counter() - started, 3)
     if evaluations:
         summary["evaluation"] = evaluations[-1]
@@ -174,6 +186,7 @@ def summarize(
     m: int,
     results: list[StepResult],
     first: int,
+    glue_parameters: int,
 ) -> dict[str, Any]:
     spec = env.spec
     measured = results[1:] or results
@@ -188,6 +201,7 @@ def summarize(
         engine=spec.engine,
         microBatches=m,
         batchSize=spec.batch_size,
+        glueParameters=glue_parameters,  # what the master holds of the model
         placement=placement.stages,
         keptWithGlue=placement.kept,
         **curve_figures(results),

@@ -41,8 +41,8 @@ class _Copying(nn.Module):
 def check_eager(build: Callable[[], nn.Module], x: Any) -> str:
     """The eager path's placement of the model, checked (a) to (c); its stages' modules."""
     plain, model, stages_build = build(), build(), build()
-    run = no_grad_run(model, _micro(x)[0])
-    placement = check(model, run, lambda kept: place(model, run, STAGES, kept))
+    run, other = (no_grad_run(model, part) for part in _micro(x)[:2])
+    placement = check(model, run, lambda kept: place(model, run, STAGES, kept), other)
     _placed(model, stages_build, placement)
     plain_state = plain.state_dict()
     for name in placement.remote():

@@ -49,18 +49,19 @@ def test_placement_follows_the_forward_and_keeps_the_models_names():
 
 
 class DeepSupervised(nn.Module):
-    """As MONAI's DynUNet: a layer writes a head's output into a list that the forward reads."""
+    """As MONAI's DynUNet: a layer writes a head's output into a list made when the model
+    was (so it holds the last batch's head, not this one's, where the layer runs elsewhere)
+    and that the forward reads."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.heads: list[torch.Tensor] = []
+        self.heads: list[torch.Tensor] = [torch.zeros(1)]
         self.down = Writes(self.heads)
         self.mid = nn.Linear(4, 4)
         self.up = nn.Linear(4, 4)
         self.out = nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.heads.clear()
         x = self.up(self.mid(self.down(x)))
         return self.out(x + self.heads[0])
 
@@ -73,14 +74,14 @@ class Writes(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
-        self.heads.append(y * 2)
+        self.heads[0] = y * 2
         return y
 
 
 def test_a_module_writing_state_the_glue_reads_stays_with_the_glue():
     model = DeepSupervised()
-    run = no_grad_run(model, torch.randn(3, 4))
-    placement = check(model, run, lambda kept: place(model, run, 2, kept))
+    run, other = no_grad_run(model, torch.randn(3, 4)), no_grad_run(model, torch.randn(3, 4))
+    placement = check(model, run, lambda kept: place(model, run, 2, kept), other)
     assert "down" in placement.kept and "Python state" in placement.kept["down"]
     assert "down" not in placement.remote() and all(placement.stages)
 

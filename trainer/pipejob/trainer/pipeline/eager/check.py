@@ -71,47 +71,64 @@ def _same(a: Any, b: Any) -> bool:
 _PLAIN = (int, float, str, bool, bytes, type(None))
 
 
-def _result(model: nn.Module, run: Callable[[], Any], names: list[str]) -> Any:
+def _result(
+    model: nn.Module, run: Callable[[], Any], names: list[str], other: Callable[[], Any]
+) -> Any:
     """What `run()` gives with `names` called as on a stage, from the same random state and
-    the same buffers (BatchNorm's statistics are put back after)."""
+    the same buffers (BatchNorm's statistics are put back after), right after the model ran
+    directly on `other()`'s batch: Python state a module writes and the glue reads then
+    holds that batch's values, which a copy's call does not overwrite."""
     buffers = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), _swapped(model, names):
-            torch.manual_seed(0)
-            return _copied(run())
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            other()
+            with _swapped(model, names):
+                torch.manual_seed(0)
+                return _copied(run())
     finally:
         model.load_state_dict(buffers)
 
 
 def _same_through_copies(
-    model: nn.Module, run: Callable[[], Any], names: list[str], direct: Any
+    model: nn.Module,
+    run: Callable[[], Any],
+    names: list[str],
+    direct: Any,
+    other: Callable[[], Any],
 ) -> bool:
     """Whether the model gives `direct` with `names` called as on a stage (an error there,
     as DynUNet's glue reading a list its copied layer never wrote, is a difference)."""
     try:
-        return _same(direct, _result(model, run, names))
+        return _same(direct, _result(model, run, names, other))
     except Exception:
         return False
 
 
 def check(
-    model: nn.Module, run: Callable[[], Any], place: Callable[[dict[str, str]], Placement]
+    model: nn.Module,
+    run: Callable[[], Any],
+    place: Callable[[dict[str, str]], Placement],
+    other: Callable[[], Any],
 ) -> Placement:
     """The placement `place(kept)` gives with every module that gives another result
     through a copy kept with the glue (`kept`, naming why), once the rest give the model's
-    own result together."""
-    direct = _result(model, run, [])
+    own result together. `run` and `other`: forwards of two different micro-batches."""
+    direct = _result(model, run, [], other)
+
+    def same(names: list[str]) -> bool:
+        return _same_through_copies(model, run, names, direct, other)
+
     placement = place({})
-    if _same_through_copies(model, run, placement.remote(), direct):
+    if same(placement.remote()):
         return placement
     kept = {
         n: "gives another result called through a copy, as a stage calls it (its forward"
         " changes Python state that the glue reads)"
         for n in placement.remote()
-        if not _same_through_copies(model, run, [n], direct)
+        if not same([n])
     }
     placement = place(kept)
-    if not kept or not _same_through_copies(model, run, placement.remote(), direct):
+    if not kept or not same(placement.remote()):
         raise ValueError(
             "the eager path cannot place this model: called as its stages would call them"
             " (through copies), its modules give another result than the model"

@@ -39,16 +39,19 @@ class Placement:
 
 
 def record_calls(
-    model: nn.Module, run: Callable[[], object], names: list[str]
+    model: nn.Module, run: Callable[[], object], names: list[str], called: set[str] | None = None
 ) -> list[tuple[str, float]]:
     """Each call that `run()` makes of the modules `names` (the model's own names) outside a
-    call of another of them, in order, with its seconds."""
+    call of another of them, in order, with its seconds; `called` gets every name called,
+    inside another's call too."""
     active: list[tuple[str, float]] = []
     calls: list[tuple[str, float]] = []
+    called = set() if called is None else called
     handles = []
 
     def before(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: object) -> None:
+            called.add(name)
             active.append((name, time.perf_counter()))
 
         return hook
@@ -76,11 +79,15 @@ def record_calls(
 def children(model: nn.Module, opened: set[str]) -> list[str]:
     """The units: the children of the opened modules that are not opened themselves, in the
     module tree's order."""
-    units = []
+    units, seen = [], {id(model.get_submodule(n)) for n in opened}
     for name, module in model.named_modules():
         if name in opened:
-            units += [f"{name}.{c}" if name else c for c, _ in module.named_children()]
-    return [u for u in units if u not in opened]
+            for c, child in module.named_children():
+                # A module under two names (DynUNet's skip layers hold its blocks) is one unit.
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    units.append(f"{name}.{c}" if name else c)
+    return units
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -97,13 +104,14 @@ def measured_units(
     for _ in range(MAX_OPENINGS):
         costs: dict[str, float] = {}
         candidates = children(model, opened)
-        for name, seconds in record_calls(model, run, candidates):
+        called: set[str] = set()
+        for name, seconds in record_calls(model, run, candidates, called):
             costs[name] = costs.get(name, 0.0) + seconds
         # A container the forward never calls (a ModuleList) opens into the items it calls.
         containers = {
             u
             for u in candidates
-            if u not in costs
+            if u not in called
             and any(_holds_parameters(c) for c in model.get_submodule(u).children())
         }
         if containers:
@@ -154,12 +162,12 @@ def shared_with_glue(model: nn.Module, units: list[str]) -> dict[str, str]:
     """The units sharing a parameter with what stays on the master (its own parameters, and
     modules that are no unit), with why."""
     inside = {id(p) for u in units for p in model.get_submodule(u).parameters()}
-    unit_modules = {id(model.get_submodule(u)) for u in units}
+    # By the modules themselves, not their names: a module may be named twice.
+    unit_modules = {id(m) for u in units for m in model.get_submodule(u).modules()}
     glue = set()
-    for name, module in model.named_modules():
-        if id(module) in unit_modules or any(name.startswith(f"{u}.") for u in units):
-            continue
-        glue |= {id(p) for p in module.parameters(recurse=False)}
+    for module in model.modules():
+        if id(module) not in unit_modules:
+            glue |= {id(p) for p in module.parameters(recurse=False)}
     glue &= inside
     return {
         u: "shares a parameter with the master's glue"

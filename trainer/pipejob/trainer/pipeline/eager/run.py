@@ -59,10 +59,13 @@ def placed(env: Env[PipelineSpec], model: nn.Module, m: int) -> Placement:
     spec = env.spec
     with data.Feed(spec) as feed:
         world.log(env, f"data: {feed.description}")
-        inputs, _ = feed.sample(max(1, spec.batch_size // m))
-    run = no_grad_run(model, inputs)
+        size = max(1, spec.batch_size // m)
+        inputs, _ = feed.sample(2 * size)
+    first, second = driver.split(inputs, 2)
+    run = no_grad_run(model, first)
     run()  # warm-up: the first call of a kernel costs more than the next
-    placement = check(model, run, lambda kept: place(model, run, spec.stages, kept))
+    other = no_grad_run(model, second)
+    placement = check(model, run, lambda kept: place(model, run, spec.stages, kept), other)
     for line in describe(placement):
         world.log(env, line)
     for name, why in placement.kept.items():

@@ -17,7 +17,8 @@ of the same model under the same seed, in float64, in this one process:
 
 At up to MAX_STAGES evenly spaced candidates, and in two at the middle one where that is
 not one of them. A model pipejob refuses to cut (workloads/cut.py's CutError) is `refused`, with
-the refusal's one line; a model its own library cannot build, or run, here is `not built`;
+the refusal's one line, unless the eager path computes it exactly (`eager`: _conform_eager.py);
+a model its own library cannot build, or run, here is `not built`;
 anything else that differs or raises is `failing`, with what and where."""
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def run(
         row.verdict, row.why = "not built", _line(e.__cause__ or e)
     except CutError as e:
         row.verdict, row.why = "refused", _line(e)
+        _on_the_eager_path(row, factory, sample)
     except Failed as e:
         row.verdict, row.why = "failing", str(e)
     except Exception as e:
@@ -104,6 +106,22 @@ def run(
         torch.set_default_dtype(default)
     row.seconds = time.perf_counter() - start
     return row
+
+
+def _on_the_eager_path(
+    row: Row, factory: Callable[[], nn.Module], sample: Callable[[], Any]
+) -> None:
+    """A refused row tried on the eager path (_conform_eager.py), in the dtype the trace
+    refused it in: `eager` where it is exact there; else still refused, saying why."""
+    from _conform_eager import check_eager
+
+    try:
+        row.cuts = "eager: " + check_eager(_seeded(factory), sample())
+        row.verdict, row.why = "eager", f"the trace refused it ({row.why})"
+    except Failed as e:
+        row.why += f"; on the eager path: {e}"
+    except Exception as e:
+        row.why += f"; on the eager path: raised {_line(e)}"
 
 
 class _NotBuilt(Exception):

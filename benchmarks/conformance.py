@@ -6,7 +6,8 @@ plain build in one process, in float64 (benchmarks/_conform.py; in float32 where
 does not run, or its memory is over --max-params): (a) parameters and buffers
 bit-equal per stage, (b) outputs bit-equal in training and evaluation mode, (c) step-1
 gradients equal, tied weights included, (d) the output loads strictly into a fresh build;
-at two cuts. Each row is exact, refused (pipejob says it cannot cut it, and why), failing
+at two cuts. Each row is exact, eager (the trace refused it, and the eager path computes it
+exactly: benchmarks/_conform_eager.py), refused (pipejob says it cannot cut it, and why), failing
 (what differs, where), not built (its own library cannot build or run it here), or not run
 (over twice --max-params, float32's budget, or past --timeout: a rerun with more time
 decides).
@@ -62,7 +63,7 @@ CI = [
     "vit_pytorch:ViT",
     "segmentation_models_pytorch:Unet",
 ]
-VERDICTS = ("exact", "refused", "failing", "not built", "not run")
+VERDICTS = ("exact", "eager", "refused", "failing", "not built", "not run")
 ZOO_ORDER = [
     "torch",
     "torchvision",

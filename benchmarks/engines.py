@@ -1,5 +1,6 @@
 """A PipelineJob on each engine and schedule, side by side on the same work (issue 31): the
-rpc engine at its best micro-batch count, the pipelining engine with each of its schedules,
+rpc engine at its best micro-batch count, the eager path (spec.model.cut: eager, on the rpc
+engine's world) at its best, the pipelining engine with each of its schedules,
 and the whole model in one process on every core, for ResNet-50 and pipejob's transformer in
 2 and 4 stages.
 
@@ -57,7 +58,9 @@ def model_spec(args: argparse.Namespace, model: str) -> dict[str, Any]:
 def manifest(
     args: argparse.Namespace, model: str, stages: int, m: int, engine: dict[str, Any]
 ) -> dict[str, Any]:
-    name = "-".join(str(v) for v in [model, stages, m, *engine.values()])
+    # A model section among the fields (the eager path's) is named by its cut.
+    named = [v.get("cut", "model") if isinstance(v, dict) else v for v in engine.values()]
+    name = "-".join(str(v) for v in [model, stages, m, *named])
     return {
         "apiVersion": "pipejob.dev/v1alpha1",
         "kind": "PipelineJob",
@@ -77,11 +80,19 @@ def manifest(
     }
 
 
-def systems(args: argparse.Namespace, stages: int) -> dict[str, list[tuple[int, dict]]]:
+def eager(model: str | dict[str, Any]) -> dict[str, Any]:
+    """The model's section on the eager path (spec.model.cut: eager)."""
+    return {**({"torchvision": model} if isinstance(model, str) else model), "cut": "eager"}
+
+
+def systems(args: argparse.Namespace, stages: int, model: str) -> dict[str, list[tuple[int, dict]]]:
     """Each system's runs of one repeat: (micro-batch count, engine fields)."""
     out: dict[str, list[tuple[int, dict]]] = {
         "rpc": [(m, {}) for m in args.rpc_counts],
     }
+    if args.eager_counts:  # the master runs the forward, the stages the costly modules
+        fields = {"model": eager(model_spec(args, model)["model"])}
+        out["eager (rpc engine)"] = [(m, fields) for m in args.eager_counts]
     for schedule in args.schedules:
         v = STAGES_PER_PROCESS if schedule in ("interleaved-1f1b", "zero-bubble") else 1
         fields = {"engine": "pipelining", "schedule": schedule, "stagesPerProcess": v}
@@ -148,6 +159,7 @@ def main() -> None:
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--rpc-counts", default="2,4,8", help="the rpc engine's micro-batch counts")
     ap.add_argument("--micro-batches", type=int, default=8, help="the pipelining engine's")
+    ap.add_argument("--eager-counts", default="2,4,8", help="the eager path's micro-batch counts")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--batches", type=int, default=4, help="measured steps per run")
@@ -166,8 +178,10 @@ def main() -> None:
     if args.quick:
         args.repeats, args.batch, args.image, args.batches = 1, 8, 32, 2
         args.layers, args.width, args.seq_len, args.rpc_counts = 6, 32, 16, "2,4"
+        args.eager_counts = "2,4"
         args.micro_batches = 4
     args.rpc_counts = [int(m) for m in args.rpc_counts.split(",")]
+    args.eager_counts = [int(m) for m in args.eager_counts.split(",") if m]
     args.schedules = [s for s in args.schedules.split(",") if s]
     configs = [
         (model, int(stages))
@@ -188,7 +202,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pipejob-engines-") as tmp:
         for repeat in range(1, args.repeats + 1):
             for model, stages in configs:
-                for system, runs in systems(args, stages).items():
+                for system, runs in systems(args, stages, model).items():
                     for m, fields in runs:
                         job = manifest(args, model, stages, m, fields)
                         stem = Path(tmp) / job["metadata"]["name"]
@@ -203,7 +217,8 @@ def main() -> None:
                         )
                         rate = summary["samplesPerSecond"]
                         rates[model, stages][system][m].append(rate)
-                        extras[model, stages, system, m].append(summary["bubble"]["measured"])
+                        if "bubble" in summary:  # the eager path does not measure one
+                            extras[model, stages, system, m].append(summary["bubble"]["measured"])
                         print(
                             f"[{time.monotonic() - started:5.0f}s] repeat {repeat}: {model}"
                             f" {stages} stages, {system} m={m}: {rate:.1f} samples/s"

@@ -91,7 +91,8 @@ COMMON = {
 FULL = {
     "PipelineJob": {
         "model": {
-            "transformer": {"vocabSize": 64, "layers": 4, "width": 32, "heads": 2, "seqLen": 16}
+            "transformer": {"vocabSize": 64, "layers": 4, "width": 32, "heads": 2, "seqLen": 16},
+            "cut": "traced",
         },
         "stages": 2,
         "splitPoints": ["blocks.2"],

@@ -45,6 +45,11 @@ class Model:
     import_: str | None = None  # spec key "import"
     args: dict[str, Any] = field(default_factory=dict)
     staged: Staged | None = None
+    cut: str | None = None  # None: auto (traced, else eager where the trace is refused)
+
+
+# spec.model.cut: how the model is run across the stages.
+CUT_AUTO, CUT_TRACED, CUT_EAGER = "auto", "traced", "eager"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +169,17 @@ def model_field(torchvision: tuple[str, ...], default: str) -> Field:
             "import": import_field("a torch.nn.Module"),
             "args": ARGS,
             "staged": STAGED,
+            "cut": Field(
+                "string",
+                "How the model runs across the stages. `traced`: the model's forward traced"
+                " and cut into a compiled part per stage (fast; refused where the trace"
+                " cannot read the glue). `eager`: the master runs the model's own forward on"
+                " real tensors and calls its costly submodules where they live on the"
+                " stages (whatever runs in one process; rpc engine only). `auto` (the"
+                " default): traced, or eager where the trace is refused; the run's summary"
+                " says which and why.",
+                enum=(CUT_AUTO, CUT_TRACED, CUT_EAGER),
+            ),
         },
         rules=(
             _one_source_rule(),

@@ -196,6 +196,18 @@ PIPELINE_SPEC = Field(
         needs_checkpoint("replicas"),
         elastic_acts("replicas"),
         Rule(
+            "type(self.model) == string || !has(self.model.cut) || self.model.cut != 'eager'"
+            " || self.engine != 'pipelining'",
+            "the eager path (model.cut: eager) runs on the rpc engine only: set spec.engine:"
+            " rpc or auto, or leave model.cut out",
+            "model.cut",
+            lambda s: (
+                not isinstance(s["model"], dict)
+                or s["model"].get("cut") != "eager"
+                or s["engine"] != PIPELINING
+            ),
+        ),
+        Rule(
             "self.engine != 'rpc' || !has(self.schedule) || self.schedule == 'gpipe'",
             "the rpc engine (spec.engine) runs gpipe only; set spec.engine: pipelining for"
             " another schedule",
@@ -318,6 +330,18 @@ def _spec_errors(spec: Spec) -> list[SpecError]:
     return errors
 
 
+def _path_lines(spec: Spec) -> list[str]:
+    """What `pipejob plan` can say of the path before the model is built: only where the
+    spec asks for one (auto's choice is made when the job starts; its summary says it)."""
+    model = spec["model"]
+    if isinstance(model, dict) and model.get("cut") == "eager":
+        return [
+            "path: eager (spec.model.cut: eager): the master runs the model's own forward and"
+            " the stages its costly modules, placed by measured cost when the job starts"
+        ]
+    return []
+
+
 PIPELINE_JOB = Kind(
     name="PipelineJob",
     plural="pipelinejobs",
@@ -375,7 +399,7 @@ PIPELINE_JOB = Kind(
     complete=_completed,
     check=_spec_errors,
     elastic="replicas",
-    describe=lambda spec: [engine_line(spec)],
+    describe=lambda spec: [*_path_lines(spec), engine_line(spec)],
     on_shared_gpus=lambda spec: _on_rpc(spec),
 )
 
@@ -396,6 +420,8 @@ def engine_line(spec: Spec) -> str:
         return f"engine {spec['engine']}, schedule {schedule}"
     loss = spec.get("loss") or {}
     why = loss_needs_rpc(loss.get("import"), loss.get("args") or {})
+    if isinstance(spec["model"], dict) and spec["model"].get("cut") == "eager":
+        why = "the eager path (spec.model.cut: eager) runs on rpc"
     if why is not None and schedule not in INTERLEAVING:
         return f"engine auto: rpc (gpipe): {why}"
     fallback = "rpc (gpipe)" if schedule in (GPIPE, ONE_F_ONE_B) else "no other (refused)"

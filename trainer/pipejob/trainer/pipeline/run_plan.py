@@ -28,6 +28,7 @@ from pipejob.trainer.pipeline.shards import (
 from pipejob.trainer.runtime import checkpoint, world
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data, materialize, models, staged
+from pipejob.trainer.workloads.cut import CutError
 from pipejob.trainer.workloads.synthetic import share_of
 
 
@@ -127,7 +128,8 @@ def cut(
         )
         return shards, False
     except ValueError as e:
-        raise ValueError(
+        # A refused trace stays a CutError: the master may take the eager path instead.
+        raise (CutError if isinstance(e, CutError) else ValueError)(
             f"spec.model {models.name(spec.model)} with {spec.stages} stages: {e}"
         ) from None
 

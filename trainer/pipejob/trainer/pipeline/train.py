@@ -4,15 +4,19 @@ the trained model written out (trained_model.py) and the run's summary (summary.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.core.kinds.pipeline import PIPELINING, RPC, PipelineSpec
+from pipejob.core.workload import CUT_EAGER, CUT_TRACED
 from pipejob.trainer.pipeline import engine, trained_model
 from pipejob.trainer.pipeline.driver import Replicas
+from pipejob.trainer.pipeline.eager import run as eager_run
+from pipejob.trainer.pipeline.engine_choice import resolved
 from pipejob.trainer.pipeline.reader import Reader
 from pipejob.trainer.pipeline.run_plan import Plan, plan
 from pipejob.trainer.pipeline.shards import Shards
@@ -32,13 +36,22 @@ from pipejob.trainer.runtime import (
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data, metrics, models
+from pipejob.trainer.workloads.cut import CutError
 from pipejob.trainer.workloads.metrics import Tally
 
 
 def train(env: Env[PipelineSpec]) -> dict[str, Any]:
     """The PipelineJob master's run: the plan, the engine's pipelines, the steps, the model
     written out; the run's summary."""
-    planned = plan(env)
+    spec = env.spec
+    if spec.model.cut == CUT_EAGER:
+        return eager(env, "spec.model.cut: eager")
+    try:
+        planned = plan(env)
+    except CutError as e:
+        if spec.model.cut == CUT_TRACED or spec.engine == PIPELINING:
+            raise
+        return eager(env, f"the trace was refused: {e}")
     env, spec = planned.env, planned.env.spec  # on the engine it runs (engine auto's choice)
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
     pipelines = engine(spec, "driver").Replicas(planned.replicas, planned.shards, spec, device)
@@ -60,6 +73,7 @@ def train(env: Env[PipelineSpec]) -> dict[str, Any]:
         first,
         pipelines.activation_peaks(),
     )
+    summary["path"] = "traced"
     summary["replicaDivergence"] = pipelines.divergence()
     summary["wallSeconds"] = round(time.perf_counter() - started, 3)
     if evaluations:
@@ -67,6 +81,12 @@ def train(env: Env[PipelineSpec]) -> dict[str, Any]:
         summary["evaluations"] = evaluations
     world.log(env, "summary:\n" + render(summary))
     return summary
+
+
+def eager(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
+    """The eager path's run (`why`: what sent the job there), on the rpc engine: with
+    `engine: auto`, its choice for a model whose forward the master runs."""
+    return eager_run.train(dataclasses.replace(env, spec=resolved(env.spec, RPC)), why)
 
 
 # ---------------------------------------------------------------------------- the steps

@@ -1,0 +1,147 @@
+"""What a stage holds on the eager path: the model's modules placed on it, built from the
+job's factory under spec.seed (so every parameter equals one process's build) and kept under
+the model's own names; its optimizer; each step's gradients, summed over the micro-batches'
+distributed autograd contexts in micro-batch order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.pipeline.eager.turns import Turns
+from pipejob.trainer.runtime import checkpoint
+from pipejob.trainer.runtime.optim import Functional, set_lr
+from pipejob.trainer.workloads import models
+
+# How long a call waits for an earlier micro-batch's (turns.py) before the step fails: far
+# longer than a micro-batch's forward, far shorter than the watchdog's bound.
+TURN_SECONDS = 120.0
+
+
+def summed_gradients(contexts: list[int]) -> dict[torch.Tensor, torch.Tensor]:
+    """Each parameter's gradient in this process summed over the distributed autograd
+    `contexts` (one per micro-batch) in their order: the same sum whatever order the
+    backwards ended in."""
+    summed: dict[torch.Tensor, torch.Tensor] = {}
+    for context in contexts:
+        for param, grad in dist_autograd.get_gradients(context).items():
+            if param in summed:
+                summed[param] += grad
+            else:
+                summed[param] = grad.clone()
+    return summed
+
+
+def squared_norm(grads: dict[torch.Tensor, torch.Tensor]) -> float:
+    return float(sum(g.double().square().sum() for g in grads.values()))
+
+
+class Held:
+    """The modules `names` of the job's model, on `device`, with their optimizer."""
+
+    def __init__(self, spec: PipelineSpec, names: list[str], device: str, train: bool = True):
+        self.device = torch.device(device)
+        with torch.random.fork_rng(devices=[]):  # the process's own stream stays as it was
+            model = models.build(spec)
+        self.modules = nn.ModuleDict(
+            {str(k): model.get_submodule(n).to(self.device) for k, n in enumerate(names)}
+        )
+        self.names = names
+        self.by_name = dict(zip(names, self.modules.values(), strict=True))
+        params = {id(p): p for m in self.modules.values() for p in m.parameters()}
+        self.optimizer = Functional(spec.optimizer, params.values()) if train else None
+        self.turns = Turns()
+        self.summed: dict[torch.Tensor, torch.Tensor] = {}
+
+    def call(self, name: str, turn: tuple[int, int, int], args: tuple, kwargs: dict) -> Any:
+        """Module `name` called as the master's glue calls it; `turn` (the micro-batch's
+        number, its step's first, which of its calls of `name`) orders it (turns.py)."""
+        number, first, nth = turn
+        self.turns.wait((name, nth), first, number, TURN_SECONDS)
+        try:
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(self.device), (args, kwargs))
+            with torch.set_grad_enabled(self.modules.training):  # evaluation: no graph
+                out = self.by_name[name](*args, **kwargs)
+        finally:
+            self.turns.made((name, nth), number)
+        return tree_map_only(torch.Tensor, lambda t: t.to("cpu"), out)
+
+    def ended(self, number: int) -> None:
+        self.turns.ended(number)
+
+    def sum_gradients(self, contexts: list[int]) -> float:
+        """Each parameter's gradient summed over the micro-batches' contexts in their order
+        (the same sum on every run); its squared L2 norm, for clipping."""
+        self.summed = summed_gradients(contexts)
+        return squared_norm(self.summed)
+
+    def step(self, coefficient: float, lr: float) -> None:
+        """Step the optimizer with the summed gradients times the clipping `coefficient`."""
+        assert self.optimizer is not None, "this stage holds its modules for evaluation only"
+        if coefficient != 1.0:
+            for grad in self.summed.values():
+                grad.mul_(coefficient)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step(self.summed)
+        self.summed = {}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The modules' state under the model's own names, on the CPU."""
+        return {
+            f"{name}.{key}": value.detach().cpu()
+            for name, module in self.by_name.items()
+            for key, value in module.state_dict().items()
+        }
+
+    def gradient_state(self) -> dict[str, torch.Tensor]:
+        """The summed gradients of the step not yet applied, by the model's names (tests)."""
+        return {
+            f"{name}.{key}": self.summed[p].cpu()
+            for name, module in self.by_name.items()
+            for key, p in module.named_parameters()
+            if p in self.summed
+        }
+
+    def set_training(self, training: bool) -> None:
+        self.modules.train(training)
+
+    def save(self, directory: str, name: str) -> dict[str, Any]:
+        """Checkpoint the modules and the optimizer's state (under the model's names)."""
+        assert self.optimizer is not None
+        return checkpoint.save_module(directory, name, self._named(), {"optimizer": self.optimizer})
+
+    def load(self, directory: str, entries: list[dict[str, Any]]) -> None:
+        load(self, directory, entries)
+
+    def state_names(self) -> list[str]:
+        return list(self._named().state_dict())
+
+    def _named(self) -> nn.Module:
+        return _Named(self.by_name)
+
+
+class _Named(nn.Module):
+    """The held modules under the model's own names (dotted names as nested modules)."""
+
+    def __init__(self, by_name: dict[str, nn.Module]):
+        super().__init__()
+        for name, module in by_name.items():
+            parent: nn.Module = self
+            *path, last = name.split(".")
+            for part in path:
+                if part not in parent._modules:
+                    parent._modules[part] = nn.Module()
+                parent = parent._modules[part]  # type: ignore[assignment]
+            parent._modules[last] = module
+
+
+def load(held: Held, directory: str, entries: list[dict[str, Any]]) -> None:
+    """`held`'s modules and optimizer state by the model's names from the checkpoint files
+    `entries` (written by any path and any cut: runtime/checkpoint.py load_named)."""
+    assert held.optimizer is not None
+    checkpoint.load_named(directory, entries, held._named(), {"optimizer": held.optimizer})

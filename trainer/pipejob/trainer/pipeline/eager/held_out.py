@@ -1,0 +1,66 @@
+"""Held-out evaluation on the eager path: the model's own forward in eval mode without
+autograd, the stages' modules too (BatchNorm's statistics used, not updated; no dropout),
+one batch at a time, tallied as the traced path tallies (workloads/metrics.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer import workloads
+from pipejob.trainer.pipeline.eager import remote
+from pipejob.trainer.pipeline.eager.driver import Stages
+from pipejob.trainer.runtime import monitor, world
+from pipejob.trainer.runtime.world import Env
+from pipejob.trainer.workloads import data, metrics
+from pipejob.trainer.workloads.metrics import Tally
+
+
+def due(spec: PipelineSpec, step: int) -> bool:
+    """Whether to evaluate after `step` (1-based): every eval.everySteps, and after the last."""
+    if spec.eval is None:
+        return False
+    every = spec.eval.every_steps
+    return step == spec.steps or (every > 0 and step % every == 0)
+
+
+def evaluate(
+    env: Env[PipelineSpec],
+    held: data.HeldOut,
+    model: nn.Module,
+    stages: Stages,
+    loss: workloads.Loss,
+    step: int,
+) -> dict[str, Any]:
+    """The held-out figures after `step`, logged and on the progress board."""
+    spec = env.spec
+    assert spec.eval is not None
+    start = time.perf_counter()
+    tally = Tally(data.task(spec))
+    stages.on_each(remote.set_training, False)
+    model.eval()
+    try:
+        with torch.no_grad():
+            for inputs, labels in held.batches(spec.eval.batches):
+                tally.add(model(inputs), labels, loss)
+    finally:
+        model.train()
+        stages.on_each(remote.set_training, True)
+    figures = {"step": step, **tally.result()}
+    metric = "".join(f", {m}" for m in [metrics.describe(figures)] if m)
+    world.log(
+        env,
+        f"eval step {step}: loss {figures['loss']:.4f}{metric} on"
+        f" {figures['samples']} held-out samples ({time.perf_counter() - start:.1f}s)",
+    )
+    monitor.board().evaluated(
+        step,
+        figures["loss"],
+        accuracy=figures.get("accuracy"),
+        perplexity=figures.get("perplexity"),
+    )
+    return figures

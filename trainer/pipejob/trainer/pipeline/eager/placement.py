@@ -1,0 +1,196 @@
+"""Which of the model's submodules live on which stage on the eager path: the modules the
+forward calls (outermost first, the costliest opened into its children while there are fewer
+than two per stage), in the order they first run, split among the stages by their measured
+forward cost with the balanced cut's min-max split (pipeline/balance.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pipejob.trainer.pipeline.balance import min_max_partition
+
+# Units wanted per stage before the costliest is opened no further (as the traced cut's
+# CANDIDATES_PER_STAGE): enough for the min-max split to balance.
+UNITS_PER_STAGE = 2
+# How often the forward is run to find the units (each run may open one module).
+MAX_OPENINGS = 64
+
+
+@dataclass
+class Placement:
+    """Per stage, the names of the modules it holds, in the order the forward first calls
+    them; each module's measured forward seconds; the modules kept with the master's glue,
+    with why."""
+
+    stages: list[list[str]]
+    costs: dict[str, float]
+    kept: dict[str, str] = field(default_factory=dict)
+
+    def stage_of(self) -> dict[str, int]:
+        return {name: i for i, names in enumerate(self.stages) for name in names}
+
+    def remote(self) -> list[str]:
+        return [name for names in self.stages for name in names]
+
+
+def record_calls(
+    model: nn.Module, run: Callable[[], object], names: list[str], called: set[str] | None = None
+) -> list[tuple[str, float]]:
+    """Each call that `run()` makes of the modules `names` (the model's own names) outside a
+    call of another of them, in order, with its seconds; `called` gets every name called,
+    inside another's call too."""
+    active: list[tuple[str, float]] = []
+    calls: list[tuple[str, float]] = []
+    called = set() if called is None else called
+    handles = []
+
+    def before(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: object) -> None:
+            called.add(name)
+            active.append((name, time.perf_counter()))
+
+        return hook
+
+    def after(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: object, output: object) -> None:
+            own, start = active.pop()
+            if not active:  # a call inside another unit's runs where that unit does
+                calls.append((own, time.perf_counter() - start))
+
+        return hook
+
+    for name in names:
+        module = model.get_submodule(name)
+        handles.append(module.register_forward_pre_hook(before(name)))
+        handles.append(module.register_forward_hook(after(name)))
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def children(model: nn.Module, opened: set[str]) -> list[str]:
+    """The units: the children of the opened modules that are not opened themselves, in the
+    module tree's order."""
+    units, seen = [], {id(model.get_submodule(n)) for n in opened}
+    for name, module in model.named_modules():
+        if name in opened:
+            for c, child in module.named_children():
+                # A module under two names (DynUNet's skip layers hold its blocks) is one unit.
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    units.append(f"{name}.{c}" if name else c)
+    return units
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def measured_units(
+    model: nn.Module, run: Callable[[], object], stages: int
+) -> tuple[list[str], dict[str, float]]:
+    """The units the forward calls that hold parameters, in the order they first run, and
+    their forward seconds (every call added); the costliest opened while there are fewer than
+    UNITS_PER_STAGE per stage and it has children that hold parameters."""
+    opened = {""}
+    for _ in range(MAX_OPENINGS):
+        costs: dict[str, float] = {}
+        candidates = children(model, opened)
+        called: set[str] = set()
+        for name, seconds in record_calls(model, run, candidates, called):
+            costs[name] = costs.get(name, 0.0) + seconds
+        # A container the forward never calls (a ModuleList) opens into the items it calls.
+        containers = {
+            u
+            for u in candidates
+            if u not in called
+            and any(_holds_parameters(c) for c in model.get_submodule(u).children())
+        }
+        if containers:
+            opened |= containers
+            continue
+        units = [u for u in costs if _holds_parameters(model.get_submodule(u))]
+        openable = [
+            u for u in units if any(_holds_parameters(c) for c in model.get_submodule(u).children())
+        ]
+        if len(units) >= UNITS_PER_STAGE * stages or not openable:
+            return units, {u: costs[u] for u in units}
+        opened.add(max(openable, key=lambda u: costs[u]))
+    return units, {u: costs[u] for u in units}
+
+
+def place(
+    model: nn.Module, run: Callable[[], object], stages: int, keep: dict[str, str] | None = None
+) -> Placement:
+    """The placement of the model's costly modules on `stages` stages (`run()`: one forward
+    of a micro-batch), but the modules `keep` (with why). A module sharing a parameter with
+    the glue stays with the glue; two sharing one live on the first one's stage (a parameter
+    lives in one place)."""
+    units, costs = measured_units(model, run, stages)
+    kept = dict(keep or {})
+    units = [u for u in units if u not in kept]
+    kept |= shared_with_glue(model, units)
+    units = [u for u in units if u not in kept]
+    if len(units) < stages:
+        raise ValueError(
+            f"the forward calls {len(units)} module(s) with parameters of their own"
+            f" ({', '.join(units) or 'none'}): too few for {stages} stages"
+        )
+    ranges = min_max_partition([costs[u] for u in units], stages)
+    stage = {u: i for i, r in enumerate(ranges) for u in (units[k] for k in r)}
+    owner: dict[int, int] = {}  # a parameter's id -> the stage of the first unit using it
+    for u in units:
+        ids = [id(p) for p in model.get_submodule(u).parameters()]
+        first = [owner[i] for i in ids if i in owner]
+        if first:
+            stage[u] = first[0]
+        for i in ids:
+            owner.setdefault(i, stage[u])
+    placed = [[u for u in units if stage[u] == i] for i in range(stages)]
+    return Placement(placed, {u: costs[u] for u in units}, kept)
+
+
+def shared_with_glue(model: nn.Module, units: list[str]) -> dict[str, str]:
+    """The units sharing a parameter with what stays on the master (its own parameters, and
+    modules that are no unit), with why."""
+    inside = {id(p) for u in units for p in model.get_submodule(u).parameters()}
+    # By the modules themselves, not their names: a module may be named twice.
+    unit_modules = {id(m) for u in units for m in model.get_submodule(u).modules()}
+    glue = set()
+    for module in model.modules():
+        if id(module) not in unit_modules:
+            glue |= {id(p) for p in module.parameters(recurse=False)}
+    glue &= inside
+    return {
+        u: "shares a parameter with the master's glue"
+        for u in units
+        if any(id(p) in glue for p in model.get_submodule(u).parameters())
+    }
+
+
+def describe(placement: Placement) -> list[str]:
+    """One line per stage: its modules and its share of the measured cost."""
+    total = sum(placement.costs.values()) or 1.0
+    return [
+        f"stage {i}: {', '.join(names)} ({sum(placement.costs[n] for n in names) / total:.0%}"
+        " of measured cost)"
+        for i, names in enumerate(placement.stages)
+    ]
+
+
+def no_grad_run(model: nn.Module, inputs: object) -> Callable[[], object]:
+    """One forward of `inputs` without autograd, as the placement measures it."""
+
+    def run() -> object:
+        with torch.no_grad():
+            return model(inputs)
+
+    return run

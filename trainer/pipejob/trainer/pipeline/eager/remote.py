@@ -1,0 +1,96 @@
+"""The master's side of a module that lives on a stage on the eager path: a stand-in in the
+model's tree that sends each call (its positional and keyword arguments, whatever they hold)
+to the stage over RPC, inside the calling micro-batch's distributed autograd context, and the
+calls the master makes of a stage's `Held`."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from pipejob.trainer.pipeline.eager.held import Held
+
+# The micro-batch the calling thread computes: its number (across steps), its step's first,
+# and how often it has called each module so far.
+_local = threading.local()
+
+
+def begin(number: int, first: int) -> None:
+    """The calling thread computes micro-batch `number` of the step beginning at `first`."""
+    _local.turn = number, first
+    _local.calls = {}
+
+
+def _turn(name: str) -> tuple[int, int, int]:
+    number, first = getattr(_local, "turn", (0, 0))
+    calls = getattr(_local, "calls", None)
+    if calls is None:  # a forward outside a step (evaluation): one micro-batch at a time
+        calls = _local.calls = {}
+    nth = calls.get(name, 0)
+    calls[name] = nth + 1
+    return number, first, nth
+
+
+class OnStage(nn.Module):
+    """Module `name` of the model, held by the stage `held` on worker `worker`."""
+
+    def __init__(self, name: str, worker: str, held: rpc.RRef):
+        super().__init__()
+        self.module_name, self.worker, self.held = name, worker, held
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        turn = _turn(self.module_name)
+        return rpc.rpc_sync(
+            self.worker, _call, args=(self.held, self.module_name, turn, args, kwargs)
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.module_name} on {self.worker}"
+
+
+def _call(held: rpc.RRef, name: str, turn: tuple[int, int, int], args: tuple, kwargs: dict) -> Any:
+    return held.local_value().call(name, turn, args, kwargs)
+
+
+def ended(held: rpc.RRef, number: int) -> None:
+    held.local_value().ended(number)
+
+
+def sum_gradients(held: rpc.RRef, contexts: list[int]) -> float:
+    return held.local_value().sum_gradients(contexts)
+
+
+def step(held: rpc.RRef, coefficient: float, lr: float) -> None:
+    held.local_value().step(coefficient, lr)
+
+
+def state(held: rpc.RRef) -> dict:
+    return held.local_value().state()
+
+
+def gradient_state(held: rpc.RRef) -> dict:
+    return held.local_value().gradient_state()
+
+
+def save(held: rpc.RRef, directory: str, name: str) -> dict:
+    return held.local_value().save(directory, name)
+
+
+def load(held: rpc.RRef, directory: str, entries: list) -> None:
+    held.local_value().load(directory, entries)
+
+
+def state_names(held: rpc.RRef) -> list[str]:
+    return held.local_value().state_names()
+
+
+def set_training(held: rpc.RRef, training: bool) -> None:
+    held.local_value().set_training(training)
+
+
+def hold(worker: str, *args: Any) -> rpc.RRef:
+    """A `Held` built on `worker` with `args` (its spec, module names, device)."""
+    return rpc.remote(worker, Held, args=args)

@@ -1,0 +1,225 @@
+"""The master's run on the eager path: the model built and its costly modules placed on the
+stages (placement.py, checked in one process: check.py), the steps (driver.py), the trained
+model written out under the model's own names, and the run's summary, which says which path
+the job took and why."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torch import nn
+
+from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec
+from pipejob.trainer import workloads
+from pipejob.trainer.pipeline import trained_model
+from pipejob.trainer.pipeline.eager import driver, held_out, remote, saved
+from pipejob.trainer.pipeline.eager.check import check
+from pipejob.trainer.pipeline.eager.placement import Placement, describe, no_grad_run, place
+from pipejob.trainer.pipeline.step_records import StepResult
+from pipejob.trainer.pipeline.summary import curve_figures, rate_figures
+from pipejob.trainer.runtime import checkpoint, monitor, roles, world
+from pipejob.trainer.runtime.optim import Functional, learning_rate
+from pipejob.trainer.runtime.world import Env
+from pipejob.trainer.workloads import data, models
+
+
+def refusal(spec: PipelineSpec) -> str | None:
+    """Why this job cannot take the eager path, if it cannot (said before anything runs)."""
+    if spec.engine == PIPELINING:
+        return "the eager path runs on the rpc engine only: set spec.engine: rpc"
+    if spec.replicas.max > 1:
+        return "the eager path runs one pipeline: set spec.replicas to 1"
+    if spec.model.staged is not None:
+        return "spec.model.staged replaces the model's forward, which the eager path runs"
+    # Parts of the recipe the eager path does not carry yet: refused, never ignored.
+    for field, value, plain in (
+        ("gradientAccumulation", spec.gradient_accumulation, 1),
+        ("precision", spec.precision, "fp32"),
+        ("activationCheckpointing", spec.activation_checkpointing, False),
+        ("skipNonFiniteSteps", spec.skip_non_finite_steps, 0),
+    ):
+        if value != plain:
+            return f"the eager path does not carry spec.{field} yet: leave it out"
+    if spec.profile is not None:
+        return "the eager path does not profile yet: leave spec.profile out"
+    return None
+
+
+def micro_batches(spec: PipelineSpec) -> int:
+    """The job's count, or with `auto` the most up to twice the stages that divides the batch."""
+    if spec.micro_batches != AUTO:
+        return int(spec.micro_batches)
+    return max(m for m in range(1, 2 * spec.stages + 1) if spec.batch_size % m == 0)
+
+
+def placed(env: Env[PipelineSpec], model: nn.Module, m: int) -> Placement:
+    """The placement of the model's modules on the stages, measured on one micro-batch of
+    the data and checked in one process (check.py)."""
+    spec = env.spec
+    with data.Feed(spec) as feed:
+        world.log(env, f"data: {feed.description}")
+        size = max(1, spec.batch_size // m)
+        inputs, _ = feed.sample(2 * size)
+    first, second = driver.split(inputs, 2)
+    run = no_grad_run(model, first)
+    run()  # warm-up: the first call of a kernel costs more than the next
+    other = no_grad_run(model, second)
+    placement = check(model, run, lambda kept: place(model, run, spec.stages, kept), other)
+    for line in describe(placement):
+        world.log(env, line)
+    for name, why in placement.kept.items():
+        world.log(env, f"kept with the master's glue: {name} ({why})")
+    return placement
+
+
+def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -> driver.Stages:
+    """Each stage builds its modules; on the master they are replaced by stand-ins that call
+    them there (the master keeps only the glue's parameters)."""
+    spec = env.spec
+    workers = env.names("stage")[: spec.stages]
+    device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
+    held = [
+        remote.hold(w, spec, names, device)
+        for w, names in zip(workers, placement.stages, strict=True)
+    ]
+    for worker, rref, names in zip(workers, held, placement.stages, strict=True):
+        for name in names:
+            parent, _, child = name.rpartition(".")
+            model.get_submodule(parent)._modules[child] = remote.OnStage(name, worker, rref)
+    return driver.Stages(workers, held)
+
+
+def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
+    """The master's run on the eager path (`why`: how the job came to take it)."""
+    spec = env.spec
+    world.log(env, f"path: eager ({why})")
+    refused = refusal(spec)
+    if refused is not None:
+        raise ValueError(f"spec.model: {why}, and {refused}")
+    m = micro_batches(spec)
+    model = models.build(spec)
+    model.train()
+    placement = placed(env, model, m)
+    stages = distribute(env, model, placement)
+    params = [p for p in model.parameters() if p.requires_grad]
+    glue = Functional(spec.optimizer, params) if params else None
+    started = time.perf_counter()
+    with data.Feed(spec) as feed:
+        found = checkpoint.latest_for(env)
+        first = 0 if found is None else saved.resume(env, found, model, glue, stages, feed)
+        results, evaluations = steps(env, model, glue, stages, feed, m, first, placement)
+    if spec.output is not None:
+        write_output(env, model, stages, evaluations[-1] if evaluations else None)
+    if not results:
+        return roles.nothing_left(env, first)
+    held = sum(p.numel() for p in model.parameters())  # the stand-ins hold none
+    summary = summarize(env, why, placement, m, results, first, held)
+    summary["wallSeconds"] = round(time.perf_counter() - started, 3)
+    if evaluations:
+        summary["evaluation"] = evaluations[-1]
+        summary["evaluations"] = evaluations
+    world.log(env, "summary:\n" + render(summary))
+    return summary
+
+
+def steps(
+    env: Env[PipelineSpec],
+    model: nn.Module,
+    glue: Functional | None,
+    stages: driver.Stages,
+    feed: data.Feed,
+    m: int,
+    first: int,
+    placement: Placement,
+) -> tuple[list[StepResult], list[dict[str, Any]]]:
+    """Steps first + 1 .. spec.steps, each logged, checkpointed and evaluated when due."""
+    spec = env.spec
+    loss = workloads.loss(spec)
+    held = data.held_out(spec) if spec.eval is not None else None
+    if spec.eval is not None and held is None:
+        world.log(env, "evaluation: the data has no held-out set; nothing to evaluate")
+    monitor.board().phase("training")
+    results: list[StepResult] = []
+    evaluations: list[dict[str, Any]] = []
+    clip = spec.optimizer.clip_grad_norm
+    for number in range(first, spec.steps):
+        lr = learning_rate(spec.optimizer, spec.steps, number)
+        done = driver.step(model, glue, stages, feed.batch(), m, number, loss, clip, lr)
+        results.append(StepResult(done.loss, done.seconds, 0.0, lr=lr, grad_norm=done.grad_norm))
+        monitor.board().step(number + 1, done.loss, done.seconds, spec.batch_size)
+        if (number + 1) % spec.log_every == 0 or number + 1 == spec.steps:
+            world.log(
+                env,
+                f"step {number + 1}/{spec.steps}  loss {done.loss:.4f}"
+                f"  {spec.batch_size / done.seconds:.1f} samples/s  lr {lr:.3g}"
+                f"  grad norm {done.grad_norm:.4g}",
+            )
+        if checkpoint.due(spec, number + 1):
+            saved.save(env, number + 1, model, glue, stages, feed, placement.stages)
+        if held is not None and held_out.due(spec, number + 1):
+            evaluations.append(held_out.evaluate(env, held, model, stages, loss, number + 1))
+    if held is not None:
+        held.close()
+    return results, evaluations
+
+
+def write_output(
+    env: Env[PipelineSpec],
+    model: nn.Module,
+    stages: driver.Stages,
+    evaluation: dict[str, Any] | None,
+) -> None:
+    """The trained model as one file under the model's own names: the glue's state (the
+    master's) and every stage's."""
+    spec = env.spec
+    assert spec.output is not None
+    about = trained_model.info(env.kind, env.job, spec, spec.steps, evaluation)
+    glue = {k: v for k, v in model.state_dict().items()}
+    paths = trained_model.write(
+        spec.output.path, spec.output.format, stages.on_each(remote.state), glue, about
+    )
+    world.log(env, f"model written: {', '.join(str(p) for p in paths)}")
+
+
+def summarize(
+    env: Env[PipelineSpec],
+    why: str,
+    placement: Placement,
+    m: int,
+    results: list[StepResult],
+    first: int,
+    glue_parameters: int,
+) -> dict[str, Any]:
+    spec = env.spec
+    measured = results[1:] or results
+    return roles.summary(
+        env,
+        len(results),
+        first,
+        path="eager",
+        pathReason=why,
+        model=models.name(spec.model),
+        stages=spec.stages,
+        engine=spec.engine,
+        microBatches=m,
+        batchSize=spec.batch_size,
+        glueParameters=glue_parameters,  # what the master holds of the model
+        placement=placement.stages,
+        keptWithGlue=placement.kept,
+        **curve_figures(results),
+        **rate_figures(spec, measured),
+    )
+
+
+def render(s: dict[str, Any]) -> str:
+    lines = [
+        f"  {s['model']}: eager path ({s['pathReason']}), {s['stages']} stages,"
+        f" {s['microBatches']} micro-batches of {s['batchSize'] // s['microBatches']},"
+        f" {s['steps']} steps",
+        f"  final loss {s['finalLoss']:.4f}; {s['samplesPerSecond']:.1f} samples/s,"
+        f" {s['secondsPerStep']:.3f} s/step",
+    ]
+    lines += [f"  stage {i}: {', '.join(names)}" for i, names in enumerate(s["placement"])]
+    lines += [f"  kept with the glue: {n} ({why})" for n, why in s["keptWithGlue"].items()]
+    return "\n".join(lines)

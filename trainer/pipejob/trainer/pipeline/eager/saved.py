@@ -1,0 +1,94 @@
+"""Checkpoints on the eager path: each stage saves its modules and its optimizer's state
+under the model's own names (`stage<i>.pt`), the master the glue's with its RNG and the
+data's position (`master.pt`), indexed by name in the manifest as the traced path's are; a
+run resumes from any checkpoint of the model, whichever path and cut wrote it, each process
+loading its own names from whichever files hold them."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.pipeline import trained_model
+from pipejob.trainer.pipeline.eager import remote
+from pipejob.trainer.pipeline.eager.driver import Stages
+from pipejob.trainer.runtime import checkpoint, monitor, roles, world
+from pipejob.trainer.runtime.optim import Functional
+from pipejob.trainer.runtime.world import Env
+from pipejob.trainer.workloads import data, models
+
+
+def _optimizers(glue: Functional | None) -> dict[str, Functional]:
+    return {} if glue is None else {"optimizer": glue}
+
+
+def save(
+    env: Env[PipelineSpec],
+    step: int,
+    model: nn.Module,
+    glue: Functional | None,
+    stages: Stages,
+    feed: data.Feed,
+    placement: list[list[str]],
+) -> None:
+    """The checkpoint after `step` (1-based)."""
+    spec = env.spec
+    assert spec.checkpoint is not None
+    root = spec.checkpoint.path
+    directory = str(checkpoint.step_dir(root, step))
+    start = time.perf_counter()
+    saving = [
+        stages.call_async(i, remote.save, directory, f"stage{i}.pt")
+        for i in range(len(stages.workers))
+    ]
+    own = checkpoint.save_module(
+        directory, "master.pt", model, _optimizers(glue), data=feed.state()
+    )
+    files = [own, *torch.futures.wait_all(saving)]
+    checkpoint.write_manifest(
+        root,
+        step,
+        files,
+        kind=env.kind,
+        job=env.job,
+        model=models.as_spec(spec.model),
+        stageCount=len(stages.workers),
+        engine=spec.engine,
+        path="eager",
+        placement=placement,
+        info=trained_model.info(env.kind, env.job, spec, step, None),
+    )
+    checkpoint.prune(root)
+    roles.checkpoint_written(env, step, files, time.perf_counter() - start, directory)
+
+
+def resume(
+    env: Env[PipelineSpec],
+    found: checkpoint.Checkpoint,
+    model: nn.Module,
+    glue: Functional | None,
+    stages: Stages,
+    feed: data.Feed,
+) -> int:
+    """Every process's state by name from the checkpoint `found`; the step it was taken
+    after."""
+    checkpoint.fits(found, env, model=models.as_spec(env.spec.model))
+    index = checkpoint.index_of(found)
+    directory = str(found.directory)
+    loading = []
+    for i, names in enumerate(stages.on_each(remote.state_names)):
+        loading.append(
+            stages.call_async(i, remote.load, directory, checkpoint.sources(found, index, names))
+        )
+    mine = checkpoint.sources(found, index, list(model.state_dict()))
+    checkpoint.load_named(directory, mine, model, _optimizers(glue))
+    own = found.load("master.pt")
+    checkpoint.set_rng_state(own["rng"])
+    feed.load_state(own["data"])
+    torch.futures.wait_all(loading)
+    world.log(env, f"resumed from step {found.step} ({found.directory})")
+    monitor.board().resumed(found.step)
+    return found.step

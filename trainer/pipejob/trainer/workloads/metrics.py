@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pipejob.trainer.runtime import nonfinite
 
 CLASSIFICATION, LANGUAGE = "classification", "language"
+IGNORE_INDEX = -100  # cross-entropy's default ignore_index: a label the loss does not count
 
 
 def logits(outputs: Any) -> torch.Tensor | None:
@@ -66,21 +67,26 @@ class Tally:
         self.samples = 0
         self._told: str | None = None
 
-    def add(self, outputs: Any, labels: torch.Tensor, loss: Any) -> None:
-        told = task_of(outputs, labels)
+    def add(self, outputs: Any, labels: Any, loss: Any) -> None:
+        told = task_of(outputs, labels) if isinstance(labels, torch.Tensor) else None
         if self._told is None and told is not None:
             self._told = self.task = told
-        n = labels.numel() if self.task == LANGUAGE else len(labels)
+        counted = _counted(labels)
+        per_label = counted is not None and (self.task == LANGUAGE or counted.dim() == 1)
+        n = int(counted.sum()) if per_label else _samples(labels)  # type: ignore[union-attr]
+        if not n:  # every label ignored: no loss to weigh (cross-entropy's is NaN)
+            self.samples += _samples(labels)
+            return
         value = float(loss(outputs, labels))
         nonfinite.check_outputs(outputs, value, f"the held-out batch after {self.samples} samples")
+        self.samples += _samples(labels)
         self.loss += value * n
         self.count += n
-        self.samples += len(labels)
         if told is not None:
             scores = logits(outputs)
-            assert scores is not None
-            self.correct += int((scores.argmax(-1) == labels).sum())
-            self.scored += labels.numel()
+            assert scores is not None and counted is not None
+            self.correct += int(((scores.argmax(-1) == labels) & counted).sum())
+            self.scored += int(counted.sum())
 
     def result(self) -> dict[str, Any]:
         """loss, accuracy where predictions could be compared, perplexity (language),
@@ -92,6 +98,21 @@ class Tally:
         if self.task == LANGUAGE:
             figures["perplexity"] = round(math.exp(min(mean, 700.0)), 4)
         return figures
+
+
+def _counted(labels: Any) -> torch.Tensor | None:
+    """Which labels the loss counts (those not `IGNORE_INDEX`), for integer labels; None
+    for labels that are not class indices (floats, a dict)."""
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dim() == 0:
+        return None
+    return labels != IGNORE_INDEX
+
+
+def _samples(labels: Any) -> int:
+    """The batch's samples: the first dimension of the labels (or of a dict's first)."""
+    if isinstance(labels, dict):
+        labels = next(iter(labels.values()), None)
+    return len(labels) if isinstance(labels, torch.Tensor) and labels.dim() else 1
 
 
 def describe(figures: dict[str, Any]) -> str:

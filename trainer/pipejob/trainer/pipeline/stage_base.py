@@ -26,6 +26,7 @@ from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.runtime import checkpoint, model_files, tuning
 from pipejob.trainer.runtime.optim import Functional, set_lr
 from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS
+from pipejob.trainer.workloads import batch_values
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 MOST_STEPS_A_CALL = 32  # in one call of the pipelining engine (its Stage.train)
@@ -201,7 +202,7 @@ class Shard:
 
     def labels(self, round: int) -> torch.Tensor:
         """Round `round`'s labels on this stage's device (`ask_labels`)."""
-        return self.ask_labels(round).wait().to(self.device)
+        return batch_values.to(self.ask_labels(round).wait(), self.device)
 
     def ask_labels(self, round: int) -> Future[torch.Tensor]:
         """The future of round `round`'s labels, from the first stage's reader, which waits

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pipejob.trainer.runtime import nonfinite
+from pipejob.trainer.workloads import batch_values
 
 CLASSIFICATION, LANGUAGE = "classification", "language"
 IGNORE_INDEX = -100  # cross-entropy's default ignore_index: a label the loss does not count
@@ -73,13 +74,13 @@ class Tally:
             self._told = self.task = told
         counted = _counted(labels)
         per_label = counted is not None and (self.task == LANGUAGE or counted.dim() == 1)
-        n = int(counted.sum()) if per_label else _samples(labels)  # type: ignore[union-attr]
+        n = int(counted.sum()) if per_label else batch_values.samples(labels)  # type: ignore[union-attr]
         if not n:  # every label ignored: no loss to weigh (cross-entropy's is NaN)
-            self.samples += _samples(labels)
+            self.samples += batch_values.samples(labels)
             return
         value = float(loss(outputs, labels))
         nonfinite.check_outputs(outputs, value, f"the held-out batch after {self.samples} samples")
-        self.samples += _samples(labels)
+        self.samples += batch_values.samples(labels)
         self.loss += value * n
         self.count += n
         if told is not None:
@@ -106,13 +107,6 @@ def _counted(labels: Any) -> torch.Tensor | None:
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dim() == 0:
         return None
     return labels != IGNORE_INDEX
-
-
-def _samples(labels: Any) -> int:
-    """The batch's samples: the first dimension of the labels (or of a dict's first)."""
-    if isinstance(labels, dict):
-        labels = next(iter(labels.values()), None)
-    return len(labels) if isinstance(labels, torch.Tensor) and labels.dim() else 1
 
 
 def describe(figures: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ from pipejob.trainer.pipeline.stage_calls import StageRef, remote_stage
 from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, only, step_seconds
 from pipejob.trainer.runtime import nonfinite, rendezvous
-from pipejob.trainer.workloads import Loss
+from pipejob.trainer.workloads import Loss, batch_values
 from pipejob.trainer.workloads.cut import join, tensors
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -218,7 +218,7 @@ class Stage(Shard):
             self._outputs = {k: v for k, v in self._outputs.items() if k[0] > round}
             labels = self._labels.pop(round)
             self._labels = {r: f for r, f in self._labels.items() if r > round}
-        return join(outputs), labels.wait().to(self.device)
+        return join(outputs), batch_values.to(labels.wait(), self.device)
 
     def loss_backward(
         self,

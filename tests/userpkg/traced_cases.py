@@ -60,3 +60,15 @@ def dict_data(split: str, size: int = 256) -> DictData:
 
 def dict_inputs() -> nn.Module:
     return DictInputs()
+
+
+def gpt_loss() -> object:
+    """spec.loss.import for a `(logits, loss)` GPT called without targets: cross-entropy of
+    the positions it gives logits for (nanoGPT and llm.c: the last; minGPT: every one)."""
+
+    def loss(outputs: tuple, labels: torch.Tensor) -> torch.Tensor:
+        logits, _ = outputs
+        labels = labels[:, -logits.size(1) :]
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    return loss

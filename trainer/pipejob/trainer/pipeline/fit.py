@@ -13,7 +13,7 @@ from torch import nn
 
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.balance import shape
-from pipejob.trainer.workloads import batch_values, cut
+from pipejob.trainer.workloads import batch_values, metrics
 from pipejob.trainer.workloads.model_guards import unchanged
 from pipejob.trainer.workloads.refusals import construct
 from pipejob.trainer.workloads.standins import META
@@ -51,8 +51,10 @@ def fits_model(model: nn.Module, inputs: Any, labels: Any, loss: workloads.Loss)
         model.train(training)
     try:
         loss(outputs, batch_values.to(labels, META))
+    except metrics.NeedsLoss as e:  # no shape can make the default loss take this output
+        raise ValueError(f"spec.loss: the model returns {shape(outputs)}: {e}") from None
     except Exception as e:
-        got = ", ".join(shape(t) for t in cut.tensors(outputs))  # a dict's, a ModelOutput's
+        got = ", ".join(shape(t) for t in batch_values.tensors(outputs))  # a ModelOutput's too
         return _unchecked_or_refused(
             e,
             f"whether the model's output {got} fits the labels",

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.workloads import batch_values, cut, data
+from pipejob.trainer.workloads import batch_values, data
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 TRAIN, HELD_OUT = "train", "held-out"
@@ -87,7 +87,7 @@ class Reader:
         it is reused."""
         with self._lock:
             x = self._inputs.pop((round, micro_batch))
-        for t in cut.tensors(x):
+        for t in batch_values.tensors(x):
             if t.is_cuda:
                 t.record_stream(torch.cuda.current_stream(t.device))
         return x

@@ -1,6 +1,8 @@
-"""A batch's inputs or labels as the data gives them: a tensor, or a dict, tuple or list of
-tensors (an audio seq2seq model's {input_features, decoder_input_ids}, a label dict), taken
-apart by samples along each tensor's first dimension as one process's batch would be."""
+"""A batch's inputs, labels or outputs as the data and the model give them: a tensor, or a
+dict, tuple or list of tensors (an audio seq2seq model's {input_features,
+decoder_input_ids}, a label dict, a (logits, sparsity loss) output), taken apart by samples
+along each tensor's first dimension as one process's batch would be, and what a value
+beside the batch (a 0-dim loss, None) is over the micro-batches (`beside`)."""
 
 from __future__ import annotations
 
@@ -8,13 +10,25 @@ from typing import Any
 
 import torch
 
-from pipejob.trainer.workloads.cut import tensors
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a value a stage passes on or a model returns: a tensor, or a tuple,
+    list or dict (a ModelOutput too) holding them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for v in value for t in tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors(v)]
+    return []
 
 
-def samples(value: Any) -> int:
-    """The batch's samples: the first dimension of its first tensor (1 for none)."""
+def samples(value: Any, dim_only: bool = False) -> int:
+    """The batch's samples: the first dimension of its first tensor (1 for none); with
+    `dim_only`, of its first tensor that has one (an output may hold a 0-dim loss first)."""
     for t in tensors(value):
-        return len(t) if t.dim() else 1
+        if t.dim() or not dim_only:
+            return len(t) if t.dim() else 1
     return 1
 
 
@@ -49,6 +63,32 @@ def to(value: Any, device: torch.device | str) -> Any:
 def pinned(value: Any) -> Any:
     """Every tensor in `value` in page-locked memory (those that are not yet)."""
     return _each(value, lambda t: t if t.is_pinned() else t.pin_memory())
+
+
+def beside(values: list[Any], sizes: list[int]) -> Any:
+    """A value beside the batch (a 0-dim loss, None, a Python value) over the micro-batches
+    of `sizes` samples: a floating 0-dim tensor is their mean weighted by their samples (one
+    process's value where it is a mean over the batch's samples: a sparsity or auxiliary
+    loss); any other value is itself where every micro-batch computed the same (None, a
+    flag), else the list of the micro-batches' values."""
+    one = values[0]
+    if len(values) == 1:
+        return one
+    if isinstance(one, torch.Tensor) and one.is_floating_point():
+        weights = torch.tensor(sizes, dtype=one.dtype, device=one.device)
+        return (torch.stack(values) * weights).sum() / weights.sum()
+    if all(_same(v, one) for v in values):
+        return one
+    return list(values)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # a value whose == is not a truth value
+        return False
 
 
 def _each(value: Any, fn: Any) -> Any:

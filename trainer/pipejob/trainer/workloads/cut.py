@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from pipejob.trainer.workloads import batch_values
 from pipejob.trainer.workloads.model_guards import unchanged, without_cache
 from pipejob.trainer.workloads.piece import Piece, attach
 from pipejob.trainer.workloads.refusals import construct, kept_whole, way_past
@@ -339,28 +340,25 @@ def ties(stages: list[nn.Module]) -> list[list[tuple[int, str]]]:
     return [h for h in holders.values() if len(h) > 1]
 
 
-def tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a value a stage passes on or a model returns: a tensor, or a tuple,
-    list or dict (a ModelOutput too) holding them."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, tuple | list):
-        return [t for v in value for t in tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in tensors(v)]
-    return []
-
-
 def join(outputs: list[Any]) -> Any:
     """Micro-batches' outputs as the whole batch's: a tensor, or a tuple, named tuple, list
-    or dict (a Hugging Face ModelOutput too) of them."""
+    or dict (a Hugging Face ModelOutput too) of them. Only values with a batch dimension are
+    concatenated; a value beside the batch is carried as the micro-batches computed it
+    (batch_values.beside), never concatenated."""
+    sizes = [batch_values.samples(o, dim_only=True) for o in outputs]
+    return _join(outputs, sizes)
+
+
+def _join(outputs: list[Any], sizes: list[int]) -> Any:
     if isinstance(outputs[0], tuple | list):
-        parts = [join(list(part)) for part in zip(*outputs, strict=True)]
+        parts = [_join(list(part), sizes) for part in zip(*outputs, strict=True)]
         kind = type(outputs[0])
         return kind._make(parts) if hasattr(kind, "_make") else kind(parts)  # type: ignore
     if isinstance(outputs[0], dict):
-        return type(outputs[0])(**{k: join([o[k] for o in outputs]) for k in outputs[0]})
-    return torch.cat(outputs)
+        return type(outputs[0])(**{k: _join([o[k] for o in outputs], sizes) for k in outputs[0]})
+    if isinstance(outputs[0], torch.Tensor) and outputs[0].dim():
+        return torch.cat(outputs)
+    return batch_values.beside(outputs, sizes)
 
 
 def cut_count_error(units: int, stages: int, whole: dict[str, str] | None = None) -> CutError:

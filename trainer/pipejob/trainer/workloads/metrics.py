@@ -29,14 +29,21 @@ def logits(outputs: Any) -> torch.Tensor | None:
     return None
 
 
+class NeedsLoss(TypeError):
+    """The default loss cannot take the model's output (a tuple, None): the job must give
+    spec.loss. The master's fit check refuses the job on it before any stage is built."""
+
+
 def cross_entropy(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
     """The mean over samples, or over tokens when every position has a label (outputs
     (batch, length, vocab), labels (batch, length)); of the logits (see `logits`)."""
     scores = logits(outputs)
     if scores is None:
-        raise TypeError(
+        raise NeedsLoss(
             "the default loss (cross-entropy) needs logits: a tensor or a dict with 'logits',"
-            f" not a {type(outputs).__name__}; give spec.loss"
+            f" not a {type(outputs).__name__}; give spec.loss: {{import: mypkg.losses:build}},"
+            " a factory of a callable (outputs, labels) -> the batch's mean loss, which takes"
+            " this output as the model returns it"
         )
     if scores.dim() > 2:
         return F.cross_entropy(scores.flatten(0, -2), labels.flatten())

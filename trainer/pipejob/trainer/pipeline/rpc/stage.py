@@ -26,7 +26,8 @@ from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, only, step_seconds
 from pipejob.trainer.runtime import nonfinite, rendezvous
 from pipejob.trainer.workloads import Loss, batch_values
-from pipejob.trainer.workloads.cut import join, tensors
+from pipejob.trainer.workloads.batch_values import tensors
+from pipejob.trainer.workloads.cut import join
 from pipejob.trainer.workloads.metrics import Tally
 
 T = TypeVar("T")

@@ -72,3 +72,13 @@ def gpt_loss() -> object:
         return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
     return loss
+
+
+def frozen_tied_lm(width: int = 32) -> nn.Module:
+    """LoRA's habit over a tied embedding: the embedding, which the output layer reuses, is
+    frozen; the blocks train (userpkg.tied's model)."""
+    from userpkg.tied import TiedLM
+
+    model = TiedLM(width)
+    model.embed.weight.requires_grad_(False)
+    return model

@@ -329,12 +329,13 @@ def ties(stages: list[nn.Module]) -> list[list[tuple[int, str]]]:
     """Parameters that several stages hold (tied weights, e.g. input and output embeddings):
     per tensor, each (stage, name) holding it. Each stage trains its own copy once shipped,
     so the pipeline sums their gradients (as Megatron does for tied embeddings) and the
-    copies, equal at the start and stepped alike, stay equal."""
+    copies, equal at the start and stepped alike, stay equal. A frozen one (LoRA over a
+    tied embedding) is no tie: nothing steps its copies, and no stage has its gradient."""
     holders: dict[int, list[tuple[int, str]]] = {}
     for k, stage in enumerate(stages):
         seen: set[int] = set()
         for name, p in stage.named_parameters(remove_duplicate=False):
-            if id(p) not in seen:  # one name per stage: its copy of the tensor
+            if id(p) not in seen and p.requires_grad:  # one name per stage: its copy
                 seen.add(id(p))
                 holders.setdefault(id(p), []).append((k, name))
     return [h for h in holders.values() if len(h) > 1]

@@ -82,3 +82,47 @@ def frozen_tied_lm(width: int = 32) -> nn.Module:
     model = TiedLM(width)
     model.embed.weight.requires_grad_(False)
     return model
+
+
+class UnpacksShape(nn.Module):
+    """A diffusion UNet's habit: a traced shape unpacked with the input's device."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 1)
+        self.b = nn.Conv2d(4, 4, 1)
+        self.c = nn.Conv2d(4, 4, 1)
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        b, c, h, w, device = *img.shape, img.device
+        x = self.a(img)
+        rows = torch.arange(h * w, device=device).float().view(1, 1, h, w) / (c * h * w)
+        x = self.b(x + rows)
+        return self.c(x).reshape(b, -1)
+
+
+class Quantizer(nn.Module):
+    """A VQ layer's output: the quantized value, its commitment loss and its codes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = self.proj(x)
+        return q, (q - x).pow(2).mean(), torch.argmax(q, -1)
+
+
+class UnpacksOutput(nn.Module):
+    """A VQ model's habit: a submodule's tuple output unpacked with a starred name."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(8, 8)
+        self.quantizer = Quantizer()
+        self.dec = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.enc(x)
+        x, *rest = self.quantizer(x)
+        return self.dec(x) + rest[0]

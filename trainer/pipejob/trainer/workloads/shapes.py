@@ -67,6 +67,9 @@ class ShapedProxy(fx.Proxy):
             same = self.tracer.same(self.node, lambda v: getattr(v, k))
             if same is not _UNKNOWN:
                 return same
+            # A shape that follows the batch is itself a ShapedProxy (fx's would be an
+            # Attribute, which answers no len()): `*img.shape` unpacks it into its sizes.
+            return self.tracer.create_proxy("call_function", builtins.getattr, (self, k), {})
         return super().__getattr__(k)
 
     def __len__(self) -> int:

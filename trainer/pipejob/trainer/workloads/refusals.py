@@ -4,6 +4,7 @@ given, such as einops), and the way past."""
 
 from __future__ import annotations
 
+import functools
 import sysconfig
 import traceback
 from pathlib import Path
@@ -25,8 +26,16 @@ def _the_models(filename: str) -> bool:
     return installed or not filename.startswith(_STANDARD_LIBRARY)  # not contextlib's
 
 
+@functools.cache
 def _installed(filename: str) -> bool:
-    return "site-packages" in filename or "dist-packages" in filename
+    """Whether a file is an installed library's: under site-packages, or in a package
+    beside a distribution's metadata (`pip install --target DIR`)."""
+    if "site-packages" in filename or "dist-packages" in filename:
+        return True
+    folder = Path(filename).parent
+    while (folder / "__init__.py").exists() and folder.parent != folder:
+        folder = folder.parent  # up to the folder holding the top-level package
+    return folder != Path(filename).parent and any(folder.glob("*.dist-info"))
 
 
 def _nearest(filenames: list[str]) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.functional import interpolate
 
 
 def failing_factory(width: int = 4) -> nn.Module:
@@ -126,3 +127,39 @@ class UnpacksOutput(nn.Module):
         x = self.enc(x)
         x, *rest = self.quantizer(x)
         return self.dec(x) + rest[0]
+
+
+class SkipLayer(nn.Module):
+    """MONAI DynUNet's skip layer: its forward writes a deep-supervision head into a Python
+    list that its model's forward reads."""
+
+    def __init__(self, heads: list, inner: nn.Module | None = None):
+        super().__init__()
+        self.heads = heads
+        self.down = nn.Conv2d(2, 2, 3, padding=1)
+        self.inner = inner if inner is not None else nn.Identity()
+        self.up = nn.Conv2d(2, 2, 3, padding=1)
+        self.super_head = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.up(self.inner(self.down(x)))
+        self.heads[0] = self.super_head(x)
+        return x
+
+
+class DeepSupervision(nn.Module):
+    """DynUNet's forward (MONAI, dynunet.py): in training, the output stacked with the heads
+    its skip layers wrote, each interpolated to the output's size by the function MONAI
+    imports at module level (`from torch.nn.functional import interpolate`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads: list = [torch.rand(1)]
+        self.skip_layers = SkipLayer(self.heads, SkipLayer([torch.rand(1)]))
+        self.output_block = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.output_block(self.skip_layers(x))
+        if self.training:
+            return torch.stack([out, interpolate(self.heads[0], out.shape[2:])], dim=1)
+        return out

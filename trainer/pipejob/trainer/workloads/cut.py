@@ -13,9 +13,9 @@ import torch
 from torch import fx, nn
 
 from pipejob.trainer.workloads import batch_values
-from pipejob.trainer.workloads.model_guards import unchanged, without_cache
+from pipejob.trainer.workloads.model_guards import read_from_python_state, unchanged, without_cache
 from pipejob.trainer.workloads.piece import Piece, attach
-from pipejob.trainer.workloads.refusals import construct, kept_whole, way_past
+from pipejob.trainer.workloads.refusals import construct, kept_whole, reads_python_state, way_past
 from pipejob.trainer.workloads.shapes import ShapedTracer
 from pipejob.trainer.workloads.tracing import Objects, Tracer, materialize_masks, place_parameters
 
@@ -205,6 +205,7 @@ class Traced:
                     model.train(mode)
                     with unchanged(model, flags if shaped else None):
                         graphs.append(tracer.trace(model))
+                    self._python_state(graphs[-1])
                     materialize_masks(graphs[-1])
                     place_parameters(graphs[-1], model)
                 if not flags:
@@ -213,6 +214,7 @@ class Traced:
             except CutError:
                 raise
             except Exception as e:
+                self._python_state(getattr(tracer, "graph", None))  # why it failed, if read
                 where = tracer.failed_in
                 if not where or where in self.whole:
                     kept = "".join(
@@ -225,6 +227,11 @@ class Traced:
                 self.whole[where] = construct(e)
             finally:
                 model.train(training)
+
+    def _python_state(self, graph: fx.Graph | None) -> None:
+        """Refuse a trace that read, as a constant, what a forward writes in Python state."""
+        if graph is not None and (read := read_from_python_state(graph, self.model)):
+            raise CutError(reads_python_state(type(self.model).__name__, read))
 
     def _keep_whole_for(self, flags: dict[nn.Module, str], leaves: set[str]) -> None:
         """A forward that switched a module's setting by the shapes it saw (the trace ran

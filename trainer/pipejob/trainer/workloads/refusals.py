@@ -99,3 +99,13 @@ def way_past(module: str = "") -> str:
 def kept_whole(whole: dict[str, str]) -> str:
     """Why modules were kept whole: `; blocks is kept whole (TraceError: ... at x.py:12: ...)`."""
     return "".join(f"; {name} is kept whole ({why})" for name, why in whole.items())
+
+
+def reads_python_state(model: str, read: str) -> str:
+    """A forward that reads a tensor a module's forward writes into a Python list or dict
+    as it runs (DynUNet's deep-supervision heads), which a trace would fix as a constant."""
+    return (
+        f"cannot cut {model}: its forward reads {read}, a tensor held in a Python list or"
+        " dict, which a module's forward writes as it runs (deep supervision's heads): the"
+        f" trace would fix its value; {way_past()}"
+    )

@@ -163,3 +163,46 @@ class DeepSupervision(nn.Module):
         if self.training:
             return torch.stack([out, interpolate(self.heads[0], out.shape[2:])], dim=1)
         return out
+
+
+class Tagged(torch.Tensor):
+    """MONAI's MetaTensor's habit: a torch.Tensor subclass that carries metadata, and whose
+    every operation's result is one too (torch.Tensor's own __torch_function__)."""
+
+    meta: dict
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, meta: dict | None = None) -> Tagged:
+        tagged = torch.Tensor._make_subclass(cls, data)
+        tagged.meta = dict(meta or {})
+        return tagged
+
+
+class TaggedImages(torch.utils.data.Dataset):
+    """MONAI's ArrayDataset's habit: images as Tagged tensors (with their file's name)."""
+
+    def __init__(self, size: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.images = torch.randn(size, 2, 8, 8, generator=g)
+        self.labels = (self.images.mean((1, 2, 3)) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[Tagged, torch.Tensor]:
+        return Tagged(self.images[i], {"filename": f"image{i}.nii"}), self.labels[i]
+
+
+def tagged_images(split: str, size: int = 64) -> TaggedImages:
+    return TaggedImages(size if split == "train" else size // 4, seed=0 if split == "train" else 1)
+
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 8 * 8, 2),
+    )

@@ -266,6 +266,19 @@ class Shard:
             return torch.zeros_like(self.layers.get_parameter(name), device="cpu")
         return grad.cpu()
 
+    def check_linked(self, received: Any) -> None:
+        """Fail the step at once where a value passed on from the stage before lost its
+        autograd link: no gradient would come back, and that stage would wait for one
+        until the watchdog ended the job."""
+        lost = batch_values.unlinked(received)
+        if lost is not None:
+            raise RuntimeError(
+                f"a {lost} passed on to this stage arrived without its autograd link (torch's"
+                " RPC carries a tensor's link only where it sees the tensor itself), so no"
+                " gradient could go back to the stage before: pass plain tensors or tensor"
+                " subclasses in tuples, lists or dicts, or cut elsewhere (spec.splitPoints)"
+            )
+
     def set_gradient(self, context_id: int, name: str, value: torch.Tensor) -> None:
         """Replace parameter `name`'s gradient this step, where the optimizer reads it."""
         grad = self.gradients(context_id).get(name)

@@ -6,9 +6,11 @@ beside the batch (a 0-dim loss, None) is over the micro-batches (`beside`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
@@ -82,6 +84,66 @@ def beside(values: list[Any], sizes: list[int]) -> Any:
     return list(values)
 
 
+@dataclass(frozen=True)
+class Subclassed:
+    """A tensor subclass's instance (MONAI's MetaTensor) as it crosses to another process:
+    its data as a plain tensor, which torch's RPC carries with its autograd link (it
+    pickles a subclass inline, without one: the gradient never came back), its class and
+    its attributes (`dressed` makes it again)."""
+
+    plain: torch.Tensor
+    kind: type
+    attributes: dict[str, Any]
+
+
+def undressed(value: Any) -> Any:
+    """Every tensor subclass's instance in `value` as a `Subclassed`."""
+    if isinstance(value, tuple | list | dict):
+        return _each(value, undressed, containers_only=True)
+    if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, nn.Parameter):
+        with torch._C.DisableTorchFunctionSubclass():  # its own class would come back
+            plain = value.as_subclass(torch.Tensor)  # a view: the autograd link is kept
+        return Subclassed(plain, type(value), dict(vars(value)))
+    return value
+
+
+def dressed(value: Any) -> Any:
+    """`value` with each `Subclassed` an instance of its class again, as one process has it."""
+    if isinstance(value, tuple | list | dict):
+        return _each(value, dressed, containers_only=True)
+    if isinstance(value, Subclassed):
+        with torch._C.DisableTorchFunctionSubclass():
+            again = value.plain.as_subclass(value.kind)
+        vars(again).update(value.attributes)
+        return again
+    return value
+
+
+def unlinked(received: Any) -> str | None:
+    """What of a value passed on from another stage, before this stage computed anything
+    with it, arrived without its autograd link, so no gradient can go back: its type; None
+    where every link holds. A linked tensor's history begins at torch's receive (no leaf
+    behind it); one torch's RPC pickled inline (a subclass it was not told of) is, or is a
+    view of, a leaf that needs a gradient."""
+    for t in tensors(received):
+        if t.requires_grad and _reaches_a_leaf(t.grad_fn):
+            return type(t).__name__
+    return None
+
+
+def _reaches_a_leaf(node: Any) -> bool:
+    """Whether an autograd history is, or leads to, a leaf that needs a gradient."""
+    if node is None:
+        return True  # the tensor is such a leaf itself
+    todo, looked = [node], 0
+    while todo and looked < 64:  # a received value's history is a node or two
+        node, looked = todo.pop(), looked + 1
+        if type(node).__name__ == "AccumulateGrad":
+            return True
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return False
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
@@ -91,11 +153,13 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _each(value: Any, fn: Any) -> Any:
+def _each(value: Any, fn: Any, containers_only: bool = False) -> Any:
+    """`fn` of every tensor in `value` (of every item, with `containers_only`)."""
+    step = fn if containers_only else (lambda v: _each(v, fn))
+    if isinstance(value, dict):
+        return type(value)(**{k: step(v) for k, v in value.items()})
+    if isinstance(value, tuple | list):
+        return type(value)(step(v) for v in value)
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, dict):
-        return type(value)(**{k: _each(v, fn) for k, v in value.items()})
-    if isinstance(value, tuple | list):
-        return type(value)(_each(v, fn) for v in value)
     return value

@@ -45,3 +45,22 @@ def test_heads_a_trace_would_fix_are_refused_saying_why():
     with pytest.raises(CutError, match=r"its forward reads heads\[0\] of the model, a tensor"):
         Traced(model, 2, required=["output_block"])
     assert all(isinstance(h, torch.Tensor) for h in model.heads)
+
+
+class Anchors(torch.nn.Module):
+    """torchvision's AnchorGenerator's habit: constant tensors in a Python list, read only."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell_anchors = [torch.arange(4.0)]
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x) + self.cell_anchors[0])
+
+
+def test_a_list_of_constants_the_forward_only_reads_is_cut():
+    model, x = Anchors(), torch.randn(2, 4)
+    stages = Traced(model, 2).split(["b"])
+    torch.testing.assert_close(run(stages, x), model(x), rtol=0, atol=0)

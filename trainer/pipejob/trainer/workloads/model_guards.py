@@ -65,6 +65,8 @@ def unchanged(model: nn.Module, flags: dict[nn.Module, str] | None = None) -> It
         yield
     finally:
         for container, contents in held:
+            if _changed(container, contents):
+                WRITTEN[id(container)] = container
             if isinstance(container, list):
                 container[:] = contents
             else:
@@ -89,6 +91,19 @@ def unchanged(model: nn.Module, flags: dict[nn.Module, str] | None = None) -> It
 
 
 _STATE = ("_parameters", "_buffers", "_modules")
+# The lists and dicts of a module that a traced forward wrote into, by id (and held, so the
+# id stays theirs): a constant read from one is a value the forward writes as it runs.
+WRITTEN: dict[int, list[Any] | dict[Any, Any]] = {}
+
+
+def _changed(container: list[Any] | dict[Any, Any], contents: list[Any] | dict[Any, Any]) -> bool:
+    if isinstance(container, list):
+        return len(container) != len(contents) or any(
+            a is not b for a, b in zip(container, contents, strict=False)
+        )
+    return container.keys() != contents.keys() or any(  # type: ignore[union-attr]
+        container[k] is not contents[k] for k in container
+    )
 
 
 def python_containers(model: nn.Module) -> Iterator[list[Any] | dict[Any, Any]]:
@@ -104,15 +119,16 @@ def python_containers(model: nn.Module) -> Iterator[list[Any] | dict[Any, Any]]:
 
 def read_from_python_state(graph: fx.Graph, model: nn.Module) -> str | None:
     """Where a graph reads, as a constant, a tensor a module holds in a list or dict of its
-    attributes (what a forward writes there at run time, the trace has fixed): `heads[0]`
-    of `skip_layers`; None where it reads none."""
+    attributes that a traced forward wrote into (what a forward writes there at run time,
+    the trace has fixed): `heads[0] of skip_layers`; None where it reads none. A list of
+    constants (torchvision's anchors) is read as one."""
     for node in graph.nodes:
         if node.op != "get_attr" or not str(node.target).startswith("_tensor_constant"):
             continue
         value = getattr(model, str(node.target), None)
         for path, module in model.named_modules():
             for key, held in vars(module).items():
-                if key in _STATE or not isinstance(held, list | dict):
+                if key in _STATE or id(held) not in WRITTEN:  # a list of constants is none
                     continue
                 found = held.items() if isinstance(held, dict) else enumerate(held)
                 for index, item in found:

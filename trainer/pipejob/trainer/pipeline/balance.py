@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from pipejob.trainer.workloads.cut import tensors
+from pipejob.trainer.workloads.batch_values import tensors
 
 # Splits whose slowest stage is within this fraction of the fastest split's count as equally
 # fast: the measured costs of equal layers differ by a few percent on idle cores, and by more

@@ -39,7 +39,7 @@ from pipejob.trainer.pipeline.step_records import (
 from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.optim import clip_coefficient, learning_rate
 from pipejob.trainer.runtime.profiling import phase
-from pipejob.trainer.workloads import Loss
+from pipejob.trainer.workloads import Loss, batch_values
 from pipejob.trainer.workloads.metrics import Tally
 
 
@@ -233,17 +233,14 @@ class Replicas:
         if given is None:
             return shares, self.batch
         inputs, labels = given
+        split = batch_values.split  # a dict's tensors too
         rounds = zip(
-            inputs.tensor_split(self.accumulation),
-            labels.tensor_split(self.accumulation),
-            strict=True,
+            split(inputs, self.accumulation), split(labels, self.accumulation), strict=True
         )
         for a, (x, y) in enumerate(rounds):
-            for r, share in enumerate(
-                zip(x.tensor_split(replicas), y.tensor_split(replicas), strict=True)
-            ):
+            for r, share in enumerate(zip(split(x, replicas), split(y, replicas), strict=True)):
                 shares[r][a] = share
-        return shares, len(inputs) // self.accumulation
+        return shares, batch_values.samples(inputs) // self.accumulation
 
     def _replica_result(self, part: ReplicaShare) -> StepResult:
         """A replica's part of a step, run on the engine."""

@@ -6,13 +6,14 @@ cost measuring runs the real data through every piece: stage_parts.py)."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 from torch import nn
 
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.balance import shape
-from pipejob.trainer.workloads import cut
+from pipejob.trainer.workloads import batch_values, metrics
 from pipejob.trainer.workloads.model_guards import unchanged
 from pipejob.trainer.workloads.refusals import construct
 from pipejob.trainer.workloads.standins import META
@@ -26,36 +27,39 @@ _SHAPES = re.compile(
 )
 
 
-def fits_model(
-    model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss: workloads.Loss
-) -> str | None:
+def fits_model(model: nn.Module, inputs: Any, labels: Any, loss: workloads.Loss) -> str | None:
     """Refuse before the first step, saying both shapes, when the data does not fit the
     model: its input, or its labels against the model's output through the loss. Run on
     the meta device, in eval mode, with the model's buffers swapped for meta ones for the
     call (not a deep copy: a model with torch's deprecated weight norm refuses one).
     Returns what could not be checked there and why (None when all was), for the log."""
+    inputs, labels = batch_values.take(inputs, 2), batch_values.take(labels, 2)  # a dict's too
     training = model.training
     buffers = {name: b.to(META) for name, b in model.named_buffers(remove_duplicate=False)}
     try:
         with torch.no_grad(), unchanged(model):  # a forward's settings stay as built
-            outputs = torch.func.functional_call(model.eval(), buffers, (inputs[:2].to(META),))
+            outputs = torch.func.functional_call(
+                model.eval(), buffers, (batch_values.to(inputs, META),)
+            )
     except Exception as e:
         return _unchecked_or_refused(
             e,
-            f"whether inputs of shape {shape(inputs[:2])} fit spec.model",
-            f"spec.data: inputs of shape {shape(inputs[:2])} do not fit spec.model",
+            f"whether inputs of shape {shape(inputs)} fit spec.model",
+            f"spec.data: inputs of shape {shape(inputs)} do not fit spec.model",
         )
     finally:
         model.train(training)
     try:
-        loss(outputs, labels[:2].to(META))
+        loss(outputs, batch_values.to(labels, META))
+    except metrics.NeedsLoss as e:  # no shape can make the default loss take this output
+        raise ValueError(f"spec.loss: the model returns {shape(outputs)}: {e}") from None
     except Exception as e:
-        got = ", ".join(shape(t) for t in cut.tensors(outputs))  # a dict's, a ModelOutput's
+        got = ", ".join(shape(t) for t in batch_values.tensors(outputs))  # a ModelOutput's too
         return _unchecked_or_refused(
             e,
             f"whether the model's output {got} fits the labels",
             f"spec.data: the model's output {got} does not fit the labels"
-            f" {shape(labels[:2])} in spec.loss",
+            f" {shape(labels)} in spec.loss",
         )
     return None
 

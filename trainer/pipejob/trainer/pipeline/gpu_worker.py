@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from pipejob.trainer.workloads.cut import tensors
+from pipejob.trainer.workloads.batch_values import tensors
 
 T = TypeVar("T")
 

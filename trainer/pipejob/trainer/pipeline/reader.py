@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.workloads import data
+from pipejob.trainer.workloads import batch_values, data
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 TRAIN, HELD_OUT = "train", "held-out"
@@ -62,15 +62,16 @@ class Reader:
         if batch is None:
             return 0
         inputs, labels = batch
-        inputs = inputs.to(self.device)
+        inputs = batch_values.to(inputs, self.device)  # a dict of inputs too
         with self._lock:  # a round that failed half-way leaves inputs no forward will take
             self._inputs = {k: v for k, v in self._inputs.items() if k[0] > round}
             self._labels = {k: v for k, v in self._labels.items() if k > round}
-            parts = inputs.tensor_split(min(micro_batches, len(inputs)))
+            samples = batch_values.samples(inputs)
+            parts = batch_values.split(inputs, min(micro_batches, samples))
             self._inputs |= {(round, mb): (x,) for mb, x in enumerate(parts)}
             self._labels[round] = labels
             self._lock.notify_all()
-        return len(inputs)
+        return samples
 
     def read_planned(self, round: int, micro_batches: int, samples: int) -> None:
         """A training round read in the call that runs it (`read`), refused unless it has the
@@ -86,8 +87,9 @@ class Reader:
         it is reused."""
         with self._lock:
             x = self._inputs.pop((round, micro_batch))
-        if x[0].is_cuda:
-            x[0].record_stream(torch.cuda.current_stream(x[0].device))
+        for t in batch_values.tensors(x):
+            if t.is_cuda:
+                t.record_stream(torch.cuda.current_stream(t.device))
         return x
 
     def inputs(self, round: int) -> torch.Tensor:
@@ -179,11 +181,11 @@ class Reader:
         """The next batch, its inputs on the stage's device (a blocking copy: done when this
         returns, whatever stream the forwards run on)."""
         inputs, labels = feed.batch()
-        if self.device.type == "cuda" and not inputs.is_pinned():
+        if self.device.type == "cuda":
             # From page-locked memory the copy runs at the bus's speed: a pageable one of a
             # 224-px batch (154 MB) ran at 2 GB/s on the GPU machine (rpc_transfer.py).
-            inputs = inputs.pin_memory()
-        return inputs.to(self.device), labels
+            inputs = batch_values.pinned(inputs)
+        return batch_values.to(inputs, self.device), labels
 
     def _drop_ahead(self) -> None:
         """Forget the batch read ahead, once its reading is over (the feed is not safe to

@@ -27,7 +27,7 @@ from pipejob.trainer.pipeline.shards import (
 )
 from pipejob.trainer.runtime import checkpoint, world
 from pipejob.trainer.runtime.world import Env
-from pipejob.trainer.workloads import data, materialize, models, staged
+from pipejob.trainer.workloads import batch_values, data, materialize, models, staged
 from pipejob.trainer.workloads.cut import CutError
 from pipejob.trainer.workloads.synthetic import share_of
 
@@ -146,7 +146,7 @@ def measuring_line(
     )
     return (
         f"{models.name(env.spec.model)}: the stages measure what each part costs on samples of"
-        f" shape {shape(inputs[0])}, with their {threads} intra-op"
+        f" shape {shape(batch_values.first(inputs))}, with their {threads} intra-op"
         " thread(s)" + (f" ({shared})" if shared else "")
     )
 

@@ -26,6 +26,7 @@ from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.runtime import checkpoint, model_files, tuning
 from pipejob.trainer.runtime.optim import Functional, set_lr
 from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS
+from pipejob.trainer.workloads import batch_values
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 MOST_STEPS_A_CALL = 32  # in one call of the pipelining engine (its Stage.train)
@@ -201,7 +202,7 @@ class Shard:
 
     def labels(self, round: int) -> torch.Tensor:
         """Round `round`'s labels on this stage's device (`ask_labels`)."""
-        return self.ask_labels(round).wait().to(self.device)
+        return batch_values.to(self.ask_labels(round).wait(), self.device)
 
     def ask_labels(self, round: int) -> Future[torch.Tensor]:
         """The future of round `round`'s labels, from the first stage's reader, which waits
@@ -264,6 +265,19 @@ class Shard:
         if grad is None:
             return torch.zeros_like(self.layers.get_parameter(name), device="cpu")
         return grad.cpu()
+
+    def check_linked(self, received: Any) -> None:
+        """Fail the step at once where a value passed on from the stage before lost its
+        autograd link: no gradient would come back, and that stage would wait for one
+        until the watchdog ended the job."""
+        lost = batch_values.unlinked(received)
+        if lost is not None:
+            raise RuntimeError(
+                f"a {lost} passed on to this stage arrived without its autograd link (torch's"
+                " RPC carries a tensor's link only where it sees the tensor itself), so no"
+                " gradient could go back to the stage before: pass plain tensors or tensor"
+                " subclasses in tuples, lists or dicts, or cut elsewhere (spec.splitPoints)"
+            )
 
     def set_gradient(self, context_id: int, name: str, value: torch.Tensor) -> None:
         """Replace parameter `name`'s gradient this step, where the optimizer reads it."""

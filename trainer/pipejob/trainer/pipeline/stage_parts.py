@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map_only
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.balance import LayerCosts, measure_chain, min_max_partition
 from pipejob.trainer.runtime import tuning
-from pipejob.trainer.workloads import cut, data, materialize, models, staged
+from pipejob.trainer.workloads import batch_values, cut, data, materialize, models, staged
 
 # The automatic cut opens modules until it has this many candidates per stage (where the
 # module tree has them): enough for the measured min-max split to balance.
@@ -95,7 +95,7 @@ def measure_here(
         if first:
             with default_dtype(part.dtype):  # the data as the master's default dtype makes it
                 inputs, _ = data.sample(part.spec, part.spec.batch_size)
-            given = [(inputs[:size],) for size in sizes]
+            given = [(batch_values.take(inputs, size),) for size in sizes]  # a dict's too
         pieces = [piece.to(device) for piece in part.build()]  # no copies: the stage's own
         try:
             with torch.random.fork_rng(devices=[]):  # dropout here leaves training's draws be

@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from pipejob.trainer.workloads.model_guards import unchanged, without_cache
+from pipejob.trainer.workloads import batch_values
+from pipejob.trainer.workloads.model_guards import read_from_python_state, unchanged, without_cache
 from pipejob.trainer.workloads.piece import Piece, attach
-from pipejob.trainer.workloads.refusals import construct, kept_whole, way_past
+from pipejob.trainer.workloads.refusals import construct, kept_whole, reads_python_state, way_past
 from pipejob.trainer.workloads.shapes import ShapedTracer
 from pipejob.trainer.workloads.tracing import Objects, Tracer, materialize_masks, place_parameters
 
@@ -204,6 +205,7 @@ class Traced:
                     model.train(mode)
                     with unchanged(model, flags if shaped else None):
                         graphs.append(tracer.trace(model))
+                    self._python_state(graphs[-1])
                     materialize_masks(graphs[-1])
                     place_parameters(graphs[-1], model)
                 if not flags:
@@ -212,6 +214,7 @@ class Traced:
             except CutError:
                 raise
             except Exception as e:
+                self._python_state(getattr(tracer, "graph", None))  # why it failed, if read
                 where = tracer.failed_in
                 if not where or where in self.whole:
                     kept = "".join(
@@ -224,6 +227,11 @@ class Traced:
                 self.whole[where] = construct(e)
             finally:
                 model.train(training)
+
+    def _python_state(self, graph: fx.Graph | None) -> None:
+        """Refuse a trace that read, as a constant, what a forward writes in Python state."""
+        if graph is not None and (read := read_from_python_state(graph, self.model)):
+            raise CutError(reads_python_state(type(self.model).__name__, read))
 
     def _keep_whole_for(self, flags: dict[nn.Module, str], leaves: set[str]) -> None:
         """A forward that switched a module's setting by the shapes it saw (the trace ran
@@ -328,39 +336,37 @@ def ties(stages: list[nn.Module]) -> list[list[tuple[int, str]]]:
     """Parameters that several stages hold (tied weights, e.g. input and output embeddings):
     per tensor, each (stage, name) holding it. Each stage trains its own copy once shipped,
     so the pipeline sums their gradients (as Megatron does for tied embeddings) and the
-    copies, equal at the start and stepped alike, stay equal."""
+    copies, equal at the start and stepped alike, stay equal. A frozen one (LoRA over a
+    tied embedding) is no tie: nothing steps its copies, and no stage has its gradient."""
     holders: dict[int, list[tuple[int, str]]] = {}
     for k, stage in enumerate(stages):
         seen: set[int] = set()
         for name, p in stage.named_parameters(remove_duplicate=False):
-            if id(p) not in seen:  # one name per stage: its copy of the tensor
+            if id(p) not in seen and p.requires_grad:  # one name per stage: its copy
                 seen.add(id(p))
                 holders.setdefault(id(p), []).append((k, name))
     return [h for h in holders.values() if len(h) > 1]
 
 
-def tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a value a stage passes on or a model returns: a tensor, or a tuple,
-    list or dict (a ModelOutput too) holding them."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, tuple | list):
-        return [t for v in value for t in tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in tensors(v)]
-    return []
-
-
 def join(outputs: list[Any]) -> Any:
     """Micro-batches' outputs as the whole batch's: a tensor, or a tuple, named tuple, list
-    or dict (a Hugging Face ModelOutput too) of them."""
+    or dict (a Hugging Face ModelOutput too) of them. Only values with a batch dimension are
+    concatenated; a value beside the batch is carried as the micro-batches computed it
+    (batch_values.beside), never concatenated."""
+    sizes = [batch_values.samples(o, dim_only=True) for o in outputs]
+    return _join(outputs, sizes)
+
+
+def _join(outputs: list[Any], sizes: list[int]) -> Any:
     if isinstance(outputs[0], tuple | list):
-        parts = [join(list(part)) for part in zip(*outputs, strict=True)]
+        parts = [_join(list(part), sizes) for part in zip(*outputs, strict=True)]
         kind = type(outputs[0])
         return kind._make(parts) if hasattr(kind, "_make") else kind(parts)  # type: ignore
     if isinstance(outputs[0], dict):
-        return type(outputs[0])(**{k: join([o[k] for o in outputs]) for k in outputs[0]})
-    return torch.cat(outputs)
+        return type(outputs[0])(**{k: _join([o[k] for o in outputs], sizes) for k in outputs[0]})
+    if isinstance(outputs[0], torch.Tensor) and outputs[0].dim():
+        return torch.cat(outputs)
+    return batch_values.beside(outputs, sizes)
 
 
 def cut_count_error(units: int, stages: int, whole: dict[str, str] | None = None) -> CutError:

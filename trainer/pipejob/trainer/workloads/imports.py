@@ -11,6 +11,8 @@ from typing import Any
 
 from torch import nn
 
+from pipejob.trainer.workloads.refusals import to_users_frame
+
 
 def resolve(path: str, field: str) -> Any:
     """The object `path` names; `field` is the spec field that named it (spec.model.import)."""
@@ -42,7 +44,9 @@ def call(path: str, field: str, args: dict[str, Any], /, **given: Any) -> Any:
     except Exception as e:
         raised = f"{type(e).__name__}: {e}"
         with_args = f" with args {args}" if args else ""
-        raise ValueError(f"{field}: {path!r}{with_args} raised {raised}") from e
+        # Raised at the user's line: where the failure's one line says it was raised.
+        said = ValueError(f"{field}: {path!r}{with_args} raised {raised}")
+        raise said.with_traceback(to_users_frame(e)) from e
 
 
 def module(path: str, field: str, args: dict[str, Any], /, **given: Any) -> nn.Module:

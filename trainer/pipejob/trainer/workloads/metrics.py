@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from pipejob.trainer.runtime import nonfinite
+from pipejob.trainer.workloads import batch_values
 
 CLASSIFICATION, LANGUAGE = "classification", "language"
+IGNORE_INDEX = -100  # cross-entropy's default ignore_index: a label the loss does not count
 
 
 def logits(outputs: Any) -> torch.Tensor | None:
@@ -27,14 +29,21 @@ def logits(outputs: Any) -> torch.Tensor | None:
     return None
 
 
+class NeedsLoss(TypeError):
+    """The default loss cannot take the model's output (a tuple, None): the job must give
+    spec.loss. The master's fit check refuses the job on it before any stage is built."""
+
+
 def cross_entropy(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
     """The mean over samples, or over tokens when every position has a label (outputs
     (batch, length, vocab), labels (batch, length)); of the logits (see `logits`)."""
     scores = logits(outputs)
     if scores is None:
-        raise TypeError(
+        raise NeedsLoss(
             "the default loss (cross-entropy) needs logits: a tensor or a dict with 'logits',"
-            f" not a {type(outputs).__name__}; give spec.loss"
+            f" not a {type(outputs).__name__}; give spec.loss: {{import: mypkg.losses:build}},"
+            " a factory of a callable (outputs, labels) -> the batch's mean loss, which takes"
+            " this output as the model returns it"
         )
     if scores.dim() > 2:
         return F.cross_entropy(scores.flatten(0, -2), labels.flatten())
@@ -66,21 +75,26 @@ class Tally:
         self.samples = 0
         self._told: str | None = None
 
-    def add(self, outputs: Any, labels: torch.Tensor, loss: Any) -> None:
-        told = task_of(outputs, labels)
+    def add(self, outputs: Any, labels: Any, loss: Any) -> None:
+        told = task_of(outputs, labels) if isinstance(labels, torch.Tensor) else None
         if self._told is None and told is not None:
             self._told = self.task = told
-        n = labels.numel() if self.task == LANGUAGE else len(labels)
+        counted = _counted(labels)
+        per_label = counted is not None and (self.task == LANGUAGE or counted.dim() == 1)
+        n = int(counted.sum()) if per_label else batch_values.samples(labels)  # type: ignore[union-attr]
+        if not n:  # every label ignored: no loss to weigh (cross-entropy's is NaN)
+            self.samples += batch_values.samples(labels)
+            return
         value = float(loss(outputs, labels))
         nonfinite.check_outputs(outputs, value, f"the held-out batch after {self.samples} samples")
+        self.samples += batch_values.samples(labels)
         self.loss += value * n
         self.count += n
-        self.samples += len(labels)
         if told is not None:
             scores = logits(outputs)
-            assert scores is not None
-            self.correct += int((scores.argmax(-1) == labels).sum())
-            self.scored += labels.numel()
+            assert scores is not None and counted is not None
+            self.correct += int(((scores.argmax(-1) == labels) & counted).sum())
+            self.scored += int(counted.sum())
 
     def result(self) -> dict[str, Any]:
         """loss, accuracy where predictions could be compared, perplexity (language),
@@ -92,6 +106,14 @@ class Tally:
         if self.task == LANGUAGE:
             figures["perplexity"] = round(math.exp(min(mean, 700.0)), 4)
         return figures
+
+
+def _counted(labels: Any) -> torch.Tensor | None:
+    """Which labels the loss counts (those not `IGNORE_INDEX`), for integer labels; None
+    for labels that are not class indices (floats, a dict)."""
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dim() == 0:
+        return None
+    return labels != IGNORE_INDEX
 
 
 def describe(figures: dict[str, Any]) -> str:

@@ -1,8 +1,9 @@
 """What tracing a model, or running a stage of it, must leave as it was: a Hugging Face
 model's key/value cache is off meanwhile (`without_cache`), and a forward traced has its
-modules' state and attributes put back after it (`unchanged`); `holds_traced` tells a
-traced value anywhere in a container. Used by the tracer (workloads/tracing.py), the cut
-(workloads/cut.py) and a stage's piece (workloads/piece.py)."""
+modules' state, attributes and the lists and dicts they hold put back after it (`unchanged`);
+`holds_traced` tells a traced value anywhere in a container; `read_from_python_state` where
+a trace fixed a value a forward writes at run time. Used by the tracer
+(workloads/tracing.py), the cut (workloads/cut.py) and a stage's piece (workloads/piece.py)."""
 
 from __future__ import annotations
 
@@ -57,9 +58,20 @@ def unchanged(model: nn.Module, flags: dict[nn.Module, str] | None = None) -> It
     changed, and which (BigBird's `attention_type`, switched by the sequence's length)."""
     modules = [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]
     kept = [(m, {k: dict(getattr(m, k)) for k in _STATE}, dict(vars(m))) for m in modules]
+    # A forward that writes into a list or dict it holds (DynUNet's deep-supervision heads)
+    # would leave traced values in it for the next trace: their contents are put back too.
+    held = [(c, list(c) if isinstance(c, list) else dict(c)) for c in python_containers(model)]
     try:
         yield
     finally:
+        for container, contents in held:
+            if _changed(container, contents):
+                WRITTEN[id(container)] = container
+            if isinstance(container, list):
+                container[:] = contents
+            else:
+                container.clear()
+                container.update(contents)
         for module, state, attributes in kept:
             for key, values in state.items():
                 getattr(module, key).clear()
@@ -79,6 +91,50 @@ def unchanged(model: nn.Module, flags: dict[nn.Module, str] | None = None) -> It
 
 
 _STATE = ("_parameters", "_buffers", "_modules")
+# The lists and dicts of a module that a traced forward wrote into, by id (and held, so the
+# id stays theirs): a constant read from one is a value the forward writes as it runs.
+WRITTEN: dict[int, list[Any] | dict[Any, Any]] = {}
+
+
+def _changed(container: list[Any] | dict[Any, Any], contents: list[Any] | dict[Any, Any]) -> bool:
+    if isinstance(container, list):
+        return len(container) != len(contents) or any(
+            a is not b for a, b in zip(container, contents, strict=False)
+        )
+    return container.keys() != contents.keys() or any(  # type: ignore[union-attr]
+        container[k] is not contents[k] for k in container
+    )
+
+
+def python_containers(model: nn.Module) -> Iterator[list[Any] | dict[Any, Any]]:
+    """The lists and dicts of tensors a model's modules hold as plain attributes (not
+    parameters, buffers or modules): Python state a forward may write and another read."""
+    for module in model.modules():
+        for key, value in vars(module).items():
+            if key not in _STATE and isinstance(value, list | dict) and value:
+                items = value if isinstance(value, list) else list(value.values())
+                if any(isinstance(v, torch.Tensor | fx.Proxy) for v in items):
+                    yield value
+
+
+def read_from_python_state(graph: fx.Graph, model: nn.Module) -> str | None:
+    """Where a graph reads, as a constant, a tensor a module holds in a list or dict of its
+    attributes that a traced forward wrote into (what a forward writes there at run time,
+    the trace has fixed): `heads[0] of skip_layers`; None where it reads none. A list of
+    constants (torchvision's anchors) is read as one."""
+    for node in graph.nodes:
+        if node.op != "get_attr" or not str(node.target).startswith("_tensor_constant"):
+            continue
+        value = getattr(model, str(node.target), None)
+        for path, module in model.named_modules():
+            for key, held in vars(module).items():
+                if key in _STATE or id(held) not in WRITTEN:  # a list of constants is none
+                    continue
+                found = held.items() if isinstance(held, dict) else enumerate(held)
+                for index, item in found:
+                    if item is value:
+                        return f"{key}[{index!r}] of {path or 'the model'}"
+    return None
 
 
 def cache_configs(model: nn.Module) -> list[Any]:

@@ -67,7 +67,20 @@ class ShapedProxy(fx.Proxy):
             same = self.tracer.same(self.node, lambda v: getattr(v, k))
             if same is not _UNKNOWN:
                 return same
+            # A shape that follows the batch is itself a ShapedProxy (fx's would be an
+            # Attribute, which answers no len()): `*img.shape` unpacks it into its sizes.
+            return self.tracer.create_proxy("call_function", builtins.getattr, (self, k), {})
         return super().__getattr__(k)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: PLE0307
+        """torch.Tensor where the traced value is a tensor: a library's type check
+        (`isinstance(x, Tensor)`: kornia's KORNIA_CHECK_IS_TENSOR) passes as on the real
+        value; `type()` still tells the stand-in (ShapedTracer.create_arg)."""
+        tracer = self.tracer
+        if not tracer.computing and isinstance(tracer.value_of(self.node), torch.Tensor):
+            return torch.Tensor
+        return type(self)
 
     def __len__(self) -> int:
         same = self.tracer.same(self.node, len)
@@ -180,6 +193,16 @@ class ShapedTracer(tracing.Tracer):
         except Exception:
             return _UNKNOWN
         return a if _concrete(a) and type(a) is type(b) and a == b else _UNKNOWN
+
+    def create_arg(self, a: Any) -> Any:
+        if type(a) is ShapedProxy:  # a stand-in, whatever class it says it is
+            return a.node
+        return super().create_arg(a)
+
+    def value_of(self, node: fx.Node) -> Any:
+        """`node`'s value for the first batch size on the meta device (None if unknown)."""
+        values = self._values(node)
+        return None if values is None else values[0]
 
     def iter(self, obj: fx.Proxy) -> Any:
         length = self.same(obj.node, len)

@@ -26,8 +26,9 @@ from pipejob.trainer.pipeline.stage_calls import StageRef, remote_stage
 from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.pipeline.timing import Clock, input_nodes, only, step_seconds
 from pipejob.trainer.runtime import nonfinite, rendezvous
-from pipejob.trainer.workloads import Loss
-from pipejob.trainer.workloads.cut import join, tensors
+from pipejob.trainer.workloads import Loss, batch_values
+from pipejob.trainer.workloads.batch_values import dressed, tensors, undressed
+from pipejob.trainer.workloads.cut import join
 from pipejob.trainer.workloads.metrics import Tally
 
 T = TypeVar("T")
@@ -143,7 +144,9 @@ class Stage(Shard):
         y = self.forward(x, round, micro_batch, step, read)
         if not self.last:
             name, stage = self._after[0]
-            sent = rpc.rpc_async(name, passed_on, args=(stage, y, round, micro_batch, step, end))
+            sent = rpc.rpc_async(  # a tensor subclass's as its data, so autograd links it
+                name, passed_on, args=(stage, undressed(y), round, micro_batch, step, end)
+            )
             if end is None:
                 return sent
             return sent.then(lambda back: self._end(end.on_the_way, micro_batch + 1, back.value()))
@@ -174,6 +177,10 @@ class Stage(Shard):
         with self._order.turn(round, micro_batch):
             if x is None:  # the first stage's: read in its turn, after micro-batch 0's read
                 x = self._input(round, micro_batch, read)
+            else:  # from the stage before: a tensor subclass as it computed it
+                x = dressed(x)
+                if step is not None:
+                    self.check_linked(x)
             received = x
             x = tuple(v.to(self.device) if isinstance(v, torch.Tensor) else v for v in x)
             if micro_batch == 0:
@@ -221,7 +228,7 @@ class Stage(Shard):
             self._outputs = {k: v for k, v in self._outputs.items() if k[0] > round}
             labels = self._labels.pop(round)
             self._labels = {r: f for r, f in self._labels.items() if r > round}
-        return join(outputs), labels.wait().to(self.device)
+        return join(outputs), batch_values.to(labels.wait(), self.device)
 
     def loss_backward(
         self,

@@ -7,12 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from userdata import BYTE_VOCAB, write_stdlib_tokens
 
 from jobrun import pipeline_job, run_to_end
 from pipejob.core import plan, spec
 from pipejob.core.kinds.pipeline import engine_line
-from pipejob.trainer.pipeline.engine_choice import choose, resolved
+from pipejob.trainer.pipeline.engine_choice import Choice, choose, for_inputs, resolved
 
 TRANSFORMER = {"vocabSize": BYTE_VOCAB, "layers": 2, "width": 32, "heads": 2, "seqLen": 32}
 
@@ -75,6 +76,28 @@ def test_auto_takes_rpc_for_a_loss_not_known_to_be_a_mean_over_samples():
         " the batch's samples, which the pipelining engine's per-micro-batch losses need (name"
         " spec.engine pipelining where it is one)"
     )
+
+
+def test_auto_takes_rpc_for_inputs_only_its_stages_carry_as_they_are():
+    """A dict or a tensor subclass (MONAI's MetaTensor) from the data: the rpc engine's
+    stages carry it as one process sees it; the pipelining engine's take plain tensors."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    job = settings(microBatches=1)
+    assert for_inputs(job, torch.zeros(2, 3)) is None  # the cut decides
+    assert for_inputs(job, {"ids": torch.zeros(2, 3)}) == Choice(
+        "rpc", "the data's inputs are a dict, which only the rpc engine's stages carry as they are"
+    )
+    subclass = for_inputs(settings(microBatches=2), torch.zeros(2, 3).as_subclass(Tagged))
+    assert subclass == Choice(
+        "rpc",
+        "the data's inputs are Tagged, which only the rpc engine's stages carry as they are;"
+        " rpc runs gpipe, not 1f1b",
+    )
+    rpc = spec.parse(pipeline_job("r", engine="rpc")).settings
+    assert for_inputs(rpc, {"ids": torch.zeros(2, 3)}) is None
 
 
 @pytest.mark.timeout(400)

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.core.kinds.pipeline_schedules import (
@@ -47,6 +50,19 @@ def choose(
     if spec.schedule != GPIPE:
         why += f"; rpc runs gpipe, not {spec.schedule}"
     return Choice(RPC, why)
+
+
+def for_inputs(spec: PipelineSpec, inputs: Any) -> Choice | None:
+    """auto's choice where the data decides it before the cut: inputs other than a plain
+    tensor (a dict, a tensor subclass such as MONAI's MetaTensor) run on rpc, whose stages
+    carry them as one process sees them; None where the cut decides."""
+    if spec.engine != AUTO or spec.schedule in INTERLEAVING or type(inputs) is torch.Tensor:
+        return None
+    what = "a dict" if isinstance(inputs, dict) else type(inputs).__name__
+    why = f"the data's inputs are {what}, which only the rpc engine's stages carry as they are"
+    return Choice(
+        RPC, why + (f"; rpc runs gpipe, not {spec.schedule}" if spec.schedule != GPIPE else "")
+    )
 
 
 def resolved(spec: PipelineSpec, engine: str) -> PipelineSpec:

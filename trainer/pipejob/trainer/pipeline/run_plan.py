@@ -113,7 +113,8 @@ def cut(
     """The model's cut among the stage processes `names`: the checkpoint's (`found`) where
     this job cuts the model as it did, else measured on the stages; and whether it is the
     checkpoint's."""
-    spec = env.spec
+    early = engine_choice.for_inputs(env.spec, inputs)  # engine auto, where the data decides
+    spec = env.spec if early is None else engine_choice.resolved(env.spec, early.engine)
     saved = None if found is None else saved_partition(env, found)
     try:
         if found is not None and saved is not None:
@@ -126,7 +127,7 @@ def cut(
         shards = plan_shards(
             spec, model, numbered, names, None, hosts, lambda message: world.log(env, message)
         )
-        return shards, False
+        return (shards if early is None else shards.chosen_for(early)), False
     except ValueError as e:
         # A refused trace stays a CutError: the master may take the eager path instead.
         raise (CutError if isinstance(e, CutError) else ValueError)(

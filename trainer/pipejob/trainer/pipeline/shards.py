@@ -85,6 +85,12 @@ class Shards:
     def ranges(self) -> list[range]:
         return self.partition.ranges
 
+    def chosen_for(self, choice: Choice) -> Shards:
+        """These shards, cut for the engine `engine: auto` chose before the cut."""
+        return dataclasses.replace(
+            self, partition=dataclasses.replace(self.partition, engine=choice)
+        )
+
     @property
     def costs(self) -> list[float]:
         return self.partition.costs

@@ -141,7 +141,27 @@ FULL = {
         **COMMON,
     },
 }
-FULL["HybridJob"]["optimizer"] = {"name": "adam", "lr": 0.01, "weightDecay": 0.0}
+FULL["HybridJob"]["optimizer"] = {
+    "name": "adam",
+    "lr": 0.01,
+    "weightDecay": 0.0,
+    "groups": [{"name": "no-decay", "preset": "noDecay"}],
+}
+# AdamW with every parameter-group field (issue 58).
+FULL["PipelineJob"]["optimizer"] = {
+    "name": "adamw",
+    "lr": 0.01,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "weightDecay": 0.1,
+    "clipGradNorm": 1.0,
+    "schedule": {"warmupSteps": 2, "decay": "cosine", "minLr": 0.001},
+    "groups": [
+        {"name": "head", "params": ["head.*"], "maxDims": 2, "weightDecay": 0.0, "lrScale": 10},
+        {"name": "no-decay", "preset": "noDecay"},
+    ],
+    "layerDecay": {"rate": 0.75, "layers": 4, "blocks": "blocks", "stem": ["tok_emb.*"]},
+}
 FULL["HybridJob"]["scheduling"] = {"provider": "coscheduling", "scheduleTimeoutSeconds": 60}
 
 
@@ -408,6 +428,7 @@ def trainer_accepts(env: dict[str, str]) -> None:
     import torch
 
     from pipejob.trainer.hybrid import sparse_optimizers
+    from pipejob.trainer.runtime import optim
     from pipejob.trainer.runtime.optim import optimizer_args
     from pipejob.trainer.runtime.world import read_env
 
@@ -415,6 +436,7 @@ def trainer_accepts(env: dict[str, str]) -> None:
     params = [torch.zeros(4, 2, requires_grad=True)]
     cls, kwargs = optimizer_args(read.spec.optimizer)
     cls(params, **kwargs)
+    optim.build(read.spec.optimizer, [("w", params[0])])  # with its groups
     if read.kind == "HybridJob" and read.role == "ps":
         sparse_optimizers.make(params, read.spec.sparse_optimizer)
 

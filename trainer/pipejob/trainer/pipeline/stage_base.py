@@ -141,7 +141,7 @@ class Shard:
         self.parameters_by_name = dict(self.layers.named_parameters())
         # None: a pipeline that only computes (tests, evaluation); the master steps none.
         self.optimizer = (
-            None if optimizer is None else Functional(optimizer, self.layers.parameters())
+            None if optimizer is None else Functional(optimizer, self.layers.named_parameters())
         )
         self.autocast = AUTOCAST[precision]  # spec.precision
         self.recompute = recompute  # spec.activationCheckpointing

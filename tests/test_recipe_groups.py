@@ -265,9 +265,18 @@ def test_a_stages_groups_step_as_torch_optim_with_the_same_groups(name: str) -> 
     copies = [[(n, p.clone().requires_grad_()) for n, p in named] for _ in range(3)]
     ours, hybrid, theirs = ([p for _, p in c] for c in copies)
     by_hand = [  # [scale, weight decay]: VIT's parameters in order
-        (0.125, 0.1), (0.125, 0.1), (0.125, 0.1), (0.375, 0.0), (0.75, 0.0), (0.25, 0.1),
-        (0.5, 0.1), (1.5, 0.0), (3.0, 0.0), (1.0, 0.1), (3.0, 0.0),
-    ]  # fmt: skip
+        (0.125, 0.1),
+        (0.125, 0.1),
+        (0.125, 0.1),
+        (0.375, 0.0),
+        (0.75, 0.0),
+        (0.25, 0.1),
+        (0.5, 0.1),
+        (1.5, 0.0),
+        (3.0, 0.0),
+        (1.0, 0.1),
+        (3.0, 0.0),
+    ]
     kwargs = {k: v for k, v in fields.items() if k in ("momentum",)}
     if name.startswith("adam"):
         kwargs["betas"] = (0.8, 0.9)

@@ -112,7 +112,8 @@ FULL = {
             "tokens": {"train": "/data/t.bin", "val": "/data/v.bin", "dtype": "uint16"},
             "workers": 1,
         },
-        "loss": {"import": "torch.nn:CrossEntropyLoss", "args": {"label_smoothing": 0.1}},
+        # The built-in loss's options (examples/custom-model has import and args).
+        "loss": {"crossEntropy": {"labelSmoothing": 0.1, "ignoreIndex": -1}},
         **COMMON,
     },
     "HybridJob": {

@@ -27,6 +27,7 @@ from jobrun import master_of, pipeline_job, run_world
 from pipejob.core import plan, spec
 from pipejob.core.common import Optimizer
 from pipejob.runner.local import LOOPBACK, free_ports
+from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import engine, summary
 from pipejob.trainer.pipeline.shards import Partition, Shards
 from pipejob.trainer.pipeline.stage_base import Shard
@@ -88,12 +89,20 @@ def configure_optimizers(model: nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW(optim_groups, lr=LR, betas=(0.9, 0.95))
 
 
+IGNORED = 3  # the smoothed case's ignoreIndex: one label of each micro-batch of 4
+
+
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
-    return [
-        (torch.randint(VOCAB, (BATCH,), generator=g), torch.randint(VOCAB, (BATCH,), generator=g))
-        for _ in range(STEPS)
-    ]
+    out = []
+    for _ in range(STEPS):
+        x, y = (torch.randint(VOCAB, (BATCH,), generator=g) for _ in range(2))
+        # Each micro-batch's mean counts as many labels: one ignored in each (a pipeline
+        # weighs its micro-batches' means by their samples; user-guide, spec.loss).
+        y[y == IGNORED] = IGNORED + 1
+        y[0] = y[BATCH // 2] = IGNORED
+        out.append((x, y))
+    return out
 
 
 def _nanogpt_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
@@ -113,9 +122,8 @@ def _nanogpt_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             tied=cut.ties(stages),
         )
         replicas = engine(s, "driver").Replicas([env.names("stage")], shards, s)
-        results = [
-            replicas.step(2, step, F.cross_entropy, batch) for step, batch in enumerate(batches())
-        ]
+        loss = workloads.loss(s)  # the built-in cross-entropy, with spec.loss's options
+        results = [replicas.step(2, step, loss, batch) for step, batch in enumerate(batches())]
         pipe = replicas.pipelines[0]
         state = {k: v for part in pipe.stage_results(Shard.state) for k, v in part.items()}
         torch.save({"results": [(r.loss, r.lr, r.grad_norm) for r in results], "state": state}, out)
@@ -132,11 +140,19 @@ def _nanogpt_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         pytest.param(3, {}, marks=pytest.mark.slow),
         pytest.param(2, {"engine": "pipelining", "schedule": "1f1b"}, marks=pytest.mark.slow),
         (3, {"engine": "pipelining", "schedule": "gpipe"}),
+        # spec.loss.crossEntropy's options reach the last stage (the loss crosses RPC)
+        (2, {"loss": {"crossEntropy": {"labelSmoothing": 0.1, "ignoreIndex": IGNORED}}}),
     ],
-    ids=["rpc-2-stages", "rpc-3-stages-tied", "pipelining-2-stages", "pipelining-3-stages-tied"],
+    ids=[
+        "rpc-2-stages",
+        "rpc-3-stages-tied",
+        "pipelining-2-stages",
+        "pipelining-3-stages-tied",
+        "rpc-2-stages-label-smoothing-ignore-index",
+    ],
 )
 def test_nanogpts_recipe_equals_its_configure_optimizers(
-    tmp_path: Path, stages: int, engine_fields: dict[str, str]
+    tmp_path: Path, stages: int, engine_fields: dict[str, Any]
 ) -> None:
     job = spec.parse(
         pipeline_job(
@@ -148,6 +164,8 @@ def test_nanogpts_recipe_equals_its_configure_optimizers(
             **engine_fields,
         )
     )
+    options = engine_fields.get("loss", {}).get("crossEntropy", {})
+    smoothing, ignored = options.get("labelSmoothing", 0.0), options.get("ignoreIndex", -100)
     ports = free_ports(4 + stages)
     processes = plan.plan_world(
         job, lambda m: LOOPBACK, plan.Ports(*ports[:4], groups=tuple(ports[4:]))
@@ -163,7 +181,7 @@ def test_nanogpts_recipe_equals_its_configure_optimizers(
         lr = learning_rate(settings, STEPS, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(x), y, label_smoothing=smoothing, ignore_index=ignored)
         loss.backward()
         norm = nn.utils.clip_grad_norm_(model.parameters(), CLIP).item()
         assert norm > CLIP, "the test must clip"

@@ -108,6 +108,7 @@ FULL = {
         "precision": "bf16",
         "skipNonFiniteSteps": 1,
         "activationCheckpointing": True,
+        "ema": {"decay": 0.99, "everySteps": 2, "warmup": 3, "output": "both"},
         "data": {
             "tokens": {"train": "/data/t.bin", "val": "/data/v.bin", "dtype": "uint16"},
             "workers": 1,

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipejob.core.averaged import BOTH
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.pipeline import engine, trained_model
-from pipejob.trainer.pipeline.driver import Replicas
+from pipejob.trainer.pipeline import ema_stages, engine, trained_model
+from pipejob.trainer.pipeline.driver import Pipeline, Replicas
 from pipejob.trainer.pipeline.reader import Reader
 from pipejob.trainer.pipeline.run_plan import Plan, plan
 from pipejob.trainer.pipeline.shards import Shards
@@ -42,6 +44,7 @@ def train(env: Env[PipelineSpec]) -> dict[str, Any]:
     planned = plan(env)
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
     pipelines = engine(spec, "driver").Replicas(planned.replicas, planned.shards, spec, device)
+    ema_stages.keep(spec, pipelines)  # spec.ema: before a checkpoint's average is loaded
     evaluates = held_out_description(env, pipelines) is not None
     first = 0 if planned.found is None else resume(env, planned.found, pipelines, planned.shards)
     started = time.perf_counter()
@@ -209,6 +212,13 @@ def evaluate(
     )
     figures = {"step": step, **tally.result()}
     metric = "".join(f", {m}" for m in [metrics.describe(figures)] if m)
+    if spec.ema is not None:  # the average's figures beside the weights'
+        with ema_stages.swapped(pipelines.pipelines[0]):
+            tally = pipelines.evaluate(
+                planned.micro_batches, spec.eval.batches, planned.loss, Tally(data.task(spec))
+            )
+        figures["ema"] = tally.result()
+        metric += f"; ema: loss {figures['ema']['loss']:.4f}"
     world.log(
         env,
         f"eval step {step}: loss {figures['loss']:.4f}{metric} on"
@@ -234,13 +244,32 @@ def write_output(
 ) -> None:
     """Every stage's state (replica 0's) and the state no stage holds under the model's own
     names: one file for a small model, else each stage writes its own shard
-    (pipeline/trained_model.py); the JSON beside them."""
+    (pipeline/trained_model.py); the JSON beside them. With spec.ema, the average's (ema)
+    or the weights' and, in the subfolder ema/, the average's (both)."""
+    spec = env.spec
+    assert spec.output is not None
+    pipeline = pipelines.pipelines[0]
+    if spec.ema is None or spec.ema.output == BOTH:
+        write_model(env, pipeline, shards, evaluation, spec.output.path)
+    if spec.ema is not None:
+        with ema_stages.swapped(pipeline):
+            folder = Path(spec.output.path) / "ema" if spec.ema.output == BOTH else None
+            write_model(env, pipeline, shards, evaluation, str(folder or spec.output.path))
+
+
+def write_model(
+    env: Env[PipelineSpec],
+    pipeline: Pipeline,
+    shards: Shards,
+    evaluation: dict[str, Any] | None,
+    out: str,
+) -> None:
+    """The model replica 0's stages hold now, written into `out` (write_output)."""
     spec = env.spec
     assert spec.output is not None
     about = trained_model.info(env.kind, env.job, spec, spec.steps, evaluation)
-    pipeline = pipelines.pipelines[0]
     paths = trained_model.write_live(
-        spec.output.path,
+        out,
         spec.output.format,
         pipeline.names,
         pipeline.stages,
@@ -250,9 +279,7 @@ def write_output(
         metadata=shards.metadata,
     )
     if shards.adapters:  # a peft model: its adapters as peft writes them, merged on request
-        paths += adapters.write(
-            spec.output.path, shards.adapters, spec.output.merged, shards.config
-        )
+        paths += adapters.write(out, shards.adapters, spec.output.merged, shards.config)
     elif spec.output.merged:
         world.log(env, "output.merged: the model has no peft adapters; nothing to merge")
     world.log(env, f"model written: {', '.join(str(p) for p in paths)}")

@@ -165,6 +165,12 @@ FULL["PipelineJob"]["optimizer"] = {
     "layerDecay": {"rate": 0.75, "layers": 4, "blocks": "blocks", "stem": ["tok_emb.*"]},
 }
 FULL["HybridJob"]["scheduling"] = {"provider": "coscheduling", "scheduleTimeoutSeconds": 60}
+FULL["PipelineJob"]["eval"] = {
+    "everySteps": 5,
+    "batches": 2,
+    "best": {"metric": "perplexity", "mode": "min"},
+    "earlyStopping": {"patience": 3, "minDelta": 0.01},
+}
 
 
 def seeds() -> list[dict]:

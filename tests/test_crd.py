@@ -353,6 +353,8 @@ NESTED_CASES = [
     {"name": "g"},
     {"name": "g", "preset": "noDecay"},
     {"name": "g", "preset": "noDecay", "params": ["x"]},
+    {"earlyStopping": {"patience": 1}},
+    {"best": {}, "earlyStopping": {"patience": 1}},
 ]
 
 

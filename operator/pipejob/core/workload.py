@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipejob.core.best_model import BEST, EARLY_STOPPING, Best, EarlyStopping
 from pipejob.core.schema import Field, Rule, integer
 
 # "package.module:function": dotted identifiers, one colon.
@@ -66,6 +67,8 @@ class CrossEntropy:
 class Eval:
     every_steps: int = 0  # 0: only at the end
     batches: int = 0  # held-out batches per evaluation; 0: the whole held-out set
+    best: Best | None = None
+    early_stopping: EarlyStopping | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,7 +313,17 @@ EVAL = Field(
             default=0,
             minimum=0,
         ),
+        "best": BEST,
+        "earlyStopping": EARLY_STOPPING,
     },
+    rules=(
+        Rule(
+            "!has(self.earlyStopping) || has(self.best)",
+            "earlyStopping watches best's metric: give best too (best: {} for the loss)",
+            "earlyStopping",
+            lambda o: "earlyStopping" not in o or "best" in o,
+        ),
+    ),
     section=True,
 )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from pipejob.core.averaged import BOTH
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import ema_stages, engine, trained_model
+from pipejob.trainer.pipeline.best_step import Judge
 from pipejob.trainer.pipeline.driver import Pipeline, Replicas
 from pipejob.trainer.pipeline.reader import Reader
 from pipejob.trainer.pipeline.run_plan import Plan, plan
@@ -38,8 +40,7 @@ from pipejob.trainer.workloads.metrics import Tally
 
 
 def train(env: Env[PipelineSpec]) -> dict[str, Any]:
-    """The PipelineJob master's run: the plan, the engine's pipelines, the steps, the model
-    written out; the run's summary."""
+    """The PipelineJob master's run: the plan, the pipelines, the steps, the model out."""
     spec = env.spec
     planned = plan(env)
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
@@ -48,9 +49,10 @@ def train(env: Env[PipelineSpec]) -> dict[str, Any]:
     evaluates = held_out_description(env, pipelines) is not None
     first = 0 if planned.found is None else resume(env, planned.found, pipelines, planned.shards)
     started = time.perf_counter()
-    results, evaluations = train_steps(env, planned, pipelines, evaluates, first)
+    judge = Judge(spec.eval.best, spec.eval.early_stopping) if spec.eval else Judge(None, None)
+    results, evaluations = train_steps(env, planned, pipelines, evaluates, first, judge)
     pipelines.readers(Reader.close)
-    if spec.output is not None:
+    if spec.output is not None and judge.step is None:  # else it holds the best step's
         write_output(env, pipelines, planned.shards, evaluations[-1] if evaluations else None)
     if not results:
         return roles.nothing_left(env, first)
@@ -68,6 +70,7 @@ def train(env: Env[PipelineSpec]) -> dict[str, Any]:
     if evaluations:
         summary["evaluation"] = evaluations[-1]
         summary["evaluations"] = evaluations
+    summary |= judge.figures()
     world.log(env, "summary:\n" + render(summary))
     return summary
 
@@ -90,10 +93,16 @@ def held_out_description(env: Env[PipelineSpec], pipelines: Replicas) -> str | N
 
 
 def train_steps(
-    env: Env[PipelineSpec], planned: Plan, pipelines: Replicas, evaluates: bool, first: int
+    env: Env[PipelineSpec],
+    planned: Plan,
+    pipelines: Replicas,
+    evaluates: bool,
+    first: int,
+    judge: Judge,
 ) -> tuple[list[StepResult], list[dict[str, Any]]]:
     """Steps first + 1 .. spec.steps: each step's result, and the evaluations (when the job
-    `evaluates`), each recorded, checkpointed and logged when due."""
+    `evaluates`), each recorded, checkpointed and logged when due, and `judge`d (the best
+    written out; early stopping ends the steps)."""
     spec = env.spec
     profile = profiling.settings(spec)
     results: list[StepResult] = []
@@ -114,6 +123,9 @@ def train_steps(
                     log_step(env, planned.names, pipelines, step, result, events)
                 if evaluates and evaluation_due(spec, step + 1):
                     evaluations.append(evaluate(env, pipelines, planned, step + 1, events))
+                    write = partial(write_output, env, pipelines, planned.shards, evaluations[-1])
+                    if judge.after(env, evaluations[-1], write if spec.output else None):
+                        return results, evaluations
     finally:
         events.close()
     return results, evaluations
@@ -242,10 +254,8 @@ def evaluate(
 def write_output(
     env: Env[PipelineSpec], pipelines: Replicas, shards: Shards, evaluation: dict[str, Any] | None
 ) -> None:
-    """Every stage's state (replica 0's) and the state no stage holds under the model's own
-    names: one file for a small model, else each stage writes its own shard
-    (pipeline/trained_model.py); the JSON beside them. With spec.ema, the average's (ema)
-    or the weights' and, in the subfolder ema/, the average's (both)."""
+    """The model replica 0's stages hold (`write_model`); with spec.ema, the average (ema),
+    or the weights and, in the subfolder ema/, the average (both)."""
     spec = env.spec
     assert spec.output is not None
     pipeline = pipelines.pipelines[0]
@@ -264,7 +274,9 @@ def write_model(
     evaluation: dict[str, Any] | None,
     out: str,
 ) -> None:
-    """The model replica 0's stages hold now, written into `out` (write_output)."""
+    """Every stage's state (replica 0's) and the state no stage holds under the model's own
+    names, into `out`: one file for a small model, else each stage writes its own shard
+    (pipeline/trained_model.py); the JSON beside them."""
     spec = env.spec
     assert spec.output is not None
     about = trained_model.info(env.kind, env.job, spec, spec.steps, evaluation)

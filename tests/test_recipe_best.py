@@ -156,3 +156,19 @@ def test_a_run_stops_where_the_rule_says_with_the_best_steps_weights_out(
     model = small_cnn(classes=10)
     model.load_state_dict(load_file(out / "model.safetensors"), strict=True)
     assert held_out_loss(model, val) == pytest.approx(best, abs=1e-5)
+
+
+def test_a_resumed_run_starts_from_the_best_its_output_holds(tmp_path: Path):
+    """After a restart the output's model.json (written at the best evaluation) seeds the
+    judge: a worse evaluation after the resume is not written over it."""
+    import json
+
+    fields = {"eval": {"best": {"metric": "loss"}}, "output": {"path": str(tmp_path)}}
+    job = spec.parse(pipeline_job("best", **fields)).settings
+    assert Judge.of(job, 10).step is None  # no output yet
+    (tmp_path / "model.json").write_text(json.dumps({"evaluation": {"step": 8, "loss": 0.5}}))
+    judge = Judge.of(job, 10)
+    assert (judge.value, judge.step) == (0.5, 8)
+    assert not judge.judge({"step": 12, "loss": 0.6})
+    assert Judge.of(job, 0).step is None  # a fresh run: an old output is not its best
+    assert Judge.of(job, 7).step is None  # the output is of a step after the checkpoint

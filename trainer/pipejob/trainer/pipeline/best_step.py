@@ -5,11 +5,14 @@ once `patience` evaluations in a row brought none."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pipejob.core.best_model import Best, EarlyStopping
+from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.runtime import monitor, world
 from pipejob.trainer.runtime.world import Env
 
@@ -24,6 +27,25 @@ class Judge:
     value: float | None = None
     step: int | None = None
     stale: int = 0
+
+    @classmethod
+    def of(cls, spec: PipelineSpec, first: int) -> Judge:
+        """spec.eval's judge. A run resumed after step `first` starts from the best the
+        output holds (its model.json's evaluation, of a step up to `first`), so a restart
+        does not write a worse one over it; its patience starts afresh."""
+        if spec.eval is None:
+            return cls(None, None)
+        judge = cls(spec.eval.best, spec.eval.early_stopping)
+        if judge.best is None or not first or spec.output is None:
+            return judge
+        try:
+            held = json.loads((Path(spec.output.path) / "model.json").read_text())["evaluation"]
+            value, step = float(held[judge.best.metric]), int(held["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return judge  # no output yet, or one without that figure
+        if step <= first:
+            judge.value, judge.step = value, step
+        return judge
 
     def judge(self, figures: dict[str, Any]) -> bool:
         """Whether the evaluation `figures` is the best so far (noted, and counted against

@@ -49,7 +49,7 @@ def train(env: Env[PipelineSpec]) -> dict[str, Any]:
     evaluates = held_out_description(env, pipelines) is not None
     first = 0 if planned.found is None else resume(env, planned.found, pipelines, planned.shards)
     started = time.perf_counter()
-    judge = Judge(spec.eval.best, spec.eval.early_stopping) if spec.eval else Judge(None, None)
+    judge = Judge.of(spec, first)  # spec.eval.best, earlyStopping
     results, evaluations = train_steps(env, planned, pipelines, evaluates, first, judge)
     pipelines.readers(Reader.close)
     if spec.output is not None and judge.step is None:  # else it holds the best step's

@@ -117,14 +117,17 @@ def test_a_run_stops_where_the_rule_says_with_the_best_steps_weights_out(
 
     train, val = write_digits(tmp_path / "digits")
     out = tmp_path / "model"
-    patience, delta = 2, 0.05
+    # The highest loss is the best: the loss falls over the first steps, so the first
+    # evaluation stays the best, the run stops at the third, and the output (step 1's
+    # weights) is not the last step's: a run that wrote its last weights would fail.
+    patience, delta = 2, 0.0
     manifest = pipeline_job(
         "best",
         model={"import": "userpkg.vision:small_cnn", "args": {"classes": 10}},
         data={"imageFolder": {"train": str(train), "val": str(val)}},
         eval={
             "everySteps": 1,
-            "best": {"metric": "loss"},
+            "best": {"metric": "loss", "mode": "max"},
             "earlyStopping": {"patience": patience, "minDelta": delta},
         },
         output={"path": str(out)},
@@ -142,9 +145,9 @@ def test_a_run_stops_where_the_rule_says_with_the_best_steps_weights_out(
     # The rule, written out: where it ends the run, and the best evaluation before.
     best, stale, stop = None, 0, None
     for step, value in enumerate(losses, start=1):
-        beyond = best is None or best - value > delta
-        stale = 0 if beyond else stale + 1
-        best = value if best is None or value < best else best
+        better = best is None or value > best
+        stale = 0 if better and (best is None or value - best > delta) else stale + 1
+        best = value if better else best
         if stale >= patience:
             stop = step
             break
@@ -152,6 +155,7 @@ def test_a_run_stops_where_the_rule_says_with_the_best_steps_weights_out(
     assert summary["steps"] == stop == len(losses)
     assert summary["stoppedEarly"].startswith(f"early stopping: {patience} evaluation(s)")
     assert summary["best"] == {"metric": "loss", "value": best, "step": losses.index(best) + 1}
+    assert summary["best"]["step"] < stop, losses  # the output is not the last step's
     assert f"the run ends after step {stop}" in log
     model = small_cnn(classes=10)
     model.load_state_dict(load_file(out / "model.safetensors"), strict=True)

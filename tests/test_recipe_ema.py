@@ -126,8 +126,12 @@ def _ema_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     "engine_fields",
-    # The rpc engine's world holds the pipelining one: both step through Shard.step_optimizer.
-    [{}, pytest.param({"engine": "pipelining", "schedule": "1f1b"}, marks=pytest.mark.slow)],
+    # slow: the numbers are held in one process (the resume test above, through Shard), the
+    # world's path (keep, update, swap, checkpoint) by the `pipejob run` test below.
+    [
+        pytest.param({}, marks=pytest.mark.slow),
+        pytest.param({"engine": "pipelining", "schedule": "1f1b"}, marks=pytest.mark.slow),
+    ],
     ids=["rpc", "pipelining"],
 )
 def test_a_worlds_average_equals_one_process(tmp_path: Path, engine_fields: dict[str, str]):

@@ -109,11 +109,13 @@ FULL = {
         "precision": "bf16",
         "skipNonFiniteSteps": 1,
         "activationCheckpointing": True,
+        "ema": {"decay": 0.99, "everySteps": 2, "warmup": 3, "output": "both"},
         "data": {
             "tokens": {"train": "/data/t.bin", "val": "/data/v.bin", "dtype": "uint16"},
             "workers": 1,
         },
-        "loss": {"import": "torch.nn:CrossEntropyLoss", "args": {"label_smoothing": 0.1}},
+        # The built-in loss's options (examples/custom-model has import and args).
+        "loss": {"crossEntropy": {"labelSmoothing": 0.1, "ignoreIndex": -1}},
         **COMMON,
     },
     "HybridJob": {
@@ -142,8 +144,34 @@ FULL = {
         **COMMON,
     },
 }
-FULL["HybridJob"]["optimizer"] = {"name": "adam", "lr": 0.01, "weightDecay": 0.0}
+FULL["HybridJob"]["optimizer"] = {
+    "name": "adam",
+    "lr": 0.01,
+    "weightDecay": 0.0,
+    "groups": [{"name": "no-decay", "preset": "noDecay"}],
+}
+# AdamW with every parameter-group field (issue 58).
+FULL["PipelineJob"]["optimizer"] = {
+    "name": "adamw",
+    "lr": 0.01,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "weightDecay": 0.1,
+    "clipGradNorm": 1.0,
+    "schedule": {"warmupSteps": 2, "decay": "cosine", "minLr": 0.001},
+    "groups": [
+        {"name": "head", "params": ["head.*"], "maxDims": 2, "weightDecay": 0.0, "lrScale": 10},
+        {"name": "no-decay", "preset": "noDecay"},
+    ],
+    "layerDecay": {"rate": 0.75, "layers": 4, "blocks": "blocks", "stem": ["tok_emb.*"]},
+}
 FULL["HybridJob"]["scheduling"] = {"provider": "coscheduling", "scheduleTimeoutSeconds": 60}
+FULL["PipelineJob"]["eval"] = {
+    "everySteps": 5,
+    "batches": 2,
+    "best": {"metric": "perplexity", "mode": "min"},
+    "earlyStopping": {"patience": 3, "minDelta": 0.01},
+}
 
 
 def seeds() -> list[dict]:
@@ -409,6 +437,7 @@ def trainer_accepts(env: dict[str, str]) -> None:
     import torch
 
     from pipejob.trainer.hybrid import sparse_optimizers
+    from pipejob.trainer.runtime import optim
     from pipejob.trainer.runtime.optim import optimizer_args
     from pipejob.trainer.runtime.world import read_env
 
@@ -416,6 +445,7 @@ def trainer_accepts(env: dict[str, str]) -> None:
     params = [torch.zeros(4, 2, requires_grad=True)]
     cls, kwargs = optimizer_args(read.spec.optimizer)
     cls(params, **kwargs)
+    optim.build(read.spec.optimizer, [("w", params[0])])  # with its groups
     if read.kind == "HybridJob" and read.role == "ps":
         sparse_optimizers.make(params, read.spec.sparse_optimizer)
 

@@ -141,7 +141,7 @@ def test_optimizer_state_survives_a_checkpoint(name: str) -> None:
     def optimizer(model: torch.nn.Module) -> Any:
         if name == "nadam":
             return torch.optim.NAdam(model.parameters(), lr=0.1)
-        return Functional(spec, model.parameters())
+        return Functional(spec, model.named_parameters())
 
     def step(model: torch.nn.Module, opt: Any) -> None:
         model.zero_grad()

@@ -346,6 +346,15 @@ NESTED_CASES = [
     {"stage": "m:f"},
     {"layers": ["a"], "stage": "m:f"},
     {"resources": {"limits": {"nvidia.com/gpu": 1}}},
+    {"crossEntropy": {}},
+    {"import": "m:f", "crossEntropy": {}},
+    {"name": "sgd", "beta1": 0.8},
+    {"name": "adamw", "beta1": 0.8},
+    {"name": "g"},
+    {"name": "g", "preset": "noDecay"},
+    {"name": "g", "preset": "noDecay", "params": ["x"]},
+    {"earlyStopping": {"patience": 1}},
+    {"best": {}, "earlyStopping": {"patience": 1}},
 ]
 
 

@@ -24,7 +24,8 @@ def test_each_optimizer_steps_as_torch_optim_does(name: str, momentum: float) ->
     ours = [torch.randn(5, 3, dtype=torch.float64, requires_grad=True), torch.randn(4)]
     theirs = [p.detach().clone().requires_grad_() for p in ours]
     cls, kwargs = optimizer_args(opt)
-    reference, functional = cls(theirs, **kwargs), Functional(opt, ours)
+    reference = cls(theirs, **kwargs)
+    functional = Functional(opt, [(str(i), p) for i, p in enumerate(ours)])
     for step in range(4):
         grads = [torch.randn_like(p) for p in ours]
         if step == 2:  # a parameter without a gradient is left as it is, state and all
@@ -51,7 +52,7 @@ from pipejob.trainer.pipeline.rpc import stage
 from pipejob.trainer.runtime.optim import Functional
 p = torch.nn.Parameter(torch.ones(3))
 o = Functional(from_spec(Optimizer, {"name": "adam", "lr": 0.1, "momentum": 0.0,
-                                     "weightDecay": 0.0}), [p])
+                                     "weightDecay": 0.0}), [("p", p)])
 p.grad = torch.ones(3)
 o.step()
 print(sorted(m for m in ("torch._dynamo", "torch.distributed.optim", "sympy") if m in sys.modules))

@@ -218,12 +218,12 @@ def test_gpipe_bubble():
         (
             {"name": "adam", "lr": 0.01, "momentum": 0.0, "weightDecay": 0.0},
             torch.optim.Adam,
-            {"lr": 0.01, "weight_decay": 0.0},
+            {"lr": 0.01, "weight_decay": 0.0, "betas": (0.9, 0.999)},
         ),
         (
-            {"name": "adamw", "lr": 0.01, "momentum": 0.0, "weightDecay": 0.1},
+            {"name": "adamw", "lr": 0.01, "momentum": 0.0, "weightDecay": 0.1, "beta2": 0.95},
             torch.optim.AdamW,
-            {"lr": 0.01, "weight_decay": 0.1},
+            {"lr": 0.01, "weight_decay": 0.1, "betas": (0.9, 0.95)},
         ),
     ],
 )

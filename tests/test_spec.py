@@ -35,7 +35,14 @@ def test_defaults_fill_every_field():
     assert (job.kind, job.name) == ("PipelineJob", "resnet")
     assert s["model"] == {"torchvision": "resnet50"}  # the shortcut, completed
     assert s["steps"] == 10 and s["imageSize"] == 224
-    assert s["optimizer"] == {"name": "sgd", "lr": 0.05, "momentum": 0.0, "weightDecay": 0.0}
+    assert s["optimizer"] == {
+        "name": "sgd",
+        "lr": 0.05,
+        "momentum": 0.0,
+        "weightDecay": 0.0,
+        "beta1": 0.9,
+        "beta2": 0.999,
+    }
     assert s["backoffLimit"] == 3 and s["gpusPerStage"] == 0 and s["suspend"] is False
     assert "template" not in s and "activeDeadlineSeconds" not in s
 

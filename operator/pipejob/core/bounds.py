@@ -92,12 +92,13 @@ LEARNING_RATE = Range(0.0, exclusive_minimum=True, own_minimum=True)
 # pipejob's upper end: a momentum over 1 grows every step without bound (torch takes it).
 MOMENTUM = Range(0.0, maximum=1.0, own_maximum=True)
 
+_BETAS = {"beta1": BETA, "beta2": BETA}
 # spec.optimizer, by name: the torch.optim class it builds (trainer/runtime/optim.py), and the
 # bound of each spec field that class receives (the spec's name: momentum only where used).
 OPTIMIZERS: dict[str, tuple[str, dict[str, Range]]] = {
     "sgd": ("SGD", {"lr": LEARNING_RATE, "momentum": MOMENTUM, "weightDecay": AT_LEAST_0}),
-    "adam": ("Adam", {"lr": LEARNING_RATE, "weightDecay": AT_LEAST_0}),
-    "adamw": ("AdamW", {"lr": LEARNING_RATE, "weightDecay": AT_LEAST_0}),
+    "adam": ("Adam", {"lr": LEARNING_RATE, "weightDecay": AT_LEAST_0, **_BETAS}),
+    "adamw": ("AdamW", {"lr": LEARNING_RATE, "weightDecay": AT_LEAST_0, **_BETAS}),
     "rmsprop": ("RMSprop", {"lr": LEARNING_RATE, "momentum": MOMENTUM, "weightDecay": AT_LEAST_0}),
 }
 

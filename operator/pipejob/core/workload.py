@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipejob.core.best_model import BEST, EARLY_STOPPING, Best, EarlyStopping
 from pipejob.core.schema import Field, Rule, integer
 
 # "package.module:function": dotted identifiers, one colon.
@@ -56,12 +57,23 @@ CUT_AUTO, CUT_TRACED, CUT_EAGER = "auto", "traced", "eager"
 class Loss:
     import_: str | None = None  # None: cross-entropy
     args: dict[str, Any] = field(default_factory=dict)
+    cross_entropy: CrossEntropy | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CrossEntropy:
+    """spec.loss.crossEntropy: the built-in loss's options."""
+
+    label_smoothing: float = 0.0
+    ignore_index: int = -100
 
 
 @dataclass(frozen=True, kw_only=True)
 class Eval:
     every_steps: int = 0  # 0: only at the end
     batches: int = 0  # held-out batches per evaluation; 0: the whole held-out set
+    best: Best | None = None
+    early_stopping: EarlyStopping | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,14 +269,47 @@ def path_field(description: str, what: str) -> Field:
 
 RELATIVE = " A relative path is relative to the manifest's folder with `pipejob run`."
 
+CROSS_ENTROPY = Field(
+    "object",
+    "The built-in cross-entropy's options (torch.nn.functional.cross_entropy's).",
+    fields={
+        "labelSmoothing": Field(
+            "number",
+            "Mix each target with the uniform distribution by this much (timm's and the HF"
+            " Trainer's label_smoothing).",
+            default=0.0,
+            minimum=0,
+            maximum=1,
+        ),
+        "ignoreIndex": Field(
+            "integer",
+            "A label the loss leaves out (padding, a prompt's tokens): the mean is over the"
+            " other labels of each micro-batch.",
+            default=-100,
+            minimum=-(2**31),
+            maximum=2**31 - 1,
+        ),
+    },
+    section=True,
+)
+
 LOSS = Field(
     "object",
     "The loss: cross-entropy (per token for the language model) unless `import` names the user's.",
     fields={
         "import": import_field("a callable loss(output, target) -> scalar tensor"),
         "args": ARGS,
+        "crossEntropy": CROSS_ENTROPY,
     },
-    rules=(args_need_import("loss"),),
+    rules=(
+        args_need_import("loss"),
+        at_most_one(
+            ("import", "crossEntropy"),
+            "crossEntropy sets the built-in loss's options: with import, give your loss its"
+            " own args",
+            "crossEntropy",
+        ),
+    ),
 )
 
 EVAL = Field(
@@ -284,7 +329,17 @@ EVAL = Field(
             default=0,
             minimum=0,
         ),
+        "best": BEST,
+        "earlyStopping": EARLY_STOPPING,
     },
+    rules=(
+        Rule(
+            "!has(self.earlyStopping) || has(self.best)",
+            "earlyStopping watches best's metric: give best too (best: {} for the loss)",
+            "earlyStopping",
+            lambda o: "earlyStopping" not in o or "best" in o,
+        ),
+    ),
     section=True,
 )
 

@@ -237,6 +237,20 @@ HYBRID_SPEC = Field(
             "optimizer",
             lambda s: "schedule" not in s["optimizer"] and "clipGradNorm" not in s["optimizer"],
         ),
+        Rule(
+            "!has(self.eval) || (!has(self.eval.best) && !has(self.eval.earlyStopping))",
+            "a HybridJob keeps no best model and stops no run early yet: leave eval.best and"
+            " eval.earlyStopping out",
+            "eval",
+            lambda s: not ({"best", "earlyStopping"} & set(s.get("eval", {}))),
+        ),
+        Rule(
+            "!has(self.embeddings) || !has(self.loss) || !has(self.loss.crossEntropy)",
+            "a click (spec.embeddings) is judged by binary cross-entropy: loss.crossEntropy's"
+            " options are for class labels; leave it out",
+            "loss.crossEntropy",
+            lambda s: "embeddings" not in s or "crossEntropy" not in s.get("loss", {}),
+        ),
         needs_checkpoint("trainers"),
         elastic_acts("trainers"),
         *COMMON_RULES,

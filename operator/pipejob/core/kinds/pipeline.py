@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipejob.core.averaged import EMA, Ema
 from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec
 from pipejob.core.data_sources import PIPELINE_DATA, PipelineData
 from pipejob.core.elastic import Size, elastic_acts, needs_checkpoint, size_field
@@ -150,6 +151,7 @@ PIPELINE_SPEC = Field(
             " activations in the backward: less memory for about one more forward.",
             default=False,
         ),
+        "ema": EMA,
         **COMMON,
     },
     rules=(
@@ -283,6 +285,7 @@ class PipelineSpec(CommonSpec):
     engine: str = RPC
     schedule: str = GPIPE  # completed from the engine when the spec leaves it out
     stages_per_process: int = 1
+    ema: Ema | None = None
 
     @property
     def pieces(self) -> int:

@@ -24,8 +24,7 @@ from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid import board, evaluate, ps
 from pipejob.trainer.hybrid.router import Routed, Router
-from pipejob.trainer.runtime import checkpoint, nonfinite, profiling, world
-from pipejob.trainer.runtime.optim import optimizer_args
+from pipejob.trainer.runtime import checkpoint, nonfinite, optim, profiling, world
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import samples
 from pipejob.trainer.workloads.samples import Batch
@@ -197,8 +196,7 @@ def _dense_model(
     dense = DistributedDataParallel(
         module, device_ids=[device.index] if device.type == "cuda" else None
     )
-    optimizer_class, kwargs = optimizer_args(spec.optimizer)
-    optimizer = optimizer_class(module.parameters(), **kwargs)
+    optimizer = optim.build(spec.optimizer, module.named_parameters())
     if restored is not None:
         checkpoint.load_optimizer_state(optimizer, module, restored["optimizers"]["dense"])
     return module, dense, optimizer

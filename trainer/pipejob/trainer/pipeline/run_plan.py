@@ -25,7 +25,7 @@ from pipejob.trainer.pipeline.shards import (
     share,
     stage_resources,
 )
-from pipejob.trainer.runtime import checkpoint, world
+from pipejob.trainer.runtime import checkpoint, param_groups, world
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import batch_values, data, materialize, models, staged
 from pipejob.trainer.workloads.cut import CutError
@@ -66,6 +66,7 @@ def plan(env: Env[PipelineSpec]) -> Plan:
     count = len(every) // spec.stages
     replicas = [every[r * spec.stages : (r + 1) * spec.stages] for r in range(count)]
     model, numbered = models.build_meta(spec)  # the stages build their own shards
+    param_groups.check_ties(spec.optimizer, model.named_parameters(remove_duplicate=False))
     loss = workloads.loss(spec)
     inputs = checked_inputs(env, model, loss)
     found = checkpoint.latest_for(env)

@@ -17,13 +17,14 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.futures import Future
 
+from pipejob.core.averaged import Ema
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Reader, Source
 from pipejob.trainer.pipeline.stage_calls import StageRef, remote_reader
 from pipejob.trainer.pipeline.stage_parts import Part
-from pipejob.trainer.runtime import checkpoint, model_files, tuning
+from pipejob.trainer.runtime import checkpoint, ema, model_files, tuning
 from pipejob.trainer.runtime.optim import Functional, set_lr
 from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS
 from pipejob.trainer.workloads import batch_values
@@ -121,6 +122,7 @@ class Shard:
     replicas_group: Any = None
     # The rpc engine's GPU stage computes on a thread and stream of its own (gpu_worker.py).
     gpu: GpuWorker | None = None
+    average: ema.Average | None = None  # spec.ema's (keep_average)
 
     def __init__(
         self,
@@ -142,7 +144,7 @@ class Shard:
         self.parameters_by_name = dict(self.layers.named_parameters())
         # None: a pipeline that only computes (tests, evaluation); the master steps none.
         self.optimizer = (
-            None if optimizer is None else Functional(optimizer, self.layers.parameters())
+            None if optimizer is None else Functional(optimizer, self.layers.named_parameters())
         )
         self.autocast = AUTOCAST[precision]  # spec.precision
         self.recompute = recompute  # spec.activationCheckpointing
@@ -314,6 +316,17 @@ class Shard:
             set_lr(self.optimizer, lr)
         params = self.parameters_by_name
         self.optimizer.step({params[n]: g for n, g in grads.items()})
+        if self.average is not None:  # spec.ema: after every applied step
+            self.average.update()
+
+    def keep_average(self, settings: Ema) -> None:
+        """Keep spec.ema's average of the shard's parameters from now (runtime/ema.py)."""
+        self.average = ema.Average(settings, self.layers.parameters())
+
+    def swap_average(self) -> None:
+        """Exchange the parameters and their average: evaluations and the output of it."""
+        assert self.average is not None, "this stage keeps no average (spec.ema)"
+        self.average.swap()
 
     def norm(
         self, context_id: int, unscale: float = 1.0, leave_out: frozenset[str] = frozenset()
@@ -352,5 +365,9 @@ class Shard:
             torch.manual_seed(seed)
 
     def _optimizers(self) -> dict[str, Any]:
-        """The optimizers a checkpoint keeps with the shard, by key."""
-        return {} if self.optimizer is None else {"optimizer": self.optimizer}
+        """The optimizers a checkpoint keeps with the shard, by key (spec.ema's average as
+        one: its state is by parameter too)."""
+        kept = {} if self.optimizer is None else {"optimizer": self.optimizer}
+        if self.average is not None:
+            kept[ema.CHECKPOINT_KEY] = self.average
+        return kept

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
+from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.driver import StepResult
 from pipejob.trainer.pipeline.shards import Shards, share
-from pipejob.trainer.runtime import memory, monitor, roles
+from pipejob.trainer.runtime import memory, monitor, param_groups, roles
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import metrics, models
 
@@ -70,6 +71,7 @@ def summarize(
         activationCheckpointing=spec.activation_checkpointing,
         **curve_figures(results),
         clipGradNorm=spec.optimizer.clip_grad_norm,
+        parameterGroups=group_counts(spec, shards),
         **rate_figures(spec, measured),
         partition=rows,
         memory=peaks,  # every member's, the master's and every replica's stages' included
@@ -79,6 +81,19 @@ def summarize(
             "scheduleIdeal": round(gpipe_bubble(p, m, spec.stages_per_process), 4),
         },
     )
+
+
+def group_counts(spec: PipelineSpec, shards: Shards) -> dict[str, int]:
+    """Per spec.optimizer group, its parameters' elements over the whole model (the pieces'
+    modules, on the meta device where the stages build their own), a tied one counted once."""
+    copies = gradients.copies(shards.tied)
+    named = {
+        name: p
+        for k, piece in enumerate(shards.stages)
+        for name, p in piece.named_parameters()
+        if name not in copies.get(k % (shards.processes or len(shards.stages)), ())
+    }
+    return param_groups.counts(spec.optimizer, named.items())
 
 
 def stage_rows(

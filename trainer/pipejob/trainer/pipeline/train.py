@@ -7,21 +7,22 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Iterator
+from functools import partial
+from pathlib import Path
 from typing import Any
 
-import torch
-
+from pipejob.core.averaged import BOTH
 from pipejob.core.kinds.pipeline import PIPELINING, RPC, PipelineSpec
 from pipejob.core.workload import CUT_EAGER, CUT_TRACED
-from pipejob.trainer.pipeline import engine, trained_model
-from pipejob.trainer.pipeline.driver import Replicas
+from pipejob.trainer.pipeline import ema_stages, engine, trained_model
+from pipejob.trainer.pipeline.best_step import Judge
+from pipejob.trainer.pipeline.driver import Pipeline, Replicas
 from pipejob.trainer.pipeline.eager import run as eager_run
 from pipejob.trainer.pipeline.engine_choice import resolved
+from pipejob.trainer.pipeline.master_checkpoints import resume, save_checkpoint
 from pipejob.trainer.pipeline.reader import Reader
 from pipejob.trainer.pipeline.run_plan import Plan, plan
 from pipejob.trainer.pipeline.shards import Shards
-from pipejob.trainer.pipeline.stage_base import Shard
-from pipejob.trainer.pipeline.stage_calls import remote_stage
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import render, stage_report, summarize
 from pipejob.trainer.runtime import (
@@ -35,14 +36,13 @@ from pipejob.trainer.runtime import (
 )
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
-from pipejob.trainer.workloads import data, metrics, models
+from pipejob.trainer.workloads import data, metrics
 from pipejob.trainer.workloads.cut import CutError
 from pipejob.trainer.workloads.metrics import Tally
 
 
 def train(env: Env[PipelineSpec]) -> dict[str, Any]:
-    """The PipelineJob master's run: the plan, the engine's pipelines, the steps, the model
-    written out; the run's summary."""
+    """The PipelineJob master's run: the plan, the pipelines, the steps, the model out."""
     spec = env.spec
     if spec.model.cut == CUT_EAGER:
         return eager(env, "spec.model.cut: eager")
@@ -55,12 +55,14 @@ def train(env: Env[PipelineSpec]) -> dict[str, Any]:
     env, spec = planned.env, planned.env.spec  # on the engine it runs (engine auto's choice)
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
     pipelines = engine(spec, "driver").Replicas(planned.replicas, planned.shards, spec, device)
+    ema_stages.keep(spec, pipelines)  # spec.ema: before a checkpoint's average is loaded
     evaluates = held_out_description(env, pipelines) is not None
     first = 0 if planned.found is None else resume(env, planned.found, pipelines, planned.shards)
     started = time.perf_counter()
-    results, evaluations = train_steps(env, planned, pipelines, evaluates, first)
+    judge = Judge.of(spec, first)  # spec.eval.best, earlyStopping
+    results, evaluations = train_steps(env, planned, pipelines, evaluates, first, judge)
     pipelines.readers(Reader.close)
-    if spec.output is not None:
+    if spec.output is not None and judge.step is None:  # else it holds the best step's
         write_output(env, pipelines, planned.shards, evaluations[-1] if evaluations else None)
     if not results:
         return roles.nothing_left(env, first)
@@ -79,6 +81,7 @@ def train(env: Env[PipelineSpec]) -> dict[str, Any]:
     if evaluations:
         summary["evaluation"] = evaluations[-1]
         summary["evaluations"] = evaluations
+    summary |= judge.figures()
     world.log(env, "summary:\n" + render(summary))
     return summary
 
@@ -107,10 +110,16 @@ def held_out_description(env: Env[PipelineSpec], pipelines: Replicas) -> str | N
 
 
 def train_steps(
-    env: Env[PipelineSpec], planned: Plan, pipelines: Replicas, evaluates: bool, first: int
+    env: Env[PipelineSpec],
+    planned: Plan,
+    pipelines: Replicas,
+    evaluates: bool,
+    first: int,
+    judge: Judge,
 ) -> tuple[list[StepResult], list[dict[str, Any]]]:
     """Steps first + 1 .. spec.steps: each step's result, and the evaluations (when the job
-    `evaluates`), each recorded, checkpointed and logged when due."""
+    `evaluates`), each recorded, checkpointed and logged when due, and `judge`d (the best
+    written out; early stopping ends the steps)."""
     spec = env.spec
     profile = profiling.settings(spec)
     results: list[StepResult] = []
@@ -131,6 +140,9 @@ def train_steps(
                     log_step(env, planned.names, pipelines, step, result, events)
                 if evaluates and evaluation_due(spec, step + 1):
                     evaluations.append(evaluate(env, pipelines, planned, step + 1, events))
+                    write = partial(write_output, env, pipelines, planned.shards, evaluations[-1])
+                    if judge.after(env, evaluations[-1], write if spec.output else None):
+                        return results, evaluations
     finally:
         events.close()
     return results, evaluations
@@ -229,6 +241,13 @@ def evaluate(
     )
     figures = {"step": step, **tally.result()}
     metric = "".join(f", {m}" for m in [metrics.describe(figures)] if m)
+    if spec.ema is not None:  # the average's figures beside the weights'
+        with ema_stages.swapped(pipelines.pipelines[0]):
+            tally = pipelines.evaluate(
+                planned.micro_batches, spec.eval.batches, planned.loss, Tally(data.task(spec))
+            )
+        figures["ema"] = tally.result()
+        metric += f"; ema: loss {figures['ema']['loss']:.4f}"
     world.log(
         env,
         f"eval step {step}: loss {figures['loss']:.4f}{metric} on"
@@ -252,15 +271,34 @@ def evaluate(
 def write_output(
     env: Env[PipelineSpec], pipelines: Replicas, shards: Shards, evaluation: dict[str, Any] | None
 ) -> None:
+    """The model replica 0's stages hold (`write_model`); with spec.ema, the average (ema),
+    or the weights and, in the subfolder ema/, the average (both)."""
+    spec = env.spec
+    assert spec.output is not None
+    pipeline = pipelines.pipelines[0]
+    if spec.ema is None or spec.ema.output == BOTH:
+        write_model(env, pipeline, shards, evaluation, spec.output.path)
+    if spec.ema is not None:
+        with ema_stages.swapped(pipeline):
+            folder = Path(spec.output.path) / "ema" if spec.ema.output == BOTH else None
+            write_model(env, pipeline, shards, evaluation, str(folder or spec.output.path))
+
+
+def write_model(
+    env: Env[PipelineSpec],
+    pipeline: Pipeline,
+    shards: Shards,
+    evaluation: dict[str, Any] | None,
+    out: str,
+) -> None:
     """Every stage's state (replica 0's) and the state no stage holds under the model's own
-    names: one file for a small model, else each stage writes its own shard
+    names, into `out`: one file for a small model, else each stage writes its own shard
     (pipeline/trained_model.py); the JSON beside them."""
     spec = env.spec
     assert spec.output is not None
     about = trained_model.info(env.kind, env.job, spec, spec.steps, evaluation)
-    pipeline = pipelines.pipelines[0]
     paths = trained_model.write_live(
-        spec.output.path,
+        out,
         spec.output.format,
         pipeline.names,
         pipeline.stages,
@@ -270,112 +308,7 @@ def write_output(
         metadata=shards.metadata,
     )
     if shards.adapters:  # a peft model: its adapters as peft writes them, merged on request
-        paths += adapters.write(
-            spec.output.path, shards.adapters, spec.output.merged, shards.config
-        )
+        paths += adapters.write(out, shards.adapters, spec.output.merged, shards.config)
     elif spec.output.merged:
         world.log(env, "output.merged: the model has no peft adapters; nothing to merge")
     world.log(env, f"model written: {', '.join(str(p) for p in paths)}")
-
-
-# ---------------------------------------------------------------------------- checkpoints
-
-
-def save_checkpoint(env: Env[PipelineSpec], step: int, pipelines: Replicas, shards: Shards) -> None:
-    """Each stage of replica 0 saves its shard and its optimizer's state under the model's
-    own names (the replicas are identical: one copy of each stage, `stage<i>.pt`), the master
-    its RNG states, the data's position (replica 0's first stage's) and the partition; the
-    master's manifest, written last, says which file holds each name and makes the step
-    count."""
-    pipeline = pipelines.pipelines[0]
-    root = env.spec.checkpoint.path
-    directory = str(checkpoint.step_dir(root, step))
-    start = time.perf_counter()
-    saving = [
-        remote_stage(name, stage).future(Shard.save, directory, f"stage{i}.pt")
-        for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True))
-    ]
-    own = {
-        "rng": checkpoint.rng_state(),
-        "data": pipelines.data_state(),
-        "rest": shards.rest,
-        "config": shards.config,
-        "metadata": shards.metadata,
-    }
-    if pipelines.loss_scale is not None:
-        own["lossScale"] = pipelines.loss_scale.state()
-    files = [checkpoint.save_part(directory, "master.pt", own), *torch.futures.wait_all(saving)]
-    checkpoint.write_manifest(
-        root,
-        step,
-        files,
-        kind=env.kind,
-        job=env.job,
-        model=models.as_spec(env.spec.model),
-        stageCount=len(pipeline.stages),  # files stage0.pt, stage1.pt, ...: one per process
-        stages=shards.units_by_piece(),  # per piece of the cut
-        engine=env.spec.engine,
-        schedule=env.spec.schedule,
-        stagesPerProcess=env.spec.stages_per_process,
-        info=trained_model.info(env.kind, env.job, env.spec, step, None),
-        ranges=[[r.start, r.stop] for r in shards.ranges],
-        costs=shards.costs,
-        microBatches=shards.partition.micro_batches,
-        microBatchCandidates=shards.partition.candidates,
-        replicas=len(pipelines.pipelines),
-    )
-    checkpoint.prune(root)
-    roles.checkpoint_written(env, step, files, time.perf_counter() - start, directory)
-
-
-def resume(
-    env: Env[PipelineSpec], found: checkpoint.Checkpoint, pipelines: Replicas, shards: Shards
-) -> int:
-    """Load every stage's shard and optimizer state by the model's own names, from the files
-    of the checkpoint that hold them (stage i of every replica the same: the checkpoint holds
-    one copy, whatever the replica count that wrote it), the master's RNG states and the
-    data's position (every replica's first stage's); the step the checkpoint was taken after.
-    Either engine resumes the other's checkpoint. A stage process holding exactly the pieces
-    a saved one held continues its RNG state; another gets a seed of its own from (seed,
-    step, stage)."""
-    index = checkpoint.index_of(found)
-    manifest = found.manifest
-    same = (
-        shards.units_by_piece() == manifest.get("stages")
-        and manifest.get("stagesPerProcess", 1) == env.spec.stages_per_process
-    )
-    directory = str(found.directory)
-    per_stage = []
-    for k in range(env.spec.stages):
-        names = [n for piece in shards.process_pieces(k) for n in shards.stages[piece].state_dict()]
-        entries = checkpoint.sources(found, index, list(dict.fromkeys(names)))
-        seed = None if same else env.spec.seed + 1_000_003 * found.step + k
-        per_stage.append((entries, seed))
-    loading = []
-    for pipeline in pipelines.pipelines:
-        for name, stage, (entries, seed) in zip(
-            pipeline.names, pipeline.stages, per_stage, strict=True
-        ):
-            loading.append(remote_stage(name, stage).future(Shard.load, directory, entries, seed))
-    own = found.load("master.pt")
-    checkpoint.set_rng_state(own["rng"])
-    if pipelines.loss_scale is not None and "lossScale" in own:
-        pipelines.loss_scale.load(own["lossScale"])
-    torch.futures.wait_all(loading)
-    pipelines.readers(Reader.load_state, own["data"])
-    world.log(
-        env, f"resumed from step {found.step} ({found.directory})" + _origin(found.manifest, same)
-    )
-    monitor.board().resumed(found.step)
-    return found.step
-
-
-def _origin(manifest: dict[str, Any], same: bool) -> str:
-    """How the checkpoint's world was shaped, when this one is not cut as it was."""
-    if same:
-        return ""
-    return (
-        f", written by {manifest.get('stageCount', '?')} stages of the"
-        f" {manifest.get('engine', 'rpc')} engine cut at"
-        f" {', '.join(s[0] for s in manifest.get('stages', [])[1:]) or '?'}"
-    )

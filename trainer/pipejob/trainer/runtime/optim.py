@@ -13,6 +13,7 @@ import torch
 from torch.optim import adam, adamw, rmsprop, sgd
 
 from pipejob.core.common import Optimizer
+from pipejob.trainer.runtime.param_groups import param_groups
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -21,17 +22,27 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "rmsprop": torch.optim.RMSprop,
 }
 WITH_MOMENTUM = ("sgd", "rmsprop")
+WITH_BETAS = ("adam", "adamw")
 # torch.nn.utils.clip_grad_norm_'s guard against a zero norm; the same here, so a clipped
 # step equals torch's to the last bit of the coefficient.
 CLIP_EPS = 1e-6
 
 
-def optimizer_args(opt: Optimizer) -> tuple[type[torch.optim.Optimizer], dict[str, float]]:
+def optimizer_args(opt: Optimizer) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The torch.optim class and keyword arguments for an `optimizer` section."""
-    kwargs = {"lr": opt.lr, "weight_decay": opt.weight_decay}
+    kwargs: dict[str, Any] = {"lr": opt.lr, "weight_decay": opt.weight_decay}
     if opt.name in WITH_MOMENTUM:
         kwargs["momentum"] = opt.momentum
+    if opt.name in WITH_BETAS:
+        kwargs["betas"] = (opt.beta1, opt.beta2)
     return OPTIMIZERS[opt.name], kwargs
+
+
+def build(opt: Optimizer, named: Iterable[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+    """torch.optim's optimizer `opt.name` over the parameters `named` (name, parameter), in
+    spec.optimizer's groups (runtime/param_groups.py): a HybridJob's dense optimizer."""
+    cls, kwargs = optimizer_args(opt)
+    return cls(param_groups(opt, named, kwargs), **kwargs)
 
 
 def learning_rate(opt: Optimizer, steps: int, step: int) -> float:
@@ -72,27 +83,30 @@ class Functional:
     treat it as one. Always the multi-tensor form (torch's default only on GPUs): on a CPU it
     gives the single-tensor form's values to the bit, in a loop in C++ rather than Python."""
 
-    def __init__(self, opt: Optimizer, params: Iterable[torch.Tensor]):
+    def __init__(self, opt: Optimizer, named: Iterable[tuple[str, torch.Tensor]]):
+        """`named`: the parameters by their names in the whole model (which the groups of
+        spec.optimizer.groups match)."""
         self.name = opt.name
         _, kwargs = optimizer_args(opt)
-        self.param_groups = [{"params": list(params), **kwargs}]
+        self.param_groups = param_groups(opt, named, kwargs)
         self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
 
     def step(self, grads: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Step every parameter with a gradient: its `grads` entry (the rpc engine's, from
-        the step's distributed autograd context), or its `.grad`."""
-        group = self.param_groups[0]
-        found = {p: p.grad if grads is None else grads.get(p) for p in group["params"]}
-        params = [p for p, g in found.items() if g is not None]
-        if not params:
-            return
+        the step's distributed autograd context), or its `.grad`; group by group, each with
+        its own settings (a parameter's arithmetic is its own: the grouping changes no bit)."""
         # Named in a profile's trace, as torch.optim's step is.
         with torch.no_grad(), torch.profiler.record_function(f"optimizer step ({self.name})"):
-            _STEPS[self.name](self, group, params, [found[p] for p in params])
+            for group in self.param_groups:
+                found = {p: p.grad if grads is None else grads.get(p) for p in group["params"]}
+                params = [p for p, g in found.items() if g is not None]
+                if params:
+                    _STEPS[self.name](self, group, params, [found[p] for p in params])
 
     def zero_grad(self) -> None:
-        for p in self.param_groups[0]["params"]:
-            p.grad = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
     def _steps(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The parameters' step counters, made as torch.optim makes them (on the CPU)."""
@@ -139,8 +153,8 @@ def _adam(o: Functional, group: dict[str, Any], params: list, grads: list) -> No
         steps,
         has_complex=any(torch.is_complex(p) for p in params),
         amsgrad=False,
-        beta1=0.9,
-        beta2=0.999,
+        beta1=group["betas"][0],
+        beta2=group["betas"][1],
         lr=group["lr"],
         weight_decay=group["weight_decay"],
         eps=1e-8,
@@ -180,6 +194,7 @@ def _scalar_dtype() -> torch.dtype:
 
 
 def set_lr(optim: Any, lr: float) -> None:
-    """Set the learning rate of a torch.optim optimizer or a `Functional` one."""
+    """Set the learning rate of a torch.optim optimizer or a `Functional` one: `lr` times
+    each group's lr_scale (spec.optimizer.groups, layerDecay)."""
     for group in optim.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)

@@ -19,7 +19,7 @@ from torch import nn
 
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.workloads import imports, metrics, recsys, samples
+from pipejob.trainer.workloads import imports, label_loss, metrics, recsys, samples
 from pipejob.trainer.workloads.samples import Samples
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, labels) -> scalar
@@ -30,6 +30,8 @@ def loss(spec: PipelineSpec | HybridSpec) -> Loss:
     logit per sample, for a HybridJob's clicks), or what the user's factory (spec.loss.import,
     called with its args) returns, built here at once (so a bad one fails before anything
     runs) and again wherever it is sent (`UserLoss`)."""
+    if spec.loss.cross_entropy is not None:  # spec.loss.crossEntropy's options
+        return label_loss.LabelLoss.of(spec.loss.cross_entropy)
     if spec.loss.import_ is None:
         clicks = isinstance(spec, HybridSpec) and spec.recommends
         return recsys.click_loss if clicks else metrics.cross_entropy

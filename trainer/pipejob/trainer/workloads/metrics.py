@@ -34,9 +34,10 @@ class NeedsLoss(TypeError):
     spec.loss. The master's fit check refuses the job on it before any stage is built."""
 
 
-def cross_entropy(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+def cross_entropy(outputs: Any, labels: torch.Tensor, **options: Any) -> torch.Tensor:
     """The mean over samples, or over tokens when every position has a label (outputs
-    (batch, length, vocab), labels (batch, length)); of the logits (see `logits`)."""
+    (batch, length, vocab), labels (batch, length)); of the logits (see `logits`). `options`:
+    F.cross_entropy's (label_smoothing, ignore_index: spec.loss.crossEntropy)."""
     scores = logits(outputs)
     if scores is None:
         raise NeedsLoss(
@@ -46,8 +47,8 @@ def cross_entropy(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
             " this output as the model returns it"
         )
     if scores.dim() > 2:
-        return F.cross_entropy(scores.flatten(0, -2), labels.flatten())
-    return F.cross_entropy(scores, labels)
+        return F.cross_entropy(scores.flatten(0, -2), labels.flatten(), **options)
+    return F.cross_entropy(scores, labels, **options)
 
 
 def task_of(outputs: Any, labels: torch.Tensor) -> str | None:

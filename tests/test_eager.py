@@ -142,6 +142,10 @@ def test_what_the_eager_path_does_not_carry_is_refused_naming_the_field_never_ig
     assert refused is not None and "spec.gradientAccumulation" in refused
     refused = refusal(spec.parse(_esm_job(replicas=2)).settings)
     assert refused is not None and "spec.replicas" in refused
+    refused = refusal(spec.parse(_esm_job(ema={"decay": 0.9})).settings)
+    assert refused is not None and "spec.ema" in refused
+    refused = refusal(spec.parse(_esm_job(eval={"best": {}})).settings)
+    assert refused is not None and "spec.eval.best" in refused
 
 
 def test_the_eager_path_on_the_pipelining_engine_is_refused_naming_the_field():

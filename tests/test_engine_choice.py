@@ -12,7 +12,7 @@ from userdata import BYTE_VOCAB, write_stdlib_tokens
 
 from jobrun import pipeline_job, run_to_end
 from pipejob.core import plan, spec
-from pipejob.core.kinds.pipeline import engine_line
+from pipejob.core.kinds.pipeline_schedules import engine_line
 from pipejob.trainer.pipeline.engine_choice import Choice, choose, for_inputs, resolved
 
 TRANSFORMER = {"vocabSize": BYTE_VOCAB, "layers": 2, "width": 32, "heads": 2, "seqLen": 32}

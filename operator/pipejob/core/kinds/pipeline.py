@@ -19,15 +19,16 @@ from pipejob.core.kinds.pipeline_schedules import (
     ENGINES,
     GPIPE,
     INTERLEAVING,
-    ONE_F_ONE_B,
     PIPELINING,
     RPC,
     SCHEDULE_CEL,
     SCHEDULES,
     auto_counts,
     effective_schedule,
-    loss_needs_rpc,
+    engine_line,
     micro_batch_counts,
+    on_rpc_where_gpus_are_shared,
+    path_lines,
     schedule_refuses,
 )
 from pipejob.core.schema import Field, Rule, integer
@@ -333,18 +334,6 @@ def _spec_errors(spec: Spec) -> list[SpecError]:
     return errors
 
 
-def _path_lines(spec: Spec) -> list[str]:
-    """What `pipejob plan` can say of the path before the model is built: only where the
-    spec asks for one (auto's choice is made when the job starts; its summary says it)."""
-    model = spec["model"]
-    if isinstance(model, dict) and model.get("cut") == "eager":
-        return [
-            "path: eager (spec.model.cut: eager): the master runs the model's own forward and"
-            " the stages its costly modules, placed by measured cost when the job starts"
-        ]
-    return []
-
-
 PIPELINE_JOB = Kind(
     name="PipelineJob",
     plural="pipelinejobs",
@@ -402,33 +391,6 @@ PIPELINE_JOB = Kind(
     complete=_completed,
     check=_spec_errors,
     elastic="replicas",
-    describe=lambda spec: [*_path_lines(spec), engine_line(spec)],
-    on_shared_gpus=lambda spec: _on_rpc(spec),
+    describe=lambda spec: [*path_lines(spec), engine_line(spec)],
+    on_shared_gpus=on_rpc_where_gpus_are_shared,
 )
-
-
-def _on_rpc(spec: Spec) -> tuple[Spec, str] | None:
-    """`engine: auto` where the stages would share GPUs: the rpc engine (NCCL refuses two
-    ranks of the pipelining engine's group on one GPU; rpc stages share it)."""
-    if spec["engine"] != AUTO or effective_schedule(spec) in INTERLEAVING:
-        return None
-    why = "engine auto runs on rpc: its stages share GPUs here, which the pipelining engine cannot"
-    return {**spec, "engine": RPC, "schedule": GPIPE}, why
-
-
-def engine_line(spec: Spec) -> str:
-    """What `pipejob plan` says of the engine: the spec's, or what auto will choose between."""
-    schedule = effective_schedule(spec)
-    if spec["engine"] != AUTO:
-        return f"engine {spec['engine']}, schedule {schedule}"
-    loss = spec.get("loss") or {}
-    why = loss_needs_rpc(loss.get("import"), loss.get("args") or {})
-    if isinstance(spec["model"], dict) and spec["model"].get("cut") == "eager":
-        why = "the eager path (spec.model.cut: eager) runs on rpc"
-    if why is not None and schedule not in INTERLEAVING:
-        return f"engine auto: rpc (gpipe): {why}"
-    fallback = "rpc (gpipe)" if schedule in (GPIPE, ONE_F_ONE_B) else "no other (refused)"
-    return (
-        f"engine auto: pipelining (schedule {schedule}) where the stages pass each other only"
-        f" tensors, else {fallback}; the master chooses when it cuts the model"
-    )

@@ -1,5 +1,6 @@
-"""A PipelineJob's engines and schedules (spec.engine, spec.schedule), and which micro-batch
-counts a schedule can run (spec.microBatches, and the counts `auto` measures)."""
+"""A PipelineJob's engines and schedules (spec.engine, spec.schedule), which micro-batch
+counts a schedule can run (spec.microBatches, and the counts `auto` measures), and what
+`pipejob plan` says of the path and engine a job takes."""
 
 from __future__ import annotations
 
@@ -102,3 +103,42 @@ def loss_needs_rpc(name: str | None, args: dict) -> str | None:
         " pipelining engine's per-micro-batch losses need (name spec.engine pipelining"
         " where it is one)"
     )
+
+
+def on_rpc_where_gpus_are_shared(spec: dict) -> tuple[dict, str] | None:
+    """`engine: auto` where the stages would share GPUs: the rpc engine (NCCL refuses two
+    ranks of the pipelining engine's group on one GPU; rpc stages share it)."""
+    if spec["engine"] != AUTO or effective_schedule(spec) in INTERLEAVING:
+        return None
+    why = "engine auto runs on rpc: its stages share GPUs here, which the pipelining engine cannot"
+    return {**spec, "engine": RPC, "schedule": GPIPE}, why
+
+
+def engine_line(spec: dict) -> str:
+    """What `pipejob plan` says of the engine: the spec's, or what auto will choose between."""
+    schedule = effective_schedule(spec)
+    if spec["engine"] != AUTO:
+        return f"engine {spec['engine']}, schedule {schedule}"
+    loss = spec.get("loss") or {}
+    why = loss_needs_rpc(loss.get("import"), loss.get("args") or {})
+    if isinstance(spec["model"], dict) and spec["model"].get("cut") == "eager":
+        why = "the eager path (spec.model.cut: eager) runs on rpc"
+    if why is not None and schedule not in INTERLEAVING:
+        return f"engine auto: rpc (gpipe): {why}"
+    fallback = "rpc (gpipe)" if schedule in (GPIPE, ONE_F_ONE_B) else "no other (refused)"
+    return (
+        f"engine auto: pipelining (schedule {schedule}) where the stages pass each other only"
+        f" tensors, else {fallback}; the master chooses when it cuts the model"
+    )
+
+
+def path_lines(spec: dict) -> list[str]:
+    """What `pipejob plan` can say of the path before the model is built: only where the
+    spec asks for one (auto's choice is made when the job starts; its summary says it)."""
+    model = spec["model"]
+    if isinstance(model, dict) and model.get("cut") == "eager":
+        return [
+            "path: eager (spec.model.cut: eager): the master runs the model's own forward and"
+            " the stages its costly modules, placed by measured cost when the job starts"
+        ]
+    return []

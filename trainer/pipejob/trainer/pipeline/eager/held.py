@@ -53,8 +53,10 @@ class Held:
         )
         self.names = names
         self.by_name = dict(zip(names, self.modules.values(), strict=True))
-        params = {id(p): p for m in self.modules.values() for p in m.parameters()}
-        self.optimizer = Functional(spec.optimizer, params.values()) if train else None
+        # The optimizer's groups match parameters by their names in the whole model.
+        mine = {id(p) for m in self.modules.values() for p in m.parameters()}
+        named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
+        self.optimizer = Functional(spec.optimizer, named) if train else None
         self.turns = Turns()
         self.summed: dict[torch.Tensor, torch.Tensor] = {}
 

@@ -43,6 +43,10 @@ def refusal(spec: PipelineSpec) -> str | None:
             return f"the eager path does not carry spec.{field} yet: leave it out"
     if spec.profile is not None:
         return "the eager path does not profile yet: leave spec.profile out"
+    if spec.ema is not None:
+        return "the eager path does not keep an EMA of the weights yet: leave spec.ema out"
+    if spec.eval is not None and (spec.eval.best or spec.eval.early_stopping):
+        return "the eager path does not keep the best weights yet: leave spec.eval.best out"
     return None
 
 
@@ -102,7 +106,7 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
     model.train()
     placement = placed(env, model, m)
     stages = distribute(env, model, placement)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # the glue's
     glue = Functional(spec.optimizer, params) if params else None
     started = time.perf_counter()
     with data.Feed(spec) as feed:

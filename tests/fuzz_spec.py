@@ -81,6 +81,7 @@ COMMON = {
     "preflight": {"enabled": True, "timeoutSeconds": 30, "megabytes": 1.0},
     "watchdog": {"seconds": 60},
     "elastic": {"pendingSeconds": 60},
+    "oom": {"increase": 1.5, "maxMemory": "96Gi"},
     "scheduling": {
         "provider": "volcano",
         "queue": "q",

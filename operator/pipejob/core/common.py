@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pipejob.core.elastic import Size
+from pipejob.core.oom import OOM
 from pipejob.core.optimizer import OPTIMIZER, Optimizer
 from pipejob.core.pod_template import TEMPLATE
 from pipejob.core.scheduling import RULES as SCHEDULING_RULES
@@ -156,6 +157,7 @@ COMMON: dict[str, Field] = {
         },
         section=True,
     ),
+    "oom": OOM,
 }
 
 # Cross-field rules every kind shares.
@@ -194,6 +196,7 @@ OPERATOR_ONLY = (
     "checkpoint.volume",
     "scheduling",
     "elastic",
+    "oom",
 )
 
 

@@ -62,7 +62,13 @@ _POD_FIELDS = (
 
 
 # Fields that steer the job, not its pods: changing them never recreates the world.
-RUN_CONTROL = ("suspend", "backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished")
+RUN_CONTROL = (
+    "suspend",
+    "backoffLimit",
+    "activeDeadlineSeconds",
+    "ttlSecondsAfterFinished",
+    "oom",
+)
 
 
 def spec_hash(job: Job) -> str:

@@ -208,6 +208,18 @@ def test_an_oom_killed_stage_comes_back_with_more_memory_then_fails_at_the_cap(c
     assert "role stage needs more than 900Mi" in failed["message"], failed
 
 
+def test_a_job_managed_by_another_controller_is_left_to_it(cluster, operator):
+    """MultiKueue's job (spec.managedBy) gets no pods and no status from this operator; a job
+    naming pipejob's own operator, created after it, runs as any other."""
+    api = cluster.api
+    jobs.create(api, pipeline("elsewhere", managedBy="kueue.x-k8s.io/multikueue"))
+    jobs.create(api, pipeline(managedBy="pipejob.dev/operator"))
+    world(api)
+    phase(api, "Pending")
+    assert jobs.pods(api, "elsewhere") == [] and api.find("v1/services", "elsewhere", NS) is None
+    assert "status" not in jobs.get(api, "PipelineJob", "elsewhere")
+
+
 @pytest.mark.parametrize(
     ("spec", "field"),
     [

@@ -68,6 +68,7 @@ RUN_CONTROL = (
     "activeDeadlineSeconds",
     "ttlSecondsAfterFinished",
     "oom",
+    "managedBy",
 )
 
 

@@ -112,6 +112,7 @@ class Chaos:
         self.faults: dict[str, Counter] = defaultdict(Counter)
         self.injected: Counter = Counter()
         self.ranks = Check("never two live pods of one rank of a world")
+        self.crashes = Check("the operator never exits by itself")
         self.operator = self._operator()
 
     def _operator(self) -> Operator:
@@ -269,6 +270,9 @@ class Chaos:
         self.suspended.clear()
 
     def step(self) -> None:
+        if self.operator.process.poll() is not None:  # its Deployment would restart it
+            self.crashes.fail(f"exited {self.operator.process.returncode} by itself")
+            self.operator = self._operator()
         self.node.tick(time.monotonic())
         check_ranks(list(self.node.snapshot().values()), self.ranks)
         time.sleep(0.2)
@@ -301,7 +305,8 @@ class Chaos:
             {j: latest.get(j, {}) for j in self.live_jobs()}, self.deleted, finished
         )
         say(f"after the faults: {phases} in {settled:.0f}s; {len(self.deleted)} jobs deleted")
-        return [self.ranks, gone, self.statuses.history.check, counts, finished]
+        self.crashes.checked = self.ranks.checked
+        return [self.ranks, gone, self.statuses.history.check, counts, finished, self.crashes]
 
 
 def main(argv: list[str] | None = None) -> int:

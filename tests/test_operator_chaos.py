@@ -80,4 +80,4 @@ def test_a_short_seeded_run_holds_every_invariant(capsys) -> None:
     said = capsys.readouterr().out
     assert code == 0, said
     assert "faults injected" in said and "chaos: every invariant held" in said, said
-    assert said.count(": held (") == 5, said
+    assert said.count(": held (") == 6, said

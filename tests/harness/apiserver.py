@@ -104,7 +104,8 @@ _REASONS = {500: "InternalError", 429: "TooManyRequests", 409: "Conflict", 410: 
 
 
 def _injected(code: int) -> aiohttp.web.Response:
-    """An injected error answer, as the API server words it (429: with Retry-After)."""
+    """An injected error answer, as the API server words it: 429 with Retry-After; 410 to a
+    watch as the API server says a resourceVersion expired, a watch's ERROR event."""
     body = {
         "kind": "Status",
         "apiVersion": "v1",
@@ -113,6 +114,9 @@ def _injected(code: int) -> aiohttp.web.Response:
         "reason": _REASONS.get(code, "InternalError"),
         "message": f"the API server is away (injected {code})",
     }
+    if code == 410:
+        event = json.dumps({"type": "ERROR", "object": body}) + "\n"
+        return aiohttp.web.Response(text=event, content_type="application/json")
     headers = {"Retry-After": "1"} if code == 429 else None
     return aiohttp.web.json_response(body, status=code, headers=headers)
 

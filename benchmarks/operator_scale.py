@@ -6,12 +6,12 @@ stand-in node marks each pod Running as soon as it is seen, so jobs reach their 
 Measured from the moment the benchmark POSTs a job to the moment a watch on pods has seen
 every pod of its world:
 
-- one job at a time, for PipelineJobs of 2, 8 and 32 stages (pipejob's transformer, one block
-  per stage) and a HybridJob (2 trainers, 1 parameter server): p50 and p99 (each job is
-  deleted, and its pods garbage-collected, before the next);
 - `--scale` jobs of both kinds (2-stage PipelineJobs and HybridJobs in turn) created at
   `--rate` per second and all kept: creation-to-pods p50 and p99, the time until every job
-  is Running, the operator's peak memory (VmHWM) and its API requests per job.
+  is Running, the operator's peak memory (VmHWM) and its API requests per job;
+- then, beside them, one job at a time, for PipelineJobs of 2, 8 and 32 stages (pipejob's
+  transformer, one block per stage) and a HybridJob (2 trainers, 1 parameter server): p50
+  and p99 (each job is deleted, and its pods garbage-collected, before the next).
 
 A job the operator refuses (phase Failed) ends the run at once, saying which and why (exit 2).
 Targets: issue 6, a 2-stage p50 < 0.5 s; issue 60, at 5,000 jobs p50 < 0.5 s and the
@@ -227,22 +227,8 @@ def at_scale(
 
 
 def measure(args: argparse.Namespace, c: Cluster, operator: Operator, watch: PodWatch) -> list:
+    """The kept jobs first, then one job at a time of each shape beside them."""
     rows = []
-    for shape in [s for s in args.sizes.split(",") if s] if args.jobs else []:
-        cpu = operator.cpu_seconds()
-        lat = one_at_a_time(c.api, watch, shape, args.jobs, args.timeout)
-        cpu = (operator.cpu_seconds() - cpu) / args.jobs
-        rss, _ = operator.memory()
-        lo, mid, hi = spread(lat)
-        what = (
-            "HybridJob (4 pods)" if shape == "hybrid" else f"{shape}-stage ({int(shape) + 1} pods)"
-        )
-        rows.append((what, mid, percentile(lat, 0.99)))
-        say(
-            f"  {what} x{args.jobs}: p50 {mid:.3f}s p99 {percentile(lat, 0.99):.3f}s"
-            f" (min {lo:.3f}, max {hi:.3f}); operator {cpu * 1000:.0f} CPU-ms/job,"
-            f" RSS {rss:.0f} MB; {load_average()}"
-        )
     if args.scale:
         cpu, asked = operator.cpu_seconds(), LeanApiServer.operator_requests
         each, running = at_scale(c.api, watch, args.scale, args.rate, args.timeout)
@@ -254,6 +240,21 @@ def measure(args: argparse.Namespace, c: Cluster, operator: Operator, watch: Pod
             f" p99 {percentile(each, 0.99):.3f}s; all Running after {running:.1f}s; operator"
             f" {cpu:.1f} CPU-s, {asked / args.scale:.1f} API requests/job, RSS {rss:.0f} MB"
             f" (peak {peak:.0f} MB); {load_average()}"
+        )
+    for shape in [s for s in args.sizes.split(",") if s] if args.jobs else []:
+        cpu = operator.cpu_seconds()
+        lat = one_at_a_time(c.api, watch, shape, args.jobs, args.timeout)
+        cpu = (operator.cpu_seconds() - cpu) / args.jobs
+        rss, _ = operator.memory()
+        lo, mid, hi = spread(lat)
+        what = (
+            "HybridJob (4 pods)" if shape == "hybrid" else f"{shape}-stage ({int(shape) + 1} pods)"
+        )
+        rows.append((what, mid, percentile(lat, 0.99)))
+        say(
+            f"  {what} x{args.jobs} beside {args.scale} kept: p50 {mid:.3f}s p99"
+            f" {percentile(lat, 0.99):.3f}s (min {lo:.3f}, max {hi:.3f}); operator"
+            f" {cpu * 1000:.0f} CPU-ms/job, RSS {rss:.0f} MB; {load_average()}"
         )
     return rows
 

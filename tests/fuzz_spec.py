@@ -143,7 +143,11 @@ FULL = {
     },
 }
 FULL["HybridJob"]["optimizer"] = {"name": "adam", "lr": 0.01, "weightDecay": 0.0}
-FULL["HybridJob"]["scheduling"] = {"provider": "coscheduling", "scheduleTimeoutSeconds": 60}
+FULL["HybridJob"]["scheduling"] = {
+    "provider": "coscheduling",
+    "scheduleTimeoutSeconds": 60,
+    "schedulerName": "scheduler-plugins-scheduler",
+}
 # Kueue's topology-aware scheduling and a MultiKueue job: on the PipelineJob (Kueue) only.
 FULL["PipelineJob"]["scheduling"] = {"provider": "kueue", "queue": "q", "priorityClassName": "p"}
 FULL["PipelineJob"]["topology"] = {"required": "cloud.provider.com/topology-rack"}

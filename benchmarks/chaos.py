@@ -4,7 +4,7 @@ along and at the end (issue 60).
 
 A stand-in node runs no trainer: it marks each pod Running, and a world's master Succeeded
 once it has run its job's training time. Over `--minutes` the faults come: the API server
-answering the operator 500, 429 (Retry-After), 409 to writes or 410 Gone to watches, or
+answering the operator 500, 429 (Retry-After), 409 to updates or 410 Gone to watches, or
 slowly; the operator SIGKILLed and restarted; a member killed (exit 137), OOM-killed, or
 frozen (its watchdog's verdict: exit 6, "stalled: ..."); a node lost (its pods marked
 disrupted and deleted); jobs of both kinds created, resized, suspended, resumed and deleted.
@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import functools
 import random
+import shutil
 import sys
 import tempfile
 import threading
@@ -319,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=180, help="bound after the faults stop")
     ap.add_argument("--resync", type=float, default=5, help="PIPEJOB_RESYNC_SECONDS")
     ap.add_argument("--verbose", action="store_true", help="print each fault as it comes")
+    ap.add_argument("--keep-log", type=Path, help="copy the operator's log here")
     args = ap.parse_args(argv)
     harness.cluster.ApiServer = LeanApiServer
     say(f"chaos: seed {args.seed}, {args.jobs} jobs, {args.minutes:g} min of faults")
@@ -333,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             checks = chaos.verdicts(chaos.settle())
         finally:
             chaos.operator.stop()
+            if args.keep_log:
+                shutil.copy(Path(tmp) / "operator.log", args.keep_log)
     say(
         f"faults injected ({sum(chaos.injected.values())}): "
         + ", ".join(f"{k} x{n}" for k, n in sorted(chaos.injected.items()))

@@ -67,6 +67,7 @@ def test_the_api_server_answers_the_operator_each_fault_as_asked() -> None:
     faults = Faults()
     faults.fail_for(60, code=409)
     assert faults.answer("GET", watch=False) == 0 and faults.answer("PATCH", watch=False) == 409
+    assert faults.answer("POST", watch=False) == 0  # a 409 to a create says it exists
     faults.fail_for(60, code=410)
     assert faults.answer("GET", watch=False) == 0 and faults.answer("GET", watch=True) == 410
     faults.fail_for(60, code=0, delay=0.5)

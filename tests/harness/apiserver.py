@@ -77,7 +77,8 @@ class Faults:
     until: float = 0.0  # time.monotonic() until which the server is away
     refused: int = 0  # requests answered with an error so far
     # What an away server does to a request (benchmarks/chaos.py varies them): answer `code`
-    # (500; 429 with Retry-After; 409 to writes only; 410 Gone to watches only; 0: serve it)
+    # (500; 429 with Retry-After; 409 Conflict to updates only, PATCH and PUT: to a create it
+    # would say "already exists"; 410 Gone to watches only; 0: serve it)
     # to a `share` of them drawn at random, after `delay` seconds (slow answers).
     code: int = 500
     share: float = 1.0
@@ -93,7 +94,7 @@ class Faults:
 
     def answer(self, method: str, watch: bool) -> int:
         """The error code a request of the operator's gets while the server is away; 0: none."""
-        if self.code == 409 and method not in ("POST", "PUT", "PATCH"):
+        if self.code == 409 and method not in ("PUT", "PATCH"):
             return 0
         if self.code == 410 and not watch:
             return 0

@@ -217,6 +217,10 @@ def at_scale(
         list(pool.map(create, enumerate(shapes)))
     say(f"  posted {count} jobs in {time.perf_counter() - start:.1f}s")
     each = [watch.wait_all(pod_names(n, s), timeout) - created[n] for n, s in shapes.items()]
+    say(
+        f"  every job's pods after {time.perf_counter() - start:.1f}s; creation-to-pods p50"
+        f" {spread(each)[1]:.3f}s p99 {percentile(each, 0.99):.3f}s"
+    )
     deadline = time.monotonic() + timeout
     while len([n for n in shapes if n in watch.jobs_seen.running]) < count:
         watch.jobs_seen.check()
@@ -302,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         except Refused as e:
             say(f"operator_scale: stopped: {e}")
             return 2
+        except TimeoutError as e:  # what was measured before it is printed above
+            say(f"operator_scale: stopped: {e} (operator RSS peak {operator.memory()[1]:.0f} MB)")
+            return 3
         finally:
             watch.close()
             job_watch.close()

@@ -81,6 +81,7 @@ COMMON = {
     "preflight": {"enabled": True, "timeoutSeconds": 30, "megabytes": 1.0},
     "watchdog": {"seconds": 60},
     "elastic": {"pendingSeconds": 60},
+    "oom": {"increase": 1.5, "maxMemory": "96Gi"},
     "scheduling": {
         "provider": "volcano",
         "queue": "q",
@@ -165,13 +166,21 @@ FULL["PipelineJob"]["optimizer"] = {
     ],
     "layerDecay": {"rate": 0.75, "layers": 4, "blocks": "blocks", "stem": ["tok_emb.*"]},
 }
-FULL["HybridJob"]["scheduling"] = {"provider": "coscheduling", "scheduleTimeoutSeconds": 60}
 FULL["PipelineJob"]["eval"] = {
     "everySteps": 5,
     "batches": 2,
     "best": {"metric": "perplexity", "mode": "min"},
     "earlyStopping": {"patience": 3, "minDelta": 0.01},
 }
+FULL["HybridJob"]["scheduling"] = {
+    "provider": "coscheduling",
+    "scheduleTimeoutSeconds": 60,
+    "schedulerName": "scheduler-plugins-scheduler",
+}
+# Kueue's topology-aware scheduling and a MultiKueue job: on the PipelineJob (Kueue) only.
+FULL["PipelineJob"]["scheduling"] = {"provider": "kueue", "queue": "q", "priorityClassName": "p"}
+FULL["PipelineJob"]["topology"] = {"required": "cloud.provider.com/topology-rack"}
+FULL["HybridJob"]["managedBy"] = "kueue.x-k8s.io/multikueue"
 
 
 def seeds() -> list[dict]:

@@ -150,6 +150,63 @@ def test_a_table_over_one_containers_memory_limit_trains_split_across_four(
     all_stopped(api, node)
 
 
+# A transformer whose 200,000-token embedding and head make its stages peak at 1.2 and 1.6 GB
+# (`pipejob run`: master 0.76 GB): over a 1100Mi limit, under 1.5x it (1650Mi).
+OOMY = {
+    "apiVersion": "pipejob.dev/v1alpha1",
+    "kind": "PipelineJob",
+    "metadata": {"name": "oomy"},
+    "spec": {
+        "model": {
+            "transformer": {
+                "vocabSize": 200_000,
+                "layers": 2,
+                "width": 256,
+                "heads": 4,
+                "seqLen": 16,
+            }
+        },
+        "stages": 2,
+        "microBatches": 2,
+        "batchSize": 4,
+        "steps": 3,
+        "optimizer": {"name": "sgd", "lr": 0.01},
+        "preflight": {"megabytes": 0.5},
+        "template": {"resources": {"limits": {"memory": "1100Mi"}}},
+    },
+}
+
+
+# slow: two worlds of containers, minutes; tests/test_operator_integration.py's
+# test_an_oom_killed_stage_comes_back_with_more_memory_then_fails_at_the_cap holds the decision
+@pytest.mark.slow
+def test_an_oom_killed_stage_comes_back_with_1_5x_memory_and_succeeds_and_at_the_cap_fails(
+    cluster, container_kubelet, operator
+):
+    """Docker's cgroup limit kills a stage for memory: its world comes back with 1650Mi for
+    every stage, spending no backoffLimit, and succeeds; the same job capped at 1100Mi fails
+    naming the role and the memory."""
+    api, node = cluster.api, container_kubelet
+    capped = {**OOMY, "metadata": {"name": "capped"}}
+    capped["spec"] = {**OOMY["spec"], "backoffLimit": 0, "oom": {"maxMemory": "1100Mi"}}
+    jobs.create(api, capped)
+    done = jobs.wait_phase(api, "PipelineJob", "capped", "Failed", timeout=300)
+    [failed] = [c for c in done["status"]["conditions"] if c["type"] == "Failed"]
+    assert failed["reason"] == "OOMKilled", (failed, jobs.warnings(api))
+    assert "role stage needs more than 1100Mi" in failed["message"], failed
+    all_stopped(api, node)
+    jobs.create(api, {**OOMY, "spec": {**OOMY["spec"], "backoffLimit": 0}})
+    done = jobs.wait_phase(api, "PipelineJob", "oomy", "Succeeded", timeout=400)
+    status = done["status"]
+    assert status["restarts"] == 0 and status["oomKills"] == 1, (status, jobs.warnings(api))
+    assert status["memory"] == {"stage": "1650Mi"}, status
+    assert any("killed for memory (OOMKilled) at 1100Mi" in w for w in jobs.warnings(api))
+    limits = {r.name: r.pod["spec"]["containers"][0]["resources"]["limits"] for r in node.runs(NS)}
+    assert limits["oomy-stage-1"] == {"memory": "1650Mi"}, limits
+    assert limits["oomy-master-0"] == {"memory": "1100Mi"}, limits
+    all_stopped(api, node)
+
+
 @pytest.mark.slow  # replicas in containers: the pipelining test below resumes them too
 def test_a_pipeline_job_with_two_replicas_trains_in_containers(
     cluster, container_kubelet, operator

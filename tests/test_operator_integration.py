@@ -34,7 +34,9 @@ def world(api: Api, restart: int = 0) -> list[dict]:
     return jobs.wait_pods(api, JOB, WORLD, timeout=20, restart=restart)
 
 
-def set_pod(api: Api, name: str, phase: str, exit_code: int | None = None) -> None:
+def set_pod(
+    api: Api, name: str, phase: str, exit_code: int | None = None, reason: str = "Error"
+) -> None:
     """Report a pod's phase (and its container's exit) as the kubelet would."""
     status: dict = {"phase": phase}
     if exit_code is not None:
@@ -44,7 +46,7 @@ def set_pod(api: Api, name: str, phase: str, exit_code: int | None = None) -> No
                 "state": {
                     "terminated": {
                         "exitCode": exit_code,
-                        "reason": "Completed" if exit_code == 0 else "Error",
+                        "reason": "Completed" if exit_code == 0 else reason,
                         "finishedAt": "2030-01-01T00:00:00Z",
                     }
                 },
@@ -179,6 +181,43 @@ def test_a_failed_pod_restarts_the_world_until_the_backoff_limit(cluster, operat
     reason = condition(failed, "Failed")
     assert reason["reason"] == "BackoffLimitExceeded" and failed["status"]["restarts"] == 1
     assert f"stage 0 (pod {JOB}-stage-0) failed with exit code 1" in reason["message"]
+
+
+def test_an_oom_killed_stage_comes_back_with_more_memory_then_fails_at_the_cap(cluster, operator):
+    api = cluster.api
+    memory = {"limits": {"memory": "600Mi"}}
+    jobs.create(
+        api, pipeline(backoffLimit=0, template={"resources": memory}, oom={"maxMemory": "900Mi"})
+    )
+    world(api)
+    set_pod(api, f"{JOB}-stage-1", "Failed", 137, "OOMKilled")
+    restarting = phase(api, "Restarting")
+    assert restarting["status"]["restarts"] == 0 and restarting["status"]["oomKills"] == 1
+    assert restarting["status"]["memory"] == {"stage": "900Mi"}
+    raised = {p["metadata"]["name"]: p for p in world(api, restart=1)}
+    limits = {n: p["spec"]["containers"][0]["resources"]["limits"] for n, p in raised.items()}
+    assert limits == {
+        f"{JOB}-master-0": {"memory": "600Mi"},
+        f"{JOB}-stage-0": {"memory": "900Mi"},
+        f"{JOB}-stage-1": {"memory": "900Mi"},
+    }
+    assert any("recreating the world with 900Mi for role stage" in w for w in jobs.warnings(api))
+    set_pod(api, f"{JOB}-stage-0", "Failed", 137, "OOMKilled")
+    failed = condition(phase(api, "Failed"), "Failed")
+    assert failed["reason"] == "OOMKilled"
+    assert "role stage needs more than 900Mi" in failed["message"], failed
+
+
+def test_a_job_managed_by_another_controller_is_left_to_it(cluster, operator):
+    """MultiKueue's job (spec.managedBy) gets no pods and no status from this operator; a job
+    naming pipejob's own operator, created after it, runs as any other."""
+    api = cluster.api
+    jobs.create(api, pipeline("elsewhere", managedBy="kueue.x-k8s.io/multikueue"))
+    jobs.create(api, pipeline(managedBy="pipejob.dev/operator"))
+    world(api)
+    phase(api, "Pending")
+    assert jobs.pods(api, "elsewhere") == [] and api.find("v1/services", "elsewhere", NS) is None
+    assert "status" not in jobs.get(api, "PipelineJob", "elsewhere")
 
 
 @pytest.mark.parametrize(

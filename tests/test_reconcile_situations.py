@@ -46,6 +46,7 @@ def test_the_order_of_precedence_is_one_list_whose_last_always_answers():
         "spec_changed",
         "preempted",
         "failed_permanently",
+        "oom_killed",
         "failed",
         "resized",
         "starting_or_running",

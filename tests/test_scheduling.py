@@ -66,6 +66,19 @@ def errors(**spec) -> list[str]:
             {"scheduling": {"provider": "coscheduling", "scheduleTimeoutSeconds": 0}},
             "spec.scheduling.scheduleTimeoutSeconds: must be >= 1",
         ),
+        (
+            {"topology": {"required": "cloud.provider.com/topology-rack"}},
+            "spec.topology: topology-aware scheduling is Kueue's",
+        ),
+        (
+            {"scheduling": KUEUE, "topology": {"required": "a", "preferred": "b"}},
+            "spec.topology: give one of required or preferred",
+        ),
+        (
+            {"scheduling": KUEUE, "topology": {"preferred": "rack name"}},
+            "spec.topology.preferred: must be a node label key",
+        ),
+        ({"managedBy": "multikueue"}, "spec.managedBy: must be a domain-prefixed name"),
     ],
 )
 def test_refusals_name_the_field(spec: dict, expected: str) -> None:
@@ -86,6 +99,22 @@ def test_kueue_pods_form_one_group_with_names_unique_per_world() -> None:
             assert spec["priorityClassName"] == "high" and "schedulerName" not in spec
         assert [p["spec"]["hostname"] for p in pods] == ["j-master-0", "j-stage-0", "j-stage-1"]
     assert all(o["kind"] != "PodGroup" for o in kube.render(job, "ns"))
+
+
+@pytest.mark.parametrize("which", ["required", "preferred"])
+def test_topology_becomes_kueues_topology_annotation_on_every_pod_of_every_world(which) -> None:
+    job = parse(manifest(scheduling=KUEUE, topology={which: "cloud.provider.com/topology-block"}))
+    for world in (0, 2):
+        for pod in kube.world(job, world, "ns"):
+            annotations = pod["metadata"]["annotations"]
+            assert annotations[f"kueue.x-k8s.io/podset-{which}-topology"] == (
+                "cloud.provider.com/topology-block"
+            )
+            assert not {k for k in annotations if k.endswith("-topology")} - {
+                f"kueue.x-k8s.io/podset-{which}-topology"
+            }
+    plain = kube.world(parse(manifest(scheduling=KUEUE)), 0, "ns")
+    assert not any("topology" in k for p in plain for k in p["metadata"]["annotations"])
 
 
 def test_volcano_pods_and_their_podgroup() -> None:

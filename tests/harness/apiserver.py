@@ -35,6 +35,7 @@ import copy
 import datetime
 import itertools
 import json
+import random
 import secrets
 import time
 import uuid
@@ -74,13 +75,51 @@ class Faults:
 
     agents: tuple[str, ...] = ("kopf/", "OpenAPI-Generator/")
     until: float = 0.0  # time.monotonic() until which the server is away
-    refused: int = 0  # requests answered with 500 so far
+    refused: int = 0  # requests answered with an error so far
+    # What an away server does to a request (benchmarks/chaos.py varies them): answer `code`
+    # (500; 429 with Retry-After; 409 Conflict to updates only, PATCH and PUT: to a create it
+    # would say "already exists"; 410 Gone to watches only; 0: serve it)
+    # to a `share` of them drawn at random, after `delay` seconds (slow answers).
+    code: int = 500
+    share: float = 1.0
+    delay: float = 0.0
+    rng: random.Random = attrs.field(factory=random.Random)
 
-    def fail_for(self, seconds: float) -> None:
+    def fail_for(self, seconds: float, code: int = 500, share: float = 1.0, delay: float = 0.0):
+        self.code, self.share, self.delay = code, share, delay
         self.until = time.monotonic() + seconds
 
     def hits(self, user_agent: str | None) -> bool:
         return time.monotonic() < self.until and any(a in (user_agent or "") for a in self.agents)
+
+    def answer(self, method: str, watch: bool) -> int:
+        """The error code a request of the operator's gets while the server is away; 0: none."""
+        if self.code == 409 and method not in ("PUT", "PATCH"):
+            return 0
+        if self.code == 410 and not watch:
+            return 0
+        return self.code if self.rng.random() < self.share else 0
+
+
+_REASONS = {500: "InternalError", 429: "TooManyRequests", 409: "Conflict", 410: "Expired"}
+
+
+def _injected(code: int) -> aiohttp.web.Response:
+    """An injected error answer, as the API server words it: 429 with Retry-After; 410 to a
+    watch as the API server says a resourceVersion expired, a watch's ERROR event."""
+    body = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "code": code,
+        "reason": _REASONS.get(code, "InternalError"),
+        "message": f"the API server is away (injected {code})",
+    }
+    if code == 410:
+        event = json.dumps({"type": "ERROR", "object": body}) + "\n"
+        return aiohttp.web.Response(text=event, content_type="application/json")
+    headers = {"Retry-After": "1"} if code == 429 else None
+    return aiohttp.web.json_response(body, status=code, headers=headers)
 
 
 def now() -> str:
@@ -131,18 +170,11 @@ class ApiServer(kmock.KubernetesEmulator):
         read as the JSON it stands for (protobuf.py); one it cannot read gets 415. While
         `faults` says the server is away for this client, it gets 500."""
         if self.faults.hits(raw.headers.get("User-Agent")):
-            self.faults.refused += 1
-            return aiohttp.web.json_response(
-                {
-                    "kind": "Status",
-                    "apiVersion": "v1",
-                    "status": "Failure",
-                    "code": 500,
-                    "reason": "InternalError",
-                    "message": "the API server is away (injected)",
-                },
-                status=500,
-            )
+            await asyncio.sleep(self.faults.delay)
+            code = self.faults.answer(raw.method, raw.query.get("watch") in ("true", "1"))
+            if code:
+                self.faults.refused += 1
+                return _injected(code)
         if "protobuf" in raw.content_type:
             raw = raw.clone(headers={**raw.headers, "Content-Type": "application/json"})
             try:
@@ -508,7 +540,9 @@ class ApiServer(kmock.KubernetesEmulator):
                     left = (
                         None if deadline is None else deadline - asyncio.get_running_loop().time()
                     )
-                    if (left is not None and left <= 0) or self.faults.hits(agent):
+                    if (left is not None and left <= 0) or (
+                        self.faults.hits(agent) and self.faults.code
+                    ):
                         return  # timed out, or dropped while the server is away
                     pending = pending or asyncio.ensure_future(anext(stream))
                     done, _ = await asyncio.wait({pending}, timeout=min(left or 0.5, 0.5))

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pipejob.core.elastic import Size
+from pipejob.core.oom import OOM
 from pipejob.core.optimizer import OPTIMIZER, Optimizer
 from pipejob.core.pod_template import TEMPLATE
+from pipejob.core.scheduling import MANAGED_BY, SCHEDULING, TOPOLOGY
 from pipejob.core.scheduling import RULES as SCHEDULING_RULES
-from pipejob.core.scheduling import SCHEDULING
 from pipejob.core.schema import Field, Rule, integer, integer_list
 from pipejob.core.workload import EVAL, LOSS, OUTPUT, Eval, Loss, Output
 
@@ -156,6 +157,9 @@ COMMON: dict[str, Field] = {
         },
         section=True,
     ),
+    "oom": OOM,
+    "topology": TOPOLOGY,
+    "managedBy": MANAGED_BY,
 }
 
 # Cross-field rules every kind shares.
@@ -194,6 +198,9 @@ OPERATOR_ONLY = (
     "checkpoint.volume",
     "scheduling",
     "elastic",
+    "oom",
+    "topology",
+    "managedBy",
 )
 
 

@@ -19,6 +19,17 @@ KUEUE_RETRIABLE = "kueue.x-k8s.io/retriable-in-group"  # "false" ends the group
 KUEUE_GATE = "kueue.x-k8s.io/admission"  # the scheduling gate Kueue's webhook adds
 KUEUE_FINALIZER = "kueue.x-k8s.io/managed"
 
+# Kueue's topology-aware scheduling (TAS): the node label level a pod set must, or should,
+# fit in one domain of (kueue.sigs.k8s.io, "Run Workloads with Topology-Aware Scheduling").
+KUEUE_REQUIRED_TOPOLOGY = "kueue.x-k8s.io/podset-required-topology"
+KUEUE_PREFERRED_TOPOLOGY = "kueue.x-k8s.io/podset-preferred-topology"
+TOPOLOGY_ANNOTATIONS = {"required": KUEUE_REQUIRED_TOPOLOGY, "preferred": KUEUE_PREFERRED_TOPOLOGY}
+
+# spec.managedBy: the controller that runs the job. pipejob's own, or left out: the operator;
+# any other (MultiKueue's, which runs it on a worker cluster): the operator leaves it alone.
+MANAGED_BY_PIPEJOB = "pipejob.dev/operator"
+MULTIKUEUE = "kueue.x-k8s.io/multikueue"
+
 # Volcano: the PodGroup a pod belongs to (without it Volcano makes a minMember-1 group).
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 VOLCANO_API = ("scheduling.volcano.sh", "v1beta1", "podgroups")
@@ -103,6 +114,67 @@ SCHEDULING = Field(
 )
 
 
+# A node label key: an optional DNS-subdomain prefix and "/", then a name of 63 at most.
+_LABEL_KEY = (
+    r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+)
+
+
+def _level(which: str, how: str) -> Field:
+    return Field(
+        "string",
+        f"The node label of the topology level (e.g. cloud.provider.com/topology-rack) whose one"
+        f" domain the world's pods {how} fit in: Kueue's {TOPOLOGY_ANNOTATIONS[which]}.",
+        pattern=_LABEL_KEY,
+        pattern_says="be a node label key such as cloud.provider.com/topology-rack",
+        max_length=317,
+    )
+
+
+TOPOLOGY = Field(
+    "object",
+    "Kueue topology-aware scheduling of the world (needs spec.scheduling.provider kueue and a"
+    " ClusterQueue with a topology): its pods in one block or rack, its stages close"
+    " together. One of required or preferred.",
+    fields={"required": _level("required", "must"), "preferred": _level("preferred", "should")},
+    section=True,
+    rules=(
+        Rule(
+            "has(self.required) != has(self.preferred)",
+            "give one of required or preferred",
+            "",
+            lambda t: ("required" in t) != ("preferred" in t),
+        ),
+    ),
+)
+
+MANAGED_BY = Field(
+    "string",
+    f"The controller that runs the job: {MANAGED_BY_PIPEJOB} (the default) or another, e.g."
+    f" {MULTIKUEUE}, which runs it on a worker cluster; the operator then leaves the job,"
+    " its status included, to it. Set it when the job is created.",
+    pattern=r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?",
+    pattern_says="be a domain-prefixed name such as kueue.x-k8s.io/multikueue",
+    max_length=63,
+)
+
+
+def managed_elsewhere(job_obj: dict[str, Any]) -> bool:
+    """Whether the job's spec.managedBy names another controller than pipejob's operator."""
+    owner = (job_obj.get("spec") or {}).get("managedBy")
+    return owner is not None and owner != MANAGED_BY_PIPEJOB
+
+
+def topology_annotation(spec: dict[str, Any]) -> dict[str, str]:
+    """The Kueue TAS annotation of spec.topology, for every pod of the world; {}: none."""
+    return {
+        TOPOLOGY_ANNOTATIONS[which]: level
+        for which, level in (spec.get("topology") or {}).items()
+        if which in TOPOLOGY_ANNOTATIONS
+    }
+
+
 def _not_in_template(key: str, why: str) -> Rule:
     return Rule(
         f"!has(self.scheduling) || !has(self.template) || !has(self.template.{key})",
@@ -124,6 +196,12 @@ RULES = (
             or s["scheduling"]["provider"] == KUEUE
             or "schedulerName" not in (s.get("template") or {})
         ),
+    ),
+    Rule(
+        "!has(self.topology) || (has(self.scheduling) && self.scheduling.provider == 'kueue')",
+        "topology-aware scheduling is Kueue's: set spec.scheduling.provider kueue too",
+        "topology",
+        lambda s: "topology" not in s or (s.get("scheduling") or {}).get("provider") == KUEUE,
     ),
     _not_in_template(
         "priorityClassName",

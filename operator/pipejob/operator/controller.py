@@ -17,6 +17,7 @@ from typing import Any
 
 import kopf
 
+from pipejob.core import scheduling as sch
 from pipejob.core import validate
 from pipejob.core.kinds import KINDS, by_plural
 from pipejob.core.spec import API_VERSION, GROUP, VERSION
@@ -94,6 +95,8 @@ class Reconciler:
         job = self.cluster.get_job(plural, namespace, name)
         if job is None or job["metadata"].get("deletionTimestamp"):
             self.forget(key)  # garbage collection removes what it made
+            return
+        if sch.managed_elsewhere(job):  # MultiKueue's: it runs the job, and writes its status
             return
         pods = self.cluster.list_pods(namespace, name)
         address = progress.url(pods, status.world_number(job.get("status") or {}))

@@ -62,7 +62,14 @@ _POD_FIELDS = (
 
 
 # Fields that steer the job, not its pods: changing them never recreates the world.
-RUN_CONTROL = ("suspend", "backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished")
+RUN_CONTROL = (
+    "suspend",
+    "backoffLimit",
+    "activeDeadlineSeconds",
+    "ttlSecondsAfterFinished",
+    "oom",
+    "managedBy",
+)
 
 
 def spec_hash(job: Job) -> str:

@@ -10,7 +10,7 @@ from functools import cached_property
 
 from pipejob.core.contract import Progress
 from pipejob.core.spec import InvalidSpec, Job, parse
-from pipejob.operator import elastic_world, kube
+from pipejob.operator import elastic_world, kube, oom_kills
 from pipejob.operator import status as st
 from pipejob.operator.policy_settings import DEFAULT, Settings
 
@@ -49,7 +49,7 @@ class Observed:
 
     @property
     def restart(self) -> int:
-        """The current world's number: restarts + preemptions + resizes."""
+        """The current world's number: restarts + preemptions + resizes + oomKills."""
         return st.world_number(self.old)
 
     @property
@@ -104,14 +104,18 @@ class Observed:
         """The job at the size its world runs at (its spec valid: after situations.invalid)."""
         if isinstance(self.parsed, InvalidSpec):
             raise self.parsed
-        if self.size is None:
+        # A world of raised memory is of another shape too: under Kueue, a new pod group.
+        reshaped = int(self.old.get("resizes") or 0) + int(self.old.get("oomKills") or 0)
+        if self.size is None and not reshaped:
             return self.parsed
-        return replace(self.parsed, size=self.size, resizes=int(self.old.get("resizes") or 0))
+        return replace(self.parsed, size=self.size, resizes=reshaped)
 
     @cached_property
     def planned(self) -> list[dict]:
-        """The current world's pods as they should be, in rank order (the master first)."""
-        return kube.world(self.job, self.restart, self.namespace, self.owner, self.image)
+        """The current world's pods as they should be, in rank order (the master first), with
+        the memory OOM kills raised (status.memory)."""
+        pods = kube.world(self.job, self.restart, self.namespace, self.owner, self.image)
+        return oom_kills.with_raised_memory(pods, self.old.get("memory"))
 
     @cached_property
     def by_name(self) -> dict[str, dict]:

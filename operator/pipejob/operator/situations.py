@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from pipejob.core import oom
 from pipejob.core import scheduling as sch
 from pipejob.core.spec import InvalidSpec
-from pipejob.operator import elastic_world, gang, kube, queueing
+from pipejob.operator import elastic_world, gang, kube, oom_kills, queueing
 from pipejob.operator import status as st
 from pipejob.operator.actions import (
     NORMAL,
@@ -148,6 +149,35 @@ def failed_permanently(seen: Observed) -> Actions | None:
     return transition(acts, seen.old, st.FAILED, failure.reason, failure.message, seen.now)
 
 
+def oom_killed(seen: Observed) -> Actions | None:
+    """A member killed for memory (oom_kills.kill): a new world with its role's memory raised
+    by spec.oom.increase, counted in status.oomKills and spending no backoffLimit; at the
+    cap (spec.oom.maxMemory) the job fails naming the role and the memory it needed."""
+    found = oom_kills.kill(seen)
+    if found is None or seen.job.spec["oom"]["increase"] <= 1:
+        return None
+    had, role = oom.text(found.had), found.role
+    killed = f"{found.process} (pod {found.pod}) was killed for memory (OOMKilled) at {had}"
+    if found.next <= found.had:
+        acts = Actions(status=seen.active_status(), delete=_unfinished(seen.live))
+        message = f"{killed}: role {role} needs more than {had}, the most spec.oom.maxMemory allows"
+        return transition(acts, seen.old, st.FAILED, "OOMKilled", message, seen.now)
+    acts = Actions(status=seen.active_status(), delete=seen.live)
+    raised = oom.text(found.next)
+    acts.status["oomKills"] = int(seen.old.get("oomKills") or 0) + 1
+    acts.status["memory"] = {**(seen.old.get("memory") or {}), role: raised}
+    acts.status["conditions"] = created_conditions(
+        acts.status, False, "OOMKilled", "the world is being recreated", seen.now
+    )
+    message = (
+        f"{killed}; recreating the world with {raised} for role {role} (no backoffLimit spent)"
+    )
+    acts.events.append(Event(WARNING, "OOMKilled", message))
+    if gang.provider(seen.job) == sch.KUEUE:  # the group of the old shape: Kueue frees its quota
+        acts.end_group = [p for p in seen.live if not _ended(p)]
+    return transition(acts, seen.old, st.RESTARTING, "OOMKilled", message, seen.now, event=False)
+
+
 def failed(seen: Observed) -> Actions | None:
     """A pod of the world failed or went: restart the whole world (an RPC world cannot
     re-admit a member) until backoffLimit is spent, then fail. A pod that only lost a peer
@@ -225,6 +255,7 @@ SITUATIONS = (
     spec_changed,
     preempted,
     failed_permanently,
+    oom_killed,
     failed,
     resized,
     starting_or_running,

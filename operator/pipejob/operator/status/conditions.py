@@ -38,8 +38,8 @@ def parse_time(s: str | None) -> datetime | None:
 
 def world_number(status: dict) -> int:
     """The number of the job's current world: every restart, failed, preempted or resized,
-    makes one."""
-    counts = ("restarts", "preemptions", "resizes")
+    makes one, and so does one after an OOM kill."""
+    counts = ("restarts", "preemptions", "resizes", "oomKills")
     return sum(int(status.get(count) or 0) for count in counts)
 
 

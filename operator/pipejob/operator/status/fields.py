@@ -28,8 +28,8 @@ STATUS = Field(
             "integer",
             "Whole-world restarts after a pod was preempted, evicted or disrupted (its"
             " DisruptionTarget condition); they spend no backoffLimit. Pods carry"
-            " restarts + preemptions + resizes, the world's number, as the pipejob.dev/restart"
-            " label.",
+            " restarts + preemptions + resizes + oomKills, the world's number, as the"
+            " pipejob.dev/restart label.",
             minimum=0,
         ),
         "startTime": Field("string", "When the operator started the job (RFC 3339)."),
@@ -39,6 +39,19 @@ STATUS = Field(
             "Whole-world restarts at another size (an elastic replicas or trainers); they"
             " spend no backoffLimit and count in the world's number.",
             minimum=0,
+        ),
+        "oomKills": Field(
+            "integer",
+            "Whole-world restarts after a member was killed for memory (OOMKilled), each with"
+            " that role's memory raised (spec.oom); they spend no backoffLimit and count in"
+            " the world's number.",
+            minimum=0,
+        ),
+        "memory": Field(
+            "object",
+            "The memory limit (or request, where the template sets no limit) each role's pods"
+            " were raised to after OOM kills (spec.oom), by role (master, stage, ps, trainer).",
+            values=Field("string", "A Kubernetes quantity, e.g. 6Gi."),
         ),
         "replicas": Field(
             "integer", "PipelineJob: copies of the pipeline the current world runs.", minimum=0

@@ -1,0 +1,116 @@
+"""The emulated cluster as the operator benchmarks drive it (operator_scale.py, chaos.py): the
+tests' API server without kmock's request log, counting the operator's requests, and the
+unmodified operator (`pipejob operator`) as a process against it, with its memory and CPU
+read from /proc."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import REPO, free_port
+
+sys.path.insert(0, str(REPO / "tests"))
+from harness.apiserver import ApiServer  # noqa: E402  (the tests' harness lives in tests/)
+
+NAMESPACE = "default"
+PIPEJOB = Path(sys.executable).parent / "pipejob"
+
+
+class LeanApiServer(ApiServer):
+    """The harness's API server without kmock's request log. kmock keeps every request for
+    test assertions and matches each new one against all of them (its `_handle` walks the
+    log), so its cost per request grows with the requests served: at a few thousand requests
+    the emulator, not the operator, sets the pace. A benchmark of the operator needs no log.
+    It counts the operator's requests (by User-Agent, as the harness's faults tell it)."""
+
+    operator_requests = 0
+
+    async def __call__(self, raw):
+        if any(agent in raw.headers.get("User-Agent", "") for agent in self.faults.agents):
+            LeanApiServer.operator_requests += 1
+        return await super().__call__(raw)
+
+    async def _handle(self, request):
+        self._requests[:] = [request]  # the one being served must stay matchable
+        return await super()._handle(request)
+
+
+class Operator:
+    """`pipejob operator` as a process against the emulator, with production-like settings."""
+
+    def __init__(self, kubeconfig: Path, log: Path, log_level: str, resync: float):
+        self.port = free_port()
+        argv = [
+            str(PIPEJOB),
+            "operator",
+            "-n",
+            NAMESPACE,
+            "--log-level",
+            log_level,
+            "--health-host",
+            "127.0.0.1",
+            "--health-port",
+            str(self.port),
+        ]
+        argv += ["--metrics-host", "127.0.0.1", "--metrics-port", str(free_port())]
+        guard = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
+        env = os.environ | {"KUBECONFIG": str(kubeconfig), "PIPEJOB_RESYNC_SECONDS": str(resync)}
+        self.log = log
+        with log.open("ab") as out:
+            self.process = subprocess.Popen(
+                [*guard, *argv],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_healthy(self, timeout: float = 60) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1):
+                    return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        "the operator did not come up:\n" + self.log.read_text()[-3000:]
+                    ) from None
+                time.sleep(0.2)
+
+    def memory(self) -> tuple[float, float]:
+        """(VmRSS, VmHWM) in MB."""
+        fields = {}
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) / 1024
+        return fields["VmRSS"], fields["VmHWM"]
+
+    def cpu_seconds(self) -> float:
+        f = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+    def kill(self) -> None:
+        """SIGKILL, as a node's OOM killer or a lost node would end it."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()

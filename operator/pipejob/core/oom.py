@@ -1,0 +1,80 @@
+"""`spec.oom`: how the operator answers a member killed for memory (OOMKilled): a new world
+with that role's memory raised, up to a cap. Only the operator reads it (`pipejob run`
+ignores it); this module holds its table and the arithmetic of raised memory."""
+
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+from typing import Any
+
+from pipejob.core.k8s import quantity
+from pipejob.core.schema import Field
+
+INCREASE = 1.5  # spec.oom.increase when left out
+# Without spec.oom.maxMemory, a role's memory grows to at most this many times its template's.
+DEFAULT_CAP = 4
+MEMORY = "memory"
+_MI = 2**20
+
+OOM = Field(
+    "object",
+    "What a member killed for memory (its container OOMKilled) brings: the whole world"
+    " restarts with that role's memory request and limit raised, spending no backoffLimit,"
+    " until the cap; at the cap the job fails naming the role and the memory it needed."
+    " Ignored by `pipejob run`.",
+    fields={
+        "increase": Field(
+            "number",
+            "The factor a role's memory grows by at each OOM kill; 1 makes an OOM kill an"
+            " ordinary failure (it spends backoffLimit).",
+            default=INCREASE,
+            minimum=1,
+            maximum=16,
+        ),
+        "maxMemory": Field(
+            "string",
+            "The most memory a role's pods may be given (a Kubernetes quantity, e.g. 64Gi);"
+            f" default: {DEFAULT_CAP}x the template's memory limit (or request).",
+            pattern=r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?",
+            pattern_says="be a memory quantity such as 64Gi, 512Mi or 1000000000",
+            max_length=32,
+        ),
+    },
+)
+
+
+def template_memory(spec: dict[str, Any]) -> Decimal | None:
+    """The memory the template gives every pod: its limit, else its request; None: none."""
+    resources = (spec.get("template") or {}).get("resources") or {}
+    for key in ("limits", "requests"):
+        value = (resources.get(key) or {}).get(MEMORY)
+        if value is not None:
+            return quantity(value)
+    return None
+
+
+def cap(spec: dict[str, Any]) -> Decimal | None:
+    """The most memory a role may be raised to; None: the template gives no memory."""
+    given = (spec.get("oom") or {}).get("maxMemory")
+    if given is not None:
+        return quantity(given)
+    base = template_memory(spec)
+    return None if base is None else base * DEFAULT_CAP
+
+
+def raised(spec: dict[str, Any], now: Decimal) -> Decimal:
+    """`now` grown by spec.oom.increase, at most the cap, rounded up to a whole MiB."""
+    factor = Decimal(str((spec.get("oom") or {}).get("increase", INCREASE)))
+    grown = Decimal(math.ceil(now * factor / _MI) * _MI)
+    ceiling = cap(spec)
+    return grown if ceiling is None else min(grown, ceiling)
+
+
+def text(amount: Decimal) -> str:
+    """A memory amount as a Kubernetes quantity: whole Gi or Mi where it is one, else bytes."""
+    whole = int(amount)
+    for suffix, size in (("Gi", 2**30), ("Mi", _MI)):
+        if whole % size == 0:
+            return f"{whole // size}{suffix}"
+    return str(whole)

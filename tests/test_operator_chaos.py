@@ -1,0 +1,84 @@
+"""benchmarks/chaos.py: its invariants each catch what breaks them (over plain dicts), and a
+short seeded run of the unmodified operator on the emulated cluster, faults and all, holds
+every one of them (issue 60; seeds 1-5 at 50 jobs and 10 minutes are the acceptance run, by
+hand: docs/user-guide.md)."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _chaos_checks as checks  # noqa: E402
+import chaos  # noqa: E402
+
+from harness.apiserver import Faults  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def pod(name: str, job: str, role: str, index: int, phase: str = "Running", **meta) -> dict:
+    labels = {checks.JOB_LABEL: job, checks.ROLE_LABEL: role, checks.INDEX_LABEL: str(index)}
+    return {"metadata": {"name": name, "labels": labels, **meta}, "status": {"phase": phase}}
+
+
+def test_two_live_pods_of_one_rank_are_caught_finished_or_deleted_ones_are_not() -> None:
+    check = checks.Check("ranks")
+    fine = [
+        pod("j-stage-0", "j", "stage", 0),
+        pod("j-stage-0-r1", "j", "stage", 0, phase="Failed"),
+        pod("j-stage-0-r2", "j", "stage", 0, deletionTimestamp="2030-01-01T00:00:00Z"),
+        pod("k-stage-0", "k", "stage", 0),
+    ]
+    checks.one_pod_per_rank(fine, check)
+    assert check.violations == []
+    checks.one_pod_per_rank([*fine, pod("j-stage-0-r3", "j", "stage", 0)], check)
+    assert check.violations == ["2 live pods of job j role stage index 0"]
+
+
+def test_a_status_going_backwards_is_caught() -> None:
+    history = checks.StatusHistory()
+    for status in ({"phase": "Running", "restarts": 1}, {"phase": "Succeeded", "restarts": 1}):
+        history.see("j", status)
+    assert history.check.violations == []
+    history.see("j", {"phase": "Running", "restarts": 0})
+    assert history.check.violations == ["j: restarts 1 -> 0", "j: Succeeded -> Running"]
+
+
+def test_restarts_beyond_the_member_failures_and_leftovers_of_a_deleted_job_are_caught():
+    faults: dict[str, Counter] = defaultdict(Counter, {"j": Counter(member=1, oom=1)})
+    check = checks.Check("counts")
+    checks.counted_right({"j": {"restarts": 1, "oomKills": 1}}, faults, check)
+    assert check.violations == []
+    checks.counted_right({"j": {"restarts": 2, "preemptions": 1}}, faults, check)
+    assert check.violations == [
+        "j: restarts 2 > 1 member faults",
+        "j: preemptions 1 > 0 node faults",
+    ]
+    gone = checks.Check("gone")
+    checks.left_behind({"d"}, {"v1/pods": [pod("d-master-0", "d", "master", 0)]}, gone)
+    assert gone.violations == ["v1/pods d-master-0 of deleted job d"]
+
+
+def test_the_api_server_answers_the_operator_each_fault_as_asked() -> None:
+    faults = Faults()
+    faults.fail_for(60, code=409)
+    assert faults.answer("GET", watch=False) == 0 and faults.answer("PATCH", watch=False) == 409
+    assert faults.answer("POST", watch=False) == 0  # a 409 to a create says it exists
+    faults.fail_for(60, code=410)
+    assert faults.answer("GET", watch=False) == 0 and faults.answer("GET", watch=True) == 410
+    faults.fail_for(60, code=0, delay=0.5)
+    assert faults.hits("kopf/1.37") and faults.answer("PATCH", watch=False) == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_short_seeded_run_holds_every_invariant(capsys) -> None:
+    args = ["--seed", "3", "--jobs", "4", "--minutes", "0.4", "--train", "6", "--gap", "2"]
+    code = chaos.main([*args, "--settle", "120"])
+    said = capsys.readouterr().out
+    assert code == 0, said
+    assert "faults injected" in said and "chaos: every invariant held" in said, said
+    assert said.count(": held (") == 6, said

@@ -1,0 +1,106 @@
+"""Same seed, same bits (issue 57): two runs of one manifest write byte-identical output files
+and log identical losses, on both engines. On the rpc engine, distributed autograd runs the
+micro-batches' backwards through a stage as their gradients arrive, and the nodes they share
+add in that order; the stages fix it (pipeline/rpc/backward_order.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from userdata import BYTE_VOCAB, write_stdlib_tokens
+
+from jobrun import pipeline_job, run_to_end
+
+TRANSFORMER = {"vocabSize": BYTE_VOCAB, "layers": 2, "width": 32, "heads": 2, "seqLen": 32}
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("stdlib-bytes")
+    train = root / "train.bin"
+    write_stdlib_tokens(train, max_bytes=100_000)
+    return {"train": str(train)}
+
+
+def lm_job(text: dict[str, str], **fields: Any) -> dict[str, Any]:
+    """A small language model in 2 stages, 4 micro-batches, clipped: every sum a step makes."""
+    return pipeline_job(
+        "same-bits",
+        **{
+            "model": {"transformer": TRANSFORMER},
+            "data": {"tokens": text, "workers": 1},
+            "stages": 2,
+            "batchSize": 16,
+            "microBatches": 4,
+            "steps": 4,
+            "seed": 7,
+            "optimizer": {"name": "adamw", "lr": 0.003, "clipGradNorm": 0.5},
+            **fields,
+        },
+    )
+
+
+def run(job: dict[str, Any], directory: Path, timeout: float) -> tuple[list[float], dict]:
+    """One run of `job` writing its output in `directory`: its losses, and its output files'
+    bytes by name."""
+    directory.mkdir()
+    job = {**job, "spec": {**job["spec"], "output": {"path": str(directory / "out")}}}
+    code, out, summary = run_to_end(job, directory, timeout)
+    assert code == 0, out
+    assert summary is not None, out
+    files = {
+        str(p.relative_to(directory / "out")): p.read_bytes()
+        for p in sorted((directory / "out").rglob("*"))
+        if p.is_file()
+    }
+    assert files, out
+    return summary["losses"], files
+
+
+def assert_same_bits(job: dict[str, Any], tmp_path: Path, timeout: float = 150) -> None:
+    """Two runs of `job`: the same losses to the last bit, the same output bytes."""
+    losses_a, files_a = run(job, tmp_path / "a", timeout)
+    losses_b, files_b = run(job, tmp_path / "b", timeout)
+    assert losses_a == losses_b
+    assert files_a.keys() == files_b.keys()
+    differ = [name for name in files_a if files_a[name] != files_b[name]]
+    assert not differ, f"{differ} differ between two runs of one manifest"
+
+
+@pytest.mark.timeout(360)
+def test_the_rpc_engine_repeats_itself_with_four_micro_batches(text, tmp_path: Path):
+    assert_same_bits(lm_job(text), tmp_path)
+
+
+@pytest.mark.timeout(360)
+def test_the_pipelining_engine_repeats_itself(text, tmp_path: Path):
+    assert_same_bits(lm_job(text, engine="pipelining", schedule="1f1b"), tmp_path)
+
+
+# slow: a world of 5 twice; the one-replica case above holds the stages' order, the
+# replicas' all-reduce (gloo's, a fixed ring) adds in a fixed order itself
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_replicas_repeat_themselves(text, tmp_path: Path):
+    assert_same_bits(lm_job(text, replicas={"min": 2, "max": 2}), tmp_path, timeout=300)
+
+
+# slow: the same stage code as 4 micro-batches; a middle stage and gradientAccumulation
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_three_stages_with_accumulation_repeat_themselves(text, tmp_path: Path):
+    job = lm_job(text, stages=3, gradientAccumulation=2, steps=3)
+    assert_same_bits(job, tmp_path, timeout=300)
+
+
+# slow: the pipelining engine's schedules run each micro-batch's backward in turn
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved-1f1b"])
+def test_the_pipelining_schedules_repeat_themselves(text, tmp_path: Path, schedule: str):
+    fields: dict[str, Any] = {"engine": "pipelining", "schedule": schedule}
+    if schedule == "interleaved-1f1b":
+        fields["stagesPerProcess"] = 2
+    assert_same_bits(lm_job(text, **fields), tmp_path, timeout=300)

@@ -282,7 +282,9 @@ class Stage(Shard):
         if micro_batch == 0:  # every backward of the rounds before has run
             self._backward_order.forget(round)
         for root in roots:
-            if not self.last:  # the last stage's one backward has an order of its own
+            # The last stage's one backward has an order of its own; on a GPU the roots run
+            # on the device's one autograd thread, which must not wait (not yet ordered).
+            if not self.last and self.gpu is None:
                 root.register_prehook(lambda grads: self._backward_order.wait(round, micro_batch))
             root.register_prehook(lambda grads: self._note(key, "start"))
         ends = input_nodes(roots, stops)

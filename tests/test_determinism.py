@@ -9,9 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from userdata import BYTE_VOCAB, write_stdlib_tokens
 
 from jobrun import pipeline_job, run_to_end
+from pipejob.core import spec
+from pipejob.trainer.runtime import determinism
 
 TRANSFORMER = {"vocabSize": BYTE_VOCAB, "layers": 2, "width": 32, "heads": 2, "seqLen": 32}
 
@@ -40,6 +43,27 @@ def lm_job(text: dict[str, str], **fields: Any) -> dict[str, Any]:
             **fields,
         },
     )
+
+
+def test_deterministic_asks_torch_for_deterministic_kernels():
+    assert spec.parse(pipeline_job("j")).spec["deterministic"] is False  # the default
+    environ: dict[str, str] = {}
+    assert not determinism.apply(False, environ) and environ == {}
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        assert determinism.apply(True, environ)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert environ == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+        mine = {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+        determinism.apply(True, mine)
+        assert mine == {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}  # a user's setting wins
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_deterministic_is_a_boolean():
+    with pytest.raises(ValueError, match="spec.deterministic: must be true or false"):
+        spec.parse(pipeline_job("j", deterministic="yes"))
 
 
 def run(job: dict[str, Any], directory: Path, timeout: float) -> tuple[list[float], dict]:

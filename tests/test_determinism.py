@@ -5,6 +5,7 @@ add in that order; the stages fix it (pipeline/rpc/backward_order.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +129,91 @@ def test_the_pipelining_schedules_repeat_themselves(text, tmp_path: Path, schedu
     if schedule == "interleaved-1f1b":
         fields["stagesPerProcess"] = 2
     assert_same_bits(lm_job(text, **fields), tmp_path, timeout=300)
+
+
+HYBRID = {
+    "apiVersion": "pipejob.dev/v1alpha1",
+    "kind": "HybridJob",
+    "metadata": {"name": "same-bits-hybrid"},
+    "spec": {
+        "trainers": 2,
+        "parameterServers": 2,
+        "embeddings": [
+            {"name": "a", "rows": 64, "dim": 8},
+            {"name": "b", "rows": 48, "dim": 8},
+        ],
+        "dense": {"outFeatures": 4},
+        "steps": 6,
+        "batchSize": 8,
+        "bagSize": 4,
+        "datasetSize": 64,
+        "seed": 3,
+        "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.9},
+        "sparseOptimizer": {"name": "adagrad", "lr": 0.2},
+        "rendezvousTimeoutSeconds": 60,
+        "preflight": {"megabytes": 0.5},
+    },
+}
+
+
+# slow: a world of 6 twice; the servers apply the trainers' updates in their order (ps.py)
+# and DDP's all-reduce is gloo's fixed ring: the rpc case above holds the stages' sums
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_hybrid_job_with_two_trainers_and_two_servers_repeats_itself(tmp_path: Path):
+    assert_same_bits(HYBRID, tmp_path, timeout=300)
+
+
+def resumed(job: dict[str, Any], directory: Path, at: int, timeout: float) -> tuple[list, dict]:
+    """`job` run to step `at` with a checkpoint, then again to its end: it resumes there. The
+    second run's losses and output files."""
+    directory.mkdir()
+    spec = {**job["spec"], "checkpoint": {"path": str(directory / "ckpt"), "everySteps": at}}
+    first = {**job, "spec": {**spec, "steps": at}}
+    run(first, directory / "first", timeout)
+    losses, files = run({**job, "spec": spec}, directory / "then", timeout)
+    assert len(losses) == job["spec"]["steps"] - at  # it did resume
+    return losses, files
+
+
+def without_first_loss(text: bytes) -> bytes:
+    """A model file's description without `metrics.firstLoss` (a resumed run's first step
+    is a later one)."""
+    described = json.loads(text)
+    described.get("metrics", {}).pop("firstLoss", None)
+    return json.dumps(described).encode()
+
+
+# slow: two runs each (a world of 3, 4 or 6); what the resume keeps is held in float64 by
+# test_checkpoint.py, the bits of a step by the two-runs tests above
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("engine", ["rpc", "pipelining", "hybrid"])
+def test_a_resumed_run_is_bit_identical_to_an_uninterrupted_one(text, tmp_path: Path, engine: str):
+    job = HYBRID if engine == "hybrid" else lm_job(text, engine=engine)
+    losses, files = run(job, tmp_path / "straight", 250)
+    at = job["spec"]["steps"] // 2
+    resumed_losses, resumed_files = resumed(job, tmp_path / "resumed", at, 250)
+    assert resumed_losses == losses[at:]
+    assert resumed_files.keys() == files.keys()
+    for found in (files, resumed_files):  # the run's own first loss, not the model's
+        found["model.json"] = without_first_loss(found["model.json"])
+    differ = [name for name in files if files[name] != resumed_files[name]]
+    assert not differ, f"{differ} differ between a resumed run and an uninterrupted one"
+
+
+def test_a_safetensors_file_is_the_same_bytes_every_time(tmp_path: Path):
+    """safetensors orders its header's metadata by a hash map's seed: pipejob sorts it."""
+    from safetensors.torch import load_file
+
+    from pipejob.trainer.runtime import model_files
+
+    state = {"b": torch.ones(3), "a": torch.zeros(2, 2)}
+    meta = {"": {"version": 1}, "a": {"version": 2}}
+    written = set()
+    for k in range(8):
+        path = tmp_path / f"m{k}.safetensors"
+        model_files.save(path, state, "safetensors", meta)
+        written.add(path.read_bytes())
+        assert load_file(str(path)).keys() == state.keys()
+    assert len(written) == 1

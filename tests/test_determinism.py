@@ -104,12 +104,16 @@ def test_the_pipelining_engine_repeats_itself(text, tmp_path: Path):
     assert_same_bits(lm_job(text, engine="pipelining", schedule="1f1b"), tmp_path)
 
 
-# slow: a world of 5 twice; the one-replica case above holds the stages' order, the
-# replicas' all-reduce (gloo's, a fixed ring) adds in a fixed order itself
+# slow: a world of 5 twice; the one-replica case above holds the stages' order
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 57, open: two rpc-engine replicas still drift (step 3 differs, 2e-7 of the"
+    " loss); the cause is not found yet",
+)
 def test_two_replicas_repeat_themselves(text, tmp_path: Path):
-    assert_same_bits(lm_job(text, replicas={"min": 2, "max": 2}), tmp_path, timeout=300)
+    assert_same_bits(lm_job(text, replicas=2), tmp_path, timeout=300)
 
 
 # slow: the same stage code as 4 micro-batches; a middle stage and gradientAccumulation

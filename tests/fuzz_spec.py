@@ -58,6 +58,7 @@ TEMPLATE = {
 COMMON = {
     "steps": 20,
     "seed": 1,
+    "deterministic": True,
     "logEvery": 2,
     "rendezvousTimeoutSeconds": 60,
     "optimizer": {

@@ -31,7 +31,20 @@ PENDING_SECONDS = 120  # spec.elastic.pendingSeconds when the section is left ou
 # Fields every kind has: how long to wait, how to restart, and when to clean up.
 COMMON: dict[str, Field] = {
     "steps": integer("Training steps (batches) to run.", default=10, minimum=1),
-    "seed": integer("Seed of model initialisation and synthetic data.", default=0),
+    "seed": integer(
+        "Seed of everything random in a run: model initialisation, data order and synthetic"
+        " data, dropout masks and the measured cut's choices. Two runs of one manifest write"
+        " the same bits on CPUs.",
+        default=0,
+    ),
+    "deterministic": Field(
+        "boolean",
+        "Ask torch for deterministic kernels (torch.use_deterministic_algorithms) where"
+        " exactness costs speed, as on a GPU (scatter-adds, some convolutions' backwards and"
+        " cuBLAS, which then keeps a workspace per stream); a kernel with no deterministic"
+        " version stops the run with torch's error. CPUs repeat themselves without it.",
+        default=False,
+    ),
     "optimizer": OPTIMIZER,
     "loss": LOSS,
     "eval": EVAL,
@@ -210,6 +223,7 @@ class CommonSpec:
 
     steps: int
     seed: int
+    deterministic: bool = False
     optimizer: Optimizer
     loss: Loss = Loss()
     eval: Eval | None = None

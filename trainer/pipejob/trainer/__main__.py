@@ -27,8 +27,10 @@ from pipejob.trainer.runtime.world import (
 def run(env: Env) -> dict | None:
     """Check the world's network, then run this process's role; the master returns the
     run's summary."""
-    from pipejob.trainer.runtime import preflight  # imports torch: only after tuning.apply
+    from pipejob.trainer.runtime import determinism, preflight  # torch: after tuning.apply
 
+    if determinism.apply(env.spec.deterministic):
+        log(env, "deterministic: torch's deterministic kernels only (spec.deterministic)")
     # From here on, in every phase: loading torch's libraries holds the GIL for seconds, so
     # the heartbeats start after it (a member frozen before meets the rendezvous' deadline).
     watchdog.start(env, monitor.board() if env.rank == 0 else None)

@@ -92,9 +92,26 @@ def save(
         if metadata is not None:
             header[METADATA] = json.dumps(metadata)
         save_file(tensors, str(partial), metadata=header)
+        sort_metadata(partial)
     else:
         torch.save(with_metadata(tensors, metadata), partial)
     os.replace(partial, path)
+
+
+def sort_metadata(path: Path) -> None:
+    """safetensors writes its header's metadata in a hash map's order, which changes from
+    process to process: the same model wrote other bytes (issue 57). Rewritten in place with
+    the keys sorted, where the header keeps its length (its JSON as safetensors writes it)."""
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        if "__metadata__" not in header:
+            return
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= size:  # safetensors pads its header with spaces
+            f.seek(8)
+            f.write(text + b" " * (size - len(text)))
 
 
 def write_shard(

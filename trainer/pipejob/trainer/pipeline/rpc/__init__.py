@@ -16,8 +16,14 @@ from pipejob.trainer.runtime.world import Env
 def serve(env: Env) -> None:
     """A stage's life: serve the master's calls; with replicas, in the group of stage i of
     every replica, which averages the shard's gradients."""
+    import torch
+
+    from pipejob.trainer.pipeline.rpc.backward_order import interop_threads
     from pipejob.trainer.pipeline.rpc.stage import stage_devices
 
+    spec = env.spec  # `auto` micro-batches: at most one a sample
+    most = spec.micro_batches if isinstance(spec.micro_batches, int) else spec.batch_size
+    torch.set_num_interop_threads(interop_threads(most, torch.get_num_interop_threads()))
     stages = env.spec.stages
     own = env.names("stage")[env.replica * stages : (env.replica + 1) * stages]
     if env.ddp_group is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -19,6 +20,7 @@ from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline import stage_groups
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Source
+from pipejob.trainer.pipeline.rpc.backward_order import BackwardOrder
 from pipejob.trainer.pipeline.rpc.round_end import RoundEnd
 from pipejob.trainer.pipeline.rpc.turnstile import Turnstile
 from pipejob.trainer.pipeline.stage_base import Shard
@@ -64,12 +66,18 @@ class Stage(Shard):
             self.replicas_group = stage_groups.mine()[1]
         # A GPU stage computes on a thread and stream of its own (pipeline/gpu_worker.py).
         self.gpu = GpuWorker(self.device) if self.device.type == "cuda" else None
+        # The last stage's one backward runs its micro-batches' nodes latest made first, as
+        # numbered by the thread that made them: made on one thread (a GPU's or this one),
+        # always in the same order (backward_order.py says why that matters).
+        self._one_thread = ThreadPoolExecutor(1) if last and self.gpu is None else None
         self.last = last
         self._after: list[tuple[str, StageRef]] = []  # the stages after this one (`link`)
         self.compute = self.computed(self.layers, last)
         # One forward at a time, in micro-batch order: micro-batches would otherwise fight
         # over the same cores and race on BatchNorm's running statistics.
         self._order = Turnstile(rendezvous.RPC_TIMEOUT_SECONDS)
+        # And their backwards, where several arrive at once (backward_order.py).
+        self._backward_order = BackwardOrder(rendezvous.RPC_TIMEOUT_SECONDS)
         self._record = threading.Lock()
         # [start, end] of "forward" and "backward" per (step, micro-batch) of open steps,
         # folded into per-step totals once a later step starts.
@@ -209,7 +217,11 @@ class Stage(Shard):
 
     def _on_device(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` where this stage computes: its GPU worker, or here on a CPU."""
-        return fn(*args) if self.gpu is None else self.gpu.run(fn, *args)
+        if self.gpu is not None:
+            return self.gpu.run(fn, *args)
+        if self._one_thread is not None:
+            return self._one_thread.submit(fn, *args).result()
+        return fn(*args)
 
     def _timed(self, x: tuple[Any, ...]) -> tuple[Any, Any, Any, torch.Tensor]:
         """A training forward between two marks of this stage's clock (on its stream), and
@@ -267,7 +279,7 @@ class Stage(Shard):
         with self.evaluating():
             return self.compute(*x)
 
-    def _time_backward(self, key: tuple[int, int], y: Any, received: tuple[Any, ...]):
+    def _time_backward(self, key: tuple[int, Any], y: Any, received: tuple[Any, ...]):
         """Backward through this shard starts when the gradient of its outputs arrives and
         ends when the autograd nodes nearest the shard's inputs have run; it is done once
         those and the nodes that send the gradient on to the previous stage have run."""
@@ -276,7 +288,14 @@ class Stage(Shard):
             self._backward_done(key)  # nothing of this micro-batch to backpropagate here
             return
         stops = {t.grad_fn for t in tensors(received) if t.grad_fn is not None}
+        step, (round, micro_batch) = key
+        if micro_batch == 0:  # every backward of the rounds before has run
+            self._backward_order.forget(round)
         for root in roots:
+            # The last stage's one backward has an order of its own; on a GPU the roots run
+            # on the device's one autograd thread, which must not wait (not yet ordered).
+            if not self.last and self.gpu is None:
+                root.register_prehook(lambda grads: self._backward_order.wait(round, micro_batch))
             root.register_prehook(lambda grads: self._note(key, "start"))
         ends = input_nodes(roots, stops)
         left = [len(ends) + len(stops)]
@@ -294,7 +313,8 @@ class Stage(Shard):
         for node in stops:
             node.register_hook(lambda grads_in, grads_out: ran(False))
 
-    def _backward_done(self, key: tuple[int, int]) -> None:
+    def _backward_done(self, key: tuple[int, Any]) -> None:
+        self._backward_order.done(*key[1])
         with self._settled:
             self._done[key[0]] = self._done.get(key[0], 0) + 1
             self._settled.notify_all()

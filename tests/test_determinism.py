@@ -1,0 +1,223 @@
+"""Same seed, same bits (issue 57): two runs of one manifest write byte-identical output files
+and log identical losses, on both engines. On the rpc engine, distributed autograd runs the
+micro-batches' backwards through a stage as their gradients arrive, and the nodes they share
+add in that order; the stages fix it (pipeline/rpc/backward_order.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from userdata import BYTE_VOCAB, write_stdlib_tokens
+
+from jobrun import pipeline_job, run_to_end
+from pipejob.core import spec
+from pipejob.trainer.runtime import determinism
+
+TRANSFORMER = {"vocabSize": BYTE_VOCAB, "layers": 2, "width": 32, "heads": 2, "seqLen": 32}
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("stdlib-bytes")
+    train = root / "train.bin"
+    write_stdlib_tokens(train, max_bytes=100_000)
+    return {"train": str(train)}
+
+
+def lm_job(text: dict[str, str], **fields: Any) -> dict[str, Any]:
+    """A small language model in 2 stages, 4 micro-batches, clipped: every sum a step makes."""
+    return pipeline_job(
+        "same-bits",
+        **{
+            "model": {"transformer": TRANSFORMER},
+            "data": {"tokens": text, "workers": 1},
+            "stages": 2,
+            "batchSize": 16,
+            "microBatches": 4,
+            "steps": 4,
+            "seed": 7,
+            "optimizer": {"name": "adamw", "lr": 0.003, "clipGradNorm": 0.5},
+            **fields,
+        },
+    )
+
+
+def test_deterministic_asks_torch_for_deterministic_kernels():
+    assert spec.parse(pipeline_job("j")).spec["deterministic"] is False  # the default
+    environ: dict[str, str] = {}
+    assert not determinism.apply(False, environ) and environ == {}
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        assert determinism.apply(True, environ)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert environ == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+        mine = {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+        determinism.apply(True, mine)
+        assert mine == {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}  # a user's setting wins
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_deterministic_is_a_boolean():
+    with pytest.raises(ValueError, match="spec.deterministic: must be true or false"):
+        spec.parse(pipeline_job("j", deterministic="yes"))
+
+
+def run(job: dict[str, Any], directory: Path, timeout: float) -> tuple[list[float], dict]:
+    """One run of `job` writing its output in `directory`: its losses, and its output files'
+    bytes by name."""
+    directory.mkdir()
+    job = {**job, "spec": {**job["spec"], "output": {"path": str(directory / "out")}}}
+    code, out, summary = run_to_end(job, directory, timeout)
+    assert code == 0, out
+    assert summary is not None, out
+    files = {
+        str(p.relative_to(directory / "out")): p.read_bytes()
+        for p in sorted((directory / "out").rglob("*"))
+        if p.is_file()
+    }
+    assert files, out
+    return summary["losses"], files
+
+
+def assert_same_bits(job: dict[str, Any], tmp_path: Path, timeout: float = 150) -> None:
+    """Two runs of `job`: the same losses to the last bit, the same output bytes."""
+    losses_a, files_a = run(job, tmp_path / "a", timeout)
+    losses_b, files_b = run(job, tmp_path / "b", timeout)
+    assert losses_a == losses_b
+    assert files_a.keys() == files_b.keys()
+    differ = [name for name in files_a if files_a[name] != files_b[name]]
+    assert not differ, f"{differ} differ between two runs of one manifest"
+
+
+@pytest.mark.timeout(360)
+def test_the_rpc_engine_repeats_itself_with_four_micro_batches(text, tmp_path: Path):
+    assert_same_bits(lm_job(text), tmp_path)
+
+
+@pytest.mark.timeout(360)
+def test_the_pipelining_engine_repeats_itself(text, tmp_path: Path):
+    assert_same_bits(lm_job(text, engine="pipelining", schedule="1f1b"), tmp_path)
+
+
+# slow: a world of 5 twice; the one-replica case above holds the stages' order
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 57, open: two rpc-engine replicas still drift (step 3 differs, 2e-7 of the"
+    " loss); the cause is not found yet",
+)
+def test_two_replicas_repeat_themselves(text, tmp_path: Path):
+    assert_same_bits(lm_job(text, replicas=2), tmp_path, timeout=300)
+
+
+# slow: the same stage code as 4 micro-batches; a middle stage and gradientAccumulation
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_three_stages_with_accumulation_repeat_themselves(text, tmp_path: Path):
+    job = lm_job(text, stages=3, gradientAccumulation=2, steps=3)
+    assert_same_bits(job, tmp_path, timeout=300)
+
+
+# slow: the pipelining engine's schedules run each micro-batch's backward in turn
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved-1f1b"])
+def test_the_pipelining_schedules_repeat_themselves(text, tmp_path: Path, schedule: str):
+    fields: dict[str, Any] = {"engine": "pipelining", "schedule": schedule}
+    if schedule == "interleaved-1f1b":
+        fields["stagesPerProcess"] = 2
+    assert_same_bits(lm_job(text, **fields), tmp_path, timeout=300)
+
+
+HYBRID = {
+    "apiVersion": "pipejob.dev/v1alpha1",
+    "kind": "HybridJob",
+    "metadata": {"name": "same-bits-hybrid"},
+    "spec": {
+        "trainers": 2,
+        "parameterServers": 2,
+        "embeddings": [
+            {"name": "a", "rows": 64, "dim": 8},
+            {"name": "b", "rows": 48, "dim": 8},
+        ],
+        "dense": {"outFeatures": 4},
+        "steps": 6,
+        "batchSize": 8,
+        "bagSize": 4,
+        "datasetSize": 64,
+        "seed": 3,
+        "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.9},
+        "sparseOptimizer": {"name": "adagrad", "lr": 0.2},
+        "rendezvousTimeoutSeconds": 60,
+        "preflight": {"megabytes": 0.5},
+    },
+}
+
+
+# slow: a world of 6 twice; the servers apply the trainers' updates in their order (ps.py)
+# and DDP's all-reduce is gloo's fixed ring: the rpc case above holds the stages' sums
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_hybrid_job_with_two_trainers_and_two_servers_repeats_itself(tmp_path: Path):
+    assert_same_bits(HYBRID, tmp_path, timeout=300)
+
+
+def resumed(job: dict[str, Any], directory: Path, at: int, timeout: float) -> tuple[list, dict]:
+    """`job` run to step `at` with a checkpoint, then again to its end: it resumes there. The
+    second run's losses and output files."""
+    directory.mkdir()
+    spec = {**job["spec"], "checkpoint": {"path": str(directory / "ckpt"), "everySteps": at}}
+    first = {**job, "spec": {**spec, "steps": at}}
+    run(first, directory / "first", timeout)
+    losses, files = run({**job, "spec": spec}, directory / "then", timeout)
+    assert len(losses) == job["spec"]["steps"] - at  # it did resume
+    return losses, files
+
+
+def without_first_loss(text: bytes) -> bytes:
+    """A model file's description without `metrics.firstLoss` (a resumed run's first step
+    is a later one)."""
+    described = json.loads(text)
+    described.get("metrics", {}).pop("firstLoss", None)
+    return json.dumps(described).encode()
+
+
+# slow: two runs each (a world of 3, 4 or 6); what the resume keeps is held in float64 by
+# test_checkpoint.py, the bits of a step by the two-runs tests above
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("engine", ["rpc", "pipelining", "hybrid"])
+def test_a_resumed_run_is_bit_identical_to_an_uninterrupted_one(text, tmp_path: Path, engine: str):
+    job = HYBRID if engine == "hybrid" else lm_job(text, engine=engine)
+    losses, files = run(job, tmp_path / "straight", 250)
+    at = job["spec"]["steps"] // 2
+    resumed_losses, resumed_files = resumed(job, tmp_path / "resumed", at, 250)
+    assert resumed_losses == losses[at:]
+    assert resumed_files.keys() == files.keys()
+    for found in (files, resumed_files):  # the run's own first loss, not the model's
+        found["model.json"] = without_first_loss(found["model.json"])
+    differ = [name for name in files if files[name] != resumed_files[name]]
+    assert not differ, f"{differ} differ between a resumed run and an uninterrupted one"
+
+
+def test_a_safetensors_file_is_the_same_bytes_every_time(tmp_path: Path):
+    """safetensors orders its header's metadata by a hash map's seed: pipejob sorts it."""
+    from safetensors.torch import load_file
+
+    from pipejob.trainer.runtime import model_files
+
+    state = {"b": torch.ones(3), "a": torch.zeros(2, 2)}
+    meta = {"": {"version": 1}, "a": {"version": 2}}
+    written = set()
+    for k in range(8):
+        path = tmp_path / f"m{k}.safetensors"
+        model_files.save(path, state, "safetensors", meta)
+        written.add(path.read_bytes())
+        assert load_file(str(path)).keys() == state.keys()
+    assert len(written) == 1

@@ -9,7 +9,7 @@ from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.driver import StepResult
 from pipejob.trainer.pipeline.shards import Shards, share
-from pipejob.trainer.runtime import memory, monitor, param_groups, roles
+from pipejob.trainer.runtime import memory, monitor, param_groups, roles, world
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import metrics, models
 
@@ -261,3 +261,22 @@ def render(summary: dict[str, Any]) -> str:
         + f" = {b['scheduleIdeal']:.0%}"
     )
     return "\n".join(lines)
+
+
+def report_evaluation(
+    env: Env[PipelineSpec], figures: dict[str, Any], seconds: float, more: str = ""
+) -> None:
+    """An evaluation's figures (`more`: what follows its own) in the log and on the progress
+    board, on either path."""
+    metric = "".join(f", {m}" for m in [metrics.describe(figures)] if m) + more
+    world.log(
+        env,
+        f"eval step {figures['step']}: loss {figures['loss']:.4f}{metric} on"
+        f" {figures['samples']} held-out samples ({seconds:.1f}s)",
+    )
+    monitor.board().evaluated(
+        figures["step"],
+        figures["loss"],
+        accuracy=figures.get("accuracy"),
+        perplexity=figures.get("perplexity"),
+    )

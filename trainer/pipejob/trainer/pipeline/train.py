@@ -24,7 +24,7 @@ from pipejob.trainer.pipeline.reader import Reader
 from pipejob.trainer.pipeline.run_plan import Plan, plan
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.pipeline.step_records import StepResult
-from pipejob.trainer.pipeline.summary import render, stage_report, summarize
+from pipejob.trainer.pipeline.summary import render, report_evaluation, stage_report, summarize
 from pipejob.trainer.runtime import (
     adapters,
     checkpoint,
@@ -36,7 +36,7 @@ from pipejob.trainer.runtime import (
 )
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
-from pipejob.trainer.workloads import data, metrics
+from pipejob.trainer.workloads import data
 from pipejob.trainer.workloads.cut import CutError
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -240,25 +240,15 @@ def evaluate(
         planned.micro_batches, spec.eval.batches, planned.loss, Tally(data.task(spec))
     )
     figures = {"step": step, **tally.result()}
-    metric = "".join(f", {m}" for m in [metrics.describe(figures)] if m)
+    more = ""
     if spec.ema is not None:  # the average's figures beside the weights'
         with ema_stages.swapped(pipelines.pipelines[0]):
             tally = pipelines.evaluate(
                 planned.micro_batches, spec.eval.batches, planned.loss, Tally(data.task(spec))
             )
         figures["ema"] = tally.result()
-        metric += f"; ema: loss {figures['ema']['loss']:.4f}"
-    world.log(
-        env,
-        f"eval step {step}: loss {figures['loss']:.4f}{metric} on"
-        f" {figures['samples']} held-out samples ({time.perf_counter() - start:.1f}s)",
-    )
-    monitor.board().evaluated(
-        step,
-        figures["loss"],
-        accuracy=figures.get("accuracy"),
-        perplexity=figures.get("perplexity"),
-    )
+        more = f"; ema: loss {figures['ema']['loss']:.4f}"
+    report_evaluation(env, figures, time.perf_counter() - start, more)
     events.scalars(
         step,
         eval_loss=figures["loss"],

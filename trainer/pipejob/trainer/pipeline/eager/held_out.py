@@ -14,9 +14,9 @@ from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.eager import remote
 from pipejob.trainer.pipeline.eager.driver import Stages
-from pipejob.trainer.runtime import monitor, world
+from pipejob.trainer.pipeline.summary import report_evaluation
 from pipejob.trainer.runtime.world import Env
-from pipejob.trainer.workloads import data, metrics
+from pipejob.trainer.workloads import data
 from pipejob.trainer.workloads.metrics import Tally
 
 
@@ -51,16 +51,5 @@ def evaluate(
         model.train()
         stages.on_each(remote.set_training, True)
     figures = {"step": step, **tally.result()}
-    metric = "".join(f", {m}" for m in [metrics.describe(figures)] if m)
-    world.log(
-        env,
-        f"eval step {step}: loss {figures['loss']:.4f}{metric} on"
-        f" {figures['samples']} held-out samples ({time.perf_counter() - start:.1f}s)",
-    )
-    monitor.board().evaluated(
-        step,
-        figures["loss"],
-        accuracy=figures.get("accuracy"),
-        perplexity=figures.get("perplexity"),
-    )
+    report_evaluation(env, figures, time.perf_counter() - start)
     return figures

@@ -76,12 +76,13 @@ def resolved(spec: PipelineSpec, engine: str) -> PipelineSpec:
 def serve(env: Env) -> None:
     """A stage's life in an auto world: join the pipe group and divide it, as the
     pipelining engine does (the rpc engine's replicas average in its stage's group), with
-    the rpc engine's device maps; then serve the master's calls."""
+    the rpc engine's device maps and autograd threads; then serve the master's calls."""
     import torch.distributed as dist
 
-    from pipejob.trainer.pipeline import stage_groups
+    from pipejob.trainer.pipeline import rpc, stage_groups
     from pipejob.trainer.pipeline.rpc.stage import stage_devices
 
+    rpc.backward_threads(env)  # should the master choose rpc
     stages = env.spec.stages
     own = env.names("stage")[env.replica * stages : (env.replica + 1) * stages]
     stage_groups.join(env)

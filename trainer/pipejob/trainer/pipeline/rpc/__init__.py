@@ -16,14 +16,9 @@ from pipejob.trainer.runtime.world import Env
 def serve(env: Env) -> None:
     """A stage's life: serve the master's calls; with replicas, in the group of stage i of
     every replica, which averages the shard's gradients."""
-    import torch
-
-    from pipejob.trainer.pipeline.rpc.backward_order import interop_threads
     from pipejob.trainer.pipeline.rpc.stage import stage_devices
 
-    spec = env.spec  # `auto` micro-batches: at most one a sample
-    most = spec.micro_batches if isinstance(spec.micro_batches, int) else spec.batch_size
-    torch.set_num_interop_threads(interop_threads(most, torch.get_num_interop_threads()))
+    backward_threads(env)
     stages = env.spec.stages
     own = env.names("stage")[env.replica * stages : (env.replica + 1) * stages]
     if env.ddp_group is None:
@@ -34,3 +29,16 @@ def serve(env: Env) -> None:
     rendezvous.join_ddp(env)
     roles.serve(env, *stage_devices(env.role_index, own, env.gpus))
     dist.destroy_process_group()
+
+
+def backward_threads(env: Env) -> None:
+    """Enough autograd threads that the micro-batch whose turn it is always has one
+    (backward_order.py): one more than the micro-batches, at most one a sample with `auto`.
+    Before anything runs: torch sets the count once."""
+    import torch
+
+    from pipejob.trainer.pipeline.rpc.backward_order import interop_threads
+
+    spec = env.spec
+    most = spec.micro_batches if isinstance(spec.micro_batches, int) else spec.batch_size
+    torch.set_num_interop_threads(interop_threads(most, torch.get_num_interop_threads()))

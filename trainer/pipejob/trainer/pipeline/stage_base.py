@@ -19,7 +19,7 @@ from torch.futures import Future
 
 from pipejob.core.averaged import Ema
 from pipejob.core.common import Optimizer
-from pipejob.trainer.pipeline import gradients
+from pipejob.trainer.pipeline import gradients, stage_groups
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Reader, Source
 from pipejob.trainer.pipeline.stage_calls import StageRef, remote_reader
@@ -134,6 +134,8 @@ class Shard:
         optimizer: Optimizer | None = None,
     ):
         self.device = torch.device(device)
+        if stage_groups.divided():  # a pipelining or auto world: its stage index's group
+            self.replicas_group = stage_groups.mine()[1]
         self.reader = Reader(source, self.device)  # reads only on a first stage
         # Built here from a Part: only this process's parameters exist.
         pieces = part.build() if isinstance(part, Part) else [part]

@@ -17,7 +17,6 @@ from torch import nn
 from torch.futures import Future
 
 from pipejob.core.common import Optimizer
-from pipejob.trainer.pipeline import stage_groups
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.rpc.backward_order import BackwardOrder
@@ -62,8 +61,6 @@ class Stage(Shard):
         optimizer: Optimizer | None = None,
     ):
         super().__init__(module, device, precision, recompute, source, optimizer)
-        if stage_groups.divided():  # an auto world: its stages' groups, not one dp group
-            self.replicas_group = stage_groups.mine()[1]
         # A GPU stage computes on a thread and stream of its own (pipeline/gpu_worker.py).
         self.gpu = GpuWorker(self.device) if self.device.type == "cuda" else None
         # The last stage's one backward runs its micro-batches' nodes latest made first, as

@@ -83,7 +83,7 @@ class Stage(Shard):
         super().__init__(part, device, precision, recompute, source, optimizer)
         self.index, self.held, self.schedule = index, pieces, schedule
         self.count = processes * len(pieces)  # pieces in the pipeline
-        self.pipeline, self.replicas_group, self.host = stage_groups.mine()
+        self.pipeline, _, self.host = stage_groups.mine()  # its replicas group: Shard's
         self._taken = -1  # the last training round read here, its labels passed on
         # The call's next training round to read (its round, micro-batches, samples) after
         # the first piece's forward of which micro-batch.

@@ -138,10 +138,8 @@ def test_what_the_eager_path_does_not_carry_is_refused_naming_the_field_never_ig
     from pipejob.trainer.pipeline.eager.run import refusal
 
     assert refusal(spec.parse(_esm_job()).settings) is None
-    refused = refusal(spec.parse(_esm_job(gradientAccumulation=2)).settings)
-    assert refused is not None and "spec.gradientAccumulation" in refused
-    refused = refusal(spec.parse(_esm_job(replicas=2)).settings)
-    assert refused is not None and "spec.replicas" in refused
+    refused = refusal(spec.parse(_esm_job(skipNonFiniteSteps=2)).settings)
+    assert refused is not None and "spec.skipNonFiniteSteps" in refused
     refused = refusal(spec.parse(_esm_job(ema={"decay": 0.9})).settings)
     assert refused is not None and "spec.ema" in refused
     refused = refusal(spec.parse(_esm_job(eval={"best": {}})).settings)
@@ -170,16 +168,19 @@ def _esm_job(**fields) -> dict:
 
 
 def _one_process_step(manifest: dict, lr: float) -> tuple[float, dict[str, torch.Tensor]]:
-    """Step 1 of the job in one process: its loss, and every parameter after one SGD step."""
+    """Step 1 of the job in one process: its loss, and every parameter after one SGD step.
+    Each of gradientAccumulation's batches (of batchSize x replicas) in replicas x
+    microBatches micro-batches, each loss weighted by its share of the step's samples."""
     s = spec.parse(manifest).settings
     model = models.build(s)
+    rounds, loss_fn = s.gradient_accumulation, workloads.loss(s)
+    m = s.micro_batches * s.replicas.max
+    loss = torch.zeros((), dtype=torch.float64)
     with data.Feed(s) as feed:
-        inputs, labels = feed.batch()
-    m, loss_fn = s.micro_batches, workloads.loss(s)
-    loss = sum(
-        loss_fn(model(x), y) * (len(y) / len(labels))
-        for x, y in zip(inputs.tensor_split(m), labels.tensor_split(m), strict=True)
-    )
+        for _ in range(rounds):
+            inputs, labels = feed.batch()
+            for x, y in zip(inputs.tensor_split(m), labels.tensor_split(m), strict=True):
+                loss = loss + loss_fn(model(x), y) * (len(y) / (len(labels) * rounds))
     loss.backward()
     return loss.item(), {n: (p - lr * p.grad).detach() for n, p in model.named_parameters()}
 
@@ -198,6 +199,30 @@ def test_a_model_the_trace_refuses_trains_on_the_eager_path_as_one_process(tmp_p
     assert summary["losses"][0] == pytest.approx(loss, rel=1e-12)
     trained = model_files.load_state_dict(out)
     assert sorted(trained) == sorted(models.build(spec.parse(manifest).settings).state_dict())
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_replicas_and_accumulated_batches_on_the_eager_path_step_as_one_process(
+    tmp_path, monkeypatch
+):
+    """2 replicas of 2 stages, 2 batches per optimizer step: step 1's loss and every
+    parameter after it equal one process's on the step's 32 samples (float64), and the
+    replicas stay identical (their gradients summed in replica order, each to the same
+    bits)."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    out = tmp_path / "out"
+    model = {"import": "userpkg.esmlike:esm2", "cut": "eager"}
+    manifest = _esm_job(
+        model=model, steps=1, replicas=2, gradientAccumulation=2, output={"path": str(out)}
+    )
+    code, output, summary = run_to_end(manifest, tmp_path, timeout=300)
+    assert code == 0, output[-3000:]
+    assert summary is not None and summary["path"] == "eager" and summary["replicas"] == 2
+    assert summary["replicaDivergence"] == 0.0
+    loss, expected = _one_process_step(manifest, lr=0.5)
+    assert summary["losses"][0] == pytest.approx(loss, rel=1e-12)
+    trained = model_files.load_state_dict(out)
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value, rtol=1e-12, atol=1e-12, msg=name)
 

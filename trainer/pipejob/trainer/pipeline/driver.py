@@ -360,12 +360,17 @@ class Replicas:
         0's (Shard.fingerprint): 0.0 while the replicas stay identical, as they must."""
         if len(self.pipelines) == 1:
             return 0.0
-        prints = [p.stage_results(Shard.fingerprint) for p in self.pipelines]
-        return max(
-            (
-                torch.max((a - b).abs()).item()
-                for other in prints[1:]
-                for a, b in zip(prints[0], other, strict=True)
-            ),
-            default=0.0,
-        )
+        return divergence([p.stage_results(Shard.fingerprint) for p in self.pipelines])
+
+
+def divergence(prints: list[list[torch.Tensor]]) -> float:
+    """The largest difference between a replica's stages' fingerprints (`prints`: per
+    replica, per stage) and replica 0's."""
+    return max(
+        (
+            torch.max((a - b).abs()).item()
+            for other in prints[1:]
+            for a, b in zip(prints[0], other, strict=True)
+        ),
+        default=0.0,
+    )

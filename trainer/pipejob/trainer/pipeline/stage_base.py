@@ -69,6 +69,15 @@ class Computed(nn.Module):
         return float32(y) if self.last and self.autocast is not None else y
 
 
+def fingerprint(module: nn.Module) -> torch.Tensor:
+    """Per parameter of `module`, its sum and sum of squares in float64: equal in every
+    replica whose parameters are the same."""
+    rows = [
+        (p.detach().double().sum(), p.detach().double().square().sum()) for p in module.parameters()
+    ]
+    return torch.tensor([[a.item(), b.item()] for a, b in rows], dtype=torch.float64)
+
+
 def float32(value: Any) -> Any:
     """Floating tensors of an output (a tensor, a tuple or list, a dict) as float32."""
     if isinstance(value, torch.Tensor):
@@ -302,13 +311,8 @@ class Shard:
         return model_files.write_shard(directory, filename, self.state(), format)
 
     def fingerprint(self) -> torch.Tensor:
-        """Per parameter, its sum and sum of squares in float64: equal in every replica whose
-        shard is the same (replicas must stay identical)."""
-        rows = [
-            (p.detach().double().sum(), p.detach().double().square().sum())
-            for p in self.layers.parameters()
-        ]
-        return torch.tensor([[a.item(), b.item()] for a, b in rows], dtype=torch.float64)
+        """The shard's fingerprint: equal in every replica (replicas must stay identical)."""
+        return fingerprint(self.layers)
 
     def step_optimizer(self, grads: dict[str, torch.Tensor], lr: float | None) -> None:
         """Step the shard's parameters with the step's gradients `grads` (`gradients`), with

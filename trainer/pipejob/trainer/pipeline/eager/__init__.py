@@ -9,6 +9,7 @@ rpc engine's world (stages that serve the master's calls).
 - placement.py: which submodules go to which stage (measured cost, in the order they run);
 - check.py: the placement checked in one process before the world forms;
 - held.py: what a stage holds (its modules under the model's names, its optimizer);
+- replica_sums.py: a stage's gradients summed over the replicas, in replica order;
 - turns.py: a stage computes each module's micro-batches in micro-batch order;
 - remote.py: the master's stand-in for a module that lives on a stage;
 - driver.py: a step on the master (a thread per micro-batch); run.py: the master's run;

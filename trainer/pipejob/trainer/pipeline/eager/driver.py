@@ -1,8 +1,10 @@
 """A step on the eager path, on the master: each micro-batch's forward (the user's own, with
-the stages' modules called where they live) and backward in a thread of its own, inside its
-own distributed autograd context, so the micro-batches overlap across the stages as the
-seeds' RPC pipeline's do; then every process sums its gradients over the contexts in
-micro-batch order, the master judges the global norm, and every process steps its own."""
+the stages' modules called where they live, on its replica's stages) and backward in a
+thread of its own, inside its own distributed autograd context, so the micro-batches (of
+every replica) overlap across the stages as the seeds' RPC pipeline's do; with
+gradientAccumulation, its batches one after the other. Then every process sums its
+gradients over the contexts in micro-batch order (the stages then over the replicas), the
+master judges the global norm, and every process steps its own."""
 
 from __future__ import annotations
 
@@ -17,59 +19,58 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
+from pipejob.trainer.pipeline.driver import divergence
 from pipejob.trainer.pipeline.eager import remote
 from pipejob.trainer.pipeline.eager.held import squared_norm, summed_gradients
 from pipejob.trainer.runtime.optim import Functional, clip_coefficient, set_lr
+from pipejob.trainer.workloads import batch_values
+from pipejob.trainer.workloads.batch_values import split
 
 
 @dataclass
 class Stages:
-    """The stage workers and the `Held` of each, in order."""
+    """Per replica, its stage workers and the `Held` of each, in stage order."""
 
-    workers: list[str]
-    held: list[rpc.RRef]
+    workers: list[list[str]]
+    held: list[list[rpc.RRef]]
 
-    def on_each(self, function: Callable[..., Any], *args: Any) -> list[Any]:
-        futures = [
+    def futures(self, function: Callable[..., Any], *args: Any, replica: int | None) -> list:
+        """`function(held, *args)` on every stage of `replica` (None: of every replica,
+        replica by replica), as futures."""
+        chosen = range(len(self.workers)) if replica is None else [replica]
+        return [
             rpc.rpc_async(w, function, args=(h, *args))
-            for w, h in zip(self.workers, self.held, strict=True)
+            for r in chosen
+            for w, h in zip(self.workers[r], self.held[r], strict=True)
         ]
-        return torch.futures.wait_all(futures)
 
-    def call_async(self, i: int, function: Callable[..., Any], *args: Any) -> Any:
-        """`function(held, *args)` on stage i, as a future."""
-        return rpc.rpc_async(self.workers[i], function, args=(self.held[i], *args))
+    def on_each(self, function: Callable[..., Any], *args: Any, replica: int | None = 0) -> list:
+        """What `function(held, *args)` returns on every stage of `replica` (None: of every
+        replica, replica by replica), called at once."""
+        return torch.futures.wait_all(self.futures(function, *args, replica=replica))
 
+    def call_async(self, i: int, function: Callable[..., Any], *args: Any, replica: int = 0) -> Any:
+        """`function(held, *args)` on `replica`'s stage i, as a future."""
+        return rpc.rpc_async(
+            self.workers[replica][i], function, args=(self.held[replica][i], *args)
+        )
 
-def split(value: Any, parts: int) -> list[Any]:
-    """`value` (a tensor, or tuples, lists and dicts of them) in `parts` micro-batches along
-    the batch dimension."""
-    if isinstance(value, torch.Tensor):
-        return list(value.tensor_split(parts))
-    if isinstance(value, dict):
-        pieces = {k: split(v, parts) for k, v in value.items()}
-        return [{k: v[i] for k, v in pieces.items()} for i in range(parts)]
-    if isinstance(value, list | tuple):
-        pieces_ = [split(v, parts) for v in value]
-        return [type(value)(p[i] for p in pieces_) for i in range(parts)]
-    return [value] * parts
-
-
-def batch_size(value: Any) -> int:
-    leaves: list[int] = []
-    tree_map_only(torch.Tensor, lambda t: leaves.append(t.shape[0]), value)
-    return leaves[0]
+    def divergence(self) -> float:
+        """The largest difference of a replica's parameters' fingerprints from replica 0's:
+        0.0 while the replicas stay identical, as they must."""
+        prints = [self.on_each(remote.fingerprint, replica=r) for r in range(len(self.held))]
+        return divergence(prints)
 
 
 class MicroBatch(threading.Thread):
     """Micro-batch `number`'s forward and backward in its own context, which it keeps open
     (the stages read their gradients from it) until `release` is set."""
 
-    def __init__(self, run: Callable[[], torch.Tensor], number: int, first: int, stages: Stages):
-        super().__init__(daemon=True, name=f"eager micro-batch {number}")
-        self.run_forward, self.number, self.first, self.stages = run, number, first, stages
+    def __init__(self, run: Callable[[], torch.Tensor], turn: tuple[int, int, int], stages: Stages):
+        super().__init__(daemon=True, name=f"eager micro-batch {turn[0]} of replica {turn[2]}")
+        self.run_forward, self.stages = run, stages
+        self.number, self.first, self.replica = turn
         self.done = threading.Event()
         self.release = threading.Event()
         self.context = -1
@@ -81,11 +82,10 @@ class MicroBatch(threading.Thread):
             with dist_autograd.context() as context:
                 self.context = context
                 try:
-                    remote.begin(self.number, self.first)
+                    remote.begin(self.number, self.first, self.replica)
                     loss = self.run_forward()
-                finally:  # the stages' later micro-batches no longer wait for this one
-                    for w, h in zip(self.stages.workers, self.stages.held, strict=True):
-                        rpc.rpc_async(w, remote.ended, args=(h, self.number))
+                finally:  # its replica's later micro-batches no longer wait for this one
+                    self.stages.futures(remote.ended, self.number, replica=self.replica)
                 self.loss = loss.item()
                 dist_autograd.backward(context, [loss])
                 self.done.set()
@@ -107,40 +107,23 @@ def step(
     model: nn.Module,
     glue: Functional | None,
     stages: Stages,
-    batch: tuple[Any, Any],
+    batches: list[tuple[Any, Any]],
     micro_batches: int,
     number: int,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     max_norm: float | None,
     lr: float,
 ) -> Step:
-    """Step `number` (0-based) on `batch`: the loss of the whole batch (each micro-batch's
-    weighted by its share), the global gradient norm before clipping."""
+    """Step `number` (0-based) on `batches` (gradientAccumulation's rounds, one after the
+    other): the mean of the rounds' losses (each micro-batch's weighted by its share of its
+    round), the global gradient norm before clipping."""
     start = time.perf_counter()
-    inputs, labels = batch
-    total = batch_size(labels)
-    first = number * micro_batches
-    threads = []
-    for i, (x, y) in enumerate(
-        zip(split(inputs, micro_batches), split(labels, micro_batches), strict=True)
-    ):
-        share = batch_size(y) / total
-
-        def run(x: Any = x, y: Any = y, share: float = share) -> torch.Tensor:
-            return loss_fn(model(x), y) * share
-
-        threads.append(MicroBatch(run, first + i, first, stages))
+    threads: list[MicroBatch] = []
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.done.wait()
-        failed = [t.error for t in threads if t.error is not None]
-        if failed:
-            raise failed[0]
-        contexts = [t.context for t in threads]
-        grads = summed_gradients(contexts)
-        norm = math.sqrt(squared_norm(grads) + sum(stages.on_each(remote.sum_gradients, contexts)))
+        for k, batch in enumerate(batches):
+            first = (number * len(batches) + k) * micro_batches
+            threads += run_round(model, stages, batch, micro_batches, first, loss_fn, len(batches))
+        grads, norm = summed(stages, threads)
         coefficient = clip_coefficient(norm, max_norm)
         loss = sum(t.loss for t in threads)
         if not math.isfinite(loss) or not math.isfinite(norm):
@@ -148,7 +131,7 @@ def step(
                 f"step {number + 1}: the loss ({loss}) or the gradients' norm ({norm}) is not"
                 " finite; the step is not applied"
             )
-        stages.on_each(remote.step, coefficient, lr)
+        stages.on_each(remote.step, coefficient, lr, replica=None)
         if glue is not None:
             if coefficient != 1.0:
                 for g in grads.values():
@@ -161,3 +144,56 @@ def step(
         for t in threads:
             t.join()
     return Step(loss, norm, lr, time.perf_counter() - start)
+
+
+def run_round(
+    model: nn.Module,
+    stages: Stages,
+    batch: tuple[Any, Any],
+    micro_batches: int,
+    first: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    rounds: int,
+) -> list[MicroBatch]:
+    """One round's micro-batches, forward and backward: each replica's share of `batch` in
+    `micro_batches`, numbered from `first` on each replica's stages, each loss weighted by
+    its share of the batch over the step's `rounds`. Its threads, in replica then
+    micro-batch order (the batch's), their contexts still open."""
+    inputs, labels = batch
+    total = batch_values.samples(labels) * rounds
+    replicas = len(stages.held)
+    threads = []
+    shares = zip(split(inputs, replicas), split(labels, replicas), strict=True)
+    for r, (share_x, share_y) in enumerate(shares):
+        parts = zip(split(share_x, micro_batches), split(share_y, micro_batches), strict=True)
+        for i, (x, y) in enumerate(parts):
+            weight = batch_values.samples(y) / total
+
+            def run(x: Any = x, y: Any = y, weight: float = weight) -> torch.Tensor:
+                return loss_fn(model(x), y) * weight
+
+            threads.append(MicroBatch(run, (first + i, first, r), stages))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.done.wait()
+    failed = [t.error for t in threads if t.error is not None]
+    if failed:
+        raise failed[0]
+    return threads
+
+
+def summed(stages: Stages, threads: list[MicroBatch]) -> tuple[dict, float]:
+    """The glue's gradients summed over every micro-batch's context in order (rounds, then
+    replicas, then micro-batches: one process's order), the stages' over their replica's
+    then over the replicas (replica_sums.py), and the global norm."""
+    grads = summed_gradients([t.context for t in threads])
+    replicas = len(stages.held)
+    contexts = [[t.context for t in threads if t.replica == r] for r in range(replicas)]
+    futures = [
+        f
+        for r in range(replicas)
+        for f in stages.futures(remote.sum_gradients, contexts[r], replica=r)
+    ]
+    norms = torch.futures.wait_all(futures)[: len(stages.held[0])]  # every replica's equal
+    return grads, math.sqrt(squared_norm(grads) + sum(norms))

@@ -13,7 +13,9 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.pipeline.eager import replica_sums
 from pipejob.trainer.pipeline.eager.turns import Turns
+from pipejob.trainer.pipeline.stage_base import fingerprint
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime.optim import Functional, set_lr
 from pipejob.trainer.workloads import models
@@ -42,10 +44,18 @@ def squared_norm(grads: dict[torch.Tensor, torch.Tensor]) -> float:
 
 
 class Held:
-    """The modules `names` of the job's model, on `device`, with their optimizer."""
+    """The modules `names` of the job's model, on `device`, with their optimizer; one of
+    `replicas` copies of the stage, whose gradients it sums with its own (replica_sums.py)."""
 
-    def __init__(self, spec: PipelineSpec, names: list[str], device: str, train: bool = True):
-        self.device = torch.device(device)
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        names: list[str],
+        device: str,
+        replicas: int = 1,
+        train: bool = True,
+    ):
+        self.device, self.replicas = torch.device(device), replicas
         with torch.random.fork_rng(devices=[]):  # the process's own stream stays as it was
             model = models.build(spec)
         self.modules = nn.ModuleDict(
@@ -57,6 +67,8 @@ class Held:
         mine = {id(p) for m in self.modules.values() for p in m.parameters()}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
         self.optimizer = Functional(spec.optimizer, named) if train else None
+        # What the replicas sum, in the same order in each: the model's order.
+        self.trained = [p for _, p in named if p.requires_grad]
         self.turns = Turns()
         self.summed: dict[torch.Tensor, torch.Tensor] = {}
 
@@ -78,8 +90,9 @@ class Held:
 
     def sum_gradients(self, contexts: list[int]) -> float:
         """Each parameter's gradient summed over the micro-batches' contexts in their order
-        (the same sum on every run); its squared L2 norm, for clipping."""
-        self.summed = summed_gradients(contexts)
+        (the same sum on every run), then over the replicas in replica order; its squared
+        L2 norm, for clipping."""
+        self.summed = replica_sums.summed(summed_gradients(contexts), self.trained, self.replicas)
         return squared_norm(self.summed)
 
     def step(self, coefficient: float, lr: float) -> None:
@@ -108,6 +121,10 @@ class Held:
             for key, p in module.named_parameters()
             if p in self.summed
         }
+
+    def fingerprint(self) -> torch.Tensor:
+        """Per parameter, its sum and sum of squares: equal in every replica, as they must."""
+        return fingerprint(self._named())
 
     def set_training(self, training: bool) -> None:
         self.modules.train(training)

@@ -13,14 +13,16 @@ from torch import nn
 
 from pipejob.trainer.pipeline.eager.held import Held
 
-# The micro-batch the calling thread computes: its number (across steps), its step's first,
-# and how often it has called each module so far.
+# The micro-batch the calling thread computes: its number (across steps), its round's
+# first, its replica, and how often it has called each module so far.
 _local = threading.local()
 
 
-def begin(number: int, first: int) -> None:
-    """The calling thread computes micro-batch `number` of the step beginning at `first`."""
+def begin(number: int, first: int, replica: int) -> None:
+    """The calling thread computes micro-batch `number` of the round beginning at `first`,
+    on replica `replica`'s stages."""
     _local.turn = number, first
+    _local.replica = replica
     _local.calls = {}
 
 
@@ -35,20 +37,21 @@ def _turn(name: str) -> tuple[int, int, int]:
 
 
 class OnStage(nn.Module):
-    """Module `name` of the model, held by the stage `held` on worker `worker`."""
+    """Module `name` of the model, held by a stage of every replica: `places`, per replica,
+    its worker and its `Held`; a call goes to the calling micro-batch's replica's (replica
+    0's outside a step: evaluation)."""
 
-    def __init__(self, name: str, worker: str, held: rpc.RRef):
+    def __init__(self, name: str, places: list[tuple[str, rpc.RRef]]):
         super().__init__()
-        self.module_name, self.worker, self.held = name, worker, held
+        self.module_name, self.places = name, places
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         turn = _turn(self.module_name)
-        return rpc.rpc_sync(
-            self.worker, _call, args=(self.held, self.module_name, turn, args, kwargs)
-        )
+        worker, held = self.places[getattr(_local, "replica", 0)]
+        return rpc.rpc_sync(worker, _call, args=(held, self.module_name, turn, args, kwargs))
 
     def extra_repr(self) -> str:
-        return f"{self.module_name} on {self.worker}"
+        return f"{self.module_name} on {', '.join(w for w, _ in self.places)}"
 
 
 def _call(held: rpc.RRef, name: str, turn: tuple[int, int, int], args: tuple, kwargs: dict) -> Any:
@@ -83,6 +86,10 @@ def load(held: rpc.RRef, directory: str, entries: list) -> None:
     held.local_value().load(directory, entries)
 
 
+def fingerprint(held: rpc.RRef) -> Any:
+    return held.local_value().fingerprint()
+
+
 def state_names(held: rpc.RRef) -> list[str]:
     return held.local_value().state_names()
 
@@ -92,5 +99,5 @@ def set_training(held: rpc.RRef, training: bool) -> None:
 
 
 def hold(worker: str, *args: Any) -> rpc.RRef:
-    """A `Held` built on `worker` with `args` (its spec, module names, device)."""
+    """A `Held` built on `worker` with `args` (its spec, module names, device, replicas)."""
     return rpc.remote(worker, Held, args=args)

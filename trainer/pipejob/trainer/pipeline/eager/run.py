@@ -22,19 +22,17 @@ from pipejob.trainer.runtime import checkpoint, monitor, roles, world
 from pipejob.trainer.runtime.optim import Functional, learning_rate
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data, models
+from pipejob.trainer.workloads.batch_values import split
 
 
 def refusal(spec: PipelineSpec) -> str | None:
     """Why this job cannot take the eager path, if it cannot (said before anything runs)."""
     if spec.engine == PIPELINING:
         return "the eager path runs on the rpc engine only: set spec.engine: rpc"
-    if spec.replicas.max > 1:
-        return "the eager path runs one pipeline: set spec.replicas to 1"
     if spec.model.staged is not None:
         return "spec.model.staged replaces the model's forward, which the eager path runs"
     # Parts of the recipe the eager path does not carry yet: refused, never ignored.
     for field, value, plain in (
-        ("gradientAccumulation", spec.gradient_accumulation, 1),
         ("precision", spec.precision, "fp32"),
         ("activationCheckpointing", spec.activation_checkpointing, False),
         ("skipNonFiniteSteps", spec.skip_non_finite_steps, 0),
@@ -65,7 +63,7 @@ def placed(env: Env[PipelineSpec], model: nn.Module, m: int) -> Placement:
         world.log(env, f"data: {feed.description}")
         size = max(1, spec.batch_size // m)
         inputs, _ = feed.sample(2 * size)
-    first, second = driver.split(inputs, 2)
+    first, second = split(inputs, 2)
     run = no_grad_run(model, first)
     run()  # warm-up: the first call of a kernel costs more than the next
     other = no_grad_run(model, second)
@@ -78,19 +76,26 @@ def placed(env: Env[PipelineSpec], model: nn.Module, m: int) -> Placement:
 
 
 def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -> driver.Stages:
-    """Each stage builds its modules; on the master they are replaced by stand-ins that call
-    them there (the master keeps only the glue's parameters)."""
+    """Each stage of each replica builds its modules; on the master they are replaced by
+    stand-ins that call them there, on the calling micro-batch's replica (the master keeps
+    only the glue's parameters, one copy that every replica's micro-batches use)."""
     spec = env.spec
-    workers = env.names("stage")[: spec.stages]
+    names = env.names("stage")
+    replicas = len(names) // spec.stages  # the world's: an elastic one's may be fewer
+    workers = [names[r * spec.stages : (r + 1) * spec.stages] for r in range(replicas)]
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
     held = [
-        remote.hold(w, spec, names, device)
-        for w, names in zip(workers, placement.stages, strict=True)
+        [
+            remote.hold(w, spec, modules, device, replicas)
+            for w, modules in zip(own, placement.stages, strict=True)
+        ]
+        for own in workers
     ]
-    for worker, rref, names in zip(workers, held, placement.stages, strict=True):
-        for name in names:
+    for i, modules in enumerate(placement.stages):
+        places = [(workers[r][i], held[r][i]) for r in range(replicas)]
+        for name in modules:
             parent, _, child = name.rpartition(".")
-            model.get_submodule(parent)._modules[child] = remote.OnStage(name, worker, rref)
+            model.get_submodule(parent)._modules[child] = remote.OnStage(name, places)
     return driver.Stages(workers, held)
 
 
@@ -119,6 +124,7 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
         return roles.nothing_left(env, first)
     held = sum(p.numel() for p in model.parameters())  # the stand-ins hold none
     summary = summarize(env, why, placement, m, results, first, held)
+    summary["replicaDivergence"] = stages.divergence()
     summary["wallSeconds"] = round(time.perf_counter() - started, 3)
     if evaluations:
         summary["evaluation"] = evaluations[-1]
@@ -147,16 +153,18 @@ def steps(
     results: list[StepResult] = []
     evaluations: list[dict[str, Any]] = []
     clip = spec.optimizer.clip_grad_norm
+    samples = spec.batch_size * spec.replicas.max * spec.gradient_accumulation  # a step's
     for number in range(first, spec.steps):
         lr = learning_rate(spec.optimizer, spec.steps, number)
-        done = driver.step(model, glue, stages, feed.batch(), m, number, loss, clip, lr)
+        batches = [feed.batch() for _ in range(spec.gradient_accumulation)]
+        done = driver.step(model, glue, stages, batches, m, number, loss, clip, lr)
         results.append(StepResult(done.loss, done.seconds, 0.0, lr=lr, grad_norm=done.grad_norm))
-        monitor.board().step(number + 1, done.loss, done.seconds, spec.batch_size)
+        monitor.board().step(number + 1, done.loss, done.seconds, samples)
         if (number + 1) % spec.log_every == 0 or number + 1 == spec.steps:
             world.log(
                 env,
                 f"step {number + 1}/{spec.steps}  loss {done.loss:.4f}"
-                f"  {spec.batch_size / done.seconds:.1f} samples/s  lr {lr:.3g}"
+                f"  {samples / done.seconds:.1f} samples/s  lr {lr:.3g}"
                 f"  grad norm {done.grad_norm:.4g}",
             )
         if checkpoint.due(spec, number + 1):
@@ -205,9 +213,11 @@ def summarize(
         pathReason=why,
         model=models.name(spec.model),
         stages=spec.stages,
+        replicas=len(env.names("stage")) // spec.stages,  # the world's (elastic: any)
         engine=spec.engine,
         microBatches=m,
         batchSize=spec.batch_size,
+        gradientAccumulation=spec.gradient_accumulation,
         glueParameters=glue_parameters,  # what the master holds of the model
         placement=placement.stages,
         keptWithGlue=placement.kept,
@@ -220,10 +230,18 @@ def render(s: dict[str, Any]) -> str:
     lines = [
         f"  {s['model']}: eager path ({s['pathReason']}), {s['stages']} stages,"
         f" {s['microBatches']} micro-batches of {s['batchSize'] // s['microBatches']},"
-        f" {s['steps']} steps",
+        f" {s['steps']} steps"
+        + (f", {s['replicas']} replicas" if s["replicas"] > 1 else "")
+        + (
+            f", {s['gradientAccumulation']} batches per optimizer step"
+            if s["gradientAccumulation"] > 1
+            else ""
+        ),
         f"  final loss {s['finalLoss']:.4f}; {s['samplesPerSecond']:.1f} samples/s,"
         f" {s['secondsPerStep']:.3f} s/step",
     ]
     lines += [f"  stage {i}: {', '.join(names)}" for i, names in enumerate(s["placement"])]
+    if s["replicas"] > 1:
+        lines.append(f"  largest difference between replicas {s['replicaDivergence']:.3g}")
     lines += [f"  kept with the glue: {n} ({why})" for n, why in s["keptWithGlue"].items()]
     return "\n".join(lines)

@@ -1,8 +1,9 @@
 """Checkpoints on the eager path: each stage saves its modules and its optimizer's state
-under the model's own names (`stage<i>.pt`), the master the glue's with its RNG and the
-data's position (`master.pt`), indexed by name in the manifest as the traced path's are; a
-run resumes from any checkpoint of the model, whichever path and cut wrote it, each process
-loading its own names from whichever files hold them."""
+under the model's own names (`stage<i>.pt`, replica 0's: the replicas are identical), the
+master the glue's with its RNG and the data's position (`master.pt`), indexed by name in the
+manifest as the traced path's are; a run resumes from any checkpoint of the model, whichever
+path, cut and replica count wrote it, each process (every replica's) loading its own names
+from whichever files hold them."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def save(
     start = time.perf_counter()
     saving = [
         stages.call_async(i, remote.save, directory, f"stage{i}.pt")
-        for i in range(len(stages.workers))
+        for i in range(len(stages.held[0]))  # replica 0's: the replicas are identical
     ]
     own = checkpoint.save_module(
         directory, "master.pt", model, _optimizers(glue), data=feed.state()
@@ -55,7 +56,7 @@ def save(
         kind=env.kind,
         job=env.job,
         model=models.as_spec(spec.model),
-        stageCount=len(stages.workers),
+        stageCount=len(stages.held[0]),
         engine=spec.engine,
         path="eager",
         placement=placement,
@@ -79,10 +80,11 @@ def resume(
     index = checkpoint.index_of(found)
     directory = str(found.directory)
     loading = []
+    # Every replica's stage i holds the same names: asked of replica 0's, loaded by each.
     for i, names in enumerate(stages.on_each(remote.state_names)):
-        loading.append(
-            stages.call_async(i, remote.load, directory, checkpoint.sources(found, index, names))
-        )
+        sources = checkpoint.sources(found, index, names)
+        for r in range(len(stages.held)):
+            loading.append(stages.call_async(i, remote.load, directory, sources, replica=r))
     mine = checkpoint.sources(found, index, list(model.state_dict()))
     checkpoint.load_named(directory, mine, model, _optimizers(glue))
     own = found.load("master.pt")

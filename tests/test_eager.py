@@ -18,8 +18,10 @@ from jobrun import pipeline_job, run_to_end
 from pipejob.core import spec
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.eager.check import check
+from pipejob.trainer.pipeline.eager.held import Held
 from pipejob.trainer.pipeline.eager.placement import no_grad_run, place
 from pipejob.trainer.pipeline.eager.turns import Turns
+from pipejob.trainer.pipeline.stage_base import float32
 from pipejob.trainer.runtime import model_files
 from pipejob.trainer.workloads import data, models
 
@@ -127,6 +129,40 @@ def test_a_weight_used_in_two_places_lives_in_one():
     assert len(placement.stages) == 2 and all(placement.stages)
 
 
+def _held_layer(**fields) -> tuple[Held, nn.Module]:
+    """A stage holding layer 0 of the float32 ESM-like encoder, built as the job builds it."""
+    job = spec.parse(_esm_job(model={"import": "userpkg.esmlike:ESM2"}, **fields)).settings
+    held = Held(job, ["layers.0"], "cpu")
+    return held, held.by_name["layers.0"]
+
+
+def _layer_call(held: Held) -> torch.Tensor:
+    x = torch.randn(2, 6, 32)
+    out, attn = held.call("layers.0", (0, 0, 0), (x,), {"self_attn_padding_mask": None})
+    assert attn is None
+    return out
+
+
+def test_a_stage_computes_its_modules_in_the_jobs_precision():
+    """bf16: a layer's matrix products as under one process's autocast (weights float32)."""
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        held, layer = _held_layer(precision=precision)
+        seen = []
+        layer.fc1.register_forward_hook(lambda _m, _a, out, s=seen: s.append(out.dtype))
+        _layer_call(held)
+        assert seen == [dtype] and layer.fc1.weight.dtype == torch.float32
+
+
+def test_a_stage_recomputes_its_modules_forward_with_activation_checkpointing():
+    """The backward runs the layer's forward again (only its inputs were kept)."""
+    for recompute, forwards in ((True, 2), (False, 1)):
+        held, layer = _held_layer(activationCheckpointing=recompute)
+        calls = []
+        layer.fc1.register_forward_hook(lambda *_, c=calls: c.append(1))
+        _layer_call(held).sum().backward()
+        assert len(calls) == forwards and layer.fc1.weight.grad is not None
+
+
 def test_plan_says_the_path_where_the_spec_asks_for_it():
     job = spec.parse(_esm_job(model={"import": "userpkg.esmlike:esm2", "cut": "eager"}))
     assert any(line.startswith("path: eager") for line in job.definition.describe(job.spec))
@@ -140,6 +176,9 @@ def test_what_the_eager_path_does_not_carry_is_refused_naming_the_field_never_ig
     assert refusal(spec.parse(_esm_job()).settings) is None
     refused = refusal(spec.parse(_esm_job(skipNonFiniteSteps=2)).settings)
     assert refused is not None and "spec.skipNonFiniteSteps" in refused
+    fp16 = _esm_job(precision="fp16", gpusPerStage=1)
+    refused = refusal(spec.parse(fp16).settings)
+    assert refused is not None and "spec.precision" in refused
     refused = refusal(spec.parse(_esm_job(ema={"decay": 0.9})).settings)
     assert refused is not None and "spec.ema" in refused
     refused = refusal(spec.parse(_esm_job(eval={"best": {}})).settings)
@@ -167,20 +206,26 @@ def _esm_job(**fields) -> dict:
     return pipeline_job("esm", **(defaults | fields))
 
 
-def _one_process_step(manifest: dict, lr: float) -> tuple[float, dict[str, torch.Tensor]]:
+def _one_process_step(
+    manifest: dict, lr: float, bf16: bool = False
+) -> tuple[float, dict[str, torch.Tensor]]:
     """Step 1 of the job in one process: its loss, and every parameter after one SGD step.
     Each of gradientAccumulation's batches (of batchSize x replicas) in replicas x
-    microBatches micro-batches, each loss weighted by its share of the step's samples."""
+    microBatches micro-batches, each loss weighted by its share of the step's samples; with
+    `bf16`, the forward under autocast, its output to the loss in float32."""
     s = spec.parse(manifest).settings
     model = models.build(s)
     rounds, loss_fn = s.gradient_accumulation, workloads.loss(s)
     m = s.micro_batches * s.replicas.max
-    loss = torch.zeros((), dtype=torch.float64)
+    loss = torch.zeros(())
     with data.Feed(s) as feed:
         for _ in range(rounds):
             inputs, labels = feed.batch()
             for x, y in zip(inputs.tensor_split(m), labels.tensor_split(m), strict=True):
-                loss = loss + loss_fn(model(x), y) * (len(y) / (len(labels) * rounds))
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    out = model(x)
+                out = float32(out) if bf16 else out
+                loss = loss + loss_fn(out, y) * (len(y) / (len(labels) * rounds))
     loss.backward()
     return loss.item(), {n: (p - lr * p.grad).detach() for n, p in model.named_parameters()}
 
@@ -206,15 +251,20 @@ def test_a_model_the_trace_refuses_trains_on_the_eager_path_as_one_process(tmp_p
 def test_replicas_and_accumulated_batches_on_the_eager_path_step_as_one_process(
     tmp_path, monkeypatch
 ):
-    """2 replicas of 2 stages, 2 batches per optimizer step: step 1's loss and every
-    parameter after it equal one process's on the step's 32 samples (float64), and the
-    replicas stay identical (their gradients summed in replica order, each to the same
-    bits)."""
+    """2 replicas of 2 stages, 2 batches per optimizer step, activation checkpointing: step
+    1's loss and every parameter after it equal one process's on the step's 32 samples
+    (float64), and the replicas stay identical (their gradients summed in replica order,
+    each to the same bits)."""
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
     out = tmp_path / "out"
     model = {"import": "userpkg.esmlike:esm2", "cut": "eager"}
     manifest = _esm_job(
-        model=model, steps=1, replicas=2, gradientAccumulation=2, output={"path": str(out)}
+        model=model,
+        steps=1,
+        replicas=2,
+        gradientAccumulation=2,
+        activationCheckpointing=True,  # the backward recomputes: the same gradients
+        output={"path": str(out)},
     )
     code, output, summary = run_to_end(manifest, tmp_path, timeout=300)
     assert code == 0, output[-3000:]
@@ -225,6 +275,25 @@ def test_replicas_and_accumulated_batches_on_the_eager_path_step_as_one_process(
     trained = model_files.load_state_dict(out)
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.slow  # a world more; Held's precision: the in-process test above
+def test_bf16_on_the_eager_path_computes_as_one_process_under_autocast(tmp_path, monkeypatch):
+    """A float32 encoder in bf16: step 1 as one process under autocast (within bf16's
+    rounding of another order of sums), not as one in float32."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    out = tmp_path / "out"
+    model = {"import": "userpkg.esmlike:ESM2", "cut": "eager"}
+    manifest = _esm_job(model=model, steps=1, precision="bf16", output={"path": str(out)})
+    code, output, summary = run_to_end(manifest, tmp_path, timeout=300)
+    assert code == 0 and summary is not None, output[-3000:]
+    loss, expected = _one_process_step(manifest, lr=0.5, bf16=True)
+    fp32_loss, fp32_expected = _one_process_step(manifest, lr=0.5)
+    assert summary["losses"][0] == pytest.approx(loss, rel=1e-5)
+    assert abs(fp32_loss - loss) > 1e-4  # bf16 shows: the check above can tell
+    trained = model_files.load_state_dict(out)
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def _losses_and_evaluation(manifest: dict, tmp_path: Path, name: str) -> tuple[list, dict]:

@@ -56,16 +56,18 @@ class Computed(nn.Module):
         self.layers, self.device_type = layers, device.type
         self.autocast, self.recompute, self.last = autocast, recompute, last
 
-    def forward(self, *x: Any) -> Any:
+    def forward(self, *x: Any, **kwargs: Any) -> Any:
         with torch.autocast(
             self.device_type,
             dtype=self.autocast or torch.bfloat16,
             enabled=self.autocast is not None,
         ):
             if self.recompute and torch.is_grad_enabled():  # an evaluation keeps nothing
-                y = torch.utils.checkpoint.checkpoint(self.layers, *x, use_reentrant=False)
+                y = torch.utils.checkpoint.checkpoint(
+                    self.layers, *x, use_reentrant=False, **kwargs
+                )
             else:
-                y = self.layers(*x)
+                y = self.layers(*x, **kwargs)
         return float32(y) if self.last and self.autocast is not None else y
 
 

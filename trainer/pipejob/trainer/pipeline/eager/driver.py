@@ -23,6 +23,7 @@ from torch import nn
 from pipejob.trainer.pipeline.driver import divergence
 from pipejob.trainer.pipeline.eager import remote
 from pipejob.trainer.pipeline.eager.held import squared_norm, summed_gradients
+from pipejob.trainer.pipeline.stage_base import float32
 from pipejob.trainer.runtime.optim import Functional, clip_coefficient, set_lr
 from pipejob.trainer.workloads import batch_values
 from pipejob.trainer.workloads.batch_values import split
@@ -95,6 +96,15 @@ class MicroBatch(threading.Thread):
             self.done.set()
 
 
+def computed(model: nn.Module, inputs: Any, autocast: torch.dtype | None) -> Any:
+    """The model's output on `inputs` as the master computes it: its glue in the job's
+    precision (`autocast`, None for the model's own dtypes: one process's forward runs in
+    it whole), handed to the loss in float32 as the traced path's last stage hands it."""
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        out = model(inputs)
+    return out if autocast is None else float32(out)
+
+
 @dataclass
 class Step:
     loss: float
@@ -104,7 +114,7 @@ class Step:
 
 
 def step(
-    model: nn.Module,
+    forward: Callable[[Any], Any],
     glue: Functional | None,
     stages: Stages,
     batches: list[tuple[Any, Any]],
@@ -115,14 +125,17 @@ def step(
     lr: float,
 ) -> Step:
     """Step `number` (0-based) on `batches` (gradientAccumulation's rounds, one after the
-    other): the mean of the rounds' losses (each micro-batch's weighted by its share of its
-    round), the global gradient norm before clipping."""
+    other), `forward` giving the model's output (`computed`): the mean of the rounds'
+    losses (each micro-batch's weighted by its share of its round), the global gradient
+    norm before clipping."""
     start = time.perf_counter()
     threads: list[MicroBatch] = []
     try:
         for k, batch in enumerate(batches):
             first = (number * len(batches) + k) * micro_batches
-            threads += run_round(model, stages, batch, micro_batches, first, loss_fn, len(batches))
+            threads += run_round(
+                forward, stages, batch, micro_batches, first, loss_fn, len(batches)
+            )
         grads, norm = summed(stages, threads)
         coefficient = clip_coefficient(norm, max_norm)
         loss = sum(t.loss for t in threads)
@@ -147,7 +160,7 @@ def step(
 
 
 def run_round(
-    model: nn.Module,
+    forward: Callable[[Any], Any],
     stages: Stages,
     batch: tuple[Any, Any],
     micro_batches: int,
@@ -170,7 +183,7 @@ def run_round(
             weight = batch_values.samples(y) / total
 
             def run(x: Any = x, y: Any = y, weight: float = weight) -> torch.Tensor:
-                return loss_fn(model(x), y) * weight
+                return loss_fn(forward(x), y) * weight
 
             threads.append(MicroBatch(run, (first + i, first, r), stages))
     for t in threads:

@@ -1,7 +1,8 @@
 """What a stage holds on the eager path: the model's modules placed on it, built from the
 job's factory under spec.seed (so every parameter equals one process's build) and kept under
-the model's own names; its optimizer; each step's gradients, summed over the micro-batches'
-distributed autograd contexts in micro-batch order."""
+the model's own names, computed in the job's precision (with activation checkpointing where
+asked); its optimizer; each step's gradients, summed over the micro-batches' distributed
+autograd contexts in micro-batch order."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch.utils._pytree import tree_map_only
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.eager import replica_sums
 from pipejob.trainer.pipeline.eager.turns import Turns
-from pipejob.trainer.pipeline.stage_base import fingerprint
+from pipejob.trainer.pipeline.stage_base import AUTOCAST, Computed, fingerprint
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime.optim import Functional, set_lr
 from pipejob.trainer.workloads import models
@@ -63,6 +64,13 @@ class Held:
         )
         self.names = names
         self.by_name = dict(zip(names, self.modules.values(), strict=True))
+        # As the traced path's stages compute: in spec.precision, recomputing the forward in
+        # the backward with spec.activationCheckpointing.
+        autocast, recompute = AUTOCAST[spec.precision], spec.activation_checkpointing
+        self.computed = {
+            n: Computed(m, self.device, autocast, recompute, last=False)
+            for n, m in self.by_name.items()
+        }
         # The optimizer's groups match parameters by their names in the whole model.
         mine = {id(p) for m in self.modules.values() for p in m.parameters()}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
@@ -80,7 +88,7 @@ class Held:
         try:
             args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(self.device), (args, kwargs))
             with torch.set_grad_enabled(self.modules.training):  # evaluation: no graph
-                out = self.by_name[name](*args, **kwargs)
+                out = self.computed[name](*args, **kwargs)
         finally:
             self.turns.made((name, nth), number)
         return tree_map_only(torch.Tensor, lambda t: t.to("cpu"), out)

@@ -1,6 +1,7 @@
 """Held-out evaluation on the eager path: the model's own forward in eval mode without
-autograd, the stages' modules too (BatchNorm's statistics used, not updated; no dropout),
-one batch at a time, tallied as the traced path tallies (workloads/metrics.py)."""
+autograd and in the job's precision, the stages' modules too (BatchNorm's statistics used,
+not updated; no dropout), one batch at a time, tallied as the traced path tallies
+(workloads/metrics.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from torch import nn
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.eager import remote
-from pipejob.trainer.pipeline.eager.driver import Stages
+from pipejob.trainer.pipeline.eager.driver import Stages, computed
+from pipejob.trainer.pipeline.stage_base import AUTOCAST
 from pipejob.trainer.pipeline.summary import report_evaluation
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data
@@ -46,7 +48,7 @@ def evaluate(
     try:
         with torch.no_grad():
             for inputs, labels in held.batches(spec.eval.batches):
-                tally.add(model(inputs), labels, loss)
+                tally.add(computed(model, inputs, AUTOCAST[spec.precision]), labels, loss)
     finally:
         model.train()
         stages.on_each(remote.set_training, True)

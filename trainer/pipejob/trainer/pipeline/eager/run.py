@@ -6,6 +6,7 @@ the job took and why."""
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -16,6 +17,7 @@ from pipejob.trainer.pipeline import trained_model
 from pipejob.trainer.pipeline.eager import driver, held_out, remote, saved
 from pipejob.trainer.pipeline.eager.check import check
 from pipejob.trainer.pipeline.eager.placement import Placement, describe, no_grad_run, place
+from pipejob.trainer.pipeline.stage_base import AUTOCAST
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import curve_figures, rate_figures
 from pipejob.trainer.runtime import checkpoint, monitor, roles, world
@@ -32,13 +34,10 @@ def refusal(spec: PipelineSpec) -> str | None:
     if spec.model.staged is not None:
         return "spec.model.staged replaces the model's forward, which the eager path runs"
     # Parts of the recipe the eager path does not carry yet: refused, never ignored.
-    for field, value, plain in (
-        ("precision", spec.precision, "fp32"),
-        ("activationCheckpointing", spec.activation_checkpointing, False),
-        ("skipNonFiniteSteps", spec.skip_non_finite_steps, 0),
-    ):
-        if value != plain:
-            return f"the eager path does not carry spec.{field} yet: leave it out"
+    if spec.precision == "fp16":
+        return "the eager path does not scale fp16's loss yet: set spec.precision to bf16"
+    if spec.skip_non_finite_steps:
+        return "the eager path does not carry spec.skipNonFiniteSteps yet: leave it out"
     if spec.profile is not None:
         return "the eager path does not profile yet: leave spec.profile out"
     if spec.ema is not None:
@@ -153,11 +152,12 @@ def steps(
     results: list[StepResult] = []
     evaluations: list[dict[str, Any]] = []
     clip = spec.optimizer.clip_grad_norm
+    forward = partial(driver.computed, model, autocast=AUTOCAST[spec.precision])
     samples = spec.batch_size * spec.replicas.max * spec.gradient_accumulation  # a step's
     for number in range(first, spec.steps):
         lr = learning_rate(spec.optimizer, spec.steps, number)
         batches = [feed.batch() for _ in range(spec.gradient_accumulation)]
-        done = driver.step(model, glue, stages, batches, m, number, loss, clip, lr)
+        done = driver.step(forward, glue, stages, batches, m, number, loss, clip, lr)
         results.append(StepResult(done.loss, done.seconds, 0.0, lr=lr, grad_norm=done.grad_norm))
         monitor.board().step(number + 1, done.loss, done.seconds, samples)
         if (number + 1) % spec.log_every == 0 or number + 1 == spec.steps:

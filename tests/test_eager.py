@@ -1,11 +1,15 @@
 """The eager path (trainer/pipejob/trainer/pipeline/eager/): the master runs the model's own
 forward and calls its costly modules where they live on the stages. In process: the
-placement, its one-process check, the stages' micro-batch order, the spec's refusal. One
-world: an ESM-2-like encoder the trace refuses takes the eager path by itself and its first
-step equals one process's in float64 (loss and every parameter after one SGD step)."""
+placement, its one-process check, the stages' micro-batch order, a stage's precision and
+recomputation, the spec's refusal. Two worlds: an ESM-2-like encoder the trace refuses takes
+the eager path by itself, and 2 replicas x 2 accumulated batches with activation
+checkpointing; each one's first step equals one process's in float64 (loss and every
+parameter after one SGD step). Slow: a resume to the bit, bf16 against one process under
+autocast, a checkpoint resumed on another stage and replica count."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -14,7 +18,7 @@ import torch
 from torch import nn
 from userpkg import esmlike
 
-from jobrun import pipeline_job, run_to_end
+from jobrun import JobRun, pipeline_job, run_to_end
 from pipejob.core import spec
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.eager.check import check
@@ -22,7 +26,7 @@ from pipejob.trainer.pipeline.eager.held import Held
 from pipejob.trainer.pipeline.eager.placement import no_grad_run, place
 from pipejob.trainer.pipeline.eager.turns import Turns
 from pipejob.trainer.pipeline.stage_base import float32
-from pipejob.trainer.runtime import model_files
+from pipejob.trainer.runtime import checkpoint, model_files
 from pipejob.trainer.workloads import data, models
 
 TESTS = Path(__file__).parent
@@ -326,6 +330,40 @@ def test_a_run_stopped_and_resumed_on_the_eager_path_gives_the_straight_runs_bit
     resumed, again = _losses_and_evaluation(job(4, tmp_path / "b"), tmp_path, "resumed")
     assert stopped + resumed == straight
     assert again == evaluated
+
+
+@pytest.mark.slow  # two worlds; a resume on the same shape, to the bit: the test above
+def test_an_eager_checkpoint_resumes_on_another_stage_and_replica_count(tmp_path, monkeypatch):
+    """Elastic: 1 replica of 3 stages checkpoints step 2; a world of 2 replicas of 2 stages
+    resumed from it (each replica's stages loading their names) trains steps 3-4 as the
+    first world did (float64: the sums differ only in order), reading on where it stopped
+    (the losses are of the same batches), its replicas identical."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+
+    def job(stages: int, root: Path) -> dict:
+        return _esm_job(
+            model={"import": "userpkg.esmlike:esm2", "cut": "eager"},
+            optimizer={"name": "adam", "lr": 0.01},
+            stages=stages,
+            steps=4,
+            replicas={"min": 1, "max": 2},
+            checkpoint={"path": str(root), "everySteps": 2},
+        )
+
+    def run(manifest: dict, name: str, size: int) -> dict:
+        (tmp_path / name).mkdir()
+        with JobRun(manifest, tmp_path / name, args=("--size", str(size))) as job:
+            assert job.finish(300) == 0, job.output[-3000:]
+            return job.summary()
+
+    first = run(job(3, tmp_path / "a"), "first", 1)
+    assert first["replicas"] == 1 and len(first["placement"]) == 3
+    stopped = tmp_path / "b"
+    shutil.copytree(checkpoint.step_dir(tmp_path / "a", 2), checkpoint.step_dir(stopped, 2))
+    resumed = run(job(2, stopped), "resumed", 2)
+    assert resumed["replicas"] == 2 and resumed["resumedFromStep"] == 2
+    assert resumed["replicaDivergence"] == 0.0
+    assert resumed["losses"] == pytest.approx(first["losses"][2:], rel=1e-9)
 
 
 def test_the_conformance_harness_tries_a_refused_model_on_the_eager_path(monkeypatch):

@@ -4,8 +4,9 @@ placement, its one-process check, the stages' micro-batch order, a stage's preci
 recomputation, the spec's refusal. Two worlds: an ESM-2-like encoder the trace refuses takes
 the eager path by itself, and 2 replicas x 2 accumulated batches with activation
 checkpointing; each one's first step equals one process's in float64 (loss and every
-parameter after one SGD step). Slow: a resume to the bit, bf16 against one process under
-autocast, a checkpoint resumed on another stage and replica count."""
+parameter after one SGD step). Slow: a resume to the bit, two runs with replicas to the
+bit, bf16 against one process under autocast, a checkpoint resumed on another stage and
+replica count."""
 
 from __future__ import annotations
 
@@ -279,6 +280,30 @@ def test_replicas_and_accumulated_batches_on_the_eager_path_step_as_one_process(
     trained = model_files.load_state_dict(out)
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.slow  # two worlds; replicas staying identical: the fast replicas test above
+def test_two_runs_with_replicas_on_the_eager_path_give_the_same_bits(tmp_path, monkeypatch):
+    """Adam over 3 steps of 2 replicas: two runs' losses, gradient norms and trained models
+    are equal to the bit (every sum in a fixed order, the replicas' in replica order)."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    runs = []
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        manifest = _esm_job(
+            model={"import": "userpkg.esmlike:esm2", "cut": "eager"},
+            optimizer={"name": "adam", "lr": 0.01},
+            steps=3,
+            replicas=2,
+            output={"path": str(tmp_path / name / "out")},
+        )
+        code, output, summary = run_to_end(manifest, tmp_path / name, timeout=300)
+        assert code == 0 and summary is not None, output[-3000:]
+        runs.append((summary, model_files.load_state_dict(tmp_path / name / "out")))
+    (first, one), (second, two) = runs
+    assert first["losses"] == second["losses"] and first["gradNorms"] == second["gradNorms"]
+    assert sorted(one) == sorted(two)
+    assert all(torch.equal(one[k], two[k]) for k in one)
 
 
 @pytest.mark.slow  # a world more; Held's precision: the in-process test above

@@ -1,15 +1,16 @@
 """The eager path (trainer/pipejob/trainer/pipeline/eager/): the master runs the model's own
 forward and calls its costly modules where they live on the stages. In process: the
 placement, its one-process check, the stages' micro-batch order, a stage's precision and
-recomputation, the spec's refusal. Two worlds: an ESM-2-like encoder the trace refuses takes
-the eager path by itself, and 2 replicas x 2 accumulated batches with activation
-checkpointing; each one's first step equals one process's in float64 (loss and every
-parameter after one SGD step). Slow: a resume to the bit, two runs with replicas to the
-bit, bf16 against one process under autocast, a checkpoint resumed on another stage and
-replica count."""
+recomputation, what a non-finite step names, the spec's refusal. Two worlds: an ESM-2-like
+encoder the trace refuses takes the eager path by itself, and 2 replicas x 2 accumulated
+batches with activation checkpointing; each one's first step equals one process's in
+float64 (loss and every parameter after one SGD step). Slow: a resume to the bit, two runs
+with replicas to the bit, bf16 against one process under autocast, a checkpoint resumed on
+another stage and replica count, a non-finite step skipped."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -23,6 +24,7 @@ from jobrun import JobRun, pipeline_job, run_to_end
 from pipejob.core import spec
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.eager.check import check
+from pipejob.trainer.pipeline.eager.driver import not_finite
 from pipejob.trainer.pipeline.eager.held import Held
 from pipejob.trainer.pipeline.eager.placement import no_grad_run, place
 from pipejob.trainer.pipeline.eager.turns import Turns
@@ -168,6 +170,44 @@ def test_a_stage_recomputes_its_modules_forward_with_activation_checkpointing():
         assert len(calls) == forwards and layer.fc1.weight.grad is not None
 
 
+def test_a_non_finite_eager_step_names_what_and_where_as_the_traced_path_does():
+    """The loss; else the gradient norm, from the latest stage whose gradients are not
+    finite (the backward runs back from the master's loss), or the master's glue."""
+    workers = ["stage0", "stage1", "stage2"]
+    nan, inf = float("nan"), float("inf")
+    assert not_finite(1.0, [0.0, 1.0, 2.0, 3.0], workers) is None
+    what, _, where = not_finite(nan, [0.0, nan, 2.0, 3.0], workers)
+    assert what == "loss" and "forward or its loss" in where
+    assert not_finite(1.0, [0.0, nan, inf, 3.0], workers)[::2] == (
+        "gradient norm",
+        "stage1's backward",
+    )
+    assert not_finite(1.0, [inf, 1.0, 2.0, 3.0], workers)[2] == "the master's glue's backward"
+
+
+@pytest.mark.slow  # a world; what and where, in process above; the guard in test_nonfinite.py
+def test_a_non_finite_step_on_the_eager_path_is_skipped_as_allowed(tmp_path, monkeypatch):
+    """skipNonFiniteSteps: 1, a stage's module passing NaN gradients back in step 3: the
+    step is skipped, named, and the trained model is finite."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    args = {"at": 3, "micro_batches": 2, "backward": True}
+    job = pipeline_job(
+        "skip",
+        model={"import": "userpkg.blowup:eager_cnn", "args": args, "cut": "eager"},
+        stages=2,
+        steps=5,
+        microBatches=2,
+        skipNonFiniteSteps=1,
+        output={"path": str(tmp_path / "out")},
+    )
+    code, out, summary = run_to_end(job, tmp_path, timeout=300)
+    assert code == 0 and summary is not None and summary["path"] == "eager", out[-3000:]
+    said = r"step 3: the gradient norm is nan, first non-finite in stage\d's backward: skipped"
+    assert re.search(said, out), out[-3000:]
+    trained = model_files.load_state_dict(tmp_path / "out")
+    assert all(torch.isfinite(v).all() for v in trained.values())
+
+
 def test_plan_says_the_path_where_the_spec_asks_for_it():
     job = spec.parse(_esm_job(model={"import": "userpkg.esmlike:esm2", "cut": "eager"}))
     assert any(line.startswith("path: eager") for line in job.definition.describe(job.spec))
@@ -179,8 +219,8 @@ def test_what_the_eager_path_does_not_carry_is_refused_naming_the_field_never_ig
     from pipejob.trainer.pipeline.eager.run import refusal
 
     assert refusal(spec.parse(_esm_job()).settings) is None
-    refused = refusal(spec.parse(_esm_job(skipNonFiniteSteps=2)).settings)
-    assert refused is not None and "spec.skipNonFiniteSteps" in refused
+    refused = refusal(spec.parse(_esm_job(profile={"steps": [1], "path": "/tmp/p"})).settings)
+    assert refused is not None and "spec.profile" in refused
     fp16 = _esm_job(precision="fp16", gpusPerStage=1)
     refused = refusal(spec.parse(fp16).settings)
     assert refused is not None and "spec.precision" in refused

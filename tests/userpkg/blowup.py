@@ -49,3 +49,22 @@ def dense(at: int, dim: int, classes: int, held_out: bool = False) -> nn.Module:
     """A HybridJob's dense model that gives NaN in step `at` (one forward a step), or in
     every evaluation (`held_out`)."""
     return nn.Sequential(nn.Linear(dim, classes), Blowup(at, 1, held_out=held_out))
+
+
+class ScaledBlowup(Blowup):
+    """A Blowup that holds a parameter of its own (a scale, 1.0), so that the eager path
+    places it on a stage: there it counts only the step's training forwards (the master's
+    own model also runs the forwards that place and check the model)."""
+
+    def __init__(self, at: int, micro_batches: int, backward: bool = False):
+        super().__init__(at, micro_batches, backward)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+def eager_cnn(at: int, micro_batches: int, backward: bool = False) -> nn.Module:
+    """`cnn` with its Blowup on a stage of the eager path (ScaledBlowup)."""
+    layers = list(small_cnn(classes=10))
+    return nn.Sequential(*layers[:6], ScaledBlowup(at, micro_batches, backward), *layers[6:])

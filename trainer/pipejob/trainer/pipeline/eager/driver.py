@@ -24,6 +24,7 @@ from pipejob.trainer.pipeline.driver import divergence
 from pipejob.trainer.pipeline.eager import remote
 from pipejob.trainer.pipeline.eager.held import squared_norm, summed_gradients
 from pipejob.trainer.pipeline.stage_base import float32
+from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.optim import Functional, clip_coefficient, set_lr
 from pipejob.trainer.workloads import batch_values
 from pipejob.trainer.workloads.batch_values import split
@@ -111,6 +112,7 @@ class Step:
     grad_norm: float
     lr: float
     seconds: float
+    skipped: str | None = None  # the line saying a non-finite step was skipped, not applied
 
 
 def step(
@@ -121,29 +123,28 @@ def step(
     micro_batches: int,
     number: int,
     loss_fn: Callable[[Any, Any], torch.Tensor],
-    max_norm: float | None,
+    rules: tuple[float | None, nonfinite.Guard],
     lr: float,
 ) -> Step:
     """Step `number` (0-based) on `batches` (gradientAccumulation's rounds, one after the
-    other), `forward` giving the model's output (`computed`): the mean of the rounds'
-    losses (each micro-batch's weighted by its share of its round), the global gradient
-    norm before clipping."""
+    other), `forward` giving the model's output (`computed`), `rules` the clipping norm and
+    what a non-finite step does: the mean of the rounds' losses (each micro-batch's weighted
+    by its share of its round), the global gradient norm before clipping."""
     start = time.perf_counter()
     threads: list[MicroBatch] = []
+    max_norm, guard = rules
     try:
         for k, batch in enumerate(batches):
             first = (number * len(batches) + k) * micro_batches
             threads += run_round(
                 forward, stages, batch, micro_batches, first, loss_fn, len(batches)
             )
-        grads, norm = summed(stages, threads)
+        grads, squares = summed(stages, threads)
+        loss, norm = sum(t.loss for t in threads), math.sqrt(sum(squares))
+        bad = not_finite(loss, squares, stages.workers[0])
+        if bad is not None:  # the step is not applied: the job stops, or it is skipped
+            return Step(loss, norm, lr, time.perf_counter() - start, guard.check(number + 1, *bad))
         coefficient = clip_coefficient(norm, max_norm)
-        loss = sum(t.loss for t in threads)
-        if not math.isfinite(loss) or not math.isfinite(norm):
-            raise FloatingPointError(
-                f"step {number + 1}: the loss ({loss}) or the gradients' norm ({norm}) is not"
-                " finite; the step is not applied"
-            )
         stages.on_each(remote.step, coefficient, lr, replica=None)
         if glue is not None:
             if coefficient != 1.0:
@@ -157,6 +158,24 @@ def step(
         for t in threads:
             t.join()
     return Step(loss, norm, lr, time.perf_counter() - start)
+
+
+def not_finite(
+    loss: float, squares: list[float], workers: list[str]
+) -> tuple[str, float, str] | None:
+    """What of a step was not finite, its value and where it came from (nonfinite.Guard's
+    words): the loss, else the gradient norm (`squares`: the glue's squared norm, then each
+    stage's). The backward runs from the master's loss back through the stages in the
+    forward's order: the latest stage whose gradients are not finite is where they became
+    so (the glue's, where no stage's is)."""
+    if not math.isfinite(loss):
+        return "loss", loss, "the model's forward or its loss (the master's, on the eager path)"
+    norm = math.sqrt(sum(squares))
+    if math.isfinite(norm):
+        return None
+    stage = max((k for k, s in enumerate(squares[1:]) if not math.isfinite(s)), default=None)
+    where = "the master's glue's backward" if stage is None else f"{workers[stage]}'s backward"
+    return "gradient norm", norm, where
 
 
 def run_round(
@@ -196,10 +215,11 @@ def run_round(
     return threads
 
 
-def summed(stages: Stages, threads: list[MicroBatch]) -> tuple[dict, float]:
+def summed(stages: Stages, threads: list[MicroBatch]) -> tuple[dict, list[float]]:
     """The glue's gradients summed over every micro-batch's context in order (rounds, then
     replicas, then micro-batches: one process's order), the stages' over their replica's
-    then over the replicas (replica_sums.py), and the global norm."""
+    then over the replicas (replica_sums.py); the squared norms, the glue's then each
+    stage's (replica 0's: every replica's are the same)."""
     grads = summed_gradients([t.context for t in threads])
     replicas = len(stages.held)
     contexts = [[t.context for t in threads if t.replica == r] for r in range(replicas)]
@@ -208,5 +228,4 @@ def summed(stages: Stages, threads: list[MicroBatch]) -> tuple[dict, float]:
         for r in range(replicas)
         for f in stages.futures(remote.sum_gradients, contexts[r], replica=r)
     ]
-    norms = torch.futures.wait_all(futures)[: len(stages.held[0])]  # every replica's equal
-    return grads, math.sqrt(squared_norm(grads) + sum(norms))
+    return grads, [squared_norm(grads), *torch.futures.wait_all(futures)[: len(stages.held[0])]]

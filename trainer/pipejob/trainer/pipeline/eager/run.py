@@ -20,7 +20,7 @@ from pipejob.trainer.pipeline.eager.placement import Placement, describe, no_gra
 from pipejob.trainer.pipeline.stage_base import AUTOCAST
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import curve_figures, rate_figures
-from pipejob.trainer.runtime import checkpoint, monitor, roles, world
+from pipejob.trainer.runtime import checkpoint, monitor, nonfinite, roles, world
 from pipejob.trainer.runtime.optim import Functional, learning_rate
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data, models
@@ -36,8 +36,6 @@ def refusal(spec: PipelineSpec) -> str | None:
     # Parts of the recipe the eager path does not carry yet: refused, never ignored.
     if spec.precision == "fp16":
         return "the eager path does not scale fp16's loss yet: set spec.precision to bf16"
-    if spec.skip_non_finite_steps:
-        return "the eager path does not carry spec.skipNonFiniteSteps yet: leave it out"
     if spec.profile is not None:
         return "the eager path does not profile yet: leave spec.profile out"
     if spec.ema is not None:
@@ -151,14 +149,20 @@ def steps(
     monitor.board().phase("training")
     results: list[StepResult] = []
     evaluations: list[dict[str, Any]] = []
-    clip = spec.optimizer.clip_grad_norm
+    rules = spec.optimizer.clip_grad_norm, nonfinite.Guard(spec.skip_non_finite_steps)
     forward = partial(driver.computed, model, autocast=AUTOCAST[spec.precision])
     samples = spec.batch_size * spec.replicas.max * spec.gradient_accumulation  # a step's
     for number in range(first, spec.steps):
         lr = learning_rate(spec.optimizer, spec.steps, number)
         batches = [feed.batch() for _ in range(spec.gradient_accumulation)]
-        done = driver.step(forward, glue, stages, batches, m, number, loss, clip, lr)
-        results.append(StepResult(done.loss, done.seconds, 0.0, lr=lr, grad_norm=done.grad_norm))
+        done = driver.step(forward, glue, stages, batches, m, number, loss, rules, lr)
+        if done.skipped is not None:  # a non-finite step skipped (spec.skipNonFiniteSteps)
+            world.log(env, done.skipped)
+        results.append(
+            StepResult(
+                done.loss, done.seconds, 0.0, lr=lr, grad_norm=done.grad_norm, skipped=done.skipped
+            )
+        )
         monitor.board().step(number + 1, done.loss, done.seconds, samples)
         if (number + 1) % spec.log_every == 0 or number + 1 == spec.steps:
             world.log(

@@ -1,8 +1,8 @@
 """What a stage holds on the eager path: the model's modules placed on it, built from the
 job's factory under spec.seed (so every parameter equals one process's build) and kept under
 the model's own names, computed in the job's precision (with activation checkpointing where
-asked); its optimizer; each step's gradients, summed over the micro-batches' distributed
-autograd contexts in micro-batch order."""
+asked); its optimizer and spec.ema's average; each step's gradients, summed over the
+micro-batches' distributed autograd contexts in micro-batch order."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from pipejob.core.averaged import Ema
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.eager import replica_sums
 from pipejob.trainer.pipeline.eager.turns import Turns
 from pipejob.trainer.pipeline.stage_base import AUTOCAST, Computed, fingerprint
-from pipejob.trainer.runtime import checkpoint
+from pipejob.trainer.runtime import checkpoint, ema
 from pipejob.trainer.runtime.optim import Functional, set_lr
 from pipejob.trainer.workloads import models
 
@@ -77,6 +78,8 @@ class Held:
         self.optimizer = Functional(spec.optimizer, named) if train else None
         # What the replicas sum, in the same order in each: the model's order.
         self.trained = [p for _, p in named if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.average: ema.Average | None = None  # spec.ema's (keep_average)
         self.turns = Turns()
         self.summed: dict[torch.Tensor, torch.Tensor] = {}
 
@@ -112,6 +115,17 @@ class Held:
         set_lr(self.optimizer, lr)
         self.optimizer.step(self.summed)
         self.summed = {}
+        if self.average is not None:  # spec.ema: after every applied step
+            self.average.update()
+
+    def keep_average(self, settings: Ema) -> None:
+        """Keep spec.ema's average of the held parameters from now (runtime/ema.py)."""
+        self.average = ema.Average(settings, self.params)
+
+    def swap_average(self) -> None:
+        """Exchange the parameters and their average: evaluations and the output of it."""
+        assert self.average is not None, "this stage keeps no average (spec.ema)"
+        self.average.swap()
 
     def state(self) -> dict[str, torch.Tensor]:
         """The modules' state under the model's own names, on the CPU."""
@@ -139,11 +153,21 @@ class Held:
 
     def save(self, directory: str, name: str) -> dict[str, Any]:
         """Checkpoint the modules and the optimizer's state (under the model's names)."""
-        assert self.optimizer is not None
-        return checkpoint.save_module(directory, name, self._named(), {"optimizer": self.optimizer})
+        return checkpoint.save_module(directory, name, self._named(), self.kept())
 
     def load(self, directory: str, entries: list[dict[str, Any]]) -> None:
-        load(self, directory, entries)
+        """The modules and what `kept` holds by the model's names from the checkpoint files
+        `entries` (written by any path and any cut: runtime/checkpoint.py load_named)."""
+        checkpoint.load_named(directory, entries, self._named(), self.kept())
+
+    def kept(self) -> dict[str, Any]:
+        """What a checkpoint keeps beside the weights, by key: the optimizer's state and
+        spec.ema's average (shaped as an optimizer's)."""
+        assert self.optimizer is not None
+        kept: dict[str, Any] = {"optimizer": self.optimizer}
+        if self.average is not None:
+            kept[ema.CHECKPOINT_KEY] = self.average
+        return kept
 
     def state_names(self) -> list[str]:
         return list(self._named().state_dict())
@@ -165,10 +189,3 @@ class _Named(nn.Module):
                     parent._modules[part] = nn.Module()
                 parent = parent._modules[part]  # type: ignore[assignment]
             parent._modules[last] = module
-
-
-def load(held: Held, directory: str, entries: list[dict[str, Any]]) -> None:
-    """`held`'s modules and optimizer state by the model's names from the checkpoint files
-    `entries` (written by any path and any cut: runtime/checkpoint.py load_named)."""
-    assert held.optimizer is not None
-    checkpoint.load_named(directory, entries, held._named(), {"optimizer": held.optimizer})

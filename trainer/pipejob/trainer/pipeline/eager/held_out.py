@@ -1,7 +1,7 @@
 """Held-out evaluation on the eager path: the model's own forward in eval mode without
 autograd and in the job's precision, the stages' modules too (BatchNorm's statistics used,
 not updated; no dropout), one batch at a time, tallied as the traced path tallies
-(workloads/metrics.py)."""
+(workloads/metrics.py); with spec.ema, the average's figures too."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.eager import remote
 from pipejob.trainer.pipeline.eager.driver import Stages, computed
+from pipejob.trainer.pipeline.eager.moving_average import Averages
 from pipejob.trainer.pipeline.stage_base import AUTOCAST
 from pipejob.trainer.pipeline.summary import report_evaluation
 from pipejob.trainer.runtime.world import Env
@@ -37,11 +38,26 @@ def evaluate(
     stages: Stages,
     loss: workloads.Loss,
     step: int,
+    averages: Averages | None = None,
 ) -> dict[str, Any]:
-    """The held-out figures after `step`, logged and on the progress board."""
-    spec = env.spec
-    assert spec.eval is not None
+    """The held-out figures after `step` (with spec.ema, the average's beside the weights',
+    under "ema"), logged and on the progress board."""
     start = time.perf_counter()
+    figures = {"step": step, **tallied(env.spec, held, model, stages, loss).result()}
+    more = ""
+    if averages is not None:
+        with averages.swapped():
+            figures["ema"] = tallied(env.spec, held, model, stages, loss).result()
+        more = f"; ema: loss {figures['ema']['loss']:.4f}"
+    report_evaluation(env, figures, time.perf_counter() - start, more)
+    return figures
+
+
+def tallied(
+    spec: PipelineSpec, held: data.HeldOut, model: nn.Module, stages: Stages, loss: workloads.Loss
+) -> Tally:
+    """The held-out set's figures through the model as it is (replica 0's stages)."""
+    assert spec.eval is not None
     tally = Tally(data.task(spec))
     stages.on_each(remote.set_training, False)
     model.eval()
@@ -52,6 +68,4 @@ def evaluate(
     finally:
         model.train()
         stages.on_each(remote.set_training, True)
-    figures = {"step": step, **tally.result()}
-    report_evaluation(env, figures, time.perf_counter() - start)
-    return figures
+    return tally

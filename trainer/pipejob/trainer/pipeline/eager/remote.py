@@ -90,6 +90,14 @@ def fingerprint(held: rpc.RRef) -> Any:
     return held.local_value().fingerprint()
 
 
+def keep_average(held: rpc.RRef, settings: Any) -> None:
+    held.local_value().keep_average(settings)
+
+
+def swap_average(held: rpc.RRef) -> None:
+    held.local_value().swap_average()
+
+
 def state_names(held: rpc.RRef) -> list[str]:
     return held.local_value().state_names()
 

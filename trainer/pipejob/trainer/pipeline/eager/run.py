@@ -6,16 +6,20 @@ the job took and why."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from pipejob.core.averaged import BOTH
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import trained_model
-from pipejob.trainer.pipeline.eager import driver, held_out, remote, saved
+from pipejob.trainer.pipeline.eager import driver, held_out, moving_average, remote, saved
 from pipejob.trainer.pipeline.eager.check import check
+from pipejob.trainer.pipeline.eager.moving_average import Averages
 from pipejob.trainer.pipeline.eager.placement import Placement, describe, no_grad_run, place
 from pipejob.trainer.pipeline.stage_base import AUTOCAST
 from pipejob.trainer.pipeline.step_records import StepResult
@@ -38,8 +42,6 @@ def refusal(spec: PipelineSpec) -> str | None:
         return "the eager path does not scale fp16's loss yet: set spec.precision to bf16"
     if spec.profile is not None:
         return "the eager path does not profile yet: leave spec.profile out"
-    if spec.ema is not None:
-        return "the eager path does not keep an EMA of the weights yet: leave spec.ema out"
     if spec.eval is not None and (spec.eval.best or spec.eval.early_stopping):
         return "the eager path does not keep the best weights yet: leave spec.eval.best out"
     return None
@@ -96,6 +98,21 @@ def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -
     return driver.Stages(workers, held)
 
 
+@dataclass
+class Trained:
+    """What the master trains with: the model (the glue, with stand-ins for the stages'
+    modules), the glue's optimizer, the stages, the placement, spec.ema's averages."""
+
+    model: nn.Module
+    glue: Functional | None
+    stages: driver.Stages
+    placement: Placement
+    averages: Averages | None
+
+    def kept(self) -> dict[str, Any]:
+        return moving_average.kept(self.glue, self.averages)
+
+
 def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
     """The master's run on the eager path (`why`: how the job came to take it)."""
     spec = env.spec
@@ -110,13 +127,15 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
     stages = distribute(env, model, placement)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # the glue's
     glue = Functional(spec.optimizer, params) if params else None
+    averages = None if spec.ema is None else Averages(spec, model, stages)  # before a resume
+    t = Trained(model, glue, stages, placement, averages)
     started = time.perf_counter()
     with data.Feed(spec) as feed:
         found = checkpoint.latest_for(env)
-        first = 0 if found is None else saved.resume(env, found, model, glue, stages, feed)
-        results, evaluations = steps(env, model, glue, stages, feed, m, first, placement)
+        first = 0 if found is None else saved.resume(env, found, model, t.kept(), stages, feed)
+        results, evaluations = steps(env, t, feed, m, first)
     if spec.output is not None:
-        write_output(env, model, stages, evaluations[-1] if evaluations else None)
+        write_output(env, t, evaluations[-1] if evaluations else None)
     if not results:
         return roles.nothing_left(env, first)
     held = sum(p.numel() for p in model.parameters())  # the stand-ins hold none
@@ -131,14 +150,7 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
 
 
 def steps(
-    env: Env[PipelineSpec],
-    model: nn.Module,
-    glue: Functional | None,
-    stages: driver.Stages,
-    feed: data.Feed,
-    m: int,
-    first: int,
-    placement: Placement,
+    env: Env[PipelineSpec], t: Trained, feed: data.Feed, m: int, first: int
 ) -> tuple[list[StepResult], list[dict[str, Any]]]:
     """Steps first + 1 .. spec.steps, each logged, checkpointed and evaluated when due."""
     spec = env.spec
@@ -150,50 +162,68 @@ def steps(
     results: list[StepResult] = []
     evaluations: list[dict[str, Any]] = []
     rules = spec.optimizer.clip_grad_norm, nonfinite.Guard(spec.skip_non_finite_steps)
-    forward = partial(driver.computed, model, autocast=AUTOCAST[spec.precision])
-    samples = spec.batch_size * spec.replicas.max * spec.gradient_accumulation  # a step's
+    forward = partial(driver.computed, t.model, autocast=AUTOCAST[spec.precision])
     for number in range(first, spec.steps):
         lr = learning_rate(spec.optimizer, spec.steps, number)
         batches = [feed.batch() for _ in range(spec.gradient_accumulation)]
-        done = driver.step(forward, glue, stages, batches, m, number, loss, rules, lr)
-        if done.skipped is not None:  # a non-finite step skipped (spec.skipNonFiniteSteps)
-            world.log(env, done.skipped)
-        results.append(
-            StepResult(
-                done.loss, done.seconds, 0.0, lr=lr, grad_norm=done.grad_norm, skipped=done.skipped
-            )
-        )
-        monitor.board().step(number + 1, done.loss, done.seconds, samples)
-        if (number + 1) % spec.log_every == 0 or number + 1 == spec.steps:
-            world.log(
-                env,
-                f"step {number + 1}/{spec.steps}  loss {done.loss:.4f}"
-                f"  {samples / done.seconds:.1f} samples/s  lr {lr:.3g}"
-                f"  grad norm {done.grad_norm:.4g}",
-            )
+        done = driver.step(forward, t.glue, t.stages, batches, m, number, loss, rules, lr)
+        if done.skipped is None and t.averages is not None:  # spec.ema: an applied step
+            t.averages.update()
+        results.append(logged(env, number, done))
         if checkpoint.due(spec, number + 1):
-            saved.save(env, number + 1, model, glue, stages, feed, placement.stages)
+            saved.save(env, number + 1, t.model, t.kept(), t.stages, feed, t.placement.stages)
         if held is not None and held_out.due(spec, number + 1):
-            evaluations.append(held_out.evaluate(env, held, model, stages, loss, number + 1))
+            evaluations.append(
+                held_out.evaluate(env, held, t.model, t.stages, loss, number + 1, t.averages)
+            )
     if held is not None:
         held.close()
     return results, evaluations
 
 
-def write_output(
-    env: Env[PipelineSpec],
-    model: nn.Module,
-    stages: driver.Stages,
-    evaluation: dict[str, Any] | None,
+def logged(env: Env[PipelineSpec], number: int, done: driver.Step) -> StepResult:
+    """Step `number` (0-based)'s result, logged when due and on the progress board."""
+    spec = env.spec
+    if done.skipped is not None:  # a non-finite step skipped (spec.skipNonFiniteSteps)
+        world.log(env, done.skipped)
+    samples = spec.batch_size * spec.replicas.max * spec.gradient_accumulation  # a step's
+    monitor.board().step(number + 1, done.loss, done.seconds, samples)
+    if (number + 1) % spec.log_every == 0 or number + 1 == spec.steps:
+        world.log(
+            env,
+            f"step {number + 1}/{spec.steps}  loss {done.loss:.4f}"
+            f"  {samples / done.seconds:.1f} samples/s  lr {done.lr:.3g}"
+            f"  grad norm {done.grad_norm:.4g}",
+        )
+    return StepResult(
+        done.loss, done.seconds, 0.0, lr=done.lr, grad_norm=done.grad_norm, skipped=done.skipped
+    )
+
+
+def write_output(env: Env[PipelineSpec], t: Trained, evaluation: dict[str, Any] | None) -> None:
+    """The trained model under the model's own names: with spec.ema, the average (ema), or
+    the weights and, in the subfolder ema/, the average (both)."""
+    spec = env.spec
+    assert spec.output is not None
+    if t.averages is None or spec.ema is None or spec.ema.output == BOTH:
+        write_model(env, t, evaluation, spec.output.path)
+    if t.averages is not None and spec.ema is not None:
+        with t.averages.swapped():
+            folder = Path(spec.output.path) / "ema" if spec.ema.output == BOTH else None
+            write_model(env, t, evaluation, str(folder or spec.output.path))
+
+
+def write_model(
+    env: Env[PipelineSpec], t: Trained, evaluation: dict[str, Any] | None, out: str
 ) -> None:
-    """The trained model as one file under the model's own names: the glue's state (the
-    master's) and every stage's."""
+    """The model as one file in `out`: the glue's state (the master's) and every stage's
+    (replica 0's)."""
     spec = env.spec
     assert spec.output is not None
     about = trained_model.info(env.kind, env.job, spec, spec.steps, evaluation)
-    glue = {k: v for k, v in model.state_dict().items()}
+    glue = {k: v for k, v in t.model.state_dict().items()}
     paths = trained_model.write(
-        spec.output.path, spec.output.format, stages.on_each(remote.state), glue, about
+        out, spec.output.format, t.stages.on_each(remote.state), glue, about
     )
     world.log(env, f"model written: {', '.join(str(p) for p in paths)}")
 

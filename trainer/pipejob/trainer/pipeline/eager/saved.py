@@ -8,6 +8,7 @@ from whichever files hold them."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,25 +18,21 @@ from pipejob.trainer.pipeline import trained_model
 from pipejob.trainer.pipeline.eager import remote
 from pipejob.trainer.pipeline.eager.driver import Stages
 from pipejob.trainer.runtime import checkpoint, monitor, roles, world
-from pipejob.trainer.runtime.optim import Functional
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data, models
-
-
-def _optimizers(glue: Functional | None) -> dict[str, Functional]:
-    return {} if glue is None else {"optimizer": glue}
 
 
 def save(
     env: Env[PipelineSpec],
     step: int,
     model: nn.Module,
-    glue: Functional | None,
+    kept: dict[str, Any],
     stages: Stages,
     feed: data.Feed,
     placement: list[list[str]],
 ) -> None:
-    """The checkpoint after `step` (1-based)."""
+    """The checkpoint after `step` (1-based); `kept`: what the master's file keeps beside
+    the glue's weights (moving_average.kept)."""
     spec = env.spec
     assert spec.checkpoint is not None
     root = spec.checkpoint.path
@@ -45,9 +42,7 @@ def save(
         stages.call_async(i, remote.save, directory, f"stage{i}.pt")
         for i in range(len(stages.held[0]))  # replica 0's: the replicas are identical
     ]
-    own = checkpoint.save_module(
-        directory, "master.pt", model, _optimizers(glue), data=feed.state()
-    )
+    own = checkpoint.save_module(directory, "master.pt", model, kept, data=feed.state())
     files = [own, *torch.futures.wait_all(saving)]
     checkpoint.write_manifest(
         root,
@@ -70,7 +65,7 @@ def resume(
     env: Env[PipelineSpec],
     found: checkpoint.Checkpoint,
     model: nn.Module,
-    glue: Functional | None,
+    kept: dict[str, Any],
     stages: Stages,
     feed: data.Feed,
 ) -> int:
@@ -86,7 +81,7 @@ def resume(
         for r in range(len(stages.held)):
             loading.append(stages.call_async(i, remote.load, directory, sources, replica=r))
     mine = checkpoint.sources(found, index, list(model.state_dict()))
-    checkpoint.load_named(directory, mine, model, _optimizers(glue))
+    checkpoint.load_named(directory, mine, model, kept)
     own = found.load("master.pt")
     checkpoint.set_rng_state(own["rng"])
     feed.load_state(own["data"])

@@ -7,7 +7,7 @@ replicas x 2 accumulated batches with activation checkpointing; each one's first
 equals one process's in float64 (loss and every parameter after one SGD step). Slow: a
 resume to the bit, two runs with replicas to the bit, bf16 against one process under
 autocast, a checkpoint resumed on another stage and replica count, a non-finite step
-skipped, spec.ema against one process."""
+skipped, spec.ema against one process, early stopping with the best step's weights out."""
 
 from __future__ import annotations
 
@@ -240,8 +240,6 @@ def test_what_the_eager_path_does_not_carry_is_refused_naming_the_field_never_ig
     fp16 = _esm_job(precision="fp16", gpusPerStage=1)
     refused = refusal(spec.parse(fp16).settings)
     assert refused is not None and "spec.precision" in refused
-    refused = refusal(spec.parse(_esm_job(eval={"best": {}})).settings)
-    assert refused is not None and "spec.eval.best" in refused
 
 
 def test_the_eager_path_on_the_pipelining_engine_is_refused_naming_the_field():
@@ -420,6 +418,37 @@ def test_the_eager_paths_moving_average_is_one_processes(tmp_path, monkeypatch):
         torch.testing.assert_close(average[name], expected, rtol=1e-12, atol=1e-12, msg=name)
     evaluation = summary["evaluation"]
     assert "ema" in evaluation and evaluation["ema"]["loss"] != evaluation["loss"]
+
+
+@pytest.mark.slow  # a world; the rule itself: test_recipe_best.py, on the traced path
+def test_the_eager_path_stops_early_with_the_best_steps_weights_out(tmp_path, monkeypatch):
+    """eval.best (the highest held-out loss, as test_recipe_best.py's) and earlyStopping
+    (patience 1): the run ends where the rule says, and the output holds the best step's
+    weights, one process's after that many steps (float64)."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    out = tmp_path / "out"
+    manifest = _esm_job(
+        model={"import": "userpkg.esmlike:esm2", "cut": "eager"},
+        steps=4,
+        eval={
+            "everySteps": 1,
+            "best": {"metric": "loss", "mode": "max"},
+            "earlyStopping": {"patience": 1},
+        },
+        output={"path": str(out)},
+    )
+    code, output, summary = run_to_end(manifest, tmp_path, timeout=300)
+    assert code == 0 and summary is not None, output[-3000:]
+    losses = [e["loss"] for e in summary["evaluations"]]
+    stop = next((k for k in range(1, len(losses)) if losses[k] <= max(losses[:k])), None)
+    assert stop is not None, f"the held-out loss rose at every step: {losses}"
+    best = max(losses[:stop])
+    assert summary["steps"] == stop + 1 == len(losses), losses
+    assert summary["best"] == {"metric": "loss", "value": best, "step": losses.index(best) + 1}
+    _, states = _one_process_steps(manifest, lr=0.5, steps=stop)
+    trained = model_files.load_state_dict(out)
+    for name, value in states[losses.index(best)].items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def _losses_and_evaluation(manifest: dict, tmp_path: Path, name: str) -> tuple[list, dict]:

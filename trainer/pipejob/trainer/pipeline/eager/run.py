@@ -17,6 +17,7 @@ from pipejob.core.averaged import BOTH
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import trained_model
+from pipejob.trainer.pipeline.best_step import Judge
 from pipejob.trainer.pipeline.eager import driver, held_out, moving_average, remote, saved
 from pipejob.trainer.pipeline.eager.check import check
 from pipejob.trainer.pipeline.eager.moving_average import Averages
@@ -42,8 +43,6 @@ def refusal(spec: PipelineSpec) -> str | None:
         return "the eager path does not scale fp16's loss yet: set spec.precision to bf16"
     if spec.profile is not None:
         return "the eager path does not profile yet: leave spec.profile out"
-    if spec.eval is not None and (spec.eval.best or spec.eval.early_stopping):
-        return "the eager path does not keep the best weights yet: leave spec.eval.best out"
     return None
 
 
@@ -133,8 +132,9 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
     with data.Feed(spec) as feed:
         found = checkpoint.latest_for(env)
         first = 0 if found is None else saved.resume(env, found, model, t.kept(), stages, feed)
-        results, evaluations = steps(env, t, feed, m, first)
-    if spec.output is not None:
+        judge = Judge.of(spec, first)  # spec.eval.best, earlyStopping
+        results, evaluations = steps(env, t, feed, m, first, judge)
+    if spec.output is not None and judge.step is None:  # else it holds the best step's
         write_output(env, t, evaluations[-1] if evaluations else None)
     if not results:
         return roles.nothing_left(env, first)
@@ -145,14 +145,16 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
     if evaluations:
         summary["evaluation"] = evaluations[-1]
         summary["evaluations"] = evaluations
+    summary |= judge.figures()
     world.log(env, "summary:\n" + render(summary))
     return summary
 
 
 def steps(
-    env: Env[PipelineSpec], t: Trained, feed: data.Feed, m: int, first: int
+    env: Env[PipelineSpec], t: Trained, feed: data.Feed, m: int, first: int, judge: Judge
 ) -> tuple[list[StepResult], list[dict[str, Any]]]:
-    """Steps first + 1 .. spec.steps, each logged, checkpointed and evaluated when due."""
+    """Steps first + 1 .. spec.steps, each logged, checkpointed and evaluated when due, each
+    evaluation `judge`d (the output written at a new best; early stopping ends the run)."""
     spec = env.spec
     loss = workloads.loss(spec)
     held = data.held_out(spec) if spec.eval is not None else None
@@ -176,6 +178,9 @@ def steps(
             evaluations.append(
                 held_out.evaluate(env, held, t.model, t.stages, loss, number + 1, t.averages)
             )
+            write = partial(write_output, env, t, evaluations[-1])
+            if judge.after(env, evaluations[-1], write if spec.output else None):
+                break
     if held is not None:
         held.close()
     return results, evaluations

@@ -61,6 +61,8 @@ class Stages:
     def divergence(self) -> float:
         """The largest difference of a replica's parameters' fingerprints from replica 0's:
         0.0 while the replicas stay identical, as they must."""
+        if len(self.held) == 1:
+            return 0.0
         prints = [self.on_each(remote.fingerprint, replica=r) for r in range(len(self.held))]
         return divergence(prints)
 
@@ -136,9 +138,11 @@ def step(
     try:
         for k, batch in enumerate(batches):
             first = (number * len(batches) + k) * micro_batches
-            threads += run_round(
+            started = round_threads(
                 forward, stages, batch, micro_batches, first, loss_fn, len(batches)
             )
+            threads += started  # released below, whatever happens
+            run_all(started)
         grads, squares = summed(stages, threads)
         loss, norm = sum(t.loss for t in threads), math.sqrt(sum(squares))
         bad = not_finite(loss, squares, stages.workers[0])
@@ -178,7 +182,7 @@ def not_finite(
     return "gradient norm", norm, where
 
 
-def run_round(
+def round_threads(
     forward: Callable[[Any], Any],
     stages: Stages,
     batch: tuple[Any, Any],
@@ -187,10 +191,10 @@ def run_round(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     rounds: int,
 ) -> list[MicroBatch]:
-    """One round's micro-batches, forward and backward: each replica's share of `batch` in
-    `micro_batches`, numbered from `first` on each replica's stages, each loss weighted by
-    its share of the batch over the step's `rounds`. Its threads, in replica then
-    micro-batch order (the batch's), their contexts still open."""
+    """One round's micro-batches, each's forward and backward a thread (not yet started):
+    each replica's share of `batch` in `micro_batches`, numbered from `first` on each
+    replica's stages, each loss weighted by its share of the batch over the step's
+    `rounds`; in replica then micro-batch order (the batch's)."""
     inputs, labels = batch
     total = batch_values.samples(labels) * rounds
     replicas = len(stages.held)
@@ -205,6 +209,12 @@ def run_round(
                 return loss_fn(forward(x), y) * weight
 
             threads.append(MicroBatch(run, (first + i, first, r), stages))
+    return threads
+
+
+def run_all(threads: list[MicroBatch]) -> None:
+    """Start `threads` and wait until each has run its backward (its context kept open)
+    or failed: the first failure fails the step."""
     for t in threads:
         t.start()
     for t in threads:
@@ -212,7 +222,6 @@ def run_round(
     failed = [t.error for t in threads if t.error is not None]
     if failed:
         raise failed[0]
-    return threads
 
 
 def summed(stages: Stages, threads: list[MicroBatch]) -> tuple[dict, list[float]]:

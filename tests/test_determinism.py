@@ -178,7 +178,7 @@ def test_the_pipelining_schedules_repeat_themselves(text, tmp_path: Path, schedu
     fields: dict[str, Any] = {"engine": "pipelining", "schedule": schedule}
     if schedule == "interleaved-1f1b":
         fields["stagesPerProcess"] = 2
-        fields["splitPoints"] = ["blocks.0.mlp.0", "blocks.1", "blocks.1.mlp.0"]
+        fields["splitPoints"] = ["blocks.0.mlp.0", "blocks.1.proj", "blocks.1.mlp.0"]
     assert_same_bits(lm_job(text, **fields), tmp_path, timeout=300)
 
 

@@ -260,9 +260,9 @@ def test_stage_times_forward_and_backward_of_each_micro_batch():
                 # Backward happened within this window, and was recorded in it.
                 # Keyed by step, then (round, micro-batch): here each step is one round.
                 (key, events), *_ = [
-                    (k, v) for k, v in stage._events.items() if k == (step, (step, mb))
+                    (k, v) for k, v in stage.times._events.items() if k == (step, (step, mb))
                 ]
-                (times,) = stage._intervals([events])
+                (times,) = stage.times._intervals([events])
                 b0, b1 = times["backward"]
                 assert start <= b0 <= b1 <= end
         times = stage.timings()
@@ -354,7 +354,7 @@ def test_stage_runs_forwards_in_micro_batch_order_whatever_their_arrival():
         t.join(30)
     assert sorted(done) == [0, 1, 2, 3]
     # One at a time, in order: each forward ended before the next one started.
-    intervals = [stage._events[0, (0, mb)]["forward"] for mb in range(4)]  # step 0, round 0
+    intervals = [stage.times._events[0, (0, mb)]["forward"] for mb in range(4)]  # step 0, round 0
     for (_, end), (start, _) in itertools.pairwise(intervals):
         assert end <= start, intervals
 

@@ -1,6 +1,5 @@
-"""When a stage computes: marks on its device's timeline, the autograd nodes whose hooks
-mark a backward's end, and the busy seconds a step's marks add up to (stage.py records
-them; the summary reports them)."""
+"""When a stage computes: marks on its device's timeline and the busy seconds a step's marks
+add up to (each engine's stage records them; the summary reports them)."""
 
 from __future__ import annotations
 
@@ -34,24 +33,6 @@ class Clock:
         for event in marks:
             event.synchronize()
         return [marks[0].elapsed_time(event) / 1000 for event in marks]
-
-
-def input_nodes(roots: list[Any], stops: set[Any]) -> list[Any]:
-    """The nodes of the `roots`' autograd graph nearest the shard's inputs: those with no
-    further node of the shard behind them (only parameters, the inputs, or the `stops`
-    nodes that carry the gradient on to the previous stage)."""
-    found, seen, todo = [], set(roots), list(roots)
-    while todo:
-        node = todo.pop()
-        inner = [f for f, _ in node.next_functions if f is not None and f not in stops]
-        inner = [f for f in inner if type(f).__name__ != "AccumulateGrad"]
-        if not inner:
-            found.append(node)
-        for f in inner:
-            if f not in seen:
-                seen.add(f)
-                todo.append(f)
-    return found
 
 
 def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:

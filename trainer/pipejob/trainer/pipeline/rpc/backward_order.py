@@ -1,15 +1,13 @@
 """The order a stage of the rpc engine runs its micro-batches' backwards in, whatever the order
-their gradients reach it in (pipeline/rpc/stage.py): one at a time, in micro-batch order, so
-every gradient a step sums on the stage is the same sum in the same order in every run.
+their gradients reach it in (pipeline/rpc/stage.py): one at a time, in micro-batch order.
 
-Distributed autograd runs each micro-batch's backward through a stage as its gradient
-arrives, several at once on the autograd threads, and the nodes the micro-batches share (each
-parameter's AccumulateGrad) add what reaches them in that order; floating-point addition is not
-associative ((a + b) + c and (a + c) + b differ in their last bits), so two runs of one
-manifest drifted apart from their second step. A micro-batch's backward that comes early waits
-on its autograd thread (at its first node) until those before it have run: the stage gives
-distributed autograd a thread for every micro-batch of a round (`interop_threads`), so the one
-whose turn it is always has one."""
+Distributed autograd runs each micro-batch's backward through a stage as its gradient arrives,
+several at once on the autograd threads. The stage adds its parameters' gradients in
+micro-batch order whatever the order (gradient_sum.py), but one that comes early is held until
+those before it are done: in order, each is added as it comes and none is held. A
+micro-batch's backward that comes early waits on its autograd thread (at its first node) until
+those before it have run: the stage gives distributed autograd a thread for every micro-batch
+of a round (`interop_threads`), so the one whose turn it is always has one."""
 
 from __future__ import annotations
 

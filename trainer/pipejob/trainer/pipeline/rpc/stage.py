@@ -5,7 +5,7 @@ times its forwards and backwards. More in docs/architecture.md ("The rpc engine"
 from __future__ import annotations
 
 import threading
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -20,12 +20,17 @@ from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.rpc.backward_order import BackwardOrder
+from pipejob.trainer.pipeline.rpc.gradient_sum import (
+    RoundGradients,
+    current_context,
+    walk_backward,
+)
 from pipejob.trainer.pipeline.rpc.round_end import RoundEnd
+from pipejob.trainer.pipeline.rpc.stage_times import StageTimes
 from pipejob.trainer.pipeline.rpc.turnstile import Turnstile
 from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_calls import StageRef, remote_stage
 from pipejob.trainer.pipeline.stage_parts import Part
-from pipejob.trainer.pipeline.timing import Clock, input_nodes, only, step_seconds
 from pipejob.trainer.runtime import nonfinite, rendezvous
 from pipejob.trainer.workloads import Loss, batch_values
 from pipejob.trainer.workloads.batch_values import dressed, tensors, undressed
@@ -76,17 +81,16 @@ class Stage(Shard):
         # And their backwards, where several arrive at once (backward_order.py).
         self._backward_order = BackwardOrder(rendezvous.RPC_TIMEOUT_SECONDS)
         self._record = threading.Lock()
-        # [start, end] of "forward" and "backward" per (step, micro-batch) of open steps,
-        # folded into per-step totals once a later step starts.
-        self._events: dict[tuple[int, Any], dict[str, list[Any]]] = defaultdict(dict)
-        self._clock = Clock(self.device)
-        self._totals: dict[int, tuple[float, float, float]] = {}
+        self.times = StageTimes(self.device)  # when it computes, forward and backward
         # Micro-batches whose backward has run through this shard, per step (`settle`).
         self._settled = threading.Condition()
         self._done: dict[int, int] = {}
         # The last stage's outputs per (round, micro-batch), until their loss or tally.
         self._outputs: dict[tuple[int, int], Any] = {}
         self._labels: dict[int, Future] = {}  # and its labels asked for (`pass_on`)
+        # Each training round's gradients, by its distributed autograd context (gradient_sum.py).
+        self._sums: dict[int, RoundGradients] = {}
+        self._names = {id(p): n for n, p in self.parameters_by_name.items()}
 
     def link(self, after: list[tuple[str, StageRef]]) -> None:
         """The stages after this one (worker and StageRef each): `pass_on` sends outputs
@@ -194,12 +198,11 @@ class Stage(Shard):
                 y = self._on_device(self._evaluate, x)
             else:
                 start, y, end, finite = self._on_device(self._timed, x)
-                with self._record:
-                    self._fold(before=step)
-                    # By round too: with gradientAccumulation a step runs several rounds.
-                    self._events[step, (round, micro_batch)]["forward"] = [start, end]
+                # By round too: with gradientAccumulation a step runs several rounds.
+                self.times.forward(step, (round, micro_batch), start, end)
                 self.note_finite(step, round, finite)
-                self._time_backward((step, (round, micro_batch)), y, received)
+                sums = self._round_gradients(step, round)
+                self._time_backward((step, (round, micro_batch)), y, received, sums)
             if self.last:  # kept for its loss or tally: the model's output stays here
                 with self._record:
                     self._outputs[round, micro_batch] = y
@@ -223,9 +226,9 @@ class Stage(Shard):
     def _timed(self, x: tuple[Any, ...]) -> tuple[Any, Any, Any, torch.Tensor]:
         """A training forward between two marks of this stage's clock (on its stream), and
         whether its outputs are finite (Shard.note_finite)."""
-        start = self._clock.mark()
+        start = self.times.clock.mark()
         y = self.compute(*x)
-        end = self._clock.mark()
+        end = self.times.clock.mark()
         return start, y, end, nonfinite.all_finite(y, quick=True)
 
     def _round_outputs(self, round: int, micro_batches: int) -> tuple[Any, Any]:
@@ -276,41 +279,62 @@ class Stage(Shard):
         with self.evaluating():
             return self.compute(*x)
 
-    def _time_backward(self, key: tuple[int, Any], y: Any, received: tuple[Any, ...]):
+    def _round_gradients(self, step: int, round: int) -> RoundGradients | None:
+        """The sum of round `round`'s gradients here, kept by its distributed autograd
+        context (each round has its own); those of earlier steps are forgotten. None outside
+        a context (a stage called in one process), where autograd adds them to `.grad`."""
+        context_id = current_context()
+        if context_id is None:
+            return None
+        with self._record:
+            self._sums = {c: s for c, s in self._sums.items() if s.step >= step}
+            sums = self._sums.setdefault(context_id, RoundGradients(step, round, not self.last))
+        if sums.round != round:
+            raise RuntimeError(f"rounds {sums.round} and {round} ran in one autograd context")
+        return sums
+
+    def _time_backward(
+        self, key: tuple[int, Any], y: Any, received: tuple[Any, ...], sums: RoundGradients | None
+    ):
         """Backward through this shard starts when the gradient of its outputs arrives and
         ends when the autograd nodes nearest the shard's inputs have run; it is done once
-        those and the nodes that send the gradient on to the previous stage have run."""
+        those and the nodes that send the gradient on to the previous stage have run. The
+        parameters' gradients go to `sums` (gradient_sum.py)."""
+        step, (round, micro_batch) = key
         roots = [t.grad_fn for t in tensors(y) if t.grad_fn is not None]
         if not roots:
-            self._backward_done(key)  # nothing of this micro-batch to backpropagate here
+            self._backward_done(key, sums)  # nothing of this micro-batch to backpropagate here
             return
         stops = {t.grad_fn for t in tensors(received) if t.grad_fn is not None}
-        step, (round, micro_batch) = key
+        take = None if sums is None else lambda name, grad: sums.add(micro_batch, name, grad)
+        ends = walk_backward(roots, stops, self._names, take)
         if micro_batch == 0:  # every backward of the rounds before has run
             self._backward_order.forget(round)
         for root in roots:
             # The last stage's one backward has an order of its own; on a GPU the roots run
-            # on the device's one autograd thread, which must not wait (not yet ordered).
+            # on the device's one autograd thread, which must not wait: there the sums hold
+            # what comes early (gradient_sum.py).
             if not self.last and self.gpu is None:
                 root.register_prehook(lambda grads: self._backward_order.wait(round, micro_batch))
-            root.register_prehook(lambda grads: self._note(key, "start"))
-        ends = input_nodes(roots, stops)
+            root.register_prehook(lambda grads: self.times.note(key, "start"))
         left = [len(ends) + len(stops)]
 
         def ran(node_end: bool) -> None:
             if node_end:
-                self._note(key, "end")
+                self.times.note(key, "end")
             with self._settled:
                 left[0] -= 1
                 if left[0] == 0:
-                    self._backward_done(key)
+                    self._backward_done(key, sums)
 
         for node in ends:
             node.register_hook(lambda grads_in, grads_out: ran(True))
         for node in stops:
             node.register_hook(lambda grads_in, grads_out: ran(False))
 
-    def _backward_done(self, key: tuple[int, Any]) -> None:
+    def _backward_done(self, key: tuple[int, Any], sums: RoundGradients | None) -> None:
+        if sums is not None:
+            sums.done(key[1][1])
         self._backward_order.done(*key[1])
         with self._settled:
             self._done[key[0]] = self._done.get(key[0], 0) + 1
@@ -334,43 +358,16 @@ class Stage(Shard):
                 )
             self._done = {s: n for s, n in self._done.items() if s > step}
 
-    def _note(self, key: tuple[int, int], what: str) -> None:
-        mark = self._clock.mark()
-        with self._record:
-            self._events[key].setdefault(what, []).append(mark)
-
-    def _fold(self, before: float) -> None:
-        for step in sorted({s for s, _ in self._events if s < before}):
-            events = [self._events.pop(k) for k in list(self._events) if k[0] == step]
-            self._totals[step] = step_seconds(self._intervals(events))
-
-    def _intervals(self, events: list[dict[str, list[Any]]]) -> list[dict[str, list[float]]]:
-        """A step's marks as [start, end] seconds of each micro-batch's forward and backward
-        (which starts at its last "start" note, or its first "end" one, and ends at its
-        last "end" note)."""
-        marks = [m for e in events for what in ("forward", "start", "end") for m in e.get(what, [])]
-        at = dict(zip(map(id, marks), self._clock.seconds(marks), strict=True))
-        intervals = []
-        for e in events:
-            times = {
-                what: [at[id(m)] for m in e.get(what, [])] for what in ("forward", "start", "end")
-            }
-            interval = {"forward": times["forward"]} if times["forward"] else {}
-            notes = times["start"][-1:] or times["end"][:1]
-            if notes:
-                interval["backward"] = [notes[0], max([notes[0], *times["end"]])]
-            intervals.append(interval)
-        return intervals
-
     def timings(self, step: int | None = None) -> dict[int, tuple[float, float, float]]:
-        with self._record:
-            self._fold(before=float("inf"))
-            return only(self._totals, step)
+        return self.times.timings(step)
 
     def gradients(self, context_id: int) -> dict[str, torch.Tensor]:
-        """The step's gradients, in its distributed autograd context."""
+        """A round's gradients, by its distributed autograd context: those this stage added
+        in order (gradient_sum.py), and any distributed autograd added itself."""
         grads = dist_autograd.get_gradients(context_id)
-        return {n: grads[p] for n, p in self.parameters_by_name.items() if p in grads}
+        arrived = {n: grads[p] for n, p in self.parameters_by_name.items() if p in grads}
+        sums = self._sums.get(context_id)
+        return arrived if sums is None else sums.merged(arrived)
 
 
 @rpc.functions.async_execution

@@ -101,19 +101,32 @@ class Cluster:
                 return None
             raise
 
-    def list_pods(self, namespace: str, job: str) -> list[dict]:
-        """LIST the pods labelled with the job (every restart, every owner)."""
+    def list_pods(self, namespace: str, job: str | None = None) -> list[dict]:
+        """LIST the pods labelled with the job (every restart, every owner); without `job`,
+        those of every job."""
         from pipejob.operator.kube import JOB_LABEL
 
         found = self._call(
             "GET",
             f"/api/v1/namespaces/{namespace}/pods",
-            query={"labelSelector": f"{JOB_LABEL}={job}"},
+            query={"labelSelector": JOB_LABEL if job is None else f"{JOB_LABEL}={job}"},
         )
         items = found.get("items") or []
         # The selector is the server's job; checking it again costs nothing and keeps a
         # server that ignores it from handing us other jobs' pods.
-        return [p for p in items if (p["metadata"].get("labels") or {}).get(JOB_LABEL) == job]
+        return [
+            p
+            for p in items
+            if (p["metadata"].get("labels") or {}).get(JOB_LABEL) == job
+            or (job is None and JOB_LABEL in (p["metadata"].get("labels") or {}))
+        ]
+
+    def list_jobs(self, kind: str, plural: str, namespace: str) -> list[dict]:
+        """LIST the jobs of one kind in `namespace`, each with its kind and apiVersion (a
+        list's items carry neither)."""
+        found = self._call("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{plural}")
+        header = {"apiVersion": f"{GROUP}/{VERSION}", "kind": kind}
+        return [header | item for item in found.get("items") or []]
 
     def create(self, obj: dict) -> bool:
         """CREATE a Pod or Service; False if one of that name exists already."""

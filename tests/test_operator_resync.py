@@ -1,4 +1,4 @@
-"""The resync reads the cluster once (a LIST of each kind's jobs and one of their pods) and
+"""The resync reads the cluster once (a LIST of each kind's jobs, one of pods per 100 jobs) and
 reconciles afresh only the jobs it would act on: the rest cost the API server nothing more
 (issue 60, at 1,000 jobs the resync's reads set the pace). A missed event, a job gone or
 failing is still found. In process, against the suite's API server."""
@@ -13,6 +13,7 @@ from kubernetes import config
 
 from harness import jobs
 from harness.cluster import Cluster
+from pipejob.operator import resync
 from pipejob.operator.cluster import Cluster as Kube
 from pipejob.operator.controller import Reconciler
 from pipejob.operator.operator_metrics import OperatorMetrics
@@ -56,7 +57,7 @@ def running(c: Cluster, reconciler: Reconciler, keys: list) -> None:
 
 
 def test_a_resync_reads_the_cluster_once_and_reconciles_only_the_jobs_it_would_act_on(
-    tmp_path,
+    tmp_path, monkeypatch
 ) -> None:
     with Cluster(tmp_path) as c:
         for path in sorted((REPO / "crds").glob("*.yaml")):
@@ -75,6 +76,10 @@ def test_a_resync_reads_the_cluster_once_and_reconciles_only_the_jobs_it_would_a
         kube.calls.clear()
         assert reconciler.due() == []  # all as they should be
         assert sorted(m for m, _ in kube.calls) == ["GET"] * 3  # two kinds' jobs, their pods
+        monkeypatch.setattr(resync, "CHUNK", 4)  # the pods of at most 4 jobs in one LIST
+        kube.calls.clear()
+        assert reconciler.due() == []
+        assert [p.rsplit("/", 1)[1] for _, p in kube.calls].count("pods") == 2
 
         # What the operator's watches might have missed: a pod gone, a member failed, a job
         # deleted. Each of those jobs is due, and only those.

@@ -95,6 +95,31 @@ def counted_right(statuses: dict[str, dict], faults: dict[str, Counter], check: 
                 )
 
 
+class WorkKept:
+    """No world resumes more than its job's checkpoint interval behind the furthest step an
+    earlier world of the job reached. A trainer resumes from the newest checkpoint where its
+    pods mount checkpoint.path: a world the operator makes without the job's checkpoint volume
+    (or a trainer that writes its checkpoints late) starts further back."""
+
+    def __init__(self) -> None:
+        self.check = Check("a resumed job loses at most its checkpoint interval")
+        self.reached: dict[str, int] = {}
+
+    def step(self, job: str, step: int) -> None:
+        self.reached[job] = max(step, self.reached.get(job, 0))
+
+    def resumed(self, job: str, step: int, every: int) -> None:
+        """A world of `job` started from checkpoint `step` (0: none), checkpointing every
+        `every` steps."""
+        self.check.checked += 1
+        lost = self.reached.get(job, 0) - step
+        if lost > every:
+            self.check.fail(
+                f"{job} resumed from step {step} after step {self.reached[job]}:"
+                f" {lost} steps lost, checkpoints every {every}"
+            )
+
+
 def all_finished(statuses: dict[str, dict], deleted: set[str], check: Check) -> dict[str, int]:
     """Every job not deleted has finished; returns the phases' counts."""
     phases: dict[str, int] = defaultdict(int)

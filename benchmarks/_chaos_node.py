@@ -1,29 +1,68 @@
-"""The stand-in node of benchmarks/chaos.py: no trainer runs; every pod it sees goes Running, and
-a world's master exits 0 once it has run its job's training time. The run's faults change
+"""The stand-in node of benchmarks/chaos.py: no trainer runs; every pod it sees goes Running,
+and a world's master stands in for its trainer. It steps at its job's pace from the newest
+checkpoint where its pod mounts the job's checkpoint.path (the claim of that volume: the
+job's disk, kept across worlds; a pod without it has only its own filesystem), writes one
+every checkpoint.everySteps steps, and exits 0 at the last step. The run's faults change
 pods through it (`set_status`), so it never revives a pod they ended."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
+from _chaos_checks import WorkKept
 from _cluster import NAMESPACE
 from _common import REPO
 
 sys.path.insert(0, str(REPO / "tests"))
 from harness.client import Api, ApiError  # noqa: E402  (the tests' harness lives in tests/)
 
+JOB_LABEL = "pipejob.dev/job"
+
+
+@dataclass
+class World:
+    """A running master, as its trainer would go: from step `resumed` at `started`."""
+
+    job: str
+    place: str  # where its checkpoints go
+    started: float
+    resumed: int
+    every: int
+    steps: int
+
+
+def checkpoint_place(pod: dict) -> tuple[str, int, int]:
+    """Where the trainer of `pod` keeps its checkpoints, their interval and the job's steps:
+    the claim of the volume mounted at checkpoint.path, else the pod's own filesystem."""
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container.get("env") or []}
+    spec = json.loads(env["PIPEJOB_SPEC"])
+    checkpoint = spec.get("checkpoint") or {}
+    path, every = checkpoint.get("path"), int(checkpoint.get("everySteps") or 10)
+    own = f"pod {pod['metadata']['uid']}:{path}"
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+    for mount in container.get("volumeMounts") or []:
+        claim = (volumes.get(mount["name"], {}).get("persistentVolumeClaim") or {}).get("claimName")
+        if path and mount["mountPath"] == path and claim:
+            return f"claim {claim}:{path}", every, spec["steps"]
+    return own, every, spec["steps"]
+
 
 class Node:
-    """The stand-in node: every pod it sees goes Running; a master that ran its job's
-    training time exits 0. Faults change pods through it, so it never revives one."""
+    """The stand-in node: every pod it sees goes Running; a master steps at its job's `pace`
+    (seconds a step), checkpointing as its spec says, and exits 0 at the last step. Faults
+    change pods through it, so it never revives one."""
 
-    def __init__(self, api: Api, train: dict[str, float]):
-        self.api, self.train = api, train
+    def __init__(self, api: Api, pace: dict[str, float], work: WorkKept):
+        self.api, self.pace, self.work = api, pace, work
         self.pods: dict[str, dict] = {}
-        self.started: dict[str, float] = {}  # when each pod (by uid) went Running
+        self.worlds: dict[str, World] = {}  # by the master pod's uid
+        self.disks: dict[str, int] = {}  # the newest checkpoint's step, by place
         self.lock = threading.Lock()
         self.watch = api.watch("v1/pods", NAMESPACE)
         threading.Thread(target=self._watch, daemon=True).start()
@@ -32,10 +71,32 @@ class Node:
         for event in self.watch:
             pod, kind = event["object"], event["type"]
             with self.lock:
+                if kind == "DELETED" or pod["metadata"].get("deletionTimestamp"):
+                    self._stop(pod["metadata"]["uid"], time.monotonic())
                 if kind == "DELETED":
                     self.pods.pop(pod["metadata"]["name"], None)
                 else:
                     self.pods[pod["metadata"]["name"]] = pod
+
+    def _advance(self, uid: str, now: float) -> int:
+        """The step a running master has reached by `now`, its checkpoints written."""
+        w = self.worlds[uid]
+        step = min(w.steps, w.resumed + int((now - w.started) / self.pace.get(w.job, 1.0)))
+        self.disks[w.place] = max(self.disks.get(w.place, 0), step // w.every * w.every)
+        self.work.step(w.job, step)
+        return step
+
+    def _stop(self, uid: str, now: float) -> None:
+        if uid in self.worlds:
+            self._advance(uid, now)
+            del self.worlds[uid]
+
+    def _start(self, pod: dict, now: float) -> None:
+        place, every, steps = checkpoint_place(pod)
+        job = pod["metadata"]["labels"][JOB_LABEL]
+        w = World(job, place, now, self.disks.get(place, 0), every, steps)
+        self.worlds[pod["metadata"]["uid"]] = w
+        self.work.resumed(job, w.resumed, every)
 
     def set_status(self, name: str, status: dict, unless_finished: bool = True) -> bool:
         with self.lock:
@@ -47,22 +108,29 @@ class Node:
                 self.pods[name] = self.api.patch(
                     "v1/pods", name, {"status": status}, NAMESPACE, subresource="status"
                 )
+                now, uid = time.monotonic(), pod["metadata"]["uid"]
+                if status.get("phase") == "Running" and name.endswith("-master-0"):
+                    self._start(pod, now)
+                elif status.get("phase") != "Running":
+                    self._stop(uid, now)
                 return True
         return False
 
     def tick(self, now: float) -> None:
-        """Pending pods start; masters that trained long enough finish."""
+        """Pending pods start; masters step, and those at their last step finish."""
         for name, pod in self.snapshot().items():
             phase = (pod.get("status") or {}).get("phase") or "Pending"
             if pod["metadata"].get("deletionTimestamp"):
                 continue
-            uid = pod["metadata"]["uid"]
-            if phase == "Pending" and self.set_status(name, {"phase": "Running"}):
-                self.started[uid] = now
-            elif phase == "Running" and name.endswith("-master-0"):
-                job = pod["metadata"]["labels"]["pipejob.dev/job"]
-                if now - self.started.get(uid, now) >= self.train.get(job, 10):
-                    self.set_status(name, ended(0, "Completed"))
+            if phase == "Pending":
+                self.set_status(name, {"phase": "Running"})
+                continue
+            with self.lock:
+                uid = pod["metadata"]["uid"]
+                world = self.worlds.get(uid)
+                done = world is not None and self._advance(uid, now) >= world.steps
+            if done:
+                self.set_status(name, ended(0, "Completed"))
 
     def snapshot(self) -> dict[str, dict]:
         with self.lock:

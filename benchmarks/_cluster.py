@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from _common import REPO, free_port
@@ -30,15 +31,33 @@ class LeanApiServer(ApiServer):
     It counts the operator's requests (by User-Agent, as the harness's faults tell it)."""
 
     operator_requests = 0
+    by_call: Counter = Counter()  # the operator's requests by what they do: "LIST pods"
 
     async def __call__(self, raw):
         if any(agent in raw.headers.get("User-Agent", "") for agent in self.faults.agents):
             LeanApiServer.operator_requests += 1
+            LeanApiServer.by_call[call_name(raw.method, raw.path, raw.query)] += 1
         return await super().__call__(raw)
 
     async def _handle(self, request):
         self._requests[:] = [request]  # the one being served must stay matchable
         return await super()._handle(request)
+
+
+def call_name(method: str, path: str, query) -> str:
+    """What a request does, as "GET pipelinejobs", "LIST pods", "WATCH pods",
+    "PATCH pipelinejobs/status": the verb and the resource, without names."""
+    parts = path.strip("/").split("/")
+    rest = parts[2:] if parts[0] == "api" else parts[3:]
+    if rest[:1] == ["namespaces"] and len(rest) > 2:
+        rest = rest[2:]
+    resource, named = rest[0] if rest else "?", len(rest) > 1
+    if len(rest) > 2:
+        resource += "/" + rest[2]
+    verb = method
+    if method == "GET" and not named:
+        verb = "WATCH" if query.get("watch") in ("true", "1") else "LIST"
+    return f"{verb} {resource}"
 
 
 class Operator:

@@ -26,11 +26,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import queue
+import resource
 import shutil
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,6 +52,12 @@ from pipejob.operator import kube  # noqa: E402
 
 class Refused(Exception):
     """The operator failed a job the benchmark made: the run cannot measure what it meant to."""
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process: the emulated API server, the stand-in node, the watches."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def say(message: str) -> None:
@@ -235,15 +243,23 @@ def measure(args: argparse.Namespace, c: Cluster, operator: Operator, watch: Pod
     rows = []
     if args.scale:
         cpu, asked = operator.cpu_seconds(), LeanApiServer.operator_requests
+        calls, ours = Counter(LeanApiServer.by_call), own_cpu_seconds()
         each, running = at_scale(c.api, watch, args.scale, args.rate, args.timeout)
         cpu, asked = operator.cpu_seconds() - cpu, LeanApiServer.operator_requests - asked
+        calls, ours = LeanApiServer.by_call - calls, own_cpu_seconds() - ours
         rss, peak = operator.memory()
         rows.append((f"{args.scale} jobs kept", spread(each)[1], percentile(each, 0.99)))
         say(
             f"  {args.scale} jobs at {args.rate:g}/s: creation-to-pods p50 {spread(each)[1]:.3f}s"
             f" p99 {percentile(each, 0.99):.3f}s; all Running after {running:.1f}s; operator"
-            f" {cpu:.1f} CPU-s, {asked / args.scale:.1f} API requests/job, RSS {rss:.0f} MB"
-            f" (peak {peak:.0f} MB); {load_average()}"
+            f" {cpu:.1f} CPU-s ({cpu / args.scale * 1000:.0f} CPU-ms/job),"
+            f" {asked / args.scale:.1f} API requests/job, RSS {rss:.0f} MB (peak {peak:.0f} MB);"
+            f" this process (the emulated API server, the stand-in node, the watches)"
+            f" {ours:.1f} CPU-s; {load_average()}"
+        )
+        say(
+            "  the operator's requests per job: "
+            + ", ".join(f"{name} {n / args.scale:.1f}" for name, n in calls.most_common(12))
         )
     for shape in [s for s in args.sizes.split(",") if s] if args.jobs else []:
         cpu = operator.cpu_seconds()

@@ -112,6 +112,8 @@ def test_every_call_is_granted_by_rbac(server):
     rec.replies[("GET", "/api/v1/namespaces/ns/pods")] = (200, {"items": []})
     cluster.get_job("pipelinejobs", "ns", "j")
     cluster.list_pods("ns", "j")
+    cluster.list_pods("ns", ["j", "k"])  # the resync's: a hundred jobs' at a time
+    cluster.list_jobs("PipelineJob", "pipelinejobs", "ns")
     cluster.create(POD)
     cluster.create(
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "j", "namespace": "ns"}}
@@ -125,6 +127,7 @@ def test_every_call_is_granted_by_rbac(server):
     made = {permission(r) for r in rec.requests}
     assert made == {
         ("pipejob.dev", "pipelinejobs", "get"),
+        ("pipejob.dev", "pipelinejobs", "list"),
         ("", "pods", "list"),
         ("", "pods", "create"),
         ("", "services", "create"),
@@ -163,6 +166,8 @@ def test_list_pods_selects_by_job_label_and_trusts_no_one(server):
     rec.replies[("GET", "/api/v1/namespaces/ns/pods")] = (200, {"items": [mine, other]})
     assert cluster.list_pods("ns", "j") == [mine]
     assert rec.requests[0]["query"] == {"labelSelector": ["pipejob.dev/job=j"]}
+    assert cluster.list_pods("ns", ["j", "k"]) == [mine, other]  # several jobs'
+    assert rec.requests[1]["query"] == {"labelSelector": ["pipejob.dev/job in (j,k)"]}
 
 
 def test_status_is_a_merge_patch_of_the_difference(server):

@@ -14,8 +14,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _chaos_checks as checks  # noqa: E402
 import chaos  # noqa: E402
+from _chaos_node import checkpoint_place  # noqa: E402
 
 from harness.apiserver import Faults  # noqa: E402
+from pipejob.core.spec import parse  # noqa: E402
+from pipejob.operator import kube  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,6 +66,34 @@ def test_restarts_beyond_the_member_failures_and_leftovers_of_a_deleted_job_are_
     assert gone.violations == ["v1/pods d-master-0 of deleted job d"]
 
 
+def test_a_world_resumed_further_back_than_its_checkpoint_interval_is_caught() -> None:
+    work = checks.WorkKept()
+    work.resumed("j", 0, every=3)  # the first world: nothing before it
+    work.step("j", 8)
+    work.resumed("j", 6, every=3)  # its newest checkpoint: 2 steps lost
+    work.step("j", 7)  # a later world's step never lowers what the job reached
+    assert work.check.violations == [] and work.check.checked == 2
+    work.resumed("j", 3, every=3)  # a checkpoint older than the newest
+    assert work.check.violations == [
+        "j resumed from step 3 after step 8: 5 steps lost, checkpoints every 3"
+    ]
+
+
+def test_the_stand_in_trainer_resumes_from_the_disk_every_world_of_the_job_mounts() -> None:
+    """The operator's pods of two worlds keep their checkpoints in one place (the claim of
+    the checkpoint volume); a pod without that mount keeps them in its own filesystem."""
+    manifest = chaos.manifest("j", "PipelineJob", chaos.random.Random(1))
+    manifest["metadata"]["namespace"] = "default"
+    job = parse(manifest)
+    first, second = (kube.world(job, restart, "default")[0] for restart in (0, 1))
+    every, steps = manifest["spec"]["checkpoint"]["everySteps"], manifest["spec"]["steps"]
+    for pod_obj, uid in ((first, "a"), (second, "b")):
+        pod_obj["metadata"]["uid"] = uid
+        assert checkpoint_place(pod_obj) == ("claim j-checkpoints:/checkpoints", every, steps)
+    del second["spec"]["containers"][0]["volumeMounts"]
+    assert checkpoint_place(second)[0] == "pod b:/checkpoints"
+
+
 def test_the_api_server_answers_the_operator_each_fault_as_asked() -> None:
     faults = Faults()
     faults.fail_for(60, code=409)
@@ -81,4 +112,4 @@ def test_a_short_seeded_run_holds_every_invariant(capsys) -> None:
     said = capsys.readouterr().out
     assert code == 0, said
     assert "faults injected" in said and "chaos: every invariant held" in said, said
-    assert said.count(": held (") == 6, said
+    assert said.count(": held (") == 7, said

@@ -101,19 +101,29 @@ class Cluster:
                 return None
             raise
 
-    def list_pods(self, namespace: str, job: str) -> list[dict]:
-        """LIST the pods labelled with the job (every restart, every owner)."""
+    def list_pods(self, namespace: str, job: str | list[str]) -> list[dict]:
+        """LIST the pods labelled with the job (every restart, every owner), or with any of
+        the jobs of a list."""
         from pipejob.operator.kube import JOB_LABEL
 
+        names = {job} if isinstance(job, str) else set(job)
+        selector = (
+            f"{JOB_LABEL}={job}" if isinstance(job, str) else f"{JOB_LABEL} in ({','.join(job)})"
+        )
         found = self._call(
-            "GET",
-            f"/api/v1/namespaces/{namespace}/pods",
-            query={"labelSelector": f"{JOB_LABEL}={job}"},
+            "GET", f"/api/v1/namespaces/{namespace}/pods", query={"labelSelector": selector}
         )
         items = found.get("items") or []
         # The selector is the server's job; checking it again costs nothing and keeps a
         # server that ignores it from handing us other jobs' pods.
-        return [p for p in items if (p["metadata"].get("labels") or {}).get(JOB_LABEL) == job]
+        return [p for p in items if (p["metadata"].get("labels") or {}).get(JOB_LABEL) in names]
+
+    def list_jobs(self, kind: str, plural: str, namespace: str) -> list[dict]:
+        """LIST the jobs of one kind in `namespace`, each with its kind and apiVersion (a
+        list's items carry neither)."""
+        found = self._call("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{plural}")
+        header = {"apiVersion": f"{GROUP}/{VERSION}", "kind": kind}
+        return [header | item for item in found.get("items") or []]
 
     def create(self, obj: dict) -> bool:
         """CREATE a Pod or Service; False if one of that name exists already."""

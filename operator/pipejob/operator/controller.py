@@ -7,11 +7,13 @@ killed and restarted operator simply converges again (docs/architecture.md)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
 import threading
 import time
+from collections.abc import Hashable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,9 +21,18 @@ import kopf
 
 from pipejob.core import scheduling as sch
 from pipejob.core import validate
+from pipejob.core.contract import Progress
 from pipejob.core.kinds import KINDS, by_plural
 from pipejob.core.spec import API_VERSION, GROUP, VERSION
-from pipejob.operator import api_refusals, kube, policy_settings, progress, reconcile, status
+from pipejob.operator import (
+    api_refusals,
+    kube,
+    policy_settings,
+    progress,
+    reconcile,
+    resync,
+    status,
+)
 from pipejob.operator.cluster import ApiError, Cluster
 from pipejob.operator.operator_metrics import OperatorMetrics
 
@@ -39,6 +50,37 @@ log = logging.getLogger("pipejob.operator")
 Key = tuple[str, str, str]  # (plural, namespace, name)
 
 
+class KeyedLocks:
+    """One lock per key, made when a thread first asks for it and dropped when no thread
+    holds it or waits for it: the map holds the jobs being reconciled, never every job the
+    operator has seen."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[Hashable, tuple[threading.Lock, int]] = {}  # key -> (lock, users)
+
+    @contextlib.contextmanager
+    def hold(self, key: Hashable) -> Iterator[None]:
+        with self._guard:
+            lock, users = self._locks.get(key, (None, 0))
+            lock = lock or threading.Lock()
+            self._locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._locks[key]
+                if users == 1:
+                    del self._locks[key]
+                else:
+                    self._locks[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._locks)
+
+
 class Reconciler:
     """Runs reconciles, one at a time per job; triggers that arrive while one runs are
     folded into a single follow-up (it observes afresh, so it sees them all)."""
@@ -52,7 +94,7 @@ class Reconciler:
         self.jobs: set[Key] = set()  # the jobs kopf has shown us, for the resync
         self.training: set[Key] = set()  # jobs whose master ran at their last reconcile
         self._guard = threading.Lock()
-        self._locks: dict[Key, threading.Lock] = {}
+        self._locks = KeyedLocks()
         self._queued: dict[Key, bool] = {}  # job -> whether its queued reconcile polls
 
     def kick(self, key: Key, poll: bool = False) -> None:
@@ -62,8 +104,7 @@ class Reconciler:
                 self._queued[key] |= poll
                 return
             self._queued[key] = poll
-            lock = self._locks.setdefault(key, threading.Lock())
-        with lock:
+        with self._locks.hold(key):
             with self._guard:
                 poll = self._queued.pop(key)
             started = time.perf_counter()
@@ -79,7 +120,7 @@ class Reconciler:
 
     def forget(self, key: Key) -> None:
         with self._guard:
-            self.jobs.discard(key)  # its lock stays: a reconcile may hold it right now
+            self.jobs.discard(key)
             self.training.discard(key)
         self.metrics.forget(key)
 
@@ -107,10 +148,26 @@ class Reconciler:
                 self.training.discard(key)
         report = self._fetch_progress(address) if poll and address is not None else None
         now = datetime.now(UTC)
-        acts = reconcile.decide(
+        self._apply(key, job, self.decide(job, pods, now, report), now)
+
+    def decide(
+        self, job: dict, pods: list[dict], now: datetime, report: Progress | None = None
+    ) -> reconcile.Actions:
+        """`reconcile.decide` with this operator's image and settings."""
+        return reconcile.decide(
             job, pods, now, self.image, report, self.allow_node_volumes, self.policy
         )
-        self._apply(key, job, acts, now)
+
+    def due(self) -> list[Key]:
+        """The tracked jobs a resync reconciles: those a snapshot of the cluster shows it
+        acting on, gone, or polled (resync.py); all of them if the snapshot cannot be read."""
+        with self._guard:
+            keys, polled = sorted(self.jobs), set(self.training)
+        try:
+            return resync.due(self.cluster, keys, polled, self.decide)
+        except Exception as e:  # the API server away, say: the reconciles will say more
+            log.warning(f"resync: could not list the jobs and their pods, so each is read: {e}")
+            return keys
 
     def _apply(self, key: Key, job: dict, acts: reconcile.Actions, now: datetime) -> None:
         """Carry out `acts`. Pods before status (a world counts as created once its pods
@@ -238,10 +295,11 @@ def probe(memo: kopf.Memo, **_: Any) -> int:
 
 
 async def _resync(reconciler: Reconciler, interval: float) -> None:
-    """Every job, every `interval`: deadlines, TTLs, missed events (and progress)."""
+    """Every job, every `interval`: deadlines, TTLs, missed events (and progress); only the
+    jobs a snapshot shows needing it are read afresh (resync.py)."""
     while True:
         await asyncio.sleep(interval)
-        await _round(reconciler, sorted(reconciler.jobs))
+        await _round(reconciler, await asyncio.to_thread(reconciler.due))
 
 
 async def _poll(reconciler: Reconciler, interval: float) -> None:

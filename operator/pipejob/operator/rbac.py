@@ -23,7 +23,7 @@ def permissions() -> tuple[Permission, ...]:
     """What the operator always needs, for every kind in the registry."""
     jobs = tuple(kind.plural for kind in KINDS.values())
     return (
-        Permission(GROUP, jobs, ("list", "watch"), "kopf watches the jobs"),
+        Permission(GROUP, jobs, ("list", "watch"), "kopf watches the jobs; the resync lists them"),
         Permission(GROUP, jobs, ("get",), "each reconcile reads the job afresh"),
         Permission(GROUP, jobs, ("delete",), "ttlSecondsAfterFinished deletes a finished job"),
         Permission(GROUP, tuple(f"{p}/status" for p in jobs), ("patch",), "the job's status"),
@@ -35,7 +35,10 @@ def permissions() -> tuple[Permission, ...]:
             " OwnerReferencesPermissionEnforcement admission checks this; no call is made)",
         ),
         Permission(
-            "", ("pods",), ("list", "watch"), "kopf watches pods; each reconcile lists them"
+            "",
+            ("pods",),
+            ("list", "watch"),
+            "kopf watches pods; each reconcile lists its job's, the resync every job's",
         ),
         Permission("", ("pods",), ("create", "delete"), "the world's pods"),
         Permission("", ("services",), ("create",), "the job's headless Service"),

@@ -1,0 +1,78 @@
+"""The resync's sieve. Every PIPEJOB_RESYNC_SECONDS the operator looks at every job again, for
+deadlines, TTLs and missed events; reconciling each one (a GET of the job, a LIST of its
+pods) costs the API server two requests a job, 2,000 a round at 1,000 jobs, nearly all to
+find nothing to do. Instead one LIST of each kind's jobs per namespace, and one LIST of the
+pods of each hundred jobs, make a snapshot; `reconcile.decide` runs on it, and only the jobs
+it would act on (or that are gone, or whose master runs and is polled) are reconciled
+afresh: what the snapshot shows only chooses which, never what is done. The pods are read a
+hundred jobs at a time so that the operator never holds every pod of the cluster at once."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+
+from pipejob.core import scheduling as sch
+from pipejob.core.kinds import by_plural
+from pipejob.operator.actions import Actions
+from pipejob.operator.cluster import Cluster
+from pipejob.operator.kube import JOB_LABEL
+
+Key = tuple[str, str, str]  # (plural, namespace, name)
+Decide = Callable[[dict, list[dict], datetime], Actions]
+CHUNK = 100  # jobs whose pods one LIST reads
+
+
+def listed_jobs(cluster: Cluster, keys: list[Key]) -> dict[Key, dict]:
+    """The jobs of the kinds and namespaces of `keys`, by key: one LIST a kind a namespace."""
+    jobs: dict[Key, dict] = {}
+    for plural, namespace in sorted({(k[0], k[1]) for k in keys}):
+        kind = by_plural(plural)
+        for obj in cluster.list_jobs(kind.name if kind else plural, plural, namespace):
+            jobs[(plural, namespace, obj["metadata"]["name"])] = obj
+    return jobs
+
+
+def with_pods(cluster: Cluster, keys: list[Key]) -> Iterator[tuple[Key, list[dict]]]:
+    """Each of `keys` with its pods, read a hundred jobs of a namespace at a time."""
+    by_namespace: dict[str, list[Key]] = defaultdict(list)
+    for key in keys:
+        by_namespace[key[1]].append(key)
+    for namespace, its in sorted(by_namespace.items()):
+        for start in range(0, len(its), CHUNK):
+            chunk = its[start : start + CHUNK]
+            pods: dict[str, list[dict]] = defaultdict(list)
+            for pod in cluster.list_pods(namespace, sorted({k[2] for k in chunk})):
+                pods[pod["metadata"]["labels"][JOB_LABEL]].append(pod)
+            for key in chunk:
+                yield key, pods.get(key[2], [])
+
+
+def idle(job: dict, acts: Actions) -> bool:
+    """Whether `acts` would leave `job` as it is: no status change, nothing made or deleted,
+    no Event."""
+    return acts.status == (job.get("status") or {}) and not (
+        acts.create or acts.delete or acts.events or acts.delete_job or acts.end_group
+    )
+
+
+def due(cluster: Cluster, keys: list[Key], polled: set[Key], decide: Decide) -> list[Key]:
+    """Those of `keys` to reconcile: the ones in `polled`, the ones gone or being deleted,
+    and the ones `decide` would act on as the snapshot shows them."""
+    jobs = listed_jobs(cluster, keys)
+    out = [
+        k
+        for k in keys
+        if k in polled or k not in jobs or jobs[k]["metadata"].get("deletionTimestamp")
+    ]
+    # A job another controller runs (MultiKueue's) the reconcile leaves at once.
+    rest = [k for k in keys if k not in out and not sch.managed_elsewhere(jobs[k])]
+    now = datetime.now(UTC)
+    for key, pods in with_pods(cluster, rest):
+        try:
+            if not idle(jobs[key], decide(jobs[key], pods, now)):
+                out.append(key)
+        except Exception:  # the reconcile will fail the same way, and say why
+            out.append(key)
+    return sorted(out)

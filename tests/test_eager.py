@@ -250,6 +250,20 @@ def test_the_eager_path_on_the_pipelining_engine_is_refused_naming_the_field():
         spec.parse(manifest)
 
 
+@pytest.mark.parametrize(
+    "fields, refused",
+    [
+        ({"precision": "fp16", "gpusPerStage": 1}, "spec.precision: the eager path"),
+        ({"profile": {"steps": [1], "path": "/tmp/p"}}, "spec.profile: the eager path"),
+    ],
+)
+def test_asked_for_eager_what_it_does_not_carry_is_refused_before_anything_starts(fields, refused):
+    eager = {"import": "userpkg.esmlike:esm2", "cut": "eager"}
+    with pytest.raises(ValueError, match=refused):
+        spec.parse(_esm_job(model=eager, **fields))
+    spec.parse(_esm_job(**fields))  # the traced path carries them
+
+
 def _esm_job(**fields) -> dict:
     defaults = {
         "model": {"import": "userpkg.esmlike:esm2"},

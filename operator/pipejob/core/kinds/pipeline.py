@@ -24,6 +24,7 @@ from pipejob.core.kinds.pipeline_schedules import (
     SCHEDULE_CEL,
     SCHEDULES,
     auto_counts,
+    eager_rules,
     effective_schedule,
     engine_line,
     micro_batch_counts,
@@ -198,18 +199,7 @@ PIPELINE_SPEC = Field(
         ),
         needs_checkpoint("replicas"),
         elastic_acts("replicas"),
-        Rule(
-            "type(self.model) == string || !has(self.model.cut) || self.model.cut != 'eager'"
-            " || self.engine != 'pipelining'",
-            "the eager path (model.cut: eager) runs on the rpc engine only: set spec.engine:"
-            " rpc or auto, or leave model.cut out",
-            "model.cut",
-            lambda s: (
-                not isinstance(s["model"], dict)
-                or s["model"].get("cut") != "eager"
-                or s["engine"] != PIPELINING
-            ),
-        ),
+        *eager_rules(),
         Rule(
             "self.engine != 'rpc' || !has(self.schedule) || self.schedule == 'gpipe'",
             "the rpc engine (spec.engine) runs gpipe only; set spec.engine: pipelining for"

@@ -4,6 +4,11 @@ counts a schedule can run (spec.microBatches, and the counts `auto` measures), a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from pipejob.core.schema import Rule
+
 AUTO = "auto"  # spec.microBatches: the master chooses the count
 
 # spec.engine: what moves the micro-batches between the stages (auto: the master chooses).
@@ -142,3 +147,40 @@ def path_lines(spec: dict) -> list[str]:
             " the stages its costly modules, placed by measured cost when the job starts"
         ]
     return []
+
+
+# spec.model.cut: eager (a model the trace cannot read): what that path does not run yet
+def eager_rules() -> list[Rule]:
+    """The fields a job on the eager path (model.cut: eager) is refused at validation,
+    before any process starts (a job that takes the path by itself is refused when its
+    master starts, with the same words: pipeline/eager/run.py)."""
+    return [
+        _eager_refuses(
+            "model.cut",
+            "self.engine != 'pipelining'",
+            lambda s: s["engine"] != PIPELINING,
+            "runs on the rpc engine only: set spec.engine: rpc or auto, or leave model.cut out",
+        ),
+        _eager_refuses(
+            "precision",
+            "self.precision != 'fp16'",
+            lambda s: s["precision"] != "fp16",
+            "does not scale fp16's loss yet: set spec.precision to bf16",
+        ),
+        _eager_refuses(
+            "profile",
+            "!has(self.profile)",
+            lambda s: s.get("profile") is None,
+            "does not profile yet: leave spec.profile out",
+        ),
+    ]
+
+
+def _eager_refuses(field: str, cel: str, holds: Callable[[dict[str, Any]], bool], why: str) -> Rule:
+    """A rule: with model.cut eager, `cel` (and `holds`, its Python twin) must hold."""
+    return Rule(
+        f"type(self.model) == string || !has(self.model.cut) || self.model.cut != 'eager' || {cel}",
+        f"the eager path (model.cut: eager) {why}",
+        field,
+        lambda s: not isinstance(s["model"], dict) or s["model"].get("cut") != "eager" or holds(s),
+    )

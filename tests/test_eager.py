@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from one_process import first_step
 from torch import nn
 from userpkg import esmlike
 
 from jobrun import pipeline_job, run_to_end
 from pipejob.core import spec
-from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.eager.check import check
 from pipejob.trainer.pipeline.eager.placement import no_grad_run, place
 from pipejob.trainer.pipeline.eager.turns import Turns
 from pipejob.trainer.runtime import model_files
-from pipejob.trainer.workloads import data, models
+from pipejob.trainer.workloads import models
 
 TESTS = Path(__file__).parent
 
@@ -170,18 +170,9 @@ def _esm_job(**fields) -> dict:
 
 
 def _one_process_step(manifest: dict, lr: float) -> tuple[float, dict[str, torch.Tensor]]:
-    """Step 1 of the job in one process: its loss, and every parameter after one SGD step."""
-    s = spec.parse(manifest).settings
-    model = models.build(s)
-    with data.Feed(s) as feed:
-        inputs, labels = feed.batch()
-    m, loss_fn = s.micro_batches, workloads.loss(s)
-    loss = sum(
-        loss_fn(model(x), y) * (len(y) / len(labels))
-        for x, y in zip(inputs.tensor_split(m), labels.tensor_split(m), strict=True)
-    )
-    loss.backward()
-    return loss.item(), {n: (p - lr * p.grad).detach() for n, p in model.named_parameters()}
+    """Step 1 of the job in one process: its loss, and its state after one SGD step."""
+    step = first_step(manifest, lr)
+    return step.loss, step.after
 
 
 def test_a_model_the_trace_refuses_trains_on_the_eager_path_as_one_process(tmp_path, monkeypatch):

@@ -36,6 +36,14 @@ LIBRARIES = (
     "pytorch_tabnet",
 )
 PEFT_ROWS = ("causal:llama", "causal:gpt2", "classification:bert", "seq2seq:t5")
+# Issue 56's rows, named without their library (the docs' table is checked where it is absent).
+USER_ROWS = {
+    "monai": ("UNet (MetaTensor data)", "DynUNet (deep supervision)"),
+    "kornia": ("gaussian_blur2d in a forward",),
+    "torchtune": ("lora_llama3_2 (tied, frozen)",),
+    "esm": ("ESM2",),
+    "pytorch_tabnet": ("TabNet",),
+}
 
 
 def _images(size: int, channels: int = 3) -> Callable[[], torch.Tensor]:
@@ -229,7 +237,7 @@ def _user_models(library: str) -> dict[str, Entry]:
 
 
 def _zoo(library: str) -> dict[str, Entry] | None:
-    if library in LIBRARIES[-5:]:
+    if library in USER_ROWS:
         return _user_models(library)
     makers: dict[str, Callable[[], dict[str, Entry]]] = {
         "diffusers": _diffusers,
@@ -245,6 +253,8 @@ def names(library: str) -> list[str]:
     """The rows of a library's zoo, in order."""
     if library == "peft":
         return [f"lora {row}" for row in PEFT_ROWS]
+    if library in USER_ROWS:
+        return list(USER_ROWS[library])
     zoo = _zoo(library)
     assert zoo is not None
     return list(zoo)

@@ -7,7 +7,11 @@ benchmarks/conformance.py, each model from a tiny config, random weights, a batc
 - open_clip: its text tower and its vision tower, each with a head;
 - x_transformers: a decoder and an encoder (rotary embeddings, autocast on the meta device);
 - vit_pytorch: ViT and SimpleViT (einops in their forward);
-- segmentation_models_pytorch: Unet and FPN over a ResNet-18 encoder."""
+- segmentation_models_pytorch: Unet and FPN over a ResNet-18 encoder;
+- issue 56's, each as tests/userpkg/*_models.py build it for its jobs, at the versions
+  benchmarks/requirements-libraries.txt pins: monai (UNet fed MetaTensors, DynUNet with deep
+  supervision), kornia (gaussian_blur2d in a forward), torchtune (Llama 3.2 with LoRA and a
+  tied, frozen embedding), esm (fair-esm's ESM2), pytorch_tabnet (TabNet's (logits, M_loss))."""
 
 from __future__ import annotations
 
@@ -25,8 +29,21 @@ LIBRARIES = (
     "x_transformers",
     "vit_pytorch",
     "segmentation_models_pytorch",
+    "monai",
+    "kornia",
+    "torchtune",
+    "esm",
+    "pytorch_tabnet",
 )
 PEFT_ROWS = ("causal:llama", "causal:gpt2", "classification:bert", "seq2seq:t5")
+# Issue 56's rows, named without their library (the docs' table is checked where it is absent).
+USER_ROWS = {
+    "monai": ("UNet (MetaTensor data)", "DynUNet (deep supervision)"),
+    "kornia": ("gaussian_blur2d in a forward",),
+    "torchtune": ("lora_llama3_2 (tied, frozen)",),
+    "esm": ("ESM2",),
+    "pytorch_tabnet": ("TabNet",),
+}
 
 
 def _images(size: int, channels: int = 3) -> Callable[[], torch.Tensor]:
@@ -188,7 +205,40 @@ def _segmentation() -> dict[str, Entry]:
     }
 
 
+def _user_models(library: str) -> dict[str, Entry]:
+    """Issue 56's rows: the tests' user factories (tests/userpkg/*_models.py), each fed a
+    batch of its own data as their jobs read it."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    m = importlib.import_module(f"userpkg.{library.removeprefix('pytorch_')}_models")
+
+    def first(dataset: Callable[[str], Any]) -> Callable[[], Any]:
+        def sample() -> Any:  # in the check's dtype, a MetaTensor kept one
+            samples = dataset("train")
+            x = torch.utils.data.default_collate([samples[i][0] for i in range(4)])
+            return x.to(torch.get_default_dtype()) if x.is_floating_point() else x
+
+        return sample
+
+    if library == "monai":
+        return {
+            "UNet (MetaTensor data)": (m.unet, first(m.segmentation)),
+            "DynUNet (deep supervision)": (m.dynunet, _images(16, 1)),
+        }
+    return {
+        "kornia": lambda: {"gaussian_blur2d in a forward": (m.blurred, _images(16))},
+        "torchtune": lambda: {"lora_llama3_2 (tied, frozen)": (m.lora_llama, _tokens(64, 16))},
+        "esm": lambda: {"ESM2": (m.esm2, first(m.proteins))},
+        "pytorch_tabnet": lambda: {"TabNet": (m.tabnet, first(m.table))},
+    }[library]()
+
+
 def _zoo(library: str) -> dict[str, Entry] | None:
+    if library in USER_ROWS:
+        return _user_models(library)
     makers: dict[str, Callable[[], dict[str, Entry]]] = {
         "diffusers": _diffusers,
         "open_clip": _open_clip,
@@ -203,6 +253,8 @@ def names(library: str) -> list[str]:
     """The rows of a library's zoo, in order."""
     if library == "peft":
         return [f"lora {row}" for row in PEFT_ROWS]
+    if library in USER_ROWS:
+        return list(USER_ROWS[library])
     zoo = _zoo(library)
     assert zoo is not None
     return list(zoo)

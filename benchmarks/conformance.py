@@ -75,6 +75,11 @@ ZOO_ORDER = [
     "x_transformers",
     "vit_pytorch",
     "segmentation_models_pytorch",
+    "monai",
+    "kornia",
+    "torchtune",
+    "esm",
+    "pytorch_tabnet",
 ]
 
 
@@ -206,10 +211,10 @@ def table(rows: list[dict[str, Any]], seconds: float, totals: dict[str, int]) ->
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        why = r["why"].replace("|", "\\|")
+        why, cuts = (r[key].replace("|", "\\|") for key in ("why", "cuts"))  # eager: a | b
         lines.append(
             f"| {r['zoo']} | {r['name']} | {r['verdict']} | {why} | {r['params']:,} |"
-            f" {r['cuts']} | {r['seconds']:.0f} | {r.get('commit', '?')} |"
+            f" {cuts} | {r['seconds']:.0f} | {r.get('commit', '?')} |"
         )
     return "\n".join(lines) + "\n"
 

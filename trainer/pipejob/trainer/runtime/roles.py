@@ -24,6 +24,9 @@ def drive(env: Env, train: Callable[[Env], Summary]) -> Summary:
     world cannot finish together, so after a failure it leaves at once."""
     import torch.distributed.rpc as rpc
 
+    from pipejob.trainer.workloads import imports
+
+    imports.preload(env.spec)  # whole before any call's arguments are unpickled here
     rendezvous.join_rpc(env)
     try:
         result = train(env)
@@ -41,6 +44,9 @@ def serve(
     done (rpc.shutdown waits for the whole world)."""
     import torch.distributed.rpc as rpc
 
+    from pipejob.trainer.workloads import imports
+
+    imports.preload(env.spec)  # whole before any call's arguments are unpickled here
     rendezvous.join_rpc(env, device_maps, devices)
     rpc.shutdown()
 

@@ -2,10 +2,12 @@
 
 Failures name the spec field that gave the path, so the pod's termination message says what
 to fix: a module or attribute that does not import is an ImportError (a permanent failure,
-ImportFailed); a factory that raises on its arguments is a ValueError naming the args."""
+ImportFailed); a factory that raises on its arguments is a ValueError naming the args. And
+the job's modules imported before a process joins the RPC world (`preload`)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any
 
@@ -58,3 +60,17 @@ def module(path: str, field: str, args: dict[str, Any], /, **given: Any) -> nn.M
             f"{field}: {path!r} returned a {type(built).__name__}{for_stage}, not a torch.nn.Module"
         )
     return built
+
+
+def preload(spec: Any) -> None:
+    """Import the modules the spec names (spec.model.import, spec.data.import,
+    spec.loss.import), and so the libraries they import, before this process serves calls:
+    arguments arrive on RPC threads, several at once, and unpickling a library's type (MONAI's
+    MetaTensor) imports that library there while another thread imports it too; a library
+    whose modules import each other (MONAI's do) then fails to import in both. A module that
+    does not import is left to the build, which names the field."""
+    for owner in ("model", "data", "loss"):
+        path = getattr(getattr(spec, owner, None), "import_", None)
+        if path:
+            with contextlib.suppress(Exception):
+                importlib.import_module(path.partition(":")[0])

@@ -1,9 +1,10 @@
 """Outputs as one process sees them on the traced path (issue 56, class 3): values beside
 the batch (a 0-dim loss, None, a Python value) are carried to the loss as the model computed
 them per micro-batch, never concatenated; what the master's check knows the default loss
-cannot take is refused before any stage is built, saying what to give; and GPTs as they ship
-(`forward(idx, targets=None) -> (logits, loss)`) train on the tokens data source with a loss
-given in the manifest."""
+cannot take is refused before any stage is built, saying what to give; and GPTs with the
+forwards the popular repositories ship (`forward(idx, targets=None) -> (logits, loss)`:
+userpkg/gpt_forwards.py; the real files run in test_shipped_gpts.py) train on the tokens data
+source with a loss given in the manifest."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from userpkg import llmc_gpt, mingpt, nanogpt
+from userpkg import gpt_forwards
 
 from jobrun import pipeline_job, run_to_end
 from pipejob.trainer.pipeline.fit import fits_model
@@ -69,7 +70,7 @@ def test_none_and_python_values_beside_the_batch_are_kept():
     that differ are the micro-batches' list."""
     torch.manual_seed(0)
     x = torch.randint(0, 64, (4, 16))
-    model = nanogpt.build()
+    model = gpt_forwards.nanogpt()
     logits, loss = pipelined(model, x, [2, 2])
     assert loss is None
     torch.testing.assert_close(logits, model(x)[0])
@@ -79,12 +80,12 @@ def test_none_and_python_values_beside_the_batch_are_kept():
     )
 
 
-@pytest.mark.parametrize("module", [nanogpt, mingpt, llmc_gpt], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", ["nanogpt", "mingpt", "llmc"])
 def test_the_default_loss_on_a_gpts_tuple_is_refused_naming_what_to_give(module):
     """The master's fit check knows the default loss cannot take (logits, None): it refuses
     the job there (a permanent failure, before any stage is built), saying what to give."""
     with torch.device("meta"):
-        model = module.build()
+        model = getattr(gpt_forwards, module)()
     tokens = torch.randint(0, 64, (2, 17))
     with pytest.raises(ValueError) as refused:
         fits_model(model, tokens[:, :-1], tokens[:, 1:], metrics.cross_entropy)
@@ -102,7 +103,7 @@ def write_tokens(path: Path, count: int = 4096) -> Path:
 def gpt_job(module: str, tmp_path: Path) -> dict:
     manifest = pipeline_job(
         module.replace("_", "-"),
-        model={"import": f"userpkg.{module}:build"},
+        model={"import": f"userpkg.gpt_forwards:{module}"},
         data={"tokens": {"train": str(write_tokens(tmp_path / "tokens.bin")), "seqLen": 16}},
         loss={"import": "userpkg.traced_cases:gpt_loss"},
         eval={"everySteps": 0},
@@ -126,7 +127,7 @@ def trains(module: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.mark.timeout(300)
-def test_nanogpt_as_it_ships_trains_on_tokens_with_a_loss_given(tmp_path, monkeypatch):
+def test_a_nanogpt_forward_trains_on_tokens_with_a_loss_given(tmp_path, monkeypatch):
     trains("nanogpt", tmp_path, monkeypatch)
 
 
@@ -134,8 +135,6 @@ def test_nanogpt_as_it_ships_trains_on_tokens_with_a_loss_given(tmp_path, monkey
 # every position's logits, which the in-process tests above hold).
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("module", ["mingpt", "llmc_gpt"])
-def test_mingpt_and_llmc_as_they_ship_train_on_tokens_with_a_loss_given(
-    module, tmp_path, monkeypatch
-):
+@pytest.mark.parametrize("module", ["mingpt", "llmc"])
+def test_mingpt_and_llmc_forwards_train_on_tokens_with_a_loss_given(module, tmp_path, monkeypatch):
     trains(module, tmp_path, monkeypatch)

@@ -79,7 +79,8 @@ PIPELINE_SPEC = Field(
             " ScheduleInterleavedZeroBubble: backwards split into input and weight"
             " gradients to fill the bubble): several stages per process"
             " (`stagesPerProcess`), microBatches a multiple of stages. Default: gpipe on"
-            " rpc, 1f1b on pipelining.",
+            " rpc, 1f1b on pipelining; on auto 1f1b where microBatches is auto or at least"
+            " stages, else gpipe.",
             enum=SCHEDULES,
         ),
         "stagesPerProcess": integer(

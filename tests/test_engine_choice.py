@@ -22,6 +22,17 @@ def settings(**fields):
     return spec.parse(pipeline_job("auto", engine="auto", **fields)).settings
 
 
+def test_auto_is_the_default():
+    """A PipelineJob that names no engine runs on auto (issue 61), its stages seated for
+    either engine; one that names rpc keeps its dp groups only with replicas."""
+    job = spec.parse(pipeline_job("default", replicas=2, microBatches=2))
+    assert job.spec["engine"] == "auto" and job.settings.engine == "auto"
+    assert job.spec["schedule"] == "1f1b"
+    assert [name for name, _, _ in plan.groups(job, plan.members(job))] == ["pipe"]
+    rpc = spec.parse(pipeline_job("rpc", engine="rpc", replicas=2, microBatches=2))
+    assert [name for name, _, _ in plan.groups(rpc, plan.members(rpc))] == ["dp0", "dp1"]
+
+
 def test_auto_runs_1f1b_where_the_count_lets_it_and_seats_the_stages_for_either_engine():
     assert settings(microBatches=4).schedule == "1f1b"
     assert settings(microBatches="auto").schedule == "1f1b"

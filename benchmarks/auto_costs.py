@@ -34,6 +34,7 @@ def manifest(model: str, batch: int, image: int, m: int, steps: int) -> dict[str
         "metadata": {"name": f"auto-costs-m{m}"},
         "spec": {
             "model": model,
+            "engine": "rpc",  # the engine of the recordings (tests/data/auto-costs-*.json)
             "stages": 2,
             "microBatches": m,
             "batchSize": batch,

@@ -70,6 +70,9 @@ from _common import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+# pipejob on its rpc engine ("pipejob", "pipejob-auto": micro-batches auto), named, as the
+# default engine (auto) would choose pipelining for this job
+RPC = {"engine": "rpc"}
 # pipejob on its pipelining engine: system -> the spec's engine fields (issue 31)
 ENGINES = {
     f"pipejob-{schedule}": {
@@ -188,9 +191,10 @@ def run_pipejob(
     from pipejob.core.kinds.pipeline_schedules import schedule_refuses
 
     runs = []
-    engine = ENGINES.get(system, {})
+    # pipejob@REV: that revision's default (rpc before engine auto; older ones know no engine)
+    engine = ENGINES.get(system, {} if system.startswith("pipejob@") else RPC)
     counts = [
-        m for m in cfg.counts if not engine or schedule_refuses(engine["schedule"], 2, m) is None
+        m for m in cfg.counts if schedule_refuses(engine.get("schedule", "gpipe"), 2, m) is None
     ]
     for m in [AUTO] if system == "pipejob-auto" else counts:
         env = {

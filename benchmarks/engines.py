@@ -88,10 +88,10 @@ def eager(model: str | dict[str, Any]) -> dict[str, Any]:
 def systems(args: argparse.Namespace, stages: int, model: str) -> dict[str, list[tuple[int, dict]]]:
     """Each system's runs of one repeat: (micro-batch count, engine fields)."""
     out: dict[str, list[tuple[int, dict]]] = {
-        "rpc": [(m, {}) for m in args.rpc_counts],
+        "rpc": [(m, {"engine": "rpc"}) for m in args.rpc_counts],
     }
     if args.eager_counts:  # the master runs the forward, the stages the costly modules
-        fields = {"model": eager(model_spec(args, model)["model"])}
+        fields = {"engine": "rpc", "model": eager(model_spec(args, model)["model"])}
         out["eager (rpc engine)"] = [(m, fields) for m in args.eager_counts]
     for schedule in args.schedules:
         v = STAGES_PER_PROCESS if schedule in ("interleaved-1f1b", "zero-bubble") else 1

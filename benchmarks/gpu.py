@@ -67,7 +67,7 @@ def manifest(
     """A job of the workload; with `schedule`, on the pipelining engine (the interleaved
     schedules with 2 stages per process)."""
     engine = (
-        {}
+        {"engine": "rpc"}
         if schedule is None
         else {
             "engine": "pipelining",

@@ -29,6 +29,7 @@ import yaml
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, workloads
+from pipejob.trainer.pipeline import engine_choice
 from pipejob.trainer.pipeline.rpc.driver import Pipeline, forward_backward
 from pipejob.trainer.pipeline.shards import plan_shards
 from pipejob.trainer.pipeline.stage_base import Shard
@@ -247,6 +248,8 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
                 batch = feed.batch()
             every = env.names("stage")
             shards = plan_shards(s, *models.build_meta(s), every[: s.stages])
+            if shards.partition.engine is not None:  # engine auto: the engine the cut chose
+                s = engine_choice.resolved(s, shards.partition.engine.engine)
             if s.engine == "rpc":
                 pipe, loss, grads = _rpc_step(s, every[: s.stages], shards, batch)
             else:
@@ -344,7 +347,7 @@ def check_gradients(
     stages_per_process), each runs in the same world and is checked; the last one's run is
     returned."""
     s = job.settings
-    assert s.engine == "pipelining" or s.replicas.max == 1, "the rpc engine's check: one pipeline"
+    assert s.engine != "rpc" or s.replicas.max == 1, "the rpc engine's check: one pipeline"
     rpc_port, ddp_port = free_ports(2)
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
     out = tmp_path / "pipeline.pt"

@@ -31,10 +31,12 @@ def text(tmp_path_factory) -> dict[str, str]:
 
 
 def lm_job(text: dict[str, str], **fields: Any) -> dict[str, Any]:
-    """A small language model in 2 stages, 4 micro-batches, clipped: every sum a step makes."""
+    """A small language model in 2 stages, 4 micro-batches, clipped: every sum a step makes;
+    on the rpc engine unless `fields` say otherwise."""
     return pipeline_job(
         "same-bits",
         **{
+            "engine": "rpc",
             "model": {"transformer": TRANSFORMER},
             "data": {"tokens": text, "workers": 1},
             "stages": 2,

@@ -324,6 +324,9 @@ def test_a_model_the_trace_refuses_trains_on_the_eager_path_as_one_process(tmp_p
     code, output, summary = run_to_end(manifest, tmp_path, timeout=240)
     assert code == 0, output[-3000:]
     assert summary is not None and summary["path"] == "eager"
+    # engine auto, the default: the eager path's engine, said as the cut's choice is
+    assert summary["engine"] == "rpc" and summary["engineChosen"] == "the eager path runs on rpc"
+    assert "engine auto chose rpc: the eager path runs on rpc" in output
     assert summary["pathReason"].startswith("the trace was refused")
     assert "padding_mask.any()" in summary["pathReason"]
     assert summary["glueParameters"] == 0  # every module with parameters lives on a stage

@@ -105,12 +105,13 @@ def assert_losses_close(got: list[float], expected: list[float]) -> None:
 
 
 def pipeline(stages: int, micro_batches: int, engine: dict[str, Any] | None = None) -> Any:
-    """`engine`: spec.engine and its fields (the rpc engine's when None)."""
+    """`engine`: spec.engine and its fields (the rpc engine's when None; the default,
+    engine auto, when {})."""
 
     def manifest(root: Path, folder: Path) -> dict[str, Any]:
         return pipeline_job(
             "elastic",
-            **(engine or {}),
+            **({"engine": "rpc"} if engine is None else engine),
             stages=stages,
             microBatches=micro_batches,
             batchSize=BATCH,
@@ -146,6 +147,7 @@ SHAPES = {
     "2x2m2": (2, 2, 2, None),
     "2x1m4": (2, 4, 1, None),
     "2x1m2-interleaved": (2, 2, 1, INTERLEAVED),
+    "2x1m2-default": (2, 2, 1, {}),  # engine auto: pipelining here, rpc on an rpc cut
 }
 # `make test` resumes across engines and piece counts (2 pieces on rpc to 4 on interleaved
 # pipelining); the other pairs are `slow` (tests/README.md).
@@ -156,6 +158,9 @@ PAIRS = [
     pytest.param("2x1m2", "3x1m2", marks=EXHAUSTIVE),
     pytest.param("2x1m2", "2x2m2", marks=EXHAUSTIVE),
     pytest.param("2x1m2", "2x1m4", marks=EXHAUSTIVE),
+    # a checkpoint of the rpc engine (the default before engine auto) resumed on the default:
+    # on rpc, the engine its cut was made for
+    pytest.param("2x1m2", "2x1m2-default", marks=EXHAUSTIVE),
 ]
 
 
@@ -175,6 +180,9 @@ def test_a_pipeline_resumes_on_another_shape_as_a_run_of_that_shape(
     summary = resumed["summary"]
     assert summary["resumedFromStep"] == K and summary["replicas"] == r2, resumed["output"]
     assert summary["engine"] == (e2 or {}).get("engine", "rpc"), summary
+    if e2 == {}:  # the default chose pipelining afresh, and the checkpoint's engine on resume
+        assert full_then["summary"]["engine"] == "pipelining", full_then["summary"]
+        assert summary["engineChosen"] == "the checkpoint's cut was made for it", summary
     assert_losses_close(summary["losses"], full_then["summary"]["losses"][K:])
 
     # Each first stage read on from step K + 1's batch, its share of it, and one batch ahead:
@@ -198,12 +206,15 @@ def test_a_pipeline_resumes_on_another_shape_as_a_run_of_that_shape(
 def test_the_pipelining_engine_takes_no_cut_the_rpc_engine_saved(tmp_path: Path) -> None:
     """The rpc engine may cut where the model passes ints, which the pipelining engine's
     stages cannot send: on it a checkpoint's cut is taken only where its own engine saved it
-    (else the stages measure anew); the rpc engine takes either's."""
+    (else the stages measure anew); the rpc engine takes either's, and engine auto (the
+    default) takes either's and runs on the engine that saved it."""
     saved = {"kind": "PipelineJob", "ranges": [[0, 3], [3, 6]], "costs": [1.0] * 6}
     for engine, saved_by, taken in [
         ("pipelining", "rpc", False),
         ("pipelining", "pipelining", True),
         ("rpc", "pipelining", True),
+        ("auto", "rpc", True),
+        ("auto", "pipelining", True),
     ]:
         job = spec.parse(pipeline_job("cut", engine=engine, stages=2, microBatches=2))
         manifest = saved | {
@@ -216,6 +227,9 @@ def test_the_pipelining_engine_takes_no_cut_the_rpc_engine_saved(tmp_path: Path)
         env = world.read_env(plan.plan_world(job, lambda m: LOOPBACK, ports)[0].env)
         partition = saved_partition(env, found)
         assert (partition is not None) == taken, (engine, saved_by)
+        if engine == "auto":
+            assert partition is not None and partition.engine is not None
+            assert partition.engine.engine == saved_by, partition.engine
 
 
 # ------------------------------------------------------------------ HybridJob

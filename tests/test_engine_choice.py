@@ -22,6 +22,17 @@ def settings(**fields):
     return spec.parse(pipeline_job("auto", engine="auto", **fields)).settings
 
 
+def test_auto_is_the_default():
+    """A PipelineJob that names no engine runs on auto (issue 61), its stages seated for
+    either engine; one that names rpc keeps its dp groups only with replicas."""
+    job = spec.parse(pipeline_job("default", replicas=2, microBatches=2))
+    assert job.spec["engine"] == "auto" and job.settings.engine == "auto"
+    assert job.spec["schedule"] == "1f1b"
+    assert [name for name, _, _ in plan.groups(job, plan.members(job))] == ["pipe"]
+    rpc = spec.parse(pipeline_job("rpc", engine="rpc", replicas=2, microBatches=2))
+    assert [name for name, _, _ in plan.groups(rpc, plan.members(rpc))] == ["dp0", "dp1"]
+
+
 def test_auto_runs_1f1b_where_the_count_lets_it_and_seats_the_stages_for_either_engine():
     assert settings(microBatches=4).schedule == "1f1b"
     assert settings(microBatches="auto").schedule == "1f1b"
@@ -124,3 +135,32 @@ def test_a_split_where_ints_cross_takes_the_rpc_engine_with_replicas(tmp_path: P
     assert summary is not None and summary["engine"] == "rpc" and summary["schedule"] == "gpipe"
     assert summary["engineChosen"].endswith("where blocks.0.qkv begin; rpc runs gpipe, not 1f1b")
     assert summary["replicas"] == 2 and summary["replicaDivergence"] == 0.0
+
+
+def test_auto_takes_rpc_for_labels_the_cross_entropy_leaves_out():
+    """A label at the cross-entropy's ignore_index (padding, a prompt's tokens) leaves
+    micro-batches counting different numbers of labels: the pipelining engine's mean of
+    their means is not the batch's mean, the rpc engine's one loss is."""
+    tokens = torch.tensor([[5, 6, -100], [7, 8, 9]])
+    job = settings(microBatches=2)
+    assert for_inputs(job, torch.zeros(2, 3), tokens[1:]) is None  # every label counts
+    assert for_inputs(job, torch.zeros(2, 3), tokens.float()) is None  # targets, not classes
+    chosen = for_inputs(job, torch.zeros(2, 3), tokens)
+    assert chosen is not None and chosen.engine == "rpc"
+    assert chosen.why.startswith("the data's labels hold the cross-entropy's ignore_index (-100)")
+    assert chosen.why.endswith("; rpc runs gpipe, not 1f1b")
+    own = settings(microBatches=2, loss={"crossEntropy": {"ignoreIndex": 0}})
+    assert for_inputs(own, torch.zeros(2, 3), tokens) is None
+    assert for_inputs(own, torch.zeros(2, 3), tokens.clamp(min=0)).engine == "rpc"
+    torch_loss = settings(
+        microBatches=2, loss={"import": "torch.nn:CrossEntropyLoss", "args": {"ignore_index": 9}}
+    )
+    assert for_inputs(torch_loss, torch.zeros(2, 3), tokens).engine == "rpc"
+    assert (
+        for_inputs(
+            settings(microBatches=2, loss={"import": "torch.nn:MSELoss"}), torch.zeros(2, 3), tokens
+        )
+        is None
+    )
+    named = spec.parse(pipeline_job("p", engine="pipelining", microBatches=2)).settings
+    assert for_inputs(named, torch.zeros(2, 3), tokens) is None

@@ -76,7 +76,8 @@ def test_enough_gpus_give_each_stage_its_own():
 
 
 def test_stages_share_fewer_gpus_round_robin_and_say_so():
-    world = processes(pipeline_job("p", stages=4, microBatches=4, gpusPerStage=1))
+    # the rpc engine's stages, which may share a GPU (engine auto takes rpc there: below)
+    world = processes(pipeline_job("p", engine="rpc", stages=4, microBatches=4, gpusPerStage=1))
     placed = gpus.place(world, ["0", "1"])
     assert placed.visible == {1: "0", 2: "1", 3: "0", 4: "1"}
     assert placed.note == (
@@ -93,8 +94,10 @@ def test_a_cpu_job_is_left_alone_and_a_gpu_job_needs_gpus():
 
 
 def test_nccl_group_members_never_share_a_gpu():
-    # Replicas: stage i of every replica is one NCCL group (dp<i>).
-    replicated = pipeline_job("p", stages=2, microBatches=2, gpusPerStage=1, replicas=2)
+    # The rpc engine's replicas: stage i of every replica is one NCCL group (dp<i>).
+    replicated = pipeline_job(
+        "p", engine="rpc", stages=2, microBatches=2, gpusPerStage=1, replicas=2
+    )
     assert gpus.place(processes(replicated), ["0", "1", "2", "3"]).note is None
     # Two GPUs: each replica's stages share, and each group's members are apart.
     two = gpus.place(processes(replicated), ["0", "1"])

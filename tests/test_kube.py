@@ -197,8 +197,12 @@ def test_headless_service_publishes_not_ready_addresses():
         ("preflight", 29502),
         ("monitor", 29503),
     ]
-    pipeline = kube.service(spec.parse(manifest()), "team")
+    # One pipeline on the rpc engine has no group; by default (engine auto) its stages are
+    # seated in the pipelining engine's group, whose rendezvous is the ddp port.
+    pipeline = kube.service(spec.parse(manifest(engine="rpc")), "team")
     assert [p["name"] for p in pipeline["spec"]["ports"]] == ["rpc", "preflight", "monitor"]
+    pipeline = kube.service(spec.parse(manifest()), "team")
+    assert [p["name"] for p in pipeline["spec"]["ports"]] == ["rpc", "ddp", "preflight", "monitor"]
     assert svc["metadata"]["ownerReferences"][0]["uid"] == UID
 
 
@@ -329,7 +333,7 @@ def test_render_refuses_a_bad_manifest_naming_the_field(tmp_path, capsys):
 
 
 def test_a_replicated_pipeline_renders_every_replica_and_its_groups():
-    job, pods = world(stages=2, replicas=2)
+    job, pods = world(stages=2, replicas=2, engine="rpc")  # the rpc engine's dp groups
     names = [p["metadata"]["name"] for p in pods]
     assert names == [
         "pj-master-0",
@@ -358,5 +362,5 @@ def test_a_replicated_pipeline_renders_every_replica_and_its_groups():
     assert [p["metadata"]["name"] for p in single] == ["pj-master-0", "pj-stage-0", "pj-stage-1"]
     assert all(kube.REPLICA_LABEL not in p["metadata"]["labels"] for p in single)
     assert "ddp" not in {
-        p["name"] for p in kube.service(spec.parse(manifest()), "t")["spec"]["ports"]
+        p["name"] for p in kube.service(spec.parse(manifest(engine="rpc")), "t")["spec"]["ports"]
     }

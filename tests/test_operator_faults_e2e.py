@@ -37,6 +37,7 @@ def test_a_frozen_stage_restarts_the_world_as_stalled_and_it_resumes(
     model = {"import": "userpkg.stuck:cnn", "args": {"trigger": str(trigger), "rank": 2}}
     spec = {
         **SMALL,
+        "engine": "rpc",  # the verdict names the rpc engine's calls (forward_round, passed_on)
         "steps": steps,
         "backoffLimit": 3,
         "watchdog": {"seconds": bound},

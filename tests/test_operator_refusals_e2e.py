@@ -99,7 +99,15 @@ def test_a_run_that_goes_non_finite_fails_permanently_saying_where(
     model = {"import": "userpkg.blowup:cnn", "args": {"at": 2, "micro_batches": 2}}
     env = [{"name": "PYTHONPATH", "value": str(Path(__file__).parent)}]  # userpkg
     jobs.create(
-        api, pipeline(name, model=model, splitPoints=["8"], backoffLimit=3, template={"env": env})
+        api,
+        pipeline(
+            name,
+            engine="rpc",  # the rpc engine's stop (test_nonfinite.py: the pipelining engine's)
+            model=model,
+            splitPoints=["8"],
+            backoffLimit=3,
+            template={"env": env},
+        ),
     )
     failed = jobs.wait_phase(api, "PipelineJob", name, "Failed", timeout=180)
     assert failed["status"]["restarts"] == 0

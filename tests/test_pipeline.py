@@ -160,7 +160,8 @@ def test_auto_micro_batches_are_chosen_once_and_kept_on_resume(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_pipeline_gradients_equal_single_process_gradients(tmp_path):
-    job = spec.parse(pipeline_job("gradients", stages=3, microBatches=4, steps=1))
+    # the rpc engine's (tests/test_pipelining.py: the pipelining engine's, every schedule)
+    job = spec.parse(pipeline_job("gradients", engine="rpc", stages=3, microBatches=4, steps=1))
     got = check_gradients(job, tmp_path)
     assert [n for stage in got["stages"] for n in stage] == cut.Traced(
         models.build(job.settings)

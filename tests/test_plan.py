@@ -55,7 +55,12 @@ SHAPES = [
         for s in (2, 3, 8, 56)
         for g in (0, 1)
     ),
-    *(("PipelineJob", {"stages": s, "replicas": r}) for s in (2, 3, 7) for r in (2, 3, 4)),
+    # the rpc engine's replicas: a dp group per stage
+    *(
+        ("PipelineJob", {"engine": "rpc", "stages": s, "replicas": r})
+        for s in (2, 3, 7)
+        for r in (2, 3, 4)
+    ),
     *(
         ("PipelineJob", {"engine": "pipelining", "stages": s, "replicas": r, "gpusPerStage": g})
         for s in (2, 4)
@@ -86,8 +91,9 @@ def test_world_invariants(kind, fields):
     trainers = [p for p in world if p.role == "trainer"]
     for p in world:
         env = p.env
-        # Replicated stages, and every stage on the pipelining engine, are in a group.
-        grouped_stages = fields.get("replicas", 1) > 1 or fields.get("engine") == "pipelining"
+        # Replicated stages, and every stage where the pipelining engine may run (auto, the
+        # default, and pipelining), are in a group.
+        grouped_stages = fields.get("replicas", 1) > 1 or fields.get("engine", "auto") != "rpc"
         grouped = p.role == "trainer" or (p.role == "stage" and grouped_stages)
         every = {c.GROUPS} if kind == "HybridJob" or grouped_stages else set()  # the world's
         expected = COMMON_ENV | every | (DDP_ENV if grouped else set())
@@ -158,7 +164,8 @@ def test_plan_is_pure():
 @pytest.mark.parametrize("replicas", [1, 2, 3, 4])
 @pytest.mark.parametrize("stages", [2, 3, 5])
 def test_replicas_form_one_group_per_stage(stages, replicas):
-    j = job("PipelineJob", stages=stages, replicas=replicas)
+    """The rpc engine's replicas: stage i's average in a group of their own."""
+    j = job("PipelineJob", engine="rpc", stages=stages, replicas=replicas)
     group_ports = tuple(30000 + g for g in range(stages))
     world = plan_world(j, k8s_address(j), Ports(groups=group_ports))
     stage_procs = [p for p in world if p.role == "stage"]

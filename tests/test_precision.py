@@ -74,7 +74,7 @@ def lm_job(text: dict[str, str], **fields: Any) -> spec.Job:
 def test_activation_checkpointing_gives_the_same_gradients(text, tmp_path: Path):
     """Recomputing each stage's forward in the backward (inside the distributed autograd
     engine) gives the gradients of plain autograd in one process."""
-    check_gradients(lm_job(text, activationCheckpointing=True), tmp_path)
+    check_gradients(lm_job(text, activationCheckpointing=True, engine="rpc"), tmp_path)
 
 
 def test_activation_checkpointing_on_the_pipelining_engine_gives_the_same_gradients(
@@ -123,7 +123,7 @@ def test_bf16_gradients_are_float32_ones_to_bf16_precision(text, tmp_path: Path)
     a few percent of float32's (relative L2; measured here: at most 0.4%). 5% leaves room for
     other kernels, while a gradient lost or doubled (a wrong cast, an unscaled loss) is off by
     50% or more."""
-    job = lm_job(text, precision="bf16")
+    job = lm_job(text, precision="bf16", engine="rpc")  # its world drives the rpc Pipeline
     rpc_port, ddp_port = free_ports(2)
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
     got = run_world(_bf16_world, [p.env for p in processes], tmp_path / "bf16.pt")
@@ -310,7 +310,9 @@ def test_fp16_loss_scaling_skips_an_overflow_and_unscales_the_gradients(tmp_path
     gradients, unscaled, are float32's to fp16 precision (10 bits of mantissa: 0.05% per
     operation, a 2% bound on the norm and the parameters' change), at the same scale."""
     job = spec.parse(
-        pipeline_job("fp16", stages=2, microBatches=2, optimizer={"name": "sgd", "lr": 0.5})
+        pipeline_job(  # its world drives the rpc engine's Replicas
+            "fp16", engine="rpc", stages=2, microBatches=2, optimizer={"name": "sgd", "lr": 0.5}
+        )
     )
     ports = free_ports(4 + 2)
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(*ports[:4], groups=()))

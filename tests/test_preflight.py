@@ -197,7 +197,12 @@ def test_payloads_differ_by_sender_and_round() -> None:
     ("kind", "fields", "spokes"),
     [
         ("PipelineJob", {"stages": 2}, []),  # one pipeline: the ring is every link there is
-        ("PipelineJob", {"stages": 2, "replicas": 3}, [(1, 3), (1, 5), (2, 4), (2, 6)]),
+        # the rpc engine's replicas: a dp group per stage
+        (
+            "PipelineJob",
+            {"engine": "rpc", "stages": 2, "replicas": 3},
+            [(1, 3), (1, 5), (2, 4), (2, 6)],
+        ),
         ("HybridJob", {"trainers": 3}, [(2, 4)]),  # trainer0 -> trainer1 is in the ring
     ],
 )

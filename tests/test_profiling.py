@@ -45,6 +45,7 @@ def assert_rpc_lanes_within_the_step(events: list[dict[str, Any]]) -> None:
 def test_a_profiled_pipeline_step_traces_every_process(tmp_path: Path) -> None:
     job = pipeline_job(
         "profiled",
+        engine="rpc",  # its calls are the rpc engine's (on_stage, passed_on)
         stages=2,
         microBatches=2,
         steps=2,

@@ -129,7 +129,7 @@ def _ema_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     # slow: the numbers are held in one process (the resume test above, through Shard), the
     # world's path (keep, update, swap, checkpoint) by the `pipejob run` test below.
     [
-        pytest.param({}, marks=pytest.mark.slow),
+        pytest.param({"engine": "rpc"}, marks=pytest.mark.slow),
         pytest.param({"engine": "pipelining", "schedule": "1f1b"}, marks=pytest.mark.slow),
     ],
     ids=["rpc", "pipelining"],

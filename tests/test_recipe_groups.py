@@ -136,12 +136,18 @@ def _nanogpt_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     ("stages", "engine_fields"),
     # The tied 3-stage pipelining world holds the others: the same groups on every stage.
     [
-        pytest.param(2, {}, marks=pytest.mark.slow),
-        pytest.param(3, {}, marks=pytest.mark.slow),
+        pytest.param(2, {"engine": "rpc"}, marks=pytest.mark.slow),
+        pytest.param(3, {"engine": "rpc"}, marks=pytest.mark.slow),
         pytest.param(2, {"engine": "pipelining", "schedule": "1f1b"}, marks=pytest.mark.slow),
         (3, {"engine": "pipelining", "schedule": "gpipe"}),
         # spec.loss.crossEntropy's options reach the last stage (the loss crosses RPC)
-        (2, {"loss": {"crossEntropy": {"labelSmoothing": 0.1, "ignoreIndex": IGNORED}}}),
+        (
+            2,
+            {
+                "engine": "rpc",
+                "loss": {"crossEntropy": {"labelSmoothing": 0.1, "ignoreIndex": IGNORED}},
+            },
+        ),
     ],
     ids=[
         "rpc-2-stages",

@@ -134,9 +134,9 @@ def cosine_lr(step: int) -> float:
     ("stages", "replicas", "accumulation", "engine_fields"),
     # The replicated rpc world and the tied, accumulating pipelining one hold the others.
     [
-        pytest.param(2, 1, 1, {}, marks=pytest.mark.slow),
-        pytest.param(3, 1, 2, {}, marks=pytest.mark.slow),
-        (2, 2, 2, {}),
+        pytest.param(2, 1, 1, {"engine": "rpc"}, marks=pytest.mark.slow),
+        pytest.param(3, 1, 2, {"engine": "rpc"}, marks=pytest.mark.slow),
+        (2, 2, 2, {"engine": "rpc"}),
         (3, 1, 2, {"engine": "pipelining", "schedule": "gpipe"}),
         pytest.param(2, 2, 2, {"engine": "pipelining", "schedule": "1f1b"}, marks=pytest.mark.slow),
         pytest.param(2, 1, 2, {"engine": "pipelining", "schedule": "1f1b"}, marks=pytest.mark.slow),

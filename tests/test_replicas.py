@@ -133,7 +133,8 @@ def assert_first_sgd_step_equal(
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_killed_stage_of_replica_1_resumes_from_the_one_copy(tmp_path: Path) -> None:
-    fields = REPLICATED | {"steps": 6, "imageSize": 32, "batchSize": 8}
+    # the rpc engine's replicas (test_operator_e2e.py: the pipelining engine's)
+    fields = REPLICATED | {"engine": "rpc", "steps": 6, "imageSize": 32, "batchSize": 8}
     manifest = checkpointed("rep-resume", fields, tmp_path / "ck", every=2)
     with JobRun(manifest, tmp_path, "broken") as run:
         run.wait_for(r"^master\s*\| step 3/6 ", timeout=200)
@@ -216,7 +217,14 @@ def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
 @pytest.mark.timeout(200)
 def test_replicas_train_exactly_what_one_process_trains_on_their_union(tmp_path: Path) -> None:
     job = spec.parse(
-        pipeline_job("exact", stages=2, replicas=2, microBatches=2, optimizer=COMMON["optimizer"])
+        pipeline_job(  # the rpc engine's replicas: its Replicas, stage i's dp group
+            "exact",
+            engine="rpc",
+            stages=2,
+            replicas=2,
+            microBatches=2,
+            optimizer=COMMON["optimizer"],
+        )
     )
     ports = free_ports(4 + 2)  # and one for each stage's group
     world_ports = plan.Ports(*ports[:4], groups=tuple(ports[4:]))

@@ -85,7 +85,7 @@ def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
 @pytest.mark.slow  # a world: a stage stepped in this process, below, is extracted the same way
 @pytest.mark.timeout(200)
 def test_every_value_behind_an_rref_gives_torch_its_tensors(tmp_path):
-    job = spec.parse(pipeline_job("extract", stages=2, microBatches=2, steps=1))
+    job = spec.parse(pipeline_job("extract", engine="rpc", stages=2, microBatches=2, steps=1))
     ports = plan.Ports(*free_ports(4))
     envs = [p.env for p in plan.plan_world(job, lambda m: LOOPBACK, ports)]
     found = run_world(_world, envs, tmp_path / "found.pt", timeout=180)

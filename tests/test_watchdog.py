@@ -312,9 +312,15 @@ WATCHED_HYBRID = {
 }
 FAULTS = {
     # (manifest, member, signal, the line after which the fault strikes, what the runner says)
-    "frozen stage in training": (
+    "frozen stage in training": (  # on the rpc engine; the pipelining engine's below
         pipeline_job(
-            "wd", stages=2, microBatches=2, batchSize=4, steps=100000, watchdog={"seconds": BOUND}
+            "wd",
+            engine="rpc",
+            stages=2,
+            microBatches=2,
+            batchSize=4,
+            steps=100000,
+            watchdog={"seconds": BOUND},
         ),
         "stage1",
         signal.SIGSTOP,
@@ -449,6 +455,7 @@ def stuck_pipeline(trigger: Path) -> dict:
     model = {"import": "userpkg.stuck:cnn", "args": {"trigger": str(trigger)}}
     return pipeline_job(
         "wp",
+        engine="rpc",  # the verdict names the rpc engine's calls (forward_round, passed_on)
         stages=2,
         microBatches=2,
         batchSize=4,

@@ -56,16 +56,19 @@ PIPELINE_SPEC = Field(
         "data": PIPELINE_DATA,
         "engine": Field(
             "string",
-            "What runs the pipeline. rpc: each stage passes every micro-batch on to the"
-            " next over torch.distributed.rpc, a round one call from the master, with"
-            " distributed autograd (GPipe's schedule). pipelining: each stage process holds"
-            " torch.distributed.pipelining PipelineStages, which pass activations and"
+            "What runs the pipeline. auto (the default): the master chooses when it cuts"
+            " the model: pipelining where the stages pass each other only tensors and the"
+            " loss is a mean over the batch's samples, rpc otherwise (a cut through other"
+            " values such as ints or tuples, dict inputs, labels at the cross-entropy's"
+            " ignore_index, the user's own loss, the eager path, stages sharing a GPU) where"
+            " the schedule is gpipe or 1f1b (rpc runs gpipe); the log"
+            " and the summary say which and why. rpc: each stage passes every micro-batch"
+            " on to the next over torch.distributed.rpc, a round one call from the master,"
+            " with distributed autograd (GPipe's schedule). pipelining: each stage process"
+            " holds torch.distributed.pipelining PipelineStages, which pass activations and"
             " gradients to their neighbours over a process group and step `schedule`; the"
-            " master still plans, steps and checkpoints them over RPC. auto: the master"
-            " chooses when it cuts the model: pipelining where the stages pass each other"
-            " only tensors, rpc where the cut must pass other values (ints, tuples) and the"
-            " schedule is gpipe or 1f1b (rpc runs gpipe); the summary says which and why.",
-            default=RPC,
+            " master still plans, steps and checkpoints them over RPC.",
+            default=AUTO,
             enum=ENGINES,
         ),
         "schedule": Field(
@@ -78,7 +81,8 @@ PIPELINE_SPEC = Field(
             " ScheduleInterleavedZeroBubble: backwards split into input and weight"
             " gradients to fill the bubble): several stages per process"
             " (`stagesPerProcess`), microBatches a multiple of stages. Default: gpipe on"
-            " rpc, 1f1b on pipelining.",
+            " rpc, 1f1b on pipelining; on auto 1f1b where microBatches is auto or at least"
+            " stages, else gpipe.",
             enum=SCHEDULES,
         ),
         "stagesPerProcess": integer(
@@ -273,7 +277,7 @@ class PipelineSpec(CommonSpec):
     skip_non_finite_steps: int = 0
     split_points: tuple[str, ...] = ()
     data: PipelineData = PipelineData()
-    engine: str = RPC
+    engine: str = AUTO
     schedule: str = GPIPE  # completed from the engine when the spec leaves it out
     stages_per_process: int = 1
     ema: Ema | None = None

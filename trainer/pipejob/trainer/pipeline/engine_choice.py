@@ -52,16 +52,44 @@ def choose(
     return Choice(RPC, why)
 
 
-def for_inputs(spec: PipelineSpec, inputs: Any) -> Choice | None:
+def for_inputs(spec: PipelineSpec, inputs: Any, labels: Any = None) -> Choice | None:
     """auto's choice where the data decides it before the cut: inputs other than a plain
     tensor (a dict, a tensor subclass such as MONAI's MetaTensor) run on rpc, whose stages
-    carry them as one process sees them; None where the cut decides."""
-    if spec.engine != AUTO or spec.schedule in INTERLEAVING or type(inputs) is torch.Tensor:
+    carry them as one process sees them, and so do labels the cross-entropy leaves out
+    (`ignored`); None where the cut decides."""
+    if spec.engine != AUTO or spec.schedule in INTERLEAVING:
         return None
-    what = "a dict" if isinstance(inputs, dict) else type(inputs).__name__
-    why = f"the data's inputs are {what}, which only the rpc engine's stages carry as they are"
+    if type(inputs) is torch.Tensor:
+        why = ignored(spec, labels)
+        if why is None:
+            return None
+    else:
+        what = "a dict" if isinstance(inputs, dict) else type(inputs).__name__
+        why = f"the data's inputs are {what}, which only the rpc engine's stages carry as they are"
     return Choice(
         RPC, why + (f"; rpc runs gpipe, not {spec.schedule}" if spec.schedule != GPIPE else "")
+    )
+
+
+def ignored(spec: PipelineSpec, labels: Any) -> str | None:
+    """Why a sample of the data's labels takes rpc: a cross-entropy's ignore_index among
+    them, so micro-batches count different numbers of labels and the pipelining engine's
+    mean of their means is not the batch's mean (the rpc engine's one loss is); else None."""
+    loss = spec.loss
+    if loss.import_ is None:
+        index = -100 if loss.cross_entropy is None else loss.cross_entropy.ignore_index
+    elif loss.import_ == "torch.nn:CrossEntropyLoss":
+        index = loss.args.get("ignore_index", -100)
+    else:
+        return None  # the user's loss: the cut's choice (choose) takes rpc unless a mean
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+        return None
+    if not bool((labels == index).any()):
+        return None
+    return (
+        f"the data's labels hold the cross-entropy's ignore_index ({index}), so micro-batches"
+        " count different numbers of labels: only the rpc engine computes the batch's mean"
+        " (name spec.engine pipelining to weigh each micro-batch alike)"
     )
 
 

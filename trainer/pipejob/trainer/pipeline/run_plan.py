@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,9 +69,9 @@ def plan(env: Env[PipelineSpec]) -> Plan:
     model, numbered = models.build_meta(spec)  # the stages build their own shards
     param_groups.check_ties(spec.optimizer, model.named_parameters(remove_duplicate=False))
     loss = workloads.loss(spec)
-    inputs = checked_inputs(env, model, loss)
+    inputs, labels = checked_inputs(env, model, loss)
     found = checkpoint.latest_for(env)
-    shards, resumed = cut(env, model, numbered, replicas[0], found, inputs)
+    shards, resumed = cut(env, model, numbered, replicas[0], found, inputs, labels)
     env = on_chosen_engine(env, shards.partition.engine)
     log_cut(env, shards, resumed)
     log_replicas(env, count)
@@ -86,8 +87,10 @@ def on_chosen_engine(env: Env[PipelineSpec], choice: Choice | None) -> Env[Pipel
     return dataclasses.replace(env, spec=engine_choice.resolved(env.spec, choice.engine))
 
 
-def checked_inputs(env: Env[PipelineSpec], model: nn.Module, loss: workloads.Loss) -> torch.Tensor:
-    """The inputs of two samples of the data, once they are checked to fit the model (data
+def checked_inputs(
+    env: Env[PipelineSpec], model: nn.Module, loss: workloads.Loss
+) -> tuple[Any, Any]:
+    """The inputs and labels of two samples of the data, once they fit the model (data
     that does not is refused: fit.py). The first stage of each replica reads the batches
     (pipeline/reader.py): the master reads these two only."""
     spec = env.spec
@@ -100,7 +103,7 @@ def checked_inputs(env: Env[PipelineSpec], model: nn.Module, loss: workloads.Los
     )
     if unchecked is not None:
         world.log(env, unchecked)
-    return inputs
+    return inputs, labels
 
 
 def cut(
@@ -110,11 +113,12 @@ def cut(
     names: list[str],
     found: checkpoint.Checkpoint | None,
     inputs: torch.Tensor,
+    labels: Any = None,
 ) -> tuple[Shards, bool]:
     """The model's cut among the stage processes `names`: the checkpoint's (`found`) where
     this job cuts the model as it did, else measured on the stages; and whether it is the
     checkpoint's."""
-    early = engine_choice.for_inputs(env.spec, inputs)  # engine auto, where the data decides
+    early = engine_choice.for_inputs(env.spec, inputs, labels)  # engine auto: the data decides
     spec = env.spec if early is None else engine_choice.resolved(env.spec, early.engine)
     saved = None if found is None else saved_partition(env, found)
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipejob.core.averaged import BOTH
-from pipejob.core.kinds.pipeline import PIPELINING, RPC, PipelineSpec
+from pipejob.core.kinds.pipeline import AUTO, PIPELINING, RPC, PipelineSpec
 from pipejob.core.workload import CUT_EAGER, CUT_TRACED
 from pipejob.trainer.pipeline import ema_stages, engine, trained_model
 from pipejob.trainer.pipeline.best_step import Judge
@@ -88,8 +88,13 @@ def train(env: Env[PipelineSpec]) -> dict[str, Any]:
 
 def eager(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
     """The eager path's run (`why`: what sent the job there), on the rpc engine: with
-    `engine: auto`, its choice for a model whose forward the master runs."""
-    return eager_run.train(dataclasses.replace(env, spec=resolved(env.spec, RPC)), why)
+    `engine: auto`, its choice for a model whose forward the master runs, said as the cut's
+    choice is (the log, the summary's engineChosen)."""
+    chosen = "the eager path runs on rpc" if env.spec.engine == AUTO else None
+    if chosen is not None:
+        world.log(env, f"engine auto chose rpc: {chosen}")
+    summary = eager_run.train(dataclasses.replace(env, spec=resolved(env.spec, RPC)), why)
+    return summary | ({"engineChosen": chosen} if chosen and summary else {})
 
 
 # ---------------------------------------------------------------------------- the steps

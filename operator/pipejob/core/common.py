@@ -42,7 +42,10 @@ COMMON: dict[str, Field] = {
         "Ask torch for deterministic kernels (torch.use_deterministic_algorithms) where"
         " exactness costs speed, as on a GPU (scatter-adds, some convolutions' backwards and"
         " cuBLAS, which then keeps a workspace per stream); a kernel with no deterministic"
-        " version stops the run with torch's error. CPUs repeat themselves without it.",
+        " version stops the run with torch's error. CPUs repeat themselves without it."
+        " It pins the cut too: without splitPoints, each layer's cost is counted (forward +"
+        " backward FLOPs and bytes moved on a sample), not timed, so every run cuts alike;"
+        " microBatches auto, which times its candidates, is refused with it.",
         default=False,
     ),
     "optimizer": OPTIMIZER,

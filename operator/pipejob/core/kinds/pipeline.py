@@ -23,15 +23,16 @@ from pipejob.core.kinds.pipeline_schedules import (
     RPC,
     SCHEDULE_CEL,
     SCHEDULES,
-    auto_counts,
     eager_rules,
     effective_schedule,
     engine_line,
-    micro_batch_counts,
+    micro_batch_errors,
     on_rpc_where_gpus_are_shared,
     path_lines,
     schedule_refuses,
 )
+from pipejob.core.kinds.pipeline_schedules import auto_counts as auto_counts  # re-exported
+from pipejob.core.kinds.pipeline_schedules import micro_batch_counts as micro_batch_counts
 from pipejob.core.schema import Field, Rule, integer
 from pipejob.core.workload import Model, model_field
 
@@ -301,21 +302,7 @@ def _completed(spec: Spec) -> Spec:
 def _spec_errors(spec: Spec) -> list[SpecError]:
     """The model's own limits (model_facts.py), and data the model cannot read."""
     errors = model_facts.model_errors(spec)
-    if spec["microBatches"] == AUTO and not auto_counts(
-        spec["batchSize"], spec["schedule"], spec["stages"]
-    ):
-        counts = micro_batch_counts(spec["batchSize"])
-        errors.append(
-            SpecError(
-                "spec.microBatches",
-                (
-                    f"auto chooses among {', '.join(map(str, counts))} micro-batches (powers of"
-                    f" two dividing batchSize {spec['batchSize']}), none of which spec.schedule can"
-                    f" run:"
-                    f" {schedule_refuses(spec['schedule'], spec['stages'], counts[-1])}"
-                ),
-            )
-        )
+    errors += micro_batch_errors(spec)
     tokens = spec["data"].get("tokens")
     if tokens is not None and "transformer" not in spec["model"] and "seqLen" not in tokens:
         errors.append(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pipejob.core.errors import SpecError
 from pipejob.core.schema import Rule
 
 AUTO = "auto"  # spec.microBatches: the master chooses the count
@@ -141,12 +142,44 @@ def path_lines(spec: dict) -> list[str]:
     """What `pipejob plan` can say of the path before the model is built: only where the
     spec asks for one (auto's choice is made when the job starts; its summary says it)."""
     model = spec["model"]
-    if isinstance(model, dict) and model.get("cut") == "eager":
+    eager = isinstance(model, dict) and model.get("cut") == "eager"
+    if spec.get("deterministic") and not spec.get("splitPoints") and not eager:
+        return [
+            "cut: counted (spec.deterministic): each layer's forward + backward FLOPs and bytes"
+            " moved on a sample, not timed, so every run cuts the model alike"
+        ]
+    if eager:
         return [
             "path: eager (spec.model.cut: eager): the master runs the model's own forward and"
             " the stages its costly modules, placed by measured cost when the job starts"
         ]
     return []
+
+
+def micro_batch_errors(spec: dict) -> list[SpecError]:
+    """`microBatches: auto` where it cannot choose: no count the schedule can run, or
+    spec.deterministic (auto chooses by timing the candidates, which a busy machine changes,
+    and another count changes every sum a step makes)."""
+    if spec["microBatches"] != AUTO:
+        return []
+    if spec.get("deterministic"):
+        why = (
+            "auto chooses the count by timing each candidate, and spec.deterministic: true"
+            " asks for a run that does not depend on timing (another count changes every sum"
+            " a step makes): give a count"
+        )
+        return [SpecError("spec.microBatches", why)]
+    if auto_counts(spec["batchSize"], spec["schedule"], spec["stages"]):
+        return []
+    counts = micro_batch_counts(spec["batchSize"])
+    return [
+        SpecError(
+            "spec.microBatches",
+            f"auto chooses among {', '.join(map(str, counts))} micro-batches (powers of two"
+            f" dividing batchSize {spec['batchSize']}), none of which spec.schedule can run:"
+            f" {schedule_refuses(spec['schedule'], spec['stages'], counts[-1])}",
+        )
+    ]
 
 
 # spec.model.cut: eager (a model the trace cannot read): what that path does not run yet

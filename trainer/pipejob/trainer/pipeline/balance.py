@@ -102,6 +102,9 @@ class LayerCosts:
     sizes: list[float] | None = None  # parameter bytes, where known: the split's tie-break
     # Per layer, whether all it passes on are tensors (torch's PipelineStages send only them)
     passes_tensors: list[bool] | None = None
+    # Counted (counted_cost.py: FLOPs and bytes, spec.deterministic) rather than timed: then
+    # `seconds` and `cpu_seconds` hold the count, and only their ratios mean anything.
+    counted: bool = False
 
 
 def measure_costs(
@@ -139,26 +142,14 @@ def measure_chain(
         for i, (name, piece) in enumerate(zip(names, pieces, strict=True)):
             # Only the model's input needs no gradient; every later piece computes one for
             # its inputs, as in training. The clone lets in-place layers (ReLU) run.
-            inputs = tuple(_as_input(v, i > 0 or not first) for v in values)
+            inputs = tuple(as_input(v, i > 0 or not first) for v in values)
             on_gpu = any(t.is_cuda for t in tensors(inputs))
             if on_gpu:
                 torch.cuda.synchronize()  # the time of this piece's kernels alone
             start, start_cpu = time.perf_counter(), time.process_time()
-            try:
-                out = piece(*inputs)
-                outs = out if isinstance(out, tuple) else (out,)
-                grown = [t for t in tensors(outs) if t.requires_grad]
-                # Each output's gradient all ones, as a sum's: explicit gradient tensors
-                # would make torch import sympy into the stage for their shape checks (0.04
-                # GB a process, for good).
-                torch.autograd.backward([t.sum() for t in grown])
-                piece.zero_grad(set_to_none=True)  # one piece's gradients held at a time
-                if on_gpu:
-                    torch.cuda.synchronize()
-            except RuntimeError as e:
-                shapes = ", ".join(shape(v) for v in inputs)
-                what = "the data's input" if i == 0 and first else "its input"
-                raise ValueError(f"{name} cannot process {what} of shape {shapes}: {e}") from None
+            outs = forward_backward(piece, inputs, name, i == 0 and first)
+            if on_gpu:
+                torch.cuda.synchronize()
             if run > 0:
                 costs[i] = min(costs[i], time.perf_counter() - start)
                 cpu[i] = min(cpu[i], time.process_time() - start_cpu)
@@ -168,7 +159,28 @@ def measure_chain(
     return LayerCosts(costs, cpu, passes_tensors=passes_tensors), passed
 
 
-def _as_input(value: Any, grad: bool) -> Any:
+def forward_backward(
+    piece: nn.Module, inputs: tuple[Any, ...], name: str, model_input: bool
+) -> tuple[Any, ...]:
+    """One forward + backward of `piece` on `inputs` (`model_input`: the data's), its
+    gradients dropped after; what it passes on. A piece that fails on what it is given (the
+    data does not fit the model) is a ValueError saying both."""
+    try:
+        out = piece(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        grown = [t for t in tensors(outs) if t.requires_grad]
+        # Each output's gradient all ones, as a sum's: explicit gradient tensors would make
+        # torch import sympy into the stage for their shape checks (0.04 GB a process, for good).
+        torch.autograd.backward([t.sum() for t in grown])
+        piece.zero_grad(set_to_none=True)  # one piece's gradients held at a time
+    except RuntimeError as e:
+        shapes = ", ".join(shape(v) for v in inputs)
+        what = "the data's input" if model_input else "its input"
+        raise ValueError(f"{name} cannot process {what} of shape {shapes}: {e}") from None
+    return outs
+
+
+def as_input(value: Any, grad: bool) -> Any:
     """A value passed between pieces, a fresh leaf of the graph (tensors inside tuples,
     lists and dicts too: a UNet passes its skip connections on as a tuple)."""
     return tree_map_only(torch.Tensor, lambda v: _leaf(v, grad), value)

@@ -150,8 +150,14 @@ def measuring_line(
         for h in hosts
         if len(h.stages) > 1
     )
+    what = f"{models.name(env.spec.model)}: the stages"
+    if env.spec.deterministic:  # counted_cost.py: no timing, so no threads or sharing matter
+        return (
+            f"{what} count what each part costs (FLOPs and bytes moved, not timed:"
+            f" spec.deterministic) on samples of shape {shape(batch_values.first(inputs))}"
+        )
     return (
-        f"{models.name(env.spec.model)}: the stages measure what each part costs on samples of"
+        f"{what} measure what each part costs on samples of"
         f" shape {shape(batch_values.first(inputs))}, with their {threads} intra-op"
         " thread(s)" + (f" ({shared})" if shared else "")
     )
@@ -167,8 +173,9 @@ def log_cut(env: Env[PipelineSpec], shards: Shards, resumed: bool) -> None:
         world.log(
             env, f"microBatches auto {how} {m} (micro-batches of {spec.batch_size // m}){table}"
         )
+    how = "counted" if spec.deterministic else "measured"
     for i in range(spec.stages):
-        world.log(env, f"stage {i}: {shards.describe(i)}, {share(shards, i):.0%} of measured cost")
+        world.log(env, f"stage {i}: {shards.describe(i)}, {share(shards, i):.0%} of {how} cost")
 
 
 def log_replicas(env: Env[PipelineSpec], count: int) -> None:

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_map_only
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.balance import LayerCosts, measure_chain, min_max_partition
+from pipejob.trainer.pipeline.counted_cost import count_chain
 from pipejob.trainer.runtime import tuning
 from pipejob.trainer.workloads import batch_values, cut, data, materialize, models, staged
 
@@ -99,8 +100,10 @@ def measure_here(
         pieces = [piece.to(device) for piece in part.build()]  # no copies: the stage's own
         try:
             with torch.random.fork_rng(devices=[]):  # dropout here leaves training's draws be
+                # spec.deterministic: counted, so a busy machine cuts where an idle one does.
+                chain = count_chain if part.spec.deterministic else measure_chain
                 measured = [
-                    measure_chain(pieces, units, _to(values, device), first, on_copies=False)
+                    chain(pieces, units, _to(values, device), first, on_copies=False)
                     for values in given
                 ]
         except ValueError as e:
@@ -154,4 +157,7 @@ def measure_on_stages(
             seconds[j] += c.seconds
             cpu[j] += c.cpu_seconds
             tensors[j] += c.passes_tensors or [True] * len(c.seconds)
-    return [LayerCosts(s, c, sizes, t) for s, c, t in zip(seconds, cpu, tensors, strict=True)]
+    counted = spec.deterministic
+    return [
+        LayerCosts(s, c, sizes, t, counted) for s, c, t in zip(seconds, cpu, tensors, strict=True)
+    ]

@@ -136,12 +136,21 @@ def setup_figures(env: Env[PipelineSpec], shards: Shards) -> dict[str, Any]:
         stages=spec.stages,
         stagesPerProcess=spec.stages_per_process,
         replicas=len(env.names("stage")) // spec.stages,  # the world's (elastic: any of min..max)
+        # How the cut was chosen: given, counted (FLOPs and bytes) or timed on the stages.
+        cutBy=cut_by(spec),
         microBatches=shards.partition.micro_batches,
         microBatchesRequested=spec.micro_batches,  # a count, or "auto"
         microBatchCandidates=shards.partition.candidates,  # auto's predictions
         batchSize=spec.batch_size,
         imageSize=spec.image_size,
     )
+
+
+def cut_by(spec: PipelineSpec) -> str:
+    """What the summary says chose the cut (spec.deterministic counts, counted_cost.py)."""
+    if spec.split_points:
+        return "splitPoints"
+    return "counted" if spec.deterministic else "timed"
 
 
 def curve_figures(results: list[StepResult]) -> dict[str, Any]:

@@ -1,0 +1,90 @@
+"""spec.deterministic's cut (issue 57): counted, not timed (pipeline/counted_cost.py), so two
+runs of one manifest cut the model alike on a busy machine; `microBatches: auto`, which times
+its candidates, is refused with it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_determinism import assert_same_bits, lm_job
+from torch import nn
+from userdata import write_stdlib_tokens
+
+from jobrun import pipeline_job
+from pipejob.core import spec
+from pipejob.trainer.pipeline.balance import min_max_partition
+from pipejob.trainer.pipeline.counted_cost import FLOPS_PER_BYTE, count_chain
+
+WIDTHS = [(16, 64), (64, 256), (256, 64), (64, 8)]  # Linear layers, a ReLU after each but the last
+
+
+def pieces() -> tuple[list[nn.Module], list[str]]:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for k, (a, b) in enumerate(WIDTHS):
+        layers.append(nn.Linear(a, b))
+        if k < len(WIDTHS) - 1:
+            layers.append(nn.ReLU())
+    return layers, [f"layer{i}" for i in range(len(layers))]
+
+
+def test_counted_costs_are_the_same_every_time_and_count_flops_and_bytes():
+    layers, names = pieces()
+    sample = torch.randn(8, 16)
+    first, passed = count_chain(layers, names, (sample,), True)
+    second, _ = count_chain(layers, names, (sample,), True)
+    assert first == second and first.counted
+    assert passed[0].shape == (8, 8) and not passed[0].requires_grad
+    # The first Linear: forward 2*B*in*out FLOPs, its weight's gradient as many (the data
+    # needs none), and its input and output moved twice (forward, then their gradients).
+    b, (i, o) = 8, WIDTHS[0]
+    assert first.seconds[0] == 2 * (2 * b * i * o) + FLOPS_PER_BYTE * 2 * 4 * (b * i + b * o)
+    # A later Linear computes its input's gradient too: three matmuls.
+    i, o = WIDTHS[1]
+    assert first.seconds[2] == 3 * (2 * b * i * o) + FLOPS_PER_BYTE * 2 * 4 * (b * i + b * o)
+    # A ReLU has no FLOPs to count, but what it moves is not free.
+    assert first.seconds[1] == FLOPS_PER_BYTE * 2 * 4 * (2 * b * 64)
+    assert all(p.grad is None for layer in layers for p in layer.parameters())  # on copies
+
+
+def test_the_counted_split_puts_the_wide_layers_apart():
+    layers, names = pieces()
+    costs, _ = count_chain(layers, names, (torch.randn(8, 16),), True)
+    # The two wide matmuls (64->256, 256->64) on stages of their own, the wide ReLU between
+    # them alone: its 16 KiB moved each way weigh more than nothing.
+    assert min_max_partition(costs.seconds, 3) == [range(0, 3), range(3, 4), range(4, 7)]
+
+
+def test_auto_micro_batches_are_refused_with_deterministic():
+    job = pipeline_job("j", microBatches="auto", deterministic=True)
+    with pytest.raises(ValueError, match="spec.microBatches: auto chooses the count by timing"):
+        spec.parse(job)
+
+
+def test_plan_says_the_cut_is_counted():
+    for deterministic in (True, False):
+        job = spec.parse(pipeline_job("j", deterministic=deterministic))
+        lines = job.definition.describe(job.spec)
+        counted = any(line.startswith("cut: counted (spec.deterministic)") for line in lines)
+        assert counted == deterministic
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> dict[str, str]:
+    train = tmp_path_factory.mktemp("stdlib-bytes") / "train.bin"
+    write_stdlib_tokens(train, max_bytes=100_000)  # as test_determinism's lm_job reads
+    return {"train": str(train)}
+
+
+# slow: two worlds of 4 processes; the in-process tests above hold the counts and the split
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_runs_without_split_points_cut_alike_and_write_the_same_bits(text, tmp_path):
+    job = lm_job(text, stages=3, engine="pipelining", schedule="1f1b", deterministic=True)
+    assert "splitPoints" not in job["spec"]
+    assert_same_bits(job, tmp_path, timeout=300)
+    for run in ("a", "b"):  # where assert_same_bits runs them; jobrun names the summary
+        summary = json.loads(next((tmp_path / run).glob("*.summary.json")).read_text())
+        assert summary["cutBy"] == "counted"

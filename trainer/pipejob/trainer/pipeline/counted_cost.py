@@ -1,0 +1,58 @@
+"""What each piece of the model costs, counted instead of timed (spec.deterministic): its
+forward + backward FLOPs (torch's FlopCounterMode) plus the bytes it moves, so that every
+run of one manifest cuts the model where the last did, whatever else shares the machine.
+How and why: the user guide's "Same seed, same bits"."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipejob.trainer.pipeline.balance import LayerCosts, as_input, forward_backward
+from pipejob.trainer.workloads.batch_values import tensors
+
+# FLOPs a byte moved counts as. FlopCounterMode counts only matmuls, convolutions and
+# attention, so a norm, an activation or a pooling layer would cost nothing and the split
+# would pile them onto one stage; what they cost is their memory traffic. A CPU core or a
+# GPU computes some 5 to 20 FLOPs in the time it moves one byte (its roofline's ridge):
+# the low end, so that where a layer has matmuls their FLOPs still decide.
+FLOPS_PER_BYTE = 4
+
+
+def count_chain(
+    pieces: list[nn.Module],
+    names: list[str],
+    values: tuple[Any, ...],
+    first: bool,
+    on_copies: bool = True,
+) -> tuple[LayerCosts, tuple[Any, ...]]:
+    """What each of a run of consecutive pieces costs for forward + backward on `values`,
+    as balance.measure_chain says it (the same arguments, the same result), but counted:
+    each piece's FLOPs plus FLOPS_PER_BYTE x the bytes of its inputs and outputs, which a
+    forward reads and writes and a backward writes and reads as gradients (x 2). The same
+    shapes give the same counts, on any machine, under any load."""
+    if on_copies:
+        pieces = copy.deepcopy(pieces)
+    costs: list[float] = []
+    passes_tensors: list[bool] = []
+    for i, (name, piece) in enumerate(zip(names, pieces, strict=True)):
+        inputs = tuple(as_input(v, i > 0 or not first) for v in values)
+        with FlopCounterMode(display=False) as counter:
+            outs = forward_backward(piece, inputs, name, i == 0 and first)
+        moved = 2 * (nbytes(inputs) + nbytes(outs))
+        costs.append(float(counter.get_total_flops() + FLOPS_PER_BYTE * moved))
+        passes_tensors.append(all(isinstance(v, torch.Tensor) for v in outs))
+        values = outs
+    passed = tree_map_only(torch.Tensor, torch.Tensor.detach, values)
+    return LayerCosts(costs, list(costs), passes_tensors=passes_tensors, counted=True), passed
+
+
+def nbytes(values: Sequence[Any]) -> int:
+    """The bytes of every tensor in `values` (inside tuples, lists and dicts too)."""
+    return sum(t.numel() * t.element_size() for t in tensors(values))

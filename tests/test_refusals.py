@@ -456,7 +456,7 @@ CASES: list[tuple[str, Any, str]] = [
     # the engines and their schedules (issue 31): both fields named
     (
         "schedule-on-rpc",
-        pipeline(schedule="1f1b"),
+        pipeline(engine="rpc", schedule="1f1b"),
         "spec.schedule: the rpc engine (spec.engine) runs gpipe only",
     ),
     (

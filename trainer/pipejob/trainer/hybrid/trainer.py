@@ -193,6 +193,11 @@ def _dense_model(
     if resume is not None:  # before DDP, which starts from rank 0's weights: the saved ones
         restored = checkpoint.load_part(resume["directory"], resume["dense"])
         module.load_state_dict(restored["model"])
+    # DDP broadcasts rank 0's buffers before every forward: a collective a step. A buffer
+    # kept out of the state (DLRM's pair indices) is made alike on every rank: left out.
+    kept = module.state_dict().keys()
+    made = [name for name, _ in module.named_buffers() if name not in kept]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, made)
     dense = DistributedDataParallel(
         module, device_ids=[device.index] if device.type == "cuda" else None
     )

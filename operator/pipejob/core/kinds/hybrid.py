@@ -83,6 +83,7 @@ TABLE = Field(
             pattern_says="be a Python identifier",
             max_length=63,
         ),
+        "placement": tables.PLACEMENT,
     },
     required=("name", "rows", "dim"),
 )
@@ -354,7 +355,7 @@ def _spec_errors(spec: Spec) -> list[SpecError]:
             for i, t in enumerate(embeddings)
             if t["feature"] not in CRITEO_FEATURES
         ]
-    return errors + memory_errors(spec)
+    return errors + memory_errors(spec) + tables.placement_errors(spec)
 
 
 def _placement_lines(spec: Spec) -> list[str]:

@@ -114,8 +114,8 @@ def _summary(
 def _write_model(
     env: Env[HybridSpec], summary: dict[str, Any], results: dict[str, dict[str, Any]]
 ) -> list[Path]:
-    """The trained model's files (spec.output): the tables from the servers, the dense
-    module from the first trainer."""
+    """The trained model's files (spec.output): the tables from the servers (and the
+    replicated ones), the dense module from the first trainer."""
     spec = env.spec
     assert spec.output is not None
     meta = {
@@ -125,13 +125,10 @@ def _write_model(
         "metrics": model_writer.metrics(summary),
         "steps": spec.steps,
     }
+    first = results[env.names("trainer")[0]]
+    rows = model_writer.live_rows(env.names("ps"), spec.placement(), first["replicated"])
     paths = model_writer.write(
-        meta["model"],
-        spec.output.path,
-        spec.output.format,
-        model_writer.live_rows(env.names("ps"), spec.placement()),
-        results[env.names("trainer")[0]]["dense"],
-        meta,
+        meta["model"], spec.output.path, spec.output.format, rows, first["dense"], meta
     )
     _log_model_written(env, spec.output.path, paths)
     return paths

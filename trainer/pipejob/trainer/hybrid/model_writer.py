@@ -86,8 +86,11 @@ def rows_from_pieces(
     return rows
 
 
-def live_rows(servers: list[str], placement: list[list[Piece]]) -> Rows:
-    """The tables' rows from the servers holding them (on the master, after training)."""
+def live_rows(
+    servers: list[str], placement: list[list[Piece]], held: dict[str, torch.Tensor]
+) -> Rows:
+    """The tables' rows from the servers holding them (on the master, after training), and
+    from `held`, the replicated tables (a trainer's)."""
 
     def fetch(server: str, k: int, piece: Piece) -> Callable[[int, int], torch.Tensor]:
         def rows(lo: int, hi: int) -> torch.Tensor:
@@ -95,12 +98,16 @@ def live_rows(servers: list[str], placement: list[list[Piece]]) -> Rows:
 
         return rows
 
+    def copy(weight: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
+        return lambda lo, hi: weight[lo:hi]
+
     return rows_from_pieces(
         [
             (p.table, p.start, p.stop, p.column, fetch(server, k, p))
             for server, pieces in zip(servers, placement, strict=True)
             for k, p in enumerate(pieces)
         ]
+        + [(name, 0, len(weight), 0, copy(weight)) for name, weight in held.items()]
     )
 
 

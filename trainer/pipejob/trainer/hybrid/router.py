@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.core.kinds.tables import Piece
+from pipejob.core.kinds.tables import Piece, sharded
 from pipejob.trainer.workloads.samples import Batch
 
 
@@ -33,7 +33,7 @@ class Routed:
 class Router:
     def __init__(self, spec: HybridSpec):
         placement = spec.placement()
-        self.tables = spec.embeddings
+        self.tables = sharded(spec.embeddings)  # the replicated ones are the trainer's own
         # Servers holding no piece (more servers than rows to split) get no calls.
         self.servers = [i for i, pieces in enumerate(placement) if pieces]
         self.places: dict[str, list[Place]] = {t.name: [] for t in self.tables}
@@ -45,7 +45,7 @@ class Router:
                 column += piece.dim
         for places in self.places.values():
             places.sort(key=lambda p: (p.piece.start, p.piece.column))
-        self.features = sorted({t.feature for t in self.tables})
+        self.features = sorted({t.feature for t in spec.embeddings})  # what the reader reads
 
     def route(self, batch: Batch) -> Routed:
         per_server: list[list[tuple[torch.Tensor, torch.Tensor]]] = [

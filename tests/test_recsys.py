@@ -207,12 +207,6 @@ def test_a_replicated_table_is_on_no_server_and_the_plan_says_the_trainers_hold_
     assert Router(spec).tables == spec.embeddings[:1]
     lines = tables.placement_lines(spec.embeddings, 2, "sgd")
     assert lines[-1].split() == "trainers 1.3 kB narrow, peak (replicated: each trainer)".split()
-    with pytest.raises(specs.InvalidSpec) as e:
-        parse(embeddings=replicated, checkpoint={"path": "/ckpt"})
-    assert [(x.path, "not yet checkpointed" in x.reason) for x in e.value.errors] == [
-        ("spec.embeddings[1].placement", True),
-        ("spec.embeddings[2].placement", True),
-    ]
 
 
 def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do() -> None:

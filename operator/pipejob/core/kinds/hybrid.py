@@ -355,7 +355,7 @@ def _spec_errors(spec: Spec) -> list[SpecError]:
             for i, t in enumerate(embeddings)
             if t["feature"] not in CRITEO_FEATURES
         ]
-    return errors + memory_errors(spec) + tables.placement_errors(spec)
+    return errors + memory_errors(spec)
 
 
 def _placement_lines(spec: Spec) -> list[str]:

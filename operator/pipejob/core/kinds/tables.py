@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipejob.core.common import from_spec
-from pipejob.core.errors import SpecError
 from pipejob.core.schema import Field
 
 MAX_SERVERS = 64  # spec.parameterServers at the most
@@ -161,22 +160,6 @@ def replicated(tables: tuple[Table, ...]) -> tuple[Table, ...]:
     table looked up with no RPC and stepped on every trainer with the trainers' averaged
     gradients, as TorchRec's data-parallel tables are."""
     return tuple(t for t in tables if t.replicated)
-
-
-def placement_errors(spec: dict[str, Any]) -> list[SpecError]:
-    """A replicated table where checkpoints are asked for: a trainer's copy is not yet in a
-    checkpoint (a resumed run would start it over), so it is refused, not lost."""
-    if "checkpoint" not in spec:
-        return []
-    return [
-        SpecError(
-            f"spec.embeddings[{i}].placement",
-            "is replicated, but a replicated table is not yet checkpointed and spec.checkpoint"
-            " is given: leave the table sharded (the default) or spec.checkpoint out",
-        )
-        for i, t in enumerate(spec["embeddings"])
-        if t.get("placement") == "replicated"
-    ]
 
 
 def _split(t: Table, servers: int, optimizer: str, load: list[int]) -> list[Piece]:

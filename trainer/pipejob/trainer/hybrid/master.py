@@ -18,6 +18,7 @@ import torch.distributed.rpc as rpc
 from pipejob.core.kinds import tables
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer.hybrid import board, model_writer, ps, trainer
+from pipejob.trainer.hybrid.replicated import FILE as REPLICATED
 from pipejob.trainer.hybrid.run_summary import render, summarize
 from pipejob.trainer.runtime import checkpoint, monitor, roles, world
 from pipejob.trainer.runtime.world import Env
@@ -174,6 +175,7 @@ def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
         "step": found.step,
         "directory": directory,
         "dense": found.entry("dense.pt"),
+        "replicated": next((e for e in manifest["files"] if e["name"] == REPLICATED), None),
         "samples": samples,
     }
 

@@ -19,6 +19,7 @@ import torch.distributed.rpc as rpc
 from pipejob.core.kinds.hybrid import ONE_TABLE, HybridSpec
 from pipejob.core.kinds.tables import Piece
 from pipejob.trainer.hybrid import ps
+from pipejob.trainer.hybrid.replicated import FILE as REPLICATED
 from pipejob.trainer.runtime import checkpoint, model_files
 
 # Summary fields that describe the trained model (model.json's "metrics").
@@ -113,7 +114,7 @@ def live_rows(
 
 def saved_rows(directory: str | Path, manifest: dict[str, Any]) -> Rows:
     """The tables' rows from a checkpoint's server files, mapped (each checked against the
-    manifest first)."""
+    manifest first), and its replicated tables."""
     pieces = []
     for entry in server_entries(manifest):
         checkpoint.load_part(directory, entry)  # checks its size and checksum
@@ -121,6 +122,12 @@ def saved_rows(directory: str | Path, manifest: dict[str, Any]) -> Rows:
         for q in state["pieces"]:
             fetch = lambda lo, hi, q=q: q["weight"][lo - q["start"] : hi - q["start"]]  # noqa: E731
             pieces.append((q["table"], q["start"], q["stop"], q.get("column", 0), fetch))
+    for entry in manifest["files"]:  # the replicated tables, whole (replicated.py)
+        if entry["name"] == REPLICATED:
+            held = checkpoint.load_part(directory, entry)["model"]
+            for key, weight in held.items():
+                fetch = lambda lo, hi, w=weight: w[lo:hi]  # noqa: E731
+                pieces.append((key.removesuffix(".weight"), 0, len(weight), 0, fetch))
     return rows_from_pieces(pieces)
 
 

@@ -3,9 +3,12 @@ whole on every trainer, looked up there with no RPC. After a step's backward the
 gradients of them are summed in one all-reduce, with how often each row was looked up (so
 every trainer knows the rows the whole batch touched), and every trainer steps those rows by
 the sparse optimizer with the averaged gradient: the update one process makes on the whole
-batch, on every trainer alike. docs/architecture.md, "A HybridJob's step"."""
+batch, on every trainer alike. A checkpoint holds them once, in replicated.pt (DDP rank 0's,
+with their optimizer state). docs/architecture.md, "A HybridJob's step"."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,15 +17,18 @@ from torch import nn
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.core.kinds.tables import replicated
 from pipejob.trainer.hybrid import sparse_optimizers
+from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.workloads.recsys import initial_rows
 from pipejob.trainer.workloads.samples import Batch
+
+FILE = "replicated.pt"  # in a checkpoint
 
 
 class Replicated:
     """The replicated tables of a trainer, their sparse optimizer, and the rows its last
     lookup touched."""
 
-    def __init__(self, spec: HybridSpec, device: torch.device):
+    def __init__(self, spec: HybridSpec, device: torch.device, resume: dict[str, Any] | None):
         self.tables = replicated(spec.embeddings)
         self.bags = nn.ModuleDict()
         for t in self.tables:  # dense gradients: all-reduced whole, the tables are small
@@ -34,6 +40,28 @@ class Replicated:
         self.optimizer = sparse_optimizers.make(weights, spec.sparse_optimizer) if weights else None
         self.device = device
         self.touched: dict[str, torch.Tensor] = {}
+        if resume is not None and self.optimizer is not None:
+            self._load(resume["directory"], resume.get("replicated"))
+
+    def save(self, directory: str) -> list[dict[str, Any]]:
+        """Write the tables and their optimizer state as replicated.pt in `directory` (by
+        DDP rank 0: every trainer holds the same); its manifest entry, if any tables."""
+        if self.optimizer is None:
+            return []
+        return [checkpoint.save_module(directory, FILE, self.bags, {"tables": self.optimizer})]
+
+    def _load(self, directory: str, entry: dict[str, Any] | None) -> None:
+        """The tables and their optimizer state from a checkpoint's replicated.pt."""
+        if entry is None:
+            names = ", ".join(t.name for t in self.tables)
+            raise checkpoint.CheckpointError(
+                f"{directory} holds no replicated tables, but {names} are replicated here: a"
+                " checkpoint of the tables on the servers (give this job another"
+                " checkpoint.path, or the tables their placement then)"
+            )
+        restored = checkpoint.load_part(directory, entry)
+        self.bags.load_state_dict(restored["model"])
+        checkpoint.load_optimizer_state(self.optimizer, self.bags, restored["optimizers"]["tables"])
 
     def lookup(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Each table's pooled embeddings of `batch` (its feature's ids, hashed into its rows

@@ -178,7 +178,7 @@ def _set_up(env: Env[HybridSpec], resume: dict[str, Any] | None) -> Trainer:
         dense_step=DenseStep(optimizer),
         router=router,
         tables=Tables(env, router),
-        replicated=Replicated(spec, device),
+        replicated=Replicated(spec, device, resume),
         batch=batch,
         batches=read(0 if resume is None else resume["samples"]),
         held_out=_held_out_batches(env, spec, router),
@@ -320,7 +320,7 @@ def _checkpoint(t: Trainer, step: int) -> None:
         directory = str(checkpoint.step_dir(t.env.spec.checkpoint.path, step))
         saving = [rpc.rpc_async(s, ps.save, args=(directory,)) for s in t.tables.servers]
         dense = checkpoint.save_module(directory, "dense.pt", t.module, {"dense": t.optimizer})
-        files = [*(f.wait() for f in saving), dense]
+        files = [*(f.wait() for f in saving), dense, *t.replicated.save(directory)]
         rpc.rpc_sync(
             "master", board.write_manifest, args=(step, files, time.perf_counter() - begun)
         )

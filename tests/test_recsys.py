@@ -207,6 +207,11 @@ def test_a_replicated_table_is_on_no_server_and_the_plan_says_the_trainers_hold_
     assert Router(spec).tables == spec.embeddings[:1]
     lines = tables.placement_lines(spec.embeddings, 2, "sgd")
     assert lines[-1].split() == "trainers 1.3 kB narrow, peak (replicated: each trainer)".split()
+    # Every table replicated: the servers hold nothing, and start all the same.
+    every = [t | {"placement": "replicated"} for t in TABLES]
+    spec = parse(embeddings=every, parameterServers=2).settings
+    assert spec.placement() == [[], []] and Router(spec).servers == []
+    assert Server(spec, 0, trainers=2).state()["pieces"] == []
 
 
 def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do() -> None:

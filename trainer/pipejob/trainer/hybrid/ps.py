@@ -78,7 +78,10 @@ class Server:
                 first += self.pieces[k].rows
         self.first_rows = torch.tensor(self.first)  # as a lookup adds them to its ids
         self.group_of = [g for g, (_, _, members) in enumerate(self.groups) for _ in members]
-        self.optimizer = sparse_optimizers.make(self.joined, spec.sparse_optimizer)
+        # A server may hold nothing (every table replicated, or fewer rows than servers).
+        self.optimizer = (
+            sparse_optimizers.make(self.joined, spec.sparse_optimizer) if self.joined else None
+        )
         self.lock = threading.Lock()
         self.kept: dict[str, list[Pooled]] = {}  # each trainer's last lookup, per group
         self.collected: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -164,7 +167,8 @@ class Server:
             values = torch.cat([v for _, v in parts])
             weight.grad = sparse_optimizers.gradient(rows, values, weight.shape, self.trainers)
             self.rows_updated += weight.grad.indices().shape[1]
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
         for weight in self.joined:
             weight.grad = None
         self.collected.clear()
@@ -221,6 +225,7 @@ class Server:
     def piece_state(self, k: int) -> dict[str, Any]:
         """Piece k's optimizer state: its rows of its group's per-row tensors, and the counts."""
         rows = slice(self.first[k], self.first[k] + self.pieces[k].rows)
+        assert self.optimizer is not None  # a server with a piece has one
         state = self.optimizer.state.get(self.joined[self.group_of[k]], {})
         return {
             key: value[rows] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
@@ -259,6 +264,7 @@ class Server:
         """Piece k's rows and their optimizer state, from every saved piece overlapping it
         (in rows and columns)."""
         p, first, weight = self.pieces[k], self.first[k], self.joined[self.group_of[k]]
+        assert self.optimizer is not None
         state = self.optimizer.state[weight]
         covered = 0
         for q in (q for _, s in saved for q in s["pieces"]):

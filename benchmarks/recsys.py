@@ -75,8 +75,17 @@ def hybrid(logs: str, trainers: int, servers: int, stem: Path, args: argparse.Na
         job, stem, stem.name, args.steps, args.warmup, args.timeout, dict(os.environ)
     )
     cpu = sum(d.cpu for d in deltas.values())
-    samples = args.batch * (args.steps - args.warmup)
-    return {"samples": samples, "wall": wall, "cpu": cpu, "auc": summary.get("evalAuc")}
+    steps = args.steps - args.warmup
+    samples = args.batch * steps
+    # Each process's CPU ms a step: where the job's CPU goes (servers, trainers, master).
+    per_step = {name: 1000 * d.cpu / steps for name, d in sorted(deltas.items())}
+    return {
+        "samples": samples,
+        "wall": wall,
+        "cpu": cpu,
+        "auc": summary.get("evalAuc"),
+        "processes": per_step,
+    }
 
 
 def plain(logs: str, args: argparse.Namespace, tuned: bool = False) -> dict:
@@ -250,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 results.setdefault(label, []).append(got)
                 said = f"; the planner chose {got['sharding']}" if "sharding" in got else ""
+                if "processes" in got:
+                    shares = (f"{n} {ms:.1f}" for n, ms in got["processes"].items() if ms >= 0.05)
+                    said += f"; CPU ms a step: {', '.join(shares)}"
                 say(
                     f"  repeat {repeat}: {label:<36} {got['samples'] / got['cpu']:8,.0f}"
                     f" samples/CPU-s {got['samples'] / got['wall']:8,.0f} samples/s,"

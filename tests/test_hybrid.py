@@ -14,7 +14,9 @@ import torch
 from jobrun import run_to_end
 from pipejob.core import spec as specs
 from pipejob.core.kinds import tables
+from pipejob.trainer.hybrid.model_writer import export_checkpoint
 from pipejob.trainer.runtime import checkpoint
+from pipejob.trainer.workloads.recsys import initial_rows
 
 TINY = {
     "apiVersion": "pipejob.dev/v1alpha1",
@@ -166,6 +168,57 @@ def test_a_split_tables_updates_equal_one_process_s_in_float64(tmp_path: Path) -
     # Each server stepped every step, on a few of its rows only.
     assert all(s["steps"] == 3 for s in summary["perServer"].values()), summary["perServer"]
     assert 0 < sum(s["rowsUpdated"] for s in summary["perServer"].values()) < 3 * 3100
+
+
+# EXACT with two of its tables replicated on the trainers (a mean and a max one: every way a
+# trainer pools them); "wide" stays split over the servers.
+REPLICATED = [
+    t | {"placement": "replicated"} if t["name"] != "wide" else t
+    for t in EXACT["spec"]["embeddings"]
+]
+
+
+@pytest.mark.timeout(400)
+def test_replicated_tables_step_on_the_trainers_as_one_process_does_in_float64(
+    tmp_path: Path,
+) -> None:
+    """Tables replicated on the trainers (no server holds them) are stepped on every trainer
+    by the sparse optimizer with the trainers' averaged gradients, checkpointed with their
+    optimizer state and resumed: after 3 steps, then 2 more in a run that resumes, the model
+    file's tables (the replicated ones from a trainer, the split one from the servers) and
+    dense part equal one process's after 5, to float64's rounding."""
+    (tmp_path / "sitecustomize.py").write_text(FLOAT64)
+    ckpt = {"path": str(tmp_path / "ckpt"), "everySteps": 3}
+    body = EXACT["spec"] | {"embeddings": REPLICATED, "checkpoint": ckpt}
+    code, output, _ = run_to_end(EXACT | {"spec": body}, tmp_path, timeout=170)
+    assert code == 0, output
+    out = {"path": str(tmp_path / "out"), "format": "torch"}
+    manifest = EXACT | {"spec": body | {"steps": 5, "output": out}}
+    code, output, summary = run_to_end(manifest, tmp_path, timeout=170)
+    assert code == 0, output
+    assert summary["resumedFromStep"] == 3, output
+    assert summary["denseMaxAbsDiff"] == 0.0  # the trainers' copies, dense part and tables
+    spec = specs.parse(manifest).settings
+    assert [[p.table for p in s] for s in spec.placement()] == [["wide"], ["wide"]]
+    state = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    torch.set_default_dtype(torch.float64)
+    try:
+        model, _ = reference.trained(spec, spec.steps)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for name, value in model.state_dict().items():
+        assert state[name].dtype == torch.float64, name
+        torch.testing.assert_close(state[name], value, rtol=1e-12, atol=1e-14, msg=name)
+    for t in spec.embeddings[1:]:  # the replicated tables did move
+        moved = state[f"tables.{t.name}.weight"] - initial_rows(t, spec.seed, 0, t.rows).double()
+        assert moved.abs().max() > 1e-3, t.name
+    # The last checkpoint (after step 5) exports to the same model, replicated tables too.
+    found = checkpoint.latest(tmp_path / "ckpt")
+    assert found is not None and found.step == 5
+    export_checkpoint(found.directory, found.manifest, tmp_path / "exported", "torch")
+    exported = torch.load(tmp_path / "exported" / "model.pt", weights_only=True)
+    assert sorted(exported) == sorted(state)
+    assert all(torch.equal(exported[k], v) for k, v in state.items())
 
 
 # 1.4 GB of one table: more than a pod's 1200Mi limit holds, a quarter of it well under.

@@ -200,6 +200,20 @@ def test_plan_prints_every_server_s_pieces_and_bytes(tmp_path: Path) -> None:
         assert re.search(rf"^ps{s}\s+8.6 kB\s+{named}$", out, re.M), out
 
 
+def test_a_replicated_table_is_on_no_server_and_the_plan_says_the_trainers_hold_it() -> None:
+    replicated = [t | {"placement": "replicated"} if t["name"] != "wide" else t for t in TABLES]
+    spec = parse(embeddings=replicated, parameterServers=2).settings
+    assert [[p.name for p in s] for s in spec.placement()] == [["wide[0:500]"], ["wide[500:1000]"]]
+    assert Router(spec).tables == spec.embeddings[:1]
+    lines = tables.placement_lines(spec.embeddings, 2, "sgd")
+    assert lines[-1].split() == "trainers 1.3 kB narrow, peak (replicated: each trainer)".split()
+    # Every table replicated: the servers hold nothing, and start all the same.
+    every = [t | {"placement": "replicated"} for t in TABLES]
+    spec = parse(embeddings=every, parameterServers=2).settings
+    assert spec.placement() == [[], []] and Router(spec).servers == []
+    assert Server(spec, 0, trainers=2).state()["pieces"] == []
+
+
 def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do() -> None:
     """A server's estimate counts its tables (a tenth more) and what the process holds
     besides them (tables.PROCESS_BYTES, measured); the advice is the fewest servers whose

@@ -83,6 +83,7 @@ TABLE = Field(
             pattern_says="be a Python identifier",
             max_length=63,
         ),
+        "placement": tables.PLACEMENT,
     },
     required=("name", "rows", "dim"),
 )

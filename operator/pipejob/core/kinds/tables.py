@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipejob.core.common import from_spec
+from pipejob.core.schema import Field
 
 MAX_SERVERS = 64  # spec.parameterServers at the most
 FLOAT_BYTES = 4  # tables and their optimizer state are float32
@@ -34,6 +35,17 @@ STATE_FLOATS = {
 }
 
 
+PLACEMENT = Field(
+    "string",
+    "Where the table lives: sharded, on the parameter servers (split by rows or columns"
+    " where it is over a server's share); or replicated, whole on every trainer, looked up"
+    " there with no RPC and stepped by the sparse optimizer on every trainer with the"
+    " trainers' averaged gradients (for a small table: it costs every trainer its bytes).",
+    default="sharded",
+    enum=("sharded", "replicated"),
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Table:
     """One table of spec.embeddings: `rows` x `dim`, pooled by `mode` over the ids of
@@ -44,6 +56,11 @@ class Table:
     dim: int
     mode: str = "sum"
     feature: str = ""  # a completed spec always has it (the kind fills in the name)
+    placement: str = "sharded"  # or "replicated": on every trainer, no server (`replicated`)
+
+    @property
+    def replicated(self) -> bool:
+        return self.placement == "replicated"
 
 
 @dataclass(frozen=True)
@@ -112,7 +129,9 @@ def by_columns(table: Table, count: int, optimizer: str) -> bool:
 
 
 def place(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[list[Piece]]:
-    """Every server's pieces (see the module's docstring), server 0 first."""
+    """Every server's pieces (see the module's docstring), server 0 first; a replicated
+    table is on none (the trainers hold it)."""
+    tables = sharded(tables)
     total = sum(table_bytes(t, optimizer) for t in tables)
     share = total / servers
     held = [[] for _ in range(servers)]  # type: list[list[Piece]]
@@ -129,6 +148,18 @@ def place(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[list[
         held[server].append(Piece(t.name, server, 0, t.rows, t.dim, t.mode, t.rows))
         load[server] += table_bytes(t, optimizer)
     return [ordered(pieces) for pieces in held]
+
+
+def sharded(tables: tuple[Table, ...]) -> tuple[Table, ...]:
+    """The tables the servers hold: all but the replicated ones."""
+    return tuple(t for t in tables if not t.replicated)
+
+
+def replicated(tables: tuple[Table, ...]) -> tuple[Table, ...]:
+    """The tables every trainer holds whole (embeddings[].placement: replicated): a small
+    table looked up with no RPC and stepped on every trainer with the trainers' averaged
+    gradients, as TorchRec's data-parallel tables are."""
+    return tuple(t for t in tables if t.replicated)
 
 
 def _split(t: Table, servers: int, optimizer: str, load: list[int]) -> list[Piece]:
@@ -196,6 +227,10 @@ def placement_lines(tables: tuple[Table, ...], servers: int, optimizer: str) -> 
     for s, pieces in enumerate(place(tables, servers, optimizer)):
         named = ", ".join(p.name for p in pieces)
         out.append(f"{f'ps{s}':<8} {size(server_bytes(pieces, optimizer)):>12}  {named or '-'}")
+    if copies := replicated(tables):
+        held = sum(table_bytes(t, optimizer) for t in copies)
+        named = ", ".join(t.name for t in copies)
+        out.append(f"{'trainers':<8} {size(held):>12}  {named} (replicated: each trainer)")
     return out
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from pipejob.core.kinds.hybrid import ONE_TABLE, HybridSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid import ps
+from pipejob.trainer.hybrid.replicated import Replicated
 from pipejob.trainer.hybrid.router import Router
 from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.workloads.recsys import auc, call_dense
@@ -90,10 +91,10 @@ def evaluate(
     spec: HybridSpec,
     router: Router,
     servers: list[str],
+    replicated: Replicated,
     dense: nn.Module,
     batches: list[Batch],
     loss_fn: workloads.Loss,
-    device: torch.device,
 ) -> dict[str, Any]:
     """Loss (the mean over samples), accuracy (argmax against the label, for classes) and
     AUC (for clicks) of the tables and `dense` on `batches`; None where a figure does not
@@ -111,8 +112,9 @@ def evaluate(
                     rpc.rpc_async(server, ps.held_out, args=request) for server, request in asked
                 ]
                 pooled = router.pool([r.wait() for r in replies], routed, batch)
-                out = forward(spec, dense, batch, pooled, device)
-                value = float(loss_fn(out, batch.labels.to(device)))
+                pooled |= replicated.lookup(batch)
+                out = forward(spec, dense, batch, pooled, replicated.device)
+                value = float(loss_fn(out, batch.labels.to(replicated.device)))
                 # Never a figure from non-finite outputs (runtime/nonfinite.py).
                 nonfinite.check_outputs(out, value, f"the held-out batch after {total} samples")
                 loss_sum += value * len(batch.labels)

@@ -18,6 +18,7 @@ import torch.distributed.rpc as rpc
 from pipejob.core.kinds import tables
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer.hybrid import board, model_writer, ps, trainer
+from pipejob.trainer.hybrid.replicated import FILE as REPLICATED
 from pipejob.trainer.hybrid.run_summary import render, summarize
 from pipejob.trainer.runtime import checkpoint, monitor, roles, world
 from pipejob.trainer.runtime.world import Env
@@ -114,8 +115,8 @@ def _summary(
 def _write_model(
     env: Env[HybridSpec], summary: dict[str, Any], results: dict[str, dict[str, Any]]
 ) -> list[Path]:
-    """The trained model's files (spec.output): the tables from the servers, the dense
-    module from the first trainer."""
+    """The trained model's files (spec.output): the tables from the servers (and the
+    replicated ones), the dense module from the first trainer."""
     spec = env.spec
     assert spec.output is not None
     meta = {
@@ -125,13 +126,10 @@ def _write_model(
         "metrics": model_writer.metrics(summary),
         "steps": spec.steps,
     }
+    first = results[env.names("trainer")[0]]
+    rows = model_writer.live_rows(env.names("ps"), spec.placement(), first["replicated"])
     paths = model_writer.write(
-        meta["model"],
-        spec.output.path,
-        spec.output.format,
-        model_writer.live_rows(env.names("ps"), spec.placement()),
-        results[env.names("trainer")[0]]["dense"],
-        meta,
+        meta["model"], spec.output.path, spec.output.format, rows, first["dense"], meta
     )
     _log_model_written(env, spec.output.path, paths)
     return paths
@@ -177,6 +175,7 @@ def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
         "step": found.step,
         "directory": directory,
         "dense": found.entry("dense.pt"),
+        "replicated": next((e for e in manifest["files"] if e["name"] == REPLICATED), None),
         "samples": samples,
     }
 

@@ -19,6 +19,7 @@ import torch.distributed.rpc as rpc
 from pipejob.core.kinds.hybrid import ONE_TABLE, HybridSpec
 from pipejob.core.kinds.tables import Piece
 from pipejob.trainer.hybrid import ps
+from pipejob.trainer.hybrid.replicated import FILE as REPLICATED
 from pipejob.trainer.runtime import checkpoint, model_files
 
 # Summary fields that describe the trained model (model.json's "metrics").
@@ -86,8 +87,11 @@ def rows_from_pieces(
     return rows
 
 
-def live_rows(servers: list[str], placement: list[list[Piece]]) -> Rows:
-    """The tables' rows from the servers holding them (on the master, after training)."""
+def live_rows(
+    servers: list[str], placement: list[list[Piece]], held: dict[str, torch.Tensor]
+) -> Rows:
+    """The tables' rows from the servers holding them (on the master, after training), and
+    from `held`, the replicated tables (a trainer's)."""
 
     def fetch(server: str, k: int, piece: Piece) -> Callable[[int, int], torch.Tensor]:
         def rows(lo: int, hi: int) -> torch.Tensor:
@@ -95,18 +99,22 @@ def live_rows(servers: list[str], placement: list[list[Piece]]) -> Rows:
 
         return rows
 
+    def copy(weight: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
+        return lambda lo, hi: weight[lo:hi]
+
     return rows_from_pieces(
         [
             (p.table, p.start, p.stop, p.column, fetch(server, k, p))
             for server, pieces in zip(servers, placement, strict=True)
             for k, p in enumerate(pieces)
         ]
+        + [(name, 0, len(weight), 0, copy(weight)) for name, weight in held.items()]
     )
 
 
 def saved_rows(directory: str | Path, manifest: dict[str, Any]) -> Rows:
     """The tables' rows from a checkpoint's server files, mapped (each checked against the
-    manifest first)."""
+    manifest first), and its replicated tables."""
     pieces = []
     for entry in server_entries(manifest):
         checkpoint.load_part(directory, entry)  # checks its size and checksum
@@ -114,6 +122,12 @@ def saved_rows(directory: str | Path, manifest: dict[str, Any]) -> Rows:
         for q in state["pieces"]:
             fetch = lambda lo, hi, q=q: q["weight"][lo - q["start"] : hi - q["start"]]  # noqa: E731
             pieces.append((q["table"], q["start"], q["stop"], q.get("column", 0), fetch))
+    for entry in manifest["files"]:  # the replicated tables, whole (replicated.py)
+        if entry["name"] == REPLICATED:
+            held = checkpoint.load_part(directory, entry)["model"]
+            for key, weight in held.items():
+                fetch = lambda lo, hi, w=weight: w[lo:hi]  # noqa: E731
+                pieces.append((key.removesuffix(".weight"), 0, len(weight), 0, fetch))
     return rows_from_pieces(pieces)
 
 

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
-import torch.nn.functional as F
 from torch import nn
 
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.core.kinds.tables import Piece
 from pipejob.trainer.hybrid import sparse_optimizers
+from pipejob.trainer.hybrid.pooling import Pooled, pool, row_gradients
 from pipejob.trainer.runtime import checkpoint, world
 from pipejob.trainer.workloads.recsys import BLOCK, initial_rows
 
@@ -40,16 +39,6 @@ def groups(pieces: list[Piece]) -> list[tuple[str, int, list[int]]]:
         else:
             out.append((pooling(p.mode), p.dim, [k]))
     return out
-
-
-@dataclass
-class Lookup:
-    """A trainer's lookup, kept until its gradients come: the reply (with its graph) and,
-    per group, the gathered rows (the graph's leaf) and their row numbers in the group."""
-
-    reply: torch.Tensor
-    leaves: list[torch.Tensor]
-    rows: list[torch.Tensor]
 
 
 def group_parameter(
@@ -89,9 +78,12 @@ class Server:
                 first += self.pieces[k].rows
         self.first_rows = torch.tensor(self.first)  # as a lookup adds them to its ids
         self.group_of = [g for g, (_, _, members) in enumerate(self.groups) for _ in members]
-        self.optimizer = sparse_optimizers.make(self.joined, spec.sparse_optimizer)
+        # A server may hold nothing (every table replicated, or fewer rows than servers).
+        self.optimizer = (
+            sparse_optimizers.make(self.joined, spec.sparse_optimizer) if self.joined else None
+        )
         self.lock = threading.Lock()
-        self.kept: dict[str, Lookup] = {}  # each trainer's last lookup, until its gradients
+        self.kept: dict[str, list[Pooled]] = {}  # each trainer's last lookup, per group
         self.collected: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.queue: list[tuple[Callable[[], Any], Future]] = []  # reads waiting for a step
         self.steps = self.rows_updated = 0
@@ -155,9 +147,13 @@ class Server:
                 f"ps{self.index}: gradients from {trainer} without a lookup of"
                 " its own awaiting them"
             )
-        torch.autograd.backward(lookup.reply, grads)
+        # The reply holds the groups side by side, each (batch, its pieces x its width).
+        widths = [len(members) * dim for _, dim, members in self.groups]
         self.collected[trainer] = [
-            (rows, leaf.grad) for rows, leaf in zip(lookup.rows, lookup.leaves, strict=True)
+            row_gradients(pooled, _bags(grad, len(members), dim))
+            for pooled, grad, (_, dim, members) in zip(
+                lookup, grads.split(widths, dim=1), self.groups, strict=True
+            )
         ]
         if len(self.collected) == self.trainers:
             self._step()
@@ -168,10 +164,11 @@ class Server:
             # In the trainers' order, not their arrival's: every run adds them up alike.
             parts = [self.collected[t][g] for t in sorted(self.collected)]
             rows = torch.cat([r for r, _ in parts])
-            values = torch.cat([v for _, v in parts]) / self.trainers
-            weight.grad = sparse_optimizers.gradient(rows, values, weight.shape).coalesce()
+            values = torch.cat([v for _, v in parts])
+            weight.grad = sparse_optimizers.gradient(rows, values, weight.shape, self.trainers)
             self.rows_updated += weight.grad.indices().shape[1]
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
         for weight in self.joined:
             weight.grad = None
         self.collected.clear()
@@ -185,23 +182,18 @@ class Server:
         # Each id as a row of its group's parameter: the piece's row plus the piece's first.
         ids = ids + torch.repeat_interleave(self.first_rows, per_piece)
         chunks = ids.split([int(per_piece[m].sum()) for _, _, m in self.groups])
-        outs, leaves, rows = [], [], []
-        with torch.set_grad_enabled(trainer is not None):
-            for (mode, dim, members), weight, chunk in zip(
-                self.groups, self.joined, chunks, strict=True
-            ):
-                unique, inverse = torch.unique(chunk, return_inverse=True)
-                leaf = weight.detach()[unique].requires_grad_(trainer is not None)
-                counts = lengths[members].reshape(-1)
-                offsets = torch.cumsum(counts, 0) - counts
-                out = F.embedding_bag(inverse, leaf, offsets, mode=mode)
-                outs.append(out.view(len(members), batch, dim).transpose(0, 1).reshape(batch, -1))
-                leaves.append(leaf)
-                rows.append(unique)
-            reply = torch.cat(outs, dim=1)
+        outs, kept = [], []
+        for (mode, dim, members), weight, chunk in zip(
+            self.groups, self.joined, chunks, strict=True
+        ):
+            counts = lengths[members].reshape(-1)
+            out, pooled = pool(weight, mode, chunk, counts, trainer is not None)
+            outs.append(out.view(len(members), batch, dim).transpose(0, 1).reshape(batch, -1))
+            if pooled is not None:
+                kept.append(pooled)
         if trainer is not None:
-            self.kept[trainer] = Lookup(reply, leaves, rows)
-        return reply.detach()
+            self.kept[trainer] = kept
+        return torch.cat(outs, dim=1)
 
     # ---- what the master reads
 
@@ -233,6 +225,7 @@ class Server:
     def piece_state(self, k: int) -> dict[str, Any]:
         """Piece k's optimizer state: its rows of its group's per-row tensors, and the counts."""
         rows = slice(self.first[k], self.first[k] + self.pieces[k].rows)
+        assert self.optimizer is not None  # a server with a piece has one
         state = self.optimizer.state.get(self.joined[self.group_of[k]], {})
         return {
             key: value[rows] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
@@ -271,6 +264,7 @@ class Server:
         """Piece k's rows and their optimizer state, from every saved piece overlapping it
         (in rows and columns)."""
         p, first, weight = self.pieces[k], self.first[k], self.joined[self.group_of[k]]
+        assert self.optimizer is not None
         state = self.optimizer.state[weight]
         covered = 0
         for q in (q for _, s in saved for q in s["pieces"]):
@@ -301,6 +295,12 @@ class Server:
                 f"the checkpoint holds {covered} of the {p.rows * p.dim} values of {p.name} of"
                 f" table {p.table!r}: not a checkpoint of these tables"
             )
+
+
+def _bags(grad: torch.Tensor, pieces: int, dim: int) -> torch.Tensor:
+    """A group's columns of a reply's gradient (batch, pieces x dim) as its bags' (pieces x
+    batch, dim), piece after piece, as the group pooled them."""
+    return grad.reshape(len(grad), pieces, dim).transpose(0, 1).reshape(-1, dim)
 
 
 def _finish(ready: list[tuple[Future, Any, BaseException | None]]) -> None:

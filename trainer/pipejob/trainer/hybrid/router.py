@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.core.kinds.tables import Piece
+from pipejob.core.kinds.tables import Piece, sharded
 from pipejob.trainer.workloads.samples import Batch
 
 
@@ -33,11 +33,12 @@ class Routed:
 class Router:
     def __init__(self, spec: HybridSpec):
         placement = spec.placement()
-        self.tables = spec.embeddings
+        self.tables = sharded(spec.embeddings)  # the replicated ones are the trainer's own
         # Servers holding no piece (more servers than rows to split) get no calls.
         self.servers = [i for i, pieces in enumerate(placement) if pieces]
         self.places: dict[str, list[Place]] = {t.name: [] for t in self.tables}
         self.held = [len(placement[index]) for index in self.servers]  # pieces per server
+        self.widths = [[p.dim for p in placement[index]] for index in self.servers]
         for s, index in enumerate(self.servers):
             column = 0
             for position, piece in enumerate(placement[index]):
@@ -45,7 +46,7 @@ class Router:
                 column += piece.dim
         for places in self.places.values():
             places.sort(key=lambda p: (p.piece.start, p.piece.column))
-        self.features = sorted({t.feature for t in self.tables})
+        self.features = sorted({t.feature for t in spec.embeddings})  # what the reader reads
 
     def route(self, batch: Batch) -> Routed:
         per_server: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
@@ -80,9 +81,14 @@ class Router:
     ) -> dict[str, torch.Tensor]:
         """Each table's pooled embeddings (batch, dim) from the servers' replies."""
         out = {}
+        # One split a reply, not a slice a piece: its backward is one cat, where every
+        # slice's would fill a reply-sized gradient and add them up.
+        split = [
+            reply.split(widths, dim=1) for reply, widths in zip(replies, self.widths, strict=True)
+        ]
         for table in self.tables:
             places = self.places[table.name]
-            parts = [replies[p.server][:, p.column : p.column + p.piece.dim] for p in places]
+            parts = [split[p.server][p.position] for p in places]
             if places[0].piece.dim < table.dim:  # split by columns: each piece pools its own
                 pooled = torch.cat(parts, dim=1)
             elif table.mode == "max" and len(parts) > 1:

@@ -26,17 +26,16 @@ def summarize(
     for member, figures in peaks.items():
         monitor.board().memory(member, figures)  # the last /progress report has them too
     names = list(results)
-    reference = results[names[0]]["dense"]
+    # The dense weights and the replicated tables: the same on every trainer.
+    held = {n: {**r["dense"], **r["replicated"]} for n, r in results.items()}
     dense_diff = max(
-        (w - reference[k]).abs().max().item()
-        for r in results.values()
-        for k, w in r["dense"].items()
+        (w - held[names[0]][k]).abs().max().item() for h in held.values() for k, w in h.items()
     )
     # (epoch, sample) pairs: a sample read twice in one pass over the data is a repeat.
     read = [{tuple(pair) for pair in r["read"].tolist()} for r in results.values()]
     repeated = sum(len(s) for s in read) - len(set().union(*read))
     per_trainer = {
-        name: {k: v for k, v in r.items() if k not in ("dense", "read")}
+        name: {k: v for k, v in r.items() if k not in ("dense", "replicated", "read")}
         for name, r in results.items()
     }
     seconds = max(r["seconds"] for r in results.values())

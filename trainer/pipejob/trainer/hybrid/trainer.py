@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid import board, evaluate, ps
+from pipejob.trainer.hybrid.replicated import Replicated
 from pipejob.trainer.hybrid.router import Routed, Router
 from pipejob.trainer.runtime import checkpoint, nonfinite, optim, profiling, world
 from pipejob.trainer.runtime.world import Env
@@ -123,6 +124,7 @@ class Trainer:
     dense_step: DenseStep
     router: Router
     tables: Tables
+    replicated: Replicated  # the tables every trainer holds (placement: replicated)
     batch: int  # the samples a step reads, over all the trainers
     batches: Iterator[Batch]  # this trainer's shares of them, from where the run resumes
     held_out: list[Batch] | None
@@ -176,6 +178,7 @@ def _set_up(env: Env[HybridSpec], resume: dict[str, Any] | None) -> Trainer:
         dense_step=DenseStep(optimizer),
         router=router,
         tables=Tables(env, router),
+        replicated=Replicated(spec, device, resume),
         batch=batch,
         batches=read(0 if resume is None else resume["samples"]),
         held_out=_held_out_batches(env, spec, router),
@@ -193,6 +196,11 @@ def _dense_model(
     if resume is not None:  # before DDP, which starts from rank 0's weights: the saved ones
         restored = checkpoint.load_part(resume["directory"], resume["dense"])
         module.load_state_dict(restored["model"])
+    # DDP broadcasts rank 0's buffers before every forward: a collective a step. A buffer
+    # kept out of the state (DLRM's pair indices) is made alike on every rank: left out.
+    kept = module.state_dict().keys()
+    made = [name for name, _ in module.named_buffers() if name not in kept]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, made)
     dense = DistributedDataParallel(
         module, device_ids=[device.index] if device.type == "cuda" else None
     )
@@ -259,6 +267,7 @@ def _results(t: Trainer, first: int, trained: Trained) -> dict[str, Any]:
         "readerPeakBytes": getattr(t.dataset, "most_held", None),
         "read": torch.tensor(sorted(trained.seen)).reshape(-1, 2),
         "dense": {k: v.detach().cpu() for k, v in t.module.state_dict().items()},
+        "replicated": t.replicated.state(),
     }
 
 
@@ -293,7 +302,7 @@ def _evaluate(t: Trainer, step: int) -> None:
     dist.barrier()
     if t.held_out is not None:
         figures = evaluate.evaluate(
-            t.env.spec, t.router, t.tables.servers, t.module, t.held_out, t.loss_fn, t.device
+            t.env.spec, t.router, t.tables.servers, t.replicated, t.module, t.held_out, t.loss_fn
         )
         rpc.rpc_sync("master", board.evaluated, args=(step, figures))
     dist.barrier()
@@ -311,7 +320,7 @@ def _checkpoint(t: Trainer, step: int) -> None:
         directory = str(checkpoint.step_dir(t.env.spec.checkpoint.path, step))
         saving = [rpc.rpc_async(s, ps.save, args=(directory,)) for s in t.tables.servers]
         dense = checkpoint.save_module(directory, "dense.pt", t.module, {"dense": t.optimizer})
-        files = [*(f.wait() for f in saving), dense]
+        files = [*(f.wait() for f in saving), dense, *t.replicated.save(directory)]
         rpc.rpc_sync(
             "master", board.write_manifest, args=(step, files, time.perf_counter() - begun)
         )
@@ -334,6 +343,7 @@ def _step(
         futures = t.tables.call(batch)
         t.dense_step.flush()  # the previous step's, while the calls are in flight
         pooled = t.tables.pooled(futures, batch)
+    pooled |= t.replicated.pooled(batch)
     out = evaluate.forward(t.env.spec, t.dense, batch, pooled, t.device)
     loss = t.loss_fn(out, batch.labels.to(t.device))
     if not nonfinite.finite(loss):
@@ -343,5 +353,6 @@ def _step(
     loss = loss * weight if weight != 1.0 else loss
     loss.backward()
     t.tables.backward_done()
+    t.replicated.step(t.env.ddp_world_size or 1)
     t.dense_step.defer()
     return loss

@@ -1,0 +1,59 @@
+"""A parameter server's pooling of one group of its pieces (ps.groups: pooled alike, of one
+width, one parameter) for a lookup, and the gradients of the rows it read from the gradient
+of what it pooled. A summed group's rows' gradients are computed directly (each id's row
+takes its bag's gradient), with no autograd graph and no gather of the rows: per-op costs
+dominate at a batch's few thousand ids, and the graph, the gather and its backward cost a
+server more than the pooling itself. A max group keeps its small graph (which row won each
+column is the pooling's to say). docs/architecture.md, "A HybridJob's step"."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Pooled:
+    """A group's lookup kept until its gradient comes: for a summed group each id's row and
+    bag; for a max group the rows it read (unique), their copy (the graph's leaf) and the
+    pooled output (the graph's root)."""
+
+    rows: torch.Tensor
+    bags: torch.Tensor | None = None
+    leaf: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+
+
+def pool(
+    weight: torch.Tensor, mode: str, ids: torch.Tensor, counts: torch.Tensor, keep: bool
+) -> tuple[torch.Tensor, Pooled | None]:
+    """The bags of `ids` (rows of `weight`, `counts` of them a bag, bag after bag) pooled by
+    `mode` (sum or max): (bags, dim); and, with `keep`, what `row_gradients` needs."""
+    offsets = torch.cumsum(counts, 0) - counts
+    weight = weight.detach()
+    if mode == "sum":
+        out = F.embedding_bag(ids, weight, offsets, mode="sum")
+        if not keep:
+            return out, None
+        bags = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        return out, Pooled(rows=ids, bags=bags)
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    with torch.set_grad_enabled(keep):
+        leaf = weight.index_select(0, unique).requires_grad_(keep)
+        out = F.embedding_bag(inverse, leaf, offsets, mode=mode)
+    if not keep:
+        return out, None
+    return out.detach(), Pooled(rows=unique, leaf=leaf, out=out)
+
+
+def row_gradients(pooled: Pooled, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows a lookup read and their gradients (a row may come more than once) from
+    `grad`, the gradient of its pooled bags (bags, dim)."""
+    if pooled.bags is not None:  # a sum: each id's row gets its bag's gradient
+        return pooled.rows, grad.index_select(0, pooled.bags)
+    assert pooled.leaf is not None and pooled.out is not None
+    torch.autograd.backward(pooled.out, grad)
+    assert pooled.leaf.grad is not None
+    return pooled.rows, pooled.leaf.grad

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from userpkg import esmlike
+from userpkg import esmlike, skip_heads
 
 from jobrun import JobRun, pipeline_job, run_to_end
 from pipejob.core import spec
@@ -27,7 +27,13 @@ from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.eager.check import check
 from pipejob.trainer.pipeline.eager.driver import not_finite
 from pipejob.trainer.pipeline.eager.held import Held
-from pipejob.trainer.pipeline.eager.placement import no_grad_run, place
+from pipejob.trainer.pipeline.eager.placement import (
+    aliases,
+    no_grad_run,
+    place,
+    replace,
+    under_every_name,
+)
 from pipejob.trainer.pipeline.eager.turns import Turns
 from pipejob.trainer.pipeline.stage_base import float32
 from pipejob.trainer.runtime import checkpoint, model_files
@@ -135,6 +141,28 @@ def test_a_weight_used_in_two_places_lives_in_one():
     where = placement.stage_of()
     assert where["out"] == where["embed"] == 0
     assert len(placement.stages) == 2 and all(placement.stages)
+
+
+def test_a_module_registered_under_two_names_is_one_module_with_one_gradient(monkeypatch):
+    """DynUNet's stand-in: input_block is also skip_layers.downsample. Placed on a stage, it
+    is called there under both names, and the one-process check (benchmarks/
+    _conform_eager.py) finds its gradient, under both names, equal to the plain model's."""
+    monkeypatch.syspath_prepend(str(TESTS.parent / "benchmarks"))
+    import _conform_eager
+
+    stages = _conform_eager.check_eager(skip_heads.skip_heads, torch.randn(8, 4))
+    assert stages.split(" | ")[0] == "input_block", stages
+    model = skip_heads.skip_heads()
+    assert aliases(model, "input_block") == ["input_block", "skip_layers.downsample"]
+    run = no_grad_run(model, torch.randn(4, 4))
+    placement = check(model, run, lambda kept: place(model, run, 2, kept), run)
+    assert placement.also["input_block"] == ["skip_layers.downsample"]
+    # The trained model's file holds it under both names, as the model's state_dict does.
+    state = under_every_name({"input_block.weight": torch.ones(1)}, placement.also)
+    assert set(state) == {"input_block.weight", "skip_layers.downsample.weight"}
+    replace(model, "input_block", nn.Identity())
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    assert not any(n.startswith(("input_block.", "skip_layers.downsample.")) for n in names)
 
 
 def _held_layer(**fields) -> tuple[Held, nn.Module]:
@@ -538,6 +566,7 @@ def test_the_conformance_harness_tries_a_refused_model_on_the_eager_path(monkeyp
 
     monkeypatch.syspath_prepend(str(TESTS.parent / "benchmarks"))
     sys.modules.pop("_conform", None)
+    sys.modules.pop("_conform_eager", None)  # imported by another test, with its _conform
     import _conform
     import _conform_eager
 

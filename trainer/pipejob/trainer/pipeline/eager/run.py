@@ -21,7 +21,14 @@ from pipejob.trainer.pipeline.best_step import Judge
 from pipejob.trainer.pipeline.eager import driver, held_out, moving_average, remote, saved
 from pipejob.trainer.pipeline.eager.check import check
 from pipejob.trainer.pipeline.eager.moving_average import Averages
-from pipejob.trainer.pipeline.eager.placement import Placement, describe, no_grad_run, place
+from pipejob.trainer.pipeline.eager.placement import (
+    Placement,
+    describe,
+    no_grad_run,
+    place,
+    replace,
+    under_every_name,
+)
 from pipejob.trainer.pipeline.stage_base import AUTOCAST
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import curve_figures, rate_figures
@@ -91,9 +98,8 @@ def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -
     ]
     for i, modules in enumerate(placement.stages):
         places = [(workers[r][i], held[r][i]) for r in range(replicas)]
-        for name in modules:
-            parent, _, child = name.rpartition(".")
-            model.get_submodule(parent)._modules[child] = remote.OnStage(name, places)
+        for name in modules:  # under every name it has: one module, on one stage
+            replace(model, name, remote.OnStage(name, places))
     return driver.Stages(workers, held)
 
 
@@ -227,9 +233,8 @@ def write_model(
     assert spec.output is not None
     about = trained_model.info(env.kind, env.job, spec, spec.steps, evaluation)
     glue = {k: v for k, v in t.model.state_dict().items()}
-    paths = trained_model.write(
-        out, spec.output.format, t.stages.on_each(remote.state), glue, about
-    )
+    states = [under_every_name(s, t.placement.also) for s in t.stages.on_each(remote.state)]
+    paths = trained_model.write(out, spec.output.format, states, glue, about)
     world.log(env, f"model written: {', '.join(str(p) for p in paths)}")
 
 

@@ -18,14 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.rpc as rpc
 from torch import nn
 from userpkg import esmlike, skip_heads
 
 from jobrun import JobRun, pipeline_job, run_to_end
 from pipejob.core import spec
+from pipejob.runner.local import free_ports
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.eager.check import check
-from pipejob.trainer.pipeline.eager.driver import not_finite
+from pipejob.trainer.pipeline.eager.driver import Stages, not_finite, step
 from pipejob.trainer.pipeline.eager.held import Held
 from pipejob.trainer.pipeline.eager.placement import (
     aliases,
@@ -36,7 +38,7 @@ from pipejob.trainer.pipeline.eager.placement import (
 )
 from pipejob.trainer.pipeline.eager.turns import Turns
 from pipejob.trainer.pipeline.stage_base import float32
-from pipejob.trainer.runtime import checkpoint, model_files
+from pipejob.trainer.runtime import checkpoint, model_files, nonfinite
 from pipejob.trainer.workloads import data, models
 
 TESTS = Path(__file__).parent
@@ -154,15 +156,63 @@ def test_a_module_registered_under_two_names_is_one_module_with_one_gradient(mon
     assert stages.split(" | ")[0] == "input_block", stages
     model = skip_heads.skip_heads()
     assert aliases(model, "input_block") == ["input_block", "skip_layers.downsample"]
-    run = no_grad_run(model, torch.randn(4, 4))
-    placement = check(model, run, lambda kept: place(model, run, 2, kept), run)
+    run, other = no_grad_run(model, torch.randn(4, 4)), no_grad_run(model, torch.randn(4, 4))
+    placement = check(model, run, lambda kept: place(model, run, 2, kept), other)
     assert placement.also["input_block"] == ["skip_layers.downsample"]
+    assert placement.one_at_a_time()  # its inner skip layer writes the head, kept with the glue
     # The trained model's file holds it under both names, as the model's state_dict does.
     state = under_every_name({"input_block.weight": torch.ones(1)}, placement.also)
     assert set(state) == {"input_block.weight", "skip_layers.downsample.weight"}
     replace(model, "input_block", nn.Identity())
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     assert not any(n.startswith(("input_block.", "skip_layers.downsample.")) for n in names)
+
+
+class Racing(skip_heads.SkipHeads):
+    """Its forward waits (up to a second), after its skip layers wrote the head, for another
+    micro-batch's forward to have written too: forwards run at once read each other's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards = 0
+        self.both = threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.output_block(self.skip_layers(x))
+        self.forwards += 1
+        if self.forwards >= 2:
+            self.both.set()
+        self.both.wait(1)
+        return torch.cat([out, self.heads[0]], dim=1)
+
+
+def test_forwards_writing_state_the_glue_reads_run_one_at_a_time_as_one_process():
+    """DynUNet's heads: with its micro-batches' forwards at once, micro-batch 1's head lands
+    in the list before micro-batch 0 reads it (its backward then runs through 1's graph
+    twice). One at a time, in order, the step is one process's (a world of one: the glue's
+    gradients come from distributed autograd contexts)."""
+    torch.manual_seed(0)
+    model, plain = Racing(), skip_heads.skip_heads()
+    plain.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (out - y).square().mean()
+
+    expected = loss_fn(plain(x), y)
+    expected.backward()
+    norm = sum(p.grad.square().sum() for p in plain.parameters()).sqrt().item()
+    (port,) = free_ports(1)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc("master", rank=0, world_size=1, rpc_backend_options=options)
+    try:
+        rules = None, nonfinite.Guard()
+        none = Stages([[]], [[]])  # every module with the glue: the race is the glue's own
+        done = step(model, None, none, [(x, y)], 2, 0, loss_fn, rules, 0.1, one_at_a_time=True)
+    finally:
+        rpc.shutdown()
+    assert done.loss == pytest.approx(expected.item(), rel=1e-6)
+    assert done.grad_norm == pytest.approx(norm, rel=1e-5)
 
 
 def _held_layer(**fields) -> tuple[Held, nn.Module]:

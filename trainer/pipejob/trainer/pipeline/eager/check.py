@@ -15,7 +15,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from pipejob.trainer.pipeline.eager.placement import Placement, replace, restore
+from pipejob.trainer.pipeline.eager.placement import (
+    CHANGES_STATE,
+    Placement,
+    replace,
+    restore,
+)
 
 
 def _copied(value: Any) -> Any:
@@ -116,12 +121,7 @@ def check(
     placement = place({})
     if same(placement.remote()):
         return placement
-    kept = {
-        n: "gives another result called through a copy, as a stage calls it (its forward"
-        " changes Python state that the glue reads)"
-        for n in placement.remote()
-        if not same([n])
-    }
+    kept = {n: CHANGES_STATE for n in placement.remote() if not same([n])}
     placement = place(kept)
     if not kept or not same(placement.remote()):
         raise ValueError(

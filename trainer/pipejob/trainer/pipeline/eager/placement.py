@@ -20,6 +20,12 @@ from pipejob.trainer.pipeline.balance import min_max_partition
 UNITS_PER_STAGE = 2
 # How often the forward is run to find the units (each run may open one module).
 MAX_OPENINGS = 64
+# Why the one-process check keeps a module with the glue (check.py); the forwards then run
+# one at a time (Placement.one_at_a_time).
+CHANGES_STATE = (
+    "gives another result called through a copy, as a stage calls it (its forward"
+    " changes Python state that the glue reads)"
+)
 
 
 @dataclass
@@ -32,6 +38,12 @@ class Placement:
     costs: dict[str, float]
     kept: dict[str, str] = field(default_factory=dict)
     also: dict[str, list[str]] = field(default_factory=dict)
+
+    def one_at_a_time(self) -> bool:
+        """Whether the micro-batches' forwards must run one at a time, in order: a module
+        kept with the glue changes Python state that the glue reads (DynUNet's heads), which
+        forwards at once would overwrite for each other."""
+        return CHANGES_STATE in self.kept.values()
 
     def stage_of(self) -> dict[str, int]:
         return {name: i for i, names in enumerate(self.stages) for name in names}

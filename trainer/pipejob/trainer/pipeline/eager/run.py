@@ -171,10 +171,11 @@ def steps(
     evaluations: list[dict[str, Any]] = []
     rules = spec.optimizer.clip_grad_norm, nonfinite.Guard(spec.skip_non_finite_steps)
     forward = partial(driver.computed, t.model, autocast=AUTOCAST[spec.precision])
+    serial = t.placement.one_at_a_time()
     for number in range(first, spec.steps):
         lr = learning_rate(spec.optimizer, spec.steps, number)
         batches = [feed.batch() for _ in range(spec.gradient_accumulation)]
-        done = driver.step(forward, t.glue, t.stages, batches, m, number, loss, rules, lr)
+        done = driver.step(forward, t.glue, t.stages, batches, m, number, loss, rules, lr, serial)
         if done.skipped is None and t.averages is not None:  # spec.ema: an applied step
             t.averages.update()
         results.append(logged(env, number, done))
@@ -265,6 +266,7 @@ def summarize(
         glueParameters=glue_parameters,  # what the master holds of the model
         placement=placement.stages,
         keptWithGlue=placement.kept,
+        forwardsOneAtATime=placement.one_at_a_time(),  # else the micro-batches' at once
         **curve_figures(results),
         **rate_figures(spec, measured),
     )
@@ -288,4 +290,9 @@ def render(s: dict[str, Any]) -> str:
     if s["replicas"] > 1:
         lines.append(f"  largest difference between replicas {s['replicaDivergence']:.3g}")
     lines += [f"  kept with the glue: {n} ({why})" for n, why in s["keptWithGlue"].items()]
+    if s["forwardsOneAtATime"]:
+        lines.append(
+            "  the micro-batches' forwards run one at a time, in order: a module kept with"
+            " the glue changes Python state that the glue reads"
+        )
     return "\n".join(lines)

@@ -1,7 +1,9 @@
 """The eager path (trainer/pipejob/trainer/pipeline/eager/): the master runs the model's own
 forward and calls its costly modules where they live on the stages. In process: the
 placement, its one-process check, the stages' micro-batch order, a stage's precision,
-recomputation and moving average, what a non-finite step names, the spec's refusal. Two
+recomputation and moving average, what a non-finite step names, the spec's refusal; a module
+under two names, forwards one at a time where a kept module writes state the glue reads, a
+tensor subclass to a stage and back (the last two in an RPC world of this process alone). Two
 worlds: an ESM-2-like encoder the trace refuses takes the eager path by itself, and 2
 replicas x 2 accumulated batches with activation checkpointing; each one's first step
 equals one process's in float64 (loss and every parameter after one SGD step). Slow: a
@@ -14,18 +16,22 @@ from __future__ import annotations
 import re
 import shutil
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
-from userpkg import esmlike, skip_heads
+from userpkg import esmlike, skip_heads, traced_cases
 
 from jobrun import JobRun, pipeline_job, run_to_end
 from pipejob.core import spec
 from pipejob.runner.local import free_ports
 from pipejob.trainer import workloads
+from pipejob.trainer.pipeline.eager import remote
 from pipejob.trainer.pipeline.eager.check import check
 from pipejob.trainer.pipeline.eager.driver import Stages, not_finite, step
 from pipejob.trainer.pipeline.eager.held import Held
@@ -168,6 +174,41 @@ def test_a_module_registered_under_two_names_is_one_module_with_one_gradient(mon
     assert not any(n.startswith(("input_block.", "skip_layers.downsample.")) for n in names)
 
 
+@contextmanager
+def _world_of_one() -> Iterator[None]:
+    """This process as a torch RPC world of one ("master"): distributed autograd contexts."""
+    (port,) = free_ports(1)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc("master", rank=0, world_size=1, rpc_backend_options=options)
+    try:
+        yield
+    finally:
+        rpc.shutdown()
+
+
+class _Stage:
+    """A stage's side of a call (Held.call's, without building a model from a spec)."""
+
+    def __init__(self) -> None:
+        self.linear = nn.Linear(4, 4)
+
+    def call(self, name: str, turn: tuple, args: tuple, kwargs: dict) -> torch.Tensor:
+        return self.linear(*args, **kwargs)
+
+
+def test_a_tensor_subclass_crosses_to_a_stage_and_back_with_its_gradient():
+    """MONAI's MetaTensor (Tagged, its habit): sent inline, a stage's output came back
+    without its autograd link, and the stage's parameters got no gradient."""
+    glue, stage = nn.Linear(4, 4), _Stage()
+    with _world_of_one(), dist_autograd.context() as context:
+        on_stage = remote.OnStage("linear", [("master", rpc.RRef(stage))])
+        out = on_stage(glue(traced_cases.Tagged(torch.randn(2, 4), {"file": "a.nii"})))
+        assert isinstance(out, traced_cases.Tagged)  # as one process computes it
+        dist_autograd.backward(context, [out.sum()])
+        grads = dist_autograd.get_gradients(context)
+        assert stage.linear.weight in grads and glue.weight in grads
+
+
 class Racing(skip_heads.SkipHeads):
     """Its forward waits (up to a second), after its skip layers wrote the head, for another
     micro-batch's forward to have written too: forwards run at once read each other's."""
@@ -202,15 +243,10 @@ def test_forwards_writing_state_the_glue_reads_run_one_at_a_time_as_one_process(
     expected = loss_fn(plain(x), y)
     expected.backward()
     norm = sum(p.grad.square().sum() for p in plain.parameters()).sqrt().item()
-    (port,) = free_ports(1)
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
-    rpc.init_rpc("master", rank=0, world_size=1, rpc_backend_options=options)
-    try:
+    with _world_of_one():
         rules = None, nonfinite.Guard()
         none = Stages([[]], [[]])  # every module with the glue: the race is the glue's own
         done = step(model, None, none, [(x, y)], 2, 0, loss_fn, rules, 0.1, one_at_a_time=True)
-    finally:
-        rpc.shutdown()
     assert done.loss == pytest.approx(expected.item(), rel=1e-6)
     assert done.grad_norm == pytest.approx(norm, rel=1e-5)
 

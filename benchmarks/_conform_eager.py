@@ -21,7 +21,13 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from pipejob.trainer.pipeline.eager.check import check
-from pipejob.trainer.pipeline.eager.placement import Placement, no_grad_run, place
+from pipejob.trainer.pipeline.eager.placement import (
+    Placement,
+    aliases,
+    no_grad_run,
+    place,
+    replace,
+)
 
 STAGES = 2
 
@@ -62,9 +68,8 @@ def check_eager(build: Callable[[], nn.Module], x: Any) -> str:
 
 def _placed(model: nn.Module, stages_build: nn.Module, placement: Placement) -> None:
     """The placed modules of `model` replaced by the stages' (from a build of their own)."""
-    for name in placement.remote():
-        parent, _, child = name.rpartition(".")
-        model.get_submodule(parent)._modules[child] = _Copying(stages_build.get_submodule(name))
+    for name in placement.remote():  # under every name it has, as the eager path does
+        replace(model, name, _Copying(stages_build.get_submodule(name)))
 
 
 def _outputs(model: nn.Module, x: Any, training: bool) -> Any:
@@ -90,9 +95,11 @@ def _same_gradients(
             f"(c) eager: the loss is {x_loss['got']!r}, one process's {x_loss['expected']!r}"
         )
     grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
-    for name in placement.remote():
+    for name in placement.remote():  # one module's gradient, under each of its names
         module = stages_build.get_submodule(name)
-        grads |= {f"{name}.{n}": p.grad for n, p in module.named_parameters(remove_duplicate=False)}
+        for alias in aliases(plain, name):
+            named = module.named_parameters(remove_duplicate=False)
+            grads |= {f"{alias}.{n}": p.grad for n, p in named}
     for name, p in plain.named_parameters(remove_duplicate=False):
         expected, got = p.grad, grads.get(name)
         if expected is None or not expected.any():

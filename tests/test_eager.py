@@ -1,7 +1,9 @@
 """The eager path (trainer/pipejob/trainer/pipeline/eager/): the master runs the model's own
 forward and calls its costly modules where they live on the stages. In process: the
 placement, its one-process check, the stages' micro-batch order, a stage's precision,
-recomputation and moving average, what a non-finite step names, the spec's refusal. Two
+recomputation and moving average, what a non-finite step names, the spec's refusal; a module
+under two names, forwards one at a time where a kept module writes state the glue reads, a
+tensor subclass to a stage and back (the last two in an RPC world of this process alone). Two
 worlds: an ESM-2-like encoder the trace refuses takes the eager path by itself, and 2
 replicas x 2 accumulated batches with activation checkpointing; each one's first step
 equals one process's in float64 (loss and every parameter after one SGD step). Slow: a
@@ -14,23 +16,35 @@ from __future__ import annotations
 import re
 import shutil
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 from torch import nn
-from userpkg import esmlike
+from userpkg import esmlike, skip_heads, traced_cases
 
 from jobrun import JobRun, pipeline_job, run_to_end
 from pipejob.core import spec
+from pipejob.runner.local import free_ports
 from pipejob.trainer import workloads
+from pipejob.trainer.pipeline.eager import remote
 from pipejob.trainer.pipeline.eager.check import check
-from pipejob.trainer.pipeline.eager.driver import not_finite
+from pipejob.trainer.pipeline.eager.driver import Stages, not_finite, step
 from pipejob.trainer.pipeline.eager.held import Held
-from pipejob.trainer.pipeline.eager.placement import no_grad_run, place
+from pipejob.trainer.pipeline.eager.placement import (
+    aliases,
+    no_grad_run,
+    place,
+    replace,
+    under_every_name,
+)
 from pipejob.trainer.pipeline.eager.turns import Turns
 from pipejob.trainer.pipeline.stage_base import float32
-from pipejob.trainer.runtime import checkpoint, model_files
+from pipejob.trainer.runtime import checkpoint, model_files, nonfinite
 from pipejob.trainer.workloads import data, models
 
 TESTS = Path(__file__).parent
@@ -135,6 +149,106 @@ def test_a_weight_used_in_two_places_lives_in_one():
     where = placement.stage_of()
     assert where["out"] == where["embed"] == 0
     assert len(placement.stages) == 2 and all(placement.stages)
+
+
+def test_a_module_registered_under_two_names_is_one_module_with_one_gradient(monkeypatch):
+    """DynUNet's stand-in: input_block is also skip_layers.downsample. Placed on a stage, it
+    is called there under both names, and the one-process check (benchmarks/
+    _conform_eager.py) finds its gradient, under both names, equal to the plain model's."""
+    monkeypatch.syspath_prepend(str(TESTS.parent / "benchmarks"))
+    import _conform_eager
+
+    stages = _conform_eager.check_eager(skip_heads.skip_heads, torch.randn(8, 4))
+    assert stages.split(" | ")[0] == "input_block", stages
+    model = skip_heads.skip_heads()
+    assert aliases(model, "input_block") == ["input_block", "skip_layers.downsample"]
+    run, other = no_grad_run(model, torch.randn(4, 4)), no_grad_run(model, torch.randn(4, 4))
+    placement = check(model, run, lambda kept: place(model, run, 2, kept), other)
+    assert placement.also["input_block"] == ["skip_layers.downsample"]
+    assert placement.one_at_a_time()  # its inner skip layer writes the head, kept with the glue
+    # The trained model's file holds it under both names, as the model's state_dict does.
+    state = under_every_name({"input_block.weight": torch.ones(1)}, placement.also)
+    assert set(state) == {"input_block.weight", "skip_layers.downsample.weight"}
+    replace(model, "input_block", nn.Identity())
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    assert not any(n.startswith(("input_block.", "skip_layers.downsample.")) for n in names)
+
+
+@contextmanager
+def _world_of_one() -> Iterator[None]:
+    """This process as a torch RPC world of one ("master"): distributed autograd contexts."""
+    (port,) = free_ports(1)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc("master", rank=0, world_size=1, rpc_backend_options=options)
+    try:
+        yield
+    finally:
+        rpc.shutdown()
+
+
+class _Stage:
+    """A stage's side of a call (Held.call's, without building a model from a spec)."""
+
+    def __init__(self) -> None:
+        self.linear = nn.Linear(4, 4)
+
+    def call(self, name: str, turn: tuple, args: tuple, kwargs: dict) -> torch.Tensor:
+        return self.linear(*args, **kwargs)
+
+
+def test_a_tensor_subclass_crosses_to_a_stage_and_back_with_its_gradient():
+    """MONAI's MetaTensor (Tagged, its habit): sent inline, a stage's output came back
+    without its autograd link, and the stage's parameters got no gradient."""
+    glue, stage = nn.Linear(4, 4), _Stage()
+    with _world_of_one(), dist_autograd.context() as context:
+        on_stage = remote.OnStage("linear", [("master", rpc.RRef(stage))])
+        out = on_stage(glue(traced_cases.Tagged(torch.randn(2, 4), {"file": "a.nii"})))
+        assert isinstance(out, traced_cases.Tagged)  # as one process computes it
+        dist_autograd.backward(context, [out.sum()])
+        grads = dist_autograd.get_gradients(context)
+        assert stage.linear.weight in grads and glue.weight in grads
+
+
+class Racing(skip_heads.SkipHeads):
+    """Its forward waits (up to a second), after its skip layers wrote the head, for another
+    micro-batch's forward to have written too: forwards run at once read each other's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards = 0
+        self.both = threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.output_block(self.skip_layers(x))
+        self.forwards += 1
+        if self.forwards >= 2:
+            self.both.set()
+        self.both.wait(1)
+        return torch.cat([out, self.heads[0]], dim=1)
+
+
+def test_forwards_writing_state_the_glue_reads_run_one_at_a_time_as_one_process():
+    """DynUNet's heads: with its micro-batches' forwards at once, micro-batch 1's head lands
+    in the list before micro-batch 0 reads it (its backward then runs through 1's graph
+    twice). One at a time, in order, the step is one process's (a world of one: the glue's
+    gradients come from distributed autograd contexts)."""
+    torch.manual_seed(0)
+    model, plain = Racing(), skip_heads.skip_heads()
+    plain.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (out - y).square().mean()
+
+    expected = loss_fn(plain(x), y)
+    expected.backward()
+    norm = sum(p.grad.square().sum() for p in plain.parameters()).sqrt().item()
+    with _world_of_one():
+        rules = None, nonfinite.Guard()
+        none = Stages([[]], [[]])  # every module with the glue: the race is the glue's own
+        done = step(model, None, none, [(x, y)], 2, 0, loss_fn, rules, 0.1, one_at_a_time=True)
+    assert done.loss == pytest.approx(expected.item(), rel=1e-6)
+    assert done.grad_norm == pytest.approx(norm, rel=1e-5)
 
 
 def _held_layer(**fields) -> tuple[Held, nn.Module]:
@@ -541,6 +655,7 @@ def test_the_conformance_harness_tries_a_refused_model_on_the_eager_path(monkeyp
 
     monkeypatch.syspath_prepend(str(TESTS.parent / "benchmarks"))
     sys.modules.pop("_conform", None)
+    sys.modules.pop("_conform_eager", None)  # imported by another test, with its _conform
     import _conform
     import _conform_eager
 

@@ -127,23 +127,7 @@ def test_tabnets_logits_and_sparsity_loss_train_as_one_process(tmp_path, monkeyp
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(
-            n,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="on the eager path: the micro-batches' glue runs at once and DynUNet's"
-                " forward writes its heads into one list each reads back (a backward runs"
-                " through another micro-batch's head); with one micro-batch it trains, but"
-                " its blocks registered twice (input_block is skip_layers.downsample) end"
-                " the step apart from one process's: left to the eager path's owner",
-            ),
-        )
-        if n.startswith("monai DynUNet")
-        else n
-        for n in CASES
-        if not n.startswith("pytorch-tabnet")
-    ],
+    [n for n in CASES if not n.startswith("pytorch-tabnet")],
 )
 def test_a_library_model_trains_in_two_stages_as_one_process(name, tmp_path, monkeypatch):
     trains_as_one_process(name, tmp_path, monkeypatch)

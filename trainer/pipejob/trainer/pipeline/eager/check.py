@@ -15,7 +15,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from pipejob.trainer.pipeline.eager.placement import Placement
+from pipejob.trainer.pipeline.eager.placement import (
+    CHANGES_STATE,
+    Placement,
+    replace,
+    restore,
+)
 
 
 def _copied(value: Any) -> Any:
@@ -35,19 +40,14 @@ class _AsOnStage(nn.Module):
 
 @contextmanager
 def _swapped(model: nn.Module, names: list[str]) -> Iterator[None]:
-    """The modules `names` replaced by their copies as a stage would call them, inside."""
-    originals = {}
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        holder = model.get_submodule(parent)
-        originals[name] = holder._modules[child]
-        holder._modules[child] = _AsOnStage(originals[name])
+    """The modules `names` replaced by their copies as a stage would call them (under every
+    name each has), inside."""
+    originals = [replace(model, name, _AsOnStage(model.get_submodule(name))) for name in names]
     try:
         yield
     finally:
-        for name, module in originals.items():
-            parent, _, child = name.rpartition(".")
-            model.get_submodule(parent)._modules[child] = module
+        for held in reversed(originals):
+            restore(model, held)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -121,12 +121,7 @@ def check(
     placement = place({})
     if same(placement.remote()):
         return placement
-    kept = {
-        n: "gives another result called through a copy, as a stage calls it (its forward"
-        " changes Python state that the glue reads)"
-        for n in placement.remote()
-        if not same([n])
-    }
+    kept = {n: CHANGES_STATE for n in placement.remote() if not same([n])}
     placement = place(kept)
     if not kept or not same(placement.remote()):
         raise ValueError(

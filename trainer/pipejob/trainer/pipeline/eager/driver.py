@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,13 +68,39 @@ class Stages:
         return divergence(prints)
 
 
+class InOrder:
+    """The micro-batches' forwards one at a time, in the order of their positions (where a
+    module kept with the glue changes Python state the glue reads: DynUNet's heads)."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.next = 0
+
+    @contextmanager
+    def turn(self, position: int) -> Iterator[None]:
+        with self.changed:
+            self.changed.wait_for(lambda: self.next == position)
+        try:
+            yield
+        finally:  # failed or not, the next forward runs
+            with self.changed:
+                self.next += 1
+                self.changed.notify_all()
+
+
 class MicroBatch(threading.Thread):
     """Micro-batch `number`'s forward and backward in its own context, which it keeps open
     (the stages read their gradients from it) until `release` is set."""
 
-    def __init__(self, run: Callable[[], torch.Tensor], turn: tuple[int, int, int], stages: Stages):
+    def __init__(
+        self,
+        run: Callable[[], torch.Tensor],
+        turn: tuple[int, int, int],
+        stages: Stages,
+        order: tuple[InOrder, int] | None = None,
+    ):
         super().__init__(daemon=True, name=f"eager micro-batch {turn[0]} of replica {turn[2]}")
-        self.run_forward, self.stages = run, stages
+        self.run_forward, self.stages, self.order = run, stages, order
         self.number, self.first, self.replica = turn
         self.done = threading.Event()
         self.release = threading.Event()
@@ -81,13 +108,20 @@ class MicroBatch(threading.Thread):
         self.loss = math.nan
         self.error: BaseException | None = None
 
+    def _forward(self) -> torch.Tensor:
+        if self.order is None:
+            return self.run_forward()
+        order, position = self.order
+        with order.turn(position):
+            return self.run_forward()
+
     def run(self) -> None:
         try:
             with dist_autograd.context() as context:
                 self.context = context
                 try:
                     remote.begin(self.number, self.first, self.replica)
-                    loss = self.run_forward()
+                    loss = self._forward()
                 finally:  # its replica's later micro-batches no longer wait for this one
                     self.stages.futures(remote.ended, self.number, replica=self.replica)
                 self.loss = loss.item()
@@ -127,10 +161,12 @@ def step(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     rules: tuple[float | None, nonfinite.Guard],
     lr: float,
+    one_at_a_time: bool = False,
 ) -> Step:
     """Step `number` (0-based) on `batches` (gradientAccumulation's rounds, one after the
     other), `forward` giving the model's output (`computed`), `rules` the clipping norm and
-    what a non-finite step does: the mean of the rounds' losses (each micro-batch's weighted
+    what a non-finite step does, `one_at_a_time` whether the forwards run in turn
+    (Placement.one_at_a_time): the mean of the rounds' losses (each micro-batch's weighted
     by its share of its round), the global gradient norm before clipping."""
     start = time.perf_counter()
     threads: list[MicroBatch] = []
@@ -141,6 +177,10 @@ def step(
             started = round_threads(
                 forward, stages, batch, micro_batches, first, loss_fn, len(batches)
             )
+            if one_at_a_time:  # in the round's order: replica, then micro-batch
+                order = InOrder()
+                for position, t in enumerate(started):
+                    t.order = order, position
             threads += started  # released below, whatever happens
             run_all(started)
         grads, squares = summed(stages, threads)

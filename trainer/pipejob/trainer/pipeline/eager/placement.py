@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,17 +20,30 @@ from pipejob.trainer.pipeline.balance import min_max_partition
 UNITS_PER_STAGE = 2
 # How often the forward is run to find the units (each run may open one module).
 MAX_OPENINGS = 64
+# Why the one-process check keeps a module with the glue (check.py); the forwards then run
+# one at a time (Placement.one_at_a_time).
+CHANGES_STATE = (
+    "gives another result called through a copy, as a stage calls it (its forward"
+    " changes Python state that the glue reads)"
+)
 
 
 @dataclass
 class Placement:
     """Per stage, the names of the modules it holds, in the order the forward first calls
     them; each module's measured forward seconds; the modules kept with the master's glue,
-    with why."""
+    with why; the other names of a placed module registered under more than one."""
 
     stages: list[list[str]]
     costs: dict[str, float]
     kept: dict[str, str] = field(default_factory=dict)
+    also: dict[str, list[str]] = field(default_factory=dict)
+
+    def one_at_a_time(self) -> bool:
+        """Whether the micro-batches' forwards must run one at a time, in order: a module
+        kept with the glue changes Python state that the glue reads (DynUNet's heads), which
+        forwards at once would overwrite for each other."""
+        return CHANGES_STATE in self.kept.values()
 
     def stage_of(self) -> dict[str, int]:
         return {name: i for i, names in enumerate(self.stages) for name in names}
@@ -155,7 +169,8 @@ def place(
         for i in ids:
             owner.setdefault(i, stage[u])
     placed = [[u for u in units if stage[u] == i] for i in range(stages)]
-    return Placement(placed, {u: costs[u] for u in units}, kept)
+    also = {u: others for u in units if (others := aliases(model, u)[1:])}
+    return Placement(placed, {u: costs[u] for u in units}, kept, also)
 
 
 def shared_with_glue(model: nn.Module, units: list[str]) -> dict[str, str]:
@@ -174,6 +189,44 @@ def shared_with_glue(model: nn.Module, units: list[str]) -> dict[str, str]:
         for u in units
         if any(id(p) in glue for p in model.get_submodule(u).parameters())
     }
+
+
+def aliases(model: nn.Module, name: str) -> list[str]:
+    """Every name the module `name` is reachable under in `model` (DynUNet registers
+    input_block again as skip_layers.downsample), `name` first."""
+    module = model.get_submodule(name)
+    others = [n for n, m in model.named_modules(remove_duplicate=False) if m is module]
+    return [name, *(n for n in others if n != name)]
+
+
+def replace(model: nn.Module, name: str, by: nn.Module) -> dict[str, nn.Module]:
+    """The module `name` replaced by `by` under every name it has (one module, one place):
+    what each name held, to put back with `restore`."""
+    held = {}
+    for alias in aliases(model, name):
+        parent, _, child = alias.rpartition(".")
+        holder = model.get_submodule(parent)
+        held[alias] = holder._modules[child]
+        holder._modules[child] = by
+    return held
+
+
+def restore(model: nn.Module, held: dict[str, nn.Module]) -> None:
+    """The modules `replace` took out, put back under their names."""
+    for alias, module in held.items():
+        parent, _, child = alias.rpartition(".")
+        model.get_submodule(parent)._modules[child] = module
+
+
+def under_every_name(state: dict[str, Any], also: dict[str, list[str]]) -> dict[str, Any]:
+    """A stage's state (by its modules' first names) with each entry also under the other
+    names of its module, as the model's own state_dict has it."""
+    named = dict(state)
+    for name, others in also.items():
+        for key, value in state.items():
+            if key.startswith(f"{name}."):
+                named |= {f"{other}{key[len(name) :]}": value for other in others}
+    return named
 
 
 def describe(placement: Placement) -> list[str]:

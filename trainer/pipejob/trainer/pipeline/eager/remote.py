@@ -12,6 +12,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from pipejob.trainer.pipeline.eager.held import Held
+from pipejob.trainer.workloads.batch_values import dressed, undressed
 
 # The micro-batch the calling thread computes: its number (across steps), its round's
 # first, its replica, and how often it has called each module so far.
@@ -48,14 +49,17 @@ class OnStage(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         turn = _turn(self.module_name)
         worker, held = self.places[getattr(_local, "replica", 0)]
-        return rpc.rpc_sync(worker, _call, args=(held, self.module_name, turn, args, kwargs))
+        # A tensor subclass (MONAI's MetaTensor) crosses as its data, which torch's RPC
+        # links into distributed autograd (inline, the stage's gradient never came back).
+        sent = undressed(args), undressed(kwargs)
+        return dressed(rpc.rpc_sync(worker, _call, args=(held, self.module_name, turn, *sent)))
 
     def extra_repr(self) -> str:
         return f"{self.module_name} on {', '.join(w for w, _ in self.places)}"
 
 
 def _call(held: rpc.RRef, name: str, turn: tuple[int, int, int], args: tuple, kwargs: dict) -> Any:
-    return held.local_value().call(name, turn, args, kwargs)
+    return undressed(held.local_value().call(name, turn, dressed(args), dressed(kwargs)))
 
 
 def ended(held: rpc.RRef, number: int) -> None:

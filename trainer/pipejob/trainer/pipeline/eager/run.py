@@ -21,7 +21,14 @@ from pipejob.trainer.pipeline.best_step import Judge
 from pipejob.trainer.pipeline.eager import driver, held_out, moving_average, remote, saved
 from pipejob.trainer.pipeline.eager.check import check
 from pipejob.trainer.pipeline.eager.moving_average import Averages
-from pipejob.trainer.pipeline.eager.placement import Placement, describe, no_grad_run, place
+from pipejob.trainer.pipeline.eager.placement import (
+    Placement,
+    describe,
+    no_grad_run,
+    place,
+    replace,
+    under_every_name,
+)
 from pipejob.trainer.pipeline.stage_base import AUTOCAST
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import curve_figures, rate_figures
@@ -91,9 +98,8 @@ def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -
     ]
     for i, modules in enumerate(placement.stages):
         places = [(workers[r][i], held[r][i]) for r in range(replicas)]
-        for name in modules:
-            parent, _, child = name.rpartition(".")
-            model.get_submodule(parent)._modules[child] = remote.OnStage(name, places)
+        for name in modules:  # under every name it has: one module, on one stage
+            replace(model, name, remote.OnStage(name, places))
     return driver.Stages(workers, held)
 
 
@@ -165,10 +171,11 @@ def steps(
     evaluations: list[dict[str, Any]] = []
     rules = spec.optimizer.clip_grad_norm, nonfinite.Guard(spec.skip_non_finite_steps)
     forward = partial(driver.computed, t.model, autocast=AUTOCAST[spec.precision])
+    serial = t.placement.one_at_a_time()
     for number in range(first, spec.steps):
         lr = learning_rate(spec.optimizer, spec.steps, number)
         batches = [feed.batch() for _ in range(spec.gradient_accumulation)]
-        done = driver.step(forward, t.glue, t.stages, batches, m, number, loss, rules, lr)
+        done = driver.step(forward, t.glue, t.stages, batches, m, number, loss, rules, lr, serial)
         if done.skipped is None and t.averages is not None:  # spec.ema: an applied step
             t.averages.update()
         results.append(logged(env, number, done))
@@ -227,9 +234,8 @@ def write_model(
     assert spec.output is not None
     about = trained_model.info(env.kind, env.job, spec, spec.steps, evaluation)
     glue = {k: v for k, v in t.model.state_dict().items()}
-    paths = trained_model.write(
-        out, spec.output.format, t.stages.on_each(remote.state), glue, about
-    )
+    states = [under_every_name(s, t.placement.also) for s in t.stages.on_each(remote.state)]
+    paths = trained_model.write(out, spec.output.format, states, glue, about)
     world.log(env, f"model written: {', '.join(str(p) for p in paths)}")
 
 
@@ -260,6 +266,7 @@ def summarize(
         glueParameters=glue_parameters,  # what the master holds of the model
         placement=placement.stages,
         keptWithGlue=placement.kept,
+        forwardsOneAtATime=placement.one_at_a_time(),  # else the micro-batches' at once
         **curve_figures(results),
         **rate_figures(spec, measured),
     )
@@ -283,4 +290,9 @@ def render(s: dict[str, Any]) -> str:
     if s["replicas"] > 1:
         lines.append(f"  largest difference between replicas {s['replicaDivergence']:.3g}")
     lines += [f"  kept with the glue: {n} ({why})" for n, why in s["keptWithGlue"].items()]
+    if s["forwardsOneAtATime"]:
+        lines.append(
+            "  the micro-batches' forwards run one at a time, in order: a module kept with"
+            " the glue changes Python state that the glue reads"
+        )
     return "\n".join(lines)

@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from one_process import assert_output_is_the_step, first_step
-from test_traced_outputs import gpt_job
+from test_traced_outputs import gpt_job, refuses_the_default_loss
 from userpkg import shipped_gpts
 
 from jobrun import run_to_end
-from pipejob.trainer.pipeline.fit import fits_model
-from pipejob.trainer.workloads import metrics
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,13 +34,7 @@ def needs(kind: str) -> None:
 def test_the_default_loss_on_a_shipped_gpt_is_refused_naming_what_to_give(kind):
     needs(kind)
     with torch.device("meta"):
-        model = shipped_gpts.build(kind)
-    tokens = torch.randint(0, 64, (2, 17))
-    with pytest.raises(ValueError) as refused:
-        fits_model(model, tokens[:, :-1], tokens[:, 1:], metrics.cross_entropy)
-    said = str(refused.value)
-    assert said.startswith("spec.loss: the model returns ((2, ") and ", None):" in said, said
-    assert "give spec.loss: {import: mypkg.losses:build}" in said
+        refuses_the_default_loss(shipped_gpts.build(kind))
 
 
 def trains_as_one_process(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

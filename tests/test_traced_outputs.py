@@ -85,7 +85,11 @@ def test_the_default_loss_on_a_gpts_tuple_is_refused_naming_what_to_give(module)
     """The master's fit check knows the default loss cannot take (logits, None): it refuses
     the job there (a permanent failure, before any stage is built), saying what to give."""
     with torch.device("meta"):
-        model = getattr(gpt_forwards, module)()
+        refuses_the_default_loss(getattr(gpt_forwards, module)())
+
+
+def refuses_the_default_loss(model: nn.Module) -> None:
+    """The fit check refuses the default loss on `model`'s (logits, None), naming what to give."""
     tokens = torch.randint(0, 64, (2, 17))
     with pytest.raises(ValueError) as refused:
         fits_model(model, tokens[:, :-1], tokens[:, 1:], metrics.cross_entropy)

@@ -322,7 +322,9 @@ def _completed(spec: Spec) -> Spec:
     if "embeddings" not in spec:
         one = spec["embedding"] = apply(EMBEDDING, spec.get("embedding", {}), "", [])
         table = {"name": ONE_TABLE, "rows": one["numEmbeddings"], "dim": one["dim"]}
-        spec["embeddings"] = [table | {"mode": one["mode"], "feature": BAGS}]
+        spec["embeddings"] = [
+            table | {"mode": one["mode"], "feature": BAGS, "placement": tables.PLACEMENT.default}
+        ]
     for table in spec["embeddings"]:
         table.setdefault("feature", table["name"])
     sparse = spec["sparseOptimizer"]

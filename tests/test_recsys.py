@@ -67,7 +67,14 @@ COLUMNS = [
 def test_the_one_table_form_is_one_table_fed_by_the_bags() -> None:
     job = parse(embedding={"numEmbeddings": 64, "dim": 8, "mode": "max"})
     assert job.spec["embeddings"] == [
-        {"name": "embedding", "rows": 64, "dim": 8, "mode": "max", "feature": "ids"}
+        {
+            "name": "embedding",
+            "rows": 64,
+            "dim": 8,
+            "mode": "max",
+            "feature": "ids",
+            "placement": "sharded",
+        }
     ]
     s = job.settings
     assert not s.recommends and s.parameter_servers == 1

@@ -80,12 +80,28 @@ PIECES = [torch.tensor([1.0]), torch.tensor([1e8]), torch.tensor([-1e8])]
 
 @pytest.mark.parametrize("arrival", [[0, 1, 2], [2, 1, 0], [1, 2, 0], [2, 0, 1]])
 def test_a_rounds_gradients_add_in_micro_batch_order_whatever_their_arrival(arrival):
-    sums = RoundGradients(step=0, round=0, in_order=True)
+    sums = RoundGradients(step=0, round=0, in_order=True, buffers={})
     for mb in arrival:
         sums.add(mb, "w", PIECES[mb])
     for mb in arrival:
         sums.done(mb)
     assert sums.total["w"].item() == ((PIECES[0] + PIECES[1]) + PIECES[2]).item() == 0.0
+    assert PIECES[0].item() == 1.0  # autograd's tensors are never changed in place
+
+
+def test_a_rounds_sum_is_made_in_the_stages_buffers_step_after_step():
+    buffers: dict[str, torch.Tensor] = {}
+    made, values = [], []
+    for step, pieces in enumerate([PIECES, [p * 2 for p in PIECES], PIECES[:1]]):
+        sums = RoundGradients(step=step, round=0, in_order=True, buffers=buffers)
+        for mb, piece in enumerate(pieces):
+            sums.add(mb, "w", piece)
+            sums.done(mb)
+        total = sums.merged({})["w"]
+        made.append(total)
+        values.append(total.item())
+    assert values == [0.0, 0.0, 1.0]  # in micro-batch order; a lone gradient copied in
+    assert made[0] is made[1] is made[2] is buffers["w"]  # one tensor, reused
     assert PIECES[0].item() == 1.0  # autograd's tensors are never changed in place
 
 

@@ -32,10 +32,13 @@ def current_context() -> int | None:
 class RoundGradients:
     """The sum of one training round's gradients on a stage, by parameter name: micro-batch
     0's, then 1's and so on (`in_order`), or in the order they come where that order is the
-    same in every run (the last stage's one backward)."""
+    same in every run (the last stage's one backward). A sum of two or more is made in
+    `buffers`: the stage's own tensors for this round, reused from step to step (allocating
+    them anew would fault in fresh pages every step)."""
 
-    def __init__(self, step: int, round: int, in_order: bool):
+    def __init__(self, step: int, round: int, in_order: bool, buffers: dict[str, torch.Tensor]):
         self.step, self.round, self.in_order = step, round, in_order
+        self._buffers = buffers
         self.total: dict[str, torch.Tensor] = {}
         self._owned: set[str] = set()  # totals this sum made (others are autograd's tensors)
         self._lock = threading.Lock()
@@ -66,8 +69,19 @@ class RoundGradients:
         elif name in self._owned:
             self.total[name].add_(grad)
         else:  # the first gradient may be another node's input too: never changed in place
-            self.total[name] = self.total[name] + grad
+            self.total[name] = torch.add(self.total[name], grad, out=self._buffer(name, grad))
             self._owned.add(name)
+
+    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The stage's tensor for `name`'s sum, made on first use (or if `like` changed)."""
+        kept = self._buffers.get(name)
+        if kept is None or (kept.shape, kept.dtype, kept.device) != (
+            like.shape,
+            like.dtype,
+            like.device,
+        ):
+            kept = self._buffers[name] = torch.empty_like(like)
+        return kept
 
     def merged(self, arrived: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The total with gradients distributed autograd added itself (`arrived`: of nodes
@@ -78,7 +92,8 @@ class RoundGradients:
                 self._add(name, grad)
             arrived.clear()
             for name in self.total.keys() - self._owned:  # to be changed in place, unshared
-                self.total[name] = self.total[name].clone()
+                grad = self.total[name]
+                self.total[name] = self._buffer(name, grad).copy_(grad)
                 self._owned.add(name)
         return self.total
 

@@ -90,6 +90,7 @@ class Stage(Shard):
         self._labels: dict[int, Future] = {}  # and its labels asked for (`pass_on`)
         # Each training round's gradients, by its distributed autograd context (gradient_sum.py).
         self._sums: dict[int, RoundGradients] = {}
+        self._sum_buffers: dict[int, dict[str, torch.Tensor]] = {}  # by round, step to step
         self._names = {id(p): n for n, p in self.parameters_by_name.items()}
 
     def link(self, after: list[tuple[str, StageRef]]) -> None:
@@ -288,7 +289,10 @@ class Stage(Shard):
             return None
         with self._record:
             self._sums = {c: s for c, s in self._sums.items() if s.step >= step}
-            sums = self._sums.setdefault(context_id, RoundGradients(step, round, not self.last))
+            if context_id not in self._sums:
+                buffers = self._sum_buffers.setdefault(round, {})
+                self._sums[context_id] = RoundGradients(step, round, not self.last, buffers)
+            sums = self._sums[context_id]
         if sums.round != round:
             raise RuntimeError(f"rounds {sums.round} and {round} ran in one autograd context")
         return sums

@@ -206,7 +206,7 @@ def main() -> None:
                     for m, fields in runs:
                         job = manifest(args, model, stages, m, fields)
                         stem = Path(tmp) / job["metadata"]["name"]
-                        summary, _, _ = run_job(
+                        summary, _, deltas = run_job(
                             job,
                             stem,
                             m,
@@ -217,12 +217,13 @@ def main() -> None:
                         )
                         rate = summary["samplesPerSecond"]
                         rates[model, stages][system][m].append(rate)
+                        cpu = sum(d.cpu for d in deltas.values())  # every process of the job
                         if "bubble" in summary:  # the eager path does not measure one
                             extras[model, stages, system, m].append(summary["bubble"]["measured"])
                         print(
                             f"[{time.monotonic() - started:5.0f}s] repeat {repeat}: {model}"
-                            f" {stages} stages, {system} m={m}: {rate:.1f} samples/s"
-                            f" ({load_average()})",
+                            f" {stages} stages, {system} m={m}: {rate:.1f} samples/s,"
+                            f" {args.batch * args.batches / cpu:.1f} per CPU-s ({load_average()})",
                             flush=True,
                         )
                 job = manifest(args, model, stages, 1, {})

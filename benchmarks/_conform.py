@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from _conform_engine import EAGER, auto_engine, said
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -62,6 +63,7 @@ class Row:
     seconds: float = 0.0
     params: int = 0
     cuts: str = ""  # the stages' first units, per cut
+    engine: str = ""  # engine auto's choice for the model (_conform_engine.py)
 
 
 class Failed(Exception):
@@ -93,6 +95,7 @@ def run(
                 in_float64 = _line(e.__cause__ or e)
         if dtype == torch.float32:
             row.why = f"in float32: it does not run in float64 ({in_float64})"
+        row.engine = _engine(factory, sample)
     except _NotBuilt as e:
         row.verdict, row.why = "not built", _line(e.__cause__ or e)
     except CutError as e:
@@ -118,6 +121,7 @@ def _on_the_eager_path(
     try:
         row.cuts = "eager: " + check_eager(_seeded(factory), sample())
         row.verdict, row.why = "eager", f"the trace refused it ({row.why})"
+        row.engine = f"rpc: {EAGER}"
     except Failed as e:
         row.why += f"; on the eager path: {e}"
     except Exception as e:
@@ -126,6 +130,16 @@ def _on_the_eager_path(
 
 class _NotBuilt(Exception):
     pass
+
+
+def _engine(factory: Callable[[], nn.Module], sample: Callable[[], Any]) -> str:
+    """auto's engine for an exact row, as the table says it; why not, where it raised."""
+    try:
+        x = sample()
+        first = _micro(x)[0] if isinstance(x, torch.Tensor) else x  # what a stage traces with
+        return said(auto_engine(_seeded(factory), first, MAX_STAGES))
+    except Exception as e:  # noqa: BLE001 (the row's verdict stands; the column says why)
+        return f"not chosen: {_line(e)}"
 
 
 def _seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:

@@ -12,6 +12,11 @@ exactly: benchmarks/_conform_eager.py), refused (pipejob says it cannot cut it, 
 (over twice --max-params, float32's budget, or past --timeout: a rerun with more time
 decides).
 
+Each row also records the engine `engine: auto` runs the model on, and why where it is rpc
+(benchmarks/_conform_engine.py: the master's choice from what the model passes into each
+place to cut, without training); --engines records only that, for every row in minutes, and
+--render merges those rows into a page's table (_conform_page.py reads a page back).
+
 Models run one after another in a worker process, restarted when one crashes or outlasts
 --timeout. Progress goes to stdout, one line a model; --table writes the markdown table
 (rewritten as rows arrive), which docs/conformance.md holds for the whole zoo.
@@ -20,6 +25,9 @@ Models run one after another in a worker process, restarted when one crashes or 
     python benchmarks/conformance.py --slice ci           # the representative slice CI runs
     python benchmarks/conformance.py --zoo torch,timm --table /tmp/conformance.md
     python benchmarks/conformance.py --only torchvision:inception_v3,transformers:seq2seq:t5
+    python benchmarks/conformance.py --engines --rows /tmp/engines.jsonl   # auto's choices
+    python benchmarks/conformance.py --render docs/conformance.md /tmp/engines.jsonl \
+        --table docs/conformance.md                # merged into the page's rows
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine  # noqa: E402
+from _conform_page import counts, engines, render, table  # noqa: E402
 
 # What CI runs: one small model of each construct the issue reported, about a minute on 2
 # quiet cores: a non-persistent buffer and cloned layers (TransformerEncoder), a
@@ -63,24 +72,6 @@ CI = [
     "vit_pytorch:ViT",
     "segmentation_models_pytorch:Unet",
 ]
-VERDICTS = ("exact", "eager", "refused", "failing", "not built", "not run")
-ZOO_ORDER = [
-    "torch",
-    "torchvision",
-    "timm",
-    "transformers",
-    "diffusers",
-    "peft",
-    "open_clip",
-    "x_transformers",
-    "vit_pytorch",
-    "segmentation_models_pytorch",
-    "monai",
-    "kornia",
-    "torchtune",
-    "esm",
-    "pytorch_tabnet",
-]
 
 
 def main() -> int:
@@ -98,6 +89,12 @@ def main() -> int:
         help="only write --table from these files of rows (a later row of a"
         " model replaces an earlier one)",
     )
+    parser.add_argument(
+        "--engines",
+        action="store_true",
+        help="only record which engine `engine: auto` chooses for each row (no checks, no"
+        " training: minutes for every zoo); --render merges such rows into a table's",
+    )
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per model")
     parser.add_argument(
         "--max-params",
@@ -109,21 +106,7 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.render:
-        import _zoos  # the page says how much of the whole zoo the rows are
-
-        listed = {zoo: set(_zoos.names(zoo)) for zoo in ZOO_ORDER}
-        rows = {}
-        for path in args.render:
-            for line in path.read_text().splitlines():
-                row = json.loads(line)
-                # By the zoo's own name: a shown one adds the model built ("coat (coat_tiny)"),
-                # which a row that timed out could not learn ("coat").
-                name = row["name"]
-                rows[row["zoo"], name if name in listed[row["zoo"]] else name.split(" (")[0]] = row
-        done = sorted(rows.values(), key=lambda r: (ZOO_ORDER.index(r["zoo"]), r["name"]))
-        seconds = sum(r["seconds"] for r in done)
-        totals = {zoo: len(listed[zoo]) for zoo in ZOO_ORDER}
-        (args.table or Path("/dev/stdout")).write_text(table(done, seconds, totals))
+        (args.table or Path("/dev/stdout")).write_text(render(args.render))
         return 0
     print(f"conformance: {machine()}", flush=True)
     if args.slice == "ci" or args.only:
@@ -141,7 +124,7 @@ def main() -> int:
     ).stdout.strip()
     started = time.perf_counter()
     done: list[dict[str, Any]] = []
-    worker = Worker(args.max_params)
+    worker = Worker(args.max_params, args.engines)
     try:
         for zoo, name in rows:
             row = worker.check(zoo, name, args.timeout) | {"commit": commit}
@@ -149,8 +132,9 @@ def main() -> int:
             if args.rows:
                 with args.rows.open("a") as f:
                     f.write(json.dumps(row) + "\n")
+            said = row["verdict"] or f"engine {row['engine'] or 'none'}"
             print(
-                f"[{len(done)}/{len(rows)}] {zoo} {row['name']}: {row['verdict']}"
+                f"[{len(done)}/{len(rows)}] {zoo} {row['name']}: {said}"
                 f"{' (' + row['why'] + ')' if row['why'] else ''} in {row['seconds']:.1f}s",
                 flush=True,
             )
@@ -160,77 +144,26 @@ def main() -> int:
     finally:
         worker.stop()
     seconds = time.perf_counter() - started
-    print("\n" + counts(done, seconds))
+    if not args.engines:
+        print("\n" + counts(done, seconds))
+    print("\n" + engines(done))
     return 0
-
-
-def counts(rows: list[dict[str, Any]], seconds: float) -> str:
-    """Per zoo: how many rows of each verdict, and the seconds they took."""
-    lines = [f"{'zoo':<13}" + "".join(f"{v:>11}" for v in VERDICTS) + f"{'seconds':>10}"]
-    for zoo in dict.fromkeys(r["zoo"] for r in rows):
-        mine = [r for r in rows if r["zoo"] == zoo]
-        tally = Counter(r["verdict"] for r in mine)
-        lines.append(
-            f"{zoo:<13}"
-            + "".join(f"{tally[v]:>11}" for v in VERDICTS)
-            + f"{sum(r['seconds'] for r in mine):>10.0f}"
-        )
-    tally = Counter(r["verdict"] for r in rows)
-    lines.append(
-        f"{'all':<13}" + "".join(f"{tally[v]:>11}" for v in VERDICTS) + f"{seconds:>10.0f}"
-    )
-    return "\n".join(lines)
-
-
-def table(rows: list[dict[str, Any]], seconds: float, totals: dict[str, int]) -> str:
-    """The markdown page: how much of the zoos it covers, the counts, then every row and
-    the commit it was checked at."""
-    partial = ""
-    if len(rows) < sum(totals.values()):
-        per_zoo = ", ".join(
-            f"{zoo} {sum(r['zoo'] == zoo for r in rows)} of {total}"
-            for zoo, total in totals.items()
-        )
-        partial = f" (partial: {len(rows)} of {sum(totals.values())} rows so far: {per_zoo})"
-    commits = sorted({r.get("commit", "?") for r in rows})
-    lines = [
-        "# Conformance",
-        "",
-        "Generated by `python benchmarks/conformance.py --table docs/conformance.md`"
-        f"{partial}; at pipejob {', '.join(commits)}; {machine()}; {seconds / 60:.0f} minutes"
-        " of checking. What each check is:"
-        " [benchmarks/_conform.py](../benchmarks/_conform.py); the zoos:"
-        " [benchmarks/_zoos.py](../benchmarks/_zoos.py).",
-        "",
-        "```",
-        counts(rows, seconds),
-        "```",
-        "",
-        "| zoo | model | verdict | why | parameters | cuts (where stages begin) | seconds"
-        " | commit |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        why, cuts = (r[key].replace("|", "\\|") for key in ("why", "cuts"))  # eager: a | b
-        lines.append(
-            f"| {r['zoo']} | {r['name']} | {r['verdict']} | {why} | {r['params']:,} |"
-            f" {cuts} | {r['seconds']:.0f} | {r.get('commit', '?')} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 class Worker:
     """A process that checks one model at a time; replaced when one crashes or hangs."""
 
-    def __init__(self, max_params: float):
-        self.max_params = max_params
+    def __init__(self, max_params: float, engines: bool = False):
+        self.max_params, self.engines = max_params, engines
         self.context = multiprocessing.get_context("spawn")
         self.process: Any = None
 
     def _start(self) -> None:
         self.requests, self.replies = self.context.Queue(), self.context.Queue()
         self.process = self.context.Process(
-            target=_serve, args=(self.requests, self.replies, self.max_params), daemon=True
+            target=_serve,
+            args=(self.requests, self.replies, self.max_params, self.engines),
+            daemon=True,
         )
         self.process.start()
 
@@ -271,8 +204,9 @@ class Worker:
         self.process = None
 
 
-def _serve(requests: Any, replies: Any, max_params: float) -> None:
-    """The worker: torch's threads as the machine allows, one model at a time."""
+def _serve(requests: Any, replies: Any, max_params: float, engines: bool) -> None:
+    """The worker: torch's threads as the machine allows, one model at a time; with
+    `engines`, only auto's choice for each (a row with no verdict)."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -287,7 +221,7 @@ def _serve(requests: Any, replies: Any, max_params: float) -> None:
         try:
             shown, (factory, sample) = _zoos.entry(zoo, name)
         except Exception as e:  # noqa: BLE001 (the zoo's own entry fails: not pipejob's)
-            row = _conform.Row(zoo, name, "not built", _conform._line(e))
+            row = _conform.Row(zoo, name, "" if engines else "not built", _conform._line(e))
         else:
             count = _count(factory)
             over = _over(count, max_params)
@@ -295,14 +229,25 @@ def _serve(requests: Any, replies: Any, max_params: float) -> None:
                 row = _conform.Row(
                     zoo,
                     shown,
-                    "not run",
+                    "" if engines else "not run",
                     f"{over}; float32, half of it, is over twice --max-params",
                     params=count,
                 )
+            elif engines:
+                row = _engine_only(zoo, shown, factory, sample)
             else:  # over the float64 budget alone: the checks in float32, half its memory
                 row = _conform.run(zoo, shown, factory, sample, over)
         row.seconds = time.perf_counter() - start
         replies.put(asdict(row))
+
+
+def _engine_only(zoo: str, name: str, factory: Any, sample: Any) -> Any:
+    """A row with auto's engine for the model, and no verdict."""
+    import _conform
+
+    row = _conform.Row(zoo, name, "")
+    row.engine = _conform._engine(factory, sample)
+    return row
 
 
 def _over(count: int, max_params: float) -> str | None:

@@ -19,7 +19,8 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import _conform  # noqa: E402
 import _zoos  # noqa: E402
-from conformance import CI, VERDICTS, ZOO_ORDER  # noqa: E402
+from _conform_page import VERDICTS, ZOO_ORDER  # noqa: E402
+from conformance import CI  # noqa: E402
 
 ROW = re.compile(r"^\[\d+/\d+\] (\S+) (.+?): (exact|eager|refused|failing|not built|not run)", re.M)
 
@@ -77,3 +78,17 @@ def test_the_docs_table_has_no_failing_row_and_says_how_much_of_each_zoo_it_cove
             zoo: (int(a), int(b)) for zoo, a, b in re.findall(r"(\w+) (\d+) of (\d+)", partial[3])
         }
         assert said == {z: (sum(r[0] == z for r in rows), n) for z, n in totals.items()}, said
+
+
+def test_the_harness_records_autos_engine_from_what_the_model_passes():
+    """Issue 61: each row records the engine `engine: auto` runs the model on, chosen by the
+    master's own functions from what the model passes at its cut's candidates: an encoder
+    passes only tensors (pipelining); GPT-2's blocks pass ints and tuples (rpc, saying
+    where); a model the trace refuses takes the eager path (rpc)."""
+    encoder = _zoos.entry("torch", "TransformerEncoder")[1]
+    assert _conform._engine(*encoder) == "pipelining"
+    gpt2 = _conform._engine(*_zoos.entry("transformers", "causal:gpt2")[1])
+    assert gpt2.startswith(
+        "rpc: the model passes values other than tensors (ints, tuples) where transformer.wpe,"
+    ), gpt2
+    assert gpt2.endswith(" more begin; rpc runs gpipe, not 1f1b"), gpt2

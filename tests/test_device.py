@@ -15,11 +15,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HANG = 900  # a bound on a hang: the rehearsal takes about 3 minutes on 2 quiet cores
+
+
 # Run before each device call (`pytest -m slow tests/test_device.py`, or `make test-all`), not
 # in `make test`: it is the GPU script's rehearsal, not a proof of the product (tests/README.md).
-pytestmark = pytest.mark.slow
-
-
+@pytest.mark.slow
 @pytest.mark.timeout(HANG + 60)
 def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
     out = tmp_path / "results"
@@ -94,3 +94,29 @@ def test_the_device_script_rehearses_every_step_on_the_cpu(tmp_path: Path):
     cores = log["cores"]
     for system in ("pipejob", "pipejob-1f1b", "pipejob-auto", "gpipe", "1f1b", "single-tN"):
         assert re.search(rf"^  {re.escape(system)}\s+\S+\s+[\d.]+ \[", cores, re.M), cores
+
+
+@pytest.mark.timeout(240)
+def test_a_step_that_fails_fails_the_script(tmp_path: Path):
+    """The rehearsal above passes only if every step does, which the script's exit says: a
+    failed step (here the install, with a Python that cannot run) is FAILED in the summary
+    and the script exits 1; with a Python that runs, the same call exits 0 (issue 61: a
+    failed part must not pass unseen). In `make test`: a pip install, no world."""
+
+    def run(python: str, out: Path) -> tuple[int, str]:
+        done = subprocess.run(
+            [str(ROOT / "benchmarks" / "device.sh"), "--cpu", "--only", "machine", "--out", out],
+            capture_output=True,
+            text=True,
+            timeout=200,
+            env=os.environ | {"PYTHON": python, "TMPDIR": str(tmp_path)},
+        )
+        return done.returncode, (out / "summary.txt").read_text()
+
+    code, summary = run("false", tmp_path / "broken")
+    assert code == 1, summary
+    assert re.search(r"^  install: FAILED, exit \d+ \(\d+s\)$", summary, re.M), summary
+    assert re.search(r"^  machine: ok \(\d+s\)$", summary, re.M), summary
+    code, summary = run(sys.executable, tmp_path / "whole")
+    assert code == 0, summary
+    assert re.search(r"^  install: ok \(\d+s\)$", summary, re.M), summary

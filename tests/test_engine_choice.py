@@ -4,16 +4,21 @@ values), and a job that takes the rpc engine by itself in a world seated for eit
 
 from __future__ import annotations
 
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from userdata import BYTE_VOCAB, write_stdlib_tokens
 
 from jobrun import pipeline_job, run_to_end
 from pipejob.core import plan, spec
 from pipejob.core.kinds.pipeline_schedules import engine_line
 from pipejob.trainer.pipeline.engine_choice import Choice, choose, for_inputs, resolved
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 TRANSFORMER = {"vocabSize": BYTE_VOCAB, "layers": 2, "width": 32, "heads": 2, "seqLen": 32}
 
@@ -164,3 +169,70 @@ def test_auto_takes_rpc_for_labels_the_cross_entropy_leaves_out():
     )
     named = spec.parse(pipeline_job("p", engine="pipelining", microBatches=2)).settings
     assert for_inputs(named, torch.zeros(2, 3), tokens) is None
+
+
+# ------------------------------------------------------------------ the examples' choices
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# The engine each PipelineJob example runs on, as the user guide's "Pipeline engines and
+# schedules" says: auto's choice where the example names none.
+EXAMPLE_ENGINES = {
+    "coscheduling-pipeline.yaml": "pipelining",
+    "custom-model/pipelinejob.yaml": "pipelining",
+    "hf-causal-lm/pipelinejob.yaml": "rpc",  # GPT-2's blocks pass more than tensors
+    "kueue-pipeline.yaml": "pipelining",
+    "lora-causal-lm/pipelinejob.yaml": "pipelining",  # Llama in 2 stages: tensors between
+    "resnet50-pipeline-gpu.yaml": "pipelining",
+    "resnet50-pipeline.yaml": "pipelining",
+    "resnet50-pipelining.yaml": "pipelining",  # named
+    "transformer-lm/pipelinejob.yaml": "pipelining",
+}
+
+
+def example_choice(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Choice:
+    """auto's choice for an example as its master makes it, in this process: its model and
+    two samples of its data (read where `pipejob run` reads them), its cut's candidates
+    passed a micro-batch once (benchmarks/_conform_engine.py); a named engine as named."""
+    from _conform_engine import auto_engine
+
+    from pipejob.trainer.workloads import data, models
+
+    folder = tmp_path / Path(name).parent.name
+    if Path(name).parent != Path("."):  # its own code and data, beside its manifest
+        shutil.copytree(EXAMPLES / Path(name).parent, folder)
+        monkeypatch.syspath_prepend(str(folder))
+        monkeypatch.chdir(folder)
+    if name.startswith("lora-causal-lm/"):  # what its base.py writes before a run
+        import base
+
+        base.write_base(folder / "base", layers=2, width=64)
+        base.write_tokens(folder / "data", max_bytes=20_000)
+    job = spec.parse(yaml.safe_load((EXAMPLES / name).read_text())).settings
+    if job.engine != "auto":
+        return Choice(job.engine, "named")
+    assert not job.split_points and job.model.cut != "eager"  # else the choice needs them
+    try:
+        inputs, labels = data.sample(job, 2)
+        return auto_engine(lambda: models.build(job), inputs, job.pieces, lambda _: job, labels)
+    finally:  # two examples have a stdlib_text of their own
+        for module in [
+            m for m, v in sys.modules.items() if str(folder) in str(vars(v).get("__file__"))
+        ]:
+            del sys.modules[module]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(EXAMPLE_ENGINES))
+def test_every_example_runs_on_the_engine_the_guide_says(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Every PipelineJob example is listed, and auto chooses for it the engine the user
+    guide says (the master's own functions, without a world)."""
+    listed = {
+        str(p.relative_to(EXAMPLES))
+        for p in EXAMPLES.glob("**/*.yaml")
+        if yaml.safe_load(p.read_text()).get("kind") == "PipelineJob"
+    }
+    assert listed == set(EXAMPLE_ENGINES)
+    choice = example_choice(name, tmp_path, monkeypatch)
+    assert choice.engine == EXAMPLE_ENGINES[name], choice

@@ -164,9 +164,13 @@ def test_a_model_object_is_kept_and_the_wide_columns_show_model_and_evaluation(k
     stored = yaml.safe_load(kubectl("get", "pj", "lm", "-o", "yaml").stdout)["spec"]
     assert stored["model"] == lm["spec"]["model"]  # kept as written, not pruned
     assert stored["loss"]["args"] == {"eps": 0.1}
-    patch = '{"status": {"training": {"evalLoss": 1.5, "evalAccuracy": 0.75}}}'
+    # The Engine column: the engine the master reported (the operator's status.engine).
+    patch = (
+        '{"status": {"engine": "pipelining", "training": {"evalLoss": 1.5, "evalAccuracy": 0.75}}}'
+    )
     kubectl("patch", "pj", "cnn", "--subresource=status", "--type=merge", "-p", patch)
     rows = {r["NAME"]: r for r in table(kubectl("get", "pj", "-o", "wide").stdout)}
+    assert rows["cnn"]["ENGINE"] == "pipelining"
     assert rows["cnn"]["MODEL"] == "resnet18"  # the shortcut as written
     assert "transformer" in rows["lm"]["MODEL"]
     assert (rows["cnn"]["EVAL-LOSS"], rows["cnn"]["ACCURACY"]) == ("1.5", "0.75")

@@ -173,11 +173,15 @@ def test_the_operator_polls_progress_into_status_and_counts_the_job(cluster, ope
         return (jobs.get(api, PIPE, "pj") or {}).get("status", {}).get("progress")
 
     api.wait("progress 2/5", lambda: progress() == "2/5", 20)
-    master.answer(report(4))
+    # The spec names no engine: `kubectl get`'s Engine (status.engine) says auto until the
+    # master reports the one it chose.
+    assert jobs.get(api, PIPE, "pj")["status"]["engine"] == "auto"
+    master.answer(report(4, engine="pipelining"))
     api.wait("progress 4/5", lambda: progress() == "4/5", 20)
     job = jobs.get(api, PIPE, "pj")
     training = job["status"]["training"]
     assert (training["step"], training["loss"], training["bubble"]) == (4, 0.4, 0.4)
+    assert training["engine"] == job["status"]["engine"] == "pipelining"
     preflight = next(c for c in job["status"]["conditions"] if c["type"] == st.PREFLIGHT)
     assert (preflight["status"], preflight["message"]) == ("True", "2 links ok")
 
@@ -193,6 +197,7 @@ def test_the_operator_polls_progress_into_status_and_counts_the_job(cluster, ope
     )
     done = jobs.wait_phase(api, PIPE, "pj", "Succeeded", timeout=20)
     assert done["status"]["progress"] == "5/5"
+    assert done["status"]["engine"] == "pipelining"  # the engine it ran on, kept
 
     def scraped() -> dict | None:
         page = samples(operator.get(operator.metrics_url).decode())

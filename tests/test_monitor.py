@@ -38,6 +38,7 @@ PROGRESS_KEYS = {
     "evalPerplexity",
     "evalAuc",
     "memory",
+    "engine",
     "checkpointStep",
     "checkpointTime",
 }
@@ -101,6 +102,7 @@ def test_the_board_over_http() -> None:
         board.memory("master", {"rssPeakBytes": 5 << 20})
         board.memory("stage0", {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20})
         board.checkpointed(12)
+        board.runs_on("pipelining")
         progress = json.loads(get(base + "/progress")[2])
         when = progress.pop("checkpointTime")
         assert Progress.parse(progress | {"checkpointTime": when}).checkpointTime == when
@@ -126,7 +128,10 @@ def test_the_board_over_http() -> None:
                 "stage0": {"rssPeakBytes": 7 << 20, "cudaPeakBytes": 3 << 20},
             },
             "checkpointStep": 12,
+            "engine": "pipelining",
         }
+        assert Progress.parse(progress).engine == "pipelining"
+        assert Progress.parse(progress | {"engine": "auto"}).engine is None  # not an engine run
 
         code, kind, text = get(base + "/metrics")
         assert code == 200 and kind.startswith("text/plain")
@@ -243,6 +248,7 @@ def test_a_running_pipeline_master_reports_progress_and_metrics(tmp_path: Path) 
     last = training[-1]
     assert last["loss"] > 0 and last["samplesPerSecond"] > 0 and 0 <= last["bubble"] < 1
     assert last["resumedFromStep"] is None
+    assert last["engine"] == "pipelining"  # auto's choice, for the operator's status.engine
     assert last["preflight"]["ok"] and re.match(r"3 links, latency", last["preflight"]["message"])
 
     assert poller.metrics, "no /metrics scrape while training"

@@ -213,6 +213,9 @@ class Progress:
     # An elastic world grows back once one is written after capacity returned.
     checkpointStep: int | None = None  # noqa: N815
     checkpointTime: str | None = None  # noqa: N815
+    # PipelineJob: the engine the master runs the job on (rpc or pipelining; the one
+    # `engine: auto` chose), once it has chosen.
+    engine: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -265,6 +268,7 @@ class Progress:
             message=message[:MAX_MESSAGE] if isinstance(message, str) and message else None,
             preflight=preflight,
             memory=_memory_figures(data.get("memory")),
+            engine=_engine(data.get("engine")),
             **figures,
         )
 
@@ -280,6 +284,13 @@ def _memory_figures(data: Any) -> dict[str, dict[str, int]] | None:
         if isinstance(member, str) and isinstance(figures, dict)
     }
     return {member: figures for member, figures in kept.items() if figures} or None
+
+
+def _engine(value: Any) -> str | None:
+    """An engine a master runs a PipelineJob on, else None."""
+    from pipejob.core.kinds.pipeline_schedules import PIPELINING, RPC  # kinds import this
+
+    return value if value in (PIPELINING, RPC) else None
 
 
 def _rfc3339_time(value: Any) -> str | None:

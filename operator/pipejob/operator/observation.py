@@ -146,7 +146,7 @@ class Observed:
         new = self.status()
         if self.size is not None:
             new[self.job.definition.elastic] = self.size
-        return new
+        return self.with_engine(new)
 
     def active_status(self) -> dict:
         """`sized_status()` of a job that is not suspended: with what the master reported, a
@@ -158,4 +158,8 @@ class Observed:
         if preflight is not None:
             new = st.with_preflight(new, False, preflight, self.now)
         new["startTime"] = st.timestamp(self.start)
-        return new
+        return self.with_engine(new)  # as the report says, if it does
+
+    def with_engine(self, new: dict) -> dict:
+        """`new` with the engine the world runs on (st.with_engine), a valid spec's."""
+        return st.with_engine(new, self.parsed.spec) if isinstance(self.parsed, Job) else new

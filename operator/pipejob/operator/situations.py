@@ -89,7 +89,7 @@ def succeeded(seen: Observed) -> Actions | None:
         "step": steps,
         "steps": steps,
     }
-    acts.status = st.with_training(acts.status, done, seen.now)
+    acts.status = seen.with_engine(st.with_training(acts.status, done, seen.now))
     message = f"the master (pod {master['metadata']['name']}) exited 0"
     return transition(acts, seen.old, st.SUCCEEDED, "MasterSucceeded", message, seen.now)
 

@@ -361,7 +361,13 @@ PIPELINE_JOB = Kind(
             "The model as written: a torchvision name, or its object as JSON.",
         ),
         column("Stages", "integer", ".spec.stages"),
-        column("Engine", "string", ".spec.engine"),
+        column(
+            "Engine",
+            "string",
+            ".status.engine",
+            "The engine the job runs on: the one its master chose (spec.engine auto), else"
+            " spec.engine.",
+        ),
         column(
             "Replicas",
             "integer",

@@ -53,6 +53,7 @@ from pipejob.operator.status.pods import (
 )
 from pipejob.operator.status.training import (
     preflight_failure,
+    with_engine,
     with_preflight,
     with_report,
     with_training,
@@ -98,6 +99,7 @@ __all__ = [
     "timestamp",
     "trainer_state",
     "waiting_message",
+    "with_engine",
     "with_phase",
     "with_preflight",
     "with_report",

@@ -57,6 +57,12 @@ STATUS = Field(
             "integer", "PipelineJob: copies of the pipeline the current world runs.", minimum=0
         ),
         "trainers": Field("integer", "HybridJob: trainers the current world runs.", minimum=0),
+        "engine": Field(
+            "string",
+            "PipelineJob: the engine the current world runs on, as its master reported it"
+            " (the one spec.engine auto chose), else spec.engine as written (auto until the"
+            " master has chosen).",
+        ),
         "roles": Field(
             "object",
             "Pods of the current world per role (master, stage, ps, trainer), by pod phase.",
@@ -128,6 +134,11 @@ STATUS = Field(
                 ),
                 "checkpointTime": Field("string", "When it was written (RFC 3339)."),
                 "message": Field("string", "The master's last word on its state."),
+                "engine": Field(
+                    "string",
+                    "PipelineJob: the engine the master runs the job on (rpc or pipelining),"
+                    " once it has chosen.",
+                ),
                 "evalStep": Field(
                     "integer",
                     "The step of the last evaluation on held-out data (spec.eval).",

@@ -42,6 +42,16 @@ def with_report(status: dict, report: Progress, now: datetime) -> dict:
     return out
 
 
+def with_engine(status: dict, spec: dict) -> dict:
+    """A PipelineJob's status.engine (`kubectl get`'s Engine): the engine its master reported
+    running on (the one `engine: auto` chose), else spec.engine as written (auto, before the
+    current world's master has chosen); other kinds' status as it is."""
+    if "engine" not in spec:
+        return status
+    reported = (status.get("training") or {}).get("engine")
+    return dict(status, engine=reported or spec["engine"])
+
+
 def preflight_failure(pods: Iterable[dict]) -> str | None:
     """The termination message of the first failed pod whose preflight check failed."""
     for pod in pods:

@@ -53,6 +53,7 @@ def train(env: Env[PipelineSpec]) -> dict[str, Any]:
             raise
         return eager(env, f"the trace was refused: {e}")
     env, spec = planned.env, planned.env.spec  # on the engine it runs (engine auto's choice)
+    monitor.board().runs_on(spec.engine)  # what `kubectl get` shows (status.engine)
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
     pipelines = engine(spec, "driver").Replicas(planned.replicas, planned.shards, spec, device)
     ema_stages.keep(spec, pipelines)  # spec.ema: before a checkpoint's average is loaded
@@ -93,6 +94,7 @@ def eager(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
     chosen = "the eager path runs on rpc" if env.spec.engine == AUTO else None
     if chosen is not None:
         world.log(env, f"engine auto chose rpc: {chosen}")
+    monitor.board().runs_on(RPC)
     summary = eager_run.train(dataclasses.replace(env, spec=resolved(env.spec, RPC)), why)
     return summary | ({"engineChosen": chosen} if chosen and summary else {})
 

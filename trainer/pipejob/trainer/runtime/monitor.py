@@ -81,6 +81,11 @@ class Board:
         with self._lock:
             self._progress = replace(self._progress, preflight=PreflightResult(ok, message))
 
+    def runs_on(self, engine: str) -> None:
+        """The engine the master runs the job on (a PipelineJob's; auto's choice)."""
+        with self._lock:
+            self._progress = replace(self._progress, engine=engine)
+
     def checkpointed(self, step: int) -> None:
         """The checkpoint of `step` is complete (its manifest written)."""
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

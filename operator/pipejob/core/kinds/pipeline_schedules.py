@@ -149,9 +149,10 @@ def path_lines(spec: dict) -> list[str]:
             " moved on a sample, not timed, so every run cuts the model alike"
         ]
     if eager:
+        how = "counted cost (spec.deterministic)" if spec.get("deterministic") else "measured cost"
         return [
             "path: eager (spec.model.cut: eager): the master runs the model's own forward and"
-            " the stages its costly modules, placed by measured cost when the job starts"
+            f" the stages its costly modules, placed by {how} when the job starts"
         ]
     return []
 

@@ -358,6 +358,9 @@ def test_what_the_eager_path_does_not_carry_is_refused_naming_the_field_never_ig
     fp16 = _esm_job(precision="fp16", gpusPerStage=1)
     refused = refusal(spec.parse(fp16).settings)
     assert refused is not None and "spec.precision" in refused
+    # split points of a trace refused all the same: the eager path places by itself
+    refused = refusal(spec.parse(_esm_job(splitPoints=["layers.2"])).settings)
+    assert refused is not None and "leave spec.splitPoints out" in refused
 
 
 def test_the_eager_path_on_the_pipelining_engine_is_refused_naming_the_field():
@@ -373,6 +376,7 @@ def test_the_eager_path_on_the_pipelining_engine_is_refused_naming_the_field():
     [
         ({"precision": "fp16", "gpusPerStage": 1}, "spec.precision: the eager path"),
         ({"profile": {"steps": [1], "path": "/tmp/p"}}, "spec.profile: the eager path"),
+        ({"splitPoints": ["layers.2"]}, "spec.splitPoints: the eager path .* no split points"),
     ],
 )
 def test_asked_for_eager_what_it_does_not_carry_is_refused_before_anything_starts(fields, refused):

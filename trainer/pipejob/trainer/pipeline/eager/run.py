@@ -15,6 +15,7 @@ from torch import nn
 
 from pipejob.core.averaged import BOTH
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec
+from pipejob.core.kinds.pipeline_schedules import EAGER_SPLIT_POINTS
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import trained_model
 from pipejob.trainer.pipeline.best_step import Judge
@@ -50,6 +51,8 @@ def refusal(spec: PipelineSpec) -> str | None:
         return "the eager path does not scale fp16's loss yet: set spec.precision to bf16"
     if spec.profile is not None:
         return "the eager path does not profile yet: leave spec.profile out"
+    if spec.split_points:
+        return f"the eager path {EAGER_SPLIT_POINTS}"
     return None
 
 

@@ -143,3 +143,40 @@ def test_two_runs_without_split_points_cut_alike_and_write_the_same_bits(text, t
     for run in ("a", "b"):  # where assert_same_bits runs them; jobrun names the summary
         summary = json.loads(next((tmp_path / run).glob("*.summary.json")).read_text())
         assert summary["cutBy"] == "counted"
+
+
+class Gated(nn.Module):
+    """A module that runs only while the glue lets it (a flag set just before its call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.open = nn.Linear(4, 4), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.open:
+            raise RuntimeError("called outside the glue's window")
+        return self.linear(x)
+
+
+class OpensTheGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.out = Gated(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.gate.open = True
+        y = self.gate(x)
+        self.gate.open = False
+        return self.out(y)
+
+
+def test_a_module_that_cannot_be_counted_again_is_named_with_the_way_out():
+    model = OpensTheGate()
+    run = no_grad_run(model, torch.randn(2, 4))
+    place(model, run, 2)  # timed, it places
+    with pytest.raises(
+        ValueError,
+        match=r"spec.deterministic: gate cannot be counted .*"
+        r"RuntimeError: called outside .* leave spec.deterministic out",
+    ):
+        place(model, run, 2, counted=True)

@@ -112,7 +112,14 @@ def counted_calls(model: nn.Module, inputs: list[tuple[str, Any, Any]]) -> list[
     for name, args, kwargs in inputs:
         if name not in copies:
             copies[name] = copy.deepcopy(model.get_submodule(name))
-        calls.append((name, count_call(copies[name], args, kwargs)))
+        try:
+            calls.append((name, count_call(copies[name], args, kwargs)))
+        except Exception as e:  # a forward that needs what the glue set just before it
+            raise ValueError(
+                f"spec.deterministic: {name} cannot be counted (called again on a copy of the"
+                f" inputs the forward gave it, it raised {type(e).__name__}: {e}); leave"
+                " spec.deterministic out to place the modules by timing"
+            ) from e
     return calls
 
 

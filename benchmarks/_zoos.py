@@ -318,7 +318,8 @@ def _timm_model(name: str) -> Entry:
 
     config = timm.get_pretrained_cfg(name)
     channels, size, _ = config.input_size if config is not None else (3, 224, 224)
-    extra, size = _timm_small(name, channels, size)
+    smallest = getattr(config, "min_input_size", None) or (channels, size, size)
+    extra, size = _timm_small(name, channels, size, smallest[1])
 
     def factory() -> nn.Module:
         return timm.create_model(name, pretrained=False, num_classes=10, **extra)
@@ -326,21 +327,24 @@ def _timm_model(name: str) -> Entry:
     return factory, _images(size, channels)
 
 
-def _timm_small(name: str, channels: int, size: int) -> tuple[dict[str, Any], int]:
+def _timm_small(name: str, channels: int, size: int, smallest: int) -> tuple[dict[str, Any], int]:
     """The small image a timm model runs at (float64 at 224x224 takes minutes a model on 2
     cores, and the cut is the same at any size): given as `img_size` to a model that takes
     it (vision transformers), else as the input of one that takes any; found by a forward
-    on the meta device. Else the model's own size."""
+    on the meta device. Else the `smallest` its config says it takes (Gemma 4's ViT pools
+    3x3 cells of 16-pixel patches: 96, where its own 768 is 64 times the tokens); else the
+    model's own size."""
     import timm
 
-    for extra in ({"img_size": SMALL_IMAGE}, {}):
-        try:
-            with torch.device("meta"):
-                model = timm.create_model(name, pretrained=False, num_classes=10, **extra)
-                model(torch.empty(1, channels, SMALL_IMAGE, SMALL_IMAGE))
-            return extra, SMALL_IMAGE
-        except Exception:  # noqa: BLE001 (a model that needs its own size keeps it)
-            continue
+    for small in dict.fromkeys([SMALL_IMAGE, max(smallest, SMALL_IMAGE)]):
+        for extra in ({"img_size": small}, {}):
+            try:
+                with torch.device("meta"):
+                    model = timm.create_model(name, pretrained=False, num_classes=10, **extra)
+                    model(torch.empty(1, channels, small, small))
+                return extra, small
+            except Exception:  # noqa: BLE001 (a model that needs its own size keeps it)
+                continue
     return {}, size
 
 

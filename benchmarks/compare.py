@@ -8,6 +8,8 @@ batch, image size, model split and thread budget:
   pipejob-gpipe, pipejob-1f1b, pipejob-interleaved-1f1b, pipejob-zero-bubble
             the PipelineJob on its pipelining engine (spec.engine), with that schedule (the
             interleaved ones 2 stages per process), at each count the schedule can run
+  pipejob-eager  the PipelineJob on the eager path (spec.model.cut: eager, rpc engine): the
+            master runs ResNet-50's forward, the stages its costly modules (issue 56)
   baseline  the tutorial's RPC pipeline, written faithfully (baseline_pipeline.py)
   gpipe     torch.distributed.pipelining ScheduleGPipe, 2 processes over gloo
   1f1b      torch.distributed.pipelining Schedule1F1B, 2 processes over gloo
@@ -81,7 +83,7 @@ ENGINES = {
         "stagesPerProcess": 2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1,
     }
     for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-}
+} | {"pipejob-eager": {"engine": "rpc", "model": {"torchvision": "resnet50", "cut": "eager"}}}
 SYSTEMS = (
     "pipejob",
     "pipejob-auto",
@@ -211,8 +213,12 @@ def run_pipejob(
             env,
             echo(cfg.verbose),
         )
-        rate, bubble = summary["samplesPerSecond"], summary["bubble"]["measured"]
-        cut = ", ".join(st["layers"][0] for st in summary["partition"][1:])
+        # The eager path measures no bubble; its summary names its placed modules instead.
+        rate, bubble = summary["samplesPerSecond"], summary.get("bubble", {}).get("measured")
+        if "placement" in summary:
+            cut = ", ".join(names[0] for names in summary["placement"][1:])
+        else:
+            cut = ", ".join(st["layers"][0] for st in summary["partition"][1:])
         runs.append(
             Run(
                 system,
@@ -418,6 +424,7 @@ def report(runs: list[Run], cpus: int) -> str:
     for system in (s for s in ENGINES if s in rate):
         ratio(system, "pipejob", None, f"{system} / pipejob (the engines)")
     ratio("pipejob", "baseline", 1.3)
+    ratio("pipejob-eager", "baseline", 1.0, "pipejob-eager / baseline (issue 56)")
     if "gpipe" in rate or "1f1b" in rate:
         better = max((s for s in ("gpipe", "1f1b") if s in rate), key=rate.get)
         ratio("pipejob", better, 1.2, f"pipejob / better of GPipe, 1F1B ({better})")

@@ -1,10 +1,11 @@
 """spec.deterministic's cut (issue 57): counted, not timed (pipeline/counted_cost.py), so two
-runs of one manifest cut the model alike on a busy machine; `microBatches: auto`, which times
-its candidates, is refused with it."""
+runs of one manifest cut the model alike on a busy machine, and the eager path places its
+modules alike; `microBatches: auto`, which times its candidates, is refused with it."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from jobrun import pipeline_job
 from pipejob.core import spec
 from pipejob.trainer.pipeline.balance import min_max_partition
 from pipejob.trainer.pipeline.counted_cost import FLOPS_PER_BYTE, count_chain
+from pipejob.trainer.pipeline.eager.placement import describe, no_grad_run, place
 
 WIDTHS = [(16, 64), (64, 256), (256, 64), (64, 8)]  # Linear layers, a ReLU after each but the last
 
@@ -57,6 +59,59 @@ def test_the_counted_split_puts_the_wide_layers_apart():
     assert min_max_partition(costs.seconds, 3) == [range(0, 3), range(3, 4), range(4, 7)]
 
 
+class Slow(nn.Module):
+    """A Linear whose forward also waits (a Python loop, a busy machine): time it costs that
+    no count sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return self.linear(x)
+
+
+class FourLayers(nn.Module):
+    """Four equal Linear layers, the first slow; the forward passes one a keyword argument,
+    as ESM's glue does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slow, self.a, self.b, self.c = Slow(), nn.Linear(64, 64), nn.Linear(64, 64), Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(self.slow(x))), scale=2.0)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.linear(x) * scale
+
+
+def test_the_eager_path_places_by_counted_cost_alike_every_time():
+    """spec.deterministic on the eager path: each module's forward + backward FLOPs and bytes
+    moved, as the traced cut counts a piece, so two placements are the same, whatever the
+    machine's load; timed, the slow module would sit alone on the first stage."""
+    torch.manual_seed(0)
+    model = FourLayers()
+    run = no_grad_run(model, torch.randn(8, 64))
+    first, second = (place(model, run, 2, counted=True) for _ in range(2))
+    assert first.counted and first.stages == [["slow", "a"], ["b", "c"]]
+    assert (first.stages, first.costs) == (second.stages, second.costs)
+    timed = place(model, run, 2)
+    assert not timed.counted and timed.stages == [["slow"], ["a", "b", "c"]]
+    b = 8  # each Linear (a, its input's gradient needed): three matmuls; in and out, twice
+    linear = 3 * (2 * b * 64 * 64) + FLOPS_PER_BYTE * 2 * 4 * (b * 64 + b * 64)
+    assert first.costs == dict.fromkeys(["slow", "a", "b", "c"], linear)  # c's keyword too
+    assert describe(first)[0] == "stage 0: slow, a (50% of counted cost)"
+    assert all(p.grad is None for p in model.parameters())  # counted on copies
+
+
 def test_auto_micro_batches_are_refused_with_deterministic():
     job = pipeline_job("j", microBatches="auto", deterministic=True)
     with pytest.raises(ValueError, match="spec.microBatches: auto chooses the count by timing"):
@@ -88,3 +143,40 @@ def test_two_runs_without_split_points_cut_alike_and_write_the_same_bits(text, t
     for run in ("a", "b"):  # where assert_same_bits runs them; jobrun names the summary
         summary = json.loads(next((tmp_path / run).glob("*.summary.json")).read_text())
         assert summary["cutBy"] == "counted"
+
+
+class Gated(nn.Module):
+    """A module that runs only while the glue lets it (a flag set just before its call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.open = nn.Linear(4, 4), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.open:
+            raise RuntimeError("called outside the glue's window")
+        return self.linear(x)
+
+
+class OpensTheGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.out = Gated(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.gate.open = True
+        y = self.gate(x)
+        self.gate.open = False
+        return self.out(y)
+
+
+def test_a_module_that_cannot_be_counted_again_is_named_with_the_way_out():
+    model = OpensTheGate()
+    run = no_grad_run(model, torch.randn(2, 4))
+    place(model, run, 2)  # timed, it places
+    with pytest.raises(
+        ValueError,
+        match=r"spec.deterministic: gate cannot be counted .*"
+        r"RuntimeError: called outside .* leave spec.deterministic out",
+    ):
+        place(model, run, 2, counted=True)

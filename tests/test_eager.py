@@ -343,6 +343,10 @@ def test_plan_says_the_path_where_the_spec_asks_for_it():
     assert any(line.startswith("path: eager") for line in job.definition.describe(job.spec))
     job = spec.parse(_esm_job())
     assert not any(line.startswith("path:") for line in job.definition.describe(job.spec))
+    model = {"import": "userpkg.esmlike:esm2", "cut": "eager"}
+    job = spec.parse(_esm_job(model=model, deterministic=True))
+    lines = job.definition.describe(job.spec)
+    assert any(line.startswith("path: eager") and "counted cost" in line for line in lines)
 
 
 def test_what_the_eager_path_does_not_carry_is_refused_naming_the_field_never_ignored():
@@ -354,6 +358,9 @@ def test_what_the_eager_path_does_not_carry_is_refused_naming_the_field_never_ig
     fp16 = _esm_job(precision="fp16", gpusPerStage=1)
     refused = refusal(spec.parse(fp16).settings)
     assert refused is not None and "spec.precision" in refused
+    # split points of a trace refused all the same: the eager path places by itself
+    refused = refusal(spec.parse(_esm_job(splitPoints=["layers.2"])).settings)
+    assert refused is not None and "leave spec.splitPoints out" in refused
 
 
 def test_the_eager_path_on_the_pipelining_engine_is_refused_naming_the_field():
@@ -369,6 +376,7 @@ def test_the_eager_path_on_the_pipelining_engine_is_refused_naming_the_field():
     [
         ({"precision": "fp16", "gpusPerStage": 1}, "spec.precision: the eager path"),
         ({"profile": {"steps": [1], "path": "/tmp/p"}}, "spec.profile: the eager path"),
+        ({"splitPoints": ["layers.2"]}, "spec.splitPoints: the eager path .* no split points"),
     ],
 )
 def test_asked_for_eager_what_it_does_not_carry_is_refused_before_anything_starts(fields, refused):
@@ -444,6 +452,7 @@ def test_a_model_the_trace_refuses_trains_on_the_eager_path_as_one_process(tmp_p
     assert summary["pathReason"].startswith("the trace was refused")
     assert "padding_mask.any()" in summary["pathReason"]
     assert summary["glueParameters"] == 0  # every module with parameters lives on a stage
+    assert summary["cutBy"] == "timed"  # spec.deterministic counts instead: test_counted_cut
     loss, expected = _one_process_step(manifest, lr=0.5)
     assert summary["losses"][0] == pytest.approx(loss, rel=1e-12)
     trained = model_files.load_state_dict(out)
@@ -483,8 +492,9 @@ def test_replicas_and_accumulated_batches_on_the_eager_path_step_as_one_process(
 
 @pytest.mark.slow  # two worlds; replicas staying identical: the fast replicas test above
 def test_two_runs_with_replicas_on_the_eager_path_give_the_same_bits(tmp_path, monkeypatch):
-    """Adam over 3 steps of 2 replicas: two runs' losses, gradient norms and trained models
-    are equal to the bit (every sum in a fixed order, the replicas' in replica order)."""
+    """Adam over 3 steps of 2 replicas, spec.deterministic: two runs' placements (counted,
+    not timed), losses, gradient norms and trained models are equal to the bit (every sum
+    in a fixed order, the replicas' in replica order)."""
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
     runs = []
     for name in ("one", "two"):
@@ -494,13 +504,16 @@ def test_two_runs_with_replicas_on_the_eager_path_give_the_same_bits(tmp_path, m
             optimizer={"name": "adam", "lr": 0.01},
             steps=3,
             replicas=2,
+            deterministic=True,
             output={"path": str(tmp_path / name / "out")},
         )
         code, output, summary = run_to_end(manifest, tmp_path / name, timeout=300)
         assert code == 0 and summary is not None, output[-3000:]
+        assert summary["cutBy"] == "counted" and "placed by counted cost" in output
         runs.append((summary, model_files.load_state_dict(tmp_path / name / "out")))
     (first, one), (second, two) = runs
     assert first["losses"] == second["losses"] and first["gradNorms"] == second["gradNorms"]
+    assert first["placement"] == second["placement"]
     assert sorted(one) == sorted(two)
     assert all(torch.equal(one[k], two[k]) for k in one)
 

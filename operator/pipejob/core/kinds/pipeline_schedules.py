@@ -149,9 +149,10 @@ def path_lines(spec: dict) -> list[str]:
             " moved on a sample, not timed, so every run cuts the model alike"
         ]
     if eager:
+        how = "counted cost (spec.deterministic)" if spec.get("deterministic") else "measured cost"
         return [
             "path: eager (spec.model.cut: eager): the master runs the model's own forward and"
-            " the stages its costly modules, placed by measured cost when the job starts"
+            f" the stages its costly modules, placed by {how} when the job starts"
         ]
     return []
 
@@ -183,6 +184,13 @@ def micro_batch_errors(spec: dict) -> list[SpecError]:
 
 
 # spec.model.cut: eager (a model the trace cannot read): what that path does not run yet
+EAGER_SPLIT_POINTS = (
+    "places the forward's modules itself and takes no split points (they name where the"
+    " traced cut's stages begin; with spec.deterministic it places by counted cost, alike in"
+    " every run): leave spec.splitPoints out"
+)
+
+
 def eager_rules() -> list[Rule]:
     """The fields a job on the eager path (model.cut: eager) is refused at validation,
     before any process starts (a job that takes the path by itself is refused when its
@@ -205,6 +213,12 @@ def eager_rules() -> list[Rule]:
             "!has(self.profile)",
             lambda s: s.get("profile") is None,
             "does not profile yet: leave spec.profile out",
+        ),
+        _eager_refuses(
+            "splitPoints",
+            "!has(self.splitPoints) || size(self.splitPoints) == 0",
+            lambda s: not s.get("splitPoints"),
+            EAGER_SPLIT_POINTS,
         ),
     ]
 

@@ -1,6 +1,7 @@
 """What each piece of the model costs, counted instead of timed (spec.deterministic): its
 forward + backward FLOPs (torch's FlopCounterMode) plus the bytes it moves, so that every
-run of one manifest cuts the model where the last did, whatever else shares the machine.
+run of one manifest cuts the model where the last did (and the eager path places its
+modules where the last did), whatever else shares the machine.
 How and why: the user guide's "Same seed, same bits"."""
 
 from __future__ import annotations
@@ -51,6 +52,24 @@ def count_chain(
         values = outs
     passed = tree_map_only(torch.Tensor, torch.Tensor.detach, values)
     return LayerCosts(costs, list(costs), passes_tensors=passes_tensors, counted=True), passed
+
+
+def count_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    """What one call of `module` on `args` and `kwargs` costs, counted as count_chain counts
+    a piece (the eager path's placement under spec.deterministic: a module the forward calls
+    with keyword arguments, its outputs anything): forward + backward FLOPs plus
+    FLOPS_PER_BYTE x the bytes of its inputs and outputs, twice. Every floating input gets a
+    gradient, as a value from the master's glue does; `module`'s own gradients are dropped
+    after (give it a copy to keep its statistics too)."""
+    args, kwargs = as_input(args, True), as_input(kwargs, True)
+    with torch.enable_grad(), FlopCounterMode(display=False) as counter:
+        out = module(*args, **kwargs)
+        grown = [t for t in tensors(out) if t.requires_grad]
+        if grown:  # a frozen module on data that needs no gradient has no backward
+            torch.autograd.backward([t.sum() for t in grown])
+    module.zero_grad(set_to_none=True)
+    moved = 2 * (nbytes([args, kwargs]) + nbytes([out]))
+    return float(counter.get_total_flops() + FLOPS_PER_BYTE * moved)
 
 
 def nbytes(values: Sequence[Any]) -> int:

@@ -1,10 +1,13 @@
 """Which of the model's submodules live on which stage on the eager path: the modules the
 forward calls (outermost first, the costliest opened into its children while there are fewer
 than two per stage), in the order they first run, split among the stages by their measured
-forward cost with the balanced cut's min-max split (pipeline/balance.py)."""
+forward cost with the balanced cut's min-max split (pipeline/balance.py); under
+spec.deterministic by their counted cost (pipeline/counted_cost.py), so that every run of one
+manifest places them alike."""
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,8 +15,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from pipejob.trainer.pipeline.balance import min_max_partition
+from pipejob.trainer.pipeline.counted_cost import count_call
 
 # Units wanted per stage before the costliest is opened no further (as the traced cut's
 # CANDIDATES_PER_STAGE): enough for the min-max split to balance.
@@ -31,13 +36,15 @@ CHANGES_STATE = (
 @dataclass
 class Placement:
     """Per stage, the names of the modules it holds, in the order the forward first calls
-    them; each module's measured forward seconds; the modules kept with the master's glue,
-    with why; the other names of a placed module registered under more than one."""
+    them; each module's measured forward seconds (or, `counted`, its counted cost); the
+    modules kept with the master's glue, with why; the other names of a placed module
+    registered under more than one."""
 
     stages: list[list[str]]
     costs: dict[str, float]
     kept: dict[str, str] = field(default_factory=dict)
     also: dict[str, list[str]] = field(default_factory=dict)
+    counted: bool = False
 
     def one_at_a_time(self) -> bool:
         """Whether the micro-batches' forwards must run one at a time, in order: a module
@@ -53,19 +60,26 @@ class Placement:
 
 
 def record_calls(
-    model: nn.Module, run: Callable[[], object], names: list[str], called: set[str] | None = None
+    model: nn.Module,
+    run: Callable[[], object],
+    names: list[str],
+    called: set[str] | None = None,
+    counted: bool = False,
 ) -> list[tuple[str, float]]:
     """Each call that `run()` makes of the modules `names` (the model's own names) outside a
-    call of another of them, in order, with its seconds; `called` gets every name called,
-    inside another's call too."""
+    call of another of them, in order, with its seconds (`counted`: its counted cost, the
+    same on any machine); `called` gets every name called, inside another's call too."""
     active: list[tuple[str, float]] = []
     calls: list[tuple[str, float]] = []
+    inputs: list[tuple[str, Any, Any]] = []  # counted: each call's, counted after the run
     called = set() if called is None else called
     handles = []
 
     def before(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: object) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             called.add(name)
+            if counted and not active:  # copies: the glue may change them in place after
+                inputs.append((name, *tree_map_only(torch.Tensor, torch.clone, (args, kwargs))))
             active.append((name, time.perf_counter()))
 
         return hook
@@ -80,13 +94,32 @@ def record_calls(
 
     for name in names:
         module = model.get_submodule(name)
-        handles.append(module.register_forward_pre_hook(before(name)))
+        handles.append(module.register_forward_pre_hook(before(name), with_kwargs=True))
         handles.append(module.register_forward_hook(after(name)))
     try:
         run()
     finally:
         for handle in handles:
             handle.remove()
+    return counted_calls(model, inputs) if counted else calls
+
+
+def counted_calls(model: nn.Module, inputs: list[tuple[str, Any, Any]]) -> list[tuple[str, float]]:
+    """Each recorded call (a module's name, its inputs) with its counted cost, on a copy of
+    the module (so BatchNorm's statistics and the gradients stay the model's)."""
+    copies: dict[str, nn.Module] = {}
+    calls = []
+    for name, args, kwargs in inputs:
+        if name not in copies:
+            copies[name] = copy.deepcopy(model.get_submodule(name))
+        try:
+            calls.append((name, count_call(copies[name], args, kwargs)))
+        except Exception as e:  # a forward that needs what the glue set just before it
+            raise ValueError(
+                f"spec.deterministic: {name} cannot be counted (called again on a copy of the"
+                f" inputs the forward gave it, it raised {type(e).__name__}: {e}); leave"
+                " spec.deterministic out to place the modules by timing"
+            ) from e
     return calls
 
 
@@ -109,17 +142,18 @@ def _holds_parameters(module: nn.Module) -> bool:
 
 
 def measured_units(
-    model: nn.Module, run: Callable[[], object], stages: int
+    model: nn.Module, run: Callable[[], object], stages: int, counted: bool = False
 ) -> tuple[list[str], dict[str, float]]:
     """The units the forward calls that hold parameters, in the order they first run, and
-    their forward seconds (every call added); the costliest opened while there are fewer than
-    UNITS_PER_STAGE per stage and it has children that hold parameters."""
+    their forward seconds (`counted`: their counted cost; every call added); the costliest
+    opened while there are fewer than UNITS_PER_STAGE per stage and it has children that
+    hold parameters."""
     opened = {""}
     for _ in range(MAX_OPENINGS):
         costs: dict[str, float] = {}
         candidates = children(model, opened)
         called: set[str] = set()
-        for name, seconds in record_calls(model, run, candidates, called):
+        for name, seconds in record_calls(model, run, candidates, called, counted):
             costs[name] = costs.get(name, 0.0) + seconds
         # A container the forward never calls (a ModuleList) opens into the items it calls.
         containers = {
@@ -142,13 +176,18 @@ def measured_units(
 
 
 def place(
-    model: nn.Module, run: Callable[[], object], stages: int, keep: dict[str, str] | None = None
+    model: nn.Module,
+    run: Callable[[], object],
+    stages: int,
+    keep: dict[str, str] | None = None,
+    counted: bool = False,
 ) -> Placement:
     """The placement of the model's costly modules on `stages` stages (`run()`: one forward
-    of a micro-batch), but the modules `keep` (with why). A module sharing a parameter with
+    of a micro-batch), but the modules `keep` (with why), by their measured forward seconds
+    or (`counted`: spec.deterministic) their counted cost. A module sharing a parameter with
     the glue stays with the glue; two sharing one live on the first one's stage (a parameter
     lives in one place)."""
-    units, costs = measured_units(model, run, stages)
+    units, costs = measured_units(model, run, stages, counted)
     kept = dict(keep or {})
     units = [u for u in units if u not in kept]
     kept |= shared_with_glue(model, units)
@@ -170,7 +209,7 @@ def place(
             owner.setdefault(i, stage[u])
     placed = [[u for u in units if stage[u] == i] for i in range(stages)]
     also = {u: others for u in units if (others := aliases(model, u)[1:])}
-    return Placement(placed, {u: costs[u] for u in units}, kept, also)
+    return Placement(placed, {u: costs[u] for u in units}, kept, also, counted)
 
 
 def shared_with_glue(model: nn.Module, units: list[str]) -> dict[str, str]:
@@ -230,11 +269,12 @@ def under_every_name(state: dict[str, Any], also: dict[str, list[str]]) -> dict[
 
 
 def describe(placement: Placement) -> list[str]:
-    """One line per stage: its modules and its share of the measured cost."""
+    """One line per stage: its modules and its share of the measured (or counted) cost."""
     total = sum(placement.costs.values()) or 1.0
+    how = "counted" if placement.counted else "measured"
     return [
         f"stage {i}: {', '.join(names)} ({sum(placement.costs[n] for n in names) / total:.0%}"
-        " of measured cost)"
+        f" of {how} cost)"
         for i, names in enumerate(placement.stages)
     ]
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from pipejob.core.averaged import BOTH
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec
+from pipejob.core.kinds.pipeline_schedules import EAGER_SPLIT_POINTS
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import trained_model
 from pipejob.trainer.pipeline.best_step import Judge
@@ -50,6 +51,8 @@ def refusal(spec: PipelineSpec) -> str | None:
         return "the eager path does not scale fp16's loss yet: set spec.precision to bf16"
     if spec.profile is not None:
         return "the eager path does not profile yet: leave spec.profile out"
+    if spec.split_points:
+        return f"the eager path {EAGER_SPLIT_POINTS}"
     return None
 
 
@@ -61,8 +64,8 @@ def micro_batches(spec: PipelineSpec) -> int:
 
 
 def placed(env: Env[PipelineSpec], model: nn.Module, m: int) -> Placement:
-    """The placement of the model's modules on the stages, measured on one micro-batch of
-    the data and checked in one process (check.py)."""
+    """The placement of the model's modules on the stages, measured (spec.deterministic:
+    counted) on one micro-batch of the data and checked in one process (check.py)."""
     spec = env.spec
     with data.Feed(spec) as feed:
         world.log(env, f"data: {feed.description}")
@@ -72,7 +75,10 @@ def placed(env: Env[PipelineSpec], model: nn.Module, m: int) -> Placement:
     run = no_grad_run(model, first)
     run()  # warm-up: the first call of a kernel costs more than the next
     other = no_grad_run(model, second)
-    placement = check(model, run, lambda kept: place(model, run, spec.stages, kept), other)
+    counted = spec.deterministic  # counted_cost.py: two runs place alike, whatever the load
+    if counted:
+        world.log(env, "the stages count what each module costs (spec.deterministic)")
+    placement = check(model, run, lambda kept: place(model, run, spec.stages, kept, counted), other)
     for line in describe(placement):
         world.log(env, line)
     for name, why in placement.kept.items():
@@ -265,6 +271,7 @@ def summarize(
         gradientAccumulation=spec.gradient_accumulation,
         glueParameters=glue_parameters,  # what the master holds of the model
         placement=placement.stages,
+        cutBy="counted" if placement.counted else "timed",  # as the traced cut's summary says
         keptWithGlue=placement.kept,
         forwardsOneAtATime=placement.one_at_a_time(),  # else the micro-batches' at once
         **curve_figures(results),
@@ -286,6 +293,7 @@ def render(s: dict[str, Any]) -> str:
         f"  final loss {s['finalLoss']:.4f}; {s['samplesPerSecond']:.1f} samples/s,"
         f" {s['secondsPerStep']:.3f} s/step",
     ]
+    lines.append(f"  placed by {'counted' if s['cutBy'] == 'counted' else 'measured'} cost")
     lines += [f"  stage {i}: {', '.join(names)}" for i, names in enumerate(s["placement"])]
     if s["replicas"] > 1:
         lines.append(f"  largest difference between replicas {s['replicaDivergence']:.3g}")

@@ -6,7 +6,6 @@ API server, with the reconciler the operator runs."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,7 +36,7 @@ def state(reconciler: Reconciler) -> dict[str, int]:
         "jobs": len(reconciler.jobs),
         "training": len(reconciler.training),
         "locks": len(reconciler._locks),
-        "queued": len(reconciler._queued),
+        "queued": len(reconciler.queue),
         "phases": len(reconciler.metrics._phases),
     }
 
@@ -53,19 +52,20 @@ def test_the_state_kept_per_job_is_emptied_when_the_jobs_are_deleted(tmp_path) -
         for m in made.values():
             jobs.create(c.api, m, NS)
 
-        def kick_twice(key) -> None:  # as a job's event and its pods' would, side by side
+        reconciler.start(4)
+        for key in keys * 2:  # a job's events and its pods', as kopf's handlers queue them
             reconciler.track(key)
-            for _ in range(2):
-                reconciler.kick(key)
-
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(kick_twice, keys * 2))
+            reconciler.enqueue(key, new=True)
+            reconciler.enqueue(key)
+        assert reconciler.queue.drained(45)
         assert all(jobs.pods(c.api, n, NS) for n in made)  # the reconciles made the worlds
         assert state(reconciler)["jobs"] == 4 and state(reconciler)["phases"] == 4
         for name, m in made.items():
             c.api.delete(jobs.resource(m["kind"]), name, NS)
         for key in keys[:2]:  # their DELETED events
             reconciler.forget(key)
-        with ThreadPoolExecutor(4) as pool:  # the others found gone by a resync
-            list(pool.map(reconciler.kick, keys[2:]))
+        for key in keys[2:]:  # the others found gone by a resync
+            reconciler.enqueue(key, poll=True)
+        assert reconciler.queue.drained(45)
+        reconciler.stop()
         assert state(reconciler) == dict.fromkeys(state(reconciler), 0)

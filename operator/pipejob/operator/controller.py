@@ -34,7 +34,7 @@ from pipejob.operator import (
     resync,
     status,
 )
-from pipejob.operator.cluster import ApiError, Cluster
+from pipejob.operator.cluster import LIST_CHUNK, ApiError, Cluster
 from pipejob.operator.operator_metrics import OperatorMetrics
 from pipejob.operator.workqueue import WorkQueue
 
@@ -293,6 +293,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # Serve exactly the namespaces asked for; no CRD or Namespace watching (least privilege).
     settings.scanning.disabled = True
     settings.posting.level = logging.WARNING  # kopf's own Events: only its errors
+    # Only the jobs' pods, listed in chunks: kopf keeps a record of every object it watches,
+    # and a whole LIST of 5,000 jobs' pods would be the operator's largest allocation.
+    settings.watching.label_selectors["v1", "pods"] = kube.JOB_LABEL
+    settings.watching.chunk_size = LIST_CHUNK
     memo.reconciler = Reconciler(Cluster(), kube.trainer_image())
     memo.reconciler.start()
     memo.timers = [asyncio.create_task(_resync(memo.reconciler, resync_seconds()))]
@@ -320,10 +324,15 @@ def probe(memo: kopf.Memo, **_: Any) -> int:
 
 async def _resync(reconciler: Reconciler, interval: float) -> None:
     """Every job, every `interval`: deadlines, TTLs, missed events (and progress); only the
-    jobs a snapshot shows needing it are read afresh (resync.py)."""
+    jobs a snapshot shows needing it are read afresh (resync.py), and a round that took long
+    is followed by a longer pause (resync.pause)."""
+    took = 0.0
     while True:
-        await asyncio.sleep(interval)
-        for key in await asyncio.to_thread(reconciler.due):
+        await asyncio.sleep(resync.pause(interval, took))
+        started = time.monotonic()
+        due = await asyncio.to_thread(reconciler.due)
+        took = time.monotonic() - started
+        for key in due:
             reconciler.enqueue(key, poll=True)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import queue
 import resource
 import shutil
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import yaml
 from _cluster import NAMESPACE, LeanApiServer, Operator
-from _common import REPO, load_average, machine, spread
+from _common import REPO, counters, load_average, machine, spread
 
 sys.path.insert(0, str(REPO / "tests"))
 import harness.cluster  # noqa: E402  (the tests' harness lives in tests/)
@@ -54,10 +55,11 @@ class Refused(Exception):
     """The operator failed a job the benchmark made: the run cannot measure what it meant to."""
 
 
-def own_cpu_seconds() -> float:
-    """CPU seconds of this process: the emulated API server, the stand-in node, the watches."""
+def own_cpu_seconds() -> tuple[float, float]:
+    """CPU seconds of this process (the emulated API server, the stand-in node, the watches),
+    and of the emulator's thread alone (LeanApiServer names it)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime, counters(os.getpid()).threads.get("apiserver", 0.0)
 
 
 def say(message: str) -> None:
@@ -207,10 +209,11 @@ def one_at_a_time(api: Api, watch: PodWatch, shape: str, count: int, timeout: fl
 
 
 def at_scale(
-    api: Api, watch: PodWatch, count: int, rate: float, timeout: float
+    api: Api, watch: PodWatch, count: int, rate: float, timeout: float, tick=None
 ) -> tuple[list[float], float]:
     """`count` jobs, 2-stage PipelineJobs and HybridJobs in turn, created at `rate` per second
-    (4 clients) and kept: each one's creation-to-pods time, and the time until all run."""
+    (4 clients) and kept: each one's creation-to-pods time, and the time until all run.
+    `tick(latencies, seconds)` is called at each tenth of the jobs whose pods were seen."""
     shapes = {f"scale-{i}": ("2", "hybrid")[i % 2] for i in range(count)}
     created: dict[str, float] = {}
     start = time.perf_counter()
@@ -224,9 +227,16 @@ def at_scale(
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(create, enumerate(shapes)))
     say(f"  posted {count} jobs in {time.perf_counter() - start:.1f}s")
-    each = [watch.wait_all(pod_names(n, s), timeout) - created[n] for n, s in shapes.items()]
+    each = []
+    for k, (name, shape) in enumerate(shapes.items(), 1):
+        each.append(watch.wait_all(pod_names(name, shape), timeout) - created[name])
+        if tick is not None and k % max(1, count // 10) == 0:
+            tick(each, time.perf_counter() - start)
+    took = time.perf_counter() - start
     say(
-        f"  every job's pods after {time.perf_counter() - start:.1f}s; creation-to-pods p50"
+        f"  every job's pods after {took:.1f}s ({count / took:.2f} jobs/s against {rate:g}/s"
+        f" created; a creation pace above what the operator and the emulator keep up with"
+        f" makes a queue, which the p50 then measures); creation-to-pods p50"
         f" {spread(each)[1]:.3f}s p99 {percentile(each, 0.99):.3f}s"
     )
     deadline = time.monotonic() + timeout
@@ -243,10 +253,21 @@ def measure(args: argparse.Namespace, c: Cluster, operator: Operator, watch: Pod
     rows = []
     if args.scale:
         cpu, asked = operator.cpu_seconds(), LeanApiServer.operator_requests
-        calls, ours = Counter(LeanApiServer.by_call), own_cpu_seconds()
-        each, running = at_scale(c.api, watch, args.scale, args.rate, args.timeout)
+        calls, (ours, emulator) = Counter(LeanApiServer.by_call), own_cpu_seconds()
+
+        def tick(each: list[float], seconds: float) -> None:
+            rss, peak = operator.memory()
+            say(
+                f"    {len(each)} jobs' pods after {seconds:.0f}s (creation-to-pods p50"
+                f" {spread(each)[1]:.2f}s p99 {percentile(each, 0.99):.2f}s so far): operator"
+                f" {operator.cpu_seconds() - cpu:.0f} CPU-s, RSS {rss:.0f} MB (peak {peak:.0f});"
+                f" emulator {own_cpu_seconds()[1] - emulator:.0f} CPU-s; {load_average()}"
+            )
+
+        each, running = at_scale(c.api, watch, args.scale, args.rate, args.timeout, tick)
         cpu, asked = operator.cpu_seconds() - cpu, LeanApiServer.operator_requests - asked
-        calls, ours = LeanApiServer.by_call - calls, own_cpu_seconds() - ours
+        now = own_cpu_seconds()
+        calls, ours, emulator = LeanApiServer.by_call - calls, now[0] - ours, now[1] - emulator
         rss, peak = operator.memory()
         rows.append((f"{args.scale} jobs kept", spread(each)[1], percentile(each, 0.99)))
         say(
@@ -254,7 +275,8 @@ def measure(args: argparse.Namespace, c: Cluster, operator: Operator, watch: Pod
             f" p99 {percentile(each, 0.99):.3f}s; all Running after {running:.1f}s; operator"
             f" {cpu:.1f} CPU-s ({cpu / args.scale * 1000:.0f} CPU-ms/job),"
             f" {asked / args.scale:.1f} API requests/job, RSS {rss:.0f} MB (peak {peak:.0f} MB);"
-            f" this process (the emulated API server, the stand-in node, the watches)"
+            f" the emulated API server {emulator:.1f} CPU-s ({emulator / cpu:.1f}x the"
+            f" operator's), this process in all (with the stand-in node and the watches)"
             f" {ours:.1f} CPU-s; {load_average()}"
         )
         say(
@@ -262,9 +284,10 @@ def measure(args: argparse.Namespace, c: Cluster, operator: Operator, watch: Pod
             + ", ".join(f"{name} {n / args.scale:.1f}" for name, n in calls.most_common(12))
         )
     for shape in [s for s in args.sizes.split(",") if s] if args.jobs else []:
-        cpu = operator.cpu_seconds()
+        cpu, emulator = operator.cpu_seconds(), own_cpu_seconds()[1]
         lat = one_at_a_time(c.api, watch, shape, args.jobs, args.timeout)
         cpu = (operator.cpu_seconds() - cpu) / args.jobs
+        emulator = (own_cpu_seconds()[1] - emulator) / args.jobs
         rss, _ = operator.memory()
         lo, mid, hi = spread(lat)
         what = (
@@ -274,7 +297,8 @@ def measure(args: argparse.Namespace, c: Cluster, operator: Operator, watch: Pod
         say(
             f"  {what} x{args.jobs} beside {args.scale} kept: p50 {mid:.3f}s p99"
             f" {percentile(lat, 0.99):.3f}s (min {lo:.3f}, max {hi:.3f}); operator"
-            f" {cpu * 1000:.0f} CPU-ms/job, RSS {rss:.0f} MB; {load_average()}"
+            f" {cpu * 1000:.0f} CPU-ms/job, RSS {rss:.0f} MB; the emulated API server"
+            f" {emulator * 1000:.0f} CPU-ms/job; {load_average()}"
         )
     return rows
 

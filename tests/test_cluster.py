@@ -113,7 +113,7 @@ def test_every_call_is_granted_by_rbac(server):
     cluster.get_job("pipelinejobs", "ns", "j")
     cluster.list_pods("ns", "j")
     cluster.list_pods("ns", ["j", "k"])  # the resync's: a hundred jobs' at a time
-    cluster.list_jobs("PipelineJob", "pipelinejobs", "ns")
+    list(cluster.list_jobs("PipelineJob", "pipelinejobs", "ns"))
     cluster.create(POD)
     cluster.create(
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "j", "namespace": "ns"}}

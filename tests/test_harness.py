@@ -150,6 +150,30 @@ def test_label_and_field_selectors(cluster):
 
 
 @pytest.mark.timeout(30)
+def test_a_list_comes_in_chunks_of_its_limit(cluster):
+    api = cluster.api
+    for name in ("e", "b", "d", "a", "c"):
+        api.create(PODS, pod(name, labels={"job": "j"}), NS)
+    api.create(PODS, pod("x"), NS)
+    names, token, versions = [], None, set()
+    while token != "":
+        params = {"labelSelector": "job", "limit": "2"} | ({"continue": token} if token else {})
+        found = api.request("GET", f"/api/v1/namespaces/{NS}/pods", params=params)
+        assert len(found["items"]) <= 2
+        names += [p["metadata"]["name"] for p in found["items"]]
+        token = found["metadata"]["continue"]
+        versions.add(found["metadata"]["resourceVersion"])
+        if len(names) == 2:  # made between the chunks: a later chunk has it
+            api.create(PODS, pod("f", labels={"job": "j"}), NS)
+    assert names == ["a", "b", "c", "d", "e", "f"]
+    assert len(versions) == 1  # the first chunk's, for a watch from it to replay what changed
+    assert len(api.list(PODS, NS)) == 7  # no limit: all at once
+    with pytest.raises(ApiError) as e:
+        api.list(PODS, NS, limit="two")
+    assert e.value.status == 400
+
+
+@pytest.mark.timeout(30)
 def test_watch_filters_and_replays_from_a_resource_version(cluster):
     api = cluster.api
     api.create(PODS, pod("old", labels={"job": "j"}), NS)

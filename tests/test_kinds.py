@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import asyncio
 import copy
 import dataclasses
 import functools
@@ -245,11 +246,12 @@ def test_toy_kind_is_known_to_the_controller(toy: Kind) -> None:
     assert controller._kind_name("toyjobs") == "ToyJob"
     kicked = []
     reconciler = types.SimpleNamespace(
-        jobs={("toyjobs", "ml", "toy")}, kick=lambda key, poll=False: kicked.append(key)
+        jobs={("toyjobs", "ml", "toy")}, enqueue=lambda key: kicked.append(key)
     )
     ref = {"apiVersion": spec.API_VERSION, "kind": "ToyJob", "name": "toy", "controller": True}
     body = {"metadata": {"name": "toy-worker-0", "ownerReferences": [ref]}}
-    controller.on_pod(body=body, namespace="ml", memo=types.SimpleNamespace(reconciler=reconciler))
+    memo = types.SimpleNamespace(reconciler=reconciler)
+    asyncio.run(controller.on_pod(body=body, namespace="ml", memo=memo))
     assert kicked == [("toyjobs", "ml", "toy")]
 
 

@@ -1,7 +1,7 @@
 """The resync reads the cluster once (a LIST of each kind's jobs, one of pods per 100 jobs) and
 reconciles afresh only the jobs it would act on: the rest cost the API server nothing more
-(issue 60, at 1,000 jobs the resync's reads set the pace). A missed event, a job gone or
-failing is still found. In process, against the suite's API server."""
+(issue 60, at 1,000 jobs the resync's reads set the pace), its jobs in chunks. A missed
+event, a job gone or failing is still found. In process, against the suite's API server."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kubernetes import config
 
 from harness import jobs
 from harness.cluster import Cluster
-from pipejob.operator import resync
+from pipejob.operator import cluster, resync
 from pipejob.operator.cluster import Cluster as Kube
 from pipejob.operator.controller import Reconciler
 from pipejob.operator.operator_metrics import OperatorMetrics
@@ -56,6 +56,11 @@ def running(c: Cluster, reconciler: Reconciler, keys: list) -> None:
         assert job["status"]["phase"] == "Running", job["status"]
 
 
+def test_a_long_round_is_followed_by_a_longer_pause() -> None:
+    assert resync.pause(10.0, 0.5) == 10.0
+    assert resync.pause(10.0, 8.0) == 16.0  # the resync at most a third of the time
+
+
 def test_a_resync_reads_the_cluster_once_and_reconciles_only_the_jobs_it_would_act_on(
     tmp_path, monkeypatch
 ) -> None:
@@ -75,11 +80,16 @@ def test_a_resync_reads_the_cluster_once_and_reconciles_only_the_jobs_it_would_a
 
         kube.calls.clear()
         assert reconciler.due() == []  # all as they should be
-        assert sorted(m for m, _ in kube.calls) == ["GET"] * 3  # two kinds' jobs, their pods
+        assert sorted(m for m, _ in kube.calls) == ["GET"] * 4  # each kind's jobs, their pods
         monkeypatch.setattr(resync, "CHUNK", 4)  # the pods of at most 4 jobs in one LIST
         kube.calls.clear()
         assert reconciler.due() == []
         assert [p.rsplit("/", 1)[1] for _, p in kube.calls].count("pods") == 2
+        monkeypatch.setattr(cluster, "LIST_CHUNK", 2)  # at most 2 jobs in one LIST's answer
+        kube.calls.clear()
+        assert reconciler.due() == []
+        listed = [p.rsplit("/", 1)[1] for _, p in kube.calls]
+        assert listed.count("pipelinejobs") == listed.count("hybridjobs") == 2  # 3 of each
 
         # What the operator's watches might have missed: a pod gone, a member failed, a job
         # deleted. Each of those jobs is due, and only those.

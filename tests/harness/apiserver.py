@@ -13,7 +13,8 @@ store with history, fetch, Kubernetes `Status` errors. On top of that, this modu
 - deletion: finalizers, graceful deletion of pods bound to a node (the kubelet finishes it),
   ownerReference garbage collection (background; also of dependents whose owner is gone),
   deletecollection;
-- lists and watches with label and field selectors and list kinds; watches that replay from a
+- lists and watches with label and field selectors and list kinds; lists in chunks
+  (`limit`, `continue`); watches that replay from a
   resourceVersion (kmock's lose the events between its snapshot and its stream) and honour
   timeoutSeconds;
 - mutating admission: hooks that change objects on create, as webhooks do (`mutators`);
@@ -156,6 +157,9 @@ class ApiServer(kmock.KubernetesEmulator):
     # every create, before the object is stored (tests/harness/kueue.py gates pods so).
     mutators: list[Callable[[kmock.resource, Obj], None]] = attrs.field(factory=list)
     faults: Faults = attrs.field(factory=Faults)
+    # kmock keeps every request for tests that assert on them and matches each new one against
+    # all of them, so its cost per request grows with those served: off, it keeps none.
+    request_log: bool = True
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -195,6 +199,8 @@ class ApiServer(kmock.KubernetesEmulator):
         return await super().__call__(raw)
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        if not self.request_log:
+            self._requests[:] = [request]  # the one being served must stay matchable
         res = request.resource
         if res is None or res.plural is None:  # discovery, /version, openapi
             if request.url.path.startswith("/openapi/"):
@@ -498,11 +504,16 @@ class ApiServer(kmock.KubernetesEmulator):
         if tables.wants_table(request.headers.get("Accept")):
             columns = self._columns.get(request.resource)
             return tables.table(items, columns, str(self._revision))
+        meta = {"resourceVersion": str(self._revision)}
+        if request.params.get("limit", "0") not in ("", "0"):
+            items, meta["continue"], meta["resourceVersion"] = _page(
+                items, request.params, self._revision
+            )
         return {
             "apiVersion": f"{request.resource.group}/{request.resource.version}".lstrip("/"),
             "kind": f"{info.kind}List",
             "items": items,
-            "metadata": {"resourceVersion": str(self._revision)},
+            "metadata": meta,
         }
 
     async def _serve_fetch(self, request: kmock.Request) -> Obj:
@@ -603,6 +614,28 @@ class ApiServer(kmock.KubernetesEmulator):
             )
             self._columns[res] = version.get("additionalPrinterColumns") or []
             self._schemas[res] = version.get("schema", {}).get("openAPIV3Schema", {})
+
+
+def _page(items: list[Obj], params: Any, revision: int) -> tuple[list[Obj], str, str]:
+    """A list's chunk (`limit`, `continue`): up to `limit` items in key order after the one
+    the token names, the token of the next chunk ("" after the last), and the list's
+    resourceVersion: the first chunk's, in every chunk, so a watch from it misses nothing.
+    Each chunk is read from the live store (the API server reads them all at that version;
+    a watch from it replays what changed since)."""
+    try:
+        limit = int(params["limit"])
+        token = json.loads(params["continue"]) if params.get("continue") else [revision]
+        since, after = int(token[0]), tuple(token[1:])
+    except (ValueError, TypeError, IndexError):
+        raise error(400, "BadRequest", "limit must be a number, continue a token") from None
+
+    def key(o: Obj) -> tuple[str, str]:
+        return o["metadata"].get("namespace") or "", o["metadata"]["name"]
+
+    ordered = sorted((o for o in items if key(o) > after), key=key)
+    page = ordered[:limit]
+    more = len(ordered) > limit
+    return page, json.dumps([since, *key(page[-1])]) if more else "", str(since)
 
 
 def _spec_of(obj: Obj) -> Obj:

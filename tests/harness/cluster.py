@@ -19,9 +19,10 @@ class Cluster:
 
     Unmodified clients (kopf, kubectl, the kubernetes client) reach it through the kubeconfig."""
 
-    def __init__(self, workdir: Path, namespace: str = "default"):
+    def __init__(self, workdir: Path, namespace: str = "default", request_log: bool = True):
         self.workdir = Path(workdir)
         self.namespace = namespace
+        self.request_log = request_log  # kmock's log of every request (ApiServer.request_log)
         self.kubeconfig = self.workdir / "kubeconfig"
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._sock.getsockname()[1]
@@ -80,7 +81,8 @@ class Cluster:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with ApiServer(mutators=self.mutators, faults=self.faults) as handler:
+        server = ApiServer(mutators=self.mutators, faults=self.faults, request_log=self.request_log)
+        async with server as handler:
             # Short shutdown: open watches would otherwise hold the stop for a minute.
             runner = aiohttp.web.ServerRunner(aiohttp.web.Server(handler), shutdown_timeout=1.0)
             await runner.setup()

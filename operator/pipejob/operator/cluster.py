@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,6 +17,9 @@ from pipejob.core.spec import GROUP, VERSION
 from pipejob.operator.status import timestamp
 
 REPORTER = "pipejob-operator"
+# Objects one LIST reads at most (kubectl's chunk): at 5,000 jobs a whole list of them, or of
+# their pods, would be the operator's largest allocation by far (issue 60).
+LIST_CHUNK = 500
 
 
 class ApiError(Exception):
@@ -118,12 +122,20 @@ class Cluster:
         # server that ignores it from handing us other jobs' pods.
         return [p for p in items if (p["metadata"].get("labels") or {}).get(JOB_LABEL) in names]
 
-    def list_jobs(self, kind: str, plural: str, namespace: str) -> list[dict]:
-        """LIST the jobs of one kind in `namespace`, each with its kind and apiVersion (a
-        list's items carry neither)."""
-        found = self._call("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{plural}")
+    def list_jobs(self, kind: str, plural: str, namespace: str) -> Iterator[list[dict]]:
+        """LIST the jobs of one kind in `namespace`, `LIST_CHUNK` at a time (the API server's
+        `limit` and `continue`), each with its kind and apiVersion (a list's items carry
+        neither): one chunk is held at a time, never every job of the cluster."""
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{plural}"
         header = {"apiVersion": f"{GROUP}/{VERSION}", "kind": kind}
-        return [header | item for item in found.get("items") or []]
+        token = ""
+        while True:
+            query = {"limit": str(LIST_CHUNK)} | ({"continue": token} if token else {})
+            found = self._call("GET", path, query=query)
+            yield [header | item for item in found.get("items") or []]
+            token = (found.get("metadata") or {}).get("continue") or ""
+            if not token:
+                return
 
     def create(self, obj: dict) -> bool:
         """CREATE a Pod or Service; False if one of that name exists already."""

@@ -1,8 +1,9 @@
 """The kopf wiring, thin on purpose: every trigger -- a job's watch event, an event of one of
-its pods, a periodic resync -- runs the same reconcile of that job: read the job and its
-pods, `reconcile.decide`, apply the actions. Nothing is remembered between reconciles but a
-per-job lock (and which jobs had a running master, whose progress the timers poll), so a
-killed and restarted operator simply converges again (docs/architecture.md)."""
+its pods, a periodic resync -- queues the same reconcile of that job (workqueue.py), which a
+worker thread runs: read the job and its pods, `reconcile.decide`, apply the actions. Nothing
+is remembered between reconciles but the queue, a per-job lock and which jobs had a running
+master (whose progress the timers poll), so a killed and restarted operator simply converges
+again (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -33,13 +34,17 @@ from pipejob.operator import (
     resync,
     status,
 )
-from pipejob.operator.cluster import ApiError, Cluster
+from pipejob.operator.cluster import LIST_CHUNK, ApiError, Cluster
 from pipejob.operator.operator_metrics import OperatorMetrics
+from pipejob.operator.workqueue import WorkQueue
 
 RESYNC_ENV = "PIPEJOB_RESYNC_SECONDS"
 DEFAULT_RESYNC = 10.0  # deadlines, TTLs and missed events are seen within this
 PROGRESS_ENV = "PIPEJOB_PROGRESS_SECONDS"
 DEFAULT_PROGRESS = 3.0  # how live status.progress is while a master runs; 0: never poll
+# Reconciles side by side: each mostly waits on the API server, or on a master's /progress
+# (up to progress.TIMEOUT), so a few more than kopf's default handler threads.
+WORKERS = 8
 
 REGISTRY = kopf.OperatorRegistry()
 METRICS = OperatorMetrics()
@@ -82,8 +87,9 @@ class KeyedLocks:
 
 
 class Reconciler:
-    """Runs reconciles, one at a time per job; triggers that arrive while one runs are
-    folded into a single follow-up (it observes afresh, so it sees them all)."""
+    """Runs reconciles, one at a time per job. kopf's handlers and the timers only queue a job
+    (`enqueue`); `WORKERS` threads reconcile what is queued (`start`), each job once however
+    many triggers named it (workqueue.py)."""
 
     def __init__(self, cluster: Cluster, image: str, metrics: OperatorMetrics = METRICS):
         self.cluster = cluster
@@ -93,20 +99,35 @@ class Reconciler:
         self.policy = policy_settings.from_env()  # checked by `pipejob operator` at its start
         self.jobs: set[Key] = set()  # the jobs kopf has shown us, for the resync
         self.training: set[Key] = set()  # jobs whose master ran at their last reconcile
+        self.queue = WorkQueue()
         self._guard = threading.Lock()
         self._locks = KeyedLocks()
-        self._queued: dict[Key, bool] = {}  # job -> whether its queued reconcile polls
+
+    def enqueue(self, key: Key, poll: bool = False, new: bool = False) -> None:
+        """Have a worker reconcile the job (poll: and read its master's progress); a `new`
+        job (none of our reconciles has written its status) ahead of the others."""
+        self.queue.add(key, poll, new)
+
+    def start(self, workers: int = WORKERS) -> None:
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"reconcile-{i}", daemon=True).start()
+
+    def stop(self) -> None:
+        self.queue.close()
+
+    def _work(self) -> None:
+        while (item := self.queue.get()) is not None:
+            key, poll = item
+            try:
+                self.kick(key, poll)
+            except Exception as e:  # a trigger or the resync tries again; the operator goes on
+                log.error(f"reconcile of {key[1]}/{key[2]} failed: {e}")
+            finally:
+                self.queue.done(key)
 
     def kick(self, key: Key, poll: bool = False) -> None:
-        """Reconcile the job; with `poll`, read its master's progress too."""
-        with self._guard:
-            if key in self._queued:
-                self._queued[key] |= poll
-                return
-            self._queued[key] = poll
+        """Reconcile the job now, in this thread; with `poll`, read its master's progress."""
         with self._locks.hold(key):
-            with self._guard:
-                poll = self._queued.pop(key)
             started = time.perf_counter()
             try:
                 self._reconcile(key, poll)
@@ -272,7 +293,12 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # Serve exactly the namespaces asked for; no CRD or Namespace watching (least privilege).
     settings.scanning.disabled = True
     settings.posting.level = logging.WARNING  # kopf's own Events: only its errors
+    # Only the jobs' pods, listed in chunks: kopf keeps a record of every object it watches,
+    # and a whole LIST of 5,000 jobs' pods would be the operator's largest allocation.
+    settings.watching.label_selectors["v1", "pods"] = kube.JOB_LABEL
+    settings.watching.chunk_size = LIST_CHUNK
     memo.reconciler = Reconciler(Cluster(), kube.trainer_image())
+    memo.reconciler.start()
     memo.timers = [asyncio.create_task(_resync(memo.reconciler, resync_seconds()))]
     if progress_seconds() > 0:
         memo.timers.append(asyncio.create_task(_poll(memo.reconciler, progress_seconds())))
@@ -287,6 +313,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     for task in getattr(memo, "timers", []):
         task.cancel()
+    if getattr(memo, "reconciler", None) is not None:
+        memo.reconciler.stop()
 
 
 @kopf.on.probe(id="jobs", registry=REGISTRY)
@@ -296,10 +324,16 @@ def probe(memo: kopf.Memo, **_: Any) -> int:
 
 async def _resync(reconciler: Reconciler, interval: float) -> None:
     """Every job, every `interval`: deadlines, TTLs, missed events (and progress); only the
-    jobs a snapshot shows needing it are read afresh (resync.py)."""
+    jobs a snapshot shows needing it are read afresh (resync.py), and a round that took long
+    is followed by a longer pause (resync.pause)."""
+    took = 0.0
     while True:
-        await asyncio.sleep(interval)
-        await _round(reconciler, await asyncio.to_thread(reconciler.due))
+        await asyncio.sleep(resync.pause(interval, took))
+        started = time.monotonic()
+        due = await asyncio.to_thread(reconciler.due)
+        took = time.monotonic() - started
+        for key in due:
+            reconciler.enqueue(key, poll=True)
 
 
 async def _poll(reconciler: Reconciler, interval: float) -> None:
@@ -308,28 +342,21 @@ async def _poll(reconciler: Reconciler, interval: float) -> None:
     watch event, and that reconcile must not poll again."""
     while True:
         await asyncio.sleep(interval)
-        await _round(reconciler, sorted(reconciler.training))
+        for key in sorted(reconciler.training):
+            reconciler.enqueue(key, poll=True)
 
 
-async def _round(reconciler: Reconciler, keys: list[Key]) -> None:
-    """Reconcile (and poll) `keys` side by side: a master slow to answer delays only its job."""
-
-    def reconcile_and_poll(key: Key) -> None:
-        try:
-            reconciler.kick(key, poll=True)
-        except Exception as e:  # the next round tries again; the operator keeps going
-            log.error(f"reconcile of {key[1]}/{key[2]} failed: {e}")
-
-    await asyncio.gather(*(asyncio.to_thread(reconcile_and_poll, key) for key in keys))
-
-
-def on_job(event: dict, resource: Any, namespace: str, name: str, memo: kopf.Memo, **_: Any):
+async def on_job(
+    event: dict, resource: Any, namespace: str, name: str, memo: kopf.Memo, **_: Any
+) -> None:
+    """A job was made, changed or went: queue its reconcile (on kopf's event loop: no
+    handler thread waits on a reconcile)."""
     key = (resource.plural, namespace, name)
     if event.get("type") == "DELETED":
         memo.reconciler.forget(key)
         return
     memo.reconciler.track(key)
-    memo.reconciler.kick(key)
+    memo.reconciler.enqueue(key, new=not (event.get("object") or {}).get("status"))
 
 
 for _kind in KINDS.values():
@@ -337,14 +364,14 @@ for _kind in KINDS.values():
 
 
 @kopf.on.event("v1", "pods", labels={kube.JOB_LABEL: kopf.PRESENT}, registry=REGISTRY)
-def on_pod(body: dict, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+async def on_pod(body: dict, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     """A pod of a job changed or went: reconcile the job that owns it."""
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("controller") and ref.get("apiVersion") == API_VERSION:
             plural = KINDS[ref["kind"]].plural if ref.get("kind") in KINDS else ""
             key = (plural, namespace, ref["name"])
             if key in memo.reconciler.jobs:  # else the job's own event comes, or it is gone
-                memo.reconciler.kick(key)
+                memo.reconciler.enqueue(key)
 
 
 def run(

@@ -4,8 +4,9 @@ pods) costs the API server two requests a job, 2,000 a round at 1,000 jobs, near
 find nothing to do. Instead one LIST of each kind's jobs per namespace, and one LIST of the
 pods of each hundred jobs, make a snapshot; `reconcile.decide` runs on it, and only the jobs
 it would act on (or that are gone, or whose master runs and is polled) are reconciled
-afresh: what the snapshot shows only chooses which, never what is done. The pods are read a
-hundred jobs at a time so that the operator never holds every pod of the cluster at once."""
+afresh: what the snapshot shows only chooses which, never what is done. The jobs are read in
+chunks of cluster.LIST_CHUNK and judged a chunk at a time, their pods a hundred jobs at a
+time, so that the operator never holds every job or pod of the cluster at once."""
 
 from __future__ import annotations
 
@@ -24,14 +25,15 @@ Decide = Callable[[dict, list[dict], datetime], Actions]
 CHUNK = 100  # jobs whose pods one LIST reads
 
 
-def listed_jobs(cluster: Cluster, keys: list[Key]) -> dict[Key, dict]:
-    """The jobs of the kinds and namespaces of `keys`, by key: one LIST a kind a namespace."""
-    jobs: dict[Key, dict] = {}
+def job_chunks(cluster: Cluster, keys: list[Key]) -> Iterator[dict[Key, dict]]:
+    """Those of `keys` that exist, by key, a LIST's chunk at a time: one LIST a kind a
+    namespace (in chunks of cluster.LIST_CHUNK)."""
+    wanted = set(keys)
     for plural, namespace in sorted({(k[0], k[1]) for k in keys}):
         kind = by_plural(plural)
-        for obj in cluster.list_jobs(kind.name if kind else plural, plural, namespace):
-            jobs[(plural, namespace, obj["metadata"]["name"])] = obj
-    return jobs
+        for chunk in cluster.list_jobs(kind.name if kind else plural, plural, namespace):
+            found = {(plural, namespace, obj["metadata"]["name"]): obj for obj in chunk}
+            yield {key: job for key, job in found.items() if key in wanted}
 
 
 def with_pods(cluster: Cluster, keys: list[Key]) -> Iterator[tuple[Key, list[dict]]]:
@@ -49,6 +51,15 @@ def with_pods(cluster: Cluster, keys: list[Key]) -> Iterator[tuple[Key, list[dic
                 yield key, pods.get(key[2], [])
 
 
+def pause(interval: float, took: float) -> float:
+    """Seconds until the next round, after one that took `took`: `interval`, or twice the
+    round if longer, so that the resync takes at most a third of the operator's time. At
+    5,000 jobs a round judges every job (about 1 CPU-ms each, most of it planning its world
+    and parsing its spec): back to back on a loaded machine, rounds would crowd out the
+    reconciles of the jobs that changed."""
+    return max(interval, 2 * took)
+
+
 def idle(job: dict, acts: Actions) -> bool:
     """Whether `acts` would leave `job` as it is: no status change, nothing made or deleted,
     no Event."""
@@ -59,20 +70,19 @@ def idle(job: dict, acts: Actions) -> bool:
 
 def due(cluster: Cluster, keys: list[Key], polled: set[Key], decide: Decide) -> list[Key]:
     """Those of `keys` to reconcile: the ones in `polled`, the ones gone or being deleted,
-    and the ones `decide` would act on as the snapshot shows them."""
-    jobs = listed_jobs(cluster, keys)
-    out = [
-        k
-        for k in keys
-        if k in polled or k not in jobs or jobs[k]["metadata"].get("deletionTimestamp")
-    ]
-    # A job another controller runs (MultiKueue's) the reconcile leaves at once.
-    rest = [k for k in keys if k not in out and not sch.managed_elsewhere(jobs[k])]
+    and the ones `decide` would act on as the snapshot shows them. The snapshot is read and
+    judged a chunk of jobs at a time."""
+    out, listed = set(polled) & set(keys), set()
     now = datetime.now(UTC)
-    for key, pods in with_pods(cluster, rest):
-        try:
-            if not idle(jobs[key], decide(jobs[key], pods, now)):
-                out.append(key)
-        except Exception:  # the reconcile will fail the same way, and say why
-            out.append(key)
-    return sorted(out)
+    for jobs in job_chunks(cluster, keys):
+        listed |= jobs.keys()
+        out |= {k for k, job in jobs.items() if job["metadata"].get("deletionTimestamp")}
+        # A job another controller runs (MultiKueue's) the reconcile leaves at once.
+        rest = [k for k in jobs if k not in out and not sch.managed_elsewhere(jobs[k])]
+        for key, pods in with_pods(cluster, rest):
+            try:
+                if not idle(jobs[key], decide(jobs[key], pods, now)):
+                    out.add(key)
+            except Exception:  # the reconcile will fail the same way, and say why
+                out.add(key)
+    return sorted(out | (set(keys) - listed))

@@ -289,7 +289,8 @@ def test_logs_with_empty_and_negative_fields_train_as_dlrm_reads_them_in_float64
     write(tmp_path / "day_0.gz", lines[:128])
     write(tmp_path / "day_1.gz", lines[128:])
     data = {"criteo": {"train": str(tmp_path / "day_*.gz")}}
-    embeddings = [t | {"dim": dim} for t in CLICKS["embeddings"]]
+    # On the servers, all three: at this batch `auto` would replicate C2 and peak.
+    embeddings = [t | {"dim": dim, "placement": "sharded"} for t in CLICKS["embeddings"]]
     spec = CLICKS | {"data": data, "batchSize": 128, "steps": 2, "embeddings": embeddings}
     ckpt = {"path": str(tmp_path / "ckpt"), "everySteps": 2}
     code, output, summary = run_to_end(

@@ -11,6 +11,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import recsys_reference as reference
@@ -21,7 +22,7 @@ from test_hybrid import FLOAT64, hybrid_job
 from jobrun import run_to_end
 from pipejob.core import spec as specs
 from pipejob.trainer.runtime import checkpoint
-from pipejob.trainer.workloads import samples
+from pipejob.trainer.workloads import criteo, samples
 from pipejob.trainer.workloads.clicklogs import ClickLogs
 
 pytestmark = pytest.mark.timeout(60)
@@ -172,6 +173,44 @@ def test_a_batch_parsed_at_once_is_the_lines_parsed_one_by_one(tmp_path: Path) -
     assert all(fast.lengths[f].equal(slow.lengths[f]) for f in FEATURES[::5])
 
 
+@pytest.mark.parametrize(
+    "odd",
+    [
+        None,  # numpy reads every field
+        (2, b"-7"),  # a negative count
+        (20, b"00AbCdEf"),  # upper and lower case hexadecimal
+        (20, b"-1f"),  # a negative hexadecimal value
+        (20, b"0x1f"),  # what int(x, 16) reads and numpy does not: Python reads the lines
+        (3, b"+5"),
+        (3, b" 5"),
+        (20, b"1" * 16),  # over 15 hexadecimal digits: Python's ints
+        (5, b"1" * 19),
+    ],
+)
+def test_lines_parsed_by_numpy_are_the_lines_parsed_by_python_s_int(odd: Any) -> None:
+    """criteo.parse_many reads digits with numpy; where it cannot, Python's int() reads the
+    lines: either way every value is what Python's int() makes of each field, empty fields
+    0 (the counts' log1p numpy's, as before, within a rounding of `parse`'s math.log1p)."""
+    lines = log_lines(40, 7) + [b"1" + b"\t" * 39, b"0\t" + b"\t".join([b"3"] * 39) + b"\r"]
+    if odd is not None:
+        column, value = odd
+        fields = lines[5].split(b"\t")
+        fields[column] = value
+        lines[5] = b"\t".join(fields)
+    dense, categorical, labels = criteo.parse_many(lines)
+    python = criteo._parse_many_in_python(lines)
+    assert python is not None and all(
+        a.tolist() == b.tolist() for a, b in zip(python, (dense, categorical, labels), strict=True)
+    )
+    for i, line in enumerate(lines):
+        values, ids, label = criteo.parse(line.rstrip(b"\r"))
+        assert dense[i].tolist() == pytest.approx(values, rel=1e-15) and labels[i] == label
+        assert categorical[i].tolist() == [ids[f][0] for f in criteo.FEATURES]
+    bad = lines[:3] + [lines[3].replace(b"\t", b"\tzz", 1)]
+    assert criteo.parse_many(bad) is None  # `parse` says which line
+    assert criteo.parse_many([lines[0], b"2" + lines[0][1:]]) is None  # a label of 2
+
+
 def test_a_bad_line_names_its_file_line_and_column(tmp_path: Path) -> None:
     lines = log_lines(30, 5)
     columns = lines[21].split(b"\t")
@@ -289,7 +328,8 @@ def test_logs_with_empty_and_negative_fields_train_as_dlrm_reads_them_in_float64
     write(tmp_path / "day_0.gz", lines[:128])
     write(tmp_path / "day_1.gz", lines[128:])
     data = {"criteo": {"train": str(tmp_path / "day_*.gz")}}
-    embeddings = [t | {"dim": dim} for t in CLICKS["embeddings"]]
+    # On the servers, all three: at this batch `auto` would replicate C2 and peak.
+    embeddings = [t | {"dim": dim, "placement": "sharded"} for t in CLICKS["embeddings"]]
     spec = CLICKS | {"data": data, "batchSize": 128, "steps": 2, "embeddings": embeddings}
     ckpt = {"path": str(tmp_path / "ckpt"), "everySteps": 2}
     code, output, summary = run_to_end(

@@ -221,6 +221,88 @@ def test_a_replicated_table_is_on_no_server_and_the_plan_says_the_trainers_hold_
     assert Server(spec, 0, trainers=2).state()["pieces"] == []
 
 
+def test_auto_placement_replicates_a_table_whose_all_reduce_moves_no_more_than_its_lookups() -> (
+    None
+):
+    """`placement: auto` (the default): replicated where rows x (dim + 1) <= batchSize x dim,
+    so a step's all-reduce of the table moves no more than its lookups over RPC; a table
+    one row over that, or placed sharded, stays on the servers; `pipejob plan` says which."""
+    at_most = 32 * 16 // 17  # 30 rows of dim 16 at batchSize 32 (510 <= 512 floats)
+    given = [
+        {"name": "big", "rows": 5000, "dim": 16},
+        {"name": "edge", "rows": at_most, "dim": 16, "feature": "big"},
+        {"name": "over", "rows": at_most + 1, "dim": 16, "feature": "big"},
+        {"name": "tiny", "rows": 3, "dim": 16, "placement": "sharded", "feature": "big"},
+    ]
+    job = parse(embeddings=given, batchSize=32, parameterServers=2)
+    placed = {t["name"]: t["placement"] for t in job.spec["embeddings"]}
+    assert placed == {"big": "sharded", "edge": "replicated", "over": "sharded", "tiny": "sharded"}
+    assert [t.name for t in tables.replicated(job.settings.embeddings)] == ["edge"]
+    assert "edge" not in {p.table for s in job.settings.placement() for p in s}
+    lines = tables.placement_lines(job.settings.embeddings, 2, "sgd")
+    assert lines[-1].split() == "trainers 1.9 kB edge (replicated: each trainer)".split()
+    # The completed spec carries the choice: parsed again (as a trainer does), the same.
+    again = specs.parse(manifest(**job.spec)).spec["embeddings"]
+    assert {t["name"]: t["placement"] for t in again} == placed
+    # At a smaller batch the same table's lookups move less than its all-reduce would.
+    small = parse(embeddings=given, batchSize=8, parameterServers=2).spec["embeddings"]
+    assert {t["placement"] for t in small} == {"sharded"}
+
+
+def test_auto_placement_replicates_only_what_a_trainer_s_memory_holds_smallest_first() -> None:
+    """Under the pods' memory limit a trainer holds torch and its reader first; `auto` then
+    replicates the small tables smallest first while the estimate (tables.replica_bytes)
+    fits, and leaves the others on the servers, where they fit."""
+    limit = tables.trainer_needs(1) + 15_000_000  # room for one of a and b, not both
+    given = [
+        {"name": "a", "rows": 40_000, "dim": 16, "feature": "C1"},  # 10.9 MB on a trainer
+        {"name": "b", "rows": 39_000, "dim": 16, "feature": "C1"},
+        {"name": "c", "rows": 60_000, "dim": 16, "feature": "C1"},  # over the batch's bytes
+    ]
+    costs = [tables.replica_bytes(tables.Table(**t), "sgd") for t in given]
+    assert costs[1] < costs[0] < 15_000_000 < costs[0] + costs[1]
+    fields = {
+        "embeddings": given,
+        "batchSize": 50_000,
+        "datasetSize": 100_000,
+        "parameterServers": 2,
+    }
+    free = parse(**fields).spec["embeddings"]
+    assert [t["placement"] for t in free] == ["replicated", "replicated", "sharded"]
+    memory = {"template": {"resources": {"limits": {"memory": str(limit)}}}}
+    held = parse(**fields, **memory).spec["embeddings"]
+    assert [t["placement"] for t in held] == ["sharded", "replicated", "sharded"]
+
+
+def test_a_replicated_table_a_trainer_cannot_hold_is_refused_naming_the_room_it_has() -> None:
+    """An explicitly replicated table that takes a trainer over the pods' memory limit is
+    refused at its placement, saying the room a trainer has (bytes, and rows of its width);
+    sharded, its servers hold it."""
+    big = {"name": "big", "rows": 5_000_000, "dim": 16, "placement": "replicated"}
+    fields = {"sparseOptimizer": {"name": "rowwiseAdagrad"}, "parameterServers": 2}
+    memory = {"template": {"resources": {"limits": {"memory": "1500Mi"}}}}
+    with pytest.raises(specs.InvalidSpec) as e:
+        parse(embeddings=[{"name": "C1", "rows": 100, "dim": 16}, big], **fields, **memory)
+    [error] = e.value.errors
+    room = 1500 * 2**20 - tables.trainer_needs(1)
+    row = tables.replica_bytes(tables.Table(name="big", rows=1, dim=16), "rowwiseAdagrad")
+    assert error.path == "spec.embeddings[1].placement"
+    assert error.reason == (
+        "big is replicated: it costs every trainer about 1.4 GB (its 5,000,000 rows of dim 16,"
+        " their rowwiseAdagrad state, a step's gradient and all-reduce), and a trainer would"
+        " need about 2.3 GB, over the pods' memory limit 1500Mi"
+        " (spec.template.resources.limits.memory): a trainer has room for"
+        f" {tables.size(room)} of replicated tables ({room // row:,} rows of dim 16); place"
+        " big sharded, on the parameter servers"
+    )
+    parse(embeddings=[big | {"placement": "sharded"}], **fields, **memory)
+    # With room for it, it is replicated: that many rows fit, one more does not.
+    fits = big | {"rows": room // row}
+    parse(embeddings=[fits], **fields, **memory)
+    with pytest.raises(specs.InvalidSpec):
+        parse(embeddings=[fits | {"rows": room // row + 1}], **fields, **memory)
+
+
 def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do() -> None:
     """A server's estimate counts its tables (a tenth more) and what the process holds
     besides them (tables.PROCESS_BYTES, measured); the advice is the fewest servers whose

@@ -19,7 +19,7 @@ from pipejob.core.elastic import (
 )
 from pipejob.core.errors import shown
 from pipejob.core.kind import Group, Kind, Role, Spec, column
-from pipejob.core.kinds import tables
+from pipejob.core.kinds import replication, tables
 from pipejob.core.kinds.hybrid_memory import memory_errors
 from pipejob.core.kinds.sparse import EPS, SPARSE_OPTIMIZER, SparseOptimizer
 from pipejob.core.kinds.tables import MAX_SERVERS, Table
@@ -316,7 +316,7 @@ def _completed(spec: Spec) -> Spec:
     """The DDP backend follows the GPUs unless the user chose it; spec.embedding (by default
     when neither is given) becomes its one table in spec.embeddings, fed by the bags' ids;
     a table's feature is its name unless given; the sparse optimizer's lr and eps are filled
-    in."""
+    in; a table placed `auto` is replicated or sharded (core/kinds/replication.py)."""
     if "backend" not in spec:
         spec["backend"] = "nccl" if spec["gpusPerTrainer"] > 0 else "gloo"
     if "embeddings" not in spec:
@@ -330,6 +330,7 @@ def _completed(spec: Spec) -> Spec:
     sparse = spec["sparseOptimizer"]
     sparse.setdefault("lr", spec["optimizer"]["lr"])
     sparse.setdefault("eps", EPS[sparse["name"]])
+    replication.choose(spec)
     return spec
 
 

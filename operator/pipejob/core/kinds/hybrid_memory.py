@@ -1,9 +1,12 @@
 """Whether a HybridJob's processes fit their pods' memory limit: a parameter server's tables and
-their optimizer state, or a trainer's reader, plus what a process holds besides them (the
-figures are in core/kinds/tables.py). A world that would be killed is refused now, saying
-how many parameter servers would do."""
+their optimizer state, or a trainer's reader and replicated tables, plus what a process holds
+besides them (the figures are in core/kinds/tables.py). A world that would be killed is
+refused now, saying how many parameter servers would do, or what room a trainer has for
+replicated tables."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from pipejob.core import k8s
 from pipejob.core.elastic import Size
@@ -13,31 +16,77 @@ from pipejob.core.kinds import tables
 from pipejob.core.kinds.tables import MAX_SERVERS, Table
 
 
-def memory_errors(spec: Spec) -> list[SpecError]:
-    """A trainer, then a parameter server, that would pass the pods' memory limit."""
+def memory_limit(spec: Spec) -> tuple[int, str] | None:
+    """The pods' memory limit in bytes, and where it is said; None without one."""
     resources = (spec.get("template") or {}).get("resources") or {}
     limit = (resources.get("limits") or {}).get("memory")
     if limit is None:
+        return None
+    return int(k8s.quantity(limit)), (
+        f"the pods' memory limit {limit} (spec.template.resources.limits.memory)"
+    )
+
+
+def memory_errors(spec: Spec) -> list[SpecError]:
+    """A trainer, then a parameter server, that would pass the pods' memory limit."""
+    limit = memory_limit(spec)
+    if limit is None:
         return []
-    fits = int(k8s.quantity(limit))
-    where = f"the pods' memory limit {limit} (spec.template.resources.limits.memory)"
+    fits, where = limit
     return _trainer_errors(spec, fits, where) + _server_errors(spec, fits, where)
 
 
-def _trainer_errors(spec: Spec, fits: int, where: str) -> list[SpecError]:
+def lanes(spec: Spec) -> int:
+    """The lanes of click logs a trainer reads at the fewest trainers."""
     trainers = Size.parse(spec["trainers"])
-    trainer = tables.trainer_needs(-(-trainers.max // trainers.min))  # its lanes at the fewest
+    return -(-trainers.max // trainers.min)
+
+
+def replicas(spec: Spec) -> list[tuple[int, Table]]:
+    """The replicated tables, by their index in spec.embeddings."""
+    return [(i, t) for i, t in enumerate(tables.spec_tables(spec)) if t.replicated]
+
+
+def _trainer_errors(spec: Spec, fits: int, where: str) -> list[SpecError]:
+    optimizer, copies = spec["sparseOptimizer"]["name"], replicas(spec)
+    held = sum(tables.replica_bytes(t, optimizer) for _, t in copies)
+    trainer = tables.trainer_needs(lanes(spec), held)
     if trainer <= fits:
         return []
+    bare = tables.trainer_needs(lanes(spec))
+    if copies and bare <= fits:  # the replicated tables are what does not fit
+        return [_replica_error(spec, copies, trainer, fits - bare, where)]
     return [
         SpecError(
             "spec.template.resources.limits.memory",
             (
                 f"a trainer needs about {tables.size(trainer)} (torch, RPC, the dense model"
-                f" and its reader), over {where}: give the pods more memory"
+                f" and its reader{', its replicated tables' if copies else ''}), over {where}:"
+                " give the pods more memory"
             ),
         )
     ]
+
+
+def _replica_error(
+    spec: Spec, copies: list[tuple[int, Table]], trainer: int, room: int, where: str
+) -> SpecError:
+    """The largest replicated table, refused for passing a trainer's memory: what a trainer
+    has room for, in bytes and in rows of the table's width."""
+    optimizer = spec["sparseOptimizer"]["name"]
+    i, big = max(copies, key=lambda c: (tables.replica_bytes(c[1], optimizer), -c[0]))
+    one_row = tables.replica_bytes(replace(big, rows=1), optimizer)
+    return SpecError(
+        f"spec.embeddings[{i}].placement",
+        (
+            f"{big.name} is replicated: it costs every trainer about"
+            f" {tables.size(tables.replica_bytes(big, optimizer))} (its {big.rows:,} rows of"
+            f" dim {big.dim}, their {optimizer} state, a step's gradient and all-reduce), and"
+            f" a trainer would need about {tables.size(trainer)}, over {where}: a trainer has"
+            f" room for {tables.size(room)} of replicated tables ({room // one_row:,} rows of"
+            f" dim {big.dim}); place {big.name} sharded, on the parameter servers"
+        ),
+    )
 
 
 def _server_errors(spec: Spec, fits: int, where: str) -> list[SpecError]:

@@ -38,11 +38,14 @@ STATE_FLOATS = {
 PLACEMENT = Field(
     "string",
     "Where the table lives: sharded, on the parameter servers (split by rows or columns"
-    " where it is over a server's share); or replicated, whole on every trainer, looked up"
+    " where it is over a server's share); replicated, whole on every trainer, looked up"
     " there with no RPC and stepped by the sparse optimizer on every trainer with the"
-    " trainers' averaged gradients (for a small table: it costs every trainer its bytes).",
-    default="sharded",
-    enum=("sharded", "replicated"),
+    " trainers' averaged gradients (for a small table: it costs every trainer its bytes);"
+    " or auto: replicated where the table's all-reduce moves no more than its lookups would"
+    " over RPC (rows x (dim + 1) <= batchSize x dim) and the trainers' memory limit holds"
+    " it, else sharded (`pipejob plan` shows the choice).",
+    default="auto",
+    enum=("auto", "sharded", "replicated"),
 )
 
 
@@ -56,7 +59,8 @@ class Table:
     dim: int
     mode: str = "sum"
     feature: str = ""  # a completed spec always has it (the kind fills in the name)
-    placement: str = "sharded"  # or "replicated": on every trainer, no server (`replicated`)
+    placement: str = "sharded"  # or "replicated": on every trainer, no server (a completed
+    # spec's: core/kinds/replication.py resolves "auto" into one of them)
 
     @property
     def replicated(self) -> bool:
@@ -210,9 +214,33 @@ def server_needs(held: int) -> int:
     return int(held * (1 + TABLE_MARGIN)) + PROCESS_BYTES
 
 
-def trainer_needs(lanes: int) -> int:
-    """The resident memory a trainer reading `lanes` lanes of click logs peaks under."""
-    return PROCESS_BYTES + lanes * READER_BYTES
+def trainer_needs(lanes: int, replicas: int = 0) -> int:
+    """The resident memory a trainer reading `lanes` lanes of click logs and holding
+    `replicas` bytes of replicated tables (`replica_bytes`) peaks under."""
+    return PROCESS_BYTES + lanes * READER_BYTES + replicas
+
+
+# A replicated table on a trainer holds its weights and optimizer state, and in a step its
+# dense gradient, the all-reduce's flat copy of it and the sparse step's temporaries, and
+# its rows' counts. Measured peaks over the process's own (a 2,000,000 x 16 table, 128 MB of
+# weights): 3.6x the weights under sgd, 3.7x under rowwiseAdagrad, 5.4x under adam; this
+# counts 4.3x, 4.3x and 6.3x (docs/user-guide.md, "Replicated tables").
+REPLICA_WEIGHTS = 3  # copies of the weights a step makes, over the table's own bytes
+COUNT_BYTES = 16  # a row's counts: int64 from bincount, then as a float in the all-reduce
+
+
+def replica_bytes(table: Table, optimizer: str) -> int:
+    """Bytes a replicated table costs every trainer at a step's peak."""
+    weights = table.rows * table.dim * FLOAT_BYTES
+    return table_bytes(table, optimizer) + REPLICA_WEIGHTS * weights + COUNT_BYTES * table.rows
+
+
+def worth_replicating(table: Table, batch: int) -> bool:
+    """Whether `placement: auto` replicates the table, memory allowing: its all-reduce (a
+    step's gradient of every row and its count, rows x (dim + 1) floats) moves no more than
+    its lookups would over RPC on a trainer of `batch` samples (the pooled rows out and
+    their gradients back, 2 x batch x dim floats; a ring all-reduce moves twice its size)."""
+    return table.rows * (table.dim + 1) <= batch * table.dim
 
 
 def placement_lines(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[str]:

@@ -32,10 +32,9 @@ class Replicated:
         self.tables = replicated(spec.embeddings)
         self.bags = nn.ModuleDict()
         for t in self.tables:  # dense gradients: all-reduced whole, the tables are small
-            bag = nn.EmbeddingBag(t.rows, t.dim, mode=t.mode)
-            with torch.no_grad():
-                bag.weight.copy_(initial_rows(t, spec.seed, 0, t.rows))  # as a server's
-            self.bags[t.name] = bag.to(device)
+            # Made at a server's initial rows, not at random first: no second table's bytes.
+            made = initial_rows(t, spec.seed, 0, t.rows)
+            self.bags[t.name] = nn.EmbeddingBag(t.rows, t.dim, mode=t.mode, _weight=made).to(device)
         weights = [self.bags[t.name].weight for t in self.tables]
         self.optimizer = sparse_optimizers.make(weights, spec.sparse_optimizer) if weights else None
         self.device = device

@@ -1,7 +1,8 @@
 """Click logs in the Criteo layout: one sample a line, `label I1 ... I13 C1 ... C26`
 tab-separated; the counts read as log(1 + x), the categorical values hexadecimal (the
-user guide's "HybridJob at recommendation scale" says it all). `parse` reads one line; the
-trainers stream the logs (clicklogs.py); `CriteoLog` maps one plain file and finds where
+user guide's "HybridJob at recommendation scale" says it all). `parse` reads one line,
+`parse_many` a batch of them (its digits read by numpy); the trainers stream the logs
+(clicklogs.py); `CriteoLog` maps one plain file and finds where
 every line starts (8 bytes a line), for small files and the tests. A bad line is a
 ValueError naming the file, the line and the column."""
 
@@ -69,7 +70,62 @@ def parse(line: bytes) -> Sample:
 
 def parse_many(lines: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Many lines at once, as `parse` reads each: (log(1 + I1..I13) (n, 13) float64, C1..C26
-    (n, 26) int64, labels (n,) int64); None if any line is bad (`parse` it to say which)."""
+    (n, 26) int64, labels (n,) int64); None if any line is bad (`parse` it to say which).
+    Digits are read by numpy, all fields of a kind at once (a Python int() a field cost a
+    trainer 2 ms of CPU a step of 256 lines); a field numpy does not read as plain digits
+    (a sign other than '-', spaces, '0x', too many digits) has Python read the lines."""
+    text = b"\t".join(line.rstrip(b"\r") for line in lines)
+    data = np.frombuffer(text, dtype=np.uint8)
+    tabs = np.flatnonzero(data == ord("\t"))
+    if len(tabs) != COLUMNS * len(lines) - 1:
+        return None
+    starts = np.concatenate([[0], tabs + 1]).reshape(len(lines), COLUMNS)
+    ends = np.append(tabs, len(data)).reshape(len(lines), COLUMNS)
+    labels = _digits(data, starts[:, 0], ends[:, 0], 10, empty=False)
+    dense = _digits(data, starts[:, 1 : 1 + DENSE], ends[:, 1 : 1 + DENSE], 10)
+    categorical = _digits(data, starts[:, 1 + DENSE :], ends[:, 1 + DENSE :], 16)
+    if labels is None or dense is None or categorical is None:
+        return _parse_many_in_python(lines)
+    if ((labels != 0) & (labels != 1)).any():
+        return None
+    return np.log1p(np.maximum(dense.astype(np.float64), 0.0)), categorical, labels
+
+
+# Each byte's value as a digit (-1: not one), and the most digits int64 holds in each base.
+_DIGIT = np.full(256, -1, dtype=np.int8)
+_DIGIT[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
+_DIGIT[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
+_DIGIT[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+_MOST_DIGITS = {10: 18, 16: 15}
+
+
+def _digits(
+    data: np.ndarray, starts: np.ndarray, ends: np.ndarray, base: int, empty: bool = True
+) -> np.ndarray | None:
+    """The integers of the fields data[starts:ends] (any shape) in `base`, an empty field 0
+    (where `empty`); None where a field is not an optional '-' and digits."""
+    at = np.minimum(starts, len(data) - 1)  # an empty last field starts at the end
+    negative = (ends > starts) & (data[at] == ord("-"))
+    first = starts + negative
+    width = ends - first
+    if (negative & (width == 0)).any() or (not empty and (width == 0).any()):
+        return None
+    most = int(width.max(initial=0))
+    if most > _MOST_DIGITS[base]:
+        return None
+    # Every field's last `most` bytes, right-aligned: position k is worth base**(most-1-k).
+    places = np.arange(most)
+    outside = places < most - width[..., None]
+    digit = _DIGIT.take(data.take(ends[..., None] - most + places, mode="clip"))
+    digit[outside] = 0
+    if (digit < 0).any() or (base == 10 and (digit >= base).any()):
+        return None
+    value = digit.astype(np.int64) @ base ** (most - 1 - places)
+    return np.where(negative, -value, value)
+
+
+def _parse_many_in_python(lines: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """`parse_many` by Python's int(), for what numpy does not read; None if a line is bad."""
     fields = b"\t".join(line.rstrip(b"\r") for line in lines).split(b"\t")
     if len(fields) != COLUMNS * len(lines):
         return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -646,6 +646,60 @@ def test_an_eager_checkpoint_resumes_on_another_stage_and_replica_count(tmp_path
     assert resumed["replicas"] == 2 and resumed["resumedFromStep"] == 2
     assert resumed["replicaDivergence"] == 0.0
     assert resumed["losses"] == pytest.approx(first["losses"][2:], rel=1e-9)
+
+
+def resumed_as_straight(
+    job: Callable[[Path, Path], dict], tmp_path: Path, timeout: float = 240
+) -> tuple[dict, dict, dict[str, torch.Tensor]]:
+    """`job(checkpoint root, output folder)` run straight (checkpointing after step 2), then
+    from a copy of its step-2 checkpoint: the resumed run's losses and trained model equal
+    the straight run's to the bit. Both summaries and the trained model."""
+
+    def run(name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        (tmp_path / name).mkdir(exist_ok=True)  # the resumed run's holds its checkpoint
+        manifest = job(tmp_path / name / "ckpt", tmp_path / name / "out")
+        code, output, summary = run_to_end(manifest, tmp_path / name, timeout=timeout)
+        assert code == 0 and summary is not None, output[-3000:]
+        return summary, model_files.load_state_dict(tmp_path / name / "out")
+
+    straight, trained = run("straight")
+    saved = checkpoint.step_dir(tmp_path / "straight" / "ckpt", 2)
+    shutil.copytree(saved, checkpoint.step_dir(tmp_path / "resumed" / "ckpt", 2))
+    resumed, again = run("resumed")
+    assert resumed["resumedFromStep"] == 2
+    assert resumed["losses"] == straight["losses"][2:]
+    assert sorted(again) == sorted(trained)
+    for name, value in trained.items():
+        assert torch.equal(again[name], value), name
+    return straight, resumed, again
+
+
+@pytest.mark.slow  # two worlds; one module under two names, in process: the test above it
+def test_a_module_under_two_names_resumes_on_the_eager_path_to_the_bit(tmp_path, monkeypatch):
+    """DynUNet's stand-in (input_block is also skip_layers.downsample, and a kept skip layer
+    writes the head the glue reads), Adam: steps 3-4 resumed from the step-2 checkpoint of a
+    run of 4 give its losses and its trained model to the bit, under both names."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+
+    def job(root: Path, out: Path) -> dict:
+        return pipeline_job(
+            "skip-heads",
+            model={"import": "userpkg.skip_heads:skip_heads", "cut": "eager"},
+            data={"import": "userpkg.skip_heads:vectors"},
+            numClasses=4,
+            stages=2,
+            microBatches=2,
+            optimizer={"name": "adam", "lr": 0.01},
+            steps=4,
+            checkpoint={"path": str(root), "everySteps": 2},
+            output={"path": str(out)},
+        )
+
+    straight, resumed, trained = resumed_as_straight(job, tmp_path)
+    for summary in (straight, resumed):
+        assert summary["path"] == "eager" and summary["forwardsOneAtATime"], summary
+    assert sorted(trained) == sorted(skip_heads.skip_heads().state_dict())
+    assert torch.equal(trained["input_block.weight"], trained["skip_layers.downsample.weight"])
 
 
 def test_the_conformance_harness_tries_a_refused_model_on_the_eager_path(monkeypatch):

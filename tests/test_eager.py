@@ -13,27 +13,33 @@ skipped, spec.ema against one process, early stopping with the best step's weigh
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+from test_precision import fp16_batches
 from torch import nn
-from userpkg import esmlike, skip_heads, traced_cases
+from userpkg import esmlike, fp16_mlp, skip_heads, traced_cases
 
-from jobrun import JobRun, pipeline_job, run_to_end
-from pipejob.core import spec
-from pipejob.runner.local import free_ports
+from jobrun import JobRun, master_of, pipeline_job, run_to_end, run_world
+from pipejob.core import plan, spec
+from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.eager import remote
+from pipejob.trainer.pipeline.eager import run as eager_run
 from pipejob.trainer.pipeline.eager.check import check
-from pipejob.trainer.pipeline.eager.driver import Stages, not_finite, step
+from pipejob.trainer.pipeline.eager.driver import Stages, computed, not_finite, step
 from pipejob.trainer.pipeline.eager.held import Held
 from pipejob.trainer.pipeline.eager.placement import (
     aliases,
@@ -43,6 +49,7 @@ from pipejob.trainer.pipeline.eager.placement import (
     under_every_name,
 )
 from pipejob.trainer.pipeline.eager.turns import Turns
+from pipejob.trainer.pipeline.gradients import LossScale
 from pipejob.trainer.pipeline.stage_base import float32
 from pipejob.trainer.runtime import checkpoint, model_files, nonfinite
 from pipejob.trainer.workloads import data, models
@@ -285,6 +292,88 @@ def test_a_stage_recomputes_its_modules_forward_with_activation_checkpointing():
         assert len(calls) == forwards and layer.fc1.weight.grad is not None
 
 
+def _fp16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
+    """fp16 on the eager path: validation asks for GPUs, but torch's CPU autocast computes
+    fp16 too, so this world runs the path's fp16 (autocast on the stages and the glue, the
+    loss scale, unscaling, an overflowed step not applied) on CPU: a step whose scaled loss
+    overflows, then one that does not (test_precision.py's check of the traced path)."""
+    if (env := master_of(rank, envs)) is None:
+        return
+    try:
+        env = dataclasses.replace(env, spec=dataclasses.replace(env.spec, precision="fp16"))
+        model = models.build(env.spec)
+        (x1, y1), (x2, y2) = fp16_batches()
+        stages = eager_run.distribute(env, model, place(model, no_grad_run(model, x1[:8]), 2))
+        assert not list(model.parameters())  # the glue holds none: every layer on a stage
+
+        def state() -> dict[str, torch.Tensor]:
+            return {k: v for part in stages.on_each(remote.state) for k, v in part.items()}
+
+        forward = partial(computed, model, autocast=torch.float16)
+        scale, rules = LossScale(scale=2.0**200), (None, nonfinite.Guard())  # inf in float32
+        before = state()
+        first = step(
+            forward, None, stages, [(x1, y1)], 2, 0, F.cross_entropy, rules, 0.5, scale=scale
+        )
+        overflowed, skipped = scale.scale, state()
+        scale.scale = 2.0**16  # torch's GradScaler's start: no overflow
+        second = step(
+            forward, None, stages, [(x2, y2)], 2, 1, F.cross_entropy, rules, 0.5, scale=scale
+        )
+        torch.save(
+            {
+                "first": (first.overflowed, first.grad_norm),
+                "overflowed": overflowed,
+                "before": before,
+                "skipped": skipped,
+                "second": (second.applied, second.loss, second.grad_norm),
+                "scale": scale.scale,
+                "after": state(),
+            },
+            out,
+        )
+    finally:
+        rpc.shutdown()
+
+
+def test_fp16_on_the_eager_path_skips_an_overflow_and_unscales_the_gradients(tmp_path):
+    """The overflowed step changes no parameter and halves the scale; the next step's loss,
+    norm and change of every parameter are float32's to fp16's precision (test_precision's
+    2% bound), at the same scale."""
+    manifest = pipeline_job(
+        "fp16",
+        model={"import": "userpkg.fp16_mlp:mlp32", "cut": "eager"},
+        engine="rpc",
+        stages=2,
+        microBatches=2,
+        batchSize=16,
+        optimizer={"name": "sgd", "lr": 0.5, "momentum": 0},
+    )
+    processes = plan.plan_world(
+        spec.parse(manifest), lambda m: LOOPBACK, plan.Ports(*free_ports(4))
+    )
+    got = run_world(_fp16_world, [p.env for p in processes], tmp_path / "fp16.pt")
+
+    assert got["first"][0] and not math.isfinite(got["first"][1])
+    assert got["overflowed"] == 2.0**199
+    for name, value in got["before"].items():
+        assert torch.equal(got["skipped"][name], value), f"{name} changed in a skipped step"
+    model = fp16_mlp.mlp32()
+    (_, _), (x, y) = fp16_batches()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+    applied, second_loss, second_norm = got["second"]
+    assert applied and second_loss == pytest.approx(loss.item(), rel=0.01)
+    assert second_norm == pytest.approx(norm, rel=0.02)
+    assert got["scale"] == 2.0**16  # one good step: no growth before 2000 of them
+    for name, p in model.named_parameters():
+        moved = got["after"][name] - got["before"][name]
+        expected = -0.5 * p.grad
+        error = ((moved - expected).norm() / expected.norm()).item()
+        assert error < 0.02, f"{name}: fp16 step off by {error:.4f} of float32's"
+
+
 def test_a_non_finite_eager_step_names_what_and_where_as_the_traced_path_does():
     """The loss; else the gradient norm, from the latest stage whose gradients are not
     finite (the backward runs back from the master's loss), or the master's glue."""
@@ -355,9 +444,7 @@ def test_what_the_eager_path_does_not_carry_is_refused_naming_the_field_never_ig
     assert refusal(spec.parse(_esm_job()).settings) is None
     refused = refusal(spec.parse(_esm_job(profile={"steps": [1], "path": "/tmp/p"})).settings)
     assert refused is not None and "spec.profile" in refused
-    fp16 = _esm_job(precision="fp16", gpusPerStage=1)
-    refused = refusal(spec.parse(fp16).settings)
-    assert refused is not None and "spec.precision" in refused
+    assert refusal(spec.parse(_esm_job(precision="fp16", gpusPerStage=1)).settings) is None
     # split points of a trace refused all the same: the eager path places by itself
     refused = refusal(spec.parse(_esm_job(splitPoints=["layers.2"])).settings)
     assert refused is not None and "leave spec.splitPoints out" in refused
@@ -374,7 +461,6 @@ def test_the_eager_path_on_the_pipelining_engine_is_refused_naming_the_field():
 @pytest.mark.parametrize(
     "fields, refused",
     [
-        ({"precision": "fp16", "gpusPerStage": 1}, "spec.precision: the eager path"),
         ({"profile": {"steps": [1], "path": "/tmp/p"}}, "spec.profile: the eager path"),
         ({"splitPoints": ["layers.2"]}, "spec.splitPoints: the eager path .* no split points"),
     ],
@@ -384,6 +470,12 @@ def test_asked_for_eager_what_it_does_not_carry_is_refused_before_anything_start
     with pytest.raises(ValueError, match=refused):
         spec.parse(_esm_job(model=eager, **fields))
     spec.parse(_esm_job(**fields))  # the traced path carries them
+
+
+def test_both_paths_carry_fp16():
+    eager = {"import": "userpkg.esmlike:esm2", "cut": "eager"}
+    spec.parse(_esm_job(model=eager, precision="fp16", gpusPerStage=1))
+    spec.parse(_esm_job(precision="fp16", gpusPerStage=1))
 
 
 def _esm_job(**fields) -> dict:
@@ -659,6 +751,60 @@ def test_an_eager_checkpoint_resumes_on_another_stage_and_replica_count(tmp_path
     assert resumed["replicas"] == 2 and resumed["resumedFromStep"] == 2
     assert resumed["replicaDivergence"] == 0.0
     assert resumed["losses"] == pytest.approx(first["losses"][2:], rel=1e-9)
+
+
+def resumed_as_straight(
+    job: Callable[[Path, Path], dict], tmp_path: Path, timeout: float = 240
+) -> tuple[dict, dict, dict[str, torch.Tensor]]:
+    """`job(checkpoint root, output folder)` run straight (checkpointing after step 2), then
+    from a copy of its step-2 checkpoint: the resumed run's losses and trained model equal
+    the straight run's to the bit. Both summaries and the trained model."""
+
+    def run(name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        (tmp_path / name).mkdir(exist_ok=True)  # the resumed run's holds its checkpoint
+        manifest = job(tmp_path / name / "ckpt", tmp_path / name / "out")
+        code, output, summary = run_to_end(manifest, tmp_path / name, timeout=timeout)
+        assert code == 0 and summary is not None, output[-3000:]
+        return summary, model_files.load_state_dict(tmp_path / name / "out")
+
+    straight, trained = run("straight")
+    saved = checkpoint.step_dir(tmp_path / "straight" / "ckpt", 2)
+    shutil.copytree(saved, checkpoint.step_dir(tmp_path / "resumed" / "ckpt", 2))
+    resumed, again = run("resumed")
+    assert resumed["resumedFromStep"] == 2
+    assert resumed["losses"] == straight["losses"][2:]
+    assert sorted(again) == sorted(trained)
+    for name, value in trained.items():
+        assert torch.equal(again[name], value), name
+    return straight, resumed, again
+
+
+@pytest.mark.slow  # two worlds; one module under two names, in process: the test above it
+def test_a_module_under_two_names_resumes_on_the_eager_path_to_the_bit(tmp_path, monkeypatch):
+    """DynUNet's stand-in (input_block is also skip_layers.downsample, and a kept skip layer
+    writes the head the glue reads), Adam: steps 3-4 resumed from the step-2 checkpoint of a
+    run of 4 give its losses and its trained model to the bit, under both names."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+
+    def job(root: Path, out: Path) -> dict:
+        return pipeline_job(
+            "skip-heads",
+            model={"import": "userpkg.skip_heads:skip_heads", "cut": "eager"},
+            data={"import": "userpkg.skip_heads:vectors"},
+            numClasses=4,
+            stages=2,
+            microBatches=2,
+            optimizer={"name": "adam", "lr": 0.01},
+            steps=4,
+            checkpoint={"path": str(root), "everySteps": 2},
+            output={"path": str(out)},
+        )
+
+    straight, resumed, trained = resumed_as_straight(job, tmp_path)
+    for summary in (straight, resumed):
+        assert summary["path"] == "eager" and summary["forwardsOneAtATime"], summary
+    assert sorted(trained) == sorted(skip_heads.skip_heads().state_dict())
+    assert torch.equal(trained["input_block.weight"], trained["skip_layers.downsample.weight"])
 
 
 def test_the_conformance_harness_tries_a_refused_model_on_the_eager_path(monkeypatch):

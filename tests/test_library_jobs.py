@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from one_process import assert_output_is_the_step, first_step
+from test_eager import resumed_as_straight
 
 from jobrun import pipeline_job, run_to_end
 
@@ -131,3 +133,30 @@ def test_tabnets_logits_and_sparsity_loss_train_as_one_process(tmp_path, monkeyp
 )
 def test_a_library_model_trains_in_two_stages_as_one_process(name, tmp_path, monkeypatch):
     trains_as_one_process(name, tmp_path, monkeypatch)
+
+
+@pytest.mark.slow  # two worlds; the stand-in's resume: test_eager.py (no MONAI)
+def test_dynunet_resumes_on_the_eager_path_to_the_bit(tmp_path, monkeypatch):
+    """MONAI's DynUNet takes the eager path by itself (its input_block is also its skip
+    layers' downsample; a kept skip layer writes the deep-supervision heads): Adam, steps
+    3-4 resumed from the step-2 checkpoint give a straight run's losses and trained model
+    to the bit, the module under both its names."""
+    name = "monai DynUNet, deep supervision"
+    monkeypatch.setenv("PYTHONPATH", f"{TESTS}:{library_path(CASES[name][0])}")
+
+    def resumable(root: Path, out: Path) -> dict[str, Any]:
+        manifest = job(name, tmp_path)
+        manifest["spec"] |= {
+            "steps": 4,
+            "optimizer": {"name": "adam", "lr": 0.01},
+            "checkpoint": {"path": str(root), "everySteps": 2},
+            "output": {"path": str(out)},
+        }
+        return manifest
+
+    straight, _, trained = resumed_as_straight(resumable, tmp_path, timeout=420)
+    assert straight["path"] == "eager", straight
+    assert torch.equal(
+        trained["input_block.conv1.conv.weight"],
+        trained["skip_layers.downsample.conv1.conv.weight"],
+    )

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import multiprocessing
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 from torch import nn
 from userdata import BYTE_VOCAB, write_stdlib_tokens
+from userpkg.fp16_mlp import mlp32
 
 from jobrun import (
     _stage_gradients,
@@ -281,21 +281,6 @@ def _fp16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         )
     finally:
         rpc.shutdown()
-
-
-def mlp32() -> nn.Sequential:
-    torch.manual_seed(7)
-    return nn.Sequential(
-        OrderedDict(
-            [
-                ("fc1", nn.Linear(5, 32)),
-                ("act1", nn.Tanh()),
-                ("fc2", nn.Linear(32, 32)),
-                ("act2", nn.Tanh()),
-                ("fc3", nn.Linear(32, 3)),
-            ]
-        )
-    )
 
 
 def fp16_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -9,15 +9,18 @@ source with a loss given in the manifest."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from test_runner import alive
 from torch import nn
 from userpkg import gpt_forwards
 
-from jobrun import pipeline_job, run_to_end
+from jobrun import STARTED, JobRun, pipeline_job, run_to_end
+from pipejob.core.contract import ExitCode
 from pipejob.trainer.pipeline.fit import fits_model
 from pipejob.trainer.workloads import metrics
 from pipejob.trainer.workloads.cut import Traced, join
@@ -128,6 +131,33 @@ def trains(module: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert code == 0, output[-3000:]
     assert summary is not None and summary["steps"] == 4, summary
     assert math.isfinite(summary["finalLoss"]), summary
+    # The master checked the data against the model before any stage started.
+    checked, started = output.index("| data: "), output.index("pipejob: started stage0")
+    assert checked < started, output[:3000]
+
+
+def test_without_a_loss_a_gpt_is_refused_before_any_other_member_starts(tmp_path, monkeypatch):
+    """`pipejob run` starts the master alone; its check refuses the default loss on the
+    GPT's (logits, None) before the world forms: no stage ever starts, no preflight runs, the
+    job fails permanently naming spec.loss and what to give, and nothing is left behind."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # userpkg, in every process
+    manifest = gpt_job("nanogpt", tmp_path)
+    del manifest["spec"]["loss"]
+    manifest["spec"] |= {"output": {"path": str(tmp_path / "out")}}
+    manifest["spec"] |= {"checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 1}}
+    with JobRun(manifest, tmp_path) as run:
+        code = run.finish(timeout=100)
+    assert code == ExitCode.PERMANENT, run.output
+    assert [m[1] for m in STARTED.finditer(run.output)] == ["master"], run.output
+    said = re.search(r"^pipejob: master \(role master, rank 0\) failed: (.*)$", run.output, re.M)
+    assert said is not None, run.output
+    assert said[1].startswith("exit code 5: permanent: InvalidConfiguration:"), said[1]
+    assert "spec.loss: the model returns ((2, 1, 64) float32, None)" in said[1], said[1]
+    assert "give spec.loss: {import: mypkg.losses:build}" in said[1], said[1]
+    assert "preflight" not in run.output
+    assert not run.summary_file.exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()
+    assert not alive(run.pid("master")), run.output
 
 
 @pytest.mark.timeout(300)

@@ -1,12 +1,14 @@
 """A small stand-in for MONAI's DynUNet with deep supervision (issue 56), without MONAI: its
 blocks are registered twice (input_block is also skip_layers.downsample, as DynUNet's skip
 layers hold its blocks), and an inner skip layer writes its head's output into a Python list
-made with the model, which the forward reads after the skip layers have run."""
+made with the model, which the forward reads after the skip layers have run; `vectors` is a
+data source for it (4 features, 4 classes: its output's 2 + the deep head's 2)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 WIDTH = 8
 
@@ -60,3 +62,9 @@ class SkipHeads(nn.Module):
 def skip_heads() -> nn.Module:
     torch.manual_seed(0)
     return SkipHeads()
+
+
+def vectors(split: str, size: int = 64) -> TensorDataset:
+    """Seeded samples of 4 features, each labelled with one of 4 classes."""
+    g = torch.Generator().manual_seed(0 if split == "train" else 1)
+    return TensorDataset(torch.randn(size, 4, generator=g), torch.randint(4, (size,), generator=g))

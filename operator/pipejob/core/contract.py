@@ -45,6 +45,7 @@ SUMMARY_FILE = "PIPEJOB_SUMMARY_FILE"
 TERMINATION_LOG = "PIPEJOB_TERMINATION_LOG"
 TUNING = "PIPEJOB_TUNING"
 POD_NAME = "PIPEJOB_POD_NAME"
+MASTER_FIRST = "PIPEJOB_MASTER_FIRST"
 
 DOCS: dict[str, str] = {
     MASTER_ADDR: "Address of the master: the RPC rendezvous (TCP store) host.",
@@ -82,6 +83,11 @@ DOCS: dict[str, str] = {
     " Kubernetes' termination message).",
     POD_NAME: "Optional: the name of this process's pod (the operator sets it; the local"
     " runner does not), for the watchdog's messages.",
+    MASTER_FIRST: "Optional: 1 where the master starts alone and the other members once its"
+    " /progress phase leaves `starting` (`pipejob run`): a PipelineJob's master then checks its"
+    " model against the data and the loss before the world forms, and a refusal comes before"
+    " any other member starts. Unset (the operator starts every pod at once), it checks them"
+    " once the world formed: the others' preflight deadline runs from their own start.",
     TUNING: "Optional: performance levers (threads, allocator, transport): unset or on for"
     " all, off for none, or a comma-separated list; allocator=tcmalloc, jemalloc or glibc"
     " picks the malloc (tcmalloc unless told). Variables the user sets always win.",

@@ -71,7 +71,7 @@ class Kind:
     spec: Field  # the spec table: defaults, validation, the CRD's schema
     settings: type  # the typed spec the trainer reads (core/common.py: from_spec)
     roles: tuple[Role, ...]  # in RPC rank order; the first is the master, rank 0
-    # Module whose `run(env)` runs every role of this kind in a pod, and whose
+    # Module whose `run(env, checked)` runs every role of this kind in a pod, and whose
     # `export_checkpoint(directory, manifest, out, format)` is `pipejob export` of its checkpoints.
     trainer: str
     groups: tuple[Group, ...] = ()
@@ -91,6 +91,11 @@ class Kind:
     # fewer GPUs than they ask): the spec to run instead and why, or None (a PipelineJob's
     # `engine: auto` runs on rpc, whose stages may share one).
     on_shared_gpus: Callable[[Spec], tuple[Spec, str] | None] = lambda spec: None
+    # Whether its master checks what it can alone (a PipelineJob's model against the data and
+    # the loss: its trainer module's `check(env)`, whose result `run` gets) before the world
+    # forms, where it starts first (contract.MASTER_FIRST: the local runner starts the others
+    # after it); a refusal there comes before any other member starts.
+    checks_first: bool = False
 
     def role(self, name: str) -> Role:
         for role in self.roles:

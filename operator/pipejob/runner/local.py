@@ -1,11 +1,14 @@
 """The embedded default (`pipejob run`): a job's world plan as local processes on loopback, each
 with exactly the env a pod would get (plus the caller's, for PATH and friends), their output
 streamed with role prefixes. As under the operator, the master's exit decides and any other
-process dying stops everything (an RPC world cannot re-admit a member); docs/user-guide.md."""
+process dying stops everything (an RPC world cannot re-admit a member); docs/user-guide.md.
+Where a kind's master checks what it can alone (Kind.checks_first), the master starts first
+and the others once it has: its refusal comes before any other process starts."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import signal
@@ -15,13 +18,20 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from pipejob.core import levers
-from pipejob.core.contract import BROKEN_PREFIX, TERMINATION_LOG, TUNING
+from pipejob.core.contract import (
+    BROKEN_PREFIX,
+    MASTER_FIRST,
+    TERMINATION_LOG,
+    TUNING,
+    Progress,
+)
 from pipejob.core.plan import (
     TRAINER_MODULE,
     Ports,
@@ -131,9 +141,12 @@ class World:
                 self.out.write(f"{prefix} | {text}\n")
                 self.out.flush()
 
-    def start(self, processes: list[Process], visible: dict[int, str] | None = None) -> None:
-        """Start every process; `visible`: CUDA_VISIBLE_DEVICES by rank (gpus.place)."""
-        width = max(len(p.rpc_name) for p in processes)
+    def start(
+        self, processes: list[Process], visible: dict[int, str] | None = None, width: int = 0
+    ) -> None:
+        """Start every process; `visible`: CUDA_VISIBLE_DEVICES by rank (gpus.place);
+        `width`: of the names that prefix their lines (default: the longest of these)."""
+        width = width or max(len(p.rpc_name) for p in processes)
         extra = {"PYTHONUNBUFFERED": "1"}
         if self.directory is not None:
             extra["PYTHONPATH"] = python_path(self.directory, os.environ.get("PYTHONPATH"))
@@ -160,6 +173,18 @@ class World:
             pump.start()
             self.members.append(Running(p, popen, pump, message_file))
             self.say(f"started {p.rpc_name} (rank {p.rank}, pid {popen.pid})")
+
+    def master_checked(self, monitor_port: int) -> bool:
+        """Wait until the master, started alone, has checked what it can by itself (its
+        /progress phase left `starting`: MASTER_FIRST). False where it failed first: its
+        refusal is the run's, and nothing else starts."""
+        url = f"http://{LOOPBACK}:{monitor_port}/progress"
+        master = self.members[0].popen
+        while (code := master.poll()) is None:
+            if _phase(url) not in (None, "starting"):
+                return True
+            time.sleep(POLL_SECONDS)
+        return code == 0  # a trainer that ends before it checks (a stand-in): as planned
 
     def stop(self, grace: float) -> None:
         """SIGTERM every process group still alive, SIGKILL after `grace` seconds."""
@@ -226,6 +251,19 @@ class World:
         return 0
 
 
+# Straight to loopback: a proxy in the caller's environment has no route to the master.
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _phase(url: str) -> str | None:
+    """The master's phase in its /progress report, or None while it does not answer."""
+    try:
+        with _opener.open(url, timeout=1) as reply:
+            return Progress.parse(json.load(reply)).phase
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _signal_group(popen: subprocess.Popen, sig: signal.Signals) -> None:
     try:
         os.killpg(popen.pid, sig)
@@ -276,7 +314,7 @@ def run_job(
     # Stop the world on Ctrl-C or SIGTERM, too: nothing may outlive the runner.
     previous = signal.signal(signal.SIGTERM, lambda *_: _raise_interrupt())
     try:
-        world.start(processes, placement.visible)
+        start(world, job, processes, ports, placement.visible)
         code = world.watch(grace)
     except KeyboardInterrupt:
         world.say("interrupted; stopping every process")
@@ -286,6 +324,22 @@ def run_job(
         signal.signal(signal.SIGTERM, previous)
     world.say(f"{job.kind} {job.name!r} " + ("succeeded" if code == 0 else "failed"))
     return code
+
+
+def start(
+    world: World, job: Job, processes: list[Process], ports: Ports, visible: dict[int, str]
+) -> None:
+    """Start the job's processes: where its master checks what it can alone before the world
+    forms (Kind.checks_first: a PipelineJob's model against its data and loss), the master
+    first and the others once it has, so that its refusal comes before any other starts."""
+    if not job.definition.checks_first:
+        world.start(processes, visible)
+        return
+    width = max(len(p.rpc_name) for p in processes)
+    first = [dataclasses.replace(p, env=p.env | {MASTER_FIRST: "1"}) for p in processes]
+    world.start(first[:1], visible, width)
+    if world.master_checked(ports.monitor):
+        world.start(first[1:], visible, width)
 
 
 def placed(

@@ -26,7 +26,7 @@ from pipejob.trainer.runtime.world import (
 
 def run(env: Env) -> dict | None:
     """Check the world's network, then run this process's role; the master returns the
-    run's summary."""
+    run's summary. A master started alone (MASTER_FIRST) first checks what it can by itself."""
     from pipejob.trainer.runtime import determinism, preflight  # torch: after tuning.apply
 
     if determinism.apply(env.spec.deterministic):
@@ -34,6 +34,10 @@ def run(env: Env) -> dict | None:
     # From here on, in every phase: loading torch's libraries holds the GIL for seconds, so
     # the heartbeats start after it (a member frozen before meets the rendezvous' deadline).
     watchdog.start(env, monitor.board() if env.rank == 0 else None)
+    trainer = importlib.import_module(env.definition.trainer)
+    checked = None
+    if env.rank == 0 and env.master_first and env.definition.checks_first:
+        checked = trainer.check(env)  # in phase `starting`: the others start when it leaves it
     board = monitor.board()
     board.phase("preflight")
     try:
@@ -43,7 +47,7 @@ def run(env: Env) -> dict | None:
         raise
     if report is not None:
         board.preflight(True, report.summary)
-    return importlib.import_module(env.definition.trainer).run(env)
+    return trainer.run(env, checked)
 
 
 def _quiet(showwarning):

@@ -347,6 +347,7 @@ PIPELINE_JOB = Kind(
         ),
     ),
     trainer="pipejob.trainer.pipeline",
+    checks_first=True,
     columns=(
         column(
             "Perplexity",

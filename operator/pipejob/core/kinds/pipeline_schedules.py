@@ -203,12 +203,6 @@ def eager_rules() -> list[Rule]:
             "runs on the rpc engine only: set spec.engine: rpc or auto, or leave model.cut out",
         ),
         _eager_refuses(
-            "precision",
-            "self.precision != 'fp16'",
-            lambda s: s["precision"] != "fp16",
-            "does not scale fp16's loss yet: set spec.precision to bf16",
-        ),
-        _eager_refuses(
             "profile",
             "!has(self.profile)",
             lambda s: s.get("profile") is None,

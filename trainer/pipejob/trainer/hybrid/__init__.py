@@ -14,8 +14,9 @@ from pipejob.trainer.runtime import rendezvous, roles, world
 from pipejob.trainer.runtime.world import Env
 
 
-def run(env: Env) -> dict[str, Any] | None:
-    """Run this process's role of a HybridJob; the master returns the summary."""
+def run(env: Env, checked: None = None) -> dict[str, Any] | None:
+    """Run this process's role of a HybridJob; the master returns the summary (`checked`:
+    None, its master checks nothing before the world forms: Kind.checks_first)."""
     from pipejob.trainer.hybrid import master
 
     if env.role == "master":

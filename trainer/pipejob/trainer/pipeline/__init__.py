@@ -16,13 +16,17 @@ master chooses (auto: engine_choice.py). Both share this room, and neither impor
 from __future__ import annotations
 
 import importlib
+from functools import partial
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer.pipeline import engine_choice
 from pipejob.trainer.runtime import roles
 from pipejob.trainer.runtime.world import Env
+
+if TYPE_CHECKING:
+    from pipejob.trainer.pipeline.run_plan import Checked
 
 
 def engine(spec: PipelineSpec, module: str = "") -> ModuleType:
@@ -31,12 +35,21 @@ def engine(spec: PipelineSpec, module: str = "") -> ModuleType:
     return importlib.import_module(f"{__name__}.{spec.engine}" + (f".{module}" if module else ""))
 
 
-def run(env: Env) -> dict[str, Any] | None:
-    """Run this process's role of a PipelineJob; the master returns the summary."""
+def check(env: Env) -> Checked:
+    """The master's check before the world forms, where it starts first: its model against
+    the data and the loss (run_plan.check; a refusal raises). What it built, for `run`."""
+    from pipejob.trainer.pipeline import run_plan
+
+    return run_plan.check(env)
+
+
+def run(env: Env, checked: Checked | None = None) -> dict[str, Any] | None:
+    """Run this process's role of a PipelineJob; the master returns the summary (`checked`:
+    what its `check` built before the world formed, else it checks once the world formed)."""
     if env.role == "master":
         from pipejob.trainer.pipeline import train
 
-        return roles.drive(env, train.train)
+        return roles.drive(env, partial(train.train, checked=checked))
     if env.spec.engine == AUTO:
         engine_choice.serve(env)
     else:

@@ -55,27 +55,48 @@ class Plan:
         return self.shards.partition.micro_batches
 
 
-def plan(env: Env[PipelineSpec]) -> Plan:
-    """Decide the run before any step: the model built with none of its parameters (the
-    stages build their own shards), the data checked against it, and its cut, the
-    checkpoint's where it fits this job, else measured on the stages, with the micro-batch
-    count (`microBatches: auto`: the fastest predicted)."""
+@dataclass(frozen=True)
+class Checked:
+    """What the master checks by itself, needing no other member (`check`): the model built
+    with none of its parameters, its numbering, the loss, and two samples that fit them."""
+
+    model: nn.Module
+    numbered: materialize.Numbering
+    loss: workloads.Loss
+    inputs: Any
+    labels: Any
+
+
+def check(env: Env[PipelineSpec]) -> Checked:
+    """The model built with none of its parameters (the stages build their own shards), its
+    ties against spec.optimizer, and the data against it through the loss: refused (a
+    ValueError naming the field and what to give) where they cannot work."""
+    spec = env.spec
+    model, numbered = models.build_meta(spec)
+    param_groups.check_ties(spec.optimizer, model.named_parameters(remove_duplicate=False))
+    loss = workloads.loss(spec)
+    inputs, labels = checked_inputs(env, model, loss)
+    return Checked(model, numbered, loss, inputs, labels)
+
+
+def plan(env: Env[PipelineSpec], checked: Checked | None = None) -> Plan:
+    """Decide the run before any step: the model checked (`check`, or what it found before
+    the world formed: `checked`) and its cut, the checkpoint's where it fits this job, else
+    measured on the stages, with the micro-batch count (`microBatches: auto`: the fastest
+    predicted)."""
     spec = env.spec
     # Replica r's stages, in order: every replica holds the same shards. The world runs as
     # many replicas as the plan gave it stages for (an elastic world: any of min..max).
     every = env.names("stage")
     count = len(every) // spec.stages
     replicas = [every[r * spec.stages : (r + 1) * spec.stages] for r in range(count)]
-    model, numbered = models.build_meta(spec)  # the stages build their own shards
-    param_groups.check_ties(spec.optimizer, model.named_parameters(remove_duplicate=False))
-    loss = workloads.loss(spec)
-    inputs, labels = checked_inputs(env, model, loss)
+    c = checked if checked is not None else check(env)
     found = checkpoint.latest_for(env)
-    shards, resumed = cut(env, model, numbered, replicas[0], found, inputs, labels)
+    shards, resumed = cut(env, c.model, c.numbered, replicas[0], found, c.inputs, c.labels)
     env = on_chosen_engine(env, shards.partition.engine)
     log_cut(env, shards, resumed)
     log_replicas(env, count)
-    return Plan(env, replicas, shards, loss, found)
+    return Plan(env, replicas, shards, c.loss, found)
 
 
 def on_chosen_engine(env: Env[PipelineSpec], choice: Choice | None) -> Env[PipelineSpec]:

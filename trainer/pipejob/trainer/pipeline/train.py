@@ -21,7 +21,7 @@ from pipejob.trainer.pipeline.eager import run as eager_run
 from pipejob.trainer.pipeline.engine_choice import resolved
 from pipejob.trainer.pipeline.master_checkpoints import resume, save_checkpoint
 from pipejob.trainer.pipeline.reader import Reader
-from pipejob.trainer.pipeline.run_plan import Plan, plan
+from pipejob.trainer.pipeline.run_plan import Checked, Plan, plan
 from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import render, report_evaluation, stage_report, summarize
@@ -41,13 +41,14 @@ from pipejob.trainer.workloads.cut import CutError
 from pipejob.trainer.workloads.metrics import Tally
 
 
-def train(env: Env[PipelineSpec]) -> dict[str, Any]:
-    """The PipelineJob master's run: the plan, the pipelines, the steps, the model out."""
+def train(env: Env[PipelineSpec], checked: Checked | None = None) -> dict[str, Any]:
+    """The PipelineJob master's run: the plan, the pipelines, the steps, the model out
+    (`checked`: the master's check before the world formed, if it made one)."""
     spec = env.spec
     if spec.model.cut == CUT_EAGER:
         return eager(env, "spec.model.cut: eager")
     try:
-        planned = plan(env)
+        planned = plan(env, checked)
     except CutError as e:
         if spec.model.cut == CUT_TRACED or spec.engine == PIPELINING:
             raise

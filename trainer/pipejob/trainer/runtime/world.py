@@ -80,6 +80,7 @@ class Env(Generic[S]):
     ddp_world_size: int | None = None
     ddp_backend: str | None = None
     summary_file: str | None = None
+    master_first: bool = False  # the others start once the master checked (MASTER_FIRST)
 
     @property
     def definition(self) -> Kind:
@@ -146,6 +147,7 @@ def read_env(environ: dict[str, str] | None = None) -> Env[Any]:
         gpus=_int(environ, c.GPUS),
         rendezvous_timeout=float(_int(environ, c.RENDEZVOUS_TIMEOUT)),
         summary_file=environ.get(c.SUMMARY_FILE) or None,
+        master_first=environ.get(c.MASTER_FIRST) == "1",
         **_ddp(environ),
     )
     _check_world(env)

@@ -4,7 +4,9 @@ thread of its own, inside its own distributed autograd context, so the micro-bat
 every replica) overlap across the stages as the seeds' RPC pipeline's do; with
 gradientAccumulation, its batches one after the other. Then every process sums its
 gradients over the contexts in micro-batch order (the stages then over the replicas), the
-master judges the global norm, and every process steps its own."""
+master judges the global norm, and every process steps its own. With fp16 each backward
+starts from the loss times the loss scale (gradients.LossScale, the traced path's), every
+process divides its sums by it, and a step whose gradients overflowed is not applied."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from torch import nn
 from pipejob.trainer.pipeline.driver import divergence
 from pipejob.trainer.pipeline.eager import remote
 from pipejob.trainer.pipeline.eager.held import squared_norm, summed_gradients
+from pipejob.trainer.pipeline.gradients import LossScale
 from pipejob.trainer.pipeline.stage_base import float32
 from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.optim import Functional, clip_coefficient, set_lr
@@ -98,9 +101,11 @@ class MicroBatch(threading.Thread):
         turn: tuple[int, int, int],
         stages: Stages,
         order: tuple[InOrder, int] | None = None,
+        scale: float = 1.0,
     ):
         super().__init__(daemon=True, name=f"eager micro-batch {turn[0]} of replica {turn[2]}")
         self.run_forward, self.stages, self.order = run, stages, order
+        self.scale = scale  # fp16's loss scale: the backward starts from loss x scale
         self.number, self.first, self.replica = turn
         self.done = threading.Event()
         self.release = threading.Event()
@@ -125,7 +130,7 @@ class MicroBatch(threading.Thread):
                 finally:  # its replica's later micro-batches no longer wait for this one
                     self.stages.futures(remote.ended, self.number, replica=self.replica)
                 self.loss = loss.item()
-                dist_autograd.backward(context, [loss])
+                dist_autograd.backward(context, [loss * self.scale if self.scale != 1.0 else loss])
                 self.done.set()
                 self.release.wait()
         except BaseException as e:  # the step fails with it, at once
@@ -149,6 +154,11 @@ class Step:
     lr: float
     seconds: float
     skipped: str | None = None  # the line saying a non-finite step was skipped, not applied
+    overflowed: bool = False  # fp16's scaled gradients overflowed: not applied, scale halved
+
+    @property
+    def applied(self) -> bool:
+        return self.skipped is None and not self.overflowed
 
 
 def step(
@@ -162,20 +172,23 @@ def step(
     rules: tuple[float | None, nonfinite.Guard],
     lr: float,
     one_at_a_time: bool = False,
+    scale: LossScale | None = None,
 ) -> Step:
     """Step `number` (0-based) on `batches` (gradientAccumulation's rounds, one after the
     other), `forward` giving the model's output (`computed`), `rules` the clipping norm and
     what a non-finite step does, `one_at_a_time` whether the forwards run in turn
-    (Placement.one_at_a_time): the mean of the rounds' losses (each micro-batch's weighted
-    by its share of its round), the global gradient norm before clipping."""
+    (Placement.one_at_a_time), `scale` fp16's loss scale (updated here): the mean of the
+    rounds' losses (each micro-batch's weighted by its share of its round), the global
+    gradient norm before clipping."""
     start = time.perf_counter()
     threads: list[MicroBatch] = []
     max_norm, guard = rules
+    multiplier = 1.0 if scale is None else scale.scale
     try:
         for k, batch in enumerate(batches):
             first = (number * len(batches) + k) * micro_batches
             started = round_threads(
-                forward, stages, batch, micro_batches, first, loss_fn, len(batches)
+                forward, stages, batch, micro_batches, first, loss_fn, len(batches), multiplier
             )
             if one_at_a_time:  # in the round's order: replica, then micro-batch
                 order = InOrder()
@@ -183,11 +196,14 @@ def step(
                     t.order = order, position
             threads += started  # released below, whatever happens
             run_all(started)
-        grads, squares = summed(stages, threads)
+        grads, squares = summed(stages, threads, 1.0 / multiplier)
         loss, norm = sum(t.loss for t in threads), math.sqrt(sum(squares))
-        bad = not_finite(loss, squares, stages.workers[0])
+        # With fp16, gradients that overflowed are the loss scale's to judge, below.
+        bad = not_finite(loss, squares if scale is None else [], stages.workers[0])
         if bad is not None:  # the step is not applied: the job stops, or it is skipped
             return Step(loss, norm, lr, time.perf_counter() - start, guard.check(number + 1, *bad))
+        if scale is not None and not scale.update(norm):  # overflowed, as GradScaler skips
+            return Step(loss, norm, lr, time.perf_counter() - start, overflowed=True)
         coefficient = clip_coefficient(norm, max_norm)
         stages.on_each(remote.step, coefficient, lr, replica=None)
         if glue is not None:
@@ -230,11 +246,13 @@ def round_threads(
     first: int,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     rounds: int,
+    scale: float = 1.0,
 ) -> list[MicroBatch]:
     """One round's micro-batches, each's forward and backward a thread (not yet started):
     each replica's share of `batch` in `micro_batches`, numbered from `first` on each
     replica's stages, each loss weighted by its share of the batch over the step's
-    `rounds`; in replica then micro-batch order (the batch's)."""
+    `rounds`, each backward from it times `scale` (fp16's); in replica then micro-batch
+    order (the batch's)."""
     inputs, labels = batch
     total = batch_values.samples(labels) * rounds
     replicas = len(stages.held)
@@ -248,7 +266,7 @@ def round_threads(
             def run(x: Any = x, y: Any = y, weight: float = weight) -> torch.Tensor:
                 return loss_fn(forward(x), y) * weight
 
-            threads.append(MicroBatch(run, (first + i, first, r), stages))
+            threads.append(MicroBatch(run, (first + i, first, r), stages, scale=scale))
     return threads
 
 
@@ -264,17 +282,22 @@ def run_all(threads: list[MicroBatch]) -> None:
         raise failed[0]
 
 
-def summed(stages: Stages, threads: list[MicroBatch]) -> tuple[dict, list[float]]:
+def summed(
+    stages: Stages, threads: list[MicroBatch], unscale: float = 1.0
+) -> tuple[dict, list[float]]:
     """The glue's gradients summed over every micro-batch's context in order (rounds, then
     replicas, then micro-batches: one process's order), the stages' over their replica's
-    then over the replicas (replica_sums.py); the squared norms, the glue's then each
-    stage's (replica 0's: every replica's are the same)."""
+    then over the replicas (replica_sums.py), each sum times `unscale` (1 / fp16's loss
+    scale); the squared norms, the glue's then each stage's (replica 0's: every replica's
+    are the same)."""
     grads = summed_gradients([t.context for t in threads])
+    if unscale != 1.0 and grads:
+        torch._foreach_mul_(list(grads.values()), unscale)
     replicas = len(stages.held)
     contexts = [[t.context for t in threads if t.replica == r] for r in range(replicas)]
     futures = [
         f
         for r in range(replicas)
-        for f in stages.futures(remote.sum_gradients, contexts[r], replica=r)
+        for f in stages.futures(remote.sum_gradients, contexts[r], unscale, replica=r)
     ]
     return grads, [squared_norm(grads), *torch.futures.wait_all(futures)[: len(stages.held[0])]]

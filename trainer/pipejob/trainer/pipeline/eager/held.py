@@ -99,11 +99,13 @@ class Held:
     def ended(self, number: int) -> None:
         self.turns.ended(number)
 
-    def sum_gradients(self, contexts: list[int]) -> float:
+    def sum_gradients(self, contexts: list[int], unscale: float = 1.0) -> float:
         """Each parameter's gradient summed over the micro-batches' contexts in their order
-        (the same sum on every run), then over the replicas in replica order; its squared
-        L2 norm, for clipping."""
+        (the same sum on every run), then over the replicas in replica order, times
+        `unscale` (1 / fp16's loss scale); its squared L2 norm, for clipping."""
         self.summed = replica_sums.summed(summed_gradients(contexts), self.trained, self.replicas)
+        if unscale != 1.0 and self.summed:
+            torch._foreach_mul_(list(self.summed.values()), unscale)
         return squared_norm(self.summed)
 
     def step(self, coefficient: float, lr: float) -> None:

@@ -66,8 +66,8 @@ def ended(held: rpc.RRef, number: int) -> None:
     held.local_value().ended(number)
 
 
-def sum_gradients(held: rpc.RRef, contexts: list[int]) -> float:
-    return held.local_value().sum_gradients(contexts)
+def sum_gradients(held: rpc.RRef, contexts: list[int], unscale: float = 1.0) -> float:
+    return held.local_value().sum_gradients(contexts, unscale)
 
 
 def step(held: rpc.RRef, coefficient: float, lr: float) -> None:

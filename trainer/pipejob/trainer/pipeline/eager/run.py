@@ -30,6 +30,7 @@ from pipejob.trainer.pipeline.eager.placement import (
     replace,
     under_every_name,
 )
+from pipejob.trainer.pipeline.gradients import LossScale
 from pipejob.trainer.pipeline.stage_base import AUTOCAST
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import curve_figures, rate_figures
@@ -47,8 +48,6 @@ def refusal(spec: PipelineSpec) -> str | None:
     if spec.model.staged is not None:
         return "spec.model.staged replaces the model's forward, which the eager path runs"
     # Parts of the recipe the eager path does not carry yet: refused, never ignored.
-    if spec.precision == "fp16":
-        return "the eager path does not scale fp16's loss yet: set spec.precision to bf16"
     if spec.profile is not None:
         return "the eager path does not profile yet: leave spec.profile out"
     if spec.split_points:
@@ -112,13 +111,15 @@ def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -
 @dataclass
 class Trained:
     """What the master trains with: the model (the glue, with stand-ins for the stages'
-    modules), the glue's optimizer, the stages, the placement, spec.ema's averages."""
+    modules), the glue's optimizer, the stages, the placement, spec.ema's averages, fp16's
+    loss scale."""
 
     model: nn.Module
     glue: Functional | None
     stages: driver.Stages
     placement: Placement
     averages: Averages | None
+    scale: LossScale | None = None
 
     def kept(self) -> dict[str, Any]:
         return moving_average.kept(self.glue, self.averages)
@@ -139,11 +140,12 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # the glue's
     glue = Functional(spec.optimizer, params) if params else None
     averages = None if spec.ema is None else Averages(spec, model, stages)  # before a resume
-    t = Trained(model, glue, stages, placement, averages)
+    scale = LossScale() if spec.precision == "fp16" else None
+    t = Trained(model, glue, stages, placement, averages, scale)
     started = time.perf_counter()
     with data.Feed(spec) as feed:
         found = checkpoint.latest_for(env)
-        first = 0 if found is None else saved.resume(env, found, model, t.kept(), stages, feed)
+        first = 0 if found is None else saved.resume(env, found, t, feed)
         judge = Judge.of(spec, first)  # spec.eval.best, earlyStopping
         results, evaluations = steps(env, t, feed, m, first, judge)
     if spec.output is not None and judge.step is None:  # else it holds the best step's
@@ -181,12 +183,14 @@ def steps(
     for number in range(first, spec.steps):
         lr = learning_rate(spec.optimizer, spec.steps, number)
         batches = [feed.batch() for _ in range(spec.gradient_accumulation)]
-        done = driver.step(forward, t.glue, t.stages, batches, m, number, loss, rules, lr, serial)
-        if done.skipped is None and t.averages is not None:  # spec.ema: an applied step
+        done = driver.step(
+            forward, t.glue, t.stages, batches, m, number, loss, rules, lr, serial, t.scale
+        )
+        if done.applied and t.averages is not None:  # spec.ema: an applied step
             t.averages.update()
         results.append(logged(env, number, done))
         if checkpoint.due(spec, number + 1):
-            saved.save(env, number + 1, t.model, t.kept(), t.stages, feed, t.placement.stages)
+            saved.save(env, number + 1, t, feed)
         if held is not None and held_out.due(spec, number + 1):
             evaluations.append(
                 held_out.evaluate(env, held, t.model, t.stages, loss, number + 1, t.averages)

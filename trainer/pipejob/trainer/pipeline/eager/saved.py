@@ -8,41 +8,39 @@ from whichever files hold them."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import trained_model
 from pipejob.trainer.pipeline.eager import remote
-from pipejob.trainer.pipeline.eager.driver import Stages
 from pipejob.trainer.runtime import checkpoint, monitor, roles, world
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data, models
 
+if TYPE_CHECKING:  # run.py imports this module
+    from pipejob.trainer.pipeline.eager.run import Trained
 
-def save(
-    env: Env[PipelineSpec],
-    step: int,
-    model: nn.Module,
-    kept: dict[str, Any],
-    stages: Stages,
-    feed: data.Feed,
-    placement: list[list[str]],
-) -> None:
-    """The checkpoint after `step` (1-based); `kept`: what the master's file keeps beside
-    the glue's weights (moving_average.kept)."""
+
+def save(env: Env[PipelineSpec], step: int, t: Trained, feed: data.Feed) -> None:
+    """The checkpoint after `step` (1-based) of what the master trains with (`t`): the
+    master's file keeps the glue's weights, what `t.kept` holds, the data's position and
+    fp16's loss scale."""
     spec = env.spec
     assert spec.checkpoint is not None
     root = spec.checkpoint.path
     directory = str(checkpoint.step_dir(root, step))
     start = time.perf_counter()
+    stages, placement = t.stages, t.placement.stages
     saving = [
         stages.call_async(i, remote.save, directory, f"stage{i}.pt")
         for i in range(len(stages.held[0]))  # replica 0's: the replicas are identical
     ]
-    own = checkpoint.save_module(directory, "master.pt", model, kept, data=feed.state())
+    extra = {} if t.scale is None else {"lossScale": t.scale.state()}
+    own = checkpoint.save_module(
+        directory, "master.pt", t.model, t.kept(), data=feed.state(), **extra
+    )
     files = [own, *torch.futures.wait_all(saving)]
     checkpoint.write_manifest(
         root,
@@ -62,15 +60,12 @@ def save(
 
 
 def resume(
-    env: Env[PipelineSpec],
-    found: checkpoint.Checkpoint,
-    model: nn.Module,
-    kept: dict[str, Any],
-    stages: Stages,
-    feed: data.Feed,
+    env: Env[PipelineSpec], found: checkpoint.Checkpoint, t: Trained, feed: data.Feed
 ) -> int:
-    """Every process's state by name from the checkpoint `found`; the step it was taken
-    after."""
+    """Every process's state by name from the checkpoint `found`, into what the master
+    trains with (`t`: fp16's loss scale too, where the checkpoint keeps one) and the data's
+    position; the step it was taken after."""
+    model, kept, stages, scale = t.model, t.kept(), t.stages, t.scale
     checkpoint.fits(found, env, model=models.as_spec(env.spec.model))
     index = checkpoint.index_of(found)
     directory = str(found.directory)
@@ -85,6 +80,8 @@ def resume(
     own = found.load("master.pt")
     checkpoint.set_rng_state(own["rng"])
     feed.load_state(own["data"])
+    if scale is not None and "lossScale" in own:
+        scale.load(own["lossScale"])
     torch.futures.wait_all(loading)
     world.log(env, f"resumed from step {found.step} ({found.directory})")
     monitor.board().resumed(found.step)

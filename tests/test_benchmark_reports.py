@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -62,3 +63,99 @@ def test_overhead_fits_a_step_as_fixed_plus_per_micro_batch_and_reports_both_par
         r"^\s+4\s+tiny\s+rpc\s+torch-gpipe\s+2\.00\s+1\.000\s+0\.00  1:\+3\.0 2:\+4\.0 8:\+10\.0$",
         rows[1],
     ), rows
+
+
+@pytest.fixture
+def repeat_runs(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """repeat_runs.py as a module, importing _common beside it, in sys.modules while the test
+    runs (its dataclasses look their module up there)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    found = importlib.util.spec_from_file_location("repeat_runs", BENCHMARKS / "repeat_runs.py")
+    assert found is not None and found.loader is not None
+    module = importlib.util.module_from_spec(found)
+    monkeypatch.setitem(sys.modules, "repeat_runs", module)
+    found.loader.exec_module(module)
+    return module
+
+
+def test_repeat_runs_names_the_first_place_two_runs_differ(repeat_runs, tmp_path: Path):
+    """What repeat_runs.py compares, and what it leaves out as the clock's (its run is the
+    slow rehearsal: tests/test_benchmarks.py)."""
+    step = "master | step {}/3  loss {}  9.1 samples/s  lr 0.001  grad norm 0.5"
+    files = {"out/model.safetensors": b"weights", "out/model.json": b"{}"}
+
+    def run(losses=(2.5, 2.25, 2.0), wrote=None, lines=None):
+        summary = {"losses": list(losses), "gradNorms": [0.5, 0.5, 0.5]}
+        lines = lines or [step.format(k + 1, f"{x:.4f}") for k, x in enumerate(losses)]
+        return repeat_runs.Run(0, lines, summary, wrote or files, 1.0)
+
+    folders = (tmp_path / "a", tmp_path / "b")
+    differ = repeat_runs.first_difference
+    assert differ(run(), run(), folders) is None
+    assert differ(run(), run(losses=(2.5, 2.25, 2.0000002)), folders) == (
+        "summary losses[2]: [2.0] / [2.0000002]"
+    )
+    late = [step.format(1, "2.5000"), step.format(3, "2.0000")]
+    assert differ(run(), run(lines=late), folders) == ("step line 2: ('2.2500', '0.5') / None")
+    assert differ(run(), run(wrote={**files, "out/model.json": b"{ }"}), folders) == (
+        "out/model.json: bytes differ"
+    )
+    assert differ(run(), run(wrote={"out/model.json": b"{}"}), folders) == (
+        "out/model.safetensors: written by run a only"
+    )
+    # A checkpoint's manifest says when it was written: only that may differ.
+    at = "ckpt/step-00000003/manifest.json"
+    first = {**files, at: b'{"step": 3, "time": 1.5}'}
+    assert (
+        differ(run(wrote=first), run(wrote={**first, at: b'{"time": 2.5, "step": 3}'}), folders)
+        is None
+    )
+    assert differ(run(wrote=first), run(wrote={**first, at: b'{"step": 2, "time": 1.5}'}), folders)
+
+
+def test_repeat_runs_compares_tensorboard_by_its_scalars_not_its_clock(repeat_runs, tmp_path):
+    from tensorboardX import SummaryWriter
+
+    def events(folder: Path, loss: float, rate: float) -> dict[str, bytes]:
+        with SummaryWriter(str(folder / "runs")) as w:
+            for k in (1, 2):
+                w.add_scalar("train/loss", loss / k, k)
+                w.add_scalar("train/samples_per_second", rate, k)
+        return {str(p.relative_to(folder)): p.read_bytes() for p in (folder / "runs").iterdir()}
+
+    a, b, c = (tmp_path / n for n in "abc")
+    runs = [
+        repeat_runs.Run(0, [], {"losses": [1.0]}, events(folder, loss, rate), 1.0)
+        for folder, loss, rate in ((a, 2.0, 90.0), (b, 2.0, 95.0), (c, 2.5, 90.0))
+    ]
+    # Each event carries its wall time, and the file's name the host and the time.
+    assert list(runs[0].files.values()) != list(runs[1].files.values())
+    assert repeat_runs.first_difference(runs[0], runs[1], (a, b)) is None
+    assert repeat_runs.first_difference(runs[0], runs[2], (a, c)) == (
+        "runs: TensorBoard's train/loss differs"
+    )
+
+
+def test_repeat_runs_overrides_only_what_an_example_needs_to_run_here(repeat_runs):
+    import argparse
+
+    args = argparse.Namespace(steps={"*": 4}, engines=["rpc", "pipelining"], replicas=0, set=[])
+    by_example = {e: repeat_runs.cases(e, args) for e in repeat_runs.discover([])}
+    kueue = by_example["kueue-pipeline.yaml"][0]
+    assert kueue.skip is None  # what it runs still parses
+    assert kueue.overrides == [
+        "steps 100->4",
+        "checkpoint.everySteps 10->4",
+        "checkpoint.path /checkpoints->checkpoints",
+        "checkpoint.volume dropped",
+        "engine auto->rpc",
+    ]
+    lm = by_example["transformer-lm/pipelinejob.yaml"]
+    assert [c.skip for c in lm] == [None, None] and "warmupSteps 20->2" in lm[0].overrides
+    rpc, pipelining = by_example["resnet50-pipelining.yaml"]
+    assert "schedule 1f1b dropped (rpc runs gpipe)" in rpc.overrides and rpc.skip is None
+    assert pipelining.overrides == ["steps 100->4"]
+    for gpu in ("resnet50-pipeline-gpu.yaml", "hybrid-gpu.yaml"):
+        assert "a GPU job" in by_example[gpu][0].skip
+    assert "/data/criteo" in by_example["dlrm/days.yaml"][0].skip
+    assert [len(by_example[e]) for e in ("hybrid.yaml", "dlrm/hybridjob.yaml")] == [1, 1]

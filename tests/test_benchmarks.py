@@ -271,3 +271,28 @@ def test_recsys_measures_the_hybrid_job_the_one_process_and_torchrec():
         )
         assert row and float(row.group(2)) > 0, f"{run} not reported:\n{out.stdout}"
     assert re.search(r"the planner chose \d+ tables \w+", out.stdout), out.stdout
+
+
+@pytest.mark.timeout(HANG + 60)
+def test_repeat_runs_runs_an_example_twice_and_compares_its_bits():
+    """benchmarks/repeat_runs.py on the custom-model example cut to 4 steps: both runs end,
+    their files and losses are compared, and the row says so (the comparison itself is
+    checked in process: tests/test_benchmark_reports.py)."""
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "repeat_runs.py"), "--only", "custom-model"]
+        + ["--steps", "4", "--timeout", str(HANG // 2 - 60)],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    row = re.search(
+        r"^custom-model/pipelinejob\.yaml +auto: (rpc|pipelining) +2 stages x 1, m=4 +4 +yes"
+        r" +(\d+) files, 4 losses$",
+        out.stdout,
+        re.M,
+    )
+    assert row and int(row[2]) >= 2, out.stdout  # the model file and its JSON at least
+    assert "custom-model/pipelinejob.yaml (auto: " in out.stdout
+    assert re.search(r"\): steps 200->4$", out.stdout, re.M), out.stdout
+    assert re.search(r"\): cut \(timed\): \S", out.stdout, re.M), out.stdout

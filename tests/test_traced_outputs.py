@@ -154,7 +154,7 @@ def test_without_a_loss_a_gpt_is_refused_before_any_other_member_starts(tmp_path
     assert said[1].startswith("exit code 5: permanent: InvalidConfiguration:"), said[1]
     assert "spec.loss: the model returns ((2, 1, 64) float32, None)" in said[1], said[1]
     assert "give spec.loss: {import: mypkg.losses:build}" in said[1], said[1]
-    assert "preflight" not in run.output
+    assert "preflight" not in run.output and "stopping the other" not in run.output
     assert not run.summary_file.exists()
     assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()
     assert not alive(run.pid("master")), run.output

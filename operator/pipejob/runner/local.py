@@ -217,7 +217,8 @@ class World:
                 m, code = self._cause(m, code)
                 p = m.process
                 self.say(f"{m.name} (role {p.role}, rank {p.rank}) failed: {m.ending(code)}")
-                self.say("stopping the other processes")
+                if len(self.members) > 1:  # a master refusing alone started no other
+                    self.say("stopping the other processes")
                 self.stop(grace)
                 return code if m is master and code > 0 else 1
             time.sleep(POLL_SECONDS)

@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 
@@ -27,6 +28,7 @@ from pipejob.trainer.runtime.world import (
 def run(env: Env) -> dict | None:
     """Check the world's network, then run this process's role; the master returns the
     run's summary. A master started alone (MASTER_FIRST) first checks what it can by itself."""
+    began = time.monotonic()
     from pipejob.trainer.runtime import determinism, preflight  # torch: after tuning.apply
 
     if determinism.apply(env.spec.deterministic):
@@ -35,13 +37,14 @@ def run(env: Env) -> dict | None:
     # the heartbeats start after it (a member frozen before meets the rendezvous' deadline).
     watchdog.start(env, monitor.board() if env.rank == 0 else None)
     trainer = importlib.import_module(env.definition.trainer)
-    checked = None
+    checked, late = None, 0.0
     if env.rank == 0 and env.master_first and env.definition.checks_first:
         checked = trainer.check(env)  # in phase `starting`: the others start when it leaves it
+        late = time.monotonic() - began  # they take about as long to start as it did
     board = monitor.board()
     board.phase("preflight")
     try:
-        report = preflight.check(env)
+        report = preflight.check(env, late)
     except PreflightError as e:
         board.preflight(False, str(e))
         raise

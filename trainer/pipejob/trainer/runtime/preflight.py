@@ -25,6 +25,7 @@ WARMUP_ROUNDS = 3
 BANDWIDTH_ROUNDS = 3  # payload transfers per link; the fastest counts
 POLL_SECONDS = 0.05
 GRACE_SECONDS = 5.0  # a verdict may come this late after a deadline; the store stays up as long
+WAIT_KEY = "wait/checkin"  # the master's wait for check-ins, in seconds from when it set it
 
 
 @dataclass(frozen=True)
@@ -42,14 +43,16 @@ class Report:
     summary: str  # one line for status and logs
 
 
-def check(env: Env) -> Report | None:
-    """Run the check if the spec asks for it (the default); raise PreflightError on failure."""
+def check(env: Env, late: float = 0.0) -> Report | None:
+    """Run the check if the spec asks for it (the default); raise PreflightError on failure.
+    `late`: seconds after the master the others start (MASTER_FIRST: about as long as the
+    master's own start took), which the master waits for them beside the timeout."""
     settings = env.spec.preflight
     if not settings.enabled:
         return None
     timeout, megabytes = float(settings.timeout_seconds), settings.megabytes
     started = time.monotonic()
-    deadline = started + timeout
+    deadline = started + timeout + (late if env.rank == 0 else 0.0)
     store = _store(env, deadline, timeout)
     if env.rank == 0:
         return _lead(env, store, deadline, timeout, megabytes, started)
@@ -71,6 +74,8 @@ def _lead(
     started: float,
 ) -> Report:
     present = list(range(1, env.world_size))
+    # How long it waits for the others to check in: theirs wait as long for its verdict.
+    store.set(WAIT_KEY, json.dumps(deadline - time.monotonic()))
     try:
         missing = _await_keys(store, "checkin", present, deadline)
         present = [r for r in present if r not in missing]
@@ -158,6 +163,7 @@ def _follow(
 ) -> None:
     info = {"host": socket.gethostname(), "pid": os.getpid()}
     store.set(f"checkin/{env.rank}", json.dumps(info))
+    deadline = max(deadline, time.monotonic() + _master_wait(store))  # MASTER_FIRST's longer
     try:
         _verdict(env, store, "checkin", deadline + GRACE_SECONDS, timeout)
         _measure(env, store, deadline, megabytes)
@@ -167,6 +173,11 @@ def _follow(
             store.set(f"bye/{env.rank}", "1")
         except RuntimeError:
             pass  # the master is gone; nothing to say goodbye to
+
+
+def _master_wait(store: dist.TCPStore) -> float:
+    """The seconds the master said it waits for check-ins (0 where it has not said yet)."""
+    return float(json.loads(store.get(WAIT_KEY))) if store.check([WAIT_KEY]) else 0.0
 
 
 def _verdict(env: Env, store: dist.TCPStore, which: str, deadline: float, timeout: float) -> None:

@@ -69,10 +69,17 @@ class LabelsIn:
         self.group = group
         self._first = _rank(group, 0)
         self._posted: tuple[Any, torch.Tensor] | None = None  # the next message's receive
+        # Two receives' room, used in turn: a round's labels are a view of one while the next
+        # round's arrive in the other (a fresh megabyte a round cost the allocator's work).
+        self._rooms: list[torch.Tensor] = []
 
     def expect(self) -> None:
-        """Post the receive of the next round's labels (sent while this round runs)."""
-        room = torch.empty(ROOM, dtype=torch.uint8)
+        """Post the receive of the next round's labels (sent while this round runs), into the
+        room the round before this one's labels used."""
+        if not self._rooms:
+            self._rooms = [torch.empty(ROOM, dtype=torch.uint8) for _ in range(2)]
+        room = self._rooms.pop(0)
+        self._rooms.append(room)
         self._posted = dist.irecv(room, self._first, group=self.group, tag=LABELS), room
 
     def take(self) -> torch.Tensor:
@@ -104,14 +111,18 @@ class Figures:
         self.count, self.me = dist.get_world_size(group), dist.get_rank(group)
         self._below: tuple[Any, torch.Tensor] | None = None  # the rows after this one's
         self._every: tuple[Any, torch.Tensor] | None = None  # every row, from the first
+        # Where they arrive, step after step: a step's are read before the next's are posted.
+        self._rooms = (
+            torch.empty(self.count - self.me - 1, width, dtype=torch.float64),
+            torch.empty(self.count, width, dtype=torch.float64),
+        )
 
     def expect(self) -> None:
         """Post this process's receives of the next step's figures."""
+        below, every = self._rooms
         if self.me < self.count - 1:
-            below = torch.empty(self.count - self.me - 1, self.width, dtype=torch.float64)
             self._below = self._recv(below, self.me + 1), below
         if self.me > 0:
-            every = torch.empty(self.count, self.width, dtype=torch.float64)
             self._every = self._recv(every, 0), every
 
     def gather(self, row: list[float]) -> torch.Tensor:
@@ -128,7 +139,7 @@ class Figures:
             (work, every), self._every = self._every, None
             dist.send(rows[self.me :], self._global(self.me - 1), group=self.group, tag=FIGURES)
             work.wait()
-            return every
+            return every.clone()  # its room takes the next step's
         for work in [self._send(rows, k) for k in range(1, self.count)]:
             work.wait()
         return rows

@@ -47,19 +47,27 @@ class Timed(PipelineStage):
         super().__init__(*args, **kwargs)
         self.owner = owner
 
+    # Marked without a context manager: a generator's per micro-batch cost shows on tiny stages.
     def forward_one_chunk(self, chunk: int, *args: Any, **kwargs: Any) -> Any:
-        with self.owner.marks.interval("forward"), self.owner.counting():
+        marks = self.owner.marks
+        start = marks.mark()
+        with self.owner.counting():
             output = super().forward_one_chunk(chunk, *args, **kwargs)
+        marks.interval("forward", start)
         self.owner.forwarded(output, self.stage_index, chunk)
         return output
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.owner.marks.interval("backward"):
-            return super().backward_one_chunk(*args, **kwargs)
+        start = self.owner.marks.mark()
+        output = super().backward_one_chunk(*args, **kwargs)
+        self.owner.marks.interval("backward", start)
+        return output
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.owner.marks.interval("backward"):
-            return super().backward_weight_one_chunk(*args, **kwargs)
+        start = self.owner.marks.mark()
+        output = super().backward_weight_one_chunk(*args, **kwargs)
+        self.owner.marks.interval("backward", start)
+        return output
 
 
 class Stage(Shard):
@@ -110,6 +118,7 @@ class Stage(Shard):
         self._losses: list[torch.Tensor] = []
         self.marks = Marks(self.device)
         self._round = 0  # the training round running
+        self._checks: list[torch.Tensor] = []  # its forwards' outputs finite? (sum_checks)
         self._more = False  # another training round follows in the call
         self._ran = threading.Condition()
         self._last_ran = -1  # the last training round that ran here
@@ -226,9 +235,10 @@ class Stage(Shard):
         if finish is not None and unscale is not None:
             self._figures.expect()  # posted now, so they are in when the backward ends
         self._loss, self._losses = (loss_fn, weight / micro_batches), []
-        self._round = round
+        self._round, self._checks = round, []
         self.marks.begin(step, training=True)
         run.step(*args, target=target, return_outputs=False)
+        self.note_finite(step, round, nonfinite.joined(self._checks))
         norm = None if unscale is None else self.norm(NO_CONTEXT, unscale)
         loss = torch.stack(self._losses).mean().item() if self.last else None
         if finish is not None and norm is not None:
@@ -291,11 +301,12 @@ class Stage(Shard):
 
     def forwarded(self, output: Any, piece: int, micro_batch: int) -> None:
         """Piece `piece`'s forward of `micro_batch` gave `output`: in training, whether it is
-        finite is noted (Shard.note_finite). After the first piece's last one, the call's
+        finite is checked (nonfinite.sum_checks; the round's checks are joined and noted
+        once it has run, Shard.note_finite). After the first piece's last one, the call's
         next round is read while this process waits for the gradients to come back."""
         if self.marks.step is None:
             return
-        self.note_finite(self.marks.step, self._round, nonfinite.all_finite(output, quick=True))
+        self._checks += nonfinite.sum_checks(output)  # noted once the round has run
         if piece == 0 and self._next is not None and micro_batch == self._next[0]:
             self._take_round(*self._next[1])
             self._next = None

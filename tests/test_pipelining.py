@@ -368,6 +368,17 @@ def _messages_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         gathered = [figures.gather(FIGURES[rank])]
         figures.expect()
         gathered.append(figures.gather(FIGURES[rank]))
+        # Riding with a schedule's last backward: the rows after a process's come with the
+        # messages it receives from the next one, and go on, its own added, with those it
+        # sends back to the one before (stage.ride_in, stage.ride_out).
+        figures.expect(riding=True)
+        if rank < len(envs) - 1:
+            for work in dist.batch_isend_irecv([figures.below()]):
+                work.wait()
+        if rank > 0:
+            for work in dist.batch_isend_irecv([figures.up(FIGURES[rank])]):
+                work.wait()
+        gathered.append(figures.gather(FIGURES[rank]))
         every: list[Any] = [None] * len(envs)
         dist.all_gather_object(every, (said, gathered))
         if rank == 0:
@@ -383,7 +394,8 @@ def test_stage_processes_pass_labels_and_gather_figures_in_messages(tmp_path: Pa
     dtype and shape, larger than a receive posted ahead holds too, reach the last process
     as they were, whether its receive was posted ahead or not; labels no message carries are
     refused by name; and every process gathers every one's figures, NaN and inf as they
-    are, in rank order."""
+    are, in rank order, whether they ride with a schedule's messages up the pipeline or
+    not."""
     port = free_ports(1)[0]
     every = run_world(_messages_world, [{"port": str(port)}] * 3, tmp_path / "m.pt", timeout=100)
     (refusal, _), _, (taken, _) = every

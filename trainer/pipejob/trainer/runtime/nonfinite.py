@@ -31,12 +31,33 @@ def all_finite(value: Any, quick: bool = False) -> torch.Tensor:
     `quick`: from each tensor's sum, one read of it (isfinite over every element took 3.5% of
     a ResNet-50 stage's forward, the sum 0.3%, measured on one core), for saying where a
     non-finite loss came from: a sum of finite values too big for the dtype counts too."""
+    if quick:
+        return joined(sum_checks(value))
     leaves, _ = tree_flatten(value)  # a Hugging Face ModelOutput too
-    floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    checks = [torch.isfinite(t.sum()) if quick else torch.isfinite(t).all() for t in floats]
+    return joined([torch.isfinite(t).all() for t in _floats(leaves)])
+
+
+def sum_checks(value: Any) -> list[torch.Tensor]:
+    """all_finite's quick checks of a value, one 0-dimensional bool tensor per floating
+    tensor in it, to be joined later (`joined`): a pipelining stage joins a whole round's
+    once, where each forward's cost a stack, a lock and a dictionary's entry (0.1 CPU-ms a
+    forward on 2 loaded cores)."""
+    if isinstance(value, tuple) and all(isinstance(t, torch.Tensor) for t in value):
+        leaves: list[Any] = list(value)  # what a pipelining piece gives: no tree to walk
+    else:
+        leaves, _ = tree_flatten(value)  # a Hugging Face ModelOutput too
+    return [torch.isfinite(t.sum()) for t in _floats(leaves)]
+
+
+def joined(checks: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every check holds, as a 0-dimensional bool tensor (true for none)."""
     if len(checks) == 1:  # most outputs: one tensor, and stacking it cost twice its check
         return checks[0]
     return torch.stack(checks).all() if checks else torch.tensor(True)
+
+
+def _floats(leaves: list[Any]) -> list[torch.Tensor]:
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 class Guard:

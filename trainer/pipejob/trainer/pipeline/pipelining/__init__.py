@@ -5,6 +5,8 @@ passes through it (docs/architecture.md, "Two pipeline engines, one PipelineJob"
 
 - driver.py: the master's step driver;
 - stage.py: a stage process's PipelineStages, schedule and optimizer;
+- timed.py: its PipelineStage, marking when it computes, carrying a step's figures with the
+  last backward's messages;
 - schedules.py: spec.schedule as torch's schedule classes;
 - messages.py: what the stage processes tell each other
   besides activations (a round's labels, a step's figures);

@@ -6,8 +6,6 @@ and bubble."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -40,11 +38,13 @@ class Marks:
         with self._lock:
             self._training = False
 
-    @contextmanager
-    def interval(self, what: str) -> Iterator[None]:
-        """Mark a forward or backward (`what`) of one micro-batch in its step's events."""
-        start = self._clock.mark()
-        yield
+    def mark(self) -> Any:
+        """A mark of now, where a forward or backward of one micro-batch starts (`interval`)."""
+        return self._clock.mark()
+
+    def interval(self, what: str, start: Any) -> None:
+        """Mark a forward or backward (`what`) of one micro-batch, from `start` (`mark`) to
+        now, in its step's events."""
         end = self._clock.mark()
         with self._lock:
             if self.step is not None:

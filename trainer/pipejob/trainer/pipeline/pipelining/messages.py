@@ -69,10 +69,17 @@ class LabelsIn:
         self.group = group
         self._first = _rank(group, 0)
         self._posted: tuple[Any, torch.Tensor] | None = None  # the next message's receive
+        # Two receives' room, used in turn: a round's labels are a view of one while the next
+        # round's arrive in the other (a fresh megabyte a round cost the allocator's work).
+        self._rooms: list[torch.Tensor] = []
 
     def expect(self) -> None:
-        """Post the receive of the next round's labels (sent while this round runs)."""
-        room = torch.empty(ROOM, dtype=torch.uint8)
+        """Post the receive of the next round's labels (sent while this round runs), into the
+        room the round before this one's labels used."""
+        if not self._rooms:
+            self._rooms = [torch.empty(ROOM, dtype=torch.uint8) for _ in range(2)]
+        room = self._rooms.pop(0)
+        self._rooms.append(room)
         self._posted = dist.irecv(room, self._first, group=self.group, tag=LABELS), room
 
     def take(self) -> torch.Tensor:
@@ -104,33 +111,72 @@ class Figures:
         self.count, self.me = dist.get_world_size(group), dist.get_rank(group)
         self._below: tuple[Any, torch.Tensor] | None = None  # the rows after this one's
         self._every: tuple[Any, torch.Tensor] | None = None  # every row, from the first
+        # Where they arrive, step after step: a step's are read before the next's are posted.
+        self._rooms = (
+            torch.empty(self.count - self.me - 1, width, dtype=torch.float64),
+            torch.empty(self.count, width, dtype=torch.float64),
+        )
+        self._arrived = False  # the rows after this one's came with the schedule's messages
+        self._up: torch.Tensor | None = None  # this step's rows, sent up with them (`up`)
 
-    def expect(self) -> None:
-        """Post this process's receives of the next step's figures."""
-        if self.me < self.count - 1:
-            below = torch.empty(self.count - self.me - 1, self.width, dtype=torch.float64)
+    def expect(self, riding: bool = False) -> None:
+        """Post this process's receives of the next step's figures; `riding`: those of the
+        rows after its own go with the schedule's last backward (`below`, `up`)."""
+        below, every = self._rooms
+        self._arrived, self._up = False, None
+        if self.me < self.count - 1 and not riding:
             self._below = self._recv(below, self.me + 1), below
         if self.me > 0:
-            every = torch.empty(self.count, self.width, dtype=torch.float64)
             self._every = self._recv(every, 0), every
+
+    def below(self) -> dist.P2POp:
+        """The receive of the rows after this process's, for a schedule to post with its
+        receive of the last backward's gradients from the next process, which sends them
+        with those gradients (`up`): they arrive as the backward does, with no wait of
+        their own."""
+        self._arrived = True
+        return dist.P2POp(
+            dist.irecv, self._rooms[0], self._global(self.me + 1), self.group, FIGURES
+        )
+
+    def up(self, row: list[float]) -> dist.P2POp:
+        """The send of this process's `row` and the rows after it (in by now: they came with
+        the gradients its last backward took) to the process before, for a schedule to send
+        with the last backward's gradients."""
+        self._up = self._rows(row)
+        sent = self._up[self.me :]
+        return dist.P2POp(dist.isend, sent, self._global(self.me - 1), self.group, FIGURES)
 
     def gather(self, row: list[float]) -> torch.Tensor:
         """Every process's row of the step, this one's `row` among them."""
-        if self._below is None and self._every is None:
+        if self._below is None and self._every is None and self._up is None and not self._arrived:
             self.expect()
+        if self._up is not None:  # sent up already, with the schedule's messages
+            rows, self._up = self._up, None
+        else:
+            rows = self._rows(row)
+            if self._every is not None:
+                up = rows[self.me :]
+                dist.send(up, self._global(self.me - 1), group=self.group, tag=FIGURES)
+        if self._every is not None:
+            (work, every), self._every = self._every, None
+            work.wait()
+            return every.clone()  # its room takes the next step's
+        for work in [self._send(rows, k) for k in range(1, self.count)]:
+            work.wait()
+        return rows
+
+    def _rows(self, row: list[float]) -> torch.Tensor:
+        """This process's `row` and the rows after it, once in, in their places."""
         rows = torch.zeros(self.count, self.width, dtype=torch.float64)
         rows[self.me] = torch.tensor(row, dtype=torch.float64)
         if self._below is not None:
             (work, below), self._below = self._below, None
             work.wait()
             rows[self.me + 1 :] = below
-        if self._every is not None:
-            (work, every), self._every = self._every, None
-            dist.send(rows[self.me :], self._global(self.me - 1), group=self.group, tag=FIGURES)
-            work.wait()
-            return every
-        for work in [self._send(rows, k) for k in range(1, self.count)]:
-            work.wait()
+        elif self._arrived:
+            rows[self.me + 1 :] = self._rooms[0]
+        self._arrived = False
         return rows
 
     def _recv(self, tensor: torch.Tensor, rank: int) -> Any:

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from pipejob.core.common import Optimizer
 from pipejob.trainer.pipeline import gradients, stage_groups
@@ -22,6 +21,7 @@ from pipejob.trainer.pipeline.pipelining import messages, schedules
 from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
 from pipejob.trainer.pipeline.pipelining.flat import Flat
 from pipejob.trainer.pipeline.pipelining.marks import Marks
+from pipejob.trainer.pipeline.pipelining.timed import Timed
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_parts import Part
@@ -37,29 +37,6 @@ Metas = list[tuple[tuple[int, ...], torch.dtype]]  # the shape and dtype of each
 Key = tuple[bool, int, int]  # a kind of round: training?, micro-batches, samples
 StepReply = tuple[float | None, float | None, float]  # Stage.train's: loss, norm, seconds
 METERED_ROUNDS = 2  # training rounds of each kind whose activations are counted
-
-
-class Timed(PipelineStage):
-    """A PipelineStage that marks when it computes (marks.py), for the summary's per-stage
-    times and bubble."""
-
-    def __init__(self, owner: Stage, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.owner = owner
-
-    def forward_one_chunk(self, chunk: int, *args: Any, **kwargs: Any) -> Any:
-        with self.owner.marks.interval("forward"), self.owner.counting():
-            output = super().forward_one_chunk(chunk, *args, **kwargs)
-        self.owner.forwarded(output, self.stage_index, chunk)
-        return output
-
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.owner.marks.interval("backward"):
-            return super().backward_one_chunk(*args, **kwargs)
-
-    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.owner.marks.interval("backward"):
-            return super().backward_weight_one_chunk(*args, **kwargs)
 
 
 class Stage(Shard):
@@ -93,6 +70,11 @@ class Stage(Shard):
         self._labels_out = messages.LabelsOut(self.host) if apart and self.first else None
         self._labels_in = messages.LabelsIn(self.host) if apart and self.last else None
         self._figures = messages.Figures(self.host, 3)  # each stage's norm, loss, last or not
+        # A step's figures ride with its last backward's messages where a process holds one
+        # piece: (that backward's micro-batch, fp16's unscale) in such a round (`ride_out`).
+        self._rides = self.count > 1 and len(pieces) == 1 and schedule in schedules.SINGLE
+        self._ride: tuple[int, float] | None = None
+        self._rode: tuple[float, float | None] | None = None  # the norm and loss it sent
         self.modules = [
             Flat(
                 self.computed(piece, k == self.count - 1),
@@ -110,6 +92,7 @@ class Stage(Shard):
         self._losses: list[torch.Tensor] = []
         self.marks = Marks(self.device)
         self._round = 0  # the training round running
+        self._checks: list[torch.Tensor] = []  # its forwards' outputs finite? (sum_checks)
         self._more = False  # another training round follows in the call
         self._ran = threading.Condition()
         self._last_ran = -1  # the last training round that ran here
@@ -223,17 +206,49 @@ class Stage(Shard):
         self._counting = self._metered[key] <= METERED_ROUNDS
         args = (self.reader.inputs(round),) if self.first else ()
         target = self._last_labels(round) if self.last else None
+        riding = finish is not None and unscale is not None and self._rides
         if finish is not None and unscale is not None:
-            self._figures.expect()  # posted now, so they are in when the backward ends
+            self._figures.expect(riding)  # posted now, so they are in when the backward ends
         self._loss, self._losses = (loss_fn, weight / micro_batches), []
-        self._round = round
+        self._round, self._checks = round, []
+        self._ride = (micro_batches - 1, unscale) if riding else None
         self.marks.begin(step, training=True)
-        run.step(*args, target=target, return_outputs=False)
-        norm = None if unscale is None else self.norm(NO_CONTEXT, unscale)
-        loss = torch.stack(self._losses).mean().item() if self.last else None
+        try:
+            run.step(*args, target=target, return_outputs=False)
+        finally:
+            self._ride, rode, self._rode = None, self._rode, None
+        self.note_finite(step, round, nonfinite.joined(self._checks))
+        if rode is not None:
+            norm, loss = rode
+        else:
+            norm = None if unscale is None else self.norm(NO_CONTEXT, unscale)
+            loss = self._round_loss()
         if finish is not None and norm is not None:
             self._finish(norm, loss, *finish)
         return loss, norm
+
+    def _round_loss(self) -> float | None:
+        """The round's loss on the last stage (the mean of its micro-batches'), else None."""
+        return torch.stack(self._losses).mean().item() if self.last else None
+
+    def ride_in(self, ops: list[Any], micro_batch: int) -> list[Any]:
+        """A schedule's receives of `micro_batch`'s gradients, with those of the figures of
+        the processes after this one where they ride with the round's last backward."""
+        if self._ride is not None and micro_batch == self._ride[0] and not self.last:
+            ops.append(self._figures.below())
+        return ops
+
+    def ride_out(self, ops: list[Any], micro_batch: int) -> list[Any]:
+        """A schedule's sends of `micro_batch`'s gradients; after the round's last backward,
+        with this process's figures and those after it (its gradients are whole then)."""
+        if self._ride is not None and micro_batch == self._ride[0] and not self.first:
+            norm, loss = self.norm(NO_CONTEXT, self._ride[1]), self._round_loss()
+            self._rode = norm, loss
+            ops.append(self._figures.up(self._row(norm, loss)))
+        return ops
+
+    def _row(self, norm: float, loss: float | None) -> list[float]:
+        return [norm, 0.0 if loss is None else loss, float(self.last)]
 
     def _take_round(self, round: int, read: int | None, samples: int) -> None:
         """On the first stage process: training round `round` read (as `read` micro-batches;
@@ -283,19 +298,19 @@ class Stage(Shard):
         their norms and the loss (messages.Figures) and judge the step as the master does
         (Replicas.judge: applied where both are finite, clipped by the global norm), then
         step and forget the gradients (Shard.finish_step)."""
-        mine = [norm, 0.0 if loss is None else loss, float(self.last)]
-        every = self._figures.gather(mine).tolist()
+        every = self._figures.gather(self._row(norm, loss)).tolist()
         loss = next(row[1] for row in every if row[2])
         coefficient, applied = gradients.judged_here(loss, [row[0] for row in every], clip)
         self.finish_step(NO_CONTEXT, coefficient, lr, applied, zero=True)
 
     def forwarded(self, output: Any, piece: int, micro_batch: int) -> None:
         """Piece `piece`'s forward of `micro_batch` gave `output`: in training, whether it is
-        finite is noted (Shard.note_finite). After the first piece's last one, the call's
+        finite is checked (nonfinite.sum_checks; the round's checks are joined and noted
+        once it has run, Shard.note_finite). After the first piece's last one, the call's
         next round is read while this process waits for the gradients to come back."""
         if self.marks.step is None:
             return
-        self.note_finite(self.marks.step, self._round, nonfinite.all_finite(output, quick=True))
+        self._checks += nonfinite.sum_checks(output)  # noted once the round has run
         if piece == 0 and self._next is not None and micro_batch == self._next[0]:
             self._take_round(*self._next[1])
             self._next = None

@@ -11,7 +11,8 @@ interval longer than the run shortened to fit), a path outside the run's folder 
 checkpoint's /checkpoints) made one inside it, `--engines`, `--replicas` and `--set`. Two
 things a run writes from its clock, not its arithmetic, are left out of the bytes, and said
 here: the TensorBoard event files are compared by their scalars (every tag but the samples/s
-and the bubble), and a checkpoint's manifest.json without its "time".
+and the bubble), and a checkpoint's manifest.json without its "time" and the timings the cut
+was chosen by ("costs", "microBatchCandidates"; its "stages" are compared).
 
     python benchmarks/repeat_runs.py                          # every example, as written
     python benchmarks/repeat_runs.py --steps 10,hybrid=300    # 10 steps, hybrid.yaml its 300
@@ -172,7 +173,7 @@ def engine_case(
         if engine == "rpc" and spec.get("schedule", "gpipe") != "gpipe":
             said.append(f"schedule {spec.pop('schedule')} dropped (rpc runs gpipe)")
     for key, value in args.set:
-        said.append(f"{key} {spec.get(key, '-')}->{value}")
+        said.append(f"{key} {spec[key]}->{value}" if key in spec else f"{key}: {value}")
         spec[key] = value
     if args.replicas and manifest["kind"] == "PipelineJob":
         said.append(f"replicas {spec.get('replicas', 1)}->{args.replicas}")
@@ -208,13 +209,16 @@ def listing(folder: Path) -> dict[str, bytes]:
     }
 
 
-def run_once(case: Case, src: Path, folder: Path, timeout: float) -> Run:
-    """One run of `case` in a copy of `src` at `folder`: what it wrote there, and said."""
+def run_once(case: Case, src: Path, kept: Path, timeout: float) -> Run:
+    """One run of `case` in a copy of `src`, moved to `kept` after: what it wrote, and said.
+    Both runs of a case run in one folder, as a user's two runs of a manifest would (a path
+    the run records, such as a Hugging Face model's _name_or_path, is the same)."""
+    folder = kept.with_name("run")
     shutil.copytree(src, folder, symlinks=True)
     manifest = folder / f"repeat-{Path(case.example).name}"
     manifest.write_text(yaml.safe_dump(case.manifest, sort_keys=False))
     before = set(listing(folder))
-    summary_file = folder.with_name(folder.name + "-summary.json")
+    summary_file = kept.with_name(kept.name + "-summary.json")
     env = os.environ | {"PIPEJOB_SUMMARY_FILE": str(summary_file), "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.monotonic()
     with RunnerWorkers() as w:
@@ -224,9 +228,10 @@ def run_once(case: Case, src: Path, folder: Path, timeout: float) -> Run:
         except TimeoutError:
             code = f"not done in {timeout:g} s"
         lines = [line.split(": ", 1)[1] for line in w.lines]
-    (folder.with_name(folder.name + ".log")).write_text("\n".join(lines) + "\n")
+    kept.with_name(kept.name + ".log").write_text("\n".join(lines) + "\n")
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
     wrote = {k: v for k, v in listing(folder).items() if k not in before}
+    folder.rename(kept)
     return Run(code, lines, summary, wrote, time.monotonic() - start)
 
 
@@ -274,10 +279,16 @@ def file_difference(name: str, a: Run, b: Run) -> str | None:
     return None if left == right else f"{name}: bytes differ"
 
 
+# A checkpoint manifest's clock readings: when it was written, and the cut's measured costs
+# and auto's predicted step times, kept for a resume (counted ones with spec.deterministic).
+CLOCK_FIELDS = ("time", "costs", "microBatchCandidates")
+
+
 def untimed(text: bytes) -> bytes:
-    """A checkpoint's manifest without the time it was written."""
+    """A checkpoint's manifest without its clock readings (the cut they chose stays)."""
     manifest = json.loads(text)
-    manifest.pop("time", None)
+    for key in CLOCK_FIELDS:
+        manifest.pop(key, None)
     return json.dumps(manifest, sort_keys=True).encode()
 
 

@@ -105,9 +105,13 @@ def test_repeat_runs_names_the_first_place_two_runs_differ(repeat_runs, tmp_path
     )
     # A checkpoint's manifest says when it was written: only that may differ.
     at = "ckpt/step-00000003/manifest.json"
-    first = {**files, at: b'{"step": 3, "time": 1.5}'}
+    first = {**files, at: b'{"step": 3, "time": 1.5, "costs": [0.25]}'}
     assert (
-        differ(run(wrote=first), run(wrote={**first, at: b'{"time": 2.5, "step": 3}'}), folders)
+        differ(
+            run(wrote=first),
+            run(wrote={**first, at: b'{"time": 2.5, "step": 3, "costs": [0.5]}'}),
+            folders,
+        )
         is None
     )
     assert differ(run(wrote=first), run(wrote={**first, at: b'{"step": 2, "time": 1.5}'}), folders)

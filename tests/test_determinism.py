@@ -200,6 +200,28 @@ def test_the_pipelining_schedules_repeat_themselves(text, tmp_path: Path, schedu
     assert_same_bits(lm_job(text, **fields), tmp_path, timeout=300)
 
 
+@pytest.mark.timeout(360)
+def test_a_stages_dropout_draws_the_same_masks_in_every_run(tmp_path: Path, monkeypatch):
+    """Each stage process's own random stream, which dropout draws from, starts from
+    spec.seed: torch seeds a new process's generator at random."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # userpkg, for every process
+    job = pipeline_job(
+        "same-masks",
+        engine="rpc",
+        model={"import": "userpkg.vision:small_cnn", "args": {"classes": 10, "dropout": 0.5}},
+        imageSize=32,
+        numClasses=10,
+        stages=2,
+        batchSize=16,
+        microBatches=2,
+        steps=3,
+        seed=5,
+        splitPoints=["7"],  # the second stage holds the Dropout
+        optimizer={"name": "sgd", "lr": 0.05},
+    )
+    assert_same_bits(job, tmp_path)
+
+
 HYBRID = {
     "apiVersion": "pipejob.dev/v1alpha1",
     "kind": "HybridJob",

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def small_cnn(classes: int = 10, width: int = 16) -> nn.Module:
-    """Two conv blocks and two linear layers for 3x32x32 images."""
+def small_cnn(classes: int = 10, width: int = 16, dropout: float = 0.0) -> nn.Module:
+    """Two conv blocks and two linear layers for 3x32x32 images; with `dropout`, a Dropout
+    before the last layer."""
     return nn.Sequential(
         nn.Conv2d(3, width, 3, padding=1),
         nn.ReLU(),
@@ -20,6 +21,7 @@ def small_cnn(classes: int = 10, width: int = 16) -> nn.Module:
         nn.Flatten(),
         nn.Linear(2 * width * 8 * 8, 64),
         nn.ReLU(),
+        *([nn.Dropout(dropout)] if dropout else []),
         nn.Linear(64, classes),
     )
 

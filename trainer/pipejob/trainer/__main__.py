@@ -33,6 +33,7 @@ def run(env: Env) -> dict | None:
 
     if determinism.apply(env.spec.deterministic):
         log(env, "deterministic: torch's deterministic kernels only (spec.deterministic)")
+    determinism.seed_streams(env.spec.seed, env.rank)
     # From here on, in every phase: loading torch's libraries holds the GIL for seconds, so
     # the heartbeats start after it (a member frozen before meets the rendezvous' deadline).
     watchdog.start(env, monitor.board() if env.rank == 0 else None)

@@ -1,6 +1,7 @@
 """spec.deterministic: torch's deterministic kernels in every process of the job, where exactness
 costs speed (a GPU's). Without it a run on CPUs already repeats itself bit for bit: every sum a
-step makes has a fixed order (docs/user-guide.md, "Same seed, same bits")."""
+step makes has a fixed order (docs/user-guide.md, "Same seed, same bits"). And every process's
+own random streams, started from spec.seed (`seed_streams`)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,16 @@ def apply(deterministic: bool, environ: MutableMapping[str, str] | None = None) 
 
     torch.use_deterministic_algorithms(True)
     return True
+
+
+def seed_streams(seed: int, rank: int) -> None:
+    """Start this process's own random streams from spec.seed and its rank: torch's, which
+    a stage's dropout draws from, and Python's (a checkpoint keeps both). torch seeds a new
+    process's generator at random, so two runs would draw other masks. What must leave them
+    be (a model's build, the cut's measurement, an evaluation) forks them."""
+    import random
+
+    import torch
+
+    torch.manual_seed(seed + rank)
+    random.seed(seed + rank)

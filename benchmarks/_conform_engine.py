@@ -3,8 +3,9 @@ none runs the row's model on, and why, in as many stages as the harness's first 
 (benchmarks/_conform.py: up to MAX_STAGES), chosen by the master's own functions
 (engine_choice.for_inputs, then engine_choice.choose) from what the model passes into each
 cut candidate. That is found as the stages find it when they measure a cut
-(balance.measure_chain: the traced pieces' forward and backward on a micro-batch, once, on
-the real model), so the choice needs no training: `conformance.py --engines` records it for
+(balance.measure_chain: the traced pieces' forward and backward on a micro-batch, once; on
+the meta device where the model runs there, else on the real model), so the choice needs no
+training: `conformance.py --engines` records it for
 every row in minutes where the checks take hours. tests/test_engine_choice.py makes the
 same choice for every example manifest.
 
@@ -18,6 +19,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from pipejob.core import spec
@@ -26,6 +28,7 @@ from pipejob.trainer.pipeline.balance import measure_chain
 from pipejob.trainer.pipeline.engine_choice import Choice, choose, for_inputs
 from pipejob.trainer.pipeline.shards import tensor_starts
 from pipejob.trainer.pipeline.stage_parts import CANDIDATES_PER_STAGE
+from pipejob.trainer.workloads import materialize
 from pipejob.trainer.workloads.cut import CutError, Traced, cut_count_error
 
 EAGER = "the trace refused it: the eager path runs on rpc"
@@ -57,15 +60,35 @@ def auto_engine(
     early = for_inputs(job_of(most), x, labels)
     if early is not None:
         return early
+    want = CANDIDATES_PER_STAGE * most
     try:
-        traced = Traced(build(), want=CANDIDATES_PER_STAGE * most, sample=x)
+        traced = Traced(materialize.build(build, ())[0], want, sample=x)
         units = traced.units
         if len(units) < 2:
             raise cut_count_error(len(units), 2, traced.whole)
     except CutError:
         return Choice("rpc", EAGER)
-    costs, _ = measure_chain(traced.split(units[1:]), units, (x,), True, 0, on_copies=False)
-    return choose(job_of(min(len(units), most)), units, tensor_starts(costs), None)
+    starts = passes_tensors(build, traced, want, x)
+    return choose(job_of(min(len(units), most)), units, starts, None)
+
+
+def passes_tensors(
+    build: Callable[[], nn.Module], traced: Traced, want: int, x: torch.Tensor
+) -> list[bool]:
+    """Per unit of `traced` (the model as the master traces it, on the meta device), whether
+    the model passes only tensors into it: what the stages' one forward and backward of its
+    pieces pass on, on the meta device (shapes alone: seconds for any size), or, where a
+    piece needs values (data-dependent code, a buffer made in memory), on the real model."""
+    units = traced.units
+    try:
+        pieces = traced.split(units[1:])
+        costs, _ = measure_chain(pieces, units, (x.to("meta"),), True, 0, on_copies=False)
+    except Exception:  # noqa: BLE001 (values needed: the stages' own way, in memory)
+        real = Traced(build(), want, sample=x)
+        assert real.units == units, (real.units, units)
+        pieces = real.split(units[1:])
+        costs, _ = measure_chain(pieces, units, (x,), True, 0, on_copies=False)
+    return tensor_starts(costs)
 
 
 def said(choice: Choice) -> str:

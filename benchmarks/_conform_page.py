@@ -86,14 +86,34 @@ def rows_of_page(lines: list[str]) -> list[dict[str, Any]]:
 
 
 def engines(rows: list[dict[str, Any]]) -> str:
-    """Per zoo: how many rows `engine: auto` runs on each engine, and on none (a row
-    not built or not run)."""
-    lines = [f"{'auto chose':<13}{'pipelining':>11}{'rpc':>11}{'none':>11}"]
+    """Per zoo: how many rows `engine: auto` runs on each engine; on none (the job is
+    refused, or the row was not built or not run here); and not yet recorded (an exact or
+    eager row checked before the harness recorded the choice, or whose choice raised)."""
+    lines = [f"{'auto chose':<13}" + "".join(f"{c:>11}" for c in (*CHOSEN, "none", "not yet"))]
     for zoo in [*dict.fromkeys(r["zoo"] for r in rows), "all"]:
-        said = [r.get("engine", "") for r in rows if zoo in ("all", r["zoo"])]
-        tally = Counter(e.split(":")[0] if e.startswith(CHOSEN) else "" for e in said)
-        lines.append(f"{zoo:<13}{tally['pipelining']:>11}{tally['rpc']:>11}{tally['']:>11}")
+        tally = Counter(engine_of(r) for r in rows if zoo in ("all", r["zoo"]))
+        lines.append(f"{zoo:<13}" + "".join(f"{tally[c]:>11}" for c in (*CHOSEN, "", "?")))
     return "\n".join(lines)
+
+
+def recorded(rows: list[dict[str, Any]]) -> str:
+    """How many of the rows auto can run have its engine recorded, where not all have."""
+    kinds = [engine_of(r) for r in rows if r["verdict"] in ("exact", "eager")]
+    if "?" not in kinds:
+        return ""
+    done = len(kinds) - kinds.count("?")
+    return (
+        f"; recorded for {done} of the {len(kinds)} exact and eager rows so far (the others:"
+        " `python benchmarks/conformance.py --engines --rows ROWS`, then `--render`)"
+    )
+
+
+def engine_of(row: dict[str, Any]) -> str:
+    """A row's engine as the tally counts it: pipelining, rpc, "" (none) or "?" (not yet)."""
+    engine = row.get("engine", "")
+    if engine.startswith(CHOSEN):
+        return engine.split(":")[0]
+    return "?" if row["verdict"] in ("exact", "eager") else ""
 
 
 def counts(rows: list[dict[str, Any]], seconds: float) -> str:
@@ -145,6 +165,7 @@ def table(rows: list[dict[str, Any]], seconds: float, totals: dict[str, int]) ->
         " choice from what the model passes into each place to cut; pipejob's default loss"
         " assumed)"
         + (f"; recorded at pipejob {', '.join(chosen)} (`--engines`)" if chosen else "")
+        + recorded(rows)
         + ":",
         "",
         "```",

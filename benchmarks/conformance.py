@@ -223,7 +223,7 @@ def _serve(requests: Any, replies: Any, max_params: float, engines: bool) -> Non
         except Exception as e:  # noqa: BLE001 (the zoo's own entry fails: not pipejob's)
             row = _conform.Row(zoo, name, "" if engines else "not built", _conform._line(e))
         else:
-            count = _count(factory)
+            count = 0 if engines else _count(factory)  # --engines: on the meta device first
             over = _over(count, max_params)
             if over and count > 2 * max_params:
                 row = _conform.Row(

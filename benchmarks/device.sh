@@ -17,7 +17,8 @@
 #   transfer    benchmarks/rpc_transfer.py: a 100 MB tensor between two processes over RPC, as
 #               stages send activations (CUDA tensors through CUDA IPC or host memory; CPU ones)
 #   profile     one pipeline step of each gpu-bench workload (2 stages) profiled on the GPU: CPU
-#               and CUDA activity of every process, and the master's parts of the step
+#               and CUDA activity of every process, and the master's parts of the step (on the
+#               engine auto chooses: rpc where the stages share the GPU, pipelining on CPUs)
 #   overhead    benchmarks/overhead.py on the machine's CPUs (GPU hidden): each engine's fixed
 #               and per-micro-batch costs a step against torch's schedules on a tiny model, 2
 #               and 4 stages (the costs issue 44 takes down, measured on quiet fast cores)

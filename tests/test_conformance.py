@@ -92,3 +92,32 @@ def test_the_harness_records_autos_engine_from_what_the_model_passes():
         "rpc: the model passes values other than tensors (ints, tuples) where transformer.wpe,"
     ), gpt2
     assert gpt2.endswith(" more begin; rpc runs gpipe, not 1f1b"), gpt2
+
+
+def test_the_docs_table_says_which_engine_auto_chose_and_for_how_many_rows():
+    """The page's rows name auto's engine where it is recorded: rpc with why (a transformers
+    model whose blocks pass ints or tuples among them), rpc for every eager row, none for a
+    row auto cannot run; and its tally per zoo agrees with its rows, the rows not yet
+    recorded counted as such."""
+    from _conform_page import ENGINE_COLUMN, engine_of, rows_of_page
+
+    page = (DOCS / "conformance.md").read_text()
+    rows = rows_of_page(page.splitlines())
+    assert f"| {ENGINE_COLUMN} |" in page
+    for row in rows:
+        engine = row["engine"]
+        if not engine:
+            continue
+        if row["verdict"] == "eager":
+            assert engine.startswith("rpc: the trace refused it"), row
+        else:
+            assert row["verdict"] == "exact", row
+            assert engine == "pipelining" or engine.startswith("rpc: the "), row
+    assert any(
+        r["zoo"] == "transformers" and r["engine"].startswith("rpc: the model passes values")
+        for r in rows
+    )
+    tally = re.search(r"^all\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", page, re.M)
+    assert tally, page[:4000]
+    kinds = [engine_of(r) for r in rows]
+    assert tally.groups() == tuple(str(kinds.count(k)) for k in ("pipelining", "rpc", "", "?"))

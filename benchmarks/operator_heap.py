@@ -80,12 +80,16 @@ def run_jobs(c: Cluster, watch: PodWatch, names: list[str], timeout: float) -> N
 
 def report(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, jobs: int, top: int):
     heap = [sum(s.size for s in snap.statistics("filename")) for snap in (before, after)]
-    say(f"  Python heap {heap[0] / 2**20:.1f} -> {heap[1] / 2**20:.1f} MB:"
-        f" {(heap[1] - heap[0]) / jobs / 1024:.1f} kB per job")  # fmt: skip
+    say(
+        f"  Python heap {heap[0] / 2**20:.1f} -> {heap[1] / 2**20:.1f} MB:"
+        f" {(heap[1] - heap[0]) / jobs / 1024:.1f} kB per job"
+    )
     say(f"\nwhere it grew, per job (of {jobs} more), by file:")
     for stat in after.compare_to(before, "filename")[:top]:
-        say(f"  {stat.size_diff / jobs:8.0f} B  {stat.count_diff / jobs:6.1f} blocks  "
-            f"{stat.traceback[0].filename.split('site-packages/')[-1]}")  # fmt: skip
+        say(
+            f"  {stat.size_diff / jobs:8.0f} B  {stat.count_diff / jobs:6.1f} blocks  "
+            f"{stat.traceback[0].filename.split('site-packages/')[-1]}"
+        )
     say("\nby the allocating line and its callers:")
     for stat in after.compare_to(before, "traceback")[:top]:
         say(f"  {stat.size_diff / jobs:8.0f} B  {stat.count_diff / jobs:6.1f} blocks")

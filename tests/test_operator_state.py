@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import tracemalloc
+from itertools import pairwise
 from pathlib import Path
 
 import kopf
@@ -124,15 +125,17 @@ def test_what_the_reconciler_keeps_per_job_is_under_3_kb(tmp_path) -> None:
         keep(0, 6)  # the first reconciles import, compile and cache what every job shares
         ours = [tracemalloc.Filter(True, "*/pipejob/operator/*", all_frames=True)]
         tracemalloc.start(12)
-        try:  # what the last reconciles leave in flight is in both snapshots
-            keep(6, 6)
-            gc.collect()  # what is only garbage in a cycle is not kept
-            before = tracemalloc.take_snapshot().filter_traces(ours)
-            keep(12, 16)
-            gc.collect()
-            after = tracemalloc.take_snapshot().filter_traces(ours)
+        snapshots = []
+        try:  # what the last reconciles leave in flight is in every snapshot
+            for first, count in ((6, 6), (12, 16), (28, 16)):
+                keep(first, count)
+                gc.collect()  # what is only garbage in a cycle is not kept
+                snapshots.append(tracemalloc.take_snapshot().filter_traces(ours))
         finally:
             tracemalloc.stop()
         reconciler.stop()
-        grown = sum(s.size_diff for s in after.compare_to(before, "filename")) / 16
-        assert grown < 3072, after.compare_to(before, "traceback")[:3]
+        # What a job keeps grows in both rounds of 16; a one-off (a connection pool's growth,
+        # a request in flight on a loaded machine) in one only.
+        rounds = [after.compare_to(before, "traceback") for before, after in pairwise(snapshots)]
+        grown = min(sum(s.size_diff for s in diff) / 16 for diff in rounds)
+        assert grown < 3072, [diff[:3] for diff in rounds]

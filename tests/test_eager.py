@@ -28,9 +28,9 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.nn.functional as F
-from test_precision import fp16_batches
+from test_precision import assert_the_second_step_follows_float32s, fp16_batches
 from torch import nn
-from userpkg import esmlike, fp16_mlp, skip_heads, traced_cases
+from userpkg import esmlike, skip_heads, traced_cases
 
 from jobrun import JobRun, master_of, pipeline_job, run_to_end, run_world
 from pipejob.core import plan, spec
@@ -358,20 +358,9 @@ def test_fp16_on_the_eager_path_skips_an_overflow_and_unscales_the_gradients(tmp
     assert got["overflowed"] == 2.0**199
     for name, value in got["before"].items():
         assert torch.equal(got["skipped"][name], value), f"{name} changed in a skipped step"
-    model = fp16_mlp.mlp32()
-    (_, _), (x, y) = fp16_batches()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    norm = nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
     applied, second_loss, second_norm = got["second"]
-    assert applied and second_loss == pytest.approx(loss.item(), rel=0.01)
-    assert second_norm == pytest.approx(norm, rel=0.02)
-    assert got["scale"] == 2.0**16  # one good step: no growth before 2000 of them
-    for name, p in model.named_parameters():
-        moved = got["after"][name] - got["before"][name]
-        expected = -0.5 * p.grad
-        error = ((moved - expected).norm() / expected.norm()).item()
-        assert error < 0.02, f"{name}: fp16 step off by {error:.4f} of float32's"
+    assert applied
+    assert_the_second_step_follows_float32s(got, second_loss, second_norm)
 
 
 def test_a_non_finite_eager_step_names_what_and_where_as_the_traced_path_does():

@@ -307,14 +307,19 @@ def test_fp16_loss_scaling_skips_an_overflow_and_unscales_the_gradients(tmp_path
     for name, value in got["before"].items():
         assert torch.equal(got["skipped"][name], value), f"{name} changed in a skipped step"
 
+    assert_the_second_step_follows_float32s(got, *got["second"])
+
+
+def assert_the_second_step_follows_float32s(got: dict, loss: float, norm: float) -> None:
+    """An fp16 world's second step (loss, norm, the parameters it moved by, the loss scale)
+    against float32's step of `mlp32` on the same batch, SGD at lr 0.5."""
     model = mlp32()
     (_, _), (x, y) = fp16_batches()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    norm = nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
-    second_loss, second_norm = got["second"]
-    assert second_loss == pytest.approx(loss.item(), rel=0.01)
-    assert second_norm == pytest.approx(norm, rel=0.02)
+    expected_loss = F.cross_entropy(model(x), y)
+    expected_loss.backward()
+    expected_norm = nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+    assert loss == pytest.approx(expected_loss.item(), rel=0.01)
+    assert norm == pytest.approx(expected_norm, rel=0.02)
     assert got["scale"] == 2.0**16  # one good step: no growth before 2000 of them
     for name, p in model.named_parameters():
         moved = got["after"][name] - got["before"][name]

@@ -61,6 +61,11 @@ def manifest(
     # A model section among the fields (the eager path's) is named by its cut.
     named = [v.get("cut", "model") if isinstance(v, dict) else v for v in engine.values()]
     name = "-".join(str(v) for v in [model, stages, m, *named])
+    pinned = args.split_points.get(model, [])
+    # A pinned cut names where each piece begins, so it fits one count only; the eager path
+    # places by itself.
+    if len(pinned) != stages * engine.get("stagesPerProcess", 1) - 1 or "model" in engine:
+        pinned = []
     return {
         "apiVersion": "pipejob.dev/v1alpha1",
         "kind": "PipelineJob",
@@ -70,6 +75,7 @@ def manifest(
             "stages": stages,
             "microBatches": m,
             **engine,
+            **({"splitPoints": pinned} if pinned else {}),
             "steps": args.warmup + args.batches,
             "logEvery": 1,
             "seed": 0,
@@ -169,6 +175,13 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256, help="the transformer's")
     ap.add_argument("--seq-len", type=int, default=128, help="the transformer's")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    ap.add_argument(
+        "--split-points",
+        action="append",
+        default=[],
+        metavar="MODEL:P1,P2",
+        help="pin a model's cut where the piece count fits (A/B runs of two trees on one cut)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat")
     ap.add_argument("--one-process", help=argparse.SUPPRESS)  # the reference's worker
     args = ap.parse_args()
@@ -181,6 +194,9 @@ def main() -> None:
         args.eager_counts = "2,4"
         args.micro_batches = 4
     args.rpc_counts = [int(m) for m in args.rpc_counts.split(",")]
+    args.split_points = {
+        model: points.split(",") for model, points in (p.split(":", 1) for p in args.split_points)
+    }
     args.eager_counts = [int(m) for m in args.eager_counts.split(",") if m]
     args.schedules = [s for s in args.schedules.split(",") if s]
     configs = [

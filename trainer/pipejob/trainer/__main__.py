@@ -42,6 +42,8 @@ def run(env: Env) -> dict | None:
     if env.rank == 0 and env.master_first and env.definition.checks_first:
         checked = trainer.check(env)  # in phase `starting`: the others start when it leaves it
         late = time.monotonic() - began  # they take about as long to start as it did
+        if env.others_as_pods:  # their pods are made now: scheduled, pulling the image
+            late += env.rendezvous_timeout
     board = monitor.board()
     board.phase("preflight")
     try:

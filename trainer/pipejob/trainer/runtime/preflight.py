@@ -46,7 +46,8 @@ class Report:
 def check(env: Env, late: float = 0.0) -> Report | None:
     """Run the check if the spec asks for it (the default); raise PreflightError on failure.
     `late`: seconds after the master the others start (MASTER_FIRST: about as long as the
-    master's own start took), which the master waits for them beside the timeout."""
+    master's own start took, and rendezvousTimeoutSeconds more where the operator makes their
+    pods only then), which the master waits for them beside the timeout."""
     settings = env.spec.preflight
     if not settings.enabled:
         return None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from pipejob.core import contract as c
+from pipejob.core import master_first
 from pipejob.core.common import CommonSpec, from_spec
 from pipejob.core.kind import Kind
 from pipejob.core.kinds import KINDS
@@ -81,6 +82,8 @@ class Env(Generic[S]):
     ddp_backend: str | None = None
     summary_file: str | None = None
     master_first: bool = False  # the others start once the master checked (MASTER_FIRST)
+    # ... as pods the operator creates then (MASTER_FIRST=pods): scheduled, pulling images
+    others_as_pods: bool = False
 
     @property
     def definition(self) -> Kind:
@@ -147,7 +150,8 @@ def read_env(environ: dict[str, str] | None = None) -> Env[Any]:
         gpus=_int(environ, c.GPUS),
         rendezvous_timeout=float(_int(environ, c.RENDEZVOUS_TIMEOUT)),
         summary_file=environ.get(c.SUMMARY_FILE) or None,
-        master_first=environ.get(c.MASTER_FIRST) == "1",
+        master_first=environ.get(c.MASTER_FIRST) in master_first.VALUES,
+        others_as_pods=environ.get(c.MASTER_FIRST) == master_first.PODS,
         **_ddp(environ),
     )
     _check_world(env)

@@ -13,8 +13,11 @@ from test_reconcile import Sim
 
 from pipejob.core import contract, master_first
 from pipejob.core.contract import ExitCode, Progress
+from pipejob.core.plan import plan_world
+from pipejob.core.spec import API_VERSION, parse
 from pipejob.operator import kube, master_check, reconcile
 from pipejob.operator import status as st
+from pipejob.trainer.runtime.world import read_env
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -149,3 +152,25 @@ def test_a_gang_scheduled_world_or_another_kind_is_made_whole(kind, spec):
     acts = polled(sim, None)
     assert len(acts.create) == len(sim.pods) > 2
     assert all(contract.MASTER_FIRST not in env(p) for p in acts.create)
+
+
+@pytest.mark.parametrize(
+    ("how", "first", "after"),
+    [(master_first.PODS, True, 5.0 + 120), (master_first.PROCESSES, True, 5.0), (None, False, 5.0)],
+)
+def test_the_master_allows_pods_made_after_its_check_the_rendezvous_timeout(how, first, after):
+    """What the operator tells the master (kube.world) is what the trainer reads: where the
+    others' pods are made only after its check, its wait for their check-in (preflight's
+    `late`) allows rendezvousTimeoutSeconds more for their scheduling and image pulls."""
+    job = parse(
+        {"apiVersion": API_VERSION, "kind": "PipelineJob", "metadata": {"name": "j"}}
+        | {"spec": {"stages": 2, "rendezvousTimeoutSeconds": 120}},
+        "j",
+    )
+    pods = kube.world(job, 0, "ns")
+    processes = plan_world(job, kube.addresser(job))
+    if how is not None:
+        processes = master_first.told(processes, how)
+        assert env(pods[0])[contract.MASTER_FIRST] == master_first.PODS
+    master = read_env(processes[0].env)
+    assert master.master_first is first and master.others_after(5.0) == after

@@ -89,6 +89,12 @@ class Env(Generic[S]):
     def definition(self) -> Kind:
         return KINDS[self.kind]
 
+    def others_after(self, own_start: float) -> float:
+        """Seconds after a master started first (MASTER_FIRST) that the others may arrive: about
+        as long as its own start took, and rendezvousTimeoutSeconds more where their pods are
+        made only once it has checked (scheduling, image pulls)."""
+        return own_start + (self.rendezvous_timeout if self.others_as_pods else 0.0)
+
     def names(self, role: str) -> list[str]:
         """RPC names of the world's members with this role, in rank order."""
         return [n for n, r in zip(self.world, self.roles, strict=True) if r == role]

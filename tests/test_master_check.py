@@ -174,3 +174,21 @@ def test_the_master_allows_pods_made_after_its_check_the_rendezvous_timeout(how,
         assert env(pods[0])[contract.MASTER_FIRST] == master_first.PODS
     master = read_env(processes[0].env)
     assert master.master_first is first and master.others_after(5.0) == after
+
+
+def test_an_edited_spec_s_new_world_waits_for_its_master_while_old_pods_terminate():
+    """The old world's stage still terminating (same names, same world number) is no sign
+    that the new master has checked: only the new master is made, once its name is free."""
+    sim = Sim(stages=2, checks=False)
+    polled(sim, None)
+    running_master(sim)
+    polled(sim, "training")
+    sim.job["spec"]["stages"] = 3
+    sim.job["metadata"]["generation"] = 2
+    assert len(polled(sim, None).delete) == 3
+    for pod in sim.pods.values():
+        pod["metadata"]["deletionTimestamp"] = "2025-01-02T03:05:00Z"
+    del sim.pods["j-master-0"]  # gone first; stage 1 terminating, as are the others
+    acts = polled(sim, None)
+    assert [p["metadata"]["name"] for p in acts.create] == ["j-master-0"]
+    assert kube.spec_hash_of(acts.create[0]) == kube.spec_hash(parse(sim.job))

@@ -25,7 +25,8 @@ def waiting(seen: Observed, status: dict) -> str | None:
     UNREAD_SECONDS with no report of it ever read (`status`: the new status)."""
     if not master_first.on_cluster(seen.job):
         return None
-    if any(p["metadata"]["name"] in seen.by_name for p in seen.planned[1:]):
+    others = (seen.by_name.get(p["metadata"]["name"]) for p in seen.planned[1:])
+    if any(p is not None and not st.deleting(p) for p in others):
         return None  # the master has checked: what is missing of the others is made
     if seen.progress is not None:  # polled now: the current world's running master's
         return None if master_first.checked(seen.progress.phase) else WAITING

@@ -82,8 +82,12 @@ def _lead(
         present = [r for r in present if r not in missing]
         if missing:
             others = ", ".join(world.describe(env, r) for r in missing)
+            late = deadline - started - timeout  # MASTER_FIRST: allowed for their later start
+            waited = f"{timeout:g}s" + (
+                f" and {late:.0f}s more (they start after the master's check)" if late >= 1 else ""
+            )
             raise PreflightError(
-                f"no answer within {timeout:g}s from {others}: it never started, or cannot"
+                f"no answer within {waited} from {others}: it never started, or cannot"
                 f" reach the master at {env.master_addr}:{env.preflight_port}"
             )
         checked_in = time.monotonic() - started

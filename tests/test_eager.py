@@ -38,6 +38,7 @@ from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.eager import remote
 from pipejob.trainer.pipeline.eager import run as eager_run
+from pipejob.trainer.pipeline.eager import saved as eager_saved
 from pipejob.trainer.pipeline.eager.check import check
 from pipejob.trainer.pipeline.eager.driver import Stages, computed, not_finite, step
 from pipejob.trainer.pipeline.eager.held import Held
@@ -361,6 +362,48 @@ def test_fp16_on_the_eager_path_skips_an_overflow_and_unscales_the_gradients(tmp
     applied, second_loss, second_norm = got["second"]
     assert applied
     assert_the_second_step_follows_float32s(got, second_loss, second_norm)
+
+
+def _scale_round_trip_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
+    """A checkpoint of the eager path saved with a loss scale its run had moved (halved twice,
+    3 good steps since), then resumed into a fresh start's scale (torch's GradScaler's)."""
+    if (env := master_of(rank, envs)) is None:
+        return
+    try:
+        model = models.build(env.spec)
+        (x, _), _ = fp16_batches()
+        placement = place(model, no_grad_run(model, x[:8]), 2)
+        stages = eager_run.distribute(env, model, placement)
+        moved = eager_run.Trained(model, None, stages, placement, None, LossScale(2.0**14, good=3))
+        with data.Feed(env.spec) as feed:
+            eager_saved.save(env, 1, moved, feed)
+        fresh = eager_run.Trained(model, None, stages, placement, None, LossScale())
+        with data.Feed(env.spec) as feed:
+            step = eager_saved.resume(env, checkpoint.latest_for(env), fresh, feed)
+        saved_scale = torch.load(f"{checkpoint.step_dir(env.spec.checkpoint.path, 1)}/master.pt")
+        torch.save({"step": step, "scale": fresh.scale.state(), "file": saved_scale}, out)
+    finally:
+        rpc.shutdown()
+
+
+def test_fp16s_loss_scale_survives_a_checkpoint_on_the_eager_path(tmp_path):
+    """master.pt keeps the loss scale and its count of good steps, and a resume continues with
+    them, not with a fresh start's 2^16 (which would overflow again, or double too soon)."""
+    manifest = pipeline_job(
+        "scale",
+        model={"import": "userpkg.fp16_mlp:mlp32", "cut": "eager"},
+        engine="rpc",
+        stages=2,
+        microBatches=2,
+        batchSize=16,
+        checkpoint={"path": str(tmp_path / "ckpt"), "everySteps": 1},
+    )
+    processes = plan.plan_world(
+        spec.parse(manifest), lambda m: LOOPBACK, plan.Ports(*free_ports(4))
+    )
+    got = run_world(_scale_round_trip_world, [p.env for p in processes], tmp_path / "scale.pt")
+    assert got["file"]["lossScale"] == {"scale": 2.0**14, "good": 3}
+    assert got["step"] == 1 and got["scale"] == {"scale": 2.0**14, "good": 3}
 
 
 def test_a_non_finite_eager_step_names_what_and_where_as_the_traced_path_does():

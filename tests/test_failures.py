@@ -9,7 +9,7 @@ from test_reconcile import Sim
 
 from pipejob.core import contract
 from pipejob.core.contract import ExitCode
-from pipejob.operator import reconcile
+from pipejob.operator import kube, reconcile
 from pipejob.operator import status as st
 from pipejob.trainer.runtime.failures import permanent_reason
 from pipejob.trainer.runtime.world import ContractError, RendezvousError
@@ -120,4 +120,5 @@ def test_a_spec_only_the_operator_refuses_makes_no_pod():
     allowed = reconcile.decide(
         sim.job | {"status": {}}, [], sim.now, "img", allow_node_volumes=True
     )
-    assert len(allowed.create) == 3  # an operator that allows node volumes makes the world
+    # An operator that allows node volumes makes the world, its master first (master_check.py)
+    assert [kube.role_of(p) for p in allowed.create] == ["master"]

@@ -74,7 +74,8 @@ FAULTS = {
         line("stage1", "performance settings"),
         # The master says it, or a stage that read its verdict first.
         r"(master|stage0) \(role \w+, rank \d\) failed: exit code 4: preflight: .*no answer"
-        rf" within {CHECK_IN}s from rank 2 \(stage1, role stage",
+        rf" within {CHECK_IN}s and \d+s more \(they start after the master's check\) from rank 2"
+        r" \(stage1, role stage",
     ),
     "hybrid, rendezvous: the parameter server killed": (
         hybrid(),

@@ -200,7 +200,8 @@ def test_a_pipelining_job_with_replicas_restarts_and_resumes(cluster, kubelet, o
     name = name_of(start(api, PIPELINING, **spec))
     master = f"{name}-master-0"
     stages = [f"{name}-r{r}-stage-{i}" for r in range(2) for i in range(2)]
-    for pod in jobs.wait_pods(api, name, [master, *stages], 20):
+    # The stages' pods come once the master has checked the model (master_check.py).
+    for pod in jobs.wait_pods(api, name, [master, *stages], 120):
         if pod["metadata"]["name"] == master:
             continue
         ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}

@@ -53,7 +53,8 @@ def test_a_frozen_stage_restarts_the_world_as_stalled_and_it_resumes(
     job = jobs.create(api, jobs.example("resnet50-pipeline.yaml", **spec))
     name = job["metadata"]["name"]
     master, frozen = f"{name}-master-0", f"{name}-stage-1"
-    jobs.wait_pods(api, name, [master, f"{name}-stage-0", frozen], 20)
+    # The stages' pods come once the master has checked the model (master_check.py).
+    jobs.wait_pods(api, name, [master, f"{name}-stage-0", frozen], 120)
     k = every + 1  # past a checkpoint
     api.wait(
         f"step {k} done", lambda: max(log_steps(kubelet.logs(NS, master)), default=0) >= k, 180
@@ -99,7 +100,7 @@ def test_a_frozen_stage_restarts_the_world_as_stalled_and_it_resumes(
 
     # The second world's stage1 gets stuck in its first forward: its work, not its process.
     trigger.touch()
-    jobs.wait_pods(api, name, [master, f"{name}-stage-0", frozen], 60, restart=1)
+    jobs.wait_pods(api, name, [master, f"{name}-stage-0", frozen], 120, restart=1)
     second = api.wait(
         "the second world's resumption",
         lambda: (

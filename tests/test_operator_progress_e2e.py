@@ -172,7 +172,8 @@ def test_a_stage_killed_after_step_k_resumes_from_a_checkpoint_at_most_k(
     job = jobs.create(api, jobs.example("resnet50-pipeline.yaml", **spec))
     name = job["metadata"]["name"]
     master = f"{name}-master-0"
-    world = jobs.wait_pods(api, name, [master, f"{name}-stage-0", f"{name}-stage-1"], 20)
+    # The stages' pods come once the master has checked the model (master_check.py).
+    world = jobs.wait_pods(api, name, [master, f"{name}-stage-0", f"{name}-stage-1"], 120)
     for pod in world:  # the operator mounts the checkpoint volume in every pod
         assert {"name": "ckpt", "mountPath": str(ckpt)} in pod["spec"]["containers"][0][
             "volumeMounts"

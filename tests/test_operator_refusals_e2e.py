@@ -115,3 +115,45 @@ def test_a_run_that_goes_non_finite_fails_permanently_saying_where(
     assert condition["reason"] == "NonFinite", condition
     assert "step 2: the loss is nan, first non-finite in stage0's forward" in condition["message"]
     api.wait("every pod process to be gone", lambda: not kubelet.running(), 30)
+
+
+def test_a_shipped_gpt_without_a_loss_is_refused_before_any_other_pod_exists(
+    cluster, kubelet: Kubelet, operator, tmp_path: Path
+):
+    """Issue 56 on a cluster: a GPT's shipped forward (tests/userpkg/gpt_forwards.py, its
+    `(logits, None)` without targets) and no spec.loss. The operator makes the master's pod
+    alone (no gang scheduler: operator/master_check.py); its check refuses the default loss,
+    and the job fails InvalidConfiguration naming spec.loss and what to give, after one
+    attempt, with no other pod ever made."""
+    api: Api = cluster.api
+    name = "gpt"
+    tokens = tmp_path / "tokens.bin"  # the process-kubelet's pods share this host
+    tokens.write_bytes(b"".join((i % 64).to_bytes(2, "little") for i in range(4096)))
+    env = [{"name": "PYTHONPATH", "value": str(Path(__file__).parent)}]  # userpkg
+    manifest = pipeline(
+        name,
+        model={"import": "userpkg.gpt_forwards:nanogpt"},
+        data={"tokens": {"train": str(tokens), "seqLen": 16}},
+        eval={"everySteps": 0},
+        batchSize=8,
+        backoffLimit=3,
+        template={"env": env},
+    )
+    for key in ("imageSize", "numClasses"):  # the resnet's
+        del manifest["spec"][key]
+    jobs.create(api, manifest)
+    failed = jobs.wait_phase(api, "PipelineJob", name, "Failed", timeout=180)
+    assert failed["status"]["restarts"] == 0
+    condition = failed_condition(failed)
+    assert condition["reason"] == "InvalidConfiguration", condition
+    said = condition["message"]
+    assert "master 0 (pod gpt-master-0) failed permanently" in said, said
+    assert "spec.loss: the model returns ((2, 1, 64) float32, None)" in said, said
+    assert "give spec.loss: {import: mypkg.losses:build}" in said, said
+    events = [e for e in api.list("v1/events", NS) if e["involvedObject"]["name"] == name]
+    said_in = {e["reason"]: e["message"] for e in events}
+    assert "give spec.loss" in said_in["InvalidConfiguration"], said_in
+    assert said_in["CreatedPods"] == "created pods gpt-master-0", said_in
+    api.wait("every pod process to be gone", lambda: not kubelet.running(), 30)
+    assert [p["metadata"]["name"] for p in jobs.pods(api, name)] == ["gpt-master-0"]
+    assert [r.name for r in kubelet.runs(NS)] == ["gpt-master-0"]  # no other pod ever ran

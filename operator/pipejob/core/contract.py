@@ -83,11 +83,13 @@ DOCS: dict[str, str] = {
     " Kubernetes' termination message).",
     POD_NAME: "Optional: the name of this process's pod (the operator sets it; the local"
     " runner does not), for the watchdog's messages.",
-    MASTER_FIRST: "Optional: 1 where the master starts alone and the other members once its"
-    " /progress phase leaves `starting` (`pipejob run`): a PipelineJob's master then checks its"
-    " model against the data and the loss before the world forms, and a refusal comes before"
-    " any other member starts. Unset (the operator starts every pod at once), it checks them"
-    " once the world formed: the others' preflight deadline runs from their own start.",
+    MASTER_FIRST: "Optional: set where the master starts alone and the other members once its"
+    " /progress phase leaves `starting`: a PipelineJob's master then checks its model against"
+    " the data and the loss before the world forms, and a refusal comes before any other"
+    " member starts. 1: the others start as processes right after (`pipejob run`); pods: the"
+    " operator creates their pods then (no spec.scheduling), and the master's wait for them"
+    " allows rendezvousTimeoutSeconds more for their scheduling and image pulls. Unset (a gang"
+    " scheduler starts every pod at once), it checks them once the world formed.",
     TUNING: "Optional: performance levers (threads, allocator, transport): unset or on for"
     " all, off for none, or a comma-separated list; allocator=tcmalloc, jemalloc or glibc"
     " picks the malloc (tcmalloc unless told). Variables the user sets always win.",

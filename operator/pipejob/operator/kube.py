@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any
 
+from pipejob.core import master_first
 from pipejob.core.contract import POD_NAME
 from pipejob.core.plan import (
     TRAINER_MODULE,
@@ -279,8 +280,12 @@ def world(
     owner: dict | None = None,
     image: str | None = None,
 ) -> list[dict]:
-    """Every Pod of the job, in RPC rank order (master first)."""
-    return [pod(job, p, restart, namespace, owner, image) for p in plan_world(job, addresser(job))]
+    """Every Pod of the job, in RPC rank order (master first); where the master is made first
+    (master_first.on_cluster), every member is told so."""
+    processes = plan_world(job, addresser(job))
+    if master_first.on_cluster(job):
+        processes = master_first.told(processes, master_first.PODS)
+    return [pod(job, p, restart, namespace, owner, image) for p in processes]
 
 
 def render(

@@ -11,7 +11,7 @@ from datetime import timedelta
 from pipejob.core import oom
 from pipejob.core import scheduling as sch
 from pipejob.core.spec import InvalidSpec
-from pipejob.operator import elastic_world, gang, kube, oom_kills, queueing
+from pipejob.operator import elastic_world, gang, kube, master_check, oom_kills, queueing
 from pipejob.operator import status as st
 from pipejob.operator.actions import (
     NORMAL,
@@ -235,14 +235,15 @@ def starting_or_running(seen: Observed) -> Actions:
         for p in seen.live
         if kube.restart_of(p) != seen.restart and not elastic_world.is_standby(p)
     ]
-    _create_missing(seen, acts)
+    waiting = master_check.waiting(seen, acts.status)
+    _create_missing(seen, acts, waiting is None)
     running = _running(seen)
     _keep_standby(seen, acts, running == len(seen.planned))
     queued = queueing.queued(seen.job, seen.planned, seen.by_name)
     if seen.old.get("phase") == st.QUEUED and queued is None:
         admitted = queueing.admitted(seen.job, len(seen.planned))
         acts.events.append(Event(NORMAL, "Admitted", admitted))
-    return _starting_phase(seen, acts, running, queued)
+    return _starting_phase(seen, acts, running, queued, waiting)
 
 
 # The order in which the situations take precedence: reconcile.decide takes the first answer.
@@ -262,12 +263,16 @@ SITUATIONS = (
 )
 
 
-def _create_missing(seen: Observed, acts: Actions) -> None:
+def _create_missing(seen: Observed, acts: Actions, others: bool) -> None:
     """The pods of the world not made yet, with the Service, NetworkPolicy and PodGroup before
-    them. A name still held by any pod (an older world being deleted, or another owner's
-    pod) waits until it is free."""
+    them; the master's alone until `others` (master_check.waiting). A name still held by any
+    pod (an older world being deleted, or another owner's pod) waits until it is free."""
     taken = {p["metadata"]["name"] for p in seen.pods}
-    acts.create = [p for p in seen.planned if p["metadata"]["name"] not in taken]
+    acts.create = [
+        p
+        for p in (seen.planned if others else seen.planned[:1])
+        if p["metadata"]["name"] not in taken
+    ]
     if gang.provider(seen.job) == sch.KUEUE and any(
         kube.restart_of(p) != seen.restart and not st.terminated(p) for p in seen.ours
     ):  # Kueue counts an older world's live pods in the group: they must stop first
@@ -301,10 +306,12 @@ def _running(seen: Observed) -> int:
     )
 
 
-def _starting_phase(seen: Observed, acts: Actions, running: int, queued: str | None) -> Actions:
+def _starting_phase(
+    seen: Observed, acts: Actions, running: int, queued: str | None, waiting: str | None
+) -> Actions:
     """Running once every pod runs; else queued by a gang scheduler, restarting (the
     Restarting condition keeps saying what broke the old world until the new one runs), or
-    pending."""
+    pending (`waiting`: for the master's check)."""
     old, now, planned = seen.old, seen.now, len(seen.planned)
     if running == planned:
         message = f"all {running} pods are running"
@@ -316,7 +323,9 @@ def _starting_phase(seen: Observed, acts: Actions, running: int, queued: str | N
         reason = cause.get("reason") or "Restarting"
         message = cause.get("message") or f"restart {seen.restart}"
         return transition(acts, old, st.RESTARTING, reason, message, now)
-    return _pending(seen, acts, f"{running}/{planned} pods running")
+    return _pending(
+        seen, acts, "; ".join(filter(None, (f"{running}/{planned} pods running", waiting)))
+    )
 
 
 def _pending(seen: Observed, acts: Actions, message: str) -> Actions:

@@ -24,14 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from pipejob.core import levers
-from pipejob.core.contract import (
-    BROKEN_PREFIX,
-    MASTER_FIRST,
-    TERMINATION_LOG,
-    TUNING,
-    Progress,
-)
+from pipejob.core import levers, master_first
+from pipejob.core.contract import BROKEN_PREFIX, TERMINATION_LOG, TUNING, Progress
 from pipejob.core.plan import (
     TRAINER_MODULE,
     Ports,
@@ -176,12 +170,12 @@ class World:
 
     def master_checked(self, monitor_port: int) -> bool:
         """Wait until the master, started alone, has checked what it can by itself (its
-        /progress phase left `starting`: MASTER_FIRST). False where it failed first: its
-        refusal is the run's, and nothing else starts."""
+        /progress phase left `starting`: master_first.checked). False where it failed first:
+        its refusal is the run's, and nothing else starts."""
         url = f"http://{LOOPBACK}:{monitor_port}/progress"
         master = self.members[0].popen
         while (code := master.poll()) is None:
-            if _phase(url) not in (None, "starting"):
+            if master_first.checked(_phase(url)):
                 return True
             time.sleep(POLL_SECONDS)
         return code == 0  # a trainer that ends before it checks (a stand-in): as planned
@@ -337,7 +331,7 @@ def start(
         world.start(processes, visible)
         return
     width = max(len(p.rpc_name) for p in processes)
-    first = [dataclasses.replace(p, env=p.env | {MASTER_FIRST: "1"}) for p in processes]
+    first = master_first.told(processes, master_first.PROCESSES)
     world.start(first[:1], visible, width)
     if world.master_checked(ports.monitor):
         world.start(first[1:], visible, width)

@@ -41,7 +41,7 @@ def run(env: Env) -> dict | None:
     checked, late = None, 0.0
     if env.rank == 0 and env.master_first and env.definition.checks_first:
         checked = trainer.check(env)  # in phase `starting`: the others start when it leaves it
-        late = time.monotonic() - began  # they take about as long to start as it did
+        late = env.others_after(time.monotonic() - began)  # they start after its check
     board = monitor.board()
     board.phase("preflight")
     try:

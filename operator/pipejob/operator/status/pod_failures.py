@@ -79,6 +79,12 @@ def pod_failure(pod: dict, process: str) -> Failure | None:
     )
 
 
+# A permanent verdict is one line the trainer wrote for the status, not a log tail: its start
+# names the field and its end the line it came from, so it is kept whole up to this (an
+# Event's message holds 1024 bytes; the pod's name and exit code come before it).
+VERDICT_CHARS = 900
+
+
 def permanent_failure(pod: dict, process: str) -> Failure | None:
     """A Failed pod's failure if the trainer said a restart cannot cure it (its exit code
     and termination message, core/contract.py), else None. The reason is the trainer's."""
@@ -90,7 +96,9 @@ def permanent_failure(pod: dict, process: str) -> Failure | None:
     name = pod["metadata"]["name"]
     message = f"{process} (pod {name}) failed permanently with exit code {state['exitCode']}"
     return Failure(
-        reason, message + (": " + tail(detail) if detail else ""), state.get("finishedAt") or ""
+        reason,
+        message + (": " + tail(detail, VERDICT_CHARS) if detail else ""),
+        state.get("finishedAt") or "",
     )
 
 

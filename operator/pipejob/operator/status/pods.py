@@ -59,6 +59,6 @@ def trainer_state(pod: dict) -> dict:
     return {}
 
 
-def tail(text: str) -> str:
+def tail(text: str, limit: int = MAX_MESSAGE) -> str:
     """The end of a log tail is where the error is."""
-    return text if len(text) <= MAX_MESSAGE else "..." + text[-MAX_MESSAGE:]
+    return text if len(text) <= limit else "..." + text[-limit:]

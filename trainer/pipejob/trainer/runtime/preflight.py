@@ -46,7 +46,8 @@ class Report:
 def check(env: Env, late: float = 0.0) -> Report | None:
     """Run the check if the spec asks for it (the default); raise PreflightError on failure.
     `late`: seconds after the master the others start (MASTER_FIRST: about as long as the
-    master's own start took), which the master waits for them beside the timeout."""
+    master's own start took, and rendezvousTimeoutSeconds more where the operator makes their
+    pods only then), which the master waits for them beside the timeout."""
     settings = env.spec.preflight
     if not settings.enabled:
         return None
@@ -81,8 +82,12 @@ def _lead(
         present = [r for r in present if r not in missing]
         if missing:
             others = ", ".join(world.describe(env, r) for r in missing)
+            late = deadline - started - timeout  # MASTER_FIRST: allowed for their later start
+            waited = f"{timeout:g}s" + (
+                f" and {late:.0f}s more (they start after the master's check)" if late >= 1 else ""
+            )
             raise PreflightError(
-                f"no answer within {timeout:g}s from {others}: it never started, or cannot"
+                f"no answer within {waited} from {others}: it never started, or cannot"
                 f" reach the master at {env.master_addr}:{env.preflight_port}"
             )
         checked_in = time.monotonic() - started

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from pipejob.core import contract as c
+from pipejob.core import master_first
 from pipejob.core.common import CommonSpec, from_spec
 from pipejob.core.kind import Kind
 from pipejob.core.kinds import KINDS
@@ -81,10 +82,18 @@ class Env(Generic[S]):
     ddp_backend: str | None = None
     summary_file: str | None = None
     master_first: bool = False  # the others start once the master checked (MASTER_FIRST)
+    # ... as pods the operator creates then (MASTER_FIRST=pods): scheduled, pulling images
+    others_as_pods: bool = False
 
     @property
     def definition(self) -> Kind:
         return KINDS[self.kind]
+
+    def others_after(self, own_start: float) -> float:
+        """Seconds after a master started first (MASTER_FIRST) that the others may arrive: about
+        as long as its own start took, and rendezvousTimeoutSeconds more where their pods are
+        made only once it has checked (scheduling, image pulls)."""
+        return own_start + (self.rendezvous_timeout if self.others_as_pods else 0.0)
 
     def names(self, role: str) -> list[str]:
         """RPC names of the world's members with this role, in rank order."""
@@ -147,7 +156,8 @@ def read_env(environ: dict[str, str] | None = None) -> Env[Any]:
         gpus=_int(environ, c.GPUS),
         rendezvous_timeout=float(_int(environ, c.RENDEZVOUS_TIMEOUT)),
         summary_file=environ.get(c.SUMMARY_FILE) or None,
-        master_first=environ.get(c.MASTER_FIRST) == "1",
+        master_first=environ.get(c.MASTER_FIRST) in master_first.VALUES,
+        others_as_pods=environ.get(c.MASTER_FIRST) == master_first.PODS,
         **_ddp(environ),
     )
     _check_world(env)

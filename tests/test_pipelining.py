@@ -8,6 +8,7 @@ after the other do."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -280,9 +281,19 @@ def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         ahead._send = lambda m, steps, *a: order.append(f"send {[*steps]}") or send(m, steps, *a)
         ahead._landed = lambda flight: order.append(f"read {[*flight.steps]}") or land(flight)
         sent = list(ahead.run_steps(s.micro_batches, range(AHEAD_STEPS), loss))
-        figures = [[(r.loss, r.grad_norm, r.lr) for r in rs] for rs in (stepped, sent)]
-        prints = [r.pipelines[0].stage_results(Shard.fingerprint) for r in (one_by_one, ahead)]
-        torch.save({"figures": figures, "prints": prints, "order": order}, out)
+        # Unclipped, each stage steps by its own figures (steps_alone); clipped at a norm
+        # never reached, they wait for every stage's, as above: the same steps either way.
+        unclipped, never = (
+            dataclasses.replace(s, optimizer=dataclasses.replace(s.optimizer, clip_grad_norm=c))
+            for c in (None, 1e9)
+        )
+        pairs = [Replicas([names], shards, spec) for spec in (unclipped, never)]
+        run = [list(r.run_steps(s.micro_batches, range(AHEAD_STEPS), loss)) for r in pairs]
+        figures = [[(r.loss, r.grad_norm, r.lr) for r in rs] for rs in (stepped, sent, *run)]
+        done = (one_by_one, ahead, *pairs)
+        prints = [r.pipelines[0].stage_results(Shard.fingerprint) for r in done]
+        alone = [r.steps_alone for r in done]
+        torch.save({"figures": figures, "prints": prints, "order": order, "alone": alone}, out)
     finally:
         rpc.shutdown()
 
@@ -292,7 +303,9 @@ def test_steps_sent_ahead_compute_what_steps_one_after_the_other_do(tmp_path: Pa
     first step alone (its shapes are learnt in it), the second before the first's result is
     read (its seconds are not yet known), then every step left in one call; and the losses,
     gradient norms, learning rates and weights are those of the same steps run one after
-    the other, bit for bit (momentum, clipping and a schedule)."""
+    the other, bit for bit (momentum, clipping and a schedule). Unclipped, each stage steps
+    once its own backwards have run (Replicas.steps_alone), computing what stages that wait
+    for every stage's figures compute."""
     job = spec.parse(
         pipeline_job(
             "ahead",
@@ -323,9 +336,14 @@ def test_steps_sent_ahead_compute_what_steps_one_after_the_other_do(tmp_path: Pa
         "read [1]",
         f"read {rest}",
     ]
-    stepped, sent = got["figures"]
+    stepped, sent, alone, judged = got["figures"]
     assert sent == stepped and len({loss for loss, _, _ in sent}) == AHEAD_STEPS
-    for a, b in zip(*got["prints"], strict=True):
+    assert got["alone"] == [False, False, True, False]  # clipping needs every stage's norm
+    assert alone == judged and len({lr for _, _, lr in alone}) > 1  # warming up
+    one_by_one, ahead, alone_prints, judged_prints = got["prints"]
+    for a, b in zip(one_by_one, ahead, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(alone_prints, judged_prints, strict=True):
         assert torch.equal(a, b)
 
 

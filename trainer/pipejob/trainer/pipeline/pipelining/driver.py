@@ -132,14 +132,15 @@ class Pipeline(driver.Pipeline):
         read: int | None = None,
         finishes: list[Finish] | None = None,
         after: int | None = None,
+        alone: bool = False,
     ) -> list[Future[list[StepReply]]]:
         """Sends `steps`, one training round each from round `batch` on, to every stage in
         one call (Stage.train): each loss weighted by `weight` for the backward; with
         `unscale` (1 / fp16's loss scale), each stage's gradient norm after it; `read`: the
         first stage reads each round first, as that many micro-batches (`read_round`);
         `finishes` (with `unscale`): the stages finish each step themselves
-        (Stage._finish); `after`: they run them once round `after` has run there. The
-        futures of the stages' replies."""
+        (Stage._finish; `alone`: each by its own figures, Replicas.steps_alone); `after`:
+        they run them once round `after` has run there. The futures of the stages' replies."""
         self.learn(batch, True)
         runs = even(batch.micro_batches, batch.samples)
         last = len(self.stages) - 1  # holds the last piece (stage k is on process k % p)
@@ -156,6 +157,7 @@ class Pipeline(driver.Pipeline):
                 read if k == 0 else None,
                 finishes,
                 after,
+                alone,
             )
             for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
         ]
@@ -217,6 +219,20 @@ class Replicas(driver.Replicas):
             and self.loss_scale is None
         )
 
+    @property
+    def steps_alone(self) -> bool:
+        """Whether each stage that finishes a step may step it once its own backwards have
+        run, waiting for no other stage's figures (Stage._finish_alone), as torch's own loop
+        does: where nothing it steps by depends on them, that is no clipping by the global
+        norm, no fp16 loss scale, and a non-finite step fails the job (no
+        skipNonFiniteSteps: the master's judgement of the step decides nothing the stages
+        do; such a step's update is never kept, as no checkpoint or output follows it)."""
+        return (
+            self.optimizer.clip_grad_norm is None
+            and self.loss_scale is None
+            and self.guard.allowed == 0
+        )
+
     def run_steps(self, micro_batches: int, steps: range, loss_fn: Loss) -> Iterator[StepResult]:
         """As driver.Replicas.run_steps; where the engine `runs_ahead`, several steps go to
         the stages in one call (`_call_steps`), and each call is sent while the last runs, so
@@ -262,7 +278,9 @@ class Replicas(driver.Replicas):
         share = self.share(first, self.batch)
         after = None if running is None else running.last_round
         finishes = [self.finish(step) for step in steps]
-        replies = pipeline.launch(first, steps, loss_fn, share, 1.0, read, finishes, after)
+        replies = pipeline.launch(
+            first, steps, loss_fn, share, 1.0, read, finishes, after, self.steps_alone
+        )
         return InFlight(steps, first.number, share, replies)
 
     def _landed(self, flight: InFlight) -> Iterator[StepResult]:
@@ -308,6 +326,7 @@ class Replicas(driver.Replicas):
                     unscale,
                     read,
                     finishes,
+                    alone=self.steps_alone,
                 )
                 loss, norms, _ = outcome([r[0] for r in torch.futures.wait_all(replies)])
             losses.append(loss * share)

@@ -75,6 +75,7 @@ class Stage(Shard):
         self._rides = self.count > 1 and len(pieces) == 1 and schedule in schedules.SINGLE
         self._ride: tuple[int, float] | None = None
         self._rode: tuple[float, float | None] | None = None  # the norm and loss it sent
+        self._alone = False  # the call's steps finish by this stage's own figures
         self.modules = [
             Flat(
                 self.computed(piece, k == self.count - 1),
@@ -160,17 +161,20 @@ class Stage(Shard):
         read: int | None = None,
         finishes: list[Finish] | None = None,
         after: int | None = None,
+        alone: bool = False,
     ) -> list[StepReply]:
         """Training rounds `round`, `round` + 1, ... of steps `steps`, one each: forwards and
         backwards of its `micro_batches` (of `samples` in all), the gradients added to
         .grad; `read`: the first stage reads each round first, as that many micro-batches
-        (Reader.read); `finishes`: each step's tail too (`_finish`); `after`: once round
-        `after` has run here (`_in_turn`). Per step: its loss on the last stage (the mean of
-        its micro-batches'; None elsewhere), with `unscale` the norm of its gradients
-        (Shard.norm; else None), and its seconds here, from the end of the step before."""
+        (Reader.read); `finishes`: each step's tail too (`_finish`; `alone`: by this
+        stage's own figures, `_finish_alone`); `after`: once round `after` has run here
+        (`_in_turn`). Per step: its loss on the last stage (the mean of its micro-batches';
+        None elsewhere), with `unscale` the norm of its gradients (Shard.norm; else None),
+        and its seconds here, from the end of the step before."""
         rounds = range(round, round + len(steps))
         replies: list[StepReply] = []
         with self._in_turn(rounds[-1], after):
+            self._alone = alone and finishes is not None  # in its turn: calls may overlap
             begun = time.perf_counter()
             for k, (number, step) in enumerate(zip(rounds, steps, strict=True)):
                 finish = None if finishes is None else finishes[k]
@@ -206,8 +210,9 @@ class Stage(Shard):
         self._counting = self._metered[key] <= METERED_ROUNDS
         args = (self.reader.inputs(round),) if self.first else ()
         target = self._last_labels(round) if self.last else None
-        riding = finish is not None and unscale is not None and self._rides
-        if finish is not None and unscale is not None:
+        gathers = finish is not None and unscale is not None and not self._alone
+        riding = gathers and self._rides
+        if gathers:
             self._figures.expect(riding)  # posted now, so they are in when the backward ends
         self._loss, self._losses = (loss_fn, weight / micro_batches), []
         self._round, self._checks = round, []
@@ -224,7 +229,10 @@ class Stage(Shard):
             norm = None if unscale is None else self.norm(NO_CONTEXT, unscale)
             loss = self._round_loss()
         if finish is not None and norm is not None:
-            self._finish(norm, loss, *finish)
+            if self._alone:
+                self._finish_alone(finish[1])
+            else:
+                self._finish(norm, loss, *finish)
         return loss, norm
 
     def _round_loss(self) -> float | None:
@@ -302,6 +310,13 @@ class Stage(Shard):
         loss = next(row[1] for row in every if row[2])
         coefficient, applied = gradients.judged_here(loss, [row[0] for row in every], clip)
         self.finish_step(NO_CONTEXT, coefficient, lr, applied, zero=True)
+
+    def _finish_alone(self, lr: float | None) -> None:
+        """The step's tail where nothing it is stepped by is another stage's (the master's
+        `steps_alone`: no clipping, no loss scale, a non-finite step fails the job): step
+        and forget the gradients once this stage's backwards have run, as torch's own loop
+        does, with no figures to wait for; the step is judged by the master as ever."""
+        self.finish_step(NO_CONTEXT, 1.0, lr, True, zero=True)
 
     def forwarded(self, output: Any, piece: int, micro_batch: int) -> None:
         """Piece `piece`'s forward of `micro_batch` gave `output`: in training, whether it is

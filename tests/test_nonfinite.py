@@ -65,7 +65,7 @@ def test_a_step_that_goes_non_finite_fails_the_job_keeping_the_last_checkpoint(
     assert code == ExitCode.PERMANENT, out
     said = (
         f"permanent: NonFinite: training failed: NonFiniteError: step {AT}: the loss is nan,"
-        " first non-finite in stage1's forward; its update was not applied"
+        " first non-finite in stage1's forward; its update was not kept"
     )
     assert said in out, out[-3000:]
     assert f"step {AT}/" not in out  # the step never completed

@@ -1,5 +1,5 @@
 """A run that goes non-finite stops: a step whose loss or gradient norm is NaN or infinite is
-not applied and the job fails permanently (reason NonFinite), naming the step, where the
+not kept and the job fails permanently (reason NonFinite), naming the step, where the
 first non-finite value came from and the value, unless `spec.skipNonFiniteSteps` allows a
 skip (as Megatron-LM does; the user guide's "Training recipes" says why). Every engine's
 master calls `finite` on its figures before it applies a step, and `Guard.check` when one is
@@ -75,7 +75,7 @@ class Guard:
         said = f"step {step}: the {what} is {value}, first non-finite in {where}"
         if self.skipped >= self.allowed:
             more = f" ({self.allowed} such step(s) skipped before)" if self.allowed else ""
-            raise NonFiniteError(f"{said}{more}; its update was not applied")
+            raise NonFiniteError(f"{said}{more}; its update was not kept")
         self.skipped += 1
         return (
             f"{said}: skipped, the weights left as they were ({self.skipped} of"

@@ -33,7 +33,8 @@ class LeanApiServer(ApiServer):
     each LIST and each owner check of a create: the emulator's cost per request grew with the
     requests served and the objects kept, so at a few thousand jobs the emulator, not the
     operator, set the pace. A real API server's store is keyed by resource and namespace; here
-    the live objects' keys are kept by resource and their uids in a set. It counts the
+    the live objects' keys are kept by resource and their uids in a set (and by label in the
+    harness's server, for the operator's LISTs of one job's pods). It counts the
     operator's requests (by User-Agent, as the harness's faults tell it), and names its
     thread `apiserver` for the kernel, so a benchmark reads its CPU apart from the others'
     (_common.counters)."""

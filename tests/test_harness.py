@@ -15,6 +15,7 @@ from harness.client import JSON_PATCH, TABLE, ApiError
 from harness.cluster import Cluster
 from harness.kubelet import Kubelet
 from harness.netpolicy import NAMESPACE_LABEL, Endpoint, rules
+from harness.selectors import label_selector
 
 NS = "default"
 PODS = "v1/pods"
@@ -147,6 +148,42 @@ def test_label_and_field_selectors(cluster):
     with pytest.raises(ApiError) as e:
         select(labelSelector="job in j")
     assert e.value.status == 400
+
+
+@pytest.mark.timeout(60)
+def test_a_list_by_label_answers_as_the_walk_of_every_object(cluster):
+    """A selector that pins a label is served from the label index: the same objects, in the
+    same order, as the selector applied to the whole list, through relabelling, deletion, a
+    name reused, and another namespace."""
+    api = cluster.api
+    for i in range(12):
+        api.create(PODS, pod(f"p{i}", labels={"job": f"j{i % 3}", "role": f"r{i % 2}"}), NS)
+    api.create(PODS, pod("other", labels={"job": "j0"}), "other")
+    api.patch(PODS, "p0", {"metadata": {"labels": {"job": "j2", "role": None}}}, NS)
+    api.patch(PODS, "p4", {"metadata": {"labels": {"extra": "x"}}}, NS)
+    api.delete(PODS, "p3", NS)
+    api.delete(PODS, "p5", NS)
+    api.create(PODS, pod("p3", labels={"job": "j1"}), NS)  # a reused name keeps its place
+    api.create(PODS, pod("p12", labels={"job": "j1", "role": 7}), NS)  # not a string: no match
+    selectors = [
+        "job=j0",
+        "job==j1,role=r1",
+        "job in (j0, j2)",
+        "job in (j1),role notin (r0)",
+        "job=j2,!role",
+        "job=j0,job=j1",
+        "role=r0,extra",
+        "job=nobody",
+        "role=7",
+    ]
+    everything = api.list(PODS, NS)
+    for text in selectors:
+        walked = [p["metadata"]["name"] for p in everything if label_selector(text)(p)]
+        indexed = [p["metadata"]["name"] for p in api.list(PODS, NS, labelSelector=text)]
+        assert indexed == walked, text
+    assert [p["metadata"]["name"] for p in api.list(PODS, None, labelSelector="job=j0")] == [
+        p["metadata"]["name"] for p in api.list(PODS, None) if label_selector("job=j0")(p)
+    ]
 
 
 @pytest.mark.timeout(30)

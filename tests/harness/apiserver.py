@@ -13,7 +13,8 @@ store with history, fetch, Kubernetes `Status` errors. On top of that, this modu
 - deletion: finalizers, graceful deletion of pods bound to a node (the kubelet finishes it),
   ownerReference garbage collection (background; also of dependents whose owner is gone),
   deletecollection;
-- lists and watches with label and field selectors and list kinds; lists in chunks
+- lists and watches with label and field selectors and list kinds (a selector that pins a
+  label's values reads only the objects labelled so, from an index); lists in chunks
   (`limit`, `continue`); watches that replay from a
   resourceVersion (kmock's lose the events between its snapshot and its stream) and honour
   timeoutSeconds;
@@ -52,7 +53,7 @@ import jsonpointer
 import kmock
 
 from harness import openapi, protobuf, tables
-from harness.selectors import SelectorError, field_selector, label_selector
+from harness.selectors import SelectorError, field_selector, label_selector, required_values
 
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 PODS = kmock.resource("", "v1", "pods")
@@ -153,6 +154,13 @@ class ApiServer(kmock.KubernetesEmulator):
     )
     _columns: dict[kmock.resource, list[Obj]] = attrs.field(factory=dict, init=False)
     _schemas: dict[kmock.resource, Obj] = attrs.field(factory=dict, init=False)
+    # The live objects by label, (resource, key, value) -> {their keys: None}, and each key's
+    # place in the store: a LIST by a label's value (the operator's pods of one job) reads
+    # what it returns, in the store's order, as a real API server's watch cache serves it.
+    _labelled: dict[tuple[kmock.resource, str, str], dict[Key, None]] = attrs.field(
+        factory=lambda: defaultdict(dict), init=False
+    )
+    _order: dict[Key, int] = attrs.field(factory=dict, init=False)
     # Mutating admission, as a webhook does it: each is called with (resource, object) on
     # every create, before the object is stored (tests/harness/kueue.py gates pods so).
     mutators: list[Callable[[kmock.resource, Obj], None]] = attrs.field(factory=list)
@@ -245,11 +253,51 @@ class ApiServer(kmock.KubernetesEmulator):
             if r == res and (namespace is None or ns == namespace) and not obj.deleted
         ]
 
+    def _index(self, key: Key, old: Obj | None, new: Obj | None) -> None:
+        """Move `key` from the label buckets of its old version to those of its new one."""
+        before, after = _label_items(old), _label_items(new)
+        for label in before - after:
+            bucket = self._labelled[(key[0], *label)]
+            bucket.pop(key, None)
+            if not bucket:
+                del self._labelled[(key[0], *label)]
+        for label in after - before:
+            self._labelled[(key[0], *label)][key] = None
+
+    def _selected(self, request: kmock.Request, namespace: str | None) -> list[Obj]:
+        """The live objects of the request's resource in `namespace` (None: every one) that
+        its selectors match: read from the label index where the label selector pins a
+        label's values, else by walking the resource's objects."""
+        matches = self._selector(request)  # a bad selector is a 400 before anything is read
+        keys = self._pinned(request.resource, request.params.get("labelSelector"))
+        if keys is None:
+            items = self._live_items(request.resource, namespace)
+        else:
+            items = [self._objects[k].raw for k in keys if namespace is None or k[1] == namespace]
+        return [o for o in items if matches(o)]
+
+    def _pinned(self, res: kmock.resource, selector: str | None) -> list[Key] | None:
+        """The keys, in the store's order, of the objects carrying one of the values the
+        selector allows for its most selective pinned label; None if it pins none."""
+        pinned = required_values(selector)
+        if not pinned:
+            return None
+        buckets = min(
+            (
+                [self._labelled.get((res, label, v), {}) for v in values]
+                for label, values in pinned.items()
+            ),
+            key=lambda found: sum(map(len, found)),
+        )
+        return sorted({k for bucket in buckets for k in bucket}, key=self._order.__getitem__)
+
     async def _publish(self, key: Key, kind: str, obj: Obj) -> Obj:
         """Store a new version (or the removal) with the next resourceVersion and announce it."""
         rv = next(self._revisions)
         self._revision = rv
         obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(rv)}}
+        self._index(key, self._live(key), None if kind == "DELETED" else obj)
+        self._order.setdefault(key, len(self._order))
         if kind == "DELETED":
             self._objects[key].delete()
         elif key in self._objects:
@@ -430,13 +478,11 @@ class ApiServer(kmock.KubernetesEmulator):
             key = (request.resource, namespace, request.name)
             self._check_preconditions(key, options.get("preconditions") or {})
             return await self._delete(key, grace, orphan)
-        matches = self._selector(request)
         deleted = [
             await self._delete(
                 (request.resource, namespace, obj["metadata"]["name"]), grace, orphan
             )
-            for obj in self._live_items(request.resource, namespace)
-            if matches(obj)
+            for obj in self._selected(request, namespace)
         ]
         return {
             "apiVersion": "v1",
@@ -499,8 +545,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _serve_list(self, request: kmock.Request) -> Obj:
         info = self._info(request.resource)
-        matches = self._selector(request)
-        items = [o for o in self._live_items(request.resource, request.namespace) if matches(o)]
+        items = self._selected(request, request.namespace)
         if tables.wants_table(request.headers.get("Accept")):
             columns = self._columns.get(request.resource)
             return tables.table(items, columns, str(self._revision))
@@ -539,7 +584,7 @@ class ApiServer(kmock.KubernetesEmulator):
             if since.isdigit() and int(since) > 0:
                 replay = [e for rv, e in self._history[res] if rv > int(since)]
             else:
-                replay = [{"type": "ADDED", "object": o} for o in self._live_items(res, None)]
+                replay = [{"type": "ADDED", "object": o} for o in self._selected(request, None)]
         agent = request.headers.get("User-Agent")
         pending: asyncio.Future | None = None  # the next event, awaited across looks
         try:
@@ -636,6 +681,15 @@ def _page(items: list[Obj], params: Any, revision: int) -> tuple[list[Obj], str,
     page = ordered[:limit]
     more = len(ordered) > limit
     return page, json.dumps([since, *key(page[-1])]) if more else "", str(since)
+
+
+def _label_items(obj: Obj | None) -> set[tuple[str, str]]:
+    """An object's labels as (key, value) pairs; a value that is no string matches no
+    selector's value, so it is not indexed."""
+    labels = ((obj or {}).get("metadata") or {}).get("labels")
+    if not isinstance(labels, dict):
+        return set()
+    return {(k, v) for k, v in labels.items() if isinstance(v, str)}
 
 
 def _spec_of(obj: Obj) -> Obj:

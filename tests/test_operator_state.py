@@ -7,6 +7,7 @@ API server, with the reconciler the operator runs."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import tracemalloc
 from itertools import pairwise
@@ -19,7 +20,8 @@ from kubernetes import config
 
 from harness import jobs
 from harness.cluster import Cluster
-from pipejob.operator import controller
+from pipejob.core.spec import InvalidSpec
+from pipejob.operator import controller, parsed_specs
 from pipejob.operator.cluster import LIST_CHUNK
 from pipejob.operator.cluster import Cluster as Kube
 from pipejob.operator.controller import Reconciler
@@ -36,6 +38,29 @@ def manifest(name: str, kind: str) -> dict:
     return {"apiVersion": "pipejob.dev/v1alpha1", "kind": kind, "metadata": {"name": name}} | {
         "spec": spec
     }
+
+
+def test_a_parsed_spec_is_kept_while_the_spec_is_the_same_and_within_a_bound(
+    monkeypatch,
+) -> None:
+    """The resync judges every job each round: its spec is parsed once per change, not per
+    decision; a spec changed in place (same uid, same generation) is parsed afresh; the
+    least recently used job's entry goes past the bound."""
+    job = manifest("j", "PipelineJob")
+    job["metadata"] |= {"uid": "u-1", "namespace": NS, "generation": 1}
+    first = parsed_specs.parsed(job, False)
+    assert parsed_specs.parsed(copy.deepcopy(job), False) is first
+    assert parsed_specs.parsed(job, True) is not first  # node volumes allowed: parsed again
+    job["spec"]["steps"] = 7
+    assert parsed_specs.parsed(job, False).spec["steps"] == 7
+    job["spec"]["stages"] = 0
+    assert isinstance(parsed_specs.parsed(job, False), InvalidSpec)
+    monkeypatch.setattr(parsed_specs, "LIMIT", 3)
+    for i in range(5):
+        other = manifest(f"j{i}", "HybridJob")
+        other["metadata"] |= {"uid": f"u{i}", "namespace": NS}
+        parsed_specs.parsed(other, False)
+    assert list(parsed_specs._kept)[-3:] == ["u2", "u3", "u4"] and len(parsed_specs._kept) == 3
 
 
 def state(reconciler: Reconciler) -> dict[str, int]:

@@ -129,9 +129,9 @@ def test_what_the_reconciler_keeps_per_job_is_under_12_kb(tmp_path, caplog) -> N
     per job kept (5.1-5.3 kB measured, of which about 3.4 kB its parsed spec, parsed_specs),
     after each job's reconciles and a resync over all of them: no job's body and pods
     (18.5 kB planted) are kept between reconciles (issue 60: 5,000 jobs in 300 MB)."""
-    # pytest keeps every record its handler takes until the test ends: with the root logger
-    # at INFO (`pipejob operator` sets it, in process, for the tests after it) the operator's
-    # INFO lines counted as kept, 3-4 kB a job (1.8 kB alone, 5.4-6.0 in the parallel suite).
+    # pytest keeps every record its handler takes until the test ends: with the operator's
+    # logger at INFO (pytest --log-level=INFO) its INFO lines counted as kept, 3-4 kB a job,
+    # the gap between this test alone (1.8 kB) and in the parallel suite (5.4-6.0 kB).
     caplog.set_level(logging.WARNING, logger="pipejob.operator")
     with Cluster(tmp_path, request_log=False) as c:
         for path in sorted((REPO / "crds").glob("*.yaml")):

@@ -251,6 +251,27 @@ def test_deleting_an_owner_deletes_its_dependents_and_nothing_else(cluster):
 
 
 @pytest.mark.timeout(30)
+def test_a_dependent_goes_with_the_owner_its_references_name_now(cluster):
+    """The garbage collector reads the owners' dependents from an index: a dependent whose
+    references were rewritten (adopted by another owner) goes with the new owner only."""
+    api = cluster.api
+
+    def ref(owner: dict) -> dict:
+        meta = owner["metadata"]
+        return {"apiVersion": "v1", "kind": "Service", "name": meta["name"], "uid": meta["uid"]}
+
+    a, b = (api.create(SERVICES, {"metadata": {"name": n}, "spec": {}}, NS) for n in "ab")
+    moved = pod("moved")
+    moved["metadata"]["ownerReferences"] = [ref(a)]
+    api.create(PODS, moved, NS)
+    api.patch(PODS, "moved", {"metadata": {"ownerReferences": [ref(b)]}}, NS)
+    api.delete(SERVICES, "a", NS)
+    assert api.find(PODS, "moved", NS) is not None
+    api.delete(SERVICES, "b", NS)
+    assert api.find(PODS, "moved", NS) is None
+
+
+@pytest.mark.timeout(30)
 def test_finalizers_preconditions_and_deletecollection(cluster):
     api = cluster.api
     held = api.create(SERVICES, {"metadata": {"name": "held", "finalizers": ["x/y"]}}, NS)

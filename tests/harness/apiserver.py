@@ -161,6 +161,12 @@ class ApiServer(kmock.KubernetesEmulator):
         factory=lambda: defaultdict(dict), init=False
     )
     _order: dict[Key, int] = attrs.field(factory=dict, init=False)
+    # The live objects' uids, and their dependents by owner uid: the garbage collector's
+    # checks read these, not every object of every kind.
+    _uids: set[str] = attrs.field(factory=set, init=False)
+    _dependents: dict[str, dict[Key, None]] = attrs.field(
+        factory=lambda: defaultdict(dict), init=False
+    )
     # Mutating admission, as a webhook does it: each is called with (resource, object) on
     # every create, before the object is stored (tests/harness/kueue.py gates pods so).
     mutators: list[Callable[[kmock.resource, Obj], None]] = attrs.field(factory=list)
@@ -254,15 +260,23 @@ class ApiServer(kmock.KubernetesEmulator):
         ]
 
     def _index(self, key: Key, old: Obj | None, new: Obj | None) -> None:
-        """Move `key` from the label buckets of its old version to those of its new one."""
-        before, after = _label_items(old), _label_items(new)
-        for label in before - after:
-            bucket = self._labelled[(key[0], *label)]
-            bucket.pop(key, None)
-            if not bucket:
-                del self._labelled[(key[0], *label)]
-        for label in after - before:
-            self._labelled[(key[0], *label)][key] = None
+        """Move `key` from the label buckets and owners' dependents of its old version to
+        those of its new one (None: removed), and keep the live uids."""
+        for index, before, after in (
+            (self._labelled, _label_items(key, old), _label_items(key, new)),
+            (self._dependents, _owner_uids(old), _owner_uids(new)),
+        ):
+            for item in before - after:
+                bucket = index[item]
+                bucket.pop(key, None)
+                if not bucket:
+                    del index[item]
+            for item in after - before:
+                index[item][key] = None
+        if old is not None:
+            self._uids.discard(old["metadata"].get("uid"))
+        if new is not None and new["metadata"].get("uid"):
+            self._uids.add(new["metadata"]["uid"])
 
     def _selected(self, request: kmock.Request, namespace: str | None) -> list[Obj]:
         """The live objects of the request's resource in `namespace` (None: every one) that
@@ -367,11 +381,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _owners_alive(self, obj: Obj) -> bool:
         owners = {ref.get("uid") for ref in obj["metadata"].get("ownerReferences") or []}
-        if not owners:
-            return True
-        return any(
-            not o.deleted and o.raw["metadata"].get("uid") in owners for o in self._objects.values()
-        )
+        return not owners or bool(owners & self._uids)
 
     async def _bind(self, request: kmock.Request) -> Obj:
         key = (request.resource, request.namespace, request.name)
@@ -525,7 +535,7 @@ class ApiServer(kmock.KubernetesEmulator):
         obj = await self._publish(key, "DELETED", obj)
         if not orphan:  # the garbage collector: dependents go with their owner
             uid = obj["metadata"]["uid"]
-            for dependent_key in list(self._objects.keys()):
+            for dependent_key in sorted(self._dependents.get(uid, ()), key=self._order.get):
                 dependent = self._live(dependent_key)  # (an earlier dependent may have taken it)
                 refs = (dependent or {}).get("metadata", {}).get("ownerReferences") or []
                 if any(ref.get("uid") == uid for ref in refs):
@@ -683,13 +693,18 @@ def _page(items: list[Obj], params: Any, revision: int) -> tuple[list[Obj], str,
     return page, json.dumps([since, *key(page[-1])]) if more else "", str(since)
 
 
-def _label_items(obj: Obj | None) -> set[tuple[str, str]]:
-    """An object's labels as (key, value) pairs; a value that is no string matches no
-    selector's value, so it is not indexed."""
+def _label_items(key: Key, obj: Obj | None) -> set[tuple[kmock.resource, str, str]]:
+    """An object's labels as (its resource, label, value); a value that is no string matches
+    no selector's value, so it is not indexed."""
     labels = ((obj or {}).get("metadata") or {}).get("labels")
     if not isinstance(labels, dict):
         return set()
-    return {(k, v) for k, v in labels.items() if isinstance(v, str)}
+    return {(key[0], k, v) for k, v in labels.items() if isinstance(v, str)}
+
+
+def _owner_uids(obj: Obj | None) -> set[str]:
+    refs = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+    return {ref["uid"] for ref in refs if isinstance(ref, dict) and isinstance(ref.get("uid"), str)}
 
 
 def _spec_of(obj: Obj) -> Obj:

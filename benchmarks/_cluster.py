@@ -30,11 +30,12 @@ class LeanApiServer(ApiServer):
     """The harness's API server without kmock's request log, and with its store indexed.
     kmock keeps every request for test assertions and matches each new one against all of
     them (its `_handle` walks the log), and the harness walks every object of every kind for
-    each LIST and each owner check of a create: the emulator's cost per request grew with the
-    requests served and the objects kept, so at a few thousand jobs the emulator, not the
-    operator, set the pace. A real API server's store is keyed by resource and namespace; here
-    the live objects' keys are kept by resource and their uids in a set. It counts the
-    operator's requests (by User-Agent, as the harness's faults tell it), and names its
+    a LIST without a label pinned: the emulator's cost per request grew with the requests
+    served and the objects kept, so at a few thousand jobs the emulator, not the operator,
+    set the pace. A real API server's store is keyed by resource and namespace; here the live
+    objects' keys are kept by resource (the harness's server keeps them by label, for the
+    operator's LISTs of one job's pods, and by owner, for its garbage collector). It counts
+    the operator's requests (by User-Agent, as the harness's faults tell it), and names its
     thread `apiserver` for the kernel, so a benchmark reads its CPU apart from the others'
     (_common.counters)."""
 
@@ -45,20 +46,15 @@ class LeanApiServer(ApiServer):
         super().__attrs_post_init__()
         self.request_log = False
         self._by_resource: dict = defaultdict(dict)  # resource -> {key of a live object: None}
-        self._live_uids: set[str] = set()
         with contextlib.suppress(OSError, AttributeError):  # made in the server's own thread
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, b"apiserver", 0, 0, 0)
 
     async def _publish(self, key, kind: str, obj: dict) -> dict:
         obj = await super()._publish(key, kind, obj)
-        uid = obj["metadata"].get("uid")
         if kind == "DELETED":
             self._by_resource[key[0]].pop(key, None)
-            self._live_uids.discard(uid)
         else:
             self._by_resource[key[0]][key] = None
-            if uid:
-                self._live_uids.add(uid)
         return obj
 
     def _live_items(self, res, namespace: str | None) -> list[dict]:
@@ -67,10 +63,6 @@ class LeanApiServer(ApiServer):
             for key in self._by_resource[res]
             if namespace is None or key[1] == namespace
         ]
-
-    def _owners_alive(self, obj: dict) -> bool:
-        owners = {ref.get("uid") for ref in obj["metadata"].get("ownerReferences") or []}
-        return not owners or bool(owners & self._live_uids)
 
     async def __call__(self, raw):
         if any(agent in raw.headers.get("User-Agent", "") for agent in self.faults.agents):

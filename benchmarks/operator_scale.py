@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -208,6 +208,18 @@ def one_at_a_time(api: Api, watch: PodWatch, shape: str, count: int, timeout: fl
     return latencies
 
 
+def _seen(watch: PodWatch, posts: list[Future], names: list[str], timeout: float) -> float:
+    """When the last of `names` was seen; on a timeout, a POST's failure, if one failed (it
+    says more than the pods that never came)."""
+    try:
+        return watch.wait_all(names, timeout)
+    except TimeoutError:
+        failed = [p.exception() for p in posts if p.done() and p.exception()]
+        if failed:
+            raise failed[0] from None
+        raise
+
+
 def at_scale(
     api: Api, watch: PodWatch, count: int, rate: float, timeout: float, tick=None
 ) -> tuple[list[float], float]:
@@ -224,14 +236,20 @@ def at_scale(
         created[name] = time.perf_counter()
         jobs.create(api, manifest(name, shapes[name]), NAMESPACE)
 
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(create, enumerate(shapes)))
-    say(f"  posted {count} jobs in {time.perf_counter() - start:.1f}s")
-    each = []
-    for k, (name, shape) in enumerate(shapes.items(), 1):
-        each.append(watch.wait_all(pod_names(name, shape), timeout) - created[name])
-        if tick is not None and k % max(1, count // 10) == 0:
-            tick(each, time.perf_counter() - start)
+    # Posted in the background, so that the progress at each tenth is printed as it comes.
+    pool = ThreadPoolExecutor(4)
+    posts = [pool.submit(create, item) for item in enumerate(shapes)]
+    try:
+        each = []
+        for k, (name, shape) in enumerate(shapes.items(), 1):
+            each.append(_seen(watch, posts, pod_names(name, shape), timeout) - created[name])
+            if tick is not None and k % max(1, count // 10) == 0:
+                tick(each, time.perf_counter() - start)
+        for post in posts:
+            post.result()
+    finally:  # on a refusal or a timeout, the jobs not yet posted are not
+        pool.shutdown(wait=False, cancel_futures=True)
+    say(f"  posted {count} jobs in {max(created.values()) - start:.1f}s")
     took = time.perf_counter() - start
     say(
         f"  every job's pods after {took:.1f}s ({count / took:.2f} jobs/s against {rate:g}/s"

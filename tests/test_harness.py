@@ -15,6 +15,7 @@ from harness.client import JSON_PATCH, TABLE, ApiError
 from harness.cluster import Cluster
 from harness.kubelet import Kubelet
 from harness.netpolicy import NAMESPACE_LABEL, Endpoint, rules
+from harness.selectors import label_selector
 
 NS = "default"
 PODS = "v1/pods"
@@ -149,6 +150,42 @@ def test_label_and_field_selectors(cluster):
     assert e.value.status == 400
 
 
+@pytest.mark.timeout(60)
+def test_a_list_by_label_answers_as_the_walk_of_every_object(cluster):
+    """A selector that pins a label is served from the label index: the same objects, in the
+    same order, as the selector applied to the whole list, through relabelling, deletion, a
+    name reused, and another namespace."""
+    api = cluster.api
+    for i in range(12):
+        api.create(PODS, pod(f"p{i}", labels={"job": f"j{i % 3}", "role": f"r{i % 2}"}), NS)
+    api.create(PODS, pod("other", labels={"job": "j0"}), "other")
+    api.patch(PODS, "p0", {"metadata": {"labels": {"job": "j2", "role": None}}}, NS)
+    api.patch(PODS, "p4", {"metadata": {"labels": {"extra": "x"}}}, NS)
+    api.delete(PODS, "p3", NS)
+    api.delete(PODS, "p5", NS)
+    api.create(PODS, pod("p3", labels={"job": "j1"}), NS)  # a reused name keeps its place
+    api.create(PODS, pod("p12", labels={"job": "j1", "role": 7}), NS)  # not a string: no match
+    selectors = [
+        "job=j0",
+        "job==j1,role=r1",
+        "job in (j0, j2)",
+        "job in (j1),role notin (r0)",
+        "job=j2,!role",
+        "job=j0,job=j1",
+        "role=r0,extra",
+        "job=nobody",
+        "role=7",
+    ]
+    everything = api.list(PODS, NS)
+    for text in selectors:
+        walked = [p["metadata"]["name"] for p in everything if label_selector(text)(p)]
+        indexed = [p["metadata"]["name"] for p in api.list(PODS, NS, labelSelector=text)]
+        assert indexed == walked, text
+    assert [p["metadata"]["name"] for p in api.list(PODS, None, labelSelector="job=j0")] == [
+        p["metadata"]["name"] for p in api.list(PODS, None) if label_selector("job=j0")(p)
+    ]
+
+
 @pytest.mark.timeout(30)
 def test_a_list_comes_in_chunks_of_its_limit(cluster):
     api = cluster.api
@@ -211,6 +248,27 @@ def test_deleting_an_owner_deletes_its_dependents_and_nothing_else(cluster):
     orphan["metadata"]["ownerReferences"] = [ref]
     api.create(PODS, orphan, NS)
     assert api.find(PODS, "late", NS) is None
+
+
+@pytest.mark.timeout(30)
+def test_a_dependent_goes_with_the_owner_its_references_name_now(cluster):
+    """The garbage collector reads the owners' dependents from an index: a dependent whose
+    references were rewritten (adopted by another owner) goes with the new owner only."""
+    api = cluster.api
+
+    def ref(owner: dict) -> dict:
+        meta = owner["metadata"]
+        return {"apiVersion": "v1", "kind": "Service", "name": meta["name"], "uid": meta["uid"]}
+
+    a, b = (api.create(SERVICES, {"metadata": {"name": n}, "spec": {}}, NS) for n in "ab")
+    moved = pod("moved")
+    moved["metadata"]["ownerReferences"] = [ref(a)]
+    api.create(PODS, moved, NS)
+    api.patch(PODS, "moved", {"metadata": {"ownerReferences": [ref(b)]}}, NS)
+    api.delete(SERVICES, "a", NS)
+    assert api.find(PODS, "moved", NS) is not None
+    api.delete(SERVICES, "b", NS)
+    assert api.find(PODS, "moved", NS) is None
 
 
 @pytest.mark.timeout(30)

@@ -22,7 +22,7 @@ from pipejob.operator import controller
 from pipejob.operator.cluster import Cluster as Kube
 from pipejob.operator.controller import Key, Reconciler
 from pipejob.operator.operator_metrics import OperatorMetrics
-from pipejob.operator.workqueue import WorkQueue
+from pipejob.operator.workqueue import NEW_IN_A_ROW, WorkQueue
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +59,20 @@ def test_a_new_job_goes_ahead_of_the_queued_ones_and_close_wakes_the_workers() -
     q.close()
     waiting.join(10)
     assert got == [None]
+
+
+def test_a_long_burst_of_new_jobs_lets_one_waiting_job_through_every_few() -> None:
+    """New jobs go first, but a burst of them cannot keep the running jobs' reconciles (their
+    status updates) waiting until it ends."""
+    q = WorkQueue()
+    for key in ("r0", "r1", "r2"):
+        q.add(key)
+    for i in range(9):
+        q.add(f"n{i}", new=True)
+    order = [q.get()[0] for _ in range(12)]
+    n = NEW_IN_A_ROW
+    assert order[: n + 1] == [f"n{i}" for i in range(n)] + ["r0"]
+    assert order.index("r1") == 2 * n + 1 and order.index("r2") > order.index("n8")
 
 
 class Recording(Reconciler):

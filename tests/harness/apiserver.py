@@ -13,7 +13,8 @@ store with history, fetch, Kubernetes `Status` errors. On top of that, this modu
 - deletion: finalizers, graceful deletion of pods bound to a node (the kubelet finishes it),
   ownerReference garbage collection (background; also of dependents whose owner is gone),
   deletecollection;
-- lists and watches with label and field selectors and list kinds; lists in chunks
+- lists and watches with label and field selectors and list kinds (a selector that pins a
+  label's values reads only the objects labelled so, from an index); lists in chunks
   (`limit`, `continue`); watches that replay from a
   resourceVersion (kmock's lose the events between its snapshot and its stream) and honour
   timeoutSeconds;
@@ -52,7 +53,7 @@ import jsonpointer
 import kmock
 
 from harness import openapi, protobuf, tables
-from harness.selectors import SelectorError, field_selector, label_selector
+from harness.selectors import SelectorError, field_selector, label_selector, required_values
 
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 PODS = kmock.resource("", "v1", "pods")
@@ -153,6 +154,19 @@ class ApiServer(kmock.KubernetesEmulator):
     )
     _columns: dict[kmock.resource, list[Obj]] = attrs.field(factory=dict, init=False)
     _schemas: dict[kmock.resource, Obj] = attrs.field(factory=dict, init=False)
+    # The live objects by label, (resource, key, value) -> {their keys: None}, and each key's
+    # place in the store: a LIST by a label's value (the operator's pods of one job) reads
+    # what it returns, in the store's order, as a real API server's watch cache serves it.
+    _labelled: dict[tuple[kmock.resource, str, str], dict[Key, None]] = attrs.field(
+        factory=lambda: defaultdict(dict), init=False
+    )
+    _order: dict[Key, int] = attrs.field(factory=dict, init=False)
+    # The live objects' uids, and their dependents by owner uid: the garbage collector's
+    # checks read these, not every object of every kind.
+    _uids: set[str] = attrs.field(factory=set, init=False)
+    _dependents: dict[str, dict[Key, None]] = attrs.field(
+        factory=lambda: defaultdict(dict), init=False
+    )
     # Mutating admission, as a webhook does it: each is called with (resource, object) on
     # every create, before the object is stored (tests/harness/kueue.py gates pods so).
     mutators: list[Callable[[kmock.resource, Obj], None]] = attrs.field(factory=list)
@@ -245,11 +259,59 @@ class ApiServer(kmock.KubernetesEmulator):
             if r == res and (namespace is None or ns == namespace) and not obj.deleted
         ]
 
+    def _index(self, key: Key, old: Obj | None, new: Obj | None) -> None:
+        """Move `key` from the label buckets and owners' dependents of its old version to
+        those of its new one (None: removed), and keep the live uids."""
+        for index, before, after in (
+            (self._labelled, _label_items(key, old), _label_items(key, new)),
+            (self._dependents, _owner_uids(old), _owner_uids(new)),
+        ):
+            for item in before - after:
+                bucket = index[item]
+                bucket.pop(key, None)
+                if not bucket:
+                    del index[item]
+            for item in after - before:
+                index[item][key] = None
+        if old is not None:
+            self._uids.discard(old["metadata"].get("uid"))
+        if new is not None and new["metadata"].get("uid"):
+            self._uids.add(new["metadata"]["uid"])
+
+    def _selected(self, request: kmock.Request, namespace: str | None) -> list[Obj]:
+        """The live objects of the request's resource in `namespace` (None: every one) that
+        its selectors match: read from the label index where the label selector pins a
+        label's values, else by walking the resource's objects."""
+        matches = self._selector(request)  # a bad selector is a 400 before anything is read
+        keys = self._pinned(request.resource, request.params.get("labelSelector"))
+        if keys is None:
+            items = self._live_items(request.resource, namespace)
+        else:
+            items = [self._objects[k].raw for k in keys if namespace is None or k[1] == namespace]
+        return [o for o in items if matches(o)]
+
+    def _pinned(self, res: kmock.resource, selector: str | None) -> list[Key] | None:
+        """The keys, in the store's order, of the objects carrying one of the values the
+        selector allows for its most selective pinned label; None if it pins none."""
+        pinned = required_values(selector)
+        if not pinned:
+            return None
+        buckets = min(
+            (
+                [self._labelled.get((res, label, v), {}) for v in values]
+                for label, values in pinned.items()
+            ),
+            key=lambda found: sum(map(len, found)),
+        )
+        return sorted({k for bucket in buckets for k in bucket}, key=self._order.__getitem__)
+
     async def _publish(self, key: Key, kind: str, obj: Obj) -> Obj:
         """Store a new version (or the removal) with the next resourceVersion and announce it."""
         rv = next(self._revisions)
         self._revision = rv
         obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(rv)}}
+        self._index(key, self._live(key), None if kind == "DELETED" else obj)
+        self._order.setdefault(key, len(self._order))
         if kind == "DELETED":
             self._objects[key].delete()
         elif key in self._objects:
@@ -319,11 +381,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _owners_alive(self, obj: Obj) -> bool:
         owners = {ref.get("uid") for ref in obj["metadata"].get("ownerReferences") or []}
-        if not owners:
-            return True
-        return any(
-            not o.deleted and o.raw["metadata"].get("uid") in owners for o in self._objects.values()
-        )
+        return not owners or bool(owners & self._uids)
 
     async def _bind(self, request: kmock.Request) -> Obj:
         key = (request.resource, request.namespace, request.name)
@@ -430,13 +488,11 @@ class ApiServer(kmock.KubernetesEmulator):
             key = (request.resource, namespace, request.name)
             self._check_preconditions(key, options.get("preconditions") or {})
             return await self._delete(key, grace, orphan)
-        matches = self._selector(request)
         deleted = [
             await self._delete(
                 (request.resource, namespace, obj["metadata"]["name"]), grace, orphan
             )
-            for obj in self._live_items(request.resource, namespace)
-            if matches(obj)
+            for obj in self._selected(request, namespace)
         ]
         return {
             "apiVersion": "v1",
@@ -479,7 +535,7 @@ class ApiServer(kmock.KubernetesEmulator):
         obj = await self._publish(key, "DELETED", obj)
         if not orphan:  # the garbage collector: dependents go with their owner
             uid = obj["metadata"]["uid"]
-            for dependent_key in list(self._objects.keys()):
+            for dependent_key in sorted(self._dependents.get(uid, ()), key=self._order.get):
                 dependent = self._live(dependent_key)  # (an earlier dependent may have taken it)
                 refs = (dependent or {}).get("metadata", {}).get("ownerReferences") or []
                 if any(ref.get("uid") == uid for ref in refs):
@@ -499,8 +555,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _serve_list(self, request: kmock.Request) -> Obj:
         info = self._info(request.resource)
-        matches = self._selector(request)
-        items = [o for o in self._live_items(request.resource, request.namespace) if matches(o)]
+        items = self._selected(request, request.namespace)
         if tables.wants_table(request.headers.get("Accept")):
             columns = self._columns.get(request.resource)
             return tables.table(items, columns, str(self._revision))
@@ -539,7 +594,7 @@ class ApiServer(kmock.KubernetesEmulator):
             if since.isdigit() and int(since) > 0:
                 replay = [e for rv, e in self._history[res] if rv > int(since)]
             else:
-                replay = [{"type": "ADDED", "object": o} for o in self._live_items(res, None)]
+                replay = [{"type": "ADDED", "object": o} for o in self._selected(request, None)]
         agent = request.headers.get("User-Agent")
         pending: asyncio.Future | None = None  # the next event, awaited across looks
         try:
@@ -636,6 +691,20 @@ def _page(items: list[Obj], params: Any, revision: int) -> tuple[list[Obj], str,
     page = ordered[:limit]
     more = len(ordered) > limit
     return page, json.dumps([since, *key(page[-1])]) if more else "", str(since)
+
+
+def _label_items(key: Key, obj: Obj | None) -> set[tuple[kmock.resource, str, str]]:
+    """An object's labels as (its resource, label, value); a value that is no string matches
+    no selector's value, so it is not indexed."""
+    labels = ((obj or {}).get("metadata") or {}).get("labels")
+    if not isinstance(labels, dict):
+        return set()
+    return {(key[0], k, v) for k, v in labels.items() if isinstance(v, str)}
+
+
+def _owner_uids(obj: Obj | None) -> set[str]:
+    refs = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+    return {ref["uid"] for ref in refs if isinstance(ref, dict) and isinstance(ref.get("uid"), str)}
 
 
 def _spec_of(obj: Obj) -> Obj:

@@ -51,6 +51,26 @@ def label_selector(text: str | None) -> Predicate:
     return matches
 
 
+def required_values(text: str | None) -> dict[str, set[str]]:
+    """The values a selector allows for each label it pins (`k=v`, `k==v`, `k in (a,b)`): an
+    object outside them cannot match, so a store indexed by label reads only those."""
+    pinned: dict[str, set[str]] = {}
+    pos, text = 0, (text or "").strip()
+    while pos < len(text):
+        m = _REQUIREMENT.match(text, pos)
+        if not m or m.end() == pos:
+            raise SelectorError(f"unable to parse requirement: {text[pos:]!r}")
+        pos = m.end()
+        if m["op"] in ("=", "=="):
+            values = {m["value"]}
+        elif m["setop"] == "in":
+            values = {v.strip() for v in m["values"].split(",")}
+        else:
+            continue
+        pinned[m["key"]] = pinned.get(m["key"], values) & values
+    return pinned
+
+
 def field_selector(text: str | None) -> Predicate:
     """A predicate over dotted field paths: `metadata.name=x,status.phase!=Failed`."""
     checks: list[Predicate] = []

@@ -6,6 +6,7 @@ template, checkpoint, profile, preflight): its table, and the typed objects the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass
@@ -279,9 +280,16 @@ def spec_key(name: str) -> str:
     return first + "".join(part.title() for part in rest)
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """`cls`'s resolved field types, resolved once: typing.get_type_hints costs more than
+    filling the dataclass, and a reconcile fills some for every job it judges."""
+    return typing.get_type_hints(cls)
+
+
 def from_spec(cls: type[T], data: dict[str, Any]) -> T:
     """`cls` (a dataclass above or a kind's) filled from a defaulted spec section."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     values = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if spec_key(f.name) in data:

@@ -9,8 +9,8 @@ from datetime import datetime
 from functools import cached_property
 
 from pipejob.core.contract import Progress
-from pipejob.core.spec import InvalidSpec, Job, parse
-from pipejob.operator import elastic_world, kube, oom_kills
+from pipejob.core.spec import InvalidSpec, Job
+from pipejob.operator import elastic_world, kube, oom_kills, parsed_specs
 from pipejob.operator import status as st
 from pipejob.operator.policy_settings import DEFAULT, Settings
 
@@ -87,12 +87,9 @@ class Observed:
 
     @cached_property
     def parsed(self) -> Job | InvalidSpec:
-        """The job as its spec says, or what is wrong with the spec."""
-        name = f"{self.job_obj.get('kind')} {self.meta.get('name')}"
-        try:
-            return parse(self.job_obj, name, self.allow_node_volumes, cluster=True)
-        except InvalidSpec as e:
-            return e
+        """The job as its spec says, or what is wrong with the spec (kept between
+        reconciles while the spec is the same: parsed_specs.py)."""
+        return parsed_specs.parsed(self.job_obj, self.allow_node_volumes)
 
     @cached_property
     def size(self) -> int | None:

@@ -5,6 +5,7 @@ modules alike; `microBatches: auto` chooses its count from the counts too."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from test_determinism import assert_same_bits, lm_job
 from torch import nn
 from userdata import write_stdlib_tokens
 
-from jobrun import pipeline_job
+from jobrun import pipeline_job, run_to_end
 from pipejob.core import spec
 from pipejob.core.kinds.pipeline import auto_counts
 from pipejob.trainer.pipeline.balance import Host, LayerCosts, fastest, min_max_partition
@@ -227,3 +228,37 @@ def test_a_module_that_cannot_be_counted_again_is_named_with_the_way_out():
         r"RuntimeError: called outside .* leave spec.deterministic out",
     ):
         place(model, run, 2, counted=True)
+
+
+# slow: two worlds of 3 processes; the in-process tests above hold the choice and its model
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_counted_auto_count_is_logged_and_kept_on_resume(tmp_path):
+    """microBatches auto under spec.deterministic: the choice said with its counts, kept in
+    the summary and the checkpoint, and a resumed run runs it again without counting."""
+    job = pipeline_job(
+        "auto",
+        stages=2,
+        microBatches="auto",
+        deterministic=True,
+        steps=2,
+        logEvery=2,
+        checkpoint={"path": str(tmp_path / "checkpoints"), "everySteps": 1},
+        preflight={"megabytes": 0.5},
+    )
+    code, out, summary = run_to_end(job, tmp_path, timeout=150)
+    assert code == 0 and summary is not None, out
+    m, candidates = summary["microBatches"], summary["microBatchCandidates"]
+    counts = [c["microBatches"] for c in candidates]
+    assert counts == [2, 4]  # batch 8: micro-batches >= 2, and 1F1B's at least 2 stages
+    assert m == min(candidates, key=lambda c: c["predictedStepCount"])["microBatches"]
+    assert f"microBatches auto chose {m} (micro-batches of {8 // m}) by counted cost" in out
+    assert re.search(rf"^master\s*\|\s+{m}\s+{8 // m}\s+[\d.]+  <- chosen$", out, re.M)
+    assert f"microBatches auto chose {m} of 2, 4 by counted cost (predicted" in out
+
+    longer = pipeline_job("auto", **(job["spec"] | {"steps": 3}))
+    code, out, summary = run_to_end(longer, tmp_path, timeout=150)
+    assert code == 0 and summary is not None, out
+    assert "resumed from step 2" in out and "count what each part costs" not in out
+    assert f"microBatches auto resumes with the checkpoint's {m} (micro-batches of" in out
+    assert summary["microBatches"] == m and summary["microBatchCandidates"] == candidates

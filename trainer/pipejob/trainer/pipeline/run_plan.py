@@ -207,7 +207,8 @@ def log_cut(env: Env[PipelineSpec], shards: Shards, resumed: bool) -> None:
 COUNTED_CHOICE = (
     " by counted cost (spec.deterministic): the slowest stage's count per micro-batch plus a"
     f" fixed {MICRO_BATCH_OVERHEAD:.0e} per micro-batch, times the schedule's slots"
-    " (m + stages - 1), the same on every machine"
+    " (m + stages - 1; m x stagesPerProcess + stages - 1 interleaved), the same on every"
+    " machine"
 )
 
 

@@ -1,6 +1,7 @@
 """Same seed, same bits (issue 57): every example manifest run twice, its two runs compared.
 
-Each example under examples/ that runs on this machine with `pipejob run` is run twice, each
+Each example under examples/ that runs on this machine with `pipejob run` (and each case under
+benchmarks/repeat/: issue 57's digits, real images and a user's CNN) is run twice, each
 run in a fresh copy of its folder (the files git tracks there, plus what the example says to
 write first), and the two are compared: every file a run wrote, byte for byte, and the losses
 it logged (the summary's every step, and the master's step lines). The GPU examples, and
@@ -19,6 +20,7 @@ was chosen by ("costs", "microBatchCandidates"; its "stages" are compared).
     python benchmarks/repeat_runs.py --engines rpc,pipelining # each PipelineJob on both
     python benchmarks/repeat_runs.py --only transformer-lm --replicas 2
     python benchmarks/repeat_runs.py --set deterministic=true  # every spec, with this field
+    python benchmarks/repeat_runs.py --only digits --engines rpc,pipelining --replicas 2
 
 Prints a table (example, engine, shape, steps, identical, the first difference) and exits 1
 if any pair differs or a run fails."""
@@ -44,6 +46,8 @@ import yaml
 from _common import REPO, RunnerWorkers, machine
 
 EXAMPLES = REPO / "examples"
+# Cases that are not examples, run as they are (issue 57's digits case): named like them.
+CASES = REPO / "benchmarks" / "repeat"
 KINDS = ("PipelineJob", "HybridJob")
 # Examples this machine cannot run, and why (a GPU job says so by its spec: gpu_reason).
 SKIP = {
@@ -88,11 +92,18 @@ def names(example: str) -> tuple[str, ...]:
     return example, example.removesuffix(".yaml"), example.split("/")[0]
 
 
+def where(example: str) -> Path:
+    """The manifest of `example`: under examples/, else under benchmarks/repeat/."""
+    return EXAMPLES / example if (EXAMPLES / example).exists() else CASES / example
+
+
 def discover(only: list[str]) -> list[str]:
-    """Every job manifest under examples/ (paths under it), or those `only` names."""
+    """Every job manifest under examples/ and benchmarks/repeat/ (paths under them), or
+    those `only` names."""
     found = [
-        str(path.relative_to(EXAMPLES))
-        for path in sorted([*EXAMPLES.glob("*.yaml"), *EXAMPLES.glob("*/*.yaml")])
+        str(path.relative_to(root))
+        for root in (EXAMPLES, CASES)
+        for path in sorted([*root.glob("*.yaml"), *root.glob("*/*.yaml")])
         if yaml.safe_load(path.read_text()).get("kind") in KINDS
     ]
     missing = [o for o in only if not any(o in names(e) for e in found)]
@@ -145,7 +156,7 @@ def inside(spec: dict[str, Any]) -> list[str]:
 
 def cases(example: str, args: argparse.Namespace) -> list[Case]:
     """`example` at each engine asked for, overridden to run here, or why it cannot."""
-    manifest = yaml.safe_load((EXAMPLES / example).read_text())
+    manifest = yaml.safe_load(where(example).read_text())
     spec = manifest["spec"]
     missing = [m for m in NEEDS.get(example, ()) if importlib.util.find_spec(m) is None]
     skip = SKIP.get(example) or gpu_reason(spec)
@@ -188,7 +199,7 @@ def engine_case(
 def source(example: str, into: Path) -> Path:
     """A copy of the example's folder as git has it (a top-level manifest: a folder with only
     itself), with what the example says to write first written in it."""
-    folder = (EXAMPLES / example).parent
+    folder = where(example).parent
     tracked = subprocess.run(
         ["git", "ls-files", "-z", "--", "."], cwd=folder, capture_output=True, check=True
     ).stdout.decode()
@@ -198,7 +209,22 @@ def source(example: str, into: Path) -> Path:
         shutil.copy2(folder / name, into / name)
     for script in PREPARE.get(example, []):
         subprocess.run([sys.executable, script], cwd=into, check=True, capture_output=True)
+    if example == "digits/pipelinejob.yaml":
+        write_digits_case(into)
     return into
+
+
+def write_digits_case(into: Path) -> None:
+    """What the digits case reads, beside its manifest: scikit-learn's digits as an image
+    folder (digits/train, digits/val) and the small CNN's package (tests/userpkg)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from userdata import write_digits
+
+    write_digits(into / "digits")
+    shutil.copytree(REPO / "tests" / "userpkg", into / "userpkg", ignore=IGNORED)
+
+
+IGNORED = shutil.ignore_patterns("__pycache__")
 
 
 def listing(folder: Path) -> dict[str, bytes]:

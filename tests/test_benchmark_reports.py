@@ -163,3 +163,6 @@ def test_repeat_runs_overrides_only_what_an_example_needs_to_run_here(repeat_run
         assert "a GPU job" in by_example[gpu][0].skip
     assert "/data/criteo" in by_example["dlrm/days.yaml"][0].skip
     assert [len(by_example[e]) for e in ("hybrid.yaml", "dlrm/hybridjob.yaml")] == [1, 1]
+    # Issue 57's digits case (benchmarks/repeat/) runs beside the examples, on both engines.
+    assert [c.skip for c in by_example["digits/pipelinejob.yaml"]] == [None, None]
+    assert repeat_runs.discover(["digits"]) == ["digits/pipelinejob.yaml"]

@@ -1,10 +1,11 @@
 """spec.deterministic's cut (issue 57): counted, not timed (pipeline/counted_cost.py), so two
 runs of one manifest cut the model alike on a busy machine, and the eager path places its
-modules alike; `microBatches: auto`, which times its candidates, is refused with it."""
+modules alike; `microBatches: auto` chooses its count from the counts too."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -13,11 +14,17 @@ from test_determinism import assert_same_bits, lm_job
 from torch import nn
 from userdata import write_stdlib_tokens
 
-from jobrun import pipeline_job
+from jobrun import pipeline_job, run_to_end
 from pipejob.core import spec
-from pipejob.trainer.pipeline.balance import min_max_partition
-from pipejob.trainer.pipeline.counted_cost import FLOPS_PER_BYTE, count_chain
+from pipejob.core.kinds.pipeline import auto_counts
+from pipejob.trainer.pipeline.balance import Host, LayerCosts, fastest, min_max_partition
+from pipejob.trainer.pipeline.counted_cost import (
+    FLOPS_PER_BYTE,
+    MICRO_BATCH_OVERHEAD,
+    count_chain,
+)
 from pipejob.trainer.pipeline.eager.placement import describe, no_grad_run, place
+from pipejob.trainer.pipeline.shards import candidate, prediction
 
 WIDTHS = [(16, 64), (64, 256), (256, 64), (64, 8)]  # Linear layers, a ReLU after each but the last
 
@@ -112,10 +119,51 @@ def test_the_eager_path_places_by_counted_cost_alike_every_time():
     assert all(p.grad is None for p in model.parameters())  # counted on copies
 
 
-def test_auto_micro_batches_are_refused_with_deterministic():
-    job = pipeline_job("j", microBatches="auto", deterministic=True)
-    with pytest.raises(ValueError, match="spec.microBatches: auto chooses the count by timing"):
-        spec.parse(job)
+# ResNet-50's counted cost per 64x64 image on each of 2 stages at its counted cut (forward +
+# backward FLOPs and bytes, as the example's run counts them), and two models far lighter and
+# heavier: auto's choice under spec.deterministic from their counts alone.
+RESNET50_PER_IMAGE = [1.087e9, 0.939e9]
+
+
+def counted_choice(per_sample: list[float], hosts: list[Host], batch: int = 32) -> int:
+    """The count `microBatches: auto` runs under spec.deterministic, as shards._measure
+    chooses it: each candidate's costs counted at its micro-batch size (linear in it, as
+    FLOPs and bytes are), predicted, the fastest."""
+    predictions = []
+    for m in auto_counts(batch, "1f1b", 2):
+        counted = [c * (batch // m) for c in per_sample]
+        costs = LayerCosts(counted, list(counted), counted=True)
+        predictions.append(prediction(costs, 2, m, batch, hosts))
+    return fastest(predictions).micro_batches
+
+
+def test_auto_under_deterministic_chooses_by_counted_cost_alike_on_every_machine():
+    """The count comes from the counts, a fixed overhead per micro-batch and the schedule's
+    slots, never from the cores the stages share: the same on a 2-core laptop as on 64 cores
+    (timed, the cores bound moves the choice)."""
+    laptop, server = [Host((0, 1), 2.0)], [Host((0,), 32.0), Host((1,), 32.0)]
+    for hosts in ([], laptop, server):
+        assert counted_choice(RESNET50_PER_IMAGE, hosts) == 4
+        assert counted_choice([1e6, 1e6], hosts) == 2  # overhead dominates: 1f1b's fewest
+        assert counted_choice([1e12, 1e12], hosts) == 16  # work dominates: the least bubble
+    # The prediction: (m + stages - 1) slots, each the slowest stage's count per micro-batch
+    # plus the fixed overhead.
+    costs = LayerCosts([8 * c for c in RESNET50_PER_IMAGE], [0.0, 0.0], counted=True)
+    p = prediction(costs, 2, 4, 32, laptop)
+    assert p.counted and p.step_seconds == 5 * (8 * 1.087e9 + MICRO_BATCH_OVERHEAD)
+    assert candidate(p) == {
+        "microBatches": 4,
+        "microBatchSize": 8,
+        "predictedStepCount": p.step_seconds,
+    }
+
+
+def test_auto_micro_batches_are_accepted_with_deterministic_and_plan_says_counted():
+    job = spec.parse(pipeline_job("j", microBatches="auto", deterministic=True))
+    lines = job.definition.describe(job.spec)
+    assert any(line.startswith("microBatches auto: chosen by counted cost") for line in lines)
+    timed = spec.parse(pipeline_job("j", microBatches="auto"))
+    assert not any("counted" in line for line in timed.definition.describe(timed.spec))
 
 
 def test_plan_says_the_cut_is_counted():
@@ -180,3 +228,37 @@ def test_a_module_that_cannot_be_counted_again_is_named_with_the_way_out():
         r"RuntimeError: called outside .* leave spec.deterministic out",
     ):
         place(model, run, 2, counted=True)
+
+
+# slow: two worlds of 3 processes; the in-process tests above hold the choice and its model
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_counted_auto_count_is_logged_and_kept_on_resume(tmp_path):
+    """microBatches auto under spec.deterministic: the choice said with its counts, kept in
+    the summary and the checkpoint, and a resumed run runs it again without counting."""
+    job = pipeline_job(
+        "auto",
+        stages=2,
+        microBatches="auto",
+        deterministic=True,
+        steps=2,
+        logEvery=2,
+        checkpoint={"path": str(tmp_path / "checkpoints"), "everySteps": 1},
+        preflight={"megabytes": 0.5},
+    )
+    code, out, summary = run_to_end(job, tmp_path, timeout=150)
+    assert code == 0 and summary is not None, out
+    m, candidates = summary["microBatches"], summary["microBatchCandidates"]
+    counts = [c["microBatches"] for c in candidates]
+    assert counts == [2, 4]  # batch 8: micro-batches >= 2, and 1F1B's at least 2 stages
+    assert m == min(candidates, key=lambda c: c["predictedStepCount"])["microBatches"]
+    assert f"microBatches auto chose {m} (micro-batches of {8 // m}) by counted cost" in out
+    assert re.search(rf"^master\s*\|\s+{m}\s+{8 // m}\s+[\d.]+  <- chosen$", out, re.M)
+    assert f"microBatches auto chose {m} of 2, 4 by counted cost (predicted" in out
+
+    longer = pipeline_job("auto", **(job["spec"] | {"steps": 3}))
+    code, out, summary = run_to_end(longer, tmp_path, timeout=150)
+    assert code == 0 and summary is not None, out
+    assert "resumed from step 2" in out and "count what each part costs" not in out
+    assert f"microBatches auto resumes with the checkpoint's {m} (micro-batches of" in out
+    assert summary["microBatches"] == m and summary["microBatchCandidates"] == candidates

@@ -465,11 +465,6 @@ CASES: list[tuple[str, Any, str]] = [
         "spec.microBatches: spec.schedule 1f1b needs at least as many micro-batches as stages",
     ),
     (
-        "auto-micro-batches-deterministic",
-        pipeline(microBatches="auto", deterministic=True),
-        "spec.microBatches: auto chooses the count by timing each candidate",
-    ),
-    (
         "interleaved-rounds",
         pipeline(
             engine="pipelining",

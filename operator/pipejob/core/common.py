@@ -46,7 +46,9 @@ COMMON: dict[str, Field] = {
         " version stops the run with torch's error. CPUs repeat themselves without it."
         " It pins the cut too: without splitPoints, each layer's cost is counted (forward +"
         " backward FLOPs and bytes moved on a sample), not timed, so every run cuts alike;"
-        " microBatches auto, which times its candidates, is refused with it.",
+        " and microBatches auto chooses its count by that count too (the slowest stage's"
+        " count per micro-batch plus a fixed overhead, times the schedule's slots), not by"
+        " timing, so every run chooses alike.",
         default=False,
     ),
     "optimizer": OPTIMIZER,

@@ -106,7 +106,8 @@ PIPELINE_SPEC = Field(
             "int-or-string",
             "Micro-batches each batch is split into, or `auto`: the stages measure the"
             " model's layers at each candidate count (powers of two dividing batchSize, with"
-            " micro-batches of at least 2) and runs the one with the shortest predicted step.",
+            " micro-batches of at least 2) and runs the one with the shortest predicted step"
+            " (timed; with spec.deterministic, counted).",
             default=4,
             minimum=1,
             pattern=AUTO,

@@ -142,34 +142,31 @@ def path_lines(spec: dict) -> list[str]:
     """What `pipejob plan` can say of the path before the model is built: only where the
     spec asks for one (auto's choice is made when the job starts; its summary says it)."""
     model = spec["model"]
-    eager = isinstance(model, dict) and model.get("cut") == "eager"
-    if spec.get("deterministic") and not spec.get("splitPoints") and not eager:
-        return [
-            "cut: counted (spec.deterministic): each layer's forward + backward FLOPs and bytes"
-            " moved on a sample, not timed, so every run cuts the model alike"
-        ]
-    if eager:
+    if isinstance(model, dict) and model.get("cut") == "eager":
         how = "counted cost (spec.deterministic)" if spec.get("deterministic") else "measured cost"
         return [
             "path: eager (spec.model.cut: eager): the master runs the model's own forward and"
             f" the stages its costly modules, placed by {how} when the job starts"
         ]
-    return []
+    lines = []
+    if spec.get("deterministic") and not spec.get("splitPoints"):
+        lines.append(
+            "cut: counted (spec.deterministic): each layer's forward + backward FLOPs and bytes"
+            " moved on a sample, not timed, so every run cuts the model alike"
+        )
+    if spec.get("deterministic") and spec.get("microBatches") == AUTO:
+        lines.append(
+            "microBatches auto: chosen by counted cost (spec.deterministic): the slowest"
+            " stage's count per micro-batch plus a fixed one, times the schedule's slots, so"
+            " every run chooses alike"
+        )
+    return lines
 
 
 def micro_batch_errors(spec: dict) -> list[SpecError]:
-    """`microBatches: auto` where it cannot choose: no count the schedule can run, or
-    spec.deterministic (auto chooses by timing the candidates, which a busy machine changes,
-    and another count changes every sum a step makes)."""
+    """`microBatches: auto` where it cannot choose: no count the schedule can run."""
     if spec["microBatches"] != AUTO:
         return []
-    if spec.get("deterministic"):
-        why = (
-            "auto chooses the count by timing each candidate, and spec.deterministic: true"
-            " asks for a run that does not depend on timing (another count changes every sum"
-            " a step makes): give a count"
-        )
-        return [SpecError("spec.microBatches", why)]
     if auto_counts(spec["batchSize"], spec["schedule"], spec["stages"]):
         return []
     counts = micro_batch_counts(spec["batchSize"])

@@ -238,6 +238,8 @@ class Prediction:
     ranges: list[range]
     pipeline_seconds: float  # GPipe's schedule, every stage computing at its own pace
     cores_seconds: float  # the stages' CPU time over the cores they share (or GPU time)
+    # Predicted from counted costs (counted_cost.predict_counted): the two bounds hold counts.
+    counted: bool = False
 
     @property
     def step_seconds(self) -> float:
@@ -258,6 +260,7 @@ def predict(
     ranges: list[range] | None = None,
     per_process: int = 1,
     starts: Sequence[bool] | None = None,
+    overhead: float = 0.0,
 ) -> Prediction:
     """Split `costs` (per layer, one micro-batch of batch // micro_batches) over `stages` by
     wall-clock time (over stages x `per_process` pieces, process k holding pieces k,
@@ -271,7 +274,8 @@ def predict(
       while small micro-batches cost more CPU time per sample. Stages sharing a GPU need at
       least the sum of their times on it.
     `ranges` given (spec.splitPoints): that split, predicted, instead of the balanced one;
-    `starts`: per layer, whether a piece may begin there."""
+    `starts`: per layer, whether a piece may begin there; `overhead`: what each slot costs
+    beyond its layers (timed costs hold their own; counted ones do not: counted_cost.py)."""
     pieces = stages * per_process
     ranges = ranges or min_max_partition(costs.seconds, pieces, costs.sizes, starts)
     slowest = max(sum(costs.seconds[i] for i in r) for r in ranges)
@@ -286,9 +290,14 @@ def predict(
         / host.cpus
         for host in hosts
     )
-    pipelined = (micro_batches * per_process + stages - 1) * slowest
+    pipelined = (micro_batches * per_process + stages - 1) * (slowest + overhead)
     return Prediction(
-        micro_batches, batch // micro_batches, ranges, pipelined, max(crowded, default=0.0)
+        micro_batches,
+        batch // micro_batches,
+        ranges,
+        pipelined,
+        max(crowded, default=0.0),
+        costs.counted,
     )
 
 

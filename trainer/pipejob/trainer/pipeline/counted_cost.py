@@ -1,7 +1,8 @@
 """What each piece of the model costs, counted instead of timed (spec.deterministic): its
 forward + backward FLOPs (torch's FlopCounterMode) plus the bytes it moves, so that every
 run of one manifest cuts the model where the last did (and the eager path places its
-modules where the last did), whatever else shares the machine.
+modules where the last did), whatever else shares the machine; and `microBatches: auto`'s
+count predicted from the counts (`predict_counted`), so every run chooses alike.
 How and why: the user guide's "Same seed, same bits"."""
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipejob.trainer.pipeline.balance import LayerCosts, as_input, forward_backward
+from pipejob.trainer.pipeline.balance import (
+    LayerCosts,
+    Prediction,
+    as_input,
+    forward_backward,
+    predict,
+)
 from pipejob.trainer.workloads.batch_values import tensors
 
 # FLOPs a byte moved counts as. FlopCounterMode counts only matmuls, convolutions and
@@ -24,6 +31,15 @@ from pipejob.trainer.workloads.batch_values import tensors
 # GPU computes some 5 to 20 FLOPs in the time it moves one byte (its roofline's ridge):
 # the low end, so that where a layer has matmuls their FLOPs still decide.
 FLOPS_PER_BYTE = 4
+
+# What one micro-batch costs a stage beyond its layers' counted work, in the count's units:
+# the calls, sends and schedule's Python a micro-batch takes, and the worse use a smaller
+# micro-batch makes of the cores. Fitted as t(b) = a*b + c to ResNet-50's timed costs per
+# micro-batch of b = 2..16 images at 64x64 on 2 CPU cores (auto's own table): c is the time
+# of 2.7 images' work, which count 2.9e9 on the slower stage. Counted, not timed: the same
+# on every machine (where a GPU's fixed cost per call is larger, auto chooses more than a
+# timed one would).
+MICRO_BATCH_OVERHEAD = 3e9
 
 
 def count_chain(
@@ -75,3 +91,22 @@ def count_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
 def nbytes(values: Sequence[Any]) -> int:
     """The bytes of every tensor in `values` (inside tuples, lists and dicts too)."""
     return sum(t.numel() * t.element_size() for t in tensors(values))
+
+
+def predict_counted(
+    costs: LayerCosts,
+    stages: int,
+    micro_batches: int,
+    batch: int,
+    ranges: list[range] | None = None,
+    per_process: int = 1,
+    starts: Sequence[bool] | None = None,
+) -> Prediction:
+    """`microBatches: auto`'s prediction for `micro_batches` under spec.deterministic, from
+    `costs` counted at its micro-batch size (count_chain): the schedule's slots,
+    m x per_process + stages - 1, each of the slowest piece's count plus
+    MICRO_BATCH_OVERHEAD. No clock and no cores (those differ between machines): one
+    manifest's counts give one answer everywhere; balance.fastest picks from them."""
+    return predict(
+        costs, stages, micro_batches, batch, (), ranges, per_process, starts, MICRO_BATCH_OVERHEAD
+    )

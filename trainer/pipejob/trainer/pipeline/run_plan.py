@@ -16,6 +16,7 @@ from pipejob.core.kinds.pipeline import AUTO, INTERLEAVING, PIPELINING, RPC, Pip
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import engine_choice
 from pipejob.trainer.pipeline.balance import Host, shape
+from pipejob.trainer.pipeline.counted_cost import MICRO_BATCH_OVERHEAD
 from pipejob.trainer.pipeline.engine_choice import Choice
 from pipejob.trainer.pipeline.fit import fits_model
 from pipejob.trainer.pipeline.shards import (
@@ -192,11 +193,23 @@ def log_cut(env: Env[PipelineSpec], shards: Shards, resumed: bool) -> None:
         how = "resumes with the checkpoint's" if resumed else "chose"
         table = ":\n" + candidate_table(candidates, m) if candidates else ""
         world.log(
-            env, f"microBatches auto {how} {m} (micro-batches of {spec.batch_size // m}){table}"
+            env,
+            f"microBatches auto {how} {m} (micro-batches of {spec.batch_size // m})"
+            + (COUNTED_CHOICE if spec.deterministic else "")
+            + table,
         )
     how = "counted" if spec.deterministic else "measured"
     for i in range(spec.stages):
         world.log(env, f"stage {i}: {shards.describe(i)}, {share(shards, i):.0%} of {how} cost")
+
+
+# How auto chooses under spec.deterministic (counted_cost.predict_counted), said in the log.
+COUNTED_CHOICE = (
+    " by counted cost (spec.deterministic): the slowest stage's count per micro-batch plus a"
+    f" fixed {MICRO_BATCH_OVERHEAD:.0e} per micro-batch, times the schedule's slots"
+    " (m + stages - 1; m x stagesPerProcess + stages - 1 interleaved), the same on every"
+    " machine"
+)
 
 
 def log_replicas(env: Env[PipelineSpec], count: int) -> None:

@@ -1,5 +1,6 @@
 """The model cut into layers and balanced across the stages by measured cost; with
-`microBatches: auto`, the micro-batch count with the shortest predicted step (balance.py).
+`microBatches: auto`, the micro-batch count with the shortest predicted step (balance.py;
+counted_cost.py with spec.deterministic).
 The master plans all of it on a model none of whose parameters exist; the stages build their
 shards and measure the costs (stage_parts.py)."""
 
@@ -25,6 +26,7 @@ from pipejob.trainer.pipeline.balance import (
     fastest,
     predict,
 )
+from pipejob.trainer.pipeline.counted_cost import predict_counted
 from pipejob.trainer.pipeline.engine_choice import Choice
 from pipejob.trainer.pipeline.stage_base import compute_resources
 from pipejob.trainer.pipeline.stage_parts import Part, measure_on_stages, trace
@@ -143,8 +145,9 @@ def plan_shards(
     micro-batches of the first training batch, which the first stage reads), or as `saved`,
     a checkpoint's partition.
     With `microBatches: auto`, costs are measured at every candidate count's micro-batch
-    size and the count with the shortest predicted step (given the `hosts` whose cores
-    stages share) is used. Each stage builds its own shard from the returned `parts`."""
+    size and the count with the shortest predicted step (`prediction`: timed, given the
+    `hosts` whose cores stages share; counted with spec.deterministic) is used. Each stage
+    builds its own shard from the returned `parts`."""
     traced = trace(spec, model)
     units = traced.units
     if len(units) < spec.pieces:
@@ -228,12 +231,31 @@ def _measure(
             spec = engine_choice.resolved(spec, choice.engine)
         starts = piece_starts(spec, traced.units, costs, fixed)
         measured[m] = (
-            predict(costs, spec.stages, m, batch, hosts, fixed, spec.stages_per_process, starts),
+            prediction(costs, spec.stages, m, batch, hosts, fixed, spec.stages_per_process, starts),
             costs,
         )
     chosen, costs = measured[fastest([p for p, _ in measured.values()]).micro_batches]
     table = [candidate(p) for p, _ in measured.values()] if auto else []
     return Partition(chosen.ranges, costs.seconds, chosen.micro_batches, table, choice)
+
+
+def prediction(
+    costs: LayerCosts,
+    stages: int,
+    micro_batches: int,
+    batch: int,
+    hosts: list[Host],
+    fixed: list[range] | None = None,
+    per_process: int = 1,
+    starts: list[bool] | None = None,
+) -> Prediction:
+    """`micro_batches`' predicted step from the `costs` of one of its micro-batches: timed,
+    given the `hosts` whose cores the stages share (balance.predict); counted
+    (spec.deterministic), from the counts alone (counted_cost.predict_counted), so every
+    machine, busy or idle, large or small, predicts alike and `auto` chooses alike."""
+    if costs.counted:
+        return predict_counted(costs, stages, micro_batches, batch, fixed, per_process, starts)
+    return predict(costs, stages, micro_batches, batch, hosts, fixed, per_process, starts)
 
 
 def piece_starts(
@@ -269,10 +291,13 @@ def tensor_starts(costs: LayerCosts) -> list[bool]:
 
 
 def candidate(p: Prediction) -> dict[str, Any]:
-    """One row of `microBatches: auto`'s table, as the summary and the checkpoint keep it."""
-    return {
-        "microBatches": p.micro_batches,
-        "microBatchSize": p.micro_batch_size,
+    """One row of `microBatches: auto`'s table, as the summary and the checkpoint keep it:
+    timed, both bounds of the step in seconds; counted (spec.deterministic), the step's
+    count (counted_cost.predict_counted: FLOPs and bytes, not seconds)."""
+    row = {"microBatches": p.micro_batches, "microBatchSize": p.micro_batch_size}
+    if p.counted:
+        return row | {"predictedStepCount": p.step_seconds}
+    return row | {
         "pipelineBoundSeconds": round(p.pipeline_seconds, 4),
         "coresBoundSeconds": round(p.cores_seconds, 4),
         "predictedStepSeconds": round(p.step_seconds, 4),
@@ -281,16 +306,23 @@ def candidate(p: Prediction) -> dict[str, Any]:
 
 
 def candidate_table(candidates: list[dict[str, Any]], chosen: int) -> str:
-    """Per candidate: both bounds of the step (see balance.predict), the prediction."""
+    """Per candidate: both bounds of the step (see balance.predict), the prediction; or,
+    counted, the step's count in GFLOP-equivalents."""
+    counted = "predictedStepCount" in candidates[0]
     lines = [
-        f"  {'m':>3} {'micro':>5} {'pipeline s':>10} {'cores s':>7} {'predicted s/step':>16}"
-        f" {'samples/s':>9}"
+        f"  {'m':>3} {'micro':>5} {'predicted step, G counted':>25}"
+        if counted
+        else f"  {'m':>3} {'micro':>5} {'pipeline s':>10} {'cores s':>7}"
+        f" {'predicted s/step':>16} {'samples/s':>9}"
     ]
     for c in candidates:
         mark = "  <- chosen" if c["microBatches"] == chosen else ""
+        row = f"  {c['microBatches']:>3} {c['microBatchSize']:>5}"
+        if counted:
+            lines.append(f"{row} {c['predictedStepCount'] / 1e9:>25.2f}{mark}")
+            continue
         lines.append(
-            f"  {c['microBatches']:>3} {c['microBatchSize']:>5}"
-            f" {c['pipelineBoundSeconds']:>10.3f} {c['coresBoundSeconds']:>7.3f}"
+            f"{row} {c['pipelineBoundSeconds']:>10.3f} {c['coresBoundSeconds']:>7.3f}"
             f" {c['predictedStepSeconds']:>16.3f}"
             f" {c['predictedSamplesPerSecond']:>9.1f}{mark}"
         )

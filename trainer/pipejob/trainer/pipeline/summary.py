@@ -182,15 +182,21 @@ def rate_figures(spec: PipelineSpec, measured: list[StepResult]) -> dict[str, An
 
 
 def auto_line(s: dict[str, Any]) -> list[str]:
-    """How `microBatches: auto`'s prediction for its choice compares with the run."""
+    """How `microBatches: auto`'s prediction for its choice compares with the run (under
+    spec.deterministic the prediction is a count, not seconds)."""
     chosen = [c for c in s["microBatchCandidates"] if c["microBatches"] == s["microBatches"]]
     if s["microBatchesRequested"] != AUTO or not chosen:
         return []
     measured = s["secondsPerStep"] - s["optimizerSecondsPerStep"]
+    counts = ", ".join(str(c["microBatches"]) for c in s["microBatchCandidates"])
+    head = f"  microBatches auto chose {s['microBatches']} of {counts}"
+    if "predictedStepCount" in chosen[0]:
+        return [
+            f"{head} by counted cost (predicted {chosen[0]['predictedStepCount'] / 1e9:.2f} G"
+            f" counted); measured {measured:.3f} s of forwards and backwards per step"
+        ]
     return [
-        f"  microBatches auto chose {s['microBatches']} of"
-        f" {', '.join(str(c['microBatches']) for c in s['microBatchCandidates'])}:"
-        f" predicted {chosen[0]['predictedStepSeconds']:.3f} s of forwards and backwards"
+        f"{head}: predicted {chosen[0]['predictedStepSeconds']:.3f} s of forwards and backwards"
         f" per step, measured {measured:.3f}"
     ]
 

@@ -17,7 +17,8 @@ POSTs a job to the moment a watch on pods has seen:
 - `--scale` jobs of both kinds (2-stage PipelineJobs and HybridJobs in turn) created at
   `--rate` per second and all kept: the p50 and p99 of each figure above, the time until
   every job is Running, the operator's peak memory (VmHWM), its API requests per job and the
-  master's /progress polls per job;
+  master's /progress polls per job (every running master is polled, a GET of its job and a LIST
+  of its pods each time, so the CPU and requests per job grow with how long the jobs run);
 - then, beside them, one job at a time, for PipelineJobs of 2, 8 and 32 stages (pipejob's
   transformer, one block per stage) and a HybridJob (2 trainers, 1 parameter server): p50
   and p99 of both figures (each job is deleted, and its pods garbage-collected, before the

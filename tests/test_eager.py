@@ -167,7 +167,8 @@ def test_a_module_registered_under_two_names_is_one_module_with_one_gradient(mon
     import _conform_eager
 
     stages = _conform_eager.check_eager(skip_heads.skip_heads, torch.randn(8, 4))
-    assert stages.split(" | ")[0] == "input_block", stages
+    # Placed by measured cost, so what joins it on its stage varies with the machine's load.
+    assert stages.split(" | ")[0].split(", ")[0] == "input_block", stages
     model = skip_heads.skip_heads()
     assert aliases(model, "input_block") == ["input_block", "skip_layers.downsample"]
     run, other = no_grad_run(model, torch.randn(4, 4)), no_grad_run(model, torch.randn(4, 4))

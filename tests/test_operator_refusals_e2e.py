@@ -150,10 +150,15 @@ def test_a_shipped_gpt_without_a_loss_is_refused_before_any_other_pod_exists(
     assert "master 0 (pod gpt-master-0) failed permanently" in said, said
     assert "spec.loss: the model returns ((2, 1, 64) float32, None)" in said, said
     assert "give spec.loss: {import: mypkg.losses:build}" in said, said
-    events = [e for e in api.list("v1/events", NS) if e["involvedObject"]["name"] == name]
-    said_in = {e["reason"]: e["message"] for e in events}
-    assert "give spec.loss" in said_in["InvalidConfiguration"], said_in
-    assert said_in["CreatedPods"] == "created pods gpt-master-0", said_in
+
+    def said_in() -> dict[str, str]:
+        events = [e for e in api.list("v1/events", NS) if e["involvedObject"]["name"] == name]
+        return {e["reason"]: e["message"] for e in events}
+
+    # The Event may be posted just after the status that failed the job.
+    api.wait("the refusal's Event", lambda: "InvalidConfiguration" in said_in(), 30)
+    assert "give spec.loss" in said_in()["InvalidConfiguration"], said_in()
+    assert said_in()["CreatedPods"] == "created pods gpt-master-0", said_in()
     api.wait("every pod process to be gone", lambda: not kubelet.running(), 30)
     assert [p["metadata"]["name"] for p in jobs.pods(api, name)] == ["gpt-master-0"]
     assert [r.name for r in kubelet.runs(NS)] == ["gpt-master-0"]  # no other pod ever ran

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -338,23 +339,30 @@ def _fp16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         rpc.shutdown()
 
 
-def test_fp16_on_the_eager_path_skips_an_overflow_and_unscales_the_gradients(tmp_path):
-    """The overflowed step changes no parameter and halves the scale; the next step's loss,
-    norm and change of every parameter are float32's to fp16's precision (test_precision's
-    2% bound), at the same scale."""
+def _fp16_eager_envs(name: str, **fields: Any) -> list[dict[str, str]]:
+    """The processes' environments of fp16_mlp's 2 stages on the eager path (2 micro-batches
+    of 8), with `fields` added to the spec."""
     manifest = pipeline_job(
-        "fp16",
+        name,
         model={"import": "userpkg.fp16_mlp:mlp32", "cut": "eager"},
         engine="rpc",
         stages=2,
         microBatches=2,
         batchSize=16,
-        optimizer={"name": "sgd", "lr": 0.5, "momentum": 0},
+        **fields,
     )
     processes = plan.plan_world(
         spec.parse(manifest), lambda m: LOOPBACK, plan.Ports(*free_ports(4))
     )
-    got = run_world(_fp16_world, [p.env for p in processes], tmp_path / "fp16.pt")
+    return [p.env for p in processes]
+
+
+def test_fp16_on_the_eager_path_skips_an_overflow_and_unscales_the_gradients(tmp_path):
+    """The overflowed step changes no parameter and halves the scale; the next step's loss,
+    norm and change of every parameter are float32's to fp16's precision (test_precision's
+    2% bound), at the same scale."""
+    envs = _fp16_eager_envs("fp16", optimizer={"name": "sgd", "lr": 0.5, "momentum": 0})
+    got = run_world(_fp16_world, envs, tmp_path / "fp16.pt")
 
     assert got["first"][0] and not math.isfinite(got["first"][1])
     assert got["overflowed"] == 2.0**199
@@ -390,19 +398,8 @@ def _scale_round_trip_world(rank: int, envs: list[dict[str, str]], out: str) -> 
 def test_fp16s_loss_scale_survives_a_checkpoint_on_the_eager_path(tmp_path):
     """master.pt keeps the loss scale and its count of good steps, and a resume continues with
     them, not with a fresh start's 2^16 (which would overflow again, or double too soon)."""
-    manifest = pipeline_job(
-        "scale",
-        model={"import": "userpkg.fp16_mlp:mlp32", "cut": "eager"},
-        engine="rpc",
-        stages=2,
-        microBatches=2,
-        batchSize=16,
-        checkpoint={"path": str(tmp_path / "ckpt"), "everySteps": 1},
-    )
-    processes = plan.plan_world(
-        spec.parse(manifest), lambda m: LOOPBACK, plan.Ports(*free_ports(4))
-    )
-    got = run_world(_scale_round_trip_world, [p.env for p in processes], tmp_path / "scale.pt")
+    envs = _fp16_eager_envs("scale", checkpoint={"path": str(tmp_path / "ckpt"), "everySteps": 1})
+    got = run_world(_scale_round_trip_world, envs, tmp_path / "scale.pt")
     assert got["file"]["lossScale"] == {"scale": 2.0**14, "good": 3}
     assert got["step"] == 1 and got["scale"] == {"scale": 2.0**14, "good": 3}
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 # A label selector requirement: `k`, `!k`, `k=v`, `k==v`, `k!=v`, `k in (a,b)`, `k notin (a)`.
@@ -20,15 +20,21 @@ class SelectorError(ValueError):
     pass
 
 
-def label_selector(text: str | None) -> Predicate:
-    """A predicate over an object's labels; an empty selector matches everything."""
-    checks: list[Callable[[Mapping[str, str]], bool]] = []
+def _requirements(text: str | None) -> Iterator[re.Match[str]]:
+    """A label selector's requirements, parsed one by one."""
     pos, text = 0, (text or "").strip()
     while pos < len(text):
         m = _REQUIREMENT.match(text, pos)
         if not m or m.end() == pos:
             raise SelectorError(f"unable to parse requirement: {text[pos:]!r}")
         pos = m.end()
+        yield m
+
+
+def label_selector(text: str | None) -> Predicate:
+    """A predicate over an object's labels; an empty selector matches everything."""
+    checks: list[Callable[[Mapping[str, str]], bool]] = []
+    for m in _requirements(text):
         if m["absent"]:
             checks.append(lambda labels, k=m["akey"]: k not in labels)
         elif m["op"] in ("=", "=="):
@@ -55,12 +61,7 @@ def required_values(text: str | None) -> dict[str, set[str]]:
     """The values a selector allows for each label it pins (`k=v`, `k==v`, `k in (a,b)`): an
     object outside them cannot match, so a store indexed by label reads only those."""
     pinned: dict[str, set[str]] = {}
-    pos, text = 0, (text or "").strip()
-    while pos < len(text):
-        m = _REQUIREMENT.match(text, pos)
-        if not m or m.end() == pos:
-            raise SelectorError(f"unable to parse requirement: {text[pos:]!r}")
-        pos = m.end()
+    for m in _requirements(text):
         if m["op"] in ("=", "=="):
             values = {m["value"]}
         elif m["setop"] == "in":

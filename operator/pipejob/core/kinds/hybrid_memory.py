@@ -61,11 +61,17 @@ def _trainer_errors(spec: Spec, fits: int, where: str) -> list[SpecError]:
             "spec.template.resources.limits.memory",
             (
                 f"a trainer needs about {tables.size(trainer)} (torch, RPC, the dense model"
-                f" and its reader{', its replicated tables' if copies else ''}), over {where}:"
-                " give the pods more memory"
+                f" and its reader{_lanes_said(spec)}{', its replicated tables' if copies else ''}),"
+                f" over {where}: give the pods more memory"
             ),
         )
     ]
+
+
+def _lanes_said(spec: Spec) -> str:
+    """What the reader holds where spec.trainers' range gives a trainer more than one lane."""
+    n = lanes(spec)
+    return f" of {n} lanes: spec.trainers max over min" if n > 1 else ""
 
 
 def _replica_error(

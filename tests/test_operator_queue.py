@@ -82,9 +82,9 @@ class Recording(Reconciler):
         super().__init__(*args)
         self.order: list[Key] = []
 
-    def _reconcile(self, key: Key, poll: bool = False) -> None:
+    def _reconcile(self, key: Key, *args) -> None:
         self.order.append(key)
-        super()._reconcile(key, poll)
+        super()._reconcile(key, *args)
 
 
 def deliver(handler, **kwargs) -> None:

@@ -104,5 +104,3 @@ def test_a_resync_reads_the_cluster_once_and_reconciles_only_the_jobs_it_would_a
         c.api.patch("v1/pods", "j3-trainer-0", failed, NS, subresource="status")
         c.api.delete(jobs.resource("PipelineJob"), "j4", NS)
         assert reconciler.due() == sorted([keys[0], keys[3], keys[4]])
-        reconciler.training.add(keys[5])  # its master runs: the resync polls its progress
-        assert keys[5] in reconciler.due()

@@ -1,20 +1,18 @@
 """The kopf wiring, thin on purpose: every trigger -- a job's watch event, an event of one of
 its pods, a periodic resync -- queues the same reconcile of that job (workqueue.py), which a
 worker thread runs: read the job and its pods, `reconcile.decide`, apply the actions. Nothing
-is remembered between reconciles but the queue, a per-job lock and which jobs had a running
-master (whose progress the timers poll), so a killed and restarted operator simply converges
+is remembered between reconciles but the queue, a per-job lock and the running masters to
+poll (poll_schedule.py), so a killed and restarted operator simply converges
 again (docs/architecture.md)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import random
 import threading
 import time
-from collections.abc import Hashable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -29,19 +27,23 @@ from pipejob.operator import (
     api_refusals,
     kube,
     policy_settings,
+    poll_schedule,
     progress,
     reconcile,
     resync,
     status,
 )
 from pipejob.operator.cluster import LIST_CHUNK, ApiError, Cluster
+from pipejob.operator.keyed_locks import KeyedLocks
 from pipejob.operator.operator_metrics import OperatorMetrics
+from pipejob.operator.poll_schedule import KEEP, Poll, PollSchedule
 from pipejob.operator.workqueue import WorkQueue
 
 RESYNC_ENV = "PIPEJOB_RESYNC_SECONDS"
 DEFAULT_RESYNC = 10.0  # deadlines, TTLs and missed events are seen within this
 PROGRESS_ENV = "PIPEJOB_PROGRESS_SECONDS"
 DEFAULT_PROGRESS = 3.0  # how live status.progress is while a master runs; 0: never poll
+POLLERS = 4  # threads polling masters' /progress (each poll waits up to progress.TIMEOUT)
 # Reconciles side by side: each mostly waits on the API server, or on a master's /progress
 # (up to progress.TIMEOUT), so a few more than kopf's default handler threads.
 WORKERS = 8
@@ -55,41 +57,11 @@ log = logging.getLogger("pipejob.operator")
 Key = tuple[str, str, str]  # (plural, namespace, name)
 
 
-class KeyedLocks:
-    """One lock per key, made when a thread first asks for it and dropped when no thread
-    holds it or waits for it: the map holds the jobs being reconciled, never every job the
-    operator has seen."""
-
-    def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._locks: dict[Hashable, tuple[threading.Lock, int]] = {}  # key -> (lock, users)
-
-    @contextlib.contextmanager
-    def hold(self, key: Hashable) -> Iterator[None]:
-        with self._guard:
-            lock, users = self._locks.get(key, (None, 0))
-            lock = lock or threading.Lock()
-            self._locks[key] = (lock, users + 1)
-        try:
-            with lock:
-                yield
-        finally:
-            with self._guard:
-                lock, users = self._locks[key]
-                if users == 1:
-                    del self._locks[key]
-                else:
-                    self._locks[key] = (lock, users - 1)
-
-    def __len__(self) -> int:
-        with self._guard:
-            return len(self._locks)
-
-
 class Reconciler:
-    """Runs reconciles, one at a time per job. kopf's handlers and the timers only queue a job
+    """Runs reconciles, one at a time per job. kopf's handlers and the resync only queue a job
     (`enqueue`); `WORKERS` threads reconcile what is queued (`start`), each job once however
-    many triggers named it (workqueue.py)."""
+    many triggers named it (workqueue.py). `POLLERS` threads poll the running masters as
+    `polls` schedules them, and reconcile a job only when its master's report changed."""
 
     def __init__(self, cluster: Cluster, image: str, metrics: OperatorMetrics = METRICS):
         self.cluster = cluster
@@ -98,7 +70,8 @@ class Reconciler:
         self.allow_node_volumes = validate.allowed_by_env(os.environ)
         self.policy = policy_settings.from_env()  # checked by `pipejob operator` at its start
         self.jobs: set[Key] = set()  # the jobs kopf has shown us, for the resync
-        self.training: set[Key] = set()  # jobs whose master ran at their last reconcile
+        budget = _seconds(poll_schedule.BUDGET_ENV, poll_schedule.DEFAULT_BUDGET)
+        self.polls = PollSchedule(progress_seconds(), budget)  # the running masters
         self.queue = WorkQueue()
         self._guard = threading.Lock()
         self._locks = KeyedLocks()
@@ -108,12 +81,21 @@ class Reconciler:
         job (none of our reconciles has written its status) ahead of the others."""
         self.queue.add(key, poll, new)
 
-    def start(self, workers: int = WORKERS) -> None:
+    @property
+    def training(self) -> set[Key]:
+        """The jobs whose master ran at their last reconcile: those polled."""
+        return self.polls.keys()  # type: ignore[return-value]
+
+    def start(self, workers: int = WORKERS, pollers: int = POLLERS) -> None:
+        """Start the reconciles' workers, and the pollers unless polling is off."""
         for i in range(workers):
             threading.Thread(target=self._work, name=f"reconcile-{i}", daemon=True).start()
+        for i in range(pollers if self.polls.interval > 0 else 0):
+            threading.Thread(target=self._polls, name=f"poll-{i}", daemon=True).start()
 
     def stop(self) -> None:
         self.queue.close()
+        self.polls.close()
 
     def _work(self) -> None:
         while (item := self.queue.get()) is not None:
@@ -125,12 +107,31 @@ class Reconciler:
             finally:
                 self.queue.done(key)
 
-    def kick(self, key: Key, poll: bool = False) -> None:
-        """Reconcile the job now, in this thread; with `poll`, read its master's progress."""
+    def _polls(self) -> None:
+        while (due := self.polls.take()) is not None:
+            try:
+                self.poll(due)
+            except Exception as e:  # the next poll or a trigger tries again
+                log.error(f"poll of {due.key[1]}/{due.key[2]} failed: {e}")
+            finally:
+                self.polls.polled(due)
+
+    def poll(self, due: Poll) -> None:
+        """Read a running master's /progress; reconcile its job (with that report) only if
+        the report differs from the one its status shows: an unchanged one costs no API call."""
+        report = self._fetch_progress(due.address)
+        if report is not None and progress.digest(report) != due.shown:
+            self.kick(due.key, report=(due.address, report))  # type: ignore[arg-type]
+
+    def kick(
+        self, key: Key, poll: bool = False, report: tuple[str, Progress] | None = None
+    ) -> None:
+        """Reconcile the job now, in this thread; with `poll`, read its master's progress;
+        `report`: the one just read from that address (used if its master is still there)."""
         with self._locks.hold(key):
             started = time.perf_counter()
             try:
-                self._reconcile(key, poll)
+                self._reconcile(key, poll, report)
             finally:
                 seconds = time.perf_counter() - started
                 self.metrics.reconcile_seconds.labels(_kind_name(key[0])).observe(seconds)
@@ -142,7 +143,7 @@ class Reconciler:
     def forget(self, key: Key) -> None:
         with self._guard:
             self.jobs.discard(key)
-            self.training.discard(key)
+        self.polls.forget(key)
         self.metrics.forget(key)
 
     def _fetch_progress(self, address: str) -> dict | None:
@@ -152,7 +153,9 @@ class Reconciler:
         self.metrics.poll_seconds.labels(result).observe(time.perf_counter() - started)
         return report
 
-    def _reconcile(self, key: Key, poll: bool = False) -> None:
+    def _reconcile(
+        self, key: Key, poll: bool = False, report: tuple[str, Progress] | None = None
+    ) -> None:
         plural, namespace, name = key
         job = self.cluster.get_job(plural, namespace, name)
         if job is None or job["metadata"].get("deletionTimestamp"):
@@ -161,15 +164,18 @@ class Reconciler:
         if sch.managed_elsewhere(job):  # MultiKueue's: it runs the job, and writes its status
             return
         pods = self.cluster.list_pods(namespace, name)
-        address = progress.url(pods, status.world_number(job.get("status") or {}))
-        with self._guard:
-            if address is not None and key in self.jobs:
-                self.training.add(key)
-            else:
-                self.training.discard(key)
-        report = self._fetch_progress(address) if poll and address is not None else None
+        world = status.world_number(job.get("status") or {})
+        master = progress.master_of(pods, world) if key in self.jobs else None
+        address = progress.address_of(master) if master is not None else None
+        read = report[1] if report is not None and report[0] == address else None
+        if read is None and poll and address is not None:
+            read = self._fetch_progress(address)
         now = datetime.now(UTC)
-        self._apply(key, job, self.decide(job, pods, now, report), now)
+        self._apply(key, job, self.decide(job, pods, now, read), now)
+        shown = KEEP if read is None else progress.digest(read)
+        uid = master["metadata"].get("uid", "") if master is not None else ""
+        address = address if key in self.jobs else None  # deleted meanwhile: forgotten
+        self.polls.saw(key, address, uid, progress.alone(pods, world), shown)
 
     def decide(
         self, job: dict, pods: list[dict], now: datetime, report: Progress | None = None
@@ -181,11 +187,12 @@ class Reconciler:
 
     def due(self) -> list[Key]:
         """The tracked jobs a resync reconciles: those a snapshot of the cluster shows it
-        acting on, gone, or polled (resync.py); all of them if the snapshot cannot be read."""
+        acting on, or gone (resync.py); all of them if the snapshot cannot be read. The
+        running masters' progress is the pollers' (poll_schedule.py)."""
         with self._guard:
-            keys, polled = sorted(self.jobs), set(self.training)
+            keys = sorted(self.jobs)
         try:
-            return resync.due(self.cluster, keys, polled, self.decide)
+            return resync.due(self.cluster, keys, self.decide)
         except Exception as e:  # the API server away, say: the reconciles will say more
             log.warning(f"resync: could not list the jobs and their pods, so each is read: {e}")
             return keys
@@ -300,11 +307,11 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.reconciler = Reconciler(Cluster(), kube.trainer_image())
     memo.reconciler.start()
     memo.timers = [asyncio.create_task(_resync(memo.reconciler, resync_seconds()))]
-    if progress_seconds() > 0:
-        memo.timers.append(asyncio.create_task(_poll(memo.reconciler, progress_seconds())))
+    polls = memo.reconciler.polls
     log.info(
         f"trainer image {memo.reconciler.image}; resync every {resync_seconds()}s;"
-        f" progress of running jobs every {progress_seconds() or 'never '}s;"
+        f" progress of running jobs every {progress_seconds() or 'never '}s"
+        f" (at most {polls.budget:g} polls/s);"
         f" {policy_settings.describe(memo.reconciler.policy)}"
     )
 
@@ -333,16 +340,6 @@ async def _resync(reconciler: Reconciler, interval: float) -> None:
         due = await asyncio.to_thread(reconciler.due)
         took = time.monotonic() - started
         for key in due:
-            reconciler.enqueue(key, poll=True)
-
-
-async def _poll(reconciler: Reconciler, interval: float) -> None:
-    """The jobs whose master runs, every `interval`: their live progress. Only the timers
-    poll (this one and the resync), never watch events: the status a poll writes triggers a
-    watch event, and that reconcile must not poll again."""
-    while True:
-        await asyncio.sleep(interval)
-        for key in sorted(reconciler.training):
             reconciler.enqueue(key, poll=True)
 
 

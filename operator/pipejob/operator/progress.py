@@ -25,18 +25,42 @@ _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 def url(pods: list[dict], restart: int) -> str | None:
     """The /progress URL of the running master of world `restart`, or None if there is none."""
+    master = master_of(pods, restart)
+    return None if master is None else address_of(master)
+
+
+def master_of(pods: list[dict], restart: int) -> dict | None:
+    """The running master of world `restart` with a podIP, or None if there is none."""
     for pod in pods:
         if (
             kube.role_of(pod) == "master"
             and kube.restart_of(pod) == restart
             and st.pod_phase(pod) == "Running"
             and not st.deleting(pod)
+            and (pod.get("status") or {}).get("podIP")
         ):
-            ip = (pod.get("status") or {}).get("podIP")
-            if ip:
-                host = f"[{ip}]" if ":" in ip else ip
-                return f"http://{host}:{kube.PORTS.monitor}/progress"
+            return pod
     return None
+
+
+def address_of(master: dict) -> str:
+    """The /progress URL of a master pod that has a podIP."""
+    ip = master["status"]["podIP"]
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{kube.PORTS.monitor}/progress"
+
+
+def alone(pods: list[dict], restart: int) -> bool:
+    """Whether world `restart`'s master is its only live pod: where the others wait for its
+    own check (operator/master_check.py), its polls gate them (poll_schedule.py)."""
+    live = [p for p in pods if kube.restart_of(p) == restart and not st.deleting(p)]
+    return all(kube.role_of(p) == "master" for p in live)
+
+
+def digest(report: Progress) -> int:
+    """A digest of everything of `report` the job's status shows (its figures and preflight):
+    equal digests, nothing to write."""
+    return hash(json.dumps(report.to_json(), sort_keys=True))
 
 
 def fetch(address: str, timeout: float = TIMEOUT) -> Progress | None:

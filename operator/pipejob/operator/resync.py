@@ -3,10 +3,12 @@ deadlines, TTLs and missed events; reconciling each one (a GET of the job, a LIS
 pods) costs the API server two requests a job, 2,000 a round at 1,000 jobs, nearly all to
 find nothing to do. Instead one LIST of each kind's jobs per namespace, and one LIST of the
 pods of each hundred jobs, make a snapshot; `reconcile.decide` runs on it, and only the jobs
-it would act on (or that are gone, or whose master runs and is polled) are reconciled
-afresh: what the snapshot shows only chooses which, never what is done. The jobs are read in
-chunks of cluster.LIST_CHUNK and judged a chunk at a time, their pods a hundred jobs at a
-time, so that the operator never holds every job or pod of the cluster at once."""
+it would act on (or that are gone) are reconciled afresh: what the snapshot shows only
+chooses which, never what is done. A running master's progress is not the resync's: the
+pollers read it (poll_schedule.py), and a job is reconciled only when its report changed.
+The jobs are read in chunks of cluster.LIST_CHUNK and judged a chunk at a time, their pods a
+hundred jobs at a time, so that the operator never holds every job or pod of the cluster at
+once."""
 
 from __future__ import annotations
 
@@ -68,11 +70,12 @@ def idle(job: dict, acts: Actions) -> bool:
     )
 
 
-def due(cluster: Cluster, keys: list[Key], polled: set[Key], decide: Decide) -> list[Key]:
-    """Those of `keys` to reconcile: the ones in `polled`, the ones gone or being deleted,
-    and the ones `decide` would act on as the snapshot shows them. The snapshot is read and
-    judged a chunk of jobs at a time."""
-    out, listed = set(polled) & set(keys), set()
+def due(cluster: Cluster, keys: list[Key], decide: Decide) -> list[Key]:
+    """Those of `keys` to reconcile: the ones gone or being deleted, and the ones `decide`
+    would act on as the snapshot shows them. The snapshot is read and judged a chunk of jobs
+    at a time."""
+    out: set[Key] = set()
+    listed: set[Key] = set()
     now = datetime.now(UTC)
     for jobs in job_chunks(cluster, keys):
         listed |= jobs.keys()

@@ -6,19 +6,21 @@ stand-in node marks each pod Running as soon as it is seen, with a podIP where o
 master answers every /progress poll as a master past its own check (phase preflight), so jobs
 reach their Running phase. With no gang scheduler the operator makes a PipelineJob's master
 pod first and its stage pods once a poll of that master finds it checked (core/master_first.py;
-the polls come every PIPEJOB_PROGRESS_SECONDS, 3 s). Measured from the moment the benchmark
+such a master is polled 0.2 s after it runs, ahead of the routine polls: poll_schedule.py).
+Measured from the moment the benchmark
 POSTs a job to the moment a watch on pods has seen:
 
 - "the operator's own": a PipelineJob's master pod, every pod of a HybridJob: what the operator
   makes at once, with nothing outside it to wait for (the targets are its);
-- "PipelineJob all pods": its stage pods too; this adds the wait for the next poll of its
-  master (up to 3 s), which a real master's own check would add to anyway.
+- "PipelineJob all pods": its stage pods too; this adds the wait for the first poll of its
+  master (0.2 s), which a real master's own check would add to anyway.
 
 - `--scale` jobs of both kinds (2-stage PipelineJobs and HybridJobs in turn) created at
   `--rate` per second and all kept: the p50 and p99 of each figure above, the time until
   every job is Running, the operator's peak memory (VmHWM), its API requests per job and the
-  master's /progress polls per job (every running master is polled, a GET of its job and a LIST
-  of its pods each time, so the CPU and requests per job grow with how long the jobs run);
+  master's /progress polls per job (every running master is polled, at most
+  PIPEJOB_POLL_BUDGET polls a second in all; a poll whose report is unchanged makes no API
+  request);
 - then, beside them, one job at a time, for PipelineJobs of 2, 8 and 32 stages (pipejob's
   transformer, one block per stage) and a HybridJob (2 trainers, 1 parameter server): p50
   and p99 of both figures (each job is deleted, and its pods garbage-collected, before the

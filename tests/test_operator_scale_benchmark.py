@@ -60,8 +60,8 @@ def test_a_job_the_operator_fails_stops_the_run_at_once_naming_it(monkeypatch, c
 def test_a_pipelinejobs_stage_pods_come_once_the_stand_in_master_reports_it_checked(capsys):
     """The operator makes a PipelineJob's stage pods once a /progress poll finds its master past
     its check (operator/master_check.py): the benchmark's stand-in master at every pod's podIP
-    says so, so they come at the next poll (every 3 s), not after the operator's 60 s fallback
-    for a master never read (the run's --timeout is under it)."""
+    says so, so they come at its first poll (0.2 s after it runs), not after the operator's 60 s
+    fallback for a master never read (the run's --timeout is under it)."""
     args = ["--jobs", "1", "--sizes", "2", "--scale", "0", "--timeout", "40"]
     assert operator_scale.main(args) == 0, capsys.readouterr().out
     said = capsys.readouterr().out

@@ -32,7 +32,7 @@ DEFAULT_BUDGET = 50.0  # routine polls a second, at most
 KEEP = object()  # `saw`'s shown: keep the digest the schedule has
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """One running master: where it answers and its pod's uid, whether its world waits on it,
     the digest of the report its job's status shows (None: unknown), and when it is next due."""

@@ -39,6 +39,8 @@ from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.balance import LayerCosts, measure_chain, min_max_partition, predict
 from pipejob.trainer.pipeline.pipelining import messages
 from pipejob.trainer.pipeline.pipelining.driver import Replicas, even
+from pipejob.trainer.pipeline.pipelining.stage import Stage
+from pipejob.trainer.pipeline.pipelining.timed import Timed
 from pipejob.trainer.pipeline.shards import piece_starts, plan_shards
 from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.pipeline.stage_parts import CANDIDATES_PER_STAGE
@@ -261,11 +263,40 @@ def test_an_evaluation_with_a_smaller_last_batch_says_what_the_rpc_engine_says(
 AHEAD_STEPS = 6
 
 
+EVENTS: list[str] = []  # on a stage process: its forwards' sends and the rounds it took
+
+
+def _note_sends_and_takes() -> None:
+    """Note, in EVENTS, each forward's sends (as the schedule asks for them, just before
+    it posts them) and each training round the first stage takes (reads, its labels sent)."""
+    sends, take = Timed.get_fwd_send_ops, Stage._take_round
+
+    def sending(piece: Timed, chunk: int) -> list[Any]:
+        EVENTS.append(f"send {piece.owner._round}")
+        return sends(piece, chunk)
+
+    def taking(stage: Stage, round: int, *args: Any) -> None:
+        EVENTS.append(f"take {round}")
+        take(stage, round, *args)
+
+    Timed.get_fwd_send_ops, Stage._take_round = sending, taking  # type: ignore[method-assign]
+
+
+def _events(clear: bool = False) -> list[str]:
+    """On a stage process: EVENTS (then forgotten, with `clear`)."""
+    got = list(EVENTS)
+    if clear:
+        EVENTS.clear()
+    return got
+
+
 def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     """The master drives the same job twice on the same stage processes, from the same
     start: a step after the last one's result (Replicas.step), and sent ahead in calls of
     several steps (Replicas.run_steps, its calls unbounded in time), noting when it sent
-    each call and read its results."""
+    each call and read its results; then on GPipe, noting on the first stage when it
+    takes each round."""
+    _note_sends_and_takes()
     if (env := master_of(rank, envs)) is None:
         return
     try:
@@ -293,7 +324,12 @@ def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         done = (one_by_one, ahead, *pairs)
         prints = [r.pipelines[0].stage_results(Shard.fingerprint) for r in done]
         alone = [r.steps_alone for r in done]
-        torch.save({"figures": figures, "prints": prints, "order": order, "alone": alone}, out)
+        rpc.rpc_sync(names[0], _events, args=(True,))
+        gpipe = Replicas([names], shards, dataclasses.replace(unclipped, schedule="gpipe"))
+        gpipe.call_seconds = math.inf
+        list(gpipe.run_steps(s.micro_batches, range(AHEAD_STEPS), loss))
+        got = {"figures": figures, "prints": prints, "order": order, "alone": alone}
+        torch.save(got | {"events": rpc.rpc_sync(names[0], _events)}, out)
     finally:
         rpc.shutdown()
 
@@ -345,6 +381,11 @@ def test_steps_sent_ahead_compute_what_steps_one_after_the_other_do(tmp_path: Pa
         assert torch.equal(a, b)
     for a, b in zip(alone_prints, judged_prints, strict=True):
         assert torch.equal(a, b)
+    # On GPipe the first stage takes a call's next round as it waits for gradients, once its
+    # forwards are sent: not between its last forward and that forward's send.
+    rounds = sorted({int(e.split()[1]) for e in got["events"]})
+    assert len(rounds) == AHEAD_STEPS
+    assert got["events"] == [e for r in rounds for e in (f"take {r}", f"send {r}", f"send {r}")]
 
 
 LABELS = [

@@ -56,6 +56,34 @@ def joined(checks: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(checks).all() if checks else torch.tensor(True)
 
 
+class RoundChecks:
+    """A training round's forward outputs, each checked (`sum_checks`) when it is given
+    (`add`) or, where `deferred`, at `check`: where the process waits anyway (a pipelining
+    stage as it waits for gradients), not between a forward and its send. The outputs wait
+    only until their own backward is received, as torch's stage holds them that long."""
+
+    def __init__(self, deferred: bool = False):
+        self.deferred = deferred
+        self._checks: list[torch.Tensor] = []
+        self._outputs: list[Any] = []
+
+    def add(self, output: Any) -> None:
+        self._outputs.append(output)
+        if not self.deferred:
+            self.check()
+
+    def check(self) -> None:
+        """Check the outputs given since the last check."""
+        for output in self._outputs:
+            self._checks += sum_checks(output)
+        self._outputs.clear()
+
+    def joined(self) -> torch.Tensor:
+        """Whether every output of the round is finite (all checked first; `joined`)."""
+        self.check()
+        return joined(self._checks)
+
+
 def _floats(leaves: list[Any]) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
 

@@ -28,7 +28,7 @@ class Timed(PipelineStage):
         with self.owner.counting():
             output = super().forward_one_chunk(chunk, *args, **kwargs)
         marks.interval("forward", start)
-        self.owner.forwarded(output, self.stage_index, chunk)
+        self.owner.forwarded(output)
         return output
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
@@ -38,6 +38,7 @@ class Timed(PipelineStage):
         return output
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
+        self.owner.waits(self.stage_index)  # what need not delay a send, done as it waits
         return self.owner.ride_in(super().get_bwd_recv_ops(bwd_chunk_id), bwd_chunk_id)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:

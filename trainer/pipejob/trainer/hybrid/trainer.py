@@ -82,6 +82,11 @@ class Tables:
         self.averaged = torch.cat(pieces) if pieces else None
         return [pooled for pooled, _ in got]
 
+    def take_averaged(self) -> torch.Tensor | None:
+        """The averaged dense gradients the last replies brought, once (None: none came)."""
+        averaged, self.averaged = self.averaged, None
+        return averaged
+
     def backward_done(self, dense: torch.Tensor | None) -> None:
         """The backward has run: the replies' gradients go with the next call (zeros for a
         table the dense model left unused: every server waits for every trainer's), and
@@ -283,7 +288,7 @@ def _flush(t: Trainer) -> None:
     """The servers and the dense optimizer take their pending steps (before an evaluation, a
     checkpoint, the end)."""
     t.tables.flush()
-    t.dense_step.defer(t.tables.averaged)
+    t.dense_step.defer(t.tables.take_averaged())
     t.dense_step.flush()
 
 
@@ -335,7 +340,7 @@ def _step(
     anything (runtime/nonfinite.py)."""
     with rpc_calls():  # open until the replies: they bring the remote ops' profile
         pooled = t.tables.pooled(t.tables.call(batch), batch)
-    t.dense_step.defer(t.tables.averaged)
+    t.dense_step.defer(t.tables.take_averaged())
     t.dense_step.flush()
     for buffer in t.buffers:  # as DDP does before a forward
         dist.broadcast(buffer, 0)

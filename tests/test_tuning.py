@@ -193,14 +193,10 @@ def test_a_light_role_leaves_shared_cores_to_the_compute_roles():
     assert decide("PipelineJob", "master", 0, 16, 0, ALL).threads == 16  # a host of its own
 
 
-# Tensors cross by cross-memory attach where TensorPipe finds both ends may, else over uv.
-CPU_CHANNELS = ["cma", "basic"]
-
-
 def test_cpu_only_pipelines_avoid_the_shared_memory_transport():
     for role in ("master", "stage"):
         s = decide("PipelineJob", role, 0, 2, 2, ALL)
-        assert (s.transports, s.channels) == (["uv"], ["cma", "basic"])
+        assert (s.transports, s.channels) == (["uv"], ["basic"])
     gpu = decide("PipelineJob", "stage", 1, 2, 2, ALL)
     assert (gpu.transports, gpu.channels) == (None, None)  # torch's CUDA-aware defaults
     for role in ("trainer", "ps"):  # latency-bound: shm's polling helps, given spare cores
@@ -208,9 +204,9 @@ def test_cpu_only_pipelines_avoid_the_shared_memory_transport():
         assert (hybrid.transports, hybrid.channels) == (None, None)
         for cpus, colocated in [(2, 4), (4, 3), (16, 1)]:  # too few cores; no peer on the host
             hybrid = decide("HybridJob", role, 0, cpus, colocated, ALL)
-            assert (hybrid.transports, hybrid.channels) == (["uv"], CPU_CHANNELS), (cpus, colocated)
+            assert (hybrid.transports, hybrid.channels) == (["uv"], ["basic"]), (cpus, colocated)
     master = decide("HybridJob", "master", 0, 2, 3, ALL)  # waits: no polling
-    assert (master.transports, master.channels) == (["uv"], CPU_CHANNELS)
+    assert (master.transports, master.channels) == (["uv"], ["basic"])
 
 
 def test_levers_that_are_off_leave_torch_defaults():
@@ -225,7 +221,7 @@ def test_levers_that_are_off_leave_torch_defaults():
 
 
 def test_rpc_backend_kwargs_follow_the_transport_lever():
-    uv = {"_transports": ["uv"], "_channels": ["cma", "basic"]}
+    uv = {"_transports": ["uv"], "_channels": ["basic"]}
     stages, hybrid = ["master", "stage", "stage"], ["master", "ps", "trainer", "trainer"]
     local = {"PIPEJOB_ADDRESSES": ",".join(["127.0.0.1"] * 4)}  # what the world plan says
     kwargs = tuning.rpc_backend_kwargs

@@ -33,9 +33,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 TRIM_THRESHOLD = 1 << 30  # free memory kept at the heap's top before it is given back
 MMAP_THRESHOLD = 32 << 20  # glibc's largest; blocks above it are mapped (and unmapped) alone
 CPU_TRANSPORTS = ["uv"]
-# Tensors by cross-memory attach (process_vm_readv) where TensorPipe finds both ends on one
-# host and allowed to read each other's memory (not across pods), else over the uv connection.
-CPU_CHANNELS = ["cma", "basic"]
+CPU_CHANNELS = ["basic"]
 
 
 @dataclass(frozen=True)
@@ -138,7 +136,7 @@ def decide(
 def transport(
     gpus: int, enabled: Collection[str], polling_pays: bool
 ) -> tuple[list[str] | None, list[str] | None]:
-    """TensorPipe transports and channels: uv, and cma or basic, for CPU-only processes unless the
+    """TensorPipe transports and channels: uv and basic for CPU-only processes unless the
     shared-memory transport's polling pays (see the module's docstring); torch's defaults
     (None) otherwise, or when the lever is off."""
     if "transport" in enabled and gpus == 0 and not polling_pays:

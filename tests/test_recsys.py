@@ -368,32 +368,49 @@ def world(spec: Any, steps: int, trainers: int = 2) -> list[Server]:
         for k in range(trainers)
     ]
     pending: list[list[torch.Tensor | None]] = [[None] * len(servers) for _ in range(trainers)]
+    # Each trainer's dense gradients, flat, a piece to each server: they come back averaged.
+    dense_pending: list[list[torch.Tensor | None]] = [[None] * len(servers) for _ in pending]
     for _ in range(steps):
         batches = [next(r) for r in readers]
         routed = [router.route(b) for b in batches]
         calls = [
             [
-                servers[s].exchange(f"t{k}", pending[k][s], *routed[k].requests[s])
+                servers[s].exchange(
+                    f"t{k}", pending[k][s], *routed[k].requests[s], dense_pending[k][s]
+                )
                 for s in router.servers
             ]
             for k in range(trainers)
         ]
-        grads = [torch.zeros_like(p) for p in dense[0].parameters()]
         for k in range(trainers):
-            replies = [c.wait().requires_grad_() for c in calls[k]]
+            got = [c.wait() for c in calls[k]]
+            _sgd(dense[k], [mean for _, mean in got], spec.optimizer.lr)
+            replies = [pooled.requires_grad_() for pooled, _ in got]
             pooled = router.pool(replies, routed[k], batches[k])
             workloads.loss(spec)(dense[k](batches[k].dense, pooled), batches[k].labels).backward()
             pending[k] = [r.grad for r in replies]
-            for g, p in zip(grads, dense[k].parameters(), strict=True):
-                g += p.grad / trainers  # what DDP's all-reduce gives every trainer
-        for d in dense:
-            for g, p in zip(grads, d.parameters(), strict=True):
-                p.data -= spec.optimizer.lr * g
-                p.grad = None
-    for k in range(trainers):
-        for s in router.servers:
-            servers[s].exchange(f"t{k}", pending[k][s], None, None).wait()
+            flat = torch.cat([p.grad.reshape(-1) for p in dense[k].parameters()])
+            dense_pending[k] = list(torch.tensor_split(flat, len(router.servers)))
+            dense[k].zero_grad(set_to_none=True)
+    flushes = [  # every trainer's at once: each waits for the others' dense gradients
+        servers[s].exchange(f"t{k}", pending[k][s], None, None, dense_pending[k][s])
+        for k in range(trainers)
+        for s in router.servers
+    ]
+    torch.futures.wait_all(flushes)
     return servers
+
+
+def _sgd(dense: torch.nn.Module, means: list[torch.Tensor | None], lr: float) -> None:
+    """An SGD step of `dense` by the servers' pieces of the trainers' averaged gradients
+    (none in a step's first calls)."""
+    if all(m is None for m in means):
+        return
+    flat = torch.cat([m for m in means if m is not None])
+    params = list(dense.parameters())
+    with torch.no_grad():
+        for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p -= lr * g.view_as(p)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwiseAdagrad", "adam"])
@@ -428,6 +445,39 @@ def test_servers_step_a_split_table_as_one_module_does_for_every_sparse_optimize
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-14, msg=key)
     assert all(s.steps == 3 for s in servers)
+
+
+def test_the_servers_average_the_dense_gradients_and_let_a_late_first_lookup_through() -> None:
+    """The dense model's gradients ride the calls: each trainer's reply brings the trainers'
+    average of its piece, once every trainer's piece is in (a flush's too). With no
+    all-reduce holding the trainers in step, a trainer's first call can come after another's
+    second: it is looked up at once, from the tables as they are, not held behind a step it
+    has no gradients in (it would wait for itself)."""
+    spec = parse(
+        embeddings=TABLES, parameterServers=1, trainers=2, batchSize=4, bagSize=2, datasetSize=16
+    ).settings
+    server, router = Server(spec, 0, trainers=2), Router(spec)
+    data = workloads.hybrid_data(spec)
+    batch = next(samples.stream(data, 8, (0, 2), spec.seed, router.features, True))
+    ((ids, lengths),) = router.route(batch).requests
+    before = server.exchange("t0", None, ids, lengths, None).wait()[0]
+    grads = torch.ones_like(before)
+    second = server.exchange("t0", grads, ids, lengths, torch.tensor([1.0, 2.0]))
+    assert not second.done()  # it reads the tables after the step t1's gradients complete
+    late = server.exchange("t1", None, ids, lengths, None)
+    assert late.done()
+    torch.testing.assert_close(late.wait()[0], before)  # the tables before the step
+    assert late.wait()[1] is None  # it brought no dense gradients
+    last = server.exchange("t1", grads, ids, lengths, torch.tensor([3.0, 6.0]))
+    assert server.steps == 1
+    for reply in (second.wait(), last.wait()):
+        assert not torch.equal(reply[0], before)  # the stepped tables
+        torch.testing.assert_close(reply[1], torch.tensor([2.0, 4.0]))
+    flushed = server.exchange("t0", grads, None, None, torch.tensor([1.0, 1.0]))
+    assert not flushed.done()  # a flush's average waits for every trainer's piece too
+    server.exchange("t1", grads, None, None, torch.tensor([3.0, 5.0])).wait()
+    assert flushed.wait()[0] is None
+    torch.testing.assert_close(flushed.wait()[1], torch.tensor([2.0, 3.0]))
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwiseAdagrad", "adam"])

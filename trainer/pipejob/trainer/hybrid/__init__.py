@@ -1,10 +1,11 @@
-"""HybridJob: embedding tables on parameter servers, DDP dense models on the trainers.
+"""HybridJob: embedding tables on parameter servers, data-parallel dense models on the trainers.
 
 master.py drives the run (board.py: what it hears from the trainers; run_summary.py: the
 summary; model_writer.py: the trained model as files); trainer.py is a trainer's loop
-(router.py: where its lookups go; evaluate.py: its checks and held-out figures); ps.py is a
-parameter server (sparse_optimizers.py: how it steps the tables). How a step moves, and
-why: docs/architecture.md, "A HybridJob's step"."""
+(router.py: where its lookups go; dense_step.py: its dense model's averaged step;
+evaluate.py: its checks and held-out figures); ps.py is a parameter server
+(sparse_optimizers.py: how it steps the tables). How a step moves, and why:
+docs/architecture.md, "A HybridJob's step"."""
 
 from __future__ import annotations
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.rpc as rpc
-from torch import nn
+from torch import Tensor, nn
 
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.core.kinds.tables import Piece
@@ -86,6 +86,8 @@ class Server:
         self.kept: dict[str, list[Pooled]] = {}  # each trainer's last lookup, per group
         self.collected: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.queue: list[tuple[Callable[[], Any], Future]] = []  # reads waiting for a step
+        self.dense: dict[str, torch.Tensor] = {}  # each trainer's piece of the dense gradients
+        self.dense_mean: torch.Tensor | None = None  # their average, of the last step
         self.steps = self.rows_updated = 0
 
     # ---- the step
@@ -96,19 +98,27 @@ class Server:
         grads: torch.Tensor | None,
         ids: torch.Tensor | None,
         lengths: torch.Tensor | None,
+        dense: torch.Tensor | None = None,
     ) -> Future:
-        """A trainer's call of a step: the gradients of its last lookup (None: none pending)
-        and this step's ids (None: none, a flush). The future's value is the pooled
-        embeddings (batch, the pieces' widths side by side), or None."""
+        """A trainer's call of a step: the gradients of its last lookup and its piece of the
+        dense model's gradients (None: none pending; averaged elsewhere), this step's ids
+        (None: a flush). Its value: (the pooled embeddings (batch, the pieces' widths side by
+        side) or None, the trainers' average of the dense piece once all are in, or None)."""
         with self.lock:
             if grads is not None:
-                self._collect(trainer, grads)
-            if ids is None:
-                future: Future = Future()
-                future.set_result(None)
-            else:
-                assert lengths is not None
-                future = self._when_settled(lambda: self.lookup(ids, lengths, trainer))
+                self._collect(trainer, grads, dense)
+
+            def work() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                pooled = None if ids is None else self.lookup(ids, cast(Tensor, lengths), trainer)
+                return pooled, None if dense is None else self.dense_mean
+
+            # A lookup waits for a half-collected step where this trainer's gradients are in it;
+            # one from a trainer not in it (its first call, or first after a flush) reads now.
+            if trainer in self.collected:
+                future = self._when_settled(work)
+            else:  # no callbacks on the future yet: set under the lock
+                future = Future()
+                _finish([_outcome(work, future)])
             ready = self._drain()
         _finish(ready)
         return future
@@ -131,16 +141,11 @@ class Server:
         (set by the caller, outside the lock: a future's callbacks send RPC replies)."""
         if self.collected:
             return []
-        done = []
-        for work, future in self.queue:
-            try:
-                done.append((future, work(), None))
-            except BaseException as e:  # the caller's future fails with it, over RPC too
-                done.append((future, None, e))
+        done = [_outcome(work, future) for work, future in self.queue]
         self.queue.clear()
         return done
 
-    def _collect(self, trainer: str, grads: torch.Tensor) -> None:
+    def _collect(self, trainer: str, grads: torch.Tensor, dense: torch.Tensor | None) -> None:
         lookup = self.kept.pop(trainer, None)
         if lookup is None or trainer in self.collected:
             raise RuntimeError(
@@ -155,6 +160,8 @@ class Server:
                 lookup, grads.split(widths, dim=1), self.groups, strict=True
             )
         ]
+        if dense is not None:
+            self.dense[trainer] = dense
         if len(self.collected) == self.trainers:
             self._step()
 
@@ -171,7 +178,11 @@ class Server:
             self.optimizer.step()
         for weight in self.joined:
             weight.grad = None
+        if self.dense:  # the trainers' pieces of the dense gradients, averaged alike
+            assert len(self.dense) == self.trainers, "every trainer's piece, or none"
+            self.dense_mean = sum(self.dense[t] for t in sorted(self.dense)) / self.trainers
         self.collected.clear()
+        self.dense.clear()
         self.steps += 1
 
     def lookup(self, ids: torch.Tensor, lengths: torch.Tensor, trainer: str | None) -> torch.Tensor:
@@ -303,6 +314,14 @@ def _bags(grad: torch.Tensor, pieces: int, dim: int) -> torch.Tensor:
     return grad.reshape(len(grad), pieces, dim).transpose(0, 1).reshape(-1, dim)
 
 
+def _outcome(work: Callable[[], Any], future: Future) -> tuple[Future, Any, BaseException | None]:
+    """`work` run: (its future, its value, None) or (its future, None, what it raised)."""
+    try:
+        return future, work(), None
+    except BaseException as e:  # the caller's future fails with it, over RPC too
+        return future, None, e
+
+
 def _finish(ready: list[tuple[Future, Any, BaseException | None]]) -> None:
     for future, value, error in ready:
         if error is None:
@@ -332,9 +351,13 @@ def start(trainers: int) -> dict[str, Any]:
 
 @rpc.functions.async_execution
 def exchange(
-    trainer: str, grads: torch.Tensor | None, ids: torch.Tensor | None, lengths: torch.Tensor | None
+    trainer: str,
+    grads: torch.Tensor | None,
+    ids: torch.Tensor | None,
+    lengths: torch.Tensor | None,
+    dense: torch.Tensor | None,
 ) -> Future:
-    return _server().exchange(trainer, grads, ids, lengths)
+    return _server().exchange(trainer, grads, ids, lengths, dense)
 
 
 @rpc.functions.async_execution

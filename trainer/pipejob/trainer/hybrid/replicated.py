@@ -79,21 +79,21 @@ class Replicated:
         }
         return self.lookup(batch)
 
-    def step(self, trainers: int) -> None:
-        """After the backward: sum the trainers' gradients and row counts (one all-reduce,
-        in the trainers' DDP group), and step the rows any trainer touched by the averaged
-        gradient."""
-        if self.optimizer is None:
-            return
+    def step(self, trainers: int, dense: torch.Tensor) -> torch.Tensor:
+        """After the backward: sum the trainers' gradients and row counts, with `dense` (the
+        dense model's gradients, flat), in one all-reduce in the trainers' DDP group; step
+        the rows any trainer touched by the averaged gradient. Returns the trainers' average
+        of `dense`."""
+        assert self.optimizer is not None, "a step of no replicated tables"
         weights = [self.bags[t.name].weight for t in self.tables]
         grads = [torch.zeros_like(w) if w.grad is None else w.grad for w in weights]
         counts = [
             torch.bincount(self.touched[t.name], minlength=t.rows).to(weights[0].dtype)
             for t in self.tables
         ]
-        flat = torch.cat([g.reshape(-1) for g in grads] + counts)
+        flat = torch.cat([g.reshape(-1) for g in grads] + counts + [dense.to(self.device)])
         dist.all_reduce(flat)
-        sizes = [g.numel() for g in grads] + [t.rows for t in self.tables]
+        sizes = [g.numel() for g in grads] + [t.rows for t in self.tables] + [dense.numel()]
         parts = flat.split(sizes)
         for k, w in enumerate(weights):
             rows = parts[len(weights) + k].nonzero().squeeze(1)
@@ -102,6 +102,7 @@ class Replicated:
         self.optimizer.step()
         for w in weights:
             w.grad = None
+        return parts[-1] / trainers
 
     def state(self) -> dict[str, torch.Tensor]:
         """The tables' weights, by table name (for the trained model's file)."""

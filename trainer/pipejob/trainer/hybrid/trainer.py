@@ -1,8 +1,8 @@
 """A HybridJob trainer's loop, which the master calls over RPC (`train`; hybrid/__init__.py
 has the trainer join the DDP group and RPC first): its set-up, its steps, its results. A step
-makes one call to each parameter server at once (`Tables`) and overlaps the dense optimizer's
-step with the next one's (`DenseStep`). How and why: docs/architecture.md, "A HybridJob's
-step"."""
+makes one call to each parameter server at once (`Tables`), which also carries the dense
+model's gradients to be averaged (dense_step.py). How and why: docs/architecture.md, "A
+HybridJob's step"."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid import board, evaluate, ps
+from pipejob.trainer.hybrid.dense_step import DenseStep, broadcast_weights, kept_buffers
 from pipejob.trainer.hybrid.replicated import Replicated
 from pipejob.trainer.hybrid.router import Routed, Router
 from pipejob.trainer.runtime import checkpoint, nonfinite, optim, profiling, world
@@ -35,15 +35,18 @@ SEEN = 1 << 18  # samples whose (epoch, sample) a trainer keeps, to count repeat
 
 class Tables:
     """The trainer's side of the parameter servers: one call to each per step, and the
-    gradients of the last lookup, held until the next call takes them."""
+    gradients of the last lookup, held until the next call takes them, with a piece of the
+    dense model's gradients for each server to average (`averaged`: what came back)."""
 
     def __init__(self, env: Env, router: Router):
         self.name, self.router = env.rpc_name, router
         names = env.names("ps")
         self.servers = [names[i] for i in router.servers]
         self.pending: list[torch.Tensor | None] = [None] * len(self.servers)
+        self.dense: list[torch.Tensor | None] = [None] * len(self.servers)
         self.routed: Routed | None = None  # the last call's batch, routed
         self.replies: list[torch.Tensor] = []
+        self.averaged: torch.Tensor | None = None  # the dense gradients the servers averaged
 
     def call(self, batch: Batch | None) -> list[torch.futures.Future]:
         """The step's calls, one to each server at once: the pending gradients and, unless
@@ -54,50 +57,50 @@ class Tables:
             self.routed = self.router.route(batch)
             requests = self.routed.requests
         futures = [
-            rpc.rpc_async(server, ps.exchange, args=(self.name, grads, ids, lengths))
-            for server, grads, (ids, lengths) in zip(
-                self.servers, self.pending, requests, strict=True
+            rpc.rpc_async(server, ps.exchange, args=(self.name, grads, ids, lengths, dense))
+            for server, grads, (ids, lengths), dense in zip(
+                self.servers, self.pending, requests, self.dense, strict=True
             )
         ]
         self.pending = [None] * len(self.servers)
+        self.dense = [None] * len(self.servers)
         return futures
 
     def pooled(self, futures: list[torch.futures.Future], batch: Batch) -> dict[str, torch.Tensor]:
         """The tables' pooled embeddings of `batch` (the last called) from the replies, whose
         gradients the backward fills in."""
         assert self.routed is not None, "pooled before a call with a batch"
-        self.replies = [f.wait().requires_grad_() for f in futures]
+        replies = self._replies(futures)
+        self.replies = [r.requires_grad_() for r in replies]
         return self.router.pool(self.replies, self.routed, batch)
 
-    def backward_done(self) -> None:
+    def _replies(self, futures: list[torch.futures.Future]) -> list[torch.Tensor]:
+        """The replies' pooled embeddings; their pieces of the averaged dense gradients, if
+        any, joined into `averaged`."""
+        got = [f.wait() for f in futures]
+        pieces = [mean for _, mean in got if mean is not None]
+        self.averaged = torch.cat(pieces) if pieces else None
+        return [pooled for pooled, _ in got]
+
+    def take_averaged(self) -> torch.Tensor | None:
+        """The averaged dense gradients the last replies brought, once (None: none came)."""
+        averaged, self.averaged = self.averaged, None
+        return averaged
+
+    def backward_done(self, dense: torch.Tensor | None) -> None:
         """The backward has run: the replies' gradients go with the next call (zeros for a
-        table the dense model left unused: every server waits for every trainer's)."""
+        table the dense model left unused: every server waits for every trainer's), and
+        `dense` (the dense model's gradients, flat), if given, a piece to each server."""
         self.pending = [torch.zeros_like(r) if r.grad is None else r.grad for r in self.replies]
         self.replies = []
+        if dense is not None:
+            self.dense = list(torch.tensor_split(dense.cpu(), len(self.servers)))
 
     def flush(self) -> None:
         """Send the pending gradients alone, so the servers step (before an evaluation, a
         checkpoint, the end)."""
         if any(g is not None for g in self.pending):
-            torch.futures.wait_all(self.call(None))
-
-
-class DenseStep:
-    """The dense model's optimizer step on a step's gradients (DDP averaged them), deferred
-    until the next step's calls are in flight (it needs no dense weights), so the two overlap."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer, self.due = optimizer, False
-
-    def defer(self) -> None:
-        self.due = True
-
-    def flush(self) -> None:
-        """Take the deferred step, if any: before the dense forward, a checkpoint, the end."""
-        if self.due:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.due = False
+            self._replies(self.call(None))
 
 
 def _device(env: Env) -> torch.device:
@@ -118,7 +121,7 @@ class Trainer:
     dataset: samples.Samples
     loss_fn: workloads.Loss
     module: nn.Module  # the dense model
-    dense: nn.Module  # the module in DDP
+    buffers: list[torch.Tensor]  # its buffers rank 0 broadcasts before each forward
     initial: list[torch.Tensor]  # the module's parameters before the first step
     optimizer: torch.optim.Optimizer
     dense_step: DenseStep
@@ -157,7 +160,7 @@ def _set_up(env: Env[HybridSpec], resume: dict[str, Any] | None) -> Trainer:
     spec = env.spec
     device = _device(env)
     dataset, loss_fn = workloads.hybrid_data(spec), workloads.loss(spec)
-    module, dense, optimizer = _dense_model(spec, dataset, device, resume)
+    module, optimizer = _dense_model(spec, dataset, device, resume)
     router = Router(spec)
     # Every step reads one batch of batchSize x trainers.max (at any trainer count), each
     # trainer its share, from where the checkpoint's world stopped (samples consumed).
@@ -172,10 +175,10 @@ def _set_up(env: Env[HybridSpec], resume: dict[str, Any] | None) -> Trainer:
         dataset=dataset,
         loss_fn=loss_fn,
         module=module,
-        dense=dense,
+        buffers=kept_buffers(module),
         initial=[p.detach().clone() for p in module.parameters()],
         optimizer=optimizer,
-        dense_step=DenseStep(optimizer),
+        dense_step=DenseStep(module, optimizer),
         router=router,
         tables=Tables(env, router),
         replicated=Replicated(spec, device, resume),
@@ -187,27 +190,20 @@ def _set_up(env: Env[HybridSpec], resume: dict[str, Any] | None) -> Trainer:
 
 def _dense_model(
     spec: HybridSpec, dataset: samples.Samples, device: torch.device, resume: dict[str, Any] | None
-) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
-    """The dense module (restored from the checkpoint with `resume`), the same module in DDP,
-    and its optimizer (the servers step the tables)."""
-    torch.manual_seed(spec.seed)  # DDP broadcasts rank 0's dense weights: runs repeat
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The dense module (restored from the checkpoint with `resume`), at DDP rank 0's
+    weights on every trainer, and its optimizer (the servers step the tables)."""
+    torch.manual_seed(spec.seed)  # every rank makes the same weights: runs repeat
     module = workloads.hybrid_dense(spec, len(samples.first(dataset)[0])).to(device)
     restored = None
-    if resume is not None:  # before DDP, which starts from rank 0's weights: the saved ones
+    if resume is not None:
         restored = checkpoint.load_part(resume["directory"], resume["dense"])
         module.load_state_dict(restored["model"])
-    # DDP broadcasts rank 0's buffers before every forward: a collective a step. A buffer
-    # kept out of the state (DLRM's pair indices) is made alike on every rank: left out.
-    kept = module.state_dict().keys()
-    made = [name for name, _ in module.named_buffers() if name not in kept]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, made)
-    dense = DistributedDataParallel(
-        module, device_ids=[device.index] if device.type == "cuda" else None
-    )
+    broadcast_weights(module)  # rank 0's, as DDP would
     optimizer = optim.build(spec.optimizer, module.named_parameters())
     if restored is not None:
         checkpoint.load_optimizer_state(optimizer, module, restored["optimizers"]["dense"])
-    return module, dense, optimizer
+    return module, optimizer
 
 
 def _loop(t: Trainer, first: int) -> Trained:
@@ -292,6 +288,7 @@ def _flush(t: Trainer) -> None:
     """The servers and the dense optimizer take their pending steps (before an evaluation, a
     checkpoint, the end)."""
     t.tables.flush()
+    t.dense_step.defer(t.tables.take_averaged())
     t.dense_step.flush()
 
 
@@ -334,17 +331,21 @@ def _step(
     rpc_calls: profiling.RpcCalls = contextlib.nullcontext,
     step: int = 0,
 ) -> torch.Tensor:
-    """One step; `rpc_calls` wraps its calls to the servers, not DDP's parts. The backward is
-    of the loss times `weight` (the trainer's share, `_loop`); the dense layer's step (on
-    gradients DDP averaged across the trainers during the backward) is deferred to overlap
-    the next step's calls. Returns the loss times `weight`. A loss that is not finite stops
-    the job before its backward changes anything (runtime/nonfinite.py)."""
+    """One step; `rpc_calls` wraps its calls to the servers. The backward is of the loss
+    times `weight` (the trainer's share, `_loop`). The dense model's gradients are averaged
+    over the trainers by the crossing the step makes anyway: the replicated tables' all-reduce
+    if there are any, else the servers, in the next step's calls (their replies bring the
+    average); the dense step on them comes before the next dense forward. Returns the loss
+    times `weight`. A loss that is not finite stops the job before its backward changes
+    anything (runtime/nonfinite.py)."""
     with rpc_calls():  # open until the replies: they bring the remote ops' profile
-        futures = t.tables.call(batch)
-        t.dense_step.flush()  # the previous step's, while the calls are in flight
-        pooled = t.tables.pooled(futures, batch)
+        pooled = t.tables.pooled(t.tables.call(batch), batch)
+    t.dense_step.defer(t.tables.take_averaged())
+    t.dense_step.flush()
+    for buffer in t.buffers:  # as DDP does before a forward
+        dist.broadcast(buffer, 0)
     pooled |= t.replicated.pooled(batch)
-    out = evaluate.forward(t.env.spec, t.dense, batch, pooled, t.device)
+    out = evaluate.forward(t.env.spec, t.module, batch, pooled, t.device)
     loss = t.loss_fn(out, batch.labels.to(t.device))
     if not nonfinite.finite(loss):
         raise nonfinite.NonFiniteError(
@@ -352,7 +353,10 @@ def _step(
         )
     loss = loss * weight if weight != 1.0 else loss
     loss.backward()
-    t.tables.backward_done()
-    t.replicated.step(t.env.ddp_world_size or 1)
-    t.dense_step.defer()
+    dense = t.dense_step.gradients()
+    if t.replicated.optimizer is not None:  # an all-reduce anyway: the dense gradients join it
+        t.dense_step.defer(t.replicated.step(t.env.ddp_world_size or 1, dense))
+        t.tables.backward_done(None)
+    else:
+        t.tables.backward_done(dense)
     return loss

@@ -4,6 +4,8 @@ statuses through the API as a kubelet would."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from harness import jobs
@@ -265,6 +267,40 @@ def test_suspend_removes_the_world_and_resume_brings_it_back(cluster, operator):
     api.wait("no pods", lambda: jobs.pods(api, JOB) == [], 20)
     api.patch(jobs.resource("PipelineJob"), JOB, {"spec": {"suspend": False}}, NS)
     world(api)
+    assert phase(api, "Pending")["status"]["restarts"] == 0
+
+
+def test_a_job_resumed_while_its_old_pods_terminate_spends_no_restart(cluster, operator):
+    """Resumed before its suspended world's pods are gone (each holds a finalizer, as a pod in
+    its grace period stays): the world made again under the same number waits for their names,
+    and their going is no member's failure."""
+    api, resource = cluster.api, jobs.resource("PipelineJob")
+    jobs.create(api, pipeline())
+    old = {p["metadata"]["uid"] for p in world(api)}
+    for name in WORLD:
+        api.patch(PODS, name, {"metadata": {"finalizers": ["test.pipejob.dev/hold"]}}, NS)
+    api.patch(resource, JOB, {"spec": {"suspend": True}}, NS)
+    phase(api, "Suspended")
+
+    def terminating() -> bool:
+        return all(p["metadata"].get("deletionTimestamp") for p in jobs.pods(api, JOB))
+
+    def status() -> dict:
+        return jobs.get(api, "PipelineJob", JOB)["status"]
+
+    def renewed() -> bool:
+        pods = jobs.pods(api, JOB)
+        return bool(pods) and not {p["metadata"]["uid"] for p in pods} & old
+
+    api.wait("the old pods terminating", terminating, 20)
+    resumed = api.patch(resource, JOB, {"spec": {"suspend": False}}, NS)["metadata"]
+    api.wait("the resume seen", lambda: status()["observedGeneration"] == resumed["generation"], 20)
+    time.sleep(2)  # a few reconciles while the old pods terminate
+    for name in WORLD:
+        api.patch(PODS, name, {"metadata": {"finalizers": None}}, NS)
+    api.wait("a new world's first pod", renewed, 20)
+    assert status()["restarts"] == 0, status()["conditions"]
+    world(api)  # made again under number 0
     assert phase(api, "Pending")["status"]["restarts"] == 0
 
 

@@ -223,6 +223,26 @@ def test_the_new_world_waits_for_the_old_pods_to_go():
     assert acts.create[0]["metadata"]["labels"][kube.RESTART_LABEL] == "1"
 
 
+@pytest.mark.parametrize("edit", ["resumed", "shrunk"])
+def test_a_world_made_again_under_its_number_waits_for_the_old_pods_without_a_restart(edit):
+    # Resumed, or of an edited spec: the new world has the old one's number and pod names.
+    sim = started(stages=3)
+    sim.job["spec"]["suspend" if edit == "resumed" else "stages"] = True if edit == "resumed" else 2
+    acts = sim.reconcile()
+    for pod in acts.delete:  # the API server keeps them while they terminate
+        pod["metadata"]["deletionTimestamp"] = "2025-01-02T03:05:00Z"
+        sim.pods[pod["metadata"]["name"]] = pod
+    sim.job["spec"]["suspend"] = False
+    for _ in range(3):
+        assert sim.reconcile().create == []
+        assert not st.is_true(sim.status, "Created")  # the terminating pods are not this world's
+    sim.pods.clear()
+    sim.reconcile()
+    assert {kube.restart_of(p) for p in sim.pods.values()} == {0}
+    sim.run_all()
+    assert sim.status["restarts"] == 0 and sim.status["phase"] != "Restarting"
+
+
 def test_the_first_pod_to_fail_is_blamed():
     sim = started(stages=2)
     sim.set_phase("j-master-0", "Failed", 1, finished="2025-01-02T03:06:00Z")

@@ -284,7 +284,13 @@ def _create_missing(seen: Observed, acts: Actions, others: bool) -> None:
             acts.policy = kube.network_policy(job, namespace, owner, seen.policy)
         acts.podgroup = gang.podgroup(job, seen.planned, namespace, owner)
         acts.events.append(Event(NORMAL, "CreatedPods", _created_message(acts.create, seen)))
-    present = [p for p in seen.planned if p["metadata"]["name"] in seen.by_name]
+    # A world made again under its number (resumed, or of an edited spec) finds the old one's
+    # pods still terminating under the same names: they are not this world's pods.
+    present = [
+        p
+        for p in seen.planned
+        if (pod := seen.by_name.get(p["metadata"]["name"])) is not None and not st.deleting(pod)
+    ]
     if len(present) + len(acts.create) == len(seen.planned) and not st.is_true(
         seen.old, st.CREATED
     ):

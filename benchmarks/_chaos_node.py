@@ -1,9 +1,11 @@
-"""The stand-in node of benchmarks/chaos.py: no trainer runs; every pod it sees goes Running,
-and a world's master stands in for its trainer. It steps at its job's pace from the newest
-checkpoint where its pod mounts the job's checkpoint.path (the claim of that volume: the
-job's disk, kept across worlds; a pod without it has only its own filesystem), writes one
-every checkpoint.everySteps steps, and exits 0 at the last step. The run's faults change
-pods through it (`set_status`), so it never revives a pod they ended."""
+"""The stand-in nodes of benchmarks/chaos.py: no trainer runs; every pod it sees is bound to
+node hash(name) % NODES and goes Running, and a pod deleted goes GRACE later (its containers
+stopping, as a kubelet ends a graceful deletion), so that a world made again finds the old
+one's pods still terminating. A world's master stands in for its trainer. It steps at its
+job's pace from the newest checkpoint where its pod mounts the job's checkpoint.path (the
+claim of that volume: the job's disk, kept across worlds; a pod without it has only its own
+filesystem), writes one every checkpoint.everySteps steps, and exits 0 at the last step. The
+run's faults change pods through it (`set_status`), so it never revives a pod they ended."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import sys
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 
 from _chaos_checks import WorkKept
@@ -22,6 +25,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from harness.client import Api, ApiError  # noqa: E402  (the tests' harness lives in tests/)
 
 JOB_LABEL = "pipejob.dev/job"
+NODES = 4  # pods are on node hash(name) % NODES: a lost node takes its share
+GRACE = 0.5  # seconds a deleted pod's containers take to stop
 
 
 @dataclass
@@ -63,6 +68,7 @@ class Node:
         self.pods: dict[str, dict] = {}
         self.worlds: dict[str, World] = {}  # by the master pod's uid
         self.disks: dict[str, int] = {}  # the newest checkpoint's step, by place
+        self.stopping: dict[str, float] = {}  # pods being deleted, by uid: since when
         self.lock = threading.Lock()
         self.watch = api.watch("v1/pods", NAMESPACE)
         threading.Thread(target=self._watch, daemon=True).start()
@@ -75,6 +81,7 @@ class Node:
                     self._stop(pod["metadata"]["uid"], time.monotonic())
                 if kind == "DELETED":
                     self.pods.pop(pod["metadata"]["name"], None)
+                    self.stopping.pop(pod["metadata"]["uid"], None)
                 else:
                     self.pods[pod["metadata"]["name"]] = pod
 
@@ -117,13 +124,16 @@ class Node:
         return False
 
     def tick(self, now: float) -> None:
-        """Pending pods start; masters step, and those at their last step finish."""
+        """Pending pods are bound and start; masters step, and those at their last step
+        finish; a deleted pod goes once its containers have had GRACE to stop."""
         for name, pod in self.snapshot().items():
             phase = (pod.get("status") or {}).get("phase") or "Pending"
             if pod["metadata"].get("deletionTimestamp"):
+                self._end_deletion(pod, now)
                 continue
             if phase == "Pending":
-                self.set_status(name, {"phase": "Running"})
+                if self._bind(pod):
+                    self.set_status(name, {"phase": "Running"})
                 continue
             with self.lock:
                 uid = pod["metadata"]["uid"]
@@ -132,9 +142,43 @@ class Node:
             if done:
                 self.set_status(name, ended(0, "Completed"))
 
+    def _bind(self, pod: dict) -> bool:
+        """Bind the pod (that very one: by its uid) to its node; False if it went meanwhile."""
+        meta = pod["metadata"]
+        if pod["spec"].get("nodeName"):
+            return True
+        binding = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": meta["name"], "uid": meta["uid"]},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node_of(meta["name"])},
+        }
+        try:
+            self.api.request(
+                "POST", f"/api/v1/namespaces/{NAMESPACE}/pods/{meta['name']}/binding", binding
+            )
+        except ApiError:
+            return False
+        return True
+
+    def _end_deletion(self, pod: dict, now: float) -> None:
+        """The kubelet's part of a graceful deletion, GRACE after it began: remove the pod."""
+        uid = pod["metadata"]["uid"]
+        with self.lock:
+            since = self.stopping.setdefault(uid, now)
+        if now - since >= GRACE:
+            options = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
+            with contextlib.suppress(ApiError):  # gone already, or another pod of that name
+                self.api.delete("v1/pods", pod["metadata"]["name"], NAMESPACE, options)
+
     def snapshot(self) -> dict[str, dict]:
         with self.lock:
             return dict(self.pods)
+
+
+def node_of(pod: str) -> str:
+    """The node a pod of that name runs on."""
+    return f"node-{zlib.crc32(pod.encode()) % NODES}"
 
 
 def ended(code: int, reason: str, message: str = "") -> dict:

@@ -2,10 +2,11 @@
 the tests use (tests/harness), under faults drawn from a seed, with invariants checked all
 along and at the end (issue 60).
 
-A stand-in node runs no trainer: it marks each pod Running, and a world's master stands in for
-its trainer: it steps at its job's pace from the newest checkpoint on the job's checkpoint
-volume (as its pod mounts it), writes one every checkpoint.everySteps steps, and exits 0 at
-the last step (benchmarks/_chaos_node.py). Over `--minutes` the faults come: the API server
+Stand-in nodes run no trainer: they bind each pod and mark it Running, end a deleted pod's
+graceful deletion a moment later, and a world's master stands in for its trainer: it steps at
+its job's pace from the newest checkpoint on the job's checkpoint volume (as its pod mounts
+it), writes one every checkpoint.everySteps steps, and exits 0 at the last step
+(benchmarks/_chaos_node.py). Over `--minutes` the faults come: the API server
 answering the operator 500, 429 (Retry-After), 409 to updates or 410 Gone to watches, or
 slowly; the operator SIGKILLed and restarted; a member killed (exit 137), OOM-killed, or
 frozen (its watchdog's verdict: exit 6, "stalled: ..."); a node lost (its pods marked
@@ -18,8 +19,10 @@ of its job (benchmarks/_chaos_checks.py).
 
     python benchmarks/chaos.py --seed 1 --jobs 50 --minutes 10
 
-prints the faults and each invariant's verdict; exits 1 on a violation. The seed fixes the
-schedule (the operator's timing varies)."""
+prints the faults and each invariant's verdict (and, for a job counted wrong, what befell it);
+exits 1 on a violation. The seed fixes the schedule (benchmarks/_chaos_schedule.py); which pod
+or job a fault hits depends on what the cluster holds at its moment (the operator's timing
+varies)."""
 
 from __future__ import annotations
 
@@ -27,12 +30,12 @@ import argparse
 import contextlib
 import functools
 import random
+import re
 import shutil
 import sys
 import tempfile
 import threading
 import time
-import zlib
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -46,7 +49,8 @@ from _chaos_checks import (
     left_behind,
 )
 from _chaos_checks import one_pod_per_rank as check_ranks
-from _chaos_node import Node, ended
+from _chaos_node import NODES, Node, ended, node_of
+from _chaos_schedule import Fault, Schedule
 from _cluster import NAMESPACE, LeanApiServer, Operator
 from _common import REPO
 
@@ -58,7 +62,6 @@ from harness.cluster import Cluster  # noqa: E402
 from pipejob.core.contract import STALLED_PREFIX, ExitCode  # noqa: E402
 from pipejob.core.kinds import KINDS  # noqa: E402
 
-NODES = 4  # pods are on node hash(name) % NODES: a lost node takes its share
 LEFT = ("v1/pods", "v1/services", "networking.k8s.io/v1/networkpolicies")
 
 
@@ -116,7 +119,12 @@ class Chaos:
 
     def __init__(self, args: argparse.Namespace, c: Cluster, tmp: Path):
         self.args, self.c, self.tmp = args, c, tmp
-        self.rng = random.Random(args.seed)
+        # The seed fixes the schedule: when each job comes and what it is, when each fault
+        # comes, its kind, and its own draws (how long, which job, pod or node), so that one
+        # fault finding more or fewer candidates shifts no other (Schedule). `rng`: the draws
+        # of the fault being injected.
+        self.schedule = Schedule(args)
+        self.rng = random.Random()
         self.pace: dict[str, float] = {}  # seconds a step, by job
         self.work = WorkKept()
         self.node = Node(c.api, self.pace, self.work)
@@ -126,6 +134,8 @@ class Chaos:
         self.suspended: set[str] = set()
         self.faults: dict[str, Counter] = defaultdict(Counter)
         self.injected: Counter = Counter()
+        self.skipped = 0  # faults of the schedule that found nothing to act on
+        self.trail: dict[str, list[str]] = defaultdict(list)  # what befell each job, when
         self.ranks = Check("never two live pods of one rank of a world")
         self.crashes = Check("the operator never exits by itself")
         self.operator = self._operator()
@@ -136,8 +146,9 @@ class Chaos:
     def create(self, i: int) -> None:
         name, kind = f"chaos-{i}", ("PipelineJob", "HybridJob")[i % 2]
         self.kinds[name] = kind
-        job = manifest(name, kind, self.rng)
-        self.pace[name] = self.rng.uniform(3, self.args.train) / job["spec"]["steps"]
+        draws = self.schedule.job_draws[i]
+        job = manifest(name, kind, draws)
+        self.pace[name] = draws.uniform(3, self.args.train) / job["spec"]["steps"]
         jobs.create(self.c.api, job, NAMESPACE)
 
     def live_jobs(self) -> list[str]:
@@ -189,11 +200,13 @@ class Chaos:
         return f"pod {name} {how}"
 
     def node_lost(self) -> str | None:
+        """A node lost with the pods it ran: each marked disrupted, then deleted, the very one
+        on it (by its uid: a pod of that name made meanwhile is another node's)."""
         k = self.rng.randrange(NODES)
         gone = [
             (name, p)
-            for name, p in self.node.snapshot().items()
-            if zlib.crc32(name.encode()) % NODES == k
+            for name, p in sorted(self.node.snapshot().items())
+            if node_of(name) == f"node-{k}"
         ]
         disrupted = {
             "type": "DisruptionTarget",
@@ -205,11 +218,16 @@ class Chaos:
             if self.node.set_status(name, {"conditions": [disrupted]}):
                 self.faults[job]["node"] += 1
                 self.faults[job]["member"] += 1  # a pod deleted while it runs is a failure too
+            elif _oom_killed(pod):  # its OOM kill, deleted before the operator saw it, is
+                self.faults[job]["member"] += 1  # a plain failure to it: a pod deleted
         time.sleep(0.5)
-        for name, _ in gone:
+        for name, pod in gone:
+            # No kubelet there to end it: forced, as the pod garbage collector does.
+            only = {"gracePeriodSeconds": 0, "preconditions": {"uid": pod["metadata"]["uid"]}}
             with contextlib.suppress(ApiError):
-                self.c.api.delete("v1/pods", name, NAMESPACE)
-        return f"node {k} lost with {len(gone)} pods" if gone else None
+                self.c.api.delete("v1/pods", name, NAMESPACE, only)
+        names = ", ".join(name for name, _ in gone)
+        return f"node {k} lost with its pods {names}" if gone else None
 
     def edit(self, what: str) -> str | None:
         candidates = [j for j in self.live_jobs() if (what == "resumed") == (j in self.suspended)]
@@ -237,7 +255,9 @@ class Chaos:
         with self.statuses.lock:
             return (self.statuses.latest.get(job) or {}).get("phase")
 
-    def inject(self) -> None:
+    def inject(self, fault: Fault) -> None:
+        """Inject `fault` with its own draws; one that finds nothing to act on is skipped."""
+        self.rng = fault.draws()
         kinds = {
             "api-500": lambda: self.api(500),
             "api-429": lambda: self.api(429),
@@ -254,29 +274,31 @@ class Chaos:
             "job-resume": lambda: self.edit("resumed"),
             "job-delete": lambda: self.edit("deleted"),
         }
-        kind = self.rng.choice(sorted(kinds))
-        done = kinds[kind]()
-        if done is not None:
-            self.injected[kind] += 1
-            if self.args.verbose:
-                say(f"  {time.monotonic() - self.start:7.1f}s {kind}: {done}")
+        done = kinds[fault.kind]()
+        if done is None:
+            self.skipped += 1
+            return
+        self.injected[fault.kind] += 1
+        said = f"{time.monotonic() - self.start:7.1f}s {fault.kind}: {done}"
+        for job in set(re.findall(r"chaos-\d+", done)):
+            self.trail[job].append(said)
+        if self.args.verbose:
+            say(f"  {said}")
 
     # --- the run -------------------------------------------------------------------------
 
     def run(self) -> None:
         self.start = time.monotonic()
         window = self.args.minutes * 60
-        born = sorted(self.rng.uniform(0, 0.7 * window) for _ in range(self.args.jobs - 1))
-        born = [0.0, *born][: self.args.jobs]
-        next_fault = self.rng.expovariate(1 / self.args.gap)
-        made = 0
+        born, faults = self.schedule.born, self.schedule.faults
+        made = drawn = 0
         while (now := time.monotonic() - self.start) < window:
             while made < len(born) and born[made] <= now:
                 self.create(made)
                 made += 1
-            if now >= next_fault:
-                self.inject()
-                next_fault = now + self.rng.expovariate(1 / self.args.gap)
+            while drawn < len(faults) and faults[drawn].at <= now:
+                self.inject(faults[drawn])
+                drawn += 1
             self.step()
         self.c.faults.until = 0.0  # the faults stop; every suspended job resumes
         for job in sorted(self.suspended - self.deleted):
@@ -317,6 +339,9 @@ class Chaos:
         with self.statuses.lock:
             latest = {j: s for j, s in self.statuses.latest.items() if j not in self.deleted}
         counted_right(latest, self.faults, counts)
+        for job in sorted(j for j in latest if any(j + ":" in v for v in counts.violations)):
+            said = {k: latest[job].get(k) for k in ("restarts", "preemptions", "oomKills")}
+            say(f"{job}: {said} after {dict(self.faults[job])}: " + "; ".join(self.trail[job]))
         phases = all_finished(
             {j: latest.get(j, {}) for j in self.live_jobs()}, self.deleted, finished
         )
@@ -324,6 +349,12 @@ class Chaos:
         self.crashes.checked = self.ranks.checked
         history = self.statuses.history.check
         return [self.ranks, gone, history, counts, finished, self.work.check, self.crashes]
+
+
+def _oom_killed(pod: dict) -> bool:
+    """Whether the pod's trainer was killed for memory (as the run's member-oom ends it)."""
+    states = (pod.get("status") or {}).get("containerStatuses") or [{}]
+    return (states[0].get("state") or {}).get("terminated", {}).get("reason") == "OOMKilled"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.keep_log:
                 shutil.copy(Path(tmp) / "operator.log", args.keep_log)
     say(
-        f"faults injected ({sum(chaos.injected.values())}): "
-        + ", ".join(f"{k} x{n}" for k, n in sorted(chaos.injected.items()))
+        f"faults injected ({sum(chaos.injected.values())}, {chaos.skipped} more found nothing"
+        " to act on): " + ", ".join(f"{k} x{n}" for k, n in sorted(chaos.injected.items()))
     )
     for check in checks:
         say(f"  {check.name}: {check.verdict()}")

@@ -6,6 +6,7 @@ hand: docs/user-guide.md)."""
 from __future__ import annotations
 
 import sys
+from argparse import Namespace
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _chaos_checks as checks  # noqa: E402
 import chaos  # noqa: E402
 from _chaos_node import checkpoint_place  # noqa: E402
+from _chaos_schedule import FAULT_KINDS, Schedule  # noqa: E402
 
 from harness.apiserver import Faults  # noqa: E402
 from pipejob.core.spec import parse  # noqa: E402
@@ -92,6 +94,19 @@ def test_the_stand_in_trainer_resumes_from_the_disk_every_world_of_the_job_mount
         assert checkpoint_place(pod_obj) == ("claim j-checkpoints:/checkpoints", every, steps)
     del second["spec"]["containers"][0]["volumeMounts"]
     assert checkpoint_place(second)[0] == "pod b:/checkpoints"
+
+
+def test_a_seed_fixes_the_whole_schedule_of_jobs_and_faults() -> None:
+    """Drawn up front: the same seed, the same jobs and faults (times, kinds, each fault's own
+    draws), whatever a run makes of them; another seed, another schedule."""
+    run = Namespace(seed=4, jobs=50, minutes=10, gap=3)
+    one, two = Schedule(run), Schedule(run)
+    assert one.born == two.born and len(one.born) == 50 and one.born[0] == 0
+    assert [d.random() for d in one.job_draws] == [d.random() for d in two.job_draws]
+    assert one.faults == two.faults and 150 < len(one.faults) < 250  # one every 3 s or so
+    assert {f.kind for f in one.faults} == set(FAULT_KINDS)
+    assert [f.draws().random() for f in one.faults] == [f.draws().random() for f in two.faults]
+    assert Schedule(Namespace(seed=5, jobs=50, minutes=10, gap=3)).faults != one.faults
 
 
 def test_the_api_server_answers_the_operator_each_fault_as_asked() -> None:

@@ -145,13 +145,13 @@ class Stage(Shard):
     def _micro_loss(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss, as the schedule asks for it on the last stage: the job's
         loss of the model's output, weighted for the step (1 / micro-batches, / rounds, x
-        fp16's loss scale)."""
+        fp16's loss scale; a weight of 1 is no op, nor its backward)."""
         assert self._loss is not None and self._loss[0] is not None  # given to the last stage
         loss_fn, weight = self._loss
         with self.counting():
             loss = loss_fn(self.modules[-1].rebuild(output), target)
         self._losses.append(loss.detach())
-        return loss * weight
+        return loss if weight == 1.0 else loss * weight
 
     def train(
         self,

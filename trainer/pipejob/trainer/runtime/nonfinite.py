@@ -60,9 +60,8 @@ class RoundChecks:
     """A training round's forward outputs, each checked (`sum_checks`) when it is given
     (`add`) or, where `deferred`, at `check`: where the process waits anyway (a pipelining
     stage as it waits for gradients), not between a forward and its send. The outputs wait
-    only until their own backward is received (a last piece's, which receives none, until
-    the backward after their own, or the round's end), as torch's stage holds them that
-    long."""
+    only until their own backward is received (on GPipe's last piece, which receives none,
+    until that backward has run), as torch's stage holds them that long."""
 
     def __init__(self, deferred: bool = False):
         self.deferred = deferred

@@ -268,7 +268,8 @@ EVENTS: list[str] = []  # on a stage process: its forwards' sends and the rounds
 
 def _note_sends_and_takes() -> None:
     """Note, in EVENTS, each forward's sends (as the schedule asks for them, just before
-    it posts them) and each training round the first stage takes (reads, its labels sent)."""
+    it posts them) and each training round the first stage takes (reads, its labels sent),
+    with the parts its reader keeps the round's inputs in."""
     sends, take = Timed.get_fwd_send_ops, Stage._take_round
 
     def sending(piece: Timed, chunk: int) -> list[Any]:
@@ -276,8 +277,9 @@ def _note_sends_and_takes() -> None:
         return sends(piece, chunk)
 
     def taking(stage: Stage, round: int, *args: Any) -> None:
-        EVENTS.append(f"take {round}")
         take(stage, round, *args)
+        parts = sum(1 for r, _ in stage.reader._inputs if r == round)
+        EVENTS.append(f"take {round} in {parts}")
 
     Timed.get_fwd_send_ops, Stage._take_round = sending, taking  # type: ignore[method-assign]
 
@@ -382,10 +384,14 @@ def test_steps_sent_ahead_compute_what_steps_one_after_the_other_do(tmp_path: Pa
     for a, b in zip(alone_prints, judged_prints, strict=True):
         assert torch.equal(a, b)
     # On GPipe the first stage takes a call's next round as it waits for gradients, once its
-    # forwards are sent: not between its last forward and that forward's send.
+    # forwards are sent: not between its last forward and that forward's send. Rounds read
+    # in a call are kept whole (the schedule splits them), the first, read before, in parts.
     rounds = sorted({int(e.split()[1]) for e in got["events"]})
     assert len(rounds) == AHEAD_STEPS
-    assert got["events"] == [e for r in rounds for e in (f"take {r}", f"send {r}", f"send {r}")]
+    parts = {r: 2 if r == rounds[0] else 1 for r in rounds}
+    assert got["events"] == [
+        e for r in rounds for e in (f"take {r} in {parts[r]}", f"send {r}", f"send {r}")
+    ]
 
 
 LABELS = [

@@ -134,6 +134,9 @@ class Shard:
     # The rpc engine's GPU stage computes on a thread and stream of its own (gpu_worker.py).
     gpu: GpuWorker | None = None
     average: ema.Average | None = None  # spec.ema's (keep_average)
+    # The step's gradients are the parameters' .grad (the pipelining engine's), which the
+    # optimizer reads itself: no mapping of them is made for its step.
+    grads_in_place = False
 
     def __init__(
         self,
@@ -316,14 +319,15 @@ class Shard:
         """The shard's fingerprint: equal in every replica (replicas must stay identical)."""
         return fingerprint(self.layers)
 
-    def step_optimizer(self, grads: dict[str, torch.Tensor], lr: float | None) -> None:
-        """Step the shard's parameters with the step's gradients `grads` (`gradients`), with
-        the schedule's learning rate `lr` (None: the optimizer's own)."""
+    def step_optimizer(self, grads: dict[str, torch.Tensor] | None, lr: float | None) -> None:
+        """Step the shard's parameters with the step's gradients `grads` (`gradients`; None:
+        the parameters' .grad, where `grads_in_place`), with the schedule's learning rate
+        `lr` (None: the optimizer's own)."""
         assert self.optimizer is not None, "this stage was built without an optimizer"
         if lr is not None:
             set_lr(self.optimizer, lr)
         params = self.parameters_by_name
-        self.optimizer.step({params[n]: g for n, g in grads.items()})
+        self.optimizer.step(None if grads is None else {params[n]: g for n, g in grads.items()})
         if self.average is not None:  # spec.ema: after every applied step
             self.average.update()
 
@@ -352,7 +356,7 @@ class Shard:
         if apply:
             grads = self.gradients(context_id)
             gradients.scale(grads, coefficient)
-            self.step_optimizer(grads, lr)
+            self.step_optimizer(None if self.grads_in_place else grads, lr)
         if zero:
             assert self.optimizer is not None, "this stage was built without an optimizer"
             self.optimizer.zero_grad()

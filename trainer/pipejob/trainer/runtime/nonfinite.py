@@ -60,23 +60,28 @@ class RoundChecks:
     """A training round's forward outputs, each checked (`sum_checks`) when it is given
     (`add`) or, where `deferred`, at `check`: where the process waits anyway (a pipelining
     stage as it waits for gradients), not between a forward and its send. The outputs wait
-    only until their own backward is received, as torch's stage holds them that long."""
+    only until their own backward is received (on GPipe's last piece, which receives none,
+    until that backward has run), as torch's stage holds them that long."""
 
     def __init__(self, deferred: bool = False):
         self.deferred = deferred
         self._checks: list[torch.Tensor] = []
         self._outputs: list[Any] = []
+        self._checked = 0  # outputs of the round checked so far
 
     def add(self, output: Any) -> None:
         self._outputs.append(output)
         if not self.deferred:
             self.check()
 
-    def check(self) -> None:
-        """Check the outputs given since the last check."""
-        for output in self._outputs:
+    def check(self, before: int | None = None) -> None:
+        """Check the outputs given since the last check; with `before`, only those of the
+        round's first `before` forwards."""
+        count = len(self._outputs) if before is None else max(0, before - self._checked)
+        for output in self._outputs[:count]:
             self._checks += sum_checks(output)
-        self._outputs.clear()
+        del self._outputs[:count]
+        self._checked += count
 
     def joined(self) -> torch.Tensor:
         """Whether every output of the round is finite (all checked first; `joined`)."""

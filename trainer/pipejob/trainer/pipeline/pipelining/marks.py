@@ -1,6 +1,6 @@
 """When a pipelining stage computes: each training forward and backward of a micro-batch
 marked on its device's timeline (timing.Clock), by step, and folded into the step's busy
-seconds (timing.step_seconds) once its round has ended, for the summary's per-stage times
+seconds (timing.busy_seconds) once its round has ended, for the summary's per-stage times
 and bubble."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-from pipejob.trainer.pipeline.timing import Clock, only, step_seconds
+from pipejob.trainer.pipeline.timing import Clock, busy_seconds, only
+
+Pairs = list[tuple[Any, Any]]  # [start, end] marks of micro-batches' forwards or backwards
 
 
 class Marks:
@@ -22,7 +24,9 @@ class Marks:
         self._lock = threading.Lock()
         self.step: int | None = None
         self._training = False  # a training round is running (its step's marks still come)
-        self._events: dict[int, list[dict[str, list[Any]]]] = {}
+        # Per step, its forwards' and its backwards' [start, end] marks: kept as pairs in
+        # two lists, not an entry per interval, as a tiny stage's step pays for each.
+        self._pairs: dict[int, tuple[Pairs, Pairs]] = {}
         self._totals: dict[int, tuple[float, float, float]] = {}
 
     def begin(self, step: int | None, training: bool = False) -> None:
@@ -44,11 +48,14 @@ class Marks:
 
     def interval(self, what: str, start: Any) -> None:
         """Mark a forward or backward (`what`) of one micro-batch, from `start` (`mark`) to
-        now, in its step's events."""
+        now, in its step's marks."""
         end = self._clock.mark()
         with self._lock:
             if self.step is not None:
-                self._events.setdefault(self.step, []).append({what: [start, end]})
+                pairs = self._pairs.get(self.step)
+                if pairs is None:
+                    pairs = self._pairs[self.step] = ([], [])
+                pairs[what != "forward"].append((start, end))
 
     def timings(self, step: int | None = None) -> dict[int, tuple[float, float, float]]:
         """Per step (every one folded, or only `step`): its forward, backward and busy
@@ -61,9 +68,15 @@ class Marks:
             return only(self._totals, step)
 
     def _fold(self, step: int) -> None:
-        events = self._events.pop(step, [])
-        marks = [m for e in events for pair in e.values() for m in pair]
-        at = dict(zip(map(id, marks), self._clock.seconds(marks), strict=True))
-        self._totals[step] = step_seconds(
-            [{k: [at[id(m)] for m in pair] for k, pair in e.items()} for e in events]
+        """Step `step`'s forward, backward and busy seconds: lengths of unions of its
+        intervals (backwards of micro-batches interleave in the autograd engine)."""
+        forward, backward = self._pairs.pop(step, ([], []))
+        if self._clock.cuda:
+            at = iter(self._clock.seconds([m for pair in forward + backward for m in pair]))
+            forward = [(next(at), next(at)) for _ in forward]
+            backward = [(next(at), next(at)) for _ in backward]
+        self._totals[step] = (
+            busy_seconds(forward),
+            busy_seconds(backward),
+            busy_seconds(forward + backward),
         )

@@ -40,6 +40,7 @@ class LabelsOut:
 
     def __init__(self, group: Any):
         self.group = group
+        self._last = _rank(group, dist.get_world_size(group) - 1)
         self._sending: list[tuple[Any, torch.Tensor]] = []  # the sends under way, their data
 
     def send(self, labels: torch.Tensor) -> None:
@@ -56,9 +57,8 @@ class LabelsOut:
         shape = [*labels.shape, *[0] * (MOST_DIMS - labels.dim())]
         header = torch.tensor([DTYPES.index(labels.dtype), labels.dim(), *shape]).view(torch.uint8)
         parts = [torch.cat([header, data])] if HEADER + data.numel() <= ROOM else [header, data]
-        last = _rank(self.group, dist.get_world_size(self.group) - 1)
         self._sending = [
-            (dist.isend(part, last, group=self.group, tag=LABELS), part) for part in parts
+            (dist.isend(part, self._last, group=self.group, tag=LABELS), part) for part in parts
         ]
 
 

@@ -44,6 +44,8 @@ class Stage(Shard):
     `Part`) as PipelineStages, the job's schedule over them, and the optimizer that steps
     them."""
 
+    grads_in_place = True  # Shard's: its gradients are in .grad
+
     def __init__(
         self,
         part: Part | nn.Module,
@@ -143,13 +145,13 @@ class Stage(Shard):
     def _micro_loss(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss, as the schedule asks for it on the last stage: the job's
         loss of the model's output, weighted for the step (1 / micro-batches, / rounds, x
-        fp16's loss scale)."""
+        fp16's loss scale; a weight of 1 is no op, nor its backward)."""
         assert self._loss is not None and self._loss[0] is not None  # given to the last stage
         loss_fn, weight = self._loss
         with self.counting():
             loss = loss_fn(self.modules[-1].rebuild(output), target)
         self._losses.append(loss.detach())
-        return loss * weight
+        return loss if weight == 1.0 else loss * weight
 
     def train(
         self,
@@ -240,7 +242,10 @@ class Stage(Shard):
 
     def _round_loss(self) -> float | None:
         """The round's loss on the last stage (the mean of its micro-batches'), else None."""
-        return torch.stack(self._losses).mean().item() if self.last else None
+        if not self.last:
+            return None
+        one = len(self._losses) == 1  # the mean of one is itself, without two more ops
+        return (self._losses[0] if one else torch.stack(self._losses).mean()).item()
 
     def ride_in(self, ops: list[Any], micro_batch: int) -> list[Any]:
         """A schedule's receives of `micro_batch`'s gradients, with those of the figures of
@@ -262,10 +267,10 @@ class Stage(Shard):
         return [norm, 0.0 if loss is None else loss, float(self.last)]
 
     def _take_round(self, round: int, read: int | None, samples: int) -> None:
-        """On the first stage process: training round `round` read (as `read` micro-batches;
-        None: given before the call), its labels passed on to the last (messages.py)."""
+        """On the first stage process: training round `round` read (`read` None: given before
+        the call), whole (its schedule splits it), its labels passed on to the last."""
         if read is not None:
-            self.reader.read_planned(round, read, samples)
+            self.reader.read_planned(round, 1, samples)
         self._taken = round
         if self._labels_out is not None:
             self._labels_out.send(self.reader.labels(round))
@@ -327,12 +332,12 @@ class Stage(Shard):
         if self.marks.step is not None:
             self._checks.add(output)
 
-    def waits(self, piece: int) -> None:
-        """Piece `piece` is about to wait for a micro-batch's gradients: the work that need
-        not delay a send of activations is done now, not between a forward and its send
-        (on 4 stages at one micro-batch, 0.3-0.7 ms a step on the first stage): the
-        forwards' outputs checked, and on the first piece the call's next round taken."""
-        self._checks.check()
+    def waits(self, piece: int, micro_batch: int) -> None:
+        """Piece `piece` is about to wait for `micro_batch`'s gradients: what need not delay
+        a send is done now: the outputs checked (on GPipe's last piece, only those whose
+        backward was sent), and on the first piece the call's next round taken."""
+        late = self.last and self.schedule == schedules.GPIPE  # every forward came first
+        self._checks.check(micro_batch if late else None)
         if piece == 0 and self._next is not None:
             self._take_round(*self._next)
             self._next = None

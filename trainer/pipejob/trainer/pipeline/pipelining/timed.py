@@ -38,7 +38,7 @@ class Timed(PipelineStage):
         return output
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
-        self.owner.waits(self.stage_index)  # what need not delay a send, done as it waits
+        self.owner.waits(self.stage_index, bwd_chunk_id)  # what need not delay a send
         return self.owner.ride_in(super().get_bwd_recv_ops(bwd_chunk_id), bwd_chunk_id)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:

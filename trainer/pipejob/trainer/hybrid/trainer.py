@@ -40,7 +40,7 @@ class Tables:
 
     def __init__(self, env: Env, router: Router):
         self.name, self.router = env.rpc_name, router
-        names = env.names("ps")
+        names = ps.server_names(env)
         self.servers = [names[i] for i in router.servers]
         self.pending: list[torch.Tensor | None] = [None] * len(self.servers)
         self.dense: list[torch.Tensor | None] = [None] * len(self.servers)
@@ -57,7 +57,7 @@ class Tables:
             self.routed = self.router.route(batch)
             requests = self.routed.requests
         futures = [
-            rpc.rpc_async(server, ps.exchange, args=(self.name, grads, ids, lengths, dense))
+            self._exchange(server, grads, ids, lengths, dense)
             for server, grads, (ids, lengths), dense in zip(
                 self.servers, self.pending, requests, self.dense, strict=True
             )
@@ -65,6 +65,13 @@ class Tables:
         self.pending = [None] * len(self.servers)
         self.dense = [None] * len(self.servers)
         return futures
+
+    def _exchange(self, server: str, *args: torch.Tensor | None) -> torch.futures.Future:
+        """One server's call: over RPC, or, to the server this process runs
+        (spec.serversInTrainers), a direct call, its pooled embeddings detached as RPC's are."""
+        if server != self.name:
+            return rpc.rpc_async(server, ps.exchange, args=(self.name, *args))
+        return ps.hosted().exchange(self.name, *args).then(_detached)
 
     def pooled(self, futures: list[torch.futures.Future], batch: Batch) -> dict[str, torch.Tensor]:
         """The tables' pooled embeddings of `batch` (the last called) from the replies, whose
@@ -101,6 +108,14 @@ class Tables:
         checkpoint, the end)."""
         if any(g is not None for g in self.pending):
             self._replies(self.call(None))
+
+
+def _detached(
+    reply: torch.futures.Future,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A direct call's reply as one over RPC: its pooled embeddings without the server's graph."""
+    pooled, mean = reply.value()
+    return None if pooled is None else pooled.detach(), mean
 
 
 def _device(env: Env) -> torch.device:

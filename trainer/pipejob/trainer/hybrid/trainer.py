@@ -56,15 +56,15 @@ class Tables:
         else:
             self.routed = self.router.route(batch)
             requests = self.routed.requests
-        futures = [
-            self._exchange(server, grads, ids, lengths, dense)
-            for server, grads, (ids, lengths), dense in zip(
-                self.servers, self.pending, requests, self.dense, strict=True
-            )
-        ]
+        calls = list(zip(self.servers, self.pending, requests, self.dense, strict=True))
+        futures: list[torch.futures.Future | None] = [None] * len(calls)
+        # The calls over RPC leave first; a call to this process's own server runs here.
+        for k in sorted(range(len(calls)), key=lambda k: self.servers[k] == self.name):
+            server, grads, (ids, lengths), dense = calls[k]
+            futures[k] = self._exchange(server, grads, ids, lengths, dense)
         self.pending = [None] * len(self.servers)
         self.dense = [None] * len(self.servers)
-        return futures
+        return [f for f in futures if f is not None]
 
     def _exchange(self, server: str, *args: torch.Tensor | None) -> torch.futures.Future:
         """One server's call: over RPC, or, to the server this process runs

@@ -68,10 +68,11 @@ class Tables:
 
     def _exchange(self, server: str, *args: torch.Tensor | None) -> torch.futures.Future:
         """One server's call: over RPC, or, to the server this process runs
-        (spec.serversInTrainers), a direct call, its pooled embeddings detached as RPC's are."""
+        (spec.serversInTrainers), a direct call (its pooled embeddings, fresh and without a
+        graph, are the reply's as RPC would copy them)."""
         if server != self.name:
             return rpc.rpc_async(server, ps.exchange, args=(self.name, *args))
-        return ps.hosted().exchange(self.name, *args).then(_detached)
+        return ps.hosted().exchange(self.name, *args)
 
     def pooled(self, futures: list[torch.futures.Future], batch: Batch) -> dict[str, torch.Tensor]:
         """The tables' pooled embeddings of `batch` (the last called) from the replies, whose
@@ -108,14 +109,6 @@ class Tables:
         checkpoint, the end)."""
         if any(g is not None for g in self.pending):
             self._replies(self.call(None))
-
-
-def _detached(
-    reply: torch.futures.Future,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A direct call's reply as one over RPC: its pooled embeddings without the server's graph."""
-    pooled, mean = reply.value()
-    return None if pooled is None else pooled.detach(), mean
 
 
 def _device(env: Env) -> torch.device:

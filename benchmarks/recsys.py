@@ -44,15 +44,19 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
-def manifest(logs: str, trainers: int, servers: int, args: argparse.Namespace) -> dict:
+def manifest(
+    logs: str, trainers: int, servers: int, args: argparse.Namespace, in_trainers: bool = False
+) -> dict:
+    """The benchmark's HybridJob; `in_trainers`: its servers in the trainers' processes."""
     tables = [{"name": name, "rows": args.rows, "dim": 16} for name in TABLES]
     return {
         "apiVersion": "pipejob.dev/v1alpha1",
         "kind": "HybridJob",
-        "metadata": {"name": f"recsys-{trainers}t-{servers}s"},
+        "metadata": {"name": f"recsys-{trainers}t-{servers}s{'i' if in_trainers else ''}"},
         "spec": {
             "trainers": trainers,
             "parameterServers": servers,
+            "serversInTrainers": in_trainers,
             "embeddings": tables,
             "data": {"criteo": {"train": logs, "val": args.val_logs}},
             "eval": {},  # at the end, after the measured steps
@@ -69,8 +73,17 @@ def manifest(logs: str, trainers: int, servers: int, args: argparse.Namespace) -
     }
 
 
-def hybrid(logs: str, trainers: int, servers: int, stem: Path, args: argparse.Namespace) -> dict:
-    job = manifest(logs, trainers, servers, args)
+def hybrid(
+    logs: str,
+    trainers: int,
+    servers: int,
+    stem: Path,
+    args: argparse.Namespace,
+    in_trainers: bool = False,
+) -> dict:
+    """One HybridJob run through `pipejob run`: its samples, wall and CPU seconds of all its
+    processes, held-out AUC and each process's CPU ms a step."""
+    job = manifest(logs, trainers, servers, args, in_trainers)
     summary, wall, deltas = run_job(
         job, stem, stem.name, args.steps, args.warmup, args.timeout, dict(os.environ)
     )
@@ -196,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--configs",
         default="1x1,2x2,1x2,2x1",
-        help="trainers x servers (none: the one-process runs alone)",
+        help="trainers x servers, with an i for servers in the trainers' processes (2x2i;"
+        " none: the one-process runs alone)",
     )
     ap.add_argument("--quick", action="store_true", help="1 repeat of 30 steps")
     ap.add_argument("--timeout", type=float, default=900)
@@ -209,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--logs needs --val-logs: the held-out lines every run's AUC is measured on")
     if args.quick:
         args.repeats, args.steps, args.warmup = 1, 30, 5
-    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",") if c != "none"]
+    configs = [config(c) for c in args.configs.split(",") if c != "none"]
     say(
         f"recsys: DLRM, 26 tables of {args.rows} x 16, batch {args.batch} a step,"
         f" {args.steps} steps (the first {args.warmup} left out) x {args.repeats}; {machine()};"
@@ -242,10 +256,15 @@ def main(argv: list[str] | None = None) -> int:
                 ("one process", lambda: plain(logs, args)),
                 ("one process, tcmalloc + passive waits", lambda: plain(logs, args, True)),
             ]
-            for t, s in configs:
-                stem = Path(tmp) / f"hybrid-{t}t-{s}s-{repeat}"
-                label = f"HybridJob {t} trainer(s), {s} server(s)"
-                runs.append((label, lambda t=t, s=s, stem=stem: hybrid(logs, t, s, stem, args)))
+            for t, s, inside in configs:
+                stem = Path(tmp) / f"hybrid-{t}t-{s}s{'i' * inside}-{repeat}"
+                label = f"HybridJob {t} trainer(s), {s} server(s){' in them' * inside}"
+                runs.append(
+                    (
+                        label,
+                        lambda t=t, s=s, i=inside, stem=stem: hybrid(logs, t, s, stem, args, i),
+                    )
+                )
             if not args.no_torchrec:
                 runs += [
                     (TORCHREC, lambda: torchrec(logs, args, dict(os.environ))),
@@ -269,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
     report(results)
     return 0
+
+
+def config(word: str) -> tuple[int, int, bool]:
+    """A --configs word: (trainers, servers, servers in the trainers' processes)."""
+    inside = word.endswith("i")
+    trainers, servers = (int(x) for x in word.removesuffix("i").split("x"))
+    return trainers, servers, inside
 
 
 def report(results: dict[str, list[dict]]) -> None:

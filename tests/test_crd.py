@@ -291,6 +291,16 @@ CASES = {
             "checkpoint": {"path": "/c"},
             "elastic": {"pendingSeconds": 5},
         },
+        # servers in the trainers' processes: one per trainer, a number
+        {"trainers": 2, "parameterServers": 2, "serversInTrainers": True},
+        {"trainers": 2, "parameterServers": 1, "serversInTrainers": True},
+        {"trainers": 2, "parameterServers": 1, "serversInTrainers": False},
+        {
+            "trainers": {"min": 2, "max": 2},
+            "parameterServers": 2,
+            "serversInTrainers": True,
+            "checkpoint": {"path": "/c"},
+        },
     ],
 }
 

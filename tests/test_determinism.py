@@ -275,6 +275,24 @@ def without_first_loss(text: bytes) -> bytes:
     return json.dumps(described).encode()
 
 
+# slow: three runs of a world of 6 or 3; the float64 tests of test_hybrid.py run the servers
+# in the trainers' processes against one process
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_servers_in_the_trainers_processes_give_the_same_bits_resumed_too(tmp_path: Path):
+    """spec.serversInTrainers changes where the servers run, not what they compute: the
+    same losses and output bytes as servers of their own, also through a checkpoint the
+    trainers' servers wrote (ps<i>.pt, saved over RPC to themselves) and loaded."""
+    losses, files = run(HYBRID, tmp_path / "own", 150)
+    inside = {**HYBRID, "spec": {**HYBRID["spec"], "serversInTrainers": True}}
+    at = HYBRID["spec"]["steps"] // 2
+    resumed_losses, resumed_files = resumed(inside, tmp_path / "inside", at, 150)
+    assert resumed_losses == losses[at:]
+    for found in (files, resumed_files):  # the run's own first loss, not the model's
+        found["model.json"] = without_first_loss(found["model.json"])
+    assert resumed_files == files
+
+
 # slow: two runs each (a world of 3, 4 or 6); what the resume keeps is held in float64 by
 # test_checkpoint.py, the bits of a step by the two-runs tests above
 @pytest.mark.slow

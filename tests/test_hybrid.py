@@ -128,17 +128,23 @@ if "PIPEJOB_ROLE" in os.environ:  # a member of the world, not the runner
 
 
 @pytest.mark.timeout(200)
-def test_a_split_tables_updates_equal_one_process_s_in_float64(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_trainers", [False, True], ids=["own-pods", "in-trainers"])
+def test_a_split_tables_updates_equal_one_process_s_in_float64(
+    tmp_path: Path, in_trainers: bool
+) -> None:
     """The servers step the rows each step touched, once, with the trainers' averaged
     sparse gradients: after every step the tables (their pieces joined), their Adagrad state
     and the dense part equal one nn.Module of EmbeddingBag(sparse=True) tables stepped by the
-    same optimizers on both trainers' batches together, to float64's rounding."""
+    same optimizers on both trainers' batches together, to float64's rounding; with the
+    servers in their own processes or in the trainers' (a trainer's own server called
+    directly, its checkpoint files named the same)."""
     (tmp_path / "sitecustomize.py").write_text(FLOAT64)
-    manifest = EXACT | {
-        "spec": EXACT["spec"] | {"checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 1}}
-    }
+    saved = {"checkpoint": {"path": str(tmp_path / "ckpt"), "everySteps": 1}}
+    manifest = EXACT | {"spec": EXACT["spec"] | saved | {"serversInTrainers": in_trainers}}
     code, output, summary = run_to_end(manifest, tmp_path, timeout=170)
     assert code == 0, output
+    processes = ["master", *([] if in_trainers else ["ps0", "ps1"]), "trainer0", "trainer1"]
+    assert list(summary["memory"]) == processes, output  # no servers' processes in trainers
     spec = specs.parse(EXACT).settings
     assert [[(p.table, p.start, p.stop) for p in s] for s in spec.placement()] == [
         [("wide", 0, 1500), ("peak", 0, 60)],

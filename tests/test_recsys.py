@@ -17,6 +17,7 @@ import recsys_reference as reference
 import torch
 from safetensors.torch import load_file
 
+from pipejob.core import plan
 from pipejob.core import spec as specs
 from pipejob.core.kinds import tables
 from pipejob.trainer import workloads
@@ -343,6 +344,42 @@ def test_servers_over_the_pods_memory_limit_are_refused_saying_how_many_would_do
     ), e.value.errors[0].reason
     fits = parse(embeddings=wide, parameterServers=8, sparseOptimizer={"name": "adam"}, **limited)
     assert [p.name for s in fits.settings.placement() for p in s][-1] == "wide[:, 56:64]"
+
+
+def test_servers_in_the_trainers_are_one_per_trainer_in_its_pod_and_the_plan_says_so(
+    tmp_path: Path,
+) -> None:
+    """spec.serversInTrainers: the world has no servers' processes, needs one server per
+    trainer (a number), and counts a server's tables in a trainer's memory."""
+    job = parse(embeddings=TABLES, trainers=2, parameterServers=2, serversInTrainers=True)
+    assert [m.rpc_name for m in plan.members(job)] == ["master", "trainer0", "trainer1"]
+    said = "serversInTrainers runs one parameter server in each trainer"
+    for other in ({"parameterServers": 3}, {"trainers": {"min": 1, "max": 2}}):
+        with pytest.raises(specs.InvalidSpec) as e:
+            parse(
+                **{"embeddings": TABLES, "trainers": 2, "parameterServers": 2} | other,
+                serversInTrainers=True,
+                checkpoint={"path": str(tmp_path)},
+            )
+        assert [(x.path, x.reason.split(":")[0]) for x in e.value.errors] == [
+            ("spec.serversInTrainers", said)
+        ], e.value.errors
+    lines = tables.spec_placement_lines(
+        manifest(embeddings=TABLES, parameterServers=2, serversInTrainers=True)["spec"]
+        | {"sparseOptimizer": {"name": "sgd"}}
+    )
+    assert lines[1] == "parameter servers: in the trainers' processes, ps<i> in trainer<i>"
+    # 1.28 GB of table over two: a server alone fits 1.5Gi, beside a trainer's reader not.
+    big = [{"name": "big", "rows": 20_000_000, "dim": 16}]
+    limited = {"template": {"resources": {"limits": {"memory": "1.5Gi"}}}}
+    parse(embeddings=big, trainers=2, parameterServers=2, **limited)
+    with pytest.raises(specs.InvalidSpec) as e:
+        parse(embeddings=big, trainers=2, parameterServers=2, serversInTrainers=True, **limited)
+    [error] = e.value.errors
+    assert error.reason.startswith("ps0 (in trainer0) would hold 640.0 MB"), error.reason
+    assert error.reason.endswith(
+        "give the pods more memory, or the servers pods of their own (serversInTrainers: false)"
+    ), error.reason
 
 
 def tables_of(specs_: list[dict[str, Any]]) -> tuple[tables.Table, ...]:

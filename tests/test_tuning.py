@@ -143,6 +143,19 @@ def test_colocated_compute_counts_the_compute_roles_on_this_host():
     assert tuning.colocated_compute("PipelineJob", PIPELINE_WORLD, [], 0) == 0
 
 
+def test_a_trainer_that_runs_a_server_counts_as_two_compute_roles():
+    """spec.serversInTrainers: 2 trainers each running a server share a host's cores as the
+    4 processes of 2 x 2 do (1 intra-op thread each on 2 cores, not 2: measured, user guide)."""
+    inside = {"serversInTrainers": True}
+    world, local = ["master", "trainer", "trainer"], ["127.0.0.1"] * 3
+    assert tuning.compute_roles("HybridJob", "trainer", inside) == 2
+    assert tuning.compute_roles("HybridJob", "trainer", {}) == 1
+    assert tuning.compute_roles("HybridJob", "master", inside) == 0
+    assert tuning.colocated_compute("HybridJob", world, local, 1, inside) == 4
+    assert tuning.colocated_compute("HybridJob", world, [], 1, inside) == 2  # a pod of its own
+    assert decide("HybridJob", "trainer", 0, 2, 4, ALL).threads == 1
+
+
 def test_compute_roles_oversubscribe_only_a_share_under_two_cores():
     assert decide("PipelineJob", "stage", 0, 2, 2, ALL).threads == 2
     assert decide("PipelineJob", "stage", 0, 16, 8, ALL).threads == 2  # a share of 2: its own

@@ -27,10 +27,17 @@ class Role:
     computes: bool = False  # does the model's arithmetic (gets the cores, see tuning)
     # Bound by the latency of many small RPCs: keeps TensorPipe's busy-polling transport.
     latency_bound: bool = False
+    # (a boolean spec field, a role): where the field is true, the members run inside that
+    # role's processes, one in each (a HybridJob's servers in its trainers), none of their own.
+    inside: tuple[str, str] | None = None
 
     def members(self, spec: Spec) -> int:
-        """Members of one replica."""
-        return 1 if self.count is None else spec[self.count]
+        """Members of one replica with processes of their own (none when `hosted`)."""
+        return 0 if self.hosted(spec) else 1 if self.count is None else spec[self.count]
+
+    def hosted(self, spec: Spec) -> str | None:
+        """The role whose processes run this role's members under `spec`; None: their own."""
+        return self.inside[1] if self.inside is not None and spec.get(self.inside[0]) else None
 
     def copies(self, spec: Spec) -> int:
         """Copies of the role's members: its replicas, or 1."""

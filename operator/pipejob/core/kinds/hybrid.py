@@ -22,7 +22,7 @@ from pipejob.core.kind import Group, Kind, Role, Spec, column
 from pipejob.core.kinds import replication, tables
 from pipejob.core.kinds.hybrid_memory import memory_errors
 from pipejob.core.kinds.sparse import EPS, SPARSE_OPTIMIZER, SparseOptimizer
-from pipejob.core.kinds.tables import MAX_SERVERS, Table
+from pipejob.core.kinds.tables import MAX_SERVERS, SERVERS_IN_TRAINERS, Table
 from pipejob.core.schema import Field, Rule, SpecError, apply, integer, integer_list
 from pipejob.core.workload import ARGS, args_need_import, import_field
 
@@ -124,6 +124,7 @@ HYBRID_SPEC = Field(
             minimum=1,
             maximum=MAX_SERVERS,
         ),
+        "serversInTrainers": SERVERS_IN_TRAINERS,
         "embedding": EMBEDDING,
         "embeddings": Field(
             "array",
@@ -254,20 +255,21 @@ HYBRID_SPEC = Field(
         ),
         needs_checkpoint("trainers"),
         elastic_acts("trainers"),
+        tables.SERVERS_IN_TRAINERS_RULE,
         *COMMON_RULES,
     ),
 )
 
 
 def _has_real_data(spec: dict[str, Any]) -> bool:
-    data = spec.get("data") or {}
-    return "file" in data or "import" in data or "criteo" in data
+    return bool({"file", "import", "criteo"} & set(spec.get("data") or {}))
 
 
 @dataclass(frozen=True, kw_only=True)
 class HybridSpec(CommonSpec):
     trainers: Size  # the world runs at a size the plan gives; the batch is max's
     parameter_servers: int
+    servers_in_trainers: bool  # trainer i's process runs ps i
     embeddings: tuple[Table, ...]  # spec.embedding, when given, as its one table
     sparse_optimizer: SparseOptimizer
     dense: Dense
@@ -313,10 +315,9 @@ class Embedding:
 
 
 def _completed(spec: Spec) -> Spec:
-    """The DDP backend follows the GPUs unless the user chose it; spec.embedding (by default
-    when neither is given) becomes its one table in spec.embeddings, fed by the bags' ids;
-    a table's feature is its name unless given; the sparse optimizer's lr and eps are filled
-    in; a table placed `auto` is replicated or sharded (core/kinds/replication.py)."""
+    """The DDP backend follows the GPUs unless chosen; spec.embedding (the default) becomes
+    its one table in spec.embeddings, fed by the bags' ids; a feature is its table's name unless
+    given; the sparse lr and eps filled in; `auto` tables placed (core/kinds/replication.py)."""
     if "backend" not in spec:
         spec["backend"] = "nccl" if spec["gpusPerTrainer"] > 0 else "gloo"
     if "embeddings" not in spec:
@@ -336,10 +337,8 @@ def _completed(spec: Spec) -> Spec:
 
 def _spec_errors(spec: Spec) -> list[SpecError]:
     """The built-in DLRM's one width, Criteo's feature names, and the servers' memory."""
-    errors = []
-    embeddings = spec["embeddings"]
-    recommends = "embedding" not in spec
-    if recommends and "import" not in spec["dense"]:
+    errors, embeddings = [], spec["embeddings"]
+    if "embedding" not in spec and "import" not in spec["dense"]:  # the built-in DLRM
         dim = embeddings[0]["dim"]
         errors += [
             SpecError(
@@ -361,12 +360,6 @@ def _spec_errors(spec: Spec) -> list[SpecError]:
     return errors + memory_errors(spec)
 
 
-def _placement_lines(spec: Spec) -> list[str]:
-    """`pipejob plan`'s lines on the tables."""
-    optimizer = spec["sparseOptimizer"]["name"]
-    return tables.placement_lines(tables.spec_tables(spec), spec["parameterServers"], optimizer)
-
-
 HYBRID_JOB = Kind(
     name="HybridJob",
     plural="hybridjobs",
@@ -378,7 +371,13 @@ HYBRID_JOB = Kind(
     settings=HybridSpec,
     roles=(
         Role("master"),
-        Role("ps", count="parameterServers", computes=True, latency_bound=True),
+        Role(
+            "ps",
+            count="parameterServers",
+            computes=True,
+            latency_bound=True,
+            inside=("serversInTrainers", "trainer"),
+        ),
         Role("trainer", count="trainers", gpus="gpusPerTrainer", computes=True, latency_bound=True),
     ),
     groups=(Group("ddp", "trainer", backend=lambda spec: spec["backend"]),),
@@ -395,6 +394,6 @@ HYBRID_JOB = Kind(
     ),
     complete=_completed,
     check=_spec_errors,
-    describe=_placement_lines,
+    describe=tables.spec_placement_lines,
     elastic="trainers",
 )

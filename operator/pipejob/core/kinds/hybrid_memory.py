@@ -98,6 +98,11 @@ def _replica_error(
 def _server_errors(spec: Spec, fits: int, where: str) -> list[SpecError]:
     servers = spec["parameterServers"]
     optimizer, typed = spec["sparseOptimizer"]["name"], tables.spec_tables(spec)
+    in_trainers, extra = bool(spec.get("serversInTrainers")), 0
+    if in_trainers:  # the trainer's reader and replicated tables share the process
+        copies = sum(tables.replica_bytes(t, optimizer) for _, t in replicas(spec))
+        extra = tables.trainer_needs(lanes(spec), copies) - tables.PROCESS_BYTES
+        fits -= extra
     server, held = tables.fullest(typed, servers, optimizer)
     if tables.server_needs(held) <= fits:
         return []
@@ -110,16 +115,19 @@ def _server_errors(spec: Spec, fits: int, where: str) -> list[SpecError]:
         None,
     )
     advice = "give the pods more memory"
-    if enough:
+    if in_trainers:  # its count is the trainers'
+        advice += ", or the servers pods of their own (serversInTrainers: false)"
+    elif enough:
         advice = f"use {enough} parameterServers ({_split_at(typed, enough, optimizer)})"
     return [
         SpecError(
             "spec.parameterServers",
             (
-                f"ps{server} would hold {tables.size(held)} of tables and {optimizer} state"
+                f"ps{server}{f' (in trainer{server})' if in_trainers else ''} would hold"
+                f" {tables.size(held)} of tables and {optimizer} state"
                 f" ({_largest_table(spec, typed, optimizer)}) and need about"
-                f" {tables.size(tables.server_needs(held))} with what the process holds besides"
-                f" them, over {where}: {advice}"
+                f" {tables.size(tables.server_needs(held) + extra)} with what the process"
+                f" holds besides them, over {where}: {advice}"
             ),
         )
     ]

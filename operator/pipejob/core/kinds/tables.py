@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipejob.core.common import from_spec
-from pipejob.core.schema import Field
+from pipejob.core.schema import Field, Rule
 
 MAX_SERVERS = 64  # spec.parameterServers at the most
 FLOAT_BYTES = 4  # tables and their optimizer state are float32
@@ -33,6 +33,25 @@ STATE_FLOATS = {
     "rowwiseAdagrad": lambda dim: 1,  # its mean over the row, one per row
     "adam": lambda dim: 2 * dim,  # both moments, per element (one per table, not per trainer)
 }
+
+SERVERS_IN_TRAINERS = Field(
+    "boolean",
+    "Run the parameter servers inside the trainers' processes, one in each (parameterServers"
+    " must equal trainers, a number): a trainer's call to its own server crosses no process,"
+    " and the servers have no pods of their own (their memory counts in the trainers' pods).",
+    default=False,
+)
+SERVERS_IN_TRAINERS_RULE = Rule(
+    "!self.serversInTrainers || (type(self.trainers) == int &&"
+    " self.parameterServers == self.trainers)",
+    "serversInTrainers runs one parameter server in each trainer: trainers must be a number"
+    " (not elastic) and parameterServers equal to it",
+    "serversInTrainers",
+    lambda s: (
+        not s.get("serversInTrainers")
+        or (isinstance(s["trainers"], int) and s["parameterServers"] == s["trainers"])
+    ),
+)
 
 
 PLACEMENT = Field(
@@ -243,8 +262,18 @@ def worth_replicating(table: Table, batch: int) -> bool:
     return table.rows * (table.dim + 1) <= batch * table.dim
 
 
-def placement_lines(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[str]:
-    """The tables' bytes, and each server's pieces (`big[0:500000], c2`), as words."""
+def spec_placement_lines(spec: dict[str, Any]) -> list[str]:
+    """`pipejob plan`'s lines on a completed HybridJob spec's tables."""
+    optimizer = spec["sparseOptimizer"]["name"]
+    servers, in_trainers = spec["parameterServers"], bool(spec.get("serversInTrainers"))
+    return placement_lines(spec_tables(spec), servers, optimizer, in_trainers)
+
+
+def placement_lines(
+    tables: tuple[Table, ...], servers: int, optimizer: str, in_trainers: bool = False
+) -> list[str]:
+    """The tables' bytes, and each server's pieces (`big[0:500000], c2`), as words;
+    `in_trainers`: the servers run in the trainers' processes (spec.serversInTrainers)."""
     weights = sum(t.rows * t.dim * FLOAT_BYTES for t in tables)
     state = sum(table_bytes(t, optimizer) for t in tables) - weights
     out = [
@@ -252,6 +281,8 @@ def placement_lines(tables: tuple[Table, ...], servers: int, optimizer: str) -> 
         f" {optimizer} state",
         f"{'server':<8} {'bytes':>12}  tables (rows start:stop, or [:, columns], where split)",
     ]
+    if in_trainers:
+        out.insert(1, "parameter servers: in the trainers' processes, ps<i> in trainer<i>")
     for s, pieces in enumerate(place(tables, servers, optimizer)):
         named = ", ".join(p.name for p in pieces)
         out.append(f"{f'ps{s}':<8} {size(server_bytes(pieces, optimizer)):>12}  {named or '-'}")

@@ -140,7 +140,7 @@ def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> No
         [own, *files],
         seconds + time.perf_counter() - start,
         trainerCount=len(env.names("trainer")),
-        parameterServers=len(env.names("ps")),
+        parameterServers=env.spec.parameter_servers,
         model=model_writer.model_spec(env.spec),
         metrics=model_writer.metrics(reports.evaluation or {}),
     )

@@ -30,7 +30,9 @@ def train(env: Env[HybridSpec]) -> dict[str, Any]:
     began = time.perf_counter()
     # Making a large table's rows takes a while: no RPC timeout (0) on it.
     trainers = len(env.names("trainer"))
-    _wait_all([rpc.rpc_async(s, ps.start, args=(trainers,), timeout=0) for s in env.names("ps")])
+    _wait_all(
+        [rpc.rpc_async(s, ps.start, args=(trainers,), timeout=0) for s in ps.server_names(env)]
+    )
     found = checkpoint.latest_for(env)
     resume = None if found is None else _resume(env, found)
     first = 0 if resume is None else resume["step"]
@@ -62,15 +64,16 @@ def _log_start(env: Env[HybridSpec], began: float) -> None:
     """The line that starts training: the steps, the trainers, each server's tables and the
     seconds since `began` that making them took."""
     spec = env.spec
-    servers, trainers = env.names("ps"), env.names("trainer")
+    trainers = env.names("trainer")
     sizes = [
         tables.size(tables.server_bytes(p, spec.sparse_optimizer.name)) for p in spec.placement()
     ]
+    hosts = [f" in {t}" if spec.servers_in_trainers else "" for t in ps.server_names(env)]
+    held = (f"ps{i}{h} ({b})" for i, (h, b) in enumerate(zip(hosts, sizes, strict=True)))
     world.log(
         env,
         f"training {spec.steps} steps x {spec.batch_size} samples on"
-        f" {', '.join(trainers)}; {len(spec.embeddings)} table(s) on"
-        f" {', '.join(f'{s} ({b})' for s, b in zip(servers, sizes, strict=True))},"
+        f" {', '.join(trainers)}; {len(spec.embeddings)} table(s) on {', '.join(held)},"
         f" made in {time.perf_counter() - began:.1f}s",
     )
 
@@ -101,11 +104,9 @@ def _summary(
 ) -> dict[str, Any]:
     """The run's summary, with each server's figures and the loss at each logged step; its
     lines logged."""
-    servers = env.names("ps")
-    figures = _wait_all([rpc.rpc_async(s, ps.figures, timeout=0) for s in servers])
-    summary = summarize(
-        env, results, dict(zip(servers, figures, strict=True)), first, reports.evaluation
-    )
+    figures = _wait_all([rpc.rpc_async(s, ps.figures, timeout=0) for s in ps.server_names(env)])
+    per_server = {f"ps{i}": f for i, f in enumerate(figures)}  # in a trainer's process too
+    summary = summarize(env, results, per_server, first, reports.evaluation)
     summary["losses"] = list(reports.losses.values())  # at each logged step
     for line in render(summary):
         world.log(env, line)
@@ -127,7 +128,7 @@ def _write_model(
         "steps": spec.steps,
     }
     first = results[env.names("trainer")[0]]
-    rows = model_writer.live_rows(env.names("ps"), spec.placement(), first["replicated"])
+    rows = model_writer.live_rows(ps.server_names(env), spec.placement(), first["replicated"])
     paths = model_writer.write(
         meta["model"], spec.output.path, spec.output.format, rows, first["dense"], meta
     )
@@ -153,7 +154,10 @@ def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
     directory = str(found.directory)
     entries = model_writer.server_entries(found.manifest)
     _wait_all(
-        [rpc.rpc_async(s, ps.load, args=(directory, entries), timeout=0) for s in env.names("ps")]
+        [
+            rpc.rpc_async(s, ps.load, args=(directory, entries), timeout=0)
+            for s in ps.server_names(env)
+        ]
     )
     own = found.load("master.pt")
     checkpoint.set_rng_state(own["rng"])
@@ -162,7 +166,7 @@ def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
     manifest = found.manifest
     shape = {
         "trainer(s)": (manifest.get("trainerCount"), len(env.names("trainer"))),
-        "parameter server(s)": (manifest["parameterServers"], len(env.names("ps"))),
+        "parameter server(s)": (manifest["parameterServers"], len(ps.server_names(env))),
     }
     other = [f"{saved} {what}" for what, (saved, now) in shape.items() if saved not in (None, now)]
     world.log(

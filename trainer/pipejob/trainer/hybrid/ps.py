@@ -18,27 +18,11 @@ from torch import Tensor, nn
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.core.kinds.tables import Piece
 from pipejob.trainer.hybrid import sparse_optimizers
-from pipejob.trainer.hybrid.pooling import Pooled, pool, row_gradients
+from pipejob.trainer.hybrid.pooling import Pooled, groups, pool, row_gradients
 from pipejob.trainer.runtime import checkpoint, world
 from pipejob.trainer.workloads.recsys import BLOCK, initial_rows
 
 Future = torch.futures.Future
-
-
-def pooling(mode: str) -> str:
-    """How a server pools a piece of a table of `mode`."""
-    return "max" if mode == "max" else "sum"
-
-
-def groups(pieces: list[Piece]) -> list[tuple[str, int, list[int]]]:
-    """Runs of a server's pieces pooled alike, of one width: (pooling, dim, piece indices)."""
-    out: list[tuple[str, int, list[int]]] = []
-    for k, p in enumerate(pieces):
-        if out and out[-1][:2] == (pooling(p.mode), p.dim):
-            out[-1][2].append(k)
-        else:
-            out.append((pooling(p.mode), p.dim, [k]))
-    return out
 
 
 def group_parameter(
@@ -335,7 +319,14 @@ def _finish(ready: list[tuple[Future, Any, BaseException | None]]) -> None:
 _SERVER: Server | None = None
 
 
-def _server() -> Server:
+def server_names(env: world.Env[HybridSpec]) -> list[str]:
+    """The RPC names of the processes that run ps0, ps1, ...: the servers' own, or the
+    trainers' (spec.serversInTrainers: trainer i runs ps i)."""
+    return env.names("trainer" if env.spec.servers_in_trainers else "ps")
+
+
+def hosted() -> Server:
+    """The parameter server this process runs (a server's, or a trainer's hosting one)."""
     assert _SERVER is not None, "a call for a parameter server reached one not started"
     return _SERVER
 
@@ -357,22 +348,23 @@ def exchange(
     lengths: torch.Tensor | None,
     dense: torch.Tensor | None,
 ) -> Future:
-    return _server().exchange(trainer, grads, ids, lengths, dense)
+    return hosted().exchange(trainer, grads, ids, lengths, dense)
 
 
 @rpc.functions.async_execution
 def held_out(ids: torch.Tensor, lengths: torch.Tensor) -> Future:
     """Pooled embeddings for evaluation: no graph kept, nothing stepped."""
-    server = _server()
+    server = hosted()
     return server.read(lambda: server.lookup(ids, lengths, None))
 
 
 @rpc.functions.async_execution
 def save(directory: str) -> Future:
-    """Write this server's pieces and their optimizer state as <rpc name>.pt in
-    `directory`; its manifest entry."""
-    server, name = _server(), world.current().rpc_name
-    return server.read(lambda: checkpoint.save_part(directory, f"{name}.pt", server.state()))
+    """Write this server's pieces and their optimizer state as ps<index>.pt in `directory`
+    (in a trainer's process too); its manifest entry."""
+    server = hosted()
+    name = f"ps{server.index}.pt"
+    return server.read(lambda: checkpoint.save_part(directory, name, server.state()))
 
 
 def load(directory: str, entries: list[dict[str, Any]]) -> None:
@@ -384,16 +376,16 @@ def load(directory: str, entries: list[dict[str, Any]]) -> None:
         if path.stat().st_size != entry["bytes"]:
             raise checkpoint.CheckpointError(f"{path}: not the size its manifest says")
         saved.append((entry["name"], torch.load(path, mmap=True, weights_only=True)))
-    _server().load(saved)
+    hosted().load(saved)
 
 
 @rpc.functions.async_execution
 def rows(k: int, start: int, stop: int) -> Future:
-    server = _server()
+    server = hosted()
     return server.read(lambda: server.rows(k, start, stop))
 
 
 @rpc.functions.async_execution
 def figures() -> Future:
-    server = _server()
+    server = hosted()
     return server.read(server.figures)

@@ -40,7 +40,7 @@ class Tables:
 
     def __init__(self, env: Env, router: Router):
         self.name, self.router = env.rpc_name, router
-        names = env.names("ps")
+        names = ps.server_names(env)
         self.servers = [names[i] for i in router.servers]
         self.pending: list[torch.Tensor | None] = [None] * len(self.servers)
         self.dense: list[torch.Tensor | None] = [None] * len(self.servers)
@@ -56,15 +56,23 @@ class Tables:
         else:
             self.routed = self.router.route(batch)
             requests = self.routed.requests
-        futures = [
-            rpc.rpc_async(server, ps.exchange, args=(self.name, grads, ids, lengths, dense))
-            for server, grads, (ids, lengths), dense in zip(
-                self.servers, self.pending, requests, self.dense, strict=True
-            )
-        ]
+        calls = list(zip(self.servers, self.pending, requests, self.dense, strict=True))
+        futures: list[torch.futures.Future | None] = [None] * len(calls)
+        # The calls over RPC leave first; a call to this process's own server runs here.
+        for k in sorted(range(len(calls)), key=lambda k: self.servers[k] == self.name):
+            server, grads, (ids, lengths), dense = calls[k]
+            futures[k] = self._exchange(server, grads, ids, lengths, dense)
         self.pending = [None] * len(self.servers)
         self.dense = [None] * len(self.servers)
-        return futures
+        return [f for f in futures if f is not None]
+
+    def _exchange(self, server: str, *args: torch.Tensor | None) -> torch.futures.Future:
+        """One server's call: over RPC, or, to the server this process runs
+        (spec.serversInTrainers), a direct call (its pooled embeddings, fresh and without a
+        graph, are the reply's as RPC would copy them)."""
+        if server != self.name:
+            return rpc.rpc_async(server, ps.exchange, args=(self.name, *args))
+        return ps.hosted().exchange(self.name, *args)
 
     def pooled(self, futures: list[torch.futures.Future], batch: Batch) -> dict[str, torch.Tensor]:
         """The tables' pooled embeddings of `batch` (the last called) from the replies, whose

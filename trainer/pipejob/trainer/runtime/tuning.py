@@ -8,6 +8,7 @@ measurements behind it: docs/user-guide.md, "Performance settings"."""
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import os
 import platform
@@ -16,6 +17,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from pipejob.core import contract as c
 from pipejob.core import levers
@@ -88,17 +90,31 @@ def computes(kind: str, role: str) -> bool:
     return KINDS[kind].role(role).computes
 
 
-def colocated_compute(kind: str, roles: Sequence[str], addresses: Sequence[str], rank: int) -> int:
-    """Compute processes of the world (`roles` in rank order) on this process's host (with
-    this one, if it computes). Without addresses every process is taken to have a host of
-    its own."""
+def compute_roles(kind: str, role: str, spec: Mapping[str, Any]) -> int:
+    """The compute roles a process of `role` runs: its own if it computes, and those the spec
+    puts inside it (a HybridJob's trainer with spec.serversInTrainers runs a server too)."""
+    inside = [r for r in KINDS[kind].roles if r.computes and r.hosted(dict(spec)) == role]
+    return int(computes(kind, role)) + len(inside)
+
+
+def colocated_compute(
+    kind: str,
+    roles: Sequence[str],
+    addresses: Sequence[str],
+    rank: int,
+    spec: Mapping[str, Any] | None = None,
+) -> int:
+    """Compute roles of the world (`roles` in rank order; `spec` the job's, for the roles
+    run inside others' processes) on this process's host (with this one's, if it computes).
+    Without addresses every process is taken to have a host of its own."""
+    spec = spec or {}
     if len(addresses) != len(roles):
-        return 1 if computes(kind, roles[rank]) else 0
+        return compute_roles(kind, roles[rank], spec)
     mine = addresses[rank]
     return sum(
-        1
+        compute_roles(kind, role, spec)
         for role, address in zip(roles, addresses, strict=True)
-        if computes(kind, role) and same_host(address, mine)
+        if same_host(address, mine)
     )
 
 
@@ -161,7 +177,8 @@ def for_process(
     kind: str, role: str, rank: int, roles: Sequence[str], gpus: int, environ: Mapping[str, str]
 ) -> Settings:
     addresses = [a for a in environ.get(c.ADDRESSES, "").split(",") if a]
-    colocated = colocated_compute(kind, roles, addresses, rank)
+    spec = json.loads(environ.get(c.SPEC) or "{}")
+    colocated = colocated_compute(kind, roles, addresses, rank, spec)
     enabled = levers.parse(environ.get(TUNING))
     malloc, library = running_malloc()
     settings = decide(kind, role, gpus, available_cpus(), colocated, enabled, malloc)

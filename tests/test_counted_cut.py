@@ -186,7 +186,7 @@ def text(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.timeout(400)
 def test_two_runs_without_split_points_cut_alike_and_write_the_same_bits(text, tmp_path):
     job = lm_job(text, stages=3, engine="pipelining", schedule="1f1b", deterministic=True)
-    assert "splitPoints" not in job["spec"]
+    del job["spec"]["splitPoints"]  # lm_job pins a cut; this test is of the cut counted
     assert_same_bits(job, tmp_path, timeout=300)
     for run in ("a", "b"):  # where assert_same_bits runs them; jobrun names the summary
         summary = json.loads(next((tmp_path / run).glob("*.summary.json")).read_text())

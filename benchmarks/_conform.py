@@ -36,7 +36,7 @@ from _conform_engine import EAGER, auto_engine, said
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from pipejob.trainer.pipeline.fit import fits_model
+from pipejob.trainer.pipeline.shape_check import fits_model
 from pipejob.trainer.runtime import model_files, nonfinite
 from pipejob.trainer.workloads import cut, materialize
 from pipejob.trainer.workloads.cut import CutError, Traced, join, ties, without_cache

@@ -13,7 +13,7 @@ from pipejob.trainer.pipeline import stage_calls
 from pipejob.trainer.pipeline.reader import Reader
 from pipejob.trainer.pipeline.rpc.stage import Stage
 from pipejob.trainer.pipeline.stage_base import Shard
-from pipejob.trainer.runtime import calls
+from pipejob.trainer.runtime import rpc_ledger
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,7 +44,7 @@ def test_a_call_sends_on_stage_and_the_methods_name(monkeypatch: pytest.MonkeyPa
         ("rpc_sync", "stage0", stage_calls.on_reader, (stage, "labels", 3, 5.0)),
     ]
     # The watchdog names an open call as before: "waiting on stage1 ... for on_stage forward".
-    assert calls._call_text(made[0][2], made[0][3]) == "on_stage forward"
+    assert rpc_ledger._call_text(made[0][2], made[0][3]) == "on_stage forward"
 
 
 def test_a_misspelt_method_fails_where_it_is_written() -> None:

@@ -18,7 +18,7 @@ from pipejob.trainer.pipeline import engine_choice
 from pipejob.trainer.pipeline.balance import Host, shape
 from pipejob.trainer.pipeline.counted_cost import MICRO_BATCH_OVERHEAD
 from pipejob.trainer.pipeline.engine_choice import Choice
-from pipejob.trainer.pipeline.fit import fits_model
+from pipejob.trainer.pipeline.shape_check import fits_model
 from pipejob.trainer.pipeline.shards import (
     Partition,
     Shards,
@@ -113,7 +113,7 @@ def checked_inputs(
     env: Env[PipelineSpec], model: nn.Module, loss: workloads.Loss
 ) -> tuple[Any, Any]:
     """The inputs and labels of two samples of the data, once they fit the model (data
-    that does not is refused: fit.py). The first stage of each replica reads the batches
+    that does not is refused: shape_check.py). The first stage of each replica reads the batches
     (pipeline/reader.py): the master reads these two only."""
     spec = env.spec
     with data.Feed(spec) as feed:

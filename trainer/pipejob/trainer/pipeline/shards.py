@@ -18,7 +18,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec, auto_counts
-from pipejob.trainer.pipeline import engine_choice
+from pipejob.trainer.pipeline import engine_choice, peft_output
 from pipejob.trainer.pipeline.balance import (
     Host,
     LayerCosts,
@@ -30,7 +30,7 @@ from pipejob.trainer.pipeline.counted_cost import predict_counted
 from pipejob.trainer.pipeline.engine_choice import Choice
 from pipejob.trainer.pipeline.stage_base import compute_resources
 from pipejob.trainer.pipeline.stage_parts import Part, measure_on_stages, trace
-from pipejob.trainer.runtime import adapters, model_files, tuning
+from pipejob.trainer.runtime import model_files, tuning
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, materialize, models
 
@@ -80,7 +80,7 @@ class Shards:
     # The modules' versions a plain `model.state_dict()` carries (its `_metadata`), for the
     # model file: a fresh build of some modules (MNASNet) loads no state without them.
     metadata: model_files.Metadata | None = None
-    # A peft model's adapters' configs (runtime/adapters.py), for the adapter files.
+    # A peft model's adapters' configs (pipeline/peft_output.py), for the adapter files.
     adapters: dict[str, dict[str, Any]] | None = None
 
     @property
@@ -188,7 +188,7 @@ def plan_shards(
         parts,
         spec.stages,
         model_files.module_metadata(model),
-        adapters.configs(model),
+        peft_output.configs(model),
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from pipejob.core.averaged import BOTH
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, RPC, PipelineSpec
 from pipejob.core.workload import CUT_EAGER, CUT_TRACED
-from pipejob.trainer.pipeline import ema_stages, engine, trained_model
+from pipejob.trainer.pipeline import ema_stages, engine, peft_output, trained_model
 from pipejob.trainer.pipeline.best_step import Judge
 from pipejob.trainer.pipeline.driver import Pipeline, Replicas
 from pipejob.trainer.pipeline.eager import run as eager_run
@@ -26,7 +26,6 @@ from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import render, report_evaluation, stage_report, summarize
 from pipejob.trainer.runtime import (
-    adapters,
     checkpoint,
     memory,
     monitor,
@@ -306,7 +305,7 @@ def write_model(
         metadata=shards.metadata,
     )
     if shards.adapters:  # a peft model: its adapters as peft writes them, merged on request
-        paths += adapters.write(out, shards.adapters, spec.output.merged, shards.config)
+        paths += peft_output.write(out, shards.adapters, spec.output.merged, shards.config)
     elif spec.output.merged:
         world.log(env, "output.merged: the model has no peft adapters; nothing to merge")
     world.log(env, f"model written: {', '.join(str(p) for p in paths)}")

@@ -30,7 +30,7 @@ from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, workloads
 from pipejob.trainer.pipeline import engine_choice
-from pipejob.trainer.pipeline.rpc.driver import Pipeline, forward_backward
+from pipejob.trainer.pipeline.rpc.driver import RpcPipeline, forward_backward
 from pipejob.trainer.pipeline.shards import plan_shards
 from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.runtime import checkpoint, rendezvous, world
@@ -271,7 +271,7 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
 
 
 def _rpc_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple[Any, float, dict]:
-    pipe = Pipeline(names, shards, "cpu", s.precision, s.activation_checkpointing)
+    pipe = RpcPipeline(names, shards, "cpu", s.precision, s.activation_checkpointing)
     with dist_autograd.context() as context_id:
         loss, _ = forward_backward(
             pipe, pipe.read(s.micro_batches, batch), 0, context_id, workloads.loss(s)

@@ -27,7 +27,14 @@ import pytest
 import pipejob.core.kinds
 from pipejob.core import contract as c
 from pipejob.core import spec
-from pipejob.core.common import COMMON, COMMON_RULES, OPERATOR_ONLY, CommonSpec, integer, spec_key
+from pipejob.core.common_spec import (
+    COMMON,
+    COMMON_RULES,
+    OPERATOR_ONLY,
+    CommonSpec,
+    integer,
+    spec_key,
+)
 from pipejob.core.elastic import Size
 from pipejob.core.kind import Group, Kind, Role
 from pipejob.core.kinds import KINDS

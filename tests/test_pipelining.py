@@ -486,7 +486,7 @@ def test_the_loop_runs_steps_back_to_back_up_to_a_checkpoint_an_evaluation_or_a_
             eval={"everySteps": 4},
         )
     ).settings
-    profile = profiling.Settings(frozenset({7}), Path("/tmp/unused"), 10)
+    profile = profiling.ProfileSettings(frozenset({7}), Path("/tmp/unused"), 10)
     spans = [(r.start, r.stop) for r in runs(job, 0, profile, evaluates=True)]
     assert spans == [(0, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 10), (10, 12)]
     # Without an evaluation or a profile, from a resumed step 3.

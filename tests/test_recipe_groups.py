@@ -25,7 +25,7 @@ from torch import nn
 
 from jobrun import master_of, pipeline_job, run_world
 from pipejob.core import plan, spec
-from pipejob.core.common import Optimizer
+from pipejob.core.optimizer import Optimizer
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import engine, summary

@@ -1,4 +1,4 @@
-"""Typed stage calls (pipeline/stage_calls.py): the master names a Stage's or a Reader's method
+"""Typed stage calls (pipeline/stage_calls.py): the master names an RpcStage's or a Reader's method
 itself, a misspelt one fails where it is written, and what travels is `on_stage` (or
 `on_reader`) with the method's name, which the watchdog names an open call by."""
 
@@ -11,7 +11,7 @@ import torch.distributed.rpc as rpc
 
 from pipejob.trainer.pipeline import stage_calls
 from pipejob.trainer.pipeline.reader import Reader
-from pipejob.trainer.pipeline.rpc.stage import Stage
+from pipejob.trainer.pipeline.rpc.stage import RpcStage
 from pipejob.trainer.pipeline.stage_base import Shard
 from pipejob.trainer.runtime import rpc_ledger
 
@@ -32,10 +32,10 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any, Any]]:
 
 def test_a_call_sends_on_stage_and_the_methods_name(monkeypatch: pytest.MonkeyPatch) -> None:
     made = sent(monkeypatch)
-    stage = object()  # stands for the Stage's RRef: only passed along
-    stage_calls.remote_stage("stage1", stage).future(Stage.forward, None, 3, 0, 1, None)
+    stage = object()  # stands for the RpcStage's RRef: only passed along
+    stage_calls.remote_stage("stage1", stage).future(RpcStage.forward, None, 3, 0, 1, None)
     stage_calls.remote_stage("stage0", stage).result(Shard.save, "/tmp/x", "stage0.pt")
-    stage_calls.remote_stage("stage0", stage).rref(Stage.settle, 1, 4)
+    stage_calls.remote_stage("stage0", stage).rref(RpcStage.settle, 1, 4)
     stage_calls.remote_reader("stage0", stage).result(Reader.labels, 3, 5.0)
     assert made == [
         ("rpc_async", "stage1", stage_calls.on_stage, (stage, "forward", None, 3, 0, 1, None)),

@@ -21,7 +21,7 @@ from harness.standin import StandInMaster
 from harness.variants import exhaustive
 from jobrun import JobRun, pipeline_job
 from pipejob.core import contract as c
-from pipejob.core.common import Watchdog
+from pipejob.core.common_spec import Watchdog
 from pipejob.core.plan import plan_world
 from pipejob.core.spec import parse
 from pipejob.runner.local import free_ports

@@ -76,7 +76,7 @@ class Kind:
     short_name: str  # pj
     description: str  # the CRD's
     spec: Field  # the spec table: defaults, validation, the CRD's schema
-    settings: type  # the typed spec the trainer reads (core/common.py: from_spec)
+    settings: type  # the typed spec the trainer reads (core/common_spec.py: from_spec)
     roles: tuple[Role, ...]  # in RPC rank order; the first is the master, rank 0
     # Module whose `run(env, checked)` runs every role of this kind in a pod, and whose
     # `export_checkpoint(directory, manifest, out, format)` is `pipejob export` of its checkpoints.

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from pipejob.core import scheduling as sch
-from pipejob.core.common import PENDING_SECONDS
+from pipejob.core.common_spec import PENDING_SECONDS
 from pipejob.core.elastic import elastic_size
 from pipejob.core.plan import Member, members, plan_world
 from pipejob.core.spec import Job

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec
+from pipejob.core.common_spec import COMMON, COMMON_RULES, CommonSpec
 from pipejob.core.data_sources import HYBRID_DATA, HybridData
 from pipejob.core.elastic import (
     Size,

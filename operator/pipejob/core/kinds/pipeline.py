@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipejob.core.averaged import EMA, Ema
-from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec
+from pipejob.core.common_spec import COMMON, COMMON_RULES, CommonSpec
 from pipejob.core.data_sources import PIPELINE_DATA, PipelineData
 from pipejob.core.elastic import Size, elastic_acts, needs_checkpoint, size_field
 from pipejob.core.errors import SpecError

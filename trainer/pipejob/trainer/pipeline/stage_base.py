@@ -18,7 +18,7 @@ from torch import nn
 from torch.futures import Future
 
 from pipejob.core.averaged import Ema
-from pipejob.core.common import Optimizer
+from pipejob.core.optimizer import Optimizer
 from pipejob.trainer.pipeline import gradients, stage_groups
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Reader, Source

@@ -156,7 +156,7 @@ def train_steps(
 
 
 def runs(
-    spec: PipelineSpec, first: int, profile: profiling.Settings | None, evaluates: bool
+    spec: PipelineSpec, first: int, profile: profiling.ProfileSettings | None, evaluates: bool
 ) -> Iterator[range]:
     """Steps first .. spec.steps - 1 (0-based) as runs the engine may send back to back
     (Replicas.run_steps): a run ends where the loop does more after a step than record and
@@ -175,7 +175,7 @@ def run_results(
     pipelines: Replicas,
     planned: Plan,
     steps: range,
-    profile: profiling.Settings | None,
+    profile: profiling.ProfileSettings | None,
 ) -> Iterable[StepResult]:
     """The results of a run of steps (`runs`), as they come; a step alone in its run is
     profiled where the spec asks (profiling.window)."""

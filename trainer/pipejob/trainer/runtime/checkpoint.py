@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
-from pipejob.core.common import CommonSpec
+from pipejob.core.common_spec import CommonSpec
 from pipejob.trainer.runtime import world
 from pipejob.trainer.runtime.failures import CheckpointError
 from pipejob.trainer.runtime.world import Env

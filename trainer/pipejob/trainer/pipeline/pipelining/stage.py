@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipejob.core.common import Optimizer
+from pipejob.core.optimizer import Optimizer
 from pipejob.trainer.pipeline import gradients, stage_groups
 from pipejob.trainer.pipeline.pipelining import messages, schedules
 from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter

@@ -16,7 +16,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from pipejob.core.common import Optimizer
+from pipejob.core.optimizer import Optimizer
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.rpc.backward_order import BackwardOrder
@@ -38,14 +38,14 @@ from pipejob.trainer.workloads.cut import join
 from pipejob.trainer.workloads.metrics import Tally
 
 T = TypeVar("T")
-# Micro-batches on their way through the pipeline at once (`Stage.forward_round`); fewer than
+# Micro-batches on their way through the pipeline at once (`RpcStage.forward_round`); fewer than
 # a stage's RPC worker threads (runtime/rendezvous): each may hold one of some stage's while it
 # waits for its turn there (it arrived before the micro-batch ahead of it), and once every
 # thread waits, none is left to take the micro-batch whose turn it is.
 IN_FLIGHT = 8
 
 
-class Stage(Shard):
+class RpcStage(Shard):
     """One shard of the model, held by a stage worker and called by the master over RPC;
     built here from a `Part` (the job's model), or given as a module.
 
@@ -383,7 +383,7 @@ def passed_on(
     step: int | None,
     end: RoundEnd | None,
 ) -> Future:
-    """Runs on the next stage's worker: `Stage.pass_on` of the Stage held there."""
+    """Runs on the next stage's worker: `RpcStage.pass_on` of the RpcStage held there."""
     return stage.local_value().pass_on(x, round, micro_batch, step, None, end)
 
 

@@ -203,7 +203,7 @@ def _check_cut(
     want = 2 * MAX_STAGES
     planned = Traced(meta, want=want, sample=_sample_of(x)).split(starts)
     stages = []
-    for k, planned_stage in enumerate(planned):  # as pipeline/stage_parts.py's Part.build
+    for k, planned_stage in enumerate(planned):  # as pipeline/stage_build.py's PieceBuilder.build
         keep = materialize.numbers(numbered, cut.state_names(planned_stage))
         with torch.random.fork_rng(devices=[]):
             model, _ = materialize.build(build, keep)
@@ -367,7 +367,7 @@ def _loads_back(
     where: str,
 ) -> None:
     """(d) The output (the stages' states, the rest and the modules' metadata, as
-    pipeline/shards.py builds them) loads strictly into a fresh build, with the plain
+    pipeline/cut_model.py builds them) loads strictly into a fresh build, with the plain
     build's values and module metadata."""
     rest = cut.unused(meta, planned)
     if any(v.device.type == "meta" or k in numbered.buffers for k, v in rest.items()):

@@ -25,9 +25,9 @@ from torch import nn
 from pipejob.core import spec
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.balance import measure_chain
+from pipejob.trainer.pipeline.cut_model import tensor_starts
 from pipejob.trainer.pipeline.engine_choice import Choice, choose, for_inputs
-from pipejob.trainer.pipeline.shards import tensor_starts
-from pipejob.trainer.pipeline.stage_parts import CANDIDATES_PER_STAGE
+from pipejob.trainer.pipeline.stage_build import CANDIDATES_PER_STAGE
 from pipejob.trainer.workloads import materialize
 from pipejob.trainer.workloads.cut import CutError, Traced, cut_count_error
 

@@ -36,7 +36,7 @@ from pipejob.core.common_spec import (
     spec_key,
 )
 from pipejob.core.elastic import Size
-from pipejob.core.kind import Group, Kind, Role
+from pipejob.core.kind import Kind, ProcessGroup, Role
 from pipejob.core.kinds import KINDS
 from pipejob.core.plan import Ports, Seat, plan_world
 from pipejob.core.schema import Field
@@ -84,7 +84,9 @@ TOY = Kind(
         Role("master"),
         Role("worker", count="workers", gpus="gpusPerWorker", computes=True),
     ),
-    groups=(Group("ddp", "worker", backend=lambda s: "nccl" if s["gpusPerWorker"] else "gloo"),),
+    groups=(
+        ProcessGroup("ddp", "worker", backend=lambda s: "nccl" if s["gpusPerWorker"] else "gloo"),
+    ),
     trainer="pipejob.trainer.toy",  # never imported here: only the trainer's pods do
     columns=({"name": "Workers", "type": "integer", "jsonPath": ".spec.workers", "priority": 1},),
 )

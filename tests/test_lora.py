@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from jobrun import pipeline_job
 from pipejob.core import spec
 from pipejob.trainer.pipeline import peft_output
-from pipejob.trainer.pipeline.shards import plan_shards
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.cut_model import plan_cut
+from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.runtime import model_files
 from pipejob.trainer.workloads import metrics, models
 
@@ -158,13 +158,13 @@ def test_a_stage_steps_and_keeps_state_for_its_adapters_only(tmp_path: Path) -> 
         ).settings
         meta, numbered = models.build_meta(s)
         units = plan_units(s, meta)
-        from pipejob.trainer.pipeline.shards import Partition
+        from pipejob.trainer.pipeline.cut_model import Partition
 
         cut = len(units) // 2
         saved = Partition([range(0, cut), range(cut, len(units))], [1.0] * len(units), 1)
-        shards = plan_shards(s, meta, numbered, [], saved)
-        assert shards.parts is not None and shards.adapters is not None
-        stages = [Shard(part, "cpu", optimizer=s.optimizer) for part in shards.parts]
+        cut_model = plan_cut(s, meta, numbered, [], saved)
+        assert cut_model.parts is not None and cut_model.adapters is not None
+        stages = [StageBase(part, "cpu", optimizer=s.optimizer) for part in cut_model.parts]
     finally:
         sys.path.remove(str(RECIPE))
     ids = torch.randint(64, (4, 8), generator=torch.Generator().manual_seed(2))
@@ -194,7 +194,7 @@ def test_a_stage_steps_and_keeps_state_for_its_adapters_only(tmp_path: Path) -> 
 
 
 def plan_units(s, meta) -> list[str]:
-    from pipejob.trainer.pipeline.stage_parts import trace
+    from pipejob.trainer.pipeline.stage_build import trace
 
     return trace(s, meta).units
 

@@ -24,10 +24,10 @@ from jobrun import master_of, pipeline_job, run_world
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
+from pipejob.trainer.pipeline.cut_model import plan_cut
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.rpc.driver import RpcPipeline, forward_backward
 from pipejob.trainer.pipeline.rpc.stage import RpcStage
-from pipejob.trainer.pipeline.shards import plan_shards
 from pipejob.trainer.pipeline.stage_calls import remote_stage
 from pipejob.trainer.workloads import data, models
 
@@ -65,8 +65,8 @@ def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         s = env.spec
         with data.Feed(s) as feed:
             inputs, labels = feed.batch()
-        shards = plan_shards(s, *models.build_meta(s), env.names("stage"))
-        pipe = RpcPipeline(env.names("stage"), shards, source=Source(s, 0))
+        cut_model = plan_cut(s, *models.build_meta(s), env.names("stage"))
+        pipe = RpcPipeline(env.names("stage"), cut_model, source=Source(s, 0))
         with dist_autograd.context() as context_id:
             forward_backward(
                 pipe, pipe.read(s.micro_batches, (inputs, labels)), 0, context_id, workloads.loss(s)

@@ -12,7 +12,7 @@ import torch.distributed.rpc as rpc
 from pipejob.trainer.pipeline import stage_calls
 from pipejob.trainer.pipeline.reader import Reader
 from pipejob.trainer.pipeline.rpc.stage import RpcStage
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.runtime import rpc_ledger
 
 pytestmark = pytest.mark.timeout(30)
@@ -34,7 +34,7 @@ def test_a_call_sends_on_stage_and_the_methods_name(monkeypatch: pytest.MonkeyPa
     made = sent(monkeypatch)
     stage = object()  # stands for the RpcStage's RRef: only passed along
     stage_calls.remote_stage("stage1", stage).future(RpcStage.forward, None, 3, 0, 1, None)
-    stage_calls.remote_stage("stage0", stage).result(Shard.save, "/tmp/x", "stage0.pt")
+    stage_calls.remote_stage("stage0", stage).result(StageBase.save, "/tmp/x", "stage0.pt")
     stage_calls.remote_stage("stage0", stage).rref(RpcStage.settle, 1, 4)
     stage_calls.remote_reader("stage0", stage).result(Reader.labels, 3, 5.0)
     assert made == [
@@ -49,6 +49,6 @@ def test_a_call_sends_on_stage_and_the_methods_name(monkeypatch: pytest.MonkeyPa
 
 def test_a_misspelt_method_fails_where_it_is_written() -> None:
     with pytest.raises(AttributeError):
-        stage_calls.remote_stage("stage0", object()).future(Shard.sav)  # type: ignore[attr-defined]
+        stage_calls.remote_stage("stage0", object()).future(StageBase.sav)  # type: ignore[attr-defined]
     with pytest.raises(AttributeError):  # a name is no method
         stage_calls.remote_stage("stage0", object()).future("save")  # type: ignore[arg-type]

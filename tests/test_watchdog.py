@@ -114,7 +114,7 @@ def test_heartbeats_travel_over_http_to_the_masters_monitor():
     master = env_of(pipeline_job("w", stages=2), 0, watchdog=Watchdog(seconds=5))
     members = watchdog.Members(master, board)
     board.on_heartbeat = members.heartbeat
-    server = monitor.Server(board, 0, host="127.0.0.1")
+    server = monitor.BoardServer(board, 0, host="127.0.0.1")
     try:
         url = f"http://127.0.0.1:{server.port}{c.HEARTBEAT_PATH}"
         reply = watchdog._post(url, b'{"member": "stage0", "pid": 42}', timeout=5)

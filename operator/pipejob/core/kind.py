@@ -51,7 +51,7 @@ class Role:
 
 
 @dataclass(frozen=True)
-class Group:
+class ProcessGroup:
     """A collective process group (DDP) that the members of one role form beside the RPC
     world, with a rendezvous of its own on its rank 0. With `by_index`, the members with the
     same index (stage i of every replica) form one group each, named `<name><index>`."""
@@ -81,7 +81,7 @@ class Kind:
     # Module whose `run(env, checked)` runs every role of this kind in a pod, and whose
     # `export_checkpoint(directory, manifest, out, format)` is `pipejob export` of its checkpoints.
     trainer: str
-    groups: tuple[Group, ...] = ()
+    groups: tuple[ProcessGroup, ...] = ()
     columns: tuple[dict[str, Any], ...] = ()  # `kubectl get -o wide` columns of its own
     # Fill-ins that depend on other fields, after the table's defaults.
     complete: Callable[[Spec], Spec] = lambda spec: spec

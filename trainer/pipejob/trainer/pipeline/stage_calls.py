@@ -1,6 +1,6 @@
 """How the master calls a stage process's objects: a method of a Stage (named by its StageRef),
 or of the first stage's Reader, named by the method itself (`remote_stage(name, stage).future(
-Shard.save, directory, file)`), so a misspelt call fails where it is written and in a type
+StageBase.save, directory, file)`), so a misspelt call fails where it is written and in a type
 checker. Why the calls go through a function of this module, not the RRef's proxy: `on_stage`.
 More in docs/architecture.md ("Stage calls")."""
 

@@ -242,7 +242,7 @@ class _HTTPServer(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-class Server:
+class BoardServer:
     """The board's HTTP endpoint, in a daemon thread."""
 
     def __init__(self, board: Board, port: int, host: str = "0.0.0.0"):
@@ -272,7 +272,7 @@ def serve(steps: int, port: int, host: str = "0.0.0.0") -> Board:
     thing)."""
     global _board
     _board = Board(steps)
-    Server(_board, port, host)
+    BoardServer(_board, port, host)
     return _board
 
 

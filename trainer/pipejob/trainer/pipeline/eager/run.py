@@ -109,7 +109,7 @@ def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -
 
 
 @dataclass
-class Trained:
+class EagerState:
     """What the master trains with: the model (the glue, with stand-ins for the stages'
     modules), the glue's optimizer, the stages, the placement, spec.ema's averages, fp16's
     loss scale."""
@@ -141,7 +141,7 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
     glue = Functional(spec.optimizer, params) if params else None
     averages = None if spec.ema is None else Averages(spec, model, stages)  # before a resume
     scale = LossScale() if spec.precision == "fp16" else None
-    t = Trained(model, glue, stages, placement, averages, scale)
+    t = EagerState(model, glue, stages, placement, averages, scale)
     started = time.perf_counter()
     with data.Feed(spec) as feed:
         found = checkpoint.latest_for(env)
@@ -165,7 +165,7 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
 
 
 def steps(
-    env: Env[PipelineSpec], t: Trained, feed: data.Feed, m: int, first: int, judge: Judge
+    env: Env[PipelineSpec], t: EagerState, feed: data.Feed, m: int, first: int, judge: Judge
 ) -> tuple[list[StepResult], list[dict[str, Any]]]:
     """Steps first + 1 .. spec.steps, each logged, checkpointed and evaluated when due, each
     evaluation `judge`d (the output written at a new best; early stopping ends the run)."""
@@ -222,7 +222,7 @@ def logged(env: Env[PipelineSpec], number: int, done: driver.Step) -> StepResult
     )
 
 
-def write_output(env: Env[PipelineSpec], t: Trained, evaluation: dict[str, Any] | None) -> None:
+def write_output(env: Env[PipelineSpec], t: EagerState, evaluation: dict[str, Any] | None) -> None:
     """The trained model under the model's own names: with spec.ema, the average (ema), or
     the weights and, in the subfolder ema/, the average (both)."""
     spec = env.spec
@@ -236,7 +236,7 @@ def write_output(env: Env[PipelineSpec], t: Trained, evaluation: dict[str, Any] 
 
 
 def write_model(
-    env: Env[PipelineSpec], t: Trained, evaluation: dict[str, Any] | None, out: str
+    env: Env[PipelineSpec], t: EagerState, evaluation: dict[str, Any] | None, out: str
 ) -> None:
     """The model as one file in `out`: the glue's state (the master's) and every stage's
     (replica 0's)."""

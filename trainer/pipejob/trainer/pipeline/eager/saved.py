@@ -20,10 +20,10 @@ from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data, models
 
 if TYPE_CHECKING:  # run.py imports this module
-    from pipejob.trainer.pipeline.eager.run import Trained
+    from pipejob.trainer.pipeline.eager.run import EagerState
 
 
-def save(env: Env[PipelineSpec], step: int, t: Trained, feed: data.Feed) -> None:
+def save(env: Env[PipelineSpec], step: int, t: EagerState, feed: data.Feed) -> None:
     """The checkpoint after `step` (1-based) of what the master trains with (`t`): the
     master's file keeps the glue's weights, what `t.kept` holds, the data's position and
     fp16's loss scale."""
@@ -60,7 +60,7 @@ def save(env: Env[PipelineSpec], step: int, t: Trained, feed: data.Feed) -> None
 
 
 def resume(
-    env: Env[PipelineSpec], found: checkpoint.Checkpoint, t: Trained, feed: data.Feed
+    env: Env[PipelineSpec], found: checkpoint.Checkpoint, t: EagerState, feed: data.Feed
 ) -> int:
     """Every process's state by name from the checkpoint `found`, into what the master
     trains with (`t`: fp16's loss scale too, where the checkpoint keeps one) and the data's

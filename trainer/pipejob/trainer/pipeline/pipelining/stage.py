@@ -23,8 +23,8 @@ from pipejob.trainer.pipeline.pipelining.flat import Flat
 from pipejob.trainer.pipeline.pipelining.marks import Marks
 from pipejob.trainer.pipeline.pipelining.timed import Timed
 from pipejob.trainer.pipeline.reader import Source
-from pipejob.trainer.pipeline.stage_base import Shard
-from pipejob.trainer.pipeline.stage_parts import Part
+from pipejob.trainer.pipeline.stage_base import StageBase as Shard
+from pipejob.trainer.pipeline.stage_build import PieceBuilder as Part
 from pipejob.trainer.pipeline.step_records import Finish
 from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS

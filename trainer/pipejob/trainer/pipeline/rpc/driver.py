@@ -14,10 +14,10 @@ import torch.distributed.autograd as dist_autograd
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.core.optimizer import Optimizer
 from pipejob.trainer.pipeline import driver, gradients
+from pipejob.trainer.pipeline.cut_model import CutModel
 from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Reader, Source
 from pipejob.trainer.pipeline.rpc.round_end import Backward, EvaluationEnd, Norms, RoundEnd
 from pipejob.trainer.pipeline.rpc.stage import RpcStage
-from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.pipeline.stage_calls import created_stages, remote_stage
 from pipejob.trainer.pipeline.step_records import (
     Finish,
@@ -32,13 +32,13 @@ from pipejob.trainer.workloads.metrics import Tally
 
 
 class RpcPipeline(driver.Pipeline):
-    """The master's handle on the remote shards: creates them and runs micro-batches (every
+    """The master's handle on the remote stages: creates them and runs micro-batches (every
     call through pipeline/stage_calls.py, which says why)."""
 
     def __init__(
         self,
         stage_names: list[str],
-        shards: Shards,
+        cut_model: CutModel,
         device: str = "cpu",
         precision: str = "fp32",
         recompute: bool = False,
@@ -51,7 +51,7 @@ class RpcPipeline(driver.Pipeline):
         last = len(stage_names) - 1
         args = [
             (
-                shards.parts[i] if shards.parts else shards.stages[i],
+                cut_model.parts[i] if cut_model.parts else cut_model.stages[i],
                 i == last,
                 device,
                 precision,
@@ -124,12 +124,12 @@ class Replicas(driver.Replicas):
     them (gradients.py), and the stages step with the schedule's learning rate."""
 
     def __init__(
-        self, names: list[list[str]], shards: Shards, spec: PipelineSpec, device: str = "cpu"
+        self, names: list[list[str]], cut_model: CutModel, spec: PipelineSpec, device: str = "cpu"
     ):
         pipelines = [
             RpcPipeline(
                 stage_names,
-                shards,
+                cut_model,
                 device,
                 spec.precision,
                 spec.activation_checkpointing,
@@ -138,7 +138,7 @@ class Replicas(driver.Replicas):
             )
             for r, stage_names in enumerate(names)
         ]
-        super().__init__(pipelines, shards, spec)
+        super().__init__(pipelines, cut_model, spec)
 
     def _replica_result(self, part: ReplicaShare) -> StepResult:
         pipeline = self.pipelines[part.replica]

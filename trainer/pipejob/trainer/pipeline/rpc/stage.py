@@ -1,5 +1,5 @@
 """The rpc engine's stage side: a shard of the model on a stage worker (pipeline/stage_base.py's
-Shard), called by the master over RPC for every micro-batch; it computes them in order and
+StageBase), called by the master over RPC for every micro-batch; it computes them in order and
 times its forwards and backwards. More in docs/architecture.md ("The rpc engine")."""
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pipejob.trainer.pipeline.rpc.gradient_sum import (
 from pipejob.trainer.pipeline.rpc.round_end import RoundEnd
 from pipejob.trainer.pipeline.rpc.stage_times import StageTimes
 from pipejob.trainer.pipeline.rpc.turnstile import Turnstile
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.stage_base import StageBase
+from pipejob.trainer.pipeline.stage_build import PieceBuilder
 from pipejob.trainer.pipeline.stage_calls import StageRef, remote_stage
-from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.runtime import nonfinite, rendezvous
 from pipejob.trainer.workloads import Loss, batch_values
 from pipejob.trainer.workloads.batch_values import dressed, tensors, undressed
@@ -45,9 +45,9 @@ T = TypeVar("T")
 IN_FLIGHT = 8
 
 
-class RpcStage(Shard):
+class RpcStage(StageBase):
     """One shard of the model, held by a stage worker and called by the master over RPC;
-    built here from a `Part` (the job's model), or given as a module.
+    built here from a `PieceBuilder` (the job's model), or given as a module.
 
     A shard takes the values live where its stage begins (a tuple: one tensor or several)
     and returns those live where it ends; the last keeps the model's output for the loss or
@@ -57,7 +57,7 @@ class RpcStage(Shard):
 
     def __init__(
         self,
-        module: nn.Module | Part,
+        module: nn.Module | PieceBuilder,
         last: bool,
         device: str,
         precision: str = "fp32",
@@ -101,11 +101,11 @@ class RpcStage(Shard):
     def finish_all(
         self, context_id: int, coefficient: float, lr: float | None, apply: bool
     ) -> None:
-        """The first stage: the step's tail (Shard.finish_step) here and on every stage after
+        """The first stage: the step's tail (StageBase.finish_step) here and on every stage after
         it, at once."""
         others = [
             remote_stage(name, stage).future(
-                Shard.finish_step, context_id, coefficient, lr, apply, False
+                StageBase.finish_step, context_id, coefficient, lr, apply, False
             )
             for name, stage in self._after
         ]
@@ -226,7 +226,7 @@ class RpcStage(Shard):
 
     def _timed(self, x: tuple[Any, ...]) -> tuple[Any, Any, Any, torch.Tensor]:
         """A training forward between two marks of this stage's clock (on its stream), and
-        whether its outputs are finite (Shard.note_finite)."""
+        whether its outputs are finite (StageBase.note_finite)."""
         start = self.times.clock.mark()
         y = self.compute(*x)
         end = self.times.clock.mark()
@@ -256,7 +256,7 @@ class RpcStage(Shard):
         """The last stage: the loss of training round `round` (the mean over the whole
         batch, as in one process), the distributed backward from it times `scale`, and this
         stage settled (`settle`), in one call; with `unscale`, the norm of the step's
-        gradients too (Shard.norm). Only the loss's value crosses to the master."""
+        gradients too (StageBase.norm). Only the loss's value crosses to the master."""
         outputs, labels = self._round_outputs(round, micro_batches)
         loss = self._on_device(loss_fn, outputs, labels).cpu()
         dist_autograd.backward(context_id, [loss * scale if scale != 1.0 else loss])

@@ -2,7 +2,7 @@
 `microBatches: auto`, the micro-batch count with the shortest predicted step (balance.py;
 counted_cost.py with spec.deterministic).
 The master plans all of it on a model none of whose parameters exist; the stages build their
-shards and measure the costs (stage_parts.py)."""
+shards and measure the costs (stage_build.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from pipejob.trainer.pipeline.balance import (
 from pipejob.trainer.pipeline.counted_cost import predict_counted
 from pipejob.trainer.pipeline.engine_choice import Choice
 from pipejob.trainer.pipeline.stage_base import compute_resources
-from pipejob.trainer.pipeline.stage_parts import Part, measure_on_stages, trace
+from pipejob.trainer.pipeline.stage_build import PieceBuilder, measure_on_stages, trace
 from pipejob.trainer.runtime import model_files, tuning
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, materialize, models
@@ -45,7 +45,7 @@ def hf_config(model: nn.Module) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class Partition:
-    """How the model is split and micro-batched: what a checkpoint keeps, since its shards
+    """How the model is split and micro-batched: what a checkpoint keeps, since its pieces
     fit no other split (costs are measured, so a new measurement may cut elsewhere)."""
 
     ranges: list[range]
@@ -58,7 +58,7 @@ class Partition:
 
 
 @dataclass(frozen=True)
-class Shards:
+class CutModel:
     """The model cut into pieces (one per stage, or stagesPerProcess per stage process with
     an interleaved schedule) at the boundaries of a partition of its units (cut candidates
     in calling order, cut.Traced), and the model state no stage holds. Stage process k of
@@ -66,7 +66,7 @@ class Shards:
 
     units: list[str]
     # Each piece's module: on the meta device where `parts` say how each process builds its
-    # own (what `plan_shards` gives); otherwise the modules themselves, sent to the stages.
+    # own (what `plan_cut` gives); otherwise the modules themselves, sent to the stages.
     stages: list[nn.Module]
     partition: Partition
     rest: dict[str, torch.Tensor]
@@ -75,7 +75,7 @@ class Shards:
     tied: list[list[tuple[int, str]]] = field(default_factory=list)
     # A Hugging Face model's config (config.json), written beside the model file.
     config: dict[str, Any] | None = None
-    parts: list[Part] | None = None  # one per piece
+    parts: list[PieceBuilder] | None = None  # one per piece
     processes: int = 0  # stage processes; 0: one per piece
     # The modules' versions a plain `model.state_dict()` carries (its `_metadata`), for the
     # model file: a fresh build of some modules (MNASNet) loads no state without them.
@@ -87,8 +87,8 @@ class Shards:
     def ranges(self) -> list[range]:
         return self.partition.ranges
 
-    def chosen_for(self, choice: Choice) -> Shards:
-        """These shards, cut for the engine `engine: auto` chose before the cut."""
+    def chosen_for(self, choice: Choice) -> CutModel:
+        """This cut, made for the engine `engine: auto` chose before the cut."""
         return dataclasses.replace(
             self, partition=dataclasses.replace(self.partition, engine=choice)
         )
@@ -120,7 +120,7 @@ class Shards:
             describe(self.piece_units(piece)) for piece in self.process_pieces(process)
         )
 
-    def part(self, process: int) -> Part:
+    def part(self, process: int) -> PieceBuilder:
         """How stage process `process` builds its pieces: from one build of the model, so a
         tensor two of them use (tied weights) stays one."""
         assert self.parts is not None
@@ -130,7 +130,7 @@ class Shards:
         return dataclasses.replace(parts[0], keep=keep, pieces=pieces)
 
 
-def plan_shards(
+def plan_cut(
     spec: PipelineSpec,
     model: nn.Module,
     numbered: materialize.Numbering,
@@ -138,7 +138,7 @@ def plan_shards(
     saved: Partition | None = None,
     hosts: list[Host] | None = None,
     progress: Callable[[str], None] = lambda message: None,
-) -> Shards:
+) -> CutModel:
     """Cut the job's `model`, built with none of its parameters (models.build_meta, which
     gives the `numbered` names), into spec.stages: at spec.splitPoints, or balanced by what
     each unit costs (measured on the stage processes `stage_names`, one pipeline's, on
@@ -159,7 +159,7 @@ def plan_shards(
     stages = traced.split(starts)
     dtype = torch.get_default_dtype()
     parts = [
-        Part(
+        PieceBuilder(
             spec,
             dtype,
             tuple(materialize.numbers(numbered, cut.state_names(stage))),
@@ -178,7 +178,7 @@ def plan_shards(
             )
         rest = {k: v for k, v in whole.state_dict().items() if k in rest}
     tied = by_process(cut.ties(stages), spec.stages)
-    return Shards(
+    return CutModel(
         units,
         stages,
         saved,
@@ -362,12 +362,14 @@ def stage_resources(env: Env, stages: int, gpu: bool) -> tuple[int, list[Host]]:
     return threads, hosts
 
 
-def share(shards: Shards, process: int) -> float:
+def share(cut_model: CutModel, process: int) -> float:
     """Stage process `process`'s share of the measured cost."""
     mine = sum(
-        shards.costs[i] for piece in shards.process_pieces(process) for i in shards.ranges[piece]
+        cut_model.costs[i]
+        for piece in cut_model.process_pieces(process)
+        for i in cut_model.ranges[piece]
     )
-    return mine / sum(shards.costs)
+    return mine / sum(cut_model.costs)
 
 
 def describe(layers: list[str]) -> str:

@@ -144,7 +144,7 @@ def _engine(factory: Callable[[], nn.Module], sample: Callable[[], Any]) -> str:
         x = sample()
         first = _micro(x)[0] if isinstance(x, torch.Tensor) else x  # what a stage traces with
         return said(auto_engine(_seeded(factory), first, MAX_STAGES))
-    except Exception as e:  # noqa: BLE001 (the row's verdict stands; the column says why)
+    except Exception as e:  # the row's verdict stands; the column says why
         return f"not chosen: {_line(e)}"
 
 

@@ -26,7 +26,7 @@ from pipejob.trainer.workloads import cut, materialize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import _conform  # noqa: E402
+import _conform
 
 pytestmark = pytest.mark.timeout(120)
 

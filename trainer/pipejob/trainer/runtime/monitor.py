@@ -199,7 +199,7 @@ def _finite(value: float | None) -> float | None:
 class _Handler(BaseHTTPRequestHandler):
     board: Board
 
-    def do_GET(self) -> None:  # noqa: N802 (the http.server API)
+    def do_GET(self) -> None:  # the http.server API
         path = self.path.split("?", 1)[0]
         if path == "/progress":
             self._send(200, "application/json", json.dumps(self.board.progress()).encode())
@@ -208,7 +208,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, "text/plain", b"not found: try /progress or /metrics\n")
 
-    def do_POST(self) -> None:  # noqa: N802 (the http.server API)
+    def do_POST(self) -> None:  # the http.server API
         answer = self.board.on_heartbeat
         if self.path.split("?", 1)[0] != HEARTBEAT_PATH or answer is None:
             self._send(404, "text/plain", b"not found\n")

@@ -16,7 +16,7 @@ from pipejob.trainer.pipeline.driver import Replicas
 from pipejob.trainer.pipeline.reader import Reader
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.pipeline.stage_calls import remote_stage
-from pipejob.trainer.runtime import checkpoint, monitor, roles, world
+from pipejob.trainer.runtime import checkpoint, monitor, roles, state_by_name, world
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import models
 
@@ -80,7 +80,7 @@ def resume(
     Either engine resumes the other's checkpoint. A stage process holding exactly the pieces
     a saved one held continues its RNG state; another gets a seed of its own from (seed,
     step, stage)."""
-    index = checkpoint.index_of(found)
+    index = state_by_name.index_of(found)
     manifest = found.manifest
     same = (
         cut_model.units_by_piece() == manifest.get("stages")
@@ -92,7 +92,7 @@ def resume(
         names = [
             n for piece in cut_model.process_pieces(k) for n in cut_model.stages[piece].state_dict()
         ]
-        entries = checkpoint.sources(found, index, list(dict.fromkeys(names)))
+        entries = state_by_name.sources(found, index, list(dict.fromkeys(names)))
         seed = None if same else env.spec.seed + 1_000_003 * found.step + k
         per_stage.append((entries, seed))
     loading = []

@@ -24,7 +24,7 @@ from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Reader, Source
 from pipejob.trainer.pipeline.stage_build import PieceBuilder
 from pipejob.trainer.pipeline.stage_calls import StageRef, remote_reader
-from pipejob.trainer.runtime import checkpoint, ema, model_files, tuning
+from pipejob.trainer.runtime import checkpoint, ema, model_files, state_by_name, tuning
 from pipejob.trainer.runtime.optim import Functional, set_lr
 from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS
 from pipejob.trainer.workloads import batch_values
@@ -370,7 +370,7 @@ class StageBase:
         (those that hold its names, written by shards cut anywhere, by either engine). `seed`
         None: the files are the one this very shard wrote, whose RNG state continues (dropout
         masks as they would have been); else the shard is new and its RNG starts from `seed`."""
-        parts = checkpoint.load_named(directory, entries, self.layers, self._optimizers())
+        parts = state_by_name.load_named(directory, entries, self.layers, self._optimizers())
         if seed is None:
             checkpoint.set_rng_state(parts[0]["rng"])
         else:

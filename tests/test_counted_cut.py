@@ -23,8 +23,8 @@ from pipejob.trainer.pipeline.counted_cost import (
     MICRO_BATCH_OVERHEAD,
     count_chain,
 )
-from pipejob.trainer.pipeline.cut_model import candidate, prediction
 from pipejob.trainer.pipeline.eager.placement import describe, no_grad_run, place
+from pipejob.trainer.pipeline.micro_batch_choice import candidate, prediction
 
 WIDTHS = [(16, 64), (64, 256), (256, 64), (64, 8)]  # Linear layers, a ReLU after each but the last
 

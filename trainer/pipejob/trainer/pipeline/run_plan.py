@@ -20,12 +20,12 @@ from pipejob.trainer.pipeline.counted_cost import MICRO_BATCH_OVERHEAD
 from pipejob.trainer.pipeline.cut_model import (
     CutModel,
     Partition,
-    candidate_table,
     plan_cut,
     share,
     stage_resources,
 )
 from pipejob.trainer.pipeline.engine_choice import Choice
+from pipejob.trainer.pipeline.micro_batch_choice import candidate_table
 from pipejob.trainer.pipeline.shape_check import fits_model
 from pipejob.trainer.runtime import checkpoint, param_groups, world
 from pipejob.trainer.runtime.world import Env

@@ -41,8 +41,8 @@ from pipejob.trainer.pipeline.eager import remote
 from pipejob.trainer.pipeline.eager import run as eager_run
 from pipejob.trainer.pipeline.eager import saved as eager_saved
 from pipejob.trainer.pipeline.eager.check import check
-from pipejob.trainer.pipeline.eager.driver import Stages, computed, not_finite, step
 from pipejob.trainer.pipeline.eager.held import Held
+from pipejob.trainer.pipeline.eager.one_step import Stages, computed, not_finite, step
 from pipejob.trainer.pipeline.eager.placement import (
     aliases,
     no_grad_run,

@@ -1,5 +1,5 @@
 """The master's run on the eager path: the model built and its costly modules placed on the
-stages (placement.py, checked in one process: check.py), the steps (driver.py), the trained
+stages (placement.py, checked in one process: check.py), the steps (one_step.py), the trained
 model written out under the model's own names, and the run's summary, which says which path
 the job took and why."""
 
@@ -19,7 +19,7 @@ from pipejob.core.kinds.pipeline_schedules import EAGER_SPLIT_POINTS
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import trained_model
 from pipejob.trainer.pipeline.best_step import Judge
-from pipejob.trainer.pipeline.eager import driver, held_out, moving_average, remote, saved
+from pipejob.trainer.pipeline.eager import held_out, moving_average, one_step, remote, saved
 from pipejob.trainer.pipeline.eager.check import check
 from pipejob.trainer.pipeline.eager.moving_average import Averages
 from pipejob.trainer.pipeline.eager.placement import (
@@ -85,7 +85,7 @@ def placed(env: Env[PipelineSpec], model: nn.Module, m: int) -> Placement:
     return placement
 
 
-def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -> driver.Stages:
+def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -> one_step.Stages:
     """Each stage of each replica builds its modules; on the master they are replaced by
     stand-ins that call them there, on the calling micro-batch's replica (the master keeps
     only the glue's parameters, one copy that every replica's micro-batches use)."""
@@ -105,7 +105,7 @@ def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -
         places = [(workers[r][i], held[r][i]) for r in range(replicas)]
         for name in modules:  # under every name it has: one module, on one stage
             replace(model, name, remote.OnStage(name, places))
-    return driver.Stages(workers, held)
+    return one_step.Stages(workers, held)
 
 
 @dataclass
@@ -116,7 +116,7 @@ class EagerState:
 
     model: nn.Module
     glue: Functional | None
-    stages: driver.Stages
+    stages: one_step.Stages
     placement: Placement
     averages: Averages | None
     scale: LossScale | None = None
@@ -178,12 +178,12 @@ def steps(
     results: list[StepResult] = []
     evaluations: list[dict[str, Any]] = []
     rules = spec.optimizer.clip_grad_norm, nonfinite.Guard(spec.skip_non_finite_steps)
-    forward = partial(driver.computed, t.model, autocast=AUTOCAST[spec.precision])
+    forward = partial(one_step.computed, t.model, autocast=AUTOCAST[spec.precision])
     serial = t.placement.one_at_a_time()
     for number in range(first, spec.steps):
         lr = learning_rate(spec.optimizer, spec.steps, number)
         batches = [feed.batch() for _ in range(spec.gradient_accumulation)]
-        done = driver.step(
+        done = one_step.step(
             forward, t.glue, t.stages, batches, m, number, loss, rules, lr, serial, t.scale
         )
         if done.applied and t.averages is not None:  # spec.ema: an applied step
@@ -203,7 +203,7 @@ def steps(
     return results, evaluations
 
 
-def logged(env: Env[PipelineSpec], number: int, done: driver.Step) -> StepResult:
+def logged(env: Env[PipelineSpec], number: int, done: one_step.Step) -> StepResult:
     """Step `number` (0-based)'s result, logged when due and on the progress board."""
     spec = env.spec
     if done.skipped is not None:  # a non-finite step skipped (spec.skipNonFiniteSteps)

@@ -22,7 +22,7 @@ from _cluster import NAMESPACE
 from _common import REPO
 
 sys.path.insert(0, str(REPO / "tests"))
-from harness.client import Api, ApiError  # noqa: E402  (the tests' harness lives in tests/)
+from harness.client import Api, ApiError  # the tests' harness lives in tests/
 
 JOB_LABEL = "pipejob.dev/job"
 NODES = 4  # pods are on node hash(name) % NODES: a lost node takes its share

@@ -19,7 +19,7 @@ from pathlib import Path
 from _common import REPO, free_port
 
 sys.path.insert(0, str(REPO / "tests"))
-from harness.apiserver import ApiServer  # noqa: E402  (the tests' harness lives in tests/)
+from harness.apiserver import ApiServer  # the tests' harness lives in tests/
 
 NAMESPACE = "default"
 PR_SET_NAME = 15  # prctl: the calling thread's name, as /proc/<pid>/task/<tid>/stat shows it

@@ -36,7 +36,7 @@ from _conform_engine import EAGER, auto_engine, said
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from pipejob.trainer.pipeline.fit import fits_model
+from pipejob.trainer.pipeline.shape_check import fits_model
 from pipejob.trainer.runtime import model_files, nonfinite
 from pipejob.trainer.workloads import cut, materialize
 from pipejob.trainer.workloads.cut import CutError, Traced, join, ties, without_cache
@@ -144,7 +144,7 @@ def _engine(factory: Callable[[], nn.Module], sample: Callable[[], Any]) -> str:
         x = sample()
         first = _micro(x)[0] if isinstance(x, torch.Tensor) else x  # what a stage traces with
         return said(auto_engine(_seeded(factory), first, MAX_STAGES))
-    except Exception as e:  # noqa: BLE001 (the row's verdict stands; the column says why)
+    except Exception as e:  # the row's verdict stands; the column says why
         return f"not chosen: {_line(e)}"
 
 
@@ -203,7 +203,7 @@ def _check_cut(
     want = 2 * MAX_STAGES
     planned = Traced(meta, want=want, sample=_sample_of(x)).split(starts)
     stages = []
-    for k, planned_stage in enumerate(planned):  # as pipeline/stage_parts.py's Part.build
+    for k, planned_stage in enumerate(planned):  # as pipeline/stage_build.py's PieceBuilder.build
         keep = materialize.numbers(numbered, cut.state_names(planned_stage))
         with torch.random.fork_rng(devices=[]):
             model, _ = materialize.build(build, keep)
@@ -367,7 +367,7 @@ def _loads_back(
     where: str,
 ) -> None:
     """(d) The output (the stages' states, the rest and the modules' metadata, as
-    pipeline/shards.py builds them) loads strictly into a fresh build, with the plain
+    pipeline/cut_model.py builds them) loads strictly into a fresh build, with the plain
     build's values and module metadata."""
     rest = cut.unused(meta, planned)
     if any(v.device.type == "meta" or k in numbered.buffers for k, v in rest.items()):

@@ -25,9 +25,9 @@ from torch import nn
 from pipejob.core import spec
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.balance import measure_chain
+from pipejob.trainer.pipeline.cut_model import tensor_starts
 from pipejob.trainer.pipeline.engine_choice import Choice, choose, for_inputs
-from pipejob.trainer.pipeline.shards import tensor_starts
-from pipejob.trainer.pipeline.stage_parts import CANDIDATES_PER_STAGE
+from pipejob.trainer.pipeline.stage_build import CANDIDATES_PER_STAGE
 from pipejob.trainer.workloads import materialize
 from pipejob.trainer.workloads.cut import CutError, Traced, cut_count_error
 
@@ -83,7 +83,7 @@ def passes_tensors(
     try:
         pieces = traced.split(units[1:])
         costs, _ = measure_chain(pieces, units, (x.to("meta"),), True, 0, on_copies=False)
-    except Exception:  # noqa: BLE001 (values needed: the stages' own way, in memory)
+    except Exception:  # values needed: the stages' own way, in memory
         real = Traced(build(), want, sample=x)
         assert real.units == units, (real.units, units)
         pieces = real.split(units[1:])

@@ -24,8 +24,8 @@ from torch.distributed.pipelining import (
 from pipejob.core import spec as spec_module
 from pipejob.core.kinds.pipeline_schedules import schedule_refuses
 from pipejob.trainer import pipeline, workloads
+from pipejob.trainer.pipeline.cut_model import CutModel, plan_cut
 from pipejob.trainer.pipeline.pipelining.stage import _meta
-from pipejob.trainer.pipeline.shards import Shards, plan_shards
 from pipejob.trainer.runtime.profiling import Phases
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import models
@@ -90,18 +90,18 @@ class Bench:
         }
         return spec_module.parse(manifest).settings
 
-    def shards(self, s: Any) -> Shards:
+    def cut_model(self, s: Any) -> CutModel:
         """The cut of the model into s.pieces, measured once and kept for every count."""
         key = (str(s.model), s.pieces)
         model, numbered = models.build_meta(s)
         saved = self._partitions.get(key)
-        shards = plan_shards(s, model, numbered, self.names, saved)
-        self._partitions[key] = shards.partition
-        return shards
+        cut_model = plan_cut(s, model, numbered, self.names, saved)
+        self._partitions[key] = cut_model.partition
+        return cut_model
 
     def replicas(self, model: str, m: int, system: str) -> Any:
         s = self.spec(model, m, system)
-        return pipeline.engine(s, "driver").Replicas([self.names], self.shards(s), s)
+        return pipeline.engine(s, "driver").Replicas([self.names], self.cut_model(s), s)
 
     def refuses(self, system: str, m: int) -> bool:
         schedule = "gpipe" if system == "rpc" else system.removeprefix("torch-")

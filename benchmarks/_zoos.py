@@ -304,7 +304,7 @@ def _timm(family: str) -> tuple[str, Entry]:
         try:
             with torch.device("meta"):
                 model = timm.create_model(name, pretrained=False, num_classes=10)
-        except Exception:  # noqa: BLE001 (a model its own library cannot build is left out)
+        except Exception:  # a model its own library cannot build is left out
             continue
         sizes[name] = sum(p.numel() for p in model.parameters())
     if not sizes:
@@ -343,7 +343,7 @@ def _timm_small(name: str, channels: int, size: int, smallest: int) -> tuple[dic
                     model = timm.create_model(name, pretrained=False, num_classes=10, **extra)
                     model(torch.empty(1, channels, small, small))
                 return extra, small
-            except Exception:  # noqa: BLE001 (a model that needs its own size keeps it)
+            except Exception:  # a model that needs its own size keeps it
                 continue
     return {}, size
 
@@ -517,7 +517,7 @@ def _transformers(row: str) -> Entry:
             with torch.no_grad():
                 factory().eval()(sample())
             return entry
-        except Exception as e:  # noqa: BLE001 (the next config; else its own library's error)
+        except Exception as e:  # the next config; else its own library's error
             failed = failed or e
     assert failed is not None
     raise failed

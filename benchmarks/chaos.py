@@ -55,12 +55,12 @@ from _cluster import NAMESPACE, LeanApiServer, Operator
 from _common import REPO
 
 sys.path.insert(0, str(REPO / "tests"))
-import harness.cluster  # noqa: E402  (the tests' harness lives in tests/)
-from harness import jobs  # noqa: E402
-from harness.client import Api, ApiError  # noqa: E402
-from harness.cluster import Cluster  # noqa: E402
-from pipejob.core.contract import STALLED_PREFIX, ExitCode  # noqa: E402
-from pipejob.core.kinds import KINDS  # noqa: E402
+import harness.cluster  # the tests' harness lives in tests/
+from harness import jobs
+from harness.client import Api, ApiError
+from harness.cluster import Cluster
+from pipejob.core.contract import STALLED_PREFIX, ExitCode
+from pipejob.core.kinds import KINDS
 
 LEFT = ("v1/pods", "v1/services", "networking.k8s.io/v1/networkpolicies")
 

@@ -103,7 +103,7 @@ def op(args: argparse.Namespace) -> dict[str, float]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    from pipejob.trainer.runtime import checkpoint, memory
+    from pipejob.trainer.runtime import checkpoint, memory, state_by_name
 
     root = Path(args.dir) / args.format
     if args.op == "verify":  # pipejob's master, once: every file's SHA-256 against the manifest
@@ -131,8 +131,8 @@ def op(args: argparse.Namespace) -> dict[str, float]:
         manifest = json.loads((directory / checkpoint.MANIFEST).read_text())
         found = checkpoint.Checkpoint(1, directory, manifest)
         wanted = list(module.state_dict())
-        entries = checkpoint.sources(found, checkpoint.index_of(found), wanted)
-        checkpoint.load_named(found.directory, entries, module, {"optimizer": optimizer})
+        entries = state_by_name.sources(found, state_by_name.index_of(found), wanted)
+        state_by_name.load_named(found.directory, entries, module, {"optimizer": optimizer})
         out = {"files": len(entries)}
     else:
         state = _dcp_state(module, optimizer)

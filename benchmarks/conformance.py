@@ -48,8 +48,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine  # noqa: E402
-from _conform_page import counts, engines, render, table  # noqa: E402
+from _common import machine
+from _conform_page import counts, engines, render, table
 
 # What CI runs: one small model of each construct the issue reported, about a minute on 2
 # quiet cores: a non-persistent buffer and cloned layers (TransformerEncoder), a
@@ -220,7 +220,7 @@ def _serve(requests: Any, replies: Any, max_params: float, engines: bool) -> Non
         start = time.perf_counter()
         try:
             shown, (factory, sample) = _zoos.entry(zoo, name)
-        except Exception as e:  # noqa: BLE001 (the zoo's own entry fails: not pipejob's)
+        except Exception as e:  # the zoo's own entry fails: not pipejob's
             row = _conform.Row(zoo, name, "" if engines else "not built", _conform._line(e))
         else:
             count = 0 if engines else _count(factory)  # --engines: on the meta device first
@@ -268,7 +268,7 @@ def _count(factory: Any) -> int:
 
     try:
         return sum(p.numel() for p in materialize.build(factory, ())[0].parameters())
-    except Exception:  # noqa: BLE001
+    except Exception:
         return 0
 
 

@@ -217,7 +217,7 @@ def _one_f_one_b_rank(
 
     from pipejob.core.spec import parse
     from pipejob.trainer import workloads
-    from pipejob.trainer.pipeline.stage_parts import trace
+    from pipejob.trainer.pipeline.stage_build import trace
     from pipejob.trainer.workloads import data, models
 
     spec = dataclasses.replace(parse(job).settings, split_points=cut)

@@ -28,9 +28,9 @@ from chaos import Statuses
 from operator_scale import manifest
 
 sys.path.insert(0, str(REPO / "tests"))
-import harness.cluster  # noqa: E402  (the tests' harness lives in tests/)
-from harness import jobs  # noqa: E402
-from harness.cluster import Cluster  # noqa: E402
+import harness.cluster  # the tests' harness lives in tests/
+from harness import jobs
+from harness.cluster import Cluster
 
 say = print
 

@@ -52,14 +52,14 @@ from _cluster import NAMESPACE, LeanApiServer, Operator
 from _common import REPO, counters, load_average, machine, spread
 
 sys.path.insert(0, str(REPO / "tests"))
-from _scale_watch import JobWatch, PodWatch, Refused, stand_in_master  # noqa: E402
+from _scale_watch import JobWatch, PodWatch, Refused, stand_in_master
 
-import harness.cluster  # noqa: E402  (the tests' harness lives in tests/)
-from harness import jobs  # noqa: E402
-from harness.client import Api  # noqa: E402
-from harness.cluster import Cluster  # noqa: E402
-from pipejob.core.spec import InvalidSpec, parse  # noqa: E402
-from pipejob.operator import kube  # noqa: E402
+import harness.cluster  # the tests' harness lives in tests/
+from harness import jobs
+from harness.client import Api
+from harness.cluster import Cluster
+from pipejob.core.spec import InvalidSpec, parse
+from pipejob.operator import kube
 
 
 def own_cpu_seconds() -> tuple[float, float]:

@@ -30,9 +30,9 @@ from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline, workloads
 from pipejob.trainer.pipeline import engine_choice
-from pipejob.trainer.pipeline.rpc.driver import Pipeline, forward_backward
-from pipejob.trainer.pipeline.shards import plan_shards
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.cut_model import plan_cut
+from pipejob.trainer.pipeline.rpc.driver import RpcPipeline, forward_backward
+from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.runtime import checkpoint, rendezvous, world
 from pipejob.trainer.workloads import cut, data, models
 from pipejob.trainer.workloads.cut import join
@@ -206,7 +206,7 @@ def run_world(target: Any, envs: list[dict[str, str]], out: Path, timeout: float
 
 def _stage_gradients(stage: rpc.RRef, context_id: int) -> dict[str, torch.Tensor]:
     """Runs on a stage: the gradients its shard got in one step, by every name of every
-    parameter (a tied one's too), wherever its engine keeps them (Shard.gradients)."""
+    parameter (a tied one's too), wherever its engine keeps them (StageBase.gradients)."""
     shard = stage.local_value()
     params = dict(shard.layers.named_parameters())
     by_tensor = {id(params[n]): g for n, g in shard.gradients(context_id).items()}
@@ -247,22 +247,22 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             with data.Feed(s) as feed:
                 batch = feed.batch()
             every = env.names("stage")
-            shards = plan_shards(s, *models.build_meta(s), every[: s.stages])
-            if shards.partition.engine is not None:  # engine auto: the engine the cut chose
-                s = engine_choice.resolved(s, shards.partition.engine.engine)
+            cut_model = plan_cut(s, *models.build_meta(s), every[: s.stages])
+            if cut_model.partition.engine is not None:  # engine auto: the engine the cut chose
+                s = engine_choice.resolved(s, cut_model.partition.engine.engine)
             if s.engine == "rpc":
-                pipe, loss, grads = _rpc_step(s, every[: s.stages], shards, batch)
+                pipe, loss, grads = _rpc_step(s, every[: s.stages], cut_model, batch)
             else:
-                pipe, loss, grads = _pipelining_step(s, every, shards, batch)
+                pipe, loss, grads = _pipelining_step(s, every, cut_model, batch)
             runs.append(
                 {
                     "loss": loss,
                     "grads": grads,
                     "variant": variant,
-                    "stages": [shards.piece_units(i) for i in range(len(shards.ranges))],
-                    "states": pipe.stage_results(Shard.state),
-                    "rest": shards.rest,
-                    "config": shards.config,
+                    "stages": [cut_model.piece_units(i) for i in range(len(cut_model.ranges))],
+                    "states": pipe.stage_results(StageBase.state),
+                    "rest": cut_model.rest,
+                    "config": cut_model.config,
                 }
             )
         torch.save(runs, out)
@@ -270,17 +270,19 @@ def _gradient_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         rpc.shutdown()
 
 
-def _rpc_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple[Any, float, dict]:
-    pipe = Pipeline(names, shards, "cpu", s.precision, s.activation_checkpointing)
+def _rpc_step(s: Any, names: list[str], cut_model: Any, batch: Any) -> tuple[Any, float, dict]:
+    pipe = RpcPipeline(names, cut_model, "cpu", s.precision, s.activation_checkpointing)
     with dist_autograd.context() as context_id:
         loss, _ = forward_backward(
             pipe, pipe.read(s.micro_batches, batch), 0, context_id, workloads.loss(s)
         )
-        pipe.combine_tied(context_id, shards.tied)
+        pipe.combine_tied(context_id, cut_model.tied)
         return pipe, loss.item(), _gradients(pipe, context_id)
 
 
-def _pipelining_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple[Any, float, dict]:
+def _pipelining_step(
+    s: Any, names: list[str], cut_model: Any, batch: Any
+) -> tuple[Any, float, dict]:
     """Every replica's share through its pipeline at once (their gradients are averaged
     by a collective every replica's stage i joins), replica 0's gradients."""
     from concurrent.futures import ThreadPoolExecutor
@@ -288,7 +290,7 @@ def _pipelining_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple
     from pipejob.trainer.pipeline.pipelining import driver
 
     pipes = [
-        driver.Pipeline(names[r * s.stages : (r + 1) * s.stages], shards, s)
+        driver.Pipeline(names[r * s.stages : (r + 1) * s.stages], cut_model, s)
         for r in range(s.replicas.max)
     ]
     shares = list(zip(*(t.tensor_split(s.replicas.max) for t in batch), strict=True))
@@ -298,9 +300,9 @@ def _pipelining_step(s: Any, names: list[str], shards: Any, batch: Any) -> tuple
         batch = pipe.read(s.micro_batches, shares[r])
         sent = pipe.launch(batch, range(0, 1), workloads.loss(s), 1.0)
         loss, _, _ = driver.outcome([replies[0] for replies in torch.futures.wait_all(sent)])
-        pipe.combine_tied(0, shards.tied)
+        pipe.combine_tied(0, cut_model.tied)
         if s.replicas.max > 1:
-            pipe.stage_results(Shard.average_gradients, 0)
+            pipe.stage_results(StageBase.average_gradients, 0)
         return loss
 
     with ThreadPoolExecutor(s.replicas.max) as threads:

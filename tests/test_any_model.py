@@ -189,7 +189,7 @@ def test_models_refused_before_are_planned():
     none of its parameters in memory, and Mixtral (its experts' grouped matmul, whose meta
     kernel wants bfloat16 where the CPU's takes float32) passes the master's fit check
     (issue 30)."""
-    from pipejob.trainer.pipeline.fit import fits_model
+    from pipejob.trainer.pipeline.shape_check import fits_model
     from pipejob.trainer.workloads import materialize
 
     def mamba():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from jobrun import JobRun, assert_states_close, by_parameter, final_state, pipeline_job
-from pipejob.core.common import Optimizer, from_spec
+from pipejob.core.common_spec import Optimizer, from_spec
 from pipejob.core.spec import parse
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime.optim import Functional

@@ -100,7 +100,7 @@ def test_an_epoch_reads_every_line_once_across_the_lanes_of_plain_and_gzip_files
     logs = ClickLogs(
         str(tmp_path / "day_*"), "spec.data.criteo.train", lanes=3, chunk=2000, window=16
     )
-    assert len(logs.pieces) > 3 and logs.files[0].endswith("day_0.tsv")
+    assert len(logs.chunks) > 3 and logs.files[0].endswith("day_0.tsv")
     for epoch in (0, 1):
         read = [row for lane in range(3) for row in epoch_rows(logs, lane, epoch)]
         counted = Counter(line for _, _, line in read)

@@ -24,7 +24,7 @@ from pipejob.trainer.pipeline.counted_cost import (
     count_chain,
 )
 from pipejob.trainer.pipeline.eager.placement import describe, no_grad_run, place
-from pipejob.trainer.pipeline.shards import candidate, prediction
+from pipejob.trainer.pipeline.micro_batch_choice import candidate, prediction
 
 WIDTHS = [(16, 64), (64, 256), (256, 64), (64, 8)]  # Linear layers, a ReLU after each but the last
 
@@ -126,7 +126,7 @@ RESNET50_PER_IMAGE = [1.087e9, 0.939e9]
 
 
 def counted_choice(per_sample: list[float], hosts: list[Host], batch: int = 32) -> int:
-    """The count `microBatches: auto` runs under spec.deterministic, as shards._measure
+    """The count `microBatches: auto` runs under spec.deterministic, as cut_model._measure
     chooses it: each candidate's costs counted at its micro-batch size (linear in it, as
     FLOPs and bytes are), predicted, the fastest."""
     predictions = []

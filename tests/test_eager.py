@@ -41,8 +41,8 @@ from pipejob.trainer.pipeline.eager import remote
 from pipejob.trainer.pipeline.eager import run as eager_run
 from pipejob.trainer.pipeline.eager import saved as eager_saved
 from pipejob.trainer.pipeline.eager.check import check
-from pipejob.trainer.pipeline.eager.driver import Stages, computed, not_finite, step
 from pipejob.trainer.pipeline.eager.held import Held
+from pipejob.trainer.pipeline.eager.one_step import Stages, computed, not_finite, step
 from pipejob.trainer.pipeline.eager.placement import (
     aliases,
     no_grad_run,
@@ -383,10 +383,12 @@ def _scale_round_trip_world(rank: int, envs: list[dict[str, str]], out: str) -> 
         (x, _), _ = fp16_batches()
         placement = place(model, no_grad_run(model, x[:8]), 2)
         stages = eager_run.distribute(env, model, placement)
-        moved = eager_run.Trained(model, None, stages, placement, None, LossScale(2.0**14, good=3))
+        moved = eager_run.EagerState(
+            model, None, stages, placement, None, LossScale(2.0**14, good=3)
+        )
         with data.Feed(env.spec) as feed:
             eager_saved.save(env, 1, moved, feed)
-        fresh = eager_run.Trained(model, None, stages, placement, None, LossScale())
+        fresh = eager_run.EagerState(model, None, stages, placement, None, LossScale())
         with data.Feed(env.spec) as feed:
             step = eager_saved.resume(env, checkpoint.latest_for(env), fresh, feed)
         saved_scale = torch.load(f"{checkpoint.step_dir(env.spec.checkpoint.path, 1)}/master.pt")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from userdata import BYTE_VOCAB, write_digits, write_stdlib_tokens
 
-from pipejob.core.common import Optimizer, Preflight
+from pipejob.core.common_spec import Optimizer, Preflight
 from pipejob.core.data_sources import PipelineData, Split, Tokens
 from pipejob.core.elastic import Size
 from pipejob.core.kinds.pipeline import PipelineSpec

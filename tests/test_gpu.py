@@ -216,7 +216,7 @@ def test_a_hybrid_job_trains_on_gpus_and_writes_its_model(tmp_path: Path, backen
 
 def test_a_checkpoint_written_on_gpus_resumes_there(tmp_path: Path, monkeypatch):
     """4 steps with a checkpoint every 2, then the same job for 6: the second run resumes
-    from step 4 (shards and optimizer state loaded back onto the GPUs) and trains 5 and 6,
+    from step 4 (pieces and optimizer state loaded back onto the GPUs) and trains 5 and 6,
     as a run of 6 straight does. In float64 (tests/userpkg/exact.py): in float32 the GPU's
     kernels (atomics in cuDNN's backward) leave each run a little apart, and SGD with
     momentum at this learning rate makes 6 steps of that a difference of 15-40% (seen on an

@@ -27,9 +27,16 @@ import pytest
 import pipejob.core.kinds
 from pipejob.core import contract as c
 from pipejob.core import spec
-from pipejob.core.common import COMMON, COMMON_RULES, OPERATOR_ONLY, CommonSpec, integer, spec_key
+from pipejob.core.common_spec import (
+    COMMON,
+    COMMON_RULES,
+    OPERATOR_ONLY,
+    CommonSpec,
+    integer,
+    spec_key,
+)
 from pipejob.core.elastic import Size
-from pipejob.core.kind import Group, Kind, Role
+from pipejob.core.kind import Kind, ProcessGroup, Role
 from pipejob.core.kinds import KINDS
 from pipejob.core.plan import Ports, Seat, plan_world
 from pipejob.core.schema import Field
@@ -77,7 +84,9 @@ TOY = Kind(
         Role("master"),
         Role("worker", count="workers", gpus="gpusPerWorker", computes=True),
     ),
-    groups=(Group("ddp", "worker", backend=lambda s: "nccl" if s["gpusPerWorker"] else "gloo"),),
+    groups=(
+        ProcessGroup("ddp", "worker", backend=lambda s: "nccl" if s["gpusPerWorker"] else "gloo"),
+    ),
     trainer="pipejob.trainer.toy",  # never imported here: only the trainer's pods do
     columns=({"name": "Workers", "type": "integer", "jsonPath": ".spec.workers", "priority": 1},),
 )

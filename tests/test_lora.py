@@ -1,5 +1,5 @@
 """LoRA fine-tuning (issue 41, examples/lora-causal-lm/): a peft model's output is what peft
-users expect (runtime/adapters.py), checked against peft itself: the adapter files hold what
+users expect (pipeline/peft_output.py), checked against peft itself: the adapter files hold what
 `PeftModel.save_pretrained` writes, `PeftModel.from_pretrained` loads them and gives the
 trained adapters' outputs, and the merged model is peft's `merge_and_unload`. A stage holding
 part of a LoRA model steps and checkpoints optimizer state for its adapters only (the frozen
@@ -21,9 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from jobrun import pipeline_job
 from pipejob.core import spec
-from pipejob.trainer.pipeline.shards import plan_shards
-from pipejob.trainer.pipeline.stage_base import Shard
-from pipejob.trainer.runtime import adapters, model_files
+from pipejob.trainer.pipeline import peft_output
+from pipejob.trainer.pipeline.cut_model import plan_cut
+from pipejob.trainer.pipeline.stage_base import StageBase
+from pipejob.trainer.runtime import model_files
 from pipejob.trainer.workloads import metrics, models
 
 pytest.importorskip("peft")
@@ -76,7 +77,7 @@ def test_adapter_files_and_merge_are_peft_s(tmp_path: Path) -> None:
     write_base(base)
     model = trained(lora(base)).eval()
     state = {k: v.clone() for k, v in model.state_dict().items()}  # merge_and_unload: in place
-    configs = adapters.configs(model)
+    configs = peft_output.configs(model)
     ids = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(1))
     expected = model(ids).logits
 
@@ -84,13 +85,13 @@ def test_adapter_files_and_merge_are_peft_s(tmp_path: Path) -> None:
     out.mkdir()
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
     config = json.loads(model.config.to_json_string(use_diff=False))
-    adapters.write(out, configs, True, config)
+    peft_output.write(out, configs, True, config)
 
     peft_dir = tmp_path / "peft"  # what peft itself writes
     model.save_pretrained(peft_dir)
     ours, theirs = (
-        load_file(out / adapters.ADAPTER_FILE),
-        load_file(peft_dir / adapters.ADAPTER_FILE),
+        load_file(out / peft_output.ADAPTER_FILE),
+        load_file(peft_dir / peft_output.ADAPTER_FILE),
     )
     assert sorted(ours) == sorted(theirs)
     for key, value in theirs.items():
@@ -102,7 +103,7 @@ def test_adapter_files_and_merge_are_peft_s(tmp_path: Path) -> None:
     torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
 
     merged = AutoModelForCausalLM.from_pretrained(
-        out / adapters.MERGED, attn_implementation=EAGER
+        out / peft_output.MERGED, attn_implementation=EAGER
     ).eval()
     reference = model.merge_and_unload().state_dict()
     got = merged.state_dict()
@@ -127,14 +128,14 @@ def test_adapter_files_and_merge_are_peft_s(tmp_path: Path) -> None:
         for i, half in enumerate(halves)
     ]
     model_files.write_index(sharded, shards, {})
-    adapters.write(sharded, configs, True, config)
-    assert (sharded / adapters.MERGED / "model.safetensors.index.json").exists()
+    peft_output.write(sharded, configs, True, config)
+    assert (sharded / peft_output.MERGED / "model.safetensors.index.json").exists()
     loaded = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(base, attn_implementation=EAGER), sharded
     ).eval()
     torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
     merged = AutoModelForCausalLM.from_pretrained(
-        sharded / adapters.MERGED, attn_implementation=EAGER
+        sharded / peft_output.MERGED, attn_implementation=EAGER
     ).eval()
     torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
@@ -157,13 +158,13 @@ def test_a_stage_steps_and_keeps_state_for_its_adapters_only(tmp_path: Path) -> 
         ).settings
         meta, numbered = models.build_meta(s)
         units = plan_units(s, meta)
-        from pipejob.trainer.pipeline.shards import Partition
+        from pipejob.trainer.pipeline.cut_model import Partition
 
         cut = len(units) // 2
         saved = Partition([range(0, cut), range(cut, len(units))], [1.0] * len(units), 1)
-        shards = plan_shards(s, meta, numbered, [], saved)
-        assert shards.parts is not None and shards.adapters is not None
-        stages = [Shard(part, "cpu", optimizer=s.optimizer) for part in shards.parts]
+        cut_model = plan_cut(s, meta, numbered, [], saved)
+        assert cut_model.parts is not None and cut_model.adapters is not None
+        stages = [StageBase(part, "cpu", optimizer=s.optimizer) for part in cut_model.parts]
     finally:
         sys.path.remove(str(RECIPE))
     ids = torch.randint(64, (4, 8), generator=torch.Generator().manual_seed(2))
@@ -193,7 +194,7 @@ def test_a_stage_steps_and_keeps_state_for_its_adapters_only(tmp_path: Path) -> 
 
 
 def plan_units(s, meta) -> list[str]:
-    from pipejob.trainer.pipeline.stage_parts import trace
+    from pipejob.trainer.pipeline.stage_build import trace
 
     return trace(s, meta).units
 
@@ -233,7 +234,7 @@ def test_the_recipe_trains_and_peft_loads_its_adapters(tmp_path: Path) -> None:
     model.load_state_dict(state, strict=True)
     base = AutoModelForCausalLM.from_pretrained(folder / "base", attn_implementation=EAGER)
     for key, value in base.state_dict().items():  # frozen: the base's own weights
-        peft_key = adapters.PREFIX + key
+        peft_key = peft_output.PREFIX + key
         if peft_key not in state:
             peft_key = peft_key.replace(".weight", ".base_layer.weight")
         assert torch.equal(state[peft_key], value), key
@@ -242,6 +243,6 @@ def test_the_recipe_trains_and_peft_loads_its_adapters(tmp_path: Path) -> None:
     loaded = PeftModel.from_pretrained(base, out).eval()
     torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
     merged = AutoModelForCausalLM.from_pretrained(
-        out / adapters.MERGED, attn_implementation=EAGER
+        out / peft_output.MERGED, attn_implementation=EAGER
     ).eval()
     torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-4, atol=1e-4)

@@ -26,8 +26,8 @@ REFUSAL = (
     "training failed: ValueError: spec.loss: the model returns ((2, 1, 64) float32, None): the"
     " default loss (cross-entropy) needs logits: a tensor or a dict with 'logits', not a tuple;"
     " give spec.loss: {import: mypkg.losses:build}, a factory of a callable (outputs, labels) ->"
-    " the batch's mean loss, which takes this output as the model returns it (at fit.py:55 in"
-    " fits_model)"
+    " the batch's mean loss, which takes this output as the model returns it (at shape_check.py:55"
+    " in fits_model)"
 )
 
 

@@ -4,6 +4,8 @@ random stream ends where a plain build leaves it."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -174,6 +176,31 @@ def test_ties_share_one_number_and_replaced_parameters_have_no_name() -> None:
     assert tied == materialize.numbers(numbered, ["a.weight"])
     part, _ = materialize.build(seeded(Custom), tied)
     assert part.out.weight is part.a.weight and part.a.weight.device.type == "cpu"
+
+
+def test_another_thread_never_sees_a_build() -> None:
+    """While one thread builds a model keeping none of its parameters, a module another
+    thread makes at the same time is torch's own: real parameters, none numbered."""
+    started, other_made = threading.Event(), threading.Event()
+    made: list[nn.Module] = []
+
+    def other() -> None:
+        assert started.wait(30)
+        made.append(nn.Linear(3, 3))
+        other_made.set()
+
+    def factory() -> nn.Module:
+        started.set()
+        assert other_made.wait(30)
+        return nn.Linear(4, 4)
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    model, registered = materialize.build(factory, [])
+    thread.join(30)
+    assert model.weight.device.type == "meta" and len(registered.params) == 2
+    assert made and all(p.device.type == "cpu" for p in made[0].parameters())
+    assert nn.Module.register_parameter is materialize._REGISTER  # torch's own again
 
 
 def test_the_jobs_model_on_the_meta_device_holds_no_parameter_memory() -> None:

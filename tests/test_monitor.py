@@ -83,7 +83,7 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def test_the_board_over_http() -> None:
     board = monitor.Board(steps=20)
-    server = monitor.Server(board, port=0, host="127.0.0.1")
+    server = monitor.BoardServer(board, port=0, host="127.0.0.1")
     base = f"http://127.0.0.1:{server.port}"
     try:
         code, kind, body = get(base + "/progress")
@@ -161,7 +161,7 @@ def test_the_board_over_http() -> None:
 
 def test_an_evaluation_is_reported_and_exported_once_known() -> None:
     board = monitor.Board(steps=20)
-    server = monitor.Server(board, port=0, host="127.0.0.1")
+    server = monitor.BoardServer(board, port=0, host="127.0.0.1")
     base = f"http://127.0.0.1:{server.port}"
     try:
         board.step(10, loss=1.5, seconds=0.5, samples=64)

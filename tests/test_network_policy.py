@@ -67,7 +67,7 @@ def test_the_default_policy_admits_the_world_only_and_leaves_egress_open() -> No
 
 def test_the_monitor_port_admits_the_named_peers_and_egress_can_be_restricted() -> None:
     job = parse(job_obj("PipelineJob", stages=2, replicas=2, batchSize=8, microBatches=2))
-    settings = ps.Settings(monitor_from=(PROMETHEUS,), egress=(STORE,))
+    settings = ps.NetworkPolicySettings(monitor_from=(PROMETHEUS,), egress=(STORE,))
     spec = kube.network_policy(job, "ns", None, settings)["spec"]
     assert spec["ingress"] == [
         {"from": [WORLD]},
@@ -79,12 +79,12 @@ def test_the_monitor_port_admits_the_named_peers_and_egress_can_be_restricted() 
 
 @pytest.mark.parametrize("text", [None, "", "  "])
 def test_unset_settings_are_the_defaults(text) -> None:
-    assert ps.parse(text) == ps.DEFAULT == ps.Settings((), None)
+    assert ps.parse(text) == ps.DEFAULT == ps.NetworkPolicySettings((), None)
 
 
 def test_settings_as_the_chart_writes_them() -> None:
     text = json.dumps({"monitorFrom": [PROMETHEUS], "egress": [STORE]})
-    assert ps.parse(text) == ps.Settings((PROMETHEUS,), (STORE,))
+    assert ps.parse(text) == ps.NetworkPolicySettings((PROMETHEUS,), (STORE,))
     assert ps.parse(json.dumps({"monitorFrom": []})) == ps.DEFAULT
     assert ps.parse(json.dumps({"egress": []})).egress == ()  # restricted to world and DNS
     assert ps.parse("off") is None

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import _chaos_checks as checks  # noqa: E402
-import chaos  # noqa: E402
-from _chaos_node import checkpoint_place  # noqa: E402
-from _chaos_schedule import FAULT_KINDS, Schedule  # noqa: E402
+import _chaos_checks as checks
+import chaos
+from _chaos_node import checkpoint_place
+from _chaos_schedule import FAULT_KINDS, Schedule
 
-from harness.apiserver import Faults  # noqa: E402
-from pipejob.core.spec import parse  # noqa: E402
-from pipejob.operator import kube  # noqa: E402
+from harness.apiserver import Faults
+from pipejob.core.spec import parse
+from pipejob.operator import kube
 
 pytestmark = pytest.mark.timeout(60)
 

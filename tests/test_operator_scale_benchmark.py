@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import operator_scale  # noqa: E402
+import operator_scale
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from pipejob.core.common import Optimizer, from_spec
+from pipejob.core.common_spec import Optimizer, from_spec
 from pipejob.trainer.runtime.optim import Functional, optimizer_args, set_lr
 
 
@@ -47,7 +47,7 @@ def test_each_optimizer_steps_as_torch_optim_does(name: str, momentum: float) ->
 def test_a_stage_process_steps_without_importing_dynamo_or_distributed_optim() -> None:
     code = """
 import sys, torch
-from pipejob.core.common import Optimizer, from_spec
+from pipejob.core.common_spec import Optimizer, from_spec
 from pipejob.trainer.pipeline.rpc import stage
 from pipejob.trainer.runtime.optim import Functional
 p = torch.nn.Parameter(torch.ones(3))

@@ -15,8 +15,8 @@ from torch import nn
 
 from jobrun import check_gradients, pipeline_job, run_to_end
 from pipejob.core import spec
-from pipejob.core.common import Optimizer, from_spec
-from pipejob.trainer.pipeline.rpc.stage import Stage, stage_devices
+from pipejob.core.common_spec import Optimizer, from_spec
+from pipejob.trainer.pipeline.rpc.stage import RpcStage, stage_devices
 from pipejob.trainer.pipeline.rpc.turnstile import Turnstile
 from pipejob.trainer.pipeline.summary import gpipe_bubble
 from pipejob.trainer.pipeline.timing import busy_seconds, step_seconds
@@ -251,7 +251,7 @@ def test_stage_times_forward_and_backward_of_each_micro_batch():
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
     for middle in (True, False):
-        stage = Stage(layers, last=False, device="cpu")
+        stage = RpcStage(layers, last=False, device="cpu")
         for step in range(2):
             for mb in range(2):
                 x = torch.randn(4, 8, requires_grad=middle)
@@ -342,7 +342,7 @@ def test_a_turn_that_never_comes_is_an_error_not_a_hang():
 def test_stage_runs_forwards_in_micro_batch_order_whatever_their_arrival():
     """Forwards reach a stage's RPC threads out of order; it computes them in order."""
     torch.manual_seed(0)
-    stage = Stage(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), last=True, device="cpu")
+    stage = RpcStage(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), last=True, device="cpu")
     done: list[int] = []
 
     def call(mb: int) -> None:
@@ -366,7 +366,7 @@ def test_settle_returns_once_every_micro_batch_has_backpropagated():
     """The master settles each stage before the optimizer steps: a stage in the middle of a
     pipeline (inputs with a gradient function, as received from the previous stage) counts a
     micro-batch once its gradient has gone back through every part of its shard."""
-    stage = Stage(
+    stage = RpcStage(
         nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), last=False, device="cpu"
     )
     outputs = [

@@ -37,13 +37,13 @@ from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.balance import LayerCosts, measure_chain, min_max_partition, predict
+from pipejob.trainer.pipeline.cut_model import piece_starts, plan_cut
 from pipejob.trainer.pipeline.pipelining import messages
 from pipejob.trainer.pipeline.pipelining.driver import Replicas, even
 from pipejob.trainer.pipeline.pipelining.stage import Stage
 from pipejob.trainer.pipeline.pipelining.timed import Timed
-from pipejob.trainer.pipeline.shards import piece_starts, plan_shards
-from pipejob.trainer.pipeline.stage_base import Shard
-from pipejob.trainer.pipeline.stage_parts import CANDIDATES_PER_STAGE
+from pipejob.trainer.pipeline.stage_base import StageBase
+from pipejob.trainer.pipeline.stage_build import CANDIDATES_PER_STAGE
 from pipejob.trainer.pipeline.train import runs
 from pipejob.trainer.runtime import checkpoint, profiling
 from pipejob.trainer.runtime.model_files import load_state_dict
@@ -303,11 +303,11 @@ def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         return
     try:
         s, names = env.spec, env.names("stage")
-        shards = plan_shards(s, *models.build_meta(s), names)
+        cut_model = plan_cut(s, *models.build_meta(s), names)
         loss = workloads.loss(s)
-        one_by_one = Replicas([names], shards, s)
+        one_by_one = Replicas([names], cut_model, s)
         stepped = [one_by_one.step(s.micro_batches, k, loss) for k in range(AHEAD_STEPS)]
-        ahead = Replicas([names], shards, s)
+        ahead = Replicas([names], cut_model, s)
         ahead.call_seconds = math.inf
         order: list[str] = []
         send, land = ahead._send, ahead._landed
@@ -320,14 +320,14 @@ def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             dataclasses.replace(s, optimizer=dataclasses.replace(s.optimizer, clip_grad_norm=c))
             for c in (None, 1e9)
         )
-        pairs = [Replicas([names], shards, spec) for spec in (unclipped, never)]
+        pairs = [Replicas([names], cut_model, spec) for spec in (unclipped, never)]
         run = [list(r.run_steps(s.micro_batches, range(AHEAD_STEPS), loss)) for r in pairs]
         figures = [[(r.loss, r.grad_norm, r.lr) for r in rs] for rs in (stepped, sent, *run)]
         done = (one_by_one, ahead, *pairs)
-        prints = [r.pipelines[0].stage_results(Shard.fingerprint) for r in done]
+        prints = [r.pipelines[0].stage_results(StageBase.fingerprint) for r in done]
         alone = [r.steps_alone for r in done]
         rpc.rpc_sync(names[0], _events, args=(True,))
-        gpipe = Replicas([names], shards, dataclasses.replace(unclipped, schedule="gpipe"))
+        gpipe = Replicas([names], cut_model, dataclasses.replace(unclipped, schedule="gpipe"))
         gpipe.call_seconds = math.inf
         list(gpipe.run_steps(s.micro_batches, range(AHEAD_STEPS), loss))
         got = {"figures": figures, "prints": prints, "order": order, "alone": alone}
@@ -486,7 +486,7 @@ def test_the_loop_runs_steps_back_to_back_up_to_a_checkpoint_an_evaluation_or_a_
             eval={"everySteps": 4},
         )
     ).settings
-    profile = profiling.Settings(frozenset({7}), Path("/tmp/unused"), 10)
+    profile = profiling.ProfileSettings(frozenset({7}), Path("/tmp/unused"), 10)
     spans = [(r.start, r.stop) for r in runs(job, 0, profile, evaluates=True)]
     assert spans == [(0, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 10), (10, 12)]
     # Without an evaluation or a profile, from a resumed step 3.

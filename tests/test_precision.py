@@ -32,10 +32,10 @@ from pipejob.core import plan, spec
 from pipejob.core.workload import Transformer
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
-from pipejob.trainer.pipeline.rpc.driver import Pipeline, Replicas, forward_backward
-from pipejob.trainer.pipeline.rpc.stage import Stage
-from pipejob.trainer.pipeline.shards import Partition, Shards, plan_shards
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.cut_model import CutModel, Partition, plan_cut
+from pipejob.trainer.pipeline.rpc.driver import Replicas, RpcPipeline, forward_backward
+from pipejob.trainer.pipeline.rpc.stage import RpcStage
+from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.runtime import memory
 from pipejob.trainer.workloads import cut, data, models
 from pipejob.trainer.workloads.transformer import TransformerLM
@@ -103,8 +103,8 @@ def _bf16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         s = env.spec
         with data.Feed(s) as feed:
             batch = feed.batch()
-        shards = plan_shards(s, *models.build_meta(s), env.names("stage"))
-        pipe = Pipeline(env.names("stage"), shards, "cpu", s.precision)
+        cut_model = plan_cut(s, *models.build_meta(s), env.names("stage"))
+        pipe = RpcPipeline(env.names("stage"), cut_model, "cpu", s.precision)
         with dist_autograd.context() as context_id:
             loss, _ = forward_backward(
                 pipe, pipe.read(s.micro_batches, batch), 0, context_id, workloads.loss(s)
@@ -123,7 +123,7 @@ def test_bf16_gradients_are_float32_ones_to_bf16_precision(text, tmp_path: Path)
     a few percent of float32's (relative L2; measured here: at most 0.4%). 5% leaves room for
     other kernels, while a gradient lost or doubled (a wrong cast, an unscaled loss) is off by
     50% or more."""
-    job = lm_job(text, precision="bf16", engine="rpc")  # its world drives the rpc Pipeline
+    job = lm_job(text, precision="bf16", engine="rpc")  # its world drives the RpcPipeline
     rpc_port, ddp_port = free_ports(2)
     processes = plan.plan_world(job, lambda m: LOOPBACK, plan.Ports(rpc_port, ddp_port))
     got = run_world(_bf16_world, [p.env for p in processes], tmp_path / "bf16.pt")
@@ -193,7 +193,7 @@ def _peak_megabytes(recompute: bool) -> float:
     torch.set_num_threads(1)
     spec_ = Transformer(vocab_size=256, layers=4, width=256, heads=4, seq_len=256)
     blocks = nn.Sequential(*TransformerLM(spec_).blocks)
-    stage = Stage(blocks, last=False, device="cpu", recompute=recompute)
+    stage = RpcStage(blocks, last=False, device="cpu", recompute=recompute)
     warm = torch.randn(1, 256, 256, requires_grad=True)  # one-time allocations: not counted
     stage.compute(warm).sum().backward()
     inputs = [torch.randn(4, 256, 256, requires_grad=True) for _ in range(4)]
@@ -239,16 +239,16 @@ def _fp16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     try:
         s = dataclasses.replace(env.spec, precision="fp16")
         traced = cut.Traced(mlp32())
-        shards = Shards(
+        cut_model = CutModel(
             traced.units,
             traced.split(["fc2"]),
             Partition([range(0, 2), range(2, 5)], [1.0] * 5, 2),
             {},
         )
-        replicas = Replicas([env.names("stage")], shards, s)
+        replicas = Replicas([env.names("stage")], cut_model, s)
         before = {
             k: v
-            for part in replicas.pipelines[0].stage_results(Shard.state)
+            for part in replicas.pipelines[0].stage_results(StageBase.state)
             for k, v in part.items()
         }
         (x1, y1), (x2, y2) = fp16_batches()
@@ -257,14 +257,14 @@ def _fp16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         overflowed = replicas.loss_scale.scale
         skipped = {
             k: v
-            for part in replicas.pipelines[0].stage_results(Shard.state)
+            for part in replicas.pipelines[0].stage_results(StageBase.state)
             for k, v in part.items()
         }
         replicas.loss_scale.scale = 2.0**16  # torch's GradScaler's start: no overflow
         second = replicas.step(2, 1, F.cross_entropy, (x2, y2))
         after = {
             k: v
-            for part in replicas.pipelines[0].stage_results(Shard.state)
+            for part in replicas.pipelines[0].stage_results(StageBase.state)
             for k, v in part.items()
         }
         torch.save(

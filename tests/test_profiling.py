@@ -210,7 +210,7 @@ def test_settings_default_to_the_checkpoint_path() -> None:
         return profiling.settings(parse(pipeline_job("p", **fields)).settings)
 
     s = settings(checkpoint={"path": "/ck"}, profile={"steps": [2, 5], "rowLimit": 9})
-    assert s == profiling.Settings(frozenset({2, 5}), Path("/ck/profiles"), 9)
+    assert s == profiling.ProfileSettings(frozenset({2, 5}), Path("/ck/profiles"), 9)
     assert settings(profile={"steps": [1], "path": "/p", "rowLimit": 3}).path == Path("/p")
     assert settings() is None
     assert profiling.trace_path("/p", "stage1", 5) == Path("/p/stage1-step5.json")

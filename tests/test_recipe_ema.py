@@ -1,6 +1,6 @@
 """spec.ema (issue 58): each stage's exponential moving average of its own parameters equals
 one process's EMA of the whole model (float64), through a checkpoint resumed on another cut,
-and in a world of stages driven by the master (both engines' Shard), swapped in for the
+and in a world of stages driven by the master (both engines' StageBase), swapped in for the
 output. The one-process EMA is written out here as the formula the spec states."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from jobrun import master_of, pipeline_job, run_world
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer.pipeline import ema_stages, engine
-from pipejob.trainer.pipeline.shards import Partition, Shards
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.cut_model import CutModel, Partition
+from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.workloads import cut
 
 STEPS = 7
@@ -56,11 +56,11 @@ def one_process(model: nn.Module, settings: dict[str, Any]) -> dict[str, torch.T
     return average
 
 
-def shards_of(model: nn.Module, stages: int) -> list[Shard]:
-    """`model` cut into `stages` Shards in this process, each averaging its parameters."""
-    job = spec.parse(pipeline_job("ema", stages=stages, optimizer=OPTIMIZER, ema=EMA)).settings
-    pieces = cut.Traced(model).split(CUTS[stages])
-    out = [Shard(piece, "cpu", optimizer=job.optimizer) for piece in pieces]
+def stages_of(model: nn.Module, count: int) -> list[StageBase]:
+    """`model` cut into `count` stages in this process, each averaging its parameters."""
+    job = spec.parse(pipeline_job("ema", stages=count, optimizer=OPTIMIZER, ema=EMA)).settings
+    pieces = cut.Traced(model).split(CUTS[count])
+    out = [StageBase(piece, "cpu", optimizer=job.optimizer) for piece in pieces]
     for shard in out:
         shard.keep_average(job.ema)
     return out
@@ -71,28 +71,28 @@ def test_the_stages_average_equals_one_process_through_a_resume_on_another_cut(t
     (other weights: the checkpoint must give them and their average), against one process."""
     reference = mlp()  # the gradients of each step, and its EMA
     want = one_process(mlp(), EMA)
-    shards, entries = shards_of(mlp(), 2), []
+    stages, entries = stages_of(mlp(), 2), []
     for k, (x, y) in enumerate(batches(), start=1):
         if k == 4:  # the resume: each name from whichever file holds it
-            entries = [s.save(str(tmp_path), f"stage{i}.pt") for i, s in enumerate(shards)]
+            entries = [s.save(str(tmp_path), f"stage{i}.pt") for i, s in enumerate(stages)]
             fresh = mlp()
             with torch.no_grad():
                 for p in fresh.parameters():
                     p.add_(1.0)
-            shards = shards_of(fresh, 3)
-            for s in shards:
+            stages = stages_of(fresh, 3)
+            for s in stages:
                 s.load(str(tmp_path), entries, seed=0)
-        state = {n: v for s in shards for n, v in s.state().items()}
+        state = {n: v for s in stages for n, v in s.state().items()}
         reference.load_state_dict(state)
         F.cross_entropy(reference(x), y).backward()
         grads = {n: p.grad for n, p in reference.named_parameters()}
         reference.zero_grad()
-        for s in shards:
+        for s in stages:
             s.step_optimizer({n: grads[n] for n in s.parameters_by_name}, None)
-    weights = {n: v.clone() for s in shards for n, v in s.state().items()}
-    for s in shards:
+    weights = {n: v.clone() for s in stages for n, v in s.state().items()}
+    for s in stages:
         s.swap_average()
-    got = {n: v for s in shards for n, v in s.state().items()}
+    got = {n: v for s in stages for n, v in s.state().items()}
     assert sorted(got) == sorted(want)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-12, msg=name)
@@ -109,15 +109,17 @@ def _ema_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         starts = [0, *(LAYERS.index(c) for c in CUTS[s.stages]), len(LAYERS)]
         ranges = [range(a, b) for a, b in zip(starts, starts[1:], strict=False)]
         stages = traced.split(CUTS[s.stages])
-        shards = Shards(traced.units, stages, Partition(ranges, [1.0] * len(LAYERS), 2), {})
-        replicas = engine(s, "driver").Replicas([env.names("stage")], shards, s)
+        cut_model = CutModel(traced.units, stages, Partition(ranges, [1.0] * len(LAYERS), 2), {})
+        replicas = engine(s, "driver").Replicas([env.names("stage")], cut_model, s)
         ema_stages.keep(s, replicas)
         for step, batch in enumerate(batches()):
             replicas.step(2, step, F.cross_entropy, batch)
         pipe = replicas.pipelines[0]
         with ema_stages.swapped(pipe):
-            average = {k: v for part in pipe.stage_results(Shard.state) for k, v in part.items()}
-        weights = {k: v for part in pipe.stage_results(Shard.state) for k, v in part.items()}
+            average = {
+                k: v for part in pipe.stage_results(StageBase.state) for k, v in part.items()
+            }
+        weights = {k: v for part in pipe.stage_results(StageBase.state) for k, v in part.items()}
         torch.save({"average": average, "weights": weights}, out)
     finally:
         rpc.shutdown()
@@ -126,7 +128,7 @@ def _ema_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     "engine_fields",
-    # slow: the numbers are held in one process (the resume test above, through Shard), the
+    # slow: the numbers are held in one process (the resume test above, through StageBase), the
     # world's path (keep, update, swap, checkpoint) by the `pipejob run` test below.
     [
         pytest.param({"engine": "rpc"}, marks=pytest.mark.slow),

@@ -25,12 +25,12 @@ from torch import nn
 
 from jobrun import master_of, pipeline_job, run_world
 from pipejob.core import plan, spec
-from pipejob.core.common import Optimizer
+from pipejob.core.optimizer import Optimizer
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import engine, summary
-from pipejob.trainer.pipeline.shards import Partition, Shards
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.cut_model import CutModel, Partition
+from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.runtime import param_groups
 from pipejob.trainer.runtime.optim import Functional, build, learning_rate, set_lr
 from pipejob.trainer.workloads import cut
@@ -114,18 +114,18 @@ def _nanogpt_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         starts = [0, *(LAYERS.index(c) for c in CUTS[s.stages]), len(LAYERS)]
         ranges = [range(a, b) for a, b in zip(starts, starts[1:], strict=False)]
         stages = traced.split(CUTS[s.stages])
-        shards = Shards(
+        cut_model = CutModel(
             traced.units,
             stages,
             Partition(ranges, [1.0] * len(LAYERS), 2),
             {},
             tied=cut.ties(stages),
         )
-        replicas = engine(s, "driver").Replicas([env.names("stage")], shards, s)
+        replicas = engine(s, "driver").Replicas([env.names("stage")], cut_model, s)
         loss = workloads.loss(s)  # the built-in cross-entropy, with spec.loss's options
         results = [replicas.step(2, step, loss, batch) for step, batch in enumerate(batches())]
         pipe = replicas.pipelines[0]
-        state = {k: v for part in pipe.stage_results(Shard.state) for k, v in part.items()}
+        state = {k: v for part in pipe.stage_results(StageBase.state) for k, v in part.items()}
         torch.save({"results": [(r.loss, r.lr, r.grad_norm) for r in results], "state": state}, out)
     finally:
         rpc.shutdown()
@@ -366,10 +366,10 @@ def test_bad_groups_are_refused_naming_the_field():
 def test_the_summary_counts_each_groups_parameters_a_tied_one_once():
     stages = cut.Traced(gpt()).split(CUTS[3])
     ranges = [range(0, 2), range(2, 4), range(4, 6)]
-    shards = Shards(LAYERS, stages, Partition(ranges, [1.0] * 6, 2), {}, tied=cut.ties(stages))
+    cut_model = CutModel(LAYERS, stages, Partition(ranges, [1.0] * 6, 2), {}, tied=cut.ties(stages))
     job = spec.parse(pipeline_job("groups", stages=3, optimizer=NANOGPT)).settings
     # wte's weight (tied to lm_head's) and fc's weight; the LayerNorms' and fc's bias
-    assert summary.group_counts(job, shards) == {
+    assert summary.group_counts(job, cut_model) == {
         "default": VOCAB * WIDTH + WIDTH * WIDTH,
         "no-decay": 4 * WIDTH + WIDTH,
     }

@@ -29,8 +29,8 @@ from pipejob.core import plan, spec
 from pipejob.core.optimizer import Optimizer, Schedule
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer.pipeline import engine
-from pipejob.trainer.pipeline.shards import Partition, Shards
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.cut_model import CutModel, Partition
+from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.runtime.optim import learning_rate
 from pipejob.trainer.workloads import cut
@@ -99,21 +99,21 @@ def _recipe_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         starts = [0, *(LAYERS.index(c) for c in CUTS[s.stages]), len(LAYERS)]
         ranges = [range(a, b) for a, b in zip(starts, starts[1:], strict=False)]
         stages = traced.split(CUTS[s.stages])
-        shards = Shards(
+        cut_model = CutModel(
             traced.units,
             stages,
             Partition(ranges, [1.0] * len(LAYERS), 2),
             {},
             tied=cut.ties(stages),
         )
-        replicas = engine(s, "driver").Replicas(per_replica, shards, s)
+        replicas = engine(s, "driver").Replicas(per_replica, cut_model, s)
         samples = SHARE * s.replicas.max * s.gradient_accumulation
         results = [
             replicas.step(2, step, F.cross_entropy, batch)
             for step, batch in enumerate(batches(samples))
         ]
         states = [
-            {k: v for part in p.stage_results(Shard.state) for k, v in part.items()}
+            {k: v for part in p.stage_results(StageBase.state) for k, v in part.items()}
             for p in replicas.pipelines
         ]
         torch.save(

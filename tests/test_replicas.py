@@ -20,9 +20,9 @@ from torch import nn
 from jobrun import TOLERANCE, JobRun, master_of, pipeline_job, run_world
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
+from pipejob.trainer.pipeline.cut_model import CutModel, Partition
 from pipejob.trainer.pipeline.rpc.driver import Replicas
-from pipejob.trainer.pipeline.shards import Partition, Shards
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.workloads import cut
 
@@ -194,19 +194,19 @@ def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         names = env.names("stage")
         per_replica = [names[r * s.stages : (r + 1) * s.stages] for r in range(s.replicas.max)]
         traced = cut.Traced(mlp())
-        shards = Shards(
+        cut_model = CutModel(
             traced.units,
             traced.split(["fc2"]),
             Partition([range(0, 2), range(2, 5)], [1.0] * 5, 2),
             {},
         )
-        replicas = Replicas(per_replica, shards, s)
+        replicas = Replicas(per_replica, cut_model, s)
         losses = [
             replicas.step(2, step, F.cross_entropy, batch).loss
             for step, batch in enumerate(batches(s.replicas.max))
         ]
         states = [
-            {k: v for part in p.stage_results(Shard.state) for k, v in part.items()}
+            {k: v for part in p.stage_results(StageBase.state) for k, v in part.items()}
             for p in replicas.pipelines
         ]
         torch.save({"losses": losses, "states": states}, out)

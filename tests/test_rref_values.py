@@ -2,7 +2,7 @@
 
 An RPC agent with CUDA devices finds the tensors of every RRef's value by pickling it
 (torch._jit_internal._extract_tensors, called from C++ when the value's future completes) and
-fails the RRef when that raises, as a Stage holding locks once did ("cannot pickle
+fails the RRef when that raises, as an RpcStage holding locks once did ("cannot pickle
 '_thread.RLock' object") on every GPU pipeline. A CPU agent never extracts, so this calls the
 same function on the values a real world made: a PipelineJob's stages after a training step
 and their forward outputs, and checks that each yields the tensors it holds (those torch must
@@ -24,10 +24,10 @@ from jobrun import master_of, pipeline_job, run_world
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
+from pipejob.trainer.pipeline.cut_model import plan_cut
 from pipejob.trainer.pipeline.reader import Source
-from pipejob.trainer.pipeline.rpc.driver import Pipeline, forward_backward
-from pipejob.trainer.pipeline.rpc.stage import Stage
-from pipejob.trainer.pipeline.shards import plan_shards
+from pipejob.trainer.pipeline.rpc.driver import RpcPipeline, forward_backward
+from pipejob.trainer.pipeline.rpc.stage import RpcStage
 from pipejob.trainer.pipeline.stage_calls import remote_stage
 from pipejob.trainer.workloads import data, models
 
@@ -38,7 +38,7 @@ def held(value: Any) -> list[torch.Tensor]:
         return [value]
     if isinstance(value, tuple | list):
         return [t for v in value for t in held(v)]
-    if isinstance(value, Stage):
+    if isinstance(value, RpcStage):
         return [*value.layers.parameters(), *value.layers.buffers()]
     raise TypeError(f"no known tensors in a {type(value).__name__}")
 
@@ -58,15 +58,15 @@ def extraction(rref: rpc.RRef) -> dict[str, Any]:
 
 def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     """A real 2-stage world: the master runs one training step through the trainer's own
-    Pipeline, then asks each owner to extract its RRefs' values."""
+    RpcPipeline, then asks each owner to extract its RRefs' values."""
     if (env := master_of(rank, envs)) is None:
         return
     try:
         s = env.spec
         with data.Feed(s) as feed:
             inputs, labels = feed.batch()
-        shards = plan_shards(s, *models.build_meta(s), env.names("stage"))
-        pipe = Pipeline(env.names("stage"), shards, source=Source(s, 0))
+        cut_model = plan_cut(s, *models.build_meta(s), env.names("stage"))
+        pipe = RpcPipeline(env.names("stage"), cut_model, source=Source(s, 0))
         with dist_autograd.context() as context_id:
             forward_backward(
                 pipe, pipe.read(s.micro_batches, (inputs, labels)), 0, context_id, workloads.loss(s)
@@ -74,9 +74,9 @@ def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         stage0, name0 = pipe.stages[0], pipe.names[0]
         # A forward output that stays on its stage (what the next stage fetches).
         output = remote_stage(name0, stage0).rref(
-            Stage.forward, (inputs[:2],), pipe.rounds + 1, 0, None
+            RpcStage.forward, (inputs[:2],), pipe.rounds + 1, 0, None
         )
-        rrefs = [*(stage.rref for stage in pipe.stages), output]  # each Stage's own
+        rrefs = [*(stage.rref for stage in pipe.stages), output]  # each RpcStage's own
         torch.save([rpc.rpc_sync(r.owner(), extraction, args=(r,)) for r in rrefs], out)
     finally:
         rpc.shutdown()
@@ -89,7 +89,7 @@ def test_every_value_behind_an_rref_gives_torch_its_tensors(tmp_path):
     ports = plan.Ports(*free_ports(4))
     envs = [p.env for p in plan.plan_world(job, lambda m: LOOPBACK, ports)]
     found = run_world(_world, envs, tmp_path / "found.pt", timeout=180)
-    assert [f["type"] for f in found] == ["Stage", "Stage", "tuple"]
+    assert [f["type"] for f in found] == ["RpcStage", "RpcStage", "tuple"]
     for f in found:
         assert f["held"] > 0 and f["missing"] == 0, f
 
@@ -97,7 +97,9 @@ def test_every_value_behind_an_rref_gives_torch_its_tensors(tmp_path):
 def test_a_stage_stepped_in_this_process_extracts_too():
     """The same without a world, after the locks were used: a stage's turnstile and
     conditions have had waiters."""
-    stage = Stage(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)), False, "cpu")
+    stage = RpcStage(
+        torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)), False, "cpu"
+    )
     x = torch.randn(6, 3)
     y = stage.forward((x,), 1, 0, 1)
     y.sum().backward()
@@ -105,6 +107,6 @@ def test_a_stage_stepped_in_this_process_extracts_too():
     found = {id(t) for t in _extract_tensors(stage)}
     expected = held(stage)
     assert expected and all(id(t) in found for t in expected)
-    # Pickled, a Stage is only what torch looks for: it is never sent or rebuilt.
+    # Pickled, an RpcStage is only what torch looks for: it is never sent or rebuilt.
     with pytest.raises(TypeError, match="cannot be unpickled"):
         pickle.loads(pickle.dumps(stage))

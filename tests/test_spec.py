@@ -191,7 +191,7 @@ MISTAKES = [
         _with(pipeline(), "apiVersion", "pipejob.dev/v1"),
         "apiVersion",
         "must be pipejob.dev/v1alpha1",
-    ),  # noqa: E501
+    ),
     (_with(pipeline(), "kind", "PipeJob"), "kind", "must be one of PipelineJob, HybridJob"),
     (_with(pipeline(), "metadata", _DELETE), "metadata", "is required"),
     (_with(pipeline(), "metadata.name", "ResNet_50"), "metadata.name", "DNS label"),

@@ -1,4 +1,4 @@
-"""Typed stage calls (pipeline/stage_calls.py): the master names a Stage's or a Reader's method
+"""Typed stage calls (pipeline/stage_calls.py): the master names an RpcStage's or a Reader's method
 itself, a misspelt one fails where it is written, and what travels is `on_stage` (or
 `on_reader`) with the method's name, which the watchdog names an open call by."""
 
@@ -11,9 +11,9 @@ import torch.distributed.rpc as rpc
 
 from pipejob.trainer.pipeline import stage_calls
 from pipejob.trainer.pipeline.reader import Reader
-from pipejob.trainer.pipeline.rpc.stage import Stage
-from pipejob.trainer.pipeline.stage_base import Shard
-from pipejob.trainer.runtime import calls
+from pipejob.trainer.pipeline.rpc.stage import RpcStage
+from pipejob.trainer.pipeline.stage_base import StageBase
+from pipejob.trainer.runtime import rpc_ledger
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -32,10 +32,10 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any, Any]]:
 
 def test_a_call_sends_on_stage_and_the_methods_name(monkeypatch: pytest.MonkeyPatch) -> None:
     made = sent(monkeypatch)
-    stage = object()  # stands for the Stage's RRef: only passed along
-    stage_calls.remote_stage("stage1", stage).future(Stage.forward, None, 3, 0, 1, None)
-    stage_calls.remote_stage("stage0", stage).result(Shard.save, "/tmp/x", "stage0.pt")
-    stage_calls.remote_stage("stage0", stage).rref(Stage.settle, 1, 4)
+    stage = object()  # stands for the RpcStage's RRef: only passed along
+    stage_calls.remote_stage("stage1", stage).future(RpcStage.forward, None, 3, 0, 1, None)
+    stage_calls.remote_stage("stage0", stage).result(StageBase.save, "/tmp/x", "stage0.pt")
+    stage_calls.remote_stage("stage0", stage).rref(RpcStage.settle, 1, 4)
     stage_calls.remote_reader("stage0", stage).result(Reader.labels, 3, 5.0)
     assert made == [
         ("rpc_async", "stage1", stage_calls.on_stage, (stage, "forward", None, 3, 0, 1, None)),
@@ -44,11 +44,11 @@ def test_a_call_sends_on_stage_and_the_methods_name(monkeypatch: pytest.MonkeyPa
         ("rpc_sync", "stage0", stage_calls.on_reader, (stage, "labels", 3, 5.0)),
     ]
     # The watchdog names an open call as before: "waiting on stage1 ... for on_stage forward".
-    assert calls._call_text(made[0][2], made[0][3]) == "on_stage forward"
+    assert rpc_ledger._call_text(made[0][2], made[0][3]) == "on_stage forward"
 
 
 def test_a_misspelt_method_fails_where_it_is_written() -> None:
     with pytest.raises(AttributeError):
-        stage_calls.remote_stage("stage0", object()).future(Shard.sav)  # type: ignore[attr-defined]
+        stage_calls.remote_stage("stage0", object()).future(StageBase.sav)  # type: ignore[attr-defined]
     with pytest.raises(AttributeError):  # a name is no method
         stage_calls.remote_stage("stage0", object()).future("save")  # type: ignore[arg-type]

@@ -29,8 +29,8 @@ from jobrun import (
     run_to_end,
 )
 from pipejob.core import spec
-from pipejob.trainer.pipeline.shards import plan_shards
-from pipejob.trainer.pipeline.stage_parts import Part, trace
+from pipejob.trainer.pipeline.cut_model import plan_cut
+from pipejob.trainer.pipeline.stage_build import PieceBuilder, trace
 from pipejob.trainer.workloads import cut, models, staged
 from pipejob.trainer.workloads.cut import join
 from pipejob.trainer.workloads.metrics import cross_entropy
@@ -54,14 +54,14 @@ def settings(model: dict[str, Any], **fields: Any) -> Any:
 
 def built_stages(s: Any) -> list[nn.Module]:
     """Each stage as its process builds it from the master's plan, pickled as shipped."""
-    shards = plan_shards(s, *models.build_meta(s), [], shards_saved(s))
-    assert shards.parts is not None
-    return [pickle.loads(pickle.dumps(piece)) for part in shards.parts for piece in part.build()]
+    cut_model = plan_cut(s, *models.build_meta(s), [], shards_saved(s))
+    assert cut_model.parts is not None
+    return [pickle.loads(pickle.dumps(piece)) for part in cut_model.parts for piece in part.build()]
 
 
 def shards_saved(s: Any) -> Any:
     """One piece per stage, as a checkpoint's partition (no stage processes to measure)."""
-    from pipejob.trainer.pipeline.shards import Partition
+    from pipejob.trainer.pipeline.cut_model import Partition
 
     units = trace(s, models.build_meta(s)[0]).units
     n = len(units)
@@ -212,7 +212,7 @@ def test_a_staged_checkpoint_resumes_on_the_other_engine(tmp_path: Path, monkeyp
 
 def test_a_part_of_a_stage_function_builds_only_its_own_stage():
     s = settings(GRU, data=PADDED)
-    part = Part(s, torch.float32, (), ("gru_stage(1)",), (1,))
+    part = PieceBuilder(s, torch.float32, (), ("gru_stage(1)",), (1,))
     (head,) = part.build()
     assert sorted(head.state_dict()) == ["head.bias", "head.weight"]
 

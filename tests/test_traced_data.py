@@ -10,8 +10,8 @@ import torch
 from userpkg.traced_cases import DictInputs, dict_label_loss
 
 from jobrun import pipeline_job, run_to_end
-from pipejob.trainer.pipeline.fit import fits_model
 from pipejob.trainer.pipeline.reader import Reader
+from pipejob.trainer.pipeline.shape_check import fits_model
 from pipejob.trainer.workloads.cut import Traced
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,7 +21,7 @@ from userpkg import gpt_forwards
 
 from jobrun import STARTED, JobRun, pipeline_job, run_to_end
 from pipejob.core.contract import ExitCode
-from pipejob.trainer.pipeline.fit import fits_model
+from pipejob.trainer.pipeline.shape_check import fits_model
 from pipejob.trainer.workloads import metrics
 from pipejob.trainer.workloads.cut import Traced, join
 

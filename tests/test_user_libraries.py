@@ -26,7 +26,7 @@ from pipejob.trainer.workloads import cut, materialize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import _conform  # noqa: E402
+import _conform
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -160,7 +160,7 @@ def test_the_fit_check_says_what_the_meta_device_cannot_run_and_blames_no_data()
     which the meta device cannot: the master's fit check says it did not check the fit and
     why (the line), and the cut is exact; data that does not fit is still refused."""
     pytest.importorskip("x_transformers")
-    from pipejob.trainer.pipeline.fit import fits_model
+    from pipejob.trainer.pipeline.shape_check import fits_model
 
     model, _ = materialize.build(x_transformers_decoder, ())
     labels = torch.zeros(4, dtype=torch.long)

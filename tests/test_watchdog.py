@@ -21,11 +21,11 @@ from harness.standin import StandInMaster
 from harness.variants import exhaustive
 from jobrun import JobRun, pipeline_job
 from pipejob.core import contract as c
-from pipejob.core.common import Watchdog
+from pipejob.core.common_spec import Watchdog
 from pipejob.core.plan import plan_world
 from pipejob.core.spec import parse
 from pipejob.runner.local import free_ports
-from pipejob.trainer.runtime import calls, monitor, watchdog
+from pipejob.trainer.runtime import monitor, rpc_ledger, watchdog
 from pipejob.trainer.runtime.failures import lost_peer, one_line
 from pipejob.trainer.runtime.world import read_env
 
@@ -114,7 +114,7 @@ def test_heartbeats_travel_over_http_to_the_masters_monitor():
     master = env_of(pipeline_job("w", stages=2), 0, watchdog=Watchdog(seconds=5))
     members = watchdog.Members(master, board)
     board.on_heartbeat = members.heartbeat
-    server = monitor.Server(board, 0, host="127.0.0.1")
+    server = monitor.BoardServer(board, 0, host="127.0.0.1")
     try:
         url = f"http://127.0.0.1:{server.port}{c.HEARTBEAT_PATH}"
         reply = watchdog._post(url, b'{"member": "stage0", "pid": 42}', timeout=5)
@@ -143,7 +143,7 @@ def test_the_master_names_whom_it_waits_on_once_no_call_ended_for_longer_than_th
     stuck, and the oldest outstanding call says on whom."""
     board = monitor.Board(10)
     master = env_of(pipeline_job("w", stages=2), 0, watchdog=Watchdog(seconds=5))
-    ledger = calls.Ledger()
+    ledger = rpc_ledger.Ledger()
     members = watchdog.Members(master, board, ledger)
     board.preflight(True, "passed")
     board.phase("training")
@@ -219,10 +219,10 @@ def test_the_calls_a_master_makes_and_serves_are_counted_and_the_open_ones_kept(
 CALLS_WORLD = """
 import operator, sys, time
 import torch.distributed.rpc as rpc
-from pipejob.trainer.runtime import calls, failures
+from pipejob.trainer.runtime import rpc_ledger, failures
 
 failures.say_remote_errors_in_one_line()  # which counts the calls served
-calls.trace(["master"])
+rpc_ledger.trace(["master"])
 options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{sys.argv[1]}")
 rpc.init_rpc("master", rank=0, world_size=1, rpc_backend_options=options)
 assert rpc.rpc_sync("master", operator.add, args=(1, 2)) == 3
@@ -230,10 +230,10 @@ assert rpc.rpc_async("master", operator.add, args=(2, 2)).wait() == 4
 assert rpc.remote("master", operator.add, args=(3, 2)).to_here() == 5
 sleeping = rpc.rpc_async("master", time.sleep, args=(3,))
 time.sleep(1)
-print(" ".join(f"open:{','.join(c.to)}:{c.what}" for c in calls.LEDGER.outstanding()))
+print(" ".join(f"open:{','.join(c.to)}:{c.what}" for c in rpc_ledger.LEDGER.outstanding()))
 sleeping.wait()
 time.sleep(0.5)
-print(f"ended:{calls.LEDGER.ended()}")
+print(f"ended:{rpc_ledger.LEDGER.ended()}")
 rpc.shutdown()
 """
 

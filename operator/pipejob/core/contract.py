@@ -200,27 +200,27 @@ class Progress:
     steps: int
     phase: str | None = None
     loss: float | None = None
-    samplesPerSecond: float | None = None  # noqa: N815 (the JSON's name)
+    samplesPerSecond: float | None = None  # the JSON's name
     bubble: float | None = None  # PipelineJob: idle share of stage time
-    learningRate: float | None = None  # noqa: N815 (the last optimizer step's)
-    gradNorm: float | None = None  # noqa: N815 (global L2 norm of its gradients, unclipped)
-    resumedFromStep: int | None = None  # noqa: N815
+    learningRate: float | None = None  # the last optimizer step's
+    gradNorm: float | None = None  # global L2 norm of its gradients, unclipped
+    resumedFromStep: int | None = None
     message: str | None = None
     preflight: PreflightResult | None = None
     # The last evaluation on held-out data (spec.eval): its step and figures; accuracy for
     # classification, perplexity for the language model, AUC for clicks.
-    evalStep: int | None = None  # noqa: N815
-    evalLoss: float | None = None  # noqa: N815
-    evalAccuracy: float | None = None  # noqa: N815
-    evalPerplexity: float | None = None  # noqa: N815
-    evalAuc: float | None = None  # noqa: N815
+    evalStep: int | None = None
+    evalLoss: float | None = None
+    evalAccuracy: float | None = None
+    evalPerplexity: float | None = None
+    evalAuc: float | None = None
     # Each member's peak memory so far, by RPC name: {"rssPeakBytes": n} and, on a GPU,
     # "cudaPeakBytes" (MEMORY_FIGURES).
     memory: dict[str, dict[str, int]] | None = None
     # The newest complete checkpoint this world wrote: its step, and when (RFC 3339, UTC).
     # An elastic world grows back once one is written after capacity returned.
-    checkpointStep: int | None = None  # noqa: N815
-    checkpointTime: str | None = None  # noqa: N815
+    checkpointStep: int | None = None
+    checkpointTime: str | None = None
     # PipelineJob: the engine the master runs the job on (rpc or pipelining; the one
     # `engine: auto` chose), once it has chosen.
     engine: str | None = None

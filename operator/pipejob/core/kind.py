@@ -51,7 +51,7 @@ class Role:
 
 
 @dataclass(frozen=True)
-class Group:
+class ProcessGroup:
     """A collective process group (DDP) that the members of one role form beside the RPC
     world, with a rendezvous of its own on its rank 0. With `by_index`, the members with the
     same index (stage i of every replica) form one group each, named `<name><index>`."""
@@ -76,12 +76,12 @@ class Kind:
     short_name: str  # pj
     description: str  # the CRD's
     spec: Field  # the spec table: defaults, validation, the CRD's schema
-    settings: type  # the typed spec the trainer reads (core/common.py: from_spec)
+    settings: type  # the typed spec the trainer reads (core/common_spec.py: from_spec)
     roles: tuple[Role, ...]  # in RPC rank order; the first is the master, rank 0
     # Module whose `run(env, checked)` runs every role of this kind in a pod, and whose
     # `export_checkpoint(directory, manifest, out, format)` is `pipejob export` of its checkpoints.
     trainer: str
-    groups: tuple[Group, ...] = ()
+    groups: tuple[ProcessGroup, ...] = ()
     columns: tuple[dict[str, Any], ...] = ()  # `kubectl get -o wide` columns of its own
     # Fill-ins that depend on other fields, after the table's defaults.
     complete: Callable[[Spec], Spec] = lambda spec: spec

@@ -5,6 +5,7 @@ ignores it); this module holds its table and the arithmetic of raised memory."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
@@ -54,21 +55,28 @@ def template_memory(spec: dict[str, Any]) -> Decimal | None:
     return None
 
 
-def cap(spec: dict[str, Any]) -> Decimal | None:
-    """The most memory a role may be raised to; None: the template gives no memory."""
-    given = (spec.get("oom") or {}).get("maxMemory")
-    if given is not None:
-        return quantity(given)
+@dataclass(frozen=True)
+class OomPolicy:
+    """spec.oom as the operator reads it: the factor a killed role's memory grows by, and
+    the most it may grow to (None: the template gives no memory, so no cap)."""
+
+    increase: float
+    cap: Decimal | None
+
+    def raised(self, now: Decimal) -> Decimal:
+        """`now` grown by `increase`, at most the cap, rounded up to a whole MiB."""
+        grown = Decimal(math.ceil(now * Decimal(str(self.increase)) / _MI) * _MI)
+        return grown if self.cap is None else min(grown, self.cap)
+
+
+def policy(spec: dict[str, Any]) -> OomPolicy:
+    """The spec's OomPolicy: spec.oom.maxMemory for the cap, else DEFAULT_CAP times the
+    template's memory."""
+    section = spec.get("oom") or {}
+    given = section.get("maxMemory")
     base = template_memory(spec)
-    return None if base is None else base * DEFAULT_CAP
-
-
-def raised(spec: dict[str, Any], now: Decimal) -> Decimal:
-    """`now` grown by spec.oom.increase, at most the cap, rounded up to a whole MiB."""
-    factor = Decimal(str((spec.get("oom") or {}).get("increase", INCREASE)))
-    grown = Decimal(math.ceil(now * factor / _MI) * _MI)
-    ceiling = cap(spec)
-    return grown if ceiling is None else min(grown, ceiling)
+    cap = quantity(given) if given is not None else None if base is None else base * DEFAULT_CAP
+    return OomPolicy(section.get("increase", INCREASE), cap)
 
 
 def text(amount: Decimal) -> str:

@@ -4,6 +4,7 @@ ignores it); this module holds its table, its rules and the names each scheduler
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pipejob.core.schema import Field, Rule
@@ -210,6 +211,26 @@ RULES = (
 )
 
 
-def section(spec: dict[str, Any]) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class Scheduling:
+    """spec.scheduling as the operator reads it (the table above gives its meaning)."""
+
+    provider: str  # KUEUE, VOLCANO or COSCHEDULING
+    queue: str | None = None
+    priority_class_name: str | None = None
+    scheduler_name: str | None = None
+    schedule_timeout_seconds: int | None = None
+
+
+def section(spec: dict[str, Any]) -> Scheduling | None:
     """The spec's scheduling section, or None when the default scheduler runs the pods."""
-    return spec.get("scheduling") or None
+    raw = spec.get("scheduling")
+    if not raw:
+        return None
+    return Scheduling(
+        raw["provider"],
+        raw.get("queue"),
+        raw.get("priorityClassName"),
+        raw.get("schedulerName"),
+        raw.get("scheduleTimeoutSeconds"),
+    )

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipejob.core import elastic, validate, yamlio
-from pipejob.core.common import DNS_LABEL, from_spec
+from pipejob.core.common_spec import DNS_LABEL, from_spec
 from pipejob.core.errors import SpecError, shown
 from pipejob.core.kind import Kind
 from pipejob.core.kinds import KINDS

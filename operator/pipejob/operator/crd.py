@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from pipejob.core import spec
-from pipejob.core.common import DNS_LABEL
+from pipejob.core.common_spec import DNS_LABEL
 from pipejob.core.kind import Kind
 from pipejob.core.kinds import KINDS
 from pipejob.core.schema import openapi

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from pipejob.core import scheduling as sch
-from pipejob.core.common import PENDING_SECONDS
+from pipejob.core.common_spec import PENDING_SECONDS
 from pipejob.core.elastic import elastic_size
 from pipejob.core.plan import Member, members, plan_world
 from pipejob.core.spec import Job
@@ -162,9 +162,9 @@ def _standing_by(job: Job, pod: dict, world: int, joins: int, k: int) -> dict:
         container.pop(key, None)
     container["command"] = list(STANDBY_COMMAND)
     section = sch.section(job.spec)
-    if section is not None and section["provider"] == sch.KUEUE:  # a pod group per size
+    if section is not None and section.provider == sch.KUEUE:  # a pod group per size
         unit = sum(1 for n, _ in joiners(job, joins - 1) if n == joins)
-        meta["labels"][sch.KUEUE_QUEUE_LABEL] = section["queue"]
+        meta["labels"][sch.KUEUE_QUEUE_LABEL] = section.queue
         meta["labels"][sch.KUEUE_GROUP_LABEL] = f"{gang.group_name(job)}-standby-{world}-{joins}"
         meta["annotations"][sch.KUEUE_TOTAL_COUNT] = str(unit)
     return pod

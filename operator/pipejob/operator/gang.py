@@ -15,7 +15,7 @@ from pipejob.core.spec import Job
 
 def provider(job: Job) -> str | None:
     section = sch.section(job.spec)
-    return section["provider"] if section else None
+    return section.provider if section else None
 
 
 def group_name(job: Job) -> str:
@@ -44,9 +44,9 @@ def decorate(job: Job, pod: dict[str, Any], size: int) -> dict[str, Any]:
         return pod
     meta, spec = pod["metadata"], pod["spec"]
     labels, annotations = meta.setdefault("labels", {}), meta.setdefault("annotations", {})
-    kind = section["provider"]
+    kind = section.provider
     if kind == sch.KUEUE:
-        labels[sch.KUEUE_QUEUE_LABEL] = section["queue"]
+        labels[sch.KUEUE_QUEUE_LABEL] = section.queue
         labels[sch.KUEUE_GROUP_LABEL] = group_name(job)
         annotations[sch.KUEUE_TOTAL_COUNT] = str(size)
         annotations.update(sch.topology_annotation(job.spec))
@@ -54,18 +54,18 @@ def decorate(job: Job, pod: dict[str, Any], size: int) -> dict[str, Any]:
         annotations[sch.VOLCANO_GROUP_ANNOTATION] = group_name(job)
     else:
         labels[sch.COSCHEDULING_GROUP_LABEL] = group_name(job)
-    scheduler = section.get("schedulerName") or sch.DEFAULT_SCHEDULERS.get(kind)
+    scheduler = section.scheduler_name or sch.DEFAULT_SCHEDULERS.get(kind)
     if scheduler:
         spec["schedulerName"] = scheduler
-    if section.get("priorityClassName"):
-        spec["priorityClassName"] = section["priorityClassName"]
+    if section.priority_class_name:
+        spec["priorityClassName"] = section.priority_class_name
     return pod
 
 
 def podgroup(job: Job, pods: list[dict], namespace: str, owner: dict | None) -> dict | None:
     """The PodGroup of the world `pods` (Volcano or coscheduling), or None."""
     section = sch.section(job.spec)
-    if section is None or section["provider"] == sch.KUEUE:
+    if section is None or section.provider == sch.KUEUE:
         return None
     meta: dict[str, Any] = {
         "name": group_name(job),
@@ -75,19 +75,19 @@ def podgroup(job: Job, pods: list[dict], namespace: str, owner: dict | None) -> 
     if owner is not None:
         meta["ownerReferences"] = [copy.deepcopy(owner)]
     spec: dict[str, Any] = {"minMember": len(pods)}
-    if section["provider"] == sch.VOLCANO:
+    if section.provider == sch.VOLCANO:
         group, version, _ = sch.VOLCANO_API
         resources = requests(pods)
         if resources:
             spec["minResources"] = resources
-        if section.get("queue"):
-            spec["queue"] = section["queue"]
-        if section.get("priorityClassName"):
-            spec["priorityClassName"] = section["priorityClassName"]
+        if section.queue:
+            spec["queue"] = section.queue
+        if section.priority_class_name:
+            spec["priorityClassName"] = section.priority_class_name
     else:
         group, version, _ = sch.COSCHEDULING_API
-        if section.get("scheduleTimeoutSeconds"):
-            spec["scheduleTimeoutSeconds"] = section["scheduleTimeoutSeconds"]
+        if section.schedule_timeout_seconds:
+            spec["scheduleTimeoutSeconds"] = section.schedule_timeout_seconds
     return {"apiVersion": f"{group}/{version}", "kind": "PodGroup", "metadata": meta, "spec": spec}
 
 

@@ -23,7 +23,7 @@ from pipejob.core.plan import (
 )
 from pipejob.core.spec import API_VERSION, Job
 from pipejob.operator import gang
-from pipejob.operator.policy_settings import DEFAULT, Settings
+from pipejob.operator.policy_settings import DEFAULT, NetworkPolicySettings
 
 JOB_LABEL = "pipejob.dev/job"
 ROLE_LABEL = "pipejob.dev/role"
@@ -146,7 +146,9 @@ def service(job: Job, namespace: str, owner: dict | None = None) -> dict:
 DNS = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
 
 
-def network_policy(job: Job, namespace: str, owner: dict | None, settings: Settings) -> dict:
+def network_policy(
+    job: Job, namespace: str, owner: dict | None, settings: NetworkPolicySettings
+) -> dict:
     """The NetworkPolicy of the job's world: its pods admit only each other (every world of
     the job, at any size: the selector is the job's label), and the master's monitor port
     also the peers `settings` name. No port list between members: torch RPC (TensorPipe) and
@@ -289,7 +291,10 @@ def world(
 
 
 def render(
-    job: Job, namespace: str, image: str | None = None, policy: Settings | None = DEFAULT
+    job: Job,
+    namespace: str,
+    image: str | None = None,
+    policy: NetworkPolicySettings | None = DEFAULT,
 ) -> list[dict]:
     """The Service, NetworkPolicy (unless `policy` is None), PodGroup (with spec.scheduling
     volcano or coscheduling) and Pods the operator creates for `job`, in that order, without

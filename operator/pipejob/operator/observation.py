@@ -12,7 +12,7 @@ from pipejob.core.contract import Progress
 from pipejob.core.spec import InvalidSpec, Job
 from pipejob.operator import elastic_world, kube, oom_kills, parsed_specs
 from pipejob.operator import status as st
-from pipejob.operator.policy_settings import DEFAULT, Settings
+from pipejob.operator.policy_settings import DEFAULT, NetworkPolicySettings
 
 
 def owned(pod: dict, uid: str | None) -> bool:
@@ -36,7 +36,7 @@ class Observed:
     image: str
     progress: Progress | None = None
     allow_node_volumes: bool = False
-    policy: Settings | None = DEFAULT
+    policy: NetworkPolicySettings | None = DEFAULT
 
     @property
     def meta(self) -> dict:

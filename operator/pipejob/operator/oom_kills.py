@@ -50,10 +50,9 @@ def kill(seen: Observed) -> Kill | None:
     had = pod_memory(planned_pod)
     if had is None:  # no memory of its own: the node ran out, nothing to raise
         return None
-    spec = seen.job.spec
     name = planned_pod["metadata"]["name"]
     process, role = kube.process_name(planned_pod), kube.role_of(planned_pod)
-    return Kill(name, process, role, had, max(had, oom.raised(spec, had)))
+    return Kill(name, process, role, had, max(had, oom.policy(seen.job.spec).raised(had)))
 
 
 def pod_memory(pod: dict) -> Decimal | None:

@@ -19,7 +19,7 @@ OFF = "off"  # for clusters whose network plugin does not enforce NetworkPolicie
 
 
 @dataclass(frozen=True)
-class Settings:
+class NetworkPolicySettings:
     # NetworkPolicyPeers admitted to the master's monitor port besides the world (the
     # operator's pods, which poll /progress, and Prometheus).
     monitor_from: tuple[dict, ...] = ()
@@ -28,15 +28,15 @@ class Settings:
     egress: tuple[dict, ...] | None = None
 
 
-DEFAULT = Settings()
+DEFAULT = NetworkPolicySettings()
 
 
 class BadSettings(ValueError):
     pass
 
 
-def parse(text: str | None) -> Settings | None:
-    """Settings from PIPEJOB_NETWORK_POLICY's value: unset or empty, the defaults (a policy,
+def parse(text: str | None) -> NetworkPolicySettings | None:
+    """The settings from PIPEJOB_NETWORK_POLICY's value: unset or empty, the defaults (a policy,
     the monitor port for the world only, egress open); "off", no policy; else a JSON object
     {"monitorFrom": [NetworkPolicyPeer...], "egress": [NetworkPolicyEgressRule...]}, where
     "egress" present, even empty, restricts the world's egress."""
@@ -59,7 +59,7 @@ def parse(text: str | None) -> Settings | None:
         rules = _items(value, "egress", "NetworkPolicyEgressRule", errors)
     if errors:
         raise BadSettings(f"{POLICY_ENV}: " + "; ".join(map(str, errors)))
-    return Settings(peers or (), rules)
+    return NetworkPolicySettings(peers or (), rules)
 
 
 def _items(value: dict, key: str, kind: str, errors: list[SpecError]) -> tuple[dict, ...]:
@@ -76,11 +76,11 @@ def _items(value: dict, key: str, kind: str, errors: list[SpecError]) -> tuple[d
     return tuple(items)
 
 
-def from_env(environ: Mapping[str, str] = os.environ) -> Settings | None:
+def from_env(environ: Mapping[str, str] = os.environ) -> NetworkPolicySettings | None:
     return parse(environ.get(POLICY_ENV))
 
 
-def describe(settings: Settings | None) -> str:
+def describe(settings: NetworkPolicySettings | None) -> str:
     """One line for the operator's log."""
     if settings is None:
         return f"no NetworkPolicy per job ({POLICY_ENV}={OFF}): the worlds are open"

@@ -24,19 +24,19 @@ def queued(job: Job, planned: list[dict], by_name: dict) -> str | None:
     if section is None or any(p is None or st.deleting(p) for p in pods):
         return None
     group, size = gang.group_name(job), len(pods)
-    if section["provider"] == sch.KUEUE:
+    if section.provider == sch.KUEUE:
         gated = [p for p in pods if _gated(p)]
         if not gated:
             return None
         return (
             f"Kueue has not admitted pod group {group} ({size} pods) from LocalQueue"
-            f" {section['queue']} yet: {len(gated)}/{size} pods gated by {sch.KUEUE_GATE}"
+            f" {section.queue} yet: {len(gated)}/{size} pods gated by {sch.KUEUE_GATE}"
             " until its ClusterQueue has quota for all of them"
         )
     if any(p["spec"].get("nodeName") or st.pod_phase(p) != "Pending" for p in pods):
         return None
-    scheduler = pods[0]["spec"].get("schedulerName") or section["provider"]
-    queue = f" in queue {section['queue']}" if section.get("queue") else ""
+    scheduler = pods[0]["spec"].get("schedulerName") or section.provider
+    queue = f" in queue {section.queue}" if section.queue else ""
     why = next((m for m in map(st.scheduled_message, pods) if m), "")
     return f"{scheduler} has not scheduled PodGroup {group} (minMember {size}){queue} yet" + (
         f": {why}" if why else ""
@@ -49,11 +49,11 @@ def _gated(pod: dict) -> bool:
 
 def admitted(job: Job, size: int) -> str:
     """The Admitted Event's message."""
-    section = sch.section(job.spec) or {}
-    if section.get("provider") == sch.KUEUE:
+    section = sch.section(job.spec)
+    if section is not None and section.provider == sch.KUEUE:
         return (
             f"Kueue admitted pod group {gang.group_name(job)} ({size} pods) from LocalQueue"
-            f" {section['queue']}"
+            f" {section.queue}"
         )
     return f"PodGroup {gang.group_name(job)} scheduled: all {size} pods placed at once"
 

@@ -15,7 +15,7 @@ from pipejob.operator import kube, queueing
 from pipejob.operator import status as st
 from pipejob.operator.actions import NORMAL, WARNING, Actions, Event
 from pipejob.operator.observation import Observed, owned
-from pipejob.operator.policy_settings import DEFAULT, Settings
+from pipejob.operator.policy_settings import DEFAULT, NetworkPolicySettings
 from pipejob.operator.situations import SITUATIONS
 from pipejob.operator.world_failures import CAUSE_GRACE
 
@@ -29,7 +29,7 @@ def decide(
     image: str,
     progress: Progress | None = None,
     allow_node_volumes: bool = False,
-    policy: Settings | None = DEFAULT,
+    policy: NetworkPolicySettings | None = DEFAULT,
 ) -> Actions:
     """What to do about `job_obj` given `pods` (every pod labelled with its name) and, when
     the caller polled it, the `progress` its current world's master reported;

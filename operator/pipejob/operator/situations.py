@@ -154,7 +154,7 @@ def oom_killed(seen: Observed) -> Actions | None:
     by spec.oom.increase, counted in status.oomKills and spending no backoffLimit; at the
     cap (spec.oom.maxMemory) the job fails naming the role and the memory it needed."""
     found = oom_kills.kill(seen)
-    if found is None or seen.job.spec["oom"]["increase"] <= 1:
+    if found is None or oom.policy(seen.job.spec).increase <= 1:
         return None
     had, role = oom.text(found.had), found.role
     killed = f"{found.process} (pod {found.pod}) was killed for memory (OOMKilled) at {had}"

@@ -64,19 +64,19 @@ def _entries_matching(folder: Path, name: re.Pattern[str]) -> int:
 
 
 @dataclass(frozen=True)
-class Placement:
+class GpuPlacement:
     visible: dict[int, str]  # rank -> CUDA_VISIBLE_DEVICES of each process that has GPUs
     note: str | None = None  # one line when processes share GPUs
 
 
-def place(processes: Sequence[Process], gpus: Sequence[str]) -> Placement:
+def place(processes: Sequence[Process], gpus: Sequence[str]) -> GpuPlacement:
     """Which of `gpus` each process sees: its own where there are enough, else the least
     used (round-robin), never one that another member of its NCCL group holds.
     NotEnoughGPUs where that cannot be done."""
     asking = [p for p in processes if p.gpus > 0]
     wanted = sum(p.gpus for p in asking)
     if not asking:
-        return Placement({})
+        return GpuPlacement({})
     have = f"this machine has {_gpus_phrase(len(gpus))}"
     if not gpus:
         raise NotEnoughGPUs(
@@ -107,12 +107,12 @@ def place(processes: Sequence[Process], gpus: Sequence[str]) -> Placement:
             mates[g] = p.rpc_name
         visible[p.rank] = ",".join(chosen)
     if wanted <= len(gpus):
-        return Placement(visible)
+        return GpuPlacement(visible)
     sharing: dict[str, list[str]] = {}
     for p in asking:
         sharing.setdefault(visible[p.rank], []).append(p.rpc_name)
     shared = "; ".join(f"{', '.join(names)} on {VISIBLE}={v}" for v, names in sharing.items())
-    return Placement(
+    return GpuPlacement(
         visible,
         f"the job asks for {_gpus_phrase(wanted)} and {have}: its processes"
         f" share them ({shared}), which trains, but slower",

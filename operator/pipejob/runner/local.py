@@ -339,7 +339,7 @@ def start(
 
 def placed(
     job: Job, detect_gpus: Callable[[], list[str]]
-) -> tuple[list[Process], Ports, gpus.Placement, list[str]]:
+) -> tuple[list[Process], Ports, gpus.GpuPlacement, list[str]]:
     """The job's processes on loopback, their ports and GPUs, and what to say of them; where
     its NCCL group members would share GPUs, the spec its kind runs instead
     (Kind.on_shared_gpus), and why. NotEnoughGPUs where neither fits this machine's GPUs."""
@@ -357,7 +357,7 @@ def placed(
     return processes, ports, placement, notes + ([placement.note] if placement.note else [])
 
 
-def _placed(job: Job, found: list[str]) -> tuple[list[Process], Ports, gpus.Placement]:
+def _placed(job: Job, found: list[str]) -> tuple[list[Process], Ports, gpus.GpuPlacement]:
     # Every process shares one address here: each collective group needs a port of its own.
     free = free_ports(4 + len(groups(job, members(job))))
     ports = Ports(*free[:4], groups=tuple(free[4:]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec
+from pipejob.core.common_spec import COMMON, COMMON_RULES, CommonSpec
 from pipejob.core.data_sources import HYBRID_DATA, HybridData
 from pipejob.core.elastic import (
     Size,
@@ -18,7 +18,7 @@ from pipejob.core.elastic import (
     size_field,
 )
 from pipejob.core.errors import shown
-from pipejob.core.kind import Group, Kind, Role, Spec, column
+from pipejob.core.kind import Kind, ProcessGroup, Role, Spec, column
 from pipejob.core.kinds import replication, tables
 from pipejob.core.kinds.hybrid_memory import memory_errors
 from pipejob.core.kinds.sparse import EPS, SPARSE_OPTIMIZER, SparseOptimizer
@@ -380,7 +380,7 @@ HYBRID_JOB = Kind(
         ),
         Role("trainer", count="trainers", gpus="gpusPerTrainer", computes=True, latency_bound=True),
     ),
-    groups=(Group("ddp", "trainer", backend=lambda spec: spec["backend"]),),
+    groups=(ProcessGroup("ddp", "trainer", backend=lambda spec: spec["backend"]),),
     trainer="pipejob.trainer.hybrid",
     columns=(
         column(

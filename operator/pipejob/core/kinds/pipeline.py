@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipejob.core.averaged import EMA, Ema
-from pipejob.core.common import COMMON, COMMON_RULES, CommonSpec
+from pipejob.core.common_spec import COMMON, COMMON_RULES, CommonSpec
 from pipejob.core.data_sources import PIPELINE_DATA, PipelineData
 from pipejob.core.elastic import Size, elastic_acts, needs_checkpoint, size_field
 from pipejob.core.errors import SpecError
-from pipejob.core.kind import Group, Kind, Role, Spec, column
+from pipejob.core.kind import Kind, ProcessGroup, Role, Spec, column
 from pipejob.core.kinds import model_facts
 from pipejob.core.kinds.pipeline_schedules import (
     AUTO,
@@ -331,7 +331,7 @@ PIPELINE_JOB = Kind(
         Role("stage", count="stages", gpus="gpusPerStage", computes=True, replicas="replicas"),
     ),
     groups=(
-        Group(
+        ProcessGroup(
             "dp",
             "stage",
             backend=lambda spec: "nccl" if spec["gpusPerStage"] else "gloo",
@@ -340,7 +340,7 @@ PIPELINE_JOB = Kind(
         ),
         # The pipelining engine: every stage of every replica in one group, which each
         # replica's pipeline (its P2P) and each stage's replicas (their all-reduce) divide.
-        Group(
+        ProcessGroup(
             "pipe",
             "stage",
             backend=lambda spec: "nccl" if spec["gpusPerStage"] else "gloo",

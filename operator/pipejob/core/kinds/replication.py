@@ -7,7 +7,7 @@ read the same one."""
 
 from __future__ import annotations
 
-from pipejob.core.common import from_spec
+from pipejob.core.common_spec import from_spec
 from pipejob.core.kind import Spec
 from pipejob.core.kinds import hybrid_memory, tables
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipejob.core.common import from_spec
+from pipejob.core.common_spec import from_spec
 from pipejob.core.schema import Field, Rule
 
 MAX_SERVERS = 64  # spec.parameterServers at the most

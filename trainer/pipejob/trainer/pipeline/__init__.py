@@ -5,7 +5,7 @@ master chooses (auto: engine_choice.py). Both share this room, and neither impor
 
 - run_plan.py: what the master decides before the first step (the cut, the micro-batches);
 - train.py: the master's run (the steps, evaluation, checkpoints, output, summary);
-- shards.py, balance.py, stage_parts.py: the model cut into pieces balanced by measured cost,
+- cut_model.py, balance.py, stage_build.py: the model cut into pieces balanced by measured cost,
   each stage building its own, and `microBatches: auto`'s choice; counted_cost.py: the cost
   counted (FLOPs and bytes) instead of timed, for spec.deterministic;
 - driver.py: what every engine's step driver does on the master;

@@ -16,9 +16,9 @@ import torch
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import gradients
+from pipejob.trainer.pipeline.cut_model import CutModel
 from pipejob.trainer.pipeline.reader import TRAIN, Batch, Reader
-from pipejob.trainer.pipeline.shards import Shards
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.pipeline.stage_calls import (
     Method,
     P,
@@ -49,7 +49,7 @@ class Pipeline:
 
     def __init__(self, names: list[str], stages: list[StageRef]):
         self.names, self.stages = names, stages
-        remote_stage(names[-1], stages[-1]).result(Shard.meet_first, names[0], stages[0])
+        remote_stage(names[-1], stages[-1]).result(StageBase.meet_first, names[0], stages[0])
         self.rounds = 0  # forward rounds (training steps and evaluation batches) so far
         self._training: int | None = None  # a training round's samples (the data has no end)
 
@@ -111,7 +111,7 @@ class Pipeline:
             grads = torch.futures.wait_all(
                 [
                     remote_stage(self.names[k], self.stages[k]).future(
-                        Shard.gradient, context_id, name
+                        StageBase.gradient, context_id, name
                     )
                     for k, name in group
                 ]
@@ -120,7 +120,7 @@ class Pipeline:
             torch.futures.wait_all(
                 [
                     remote_stage(self.names[k], self.stages[k]).future(
-                        Shard.set_gradient, context_id, name, total
+                        StageBase.set_gradient, context_id, name, total
                     )
                     for k, name in group
                 ]
@@ -129,7 +129,7 @@ class Pipeline:
     def nonfinite_source(self, rounds: list[int]) -> str:
         """Where a non-finite loss of training rounds `rounds` came from: the first stage
         whose forward gave a non-finite output, else the loss on the last stage."""
-        flags = self.stage_results(Shard.nonfinite, rounds)
+        flags = self.stage_results(StageBase.nonfinite, rounds)
         first = next((name for name, bad in zip(self.names, flags, strict=True) if bad), None)
         if first is not None:
             return f"{first}'s forward"
@@ -138,19 +138,19 @@ class Pipeline:
     def norms(
         self, context_id: int, unscale: float, leave_out: dict[int, frozenset[str]]
     ) -> list[float]:
-        """Each stage's L2 norm of its step's gradients, computed there (Shard.norm): inf or
+        """Each stage's L2 norm of its step's gradients, computed there (StageBase.norm): inf or
         nan when any is; `leave_out`: per stage index, the copies counted elsewhere."""
         return torch.futures.wait_all(
             [
                 remote_stage(name, stage).future(
-                    Shard.norm, context_id, unscale, leave_out.get(k, frozenset())
+                    StageBase.norm, context_id, unscale, leave_out.get(k, frozenset())
                 )
                 for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
             ]
         )
 
     def timings(self, step: int | None = None) -> list[dict[int, tuple[float, float, float]]]:
-        return self.stage_results(Shard.timings, step)
+        return self.stage_results(StageBase.timings, step)
 
     def stage_results(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """What `method` of every stage, called at once, returns."""
@@ -175,14 +175,14 @@ class Replicas:
     # pipelining engine's, in .grad (the rpc engine's go with their autograd context).
     zero_grad = False
 
-    def __init__(self, pipelines: list[Pipeline], shards: Shards, spec: PipelineSpec):
+    def __init__(self, pipelines: list[Pipeline], cut_model: CutModel, spec: PipelineSpec):
         self.pipelines = pipelines
         self.optimizer, self.steps = spec.optimizer, spec.steps
         self.accumulation = spec.gradient_accumulation
         self.batch = spec.batch_size * spec.replicas.max  # of every round, at every size
         self.loss_scale = gradients.LossScale() if spec.precision == "fp16" else None
         self.guard = nonfinite.Guard(spec.skip_non_finite_steps)
-        self.tied = shards.tied
+        self.tied = cut_model.tied
         self._threads = ThreadPoolExecutor(len(pipelines)) if len(pipelines) > 1 else None
 
     def step(
@@ -266,7 +266,7 @@ class Replicas:
         allreduce = 0.0
         if len(self.pipelines) > 1:
             with phase("all-reduce"):
-                allreduce = max(pipeline.stage_results(Shard.average_gradients, context_id))
+                allreduce = max(pipeline.stage_results(StageBase.average_gradients, context_id))
         with phase("gradient norms"):
             judged = self.judge(pipeline, context_id, step, ran)
         if not stepped and (judged.apply or self.zero_grad):
@@ -274,13 +274,13 @@ class Replicas:
         return judged.result(middle - ran.start, time.perf_counter() - middle, allreduce)
 
     def _step_stages(self, pipeline: Pipeline, context_id: int, judged: Judged) -> None:
-        """In one call per stage (Shard.finish_step): the gradients clipped and the optimizer
+        """In one call per stage (StageBase.finish_step): the gradients clipped and the optimizer
         stepped where the step is applied and, with `zero_grad`, the gradients forgotten."""
         with phase("optimizer step"):
             coefficient = clip_coefficient(judged.norm, self.optimizer.clip_grad_norm)
             lr = judged.lr if self.optimizer.schedule is not None else None
             pipeline.stage_results(
-                Shard.finish_step, context_id, coefficient, lr, judged.apply, self.zero_grad
+                StageBase.finish_step, context_id, coefficient, lr, judged.apply, self.zero_grad
             )
 
     def finish(self, step: int) -> Finish:
@@ -357,10 +357,10 @@ class Replicas:
 
     def divergence(self) -> float:
         """The largest difference between a replica's parameter fingerprints and replica
-        0's (Shard.fingerprint): 0.0 while the replicas stay identical, as they must."""
+        0's (StageBase.fingerprint): 0.0 while the replicas stay identical, as they must."""
         if len(self.pipelines) == 1:
             return 0.0
-        return divergence([p.stage_results(Shard.fingerprint) for p in self.pipelines])
+        return divergence([p.stage_results(StageBase.fingerprint) for p in self.pipelines])
 
 
 def divergence(prints: list[list[torch.Tensor]]) -> float:

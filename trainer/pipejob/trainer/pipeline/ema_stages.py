@@ -9,21 +9,21 @@ from contextlib import contextmanager
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.driver import Pipeline, Replicas
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.stage_base import StageBase
 
 
 def keep(spec: PipelineSpec, replicas: Replicas) -> None:
     """Every stage of every replica starts its average from its weights now (spec.ema)."""
     if spec.ema is not None:
         for pipeline in replicas.pipelines:
-            pipeline.stage_results(Shard.keep_average, spec.ema)
+            pipeline.stage_results(StageBase.keep_average, spec.ema)
 
 
 @contextmanager
 def swapped(pipeline: Pipeline) -> Iterator[None]:
     """Inside the block, `pipeline`'s stages hold the average in place of their weights."""
-    pipeline.stage_results(Shard.swap_average)
+    pipeline.stage_results(StageBase.swap_average)
     try:
         yield
     finally:
-        pipeline.stage_results(Shard.swap_average)
+        pipeline.stage_results(StageBase.swap_average)

@@ -11,17 +11,19 @@ import torch
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import trained_model
+from pipejob.trainer.pipeline.cut_model import CutModel
 from pipejob.trainer.pipeline.driver import Replicas
 from pipejob.trainer.pipeline.reader import Reader
-from pipejob.trainer.pipeline.shards import Shards
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.pipeline.stage_calls import remote_stage
-from pipejob.trainer.runtime import checkpoint, monitor, roles, world
+from pipejob.trainer.runtime import checkpoint, monitor, roles, state_by_name, world
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import models
 
 
-def save_checkpoint(env: Env[PipelineSpec], step: int, pipelines: Replicas, shards: Shards) -> None:
+def save_checkpoint(
+    env: Env[PipelineSpec], step: int, pipelines: Replicas, cut_model: CutModel
+) -> None:
     """Each stage of replica 0 saves its shard and its optimizer's state under the model's
     own names (the replicas are identical: one copy of each stage, `stage<i>.pt`), the master
     its RNG states, the data's position (replica 0's first stage's) and the partition; the
@@ -32,15 +34,15 @@ def save_checkpoint(env: Env[PipelineSpec], step: int, pipelines: Replicas, shar
     directory = str(checkpoint.step_dir(root, step))
     start = time.perf_counter()
     saving = [
-        remote_stage(name, stage).future(Shard.save, directory, f"stage{i}.pt")
+        remote_stage(name, stage).future(StageBase.save, directory, f"stage{i}.pt")
         for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True))
     ]
     own = {
         "rng": checkpoint.rng_state(),
         "data": pipelines.data_state(),
-        "rest": shards.rest,
-        "config": shards.config,
-        "metadata": shards.metadata,
+        "rest": cut_model.rest,
+        "config": cut_model.config,
+        "metadata": cut_model.metadata,
     }
     if pipelines.loss_scale is not None:
         own["lossScale"] = pipelines.loss_scale.state()
@@ -53,15 +55,15 @@ def save_checkpoint(env: Env[PipelineSpec], step: int, pipelines: Replicas, shar
         job=env.job,
         model=models.as_spec(env.spec.model),
         stageCount=len(pipeline.stages),  # files stage0.pt, stage1.pt, ...: one per process
-        stages=shards.units_by_piece(),  # per piece of the cut
+        stages=cut_model.units_by_piece(),  # per piece of the cut
         engine=env.spec.engine,
         schedule=env.spec.schedule,
         stagesPerProcess=env.spec.stages_per_process,
         info=trained_model.info(env.kind, env.job, env.spec, step, None),
-        ranges=[[r.start, r.stop] for r in shards.ranges],
-        costs=shards.costs,
-        microBatches=shards.partition.micro_batches,
-        microBatchCandidates=shards.partition.candidates,
+        ranges=[[r.start, r.stop] for r in cut_model.ranges],
+        costs=cut_model.costs,
+        microBatches=cut_model.partition.micro_batches,
+        microBatchCandidates=cut_model.partition.candidates,
         replicas=len(pipelines.pipelines),
     )
     checkpoint.prune(root)
@@ -69,7 +71,7 @@ def save_checkpoint(env: Env[PipelineSpec], step: int, pipelines: Replicas, shar
 
 
 def resume(
-    env: Env[PipelineSpec], found: checkpoint.Checkpoint, pipelines: Replicas, shards: Shards
+    env: Env[PipelineSpec], found: checkpoint.Checkpoint, pipelines: Replicas, cut_model: CutModel
 ) -> int:
     """Load every stage's shard and optimizer state by the model's own names, from the files
     of the checkpoint that hold them (stage i of every replica the same: the checkpoint holds
@@ -78,17 +80,19 @@ def resume(
     Either engine resumes the other's checkpoint. A stage process holding exactly the pieces
     a saved one held continues its RNG state; another gets a seed of its own from (seed,
     step, stage)."""
-    index = checkpoint.index_of(found)
+    index = state_by_name.index_of(found)
     manifest = found.manifest
     same = (
-        shards.units_by_piece() == manifest.get("stages")
+        cut_model.units_by_piece() == manifest.get("stages")
         and manifest.get("stagesPerProcess", 1) == env.spec.stages_per_process
     )
     directory = str(found.directory)
     per_stage = []
     for k in range(env.spec.stages):
-        names = [n for piece in shards.process_pieces(k) for n in shards.stages[piece].state_dict()]
-        entries = checkpoint.sources(found, index, list(dict.fromkeys(names)))
+        names = [
+            n for piece in cut_model.process_pieces(k) for n in cut_model.stages[piece].state_dict()
+        ]
+        entries = state_by_name.sources(found, index, list(dict.fromkeys(names)))
         seed = None if same else env.spec.seed + 1_000_003 * found.step + k
         per_stage.append((entries, seed))
     loading = []
@@ -96,7 +100,9 @@ def resume(
         for name, stage, (entries, seed) in zip(
             pipeline.names, pipeline.stages, per_stage, strict=True
         ):
-            loading.append(remote_stage(name, stage).future(Shard.load, directory, entries, seed))
+            loading.append(
+                remote_stage(name, stage).future(StageBase.load, directory, entries, seed)
+            )
     own = found.load("master.pt")
     checkpoint.set_rng_state(own["rng"])
     if pipelines.loss_scale is not None and "lossScale" in own:

@@ -17,16 +17,16 @@ from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import engine_choice
 from pipejob.trainer.pipeline.balance import Host, shape
 from pipejob.trainer.pipeline.counted_cost import MICRO_BATCH_OVERHEAD
-from pipejob.trainer.pipeline.engine_choice import Choice
-from pipejob.trainer.pipeline.fit import fits_model
-from pipejob.trainer.pipeline.shards import (
+from pipejob.trainer.pipeline.cut_model import (
+    CutModel,
     Partition,
-    Shards,
-    candidate_table,
-    plan_shards,
+    plan_cut,
     share,
     stage_resources,
 )
+from pipejob.trainer.pipeline.engine_choice import Choice
+from pipejob.trainer.pipeline.micro_batch_choice import candidate_table
+from pipejob.trainer.pipeline.shape_check import fits_model
 from pipejob.trainer.runtime import checkpoint, param_groups, world
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import batch_values, data, materialize, models, staged
@@ -42,7 +42,7 @@ class Plan:
 
     env: Env[PipelineSpec]  # the master's, its spec on the engine it runs (engine auto's choice)
     replicas: list[list[str]]  # replica r's stage processes, in order: each holds the cut
-    shards: Shards
+    cut_model: CutModel
     loss: workloads.Loss
     found: checkpoint.Checkpoint | None  # the newest complete checkpoint, if any
 
@@ -53,7 +53,7 @@ class Plan:
 
     @property
     def micro_batches(self) -> int:
-        return self.shards.partition.micro_batches
+        return self.cut_model.partition.micro_batches
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Checked:
 
 
 def check(env: Env[PipelineSpec]) -> Checked:
-    """The model built with none of its parameters (the stages build their own shards), its
+    """The model built with none of its parameters (the stages build their own pieces), its
     ties against spec.optimizer, and the data against it through the loss: refused (a
     ValueError naming the field and what to give) where they cannot work."""
     spec = env.spec
@@ -86,18 +86,18 @@ def plan(env: Env[PipelineSpec], checked: Checked | None = None) -> Plan:
     measured on the stages, with the micro-batch count (`microBatches: auto`: the fastest
     predicted)."""
     spec = env.spec
-    # Replica r's stages, in order: every replica holds the same shards. The world runs as
+    # Replica r's stages, in order: every replica holds the same pieces. The world runs as
     # many replicas as the plan gave it stages for (an elastic world: any of min..max).
     every = env.names("stage")
     count = len(every) // spec.stages
     replicas = [every[r * spec.stages : (r + 1) * spec.stages] for r in range(count)]
     c = checked if checked is not None else check(env)
     found = checkpoint.latest_for(env)
-    shards, resumed = cut(env, c.model, c.numbered, replicas[0], found, c.inputs, c.labels)
-    env = on_chosen_engine(env, shards.partition.engine)
-    log_cut(env, shards, resumed)
+    cut_model, resumed = cut(env, c.model, c.numbered, replicas[0], found, c.inputs, c.labels)
+    env = on_chosen_engine(env, cut_model.partition.engine)
+    log_cut(env, cut_model, resumed)
     log_replicas(env, count)
-    return Plan(env, replicas, shards, c.loss, found)
+    return Plan(env, replicas, cut_model, c.loss, found)
 
 
 def on_chosen_engine(env: Env[PipelineSpec], choice: Choice | None) -> Env[PipelineSpec]:
@@ -113,7 +113,7 @@ def checked_inputs(
     env: Env[PipelineSpec], model: nn.Module, loss: workloads.Loss
 ) -> tuple[Any, Any]:
     """The inputs and labels of two samples of the data, once they fit the model (data
-    that does not is refused: fit.py). The first stage of each replica reads the batches
+    that does not is refused: shape_check.py). The first stage of each replica reads the batches
     (pipeline/reader.py): the master reads these two only."""
     spec = env.spec
     with data.Feed(spec) as feed:
@@ -136,7 +136,7 @@ def cut(
     found: checkpoint.Checkpoint | None,
     inputs: torch.Tensor,
     labels: Any = None,
-) -> tuple[Shards, bool]:
+) -> tuple[CutModel, bool]:
     """The model's cut among the stage processes `names`: the checkpoint's (`found`) where
     this job cuts the model as it did, else measured on the stages; and whether it is the
     checkpoint's."""
@@ -145,16 +145,16 @@ def cut(
     saved = None if found is None else saved_partition(env, found)
     try:
         if found is not None and saved is not None:
-            shards = plan_shards(spec, model, numbered, names, saved)
-            if shards.units_by_piece() == found.manifest.get("stages"):
-                return shards, True
+            cut_model = plan_cut(spec, model, numbered, names, saved)
+            if cut_model.units_by_piece() == found.manifest.get("stages"):
+                return cut_model, True
             # its cut is not this model's: measure anew
         threads, hosts = stage_resources(env, spec.stages, spec.gpus_per_stage > 0)
         world.log(env, measuring_line(env, names, threads, hosts, inputs))
-        shards = plan_shards(
+        cut_model = plan_cut(
             spec, model, numbered, names, None, hosts, lambda message: world.log(env, message)
         )
-        return (shards if early is None else shards.chosen_for(early)), False
+        return (cut_model if early is None else cut_model.chosen_for(early)), False
     except ValueError as e:
         # A refused trace stays a CutError: the master may take the eager path instead.
         raise (CutError if isinstance(e, CutError) else ValueError)(
@@ -185,10 +185,10 @@ def measuring_line(
     )
 
 
-def log_cut(env: Env[PipelineSpec], shards: Shards, resumed: bool) -> None:
+def log_cut(env: Env[PipelineSpec], cut_model: CutModel, resumed: bool) -> None:
     """`microBatches: auto`'s choice (or the checkpoint's count) and what each stage holds."""
     spec = env.spec
-    m, candidates = shards.partition.micro_batches, shards.partition.candidates
+    m, candidates = cut_model.partition.micro_batches, cut_model.partition.candidates
     if spec.micro_batches == AUTO:
         how = "resumes with the checkpoint's" if resumed else "chose"
         table = ":\n" + candidate_table(candidates, m) if candidates else ""
@@ -200,7 +200,9 @@ def log_cut(env: Env[PipelineSpec], shards: Shards, resumed: bool) -> None:
         )
     how = "counted" if spec.deterministic else "measured"
     for i in range(spec.stages):
-        world.log(env, f"stage {i}: {shards.describe(i)}, {share(shards, i):.0%} of {how} cost")
+        world.log(
+            env, f"stage {i}: {cut_model.describe(i)}, {share(cut_model, i):.0%} of {how} cost"
+        )
 
 
 # How auto chooses under spec.deterministic (counted_cost.predict_counted), said in the log.

@@ -1,5 +1,5 @@
-"""What a stage process holds on either engine (`Shard`): its part of the model, built there
-from a `Part`, and what the master asks of it over RPC whatever moves its micro-batches (its
+"""What a stage process holds on either engine (`StageBase`): its part of the model, built there
+from a `PieceBuilder`, and what the master asks of it over RPC whatever moves its micro-batches (its
 state, checkpoints, the model file's shard, fingerprints, gradients, the forward in the job's
 precision). Each engine's Stage (rpc/stage.py, pipelining/stage.py) extends it with how its
 micro-batches run and where its gradients live (docs/architecture.md)."""
@@ -18,13 +18,13 @@ from torch import nn
 from torch.futures import Future
 
 from pipejob.core.averaged import Ema
-from pipejob.core.common import Optimizer
+from pipejob.core.optimizer import Optimizer
 from pipejob.trainer.pipeline import gradients, stage_groups
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Reader, Source
+from pipejob.trainer.pipeline.stage_build import PieceBuilder
 from pipejob.trainer.pipeline.stage_calls import StageRef, remote_reader
-from pipejob.trainer.pipeline.stage_parts import Part
-from pipejob.trainer.runtime import checkpoint, ema, model_files, tuning
+from pipejob.trainer.runtime import checkpoint, ema, model_files, state_by_name, tuning
 from pipejob.trainer.runtime.optim import Functional, set_lr
 from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS
 from pipejob.trainer.workloads import batch_values
@@ -122,7 +122,7 @@ def compute_resources(gpu: bool) -> tuple[int, float, str | None]:
     return torch.get_num_threads(), tuning.available_cpus(), uuid
 
 
-class Shard:
+class StageBase:
     """One stage process's part of the model: the pieces it computes (one, or several with
     an interleaved schedule) and `layers`, all of their parameters and buffers under the
     model's own names; the `optimizer` that steps them; the first stage's `reader` of the
@@ -140,7 +140,7 @@ class Shard:
 
     def __init__(
         self,
-        part: Part | nn.Module,
+        part: PieceBuilder | nn.Module,
         device: str,
         precision: str = "fp32",
         recompute: bool = False,
@@ -151,8 +151,8 @@ class Shard:
         if stage_groups.divided():  # a pipelining or auto world: its stage index's group
             self.replicas_group = stage_groups.mine()[1]
         self.reader = Reader(source, self.device)  # reads only on a first stage
-        # Built here from a Part: only this process's parameters exist.
-        pieces = part.build() if isinstance(part, Part) else [part]
+        # Built here from a PieceBuilder: only this process's parameters exist.
+        pieces = part.build() if isinstance(part, PieceBuilder) else [part]
         self.pieces = [piece.to(self.device) for piece in pieces]
         self.layers = union(self.pieces)
         # By name, looked up every step (named_parameters walks the modules each time); the
@@ -370,7 +370,7 @@ class Shard:
         (those that hold its names, written by shards cut anywhere, by either engine). `seed`
         None: the files are the one this very shard wrote, whose RNG state continues (dropout
         masks as they would have been); else the shard is new and its RNG starts from `seed`."""
-        parts = checkpoint.load_named(directory, entries, self.layers, self._optimizers())
+        parts = state_by_name.load_named(directory, entries, self.layers, self._optimizers())
         if seed is None:
             checkpoint.set_rng_state(parts[0]["rng"])
         else:

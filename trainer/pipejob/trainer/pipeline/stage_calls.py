@@ -1,6 +1,6 @@
 """How the master calls a stage process's objects: a method of a Stage (named by its StageRef),
 or of the first stage's Reader, named by the method itself (`remote_stage(name, stage).future(
-Shard.save, directory, file)`), so a misspelt call fails where it is written and in a type
+StageBase.save, directory, file)`), so a misspelt call fails where it is written and in a type
 checker. Why the calls go through a function of this module, not the RRef's proxy: `on_stage`.
 More in docs/architecture.md ("Stage calls")."""
 
@@ -55,7 +55,7 @@ def on_stage(stage: StageRef, method: str, *args: Any, **kwargs: Any) -> Any:
     proxy (`rref.rpc_async().forward`): a proxy's first call is sent from a callback thread
     once it has fetched the RRef's type, outside the distributed autograd context, which
     silently drops that micro-batch's gradients. The method travels as its name, which the
-    watchdog and the profiler show beside `on_stage` (runtime/calls.py)."""
+    watchdog and the profiler show beside `on_stage` (runtime/rpc_ledger.py)."""
     held = stage.local_value()
     if method == "forward":
         return held.forward(*args, **kwargs)

@@ -7,8 +7,8 @@ from typing import Any
 
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer.pipeline import gradients
+from pipejob.trainer.pipeline.cut_model import CutModel, share
 from pipejob.trainer.pipeline.driver import StepResult
-from pipejob.trainer.pipeline.shards import Shards, share
 from pipejob.trainer.runtime import memory, monitor, param_groups, roles, world
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import metrics, models
@@ -36,7 +36,7 @@ def gpipe_bubble(stages: int, micro_batches: int, per_process: int = 1) -> float
 def summarize(
     env: Env[PipelineSpec],
     names: list[str],
-    shards: Shards,
+    cut_model: CutModel,
     results: list[StepResult],
     timings: list[dict[int, tuple[float, float, float]]],
     first: int = 0,
@@ -55,23 +55,23 @@ def summarize(
     peaks = memory.gather(env)
     for member, figures in peaks.items():
         monitor.board().memory(member, figures)  # the last /progress report has them too
-    rows, busy_total = stage_rows(names, shards, timings, steps, pipeline_wall, peaks)
+    rows, busy_total = stage_rows(names, cut_model, timings, steps, pipeline_wall, peaks)
     if activations is not None:
         for i, row in enumerate(rows):
             row["peakActivationBytes"] = activations[i]
-    p, m = spec.stages, shards.partition.micro_batches
+    p, m = spec.stages, cut_model.partition.micro_batches
     return roles.summary(
         env,
         len(results),
         first,
-        **setup_figures(env, shards),
+        **setup_figures(env, cut_model),
         warmupStepsExcluded=warmup,
         gradientAccumulation=spec.gradient_accumulation,
         precision=spec.precision,
         activationCheckpointing=spec.activation_checkpointing,
         **curve_figures(results),
         clipGradNorm=spec.optimizer.clip_grad_norm,
-        parameterGroups=group_counts(spec, shards),
+        parameterGroups=group_counts(spec, cut_model),
         **rate_figures(spec, measured),
         partition=rows,
         memory=peaks,  # every member's, the master's and every replica's stages' included
@@ -83,22 +83,22 @@ def summarize(
     )
 
 
-def group_counts(spec: PipelineSpec, shards: Shards) -> dict[str, int]:
+def group_counts(spec: PipelineSpec, cut_model: CutModel) -> dict[str, int]:
     """Per spec.optimizer group, its parameters' elements over the whole model (the pieces'
     modules, on the meta device where the stages build their own), a tied one counted once."""
-    copies = gradients.copies(shards.tied)
+    copies = gradients.copies(cut_model.tied)
     named = {
         name: p
-        for k, piece in enumerate(shards.stages)
+        for k, piece in enumerate(cut_model.stages)
         for name, p in piece.named_parameters()
-        if name not in copies.get(k % (shards.processes or len(shards.stages)), ())
+        if name not in copies.get(k % (cut_model.processes or len(cut_model.stages)), ())
     }
     return param_groups.counts(spec.optimizer, named.items())
 
 
 def stage_rows(
     names: list[str],
-    shards: Shards,
+    cut_model: CutModel,
     timings: list[dict[int, tuple[float, float, float]]],
     steps: range,
     pipeline_wall: float,
@@ -113,9 +113,9 @@ def stage_rows(
         rows.append(
             {
                 "stage": name,
-                "layers": shards.process_units(i),
-                "pieces": shards.describe(i),
-                "costShare": round(share(shards, i), 4),
+                "layers": cut_model.process_units(i),
+                "pieces": cut_model.describe(i),
+                "costShare": round(share(cut_model, i), 4),
                 "forwardSeconds": round(forward / len(steps), 4),
                 "backwardSeconds": round(backward / len(steps), 4),
                 "idleFraction": round(1 - busy / pipeline_wall, 4),
@@ -125,22 +125,22 @@ def stage_rows(
     return rows, busy_total
 
 
-def setup_figures(env: Env[PipelineSpec], shards: Shards) -> dict[str, Any]:
+def setup_figures(env: Env[PipelineSpec], cut_model: CutModel) -> dict[str, Any]:
     """The summary's fields that say how the job was set up: model, engine, cut, batches."""
     spec = env.spec
     return dict(
         model=models.name(spec.model),
         engine=spec.engine,
-        engineChosen=choice.why if (choice := shards.partition.engine) else None,  # auto's
+        engineChosen=choice.why if (choice := cut_model.partition.engine) else None,  # auto's
         schedule=spec.schedule,
         stages=spec.stages,
         stagesPerProcess=spec.stages_per_process,
         replicas=len(env.names("stage")) // spec.stages,  # the world's (elastic: any of min..max)
         # How the cut was chosen: given, counted (FLOPs and bytes) or timed on the stages.
         cutBy=cut_by(spec),
-        microBatches=shards.partition.micro_batches,
+        microBatches=cut_model.partition.micro_batches,
         microBatchesRequested=spec.micro_batches,  # a count, or "auto"
-        microBatchCandidates=shards.partition.candidates,  # auto's predictions
+        microBatchCandidates=cut_model.partition.candidates,  # auto's predictions
         batchSize=spec.batch_size,
         imageSize=spec.image_size,
     )

@@ -14,19 +14,18 @@ from typing import Any
 from pipejob.core.averaged import BOTH
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, RPC, PipelineSpec
 from pipejob.core.workload import CUT_EAGER, CUT_TRACED
-from pipejob.trainer.pipeline import ema_stages, engine, trained_model
+from pipejob.trainer.pipeline import ema_stages, engine, peft_output, trained_model
 from pipejob.trainer.pipeline.best_step import Judge
+from pipejob.trainer.pipeline.cut_model import CutModel
 from pipejob.trainer.pipeline.driver import Pipeline, Replicas
 from pipejob.trainer.pipeline.eager import run as eager_run
 from pipejob.trainer.pipeline.engine_choice import resolved
 from pipejob.trainer.pipeline.master_checkpoints import resume, save_checkpoint
 from pipejob.trainer.pipeline.reader import Reader
 from pipejob.trainer.pipeline.run_plan import Checked, Plan, plan
-from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import render, report_evaluation, stage_report, summarize
 from pipejob.trainer.runtime import (
-    adapters,
     checkpoint,
     memory,
     monitor,
@@ -56,22 +55,22 @@ def train(env: Env[PipelineSpec], checked: Checked | None = None) -> dict[str, A
     env, spec = planned.env, planned.env.spec  # on the engine it runs (engine auto's choice)
     monitor.board().runs_on(spec.engine)  # what `kubectl get` shows (status.engine)
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
-    pipelines = engine(spec, "driver").Replicas(planned.replicas, planned.shards, spec, device)
+    pipelines = engine(spec, "driver").Replicas(planned.replicas, planned.cut_model, spec, device)
     ema_stages.keep(spec, pipelines)  # spec.ema: before a checkpoint's average is loaded
     evaluates = held_out_description(env, pipelines) is not None
-    first = 0 if planned.found is None else resume(env, planned.found, pipelines, planned.shards)
+    first = 0 if planned.found is None else resume(env, planned.found, pipelines, planned.cut_model)
     started = time.perf_counter()
     judge = Judge.of(spec, first)  # spec.eval.best, earlyStopping
     results, evaluations = train_steps(env, planned, pipelines, evaluates, first, judge)
     pipelines.readers(Reader.close)
     if spec.output is not None and judge.step is None:  # else it holds the best step's
-        write_output(env, pipelines, planned.shards, evaluations[-1] if evaluations else None)
+        write_output(env, pipelines, planned.cut_model, evaluations[-1] if evaluations else None)
     if not results:
         return roles.nothing_left(env, first)
     summary = summarize(
         env,
         planned.names,
-        planned.shards,
+        planned.cut_model,
         results,
         pipelines.timings(),
         first,
@@ -142,13 +141,15 @@ def train_steps(
                 results.append(result)
                 record_step(env, step, result, events)
                 if checkpoint.due(spec, step + 1):
-                    save_checkpoint(env, step + 1, pipelines, planned.shards)
+                    save_checkpoint(env, step + 1, pipelines, planned.cut_model)
                     events.flush()
                 if (step + 1) % spec.log_every == 0 or step + 1 == spec.steps:
                     log_step(env, planned.names, pipelines, step, result, events)
                 if evaluates and evaluation_due(spec, step + 1):
                     evaluations.append(evaluate(env, pipelines, planned, step + 1, events))
-                    write = partial(write_output, env, pipelines, planned.shards, evaluations[-1])
+                    write = partial(
+                        write_output, env, pipelines, planned.cut_model, evaluations[-1]
+                    )
                     if judge.after(env, evaluations[-1], write if spec.output else None):
                         return results, evaluations
     finally:
@@ -157,7 +158,7 @@ def train_steps(
 
 
 def runs(
-    spec: PipelineSpec, first: int, profile: profiling.Settings | None, evaluates: bool
+    spec: PipelineSpec, first: int, profile: profiling.ProfileSettings | None, evaluates: bool
 ) -> Iterator[range]:
     """Steps first .. spec.steps - 1 (0-based) as runs the engine may send back to back
     (Replicas.run_steps): a run ends where the loop does more after a step than record and
@@ -176,7 +177,7 @@ def run_results(
     pipelines: Replicas,
     planned: Plan,
     steps: range,
-    profile: profiling.Settings | None,
+    profile: profiling.ProfileSettings | None,
 ) -> Iterable[StepResult]:
     """The results of a run of steps (`runs`), as they come; a step alone in its run is
     profiled where the spec asks (profiling.window)."""
@@ -267,7 +268,10 @@ def evaluate(
 
 
 def write_output(
-    env: Env[PipelineSpec], pipelines: Replicas, shards: Shards, evaluation: dict[str, Any] | None
+    env: Env[PipelineSpec],
+    pipelines: Replicas,
+    cut_model: CutModel,
+    evaluation: dict[str, Any] | None,
 ) -> None:
     """The model replica 0's stages hold (`write_model`); with spec.ema, the average (ema),
     or the weights and, in the subfolder ema/, the average (both)."""
@@ -275,17 +279,17 @@ def write_output(
     assert spec.output is not None
     pipeline = pipelines.pipelines[0]
     if spec.ema is None or spec.ema.output == BOTH:
-        write_model(env, pipeline, shards, evaluation, spec.output.path)
+        write_model(env, pipeline, cut_model, evaluation, spec.output.path)
     if spec.ema is not None:
         with ema_stages.swapped(pipeline):
             folder = Path(spec.output.path) / "ema" if spec.ema.output == BOTH else None
-            write_model(env, pipeline, shards, evaluation, str(folder or spec.output.path))
+            write_model(env, pipeline, cut_model, evaluation, str(folder or spec.output.path))
 
 
 def write_model(
     env: Env[PipelineSpec],
     pipeline: Pipeline,
-    shards: Shards,
+    cut_model: CutModel,
     evaluation: dict[str, Any] | None,
     out: str,
 ) -> None:
@@ -300,13 +304,13 @@ def write_model(
         spec.output.format,
         pipeline.names,
         pipeline.stages,
-        shards.rest,
+        cut_model.rest,
         about,
-        shards.config,
-        metadata=shards.metadata,
+        cut_model.config,
+        metadata=cut_model.metadata,
     )
-    if shards.adapters:  # a peft model: its adapters as peft writes them, merged on request
-        paths += adapters.write(out, shards.adapters, spec.output.merged, shards.config)
+    if cut_model.adapters:  # a peft model: its adapters as peft writes them, merged on request
+        paths += peft_output.write(out, cut_model.adapters, spec.output.merged, cut_model.config)
     elif spec.output.merged:
         world.log(env, "output.merged: the model has no peft adapters; nothing to merge")
     world.log(env, f"model written: {', '.join(str(p) for p in paths)}")

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.pipeline.stage_calls import StageRef, remote_stage
 from pipejob.trainer.runtime import checkpoint, model_files
 from pipejob.trainer.workloads import models
@@ -84,11 +84,13 @@ def write_live(
     pairs = list(zip(names, stages, strict=True))
     held = torch.futures.wait_all([rpc.rpc_async(n, held_bytes, args=(s,)) for n, s in pairs])
     if sum(held) + model_files.state_bytes(rest) <= limit:
-        states = torch.futures.wait_all([remote_stage(n, s).future(Shard.state) for n, s in pairs])
+        states = torch.futures.wait_all(
+            [remote_stage(n, s).future(StageBase.state) for n, s in pairs]
+        )
         return write(out, format, states, rest, about, config, metadata)
     files = shard_files(len(stages), bool(rest), format)
     writing = [
-        remote_stage(n, s).future(Shard.write_shard, str(out), f, format)
+        remote_stage(n, s).future(StageBase.write_shard, str(out), f, format)
         for (n, s), f in zip(pairs, files, strict=False)
     ]
     mine = [model_files.write_shard(out, files[-1], rest, format)] if rest else []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import traceback
 
-from pipejob.trainer.runtime import calls
+from pipejob.trainer.runtime import rpc_ledger
 from pipejob.trainer.runtime.world import ContractError
 
 # What torch says when tensors do not fit; an RPC error carries the remote message along.
@@ -113,6 +113,6 @@ def say_remote_errors_in_one_line() -> None:
             print(said, file=sys.stderr)
             return internal.RemoteException(said, type(e))
         finally:
-            calls.served()  # the watchdog counts the calls that end (runtime/calls.py)
+            rpc_ledger.served()  # the watchdog counts the calls that end (runtime/rpc_ledger.py)
 
     internal._run_function = run_function

@@ -95,7 +95,7 @@ def refresh(env: Env, board: Board) -> None:
 def _post(board: Board, name: str, future: Future) -> None:
     try:
         board.memory(name, future.wait())
-    except Exception:  # noqa: BLE001 (a callback's error would only be logged by torch)
+    except Exception:  # a callback's error would only be logged by torch
         pass  # a member gone or slow: no figure this time
 
 

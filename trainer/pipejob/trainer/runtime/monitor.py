@@ -199,7 +199,7 @@ def _finite(value: float | None) -> float | None:
 class _Handler(BaseHTTPRequestHandler):
     board: Board
 
-    def do_GET(self) -> None:  # noqa: N802 (the http.server API)
+    def do_GET(self) -> None:  # the http.server API
         path = self.path.split("?", 1)[0]
         if path == "/progress":
             self._send(200, "application/json", json.dumps(self.board.progress()).encode())
@@ -208,7 +208,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, "text/plain", b"not found: try /progress or /metrics\n")
 
-    def do_POST(self) -> None:  # noqa: N802 (the http.server API)
+    def do_POST(self) -> None:  # the http.server API
         answer = self.board.on_heartbeat
         if self.path.split("?", 1)[0] != HEARTBEAT_PATH or answer is None:
             self._send(404, "text/plain", b"not found\n")
@@ -242,7 +242,7 @@ class _HTTPServer(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-class Server:
+class BoardServer:
     """The board's HTTP endpoint, in a daemon thread."""
 
     def __init__(self, board: Board, port: int, host: str = "0.0.0.0"):
@@ -272,7 +272,7 @@ def serve(steps: int, port: int, host: str = "0.0.0.0") -> Board:
     thing)."""
     global _board
     _board = Board(steps)
-    Server(_board, port, host)
+    BoardServer(_board, port, host)
     return _board
 
 

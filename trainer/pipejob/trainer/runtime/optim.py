@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.optim import adam, adamw, rmsprop, sgd
 
-from pipejob.core.common import Optimizer
+from pipejob.core.optimizer import Optimizer
 from pipejob.trainer.runtime.param_groups import param_groups
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {

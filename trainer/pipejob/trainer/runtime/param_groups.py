@@ -17,7 +17,7 @@ DEFAULT = "default"  # the group of the parameters no spec group holds
 
 
 @dataclass(frozen=True)
-class Placement:
+class ParamPlacement:
     """Where one parameter goes: its group's name, weight decay and lr multiplier."""
 
     group: str
@@ -47,7 +47,7 @@ def depth_scale(decay: LayerDecay, name: str) -> float:
     return 1.0
 
 
-def place(opt: Optimizer, name: str, ndim: int) -> Placement:
+def place(opt: Optimizer, name: str, ndim: int) -> ParamPlacement:
     """The first group holding the parameter (or the optimizer's own settings)."""
     scale = 1.0 if opt.layer_decay is None else depth_scale(opt.layer_decay, name)
     for group in opt.groups:
@@ -55,8 +55,8 @@ def place(opt: Optimizer, name: str, ndim: int) -> Placement:
             decay = group.weight_decay
             if decay is None:
                 decay = 0.0 if group.preset == NO_DECAY else opt.weight_decay
-            return Placement(group.name, decay, group.lr_scale * scale)
-    return Placement(DEFAULT, opt.weight_decay, scale)
+            return ParamPlacement(group.name, decay, group.lr_scale * scale)
+    return ParamPlacement(DEFAULT, opt.weight_decay, scale)
 
 
 def param_groups(
@@ -65,7 +65,7 @@ def param_groups(
     """torch.optim's param_groups over `named` (name, parameter): one per placement, in the
     order their first parameter comes, each with `kwargs` (optimizer_args') but its own
     weight_decay, lr (lr times lr_scale) and lr_scale (which set_lr keeps applying)."""
-    groups: dict[Placement, dict[str, Any]] = {}
+    groups: dict[ParamPlacement, dict[str, Any]] = {}
     for name, p in named:
         placed = place(opt, name, p.dim())
         if placed not in groups:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.autograd.profiler_legacy import profile as rpc_aware_profile
 
-from pipejob.core.common import CommonSpec
+from pipejob.core.common_spec import CommonSpec
 from pipejob.trainer.runtime import world
 from pipejob.trainer.runtime.world import Env
 
@@ -33,20 +33,20 @@ def phase(name: str) -> torch.profiler.record_function:
 
 
 @dataclass(frozen=True)
-class Settings:
+class ProfileSettings:
     steps: frozenset[int]  # 1-based
     path: Path
     row_limit: int
 
 
-def settings(spec: CommonSpec) -> Settings | None:
+def settings(spec: CommonSpec) -> ProfileSettings | None:
     """What spec.profile asks for; None when it is absent."""
     profile = spec.profile
     if profile is None:
         return None
     assert profile.path or spec.checkpoint, "the spec's rules require one of them"
     path = profile.path or str(Path(spec.checkpoint.path) / "profiles")
-    return Settings(frozenset(profile.steps), Path(path), profile.row_limit)
+    return ProfileSettings(frozenset(profile.steps), Path(path), profile.row_limit)
 
 
 def trace_path(directory: str | Path, name: str, step: int) -> Path:
@@ -203,7 +203,7 @@ RpcCalls = Callable[[], AbstractContextManager[None]]
 @contextmanager
 def window(
     env: Env,
-    settings: Settings | None,
+    settings: ProfileSettings | None,
     step: int,
     servers: list[str] = (),
     sync: Callable[[], None] = lambda: None,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipejob.core import contract as c
-from pipejob.trainer.runtime import calls, monitor
+from pipejob.trainer.runtime import monitor, rpc_ledger
 from pipejob.trainer.runtime.world import Env, log, write_termination_message
 
 # The phases after which nobody needs watching: the master is leaving anyway.
@@ -58,7 +58,7 @@ def stall(env: Env, message: str) -> None:
 def _heartbeat(env: Env) -> dict[str, Any]:
     """The heartbeat this member posts: who it is, where, how many calls it has served and
     made, and the oldest call of its own it waits on (whom, for what, since how long)."""
-    oldest = next(iter(calls.LEDGER.outstanding()), None)
+    oldest = next(iter(rpc_ledger.LEDGER.outstanding()), None)
     waits = (
         None if oldest is None else [list(oldest.to), oldest.what, time.monotonic() - oldest.since]
     )
@@ -66,7 +66,7 @@ def _heartbeat(env: Env) -> dict[str, Any]:
         "member": env.rpc_name,
         "pod": os.environ.get(c.POD_NAME) or None,
         "pid": os.getpid(),
-        "ended": calls.LEDGER.ended(),
+        "ended": rpc_ledger.LEDGER.ended(),
         "waits": waits,
     }
 
@@ -98,7 +98,9 @@ class Seen:
 class Members:
     """The master's side: when it last heard from each member, and the verdict."""
 
-    def __init__(self, env: Env, board: monitor.Board, ledger: calls.Ledger = calls.LEDGER):
+    def __init__(
+        self, env: Env, board: monitor.Board, ledger: rpc_ledger.Ledger = rpc_ledger.LEDGER
+    ):
         self.env, self.board, self.ledger = env, board, ledger
         self.lock = threading.Lock()
         self.seen: dict[str, Seen] = {}
@@ -307,10 +309,10 @@ def start(env: Env, board: monitor.Board | None = None) -> None:
         assert board is not None
         members = Members(env, board)
         board.on_heartbeat = members.heartbeat
-        calls.trace(env.world[1:])  # the calls the master makes: whom it waits on
+        rpc_ledger.trace(env.world[1:])  # the calls the master makes: whom it waits on
         target = members.watch
     else:
-        calls.trace([m for m in env.world[1:] if m != env.rpc_name])  # to say what it waits on
+        rpc_ledger.trace([m for m in env.world[1:] if m != env.rpc_name])  # to say what it waits on
         target = lambda: beat(env)  # noqa: E731
     threading.Thread(target=target, name="pipejob-watchdog", daemon=True).start()
     if env.rank == 0:

@@ -12,7 +12,7 @@ from typing import Any, Generic, TypeVar
 
 from pipejob.core import contract as c
 from pipejob.core import master_first
-from pipejob.core.common import CommonSpec, from_spec
+from pipejob.core.common_spec import CommonSpec, from_spec
 from pipejob.core.kind import Kind
 from pipejob.core.kinds import KINDS
 

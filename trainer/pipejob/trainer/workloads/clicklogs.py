@@ -1,4 +1,4 @@
-"""Click logs of any size, streamed (spec.data.criteo): plain or gzip files cut into pieces,
+"""Click logs of any size, streamed (spec.data.criteo): plain or gzip files cut into chunks,
 dealt each epoch to `lanes` (trainers.max) streams read through shuffled windows, so a
 step's batch is the same at any trainer count and a position resumes exactly; memory does
 not grow with the logs. How: docs/architecture.md, "Click logs of any size"."""
@@ -17,7 +17,7 @@ from typing import IO
 
 from pipejob.trainer.workloads import criteo
 
-CHUNK_BYTES = 64 << 20  # a plain file's pieces
+CHUNK_BYTES = 64 << 20  # a plain file's chunks
 WINDOW_LINES = 1 << 15  # a lane's shuffle window: at most these lines ...
 WINDOW_BYTES = 16 << 20  # ... or these bytes of them
 READ_BUFFER = 1 << 20
@@ -27,9 +27,9 @@ Row = tuple[int, int, bytes]  # (the lane's epoch, the line's id, the line)
 
 
 @dataclass(frozen=True)
-class Piece:
+class Chunk:
     """Lines of file `file` (`path`) starting in bytes start..stop-1 (stop -1: to the end),
-    every `stride`-th from the `phase`-th; `weight`: its bytes, to deal the pieces evenly."""
+    every `stride`-th from the `phase`-th; `weight`: its bytes, to deal the chunks evenly."""
 
     file: int
     path: str
@@ -69,41 +69,41 @@ def _open(path: str) -> IO[bytes]:
     return open(path, "rb", buffering=READ_BUFFER)
 
 
-def cut(files: list[str], lanes: int, chunk: int = CHUNK_BYTES) -> list[Piece]:
-    """The files' pieces (the module's docstring): at least `lanes` of them."""
-    pieces: list[Piece] = []
+def chunks_of(files: list[str], lanes: int, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+    """The files' chunks (the module's docstring): at least `lanes` of them."""
+    chunks: list[Chunk] = []
     for i, path in enumerate(files):
         size = os.path.getsize(path)
         if gzipped(path):
-            pieces.append(Piece(i, path, 0, -1, size))
+            chunks.append(Chunk(i, path, 0, -1, size))
             continue
-        count = max(-(-size // chunk), lanes)
-        pieces += [
-            Piece(i, path, k * size // count, (k + 1) * size // count, size // count)
+        count = max(-(-size // chunk_bytes), lanes)
+        chunks += [
+            Chunk(i, path, k * size // count, (k + 1) * size // count, size // count)
             for k in range(count)
         ]
-    if len(pieces) >= lanes:
-        return pieces
-    n = -(-lanes // len(pieces))  # only gzip files: each read by n lanes, every n-th line
+    if len(chunks) >= lanes:
+        return chunks
+    n = -(-lanes // len(chunks))  # only gzip files: each read by n lanes, every n-th line
     return [
         dataclasses.replace(p, weight=max(p.weight // n, 1), stride=n, phase=r)
-        for p in pieces
+        for p in chunks
         for r in range(n)
     ]
 
 
-def lines(piece: Piece) -> Iterator[tuple[int, bytes]]:
-    """(id, line without its newline) of every line the piece owns, in the file's order."""
-    base = piece.file << ID_BITS
-    with _open(piece.path) as f:
+def lines(chunk: Chunk) -> Iterator[tuple[int, bytes]]:
+    """(id, line without its newline) of every line the chunk owns, in the file's order."""
+    base = chunk.file << ID_BITS
+    with _open(chunk.path) as f:
         offset = 0
-        if piece.start > 0:  # the first line starting at or after `start`
-            f.seek(piece.start - 1)
-            offset = piece.start - 1 + len(f.readline())
+        if chunk.start > 0:  # the first line starting at or after `start`
+            f.seek(chunk.start - 1)
+            offset = chunk.start - 1 + len(f.readline())
         for n, line in enumerate(f):
-            if 0 <= piece.stop <= offset:
+            if 0 <= chunk.stop <= offset:
                 return
-            if n % piece.stride == piece.phase:
+            if n % chunk.stride == chunk.phase:
                 yield base | offset, line.rstrip(b"\n")
             offset += len(line)
 
@@ -122,13 +122,13 @@ class ClickLogs:
     ):
         self.field, self.lanes = field, lanes
         self.files = paths(pattern, field)
-        self.pieces = cut(self.files, lanes, chunk)
+        self.chunks = chunks_of(self.files, lanes, chunk)
         self.window, self.window_bytes = window, window_bytes
         self.held = self.most_held = 0  # bytes of lines held in windows: now, at most
-        self.counts: dict[Piece, int] = {}  # lines of the pieces counted (to resume)
+        self.counts: dict[Chunk, int] = {}  # lines of the chunks counted (to resume)
         self.first = None
         for i, path in enumerate(self.files):  # another layout fails now, naming its line 1
-            first = self.parse(*next(lines(Piece(i, path, 0, -1, 0)), (i << ID_BITS, b"")))
+            first = self.parse(*next(lines(Chunk(i, path, 0, -1, 0)), (i << ID_BITS, b"")))
             self.first = self.first or first
 
     def parse(self, line_id: int, line: bytes) -> criteo.Sample:
@@ -140,38 +140,38 @@ class ClickLogs:
     def where(self, line_id: int) -> str:
         """Where a line is, by its id: its file and line (counting the lines before it)."""
         file, offset = line_id >> ID_BITS, line_id & ((1 << ID_BITS) - 1)
-        before = Piece(file, self.files[file], 0, offset, 0)
+        before = Chunk(file, self.files[file], 0, offset, 0)
         return f"{self.files[file]} line {sum(1 for _ in lines(before)) + 1}"
 
-    def deal(self, seed: int, epoch: int) -> list[list[Piece]]:
-        """Each lane's pieces in epoch `epoch`, in the order it reads them."""
-        shuffled = list(self.pieces)
+    def deal(self, seed: int, epoch: int) -> list[list[Chunk]]:
+        """Each lane's chunks in epoch `epoch`, in the order it reads them."""
+        shuffled = list(self.chunks)
         random.Random(f"pipejob-pieces:{seed}:{epoch}").shuffle(shuffled)
-        dealt: list[list[Piece]] = [[] for _ in range(self.lanes)]
+        dealt: list[list[Chunk]] = [[] for _ in range(self.lanes)]
         load = [0] * self.lanes
-        for piece in shuffled:
+        for chunk in shuffled:
             lane = min(range(self.lanes), key=lambda j: (load[j], j))
-            dealt[lane].append(piece)
-            load[lane] += piece.weight
+            dealt[lane].append(chunk)
+            load[lane] += chunk.weight
         return dealt
 
-    def count(self, piece: Piece) -> int:
-        if piece not in self.counts:
-            self.counts[piece] = sum(1 for _ in lines(piece))
-        return self.counts[piece]
+    def count(self, chunk: Chunk) -> int:
+        if chunk not in self.counts:
+            self.counts[chunk] = sum(1 for _ in lines(chunk))
+        return self.counts[chunk]
 
     def read(self, lane: int, seed: int, start: int = 0) -> Iterator[Row]:
         """Lane `lane`'s lines forever, epoch after epoch, from its `start`-th on."""
         for epoch in range(1 << 62):
-            pieces = self.deal(seed, epoch)[lane]
+            chunks = self.deal(seed, epoch)[lane]
             if start > 0:
-                total = sum(self.count(p) for p in pieces)
+                total = sum(self.count(p) for p in chunks)
                 self._check_lines(total, lane, epoch)
                 if start >= total:  # the whole epoch is behind the position
                     start -= total
                     continue
             got = 0
-            for w, window in enumerate(self._windows(pieces)):
+            for w, window in enumerate(self._windows(chunks)):
                 got += len(window)
                 if start < len(window):
                     random.Random(f"pipejob-window:{seed}:{lane}:{epoch}:{w}").shuffle(window)
@@ -190,12 +190,12 @@ class ClickLogs:
                 " too few lines for so many trainers"
             )
 
-    def _windows(self, pieces: list[Piece]) -> Iterator[list[tuple[int, bytes]]]:
-        """The pieces' lines, a window at a time (held while the caller reads it)."""
+    def _windows(self, chunks: list[Chunk]) -> Iterator[list[tuple[int, bytes]]]:
+        """The chunks' lines, a window at a time (held while the caller reads it)."""
         window: list[tuple[int, bytes]] = []
         size = 0
-        for piece in pieces:
-            for line_id, line in lines(piece):
+        for chunk in chunks:
+            for line_id, line in lines(chunk):
                 window.append((line_id, line))
                 size += len(line)
                 if len(window) >= self.window or size >= self.window_bytes:
@@ -215,4 +215,4 @@ class ClickLogs:
     def lines_in_order(self) -> Iterator[tuple[int, bytes]]:
         """(id, line) of every line of every file, in order (the held-out set)."""
         for i, path in enumerate(self.files):
-            yield from lines(Piece(i, path, 0, -1, 0))
+            yield from lines(Chunk(i, path, 0, -1, 0))

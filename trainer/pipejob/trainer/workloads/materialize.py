@@ -6,6 +6,7 @@ How and at what cost: docs/architecture.md, "A model built in part"."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -81,12 +82,60 @@ def build(
     return model, registered
 
 
+# The class attributes a build replaces, as torch defines them.
+_REGISTER = nn.Module.register_parameter
+_DEEPCOPY = nn.Parameter.__deepcopy__
+# This thread's builds, innermost last: each a (register, copied) pair (`_registrations`).
+_BUILDS = threading.local()
+_INSTALLED = threading.Lock()  # guards `_building`, the threads building now
+_building = 0
+
+
+def _this_threads_build() -> tuple[Callable[..., None], Callable[..., nn.Parameter]] | None:
+    stack = getattr(_BUILDS, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    """nn.Module.register_parameter while any thread builds: that thread's build's, torch's
+    own in every other thread."""
+    build = _this_threads_build()
+    if build is None:
+        return _REGISTER(module, name, param)
+    return build[0](module, name, param)
+
+
+def _deepcopy_parameter(param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
+    """nn.Parameter.__deepcopy__ while any thread builds (as `_register_parameter`)."""
+    build = _this_threads_build()
+    return _DEEPCOPY(param, memo) if build is None else build[1](param, memo)
+
+
+@contextmanager
+def _installed() -> Iterator[None]:
+    """torch's classes dispatch to the calling thread's build from the first thread's build
+    to the last one's end; outside any build they are torch's own again."""
+    global _building
+    with _INSTALLED:
+        if _building == 0:
+            nn.Module.register_parameter = _register_parameter  # type: ignore[method-assign]
+            nn.Parameter.__deepcopy__ = _deepcopy_parameter  # type: ignore[method-assign]
+        _building += 1
+    try:
+        yield
+    finally:
+        with _INSTALLED:
+            _building -= 1
+            if _building == 0:
+                nn.Module.register_parameter = _REGISTER  # type: ignore[method-assign]
+                nn.Parameter.__deepcopy__ = _DEEPCOPY  # type: ignore[method-assign]
+
+
 @contextmanager
 def _registrations(registered: Registrations, building: Standins | None) -> Iterator[None]:
-    """While the factory runs, each parameter made for the first time (registered, or deep
-    copied) is numbered and, unless `building` keeps it, replaced by a placeholder."""
-    original = nn.Module.register_parameter
-    deepcopy = nn.Parameter.__deepcopy__
+    """While the factory runs in this thread, each parameter it makes for the first time
+    (registered, or deep copied) is numbered and, unless `building` keeps it, replaced by a
+    placeholder. Another thread, building or not, never sees this build's hooks."""
     replaced = WeakIdKeyDictionary()
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -97,28 +146,28 @@ def _registrations(registered: Registrations, building: Standins | None) -> Iter
             if made is not param:
                 replaced[param] = made
                 param = made
-        original(module, name, param)
+        _REGISTER(module, name, param)
         if param is not None:
             registered.note(module, name, param)
 
     def copied(param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
         if id(param) in memo:
             return memo[id(param)]
-        made = building.copied(param) if building is not None else deepcopy(param, memo)
+        made = building.copied(param) if building is not None else _DEEPCOPY(param, memo)
         memo[id(param)] = made
         return made
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    nn.Parameter.__deepcopy__ = copied  # type: ignore[method-assign]
+    stack = _BUILDS.__dict__.setdefault("stack", [])
+    stack.append((register, copied))
     try:
-        if building is None:
-            yield
-        else:
-            with building:
+        with _installed():
+            if building is None:
                 yield
+            else:
+                with building:
+                    yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-        nn.Parameter.__deepcopy__ = deepcopy  # type: ignore[method-assign]
+        stack.pop()
 
 
 def _settle(model: nn.Module, registered: Registrations, keep: set[int]) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipejob.core.common import spec_key
+from pipejob.core.common_spec import spec_key
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.core.workload import Model
 from pipejob.trainer.workloads import imports, materialize, staged

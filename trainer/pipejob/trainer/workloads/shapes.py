@@ -73,7 +73,7 @@ class ShapedProxy(fx.Proxy):
         return super().__getattr__(k)
 
     @property  # type: ignore[misc]
-    def __class__(self) -> type:  # noqa: PLE0307
+    def __class__(self) -> type:
         """torch.Tensor where the traced value is a tensor: a library's type check
         (`isinstance(x, Tensor)`: kornia's KORNIA_CHECK_IS_TENSOR) passes as on the real
         value; `type()` still tells the stand-in (ShapedTracer.create_arg)."""

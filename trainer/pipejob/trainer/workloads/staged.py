@@ -2,7 +2,7 @@
 PipelineModule: these modules called in turn) or `stage` (torchtitan's and Megatron's way: a
 function that builds stage i of n, in that stage's process only). `Layers` and `Built` have
 cut.Traced's `units`, `ranges` and `split`, so everything after the cut is the same code
-(pipeline/stage_parts.py dispatches). What users write: docs/user-guide.md, "Past the
+(pipeline/stage_build.py dispatches). What users write: docs/user-guide.md, "Past the
 tracer: `model.staged`"."""
 
 from __future__ import annotations

@@ -12,6 +12,6 @@ rpc engine's world (stages that serve the master's calls).
 - replica_sums.py: a stage's gradients summed over the replicas, in replica order;
 - turns.py: a stage computes each module's micro-batches in micro-batch order;
 - remote.py: the master's stand-in for a module that lives on a stage;
-- driver.py: a step on the master (a thread per micro-batch); run.py: the master's run;
+- one_step.py: a step on the master (a thread per micro-batch); run.py: the master's run;
 - saved.py: checkpoints and the resume from one; held_out.py: held-out evaluation;
 - moving_average.py: spec.ema's averages, the stages' and the glue's."""

@@ -18,7 +18,7 @@ from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.eager import replica_sums
 from pipejob.trainer.pipeline.eager.turns import Turns
 from pipejob.trainer.pipeline.stage_base import AUTOCAST, Computed, fingerprint
-from pipejob.trainer.runtime import checkpoint, ema
+from pipejob.trainer.runtime import checkpoint, ema, state_by_name
 from pipejob.trainer.runtime.optim import Functional, set_lr
 from pipejob.trainer.workloads import models
 
@@ -159,8 +159,8 @@ class Held:
 
     def load(self, directory: str, entries: list[dict[str, Any]]) -> None:
         """The modules and what `kept` holds by the model's names from the checkpoint files
-        `entries` (written by any path and any cut: runtime/checkpoint.py load_named)."""
-        checkpoint.load_named(directory, entries, self._named(), self.kept())
+        `entries` (written by any path and any cut: runtime/state_by_name.py load_named)."""
+        state_by_name.load_named(directory, entries, self._named(), self.kept())
 
     def kept(self) -> dict[str, Any]:
         """What a checkpoint keeps beside the weights, by key: the optimizer's state and

@@ -14,8 +14,8 @@ from torch import nn
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.eager import remote
-from pipejob.trainer.pipeline.eager.driver import Stages, computed
 from pipejob.trainer.pipeline.eager.moving_average import Averages
+from pipejob.trainer.pipeline.eager.one_step import Stages, computed
 from pipejob.trainer.pipeline.stage_base import AUTOCAST
 from pipejob.trainer.pipeline.summary import report_evaluation
 from pipejob.trainer.runtime.world import Env

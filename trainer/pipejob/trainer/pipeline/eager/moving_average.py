@@ -13,7 +13,7 @@ from torch import nn
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.eager import remote
-from pipejob.trainer.pipeline.eager.driver import Stages
+from pipejob.trainer.pipeline.eager.one_step import Stages
 from pipejob.trainer.runtime import ema
 from pipejob.trainer.runtime.optim import Functional
 

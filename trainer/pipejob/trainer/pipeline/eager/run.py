@@ -1,5 +1,5 @@
 """The master's run on the eager path: the model built and its costly modules placed on the
-stages (placement.py, checked in one process: check.py), the steps (driver.py), the trained
+stages (placement.py, checked in one process: check.py), the steps (one_step.py), the trained
 model written out under the model's own names, and the run's summary, which says which path
 the job took and why."""
 
@@ -19,7 +19,7 @@ from pipejob.core.kinds.pipeline_schedules import EAGER_SPLIT_POINTS
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline import trained_model
 from pipejob.trainer.pipeline.best_step import Judge
-from pipejob.trainer.pipeline.eager import driver, held_out, moving_average, remote, saved
+from pipejob.trainer.pipeline.eager import held_out, moving_average, one_step, remote, saved
 from pipejob.trainer.pipeline.eager.check import check
 from pipejob.trainer.pipeline.eager.moving_average import Averages
 from pipejob.trainer.pipeline.eager.placement import (
@@ -85,7 +85,7 @@ def placed(env: Env[PipelineSpec], model: nn.Module, m: int) -> Placement:
     return placement
 
 
-def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -> driver.Stages:
+def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -> one_step.Stages:
     """Each stage of each replica builds its modules; on the master they are replaced by
     stand-ins that call them there, on the calling micro-batch's replica (the master keeps
     only the glue's parameters, one copy that every replica's micro-batches use)."""
@@ -105,18 +105,18 @@ def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -
         places = [(workers[r][i], held[r][i]) for r in range(replicas)]
         for name in modules:  # under every name it has: one module, on one stage
             replace(model, name, remote.OnStage(name, places))
-    return driver.Stages(workers, held)
+    return one_step.Stages(workers, held)
 
 
 @dataclass
-class Trained:
+class EagerState:
     """What the master trains with: the model (the glue, with stand-ins for the stages'
     modules), the glue's optimizer, the stages, the placement, spec.ema's averages, fp16's
     loss scale."""
 
     model: nn.Module
     glue: Functional | None
-    stages: driver.Stages
+    stages: one_step.Stages
     placement: Placement
     averages: Averages | None
     scale: LossScale | None = None
@@ -141,7 +141,7 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
     glue = Functional(spec.optimizer, params) if params else None
     averages = None if spec.ema is None else Averages(spec, model, stages)  # before a resume
     scale = LossScale() if spec.precision == "fp16" else None
-    t = Trained(model, glue, stages, placement, averages, scale)
+    t = EagerState(model, glue, stages, placement, averages, scale)
     started = time.perf_counter()
     with data.Feed(spec) as feed:
         found = checkpoint.latest_for(env)
@@ -165,7 +165,7 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
 
 
 def steps(
-    env: Env[PipelineSpec], t: Trained, feed: data.Feed, m: int, first: int, judge: Judge
+    env: Env[PipelineSpec], t: EagerState, feed: data.Feed, m: int, first: int, judge: Judge
 ) -> tuple[list[StepResult], list[dict[str, Any]]]:
     """Steps first + 1 .. spec.steps, each logged, checkpointed and evaluated when due, each
     evaluation `judge`d (the output written at a new best; early stopping ends the run)."""
@@ -178,12 +178,12 @@ def steps(
     results: list[StepResult] = []
     evaluations: list[dict[str, Any]] = []
     rules = spec.optimizer.clip_grad_norm, nonfinite.Guard(spec.skip_non_finite_steps)
-    forward = partial(driver.computed, t.model, autocast=AUTOCAST[spec.precision])
+    forward = partial(one_step.computed, t.model, autocast=AUTOCAST[spec.precision])
     serial = t.placement.one_at_a_time()
     for number in range(first, spec.steps):
         lr = learning_rate(spec.optimizer, spec.steps, number)
         batches = [feed.batch() for _ in range(spec.gradient_accumulation)]
-        done = driver.step(
+        done = one_step.step(
             forward, t.glue, t.stages, batches, m, number, loss, rules, lr, serial, t.scale
         )
         if done.applied and t.averages is not None:  # spec.ema: an applied step
@@ -203,7 +203,7 @@ def steps(
     return results, evaluations
 
 
-def logged(env: Env[PipelineSpec], number: int, done: driver.Step) -> StepResult:
+def logged(env: Env[PipelineSpec], number: int, done: one_step.Step) -> StepResult:
     """Step `number` (0-based)'s result, logged when due and on the progress board."""
     spec = env.spec
     if done.skipped is not None:  # a non-finite step skipped (spec.skipNonFiniteSteps)
@@ -222,7 +222,7 @@ def logged(env: Env[PipelineSpec], number: int, done: driver.Step) -> StepResult
     )
 
 
-def write_output(env: Env[PipelineSpec], t: Trained, evaluation: dict[str, Any] | None) -> None:
+def write_output(env: Env[PipelineSpec], t: EagerState, evaluation: dict[str, Any] | None) -> None:
     """The trained model under the model's own names: with spec.ema, the average (ema), or
     the weights and, in the subfolder ema/, the average (both)."""
     spec = env.spec
@@ -236,7 +236,7 @@ def write_output(env: Env[PipelineSpec], t: Trained, evaluation: dict[str, Any] 
 
 
 def write_model(
-    env: Env[PipelineSpec], t: Trained, evaluation: dict[str, Any] | None, out: str
+    env: Env[PipelineSpec], t: EagerState, evaluation: dict[str, Any] | None, out: str
 ) -> None:
     """The model as one file in `out`: the glue's state (the master's) and every stage's
     (replica 0's)."""

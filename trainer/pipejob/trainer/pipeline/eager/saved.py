@@ -15,15 +15,15 @@ import torch
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import trained_model
 from pipejob.trainer.pipeline.eager import remote
-from pipejob.trainer.runtime import checkpoint, monitor, roles, world
+from pipejob.trainer.runtime import checkpoint, monitor, roles, state_by_name, world
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data, models
 
 if TYPE_CHECKING:  # run.py imports this module
-    from pipejob.trainer.pipeline.eager.run import Trained
+    from pipejob.trainer.pipeline.eager.run import EagerState
 
 
-def save(env: Env[PipelineSpec], step: int, t: Trained, feed: data.Feed) -> None:
+def save(env: Env[PipelineSpec], step: int, t: EagerState, feed: data.Feed) -> None:
     """The checkpoint after `step` (1-based) of what the master trains with (`t`): the
     master's file keeps the glue's weights, what `t.kept` holds, the data's position and
     fp16's loss scale."""
@@ -60,23 +60,23 @@ def save(env: Env[PipelineSpec], step: int, t: Trained, feed: data.Feed) -> None
 
 
 def resume(
-    env: Env[PipelineSpec], found: checkpoint.Checkpoint, t: Trained, feed: data.Feed
+    env: Env[PipelineSpec], found: checkpoint.Checkpoint, t: EagerState, feed: data.Feed
 ) -> int:
     """Every process's state by name from the checkpoint `found`, into what the master
     trains with (`t`: fp16's loss scale too, where the checkpoint keeps one) and the data's
     position; the step it was taken after."""
     model, kept, stages, scale = t.model, t.kept(), t.stages, t.scale
     checkpoint.fits(found, env, model=models.as_spec(env.spec.model))
-    index = checkpoint.index_of(found)
+    index = state_by_name.index_of(found)
     directory = str(found.directory)
     loading = []
     # Every replica's stage i holds the same names: asked of replica 0's, loaded by each.
     for i, names in enumerate(stages.on_each(remote.state_names)):
-        sources = checkpoint.sources(found, index, names)
+        sources = state_by_name.sources(found, index, names)
         for r in range(len(stages.held)):
             loading.append(stages.call_async(i, remote.load, directory, sources, replica=r))
-    mine = checkpoint.sources(found, index, list(model.state_dict()))
-    checkpoint.load_named(directory, mine, model, kept)
+    mine = state_by_name.sources(found, index, list(model.state_dict()))
+    state_by_name.load_named(directory, mine, model, kept)
     own = found.load("master.pt")
     checkpoint.set_rng_state(own["rng"])
     feed.load_state(own["data"])

@@ -16,9 +16,9 @@ from torch.futures import Future
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import driver
+from pipejob.trainer.pipeline.cut_model import CutModel as Shards
 from pipejob.trainer.pipeline.pipelining.stage import NO_CONTEXT, Stage, StepReply
 from pipejob.trainer.pipeline.reader import HELD_OUT, Reader, Source
-from pipejob.trainer.pipeline.shards import Shards
 from pipejob.trainer.pipeline.stage_base import MOST_STEPS_A_CALL
 from pipejob.trainer.pipeline.stage_calls import created_stages, remote_stage
 from pipejob.trainer.pipeline.step_records import (

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipejob.core.common import Optimizer
+from pipejob.core.optimizer import Optimizer
 from pipejob.trainer.pipeline import gradients, stage_groups
 from pipejob.trainer.pipeline.pipelining import messages, schedules
 from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
@@ -23,8 +23,8 @@ from pipejob.trainer.pipeline.pipelining.flat import Flat
 from pipejob.trainer.pipeline.pipelining.marks import Marks
 from pipejob.trainer.pipeline.pipelining.timed import Timed
 from pipejob.trainer.pipeline.reader import Source
-from pipejob.trainer.pipeline.stage_base import Shard
-from pipejob.trainer.pipeline.stage_parts import Part
+from pipejob.trainer.pipeline.stage_base import StageBase as Shard
+from pipejob.trainer.pipeline.stage_build import PieceBuilder as Part
 from pipejob.trainer.pipeline.step_records import Finish
 from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS

@@ -11,13 +11,13 @@ from typing import Any
 import torch
 import torch.distributed.autograd as dist_autograd
 
-from pipejob.core.common import Optimizer
 from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.core.optimizer import Optimizer
 from pipejob.trainer.pipeline import driver, gradients
+from pipejob.trainer.pipeline.cut_model import CutModel
 from pipejob.trainer.pipeline.reader import HELD_OUT, Batch, Reader, Source
-from pipejob.trainer.pipeline.rpc.round_end import Backward, Figures, Norms, RoundEnd
-from pipejob.trainer.pipeline.rpc.stage import Stage
-from pipejob.trainer.pipeline.shards import Shards
+from pipejob.trainer.pipeline.rpc.round_end import Backward, EvaluationEnd, Norms, RoundEnd
+from pipejob.trainer.pipeline.rpc.stage import RpcStage
 from pipejob.trainer.pipeline.stage_calls import created_stages, remote_stage
 from pipejob.trainer.pipeline.step_records import (
     Finish,
@@ -31,14 +31,14 @@ from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
 
-class Pipeline(driver.Pipeline):
-    """The master's handle on the remote shards: creates them and runs micro-batches (every
+class RpcPipeline(driver.Pipeline):
+    """The master's handle on the remote stages: creates them and runs micro-batches (every
     call through pipeline/stage_calls.py, which says why)."""
 
     def __init__(
         self,
         stage_names: list[str],
-        shards: Shards,
+        cut_model: CutModel,
         device: str = "cpu",
         precision: str = "fp32",
         recompute: bool = False,
@@ -51,7 +51,7 @@ class Pipeline(driver.Pipeline):
         last = len(stage_names) - 1
         args = [
             (
-                shards.parts[i] if shards.parts else shards.stages[i],
+                cut_model.parts[i] if cut_model.parts else cut_model.stages[i],
                 i == last,
                 device,
                 precision,
@@ -61,11 +61,11 @@ class Pipeline(driver.Pipeline):
             )
             for i in range(last + 1)
         ]
-        super().__init__(stage_names, created_stages(stage_names, Stage, args))
-        # Each stage passes its outputs straight to the next (Stage.pass_on).
+        super().__init__(stage_names, created_stages(stage_names, RpcStage, args))
+        # Each stage passes its outputs straight to the next (RpcStage.pass_on).
         every = list(zip(self.names, self.stages, strict=True))
         torch.futures.wait_all(
-            [remote_stage(*every[k]).future(Stage.link, every[k + 1 :]) for k in range(last)]
+            [remote_stage(*every[k]).future(RpcStage.link, every[k + 1 :]) for k in range(last)]
         )
 
     def forward(
@@ -74,25 +74,25 @@ class Pipeline(driver.Pipeline):
         """All micro-batches' forwards of `batch`, pipelined, and the round ended by `end`
         (round_end.py), whose result this returns: one call to the first stage, which passes
         each micro-batch on as it computes it, each stage to the next, the last ending the
-        round (Stage.forward_round). `step` None: an evaluation's forwards (no autograd,
+        round (RpcStage.forward_round). `step` None: an evaluation's forwards (no autograd,
         shards in eval mode). `read`: the first stage reads the round in its first forward,
         as that many micro-batches (`read_round`: one call fewer a round)."""
         reads = None if read is None else (read, batch.samples)
         return remote_stage(self.names[0], self.stages[0]).result(
-            Stage.forward_round, batch.number, batch.micro_batches, step, reads, end
+            RpcStage.forward_round, batch.number, batch.micro_batches, step, reads, end
         )
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0):
-        the first stage reads each batch, the last adds its figures (Stage.tally)."""
+        the first stage reads each batch, the last adds its figures (RpcStage.tally)."""
         self.reader(Reader.start_held_out, limit)
         while (batch := self.read(micro_batches, what=HELD_OUT)) is not None:
-            tally = self.forward(batch, None, Figures(loss_fn, tally))
+            tally = self.forward(batch, None, EvaluationEnd(loss_fn, tally))
         return tally
 
 
 def forward_backward(
-    pipeline: Pipeline,
+    pipeline: RpcPipeline,
     batch: Round,
     step: int,
     context_id: int,
@@ -118,18 +118,18 @@ class Replicas(driver.Replicas):
 
     Each replica runs its share's forwards and backwards in a dist-autograd context of its
     own, then its stages average their gradients with the same stage of the other replicas
-    (`Stage.average_gradients`) and its optimizer steps. With gradientAccumulation the
+    (`RpcStage.average_gradients`) and its optimizer steps. With gradientAccumulation the
     rounds' gradients add up on the stages into the last round's context. Before the
     optimizer steps, the replica's stages give their gradients' global norm, which clips
     them (gradients.py), and the stages step with the schedule's learning rate."""
 
     def __init__(
-        self, names: list[list[str]], shards: Shards, spec: PipelineSpec, device: str = "cpu"
+        self, names: list[list[str]], cut_model: CutModel, spec: PipelineSpec, device: str = "cpu"
     ):
         pipelines = [
-            Pipeline(
+            RpcPipeline(
                 stage_names,
-                shards,
+                cut_model,
                 device,
                 spec.precision,
                 spec.activation_checkpointing,
@@ -138,7 +138,7 @@ class Replicas(driver.Replicas):
             )
             for r, stage_names in enumerate(names)
         ]
-        super().__init__(pipelines, shards, spec)
+        super().__init__(pipelines, cut_model, spec)
 
     def _replica_result(self, part: ReplicaShare) -> StepResult:
         pipeline = self.pipelines[part.replica]

@@ -1,5 +1,5 @@
 """What ends a round on the rpc engine, sent along the pipeline with the round's last
-micro-batch (Stage.pass_on): the last stage ends the round (`at_last`), and each other stage
+micro-batch (RpcStage.pass_on): the last stage ends the round (`at_last`), and each other stage
 adds its part to the result as it passes back to the first (`on_the_way`), which may finish
 the step (`at_first`) before its reply brings the result to the master: one call from the
 master a round, where the settle and the optimizer's step were a call a stage each."""
@@ -17,7 +17,7 @@ from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
 if TYPE_CHECKING:
-    from pipejob.trainer.pipeline.rpc.stage import Stage
+    from pipejob.trainer.pipeline.rpc.stage import RpcStage
 
 Norms = list[float] | None  # each stage's gradient norm, first stage first, where asked for
 
@@ -25,8 +25,8 @@ Norms = list[float] | None  # each stage's gradient norm, first stage first, whe
 @dataclass(frozen=True)
 class Backward:
     """A training round's end: on the last stage the round's loss and the distributed
-    backward from it times `scale` (Stage.loss_backward); then each other stage settled
-    (Stage.settle), only after the backward has returned there: a stage's settle ends just
+    backward from it times `scale` (RpcStage.loss_backward); then each other stage settled
+    (RpcStage.settle), only after the backward has returned there: a stage's settle ends just
     before the gradients its nodes nearest the inputs give its parameters are taken into the
     context, which that return waits for. With `unscale` (the step's last round: 1 / fp16's
     loss scale) each stage's gradient norm comes too. Gives the loss and the norms. With
@@ -39,14 +39,16 @@ class Backward:
     unscale: float | None
     finish: Finish | None = None
 
-    def at_last(self, stage: Stage, round: int, micro_batches: int) -> tuple[torch.Tensor, Norms]:
+    def at_last(
+        self, stage: RpcStage, round: int, micro_batches: int
+    ) -> tuple[torch.Tensor, Norms]:
         loss, norm = stage.loss_backward(
             round, micro_batches, self.loss_fn, self.context_id, self.scale, self.step, self.unscale
         )
         return loss, None if norm is None else [norm]
 
     def on_the_way(
-        self, stage: Stage, micro_batches: int, ended: tuple[torch.Tensor, Norms]
+        self, stage: RpcStage, micro_batches: int, ended: tuple[torch.Tensor, Norms]
     ) -> tuple[torch.Tensor, Norms]:
         stage.settle(self.step, micro_batches)
         loss, norms = ended
@@ -54,9 +56,9 @@ class Backward:
             return ended
         return loss, [stage.norm(self.context_id, self.unscale), *norms]
 
-    def at_first(self, stage: Stage, ended: tuple[torch.Tensor, Norms]) -> Any:
+    def at_first(self, stage: RpcStage, ended: tuple[torch.Tensor, Norms]) -> Any:
         """With `finish`, the step judged as the master judges it, then clipped and stepped
-        on every stage at once (Stage.finish_all): the step's tail without a call from the
+        on every stage at once (RpcStage.finish_all): the step's tail without a call from the
         master, which judges the same figures alike."""
         loss, norms = ended
         if self.finish is None or norms is None:
@@ -68,21 +70,21 @@ class Backward:
 
 
 @dataclass(frozen=True)
-class Figures:
+class EvaluationEnd:
     """An evaluation round's end: `tally` with the round's figures added on the last stage
-    (Stage.tally), unchanged on the way back."""
+    (RpcStage.tally), unchanged on the way back."""
 
     loss_fn: Loss
     tally: Tally
 
-    def at_last(self, stage: Stage, round: int, micro_batches: int) -> Tally:
+    def at_last(self, stage: RpcStage, round: int, micro_batches: int) -> Tally:
         return stage.tally(round, micro_batches, self.loss_fn, self.tally)
 
-    def on_the_way(self, stage: Stage, micro_batches: int, ended: Any) -> Any:
+    def on_the_way(self, stage: RpcStage, micro_batches: int, ended: Any) -> Any:
         return ended
 
-    def at_first(self, stage: Stage, ended: Any) -> Any:
+    def at_first(self, stage: RpcStage, ended: Any) -> Any:
         return ended
 
 
-RoundEnd = Backward | Figures
+RoundEnd = Backward | EvaluationEnd

@@ -1,5 +1,5 @@
 """The rpc engine's stage side: a shard of the model on a stage worker (pipeline/stage_base.py's
-Shard), called by the master over RPC for every micro-batch; it computes them in order and
+StageBase), called by the master over RPC for every micro-batch; it computes them in order and
 times its forwards and backwards. More in docs/architecture.md ("The rpc engine")."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from pipejob.core.common import Optimizer
+from pipejob.core.optimizer import Optimizer
 from pipejob.trainer.pipeline.gpu_worker import GpuWorker
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.rpc.backward_order import BackwardOrder
@@ -28,9 +28,9 @@ from pipejob.trainer.pipeline.rpc.gradient_sum import (
 from pipejob.trainer.pipeline.rpc.round_end import RoundEnd
 from pipejob.trainer.pipeline.rpc.stage_times import StageTimes
 from pipejob.trainer.pipeline.rpc.turnstile import Turnstile
-from pipejob.trainer.pipeline.stage_base import Shard
+from pipejob.trainer.pipeline.stage_base import StageBase
+from pipejob.trainer.pipeline.stage_build import PieceBuilder
 from pipejob.trainer.pipeline.stage_calls import StageRef, remote_stage
-from pipejob.trainer.pipeline.stage_parts import Part
 from pipejob.trainer.runtime import nonfinite, rendezvous
 from pipejob.trainer.workloads import Loss, batch_values
 from pipejob.trainer.workloads.batch_values import dressed, tensors, undressed
@@ -38,16 +38,16 @@ from pipejob.trainer.workloads.cut import join
 from pipejob.trainer.workloads.metrics import Tally
 
 T = TypeVar("T")
-# Micro-batches on their way through the pipeline at once (`Stage.forward_round`); fewer than
+# Micro-batches on their way through the pipeline at once (`RpcStage.forward_round`); fewer than
 # a stage's RPC worker threads (runtime/rendezvous): each may hold one of some stage's while it
 # waits for its turn there (it arrived before the micro-batch ahead of it), and once every
 # thread waits, none is left to take the micro-batch whose turn it is.
 IN_FLIGHT = 8
 
 
-class Stage(Shard):
+class RpcStage(StageBase):
     """One shard of the model, held by a stage worker and called by the master over RPC;
-    built here from a `Part` (the job's model), or given as a module.
+    built here from a `PieceBuilder` (the job's model), or given as a module.
 
     A shard takes the values live where its stage begins (a tuple: one tensor or several)
     and returns those live where it ends; the last keeps the model's output for the loss or
@@ -57,7 +57,7 @@ class Stage(Shard):
 
     def __init__(
         self,
-        module: nn.Module | Part,
+        module: nn.Module | PieceBuilder,
         last: bool,
         device: str,
         precision: str = "fp32",
@@ -101,11 +101,11 @@ class Stage(Shard):
     def finish_all(
         self, context_id: int, coefficient: float, lr: float | None, apply: bool
     ) -> None:
-        """The first stage: the step's tail (Shard.finish_step) here and on every stage after
+        """The first stage: the step's tail (StageBase.finish_step) here and on every stage after
         it, at once."""
         others = [
             remote_stage(name, stage).future(
-                Shard.finish_step, context_id, coefficient, lr, apply, False
+                StageBase.finish_step, context_id, coefficient, lr, apply, False
             )
             for name, stage in self._after
         ]
@@ -226,7 +226,7 @@ class Stage(Shard):
 
     def _timed(self, x: tuple[Any, ...]) -> tuple[Any, Any, Any, torch.Tensor]:
         """A training forward between two marks of this stage's clock (on its stream), and
-        whether its outputs are finite (Shard.note_finite)."""
+        whether its outputs are finite (StageBase.note_finite)."""
         start = self.times.clock.mark()
         y = self.compute(*x)
         end = self.times.clock.mark()
@@ -256,7 +256,7 @@ class Stage(Shard):
         """The last stage: the loss of training round `round` (the mean over the whole
         batch, as in one process), the distributed backward from it times `scale`, and this
         stage settled (`settle`), in one call; with `unscale`, the norm of the step's
-        gradients too (Shard.norm). Only the loss's value crosses to the master."""
+        gradients too (StageBase.norm). Only the loss's value crosses to the master."""
         outputs, labels = self._round_outputs(round, micro_batches)
         loss = self._on_device(loss_fn, outputs, labels).cpu()
         dist_autograd.backward(context_id, [loss * scale if scale != 1.0 else loss])
@@ -383,7 +383,7 @@ def passed_on(
     step: int | None,
     end: RoundEnd | None,
 ) -> Future:
-    """Runs on the next stage's worker: `Stage.pass_on` of the Stage held there."""
+    """Runs on the next stage's worker: `RpcStage.pass_on` of the RpcStage held there."""
     return stage.local_value().pass_on(x, round, micro_batch, step, None, end)
 
 

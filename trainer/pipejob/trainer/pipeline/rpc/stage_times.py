@@ -15,7 +15,7 @@ from pipejob.trainer.pipeline.timing import Clock, only, step_seconds
 
 class StageTimes:
     """Marks per (step, (round, micro-batch)): a forward's [start, end], and the "start" and
-    "end" notes of its backward (Stage._time_backward's hooks)."""
+    "end" notes of its backward (RpcStage._time_backward's hooks)."""
 
     def __init__(self, device: torch.device):
         self.clock = Clock(device)

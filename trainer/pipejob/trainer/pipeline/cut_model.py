@@ -1,8 +1,8 @@
-"""The model cut into layers and balanced across the stages by measured cost; with
-`microBatches: auto`, the micro-batch count with the shortest predicted step (balance.py;
-counted_cost.py with spec.deterministic).
+"""The model cut into pieces (`CutModel`, `plan_cut`) balanced across the stages by measured
+cost; with `microBatches: auto`, the micro-batch count with the shortest predicted step
+(micro_batch_choice.py; balance.py, counted_cost.py with spec.deterministic).
 The master plans all of it on a model none of whose parameters exist; the stages build their
-shards and measure the costs (stage_parts.py)."""
+pieces and measure the costs (stage_build.py)."""
 
 from __future__ import annotations
 
@@ -18,19 +18,13 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec, auto_counts
-from pipejob.trainer.pipeline import engine_choice
-from pipejob.trainer.pipeline.balance import (
-    Host,
-    LayerCosts,
-    Prediction,
-    fastest,
-    predict,
-)
-from pipejob.trainer.pipeline.counted_cost import predict_counted
+from pipejob.trainer.pipeline import engine_choice, peft_output
+from pipejob.trainer.pipeline.balance import Host, LayerCosts, Prediction, fastest
 from pipejob.trainer.pipeline.engine_choice import Choice
+from pipejob.trainer.pipeline.micro_batch_choice import candidate, prediction
 from pipejob.trainer.pipeline.stage_base import compute_resources
-from pipejob.trainer.pipeline.stage_parts import Part, measure_on_stages, trace
-from pipejob.trainer.runtime import adapters, model_files, tuning
+from pipejob.trainer.pipeline.stage_build import PieceBuilder, measure_on_stages, trace
+from pipejob.trainer.runtime import model_files, tuning
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, materialize, models
 
@@ -45,7 +39,7 @@ def hf_config(model: nn.Module) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class Partition:
-    """How the model is split and micro-batched: what a checkpoint keeps, since its shards
+    """How the model is split and micro-batched: what a checkpoint keeps, since its pieces
     fit no other split (costs are measured, so a new measurement may cut elsewhere)."""
 
     ranges: list[range]
@@ -58,7 +52,7 @@ class Partition:
 
 
 @dataclass(frozen=True)
-class Shards:
+class CutModel:
     """The model cut into pieces (one per stage, or stagesPerProcess per stage process with
     an interleaved schedule) at the boundaries of a partition of its units (cut candidates
     in calling order, cut.Traced), and the model state no stage holds. Stage process k of
@@ -66,7 +60,7 @@ class Shards:
 
     units: list[str]
     # Each piece's module: on the meta device where `parts` say how each process builds its
-    # own (what `plan_shards` gives); otherwise the modules themselves, sent to the stages.
+    # own (what `plan_cut` gives); otherwise the modules themselves, sent to the stages.
     stages: list[nn.Module]
     partition: Partition
     rest: dict[str, torch.Tensor]
@@ -75,20 +69,20 @@ class Shards:
     tied: list[list[tuple[int, str]]] = field(default_factory=list)
     # A Hugging Face model's config (config.json), written beside the model file.
     config: dict[str, Any] | None = None
-    parts: list[Part] | None = None  # one per piece
+    parts: list[PieceBuilder] | None = None  # one per piece
     processes: int = 0  # stage processes; 0: one per piece
     # The modules' versions a plain `model.state_dict()` carries (its `_metadata`), for the
     # model file: a fresh build of some modules (MNASNet) loads no state without them.
     metadata: model_files.Metadata | None = None
-    # A peft model's adapters' configs (runtime/adapters.py), for the adapter files.
+    # A peft model's adapters' configs (pipeline/peft_output.py), for the adapter files.
     adapters: dict[str, dict[str, Any]] | None = None
 
     @property
     def ranges(self) -> list[range]:
         return self.partition.ranges
 
-    def chosen_for(self, choice: Choice) -> Shards:
-        """These shards, cut for the engine `engine: auto` chose before the cut."""
+    def chosen_for(self, choice: Choice) -> CutModel:
+        """This cut, made for the engine `engine: auto` chose before the cut."""
         return dataclasses.replace(
             self, partition=dataclasses.replace(self.partition, engine=choice)
         )
@@ -120,7 +114,7 @@ class Shards:
             describe(self.piece_units(piece)) for piece in self.process_pieces(process)
         )
 
-    def part(self, process: int) -> Part:
+    def part(self, process: int) -> PieceBuilder:
         """How stage process `process` builds its pieces: from one build of the model, so a
         tensor two of them use (tied weights) stays one."""
         assert self.parts is not None
@@ -130,7 +124,7 @@ class Shards:
         return dataclasses.replace(parts[0], keep=keep, pieces=pieces)
 
 
-def plan_shards(
+def plan_cut(
     spec: PipelineSpec,
     model: nn.Module,
     numbered: materialize.Numbering,
@@ -138,7 +132,7 @@ def plan_shards(
     saved: Partition | None = None,
     hosts: list[Host] | None = None,
     progress: Callable[[str], None] = lambda message: None,
-) -> Shards:
+) -> CutModel:
     """Cut the job's `model`, built with none of its parameters (models.build_meta, which
     gives the `numbered` names), into spec.stages: at spec.splitPoints, or balanced by what
     each unit costs (measured on the stage processes `stage_names`, one pipeline's, on
@@ -159,7 +153,7 @@ def plan_shards(
     stages = traced.split(starts)
     dtype = torch.get_default_dtype()
     parts = [
-        Part(
+        PieceBuilder(
             spec,
             dtype,
             tuple(materialize.numbers(numbered, cut.state_names(stage))),
@@ -178,7 +172,7 @@ def plan_shards(
             )
         rest = {k: v for k, v in whole.state_dict().items() if k in rest}
     tied = by_process(cut.ties(stages), spec.stages)
-    return Shards(
+    return CutModel(
         units,
         stages,
         saved,
@@ -188,7 +182,7 @@ def plan_shards(
         parts,
         spec.stages,
         model_files.module_metadata(model),
-        adapters.configs(model),
+        peft_output.configs(model),
     )
 
 
@@ -239,25 +233,6 @@ def _measure(
     return Partition(chosen.ranges, costs.seconds, chosen.micro_batches, table, choice)
 
 
-def prediction(
-    costs: LayerCosts,
-    stages: int,
-    micro_batches: int,
-    batch: int,
-    hosts: list[Host],
-    fixed: list[range] | None = None,
-    per_process: int = 1,
-    starts: list[bool] | None = None,
-) -> Prediction:
-    """`micro_batches`' predicted step from the `costs` of one of its micro-batches: timed,
-    given the `hosts` whose cores the stages share (balance.predict); counted
-    (spec.deterministic), from the counts alone (counted_cost.predict_counted), so every
-    machine, busy or idle, large or small, predicts alike and `auto` chooses alike."""
-    if costs.counted:
-        return predict_counted(costs, stages, micro_batches, batch, fixed, per_process, starts)
-    return predict(costs, stages, micro_batches, batch, hosts, fixed, per_process, starts)
-
-
 def piece_starts(
     spec: PipelineSpec, units: list[str], costs: LayerCosts, fixed: list[range] | None
 ) -> list[bool] | None:
@@ -288,45 +263,6 @@ def tensor_starts(costs: LayerCosts) -> list[bool]:
     if costs.passes_tensors is None:
         return [True] * len(costs.seconds)
     return [True, *costs.passes_tensors[:-1]]
-
-
-def candidate(p: Prediction) -> dict[str, Any]:
-    """One row of `microBatches: auto`'s table, as the summary and the checkpoint keep it:
-    timed, both bounds of the step in seconds; counted (spec.deterministic), the step's
-    count (counted_cost.predict_counted: FLOPs and bytes, not seconds)."""
-    row = {"microBatches": p.micro_batches, "microBatchSize": p.micro_batch_size}
-    if p.counted:
-        return row | {"predictedStepCount": p.step_seconds}
-    return row | {
-        "pipelineBoundSeconds": round(p.pipeline_seconds, 4),
-        "coresBoundSeconds": round(p.cores_seconds, 4),
-        "predictedStepSeconds": round(p.step_seconds, 4),
-        "predictedSamplesPerSecond": round(p.samples_per_second, 2),
-    }
-
-
-def candidate_table(candidates: list[dict[str, Any]], chosen: int) -> str:
-    """Per candidate: both bounds of the step (see balance.predict), the prediction; or,
-    counted, the step's count in GFLOP-equivalents."""
-    counted = "predictedStepCount" in candidates[0]
-    lines = [
-        f"  {'m':>3} {'micro':>5} {'predicted step, G counted':>25}"
-        if counted
-        else f"  {'m':>3} {'micro':>5} {'pipeline s':>10} {'cores s':>7}"
-        f" {'predicted s/step':>16} {'samples/s':>9}"
-    ]
-    for c in candidates:
-        mark = "  <- chosen" if c["microBatches"] == chosen else ""
-        row = f"  {c['microBatches']:>3} {c['microBatchSize']:>5}"
-        if counted:
-            lines.append(f"{row} {c['predictedStepCount'] / 1e9:>25.2f}{mark}")
-            continue
-        lines.append(
-            f"{row} {c['pipelineBoundSeconds']:>10.3f} {c['coresBoundSeconds']:>7.3f}"
-            f" {c['predictedStepSeconds']:>16.3f}"
-            f" {c['predictedSamplesPerSecond']:>9.1f}{mark}"
-        )
-    return "\n".join(lines)
 
 
 def stage_resources(env: Env, stages: int, gpu: bool) -> tuple[int, list[Host]]:
@@ -362,12 +298,14 @@ def stage_resources(env: Env, stages: int, gpu: bool) -> tuple[int, list[Host]]:
     return threads, hosts
 
 
-def share(shards: Shards, process: int) -> float:
+def share(cut_model: CutModel, process: int) -> float:
     """Stage process `process`'s share of the measured cost."""
     mine = sum(
-        shards.costs[i] for piece in shards.process_pieces(process) for i in shards.ranges[piece]
+        cut_model.costs[i]
+        for piece in cut_model.process_pieces(process)
+        for i in cut_model.ranges[piece]
     )
-    return mine / sum(shards.costs)
+    return mine / sum(cut_model.costs)
 
 
 def describe(layers: list[str]) -> str:

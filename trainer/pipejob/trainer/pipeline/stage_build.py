@@ -1,4 +1,4 @@
-"""Each stage process builds its own part of the model from a `Part` (the user's factory,
+"""Each stage process builds its own part of the model from a `PieceBuilder` (the user's factory,
 keeping only its own parameters), and measures the cut's costs the same way, on what the
 stages before it pass on. How and why: docs/architecture.md, "Where a PipelineJob's model
 and data live" (steps 2 and 3)."""
@@ -52,7 +52,7 @@ def trace(spec: PipelineSpec, model: nn.Module) -> cut.Traced | staged.Layers | 
 
 
 @dataclass(frozen=True)
-class Part:
+class PieceBuilder:
     """How a process builds some consecutive pieces of the model (the model cut where
     `starts` say), keeping in memory only the parameters registered `keep`-th: the job's
     factory under spec.seed, in the default dtype the master had (`dtype`)."""
@@ -82,7 +82,7 @@ class Part:
 
 
 def measure_here(
-    part: Part, units: list[str], given: list[tuple[Any, ...]] | None, sizes: list[int]
+    part: PieceBuilder, units: list[str], given: list[tuple[Any, ...]] | None, sizes: list[int]
 ) -> tuple[list[LayerCosts], list[tuple[Any, ...]]] | str:
     """Runs on a stage: builds `part`'s pieces (one per unit of `units`) and measures them
     on micro-batches of each of `sizes`: `given`, what the pieces before pass on, or on the
@@ -144,7 +144,7 @@ def measure_on_stages(
     tensors: list[list[bool]] = [[] for _ in batches]
     for k, run in enumerate(runs):
         held = [n for i in run for n in cut.state_names(pieces[i])]
-        part = Part(
+        part = PieceBuilder(
             spec, dtype, tuple(materialize.numbers(numbered, held)), tuple(units[1:]), tuple(run)
         )
         got = rpc.rpc_sync(

@@ -237,7 +237,7 @@ class CommonSpec:
     log_every: int
     logging: Logging | None = None
     rendezvous_timeout_seconds: int
-    checkpoint: Checkpoint | None = None
+    checkpoint: Checkpointing | None = None
     profile: Profile | None = None
     preflight: Preflight
     watchdog: Watchdog | None = None
@@ -249,7 +249,7 @@ class Logging:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Checkpoint:
+class Checkpointing:
     path: str
     every_steps: int
 

@@ -1,7 +1,7 @@
 """The master's check that the data fits the model before any stage is built: two samples run
 through the model on the meta device (shapes only). It refuses only errors of shapes; what
 the meta device cannot evaluate it reports, and the stages check it on the first batch (their
-cost measuring runs the real data through every piece: stage_parts.py)."""
+cost measuring runs the real data through every piece: stage_build.py)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ processes (benchmarks/ on their PYTHONPATH)."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 import warnings
@@ -125,24 +126,9 @@ class Bench:
                 self.steps(held[own], m, loss_fn, max(1, self.config["warmup"]))
             if system.startswith("torch-"):
                 self.torch_steps(held[own], model, m, system, loss_fn, self.config["warmup"])
-        times: dict[str, list[list[float]]] = {s: [] for s in systems}
-        cpu: dict[str, list[float]] = {s: [] for s in systems}
-        count = self.config["steps"]
-        for _ in range(self.config["repeats"]):
-            for system in systems:
-                own = held[system.removeprefix("torch-")]
-                if system.startswith("torch-"):
-                    seconds, used = self.torch_steps(own, model, m, system, loss_fn, count)
-                else:
-                    # A reading of the clocks costs CPU too (an RPC to each stage), which
-                    # torch's turn does not count: a reading's own cost, measured back to
-                    # back, is left out.
-                    first = self.cpu(own)
-                    before = self.cpu(own)
-                    seconds = self.steps(own, m, loss_fn, count)
-                    used = self.cpu(own) - before - (before - first)
-                times[system].append(seconds)
-                cpu[system].append(used / count)
+        loads = [os.getloadavg()[0]]
+        times, cpu = self.turns(systems, held, model, m, loss_fn)
+        loads.append(os.getloadavg()[0])
         for system, turns in times.items():
             ts = [t for turn in turns for t in turn]
             say(
@@ -158,13 +144,41 @@ class Bench:
                     # Each turn's median step and CPU a step: overhead.py pairs them with
                     # torch's schedule's in the same turn (`gaps`).
                     "turns": [statistics.median(turn) for turn in turns],
+                    "turns_least": [min(turn) for turn in turns],
                     "cpu_turns": cpu[system],
+                    "load": loads,  # the 1-minute load average before and after the turns
                 }
             )
         if m == 1 and model == "tiny" and not self.config["no_profile"]:
             for system in systems:
                 if not system.startswith("torch-"):
                     self.profile(held[system], model, m, system, loss_fn)
+
+    def turns(
+        self, systems: list[str], held: dict[str, Any], model: str, m: int, loss_fn: Any
+    ) -> tuple[dict[str, list[list[float]]], dict[str, list[float]]]:
+        """--repeats turns of every system (--steps steps each), in turn order reversed every
+        other turn (so that neither of a pair always runs first): the seconds of each turn's
+        steps, and each turn's CPU seconds a step, per system."""
+        times: dict[str, list[list[float]]] = {s: [] for s in systems}
+        cpu: dict[str, list[float]] = {s: [] for s in systems}
+        count = self.config["steps"]
+        for turn in range(self.config["repeats"]):
+            for system in systems if turn % 2 == 0 else systems[::-1]:
+                own = held[system.removeprefix("torch-")]
+                if system.startswith("torch-"):
+                    seconds, used = self.torch_steps(own, model, m, system, loss_fn, count)
+                else:
+                    # A reading of the clocks costs CPU too (an RPC to each stage), which
+                    # torch's turn does not count: a reading's own cost, measured back to
+                    # back, is left out.
+                    first = self.cpu(own)
+                    before = self.cpu(own)
+                    seconds = self.steps(own, m, loss_fn, count)
+                    used = self.cpu(own) - before - (before - first)
+                times[system].append(seconds)
+                cpu[system].append(used / count)
+        return times, cpu
 
     def steps(self, replicas: Any, m: int, loss_fn: Any, count: int) -> list[float]:
         """The seconds of each of `count` steps through pipejob's step driver, run as the

@@ -130,7 +130,8 @@ def _results(master: subprocess.Popen, timeout: float) -> list[dict[str, Any]]:
                 print(
                     f"  {r['stages']} stages {r['model']:>5} m={r['m']:<2} {r['system']:>22}:"
                     f" {r['seconds'] * 1e3:7.2f} ms/step (median; least"
-                    f" {r['least'] * 1e3:.2f}), {r['cpu'] * 1e3:.2f} CPU-ms/step",
+                    f" {r['least'] * 1e3:.2f}), {r['cpu'] * 1e3:.2f} CPU-ms/step"
+                    + (" at load {:.1f}-{:.1f}".format(*r["load"]) if "load" in r else ""),
                     flush=True,
                 )
         else:
@@ -230,23 +231,15 @@ def table(results: list[dict[str, Any]], figure: str) -> str:
 
 def gaps(results: list[dict[str, Any]], figure: str) -> str:
     """Per stage count, model and pipejob system: at each count, the median over the turns
-    of its `figure` ("turns": the step, "cpu_turns": CPU a step) minus that of torch's same
-    schedule in the same turn (what the machine's other work moves least), in ms; and the fit
-    of those gaps, its fixed and per-micro-batch parts: at most 0 is at torch's."""
-    # Only the timed results: a profiled step (at one micro-batch) has the same key.
-    by_turn = {
-        (r["stages"], r["model"], r["m"], r["system"]): r[figure] for r in results if figure in r
-    }
+    of its `figure` ("turns": the step, "turns_least": each turn's least step, "cpu_turns":
+    CPU a step) minus that of torch's same schedule in the same turn (what the machine's
+    other work moves least), in ms; and the fit of those gaps, its fixed and per-micro-batch
+    parts: at most 0 is at torch's."""
     rows = [
         f"{'stages':>6} {'model':>5} {'system':>22} {'against':>22} {'fixed ms':>9}"
         f" {'per mb ms':>10} {'resid ms':>9}  each count's gap (m: ms)"
     ]
-    paired: dict[tuple[int, str, str], list[tuple[int, float]]] = {}
-    for (stages, model, m, system), turns in sorted(by_turn.items()):
-        against = by_turn.get((stages, model, m, PARTNER.get(system, "")))
-        if against:
-            gap = statistics.median(a - b for a, b in zip(turns, against, strict=True))
-            paired.setdefault((stages, model, system), []).append((m, gap))
+    paired = paired_gaps(results, figure)
     for key in sorted(paired, key=lambda k: (k[0], k[1], _order(k[2]))):
         stages, model, system = key
         fixed, per, rms = fit(paired[key])
@@ -256,6 +249,48 @@ def gaps(results: list[dict[str, Any]], figure: str) -> str:
             f" {per * 1e3:>10.3f} {rms * 1e3:>9.2f}  {each}"
         )
     return "\n".join(rows)
+
+
+def paired_gaps(
+    results: list[dict[str, Any]], figure: str
+) -> dict[tuple[int, str, str], list[tuple[int, float]]]:
+    """Per stage count, model and pipejob system: (m, the median over the turns of its
+    `figure` minus its torch partner's in the same turn) at each count both ran. Only the
+    timed results count: a profiled step (at one micro-batch) has the same key."""
+    by_turn = {
+        (r["stages"], r["model"], r["m"], r["system"]): r[figure] for r in results if figure in r
+    }
+    paired: dict[tuple[int, str, str], list[tuple[int, float]]] = {}
+    for (stages, model, m, system), turns in sorted(by_turn.items()):
+        against = by_turn.get((stages, model, m, PARTNER.get(system, "")))
+        if against:
+            gap = statistics.median(a - b for a, b in zip(turns, against, strict=True))
+            paired.setdefault((stages, model, system), []).append((m, gap))
+    return paired
+
+
+def verdict(results: list[dict[str, Any]], system: str = "gpipe") -> str:
+    """Issue 61's line for `system` (the default engine's GPipe) at each stage count and
+    model: its fixed cost a step at most torch's GPipe's + 1 ms and its cost per micro-batch
+    at most torch's, by the fit of the turn-by-turn gaps (each turn's median step, and its
+    least), with the load average the counts ran at."""
+    lines = []
+    medians, leasts = paired_gaps(results, "turns"), paired_gaps(results, "turns_least")
+    for key in sorted(k for k in medians if k[2] == system):
+        timed = [r for r in results if "load" in r and r["stages"] == key[0]]
+        loads = [x for r in timed if (r["model"], r["system"]) == key[1:] for x in r["load"]]
+        parts = []
+        for name, paired in (("median", medians), ("least", leasts)):
+            if key in paired and len(paired[key]) > 1:
+                fixed, per, _ = fit(paired[key])
+                ok = fixed <= 0.001 and per <= 0
+                parts.append(
+                    f"{name} {fixed * 1e3:+.2f} ms + {per * 1e3:+.3f} ms/mb"
+                    f" ({'met' if ok else 'missed'})"
+                )
+        load = f"load {min(loads):.1f}-{max(loads):.1f}" if loads else "load not recorded"
+        lines.append(f"  {key[0]} stages {key[1]} {system}: {'; '.join(parts)}; {load}")
+    return "\n".join(lines)
 
 
 def _ratio(value: float, torch_best: float | None, system: str) -> str:
@@ -292,9 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="tiny,small")
     ap.add_argument("--systems", default=",".join([*PIPEJOB, *TORCH]))
     ap.add_argument("--samples", type=int, default=2, help="samples per micro-batch")
-    ap.add_argument("--steps", type=int, default=4, help="measured steps per turn")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per turn")
     ap.add_argument("--warmup", type=int, default=1, help="steps left out per system and count")
-    ap.add_argument("--repeats", type=int, default=3, help="turns of every system per count")
+    ap.add_argument("--repeats", type=int, default=6, help="turns of every system per count")
     ap.add_argument("--clip", type=float, default=None, help="optimizer.clipGradNorm")
     ap.add_argument("--no-profile", action="store_true", help="skip the master's profiles")
     ap.add_argument("--quick", action="store_true", help="2 stages, tiny, m=1,4,16, 1 repeat")
@@ -339,10 +374,17 @@ def main(argv: list[str] | None = None) -> int:
         "\npipejob over torch's same schedule in the same turn, the median of the turns (the"
         " figure the machine's other work moves least), and its fit (at most 0: at torch's):"
     )
-    print("the step:")
+    print("the step (each turn's median step):")
     print(gaps(results, "turns"))
+    print("the step (each turn's least step, the least disturbed):")
+    print(gaps(results, "turns_least"))
     print("CPU a step, every process of the system:")
     print(gaps(results, "cpu_turns"))
+    print(
+        "\nissue 61's line: the default engine's GPipe a step at most torch's GPipe + 1 ms,"
+        " per micro-batch at most torch's (the fits of the gaps above):"
+    )
+    print(verdict(results))
     if not args.no_profile:
         print()
         print("the master's profile of one step (ms):")

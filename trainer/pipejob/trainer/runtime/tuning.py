@@ -28,6 +28,9 @@ TUNING = c.TUNING
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 WAIT_VARIABLE = "OMP_WAIT_POLICY"
 OVERSUBSCRIBE = 2  # compute threads per core of a share under 2 CPUs (measured for 2 stages)
+# Kinds whose compute processes get one thread where their share is one core or less: a
+# pipeline's stages do more per CPU-second so (docs/user-guide.md, "Why each lever").
+ONE_THREAD_WHEN_CROWDED = ("PipelineJob",)
 ARENA_VARIABLE = "MALLOC_ARENA_MAX"  # the user's (glibc's own variable) wins
 MKL_CACHE_VARIABLE = "MKL_DISABLE_FAST_MM"  # MKL's own; read at its first allocation
 # glibc's mallopt parameters, and the values of the allocator lever.
@@ -134,7 +137,8 @@ def decide(
     if "threads" in enabled:
         if computes(kind, role):
             share = cpus / max(1, colocated)
-            if share < 2:
+            crowded = share <= 1 and kind in ONE_THREAD_WHEN_CROWDED
+            if share < 2 and not crowded:
                 share *= OVERSUBSCRIBE
             threads = max(1, math.floor(min(cpus, share)))
         elif colocated > 0:

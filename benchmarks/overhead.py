@@ -10,6 +10,10 @@ squares, with the fit's residual), for
                          torch.distributed.pipelining's schedules driven directly over gloo
                          by the stage processes themselves (schedule.step, SGD's step,
                          zero_grad: no master), on the same pieces of the same cut
+  torch-gpipe-loader     torch's GPipe as a user runs it: the first and last stages read
+                         each step's batch from a DataLoader (torchtitan's way); its gap
+                         to torch-gpipe is what the data path costs torch's loop (context
+                         for pipejob's step, which reads and passes labels; not the line)
 
 A micro-batch keeps its size (--samples samples), so the batch grows with the count: the
 fixed part is what a step costs whatever its micro-batches (the master's calls, the norms,
@@ -48,14 +52,15 @@ RESULT = "@@overhead "
 TINY = {"vocabSize": 16, "layers": 8, "width": 8, "heads": 1, "seqLen": 4}
 PIPEJOB = ("rpc", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 TORCH = ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b")
+# torch's GPipe as a user's loop runs it, its batches read from a DataLoader on the first and
+# last stages: context for the data path pipejob's step has, never the yardstick (PARTNER).
+USER_LOOP = ("torch-gpipe-loader",)
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
 # The torch schedule each pipejob system is paired with, turn by turn (`gaps`).
-PARTNER = {
+PARTNER = {s: f"torch-{s}" for s in ("gpipe", "1f1b", "interleaved-1f1b")} | {
     "rpc": "torch-gpipe",
-    "gpipe": "torch-gpipe",
-    "1f1b": "torch-1f1b",
-    "interleaved-1f1b": "torch-interleaved-1f1b",
     "zero-bubble": "torch-interleaved-1f1b",
+    "torch-gpipe-loader": "torch-gpipe",  # what the data path costs torch's loop
 }
 
 
@@ -296,13 +301,13 @@ def verdict(results: list[dict[str, Any]], system: str = "gpipe") -> str:
 def _ratio(value: float, torch_best: float | None, system: str) -> str:
     """A pipejob figure over torch's best; nothing for torch's own, 'n/a' where either fit
     is not positive (noise larger than the part)."""
-    if system in TORCH or torch_best is None:
+    if system in (*TORCH, *USER_LOOP) or torch_best is None:
         return ""
     return f"{value / torch_best:.2f}x" if torch_best > 0 and value > 0 else "n/a"
 
 
 def _order(system: str) -> int:
-    every = [*PIPEJOB, *TORCH]
+    every = [*PIPEJOB, *TORCH, *USER_LOOP]
     return every.index(system) if system in every else len(every)
 
 
@@ -325,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default="2,4")
     ap.add_argument("--micro-batches", default="1,2,4,8,16")
     ap.add_argument("--models", default="tiny,small")
-    ap.add_argument("--systems", default=",".join([*PIPEJOB, *TORCH]))
+    ap.add_argument("--systems", default=",".join([*PIPEJOB, *TORCH, *USER_LOOP]))
     ap.add_argument("--samples", type=int, default=2, help="samples per micro-batch")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per turn")
     ap.add_argument("--warmup", type=int, default=1, help="steps left out per system and count")
@@ -361,10 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pipejob-overhead-"):
         for stages in [int(s) for s in args.stages.split(",")]:
             results += world(args, stages)
-    print("\nthe fit of each count's median step:")
-    print(table(results, "seconds"))
-    print("\nthe fit of each count's least step (the least disturbed):")
-    print(table(results, "least"))
+    print("\nthe fit of each count's median step:\n" + table(results, "seconds"))
+    print("\nthe fit of each count's least step (the least disturbed):\n" + table(results, "least"))
     print(
         "\nthe fit of each count's CPU seconds a step, every process of the system (pipejob's"
         " master too; the figure least moved by the machine's other work):"
@@ -374,20 +377,17 @@ def main(argv: list[str] | None = None) -> int:
         "\npipejob over torch's same schedule in the same turn, the median of the turns (the"
         " figure the machine's other work moves least), and its fit (at most 0: at torch's):"
     )
-    print("the step (each turn's median step):")
-    print(gaps(results, "turns"))
+    print("the step (each turn's median step):\n" + gaps(results, "turns"))
     print("the step (each turn's least step, the least disturbed):")
     print(gaps(results, "turns_least"))
-    print("CPU a step, every process of the system:")
-    print(gaps(results, "cpu_turns"))
+    print("CPU a step, every process of the system:\n" + gaps(results, "cpu_turns"))
     print(
         "\nissue 61's line: the default engine's GPipe a step at most torch's GPipe + 1 ms,"
         " per micro-batch at most torch's (the fits of the gaps above):"
     )
     print(verdict(results))
     if not args.no_profile:
-        print()
-        print("the master's profile of one step (ms):")
+        print("\nthe master's profile of one step (ms):")
         print(profiles(results))
     print(f"\n{time.monotonic() - started:.0f} s in all")
     if args.json:

@@ -8,7 +8,7 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -210,3 +210,24 @@ def test_compare_reports_each_variant_against_its_system_and_per_cpu_against_tor
     assert "per CPU-second, over torch's best (gpipe, 48.0):" in text, text
     assert re.search(r"^    pipejob-1f1b\s+1\.04x$", text, re.M), text
     assert re.search(r"^    pipejob-1f1b:t2\s+0\.83x$", text, re.M), text
+
+
+def test_torch_s_loop_as_a_user_runs_it_reads_each_step_from_a_dataloader(monkeypatch):
+    """overhead.py's torch-gpipe-loader: the first stage takes each step's inputs and the last
+    its target from a DataLoader of its own, batch after batch, starting over at the end;
+    torch-gpipe's loop takes one fixed batch every step."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import torch
+
+    bench = benchmark("_overhead")
+    first, last = (SimpleNamespace(first=f, last=not f) for f in (True, False))
+    fixed = bench._batches(first, (2, 4), 16, loader=False)
+    assert next(fixed)[0][0] is next(fixed)[0][0] and next(fixed)[1] is None
+    read = [next(bench._batches(last, (2, 4), 16, loader=True))]
+    targets = bench._batches(last, (2, 4), 16, loader=True)
+    steps = [next(targets) for _ in range(bench.BATCHES + 1)]
+    assert all(args == () and target.shape == (2, 4) for args, target in steps)
+    assert not torch.equal(steps[0][1], steps[1][1])  # the next batch each step
+    assert torch.equal(steps[0][1], steps[-1][1]) and torch.equal(steps[0][1], read[0][1])
+    inputs = next(bench._batches(first, (2, 4), 16, loader=True))
+    assert inputs[1] is None and inputs[0][0].shape == (2, 4)

@@ -160,6 +160,9 @@ def test_compute_roles_oversubscribe_only_a_share_under_two_cores():
     assert decide("PipelineJob", "stage", 0, 2, 2, ALL).threads == 1
     assert decide("PipelineJob", "stage", 0, 4, 4, ALL).threads == 1
     assert decide("HybridJob", "trainer", 0, 2, 2, ALL).threads == 2  # its kind: doubled
+    # Named engine rpc: doubled as before (it halves its speed on one thread).
+    assert decide("PipelineJob", "stage", 0, 2, 2, ALL, engine="rpc").threads == 2
+    assert decide("PipelineJob", "stage", 0, 2, 2, ALL, engine="auto").threads == 1
     assert decide("PipelineJob", "stage", 0, 16, 8, ALL).threads == 2  # a share of 2: its own
     assert decide("PipelineJob", "stage", 0, 16, 2, ALL).threads == 8
     assert decide("PipelineJob", "stage", 0, 3, 2, ALL).threads == 3  # 1.5 doubled
@@ -195,6 +198,19 @@ def test_threads_follow_the_cpus_the_process_may_run_on():
         expected = decide("PipelineJob", "stage", 0, float(available), 2, ALL).threads
         assert int(threads[len(cpus)]) == expected
     assert threads[1] == "1"
+
+
+def test_the_engine_the_spec_names_reaches_the_thread_choice():
+    """for_process reads spec.engine from the env contract: on a host of 2 cores or fewer, 2
+    stages on the rpc engine keep the doubled share, on the pipelining engine one thread."""
+    local = {c.ADDRESSES: ",".join(["127.0.0.1"] * 3)}
+    cpus = tuning.available_cpus()
+    for engine in ("rpc", "pipelining"):
+        env = local | {c.SPEC: json.dumps({"engine": engine})}
+        got = tuning.for_process("PipelineJob", "stage", 1, PIPELINE_WORLD, 0, env).threads
+        assert got == decide("PipelineJob", "stage", 0, cpus, 2, ALL, engine=engine).threads
+        if cpus == 2:
+            assert got == (2 if engine == "rpc" else 1)
 
 
 def test_openmp_threads_sleep_while_waiting_only_on_shared_cores():

@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="tiny,small")
     ap.add_argument("--systems", default=",".join([*PIPEJOB, *TORCH, *USER_LOOP]))
     ap.add_argument("--samples", type=int, default=2, help="samples per micro-batch")
-    ap.add_argument("--steps", type=int, default=3, help="measured steps per turn")
+    ap.add_argument("--steps", type=int, default=8, help="measured steps per turn")
     ap.add_argument("--warmup", type=int, default=1, help="steps left out per system and count")
     ap.add_argument("--repeats", type=int, default=6, help="turns of every system per count")
     ap.add_argument("--clip", type=float, default=None, help="optimizer.clipGradNorm")

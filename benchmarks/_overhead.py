@@ -6,9 +6,11 @@ processes (benchmarks/ on their PYTHONPATH)."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.utils.data import DataLoader, TensorDataset
 
 from pipejob.core import spec as spec_module
 from pipejob.core.kinds.pipeline_schedules import schedule_refuses
@@ -38,11 +41,24 @@ MODELS = {
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
 # dist.barrier on pipejob's gloo group says it is a Backend used as a ProcessGroup, each time.
 warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+BATCHES = 16  # a loader's batches before it starts over
+LOADER = "-loader"  # torch-gpipe-loader: torch's GPipe with its batches read from a DataLoader
 TORCH_SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved-1f1b": ScheduleInterleaved1F1B,
 }
+
+
+def own(system: str) -> str:
+    """The pipejob system whose stages run `system`: torch-1f1b's and torch-gpipe-loader's
+    are 1f1b's and gpipe's (the pieces torch's schedules run are those pipejob's hold)."""
+    return system.removeprefix("torch-").removesuffix(LOADER)
+
+
+def schedule_of(system: str) -> str:
+    """The schedule a system runs: the rpc engine's is GPipe."""
+    return "gpipe" if system == "rpc" else own(system)
 
 
 def say(payload: dict[str, Any]) -> None:
@@ -62,7 +78,7 @@ class Bench:
 
     def spec(self, model: str, m: int, system: str) -> Any:
         """The job's settings of `system` at `m` micro-batches of the model."""
-        schedule = "gpipe" if system == "rpc" else system.removeprefix("torch-")
+        schedule = schedule_of(system)
         optimizer: dict[str, Any] = {"name": "sgd", "lr": 0.01}
         if self.config["clip"]:
             optimizer["clipGradNorm"] = self.config["clip"]
@@ -104,7 +120,7 @@ class Bench:
         return pipeline.engine(s, "driver").Replicas([self.names], self.cut_model(s), s)
 
     def refuses(self, system: str, m: int) -> bool:
-        schedule = "gpipe" if system == "rpc" else system.removeprefix("torch-")
+        schedule = schedule_of(system)
         return schedule_refuses(schedule, self.stages, m) is not None
 
     def run(self) -> None:
@@ -119,30 +135,15 @@ class Bench:
         held: dict[str, Any] = {}  # the pipejob Replicas of each system (torch's too: holders)
         loss_fn = workloads.loss(self.spec(model, m, "rpc"))
         for system in systems:
-            own = system.removeprefix("torch-")
-            if own not in held:
-                held[own] = self.replicas(model, m, own)
-                self.steps(held[own], m, loss_fn, max(1, self.config["warmup"]))
+            mine = own(system)
+            if mine not in held:
+                held[mine] = self.replicas(model, m, mine)
+                self.steps(held[mine], m, loss_fn, max(1, self.config["warmup"]))
             if system.startswith("torch-"):
-                self.torch_steps(held[own], model, m, system, loss_fn, self.config["warmup"])
-        times: dict[str, list[list[float]]] = {s: [] for s in systems}
-        cpu: dict[str, list[float]] = {s: [] for s in systems}
-        count = self.config["steps"]
-        for _ in range(self.config["repeats"]):
-            for system in systems:
-                own = held[system.removeprefix("torch-")]
-                if system.startswith("torch-"):
-                    seconds, used = self.torch_steps(own, model, m, system, loss_fn, count)
-                else:
-                    # A reading of the clocks costs CPU too (an RPC to each stage), which
-                    # torch's turn does not count: a reading's own cost, measured back to
-                    # back, is left out.
-                    first = self.cpu(own)
-                    before = self.cpu(own)
-                    seconds = self.steps(own, m, loss_fn, count)
-                    used = self.cpu(own) - before - (before - first)
-                times[system].append(seconds)
-                cpu[system].append(used / count)
+                self.torch_steps(held[mine], model, m, system, loss_fn, self.config["warmup"])
+        loads = [os.getloadavg()[0]]
+        times, cpu = self.turns(systems, held, model, m, loss_fn)
+        loads.append(os.getloadavg()[0])
         for system, turns in times.items():
             ts = [t for turn in turns for t in turn]
             say(
@@ -158,13 +159,41 @@ class Bench:
                     # Each turn's median step and CPU a step: overhead.py pairs them with
                     # torch's schedule's in the same turn (`gaps`).
                     "turns": [statistics.median(turn) for turn in turns],
+                    "turns_least": [min(turn) for turn in turns],
                     "cpu_turns": cpu[system],
+                    "load": loads,  # the 1-minute load average before and after the turns
                 }
             )
         if m == 1 and model == "tiny" and not self.config["no_profile"]:
             for system in systems:
                 if not system.startswith("torch-"):
                     self.profile(held[system], model, m, system, loss_fn)
+
+    def turns(
+        self, systems: list[str], held: dict[str, Any], model: str, m: int, loss_fn: Any
+    ) -> tuple[dict[str, list[list[float]]], dict[str, list[float]]]:
+        """--repeats turns of every system (--steps steps each), in turn order reversed every
+        other turn (so that neither of a pair always runs first): the seconds of each turn's
+        steps, and each turn's CPU seconds a step, per system."""
+        times: dict[str, list[list[float]]] = {s: [] for s in systems}
+        cpu: dict[str, list[float]] = {s: [] for s in systems}
+        count = self.config["steps"]
+        for turn in range(self.config["repeats"]):
+            for system in systems if turn % 2 == 0 else systems[::-1]:
+                holder = held[own(system)]
+                if system.startswith("torch-"):
+                    seconds, used = self.torch_steps(holder, model, m, system, loss_fn, count)
+                else:
+                    # A reading of the clocks costs CPU too (an RPC to each stage), which
+                    # torch's turn does not count: a reading's own cost, measured back to
+                    # back, is left out.
+                    first = self.cpu(holder)
+                    before = self.cpu(holder)
+                    seconds = self.steps(holder, m, loss_fn, count)
+                    used = self.cpu(holder) - before - (before - first)
+                times[system].append(seconds)
+                cpu[system].append(used / count)
+        return times, cpu
 
     def steps(self, replicas: Any, m: int, loss_fn: Any, count: int) -> list[float]:
         """The seconds of each of `count` steps through pipejob's step driver, run as the
@@ -244,11 +273,12 @@ def torch_steps(
     key = (id(stage), schedule, m)
     if key not in _runs:
         _runs[key] = _build(stage, schedule, m, shape, vocab, loss_fn)
-    run, optimizer, args, target = _runs[key]
+    run, optimizer, batches = _runs[key]
     dist.barrier(group=stage.pipeline)
     seconds, used = [], time.process_time()
     for _ in range(count):
         start = time.perf_counter()
+        args, target = next(batches)
         run.step(*args, target=target)
         optimizer.step()
         optimizer.zero_grad()
@@ -260,9 +290,9 @@ def torch_steps(
 
 def _build(
     stage: Any, schedule: str, m: int, shape: tuple[int, int], vocab: int, loss_fn: Any
-) -> tuple[Any, torch.optim.Optimizer, tuple, Any]:
+) -> tuple[Any, torch.optim.Optimizer, Iterator[tuple[tuple, Any]]]:
     """torch's PipelineStages over the pieces pipejob's stage built (the shapes they learnt
-    for this count), the schedule, SGD, and the fixed batch the first and last stages use."""
+    for this count), the schedule, SGD, and the batches the first and last stages use."""
     samples = shape[0]
     learnt = (True, m, samples)
     stages = [
@@ -283,10 +313,28 @@ def _build(
             output = output[0]
         return loss_fn(output, target)
 
-    kind = TORCH_SCHEDULES[schedule]
+    kind = TORCH_SCHEDULES[schedule.removesuffix(LOADER)]
     run = kind(stages if schedule == "interleaved-1f1b" else stages[0], m, loss_fn=loss)
     optimizer = torch.optim.SGD(stage.layers.parameters(), lr=0.01)
+    return run, optimizer, _batches(stage, shape, vocab, schedule.endswith(LOADER))
+
+
+def _batches(
+    stage: Any, shape: tuple[int, int], vocab: int, loader: bool
+) -> Iterator[tuple[tuple, Any]]:
+    """Each step's (inputs, target) on this stage (the first takes inputs, the last the
+    target): one fixed batch; or, with `loader`, as a user's loop reads them (torchtitan's
+    way): the first and last stages each read the step's batch from a DataLoader of their
+    own over the same data, one after the other."""
     generator = torch.Generator().manual_seed(0)
-    args = (torch.randint(vocab, shape, generator=generator),) if stage.first else ()
-    target = torch.randint(vocab, shape, generator=generator) if stage.last else None
-    return run, optimizer, args, target
+    rows = (BATCHES * shape[0], shape[1])
+    inputs, targets = (torch.randint(vocab, rows, generator=generator) for _ in range(2))
+    if not loader:
+        n = shape[0]
+        fixed = ((inputs[:n],) if stage.first else ()), (targets[:n] if stage.last else None)
+        while True:
+            yield fixed
+    data = DataLoader(TensorDataset(inputs, targets), batch_size=shape[0])
+    while True:
+        for x, y in data:
+            yield ((x,) if stage.first else ()), (y if stage.last else None)

@@ -58,8 +58,9 @@ def measure_costs(job: dict[str, Any], counts: list[int]) -> tuple[int, dict[int
     from pipejob.trainer.workloads import cut, data, models
 
     settings = spec.parse(job).settings
+    cpus, engine = tuning.available_cpus(), job["spec"].get("engine")
     threads = tuning.decide(
-        "PipelineJob", "stage", 0, tuning.available_cpus(), 2, levers.parse(None)
+        "PipelineJob", "stage", 0, cpus, 2, levers.parse(None), engine=engine
     ).threads
     torch.manual_seed(0)
     traced = cut.Traced(models.build(settings))

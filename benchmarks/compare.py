@@ -194,7 +194,8 @@ def run_pipejob(
 
     runs = []
     # pipejob@REV: that revision's default (rpc before engine auto; older ones know no engine)
-    engine = ENGINES.get(system, {} if system.startswith("pipejob@") else RPC)
+    # A variant (pipejob-1f1b:LABEL) runs its system's engine.
+    engine = ENGINES.get(system.partition(":")[0], {} if system.startswith("pipejob@") else RPC)
     counts = [
         m for m in cfg.counts if schedule_refuses(engine.get("schedule", "gpipe"), 2, m) is None
     ]
@@ -391,9 +392,7 @@ def report(runs: list[Run], cpus: int) -> str:
         lost = 1 - speedup / usable if single else float("nan")
         bubbles = [r.bubble for r in rs if r.bubble is not None]
         bubble = f"{spread(bubbles)[1]:>6.0%}" if bubbles else f"{'-':>6}"
-        per_cpu = spread(
-            [r.batch * r.batches / sum(d.cpu for d in r.processes.values()) for r in rs]
-        )[1]
+        per_cpu = _per_cpu(rs)
         m = "/".join(sorted({str(r.chosen) for r in rs})) if m == AUTO else m
         lines.append(
             f"  {system:<20} {m:>2} {_spread(rs):>20} {rs[0].batch / rate:>7.2f}"
@@ -409,8 +408,10 @@ def report(runs: list[Run], cpus: int) -> str:
             goal = f"   target >= {target}x: {'met' if r >= target else 'missed'}" if target else ""
             lines.append(f"  {label or f'{a} / {b}':<44} {r:>5.2f}x{goal}")
 
-    for variant in (s for s in rate if s.startswith("pipejob:")):
-        ratio("pipejob", variant, None, f"pipejob / {variant} (a lever's gain)")
+    for variant in (s for s in rate if ":" in s):
+        base = variant.partition(":")[0]
+        ratio(base, variant, None, f"{base} / {variant} (a lever's gain)")
+    lines += _per_cpu_against_torch(chosen)
     for before in (s for s in rate if s.startswith("pipejob@")):
         ratio("pipejob", before, 0.95, f"pipejob / {before} (today against then)")
         lines += _same_results(runs, before)
@@ -440,6 +441,24 @@ def report(runs: list[Run], cpus: int) -> str:
         " samples per CPU-second of all its processes (robust to other load).",
     ]
     return "\n".join(lines)
+
+
+def _per_cpu_against_torch(chosen: dict[str, tuple[int, list[Run]]]) -> list[str]:
+    """Each pipejob system's samples per CPU-second over torch's best schedule's (GPipe or
+    1F1B, the better per CPU-second), each at its best count: issue 61's line is above 1."""
+    per = {s: _per_cpu(rs) for s, (_, rs) in chosen.items()}
+    torch_best = max((s for s in ("gpipe", "1f1b") if s in per), key=per.get, default=None)
+    if torch_best is None:
+        return []
+    lines = [f"  per CPU-second, over torch's best ({torch_best}, {per[torch_best]:.1f}):"]
+    for system in (s for s in per if s.startswith("pipejob")):
+        lines.append(f"    {system:<42} {per[system] / per[torch_best]:>5.2f}x")
+    return lines
+
+
+def _per_cpu(runs: list[Run]) -> float:
+    """The median over runs of samples per CPU-second of all a run's processes."""
+    return spread([r.batch * r.batches / sum(d.cpu for d in r.processes.values()) for r in runs])[1]
 
 
 def _same_results(runs: list[Run], label: str) -> list[str]:
@@ -510,8 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="LABEL:KEY=VALUE",
-        help="also run pipejob with this environment, reported as pipejob:LABEL"
-        " (e.g. off:PIPEJOB_TUNING=off); interleaved with the others",
+        help="also run each pipejob system asked for with this environment, reported as"
+        " SYSTEM:LABEL (e.g. off:PIPEJOB_TUNING=off); interleaved with the others",
     )
     ap.add_argument(
         "--stage-threads",
@@ -628,15 +647,13 @@ def measure(
                     lambda: run_pipejob(cfg, tmp, f"pipejob@{at}", {"PYTHONPATH": before}),
                 )
             )
+        # Each variant runs every pipejob system asked for (the rpc engine's where none is).
+        bases = [s for s in ("pipejob", *ENGINES) if s in systems] or ["pipejob"]
         for label, extra in cfg.variants.items():
-            jobs.append(
-                (
-                    f"pipejob:{label}",
-                    lambda label=label, extra=extra: run_pipejob(
-                        cfg, tmp, f"pipejob:{label}", extra
-                    ),
+            for name in (f"{base}:{label}" for base in bases):
+                jobs.append(
+                    (name, lambda name=name, extra=extra: run_pipejob(cfg, tmp, name, extra))
                 )
-            )
         for system in (s for s in ENGINES if s in systems):
             jobs.append((system, lambda system=system: run_pipejob(cfg, tmp, system)))
         if "baseline" in systems:

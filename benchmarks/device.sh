@@ -237,7 +237,7 @@ profile() {
 overhead() {
   if [[ $MODE == gpu ]]; then
     CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/overhead.py --models tiny --stages 2,4 \
-      --micro-batches 1,2,4,8,16 --repeats 2 --timeout 150 --json "$LOGS/overhead.json"
+      --micro-batches 1,2,4,8,16 --repeats 2 --steps 4 --timeout 150 --json "$LOGS/overhead.json"
   else
     CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/overhead.py --models tiny --stages 2 \
       --micro-batches 1,2 --systems rpc,gpipe,torch-gpipe --repeats 1 --steps 2 --timeout 200 \

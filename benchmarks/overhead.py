@@ -10,6 +10,10 @@ squares, with the fit's residual), for
                          torch.distributed.pipelining's schedules driven directly over gloo
                          by the stage processes themselves (schedule.step, SGD's step,
                          zero_grad: no master), on the same pieces of the same cut
+  torch-gpipe-loader     torch's GPipe as a user runs it: the first and last stages read
+                         each step's batch from a DataLoader (torchtitan's way); its gap
+                         to torch-gpipe is what the data path costs torch's loop (context
+                         for pipejob's step, which reads and passes labels; not the line)
 
 A micro-batch keeps its size (--samples samples), so the batch grows with the count: the
 fixed part is what a step costs whatever its micro-batches (the master's calls, the norms,
@@ -48,14 +52,15 @@ RESULT = "@@overhead "
 TINY = {"vocabSize": 16, "layers": 8, "width": 8, "heads": 1, "seqLen": 4}
 PIPEJOB = ("rpc", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 TORCH = ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b")
+# torch's GPipe as a user's loop runs it, its batches read from a DataLoader on the first and
+# last stages: context for the data path pipejob's step has, never the yardstick (PARTNER).
+USER_LOOP = ("torch-gpipe-loader",)
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
 # The torch schedule each pipejob system is paired with, turn by turn (`gaps`).
-PARTNER = {
+PARTNER = {s: f"torch-{s}" for s in ("gpipe", "1f1b", "interleaved-1f1b")} | {
     "rpc": "torch-gpipe",
-    "gpipe": "torch-gpipe",
-    "1f1b": "torch-1f1b",
-    "interleaved-1f1b": "torch-interleaved-1f1b",
     "zero-bubble": "torch-interleaved-1f1b",
+    "torch-gpipe-loader": "torch-gpipe",  # what the data path costs torch's loop
 }
 
 
@@ -130,7 +135,8 @@ def _results(master: subprocess.Popen, timeout: float) -> list[dict[str, Any]]:
                 print(
                     f"  {r['stages']} stages {r['model']:>5} m={r['m']:<2} {r['system']:>22}:"
                     f" {r['seconds'] * 1e3:7.2f} ms/step (median; least"
-                    f" {r['least'] * 1e3:.2f}), {r['cpu'] * 1e3:.2f} CPU-ms/step",
+                    f" {r['least'] * 1e3:.2f}), {r['cpu'] * 1e3:.2f} CPU-ms/step"
+                    + (" at load {:.1f}-{:.1f}".format(*r["load"]) if "load" in r else ""),
                     flush=True,
                 )
         else:
@@ -230,23 +236,15 @@ def table(results: list[dict[str, Any]], figure: str) -> str:
 
 def gaps(results: list[dict[str, Any]], figure: str) -> str:
     """Per stage count, model and pipejob system: at each count, the median over the turns
-    of its `figure` ("turns": the step, "cpu_turns": CPU a step) minus that of torch's same
-    schedule in the same turn (what the machine's other work moves least), in ms; and the fit
-    of those gaps, its fixed and per-micro-batch parts: at most 0 is at torch's."""
-    # Only the timed results: a profiled step (at one micro-batch) has the same key.
-    by_turn = {
-        (r["stages"], r["model"], r["m"], r["system"]): r[figure] for r in results if figure in r
-    }
+    of its `figure` ("turns": the step, "turns_least": each turn's least step, "cpu_turns":
+    CPU a step) minus that of torch's same schedule in the same turn (what the machine's
+    other work moves least), in ms; and the fit of those gaps, its fixed and per-micro-batch
+    parts: at most 0 is at torch's."""
     rows = [
         f"{'stages':>6} {'model':>5} {'system':>22} {'against':>22} {'fixed ms':>9}"
         f" {'per mb ms':>10} {'resid ms':>9}  each count's gap (m: ms)"
     ]
-    paired: dict[tuple[int, str, str], list[tuple[int, float]]] = {}
-    for (stages, model, m, system), turns in sorted(by_turn.items()):
-        against = by_turn.get((stages, model, m, PARTNER.get(system, "")))
-        if against:
-            gap = statistics.median(a - b for a, b in zip(turns, against, strict=True))
-            paired.setdefault((stages, model, system), []).append((m, gap))
+    paired = paired_gaps(results, figure)
     for key in sorted(paired, key=lambda k: (k[0], k[1], _order(k[2]))):
         stages, model, system = key
         fixed, per, rms = fit(paired[key])
@@ -258,16 +256,58 @@ def gaps(results: list[dict[str, Any]], figure: str) -> str:
     return "\n".join(rows)
 
 
+def paired_gaps(
+    results: list[dict[str, Any]], figure: str
+) -> dict[tuple[int, str, str], list[tuple[int, float]]]:
+    """Per stage count, model and pipejob system: (m, the median over the turns of its
+    `figure` minus its torch partner's in the same turn) at each count both ran. Only the
+    timed results count: a profiled step (at one micro-batch) has the same key."""
+    by_turn = {
+        (r["stages"], r["model"], r["m"], r["system"]): r[figure] for r in results if figure in r
+    }
+    paired: dict[tuple[int, str, str], list[tuple[int, float]]] = {}
+    for (stages, model, m, system), turns in sorted(by_turn.items()):
+        against = by_turn.get((stages, model, m, PARTNER.get(system, "")))
+        if against:
+            gap = statistics.median(a - b for a, b in zip(turns, against, strict=True))
+            paired.setdefault((stages, model, system), []).append((m, gap))
+    return paired
+
+
+def verdict(results: list[dict[str, Any]], system: str = "gpipe") -> str:
+    """Issue 61's line for `system` (the default engine's GPipe) at each stage count and
+    model: its fixed cost a step at most torch's GPipe's + 1 ms and its cost per micro-batch
+    at most torch's, by the fit of the turn-by-turn gaps (each turn's median step, and its
+    least), with the load average the counts ran at."""
+    lines = []
+    medians, leasts = paired_gaps(results, "turns"), paired_gaps(results, "turns_least")
+    for key in sorted(k for k in medians if k[2] == system):
+        timed = [r for r in results if "load" in r and r["stages"] == key[0]]
+        loads = [x for r in timed if (r["model"], r["system"]) == key[1:] for x in r["load"]]
+        parts = []
+        for name, paired in (("median", medians), ("least", leasts)):
+            if key in paired and len(paired[key]) > 1:
+                fixed, per, _ = fit(paired[key])
+                ok = fixed <= 0.001 and per <= 0
+                parts.append(
+                    f"{name} {fixed * 1e3:+.2f} ms + {per * 1e3:+.3f} ms/mb"
+                    f" ({'met' if ok else 'missed'})"
+                )
+        load = f"load {min(loads):.1f}-{max(loads):.1f}" if loads else "load not recorded"
+        lines.append(f"  {key[0]} stages {key[1]} {system}: {'; '.join(parts)}; {load}")
+    return "\n".join(lines)
+
+
 def _ratio(value: float, torch_best: float | None, system: str) -> str:
     """A pipejob figure over torch's best; nothing for torch's own, 'n/a' where either fit
     is not positive (noise larger than the part)."""
-    if system in TORCH or torch_best is None:
+    if system in (*TORCH, *USER_LOOP) or torch_best is None:
         return ""
     return f"{value / torch_best:.2f}x" if torch_best > 0 and value > 0 else "n/a"
 
 
 def _order(system: str) -> int:
-    every = [*PIPEJOB, *TORCH]
+    every = [*PIPEJOB, *TORCH, *USER_LOOP]
     return every.index(system) if system in every else len(every)
 
 
@@ -290,11 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default="2,4")
     ap.add_argument("--micro-batches", default="1,2,4,8,16")
     ap.add_argument("--models", default="tiny,small")
-    ap.add_argument("--systems", default=",".join([*PIPEJOB, *TORCH]))
+    ap.add_argument("--systems", default=",".join([*PIPEJOB, *TORCH, *USER_LOOP]))
     ap.add_argument("--samples", type=int, default=2, help="samples per micro-batch")
-    ap.add_argument("--steps", type=int, default=4, help="measured steps per turn")
+    ap.add_argument("--steps", type=int, default=8, help="measured steps per turn")
     ap.add_argument("--warmup", type=int, default=1, help="steps left out per system and count")
-    ap.add_argument("--repeats", type=int, default=3, help="turns of every system per count")
+    ap.add_argument("--repeats", type=int, default=6, help="turns of every system per count")
     ap.add_argument("--clip", type=float, default=None, help="optimizer.clipGradNorm")
     ap.add_argument("--no-profile", action="store_true", help="skip the master's profiles")
     ap.add_argument("--quick", action="store_true", help="2 stages, tiny, m=1,4,16, 1 repeat")
@@ -326,10 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pipejob-overhead-"):
         for stages in [int(s) for s in args.stages.split(",")]:
             results += world(args, stages)
-    print("\nthe fit of each count's median step:")
-    print(table(results, "seconds"))
-    print("\nthe fit of each count's least step (the least disturbed):")
-    print(table(results, "least"))
+    print("\nthe fit of each count's median step:\n" + table(results, "seconds"))
+    print("\nthe fit of each count's least step (the least disturbed):\n" + table(results, "least"))
     print(
         "\nthe fit of each count's CPU seconds a step, every process of the system (pipejob's"
         " master too; the figure least moved by the machine's other work):"
@@ -339,13 +377,17 @@ def main(argv: list[str] | None = None) -> int:
         "\npipejob over torch's same schedule in the same turn, the median of the turns (the"
         " figure the machine's other work moves least), and its fit (at most 0: at torch's):"
     )
-    print("the step:")
-    print(gaps(results, "turns"))
-    print("CPU a step, every process of the system:")
-    print(gaps(results, "cpu_turns"))
+    print("the step (each turn's median step):\n" + gaps(results, "turns"))
+    print("the step (each turn's least step, the least disturbed):")
+    print(gaps(results, "turns_least"))
+    print("CPU a step, every process of the system:\n" + gaps(results, "cpu_turns"))
+    print(
+        "\nissue 61's line: the default engine's GPipe a step at most torch's GPipe + 1 ms,"
+        " per micro-batch at most torch's (the fits of the gaps above):"
+    )
+    print(verdict(results))
     if not args.no_profile:
-        print()
-        print("the master's profile of one step (ms):")
+        print("\nthe master's profile of one step (ms):")
         print(profiles(results))
     print(f"\n{time.monotonic() - started:.0f} s in all")
     if args.json:

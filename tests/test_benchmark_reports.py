@@ -8,7 +8,7 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -63,6 +63,20 @@ def test_overhead_fits_a_step_as_fixed_plus_per_micro_batch_and_reports_both_par
         r"^\s+4\s+tiny\s+rpc\s+torch-gpipe\s+2\.00\s+1\.000\s+0\.00  1:\+3\.0 2:\+4\.0 8:\+10\.0$",
         rows[1],
     ), rows
+    # Issue 61's line on the default engine's GPipe: 0.5 ms a step over torch's and nothing
+    # per micro-batch meets it (by the turns' medians; their least steps miss it), with
+    # the load the counts ran at.
+    line = [
+        {"stages": 2, "model": "tiny", "m": m, "system": system, "load": [1.5, 2.5]}
+        | {"turns": [t + extra * 0.0005], "turns_least": [t + extra * 0.002]}
+        for m in (1, 2, 4)
+        for system, extra in (("gpipe", 1), ("torch-gpipe", 0))
+        for t in [0.01 * m]
+    ]
+    assert overhead.verdict(line) == (
+        "  2 stages tiny gpipe: median +0.50 ms + +0.000 ms/mb (met);"
+        " least +2.00 ms + +0.000 ms/mb (missed); load 1.5-2.5"
+    )
 
 
 @pytest.fixture
@@ -166,3 +180,54 @@ def test_repeat_runs_overrides_only_what_an_example_needs_to_run_here(repeat_run
     # Issue 57's digits case (benchmarks/repeat/) runs beside the examples, on both engines.
     assert [c.skip for c in by_example["digits/pipelinejob.yaml"]] == [None, None]
     assert repeat_runs.discover(["digits"]) == ["digits/pipelinejob.yaml"]
+
+
+def test_compare_reports_each_variant_against_its_system_and_per_cpu_against_torch(monkeypatch):
+    """compare.py's report: a variant of the default engine's system (pipejob-1f1b:t2) beside
+    the system, and each pipejob system's samples per CPU-second over torch's best schedule
+    (issue 61's line), each system at its best count."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    found = importlib.util.spec_from_file_location("compare", BENCHMARKS / "compare.py")
+    assert found is not None and found.loader is not None
+    compare = importlib.util.module_from_spec(found)
+    monkeypatch.setitem(sys.modules, "compare", compare)
+    found.loader.exec_module(compare)
+    Counters = sys.modules["_common"].Counters
+
+    def run(system: str, rate: float, cpu: float) -> object:
+        # 48 samples a batch, 4 batches: 192 samples over `cpu` CPU-seconds in all.
+        processes = {"stage0": Counters(cpu / 2), "stage1": Counters(cpu / 2)}
+        return compare.Run(system, 2, rate, "load 1", 4.0, 4, processes)
+
+    runs = [
+        run("pipejob-1f1b", 60.0, 3.84),  # 50 samples per CPU-second
+        run("pipejob-1f1b:t2", 64.0, 4.8),  # 40
+        run("gpipe", 55.0, 4.0),  # 48
+        run("1f1b", 58.0, 4.8),  # 40
+    ]
+    text = compare.report(runs, 2)
+    assert re.search(r"pipejob-1f1b / pipejob-1f1b:t2 \(a lever's gain\)\s+0\.94x", text), text
+    assert "per CPU-second, over torch's best (gpipe, 48.0):" in text, text
+    assert re.search(r"^    pipejob-1f1b\s+1\.04x$", text, re.M), text
+    assert re.search(r"^    pipejob-1f1b:t2\s+0\.83x$", text, re.M), text
+
+
+def test_torch_s_loop_as_a_user_runs_it_reads_each_step_from_a_dataloader(monkeypatch):
+    """overhead.py's torch-gpipe-loader: the first stage takes each step's inputs and the last
+    its target from a DataLoader of its own, batch after batch, starting over at the end;
+    torch-gpipe's loop takes one fixed batch every step."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import torch
+
+    bench = benchmark("_overhead")
+    first, last = (SimpleNamespace(first=f, last=not f) for f in (True, False))
+    fixed = bench._batches(first, (2, 4), 16, loader=False)
+    assert next(fixed)[0][0] is next(fixed)[0][0] and next(fixed)[1] is None
+    read = [next(bench._batches(last, (2, 4), 16, loader=True))]
+    targets = bench._batches(last, (2, 4), 16, loader=True)
+    steps = [next(targets) for _ in range(bench.BATCHES + 1)]
+    assert all(args == () and target.shape == (2, 4) for args, target in steps)
+    assert not torch.equal(steps[0][1], steps[1][1])  # the next batch each step
+    assert torch.equal(steps[0][1], steps[-1][1]) and torch.equal(steps[0][1], read[0][1])
+    inputs = next(bench._batches(first, (2, 4), 16, loader=True))
+    assert inputs[1] is None and inputs[0][0].shape == (2, 4)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -157,7 +156,13 @@ def test_a_trainer_that_runs_a_server_counts_as_two_compute_roles():
 
 
 def test_compute_roles_oversubscribe_only_a_share_under_two_cores():
-    assert decide("PipelineJob", "stage", 0, 2, 2, ALL).threads == 2
+    # A pipeline's stages with a core or less each: one thread (more per CPU-second).
+    assert decide("PipelineJob", "stage", 0, 2, 2, ALL).threads == 1
+    assert decide("PipelineJob", "stage", 0, 4, 4, ALL).threads == 1
+    assert decide("HybridJob", "trainer", 0, 2, 2, ALL).threads == 2  # its kind: doubled
+    # Named engine rpc: doubled as before (it halves its speed on one thread).
+    assert decide("PipelineJob", "stage", 0, 2, 2, ALL, engine="rpc").threads == 2
+    assert decide("PipelineJob", "stage", 0, 2, 2, ALL, engine="auto").threads == 1
     assert decide("PipelineJob", "stage", 0, 16, 8, ALL).threads == 2  # a share of 2: its own
     assert decide("PipelineJob", "stage", 0, 16, 2, ALL).threads == 8
     assert decide("PipelineJob", "stage", 0, 3, 2, ALL).threads == 3  # 1.5 doubled
@@ -189,9 +194,23 @@ def test_threads_follow_the_cpus_the_process_may_run_on():
         )
         available, threads[len(cpus)] = out.stdout.split()
         assert float(available) <= len(cpus)  # a cgroup quota may bound it further
-        # 2 stages share the CPUs: twice each one's half, that is all of them.
-        assert int(threads[len(cpus)]) == max(1, math.floor(float(available)))
+        # 2 stages share the CPUs: a core or less each, one thread; more, as decide says.
+        expected = decide("PipelineJob", "stage", 0, float(available), 2, ALL).threads
+        assert int(threads[len(cpus)]) == expected
     assert threads[1] == "1"
+
+
+def test_the_engine_the_spec_names_reaches_the_thread_choice():
+    """for_process reads spec.engine from the env contract: on a host of 2 cores or fewer, 2
+    stages on the rpc engine keep the doubled share, on the pipelining engine one thread."""
+    local = {c.ADDRESSES: ",".join(["127.0.0.1"] * 3)}
+    cpus = tuning.available_cpus()
+    for engine in ("rpc", "pipelining"):
+        env = local | {c.SPEC: json.dumps({"engine": engine})}
+        got = tuning.for_process("PipelineJob", "stage", 1, PIPELINE_WORLD, 0, env).threads
+        assert got == decide("PipelineJob", "stage", 0, cpus, 2, ALL, engine=engine).threads
+        if cpus == 2:
+            assert got == (2 if engine == "rpc" else 1)
 
 
 def test_openmp_threads_sleep_while_waiting_only_on_shared_cores():

@@ -26,6 +26,7 @@ from pipejob.trainer import workloads
 from pipejob.trainer.hybrid import model_writer, trainer
 from pipejob.trainer.hybrid.dense_step import DenseStep
 from pipejob.trainer.hybrid.evaluate import check_dense
+from pipejob.trainer.hybrid.pooling import pool, row_gradients
 from pipejob.trainer.hybrid.ps import Server
 from pipejob.trainer.hybrid.router import Router
 from pipejob.trainer.workloads import samples
@@ -588,6 +589,23 @@ def test_the_dense_adam_step_on_the_joined_parameters_is_torch_s_to_the_bit(
         assert torch.equal(mine, torch_s)
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(optimizer.state[mine][key], torch_adam.state[torch_s][key])
+
+
+def test_a_summed_lookup_of_one_id_a_bag_hands_each_id_its_bag_s_gradient_as_it_is() -> None:
+    """Criteo's features have one id a sample: a server's summed group then keeps no bag
+    numbers, and each id's row takes its own place's gradient, as the bags' gather gave it."""
+    weight = torch.randn(50, 4)
+    ids = torch.tensor([3, 7, 3, 49, 0])
+    one, pooled = pool(weight, "sum", ids, torch.ones(5, dtype=torch.int64), keep=True)
+    assert pooled is not None and pooled.bags is None
+    torch.testing.assert_close(one, weight[ids], rtol=0, atol=0)
+    grad = torch.randn(5, 4)
+    rows, values = row_gradients(pooled, grad)
+    assert torch.equal(rows, ids) and torch.equal(values, grad)
+    _, bagged = pool(weight, "sum", ids, torch.tensor([2, 0, 1, 2]), keep=True)
+    assert bagged is not None and bagged.bags is not None  # several ids a bag: numbered
+    rows, values = row_gradients(bagged, grad[:4])
+    assert torch.equal(values, grad[:4][torch.tensor([0, 0, 2, 3, 3])])
 
 
 def test_the_servers_average_the_dense_gradients_and_let_a_late_first_lookup_through() -> None:

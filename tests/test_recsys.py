@@ -6,6 +6,7 @@ another split, Criteo logs, AUC and the trained model's file."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import subprocess
 import sys
@@ -16,13 +17,16 @@ import pytest
 import recsys_reference as reference
 import torch
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipejob.core import plan
 from pipejob.core import spec as specs
 from pipejob.core.kinds import tables
 from pipejob.trainer import workloads
-from pipejob.trainer.hybrid import model_writer
+from pipejob.trainer.hybrid import model_writer, trainer
+from pipejob.trainer.hybrid.dense_step import DenseStep
 from pipejob.trainer.hybrid.evaluate import check_dense
+from pipejob.trainer.hybrid.pooling import pool, row_gradients
 from pipejob.trainer.hybrid.ps import Server
 from pipejob.trainer.hybrid.router import Router
 from pipejob.trainer.workloads import samples
@@ -482,6 +486,126 @@ def test_servers_step_a_split_table_as_one_module_does_for_every_sparse_optimize
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-14, msg=key)
     assert all(s.steps == 3 for s in servers)
+
+
+class Ops(TorchDispatchMode):
+    """Counts the torch operations run inside it (below autograd: what a step pays per op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+MODES = ["sum", "max", "mean"]
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["equal-rows", "mixed-rows"])
+def test_a_server_of_whole_tables_gets_its_request_in_as_many_ops_however_many_tables(
+    mixed: bool,
+) -> None:
+    """A trainer routes a step's ids to servers of whole tables (the usual placement) in a
+    few ops a server, not a few a table (per-op costs dominate at a batch's few thousand
+    ids), wrapping each table's ids by its own rows: the request table by table's."""
+    counts = []
+    for tables_ in (6, 12):
+        spec = parse(
+            embeddings=[
+                {"name": f"t{i}", "rows": 1000 + 7 * i * mixed, "dim": 4, "mode": MODES[i % 3]}
+                for i in range(tables_)
+            ],
+            parameterServers=2,
+            trainers=2,
+            batchSize=8,
+            bagSize=3,
+            datasetSize=32,
+        ).settings
+        router = Router(spec)
+        data = workloads.hybrid_data(spec)
+        batch = next(samples.stream(data, 16, (0, 2), 0, router.features, True))
+        ids = {f: i * 977 - 5000 for f, i in batch.ids.items()}  # past the rows, and below 0
+        batch = dataclasses.replace(batch, ids=ids)
+        with Ops() as ops:
+            routed = router.route(batch)
+        counts.append(ops.count)
+        feature = {t.name: t.feature for t in spec.embeddings}
+        for requested, pieces in zip(routed.requests, spec.placement(), strict=True):
+            assert all(p.whole for p in pieces)
+            wrapped = [torch.remainder(batch.ids[feature[p.table]], p.table_rows) for p in pieces]
+            assert torch.equal(requested[0], torch.cat(wrapped))
+            lengths = [batch.lengths[feature[p.table]] for p in pieces]
+            assert torch.equal(requested[1], torch.stack(lengths))
+    assert counts[0] == counts[1]
+
+
+def test_a_trainer_keeps_the_pairs_it_read_once_each_sorted_without_a_set_a_step() -> None:
+    """What a trainer read (for the summary's repeats) is kept as its batches' lists, a
+    step's two appends, and made (epoch, sample) pairs once at the end: sorted, once each,
+    a sample read again in a later epoch a pair of its own."""
+    read = [([0, 0, 0], [5, 1, 5]), ([0, 1], [9, 5]), ([], [])]
+    got = trainer._once_each(read)
+    assert got.tolist() == [[0, 1], [0, 5], [0, 9], [1, 5]]
+    assert trainer._once_each([]).shape == (0, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_the_dense_adam_step_on_the_joined_parameters_is_torch_s_to_the_bit(
+    name: str, dtype: torch.dtype
+) -> None:
+    """A trainer steps its dense model's Adam on its parameters joined into one tensor (a
+    few ops a step, not a few a parameter), to the same bits as torch's Adam on each, from
+    the start and resumed from the state a checkpoint saves (views of the joined moments)."""
+    torch.manual_seed(0)
+    shapes = [(7, 13), (7,), (1,), (33, 5), (16,)]
+    kind = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+
+    def made() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+        torch.manual_seed(1)
+        params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in shapes]
+        return params, kind(params, lr=0.01, weight_decay=0.1)
+
+    theirs, torch_adam = made()
+    ours, optimizer = made()
+    joined = DenseStep(torch.nn.ParameterList(ours), optimizer)
+    assert joined.flat is not None
+    grads, sizes = torch.Generator().manual_seed(2), [p.numel() for p in ours]
+    for step in range(40):
+        flat = torch.randn(sum(sizes), generator=grads, dtype=dtype) * 10.0 ** (step % 5 - 3)
+        for p, g in zip(theirs, flat.split(sizes), strict=True):
+            p.grad = g.view_as(p).clone()
+        torch_adam.step()
+        if step == 20:  # resumed: a fresh optimizer given the state a checkpoint saved
+            saved = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in ours]
+            optimizer = kind(ours, lr=0.01, weight_decay=0.1)
+            optimizer.state.update(dict(zip(ours, saved, strict=True)))
+            joined = DenseStep(torch.nn.ParameterList(ours), optimizer)
+        joined.defer(flat)
+        joined.flush()
+    for mine, torch_s in zip(ours, theirs, strict=True):
+        assert torch.equal(mine, torch_s)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optimizer.state[mine][key], torch_adam.state[torch_s][key])
+
+
+def test_a_summed_lookup_of_one_id_a_bag_hands_each_id_its_bag_s_gradient_as_it_is() -> None:
+    """Criteo's features have one id a sample: a server's summed group then keeps no bag
+    numbers, and each id's row takes its own place's gradient, as the bags' gather gave it."""
+    weight = torch.randn(50, 4)
+    ids = torch.tensor([3, 7, 3, 49, 0])
+    one, pooled = pool(weight, "sum", ids, torch.ones(5, dtype=torch.int64), keep=True)
+    assert pooled is not None and pooled.bags is None
+    torch.testing.assert_close(one, weight[ids], rtol=0, atol=0)
+    grad = torch.randn(5, 4)
+    rows, values = row_gradients(pooled, grad)
+    assert torch.equal(rows, ids) and torch.equal(values, grad)
+    _, bagged = pool(weight, "sum", ids, torch.tensor([2, 0, 1, 2]), keep=True)
+    assert bagged is not None and bagged.bags is not None  # several ids a bag: numbered
+    rows, values = row_gradients(bagged, grad[:4])
+    assert torch.equal(values, grad[:4][torch.tensor([0, 0, 2, 3, 3])])
 
 
 def test_the_servers_average_the_dense_gradients_and_let_a_late_first_lookup_through() -> None:

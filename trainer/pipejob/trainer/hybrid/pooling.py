@@ -35,8 +35,8 @@ def groups(pieces: list[Piece]) -> list[tuple[str, int, list[int]]]:
 @dataclass
 class Pooled:
     """A group's lookup kept until its gradient comes: for a summed group each id's row and
-    bag; for a max group the rows it read (unique), their copy (the graph's leaf) and the
-    pooled output (the graph's root)."""
+    bag (None: one id a bag, in order); for a max group the rows it read (unique), their copy
+    (the graph's leaf) and the pooled output (the graph's root)."""
 
     rows: torch.Tensor
     bags: torch.Tensor | None = None
@@ -55,6 +55,8 @@ def pool(
         out = F.embedding_bag(ids, weight, offsets, mode="sum")
         if not keep:
             return out, None
+        if len(ids) == len(counts) and bool(counts.eq(1).all()):  # one id a bag (Criteo's)
+            return out, Pooled(rows=ids)  # each id's bag is its own place
         bags = torch.repeat_interleave(torch.arange(len(counts)), counts)
         return out, Pooled(rows=ids, bags=bags)
     unique, inverse = torch.unique(ids, return_inverse=True)
@@ -69,9 +71,10 @@ def pool(
 def row_gradients(pooled: Pooled, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows a lookup read and their gradients (a row may come more than once) from
     `grad`, the gradient of its pooled bags (bags, dim)."""
-    if pooled.bags is not None:  # a sum: each id's row gets its bag's gradient
-        return pooled.rows, grad.index_select(0, pooled.bags)
-    assert pooled.leaf is not None and pooled.out is not None
+    if pooled.leaf is None:  # a sum: each id's row gets its bag's gradient
+        bags = pooled.bags
+        return pooled.rows, grad if bags is None else grad.index_select(0, bags)
+    assert pooled.out is not None
     torch.autograd.backward(pooled.out, grad)
     assert pooled.leaf.grad is not None
     return pooled.rows, pooled.leaf.grad

@@ -176,19 +176,20 @@ class Server:
         per_piece = lengths.sum(1)
         # Each id as a row of its group's parameter: the piece's row plus the piece's first.
         ids = ids + torch.repeat_interleave(self.first_rows, per_piece)
-        chunks = ids.split([int(per_piece[m].sum()) for _, _, m in self.groups])
+        one = len(self.groups) == 1  # the usual: no split, no gather, no join
+        chunks = [ids] if one else ids.split([int(per_piece[m].sum()) for _, _, m in self.groups])
         outs, kept = [], []
         for (mode, dim, members), weight, chunk in zip(
             self.groups, self.joined, chunks, strict=True
         ):
-            counts = lengths[members].reshape(-1)
+            counts = (lengths if one else lengths[members]).reshape(-1)
             out, pooled = pool(weight, mode, chunk, counts, trainer is not None)
             outs.append(out.view(len(members), batch, dim).transpose(0, 1).reshape(batch, -1))
             if pooled is not None:
                 kept.append(pooled)
         if trainer is not None:
             self.kept[trainer] = kept
-        return torch.cat(outs, dim=1)
+        return outs[0] if one else torch.cat(outs, dim=1)
 
     # ---- what the master reads
 

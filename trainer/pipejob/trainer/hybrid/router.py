@@ -34,6 +34,7 @@ class Router:
     def __init__(self, spec: HybridSpec):
         placement = spec.placement()
         self.tables = sharded(spec.embeddings)  # the replicated ones are the trainer's own
+        self.feature_of = {t.name: t.feature for t in self.tables}
         # Servers holding no piece (more servers than rows to split) get no calls.
         self.servers = [i for i, pieces in enumerate(placement) if pieces]
         self.places: dict[str, list[Place]] = {t.name: [] for t in self.tables}
@@ -47,14 +48,43 @@ class Router:
         for places in self.places.values():
             places.sort(key=lambda p: (p.piece.start, p.piece.column))
         self.features = sorted({t.feature for t in spec.embeddings})  # what the reader reads
+        # A server holding whole tables alone gets its request in a few ops, not a few a
+        # table (per-op costs dominate at a batch's few thousand ids): its pieces' features,
+        # and their tables' rows (one number if they agree) that the ids wrap by.
+        self.whole: list[tuple[list[str], torch.Tensor] | None] = []
+        for index in self.servers:
+            pieces = placement[index]
+            rows = torch.tensor([p.table_rows for p in pieces])
+            wrap = rows[:1] if bool((rows == rows[0]).all()) else rows
+            features = [self.feature_of[p.table] for p in pieces]
+            self.whole.append((features, wrap) if all(p.whole for p in pieces) else None)
+        # A summed or max table on one server is its reply's columns as they are; the others
+        # are joined, masked or divided here (`pool`).
+        self.alone = {
+            t.name: (places[0].server, places[0].position)
+            for t in self.tables
+            if len(places := self.places[t.name]) == 1 and t.mode != "mean"
+        }
+        self.pooled_here = [t for t in self.tables if t.name not in self.alone]
+        self.on_whole = {  # tables whose every piece is on such a server
+            t.name
+            for t in self.tables
+            if all(self.whole[p.server] is not None for p in self.places[t.name])
+        }
 
     def route(self, batch: Batch) -> Routed:
+        """The batch's requests, one a server: (its pieces' local ids, concatenated; the ids
+        each sample has in each piece (pieces, batch))."""
         per_server: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
             [(torch.empty(0), torch.empty(0))] * held for held in self.held
         ]
         counts = {}
         size = len(batch.sample_ids)
         for table in self.tables:
+            if table.name in self.on_whole:
+                piece = self.places[table.name][0].piece
+                counts[(table.name, piece.start)] = batch.lengths[table.feature]
+                continue  # its server's request is made whole below
             ids = torch.remainder(batch.ids[table.feature], table.rows)
             lengths = batch.lengths[table.feature]
             owner = None
@@ -71,8 +101,10 @@ class Router:
                 per_server[place.server][place.position] = (local, count)
                 counts[(table.name, piece.start)] = count
         requests = [
-            (torch.cat([local for local, _ in got]), torch.stack([c for _, c in got]))
-            for got in per_server
+            _whole(batch, *whole)
+            if whole is not None
+            else (torch.cat([local for local, _ in got]), torch.stack([c for _, c in got]))
+            for got, whole in zip(per_server, self.whole, strict=True)
         ]
         return Routed(requests, counts)
 
@@ -86,7 +118,9 @@ class Router:
         split = [
             reply.split(widths, dim=1) for reply, widths in zip(replies, self.widths, strict=True)
         ]
-        for table in self.tables:
+        for name, (server, position) in self.alone.items():
+            out[name] = split[server][position]
+        for table in self.pooled_here:
             places = self.places[table.name]
             parts = [split[p.server][p.position] for p in places]
             if places[0].piece.dim < table.dim:  # split by columns: each piece pools its own
@@ -105,4 +139,18 @@ class Router:
                 length = batch.lengths[table.feature].clamp(min=1).to(pooled.dtype)
                 pooled = pooled / length.unsqueeze(1)
             out[table.name] = pooled
+        if self.alone and self.pooled_here:  # in the tables' order, as a user's module sees it
+            out = {t.name: out[t.name] for t in self.tables}
         return out
+
+
+def _whole(
+    batch: Batch, features: list[str], rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The request of a server of whole tables: every piece's ids wrapped by its table's
+    rows (`rows`: one a piece, or one for all), concatenated, and their counts a sample."""
+    lengths = torch.stack([batch.lengths[f] for f in features])
+    ids = torch.cat([batch.ids[f] for f in features])
+    if len(rows) > 1:
+        rows = torch.repeat_interleave(rows, lengths.sum(1))
+    return torch.remainder(ids, rows), lengths

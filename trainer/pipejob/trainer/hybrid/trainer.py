@@ -148,7 +148,7 @@ class Trained:
     share: int  # the last step's samples on this trainer
     first_loss: float
     loss: torch.Tensor  # the last step's
-    seen: set[tuple[int, int]]  # (epoch, sample), of the first SEEN samples read
+    seen: torch.Tensor  # (epoch, sample) rows, sorted, once each: of the first SEEN samples read
     seconds: float
 
 
@@ -222,13 +222,15 @@ def _loop(t: Trainer, first: int) -> Trained:
     profile = profiling.settings(spec)
     servers = [*t.tables.servers, "master"] if env.ddp_rank == 0 else []  # profiled alongside
     report = rpc.rpc_async("master", board.report, args=(env.rpc_name, first, math.nan))
-    seen: set[tuple[int, int]] = set()
+    read: list[tuple[list[int], list[int]]] = []  # the first SEEN samples': a set at the end
+    kept = 0
     first_loss = math.nan
     start = time.perf_counter()
     for step in range(first + 1, spec.steps + 1):
         drawn = next(t.batches)
-        if len(seen) < SEEN:
-            seen.update(zip(drawn.epochs, drawn.sample_ids, strict=True))
+        if kept < SEEN:
+            read.append((drawn.epochs, drawn.sample_ids))
+            kept += len(drawn.sample_ids)
         # The step is the same at any trainer count: each trainer's loss is weighted by its
         # share of the batch times the trainers (1 for equal shares), so the servers' and
         # DDP's averages of the trainers' gradients are the whole batch's mean gradient, and
@@ -248,7 +250,18 @@ def _loop(t: Trainer, first: int) -> Trained:
     _flush(t)
     seconds = time.perf_counter() - start
     report.wait()
-    return Trained(len(drawn.sample_ids), first_loss, loss, seen, seconds)
+    return Trained(len(drawn.sample_ids), first_loss, loss, _once_each(read), seconds)
+
+
+def _once_each(read: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """The (epoch, sample) pairs of the batches `read`, sorted, each once."""
+    if not read:
+        return torch.empty(0, 2, dtype=torch.int64)
+    epochs = torch.tensor([e for batch, _ in read for e in batch], dtype=torch.int64)
+    ids = torch.tensor([i for _, batch in read for i in batch], dtype=torch.int64)
+    span = int(ids.max()) + 1  # one number a pair, in the pairs' order: unique sorts it once
+    keys = torch.unique(epochs * span + ids)
+    return torch.stack([keys // span, keys % span], dim=1)
 
 
 def _results(t: Trainer, first: int, trained: Trained) -> dict[str, Any]:
@@ -266,10 +279,10 @@ def _results(t: Trainer, first: int, trained: Trained) -> dict[str, Any]:
         "finalLoss": trained.loss.item(),
         "denseChangeNorm": torch.cat(moved).norm().item(),
         "share": trained.share,
-        "samplesRead": len({i for _, i in trained.seen}),
+        "samplesRead": len(torch.unique(trained.seen[:, 1])),
         # Click logs: the most bytes of lines the reader held at once (its shuffle windows).
         "readerPeakBytes": getattr(t.dataset, "most_held", None),
-        "read": torch.tensor(sorted(trained.seen)).reshape(-1, 2),
+        "read": trained.seen,
         "dense": {k: v.detach().cpu() for k, v in t.module.state_dict().items()},
         "replicated": t.replicated.state(),
     }

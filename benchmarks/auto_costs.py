@@ -58,9 +58,9 @@ def measure_costs(job: dict[str, Any], counts: list[int]) -> tuple[int, dict[int
     from pipejob.trainer.workloads import cut, data, models
 
     settings = spec.parse(job).settings
-    cpus, engine = tuning.available_cpus(), job["spec"].get("engine")
+    cpus = tuning.available_cpus()
     threads = tuning.decide(
-        "PipelineJob", "stage", 0, cpus, 2, levers.parse(None), engine=engine
+        "PipelineJob", "stage", 0, cpus, 2, levers.parse(None), spec=job["spec"]
     ).threads
     torch.manual_seed(0)
     traced = cut.Traced(models.build(settings))

@@ -161,8 +161,8 @@ def test_compute_roles_oversubscribe_only_a_share_under_two_cores():
     assert decide("PipelineJob", "stage", 0, 4, 4, ALL).threads == 1
     assert decide("HybridJob", "trainer", 0, 2, 2, ALL).threads == 2  # its kind: doubled
     # Named engine rpc: doubled as before (it halves its speed on one thread).
-    assert decide("PipelineJob", "stage", 0, 2, 2, ALL, engine="rpc").threads == 2
-    assert decide("PipelineJob", "stage", 0, 2, 2, ALL, engine="auto").threads == 1
+    assert decide("PipelineJob", "stage", 0, 2, 2, ALL, spec={"engine": "rpc"}).threads == 2
+    assert decide("PipelineJob", "stage", 0, 2, 2, ALL, spec={"engine": "auto"}).threads == 1
     assert decide("PipelineJob", "stage", 0, 16, 8, ALL).threads == 2  # a share of 2: its own
     assert decide("PipelineJob", "stage", 0, 16, 2, ALL).threads == 8
     assert decide("PipelineJob", "stage", 0, 3, 2, ALL).threads == 3  # 1.5 doubled
@@ -208,7 +208,8 @@ def test_the_engine_the_spec_names_reaches_the_thread_choice():
     for engine in ("rpc", "pipelining"):
         env = local | {c.SPEC: json.dumps({"engine": engine})}
         got = tuning.for_process("PipelineJob", "stage", 1, PIPELINE_WORLD, 0, env).threads
-        assert got == decide("PipelineJob", "stage", 0, cpus, 2, ALL, engine=engine).threads
+        spec = {"engine": engine}
+        assert got == decide("PipelineJob", "stage", 0, cpus, 2, ALL, spec=spec).threads
         if cpus == 2:
             assert got == (2 if engine == "rpc" else 1)
 

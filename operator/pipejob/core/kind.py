@@ -30,6 +30,9 @@ class Role:
     # (a boolean spec field, a role): where the field is true, the members run inside that
     # role's processes, one in each (a HybridJob's servers in its trainers), none of their own.
     inside: tuple[str, str] | None = None
+    # One intra-op thread, not twice its share, where its share is a core or less: more
+    # samples per CPU-second for it (runtime/tuning.py; docs/user-guide.md, "Threads").
+    one_thread_when_crowded: Callable[[Spec], bool] = lambda spec: False
 
     def members(self, spec: Spec) -> int:
         """Members of one replica with processes of their own (none when `hosted`)."""

@@ -328,7 +328,15 @@ PIPELINE_JOB = Kind(
     settings=PipelineSpec,
     roles=(
         Role("master"),
-        Role("stage", count="stages", gpus="gpusPerStage", computes=True, replicas="replicas"),
+        Role(
+            "stage",
+            count="stages",
+            gpus="gpusPerStage",
+            computes=True,
+            replicas="replicas",
+            # not the rpc engine named: one thread halves its speed for a few percent
+            one_thread_when_crowded=lambda spec: spec.get("engine") != "rpc",
+        ),
     ),
     groups=(
         ProcessGroup(

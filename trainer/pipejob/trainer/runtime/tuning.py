@@ -28,11 +28,6 @@ TUNING = c.TUNING
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 WAIT_VARIABLE = "OMP_WAIT_POLICY"
 OVERSUBSCRIBE = 2  # compute threads per core of a share under 2 CPUs (measured for 2 stages)
-# Kinds whose compute processes get one thread where their share is one core or less: a
-# pipeline's stages do more per CPU-second so, but on the rpc engine (spec.engine: rpc),
-# whose speed halves for a few percent (docs/user-guide.md, "Why each lever").
-ONE_THREAD_WHEN_CROWDED = ("PipelineJob",)
-DOUBLED_ENGINE = "rpc"
 ARENA_VARIABLE = "MALLOC_ARENA_MAX"  # the user's (glibc's own variable) wins
 MKL_CACHE_VARIABLE = "MKL_DISABLE_FAST_MM"  # MKL's own; read at its first allocation
 # glibc's mallopt parameters, and the values of the allocator lever.
@@ -131,17 +126,18 @@ def decide(
     colocated: int,
     enabled: Collection[str],
     malloc: str = "glibc",
-    engine: str | None = None,
+    spec: Mapping[str, Any] | None = None,
 ) -> Settings:
     """The settings of one process: its job kind and role, its GPUs, the CPUs it may use, how
-    many compute processes share them, the malloc it runs with (running_malloc) and the
-    engine its spec names (a PipelineJob's)."""
+    many compute processes share them, the malloc it runs with (running_malloc) and its
+    job's spec (a role may want one thread where crowded: Role.one_thread_when_crowded)."""
     threads = arena = None
     passive = "threads" in enabled and colocated > 1
     if "threads" in enabled:
         if computes(kind, role):
             share = cpus / max(1, colocated)
-            crowded = share <= 1 and kind in ONE_THREAD_WHEN_CROWDED and engine != DOUBLED_ENGINE
+            alone = KINDS[kind].role(role).one_thread_when_crowded(spec or {})
+            crowded = share <= 1 and alone
             if share < 2 and not crowded:
                 share *= OVERSUBSCRIBE
             threads = max(1, math.floor(min(cpus, share)))
@@ -190,7 +186,7 @@ def for_process(
     enabled = levers.parse(environ.get(TUNING))
     malloc, library = running_malloc()
     cpus = available_cpus()
-    settings = decide(kind, role, gpus, cpus, colocated, enabled, malloc, spec.get("engine"))
+    settings = decide(kind, role, gpus, cpus, colocated, enabled, malloc, spec)
     words = f"{malloc} ({library})" if library else malloc
     return replace(settings, malloc=words, missing=missing(library, levers.wanted_malloc(environ)))
 

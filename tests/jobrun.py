@@ -290,7 +290,7 @@ def _pipelining_step(
     from pipejob.trainer.pipeline.pipelining import driver
 
     pipes = [
-        driver.Pipeline(names[r * s.stages : (r + 1) * s.stages], cut_model, s)
+        driver.PipeliningPipeline(names[r * s.stages : (r + 1) * s.stages], cut_model, s)
         for r in range(s.replicas.max)
     ]
     shares = list(zip(*(t.tensor_split(s.replicas.max) for t in batch), strict=True))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from pipejob.core.kinds.hybrid import ONE_TABLE, HybridSpec
-from pipejob.core.kinds.tables import Piece
+from pipejob.core.kinds.tables import Shard
 from pipejob.trainer.hybrid import ps
 from pipejob.trainer.hybrid.replicated import FILE as REPLICATED
 from pipejob.trainer.runtime import checkpoint, model_files
@@ -88,12 +88,12 @@ def rows_from_pieces(
 
 
 def live_rows(
-    servers: list[str], placement: list[list[Piece]], held: dict[str, torch.Tensor]
+    servers: list[str], placement: list[list[Shard]], held: dict[str, torch.Tensor]
 ) -> Rows:
     """The tables' rows from the servers holding them (on the master, after training), and
     from `held`, the replicated tables (a trainer's)."""
 
-    def fetch(server: str, k: int, piece: Piece) -> Callable[[int, int], torch.Tensor]:
+    def fetch(server: str, k: int, piece: Shard) -> Callable[[int, int], torch.Tensor]:
         def rows(lo: int, hi: int) -> torch.Tensor:
             return rpc.rpc_sync(server, ps.rows, args=(k, lo - piece.start, hi - piece.start))
 

@@ -16,7 +16,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
 from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.core.kinds.tables import Piece
+from pipejob.core.kinds.tables import Shard
 from pipejob.trainer.hybrid import sparse_optimizers
 from pipejob.trainer.hybrid.pooling import Pooled, groups, pool, row_gradients
 from pipejob.trainer.runtime import checkpoint, world
@@ -26,7 +26,7 @@ Future = torch.futures.Future
 
 
 def group_parameter(
-    pieces: list[Piece], members: list[int], tables: dict[str, Any], seed: int
+    pieces: list[Shard], members: list[int], tables: dict[str, Any], seed: int
 ) -> nn.Parameter:
     """A group's pieces at their initial rows, one after the other, made a block at a time
     (no piece is ever held twice)."""
@@ -219,7 +219,7 @@ class Server:
     # ---- checkpoints: pieces by table and row range, so any other split can load them
 
     def piece_state(self, k: int) -> dict[str, Any]:
-        """Piece k's optimizer state: its rows of its group's per-row tensors, and the counts."""
+        """Shard k's optimizer state: its rows of its group's per-row tensors, and the counts."""
         rows = slice(self.first[k], self.first[k] + self.pieces[k].rows)
         assert self.optimizer is not None  # a server with a piece has one
         state = self.optimizer.state.get(self.joined[self.group_of[k]], {})
@@ -257,7 +257,7 @@ class Server:
             self._load_piece(k, saved)
 
     def _load_piece(self, k: int, saved: list[tuple[str, dict[str, Any]]]) -> None:
-        """Piece k's rows and their optimizer state, from every saved piece overlapping it
+        """Shard k's rows and their optimizer state, from every saved piece overlapping it
         (in rows and columns)."""
         p, first, weight = self.pieces[k], self.first[k], self.joined[self.group_of[k]]
         assert self.optimizer is not None

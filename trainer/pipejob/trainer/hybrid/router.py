@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.core.kinds.tables import Piece, sharded
+from pipejob.core.kinds.tables import Shard, sharded
 from pipejob.trainer.workloads.samples import Batch
 
 
@@ -18,7 +18,7 @@ from pipejob.trainer.workloads.samples import Batch
 class Place:
     """Where a piece's pooled embeddings are in a reply: the server and the columns."""
 
-    piece: Piece
+    piece: Shard
     server: int  # index into Router.servers
     position: int  # among the server's pieces
     column: int

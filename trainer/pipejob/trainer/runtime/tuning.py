@@ -2,7 +2,7 @@
 decided from the env contract and the host and applied at trainer start, before torch loads.
 A variable the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, MALLOC_ARENA_MAX,
 MKL_DISABLE_FAST_MM, an LD_PRELOAD naming a malloc, the malloc's own settings) always wins;
-PIPEJOB_TUNING picks the levers (pipejob.core.levers). What each lever does and the
+PIPEJOB_TUNING picks the levers (pipejob.core.tuning_levers). What each lever does and the
 measurements behind it: docs/user-guide.md, "Performance settings"."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipejob.core import contract as c
-from pipejob.core import levers
+from pipejob.core import tuning_levers
 from pipejob.core.kinds import KINDS
 from pipejob.trainer.runtime.world import loopback
 
@@ -187,12 +187,14 @@ def for_process(
     addresses = [a for a in environ.get(c.ADDRESSES, "").split(",") if a]
     spec = json.loads(environ.get(c.SPEC) or "{}")
     colocated = colocated_compute(kind, roles, addresses, rank, spec)
-    enabled = levers.parse(environ.get(TUNING))
+    enabled = tuning_levers.parse(environ.get(TUNING))
     malloc, library = running_malloc()
     cpus = available_cpus()
     settings = decide(kind, role, gpus, cpus, colocated, enabled, malloc, spec.get("engine"))
     words = f"{malloc} ({library})" if library else malloc
-    return replace(settings, malloc=words, missing=missing(library, levers.wanted_malloc(environ)))
+    return replace(
+        settings, malloc=words, missing=missing(library, tuning_levers.wanted_malloc(environ))
+    )
 
 
 def running_malloc(maps: str | None = None) -> tuple[str, str]:
@@ -205,12 +207,12 @@ def running_malloc(maps: str | None = None) -> tuple[str, str]:
         fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
         file = os.path.basename(fields[5]) if len(fields) == 6 else ""
         if "malloc" in file:
-            name = next((m for m in levers.MALLOCS if m in file), file.split(".so")[0][3:])
+            name = next((m for m in tuning_levers.MALLOCS if m in file), file.split(".so")[0][3:])
             return name, file
     return platform.libc_ver()[0] or "libc", ""
 
 
-def missing(library: str, wanted: levers.Malloc | None) -> str:
+def missing(library: str, wanted: tuning_levers.Malloc | None) -> str:
     """Why this process runs with the C library's malloc (no preloaded `library`) where
     PIPEJOB_TUNING asks for another, or ""."""
     if library or wanted is None or not wanted.library:
@@ -222,7 +224,7 @@ def preload_malloc() -> None:
     """Start this process over with the malloc PIPEJOB_TUNING asks for preloaded, where its
     launcher did not preload it (a pod; the local runner does): the dynamic linker reads
     LD_PRELOAD only when a program starts. Call it first: the process begins again."""
-    extra = levers.preload_env(os.environ)
+    extra = tuning_levers.preload_env(os.environ)
     if extra:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], os.environ | extra)
 

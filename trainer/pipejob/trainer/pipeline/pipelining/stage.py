@@ -19,8 +19,8 @@ from pipejob.core.optimizer import Optimizer
 from pipejob.trainer.pipeline import gradients, stage_groups
 from pipejob.trainer.pipeline.pipelining import messages, schedules
 from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
-from pipejob.trainer.pipeline.pipelining.flat import Flat
-from pipejob.trainer.pipeline.pipelining.marks import Marks
+from pipejob.trainer.pipeline.pipelining.compute_marks import ComputeMarks
+from pipejob.trainer.pipeline.pipelining.flat_piece import FlatPiece
 from pipejob.trainer.pipeline.pipelining.timed import Timed
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.stage_base import StageBase
@@ -79,7 +79,7 @@ class Stage(StageBase):
         self._rode: tuple[float, float | None] | None = None  # the norm and loss it sent
         self._alone = False  # the call's steps finish by this stage's own figures
         self.modules = [
-            Flat(
+            FlatPiece(
                 self.computed(piece, k == self.count - 1),
                 k == self.count - 1,
                 f"the end of stage {k}",
@@ -93,7 +93,7 @@ class Stage(StageBase):
         self._metas: dict[tuple[Key, int], tuple[Metas, Metas]] = {}  # (in, out) per piece
         self._loss: tuple[Loss | None, float] | None = None  # the round's loss and its weight
         self._losses: list[torch.Tensor] = []
-        self.marks = Marks(self.device)
+        self.marks = ComputeMarks(self.device)
         self._round = 0  # the training round running
         # Its forwards' outputs finite? Checked as it waits (`waits`) where it receives each
         # micro-batch's gradients (one piece a process), else at once.

@@ -1,4 +1,4 @@
-"""PipelineJob: the master drives micro-batches through the model's shards on the stage
+"""PipelineJob: the master drives micro-batches through the model's pieces on the stage
 workers, on one of two engines (spec.engine): rpc/ (torch.distributed.rpc and distributed
 autograd) or pipelining/ (torch.distributed.pipelining's stages and schedules), or the one the
 master chooses (auto: engine_choice.py). Both share this room, and neither imports the other:

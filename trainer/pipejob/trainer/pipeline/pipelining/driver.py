@@ -85,7 +85,7 @@ class PipeliningPipeline(driver.PipelineBase):
         processes = len(stage_names)
         args = [
             (
-                cut_model.part(k) if cut_model.parts else cut_model.stages[k],
+                cut_model.builder(k) if cut_model.builders else cut_model.stages[k],
                 k,
                 processes,
                 cut_model.process_pieces(k),

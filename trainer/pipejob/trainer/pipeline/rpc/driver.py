@@ -51,7 +51,7 @@ class RpcPipeline(driver.PipelineBase):
         last = len(stage_names) - 1
         args = [
             (
-                cut_model.parts[i] if cut_model.parts else cut_model.stages[i],
+                cut_model.builders[i] if cut_model.builders else cut_model.stages[i],
                 i == last,
                 device,
                 precision,

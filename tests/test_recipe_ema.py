@@ -61,8 +61,8 @@ def stages_of(model: nn.Module, count: int) -> list[StageBase]:
     job = spec.parse(pipeline_job("ema", stages=count, optimizer=OPTIMIZER, ema=EMA)).settings
     pieces = cut.Traced(model).split(CUTS[count])
     out = [StageBase(piece, "cpu", optimizer=job.optimizer) for piece in pieces]
-    for shard in out:
-        shard.keep_average(job.ema)
+    for held in out:
+        held.keep_average(job.ema)
     return out
 
 

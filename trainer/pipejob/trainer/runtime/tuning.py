@@ -282,7 +282,7 @@ def _glibc() -> ctypes.CDLL | None:
 
 # This process's mmap threshold: glibc's first one until `_keep_memory` sets its own.
 _mmap_threshold = 128 << 10
-# While a part of the model is built or measured (pipeline/stage_parts.py), every parameter of the
+# While a part of the model is built or measured (pipeline/stage_build.py), every parameter of the
 # model is allocated and freed once, briefly: above this size a block is mapped alone and
 # given back when freed, where the heap that keeps freed memory for training would grow by
 # the whole model (measured: a stage of a 1.2 GB model at 2.4 GB instead of 1.2).

@@ -62,7 +62,7 @@ ENTRYPOINT ["pipejob", "operator"]
 FROM base AS trainer
 LABEL org.opencontainers.image.title="pipejob-trainer" \
       org.opencontainers.image.description="pipejob trainer: torch + torchvision with CUDA"
-# The mallocs of the allocator lever (pipejob.core.levers), from Debian: tcmalloc, which every
+# The mallocs of the allocator lever (pipejob.core.tuning_levers), from Debian: tcmalloc, which every
 # trainer process runs with by default (the trainer preloads it itself), and jemalloc.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libjemalloc2=5.3.0-1 libtcmalloc-minimal4=2.10-1 \

@@ -333,7 +333,7 @@ def _same_gradients(
     grads: dict[str, torch.Tensor | None] = {}
     for stage in stages:
         grads |= {n: p.grad for n, p in stage.named_parameters(remove_duplicate=False)}
-    for group in tied:  # as the pipeline combines them (driver.Pipeline.combine_tied)
+    for group in tied:  # as the pipeline combines them (driver.PipelineBase.combine_tied)
         parts = [stages[k].get_parameter(n).grad for k, n in group]
         present = [g for g in parts if g is not None]
         total = torch.stack(present).sum(0) if present else None

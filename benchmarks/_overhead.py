@@ -117,7 +117,7 @@ class Bench:
 
     def replicas(self, model: str, m: int, system: str) -> Any:
         s = self.spec(model, m, system)
-        return pipeline.engine(s, "driver").Replicas([self.names], self.cut_model(s), s)
+        return pipeline.replicas_class(s)([self.names], self.cut_model(s), s)
 
     def refuses(self, system: str, m: int) -> bool:
         schedule = schedule_of(system)
@@ -132,7 +132,7 @@ class Bench:
     def one_count(self, model: str, m: int) -> None:
         """Every system at `m` micro-batches: built and warmed up, then timed in turns."""
         systems = [s for s in self.systems if not self.refuses(s, m)]
-        held: dict[str, Any] = {}  # the pipejob Replicas of each system (torch's too: holders)
+        held: dict[str, Any] = {}  # the pipejob ReplicasBase of each system (torch's too: holders)
         loss_fn = workloads.loss(self.spec(model, m, "rpc"))
         for system in systems:
             mine = own(system)
@@ -197,7 +197,7 @@ class Bench:
 
     def steps(self, replicas: Any, m: int, loss_fn: Any, count: int) -> list[float]:
         """The seconds of each of `count` steps through pipejob's step driver, run as the
-        master's loop runs them (Replicas.run_steps), as each step's result gives them (the
+        master's loop runs them (ReplicasBase.run_steps), as each step's result gives them (the
         pipelining engine's calls of several steps bring their results together)."""
         results = replicas.run_steps(m, range(self.step, self.step + count), loss_fn)
         seconds = [r.pipeline_seconds + r.optimizer_seconds for r in results]

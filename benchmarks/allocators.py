@@ -9,7 +9,7 @@ two models the choice is judged by, interleaved in one run, with repeats.
 
 Every run goes through `pipejob run` (the local runner, as a user runs a job). The choices:
 
-  default         PIPEJOB_TUNING unset: what pipejob chooses (pipejob.core.levers)
+  default         PIPEJOB_TUNING unset: what pipejob chooses (pipejob.core.tuning_levers)
   glibc-lever     glibc with the allocator lever's one arena and trim and mmap thresholds (the
                   default before tcmalloc): PIPEJOB_TUNING=threads,transport,allocator=glibc
   glibc           glibc's defaults: PIPEJOB_TUNING=threads,transport
@@ -52,7 +52,7 @@ from _common import fmt_spread, load_average, machine, run_job
 from compare import Config, pipejob_manifest
 from memory import manifest as transformer_manifest
 
-from pipejob.core.levers import DEFAULT_MALLOC, MALLOCS, library_file
+from pipejob.core.tuning_levers import DEFAULT_MALLOC, MALLOCS, library_file
 
 GB = 1e9
 # jemalloc's settings in torch's launcher (torch/backends/xeon/run_cpu.py, --enable-jemalloc):

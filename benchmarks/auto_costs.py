@@ -52,7 +52,7 @@ def measure_costs(job: dict[str, Any], counts: list[int]) -> tuple[int, dict[int
     """The stages' thread count and, per count, each unit's (seconds, CPU seconds)."""
     import torch
 
-    from pipejob.core import levers, spec
+    from pipejob.core import spec, tuning_levers
     from pipejob.trainer.pipeline.balance import intra_op_threads, measure_costs
     from pipejob.trainer.runtime import tuning
     from pipejob.trainer.workloads import cut, data, models
@@ -60,7 +60,7 @@ def measure_costs(job: dict[str, Any], counts: list[int]) -> tuple[int, dict[int
     settings = spec.parse(job).settings
     cpus = tuning.available_cpus()
     threads = tuning.decide(
-        "PipelineJob", "stage", 0, cpus, 2, levers.parse(None), spec=job["spec"]
+        "PipelineJob", "stage", 0, cpus, 2, tuning_levers.parse(None), spec=job["spec"]
     ).threads
     torch.manual_seed(0)
     traced = cut.Traced(models.build(settings))

@@ -94,7 +94,7 @@ def manifest(args: argparse.Namespace, stages: int) -> dict[str, Any]:
 
 def world(args: argparse.Namespace, stages: int) -> list[dict[str, Any]]:
     """Run one world: its stage processes serve, the master measures; its result lines."""
-    from pipejob.core import levers, plan, spec
+    from pipejob.core import plan, spec, tuning_levers
     from pipejob.runner.local import LOOPBACK, free_ports
 
     job = spec.parse(manifest(args, stages))
@@ -110,7 +110,7 @@ def world(args: argparse.Namespace, stages: int) -> list[dict[str, Any]]:
             popens.append(
                 subprocess.Popen(
                     [sys.executable, __file__, *role],
-                    env=env | levers.preload_env(env),
+                    env=env | tuning_levers.preload_env(env),
                     text=True,
                     stdout=subprocess.PIPE if p.role == "master" else subprocess.DEVNULL,
                 )

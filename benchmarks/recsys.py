@@ -134,10 +134,10 @@ def torchrec(logs: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
 
 def tuned_env() -> dict[str, str]:
     """The environment with pipejob's malloc (tcmalloc) and passive OpenMP waits."""
-    from pipejob.core import levers
+    from pipejob.core import tuning_levers
 
     env = dict(os.environ)
-    return env | levers.preload_env(env) | {"OMP_WAIT_POLICY": "PASSIVE"}
+    return env | tuning_levers.preload_env(env) | {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def plain_only(args: argparse.Namespace) -> None:

@@ -102,11 +102,11 @@ if [ "$covered" = no ]; then
   echo "$key $wanted" >"$stamp"
 fi
 
-# The mallocs of the allocator lever, found by its own rule (pipejob.core.levers): tcmalloc,
+# The mallocs of the allocator lever, found by its own rule (pipejob.core.tuning_levers): tcmalloc,
 # every training process's default, and jemalloc. Debian's packages where this runs as root
 # with apt; elsewhere one line says what is missing, and the processes use glibc's malloc.
 missing_mallocs() {
-  "$VENV/bin/python" -c 'from pipejob.core.levers import MALLOCS, library_file
+  "$VENV/bin/python" -c 'from pipejob.core.tuning_levers import MALLOCS, library_file
 print(" ".join(m.package for m in MALLOCS.values() if m.library and not library_file(m.library)))'
 }
 if has trainer "$EXTRAS"; then

@@ -205,14 +205,14 @@ def run_world(target: Any, envs: list[dict[str, str]], out: Path, timeout: float
 
 
 def _stage_gradients(stage: rpc.RRef, context_id: int) -> dict[str, torch.Tensor]:
-    """Runs on a stage: the gradients its shard got in one step, by every name of every
+    """Runs on a stage: the gradients its pieces got in one step, by every name of every
     parameter (a tied one's too), wherever its engine keeps them (StageBase.gradients)."""
-    shard = stage.local_value()
-    params = dict(shard.layers.named_parameters())
-    by_tensor = {id(params[n]): g for n, g in shard.gradients(context_id).items()}
+    held = stage.local_value()
+    params = dict(held.layers.named_parameters())
+    by_tensor = {id(params[n]): g for n, g in held.gradients(context_id).items()}
     return {
         name: by_tensor.get(id(p))
-        for name, p in shard.layers.named_parameters(remove_duplicate=False)
+        for name, p in held.layers.named_parameters(remove_duplicate=False)
     }
 
 
@@ -290,7 +290,7 @@ def _pipelining_step(
     from pipejob.trainer.pipeline.pipelining import driver
 
     pipes = [
-        driver.Pipeline(names[r * s.stages : (r + 1) * s.stages], cut_model, s)
+        driver.PipeliningPipeline(names[r * s.stages : (r + 1) * s.stages], cut_model, s)
         for r in range(s.replicas.max)
     ]
     shares = list(zip(*(t.tensor_split(s.replicas.max) for t in batch), strict=True))

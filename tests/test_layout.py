@@ -246,17 +246,6 @@ def test_no_two_modules_share_a_name_a_reader_must_tell_apart() -> None:
     assert not alike, f"name each for what it holds: {alike}"
 
 
-# Classes named alike, each in a room other work held when issue 62 renamed the rest: the
-# only exceptions, to shrink to none (docs/architecture.md, "Glossary", "Left to rename").
-# pipeline.engine(spec, "driver").Replicas names both engines' class alike until the base
-# in pipeline/driver.py takes a name of its own.
-SHARED_CLASS_NAMES = {
-    "Pipeline": {"pipeline/driver.py", "pipeline/pipelining/driver.py"},
-    "Replicas": {"pipeline/driver.py", "pipeline/rpc/driver.py", "pipeline/pipelining/driver.py"},
-    "Piece": {"core/kinds/tables.py", "workloads/piece.py"},
-}
-
-
 def _classes() -> dict[str, set[str]]:
     """{class name: the modules defining it}, paths under operator/pipejob or the trainer."""
     by_name: dict[str, set[str]] = {}
@@ -269,11 +258,11 @@ def _classes() -> dict[str, set[str]]:
 
 
 def test_no_two_classes_share_a_name() -> None:
-    shared = {name: paths for name, paths in _classes().items() if len(paths) > 1}
-    unlisted = {n: sorted(p) for n, p in shared.items() if p != SHARED_CLASS_NAMES.get(n)}
-    assert not unlisted, f"name each class for what it is (the glossary's word): {unlisted}"
-    gone = sorted(set(SHARED_CLASS_NAMES) - set(shared))
-    assert not gone, f"renamed: take them off SHARED_CLASS_NAMES: {gone}"
+    """One name per class across operator/ and the trainer (issue 62; docs/architecture.md,
+    "Glossary"): a subclass says what it adds (`RpcReplicas`), a base says it is one
+    (`ReplicasBase`)."""
+    shared = {name: sorted(paths) for name, paths in _classes().items() if len(paths) > 1}
+    assert not shared, f"name each class for what it is (the glossary's word): {shared}"
 
 
 def test_the_formatter_is_switched_off_nowhere() -> None:

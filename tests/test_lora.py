@@ -163,8 +163,8 @@ def test_a_stage_steps_and_keeps_state_for_its_adapters_only(tmp_path: Path) -> 
         cut = len(units) // 2
         saved = Partition([range(0, cut), range(cut, len(units))], [1.0] * len(units), 1)
         cut_model = plan_cut(s, meta, numbered, [], saved)
-        assert cut_model.parts is not None and cut_model.adapters is not None
-        stages = [StageBase(part, "cpu", optimizer=s.optimizer) for part in cut_model.parts]
+        assert cut_model.builders is not None and cut_model.adapters is not None
+        stages = [StageBase(part, "cpu", optimizer=s.optimizer) for part in cut_model.builders]
     finally:
         sys.path.remove(str(RECIPE))
     ids = torch.randint(64, (4, 8), generator=torch.Generator().manual_seed(2))

@@ -365,7 +365,7 @@ def test_stage_runs_forwards_in_micro_batch_order_whatever_their_arrival():
 def test_settle_returns_once_every_micro_batch_has_backpropagated():
     """The master settles each stage before the optimizer steps: a stage in the middle of a
     pipeline (inputs with a gradient function, as received from the previous stage) counts a
-    micro-batch once its gradient has gone back through every part of its shard."""
+    micro-batch once its gradient has gone back through every unit of its pieces."""
     stage = RpcStage(
         nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), last=False, device="cpu"
     )

@@ -39,7 +39,7 @@ from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.balance import LayerCosts, measure_chain, min_max_partition, predict
 from pipejob.trainer.pipeline.cut_model import piece_starts, plan_cut
 from pipejob.trainer.pipeline.pipelining import messages
-from pipejob.trainer.pipeline.pipelining.driver import Replicas, even
+from pipejob.trainer.pipeline.pipelining.driver import PipeliningReplicas, even
 from pipejob.trainer.pipeline.pipelining.stage import Stage
 from pipejob.trainer.pipeline.pipelining.timed import Timed
 from pipejob.trainer.pipeline.stage_base import StageBase
@@ -294,8 +294,8 @@ def _events(clear: bool = False) -> list[str]:
 
 def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     """The master drives the same job twice on the same stage processes, from the same
-    start: a step after the last one's result (Replicas.step), and sent ahead in calls of
-    several steps (Replicas.run_steps, its calls unbounded in time), noting when it sent
+    start: a step after the last one's result (PipeliningReplicas.step), and sent ahead in calls of
+    several steps (PipeliningReplicas.run_steps, its calls unbounded in time), noting when it sent
     each call and read its results; then on GPipe, noting on the first stage when it
     takes each round."""
     _note_sends_and_takes()
@@ -305,9 +305,9 @@ def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         s, names = env.spec, env.names("stage")
         cut_model = plan_cut(s, *models.build_meta(s), names)
         loss = workloads.loss(s)
-        one_by_one = Replicas([names], cut_model, s)
+        one_by_one = PipeliningReplicas([names], cut_model, s)
         stepped = [one_by_one.step(s.micro_batches, k, loss) for k in range(AHEAD_STEPS)]
-        ahead = Replicas([names], cut_model, s)
+        ahead = PipeliningReplicas([names], cut_model, s)
         ahead.call_seconds = math.inf
         order: list[str] = []
         send, land = ahead._send, ahead._landed
@@ -320,14 +320,16 @@ def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             dataclasses.replace(s, optimizer=dataclasses.replace(s.optimizer, clip_grad_norm=c))
             for c in (None, 1e9)
         )
-        pairs = [Replicas([names], cut_model, spec) for spec in (unclipped, never)]
+        pairs = [PipeliningReplicas([names], cut_model, spec) for spec in (unclipped, never)]
         run = [list(r.run_steps(s.micro_batches, range(AHEAD_STEPS), loss)) for r in pairs]
         figures = [[(r.loss, r.grad_norm, r.lr) for r in rs] for rs in (stepped, sent, *run)]
         done = (one_by_one, ahead, *pairs)
         prints = [r.pipelines[0].stage_results(StageBase.fingerprint) for r in done]
         alone = [r.steps_alone for r in done]
         rpc.rpc_sync(names[0], _events, args=(True,))
-        gpipe = Replicas([names], cut_model, dataclasses.replace(unclipped, schedule="gpipe"))
+        gpipe = PipeliningReplicas(
+            [names], cut_model, dataclasses.replace(unclipped, schedule="gpipe")
+        )
         gpipe.call_seconds = math.inf
         list(gpipe.run_steps(s.micro_batches, range(AHEAD_STEPS), loss))
         got = {"figures": figures, "prints": prints, "order": order, "alone": alone}
@@ -342,8 +344,8 @@ def test_steps_sent_ahead_compute_what_steps_one_after_the_other_do(tmp_path: Pa
     read (its seconds are not yet known), then every step left in one call; and the losses,
     gradient norms, learning rates and weights are those of the same steps run one after
     the other, bit for bit (momentum, clipping and a schedule). Unclipped, each stage steps
-    once its own backwards have run (Replicas.steps_alone), computing what stages that wait
-    for every stage's figures compute."""
+    once its own backwards have run (PipeliningReplicas.steps_alone), computing what stages
+    that wait for every stage's figures compute."""
     job = spec.parse(
         pipeline_job(
             "ahead",

@@ -33,7 +33,7 @@ from pipejob.core.workload import Transformer
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.cut_model import CutModel, Partition, plan_cut
-from pipejob.trainer.pipeline.rpc.driver import Replicas, RpcPipeline, forward_backward
+from pipejob.trainer.pipeline.rpc.driver import RpcPipeline, RpcReplicas, forward_backward
 from pipejob.trainer.pipeline.rpc.stage import RpcStage
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.runtime import memory
@@ -245,7 +245,7 @@ def _fp16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             Partition([range(0, 2), range(2, 5)], [1.0] * 5, 2),
             {},
         )
-        replicas = Replicas([env.names("stage")], cut_model, s)
+        replicas = RpcReplicas([env.names("stage")], cut_model, s)
         before = {
             k: v
             for part in replicas.pipelines[0].stage_results(StageBase.state)
@@ -295,7 +295,7 @@ def test_fp16_loss_scaling_skips_an_overflow_and_unscales_the_gradients(tmp_path
     gradients, unscaled, are float32's to fp16 precision (10 bits of mantissa: 0.05% per
     operation, a 2% bound on the norm and the parameters' change), at the same scale."""
     job = spec.parse(
-        pipeline_job(  # its world drives the rpc engine's Replicas
+        pipeline_job(  # its world drives the rpc engine's RpcReplicas
             "fp16", engine="rpc", stages=2, microBatches=2, optimizer={"name": "sgd", "lr": 0.5}
         )
     )

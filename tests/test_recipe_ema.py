@@ -18,7 +18,7 @@ from torch import nn
 from jobrun import master_of, pipeline_job, run_world
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
-from pipejob.trainer.pipeline import ema_stages, engine
+from pipejob.trainer.pipeline import ema_stages, replicas_class
 from pipejob.trainer.pipeline.cut_model import CutModel, Partition
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.workloads import cut
@@ -61,8 +61,8 @@ def stages_of(model: nn.Module, count: int) -> list[StageBase]:
     job = spec.parse(pipeline_job("ema", stages=count, optimizer=OPTIMIZER, ema=EMA)).settings
     pieces = cut.Traced(model).split(CUTS[count])
     out = [StageBase(piece, "cpu", optimizer=job.optimizer) for piece in pieces]
-    for shard in out:
-        shard.keep_average(job.ema)
+    for held in out:
+        held.keep_average(job.ema)
     return out
 
 
@@ -110,7 +110,7 @@ def _ema_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         ranges = [range(a, b) for a, b in zip(starts, starts[1:], strict=False)]
         stages = traced.split(CUTS[s.stages])
         cut_model = CutModel(traced.units, stages, Partition(ranges, [1.0] * len(LAYERS), 2), {})
-        replicas = engine(s, "driver").Replicas([env.names("stage")], cut_model, s)
+        replicas = replicas_class(s)([env.names("stage")], cut_model, s)
         ema_stages.keep(s, replicas)
         for step, batch in enumerate(batches()):
             replicas.step(2, step, F.cross_entropy, batch)

@@ -4,7 +4,7 @@ the noDecay preset, layer-wise decay, Adam's betas.
 The acceptance test runs nanoGPT's recipe (its configure_optimizers: parameters of 2 or more
 dimensions decay, the rest do not; AdamW with betas (0.9, 0.95); warmup then cosine; gradient
 clipping) as a manifest in a real world (the trainer's own stage role in spawned processes,
-the master driving the trainer's Replicas), on a float64 model with a tied embedding (as
+the master driving the trainer's ReplicasBase), on a float64 model with a tied embedding (as
 nanoGPT ties wte and lm_head), and compares the losses and weights of steps 1..3 with
 nanoGPT's own configure_optimizers in one process. float64: as in tests/test_recipes.py, the
 pipeline sums the same gradients in another order, which stays near 1e-16; a parameter in the
@@ -28,7 +28,7 @@ from pipejob.core import plan, spec
 from pipejob.core.optimizer import Optimizer
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
-from pipejob.trainer.pipeline import engine, summary
+from pipejob.trainer.pipeline import replicas_class, summary
 from pipejob.trainer.pipeline.cut_model import CutModel, Partition
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.runtime import param_groups
@@ -121,7 +121,7 @@ def _nanogpt_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             {},
             tied=cut.ties(stages),
         )
-        replicas = engine(s, "driver").Replicas([env.names("stage")], cut_model, s)
+        replicas = replicas_class(s)([env.names("stage")], cut_model, s)
         loss = workloads.loss(s)  # the built-in cross-entropy, with spec.loss's options
         results = [replicas.step(2, step, loss, batch) for step, batch in enumerate(batches())]
         pipe = replicas.pipelines[0]

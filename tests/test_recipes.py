@@ -2,7 +2,7 @@
 gradient clipping across stages and replicas, gradient accumulation, and their validation.
 
 The exactness tests run a real world (the trainer's own stage role in spawned processes, the
-master driving the trainer's Replicas) on a float64 MLP and compare every step with plain
+master driving the trainer's ReplicasBase) on a float64 MLP and compare every step with plain
 autograd in one process: torch.nn.utils.clip_grad_norm_ over the whole model, the schedule's
 learning rate, and the batch that accumulation adds up to. float64, because the pipeline sums
 the same gradients in another order (per stage, per round, through the all-reduce), and in
@@ -28,7 +28,7 @@ from jobrun import master_of, pipeline_job, run_to_end, run_world
 from pipejob.core import plan, spec
 from pipejob.core.optimizer import Optimizer, Schedule
 from pipejob.runner.local import LOOPBACK, free_ports
-from pipejob.trainer.pipeline import engine
+from pipejob.trainer.pipeline import replicas_class
 from pipejob.trainer.pipeline.cut_model import CutModel, Partition
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.runtime import checkpoint
@@ -106,7 +106,7 @@ def _recipe_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             {},
             tied=cut.ties(stages),
         )
-        replicas = engine(s, "driver").Replicas(per_replica, cut_model, s)
+        replicas = replicas_class(s)(per_replica, cut_model, s)
         samples = SHARE * s.replicas.max * s.gradient_accumulation
         results = [
             replicas.step(2, step, F.cross_entropy, batch)

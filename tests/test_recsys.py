@@ -700,7 +700,7 @@ def test_a_checkpoint_of_some_servers_loads_into_others(
         for server in loaded:
             server.load(saved)
         for server in loaded:
-            for k, (p, w) in enumerate(zip(server.pieces, server.weights, strict=True)):
+            for k, (p, w) in enumerate(zip(server.shards, server.weights, strict=True)):
                 whole = reference.assembled(
                     pieces, p.table, next(t.rows for t in other.embeddings if t.name == p.table)
                 )
@@ -833,7 +833,7 @@ def test_the_model_file_holds_every_table_whole_under_its_name(
             lambda lo, hi, p=p, w=w: w.detach()[lo - p.start : hi - p.start],
         )
         for s in servers
-        for p, w in zip(s.pieces, s.weights, strict=True)
+        for p, w in zip(s.shards, s.weights, strict=True)
     ]
     torch.manual_seed(0)
     dense = workloads.hybrid_dense(spec, 3)
@@ -843,7 +843,7 @@ def test_the_model_file_holds_every_table_whole_under_its_name(
             model_spec,
             tmp_path / format,
             format,
-            model_writer.rows_from_pieces(pieces),
+            model_writer.rows_from_shards(pieces),
             dense.state_dict(),
             {"kind": "test"},
         )

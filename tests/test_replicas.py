@@ -21,7 +21,7 @@ from jobrun import TOLERANCE, JobRun, master_of, pipeline_job, run_world
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer.pipeline.cut_model import CutModel, Partition
-from pipejob.trainer.pipeline.rpc.driver import Replicas
+from pipejob.trainer.pipeline.rpc.driver import RpcReplicas
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.workloads import cut
@@ -186,7 +186,7 @@ def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
     """One process of a real replicated world: stages run the trainer's own stage role (they
-    join their group and serve); the master drives the trainer's Replicas over the MLP."""
+    join their group and serve); the master drives the trainer's RpcReplicas over the MLP."""
     if (env := master_of(rank, envs)) is None:
         return
     try:
@@ -200,7 +200,7 @@ def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             Partition([range(0, 2), range(2, 5)], [1.0] * 5, 2),
             {},
         )
-        replicas = Replicas(per_replica, cut_model, s)
+        replicas = RpcReplicas(per_replica, cut_model, s)
         losses = [
             replicas.step(2, step, F.cross_entropy, batch).loss
             for step, batch in enumerate(batches(s.replicas.max))
@@ -217,7 +217,7 @@ def _replica_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
 @pytest.mark.timeout(200)
 def test_replicas_train_exactly_what_one_process_trains_on_their_union(tmp_path: Path) -> None:
     job = spec.parse(
-        pipeline_job(  # the rpc engine's replicas: its Replicas, stage i's dp group
+        pipeline_job(  # the rpc engine's replicas: its RpcReplicas, stage i's dp group
             "exact",
             engine="rpc",
             stages=2,

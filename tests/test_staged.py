@@ -54,12 +54,16 @@ def settings(model: dict[str, Any], **fields: Any) -> Any:
 
 def built_stages(s: Any) -> list[nn.Module]:
     """Each stage as its process builds it from the master's plan, pickled as shipped."""
-    cut_model = plan_cut(s, *models.build_meta(s), [], shards_saved(s))
-    assert cut_model.parts is not None
-    return [pickle.loads(pickle.dumps(piece)) for part in cut_model.parts for piece in part.build()]
+    cut_model = plan_cut(s, *models.build_meta(s), [], partition_saved(s))
+    assert cut_model.builders is not None
+    return [
+        pickle.loads(pickle.dumps(piece))
+        for builder in cut_model.builders
+        for piece in builder.build()
+    ]
 
 
-def shards_saved(s: Any) -> Any:
+def partition_saved(s: Any) -> Any:
     """One piece per stage, as a checkpoint's partition (no stage processes to measure)."""
     from pipejob.trainer.pipeline.cut_model import Partition
 

@@ -12,23 +12,26 @@ import time
 import pytest
 
 from pipejob.core import contract as c
-from pipejob.core import levers
+from pipejob.core import tuning_levers
 from pipejob.trainer.runtime import tuning
 from pipejob.trainer.runtime.tuning import Settings, decide
 
 pytestmark = pytest.mark.timeout(60)
 
-ALL = levers.parse(None)
+ALL = tuning_levers.parse(None)
 PIPELINE_WORLD = ["master", "stage", "stage"]  # roles in rank order
 
 
 def test_levers_from_the_environment_variable():
     assert ALL == {"threads": "", "allocator": "", "transport": ""}
-    assert levers.parse("on") == ALL
-    assert levers.parse(" ") == ALL
-    assert levers.parse("off") == {}
-    assert levers.parse("threads, transport") == {"threads": "", "transport": ""}
-    assert levers.parse("threads,allocator = tcmalloc") == {"threads": "", "allocator": "tcmalloc"}
+    assert tuning_levers.parse("on") == ALL
+    assert tuning_levers.parse(" ") == ALL
+    assert tuning_levers.parse("off") == {}
+    assert tuning_levers.parse("threads, transport") == {"threads": "", "transport": ""}
+    assert tuning_levers.parse("threads,allocator = tcmalloc") == {
+        "threads": "",
+        "allocator": "tcmalloc",
+    }
 
 
 @pytest.mark.parametrize(
@@ -41,7 +44,7 @@ def test_levers_from_the_environment_variable():
 )
 def test_an_unknown_lever_or_choice_is_refused_naming_the_variable(value, says):
     with pytest.raises(ValueError, match=says):
-        levers.parse(value)
+        tuning_levers.parse(value)
 
 
 def test_pipejob_run_refuses_an_unknown_choice_before_anything_starts(monkeypatch):
@@ -51,7 +54,7 @@ def test_pipejob_run_refuses_an_unknown_choice_before_anything_starts(monkeypatc
     from jobrun import pipeline_job
     from pipejob.core import spec
 
-    monkeypatch.setenv(levers.TUNING, "allocator=mimalloc")
+    monkeypatch.setenv(tuning_levers.TUNING, "allocator=mimalloc")
     monkeypatch.setattr(local.World, "start", lambda *a: pytest.fail("a process started"))
     out = io.StringIO()
     assert local.run_job(spec.parse(pipeline_job("bad", stages=2)), out=out) == 2
@@ -62,27 +65,34 @@ def test_pipejob_run_refuses_an_unknown_choice_before_anything_starts(monkeypatc
 
 
 def test_the_allocator_lever_asks_for_tcmalloc_unless_told_otherwise():
-    assert levers.wanted_malloc({}).name == "tcmalloc"
-    assert levers.wanted_malloc({levers.TUNING: "allocator=jemalloc"}).name == "jemalloc"
-    assert levers.wanted_malloc({levers.TUNING: "threads,allocator=glibc"}).name == "glibc"
-    assert levers.wanted_malloc({levers.TUNING: "threads,transport"}) is None
-    assert levers.wanted_malloc({levers.TUNING: "off"}) is None
+    assert tuning_levers.wanted_malloc({}).name == "tcmalloc"
+    assert (
+        tuning_levers.wanted_malloc({tuning_levers.TUNING: "allocator=jemalloc"}).name == "jemalloc"
+    )
+    assert (
+        tuning_levers.wanted_malloc({tuning_levers.TUNING: "threads,allocator=glibc"}).name
+        == "glibc"
+    )
+    assert tuning_levers.wanted_malloc({tuning_levers.TUNING: "threads,transport"}) is None
+    assert tuning_levers.wanted_malloc({tuning_levers.TUNING: "off"}) is None
 
 
 def test_preload_names_the_wanted_library_unless_a_malloc_is_preloaded_already(monkeypatch):
     """The env a process must start with (the host's libraries are the boundary: `find`)."""
     found = {"jemalloc": "libjemalloc.so.2", "tcmalloc_minimal": "libtcmalloc_minimal.so.4"}
-    monkeypatch.setattr(levers, "library_file", found.get)
+    monkeypatch.setattr(tuning_levers, "library_file", found.get)
     tcmalloc = {"LD_PRELOAD": "libtcmalloc_minimal.so.4"}
-    assert levers.preload_env({}) == tcmalloc
-    theirs = {"LD_PRELOAD": "libfaketime.so.1", levers.TUNING: "allocator=jemalloc"}
-    assert levers.preload_env(theirs) == {"LD_PRELOAD": "libjemalloc.so.2 libfaketime.so.1"}
-    assert levers.preload_env({"LD_PRELOAD": "/opt/lib/libmimalloc.so.2"}) == {}  # theirs wins
-    assert levers.preload_env(tcmalloc) == {}  # started with it: nothing more (no second start)
-    assert levers.preload_env({levers.TUNING: "threads,transport"}) == {}
-    assert levers.preload_env({levers.TUNING: "allocator=glibc"}) == {}
-    monkeypatch.setattr(levers, "library_file", lambda library: None)
-    assert levers.preload_env({}) == {}  # not on this host: glibc, and the process says why
+    assert tuning_levers.preload_env({}) == tcmalloc
+    theirs = {"LD_PRELOAD": "libfaketime.so.1", tuning_levers.TUNING: "allocator=jemalloc"}
+    assert tuning_levers.preload_env(theirs) == {"LD_PRELOAD": "libjemalloc.so.2 libfaketime.so.1"}
+    # theirs wins
+    assert tuning_levers.preload_env({"LD_PRELOAD": "/opt/lib/libmimalloc.so.2"}) == {}
+    # started with it: nothing more (no second start)
+    assert tuning_levers.preload_env(tcmalloc) == {}
+    assert tuning_levers.preload_env({tuning_levers.TUNING: "threads,transport"}) == {}
+    assert tuning_levers.preload_env({tuning_levers.TUNING: "allocator=glibc"}) == {}
+    monkeypatch.setattr(tuning_levers, "library_file", lambda library: None)
+    assert tuning_levers.preload_env({}) == {}  # not on this host: glibc, and the process says why
 
 
 MAPS = """\
@@ -105,11 +115,11 @@ def test_the_malloc_a_process_runs_with_is_read_from_its_loaded_libraries():
         "libmimalloc.so.2.0",
     )
     assert tuning.running_malloc(MAPS.format("libc.so.6")) == ("glibc", "")
-    tcmalloc = levers.MALLOCS["tcmalloc"]
+    tcmalloc = tuning_levers.MALLOCS["tcmalloc"]
     said = "tcmalloc is not installed here (Debian's libtcmalloc-minimal4)"
     assert tuning.missing("", tcmalloc) == said
     assert tuning.missing("libjemalloc.so.2", tcmalloc) == ""  # the user's preload
-    assert tuning.missing("", levers.MALLOCS["glibc"]) == tuning.missing("", None) == ""
+    assert tuning.missing("", tuning_levers.MALLOCS["glibc"]) == tuning.missing("", None) == ""
 
 
 @pytest.mark.parametrize(
@@ -351,7 +361,7 @@ def test_mkl_takes_its_buffers_from_the_malloc_with_the_allocator_lever():
     """In fresh interpreters under tcmalloc, as a stage's RPC threads run its layers: with
     MKL's own cache, each thread that ran a matrix product holds buffers after it; with the
     lever's setting they go back to the malloc."""
-    library = levers.library_file(levers.MALLOCS["tcmalloc"].library)
+    library = tuning_levers.library_file(tuning_levers.MALLOCS["tcmalloc"].library)
     if library is None:
         pytest.skip("tcmalloc is not installed here")
     env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
@@ -398,10 +408,10 @@ def test_every_process_runs_with_the_chosen_malloc_whoever_started_it(monkeypatc
     from pipejob.core import plan, spec
 
     monkeypatch.delenv("LD_PRELOAD", raising=False)
-    monkeypatch.delenv(levers.TUNING, raising=False)
-    by_runner = levers.preload_env
+    monkeypatch.delenv(tuning_levers.TUNING, raising=False)
+    by_runner = tuning_levers.preload_env
     not_stage0 = lambda env: {} if env[c.RPC_NAME] == "stage0" else by_runner(env)  # noqa: E731
-    monkeypatch.setattr(local.levers, "preload_env", not_stage0)
+    monkeypatch.setattr(local.tuning_levers, "preload_env", not_stage0)
     job = spec.parse(pipeline_job("malloc", stages=2))
     processes = plan.plan_world(job, lambda m: local.LOOPBACK, plan.Ports(*local.free_ports(4)))
     out = io.StringIO()
@@ -415,8 +425,8 @@ def test_every_process_runs_with_the_chosen_malloc_whoever_started_it(monkeypatc
     finally:
         world.stop(grace=5)
     said = dict(pattern.findall(out.getvalue()))
-    default = levers.MALLOCS[levers.DEFAULT_MALLOC]
-    library = levers.library_file(default.library)
+    default = tuning_levers.MALLOCS[tuning_levers.DEFAULT_MALLOC]
+    library = tuning_levers.library_file(default.library)
     if library:  # the linker's name (libtcmalloc_minimal.so.4) begins the mapped file's
         want = f"{default.name} ({library}"
     else:

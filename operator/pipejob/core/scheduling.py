@@ -4,7 +4,7 @@ ignores it); this module holds its table, its rules and the names each scheduler
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipejob.core.schema import Field, Rule
@@ -167,15 +167,6 @@ def managed_elsewhere(job_obj: dict[str, Any]) -> bool:
     return owner is not None and owner != MANAGED_BY_PIPEJOB
 
 
-def topology_annotation(spec: dict[str, Any]) -> dict[str, str]:
-    """The Kueue TAS annotation of spec.topology, for every pod of the world; {}: none."""
-    return {
-        TOPOLOGY_ANNOTATIONS[which]: level
-        for which, level in (spec.get("topology") or {}).items()
-        if which in TOPOLOGY_ANNOTATIONS
-    }
-
-
 def _not_in_template(key: str, why: str) -> Rule:
     return Rule(
         f"!has(self.scheduling) || !has(self.template) || !has(self.template.{key})",
@@ -220,6 +211,8 @@ class Scheduling:
     priority_class_name: str | None = None
     scheduler_name: str | None = None
     schedule_timeout_seconds: int | None = None
+    # The Kueue TAS annotation of spec.topology, for every pod of the world; {}: none.
+    topology_annotation: dict[str, str] = field(default_factory=dict)
 
 
 def section(spec: dict[str, Any]) -> Scheduling | None:
@@ -233,4 +226,9 @@ def section(spec: dict[str, Any]) -> Scheduling | None:
         raw.get("priorityClassName"),
         raw.get("schedulerName"),
         raw.get("scheduleTimeoutSeconds"),
+        {
+            TOPOLOGY_ANNOTATIONS[which]: level
+            for which, level in (spec.get("topology") or {}).items()
+            if which in TOPOLOGY_ANNOTATIONS
+        },
     )

@@ -49,7 +49,7 @@ def decorate(job: Job, pod: dict[str, Any], size: int) -> dict[str, Any]:
         labels[sch.KUEUE_QUEUE_LABEL] = section.queue
         labels[sch.KUEUE_GROUP_LABEL] = group_name(job)
         annotations[sch.KUEUE_TOTAL_COUNT] = str(size)
-        annotations.update(sch.topology_annotation(job.spec))
+        annotations.update(section.topology_annotation)
     elif kind == sch.VOLCANO:
         annotations[sch.VOLCANO_GROUP_ANNOTATION] = group_name(job)
     else:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from pipejob.core import levers, master_first
+from pipejob.core import master_first, tuning_levers
 from pipejob.core.contract import BROKEN_PREFIX, TERMINATION_LOG, TUNING, Progress
 from pipejob.core.plan import (
     TRAINER_MODULE,
@@ -151,7 +151,7 @@ class World:
             popen = subprocess.Popen(
                 [sys.executable, *TRAINER_MODULE],
                 # the malloc before it starts: the dynamic linker reads LD_PRELOAD only then
-                env=env | levers.preload_env(env),
+                env=env | tuning_levers.preload_env(env),
                 cwd=self.directory,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -289,7 +289,8 @@ def run_job(
     code beside the manifest imports, and the manifest's relative paths (data, output,
     checkpoint) mean the same from any shell."""
     try:
-        levers.parse(os.environ.get(TUNING))  # each process would refuse it: say it once, first
+        # each process would refuse it: say it once, first
+        tuning_levers.parse(os.environ.get(TUNING))
     except ValueError as e:
         print(f"pipejob: cannot run {job.kind} {job.name!r}: {e}", file=out or sys.stdout)
         return 2

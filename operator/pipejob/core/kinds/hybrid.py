@@ -288,8 +288,8 @@ class HybridSpec(CommonSpec):
         embeddings); otherwise it classifies bags of one table (spec.embedding)."""
         return self.embedding is None
 
-    def placement(self) -> list[list[tables.Piece]]:
-        """Every parameter server's pieces of the tables (core/kinds/tables.py)."""
+    def placement(self) -> list[list[tables.Shard]]:
+        """Every parameter server's shards of the tables (core/kinds/tables.py)."""
         return tables.place(self.embeddings, self.parameter_servers, self.sparse_optimizer.name)
 
 

@@ -87,7 +87,7 @@ class Table:
 
 
 @dataclass(frozen=True)
-class Piece:
+class Shard:
     """Rows start..stop-1 of a table, columns column..column+dim-1 of them, held by
     parameter server `server`."""
 
@@ -95,11 +95,11 @@ class Piece:
     server: int
     start: int
     stop: int
-    dim: int  # the piece's columns
+    dim: int  # the shard's columns
     mode: str
     table_rows: int  # rows of the whole table
     column: int = 0  # its first column in the table's
-    table_dim: int = 0  # columns of the whole table (0: dim, the piece's)
+    table_dim: int = 0  # columns of the whole table (0: dim, the shard's)
 
     @property
     def rows(self) -> int:
@@ -151,26 +151,26 @@ def by_columns(table: Table, count: int, optimizer: str) -> bool:
     return even and optimizer != "rowwiseAdagrad"
 
 
-def place(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[list[Piece]]:
-    """Every server's pieces (see the module's docstring), server 0 first; a replicated
+def place(tables: tuple[Table, ...], servers: int, optimizer: str) -> list[list[Shard]]:
+    """Every server's shards (see the module's docstring), server 0 first; a replicated
     table is on none (the trainers hold it)."""
     tables = sharded(tables)
     total = sum(table_bytes(t, optimizer) for t in tables)
     share = total / servers
-    held = [[] for _ in range(servers)]  # type: list[list[Piece]]
+    held = [[] for _ in range(servers)]  # type: list[list[Shard]]
     load = [0] * servers
     whole = []
     for t in tables:
         if servers > 1 and table_bytes(t, optimizer) > share:
-            for piece in _split(t, servers, optimizer, load):
-                held[piece.server].append(piece)
+            for shard in _split(t, servers, optimizer, load):
+                held[shard.server].append(shard)
         else:
             whole.append(t)
     for t in sorted(whole, key=lambda t: (-table_bytes(t, optimizer), t.name)):
         server = _least_loaded(load)
-        held[server].append(Piece(t.name, server, 0, t.rows, t.dim, t.mode, t.rows))
+        held[server].append(Shard(t.name, server, 0, t.rows, t.dim, t.mode, t.rows))
         load[server] += table_bytes(t, optimizer)
-    return [ordered(pieces) for pieces in held]
+    return [ordered(shards) for shards in held]
 
 
 def sharded(tables: tuple[Table, ...]) -> tuple[Table, ...]:
@@ -185,45 +185,45 @@ def replicated(tables: tuple[Table, ...]) -> tuple[Table, ...]:
     return tuple(t for t in tables if t.replicated)
 
 
-def _split(t: Table, servers: int, optimizer: str, load: list[int]) -> list[Piece]:
+def _split(t: Table, servers: int, optimizer: str, load: list[int]) -> list[Shard]:
     """A table over a share, split over the servers by columns or by rows (`by_columns`);
-    `load` (each server's bytes) counts the pieces."""
+    `load` (each server's bytes) counts the shards."""
     if by_columns(t, servers, optimizer):
         width = t.dim // servers
-        pieces = [
-            Piece(t.name, i, 0, t.rows, width, t.mode, t.rows, i * width, t.dim)
+        shards = [
+            Shard(t.name, i, 0, t.rows, width, t.mode, t.rows, i * width, t.dim)
             for i in range(servers)
         ]
-        for piece in pieces:
-            load[piece.server] += piece.rows * row_bytes(width, optimizer)
-        return pieces
+        for shard in shards:
+            load[shard.server] += shard.rows * row_bytes(width, optimizer)
+        return shards
     count = min(servers, t.rows)  # a row is never split
-    pieces = []
+    shards = []
     for i in range(count):
         server = i if count == servers else _least_loaded(load)
         start, stop = i * t.rows // count, (i + 1) * t.rows // count
-        pieces.append(Piece(t.name, server, start, stop, t.dim, t.mode, t.rows))
+        shards.append(Shard(t.name, server, start, stop, t.dim, t.mode, t.rows))
         load[server] += (stop - start) * row_bytes(t.dim, optimizer)
-    return pieces
+    return shards
 
 
 def _least_loaded(load: list[int]) -> int:
     return min(range(len(load)), key=lambda s: (load[s], s))
 
 
-def ordered(pieces: list[Piece]) -> list[Piece]:
-    """A server's pieces in the order its replies carry them: summed ones (sum and mean)
-    before max ones, then by width and name, so pieces pooled alike sit side by side."""
-    return sorted(pieces, key=lambda p: (p.mode == "max", p.dim, p.table, p.start, p.column))
+def ordered(shards: list[Shard]) -> list[Shard]:
+    """A server's shards in the order its replies carry them: summed ones (sum and mean)
+    before max ones, then by width and name, so shards pooled alike sit side by side."""
+    return sorted(shards, key=lambda p: (p.mode == "max", p.dim, p.table, p.start, p.column))
 
 
-def server_bytes(pieces: list[Piece], optimizer: str) -> int:
-    return sum(p.rows * row_bytes(p.dim, optimizer) for p in pieces)
+def server_bytes(shards: list[Shard], optimizer: str) -> int:
+    return sum(p.rows * row_bytes(p.dim, optimizer) for p in shards)
 
 
 def fullest(tables: tuple[Table, ...], servers: int, optimizer: str) -> tuple[int, int]:
     """The server the placement gives the most bytes, and its bytes."""
-    held = [server_bytes(pieces, optimizer) for pieces in place(tables, servers, optimizer)]
+    held = [server_bytes(shards, optimizer) for shards in place(tables, servers, optimizer)]
     return held.index(max(held)), max(held)
 
 
@@ -272,7 +272,7 @@ def spec_placement_lines(spec: dict[str, Any]) -> list[str]:
 def placement_lines(
     tables: tuple[Table, ...], servers: int, optimizer: str, in_trainers: bool = False
 ) -> list[str]:
-    """The tables' bytes, and each server's pieces (`big[0:500000], c2`), as words;
+    """The tables' bytes, and each server's shards (`big[0:500000], c2`), as words;
     `in_trainers`: the servers run in the trainers' processes (spec.serversInTrainers)."""
     weights = sum(t.rows * t.dim * FLOAT_BYTES for t in tables)
     state = sum(table_bytes(t, optimizer) for t in tables) - weights
@@ -283,9 +283,9 @@ def placement_lines(
     ]
     if in_trainers:
         out.insert(1, "parameter servers: in the trainers' processes, ps<i> in trainer<i>")
-    for s, pieces in enumerate(place(tables, servers, optimizer)):
-        named = ", ".join(p.name for p in pieces)
-        out.append(f"{f'ps{s}':<8} {size(server_bytes(pieces, optimizer)):>12}  {named or '-'}")
+    for s, shards in enumerate(place(tables, servers, optimizer)):
+        named = ", ".join(p.name for p in shards)
+        out.append(f"{f'ps{s}':<8} {size(server_bytes(shards, optimizer)):>12}  {named or '-'}")
     if copies := replicated(tables):
         held = sum(table_bytes(t, optimizer) for t in copies)
         named = ", ".join(t.name for t in copies)

@@ -1,4 +1,4 @@
-"""The HybridJob master: has every parameter server make its pieces of the tables (and load
+"""The HybridJob master: has every parameter server make its shards of the tables (and load
 them from a checkpoint), starts every trainer's loop over RPC, prints their progress and
 evaluations (board.py), writes the trained model (spec.output, model_writer.py), and returns the
 run's summary."""

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from pipejob.core.kinds.hybrid import ONE_TABLE, HybridSpec
-from pipejob.core.kinds.tables import Piece
+from pipejob.core.kinds.tables import Shard
 from pipejob.trainer.hybrid import ps
 from pipejob.trainer.hybrid.replicated import FILE as REPLICATED
 from pipejob.trainer.runtime import checkpoint, model_files
@@ -62,18 +62,18 @@ def metrics(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def server_entries(manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """The manifest's entries of the servers' files (ps<i>.pt): the tables' pieces."""
+    """The manifest's entries of the servers' files (ps<i>.pt): the tables' shards."""
     return [e for e in manifest["files"] if e["name"].startswith("ps")]
 
 
-def rows_from_pieces(
-    pieces: list[tuple[str, int, int, int, Callable[[int, int], torch.Tensor]]],
+def rows_from_shards(
+    shards: list[tuple[str, int, int, int, Callable[[int, int], torch.Tensor]]],
 ) -> Rows:
-    """Rows of a table from its pieces, (table, start, stop, first column, fetch(start,
-    stop) in table rows), whichever pieces a range spans: rows joined, then columns."""
+    """Rows of a table from its shards, (table, start, stop, first column, fetch(start,
+    stop) in table rows), whichever shards a range spans: rows joined, then columns."""
 
     def rows(table: str, start: int, stop: int) -> torch.Tensor:
-        mine = sorted((p for p in pieces if p[0] == table), key=lambda p: (p[3], p[1]))
+        mine = sorted((p for p in shards if p[0] == table), key=lambda p: (p[3], p[1]))
         columns = []
         for column in sorted({p[3] for p in mine}):
             parts = [
@@ -88,25 +88,25 @@ def rows_from_pieces(
 
 
 def live_rows(
-    servers: list[str], placement: list[list[Piece]], held: dict[str, torch.Tensor]
+    servers: list[str], placement: list[list[Shard]], held: dict[str, torch.Tensor]
 ) -> Rows:
     """The tables' rows from the servers holding them (on the master, after training), and
     from `held`, the replicated tables (a trainer's)."""
 
-    def fetch(server: str, k: int, piece: Piece) -> Callable[[int, int], torch.Tensor]:
+    def fetch(server: str, k: int, shard: Shard) -> Callable[[int, int], torch.Tensor]:
         def rows(lo: int, hi: int) -> torch.Tensor:
-            return rpc.rpc_sync(server, ps.rows, args=(k, lo - piece.start, hi - piece.start))
+            return rpc.rpc_sync(server, ps.rows, args=(k, lo - shard.start, hi - shard.start))
 
         return rows
 
     def copy(weight: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
         return lambda lo, hi: weight[lo:hi]
 
-    return rows_from_pieces(
+    return rows_from_shards(
         [
             (p.table, p.start, p.stop, p.column, fetch(server, k, p))
-            for server, pieces in zip(servers, placement, strict=True)
-            for k, p in enumerate(pieces)
+            for server, shards in zip(servers, placement, strict=True)
+            for k, p in enumerate(shards)
         ]
         + [(name, 0, len(weight), 0, copy(weight)) for name, weight in held.items()]
     )
@@ -115,20 +115,20 @@ def live_rows(
 def saved_rows(directory: str | Path, manifest: dict[str, Any]) -> Rows:
     """The tables' rows from a checkpoint's server files, mapped (each checked against the
     manifest first), and its replicated tables."""
-    pieces = []
+    shards = []
     for entry in server_entries(manifest):
         checkpoint.load_part(directory, entry)  # checks its size and checksum
         state = torch.load(Path(directory) / entry["name"], mmap=True, weights_only=True)
         for q in state["pieces"]:
             fetch = lambda lo, hi, q=q: q["weight"][lo - q["start"] : hi - q["start"]]  # noqa: E731
-            pieces.append((q["table"], q["start"], q["stop"], q.get("column", 0), fetch))
+            shards.append((q["table"], q["start"], q["stop"], q.get("column", 0), fetch))
     for entry in manifest["files"]:  # the replicated tables, whole (replicated.py)
         if entry["name"] == REPLICATED:
             held = checkpoint.load_part(directory, entry)["model"]
             for key, weight in held.items():
                 fetch = lambda lo, hi, w=weight: w[lo:hi]  # noqa: E731
-                pieces.append((key.removesuffix(".weight"), 0, len(weight), 0, fetch))
-    return rows_from_pieces(pieces)
+                shards.append((key.removesuffix(".weight"), 0, len(weight), 0, fetch))
+    return rows_from_shards(shards)
 
 
 def write(

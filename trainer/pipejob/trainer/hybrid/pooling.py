@@ -1,4 +1,4 @@
-"""A parameter server's pooling of one group of its pieces (`groups`: pooled alike, of one
+"""A parameter server's pooling of one group of its shards (`groups`: pooled alike, of one
 width, one parameter) for a lookup, and the gradients of the rows it read from the gradient
 of what it pooled. A summed group's rows' gradients are computed directly (each id's row
 takes its bag's gradient), with no autograd graph and no gather of the rows: per-op costs
@@ -13,18 +13,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipejob.core.kinds.tables import Piece
+from pipejob.core.kinds.tables import Shard
 
 
 def pooling(mode: str) -> str:
-    """How a server pools a piece of a table of `mode`."""
+    """How a server pools a shard of a table of `mode`."""
     return "max" if mode == "max" else "sum"
 
 
-def groups(pieces: list[Piece]) -> list[tuple[str, int, list[int]]]:
-    """Runs of a server's pieces pooled alike, of one width: (pooling, dim, piece indices)."""
+def groups(shards: list[Shard]) -> list[tuple[str, int, list[int]]]:
+    """Runs of a server's shards pooled alike, of one width: (pooling, dim, shard indices)."""
     out: list[tuple[str, int, list[int]]] = []
-    for k, p in enumerate(pieces):
+    for k, p in enumerate(shards):
         if out and out[-1][:2] == (pooling(p.mode), p.dim):
             out[-1][2].append(k)
         else:

@@ -1,4 +1,4 @@
-"""A HybridJob parameter server: its pieces of the tables (core/kinds/tables.py places them)
+"""A HybridJob parameter server: its shards of the tables (core/kinds/tables.py places them)
 and the sparse optimizer that steps them (sparse_optimizers.py). Each trainer calls
 `exchange` once a step; the server steps the rows a step touched once every trainer's
 gradients are in. The functions at the end run on the server, called over RPC by the master
@@ -16,7 +16,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
 from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.core.kinds.tables import Piece
+from pipejob.core.kinds.tables import Shard
 from pipejob.trainer.hybrid import sparse_optimizers
 from pipejob.trainer.hybrid.pooling import Pooled, groups, pool, row_gradients
 from pipejob.trainer.runtime import checkpoint, world
@@ -26,14 +26,14 @@ Future = torch.futures.Future
 
 
 def group_parameter(
-    pieces: list[Piece], members: list[int], tables: dict[str, Any], seed: int
+    shards: list[Shard], members: list[int], tables: dict[str, Any], seed: int
 ) -> nn.Parameter:
-    """A group's pieces at their initial rows, one after the other, made a block at a time
-    (no piece is ever held twice)."""
-    out = torch.empty(sum(pieces[k].rows for k in members), pieces[members[0]].dim)
+    """A group's shards at their initial rows, one after the other, made a block at a time
+    (no shard is ever held twice)."""
+    out = torch.empty(sum(shards[k].rows for k in members), shards[members[0]].dim)
     first = 0
     for k in members:
-        p = pieces[k]
+        p = shards[k]
         for lo in range(0, p.rows, BLOCK):
             hi = min(lo + BLOCK, p.rows)
             made = initial_rows(tables[p.table], seed, p.start + lo, p.start + hi)
@@ -45,21 +45,21 @@ def group_parameter(
 class Server:
     def __init__(self, spec: HybridSpec, index: int, trainers: int):
         self.spec, self.index, self.trainers = spec, index, trainers
-        self.pieces = spec.placement()[index]
+        self.shards = spec.placement()[index]
         tables = {t.name: t for t in spec.embeddings}
-        self.groups = groups(self.pieces)
+        self.groups = groups(self.shards)
         self.joined = [
-            group_parameter(self.pieces, members, tables, spec.seed)
+            group_parameter(self.shards, members, tables, spec.seed)
             for _, _, members in self.groups
         ]
-        self.first: list[int] = []  # each piece's first row in its group's parameter
-        self.weights: list[torch.Tensor] = []  # each piece: its rows of the group's parameter
+        self.first: list[int] = []  # each shard's first row in its group's parameter
+        self.weights: list[torch.Tensor] = []  # each shard: its rows of the group's parameter
         for weight, (_, _, members) in zip(self.joined, self.groups, strict=True):
             first = 0
             for k in members:
                 self.first.append(first)
-                self.weights.append(weight.detach()[first : first + self.pieces[k].rows])
-                first += self.pieces[k].rows
+                self.weights.append(weight.detach()[first : first + self.shards[k].rows])
+                first += self.shards[k].rows
         self.first_rows = torch.tensor(self.first)  # as a lookup adds them to its ids
         self.group_of = [g for g, (_, _, members) in enumerate(self.groups) for _ in members]
         # A server may hold nothing (every table replicated, or fewer rows than servers).
@@ -136,7 +136,7 @@ class Server:
                 f"ps{self.index}: gradients from {trainer} without a lookup of"
                 " its own awaiting them"
             )
-        # The reply holds the groups side by side, each (batch, its pieces x its width).
+        # The reply holds the groups side by side, each (batch, its shards x its width).
         widths = [len(members) * dim for _, dim, members in self.groups]
         self.collected[trainer] = [
             row_gradients(pooled, _bags(grad, len(members), dim))
@@ -170,11 +170,11 @@ class Server:
         self.steps += 1
 
     def lookup(self, ids: torch.Tensor, lengths: torch.Tensor, trainer: str | None) -> torch.Tensor:
-        """Pool `ids` (every piece's local row ids, concatenated, in the server's order) by
-        `lengths` (pieces, batch); keep the graph for `trainer`'s gradients (None: none)."""
+        """Pool `ids` (every shard's local row ids, concatenated, in the server's order) by
+        `lengths` (shards, batch); keep the graph for `trainer`'s gradients (None: none)."""
         batch = lengths.shape[1]
         per_piece = lengths.sum(1)
-        # Each id as a row of its group's parameter: the piece's row plus the piece's first.
+        # Each id as a row of its group's parameter: the shard's row plus the shard's first.
         ids = ids + torch.repeat_interleave(self.first_rows, per_piece)
         one = len(self.groups) == 1  # the usual: no split, no gather, no join
         chunks = [ids] if one else ids.split([int(per_piece[m].sum()) for _, _, m in self.groups])
@@ -194,7 +194,7 @@ class Server:
     # ---- what the master reads
 
     def rows(self, k: int, start: int, stop: int) -> torch.Tensor:
-        """Rows start..stop-1 of piece k (piece-relative), copied."""
+        """Rows start..stop-1 of shard k (shard-relative), copied."""
         return self.weights[k].detach()[start:stop].clone()
 
     def figures(self) -> dict[str, Any]:
@@ -202,7 +202,7 @@ class Server:
         the rows this server updated (summed over steps)."""
         tables = {t.name: t for t in self.spec.embeddings}
         initial = change = 0.0
-        for p, weight in zip(self.pieces, self.weights, strict=True):
+        for p, weight in zip(self.shards, self.weights, strict=True):
             for lo in range(0, p.rows, BLOCK):  # a block at a time: no copy of the table
                 hi = min(lo + BLOCK, p.rows)
                 made = initial_rows(tables[p.table], self.spec.seed, p.start + lo, p.start + hi)
@@ -216,12 +216,12 @@ class Server:
             "rowsUpdated": self.rows_updated,
         }
 
-    # ---- checkpoints: pieces by table and row range, so any other split can load them
+    # ---- checkpoints: shards by table and row range, so any other split can load them
 
     def piece_state(self, k: int) -> dict[str, Any]:
-        """Piece k's optimizer state: its rows of its group's per-row tensors, and the counts."""
-        rows = slice(self.first[k], self.first[k] + self.pieces[k].rows)
-        assert self.optimizer is not None  # a server with a piece has one
+        """Shard k's optimizer state: its rows of its group's per-row tensors, and the counts."""
+        rows = slice(self.first[k], self.first[k] + self.shards[k].rows)
+        assert self.optimizer is not None  # a server with a shard has one
         state = self.optimizer.state.get(self.joined[self.group_of[k]], {})
         return {
             key: value[rows] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
@@ -229,9 +229,9 @@ class Server:
         }
 
     def state(self) -> dict[str, Any]:
-        """Every piece by table and row range (views of the groups: torch.save writes each
+        """Every shard by table and row range (views of the groups: torch.save writes each
         group's storage once)."""
-        pieces = [
+        shards = [
             {
                 "table": p.table,
                 "start": p.start,
@@ -240,12 +240,12 @@ class Server:
                 "weight": weight,
                 "state": self.piece_state(k),
             }
-            for k, (p, weight) in enumerate(zip(self.pieces, self.weights, strict=True))
+            for k, (p, weight) in enumerate(zip(self.shards, self.weights, strict=True))
         ]
-        return {"optimizer": self.spec.sparse_optimizer.name, "pieces": pieces}
+        return {"optimizer": self.spec.sparse_optimizer.name, "pieces": shards}
 
     def load(self, saved: list[tuple[str, dict[str, Any]]]) -> None:
-        """Load every piece's rows and optimizer state from the saved servers' states
+        """Load every shard's rows and optimizer state from the saved servers' states
         (`state`, by file name): from whichever hold its rows, however they were split."""
         for name, s in saved:
             if s["optimizer"] != self.spec.sparse_optimizer.name:
@@ -253,13 +253,13 @@ class Server:
                     f"{name} holds tables stepped by {s['optimizer']}, not by"
                     f" spec.sparseOptimizer {self.spec.sparse_optimizer.name}"
                 )
-        for k in range(len(self.pieces)):
+        for k in range(len(self.shards)):
             self._load_piece(k, saved)
 
     def _load_piece(self, k: int, saved: list[tuple[str, dict[str, Any]]]) -> None:
-        """Piece k's rows and their optimizer state, from every saved piece overlapping it
+        """Shard k's rows and their optimizer state, from every saved shard overlapping it
         (in rows and columns)."""
-        p, first, weight = self.pieces[k], self.first[k], self.joined[self.group_of[k]]
+        p, first, weight = self.shards[k], self.first[k], self.joined[self.group_of[k]]
         assert self.optimizer is not None
         state = self.optimizer.state[weight]
         covered = 0
@@ -283,7 +283,7 @@ class Server:
                         state[key][mine] = value[theirs]
                     else:
                         state[key][mine, cols] = value[theirs, their_cols]
-                else:  # a count: the same for every piece of every table
+                else:  # a count: the same for every shard of every table
                     state[key] = value.clone() if isinstance(value, torch.Tensor) else value
             covered += (hi - lo) * (right - left)
         if covered != p.rows * p.dim:
@@ -293,10 +293,10 @@ class Server:
             )
 
 
-def _bags(grad: torch.Tensor, pieces: int, dim: int) -> torch.Tensor:
-    """A group's columns of a reply's gradient (batch, pieces x dim) as its bags' (pieces x
-    batch, dim), piece after piece, as the group pooled them."""
-    return grad.reshape(len(grad), pieces, dim).transpose(0, 1).reshape(-1, dim)
+def _bags(grad: torch.Tensor, shards: int, dim: int) -> torch.Tensor:
+    """A group's columns of a reply's gradient (batch, shards x dim) as its bags' (shards x
+    batch, dim), shard after shard, as the group pooled them."""
+    return grad.reshape(len(grad), shards, dim).transpose(0, 1).reshape(-1, dim)
 
 
 def _outcome(work: Callable[[], Any], future: Future) -> tuple[Future, Any, BaseException | None]:
@@ -333,12 +333,12 @@ def hosted() -> Server:
 
 
 def start(trainers: int) -> dict[str, Any]:
-    """Runs on a parameter server (the master calls it first): make its pieces of the
+    """Runs on a parameter server (the master calls it first): make its shards of the
     tables at their initial rows. Returns what it holds."""
     global _SERVER
     env = world.current()
     _SERVER = Server(env.spec, env.role_index, trainers)
-    return {"pieces": len(_SERVER.pieces), "parameters": sum(w.numel() for w in _SERVER.weights)}
+    return {"pieces": len(_SERVER.shards), "parameters": sum(w.numel() for w in _SERVER.weights)}
 
 
 @rpc.functions.async_execution
@@ -361,7 +361,7 @@ def held_out(ids: torch.Tensor, lengths: torch.Tensor) -> Future:
 
 @rpc.functions.async_execution
 def save(directory: str) -> Future:
-    """Write this server's pieces and their optimizer state as ps<index>.pt in `directory`
+    """Write this server's shards and their optimizer state as ps<index>.pt in `directory`
     (in a trainer's process too); its manifest entry."""
     server = hosted()
     name = f"ps{server.index}.pt"
@@ -369,7 +369,7 @@ def save(directory: str) -> Future:
 
 
 def load(directory: str, entries: list[dict[str, Any]]) -> None:
-    """Load this server's pieces from the servers' files of a checkpoint (`entries`, from
+    """Load this server's shards from the servers' files of a checkpoint (`entries`, from
     its manifest), mapped, not read whole: only the rows it holds are paged in."""
     saved = []
     for entry in entries:

@@ -10,24 +10,24 @@ from dataclasses import dataclass
 import torch
 
 from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.core.kinds.tables import Piece, sharded
+from pipejob.core.kinds.tables import Shard, sharded
 from pipejob.trainer.workloads.samples import Batch
 
 
 @dataclass(frozen=True)
 class Place:
-    """Where a piece's pooled embeddings are in a reply: the server and the columns."""
+    """Where a shard's pooled embeddings are in a reply: the server and the columns."""
 
-    piece: Piece
+    shard: Shard
     server: int  # index into Router.servers
-    position: int  # among the server's pieces
+    position: int  # among the server's shards
     column: int
 
 
 @dataclass(frozen=True)
 class Routed:
-    requests: list[tuple[torch.Tensor, torch.Tensor]]  # per server: (ids, lengths (pieces, batch))
-    counts: dict[tuple[str, int], torch.Tensor]  # (table, piece start) -> ids per sample
+    requests: list[tuple[torch.Tensor, torch.Tensor]]  # per server: (ids, lengths (shards, batch))
+    counts: dict[tuple[str, int], torch.Tensor]  # (table, shard start) -> ids per sample
 
 
 class Router:
@@ -35,29 +35,29 @@ class Router:
         placement = spec.placement()
         self.tables = sharded(spec.embeddings)  # the replicated ones are the trainer's own
         self.feature_of = {t.name: t.feature for t in self.tables}
-        # Servers holding no piece (more servers than rows to split) get no calls.
-        self.servers = [i for i, pieces in enumerate(placement) if pieces]
+        # Servers holding no shard (more servers than rows to split) get no calls.
+        self.servers = [i for i, shards in enumerate(placement) if shards]
         self.places: dict[str, list[Place]] = {t.name: [] for t in self.tables}
-        self.held = [len(placement[index]) for index in self.servers]  # pieces per server
+        self.held = [len(placement[index]) for index in self.servers]  # shards per server
         self.widths = [[p.dim for p in placement[index]] for index in self.servers]
         for s, index in enumerate(self.servers):
             column = 0
-            for position, piece in enumerate(placement[index]):
-                self.places[piece.table].append(Place(piece, s, position, column))
-                column += piece.dim
+            for position, shard in enumerate(placement[index]):
+                self.places[shard.table].append(Place(shard, s, position, column))
+                column += shard.dim
         for places in self.places.values():
-            places.sort(key=lambda p: (p.piece.start, p.piece.column))
+            places.sort(key=lambda p: (p.shard.start, p.shard.column))
         self.features = sorted({t.feature for t in spec.embeddings})  # what the reader reads
         # A server holding whole tables alone gets its request in a few ops, not a few a
-        # table (per-op costs dominate at a batch's few thousand ids): its pieces' features,
+        # table (per-op costs dominate at a batch's few thousand ids): its shards' features,
         # and their tables' rows (one number if they agree) that the ids wrap by.
         self.whole: list[tuple[list[str], torch.Tensor] | None] = []
         for index in self.servers:
-            pieces = placement[index]
-            rows = torch.tensor([p.table_rows for p in pieces])
+            shards = placement[index]
+            rows = torch.tensor([p.table_rows for p in shards])
             wrap = rows[:1] if bool((rows == rows[0]).all()) else rows
-            features = [self.feature_of[p.table] for p in pieces]
-            self.whole.append((features, wrap) if all(p.whole for p in pieces) else None)
+            features = [self.feature_of[p.table] for p in shards]
+            self.whole.append((features, wrap) if all(p.whole for p in shards) else None)
         # A summed or max table on one server is its reply's columns as they are; the others
         # are joined, masked or divided here (`pool`).
         self.alone = {
@@ -66,15 +66,15 @@ class Router:
             if len(places := self.places[t.name]) == 1 and t.mode != "mean"
         }
         self.pooled_here = [t for t in self.tables if t.name not in self.alone]
-        self.on_whole = {  # tables whose every piece is on such a server
+        self.on_whole = {  # tables whose every shard is on such a server
             t.name
             for t in self.tables
             if all(self.whole[p.server] is not None for p in self.places[t.name])
         }
 
     def route(self, batch: Batch) -> Routed:
-        """The batch's requests, one a server: (its pieces' local ids, concatenated; the ids
-        each sample has in each piece (pieces, batch))."""
+        """The batch's requests, one a server: (its shards' local ids, concatenated; the ids
+        each sample has in each shard (shards, batch))."""
         per_server: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
             [(torch.empty(0), torch.empty(0))] * held for held in self.held
         ]
@@ -82,24 +82,24 @@ class Router:
         size = len(batch.sample_ids)
         for table in self.tables:
             if table.name in self.on_whole:
-                piece = self.places[table.name][0].piece
-                counts[(table.name, piece.start)] = batch.lengths[table.feature]
+                shard = self.places[table.name][0].shard
+                counts[(table.name, shard.start)] = batch.lengths[table.feature]
                 continue  # its server's request is made whole below
             ids = torch.remainder(batch.ids[table.feature], table.rows)
             lengths = batch.lengths[table.feature]
             owner = None
             for place in self.places[table.name]:
-                piece = place.piece
-                if piece.whole:
+                shard = place.shard
+                if shard.whole:
                     local, count = ids, lengths
                 else:
                     if owner is None:  # which sample each id belongs to
                         owner = torch.repeat_interleave(torch.arange(size), lengths)
-                    inside = (ids >= piece.start) & (ids < piece.stop)
-                    local = ids[inside] - piece.start
+                    inside = (ids >= shard.start) & (ids < shard.stop)
+                    local = ids[inside] - shard.start
                     count = torch.bincount(owner[inside], minlength=size)
                 per_server[place.server][place.position] = (local, count)
-                counts[(table.name, piece.start)] = count
+                counts[(table.name, shard.start)] = count
         requests = [
             _whole(batch, *whole)
             if whole is not None
@@ -113,7 +113,7 @@ class Router:
     ) -> dict[str, torch.Tensor]:
         """Each table's pooled embeddings (batch, dim) from the servers' replies."""
         out = {}
-        # One split a reply, not a slice a piece: its backward is one cat, where every
+        # One split a reply, not a slice a shard: its backward is one cat, where every
         # slice's would fill a reply-sized gradient and add them up.
         split = [
             reply.split(widths, dim=1) for reply, widths in zip(replies, self.widths, strict=True)
@@ -123,10 +123,10 @@ class Router:
         for table in self.pooled_here:
             places = self.places[table.name]
             parts = [split[p.server][p.position] for p in places]
-            if places[0].piece.dim < table.dim:  # split by columns: each piece pools its own
+            if places[0].shard.dim < table.dim:  # split by columns: each shard pools its own
                 pooled = torch.cat(parts, dim=1)
             elif table.mode == "max" and len(parts) > 1:
-                got = [routed.counts[(table.name, p.piece.start)] > 0 for p in places]
+                got = [routed.counts[(table.name, p.shard.start)] > 0 for p in places]
                 masked = [
                     torch.where(g.unsqueeze(1), part, -torch.inf)
                     for g, part in zip(got, parts, strict=True)
@@ -147,8 +147,8 @@ class Router:
 def _whole(
     batch: Batch, features: list[str], rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The request of a server of whole tables: every piece's ids wrapped by its table's
-    rows (`rows`: one a piece, or one for all), concatenated, and their counts a sample."""
+    """The request of a server of whole tables: every shard's ids wrapped by its table's
+    rows (`rows`: one a shard, or one for all), concatenated, and their counts a sample."""
     lengths = torch.stack([batch.lengths[f] for f in features])
     ids = torch.cat([batch.ids[f] for f in features])
     if len(rows) > 1:

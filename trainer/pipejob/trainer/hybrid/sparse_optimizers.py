@@ -1,4 +1,4 @@
-"""The sparse optimizers a parameter server steps its pieces of the tables with
+"""The sparse optimizers a parameter server steps its shards of the tables with
 (spec.sparseOptimizer): each changes only the rows a step touched, and their state. sgd,
 adagrad and adam are torch.optim's own; rowwiseAdagrad (FBGEMM's, TorchRec's default for
 tables) is written here. docs/architecture.md, "A HybridJob's step", says more."""
@@ -57,7 +57,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
 
 
 def make(params: list[torch.Tensor], opt: SparseOptimizer) -> torch.optim.Optimizer:
-    """spec.sparseOptimizer over `params` (tables, or pieces of them)."""
+    """spec.sparseOptimizer over `params` (tables, or shards of them)."""
     if opt.name == "sgd":
         return torch.optim.SGD(params, lr=opt.lr)
     accumulator = opt.initial_accumulator_value

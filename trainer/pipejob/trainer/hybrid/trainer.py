@@ -328,7 +328,7 @@ def _evaluate(t: Trainer, step: int) -> None:
 
 def _checkpoint(t: Trainer, step: int) -> None:
     """Once every trainer has finished `step`: DDP rank 0 saves the dense model (the same on
-    every rank) with its optimizer state and has every server save its pieces of the tables;
+    every rank) with its optimizer state and has every server save its shards of the tables;
     the master writes the manifest. The others wait, so nobody changes a table while it is
     saved."""
     _flush(t)

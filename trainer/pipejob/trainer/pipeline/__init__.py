@@ -1,4 +1,4 @@
-"""PipelineJob: the master drives micro-batches through the model's shards on the stage
+"""PipelineJob: the master drives micro-batches through the model's pieces on the stage
 workers, on one of two engines (spec.engine): rpc/ (torch.distributed.rpc and distributed
 autograd) or pipelining/ (torch.distributed.pipelining's stages and schedules), or the one the
 master chooses (auto: engine_choice.py). Both share this room, and neither imports the other:
@@ -20,19 +20,28 @@ from functools import partial
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
+from pipejob.core.kinds.pipeline import AUTO, PIPELINING, RPC, PipelineSpec
 from pipejob.trainer.pipeline import engine_choice
 from pipejob.trainer.runtime import roles
 from pipejob.trainer.runtime.world import Env
 
 if TYPE_CHECKING:
+    from pipejob.trainer.pipeline.driver import ReplicasBase
     from pipejob.trainer.pipeline.run_plan import Checked
+
+# Each engine's class of the master's handle on every replica, in its `driver` module.
+REPLICAS_CLASS = {RPC: "RpcReplicas", PIPELINING: "PipeliningReplicas"}
 
 
 def engine(spec: PipelineSpec, module: str = "") -> ModuleType:
     """The job's engine's package (its `serve`), or one of its modules (`driver`: the
     master's step driver)."""
     return importlib.import_module(f"{__name__}.{spec.engine}" + (f".{module}" if module else ""))
+
+
+def replicas_class(spec: PipelineSpec) -> type[ReplicasBase]:
+    """The job's engine's step driver on the master (`RpcReplicas`, `PipeliningReplicas`)."""
+    return getattr(engine(spec, "driver"), REPLICAS_CLASS[spec.engine])
 
 
 def check(env: Env) -> Checked:

@@ -59,7 +59,7 @@ class CutModel:
     `processes` holds pieces k, k + processes, ... (the interleaved schedules' loop)."""
 
     units: list[str]
-    # Each piece's module: on the meta device where `parts` say how each process builds its
+    # Each piece's module: on the meta device where `builders` say how each process builds its
     # own (what `plan_cut` gives); otherwise the modules themselves, sent to the stages.
     stages: list[nn.Module]
     partition: Partition
@@ -69,7 +69,7 @@ class CutModel:
     tied: list[list[tuple[int, str]]] = field(default_factory=list)
     # A Hugging Face model's config (config.json), written beside the model file.
     config: dict[str, Any] | None = None
-    parts: list[PieceBuilder] | None = None  # one per piece
+    builders: list[PieceBuilder] | None = None  # one per piece
     processes: int = 0  # stage processes; 0: one per piece
     # The modules' versions a plain `model.state_dict()` carries (its `_metadata`), for the
     # model file: a fresh build of some modules (MNASNet) loads no state without them.
@@ -114,14 +114,14 @@ class CutModel:
             describe(self.piece_units(piece)) for piece in self.process_pieces(process)
         )
 
-    def part(self, process: int) -> PieceBuilder:
+    def builder(self, process: int) -> PieceBuilder:
         """How stage process `process` builds its pieces: from one build of the model, so a
         tensor two of them use (tied weights) stays one."""
-        assert self.parts is not None
-        parts = [self.parts[piece] for piece in self.process_pieces(process)]
-        keep = tuple(sorted({n for part in parts for n in part.keep}))
-        pieces = tuple(n for part in parts for n in part.pieces)
-        return dataclasses.replace(parts[0], keep=keep, pieces=pieces)
+        assert self.builders is not None
+        builders = [self.builders[piece] for piece in self.process_pieces(process)]
+        keep = tuple(sorted({n for builder in builders for n in builder.keep}))
+        pieces = tuple(n for builder in builders for n in builder.pieces)
+        return dataclasses.replace(builders[0], keep=keep, pieces=pieces)
 
 
 def plan_cut(
@@ -141,7 +141,7 @@ def plan_cut(
     With `microBatches: auto`, costs are measured at every candidate count's micro-batch
     size and the count with the shortest predicted step (`prediction`: timed, given the
     `hosts` whose cores stages share; counted with spec.deterministic) is used. Each stage
-    builds its own shard from the returned `parts`."""
+    builds its own pieces from the returned `builders`."""
     traced = trace(spec, model)
     units = traced.units
     if len(units) < spec.pieces:
@@ -152,7 +152,7 @@ def plan_cut(
     starts = [units[r.start] for r in saved.ranges[1:]]
     stages = traced.split(starts)
     dtype = torch.get_default_dtype()
-    parts = [
+    builders = [
         PieceBuilder(
             spec,
             dtype,
@@ -179,7 +179,7 @@ def plan_cut(
         rest,
         tied,
         hf_config(model),
-        parts,
+        builders,
         spec.stages,
         model_files.module_metadata(model),
         peft_output.configs(model),

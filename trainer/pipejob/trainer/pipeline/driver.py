@@ -1,5 +1,5 @@
-"""What the master's step driver does on either engine: `Pipeline`, its handle on one
-replica's remote stages, and `Replicas`, on every replica, whose `step` runs an optimizer
+"""What the master's step driver does on either engine: `PipelineBase`, its handle on one
+replica's remote stages, and `ReplicasBase`, on every replica, whose `step` runs an optimizer
 step and ends it with the tail both engines share (`step_result`). Each engine subclasses
 both (rpc/driver.py, pipelining/driver.py); the master's loop (train.py) sees only these.
 More in docs/architecture.md ("Two pipeline engines, one PipelineJob")."""
@@ -43,7 +43,7 @@ from pipejob.trainer.workloads import Loss, batch_values
 from pipejob.trainer.workloads.metrics import Tally
 
 
-class Pipeline:
+class PipelineBase:
     """The master's handle on one pipeline's remote stages (`stages`, on the workers `names`,
     created by the engine)."""
 
@@ -157,7 +157,7 @@ class Pipeline:
         return every_stage_result(self.names, self.stages, method, *args, **kwargs)
 
 
-class Replicas:
+class ReplicasBase:
     """Every copy of the pipeline (`pipelines`, one per replica): R replicas each run their
     share of every batch, and their stages average gradients before each optimizer step, so
     they compute what one pipeline computes on their union and stay identical.
@@ -175,7 +175,7 @@ class Replicas:
     # pipelining engine's, in .grad (the rpc engine's go with their autograd context).
     zero_grad = False
 
-    def __init__(self, pipelines: list[Pipeline], cut_model: CutModel, spec: PipelineSpec):
+    def __init__(self, pipelines: list[PipelineBase], cut_model: CutModel, spec: PipelineSpec):
         self.pipelines = pipelines
         self.optimizer, self.steps = spec.optimizer, spec.steps
         self.accumulation = spec.gradient_accumulation
@@ -252,7 +252,12 @@ class Replicas:
         return 1.0 if self.loss_scale is None else 1.0 / self.loss_scale.scale
 
     def step_result(
-        self, pipeline: Pipeline, context_id: int, step: int, ran: RoundsRun, stepped: bool = False
+        self,
+        pipeline: PipelineBase,
+        context_id: int,
+        step: int,
+        ran: RoundsRun,
+        stepped: bool = False,
     ) -> StepResult:
         """A replica's step, on either engine, once its rounds' backwards have run (`ran`):
         the tied weights' gradients summed, the replicas' averaged, the step judged (`judge`)
@@ -273,7 +278,7 @@ class Replicas:
             self._step_stages(pipeline, context_id, judged)
         return judged.result(middle - ran.start, time.perf_counter() - middle, allreduce)
 
-    def _step_stages(self, pipeline: Pipeline, context_id: int, judged: Judged) -> None:
+    def _step_stages(self, pipeline: PipelineBase, context_id: int, judged: Judged) -> None:
         """In one call per stage (StageBase.finish_step): the gradients clipped and the optimizer
         stepped where the step is applied and, with `zero_grad`, the gradients forgotten."""
         with phase("optimizer step"):
@@ -288,7 +293,7 @@ class Replicas:
         lr = learning_rate(self.optimizer, self.steps, step)
         return self.optimizer.clip_grad_norm, lr if self.optimizer.schedule is not None else None
 
-    def judge(self, pipeline: Pipeline, context_id: int, step: int, ran: RoundsRun) -> Judged:
+    def judge(self, pipeline: PipelineBase, context_id: int, step: int, ran: RoundsRun) -> Judged:
         """What the master makes of a replica's step once its gradients are in (on its
         stages, in dist-autograd context `context_id`): its mean loss over its training
         rounds (`ran`), the global gradient norm (from the stages' norms, asked for where the
@@ -306,7 +311,7 @@ class Replicas:
         )
 
     def nonfinite(
-        self, pipeline: Pipeline, loss: float, norms: list[float], rounds: list[int]
+        self, pipeline: PipelineBase, loss: float, norms: list[float], rounds: list[int]
     ) -> tuple[str, float, str] | None:
         """What of a replica's step (its training rounds `rounds`) was not finite, its value
         and where it came from: the loss, else the gradient norm (`norms`: per stage, which

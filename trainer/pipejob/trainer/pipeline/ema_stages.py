@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.pipeline.driver import Pipeline, Replicas
+from pipejob.trainer.pipeline.driver import PipelineBase, ReplicasBase
 from pipejob.trainer.pipeline.stage_base import StageBase
 
 
-def keep(spec: PipelineSpec, replicas: Replicas) -> None:
+def keep(spec: PipelineSpec, replicas: ReplicasBase) -> None:
     """Every stage of every replica starts its average from its weights now (spec.ema)."""
     if spec.ema is not None:
         for pipeline in replicas.pipelines:
@@ -20,7 +20,7 @@ def keep(spec: PipelineSpec, replicas: Replicas) -> None:
 
 
 @contextmanager
-def swapped(pipeline: Pipeline) -> Iterator[None]:
+def swapped(pipeline: PipelineBase) -> Iterator[None]:
     """Inside the block, `pipeline`'s stages hold the average in place of their weights."""
     pipeline.stage_results(StageBase.swap_average)
     try:

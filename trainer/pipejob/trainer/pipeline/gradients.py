@@ -132,7 +132,7 @@ def total_norm(norms: list[float]) -> float:
 
 def judged_here(loss: float, norms: list[float], clip: float | None) -> tuple[float, bool]:
     """A step judged on a stage that finishes it itself, as the master judges it
-    (Replicas.judge): its clipping coefficient, and whether it is applied (its loss and
+    (ReplicasBase.judge): its clipping coefficient, and whether it is applied (its loss and
     global norm finite), from the loss and every stage's norm."""
     total = total_norm(norms)
     return clip_coefficient(total, clip), math.isfinite(loss) and math.isfinite(total)

@@ -12,7 +12,7 @@ import torch
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import trained_model
 from pipejob.trainer.pipeline.cut_model import CutModel
-from pipejob.trainer.pipeline.driver import Replicas
+from pipejob.trainer.pipeline.driver import ReplicasBase
 from pipejob.trainer.pipeline.reader import Reader
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.pipeline.stage_calls import remote_stage
@@ -22,7 +22,7 @@ from pipejob.trainer.workloads import models
 
 
 def save_checkpoint(
-    env: Env[PipelineSpec], step: int, pipelines: Replicas, cut_model: CutModel
+    env: Env[PipelineSpec], step: int, pipelines: ReplicasBase, cut_model: CutModel
 ) -> None:
     """Each stage of replica 0 saves its shard and its optimizer's state under the model's
     own names (the replicas are identical: one copy of each stage, `stage<i>.pt`), the master
@@ -71,7 +71,10 @@ def save_checkpoint(
 
 
 def resume(
-    env: Env[PipelineSpec], found: checkpoint.Checkpoint, pipelines: Replicas, cut_model: CutModel
+    env: Env[PipelineSpec],
+    found: checkpoint.Checkpoint,
+    pipelines: ReplicasBase,
+    cut_model: CutModel,
 ) -> int:
     """Load every stage's shard and optimizer state by the model's own names, from the files
     of the checkpoint that hold them (stage i of every replica the same: the checkpoint holds

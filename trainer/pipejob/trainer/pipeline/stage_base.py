@@ -140,7 +140,7 @@ class StageBase:
 
     def __init__(
         self,
-        part: PieceBuilder | nn.Module,
+        builder: PieceBuilder | nn.Module,
         device: str,
         precision: str = "fp32",
         recompute: bool = False,
@@ -152,7 +152,7 @@ class StageBase:
             self.replicas_group = stage_groups.mine()[1]
         self.reader = Reader(source, self.device)  # reads only on a first stage
         # Built here from a PieceBuilder: only this process's parameters exist.
-        pieces = part.build() if isinstance(part, PieceBuilder) else [part]
+        pieces = builder.build() if isinstance(builder, PieceBuilder) else [builder]
         self.pieces = [piece.to(self.device) for piece in pieces]
         self.layers = union(self.pieces)
         # By name, looked up every step (named_parameters walks the modules each time); the

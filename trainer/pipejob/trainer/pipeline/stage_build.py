@@ -82,26 +82,26 @@ class PieceBuilder:
 
 
 def measure_here(
-    part: PieceBuilder, units: list[str], given: list[tuple[Any, ...]] | None, sizes: list[int]
+    builder: PieceBuilder, units: list[str], given: list[tuple[Any, ...]] | None, sizes: list[int]
 ) -> tuple[list[LayerCosts], list[tuple[Any, ...]]] | str:
-    """Runs on a stage: builds `part`'s pieces (one per unit of `units`) and measures them
+    """Runs on a stage: builds `builder`'s pieces (one per unit of `units`) and measures them
     on micro-batches of each of `sizes`: `given`, what the pieces before pass on, or on the
     first stage (None) micro-batches of the first training batch, read here. The costs and
     what the last piece passes on, or a message when the data does not fit the model."""
     # Measured where the stage computes: a GPU stage's costs are its GPU's, not its cores'.
-    device = torch.device("cuda:0" if part.spec.gpus_per_stage > 0 else "cpu")
+    device = torch.device("cuda:0" if builder.spec.gpus_per_stage > 0 else "cpu")
     # What is built to be measured is freed before the stage builds its shard, and given back.
     with tuning.returning_memory():
         first = given is None
         if first:
-            with default_dtype(part.dtype):  # the data as the master's default dtype makes it
-                inputs, _ = data.sample(part.spec, part.spec.batch_size)
+            with default_dtype(builder.dtype):  # the data as the master's default dtype makes it
+                inputs, _ = data.sample(builder.spec, builder.spec.batch_size)
             given = [(batch_values.take(inputs, size),) for size in sizes]  # a dict's too
-        pieces = [piece.to(device) for piece in part.build()]  # no copies: the stage's own
+        pieces = [piece.to(device) for piece in builder.build()]  # no copies: the stage's own
         try:
             with torch.random.fork_rng(devices=[]):  # dropout here leaves training's draws be
                 # spec.deterministic: counted, so a busy machine cuts where an idle one does.
-                chain = count_chain if part.spec.deterministic else measure_chain
+                chain = count_chain if builder.spec.deterministic else measure_chain
                 measured = [
                     chain(pieces, units, _to(values, device), first, on_copies=False)
                     for values in given
@@ -144,11 +144,11 @@ def measure_on_stages(
     tensors: list[list[bool]] = [[] for _ in batches]
     for k, run in enumerate(runs):
         held = [n for i in run for n in cut.state_names(pieces[i])]
-        part = PieceBuilder(
+        builder = PieceBuilder(
             spec, dtype, tuple(materialize.numbers(numbered, held)), tuple(units[1:]), tuple(run)
         )
         got = rpc.rpc_sync(
-            names[k], measure_here, args=(part, [units[i] for i in run], values, batches)
+            names[k], measure_here, args=(builder, [units[i] for i in run], values, batches)
         )
         if isinstance(got, str):
             raise ValueError(got)

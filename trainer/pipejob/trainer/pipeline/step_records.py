@@ -16,7 +16,7 @@ Finish = tuple[float | None, float | None]  # a step's clipGradNorm and learning
 
 @dataclass(frozen=True)
 class ReplicaShare:
-    """Replica `replica`'s part of an optimizer step (Replicas.step): its share of each of
+    """Replica `replica`'s part of an optimizer step (ReplicasBase.step): its share of each of
     the step's batches (`rounds`; None: read by its first stage), of `batch` samples each."""
 
     replica: int
@@ -64,7 +64,7 @@ class StepResult:
 
 @dataclass(frozen=True)
 class Judged:
-    """A replica's step as the master judged it before the optimizer steps (Replicas.judge)."""
+    """A replica's step as the master judged it before the optimizer steps (ReplicasBase.judge)."""
 
     loss: float  # the mean over its rounds
     norm: float  # the global gradient norm before clipping

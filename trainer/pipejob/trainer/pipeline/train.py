@@ -14,10 +14,10 @@ from typing import Any
 from pipejob.core.averaged import BOTH
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, RPC, PipelineSpec
 from pipejob.core.workload import CUT_EAGER, CUT_TRACED
-from pipejob.trainer.pipeline import ema_stages, engine, peft_output, trained_model
+from pipejob.trainer.pipeline import ema_stages, peft_output, replicas_class, trained_model
 from pipejob.trainer.pipeline.best_step import Judge
 from pipejob.trainer.pipeline.cut_model import CutModel
-from pipejob.trainer.pipeline.driver import Pipeline, Replicas
+from pipejob.trainer.pipeline.driver import PipelineBase, ReplicasBase
 from pipejob.trainer.pipeline.eager import run as eager_run
 from pipejob.trainer.pipeline.engine_choice import resolved
 from pipejob.trainer.pipeline.master_checkpoints import resume, save_checkpoint
@@ -55,7 +55,7 @@ def train(env: Env[PipelineSpec], checked: Checked | None = None) -> dict[str, A
     env, spec = planned.env, planned.env.spec  # on the engine it runs (engine auto's choice)
     monitor.board().runs_on(spec.engine)  # what `kubectl get` shows (status.engine)
     device = "cuda:0" if spec.gpus_per_stage > 0 else "cpu"
-    pipelines = engine(spec, "driver").Replicas(planned.replicas, planned.cut_model, spec, device)
+    pipelines = replicas_class(spec)(planned.replicas, planned.cut_model, spec, device)
     ema_stages.keep(spec, pipelines)  # spec.ema: before a checkpoint's average is loaded
     evaluates = held_out_description(env, pipelines) is not None
     first = 0 if planned.found is None else resume(env, planned.found, pipelines, planned.cut_model)
@@ -102,7 +102,7 @@ def eager(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- the steps
 
 
-def held_out_description(env: Env[PipelineSpec], pipelines: Replicas) -> str | None:
+def held_out_description(env: Env[PipelineSpec], pipelines: ReplicasBase) -> str | None:
     """The held-out set's description, where the job evaluates and the data has one."""
     if env.spec.eval is None:
         return None
@@ -119,7 +119,7 @@ def held_out_description(env: Env[PipelineSpec], pipelines: Replicas) -> str | N
 def train_steps(
     env: Env[PipelineSpec],
     planned: Plan,
-    pipelines: Replicas,
+    pipelines: ReplicasBase,
     evaluates: bool,
     first: int,
     judge: Judge,
@@ -161,7 +161,7 @@ def runs(
     spec: PipelineSpec, first: int, profile: profiling.ProfileSettings | None, evaluates: bool
 ) -> Iterator[range]:
     """Steps first .. spec.steps - 1 (0-based) as runs the engine may send back to back
-    (Replicas.run_steps): a run ends where the loop does more after a step than record and
+    (ReplicasBase.run_steps): a run ends where the loop does more after a step than record and
     log it (a checkpoint, an evaluation); a profiled step runs alone."""
     start = first
     for after in range(first + 1, spec.steps + 1):  # 1-based: after step `after`
@@ -174,7 +174,7 @@ def runs(
 
 def run_results(
     env: Env[PipelineSpec],
-    pipelines: Replicas,
+    pipelines: ReplicasBase,
     planned: Plan,
     steps: range,
     profile: profiling.ProfileSettings | None,
@@ -209,7 +209,7 @@ def record_step(env: Env[PipelineSpec], step: int, result: StepResult, events: E
 def log_step(
     env: Env[PipelineSpec],
     names: list[str],
-    pipelines: Replicas,
+    pipelines: ReplicasBase,
     step: int,
     result: StepResult,
     events: Events,
@@ -238,7 +238,7 @@ def evaluation_due(spec: PipelineSpec, step: int) -> bool:
 
 
 def evaluate(
-    env: Env[PipelineSpec], pipelines: Replicas, planned: Plan, step: int, events: Events
+    env: Env[PipelineSpec], pipelines: ReplicasBase, planned: Plan, step: int, events: Events
 ) -> dict[str, Any]:
     """The held-out figures after `step`, through replica 0 (the replicas are identical),
     logged, on the progress board and in the events."""
@@ -269,7 +269,7 @@ def evaluate(
 
 def write_output(
     env: Env[PipelineSpec],
-    pipelines: Replicas,
+    pipelines: ReplicasBase,
     cut_model: CutModel,
     evaluation: dict[str, Any] | None,
 ) -> None:
@@ -288,7 +288,7 @@ def write_output(
 
 def write_model(
     env: Env[PipelineSpec],
-    pipeline: Pipeline,
+    pipeline: PipelineBase,
     cut_model: CutModel,
     evaluation: dict[str, Any] | None,
     out: str,

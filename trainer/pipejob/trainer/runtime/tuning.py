@@ -2,7 +2,7 @@
 decided from the env contract and the host and applied at trainer start, before torch loads.
 A variable the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, MALLOC_ARENA_MAX,
 MKL_DISABLE_FAST_MM, an LD_PRELOAD naming a malloc, the malloc's own settings) always wins;
-PIPEJOB_TUNING picks the levers (pipejob.core.levers). What each lever does and the
+PIPEJOB_TUNING picks the levers (pipejob.core.tuning_levers). What each lever does and the
 measurements behind it: docs/user-guide.md, "Performance settings"."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipejob.core import contract as c
-from pipejob.core import levers
+from pipejob.core import tuning_levers
 from pipejob.core.kinds import KINDS
 from pipejob.trainer.runtime.world import loopback
 
@@ -183,12 +183,14 @@ def for_process(
     addresses = [a for a in environ.get(c.ADDRESSES, "").split(",") if a]
     spec = json.loads(environ.get(c.SPEC) or "{}")
     colocated = colocated_compute(kind, roles, addresses, rank, spec)
-    enabled = levers.parse(environ.get(TUNING))
+    enabled = tuning_levers.parse(environ.get(TUNING))
     malloc, library = running_malloc()
     cpus = available_cpus()
     settings = decide(kind, role, gpus, cpus, colocated, enabled, malloc, spec)
     words = f"{malloc} ({library})" if library else malloc
-    return replace(settings, malloc=words, missing=missing(library, levers.wanted_malloc(environ)))
+    return replace(
+        settings, malloc=words, missing=missing(library, tuning_levers.wanted_malloc(environ))
+    )
 
 
 def running_malloc(maps: str | None = None) -> tuple[str, str]:
@@ -201,12 +203,12 @@ def running_malloc(maps: str | None = None) -> tuple[str, str]:
         fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
         file = os.path.basename(fields[5]) if len(fields) == 6 else ""
         if "malloc" in file:
-            name = next((m for m in levers.MALLOCS if m in file), file.split(".so")[0][3:])
+            name = next((m for m in tuning_levers.MALLOCS if m in file), file.split(".so")[0][3:])
             return name, file
     return platform.libc_ver()[0] or "libc", ""
 
 
-def missing(library: str, wanted: levers.Malloc | None) -> str:
+def missing(library: str, wanted: tuning_levers.Malloc | None) -> str:
     """Why this process runs with the C library's malloc (no preloaded `library`) where
     PIPEJOB_TUNING asks for another, or ""."""
     if library or wanted is None or not wanted.library:
@@ -218,7 +220,7 @@ def preload_malloc() -> None:
     """Start this process over with the malloc PIPEJOB_TUNING asks for preloaded, where its
     launcher did not preload it (a pod; the local runner does): the dynamic linker reads
     LD_PRELOAD only when a program starts. Call it first: the process begins again."""
-    extra = levers.preload_env(os.environ)
+    extra = tuning_levers.preload_env(os.environ)
     if extra:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], os.environ | extra)
 
@@ -276,7 +278,7 @@ def _glibc() -> ctypes.CDLL | None:
 
 # This process's mmap threshold: glibc's first one until `_keep_memory` sets its own.
 _mmap_threshold = 128 << 10
-# While a part of the model is built or measured (pipeline/stage_parts.py), every parameter of the
+# While a part of the model is built or measured (pipeline/stage_build.py), every parameter of the
 # model is allocated and freed once, briefly: above this size a block is mapped alone and
 # given back when freed, where the heap that keeps freed memory for training would grow by
 # the whole model (measured: a stage of a 1.2 GB model at 2.4 GB instead of 1.2).

@@ -10,7 +10,7 @@ passes through it (docs/architecture.md, "Two pipeline engines, one PipelineJob"
 - schedules.py: spec.schedule as torch's schedule classes;
 - messages.py: what the stage processes tell each other
   besides activations (a round's labels, a step's figures);
-- activations.py: the activations a stage holds; flat.py: a piece's outputs as the
+- activations.py: the activations a stage holds; flat_piece.py: a piece's outputs as the
   schedules pass them."""
 
 from __future__ import annotations

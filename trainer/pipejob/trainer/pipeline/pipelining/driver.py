@@ -16,7 +16,7 @@ from torch.futures import Future
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import driver
-from pipejob.trainer.pipeline.cut_model import CutModel as Shards
+from pipejob.trainer.pipeline.cut_model import CutModel
 from pipejob.trainer.pipeline.pipelining.stage import NO_CONTEXT, Stage, StepReply
 from pipejob.trainer.pipeline.reader import HELD_OUT, Reader, Source
 from pipejob.trainer.pipeline.stage_base import MOST_STEPS_A_CALL
@@ -70,14 +70,14 @@ def even(micro_batches: int, samples: int) -> int:
     return max(n for n in range(1, micro_batches + 1) if samples % n == 0)
 
 
-class Pipeline(driver.Pipeline):
+class PipeliningPipeline(driver.PipelineBase):
     """The master's handle on one replica's stage processes: creates their Stages (each
     building its own pieces) and runs rounds through them."""
 
     def __init__(
         self,
         stage_names: list[str],
-        shards: Shards,
+        cut_model: CutModel,
         spec: PipelineSpec,
         device: str = "cpu",
         source: Source | None = None,
@@ -85,10 +85,10 @@ class Pipeline(driver.Pipeline):
         processes = len(stage_names)
         args = [
             (
-                shards.part(k) if shards.parts else shards.stages[k],
+                cut_model.builder(k) if cut_model.builders else cut_model.stages[k],
                 k,
                 processes,
-                shards.process_pieces(k),
+                cut_model.process_pieces(k),
                 spec.schedule,
                 spec.optimizer,
                 device,
@@ -99,7 +99,7 @@ class Pipeline(driver.Pipeline):
             for k in range(processes)
         ]
         super().__init__(stage_names, created_stages(stage_names, Stage, args))
-        self.pieces = len(shards.ranges)
+        self.pieces = len(cut_model.ranges)
         self._learnt: set[tuple[bool, int, int]] = set()
 
     def learn(self, batch: Round, training: bool) -> None:
@@ -139,7 +139,7 @@ class Pipeline(driver.Pipeline):
         `unscale` (1 / fp16's loss scale), each stage's gradient norm after it; `read`: the
         first stage reads each round first, as that many micro-batches (`read_round`);
         `finishes` (with `unscale`): the stages finish each step themselves
-        (Stage._finish; `alone`: each by its own figures, Replicas.steps_alone); `after`:
+        (Stage._finish; `alone`: each by its own figures, PipeliningReplicas.steps_alone); `after`:
         they run them once round `after` has run there. The futures of the stages' replies."""
         self.learn(batch, True)
         runs = even(batch.micro_batches, batch.samples)
@@ -188,23 +188,23 @@ class Pipeline(driver.Pipeline):
         return tally
 
 
-class Replicas(driver.Replicas):
+class PipeliningReplicas(driver.ReplicasBase):
     """Every copy of the pipeline, each stage with its own optimizer. With
     gradientAccumulation the rounds' gradients add up in .grad; then the replica's stages
-    average them with the same stage of the other replicas (Shard.average_gradients), give
+    average them with the same stage of the other replicas (StageBase.average_gradients), give
     their global norm, which clips them (gradients.py), and step."""
 
     zero_grad = True  # the gradients are in .grad
     call_seconds = 0.5  # about the longest a call of several steps runs (Stage.train)
 
     def __init__(
-        self, names: list[list[str]], shards: Shards, spec: PipelineSpec, device: str = "cpu"
+        self, names: list[list[str]], cut_model: CutModel, spec: PipelineSpec, device: str = "cpu"
     ):
         pipelines = [
-            Pipeline(stage_names, shards, spec, device, Source(spec, r, len(names)))
+            PipeliningPipeline(stage_names, cut_model, spec, device, Source(spec, r, len(names)))
             for r, stage_names in enumerate(names)
         ]
-        super().__init__(pipelines, shards, spec)
+        super().__init__(pipelines, cut_model, spec)
         self._seconds: float | None = None  # the latest step's, sent ahead
 
     @property
@@ -234,7 +234,7 @@ class Replicas(driver.Replicas):
         )
 
     def run_steps(self, micro_batches: int, steps: range, loss_fn: Loss) -> Iterator[StepResult]:
-        """As driver.Replicas.run_steps; where the engine `runs_ahead`, several steps go to
+        """As driver.ReplicasBase.run_steps; where the engine `runs_ahead`, several steps go to
         the stages in one call (`_call_steps`), and each call is sent while the last runs, so
         the stages never wait for the master between steps (the master reads a call's
         results while the next one runs). A round whose shapes are not yet learnt is sent
@@ -300,7 +300,7 @@ class Replicas(driver.Replicas):
     def _replica_result(self, part: ReplicaShare) -> StepResult:
         pipeline = self.pipelines[part.replica]
         rounds, step = part.rounds, part.step
-        assert isinstance(pipeline, Pipeline)
+        assert isinstance(pipeline, PipeliningPipeline)
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
         weight = scale / len(rounds)  # each batch's share of the step's loss
         # Where nothing changes the gradients after the last round's backwards (no ties, no

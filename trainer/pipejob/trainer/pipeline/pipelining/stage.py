@@ -19,12 +19,12 @@ from pipejob.core.optimizer import Optimizer
 from pipejob.trainer.pipeline import gradients, stage_groups
 from pipejob.trainer.pipeline.pipelining import messages, schedules
 from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
-from pipejob.trainer.pipeline.pipelining.flat import Flat
-from pipejob.trainer.pipeline.pipelining.marks import Marks
+from pipejob.trainer.pipeline.pipelining.compute_marks import ComputeMarks
+from pipejob.trainer.pipeline.pipelining.flat_piece import FlatPiece
 from pipejob.trainer.pipeline.pipelining.timed import Timed
 from pipejob.trainer.pipeline.reader import Source
-from pipejob.trainer.pipeline.stage_base import StageBase as Shard
-from pipejob.trainer.pipeline.stage_build import PieceBuilder as Part
+from pipejob.trainer.pipeline.stage_base import StageBase
+from pipejob.trainer.pipeline.stage_build import PieceBuilder
 from pipejob.trainer.pipeline.step_records import Finish
 from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS
@@ -39,16 +39,16 @@ StepReply = tuple[float | None, float | None, float]  # Stage.train's: loss, nor
 METERED_ROUNDS = 2  # training rounds of each kind whose activations are counted
 
 
-class Stage(Shard):
+class Stage(StageBase):
     """Stage process `index` of its pipeline's `processes`: its pieces (built here from a
-    `Part`) as PipelineStages, the job's schedule over them, and the optimizer that steps
+    `PieceBuilder`) as PipelineStages, the job's schedule over them, and the optimizer that steps
     them."""
 
-    grads_in_place = True  # Shard's: its gradients are in .grad
+    grads_in_place = True  # StageBase's: its gradients are in .grad
 
     def __init__(
         self,
-        part: Part | nn.Module,
+        builder: PieceBuilder | nn.Module,
         index: int,
         processes: int,
         pieces: list[int],
@@ -59,7 +59,7 @@ class Stage(Shard):
         recompute: bool = False,
         source: Source | None = None,
     ):
-        super().__init__(part, device, precision, recompute, source, optimizer)
+        super().__init__(builder, device, precision, recompute, source, optimizer)
         self.index, self.held, self.schedule = index, pieces, schedule
         self.count = processes * len(pieces)  # pieces in the pipeline
         self.pipeline, _, self.host = stage_groups.mine()  # its replicas group: Shard's
@@ -79,7 +79,7 @@ class Stage(Shard):
         self._rode: tuple[float, float | None] | None = None  # the norm and loss it sent
         self._alone = False  # the call's steps finish by this stage's own figures
         self.modules = [
-            Flat(
+            FlatPiece(
                 self.computed(piece, k == self.count - 1),
                 k == self.count - 1,
                 f"the end of stage {k}",
@@ -93,7 +93,7 @@ class Stage(Shard):
         self._metas: dict[tuple[Key, int], tuple[Metas, Metas]] = {}  # (in, out) per piece
         self._loss: tuple[Loss | None, float] | None = None  # the round's loss and its weight
         self._losses: list[torch.Tensor] = []
-        self.marks = Marks(self.device)
+        self.marks = ComputeMarks(self.device)
         self._round = 0  # the training round running
         # Its forwards' outputs finite? Checked as it waits (`waits`) where it receives each
         # micro-batch's gradients (one piece a process), else at once.
@@ -173,7 +173,7 @@ class Stage(Shard):
         (Reader.read); `finishes`: each step's tail too (`_finish`; `alone`: by this
         stage's own figures, `_finish_alone`); `after`: once round `after` has run here
         (`_in_turn`). Per step: its loss on the last stage (the mean of its micro-batches';
-        None elsewhere), with `unscale` the norm of its gradients (Shard.norm; else None),
+        None elsewhere), with `unscale` the norm of its gradients (StageBase.norm; else None),
         and its seconds here, from the end of the step before."""
         rounds = range(round, round + len(steps))
         replies: list[StepReply] = []
@@ -290,7 +290,7 @@ class Stage(Shard):
     @contextmanager
     def _in_turn(self, round: int, after: int | None) -> Iterator[None]:
         """Training rounds up to `round`, once round `after` has run here (None: at once):
-        the master sends a call before the last one's replies are in (Replicas.run_steps),
+        the master sends a call before the last one's replies are in (PipeliningReplicas.run_steps),
         and this process's RPC threads may start the two calls in either order."""
         if after is not None:
             with self._ran:
@@ -312,8 +312,8 @@ class Stage(Shard):
     ) -> None:
         """The step's tail without a call from the master: the pipeline's stages gather
         their norms and the loss (messages.Figures) and judge the step as the master does
-        (Replicas.judge: applied where both are finite, clipped by the global norm), then
-        step and forget the gradients (Shard.finish_step)."""
+        (ReplicasBase.judge: applied where both are finite, clipped by the global norm), then
+        step and forget the gradients (StageBase.finish_step)."""
         every = self._figures.gather(self._row(norm, loss)).tolist()
         loss = next(row[1] for row in every if row[2])
         coefficient, applied = gradients.judged_here(loss, [row[0] for row in every], clip)

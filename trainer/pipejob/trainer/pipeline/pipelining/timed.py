@@ -1,5 +1,5 @@
 """The pipelining engine's PipelineStage (`Timed`): torch's, marking when it computes
-(marks.py) for the summary's per-stage times and bubble, checking its outputs, and letting a
+(compute_marks.py) for the summary's per-stage times and bubble, checking its outputs, and letting a
 step's figures ride with its last backward's messages (Stage.ride_in, Stage.ride_out)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 class Timed(PipelineStage):
-    """A PipelineStage of `owner`'s that marks when it computes (marks.py), for the
+    """A PipelineStage of `owner`'s that marks when it computes (compute_marks.py), for the
     summary's per-stage times and bubble; its backward's messages carry the step's figures
     where the owner's round has them ride (Stage.ride_in, Stage.ride_out)."""
 

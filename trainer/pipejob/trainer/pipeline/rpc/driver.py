@@ -31,7 +31,7 @@ from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
 
-class RpcPipeline(driver.Pipeline):
+class RpcPipeline(driver.PipelineBase):
     """The master's handle on the remote stages: creates them and runs micro-batches (every
     call through pipeline/stage_calls.py, which says why)."""
 
@@ -51,7 +51,7 @@ class RpcPipeline(driver.Pipeline):
         last = len(stage_names) - 1
         args = [
             (
-                cut_model.parts[i] if cut_model.parts else cut_model.stages[i],
+                cut_model.builders[i] if cut_model.builders else cut_model.stages[i],
                 i == last,
                 device,
                 precision,
@@ -113,7 +113,7 @@ def forward_backward(
         return pipeline.forward(batch, step, end, read)
 
 
-class Replicas(driver.Replicas):
+class RpcReplicas(driver.ReplicasBase):
     """Every copy of the pipeline, each stage with its own optimizer.
 
     Each replica runs its share's forwards and backwards in a dist-autograd context of its

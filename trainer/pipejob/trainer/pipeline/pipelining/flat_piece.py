@@ -1,4 +1,4 @@
-"""A piece as the pipelining engine's PipelineStages run it (`Flat`): torch's schedules pass
+"""A piece as the pipelining engine's PipelineStages run it (`FlatPiece`): torch's schedules pass
 only tensors between stages and hand the loss the last stage's outputs as a tuple of tensors,
 so the last piece's output is flattened and its structure kept to rebuild it."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 
-class Flat(nn.Module):
+class FlatPiece(nn.Module):
     """A piece as a PipelineStage runs it: the last one's output as a tuple of its tensors,
     its structure (a dict, a Hugging Face ModelOutput) kept to rebuild it for the loss; any
     other piece's outputs are sent to the next stage, so they must be tensors. An output

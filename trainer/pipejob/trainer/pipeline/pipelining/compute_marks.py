@@ -15,7 +15,7 @@ from pipejob.trainer.pipeline.timing import Clock, busy_seconds, only
 Pairs = list[tuple[Any, Any]]  # [start, end] marks of micro-batches' forwards or backwards
 
 
-class Marks:
+class ComputeMarks:
     """A stage's marks. `step` is the step whose forwards and backwards are marked (None:
     none, as in an evaluation)."""
 

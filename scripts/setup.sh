@@ -89,6 +89,11 @@ covered=yes
 for extra in ${EXTRAS//,/ }; do
   if [ "$stamped_key" != "$key" ] || ! has "$extra" "$stamped_extras"; then covered=no; fi
 done
+# The stamp says what was installed, not what is: another checkout's install into the same
+# venv (or an uninstall) since then is seen by where pipejob imports from.
+here=$(cd "$(pwd)/operator" && pwd -P)
+there=$(cd / && "$VENV/bin/python" -c 'import os, pipejob; print(os.path.dirname(os.path.dirname(os.path.realpath(pipejob.__file__))))' 2>/dev/null || true)
+if [ "$there" != "$here" ]; then covered=no; fi
 if [ "$covered" = no ]; then
   say "installing pipejob (editable) with the extras $wanted"
   pip_quietly "$VENV/bin/pip" install -e ".[$wanted]"

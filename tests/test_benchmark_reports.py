@@ -24,6 +24,18 @@ def benchmark(name: str) -> ModuleType:
     return module
 
 
+def registered_benchmark(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
+    """A script of benchmarks/ as a module importing its helpers beside it, in sys.modules while
+    the test runs (its dataclasses look their module up there)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    found = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert found is not None and found.loader is not None
+    module = importlib.util.module_from_spec(found)
+    monkeypatch.setitem(sys.modules, name, module)
+    found.loader.exec_module(module)
+    return module
+
+
 def test_overhead_fits_a_step_as_fixed_plus_per_micro_batch_and_reports_both_parts():
     """overhead.py's fit and tables (its run is the device rehearsal's: tests/test_device.py)."""
     overhead = benchmark("overhead")
@@ -81,15 +93,8 @@ def test_overhead_fits_a_step_as_fixed_plus_per_micro_batch_and_reports_both_par
 
 @pytest.fixture
 def repeat_runs(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """repeat_runs.py as a module, importing _common beside it, in sys.modules while the test
-    runs (its dataclasses look their module up there)."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    found = importlib.util.spec_from_file_location("repeat_runs", BENCHMARKS / "repeat_runs.py")
-    assert found is not None and found.loader is not None
-    module = importlib.util.module_from_spec(found)
-    monkeypatch.setitem(sys.modules, "repeat_runs", module)
-    found.loader.exec_module(module)
-    return module
+    """repeat_runs.py as a module, importing _common beside it."""
+    return registered_benchmark(monkeypatch, "repeat_runs")
 
 
 def test_repeat_runs_names_the_first_place_two_runs_differ(repeat_runs, tmp_path: Path):
@@ -186,12 +191,7 @@ def test_compare_reports_each_variant_against_its_system_and_per_cpu_against_tor
     """compare.py's report: a variant of the default engine's system (pipejob-1f1b:t2) beside
     the system, and each pipejob system's samples per CPU-second over torch's best schedule
     (issue 61's line), each system at its best count."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    found = importlib.util.spec_from_file_location("compare", BENCHMARKS / "compare.py")
-    assert found is not None and found.loader is not None
-    compare = importlib.util.module_from_spec(found)
-    monkeypatch.setitem(sys.modules, "compare", compare)
-    found.loader.exec_module(compare)
+    compare = registered_benchmark(monkeypatch, "compare")
     Counters = sys.modules["_common"].Counters
 
     def run(system: str, rate: float, cpu: float) -> object:

@@ -136,8 +136,7 @@ def decide(
     if "threads" in enabled:
         if computes(kind, role):
             share = cpus / max(1, colocated)
-            alone = KINDS[kind].role(role).one_thread_when_crowded(spec or {})
-            crowded = share <= 1 and alone
+            crowded = share <= 1 and KINDS[kind].role(role).one_thread_when_crowded(spec or {})
             if share < 2 and not crowded:
                 share *= OVERSUBSCRIBE
             threads = max(1, math.floor(min(cpus, share)))

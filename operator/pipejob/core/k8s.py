@@ -17,6 +17,9 @@ from typing import Any
 from pipejob.core.errors import SpecError, shown
 
 SCHEMAS = Path(__file__).with_name("k8s_schemas.json")
+# A Kubernetes object as the API server sends it (a Pod, a job's body, an Event): its shape is
+# Kubernetes', so this is the one boundary where the operator reads an untyped mapping.
+KubeObject = dict[str, Any]
 
 
 @cache

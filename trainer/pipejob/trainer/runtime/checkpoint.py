@@ -28,6 +28,9 @@ from pipejob.trainer.runtime.world import Env
 MANIFEST = "manifest.json"
 FORMAT = 1
 KEEP = 2  # complete checkpoints kept; older step directories are removed
+# What torch's state_dict() gives and load_state_dict() takes (a module's, an optimizer's, the
+# random generators'): torch's own untyped shape, the trainer's one boundary of that kind.
+TorchState = dict[str, Any]
 
 
 def due(spec: CommonSpec, step: int) -> bool:

@@ -208,7 +208,7 @@ class Bench:
         """The CPU seconds the master and `replicas`' stage processes have used so far."""
         p = replicas.pipelines[0]
         stages = torch.futures.wait_all(
-            [rpc.rpc_async(name, time.process_time) for name in p.names]
+            [rpc.rpc_async(stage.name, time.process_time) for stage in p.stages]
         )
         return time.process_time() + sum(stages)
 
@@ -226,10 +226,7 @@ class Bench:
         vocab = MODELS[model]["vocabSize"]
         args = (system.removeprefix("torch-"), m, shape, vocab, loss_fn, count)
         replies = torch.futures.wait_all(
-            [
-                rpc.rpc_async(name, torch_steps, args=(stage, *args))
-                for name, stage in zip(p.names, p.stages, strict=True)
-            ]
+            [rpc.rpc_async(stage.name, torch_steps, args=(stage, *args)) for stage in p.stages]
         )
         return replies[0][0], sum(used for _, used in replies)
 

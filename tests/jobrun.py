@@ -33,6 +33,7 @@ from pipejob.trainer.pipeline import engine_choice
 from pipejob.trainer.pipeline.cut_model import plan_cut
 from pipejob.trainer.pipeline.rpc.driver import RpcPipeline, forward_backward
 from pipejob.trainer.pipeline.stage_base import StageBase
+from pipejob.trainer.pipeline.step_records import NOTHING
 from pipejob.trainer.runtime import checkpoint, rendezvous, world
 from pipejob.trainer.workloads import cut, data, models
 from pipejob.trainer.workloads.cut import join
@@ -298,7 +299,7 @@ def _pipelining_step(
     def one(r: int) -> float:
         pipe = pipes[r]
         batch = pipe.read(s.micro_batches, shares[r])
-        sent = pipe.launch(batch, range(0, 1), workloads.loss(s), 1.0)
+        sent = pipe.launch(batch, range(0, 1), workloads.loss(s), 1.0, [NOTHING])
         loss, _, _ = driver.outcome([replies[0] for replies in torch.futures.wait_all(sent)])
         pipe.combine_tied(0, cut_model.tied)
         if s.replicas.max > 1:
@@ -312,8 +313,8 @@ def _pipelining_step(
 
 def _gradients(pipe: Any, context_id: int) -> dict[str, torch.Tensor]:
     grads: dict[str, torch.Tensor] = {}
-    for name, stage in zip(pipe.names, pipe.stages, strict=True):
-        grads |= rpc.rpc_sync(name, _stage_gradients, args=(stage, context_id))
+    for stage in pipe.stages:
+        grads |= rpc.rpc_sync(stage.name, _stage_gradients, args=(stage, context_id))
     return grads
 
 

@@ -40,10 +40,11 @@ from pipejob.trainer.pipeline.balance import LayerCosts, measure_chain, min_max_
 from pipejob.trainer.pipeline.cut_model import piece_starts, plan_cut
 from pipejob.trainer.pipeline.pipelining import messages
 from pipejob.trainer.pipeline.pipelining.driver import PipeliningReplicas, even
-from pipejob.trainer.pipeline.pipelining.stage import Stage
+from pipejob.trainer.pipeline.pipelining.stage import PipeliningStage
 from pipejob.trainer.pipeline.pipelining.timed import Timed
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.pipeline.stage_build import CANDIDATES_PER_STAGE
+from pipejob.trainer.pipeline.step_records import StepEnd
 from pipejob.trainer.pipeline.train import runs
 from pipejob.trainer.runtime import checkpoint, profiling
 from pipejob.trainer.runtime.model_files import load_state_dict
@@ -270,18 +271,18 @@ def _note_sends_and_takes() -> None:
     """Note, in EVENTS, each forward's sends (as the schedule asks for them, just before
     it posts them) and each training round the first stage takes (reads, its labels sent),
     with the parts its reader keeps the round's inputs in."""
-    sends, take = Timed.get_fwd_send_ops, Stage._take_round
+    sends, take = Timed.get_fwd_send_ops, PipeliningStage._take_round
 
     def sending(piece: Timed, chunk: int) -> list[Any]:
         EVENTS.append(f"send {piece.owner._round}")
         return sends(piece, chunk)
 
-    def taking(stage: Stage, round: int, *args: Any) -> None:
+    def taking(stage: PipeliningStage, round: int, *args: Any) -> None:
         take(stage, round, *args)
         parts = sum(1 for r, _ in stage.reader._inputs if r == round)
         EVENTS.append(f"take {round} in {parts}")
 
-    Timed.get_fwd_send_ops, Stage._take_round = sending, taking  # type: ignore[method-assign]
+    Timed.get_fwd_send_ops, PipeliningStage._take_round = sending, taking  # type: ignore[method-assign]
 
 
 def _events(clear: bool = False) -> list[str]:
@@ -314,7 +315,7 @@ def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         ahead._send = lambda m, steps, *a: order.append(f"send {[*steps]}") or send(m, steps, *a)
         ahead._landed = lambda flight: order.append(f"read {[*flight.steps]}") or land(flight)
         sent = list(ahead.run_steps(s.micro_batches, range(AHEAD_STEPS), loss))
-        # Unclipped, each stage steps by its own figures (steps_alone); clipped at a norm
+        # Unclipped, each stage steps by its own figures (StepEnd.ALONE); clipped at a norm
         # never reached, they wait for every stage's, as above: the same steps either way.
         unclipped, never = (
             dataclasses.replace(s, optimizer=dataclasses.replace(s.optimizer, clip_grad_norm=c))
@@ -325,7 +326,7 @@ def _ahead_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
         figures = [[(r.loss, r.grad_norm, r.lr) for r in rs] for rs in (stepped, sent, *run)]
         done = (one_by_one, ahead, *pairs)
         prints = [r.pipelines[0].stage_results(StageBase.fingerprint) for r in done]
-        alone = [r.steps_alone for r in done]
+        alone = [r.end is StepEnd.ALONE for r in done]
         rpc.rpc_sync(names[0], _events, args=(True,))
         gpipe = PipeliningReplicas(
             [names], cut_model, dataclasses.replace(unclipped, schedule="gpipe")
@@ -344,7 +345,7 @@ def test_steps_sent_ahead_compute_what_steps_one_after_the_other_do(tmp_path: Pa
     read (its seconds are not yet known), then every step left in one call; and the losses,
     gradient norms, learning rates and weights are those of the same steps run one after
     the other, bit for bit (momentum, clipping and a schedule). Unclipped, each stage steps
-    once its own backwards have run (PipeliningReplicas.steps_alone), computing what stages
+    once its own backwards have run (StepEnd.ALONE), computing what stages
     that wait for every stage's figures compute."""
     job = spec.parse(
         pipeline_job(
@@ -431,7 +432,7 @@ def _messages_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
                 if k % 2:
                     taken.expect()
                 said.append(taken.take().clone())
-        figures = messages.Figures(group, 2)
+        figures = messages.StepFigures(group, 2)
         gathered = [figures.gather(FIGURES[rank])]
         figures.expect()
         gathered.append(figures.gather(FIGURES[rank]))

@@ -110,8 +110,8 @@ def _bf16_world(rank: int, envs: list[dict[str, str]], out: str) -> None:
                 pipe, pipe.read(s.micro_batches, batch), 0, context_id, workloads.loss(s)
             )
             grads: dict[str, torch.Tensor] = {}
-            for name, stage in zip(pipe.names, pipe.stages, strict=True):
-                grads |= rpc.rpc_sync(name, _stage_gradients, args=(stage, context_id))
+            for stage in pipe.stages:
+                grads |= rpc.rpc_sync(stage.name, _stage_gradients, args=(stage, context_id))
         torch.save({"loss": loss.item(), "grads": grads}, out)
     finally:
         rpc.shutdown()

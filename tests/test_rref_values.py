@@ -71,9 +71,8 @@ def _world(rank: int, envs: list[dict[str, str]], out: str) -> None:
             forward_backward(
                 pipe, pipe.read(s.micro_batches, (inputs, labels)), 0, context_id, workloads.loss(s)
             )
-        stage0, name0 = pipe.stages[0], pipe.names[0]
         # A forward output that stays on its stage (what the next stage fetches).
-        output = remote_stage(name0, stage0).rref(
+        output = remote_stage(pipe.stages[0]).rref(
             RpcStage.forward, (inputs[:2],), pipe.rounds + 1, 0, None
         )
         rrefs = [*(stage.rref for stage in pipe.stages), output]  # each RpcStage's own

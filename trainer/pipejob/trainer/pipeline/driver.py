@@ -29,12 +29,18 @@ from pipejob.trainer.pipeline.stage_calls import (
     remote_stage,
 )
 from pipejob.trainer.pipeline.step_records import (
+    NOTHING,
+    EngineEnds,
     Finish,
     Judged,
     ReplicaShare,
     Round,
+    RoundAsks,
     RoundsRun,
+    StepEnd,
     StepResult,
+    StepShape,
+    step_end,
 )
 from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.optim import clip_coefficient, learning_rate
@@ -44,12 +50,12 @@ from pipejob.trainer.workloads.metrics import Tally
 
 
 class PipelineBase:
-    """The master's handle on one pipeline's remote stages (`stages`, on the workers `names`,
-    created by the engine)."""
+    """The master's handle on one pipeline's remote stages (`stages`, each naming its
+    worker, created by the engine)."""
 
-    def __init__(self, names: list[str], stages: list[StageRef]):
-        self.names, self.stages = names, stages
-        remote_stage(names[-1], stages[-1]).result(StageBase.meet_first, names[0], stages[0])
+    def __init__(self, stages: list[StageRef]):
+        self.stages = stages
+        remote_stage(stages[-1]).result(StageBase.meet_first, stages[0])
         self.rounds = 0  # forward rounds (training steps and evaluation batches) so far
         self._training: int | None = None  # a training round's samples (the data has no end)
 
@@ -101,7 +107,7 @@ class PipelineBase:
 
     def reader(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """What `method` of the first stage's Reader (pipeline/reader.py) returns."""
-        return remote_reader(self.names[0], self.stages[0]).result(method, *args, **kwargs)
+        return remote_reader(self.stages[0]).result(method, *args, **kwargs)
 
     def combine_tied(self, context_id: int, tied: list[list[tuple[int, str]]]) -> None:
         """Each parameter several stages hold (tied embeddings, cut.ties; `tied` by stage
@@ -110,16 +116,14 @@ class PipelineBase:
         for group in tied:
             grads = torch.futures.wait_all(
                 [
-                    remote_stage(self.names[k], self.stages[k]).future(
-                        StageBase.gradient, context_id, name
-                    )
+                    remote_stage(self.stages[k]).future(StageBase.gradient, context_id, name)
                     for k, name in group
                 ]
             )
             total = torch.stack(grads).sum(0)
             torch.futures.wait_all(
                 [
-                    remote_stage(self.names[k], self.stages[k]).future(
+                    remote_stage(self.stages[k]).future(
                         StageBase.set_gradient, context_id, name, total
                     )
                     for k, name in group
@@ -130,10 +134,10 @@ class PipelineBase:
         """Where a non-finite loss of training rounds `rounds` came from: the first stage
         whose forward gave a non-finite output, else the loss on the last stage."""
         flags = self.stage_results(StageBase.nonfinite, rounds)
-        first = next((name for name, bad in zip(self.names, flags, strict=True) if bad), None)
+        first = next((s.name for s, bad in zip(self.stages, flags, strict=True) if bad), None)
         if first is not None:
             return f"{first}'s forward"
-        return f"the loss on {self.names[-1]} (from finite outputs)"
+        return f"the loss on {self.stages[-1].name} (from finite outputs)"
 
     def norms(
         self, context_id: int, unscale: float, leave_out: dict[int, frozenset[str]]
@@ -142,10 +146,10 @@ class PipelineBase:
         nan when any is; `leave_out`: per stage index, the copies counted elsewhere."""
         return torch.futures.wait_all(
             [
-                remote_stage(name, stage).future(
+                remote_stage(stage).future(
                     StageBase.norm, context_id, unscale, leave_out.get(k, frozenset())
                 )
-                for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
+                for k, stage in enumerate(self.stages)
             ]
         )
 
@@ -154,7 +158,7 @@ class PipelineBase:
 
     def stage_results(self, method: Method[P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """What `method` of every stage, called at once, returns."""
-        return every_stage_result(self.names, self.stages, method, *args, **kwargs)
+        return every_stage_result(self.stages, method, *args, **kwargs)
 
 
 class ReplicasBase:
@@ -174,6 +178,7 @@ class ReplicasBase:
     # Whether the stages forget a step's gradients once it is stepped or skipped: the
     # pipelining engine's, in .grad (the rpc engine's go with their autograd context).
     zero_grad = False
+    engine_ends: EngineEnds  # what the engine's stages can do at a step's end (step_end)
 
     def __init__(self, pipelines: list[PipelineBase], cut_model: CutModel, spec: PipelineSpec):
         self.pipelines = pipelines
@@ -183,6 +188,15 @@ class ReplicasBase:
         self.loss_scale = gradients.LossScale() if spec.precision == "fp16" else None
         self.guard = nonfinite.Guard(spec.skip_non_finite_steps)
         self.tied = cut_model.tied
+        shape = StepShape(
+            self.accumulation,
+            bool(self.tied),
+            len(pipelines),
+            self.loss_scale is not None,
+            self.optimizer.clip_grad_norm is not None,
+            self.guard.allowed > 0,
+        )
+        self.end = step_end(shape, self.engine_ends)  # how every step of the job ends
         self._threads = ThreadPoolExecutor(len(pipelines)) if len(pipelines) > 1 else None
 
     def step(
@@ -251,19 +265,23 @@ class ReplicasBase:
         scale (1.0 without one)."""
         return 1.0 if self.loss_scale is None else 1.0 / self.loss_scale.scale
 
+    def asks(self, step: int, last: bool) -> RoundAsks:
+        """What a training round of step `step` (`last`: the step's last) asks of the stages
+        at its end, for the job's `end`: the norms in the replies, and the step finished."""
+        if not last or not self.end.norms_in_replies:
+            return NOTHING
+        finish = self.finish(step) if self.end.stepped_by_stages else None
+        return RoundAsks(self.unscale(), finish, self.end is StepEnd.ALONE)
+
     def step_result(
-        self,
-        pipeline: PipelineBase,
-        context_id: int,
-        step: int,
-        ran: RoundsRun,
-        stepped: bool = False,
+        self, pipeline: PipelineBase, context_id: int, step: int, ran: RoundsRun
     ) -> StepResult:
         """A replica's step, on either engine, once its rounds' backwards have run (`ran`):
         the tied weights' gradients summed, the replicas' averaged, the step judged (`judge`)
         and, in one call per stage, clipped and stepped where it is applied and, with
-        `zero_grad`, the gradients forgotten (`_step_stages`); `stepped`: the stages did that
-        already, judging alike (pipelining's Stage._finish)."""
+        `zero_grad`, the gradients forgotten (`_step_stages`), unless the stages did that
+        in the last round's call, judging alike (`end`: round_end.Backward.at_first,
+        pipelining's StepFinish.finish)."""
         if self.tied:
             with phase("tied gradients"):
                 pipeline.combine_tied(context_id, self.tied)
@@ -274,7 +292,7 @@ class ReplicasBase:
                 allreduce = max(pipeline.stage_results(StageBase.average_gradients, context_id))
         with phase("gradient norms"):
             judged = self.judge(pipeline, context_id, step, ran)
-        if not stepped and (judged.apply or self.zero_grad):
+        if not self.end.stepped_by_stages and (judged.apply or self.zero_grad):
             self._step_stages(pipeline, context_id, judged)
         return judged.result(middle - ran.start, time.perf_counter() - middle, allreduce)
 
@@ -324,7 +342,7 @@ class ReplicasBase:
             # The backward runs from the last stage to the first: the latest stage whose
             # gradients are not finite is where they became so.
             k = max(k for k, n in enumerate(norms) if not math.isfinite(n))
-            return "gradient norm", norm, f"{pipeline.names[k]}'s backward"
+            return "gradient norm", norm, f"{pipeline.stages[k].name}'s backward"
         return None
 
     def share(self, round_: Round, batch: int) -> float:
@@ -354,10 +372,7 @@ class ReplicasBase:
         """Call `method` of every replica's first stage's Reader at once: `load_state` (a
         checkpoint's position), `close` (stop reading)."""
         torch.futures.wait_all(
-            [
-                remote_reader(p.names[0], p.stages[0]).future(method, *args, **kwargs)
-                for p in self.pipelines
-            ]
+            [remote_reader(p.stages[0]).future(method, *args, **kwargs) for p in self.pipelines]
         )
 
     def divergence(self) -> float:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed.rpc as rpc
 
-from pipejob.trainer.pipeline.stage_calls import StageRef
+from pipejob.trainer.pipeline.stage_calls import StageRef, held
 from pipejob.trainer.runtime.optim import clip_coefficient
 
 T = TypeVar("T")
@@ -27,16 +27,16 @@ def _settled(function: Callable[..., T]) -> Callable[..., T]:
     the optimizer's step, on an RPC thread's, reads what it leaves."""
 
     @functools.wraps(function)
-    def settled(stage: StageRef, *args: Any) -> T:
-        with stage.local_value().settled():
-            return function(stage, *args)
+    def settled(key: int, *args: Any) -> T:
+        with held(key).settled():
+            return function(key, *args)
 
     return settled
 
 
-def _gradients(stage: StageRef, context_id: int) -> dict[str, torch.Tensor]:
-    """A stage's gradients in a step, by parameter name (on the stage)."""
-    return stage.local_value().gradients(context_id)
+def _gradients(key: int, context_id: int) -> dict[str, torch.Tensor]:
+    """The gradients in a step of the stage held here by `key`, by parameter name."""
+    return held(key).gradients(context_id)
 
 
 def unscaled_norm(
@@ -68,24 +68,26 @@ _held_lock = threading.Lock()
 
 
 @_settled
-def hold_stage(stage: StageRef, context_id: int) -> None:
-    """Runs on a stage: add a round's gradients to those it holds for the step."""
+def hold_stage(key: int, context_id: int) -> None:
+    """Runs on a stage (held here by `key`): add a round's gradients to those it holds for
+    the step."""
     with _held_lock:
-        held = _held.setdefault(id(stage.local_value()), {})
-    for name, g in _gradients(stage, context_id).items():
-        if name in held:
-            held[name].add_(g)
+        kept = _held.setdefault(id(held(key)), {})
+    for name, g in _gradients(key, context_id).items():
+        if name in kept:
+            kept[name].add_(g)
         else:
-            held[name] = g.clone()
+            kept[name] = g.clone()
 
 
 @_settled
-def release_stage(stage: StageRef, context_id: int) -> None:
-    """Runs on a stage: add what it holds to the last round's gradients, in that context."""
+def release_stage(key: int, context_id: int) -> None:
+    """Runs on a stage (held here by `key`): add what it holds to the last round's
+    gradients, in that context."""
     with _held_lock:
-        held = _held.pop(id(stage.local_value()), {})
-    grads = _gradients(stage, context_id)
-    for name, g in held.items():
+        kept = _held.pop(id(held(key)), {})
+    grads = _gradients(key, context_id)
+    for name, g in kept.items():
         if name not in grads:
             raise RuntimeError(
                 f"{name} got a gradient in an earlier batch of the step but not in its last:"
@@ -94,23 +96,21 @@ def release_stage(stage: StageRef, context_id: int) -> None:
         grads[name].add_(g)
 
 
-def hold(names: list[str], stages: list[StageRef], context_id: int) -> None:
-    _on_every(names, stages, hold_stage, context_id)
+def hold(stages: list[StageRef], context_id: int) -> None:
+    """Every stage of `stages` holds a round's gradients for its step (`hold_stage`)."""
+    _on_every(stages, hold_stage, context_id)
 
 
-def release(names: list[str], stages: list[StageRef], context_id: int) -> None:
-    _on_every(names, stages, release_stage, context_id)
+def release(stages: list[StageRef], context_id: int) -> None:
+    """Every stage of `stages` adds what it holds to the last round's (`release_stage`)."""
+    _on_every(stages, release_stage, context_id)
 
 
-def _on_every(
-    names: list[str], stages: list[StageRef], function: Callable[..., Any], *args: Any
-) -> list[Any]:
-    """Call `function(stage, *args)` on every stage at once; their results."""
+def _on_every(stages: list[StageRef], function: Callable[..., Any], *args: Any) -> list[Any]:
+    """Call `function(key, *args)` on every stage's worker at once, with its key; their
+    results."""
     return torch.futures.wait_all(
-        [
-            rpc.rpc_async(name, function, args=(stage, *args))
-            for name, stage in zip(names, stages, strict=True)
-        ]
+        [rpc.rpc_async(stage.name, function, args=(stage.key, *args)) for stage in stages]
     )
 
 

@@ -34,8 +34,8 @@ def save_checkpoint(
     directory = str(checkpoint.step_dir(root, step))
     start = time.perf_counter()
     saving = [
-        remote_stage(name, stage).future(StageBase.save, directory, f"stage{i}.pt")
-        for i, (name, stage) in enumerate(zip(pipeline.names, pipeline.stages, strict=True))
+        remote_stage(stage).future(StageBase.save, directory, f"stage{i}.pt")
+        for i, stage in enumerate(pipeline.stages)
     ]
     own = {
         "rng": checkpoint.rng_state(),
@@ -100,12 +100,8 @@ def resume(
         per_stage.append((entries, seed))
     loading = []
     for pipeline in pipelines.pipelines:
-        for name, stage, (entries, seed) in zip(
-            pipeline.names, pipeline.stages, per_stage, strict=True
-        ):
-            loading.append(
-                remote_stage(name, stage).future(StageBase.load, directory, entries, seed)
-            )
+        for stage, (entries, seed) in zip(pipeline.stages, per_stage, strict=True):
+            loading.append(remote_stage(stage).future(StageBase.load, directory, entries, seed))
     own = found.load("master.pt")
     checkpoint.set_rng_state(own["rng"])
     if pipelines.loss_scale is not None and "lossScale" in own:

@@ -169,16 +169,16 @@ class StageBase:
         # (tensors, read only when the master asks where a non-finite loss came from).
         self._finite: dict[int, dict[int, list[torch.Tensor]]] = {}
         self._finite_lock = threading.Lock()
-        self._first: tuple[str, StageRef] | None = None  # the first stage: its reader has labels
+        self._first: StageRef | None = None  # the first stage: its reader has labels
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, list[torch.Tensor]]:
         """What pickling a Stage gives: the tensors it holds. An RPC agent with CUDA devices
         pickles every RRef's value to find its tensors, whose streams it synchronises before
         the value is used (torch._jit_internal._extract_tensors); locks, threads and a
         user's module need not pickle for that. A Stage is never sent anywhere."""
         return {"tensors": [*self.layers.parameters(), *self.layers.buffers()]}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, list[torch.Tensor]]) -> None:
         raise TypeError("a Stage cannot be unpickled: it lives on its stage worker")
 
     @contextmanager
@@ -213,10 +213,10 @@ class StageBase:
     def computed(self, piece: nn.Module, last: bool) -> Computed:
         return Computed(piece, self.device, self.autocast, self.recompute, last)
 
-    def meet_first(self, name: str, stage: StageRef) -> None:
-        """Remember the first stage (`stage`, on worker `name`), whose reader has each round's
-        labels (`labels`): the last stage's loss needs them."""
-        self._first = name, stage
+    def meet_first(self, stage: StageRef) -> None:
+        """Remember the first stage (`stage`), whose reader has each round's labels
+        (`labels`): the last stage's loss needs them."""
+        self._first = stage
 
     def labels(self, round: int) -> torch.Tensor:
         """Round `round`'s labels on this stage's device (`ask_labels`)."""
@@ -228,8 +228,7 @@ class StageBase:
         master did once (`meet_first`): the master passing an RRef a round cost several
         messages more."""
         assert self._first is not None, "the master names the first stage to the last"
-        name, stage = self._first
-        return remote_reader(name, stage).future(Reader.labels, round, RPC_TIMEOUT_SECONDS)
+        return remote_reader(self._first).future(Reader.labels, round, RPC_TIMEOUT_SECONDS)
 
     # ------------------------------------------------------------------ non-finite values
 
@@ -376,10 +375,12 @@ class StageBase:
         else:
             torch.manual_seed(seed)
 
-    def _optimizers(self) -> dict[str, Any]:
+    def _optimizers(self) -> dict[str, Functional | ema.Average]:
         """The optimizers a checkpoint keeps with the shard, by key (spec.ema's average as
         one: its state is by parameter too)."""
-        kept = {} if self.optimizer is None else {"optimizer": self.optimizer}
+        kept: dict[str, Functional | ema.Average] = {}
+        if self.optimizer is not None:
+            kept["optimizer"] = self.optimizer
         if self.average is not None:
             kept[ema.CHECKPOINT_KEY] = self.average
         return kept

@@ -302,7 +302,6 @@ def write_model(
     paths = trained_model.write_live(
         out,
         spec.output.format,
-        pipeline.names,
         pipeline.stages,
         cut_model.rest,
         about,

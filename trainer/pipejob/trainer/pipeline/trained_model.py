@@ -66,7 +66,6 @@ def write(
 def write_live(
     out: str | Path,
     format: str,
-    names: list[str],
     stages: list[StageRef],
     rest: dict[str, torch.Tensor],
     about: dict[str, Any],
@@ -74,24 +73,21 @@ def write_live(
     single_file_bytes: int | None = None,
     metadata: model_files.Metadata | None = None,
 ) -> list[Path]:
-    """The model a run's stages hold (`stages`, on the workers `names`)
+    """The model a run's stages hold (`stages`)
     and `rest`, the state no stage holds, written into `out`: one file when it is at most
     `single_file_bytes` (SINGLE_FILE_BYTES), else each stage writing its own shard, all at
     once, and the master the rest's and the index (which holds the modules' `metadata`).
     The paths written."""
     model_files.check_format(format)
     limit = SINGLE_FILE_BYTES if single_file_bytes is None else single_file_bytes
-    pairs = list(zip(names, stages, strict=True))
-    held = torch.futures.wait_all([rpc.rpc_async(n, held_bytes, args=(s,)) for n, s in pairs])
+    held = torch.futures.wait_all([rpc.rpc_async(s.name, held_bytes, args=(s,)) for s in stages])
     if sum(held) + model_files.state_bytes(rest) <= limit:
-        states = torch.futures.wait_all(
-            [remote_stage(n, s).future(StageBase.state) for n, s in pairs]
-        )
+        states = torch.futures.wait_all([remote_stage(s).future(StageBase.state) for s in stages])
         return write(out, format, states, rest, about, config, metadata)
     files = shard_files(len(stages), bool(rest), format)
     writing = [
-        remote_stage(n, s).future(StageBase.write_shard, str(out), f, format)
-        for (n, s), f in zip(pairs, files, strict=False)
+        remote_stage(s).future(StageBase.write_shard, str(out), f, format)
+        for s, f in zip(stages, files, strict=False)
     ]
     mine = [model_files.write_shard(out, files[-1], rest, format)] if rest else []
     return finish(out, format, [*torch.futures.wait_all(writing), *mine], about, config, metadata)

@@ -1,6 +1,6 @@
 """The pipelining engine's step driver, on the master: for each round, the first stage reads
 its batch and every stage of the replica runs the round through its torch schedule at once
-(Stage.train); then the recipe, as on the rpc engine: tied weights' gradients summed, the
+(PipeliningStage.train); then the recipe, as on the rpc engine: tied weights' gradients summed, the
 replicas' averaged, the global norm clipped, and each stage's optimizer stepped with the
 learning rate of the step, or, where the stages finish each step themselves, several steps
 in one call. What both engines' drivers share is pipeline/driver.py's."""
@@ -17,14 +17,15 @@ from torch.futures import Future
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline import driver
 from pipejob.trainer.pipeline.cut_model import CutModel
-from pipejob.trainer.pipeline.pipelining.stage import NO_CONTEXT, Stage, StepReply
+from pipejob.trainer.pipeline.pipelining.stage import NO_CONTEXT, PipeliningStage, StepReply
 from pipejob.trainer.pipeline.reader import HELD_OUT, Reader, Source
 from pipejob.trainer.pipeline.stage_base import MOST_STEPS_A_CALL
 from pipejob.trainer.pipeline.stage_calls import created_stages, remote_stage
 from pipejob.trainer.pipeline.step_records import (
-    Finish,
+    EngineEnds,
     ReplicaShare,
     Round,
+    RoundAsks,
     RoundsRun,
     StepResult,
 )
@@ -45,7 +46,7 @@ def outcome(replies: list[StepReply]) -> tuple[float, list[float] | None, float]
 
 @dataclass
 class InFlight:
-    """Steps sent to the stages in one call each (Stage.train) whose replies are not yet
+    """Steps sent to the stages in one call each (PipeliningStage.train) whose replies are not yet
     read: the steps, their first training round and their share of the batch."""
 
     steps: range
@@ -98,13 +99,13 @@ class PipeliningPipeline(driver.PipelineBase):
             )
             for k in range(processes)
         ]
-        super().__init__(stage_names, created_stages(stage_names, Stage, args))
+        super().__init__(created_stages(stage_names, PipeliningStage, args))
         self.pieces = len(cut_model.ranges)
         self._learnt: set[tuple[bool, int, int]] = set()
 
     def learn(self, batch: Round, training: bool) -> None:
         """Before the first round of its kind: the shapes each piece takes and passes on, piece
-        after piece from the first stage's inputs (Stage.learn)."""
+        after piece from the first stage's inputs (PipeliningStage.learn)."""
         key = (training, even(batch.micro_batches, batch.samples), batch.samples)
         if key in self._learnt:
             return
@@ -112,9 +113,8 @@ class PipeliningPipeline(driver.PipelineBase):
         read = self.reader(Reader.metas, batch.number)
         metas = [((size, *shape[1:]), dtype) for shape, dtype in read]
         for piece in range(self.pieces):
-            k = piece % len(self.stages)
-            metas = remote_stage(self.names[k], self.stages[k]).result(
-                Stage.learn, key, piece, metas
+            metas = remote_stage(self.stages[piece % len(self.stages)]).result(
+                PipeliningStage.learn, key, piece, metas
             )
         self._learnt.add(key)
 
@@ -128,44 +128,39 @@ class PipeliningPipeline(driver.PipelineBase):
         steps: range,
         loss_fn: Loss,
         weight: float,
-        unscale: float | None = None,
+        asks: list[RoundAsks],
         read: int | None = None,
-        finishes: list[Finish] | None = None,
         after: int | None = None,
-        alone: bool = False,
     ) -> list[Future[list[StepReply]]]:
         """Sends `steps`, one training round each from round `batch` on, to every stage in
-        one call (Stage.train): each loss weighted by `weight` for the backward; with
-        `unscale` (1 / fp16's loss scale), each stage's gradient norm after it; `read`: the
-        first stage reads each round first, as that many micro-batches (`read_round`);
-        `finishes` (with `unscale`): the stages finish each step themselves
-        (Stage._finish; `alone`: each by its own figures, PipeliningReplicas.steps_alone); `after`:
-        they run them once round `after` has run there. The futures of the stages' replies."""
+        one call (PipeliningStage.train): each loss weighted by `weight` for the backward;
+        `asks`, per step, what its round's end asks of the stages (the norms, the step
+        finished there: ReplicasBase.asks); `read`: the first stage reads each round first,
+        as that many micro-batches (`read_round`); `after`: they run them once round `after`
+        has run there. The futures of the stages' replies."""
         self.learn(batch, True)
         runs = even(batch.micro_batches, batch.samples)
         last = len(self.stages) - 1  # holds the last piece (stage k is on process k % p)
         return [
-            remote_stage(name, stage).future(
-                Stage.train,
+            remote_stage(stage).future(
+                PipeliningStage.train,
                 batch.number,
                 runs,
                 batch.samples,
                 steps,
                 loss_fn if k == last else None,
                 weight,
-                unscale,
+                asks,
                 read if k == 0 else None,
-                finishes,
                 after,
-                alone,
             )
-            for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
+            for k, stage in enumerate(self.stages)
         ]
 
     def evaluate(self, micro_batches: int, limit: int, loss_fn: Loss, tally: Tally) -> Tally:
         """`tally` with the held-out set's figures (its first `limit` batches, all when 0):
         the first stage reads each batch, every stage runs its forwards, the last adds the
-        figures (Stage.evaluate)."""
+        figures (PipeliningStage.evaluate)."""
         self.reader(Reader.start_held_out, limit)
         last = len(self.stages) - 1
         while (batch := self.read(micro_batches, what=HELD_OUT)) is not None:
@@ -173,15 +168,15 @@ class PipeliningPipeline(driver.PipelineBase):
             runs = even(batch.micro_batches, batch.samples)
             tallies = torch.futures.wait_all(
                 [
-                    remote_stage(name, stage).future(
-                        Stage.evaluate,
+                    remote_stage(stage).future(
+                        PipeliningStage.evaluate,
                         batch.number,
                         runs,
                         batch.samples,
                         loss_fn,
                         tally if k == last else None,
                     )
-                    for k, (name, stage) in enumerate(zip(self.names, self.stages, strict=True))
+                    for k, stage in enumerate(self.stages)
                 ]
             )
             tally = tallies[last]
@@ -195,7 +190,10 @@ class PipeliningReplicas(driver.ReplicasBase):
     their global norm, which clips them (gradients.py), and step."""
 
     zero_grad = True  # the gradients are in .grad
-    call_seconds = 0.5  # about the longest a call of several steps runs (Stage.train)
+    # The rounds add up in .grad; the stages gather the step's figures in messages and step
+    # by them, or each by its own (PipeliningStage.ends: step_finish.StepFinish).
+    engine_ends = EngineEnds(rounds_add_in_place=True, finishes_scaled=True, steps_alone=True)
+    call_seconds = 0.5  # about the longest a call of several steps runs (PipeliningStage.train)
 
     def __init__(
         self, names: list[list[str]], cut_model: CutModel, spec: PipelineSpec, device: str = "cpu"
@@ -210,28 +208,9 @@ class PipeliningReplicas(driver.ReplicasBase):
     @property
     def runs_ahead(self) -> bool:
         """Whether a step may be sent before the last one's result is in: where the stages
-        finish every step themselves (one pipeline, one round a step, no tied weights) and
-        nothing of a step waits on the master's judgement of the last (fp16's loss scale)."""
-        return (
-            not self.tied
-            and len(self.pipelines) == 1
-            and self.accumulation == 1
-            and self.loss_scale is None
-        )
-
-    @property
-    def steps_alone(self) -> bool:
-        """Whether each stage that finishes a step may step it once its own backwards have
-        run, waiting for no other stage's figures (Stage._finish_alone), as torch's own loop
-        does: where nothing it steps by depends on them, that is no clipping by the global
-        norm, no fp16 loss scale, and a non-finite step fails the job (no
-        skipNonFiniteSteps: the master's judgement of the step decides nothing the stages
-        do; such a step's update is never kept, as no checkpoint or output follows it)."""
-        return (
-            self.optimizer.clip_grad_norm is None
-            and self.loss_scale is None
-            and self.guard.allowed == 0
-        )
+        finish every step themselves (`end`) and nothing of a step waits on the master's
+        judgement of the last (fp16's loss scale)."""
+        return self.end.stepped_by_stages and self.loss_scale is None
 
     def run_steps(self, micro_batches: int, steps: range, loss_fn: Loss) -> Iterator[StepResult]:
         """As driver.ReplicasBase.run_steps; where the engine `runs_ahead`, several steps go to
@@ -277,10 +256,8 @@ class PipeliningReplicas(driver.ReplicasBase):
         first, read = rounds[0]
         share = self.share(first, self.batch)
         after = None if running is None else running.last_round
-        finishes = [self.finish(step) for step in steps]
-        replies = pipeline.launch(
-            first, steps, loss_fn, share, 1.0, read, finishes, after, self.steps_alone
-        )
+        asks = [self.asks(step, True) for step in steps]
+        replies = pipeline.launch(first, steps, loss_fn, share, asks, read, after)
         return InFlight(steps, first.number, share, replies)
 
     def _landed(self, flight: InFlight) -> Iterator[StepResult]:
@@ -291,7 +268,7 @@ class PipeliningReplicas(driver.ReplicasBase):
         for k, step in enumerate(flight.steps):
             loss, norms, seconds = outcome([stage[k] for stage in replies])
             ran = RoundsRun([loss * flight.share], [flight.round + k], norms, time.perf_counter())
-            result = self.step_result(pipeline, NO_CONTEXT, step, ran, stepped=True)
+            result = self.step_result(pipeline, NO_CONTEXT, step, ran)
             self._seconds = seconds
             yield self.combined(
                 step, [replace(result, pipeline_seconds=seconds, optimizer_seconds=0.0)]
@@ -303,11 +280,6 @@ class PipeliningReplicas(driver.ReplicasBase):
         assert isinstance(pipeline, PipeliningPipeline)
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
         weight = scale / len(rounds)  # each batch's share of the step's loss
-        # Where nothing changes the gradients after the last round's backwards (no ties, no
-        # other replica), its replies carry the stages' norms; where that round is the only
-        # one (the stages see its loss alone), its call finishes the step too.
-        early = not self.tied and len(self.pipelines) == 1
-        stepped = early and len(rounds) == 1
         start = time.perf_counter()
         losses, numbers, norms = [], [], None
         for a, given in enumerate(rounds):
@@ -315,23 +287,15 @@ class PipeliningReplicas(driver.ReplicasBase):
                 round_, read = pipeline.read_round(part.micro_batches, given)
             numbers.append(round_.number)
             share = self.share(round_, part.batch)
-            unscale = self.unscale() if early and a == len(rounds) - 1 else None
-            finishes = [self.finish(step)] if stepped else None
+            asks = [self.asks(step, a == len(rounds) - 1)]
             with phase("schedule"):
                 replies = pipeline.launch(
-                    round_,
-                    range(step, step + 1),
-                    part.loss_fn,
-                    weight * share,
-                    unscale,
-                    read,
-                    finishes,
-                    alone=self.steps_alone,
+                    round_, range(step, step + 1), part.loss_fn, weight * share, asks, read
                 )
                 loss, norms, _ = outcome([r[0] for r in torch.futures.wait_all(replies)])
             losses.append(loss * share)
         ran = RoundsRun(losses, numbers, norms, start)
-        return self.step_result(pipeline, NO_CONTEXT, step, ran, stepped)
+        return self.step_result(pipeline, NO_CONTEXT, step, ran)
 
     def activation_peaks(self) -> list[int] | None:
-        return self.pipelines[0].stage_results(Stage.activation_peak)
+        return self.pipelines[0].stage_results(PipeliningStage.activation_peak)

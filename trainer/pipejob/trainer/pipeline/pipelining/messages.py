@@ -101,7 +101,7 @@ class LabelsIn:
         return data.view(dtype).reshape(shape)
 
 
-class Figures:
+class StepFigures:
     """A step's figures: every process's row of `width` numbers, by its rank in `group`, on
     every process, passed from the last process to the first, as the backward ends there
     last, each adding its own, then sent by the first to every other."""

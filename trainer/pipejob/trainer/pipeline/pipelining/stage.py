@@ -16,30 +16,30 @@ import torch
 from torch import nn
 
 from pipejob.core.optimizer import Optimizer
-from pipejob.trainer.pipeline import gradients, stage_groups
+from pipejob.trainer.pipeline import stage_groups
 from pipejob.trainer.pipeline.pipelining import messages, schedules
 from pipejob.trainer.pipeline.pipelining.activations import ActivationMeter
 from pipejob.trainer.pipeline.pipelining.compute_marks import ComputeMarks
 from pipejob.trainer.pipeline.pipelining.flat_piece import FlatPiece
+from pipejob.trainer.pipeline.pipelining.step_finish import NO_CONTEXT, StepFinish
 from pipejob.trainer.pipeline.pipelining.timed import Timed
 from pipejob.trainer.pipeline.reader import Source
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.pipeline.stage_build import PieceBuilder
-from pipejob.trainer.pipeline.step_records import Finish
+from pipejob.trainer.pipeline.step_records import RoundAsks
 from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.cut import join
 from pipejob.trainer.workloads.metrics import Tally
 
-NO_CONTEXT = 0  # gradients are in .grad: no context names them
 Metas = list[tuple[tuple[int, ...], torch.dtype]]  # the shape and dtype of each value
 Key = tuple[bool, int, int]  # a kind of round: training?, micro-batches, samples
-StepReply = tuple[float | None, float | None, float]  # Stage.train's: loss, norm, seconds
+StepReply = tuple[float | None, float | None, float]  # PipeliningStage.train's: loss, norm, seconds
 METERED_ROUNDS = 2  # training rounds of each kind whose activations are counted
 
 
-class Stage(StageBase):
+class PipeliningStage(StageBase):
     """Stage process `index` of its pipeline's `processes`: its pieces (built here from a
     `PieceBuilder`) as PipelineStages, the job's schedule over them, and the optimizer that steps
     them."""
@@ -71,13 +71,12 @@ class Stage(StageBase):
         apart = not (self.first and self.last)  # the labels pass from the first to the last
         self._labels_out = messages.LabelsOut(self.host) if apart and self.first else None
         self._labels_in = messages.LabelsIn(self.host) if apart and self.last else None
-        self._figures = messages.Figures(self.host, 3)  # each stage's norm, loss, last or not
+        self.ends = StepFinish(self.host, self.last)  # its steps' ends (step_records.StepEnd)
         # A step's figures ride with its last backward's messages where a process holds one
         # piece: (that backward's micro-batch, fp16's unscale) in such a round (`ride_out`).
         self._rides = self.count > 1 and len(pieces) == 1 and schedule in schedules.SINGLE
         self._ride: tuple[int, float] | None = None
         self._rode: tuple[float, float | None] | None = None  # the norm and loss it sent
-        self._alone = False  # the call's steps finish by this stage's own figures
         self.modules = [
             FlatPiece(
                 self.computed(piece, k == self.count - 1),
@@ -161,32 +160,28 @@ class Stage(StageBase):
         steps: range,
         loss_fn: Loss | None,
         weight: float,
-        unscale: float | None = None,
+        asks: list[RoundAsks],
         read: int | None = None,
-        finishes: list[Finish] | None = None,
         after: int | None = None,
-        alone: bool = False,
     ) -> list[StepReply]:
         """Training rounds `round`, `round` + 1, ... of steps `steps`, one each: forwards and
         backwards of its `micro_batches` (of `samples` in all), the gradients added to
         .grad; `read`: the first stage reads each round first, as that many micro-batches
-        (Reader.read); `finishes`: each step's tail too (`_finish`; `alone`: by this
-        stage's own figures, `_finish_alone`); `after`: once round `after` has run here
+        (Reader.read); `asks`, per step, what its round's end asks (the norm; the step's
+        tail too: `ends`, step_finish.py); `after`: once round `after` has run here
         (`_in_turn`). Per step: its loss on the last stage (the mean of its micro-batches';
-        None elsewhere), with `unscale` the norm of its gradients (StageBase.norm; else None),
+        None elsewhere), where asked the norm of its gradients (StageBase.norm; else None),
         and its seconds here, from the end of the step before."""
         rounds = range(round, round + len(steps))
         replies: list[StepReply] = []
         with self._in_turn(rounds[-1], after):
-            self._alone = alone and finishes is not None  # in its turn: calls may overlap
             begun = time.perf_counter()
-            for k, (number, step) in enumerate(zip(rounds, steps, strict=True)):
-                finish = None if finishes is None else finishes[k]
+            for number, step, asked in zip(rounds, steps, asks, strict=True):
                 self._more = number < rounds[-1]
                 ahead = read is not None and self._more  # the next round read here, ahead
                 self._next = (number + 1, read, samples) if ahead else None
                 loss, norm = self._train_round(
-                    number, micro_batches, samples, step, loss_fn, weight, unscale, read, finish
+                    number, micro_batches, samples, step, loss_fn, weight, read, asked
                 )
                 ended = time.perf_counter()
                 replies.append((loss, norm, ended - begun))
@@ -201,9 +196,8 @@ class Stage(StageBase):
         step: int,
         loss_fn: Loss | None,
         weight: float,
-        unscale: float | None,
         read: int | None,
-        finish: Finish | None,
+        asks: RoundAsks,
     ) -> tuple[float | None, float | None]:
         """One round of `train`, in its turn."""
         if self.first and self._taken != round:
@@ -214,14 +208,15 @@ class Stage(StageBase):
         self._counting = self._metered[key] <= METERED_ROUNDS
         args = (self.reader.inputs(round),) if self.first else ()
         target = self._last_labels(round) if self.last else None
-        gathers = finish is not None and unscale is not None and not self._alone
+        gathers = StepFinish.gathers(asks)
         riding = gathers and self._rides
-        if gathers:
-            self._figures.expect(riding)  # posted now, so they are in when the backward ends
+        if gathers:  # posted now, so they are in when the backward ends
+            self.ends.figures.expect(riding)
         self._loss, self._losses = (loss_fn, weight / micro_batches), []
         self._round = round
         self._checks = nonfinite.RoundChecks(self._checks.deferred)
-        self._ride = (micro_batches - 1, unscale) if riding else None
+        ride = riding and asks.unscale is not None  # it is where the figures gather
+        self._ride = (micro_batches - 1, asks.unscale) if ride else None
         self.marks.begin(step, training=True)
         try:
             run.step(*args, target=target, return_outputs=False)
@@ -231,13 +226,9 @@ class Stage(StageBase):
         if rode is not None:
             norm, loss = rode
         else:
-            norm = None if unscale is None else self.norm(NO_CONTEXT, unscale)
+            norm = None if asks.unscale is None else self.norm(NO_CONTEXT, asks.unscale)
             loss = self._round_loss()
-        if finish is not None and norm is not None:
-            if self._alone:
-                self._finish_alone(finish[1])
-            else:
-                self._finish(norm, loss, *finish)
+        self.ends.finish(self, asks, norm, loss)
         return loss, norm
 
     def _round_loss(self) -> float | None:
@@ -251,7 +242,7 @@ class Stage(StageBase):
         """A schedule's receives of `micro_batch`'s gradients, with those of the figures of
         the processes after this one where they ride with the round's last backward."""
         if self._ride is not None and micro_batch == self._ride[0] and not self.last:
-            ops.append(self._figures.below())
+            ops.append(self.ends.figures.below())
         return ops
 
     def ride_out(self, ops: list[Any], micro_batch: int) -> list[Any]:
@@ -260,11 +251,8 @@ class Stage(StageBase):
         if self._ride is not None and micro_batch == self._ride[0] and not self.first:
             norm, loss = self.norm(NO_CONTEXT, self._ride[1]), self._round_loss()
             self._rode = norm, loss
-            ops.append(self._figures.up(self._row(norm, loss)))
+            ops.append(self.ends.figures.up(self.ends.row(norm, loss)))
         return ops
-
-    def _row(self, norm: float, loss: float | None) -> list[float]:
-        return [norm, 0.0 if loss is None else loss, float(self.last)]
 
     def _take_round(self, round: int, read: int | None, samples: int) -> None:
         """On the first stage process: training round `round` read (`read` None: given before
@@ -306,25 +294,6 @@ class Stage(StageBase):
             with self._ran:
                 self._last_ran = max(self._last_ran, round)
                 self._ran.notify_all()
-
-    def _finish(
-        self, norm: float, loss: float | None, clip: float | None, lr: float | None
-    ) -> None:
-        """The step's tail without a call from the master: the pipeline's stages gather
-        their norms and the loss (messages.Figures) and judge the step as the master does
-        (ReplicasBase.judge: applied where both are finite, clipped by the global norm), then
-        step and forget the gradients (StageBase.finish_step)."""
-        every = self._figures.gather(self._row(norm, loss)).tolist()
-        loss = next(row[1] for row in every if row[2])
-        coefficient, applied = gradients.judged_here(loss, [row[0] for row in every], clip)
-        self.finish_step(NO_CONTEXT, coefficient, lr, applied, zero=True)
-
-    def _finish_alone(self, lr: float | None) -> None:
-        """The step's tail where nothing it is stepped by is another stage's (the master's
-        `steps_alone`: no clipping, no loss scale, a non-finite step fails the job): step
-        and forget the gradients once this stage's backwards have run, as torch's own loop
-        does, with no figures to wait for; the step is judged by the master as ever."""
-        self.finish_step(NO_CONTEXT, 1.0, lr, True, zero=True)
 
     def forwarded(self, output: Any) -> None:
         """A piece's forward gave `output`: in training, whether it is finite is checked

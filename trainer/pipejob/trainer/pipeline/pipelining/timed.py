@@ -1,6 +1,7 @@
 """The pipelining engine's PipelineStage (`Timed`): torch's, marking when it computes
-(compute_marks.py) for the summary's per-stage times and bubble, checking its outputs, and letting a
-step's figures ride with its last backward's messages (Stage.ride_in, Stage.ride_out)."""
+(compute_marks.py) for the summary's per-stage times and bubble, checking its outputs, and
+letting a step's figures ride with its last backward's messages (PipeliningStage.ride_in,
+PipeliningStage.ride_out)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.pipelining import PipelineStage
 
 if TYPE_CHECKING:
-    from pipejob.trainer.pipeline.pipelining.stage import Stage
+    from pipejob.trainer.pipeline.pipelining.stage import PipeliningStage
 
 
 class Timed(PipelineStage):
     """A PipelineStage of `owner`'s that marks when it computes (compute_marks.py), for the
     summary's per-stage times and bubble; its backward's messages carry the step's figures
-    where the owner's round has them ride (Stage.ride_in, Stage.ride_out)."""
+    where the owner's round has them ride (PipeliningStage.ride_in, PipeliningStage.ride_out)."""
 
-    def __init__(self, owner: Stage, *args: Any, **kwargs: Any):
+    def __init__(self, owner: PipeliningStage, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.owner = owner
 

@@ -20,9 +20,11 @@ from pipejob.trainer.pipeline.rpc.round_end import Backward, EvaluationEnd, Norm
 from pipejob.trainer.pipeline.rpc.stage import RpcStage
 from pipejob.trainer.pipeline.stage_calls import created_stages, remote_stage
 from pipejob.trainer.pipeline.step_records import (
-    Finish,
+    NOTHING,
+    EngineEnds,
     ReplicaShare,
     Round,
+    RoundAsks,
     RoundsRun,
     StepResult,
 )
@@ -61,11 +63,11 @@ class RpcPipeline(driver.PipelineBase):
             )
             for i in range(last + 1)
         ]
-        super().__init__(stage_names, created_stages(stage_names, RpcStage, args))
+        super().__init__(created_stages(stage_names, RpcStage, args))
         # Each stage passes its outputs straight to the next (RpcStage.pass_on).
-        every = list(zip(self.names, self.stages, strict=True))
+        every = self.stages
         torch.futures.wait_all(
-            [remote_stage(*every[k]).future(RpcStage.link, every[k + 1 :]) for k in range(last)]
+            [remote_stage(every[k]).future(RpcStage.link, every[k + 1 :]) for k in range(last)]
         )
 
     def forward(
@@ -78,7 +80,7 @@ class RpcPipeline(driver.PipelineBase):
         shards in eval mode). `read`: the first stage reads the round in its first forward,
         as that many micro-batches (`read_round`: one call fewer a round)."""
         reads = None if read is None else (read, batch.samples)
-        return remote_stage(self.names[0], self.stages[0]).result(
+        return remote_stage(self.stages[0]).result(
             RpcStage.forward_round, batch.number, batch.micro_batches, step, reads, end
         )
 
@@ -99,17 +101,16 @@ def forward_backward(
     loss_fn: Loss,
     scale: float = 1.0,
     read: int | None = None,
-    unscale: float | None = None,
-    finish: Finish | None = None,
+    asks: RoundAsks = NOTHING,
 ) -> tuple[torch.Tensor, Norms]:
     """Every micro-batch of `batch` forward, then on the last stage one loss over the whole
     batch (the mean over its samples, as without a pipeline) and the backward across the
     stages of the loss times `scale` (1 / gradientAccumulation, times fp16's loss scale),
     every other stage settled as the reply passes back (round_end.Backward), in one call.
-    Returns the loss, and with `unscale` each stage's gradient norm; with `finish` too, the
-    first stage has finished the step."""
+    Returns the loss, and where `asks` the norms each stage's; where it asks the step
+    finished, the first stage has finished it."""
     with phase("forwards and backward"):
-        end = Backward(loss_fn, context_id, scale, step, unscale, finish)
+        end = Backward(loss_fn, context_id, scale, step, asks)
         return pipeline.forward(batch, step, end, read)
 
 
@@ -122,6 +123,10 @@ class RpcReplicas(driver.ReplicasBase):
     rounds' gradients add up on the stages into the last round's context. Before the
     optimizer steps, the replica's stages give their gradients' global norm, which clips
     them (gradients.py), and the stages step with the schedule's learning rate."""
+
+    # The rounds before the last add in after its call (gradients.release); the master
+    # keeps fp16's loss scale and judges such a step.
+    engine_ends = EngineEnds(rounds_add_in_place=False, finishes_scaled=False, steps_alone=False)
 
     def __init__(
         self, names: list[list[str]], cut_model: CutModel, spec: PipelineSpec, device: str = "cpu"
@@ -143,16 +148,11 @@ class RpcReplicas(driver.ReplicasBase):
     def _replica_result(self, part: ReplicaShare) -> StepResult:
         pipeline = self.pipelines[part.replica]
         rounds, step = part.rounds, part.step
-        names, stages = pipeline.names, pipeline.stages
+        stages = pipeline.stages
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
 
         numbers: list[int] = []  # the forward rounds of the step
-        # Where nothing changes the gradients between the backward and the norms (one
-        # round, no ties, no other replica), the norms come with the round's reply, and
-        # without fp16's loss scale (which the master keeps) its call finishes the step too.
-        early = len(rounds) == 1 and not self.tied and len(self.pipelines) == 1
-        stepped = early and self.loss_scale is None
-        norms: list[float] | None = None
+        norms: list[float] | None = None  # where the last round's reply brings them (`end`)
 
         def round_loss(given: Batch | None, context_id: int, last: bool) -> float:
             nonlocal norms
@@ -160,10 +160,9 @@ class RpcReplicas(driver.ReplicasBase):
             numbers.append(round_.number)
             share = self.share(round_, part.batch)
             weight = scale * share / len(rounds)  # each batch's share of the step's loss
-            unscale = self.unscale() if early and last else None
-            finish = self.finish(step) if stepped and last else None
+            asks = self.asks(step, last)
             loss, norms = forward_backward(
-                pipeline, round_, step, context_id, part.loss_fn, weight, read, unscale, finish
+                pipeline, round_, step, context_id, part.loss_fn, weight, read, asks
             )
             return loss.item() * share
 
@@ -175,11 +174,11 @@ class RpcReplicas(driver.ReplicasBase):
             with dist_autograd.context() as context_id:
                 losses.append(round_loss(given, context_id, False))
                 with phase("accumulate"):
-                    gradients.hold(names, stages, context_id)
+                    gradients.hold(stages, context_id)
         with dist_autograd.context() as context_id:
             losses.append(round_loss(rounds[-1], context_id, True))
             if len(rounds) > 1:
                 with phase("accumulate"):
-                    gradients.release(names, stages, context_id)
+                    gradients.release(stages, context_id)
             ran = RoundsRun(losses, numbers, norms, start)
-            return self.step_result(pipeline, context_id, step, ran, stepped)
+            return self.step_result(pipeline, context_id, step, ran)

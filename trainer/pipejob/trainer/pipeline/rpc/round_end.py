@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipejob.trainer.pipeline import gradients
-from pipejob.trainer.pipeline.step_records import Finish
+from pipejob.trainer.pipeline.step_records import RoundAsks
 from pipejob.trainer.workloads import Loss
 from pipejob.trainer.workloads.metrics import Tally
 
@@ -28,22 +28,28 @@ class Backward:
     backward from it times `scale` (RpcStage.loss_backward); then each other stage settled
     (RpcStage.settle), only after the backward has returned there: a stage's settle ends just
     before the gradients its nodes nearest the inputs give its parameters are taken into the
-    context, which that return waits for. With `unscale` (the step's last round: 1 / fp16's
-    loss scale) each stage's gradient norm comes too. Gives the loss and the norms. With
-    `finish` (and `unscale`), the first stage then finishes the step itself (`at_first`)."""
+    context, which that return waits for. Where `asks` (the step's last round; its
+    `unscale` is 1 / fp16's loss scale) each stage's gradient norm comes too. Gives the loss
+    and the norms. Where it asks the step finished (`finish`), the first stage then finishes
+    it on every stage (`at_first`): the rpc engine's carrying out of StepEnd.IN_CALL."""
 
     loss_fn: Loss
     context_id: int
     scale: float
     step: int
-    unscale: float | None
-    finish: Finish | None = None
+    asks: RoundAsks
 
     def at_last(
         self, stage: RpcStage, round: int, micro_batches: int
     ) -> tuple[torch.Tensor, Norms]:
         loss, norm = stage.loss_backward(
-            round, micro_batches, self.loss_fn, self.context_id, self.scale, self.step, self.unscale
+            round,
+            micro_batches,
+            self.loss_fn,
+            self.context_id,
+            self.scale,
+            self.step,
+            self.asks.unscale,
         )
         return loss, None if norm is None else [norm]
 
@@ -54,16 +60,16 @@ class Backward:
         loss, norms = ended
         if norms is None:  # no `unscale`: the norms are not asked for
             return ended
-        return loss, [stage.norm(self.context_id, self.unscale), *norms]
+        return loss, [stage.norm(self.context_id, self.asks.unscale), *norms]
 
     def at_first(self, stage: RpcStage, ended: tuple[torch.Tensor, Norms]) -> Any:
-        """With `finish`, the step judged as the master judges it, then clipped and stepped
-        on every stage at once (RpcStage.finish_all): the step's tail without a call from the
-        master, which judges the same figures alike."""
+        """Where `asks` the step finished, it is judged as the master judges it, then clipped
+        and stepped on every stage at once (RpcStage.finish_all): the step's tail without a
+        call from the master, which judges the same figures alike."""
         loss, norms = ended
-        if self.finish is None or norms is None:
+        if self.asks.finish is None or norms is None:
             return ended
-        clip, lr = self.finish
+        clip, lr = self.asks.finish
         coefficient, applied = gradients.judged_here(loss.item(), norms, clip)
         stage.finish_all(self.context_id, coefficient, lr, applied)
         return ended

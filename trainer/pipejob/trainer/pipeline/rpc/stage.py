@@ -30,7 +30,7 @@ from pipejob.trainer.pipeline.rpc.stage_times import StageTimes
 from pipejob.trainer.pipeline.rpc.turnstile import Turnstile
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.pipeline.stage_build import PieceBuilder
-from pipejob.trainer.pipeline.stage_calls import StageRef, remote_stage
+from pipejob.trainer.pipeline.stage_calls import StageRef, held, remote_stage
 from pipejob.trainer.runtime import nonfinite, rendezvous
 from pipejob.trainer.workloads import Loss, batch_values
 from pipejob.trainer.workloads.batch_values import dressed, tensors, undressed
@@ -73,7 +73,7 @@ class RpcStage(StageBase):
         # always in the same order (backward_order.py says why that matters).
         self._one_thread = ThreadPoolExecutor(1) if last and self.gpu is None else None
         self.last = last
-        self._after: list[tuple[str, StageRef]] = []  # the stages after this one (`link`)
+        self._after: list[StageRef] = []  # the stages after this one (`link`)
         self.compute = self.computed(self.layers, last)
         # One forward at a time, in micro-batch order: micro-batches would otherwise fight
         # over the same cores and race on BatchNorm's running statistics.
@@ -93,8 +93,8 @@ class RpcStage(StageBase):
         self._sum_buffers: dict[int, dict[str, torch.Tensor]] = {}  # by round, step to step
         self._names = {id(p): n for n, p in self.parameters_by_name.items()}
 
-    def link(self, after: list[tuple[str, StageRef]]) -> None:
-        """The stages after this one (worker and StageRef each): `pass_on` sends outputs
+    def link(self, after: list[StageRef]) -> None:
+        """The stages after this one: `pass_on` sends outputs
         to the first of them; the first stage finishes a step on all (`finish_all`)."""
         self._after = after
 
@@ -104,10 +104,10 @@ class RpcStage(StageBase):
         """The first stage: the step's tail (StageBase.finish_step) here and on every stage after
         it, at once."""
         others = [
-            remote_stage(name, stage).future(
+            remote_stage(stage).future(
                 StageBase.finish_step, context_id, coefficient, lr, apply, False
             )
-            for name, stage in self._after
+            for stage in self._after
         ]
         with self.settled():
             self.finish_step(context_id, coefficient, lr, apply, False)
@@ -153,9 +153,9 @@ class RpcStage(StageBase):
                 self._labels[round] = self.ask_labels(round)
         y = self.forward(x, round, micro_batch, step, read)
         if not self.last:
-            name, stage = self._after[0]
+            after = self._after[0]  # its key alone travels, as in every call (stage_calls.py)
             sent = rpc.rpc_async(  # a tensor subclass's as its data, so autograd links it
-                name, passed_on, args=(stage, undressed(y), round, micro_batch, step, end)
+                after.name, passed_on, args=(after.key, undressed(y), round, micro_batch, step, end)
             )
             if end is None:
                 return sent
@@ -376,7 +376,7 @@ class RpcStage(StageBase):
 
 @rpc.functions.async_execution
 def passed_on(
-    stage: StageRef,
+    key: int,
     x: tuple[Any, ...],
     round: int,
     micro_batch: int,
@@ -384,7 +384,7 @@ def passed_on(
     end: RoundEnd | None,
 ) -> Future:
     """Runs on the next stage's worker: `RpcStage.pass_on` of the RpcStage held there."""
-    return stage.local_value().pass_on(x, round, micro_batch, step, None, end)
+    return held(key).pass_on(x, round, micro_batch, step, None, end)
 
 
 def stage_devices(

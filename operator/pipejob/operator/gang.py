@@ -9,7 +9,7 @@ from decimal import Decimal
 from typing import Any
 
 from pipejob.core import scheduling as sch
-from pipejob.core.k8s import quantity
+from pipejob.core.k8s import KubeObject, quantity
 from pipejob.core.spec import Job
 
 
@@ -37,7 +37,7 @@ def pod_name(job: Job, hostname: str, world: int) -> str:
     return f"{hostname}-r{world}" if provider(job) == sch.KUEUE else hostname
 
 
-def decorate(job: Job, pod: dict[str, Any], size: int) -> dict[str, Any]:
+def decorate(job: Job, pod: KubeObject, size: int) -> KubeObject:
     """`pod` (one of a world of `size`) as its gang scheduler wants it."""
     section = sch.section(job.spec)
     if section is None:
@@ -62,7 +62,9 @@ def decorate(job: Job, pod: dict[str, Any], size: int) -> dict[str, Any]:
     return pod
 
 
-def podgroup(job: Job, pods: list[dict], namespace: str, owner: dict | None) -> dict | None:
+def podgroup(
+    job: Job, pods: list[KubeObject], namespace: str, owner: KubeObject | None
+) -> KubeObject | None:
     """The PodGroup of the world `pods` (Volcano or coscheduling), or None."""
     section = sch.section(job.spec)
     if section is None or section.provider == sch.KUEUE:
@@ -91,7 +93,7 @@ def podgroup(job: Job, pods: list[dict], namespace: str, owner: dict | None) -> 
     return {"apiVersion": f"{group}/{version}", "kind": "PodGroup", "metadata": meta, "spec": spec}
 
 
-def requests(pods: list[dict]) -> dict[str, str]:
+def requests(pods: list[KubeObject]) -> dict[str, str]:
     """The sum of the pods' resource requests (a limit alone counts as its request, as the
     API server defaults it), as Kubernetes quantities."""
     total: dict[str, Decimal] = {}

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 from pipejob.core import oom
 from pipejob.core import scheduling as sch
+from pipejob.core.k8s import KubeObject
 from pipejob.core.spec import InvalidSpec
 from pipejob.operator import elastic_world, gang, kube, master_check, oom_kills, queueing
 from pipejob.operator import status as st
@@ -23,6 +24,7 @@ from pipejob.operator.actions import (
 )
 from pipejob.operator.observation import Observed
 from pipejob.operator.progress import final_report
+from pipejob.operator.status.job_status import JobStatus
 from pipejob.operator.world_failures import (
     cause_may_follow,
     first_failure,
@@ -369,11 +371,11 @@ def _keep_standby(seen: Observed, acts: Actions, running: bool) -> None:
         acts.end_group += [p for p in stale if not _ended(p)]
 
 
-def _ended(pod: dict) -> bool:
+def _ended(pod: KubeObject) -> bool:
     return (pod["metadata"].get("annotations") or {}).get(sch.KUEUE_RETRIABLE) == "false"
 
 
-def _unfinished(pods: list[dict]) -> list[dict]:
+def _unfinished(pods: list[KubeObject]) -> list[KubeObject]:
     """The pods still running or waiting to: those that stop when the job ends."""
     return [p for p in pods if not st.terminated(p)]
 
@@ -382,13 +384,13 @@ def _seconds(seconds: int) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _retry_invalid(old: dict, meta: dict) -> bool:
+def _retry_invalid(old: JobStatus, meta: KubeObject) -> bool:
     """A job that failed on an invalid spec is looked at again once its spec is edited."""
     failed = st.condition(old, st.FAILED) or {}
     edited = meta.get("generation") != old.get("observedGeneration")
     return old.get("phase") == st.FAILED and failed.get("reason") == "InvalidSpec" and edited
 
 
-def _created_message(pods: list[dict], seen: Observed) -> str:
+def _created_message(pods: list[KubeObject], seen: Observed) -> str:
     names = ", ".join(p["metadata"]["name"] for p in pods)
     return f"created pods {names}" + (f" (restart {seen.restart})" if seen.restart else "")

@@ -94,7 +94,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for p in plan_world(job, kube.addresser(job)):
         ddp = f"{p.seat.rank}/{p.seat.size}" if p.seat is not None else "-"
         print(f"{p.rank:>4}  {p.rpc_name:<10} {p.role:<8} {p.gpus:>4}  {ddp:<5} {p.address}")
-    for line in job.definition.describe(job.spec):
+    for line in job.definition.describe(job.settings):
         print(line)
     return 0
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from pipejob.core import elastic, validate, yamlio
-from pipejob.core.common_spec import DNS_LABEL, from_spec
+from pipejob.core.common_spec import DNS_LABEL, CommonSpec, RunControl, from_spec, run_control
 from pipejob.core.errors import SpecError, shown
 from pipejob.core.kind import Kind
 from pipejob.core.kinds import KINDS
@@ -52,15 +53,22 @@ class Job:
         return KINDS[self.kind]
 
     @property
-    def shape(self) -> dict[str, Any]:
-        """The spec with its elastic size the number the world runs at: what the roles and
-        groups are counted from."""
-        return elastic.shape(self.definition, self.spec, self.size)
+    def shape(self) -> CommonSpec:
+        """The settings with their elastic size the number the world runs at: what the roles
+        and groups are counted from."""
+        return elastic.shape(self.definition, self.settings, self.size)
 
-    @property
-    def settings(self) -> Any:
-        """The spec as its kind's typed object (what the trainer reads)."""
+    @cached_property
+    def settings(self) -> CommonSpec:
+        """The spec as its kind's typed object (core/kinds/: PipelineSpec, HybridSpec), what
+        everything past the parser reads; made once per Job."""
         return from_spec(self.definition.settings, self.spec)
+
+    @cached_property
+    def control(self) -> RunControl:
+        """The spec's fields only the operator reads (common_spec.OPERATOR_ONLY), typed; made
+        once per Job."""
+        return run_control(self.spec)
 
     @property
     def spec_json(self) -> str:

@@ -11,7 +11,6 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from pipejob.core import scheduling as sch
-from pipejob.core.common_spec import PENDING_SECONDS
 from pipejob.core.elastic import elastic_size
 from pipejob.core.k8s import KubeObject
 from pipejob.core.plan import Member, members, plan_world
@@ -37,7 +36,7 @@ def size(job: Job, status: JobStatus) -> int | None:
     """The size the current world runs at: the one the operator chose (status.replicas or
     status.trainers) within the spec's bounds; at first the largest. None: the kind has no
     size."""
-    found = elastic_size(job.definition, job.spec)
+    found = elastic_size(job.definition, job.settings)
     if found is None:
         return None
     chosen = status.get(job.definition.elastic or "")
@@ -55,7 +54,7 @@ def _key(m: Member) -> tuple[str, int, int]:
 def joiners(job: Job, at: int) -> list[tuple[int, Member]]:
     """The members larger worlds add to one of size `at`, each with the size it joins at,
     in rank order (a replica's stages, or a trainer, per size)."""
-    found = elastic_size(job.definition, job.spec)
+    found = elastic_size(job.definition, job.settings)
     assert found is not None
     seen = {_key(m) for m in members(replace(job, size=at))}
     out = []
@@ -95,10 +94,10 @@ def shrink(
     pods placed too), or, for a world a gang scheduler keeps Queued (nothing of it is placed
     until all is), one size smaller; None while they may yet be placed, or when no smaller
     size (of at least min) would fit either."""
-    found = elastic_size(job.definition, job.spec)
+    found = elastic_size(job.definition, job.settings)
     if found is None or at <= found.min:
         return None
-    wait = (job.spec.get("elastic") or {}).get("pendingSeconds", PENDING_SECONDS)
+    wait = job.control.pending_seconds
     long_ago = now - timedelta(seconds=wait)
     observed = [by_name.get(p["metadata"]["name"]) for p in planned]
     stuck = [p for p in observed if p is not None and (t := _pending_since(p)) and t <= long_ago]
@@ -141,7 +140,7 @@ def standby(
 ) -> list[KubeObject]:
     """The standby pods beside world `world` at size `at`: one per member a larger world adds,
     shaped as that member's pod, running nothing."""
-    found = elastic_size(job.definition, job.spec)
+    found = elastic_size(job.definition, job.settings)
     if found is None or at is None or at >= found.max:
         return []
     full = replace(job, size=None)
@@ -173,7 +172,7 @@ def _standing_by(job: Job, pod: KubeObject, world: int, joins: int, k: int) -> K
     for key in ("env", "ports", "volumeMounts"):
         container.pop(key, None)
     container["command"] = list(STANDBY_COMMAND)
-    section = sch.section(job.spec)
+    section = job.control.scheduling
     if section is not None and section.provider == sch.KUEUE:  # a pod group per size
         unit = sum(1 for n, _ in joiners(job, joins - 1) if n == joins)
         meta["labels"][sch.KUEUE_QUEUE_LABEL] = section.queue
@@ -185,7 +184,7 @@ def _standing_by(job: Job, pod: KubeObject, world: int, joins: int, k: int) -> K
 def grow(job: Job, at: int, pods: list[KubeObject], training: TrainingStatus) -> Resize | None:
     """The larger size to restart the world (at size `at`) at: the largest whose standby
     `pods` all run, once the master has written a checkpoint since the last of them started."""
-    found = elastic_size(job.definition, job.spec)
+    found = elastic_size(job.definition, job.settings)
     if found is None or at >= found.max:
         return None
     by_size: dict[int, list[KubeObject]] = {}

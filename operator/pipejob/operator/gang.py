@@ -14,7 +14,7 @@ from pipejob.core.spec import Job
 
 
 def provider(job: Job) -> str | None:
-    section = sch.section(job.spec)
+    section = job.control.scheduling
     return section.provider if section else None
 
 
@@ -39,7 +39,7 @@ def pod_name(job: Job, hostname: str, world: int) -> str:
 
 def decorate(job: Job, pod: KubeObject, size: int) -> KubeObject:
     """`pod` (one of a world of `size`) as its gang scheduler wants it."""
-    section = sch.section(job.spec)
+    section = job.control.scheduling
     if section is None:
         return pod
     meta, spec = pod["metadata"], pod["spec"]
@@ -66,7 +66,7 @@ def podgroup(
     job: Job, pods: list[KubeObject], namespace: str, owner: KubeObject | None
 ) -> KubeObject | None:
     """The PodGroup of the world `pods` (Volcano or coscheduling), or None."""
-    section = sch.section(job.spec)
+    section = job.control.scheduling
     if section is None or section.provider == sch.KUEUE:
         return None
     meta: dict[str, Any] = {

@@ -10,6 +10,7 @@ from functools import cached_property
 
 from pipejob.core.contract import Progress
 from pipejob.core.k8s import KubeObject
+from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.core.spec import InvalidSpec, Job
 from pipejob.operator import elastic_world, kube, oom_kills, parsed_specs
 from pipejob.operator import status as st
@@ -160,5 +161,8 @@ class Observed:
         return self.with_engine(new)  # as the report says, if it does
 
     def with_engine(self, new: JobStatus) -> JobStatus:
-        """`new` with the engine the world runs on (st.with_engine), a valid spec's."""
-        return st.with_engine(new, self.parsed.spec) if isinstance(self.parsed, Job) else new
+        """`new` with the engine the world runs on (st.with_engine), a valid PipelineJob's;
+        other kinds' status as it is."""
+        if isinstance(self.parsed, Job) and isinstance(self.parsed.settings, PipelineSpec):
+            return st.with_engine(new, self.parsed.settings.engine)
+        return new

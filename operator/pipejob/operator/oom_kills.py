@@ -52,7 +52,7 @@ def kill(seen: Observed) -> Kill | None:
         return None
     name = planned_pod["metadata"]["name"]
     process, role = kube.process_name(planned_pod), kube.role_of(planned_pod)
-    return Kill(name, process, role, had, max(had, oom.policy(seen.job.spec).raised(had)))
+    return Kill(name, process, role, had, max(had, seen.job.control.oom.raised(had)))
 
 
 def pod_memory(pod: KubeObject) -> Decimal | None:

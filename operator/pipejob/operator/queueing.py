@@ -21,7 +21,7 @@ KUEUE_SUCCESS_GRACE = 30
 def queued(job: Job, planned: list[KubeObject], by_name: dict[str, KubeObject]) -> str | None:
     """Why the world waits for its gang scheduler, when every pod exists and it has not
     admitted them yet; else None."""
-    section = sch.section(job.spec)
+    section = job.control.scheduling
     pods = [by_name.get(p["metadata"]["name"]) for p in planned]
     if section is None or any(p is None or st.deleting(p) for p in pods):
         return None
@@ -51,7 +51,7 @@ def _gated(pod: KubeObject) -> bool:
 
 def admitted(job: Job, size: int) -> str:
     """The Admitted Event's message."""
-    section = sch.section(job.spec)
+    section = job.control.scheduling
     if section is not None and section.provider == sch.KUEUE:
         return (
             f"Kueue admitted pod group {gang.group_name(job)} ({size} pods) from LocalQueue"

@@ -65,7 +65,7 @@ def invalid(seen: Observed) -> Actions | None:
 
 def suspended(seen: Observed) -> Actions | None:
     """spec.suspend: every pod goes; the deadline restarts with the job, as for Jobs."""
-    if not seen.job.spec["suspend"]:
+    if not seen.job.control.suspend:
         return None
     acts = Actions(status=seen.sized_status(), delete=seen.live)
     acts.status.pop("startTime", None)
@@ -83,7 +83,7 @@ def succeeded(seen: Observed) -> Actions | None:
     if master is None or st.pod_phase(master) != "Succeeded":
         return None
     acts = Actions(status=seen.active_status(), delete=_unfinished(seen.live))
-    steps = seen.job.spec["steps"]
+    steps = seen.job.settings.steps
     done = {
         **(acts.status.get("training") or {}),
         **final_report(master),
@@ -98,7 +98,7 @@ def succeeded(seen: Observed) -> Actions | None:
 
 def past_deadline(seen: Observed) -> Actions | None:
     """Active longer than spec.activeDeadlineSeconds: the job fails."""
-    deadline = seen.job.spec.get("activeDeadlineSeconds")
+    deadline = seen.job.control.active_deadline_seconds
     if deadline is None or seen.now < seen.start + _seconds(deadline):
         return None
     acts = Actions(status=seen.active_status(), delete=_unfinished(seen.live))
@@ -156,7 +156,7 @@ def oom_killed(seen: Observed) -> Actions | None:
     by spec.oom.increase, counted in status.oomKills and spending no backoffLimit; at the
     cap (spec.oom.maxMemory) the job fails naming the role and the memory it needed."""
     found = oom_kills.kill(seen)
-    if found is None or oom.policy(seen.job.spec).increase <= 1:
+    if found is None or seen.job.control.oom.increase <= 1:
         return None
     had, role = oom.text(found.had), found.role
     killed = f"{found.process} (pod {found.pod}) was killed for memory (OOMKilled) at {had}"
@@ -188,7 +188,7 @@ def failed(seen: Observed) -> Actions | None:
     if failure is None or cause_may_follow(failure, seen.current, seen.now):
         return None
     acts = Actions(status=seen.active_status())
-    restart, limit = acts.status["restarts"], seen.job.spec["backoffLimit"]
+    restart, limit = acts.status["restarts"], seen.job.control.backoff_limit
     if restart >= limit:
         acts.delete = _unfinished(seen.live)
         message = f"{failure.message}; no restarts left (backoffLimit {limit})"

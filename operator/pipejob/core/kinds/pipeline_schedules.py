@@ -5,10 +5,14 @@ counts a schedule can run (spec.microBatches, and the counts `auto` measures), a
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipejob.core.errors import SpecError
 from pipejob.core.schema import Rule
+from pipejob.core.workload import CUT_EAGER
+
+if TYPE_CHECKING:  # pipeline.py declares the kind from this module's rules
+    from pipejob.core.kinds.pipeline import PipelineSpec
 
 AUTO = "auto"  # spec.microBatches: the master chooses the count
 
@@ -120,14 +124,13 @@ def on_rpc_where_gpus_are_shared(spec: dict) -> tuple[dict, str] | None:
     return {**spec, "engine": RPC, "schedule": GPIPE}, why
 
 
-def engine_line(spec: dict) -> str:
+def engine_line(settings: PipelineSpec) -> str:
     """What `pipejob plan` says of the engine: the spec's, or what auto will choose between."""
-    schedule = effective_schedule(spec)
-    if spec["engine"] != AUTO:
-        return f"engine {spec['engine']}, schedule {schedule}"
-    loss = spec.get("loss") or {}
-    why = loss_needs_rpc(loss.get("import"), loss.get("args") or {})
-    if isinstance(spec["model"], dict) and spec["model"].get("cut") == "eager":
+    schedule = settings.schedule  # the spec's, or its engine's (completed)
+    if settings.engine != AUTO:
+        return f"engine {settings.engine}, schedule {schedule}"
+    why = loss_needs_rpc(settings.loss.import_, settings.loss.args)
+    if settings.model.cut == CUT_EAGER:
         why = "the eager path (spec.model.cut: eager) runs on rpc"
     if why is not None and schedule not in INTERLEAVING:
         return f"engine auto: rpc (gpipe): {why}"
@@ -138,23 +141,22 @@ def engine_line(spec: dict) -> str:
     )
 
 
-def path_lines(spec: dict) -> list[str]:
+def path_lines(settings: PipelineSpec) -> list[str]:
     """What `pipejob plan` can say of the path before the model is built: only where the
     spec asks for one (auto's choice is made when the job starts; its summary says it)."""
-    model = spec["model"]
-    if isinstance(model, dict) and model.get("cut") == "eager":
-        how = "counted cost (spec.deterministic)" if spec.get("deterministic") else "measured cost"
+    if settings.model.cut == CUT_EAGER:
+        how = "counted cost (spec.deterministic)" if settings.deterministic else "measured cost"
         return [
             "path: eager (spec.model.cut: eager): the master runs the model's own forward and"
             f" the stages its costly modules, placed by {how} when the job starts"
         ]
     lines = []
-    if spec.get("deterministic") and not spec.get("splitPoints"):
+    if settings.deterministic and not settings.split_points:
         lines.append(
             "cut: counted (spec.deterministic): each layer's forward + backward FLOPs and bytes"
             " moved on a sample, not timed, so every run cuts the model alike"
         )
-    if spec.get("deterministic") and spec.get("microBatches") == AUTO:
+    if settings.deterministic and settings.micro_batches == AUTO:
         lines.append(
             "microBatches auto: chosen by counted cost (spec.deterministic): the slowest"
             " stage's count per micro-batch plus a fixed one, times the schedule's slots, so"

@@ -44,14 +44,12 @@ def with_report(status: JobStatus, report: Progress, now: datetime) -> JobStatus
     return out
 
 
-def with_engine(status: JobStatus, spec: KubeObject) -> JobStatus:
+def with_engine(status: JobStatus, engine: str) -> JobStatus:
     """A PipelineJob's status.engine (`kubectl get`'s Engine): the engine its master reported
-    running on (the one `engine: auto` chose), else spec.engine as written (auto, before the
-    current world's master has chosen); other kinds' status as it is."""
-    if "engine" not in spec:
-        return status
+    running on (the one `engine: auto` chose), else `engine`, spec.engine as written (auto,
+    before the current world's master has chosen)."""
     reported = (status.get("training") or {}).get("engine")
-    return dict(status, engine=reported or spec["engine"])
+    return {**status, "engine": reported or engine}
 
 
 def preflight_failure(pods: Iterable[KubeObject]) -> str | None:

@@ -378,9 +378,7 @@ HYBRID_JOB = Kind(
             latency_bound=True,
             inside=("servers_in_trainers", "trainer"),
         ),
-        Role(
-            "trainer", count="trainers", gpus="gpus_per_trainer", computes=True, latency_bound=True
-        ),
+        Role("trainer", "trainers", gpus="gpus_per_trainer", computes=True, latency_bound=True),
     ),
     groups=(ProcessGroup("ddp", "trainer", backend=lambda world: world.backend),),
     trainer="pipejob.trainer.hybrid",

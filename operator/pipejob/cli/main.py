@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ def _at_size(job: spec.Job, size: int) -> spec.Job:
         print(f"pipejob: --size: a {job.kind} has no size to choose", file=sys.stderr)
         raise SystemExit(2)
     try:
-        job = dataclasses.replace(job, size=size)
+        job = job.sized(size)
         job.shape  # noqa: B018 (refuses a size outside the job's range)
     except ValueError as e:
         print(f"pipejob: --size: {e}", file=sys.stderr)

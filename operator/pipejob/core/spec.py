@@ -4,6 +4,7 @@ table (core/kinds/): `parse` is pipejob's one validation, which `pipejob validat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -52,10 +53,10 @@ class Job:
         """The kind's declaration (core/kinds/)."""
         return KINDS[self.kind]
 
-    @property
+    @cached_property
     def shape(self) -> CommonSpec:
         """The settings with their elastic size the number the world runs at: what the roles
-        and groups are counted from."""
+        and groups are counted from (made once per Job)."""
         return elastic.shape(self.definition, self.settings, self.size)
 
     @cached_property
@@ -69,6 +70,16 @@ class Job:
         """The spec's fields only the operator reads (common_spec.OPERATOR_ONLY), typed; made
         once per Job."""
         return run_control(self.spec)
+
+    def sized(self, size: int | None, resizes: int | None = None) -> Job:
+        """This job with its world at `size` (None: the largest), and `resizes` if given. Its
+        settings and control, which do not depend on the size, are made once (here, if not
+        yet) and shared by every size of it."""
+        again = dataclasses.replace(
+            self, size=size, resizes=self.resizes if resizes is None else resizes
+        )
+        vars(again).update(settings=self.settings, control=self.control)  # cached_property's
+        return again
 
     @property
     def spec_json(self) -> str:

@@ -7,7 +7,7 @@ situations; docs/user-guide.md, "Elastic worlds", tells what a user sees."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from pipejob.core import scheduling as sch
@@ -56,10 +56,10 @@ def joiners(job: Job, at: int) -> list[tuple[int, Member]]:
     in rank order (a replica's stages, or a trainer, per size)."""
     found = elastic_size(job.definition, job.settings)
     assert found is not None
-    seen = {_key(m) for m in members(replace(job, size=at))}
+    seen = {_key(m) for m in members(job.sized(at))}
     out = []
     for n in range(at + 1, found.max + 1):
-        for m in members(replace(job, size=n)):
+        for m in members(job.sized(n)):
             if _key(m) not in seen:
                 out.append((n, m))
                 seen.add(_key(m))
@@ -143,7 +143,7 @@ def standby(
     found = elastic_size(job.definition, job.settings)
     if found is None or at is None or at >= found.max:
         return []
-    full = replace(job, size=None)
+    full = job.sized(None)
     processes = {_key(p.member): p for p in plan_world(full, kube.addresser(full))}
     out = []
     for k, (joins, member) in enumerate(joiners(job, at)):

@@ -4,7 +4,7 @@ it should have, its master, the size it runs at). Pure: docs/architecture.md."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 
@@ -108,7 +108,7 @@ class Observed:
         reshaped = int(self.old.get("resizes") or 0) + int(self.old.get("oomKills") or 0)
         if self.size is None and not reshaped:
             return self.parsed
-        return replace(self.parsed, size=self.size, resizes=reshaped)
+        return self.parsed.sized(self.size, reshaped)
 
     @cached_property
     def planned(self) -> list[KubeObject]:

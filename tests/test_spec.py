@@ -107,8 +107,8 @@ def test_workload_fields_default_and_convert_to_the_typed_spec():
 
 
 def test_past_the_parser_a_job_is_read_through_typed_settings_made_once():
-    """Job.settings and Job.control are made once per Job (and kept by Job.sized); Job.shape, what the plan counts
-    from, is the settings with the elastic size one number, not a dict."""
+    """Job.settings and Job.control are made once per Job (and kept by Job.sized); Job.shape,
+    what the plan counts from, is the settings with the elastic size one number, not a dict."""
     from pipejob.core.elastic import Size
     from pipejob.core.kinds.pipeline import PipelineSpec
 

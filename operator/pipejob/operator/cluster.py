@@ -52,7 +52,7 @@ def _collection(obj: KubeObject) -> str:
 
 def merge_patch(old: KubeObject, new: KubeObject) -> KubeObject:
     """The JSON merge patch (RFC 7386) that turns `old` into `new`."""
-    patch: dict[str, Any] = {k: None for k in old if k not in new}
+    patch: KubeObject = {k: None for k in old if k not in new}
     for key, value in new.items():
         before = old.get(key)
         if isinstance(value, dict) and isinstance(before, dict):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 from decimal import Decimal
-from typing import Any
 
 from pipejob.core import scheduling as sch
 from pipejob.core.k8s import KubeObject, quantity
@@ -69,14 +68,14 @@ def podgroup(
     section = job.control.scheduling
     if section is None or section.provider == sch.KUEUE:
         return None
-    meta: dict[str, Any] = {
+    meta: KubeObject = {
         "name": group_name(job),
         "namespace": namespace,
         "labels": {"pipejob.dev/job": job.name, "app.kubernetes.io/managed-by": "pipejob"},
     }
     if owner is not None:
         meta["ownerReferences"] = [copy.deepcopy(owner)]
-    spec: dict[str, Any] = {"minMember": len(pods)}
+    spec: KubeObject = {"minMember": len(pods)}
     if section.provider == sch.VOLCANO:
         group, version, _ = sch.VOLCANO_API
         resources = requests(pods)

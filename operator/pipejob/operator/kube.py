@@ -8,7 +8,6 @@ import copy
 import hashlib
 import json
 import os
-from typing import Any
 
 from pipejob.core import master_first
 from pipejob.core.contract import POD_NAME
@@ -115,7 +114,7 @@ def owner_reference(job_obj: KubeObject) -> KubeObject:
 def _metadata(
     job: Job, name: str, namespace: str, owner: KubeObject | None, labels: dict[str, str]
 ) -> KubeObject:
-    meta: dict[str, Any] = {
+    meta: KubeObject = {
         "name": name,
         "namespace": namespace,
         "labels": {JOB_LABEL: job.name, **labels, **MANAGED_BY},
@@ -166,7 +165,7 @@ def network_policy(
     if settings.monitor_from:  # an empty `from` would admit everyone
         monitor = [{"protocol": "TCP", "port": PORTS.monitor}]
         ingress.append({"from": copy.deepcopy(list(settings.monitor_from)), "ports": monitor})
-    spec: dict[str, Any] = {**peers(), "policyTypes": ["Ingress"], "ingress": ingress}
+    spec: KubeObject = {**peers(), "policyTypes": ["Ingress"], "ingress": ingress}
     if settings.egress is not None:
         spec["policyTypes"].append("Egress")
         spec["egress"] = [
@@ -208,7 +207,7 @@ def pod(
     template = job.spec.get("template") or {}
     hostname = pod_name(job.name, process.member)  # the DNS name stays across worlds
     name = gang.pod_name(job, hostname, restart)
-    spec: dict[str, Any] = {
+    spec: KubeObject = {
         "hostname": hostname,
         "subdomain": job.name,
         "restartPolicy": "Never",  # the operator restarts the whole world, never one pod
@@ -241,7 +240,7 @@ def _container(job: Job, process: Process, name: str, image: str | None) -> Kube
     # The watchdog names a member by its pod (the name changes with every restart).
     env.append({"name": POD_NAME, "value": name})
     env += copy.deepcopy(template.get("env") or [])
-    container: dict[str, Any] = {
+    container: KubeObject = {
         "name": CONTAINER,
         "image": template.get("image") or image or trainer_image(),
         "command": ["python", *TRAINER_MODULE],

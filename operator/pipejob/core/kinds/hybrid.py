@@ -261,7 +261,7 @@ HYBRID_SPEC = Field(
 )
 
 
-def _has_real_data(spec: dict[str, Any]) -> bool:
+def _has_real_data(spec: RawSpec) -> bool:
     return bool({"file", "import", "criteo"} & set(spec.get("data") or {}))
 
 

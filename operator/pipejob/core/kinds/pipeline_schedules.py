@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pipejob.core.errors import SpecError
+from pipejob.core.kind import RawSpec
 from pipejob.core.schema import Rule
 from pipejob.core.workload import CUT_EAGER
 
@@ -60,12 +61,12 @@ def auto_counts(batch: int, schedule: str, stages: int) -> list[int]:
     return [m for m in micro_batch_counts(batch) if schedule_refuses(schedule, stages, m) is None]
 
 
-def effective_schedule(spec: dict) -> str:
+def effective_schedule(spec: RawSpec) -> str:
     """The schedule a defaulted spec runs: its own, or its engine's default."""
     return spec.get("schedule") or default_schedule(spec)
 
 
-def default_schedule(spec: dict) -> str:
+def default_schedule(spec: RawSpec) -> str:
     """The schedule of a spec that names none: gpipe on rpc, 1f1b on pipelining; with
     `engine: auto`, 1f1b where the micro-batch count lets it run (auto, or at least as many
     as stages), else gpipe (which both engines run)."""
@@ -100,7 +101,7 @@ SAMPLE_MEANS = tuple(
 )
 
 
-def loss_needs_rpc(name: str | None, args: dict) -> str | None:
+def loss_needs_rpc(name: str | None, args: dict[str, Any]) -> str | None:
     """Why `engine: auto` runs the loss `name` (spec.loss.import; None: pipejob's own
     cross-entropy) with `args` on the rpc engine, which computes the whole batch's loss at
     once; None where the pipelining engine's per-micro-batch losses add up to it."""
@@ -115,7 +116,7 @@ def loss_needs_rpc(name: str | None, args: dict) -> str | None:
     )
 
 
-def on_rpc_where_gpus_are_shared(spec: dict) -> tuple[dict, str] | None:
+def on_rpc_where_gpus_are_shared(spec: RawSpec) -> tuple[RawSpec, str] | None:
     """`engine: auto` where the stages would share GPUs: the rpc engine (NCCL refuses two
     ranks of the pipelining engine's group on one GPU; rpc stages share it)."""
     if spec["engine"] != AUTO or effective_schedule(spec) in INTERLEAVING:
@@ -165,7 +166,7 @@ def path_lines(settings: PipelineSpec) -> list[str]:
     return lines
 
 
-def micro_batch_errors(spec: dict) -> list[SpecError]:
+def micro_batch_errors(spec: RawSpec) -> list[SpecError]:
     """`microBatches: auto` where it cannot choose: no count the schedule can run."""
     if spec["microBatches"] != AUTO:
         return []
@@ -216,7 +217,7 @@ def eager_rules() -> list[Rule]:
     ]
 
 
-def _eager_refuses(field: str, cel: str, holds: Callable[[dict[str, Any]], bool], why: str) -> Rule:
+def _eager_refuses(field: str, cel: str, holds: Callable[[RawSpec], bool], why: str) -> Rule:
     """A rule: with model.cut eager, `cel` (and `holds`, its Python twin) must hold."""
     return Rule(
         f"type(self.model) == string || !has(self.model.cut) || self.model.cut != 'eager' || {cel}",

@@ -80,7 +80,7 @@ class ProcessGroup:
     when: Callable[[Any], bool] = lambda world: True  # formed only when this holds
 
 
-class Column(TypedDict, total=False):
+class PrinterColumn(TypedDict, total=False):
     """A CRD's additionalPrinterColumns entry (a column of `kubectl get`)."""
 
     name: str
@@ -90,10 +90,10 @@ class Column(TypedDict, total=False):
     description: str
 
 
-def column(name: str, type: str, json_path: str, description: str = "") -> Column:
+def column(name: str, type: str, json_path: str, description: str = "") -> PrinterColumn:
     """A column of a kind's own in `kubectl get -o wide` (priority 1)."""
-    out = Column(name=name, type=type, jsonPath=json_path, priority=1)
-    return out | Column(description=description) if description else out
+    out = PrinterColumn(name=name, type=type, jsonPath=json_path, priority=1)
+    return out | PrinterColumn(description=description) if description else out
 
 
 def world_size(value: int | Size) -> int:
@@ -121,7 +121,7 @@ class Kind:
     # `export_checkpoint(directory, manifest, out, format)` is `pipejob export` of its checkpoints.
     trainer: str
     groups: tuple[ProcessGroup, ...] = ()
-    columns: tuple[Column, ...] = ()  # `kubectl get -o wide` columns of its own
+    columns: tuple[PrinterColumn, ...] = ()  # `kubectl get -o wide` columns of its own
     # Fill-ins that depend on other fields, after the table's defaults.
     complete: Callable[[RawSpec], RawSpec] = lambda spec: spec
     # What the table cannot say about a completed spec but would crash its world

@@ -424,7 +424,7 @@ def accepted_problem(job: spec.Job) -> str | None:
     """Run what `plan` and `render` run; then every role's trainer reads its env and builds
     its optimizers. A problem is returned as text; an exception propagates."""
     plan_world(job, kube.addresser(job))
-    job.definition.describe(job.spec)
+    job.definition.describe(job.settings)
     objects = kube.render(job, "default", "trainer:1")
     yaml.dump_all(objects, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper))
     seen = set()

@@ -461,12 +461,12 @@ def test_a_stage_keeps_its_moving_average_and_checkpoints_it():
 
 def test_plan_says_the_path_where_the_spec_asks_for_it():
     job = spec.parse(_esm_job(model={"import": "userpkg.esmlike:esm2", "cut": "eager"}))
-    assert any(line.startswith("path: eager") for line in job.definition.describe(job.spec))
+    assert any(line.startswith("path: eager") for line in job.definition.describe(job.settings))
     job = spec.parse(_esm_job())
-    assert not any(line.startswith("path:") for line in job.definition.describe(job.spec))
+    assert not any(line.startswith("path:") for line in job.definition.describe(job.settings))
     model = {"import": "userpkg.esmlike:esm2", "cut": "eager"}
     job = spec.parse(_esm_job(model=model, deterministic=True))
-    lines = job.definition.describe(job.spec)
+    lines = job.definition.describe(job.settings)
     assert any(line.startswith("path: eager") and "counted cost" in line for line in lines)
 
 

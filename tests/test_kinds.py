@@ -82,10 +82,10 @@ TOY = Kind(
     settings=ToySpec,
     roles=(
         Role("master"),
-        Role("worker", count="workers", gpus="gpusPerWorker", computes=True),
+        Role("worker", count="workers", gpus="gpus_per_worker", computes=True),
     ),
     groups=(
-        ProcessGroup("ddp", "worker", backend=lambda s: "nccl" if s["gpusPerWorker"] else "gloo"),
+        ProcessGroup("ddp", "worker", backend=lambda s: "nccl" if s.gpus_per_worker else "gloo"),
     ),
     trainer="pipejob.trainer.toy",  # never imported here: only the trainer's pods do
     columns=({"name": "Workers", "type": "integer", "jsonPath": ".spec.workers", "priority": 1},),

@@ -77,9 +77,9 @@ def test_memory_grows_at_each_kill_up_to_the_cap_then_the_job_fails_naming_role_
 
 
 def test_without_max_memory_the_cap_is_four_times_the_templates() -> None:
-    spec = {"template": {"resources": {"limits": {"memory": "1Gi"}}}, "oom": {"increase": 3}}
-    assert oom.policy(spec).raised(quantity("1Gi")) == 3 * 2**30
-    assert oom.policy(spec).raised(quantity("3Gi")) == 4 * 2**30
+    policy = oom.policy({"increase": 3}, {"resources": {"limits": {"memory": "1Gi"}}})
+    assert policy.raised(quantity("1Gi")) == 3 * 2**30
+    assert policy.raised(quantity("3Gi")) == 4 * 2**30
 
 
 def test_an_increase_of_1_makes_an_oom_kill_an_ordinary_failure() -> None:

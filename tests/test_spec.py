@@ -106,6 +106,34 @@ def test_workload_fields_default_and_convert_to_the_typed_spec():
     assert spec.parse(hybrid()).settings.data.file is None  # synthetic bags
 
 
+def test_past_the_parser_a_job_is_read_through_typed_settings_made_once():
+    """Job.settings and Job.control are made once per Job (and kept by Job.sized); Job.shape,
+    what the plan counts from, is the settings with the elastic size one number, not a dict."""
+    from pipejob.core.elastic import Size
+    from pipejob.core.kinds.pipeline import PipelineSpec
+
+    manifest = pipeline(replicas={"min": 1, "max": 3}, checkpoint={"path": "/ckpt"})
+    manifest["spec"]["scheduling"] = {"provider": "volcano", "queue": "q"}
+    manifest["spec"]["oom"] = {"maxMemory": "8Gi"}
+    job = spec.parse(manifest)
+    assert isinstance(job.settings, PipelineSpec) and job.settings is job.settings
+    assert job.settings.replicas == Size(min=1, max=3)
+    assert job.shape.replicas == Size(min=3, max=3)  # the largest
+    smaller = job.sized(2)  # the operator's world of 2: the settings come along, not remade
+    assert smaller.shape.replicas == Size(min=2, max=2) and smaller.settings is job.settings
+    control = job.control
+    assert control is job.control
+    assert (control.suspend, control.backoff_limit, control.active_deadline_seconds) == (
+        False,
+        3,
+        None,
+    )
+    assert control.pending_seconds == 120 and control.oom.cap == 8 * 2**30
+    assert control.scheduling is not None and control.scheduling.queue == "q"
+    with pytest.raises(ValueError, match="a world of 4 is outside 1 to 3"):
+        job.sized(4).shape  # noqa: B018
+
+
 @pytest.mark.parametrize(
     ("data", "ok"),
     [(None, False), ({"file": {"train": "t.npz"}}, True), ({"import": "m:f"}, True)],

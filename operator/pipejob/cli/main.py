@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ def _at_size(job: spec.Job, size: int) -> spec.Job:
         print(f"pipejob: --size: a {job.kind} has no size to choose", file=sys.stderr)
         raise SystemExit(2)
     try:
-        job = dataclasses.replace(job, size=size)
+        job = job.sized(size)
         job.shape  # noqa: B018 (refuses a size outside the job's range)
     except ValueError as e:
         print(f"pipejob: --size: {e}", file=sys.stderr)
@@ -94,7 +93,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for p in plan_world(job, kube.addresser(job)):
         ddp = f"{p.seat.rank}/{p.seat.size}" if p.seat is not None else "-"
         print(f"{p.rank:>4}  {p.rpc_name:<10} {p.role:<8} {p.gpus:>4}  {ddp:<5} {p.address}")
-    for line in job.definition.describe(job.spec):
+    for line in job.definition.describe(job.settings):
         print(line)
     return 0
 

@@ -12,11 +12,13 @@ import typing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pipejob.core import oom, scheduling
 from pipejob.core.elastic import Size
-from pipejob.core.oom import OOM
+from pipejob.core.kind import RawSpec, spec_key
+from pipejob.core.oom import OOM, OomPolicy
 from pipejob.core.optimizer import OPTIMIZER, Optimizer
 from pipejob.core.pod_template import TEMPLATE
-from pipejob.core.scheduling import MANAGED_BY, SCHEDULING, TOPOLOGY
+from pipejob.core.scheduling import MANAGED_BY, SCHEDULING, TOPOLOGY, Scheduling
 from pipejob.core.scheduling import RULES as SCHEDULING_RULES
 from pipejob.core.schema import Field, Rule, integer, integer_list
 from pipejob.core.workload import EVAL, LOSS, OUTPUT, Eval, Loss, Output
@@ -273,13 +275,32 @@ class Preflight:
     megabytes: float
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunControl:
+    """The fields of OPERATOR_ONLY that steer a job past the parser, as the operator reads
+    them (Job.control); the template and checkpoint.volume go into pods as written."""
+
+    suspend: bool
+    backoff_limit: int
+    active_deadline_seconds: int | None
+    pending_seconds: int  # spec.elastic.pendingSeconds
+    scheduling: Scheduling | None  # with spec.topology; None: the default scheduler
+    oom: OomPolicy
+
+
+def run_control(spec: RawSpec) -> RunControl:
+    """A defaulted spec's RunControl."""
+    return RunControl(
+        suspend=spec["suspend"],
+        backoff_limit=spec["backoffLimit"],
+        active_deadline_seconds=spec.get("activeDeadlineSeconds"),
+        pending_seconds=(spec.get("elastic") or {}).get("pendingSeconds", PENDING_SECONDS),
+        scheduling=scheduling.section(spec.get("scheduling"), spec.get("topology") or {}),
+        oom=oom.policy(spec.get("oom") or {}, spec.get("template") or {}),
+    )
+
+
 T = TypeVar("T")
-
-
-def spec_key(name: str) -> str:
-    """The spec key of a dataclass field: weight_decay -> weightDecay."""
-    first, *rest = name.split("_")
-    return first + "".join(part.title() for part in rest)
 
 
 @functools.cache
@@ -289,7 +310,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def from_spec(cls: type[T], data: dict[str, Any]) -> T:
+def from_spec(cls: type[T], data: RawSpec) -> T:
     """`cls` (a dataclass above or a kind's) filled from a defaulted spec section."""
     hints = _hints(cls)
     values = {}

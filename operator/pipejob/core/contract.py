@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, TypedDict
 
 MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
@@ -192,6 +192,45 @@ EVAL_FIGURES = ("evalLoss", "evalAccuracy", "evalPerplexity", "evalAuc")
 MEMORY_FIGURES = ("rssPeakBytes", "cudaPeakBytes")
 
 
+class PreflightJson(TypedDict):
+    """A report's preflight outcome as JSON."""
+
+    ok: bool
+    message: str
+
+
+class ReportedFigures(TypedDict, total=False):
+    """A report's figures as the job's status.training shows them (Progress's fields but
+    preflight, those the master knows): what the operator reads from /progress and from a
+    finished master's termination message."""
+
+    step: int
+    steps: int
+    phase: str
+    loss: float
+    samplesPerSecond: float
+    bubble: float
+    learningRate: float
+    gradNorm: float
+    resumedFromStep: int
+    message: str
+    evalStep: int
+    evalLoss: float
+    evalAccuracy: float
+    evalPerplexity: float
+    evalAuc: float
+    memory: dict[str, dict[str, int]]
+    checkpointStep: int
+    checkpointTime: str
+    engine: str
+
+
+class ProgressJson(ReportedFigures, total=False):
+    """The master's GET /progress body (Progress.to_json): the figures, and the preflight."""
+
+    preflight: PreflightJson | None
+
+
 @dataclass(frozen=True)
 class Progress:
     """The master's report, as JSON with these names (camelCase, as the job's status)."""
@@ -225,12 +264,14 @@ class Progress:
     # `engine: auto` chose), once it has chosen.
     engine: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_json(self) -> ProgressJson:
+        """The report as the master serves it (every field, None as null)."""
+        return asdict(self)  # type: ignore[return-value]
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> ReportedFigures:
         """The fields the job's status.training shows (all but preflight), None left out."""
-        return {k: v for k, v in self.to_json().items() if k != "preflight" and v is not None}
+        figures = {k: v for k, v in self.to_json().items() if k != "preflight" and v is not None}
+        return figures  # type: ignore[return-value]
 
     @classmethod
     def parse(cls, data: Any) -> Progress:

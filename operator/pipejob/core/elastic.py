@@ -5,11 +5,22 @@ docs/architecture.md, "From manifest to processes", step 3."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
-from pipejob.core.kind import Kind
 from pipejob.core.schema import Field, Rule
+
+if TYPE_CHECKING:  # kind.py and common_spec.py read Size
+    from pipejob.core.common_spec import CommonSpec
+    from pipejob.core.kind import Kind
+
+
+class SizeJson(TypedDict):
+    """An elastic size as the spec writes it."""
+
+    min: int
+    max: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,7 +31,8 @@ class Size:
     max: int
 
     @classmethod
-    def parse(cls, value: int | dict[str, Any]) -> Size:
+    def parse(cls, value: int | SizeJson) -> Size:
+        """The size a spec's number or {min, max} gives."""
         if isinstance(value, dict):
             return cls(min=value["min"], max=value["max"])
         return cls(min=value, max=value)
@@ -63,7 +75,7 @@ def size_field(what: str, default: int, minimum: int, maximum: int) -> Field:
     )
 
 
-def full_size(value: int | dict[str, Any]) -> int:
+def full_size(value: int | SizeJson) -> int:
     """The largest size: what the spec's batch is given for."""
     return Size.parse(value).max
 
@@ -95,19 +107,23 @@ def elastic_acts(field: str) -> Rule:
     )
 
 
-def elastic_size(kind: Kind, spec: dict[str, Any]) -> Size | None:
-    """The kind's elastic size in `spec`, or None when the kind has none."""
-    return None if kind.elastic is None else Size.parse(spec[kind.elastic])
+def elastic_size(kind: Kind, settings: CommonSpec) -> Size | None:
+    """The kind's elastic size in its `settings`, or None when the kind has none."""
+    return None if kind.elastic is None else getattr(settings, kind.elastic)
 
 
-def shape(kind: Kind, spec: dict[str, Any], size: int | None = None) -> dict[str, Any]:
-    """`spec` with its elastic size made a number: `size`, or the largest. What the world
-    plan counts members from."""
-    found = elastic_size(kind, spec)
-    if found is None:
-        return spec
+Settings = TypeVar("Settings", bound="CommonSpec")
+
+
+def shape(kind: Kind, settings: Settings, size: int | None = None) -> Settings:
+    """`settings` with their elastic size one number ({min: n, max: n}): `size`, or the
+    largest. What the world plan counts members from (Role.members, Role.copies)."""
+    found = elastic_size(kind, settings)
+    if found is None or kind.elastic is None:
+        return settings
     if size is not None and not found.min <= size <= found.max:
         raise ValueError(
             f"spec.{kind.elastic}: a world of {size} is outside {found.min} to {found.max}"
         )
-    return {**spec, kind.elastic: found.max if size is None else size}
+    n = found.max if size is None else size
+    return dataclasses.replace(settings, **{kind.elastic: Size(min=n, max=n)})

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
+from pipejob.core.elastic import Size
 from pipejob.core.errors import SpecError
 from pipejob.core.schema import Field
 
-Spec = dict[str, Any]  # a defaulted, validated spec as in the manifest (camelCase)
+if TYPE_CHECKING:  # common_spec.py reads the elastic sizes this module's kinds declare
+    from pipejob.core.common_spec import CommonSpec
+
+# The spec as the manifest has it (camelCase), while the parser defaults, completes and checks
+# it, and as the pods get it (Job.spec's JSON); past the parser, code reads the kind's typed
+# settings (Job.settings) instead.
+RawSpec = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -19,32 +26,39 @@ class Role:
     """Processes of one kind of work in a world, e.g. the stages of a pipeline."""
 
     name: str  # master | stage | ps | trainer
-    count: str | None = None  # the spec field with how many members; None: exactly one
-    # The spec field with the copies of the role's members (PipelineJob replicas), whose
+    # The settings' field (its kind's, core/kinds/) with how many members; None: exactly one.
+    count: str | None = None
+    # The settings' field with the copies of the role's members (PipelineJob replicas), whose
     # names carry the replica; None: one copy.
     replicas: str | None = None
-    gpus: str | None = None  # the spec field with the GPUs of each of its pods
+    gpus: str | None = None  # the settings' field with the GPUs of each of its pods
     computes: bool = False  # does the model's arithmetic (gets the cores, see tuning)
     # Bound by the latency of many small RPCs: keeps TensorPipe's busy-polling transport.
     latency_bound: bool = False
-    # (a boolean spec field, a role): where the field is true, the members run inside that
+    # (a boolean settings field, a role): where the field is true, the members run inside that
     # role's processes, one in each (a HybridJob's servers in its trainers), none of their own.
     inside: tuple[str, str] | None = None
     # One intra-op thread, not twice its share, where its share is a core or less: more
-    # samples per CPU-second for it (runtime/tuning.py; docs/user-guide.md, "Threads").
-    one_thread_when_crowded: Callable[[Spec], bool] = lambda spec: False
+    # samples per CPU-second for it (runtime/tuning.py; docs/user-guide.md, "Threads"). The
+    # trainer's tuning asks it of the spec its env carries (Job.spec's JSON).
+    one_thread_when_crowded: Callable[[RawSpec], bool] = lambda spec: False
 
-    def members(self, spec: Spec) -> int:
-        """Members of one replica with processes of their own (none when `hosted`)."""
-        return 0 if self.hosted(spec) else 1 if self.count is None else spec[self.count]
+    def members(self, world: CommonSpec) -> int:
+        """Members of one replica with processes of their own (none when hosted), in a world of
+        these settings (Job.shape)."""
+        if self.inside is not None and getattr(world, self.inside[0]):
+            return 0
+        return 1 if self.count is None else world_size(getattr(world, self.count))
 
-    def hosted(self, spec: Spec) -> str | None:
-        """The role whose processes run this role's members under `spec`; None: their own."""
-        return self.inside[1] if self.inside is not None and spec.get(self.inside[0]) else None
+    def hosted(self, spec: RawSpec) -> str | None:
+        """The role whose processes run this role's members under the spec its env carries
+        (the trainer's tuning reads it); None: their own."""
+        inside = self.inside
+        return inside[1] if inside is not None and spec.get(spec_key(inside[0])) else None
 
-    def copies(self, spec: Spec) -> int:
-        """Copies of the role's members: its replicas, or 1."""
-        return 1 if self.replicas is None else spec[self.replicas]
+    def copies(self, world: CommonSpec) -> int:
+        """Copies of the role's members in a world of these settings: its replicas, or 1."""
+        return 1 if self.replicas is None else world_size(getattr(world, self.replicas))
 
     def rpc_name(self, index: int, replica: int = 0, replicated: bool = False) -> str:
         """The RPC worker name: the role's name for a single member, else with its index;
@@ -61,15 +75,37 @@ class ProcessGroup:
 
     name: str
     role: str
-    backend: Callable[[Spec], str]  # gloo or nccl
+    backend: Callable[[Any], str]  # gloo or nccl, in a world of the kind's settings
     by_index: bool = False
-    when: Callable[[Spec], bool] = lambda spec: True  # formed only when this holds
+    when: Callable[[Any], bool] = lambda world: True  # formed only when this holds
 
 
-def column(name: str, type: str, json_path: str, description: str = "") -> dict[str, Any]:
+class PrinterColumn(TypedDict, total=False):
+    """A CRD's additionalPrinterColumns entry (a column of `kubectl get`)."""
+
+    name: str
+    type: str
+    jsonPath: str
+    priority: int
+    description: str
+
+
+def column(name: str, type: str, json_path: str, description: str = "") -> PrinterColumn:
     """A column of a kind's own in `kubectl get -o wide` (priority 1)."""
-    out: dict[str, Any] = {"name": name, "type": type, "jsonPath": json_path, "priority": 1}
-    return out | ({"description": description} if description else {})
+    out = PrinterColumn(name=name, type=type, jsonPath=json_path, priority=1)
+    return out | PrinterColumn(description=description) if description else out
+
+
+def world_size(value: int | Size) -> int:
+    """A count of the settings of a world: a number, or its elastic size, which Job.shape
+    has made one number."""
+    return value.max if isinstance(value, Size) else value
+
+
+def spec_key(name: str) -> str:
+    """The spec key of a settings field: weight_decay -> weightDecay."""
+    first, *rest = name.split("_")
+    return first + "".join(part.title() for part in rest)
 
 
 @dataclass(frozen=True)
@@ -85,22 +121,23 @@ class Kind:
     # `export_checkpoint(directory, manifest, out, format)` is `pipejob export` of its checkpoints.
     trainer: str
     groups: tuple[ProcessGroup, ...] = ()
-    columns: tuple[dict[str, Any], ...] = ()  # `kubectl get -o wide` columns of its own
+    columns: tuple[PrinterColumn, ...] = ()  # `kubectl get -o wide` columns of its own
     # Fill-ins that depend on other fields, after the table's defaults.
-    complete: Callable[[Spec], Spec] = lambda spec: spec
+    complete: Callable[[RawSpec], RawSpec] = lambda spec: spec
     # What the table cannot say about a completed spec but would crash its world
     # (core/validate.py runs it with the checks every kind shares).
-    check: Callable[[Spec], list[SpecError]] = lambda spec: []
-    # The spec field that sizes the world and may be elastic, {min, max} (core/elastic.py):
-    # the roles and groups read it as the number the world runs at.
+    check: Callable[[RawSpec], list[SpecError]] = lambda spec: []
+    # The field that sizes the world and may be elastic, {min, max} (core/elastic.py): one
+    # word, the spec's key, the settings' field and the status's. The roles and groups read it
+    # as the number the world runs at.
     elastic: str | None = None
-    # What `pipejob plan` says after the world, for a completed spec (a HybridJob's tables on
-    # its parameter servers).
-    describe: Callable[[Spec], list[str]] = lambda spec: []
+    # What `pipejob plan` says after the world, from the kind's settings (a HybridJob's tables
+    # on its parameter servers).
+    describe: Callable[[Any], list[str]] = lambda settings: []
     # Where its world's NCCL group members would have to share GPUs (the local runner, with
     # fewer GPUs than they ask): the spec to run instead and why, or None (a PipelineJob's
     # `engine: auto` runs on rpc, whose stages may share one).
-    on_shared_gpus: Callable[[Spec], tuple[Spec, str] | None] = lambda spec: None
+    on_shared_gpus: Callable[[RawSpec], tuple[RawSpec, str] | None] = lambda spec: None
     # Whether its master checks what it can alone (a PipelineJob's model against the data and
     # the loss: its trainer module's `check(env)`, whose result `run` gets) before the world
     # forms, where it starts first (contract.MASTER_FIRST: the local runner starts the others

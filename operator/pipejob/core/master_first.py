@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 from pipejob.core import contract as c
-from pipejob.core import scheduling as sch
 from pipejob.core.plan import Process
 from pipejob.core.spec import Job
 
@@ -28,7 +27,7 @@ _CHECKED = ("preflight", "training", "finished")
 def on_cluster(job: Job) -> bool:
     """Whether the operator starts `job`'s master first: its kind checks first and no gang
     scheduler (spec.scheduling) needs every member of the world at once."""
-    return job.definition.checks_first and sch.section(job.spec) is None
+    return job.definition.checks_first and job.control.scheduling is None
 
 
 def told(processes: list[Process], how: str) -> list[Process]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import TypedDict
 
-from pipejob.core.k8s import quantity
+from pipejob.core.k8s import KubeObject, quantity
 from pipejob.core.schema import Field
 
 INCREASE = 1.5  # spec.oom.increase when left out
@@ -45,9 +45,16 @@ OOM = Field(
 )
 
 
-def template_memory(spec: dict[str, Any]) -> Decimal | None:
-    """The memory the template gives every pod: its limit, else its request; None: none."""
-    resources = (spec.get("template") or {}).get("resources") or {}
+class OomJson(TypedDict, total=False):
+    """spec.oom as the manifest writes it (defaulted)."""
+
+    increase: float
+    maxMemory: str
+
+
+def template_memory(template: KubeObject) -> Decimal | None:
+    """The memory a pod template gives every pod: its limit, else its request; None: none."""
+    resources = template.get("resources") or {}
     for key in ("limits", "requests"):
         value = (resources.get(key) or {}).get(MEMORY)
         if value is not None:
@@ -69,12 +76,11 @@ class OomPolicy:
         return grown if self.cap is None else min(grown, self.cap)
 
 
-def policy(spec: dict[str, Any]) -> OomPolicy:
-    """The spec's OomPolicy: spec.oom.maxMemory for the cap, else DEFAULT_CAP times the
-    template's memory."""
-    section = spec.get("oom") or {}
+def policy(section: OomJson, template: KubeObject) -> OomPolicy:
+    """The OomPolicy of spec.oom and spec.template: spec.oom.maxMemory for the cap, else
+    DEFAULT_CAP times the template's memory."""
     given = section.get("maxMemory")
-    base = template_memory(spec)
+    base = template_memory(template)
     cap = quantity(given) if given is not None else None if base is None else base * DEFAULT_CAP
     return OomPolicy(section.get("increase", INCREASE), cap)
 

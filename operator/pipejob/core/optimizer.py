@@ -5,13 +5,12 @@ decay and learning rate each parameter gets) and the typed `Optimizer` the train
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from pipejob.core import bounds
 from pipejob.core.schema import Field, Rule, integer
 
 
-def _torch_bounds(field: str) -> dict[str, Any]:
+def _torch_bounds(field: str) -> dict[str, float | bool | None]:
     """A spec.optimizer field's bound: the loosest torch.optim's classes put on it (bounds.py)."""
     return bounds.loosest(bounds.OPTIMIZERS, field).schema()
 

@@ -120,8 +120,9 @@ def groups(job: Job, world: list[Member]) -> list[tuple[str, str, list[Member]]]
 
 
 def gpus_for(job: Job, member: Member) -> int:
+    """The GPUs of the member's process: its role's settings field, or none."""
     field = job.definition.role(member.role).gpus
-    return job.spec[field] if field else 0
+    return getattr(job.settings, field) if field else 0
 
 
 def seats(job: Job, world: list[Member], address: Addresser, ports: Ports) -> dict[Member, Seat]:
@@ -157,7 +158,7 @@ def plan_world(job: Job, address: Addresser, ports: Ports = Ports()) -> list[Pro
         c.PREFLIGHT_PORT: str(ports.preflight),
         c.MONITOR_PORT: str(ports.monitor),
         c.SPEC: job.spec_json,
-        c.RENDEZVOUS_TIMEOUT: str(job.spec["rendezvousTimeoutSeconds"]),
+        c.RENDEZVOUS_TIMEOUT: str(job.settings.rendezvous_timeout_seconds),
     } | ({c.GROUPS: layout} if layout else {})
     processes = []
     for rank, member in enumerate(world):

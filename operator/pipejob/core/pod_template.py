@@ -4,8 +4,7 @@ selection, volumes, env, ...), each Kubernetes object checked against its real s
 
 from __future__ import annotations
 
-from typing import Any
-
+from pipejob.core.k8s import KubeObject
 from pipejob.core.schema import Field, Rule
 
 GPU = "nvidia.com/gpu"
@@ -22,7 +21,8 @@ def _k8s_list_field(name: str, description: str, keys: tuple[str, ...] = ()) -> 
     return Field("array", what, items=item, list_map_keys=keys)
 
 
-def _has_no_gpu(template: dict[str, Any]) -> bool:
+def _has_no_gpu(template: KubeObject) -> bool:
+    """Whether a pod template's resources name no GPUs (the spec's GPU fields give them)."""
     resources = template.get("resources") or {}
     return all(GPU not in (resources.get(k) or {}) for k in ("requests", "limits"))
 

@@ -5,8 +5,9 @@ ignores it); this module holds its table, its rules and the names each scheduler
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
+from pipejob.core.k8s import KubeObject
 from pipejob.core.schema import Field, Rule
 
 KUEUE, VOLCANO, COSCHEDULING = "kueue", "volcano", "coscheduling"
@@ -161,7 +162,7 @@ MANAGED_BY = Field(
 )
 
 
-def managed_elsewhere(job_obj: dict[str, Any]) -> bool:
+def managed_elsewhere(job_obj: KubeObject) -> bool:
     """Whether the job's spec.managedBy names another controller than pipejob's operator."""
     owner = (job_obj.get("spec") or {}).get("managedBy")
     return owner is not None and owner != MANAGED_BY_PIPEJOB
@@ -215,9 +216,19 @@ class Scheduling:
     topology_annotation: dict[str, str] = field(default_factory=dict)
 
 
-def section(spec: dict[str, Any]) -> Scheduling | None:
-    """The spec's scheduling section, or None when the default scheduler runs the pods."""
-    raw = spec.get("scheduling")
+class SchedulingJson(TypedDict, total=False):
+    """spec.scheduling as the manifest writes it (defaulted)."""
+
+    provider: str
+    queue: str
+    priorityClassName: str
+    schedulerName: str
+    scheduleTimeoutSeconds: int
+
+
+def section(raw: SchedulingJson | None, topology: dict[str, str]) -> Scheduling | None:
+    """spec.scheduling with spec.topology (which, level), or None when the default
+    scheduler runs the pods."""
     if not raw:
         return None
     return Scheduling(
@@ -228,7 +239,7 @@ def section(spec: dict[str, Any]) -> Scheduling | None:
         raw.get("scheduleTimeoutSeconds"),
         {
             TOPOLOGY_ANNOTATIONS[which]: level
-            for which, level in (spec.get("topology") or {}).items()
+            for which, level in topology.items()
             if which in TOPOLOGY_ANNOTATIONS
         },
     )

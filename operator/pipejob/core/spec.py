@@ -4,14 +4,16 @@ table (core/kinds/): `parse` is pipejob's one validation, which `pipejob validat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from pipejob.core import elastic, validate, yamlio
-from pipejob.core.common_spec import DNS_LABEL, from_spec
+from pipejob.core.common_spec import DNS_LABEL, CommonSpec, RunControl, from_spec, run_control
 from pipejob.core.errors import SpecError, shown
 from pipejob.core.kind import Kind
 from pipejob.core.kinds import KINDS
@@ -51,16 +53,33 @@ class Job:
         """The kind's declaration (core/kinds/)."""
         return KINDS[self.kind]
 
-    @property
-    def shape(self) -> dict[str, Any]:
-        """The spec with its elastic size the number the world runs at: what the roles and
-        groups are counted from."""
-        return elastic.shape(self.definition, self.spec, self.size)
+    @cached_property
+    def shape(self) -> CommonSpec:
+        """The settings with their elastic size the number the world runs at: what the roles
+        and groups are counted from (made once per Job)."""
+        return elastic.shape(self.definition, self.settings, self.size)
 
-    @property
-    def settings(self) -> Any:
-        """The spec as its kind's typed object (what the trainer reads)."""
+    @cached_property
+    def settings(self) -> CommonSpec:
+        """The spec as its kind's typed object (core/kinds/: PipelineSpec, HybridSpec), what
+        everything past the parser reads; made once per Job."""
         return from_spec(self.definition.settings, self.spec)
+
+    @cached_property
+    def control(self) -> RunControl:
+        """The spec's fields only the operator reads (common_spec.OPERATOR_ONLY), typed; made
+        once per Job."""
+        return run_control(self.spec)
+
+    def sized(self, size: int | None, resizes: int | None = None) -> Job:
+        """This job with its world at `size` (None: the largest), and `resizes` if given. Its
+        settings and control, which do not depend on the size, are made once (here, if not
+        yet) and shared by every size of it."""
+        again = dataclasses.replace(
+            self, size=size, resizes=self.resizes if resizes is None else resizes
+        )
+        vars(again).update(settings=self.settings, control=self.control)  # cached_property's
+        return again
 
     @property
     def spec_json(self) -> str:

@@ -10,7 +10,9 @@ import posixpath
 from typing import Any
 
 from pipejob.core import contract, elastic
+from pipejob.core.common_spec import CommonSpec, from_spec
 from pipejob.core.errors import SpecError, shown
+from pipejob.core.kind import Kind
 from pipejob.core.kinds import KINDS
 
 # The spec travels to every process in one environment variable (PIPEJOB_SPEC); Linux caps
@@ -130,10 +132,10 @@ def _checkpoint_errors(spec: dict, template: dict) -> list[SpecError]:
     return []
 
 
-def pod_count(kind: str, spec: dict[str, Any]) -> int:
-    """How many pods the job's world has (at its largest size)."""
-    shape = elastic.shape(KINDS[kind], spec)
-    return sum(role.members(shape) * role.copies(shape) for role in KINDS[kind].roles)
+def pod_count(kind: Kind, settings: CommonSpec) -> int:
+    """How many pods a world of `kind` with these settings has (at its largest size)."""
+    world = elastic.shape(kind, settings)
+    return sum(role.members(world) * role.copies(world) for role in kind.roles)
 
 
 def _is_under(path: str, mount: str) -> bool:
@@ -146,7 +148,10 @@ def on_cluster(kind: str, spec: dict[str, Any]) -> list[SpecError]:
     own container filesystem, and a restarted world would find no checkpoint, silently."""
     checkpoint = spec.get("checkpoint") or {}
     path = checkpoint.get("path")
-    if not path or checkpoint.get("volume") or pod_count(kind, spec) < 2:
+    if not path or checkpoint.get("volume"):
+        return []
+    pods = pod_count(KINDS[kind], from_spec(KINDS[kind].settings, spec))
+    if pods < 2:
         return []
     mounts = [
         m.get("mountPath") or "" for m in (spec.get("template") or {}).get("volumeMounts") or []
@@ -154,7 +159,7 @@ def on_cluster(kind: str, spec: dict[str, Any]) -> list[SpecError]:
     if posixpath.isabs(path) and any(m and _is_under(path, m) for m in mounts):
         return []
     why = (
-        f"{shown(path)} is on no volume: each of the job's {pod_count(kind, spec)} pods would write"
+        f"{shown(path)} is on no volume: each of the job's {pods} pods would write"
         " its own container filesystem and a restarted world would find no checkpoint;"
         " add checkpoint.volume (a volume of template.volumes that every pod mounts at"
         " this path), or mount a shared volume at or above it in template.volumeMounts"

@@ -18,6 +18,8 @@ from yaml.reader import Reader
 from yaml.resolver import BaseResolver
 from yaml.scanner import Scanner
 
+from pipejob.core.k8s import KubeObject
+
 MAX_BYTES = 1024 * 1024  # a manifest file; the API server's own request limit is 3 MiB
 MAX_DEPTH = 64  # nesting of mappings and lists: Kubernetes objects need about 15
 MAX_NODES = 100_000  # values after expanding aliases: a billion laughs stops here
@@ -62,13 +64,14 @@ class Constructor12(SafeConstructor):
 
     yaml_constructors: dict = {}
 
-    def construct_mapping(self, node: Node, deep: bool = False) -> dict:
+    def construct_mapping(self, node: Node, deep: bool = False) -> KubeObject:
+        """A mapping of string keys, each once; YAML merge keys (<<) as kubectl reads them."""
         if not isinstance(node, MappingNode):
             raise ConstructorError(None, None, "expected a mapping", node.start_mark)
         own = sum(1 for key_node, _ in node.value if key_node.tag != MERGE)
         self.flatten_mapping(node)  # merged pairs first: the mapping's own keys override them
         merged = len(node.value) - own
-        out: dict[str, Any] = {}
+        out: KubeObject = {}
         own_keys: set[str] = set()
         for i, (key_node, value_node) in enumerate(node.value):
             key = self.construct_object(key_node, deep=deep)

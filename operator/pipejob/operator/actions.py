@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from pipejob.core.k8s import KubeObject
 from pipejob.operator import status as st
+from pipejob.operator.status.job_status import JobCondition, JobStatus
 
 NORMAL, WARNING = "Normal", "Warning"
 
@@ -21,21 +23,25 @@ class Event:
 
 @dataclass
 class Actions:
-    status: dict  # the job's whole new status
-    service: dict | None = None  # create (if absent) before the pods
-    policy: dict | None = None  # the world's NetworkPolicy: create (or update) before the pods
-    podgroup: dict | None = None  # Volcano or coscheduling: create (or update) before the pods
-    create: list[dict] = field(default_factory=list)  # pods
-    delete: list[dict] = field(default_factory=list)  # pods, as observed (name and uid)
+    status: JobStatus  # the job's whole new status
+    service: KubeObject | None = None  # create (if absent) before the pods
+    policy: KubeObject | None = (
+        None  # the world's NetworkPolicy: create (or update) before the pods
+    )
+    podgroup: KubeObject | None = (
+        None  # Volcano or coscheduling: create (or update) before the pods
+    )
+    create: list[KubeObject] = field(default_factory=list)  # pods
+    delete: list[KubeObject] = field(default_factory=list)  # pods, as observed (name and uid)
     events: list[Event] = field(default_factory=list)
     delete_job: bool = False  # ttlSecondsAfterFinished passed
     # Kueue: pods to annotate kueue.x-k8s.io/retriable-in-group=false, which ends the group.
-    end_group: list[dict] = field(default_factory=list)
+    end_group: list[KubeObject] = field(default_factory=list)
 
 
 def transition(
     acts: Actions,
-    old: dict,
+    old: JobStatus,
     phase: str,
     reason: str,
     message: str,
@@ -51,8 +57,8 @@ def transition(
 
 
 def created_conditions(
-    status: dict, true: bool, reason: str, message: str, now: datetime
-) -> list[dict]:
+    status: JobStatus, true: bool, reason: str, message: str, now: datetime
+) -> list[JobCondition]:
     """`status`'s conditions with Created set: whether the world's pods all exist."""
     return st.set_condition(
         list(status.get("conditions") or []), st.CREATED, true, reason, message, now

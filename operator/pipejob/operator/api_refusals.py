@@ -8,9 +8,10 @@ from datetime import datetime
 
 from pipejob.operator import status as st
 from pipejob.operator.actions import WARNING, Actions, Event
+from pipejob.operator.status.job_status import JobStatus
 
 
-def without_podgroup(acts: Actions, old: dict, error: str, now: datetime) -> Actions:
+def without_podgroup(acts: Actions, old: JobStatus, error: str, now: datetime) -> Actions:
     """`acts` when the API server refused the world's PodGroup (its CRD not installed, or the
     operator not allowed to make it)."""
     kind = (acts.podgroup or {}).get("apiVersion", "PodGroup")
@@ -21,7 +22,7 @@ def without_podgroup(acts: Actions, old: dict, error: str, now: datetime) -> Act
     return _refused(acts, old, "PodGroupRefused", message, now)
 
 
-def without_policy(acts: Actions, old: dict, error: str, now: datetime) -> Actions:
+def without_policy(acts: Actions, old: JobStatus, error: str, now: datetime) -> Actions:
     """`acts` when the API server refused the world's NetworkPolicy (the operator not allowed
     to make it, or another's policy holds its name)."""
     name = (acts.policy or {}).get("metadata", {}).get("name")
@@ -33,7 +34,7 @@ def without_policy(acts: Actions, old: dict, error: str, now: datetime) -> Actio
     return _refused(acts, old, "NetworkPolicyRefused", message, now)
 
 
-def _refused(acts: Actions, old: dict, reason: str, message: str, now: datetime) -> Actions:
+def _refused(acts: Actions, old: JobStatus, reason: str, message: str, now: datetime) -> Actions:
     acts.create, acts.policy, acts.podgroup = [], None, None
     conditions = list(acts.status.get("conditions") or [])
     acts.status["conditions"] = st.set_condition(

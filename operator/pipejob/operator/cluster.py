@@ -12,9 +12,11 @@ from typing import Any
 
 from kubernetes import client
 
+from pipejob.core.k8s import KubeObject
 from pipejob.core.scheduling import KUEUE_RETRIABLE
 from pipejob.core.spec import GROUP, VERSION
 from pipejob.operator.status import timestamp
+from pipejob.operator.status.job_status import JobStatus
 
 REPORTER = "pipejob-operator"
 # Objects one LIST reads at most (kubectl's chunk): at 5,000 jobs a whole list of them, or of
@@ -41,16 +43,16 @@ PLURALS = {
 }
 
 
-def _collection(obj: dict) -> str:
+def _collection(obj: KubeObject) -> str:
     """The URL path of the collection `obj` is created in."""
     api = obj["apiVersion"]
     root = "/api/v1" if api == "v1" else f"/apis/{api}"
     return f"{root}/namespaces/{obj['metadata']['namespace']}/{PLURALS[obj['kind']]}"
 
 
-def merge_patch(old: dict, new: dict) -> dict:
+def merge_patch(old: KubeObject, new: KubeObject) -> KubeObject:
     """The JSON merge patch (RFC 7386) that turns `old` into `new`."""
-    patch: dict[str, Any] = {k: None for k in old if k not in new}
+    patch: KubeObject = {k: None for k in old if k not in new}
     for key, value in new.items():
         before = old.get(key)
         if isinstance(value, dict) and isinstance(before, dict):
@@ -79,9 +81,9 @@ class Cluster:
         method: str,
         path: str,
         body: Any = None,
-        query: dict | None = None,
+        query: dict[str, str | int] | None = None,
         content_type: str = "application/json",
-    ) -> dict:
+    ) -> KubeObject:
         params = self.api.param_serialize(
             method=method,
             resource_path=path,
@@ -96,7 +98,7 @@ class Cluster:
             raise ApiError(response.status, method, path, data.decode("utf-8", "replace"))
         return json.loads(data) if data else {}
 
-    def get_job(self, plural: str, namespace: str, name: str) -> dict | None:
+    def get_job(self, plural: str, namespace: str, name: str) -> KubeObject | None:
         """GET the job; None once it is gone."""
         try:
             return self._call("GET", _job_path(plural, namespace, name))
@@ -105,7 +107,7 @@ class Cluster:
                 return None
             raise
 
-    def list_pods(self, namespace: str, job: str | list[str]) -> list[dict]:
+    def list_pods(self, namespace: str, job: str | list[str]) -> list[KubeObject]:
         """LIST the pods labelled with the job (every restart, every owner), or with any of
         the jobs of a list."""
         from pipejob.operator.kube import JOB_LABEL
@@ -122,7 +124,7 @@ class Cluster:
         # server that ignores it from handing us other jobs' pods.
         return [p for p in items if (p["metadata"].get("labels") or {}).get(JOB_LABEL) in names]
 
-    def list_jobs(self, kind: str, plural: str, namespace: str) -> Iterator[list[dict]]:
+    def list_jobs(self, kind: str, plural: str, namespace: str) -> Iterator[list[KubeObject]]:
         """LIST the jobs of one kind in `namespace`, `LIST_CHUNK` at a time (the API server's
         `limit` and `continue`), each with its kind and apiVersion (a list's items carry
         neither): one chunk is held at a time, never every job of the cluster."""
@@ -137,7 +139,7 @@ class Cluster:
             if not token:
                 return
 
-    def create(self, obj: dict) -> bool:
+    def create(self, obj: KubeObject) -> bool:
         """CREATE a Pod or Service; False if one of that name exists already."""
         try:
             self._call("POST", _collection(obj), obj)
@@ -147,7 +149,7 @@ class Cluster:
             raise
         return True
 
-    def apply(self, obj: dict) -> None:
+    def apply(self, obj: KubeObject) -> None:
         """CREATE one of the world's first objects (its NetworkPolicy, its PodGroup); if one
         of that name exists, PATCH its spec to this one (an edited spec, or the operator's
         settings, may have changed it), provided it is the job's: the JSON patch tests the
@@ -170,7 +172,7 @@ class Cluster:
                 content_type="application/json-patch+json",
             )
 
-    def end_kueue_group(self, pod: dict) -> None:
+    def end_kueue_group(self, pod: KubeObject) -> None:
         """PATCH kueue.x-k8s.io/retriable-in-group=false onto a pod: Kueue then finishes its
         group once no pod of it is active, instead of waiting for replacements."""
         meta = pod["metadata"]
@@ -186,7 +188,7 @@ class Cluster:
             if e.status != 404:  # gone already: nothing left to end
                 raise
 
-    def delete_pod(self, pod: dict) -> None:
+    def delete_pod(self, pod: KubeObject) -> None:
         """DELETE the pod observed, not a newer one of the same name; gone already is fine."""
         meta = pod["metadata"]
         body = {"kind": "DeleteOptions", "apiVersion": "v1"}
@@ -200,7 +202,7 @@ class Cluster:
             if e.status not in (404, 409):
                 raise
 
-    def patch_status(self, plural: str, job: dict, status: dict) -> None:
+    def patch_status(self, plural: str, job: KubeObject, status: JobStatus) -> None:
         """PATCH the job's status subresource from what it was to `status`."""
         meta = job["metadata"]
         patch = merge_patch(job.get("status") or {}, status)
@@ -217,7 +219,7 @@ class Cluster:
             if e.status != 404:  # the job was deleted while we looked at it: nothing to say
                 raise
 
-    def delete_job(self, plural: str, job: dict) -> None:
+    def delete_job(self, plural: str, job: KubeObject) -> None:
         """DELETE the job (its pods and Service follow by their ownerReferences)."""
         meta = job["metadata"]
         body = {
@@ -232,7 +234,7 @@ class Cluster:
             if e.status not in (404, 409):
                 raise
 
-    def post_event(self, job: dict, type: str, reason: str, message: str) -> None:
+    def post_event(self, job: KubeObject, type: str, reason: str, message: str) -> None:
         """CREATE an Event about the job (what `kubectl describe` shows)."""
         meta = job["metadata"]
         now = datetime.now(UTC)

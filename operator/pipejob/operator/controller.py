@@ -21,6 +21,7 @@ import kopf
 from pipejob.core import scheduling as sch
 from pipejob.core import validate
 from pipejob.core.contract import Progress
+from pipejob.core.k8s import KubeObject
 from pipejob.core.kinds import KINDS, by_plural
 from pipejob.core.spec import API_VERSION, GROUP, VERSION
 from pipejob.operator import (
@@ -146,7 +147,7 @@ class Reconciler:
         self.polls.forget(key)
         self.metrics.forget(key)
 
-    def _fetch_progress(self, address: str) -> dict | None:
+    def _fetch_progress(self, address: str) -> Progress | None:
         started = time.perf_counter()
         report = progress.fetch(address)
         result = "none" if report is None else "ok"
@@ -178,7 +179,7 @@ class Reconciler:
         self.polls.saw(key, address, uid, progress.alone(pods, world), shown)
 
     def decide(
-        self, job: dict, pods: list[dict], now: datetime, report: Progress | None = None
+        self, job: KubeObject, pods: list[KubeObject], now: datetime, report: Progress | None = None
     ) -> reconcile.Actions:
         """`reconcile.decide` with this operator's image and settings."""
         return reconcile.decide(
@@ -197,7 +198,7 @@ class Reconciler:
             log.warning(f"resync: could not list the jobs and their pods, so each is read: {e}")
             return keys
 
-    def _apply(self, key: Key, job: dict, acts: reconcile.Actions, now: datetime) -> None:
+    def _apply(self, key: Key, job: KubeObject, acts: reconcile.Actions, now: datetime) -> None:
         """Carry out `acts`. Pods before status (a world counts as created once its pods
         exist), status before deletes (a restart is recorded before its world goes), so a
         crash between any two steps is repaired by the next reconcile."""
@@ -226,7 +227,7 @@ class Reconciler:
             self.forget(key)
 
     def _apply_policy_and_podgroup(
-        self, job: dict, acts: reconcile.Actions, now: datetime
+        self, job: KubeObject, acts: reconcile.Actions, now: datetime
     ) -> reconcile.Actions:
         """The world's NetworkPolicy and PodGroup, before its pods: they must never run open,
         and a gang scheduler waits for its group. Refused (not allowed, no such kind, another's
@@ -245,7 +246,7 @@ class Reconciler:
                 acts = without(acts, job.get("status") or {}, str(e), now)
         return acts
 
-    def _end_groups(self, key: Key, pods: list[dict]) -> None:
+    def _end_groups(self, key: Key, pods: list[KubeObject]) -> None:
         """End the Kueue pod groups of `pods`; not allowed, say what is left."""
         for pod in pods:
             try:
@@ -259,7 +260,7 @@ class Reconciler:
                     f" scheduling.kueue.enabled): {e}"
                 )
 
-    def _post_events(self, key: Key, job: dict, events: list[reconcile.Event]) -> None:
+    def _post_events(self, key: Key, job: KubeObject, events: list[reconcile.Event]) -> None:
         """Log `events` and post them on the job; Events inform, they never stop a reconcile."""
         for event in events:
             level = logging.WARNING if event.type == reconcile.WARNING else logging.INFO
@@ -344,7 +345,7 @@ async def _resync(reconciler: Reconciler, interval: float) -> None:
 
 
 async def on_job(
-    event: dict, resource: Any, namespace: str, name: str, memo: kopf.Memo, **_: Any
+    event: KubeObject, resource: Any, namespace: str, name: str, memo: kopf.Memo, **_: Any
 ) -> None:
     """A job was made, changed or went: queue its reconcile (on kopf's event loop: no
     handler thread waits on a reconcile)."""
@@ -361,7 +362,7 @@ for _kind in KINDS.values():
 
 
 @kopf.on.event("v1", "pods", labels={kube.JOB_LABEL: kopf.PRESENT}, registry=REGISTRY)
-async def on_pod(body: dict, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+async def on_pod(body: KubeObject, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     """A pod of a job changed or went: reconcile the job that owns it."""
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("controller") and ref.get("apiVersion") == API_VERSION:

@@ -9,6 +9,7 @@ import yaml
 
 from pipejob.core import spec
 from pipejob.core.common_spec import DNS_LABEL
+from pipejob.core.k8s import KubeObject
 from pipejob.core.kind import Kind
 from pipejob.core.kinds import KINDS
 from pipejob.core.schema import openapi
@@ -80,7 +81,7 @@ _NAME_RULES = [
 ]
 
 
-def crd(kind: Kind) -> dict:
+def crd(kind: Kind) -> KubeObject:
     schema = {
         "type": "object",
         "description": kind.description,
@@ -126,7 +127,7 @@ def filename(kind: Kind) -> str:
     return f"{kind.plural}.{spec.GROUP}.yaml"
 
 
-def to_yaml(obj: dict) -> str:
+def to_yaml(obj: KubeObject) -> str:
     return HEADER + yaml.safe_dump(obj, sort_keys=False, width=100)
 
 

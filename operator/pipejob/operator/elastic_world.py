@@ -7,16 +7,17 @@ situations; docs/user-guide.md, "Elastic worlds", tells what a user sees."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from pipejob.core import scheduling as sch
-from pipejob.core.common_spec import PENDING_SECONDS
 from pipejob.core.elastic import elastic_size
+from pipejob.core.k8s import KubeObject
 from pipejob.core.plan import Member, members, plan_world
 from pipejob.core.spec import Job
 from pipejob.operator import gang, kube
 from pipejob.operator import status as st
+from pipejob.operator.status.job_status import JobStatus, TrainingStatus
 
 STANDBY_LABEL = "pipejob.dev/standby"  # a standby pod: the number of the world it waits beside
 JOINS_LABEL = "pipejob.dev/joins-at"  # the size at which the member it stands for joins
@@ -31,18 +32,18 @@ class Resize:
     message: str
 
 
-def size(job: Job, status: dict) -> int | None:
+def size(job: Job, status: JobStatus) -> int | None:
     """The size the current world runs at: the one the operator chose (status.replicas or
     status.trainers) within the spec's bounds; at first the largest. None: the kind has no
     size."""
-    found = elastic_size(job.definition, job.spec)
+    found = elastic_size(job.definition, job.settings)
     if found is None:
         return None
     chosen = status.get(job.definition.elastic or "")
     return chosen if isinstance(chosen, int) and found.min <= chosen <= found.max else found.max
 
 
-def is_standby(pod: dict) -> bool:
+def is_standby(pod: KubeObject) -> bool:
     return STANDBY_LABEL in (pod["metadata"].get("labels") or {})
 
 
@@ -53,12 +54,12 @@ def _key(m: Member) -> tuple[str, int, int]:
 def joiners(job: Job, at: int) -> list[tuple[int, Member]]:
     """The members larger worlds add to one of size `at`, each with the size it joins at,
     in rank order (a replica's stages, or a trainer, per size)."""
-    found = elastic_size(job.definition, job.spec)
+    found = elastic_size(job.definition, job.settings)
     assert found is not None
-    seen = {_key(m) for m in members(replace(job, size=at))}
+    seen = {_key(m) for m in members(job.sized(at))}
     out = []
     for n in range(at + 1, found.max + 1):
-        for m in members(replace(job, size=n)):
+        for m in members(job.sized(n)):
             if _key(m) not in seen:
                 out.append((n, m))
                 seen.add(_key(m))
@@ -68,7 +69,7 @@ def joiners(job: Job, at: int) -> list[tuple[int, Member]]:
 # ------------------------------------------------------------------ smaller
 
 
-def _pending_since(pod: dict) -> datetime | None:
+def _pending_since(pod: KubeObject) -> datetime | None:
     """Since when the scheduler has found no place for `pod`, or None."""
     for c in (pod.get("status") or {}).get("conditions") or []:
         if (c.get("type"), c.get("status"), c.get("reason")) == (
@@ -81,17 +82,22 @@ def _pending_since(pod: dict) -> datetime | None:
 
 
 def shrink(
-    job: Job, at: int, planned: list[dict], by_name: dict, old: dict, now: datetime
+    job: Job,
+    at: int,
+    planned: list[KubeObject],
+    by_name: dict[str, KubeObject],
+    old: JobStatus,
+    now: datetime,
 ) -> Resize | None:
     """The smaller size to restart the world `planned` (at size `at`) at, once pods of it
     stayed unplaced for pendingSeconds: the largest whose pods were placed (the world's other
     pods placed too), or, for a world a gang scheduler keeps Queued (nothing of it is placed
     until all is), one size smaller; None while they may yet be placed, or when no smaller
     size (of at least min) would fit either."""
-    found = elastic_size(job.definition, job.spec)
+    found = elastic_size(job.definition, job.settings)
     if found is None or at <= found.min:
         return None
-    wait = (job.spec.get("elastic") or {}).get("pendingSeconds", PENDING_SECONDS)
+    wait = job.control.pending_seconds
     long_ago = now - timedelta(seconds=wait)
     observed = [by_name.get(p["metadata"]["name"]) for p in planned]
     stuck = [p for p in observed if p is not None and (t := _pending_since(p)) and t <= long_ago]
@@ -125,14 +131,19 @@ def shrink(
 
 
 def standby(
-    job: Job, at: int | None, world: int, namespace: str, owner: dict | None, image: str | None
-) -> list[dict]:
+    job: Job,
+    at: int | None,
+    world: int,
+    namespace: str,
+    owner: KubeObject | None,
+    image: str | None,
+) -> list[KubeObject]:
     """The standby pods beside world `world` at size `at`: one per member a larger world adds,
     shaped as that member's pod, running nothing."""
-    found = elastic_size(job.definition, job.spec)
+    found = elastic_size(job.definition, job.settings)
     if found is None or at is None or at >= found.max:
         return []
-    full = replace(job, size=None)
+    full = job.sized(None)
     processes = {_key(p.member): p for p in plan_world(full, kube.addresser(full))}
     out = []
     for k, (joins, member) in enumerate(joiners(job, at)):
@@ -141,7 +152,7 @@ def standby(
     return out
 
 
-def _standing_by(job: Job, pod: dict, world: int, joins: int, k: int) -> dict:
+def _standing_by(job: Job, pod: KubeObject, world: int, joins: int, k: int) -> KubeObject:
     """A member's pod made a standby pod: its resources and placement, no training."""
     pod = copy.deepcopy(pod)
     meta, spec = pod["metadata"], pod["spec"]
@@ -161,7 +172,7 @@ def _standing_by(job: Job, pod: dict, world: int, joins: int, k: int) -> dict:
     for key in ("env", "ports", "volumeMounts"):
         container.pop(key, None)
     container["command"] = list(STANDBY_COMMAND)
-    section = sch.section(job.spec)
+    section = job.control.scheduling
     if section is not None and section.provider == sch.KUEUE:  # a pod group per size
         unit = sum(1 for n, _ in joiners(job, joins - 1) if n == joins)
         meta["labels"][sch.KUEUE_QUEUE_LABEL] = section.queue
@@ -170,13 +181,13 @@ def _standing_by(job: Job, pod: dict, world: int, joins: int, k: int) -> dict:
     return pod
 
 
-def grow(job: Job, at: int, pods: list[dict], training: dict) -> Resize | None:
+def grow(job: Job, at: int, pods: list[KubeObject], training: TrainingStatus) -> Resize | None:
     """The larger size to restart the world (at size `at`) at: the largest whose standby
     `pods` all run, once the master has written a checkpoint since the last of them started."""
-    found = elastic_size(job.definition, job.spec)
+    found = elastic_size(job.definition, job.settings)
     if found is None or at >= found.max:
         return None
-    by_size: dict[int, list[dict]] = {}
+    by_size: dict[int, list[KubeObject]] = {}
     for pod in pods:
         by_size.setdefault(int(pod["metadata"]["labels"][JOINS_LABEL]), []).append(pod)
     wanted = {}
@@ -208,12 +219,12 @@ def standby_changes(
     job: Job,
     at: int | None,
     world: int,
-    pods: list[dict],
+    pods: list[KubeObject],
     running: bool,
     namespace: str,
-    owner: dict | None,
+    owner: KubeObject | None,
     image: str,
-) -> tuple[list[dict], list[dict]]:
+) -> tuple[list[KubeObject], list[KubeObject]]:
     """The standby pods to make and those to delete beside world `world` at size `at`, given
     those that exist (`pods`): made once every pod of the world runs (`running`: never
     competing with it for room), gone once the world is not the one they wait beside, or no
@@ -229,11 +240,11 @@ def standby_changes(
 def resize(
     job: Job,
     at: int | None,
-    planned: list[dict],
-    by_name: dict,
-    pods: list[dict],
-    old: dict,
-    status: dict,
+    planned: list[KubeObject],
+    by_name: dict[str, KubeObject],
+    pods: list[KubeObject],
+    old: JobStatus,
+    status: JobStatus,
     now: datetime,
 ) -> Resize | None:
     """Another size for an elastic world: larger while it runs (`grow`, its standby `pods`),

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import copy
 from decimal import Decimal
-from typing import Any
 
 from pipejob.core import scheduling as sch
-from pipejob.core.k8s import quantity
+from pipejob.core.k8s import KubeObject, quantity
 from pipejob.core.spec import Job
 
 
 def provider(job: Job) -> str | None:
-    section = sch.section(job.spec)
+    section = job.control.scheduling
     return section.provider if section else None
 
 
@@ -37,9 +36,9 @@ def pod_name(job: Job, hostname: str, world: int) -> str:
     return f"{hostname}-r{world}" if provider(job) == sch.KUEUE else hostname
 
 
-def decorate(job: Job, pod: dict[str, Any], size: int) -> dict[str, Any]:
+def decorate(job: Job, pod: KubeObject, size: int) -> KubeObject:
     """`pod` (one of a world of `size`) as its gang scheduler wants it."""
-    section = sch.section(job.spec)
+    section = job.control.scheduling
     if section is None:
         return pod
     meta, spec = pod["metadata"], pod["spec"]
@@ -62,19 +61,21 @@ def decorate(job: Job, pod: dict[str, Any], size: int) -> dict[str, Any]:
     return pod
 
 
-def podgroup(job: Job, pods: list[dict], namespace: str, owner: dict | None) -> dict | None:
+def podgroup(
+    job: Job, pods: list[KubeObject], namespace: str, owner: KubeObject | None
+) -> KubeObject | None:
     """The PodGroup of the world `pods` (Volcano or coscheduling), or None."""
-    section = sch.section(job.spec)
+    section = job.control.scheduling
     if section is None or section.provider == sch.KUEUE:
         return None
-    meta: dict[str, Any] = {
+    meta: KubeObject = {
         "name": group_name(job),
         "namespace": namespace,
         "labels": {"pipejob.dev/job": job.name, "app.kubernetes.io/managed-by": "pipejob"},
     }
     if owner is not None:
         meta["ownerReferences"] = [copy.deepcopy(owner)]
-    spec: dict[str, Any] = {"minMember": len(pods)}
+    spec: KubeObject = {"minMember": len(pods)}
     if section.provider == sch.VOLCANO:
         group, version, _ = sch.VOLCANO_API
         resources = requests(pods)
@@ -91,7 +92,7 @@ def podgroup(job: Job, pods: list[dict], namespace: str, owner: dict | None) -> 
     return {"apiVersion": f"{group}/{version}", "kind": "PodGroup", "metadata": meta, "spec": spec}
 
 
-def requests(pods: list[dict]) -> dict[str, str]:
+def requests(pods: list[KubeObject]) -> dict[str, str]:
     """The sum of the pods' resource requests (a limit alone counts as its request, as the
     API server defaults it), as Kubernetes quantities."""
     total: dict[str, Decimal] = {}

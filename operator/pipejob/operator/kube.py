@@ -8,10 +8,10 @@ import copy
 import hashlib
 import json
 import os
-from typing import Any
 
 from pipejob.core import master_first
 from pipejob.core.contract import POD_NAME
+from pipejob.core.k8s import KubeObject
 from pipejob.core.plan import (
     TRAINER_MODULE,
     Member,
@@ -80,7 +80,7 @@ def spec_hash(job: Job) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def spec_hash_of(pod_obj: dict) -> str | None:
+def spec_hash_of(pod_obj: KubeObject) -> str | None:
     return (pod_obj["metadata"].get("annotations") or {}).get(SPEC_HASH)
 
 
@@ -98,7 +98,7 @@ def addresser(job: Job):
     return lambda member: f"{pod_name(job.name, member)}.{job.name}"
 
 
-def owner_reference(job_obj: dict) -> dict:
+def owner_reference(job_obj: KubeObject) -> KubeObject:
     """The job as the controller owner of what it makes: deleting the job deletes them."""
     meta = job_obj["metadata"]
     return {
@@ -111,8 +111,10 @@ def owner_reference(job_obj: dict) -> dict:
     }
 
 
-def _metadata(job: Job, name: str, namespace: str, owner: dict | None, labels: dict) -> dict:
-    meta: dict[str, Any] = {
+def _metadata(
+    job: Job, name: str, namespace: str, owner: KubeObject | None, labels: dict[str, str]
+) -> KubeObject:
+    meta: KubeObject = {
         "name": name,
         "namespace": namespace,
         "labels": {JOB_LABEL: job.name, **labels, **MANAGED_BY},
@@ -122,7 +124,7 @@ def _metadata(job: Job, name: str, namespace: str, owner: dict | None, labels: d
     return meta
 
 
-def service(job: Job, namespace: str, owner: dict | None = None) -> dict:
+def service(job: Job, namespace: str, owner: KubeObject | None = None) -> KubeObject:
     """The headless Service that gives every pod of the job its DNS name, ready or not."""
     names = ["rpc", "preflight", "monitor"]
     if groups(job, members(job)):
@@ -147,8 +149,8 @@ DNS = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
 
 
 def network_policy(
-    job: Job, namespace: str, owner: dict | None, settings: NetworkPolicySettings
-) -> dict:
+    job: Job, namespace: str, owner: KubeObject | None, settings: NetworkPolicySettings
+) -> KubeObject:
     """The NetworkPolicy of the job's world: its pods admit only each other (every world of
     the job, at any size: the selector is the job's label), and the master's monitor port
     also the peers `settings` name. No port list between members: torch RPC (TensorPipe) and
@@ -156,14 +158,14 @@ def network_policy(
     ports are fixed, and a member is trusted with everything anyway (RPC runs what it is
     sent). Egress stays open unless `settings` restrict it."""
 
-    def peers() -> dict:  # a fresh dict per use: YAML would print a shared one as an alias
+    def peers() -> KubeObject:  # a fresh dict per use: YAML would print a shared one as an alias
         return {"podSelector": {"matchLabels": {JOB_LABEL: job.name}}}
 
     ingress: list[dict] = [{"from": [peers()]}]
     if settings.monitor_from:  # an empty `from` would admit everyone
         monitor = [{"protocol": "TCP", "port": PORTS.monitor}]
         ingress.append({"from": copy.deepcopy(list(settings.monitor_from)), "ports": monitor})
-    spec: dict[str, Any] = {**peers(), "policyTypes": ["Ingress"], "ingress": ingress}
+    spec: KubeObject = {**peers(), "policyTypes": ["Ingress"], "ingress": ingress}
     if settings.egress is not None:
         spec["policyTypes"].append("Egress")
         spec["egress"] = [
@@ -179,7 +181,7 @@ def network_policy(
     }
 
 
-def _resources(template: dict, gpus: int) -> dict:
+def _resources(template: KubeObject, gpus: int) -> KubeObject:
     """Template resources with the GPU count of the role (and only that) as nvidia.com/gpu."""
     resources = copy.deepcopy(template.get("resources") or {})
     for key in ("requests", "limits"):
@@ -198,14 +200,14 @@ def pod(
     process: Process,
     restart: int,
     namespace: str,
-    owner: dict | None = None,
+    owner: KubeObject | None = None,
     image: str | None = None,
-) -> dict:
+) -> KubeObject:
     """The Pod of one process of the world plan, in world `restart` (0 for the first)."""
     template = job.spec.get("template") or {}
     hostname = pod_name(job.name, process.member)  # the DNS name stays across worlds
     name = gang.pod_name(job, hostname, restart)
-    spec: dict[str, Any] = {
+    spec: KubeObject = {
         "hostname": hostname,
         "subdomain": job.name,
         "restartPolicy": "Never",  # the operator restarts the whole world, never one pod
@@ -230,7 +232,7 @@ def pod(
     return gang.decorate(job, pod_obj, process.world_size)
 
 
-def _container(job: Job, process: Process, name: str, image: str | None) -> dict:
+def _container(job: Job, process: Process, name: str, image: str | None) -> KubeObject:
     """The trainer's container of the pod `name` of `process`: its env, ports, image,
     resources and volumes."""
     template = job.spec.get("template") or {}
@@ -238,7 +240,7 @@ def _container(job: Job, process: Process, name: str, image: str | None) -> dict
     # The watchdog names a member by its pod (the name changes with every restart).
     env.append({"name": POD_NAME, "value": name})
     env += copy.deepcopy(template.get("env") or [])
-    container: dict[str, Any] = {
+    container: KubeObject = {
         "name": CONTAINER,
         "image": template.get("image") or image or trainer_image(),
         "command": ["python", *TRAINER_MODULE],
@@ -263,7 +265,7 @@ def _container(job: Job, process: Process, name: str, image: str | None) -> dict
     return container
 
 
-def _container_ports(process: Process) -> list[dict]:
+def _container_ports(process: Process) -> list[KubeObject]:
     ports = [{"name": "rpc", "containerPort": PORTS.rpc}]
     if process.seat is not None:
         ports.append({"name": "ddp", "containerPort": process.seat.port})
@@ -279,9 +281,9 @@ def world(
     job: Job,
     restart: int,
     namespace: str,
-    owner: dict | None = None,
+    owner: KubeObject | None = None,
     image: str | None = None,
-) -> list[dict]:
+) -> list[KubeObject]:
     """Every Pod of the job, in RPC rank order (master first); where the master is made first
     (master_first.on_cluster), every member is told so."""
     processes = plan_world(job, addresser(job))
@@ -295,7 +297,7 @@ def render(
     namespace: str,
     image: str | None = None,
     policy: NetworkPolicySettings | None = DEFAULT,
-) -> list[dict]:
+) -> list[KubeObject]:
     """The Service, NetworkPolicy (unless `policy` is None), PodGroup (with spec.scheduling
     volcano or coscheduling) and Pods the operator creates for `job`, in that order, without
     owner references (there is no job object yet), for review and `kubectl apply --dry-run`."""
@@ -305,16 +307,16 @@ def render(
     return [service(job, namespace), *filter(None, (guard, group)), *pods]
 
 
-def role_of(pod_obj: dict) -> str:
+def role_of(pod_obj: KubeObject) -> str:
     return pod_obj["metadata"].get("labels", {}).get(ROLE_LABEL, "unknown")
 
 
-def restart_of(pod_obj: dict) -> int | None:
+def restart_of(pod_obj: KubeObject) -> int | None:
     value = pod_obj["metadata"].get("labels", {}).get(RESTART_LABEL)
     return int(value) if value is not None and value.isdigit() else None
 
 
-def process_name(pod_obj: dict) -> str:
+def process_name(pod_obj: KubeObject) -> str:
     """How a user names a pod's process: "master 0", "stage 1", "trainer 0"."""
     labels = pod_obj["metadata"].get("labels", {})
     name = f"{labels.get(ROLE_LABEL, '?')} {labels.get(INDEX_LABEL, '?')}"

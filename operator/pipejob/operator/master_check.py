@@ -8,8 +8,10 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from pipejob.core import master_first
+from pipejob.core.k8s import KubeObject
 from pipejob.operator import status as st
 from pipejob.operator.observation import Observed
+from pipejob.operator.status.job_status import JobStatus, TrainingStatus
 
 # A master serves /progress as its process starts (before torch loads). Unread this long after
 # its container started, the operator cannot reach it (it runs outside the cluster, or a
@@ -19,7 +21,7 @@ UNREAD_SECONDS = 60
 WAITING = "the others are created once the master has checked the model, data and loss"
 
 
-def waiting(seen: Observed, status: dict) -> str | None:
+def waiting(seen: Observed, status: JobStatus) -> str | None:
     """Why the current world's other pods are not made yet, or None once they may be: once
     this reconcile's poll of the master (seen.progress) finds it checked, or once it has run
     UNREAD_SECONDS with no report of it ever read (`status`: the new status)."""
@@ -38,7 +40,7 @@ def waiting(seen: Observed, status: dict) -> str | None:
     return None if unread else WAITING
 
 
-def _reported_since(report: dict, master: dict) -> bool:
+def _reported_since(report: TrainingStatus, master: KubeObject) -> bool:
     """Whether status.training is this master's report: changed after its pod was made (an
     older world's master was gone before this one, of the same name, could be made)."""
     changed = st.parse_time(report.get("updateTime"))
@@ -46,7 +48,7 @@ def _reported_since(report: dict, master: dict) -> bool:
     return changed is not None and made is not None and changed >= made
 
 
-def _started(pod: dict) -> datetime | None:
+def _started(pod: KubeObject) -> datetime | None:
     """When the pod's container started running."""
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         started = ((cs.get("state") or {}).get("running") or {}).get("startedAt")

@@ -11,7 +11,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING
 
 from pipejob.core import oom
-from pipejob.core.k8s import quantity
+from pipejob.core.k8s import KubeObject, quantity
 from pipejob.operator import kube
 from pipejob.operator import status as st
 
@@ -52,10 +52,10 @@ def kill(seen: Observed) -> Kill | None:
         return None
     name = planned_pod["metadata"]["name"]
     process, role = kube.process_name(planned_pod), kube.role_of(planned_pod)
-    return Kill(name, process, role, had, max(had, oom.policy(seen.job.spec).raised(had)))
+    return Kill(name, process, role, had, max(had, seen.job.control.oom.raised(had)))
 
 
-def pod_memory(pod: dict) -> Decimal | None:
+def pod_memory(pod: KubeObject) -> Decimal | None:
     """The memory a planned pod's trainer container has: its limit, else its request."""
     resources = pod["spec"]["containers"][0].get("resources") or {}
     for key in ("limits", "requests"):
@@ -65,7 +65,7 @@ def pod_memory(pod: dict) -> Decimal | None:
     return None
 
 
-def with_raised_memory(pods: list[dict], raised: dict[str, str] | None) -> list[dict]:
+def with_raised_memory(pods: list[KubeObject], raised: dict[str, str] | None) -> list[KubeObject]:
     """`pods` with the memory of each role in `raised` (status.memory) in place of the
     template's, where it is more: the limit set to it, the request grown in proportion."""
     if not raised:

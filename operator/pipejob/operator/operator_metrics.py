@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pipejob.core.kinds import KINDS
 from pipejob.operator import status as st
+from pipejob.operator.status.job_status import JobStatus
 
 PREFIX = "pipejob_operator"
 
@@ -60,7 +61,7 @@ class OperatorMetrics:
         self._phases: dict[Hashable, tuple[str, str]] = {}  # job -> (kind, phase)
         r.register(_Phases(self))
 
-    def observe(self, job: Hashable, kind: str, old: dict, new: dict) -> None:
+    def observe(self, job: Hashable, kind: str, old: JobStatus, new: JobStatus) -> None:
         """One reconcile of `job` moved its status from `old` to `new` (maybe the same)."""
         phase = new.get("phase")
         if phase and not old.get("phase"):

@@ -11,6 +11,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from pipejob.core.k8s import KubeObject
 from pipejob.core.spec import InvalidSpec, Job, parse
 
 # About 3 kB an entry (the completed spec); above the jobs one operator is measured at, so
@@ -21,7 +22,7 @@ _lock = threading.Lock()
 _kept: OrderedDict[str, tuple[tuple, Any, Job | InvalidSpec]] = OrderedDict()
 
 
-def parsed(job_obj: dict, allow_node_volumes: bool) -> Job | InvalidSpec:
+def parsed(job_obj: KubeObject, allow_node_volumes: bool) -> Job | InvalidSpec:
     """The job as its spec says, or what is wrong with the spec, as `parse` says for a
     cluster's job named by its kind and name."""
     meta = job_obj.get("metadata")
@@ -52,7 +53,7 @@ def parsed(job_obj: dict, allow_node_volumes: bool) -> Job | InvalidSpec:
     return result
 
 
-def _parse(job_obj: dict, allow_node_volumes: bool) -> Job | InvalidSpec:
+def _parse(job_obj: KubeObject, allow_node_volumes: bool) -> Job | InvalidSpec:
     meta = job_obj.get("metadata") if isinstance(job_obj.get("metadata"), dict) else {}
     name = f"{job_obj.get('kind')} {meta.get('name')}"
     try:

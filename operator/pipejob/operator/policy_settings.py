@@ -10,9 +10,11 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypedDict
 
 from pipejob.core import k8s
 from pipejob.core.errors import SpecError
+from pipejob.core.k8s import KubeObject
 
 POLICY_ENV = "PIPEJOB_NETWORK_POLICY"
 OFF = "off"  # for clusters whose network plugin does not enforce NetworkPolicies
@@ -22,13 +24,20 @@ OFF = "off"  # for clusters whose network plugin does not enforce NetworkPolicie
 class NetworkPolicySettings:
     # NetworkPolicyPeers admitted to the master's monitor port besides the world (the
     # operator's pods, which poll /progress, and Prometheus).
-    monitor_from: tuple[dict, ...] = ()
+    monitor_from: tuple[KubeObject, ...] = ()
     # None: the world's egress is unrestricted. A tuple: NetworkPolicyEgressRules the world
     # may use besides reaching its own pods and DNS.
-    egress: tuple[dict, ...] | None = None
+    egress: tuple[KubeObject, ...] | None = None
 
 
 DEFAULT = NetworkPolicySettings()
+
+
+class PolicySettingsJson(TypedDict, total=False):
+    """PIPEJOB_NETWORK_POLICY's JSON object, as read (each list still to be checked)."""
+
+    monitorFrom: list[KubeObject]  # NetworkPolicyPeers
+    egress: list[KubeObject]  # NetworkPolicyEgressRules
 
 
 class BadSettings(ValueError):
@@ -62,7 +71,10 @@ def parse(text: str | None) -> NetworkPolicySettings | None:
     return NetworkPolicySettings(peers or (), rules)
 
 
-def _items(value: dict, key: str, kind: str, errors: list[SpecError]) -> tuple[dict, ...]:
+def _items(
+    value: PolicySettingsJson, key: str, kind: str, errors: list[SpecError]
+) -> tuple[KubeObject, ...]:
+    """`value[key]`, a list of Kubernetes objects of type `kind`, checked against its schema."""
     items = value.get(key)
     if items is None:
         return ()

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import urllib.request
-from typing import Any
 
-from pipejob.core.contract import Progress
+from pipejob.core.contract import Progress, ReportedFigures
+from pipejob.core.k8s import KubeObject
 from pipejob.operator import kube
 from pipejob.operator import status as st
 
@@ -23,13 +23,13 @@ log = logging.getLogger("pipejob.operator")
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def url(pods: list[dict], restart: int) -> str | None:
+def url(pods: list[KubeObject], restart: int) -> str | None:
     """The /progress URL of the running master of world `restart`, or None if there is none."""
     master = master_of(pods, restart)
     return None if master is None else address_of(master)
 
 
-def master_of(pods: list[dict], restart: int) -> dict | None:
+def master_of(pods: list[KubeObject], restart: int) -> KubeObject | None:
     """The running master of world `restart` with a podIP, or None if there is none."""
     for pod in pods:
         if (
@@ -43,14 +43,14 @@ def master_of(pods: list[dict], restart: int) -> dict | None:
     return None
 
 
-def address_of(master: dict) -> str:
+def address_of(master: KubeObject) -> str:
     """The /progress URL of a master pod that has a podIP."""
     ip = master["status"]["podIP"]
     host = f"[{ip}]" if ":" in ip else ip
     return f"http://{host}:{kube.PORTS.monitor}/progress"
 
 
-def alone(pods: list[dict], restart: int) -> bool:
+def alone(pods: list[KubeObject], restart: int) -> bool:
     """Whether world `restart`'s master is its only live pod: where the others wait for its
     own check (operator/master_check.py), its polls gate them (poll_schedule.py)."""
     live = [p for p in pods if kube.restart_of(p) == restart and not st.deleting(p)]
@@ -81,7 +81,7 @@ def fetch(address: str, timeout: float = TIMEOUT) -> Progress | None:
         return None
 
 
-def final_report(pod: dict) -> dict[str, Any]:
+def final_report(pod: KubeObject) -> ReportedFigures:
     """The figures of a master that exited 0: it leaves its last /progress report as its
     termination message (the operator's last poll may have come before the final
     evaluation). Empty if there is none, or it is not a report."""

@@ -7,19 +7,21 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from pipejob.core import scheduling as sch
+from pipejob.core.k8s import KubeObject
 from pipejob.core.spec import Job
 from pipejob.operator import gang
 from pipejob.operator import status as st
+from pipejob.operator.status.job_status import JobStatus
 
 # Kueue: after the master succeeds, how long the other pods get to exit 0 by themselves (a
 # Kueue pod group succeeds only when every pod does) before they are stopped.
 KUEUE_SUCCESS_GRACE = 30
 
 
-def queued(job: Job, planned: list[dict], by_name: dict) -> str | None:
+def queued(job: Job, planned: list[KubeObject], by_name: dict[str, KubeObject]) -> str | None:
     """Why the world waits for its gang scheduler, when every pod exists and it has not
     admitted them yet; else None."""
-    section = sch.section(job.spec)
+    section = job.control.scheduling
     pods = [by_name.get(p["metadata"]["name"]) for p in planned]
     if section is None or any(p is None or st.deleting(p) for p in pods):
         return None
@@ -43,13 +45,13 @@ def queued(job: Job, planned: list[dict], by_name: dict) -> str | None:
     )
 
 
-def _gated(pod: dict) -> bool:
+def _gated(pod: KubeObject) -> bool:
     return any(g.get("name") == sch.KUEUE_GATE for g in pod["spec"].get("schedulingGates") or [])
 
 
 def admitted(job: Job, size: int) -> str:
     """The Admitted Event's message."""
-    section = sch.section(job.spec)
+    section = job.control.scheduling
     if section is not None and section.provider == sch.KUEUE:
         return (
             f"Kueue admitted pod group {gang.group_name(job)} ({size} pods) from LocalQueue"
@@ -58,7 +60,9 @@ def admitted(job: Job, size: int) -> str:
     return f"PodGroup {gang.group_name(job)} scheduled: all {size} pods placed at once"
 
 
-def end_kueue_group(status: dict, current: list[dict], now: datetime) -> tuple[bool, list[dict]]:
+def end_kueue_group(
+    status: JobStatus, current: list[KubeObject], now: datetime
+) -> tuple[bool, list[KubeObject]]:
     """For a finished job under Kueue: whether its running pods must be left alone for now,
     and which pods of its world (`current`) to annotate retriable-in-group=false.
 

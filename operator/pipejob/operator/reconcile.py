@@ -11,6 +11,7 @@ from datetime import datetime
 
 from pipejob.core import scheduling as sch
 from pipejob.core.contract import Progress
+from pipejob.core.k8s import KubeObject
 from pipejob.operator import kube, queueing
 from pipejob.operator import status as st
 from pipejob.operator.actions import NORMAL, WARNING, Actions, Event
@@ -23,8 +24,8 @@ __all__ = ["CAUSE_GRACE", "NORMAL", "WARNING", "Actions", "Event", "decide", "ow
 
 
 def decide(
-    job_obj: dict,
-    pods: list[dict],
+    job_obj: KubeObject,
+    pods: list[KubeObject],
     now: datetime,
     image: str,
     progress: Progress | None = None,

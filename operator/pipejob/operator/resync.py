@@ -17,17 +17,18 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 
 from pipejob.core import scheduling as sch
+from pipejob.core.k8s import KubeObject
 from pipejob.core.kinds import by_plural
 from pipejob.operator.actions import Actions
 from pipejob.operator.cluster import Cluster
 from pipejob.operator.kube import JOB_LABEL
 
 Key = tuple[str, str, str]  # (plural, namespace, name)
-Decide = Callable[[dict, list[dict], datetime], Actions]
+Decide = Callable[[KubeObject, list[KubeObject], datetime], Actions]
 CHUNK = 100  # jobs whose pods one LIST reads
 
 
-def job_chunks(cluster: Cluster, keys: list[Key]) -> Iterator[dict[Key, dict]]:
+def job_chunks(cluster: Cluster, keys: list[Key]) -> Iterator[dict[Key, KubeObject]]:
     """Those of `keys` that exist, by key, a LIST's chunk at a time: one LIST a kind a
     namespace (in chunks of cluster.LIST_CHUNK)."""
     wanted = set(keys)
@@ -38,7 +39,7 @@ def job_chunks(cluster: Cluster, keys: list[Key]) -> Iterator[dict[Key, dict]]:
             yield {key: job for key, job in found.items() if key in wanted}
 
 
-def with_pods(cluster: Cluster, keys: list[Key]) -> Iterator[tuple[Key, list[dict]]]:
+def with_pods(cluster: Cluster, keys: list[Key]) -> Iterator[tuple[Key, list[KubeObject]]]:
     """Each of `keys` with its pods, read a hundred jobs of a namespace at a time."""
     by_namespace: dict[str, list[Key]] = defaultdict(list)
     for key in keys:
@@ -46,7 +47,7 @@ def with_pods(cluster: Cluster, keys: list[Key]) -> Iterator[tuple[Key, list[dic
     for namespace, its in sorted(by_namespace.items()):
         for start in range(0, len(its), CHUNK):
             chunk = its[start : start + CHUNK]
-            pods: dict[str, list[dict]] = defaultdict(list)
+            pods: dict[str, list[KubeObject]] = defaultdict(list)
             for pod in cluster.list_pods(namespace, sorted({k[2] for k in chunk})):
                 pods[pod["metadata"]["labels"][JOB_LABEL]].append(pod)
             for key in chunk:
@@ -62,7 +63,7 @@ def pause(interval: float, took: float) -> float:
     return max(interval, 2 * took)
 
 
-def idle(job: dict, acts: Actions) -> bool:
+def idle(job: KubeObject, acts: Actions) -> bool:
     """Whether `acts` would leave `job` as it is: no status change, nothing made or deleted,
     no Event."""
     return acts.status == (job.get("status") or {}) and not (

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 from pipejob.core import oom
 from pipejob.core import scheduling as sch
+from pipejob.core.k8s import KubeObject
 from pipejob.core.spec import InvalidSpec
 from pipejob.operator import elastic_world, gang, kube, master_check, oom_kills, queueing
 from pipejob.operator import status as st
@@ -23,6 +24,7 @@ from pipejob.operator.actions import (
 )
 from pipejob.operator.observation import Observed
 from pipejob.operator.progress import final_report
+from pipejob.operator.status.job_status import JobStatus
 from pipejob.operator.world_failures import (
     cause_may_follow,
     first_failure,
@@ -63,7 +65,7 @@ def invalid(seen: Observed) -> Actions | None:
 
 def suspended(seen: Observed) -> Actions | None:
     """spec.suspend: every pod goes; the deadline restarts with the job, as for Jobs."""
-    if not seen.job.spec["suspend"]:
+    if not seen.job.control.suspend:
         return None
     acts = Actions(status=seen.sized_status(), delete=seen.live)
     acts.status.pop("startTime", None)
@@ -81,7 +83,7 @@ def succeeded(seen: Observed) -> Actions | None:
     if master is None or st.pod_phase(master) != "Succeeded":
         return None
     acts = Actions(status=seen.active_status(), delete=_unfinished(seen.live))
-    steps = seen.job.spec["steps"]
+    steps = seen.job.settings.steps
     done = {
         **(acts.status.get("training") or {}),
         **final_report(master),
@@ -96,7 +98,7 @@ def succeeded(seen: Observed) -> Actions | None:
 
 def past_deadline(seen: Observed) -> Actions | None:
     """Active longer than spec.activeDeadlineSeconds: the job fails."""
-    deadline = seen.job.spec.get("activeDeadlineSeconds")
+    deadline = seen.job.control.active_deadline_seconds
     if deadline is None or seen.now < seen.start + _seconds(deadline):
         return None
     acts = Actions(status=seen.active_status(), delete=_unfinished(seen.live))
@@ -154,7 +156,7 @@ def oom_killed(seen: Observed) -> Actions | None:
     by spec.oom.increase, counted in status.oomKills and spending no backoffLimit; at the
     cap (spec.oom.maxMemory) the job fails naming the role and the memory it needed."""
     found = oom_kills.kill(seen)
-    if found is None or oom.policy(seen.job.spec).increase <= 1:
+    if found is None or seen.job.control.oom.increase <= 1:
         return None
     had, role = oom.text(found.had), found.role
     killed = f"{found.process} (pod {found.pod}) was killed for memory (OOMKilled) at {had}"
@@ -186,7 +188,7 @@ def failed(seen: Observed) -> Actions | None:
     if failure is None or cause_may_follow(failure, seen.current, seen.now):
         return None
     acts = Actions(status=seen.active_status())
-    restart, limit = acts.status["restarts"], seen.job.spec["backoffLimit"]
+    restart, limit = acts.status["restarts"], seen.job.control.backoff_limit
     if restart >= limit:
         acts.delete = _unfinished(seen.live)
         message = f"{failure.message}; no restarts left (backoffLimit {limit})"
@@ -369,11 +371,11 @@ def _keep_standby(seen: Observed, acts: Actions, running: bool) -> None:
         acts.end_group += [p for p in stale if not _ended(p)]
 
 
-def _ended(pod: dict) -> bool:
+def _ended(pod: KubeObject) -> bool:
     return (pod["metadata"].get("annotations") or {}).get(sch.KUEUE_RETRIABLE) == "false"
 
 
-def _unfinished(pods: list[dict]) -> list[dict]:
+def _unfinished(pods: list[KubeObject]) -> list[KubeObject]:
     """The pods still running or waiting to: those that stop when the job ends."""
     return [p for p in pods if not st.terminated(p)]
 
@@ -382,13 +384,13 @@ def _seconds(seconds: int) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _retry_invalid(old: dict, meta: dict) -> bool:
+def _retry_invalid(old: JobStatus, meta: KubeObject) -> bool:
     """A job that failed on an invalid spec is looked at again once its spec is edited."""
     failed = st.condition(old, st.FAILED) or {}
     edited = meta.get("generation") != old.get("observedGeneration")
     return old.get("phase") == st.FAILED and failed.get("reason") == "InvalidSpec" and edited
 
 
-def _created_message(pods: list[dict], seen: Observed) -> str:
+def _created_message(pods: list[KubeObject], seen: Observed) -> str:
     names = ", ".join(p["metadata"]["name"] for p in pods)
     return f"created pods {names}" + (f" (restart {seen.restart})" if seen.restart else "")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from pipejob.core.k8s import KubeObject
 from pipejob.operator import kube
 from pipejob.operator import status as st
 from pipejob.operator.observation import Observed
@@ -39,7 +40,7 @@ def first_failure(seen: Observed) -> st.Failure | None:
     return min(failures, key=lambda f: f[:3])[3] if failures else None
 
 
-def cause_may_follow(failure: st.Failure, current: list[dict], now: datetime) -> bool:
+def cause_may_follow(failure: st.Failure, current: list[KubeObject], now: datetime) -> bool:
     """Whether `failure`, a pod's that only lost a peer, may yet be followed by its cause:
     another pod of the world still runs, within CAUSE_GRACE of it."""
     if not failure.consequence or all(st.terminated(p) for p in current):

@@ -18,7 +18,7 @@ from pipejob.core.elastic import (
     size_field,
 )
 from pipejob.core.errors import shown
-from pipejob.core.kind import Kind, ProcessGroup, Role, Spec, column
+from pipejob.core.kind import Kind, ProcessGroup, RawSpec, Role, column
 from pipejob.core.kinds import replication, tables
 from pipejob.core.kinds.hybrid_memory import memory_errors
 from pipejob.core.kinds.sparse import EPS, SPARSE_OPTIMIZER, SparseOptimizer
@@ -261,7 +261,7 @@ HYBRID_SPEC = Field(
 )
 
 
-def _has_real_data(spec: dict[str, Any]) -> bool:
+def _has_real_data(spec: RawSpec) -> bool:
     return bool({"file", "import", "criteo"} & set(spec.get("data") or {}))
 
 
@@ -314,7 +314,7 @@ class Embedding:
     mode: str
 
 
-def _completed(spec: Spec) -> Spec:
+def _completed(spec: RawSpec) -> RawSpec:
     """The DDP backend follows the GPUs unless chosen; spec.embedding (the default) becomes
     its one table in spec.embeddings, fed by the bags' ids; a feature is its table's name unless
     given; the sparse lr and eps filled in; `auto` tables placed (core/kinds/replication.py)."""
@@ -335,7 +335,7 @@ def _completed(spec: Spec) -> Spec:
     return spec
 
 
-def _spec_errors(spec: Spec) -> list[SpecError]:
+def _spec_errors(spec: RawSpec) -> list[SpecError]:
     """The built-in DLRM's one width, Criteo's feature names, and the servers' memory."""
     errors, embeddings = [], spec["embeddings"]
     if "embedding" not in spec and "import" not in spec["dense"]:  # the built-in DLRM
@@ -373,14 +373,14 @@ HYBRID_JOB = Kind(
         Role("master"),
         Role(
             "ps",
-            count="parameterServers",
+            count="parameter_servers",
             computes=True,
             latency_bound=True,
-            inside=("serversInTrainers", "trainer"),
+            inside=("servers_in_trainers", "trainer"),
         ),
-        Role("trainer", count="trainers", gpus="gpusPerTrainer", computes=True, latency_bound=True),
+        Role("trainer", "trainers", gpus="gpus_per_trainer", computes=True, latency_bound=True),
     ),
-    groups=(ProcessGroup("ddp", "trainer", backend=lambda spec: spec["backend"]),),
+    groups=(ProcessGroup("ddp", "trainer", backend=lambda world: world.backend),),
     trainer="pipejob.trainer.hybrid",
     columns=(
         column(

@@ -11,12 +11,12 @@ from dataclasses import replace
 from pipejob.core import k8s
 from pipejob.core.elastic import Size
 from pipejob.core.errors import SpecError
-from pipejob.core.kind import Spec
+from pipejob.core.kind import RawSpec
 from pipejob.core.kinds import tables
 from pipejob.core.kinds.tables import MAX_SERVERS, Table
 
 
-def memory_limit(spec: Spec) -> tuple[int, str] | None:
+def memory_limit(spec: RawSpec) -> tuple[int, str] | None:
     """The pods' memory limit in bytes, and where it is said; None without one."""
     resources = (spec.get("template") or {}).get("resources") or {}
     limit = (resources.get("limits") or {}).get("memory")
@@ -27,7 +27,7 @@ def memory_limit(spec: Spec) -> tuple[int, str] | None:
     )
 
 
-def memory_errors(spec: Spec) -> list[SpecError]:
+def memory_errors(spec: RawSpec) -> list[SpecError]:
     """A trainer, then a parameter server, that would pass the pods' memory limit."""
     limit = memory_limit(spec)
     if limit is None:
@@ -36,18 +36,18 @@ def memory_errors(spec: Spec) -> list[SpecError]:
     return _trainer_errors(spec, fits, where) + _server_errors(spec, fits, where)
 
 
-def lanes(spec: Spec) -> int:
+def lanes(spec: RawSpec) -> int:
     """The lanes of click logs a trainer reads at the fewest trainers."""
     trainers = Size.parse(spec["trainers"])
     return -(-trainers.max // trainers.min)
 
 
-def replicas(spec: Spec) -> list[tuple[int, Table]]:
+def replicas(spec: RawSpec) -> list[tuple[int, Table]]:
     """The replicated tables, by their index in spec.embeddings."""
     return [(i, t) for i, t in enumerate(tables.spec_tables(spec)) if t.replicated]
 
 
-def _trainer_errors(spec: Spec, fits: int, where: str) -> list[SpecError]:
+def _trainer_errors(spec: RawSpec, fits: int, where: str) -> list[SpecError]:
     optimizer, copies = spec["sparseOptimizer"]["name"], replicas(spec)
     held = sum(tables.replica_bytes(t, optimizer) for _, t in copies)
     trainer = tables.trainer_needs(lanes(spec), held)
@@ -68,14 +68,14 @@ def _trainer_errors(spec: Spec, fits: int, where: str) -> list[SpecError]:
     ]
 
 
-def _lanes_said(spec: Spec) -> str:
+def _lanes_said(spec: RawSpec) -> str:
     """What the reader holds where spec.trainers' range gives a trainer more than one lane."""
     n = lanes(spec)
     return f" of {n} lanes: spec.trainers max over min" if n > 1 else ""
 
 
 def _replica_error(
-    spec: Spec, copies: list[tuple[int, Table]], trainer: int, room: int, where: str
+    spec: RawSpec, copies: list[tuple[int, Table]], trainer: int, room: int, where: str
 ) -> SpecError:
     """The largest replicated table, refused for passing a trainer's memory: what a trainer
     has room for, in bytes and in rows of the table's width."""
@@ -95,7 +95,7 @@ def _replica_error(
     )
 
 
-def _server_errors(spec: Spec, fits: int, where: str) -> list[SpecError]:
+def _server_errors(spec: RawSpec, fits: int, where: str) -> list[SpecError]:
     servers = spec["parameterServers"]
     optimizer, typed = spec["sparseOptimizer"]["name"], tables.spec_tables(spec)
     in_trainers, extra = bool(spec.get("serversInTrainers")), 0
@@ -133,7 +133,7 @@ def _server_errors(spec: Spec, fits: int, where: str) -> list[SpecError]:
     ]
 
 
-def _largest_table(spec: Spec, typed: tuple[Table, ...], optimizer: str) -> str:
+def _largest_table(spec: RawSpec, typed: tuple[Table, ...], optimizer: str) -> str:
     """The table that weighs most, by its field path: what a memory refusal is most about."""
     i = max(range(len(typed)), key=lambda k: tables.table_bytes(typed[k], optimizer))
     where = "spec.embedding" if "embedding" in spec else f"spec.embeddings[{i}]"

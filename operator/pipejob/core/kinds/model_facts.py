@@ -5,9 +5,8 @@ trainer's own cutter."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from pipejob.core.errors import SpecError
+from pipejob.core.kind import RawSpec
 
 # Units of trainer/pipejob/trainer/workloads/cut.py's cut (the places a stage may begin):
 # at most one stage each.
@@ -66,7 +65,7 @@ BATCHNORM: frozenset[str] = frozenset(
 )
 
 
-def model_errors(spec: dict[str, Any]) -> list[SpecError]:
+def model_errors(spec: RawSpec) -> list[SpecError]:
     """What would make a valid-looking pipeline crash once its world has started."""
     errors = []
     model, stages = spec["model"].get("torchvision"), spec["stages"] * spec["stagesPerProcess"]

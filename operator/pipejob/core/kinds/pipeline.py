@@ -11,7 +11,7 @@ from pipejob.core.common_spec import COMMON, COMMON_RULES, CommonSpec
 from pipejob.core.data_sources import PIPELINE_DATA, PipelineData
 from pipejob.core.elastic import Size, elastic_acts, needs_checkpoint, size_field
 from pipejob.core.errors import SpecError
-from pipejob.core.kind import Kind, ProcessGroup, Role, Spec, column
+from pipejob.core.kind import Kind, ProcessGroup, RawSpec, Role, column
 from pipejob.core.kinds import model_facts
 from pipejob.core.kinds.pipeline_schedules import (
     AUTO,
@@ -290,7 +290,7 @@ class PipelineSpec(CommonSpec):
         return self.stages * self.stages_per_process
 
 
-def _completed(spec: Spec) -> Spec:
+def _completed(spec: RawSpec) -> RawSpec:
     """`model: resnet50` is short for `model: {torchvision: resnet50}`; a spec without a
     schedule runs its engine's."""
     if isinstance(spec.get("model"), str):
@@ -300,7 +300,7 @@ def _completed(spec: Spec) -> Spec:
     return spec
 
 
-def _spec_errors(spec: Spec) -> list[SpecError]:
+def _spec_errors(spec: RawSpec) -> list[SpecError]:
     """The model's own limits (model_facts.py), and data the model cannot read."""
     errors = model_facts.model_errors(spec)
     errors += micro_batch_errors(spec)
@@ -331,7 +331,7 @@ PIPELINE_JOB = Kind(
         Role(
             "stage",
             count="stages",
-            gpus="gpusPerStage",
+            gpus="gpus_per_stage",
             computes=True,
             replicas="replicas",
             # not the rpc engine named: one thread halves its speed for a few percent
@@ -342,17 +342,17 @@ PIPELINE_JOB = Kind(
         ProcessGroup(
             "dp",
             "stage",
-            backend=lambda spec: "nccl" if spec["gpusPerStage"] else "gloo",
+            backend=lambda world: "nccl" if world.gpus_per_stage else "gloo",
             by_index=True,
-            when=lambda spec: spec["replicas"] > 1 and spec["engine"] == RPC,
+            when=lambda world: world.replicas.max > 1 and world.engine == RPC,
         ),
         # The pipelining engine: every stage of every replica in one group, which each
         # replica's pipeline (its P2P) and each stage's replicas (their all-reduce) divide.
         ProcessGroup(
             "pipe",
             "stage",
-            backend=lambda spec: "nccl" if spec["gpusPerStage"] else "gloo",
-            when=lambda spec: spec["engine"] in (PIPELINING, AUTO),
+            backend=lambda world: "nccl" if world.gpus_per_stage else "gloo",
+            when=lambda world: world.engine in (PIPELINING, AUTO),
         ),
     ),
     trainer="pipejob.trainer.pipeline",
@@ -388,6 +388,6 @@ PIPELINE_JOB = Kind(
     complete=_completed,
     check=_spec_errors,
     elastic="replicas",
-    describe=lambda spec: [*path_lines(spec), engine_line(spec)],
+    describe=lambda settings: [*path_lines(settings), engine_line(settings)],
     on_shared_gpus=on_rpc_where_gpus_are_shared,
 )

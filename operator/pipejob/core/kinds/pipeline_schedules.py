@@ -5,10 +5,15 @@ counts a schedule can run (spec.microBatches, and the counts `auto` measures), a
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipejob.core.errors import SpecError
+from pipejob.core.kind import RawSpec
 from pipejob.core.schema import Rule
+from pipejob.core.workload import CUT_EAGER
+
+if TYPE_CHECKING:  # pipeline.py declares the kind from this module's rules
+    from pipejob.core.kinds.pipeline import PipelineSpec
 
 AUTO = "auto"  # spec.microBatches: the master chooses the count
 
@@ -56,12 +61,12 @@ def auto_counts(batch: int, schedule: str, stages: int) -> list[int]:
     return [m for m in micro_batch_counts(batch) if schedule_refuses(schedule, stages, m) is None]
 
 
-def effective_schedule(spec: dict) -> str:
+def effective_schedule(spec: RawSpec) -> str:
     """The schedule a defaulted spec runs: its own, or its engine's default."""
     return spec.get("schedule") or default_schedule(spec)
 
 
-def default_schedule(spec: dict) -> str:
+def default_schedule(spec: RawSpec) -> str:
     """The schedule of a spec that names none: gpipe on rpc, 1f1b on pipelining; with
     `engine: auto`, 1f1b where the micro-batch count lets it run (auto, or at least as many
     as stages), else gpipe (which both engines run)."""
@@ -96,7 +101,7 @@ SAMPLE_MEANS = tuple(
 )
 
 
-def loss_needs_rpc(name: str | None, args: dict) -> str | None:
+def loss_needs_rpc(name: str | None, args: dict[str, Any]) -> str | None:
     """Why `engine: auto` runs the loss `name` (spec.loss.import; None: pipejob's own
     cross-entropy) with `args` on the rpc engine, which computes the whole batch's loss at
     once; None where the pipelining engine's per-micro-batch losses add up to it."""
@@ -111,7 +116,7 @@ def loss_needs_rpc(name: str | None, args: dict) -> str | None:
     )
 
 
-def on_rpc_where_gpus_are_shared(spec: dict) -> tuple[dict, str] | None:
+def on_rpc_where_gpus_are_shared(spec: RawSpec) -> tuple[RawSpec, str] | None:
     """`engine: auto` where the stages would share GPUs: the rpc engine (NCCL refuses two
     ranks of the pipelining engine's group on one GPU; rpc stages share it)."""
     if spec["engine"] != AUTO or effective_schedule(spec) in INTERLEAVING:
@@ -120,14 +125,13 @@ def on_rpc_where_gpus_are_shared(spec: dict) -> tuple[dict, str] | None:
     return {**spec, "engine": RPC, "schedule": GPIPE}, why
 
 
-def engine_line(spec: dict) -> str:
+def engine_line(settings: PipelineSpec) -> str:
     """What `pipejob plan` says of the engine: the spec's, or what auto will choose between."""
-    schedule = effective_schedule(spec)
-    if spec["engine"] != AUTO:
-        return f"engine {spec['engine']}, schedule {schedule}"
-    loss = spec.get("loss") or {}
-    why = loss_needs_rpc(loss.get("import"), loss.get("args") or {})
-    if isinstance(spec["model"], dict) and spec["model"].get("cut") == "eager":
+    schedule = settings.schedule  # the spec's, or its engine's (completed)
+    if settings.engine != AUTO:
+        return f"engine {settings.engine}, schedule {schedule}"
+    why = loss_needs_rpc(settings.loss.import_, settings.loss.args)
+    if settings.model.cut == CUT_EAGER:
         why = "the eager path (spec.model.cut: eager) runs on rpc"
     if why is not None and schedule not in INTERLEAVING:
         return f"engine auto: rpc (gpipe): {why}"
@@ -138,23 +142,22 @@ def engine_line(spec: dict) -> str:
     )
 
 
-def path_lines(spec: dict) -> list[str]:
+def path_lines(settings: PipelineSpec) -> list[str]:
     """What `pipejob plan` can say of the path before the model is built: only where the
     spec asks for one (auto's choice is made when the job starts; its summary says it)."""
-    model = spec["model"]
-    if isinstance(model, dict) and model.get("cut") == "eager":
-        how = "counted cost (spec.deterministic)" if spec.get("deterministic") else "measured cost"
+    if settings.model.cut == CUT_EAGER:
+        how = "counted cost (spec.deterministic)" if settings.deterministic else "measured cost"
         return [
             "path: eager (spec.model.cut: eager): the master runs the model's own forward and"
             f" the stages its costly modules, placed by {how} when the job starts"
         ]
     lines = []
-    if spec.get("deterministic") and not spec.get("splitPoints"):
+    if settings.deterministic and not settings.split_points:
         lines.append(
             "cut: counted (spec.deterministic): each layer's forward + backward FLOPs and bytes"
             " moved on a sample, not timed, so every run cuts the model alike"
         )
-    if spec.get("deterministic") and spec.get("microBatches") == AUTO:
+    if settings.deterministic and settings.micro_batches == AUTO:
         lines.append(
             "microBatches auto: chosen by counted cost (spec.deterministic): the slowest"
             " stage's count per micro-batch plus a fixed one, times the schedule's slots, so"
@@ -163,7 +166,7 @@ def path_lines(spec: dict) -> list[str]:
     return lines
 
 
-def micro_batch_errors(spec: dict) -> list[SpecError]:
+def micro_batch_errors(spec: RawSpec) -> list[SpecError]:
     """`microBatches: auto` where it cannot choose: no count the schedule can run."""
     if spec["microBatches"] != AUTO:
         return []
@@ -214,7 +217,7 @@ def eager_rules() -> list[Rule]:
     ]
 
 
-def _eager_refuses(field: str, cel: str, holds: Callable[[dict[str, Any]], bool], why: str) -> Rule:
+def _eager_refuses(field: str, cel: str, holds: Callable[[RawSpec], bool], why: str) -> Rule:
     """A rule: with model.cut eager, `cel` (and `holds`, its Python twin) must hold."""
     return Rule(
         f"type(self.model) == string || !has(self.model.cut) || self.model.cut != 'eager' || {cel}",

@@ -8,13 +8,13 @@ read the same one."""
 from __future__ import annotations
 
 from pipejob.core.common_spec import from_spec
-from pipejob.core.kind import Spec
+from pipejob.core.kind import RawSpec
 from pipejob.core.kinds import hybrid_memory, tables
 
 AUTO = "auto"
 
 
-def choose(spec: Spec) -> None:
+def choose(spec: RawSpec) -> None:
     """Resolve every table's `auto` placement in the (defaulted) spec, in place."""
     auto = [t for t in spec["embeddings"] if t.get("placement", AUTO) == AUTO]
     if not auto:
@@ -32,7 +32,7 @@ def choose(spec: Spec) -> None:
             room -= cost
 
 
-def _room(spec: Spec) -> float:
+def _room(spec: RawSpec) -> float:
     """The bytes a trainer can give tables it replicates by choice: under the pods' memory
     limit, after what it holds besides them and the tables replicated by the spec."""
     try:

@@ -4,7 +4,6 @@ are torch's, from the one table of them (core/bounds.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from pipejob.core import bounds
 from pipejob.core.schema import Field
@@ -14,7 +13,7 @@ EPS = bounds.SPARSE_EPS
 _SPARSE = bounds.SPARSE_OPTIMIZERS
 
 
-def _torch_bounds(field: str) -> dict[str, Any]:
+def _torch_bounds(field: str) -> dict[str, float | bool | None]:
     return bounds.loosest(_SPARSE, field).schema()
 
 

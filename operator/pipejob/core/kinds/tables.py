@@ -8,10 +8,14 @@ docs/architecture.md, "The spec and its validation"."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pipejob.core.common_spec import from_spec
+from pipejob.core.kind import RawSpec
 from pipejob.core.schema import Field, Rule
+
+if TYPE_CHECKING:  # hybrid.py declares the kind from these tables
+    from pipejob.core.kinds.hybrid import HybridSpec
 
 MAX_SERVERS = 64  # spec.parameterServers at the most
 FLOAT_BYTES = 4  # tables and their optimizer state are float32
@@ -122,8 +126,9 @@ class Shard:
         return self.table if self.whole else f"{self.table}[{self.start}:{self.stop}]"
 
 
-def spec_tables(spec: dict[str, Any]) -> tuple[Table, ...]:
-    """A completed spec's spec.embeddings as `Table`s."""
+def spec_tables(spec: RawSpec) -> tuple[Table, ...]:
+    """A completed spec's spec.embeddings as `Table`s, while the parser checks it (past it,
+    HybridSpec.embeddings)."""
     return tuple(from_spec(Table, t) for t in spec["embeddings"])
 
 
@@ -262,11 +267,14 @@ def worth_replicating(table: Table, batch: int) -> bool:
     return table.rows * (table.dim + 1) <= batch * table.dim
 
 
-def spec_placement_lines(spec: dict[str, Any]) -> list[str]:
-    """`pipejob plan`'s lines on a completed HybridJob spec's tables."""
-    optimizer = spec["sparseOptimizer"]["name"]
-    servers, in_trainers = spec["parameterServers"], bool(spec.get("serversInTrainers"))
-    return placement_lines(spec_tables(spec), servers, optimizer, in_trainers)
+def spec_placement_lines(settings: HybridSpec) -> list[str]:
+    """`pipejob plan`'s lines on a HybridJob's tables."""
+    return placement_lines(
+        settings.embeddings,
+        settings.parameter_servers,
+        settings.sparse_optimizer.name,
+        settings.servers_in_trainers,
+    )
 
 
 def placement_lines(

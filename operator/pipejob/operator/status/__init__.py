@@ -1,9 +1,10 @@
 """A job's status: its schema, and pure helpers that read pods and write phase and conditions.
 
-Nothing here talks to Kubernetes; everything takes and returns plain dicts. One module per
-concern: conditions.py (phases and conditions), fields.py (the status's schema), pods.py (what a
-pod says), pod_failures.py (why a pod failed), training.py (the master's figures). Callers use
-the names below, whichever module holds them."""
+Nothing here talks to Kubernetes: pods come in as read (KubeObject), the status goes in and
+out as the JSON it is (job_status.py's TypedDicts). One module per concern: conditions.py
+(phases and conditions), fields.py (the status's schema), job_status.py (its shape), pods.py
+(what a pod says), pod_failures.py (why a pod failed), training.py (the master's figures).
+Callers use the names below, whichever module holds them."""
 
 from pipejob.operator.status.conditions import (
     CONDITIONS,

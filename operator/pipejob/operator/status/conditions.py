@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from pipejob.operator.status.job_status import JobCondition, JobStatus
+
 PENDING = "Pending"
 QUEUED = "Queued"  # every pod exists; a gang scheduler has not admitted the world yet
 RUNNING = "Running"
@@ -36,28 +38,33 @@ def parse_time(s: str | None) -> datetime | None:
     return datetime.fromisoformat(s.replace("Z", "+00:00"))
 
 
-def world_number(status: dict) -> int:
+def world_number(status: JobStatus) -> int:
     """The number of the job's current world: every restart, failed, preempted or resized,
     makes one, and so does one after an OOM kill."""
     counts = ("restarts", "preemptions", "resizes", "oomKills")
     return sum(int(status.get(count) or 0) for count in counts)
 
 
-def condition(status: dict, kind: str) -> dict | None:
+def condition(status: JobStatus, kind: str) -> JobCondition | None:
     for c in status.get("conditions") or []:
         if c.get("type") == kind:
             return c
     return None
 
 
-def is_true(status: dict, kind: str) -> bool:
+def is_true(status: JobStatus, kind: str) -> bool:
     c = condition(status, kind)
     return c is not None and c.get("status") == "True"
 
 
 def set_condition(
-    conditions: list[dict], kind: str, true: bool, reason: str, message: str, now: datetime
-) -> list[dict]:
+    conditions: list[JobCondition],
+    kind: str,
+    true: bool,
+    reason: str,
+    message: str,
+    now: datetime,
+) -> list[JobCondition]:
     """`conditions` with `kind` set; lastTransitionTime moves only when the status flips."""
     value = "True" if true else "False"
     out, found = [], False
@@ -86,7 +93,9 @@ def set_condition(
     return out
 
 
-def with_phase(status: dict, phase: str, reason: str, message: str, now: datetime) -> dict:
+def with_phase(
+    status: JobStatus, phase: str, reason: str, message: str, now: datetime
+) -> JobStatus:
     """`status` in `phase`: its condition True with the reason; other phase conditions False."""
     conditions = list(status.get("conditions") or [])
     for kind in PHASE_CONDITIONS:

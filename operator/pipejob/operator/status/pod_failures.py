@@ -9,6 +9,7 @@ import signal
 from dataclasses import dataclass
 
 from pipejob.core.contract import BROKEN_PREFIX, STALLED_PREFIX, ExitCode, parse_permanent
+from pipejob.core.k8s import KubeObject
 from pipejob.operator.status.pods import pod_phase, tail, trainer_state
 
 # Exit codes of failures a restart would repeat: the job fails at once.
@@ -31,7 +32,7 @@ class Failure:
 DISRUPTION_CONDITIONS = ("DisruptionTarget", "TerminationTarget")
 
 
-def disruption(pod: dict, process: str) -> Failure | None:
+def disruption(pod: KubeObject, process: str) -> Failure | None:
     """The preemption, eviction or disruption of a pod (its DisruptionTarget condition, set by
     the scheduler, the kubelet, the eviction API, the taint manager or Kueue), else None."""
     for c in (pod.get("status") or {}).get("conditions") or []:
@@ -44,7 +45,7 @@ def disruption(pod: dict, process: str) -> Failure | None:
     return None
 
 
-def pod_failure(pod: dict, process: str) -> Failure | None:
+def pod_failure(pod: KubeObject, process: str) -> Failure | None:
     """The failure of a Failed pod (`process` names its process, e.g. "stage 1"), else None."""
     if pod_phase(pod) != "Failed":
         return None
@@ -85,7 +86,7 @@ def pod_failure(pod: dict, process: str) -> Failure | None:
 VERDICT_CHARS = 900
 
 
-def permanent_failure(pod: dict, process: str) -> Failure | None:
+def permanent_failure(pod: KubeObject, process: str) -> Failure | None:
     """A Failed pod's failure if the trainer said a restart cannot cure it (its exit code
     and termination message, core/contract.py), else None. The reason is the trainer's."""
     state = trainer_state(pod)
@@ -110,7 +111,7 @@ NO_PIPEJOB = re.compile(r"No module named '?pipejob(\.\w+)*'?(\W|$)")
 FROM_TRAINER = "use the trainer image, or an image built FROM it, in spec.template.image"
 
 
-def image_failure(pod: dict, process: str) -> Failure | None:
+def image_failure(pod: KubeObject, process: str) -> Failure | None:
     """The pod's image cannot be pulled, or has no pipejob: no restart can help."""
     image = pod["spec"]["containers"][0].get("image")
     name = pod["metadata"]["name"]

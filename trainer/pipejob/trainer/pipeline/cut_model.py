@@ -19,7 +19,7 @@ from torch import nn
 
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec, auto_counts
 from pipejob.trainer.pipeline import engine_choice, peft_output
-from pipejob.trainer.pipeline.balance import Host, LayerCosts, Prediction, fastest
+from pipejob.trainer.pipeline.balance import Host, Prediction, UnitCosts, fastest
 from pipejob.trainer.pipeline.engine_choice import Choice
 from pipejob.trainer.pipeline.micro_batch_choice import candidate, prediction
 from pipejob.trainer.pipeline.stage_base import compute_resources
@@ -215,7 +215,7 @@ def _measure(
     for m in counts:
         progress(f"  micro-batch {batch // m} ({m} per batch)")
     sizes = [batch // m for m in counts]
-    measured: dict[int, tuple[Prediction, LayerCosts]] = {}
+    measured: dict[int, tuple[Prediction, UnitCosts]] = {}
     choice = None
     for m, costs in zip(
         counts, measure_on_stages(stage_names, spec, traced, numbered, sizes), strict=True
@@ -234,7 +234,7 @@ def _measure(
 
 
 def piece_starts(
-    spec: PipelineSpec, units: list[str], costs: LayerCosts, fixed: list[range] | None
+    spec: PipelineSpec, units: list[str], costs: UnitCosts, fixed: list[range] | None
 ) -> list[bool] | None:
     """Per unit, whether a piece may begin there: anywhere on the rpc engine; on the
     pipelining engine only where the model passes nothing but tensors (torch's
@@ -258,7 +258,7 @@ def piece_starts(
     return starts
 
 
-def tensor_starts(costs: LayerCosts) -> list[bool]:
+def tensor_starts(costs: UnitCosts) -> list[bool]:
     """Per unit, whether the model passes only tensors into it (the first: its inputs)."""
     if costs.passes_tensors is None:
         return [True] * len(costs.seconds)

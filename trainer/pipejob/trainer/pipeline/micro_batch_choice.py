@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipejob.trainer.pipeline.balance import Host, LayerCosts, Prediction, predict
+from pipejob.trainer.pipeline.balance import Host, Prediction, UnitCosts, predict
 from pipejob.trainer.pipeline.counted_cost import predict_counted
 
 
 def prediction(
-    costs: LayerCosts,
+    costs: UnitCosts,
     stages: int,
     micro_batches: int,
     batch: int,

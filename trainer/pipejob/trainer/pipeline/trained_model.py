@@ -15,6 +15,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.pipeline.run_json import Evaluation, JsonObject, ModelInfo
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.pipeline.stage_calls import StageRef, remote_stage
 from pipejob.trainer.runtime import checkpoint, model_files
@@ -29,18 +30,18 @@ SINGLE_FILE_BYTES = 256 * 2**20
 
 
 def info(
-    kind: str, job: str, spec: PipelineSpec, steps: int, evaluation: dict[str, Any] | None
-) -> dict[str, Any]:
+    kind: str, job: str, spec: PipelineSpec, steps: int, evaluation: Evaluation | None
+) -> ModelInfo:
     """What model.json says of the model file (a checkpoint's manifest keeps it too)."""
-    return {
-        "kind": kind,
-        "job": job,
-        "model": models.as_spec(spec.model),
-        "numClasses": spec.num_classes,
-        "imageSize": spec.image_size,
-        "steps": steps,
-        "evaluation": evaluation,
-    }
+    return ModelInfo(
+        kind=kind,
+        job=job,
+        model=models.as_spec(spec.model),
+        numClasses=spec.num_classes,
+        imageSize=spec.image_size,
+        steps=steps,
+        evaluation=evaluation,
+    )
 
 
 def write(
@@ -48,8 +49,8 @@ def write(
     format: str,
     stages: list[dict[str, torch.Tensor]],
     rest: dict[str, torch.Tensor],
-    about: dict[str, Any],
-    config: dict[str, Any] | None = None,
+    about: ModelInfo,
+    config: JsonObject | None = None,
     metadata: model_files.Metadata | None = None,
 ) -> list[Path]:
     """The stages' states and the rest as one model file in `out` (with the modules'
@@ -69,8 +70,8 @@ def write_live(
     names: list[str],
     stages: list[StageRef],
     rest: dict[str, torch.Tensor],
-    about: dict[str, Any],
-    config: dict[str, Any] | None = None,
+    about: ModelInfo,
+    config: JsonObject | None = None,
     single_file_bytes: int | None = None,
     metadata: model_files.Metadata | None = None,
 ) -> list[Path]:
@@ -112,8 +113,8 @@ def finish(
     out: str | Path,
     format: str,
     shards: list[dict[str, Any]],
-    about: dict[str, Any],
-    config: dict[str, Any] | None,
+    about: ModelInfo,
+    config: JsonObject | None,
     metadata: model_files.Metadata | None = None,
 ) -> list[Path]:
     """After the shards: the index, model.json and config.json. A shard the master cannot
@@ -135,7 +136,8 @@ def finish(
     ]
 
 
-def write_config(out: str | Path, config: dict[str, Any] | None) -> list[Path]:
+def write_config(out: str | Path, config: JsonObject | None) -> list[Path]:
+    """A Hugging Face model's config.json beside its model file (none for another model)."""
     if config is None:
         return []
     path = Path(out) / "config.json"
@@ -165,7 +167,7 @@ def export_checkpoint(
     own = found.load("master.pt")
     # A checkpoint of an older pipejob keeps no module metadata: written without it.
     rest, config, metadata = own.get("rest", {}), own.get("config"), own.get("metadata")
-    about = {**manifest["info"], "steps": found.step, "checkpoint": str(found.directory)}
+    about: ModelInfo = {**manifest["info"], "steps": found.step, "checkpoint": str(found.directory)}
     if sum(_model_bytes(found, part) for part in parts) + model_files.state_bytes(rest) <= limit:
         stages = [found.load(part)["model"] for part in parts]
         return write(out, format, stages, rest, about, config, metadata)

@@ -41,6 +41,10 @@ FLOPS_PER_BYTE = 4
 # timed one would).
 MICRO_BATCH_OVERHEAD = 3e9
 
+# A module call's keyword arguments as torch's forward pre-hook gives them (with_kwargs): any
+# values the model's forward passes, torch's untyped boundary as checkpoint.TorchState is.
+CallKwargs = dict[str, Any]
+
 
 def count_chain(
     pieces: list[nn.Module],
@@ -70,7 +74,7 @@ def count_chain(
     return UnitCosts(costs, list(costs), passes_tensors=passes_tensors, counted=True), passed
 
 
-def count_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+def count_call(module: nn.Module, args: tuple[Any, ...], kwargs: CallKwargs) -> float:
     """What one call of `module` on `args` and `kwargs` costs, counted as count_chain counts
     a piece (the eager path's placement under spec.deterministic: a module the forward calls
     with keyword arguments, its outputs anything): forward + backward FLOPs plus

@@ -33,15 +33,15 @@ def info(
     kind: str, job: str, spec: PipelineSpec, steps: int, evaluation: Evaluation | None
 ) -> ModelInfo:
     """What model.json says of the model file (a checkpoint's manifest keeps it too)."""
-    return ModelInfo(
-        kind=kind,
-        job=job,
-        model=models.as_spec(spec.model),
-        numClasses=spec.num_classes,
-        imageSize=spec.image_size,
-        steps=steps,
-        evaluation=evaluation,
-    )
+    return {
+        "kind": kind,
+        "job": job,
+        "model": models.as_spec(spec.model),
+        "numClasses": spec.num_classes,
+        "imageSize": spec.image_size,
+        "steps": steps,
+        "evaluation": evaluation,
+    }
 
 
 def write(
@@ -167,7 +167,7 @@ def export_checkpoint(
     own = found.load("master.pt")
     # A checkpoint of an older pipejob keeps no module metadata: written without it.
     rest, config, metadata = own.get("rest", {}), own.get("config"), own.get("metadata")
-    about: ModelInfo = {**manifest["info"], "steps": found.step, "checkpoint": str(found.directory)}
+    about = {**manifest["info"], "steps": found.step, "checkpoint": str(found.directory)}
     if sum(_model_bytes(found, part) for part in parts) + model_files.state_bytes(rest) <= limit:
         stages = [found.load(part)["model"] for part in parts]
         return write(out, format, stages, rest, about, config, metadata)

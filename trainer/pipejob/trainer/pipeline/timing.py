@@ -32,11 +32,10 @@ class Clock:
         """The marks as seconds on one timeline (on a GPU, from the first of them, once the
         GPU has passed them all)."""
         if not self.cuda or not marks:
-            return [m for m in marks if isinstance(m, float)]  # every one, on a CPU
-        events = [m for m in marks if isinstance(m, torch.cuda.Event)]  # every one, on a GPU
-        for event in events:
+            return list(marks)
+        for event in marks:
             event.synchronize()
-        return [events[0].elapsed_time(event) / 1000 for event in events]
+        return [marks[0].elapsed_time(event) / 1000 for event in marks]
 
 
 def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipejob.trainer.pipeline.balance import Host, LayerCosts, Prediction, fastest, predict
+from pipejob.trainer.pipeline.balance import Host, Prediction, UnitCosts, fastest, predict
 
 RECORDINGS = sorted((Path(__file__).parent / "data").glob("auto-costs-*.json"))
 # Two counts are measurably apart when every repeat of one beat every repeat of the other and
@@ -40,7 +40,7 @@ def recorded(path: Path) -> tuple[dict, dict[int, Prediction], dict[int, float]]
     predictions, measured = {}, {}
     for m in r["counts"]:
         c = r["costs"][str(m)]
-        predictions[m] = predict(LayerCosts(c["seconds"], c["cpuSeconds"]), stages, m, batch, host)
+        predictions[m] = predict(UnitCosts(c["seconds"], c["cpuSeconds"]), stages, m, batch, host)
         measured[m] = statistics.median(r["samplesPerSecond"][str(m)])
     return r, predictions, measured
 

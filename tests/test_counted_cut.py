@@ -17,7 +17,7 @@ from userdata import write_stdlib_tokens
 from jobrun import pipeline_job, run_to_end
 from pipejob.core import spec
 from pipejob.core.kinds.pipeline import auto_counts
-from pipejob.trainer.pipeline.balance import Host, LayerCosts, fastest, min_max_partition
+from pipejob.trainer.pipeline.balance import Host, UnitCosts, fastest, min_max_partition
 from pipejob.trainer.pipeline.counted_cost import (
     FLOPS_PER_BYTE,
     MICRO_BATCH_OVERHEAD,
@@ -132,7 +132,7 @@ def counted_choice(per_sample: list[float], hosts: list[Host], batch: int = 32) 
     predictions = []
     for m in auto_counts(batch, "1f1b", 2):
         counted = [c * (batch // m) for c in per_sample]
-        costs = LayerCosts(counted, list(counted), counted=True)
+        costs = UnitCosts(counted, list(counted), counted=True)
         predictions.append(prediction(costs, 2, m, batch, hosts))
     return fastest(predictions).micro_batches
 
@@ -148,7 +148,7 @@ def test_auto_under_deterministic_chooses_by_counted_cost_alike_on_every_machine
         assert counted_choice([1e12, 1e12], hosts) == 16  # work dominates: the least bubble
     # The prediction: (m + stages - 1) slots, each the slowest stage's count per micro-batch
     # plus the fixed overhead.
-    costs = LayerCosts([8 * c for c in RESNET50_PER_IMAGE], [0.0, 0.0], counted=True)
+    costs = UnitCosts([8 * c for c in RESNET50_PER_IMAGE], [0.0, 0.0], counted=True)
     p = prediction(costs, 2, 4, 32, laptop)
     assert p.counted and p.step_seconds == 5 * (8 * 1.087e9 + MICRO_BATCH_OVERHEAD)
     assert candidate(p) == {

@@ -14,7 +14,7 @@ from pipejob.core.kinds.pipeline import auto_counts, micro_batch_counts
 from pipejob.trainer.pipeline.balance import (
     COST_SLACK,
     Host,
-    LayerCosts,
+    UnitCosts,
     fastest,
     intra_op_threads,
     measure_chain,
@@ -64,7 +64,7 @@ def test_partition_begins_stages_only_where_allowed():
         starts = [True, *(rng.random() < 0.6 for _ in range(n - 1))]
         costs = [rng.choice([0.0, rng.random(), rng.randint(1, 5)]) for _ in range(n)]
         if sum(starts) < parts:
-            with pytest.raises(ValueError, match=f"of {n} layers may begin a stage"):
+            with pytest.raises(ValueError, match=f"of {n} units may begin a piece"):
                 min_max_partition(costs, parts, starts=starts)
             continue
         for sizes in (None, [rng.random() for _ in range(n)]):
@@ -128,13 +128,13 @@ def test_equal_blocks_measured_unevenly_get_equal_bytes():
 
 
 def test_partition_refuses_what_it_cannot_split():
-    with pytest.raises(ValueError, match="cannot split 3 layers into 4 non-empty stages"):
+    with pytest.raises(ValueError, match="cannot split 3 units into 4 non-empty pieces"):
         min_max_partition([1, 1, 1], 4)
-    with pytest.raises(ValueError, match="at least one part"):
+    with pytest.raises(ValueError, match="at least one piece"):
         min_max_partition([1, 1], 0)
     with pytest.raises(ValueError, match="negative"):
         min_max_partition([1, -1], 2)
-    with pytest.raises(ValueError, match="2 layer sizes for 3 layer costs"):
+    with pytest.raises(ValueError, match="2 unit sizes for 3 unit costs"):
         min_max_partition([1, 1, 1], 2, [1, 1])
 
 
@@ -220,9 +220,9 @@ def test_an_interleaved_schedule_is_predicted_over_its_pieces():
     assert p.cores_seconds == 4 * (1.0 + 1.0)  # pieces 0 and 2, every micro-batch
 
 
-def uniform(per_layer: list[float]) -> LayerCosts:
+def uniform(per_layer: list[float]) -> UnitCosts:
     """Costs of a layer that keeps its threads busy: CPU time equals wall-clock time."""
-    return LayerCosts(per_layer, per_layer)
+    return UnitCosts(per_layer, per_layer)
 
 
 def test_auto_picks_the_count_with_the_shortest_predicted_step():
@@ -250,7 +250,7 @@ def test_auto_picks_the_count_with_the_shortest_predicted_step():
 
 
 def test_the_cores_bound_counts_only_the_stages_sharing_a_host():
-    costs = LayerCosts([1, 1, 1, 1], [2, 2, 2, 2])  # two threads busy per layer
+    costs = UnitCosts([1, 1, 1, 1], [2, 2, 2, 2])  # two threads busy per layer
     alone = predict(costs, 2, 2, 8, [Host((0,), 4), Host((1,), 4)])
     assert (alone.pipeline_seconds, alone.cores_seconds) == (6, 2)  # 2 * (2 + 2) / 4
     shared = predict(costs, 2, 2, 8, [Host((0, 1), 2)])
@@ -265,7 +265,7 @@ def test_stages_sharing_a_gpu_add_up_their_time_on_it():
     micro-batch (launches, small kernels) make one micro-batch fastest there, where GPUs of
     their own would take four."""
     batch, counts = 16, micro_batch_counts(16)
-    costs = {m: LayerCosts([1 + batch / m] * 4, [0.1] * 4) for m in counts}
+    costs = {m: UnitCosts([1 + batch / m] * 4, [0.1] * 4) for m in counts}
     own = [
         predict(costs[m], 2, m, batch, [Host((0,), 1, gpu=True), Host((1,), 1, gpu=True)])
         for m in counts

@@ -18,6 +18,7 @@ from pipejob.core import spec
 from pipejob.core.common_spec import Optimizer, from_spec
 from pipejob.trainer.pipeline.rpc.stage import RpcStage, stage_devices
 from pipejob.trainer.pipeline.rpc.turnstile import Turnstile
+from pipejob.trainer.pipeline.run_json import Candidate, PipelineSummary, StageRow
 from pipejob.trainer.pipeline.summary import gpipe_bubble
 from pipejob.trainer.pipeline.timing import busy_seconds, step_seconds
 from pipejob.trainer.runtime.optim import optimizer_args
@@ -25,8 +26,19 @@ from pipejob.trainer.workloads import cut, models
 from pipejob.trainer.workloads.synthetic import SyntheticImages
 
 
+def assert_keys(value: dict[str, Any], shape: Any) -> None:
+    """`value` holds every key the TypedDict `shape` requires and none it does not declare."""
+    keys, declared = set(value), shape.__required_keys__ | shape.__optional_keys__
+    assert shape.__required_keys__ <= keys, f"missing: {shape.__required_keys__ - keys}"
+    assert keys <= declared, f"not in {shape.__name__}: {keys - declared}"
+
+
 def check_summary(summary: dict[str, Any], job: dict[str, Any]) -> None:
     s = job["spec"]
+    # The summary JSON is the format pipeline/run_json.py declares, rows and candidates too.
+    assert_keys(summary, PipelineSummary)
+    for row in [*summary["partition"], *summary["microBatchCandidates"]]:
+        assert_keys(row, StageRow if "stage" in row else Candidate)
     assert summary["kind"] == "PipelineJob"
     assert summary["steps"] == s["steps"] == len(summary["losses"])
     assert all(math.isfinite(loss) for loss in summary["losses"])

@@ -36,7 +36,7 @@ from jobrun import (
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
-from pipejob.trainer.pipeline.balance import LayerCosts, measure_chain, min_max_partition, predict
+from pipejob.trainer.pipeline.balance import UnitCosts, measure_chain, min_max_partition, predict
 from pipejob.trainer.pipeline.cut_model import piece_starts, plan_cut
 from pipejob.trainer.pipeline.pipelining import messages
 from pipejob.trainer.pipeline.pipelining.driver import PipeliningReplicas, even
@@ -128,7 +128,7 @@ def test_pieces_begin_only_where_the_model_passes_tensors():
     measured, _ = measure_chain(pieces, units, (torch.randint(0, 9, (2, 32)),), True, 1)
     assert measured.passes_tensors[:3] == [False, False, True]  # ints after embed and norm1
     seconds = [10.0 if u == "embed" else 1.0 for u in units]  # embed alone is cheapest
-    costs = LayerCosts(seconds, seconds, None, measured.passes_tensors)
+    costs = UnitCosts(seconds, seconds, None, measured.passes_tensors)
     anywhere = min_max_partition(costs.seconds, 4)
     assert units[anywhere[1].start] == "blocks.0.norm1"
     starts = piece_starts(job, units, costs, None)

@@ -11,12 +11,14 @@ master chooses (auto: engine_choice.py). Both share this room, and neither impor
 - driver.py: what every engine's step driver does on the master;
 - stage_base.py: what every engine's stage holds; reader.py: the first stage's data;
 - gradients.py: the recipe between the backward and the optimizer's step;
-- trained_model.py, summary.py, timing.py: the model out, the run's summary, when stages compute."""
+- trained_model.py, summary.py, timing.py: the model out, the run's summary, when stages compute;
+  run_json.py: the JSON a run writes (summary, evaluations, model.json) as TypedDicts."""
 
 from __future__ import annotations
 
 import importlib
 from functools import partial
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,7 @@ from pipejob.trainer.runtime.world import Env
 
 if TYPE_CHECKING:
     from pipejob.trainer.pipeline.driver import ReplicasBase
+    from pipejob.trainer.pipeline.run_json import RunSummary
     from pipejob.trainer.pipeline.run_plan import Checked
 
 # Each engine's class of the master's handle on every replica, in its `driver` module.
@@ -52,7 +55,7 @@ def check(env: Env) -> Checked:
     return run_plan.check(env)
 
 
-def run(env: Env, checked: Checked | None = None) -> dict[str, Any] | None:
+def run(env: Env, checked: Checked | None = None) -> RunSummary | None:
     """Run this process's role of a PipelineJob; the master returns the summary (`checked`:
     what its `check` built before the world formed, else it checks once the world formed)."""
     if env.role == "master":
@@ -67,8 +70,8 @@ def run(env: Env, checked: Checked | None = None) -> dict[str, Any] | None:
 
 
 def export_checkpoint(
-    directory: Any, manifest: dict[str, Any], out: Any, format: str = "safetensors"
-) -> list[Any]:
+    directory: str | Path, manifest: dict[str, Any], out: str | Path, format: str = "safetensors"
+) -> list[Path]:
     """`pipejob export` of this kind's checkpoint: the files spec.output writes."""
     from pipejob.trainer.pipeline import trained_model
 

@@ -1,4 +1,4 @@
-"""Balance the layers across the pipeline's stages: measure what each layer costs, split them
+"""Balance the units across the pipeline's stages: measure what each unit costs, split them
 exactly (the smallest largest-stage cost over all contiguous splits, a dynamic program), and
 predict which micro-batch count gives the shortest step. How and why: the user guide's "The
 model: `spec.model`" (the cut) and "Micro-batches" (`microBatches: auto`)."""
@@ -19,71 +19,71 @@ from torch.utils._pytree import tree_map_only
 from pipejob.trainer.workloads.batch_values import tensors
 
 # Splits whose slowest stage is within this fraction of the fastest split's count as equally
-# fast: the measured costs of equal layers differ by a few percent on idle cores, and by more
+# fast: the measured costs of equal units differ by a few percent on idle cores, and by more
 # where other work shares them.
 COST_SLACK = 0.1
 
 
 def min_max_partition(
     costs: Sequence[float],
-    parts: int,
+    pieces: int,
     sizes: Sequence[float] | None = None,
     starts: Sequence[bool] | None = None,
 ) -> list[range]:
-    """Split layers 0..n-1 into `parts` non-empty contiguous ranges, minimising the largest
-    range's total cost; with `sizes` (each layer's parameter bytes), of the splits within
+    """Split units 0..n-1 into `pieces` non-empty contiguous ranges, minimising the largest
+    range's total cost; with `sizes` (each unit's parameter bytes), of the splits within
     COST_SLACK of that, the one minimising the largest range's bytes; with `starts`, only
-    splits whose ranges each begin at a layer marked True. Among equally good splits,
-    earlier stages get fewer layers."""
+    splits whose ranges each begin at a unit marked True. Among equally good splits,
+    earlier pieces get fewer units."""
     n = len(costs)
-    if parts < 1:
-        raise ValueError(f"need at least one part, got {parts}")
-    if n < parts:
-        raise ValueError(f"cannot split {n} layers into {parts} non-empty stages")
+    if pieces < 1:
+        raise ValueError(f"need at least one piece, got {pieces}")
+    if n < pieces:
+        raise ValueError(f"cannot split {n} units into {pieces} non-empty pieces")
     if any(c < 0 for c in costs):
-        raise ValueError("layer costs must not be negative")
+        raise ValueError("unit costs must not be negative")
     if sizes is not None and len(sizes) != n:
-        raise ValueError(f"{len(sizes)} layer sizes for {n} layer costs")
+        raise ValueError(f"{len(sizes)} unit sizes for {n} unit costs")
     starts = [True] * n if starts is None else [True, *starts[1:]]
-    if sum(starts) < parts:
-        raise ValueError(f"only {sum(starts)} of {n} layers may begin a stage, for {parts}")
-    fastest, bounds = _min_max(costs, parts, float("inf"), starts)
+    if sum(starts) < pieces:
+        raise ValueError(f"only {sum(starts)} of {n} units may begin a piece, for {pieces}")
+    fastest, bounds = _min_max(costs, pieces, float("inf"), starts)
     if sizes is None:
         return bounds
-    return _min_max(sizes, parts, fastest * (1 + COST_SLACK), starts, costs)[1]
+    return _min_max(sizes, pieces, fastest * (1 + COST_SLACK), starts, costs)[1]
 
 
 def _min_max(
     weights: Sequence[float],
-    parts: int,
+    pieces: int,
     bound: float,
     starts: Sequence[bool],
     costs: Sequence[float] | None = None,
 ) -> tuple[float, list[range]]:
-    """The split of the layers into `parts` ranges minimising the largest range's total
+    """The split of the units into `pieces` ranges minimising the largest range's total
     weight, of those whose ranges each begin where `starts` allows and cost at most `bound`
-    (`costs`: per layer), and that largest weight."""
+    (`costs`: per unit), and that largest weight."""
     n = len(weights)
     weight, cost = _prefix(weights), _prefix(weights if costs is None else costs)
     inf = float("inf")
-    # best[k][i]: the smallest possible largest weight when the first i layers form k
-    # stages; cut[k][i]: where the last of those k stages starts in such a split.
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    # best[k][i]: the smallest possible largest weight when the first i units form k
+    # pieces; cut[k][i]: where the last of those k pieces starts in such a split.
+    best = [[inf] * (n + 1) for _ in range(pieces + 1)]
+    cut = [[0] * (n + 1) for _ in range(pieces + 1)]
     best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for s in range(k - 1, i):  # the last stage is layers s..i-1
+    for k in range(1, pieces + 1):
+        for i in range(k, n - (pieces - k) + 1):
+            for s in range(k - 1, i):  # the last piece is units s..i-1
                 if not starts[s] or cost[i] - cost[s] > bound:
                     continue
                 worst = max(best[k - 1][s], weight[i] - weight[s])
                 if worst < best[k][i]:
                     best[k][i], cut[k][i] = worst, s
     bounds = [n]
-    for k in range(parts, 0, -1):
+    for k in range(pieces, 0, -1):
         bounds.append(cut[k][bounds[-1]])
     bounds.reverse()
-    return best[parts][n], [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return best[pieces][n], [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def _prefix(values: Sequence[float]) -> list[float]:
@@ -94,13 +94,13 @@ def _prefix(values: Sequence[float]) -> list[float]:
 
 
 @dataclass(frozen=True)
-class LayerCosts:
-    """Forward + backward of one micro-batch, per layer."""
+class UnitCosts:
+    """Forward + backward of one micro-batch, per unit."""
 
     seconds: list[float]  # wall-clock: how long a stage computing alone takes
     cpu_seconds: list[float]  # CPU time of all threads: what it takes from shared cores
     sizes: list[float] | None = None  # parameter bytes, where known: the split's tie-break
-    # Per layer, whether all it passes on are tensors (torch's PipelineStages send only them)
+    # Per unit, whether all it passes on are tensors (torch's PipelineStages send only them)
     passes_tensors: list[bool] | None = None
     # Counted (counted_cost.py: FLOPs and bytes, spec.deterministic) rather than timed: then
     # `seconds` and `cpu_seconds` hold the count, and only their ratios mean anything.
@@ -109,7 +109,7 @@ class LayerCosts:
 
 def measure_costs(
     pieces: list[nn.Module], names: list[str], sample: torch.Tensor, repeats: int = 3
-) -> LayerCosts:
+) -> UnitCosts:
     """What each piece of the model (cut at every candidate, cut.Traced) costs for forward
     + backward on `sample` (a micro-batch of the model's input): `measure_chain` from the
     model's input."""
@@ -123,7 +123,7 @@ def measure_chain(
     first: bool,
     repeats: int = 3,
     on_copies: bool = True,
-) -> tuple[LayerCosts, tuple[Any, ...]]:
+) -> tuple[UnitCosts, tuple[Any, ...]]:
     """What each of a run of consecutive pieces costs for forward + backward on `values`
     (what the model passes the first of them; the model's own input when `first`), the
     minimum over `repeats` runs after one untimed warm-up run (first calls set up kernels
@@ -141,7 +141,7 @@ def measure_chain(
         values = given
         for i, (name, piece) in enumerate(zip(names, pieces, strict=True)):
             # Only the model's input needs no gradient; every later piece computes one for
-            # its inputs, as in training. The clone lets in-place layers (ReLU) run.
+            # its inputs, as in training. The clone lets in-place modules (ReLU) run.
             inputs = tuple(as_input(v, i > 0 or not first) for v in values)
             on_gpu = any(t.is_cuda for t in tensors(inputs))
             if on_gpu:
@@ -156,7 +156,7 @@ def measure_chain(
             passes_tensors[i] = all(isinstance(v, torch.Tensor) for v in outs)
             values = outs
     passed = tree_map_only(torch.Tensor, torch.Tensor.detach, values)
-    return LayerCosts(costs, cpu, passes_tensors=passes_tensors), passed
+    return UnitCosts(costs, cpu, passes_tensors=passes_tensors), passed
 
 
 def forward_backward(
@@ -252,7 +252,7 @@ class Prediction:
 
 
 def predict(
-    costs: LayerCosts,
+    costs: UnitCosts,
     stages: int,
     micro_batches: int,
     batch: int,
@@ -262,7 +262,7 @@ def predict(
     starts: Sequence[bool] | None = None,
     overhead: float = 0.0,
 ) -> Prediction:
-    """Split `costs` (per layer, one micro-batch of batch // micro_batches) over `stages` by
+    """Split `costs` (per unit, one micro-batch of batch // micro_batches) over `stages` by
     wall-clock time (over stages x `per_process` pieces, process k holding pieces k,
     k + stages, ..., for an interleaved schedule) and predict the step from two lower bounds:
     - the schedule: GPipe with a flush every step takes m + p - 1 slots of the slowest stage,
@@ -274,8 +274,8 @@ def predict(
       while small micro-batches cost more CPU time per sample. Stages sharing a GPU need at
       least the sum of their times on it.
     `ranges` given (spec.splitPoints): that split, predicted, instead of the balanced one;
-    `starts`: per layer, whether a piece may begin there; `overhead`: what each slot costs
-    beyond its layers (timed costs hold their own; counted ones do not: counted_cost.py)."""
+    `starts`: per unit, whether a piece may begin there; `overhead`: what each slot costs
+    beyond its units (timed costs hold their own; counted ones do not: counted_cost.py)."""
     pieces = stages * per_process
     ranges = ranges or min_max_partition(costs.seconds, pieces, costs.sizes, starts)
     slowest = max(sum(costs.seconds[i] for i in r) for r in ranges)

@@ -9,10 +9,10 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pipejob.core.best_model import Best, EarlyStopping
 from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.pipeline.run_json import BestFigures, Evaluation
 from pipejob.trainer.runtime import monitor, world
 from pipejob.trainer.runtime.world import Env
 
@@ -47,7 +47,7 @@ class Judge:
             judge.value, judge.step = value, step
         return judge
 
-    def judge(self, figures: dict[str, Any]) -> bool:
+    def judge(self, figures: Evaluation) -> bool:
         """Whether the evaluation `figures` is the best so far (noted, and counted against
         the patience where it is not better by more than minDelta)."""
         if self.best is None:
@@ -78,7 +78,7 @@ class Judge:
             f" {self.stopping.min_delta:g}"
         )
 
-    def after(self, env: Env, figures: dict[str, Any], write: Callable[[], None] | None) -> bool:
+    def after(self, env: Env, figures: Evaluation, write: Callable[[], None] | None) -> bool:
         """After an evaluation: `write` the output at a new best; whether the run ends."""
         if self.judge(figures) and write is not None:
             write()
@@ -89,7 +89,7 @@ class Judge:
             monitor.board().phase("training", reason)  # /progress's message: the status's
         return reason is not None
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> BestFigures:
         """The summary's: the best evaluation's step and value, and why the run stopped."""
         if self.best is None:
             return {}

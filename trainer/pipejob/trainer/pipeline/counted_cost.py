@@ -17,8 +17,8 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipejob.trainer.pipeline.balance import (
-    LayerCosts,
     Prediction,
+    UnitCosts,
     as_input,
     forward_backward,
     predict,
@@ -41,6 +41,10 @@ FLOPS_PER_BYTE = 4
 # timed one would).
 MICRO_BATCH_OVERHEAD = 3e9
 
+# A module call's keyword arguments as torch's forward pre-hook gives them (with_kwargs): any
+# values the model's forward passes, torch's untyped boundary as checkpoint.TorchState is.
+CallKwargs = dict[str, Any]
+
 
 def count_chain(
     pieces: list[nn.Module],
@@ -48,7 +52,7 @@ def count_chain(
     values: tuple[Any, ...],
     first: bool,
     on_copies: bool = True,
-) -> tuple[LayerCosts, tuple[Any, ...]]:
+) -> tuple[UnitCosts, tuple[Any, ...]]:
     """What each of a run of consecutive pieces costs for forward + backward on `values`,
     as balance.measure_chain says it (the same arguments, the same result), but counted:
     each piece's FLOPs plus FLOPS_PER_BYTE x the bytes of its inputs and outputs, which a
@@ -67,10 +71,10 @@ def count_chain(
         passes_tensors.append(all(isinstance(v, torch.Tensor) for v in outs))
         values = outs
     passed = tree_map_only(torch.Tensor, torch.Tensor.detach, values)
-    return LayerCosts(costs, list(costs), passes_tensors=passes_tensors, counted=True), passed
+    return UnitCosts(costs, list(costs), passes_tensors=passes_tensors, counted=True), passed
 
 
-def count_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+def count_call(module: nn.Module, args: tuple[Any, ...], kwargs: CallKwargs) -> float:
     """What one call of `module` on `args` and `kwargs` costs, counted as count_chain counts
     a piece (the eager path's placement under spec.deterministic: a module the forward calls
     with keyword arguments, its outputs anything): forward + backward FLOPs plus
@@ -94,7 +98,7 @@ def nbytes(values: Sequence[Any]) -> int:
 
 
 def predict_counted(
-    costs: LayerCosts,
+    costs: UnitCosts,
     stages: int,
     micro_batches: int,
     batch: int,

@@ -11,7 +11,6 @@ import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
@@ -19,9 +18,11 @@ from torch import nn
 
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, PipelineSpec, auto_counts
 from pipejob.trainer.pipeline import engine_choice, peft_output
-from pipejob.trainer.pipeline.balance import Host, LayerCosts, Prediction, fastest
+from pipejob.trainer.pipeline.balance import Host, Prediction, UnitCosts, fastest
 from pipejob.trainer.pipeline.engine_choice import Choice
 from pipejob.trainer.pipeline.micro_batch_choice import candidate, prediction
+from pipejob.trainer.pipeline.peft_output import AdapterConfig
+from pipejob.trainer.pipeline.run_json import Candidate, JsonObject
 from pipejob.trainer.pipeline.stage_base import compute_resources
 from pipejob.trainer.pipeline.stage_build import PieceBuilder, measure_on_stages, trace
 from pipejob.trainer.runtime import model_files, tuning
@@ -29,7 +30,7 @@ from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, materialize, models
 
 
-def hf_config(model: nn.Module) -> dict[str, Any] | None:
+def hf_config(model: nn.Module) -> JsonObject | None:
     """A Hugging Face PreTrainedModel's config as its config.json holds it, else None."""
     config = getattr(model, "config", None)
     if hasattr(model, "save_pretrained") and hasattr(config, "to_json_string"):
@@ -46,7 +47,7 @@ class Partition:
     costs: list[float]  # measured seconds of forward + backward per layer, one micro-batch
     micro_batches: int  # the count the costs were measured for, and the run uses
     # With `microBatches: auto`: every candidate's prediction (see `candidate_table`).
-    candidates: list[dict[str, Any]] = field(default_factory=list)
+    candidates: list[Candidate] = field(default_factory=list)
     # With `engine: auto`: the engine this cut was made for, and why.
     engine: Choice | None = None
 
@@ -68,14 +69,14 @@ class CutModel:
     # summed every step.
     tied: list[list[tuple[int, str]]] = field(default_factory=list)
     # A Hugging Face model's config (config.json), written beside the model file.
-    config: dict[str, Any] | None = None
+    config: JsonObject | None = None
     builders: list[PieceBuilder] | None = None  # one per piece
     processes: int = 0  # stage processes; 0: one per piece
     # The modules' versions a plain `model.state_dict()` carries (its `_metadata`), for the
     # model file: a fresh build of some modules (MNASNet) loads no state without them.
     metadata: model_files.Metadata | None = None
     # A peft model's adapters' configs (pipeline/peft_output.py), for the adapter files.
-    adapters: dict[str, dict[str, Any]] | None = None
+    adapters: dict[str, AdapterConfig] | None = None
 
     @property
     def ranges(self) -> list[range]:
@@ -215,7 +216,7 @@ def _measure(
     for m in counts:
         progress(f"  micro-batch {batch // m} ({m} per batch)")
     sizes = [batch // m for m in counts]
-    measured: dict[int, tuple[Prediction, LayerCosts]] = {}
+    measured: dict[int, tuple[Prediction, UnitCosts]] = {}
     choice = None
     for m, costs in zip(
         counts, measure_on_stages(stage_names, spec, traced, numbered, sizes), strict=True
@@ -234,7 +235,7 @@ def _measure(
 
 
 def piece_starts(
-    spec: PipelineSpec, units: list[str], costs: LayerCosts, fixed: list[range] | None
+    spec: PipelineSpec, units: list[str], costs: UnitCosts, fixed: list[range] | None
 ) -> list[bool] | None:
     """Per unit, whether a piece may begin there: anywhere on the rpc engine; on the
     pipelining engine only where the model passes nothing but tensors (torch's
@@ -258,7 +259,7 @@ def piece_starts(
     return starts
 
 
-def tensor_starts(costs: LayerCosts) -> list[bool]:
+def tensor_starts(costs: UnitCosts) -> list[bool]:
     """Per unit, whether the model passes only tensors into it (the first: its inputs)."""
     if costs.passes_tensors is None:
         return [True] * len(costs.seconds)

@@ -6,22 +6,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar, TypeVarTuple
 
 import torch
 
 from pipejob.trainer.workloads.batch_values import tensors
 
 T = TypeVar("T")
+Args = TypeVarTuple("Args")
 
 
 class GpuWorker:
+    """A stage's thread and CUDA stream on `device`, which its computing runs on (`run`)."""
+
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pipejob-gpu")
 
-    def run(self, fn: Callable[..., T], *args: Any) -> T:
+    def run(self, fn: Callable[[*Args], T], *args: *Args) -> T:
         """`fn(*args)` on this worker's thread and stream, ordered after what the calling
         thread queued on its stream (the inputs it received) and before what it queues next
         (sending the result)."""

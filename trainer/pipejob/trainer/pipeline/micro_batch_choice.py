@@ -5,14 +5,13 @@ counted_cost.py."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from pipejob.trainer.pipeline.balance import Host, LayerCosts, Prediction, predict
+from pipejob.trainer.pipeline.balance import Host, Prediction, UnitCosts, predict
 from pipejob.trainer.pipeline.counted_cost import predict_counted
+from pipejob.trainer.pipeline.run_json import Candidate
 
 
 def prediction(
-    costs: LayerCosts,
+    costs: UnitCosts,
     stages: int,
     micro_batches: int,
     batch: int,
@@ -30,22 +29,22 @@ def prediction(
     return predict(costs, stages, micro_batches, batch, hosts, fixed, per_process, starts)
 
 
-def candidate(p: Prediction) -> dict[str, Any]:
+def candidate(p: Prediction) -> Candidate:
     """One row of `microBatches: auto`'s table, as the summary and the checkpoint keep it:
     timed, both bounds of the step in seconds; counted (spec.deterministic), the step's
     count (counted_cost.predict_counted: FLOPs and bytes, not seconds)."""
-    row = {"microBatches": p.micro_batches, "microBatchSize": p.micro_batch_size}
+    row = Candidate(microBatches=p.micro_batches, microBatchSize=p.micro_batch_size)
     if p.counted:
-        return row | {"predictedStepCount": p.step_seconds}
-    return row | {
-        "pipelineBoundSeconds": round(p.pipeline_seconds, 4),
-        "coresBoundSeconds": round(p.cores_seconds, 4),
-        "predictedStepSeconds": round(p.step_seconds, 4),
-        "predictedSamplesPerSecond": round(p.samples_per_second, 2),
-    }
+        row["predictedStepCount"] = p.step_seconds
+        return row
+    row["pipelineBoundSeconds"] = round(p.pipeline_seconds, 4)
+    row["coresBoundSeconds"] = round(p.cores_seconds, 4)
+    row["predictedStepSeconds"] = round(p.step_seconds, 4)
+    row["predictedSamplesPerSecond"] = round(p.samples_per_second, 2)
+    return row
 
 
-def candidate_table(candidates: list[dict[str, Any]], chosen: int) -> str:
+def candidate_table(candidates: list[Candidate], chosen: int) -> str:
     """Per candidate: both bounds of the step (see balance.predict), the prediction; or,
     counted, the step's count in GFLOP-equivalents."""
     counted = "predictedStepCount" in candidates[0]

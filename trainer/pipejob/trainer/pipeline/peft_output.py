@@ -11,12 +11,14 @@ import enum
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
+from pipejob.trainer.pipeline.run_json import JsonObject
 from pipejob.trainer.runtime import model_files
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -25,7 +27,21 @@ MERGED = "merged"
 PREFIX = "base_model.model."  # where a PeftModel holds its base model
 
 
-def configs(model: Any) -> dict[str, dict[str, Any]] | None:
+class AdapterConfig(TypedDict):
+    """An adapter's config as adapter_config.json holds it (peft's LoraConfig.to_dict(),
+    plain): the fields the merge reads; it holds peft's others too, written as they are."""
+
+    r: int
+    lora_alpha: float
+    fan_in_fan_out: bool
+    use_rslora: bool
+    use_dora: bool
+    bias: str  # "none", "all" or "lora_only"
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+
+
+def configs(model: nn.Module) -> dict[str, AdapterConfig] | None:
     """A peft model's adapters' configs by adapter name, as adapter_config.json holds them
     (None for any other model)."""
     peft_config = getattr(model, "peft_config", None)
@@ -60,7 +76,7 @@ def adapter_state(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.
 
 
 def merged_state(
-    state: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], name: str, config: dict[str, Any]
+    state: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], name: str, config: AdapterConfig
 ) -> dict[str, torch.Tensor]:
     """The base model's tensors of `state` (the whole model's, or a file's share) with
     adapter `name` (its LoRA matrices in `lora`, under the model's names) merged into each
@@ -84,7 +100,9 @@ def merged_state(
     return merged
 
 
-def _scaling(name: str, config: dict[str, Any]) -> float:
+def _scaling(name: str, config: AdapterConfig) -> float:
+    """The adapter's scaling (lora_alpha over r, or over its root with rsLoRA), refused where
+    peft's merge does more than W + scaling B A."""
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise ValueError(
@@ -138,9 +156,9 @@ class Files:
 
 def write(
     out: str | Path,
-    adapters: dict[str, dict[str, Any]],
+    adapters: dict[str, AdapterConfig],
     merged: bool,
-    hf_config: dict[str, Any] | None,
+    hf_config: JsonObject | None,
 ) -> list[Path]:
     """Write the adapters of the model files in `out` (and the merged model, when
     `merged`); the paths written."""
@@ -164,8 +182,8 @@ def _write_merged(
     files: Files,
     lora: dict[str, torch.Tensor],
     name: str,
-    config: dict[str, Any],
-    hf_config: dict[str, Any] | None,
+    config: AdapterConfig,
+    hf_config: JsonObject | None,
 ) -> list[Path]:
     """The merged model in out/merged/, one file per file of the output (read one at a
     time), with an index where there are several; its config.json."""

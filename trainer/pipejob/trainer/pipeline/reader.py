@@ -5,17 +5,19 @@ docs/architecture.md ("Where a PipelineJob's model and data live") says where ea
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, TypeVarTuple
 
 import torch
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.workloads import batch_values, data
+from pipejob.trainer.workloads.data import Batch
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+T = TypeVar("T")
+Args = TypeVarTuple("Args")
 TRAIN, HELD_OUT = "train", "held-out"
 
 
@@ -38,7 +40,8 @@ class Reader:
         self._feed: data.Feed | None = None
         self._held: data.HeldOut | None = None
         self._looked = False  # for the held-out set (the data may have none)
-        self._held_batches: Any = None  # the running evaluation's held-out batches
+        # The running evaluation's held-out batches.
+        self._held_batches: Iterator[Batch] | None = None
         # The next training batch, being read, and the feed's state before it (what a
         # checkpoint keeps: the batches handed out, not the one read ahead).
         self._ahead: tuple[dict[str, Any], Future[Batch]] | None = None
@@ -155,7 +158,8 @@ class Reader:
             self._feed = data.Feed(source.spec, source.replica, source.replicas)
         return self._feed
 
-    def _in_thread(self, function: Callable[..., Any], *args: Any) -> Any:
+    def _in_thread(self, function: Callable[[*Args], T], *args: *Args) -> T:
+        """`function(*args)` in the reader's thread, waited for."""
         return self._thread.submit(function, *args).result()
 
     def _next(self, what: str) -> Batch | None:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.pipeline.balance import LayerCosts, measure_chain, min_max_partition
+from pipejob.trainer.pipeline.balance import UnitCosts, measure_chain, min_max_partition
 from pipejob.trainer.pipeline.counted_cost import count_chain
 from pipejob.trainer.runtime import tuning
 from pipejob.trainer.workloads import batch_values, cut, data, materialize, models, staged
@@ -83,7 +83,7 @@ class PieceBuilder:
 
 def measure_here(
     builder: PieceBuilder, units: list[str], given: list[tuple[Any, ...]] | None, sizes: list[int]
-) -> tuple[list[LayerCosts], list[tuple[Any, ...]]] | str:
+) -> tuple[list[UnitCosts], list[tuple[Any, ...]]] | str:
     """Runs on a stage: builds `builder`'s pieces (one per unit of `units`) and measures them
     on micro-batches of each of `sizes`: `given`, what the pieces before pass on, or on the
     first stage (None) micro-batches of the first training batch, read here. The costs and
@@ -127,7 +127,7 @@ def measure_on_stages(
     traced: cut.Traced,
     numbered: materialize.Numbering,
     batches: list[int],
-) -> list[LayerCosts]:
+) -> list[UnitCosts]:
     """Every unit's cost on a micro-batch of each size of `batches`, measured on stage
     processes `names` (one pipeline's), each building a run of units of about equal
     parameter bytes; the first reads the samples."""
@@ -159,5 +159,5 @@ def measure_on_stages(
             tensors[j] += c.passes_tensors or [True] * len(c.seconds)
     counted = spec.deterministic
     return [
-        LayerCosts(s, c, sizes, t, counted) for s, c, t in zip(seconds, cpu, tensors, strict=True)
+        UnitCosts(s, c, sizes, t, counted) for s, c, t in zip(seconds, cpu, tensors, strict=True)
     ]

@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pipejob.core.kinds.pipeline import AUTO, PipelineSpec
 from pipejob.trainer.pipeline import gradients
 from pipejob.trainer.pipeline.cut_model import CutModel, share
 from pipejob.trainer.pipeline.driver import StepResult
+from pipejob.trainer.pipeline.run_json import (
+    CurveFigures,
+    Evaluation,
+    PipelineSummary,
+    RateFigures,
+    SetupFigures,
+    StageRow,
+)
 from pipejob.trainer.runtime import memory, monitor, param_groups, roles, world
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import metrics, models
@@ -41,7 +47,7 @@ def summarize(
     timings: list[dict[int, tuple[float, float, float]]],
     first: int = 0,
     activations: list[int] | None = None,
-) -> dict[str, Any]:
+) -> PipelineSummary:
     """The run's summary; `results` are of steps first, first + 1, ... Rates and times leave
     out the first step (warm-up: lazy allocations, optimizer state) unless it is the only
     one. Asks every member of the world for its peak memory (runtime/memory.py).
@@ -60,10 +66,8 @@ def summarize(
         for i, row in enumerate(rows):
             row["peakActivationBytes"] = activations[i]
     p, m = spec.stages, cut_model.partition.micro_batches
-    return roles.summary(
-        env,
-        len(results),
-        first,
+    return PipelineSummary(
+        **roles.summary(env, len(results), first),  # the keys every kind's summary has first
         **setup_figures(env, cut_model),
         warmupStepsExcluded=warmup,
         gradientAccumulation=spec.gradient_accumulation,
@@ -102,33 +106,34 @@ def stage_rows(
     timings: list[dict[int, tuple[float, float, float]]],
     steps: range,
     pipeline_wall: float,
-    peaks: dict[str, Any],
-) -> tuple[list[dict[str, Any]], float]:
+    peaks: dict[str, memory.Peak],
+) -> tuple[list[StageRow], float]:
     """Each stage process's row of the summary's partition over the measured `steps`, and
     the seconds all of them were busy."""
-    rows, busy_total = [], 0.0
+    rows: list[StageRow] = []
+    busy_total = 0.0
     for i, (name, per_step) in enumerate(zip(names, timings, strict=True)):
         forward, backward, busy = (sum(per_step[s][k] for s in steps) for k in range(3))
         busy_total += busy
         rows.append(
-            {
-                "stage": name,
-                "layers": cut_model.process_units(i),
-                "pieces": cut_model.describe(i),
-                "costShare": round(share(cut_model, i), 4),
-                "forwardSeconds": round(forward / len(steps), 4),
-                "backwardSeconds": round(backward / len(steps), 4),
-                "idleFraction": round(1 - busy / pipeline_wall, 4),
-                "peakMemory": peaks.get(name),
-            }
+            StageRow(
+                stage=name,
+                layers=cut_model.process_units(i),
+                pieces=cut_model.describe(i),
+                costShare=round(share(cut_model, i), 4),
+                forwardSeconds=round(forward / len(steps), 4),
+                backwardSeconds=round(backward / len(steps), 4),
+                idleFraction=round(1 - busy / pipeline_wall, 4),
+                peakMemory=peaks.get(name),
+            )
         )
     return rows, busy_total
 
 
-def setup_figures(env: Env[PipelineSpec], cut_model: CutModel) -> dict[str, Any]:
+def setup_figures(env: Env[PipelineSpec], cut_model: CutModel) -> SetupFigures:
     """The summary's fields that say how the job was set up: model, engine, cut, batches."""
     spec = env.spec
-    return dict(
+    return SetupFigures(
         model=models.name(spec.model),
         engine=spec.engine,
         engineChosen=choice.why if (choice := cut_model.partition.engine) else None,  # auto's
@@ -153,9 +158,9 @@ def cut_by(spec: PipelineSpec) -> str:
     return "counted" if spec.deterministic else "timed"
 
 
-def curve_figures(results: list[StepResult]) -> dict[str, Any]:
+def curve_figures(results: list[StepResult]) -> CurveFigures:
     """Every step's loss, learning rate and gradient norm, and the first and last."""
-    return dict(
+    return CurveFigures(
         losses=[r.loss for r in results],  # in full: exactness tests compare them
         firstLoss=results[0].loss,
         finalLoss=results[-1].loss,
@@ -165,11 +170,11 @@ def curve_figures(results: list[StepResult]) -> dict[str, Any]:
     )
 
 
-def rate_figures(spec: PipelineSpec, measured: list[StepResult]) -> dict[str, Any]:
+def rate_figures(spec: PipelineSpec, measured: list[StepResult]) -> RateFigures:
     """Samples a second and seconds a step, over the `measured` steps."""
     seconds = sum(r.pipeline_seconds + r.optimizer_seconds for r in measured)
     samples = spec.batch_size * spec.replicas.max * spec.gradient_accumulation * len(measured)
-    return dict(
+    return RateFigures(
         samplesPerSecond=round(samples / seconds, 3),
         secondsPerStep=round(seconds / len(measured), 4),
         allreduceSecondsPerStep=round(
@@ -181,7 +186,7 @@ def rate_figures(spec: PipelineSpec, measured: list[StepResult]) -> dict[str, An
     )
 
 
-def auto_line(s: dict[str, Any]) -> list[str]:
+def auto_line(s: PipelineSummary) -> list[str]:
     """How `microBatches: auto`'s prediction for its choice compares with the run (under
     spec.deterministic the prediction is a count, not seconds)."""
     chosen = [c for c in s["microBatchCandidates"] if c["microBatches"] == s["microBatches"]]
@@ -201,7 +206,7 @@ def auto_line(s: dict[str, Any]) -> list[str]:
     ]
 
 
-def recipe_line(s: dict[str, Any]) -> list[str]:
+def recipe_line(s: PipelineSummary) -> list[str]:
     """The learning rate, gradient norm and clipping of the last step, and the recipe."""
     clip = s["clipGradNorm"]
     clipped = sum(1 for n in s["gradNorms"] if clip is not None and n > clip)
@@ -218,7 +223,8 @@ def recipe_line(s: dict[str, Any]) -> list[str]:
     return ["  " + ", ".join(parts)]
 
 
-def evaluation_line(s: dict[str, Any]) -> list[str]:
+def evaluation_line(s: PipelineSummary) -> list[str]:
+    """The last evaluation's figures, where the run evaluated."""
     e = s.get("evaluation")
     if e is None:
         return []
@@ -228,7 +234,8 @@ def evaluation_line(s: dict[str, Any]) -> list[str]:
     ]
 
 
-def render(summary: dict[str, Any]) -> str:
+def render(summary: PipelineSummary) -> str:
+    """The summary as the master's log shows it: the run, the recipe, then a row a stage."""
     s = summary
     activated = any("peakActivationBytes" in st for st in s["partition"])
     lines = [
@@ -279,7 +286,7 @@ def render(summary: dict[str, Any]) -> str:
 
 
 def report_evaluation(
-    env: Env[PipelineSpec], figures: dict[str, Any], seconds: float, more: str = ""
+    env: Env[PipelineSpec], figures: Evaluation, seconds: float, more: str = ""
 ) -> None:
     """An evaluation's figures (`more`: what follows its own) in the log and on the progress
     board, on either path."""

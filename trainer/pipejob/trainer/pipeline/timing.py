@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
 
 import torch
+
+# A mark on a stage's timeline: perf_counter seconds on a CPU, a recorded CUDA event on a GPU.
+Mark = float | torch.cuda.Event
 
 
 class Clock:
@@ -18,14 +20,15 @@ class Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def mark(self) -> Any:
+    def mark(self) -> Mark:
+        """Now, on this device's timeline."""
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def seconds(self, marks: list[Any]) -> list[float]:
+    def seconds(self, marks: list[Mark]) -> list[float]:
         """The marks as seconds on one timeline (on a GPU, from the first of them, once the
         GPU has passed them all)."""
         if not self.cuda or not marks:

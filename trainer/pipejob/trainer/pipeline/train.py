@@ -9,7 +9,6 @@ import time
 from collections.abc import Iterable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from pipejob.core.averaged import BOTH
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, RPC, PipelineSpec
@@ -22,6 +21,7 @@ from pipejob.trainer.pipeline.eager import run as eager_run
 from pipejob.trainer.pipeline.engine_choice import resolved
 from pipejob.trainer.pipeline.master_checkpoints import resume, save_checkpoint
 from pipejob.trainer.pipeline.reader import Reader
+from pipejob.trainer.pipeline.run_json import Evaluation, RunSummary
 from pipejob.trainer.pipeline.run_plan import Checked, Plan, plan
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import render, report_evaluation, stage_report, summarize
@@ -40,9 +40,11 @@ from pipejob.trainer.workloads.cut import CutError
 from pipejob.trainer.workloads.metrics import Tally
 
 
-def train(env: Env[PipelineSpec], checked: Checked | None = None) -> dict[str, Any]:
+def train(env: Env[PipelineSpec], checked: Checked | None = None) -> RunSummary:
     """The PipelineJob master's run: the plan, the pipelines, the steps, the model out
-    (`checked`: the master's check before the world formed, if it made one)."""
+    (`checked`: the master's check before the world formed, if it made one). Its summary:
+    a run_json.PipelineSummary on the traced path, the eager path's its own (eager/run.py),
+    only the keys every kind has where a checkpoint held every step."""
     spec = env.spec
     if spec.model.cut == CUT_EAGER:
         return eager(env, "spec.model.cut: eager")
@@ -87,7 +89,7 @@ def train(env: Env[PipelineSpec], checked: Checked | None = None) -> dict[str, A
     return summary
 
 
-def eager(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
+def eager(env: Env[PipelineSpec], why: str) -> RunSummary:
     """The eager path's run (`why`: what sent the job there), on the rpc engine: with
     `engine: auto`, its choice for a model whose forward the master runs, said as the cut's
     choice is (the log, the summary's engineChosen)."""
@@ -123,14 +125,14 @@ def train_steps(
     evaluates: bool,
     first: int,
     judge: Judge,
-) -> tuple[list[StepResult], list[dict[str, Any]]]:
+) -> tuple[list[StepResult], list[Evaluation]]:
     """Steps first + 1 .. spec.steps: each step's result, and the evaluations (when the job
     `evaluates`), each recorded, checkpointed and logged when due, and `judge`d (the best
     written out; early stopping ends the steps)."""
     spec = env.spec
     profile = profiling.settings(spec)
     results: list[StepResult] = []
-    evaluations: list[dict[str, Any]] = []
+    evaluations: list[Evaluation] = []
     monitor.board().phase("training")
     events = Events(spec.logging.tensorboard if spec.logging else None, first)
     try:
@@ -239,7 +241,7 @@ def evaluation_due(spec: PipelineSpec, step: int) -> bool:
 
 def evaluate(
     env: Env[PipelineSpec], pipelines: ReplicasBase, planned: Plan, step: int, events: Events
-) -> dict[str, Any]:
+) -> Evaluation:
     """The held-out figures after `step`, through replica 0 (the replicas are identical),
     logged, on the progress board and in the events."""
     spec = env.spec
@@ -248,7 +250,7 @@ def evaluate(
     tally = pipelines.evaluate(
         planned.micro_batches, spec.eval.batches, planned.loss, Tally(data.task(spec))
     )
-    figures = {"step": step, **tally.result()}
+    figures = Evaluation(step=step, **tally.result())
     more = ""
     if spec.ema is not None:  # the average's figures beside the weights'
         with ema_stages.swapped(pipelines.pipelines[0]):
@@ -271,7 +273,7 @@ def write_output(
     env: Env[PipelineSpec],
     pipelines: ReplicasBase,
     cut_model: CutModel,
-    evaluation: dict[str, Any] | None,
+    evaluation: Evaluation | None,
 ) -> None:
     """The model replica 0's stages hold (`write_model`); with spec.ema, the average (ema),
     or the weights and, in the subfolder ema/, the average (both)."""
@@ -290,7 +292,7 @@ def write_model(
     env: Env[PipelineSpec],
     pipeline: PipelineBase,
     cut_model: CutModel,
-    evaluation: dict[str, Any] | None,
+    evaluation: Evaluation | None,
     out: str,
 ) -> None:
     """Every stage's state (replica 0's) and the state no stage holds under the model's own

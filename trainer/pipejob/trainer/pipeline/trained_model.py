@@ -15,6 +15,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from pipejob.core.kinds.pipeline import PipelineSpec
+from pipejob.trainer.pipeline.run_json import Evaluation, JsonObject, ModelInfo
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.pipeline.stage_calls import StageRef, remote_stage
 from pipejob.trainer.runtime import checkpoint, model_files
@@ -29,8 +30,8 @@ SINGLE_FILE_BYTES = 256 * 2**20
 
 
 def info(
-    kind: str, job: str, spec: PipelineSpec, steps: int, evaluation: dict[str, Any] | None
-) -> dict[str, Any]:
+    kind: str, job: str, spec: PipelineSpec, steps: int, evaluation: Evaluation | None
+) -> ModelInfo:
     """What model.json says of the model file (a checkpoint's manifest keeps it too)."""
     return {
         "kind": kind,
@@ -48,8 +49,8 @@ def write(
     format: str,
     stages: list[dict[str, torch.Tensor]],
     rest: dict[str, torch.Tensor],
-    about: dict[str, Any],
-    config: dict[str, Any] | None = None,
+    about: ModelInfo,
+    config: JsonObject | None = None,
     metadata: model_files.Metadata | None = None,
 ) -> list[Path]:
     """The stages' states and the rest as one model file in `out` (with the modules'
@@ -68,8 +69,8 @@ def write_live(
     format: str,
     stages: list[StageRef],
     rest: dict[str, torch.Tensor],
-    about: dict[str, Any],
-    config: dict[str, Any] | None = None,
+    about: ModelInfo,
+    config: JsonObject | None = None,
     single_file_bytes: int | None = None,
     metadata: model_files.Metadata | None = None,
 ) -> list[Path]:
@@ -108,8 +109,8 @@ def finish(
     out: str | Path,
     format: str,
     shards: list[dict[str, Any]],
-    about: dict[str, Any],
-    config: dict[str, Any] | None,
+    about: ModelInfo,
+    config: JsonObject | None,
     metadata: model_files.Metadata | None = None,
 ) -> list[Path]:
     """After the shards: the index, model.json and config.json. A shard the master cannot
@@ -131,7 +132,8 @@ def finish(
     ]
 
 
-def write_config(out: str | Path, config: dict[str, Any] | None) -> list[Path]:
+def write_config(out: str | Path, config: JsonObject | None) -> list[Path]:
+    """A Hugging Face model's config.json beside its model file (none for another model)."""
     if config is None:
         return []
     path = Path(out) / "config.json"

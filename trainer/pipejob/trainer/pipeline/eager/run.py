@@ -150,6 +150,7 @@ class EagerSummary(EagerFigures, total=False):
     evaluations: list[HeldOutEvaluation]
     best: dict[str, str | float | int | None]  # spec.eval.best's metric, value and step
     stoppedEarly: str | None
+    engineChosen: str  # why engine auto chose the engine (pipeline/train.py adds it)
 
 
 @dataclass

@@ -20,7 +20,7 @@ CLASSIFICATION, LANGUAGE = "classification", "language"
 IGNORE_INDEX = -100  # cross-entropy's default ignore_index: a label the loss does not count
 
 
-class HeldOutFigures(TypedDict):
+class HeldOutResult(TypedDict):
     """A pass over the held-out set (`Tally.result`): its mean loss and samples, accuracy
     where predictions could be compared, perplexity for a language model."""
 
@@ -30,12 +30,12 @@ class HeldOutFigures(TypedDict):
     perplexity: NotRequired[float]
 
 
-class HeldOutEvaluation(HeldOutFigures):
+class HeldOutEvaluation(HeldOutResult):
     """An evaluation after `step` as the summary, model.json and the log have it: the
     weights' figures and, with spec.ema, the average's under "ema"."""
 
     step: int
-    ema: NotRequired[HeldOutFigures]
+    ema: NotRequired[HeldOutResult]
 
 
 def logits(outputs: Any) -> torch.Tensor | None:
@@ -115,11 +115,11 @@ class Tally:
             self.correct += int(((scores.argmax(-1) == labels) & counted).sum())
             self.scored += int(counted.sum())
 
-    def result(self) -> HeldOutFigures:
+    def result(self) -> HeldOutResult:
         """loss, accuracy where predictions could be compared, perplexity (language),
         samples."""
         mean = self.loss / max(self.count, 1)
-        figures = HeldOutFigures(loss=round(mean, 6), samples=self.samples)
+        figures = HeldOutResult(loss=round(mean, 6), samples=self.samples)
         if self.scored:
             figures["accuracy"] = round(self.correct / self.scored, 6)
         if self.task == LANGUAGE:
@@ -135,7 +135,7 @@ def _counted(labels: Any) -> torch.Tensor | None:
     return labels != IGNORE_INDEX
 
 
-def describe(figures: HeldOutFigures) -> str:
+def describe(figures: HeldOutResult) -> str:
     """The figures besides the loss as a log line says them: "perplexity 12.345, accuracy
     41.20%" (a language model), "accuracy 93.75%", or "" when none could be computed."""
     shown = []

@@ -439,3 +439,14 @@ def assert_states_close(got: dict[str, Any], expected: dict[str, Any]) -> None:
                     torch.testing.assert_close(
                         got[name]["optimizers"][owner][param][key], value, rtol=1e-4, atol=1e-6
                     )
+
+
+def assert_fits(value: dict[str, Any], shape: type) -> None:
+    """`value` (JSON a run wrote or sent) has every key its TypedDict `shape` requires and
+    none it does not declare: the type is the format."""
+    keys = set(value)
+    missing = shape.__required_keys__ - keys
+    declared = shape.__required_keys__ | shape.__optional_keys__
+    assert not missing and keys <= declared, (
+        f"{shape.__name__}: missing {sorted(missing)}, undeclared {sorted(keys - declared)}"
+    )

@@ -3,6 +3,7 @@ and resume (real processes on loopback)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -12,10 +13,17 @@ from typing import Any
 import pytest
 import torch
 
-from jobrun import JobRun, assert_states_close, by_parameter, final_state, pipeline_job
+from jobrun import (
+    JobRun,
+    assert_fits,
+    assert_states_close,
+    by_parameter,
+    final_state,
+    pipeline_job,
+)
 from pipejob.core.common_spec import Optimizer, from_spec
 from pipejob.core.spec import parse
-from pipejob.trainer.runtime import checkpoint
+from pipejob.trainer.runtime import checkpoint, checkpoint_format
 from pipejob.trainer.runtime.optim import Functional
 
 # ------------------------------------------------------------------ files and manifests
@@ -83,6 +91,29 @@ def test_an_interrupted_checkpoint_is_never_used(tmp_path: Path) -> None:
     ]
     with pytest.raises(checkpoint.CheckpointError, match="truncated"):
         checkpoint.load_part(checkpoint.step_dir(tmp_path, 8), found.entry("stage0.pt"))
+
+
+def test_a_manifest_is_its_typed_format_with_the_head_first(tmp_path: Path) -> None:
+    """manifest.json as checkpoint_format declares it: the head, the files as listed (a
+    module file's names go to the index, not its entry), then the kind's fields."""
+    module = torch.nn.Linear(2, 2)
+    directory = checkpoint.step_dir(tmp_path, 3)
+    files = [
+        checkpoint.save_part(directory, "master.pt", {"rng": checkpoint.rng_state()}),
+        checkpoint.save_module(directory, "stage0.pt", module, {}),
+    ]
+    assert_fits(files[1], checkpoint_format.FileEntry)
+    assert files[1]["holds"] == ["weight", "bias"]
+    checkpoint.write_manifest(tmp_path, 3, files, kind="PipelineJob", job="unit", stageCount=1)
+    written = json.loads((directory / checkpoint.MANIFEST).read_text())
+    head = ["format", "step", "time", "files", "index"]
+    assert list(written) == [*head, "kind", "job", "stageCount"]
+    assert_fits(written, checkpoint_format.Manifest)
+    assert [list(f) for f in written["files"]] == [["name", "bytes", "sha256"]] * 2
+    assert written["index"] == {"weight": "stage0.pt", "bias": "stage0.pt"}
+    found = checkpoint.latest(tmp_path)
+    assert found is not None and found.manifest == written
+    assert_fits(found.load("stage0.pt")["rng"], checkpoint_format.RngState)
 
 
 def test_no_checkpoint_yet(tmp_path: Path) -> None:
@@ -207,6 +238,7 @@ def test_a_pipeline_world_killed_after_a_step_resumes_and_matches(tmp_path: Path
         k = max(int(s) for s in re.findall(r"^master\s*\| step (\d+)/8 ", run.output, re.M))
     newest = checkpoint.latest(tmp_path / "broken")
     assert newest is not None and newest.step <= k
+    assert_fits(newest.manifest, checkpoint_format.Manifest)  # a real master's, its fields
 
     # The same manifest again: the restarted world.
     with JobRun(broken, tmp_path, "broken") as run:

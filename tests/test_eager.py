@@ -33,7 +33,7 @@ from test_precision import assert_the_second_step_follows_float32s, fp16_batches
 from torch import nn
 from userpkg import esmlike, skip_heads, traced_cases
 
-from jobrun import JobRun, master_of, pipeline_job, run_to_end, run_world
+from jobrun import JobRun, assert_fits, master_of, pipeline_job, run_to_end, run_world
 from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import workloads
@@ -570,6 +570,7 @@ def test_a_model_the_trace_refuses_trains_on_the_eager_path_as_one_process(tmp_p
     code, output, summary = run_to_end(manifest, tmp_path, timeout=240)
     assert code == 0, output[-3000:]
     assert summary is not None and summary["path"] == "eager"
+    assert_fits(summary, eager_run.EagerSummary)  # summary.json's keys are EagerSummary's
     # engine auto, the default: the eager path's engine, said as the cut's choice is
     assert summary["engine"] == "rpc" and summary["engineChosen"] == "the eager path runs on rpc"
     assert "engine auto chose rpc: the eager path runs on rpc" in output

@@ -14,7 +14,7 @@ import pytest
 from pipejob.core import contract as c
 from pipejob.core import tuning_levers
 from pipejob.trainer.runtime import tuning
-from pipejob.trainer.runtime.tuning import Settings, decide
+from pipejob.trainer.runtime.tuning import ProcessTuning, decide
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -253,14 +253,14 @@ def test_cpu_only_pipelines_avoid_the_shared_memory_transport():
 
 
 def test_levers_that_are_off_leave_torch_defaults():
-    assert decide("PipelineJob", "stage", 0, 2, 2, set()) == Settings()
+    assert decide("PipelineJob", "stage", 0, 2, 2, set()) == ProcessTuning()
     s = decide("HybridJob", "trainer", 0, 2, 3, {"allocator"})
-    assert s == Settings(arena_max=1, mkl_from_malloc=True)
+    assert s == ProcessTuning(arena_max=1, mkl_from_malloc=True)
     # glibc's arena and thresholds only where glibc's malloc is the one running.
     s = decide("HybridJob", "trainer", 0, 2, 3, {"allocator"}, "jemalloc")
-    assert s == Settings(mkl_from_malloc=True)
+    assert s == ProcessTuning(mkl_from_malloc=True)
     s = decide("HybridJob", "ps", 0, 4, 3, {"threads"})
-    assert s == Settings(threads=2, passive_wait=True)
+    assert s == ProcessTuning(threads=2, passive_wait=True)
 
 
 def test_rpc_backend_kwargs_follow_the_transport_lever():
@@ -279,22 +279,22 @@ def test_rpc_backend_kwargs_follow_the_transport_lever():
 
 def test_apply_sets_thread_variables_unless_the_user_did():
     environ: dict[str, str] = {}
-    applied = tuning.apply(Settings(threads=3, passive_wait=True), environ)
+    applied = tuning.apply(ProcessTuning(threads=3, passive_wait=True), environ)
     assert environ == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3", "OMP_WAIT_POLICY": "PASSIVE"}
     assert applied.threads == 3 and applied.passive_wait
     environ = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert not tuning.apply(Settings(passive_wait=True), environ).passive_wait
+    assert not tuning.apply(ProcessTuning(passive_wait=True), environ).passive_wait
     assert environ == {"OMP_WAIT_POLICY": "ACTIVE"}
     environ = {"OMP_NUM_THREADS": "7"}
-    applied = tuning.apply(Settings(threads=3), environ)
+    applied = tuning.apply(ProcessTuning(threads=3), environ)
     assert environ == {"OMP_NUM_THREADS": "7"} and applied.threads is None
     environ = {"MALLOC_ARENA_MAX": "4"}
-    assert tuning.apply(Settings(arena_max=1), environ).arena_max is None
+    assert tuning.apply(ProcessTuning(arena_max=1), environ).arena_max is None
     environ = {}
-    assert tuning.apply(Settings(mkl_from_malloc=True), environ).mkl_from_malloc
+    assert tuning.apply(ProcessTuning(mkl_from_malloc=True), environ).mkl_from_malloc
     assert environ == {"MKL_DISABLE_FAST_MM": "1"}  # MKL's buffers from the malloc
     environ = {"MKL_DISABLE_FAST_MM": "0"}
-    assert not tuning.apply(Settings(mkl_from_malloc=True), environ).mkl_from_malloc
+    assert not tuning.apply(ProcessTuning(mkl_from_malloc=True), environ).mkl_from_malloc
     assert environ == {"MKL_DISABLE_FAST_MM": "0"}
 
 
@@ -304,7 +304,7 @@ def test_settings_reach_torch_when_applied_before_it_loads():
     code = """
 import json, sys, threading
 from pipejob.trainer.runtime import tuning
-applied = tuning.apply(tuning.Settings(threads=1, arena_max=1))
+applied = tuning.apply(tuning.ProcessTuning(threads=1, arena_max=1))
 import torch
 seen = {}
 def look():
@@ -332,7 +332,7 @@ print(json.dumps({"main": torch.get_num_threads(), **seen, "arena": applied.aren
 MKL_THREADS = """
 import ctypes, sys, threading
 from pipejob.trainer.runtime import tuning
-tuning.apply(tuning.Settings(threads=1, mkl_from_malloc=sys.argv[1] == "on"))
+tuning.apply(tuning.ProcessTuning(threads=1, mkl_from_malloc=sys.argv[1] == "on"))
 import torch
 def in_use():
     value = ctypes.c_size_t()
@@ -381,16 +381,16 @@ def test_mkl_takes_its_buffers_from_the_malloc_with_the_allocator_lever():
 
 
 def test_describe_names_what_is_set():
-    assert tuning.Settings().describe() == "torch's defaults"
-    text = Settings(1, True, 1, True, ["uv"], ["basic"], "glibc").describe()
+    assert tuning.ProcessTuning().describe() == "torch's defaults"
+    text = ProcessTuning(1, True, 1, True, ["uv"], ["basic"], "glibc").describe()
     assert text == (
         "1 intra-op thread(s), passive OpenMP waits, malloc glibc with 1 arena(s) keeping"
         " freed memory, MKL buffers from the malloc, TensorPipe uv/basic"
     )
     missing = "tcmalloc is not installed here (Debian's libtcmalloc-minimal4)"
-    text = Settings(arena_max=1, malloc="glibc", missing=missing).describe()
+    text = ProcessTuning(arena_max=1, malloc="glibc", missing=missing).describe()
     assert text == f"malloc glibc with 1 arena(s) keeping freed memory: {missing}"
-    assert Settings(malloc="jemalloc (libjemalloc.so.2)").describe() == (
+    assert ProcessTuning(malloc="jemalloc (libjemalloc.so.2)").describe() == (
         "malloc jemalloc (libjemalloc.so.2)"
     )
 

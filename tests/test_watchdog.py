@@ -19,7 +19,7 @@ import pytest
 
 from harness.standin import StandInMaster
 from harness.variants import exhaustive
-from jobrun import JobRun, pipeline_job
+from jobrun import JobRun, assert_fits, pipeline_job
 from pipejob.core import contract as c
 from pipejob.core.common_spec import Watchdog
 from pipejob.core.plan import plan_world
@@ -63,6 +63,7 @@ def test_the_master_names_a_member_silent_for_longer_than_the_bound():
     board.step(34, loss=1.0, seconds=0.1, samples=8)
     reply = members.heartbeat({"member": "stage1", "pod": "w-stage-1", "pid": 7})
     assert reply["phase"] == "training" and reply["step"] == 34 and reply["seconds"] == 5.0
+    assert_fits(reply, watchdog.HeartbeatReply)  # what the member reads, as JSON
     members.heartbeat({"member": "stage0", "pid": 8})
     members.heartbeat({"member": "nobody", "pid": 9})  # not of this world: ignored
     assert set(members.seen) == {"stage0", "stage1"}

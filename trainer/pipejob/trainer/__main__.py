@@ -107,7 +107,7 @@ def main() -> int:
         return fail(env, trace, reason, ExitCode.TRAINING_FAILED)
     monitor.board().phase("finished")
     if env.rank == 0:  # the final report, for an operator whose last poll came before the end
-        final = {k: v for k, v in monitor.board().progress().items() if k != "preflight"}
+        final = {k: v for k, v in monitor.board().progress().to_json().items() if k != "preflight"}
         if len(json.dumps(final)) > 3900:  # a big world's peaks: the message keeps 4000 bytes
             final.pop("memory")
         write_termination_message(json.dumps(final))

@@ -12,16 +12,23 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol, Unpack
 
 import torch
 from torch import nn
 
 from pipejob.core.common_spec import CommonSpec
 from pipejob.trainer.runtime import world
+from pipejob.trainer.runtime.checkpoint_format import (
+    FileEntry,
+    ListedFile,
+    Manifest,
+    ManifestFields,
+    RngState,
+)
 from pipejob.trainer.runtime.failures import CheckpointError
 from pipejob.trainer.runtime.world import Env
 
@@ -31,6 +38,16 @@ KEEP = 2  # complete checkpoints kept; older step directories are removed
 # What torch's state_dict() gives and load_state_dict() takes (a module's, an optimizer's, the
 # random generators'): torch's own untyped shape, the trainer's one boundary of that kind.
 TorchState = dict[str, Any]
+# An optimizer's state by the model's names of its parameters (optimizer_state's).
+StateByName = dict[str, dict[str, torch.Tensor]]
+
+
+class OptimizerLike(Protocol):
+    """What a checkpoint reads and fills of an optimizer: torch.optim's, `optim.Functional`
+    or `ema.Average` (shaped as one): its groups' parameters and its state by parameter."""
+
+    param_groups: list[TorchState]  # torch's param_group dicts (ours: optim.ParamGroup)
+    state: MutableMapping[torch.Tensor, TorchState]  # torch's: a parameter's state by key
 
 
 def due(spec: CommonSpec, step: int) -> bool:
@@ -48,9 +65,9 @@ def latest_for(env: Env) -> Checkpoint | None:
     return latest(env.spec.checkpoint.path, lambda message: world.log(env, message))
 
 
-def fits(found: Checkpoint, env: Env, **expected: Any) -> None:
+def fits(found: Checkpoint, env: Env, **expected: Unpack[ManifestFields]) -> None:
     """Refuse a checkpoint of another kind of job or model."""
-    wanted = {"kind": env.kind, **expected}
+    wanted: dict[str, object] = {"kind": env.kind, **expected}
     differs = {k: found.manifest.get(k) for k, v in wanted.items() if found.manifest.get(k) != v}
     if differs:
         have = ", ".join(f"{k} {v}" for k, v in differs.items())
@@ -111,7 +128,7 @@ class _Hashing:
         self.file = file
         return self
 
-    def write(self, data: Any) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data)
         self.digest.update(view)
         self.bytes += view.nbytes
@@ -121,7 +138,7 @@ class _Hashing:
         self.file.flush()
 
 
-def save_part(directory: str | Path, name: str, state: Any) -> dict[str, Any]:
+def save_part(directory: str | Path, name: str, state: object) -> FileEntry:
     """torch.save `state` as `directory/name`, atomically, straight into the file; its
     manifest entry."""
     written = _Hashing()
@@ -138,7 +155,7 @@ def _sha256(path: Path) -> str:
 
 
 def load_part(
-    directory: str | Path, entry: dict[str, Any], mmap: bool = False, checksum: bool = True
+    directory: str | Path, entry: ListedFile, mmap: bool = False, checksum: bool = True
 ) -> Any:
     """torch.load a part after checking it is exactly what the manifest says (its size, and
     its SHA-256 unless the caller knows it was checked); with `mmap`, its tensors stay in the
@@ -150,7 +167,7 @@ def load_part(
     return torch.load(path, weights_only=False, mmap=mmap)
 
 
-def _mismatch(path: Path, entry: dict[str, Any], checksum: bool = True) -> str | None:
+def _mismatch(path: Path, entry: ListedFile, checksum: bool = True) -> str | None:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -165,7 +182,9 @@ def _mismatch(path: Path, entry: dict[str, Any], checksum: bool = True) -> str |
 # ---------------------------------------------------------------------------- manifests
 
 
-def write_manifest(root: str | Path, step: int, files: list[dict[str, Any]], **meta: Any) -> Path:
+def write_manifest(
+    root: str | Path, step: int, files: list[FileEntry], **meta: Unpack[ManifestFields]
+) -> Path:
     """Complete the checkpoint of `step`: every file must be there, as its writer said.
 
     The files were written by other processes; checking their sizes here also catches a
@@ -183,20 +202,22 @@ def write_manifest(root: str | Path, step: int, files: list[dict[str, Any]], **m
     for entry in files:
         for name in entry.get("holds", ()):
             index.setdefault(name, entry["name"])
-    files = [{k: v for k, v in entry.items() if k != "holds"} for entry in files]
-    head = {"format": FORMAT, "step": step, "time": time.time()}
-    body = json.dumps({**head, "files": files, "index": index, **meta}, indent=1).encode()
+    listed = [ListedFile(name=e["name"], bytes=e["bytes"], sha256=e["sha256"]) for e in files]
+    manifest = Manifest(format=FORMAT, step=step, time=time.time(), files=listed, index=index)
+    body = json.dumps({**manifest, **meta}, indent=1).encode()
     write_atomic(directory / MANIFEST, lambda f: f.write(body))
     return directory
 
 
 @dataclass(frozen=True)
 class Checkpoint:
+    """A complete checkpoint: its step, its directory and its manifest as read."""
+
     step: int
     directory: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
 
-    def entry(self, name: str) -> dict[str, Any]:
+    def entry(self, name: str) -> ListedFile:
         for entry in self.manifest["files"]:
             if entry["name"] == name:
                 return entry
@@ -254,23 +275,21 @@ def prune(root: str | Path, keep: int = KEEP) -> None:
 # ---------------------------------------------------------------------------- state
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+def rng_state() -> RngState:
+    state = RngState(torch=torch.get_rng_state(), python=random.getstate())
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: RngState) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def optimizer_state(
-    optim: Any, module: nn.Module, copy: bool = True
-) -> dict[str, dict[str, torch.Tensor]]:
+def optimizer_state(optim: OptimizerLike, module: nn.Module, copy: bool = True) -> StateByName:
     """The state of a torch.optim optimizer (or an `optim.Functional` one) by name of
     `module`'s parameters, on the CPU: a copy, or (`copy` False, for a caller that writes it
     at once) the live tensors where they are on the CPU already."""
@@ -283,9 +302,7 @@ def optimizer_state(
     }
 
 
-def load_optimizer_state(
-    optim: Any, module: nn.Module, saved: dict[str, dict[str, torch.Tensor]]
-) -> None:
+def load_optimizer_state(optim: OptimizerLike, module: nn.Module, saved: StateByName) -> None:
     """Give a fresh optimizer the state `optimizer_state` saved."""
     params = dict(module.named_parameters())
     unknown = sorted(set(saved) - set(params))
@@ -303,19 +320,24 @@ def load_optimizer_state(
     )
 
 
-def _to(value: Any, device: torch.device, copy: bool = False) -> Any:
+def _to(value: object, device: torch.device, copy: bool = False) -> object:
     """A tensor on `device` (a copy if asked); other values as they are."""
     return value.detach().to(device, copy=copy) if isinstance(value, torch.Tensor) else value
 
 
 def save_module(
-    directory: str | Path, name: str, module: nn.Module, optimizers: dict[str, Any], **extra: Any
-) -> dict[str, Any]:
+    directory: str | Path,
+    name: str,
+    module: nn.Module,
+    optimizers: Mapping[str, OptimizerLike],
+    **extra: object,
+) -> FileEntry:
     """Save a module's weights and buffers under its own names, its optimizers' state
     (keyed, e.g. by the trainer that created each) and this process's RNG state; the
     manifest entry, which says the names the file holds (write_manifest indexes them)."""
+    model = {k: v.detach().cpu() for k, v in module.state_dict().items()}
     state = {
-        "model": {k: v.detach().cpu() for k, v in module.state_dict().items()},
+        "model": model,
         "optimizers": {
             key: optimizer_state(o, module, copy=False)  # written at once
             for key, o in optimizers.items()
@@ -323,4 +345,6 @@ def save_module(
         "rng": rng_state(),
         **extra,
     }
-    return save_part(directory, name, state) | {"holds": list(state["model"])}
+    entry = save_part(directory, name, state)
+    entry["holds"] = list(model)
+    return entry

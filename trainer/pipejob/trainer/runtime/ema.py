@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -22,7 +21,7 @@ class Average:
     def __init__(self, settings: Ema, params: Iterable[torch.Tensor]):
         self.settings = settings
         self.param_groups = [{"params": list(params)}]
-        self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        self.state: defaultdict[torch.Tensor, dict[str, torch.Tensor]] = defaultdict(dict)
         for p in self.param_groups[0]["params"]:
             self.state[p] = {
                 "ema": p.detach().clone(),

@@ -11,16 +11,44 @@ import os
 import re
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
+
+from pipejob.trainer.runtime.json_values import JsonObject
 
 SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
 INFO = "model.json"
 # Where a safetensors header and an index keep the state dict's `_metadata`.
 METADATA = "module_metadata"
 Metadata = dict[str, dict[str, Any]]  # per module's name ("" the model), e.g. {"version": 2}
+
+
+class ModelInfoBase(TypedDict):
+    """What model.json says of the model beside its format and files: the keys every kind
+    writes (each kind adds its own: pipeline/trained_model.py, hybrid/model_writer.py)."""
+
+    kind: str
+    job: str
+    model: JsonObject  # the spec's model section(s), as the spec writes them
+    steps: int
+
+
+class ShardWritten(TypedDict):
+    """What `write_shard` reports of a shard for the index: its file, each name's bytes,
+    and the file's bytes."""
+
+    file: str
+    sizes: dict[str, int]
+    bytes: int
+
+
+class ShardIndex(TypedDict):
+    """A sharded model's index file, in Hugging Face's layout (`write_index`)."""
+
+    metadata: dict[str, int]  # {"total_size": bytes}
+    weight_map: dict[str, str]  # each name's file
 
 
 def module_metadata(model: nn.Module) -> Metadata:
@@ -116,7 +144,7 @@ def sort_metadata(path: Path) -> None:
 
 def write_shard(
     directory: str | Path, filename: str, state: dict[str, torch.Tensor], format: str
-) -> dict[str, Any]:
+) -> ShardWritten:
     """One shard of a sharded model, written by whichever process holds `state`; what the
     index needs of it: the file's name, each name's bytes, and the file's bytes (which the
     master checks, as it sees the file)."""
@@ -128,7 +156,7 @@ def write_shard(
     return {"file": filename, "sizes": sizes, "bytes": path.stat().st_size}
 
 
-def write_info(directory: Path, info: dict[str, Any], format: str, files: dict[str, str]) -> Path:
+def write_info(directory: Path, info: ModelInfoBase, format: str, files: dict[str, str]) -> Path:
     """model.json: `info`, the format and the files (by stem), written last."""
     path = directory / INFO
     path.write_text(
@@ -140,7 +168,7 @@ def write_info(directory: Path, info: dict[str, Any], format: str, files: dict[s
 def write(
     directory: str | Path,
     files: dict[str, dict[str, torch.Tensor]],
-    info: dict[str, Any],
+    info: ModelInfoBase,
     format: str = "safetensors",
     metadata: Metadata | None = None,
 ) -> list[Path]:
@@ -163,8 +191,8 @@ def write(
 
 def write_index(
     directory: str | Path,
-    shards: list[dict[str, Any]],
-    info: dict[str, Any],
+    shards: list[ShardWritten],
+    info: ModelInfoBase,
     format: str = "safetensors",
     stem: str = "model",
     metadata: Metadata | None = None,
@@ -183,13 +211,10 @@ def write_index(
                 weight_map[name] = shard["file"]
                 total += size
     index = directory / index_name(format, stem)
-    body: dict[str, Any] = {
-        "metadata": {"total_size": total},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-    if metadata is not None:  # beside Hugging Face's keys, which its readers keep to
-        body[METADATA] = metadata
-    index.write_text(json.dumps(body, indent=2) + "\n")
+    body = ShardIndex(metadata={"total_size": total}, weight_map=dict(sorted(weight_map.items())))
+    # The modules' metadata beside Hugging Face's keys, which its readers keep to.
+    extra = {} if metadata is None else {METADATA: metadata}
+    index.write_text(json.dumps({**body, **extra}, indent=2) + "\n")
     names = [s["file"] for s in shards]
     remove_stale(directory, [*names, index.name], stem)
     files = {Path(n).name.removesuffix(SUFFIX[format]): n for n in names} | {"index": index.name}

@@ -14,11 +14,14 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from pipejob.core.contract import HEARTBEAT_PATH, PHASES, PreflightResult, Progress
+
+if TYPE_CHECKING:
+    from pipejob.trainer.runtime.watchdog import HeartbeatReply
 
 
 class Board:
@@ -63,11 +66,12 @@ class Board:
         self._evals: dict[str, Gauge] = {}
         self.longest_step = 0.0  # wall seconds of the slowest step so far (the watchdog's)
         # Answers a member's heartbeat (runtime/watchdog.py sets it on the master).
-        self.on_heartbeat: Callable[[Any], dict[str, Any]] | None = None
+        self.on_heartbeat: Callable[[object], HeartbeatReply] | None = None
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> Progress:
+        """The master's report as it is now (/progress serves it as JSON)."""
         with self._lock:
-            return self._progress.to_json()
+            return self._progress
 
     def phase(self, phase: str, message: str | None = None) -> None:
         if phase not in PHASES:
@@ -202,7 +206,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # the http.server API
         path = self.path.split("?", 1)[0]
         if path == "/progress":
-            self._send(200, "application/json", json.dumps(self.board.progress()).encode())
+            self._send(
+                200, "application/json", json.dumps(self.board.progress().to_json()).encode()
+            )
         elif path == "/metrics":
             self._send(200, CONTENT_TYPE_LATEST, self.board.metrics())
         else:
@@ -228,14 +234,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:
+    def log_message(self, format: str, *args: object) -> None:
         pass  # a poll every few seconds is not news
 
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
+    def handle_error(self, request: object, client_address: object) -> None:
         """A client that hung up before its answer (a member's heartbeat timing out on a busy
         node) is no error of the server's; anything else still prints its traceback."""
         if not isinstance(sys.exc_info()[1], ConnectionError):

@@ -7,13 +7,16 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim import adam, adamw, rmsprop, sgd
 
 from pipejob.core.optimizer import Optimizer
-from pipejob.trainer.runtime.param_groups import param_groups
+from pipejob.trainer.runtime.param_groups import OptimizerArgs, ParamGroup, param_groups
+
+if TYPE_CHECKING:
+    from pipejob.trainer.runtime.checkpoint import OptimizerLike
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -28,9 +31,9 @@ WITH_BETAS = ("adam", "adamw")
 CLIP_EPS = 1e-6
 
 
-def optimizer_args(opt: Optimizer) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+def optimizer_args(opt: Optimizer) -> tuple[type[torch.optim.Optimizer], OptimizerArgs]:
     """The torch.optim class and keyword arguments for an `optimizer` section."""
-    kwargs: dict[str, Any] = {"lr": opt.lr, "weight_decay": opt.weight_decay}
+    kwargs = OptimizerArgs(lr=opt.lr, weight_decay=opt.weight_decay)
     if opt.name in WITH_MOMENTUM:
         kwargs["momentum"] = opt.momentum
     if opt.name in WITH_BETAS:
@@ -89,7 +92,7 @@ class Functional:
         self.name = opt.name
         _, kwargs = optimizer_args(opt)
         self.param_groups = param_groups(opt, named, kwargs)
-        self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        self.state: defaultdict[torch.Tensor, dict[str, torch.Tensor]] = defaultdict(dict)
 
     def step(self, grads: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Step every parameter with a gradient: its `grads` entry (the rpc engine's, from
@@ -121,7 +124,10 @@ class Functional:
         return [self.state[p][key] for p in params]
 
 
-def _sgd(o: Functional, group: dict[str, Any], params: list, grads: list) -> None:
+Tensors = list[torch.Tensor]
+
+
+def _sgd(o: Functional, group: ParamGroup, params: Tensors, grads: Tensors) -> None:
     momentum = group["momentum"]
     buffers = [o.state[p].get("momentum_buffer") for p in params]
     sgd.sgd(
@@ -141,7 +147,7 @@ def _sgd(o: Functional, group: dict[str, Any], params: list, grads: list) -> Non
             o.state[p]["momentum_buffer"] = buffer
 
 
-def _adam(o: Functional, group: dict[str, Any], params: list, grads: list) -> None:
+def _adam(o: Functional, group: ParamGroup, params: Tensors, grads: Tensors) -> None:
     step = adamw.adamw if o.name == "adamw" else adam.adam
     steps = o._steps(params)
     step(
@@ -163,7 +169,7 @@ def _adam(o: Functional, group: dict[str, Any], params: list, grads: list) -> No
     )
 
 
-def _rmsprop(o: Functional, group: dict[str, Any], params: list, grads: list) -> None:
+def _rmsprop(o: Functional, group: ParamGroup, params: Tensors, grads: Tensors) -> None:
     momentum = group["momentum"]
     steps = o._steps(params)
     buffers = o._zeros(params, "momentum_buffer") if momentum > 0 else []
@@ -193,7 +199,7 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def set_lr(optim: Any, lr: float) -> None:
+def set_lr(optim: OptimizerLike, lr: float) -> None:
     """Set the learning rate of a torch.optim optimizer or a `Functional` one: `lr` times
     each group's lr_scale (spec.optimizer.groups, layerDecay)."""
     for group in optim.param_groups:

@@ -9,9 +9,12 @@ import fnmatch
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 from pipejob.core.optimizer import NO_DECAY, Group, LayerDecay, Optimizer
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT = "default"  # the group of the parameters no spec group holds
 
@@ -59,17 +62,36 @@ def place(opt: Optimizer, name: str, ndim: int) -> ParamPlacement:
     return ParamPlacement(DEFAULT, opt.weight_decay, scale)
 
 
+class OptimizerArgs(TypedDict):
+    """torch.optim's keyword arguments for spec.optimizer (optim.optimizer_args'): the
+    momentum of SGD and RMSprop, the betas of Adam and AdamW."""
+
+    lr: float
+    weight_decay: float
+    momentum: NotRequired[float]
+    betas: NotRequired[tuple[float, float]]
+
+
+class ParamGroup(OptimizerArgs):
+    """One of torch.optim's param_groups as we build them: its parameters, the optimizer's
+    arguments with the group's own weight_decay and lr, its lr_scale and its name."""
+
+    params: list[torch.Tensor]
+    lr_scale: float
+    group: str
+
+
 def param_groups(
-    opt: Optimizer, named: Iterable[tuple[str, Any]], kwargs: dict[str, Any]
-) -> list[dict[str, Any]]:
+    opt: Optimizer, named: Iterable[tuple[str, torch.Tensor]], kwargs: OptimizerArgs
+) -> list[ParamGroup]:
     """torch.optim's param_groups over `named` (name, parameter): one per placement, in the
     order their first parameter comes, each with `kwargs` (optimizer_args') but its own
     weight_decay, lr (lr times lr_scale) and lr_scale (which set_lr keeps applying)."""
-    groups: dict[ParamPlacement, dict[str, Any]] = {}
+    groups: dict[ParamPlacement, ParamGroup] = {}
     for name, p in named:
         placed = place(opt, name, p.dim())
         if placed not in groups:
-            groups[placed] = {
+            groups[placed] = {  # torch keeps a group's keys in this order
                 "params": [],
                 **kwargs,
                 "weight_decay": placed.weight_decay,
@@ -81,7 +103,7 @@ def param_groups(
     return list(groups.values())
 
 
-def counts(opt: Optimizer, named: Iterable[tuple[str, Any]]) -> dict[str, int]:
+def counts(opt: Optimizer, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
     """Per group name, how many parameter elements it holds: the summary's figure."""
     out: Counter[str] = Counter()
     for name, p in named:
@@ -89,7 +111,7 @@ def counts(opt: Optimizer, named: Iterable[tuple[str, Any]]) -> dict[str, int]:
     return dict(out)
 
 
-def check_ties(opt: Optimizer, named: Iterable[tuple[str, Any]]) -> None:
+def check_ties(opt: Optimizer, named: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Refuse groups that place one tensor's names (a tied weight's: `named` with duplicates,
     named_parameters(remove_duplicate=False)) apart: the stages holding its copies would step
     them differently, where one process steps it once, under its first name."""

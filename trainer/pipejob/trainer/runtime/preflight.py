@@ -12,7 +12,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,14 @@ class Link:
     dst: int
     latency: float  # seconds, one way (half the median round trip of a small message)
     bandwidth: float  # bytes per second, the fastest of BANDWIDTH_ROUNDS transfers
+
+
+class CheckResult(TypedDict, total=False):
+    """What a member posts of its check (JSON in the store): its problems, always, and the
+    links it measured (none where it did not finish)."""
+
+    problems: list[str]
+    links: list[dict[str, float]]  # each Link's fields
 
 
 @dataclass(frozen=True)
@@ -115,15 +123,17 @@ def _lead(
     return report
 
 
-def _results(env: Env, store: dist.TCPStore, deadline: float, timeout: float) -> dict[int, Any]:
+def _results(
+    env: Env, store: dist.TCPStore, deadline: float, timeout: float
+) -> dict[int, CheckResult]:
+    """Each rank's posted result; one that did not post in time says so as its problem."""
     missing = _await_keys(store, "result", range(env.world_size), deadline)
     results = {
         r: json.loads(store.get(f"result/{r}")) for r in range(env.world_size) if r not in missing
     }
     for r in missing:
-        results[r] = {
-            "problems": [f"{world.describe(env, r)} did not finish the check within {timeout:g}s"]
-        }
+        late = f"{world.describe(env, r)} did not finish the check within {timeout:g}s"
+        results[r] = CheckResult(problems=[late])
     return results
 
 
@@ -261,7 +271,7 @@ def _measure(env: Env, store: dist.TCPStore, deadline: float, megabytes: float) 
     finally:
         if group is not None:
             group.shutdown()
-    result = {"problems": problems, "links": [link.__dict__ for link in links]}
+    result = CheckResult(problems=problems, links=[link.__dict__ for link in links])
     store.set(f"result/{env.rank}", json.dumps(result))
 
 

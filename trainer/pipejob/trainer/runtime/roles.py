@@ -7,19 +7,34 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict, TypeVar, Unpack
 
 from pipejob.trainer.runtime import monitor, rendezvous, world
 from pipejob.trainer.runtime.world import Env
 
-Summary = dict[str, Any]
+if TYPE_CHECKING:  # checkpoint imports torch: only once a role runs
+    from pipejob.trainer.runtime.checkpoint_format import FileEntry, ManifestFields
+
+
+class SummaryBase(TypedDict):
+    """The summary fields every kind's run has (JSON, camelCase), before the kind's own
+    (pipeline/summary.py, pipeline/eager/run.py, hybrid/run_summary.py)."""
+
+    kind: str
+    job: str
+    steps: int
+    resumedFromStep: int | None  # the step the run resumed from; None for a fresh one
+
+
+S = TypeVar("S", bound=SummaryBase)  # a kind's own summary
 
 # torch logs the traceback of a failed shutdown barrier (a peer gone) and then raises it: the
 # raise is enough, said in one line by __main__. This logger logs nothing else.
 logging.getLogger("torch.distributed.rpc.api").disabled = True
 
 
-def drive(env: Env, train: Callable[[Env], Summary]) -> Summary:
+def drive(env: Env, train: Callable[[Env], S]) -> S:
     """The master's life: join the RPC world, train, then shut the world down; a failed
     world cannot finish together, so after a failure it leaves at once."""
     import torch.distributed.rpc as rpc
@@ -51,19 +66,14 @@ def serve(
     rpc.shutdown()
 
 
-def summary(env: Env, steps: int, first: int, **figures: Any) -> Summary:
+def summary(env: Env, steps: int, first: int, **figures: object) -> SummaryBase:
     """A run's summary: the fields every kind has, then the kind's own (camelCase, as JSON).
     `first` is the step the run resumed from (0 for a fresh one)."""
-    return {
-        "kind": env.kind,
-        "job": env.job,
-        "steps": steps,
-        "resumedFromStep": first or None,
-        **figures,
-    }
+    common = SummaryBase(kind=env.kind, job=env.job, steps=steps, resumedFromStep=first or None)
+    return {**common, **figures}  # the kind's own fields after the common ones
 
 
-def nothing_left(env: Env, first: int) -> Summary:
+def nothing_left(env: Env, first: int) -> SummaryBase:
     """A resumed run whose checkpoint already holds every step."""
     world.log(
         env,
@@ -74,7 +84,11 @@ def nothing_left(env: Env, first: int) -> Summary:
 
 
 def complete_checkpoint(
-    env: Env, step: int, files: list[dict[str, Any]], seconds: float, **fields: Any
+    env: Env,
+    step: int,
+    files: list[FileEntry],
+    seconds: float,
+    **fields: Unpack[ManifestFields],
 ) -> None:
     """The master's end of a checkpoint of `step` whose `files` took `seconds` so far: its
     manifest (the fields every kind's has, then the kind's own), the older steps pruned, and
@@ -89,8 +103,9 @@ def complete_checkpoint(
 
 
 def checkpoint_written(
-    env: Env, step: int, files: list[dict[str, Any]], seconds: float, directory: Any
+    env: Env, step: int, files: list[FileEntry], seconds: float, directory: str | Path
 ) -> None:
+    """The line that says the checkpoint of `step` is complete, and the board's note of it."""
     size = sum(f["bytes"] for f in files) / 1e6
     world.log(
         env,

@@ -5,14 +5,29 @@ docs/architecture.md, "Checkpoint files"."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 from torch import nn
 
-from pipejob.trainer.runtime.checkpoint import Checkpoint, load_optimizer_state, load_part
+from pipejob.trainer.runtime.checkpoint import (
+    Checkpoint,
+    OptimizerLike,
+    StateByName,
+    load_optimizer_state,
+    load_part,
+)
+from pipejob.trainer.runtime.checkpoint_format import ListedFile, RngState
 from pipejob.trainer.runtime.failures import CheckpointError
+
+
+class SavedBeside(TypedDict):
+    """What a module's file holds beside its weights and optimizer state: the RNG state of
+    the process that saved it (and the keywords its caller gave `save_module`)."""
+
+    rng: RngState
 
 
 def index_of(found: Checkpoint) -> dict[str, str]:
@@ -30,7 +45,7 @@ def index_of(found: Checkpoint) -> dict[str, str]:
     return index
 
 
-def sources(found: Checkpoint, index: dict[str, str], names: list[str]) -> list[dict[str, Any]]:
+def sources(found: Checkpoint, index: dict[str, str], names: list[str]) -> list[ListedFile]:
     """The manifest entries of the files that hold `names` (a module's state); refuses a
     module with names the checkpoint does not have (another model)."""
     if missing := [n for n in names if n not in index]:
@@ -44,10 +59,10 @@ def sources(found: Checkpoint, index: dict[str, str], names: list[str]) -> list[
 
 def load_named(
     directory: str | Path,
-    entries: list[dict[str, Any]],
+    entries: list[ListedFile],
     module: nn.Module,
-    optimizers: dict[str, Any],
-) -> list[dict[str, Any]]:
+    optimizers: Mapping[str, OptimizerLike],
+) -> list[SavedBeside]:
     """Load `module`'s state, each name from the first of the files `entries` that holds it
     (files `save_module` wrote for modules that may hold other parts of the model), and its
     optimizers' state (by key, as saved) for its parameters. One file at a time,
@@ -57,9 +72,9 @@ def load_named(
     other contents (RNG states, extras): a module cut as one of them may take its RNG."""
     targets = module.state_dict()  # the live tensors, under the module's own names
     params = {n for n, _ in module.named_parameters()}
-    saved: dict[str, dict[str, dict[str, Any]]] = {key: {} for key in optimizers}
+    saved: dict[str, StateByName] = {key: {} for key in optimizers}
     found: set[str] = set()
-    others = []
+    others: list[SavedBeside] = []
     for entry in entries:
         part = load_part(directory, entry, mmap=True, checksum=False)
         with torch.no_grad():

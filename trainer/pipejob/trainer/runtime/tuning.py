@@ -39,7 +39,9 @@ CPU_CHANNELS = ["basic"]
 
 
 @dataclass(frozen=True)
-class Settings:
+class ProcessTuning:
+    """One process's performance settings: what `decide` chose, or `apply` applied."""
+
     threads: int | None = None  # intra-op threads; None: torch's default
     passive_wait: bool = False  # OpenMP threads sleep while they wait (cores are shared)
     arena_max: int | None = None  # glibc malloc arenas; None: glibc's default
@@ -127,7 +129,7 @@ def decide(
     enabled: Collection[str],
     malloc: str = "glibc",
     spec: Mapping[str, Any] | None = None,
-) -> Settings:
+) -> ProcessTuning:
     """The settings of one process: its job kind and role, its GPUs, the CPUs it may use, how
     many compute processes share them, the malloc it runs with (running_malloc) and its
     job's spec (a role may want one thread where crowded: Role.one_thread_when_crowded)."""
@@ -147,7 +149,7 @@ def decide(
     if "allocator" in enabled and malloc == "glibc":
         arena = 1
     polling_pays = KINDS[kind].role(role).latency_bound and 1 < colocated <= cpus / 2
-    return Settings(
+    return ProcessTuning(
         threads, passive, arena, "allocator" in enabled, *transport(gpus, enabled, polling_pays)
     )
 
@@ -178,7 +180,7 @@ def available_cpus() -> float:
 
 def for_process(
     kind: str, role: str, rank: int, roles: Sequence[str], gpus: int, environ: Mapping[str, str]
-) -> Settings:
+) -> ProcessTuning:
     addresses = [a for a in environ.get(c.ADDRESSES, "").split(",") if a]
     spec = json.loads(environ.get(c.SPEC) or "{}")
     colocated = colocated_compute(kind, roles, addresses, rank, spec)
@@ -227,7 +229,7 @@ def preload_malloc() -> None:
 # ---------------------------------------------------------------------------- applying
 
 
-def apply(settings: Settings, environ: dict[str, str] | None = None) -> Settings:
+def apply(settings: ProcessTuning, environ: dict[str, str] | None = None) -> ProcessTuning:
     """Apply the settings to this process; must run before torch is imported. Variables the
     user set win. Returns what was applied."""
     environ = os.environ if environ is None else environ
@@ -325,7 +327,7 @@ def rpc_backend_kwargs(
     roles: Sequence[str],
     gpus: int,
     environ: Mapping[str, str] | None = None,
-) -> dict[str, list]:
+) -> dict[str, list[str]]:
     """TensorPipeRpcBackendOptions keyword arguments for the transport lever: this process's
     settings' transports (for_process)."""
     environ = os.environ if environ is None else environ

@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from pipejob.core import contract as c
 from pipejob.trainer.runtime import monitor, rpc_ledger
@@ -55,25 +55,49 @@ def stall(env: Env, message: str) -> None:
     os._exit(c.ExitCode.STALLED)
 
 
-def _heartbeat(env: Env) -> dict[str, Any]:
+# The call a member waits on, as a heartbeat says it: (members, what, seconds so far).
+Waits = tuple[list[str], str, float]
+
+
+class Heartbeat(TypedDict):
+    """What a member posts (JSON): who it is, where, the calls it has served and made, and
+    the oldest call of its own it waits on."""
+
+    member: str
+    pod: str | None
+    pid: int
+    ended: int
+    waits: Waits | None
+
+
+class HeartbeatReply(Heartbeat):
+    """The master's answer (JSON): its own heartbeat, where the world is, and the bound
+    it watches with."""
+
+    phase: str | None
+    step: int
+    seconds: float
+
+
+def _heartbeat(env: Env) -> Heartbeat:
     """The heartbeat this member posts: who it is, where, how many calls it has served and
     made, and the oldest call of its own it waits on (whom, for what, since how long)."""
     oldest = next(iter(rpc_ledger.LEDGER.outstanding()), None)
     waits = (
-        None if oldest is None else [list(oldest.to), oldest.what, time.monotonic() - oldest.since]
+        None if oldest is None else (list(oldest.to), oldest.what, time.monotonic() - oldest.since)
     )
-    return {
-        "member": env.rpc_name,
-        "pod": os.environ.get(c.POD_NAME) or None,
-        "pid": os.getpid(),
-        "ended": rpc_ledger.LEDGER.ended(),
-        "waits": waits,
-    }
+    return Heartbeat(
+        member=env.rpc_name,
+        pod=os.environ.get(c.POD_NAME) or None,
+        pid=os.getpid(),
+        ended=rpc_ledger.LEDGER.ended(),
+        waits=waits,
+    )
 
 
-def _waits(report: dict[str, Any]) -> tuple[tuple[str, ...], str, float] | None:
-    """The call a member's heartbeat says it waits on, as (members, what, seconds), or None."""
-    waits = report.get("waits")
+def _waits(waits: object) -> tuple[tuple[str, ...], str, float] | None:
+    """The call a member's heartbeat says it waits on (its `waits`, as received), as
+    (members, what, seconds), or None."""
     if not (isinstance(waits, list) and len(waits) == 3):
         return None
     to, what, seconds = waits
@@ -89,7 +113,7 @@ class Seen:
     at: float
     pod: str | None
     pid: int | None
-    phase: str
+    phase: str | None
     step: int
     ended: int = 0  # the calls it had served (and made) by then
     waits: tuple[tuple[str, ...], str, float] | None = None  # the call it waited on (`_waits`)
@@ -108,12 +132,13 @@ class Members:
         # its heartbeats already started) or, without a preflight, training began.
         self.formed: float | None = None
         # The world's progress as last seen, and when it last moved (`stuck`).
-        self.marker: tuple[Any, ...] | None = None
+        self.marker: tuple[str | None, int, int | None, int, int] | None = None
         self.moved = time.monotonic()
 
-    def heartbeat(self, report: Any) -> dict[str, Any]:
-        """One member's heartbeat (the monitor's HTTP thread calls this); the reply tells the
-        member where the master is and the bound it watches with."""
+    def heartbeat(self, report: object) -> HeartbeatReply:
+        """One member's heartbeat, as received (the monitor's HTTP thread calls this: a
+        `Heartbeat` unless something else posted); the reply tells the member where the
+        master is and the bound it watches with."""
         progress = self.board.progress()
         name = report.get("member") if isinstance(report, dict) else None
         if name in self.env.world[1:]:
@@ -122,27 +147,27 @@ class Members:
                 time.monotonic(),
                 pod if isinstance(pod, str) else None,
                 pid if isinstance(pid, int) else None,
-                progress["phase"],
-                progress["step"],
+                progress.phase,
+                progress.step,
                 ended if isinstance(ended, int) else 0,
-                _waits(report),
+                _waits(report.get("waits")),
             )
             with self.lock:
                 self.seen[name] = seen
-        return {
+        return HeartbeatReply(
             **_heartbeat(self.env),
-            "phase": progress["phase"],
-            "step": progress["step"],
-            "seconds": bound(self.env, self.board),
-        }
+            phase=progress.phase,
+            step=progress.step,
+            seconds=bound(self.env, self.board),
+        )
 
     def silent(self, now: float) -> str | None:
         """What is wrong if a member has been silent for longer than the bound, else None.
         A member never heard from is waited for by the rendezvous until `formed`."""
         limit = bound(self.env, self.board)
         progress = self.board.progress()
-        passed = (progress.get("preflight") or {}).get("ok")
-        if self.formed is None and (passed or progress["phase"] == "training"):
+        passed = progress.preflight is not None and progress.preflight.ok
+        if self.formed is None and (passed or progress.phase == "training"):
             self.formed = now
         with self.lock:
             for name in self.env.world[1:]:
@@ -177,15 +202,15 @@ class Members:
             served = sum(seen.ended for seen in self.seen.values())
             quiet = any(now - seen.at > limit / 2 for seen in self.seen.values())
         marker = (
-            progress["phase"],
-            progress["step"],
-            progress.get("evalStep"),
+            progress.phase,
+            progress.step,
+            progress.evalStep,
             self.ledger.ended(),
             served,
         )
         # Only training is judged: building and measuring a big model's stages, before it,
         # are single calls that may rightly run longer than the bound.
-        training = progress["phase"] == "training"
+        training = progress.phase == "training"
         if marker != self.marker or not waiting or self.formed is None or not training:
             self.marker, self.moved = marker, now
             return None
@@ -196,8 +221,8 @@ class Members:
         others = dict.fromkeys(m for call in waiting[1:] for m in call.to if m not in first.to)
         also = f"; also on {', '.join(map(self.named, others))}" if others else ""
         return (
-            f"no progress for {idle:.0f} s in {progress['phase']} at step"
-            f" {progress['step']}: waiting on {', '.join(self.named(m) for m in first.to)}"
+            f"no progress for {idle:.0f} s in {progress.phase} at step"
+            f" {progress.step}: waiting on {', '.join(self.named(m) for m in first.to)}"
             f" for {first.what} (called {now - first.since:.0f} s ago)"
             f"{self.passed_on(first.to)}{also}"
         )
@@ -220,7 +245,7 @@ class Members:
 
     def watch(self) -> None:
         looked = time.monotonic()
-        while self.board.progress()["phase"] not in _OVER:
+        while self.board.progress().phase not in _OVER:
             every = interval(bound(self.env, self.board))
             time.sleep(every)
             now = time.monotonic()
@@ -228,11 +253,12 @@ class Members:
             # overloaded node): the heartbeats queued meanwhile get a turn before any verdict.
             starved, looked = now - looked > 3 * every, now
             message = None if starved else self.silent(now) or self.stuck(now)
-            if message is not None and self.board.progress()["phase"] not in _OVER:
+            if message is not None and self.board.progress().phase not in _OVER:
                 stall(self.env, message)
 
 
-def _post(url: str, body: bytes, timeout: float) -> dict[str, Any]:
+def _post(url: str, body: bytes, timeout: float) -> HeartbeatReply:
+    """Post a heartbeat; the master's reply, a JSON object (its fields read with care)."""
     # No proxy: the master is in the same network, whatever HTTP_PROXY the image sets.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
@@ -254,7 +280,7 @@ def beat(env: Env) -> None:
     rendezvous waits for it with its own deadline."""
     url = f"http://{env.master_addr}:{env.monitor_port}{c.HEARTBEAT_PATH}"
     seconds = float(env.spec.watchdog.seconds if env.spec.watchdog else c.WATCHDOG_FLOOR)
-    heard: tuple[float, dict[str, Any]] | None = None
+    heard: tuple[float, HeartbeatReply] | None = None
     unanswered: float | None = None  # never heard: since when heartbeats went unanswered
     looked = time.monotonic()
     while True:

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypedDict, TypeVar
 
 from pipejob.core import contract as c
 from pipejob.core import master_first
@@ -125,7 +125,7 @@ def _groups(text: str) -> dict[str, tuple[int, ...]]:
         raise ContractError(f"{c.GROUPS}={text!r} is not name=rank,...;...") from None
 
 
-def read_env(environ: dict[str, str] | None = None) -> Env[Any]:
+def read_env(environ: dict[str, str] | None = None) -> Env[CommonSpec]:
     """This process's env, read from `environ` (the process's own by default) and checked."""
     environ = dict(os.environ if environ is None else environ)
     kind = _get(environ, c.KIND)
@@ -164,21 +164,32 @@ def read_env(environ: dict[str, str] | None = None) -> Env[Any]:
     return env
 
 
-def _ddp(environ: dict[str, str]) -> dict[str, Any]:
+class DdpFields(TypedDict, total=False):
+    """`Env`'s collective-group fields, where the plan seated the process in a group."""
+
+    ddp_group: str
+    ddp_addr: str
+    ddp_port: int
+    ddp_rank: int
+    ddp_world_size: int
+    ddp_backend: str
+
+
+def _ddp(environ: dict[str, str]) -> DdpFields:
     """The collective group's fields, where the plan seated this process in one."""
     if not environ.get(c.DDP_GROUP):
         return {}
-    return {
-        "ddp_group": _get(environ, c.DDP_GROUP),
-        "ddp_addr": _get(environ, c.DDP_ADDR),
-        "ddp_port": _int(environ, c.DDP_PORT),
-        "ddp_rank": _int(environ, c.DDP_RANK),
-        "ddp_world_size": _int(environ, c.DDP_WORLD_SIZE),
-        "ddp_backend": _get(environ, c.DDP_BACKEND),
-    }
+    return DdpFields(
+        ddp_group=_get(environ, c.DDP_GROUP),
+        ddp_addr=_get(environ, c.DDP_ADDR),
+        ddp_port=_int(environ, c.DDP_PORT),
+        ddp_rank=_int(environ, c.DDP_RANK),
+        ddp_world_size=_int(environ, c.DDP_WORLD_SIZE),
+        ddp_backend=_get(environ, c.DDP_BACKEND),
+    )
 
 
-def _check_world(env: Env[Any]) -> None:
+def _check_world(env: Env[CommonSpec]) -> None:
     """The world's names, roles and addresses agree with this process's rank and size."""
     if (
         len(env.world) != env.world_size
@@ -198,7 +209,7 @@ def _check_world(env: Env[Any]) -> None:
 
 
 @functools.cache
-def current() -> Env[Any]:
+def current() -> Env[CommonSpec]:
     """This process's env, read once: for the functions other processes call over RPC."""
     return read_env()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -108,6 +108,19 @@ def _shutdown(iterator: Any) -> None:
 # ---------------------------------------------------------------------------- the training feed
 
 
+class FeedState(TypedDict, total=False):
+    """A feed's position as a checkpoint keeps it (`Feed.state`): the samples read, the
+    batch and data it read them in, and a synthetic stream's generator or a dataset's size.
+    Older checkpoints: a count of `batches` instead of samples."""
+
+    samples: int
+    batchSize: int
+    description: str
+    generator: torch.Tensor
+    size: int
+    batches: int
+
+
 class Feed:
     """The training batches of a PipelineJob, step by step, in a seeded order whose position a
     checkpoint keeps. Each batch is a step's whole batch (batchSize x replicas.max samples: the
@@ -168,20 +181,18 @@ class Feed:
         _, inputs, labels = default_collate([_Indexed(self.dataset)[i] for i in indices])
         return inputs, labels
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> FeedState:
         """What a checkpoint keeps: the position, and a synthetic stream's generator."""
-        state: dict[str, Any] = {
-            "samples": self.samples,
-            "batchSize": self.batch_size,
-            "description": self.description,
-        }
+        state = FeedState(
+            samples=self.samples, batchSize=self.batch_size, description=self.description
+        )
         if self.stream is not None:
             state["generator"] = self.stream.generator.get_state()
         else:
             state["size"] = len(self.dataset)
         return state
 
-    def load_state(self, state: dict[str, Any] | torch.Tensor) -> None:
+    def load_state(self, state: FeedState | torch.Tensor) -> None:
         """Continue exactly after the saved position, whatever batch the feed that saved it
         read: a map-style dataset's stream goes on from the saved sample; a synthetic stream
         from its generator (drawn in batches of another size it draws other samples, but
@@ -189,7 +200,7 @@ class Feed:
         module) is taken for a synthetic stream's, and a count of batches (before the count
         of samples) for batches of this feed's size."""
         if isinstance(state, torch.Tensor):
-            state = {"generator": state, "batches": 0}
+            state = FeedState(generator=state, batches=0)
         if (self.stream is None) != ("generator" not in state):
             raise DataError(
                 f"the checkpoint's data was {state.get('description', 'synthetic')!r},"

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from pipejob.trainer.runtime.json_values import JsonObject
 from pipejob.trainer.workloads.refusals import to_users_frame
+
+if TYPE_CHECKING:
+    from pipejob.core.common_spec import CommonSpec
 
 
 def resolve(path: str, field: str) -> Any:
@@ -37,7 +41,7 @@ def resolve(path: str, field: str) -> Any:
     return target
 
 
-def call(path: str, field: str, args: dict[str, Any], /, **given: Any) -> Any:
+def call(path: str, field: str, args: JsonObject, /, **given: object) -> Any:
     """`path`'s function called with `given` (what pipejob passes, e.g. split="train") and
     the spec's `args`; `field` is the spec field that named it."""
     factory = resolve(path, field)
@@ -51,7 +55,7 @@ def call(path: str, field: str, args: dict[str, Any], /, **given: Any) -> Any:
         raise said.with_traceback(to_users_frame(e)) from e
 
 
-def module(path: str, field: str, args: dict[str, Any], /, **given: Any) -> nn.Module:
+def module(path: str, field: str, args: JsonObject, /, **given: object) -> nn.Module:
     """`call`'s result, refused unless it is a torch module (what a model factory returns)."""
     built = call(path, field, args, **given)
     if not isinstance(built, nn.Module):
@@ -62,7 +66,7 @@ def module(path: str, field: str, args: dict[str, Any], /, **given: Any) -> nn.M
     return built
 
 
-def preload(spec: Any) -> None:
+def preload(spec: CommonSpec) -> None:
     """Import the modules the spec names (spec.model.import, spec.data.import,
     spec.loss.import), and so the libraries they import, before this process serves calls:
     arguments arrive on RPC threads, several at once, and unpickling a library's type (MONAI's

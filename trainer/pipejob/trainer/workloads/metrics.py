@@ -8,7 +8,7 @@ the output"."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,24 @@ from pipejob.trainer.workloads import batch_values
 
 CLASSIFICATION, LANGUAGE = "classification", "language"
 IGNORE_INDEX = -100  # cross-entropy's default ignore_index: a label the loss does not count
+
+
+class HeldOutResult(TypedDict):
+    """A pass over the held-out set (`Tally.result`): its mean loss and samples, accuracy
+    where predictions could be compared, perplexity for a language model."""
+
+    loss: float
+    samples: int
+    accuracy: NotRequired[float]
+    perplexity: NotRequired[float]
+
+
+class HeldOutEvaluation(HeldOutResult):
+    """An evaluation after `step` as the summary, model.json and the log have it: the
+    weights' figures and, with spec.ema, the average's under "ema"."""
+
+    step: int
+    ema: NotRequired[HeldOutResult]
 
 
 def logits(outputs: Any) -> torch.Tensor | None:
@@ -97,11 +115,11 @@ class Tally:
             self.correct += int(((scores.argmax(-1) == labels) & counted).sum())
             self.scored += int(counted.sum())
 
-    def result(self) -> dict[str, Any]:
+    def result(self) -> HeldOutResult:
         """loss, accuracy where predictions could be compared, perplexity (language),
         samples."""
         mean = self.loss / max(self.count, 1)
-        figures: dict[str, Any] = {"loss": round(mean, 6), "samples": self.samples}
+        figures = HeldOutResult(loss=round(mean, 6), samples=self.samples)
         if self.scored:
             figures["accuracy"] = round(self.correct / self.scored, 6)
         if self.task == LANGUAGE:
@@ -117,7 +135,7 @@ def _counted(labels: Any) -> torch.Tensor | None:
     return labels != IGNORE_INDEX
 
 
-def describe(figures: dict[str, Any]) -> str:
+def describe(figures: HeldOutResult) -> str:
     """The figures besides the loss as a log line says them: "perplexity 12.345, accuracy
     41.20%" (a language model), "accuracy 93.75%", or "" when none could be computed."""
     shown = []

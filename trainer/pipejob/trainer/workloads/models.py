@@ -4,7 +4,6 @@ transformer language model, or the user's factory. Seeded, so every build is the
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch import nn
@@ -12,6 +11,7 @@ from torch import nn
 from pipejob.core.common_spec import spec_key
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.core.workload import Model
+from pipejob.trainer.runtime.json_values import JsonObject, JsonValue
 from pipejob.trainer.workloads import imports, materialize, staged
 from pipejob.trainer.workloads.transformer import TransformerLM
 
@@ -40,10 +40,10 @@ def build_meta(spec: PipelineSpec) -> tuple[nn.Module, materialize.Numbering]:
     return model, materialize.numbering(model, registered)
 
 
-def as_spec(model: Model) -> dict[str, Any]:
+def as_spec(model: Model) -> JsonObject:
     """The model's section as the spec writes it (camelCase, set fields only)."""
 
-    def plain(value: Any) -> Any:
+    def plain(value: object) -> JsonValue:
         if dataclasses.is_dataclass(value):
             return {
                 spec_key(f.name): plain(getattr(value, f.name))
@@ -52,7 +52,9 @@ def as_spec(model: Model) -> dict[str, Any]:
             }
         return list(value) if isinstance(value, tuple) else value  # as JSON reads it back
 
-    return plain(model)
+    section = plain(model)  # a dataclass: an object
+    assert isinstance(section, dict)
+    return section
 
 
 def name(model: Model) -> str:

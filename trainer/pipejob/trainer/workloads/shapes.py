@@ -120,7 +120,7 @@ class ShapedTracer(tracing.Tracer):
             return True
         return super().is_leaf_module(m, qualname)
 
-    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, fx.Proxy]) -> Any:
         if self.computing:
             return attr_val
         return super().getattr(attr, attr_val, parameter_proxy_cache)

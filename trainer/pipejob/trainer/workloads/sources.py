@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -98,6 +98,16 @@ def _image_folder(spec: PipelineSpec, split: str) -> tuple[Any, str] | None:
     return dataset, (f"imageFolder {path}: {len(dataset):,} images, {len(dataset.classes)} classes")
 
 
+class _WindowsState(TypedDict):
+    """A `TokenWindows` as it is pickled: its fields, the file not mapped."""
+
+    path: str
+    dtype: type[np.unsignedinteger]
+    seq_len: int
+    tokens: int
+    _data: None
+
+
 class TokenWindows(Dataset):
     """Non-overlapping windows of seq_len + 1 tokens of a flat binary file (window i starts at
     i * seq_len, so consecutive windows share one token): (window[:-1], window[1:]) as int64.
@@ -114,7 +124,8 @@ class TokenWindows(Dataset):
             self._data = np.memmap(self.path, dtype=self.dtype, mode="r")
         return self._data
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> _WindowsState:
+        """Pickled without the mapping: each process maps the file itself."""
         return {**self.__dict__, "_data": None}
 
     def __len__(self) -> int:

@@ -238,12 +238,13 @@ class Standins:
             self.mark(stand_in, taint)
         return stand_in
 
-    def converted(self, placeholder: Placeholder, kwargs: dict[str, Any]) -> torch.Tensor:
-        """A placeholder converted (`.to(device)`, `.double()`, `.cpu()`): still no memory,
-        on the meta device, noting the device it is said to be on."""
-        device = kwargs.get("device") or placeholder.made_on
-        result = aten._to_copy.default(placeholder, **{**kwargs, "device": META})
-        _MOVED_TO[result] = torch.device(device)
+    def converted(
+        self, placeholder: Placeholder, device: torch.device | None = None, **to_copy: object
+    ) -> torch.Tensor:
+        """A placeholder converted (aten._to_copy's keywords: `.to(device)`, `.double()`):
+        still no memory, on the meta device, noting the device it is said to be on."""
+        result = aten._to_copy.default(placeholder, **to_copy, device=META)
+        _MOVED_TO[result] = torch.device(device or placeholder.made_on)
         return result
 
     def convert(self, placeholder: Placeholder, converted: torch.Tensor) -> None:
@@ -273,7 +274,7 @@ class Standins:
         """One of torch's operations: run (on stand-ins), and its taint followed."""
         packet = func.overloadpacket
         if func is aten._to_copy.default and isinstance(args[0], Placeholder):
-            return self.converted(args[0], kwargs)
+            return self.converted(args[0], **kwargs)
         flat, _ = tree_flatten((args, kwargs))
         overwrite = packet in OVERWRITES
         if overwrite:  # all of the first argument written; copy_ reads its source

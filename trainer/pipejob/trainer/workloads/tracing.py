@@ -67,14 +67,14 @@ class Objects(fx.Tracer):
     answered as it is (`BufferProxy`): a forward may check it (timm's EVA asserts its rotary
     periods' `numel()`), which a traced value could not answer."""
 
-    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, fx.Proxy]) -> Any:
         if isinstance(attr_val, torch.Tensor):
             proxy = self._held_tensor(attr_val, parameter_proxy_cache)
             if proxy is not None:
                 return proxy
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
-    def _held_tensor(self, value: torch.Tensor, cache: dict[str, Any]) -> Any:
+    def _held_tensor(self, value: torch.Tensor, cache: dict[str, fx.Proxy]) -> fx.Proxy | None:
         """The one traced value of the root's parameter or buffer `value` (fx keeps one per
         parameter; buffers get the same, as fx's `proxy_buffer_attributes` with a proxy that
         knows their size); None where the root holds no such tensor."""

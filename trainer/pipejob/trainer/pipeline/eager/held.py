@@ -19,8 +19,13 @@ from pipejob.trainer.pipeline.eager import replica_sums
 from pipejob.trainer.pipeline.eager.turns import Turns
 from pipejob.trainer.pipeline.stage_base import AUTOCAST, Computed, fingerprint
 from pipejob.trainer.runtime import checkpoint, ema, state_by_name
+from pipejob.trainer.runtime.checkpoint_format import FileEntry, ListedFile
 from pipejob.trainer.runtime.optim import Functional, set_lr
 from pipejob.trainer.workloads import models
+
+# The keyword arguments the glue calls a user's module with: the model's own, whatever
+# they hold (a boundary, as a module's positional arguments are).
+ForwardKwargs = dict[str, Any]
 
 # How long a call waits for an earlier micro-batch's (turns.py) before the step fails: far
 # longer than a micro-batch's forward, far shorter than the watchdog's bound.
@@ -83,7 +88,9 @@ class Held:
         self.turns = Turns()
         self.summed: dict[torch.Tensor, torch.Tensor] = {}
 
-    def call(self, name: str, turn: tuple[int, int, int], args: tuple, kwargs: dict) -> Any:
+    def call(
+        self, name: str, turn: tuple[int, int, int], args: tuple[Any, ...], kwargs: ForwardKwargs
+    ) -> Any:
         """Module `name` called as the master's glue calls it; `turn` (the micro-batch's
         number, its step's first, which of its calls of `name`) orders it (turns.py)."""
         number, first, nth = turn
@@ -153,20 +160,20 @@ class Held:
     def set_training(self, training: bool) -> None:
         self.modules.train(training)
 
-    def save(self, directory: str, name: str) -> dict[str, Any]:
+    def save(self, directory: str, name: str) -> FileEntry:
         """Checkpoint the modules and the optimizer's state (under the model's names)."""
         return checkpoint.save_module(directory, name, self._named(), self.kept())
 
-    def load(self, directory: str, entries: list[dict[str, Any]]) -> None:
+    def load(self, directory: str, entries: list[ListedFile]) -> None:
         """The modules and what `kept` holds by the model's names from the checkpoint files
         `entries` (written by any path and any cut: runtime/state_by_name.py load_named)."""
         state_by_name.load_named(directory, entries, self._named(), self.kept())
 
-    def kept(self) -> dict[str, Any]:
+    def kept(self) -> dict[str, checkpoint.OptimizerLike]:
         """What a checkpoint keeps beside the weights, by key: the optimizer's state and
         spec.ema's average (shaped as an optimizer's)."""
         assert self.optimizer is not None
-        kept: dict[str, Any] = {"optimizer": self.optimizer}
+        kept: dict[str, checkpoint.OptimizerLike] = {"optimizer": self.optimizer}
         if self.average is not None:
             kept[ema.CHECKPOINT_KEY] = self.average
         return kept

@@ -6,7 +6,6 @@ not updated; no dropout), one batch at a time, tallied as the traced path tallie
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +19,7 @@ from pipejob.trainer.pipeline.stage_base import AUTOCAST
 from pipejob.trainer.pipeline.summary import report_evaluation
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data
-from pipejob.trainer.workloads.metrics import Tally
+from pipejob.trainer.workloads.metrics import HeldOutEvaluation, Tally
 
 
 def due(spec: PipelineSpec, step: int) -> bool:
@@ -39,11 +38,14 @@ def evaluate(
     loss: workloads.Loss,
     step: int,
     averages: Averages | None = None,
-) -> dict[str, Any]:
+) -> HeldOutEvaluation:
     """The held-out figures after `step` (with spec.ema, the average's beside the weights',
     under "ema"), logged and on the progress board."""
     start = time.perf_counter()
-    figures = {"step": step, **tallied(env.spec, held, model, stages, loss).result()}
+    figures: HeldOutEvaluation = {
+        "step": step,
+        **tallied(env.spec, held, model, stages, loss).result(),
+    }
     more = ""
     if averages is not None:
         with averages.swapped():

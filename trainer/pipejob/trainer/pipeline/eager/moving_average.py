@@ -15,6 +15,7 @@ from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.pipeline.eager import remote
 from pipejob.trainer.pipeline.eager.one_step import Stages
 from pipejob.trainer.runtime import ema
+from pipejob.trainer.runtime.checkpoint import OptimizerLike
 from pipejob.trainer.runtime.optim import Functional
 
 
@@ -48,10 +49,10 @@ class Averages:
             self.glue.swap()
 
 
-def kept(optimizer: Functional | None, averages: Averages | None) -> dict[str, object]:
+def kept(optimizer: Functional | None, averages: Averages | None) -> dict[str, OptimizerLike]:
     """What the master's checkpoint keeps beside the glue's weights, by key (as a stage's:
     held.py `kept`): the glue's optimizer state and its average."""
-    out: dict[str, object] = {} if optimizer is None else {"optimizer": optimizer}
+    out: dict[str, OptimizerLike] = {} if optimizer is None else {"optimizer": optimizer}
     if averages is not None and averages.glue is not None:
         out[ema.CHECKPOINT_KEY] = averages.glue
     return out

@@ -284,7 +284,7 @@ def run_all(threads: list[MicroBatch]) -> None:
 
 def summed(
     stages: Stages, threads: list[MicroBatch], unscale: float = 1.0
-) -> tuple[dict, list[float]]:
+) -> tuple[dict[torch.Tensor, torch.Tensor], list[float]]:
     """The glue's gradients summed over every micro-batch's context in order (rounds, then
     replicas, then micro-batches: one process's order), the stages' over their replica's
     then over the replicas (replica_sums.py), each sum times `unscale` (1 / fp16's loss

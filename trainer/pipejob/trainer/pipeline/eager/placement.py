@@ -257,7 +257,9 @@ def restore(model: nn.Module, held: dict[str, nn.Module]) -> None:
         model.get_submodule(parent)._modules[child] = module
 
 
-def under_every_name(state: dict[str, Any], also: dict[str, list[str]]) -> dict[str, Any]:
+def under_every_name(
+    state: dict[str, torch.Tensor], also: dict[str, list[str]]
+) -> dict[str, torch.Tensor]:
     """A stage's state (by its modules' first names) with each entry also under the other
     names of its module, as the model's own state_dict has it."""
     named = dict(state)

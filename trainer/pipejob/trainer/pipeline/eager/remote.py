@@ -8,10 +8,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from pipejob.trainer.pipeline.eager.held import Held
+from pipejob.core.averaged import Ema
+from pipejob.trainer.pipeline.eager.held import ForwardKwargs, Held
+from pipejob.trainer.runtime.checkpoint_format import FileEntry, ListedFile
 from pipejob.trainer.workloads.batch_values import dressed, undressed
 
 # The micro-batch the calling thread computes: its number (across steps), its round's
@@ -58,7 +61,13 @@ class OnStage(nn.Module):
         return f"{self.module_name} on {', '.join(w for w, _ in self.places)}"
 
 
-def _call(held: rpc.RRef, name: str, turn: tuple[int, int, int], args: tuple, kwargs: dict) -> Any:
+def _call(
+    held: rpc.RRef,
+    name: str,
+    turn: tuple[int, int, int],
+    args: tuple[Any, ...],
+    kwargs: ForwardKwargs,
+) -> Any:
     return undressed(held.local_value().call(name, turn, dressed(args), dressed(kwargs)))
 
 
@@ -74,27 +83,27 @@ def step(held: rpc.RRef, coefficient: float, lr: float) -> None:
     held.local_value().step(coefficient, lr)
 
 
-def state(held: rpc.RRef) -> dict:
+def state(held: rpc.RRef) -> dict[str, torch.Tensor]:
     return held.local_value().state()
 
 
-def gradient_state(held: rpc.RRef) -> dict:
+def gradient_state(held: rpc.RRef) -> dict[str, torch.Tensor]:
     return held.local_value().gradient_state()
 
 
-def save(held: rpc.RRef, directory: str, name: str) -> dict:
+def save(held: rpc.RRef, directory: str, name: str) -> FileEntry:
     return held.local_value().save(directory, name)
 
 
-def load(held: rpc.RRef, directory: str, entries: list) -> None:
+def load(held: rpc.RRef, directory: str, entries: list[ListedFile]) -> None:
     held.local_value().load(directory, entries)
 
 
-def fingerprint(held: rpc.RRef) -> Any:
+def fingerprint(held: rpc.RRef) -> torch.Tensor:
     return held.local_value().fingerprint()
 
 
-def keep_average(held: rpc.RRef, settings: Any) -> None:
+def keep_average(held: rpc.RRef, settings: Ema) -> None:
     held.local_value().keep_average(settings)
 
 

@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
@@ -35,10 +34,12 @@ from pipejob.trainer.pipeline.stage_base import AUTOCAST
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import curve_figures, rate_figures
 from pipejob.trainer.runtime import checkpoint, monitor, nonfinite, roles, world
+from pipejob.trainer.runtime.checkpoint import OptimizerLike
 from pipejob.trainer.runtime.optim import Functional, learning_rate
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data, models
 from pipejob.trainer.workloads.batch_values import split
+from pipejob.trainer.workloads.metrics import HeldOutEvaluation
 
 
 def refusal(spec: PipelineSpec) -> str | None:
@@ -108,6 +109,50 @@ def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -
     return one_step.Stages(workers, held)
 
 
+class EagerFigures(roles.SummaryBase):
+    """What every eager-path run's summary has (`summarize`'s, in its order): the
+    placement, the curves' and rates' figures (pipeline/summary.py's)."""
+
+    path: str  # "eager"
+    pathReason: str
+    model: str
+    stages: int
+    replicas: int
+    engine: str
+    microBatches: int
+    batchSize: int
+    gradientAccumulation: int
+    glueParameters: int
+    placement: list[list[str]]  # per stage, its modules
+    cutBy: str  # "counted" or "timed"
+    keptWithGlue: dict[str, str]  # module: why the master keeps it
+    forwardsOneAtATime: bool
+    losses: list[float]
+    firstLoss: float
+    finalLoss: float
+    learningRates: list[float | None]
+    gradNorms: list[float | None]
+    finalGradNorm: float | None
+    samplesPerSecond: float
+    secondsPerStep: float
+    allreduceSecondsPerStep: float
+    optimizerSecondsPerStep: float
+
+
+class EagerSummary(EagerFigures, total=False):
+    """An eager-path run's summary (summary.json): `summarize`'s figures, then what `train`
+    adds after the steps: the replicas' divergence, the wall time, the evaluations (with
+    spec.eval) and Judge.figures' (with spec.eval.best)."""
+
+    replicaDivergence: float
+    wallSeconds: float
+    evaluation: HeldOutEvaluation  # the last
+    evaluations: list[HeldOutEvaluation]
+    best: dict[str, str | float | int | None]  # spec.eval.best's metric, value and step
+    stoppedEarly: str | None
+    engineChosen: str  # why engine auto chose the engine (pipeline/train.py adds it)
+
+
 @dataclass
 class EagerState:
     """What the master trains with: the model (the glue, with stand-ins for the stages'
@@ -121,11 +166,11 @@ class EagerState:
     averages: Averages | None
     scale: LossScale | None = None
 
-    def kept(self) -> dict[str, Any]:
+    def kept(self) -> dict[str, OptimizerLike]:
         return moving_average.kept(self.glue, self.averages)
 
 
-def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
+def train(env: Env[PipelineSpec], why: str) -> EagerSummary | roles.SummaryBase:
     """The master's run on the eager path (`why`: how the job came to take it)."""
     spec = env.spec
     world.log(env, f"path: eager ({why})")
@@ -166,7 +211,7 @@ def train(env: Env[PipelineSpec], why: str) -> dict[str, Any]:
 
 def steps(
     env: Env[PipelineSpec], t: EagerState, feed: data.Feed, m: int, first: int, judge: Judge
-) -> tuple[list[StepResult], list[dict[str, Any]]]:
+) -> tuple[list[StepResult], list[HeldOutEvaluation]]:
     """Steps first + 1 .. spec.steps, each logged, checkpointed and evaluated when due, each
     evaluation `judge`d (the output written at a new best; early stopping ends the run)."""
     spec = env.spec
@@ -176,7 +221,7 @@ def steps(
         world.log(env, "evaluation: the data has no held-out set; nothing to evaluate")
     monitor.board().phase("training")
     results: list[StepResult] = []
-    evaluations: list[dict[str, Any]] = []
+    evaluations: list[HeldOutEvaluation] = []
     rules = spec.optimizer.clip_grad_norm, nonfinite.Guard(spec.skip_non_finite_steps)
     forward = partial(one_step.computed, t.model, autocast=AUTOCAST[spec.precision])
     serial = t.placement.one_at_a_time()
@@ -222,7 +267,9 @@ def logged(env: Env[PipelineSpec], number: int, done: one_step.Step) -> StepResu
     )
 
 
-def write_output(env: Env[PipelineSpec], t: EagerState, evaluation: dict[str, Any] | None) -> None:
+def write_output(
+    env: Env[PipelineSpec], t: EagerState, evaluation: HeldOutEvaluation | None
+) -> None:
     """The trained model under the model's own names: with spec.ema, the average (ema), or
     the weights and, in the subfolder ema/, the average (both)."""
     spec = env.spec
@@ -236,7 +283,7 @@ def write_output(env: Env[PipelineSpec], t: EagerState, evaluation: dict[str, An
 
 
 def write_model(
-    env: Env[PipelineSpec], t: EagerState, evaluation: dict[str, Any] | None, out: str
+    env: Env[PipelineSpec], t: EagerState, evaluation: HeldOutEvaluation | None, out: str
 ) -> None:
     """The model as one file in `out`: the glue's state (the master's) and every stage's
     (replica 0's)."""
@@ -257,7 +304,8 @@ def summarize(
     results: list[StepResult],
     first: int,
     glue_parameters: int,
-) -> dict[str, Any]:
+) -> EagerSummary:
+    """The run's summary as the steps leave it (`train` adds the rest)."""
     spec = env.spec
     measured = results[1:] or results
     return roles.summary(
@@ -283,7 +331,8 @@ def summarize(
     )
 
 
-def render(s: dict[str, Any]) -> str:
+def render(s: EagerSummary) -> str:
+    """The summary as the log says it."""
     lines = [
         f"  {s['model']}: eager path ({s['pathReason']}), {s['stages']} stages,"
         f" {s['microBatches']} micro-batches of {s['batchSize'] // s['microBatches']},"

@@ -34,7 +34,8 @@ def forward(
     device: torch.device,
 ) -> torch.Tensor:
     """The dense part on a batch's dense features and its tables' pooled embeddings."""
-    pooled = {name: p.to(device) for name, p in pooled.items()}
+    if device.type != "cpu":  # on the CPU they are there: no call a table a step
+        pooled = {name: p.to(device) for name, p in pooled.items()}
     return call_dense(dense, spec.recommends, batch.dense.to(device), pooled, ONE_TABLE)
 
 

@@ -86,8 +86,9 @@ class Server:
     ) -> Future:
         """A trainer's call of a step: the gradients of its last lookup and its piece of the
         dense model's gradients (None: none pending; averaged elsewhere), this step's ids
-        (None: a flush). Its value: (the pooled embeddings (batch, the pieces' widths side by
-        side) or None, the trainers' average of the dense piece once all are in, or None)."""
+        (None: a flush). Its value: (the pooled embeddings, flat: each shard's (batch, width)
+        after the last, in the server's order; or None, the trainers' average of the dense
+        piece once all are in, or None)."""
         with self.lock:
             if grads is not None:
                 self._collect(trainer, grads, dense)
@@ -136,12 +137,14 @@ class Server:
                 f"ps{self.index}: gradients from {trainer} without a lookup of"
                 " its own awaiting them"
             )
-        # The reply holds the groups side by side, each (batch, its shards x its width).
+        # The reply holds the shards one after another, each's bags (batch, width): a group's
+        # part of its gradient is its bags' as the group pooled them (a view, no copy).
         widths = [len(members) * dim for _, dim, members in self.groups]
+        batch = grads.numel() // sum(widths)
         self.collected[trainer] = [
-            row_gradients(pooled, _bags(grad, len(members), dim))
-            for pooled, grad, (_, dim, members) in zip(
-                lookup, grads.split(widths, dim=1), self.groups, strict=True
+            row_gradients(pooled, grad.view(-1, dim))
+            for pooled, grad, (_, dim, _) in zip(
+                lookup, grads.split([batch * w for w in widths]), self.groups, strict=True
             )
         ]
         if dense is not None:
@@ -171,25 +174,23 @@ class Server:
 
     def lookup(self, ids: torch.Tensor, lengths: torch.Tensor, trainer: str | None) -> torch.Tensor:
         """Pool `ids` (every shard's local row ids, concatenated, in the server's order) by
-        `lengths` (shards, batch); keep the graph for `trainer`'s gradients (None: none)."""
-        batch = lengths.shape[1]
+        `lengths` (shards, batch); keep the graph for `trainer`'s gradients (None: none).
+        The pooled bags, flat, shard after shard (`exchange`): no copy to lay them out."""
         per_piece = lengths.sum(1)
         # Each id as a row of its group's parameter: the shard's row plus the shard's first.
         ids = ids + torch.repeat_interleave(self.first_rows, per_piece)
         one = len(self.groups) == 1  # the usual: no split, no gather, no join
         chunks = [ids] if one else ids.split([int(per_piece[m].sum()) for _, _, m in self.groups])
         outs, kept = [], []
-        for (mode, dim, members), weight, chunk in zip(
-            self.groups, self.joined, chunks, strict=True
-        ):
+        for (mode, _, members), weight, chunk in zip(self.groups, self.joined, chunks, strict=True):
             counts = (lengths if one else lengths[members]).reshape(-1)
             out, pooled = pool(weight, mode, chunk, counts, trainer is not None)
-            outs.append(out.view(len(members), batch, dim).transpose(0, 1).reshape(batch, -1))
+            outs.append(out.view(-1))  # shard after shard, as it pooled them
             if pooled is not None:
                 kept.append(pooled)
         if trainer is not None:
             self.kept[trainer] = kept
-        return outs[0] if one else torch.cat(outs, dim=1)
+        return outs[0] if one else torch.cat(outs)
 
     # ---- what the master reads
 
@@ -291,12 +292,6 @@ class Server:
                 f"the checkpoint holds {covered} of the {p.rows * p.dim} values of {p.name} of"
                 f" table {p.table!r}: not a checkpoint of these tables"
             )
-
-
-def _bags(grad: torch.Tensor, shards: int, dim: int) -> torch.Tensor:
-    """A group's columns of a reply's gradient (batch, shards x dim) as its bags' (shards x
-    batch, dim), shard after shard, as the group pooled them."""
-    return grad.reshape(len(grad), shards, dim).transpose(0, 1).reshape(-1, dim)
 
 
 def _outcome(work: Callable[[], Any], future: Future) -> tuple[Future, Any, BaseException | None]:

@@ -16,17 +16,19 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
 from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.core.kinds.tables import Shard
+from pipejob.core.kinds.tables import Shard, Table
 from pipejob.trainer.hybrid import sparse_optimizers
 from pipejob.trainer.hybrid.pooling import Pooled, groups, pool, row_gradients
+from pipejob.trainer.hybrid.records import FileEntry, Held, SavedServer, SavedShard, ServerFigures
 from pipejob.trainer.runtime import checkpoint, world
+from pipejob.trainer.runtime.checkpoint import TorchState
 from pipejob.trainer.workloads.recsys import BLOCK, initial_rows
 
 Future = torch.futures.Future
 
 
 def group_parameter(
-    shards: list[Shard], members: list[int], tables: dict[str, Any], seed: int
+    shards: list[Shard], members: list[int], tables: dict[str, Table], seed: int
 ) -> nn.Parameter:
     """A group's shards at their initial rows, one after the other, made a block at a time
     (no shard is ever held twice)."""
@@ -198,7 +200,7 @@ class Server:
         """Rows start..stop-1 of shard k (shard-relative), copied."""
         return self.weights[k].detach()[start:stop].clone()
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> ServerFigures:
         """The squared norms of the tables at initialization and of their change since, and
         the rows this server updated (summed over steps)."""
         tables = {t.name: t for t in self.spec.embeddings}
@@ -210,17 +212,18 @@ class Server:
                 start = made[:, p.columns]
                 initial += float(start.double().pow(2).sum())
                 change += float((weight.detach()[lo:hi] - start).double().pow(2).sum())
-        return {
-            "initialSquares": initial,
-            "changeSquares": change,
-            "steps": self.steps,
-            "rowsUpdated": self.rows_updated,
-        }
+        return ServerFigures(
+            initialSquares=initial,
+            changeSquares=change,
+            steps=self.steps,
+            rowsUpdated=self.rows_updated,
+        )
 
     # ---- checkpoints: shards by table and row range, so any other split can load them
 
-    def piece_state(self, k: int) -> dict[str, Any]:
-        """Shard k's optimizer state: its rows of its group's per-row tensors, and the counts."""
+    def piece_state(self, k: int) -> TorchState:
+        """Shard k's optimizer state (torch's, of its group's parameter): its rows of the
+        per-row tensors, and the counts."""
         rows = slice(self.first[k], self.first[k] + self.shards[k].rows)
         assert self.optimizer is not None  # a server with a shard has one
         state = self.optimizer.state.get(self.joined[self.group_of[k]], {})
@@ -229,23 +232,23 @@ class Server:
             for key, value in state.items()
         }
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> SavedServer:
         """Every shard by table and row range (views of the groups: torch.save writes each
         group's storage once)."""
         shards = [
-            {
-                "table": p.table,
-                "start": p.start,
-                "stop": p.stop,
-                "column": p.column,
-                "weight": weight,
-                "state": self.piece_state(k),
-            }
+            SavedShard(
+                table=p.table,
+                start=p.start,
+                stop=p.stop,
+                column=p.column,
+                weight=weight,
+                state=self.piece_state(k),
+            )
             for k, (p, weight) in enumerate(zip(self.shards, self.weights, strict=True))
         ]
-        return {"optimizer": self.spec.sparse_optimizer.name, "pieces": shards}
+        return SavedServer(optimizer=self.spec.sparse_optimizer.name, pieces=shards)
 
-    def load(self, saved: list[tuple[str, dict[str, Any]]]) -> None:
+    def load(self, saved: list[tuple[str, SavedServer]]) -> None:
         """Load every shard's rows and optimizer state from the saved servers' states
         (`state`, by file name): from whichever hold its rows, however they were split."""
         for name, s in saved:
@@ -257,7 +260,7 @@ class Server:
         for k in range(len(self.shards)):
             self._load_piece(k, saved)
 
-    def _load_piece(self, k: int, saved: list[tuple[str, dict[str, Any]]]) -> None:
+    def _load_piece(self, k: int, saved: list[tuple[str, SavedServer]]) -> None:
         """Shard k's rows and their optimizer state, from every saved shard overlapping it
         (in rows and columns)."""
         p, first, weight = self.shards[k], self.first[k], self.joined[self.group_of[k]]
@@ -327,13 +330,13 @@ def hosted() -> Server:
     return _SERVER
 
 
-def start(trainers: int) -> dict[str, Any]:
+def start(trainers: int) -> Held:
     """Runs on a parameter server (the master calls it first): make its shards of the
     tables at their initial rows. Returns what it holds."""
     global _SERVER
     env = world.current()
     _SERVER = Server(env.spec, env.role_index, trainers)
-    return {"pieces": len(_SERVER.shards), "parameters": sum(w.numel() for w in _SERVER.weights)}
+    return Held(pieces=len(_SERVER.shards), parameters=sum(w.numel() for w in _SERVER.weights))
 
 
 @rpc.functions.async_execution
@@ -363,7 +366,7 @@ def save(directory: str) -> Future:
     return server.read(lambda: checkpoint.save_part(directory, name, server.state()))
 
 
-def load(directory: str, entries: list[dict[str, Any]]) -> None:
+def load(directory: str, entries: list[FileEntry]) -> None:
     """Load this server's shards from the servers' files of a checkpoint (`entries`, from
     its manifest), mapped, not read whole: only the rows it holds are paged in."""
     saved = []

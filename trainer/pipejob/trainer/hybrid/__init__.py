@@ -4,8 +4,8 @@ master.py drives the run (board.py: what it hears from the trainers; run_summary
 summary; model_writer.py: the trained model as files); trainer.py is a trainer's loop
 (router.py: where its lookups go; dense_step.py: its dense model's averaged step;
 evaluate.py: its checks and held-out figures); ps.py is a parameter server
-(sparse_optimizers.py: how it steps the tables). How a step moves, and why:
-docs/architecture.md, "A HybridJob's step"."""
+(sparse_optimizers.py: how it steps the tables); records.py: what they hand each other and
+write. How a step moves, and why: docs/architecture.md, "A HybridJob's step"."""
 
 from __future__ import annotations
 

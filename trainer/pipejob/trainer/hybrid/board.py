@@ -9,7 +9,7 @@ import threading
 import time
 
 from pipejob.trainer.hybrid import model_writer
-from pipejob.trainer.hybrid.records import Evaluation, FileEntry, HeldOut
+from pipejob.trainer.hybrid.records import Evaluation, FileEntry, HeldOutFigures
 from pipejob.trainer.runtime import checkpoint, memory, monitor, roles, world
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
@@ -33,7 +33,7 @@ class Reports:
         logging = env.spec.logging
         self.events = Events(logging.tensorboard if logging else None, first)
 
-    def evaluated(self, step: int, figures: HeldOut) -> None:
+    def evaluated(self, step: int, figures: HeldOutFigures) -> None:
         """DDP rank 0 evaluated the model after `step` on held-out samples."""
         loss, accuracy, auc = figures.loss, figures.accuracy, figures.auc
         with self.lock:
@@ -116,7 +116,7 @@ def report(trainer: str, step: int, loss: float) -> None:
     _master_reports().report(trainer, step, loss)
 
 
-def evaluated(step: int, figures: HeldOut) -> None:
+def evaluated(step: int, figures: HeldOutFigures) -> None:
     """Runs on the master: DDP rank 0's evaluation after `step` (evaluate.evaluate)."""
     _master_reports().evaluated(step, figures)
 

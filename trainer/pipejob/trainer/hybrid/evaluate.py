@@ -14,7 +14,7 @@ from torch import nn
 from pipejob.core.kinds.hybrid import ONE_TABLE, HybridSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid import ps
-from pipejob.trainer.hybrid.records import HeldOut
+from pipejob.trainer.hybrid.records import HeldOutFigures
 from pipejob.trainer.hybrid.replicated import Replicated
 from pipejob.trainer.hybrid.router import Router
 from pipejob.trainer.runtime import nonfinite
@@ -97,7 +97,7 @@ def evaluate(
     dense: nn.Module,
     batches: list[Batch],
     loss_fn: workloads.Loss,
-) -> HeldOut:
+) -> HeldOutFigures:
     """Loss (the mean over samples), accuracy (argmax against the label, for classes) and
     AUC (for clicks) of the tables and `dense` on `batches`; None where a figure does not
     apply to the outputs."""
@@ -126,7 +126,7 @@ def evaluate(
     finally:
         dense.train(training)
     accuracy, area = accuracy_and_auc(torch.cat(scores), torch.cat(labels))
-    return HeldOut(loss=loss_sum / total, samples=total, accuracy=accuracy, auc=area)
+    return HeldOutFigures(loss=loss_sum / total, samples=total, accuracy=accuracy, auc=area)
 
 
 def accuracy_and_auc(

@@ -19,7 +19,13 @@ from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.core.kinds.tables import Shard, Table
 from pipejob.trainer.hybrid import sparse_optimizers
 from pipejob.trainer.hybrid.pooling import Pooled, groups, pool, row_gradients
-from pipejob.trainer.hybrid.records import FileEntry, Held, SavedServer, SavedShard, ServerFigures
+from pipejob.trainer.hybrid.records import (
+    FileEntry,
+    SavedServer,
+    SavedShard,
+    ServerFigures,
+    ServerSize,
+)
 from pipejob.trainer.runtime import checkpoint, world
 from pipejob.trainer.runtime.checkpoint import TorchState
 from pipejob.trainer.workloads.recsys import BLOCK, initial_rows
@@ -330,13 +336,15 @@ def hosted() -> Server:
     return _SERVER
 
 
-def start(trainers: int) -> Held:
+def start(trainers: int) -> ServerSize:
     """Runs on a parameter server (the master calls it first): make its shards of the
     tables at their initial rows. Returns what it holds."""
     global _SERVER
     env = world.current()
     _SERVER = Server(env.spec, env.role_index, trainers)
-    return Held(pieces=len(_SERVER.shards), parameters=sum(w.numel() for w in _SERVER.weights))
+    return ServerSize(
+        pieces=len(_SERVER.shards), parameters=sum(w.numel() for w in _SERVER.weights)
+    )
 
 
 @rpc.functions.async_execution

@@ -1,8 +1,8 @@
 """The records a HybridJob's roles hand each other over RPC and write: where a resumed run
 starts (`Resume`), a trainer's results (`TrainerResults`, whose `TrainerFigures` the summary
-keeps), a held-out evaluation (`HeldOut`, and `Evaluation` as the summary and the
+keeps), a held-out evaluation (`HeldOutFigures`, and `Evaluation` as the summary and the
 checkpoints keep it), a checkpoint file's manifest entry (`FileEntry`), the run's summary
-(`HybridSummary`), and a parameter server's: what it made (`Held`), its figures
+(`HybridSummary`), and a parameter server's: what it made (`ServerSize`), its figures
 (`ServerFigures`) and its checkpoint file (`SavedServer`). JSON we write is
 a TypedDict (its keys are the format); what code builds and reads is a frozen dataclass."""
 
@@ -68,7 +68,7 @@ class TrainerResults:
 
 
 @dataclass(frozen=True)
-class HeldOut:
+class HeldOutFigures:
     """A held-out evaluation's figures (evaluate.evaluate): the mean loss over `samples`,
     accuracy (classes) or AUC (clicks), None where it does not apply."""
 
@@ -157,7 +157,7 @@ class SavedServer(TypedDict):
     pieces: list[SavedShard]
 
 
-class Held(TypedDict):
+class ServerSize(TypedDict):
     """What a server made (`start`): its shards and their values."""
 
     pieces: int

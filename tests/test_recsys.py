@@ -541,6 +541,50 @@ def test_a_server_of_whole_tables_gets_its_request_in_as_many_ops_however_many_t
     assert counts[0] == counts[1]
 
 
+class OpNames(TorchDispatchMode):
+    """The names of the torch operations run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_server_s_reply_and_its_gradient_are_the_bags_as_pooled_no_copy() -> None:
+    """A server's reply is its shards' pooled bags one shard after another, flat: its lookup
+    returns them as it pooled them and takes their gradient's bags as views, with no copy of
+    a batch's bags either way; the trainer takes each table's bags as a view of the reply."""
+    spec = parse(
+        embeddings=[{"name": f"t{i}", "rows": 50 + i, "dim": 4} for i in range(3)],
+        parameterServers=1,
+        trainers=1,
+        batchSize=8,
+        bagSize=2,
+        datasetSize=32,
+    ).settings
+    server, router = Server(spec, 0, trainers=1), Router(spec)
+    batch = next(samples.stream(workloads.hybrid_data(spec), 8, (0, 1), 0, router.features, True))
+    routed = router.route(batch)
+    ((ids, lengths),) = routed.requests
+    with OpNames() as looked_up:
+        reply = server.exchange("t0", None, ids, lengths, None).wait()[0]
+    assert reply.shape == (3 * 8 * 4,) and "clone" not in looked_up.names
+    pooled = router.pool([reply], routed, batch)
+    for k, t in enumerate(spec.embeddings):
+        wrapped = torch.remainder(batch.ids[t.feature], t.rows)
+        bags = torch.nn.functional.embedding_bag(
+            wrapped, server.weights[k], batch.offsets(t.feature), mode="sum"
+        )
+        assert torch.equal(pooled[t.name], bags)
+        assert pooled[t.name].data_ptr() == reply.data_ptr() + k * 8 * 4 * reply.element_size()
+    with OpNames() as stepped:
+        server.exchange("t0", torch.ones_like(reply), None, None, None).wait()
+    assert server.steps == 1 and "clone" not in stepped.names
+
+
 def test_a_trainer_keeps_the_pairs_it_read_once_each_sorted_without_a_set_a_step() -> None:
     """What a trainer read (for the summary's repeats) is kept as its batches' lists, a
     step's two appends, and made (epoch, sample) pairs once at the end: sorted, once each,

@@ -4,18 +4,23 @@ master.py drives the run (board.py: what it hears from the trainers; run_summary
 summary; model_writer.py: the trained model as files); trainer.py is a trainer's loop
 (router.py: where its lookups go; dense_step.py: its dense model's averaged step;
 evaluate.py: its checks and held-out figures); ps.py is a parameter server
-(sparse_optimizers.py: how it steps the tables). How a step moves, and why:
-docs/architecture.md, "A HybridJob's step"."""
+(sparse_optimizers.py: how it steps the tables); records.py: what they hand each other and
+write. How a step moves, and why: docs/architecture.md, "A HybridJob's step"."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipejob.trainer.runtime import rendezvous, roles, world
 from pipejob.trainer.runtime.world import Env
 
+if TYPE_CHECKING:  # the trainer's modules import torch: only once a role runs
+    from pipejob.trainer.hybrid.model_writer import HybridManifest
+    from pipejob.trainer.hybrid.records import HybridSummary
 
-def run(env: Env, checked: None = None) -> dict[str, Any] | None:
+
+def run(env: Env, checked: None = None) -> HybridSummary | None:
     """Run this process's role of a HybridJob; the master returns the summary (`checked`:
     None, its master checks nothing before the world forms: Kind.checks_first)."""
     from pipejob.trainer.hybrid import master
@@ -38,8 +43,8 @@ def run(env: Env, checked: None = None) -> dict[str, Any] | None:
 
 
 def export_checkpoint(
-    directory: Any, manifest: dict[str, Any], out: Any, format: str = "safetensors"
-) -> list[Any]:
+    directory: str | Path, manifest: HybridManifest, out: str | Path, format: str = "safetensors"
+) -> list[Path]:
     """`pipejob export` of this kind's checkpoint: the files spec.output writes."""
     from pipejob.trainer.hybrid import model_writer
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 from pipejob.trainer.hybrid import model_writer
+from pipejob.trainer.hybrid.records import Evaluation, FileEntry, HeldOutFigures
 from pipejob.trainer.runtime import checkpoint, memory, monitor, roles, world
 from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
@@ -28,27 +28,26 @@ class Reports:
         self.pending: dict[int, dict[str, float]] = {}
         self.created = time.perf_counter()
         self.last_step, self.last_time = first, self.created
-        self.evaluation: dict[str, Any] | None = None  # the latest, with its step
+        self.evaluation: Evaluation | None = None  # the latest, with its step
         self.losses: dict[int, float] = {}  # the batch's loss at each logged step
         logging = env.spec.logging
         self.events = Events(logging.tensorboard if logging else None, first)
 
-    def evaluated(self, step: int, figures: dict[str, Any]) -> None:
+    def evaluated(self, step: int, figures: HeldOutFigures) -> None:
         """DDP rank 0 evaluated the model after `step` on held-out samples."""
-        loss, accuracy, auc = figures["loss"], figures["accuracy"], figures["auc"]
-        count = figures["samples"]
+        loss, accuracy, auc = figures.loss, figures.accuracy, figures.auc
         with self.lock:
-            self.evaluation = {
-                "evalStep": step,
-                "evalLoss": loss,
-                "evalAccuracy": accuracy,
-                "evalAuc": auc,
-                "evalSamples": count,
-            }
+            self.evaluation = Evaluation(
+                evalStep=step,
+                evalLoss=loss,
+                evalAccuracy=accuracy,
+                evalAuc=auc,
+                evalSamples=figures.samples,
+            )
         world.log(
             self.env,
-            f"eval step {step}: {evaluation_text(self.evaluation)} on {count} held-out"
-            f" {sample_noun()}",
+            f"eval step {step}: {evaluation_text(loss, accuracy, auc)} on {figures.samples}"
+            f" held-out {sample_noun()}",
         )
         monitor.board().evaluated(step, loss, accuracy=accuracy, auc=auc)
         with self.lock:
@@ -81,14 +80,14 @@ class Reports:
             self.last_step, self.last_time = step, now
 
 
-def evaluation_text(evaluation: dict[str, Any]) -> str:
+def evaluation_text(loss: float, accuracy: float | None, auc: float | None) -> str:
     """An evaluation's figures in words: `loss 0.4321, AUC 0.7712` (clicks) or `loss 0.1234,
     accuracy 95.0%` (spec.embedding's classes)."""
-    words = f"loss {evaluation['evalLoss']:.4f}"
-    if evaluation.get("evalAccuracy") is not None:
-        words += f", accuracy {100 * evaluation['evalAccuracy']:.1f}%"
-    if evaluation.get("evalAuc") is not None:
-        words += f", AUC {evaluation['evalAuc']:.4f}"
+    words = f"loss {loss:.4f}"
+    if accuracy is not None:
+        words += f", accuracy {100 * accuracy:.1f}%"
+    if auc is not None:
+        words += f", AUC {auc:.4f}"
     return words
 
 
@@ -117,12 +116,12 @@ def report(trainer: str, step: int, loss: float) -> None:
     _master_reports().report(trainer, step, loss)
 
 
-def evaluated(step: int, figures: dict[str, Any]) -> None:
+def evaluated(step: int, figures: HeldOutFigures) -> None:
     """Runs on the master: DDP rank 0's evaluation after `step` (evaluate.evaluate)."""
     _master_reports().evaluated(step, figures)
 
 
-def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> None:
+def write_manifest(step: int, files: list[FileEntry], seconds: float) -> None:
     """Runs on the master (called by DDP rank 0): complete the checkpoint of `step`."""
     env = world.current()
     start = time.perf_counter()
@@ -142,5 +141,5 @@ def write_manifest(step: int, files: list[dict[str, Any]], seconds: float) -> No
         trainerCount=len(env.names("trainer")),
         parameterServers=env.spec.parameter_servers,
         model=model_writer.model_spec(env.spec),
-        metrics=model_writer.metrics(reports.evaluation or {}),
+        metrics=model_writer.metrics(reports.evaluation),
     )

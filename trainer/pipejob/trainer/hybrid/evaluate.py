@@ -14,6 +14,7 @@ from torch import nn
 from pipejob.core.kinds.hybrid import ONE_TABLE, HybridSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid import ps
+from pipejob.trainer.hybrid.records import HeldOutFigures
 from pipejob.trainer.hybrid.replicated import Replicated
 from pipejob.trainer.hybrid.router import Router
 from pipejob.trainer.runtime import nonfinite
@@ -34,7 +35,8 @@ def forward(
     device: torch.device,
 ) -> torch.Tensor:
     """The dense part on a batch's dense features and its tables' pooled embeddings."""
-    pooled = {name: p.to(device) for name, p in pooled.items()}
+    if device.type != "cpu":  # on the CPU they are there: no call a table a step
+        pooled = {name: p.to(device) for name, p in pooled.items()}
     return call_dense(dense, spec.recommends, batch.dense.to(device), pooled, ONE_TABLE)
 
 
@@ -95,7 +97,7 @@ def evaluate(
     dense: nn.Module,
     batches: list[Batch],
     loss_fn: workloads.Loss,
-) -> dict[str, Any]:
+) -> HeldOutFigures:
     """Loss (the mean over samples), accuracy (argmax against the label, for classes) and
     AUC (for clicks) of the tables and `dense` on `batches`; None where a figure does not
     apply to the outputs."""
@@ -123,19 +125,18 @@ def evaluate(
                 labels.append(batch.labels)
     finally:
         dense.train(training)
-    return {
-        "loss": loss_sum / total,
-        "samples": total,
-        **accuracy_and_auc(torch.cat(scores), torch.cat(labels)),
-    }
+    accuracy, area = accuracy_and_auc(torch.cat(scores), torch.cat(labels))
+    return HeldOutFigures(loss=loss_sum / total, samples=total, accuracy=accuracy, auc=area)
 
 
-def accuracy_and_auc(scores: torch.Tensor, labels: torch.Tensor) -> dict[str, float | None]:
-    """Accuracy when the outputs are (samples, classes) and the labels class ids; AUC when
-    they are one logit per sample and the labels clicks."""
+def accuracy_and_auc(
+    scores: torch.Tensor, labels: torch.Tensor
+) -> tuple[float | None, float | None]:
+    """(accuracy, AUC): accuracy when the outputs are (samples, classes) and the labels
+    class ids; AUC when they are one logit per sample and the labels clicks; else None."""
     accuracy = area = None
     if scores.dim() == 2 and scores.shape[1] > 1 and not labels.is_floating_point():
         accuracy = int((scores.argmax(1) == labels).sum()) / len(labels)
     elif scores.numel() == len(labels):
         area = auc(scores, labels)
-    return {"accuracy": accuracy, "auc": area}
+    return accuracy, area

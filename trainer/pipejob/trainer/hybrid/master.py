@@ -10,7 +10,7 @@ import queue
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.rpc as rpc
@@ -18,13 +18,15 @@ import torch.distributed.rpc as rpc
 from pipejob.core.kinds import tables
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer.hybrid import board, model_writer, ps, trainer
+from pipejob.trainer.hybrid.model_writer import HybridManifest, ModelInfo
+from pipejob.trainer.hybrid.records import FileEntry, HybridSummary, Resume, TrainerResults
 from pipejob.trainer.hybrid.replicated import FILE as REPLICATED
 from pipejob.trainer.hybrid.run_summary import render, summarize
 from pipejob.trainer.runtime import checkpoint, monitor, roles, world
 from pipejob.trainer.runtime.world import Env
 
 
-def train(env: Env[HybridSpec]) -> dict[str, Any]:
+def train(env: Env[HybridSpec]) -> HybridSummary:
     """The run: the servers make (or load) the tables, the trainers train, and the summary
     returns, with the trained model written (spec.output)."""
     began = time.perf_counter()
@@ -35,7 +37,7 @@ def train(env: Env[HybridSpec]) -> dict[str, Any]:
     )
     found = checkpoint.latest_for(env)
     resume = None if found is None else _resume(env, found)
-    first = 0 if resume is None else resume["step"]
+    first = 0 if resume is None else resume.step
     if first >= env.spec.steps:
         return _nothing_left(env, found, first)
     _log_start(env, began)
@@ -48,16 +50,17 @@ def train(env: Env[HybridSpec]) -> dict[str, Any]:
 
 def _nothing_left(
     env: Env[HybridSpec], found: checkpoint.Checkpoint | None, first: int
-) -> dict[str, Any]:
+) -> HybridSummary:
     """The summary of a run whose checkpoint holds every step, its model written from the
     checkpoint (spec.output)."""
     output = env.spec.output
     if output is not None and found is not None:  # the model is in the checkpoint
+        manifest = cast(HybridManifest, found.manifest)  # as read (JSON)
         paths = model_writer.export_checkpoint(
-            found.directory, found.manifest, output.path, output.format
+            found.directory, manifest, output.path, output.format
         )
         _log_model_written(env, output.path, paths)
-    return roles.nothing_left(env, first)
+    return HybridSummary(**roles.nothing_left(env, first))
 
 
 def _log_start(env: Env[HybridSpec], began: float) -> None:
@@ -79,11 +82,11 @@ def _log_start(env: Env[HybridSpec], began: float) -> None:
 
 
 def _train_all(
-    env: Env[HybridSpec], resume: dict[str, Any] | None, first: int
-) -> tuple[dict[str, dict[str, Any]], board.Reports]:
+    env: Env[HybridSpec], resume: Resume | None, first: int
+) -> tuple[dict[str, TrainerResults], board.Reports]:
     """Every trainer's results (trainer.train) by name, and the reports they sent meanwhile."""
     trainers = env.names("trainer")
-    samples = 0 if resume is None else resume["samples"]
+    samples = 0 if resume is None else resume.samples
     reports = board.open_reports(env, trainers, first, samples)
     monitor.board().phase("training")
     # A training loop may run for hours: no RPC timeout (0) on it. A trainer that dies fails
@@ -98,10 +101,10 @@ def _train_all(
 
 def _summary(
     env: Env[HybridSpec],
-    results: dict[str, dict[str, Any]],
+    results: dict[str, TrainerResults],
     reports: board.Reports,
     first: int,
-) -> dict[str, Any]:
+) -> HybridSummary:
     """The run's summary, with each server's figures and the loss at each logged step; its
     lines logged."""
     figures = _wait_all([rpc.rpc_async(s, ps.figures, timeout=0) for s in ps.server_names(env)])
@@ -114,23 +117,23 @@ def _summary(
 
 
 def _write_model(
-    env: Env[HybridSpec], summary: dict[str, Any], results: dict[str, dict[str, Any]]
+    env: Env[HybridSpec], summary: HybridSummary, results: dict[str, TrainerResults]
 ) -> list[Path]:
     """The trained model's files (spec.output): the tables from the servers (and the
     replicated ones), the dense module from the first trainer."""
     spec = env.spec
     assert spec.output is not None
-    meta = {
-        "kind": env.kind,
-        "job": env.job,
-        "model": model_writer.model_spec(spec),
-        "metrics": model_writer.metrics(summary),
-        "steps": spec.steps,
-    }
+    meta = ModelInfo(
+        kind=env.kind,
+        job=env.job,
+        model=model_writer.model_spec(spec),
+        metrics=model_writer.metrics(summary),
+        steps=spec.steps,
+    )
     first = results[env.names("trainer")[0]]
-    rows = model_writer.live_rows(ps.server_names(env), spec.placement(), first["replicated"])
+    rows = model_writer.live_rows(ps.server_names(env), spec.placement(), first.replicated)
     paths = model_writer.write(
-        meta["model"], spec.output.path, spec.output.format, rows, first["dense"], meta
+        meta["model"], spec.output.path, spec.output.format, rows, first.dense, meta
     )
     _log_model_written(env, spec.output.path, paths)
     return paths
@@ -140,7 +143,7 @@ def _log_model_written(env: Env[HybridSpec], directory: str, paths: list[Path]) 
     world.log(env, f"wrote the trained model to {directory}: {', '.join(p.name for p in paths)}")
 
 
-def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
+def _resume(env: Env, found: checkpoint.Checkpoint) -> Resume:
     """Load the tables (and their optimizer state) on every server, by table and row range
     whatever the servers that wrote them (ps.Server.load), and the master's RNG state; what
     the trainers need to resume: the dense model's file and the data's position, which hold
@@ -152,7 +155,8 @@ def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
             " saved one table whole: give this job another checkpoint.path"
         )
     directory = str(found.directory)
-    entries = model_writer.server_entries(found.manifest)
+    manifest = cast(HybridManifest, found.manifest)  # as read (JSON)
+    entries = model_writer.server_entries(manifest)
     _wait_all(
         [
             rpc.rpc_async(s, ps.load, args=(directory, entries), timeout=0)
@@ -163,7 +167,6 @@ def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
     checkpoint.set_rng_state(own["rng"])
     batch = env.spec.batch_size * env.spec.trainers.max
     samples = own.get("data", {}).get("samples", found.step * batch)
-    manifest = found.manifest
     shape = {
         "trainer(s)": (manifest.get("trainerCount"), len(env.names("trainer"))),
         "parameter server(s)": (manifest["parameterServers"], len(ps.server_names(env))),
@@ -175,13 +178,13 @@ def _resume(env: Env, found: checkpoint.Checkpoint) -> dict[str, Any]:
         + (f", written by {' and '.join(other)}" if other else ""),
     )
     monitor.board().resumed(found.step)
-    return {
-        "step": found.step,
-        "directory": directory,
-        "dense": found.entry("dense.pt"),
-        "replicated": next((e for e in manifest["files"] if e["name"] == REPLICATED), None),
-        "samples": samples,
-    }
+    return Resume(
+        step=found.step,
+        directory=directory,
+        dense=cast(FileEntry, found.entry("dense.pt")),
+        replicated=next((e for e in manifest["files"] if e["name"] == REPLICATED), None),
+        samples=samples,
+    )
 
 
 def _wait_all(futures: list[torch.futures.Future]) -> list[Any]:

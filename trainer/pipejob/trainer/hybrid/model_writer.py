@@ -11,7 +11,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NotRequired, TypedDict, cast
 
 import torch
 import torch.distributed.rpc as rpc
@@ -19,6 +19,7 @@ import torch.distributed.rpc as rpc
 from pipejob.core.kinds.hybrid import ONE_TABLE, HybridSpec
 from pipejob.core.kinds.tables import Shard
 from pipejob.trainer.hybrid import ps
+from pipejob.trainer.hybrid.records import Evaluation, FileEntry, HybridSummary, SavedServer
 from pipejob.trainer.hybrid.replicated import FILE as REPLICATED
 from pipejob.trainer.runtime import checkpoint, model_files
 
@@ -36,32 +37,125 @@ CHUNK_BYTES = 64 << 20
 Rows = Callable[[str, int, int], torch.Tensor]  # rows start..stop-1 of a table
 
 
-def model_spec(spec: HybridSpec) -> dict[str, Any]:
+class TableSection(TypedDict):
+    """A table of spec.embeddings, in the model's spec."""
+
+    name: str
+    rows: int
+    dim: int
+    mode: str
+    feature: str
+
+
+class OneTableSection(TypedDict):
+    """spec.embedding's one table, in the model's spec."""
+
+    numEmbeddings: int
+    dim: int
+    mode: str
+
+
+class DlrmSection(TypedDict):
+    """The built-in DLRM's hidden widths."""
+
+    bottom: list[int]
+    top: list[int]
+
+
+# The dense part: the built-in DLRM's widths, or the user's module ("import", a Python word)
+# and its args; with spec.embedding, its outFeatures first.
+DenseSection = TypedDict(
+    "DenseSection",
+    {"outFeatures": int, "dlrm": DlrmSection, "import": str, "args": dict[str, Any]},
+    total=False,
+)
+
+
+class ModelSpec(TypedDict):
+    """The spec's model sections (the manifest's and model.json's "model"): the tables
+    (spec.embeddings) or the one table (spec.embedding), and the dense part."""
+
+    embeddings: NotRequired[list[TableSection]]
+    embedding: NotRequired[OneTableSection]
+    dense: DenseSection
+
+
+class Metrics(TypedDict, total=False):
+    """The figures of the trained model that the run has (model.json's and the manifest's
+    "metrics"), in METRICS' order."""
+
+    firstLoss: float
+    finalLoss: float
+    evalLoss: float
+    evalAccuracy: float
+    evalAuc: float
+    evalSamples: int
+    evalStep: int
+
+
+class ModelInfo(TypedDict):
+    """model.json, less the format and the files' names (model_files.write_info adds them):
+    the run's kind, job, model and metrics, its steps, and the checkpoint it came from
+    (`pipejob export`)."""
+
+    kind: str | None
+    job: str | None
+    model: ModelSpec
+    metrics: Metrics
+    steps: int
+    checkpoint: NotRequired[str]
+
+
+class HybridManifest(TypedDict):
+    """A HybridJob checkpoint's manifest.json as read (runtime/checkpoint.py writes its
+    first keys; board.write_manifest the rest): an older pipejob's may lack some."""
+
+    format: int
+    step: int
+    time: float
+    files: list[FileEntry]
+    index: dict[str, str]
+    kind: NotRequired[str]
+    job: NotRequired[str]
+    trainerCount: NotRequired[int]
+    parameterServers: NotRequired[int]
+    model: ModelSpec
+    metrics: NotRequired[Metrics]
+
+
+def model_spec(spec: HybridSpec) -> ModelSpec:
     """The spec's model sections, as in the manifest: what a reader needs to rebuild it."""
     dense = spec.dense
-    section: dict[str, Any] = {}
+    section = DenseSection()
     if dense.import_ is not None:
-        section = {"import": dense.import_, "args": dense.args}
+        section = DenseSection({"import": dense.import_, "args": dense.args})
     if spec.embedding is not None:
         one = spec.embedding
-        return {
-            "embedding": {"numEmbeddings": one.num_embeddings, "dim": one.dim, "mode": one.mode},
-            "dense": {"outFeatures": dense.out_features, **section},
-        }
+        return ModelSpec(
+            embedding=OneTableSection(numEmbeddings=one.num_embeddings, dim=one.dim, mode=one.mode),
+            dense=DenseSection(outFeatures=dense.out_features, **section),
+        )
     if dense.import_ is None:
-        section = {"dlrm": {"bottom": list(dense.dlrm.bottom), "top": list(dense.dlrm.top)}}
+        section = DenseSection(
+            dlrm=DlrmSection(bottom=list(dense.dlrm.bottom), top=list(dense.dlrm.top))
+        )
     tables = [
-        {"name": t.name, "rows": t.rows, "dim": t.dim, "mode": t.mode, "feature": t.feature}
+        TableSection(name=t.name, rows=t.rows, dim=t.dim, mode=t.mode, feature=t.feature)
         for t in spec.embeddings
     ]
-    return {"embeddings": tables, "dense": section}
+    return ModelSpec(embeddings=tables, dense=section)
 
 
-def metrics(summary: dict[str, Any]) -> dict[str, Any]:
-    return {k: summary[k] for k in METRICS if summary.get(k) is not None}
+def metrics(figures: HybridSummary | Evaluation | None) -> Metrics:
+    """The figures among METRICS that `figures` (a run's summary, or its latest evaluation)
+    has, not None."""
+    if figures is None:
+        return Metrics()
+    found = {k: figures[k] for k in METRICS if figures.get(k) is not None}
+    return cast(Metrics, found)
 
 
-def server_entries(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+def server_entries(manifest: HybridManifest) -> list[FileEntry]:
     """The manifest's entries of the servers' files (ps<i>.pt): the tables' shards."""
     return [e for e in manifest["files"] if e["name"].startswith("ps")]
 
@@ -112,13 +206,15 @@ def live_rows(
     )
 
 
-def saved_rows(directory: str | Path, manifest: dict[str, Any]) -> Rows:
+def saved_rows(directory: str | Path, manifest: HybridManifest) -> Rows:
     """The tables' rows from a checkpoint's server files, mapped (each checked against the
     manifest first), and its replicated tables."""
     shards = []
     for entry in server_entries(manifest):
         checkpoint.load_part(directory, entry)  # checks its size and checksum
-        state = torch.load(Path(directory) / entry["name"], mmap=True, weights_only=True)
+        state: SavedServer = torch.load(
+            Path(directory) / entry["name"], mmap=True, weights_only=True
+        )
         for q in state["pieces"]:
             fetch = lambda lo, hi, q=q: q["weight"][lo - q["start"] : hi - q["start"]]  # noqa: E731
             shards.append((q["table"], q["start"], q["stop"], q.get("column", 0), fetch))
@@ -132,12 +228,12 @@ def saved_rows(directory: str | Path, manifest: dict[str, Any]) -> Rows:
 
 
 def write(
-    model: dict[str, Any],
+    model: ModelSpec,
     out: str | Path,
     format: str,
     rows: Rows,
     dense: dict[str, torch.Tensor],
-    meta: dict[str, Any],
+    meta: ModelInfo,
 ) -> list[Path]:
     """Write the files of `model` (a `model_spec`) and model.json (`meta` plus the format and
     the file names) into the directory `out`; the paths written. spec.embeddings: one file,
@@ -235,7 +331,7 @@ def _stream(
 
 
 def export_checkpoint(
-    directory: str | Path, manifest: dict[str, Any], out: str | Path, format: str = "safetensors"
+    directory: str | Path, manifest: HybridManifest, out: str | Path, format: str = "safetensors"
 ) -> list[Path]:
     """The output files from a complete HybridJob checkpoint: `directory` is its step
     directory and `manifest` its manifest.json (as read); the tables come from the servers'
@@ -247,12 +343,12 @@ def export_checkpoint(
             " checkpoint of a job with embedding tables"
         )
     dense = checkpoint.load_part(directory, entries["dense.pt"])["model"]
-    meta = {
-        "kind": manifest.get("kind"),
-        "job": manifest.get("job"),
-        "model": manifest["model"],
-        "metrics": manifest.get("metrics", {}),
-        "steps": manifest["step"],
-        "checkpoint": str(directory),
-    }
+    meta = ModelInfo(
+        kind=manifest.get("kind"),
+        job=manifest.get("job"),
+        model=manifest["model"],
+        metrics=manifest.get("metrics", Metrics()),
+        steps=manifest["step"],
+        checkpoint=str(directory),
+    )
     return write(manifest["model"], out, format, saved_rows(directory, manifest), dense, meta)

@@ -16,17 +16,25 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
 from pipejob.core.kinds.hybrid import HybridSpec
-from pipejob.core.kinds.tables import Shard
+from pipejob.core.kinds.tables import Shard, Table
 from pipejob.trainer.hybrid import sparse_optimizers
 from pipejob.trainer.hybrid.pooling import Pooled, groups, pool, row_gradients
+from pipejob.trainer.hybrid.records import (
+    FileEntry,
+    SavedServer,
+    SavedShard,
+    ServerFigures,
+    ServerSize,
+)
 from pipejob.trainer.runtime import checkpoint, world
+from pipejob.trainer.runtime.checkpoint import TorchState
 from pipejob.trainer.workloads.recsys import BLOCK, initial_rows
 
 Future = torch.futures.Future
 
 
 def group_parameter(
-    shards: list[Shard], members: list[int], tables: dict[str, Any], seed: int
+    shards: list[Shard], members: list[int], tables: dict[str, Table], seed: int
 ) -> nn.Parameter:
     """A group's shards at their initial rows, one after the other, made a block at a time
     (no shard is ever held twice)."""
@@ -86,8 +94,9 @@ class Server:
     ) -> Future:
         """A trainer's call of a step: the gradients of its last lookup and its piece of the
         dense model's gradients (None: none pending; averaged elsewhere), this step's ids
-        (None: a flush). Its value: (the pooled embeddings (batch, the pieces' widths side by
-        side) or None, the trainers' average of the dense piece once all are in, or None)."""
+        (None: a flush). Its value: (the pooled embeddings, flat: each shard's (batch, width)
+        after the last, in the server's order; or None, the trainers' average of the dense
+        piece once all are in, or None)."""
         with self.lock:
             if grads is not None:
                 self._collect(trainer, grads, dense)
@@ -136,12 +145,14 @@ class Server:
                 f"ps{self.index}: gradients from {trainer} without a lookup of"
                 " its own awaiting them"
             )
-        # The reply holds the groups side by side, each (batch, its shards x its width).
+        # The reply holds the shards one after another, each's bags (batch, width): a group's
+        # part of its gradient is its bags' as the group pooled them (a view, no copy).
         widths = [len(members) * dim for _, dim, members in self.groups]
+        batch = grads.numel() // sum(widths)
         self.collected[trainer] = [
-            row_gradients(pooled, _bags(grad, len(members), dim))
-            for pooled, grad, (_, dim, members) in zip(
-                lookup, grads.split(widths, dim=1), self.groups, strict=True
+            row_gradients(pooled, grad.view(-1, dim))
+            for pooled, grad, (_, dim, _) in zip(
+                lookup, grads.split([batch * w for w in widths]), self.groups, strict=True
             )
         ]
         if dense is not None:
@@ -171,25 +182,23 @@ class Server:
 
     def lookup(self, ids: torch.Tensor, lengths: torch.Tensor, trainer: str | None) -> torch.Tensor:
         """Pool `ids` (every shard's local row ids, concatenated, in the server's order) by
-        `lengths` (shards, batch); keep the graph for `trainer`'s gradients (None: none)."""
-        batch = lengths.shape[1]
+        `lengths` (shards, batch); keep the graph for `trainer`'s gradients (None: none).
+        The pooled bags, flat, shard after shard (`exchange`): no copy to lay them out."""
         per_piece = lengths.sum(1)
         # Each id as a row of its group's parameter: the shard's row plus the shard's first.
         ids = ids + torch.repeat_interleave(self.first_rows, per_piece)
         one = len(self.groups) == 1  # the usual: no split, no gather, no join
         chunks = [ids] if one else ids.split([int(per_piece[m].sum()) for _, _, m in self.groups])
         outs, kept = [], []
-        for (mode, dim, members), weight, chunk in zip(
-            self.groups, self.joined, chunks, strict=True
-        ):
+        for (mode, _, members), weight, chunk in zip(self.groups, self.joined, chunks, strict=True):
             counts = (lengths if one else lengths[members]).reshape(-1)
             out, pooled = pool(weight, mode, chunk, counts, trainer is not None)
-            outs.append(out.view(len(members), batch, dim).transpose(0, 1).reshape(batch, -1))
+            outs.append(out.view(-1))  # shard after shard, as it pooled them
             if pooled is not None:
                 kept.append(pooled)
         if trainer is not None:
             self.kept[trainer] = kept
-        return outs[0] if one else torch.cat(outs, dim=1)
+        return outs[0] if one else torch.cat(outs)
 
     # ---- what the master reads
 
@@ -197,7 +206,7 @@ class Server:
         """Rows start..stop-1 of shard k (shard-relative), copied."""
         return self.weights[k].detach()[start:stop].clone()
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> ServerFigures:
         """The squared norms of the tables at initialization and of their change since, and
         the rows this server updated (summed over steps)."""
         tables = {t.name: t for t in self.spec.embeddings}
@@ -209,17 +218,18 @@ class Server:
                 start = made[:, p.columns]
                 initial += float(start.double().pow(2).sum())
                 change += float((weight.detach()[lo:hi] - start).double().pow(2).sum())
-        return {
-            "initialSquares": initial,
-            "changeSquares": change,
-            "steps": self.steps,
-            "rowsUpdated": self.rows_updated,
-        }
+        return ServerFigures(
+            initialSquares=initial,
+            changeSquares=change,
+            steps=self.steps,
+            rowsUpdated=self.rows_updated,
+        )
 
     # ---- checkpoints: shards by table and row range, so any other split can load them
 
-    def piece_state(self, k: int) -> dict[str, Any]:
-        """Shard k's optimizer state: its rows of its group's per-row tensors, and the counts."""
+    def piece_state(self, k: int) -> TorchState:
+        """Shard k's optimizer state (torch's, of its group's parameter): its rows of the
+        per-row tensors, and the counts."""
         rows = slice(self.first[k], self.first[k] + self.shards[k].rows)
         assert self.optimizer is not None  # a server with a shard has one
         state = self.optimizer.state.get(self.joined[self.group_of[k]], {})
@@ -228,23 +238,23 @@ class Server:
             for key, value in state.items()
         }
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> SavedServer:
         """Every shard by table and row range (views of the groups: torch.save writes each
         group's storage once)."""
         shards = [
-            {
-                "table": p.table,
-                "start": p.start,
-                "stop": p.stop,
-                "column": p.column,
-                "weight": weight,
-                "state": self.piece_state(k),
-            }
+            SavedShard(
+                table=p.table,
+                start=p.start,
+                stop=p.stop,
+                column=p.column,
+                weight=weight,
+                state=self.piece_state(k),
+            )
             for k, (p, weight) in enumerate(zip(self.shards, self.weights, strict=True))
         ]
-        return {"optimizer": self.spec.sparse_optimizer.name, "pieces": shards}
+        return SavedServer(optimizer=self.spec.sparse_optimizer.name, pieces=shards)
 
-    def load(self, saved: list[tuple[str, dict[str, Any]]]) -> None:
+    def load(self, saved: list[tuple[str, SavedServer]]) -> None:
         """Load every shard's rows and optimizer state from the saved servers' states
         (`state`, by file name): from whichever hold its rows, however they were split."""
         for name, s in saved:
@@ -256,7 +266,7 @@ class Server:
         for k in range(len(self.shards)):
             self._load_piece(k, saved)
 
-    def _load_piece(self, k: int, saved: list[tuple[str, dict[str, Any]]]) -> None:
+    def _load_piece(self, k: int, saved: list[tuple[str, SavedServer]]) -> None:
         """Shard k's rows and their optimizer state, from every saved shard overlapping it
         (in rows and columns)."""
         p, first, weight = self.shards[k], self.first[k], self.joined[self.group_of[k]]
@@ -293,12 +303,6 @@ class Server:
             )
 
 
-def _bags(grad: torch.Tensor, shards: int, dim: int) -> torch.Tensor:
-    """A group's columns of a reply's gradient (batch, shards x dim) as its bags' (shards x
-    batch, dim), shard after shard, as the group pooled them."""
-    return grad.reshape(len(grad), shards, dim).transpose(0, 1).reshape(-1, dim)
-
-
 def _outcome(work: Callable[[], Any], future: Future) -> tuple[Future, Any, BaseException | None]:
     """`work` run: (its future, its value, None) or (its future, None, what it raised)."""
     try:
@@ -332,13 +336,15 @@ def hosted() -> Server:
     return _SERVER
 
 
-def start(trainers: int) -> dict[str, Any]:
+def start(trainers: int) -> ServerSize:
     """Runs on a parameter server (the master calls it first): make its shards of the
     tables at their initial rows. Returns what it holds."""
     global _SERVER
     env = world.current()
     _SERVER = Server(env.spec, env.role_index, trainers)
-    return {"pieces": len(_SERVER.shards), "parameters": sum(w.numel() for w in _SERVER.weights)}
+    return ServerSize(
+        pieces=len(_SERVER.shards), parameters=sum(w.numel() for w in _SERVER.weights)
+    )
 
 
 @rpc.functions.async_execution
@@ -368,7 +374,7 @@ def save(directory: str) -> Future:
     return server.read(lambda: checkpoint.save_part(directory, name, server.state()))
 
 
-def load(directory: str, entries: list[dict[str, Any]]) -> None:
+def load(directory: str, entries: list[FileEntry]) -> None:
     """Load this server's shards from the servers' files of a checkpoint (`entries`, from
     its manifest), mapped, not read whole: only the rows it holds are paged in."""
     saved = []

@@ -8,7 +8,7 @@ with their optimizer state). docs/architecture.md, "A HybridJob's step"."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from torch import nn
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.core.kinds.tables import replicated
 from pipejob.trainer.hybrid import sparse_optimizers
+from pipejob.trainer.hybrid.records import FileEntry, Resume
 from pipejob.trainer.runtime import checkpoint
 from pipejob.trainer.workloads.recsys import initial_rows
 from pipejob.trainer.workloads.samples import Batch
@@ -28,7 +29,7 @@ class Replicated:
     """The replicated tables of a trainer, their sparse optimizer, and the rows its last
     lookup touched."""
 
-    def __init__(self, spec: HybridSpec, device: torch.device, resume: dict[str, Any] | None):
+    def __init__(self, spec: HybridSpec, device: torch.device, resume: Resume | None):
         self.tables = replicated(spec.embeddings)
         self.bags = nn.ModuleDict()
         for t in self.tables:  # dense gradients: all-reduced whole, the tables are small
@@ -40,16 +41,17 @@ class Replicated:
         self.device = device
         self.touched: dict[str, torch.Tensor] = {}
         if resume is not None and self.optimizer is not None:
-            self._load(resume["directory"], resume.get("replicated"))
+            self._load(resume.directory, resume.replicated)
 
-    def save(self, directory: str) -> list[dict[str, Any]]:
+    def save(self, directory: str) -> list[FileEntry]:
         """Write the tables and their optimizer state as replicated.pt in `directory` (by
         DDP rank 0: every trainer holds the same); its manifest entry, if any tables."""
         if self.optimizer is None:
             return []
-        return [checkpoint.save_module(directory, FILE, self.bags, {"tables": self.optimizer})]
+        entry = checkpoint.save_module(directory, FILE, self.bags, {"tables": self.optimizer})
+        return [cast(FileEntry, entry)]
 
-    def _load(self, directory: str, entry: dict[str, Any] | None) -> None:
+    def _load(self, directory: str, entry: FileEntry | None) -> None:
         """The tables and their optimizer state from a checkpoint's replicated.pt."""
         if entry is None:
             names = ", ".join(t.name for t in self.tables)

@@ -39,7 +39,8 @@ class Router:
         self.servers = [i for i, shards in enumerate(placement) if shards]
         self.places: dict[str, list[Place]] = {t.name: [] for t in self.tables}
         self.held = [len(placement[index]) for index in self.servers]  # shards per server
-        self.widths = [[p.dim for p in placement[index]] for index in self.servers]
+        # A reply's runs of shards of one width (count, width): each a view of it.
+        self.runs = [_runs([p.dim for p in placement[index]]) for index in self.servers]
         for s, index in enumerate(self.servers):
             column = 0
             for position, shard in enumerate(placement[index]):
@@ -113,11 +114,7 @@ class Router:
     ) -> dict[str, torch.Tensor]:
         """Each table's pooled embeddings (batch, dim) from the servers' replies."""
         out = {}
-        # One split a reply, not a slice a shard: its backward is one cat, where every
-        # slice's would fill a reply-sized gradient and add them up.
-        split = [
-            reply.split(widths, dim=1) for reply, widths in zip(replies, self.widths, strict=True)
-        ]
+        split = [_shards(reply, runs) for reply, runs in zip(replies, self.runs, strict=True)]
         for name, (server, position) in self.alone.items():
             out[name] = split[server][position]
         for table in self.pooled_here:
@@ -154,3 +151,27 @@ def _whole(
     if len(rows) > 1:
         rows = torch.repeat_interleave(rows, lengths.sum(1))
     return torch.remainder(ids, rows), lengths
+
+
+def _runs(widths: list[int]) -> list[tuple[int, int]]:
+    """Runs of equal `widths` (a server's shards'), in order: (shards, width)."""
+    runs: list[tuple[int, int]] = []
+    for width in widths:
+        if runs and runs[-1][1] == width:
+            runs[-1] = (runs[-1][0] + 1, width)
+        else:
+            runs.append((1, width))
+    return runs
+
+
+def _shards(reply: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """A server's reply (flat: each shard's pooled bags (batch, width) after the last) as
+    its shards' (batch, width), views: one unbind a run, whose backward is one stack, where
+    a slice a shard would each fill a reply-sized gradient and add them up."""
+    batch = reply.numel() // sum(count * width for count, width in runs)
+    blocks = [reply] if len(runs) == 1 else reply.split([n * batch * w for n, w in runs])
+    return [
+        shard
+        for block, (count, width) in zip(blocks, runs, strict=True)
+        for shard in block.view(count, batch, width).unbind(0)
+    ]

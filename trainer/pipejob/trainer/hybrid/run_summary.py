@@ -4,43 +4,47 @@ and checks that the trainers' dense replicas agree and read no sample twice in o
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import cast
 
 from pipejob.trainer.hybrid.board import evaluation_text, sample_noun
+from pipejob.trainer.hybrid.records import (
+    Evaluation,
+    HybridSummary,
+    ServerCounts,
+    ServerFigures,
+    TrainerFigures,
+    TrainerResults,
+)
 from pipejob.trainer.runtime import memory, monitor, roles
 from pipejob.trainer.runtime.world import Env
 
 
 def summarize(
     env: Env,
-    results: dict[str, dict[str, Any]],
-    servers: dict[str, dict[str, Any]],
+    results: dict[str, TrainerResults],
+    servers: dict[str, ServerFigures],
     first: int,
-    evaluation: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    evaluation: Evaluation | None = None,
+) -> HybridSummary:
     """The run's summary from each trainer's results (trainer.train), each server's figures
-    (ps.Server.figures), the step the run resumed from and the last held-out evaluation
-    (evalLoss, evalAccuracy, evalAuc, evalSamples, evalStep), if any. Asks every member of
-    the world for its peak memory (runtime/memory.py)."""
+    (ps.Server.figures), the step the run resumed from and the last held-out evaluation, if
+    any. Asks every member of the world for its peak memory (runtime/memory.py)."""
     peaks = memory.gather(env)
     for member, figures in peaks.items():
         monitor.board().memory(member, figures)  # the last /progress report has them too
     names = list(results)
     # The dense weights and the replicated tables: the same on every trainer.
-    held = {n: {**r["dense"], **r["replicated"]} for n, r in results.items()}
+    held = {n: {**r.dense, **r.replicated} for n, r in results.items()}
     dense_diff = max(
         (w - held[names[0]][k]).abs().max().item() for h in held.values() for k, w in h.items()
     )
     # (epoch, sample) pairs: a sample read twice in one pass over the data is a repeat.
-    read = [{tuple(pair) for pair in r["read"].tolist()} for r in results.values()]
+    read = [{tuple(pair) for pair in r.read.tolist()} for r in results.values()]
     repeated = sum(len(s) for s in read) - len(set().union(*read))
-    per_trainer = {
-        name: {k: v for k, v in r.items() if k not in ("dense", "replicated", "read")}
-        for name, r in results.items()
-    }
-    seconds = max(r["seconds"] for r in results.values())
-    samples = sum(r["steps"] * r["share"] for r in results.values())
-    return roles.summary(
+    trained = {name: r.figures for name, r in results.items()}
+    seconds = max(t["seconds"] for t in trained.values())
+    samples = sum(t["steps"] * t["share"] for t in trained.values())
+    summary = roles.summary(
         env,
         env.spec.steps - first,
         first,
@@ -50,23 +54,25 @@ def summarize(
         seconds=seconds,
         samplesPerSecond=samples / seconds,
         # Each trainer's loss is weighted by its share of the batch: their mean is the batch's.
-        firstLoss=sum(r["firstLoss"] for r in results.values()) / len(names),
-        finalLoss=sum(r["finalLoss"] for r in results.values()) / len(names),
+        firstLoss=sum(t["firstLoss"] for t in trained.values()) / len(names),
+        finalLoss=sum(t["finalLoss"] for t in trained.values()) / len(names),
         denseMaxAbsDiff=dense_diff,
         embeddingNormBefore=math.sqrt(sum(s["initialSquares"] for s in servers.values())),
         embeddingChangeNorm=math.sqrt(sum(s["changeSquares"] for s in servers.values())),
         samplesRepeated=repeated,
         **(evaluation or {}),
-        perTrainer=per_trainer,
+        perTrainer=trained,
         perServer={
-            name: {"rowsUpdated": s["rowsUpdated"], "steps": s["steps"]}
+            name: ServerCounts(rowsUpdated=s["rowsUpdated"], steps=s["steps"])
             for name, s in servers.items()
         },
         memory=peaks,
     )
+    return cast(HybridSummary, summary)  # roles.summary: its keys, then these
 
 
-def render(s: dict[str, Any]) -> list[str]:
+def render(s: HybridSummary) -> list[str]:
+    """The summary's lines, as the master logs them."""
     lines = [
         f"done: {s['steps']} steps x {s['batchSize']} {sample_noun()} on {s['trainers']} trainer(s)"
         f" in {s['seconds']:.2f}s, {s['samplesPerSecond']:,.0f} samples/s",
@@ -80,8 +86,8 @@ def render(s: dict[str, Any]) -> list[str]:
         + _reader_peaks(s["perTrainer"]),
         *(
             [
-                f"held-out: {evaluation_text(s)} on {s['evalSamples']} {sample_noun()}"
-                f" (after step {s['evalStep']})"
+                f"held-out: {evaluation_text(s['evalLoss'], s['evalAccuracy'], s['evalAuc'])}"
+                f" on {s['evalSamples']} {sample_noun()} (after step {s['evalStep']})"
             ]
             if s.get("evalLoss") is not None
             else []
@@ -100,7 +106,7 @@ def render(s: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _reader_peaks(trainers: dict[str, dict[str, Any]]) -> str:
+def _reader_peaks(trainers: dict[str, TrainerFigures]) -> str:
     """Click logs' readers: the most they held at once, whatever the logs' size."""
     peaks = {
         name: t["readerPeakBytes"]

@@ -12,7 +12,6 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer import workloads
 from pipejob.trainer.hybrid import board, evaluate, ps
 from pipejob.trainer.hybrid.dense_step import DenseStep, broadcast_weights, kept_buffers
+from pipejob.trainer.hybrid.records import Resume, TrainerFigures, TrainerResults
 from pipejob.trainer.hybrid.replicated import Replicated
 from pipejob.trainer.hybrid.router import Routed, Router
 from pipejob.trainer.runtime import checkpoint, nonfinite, optim, profiling, world
@@ -152,16 +152,16 @@ class Trained:
     seconds: float
 
 
-def train(resume: dict[str, Any] | None = None) -> dict[str, Any]:
+def train(resume: Resume | None = None) -> TrainerResults:
     """One trainer's whole loop; the master calls it over RPC and gets its results. With
     `resume` (see master._resume) it continues after the checkpoint's step."""
     env: Env[HybridSpec] = world.current()
-    first = 0 if resume is None else resume["step"]
+    first = 0 if resume is None else resume.step
     trainer = _set_up(env, resume)
     return _results(trainer, first, _loop(trainer, first))
 
 
-def _set_up(env: Env[HybridSpec], resume: dict[str, Any] | None) -> Trainer:
+def _set_up(env: Env[HybridSpec], resume: Resume | None) -> Trainer:
     """The dense model, the tables' side, and the data from the run's position (the dense
     module checked to fit it first)."""
     assert env.ddp_rank is not None and env.ddp_world_size is not None
@@ -191,13 +191,13 @@ def _set_up(env: Env[HybridSpec], resume: dict[str, Any] | None) -> Trainer:
         tables=Tables(env, router),
         replicated=Replicated(spec, device, resume),
         batch=batch,
-        batches=read(0 if resume is None else resume["samples"]),
+        batches=read(0 if resume is None else resume.samples),
         held_out=_held_out_batches(env, spec, router),
     )
 
 
 def _dense_model(
-    spec: HybridSpec, dataset: samples.Samples, device: torch.device, resume: dict[str, Any] | None
+    spec: HybridSpec, dataset: samples.Samples, device: torch.device, resume: Resume | None
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The dense module (restored from the checkpoint with `resume`), at DDP rank 0's
     weights on every trainer, and its optimizer (the servers step the tables)."""
@@ -205,7 +205,7 @@ def _dense_model(
     module = workloads.hybrid_dense(spec, len(samples.first(dataset)[0])).to(device)
     restored = None
     if resume is not None:
-        restored = checkpoint.load_part(resume["directory"], resume["dense"])
+        restored = checkpoint.load_part(resume.directory, resume.dense)
         module.load_state_dict(restored["model"])
     broadcast_weights(module)  # rank 0's, as DDP would
     optimizer = optim.build(spec.optimizer, module.named_parameters())
@@ -264,28 +264,32 @@ def _once_each(read: list[tuple[list[int], list[int]]]) -> torch.Tensor:
     return torch.stack([keys // span, keys % span], dim=1)
 
 
-def _results(t: Trainer, first: int, trained: Trained) -> dict[str, Any]:
+def _results(t: Trainer, first: int, trained: Trained) -> TrainerResults:
     """The trainer's results, for the master's summary (run_summary.py)."""
     spec, steps = t.env.spec, t.env.spec.steps
     params = zip(t.module.parameters(), t.initial, strict=True)
     moved = [(p.detach() - q).flatten() for p, q in params]
-    return {
-        "ddpRank": t.env.ddp_rank,
-        "steps": steps - first,
-        "batchSize": spec.batch_size,
-        "seconds": trained.seconds,
-        "samplesPerSecond": (steps - first) * trained.share / trained.seconds,
-        "firstLoss": trained.first_loss,
-        "finalLoss": trained.loss.item(),
-        "denseChangeNorm": torch.cat(moved).norm().item(),
-        "share": trained.share,
-        "samplesRead": len(torch.unique(trained.seen[:, 1])),
+    assert t.env.ddp_rank is not None
+    figures = TrainerFigures(
+        ddpRank=t.env.ddp_rank,
+        steps=steps - first,
+        batchSize=spec.batch_size,
+        seconds=trained.seconds,
+        samplesPerSecond=(steps - first) * trained.share / trained.seconds,
+        firstLoss=trained.first_loss,
+        finalLoss=trained.loss.item(),
+        denseChangeNorm=torch.cat(moved).norm().item(),
+        share=trained.share,
+        samplesRead=len(torch.unique(trained.seen[:, 1])),
         # Click logs: the most bytes of lines the reader held at once (its shuffle windows).
-        "readerPeakBytes": getattr(t.dataset, "most_held", None),
-        "read": trained.seen,
-        "dense": {k: v.detach().cpu() for k, v in t.module.state_dict().items()},
-        "replicated": t.replicated.state(),
-    }
+        readerPeakBytes=getattr(t.dataset, "most_held", None),
+    )
+    return TrainerResults(
+        figures=figures,
+        read=trained.seen,
+        dense={k: v.detach().cpu() for k, v in t.module.state_dict().items()},
+        replicated=t.replicated.state(),
+    )
 
 
 def _held_out_batches(env: Env, spec: HybridSpec, router: Router) -> list[Batch] | None:

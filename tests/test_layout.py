@@ -8,7 +8,9 @@
 - Every module says what it is for in a docstring, and stays under 400 lines unless that
   docstring says why it is longer ("over 400 lines because ...", "long because ...").
 - A reader takes each function in at once (60 lines at most), tells modules and classes
-  apart by their names, and reads the formatter's one style (no line opts out of it)."""
+  apart by their names, and reads the formatter's one style (no line opts out of it).
+- Past the parser and the Kubernetes boundary no signature takes or returns an untyped
+  mapping, and such a mapping has a name only where it crosses a boundary."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -273,3 +276,68 @@ def test_the_formatter_is_switched_off_nowhere() -> None:
     )
     assert found.returncode in (0, 1), found.stderr  # 1: git found none
     assert not found.stdout, f"configure the formatter in pyproject.toml instead: {found.stdout}"
+
+
+# Where a mapping's shape is not ours: the parser reads the manifest as written, Kubernetes
+# sends its objects. Past these modules the spec is its kind's typed settings and our own
+# shapes are dataclasses or TypedDicts (issue 62).
+PARSER_AND_KUBERNETES = (
+    "core/spec.py",
+    "core/schema.py",
+    "core/validate.py",
+    "core/common_spec.py",
+    "core/kinds/",
+    "core/k8s.py",
+    "operator/kube.py",
+    "operator/apidoc.py",
+)
+# The untyped shapes that cross a boundary, each named where it is defined: a Kubernetes
+# object, what torch's state_dict() gives, the spec as the parser (and a pod's env) holds it,
+# the keyword arguments a user's module is called with.
+BOUNDARY_TYPES = {"KubeObject", "TorchState", "RawSpec", "ForwardKwargs"}
+UNTYPED = re.compile(r"\bdict\b(?!\[)|\b(dict|Dict|Mapping|MutableMapping)\[str, (Any|object)\]")
+
+
+def _past_the_parser(path: Path) -> bool:
+    if not path.is_relative_to(OPERATOR):
+        return True
+    return not str(path.relative_to(OPERATOR)).startswith(PARSER_AND_KUBERNETES)
+
+
+def _annotations(node: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[str]:
+    a = node.args
+    params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+    for note in [*(p.annotation for p in params if p is not None), node.returns]:
+        if note is not None:
+            yield ast.unparse(note)
+
+
+def test_no_untyped_mapping_in_a_signature_past_the_parser() -> None:
+    """Past the parser and the Kubernetes boundary a function takes and returns typed shapes
+    (docs/architecture.md, "Glossary")."""
+    found = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {note}"
+        for path in [*_modules(OPERATOR), *_modules(TRAINER)]
+        if _past_the_parser(path)
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        for note in _annotations(node)
+        if UNTYPED.search(note)
+    ]
+    assert not found, f"type these (a dataclass, a TypedDict or a boundary type): {found}"
+
+
+def test_an_untyped_mapping_is_named_only_at_a_boundary() -> None:
+    """An alias of `dict[str, Any]` is one of the boundary types, so the rule above is not
+    passed by a new name for the same thing."""
+    named = {
+        target.id: str(path.relative_to(ROOT))
+        for path in [*_modules(OPERATOR), *_modules(TRAINER)]
+        for node in ast.parse(path.read_text(), str(path)).body
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        and node.value is not None
+        and UNTYPED.fullmatch(ast.unparse(node.value))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name)
+    }
+    assert set(named) <= BOUNDARY_TYPES, f"type these shapes instead: {named}"

@@ -24,7 +24,7 @@ from pipejob.core import plan, spec
 from pipejob.runner.local import LOOPBACK, free_ports
 from pipejob.trainer import pipeline
 from pipejob.trainer.pipeline import trained_model
-from pipejob.trainer.pipeline.run_json import ModelInfo
+from pipejob.trainer.pipeline.run_json import PipelineModelInfo
 from pipejob.trainer.runtime import checkpoint, model_files, world
 
 pytestmark = pytest.mark.timeout(300)
@@ -120,7 +120,7 @@ def test_a_model_over_the_limit_goes_out_as_shards_and_loads_back(name: str, tmp
     assert files_of(out) == sorted([*files, index_name, "model.json", *extra])
     info = json.loads((out / "model.json").read_text())
     assert info["format"] == format and info["steps"] == steps
-    assert set(info) - {"format", "files"} == ModelInfo.__required_keys__  # run_json's
+    assert set(info) - {"format", "files"} == PipelineModelInfo.__required_keys__  # run_json's
     assert sorted(info["files"].values()) == sorted([*files, index_name])
 
     # Each stage wrote exactly its state; the master the rest.

@@ -9,10 +9,14 @@ import sys
 import time
 import traceback
 import warnings
+from typing import TYPE_CHECKING
 
 from pipejob.core.contract import BROKEN_PREFIX, ExitCode, permanent_message
 from pipejob.trainer.runtime import monitor, tuning, watchdog
 from pipejob.trainer.runtime.failures import lost_peer, one_line, permanent_reason
+
+if TYPE_CHECKING:
+    from pipejob.trainer.runtime.roles import SummaryBase
 from pipejob.trainer.runtime.world import (
     ContractError,
     Env,
@@ -25,7 +29,7 @@ from pipejob.trainer.runtime.world import (
 )
 
 
-def run(env: Env) -> dict | None:
+def run(env: Env) -> SummaryBase | None:
     """Check the world's network, then run this process's role; the master returns the
     run's summary. A master started alone (MASTER_FIRST) first checks what it can by itself."""
     began = time.monotonic()

@@ -18,7 +18,7 @@ import torch.distributed.rpc as rpc
 from pipejob.core.kinds import tables
 from pipejob.core.kinds.hybrid import HybridSpec
 from pipejob.trainer.hybrid import board, model_writer, ps, trainer
-from pipejob.trainer.hybrid.model_writer import HybridManifest, ModelInfo
+from pipejob.trainer.hybrid.model_writer import HybridManifest, HybridModelInfo
 from pipejob.trainer.hybrid.records import FileEntry, HybridSummary, Resume, TrainerResults
 from pipejob.trainer.hybrid.replicated import FILE as REPLICATED
 from pipejob.trainer.hybrid.run_summary import render, summarize
@@ -123,7 +123,7 @@ def _write_model(
     replicated ones), the dense module from the first trainer."""
     spec = env.spec
     assert spec.output is not None
-    meta = ModelInfo(
+    meta = HybridModelInfo(
         kind=env.kind,
         job=env.job,
         model=model_writer.model_spec(spec),

@@ -93,7 +93,7 @@ class Metrics(TypedDict, total=False):
     evalStep: int
 
 
-class ModelInfo(TypedDict):
+class HybridModelInfo(TypedDict):
     """model.json, less the format and the files' names (model_files.write_info adds them):
     the run's kind, job, model and metrics, its steps, and the checkpoint it came from
     (`pipejob export`)."""
@@ -233,7 +233,7 @@ def write(
     format: str,
     rows: Rows,
     dense: dict[str, torch.Tensor],
-    meta: ModelInfo,
+    meta: HybridModelInfo,
 ) -> list[Path]:
     """Write the files of `model` (a `model_spec`) and model.json (`meta` plus the format and
     the file names) into the directory `out`; the paths written. spec.embeddings: one file,
@@ -343,7 +343,7 @@ def export_checkpoint(
             " checkpoint of a job with embedding tables"
         )
     dense = checkpoint.load_part(directory, entries["dense.pt"])["model"]
-    meta = ModelInfo(
+    meta = HybridModelInfo(
         kind=manifest.get("kind"),
         job=manifest.get("job"),
         model=manifest["model"],

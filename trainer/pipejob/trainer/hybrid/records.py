@@ -14,17 +14,8 @@ from typing import NotRequired, TypedDict
 import torch
 
 from pipejob.trainer.runtime.checkpoint import TorchState
+from pipejob.trainer.runtime.checkpoint_format import FileEntry
 from pipejob.trainer.runtime.memory import Peak
-
-
-class FileEntry(TypedDict):
-    """A checkpoint file's entry in its manifest, as runtime/checkpoint.py's save_part and
-    save_module return it (`holds`: the module states it holds, left out of the manifest)."""
-
-    name: str
-    bytes: int
-    sha256: str
-    holds: NotRequired[list[str]]
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import importlib
 from functools import partial
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipejob.core.kinds.pipeline import AUTO, PIPELINING, RPC, PipelineSpec
 from pipejob.trainer.pipeline import engine_choice
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pipejob.trainer.pipeline.driver import ReplicasBase
     from pipejob.trainer.pipeline.run_json import RunSummary
     from pipejob.trainer.pipeline.run_plan import Checked
+    from pipejob.trainer.runtime.checkpoint_format import Manifest
 
 # Each engine's class of the master's handle on every replica, in its `driver` module.
 REPLICAS_CLASS = {RPC: "RpcReplicas", PIPELINING: "PipeliningReplicas"}
@@ -70,7 +71,7 @@ def run(env: Env, checked: Checked | None = None) -> RunSummary | None:
 
 
 def export_checkpoint(
-    directory: str | Path, manifest: dict[str, Any], out: str | Path, format: str = "safetensors"
+    directory: str | Path, manifest: Manifest, out: str | Path, format: str = "safetensors"
 ) -> list[Path]:
     """`pipejob export` of this kind's checkpoint: the files spec.output writes."""
     from pipejob.trainer.pipeline import trained_model

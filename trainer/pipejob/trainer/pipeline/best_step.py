@@ -12,9 +12,10 @@ from pathlib import Path
 
 from pipejob.core.best_model import Best, EarlyStopping
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.pipeline.run_json import BestFigures, Evaluation
+from pipejob.trainer.pipeline.run_json import BestFigures
 from pipejob.trainer.runtime import monitor, world
 from pipejob.trainer.runtime.world import Env
+from pipejob.trainer.workloads.metrics import HeldOutEvaluation
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Judge:
             judge.value, judge.step = value, step
         return judge
 
-    def judge(self, figures: Evaluation) -> bool:
+    def judge(self, figures: HeldOutEvaluation) -> bool:
         """Whether the evaluation `figures` is the best so far (noted, and counted against
         the patience where it is not better by more than minDelta)."""
         if self.best is None:
@@ -78,7 +79,7 @@ class Judge:
             f" {self.stopping.min_delta:g}"
         )
 
-    def after(self, env: Env, figures: Evaluation, write: Callable[[], None] | None) -> bool:
+    def after(self, env: Env, figures: HeldOutEvaluation, write: Callable[[], None] | None) -> bool:
         """After an evaluation: `write` the output at a new best; whether the run ends."""
         if self.judge(figures) and write is not None:
             write()

@@ -23,7 +23,7 @@ from pipejob.trainer.pipeline.balance import (
     forward_backward,
     predict,
 )
-from pipejob.trainer.workloads.batch_values import tensors
+from pipejob.trainer.workloads.batch_values import ForwardKwargs, tensors
 
 # FLOPs a byte moved counts as. FlopCounterMode counts only matmuls, convolutions and
 # attention, so a norm, an activation or a pooling layer would cost nothing and the split
@@ -40,10 +40,6 @@ FLOPS_PER_BYTE = 4
 # on every machine (where a GPU's fixed cost per call is larger, auto chooses more than a
 # timed one would).
 MICRO_BATCH_OVERHEAD = 3e9
-
-# A module call's keyword arguments as torch's forward pre-hook gives them (with_kwargs): any
-# values the model's forward passes, torch's untyped boundary as checkpoint.TorchState is.
-CallKwargs = dict[str, Any]
 
 
 def count_chain(
@@ -74,7 +70,7 @@ def count_chain(
     return UnitCosts(costs, list(costs), passes_tensors=passes_tensors, counted=True), passed
 
 
-def count_call(module: nn.Module, args: tuple[Any, ...], kwargs: CallKwargs) -> float:
+def count_call(module: nn.Module, args: tuple[Any, ...], kwargs: ForwardKwargs) -> float:
     """What one call of `module` on `args` and `kwargs` costs, counted as count_chain counts
     a piece (the eager path's placement under spec.deterministic: a module the forward calls
     with keyword arguments, its outputs anything): forward + backward FLOPs plus

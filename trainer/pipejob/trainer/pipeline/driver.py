@@ -46,6 +46,7 @@ from pipejob.trainer.runtime import nonfinite
 from pipejob.trainer.runtime.optim import clip_coefficient, learning_rate
 from pipejob.trainer.runtime.profiling import phase
 from pipejob.trainer.workloads import Loss, batch_values
+from pipejob.trainer.workloads.data import FeedState
 from pipejob.trainer.workloads.metrics import Tally
 
 
@@ -364,7 +365,7 @@ class ReplicasBase:
         runs the same schedule)."""
         return self.pipelines[0].timings(step)
 
-    def data_state(self) -> dict[str, Any]:
+    def data_state(self) -> FeedState:
         """The training data's position (every replica's first stage is at the same one)."""
         return self.pipelines[0].reader(Reader.state)
 

@@ -5,7 +5,6 @@ model's checkpoints, of any cut (`resume`)."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
@@ -17,6 +16,7 @@ from pipejob.trainer.pipeline.reader import Reader
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.pipeline.stage_calls import remote_stage
 from pipejob.trainer.runtime import checkpoint, monitor, roles, state_by_name, world
+from pipejob.trainer.runtime.checkpoint_format import Manifest
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import models
 
@@ -115,7 +115,7 @@ def resume(
     return found.step
 
 
-def _origin(manifest: dict[str, Any], same: bool) -> str:
+def _origin(manifest: Manifest, same: bool) -> str:
     """How the checkpoint's world was shaped, when this one is not cut as it was."""
     if same:
         return ""

@@ -14,7 +14,7 @@ import torch
 
 from pipejob.core.kinds.pipeline import PipelineSpec
 from pipejob.trainer.workloads import batch_values, data
-from pipejob.trainer.workloads.data import Batch
+from pipejob.trainer.workloads.data import Batch, FeedState
 
 T = TypeVar("T")
 Args = TypeVarTuple("Args")
@@ -130,11 +130,11 @@ class Reader:
         assert self._held is not None
         self._held_batches = self._held.batches(limit)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> FeedState:
         """The training feed's position, for a checkpoint."""
         return self._ahead[0] if self._ahead is not None else self._training().state()
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: FeedState) -> None:
         """Continue the training feed after a checkpoint's position."""
         self._drop_ahead()
         self._in_thread(self._training().load_state, state)

@@ -8,30 +8,14 @@ annotations here: each TypedDict's required and optional keys stay readable at r
 from typing import NotRequired, TypeAlias, TypedDict
 
 from pipejob.trainer.runtime.memory import Peak
+from pipejob.trainer.workloads.metrics import HeldOutEvaluation
 
 # A value as JSON holds it; a JSON object (a Hugging Face config.json, read and written whole).
 JsonValue: TypeAlias = str | int | float | bool | None | list["JsonValue"] | dict[str, "JsonValue"]
 JsonObject: TypeAlias = dict[str, JsonValue]
 
 
-class HeldOut(TypedDict):
-    """Held-out figures (workloads/metrics.py's Tally.result): the mean loss, the samples,
-    and the accuracy and perplexity where the data has them."""
-
-    loss: float
-    samples: int
-    accuracy: NotRequired[float]
-    perplexity: NotRequired[float]
-
-
-class Evaluation(HeldOut):
-    """An evaluation after `step`: the weights' figures and, with spec.ema, the average's."""
-
-    step: int
-    ema: NotRequired[HeldOut]
-
-
-class ModelInfo(TypedDict):
+class PipelineModelInfo(TypedDict):
     """model.json's fields of the model (runtime/model_files.py adds the format and the
     files); a checkpoint's manifest keeps them as `info`; `pipejob export` adds the
     checkpoint it came from."""
@@ -42,7 +26,7 @@ class ModelInfo(TypedDict):
     numClasses: int
     imageSize: int
     steps: int
-    evaluation: Evaluation | None
+    evaluation: HeldOutEvaluation | None
     checkpoint: NotRequired[str]
 
 
@@ -162,5 +146,5 @@ class PipelineSummary(RunSummary, SetupFigures, CurveFigures, RateFigures, BestF
     path: NotRequired[str]
     replicaDivergence: NotRequired[float]
     wallSeconds: NotRequired[float]
-    evaluation: NotRequired[Evaluation]  # the last
-    evaluations: NotRequired[list[Evaluation]]
+    evaluation: NotRequired[HeldOutEvaluation]  # the last
+    evaluations: NotRequired[list[HeldOutEvaluation]]

@@ -25,6 +25,8 @@ from pipejob.trainer.pipeline.reader import Reader, Source
 from pipejob.trainer.pipeline.stage_build import PieceBuilder
 from pipejob.trainer.pipeline.stage_calls import StageRef, remote_reader
 from pipejob.trainer.runtime import checkpoint, ema, model_files, state_by_name, tuning
+from pipejob.trainer.runtime.checkpoint_format import FileEntry
+from pipejob.trainer.runtime.model_files import ShardWritten
 from pipejob.trainer.runtime.optim import Functional, set_lr
 from pipejob.trainer.runtime.rendezvous import RPC_TIMEOUT_SECONDS
 from pipejob.trainer.workloads import batch_values
@@ -309,7 +311,7 @@ class StageBase:
         """The shard's parameters and buffers under the model's own names, on the CPU."""
         return {k: v.detach().cpu() for k, v in self.layers.state_dict().items()}
 
-    def write_shard(self, directory: str, filename: str, format: str) -> dict[str, Any]:
+    def write_shard(self, directory: str, filename: str, format: str) -> ShardWritten:
         """Write the shard's state as one file of the model's sharded output, in `directory`
         (which the master sees too); what the index needs of it (runtime/model_files.py)."""
         return model_files.write_shard(directory, filename, self.state(), format)
@@ -360,11 +362,11 @@ class StageBase:
             assert self.optimizer is not None, "this stage was built without an optimizer"
             self.optimizer.zero_grad()
 
-    def save(self, directory: str, name: str) -> dict[str, Any]:
+    def save(self, directory: str, name: str) -> FileEntry:
         """Checkpoint this shard and its optimizer's state; the manifest entry."""
         return checkpoint.save_module(directory, name, self.layers, self._optimizers())
 
-    def load(self, directory: str, entries: list[dict[str, Any]], seed: int | None) -> None:
+    def load(self, directory: str, entries: list[FileEntry], seed: int | None) -> None:
         """Load this shard's state and its optimizer's from the checkpoint files `entries`
         (those that hold its names, written by shards cut anywhere, by either engine). `seed`
         None: the files are the one this very shard wrote, whose RNG state continues (dropout

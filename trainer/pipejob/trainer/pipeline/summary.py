@@ -9,7 +9,6 @@ from pipejob.trainer.pipeline.cut_model import CutModel, share
 from pipejob.trainer.pipeline.driver import StepResult
 from pipejob.trainer.pipeline.run_json import (
     CurveFigures,
-    Evaluation,
     PipelineSummary,
     RateFigures,
     SetupFigures,
@@ -18,6 +17,7 @@ from pipejob.trainer.pipeline.run_json import (
 from pipejob.trainer.runtime import memory, monitor, param_groups, roles, world
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import metrics, models
+from pipejob.trainer.workloads.metrics import HeldOutEvaluation
 
 
 def stage_report(
@@ -286,7 +286,7 @@ def render(summary: PipelineSummary) -> str:
 
 
 def report_evaluation(
-    env: Env[PipelineSpec], figures: Evaluation, seconds: float, more: str = ""
+    env: Env[PipelineSpec], figures: HeldOutEvaluation, seconds: float, more: str = ""
 ) -> None:
     """An evaluation's figures (`more`: what follows its own) in the log and on the progress
     board, on either path."""

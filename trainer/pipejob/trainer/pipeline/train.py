@@ -21,7 +21,7 @@ from pipejob.trainer.pipeline.eager import run as eager_run
 from pipejob.trainer.pipeline.engine_choice import resolved
 from pipejob.trainer.pipeline.master_checkpoints import resume, save_checkpoint
 from pipejob.trainer.pipeline.reader import Reader
-from pipejob.trainer.pipeline.run_json import Evaluation, RunSummary
+from pipejob.trainer.pipeline.run_json import RunSummary
 from pipejob.trainer.pipeline.run_plan import Checked, Plan, plan
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import render, report_evaluation, stage_report, summarize
@@ -37,7 +37,7 @@ from pipejob.trainer.runtime.events import Events
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data
 from pipejob.trainer.workloads.cut import CutError
-from pipejob.trainer.workloads.metrics import Tally
+from pipejob.trainer.workloads.metrics import HeldOutEvaluation, Tally
 
 
 def train(env: Env[PipelineSpec], checked: Checked | None = None) -> RunSummary:
@@ -125,14 +125,14 @@ def train_steps(
     evaluates: bool,
     first: int,
     judge: Judge,
-) -> tuple[list[StepResult], list[Evaluation]]:
+) -> tuple[list[StepResult], list[HeldOutEvaluation]]:
     """Steps first + 1 .. spec.steps: each step's result, and the evaluations (when the job
     `evaluates`), each recorded, checkpointed and logged when due, and `judge`d (the best
     written out; early stopping ends the steps)."""
     spec = env.spec
     profile = profiling.settings(spec)
     results: list[StepResult] = []
-    evaluations: list[Evaluation] = []
+    evaluations: list[HeldOutEvaluation] = []
     monitor.board().phase("training")
     events = Events(spec.logging.tensorboard if spec.logging else None, first)
     try:
@@ -241,7 +241,7 @@ def evaluation_due(spec: PipelineSpec, step: int) -> bool:
 
 def evaluate(
     env: Env[PipelineSpec], pipelines: ReplicasBase, planned: Plan, step: int, events: Events
-) -> Evaluation:
+) -> HeldOutEvaluation:
     """The held-out figures after `step`, through replica 0 (the replicas are identical),
     logged, on the progress board and in the events."""
     spec = env.spec
@@ -250,7 +250,7 @@ def evaluate(
     tally = pipelines.evaluate(
         planned.micro_batches, spec.eval.batches, planned.loss, Tally(data.task(spec))
     )
-    figures = Evaluation(step=step, **tally.result())
+    figures = HeldOutEvaluation(step=step, **tally.result())
     more = ""
     if spec.ema is not None:  # the average's figures beside the weights'
         with ema_stages.swapped(pipelines.pipelines[0]):
@@ -273,7 +273,7 @@ def write_output(
     env: Env[PipelineSpec],
     pipelines: ReplicasBase,
     cut_model: CutModel,
-    evaluation: Evaluation | None,
+    evaluation: HeldOutEvaluation | None,
 ) -> None:
     """The model replica 0's stages hold (`write_model`); with spec.ema, the average (ema),
     or the weights and, in the subfolder ema/, the average (both)."""
@@ -292,7 +292,7 @@ def write_model(
     env: Env[PipelineSpec],
     pipeline: PipelineBase,
     cut_model: CutModel,
-    evaluation: Evaluation | None,
+    evaluation: HeldOutEvaluation | None,
     out: str,
 ) -> None:
     """Every stage's state (replica 0's) and the state no stage holds under the model's own

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.pipeline.run_json import Evaluation, JsonObject, ModelInfo
+from pipejob.trainer.pipeline.run_json import JsonObject, PipelineModelInfo
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.pipeline.stage_calls import StageRef, remote_stage
 from pipejob.trainer.runtime import checkpoint, model_files
+from pipejob.trainer.runtime.checkpoint_format import Manifest
+from pipejob.trainer.runtime.model_files import ShardWritten
 from pipejob.trainer.workloads import models
+from pipejob.trainer.workloads.metrics import HeldOutEvaluation
 
 # Up to this many bytes of parameters and buffers the master gathers the model and writes
 # one file, which every tool (and safetensors' `load_file`) reads as it is. Above it,
@@ -30,8 +32,8 @@ SINGLE_FILE_BYTES = 256 * 2**20
 
 
 def info(
-    kind: str, job: str, spec: PipelineSpec, steps: int, evaluation: Evaluation | None
-) -> ModelInfo:
+    kind: str, job: str, spec: PipelineSpec, steps: int, evaluation: HeldOutEvaluation | None
+) -> PipelineModelInfo:
     """What model.json says of the model file (a checkpoint's manifest keeps it too)."""
     return {
         "kind": kind,
@@ -49,7 +51,7 @@ def write(
     format: str,
     stages: list[dict[str, torch.Tensor]],
     rest: dict[str, torch.Tensor],
-    about: ModelInfo,
+    about: PipelineModelInfo,
     config: JsonObject | None = None,
     metadata: model_files.Metadata | None = None,
 ) -> list[Path]:
@@ -69,7 +71,7 @@ def write_live(
     format: str,
     stages: list[StageRef],
     rest: dict[str, torch.Tensor],
-    about: ModelInfo,
+    about: PipelineModelInfo,
     config: JsonObject | None = None,
     single_file_bytes: int | None = None,
     metadata: model_files.Metadata | None = None,
@@ -108,8 +110,8 @@ def shard_files(stages: int, rest: bool, format: str) -> list[str]:
 def finish(
     out: str | Path,
     format: str,
-    shards: list[dict[str, Any]],
-    about: ModelInfo,
+    shards: list[ShardWritten],
+    about: PipelineModelInfo,
     config: JsonObject | None,
     metadata: model_files.Metadata | None = None,
 ) -> list[Path]:
@@ -143,7 +145,7 @@ def write_config(out: str | Path, config: JsonObject | None) -> list[Path]:
 
 def export_checkpoint(
     directory: str | Path,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     out: str | Path,
     format: str = "safetensors",
     single_file_bytes: int | None = None,

@@ -17,10 +17,10 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from pipejob.core import contract as c
 from pipejob.core import tuning_levers
+from pipejob.core.kind import RawSpec
 from pipejob.core.kinds import KINDS
 from pipejob.trainer.runtime.world import loopback
 
@@ -92,10 +92,10 @@ def computes(kind: str, role: str) -> bool:
     return KINDS[kind].role(role).computes
 
 
-def compute_roles(kind: str, role: str, spec: Mapping[str, Any]) -> int:
+def compute_roles(kind: str, role: str, spec: RawSpec) -> int:
     """The compute roles a process of `role` runs: its own if it computes, and those the spec
     puts inside it (a HybridJob's trainer with spec.serversInTrainers runs a server too)."""
-    inside = [r for r in KINDS[kind].roles if r.computes and r.hosted(dict(spec)) == role]
+    inside = [r for r in KINDS[kind].roles if r.computes and r.hosted(spec) == role]
     return int(computes(kind, role)) + len(inside)
 
 
@@ -104,7 +104,7 @@ def colocated_compute(
     roles: Sequence[str],
     addresses: Sequence[str],
     rank: int,
-    spec: Mapping[str, Any] | None = None,
+    spec: RawSpec | None = None,
 ) -> int:
     """Compute roles of the world (`roles` in rank order; `spec` the job's, for the roles
     run inside others' processes) on this process's host (with this one's, if it computes).
@@ -128,7 +128,7 @@ def decide(
     colocated: int,
     enabled: Collection[str],
     malloc: str = "glibc",
-    spec: Mapping[str, Any] | None = None,
+    spec: RawSpec | None = None,
 ) -> ProcessTuning:
     """The settings of one process: its job kind and role, its GPUs, the CPUs it may use, how
     many compute processes share them, the malloc it runs with (running_malloc) and its

@@ -12,6 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+# The keyword arguments a user's module is called with (the model's own, whatever they hold;
+# torch's forward pre-hook gives them so): the user's model's boundary.
+ForwardKwargs = dict[str, Any]
+
 
 def tensors(value: Any) -> list[torch.Tensor]:
     """The tensors in a value a stage passes on or a model returns: a tensor, or a tuple,

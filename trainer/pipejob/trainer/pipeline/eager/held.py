@@ -22,10 +22,7 @@ from pipejob.trainer.runtime import checkpoint, ema, state_by_name
 from pipejob.trainer.runtime.checkpoint_format import FileEntry, ListedFile
 from pipejob.trainer.runtime.optim import Functional, set_lr
 from pipejob.trainer.workloads import models
-
-# The keyword arguments the glue calls a user's module with: the model's own, whatever
-# they hold (a boundary, as a module's positional arguments are).
-ForwardKwargs = dict[str, Any]
+from pipejob.trainer.workloads.batch_values import ForwardKwargs
 
 # How long a call waits for an earlier micro-batch's (turns.py) before the step fails: far
 # longer than a micro-batch's forward, far shorter than the watchdog's bound.

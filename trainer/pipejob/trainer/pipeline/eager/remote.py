@@ -13,9 +13,9 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from pipejob.core.averaged import Ema
-from pipejob.trainer.pipeline.eager.held import ForwardKwargs, Held
+from pipejob.trainer.pipeline.eager.held import Held
 from pipejob.trainer.runtime.checkpoint_format import FileEntry, ListedFile
-from pipejob.trainer.workloads.batch_values import dressed, undressed
+from pipejob.trainer.workloads.batch_values import ForwardKwargs, dressed, undressed
 
 # The micro-batch the calling thread computes: its number (across steps), its round's
 # first, its replica, and how often it has called each module so far.

@@ -206,14 +206,14 @@ class ReplicasBase:
         """One optimizer step on gradientAccumulation batches, one after the other: the
         next ones each first stage reads, or `given` (inputs and labels of them all)."""
         shares, batch = self._shares(given)
-        parts = [
+        replica_shares = [
             ReplicaShare(r, rounds, micro_batches, step, loss_fn, batch)
             for r, rounds in enumerate(shares)
         ]
         if self._threads is None:
-            results = [self._replica_result(parts[0])]
+            results = [self._replica_result(replica_shares[0])]
         else:
-            results = list(self._threads.map(self._replica_result, parts))
+            results = list(self._threads.map(self._replica_result, replica_shares))
         return self.combined(step, results)
 
     def run_steps(self, micro_batches: int, steps: range, loss_fn: Loss) -> Iterator[StepResult]:
@@ -257,7 +257,7 @@ class ReplicasBase:
                 shares[r][a] = share
         return shares, batch_values.samples(inputs) // self.accumulation
 
-    def _replica_result(self, part: ReplicaShare) -> StepResult:
+    def _replica_result(self, replica_share: ReplicaShare) -> StepResult:
         """A replica's part of a step, run on the engine."""
         raise NotImplementedError
 

@@ -274,9 +274,9 @@ class PipeliningReplicas(driver.ReplicasBase):
                 step, [replace(result, pipeline_seconds=seconds, optimizer_seconds=0.0)]
             )
 
-    def _replica_result(self, part: ReplicaShare) -> StepResult:
-        pipeline = self.pipelines[part.replica]
-        rounds, step = part.rounds, part.step
+    def _replica_result(self, replica_share: ReplicaShare) -> StepResult:
+        pipeline = self.pipelines[replica_share.replica]
+        rounds, step = replica_share.rounds, replica_share.step
         assert isinstance(pipeline, PipeliningPipeline)
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
         weight = scale / len(rounds)  # each batch's share of the step's loss
@@ -284,13 +284,13 @@ class PipeliningReplicas(driver.ReplicasBase):
         losses, numbers, norms = [], [], None
         for a, given in enumerate(rounds):
             with phase("read"):
-                round_, read = pipeline.read_round(part.micro_batches, given)
+                round_, read = pipeline.read_round(replica_share.micro_batches, given)
             numbers.append(round_.number)
-            share = self.share(round_, part.batch)
+            share = self.share(round_, replica_share.batch)
             asks = [self.asks(step, a == len(rounds) - 1)]
             with phase("schedule"):
                 replies = pipeline.launch(
-                    round_, range(step, step + 1), part.loss_fn, weight * share, asks, read
+                    round_, range(step, step + 1), replica_share.loss_fn, weight * share, asks, read
                 )
                 loss, norms, _ = outcome([r[0] for r in torch.futures.wait_all(replies)])
             losses.append(loss * share)

@@ -145,9 +145,9 @@ class RpcReplicas(driver.ReplicasBase):
         ]
         super().__init__(pipelines, cut_model, spec)
 
-    def _replica_result(self, part: ReplicaShare) -> StepResult:
-        pipeline = self.pipelines[part.replica]
-        rounds, step = part.rounds, part.step
+    def _replica_result(self, replica_share: ReplicaShare) -> StepResult:
+        pipeline = self.pipelines[replica_share.replica]
+        rounds, step = replica_share.rounds, replica_share.step
         stages = pipeline.stages
         scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
 
@@ -156,13 +156,13 @@ class RpcReplicas(driver.ReplicasBase):
 
         def round_loss(given: Batch | None, context_id: int, last: bool) -> float:
             nonlocal norms
-            round_, read = pipeline.read_round(part.micro_batches, given)
+            round_, read = pipeline.read_round(replica_share.micro_batches, given)
             numbers.append(round_.number)
-            share = self.share(round_, part.batch)
+            share = self.share(round_, replica_share.batch)
             weight = scale * share / len(rounds)  # each batch's share of the step's loss
             asks = self.asks(step, last)
             loss, norms = forward_backward(
-                pipeline, round_, step, context_id, part.loss_fn, weight, read, asks
+                pipeline, round_, step, context_id, replica_share.loss_fn, weight, read, asks
             )
             return loss.item() * share
 

@@ -22,10 +22,11 @@ from pipejob.trainer.pipeline.balance import Host, Prediction, UnitCosts, fastes
 from pipejob.trainer.pipeline.engine_choice import Choice
 from pipejob.trainer.pipeline.micro_batch_choice import candidate, prediction
 from pipejob.trainer.pipeline.peft_output import AdapterConfig
-from pipejob.trainer.pipeline.run_json import Candidate, JsonObject
+from pipejob.trainer.pipeline.run_json import Candidate
 from pipejob.trainer.pipeline.stage_base import compute_resources
 from pipejob.trainer.pipeline.stage_build import PieceBuilder, measure_on_stages, trace
 from pipejob.trainer.runtime import model_files, tuning
+from pipejob.trainer.runtime.json_values import JsonObject
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import cut, materialize, models
 

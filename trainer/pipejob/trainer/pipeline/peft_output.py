@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from pipejob.trainer.pipeline.run_json import JsonObject
 from pipejob.trainer.runtime import model_files
+from pipejob.trainer.runtime.json_values import JsonObject
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -5,14 +5,11 @@ the Hugging Face config a run passes through as transformers wrote it. No postpo
 annotations here: each TypedDict's required and optional keys stay readable at run time
 (`__required_keys__`), and tests/test_pipeline.py checks a run's summary against them."""
 
-from typing import NotRequired, TypeAlias, TypedDict
+from typing import NotRequired, TypedDict
 
+from pipejob.trainer.runtime.json_values import JsonObject
 from pipejob.trainer.runtime.memory import Peak
 from pipejob.trainer.workloads.metrics import HeldOutEvaluation
-
-# A value as JSON holds it; a JSON object (a Hugging Face config.json, read and written whole).
-JsonValue: TypeAlias = str | int | float | bool | None | list["JsonValue"] | dict[str, "JsonValue"]
-JsonObject: TypeAlias = dict[str, JsonValue]
 
 
 class PipelineModelInfo(TypedDict):

@@ -14,11 +14,12 @@ import torch
 import torch.distributed.rpc as rpc
 
 from pipejob.core.kinds.pipeline import PipelineSpec
-from pipejob.trainer.pipeline.run_json import JsonObject, PipelineModelInfo
+from pipejob.trainer.pipeline.run_json import PipelineModelInfo
 from pipejob.trainer.pipeline.stage_base import StageBase
 from pipejob.trainer.pipeline.stage_calls import StageRef, remote_stage
 from pipejob.trainer.runtime import checkpoint, model_files
 from pipejob.trainer.runtime.checkpoint_format import Manifest
+from pipejob.trainer.runtime.json_values import JsonObject
 from pipejob.trainer.runtime.model_files import ShardWritten
 from pipejob.trainer.workloads import models
 from pipejob.trainer.workloads.metrics import HeldOutEvaluation

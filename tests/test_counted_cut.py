@@ -160,16 +160,16 @@ def test_auto_under_deterministic_chooses_by_counted_cost_alike_on_every_machine
 
 def test_auto_micro_batches_are_accepted_with_deterministic_and_plan_says_counted():
     job = spec.parse(pipeline_job("j", microBatches="auto", deterministic=True))
-    lines = job.definition.describe(job.spec)
+    lines = job.definition.describe(job.settings)
     assert any(line.startswith("microBatches auto: chosen by counted cost") for line in lines)
     timed = spec.parse(pipeline_job("j", microBatches="auto"))
-    assert not any("counted" in line for line in timed.definition.describe(timed.spec))
+    assert not any("counted" in line for line in timed.definition.describe(timed.settings))
 
 
 def test_plan_says_the_cut_is_counted():
     for deterministic in (True, False):
         job = spec.parse(pipeline_job("j", deterministic=deterministic))
-        lines = job.definition.describe(job.spec)
+        lines = job.definition.describe(job.settings)
         counted = any(line.startswith("cut: counted (spec.deterministic)") for line in lines)
         assert counted == deterministic
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,8 @@ def test_auto_runs_1f1b_where_the_count_lets_it_and_seats_the_stages_for_either_
     job = spec.parse(pipeline_job("auto", engine="auto", replicas=2, microBatches=2))
     groups = [name for name, _, _ in plan.groups(job, plan.members(job))]
     assert groups == ["pipe"]  # every stage of every replica, divided on the stages
-    assert engine_line(job.spec).startswith("engine auto: pipelining (schedule 1f1b) where")
-    assert engine_line({**job.spec, "engine": "rpc", "schedule": "gpipe"}) == (
+    assert engine_line(job.settings).startswith("engine auto: pipelining (schedule 1f1b) where")
+    assert engine_line(replace(job.settings, engine="rpc", schedule="gpipe")) == (
         "engine rpc, schedule gpipe"
     )
 
@@ -87,7 +88,7 @@ def test_auto_takes_rpc_for_a_loss_not_known_to_be_a_mean_over_samples():
         job = settings(microBatches=2, **({"loss": loss} if loss else {}))
         assert choose(job, units, starts, None).engine == engine, loss
     job = spec.parse(pipeline_job("auto", engine="auto", loss={"import": "userpkg.losses:focal"}))
-    assert engine_line(job.spec) == (
+    assert engine_line(job.settings) == (
         "engine auto: rpc (gpipe): spec.loss userpkg.losses:focal is not known to be a mean over"
         " the batch's samples, which the pipelining engine's per-micro-batch losses need (name"
         " spec.engine pipelining where it is one)"

@@ -368,10 +368,9 @@ def test_servers_in_the_trainers_are_one_per_trainer_in_its_pod_and_the_plan_say
         assert [(x.path, x.reason.split(":")[0]) for x in e.value.errors] == [
             ("spec.serversInTrainers", said)
         ], e.value.errors
-    lines = tables.spec_placement_lines(
-        manifest(embeddings=TABLES, parameterServers=2, serversInTrainers=True)["spec"]
-        | {"sparseOptimizer": {"name": "sgd"}}
-    )
+    inside = manifest(embeddings=TABLES, parameterServers=2, serversInTrainers=True)
+    inside["spec"]["sparseOptimizer"] = {"name": "sgd"}
+    lines = tables.spec_placement_lines(specs.parse(inside).settings)
     assert lines[1] == "parameter servers: in the trainers' processes, ps<i> in trainer<i>"
     # 1.28 GB of table over two: a server alone fits 1.5Gi, beside a trainer's reader not.
     big = [{"name": "big", "rows": 20_000_000, "dim": 16}]

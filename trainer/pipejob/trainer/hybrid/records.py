@@ -1,10 +1,10 @@
 """The records a HybridJob's roles hand each other over RPC and write: where a resumed run
 starts (`Resume`), a trainer's results (`TrainerResults`, whose `TrainerFigures` the summary
 keeps), a held-out evaluation (`HeldOutFigures`, and `Evaluation` as the summary and the
-checkpoints keep it), a checkpoint file's manifest entry (`FileEntry`), the run's summary
-(`HybridSummary`), and a parameter server's: what it made (`ServerSize`), its figures
-(`ServerFigures`) and its checkpoint file (`SavedServer`). JSON we write is
-a TypedDict (its keys are the format); what code builds and reads is a frozen dataclass."""
+checkpoints keep it), the run's summary (`HybridSummary`), and a parameter server's: what
+it made (`ServerSize`), its figures (`ServerFigures`) and its checkpoint file
+(`SavedServer`). JSON we write is a TypedDict (its keys are the format); what code builds
+and reads is a frozen dataclass."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from pipejob.trainer.runtime.checkpoint import TorchState
 from pipejob.trainer.runtime.checkpoint_format import FileEntry
 from pipejob.trainer.runtime.memory import Peak
+from pipejob.trainer.runtime.roles import SummaryBase
 
 
 @dataclass(frozen=True)
@@ -87,15 +88,11 @@ class ServerCounts(TypedDict):
     steps: int
 
 
-class HybridSummary(TypedDict):
+class HybridSummary(SummaryBase):
     """A HybridJob's summary (JSON; the keys in this order, runtime/roles.py's first): the
     run's figures are absent where the checkpoint already held every step; the evaluation's
     where there was none; `losses` once the master adds them, `output` with spec.output."""
 
-    kind: str
-    job: str
-    steps: int
-    resumedFromStep: int | None
     trainers: NotRequired[int]
     parameterServers: NotRequired[int]
     batchSize: NotRequired[int]

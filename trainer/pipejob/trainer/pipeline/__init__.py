@@ -29,9 +29,9 @@ from pipejob.trainer.runtime.world import Env
 
 if TYPE_CHECKING:
     from pipejob.trainer.pipeline.driver import ReplicasBase
-    from pipejob.trainer.pipeline.run_json import RunSummary
     from pipejob.trainer.pipeline.run_plan import Checked
     from pipejob.trainer.runtime.checkpoint_format import Manifest
+    from pipejob.trainer.runtime.roles import SummaryBase
 
 # Each engine's class of the master's handle on every replica, in its `driver` module.
 REPLICAS_CLASS = {RPC: "RpcReplicas", PIPELINING: "PipeliningReplicas"}
@@ -56,7 +56,7 @@ def check(env: Env) -> Checked:
     return run_plan.check(env)
 
 
-def run(env: Env, checked: Checked | None = None) -> RunSummary | None:
+def run(env: Env, checked: Checked | None = None) -> SummaryBase | None:
     """Run this process's role of a PipelineJob; the master returns the summary (`checked`:
     what its `check` built before the world formed, else it checks once the world formed)."""
     if env.role == "master":

@@ -1,28 +1,25 @@
 """The JSON a PipelineJob run writes, as TypedDicts (the keys are the format, camelCase): the
-run's summary (summary.py builds it, train.py completes it), its evaluations, the model's
-model.json (trained_model.py) and `microBatches: auto`'s table (micro_batch_choice.py), and
-the Hugging Face config a run passes through as transformers wrote it. No postponed
+run's summary (summary.py builds it, train.py completes it; the keys every kind has first
+are runtime/roles.py's, an evaluation workloads/metrics.py's), the model's model.json
+(trained_model.py) and `microBatches: auto`'s table (micro_batch_choice.py). No postponed
 annotations here: each TypedDict's required and optional keys stay readable at run time
 (`__required_keys__`), and tests/test_pipeline.py checks a run's summary against them."""
 
 from typing import NotRequired, TypedDict
 
-from pipejob.trainer.runtime.json_values import JsonObject
 from pipejob.trainer.runtime.memory import Peak
+from pipejob.trainer.runtime.model_files import ModelInfoBase
+from pipejob.trainer.runtime.roles import SummaryBase
 from pipejob.trainer.workloads.metrics import HeldOutEvaluation
 
 
-class PipelineModelInfo(TypedDict):
+class PipelineModelInfo(ModelInfoBase):
     """model.json's fields of the model (runtime/model_files.py adds the format and the
     files); a checkpoint's manifest keeps them as `info`; `pipejob export` adds the
     checkpoint it came from."""
 
-    kind: str
-    job: str
-    model: JsonObject  # spec.model as the spec writes it (models.as_spec)
     numClasses: int
     imageSize: int
-    steps: int
     evaluation: HeldOutEvaluation | None
     checkpoint: NotRequired[str]
 
@@ -77,16 +74,6 @@ class BestFigures(TypedDict, total=False):
     stoppedEarly: str | None
 
 
-class RunSummary(TypedDict):
-    """The keys every run's summary has first (runtime/roles.py's `summary`); a run that
-    resumed from a checkpoint holding every step has only these."""
-
-    kind: str
-    job: str
-    steps: int
-    resumedFromStep: int | None
-
-
 class SetupFigures(TypedDict):
     """The summary's fields that say how the job was set up: model, engine, cut, batches."""
 
@@ -125,7 +112,7 @@ class RateFigures(TypedDict):
     optimizerSecondsPerStep: float
 
 
-class PipelineSummary(RunSummary, SetupFigures, CurveFigures, RateFigures, BestFigures):
+class PipelineSummary(SummaryBase, SetupFigures, CurveFigures, RateFigures, BestFigures):
     """A PipelineJob run's summary on the traced path (summary.json): its keys in the order
     summary.summarize writes them (the setup's, warm-up, the recipe's with the curves',
     the rates', the partition, memory and bubble), then those train.py adds after the

@@ -21,7 +21,6 @@ from pipejob.trainer.pipeline.eager import run as eager_run
 from pipejob.trainer.pipeline.engine_choice import resolved
 from pipejob.trainer.pipeline.master_checkpoints import resume, save_checkpoint
 from pipejob.trainer.pipeline.reader import Reader
-from pipejob.trainer.pipeline.run_json import RunSummary
 from pipejob.trainer.pipeline.run_plan import Checked, Plan, plan
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import render, report_evaluation, stage_report, summarize
@@ -34,13 +33,14 @@ from pipejob.trainer.runtime import (
     world,
 )
 from pipejob.trainer.runtime.events import Events
+from pipejob.trainer.runtime.roles import SummaryBase
 from pipejob.trainer.runtime.world import Env
 from pipejob.trainer.workloads import data
 from pipejob.trainer.workloads.cut import CutError
 from pipejob.trainer.workloads.metrics import HeldOutEvaluation, Tally
 
 
-def train(env: Env[PipelineSpec], checked: Checked | None = None) -> RunSummary:
+def train(env: Env[PipelineSpec], checked: Checked | None = None) -> SummaryBase:
     """The PipelineJob master's run: the plan, the pipelines, the steps, the model out
     (`checked`: the master's check before the world formed, if it made one). Its summary:
     a run_json.PipelineSummary on the traced path, the eager path's its own (eager/run.py),
@@ -89,7 +89,7 @@ def train(env: Env[PipelineSpec], checked: Checked | None = None) -> RunSummary:
     return summary
 
 
-def eager(env: Env[PipelineSpec], why: str) -> RunSummary:
+def eager(env: Env[PipelineSpec], why: str) -> SummaryBase:
     """The eager path's run (`why`: what sent the job there), on the rpc engine: with
     `engine: auto`, its choice for a model whose forward the master runs, said as the cut's
     choice is (the log, the summary's engineChosen)."""

@@ -30,6 +30,7 @@ from pipejob.trainer.pipeline.eager.placement import (
     under_every_name,
 )
 from pipejob.trainer.pipeline.gradients import LossScale
+from pipejob.trainer.pipeline.run_json import BestFigures, CurveFigures, RateFigures
 from pipejob.trainer.pipeline.stage_base import AUTOCAST
 from pipejob.trainer.pipeline.step_records import StepResult
 from pipejob.trainer.pipeline.summary import curve_figures, rate_figures
@@ -109,9 +110,9 @@ def distribute(env: Env[PipelineSpec], model: nn.Module, placement: Placement) -
     return one_step.Stages(workers, held)
 
 
-class EagerFigures(roles.SummaryBase):
-    """What every eager-path run's summary has (`summarize`'s, in its order): the
-    placement, the curves' and rates' figures (pipeline/summary.py's)."""
+class EagerFigures(roles.SummaryBase, CurveFigures, RateFigures):
+    """What every eager-path run's summary has (`summarize`'s): the placement, and the
+    curves' and rates' figures as the traced path's summary has them (pipeline/run_json.py)."""
 
     path: str  # "eager"
     pathReason: str
@@ -127,19 +128,9 @@ class EagerFigures(roles.SummaryBase):
     cutBy: str  # "counted" or "timed"
     keptWithGlue: dict[str, str]  # module: why the master keeps it
     forwardsOneAtATime: bool
-    losses: list[float]
-    firstLoss: float
-    finalLoss: float
-    learningRates: list[float | None]
-    gradNorms: list[float | None]
-    finalGradNorm: float | None
-    samplesPerSecond: float
-    secondsPerStep: float
-    allreduceSecondsPerStep: float
-    optimizerSecondsPerStep: float
 
 
-class EagerSummary(EagerFigures, total=False):
+class EagerSummary(EagerFigures, BestFigures, total=False):
     """An eager-path run's summary (summary.json): `summarize`'s figures, then what `train`
     adds after the steps: the replicas' divergence, the wall time, the evaluations (with
     spec.eval) and Judge.figures' (with spec.eval.best)."""
@@ -148,8 +139,6 @@ class EagerSummary(EagerFigures, total=False):
     wallSeconds: float
     evaluation: HeldOutEvaluation  # the last
     evaluations: list[HeldOutEvaluation]
-    best: dict[str, str | float | int | None]  # spec.eval.best's metric, value and step
-    stoppedEarly: str | None
     engineChosen: str  # why engine auto chose the engine (pipeline/train.py adds it)
 
 

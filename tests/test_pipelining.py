@@ -39,7 +39,7 @@ from pipejob.trainer import workloads
 from pipejob.trainer.pipeline.balance import UnitCosts, measure_chain, min_max_partition, predict
 from pipejob.trainer.pipeline.cut_model import piece_starts, plan_cut
 from pipejob.trainer.pipeline.pipelining import messages
-from pipejob.trainer.pipeline.pipelining.driver import PipeliningReplicas, even
+from pipejob.trainer.pipeline.pipelining.driver import PipeliningReplicas, even, outcome
 from pipejob.trainer.pipeline.pipelining.stage import PipeliningStage
 from pipejob.trainer.pipeline.pipelining.timed import Timed
 from pipejob.trainer.pipeline.stage_base import StageBase
@@ -507,3 +507,12 @@ def test_a_round_runs_in_equal_micro_batches():
         7,
         2,
     ]
+
+
+def test_a_step_lasts_what_it_lasts_on_the_first_stage_process():
+    """A step's seconds are the first stage process's, where each step begins and ends, so
+    that the steps' seconds add up to the run's time: taking each step's slowest stage
+    counted every stage's jitter (1-14% more than the wall time, docs/user-guide.md)."""
+    first, middle, last = (None, 1.0, 0.010), (None, 2.0, 0.013), (0.5, 3.0, 0.011)
+    assert outcome([first, middle, last]) == (0.5, [1.0, 2.0, 3.0], 0.010)
+    assert outcome([(None, None, 0.02), (0.25, None, 0.03)]) == (0.25, None, 0.02)

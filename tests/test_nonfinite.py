@@ -22,7 +22,7 @@ from harness.variants import exhaustive
 from jobrun import pipeline_job, run_to_end
 from pipejob.core.contract import ExitCode
 from pipejob.trainer.runtime import checkpoint
-from pipejob.trainer.runtime.nonfinite import Guard, NonFiniteError
+from pipejob.trainer.runtime.nonfinite import Guard, NonFiniteError, RoundChecks
 from pipejob.trainer.workloads.metrics import CLASSIFICATION, Tally, cross_entropy
 
 pytestmark = pytest.mark.timeout(300)
@@ -164,3 +164,22 @@ def test_the_evaluation_reports_no_figure_from_non_finite_outputs():
     ):
         tally.add(torch.tensor([[math.nan, 0.0], [0.0, 1.0]]), labels, cross_entropy)
     assert tally.result()["accuracy"] == 1.0 and tally.samples == 2  # the finite batch only
+
+
+def test_a_rounds_checks_are_judged_together_whatever_its_outputs_dtypes():
+    """A round's output checks are sums judged at its end (RoundChecks): one non-finite
+    output among finite ones, of one dtype or several, or inside a dict, fails the round;
+    a round of finite outputs, or of none, passes."""
+
+    def judged(*outputs: object) -> bool:
+        checks = RoundChecks(deferred=True)
+        for output in outputs:
+            checks.add(output)
+        return bool(checks.joined())
+
+    finite = (torch.ones(2, 3), torch.zeros(2, dtype=torch.float64))
+    assert judged(finite, (torch.ones(4, requires_grad=True) * 2,))
+    assert judged() and judged((torch.arange(3),))  # integers are not checked
+    assert not judged(finite, (torch.tensor([1.0, math.inf]),))
+    assert not judged((torch.tensor([math.nan], dtype=torch.bfloat16),), finite)
+    assert not judged({"logits": torch.tensor([0.0, -math.inf]), "n": 3})

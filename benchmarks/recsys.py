@@ -6,7 +6,12 @@ sparse gradients and the same DLRM) on the same data, the same reader and the sa
 (rowwise Adagrad for the tables, Adam for the dense part), and against TorchRec's DLRM
 (benchmarks/_torchrec.py: 2 ranks, DistributedModelParallel with its planner's plan,
 fused rowwise Adagrad, in an environment of its own that it makes once). Each run's held-out
-AUC after its steps, on the same held-out lines, is in the table too.
+AUC after its steps, on the same held-out lines, is in the table too. The one process and
+TorchRec's ranks read the samples a 2-trainer HybridJob's trainers read in each step (its
+reader's two lanes; TorchRec's rank r what trainer r reads), and all start from pipejob's
+weights at --seed (TorchRec's loaded into its shards; --torchrec-own-weights: it draws its
+own, from the same distributions), so the 2-trainer rows are compared on the same samples in
+the same steps from the same model.
 
 CPU seconds are each process's user + system time (/proc) between the step lines of
 --warmup and --steps (start-up left out); the plain processes and TorchRec's ranks time
@@ -38,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLES = [f"C{i}" for i in range(1, 27)]
 TORCHREC = "TorchRec DLRM, 2 ranks (DMP)"
 TORCHREC_TUNED = "TorchRec DLRM, 2 ranks, tcmalloc + passive waits"
+LANES = 2  # the one process and TorchRec read a 2-trainer job's lanes (its samples a step)
 
 
 def say(message: str) -> None:
@@ -66,7 +72,7 @@ def manifest(
             "batchSize": args.batch // trainers,
             "steps": args.steps,
             "logEvery": args.warmup,
-            "seed": 0,
+            "seed": args.seed,
             "preflight": {"megabytes": 0.5},
             "rendezvousTimeoutSeconds": 120,
         },
@@ -120,6 +126,8 @@ def plain(logs: str, args: argparse.Namespace, tuned: bool = False) -> dict:
         str(args.steps),
         "--warmup",
         str(args.warmup),
+        "--seed",
+        str(args.seed),
     ]
     env = tuned_env() if tuned else dict(os.environ)
     out = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -128,8 +136,32 @@ def plain(logs: str, args: argparse.Namespace, tuned: bool = False) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def torchrec(logs: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
-    return _torchrec.run(logs, args.val_logs, args, env)
+def torchrec(ordered: str, weights: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
+    """TorchRec's run on `ordered` (`write_in_steps_order`'s lines), from `weights` ("": its
+    own)."""
+    return _torchrec.run(ordered, args.val_logs, args, env, weights)
+
+
+def write_in_steps_order(logs: str, args: argparse.Namespace, path: Path) -> None:
+    """The lines a 2-trainer HybridJob reads in its --steps steps (from --seed), to `path` in
+    that order: each step trainer 0's share, then trainer 1's, as pipejob's reader deals them
+    (samples.stream: a sample's id is its file's index and its line's offset, clicklogs.py)."""
+    from pipejob.trainer.workloads import samples
+    from pipejob.trainer.workloads.clicklogs import ID_BITS, ClickLogs
+
+    streams = [
+        samples.stream(ClickLogs(logs, "logs", LANES), args.batch, (k, LANES), args.seed, [], True)
+        for k in range(LANES)
+    ]
+    files = ClickLogs(logs, "logs").files
+    texts = [Path(name).read_bytes() for name in files]  # plain files: the benchmark's
+    with open(path, "wb") as out:
+        for _ in range(args.steps):
+            for reader in streams:
+                for line_id in next(reader).sample_ids:
+                    text, offset = texts[line_id >> ID_BITS], line_id & ((1 << ID_BITS) - 1)
+                    end = text.find(b"\n", offset)
+                    out.write(text[offset : end if end >= 0 else len(text)] + b"\n")
 
 
 def tuned_env() -> dict[str, str]:
@@ -151,9 +183,9 @@ def plain_only(args: argparse.Namespace) -> None:
     from pipejob.trainer.workloads.recsys import DLRM, Recommender, auc, click_loss
 
     tables = [Table(name=name, rows=args.rows, dim=16, feature=name) for name in TABLES]
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)  # as a HybridJob's trainers draw the dense part
     dense = DLRM(13, 16, TABLES, [64], [64, 32])
-    model = Recommender(tables, dense, 0, True)
+    model = Recommender(tables, dense, args.seed, True)
     optimizers = [
         sparse_optimizers.make(
             list(model.tables.parameters()),
@@ -168,7 +200,8 @@ def plain_only(args: argparse.Namespace) -> None:
         ),
         torch.optim.Adam(dense.parameters(), lr=0.001),
     ]
-    reader = samples.stream(ClickLogs(args.logs, "logs"), args.batch, (0, 1), 0, TABLES, True)
+    logs = ClickLogs(args.logs, "logs", LANES)  # both lanes: the 2-trainer job's batches
+    reader = samples.stream(logs, args.batch, (0, 1), args.seed, TABLES, True)
     for step in range(1, args.steps + 1):
         if step == args.warmup + 1:
             wall, cpu = time.perf_counter(), time.process_time()
@@ -201,11 +234,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--val-lines", type=int, default=20_000, help="held-out lines (for the AUC)")
     ap.add_argument("--val-logs", default="", help="held-out logs (default: written with --logs)")
     ap.add_argument("--no-torchrec", action="store_true", help="leave TorchRec's run out")
+    ap.add_argument(
+        "--torchrec-own-weights",
+        action="store_true",
+        help="TorchRec draws its own initial weights (default: pipejob's at --seed)",
+    )
     ap.add_argument("--rows", type=int, default=100_000, help="rows of each of the 26 tables")
     ap.add_argument("--batch", type=int, default=512, help="a step's whole batch (512)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="every run's weights and order (0)")
     ap.add_argument(
         "--configs",
         default="1x1,2x2,1x2,2x1",
@@ -251,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
                 capture_output=True,
             )
             logs, args.val_logs = str(Path(tmp) / "day_0.tsv"), str(Path(tmp) / "val.tsv")
+        ordered, weights = Path(tmp) / "in_steps_order.tsv", Path(tmp) / "weights.pt"
+        if not args.no_torchrec:
+            write_in_steps_order(logs, args, ordered)
+            _torchrec.write_pipejob_weights(str(weights), args.rows, args.seed)
+        start = "" if args.torchrec_own_weights else str(weights)
         for repeat in range(1, args.repeats + 1):
             runs: list[tuple[str, Any]] = [
                 ("one process", lambda: plain(logs, args)),
@@ -267,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if not args.no_torchrec:
                 runs += [
-                    (TORCHREC, lambda: torchrec(logs, args, dict(os.environ))),
-                    (TORCHREC_TUNED, lambda: torchrec(logs, args, tuned_env())),
+                    (TORCHREC, lambda: torchrec(str(ordered), start, args, dict(os.environ))),
+                    (TORCHREC_TUNED, lambda: torchrec(str(ordered), start, args, tuned_env())),
                 ]
             for label, run in runs:
                 try:

@@ -10,8 +10,8 @@ its own drawn after `torch.manual_seed(--seed)`. It reads --logs in the file's
 order (benchmarks/recsys.py hands it the lines in the order a 2-trainer HybridJob's trainers
 read them), parsing them by itself as DLRM's preprocessing does (an empty field is 0, a
 negative count 0): step s takes the file's s-th --batch lines, rank r the r-th half of them.
-It prints one JSON line: samples, wall and CPU seconds of all ranks (between --warmup and
---steps), the held-out AUC after the steps, and the sharding the planner chose."""
+It prints one JSON line: samples, wall and CPU seconds of all ranks (over steps --warmup + 1
+to --until), the held-out AUC after the steps, and the sharding the planner chose."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def run(
     python = python_of_torchrec(lambda m: print(m, flush=True))
     command = [str(python), __file__, "--worker", "--logs", logs, "--val", val]
     command += ["--weights", weights] if weights else []
-    for name in ("rows", "batch", "steps", "warmup", "seed"):
+    for name in ("rows", "batch", "steps", "warmup", "until", "seed"):
         command += [f"--{name}", str(getattr(args, name))]
     out = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
     if out.returncode != 0:
@@ -205,7 +205,8 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    figures = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
+        if step == args.until:
+            figures = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
     scores = held_out(dmp, args, rank)
     every = [None] * RANKS
     dist.all_gather_object(every, (figures, scores))
@@ -277,7 +278,7 @@ def summary(every: list, plan: Any, args: argparse.Namespace) -> dict:
         for spec in module_plan.values():
             chosen[spec.sharding_type] = chosen.get(spec.sharding_type, 0) + 1
     return {
-        "samples": args.batch * (args.steps - args.warmup),
+        "samples": args.batch * (args.until - args.warmup),
         "wall": max(f["wall"] for f, _ in every),
         "cpu": sum(f["cpu"] for f, _ in every),
         "auc": auc(scores, labels),
@@ -296,7 +297,7 @@ def worker(argv: list[str]) -> None:
     ap.add_argument("--logs", required=True)
     ap.add_argument("--val", required=True)
     ap.add_argument("--weights", default="")
-    for name in ("rows", "batch", "steps", "warmup", "seed"):
+    for name in ("rows", "batch", "steps", "warmup", "until", "seed"):
         ap.add_argument(f"--{name}", type=int, required=True)
     args = ap.parse_args(argv)
     with socket.socket() as s:

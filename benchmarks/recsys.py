@@ -13,9 +13,12 @@ weights at --seed (TorchRec's loaded into its shards; --torchrec-own-weights: it
 own, from the same distributions), so the 2-trainer rows are compared on the same samples in
 the same steps from the same model.
 
-CPU seconds are each process's user + system time (/proc) between the step lines of
---warmup and --steps (start-up left out); the plain processes and TorchRec's ranks time
-themselves the same way. Configurations interleave within each repeat.
+CPU seconds are each process's user + system time (/proc) over steps --warmup + 1 to
+--steps - --warmup, between the master's step lines (start-up left out); the plain processes
+and TorchRec's ranks time the same steps themselves. The window ends a log interval before
+the last step: a HybridJob evaluates on the held-out lines after its last step and before it
+logs that step, and every run's evaluation stays out of its window alike. Configurations
+interleave within each repeat.
 It measures; it asserts nothing.
 
     python benchmarks/recsys.py                  # 2 repeats
@@ -91,10 +94,10 @@ def hybrid(
     processes, held-out AUC and each process's CPU ms a step."""
     job = manifest(logs, trainers, servers, args, in_trainers)
     summary, wall, deltas = run_job(
-        job, stem, stem.name, args.steps, args.warmup, args.timeout, dict(os.environ)
+        job, stem, stem.name, args.until, args.warmup, args.timeout, dict(os.environ)
     )
     cpu = sum(d.cpu for d in deltas.values())
-    steps = args.steps - args.warmup
+    steps = args.until - args.warmup
     samples = args.batch * steps
     # Each process's CPU ms a step: where the job's CPU goes (servers, trainers, master).
     per_step = {name: 1000 * d.cpu / steps for name, d in sorted(deltas.items())}
@@ -126,6 +129,8 @@ def plain(logs: str, args: argparse.Namespace, tuned: bool = False) -> dict:
         str(args.steps),
         "--warmup",
         str(args.warmup),
+        "--until",
+        str(args.until),
         "--seed",
         str(args.seed),
     ]
@@ -211,7 +216,8 @@ def plain_only(args: argparse.Namespace) -> None:
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        if step == args.until:
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     held_out = ClickLogs(args.val_logs, "val")
     with torch.no_grad():
         scored = [
@@ -219,7 +225,7 @@ def plain_only(args: argparse.Namespace) -> None:
             for b in samples.in_order(held_out, args.batch, TABLES, True)
         ]
     figure = auc(torch.cat([s for s, _ in scored]), torch.cat([y for _, y in scored]))
-    samples_ = args.batch * (args.steps - args.warmup)
+    samples_ = args.batch * (args.until - args.warmup)
     print(json.dumps({"samples": samples_, "wall": wall, "cpu": cpu, "auc": figure}))
 
 
@@ -242,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=100_000, help="rows of each of the 26 tables")
     ap.add_argument("--batch", type=int, default=512, help="a step's whole batch (512)")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=10, help="left out at the start and the end")
+    ap.add_argument("--until", type=int, default=0, help=argparse.SUPPRESS)  # --plain-only's
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="every run's weights and order (0)")
     ap.add_argument(
@@ -262,10 +269,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--logs needs --val-logs: the held-out lines every run's AUC is measured on")
     if args.quick:
         args.repeats, args.steps, args.warmup = 1, 30, 5
+    args.until = args.steps - args.warmup  # the last step measured (the module's docstring)
+    if args.warmup < 1 or args.until <= args.warmup or args.steps % args.warmup:
+        ap.error(
+            f"--steps {args.steps}: a multiple of --warmup ({args.warmup}, the jobs' log"
+            " interval) above 2 x --warmup, so that steps are left to measure"
+        )
     configs = [config(c) for c in args.configs.split(",") if c != "none"]
     say(
         f"recsys: DLRM, 26 tables of {args.rows} x 16, batch {args.batch} a step,"
-        f" {args.steps} steps (the first {args.warmup} left out) x {args.repeats}; {machine()};"
+        f" {args.steps} steps (steps {args.warmup + 1}-{args.until} measured) x {args.repeats};"
+        f" {machine()};"
         f" {time.strftime('%Y-%m-%d %H:%M')}"
     )
     results: dict[str, list[dict]] = {}

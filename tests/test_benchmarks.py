@@ -277,6 +277,20 @@ def test_recsys_measures_the_hybrid_job_the_one_process_and_torchrec():
     # The same to the table's 4 digits (two may round apart by one in the last).
     assert max(aucs.values()) - min(aucs.values()) < 1.5e-4, out.stdout
     assert re.search(r"the planner chose \d+ tables \w+", out.stdout), out.stdout
+    # The window ends a log interval before the last step: no run's evaluation in it.
+    assert "6 steps (steps 3-4 measured)" in out.stdout, out.stdout
+
+
+def test_recsys_refuses_steps_that_leave_its_window_unlogged():
+    """The jobs log every --warmup steps: --steps must be a multiple of it, above twice it."""
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "recsys.py"), "--steps", "55", "--configs", "none"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "--steps 55: a multiple of --warmup (10" in out.stderr, out.stderr
 
 
 @pytest.mark.timeout(HANG + 60)

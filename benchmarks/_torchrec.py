@@ -47,6 +47,9 @@ PINS = [
 TORCHREC = "torchrec==1.8.0"
 TABLES = [f"C{i}" for i in range(1, 27)]
 RANKS = 2
+# The benchmark's DLRM, pipejob's and TorchRec's alike: 13 dense features, tables of DIM
+# columns, the bottom MLP's hidden widths (then DIM), the top's (then 1 logit).
+DENSE, DIM, BOTTOM, TOP = 13, 16, [64], [64, 32]
 
 
 def python_of_torchrec(say: object = print) -> Path:
@@ -95,8 +98,8 @@ def write_pipejob_weights(path: str, rows: int, seed: int) -> None:
     from pipejob.trainer.workloads.recsys import DLRM, initial_rows
 
     torch.manual_seed(seed)
-    dense = DLRM(13, 16, TABLES, [64], [64, 32]).state_dict()
-    dim, vectors = 16, len(TABLES) + 1
+    dense = DLRM(DENSE, DIM, TABLES, BOTTOM, TOP).state_dict()
+    dim, vectors = DIM, len(TABLES) + 1
     ours = {
         (int(i), int(j)): k for k, (i, j) in enumerate(torch.tril_indices(vectors, vectors, -1).T)
     }
@@ -163,11 +166,11 @@ def model_of(rows: int) -> Any:
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     configs = [
-        EmbeddingBagConfig(name=t, embedding_dim=16, num_embeddings=rows, feature_names=[t])
+        EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=rows, feature_names=[t])
         for t in TABLES
     ]
     tables = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    model = DLRMTrain(DLRM(tables, 13, [64, 16], [64, 32, 1]))
+    model = DLRMTrain(DLRM(tables, DENSE, [*BOTTOM, DIM], [*TOP, 1]))
     apply_optimizer_in_backward(RowWiseAdagrad, tables.parameters(), {"lr": 0.02, "eps": 1e-10})
     return model
 

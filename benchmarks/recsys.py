@@ -57,7 +57,7 @@ def manifest(
     logs: str, trainers: int, servers: int, args: argparse.Namespace, in_trainers: bool = False
 ) -> dict:
     """The benchmark's HybridJob; `in_trainers`: its servers in the trainers' processes."""
-    tables = [{"name": name, "rows": args.rows, "dim": 16} for name in TABLES]
+    tables = [{"name": name, "rows": args.rows, "dim": _torchrec.DIM} for name in TABLES]
     return {
         "apiVersion": "pipejob.dev/v1alpha1",
         "kind": "HybridJob",
@@ -69,7 +69,7 @@ def manifest(
             "embeddings": tables,
             "data": {"criteo": {"train": logs, "val": args.val_logs}},
             "eval": {},  # at the end, after the measured steps
-            "dense": {"dlrm": {"bottom": [64], "top": [64, 32]}},
+            "dense": {"dlrm": {"bottom": list(_torchrec.BOTTOM), "top": list(_torchrec.TOP)}},
             "sparseOptimizer": {"name": "rowwiseAdagrad", "lr": 0.02},
             "optimizer": {"name": "adam", "lr": 0.001},
             "batchSize": args.batch // trainers,
@@ -187,9 +187,9 @@ def plain_only(args: argparse.Namespace) -> None:
     from pipejob.trainer.workloads.clicklogs import ClickLogs
     from pipejob.trainer.workloads.recsys import DLRM, Recommender, auc, click_loss
 
-    tables = [Table(name=name, rows=args.rows, dim=16, feature=name) for name in TABLES]
+    tables = [Table(name=name, rows=args.rows, dim=_torchrec.DIM, feature=name) for name in TABLES]
     torch.manual_seed(args.seed)  # as a HybridJob's trainers draw the dense part
-    dense = DLRM(13, 16, TABLES, [64], [64, 32])
+    dense = DLRM(_torchrec.DENSE, _torchrec.DIM, TABLES, _torchrec.BOTTOM, _torchrec.TOP)
     model = Recommender(tables, dense, args.seed, True)
     optimizers = [
         sparse_optimizers.make(
@@ -270,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.steps, args.warmup = 1, 30, 5
     args.until = args.steps - args.warmup  # the last step measured (the module's docstring)
-    if args.warmup < 1 or args.until <= args.warmup or args.steps % args.warmup:
+    if args.warmup < 1:
+        ap.error(f"--warmup {args.warmup}: at least 1 (the steps left out, the jobs' log interval)")
+    if args.until <= args.warmup or args.steps % args.warmup:
         ap.error(
             f"--steps {args.steps}: a multiple of --warmup ({args.warmup}, the jobs' log"
             " interval) above 2 x --warmup, so that steps are left to measure"

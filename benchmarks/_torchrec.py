@@ -5,10 +5,13 @@ fbgemm-gpu-cpu's kernels load only beside the torch they were built for (1.9.0: 
 touches the project's venv. `--worker` runs in that environment: 2 ranks over gloo, an
 EmbeddingBagCollection of the 26 tables in TorchRec's DLRM, DistributedModelParallel with its
 planner's plan, the tables stepped by fused rowwise Adagrad in the backward and the dense part
-by Adam. It reads the lines by itself, as DLRM's preprocessing does (an empty field is 0, a
-negative count 0), a step's batch split between the ranks, and prints one JSON line: samples,
-wall and CPU seconds of all ranks (between --warmup and --steps), the held-out AUC after the
-steps, and the sharding the planner chose."""
+by Adam, from --weights where given (`write_pipejob_weights`: pipejob's at --seed), else
+its own drawn after `torch.manual_seed(--seed)`. It reads --logs in the file's
+order (benchmarks/recsys.py hands it the lines in the order a 2-trainer HybridJob's trainers
+read them), parsing them by itself as DLRM's preprocessing does (an empty field is 0, a
+negative count 0): step s takes the file's s-th --batch lines, rank r the r-th half of them.
+It prints one JSON line: samples, wall and CPU seconds of all ranks (over steps --warmup + 1
+to --until), the held-out AUC after the steps, and the sharding the planner chose."""
 
 from __future__ import annotations
 
@@ -44,6 +47,9 @@ PINS = [
 TORCHREC = "torchrec==1.8.0"
 TABLES = [f"C{i}" for i in range(1, 27)]
 RANKS = 2
+# The benchmark's DLRM, pipejob's and TorchRec's alike: 13 dense features, tables of DIM
+# columns, the bottom MLP's hidden widths (then DIM), the top's (then 1 logit).
+DENSE, DIM, BOTTOM, TOP = 13, 16, [64], [64, 32]
 
 
 def python_of_torchrec(say: object = print) -> Path:
@@ -65,16 +71,58 @@ def python_of_torchrec(say: object = print) -> Path:
     return python
 
 
-def run(logs: str, val: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
-    """The worker in TorchRec's environment, with `env`; its JSON line."""
+def run(
+    logs: str, val: str, args: argparse.Namespace, env: dict[str, str], weights: str = ""
+) -> dict:
+    """The worker in TorchRec's environment, with `env` (from `weights`, if given: a file of
+    `write_pipejob_weights`); its JSON line."""
     python = python_of_torchrec(lambda m: print(m, flush=True))
     command = [str(python), __file__, "--worker", "--logs", logs, "--val", val]
-    for name in ("rows", "batch", "steps", "warmup"):
+    command += ["--weights", weights] if weights else []
+    for name in ("rows", "batch", "steps", "warmup", "until", "seed"):
         command += [f"--{name}", str(getattr(args, name))]
     out = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"TorchRec's DLRM failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def write_pipejob_weights(path: str, rows: int, seed: int) -> None:
+    """The weights pipejob's DLRM starts from at `seed` (benchmarks/recsys.py's one process, a
+    HybridJob's trainers and servers), under the names of TorchRec's DLRM, to `path`: the
+    same model, but TorchRec's interaction lists its pairs (i, j) with i < j row by row where
+    pipejob's lists i > j, so the top MLP's first layer takes its columns in TorchRec's order."""
+    import torch
+
+    from pipejob.core.kinds.tables import Table
+    from pipejob.trainer.workloads.recsys import DLRM, initial_rows
+
+    torch.manual_seed(seed)
+    dense = DLRM(DENSE, DIM, TABLES, BOTTOM, TOP).state_dict()
+    dim, vectors = DIM, len(TABLES) + 1
+    ours = {
+        (int(i), int(j)): k for k, (i, j) in enumerate(torch.tril_indices(vectors, vectors, -1).T)
+    }
+    theirs = torch.triu_indices(vectors, vectors, 1).T
+    columns = [*range(dim), *(dim + ours[(int(j), int(i))] for i, j in theirs)]
+    state = {
+        f"model.sparse_arch.embedding_bag_collection.embedding_bags.{t}.weight": initial_rows(
+            Table(name=t, rows=rows, dim=dim, feature=t), seed, 0, rows
+        )
+        for t in TABLES
+    }
+    names = {
+        "bottom.0": "model.dense_arch.model._mlp.0._linear",
+        "bottom.2": "model.dense_arch.model._mlp.1._linear",
+        "top.0": "model.over_arch.model.0._mlp.0._linear",
+        "top.2": "model.over_arch.model.0._mlp.1._linear",
+        "top.4": "model.over_arch.model.1",
+    }
+    for mine, name in names.items():
+        state[f"{name}.weight"] = dense[f"{mine}.weight"]
+        state[f"{name}.bias"] = dense[f"{mine}.bias"]
+    state["model.over_arch.model.0._mlp.0._linear.weight"] = dense["top.0.weight"][:, columns]
+    torch.save(state, path)
 
 
 # ---- in TorchRec's environment
@@ -118,11 +166,11 @@ def model_of(rows: int) -> Any:
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     configs = [
-        EmbeddingBagConfig(name=t, embedding_dim=16, num_embeddings=rows, feature_names=[t])
+        EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=rows, feature_names=[t])
         for t in TABLES
     ]
     tables = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    model = DLRMTrain(DLRM(tables, 13, [64, 16], [64, 32, 1]))
+    model = DLRMTrain(DLRM(tables, DENSE, [*BOTTOM, DIM], [*TOP, 1]))
     apply_optimizer_in_backward(RowWiseAdagrad, tables.parameters(), {"lr": 0.02, "eps": 1e-10})
     return model
 
@@ -137,11 +185,13 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
 
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     dist.init_process_group("gloo", rank=rank, world_size=RANKS)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = model_of(args.rows)
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=RANKS, compute_device="cpu"))
     plan = planner.collective_plan(model, None, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan)
+    if args.weights:
+        load_weights(dmp, args.weights)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
         lambda params: torch.optim.Adam(params, lr=0.001),
@@ -158,13 +208,34 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    figures = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
+        if step == args.until:
+            figures = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
     scores = held_out(dmp, args, rank)
     every = [None] * RANKS
     dist.all_gather_object(every, (figures, scores))
     if rank == 0:
         print(json.dumps(summary(every, plan, args)), flush=True)
     dist.destroy_process_group()
+
+
+def load_weights(dmp: Any, path: str) -> None:
+    """`write_pipejob_weights`'s file into every rank's model: a table's rows into the
+    shards this rank holds, the dense part whole; the names must be the model's."""
+    import torch
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    wanted = torch.load(path, weights_only=True)
+    state = dmp.state_dict()
+    if set(state) != set(wanted):
+        raise ValueError(f"{path}: names {sorted(set(state) ^ set(wanted))} do not match")
+    with torch.no_grad():
+        for name, value in state.items():
+            if not isinstance(value, ShardedTensor):
+                value.copy_(wanted[name])
+                continue
+            for shard in value.local_shards():
+                (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                shard.tensor.copy_(wanted[name][r : r + h, c : c + w])
 
 
 def held_out(dmp: Any, args: argparse.Namespace, rank: int) -> tuple[list[float], list[float]]:
@@ -210,7 +281,7 @@ def summary(every: list, plan: Any, args: argparse.Namespace) -> dict:
         for spec in module_plan.values():
             chosen[spec.sharding_type] = chosen.get(spec.sharding_type, 0) + 1
     return {
-        "samples": args.batch * (args.steps - args.warmup),
+        "samples": args.batch * (args.until - args.warmup),
         "wall": max(f["wall"] for f, _ in every),
         "cpu": sum(f["cpu"] for f, _ in every),
         "auc": auc(scores, labels),
@@ -228,7 +299,8 @@ def worker(argv: list[str]) -> None:
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--logs", required=True)
     ap.add_argument("--val", required=True)
-    for name in ("rows", "batch", "steps", "warmup"):
+    ap.add_argument("--weights", default="")
+    for name in ("rows", "batch", "steps", "warmup", "until", "seed"):
         ap.add_argument(f"--{name}", type=int, required=True)
     args = ap.parse_args(argv)
     with socket.socket() as s:

@@ -6,11 +6,19 @@ sparse gradients and the same DLRM) on the same data, the same reader and the sa
 (rowwise Adagrad for the tables, Adam for the dense part), and against TorchRec's DLRM
 (benchmarks/_torchrec.py: 2 ranks, DistributedModelParallel with its planner's plan,
 fused rowwise Adagrad, in an environment of its own that it makes once). Each run's held-out
-AUC after its steps, on the same held-out lines, is in the table too.
+AUC after its steps, on the same held-out lines, is in the table too. The one process and
+TorchRec's ranks read the samples a 2-trainer HybridJob's trainers read in each step (its
+reader's two lanes; TorchRec's rank r what trainer r reads), and all start from pipejob's
+weights at --seed (TorchRec's loaded into its shards; --torchrec-own-weights: it draws its
+own, from the same distributions), so the 2-trainer rows are compared on the same samples in
+the same steps from the same model.
 
-CPU seconds are each process's user + system time (/proc) between the step lines of
---warmup and --steps (start-up left out); the plain processes and TorchRec's ranks time
-themselves the same way. Configurations interleave within each repeat.
+CPU seconds are each process's user + system time (/proc) over steps --warmup + 1 to
+--steps - --warmup, between the master's step lines (start-up left out); the plain processes
+and TorchRec's ranks time the same steps themselves. The window ends a log interval before
+the last step: a HybridJob evaluates on the held-out lines after its last step and before it
+logs that step, and every run's evaluation stays out of its window alike. Configurations
+interleave within each repeat.
 It measures; it asserts nothing.
 
     python benchmarks/recsys.py                  # 2 repeats
@@ -38,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLES = [f"C{i}" for i in range(1, 27)]
 TORCHREC = "TorchRec DLRM, 2 ranks (DMP)"
 TORCHREC_TUNED = "TorchRec DLRM, 2 ranks, tcmalloc + passive waits"
+LANES = 2  # the one process and TorchRec read a 2-trainer job's lanes (its samples a step)
 
 
 def say(message: str) -> None:
@@ -48,7 +57,7 @@ def manifest(
     logs: str, trainers: int, servers: int, args: argparse.Namespace, in_trainers: bool = False
 ) -> dict:
     """The benchmark's HybridJob; `in_trainers`: its servers in the trainers' processes."""
-    tables = [{"name": name, "rows": args.rows, "dim": 16} for name in TABLES]
+    tables = [{"name": name, "rows": args.rows, "dim": _torchrec.DIM} for name in TABLES]
     return {
         "apiVersion": "pipejob.dev/v1alpha1",
         "kind": "HybridJob",
@@ -60,13 +69,13 @@ def manifest(
             "embeddings": tables,
             "data": {"criteo": {"train": logs, "val": args.val_logs}},
             "eval": {},  # at the end, after the measured steps
-            "dense": {"dlrm": {"bottom": [64], "top": [64, 32]}},
+            "dense": {"dlrm": {"bottom": list(_torchrec.BOTTOM), "top": list(_torchrec.TOP)}},
             "sparseOptimizer": {"name": "rowwiseAdagrad", "lr": 0.02},
             "optimizer": {"name": "adam", "lr": 0.001},
             "batchSize": args.batch // trainers,
             "steps": args.steps,
             "logEvery": args.warmup,
-            "seed": 0,
+            "seed": args.seed,
             "preflight": {"megabytes": 0.5},
             "rendezvousTimeoutSeconds": 120,
         },
@@ -85,10 +94,10 @@ def hybrid(
     processes, held-out AUC and each process's CPU ms a step."""
     job = manifest(logs, trainers, servers, args, in_trainers)
     summary, wall, deltas = run_job(
-        job, stem, stem.name, args.steps, args.warmup, args.timeout, dict(os.environ)
+        job, stem, stem.name, args.until, args.warmup, args.timeout, dict(os.environ)
     )
     cpu = sum(d.cpu for d in deltas.values())
-    steps = args.steps - args.warmup
+    steps = args.until - args.warmup
     samples = args.batch * steps
     # Each process's CPU ms a step: where the job's CPU goes (servers, trainers, master).
     per_step = {name: 1000 * d.cpu / steps for name, d in sorted(deltas.items())}
@@ -120,6 +129,10 @@ def plain(logs: str, args: argparse.Namespace, tuned: bool = False) -> dict:
         str(args.steps),
         "--warmup",
         str(args.warmup),
+        "--until",
+        str(args.until),
+        "--seed",
+        str(args.seed),
     ]
     env = tuned_env() if tuned else dict(os.environ)
     out = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -128,8 +141,32 @@ def plain(logs: str, args: argparse.Namespace, tuned: bool = False) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def torchrec(logs: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
-    return _torchrec.run(logs, args.val_logs, args, env)
+def torchrec(ordered: str, weights: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
+    """TorchRec's run on `ordered` (`write_in_steps_order`'s lines), from `weights` ("": its
+    own)."""
+    return _torchrec.run(ordered, args.val_logs, args, env, weights)
+
+
+def write_in_steps_order(logs: str, args: argparse.Namespace, path: Path) -> None:
+    """The lines a 2-trainer HybridJob reads in its --steps steps (from --seed), to `path` in
+    that order: each step trainer 0's share, then trainer 1's, as pipejob's reader deals them
+    (samples.stream: a sample's id is its file's index and its line's offset, clicklogs.py)."""
+    from pipejob.trainer.workloads import samples
+    from pipejob.trainer.workloads.clicklogs import ID_BITS, ClickLogs
+
+    streams = [
+        samples.stream(ClickLogs(logs, "logs", LANES), args.batch, (k, LANES), args.seed, [], True)
+        for k in range(LANES)
+    ]
+    files = ClickLogs(logs, "logs").files
+    texts = [Path(name).read_bytes() for name in files]  # plain files: the benchmark's
+    with open(path, "wb") as out:
+        for _ in range(args.steps):
+            for reader in streams:
+                for line_id in next(reader).sample_ids:
+                    text, offset = texts[line_id >> ID_BITS], line_id & ((1 << ID_BITS) - 1)
+                    end = text.find(b"\n", offset)
+                    out.write(text[offset : end if end >= 0 else len(text)] + b"\n")
 
 
 def tuned_env() -> dict[str, str]:
@@ -150,10 +187,10 @@ def plain_only(args: argparse.Namespace) -> None:
     from pipejob.trainer.workloads.clicklogs import ClickLogs
     from pipejob.trainer.workloads.recsys import DLRM, Recommender, auc, click_loss
 
-    tables = [Table(name=name, rows=args.rows, dim=16, feature=name) for name in TABLES]
-    torch.manual_seed(0)
-    dense = DLRM(13, 16, TABLES, [64], [64, 32])
-    model = Recommender(tables, dense, 0, True)
+    tables = [Table(name=name, rows=args.rows, dim=_torchrec.DIM, feature=name) for name in TABLES]
+    torch.manual_seed(args.seed)  # as a HybridJob's trainers draw the dense part
+    dense = DLRM(_torchrec.DENSE, _torchrec.DIM, TABLES, _torchrec.BOTTOM, _torchrec.TOP)
+    model = Recommender(tables, dense, args.seed, True)
     optimizers = [
         sparse_optimizers.make(
             list(model.tables.parameters()),
@@ -168,7 +205,8 @@ def plain_only(args: argparse.Namespace) -> None:
         ),
         torch.optim.Adam(dense.parameters(), lr=0.001),
     ]
-    reader = samples.stream(ClickLogs(args.logs, "logs"), args.batch, (0, 1), 0, TABLES, True)
+    logs = ClickLogs(args.logs, "logs", LANES)  # both lanes: the 2-trainer job's batches
+    reader = samples.stream(logs, args.batch, (0, 1), args.seed, TABLES, True)
     for step in range(1, args.steps + 1):
         if step == args.warmup + 1:
             wall, cpu = time.perf_counter(), time.process_time()
@@ -178,7 +216,8 @@ def plain_only(args: argparse.Namespace) -> None:
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        if step == args.until:
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     held_out = ClickLogs(args.val_logs, "val")
     with torch.no_grad():
         scored = [
@@ -186,7 +225,7 @@ def plain_only(args: argparse.Namespace) -> None:
             for b in samples.in_order(held_out, args.batch, TABLES, True)
         ]
     figure = auc(torch.cat([s for s, _ in scored]), torch.cat([y for _, y in scored]))
-    samples_ = args.batch * (args.steps - args.warmup)
+    samples_ = args.batch * (args.until - args.warmup)
     print(json.dumps({"samples": samples_, "wall": wall, "cpu": cpu, "auc": figure}))
 
 
@@ -201,11 +240,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--val-lines", type=int, default=20_000, help="held-out lines (for the AUC)")
     ap.add_argument("--val-logs", default="", help="held-out logs (default: written with --logs)")
     ap.add_argument("--no-torchrec", action="store_true", help="leave TorchRec's run out")
+    ap.add_argument(
+        "--torchrec-own-weights",
+        action="store_true",
+        help="TorchRec draws its own initial weights (default: pipejob's at --seed)",
+    )
     ap.add_argument("--rows", type=int, default=100_000, help="rows of each of the 26 tables")
     ap.add_argument("--batch", type=int, default=512, help="a step's whole batch (512)")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=10, help="left out at the start and the end")
+    ap.add_argument("--until", type=int, default=0, help=argparse.SUPPRESS)  # --plain-only's
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="every run's weights and order (0)")
     ap.add_argument(
         "--configs",
         default="1x1,2x2,1x2,2x1",
@@ -223,10 +269,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--logs needs --val-logs: the held-out lines every run's AUC is measured on")
     if args.quick:
         args.repeats, args.steps, args.warmup = 1, 30, 5
+    args.until = args.steps - args.warmup  # the last step measured (the module's docstring)
+    if args.warmup < 1:
+        ap.error(f"--warmup {args.warmup}: at least 1 (the steps left out, the jobs' log interval)")
+    if args.until <= args.warmup or args.steps % args.warmup:
+        ap.error(
+            f"--steps {args.steps}: a multiple of --warmup ({args.warmup}, the jobs' log"
+            " interval) above 2 x --warmup, so that steps are left to measure"
+        )
     configs = [config(c) for c in args.configs.split(",") if c != "none"]
     say(
         f"recsys: DLRM, 26 tables of {args.rows} x 16, batch {args.batch} a step,"
-        f" {args.steps} steps (the first {args.warmup} left out) x {args.repeats}; {machine()};"
+        f" {args.steps} steps (steps {args.warmup + 1}-{args.until} measured) x {args.repeats};"
+        f" {machine()};"
         f" {time.strftime('%Y-%m-%d %H:%M')}"
     )
     results: dict[str, list[dict]] = {}
@@ -251,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
                 capture_output=True,
             )
             logs, args.val_logs = str(Path(tmp) / "day_0.tsv"), str(Path(tmp) / "val.tsv")
+        ordered, weights = Path(tmp) / "in_steps_order.tsv", Path(tmp) / "weights.pt"
+        if not args.no_torchrec:
+            write_in_steps_order(logs, args, ordered)
+            _torchrec.write_pipejob_weights(str(weights), args.rows, args.seed)
+        start = "" if args.torchrec_own_weights else str(weights)
         for repeat in range(1, args.repeats + 1):
             runs: list[tuple[str, Any]] = [
                 ("one process", lambda: plain(logs, args)),
@@ -267,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if not args.no_torchrec:
                 runs += [
-                    (TORCHREC, lambda: torchrec(logs, args, dict(os.environ))),
-                    (TORCHREC_TUNED, lambda: torchrec(logs, args, tuned_env())),
+                    (TORCHREC, lambda: torchrec(str(ordered), start, args, dict(os.environ))),
+                    (TORCHREC_TUNED, lambda: torchrec(str(ordered), start, args, tuned_env())),
                 ]
             for label, run in runs:
                 try:

@@ -255,7 +255,9 @@ def test_checkpoint_compares_pipejob_s_files_with_dcp_resharded(tmp_path: Path):
 def test_recsys_measures_the_hybrid_job_the_one_process_and_torchrec():
     """benchmarks/recsys.py at a tiny size: every run measured, with its held-out AUC, and
     TorchRec's run in its own environment (made on the first run: torch's wheel and
-    TorchRec's, hundreds of MB to GBs), saying which sharding its planner chose."""
+    TorchRec's, hundreds of MB to GBs), saying which sharding its planner chose. Fed the
+    samples the HybridJob's trainers read each step, from pipejob's initial weights, TorchRec's
+    DLRM ends at the HybridJob's held-out AUC (and the one process, reading them too)."""
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "recsys.py"), "--configs", "2x2", "--repeats", "1"]
         + ["--lines", "2048", "--val-lines", "512", "--rows", "1000", "--batch", "64"]
@@ -265,12 +267,30 @@ def test_recsys_measures_the_hybrid_job_the_one_process_and_torchrec():
         timeout=HANG,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    aucs = {}
     for run in ("one process", "HybridJob 2 trainer", "TorchRec DLRM, 2 ranks"):
         row = re.search(
             rf"^\| {re.escape(run)}.* \| ([\d,]+) \[.*\| (0\.\d+) \|$", out.stdout, re.M
         )
         assert row and float(row.group(2)) > 0, f"{run} not reported:\n{out.stdout}"
+        aucs[run] = float(row.group(2))
+    # The same to the table's 4 digits (two may round apart by one in the last).
+    assert max(aucs.values()) - min(aucs.values()) < 1.5e-4, out.stdout
     assert re.search(r"the planner chose \d+ tables \w+", out.stdout), out.stdout
+    # The window ends a log interval before the last step: no run's evaluation in it.
+    assert "6 steps (steps 3-4 measured)" in out.stdout, out.stdout
+
+
+def test_recsys_refuses_steps_that_leave_its_window_unlogged():
+    """The jobs log every --warmup steps: --steps must be a multiple of it, above twice it."""
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "recsys.py"), "--steps", "55", "--configs", "none"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "--steps 55: a multiple of --warmup (10" in out.stderr, out.stderr
 
 
 @pytest.mark.timeout(HANG + 60)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -46,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLES = [f"C{i}" for i in range(1, 27)]
 TORCHREC = "TorchRec DLRM, 2 ranks (DMP)"
 TORCHREC_TUNED = "TorchRec DLRM, 2 ranks, tcmalloc + passive waits"
+PLAIN_TUNED = "one process, tcmalloc + passive waits"
 LANES = 2  # the one process and TorchRec read a 2-trainer job's lanes (its samples a step)
 
 
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(1, args.repeats + 1):
             runs: list[tuple[str, Any]] = [
                 ("one process", lambda: plain(logs, args)),
-                ("one process, tcmalloc + passive waits", lambda: plain(logs, args, True)),
+                (PLAIN_TUNED, lambda: plain(logs, args, True)),
             ]
             for t, s, inside in configs:
                 stem = Path(tmp) / f"hybrid-{t}t-{s}s{'i' * inside}-{repeat}"
@@ -358,24 +358,30 @@ def config(word: str) -> tuple[int, int, bool]:
 
 
 def report(results: dict[str, list[dict]]) -> None:
+    """The table: each run's samples per CPU-second (median [range]) against the tuned one
+    process (issue 59's yardstick) and tuned TorchRec, its samples/s and held-out AUC."""
     say(
-        "\n| run | samples per CPU-second | vs one process | vs TorchRec tuned | samples/s (wall)"
-        " | held-out AUC |"
+        "\n| run | samples per CPU-second | vs one process, tuned | vs TorchRec, tuned"
+        " | samples/s (wall) | held-out AUC |"
     )
     say("|---|---|---|---|---|---|")
     per_cpu = {k: spread([r["samples"] / r["cpu"] for r in v]) for k, v in results.items()}
-    base = per_cpu["one process"][1] if "one process" in per_cpu else math.nan
-    # TorchRec as the one process is compared best: with tcmalloc and passive waits.
-    torchrec = next((per_cpu[k][1] for k in (TORCHREC_TUNED, TORCHREC) if k in per_cpu), math.nan)
+    # Each compared as pipejob tunes a process: with tcmalloc and passive waits.
+    plain_base = next((per_cpu[k][1] for k in (PLAIN_TUNED, "one process") if k in per_cpu), None)
+    torchrec = next((per_cpu[k][1] for k in (TORCHREC_TUNED, TORCHREC) if k in per_cpu), None)
     for label, values in results.items():
         lo, mid, hi = per_cpu[label]
         wall = spread([r["samples"] / r["wall"] for r in values])[1]
         aucs = [r["auc"] for r in values if r.get("auc") is not None]
         figure = f"{spread(aucs)[1]:.4f}" if aucs else "-"
         say(
-            f"| {label} | {mid:,.0f} [{lo:,.0f}-{hi:,.0f}] | {mid / base:.2f}x"
-            f" | {mid / torchrec:.2f}x | {wall:,.0f} | {figure} |"
+            f"| {label} | {mid:,.0f} [{lo:,.0f}-{hi:,.0f}] | {_ratio(mid, plain_base)}"
+            f" | {_ratio(mid, torchrec)} | {wall:,.0f} | {figure} |"
         )
+
+
+def _ratio(value: float, base: float | None) -> str:
+    return "-" if base is None else f"{value / base:.2f}x"
 
 
 if __name__ == "__main__":

@@ -182,7 +182,8 @@ def test_a_container_over_its_memory_limit_is_reported_oom_killed(
     api.create(PODS, pod("hog", hog, images.trainer, container=limits), NS)
     done = finished(api, "hog")
     assert done["status"]["phase"] == "Failed"
-    assert terminated(done)["reason"] == "OOMKilled" and terminated(done)["exitCode"] == 137
+    ended = terminated(done)
+    assert (ended["reason"], ended["exitCode"]) == ("OOMKilled", 137), ended
 
 
 def test_an_image_missing_on_the_node_is_err_image_pull(cluster, container_kubelet, images):

@@ -413,10 +413,9 @@ class ContainerKubelet(Kubelet):
         """`docker wait` for the container's end; then its log and OOM flag, then its code."""
         done = subprocess.run(["docker", "wait", name], capture_output=True, text=True)
         code = int(done.stdout.strip() or 137)
-        state = (inspect(name) or {}).get("State") or {}
         with run.log.open("ab") as log:
             subprocess.run(["docker", "logs", name], stdout=log, stderr=subprocess.STDOUT)
-        run.oom_killed = bool(state.get("OOMKilled"))
+        run.oom_killed = _oom_killed(name, code)
         run.exit_code = code
 
     def _signal(self, run: ContainerRun, sig: int) -> None:
@@ -464,3 +463,18 @@ def _shared_dir(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o777)
     return folder
+
+
+def _oom_killed(name: str, code: int) -> bool:
+    """Whether docker says the OOM killer ended the container. On cgroup v2 its OOM event
+    can land after the exit's, under load (a CI run saw 137 with the flag still unset), so
+    the SIGKILLed end of a container with a memory limit is asked again for up to 2 s."""
+    seen = inspect(name) or {}
+    limited = ((seen.get("HostConfig") or {}).get("Memory") or 0) > 0
+    deadline = time.monotonic() + (2.0 if code == 137 and limited else 0.0)
+    while not (seen.get("State") or {}).get("OOMKilled"):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+        seen = inspect(name) or {}
+    return True

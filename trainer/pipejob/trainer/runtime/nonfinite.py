@@ -43,9 +43,7 @@ def all_finite(value: Any, quick: bool = False) -> torch.Tensor:
 def sum_checks(value: Any) -> list[torch.Tensor]:
     """all_finite's quick checks of a value: each floating tensor's sum (0-dimensional,
     detached), to be judged together later (`joined`): a pipelining stage judges a whole
-    round's once. isfinite costs twice a sum on a tiny output, and each forward's own
-    check cost a stack, a lock and a dictionary's entry (0.1 CPU-ms a forward on 2 loaded
-    cores)."""
+    round's once (docs/user-guide.md, "The engines' own costs", says what each costs)."""
     if isinstance(value, tuple) and all(isinstance(t, torch.Tensor) for t in value):
         leaves: list[Any] = list(value)  # what a pipelining piece gives: no tree to walk
     else:

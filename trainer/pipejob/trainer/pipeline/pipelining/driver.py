@@ -39,7 +39,7 @@ def outcome(replies: list[StepReply]) -> tuple[float, list[float] | None, float]
     they were not asked for) and its seconds on the first stage process, from the stages'
     replies. The first process begins each step and ends it (the first piece's last
     backward): its steps' seconds add up to its wall time, where each step's slowest
-    stage's added up to 1-14% more (a step's jitter on any stage counted, never evened)."""
+    stage's added up to more (every stage's jitter counted, never evened out)."""
     loss = replies[-1][0]
     assert loss is not None
     norms = [norm for _, norm, _ in replies if norm is not None]

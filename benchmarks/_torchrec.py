@@ -99,15 +99,15 @@ def write_pipejob_weights(path: str, rows: int, seed: int) -> None:
 
     torch.manual_seed(seed)
     dense = DLRM(DENSE, DIM, TABLES, BOTTOM, TOP).state_dict()
-    dim, vectors = DIM, len(TABLES) + 1
+    vectors = len(TABLES) + 1
     ours = {
         (int(i), int(j)): k for k, (i, j) in enumerate(torch.tril_indices(vectors, vectors, -1).T)
     }
     theirs = torch.triu_indices(vectors, vectors, 1).T
-    columns = [*range(dim), *(dim + ours[(int(j), int(i))] for i, j in theirs)]
+    columns = [*range(DIM), *(DIM + ours[(int(j), int(i))] for i, j in theirs)]
     state = {
         f"model.sparse_arch.embedding_bag_collection.embedding_bags.{t}.weight": initial_rows(
-            Table(name=t, rows=rows, dim=dim, feature=t), seed, 0, rows
+            Table(name=t, rows=rows, dim=DIM, feature=t), seed, 0, rows
         )
         for t in TABLES
     }
